@@ -1,0 +1,47 @@
+"""DDP: the baseline. Every rank holds the whole model; gradients are averaged by all-reduce.
+
+Only the parts that differ between strategies are here: wrapping, the optimizer step, and (trivially,
+since nothing is sharded) full-size parameters and gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from parity.errors import ConfigError
+from parity.strategy import Strategy, build_optimizer, clip_max_norm, set_lr
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    @classmethod
+    def validate(cls, cfg, model_config) -> None:
+        if cfg.tp_size != 1:
+            raise ConfigError(f"DDP does not shard tensors: --tp_size must be 1 (got {cfg.tp_size}); use "
+                              f"train_deepspeed.py or train_fsdp.py for tensor parallelism")
+
+    def setup(self, model) -> None:
+        model.to(self.ctx.device)
+        device_ids = [self.ctx.device] if self.ctx.device.type == "cuda" else None
+        self.model = DistributedDataParallel(model, device_ids=device_ids)
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg)
+
+    def optimizer_step(self, lr: float) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_max_norm(self.cfg))
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().cpu().clone() for n, p in self.model.module.named_parameters()}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad.detach().float().cpu().clone()
+                for n, p in self.model.module.named_parameters() if p.grad is not None}
+
+
+STRATEGY = DDPStrategy

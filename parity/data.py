@@ -1,0 +1,142 @@
+"""Deterministic global batches that do not depend on the parallel layout.
+
+The global batch of step s (dp_size × batch_size samples) is a pure function of (seed, step, global
+batch size); DP rank r takes rows [r·batch_size, (r+1)·batch_size). So DDP on 2 workers, DDP on 1 worker
+with twice the batch, and a TP=2×DP=2 job all see the same samples, and every rank of a TP group reads
+the same slice. Every sample is a full window with no padding, so each rank has the same number of loss
+tokens and the mean of the per-rank mean losses is the mean over the global batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import torch
+
+from parity.errors import ConfigError
+
+
+class SyntheticMarkov:
+    """A learnable synthetic language: a sparse random bigram chain over a subset of the vocabulary.
+
+    Each of 256 active tokens has 4 successors with probabilities (0.55, 0.25, 0.15, 0.05), so a model
+    first learns which tokens occur (loss falls from ln(vocab) towards ln(256)) and then the bigram table
+    (towards the chain's entropy, about 1.1 nats). Sample i depends only on (seed, i).
+    """
+
+    SUCCESSOR_PROBS = np.array([0.55, 0.25, 0.15, 0.05])
+
+    def __init__(self, vocab_size: int, seq_length: int, num_samples: int, seed: int):
+        rng = np.random.default_rng([seed, 0])
+        self.alphabet = rng.choice(vocab_size, size=min(256, vocab_size), replace=False).astype(np.int64)
+        n = len(self.alphabet)
+        self.successors = rng.integers(0, n, size=(n, len(self.SUCCESSOR_PROBS))).tolist()
+        self.seq_length, self.num_samples, self.seed = seq_length, num_samples, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 1, i])
+        state = int(rng.integers(len(self.alphabet)))
+        choices = rng.choice(len(self.SUCCESSOR_PROBS), size=self.seq_length, p=self.SUCCESSOR_PROBS).tolist()
+        path = []
+        for c in choices:
+            path.append(state)
+            state = self.successors[state][c]
+        return self.alphabet[path]
+
+    def describe(self) -> str:
+        return f"synthetic Markov text, {self.num_samples} samples"
+
+
+class TokenWindows:
+    """A token stream cut into consecutive, non-overlapping windows of seq_length tokens."""
+
+    def __init__(self, tokens: np.ndarray, seq_length: int, name: str):
+        self.tokens, self.seq_length, self.name = tokens, seq_length, name
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.seq_length
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.tokens[i * self.seq_length:(i + 1) * self.seq_length]
+
+    def describe(self) -> str:
+        return f"{self.name}: {len(self.tokens)} tokens, {len(self)} windows"
+
+
+def open_dataset(dataset: str, tokenizer: str, vocab_size: int, seq_length: int, num_samples: int, seed: int):
+    """The source named by --dataset. Raises ConfigError for anything that cannot work."""
+    if dataset == "synthetic":
+        return SyntheticMarkov(vocab_size, seq_length, num_samples, seed)
+    if dataset.startswith("text:"):
+        path = dataset[len("text:"):]
+        if not os.path.isfile(path):
+            raise ConfigError(f"--dataset {dataset}: no such file {path}: give the path of a UTF-8 text file")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        name = os.path.basename(path)
+    elif dataset == "wikitext":
+        text, name = _wikitext(), "wikitext-2-raw-v1"
+    else:
+        raise ConfigError(f"--dataset {dataset} is not known: use synthetic, wikitext or text:PATH")
+    tokens = tokenize(text, tokenizer)
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise ConfigError(f"tokenizer {tokenizer} produced token id {int(tokens.max())}, beyond the model's vocab "
+                          f"({vocab_size}): use the model's own tokenizer")
+    return TokenWindows(tokens, seq_length, name)
+
+
+def tokenize(text: str, tokenizer: str) -> np.ndarray:
+    if tokenizer == "bytes":
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    except Exception as exc:
+        raise ConfigError(f"tokenizer {tokenizer} could not be loaded ({type(exc).__name__}): pass --tokenizer "
+                          f"bytes or a local tokenizer directory") from None
+    return np.asarray(tok(text)["input_ids"], dtype=np.int64)
+
+
+def _wikitext() -> str:
+    try:
+        from datasets import load_dataset
+
+        rows = load_dataset("wikitext", "wikitext-2-raw-v1", split="train")
+    except Exception as exc:
+        raise ConfigError(f"--dataset wikitext needs the Hugging Face hub ({type(exc).__name__}): use "
+                          f"--dataset text:PATH with a local file") from None
+    return "".join(rows["text"])
+
+
+class GlobalBatches:
+    """Step → global batch. Epoch e visits the samples in a permutation seeded by (seed, e)."""
+
+    def __init__(self, dataset, global_batch_size: int, seed: int):
+        self.dataset, self.global_batch_size, self.seed = dataset, global_batch_size, seed
+        self.steps_per_epoch = len(dataset) // global_batch_size
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"the dataset ({dataset.describe()}) holds fewer samples than one global batch "
+                              f"({global_batch_size}): use more data, a shorter --seq_length or a smaller batch")
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def __call__(self, step: int) -> torch.Tensor:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, 2, epoch]).permutation(len(self.dataset)))
+        rows = self._order[1][k * self.global_batch_size:(k + 1) * self.global_batch_size]
+        return torch.from_numpy(np.stack([self.dataset[int(i)] for i in rows]).astype(np.int64))
+
+
+def dp_slice(global_batch: torch.Tensor, dp_rank: int, batch_size: int) -> torch.Tensor:
+    return global_batch[dp_rank * batch_size:(dp_rank + 1) * batch_size]
+
+
+def batch_hash(global_batch: torch.Tensor) -> str:
+    """A short fingerprint of a global batch: equal hashes mean the runs saw the same tokens."""
+    return hashlib.sha256(global_batch.numpy().astype("<i8").tobytes()).hexdigest()[:16]

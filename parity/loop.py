@@ -1,0 +1,154 @@
+"""The training loop, written once. Runs on every Ray Train worker; the strategy is the only variable.
+
+[1] model built from the config, the shared initial weights loaded on every rank before wrapping
+[2] the strategy wraps it and builds the optimizer
+[3] each step: the global batch of that step, this DP rank's slice, one train step
+[4] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval
+[5] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
+    the last batch (which that checkpoint must reproduce)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+from parity.config import RunConfig
+from parity.data import GlobalBatches, batch_hash, dp_slice, open_dataset
+from parity.model import (build_model, config_summary, load_init_weights, resolve_model_config,
+                          save_hf_checkpoint, save_init_weights)
+from parity.record import LossRecord, record_path
+from parity.strategies import strategy_class
+from parity.strategy import WorkerContext, causal_lm_loss, lr_at
+
+
+def train_worker(payload: dict) -> None:
+    """Ray Train's train_loop_per_worker: the process group (gloo or NCCL) is already up."""
+    cfg = RunConfig.from_dict(payload)
+    ctx = worker_context(cfg)
+    log = _logger(cfg, ctx)
+    model_config = resolve_model_config(cfg.model_name, cfg.num_layers)
+
+    model, weights_sha = prepare_model(cfg, model_config, ctx, log)  # [1]
+    strategy = strategy_class(cfg.strategy)(cfg, ctx)
+    strategy.setup(model)  # [2]
+    batches = GlobalBatches(open_dataset(cfg.dataset, cfg.tokenizer, model_config.vocab_size, cfg.seq_length,
+                                         cfg.num_samples, cfg.seed), cfg.global_batch_size, cfg.seed)
+    total_steps = cfg.debug_steps or cfg.num_epochs * batches.steps_per_epoch
+    record = LossRecord(record_path(cfg.loss_output_dir, cfg.strategy), cfg.strategy,
+                        run_description(cfg, ctx, model_config, weights_sha, batches, total_steps))
+    log(f"training {total_steps} steps: {batches.dataset.describe()}, global batch {cfg.global_batch_size} × "
+        f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
+
+    started = time.perf_counter()
+    for step in range(total_steps):  # [3]
+        global_batch = batches(step)
+        lr = lr_at(step, cfg)
+        t0 = time.perf_counter()
+        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), lr)
+        _synchronize(ctx.device)
+        step_time = time.perf_counter() - t0
+        if not math.isfinite(stats.loss):
+            raise FloatingPointError(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
+        record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [4]
+                      grad_norm=stats.grad_norm, lr=lr, tokens=global_batch.numel(),
+                      batch_hash=batch_hash(global_batch), step_time_s=step_time,
+                      peak_memory_bytes=peak_memory_bytes(ctx.device))
+        if (step + 1) % cfg.log_interval == 0 or step + 1 == total_steps:
+            if ctx.is_logging_rank:
+                record.write()
+            elapsed = time.perf_counter() - started
+            log(f"step {step + 1}/{total_steps} ({100 * (step + 1) // total_steps}%) loss {stats.loss:.6f} "
+                f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {elapsed / (step + 1):.3f} s/step, "
+                f"ETA {elapsed / (step + 1) * (total_steps - step - 1):.0f} s")
+
+    final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [5]
+    params = strategy.full_parameters()
+    if ctx.is_logging_rank:
+        save_hf_checkpoint(params, model_config, cfg.final_checkpoint_dir)
+        record.finish(eval_loss_last_batch=final_loss, eval_batch_step=total_steps - 1,
+                      checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started)
+    log(f"done: loss record {record.path}, final model {cfg.final_checkpoint_dir}")
+    dist.barrier()
+
+
+def worker_context(cfg: RunConfig) -> WorkerContext:
+    import ray.train
+    import ray.train.torch
+
+    if cfg.cpus_per_worker:
+        # Workers share the cores: one intra-op thread per whole CPU granted, never more than the grant.
+        torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
+    context = ray.train.get_context()
+    device = ray.train.torch.get_device() if cfg.use_cuda else torch.device("cpu")
+    return WorkerContext(rank=context.get_world_rank(), world_size=context.get_world_size(),
+                         tp_size=cfg.tp_size, dp_size=cfg.dp_size, device=device)
+
+
+def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log):
+    """Every rank loads the same file; with --save_init_weights rank 0 writes it first."""
+    model = build_model(model_config, cfg.seed)
+    if cfg.save_init_weights:
+        if ctx.is_logging_rank:
+            sha = save_init_weights(model, cfg.init_weights_path)
+            log(f"Saved initial weights to {cfg.init_weights_path} (sha256 {sha})")
+        dist.barrier()
+    sha = load_init_weights(model, cfg.init_weights_path)
+    log(f"Loaded initial weights from {cfg.init_weights_path} (sha256 {sha})")
+    return model, sha
+
+
+@torch.no_grad()
+def evaluate(strategy, input_ids: torch.Tensor) -> float:
+    """The current model's mean loss over a global batch (each DP rank its slice), without training."""
+    input_ids = input_ids.to(strategy.ctx.device)
+    with strategy.autocast():
+        logits = strategy.forward(input_ids)
+    losses = strategy.gather_dp_losses(causal_lm_loss(logits, input_ids))
+    return sum(losses) / len(losses)
+
+
+def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sha: str, batches, total_steps):
+    """The record's "config": every flag plus what a comparison must know to trust the numbers."""
+    return {**cfg.to_dict(), "world_size": ctx.world_size, "global_batch_size": cfg.global_batch_size,
+            "total_steps": total_steps, "steps_per_epoch": batches.steps_per_epoch,
+            "dataset_description": batches.dataset.describe(), "device_type": ctx.device.type,
+            "backend": dist.get_backend(), "init_weights_sha256": weights_sha,
+            "model_config": config_summary(model_config), "versions": library_versions(),
+            "memory_metric": "cuda_max_memory_allocated" if ctx.device.type == "cuda" else "process_max_rss"}
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "ray", "deepspeed", "numpy"):
+        try:
+            versions[package] = md.version(package)
+        except md.PackageNotFoundError:
+            pass
+    return versions
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _logger(cfg: RunConfig, ctx: WorkerContext):
+    def log(message: str) -> None:
+        if ctx.is_logging_rank:
+            print(f"[{cfg.strategy}] {message}", flush=True)
+    return log

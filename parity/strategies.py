@@ -1,0 +1,20 @@
+"""Strategy name → the top-level module that implements it (imported lazily: each pulls its library)."""
+
+from __future__ import annotations
+
+import importlib
+
+from parity.errors import ConfigError
+
+STRATEGY_MODULES = {"ddp": "ddp_strategy", "deepspeed": "autotp_strategy", "fsdp": "fsdp_strategy"}
+
+
+def strategy_class(name: str):
+    if name not in STRATEGY_MODULES:
+        raise ConfigError(f"unknown strategy '{name}': use one of {', '.join(STRATEGY_MODULES)}")
+    try:
+        module = importlib.import_module(STRATEGY_MODULES[name])
+    except ImportError as exc:
+        raise ConfigError(f"strategy {name} cannot be used: {exc} (install the pinned set with "
+                          f"pip install -r requirements.txt)") from None
+    return module.STRATEGY

@@ -1,0 +1,149 @@
+"""The small interface a strategy module implements, and the one train step built on it.
+
+A strategy only wraps the model, runs backward, steps the optimizer (returning the global pre-clip
+gradient norm) and knows how to gather its shards to full size. Everything else — loss function,
+autocast, loss reduction across ranks — is here, once, so it cannot differ between strategies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass
+class WorkerContext:
+    """Where this process sits: rank = dp_rank × tp_size + tp_rank (TP groups are consecutive ranks)."""
+
+    rank: int
+    world_size: int
+    tp_size: int
+    dp_size: int
+    device: torch.device
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class StepStats:
+    loss: float  # mean token loss over the whole global batch, equal on all ranks
+    dp_rank_losses: list[float]  # each DP rank's mean loss over its slice
+    grad_norm: float  # global L2 norm of the gradients before clipping
+
+
+def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 (logits are upcast, whatever the compute dtype)."""
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
+
+
+def build_optimizer(params, cfg) -> torch.optim.AdamW:
+    """The one optimizer every strategy uses (DeepSpeed is handed this same client optimizer)."""
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warm-up over --warmup_steps, then constant."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    return cfg.learning_rate
+
+
+def clip_max_norm(cfg) -> float:
+    """--max_grad_norm 0 means no clipping; the norm is still measured for the record."""
+    return cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+
+
+class Strategy:
+    """Base class of the three strategy modules. Subclasses set `name` and implement the abstract parts."""
+
+    name = "base"
+
+    def __init__(self, cfg, ctx: WorkerContext):
+        self.cfg, self.ctx = cfg, ctx
+        self.model = None  # the wrapped model whose forward returns HF outputs with .logits
+
+    # --- driver side: flags and checks that only this strategy has ------------------------------
+    @classmethod
+    def add_arguments(cls, group) -> None:
+        """Add strategy-specific flags to the entry script's parser."""
+
+    @classmethod
+    def validate(cls, cfg, model_config) -> None:
+        """Raise ConfigError for input this strategy cannot run; called before any worker starts."""
+
+    # --- worker side ------------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.ctx.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.ctx.dp_size
+
+    def setup(self, model) -> None:
+        """Wrap `model` (fp32, CPU, shared initial weights loaded) and build the optimizer."""
+        raise NotImplementedError
+
+    def autocast(self):
+        """The compute-precision context of the forward pass."""
+        if self.cfg.precision == "bf16":
+            return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits of this rank's slice."""
+        return self.model(input_ids=input_ids).logits
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self, lr: float) -> float:
+        """Clip to --max_grad_norm, step with `lr`, zero the gradients; return the pre-clip global norm."""
+        raise NotImplementedError
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter at full size on the CPU in fp32, under Hugging Face names (a stock model's
+        `named_parameters()`, so a tied lm_head appears once, as model.embed_tokens.weight). Collective:
+        all ranks call it; every rank gets the tensors."""
+        raise NotImplementedError
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Like full_parameters, for the gradients after backward (before clipping and the step)."""
+        raise NotImplementedError
+
+    def train_step(self, input_ids: torch.Tensor, lr: float) -> StepStats:
+        input_ids = input_ids.to(self.ctx.device)
+        with self.autocast():
+            logits = self.forward(input_ids)
+        loss = causal_lm_loss(logits, input_ids)
+        self.backward(loss)
+        grad_norm = self.optimizer_step(lr)
+        dp_losses = self.gather_dp_losses(loss.detach())
+        return StepStats(loss=sum(dp_losses) / len(dp_losses), dp_rank_losses=dp_losses, grad_norm=float(grad_norm))
+
+    def gather_dp_losses(self, loss: torch.Tensor) -> list[float]:
+        """Each DP rank's loss, read from the first rank of its TP group (all of a group agree)."""
+        gathered = [torch.zeros_like(loss) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, loss)
+        return [float(gathered[d * self.ctx.tp_size]) for d in range(self.ctx.dp_size)]
