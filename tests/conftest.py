@@ -1,0 +1,65 @@
+"""Shared fixtures: one local Ray cluster for the whole session (Ray start-up dominates a CPU run),
+tiny shared initial weights, and a helper that runs a strategy exactly as its entry script would."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from parity.record import load_record  # noqa: E402
+
+# Small enough that a Ray Train run is dominated by start-up, big enough that TP has work to split.
+TINY = {"model_name": "qwen2-tiny", "seq_length": 64, "log_interval": 5}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    from parity.launch import ensure_ray
+
+    ensure_ray()
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tmp_path_factory):
+    """The qwen2-tiny initial weights every parity test starts from (what train_ddp.py would save)."""
+    from parity.model import build_model, resolve_model_config, save_init_weights
+
+    path = str(tmp_path_factory.mktemp("weights") / "init_weights.pt")
+    save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed=42), path)
+    return path
+
+
+def argv_from(flags: dict) -> list[str]:
+    argv = []
+    for key, value in flags.items():
+        if value is True:
+            argv.append(f"--{key}")
+        elif value is not False and value is not None:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def train(strategy: str, out_dir, **flags) -> dict:
+    """Run one strategy through the same path as its train_*.py script; return the loss record."""
+    from parity.cli import run
+
+    flags = {**TINY, "loss_output_dir": out_dir / "loss", "storage_path": out_dir / "ray", **flags}
+    return load_record(run(strategy, argv_from(flags)))
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), f"{len(a)} steps vs {len(b)}"
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def series(record: dict, key: str) -> list[float]:
+    return [s[key] for s in record["steps"]]
