@@ -25,8 +25,11 @@ def atomic_path(path: str):
         raise
 
 
-def write_json_atomic(path: str, data) -> None:
+def write_text_atomic(path: str, text: str) -> None:
     with atomic_path(path) as tmp:
         with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
+            f.write(text)
+
+
+def write_json_atomic(path: str, data) -> None:
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n")

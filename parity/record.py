@@ -14,6 +14,9 @@ from parity.atomic import write_json_atomic
 SCHEMA_VERSION = 1
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")
+# The config entries a comparison of two records relies on (parity/compare.py); the loop always writes them.
+CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",
+                 "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 
 
 class RecordError(Exception):
@@ -55,7 +58,7 @@ def load_record(path: str) -> dict:
         with open(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as exc:
-        raise RecordError(f"{name}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+        raise RecordError(f"{name}: not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); "
                           f"the file is malformed or truncated: rerun that strategy") from None
     except OSError as exc:
         raise RecordError(f"{name}: cannot be read ({exc.strerror})") from None
@@ -65,6 +68,13 @@ def load_record(path: str) -> dict:
         if not isinstance(data.get(key), kind):
             raise RecordError(f"{name}: missing or invalid '{key}' (expected {kind.__name__}); "
                               f"not a loss record written by this harness")
+    if not isinstance(data.get("complete"), bool):
+        raise RecordError(f"{name}: missing or invalid 'complete' (expected true or false)")
+    missing = [k for k in CONFIG_FIELDS if k not in data["config"]]
+    if missing:
+        raise RecordError(f"{name}: config lacks {', '.join(missing)}; not a loss record written by this harness")
+    if not isinstance(data["config"]["model_config"], dict):
+        raise RecordError(f"{name}: config.model_config is not an object")
     if not data["steps"]:
         raise RecordError(f"{name}: has no steps; the run stopped before its first step: rerun it")
     for i, step in enumerate(data["steps"]):
@@ -78,4 +88,8 @@ def load_record(path: str) -> dict:
         for k in ("loss", "grad_norm", "lr"):
             if not isinstance(step[k], (int, float)):
                 raise RecordError(f"{name}: steps[{i}].{k} is not a number")
+        if not isinstance(step["tokens"], int):
+            raise RecordError(f"{name}: steps[{i}].tokens is not an integer")
+        if not isinstance(step["batch_hash"], str):
+            raise RecordError(f"{name}: steps[{i}].batch_hash is not a string")
     return data

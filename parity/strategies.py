@@ -7,6 +7,12 @@ import importlib
 from parity.errors import ConfigError
 
 STRATEGY_MODULES = {"ddp": "ddp_strategy", "deepspeed": "autotp_strategy", "fsdp": "fsdp_strategy"}
+DISPLAY_NAMES = {"ddp": "DDP", "deepspeed": "DeepSpeed AutoTP", "fsdp": "FSDP+DTensor"}
+
+
+def display_name(strategy: str) -> str:
+    """How reports name a strategy; a name the harness does not know is shown as it is."""
+    return DISPLAY_NAMES.get(strategy, strategy)
 
 
 def strategy_class(name: str):
