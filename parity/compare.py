@@ -1,0 +1,319 @@
+"""Comparing loss records: invariants first, then statistics, tolerances and one verdict per run.
+
+A loss difference says something about a strategy only if nothing else differed, so before any number
+every run is checked against the baseline: same initial weights, same model, same optimizer settings,
+same number of steps, and at every step the same batch, tokens and learning rate. A run that differs is
+reported as not comparable (`NotComparable`), never as a loss diff.
+
+The verdict is per step: |loss - baseline| <= rtol · |baseline| at every step, with rtol set by the
+runs' precision (the looser of the pair) unless --tolerance gives one.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from parity.errors import ConfigError
+from parity.record import load_record
+from parity.strategies import display_name
+
+FP32_RTOL = 1e-5
+"""Per-step relative loss tolerance between two fp32 runs. Measured fp32 differences between layouts
+and strategies on this stack are ~1e-7 relative (reduction order only); 1e-5 leaves two orders of margin
+and still catches a bug, which moves the loss by far more."""
+
+BF16_RTOL = 3e-2
+"""Per-step relative loss tolerance when either run computes in bf16 (autocast, fp32 master weights).
+
+A placeholder until it is calibrated against measured bf16 runs of the three strategies. The reasoning:
+bf16 keeps an 8-bit significand (unit roundoff 2^-8 ≈ 3.9e-3), so every matmul output under autocast
+is only that exact. Tensor parallelism sums the partial products of row-parallel layers across ranks,
+in another order and with other intermediate roundings than one device does, so the logits (and the
+loss) differ from step 0 (the seed's initial losses differ by 4e-5 relative). Those differences change
+the gradients, hence the weights, and compound over the steps: after 100 steps a few units of roundoff
+(≈ 1e-2) are what correct implementations drift apart. 3e-2 — about eight units of roundoff — leaves
+room for that drift and still fails the bugs that matter (a gradient reduced twice or not at all, a
+missed clip, a shard counted twice), which move the loss by tens of percent within a few steps."""
+
+PRECISION_RTOL = {"fp32": FP32_RTOL, "bf16": BF16_RTOL}
+
+# Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
+OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+
+# Per-step entries every run must share with the baseline: (field, what differs, in words).
+STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
+                   ("lr", "use different learning rates"))
+
+
+def verdict_word(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
+
+
+class NotComparable(ConfigError):
+    """Runs that differ in more than the strategy; each entry of `mismatches` names both runs."""
+
+    def __init__(self, mismatches: list[str]):
+        super().__init__("; ".join(mismatches))
+        self.mismatches = mismatches
+
+
+@dataclass(frozen=True)
+class Run:
+    """One loss record, named by its strategy."""
+
+    file: str
+    record: dict
+
+    @property
+    def name(self) -> str:
+        return self.record["strategy"]
+
+    @property
+    def config(self) -> dict:
+        return self.record["config"]
+
+    @property
+    def steps(self) -> list[dict]:
+        return self.record["steps"]
+
+    @property
+    def complete(self) -> bool:
+        return self.record["complete"]
+
+    @property
+    def precision(self) -> str:
+        return self.config["precision"]
+
+    @property
+    def label(self) -> str:
+        return f"{display_name(self.name)} (TP={self.config['tp_size']}, DP={self.config['dp_size']})"
+
+
+@dataclass(frozen=True)
+class CurveStats:
+    initial: float
+    final: float
+    min: float
+    mean: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "CurveStats":
+        return cls(values[0], values[-1], min(values), sum(values) / len(values))
+
+
+@dataclass(frozen=True)
+class DiffStats:
+    """A run's curve minus the baseline's: largest and mean absolute step difference, and the last one."""
+
+    max_abs: float
+    mean_abs: float
+    final: float
+
+    @classmethod
+    def of(cls, values: list[float], baseline: list[float]) -> "DiffStats":
+        diffs = [v - b for v, b in zip(values, baseline)]
+        return cls(max(abs(d) for d in diffs), sum(abs(d) for d in diffs) / len(diffs), diffs[-1])
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    source: str  # "--tolerance" or the precisions it comes from
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """The first step whose loss leaves the envelope |loss - baseline| <= rtol · |baseline|."""
+
+    step: int
+    loss: float
+    baseline_loss: float
+    rel_diff: float
+    rtol: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One run against the baseline."""
+
+    run: Run
+    diffs: dict[str, DiffStats]  # "loss" and "grad_norm": this run's curve minus the baseline's
+    tolerance: Tolerance
+    max_rel_diff: float
+    first_failure: StepFailure | None
+
+    @property
+    def passed(self) -> bool:
+        return self.first_failure is None
+
+    @property
+    def status(self) -> str:
+        return verdict_word(self.passed)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    baseline: Run
+    runs: list[Run]  # the baseline first, then the others by name
+    num_steps: int  # compared steps: all of them, or those every run has done with --allow_incomplete
+    verdicts: list[Verdict]  # one per run but the baseline, in `runs` order
+    warnings: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return all(v.passed for v in self.verdicts)
+
+    @property
+    def status(self) -> str:
+        return verdict_word(self.passed)
+
+    def series(self, run: Run, key: str) -> list[float]:
+        return _series(run, key, self.num_steps)
+
+    def curve_stats(self, run: Run, key: str) -> CurveStats:
+        return CurveStats.of(self.series(run, key))
+
+    def to_dict(self) -> dict:
+        """Everything the printed block says, machine-readable (comparison.json)."""
+        return {
+            "baseline": self.baseline.name, "num_steps": self.num_steps, "verdict": self.status,
+            "warnings": self.warnings,
+            "runs": {r.name: {"label": r.label, "file": os.path.basename(r.file), "complete": r.complete,
+                              "steps_recorded": len(r.steps), "precision": r.precision,
+                              "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
+                              "loss": asdict(self.curve_stats(r, "loss")),
+                              "grad_norm": asdict(self.curve_stats(r, "grad_norm"))} for r in self.runs},
+            "against_baseline": {v.run.name: {
+                "verdict": v.status, "rtol": v.tolerance.rtol,
+                "tolerance_source": v.tolerance.source, "max_rel_diff": v.max_rel_diff,
+                **{f"{key}_diff": asdict(d) for key, d in v.diffs.items()},
+                "first_failure": asdict(v.first_failure) if v.first_failure else None} for v in self.verdicts},
+        }
+
+
+def load_runs(input_dir: str) -> list[Run]:
+    """Every loss_*.json in `input_dir`, validated. Raises ConfigError or RecordError."""
+    if not os.path.isdir(input_dir):
+        raise ConfigError(f"--input_dir {input_dir} is not a directory")
+    paths = sorted(glob.glob(os.path.join(input_dir, "loss_*.json")))
+    if not paths:
+        raise ConfigError(f"no loss_*.json in {input_dir}: run the train_*.py scripts with "
+                          f"--loss_output_dir {input_dir} first")
+    runs, by_name = [], {}
+    for path in paths:
+        run = Run(path, load_record(path))
+        if run.name in by_name:
+            raise ConfigError(f"{os.path.basename(by_name[run.name].file)} and {os.path.basename(path)} are both "
+                              f"{run.name} runs: keep one of them in {input_dir}")
+        by_name[run.name] = run
+        runs.append(run)
+    return runs
+
+
+def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
+            allow_incomplete: bool = False) -> Comparison:
+    """Check every run against the baseline, then measure it. `rtol` overrides the precision default."""
+    base, others = _split_baseline(runs, baseline)
+    num_steps = min(len(r.steps) for r in runs)
+    warnings = _incomplete_warnings(runs, allow_incomplete, num_steps)
+    mismatches = [m for run in others for m in comparability_mismatches(base, run)]
+    if mismatches:
+        raise NotComparable(mismatches)
+    verdicts = [_verdict(base, run, num_steps, tolerance_for(base, run, rtol)) for run in others]
+    return Comparison(base, [base, *others], num_steps, verdicts, warnings)
+
+
+def comparability_mismatches(base: Run, run: Run) -> list[str]:
+    """What differs between two runs besides the strategy, each naming both runs (empty: comparable)."""
+    a, b = base.name, run.name
+    found = []
+    sha_a, sha_b = base.config["init_weights_sha256"], run.config["init_weights_sha256"]
+    if sha_a != sha_b:
+        found.append(f"{a} and {b} start from different initial weights (init_weights_sha256 {sha_a[:12]}… vs "
+                     f"{sha_b[:12]}…): train both from the same --init_weights_path")
+    model_a, model_b = base.config["model_config"], run.config["model_config"]
+    for what, differing in (("train different models", _differing(model_a, model_b, sorted(model_a | model_b))),
+                            ("use different optimizer settings",
+                             _differing(base.config, run.config, OPTIMIZER_SETTINGS))):
+        if differing:
+            found.append(f"{a} and {b} {what} ({differing})")
+    if base.complete and run.complete and len(base.steps) != len(run.steps):
+        found.append(f"{a} has {len(base.steps)} steps, {b} has {len(run.steps)}: train both with the same "
+                     f"--debug_steps")
+    for field, what in STEP_INVARIANTS:
+        for sa, sb in zip(base.steps, run.steps):
+            if sa[field] != sb[field]:
+                found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
+                break
+    return found
+
+
+def tolerance_for(base: Run, run: Run, rtol: float | None = None) -> Tolerance:
+    """`rtol` when given, else the looser of the two runs' precision tolerances."""
+    if rtol is not None:
+        return Tolerance(rtol, "--tolerance")
+    for r in (base, run):
+        if r.precision not in PRECISION_RTOL:
+            raise ConfigError(f"{os.path.basename(r.file)}: precision '{r.precision}' has no default tolerance "
+                              f"(known: {', '.join(PRECISION_RTOL)}): pass --tolerance")
+    looser = max((base.precision, run.precision), key=PRECISION_RTOL.__getitem__)
+    return Tolerance(PRECISION_RTOL[looser],
+                     f"precision {looser} ({base.name} {base.precision}, {run.name} {run.precision})")
+
+
+def relative_diff(value: float, baseline: float) -> float:
+    if baseline == 0:
+        return 0.0 if value == 0 else math.inf
+    return abs(value - baseline) / abs(baseline)
+
+
+def first_failure(losses: list[float], baseline: list[float], rtol: float) -> StepFailure | None:
+    for step, (loss, base) in enumerate(zip(losses, baseline)):
+        if not abs(loss - base) <= rtol * abs(base):  # written so that a NaN loss fails too
+            return StepFailure(step, loss, base, relative_diff(loss, base), rtol)
+    return None
+
+
+def _verdict(base: Run, run: Run, num_steps: int, tolerance: Tolerance) -> Verdict:
+    losses, base_losses = _series(run, "loss", num_steps), _series(base, "loss", num_steps)
+    diffs = {key: DiffStats.of(_series(run, key, num_steps), _series(base, key, num_steps))
+             for key in ("loss", "grad_norm")}
+    return Verdict(run, diffs, tolerance, max(relative_diff(x, b) for x, b in zip(losses, base_losses)),
+                   first_failure(losses, base_losses, tolerance.rtol))
+
+
+def _series(run: Run, key: str, num_steps: int) -> list[float]:
+    return [step[key] for step in run.steps[:num_steps]]
+
+
+def _split_baseline(runs: list[Run], baseline: str) -> tuple[Run, list[Run]]:
+    by_name = {r.name: r for r in runs}
+    input_dir = os.path.dirname(runs[0].file)
+    if baseline not in by_name:
+        raise ConfigError(f"no baseline run '{baseline}' in {input_dir}: found {', '.join(sorted(by_name))}; "
+                          f"pass --baseline with one of them")
+    others = [by_name[name] for name in sorted(by_name) if name != baseline]
+    if not others:
+        raise ConfigError(f"only the baseline run ({baseline}) in {input_dir}: nothing to compare it with")
+    return by_name[baseline], others
+
+
+def _incomplete_warnings(runs: list[Run], allow_incomplete: bool, num_steps: int) -> list[str]:
+    """Partial runs are compared over the steps every run has, and only when asked for."""
+    incomplete = [r for r in runs if not r.complete]
+    if incomplete and not allow_incomplete:
+        r = incomplete[0]
+        raise ConfigError(f"{os.path.basename(r.file)} is incomplete ({len(r.steps)} of "
+                          f"{r.config['total_steps']} steps: still running, or it stopped early): "
+                          f"pass --allow_incomplete to compare the steps done so far")
+    return [f"warning: {os.path.basename(r.file)} is incomplete ({len(r.steps)} of "
+            f"{r.config['total_steps']} steps): comparing the first {num_steps} steps of every run"
+            for r in incomplete]
+
+
+def _differing(mine: dict, theirs: dict, keys) -> str:
+    """'key: a vs b, ...' over the `keys` whose values differ; empty when none do."""
+    return ", ".join(f"{k}: {mine.get(k)} vs {theirs.get(k)}" for k in keys if mine.get(k) != theirs.get(k))

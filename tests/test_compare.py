@@ -1,0 +1,445 @@
+"""plot_loss_curves.py and parity/compare.py on hand-made loss records (no Ray): invariants before numbers,
+statistics checked against values worked out by hand, tolerances, verdicts, the figure, bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conftest import REPO
+from parity.compare import BF16_RTOL, FP32_RTOL, compare, load_runs
+from parity.config import RunConfig
+from parity.plot import plot_comparison
+from parity.record import LossRecord, record_path
+from plot_loss_curves import main
+
+SHA = "5" * 64
+MODEL = {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 2048, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "tie_word_embeddings": True}
+LR = 1e-3
+TOKENS = 512
+LAYOUT = {"ddp": (1, 2), "deepspeed": (2, 2), "fsdp": (2, 2)}
+
+# The hand-worked example: five steps, numbers exact in binary so the printed block is exact too.
+DDP_LOSS = [10.0, 8.0, 6.0, 5.0, 4.0]
+DDP_GRAD = [2.0, 1.5, 1.0, 0.5, 0.25]
+FSDP_LOSS = [10.0, 8.0, 6.5, 5.0, 3.75]  # +0.5 at step 2, -0.25 at step 4
+FSDP_GRAD = [2.0, 1.5, 1.25, 0.5, 0.25]  # +0.25 at step 2
+
+
+def write_record(folder, strategy, losses, grad_norms=None, *, precision="fp32", complete=True,
+                 total_steps=None, config=None, step_fields=None):
+    """A loss record written by the harness's own writer (parity/record.py), so the schema is the real one.
+    `config` overrides config entries; `step_fields` maps step → fields to override in that step."""
+    tp, dp = LAYOUT.get(strategy, (1, 2))
+    n = len(losses)
+    cfg = {**RunConfig(strategy=strategy, model_name="qwen2-tiny", num_workers=tp * dp, tp_size=tp, dp_size=dp,
+                       seq_length=128, debug_steps=total_steps or n, learning_rate=LR, precision=precision,
+                       device="cpu").to_dict(),
+           "world_size": tp * dp, "global_batch_size": 2 * dp, "total_steps": total_steps or n,
+           "init_weights_sha256": SHA, "model_config": dict(MODEL), **(config or {})}
+    record = LossRecord(record_path(str(folder), strategy), strategy, cfg)
+    for step, loss in enumerate(losses):
+        fields = {"step": step, "loss": loss, "dp_rank_losses": [loss] * dp,
+                  "grad_norm": (grad_norms or [1.0] * n)[step], "lr": LR, "tokens": TOKENS,
+                  "batch_hash": f"{step:016x}", "step_time_s": 0.01, "peak_memory_bytes": 1 << 20}
+        record.append(**{**fields, **(step_fields or {}).get(step, {})})
+    if complete:
+        record.finish(eval_loss_last_batch=losses[-1], eval_batch_step=n - 1, checkpoint_dir="/nowhere")
+    else:
+        record.write()
+    return record.path
+
+
+def hand_example(folder):
+    write_record(folder, "ddp", DDP_LOSS, DDP_GRAD)
+    write_record(folder, "deepspeed", DDP_LOSS, DDP_GRAD)
+    write_record(folder, "fsdp", FSDP_LOSS, FSDP_GRAD)
+
+
+def run_cli(capsys, folder, *extra, output="out/loss_curves.png"):
+    code = main(["--input_dir", str(folder), "--output", str(folder / output), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+HAND_BLOCK = """\
+============================================================
+LOSS CURVE STATISTICS
+============================================================
+
+DDP (TP=1, DP=2):
+  Initial loss: 10.000000
+  Final loss:   4.000000
+  Min loss:     4.000000
+  Mean loss:    6.600000
+
+DeepSpeed AutoTP (TP=2, DP=2):
+  Initial loss: 10.000000
+  Final loss:   4.000000
+  Min loss:     4.000000
+  Mean loss:    6.600000
+
+FSDP+DTensor (TP=2, DP=2):
+  Initial loss: 10.000000
+  Final loss:   3.750000
+  Min loss:     3.750000
+  Mean loss:    6.650000
+
+------------------------------------------------------------
+Differences from DDP baseline:
+
+DeepSpeed AutoTP (TP=2, DP=2):
+  Max abs diff:  0.000000
+  Mean abs diff: 0.000000
+  Final diff:    0.000000
+
+FSDP+DTensor (TP=2, DP=2):
+  Max abs diff:  0.500000
+  Mean abs diff: 0.150000
+  Final diff:    -0.250000
+
+============================================================
+GRAD NORM STATISTICS (before clipping)
+============================================================
+
+DDP (TP=1, DP=2):
+  Initial grad norm: 2.000000
+  Final grad norm:   0.250000
+  Min grad norm:     0.250000
+  Mean grad norm:    1.050000
+
+DeepSpeed AutoTP (TP=2, DP=2):
+  Initial grad norm: 2.000000
+  Final grad norm:   0.250000
+  Min grad norm:     0.250000
+  Mean grad norm:    1.050000
+
+FSDP+DTensor (TP=2, DP=2):
+  Initial grad norm: 2.000000
+  Final grad norm:   0.250000
+  Min grad norm:     0.250000
+  Mean grad norm:    1.100000
+
+------------------------------------------------------------
+Differences from DDP baseline:
+
+DeepSpeed AutoTP (TP=2, DP=2):
+  Max abs diff:  0.000000
+  Mean abs diff: 0.000000
+  Final diff:    0.000000
+
+FSDP+DTensor (TP=2, DP=2):
+  Max abs diff:  0.250000
+  Mean abs diff: 0.050000
+  Final diff:    0.000000
+
+============================================================
+VERDICT (every step: |loss - DDP| <= rtol * |DDP|)
+============================================================
+
+DeepSpeed AutoTP (TP=2, DP=2): PASS
+  rtol 1e-05 from precision fp32 (ddp fp32, deepspeed fp32); max relative diff 0.000e+00
+FSDP+DTensor (TP=2, DP=2): FAIL
+  rtol 1e-05 from precision fp32 (ddp fp32, fsdp fp32); first step outside: step 2: loss 6.500000 vs DDP \
+6.000000, relative diff 8.333e-02 > rtol 1e-05
+"""
+
+
+# --- statistics ---------------------------------------------------------------------------------------
+
+def test_statistics_of_the_hand_example(tmp_path):
+    hand_example(tmp_path)
+    c = compare(load_runs(str(tmp_path)))
+    assert [r.name for r in c.runs] == ["ddp", "deepspeed", "fsdp"] and c.num_steps == 5
+    fsdp_loss = c.curve_stats(c.runs[2], "loss")
+    assert (fsdp_loss.initial, fsdp_loss.final, fsdp_loss.min) == (10.0, 3.75, 3.75)
+    assert fsdp_loss.mean == pytest.approx(6.65, abs=1e-12)
+    assert c.curve_stats(c.baseline, "grad_norm").mean == pytest.approx(1.05, abs=1e-12)
+    deepspeed, fsdp = c.verdicts
+    assert fsdp.diffs["loss"].max_abs == 0.5 and fsdp.diffs["loss"].final == -0.25
+    assert fsdp.diffs["loss"].mean_abs == pytest.approx(0.15, abs=1e-12)
+    assert (fsdp.diffs["grad_norm"].max_abs, fsdp.diffs["grad_norm"].final) == (0.25, 0.0)
+    assert fsdp.diffs["grad_norm"].mean_abs == pytest.approx(0.05, abs=1e-12)
+    assert fsdp.max_rel_diff == pytest.approx(0.5 / 6.0, rel=1e-12)
+    assert (deepspeed.passed, deepspeed.max_rel_diff, fsdp.passed) == (True, 0.0, False)
+
+
+def test_printed_block_and_outputs(tmp_path, capsys):
+    hand_example(tmp_path)
+    code, out, err = run_cli(capsys, tmp_path)
+    assert (code, err) == (1, "")
+    assert out == HAND_BLOCK + f"\nwrote {tmp_path}/out/loss_curves.png, {tmp_path}/out/comparison.json, " \
+                               f"{tmp_path}/out/report.md\n"
+    with open(tmp_path / "out" / "comparison.json") as f:
+        saved = json.load(f)
+    assert (saved["baseline"], saved["num_steps"], saved["verdict"], saved["figure"]) == ("ddp", 5, "FAIL",
+                                                                                          "loss_curves.png")
+    assert saved["runs"]["fsdp"]["loss"] == {"initial": 10.0, "final": 3.75, "min": 3.75, "mean": 6.65}
+    assert saved["runs"]["ddp"]["label"] == "DDP (TP=1, DP=2)"
+    fsdp = saved["against_baseline"]["fsdp"]
+    assert fsdp["verdict"] == "FAIL" and fsdp["rtol"] == 1e-5
+    assert fsdp["tolerance_source"] == "precision fp32 (ddp fp32, fsdp fp32)"
+    assert fsdp["loss_diff"] == {"max_abs": 0.5, "mean_abs": 0.15, "final": -0.25}
+    assert fsdp["first_failure"] == {"step": 2, "loss": 6.5, "baseline_loss": 6.0, "rel_diff": 0.5 / 6.0,
+                                     "rtol": 1e-5}
+    assert saved["against_baseline"]["deepspeed"]["first_failure"] is None
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "![Loss curves](loss_curves.png)" in report
+    assert "| FSDP+DTensor (TP=2, DP=2) | FAIL | 1e-05 | precision fp32 (ddp fp32, fsdp fp32) | 8.333e-02 | " \
+           "step 2: 6.500000 vs 6.000000 (8.333e-02) |" in report
+    assert "| FSDP+DTensor (TP=2, DP=2) | 10.000000 | 3.750000 | 3.750000 | 6.650000 |" in report
+    assert "| FSDP+DTensor (TP=2, DP=2) | 0.500000 | 0.150000 | -0.250000 |" in report
+    assert not [p for p in os.listdir(tmp_path / "out") if p.endswith(".tmp")]  # atomic writes left nothing
+
+
+def test_command_line_script(tmp_path):
+    """The script as a user runs it: exit codes and the printed block."""
+    hand_example(tmp_path)
+    args = [sys.executable, os.path.join(REPO, "plot_loss_curves.py"), "--input_dir", str(tmp_path),
+            "--output", str(tmp_path / "curves.svg")]
+    failing = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (failing.returncode, failing.stderr) == (1, "")
+    assert failing.stdout.startswith(HAND_BLOCK)
+    write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD)
+    passing = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert passing.returncode == 0
+    assert "FSDP+DTensor (TP=2, DP=2): PASS\n  rtol 1e-05 from precision fp32 (ddp fp32, fsdp fp32); " \
+           "max relative diff 0.000e+00\n" in passing.stdout
+    bad = subprocess.run(args[:2] + ["--input_dir", str(tmp_path / "none"), "--output", "x.png"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert bad.stderr == f"error: --input_dir {tmp_path}/none is not a directory\n"
+
+
+# --- verdicts and tolerances --------------------------------------------------------------------------
+
+def test_identical_curves_pass(tmp_path, capsys):
+    write_record(tmp_path, "ddp", DDP_LOSS, DDP_GRAD)
+    write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD)
+    code, out, _ = run_cli(capsys, tmp_path)
+    assert code == 0
+    assert "FSDP+DTensor (TP=2, DP=2): PASS\n" in out
+
+
+def test_first_step_outside_the_fp32_envelope(tmp_path, capsys):
+    """Step 2 is off by 5e-6 relative (inside 1e-5), step 3 by 2e-5 (outside): step 3 is reported."""
+    write_record(tmp_path, "ddp", DDP_LOSS)
+    write_record(tmp_path, "fsdp", [10.0, 8.0, 6.00003, 5.0001, 4.0])
+    code, out, _ = run_cli(capsys, tmp_path)
+    assert code == 1
+    assert "FSDP+DTensor (TP=2, DP=2): FAIL\n  rtol 1e-05 from precision fp32 (ddp fp32, fsdp fp32); first step " \
+           "outside: step 3: loss 5.000100 vs DDP 5.000000, relative diff 2.000e-05 > rtol 1e-05\n" in out
+
+
+@pytest.mark.parametrize("base_precision,run_precision,rel_diff,rtol,verdict", [
+    ("fp32", "fp32", 1e-3, 1e-5, "FAIL"),  # fp32 pair: 1e-5
+    ("fp32", "bf16", 1e-3, 3e-2, "PASS"),  # a bf16 run makes the pair bf16 (the looser)
+    ("bf16", "fp32", 1e-3, 3e-2, "PASS"),
+    ("bf16", "bf16", 1e-3, 3e-2, "PASS"),
+    ("bf16", "bf16", 5e-2, 3e-2, "FAIL"),
+])
+def test_tolerance_from_precision(tmp_path, base_precision, run_precision, rel_diff, rtol, verdict):
+    write_record(tmp_path, "ddp", DDP_LOSS, precision=base_precision)
+    write_record(tmp_path, "fsdp", [x * (1 + rel_diff) for x in DDP_LOSS], precision=run_precision)
+    (v,) = compare(load_runs(str(tmp_path))).verdicts
+    assert (v.tolerance.rtol, v.status) == (rtol, verdict)
+    looser = "bf16" if "bf16" in (base_precision, run_precision) else "fp32"
+    assert v.tolerance.source == f"precision {looser} (ddp {base_precision}, fsdp {run_precision})"
+    assert (v.first_failure.step if v.first_failure else None) == (0 if verdict == "FAIL" else None)
+
+
+def test_precision_constants():
+    assert (FP32_RTOL, BF16_RTOL) == (1e-5, 3e-2)
+
+
+def test_tolerance_override(tmp_path, capsys):
+    write_record(tmp_path, "ddp", DDP_LOSS)
+    write_record(tmp_path, "fsdp", [x * 1.001 for x in DDP_LOSS], precision="bf16")
+    assert run_cli(capsys, tmp_path)[0] == 0  # bf16: 1e-3 is inside 3e-2
+    code, out, _ = run_cli(capsys, tmp_path, "--tolerance", "1e-4")
+    assert code == 1
+    assert "rtol 0.0001 from --tolerance; first step outside: step 0: loss 10.010000 vs DDP 10.000000, " \
+           "relative diff 1.000e-03 > rtol 0.0001\n" in out
+    code, out, _ = run_cli(capsys, tmp_path, "--tolerance", "2e-3")
+    assert code == 0 and "rtol 0.002 from --tolerance; max relative diff 1.000e-03\n" in out
+    with pytest.raises(SystemExit) as exc:
+        run_cli(capsys, tmp_path, "--tolerance", "-1")
+    assert exc.value.code == 2
+    assert "argument --tolerance: must be a finite number >= 0 (got -1)" in capsys.readouterr().err
+
+
+def test_other_baseline(tmp_path, capsys):
+    hand_example(tmp_path)
+    code, out, _ = run_cli(capsys, tmp_path, "--baseline", "fsdp")
+    assert code == 1
+    assert "Differences from FSDP+DTensor baseline:\n\nDDP (TP=1, DP=2):\n  Max abs diff:  0.500000\n" \
+           "  Mean abs diff: 0.150000\n  Final diff:    0.250000\n" in out
+
+
+def test_incomplete_runs_only_when_allowed(tmp_path, capsys):
+    write_record(tmp_path, "ddp", DDP_LOSS)
+    write_record(tmp_path, "fsdp", DDP_LOSS[:3], complete=False, total_steps=5)
+    code, out, err = run_cli(capsys, tmp_path)
+    assert (code, out) == (2, "")
+    assert err == ("error: loss_fsdp.json is incomplete (3 of 5 steps: still running, or it stopped early): "
+                   "pass --allow_incomplete to compare the steps done so far\n")
+    code, out, err = run_cli(capsys, tmp_path, "--allow_incomplete")
+    assert code == 0
+    assert err == "warning: loss_fsdp.json is incomplete (3 of 5 steps): comparing the first 3 steps of every run\n"
+    assert "DDP (TP=1, DP=2):\n  Initial loss: 10.000000\n  Final loss:   6.000000\n  Min loss:     6.000000\n" \
+           "  Mean loss:    8.000000\n" in out
+
+
+# --- not comparable -------------------------------------------------------------------------------------
+
+NOT_COMPARABLE = [
+    ({"step_fields": {3: {"batch_hash": "ffffffffffffffff"}}},
+     "ddp and fsdp see different batches from step 3 (batch_hash 0000000000000003 vs ffffffffffffffff)"),
+    ({"config": {"init_weights_sha256": "6" * 64}},
+     "ddp and fsdp start from different initial weights (init_weights_sha256 555555555555… vs 666666666666…): "
+     "train both from the same --init_weights_path"),
+    ({"step_fields": {2: {"lr": 2e-3}, 3: {"lr": 2e-3}}},
+     "ddp and fsdp use different learning rates from step 2 (lr 0.001 vs 0.002)"),
+    ({"step_fields": {0: {"tokens": 1024}}},
+     "ddp and fsdp train on different tokens per step from step 0 (tokens 512 vs 1024)"),
+    ({"config": {"model_config": {**MODEL, "num_hidden_layers": 4}}},
+     "ddp and fsdp train different models (num_hidden_layers: 2 vs 4)"),
+    ({"config": {"max_grad_norm": 0.0}},
+     "ddp and fsdp use different optimizer settings (max_grad_norm: 1.0 vs 0.0)"),
+    ({"losses": DDP_LOSS[:4]}, "ddp has 5 steps, fsdp has 4: train both with the same --debug_steps"),
+]
+
+
+@pytest.mark.parametrize("change,message", NOT_COMPARABLE, ids=[m[:30] for _, m in NOT_COMPARABLE])
+def test_not_comparable(tmp_path, capsys, change, message):
+    write_record(tmp_path, "ddp", DDP_LOSS)
+    change = dict(change)
+    write_record(tmp_path, "fsdp", change.pop("losses", DDP_LOSS), **change)
+    code, out, err = run_cli(capsys, tmp_path)
+    assert (code, out) == (2, "")
+    assert err == f"error: not comparable: {message}\n"
+    assert not (tmp_path / "out" / "comparison.json").exists()
+
+
+def test_every_mismatch_is_reported(tmp_path, capsys):
+    hand_example(tmp_path)
+    write_record(tmp_path, "deepspeed", DDP_LOSS, config={"init_weights_sha256": "6" * 64})
+    write_record(tmp_path, "fsdp", DDP_LOSS, step_fields={1: {"batch_hash": "ffffffffffffffff"}})
+    code, _, err = run_cli(capsys, tmp_path)
+    assert code == 2
+    assert err.splitlines() == [
+        "error: not comparable: ddp and deepspeed start from different initial weights (init_weights_sha256 "
+        "555555555555… vs 666666666666…): train both from the same --init_weights_path",
+        "error: not comparable: ddp and fsdp see different batches from step 1 (batch_hash 0000000000000001 vs "
+        "ffffffffffffffff)"]
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+def truncated(folder):
+    write_record(folder, "ddp", DDP_LOSS)
+    (folder / "loss_fsdp.json").write_text('{"schema_version": 1, "strategy": "fsdp", "steps": [{"step": 0, "lo')
+
+
+def edited_fsdp(edit):
+    """A setup: a ddp record, and an fsdp record that `edit(data)` changed after it was written."""
+    def setup(folder):
+        write_record(folder, "ddp", DDP_LOSS)
+        path = write_record(folder, "fsdp", DDP_LOSS)
+        with open(path) as f:
+            data = json.load(f)
+        edit(data)
+        with open(path, "w") as f:
+            json.dump(data, f)
+    return setup
+
+
+def two_fsdp_records(folder):
+    write_record(folder, "ddp", DDP_LOSS)
+    shutil.copy(write_record(folder, "fsdp", DDP_LOSS), folder / "loss_fsdp_old.json")
+
+
+BAD_INPUT = [
+    ("empty folder", lambda d: None, [], "error: no loss_*.json in {d}: run the train_*.py scripts with "
+                                         "--loss_output_dir {d} first"),
+    ("no baseline", lambda d: write_record(d, "fsdp", DDP_LOSS), [],
+     "error: no baseline run 'ddp' in {d}: found fsdp; pass --baseline with one of them"),
+    ("asked baseline missing", hand_example, ["--baseline", "megatron"],
+     "error: no baseline run 'megatron' in {d}: found ddp, deepspeed, fsdp; pass --baseline with one of them"),
+    ("only the baseline", lambda d: write_record(d, "ddp", DDP_LOSS), [],
+     "error: only the baseline run (ddp) in {d}: nothing to compare it with"),
+    ("truncated JSON", truncated, [],
+     "error: loss_fsdp.json: not valid JSON (Unterminated string starting at: line 1, column 65); the file is "
+     "malformed or truncated: rerun that strategy"),
+    ("a step lacks a field", edited_fsdp(lambda data: data["steps"][1].pop("grad_norm")), [],
+     "error: loss_fsdp.json: steps[1] lacks grad_norm"),
+    ("config lacks a field", edited_fsdp(lambda data: data["config"].pop("init_weights_sha256")), [],
+     "error: loss_fsdp.json: config lacks init_weights_sha256; not a loss record written by this harness"),
+    ("no steps", edited_fsdp(lambda data: data["steps"].clear()), [],
+     "error: loss_fsdp.json: has no steps; the run stopped before its first step: rerun it"),
+    ("two records of one strategy", two_fsdp_records, [],
+     "error: loss_fsdp.json and loss_fsdp_old.json are both fsdp runs: keep one of them in {d}"),
+    ("precision without a tolerance", lambda d: (write_record(d, "ddp", DDP_LOSS),
+                                                 write_record(d, "fsdp", DDP_LOSS, precision="fp16")), [],
+     "error: loss_fsdp.json: precision 'fp16' has no default tolerance (known: fp32, bf16): pass --tolerance"),
+]
+
+
+@pytest.mark.parametrize("setup,extra,message", [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_input(tmp_path, capsys, setup, extra, message):
+    setup(tmp_path)
+    code, out, err = run_cli(capsys, tmp_path, *extra)
+    assert (code, out) == (2, "")
+    assert err == message.format(d=tmp_path) + "\n"
+
+
+def test_unwritable_output_and_unknown_extension(tmp_path, capsys):
+    hand_example(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    code, out, err = run_cli(capsys, tmp_path, output="a_file/curves.png")
+    assert (code, out) == (2, "")
+    assert err == (f"error: --output's directory {tmp_path}/a_file is not a writable directory (File exists): "
+                   f"choose a directory you can write to\n")
+    code, out, err = run_cli(capsys, tmp_path, output="curves.jpg")
+    assert (code, out) == (2, "")
+    assert err == f"error: --output {tmp_path}/curves.jpg: unknown extension '.jpg': use .png, .svg, .pdf\n"
+
+
+# --- the figure -----------------------------------------------------------------------------------------
+
+def test_figure_panels(tmp_path):
+    hand_example(tmp_path)
+    fig = plot_comparison(compare(load_runs(str(tmp_path))))
+    loss, diff, grad = fig.axes
+    assert [ax.get_title() for ax in fig.axes] == ["Loss", "Loss difference from DDP",
+                                                   "Gradient norm (before clipping)"]
+    assert fig._suptitle.get_text() == "5 steps against DDP (TP=1, DP=2): FAIL"
+    labels = ["DDP (TP=1, DP=2)", "DeepSpeed AutoTP (TP=2, DP=2)", "FSDP+DTensor (TP=2, DP=2)"]
+    assert [line.get_label() for line in loss.get_lines()] == labels
+    assert [line.get_label() for line in grad.get_lines()] == labels
+    assert list(loss.get_lines()[2].get_ydata()) == FSDP_LOSS
+    assert list(grad.get_lines()[0].get_ydata()) == DDP_GRAD
+    assert [line.get_label() for line in diff.get_lines()] == labels[1:]
+    assert list(diff.get_lines()[1].get_ydata()) == [0.0, 0.0, 0.5, 0.0, -0.25]
+    band, failure = diff.collections  # the tolerance band, then the marker at FSDP's first failing step
+    assert band.get_label() == "tolerance ±1e-05·|DDP|"
+    assert failure.get_label() == "FSDP+DTensor: first step outside (2)"
+    assert failure.get_offsets().tolist() == [[2.0, 0.5]]
+    assert (grad.get_xlabel(), diff.get_ylabel()) == ("step", "loss − DDP loss")
+
+
+@pytest.mark.parametrize("name,check", [
+    ("curves.png", lambda data: data[:8] == b"\x89PNG\r\n\x1a\n"),
+    ("curves.svg", lambda data: ET.fromstring(data).tag == "{http://www.w3.org/2000/svg}svg"),
+    ("curves.pdf", lambda data: data[:5] == b"%PDF-"),
+])
+def test_figure_formats(tmp_path, capsys, name, check):
+    hand_example(tmp_path)
+    assert run_cli(capsys, tmp_path, output=name)[0] == 1
+    assert check((tmp_path / name).read_bytes())
+    assert json.loads((tmp_path / "comparison.json").read_text())["figure"] == name
