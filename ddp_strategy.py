@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from parity.errors import ConfigError
-from parity.strategy import Strategy, build_optimizer, clip_max_norm, set_lr
+from parity.strategy import Strategy, build_optimizer, clip_local_gradients, set_lr
 
 
 class DDPStrategy(Strategy):
@@ -29,12 +29,15 @@ class DDPStrategy(Strategy):
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg)
 
     def optimizer_step(self, lr: float) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_max_norm(self.cfg))
+        norm = clip_local_gradients(self.model.parameters(), self.cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
+
+    @property
+    def hf_model(self):
+        return self.model.module
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().clone() for n, p in self.model.module.named_parameters()}

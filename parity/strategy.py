@@ -69,9 +69,31 @@ def lr_at(step: int, cfg) -> float:
     return cfg.learning_rate
 
 
-def clip_max_norm(cfg) -> float:
-    """--max_grad_norm 0 means no clipping; the norm is still measured for the record."""
-    return cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+def squared_norm_fp64(t: torch.Tensor) -> torch.Tensor:
+    """Sum of squares accumulated in float64.
+
+    The pre-clip norm is compared across strategies at 1e-5, and an fp32 norm over a large gradient
+    (the 2048×64 tied embedding already) is itself only good to ~1e-5; in float64 the only difference
+    left is which partial sums each strategy forms, far below that.
+    """
+    return t.detach().double().pow(2).sum()
+
+
+def clip_coefficient(total_norm: float, cfg) -> float:
+    """torch's clip_grad_norm_ formula: max_norm / (norm + 1e-6), at most 1; --max_grad_norm 0 = off."""
+    if cfg.max_grad_norm <= 0:
+        return 1.0
+    return min(1.0, cfg.max_grad_norm / (total_norm + 1e-6))
+
+
+def clip_local_gradients(params, cfg) -> float:
+    """Clip gradients that are plain (unsharded) tensors by their global norm; return that norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = math.sqrt(float(sum(squared_norm_fp64(g) for g in grads)))
+    coef = clip_coefficient(norm, cfg)
+    if coef < 1.0:
+        torch._foreach_mul_(grads, coef)
+    return norm
 
 
 class Strategy:
@@ -104,6 +126,16 @@ class Strategy:
     def setup(self, model) -> None:
         """Wrap `model` (fp32, CPU, shared initial weights loaded) and build the optimizer."""
         raise NotImplementedError
+
+    @property
+    def hf_model(self):
+        """The Hugging Face module tree inside the wrapper, named as in a stock model (for hooks)."""
+        raise NotImplementedError
+
+    def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
+        """A module's output (or output gradient) on this rank, at the full size a stock model produces
+        for this rank's batch slice: TP shards gathered. The identity where nothing is sharded."""
+        return output
 
     def autocast(self):
         """The compute-precision context of the forward pass."""
