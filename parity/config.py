@@ -139,6 +139,17 @@ def config_from_args(strategy: str, args: argparse.Namespace) -> RunConfig:
     return RunConfig(strategy=strategy, options=options, **common)
 
 
+def to_argv(flags: dict[str, Any]) -> list[str]:
+    """{"tp_size": 2, "autocast": True} → ["--tp_size", "2", "--autocast"] (False/None are left out)."""
+    argv: list[str] = []
+    for key, value in flags.items():
+        if value is True:
+            argv.append(f"--{key}")
+        elif value is not False and value is not None:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
 def check_layout(cfg: RunConfig) -> None:
     """Positive sizes and num_workers = tp_size × dp_size; fills dp_size when it was left out."""
     for name in ("num_workers", "tp_size", "batch_size", "seq_length", "num_epochs", "log_interval", "num_samples"):

@@ -53,8 +53,9 @@ def place_workers(cfg: RunConfig, resources: dict) -> None:
     cfg.cpus_per_worker = min(1.0, float(resources.get("CPU", 1)) / cfg.num_workers)
 
 
-def launch(cfg: RunConfig) -> float:
-    """Run the training job; returns Ray start-up seconds. Raises TrainingFailed if a worker fails."""
+def launch(cfg: RunConfig, worker=None, extra: dict | None = None) -> float:
+    """Run `worker` (default: the training loop) on cfg.num_workers Ray Train workers; it receives
+    {"cfg": the resolved cfg as a dict, **extra}. Returns Ray start-up seconds; raises TrainingFailed."""
     import ray
     from ray.train import FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -65,8 +66,8 @@ def launch(cfg: RunConfig) -> float:
     place_workers(cfg, ray.cluster_resources())
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_cuda else {})}
     trainer = TorchTrainer(
-        train_worker,
-        train_loop_config=cfg.to_dict(),
+        worker or train_worker,
+        train_loop_config={"cfg": cfg.to_dict(), **(extra or {})},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_cuda,
                                      resources_per_worker=resources),
         run_config=RayRunConfig(storage_path=cfg.storage_path, name=cfg.experiment_name,

@@ -30,9 +30,9 @@ from parity.strategy import WorkerContext, causal_lm_loss, lr_at
 
 def train_worker(payload: dict) -> None:
     """Ray Train's train_loop_per_worker: the process group (gloo or NCCL) is already up."""
-    cfg = RunConfig.from_dict(payload)
+    cfg = RunConfig.from_dict(payload["cfg"])
     ctx = worker_context(cfg)
-    log = _logger(cfg, ctx)
+    log = rank0_logger(cfg, ctx)
     model_config = resolve_model_config(cfg.model_name, cfg.num_layers)
 
     model, weights_sha = prepare_model(cfg, model_config, ctx, log)  # [1]
@@ -147,7 +147,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _logger(cfg: RunConfig, ctx: WorkerContext):
+def rank0_logger(cfg: RunConfig, ctx: WorkerContext):
     def log(message: str) -> None:
         if ctx.is_logging_rank:
             print(f"[{cfg.strategy}] {message}", flush=True)

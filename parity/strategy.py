@@ -46,9 +46,10 @@ class StepStats:
     grad_norm: float  # global L2 norm of the gradients before clipping
 
 
-def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 (logits are upcast, whatever the compute dtype)."""
-    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 (logits are upcast, whatever the compute dtype).
+    `labels` are the input ids (position t predicts labels[t+1])."""
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
 
 
 def build_optimizer(params, cfg) -> torch.optim.AdamW:
@@ -175,7 +176,11 @@ class Strategy:
         return StepStats(loss=sum(dp_losses) / len(dp_losses), dp_rank_losses=dp_losses, grad_norm=float(grad_norm))
 
     def gather_dp_losses(self, loss: torch.Tensor) -> list[float]:
-        """Each DP rank's loss, read from the first rank of its TP group (all of a group agree)."""
-        gathered = [torch.zeros_like(loss) for _ in range(self.ctx.world_size)]
-        dist.all_gather(gathered, loss)
-        return [float(gathered[d * self.ctx.tp_size]) for d in range(self.ctx.dp_size)]
+        return [float(x) for x in self.gather_dp(loss)]
+
+    def gather_dp(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Each DP rank's `t` (same shape everywhere), read from the first rank of its TP group: the
+        ranks of a TP group hold the same full-size values. Collective: every rank calls it."""
+        gathered = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, t.contiguous())
+        return [gathered[d * self.ctx.tp_size] for d in range(self.ctx.dp_size)]

@@ -11,6 +11,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from parity.config import to_argv as argv_from  # noqa: E402
 from parity.record import load_record  # noqa: E402
 
 # Small enough that a Ray Train run is dominated by start-up, big enough that TP has work to split.
@@ -36,16 +37,6 @@ def tiny_weights(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("weights") / "init_weights.pt")
     save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed=42), path)
     return path
-
-
-def argv_from(flags: dict) -> list[str]:
-    argv = []
-    for key, value in flags.items():
-        if value is True:
-            argv.append(f"--{key}")
-        elif value is not False and value is not None:
-            argv += [f"--{key}", str(value)]
-    return argv
 
 
 def train(strategy: str, out_dir, **flags) -> dict:

@@ -1,0 +1,184 @@
+"""Comparing single-step dumps tensor by tensor, and locating the first divergence.
+
+Every tensor is full size under its Hugging Face name in every dump, so a pair of runs is compared
+element-wise: the norm in each run, the max absolute difference, and the relative difference
+max|a − b| / scale, where scale is the reference tensor's max |value| — or, for a tensor far below the
+rest of its kind, 1e-3 of the kind's largest max |value|. That floor exists for tensors that are zero up
+to rounding: the k_proj bias gradient is mathematically zero (softmax ignores a shift shared by all
+keys), so its rounding noise relative to itself is meaningless, and would otherwise read as divergence.
+
+Order matters for diagnosis: the first divergence is the first tensor over tolerance in execution order
+— module outputs in forward order, then output gradients in backward order, then parameter gradients,
+then the updated parameters — named as module + phase.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from parity.errors import ConfigError
+from parity.strategies import STRATEGY_MODULES, display_name
+
+KINDS = ("output", "output_grad", "grad", "param")
+PHASES = {"output": "forward output", "output_grad": "backward (output gradient)", "grad": "parameter gradient",
+          "param": "parameter after the optimizer step"}
+SCALE_FLOOR = 1e-3
+
+FP32_RTOL = 1e-5
+"""fp32: the same arithmetic in another reduction order differs by ~1e-7 relative per element; 1e-5
+leaves two orders of margin and still flags a one-in-a-thousand perturbation of a single shard."""
+
+BF16_RTOL = 6e-2
+"""bf16 (autocast compute, fp32 weights): every matmul output is rounded to an 8-bit significand (unit
+roundoff 2^-8 ≈ 3.9e-3), and under TP the row-parallel partial sums are rounded before they are added,
+so a layer's output may differ by a few units of roundoff relative to its largest element; gradients
+go through twice as many bf16 matmuls and, near their largest elements, cancellations. 6e-2 (≈ 15 units
+of roundoff) bounds what correct runs showed (see README) with margin, and still fails a wrong shard,
+a missing all-reduce or a dropped gradient, which move tensors by O(1) relative."""
+
+PAIR_ORDER = (("ddp", "deepspeed"), ("ddp", "fsdp"), ("deepspeed", "fsdp"))
+
+
+@dataclass
+class Dump:
+    strategy: str
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def label(self) -> str:
+        return f"{display_name(self.strategy)} (TP={self.meta['tp_size']}, DP={self.meta['dp_size']})"
+
+
+@dataclass
+class Row:
+    key: str
+    kind: str
+    name: str
+    norm_a: float
+    norm_b: float
+    max_abs: float
+    rel: float
+
+
+@dataclass
+class PairResult:
+    a: str
+    b: str
+    tolerance: float
+    rows: list[Row]
+    bit_identical: bool
+    first_divergence: dict | None  # {"module", "phase", "rel", "key"} of the first tensor over tolerance
+    loss_a: float
+    loss_b: float
+
+    @property
+    def passed(self) -> bool:
+        return self.first_divergence is None
+
+    @property
+    def max_rel(self) -> float:
+        return max(r.rel for r in self.rows)
+
+
+def load_dumps(input_dir: str) -> dict[str, Dump]:
+    """Every dump_<strategy> of the folder; ConfigError if they are not dumps of the same step."""
+    from safetensors.torch import load_file
+
+    metas = sorted(glob.glob(os.path.join(input_dir, "dump_*.json")))
+    if not metas:
+        raise ConfigError(f"{input_dir} holds no dump_*.json: run run_verification.py --output_dir {input_dir} first")
+    dumps = {}
+    for meta_path in metas:
+        tensor_path = meta_path[: -len(".json")] + ".safetensors"
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            tensors = load_file(tensor_path)
+        except (OSError, ValueError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{os.path.basename(meta_path)} or its tensors cannot be read "
+                              f"({type(exc).__name__}: {exc}): rerun that strategy") from None
+        dumps[meta["strategy"]] = Dump(meta["strategy"], meta, tensors)
+    first = next(iter(dumps.values()))
+    for dump in dumps.values():
+        for key, what in (("inputs_sha256", "inputs"), ("init_weights_sha256", "initial weights"),
+                          ("model_config", "model config"), ("learning_rate", "learning rate")):
+            if dump.meta[key] != first.meta[key]:
+                raise ConfigError(f"dumps from different {what}: {first.strategy} and {dump.strategy} differ in "
+                                  f"{key}; rerun both with the same --output_dir")
+        if dump.meta["dp_size"] != first.meta["dp_size"]:
+            raise ConfigError(f"dumps from different DP sizes: {first.strategy} has dp={first.meta['dp_size']}, "
+                              f"{dump.strategy} dp={dump.meta['dp_size']}; rerun with one --dp_size")
+    return dumps
+
+
+def tolerance_for(a: Dump, b: Dump, override: float | None = None) -> float:
+    if override is not None:
+        return override
+    return BF16_RTOL if "bf16" in (a.meta["precision"], b.meta["precision"]) else FP32_RTOL
+
+
+def execution_order(dump: Dump) -> list[str]:
+    """Keys in the order the step produced them."""
+    keys = [f"output/{n}" for n in dump.meta["forward_order"]]
+    keys += [f"output_grad/{n}" for n in dump.meta["backward_order"]]
+    for kind in ("grad", "param"):
+        keys += [k for k in dump.tensors if k.startswith(kind + "/")]
+    return [k for k in keys if k in dump.tensors]
+
+
+def compare_pair(a: Dump, b: Dump, tolerance: float) -> PairResult:
+    """Compare run `a` against reference `b` (b is the earlier of the pair: DDP first)."""
+    keys = execution_order(b)
+    missing = [k for k in keys if k not in a.tensors]
+    if missing:
+        raise ConfigError(f"dump of {a.strategy} lacks {missing[0]} that {b.strategy} has "
+                          f"({len(missing)} tensors): rerun both with the same version of the harness")
+    scale = {kind: max((float(b.tensors[k].abs().max()) for k in keys if k.startswith(kind + "/")), default=0.0)
+             for kind in KINDS}
+    rows, first = [], None
+    for key in keys:
+        kind, name = key.split("/", 1)
+        ta, tb = a.tensors[key].double(), b.tensors[key].double()
+        if ta.shape != tb.shape:
+            raise ConfigError(f"{key} has shape {tuple(ta.shape)} in {a.strategy} and {tuple(tb.shape)} in "
+                              f"{b.strategy}: a strategy did not gather it to full size")
+        max_abs = float((ta - tb).abs().max()) if ta.numel() else 0.0
+        denom = max(float(tb.abs().max()) if tb.numel() else 0.0, SCALE_FLOOR * scale[kind], 1e-30)
+        row = Row(key, kind, name, float(ta.norm()), float(tb.norm()), max_abs, max_abs / denom)
+        rows.append(row)
+        if first is None and not row.rel <= tolerance:  # NaN is a divergence too
+            first = {"module": name, "phase": PHASES[kind], "rel": row.rel, "key": key}
+    return PairResult(a=a.strategy, b=b.strategy, tolerance=tolerance, rows=rows,
+                      bit_identical=all(r.max_abs == 0 for r in rows) and a.meta["loss"] == b.meta["loss"],
+                      first_divergence=first, loss_a=a.meta["loss"], loss_b=b.meta["loss"])
+
+
+def compare_all(dumps: dict[str, Dump], override: float | None = None) -> list[PairResult]:
+    if len(dumps) < 2:
+        raise ConfigError(f"only {', '.join(dumps)} has a dump: a comparison needs two strategies")
+    known = [s for s in STRATEGY_MODULES if s in dumps]
+    pairs = [(x, y) for x, y in PAIR_ORDER if x in dumps and y in dumps]
+    pairs += [(x, y) for i, x in enumerate(known) for y in known[i + 1:] if (x, y) not in pairs]
+    return [compare_pair(dumps[y], dumps[x], tolerance_for(dumps[x], dumps[y], override)) for x, y in pairs]
+
+
+def summary_json(dumps: dict[str, Dump], results: list[PairResult]) -> dict:
+    return {
+        "runs": {s: {k: d.meta[k] for k in ("tp_size", "dp_size", "precision", "loss", "dp_rank_losses",
+                                             "grad_norm", "perturbed")} for s, d in dumps.items()},
+        "pairs": [{"run": r.a, "reference": r.b, "tolerance": r.tolerance, "verdict": "PASS" if r.passed else "FAIL",
+                   "bit_identical": r.bit_identical, "max_rel": _finite(r.max_rel),
+                   "first_divergence": r.first_divergence, "loss": r.loss_a, "reference_loss": r.loss_b,
+                   "rows": [{k: _finite(v) for k, v in asdict(row).items()} for row in r.rows]} for r in results],
+    }
+
+
+def _finite(x):
+    return x if not isinstance(x, float) or math.isfinite(x) else str(x)

@@ -1,0 +1,181 @@
+"""Single-step, layer-by-layer verification: one forward/backward/optimizer step, fully recorded.
+
+Every rank runs the same step on its DP slice of one fixed global batch. Forward hooks record each
+module's output, tensor hooks each output's gradient; after backward every parameter's gradient, after
+the optimizer step every parameter. All of it is gathered to full size (TP shards by the strategy's
+`full_module_output` / `full_gradients` / `full_parameters`, DP slices concatenated along the batch) and
+rank 0 writes it under Hugging Face names, so two strategies are compared tensor for tensor — never a
+shard's norm against a full tensor's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from parity.atomic import atomic_path, write_json_atomic
+from parity.config import RunConfig
+from parity.data import GlobalBatches, open_dataset
+from parity.errors import ConfigError
+from parity.model import config_summary, file_sha256, resolve_model_config
+
+INPUTS_FILE = "inputs.safetensors"
+WEIGHTS_FILE = "init_weights.safetensors"
+PERTURBATION = 1e-3  # added to one TP shard by --perturb_param: far above fp32 noise, far below the weights
+
+
+def dump_paths(output_dir: str, strategy: str) -> tuple[str, str]:
+    stem = os.path.join(output_dir, f"dump_{strategy}")
+    return stem + ".safetensors", stem + ".json"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The shared inputs (driver side)
+# ---------------------------------------------------------------------------------------------------
+
+def write_inputs(cfg: RunConfig, model_config, path: str) -> None:
+    """The global batch every run of the folder uses: step 0 of the run's data, labels = input ids."""
+    dataset = open_dataset(cfg.dataset, cfg.tokenizer, model_config.vocab_size, cfg.seq_length, cfg.num_samples,
+                           cfg.seed)
+    input_ids = GlobalBatches(dataset, cfg.global_batch_size, cfg.seed)(0)
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file({"input_ids": input_ids, "labels": input_ids.clone()}, tmp,
+                  metadata={"dataset": dataset.describe(), "seed": str(cfg.seed)})
+
+
+def check_inputs(path: str, cfg: RunConfig, vocab_size: int) -> None:
+    """The folder's inputs must be the global batch this run would slice: same size and length."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            max_id = int(f.get_tensor("input_ids").max()) if "input_ids" in shapes else -1
+    except Exception as exc:
+        raise ConfigError(f"{path} cannot be read ({type(exc).__name__}): delete the folder's inputs and "
+                          f"weights to start afresh") from None
+    want = (cfg.global_batch_size, cfg.seq_length)
+    if shapes.get("input_ids") != want or shapes.get("labels") != want:
+        raise ConfigError(f"{path} holds a global batch of {shapes.get('input_ids')}, this run needs {want} "
+                          f"(batch_size {cfg.batch_size} × dp_size {cfg.dp_size}, seq_length {cfg.seq_length}): "
+                          f"use the folder's settings or a fresh --output_dir")
+    if max_id >= vocab_size:
+        raise ConfigError(f"{path} holds token id {max_id}, beyond the model's vocab ({vocab_size}): "
+                          f"use a fresh --output_dir for this model")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The recorded step (worker side)
+# ---------------------------------------------------------------------------------------------------
+
+class ModuleRecorder:
+    """Hooks on every submodule: its output (the first tensor of a tuple) and that output's gradient.
+
+    Only outputs with this rank's batch as first dimension are kept; that leaves out the rotary table,
+    which does not depend on the batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, local_batch: int):
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.output_grads: dict[str, torch.Tensor] = {}
+        self.backward_order: list[str] = []
+        self.local_batch = local_batch
+        self.handles = [m.register_forward_hook(self._forward_hook(name))
+                        for name, m in model.named_modules() if name]
+
+    def _forward_hook(self, name: str):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != self.local_batch:
+                return
+            self.outputs[name] = out.detach().clone()
+            if out.requires_grad:
+                out.register_hook(self._grad_hook(name))
+        return hook
+
+    def _grad_hook(self, name: str):
+        def hook(grad):
+            self.output_grads[name] = grad.detach().clone()
+            self.backward_order.append(name)
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def perturb_local_shard(strategy, param_name: str) -> None:
+    """Add PERTURBATION to this rank's piece of one parameter on TP rank 0 only: a fault in one TP shard
+    (on every DP replica alike, so DP ranks stay consistent). Used to check the verifier finds it."""
+    params = dict(strategy.hf_model.named_parameters())
+    if param_name not in params:
+        raise ValueError(f"--perturb_param {param_name}: no such parameter (e.g. model.layers.0.mlp.up_proj.weight)")
+    if strategy.ctx.tp_rank == 0:
+        p = params[param_name]
+        local = p.to_local() if hasattr(p, "to_local") else p
+        with torch.no_grad():
+            local.add_(PERTURBATION)
+
+
+def verify_worker(payload: dict) -> None:
+    """Ray Train worker: one fully recorded step; rank 0 writes dump_<strategy>.{safetensors,json}."""
+    from safetensors.torch import load_file, save_file
+
+    from parity.loop import prepare_model, rank0_logger, worker_context
+    from parity.strategies import strategy_class
+    from parity.strategy import causal_lm_loss
+
+    cfg = RunConfig.from_dict(payload["cfg"])
+    output_dir = payload["output_dir"]
+    ctx = worker_context(cfg)
+    log = rank0_logger(cfg, ctx)
+    model_config = resolve_model_config(cfg.model_name, cfg.num_layers)
+    model, weights_sha = prepare_model(cfg, model_config, ctx, log)
+    strategy = strategy_class(cfg.strategy)(cfg, ctx)
+    strategy.setup(model)
+    if payload.get("perturb_param"):
+        perturb_local_shard(strategy, payload["perturb_param"])
+        log(f"perturbed {payload['perturb_param']} by {PERTURBATION} on TP rank 0")
+
+    inputs_path = os.path.join(output_dir, INPUTS_FILE)
+    inputs = load_file(inputs_path)
+    rows = slice(ctx.dp_rank * cfg.batch_size, (ctx.dp_rank + 1) * cfg.batch_size)
+    input_ids, labels = inputs["input_ids"][rows].to(ctx.device), inputs["labels"][rows].to(ctx.device)
+
+    recorder = ModuleRecorder(strategy.hf_model, cfg.batch_size)
+    with strategy.autocast():
+        logits = strategy.forward(input_ids)
+    loss = causal_lm_loss(logits, labels)
+    strategy.backward(loss)
+    recorder.remove()
+    grads = strategy.full_gradients()
+    grad_norm = strategy.optimizer_step(cfg.learning_rate)
+    params = strategy.full_parameters()
+    dp_losses = strategy.gather_dp_losses(loss.detach())
+
+    forward_order = list(recorder.outputs)
+    tensors = {}
+    for kind, store in (("output", recorder.outputs), ("output_grad", recorder.output_grads)):
+        for name in forward_order:  # the same order on every rank: the gathers are collective
+            if name in store:
+                full = strategy.full_module_output(name, store[name])
+                tensors[f"{kind}/{name}"] = torch.cat(strategy.gather_dp(full.float())).cpu()
+    tensors.update({f"grad/{k}": v for k, v in grads.items()})
+    tensors.update({f"param/{k}": v for k, v in params.items()})
+
+    if ctx.is_logging_rank:
+        tensor_path, meta_path = dump_paths(output_dir, cfg.strategy)
+        with atomic_path(tensor_path) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        write_json_atomic(meta_path, {
+            "strategy": cfg.strategy, "tp_size": cfg.tp_size, "dp_size": cfg.dp_size,
+            "precision": cfg.precision, "options": cfg.options, "device_type": ctx.device.type,
+            "model_config": config_summary(model_config),
+            "init_weights_sha256": weights_sha, "inputs_sha256": file_sha256(inputs_path),
+            "learning_rate": cfg.learning_rate, "loss": sum(dp_losses) / len(dp_losses),
+            "dp_rank_losses": dp_losses, "grad_norm": grad_norm, "perturbed": payload.get("perturb_param"),
+            "forward_order": forward_order, "backward_order": recorder.backward_order})
+        log(f"wrote {tensor_path}: {len(tensors)} tensors, loss {sum(dp_losses) / len(dp_losses):.8f}")
