@@ -29,15 +29,33 @@ def ensure_ray() -> float:
     # Ray Train V2 copies worker prints into its own log as well, so every line would appear twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     t0 = time.perf_counter()
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    address = os.environ.get("RAY_ADDRESS") or None
+    try:
+        _init_ray(address)
+    except ConnectionError as exc:
+        raise ConfigError(f"cannot reach the Ray cluster at {address} ({str(exc).strip().splitlines()[-1]}): "
+                          f"start it, or unset RAY_ADDRESS to run on a local one") from None
+    return time.perf_counter() - t0
+
+
+def _init_ray(address: str | None) -> None:
+    import ray
+
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ or (address and not _is_loopback(address)):
+        # A Ray Job (Anyscale) or a remote cluster: the job's runtime env (working_dir) ships the code.
+        ray.init(address=address, log_to_driver=True)
     else:
-        # A local cluster: workers import the strategy modules from this checkout.
+        # A cluster on this machine, ours or one run_verification_main.sh started: workers import the
+        # strategy modules from this checkout.
         path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-        ray.init(include_dashboard=False, log_to_driver=True,
+        ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": path},
                               "worker_process_setup_hook": "parity.ray_setup.quiet_logs"})
-    return time.perf_counter() - t0
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split("://")[-1].rsplit(":", 1)[0]
+    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def place_workers(cfg: RunConfig, resources: dict) -> None:
