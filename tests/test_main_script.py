@@ -1,0 +1,44 @@
+"""run_verification_main.sh end to end on CPU, as a newcomer runs it (shortened): three loss records,
+a figure, a report, verdict PASS, exit 0 — and a clear stop, non-zero, when a run fails."""
+
+import json
+import os
+import subprocess
+
+from conftest import REPO
+
+SCRIPT = os.path.join(REPO, "run_verification_main.sh")
+
+
+def run_main(out, **env_vars):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({"OUTPUT_DIR": str(out), "DEBUG_STEPS": "12", "SEQ_LENGTH": "64", "LOG_INTERVAL": "4",
+                "DEVICE": "cpu", **env_vars})
+    return subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
+
+
+def test_three_runs_then_a_pass_verdict(tmp_path):
+    proc = run_main(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    loss_dir = tmp_path / "loss_curves"
+    for strategy in ("ddp", "deepspeed", "fsdp"):
+        record = json.loads((loss_dir / f"loss_{strategy}.json").read_text())
+        assert record["complete"] and len(record["steps"]) == 12 and record["config"]["precision"] == "fp32"
+    assert (loss_dir / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (loss_dir / "report.md").read_text()
+    assert report.startswith("# Loss curve comparison against DDP") and "![Loss curves](loss_curves.png)" in report
+    summary = json.loads((loss_dir / "comparison.json").read_text())
+    assert (summary["baseline"], summary["num_steps"], summary["verdict"]) == ("ddp", 12, "PASS")
+    for strategy in ("deepspeed", "fsdp"):
+        against = summary["against_baseline"][strategy]
+        assert (against["verdict"], against["rtol"]) == ("PASS", 1e-5) and against["max_rel_diff"] < 1e-5
+    assert "LOSS CURVE STATISTICS" in proc.stdout and "VERDICT: PASS" in proc.stdout
+    assert (tmp_path / "shared_weights" / "init_weights.pt").exists()
+
+
+def test_a_failing_run_stops_the_script(tmp_path):
+    proc = run_main(tmp_path, EXTRA_ARGS="--tp_size 3")
+    assert proc.returncode == 1
+    assert "error: the ddp run failed" in proc.stderr
+    assert "error: --num_workers 2 ≠ --tp_size 3 × --dp_size 2" in proc.stderr
+    assert "== deepspeed" not in proc.stdout and not list((tmp_path / "loss_curves").glob("loss_*.json"))
