@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 
-from parity.errors import ConfigError
 
 
 def parse_args(argv=None):
@@ -39,12 +38,10 @@ def compare(input_dir: str, tolerance=None, heatmap=None) -> int:
 
 
 def main(argv=None) -> int:
+    from parity.cli import exit_code
+
     args = parse_args(argv)
-    try:
-        return compare(args.input_dir, args.tolerance, args.heatmap)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return exit_code(lambda: compare(args.input_dir, args.tolerance, args.heatmap), "the comparison")
 
 
 if __name__ == "__main__":

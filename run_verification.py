@@ -48,17 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from parity.launch import TrainingFailed
+    from parity.cli import exit_code
 
     args, extras = build_parser().parse_known_args(argv)
-    try:
-        return verify(args, extras)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except TrainingFailed as exc:
-        print(f"error: a verification run failed: {exc}", file=sys.stderr)
-        return 1
+    return exit_code(lambda: verify(args, extras), "a verification run")
 
 
 def verify(args, extras: list[str]) -> int:

@@ -60,18 +60,27 @@ def run(strategy: str, argv: list[str] | None = None, description: str = "") -> 
 
 
 def main(strategy: str, description: str = "") -> int:
-    """Entry-script main: bad input is one line on stderr and exit 2; a failed run exits 1."""
+    """Entry-script main of train_<strategy>.py."""
+    def train() -> int:
+        run(strategy, sys.argv[1:], description)
+        return 0
+
+    return exit_code(train, "training")
+
+
+def exit_code(action, what: str) -> int:
+    """Run `action` (returning an exit code) the way every entry script does: bad input is one line on
+    stderr and exit 2; a run that failed on a worker is one line naming `what` failed, and exit 1."""
     from parity.launch import TrainingFailed
 
     try:
-        run(strategy, sys.argv[1:], description)
+        return action()
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except TrainingFailed as exc:
-        print(f"error: training failed: {exc}", file=sys.stderr)
+        print(f"error: {what} failed: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 def _absolute_paths(cfg: RunConfig) -> None:
