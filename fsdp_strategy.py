@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from parity.errors import ConfigError
-from parity.strategy import Strategy, build_optimizer, clip_coefficient, set_lr, squared_norm_fp64
+from parity.strategy import Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
 
 MIXED_PRECISION = ("autocast", "policy")
 # Per decoder layer: the projections that read the replicated residual stream are split by output
@@ -72,7 +72,6 @@ def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-@torch.no_grad()
 def global_grad_norm(grads: list[DTensor]) -> float:
     """The L2 norm of all gradients, whatever mesh and placements each one has.
 
@@ -90,6 +89,18 @@ def global_grad_norm(grads: list[DTensor]) -> float:
         local_sums[key] = local_sums[key] + squared_norm_fp64(g.to_local())
     return math.sqrt(sum(float(DTensor.from_local(total, mesh, placements).full_tensor())
                          for (mesh, placements), total in local_sums.items()))
+
+
+@torch.no_grad()
+def clip_sharded_gradients(params, cfg) -> float:
+    """Clip DTensor gradients by their global norm (torch's formula, --max_grad_norm); return that norm.
+    Scaling each rank's local shards scales the whole tensors: no communication."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = global_grad_norm(grads)
+    coef = clip_coefficient(norm, cfg)
+    if coef < 1.0:
+        torch._foreach_mul_([g.to_local() for g in grads], coef)
+    return norm
 
 
 class FSDPStrategy(Strategy):
@@ -129,14 +140,8 @@ class FSDPStrategy(Strategy):
         return super().autocast()
 
     def optimizer_step(self, lr: float) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = global_grad_norm(grads)
-        coef = clip_coefficient(norm, self.cfg)
-        if coef < 1.0:
-            torch._foreach_mul_([g.to_local() for g in grads], coef)  # local shards: no communication
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
+        step_optimizer(self.optimizer, lr)
         return norm
 
     @property
