@@ -27,6 +27,9 @@ MIXED_PRECISION = ("autocast", "policy")
 # columns, the ones that write back to it by input rows (so each block needs one all-reduce).
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+# Modules whose outputs stay local shards along the last dim: the colwise ones, and the MLP's activation
+# (applied to gate_proj's shard before up_proj's shard multiplies it).
+SHARDED_OUTPUTS = COLWISE + ("mlp.act_fn",)
 
 
 def apply_tp(model, tp_mesh: DeviceMesh) -> None:
@@ -152,7 +155,7 @@ class FSDPStrategy(Strategy):
         """Colwise outputs (and their gradients) are local shards along the last dim: gathered over tp."""
         if isinstance(output, DTensor):
             return output.full_tensor()
-        if self.ctx.tp_size > 1 and module_name.startswith("model.layers.") and module_name.endswith(COLWISE):
+        if self.ctx.tp_size > 1 and module_name.startswith("model.layers.") and module_name.endswith(SHARDED_OUTPUTS):
             return DTensor.from_local(output.detach(), self.tp_mesh, [Shard(output.dim() - 1)]).full_tensor()
         return output
 

@@ -123,9 +123,10 @@ def test_hf_checkpoint_reproduces_the_final_loss(tp2_dp2):
 # Module outputs at full size: two gloo processes (TP=2×DP=1) without Ray, against a stock model
 # ---------------------------------------------------------------------------------------------------
 
-# A colwise module with a bias, a colwise MLP input, a rowwise output (already full) and a replicated norm.
-HOOKED = ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj", "model.layers.0.mlp.down_proj",
-          "model.norm")
+# Local shards: a colwise module with a bias, a colwise MLP input, the activation on the other one; already
+# full: a rowwise output and a replicated norm.
+HOOKED = ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.act_fn",
+          "model.layers.0.mlp.down_proj", "model.norm")
 
 
 def record_outputs(model, to_full):
