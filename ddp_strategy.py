@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from parity.errors import ConfigError
-from parity.strategy import Strategy, build_optimizer, clip_local_gradients, set_lr
+from parity.strategy import Strategy, build_optimizer, clip_local_gradients, step_optimizer
 
 
 class DDPStrategy(Strategy):
@@ -30,9 +30,7 @@ class DDPStrategy(Strategy):
 
     def optimizer_step(self, lr: float) -> float:
         norm = clip_local_gradients(self.model.parameters(), self.cfg)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        step_optimizer(self.optimizer, lr)
         return norm
 
     @property

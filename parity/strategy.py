@@ -63,6 +63,13 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def step_optimizer(optimizer, lr: float) -> None:
+    """Step a torch optimizer at `lr` and drop the gradients (after the strategy has clipped them)."""
+    set_lr(optimizer, lr)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def lr_at(step: int, cfg) -> float:
     """Linear warm-up over --warmup_steps, then constant."""
     if cfg.warmup_steps and step < cfg.warmup_steps:

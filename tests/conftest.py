@@ -88,3 +88,24 @@ def final_parameters(record: dict) -> dict:
 def max_abs_param_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def checkpoint_loss(record: dict) -> float:
+    """A stock Qwen2ForCausalLM's loss, loaded from the run's final checkpoint, on the batch the run
+    evaluated last (after checking it is the batch the run trained on at that step)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from parity.data import GlobalBatches, batch_hash, open_dataset
+    from parity.strategy import causal_lm_loss
+
+    model = Qwen2ForCausalLM.from_pretrained(record["final"]["checkpoint_dir"]).float().eval()
+    cfg = record["config"]
+    dataset = open_dataset(cfg["dataset"], cfg["tokenizer"], cfg["model_config"]["vocab_size"], cfg["seq_length"],
+                           cfg["num_samples"], cfg["seed"])
+    batches = GlobalBatches(dataset, cfg["global_batch_size"], cfg["seed"])
+    step = record["final"]["eval_batch_step"]
+    batch = batches(step)
+    assert record["steps"][step]["batch_hash"] == batch_hash(batch)
+    with torch.no_grad():
+        return causal_lm_loss(model(input_ids=batch).logits, batch).item()

@@ -2,11 +2,8 @@
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
 
-from conftest import max_rel_diff, series, train
-from parity.data import GlobalBatches, SyntheticMarkov
-from parity.strategy import causal_lm_loss
+from conftest import checkpoint_loss, max_rel_diff, series, train
 
 STEPS = 100
 FP32 = {"debug_steps": STEPS, "precision": "fp32", "device": "cpu"}
@@ -58,13 +55,6 @@ def test_record_schema_and_completion(ddp_runs):
 
 def test_hf_checkpoint_reproduces_the_final_loss(ddp_runs):
     rec = ddp_runs["two"]
-    model = Qwen2ForCausalLM.from_pretrained(rec["final"]["checkpoint_dir"]).float().eval()
-    cfg = rec["config"]
-    batches = GlobalBatches(SyntheticMarkov(2048, cfg["seq_length"], cfg["num_samples"], cfg["seed"]),
-                            cfg["global_batch_size"], cfg["seed"])
-    batch = batches(rec["final"]["eval_batch_step"])
-    assert series(rec, "batch_hash")[-1] == __import__("parity.data").data.batch_hash(batch)
-    with torch.no_grad():
-        loss = causal_lm_loss(model(input_ids=batch).logits, batch).item()
+    loss = checkpoint_loss(rec)
     assert loss == pytest.approx(rec["final"]["eval_loss_last_batch"], rel=1e-5)
     assert loss < rec["steps"][0]["loss"] - 2.0

@@ -1,0 +1,171 @@
+"""FSDP2 + DTensor tensor parallelism: a 2-D ("dp", "tp") device mesh, Megatron-style TP inside each
+decoder layer, FSDP2 sharding (and gradient averaging) over "dp".
+
+Only the parts that differ between strategies are here: the mesh, the TP plan, the FSDP wrapping, the
+mixed-precision choice, clipping across the two meshes the parameters end up on, and gathering
+DTensor shards back to full size under Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import defaultdict
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from parity.errors import ConfigError
+from parity.strategy import Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
+
+MIXED_PRECISION = ("autocast", "policy")
+# Per decoder layer: the projections that read the replicated residual stream are split by output
+# columns, the ones that write back to it by input rows (so each block needs one all-reduce).
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+# Modules whose outputs stay local shards along the last dim: the colwise ones, and the MLP's activation
+# (applied to gate_proj's shard before up_proj's shard multiplies it).
+SHARDED_OUTPUTS = COLWISE + ("mlp.act_fn",)
+
+
+def apply_tp(model, tp_mesh: DeviceMesh) -> None:
+    """Tensor-parallelise each decoder layer; leave embedding, lm_head and norms replicated over tp.
+
+    ColwiseParallel shards q/k/v and gate/up weights (and the q/k/v biases) by rows and returns the
+    output as a *local* tensor, sharded along its last dim. HF Qwen2 attention reshapes with
+    view(..., -1, head_dim), so each rank simply sees heads/tp query heads and kv_heads/tp KV heads
+    — the GQA ratio is unchanged and contiguous head blocks keep each query head with its KV head
+    (tp_size divides the KV-head count, checked before launch); no attention code is patched.
+    RowwiseParallel o/down take that local shard and all-reduce their partial sums into a replicated
+    output, so the residual stream, RMSNorms and logits are the same full tensors on every TP rank.
+
+    The tied embedding / lm_head is not split: a vocab-parallel pair would need a manual re-tie
+    (parallelize_module gives each module its own new Parameter) and a vocab-parallel loss, while a
+    replicated one keeps the tie as one Parameter and computes exactly DDP's logits.
+    """
+    plan = {**{name: ColwiseParallel() for name in COLWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def apply_fsdp(model, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+    """FSDP2 over "dp": one group per decoder layer, then the root.
+
+    fully_shard is what synchronises gradients across DP ranks (TP alone leaves each DP replica
+    training on its own slice): gradients are reduce-scattered with an average over dp, which is the
+    global-batch mean because every DP rank has the same number of loss tokens. Per-layer groups let
+    one layer's parameters be gathered while another computes. The root group takes what is left —
+    the tied embedding / lm_head (one Parameter: tied weights must sit in one group) and the final
+    norm. TP'd parameters become 2-D DTensors on the ("dp", "tp") mesh, the rest 1-D DTensors on "dp".
+    """
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+
+
+def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
+    """fp32 parameters unless --mixed_precision policy: then FSDP2 casts the gathered parameters to bf16
+    (the whole module computes in bf16) and reduces gradients in fp32 into fp32 shards."""
+    if cfg.precision == "bf16" and cfg.options["mixed_precision"] == "policy":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def global_grad_norm(grads: list[DTensor]) -> float:
+    """The L2 norm of all gradients, whatever mesh and placements each one has.
+
+    torch's clip_grad_norm_ stacks per-tensor norms, which DTensor refuses across meshes ("All operands
+    in aten.stack.default must have the same mesh"): TP'd gradients live on ("dp", "tp"), the others on
+    "dp". So each rank sums the squares of its local shards in float64 (the shared helper), and the sums
+    are added across exactly the mesh dims a gradient is sharded over — a Partial placement there — and
+    not across the ones it is replicated over, so a gradient replicated over tp is counted once.
+    Gradients with the same mesh and sharded dims share one reduction.
+    """
+    local_sums = defaultdict(float)
+    for g in grads:
+        assert not any(p.is_partial() for p in g.placements), f"unreduced gradient: {g.placements}"
+        key = (g.device_mesh, tuple(Replicate() if p.is_replicate() else Partial() for p in g.placements))
+        local_sums[key] = local_sums[key] + squared_norm_fp64(g.to_local())
+    return math.sqrt(sum(float(DTensor.from_local(total, mesh, placements).full_tensor())
+                         for (mesh, placements), total in local_sums.items()))
+
+
+@torch.no_grad()
+def clip_sharded_gradients(params, cfg) -> float:
+    """Clip DTensor gradients by their global norm (torch's formula, --max_grad_norm); return that norm.
+    Scaling each rank's local shards scales the whole tensors: no communication."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = global_grad_norm(grads)
+    coef = clip_coefficient(norm, cfg)
+    if coef < 1.0:
+        torch._foreach_mul_([g.to_local() for g in grads], coef)
+    return norm
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+
+    @classmethod
+    def add_arguments(cls, group) -> None:
+        group.add_argument("--mixed_precision", choices=MIXED_PRECISION, default="autocast",
+                           help="how bf16 is applied: autocast (fp32 parameters, bf16 matmuls under torch.autocast, "
+                                "as DDP) or policy (FSDP2 MixedPrecisionPolicy: bf16 parameters in compute, fp32 "
+                                "gradient reduction and master weights); only with --precision bf16")
+
+    @classmethod
+    def validate(cls, cfg, model_config) -> None:
+        if cfg.options["mixed_precision"] == "policy" and cfg.precision != "bf16":
+            raise ConfigError(f"--mixed_precision policy is a bf16 mode but --precision is {cfg.precision}: "
+                              f"add --precision bf16 (or --autocast)")
+
+    def setup(self, model) -> None:
+        # Every full_tensor() of a 2-D DTensor logs that it runs one collective per mesh dim; expected here.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.dp_size, self.ctx.tp_size), mesh_dim_names=("dp", "tp"))
+        # The data slice is chosen by ctx.dp_rank, so the mesh must place ranks as WorkerContext does.
+        assert (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == (self.ctx.dp_rank, self.ctx.tp_rank)
+        model.to(self.ctx.device)
+        if self.ctx.tp_size > 1:  # with tp_size 1 this is pure FSDP2 on the 1-D "dp" sub-mesh
+            apply_tp(model, mesh["tp"])
+        apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg))
+        self.tp_mesh = mesh["tp"]
+        self.model = model
+        self.optimizer = build_optimizer(model.parameters(), self.cfg)
+
+    def autocast(self):
+        """With the FSDP2 policy the parameters themselves are bf16: no autocast on top."""
+        if self.cfg.options["mixed_precision"] == "policy":
+            return contextlib.nullcontext()
+        return super().autocast()
+
+    def optimizer_step(self, lr: float) -> float:
+        norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
+        step_optimizer(self.optimizer, lr)
+        return norm
+
+    @property
+    def hf_model(self):
+        return self.model  # fully_shard and parallelize_module change modules in place: HF names hold
+
+    def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
+        """Colwise outputs (and their gradients) are local shards along the last dim: gathered over tp."""
+        if isinstance(output, DTensor):
+            return output.full_tensor()
+        if self.ctx.tp_size > 1 and module_name.startswith("model.layers.") and module_name.endswith(SHARDED_OUTPUTS):
+            return DTensor.from_local(output.detach(), self.tp_mesh, [Shard(output.dim() - 1)]).full_tensor()
+        return output
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        self.model.reshard()  # a forward without backward (the final evaluation) leaves the root unsharded
+        return {n: p.full_tensor().float().cpu().clone() for n, p in self.model.named_parameters()}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad.full_tensor().float().cpu().clone()
+                for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+STRATEGY = FSDPStrategy
