@@ -37,6 +37,8 @@ def parse_args(argv):
     p.add_argument("--baseline", default="ddp", help="strategy name of the reference run")
     p.add_argument("--tolerance", type=relative_tolerance, default=None,
                    help="relative per-step loss tolerance for every run (default: from the runs' precision)")
+    p.add_argument("--grad_norm_tolerance", type=relative_tolerance, default=None,
+                   help="relative per-step tolerance on the pre-clip grad norm (default: from the runs' precision)")
     p.add_argument("--allow_incomplete", action="store_true",
                    help="compare runs still in progress, over the steps every run has done")
     return p.parse_args(argv)
@@ -46,7 +48,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         figure_format(args.output)
-        comparison = compare(load_runs(args.input_dir), args.baseline, args.tolerance, args.allow_incomplete)
+        comparison = compare(load_runs(args.input_dir), args.baseline, args.tolerance, args.allow_incomplete,
+                             args.grad_norm_tolerance)
         check_writable_dir("--output's directory", os.path.dirname(os.path.abspath(args.output)))
     except NotComparable as exc:
         for mismatch in exc.mismatches:

@@ -38,7 +38,22 @@ the gradients, hence the weights, and compound over the steps: after 100 steps a
 room for that drift and still fails the bugs that matter (a gradient reduced twice or not at all, a
 missed clip, a shard counted twice), which move the loss by tens of percent within a few steps."""
 
+FP32_GRAD_NORM_RTOL = 1e-5
+"""Per-step relative tolerance on the pre-clip gradient norm between fp32 runs. Every strategy
+accumulates the norm in float64 (parity/strategy.squared_norm_fp64, DeepSpeed's own fp64 norm), so only
+the gradients' own fp32 rounding is left: measured ≤1.3e-6 relative over 100 steps."""
+
+BF16_GRAD_NORM_RTOL = 1e-1
+"""Per-step relative tolerance on the pre-clip gradient norm when either run is bf16. Gradients are
+far noisier than the loss under bf16 (they are differences of bf16-rounded activations): between correct
+strategies the norms differed by up to 9.4e-3 over 100 steps (FSDP vs DDP, qwen2-tiny on CPU), and
+between DDP bf16 and DDP fp32 by 4.2e-3. 1e-1 leaves an order of magnitude for larger models and GPUs."""
+
 PRECISION_RTOL = {"fp32": FP32_RTOL, "bf16": BF16_RTOL}
+GRAD_NORM_RTOL = {"fp32": FP32_GRAD_NORM_RTOL, "bf16": BF16_GRAD_NORM_RTOL}
+"""The loss alone misses whole classes of bugs: AdamW is (up to eps) invariant to the gradient's scale, so
+a gradient reduced twice, or not averaged over DP, or clipped differently, barely moves the loss but
+moves the norm. So the verdict holds both curves to their envelopes."""
 
 # Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
 OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
@@ -120,17 +135,22 @@ class DiffStats:
 
 @dataclass(frozen=True)
 class Tolerance:
-    rtol: float
+    rtol: float  # on the loss
+    grad_norm_rtol: float  # on the pre-clip gradient norm
     source: str  # "--tolerance" or the precisions it comes from
+
+    def of(self, quantity: str) -> float:
+        return self.rtol if quantity == "loss" else self.grad_norm_rtol
 
 
 @dataclass(frozen=True)
 class StepFailure:
-    """The first step whose loss leaves the envelope |loss - baseline| <= rtol · |baseline|."""
+    """The first step where the loss or the grad norm leaves its envelope |x - baseline| <= rtol · |baseline|."""
 
     step: int
-    loss: float
-    baseline_loss: float
+    quantity: str  # "loss" or "grad_norm"
+    value: float
+    baseline_value: float
     rel_diff: float
     rtol: float
 
@@ -142,7 +162,8 @@ class Verdict:
     run: Run
     diffs: dict[str, DiffStats]  # "loss" and "grad_norm": this run's curve minus the baseline's
     tolerance: Tolerance
-    max_rel_diff: float
+    max_rel_diff: float  # of the loss
+    max_grad_norm_rel_diff: float
     first_failure: StepFailure | None
 
     @property
@@ -187,8 +208,9 @@ class Comparison:
                               "loss": asdict(self.curve_stats(r, "loss")),
                               "grad_norm": asdict(self.curve_stats(r, "grad_norm"))} for r in self.runs},
             "against_baseline": {v.run.name: {
-                "verdict": v.status, "rtol": v.tolerance.rtol,
+                "verdict": v.status, "rtol": v.tolerance.rtol, "grad_norm_rtol": v.tolerance.grad_norm_rtol,
                 "tolerance_source": v.tolerance.source, "max_rel_diff": v.max_rel_diff,
+                "max_grad_norm_rel_diff": v.max_grad_norm_rel_diff,
                 **{f"{key}_diff": asdict(d) for key, d in v.diffs.items()},
                 "first_failure": asdict(v.first_failure) if v.first_failure else None} for v in self.verdicts},
         }
@@ -214,15 +236,16 @@ def load_runs(input_dir: str) -> list[Run]:
 
 
 def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
-            allow_incomplete: bool = False) -> Comparison:
-    """Check every run against the baseline, then measure it. `rtol` overrides the precision default."""
+            allow_incomplete: bool = False, grad_norm_rtol: float | None = None) -> Comparison:
+    """Check every run against the baseline, then measure it. `rtol` / `grad_norm_rtol` override the
+    precision defaults for the loss / the grad norm."""
     base, others = _split_baseline(runs, baseline)
     num_steps = min(len(r.steps) for r in runs)
     warnings = _incomplete_warnings(runs, allow_incomplete, num_steps)
     mismatches = [m for run in others for m in comparability_mismatches(base, run)]
     if mismatches:
         raise NotComparable(mismatches)
-    verdicts = [_verdict(base, run, num_steps, tolerance_for(base, run, rtol)) for run in others]
+    verdicts = [_verdict(base, run, num_steps, tolerance_for(base, run, rtol, grad_norm_rtol)) for run in others]
     return Comparison(base, [base, *others], num_steps, verdicts, warnings)
 
 
@@ -251,17 +274,22 @@ def comparability_mismatches(base: Run, run: Run) -> list[str]:
     return found
 
 
-def tolerance_for(base: Run, run: Run, rtol: float | None = None) -> Tolerance:
-    """`rtol` when given, else the looser of the two runs' precision tolerances."""
-    if rtol is not None:
-        return Tolerance(rtol, "--tolerance")
+def tolerance_for(base: Run, run: Run, rtol: float | None = None, grad_norm_rtol: float | None = None) -> Tolerance:
+    """The given overrides, else the looser of the two runs' precision tolerances."""
+    if rtol is not None and grad_norm_rtol is not None:
+        return Tolerance(rtol, grad_norm_rtol, "--tolerance, --grad_norm_tolerance")
     for r in (base, run):
         if r.precision not in PRECISION_RTOL:
             raise ConfigError(f"{os.path.basename(r.file)}: precision '{r.precision}' has no default tolerance "
                               f"(known: {', '.join(PRECISION_RTOL)}): pass --tolerance")
     looser = max((base.precision, run.precision), key=PRECISION_RTOL.__getitem__)
-    return Tolerance(PRECISION_RTOL[looser],
-                     f"precision {looser} ({base.name} {base.precision}, {run.name} {run.precision})")
+    source = f"precision {looser} ({base.name} {base.precision}, {run.name} {run.precision})"
+    if rtol is not None:
+        source = f"--tolerance; grad norm from {source}"
+    elif grad_norm_rtol is not None:
+        source = f"{source}; --grad_norm_tolerance"
+    return Tolerance(PRECISION_RTOL[looser] if rtol is None else rtol,
+                     GRAD_NORM_RTOL[looser] if grad_norm_rtol is None else grad_norm_rtol, source)
 
 
 def relative_diff(value: float, baseline: float) -> float:
@@ -270,19 +298,27 @@ def relative_diff(value: float, baseline: float) -> float:
     return abs(value - baseline) / abs(baseline)
 
 
-def first_failure(losses: list[float], baseline: list[float], rtol: float) -> StepFailure | None:
-    for step, (loss, base) in enumerate(zip(losses, baseline)):
-        if not abs(loss - base) <= rtol * abs(base):  # written so that a NaN loss fails too
-            return StepFailure(step, loss, base, relative_diff(loss, base), rtol)
+QUANTITIES = ("loss", "grad_norm")
+
+
+def first_failure(series: dict[str, list[float]], baseline: dict[str, list[float]],
+                  tolerance: Tolerance) -> StepFailure | None:
+    """The first step at which the loss, then the grad norm, leaves its envelope."""
+    for step in range(len(series["loss"])):
+        for quantity in QUANTITIES:
+            value, base, rtol = series[quantity][step], baseline[quantity][step], tolerance.of(quantity)
+            if not abs(value - base) <= rtol * abs(base):  # written so that a NaN fails too
+                return StepFailure(step, quantity, value, base, relative_diff(value, base), rtol)
     return None
 
 
 def _verdict(base: Run, run: Run, num_steps: int, tolerance: Tolerance) -> Verdict:
-    losses, base_losses = _series(run, "loss", num_steps), _series(base, "loss", num_steps)
-    diffs = {key: DiffStats.of(_series(run, key, num_steps), _series(base, key, num_steps))
-             for key in ("loss", "grad_norm")}
-    return Verdict(run, diffs, tolerance, max(relative_diff(x, b) for x, b in zip(losses, base_losses)),
-                   first_failure(losses, base_losses, tolerance.rtol))
+    series = {key: _series(run, key, num_steps) for key in QUANTITIES}
+    baseline = {key: _series(base, key, num_steps) for key in QUANTITIES}
+    diffs = {key: DiffStats.of(series[key], baseline[key]) for key in QUANTITIES}
+    max_rel = {key: max(relative_diff(x, b) for x, b in zip(series[key], baseline[key])) for key in QUANTITIES}
+    return Verdict(run, diffs, tolerance, max_rel["loss"], max_rel["grad_norm"],
+                   first_failure(series, baseline, tolerance))
 
 
 def _series(run: Run, key: str, num_steps: int) -> list[float]:

@@ -52,10 +52,11 @@ def plot_comparison(c: Comparison) -> Figure:
     for v in c.verdicts:
         diffs = [x - b for x, b in zip(c.series(v.run, "loss"), base_losses)]
         ax_diff.plot(steps, diffs, color=colours[v.run.name], label=v.run.label)
-        if v.first_failure:
+        if v.first_failure:  # marked where it happened: on the loss difference, or on the grad norm
             f = v.first_failure
-            ax_diff.scatter([f.step], [f.loss - f.baseline_loss], color=colours[v.run.name], marker="x", zorder=3,
-                            label=f"{display_name(v.run.name)}: first step outside ({f.step})")
+            ax, y = (ax_diff, f.value - f.baseline_value) if f.quantity == "loss" else (ax_grad, f.value)
+            ax.scatter([f.step], [y], color=colours[v.run.name], marker="x", zorder=3,
+                       label=f"{display_name(v.run.name)}: first step outside ({f.step}, {f.quantity})")
     ax_diff.set(title=f"Loss difference from {base}", ylabel=f"loss − {base} loss")
 
     for ax in (ax_loss, ax_diff, ax_grad):

@@ -37,7 +37,8 @@ def statistics_text(c: Comparison) -> str:
             d = v.diffs[key]
             lines += [f"{v.run.label}:", *_aligned([("Max abs diff", d.max_abs), ("Mean abs diff", d.mean_abs),
                                                     ("Final diff", d.final)]), ""]
-    lines += ["=" * RULE, f"VERDICT (every step: |loss - {_baseline_name(c)}| <= rtol * |{_baseline_name(c)}|)",
+    base = _baseline_name(c)
+    lines += ["=" * RULE, f"VERDICT (every step, loss and grad norm: |x - {base}| <= rtol * |{base}|)",
               "=" * RULE, ""]
     for v in c.verdicts:
         lines += [f"{v.run.label}: {v.status}", f"  {_verdict_detail(c, v)}"]
@@ -52,13 +53,14 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
            f"Overall: **{c.status}**.", ""]
     out += [f"> {w}" for w in c.warnings] + ([""] if c.warnings else [])
     out += [f"![Loss curves]({figure_file})", "", "## Verdicts", "",
-            "| run | verdict | rtol | tolerance from | max relative diff | first step outside |",
-            "|---|---|---|---|---|---|"]
+            "| run | verdict | rtol loss / grad norm | tolerance from | max relative diff loss / grad norm "
+            "| first step outside |", "|---|---|---|---|---|---|"]
     for v in c.verdicts:
         f = v.first_failure
-        outside = f"step {f.step}: {f.loss:.6f} vs {f.baseline_loss:.6f} ({f.rel_diff:.3e})" if f else "–"
-        out.append(f"| {v.run.label} | {v.status} | {v.tolerance.rtol:g} | "
-                   f"{v.tolerance.source} | {v.max_rel_diff:.3e} | {outside} |")
+        outside = (f"step {f.step}, {f.quantity}: {f.value:.6f} vs {f.baseline_value:.6f} ({f.rel_diff:.3e})"
+                   if f else "–")
+        out.append(f"| {v.run.label} | {v.status} | {v.tolerance.rtol:g} / {v.tolerance.grad_norm_rtol:g} | "
+                   f"{v.tolerance.source} | {v.max_rel_diff:.3e} / {v.max_grad_norm_rel_diff:.3e} | {outside} |")
     for key, noun, _ in CURVES:
         out += ["", f"## {noun.capitalize()}", "", "| run | initial | final | min | mean |", "|---|---|---|---|---|"]
         for run in c.runs:
@@ -89,12 +91,15 @@ def _aligned(rows: list[tuple[str, float]]) -> list[str]:
 
 
 def _verdict_detail(c: Comparison, v: Verdict) -> str:
-    tolerance = f"rtol {v.tolerance.rtol:g} from {v.tolerance.source}"
+    tolerance = (f"rtol {v.tolerance.rtol:g} (loss), {v.tolerance.grad_norm_rtol:g} (grad norm) "
+                 f"from {v.tolerance.source}")
     f = v.first_failure
     if f is None:
-        return f"{tolerance}; max relative diff {v.max_rel_diff:.3e}"
-    return (f"{tolerance}; first step outside: step {f.step}: loss {f.loss:.6f} vs {_baseline_name(c)} "
-            f"{f.baseline_loss:.6f}, relative diff {f.rel_diff:.3e} > rtol {f.rtol:g}")
+        return (f"{tolerance}; max relative diff {v.max_rel_diff:.3e} (loss), "
+                f"{v.max_grad_norm_rel_diff:.3e} (grad norm)")
+    noun = "loss" if f.quantity == "loss" else "grad norm"
+    return (f"{tolerance}; first step outside: step {f.step}: {noun} {f.value:.6f} vs {_baseline_name(c)} "
+            f"{f.baseline_value:.6f}, relative diff {f.rel_diff:.3e} > rtol {f.rtol:g}")
 
 
 def _baseline_name(c: Comparison) -> str:

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from conftest import REPO
-from parity.compare import BF16_RTOL, FP32_RTOL, compare, load_runs
+from parity.compare import BF16_GRAD_NORM_RTOL, BF16_RTOL, FP32_GRAD_NORM_RTOL, FP32_RTOL, compare, load_runs
 from parity.config import RunConfig
 from parity.plot import plot_comparison
 from parity.record import LossRecord, record_path
@@ -139,14 +139,15 @@ FSDP+DTensor (TP=2, DP=2):
   Final diff:    0.000000
 
 ============================================================
-VERDICT (every step: |loss - DDP| <= rtol * |DDP|)
+VERDICT (every step, loss and grad norm: |x - DDP| <= rtol * |DDP|)
 ============================================================
 
 DeepSpeed AutoTP (TP=2, DP=2): PASS
-  rtol 1e-05 from precision fp32 (ddp fp32, deepspeed fp32); max relative diff 0.000e+00
+  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, deepspeed fp32); max relative diff \
+0.000e+00 (loss), 0.000e+00 (grad norm)
 FSDP+DTensor (TP=2, DP=2): FAIL
-  rtol 1e-05 from precision fp32 (ddp fp32, fsdp fp32); first step outside: step 2: loss 6.500000 vs DDP \
-6.000000, relative diff 8.333e-02 > rtol 1e-05
+  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, fsdp fp32); first step outside: step 2: \
+loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > rtol 1e-05
 """
 
 
@@ -185,13 +186,14 @@ def test_printed_block_and_outputs(tmp_path, capsys):
     assert fsdp["verdict"] == "FAIL" and fsdp["rtol"] == 1e-5
     assert fsdp["tolerance_source"] == "precision fp32 (ddp fp32, fsdp fp32)"
     assert fsdp["loss_diff"] == {"max_abs": 0.5, "mean_abs": 0.15, "final": -0.25}
-    assert fsdp["first_failure"] == {"step": 2, "loss": 6.5, "baseline_loss": 6.0, "rel_diff": 0.5 / 6.0,
-                                     "rtol": 1e-5}
+    assert fsdp["first_failure"] == {"step": 2, "quantity": "loss", "value": 6.5, "baseline_value": 6.0,
+                                     "rel_diff": 0.5 / 6.0, "rtol": 1e-5}
+    assert (fsdp["grad_norm_rtol"], fsdp["max_grad_norm_rel_diff"]) == (1e-5, 0.25)
     assert saved["against_baseline"]["deepspeed"]["first_failure"] is None
     report = (tmp_path / "out" / "report.md").read_text()
     assert "![Loss curves](loss_curves.png)" in report
-    assert "| FSDP+DTensor (TP=2, DP=2) | FAIL | 1e-05 | precision fp32 (ddp fp32, fsdp fp32) | 8.333e-02 | " \
-           "step 2: 6.500000 vs 6.000000 (8.333e-02) |" in report
+    assert "| FSDP+DTensor (TP=2, DP=2) | FAIL | 1e-05 / 1e-05 | precision fp32 (ddp fp32, fsdp fp32) | " \
+           "8.333e-02 / 2.500e-01 | step 2, loss: 6.500000 vs 6.000000 (8.333e-02) |" in report
     assert "| FSDP+DTensor (TP=2, DP=2) | 10.000000 | 3.750000 | 3.750000 | 6.650000 |" in report
     assert "| FSDP+DTensor (TP=2, DP=2) | 0.500000 | 0.150000 | -0.250000 |" in report
     assert not [p for p in os.listdir(tmp_path / "out") if p.endswith(".tmp")]  # atomic writes left nothing
@@ -208,8 +210,8 @@ def test_command_line_script(tmp_path):
     write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD)
     passing = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert passing.returncode == 0
-    assert "FSDP+DTensor (TP=2, DP=2): PASS\n  rtol 1e-05 from precision fp32 (ddp fp32, fsdp fp32); " \
-           "max relative diff 0.000e+00\n" in passing.stdout
+    assert "FSDP+DTensor (TP=2, DP=2): PASS\n  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 " \
+           "(ddp fp32, fsdp fp32); max relative diff 0.000e+00 (loss), 0.000e+00 (grad norm)\n" in passing.stdout
     bad = subprocess.run(args[:2] + ["--input_dir", str(tmp_path / "none"), "--output", "x.png"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert (bad.returncode, bad.stdout) == (2, "")
@@ -232,8 +234,21 @@ def test_first_step_outside_the_fp32_envelope(tmp_path, capsys):
     write_record(tmp_path, "fsdp", [10.0, 8.0, 6.00003, 5.0001, 4.0])
     code, out, _ = run_cli(capsys, tmp_path)
     assert code == 1
-    assert "FSDP+DTensor (TP=2, DP=2): FAIL\n  rtol 1e-05 from precision fp32 (ddp fp32, fsdp fp32); first step " \
-           "outside: step 3: loss 5.000100 vs DDP 5.000000, relative diff 2.000e-05 > rtol 1e-05\n" in out
+    assert "FSDP+DTensor (TP=2, DP=2): FAIL\n  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, " \
+           "fsdp fp32); first step outside: step 3: loss 5.000100 vs DDP 5.000000, relative diff 2.000e-05 > " \
+           "rtol 1e-05\n" in out
+
+
+def test_a_gradient_scale_bug_fails_on_the_grad_norm(tmp_path, capsys):
+    """AdamW hardly notices a doubled gradient, so the loss stays inside its envelope; the norm does not."""
+    write_record(tmp_path, "ddp", DDP_LOSS, DDP_GRAD)
+    write_record(tmp_path, "fsdp", DDP_LOSS, [2.0, 3.0, 2.0, 1.0, 0.5])
+    code, out, _ = run_cli(capsys, tmp_path)
+    assert code == 1
+    assert "first step outside: step 1: grad norm 3.000000 vs DDP 1.500000, relative diff 1.000e+00 > " \
+           "rtol 1e-05\n" in out
+    code, out, _ = run_cli(capsys, tmp_path, "--grad_norm_tolerance", "1.5")
+    assert code == 0 and "from precision fp32 (ddp fp32, fsdp fp32); --grad_norm_tolerance;" in out
 
 
 @pytest.mark.parametrize("base_precision,run_precision,rel_diff,rtol,verdict", [
@@ -247,14 +262,14 @@ def test_tolerance_from_precision(tmp_path, base_precision, run_precision, rel_d
     write_record(tmp_path, "ddp", DDP_LOSS, precision=base_precision)
     write_record(tmp_path, "fsdp", [x * (1 + rel_diff) for x in DDP_LOSS], precision=run_precision)
     (v,) = compare(load_runs(str(tmp_path))).verdicts
-    assert (v.tolerance.rtol, v.status) == (rtol, verdict)
+    assert (v.tolerance.rtol, v.tolerance.grad_norm_rtol, v.status) == (rtol, 1e-5 if rtol == 1e-5 else 1e-1, verdict)
     looser = "bf16" if "bf16" in (base_precision, run_precision) else "fp32"
     assert v.tolerance.source == f"precision {looser} (ddp {base_precision}, fsdp {run_precision})"
     assert (v.first_failure.step if v.first_failure else None) == (0 if verdict == "FAIL" else None)
 
 
 def test_precision_constants():
-    assert (FP32_RTOL, BF16_RTOL) == (1e-5, 3e-2)
+    assert (FP32_RTOL, BF16_RTOL, FP32_GRAD_NORM_RTOL, BF16_GRAD_NORM_RTOL) == (1e-5, 3e-2, 1e-5, 1e-1)
 
 
 def test_tolerance_override(tmp_path, capsys):
@@ -263,10 +278,11 @@ def test_tolerance_override(tmp_path, capsys):
     assert run_cli(capsys, tmp_path)[0] == 0  # bf16: 1e-3 is inside 3e-2
     code, out, _ = run_cli(capsys, tmp_path, "--tolerance", "1e-4")
     assert code == 1
-    assert "rtol 0.0001 from --tolerance; first step outside: step 0: loss 10.010000 vs DDP 10.000000, " \
-           "relative diff 1.000e-03 > rtol 0.0001\n" in out
+    assert "rtol 0.0001 (loss), 0.1 (grad norm) from --tolerance; grad norm from precision bf16 (ddp fp32, fsdp " \
+           "bf16); first step outside: step 0: loss 10.010000 vs DDP 10.000000, relative diff 1.000e-03 > " \
+           "rtol 0.0001\n" in out
     code, out, _ = run_cli(capsys, tmp_path, "--tolerance", "2e-3")
-    assert code == 0 and "rtol 0.002 from --tolerance; max relative diff 1.000e-03\n" in out
+    assert code == 0 and "max relative diff 1.000e-03 (loss), 0.000e+00 (grad norm)\n" in out
     with pytest.raises(SystemExit) as exc:
         run_cli(capsys, tmp_path, "--tolerance", "-1")
     assert exc.value.code == 2
@@ -428,7 +444,7 @@ def test_figure_panels(tmp_path):
     assert list(diff.get_lines()[1].get_ydata()) == [0.0, 0.0, 0.5, 0.0, -0.25]
     band, failure = diff.collections  # the tolerance band, then the marker at FSDP's first failing step
     assert band.get_label() == "tolerance ±1e-05·|DDP|"
-    assert failure.get_label() == "FSDP+DTensor: first step outside (2)"
+    assert failure.get_label() == "FSDP+DTensor: first step outside (2, loss)"
     assert failure.get_offsets().tolist() == [[2.0, 0.5]]
     assert (grad.get_xlabel(), diff.get_ylabel()) == ("step", "loss − DDP loss")
 
