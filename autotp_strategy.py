@@ -1,0 +1,229 @@
+"""DeepSpeed AutoTP + ZeRO: DeepSpeed shards the model over TP groups and the optimizer state over DP.
+
+Only what differs from DDP is here; the numbered comments match the README's DeepSpeed section.
+
+[1] DeepSpeed is imported on the worker, once the device is known: the import picks its accelerator.
+[2] The engine config: AutoTP of --tp_size, ZeRO --zero_stage, the shared AdamW as the client
+    optimizer, --max_grad_norm as DeepSpeed's own clipping, and the precision policy.
+[3] DeepSpeed builds its TP and DP groups itself; they must be the harness's layout (consecutive ranks
+    form a TP group), or the data slices and the gathers would pair the wrong ranks.
+[4] AutoTP makes the tied embedding and lm_head vocab-parallel, so the logits are this rank's vocab
+    shard; they are gathered (exactly) so the shared loss sees the full vocabulary.
+[5] Full tensors: ZeRO partitions gathered over DP by DeepSpeed's safe_get_full_* helpers, TP shards by
+    each AutoTP layer's own gather_params.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import os
+import sys
+import warnings
+
+import torch
+
+from parity.errors import ConfigError
+from parity.strategy import Strategy, build_optimizer, set_lr
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class AutoTPStrategy(Strategy):
+    name = "deepspeed"
+
+    @classmethod
+    def add_arguments(cls, group) -> None:
+        group.add_argument("--zero_stage", type=int, choices=ZERO_STAGES, default=1,
+                           help="ZeRO stage: 1 shards the optimizer state over DP, 2 also the gradients, "
+                                "3 also the parameters (0 is rejected: DeepSpeed reports no gradient norm there)")
+        group.add_argument("--bf16_master_weights", action="store_true",
+                           help="DeepSpeed's bf16 mode with bf16 master weights, gradients and Adam moments "
+                                "(bf16_master_weights_and_grads + bf16_optimizer_states, seed 001's setting) instead "
+                                "of autocast over fp32 master weights like DDP; needs --precision bf16")
+
+    @classmethod
+    def validate(cls, cfg, model_config) -> None:
+        try:
+            importlib.metadata.version("deepspeed")
+        except importlib.metadata.PackageNotFoundError:
+            raise ConfigError("deepspeed is not installed: pip install --no-build-isolation -r requirements.txt") from None
+        stage = cfg.options["zero_stage"]
+        if stage == 0:
+            raise ConfigError("--zero_stage 0: DeepSpeed runs without ZeRO there and reports no pre-clip gradient norm "
+                              "(get_global_grad_norm() is None), which the record needs; use --zero_stage 1 (the "
+                              "default: the same numerics, the optimizer state sharded over DP) or 2")
+        if cfg.options["bf16_master_weights"] and cfg.precision != "bf16":
+            raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {cfg.precision}: "
+                              f"pass --precision bf16 with it, or drop it")
+
+    # --- worker side ------------------------------------------------------------------------------
+    def setup(self, model) -> None:
+        deepspeed = import_deepspeed(self.ctx.device)  # [1]
+        optimizer = build_optimizer(model.parameters(), self.cfg)  # AutoTP keeps the Parameter objects
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(self.cfg))  # [2]
+        self.model = self.engine
+        check_rank_layout(self.engine, self.ctx)  # [3]
+        self.column_shards = column_parallel_outputs(self.engine.module)
+
+    @property
+    def hf_model(self):
+        return self.engine.module
+
+    def autocast(self):
+        """Nothing here: the engine enters torch.autocast itself from its torch_autocast config (an outer
+        autocast would be overridden by it, and switched off inside the engine without it)."""
+        return contextlib.nullcontext()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.engine(input_ids=input_ids).logits
+        return self._gather_last_dim("lm_head", logits)  # [4]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def optimizer_step(self, lr: float) -> float:
+        """DeepSpeed clips (gradient_clipping) and steps; its norm is the fp64 pre-clip global norm, each
+        TP shard counted once and the replicated tensors once (ZeRO's get_grad_norm_direct)."""
+        set_lr(self.engine.optimizer, lr)
+        self.engine.step()
+        return float(self.engine.get_global_grad_norm())
+
+    def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
+        """Column-parallel layers (q/k/v/gate/up, the vocab-parallel lm_head) and the MLP activation,
+        which acts on gate_proj's shard, give this rank's slice of the last dim; everything else is full."""
+        with torch.no_grad():
+            return self._gather_last_dim(module_name, output)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return self._full_tensors(safe_get_full_fp32_param)  # the master weights, what the optimizer updates
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_grad
+
+        return self._full_tensors(safe_get_full_grad)
+
+    # --- gathers ----------------------------------------------------------------------------------
+    def _gather_last_dim(self, module_name: str, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate the TP shards of a column-parallel output along the last dim. The backward takes
+        this rank's slice of the gradient (not the sum over ranks that torch.distributed.nn's all_gather
+        returns): every TP rank computes the same loss from the gathered tensor."""
+        if module_name not in self.column_shards:
+            return t
+        from deepspeed.module_inject.layers import GatherFromTensorParallelRegion
+
+        group, sizes = self.column_shards[module_name]
+        return GatherFromTensorParallelRegion.apply(group, t, sizes)
+
+    def _full_tensors(self, read) -> dict[str, torch.Tensor]:  # [5]
+        """{HF name: full fp32 CPU tensor} for each parameter once (a tied weight under its first name, as
+        named_parameters() gives it). `read` gathers the ZeRO partitions over DP and returns this rank's TP
+        shard; the owning AutoTP layer then gathers that along its own split dim (a row-parallel bias is
+        replicated and stays as it is). Collective: the same calls in the same order on every rank."""
+        from deepspeed.module_inject.layers import TensorParallel_Layer
+
+        full, seen = {}, set()
+        for module_name, module in self.engine.module.named_modules():
+            named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for _, p in named)
+            tensors = [read(p).detach().clone() for _, p in named]
+            if named and isinstance(module, TensorParallel_Layer):
+                module.gather_params(tensors)  # in the layer's own order: weight, then bias
+            for (name, _), t in zip(named, tensors):
+                full[f"{module_name}.{name}" if module_name else name] = t.float().cpu()
+        return full
+
+
+def import_deepspeed(device: torch.device):
+    """Import DeepSpeed for this worker's device, quietly, without its CPU shared-memory comm op.
+
+    DS_ACCELERATOR is set before the import because the import picks the accelerator for good: a CPU
+    worker on a GPU machine (--device cpu) must not get the CUDA one.
+
+    The shm op: creating DeepSpeed's comm backend JIT-compiles `deepspeed_shm_comm` with g++ on the CPU
+    accelerator (190 s with an empty extension cache, and a "built successfully" print per rank) although
+    only inference_all_reduce uses it, never training. The backend builds it only when DeepSpeed's own
+    op-compatibility table says it can (`deepspeed.ops.__compatible_ops__`, the dict it also marks False on
+    non-Linux platforms, probed once and kept), so that entry is set False here. DS_BUILD_SHM_COMM only
+    affects `pip install`-time pre-building, and replacing comm.torch.build_shm_op would patch code.
+    """
+    wanted = "cuda" if device.type == "cuda" else "cpu"
+    os.environ["DS_ACCELERATOR"] = wanted
+    if "deepspeed" in sys.modules:  # imported before the device was known: its accelerator may be wrong
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != wanted:
+            raise RuntimeError(f"deepspeed was imported with the {get_accelerator().device_name()} accelerator "
+                               f"before the {wanted} worker set DS_ACCELERATOR")
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    # ZeRO's collectives and the logits gather call torch's all_gather_into_tensor/reduce_scatter_tensor,
+    # which torch 2.13 marks deprecated: one FutureWarning per rank and call site, nothing to act on here.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def engine_config(cfg) -> dict:
+    """The DeepSpeed config: nothing in it may make the training differ from DDP's (README, DeepSpeed).
+
+    No train_batch_size: DeepSpeed counts TP ranks as DP ranks in that product (micro × accumulation ×
+    world size) and rejects the true global batch; the gradient averaging itself uses the real DP group.
+    """
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.max_grad_norm,  # 0 = off, as --max_grad_norm; same formula as torch's
+        "zero_optimization": {"stage": cfg.options["zero_stage"]},
+        "wall_clock_breakdown": False,
+    }
+    if cfg.tp_size > 1:
+        config["tensor_parallel"] = {"autotp_size": cfg.tp_size}
+    if cfg.precision == "bf16" and cfg.options["bf16_master_weights"]:
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    elif cfg.precision == "bf16":
+        # DDP's policy: bf16 compute under torch.autocast, fp32 parameters, gradients, master weights and Adam
+        # state. The empty list keeps every gradient reduction in fp32 (by default DeepSpeed would reduce
+        # the gradients of nn.Linear layers in bf16).
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    return config
+
+
+def check_rank_layout(engine, ctx) -> None:
+    """DeepSpeed's TP group must be ranks [dp_rank·tp, (dp_rank+1)·tp) and the group ZeRO averages the
+    gradients over the ranks with this tp_rank: the loop feeds every rank of a TP group the same DP slice
+    by that rule."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    tp_ranks = dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()) if ctx.tp_size > 1 else [ctx.rank]
+    dp_ranks = dist.get_process_group_ranks(engine.optimizer.dp_process_group)
+    want_tp = [ctx.dp_rank * ctx.tp_size + t for t in range(ctx.tp_size)]
+    want_dp = [d * ctx.tp_size + ctx.tp_rank for d in range(ctx.dp_size)]
+    if (tp_ranks, dp_ranks) != (want_tp, want_dp):
+        raise RuntimeError(f"rank {ctx.rank}: DeepSpeed's TP group {tp_ranks} / DP group {dp_ranks} are not the "
+                           f"harness's {want_tp} / {want_dp} (rank = dp_rank × tp_size + tp_rank)")
+
+
+def column_parallel_outputs(hf_model) -> dict[str, tuple]:
+    """{module name: (TP group, shard widths)} for every module whose output is this rank's slice of the
+    last dim: AutoTP's column-parallel layers that do not gather their output themselves, and each MLP's
+    act_fn, which acts on gate_proj's shard."""
+    from deepspeed.module_inject.layers import LinearLayer
+
+    shards = {}
+    for name, module in hf_model.named_modules():
+        if isinstance(module, LinearLayer) and module.is_tp_parallel and not module.gather_output:
+            shards[name] = (module.mp_group, module._partition_sizes)
+    for name in list(shards):
+        if name.endswith("mlp.gate_proj"):
+            shards[name.removesuffix("gate_proj") + "act_fn"] = shards[name]
+    return shards
+
+
+STRATEGY = AutoTPStrategy

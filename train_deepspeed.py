@@ -1,0 +1,18 @@
+#!/usr/bin/env python
+"""Train Qwen2.5 with DeepSpeed AutoTP tensor parallelism + ZeRO under Ray Train, for parity with DDP.
+
+Run train_ddp.py --save_init_weights first: this loads the initial weights it wrote.
+
+    python train_deepspeed.py --model_name Qwen/Qwen2.5-0.5B --tp_size 2 --dp_size 2 --num_workers 4 \
+        --batch_size 2 --seq_length 1024 --num_layers 2 --debug_steps 100 --loss_output_dir /tmp/loss_curves \
+        --init_weights_path /tmp/shared_weights/init_weights.pt
+
+Flags, the shared loop and the launcher live in parity/; what DeepSpeed does differently is autotp_strategy.py.
+"""
+
+import sys
+
+from parity.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main("deepspeed", __doc__))
