@@ -15,7 +15,6 @@ Only what differs from DDP is here; the numbered comments match the README's Dee
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import logging
 import os
@@ -70,11 +69,6 @@ class AutoTPStrategy(Strategy):
     @property
     def hf_model(self):
         return self.engine.module
-
-    def autocast(self):
-        """Nothing here: the engine enters torch.autocast itself from its torch_autocast config (an outer
-        autocast would be overridden by it, and switched off inside the engine without it)."""
-        return contextlib.nullcontext()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         logits = self.engine(input_ids=input_ids).logits
@@ -188,8 +182,9 @@ def engine_config(cfg) -> dict:
         config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     elif cfg.precision == "bf16":
         # DDP's policy: bf16 compute under torch.autocast, fp32 parameters, gradients, master weights and Adam
-        # state. The empty list keeps every gradient reduction in fp32 (by default DeepSpeed would reduce
-        # the gradients of nn.Linear layers in bf16).
+        # state. Needed although the shared train step already enters autocast: without this section the
+        # engine switches an outer autocast off inside its forward. The empty list keeps every gradient
+        # reduction in fp32 (by default DeepSpeed would reduce the gradients of nn.Linear layers in bf16).
         config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     return config
 
