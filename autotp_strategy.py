@@ -2,7 +2,8 @@
 
 Only what differs from DDP is here; the numbered comments match the README's DeepSpeed section.
 
-[1] DeepSpeed is imported on the worker, once the device is known: the import picks its accelerator.
+[1] DeepSpeed is imported on the worker once the device is known, because the import picks its
+    accelerator; the driver imports it only in validate(), on the CPU one, to fail before launch.
 [2] The engine config: AutoTP of --tp_size, ZeRO --zero_stage, the shared AdamW as the client
     optimizer, --max_grad_norm as DeepSpeed's own clipping, and the precision policy.
 [3] DeepSpeed builds its TP and DP groups itself; they must be the harness's layout (consecutive ranks
@@ -15,7 +16,6 @@ Only what differs from DDP is here; the numbered comments match the README's Dee
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import sys
@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from parity.errors import ConfigError
+from parity.strategies import unavailable
 from parity.strategy import Strategy, build_optimizer, set_lr
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -44,10 +45,6 @@ class AutoTPStrategy(Strategy):
 
     @classmethod
     def validate(cls, cfg, model_config) -> None:
-        try:
-            importlib.metadata.version("deepspeed")
-        except importlib.metadata.PackageNotFoundError:
-            raise ConfigError("deepspeed is not installed: pip install --no-build-isolation -r requirements.txt") from None
         stage = cfg.options["zero_stage"]
         if stage == 0:
             raise ConfigError("--zero_stage 0: DeepSpeed runs without ZeRO there and reports no pre-clip gradient norm "
@@ -56,6 +53,10 @@ class AutoTPStrategy(Strategy):
         if cfg.options["bf16_master_weights"] and cfg.precision != "bf16":
             raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {cfg.precision}: "
                               f"pass --precision bf16 with it, or drop it")
+        try:  # fail here, before any worker, if DeepSpeed cannot be imported; the driver computes nothing
+            import_deepspeed(torch.device("cpu"))
+        except ImportError as exc:
+            raise unavailable(cls.name, exc) from None
 
     # --- worker side ------------------------------------------------------------------------------
     def setup(self, model) -> None:

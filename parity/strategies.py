@@ -21,6 +21,12 @@ def strategy_class(name: str):
     try:
         module = importlib.import_module(STRATEGY_MODULES[name])
     except ImportError as exc:
-        raise ConfigError(f"strategy {name} cannot be used: {exc} (install the pinned set with "
-                          f"pip install -r requirements.txt)") from None
+        raise unavailable(name, exc) from None
     return module.STRATEGY
+
+
+def unavailable(name: str, exc: ImportError) -> ConfigError:
+    """The line for a strategy whose library cannot be imported: raised by strategy_class, or by a
+    strategy's validate() when it imports its library only there (DeepSpeed, whose import picks a device)."""
+    return ConfigError(f"strategy {name} cannot be used: {exc} (install the pinned set with "
+                       f"pip install -r requirements.txt)")
