@@ -9,26 +9,18 @@ besides the shared session baselines. At the default --max_grad_norm 1.0 every s
 """
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import (PARITY, REPO, argv_from, checkpoint_loss, final_parameters, max_abs_param_diff, max_rel_diff,
-                      series, train)
+from conftest import (BF16_LOSS_RTOL, BF16_NORM_RTOL, FP32_RTOL, PARITY, REPO, TP_LAYOUT_ERRORS,
+                      assert_fp32_parity, assert_same_run_inputs, checkpoint_loss, free_port, max_rel_diff, series,
+                      tp2_strategy, tp_flags, train)
 from parity.cli import prepare
 from parity.errors import ConfigError
-
-FP32_RTOL = 1e-5  # loss and grad norm, relative, every step (measured: below 1e-7)
-FP32_PARAM_ATOL = 1e-5  # final parameters, absolute (measured: 1.3e-6)
-# bf16 vs DDP's bf16 run, relative, every step; derived in the README's DeepSpeed section (measured over
-# these 12 steps: loss 1.8e-5, grad norm 4.1e-4).
-BF16_LOSS_RTOL = 1e-4
-BF16_NORM_RTOL = 3e-3
 
 
 def deepspeed_run(tmp_path_factory, weights, name, **flags):
@@ -51,22 +43,11 @@ def bf16_run(ray_cluster, tiny_weights, tmp_path_factory):
                          precision="bf16")
 
 
-def assert_same_run_inputs(run, baseline):
-    """Comparable at all: same initial weights, and the same global batch, tokens and lr at every step."""
-    assert run["config"]["init_weights_sha256"] == baseline["config"]["init_weights_sha256"]
-    for key in ("batch_hash", "tokens", "lr"):
-        assert series(run, key) == series(baseline, key), key
-
-
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp2_dp1", "tp1_dp2", "tp2_dp2_zero2", "tp2_dp2_zero3"])
 def test_fp32_matches_ddp(runs, ddp_baseline, name):
     run = runs[name]
-    assert_same_run_inputs(run, ddp_baseline)
-    assert abs(run["steps"][0]["grad_norm"] / ddp_baseline["steps"][0]["grad_norm"] - 1) < FP32_RTOL
-    assert max_rel_diff(series(run, "loss"), series(ddp_baseline, "loss")) < FP32_RTOL
-    assert max_rel_diff(series(run, "grad_norm"), series(ddp_baseline, "grad_norm")) < FP32_RTOL
+    assert_fp32_parity(run, ddp_baseline)
     assert all(norm > run["config"]["max_grad_norm"] for norm in series(run, "grad_norm"))  # every step clipped
-    assert max_abs_param_diff(final_parameters(run), final_parameters(ddp_baseline)) < FP32_PARAM_ATOL
     if run["config"]["dp_size"] == ddp_baseline["config"]["dp_size"]:
         # Each DP rank trains on DDP's rank's slice: the per-rank losses match too, not only their mean.
         for ours, theirs in zip(run["steps"], ddp_baseline["steps"]):
@@ -115,37 +96,12 @@ def record_step(model, batch, forward, backward, to_full):
 
 
 def _tp_worker(rank, port, weights, batch, out_dir):
-    from autotp_strategy import AutoTPStrategy
-    from parity.config import RunConfig
-    from parity.model import build_model, load_init_weights, resolve_model_config
-    from parity.strategy import WorkerContext
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        cfg = RunConfig(strategy="deepspeed", model_name="qwen2-tiny", num_workers=2, tp_size=2, dp_size=1,
-                        batch_size=2, precision="fp32", learning_rate=1e-4,
-                        options={"zero_stage": 1, "bf16_master_weights": False})
-        strategy = AutoTPStrategy(cfg, WorkerContext(rank=rank, world_size=2, tp_size=2, dp_size=1,
-                                                     device=torch.device("cpu")))
-        model = build_model(resolve_model_config("qwen2-tiny"), seed=0)
-        load_init_weights(model, weights)
-        strategy.setup(model)
+    with tp2_strategy("deepspeed", rank, port, weights, {"zero_stage": 1, "bf16_master_weights": False}) as strategy:
         params = strategy.full_parameters()
         recorded = record_step(strategy.hf_model, batch, strategy.forward, strategy.backward,
                                strategy.full_module_output)
         torch.save({"recorded": recorded, "grads": strategy.full_gradients(), "params": params},
                    os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_full_outputs_gradients_and_parameters_match_a_stock_model(tiny_weights, tmp_path):
@@ -180,18 +136,18 @@ def test_full_outputs_gradients_and_parameters_match_a_stock_model(tiny_weights,
 def test_engine_config_carries_ddps_settings_and_the_precision_policy(tmp_path, tiny_weights):
     from autotp_strategy import engine_config
 
-    fp32 = engine_config(prepare("deepspeed", flags(tmp_path, tiny_weights, precision="fp32", max_grad_norm=0.5)))
+    fp32 = engine_config(prepare("deepspeed", tp_flags(tmp_path, tiny_weights, precision="fp32", max_grad_norm=0.5)))
     assert fp32 == {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
                     "zero_optimization": {"stage": 1}, "wall_clock_breakdown": False,
                     "tensor_parallel": {"autotp_size": 2}}
-    bf16 = engine_config(prepare("deepspeed", flags(tmp_path, tiny_weights, autocast=True, zero_stage=2)))
+    bf16 = engine_config(prepare("deepspeed", tp_flags(tmp_path, tiny_weights, autocast=True, zero_stage=2)))
     assert bf16["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     assert "bf16" not in bf16 and bf16["zero_optimization"] == {"stage": 2}
-    master = engine_config(prepare("deepspeed", flags(tmp_path, tiny_weights, precision="bf16",
+    master = engine_config(prepare("deepspeed", tp_flags(tmp_path, tiny_weights, precision="bf16",
                                                       bf16_master_weights=True)))
     assert master["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     assert "torch_autocast" not in master
-    pure_zero = engine_config(prepare("deepspeed", flags(tmp_path, tiny_weights, num_workers=2, tp_size=1)))
+    pure_zero = engine_config(prepare("deepspeed", tp_flags(tmp_path, tiny_weights, num_workers=2, tp_size=1)))
     assert "tensor_parallel" not in pure_zero
 
 
@@ -199,15 +155,7 @@ def test_engine_config_carries_ddps_settings_and_the_precision_policy(tmp_path, 
 # Bad input: one line before any worker starts
 # ---------------------------------------------------------------------------------------------------
 
-def flags(tmp_path, weights, **over):
-    base = {"model_name": "qwen2-tiny", "num_workers": 4, "tp_size": 2, "seq_length": 64, "init_weights_path": weights,
-            "loss_output_dir": tmp_path / "loss", "storage_path": tmp_path / "ray"}
-    return argv_from({**base, **over})
-
-
-BAD = [
-    ({"num_workers": 3, "tp_size": 3}, r"--tp_size 3 does not divide the model's KV-head count \(2\): use a tp_size in \[1, 2\]"),
-    ({"num_workers": 3, "dp_size": 2}, r"--num_workers 3 ≠ --tp_size 2 × --dp_size 2: pass --num_workers 4"),
+BAD = TP_LAYOUT_ERRORS + [
     ({"zero_stage": 0}, r"--zero_stage 0: DeepSpeed runs without ZeRO there and reports no pre-clip gradient norm .* "
                         r"use --zero_stage 1"),
     ({"bf16_master_weights": True, "precision": "fp32"},
@@ -219,20 +167,21 @@ BAD = [
 @pytest.mark.parametrize("over,message", BAD, ids=[m[:40] for _, m in BAD])
 def test_prepare_rejects(tmp_path, tiny_weights, over, message):
     with pytest.raises(ConfigError, match=message):
-        prepare("deepspeed", flags(tmp_path, tiny_weights, **over))
+        prepare("deepspeed", tp_flags(tmp_path, tiny_weights, **over))
 
 
 def test_good_input_resolves(tmp_path, tiny_weights):
-    cfg = prepare("deepspeed", flags(tmp_path, tiny_weights, zero_stage=3, bf16_master_weights=True, autocast=True))
+    cfg = prepare("deepspeed", tp_flags(tmp_path, tiny_weights, zero_stage=3, bf16_master_weights=True, autocast=True))
     assert (cfg.tp_size, cfg.dp_size, cfg.precision) == (2, 2, "bf16")
     assert cfg.options == {"zero_stage": 3, "bf16_master_weights": True}
     assert cfg.experiment_name == "deepspeed_tp2_dp2"
-    assert prepare("deepspeed", flags(tmp_path, tiny_weights)).options == {"zero_stage": 1, "bf16_master_weights": False}
+    default = prepare("deepspeed", tp_flags(tmp_path, tiny_weights))
+    assert default.options == {"zero_stage": 1, "bf16_master_weights": False}
 
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "train_deepspeed.py"),
-                           *flags(tmp_path, tiny_weights, zero_stage=0)],
+                           *tp_flags(tmp_path, tiny_weights, zero_stage=0)],
                           capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""},
                           timeout=120)
     assert proc.returncode == 2

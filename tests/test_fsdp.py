@@ -7,27 +7,20 @@ DDP (with clipping at 0.05), besides the shared session baselines.
 """
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import (PARITY, REPO, argv_from, checkpoint_loss, final_parameters, max_abs_param_diff, max_rel_diff,
-                      series, train)
+from conftest import (BF16_LOSS_RTOL, BF16_NORM_RTOL, FP32_RTOL, PARITY, REPO, TP_LAYOUT_ERRORS,
+                      assert_fp32_parity, assert_same_run_inputs, checkpoint_loss, free_port, max_rel_diff, series,
+                      tp2_strategy, tp_flags, train)
 from parity.cli import prepare
 from parity.errors import ConfigError
 
-FP32_RTOL = 1e-5  # loss and grad norm, relative, every step (measured: below 1e-7)
-FP32_PARAM_ATOL = 1e-5  # final parameters, absolute (measured: below 1e-6 at lr 1e-4)
 CLIP = 0.05  # far below the ~1.0–1.2 pre-clip norms of these runs: every step clips
-# bf16 vs DDP's bf16 run, relative, every step; derived in the README's FSDP section (measured over these
-# 12 steps: loss 1.2e-5 autocast, 1.7e-5 policy; grad norm 1.4e-4, 3.1e-4).
-BF16_LOSS_RTOL = 1e-4
-BF16_NORM_RTOL = 3e-3
 
 
 def fsdp_run(tmp_path_factory, weights, name, **flags):
@@ -65,21 +58,6 @@ def bf16_runs(ray_cluster, tiny_weights, tmp_path_factory):
     return {mode: fsdp_run(tmp_path_factory, tiny_weights, f"bf16_{mode}", num_workers=4, tp_size=2, batch_size=2,
                            precision="bf16", mixed_precision=mode)
             for mode in ("autocast", "policy")}
-
-
-def assert_same_run_inputs(run, baseline):
-    """Comparable at all: same initial weights, and the same global batch, tokens and lr at every step."""
-    assert run["config"]["init_weights_sha256"] == baseline["config"]["init_weights_sha256"]
-    for key in ("batch_hash", "tokens", "lr"):
-        assert series(run, key) == series(baseline, key), key
-
-
-def assert_fp32_parity(run, baseline):
-    assert_same_run_inputs(run, baseline)
-    assert max_rel_diff(series(run, "loss"), series(baseline, "loss")) < FP32_RTOL
-    assert abs(run["steps"][0]["grad_norm"] / baseline["steps"][0]["grad_norm"] - 1) < FP32_RTOL
-    assert max_rel_diff(series(run, "grad_norm"), series(baseline, "grad_norm")) < FP32_RTOL
-    assert max_abs_param_diff(final_parameters(run), final_parameters(baseline)) < FP32_PARAM_ATOL
 
 
 def test_tp2_dp2_fp32_matches_ddp(tp2_dp2, ddp_baseline):
@@ -152,33 +130,10 @@ def forward_backward(model, batch):
 
 
 def _tp_worker(rank, port, weights, batch, out_dir):
-    from fsdp_strategy import FSDPStrategy
-    from parity.config import RunConfig
-    from parity.model import build_model, load_init_weights, resolve_model_config
-    from parity.strategy import WorkerContext
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        cfg = RunConfig(strategy="fsdp", model_name="qwen2-tiny", num_workers=2, tp_size=2, dp_size=1,
-                        precision="fp32", learning_rate=1e-4, options={"mixed_precision": "autocast"})
-        strategy = FSDPStrategy(cfg, WorkerContext(rank=rank, world_size=2, tp_size=2, dp_size=1,
-                                                   device=torch.device("cpu")))
-        model = build_model(resolve_model_config("qwen2-tiny"), seed=0)
-        load_init_weights(model, weights)
-        strategy.setup(model)
+    with tp2_strategy("fsdp", rank, port, weights, {"mixed_precision": "autocast"}) as strategy:
         recorded = record_outputs(strategy.hf_model, strategy.full_module_output)
         forward_backward(strategy.hf_model, batch)
         torch.save({"outputs": recorded, "grads": strategy.full_gradients()}, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_full_module_outputs_and_gradients_match_a_stock_model(tiny_weights, tmp_path):
@@ -207,15 +162,7 @@ def test_full_module_outputs_and_gradients_match_a_stock_model(tiny_weights, tmp
 # Bad input: one line before any worker starts
 # ---------------------------------------------------------------------------------------------------
 
-def flags(tmp_path, weights, **over):
-    base = {"model_name": "qwen2-tiny", "num_workers": 4, "tp_size": 2, "seq_length": 64, "init_weights_path": weights,
-            "loss_output_dir": tmp_path / "loss", "storage_path": tmp_path / "ray"}
-    return argv_from({**base, **over})
-
-
-BAD = [
-    ({"num_workers": 3, "tp_size": 3}, r"--tp_size 3 does not divide the model's KV-head count \(2\): use a tp_size in \[1, 2\]"),
-    ({"num_workers": 3, "dp_size": 2}, r"--num_workers 3 ≠ --tp_size 2 × --dp_size 2: pass --num_workers 4"),
+BAD = TP_LAYOUT_ERRORS + [
     ({"mixed_precision": "policy", "precision": "fp32"},
      r"--mixed_precision policy is a bf16 mode but --precision is fp32: add --precision bf16 \(or --autocast\)"),
     ({"mixed_precision": "policy"}, r"--mixed_precision policy is a bf16 mode but --precision is auto"),
@@ -225,19 +172,19 @@ BAD = [
 @pytest.mark.parametrize("over,message", BAD, ids=[m[:40] for _, m in BAD])
 def test_prepare_rejects(tmp_path, tiny_weights, over, message):
     with pytest.raises(ConfigError, match=message):
-        prepare("fsdp", flags(tmp_path, tiny_weights, **over))
+        prepare("fsdp", tp_flags(tmp_path, tiny_weights, **over))
 
 
 def test_good_input_resolves(tmp_path, tiny_weights):
-    cfg = prepare("fsdp", flags(tmp_path, tiny_weights, mixed_precision="policy", autocast=True))
+    cfg = prepare("fsdp", tp_flags(tmp_path, tiny_weights, mixed_precision="policy", autocast=True))
     assert (cfg.tp_size, cfg.dp_size, cfg.precision, cfg.options) == (2, 2, "bf16", {"mixed_precision": "policy"})
     assert cfg.experiment_name == "fsdp_tp2_dp2"
-    assert prepare("fsdp", flags(tmp_path, tiny_weights)).options == {"mixed_precision": "autocast"}
+    assert prepare("fsdp", tp_flags(tmp_path, tiny_weights)).options == {"mixed_precision": "autocast"}
 
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "train_fsdp.py"),
-                           *flags(tmp_path, tiny_weights, mixed_precision="policy", precision="fp32")],
+                           *tp_flags(tmp_path, tiny_weights, mixed_precision="policy", precision="fp32")],
                           capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""},
                           timeout=120)
     assert proc.returncode == 2
