@@ -49,7 +49,7 @@ class AutoTPStrategy(Strategy):
         if stage == 0:
             raise ConfigError("--zero_stage 0: DeepSpeed runs without ZeRO there and reports no pre-clip gradient norm "
                               "(get_global_grad_norm() is None), which the record needs; use --zero_stage 1 (the "
-                              "default: the same numerics, the optimizer state sharded over DP) or 2")
+                              "default: the same numerics, the optimizer state sharded over DP), 2 or 3")
         if cfg.options["bf16_master_weights"] and cfg.precision != "bf16":
             raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {cfg.precision}: "
                               f"pass --precision bf16 with it, or drop it")
@@ -79,8 +79,9 @@ class AutoTPStrategy(Strategy):
         self.engine.backward(loss)
 
     def optimizer_step(self, lr: float) -> float:
-        """DeepSpeed clips (gradient_clipping) and steps; its norm is the fp64 pre-clip global norm, each
-        TP shard counted once and the replicated tensors once (ZeRO's get_grad_norm_direct)."""
+        """DeepSpeed clips (gradient_clipping) and steps; its pre-clip global norm (ZeRO's
+        get_grad_norm_direct) sums per-tensor float64 norms, each TP shard once and each replicated tensor
+        once, and rounds the total to fp32."""
         set_lr(self.engine.optimizer, lr)
         self.engine.step()
         return float(self.engine.get_global_grad_norm())
@@ -133,7 +134,7 @@ class AutoTPStrategy(Strategy):
 
 
 def import_deepspeed(device: torch.device):
-    """Import DeepSpeed for this worker's device, quietly, without its CPU shared-memory comm op.
+    """Import DeepSpeed for this process's device, quietly, without its CPU shared-memory comm op.
 
     DS_ACCELERATOR is set before the import because the import picks the accelerator for good: a CPU
     worker on a GPU machine (--device cpu) must not get the CUDA one.
