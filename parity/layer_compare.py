@@ -7,10 +7,6 @@ rest of its kind, 1e-3 of the kind's largest max |value|. That floor exists for 
 to rounding: the k_proj bias gradient is mathematically zero (softmax ignores a shift shared by all
 keys), so its rounding noise relative to itself is meaningless, and would otherwise read as divergence.
 
-One more consequence of such tensors: a parameter whose gradient is zero up to rounding still moves in
-the optimizer step — AdamW divides that rounding noise by its eps, amplifying it by lr/eps — so its
-updated value is noise too. Those rows are shown, marked, and left out of the verdict.
-
 Order matters for diagnosis: the first divergence is the first tensor over tolerance in execution order
 — module outputs in forward order, then output gradients in backward order, then parameter gradients,
 then the updated parameters — named as module + phase.
@@ -69,7 +65,6 @@ class Row:
     norm_b: float
     max_abs: float
     rel: float
-    judged: bool = True  # False: an update driven by a gradient that is zero up to rounding
 
 
 @dataclass
@@ -89,7 +84,7 @@ class PairResult:
 
     @property
     def max_rel(self) -> float:
-        return max(r.rel for r in self.rows if r.judged)
+        return max(r.rel for r in self.rows)
 
 
 def load_dumps(input_dir: str) -> dict[str, Dump]:
@@ -147,8 +142,6 @@ def compare_pair(a: Dump, b: Dump, tolerance: float) -> PairResult:
                           f"({len(missing)} tensors): rerun both with the same version of the harness")
     scale = {kind: max((float(b.tensors[k].abs().max()) for k in keys if k.startswith(kind + "/")), default=0.0)
              for kind in KINDS}
-    zero_grads = {k.split("/", 1)[1] for k in keys if k.startswith("grad/")
-                  and float(b.tensors[k].abs().max()) < SCALE_FLOOR * scale["grad"]}
     rows, first = [], None
     for key in keys:
         kind, name = key.split("/", 1)
@@ -158,10 +151,9 @@ def compare_pair(a: Dump, b: Dump, tolerance: float) -> PairResult:
                               f"{b.strategy}: a strategy did not gather it to full size")
         max_abs = float((ta - tb).abs().max()) if ta.numel() else 0.0
         denom = max(float(tb.abs().max()) if tb.numel() else 0.0, SCALE_FLOOR * scale[kind], 1e-30)
-        row = Row(key, kind, name, float(ta.norm()), float(tb.norm()), max_abs, max_abs / denom,
-                  judged=not (kind == "param" and name in zero_grads))
+        row = Row(key, kind, name, float(ta.norm()), float(tb.norm()), max_abs, max_abs / denom)
         rows.append(row)
-        if first is None and row.judged and not row.rel <= tolerance:  # NaN is a divergence too
+        if first is None and not row.rel <= tolerance:  # NaN is a divergence too
             first = {"module": name, "phase": PHASES[kind], "rel": row.rel, "key": key}
     return PairResult(a=a.strategy, b=b.strategy, tolerance=tolerance, rows=rows,
                       bit_identical=all(r.max_abs == 0 for r in rows) and a.meta["loss"] == b.meta["loss"],

@@ -47,11 +47,7 @@ def assert_full_tensor_parity(out: str, dp_size: int) -> None:
     assert set(pairs) == {("deepspeed", "ddp"), ("fsdp", "ddp"), ("fsdp", "deepspeed")}
     for pair in pairs.values():
         assert pair["verdict"] == "PASS" and pair["first_divergence"] is None
-        # Updates driven by a gradient that is zero up to rounding (AdamW amplifies that noise by lr/eps)
-        # are shown but not judged: exactly the k_proj biases, whose gradient softmax makes zero.
-        assert {r["key"] for r in pair["rows"] if not r["judged"]} == {
-            f"param/model.layers.{i}.self_attn.k_proj.bias" for i in range(2)}
-        worst = max((r for r in pair["rows"] if r["judged"]), key=lambda r: r["rel"])
+        worst = max(pair["rows"], key=lambda r: r["rel"])
         assert worst["rel"] < 1e-5, f"{pair['run']} vs {pair['reference']}: {worst['key']} {worst['rel']:.3e}"
         kinds = {r["kind"] for r in pair["rows"]}
         assert kinds == {"output", "output_grad", "grad", "param"}
