@@ -3,9 +3,11 @@
 Every tensor is full size under its Hugging Face name in every dump, so a pair of runs is compared
 element-wise: the norm in each run, the max absolute difference, and the relative difference
 max|a − b| / scale, where scale is the reference tensor's max |value| — or, for a tensor far below the
-rest of its kind, 1e-3 of the kind's largest max |value|. That floor exists for tensors that are zero up
-to rounding: the k_proj bias gradient is mathematically zero (softmax ignores a shift shared by all
-keys), so its rounding noise relative to itself is meaningless, and would otherwise read as divergence.
+rest of its kind, a floor: 1e-3 of the kind's largest max |value| (1e-2 for updated parameters, see
+SCALE_FLOOR). The floor exists for tensors far smaller than the rest of their kind, like the k_proj
+bias gradients (~1e-3 of the largest gradient: softmax ignores a shift shared by all keys, and only
+RoPE's rotation of that shift leaves a gradient at all): their rounding measured against themselves would
+read as divergence.
 
 Order matters for diagnosis: the first divergence is the first tensor over tolerance in execution order
 — module outputs in forward order, then output gradients in backward order, then parameter gradients,
@@ -28,7 +30,13 @@ from parity.strategies import STRATEGY_MODULES, display_name
 KINDS = ("output", "output_grad", "grad", "param")
 PHASES = {"output": "forward output", "output_grad": "backward (output gradient)", "grad": "parameter gradient",
           "param": "parameter after the optimizer step"}
-SCALE_FLOOR = 1e-3
+SCALE_FLOOR = {"output": 1e-3, "output_grad": 1e-3, "grad": 1e-3, "param": 1e-2}
+"""The floor of the scale, as a fraction of the kind's largest max |value|. Updated parameters get 1e-2:
+the zero-initialised q/k/v biases hold nothing but one AdamW step (≈ lr), and for elements whose gradient
+is near AdamW's eps the step turns the gradients' last-bit differences into update differences amplified
+by lr/eps — measured 2e-8 absolute on the k_proj biases between correct runs, i.e. 2e-5 of the largest
+parameter (the norm weights, 1.0). Against 1e-2 of it that is 2e-6, while a bias that missed its update
+altogether (a difference of lr = 1e-5) still reads 1e-3, a hundred times the fp32 tolerance."""
 
 FP32_RTOL = 1e-5
 """fp32: the same arithmetic in another reduction order differs by ~1e-7 relative per element; 1e-5
@@ -150,7 +158,7 @@ def compare_pair(a: Dump, b: Dump, tolerance: float) -> PairResult:
             raise ConfigError(f"{key} has shape {tuple(ta.shape)} in {a.strategy} and {tuple(tb.shape)} in "
                               f"{b.strategy}: a strategy did not gather it to full size")
         max_abs = float((ta - tb).abs().max()) if ta.numel() else 0.0
-        denom = max(float(tb.abs().max()) if tb.numel() else 0.0, SCALE_FLOOR * scale[kind], 1e-30)
+        denom = max(float(tb.abs().max()) if tb.numel() else 0.0, SCALE_FLOOR[kind] * scale[kind], 1e-30)
         row = Row(key, kind, name, float(ta.norm()), float(tb.norm()), max_abs, max_abs / denom)
         rows.append(row)
         if first is None and not row.rel <= tolerance:  # NaN is a divergence too
