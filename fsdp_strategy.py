@@ -142,6 +142,10 @@ class FSDPStrategy(Strategy):
             return contextlib.nullcontext()
         return super().autocast()
 
+    def local_piece(self, param):
+        """A DTensor parameter's local shard (its dp × tp piece), sharing its storage."""
+        return param.to_local()
+
     def optimizer_step(self, lr: float) -> float:
         norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
         step_optimizer(self.optimizer, lr)

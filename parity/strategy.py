@@ -140,6 +140,10 @@ class Strategy:
         """The Hugging Face module tree inside the wrapper, named as in a stock model (for hooks)."""
         raise NotImplementedError
 
+    def local_piece(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of `param` this rank holds, as a plain tensor that aliases its storage."""
+        return param
+
     def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
         """A module's output (or output gradient) on this rank, at the full size a stock model produces
         for this rank's batch slice: TP shards gathered. The identity where nothing is sharded."""

@@ -115,9 +115,8 @@ def perturb_local_shard(strategy, param_name: str) -> None:
         raise ValueError(f"--perturb_param {param_name}: no such parameter (e.g. model.layers.0.mlp.up_proj.weight)")
     if strategy.ctx.tp_rank == 0:
         p = params[param_name]
-        local = p.to_local() if hasattr(p, "to_local") else p
         with torch.no_grad():
-            local.add_(PERTURBATION)
+            strategy.local_piece(p).add_(PERTURBATION)
 
 
 def verify_worker(payload: dict) -> None:
