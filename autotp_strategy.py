@@ -1,6 +1,7 @@
-"""DeepSpeed AutoTP + ZeRO: DeepSpeed shards the model over TP groups and the optimizer state over DP.
+"""The DeepSpeed strategy ("deepspeed"): AutoTP shards the model over TP groups, ZeRO the optimizer state
+(and, by stage, gradients and parameters) over DP. The file keeps the design card's name.
 
-Only what differs from DDP is here; the numbered comments match the README's DeepSpeed section.
+Only what differs from DDP is here; the numbered comments match docs/deepspeed.md.
 
 [1] DeepSpeed is imported on the worker once the device is known, because the import picks its
     accelerator; the driver imports it only in validate(), on the CPU one, to fail before launch.
@@ -23,40 +24,39 @@ import warnings
 
 import torch
 
-from parity.errors import ConfigError
-from parity.strategies import unavailable
-from parity.strategy import Strategy, build_optimizer, set_lr
+from parity.errors import ConfigError, LibraryMissing
+from parity.training.config import Option
+from parity.training.strategy import Strategy, build_optimizer, set_lr
 
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-class AutoTPStrategy(Strategy):
+class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
+    options = (
+        Option("zero_stage", 1, type=int, choices=ZERO_STAGES,
+               help="ZeRO stage: 1 shards the optimizer state over DP, 2 also the gradients, 3 also the "
+                    "parameters (0 is rejected: DeepSpeed reports no gradient norm there)"),
+        Option("bf16_master_weights", False,
+               help="DeepSpeed's bf16 mode with bf16 master weights, gradients and Adam moments "
+                    "(bf16_master_weights_and_grads + bf16_optimizer_states, seed 001's setting) instead of "
+                    "autocast over fp32 master weights like DDP; needs --precision bf16"),
+    )
 
     @classmethod
-    def add_arguments(cls, group) -> None:
-        group.add_argument("--zero_stage", type=int, choices=ZERO_STAGES, default=1,
-                           help="ZeRO stage: 1 shards the optimizer state over DP, 2 also the gradients, "
-                                "3 also the parameters (0 is rejected: DeepSpeed reports no gradient norm there)")
-        group.add_argument("--bf16_master_weights", action="store_true",
-                           help="DeepSpeed's bf16 mode with bf16 master weights, gradients and Adam moments "
-                                "(bf16_master_weights_and_grads + bf16_optimizer_states, seed 001's setting) instead "
-                                "of autocast over fp32 master weights like DDP; needs --precision bf16")
-
-    @classmethod
-    def validate(cls, cfg, model_config) -> None:
-        stage = cfg.options["zero_stage"]
+    def validate(cls, settings, model_config) -> None:
+        stage = settings.options["zero_stage"]
         if stage == 0:
             raise ConfigError("--zero_stage 0: DeepSpeed runs without ZeRO there and reports no pre-clip gradient norm "
                               "(get_global_grad_norm() is None), which the record needs; use --zero_stage 1 (the "
                               "default: the same numerics, the optimizer state sharded over DP), 2 or 3")
-        if cfg.options["bf16_master_weights"] and cfg.precision != "bf16":
-            raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {cfg.precision}: "
+        if settings.options["bf16_master_weights"] and settings.precision != "bf16":
+            raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {settings.precision}: "
                               f"pass --precision bf16 with it, or drop it")
         try:  # fail here, before any worker, if DeepSpeed cannot be imported; the driver computes nothing
             import_deepspeed(torch.device("cpu"))
         except ImportError as exc:
-            raise unavailable(cls.name, exc) from None
+            raise LibraryMissing(cls.name, exc) from None
 
     # --- worker side ------------------------------------------------------------------------------
     def setup(self, model) -> None:
@@ -166,7 +166,7 @@ def import_deepspeed(device: torch.device):
 
 
 def engine_config(cfg) -> dict:
-    """The DeepSpeed config: nothing in it may make the training differ from DDP's (README, DeepSpeed).
+    """The DeepSpeed config: nothing in it may make the training differ from DDP's (docs/deepspeed.md).
 
     No train_batch_size: DeepSpeed counts TP ranks as DP ranks in that product (micro × accumulation ×
     world size) and rejects the true global batch; the gradient averaging itself uses the real DP group.
@@ -222,5 +222,3 @@ def column_parallel_outputs(hf_model) -> dict[str, tuple]:
             shards[name.removesuffix("gate_proj") + "act_fn"] = shards[name]
     return shards
 
-
-STRATEGY = AutoTPStrategy

@@ -10,16 +10,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from parity.errors import ConfigError
-from parity.strategy import Strategy, build_optimizer, clip_local_gradients, step_optimizer
+from parity.training.strategy import Strategy, build_optimizer, clip_local_gradients, step_optimizer
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
 
     @classmethod
-    def validate(cls, cfg, model_config) -> None:
-        if cfg.tp_size != 1:
-            raise ConfigError(f"DDP does not shard tensors: --tp_size must be 1 (got {cfg.tp_size}); use "
+    def validate(cls, settings, model_config) -> None:
+        if settings.tp_size != 1:
+            raise ConfigError(f"DDP does not shard tensors: --tp_size must be 1 (got {settings.tp_size}); use "
                               f"train_deepspeed.py or train_fsdp.py for tensor parallelism")
 
     def setup(self, model) -> None:
@@ -44,5 +44,3 @@ class DDPStrategy(Strategy):
         return {n: p.grad.detach().float().cpu().clone()
                 for n, p in self.model.module.named_parameters() if p.grad is not None}
 
-
-STRATEGY = DDPStrategy

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from parity.errors import ConfigError
-from parity.strategy import Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
+from parity.training.config import Option
+from parity.training.strategy import Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
 
 MIXED_PRECISION = ("autocast", "policy")
 # Per decoder layer: the projections that read the replicated residual stream are split by output
@@ -108,18 +109,17 @@ def clip_sharded_gradients(params, cfg) -> float:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    options = (
+        Option("mixed_precision", "autocast", choices=MIXED_PRECISION,
+               help="how bf16 is applied: autocast (fp32 parameters, bf16 matmuls under torch.autocast, as DDP) "
+                    "or policy (FSDP2 MixedPrecisionPolicy: bf16 parameters in compute, fp32 gradient reduction "
+                    "and master weights); only with --precision bf16"),
+    )
 
     @classmethod
-    def add_arguments(cls, group) -> None:
-        group.add_argument("--mixed_precision", choices=MIXED_PRECISION, default="autocast",
-                           help="how bf16 is applied: autocast (fp32 parameters, bf16 matmuls under torch.autocast, "
-                                "as DDP) or policy (FSDP2 MixedPrecisionPolicy: bf16 parameters in compute, fp32 "
-                                "gradient reduction and master weights); only with --precision bf16")
-
-    @classmethod
-    def validate(cls, cfg, model_config) -> None:
-        if cfg.options["mixed_precision"] == "policy" and cfg.precision != "bf16":
-            raise ConfigError(f"--mixed_precision policy is a bf16 mode but --precision is {cfg.precision}: "
+    def validate(cls, settings, model_config) -> None:
+        if settings.options["mixed_precision"] == "policy" and settings.precision != "bf16":
+            raise ConfigError(f"--mixed_precision policy is a bf16 mode but --precision is {settings.precision}: "
                               f"add --precision bf16 (or --autocast)")
 
     def setup(self, model) -> None:
@@ -171,5 +171,3 @@ class FSDPStrategy(Strategy):
         return {n: p.grad.full_tensor().float().cpu().clone()
                 for n, p in self.model.named_parameters() if p.grad is not None}
 
-
-STRATEGY = FSDPStrategy

@@ -12,7 +12,7 @@ Flags, the shared loop and the launcher live in parity/; what DDP does different
 
 import sys
 
-from parity.cli import main
+from parity.commands.train import main
 
 if __name__ == "__main__":
     sys.exit(main("ddp", __doc__))

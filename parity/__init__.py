@@ -1,5 +1,9 @@
-"""What every strategy shares: flags, model and init weights, data, the loop, the loss record, the launcher.
+"""The parity harness: the same model, weights and batches under DDP, DeepSpeed and FSDP, compared.
 
-A parity verdict is only as good as the claim that nothing but the strategy differs, so everything a
-strategy does not need to own lives here, written once.
+    training/   what every run shares: config, model, data, the loop, the launcher, the loss record
+    comparing/  one vocabulary for loss curves and single-step layer dumps: tolerances, verdicts, reports
+    commands/   what each top-level script runs
+    registry    strategy name → class (the strategy modules are the top-level *_strategy.py files)
+    storage     atomic writes
+    errors      every exception the harness raises on purpose
 """

@@ -1,5 +1,31 @@
-"""The one exception type for bad input: the entry scripts turn it into a single line and exit 2."""
+"""Every exception the harness raises on purpose. The commands turn each into one line on stderr:
+exit 2 for what the user can fix before anything runs, exit 1 for a run that failed or a verdict of FAIL."""
 
 
 class ConfigError(Exception):
     """A problem with what the user asked for; the message names the problem and the fix."""
+
+
+class NotComparable(ConfigError):
+    """Runs that differ in more than the strategy; each entry of `mismatches` names both runs."""
+
+    def __init__(self, mismatches: list[str]):
+        super().__init__("; ".join(mismatches))
+        self.mismatches = mismatches
+
+
+class RecordError(ConfigError):
+    """A loss record that cannot be used; the message names the file and what is wrong."""
+
+
+class TrainingFailed(Exception):
+    """A worker raised during training; the message is the worker's own error line."""
+
+
+class LibraryMissing(ConfigError):
+    """A strategy whose library cannot be imported (raised by the registry, or by a strategy's `validate`
+    when it imports its library only there, as DeepSpeed does)."""
+
+    def __init__(self, strategy: str, exc: ImportError):
+        super().__init__(f"strategy {strategy} cannot be used: {exc} (install the pinned set with "
+                         f"pip install -r requirements.txt)")

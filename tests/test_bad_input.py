@@ -6,15 +6,14 @@ import sys
 
 import pytest
 
-from conftest import REPO, argv_from
-from parity.cli import prepare
+from conftest import REPO, to_argv
 from parity.errors import ConfigError
+from parity.training.config import resolve
 
 
 def flags(tmp_path, weights, **over):
-    base = {"model_name": "qwen2-tiny", "num_workers": 2, "seq_length": 64, "init_weights_path": weights,
-            "loss_output_dir": tmp_path / "loss", "storage_path": tmp_path / "ray"}
-    return argv_from({**base, **over})
+    return {"model_name": "qwen2-tiny", "num_workers": 2, "seq_length": 64, "init_weights_path": weights,
+            "loss_output_dir": tmp_path / "loss", "storage_path": tmp_path / "ray", **over}
 
 
 CASES = [
@@ -35,16 +34,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("over,message", CASES, ids=[c[1][:40] for c in CASES])
-def test_prepare_rejects(tmp_path, tiny_weights, over, message):
+def test_resolve_rejects(tmp_path, tiny_weights, over, message):
     with pytest.raises(ConfigError, match=message):
-        prepare("ddp", flags(tmp_path, tiny_weights, **over))
+        resolve("ddp", flags(tmp_path, tiny_weights, **over))
 
 
 def test_missing_weights_without_save(tmp_path):
     with pytest.raises(ConfigError, match=r"init weights file .*nope.pt does not exist: run train_ddp.py with "
                                           r"--save_init_weights first"):
-        prepare("ddp", flags(tmp_path, tmp_path / "nope.pt"))
-    cfg = prepare("ddp", flags(tmp_path, tmp_path / "new" / "w.pt", save_init_weights=True))
+        resolve("ddp", flags(tmp_path, tmp_path / "nope.pt"))
+    cfg = resolve("ddp", flags(tmp_path, tmp_path / "new" / "w.pt", save_init_weights=True))
     assert cfg.save_init_weights and cfg.init_weights_path == str(tmp_path / "new" / "w.pt")
 
 
@@ -52,13 +51,13 @@ def test_unwritable_output_dir(tmp_path, tiny_weights):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"--loss_output_dir .*a_file/loss is not a writable directory"):
-        prepare("ddp", flags(tmp_path, tiny_weights, loss_output_dir=blocker / "loss"))
+        resolve("ddp", flags(tmp_path, tiny_weights, loss_output_dir=blocker / "loss"))
     with pytest.raises(ConfigError, match=r"--storage_path .*a_file/ray is not a writable directory"):
-        prepare("ddp", flags(tmp_path, tiny_weights, storage_path=blocker / "ray"))
+        resolve("ddp", flags(tmp_path, tiny_weights, storage_path=blocker / "ray"))
 
 
 def test_good_input_resolves_defaults(tmp_path, tiny_weights):
-    cfg = prepare("ddp", flags(tmp_path, tiny_weights))
+    cfg = resolve("ddp", flags(tmp_path, tiny_weights))
     assert (cfg.dp_size, cfg.learning_rate, cfg.tokenizer, cfg.experiment_name) == (2, 1e-3, "bytes", "ddp_tp1_dp2")
     assert cfg.final_checkpoint_dir == str(tmp_path / "ray" / "ddp_tp1_dp2" / "final_model")
 
@@ -70,7 +69,7 @@ def run_script(args, tmp_path):
 
 
 def test_script_prints_one_line_and_exits_2_before_ray(tmp_path, tiny_weights):
-    proc = run_script(flags(tmp_path, tiny_weights, num_workers=3, dp_size=2), tmp_path)
+    proc = run_script(to_argv(flags(tmp_path, tiny_weights, num_workers=3, dp_size=2)), tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --num_workers 3 ≠ --tp_size 1 × --dp_size 2: pass --num_workers 2 or change tp/dp"]
@@ -79,7 +78,7 @@ def test_script_prints_one_line_and_exits_2_before_ray(tmp_path, tiny_weights):
 
 
 def test_script_mismatched_weights_exit_2(tmp_path, tiny_weights):
-    proc = run_script(flags(tmp_path, tiny_weights, num_layers=4), tmp_path)
+    proc = run_script(to_argv(flags(tmp_path, tiny_weights, num_layers=4)), tmp_path)
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: init weights file ") and "has 2 layers, run asks for 4" in line

@@ -1,4 +1,4 @@
-"""plot_loss_curves.py and parity/compare.py on hand-made loss records (no Ray): invariants before numbers,
+"""plot_loss_curves.py and parity/comparing/curves.py on hand-made loss records (no Ray): invariants before numbers,
 statistics checked against values worked out by hand, tolerances, verdicts, the figure, bad input."""
 
 import json
@@ -11,11 +11,11 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from conftest import REPO
-from parity.compare import BF16_GRAD_NORM_RTOL, BF16_RTOL, FP32_GRAD_NORM_RTOL, FP32_RTOL, compare, load_runs
-from parity.config import RunConfig
-from parity.plot import plot_comparison
-from parity.record import LossRecord, record_path
-from plot_loss_curves import main
+from parity.commands.compare_curves import main
+from parity.comparing import tolerances
+from parity.comparing.curves import compare, load_runs
+from parity.comparing.figures import curve_figure
+from parity.training.record import LossRecord, record_path
 
 SHA = "5" * 64
 MODEL = {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 2048, "num_attention_heads": 4,
@@ -37,10 +37,10 @@ def write_record(folder, strategy, losses, grad_norms=None, *, precision="fp32",
     `config` overrides config entries; `step_fields` maps step → fields to override in that step."""
     tp, dp = LAYOUT.get(strategy, (1, 2))
     n = len(losses)
-    cfg = {**RunConfig(strategy=strategy, model_name="qwen2-tiny", num_workers=tp * dp, tp_size=tp, dp_size=dp,
-                       seq_length=128, debug_steps=total_steps or n, learning_rate=LR, precision=precision,
-                       device="cpu").to_dict(),
-           "world_size": tp * dp, "global_batch_size": 2 * dp, "total_steps": total_steps or n,
+    cfg = {"strategy": strategy, "model_name": "qwen2-tiny", "num_workers": tp * dp, "tp_size": tp, "dp_size": dp,
+           "seq_length": 128, "debug_steps": total_steps or n, "learning_rate": LR, "precision": precision,
+           "device": "cpu", "max_grad_norm": 1.0, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
+           "adam_epsilon": 1e-8, "world_size": tp * dp, "global_batch_size": 2 * dp, "total_steps": total_steps or n,
            "init_weights_sha256": SHA, "model_config": dict(MODEL), **(config or {})}
     record = LossRecord(record_path(str(folder), strategy), strategy, cfg)
     for step, loss in enumerate(losses):
@@ -62,6 +62,7 @@ def hand_example(folder):
 
 
 def run_cli(capsys, folder, *extra, output="out/loss_curves.png"):
+    """plot_loss_curves.py's main, in this process."""
     code = main(["--input_dir", str(folder), "--output", str(folder / output), *extra])
     out, err = capsys.readouterr()
     return code, out, err
@@ -78,13 +79,13 @@ DDP (TP=1, DP=2):
   Min loss:     4.000000
   Mean loss:    6.600000
 
-DeepSpeed AutoTP (TP=2, DP=2):
+DeepSpeed (TP=2, DP=2):
   Initial loss: 10.000000
   Final loss:   4.000000
   Min loss:     4.000000
   Mean loss:    6.600000
 
-FSDP+DTensor (TP=2, DP=2):
+FSDP (TP=2, DP=2):
   Initial loss: 10.000000
   Final loss:   3.750000
   Min loss:     3.750000
@@ -93,12 +94,12 @@ FSDP+DTensor (TP=2, DP=2):
 ------------------------------------------------------------
 Differences from DDP baseline:
 
-DeepSpeed AutoTP (TP=2, DP=2):
+DeepSpeed (TP=2, DP=2):
   Max abs diff:  0.000000
   Mean abs diff: 0.000000
   Final diff:    0.000000
 
-FSDP+DTensor (TP=2, DP=2):
+FSDP (TP=2, DP=2):
   Max abs diff:  0.500000
   Mean abs diff: 0.150000
   Final diff:    -0.250000
@@ -113,13 +114,13 @@ DDP (TP=1, DP=2):
   Min grad norm:     0.250000
   Mean grad norm:    1.050000
 
-DeepSpeed AutoTP (TP=2, DP=2):
+DeepSpeed (TP=2, DP=2):
   Initial grad norm: 2.000000
   Final grad norm:   0.250000
   Min grad norm:     0.250000
   Mean grad norm:    1.050000
 
-FSDP+DTensor (TP=2, DP=2):
+FSDP (TP=2, DP=2):
   Initial grad norm: 2.000000
   Final grad norm:   0.250000
   Min grad norm:     0.250000
@@ -128,12 +129,12 @@ FSDP+DTensor (TP=2, DP=2):
 ------------------------------------------------------------
 Differences from DDP baseline:
 
-DeepSpeed AutoTP (TP=2, DP=2):
+DeepSpeed (TP=2, DP=2):
   Max abs diff:  0.000000
   Mean abs diff: 0.000000
   Final diff:    0.000000
 
-FSDP+DTensor (TP=2, DP=2):
+FSDP (TP=2, DP=2):
   Max abs diff:  0.250000
   Mean abs diff: 0.050000
   Final diff:    0.000000
@@ -142,10 +143,10 @@ FSDP+DTensor (TP=2, DP=2):
 VERDICT (every step, loss and grad norm: |x - DDP| <= rtol * |DDP|)
 ============================================================
 
-DeepSpeed AutoTP (TP=2, DP=2): PASS
+DeepSpeed (TP=2, DP=2): PASS
   rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, deepspeed fp32); max relative diff \
 0.000e+00 (loss), 0.000e+00 (grad norm)
-FSDP+DTensor (TP=2, DP=2): FAIL
+FSDP (TP=2, DP=2): FAIL
   rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, fsdp fp32); first step outside: step 2: \
 loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > rtol 1e-05
 """
@@ -161,41 +162,41 @@ def test_statistics_of_the_hand_example(tmp_path):
     assert (fsdp_loss.initial, fsdp_loss.final, fsdp_loss.min) == (10.0, 3.75, 3.75)
     assert fsdp_loss.mean == pytest.approx(6.65, abs=1e-12)
     assert c.curve_stats(c.baseline, "grad_norm").mean == pytest.approx(1.05, abs=1e-12)
-    deepspeed, fsdp = c.verdicts
+    deepspeed, fsdp = c.results
     assert fsdp.diffs["loss"].max_abs == 0.5 and fsdp.diffs["loss"].final == -0.25
     assert fsdp.diffs["loss"].mean_abs == pytest.approx(0.15, abs=1e-12)
     assert (fsdp.diffs["grad_norm"].max_abs, fsdp.diffs["grad_norm"].final) == (0.25, 0.0)
     assert fsdp.diffs["grad_norm"].mean_abs == pytest.approx(0.05, abs=1e-12)
-    assert fsdp.max_rel_diff == pytest.approx(0.5 / 6.0, rel=1e-12)
-    assert (deepspeed.passed, deepspeed.max_rel_diff, fsdp.passed) == (True, 0.0, False)
+    assert fsdp.verdict.max_rel_diff["loss"] == pytest.approx(0.5 / 6.0, rel=1e-12)
+    assert (deepspeed.verdict.passed, deepspeed.verdict.max_rel_diff["loss"], fsdp.verdict.passed) == (True, 0.0, False)
 
 
 def test_printed_block_and_outputs(tmp_path, capsys):
     hand_example(tmp_path)
     code, out, err = run_cli(capsys, tmp_path)
     assert (code, err) == (1, "")
-    assert out == HAND_BLOCK + f"\nwrote {tmp_path}/out/loss_curves.png, {tmp_path}/out/comparison.json, " \
-                               f"{tmp_path}/out/report.md\n"
-    with open(tmp_path / "out" / "comparison.json") as f:
+    assert out == HAND_BLOCK + f"\nwrote {tmp_path}/out/loss_curves.png, {tmp_path}/out/curve_comparison.json, " \
+                               f"{tmp_path}/out/curve_report.md\n"
+    with open(tmp_path / "out" / "curve_comparison.json") as f:
         saved = json.load(f)
     assert (saved["baseline"], saved["num_steps"], saved["verdict"], saved["figure"]) == ("ddp", 5, "FAIL",
                                                                                           "loss_curves.png")
     assert saved["runs"]["fsdp"]["loss"] == {"initial": 10.0, "final": 3.75, "min": 3.75, "mean": 6.65}
     assert saved["runs"]["ddp"]["label"] == "DDP (TP=1, DP=2)"
     fsdp = saved["against_baseline"]["fsdp"]
-    assert fsdp["verdict"] == "FAIL" and fsdp["rtol"] == 1e-5
+    assert fsdp["verdict"] == "FAIL" and fsdp["tolerance"] == {"loss": 1e-5, "grad_norm": 1e-5}
     assert fsdp["tolerance_source"] == "precision fp32 (ddp fp32, fsdp fp32)"
     assert fsdp["loss_diff"] == {"max_abs": 0.5, "mean_abs": 0.15, "final": -0.25}
-    assert fsdp["first_failure"] == {"step": 2, "quantity": "loss", "value": 6.5, "baseline_value": 6.0,
-                                     "rel_diff": 0.5 / 6.0, "rtol": 1e-5}
-    assert (fsdp["grad_norm_rtol"], fsdp["max_grad_norm_rel_diff"]) == (1e-5, 0.25)
-    assert saved["against_baseline"]["deepspeed"]["first_failure"] is None
-    report = (tmp_path / "out" / "report.md").read_text()
+    assert fsdp["first_outside"] == {"step": 2, "quantity": "loss", "value": 6.5, "reference": 6.0,
+                                     "rel_diff": 0.5 / 6.0, "tolerance": 1e-5}
+    assert fsdp["max_rel_diff"]["grad_norm"] == 0.25
+    assert saved["against_baseline"]["deepspeed"]["first_outside"] is None
+    report = (tmp_path / "out" / "curve_report.md").read_text()
     assert "![Loss curves](loss_curves.png)" in report
-    assert "| FSDP+DTensor (TP=2, DP=2) | FAIL | 1e-05 / 1e-05 | precision fp32 (ddp fp32, fsdp fp32) | " \
+    assert "| FSDP (TP=2, DP=2) | FAIL | 1e-05 / 1e-05 | precision fp32 (ddp fp32, fsdp fp32) | " \
            "8.333e-02 / 2.500e-01 | step 2, loss: 6.500000 vs 6.000000 (8.333e-02) |" in report
-    assert "| FSDP+DTensor (TP=2, DP=2) | 10.000000 | 3.750000 | 3.750000 | 6.650000 |" in report
-    assert "| FSDP+DTensor (TP=2, DP=2) | 0.500000 | 0.150000 | -0.250000 |" in report
+    assert "| FSDP (TP=2, DP=2) | 10.000000 | 3.750000 | 3.750000 | 6.650000 |" in report
+    assert "| FSDP (TP=2, DP=2) | 0.500000 | 0.150000 | -0.250000 |" in report
     assert not [p for p in os.listdir(tmp_path / "out") if p.endswith(".tmp")]  # atomic writes left nothing
 
 
@@ -210,7 +211,7 @@ def test_command_line_script(tmp_path):
     write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD)
     passing = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert passing.returncode == 0
-    assert "FSDP+DTensor (TP=2, DP=2): PASS\n  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 " \
+    assert "FSDP (TP=2, DP=2): PASS\n  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 " \
            "(ddp fp32, fsdp fp32); max relative diff 0.000e+00 (loss), 0.000e+00 (grad norm)\n" in passing.stdout
     bad = subprocess.run(args[:2] + ["--input_dir", str(tmp_path / "none"), "--output", "x.png"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
@@ -225,7 +226,7 @@ def test_identical_curves_pass(tmp_path, capsys):
     write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD)
     code, out, _ = run_cli(capsys, tmp_path)
     assert code == 0
-    assert "FSDP+DTensor (TP=2, DP=2): PASS\n" in out
+    assert "FSDP (TP=2, DP=2): PASS\n" in out
 
 
 def test_first_step_outside_the_fp32_envelope(tmp_path, capsys):
@@ -234,7 +235,7 @@ def test_first_step_outside_the_fp32_envelope(tmp_path, capsys):
     write_record(tmp_path, "fsdp", [10.0, 8.0, 6.00003, 5.0001, 4.0])
     code, out, _ = run_cli(capsys, tmp_path)
     assert code == 1
-    assert "FSDP+DTensor (TP=2, DP=2): FAIL\n  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, " \
+    assert "FSDP (TP=2, DP=2): FAIL\n  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, " \
            "fsdp fp32); first step outside: step 3: loss 5.000100 vs DDP 5.000000, relative diff 2.000e-05 > " \
            "rtol 1e-05\n" in out
 
@@ -261,15 +262,30 @@ def test_a_gradient_scale_bug_fails_on_the_grad_norm(tmp_path, capsys):
 def test_tolerance_from_precision(tmp_path, base_precision, run_precision, rel_diff, rtol, verdict):
     write_record(tmp_path, "ddp", DDP_LOSS, precision=base_precision)
     write_record(tmp_path, "fsdp", [x * (1 + rel_diff) for x in DDP_LOSS], precision=run_precision)
-    (v,) = compare(load_runs(str(tmp_path))).verdicts
-    assert (v.tolerance.rtol, v.tolerance.grad_norm_rtol, v.status) == (rtol, 1e-5 if rtol == 1e-5 else 1e-1, verdict)
+    (r,) = compare(load_runs(str(tmp_path))).results
+    v = r.verdict
+    assert (r.tolerance.loss, r.tolerance.grad_norm, v.word) == (rtol, 1e-5 if rtol == 1e-5 else 1e-1, verdict)
     looser = "bf16" if "bf16" in (base_precision, run_precision) else "fp32"
-    assert v.tolerance.source == f"precision {looser} (ddp {base_precision}, fsdp {run_precision})"
-    assert (v.first_failure.step if v.first_failure else None) == (0 if verdict == "FAIL" else None)
+    assert v.tolerance_source == f"precision {looser} (ddp {base_precision}, fsdp {run_precision})"
+    assert (v.first_outside.step if v.first_outside else None) == (0 if verdict == "FAIL" else None)
 
 
-def test_precision_constants():
-    assert (FP32_RTOL, BF16_RTOL, FP32_GRAD_NORM_RTOL, BF16_GRAD_NORM_RTOL) == (1e-5, 3e-2, 1e-5, 1e-1)
+@pytest.mark.parametrize("precision", sorted(tolerances.CURVES))
+@pytest.mark.parametrize("quantity", ["loss", "grad_norm"])
+def test_the_tolerance_table_is_what_judges(tmp_path, precision, quantity):
+    """Whatever the table says for a precision and a curve: half of it PASSes, twice it FAILs at step 1."""
+    rtol = tolerances.CURVES[precision].of(quantity)
+    for factor, word in ((0.5, "PASS"), (2.0, "FAIL")):
+        folder = tmp_path / f"{factor}"
+        folder.mkdir()
+        write_record(folder, "ddp", DDP_LOSS, DDP_GRAD, precision=precision)
+        moved = {"loss": list(DDP_LOSS), "grad_norm": list(DDP_GRAD)}
+        moved[quantity][1] *= 1 + factor * rtol
+        write_record(folder, "fsdp", moved["loss"], moved["grad_norm"], precision=precision)
+        (r,) = compare(load_runs(str(folder))).results
+        assert r.verdict.word == word
+        if word == "FAIL":
+            assert (r.verdict.first_outside.step, r.verdict.first_outside.quantity) == (1, quantity)
 
 
 def test_tolerance_override(tmp_path, capsys):
@@ -293,7 +309,7 @@ def test_other_baseline(tmp_path, capsys):
     hand_example(tmp_path)
     code, out, _ = run_cli(capsys, tmp_path, "--baseline", "fsdp")
     assert code == 1
-    assert "Differences from FSDP+DTensor baseline:\n\nDDP (TP=1, DP=2):\n  Max abs diff:  0.500000\n" \
+    assert "Differences from FSDP baseline:\n\nDDP (TP=1, DP=2):\n  Max abs diff:  0.500000\n" \
            "  Mean abs diff: 0.150000\n  Final diff:    0.250000\n" in out
 
 
@@ -339,7 +355,7 @@ def test_not_comparable(tmp_path, capsys, change, message):
     code, out, err = run_cli(capsys, tmp_path)
     assert (code, out) == (2, "")
     assert err == f"error: not comparable: {message}\n"
-    assert not (tmp_path / "out" / "comparison.json").exists()
+    assert not (tmp_path / "out" / "curve_comparison.json").exists()
 
 
 def test_every_mismatch_is_reported(tmp_path, capsys):
@@ -430,12 +446,12 @@ def test_unwritable_output_and_unknown_extension(tmp_path, capsys):
 
 def test_figure_panels(tmp_path):
     hand_example(tmp_path)
-    fig = plot_comparison(compare(load_runs(str(tmp_path))))
+    fig = curve_figure(compare(load_runs(str(tmp_path))))
     loss, diff, grad = fig.axes
     assert [ax.get_title() for ax in fig.axes] == ["Loss", "Loss difference from DDP",
                                                    "Gradient norm (before clipping)"]
     assert fig._suptitle.get_text() == "5 steps against DDP (TP=1, DP=2): FAIL"
-    labels = ["DDP (TP=1, DP=2)", "DeepSpeed AutoTP (TP=2, DP=2)", "FSDP+DTensor (TP=2, DP=2)"]
+    labels = ["DDP (TP=1, DP=2)", "DeepSpeed (TP=2, DP=2)", "FSDP (TP=2, DP=2)"]
     assert [line.get_label() for line in loss.get_lines()] == labels
     assert [line.get_label() for line in grad.get_lines()] == labels
     assert list(loss.get_lines()[2].get_ydata()) == FSDP_LOSS
@@ -444,7 +460,7 @@ def test_figure_panels(tmp_path):
     assert list(diff.get_lines()[1].get_ydata()) == [0.0, 0.0, 0.5, 0.0, -0.25]
     band, failure = diff.collections  # the tolerance band, then the marker at FSDP's first failing step
     assert band.get_label() == "tolerance ±1e-05·|DDP|"
-    assert failure.get_label() == "FSDP+DTensor: first step outside (2, loss)"
+    assert failure.get_label() == "FSDP: first step outside (2, loss)"
     assert failure.get_offsets().tolist() == [[2.0, 0.5]]
     assert (grad.get_xlabel(), diff.get_ylabel()) == ("step", "loss − DDP loss")
 
@@ -458,4 +474,4 @@ def test_figure_formats(tmp_path, capsys, name, check):
     hand_example(tmp_path)
     assert run_cli(capsys, tmp_path, output=name)[0] == 1
     assert check((tmp_path / name).read_bytes())
-    assert json.loads((tmp_path / "comparison.json").read_text())["figure"] == name
+    assert json.loads((tmp_path / "curve_comparison.json").read_text())["figure"] == name

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from parity.data import GlobalBatches, SyntheticMarkov, batch_hash, dp_slice, open_dataset
+from parity.training.data import GlobalBatches, SyntheticMarkov, batch_hash, dp_slice, open_dataset
 from parity.errors import ConfigError
 
 

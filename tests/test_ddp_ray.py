@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import checkpoint_loss, max_rel_diff, series, train
+from conftest import checkpoint_loss, max_rel_diff, record_batches, series, stock_loss, train
 
 STEPS = 100
 FP32 = {"debug_steps": STEPS, "precision": "fp32", "device": "cpu"}
@@ -27,10 +27,27 @@ def test_one_worker_batch4_equals_two_workers_batch2(ddp_runs):
     assert one["config"]["init_weights_sha256"] == two["config"]["init_weights_sha256"]
     assert max_rel_diff(series(two, "loss"), series(one, "loss")) < 1e-5
     assert max_rel_diff(series(two, "grad_norm"), series(one, "grad_norm")) < 1e-5
-    # The global loss is the mean of the DP ranks' losses, which the one-worker run sees as one slice.
-    for step in two["steps"]:
-        assert len(step["dp_rank_losses"]) == 2
-        assert step["loss"] == pytest.approx(sum(step["dp_rank_losses"]) / 2, rel=1e-12)
+    assert all(len(s["dp_rank_losses"]) == 2 for s in two["steps"])
+    assert all(len(s["dp_rank_losses"]) == 1 for s in one["steps"])
+
+
+def test_each_dp_rank_trains_on_its_rows_of_the_global_batch(ddp_runs, tiny_weights):
+    """Step 0, before any update: DP rank r's loss is a stock model's loss on rows [2r, 2r+2) of that step's
+    global batch, and the recorded loss is the stock model's loss on the whole batch."""
+    from parity.training.data import batch_hash
+    from parity.training.model import build_model, load_init_weights, resolve_model_config
+
+    model = build_model(resolve_model_config("qwen2-tiny"), seed=0).eval()
+    load_init_weights(model, tiny_weights)
+    two, one = ddp_runs["two"], ddp_runs["one"]
+    batch = record_batches(two)(0)
+    assert batch_hash(batch) == two["steps"][0]["batch_hash"]
+    for rank in (0, 1):
+        expected = stock_loss(model, batch[2 * rank:2 * rank + 2])
+        assert two["steps"][0]["dp_rank_losses"][rank] == pytest.approx(expected, rel=1e-5)
+    whole = stock_loss(model, batch)
+    assert two["steps"][0]["loss"] == pytest.approx(whole, rel=1e-5)
+    assert one["steps"][0]["dp_rank_losses"] == pytest.approx([whole], rel=1e-5)
 
 
 def test_rerun_reproduces_losses_exactly(ddp_runs):

@@ -25,20 +25,22 @@ def test_three_runs_then_a_pass_verdict(tmp_path):
         record = json.loads((loss_dir / f"loss_{strategy}.json").read_text())
         assert record["complete"] and len(record["steps"]) == 12 and record["config"]["precision"] == "fp32"
     assert (loss_dir / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    report = (loss_dir / "report.md").read_text()
+    report = (loss_dir / "curve_report.md").read_text()
     assert report.startswith("# Loss curve comparison against DDP") and "![Loss curves](loss_curves.png)" in report
-    summary = json.loads((loss_dir / "comparison.json").read_text())
+    summary = json.loads((loss_dir / "curve_comparison.json").read_text())
     assert (summary["baseline"], summary["num_steps"], summary["verdict"]) == ("ddp", 12, "PASS")
     for strategy in ("deepspeed", "fsdp"):
         against = summary["against_baseline"][strategy]
-        assert (against["verdict"], against["rtol"]) == ("PASS", 1e-5) and against["max_rel_diff"] < 1e-5
+        assert (against["verdict"], against["tolerance"]["loss"]) == ("PASS", 1e-5)
+        assert against["max_rel_diff"]["loss"] < 1e-5
     assert "LOSS CURVE STATISTICS" in proc.stdout and "VERDICT: PASS" in proc.stdout
     assert (tmp_path / "shared_weights" / "init_weights.pt").exists()
 
 
-def test_a_failing_run_stops_the_script(tmp_path):
+def test_a_bad_run_configuration_stops_the_job_before_any_run(tmp_path):
+    """Every run's configuration is resolved before the first one starts: one line, exit 2, nothing trained."""
     proc = run_main(tmp_path, EXTRA_ARGS="--tp_size 3")
-    assert proc.returncode == 1
-    assert "error: the ddp run failed" in proc.stderr
-    assert "error: --num_workers 2 ≠ --tp_size 3 × --dp_size 2" in proc.stderr
-    assert "== deepspeed" not in proc.stdout and not list((tmp_path / "loss_curves").glob("loss_*.json"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --num_workers 2 ≠ --tp_size 3 × --dp_size 2: pass --num_workers 6 or change tp/dp"]
+    assert "== ddp" not in proc.stdout and not list(tmp_path.glob("loss_curves/loss_*.json"))

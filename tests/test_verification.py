@@ -11,21 +11,19 @@ import sys
 
 import pytest
 
-from conftest import REPO
-from parity.config import to_argv
-
-import run_verification
+from conftest import REPO, to_argv
+from parity.commands.layer_check import main as layer_check
 
 FP32 = {"precision": "fp32", "device": "cpu", "seq_length": 64, "tp_size": 2}
 SHARDED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.act_fn")
 
 
 def verify(out, **flags) -> int:
-    return run_verification.main(to_argv({"output_dir": out, **FP32, **flags}))
+    return layer_check(to_argv({"output_dir": out, **FP32, **flags}))
 
 
 def comparison(out) -> dict:
-    with open(os.path.join(out, "comparison.json")) as f:
+    with open(os.path.join(out, "layer_comparison.json")) as f:
         return json.load(f)
 
 
@@ -46,7 +44,7 @@ def assert_full_tensor_parity(out: str, dp_size: int) -> None:
     pairs = {(p["run"], p["reference"]): p for p in result["pairs"]}
     assert set(pairs) == {("deepspeed", "ddp"), ("fsdp", "ddp"), ("fsdp", "deepspeed")}
     for pair in pairs.values():
-        assert pair["verdict"] == "PASS" and pair["first_divergence"] is None
+        assert pair["verdict"] == "PASS" and pair["first_outside"] is None
         worst = max(pair["rows"], key=lambda r: r["rel"])
         assert worst["rel"] < 1e-5, f"{pair['run']} vs {pair['reference']}: {worst['key']} {worst['rel']:.3e}"
         kinds = {r["kind"] for r in pair["rows"]}
@@ -74,9 +72,9 @@ def test_tp2_dp1_every_tensor_matches_ddp(tp2_dp1):
     out, code = tp2_dp1
     assert code == 0
     assert_full_tensor_parity(out, dp_size=1)
-    text = open(os.path.join(out, "comparison.md")).read()
-    assert "## Layer output norms" in text and "## Parameter gradient norms" in text and "heatmap.png" in text
-    assert open(os.path.join(out, "heatmap.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    text = open(os.path.join(out, "layer_report.md")).read()
+    assert "## Layer output norms" in text and "## Parameter gradient norms" in text and "layer_heatmap.png" in text
+    assert open(os.path.join(out, "layer_heatmap.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tp2_dp2_every_tensor_matches_ddp_per_dp_rank(tp2_dp2):
@@ -99,8 +97,8 @@ def test_fault_in_one_tp_shard_is_the_first_divergence(tp2_dp1, tmp_path):
     assert code == 1
     (pair,) = comparison(out)["pairs"]
     assert (pair["run"], pair["reference"], pair["verdict"]) == ("fsdp", "ddp", "FAIL")
-    assert pair["first_divergence"]["module"] == "model.layers.1.mlp.up_proj"
-    assert pair["first_divergence"]["phase"] == "forward output"
+    assert pair["first_outside"]["module"] == "model.layers.1.mlp.up_proj"
+    assert pair["first_outside"]["quantity"] == "forward output"
     rows = {r["key"]: r["rel"] for r in pair["rows"]}
     assert rows["output/model.layers.1.mlp.gate_proj"] < 1e-5 and rows["output/model.layers.1.mlp.up_proj"] > 1e-4
 
@@ -117,7 +115,7 @@ def test_folder_with_weights_but_no_inputs(tmp_path):
     proc = run_script("run_verification.py", "--output_dir", str(tmp_path), "--device", "cpu")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"error: {tmp_path} has init_weights.safetensors but no inputs.safetensors: a verification folder needs "
+        f"error: {tmp_path} has init_weights.safetensors but no inputs.safetensors: a layer-check folder needs "
         f"both; use a fresh --output_dir (or delete init_weights.safetensors)"]
 
 

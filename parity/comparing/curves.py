@@ -5,8 +5,10 @@ every run is checked against the baseline: same initial weights, same model, sam
 same number of steps, and at every step the same batch, tokens and learning rate. A run that differs is
 reported as not comparable (`NotComparable`), never as a loss diff.
 
-The verdict is per step: |loss - baseline| <= rtol · |baseline| at every step, with rtol set by the
-runs' precision (the looser of the pair) unless --tolerance gives one.
+The verdict is per step, on the loss and on the pre-clip grad norm: |x - baseline| <= rtol · |baseline| at
+every step, with rtol from parity.comparing.tolerances (the looser precision of the pair) unless given.
+The grad norm is in it because AdamW is (up to eps) invariant to the gradient's scale: a gradient reduced
+twice, not averaged over DP, or clipped differently barely moves the loss but moves the norm.
 """
 
 from __future__ import annotations
@@ -16,63 +18,19 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from parity.errors import ConfigError
-from parity.record import load_record
-from parity.strategies import display_name
+from parity.comparing import tolerances
+from parity.comparing.tolerances import Tolerance
+from parity.comparing.verdict import Outside, Verdict, verdict_word
+from parity.errors import ConfigError, NotComparable
+from parity.registry import label
+from parity.training.record import load_record
 
-FP32_RTOL = 1e-5
-"""Per-step relative loss tolerance between two fp32 runs. Measured fp32 differences between layouts
-and strategies on this stack are ~1e-7 relative (reduction order only); 1e-5 leaves two orders of margin
-and still catches a bug, which moves the loss by far more."""
-
-BF16_RTOL = 3e-2
-"""Per-step relative loss tolerance when either run computes in bf16 (autocast, fp32 master weights).
-
-A placeholder until it is calibrated against measured bf16 runs of the three strategies. The reasoning:
-bf16 keeps an 8-bit significand (unit roundoff 2^-8 ≈ 3.9e-3), so every matmul output under autocast
-is only that exact. Tensor parallelism sums the partial products of row-parallel layers across ranks,
-in another order and with other intermediate roundings than one device does, so the logits (and the
-loss) differ from step 0 (the seed's initial losses differ by 4e-5 relative). Those differences change
-the gradients, hence the weights, and compound over the steps: after 100 steps a few units of roundoff
-(≈ 1e-2) are what correct implementations drift apart. 3e-2 — about eight units of roundoff — leaves
-room for that drift and still fails the bugs that matter (a gradient reduced twice or not at all, a
-missed clip, a shard counted twice), which move the loss by tens of percent within a few steps."""
-
-FP32_GRAD_NORM_RTOL = 1e-5
-"""Per-step relative tolerance on the pre-clip gradient norm between fp32 runs. Every strategy
-accumulates the norm in float64 (parity/strategy.squared_norm_fp64, DeepSpeed's own fp64 norm), so only
-the gradients' own fp32 rounding is left: measured ≤1.3e-6 relative over 100 steps."""
-
-BF16_GRAD_NORM_RTOL = 1e-1
-"""Per-step relative tolerance on the pre-clip gradient norm when either run is bf16. Gradients are
-far noisier than the loss under bf16 (they are differences of bf16-rounded activations): between correct
-strategies the norms differed by up to 9.4e-3 over 100 steps (FSDP vs DDP, qwen2-tiny on CPU), and
-between DDP bf16 and DDP fp32 by 4.2e-3. 1e-1 leaves an order of magnitude for larger models and GPUs."""
-
-PRECISION_RTOL = {"fp32": FP32_RTOL, "bf16": BF16_RTOL}
-GRAD_NORM_RTOL = {"fp32": FP32_GRAD_NORM_RTOL, "bf16": BF16_GRAD_NORM_RTOL}
-"""The loss alone misses whole classes of bugs: AdamW is (up to eps) invariant to the gradient's scale, so
-a gradient reduced twice, or not averaged over DP, or clipped differently, barely moves the loss but
-moves the norm. So the verdict holds both curves to their envelopes."""
-
+QUANTITIES = ("loss", "grad_norm")
 # Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
 OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
-
 # Per-step entries every run must share with the baseline: (field, what differs, in words).
 STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
                    ("lr", "use different learning rates"))
-
-
-def verdict_word(passed: bool) -> str:
-    return "PASS" if passed else "FAIL"
-
-
-class NotComparable(ConfigError):
-    """Runs that differ in more than the strategy; each entry of `mismatches` names both runs."""
-
-    def __init__(self, mismatches: list[str]):
-        super().__init__("; ".join(mismatches))
-        self.mismatches = mismatches
 
 
 @dataclass(frozen=True)
@@ -104,7 +62,7 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{display_name(self.name)} (TP={self.config['tp_size']}, DP={self.config['dp_size']})"
+        return f"{label(self.name)} (TP={self.config['tp_size']}, DP={self.config['dp_size']})"
 
 
 @dataclass(frozen=True)
@@ -134,45 +92,13 @@ class DiffStats:
 
 
 @dataclass(frozen=True)
-class Tolerance:
-    rtol: float  # on the loss
-    grad_norm_rtol: float  # on the pre-clip gradient norm
-    source: str  # "--tolerance" or the precisions it comes from
-
-    def of(self, quantity: str) -> float:
-        return self.rtol if quantity == "loss" else self.grad_norm_rtol
-
-
-@dataclass(frozen=True)
-class StepFailure:
-    """The first step where the loss or the grad norm leaves its envelope |x - baseline| <= rtol · |baseline|."""
-
-    step: int
-    quantity: str  # "loss" or "grad_norm"
-    value: float
-    baseline_value: float
-    rel_diff: float
-    rtol: float
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One run against the baseline."""
+class CurveResult:
+    """One run against the baseline: its verdict, the tolerance it was judged by, and its differences."""
 
     run: Run
-    diffs: dict[str, DiffStats]  # "loss" and "grad_norm": this run's curve minus the baseline's
     tolerance: Tolerance
-    max_rel_diff: float  # of the loss
-    max_grad_norm_rel_diff: float
-    first_failure: StepFailure | None
-
-    @property
-    def passed(self) -> bool:
-        return self.first_failure is None
-
-    @property
-    def status(self) -> str:
-        return verdict_word(self.passed)
+    verdict: Verdict
+    diffs: dict[str, DiffStats]  # "loss" and "grad_norm": this run's curve minus the baseline's
 
 
 @dataclass(frozen=True)
@@ -180,15 +106,15 @@ class Comparison:
     baseline: Run
     runs: list[Run]  # the baseline first, then the others by name
     num_steps: int  # compared steps: all of them, or those every run has done with --allow_incomplete
-    verdicts: list[Verdict]  # one per run but the baseline, in `runs` order
+    results: list[CurveResult]  # one per run but the baseline, in `runs` order
     warnings: list[str]
 
     @property
     def passed(self) -> bool:
-        return all(v.passed for v in self.verdicts)
+        return all(r.verdict.passed for r in self.results)
 
     @property
-    def status(self) -> str:
+    def word(self) -> str:
         return verdict_word(self.passed)
 
     def series(self, run: Run, key: str) -> list[float]:
@@ -198,26 +124,23 @@ class Comparison:
         return CurveStats.of(self.series(run, key))
 
     def to_dict(self) -> dict:
-        """Everything the printed block says, machine-readable (comparison.json)."""
+        """Everything the printed block says, machine-readable (curve_comparison.json)."""
         return {
-            "baseline": self.baseline.name, "num_steps": self.num_steps, "verdict": self.status,
+            "baseline": self.baseline.name, "num_steps": self.num_steps, "verdict": self.word,
             "warnings": self.warnings,
             "runs": {r.name: {"label": r.label, "file": os.path.basename(r.file), "complete": r.complete,
                               "steps_recorded": len(r.steps), "precision": r.precision,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
                               "loss": asdict(self.curve_stats(r, "loss")),
                               "grad_norm": asdict(self.curve_stats(r, "grad_norm"))} for r in self.runs},
-            "against_baseline": {v.run.name: {
-                "verdict": v.status, "rtol": v.tolerance.rtol, "grad_norm_rtol": v.tolerance.grad_norm_rtol,
-                "tolerance_source": v.tolerance.source, "max_rel_diff": v.max_rel_diff,
-                "max_grad_norm_rel_diff": v.max_grad_norm_rel_diff,
-                **{f"{key}_diff": asdict(d) for key, d in v.diffs.items()},
-                "first_failure": asdict(v.first_failure) if v.first_failure else None} for v in self.verdicts},
+            "against_baseline": {r.run.name: {**r.verdict.to_dict(), "tolerance": asdict(r.tolerance),
+                                              **{f"{key}_diff": asdict(d) for key, d in r.diffs.items()}}
+                                 for r in self.results},
         }
 
 
 def load_runs(input_dir: str) -> list[Run]:
-    """Every loss_*.json in `input_dir`, validated. Raises ConfigError or RecordError."""
+    """Every loss_*.json in `input_dir`, validated. Raises ConfigError (RecordError for a bad record)."""
     if not os.path.isdir(input_dir):
         raise ConfigError(f"--input_dir {input_dir} is not a directory")
     paths = sorted(glob.glob(os.path.join(input_dir, "loss_*.json")))
@@ -238,15 +161,15 @@ def load_runs(input_dir: str) -> list[Run]:
 def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
             allow_incomplete: bool = False, grad_norm_rtol: float | None = None) -> Comparison:
     """Check every run against the baseline, then measure it. `rtol` / `grad_norm_rtol` override the
-    precision defaults for the loss / the grad norm."""
+    precision tolerances for the loss / the grad norm."""
     base, others = _split_baseline(runs, baseline)
     num_steps = min(len(r.steps) for r in runs)
     warnings = _incomplete_warnings(runs, allow_incomplete, num_steps)
     mismatches = [m for run in others for m in comparability_mismatches(base, run)]
     if mismatches:
         raise NotComparable(mismatches)
-    verdicts = [_verdict(base, run, num_steps, tolerance_for(base, run, rtol, grad_norm_rtol)) for run in others]
-    return Comparison(base, [base, *others], num_steps, verdicts, warnings)
+    results = [_result(base, run, num_steps, *tolerance_for(base, run, rtol, grad_norm_rtol)) for run in others]
+    return Comparison(base, [base, *others], num_steps, results, warnings)
 
 
 def comparability_mismatches(base: Run, run: Run) -> list[str]:
@@ -274,22 +197,24 @@ def comparability_mismatches(base: Run, run: Run) -> list[str]:
     return found
 
 
-def tolerance_for(base: Run, run: Run, rtol: float | None = None, grad_norm_rtol: float | None = None) -> Tolerance:
-    """The given overrides, else the looser of the two runs' precision tolerances."""
+def tolerance_for(base: Run, run: Run, rtol: float | None = None,
+                  grad_norm_rtol: float | None = None) -> tuple[Tolerance, str]:
+    """(tolerance, where it came from): the given overrides, else the looser of the runs' precisions."""
     if rtol is not None and grad_norm_rtol is not None:
-        return Tolerance(rtol, grad_norm_rtol, "--tolerance, --grad_norm_tolerance")
-    for r in (base, run):
-        if r.precision not in PRECISION_RTOL:
-            raise ConfigError(f"{os.path.basename(r.file)}: precision '{r.precision}' has no default tolerance "
-                              f"(known: {', '.join(PRECISION_RTOL)}): pass --tolerance")
-    looser = max((base.precision, run.precision), key=PRECISION_RTOL.__getitem__)
+        return Tolerance(rtol, grad_norm_rtol), "--tolerance, --grad_norm_tolerance"
+    try:
+        looser = tolerances.looser_precision(base.precision, run.precision)
+    except ConfigError as exc:
+        odd = base if base.precision not in tolerances.PRECISION_ORDER else run
+        raise ConfigError(f"{os.path.basename(odd.file)}: {exc}") from None
     source = f"precision {looser} ({base.name} {base.precision}, {run.name} {run.precision})"
     if rtol is not None:
         source = f"--tolerance; grad norm from {source}"
     elif grad_norm_rtol is not None:
         source = f"{source}; --grad_norm_tolerance"
-    return Tolerance(PRECISION_RTOL[looser] if rtol is None else rtol,
-                     GRAD_NORM_RTOL[looser] if grad_norm_rtol is None else grad_norm_rtol, source)
+    table = tolerances.CURVES[looser]
+    return Tolerance(table.loss if rtol is None else rtol,
+                     table.grad_norm if grad_norm_rtol is None else grad_norm_rtol), source
 
 
 def relative_diff(value: float, baseline: float) -> float:
@@ -298,27 +223,24 @@ def relative_diff(value: float, baseline: float) -> float:
     return abs(value - baseline) / abs(baseline)
 
 
-QUANTITIES = ("loss", "grad_norm")
-
-
-def first_failure(series: dict[str, list[float]], baseline: dict[str, list[float]],
-                  tolerance: Tolerance) -> StepFailure | None:
+def first_outside(series: dict[str, list[float]], baseline: dict[str, list[float]],
+                  tolerance: Tolerance) -> Outside | None:
     """The first step at which the loss, then the grad norm, leaves its envelope."""
     for step in range(len(series["loss"])):
         for quantity in QUANTITIES:
             value, base, rtol = series[quantity][step], baseline[quantity][step], tolerance.of(quantity)
             if not abs(value - base) <= rtol * abs(base):  # written so that a NaN fails too
-                return StepFailure(step, quantity, value, base, relative_diff(value, base), rtol)
+                return Outside(quantity=quantity, rel_diff=relative_diff(value, base), tolerance=rtol, step=step,
+                               value=value, reference=base)
     return None
 
 
-def _verdict(base: Run, run: Run, num_steps: int, tolerance: Tolerance) -> Verdict:
+def _result(base: Run, run: Run, num_steps: int, tolerance: Tolerance, source: str) -> CurveResult:
     series = {key: _series(run, key, num_steps) for key in QUANTITIES}
     baseline = {key: _series(base, key, num_steps) for key in QUANTITIES}
-    diffs = {key: DiffStats.of(series[key], baseline[key]) for key in QUANTITIES}
     max_rel = {key: max(relative_diff(x, b) for x, b in zip(series[key], baseline[key])) for key in QUANTITIES}
-    return Verdict(run, diffs, tolerance, max_rel["loss"], max_rel["grad_norm"],
-                   first_failure(series, baseline, tolerance))
+    verdict = Verdict(run.name, base.name, source, max_rel, first_outside(series, baseline, tolerance))
+    return CurveResult(run, tolerance, verdict, {key: DiffStats.of(series[key], baseline[key]) for key in QUANTITIES})
 
 
 def _series(run: Run, key: str, num_steps: int) -> list[float]:

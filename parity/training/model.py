@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from parity.atomic import atomic_path
+from parity.storage import atomic_path
 from parity.errors import ConfigError
 
 # Published values of Qwen/Qwen2.5-0.5B's config.json, so no hub is needed.
@@ -75,6 +75,14 @@ def resolve_model_config(model_name: str, num_layers: int | None = None):
     if num_layers is not None and num_layers != config.num_hidden_layers:
         config = with_num_layers(config, num_layers)
     return config
+
+
+def model_config_from_dict(data: dict):
+    """The Qwen2Config that `resolve_model_config(...).to_dict()` described (RunConfig.model_config): workers
+    rebuild the driver's resolved config instead of resolving the name again (no hub, no files)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config.from_dict(data)
 
 
 def with_num_layers(config, num_layers: int):

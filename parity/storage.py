@@ -1,4 +1,5 @@
-"""Atomic writes: a reader (or a crash) never sees half a weights file or half a JSON record."""
+"""Where outputs are written: atomically, so a reader (or a crash) never sees half a weights file, half a
+JSON record or half a figure; and the check, before any worker runs, that a directory can be written."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import contextlib
 import json
 import os
 import tempfile
+
+from parity.errors import ConfigError
 
 
 @contextlib.contextmanager
@@ -33,3 +36,16 @@ def write_text_atomic(path: str, text: str) -> None:
 
 def write_json_atomic(path: str, data) -> None:
     write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """Create the directory if needed and prove a file can be written there, before any worker runs."""
+    if "://" in path:  # remote storage (s3://, gs://): Ray Train checks it itself
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path} is not a writable directory ({exc.strerror}): "
+                          f"choose a directory you can write to") from None

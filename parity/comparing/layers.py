@@ -1,4 +1,4 @@
-"""Comparing single-step dumps tensor by tensor, and locating the first divergence.
+"""The layer check's comparison: single-step dumps, tensor by tensor, and the first divergence.
 
 Every tensor is full size under its Hugging Face name in every dump, so a pair of runs is compared
 element-wise: the norm in each run, the max absolute difference, and the relative difference
@@ -24,8 +24,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from parity.comparing import tolerances
+from parity.comparing.verdict import Outside, Verdict
 from parity.errors import ConfigError
-from parity.strategies import STRATEGY_MODULES, display_name
+from parity.registry import NAMES, label
 
 KINDS = ("output", "output_grad", "grad", "param")
 PHASES = {"output": "forward output", "output_grad": "backward (output gradient)", "grad": "parameter gradient",
@@ -34,21 +36,8 @@ SCALE_FLOOR = {"output": 1e-3, "output_grad": 1e-3, "grad": 1e-3, "param": 1e-2}
 """The floor of the scale, as a fraction of the kind's largest max |value|. Updated parameters get 1e-2:
 the zero-initialised q/k/v biases hold nothing but one AdamW step (≈ lr), and for elements whose gradient
 is near AdamW's eps the step turns the gradients' last-bit differences into update differences amplified
-by lr/eps — measured 2e-8 absolute on the k_proj biases between correct runs, i.e. 2e-5 of the largest
-parameter (the norm weights, 1.0). Against 1e-2 of it that is 2e-6, while a bias that missed its update
-altogether (a difference of lr = 1e-5) still reads 1e-3, a hundred times the fp32 tolerance."""
-
-FP32_RTOL = 1e-5
-"""fp32: the same arithmetic in another reduction order differs by ~1e-7 relative per element; 1e-5
-leaves two orders of margin and still flags a one-in-a-thousand perturbation of a single shard."""
-
-BF16_RTOL = 6e-2
-"""bf16 (autocast compute, fp32 weights): every matmul output is rounded to an 8-bit significand (unit
-roundoff 2^-8 ≈ 3.9e-3), and under TP the row-parallel partial sums are rounded before they are added,
-so a layer's output may differ by a few units of roundoff relative to its largest element; gradients
-go through twice as many bf16 matmuls and, near their largest elements, cancellations. 6e-2 (≈ 15 units
-of roundoff) bounds what correct runs showed (see README) with margin, and still fails a wrong shard,
-a missing all-reduce or a dropped gradient, which move tensors by O(1) relative."""
+by lr/eps; against 1e-2 of the largest parameter that stays far below the fp32 tolerance, while a bias that
+missed its update still reads far above it (docs/tolerances.md has the numbers)."""
 
 PAIR_ORDER = (("ddp", "deepspeed"), ("ddp", "fsdp"), ("deepspeed", "fsdp"))
 
@@ -61,7 +50,7 @@ class Dump:
 
     @property
     def label(self) -> str:
-        return f"{display_name(self.strategy)} (TP={self.meta['tp_size']}, DP={self.meta['dp_size']})"
+        return f"{label(self.strategy)} (TP={self.meta['tp_size']}, DP={self.meta['dp_size']})"
 
 
 @dataclass
@@ -77,18 +66,17 @@ class Row:
 
 @dataclass
 class PairResult:
+    """Run `a` against reference `b`: every tensor's row, and the verdict (the first tensor over tolerance
+    in execution order, named as module + phase)."""
+
     a: str
     b: str
     tolerance: float
     rows: list[Row]
     bit_identical: bool
-    first_divergence: dict | None  # {"module", "phase", "rel", "key"} of the first tensor over tolerance
     loss_a: float
     loss_b: float
-
-    @property
-    def passed(self) -> bool:
-        return self.first_divergence is None
+    verdict: Verdict
 
     @property
     def max_rel(self) -> float:
@@ -126,10 +114,12 @@ def load_dumps(input_dir: str) -> dict[str, Dump]:
     return dumps
 
 
-def tolerance_for(a: Dump, b: Dump, override: float | None = None) -> float:
+def tolerance_for(a: Dump, b: Dump, override: float | None = None) -> tuple[float, str]:
+    """(tolerance, where it came from): the override, else the looser precision's."""
     if override is not None:
-        return override
-    return BF16_RTOL if "bf16" in (a.meta["precision"], b.meta["precision"]) else FP32_RTOL
+        return override, "--tolerance"
+    looser = tolerances.looser_precision(a.meta["precision"], b.meta["precision"])
+    return tolerances.LAYERS[looser], f"precision {looser}"
 
 
 def execution_order(dump: Dump) -> list[str]:
@@ -141,7 +131,7 @@ def execution_order(dump: Dump) -> list[str]:
     return [k for k in keys if k in dump.tensors]
 
 
-def compare_pair(a: Dump, b: Dump, tolerance: float) -> PairResult:
+def compare_pair(a: Dump, b: Dump, tolerance: float, source: str = "") -> PairResult:
     """Compare run `a` against reference `b` (b is the earlier of the pair: DDP first)."""
     keys = execution_order(b)
     missing = [k for k in keys if k not in a.tensors]
@@ -162,28 +152,29 @@ def compare_pair(a: Dump, b: Dump, tolerance: float) -> PairResult:
         row = Row(key, kind, name, float(ta.norm()), float(tb.norm()), max_abs, max_abs / denom)
         rows.append(row)
         if first is None and not row.rel <= tolerance:  # NaN is a divergence too
-            first = {"module": name, "phase": PHASES[kind], "rel": row.rel, "key": key}
+            first = Outside(quantity=PHASES[kind], rel_diff=row.rel, tolerance=tolerance, module=name)
+    worst = {kind: max((r.rel for r in rows if r.kind == kind), default=0.0) for kind in KINDS}
     return PairResult(a=a.strategy, b=b.strategy, tolerance=tolerance, rows=rows,
                       bit_identical=all(r.max_abs == 0 for r in rows) and a.meta["loss"] == b.meta["loss"],
-                      first_divergence=first, loss_a=a.meta["loss"], loss_b=b.meta["loss"])
+                      loss_a=a.meta["loss"], loss_b=b.meta["loss"],
+                      verdict=Verdict(a.strategy, b.strategy, source, worst, first))
 
 
 def compare_all(dumps: dict[str, Dump], override: float | None = None) -> list[PairResult]:
     if len(dumps) < 2:
         raise ConfigError(f"only {', '.join(dumps)} has a dump: a comparison needs two strategies")
-    known = [s for s in STRATEGY_MODULES if s in dumps]
+    known = [s for s in NAMES if s in dumps]
     pairs = [(x, y) for x, y in PAIR_ORDER if x in dumps and y in dumps]
     pairs += [(x, y) for i, x in enumerate(known) for y in known[i + 1:] if (x, y) not in pairs]
-    return [compare_pair(dumps[y], dumps[x], tolerance_for(dumps[x], dumps[y], override)) for x, y in pairs]
+    return [compare_pair(dumps[y], dumps[x], *tolerance_for(dumps[x], dumps[y], override)) for x, y in pairs]
 
 
 def summary_json(dumps: dict[str, Dump], results: list[PairResult]) -> dict:
     return {
         "runs": {s: {k: d.meta[k] for k in ("tp_size", "dp_size", "precision", "loss", "dp_rank_losses",
                                              "grad_norm", "perturbed")} for s, d in dumps.items()},
-        "pairs": [{"run": r.a, "reference": r.b, "tolerance": r.tolerance, "verdict": "PASS" if r.passed else "FAIL",
-                   "bit_identical": r.bit_identical, "max_rel": _finite(r.max_rel),
-                   "first_divergence": r.first_divergence, "loss": r.loss_a, "reference_loss": r.loss_b,
+        "pairs": [{**r.verdict.to_dict(), "tolerance": r.tolerance, "bit_identical": r.bit_identical,
+                   "max_rel": _finite(r.max_rel), "loss": r.loss_a, "reference_loss": r.loss_b,
                    "rows": [{k: _finite(v) for k, v in asdict(row).items()} for row in r.rows]} for r in results],
     }
 

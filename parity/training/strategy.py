@@ -105,32 +105,23 @@ def clip_local_gradients(params, cfg) -> float:
 
 
 class Strategy:
-    """Base class of the three strategy modules. Subclasses set `name` and implement the abstract parts."""
+    """Base class of the three strategy modules. Subclasses set `name` (the registry's) and `options`, and
+    implement the abstract parts."""
 
     name = "base"
+    options: tuple = ()  # the strategy's own flags (parity.training.config.Option), in RunConfig.options
 
     def __init__(self, cfg, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
         self.model = None  # the wrapped model whose forward returns HF outputs with .logits
 
-    # --- driver side: flags and checks that only this strategy has ------------------------------
+    # --- driver side ------------------------------------------------------------------------------
     @classmethod
-    def add_arguments(cls, group) -> None:
-        """Add strategy-specific flags to the entry script's parser."""
-
-    @classmethod
-    def validate(cls, cfg, model_config) -> None:
-        """Raise ConfigError for input this strategy cannot run; called before any worker starts."""
+    def validate(cls, settings, model_config) -> None:
+        """Raise ConfigError for input this strategy cannot run; called by `resolve` before any worker
+        starts, with the flags as attributes (`settings.options`, `settings.precision`, ...)."""
 
     # --- worker side ------------------------------------------------------------------------------
-    @property
-    def dp_rank(self) -> int:
-        return self.ctx.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.ctx.dp_size
-
     def setup(self, model) -> None:
         """Wrap `model` (fp32, CPU, shared initial weights loaded) and build the optimizer."""
         raise NotImplementedError

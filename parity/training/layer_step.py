@@ -1,4 +1,4 @@
-"""Single-step, layer-by-layer verification: one forward/backward/optimizer step, fully recorded.
+"""The layer check's recorded step (worker side): one forward/backward/optimizer step, fully recorded.
 
 Every rank runs the same step on its DP slice of one fixed global batch. Forward hooks record each
 module's output, tensor hooks each output's gradient; after backward every parameter's gradient, after
@@ -14,14 +14,12 @@ import os
 
 import torch
 
-from parity.atomic import atomic_path, write_json_atomic
-from parity.config import RunConfig
-from parity.data import GlobalBatches, open_dataset
 from parity.errors import ConfigError
-from parity.model import config_summary, file_sha256, resolve_model_config
+from parity.storage import atomic_path, write_json_atomic
+from parity.training.config import RunConfig
+from parity.training.model import config_summary, file_sha256
 
 INPUTS_FILE = "inputs.safetensors"
-WEIGHTS_FILE = "init_weights.safetensors"
 PERTURBATION = 1e-3  # added to one TP shard by --perturb_param: far above fp32 noise, far below the weights
 
 
@@ -34,19 +32,17 @@ def dump_paths(output_dir: str, strategy: str) -> tuple[str, str]:
 # The shared inputs (driver side)
 # ---------------------------------------------------------------------------------------------------
 
-def write_inputs(cfg: RunConfig, model_config, path: str) -> None:
+def write_inputs(batches, seed: int, path: str) -> None:
     """The global batch every run of the folder uses: step 0 of the run's data, labels = input ids."""
-    dataset = open_dataset(cfg.dataset, cfg.tokenizer, model_config.vocab_size, cfg.seq_length, cfg.num_samples,
-                           cfg.seed)
-    input_ids = GlobalBatches(dataset, cfg.global_batch_size, cfg.seed)(0)
     from safetensors.torch import save_file
 
+    input_ids = batches(0)
     with atomic_path(path) as tmp:
         save_file({"input_ids": input_ids, "labels": input_ids.clone()}, tmp,
-                  metadata={"dataset": dataset.describe(), "seed": str(cfg.seed)})
+                  metadata={"dataset": batches.dataset.describe(), "seed": str(seed)})
 
 
-def check_inputs(path: str, cfg: RunConfig, vocab_size: int) -> None:
+def check_inputs(path: str, cfg: RunConfig) -> None:
     """The folder's inputs must be the global batch this run would slice: same size and length."""
     from safetensors import safe_open
 
@@ -62,6 +58,7 @@ def check_inputs(path: str, cfg: RunConfig, vocab_size: int) -> None:
         raise ConfigError(f"{path} holds a global batch of {shapes.get('input_ids')}, this run needs {want} "
                           f"(batch_size {cfg.batch_size} × dp_size {cfg.dp_size}, seq_length {cfg.seq_length}): "
                           f"use the folder's settings or a fresh --output_dir")
+    vocab_size = cfg.model_config["vocab_size"]
     if max_id >= vocab_size:
         raise ConfigError(f"{path} holds token id {max_id}, beyond the model's vocab ({vocab_size}): "
                           f"use a fresh --output_dir for this model")
@@ -119,22 +116,17 @@ def perturb_local_shard(strategy, param_name: str) -> None:
             strategy.local_piece(p).add_(PERTURBATION)
 
 
-def verify_worker(payload: dict) -> None:
+def layer_step_worker(payload: dict) -> None:
     """Ray Train worker: one fully recorded step; rank 0 writes dump_<strategy>.{safetensors,json}."""
     from safetensors.torch import load_file, save_file
 
-    from parity.loop import prepare_model, rank0_logger, worker_context
-    from parity.strategies import strategy_class
-    from parity.strategy import causal_lm_loss
+    from parity.training.loop import start_worker
+    from parity.training.strategy import causal_lm_loss
 
-    cfg = RunConfig.from_dict(payload["cfg"])
+    w = start_worker(payload)
+    cfg, ctx, log, model_config, strategy, weights_sha = (w.cfg, w.ctx, w.log, w.model_config, w.strategy,
+                                                          w.weights_sha)
     output_dir = payload["output_dir"]
-    ctx = worker_context(cfg)
-    log = rank0_logger(cfg, ctx)
-    model_config = resolve_model_config(cfg.model_name, cfg.num_layers)
-    model, weights_sha = prepare_model(cfg, model_config, ctx, log)
-    strategy = strategy_class(cfg.strategy)(cfg, ctx)
-    strategy.setup(model)
     if payload.get("perturb_param"):
         perturb_local_shard(strategy, payload["perturb_param"])
         log(f"perturbed {payload['perturb_param']} by {PERTURBATION} on TP rank 0")

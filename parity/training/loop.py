@@ -14,31 +14,52 @@ import math
 import platform
 import resource
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from parity.config import RunConfig
-from parity.data import GlobalBatches, batch_hash, dp_slice, open_dataset
-from parity.model import (build_model, config_summary, load_init_weights, resolve_model_config,
-                          save_hf_checkpoint, save_init_weights)
-from parity.record import LossRecord, record_path
-from parity.strategies import strategy_class
-from parity.strategy import WorkerContext, causal_lm_loss, lr_at
+from parity.registry import strategy_class
+from parity.training.config import RunConfig
+from parity.training.data import batch_hash, dp_slice
+from parity.training.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
+                                   save_hf_checkpoint, save_init_weights)
+from parity.training.record import LossRecord, record_path
+from parity.training.strategy import WorkerContext, causal_lm_loss, lr_at
 
 
-def train_worker(payload: dict) -> None:
-    """Ray Train's train_loop_per_worker: the process group (gloo or NCCL) is already up."""
+@dataclass
+class Worker:
+    """A worker ready to run: where it sits, its model set up by its strategy, from the shared weights."""
+
+    cfg: RunConfig
+    ctx: WorkerContext
+    log: Callable[[str], None]
+    model_config: Any
+    strategy: Any
+    weights_sha: str
+
+
+def start_worker(payload: dict) -> Worker:
+    """What every worker does first, training or recording one step: [1] the model from the shared initial
+    weights, [2] wrapped by the strategy. The process group (gloo or NCCL) is already up."""
     cfg = RunConfig.from_dict(payload["cfg"])
     ctx = worker_context(cfg)
     log = rank0_logger(cfg, ctx)
-    model_config = resolve_model_config(cfg.model_name, cfg.num_layers)
-
+    model_config = model_config_from_dict(cfg.model_config)
     model, weights_sha = prepare_model(cfg, model_config, ctx, log)  # [1]
     strategy = strategy_class(cfg.strategy)(cfg, ctx)
     strategy.setup(model)  # [2]
-    batches = GlobalBatches(open_dataset(cfg.dataset, cfg.tokenizer, model_config.vocab_size, cfg.seq_length,
-                                         cfg.num_samples, cfg.seed), cfg.global_batch_size, cfg.seed)
+    return Worker(cfg, ctx, log, model_config, strategy, weights_sha)
+
+
+def train_worker(payload: dict) -> None:
+    """Ray Train's train_loop_per_worker."""
+    w = start_worker(payload)
+    cfg, ctx, log, model_config, strategy, weights_sha = (w.cfg, w.ctx, w.log, w.model_config, w.strategy,
+                                                          w.weights_sha)
+    batches = payload["batches"]
     total_steps = cfg.debug_steps or cfg.num_epochs * batches.steps_per_epoch
     record = LossRecord(record_path(cfg.loss_output_dir, cfg.strategy), cfg.strategy,
                         run_description(cfg, ctx, model_config, weights_sha, batches, total_steps))
@@ -114,7 +135,8 @@ def evaluate(strategy, input_ids: torch.Tensor) -> float:
 
 
 def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sha: str, batches, total_steps):
-    """The record's "config": every flag plus what a comparison must know to trust the numbers."""
+    """The record's "config": every resolved flag plus what a comparison must know to trust the numbers.
+    Its model_config is the summary that makes two models the same model, not the whole HF config."""
     return {**cfg.to_dict(), "world_size": ctx.world_size, "global_batch_size": cfg.global_batch_size,
             "total_steps": total_steps, "steps_per_epoch": batches.steps_per_epoch,
             "dataset_description": batches.dataset.describe(), "device_type": ctx.device.type,

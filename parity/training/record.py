@@ -9,18 +9,15 @@ from __future__ import annotations
 import json
 import os
 
-from parity.atomic import write_json_atomic
+from parity.errors import RecordError
+from parity.storage import write_json_atomic
 
 SCHEMA_VERSION = 1
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")
-# The config entries a comparison of two records relies on (parity/compare.py); the loop always writes them.
+# The config entries a comparison of two records relies on (parity/comparing/curves.py); the loop always writes them.
 CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",
                  "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
-
-
-class RecordError(Exception):
-    """A loss record that cannot be used; the message names the file and what is wrong."""
 
 
 def record_path(output_dir: str, strategy: str) -> str:

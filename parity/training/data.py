@@ -68,21 +68,28 @@ class TokenWindows:
         return f"{self.name}: {len(self.tokens)} tokens, {len(self)} windows"
 
 
-def open_dataset(dataset: str, tokenizer: str, vocab_size: int, seq_length: int, num_samples: int, seed: int):
-    """The source named by --dataset. Raises ConfigError for anything that cannot work."""
-    if dataset == "synthetic":
-        return SyntheticMarkov(vocab_size, seq_length, num_samples, seed)
+def check_source(dataset: str) -> None:
+    """The cheap part of --dataset's checks, for `resolve`: a known source, an existing text file."""
     if dataset.startswith("text:"):
         path = dataset[len("text:"):]
         if not os.path.isfile(path):
             raise ConfigError(f"--dataset {dataset}: no such file {path}: give the path of a UTF-8 text file")
+    elif dataset not in ("synthetic", "wikitext"):
+        raise ConfigError(f"--dataset {dataset} is not known: use synthetic, wikitext or text:PATH")
+
+
+def open_dataset(dataset: str, tokenizer: str, vocab_size: int, seq_length: int, num_samples: int, seed: int):
+    """The source named by --dataset. Raises ConfigError for anything that cannot work."""
+    check_source(dataset)
+    if dataset == "synthetic":
+        return SyntheticMarkov(vocab_size, seq_length, num_samples, seed)
+    if dataset.startswith("text:"):
+        path = dataset[len("text:"):]
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
         name = os.path.basename(path)
-    elif dataset == "wikitext":
-        text, name = _wikitext(), "wikitext-2-raw-v1"
     else:
-        raise ConfigError(f"--dataset {dataset} is not known: use synthetic, wikitext or text:PATH")
+        text, name = _wikitext(), "wikitext-2-raw-v1"
     tokens = tokenize(text, tokenizer)
     if len(tokens) and int(tokens.max()) >= vocab_size:
         raise ConfigError(f"tokenizer {tokenizer} produced token id {int(tokens.max())}, beyond the model's vocab "
@@ -131,6 +138,15 @@ class GlobalBatches:
             self._order = (epoch, np.random.default_rng([self.seed, 2, epoch]).permutation(len(self.dataset)))
         rows = self._order[1][k * self.global_batch_size:(k + 1) * self.global_batch_size]
         return torch.from_numpy(np.stack([self.dataset[int(i)] for i in rows]).astype(np.int64))
+
+
+def training_data(cfg) -> GlobalBatches:
+    """A run's step → global batch, built once on the driver (a text source is read and tokenized there)
+    and shipped to the workers with the run. ConfigError if the source cannot work or holds fewer samples
+    than one global batch: raised before any worker starts."""
+    dataset = open_dataset(cfg.dataset, cfg.tokenizer, cfg.model_config["vocab_size"], cfg.seq_length,
+                           cfg.num_samples, cfg.seed)
+    return GlobalBatches(dataset, cfg.global_batch_size, cfg.seed)
 
 
 def dp_slice(global_batch: torch.Tensor, dp_rank: int, batch_size: int) -> torch.Tensor:

@@ -1,0 +1,43 @@
+"""What every command does with failures: bad input is one `error: …` line on stderr and exit 2; a run that
+failed on a worker is one line naming what failed, and exit 1."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from parity.errors import ConfigError, NotComparable, TrainingFailed
+
+
+def run_command(action, what: str) -> int:
+    """Run `action` (returning an exit code) and turn the harness's own exceptions into their exit codes."""
+    try:
+        return action()
+    except ConfigError as exc:
+        report_error(exc)
+        return 2
+    except TrainingFailed as exc:
+        print(f"error: {what} failed: {exc}", file=sys.stderr)
+        return 1
+
+
+def report_error(exc: ConfigError) -> None:
+    """Bad input on stderr: one line, or one per mismatch for runs that are not comparable."""
+    lines = [f"not comparable: {m}" for m in exc.mismatches] if isinstance(exc, NotComparable) else [str(exc)]
+    for line in lines:
+        print(f"error: {line}", file=sys.stderr)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one `error: …` line and exit 2, like every other bad input (--help
+    still prints the whole usage); --help keeps the script's docstring as written and shows the defaults."""
+
+    def __init__(self, description: str = "", **kwargs):
+        super().__init__(description=description, formatter_class=HelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass

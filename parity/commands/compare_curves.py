@@ -1,0 +1,62 @@
+"""plot_loss_curves.py: the loss-curve comparison of the records in a folder, PASS or FAIL."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from parity.commands.common import OneLineParser, run_command
+
+
+def relative_tolerance(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
+    return value
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    p = OneLineParser(description)
+    p.add_argument("--input_dir", required=True, help="folder with the loss_<strategy>.json records")
+    p.add_argument("--output", required=True, help="figure path; .png, .svg or .pdf")
+    p.add_argument("--baseline", default="ddp", help="strategy name of the reference run")
+    p.add_argument("--tolerance", type=relative_tolerance, default=None,
+                   help="relative per-step loss tolerance for every run (default: from the runs' precision)")
+    p.add_argument("--grad_norm_tolerance", type=relative_tolerance, default=None,
+                   help="relative per-step tolerance on the pre-clip grad norm (default: from the runs' precision)")
+    p.add_argument("--allow_incomplete", action="store_true",
+                   help="compare runs still in progress, over the steps every run has done")
+    return p
+
+
+def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", tolerance: float | None = None,
+                       grad_norm_tolerance: float | None = None, allow_incomplete: bool = False) -> int:
+    """Compare, print the statistics block and the verdicts, write the outputs; returns the exit code
+    (0 PASS, 1 FAIL). Raises ConfigError (NotComparable, RecordError) before anything is written."""
+    from parity.comparing.curve_report import statistics_text, write_outputs
+    from parity.comparing.curves import compare, load_runs
+    from parity.comparing.figures import figure_format
+    from parity.storage import check_writable_dir
+
+    figure_format(output)
+    comparison = compare(load_runs(input_dir), baseline, tolerance, allow_incomplete, grad_norm_tolerance)
+    check_writable_dir("--output's directory", os.path.dirname(os.path.abspath(output)))
+    for warning in comparison.warnings:
+        print(warning, file=sys.stderr)
+    print(statistics_text(comparison))
+    try:
+        written = write_outputs(comparison, output)
+    except OSError as exc:
+        print(f"error: cannot write the outputs beside {output} ({exc.strerror or exc})", file=sys.stderr)
+        return 2
+    print(f"\nwrote {', '.join(written)}")
+    return 0 if comparison.passed else 1
+
+
+def main(argv: list[str] | None = None, description: str = "") -> int:
+    args = build_parser(description).parse_args(argv)
+    return run_command(lambda: compare_and_report(args.input_dir, args.output, args.baseline, args.tolerance,
+                                                  args.grad_norm_tolerance, args.allow_incomplete),
+                       "the comparison")

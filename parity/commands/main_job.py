@@ -1,0 +1,183 @@
+"""run_verification_main.sh: seed 000's main job. DDP (writes the shared initial weights) → DeepSpeed →
+FSDP → the loss-curve comparison, ending with its verdict.
+
+With as many GPUs as TP_SIZE × DP_SIZE: the seed configuration (Qwen/Qwen2.5-0.5B, 2 layers, batch 2, seq
+1024, 100 steps, lr 1e-5, DDP dp=2, the others tp=2 × dp=2). Without: the same shape on qwen2-tiny, CPU
+workers. Every run's configuration is resolved (and bad input rejected) before the first one starts; the
+three runs share one Ray session that this job starts and stops.
+
+Every setting is an environment variable or the flag --lower_case_name value (flags win).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+import shutil
+import sys
+import time
+
+from parity.commands.common import OneLineParser, report_error, run_command
+from parity.errors import ConfigError, TrainingFailed
+from parity.registry import NAMES
+from parity.training.config import DEVICES, PRECISIONS
+
+# (environment variable, type, default, help). Defaults that depend on GPUs are filled in later.
+SETTINGS = (
+    ("OUTPUT_DIR", str, "outputs/verification_main", "all outputs: shared_weights/, loss_curves/, ray_checkpoints/"),
+    ("MODEL_NAME", str, None, "model preset or directory [GPU: Qwen/Qwen2.5-0.5B, CPU: qwen2-tiny]"),
+    ("NUM_LAYERS", int, 2, "decoder layers"),
+    ("BATCH_SIZE", int, 2, "samples per DP rank"),
+    ("SEQ_LENGTH", int, None, "tokens per sample [GPU: 1024, CPU: 256]"),
+    ("DEBUG_STEPS", int, 100, "training steps"),
+    ("LEARNING_RATE", float, None, "AdamW lr [GPU: 1e-5, CPU: the preset's (1e-3 for qwen2-tiny)]"),
+    ("LOG_INTERVAL", int, 10, "log / record rewrite interval"),
+    ("TP_SIZE", int, 2, "TP size of DeepSpeed and FSDP"),
+    ("DP_SIZE", int, 2, "DP size of all three"),
+    ("PRECISION", str, "auto", "fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU)"),
+    ("DEVICE", str, "auto", "auto | cpu | cuda (auto: cuda with >= TP_SIZE*DP_SIZE GPUs)"),
+    ("STRATEGIES", str, " ".join(NAMES), "which runs, in order; ddp first (it writes the weights, it is the baseline)"),
+    ("TOLERANCE", float, None, "override the verdict's relative loss tolerance [from the precision]"),
+    ("PYTHON", str, None, "the interpreter to run under [python3]"),
+    ("EXTRA_ARGS", str, "", "more train_*.py flags for every run (a strategy's own flags go to that strategy)"),
+)
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(__doc__, prog="run_verification_main.sh")
+    for env, kind, default, text in SETTINGS:
+        choices = PRECISIONS if env == "PRECISION" else DEVICES if env == "DEVICE" else None
+        p.add_argument(f"--{env.lower()}", type=kind, default=os.environ.get(env) or default, choices=choices,
+                       metavar=env, help=f"{text} (environment: {env})")
+    return p
+
+
+def run_main_job(args) -> int:
+    """Resolve every run, then train them in order on one Ray session, then compare. Returns the exit code."""
+    import ray
+
+    from parity.commands.compare_curves import compare_and_report
+    from parity.training.cluster import ensure_ray, probe_cluster
+    from parity.training.config import resolve
+    from parity.training.data import training_data
+    from parity.training.launch import launch
+    from parity.training.loop import train_worker
+    from parity.training.record import record_path
+
+    out = os.path.abspath(args.output_dir)
+    loss_dir = os.path.join(out, "loss_curves")
+    cluster = probe_cluster()
+    plan = run_plan(args, out, cluster.gpus)
+    cfgs = [resolve(strategy, values, cluster=cluster, weights_written_before_launch=strategy != "ddp")
+            for strategy, values in plan]
+    batches = [training_data(cfg) for cfg in cfgs]
+    for stale in glob.glob(os.path.join(loss_dir, "loss_*.json")):  # a verdict only on this job's runs
+        os.remove(stale)
+
+    started = time.perf_counter()
+    ensure_ray()
+    where = f"{cluster.gpus} GPUs" if cfgs[0].use_cuda else "CPU workers"
+    print(f"Ray up in {time.perf_counter() - started:.0f} s; model {cfgs[0].model_name} on {where}; outputs in {out}",
+          flush=True)
+    try:
+        for cfg, data in zip(cfgs, batches):
+            print(f"== {cfg.strategy}: tp={cfg.tp_size} dp={cfg.dp_size} {cfg.precision}", flush=True)
+            t0 = time.perf_counter()
+            try:
+                launch(cfg, train_worker, {"batches": data})
+            except TrainingFailed as exc:
+                print(f"error: the {cfg.strategy} run failed: {exc}", file=sys.stderr)
+                return 1
+            print(f"   done in {time.perf_counter() - t0:.0f} s: {record_path(cfg.loss_output_dir, cfg.strategy)}",
+                  flush=True)
+    finally:
+        ray.shutdown()
+
+    print("== comparing", flush=True)
+    try:
+        verdict = compare_and_report(loss_dir, os.path.join(loss_dir, "loss_curves.png"), tolerance=args.tolerance)
+    except ConfigError as exc:
+        report_error(exc)
+        verdict = 2
+    print({0: f"VERDICT: PASS — every strategy trains the same model as DDP within tolerance "
+              f"({loss_dir}/curve_report.md)",
+           1: f"VERDICT: FAIL — see the first failing step above and {loss_dir}/curve_report.md"}.get(
+        verdict, "VERDICT: no verdict — the runs could not be compared (see above)"),
+        file=sys.stdout if verdict == 0 else sys.stderr)
+    return verdict
+
+
+def run_plan(args, out: str, gpus: int) -> list[tuple[str, dict]]:
+    """[(strategy, flags)] in run order: the seed's three commands, with the GPU or CPU defaults."""
+    from parity.registry import strategy_class
+
+    strategies = args.strategies.split()
+    unknown = [s for s in strategies if s not in NAMES]
+    if unknown or not strategies:
+        raise ConfigError(f"unknown strategy '{unknown[0] if unknown else ''}' in STRATEGIES: use {', '.join(NAMES)}")
+    if strategies[0] != "ddp":
+        raise ConfigError(f"STRATEGIES '{args.strategies}' must start with ddp: the DDP run writes the initial "
+                          f"weights and is the baseline")
+    for name in ("tp_size", "dp_size"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name} must be a positive integer (got {getattr(args, name)})")
+    world = args.tp_size * args.dp_size
+    on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= world)
+    common = {
+        "model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
+        "num_layers": args.num_layers, "batch_size": args.batch_size,
+        "seq_length": args.seq_length or (1024 if on_gpu else 256), "debug_steps": args.debug_steps,
+        "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "log_interval": args.log_interval,
+        "precision": args.precision, "device": args.device,
+        "loss_output_dir": os.path.join(out, "loss_curves"), "storage_path": os.path.join(out, "ray_checkpoints"),
+        "init_weights_path": os.path.join(out, "shared_weights", "init_weights.pt"),
+    }
+    extra = extra_flags(args.extra_args, strategies)
+    all_options = {o.name for name in NAMES for o in strategy_class(name).options}
+    plan = []
+    for strategy in strategies:
+        layout = ({"num_workers": args.dp_size, "dp_size": args.dp_size, "save_init_weights": True}
+                  if strategy == "ddp" else {"num_workers": world, "tp_size": args.tp_size, "dp_size": args.dp_size})
+        others = all_options - {o.name for o in strategy_class(strategy).options}
+        plan.append((strategy, {**common, **layout, **{k: v for k, v in extra.items() if k not in others}}))
+    return plan
+
+
+def extra_flags(text: str, strategies: list[str]) -> dict:
+    """EXTRA_ARGS → the flags given, by name. A strategy's own flag must belong to a strategy that runs."""
+    from parity.registry import strategy_class
+    from parity.training.config import add_run_flags, add_strategy_options
+
+    parser = OneLineParser(prog="EXTRA_ARGS")
+    add_run_flags(parser, given_only=True)
+    add_strategy_options(parser, [strategy_class(name) for name in NAMES], given_only=True)
+    try:
+        given = vars(parser.parse_args(shlex.split(text)))
+    except SystemExit:
+        raise ConfigError(f"EXTRA_ARGS '{text}' holds a flag that train_*.py does not take: see train_ddp.py "
+                          f"--help") from None
+    for name in NAMES:
+        for option in strategy_class(name).options:
+            if option.name in given and name not in strategies:
+                raise ConfigError(f"EXTRA_ARGS --{option.name} is a {name} flag, but STRATEGIES has no {name} run")
+    return given
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.python:  # the interpreter asked for: run the whole job under it
+        python = shutil.which(args.python) or args.python
+        if os.path.realpath(python) != os.path.realpath(sys.executable):
+            os.execv(python, [python, "-m", "parity.commands.main_job", *argv])
+    try:
+        return run_command(lambda: run_main_job(args), "the main job")
+    except KeyboardInterrupt:
+        print("interrupted: Ray stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

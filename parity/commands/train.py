@@ -1,0 +1,50 @@
+"""train_<strategy>.py: flags → resolve (one line on bad input) → the run's data → Ray Train launch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Mapping
+
+from parity.commands.common import OneLineParser, run_command
+from parity.training.config import add_run_flags, add_strategy_options, resolve
+
+
+def build_parser(strategy: str, description: str = "") -> argparse.ArgumentParser:
+    from parity.registry import strategy_class
+
+    parser = OneLineParser(description)
+    add_run_flags(parser)
+    add_strategy_options(parser, [strategy_class(strategy)])
+    return parser
+
+
+def run(strategy: str, values: Mapping[str, Any]) -> str:
+    """Resolve, then train; returns the loss record's path. Raises ConfigError or TrainingFailed."""
+    from parity.training.data import training_data
+    from parity.training.launch import launch
+    from parity.training.loop import train_worker
+    from parity.training.record import record_path
+
+    cfg = resolve(strategy, values)
+    batches = training_data(cfg)
+    t0 = time.perf_counter()
+    ray_start_s = launch(cfg, train_worker, {"batches": batches})
+    path = record_path(cfg.loss_output_dir, strategy)
+    print(f"[{strategy}] finished in {time.perf_counter() - t0:.1f} s (Ray start-up {ray_start_s:.1f} s); "
+          f"loss record: {path}", flush=True)
+    return path
+
+
+def main(strategy: str, description: str = "", argv: list[str] | None = None) -> int:
+    """The whole of train_<strategy>.py."""
+    def train() -> int:
+        run(strategy, vars(build_parser(strategy, description).parse_args(argv)))
+        return 0
+
+    return run_command(train, "training")
+
+
+if __name__ == "__main__":  # python -m parity.commands.train STRATEGY [flags]
+    sys.exit(main(sys.argv[1], argv=sys.argv[2:]))

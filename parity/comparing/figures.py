@@ -1,0 +1,96 @@
+"""The figures: the loss-curve comparison (curves, differences inside the tolerance band, grad norms) and
+the layer heatmap (modules × run pairs), and the one way they are saved.
+
+Built on a bare `matplotlib.figure.Figure` (no pyplot): nothing global is touched, nothing needs a
+display, and `savefig` renders PNG with Agg and SVG/PDF with their own backends.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from parity.errors import ConfigError
+from parity.registry import label
+from parity.storage import atomic_path
+
+FIGURE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+
+
+def figure_format(path: str, flag: str = "--output") -> str:
+    """The format the file's extension asks for; ConfigError for one matplotlib is not asked to write."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in FIGURE_FORMATS:
+        raise ConfigError(f"{flag} {path}: unknown extension '{ext}': use {', '.join(FIGURE_FORMATS)}")
+    return FIGURE_FORMATS[ext]
+
+
+def save_figure(fig: Figure, path: str, flag: str = "--output") -> None:
+    """Atomically: rendered to a temporary file beside `path` (format given explicitly), then renamed."""
+    fmt = figure_format(path, flag)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=fmt, dpi=120)
+
+
+def curve_figure(c) -> Figure:
+    """Three panels sharing the step axis (a parity.comparing.curves.Comparison); a run keeps its colour."""
+    base = label(c.baseline.name)
+    steps = list(range(c.num_steps))
+    colours = {run.name: f"C{i}" for i, run in enumerate(c.runs)}
+    fig = Figure(figsize=(10, 11), layout="constrained")
+    ax_loss, ax_diff, ax_grad = fig.subplots(3, 1, sharex=True)
+    fig.suptitle(f"{c.num_steps} steps against {c.baseline.label}: {c.word}")
+
+    for run in c.runs:
+        ax_loss.plot(steps, c.series(run, "loss"), color=colours[run.name], label=run.label)
+        ax_grad.plot(steps, c.series(run, "grad_norm"), color=colours[run.name], label=run.label)
+    ax_loss.set(title="Loss", ylabel="loss (nats)")
+    ax_grad.set(title="Gradient norm (before clipping)", ylabel="global L2 norm", xlabel="step")
+    ax_grad.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+    base_losses = c.series(c.baseline, "loss")
+    for rtol in sorted({r.tolerance.loss for r in c.results}):
+        band = [rtol * abs(b) for b in base_losses]
+        ax_diff.fill_between(steps, [-x for x in band], band, color="0.85", label=f"tolerance ±{rtol:g}·|{base}|")
+    for r in c.results:
+        diffs = [x - b for x, b in zip(c.series(r.run, "loss"), base_losses)]
+        ax_diff.plot(steps, diffs, color=colours[r.run.name], label=r.run.label)
+        f = r.verdict.first_outside
+        if f:  # marked where it happened: on the loss difference, or on the grad norm
+            ax, y = (ax_diff, f.value - f.reference) if f.quantity == "loss" else (ax_grad, f.value)
+            ax.scatter([f.step], [y], color=colours[r.run.name], marker="x", zorder=3,
+                       label=f"{label(r.run.name)}: first step outside ({f.step}, {f.quantity})")
+    ax_diff.set(title=f"Loss difference from {base}", ylabel=f"loss − {base} loss")
+
+    for ax in (ax_loss, ax_diff, ax_grad):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return fig
+
+
+def layer_heatmap(dumps: dict, results: list) -> Figure:
+    """Two panels (forward outputs, output gradients): modules × run pairs, log10 relative difference
+    (the dumps and PairResults of parity.comparing.layers)."""
+    import numpy as np
+
+    panels = [("output", "Forward outputs"), ("output_grad", "Output gradients")]
+    modules = dumps[results[0].b].meta["forward_order"]
+    fig = Figure(figsize=(6 + 2 * len(results), 0.22 * len(modules) + 2), layout="constrained")
+    fig.suptitle("log10 relative difference, per module and run pair")
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, (kind, title) in zip(axes, panels):
+        grid = np.full((len(modules), len(results)), np.nan)
+        for j, r in enumerate(results):
+            rel = {row.name: row.rel for row in r.rows if row.kind == kind}
+            for i, m in enumerate(modules):
+                if m in rel:
+                    grid[i, j] = math.log10(max(rel[m], 1e-12)) if math.isfinite(rel[m]) else 0.0
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=-12, vmax=0)
+        ax.set_title(title)
+        ax.set_xticks(range(len(results)), [f"{r.a} vs {r.b}" for r in results], rotation=30, ha="right")
+        ax.set_yticks(range(len(modules)), modules, fontsize=7)
+    fig.colorbar(image, ax=axes, label="log10(max|a−b| / scale)")
+    return fig

@@ -1,0 +1,51 @@
+"""The one verdict type, for loss curves (a run against the baseline, step by step) and layer dumps (a
+run against a reference, tensor by tensor): PASS when every compared point is within its tolerance,
+else FAIL at the first point outside, in the order things happened."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+def verdict_word(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
+
+
+@dataclass(frozen=True)
+class Outside:
+    """The first compared point outside its tolerance: a step of a curve, or a tensor of a layer dump."""
+
+    quantity: str  # curves: "loss" | "grad_norm"; layers: the phase ("forward output", ...)
+    rel_diff: float
+    tolerance: float
+    step: int | None = None  # curves: the step
+    module: str | None = None  # layers: the module (or parameter) name
+    value: float | None = None  # curves: the run's value at that step ...
+    reference: float | None = None  # ... and the reference's
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One run measured against its reference."""
+
+    run: str  # strategy name
+    reference: str
+    tolerance_source: str  # where the tolerance came from: a precision, a flag
+    max_rel_diff: dict[str, float]  # the worst relative difference per quantity
+    first_outside: Outside | None
+
+    @property
+    def passed(self) -> bool:
+        return self.first_outside is None
+
+    @property
+    def word(self) -> str:
+        return verdict_word(self.passed)
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.word, "run": self.run, "reference": self.reference,
+                "tolerance_source": self.tolerance_source, "max_rel_diff": self.max_rel_diff,
+                "first_outside": self.first_outside.to_dict() if self.first_outside else None}

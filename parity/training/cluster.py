@@ -1,0 +1,66 @@
+"""The Ray cluster a run uses: join RAY_ADDRESS's or start a local one, and what it offers (CPUs, GPUs).
+
+The device is decided from what the cluster has, not the driver: on a cluster (Anyscale) the driver
+often runs on a CPU-only head node. Without RAY_ADDRESS and before Ray is started, the cluster is this
+machine, so the configuration can be resolved (and bad input rejected) before Ray starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from parity.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Cluster:
+    cpus: float
+    gpus: int
+
+
+def probe_cluster() -> Cluster:
+    """The running or addressed Ray cluster's resources; this machine's when no cluster is up yet."""
+    import ray
+
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        ensure_ray()
+        resources = ray.cluster_resources()
+        return Cluster(cpus=float(resources.get("CPU", 1)), gpus=int(resources.get("GPU", 0)))
+    import torch
+
+    return Cluster(cpus=float(len(os.sched_getaffinity(0))), gpus=torch.cuda.device_count())
+
+
+def ensure_ray() -> float:
+    """Start or join Ray once per process; returns the seconds it took (0 when already up)."""
+    import ray
+
+    if ray.is_initialized():
+        return 0.0
+    # Ray Train V2 copies worker prints into its own log as well, so every line would appear twice.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    t0 = time.perf_counter()
+    address = os.environ.get("RAY_ADDRESS") or None
+    try:
+        if address is None and "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+            # Our own local cluster: "local" starts a new one even when another Ray runs on this machine
+            # (a bare ray.init() would join that one and wait for its resources).
+            ray.init(address="local", include_dashboard=False, log_to_driver=True,
+                     runtime_env={"worker_process_setup_hook": "parity.training.cluster.quiet_ray_train_logs"})
+        else:  # a cluster someone else runs; a Ray Job (Anyscale) brings its own runtime env (working_dir)
+            ray.init(address=address, log_to_driver=True)
+    except ConnectionError as exc:
+        raise ConfigError(f"cannot reach the Ray cluster at {address} ({str(exc).strip().splitlines()[-1]}): "
+                          f"start it, or unset RAY_ADDRESS to run on a local one") from None
+    return time.perf_counter() - t0
+
+
+def quiet_ray_train_logs() -> None:
+    """Runs in every worker process of a local cluster (runtime_env worker_process_setup_hook).
+
+    Without Ray's dashboard the state API is absent, and Ray Train's placement-group cleaner warns about
+    that once a second for the whole run; the cleaner still works (it falls back to retrying)."""
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)

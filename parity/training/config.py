@@ -1,0 +1,310 @@
+"""The run configuration: flags → one complete, frozen `RunConfig`, made in one place (`resolve`).
+
+The flag names are the seed scripts' (`--num_workers --tp_size --dp_size --batch_size ...`): users
+already type them. `resolve` checks everything that can be checked on the driver and raises
+`ConfigError` with one line naming the problem and the fix, before any worker (or Ray) starts. The entry
+scripts, the main job and the layer check all call it; nothing completes a config anywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable, Mapping
+
+from parity.errors import ConfigError
+from parity.storage import check_writable_dir
+
+PRECISIONS = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+PATH_FLAGS = ("loss_output_dir", "storage_path", "init_weights_path", "final_checkpoint_dir")
+
+# Each flag: (group, name, default, argparse keywords). The default is what a run gets when not told.
+FLAGS = (
+    ("model", "model_name", "Qwen/Qwen2.5-0.5B",
+     {"help": "built-in preset (Qwen/Qwen2.5-0.5B, qwen2-tiny), a local directory with config.json, "
+              "or a hub name when the hub is reachable"}),
+    ("model", "num_layers", None, {"type": int, "help": "override num_hidden_layers"}),
+    ("layout", "num_workers", 2, {"type": int, "help": "Ray Train workers = tp_size × dp_size"}),
+    ("layout", "tp_size", 1, {"type": int, "help": "tensor-parallel degree"}),
+    ("layout", "dp_size", None, {"type": int, "help": "data-parallel degree (default num_workers / tp_size)"}),
+    ("layout", "device", "auto",
+     {"choices": DEVICES, "help": "auto: one GPU per worker when the cluster has them, else CPU workers over gloo"}),
+    ("training", "batch_size", 2, {"type": int, "help": "samples per data-parallel rank per step"}),
+    ("training", "seq_length", 1024, {"type": int}),
+    ("training", "num_epochs", 1, {"type": int}),
+    ("training", "debug_steps", None, {"type": int, "help": "stop after this many steps (overrides epochs)"}),
+    ("training", "learning_rate", None, {"type": float, "help": "AdamW lr (default: the preset's)"}),
+    ("training", "weight_decay", 0.0, {"type": float}),
+    ("training", "adam_beta1", 0.9, {"type": float}),
+    ("training", "adam_beta2", 0.999, {"type": float}),
+    ("training", "adam_epsilon", 1e-8, {"type": float}),
+    ("training", "warmup_steps", 0, {"type": int, "help": "linear warm-up, then constant lr"}),
+    ("training", "max_grad_norm", 1.0, {"type": float, "help": "global-norm clipping; 0 = off"}),
+    ("training", "precision", "auto",
+     {"choices": PRECISIONS, "help": "fp32, or bf16 (autocast compute, fp32 master weights and optimizer "
+                                     "state); auto = bf16 on GPU, fp32 on CPU"}),
+    ("training", "autocast", False, {"action": "store_true", "help": "same as --precision bf16 (seed scripts' flag)"}),
+    ("training", "seed", 42, {"type": int, "help": "seeds the initial weights and the data"}),
+    ("data", "dataset", "synthetic",
+     {"help": "synthetic (learnable Markov text), wikitext (needs the hub), or text:PATH (a local file)"}),
+    ("data", "num_samples", 10000, {"type": int, "help": "samples per epoch of the synthetic set"}),
+    ("data", "tokenizer", None,
+     {"help": "tokenizer for text data: 'bytes' (UTF-8 bytes) or a name/path (default: the model's; 'bytes' "
+              "for qwen2-tiny)"}),
+    ("outputs", "log_interval", 10, {"type": int, "help": "log and rewrite the loss JSON every N steps"}),
+    ("outputs", "loss_output_dir", "/tmp/loss_curves", {"help": "where loss_<strategy>.json goes"}),
+    ("outputs", "storage_path", "/tmp/ray_checkpoints", {"help": "Ray Train RunConfig storage_path"}),
+    ("outputs", "experiment_name", None, {"help": "Ray Train run name (default: <strategy>_tp<T>_dp<D>)"}),
+    ("outputs", "init_weights_path", "/tmp/shared_weights/init_weights.pt",
+     {"help": "shared initial weights (.pt or .safetensors)"}),
+    ("outputs", "save_init_weights", False,
+     {"action": "store_true", "help": "initialise fresh weights and write them first"}),
+    ("outputs", "final_checkpoint_dir", None,
+     {"help": "Hugging Face-format model written at the end (default: <storage_path>/<name>/final_model)"}),
+)
+DEFAULTS = {name: default for _, name, default, _ in FLAGS}
+TYPES = {name: kwargs.get("type", str) for _, name, _, kwargs in FLAGS if "action" not in kwargs}
+
+
+@dataclass(frozen=True)
+class Option:
+    """A flag only one strategy has (--zero_stage, --mixed_precision): declared by the strategy module in
+    its `options`, stored in `RunConfig.options`."""
+
+    name: str
+    default: Any
+    help: str
+    type: Callable | None = None
+    choices: tuple | None = None
+
+    def add_to(self, group, given_only: bool = False) -> None:
+        """Add --<name>. `given_only`: no default, so only a flag the user gave appears in the result."""
+        kwargs: dict[str, Any] = {"help": self.help, "default": argparse.SUPPRESS if given_only else self.default}
+        if isinstance(self.default, bool):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(type=self.type or type(self.default), choices=self.choices)
+        group.add_argument(f"--{self.name}", **kwargs)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run depends on, resolved: no 'auto', no missing default. The loss record stores it."""
+
+    strategy: str
+    model_name: str
+    num_layers: int | None
+    num_workers: int
+    tp_size: int
+    dp_size: int
+    device: str  # cpu | cuda
+    precision: str  # fp32 | bf16
+    cpus_per_worker: float
+    batch_size: int
+    seq_length: int
+    num_epochs: int
+    debug_steps: int | None
+    learning_rate: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    warmup_steps: int
+    max_grad_norm: float
+    seed: int
+    dataset: str
+    num_samples: int
+    tokenizer: str
+    log_interval: int
+    loss_output_dir: str
+    storage_path: str
+    experiment_name: str
+    init_weights_path: str
+    save_init_weights: bool
+    final_checkpoint_dir: str
+    options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
+    model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.dp_size
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        return cls(**data)
+
+
+def add_run_flags(parser: argparse.ArgumentParser, given_only: bool = False) -> None:
+    """The flags every entry script shares, in their groups. `given_only`: no defaults, so only the flags
+    the user gave appear in the result (the main job's EXTRA_ARGS)."""
+    groups: dict[str, Any] = {}
+    for group, name, default, kwargs in FLAGS:
+        if group not in groups:
+            groups[group] = parser.add_argument_group(group)
+        groups[group].add_argument(f"--{name}", default=argparse.SUPPRESS if given_only else default, **kwargs)
+
+
+def add_strategy_options(parser: argparse.ArgumentParser, strategy_classes, given_only: bool = False) -> None:
+    """Each strategy's own flags, one group per strategy."""
+    for cls in strategy_classes:
+        if cls.options:
+            group = parser.add_argument_group(f"{cls.name} options")
+            for option in cls.options:
+                option.add_to(group, given_only)
+
+
+def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
+            weights_written_before_launch: bool = False) -> RunConfig:
+    """Flags (a name → value mapping; missing or None means the default) → a checked, complete RunConfig.
+
+    `cluster` (a parity.training.cluster.Cluster) decides --device/--precision auto and each worker's CPU
+    share; by default the running or addressed Ray cluster, else this machine. With
+    `weights_written_before_launch` the init-weights file need not exist yet: the main job's DDP run or
+    the layer check's driver writes it before this run launches; only its directory is checked.
+    """
+    from parity.registry import strategy_class
+    from parity.training.data import check_source
+    from parity.training.model import (check_init_weights, default_learning_rate, default_tokenizer,
+                                       resolve_model_config)
+
+    cls = strategy_class(strategy)
+    option_names = {o.name for o in cls.options}
+    unknown = sorted(set(values) - set(DEFAULTS) - option_names)
+    if unknown:
+        raise ConfigError(f"--{unknown[0]} is not a flag of train_{strategy}.py: see its --help")
+    types = {**TYPES, **{o.name: o.type or type(o.default) for o in cls.options}}
+    given = {k: _typed(k, v, types.get(k)) for k, v in values.items() if v is not None}
+    s = {**DEFAULTS, **{o.name: o.default for o in cls.options}, **given}
+    options = {name: s.pop(name) for name in sorted(option_names)}
+    s["precision"] = _precision(s["precision"], s.pop("autocast"))
+    _check_sizes(s)
+    s["dp_size"] = _dp_size(s["num_workers"], s["tp_size"], s["dp_size"])
+
+    model_config = resolve_model_config(s["model_name"], s["num_layers"])
+    check_heads(s["tp_size"], model_config.num_attention_heads, model_config.num_key_value_heads)
+    if s["seq_length"] > model_config.max_position_embeddings:
+        raise ConfigError(f"--seq_length {s['seq_length']} is above the model's max_position_embeddings "
+                          f"({model_config.max_position_embeddings}): use a shorter sequence")
+    cls.validate(SimpleNamespace(strategy=strategy, options=options, **s), model_config)
+
+    if s["learning_rate"] is None:
+        s["learning_rate"] = default_learning_rate(s["model_name"])
+    if s["tokenizer"] is None:
+        s["tokenizer"] = default_tokenizer(s["model_name"])
+    _absolute_paths(s)
+    check_source(s["dataset"])
+    s["experiment_name"] = s["experiment_name"] or f"{strategy}_tp{s['tp_size']}_dp{s['dp_size']}"
+    s["final_checkpoint_dir"] = s["final_checkpoint_dir"] or os.path.join(
+        s["storage_path"], s["experiment_name"], "final_model")
+
+    if s["save_init_weights"] or weights_written_before_launch:
+        check_writable_dir("--init_weights_path's directory", os.path.dirname(s["init_weights_path"]))
+    else:
+        check_init_weights(s["init_weights_path"], model_config)
+    check_writable_dir("--loss_output_dir", s["loss_output_dir"])
+    check_writable_dir("--storage_path", s["storage_path"])
+
+    s["device"], s["precision"], s["cpus_per_worker"] = _placement(s, cluster)
+    return RunConfig(strategy=strategy, options=options, model_config=model_config.to_dict(), **s)
+
+
+def check_heads(tp_size: int, num_attention_heads: int, num_key_value_heads: int) -> None:
+    """Tensor parallelism splits attention by heads, so tp_size must divide both head counts."""
+    for label, count in (("KV-head", num_key_value_heads), ("attention-head", num_attention_heads)):
+        if count % tp_size:
+            divisors = [d for d in range(1, count + 1) if count % d == 0 and num_attention_heads % d == 0]
+            raise ConfigError(f"--tp_size {tp_size} does not divide the model's {label} count ({count}): "
+                              f"use a tp_size in {divisors}")
+
+
+def _typed(name: str, value, kind):
+    """A flag's value as its parser would have made it, whoever passed it (a command, a test)."""
+    if kind is int:
+        if isinstance(value, bool) or not float(value).is_integer():
+            raise ConfigError(f"--{name} must be an integer (got {value})")
+        return int(value)
+    if kind is float:
+        return float(value)
+    if kind is str:
+        return str(value)  # paths may come as pathlib.Path
+    return value
+
+
+def _precision(precision: str, autocast: bool) -> str:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision {precision}: use one of {', '.join(PRECISIONS)}")
+    if autocast:
+        if precision == "fp32":
+            raise ConfigError("--autocast asks for bf16 but --precision fp32 was also given: pass only one of them")
+        return "bf16"
+    return precision
+
+
+def _check_sizes(s: dict) -> None:
+    for name in ("num_workers", "tp_size", "batch_size", "seq_length", "num_epochs", "log_interval", "num_samples"):
+        _positive(name, s[name])
+    for name in ("dp_size", "num_layers", "debug_steps"):
+        if s[name] is not None:
+            _positive(name, s[name])
+    if s["warmup_steps"] < 0:
+        raise ConfigError(f"--warmup_steps must be 0 or more (got {s['warmup_steps']})")
+    if s["max_grad_norm"] < 0:
+        raise ConfigError(f"--max_grad_norm must be 0 (off) or positive (got {s['max_grad_norm']})")
+    if s["learning_rate"] is not None and s["learning_rate"] <= 0:
+        raise ConfigError(f"--learning_rate must be positive (got {s['learning_rate']})")
+    if s["device"] not in DEVICES:
+        raise ConfigError(f"--device {s['device']}: use one of {', '.join(DEVICES)}")
+
+
+def _dp_size(num_workers: int, tp_size: int, dp_size: int | None) -> int:
+    """num_workers = tp_size × dp_size; dp_size defaults to num_workers / tp_size."""
+    if dp_size is None:
+        if num_workers % tp_size:
+            raise ConfigError(f"--num_workers {num_workers} is not a multiple of --tp_size {tp_size}: "
+                              f"num_workers must equal tp_size × dp_size")
+        return num_workers // tp_size
+    if tp_size * dp_size != num_workers:
+        raise ConfigError(f"--num_workers {num_workers} ≠ --tp_size {tp_size} × --dp_size {dp_size}: "
+                          f"pass --num_workers {tp_size * dp_size} or change tp/dp")
+    return dp_size
+
+
+def _absolute_paths(s: dict) -> None:
+    """Ray workers do not run in the driver's directory: every local path travels absolute."""
+    for name in PATH_FLAGS:
+        if s[name] and "://" not in s[name]:
+            s[name] = os.path.abspath(os.path.expanduser(s[name]))
+    if s["dataset"].startswith("text:"):
+        s["dataset"] = "text:" + os.path.abspath(s["dataset"][len("text:"):])
+    if os.path.isdir(s["model_name"]):
+        s["model_name"] = os.path.abspath(s["model_name"])
+
+
+def _placement(s: dict, cluster) -> tuple[str, str, float]:
+    """(device, precision, CPUs per worker) from --device/--precision and what the cluster offers."""
+    from parity.training.cluster import probe_cluster
+
+    cluster = cluster or probe_cluster()
+    workers = s["num_workers"]
+    if s["device"] == "cuda" and cluster.gpus < workers:
+        raise ConfigError(f"--device cuda needs {workers} GPUs (one per worker), the Ray cluster has "
+                          f"{cluster.gpus}: use --device cpu or fewer workers")
+    device = s["device"] if s["device"] != "auto" else ("cuda" if cluster.gpus >= workers else "cpu")
+    precision = s["precision"] if s["precision"] != "auto" else ("bf16" if device == "cuda" else "fp32")
+    return device, precision, min(1.0, cluster.cpus / workers)
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"--{name} must be a positive integer (got {value})")
