@@ -18,6 +18,7 @@ Only what differs from DDP is here; the numbered comments match docs/deepspeed.m
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import warnings
@@ -26,7 +27,7 @@ import torch
 
 from parity.errors import ConfigError, LibraryMissing
 from parity.training.config import Option
-from parity.training.strategy import Strategy, build_optimizer, set_lr
+from parity.training.strategy import Strategy, build_optimizer, set_lr, squared_norm_fp64
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -85,6 +86,28 @@ class DeepSpeedStrategy(Strategy):
         set_lr(self.engine.optimizer, lr)
         self.engine.step()
         return float(self.engine.get_global_grad_norm())
+
+    def parameter_norm(self) -> float:
+        """Over the module's parameters as the engine left them after the step (ZeRO-1/2 copy the updated
+        master partitions back; ZeRO-3 keeps each parameter as DP partitions of its fp32 master): each TP
+        shard (DeepSpeed marks them tensor_model_parallel) summed over the TP group, each replicated tensor
+        once, ZeRO-3 partitions summed over the DP group. Float64, as the grad norm."""
+        import torch.distributed as dist
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+        from deepspeed.utils import groups, safe_get_local_fp32_param
+
+        zero3 = self.cfg.options["zero_stage"] == 3
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # [TP-sharded, replicated]
+        for p in self.engine.module.parameters():
+            local = safe_get_local_fp32_param(p) if zero3 else p
+            sums[0 if is_model_parallel_parameter(p) else 1] += squared_norm_fp64(local)
+        if zero3:
+            dist.all_reduce(sums, group=self.engine.optimizer.dp_process_group)
+        if self.ctx.tp_size > 1:
+            sharded = sums[:1].clone()
+            dist.all_reduce(sharded, group=groups.get_tensor_model_parallel_group())
+            sums[0] = sharded[0]
+        return math.sqrt(float(sums.sum()))
 
     def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
         """Column-parallel layers (q/k/v/gate/up, the vocab-parallel lm_head) and the MLP activation,

@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from parity.errors import ConfigError
-from parity.training.strategy import Strategy, build_optimizer, clip_local_gradients, step_optimizer
+from parity.training.strategy import Strategy, build_optimizer, clip_local_gradients, local_norm, step_optimizer
 
 
 class DDPStrategy(Strategy):
@@ -32,6 +32,9 @@ class DDPStrategy(Strategy):
         norm = clip_local_gradients(self.model.parameters(), self.cfg)
         step_optimizer(self.optimizer, lr)
         return norm
+
+    def parameter_norm(self) -> float:
+        return local_norm(self.model.parameters())
 
     @property
     def hf_model(self):

@@ -76,18 +76,19 @@ def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def global_grad_norm(grads: list[DTensor]) -> float:
-    """The L2 norm of all gradients, whatever mesh and placements each one has.
+def global_norm(tensors: list[DTensor]) -> float:
+    """The L2 norm of DTensors taken together (the gradients, or the parameters), whatever mesh and
+    placements each one has.
 
     torch's clip_grad_norm_ stacks per-tensor norms, which DTensor refuses across meshes ("All operands
-    in aten.stack.default must have the same mesh"): TP'd gradients live on ("dp", "tp"), the others on
+    in aten.stack.default must have the same mesh"): TP'd tensors live on ("dp", "tp"), the others on
     "dp". So each rank sums the squares of its local shards in float64 (the shared helper), and the sums
-    are added across exactly the mesh dims a gradient is sharded over — a Partial placement there — and
-    not across the ones it is replicated over, so a gradient replicated over tp is counted once.
-    Gradients with the same mesh and sharded dims share one reduction.
+    are added across exactly the mesh dims a tensor is sharded over — a Partial placement there — and
+    not across the ones it is replicated over, so a tensor replicated over tp is counted once.
+    Tensors with the same mesh and sharded dims share one reduction.
     """
     local_sums = defaultdict(float)
-    for g in grads:
+    for g in tensors:
         assert not any(p.is_partial() for p in g.placements), f"unreduced gradient: {g.placements}"
         key = (g.device_mesh, tuple(Replicate() if p.is_replicate() else Partial() for p in g.placements))
         local_sums[key] = local_sums[key] + squared_norm_fp64(g.to_local())
@@ -100,7 +101,7 @@ def clip_sharded_gradients(params, cfg) -> float:
     """Clip DTensor gradients by their global norm (torch's formula, --max_grad_norm); return that norm.
     Scaling each rank's local shards scales the whole tensors: no communication."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = global_grad_norm(grads)
+    norm = global_norm(grads)
     coef = clip_coefficient(norm, cfg)
     if coef < 1.0:
         torch._foreach_mul_([g.to_local() for g in grads], coef)
@@ -150,6 +151,9 @@ class FSDPStrategy(Strategy):
         norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
         step_optimizer(self.optimizer, lr)
         return norm
+
+    def parameter_norm(self) -> float:
+        return global_norm(list(self.model.parameters()))
 
     @property
     def hf_model(self):

@@ -151,6 +151,7 @@ def assert_fp32_parity(run: dict, baseline: dict) -> None:
     assert max_rel_diff(series(run, "loss"), series(baseline, "loss")) < FP32_RTOL
     assert abs(run["steps"][0]["grad_norm"] / baseline["steps"][0]["grad_norm"] - 1) < FP32_RTOL
     assert max_rel_diff(series(run, "grad_norm"), series(baseline, "grad_norm")) < FP32_RTOL
+    assert max_rel_diff(series(run, "param_norm"), series(baseline, "param_norm")) < FP32_RTOL
     assert max_abs_param_diff(final_parameters(run), final_parameters(baseline)) < FINAL_PARAMETERS_ATOL_FP32
 
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +16,7 @@ from parity.commands.compare_curves import main
 from parity.comparing import tolerances
 from parity.comparing.curves import compare, load_runs
 from parity.comparing.figures import curve_figure
-from parity.training.record import LossRecord, record_path
+from parity.training.record import LossRecord, run_record_path
 
 SHA = "5" * 64
 MODEL = {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 2048, "num_attention_heads": 4,
@@ -31,21 +32,24 @@ FSDP_LOSS = [10.0, 8.0, 6.5, 5.0, 3.75]  # +0.5 at step 2, -0.25 at step 4
 FSDP_GRAD = [2.0, 1.5, 1.25, 0.5, 0.25]  # +0.25 at step 2
 
 
-def write_record(folder, strategy, losses, grad_norms=None, *, precision="fp32", complete=True,
-                 total_steps=None, config=None, step_fields=None):
-    """A loss record written by the harness's own writer (parity/record.py), so the schema is the real one.
-    `config` overrides config entries; `step_fields` maps step → fields to override in that step."""
-    tp, dp = LAYOUT.get(strategy, (1, 2))
+def write_record(folder, strategy, losses, grad_norms=None, param_norms=None, *, precision="fp32", complete=True,
+                 total_steps=None, config=None, step_fields=None, noise_reference=False):
+    """A loss record written by the harness's own writer (parity/training/record.py), so the schema is the real
+    one. `config` overrides config entries (a noise reference's layout: {"dp_size": 1}); `step_fields` maps
+    step → fields to override in that step."""
+    tp, dp = (config or {}).get("tp_size", LAYOUT.get(strategy, (1, 2))[0]), (config or {}).get("dp_size", LAYOUT.get(strategy, (1, 2))[1])
     n = len(losses)
     cfg = {"strategy": strategy, "model_name": "qwen2-tiny", "num_workers": tp * dp, "tp_size": tp, "dp_size": dp,
            "seq_length": 128, "debug_steps": total_steps or n, "learning_rate": LR, "precision": precision,
            "device": "cpu", "max_grad_norm": 1.0, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
            "adam_epsilon": 1e-8, "world_size": tp * dp, "global_batch_size": 2 * dp, "total_steps": total_steps or n,
-           "init_weights_sha256": SHA, "model_config": dict(MODEL), **(config or {})}
-    record = LossRecord(record_path(str(folder), strategy), strategy, cfg)
+           "init_weights_sha256": SHA, "model_config": dict(MODEL), "loss_output_dir": str(folder),
+           "noise_reference": noise_reference, **(config or {})}
+    record = LossRecord(run_record_path(SimpleNamespace(**cfg)), strategy, cfg)
     for step, loss in enumerate(losses):
         fields = {"step": step, "loss": loss, "dp_rank_losses": [loss] * dp,
-                  "grad_norm": (grad_norms or [1.0] * n)[step], "lr": LR, "tokens": TOKENS,
+                  "grad_norm": (grad_norms or [1.0] * n)[step], "param_norm": (param_norms or [20.0] * n)[step],
+                  "lr": LR, "tokens": TOKENS,
                   "batch_hash": f"{step:016x}", "step_time_s": 0.01, "peak_memory_bytes": 1 << 20}
         record.append(**{**fields, **(step_fields or {}).get(step, {})})
     if complete:
@@ -140,15 +144,56 @@ FSDP (TP=2, DP=2):
   Final diff:    0.000000
 
 ============================================================
-VERDICT (every step, loss and grad norm: |x - DDP| <= rtol * |DDP|)
+PARAMETER NORM STATISTICS (after the step)
 ============================================================
 
+DDP (TP=1, DP=2):
+  Initial param norm: 20.000000
+  Final param norm:   20.000000
+  Min param norm:     20.000000
+  Mean param norm:    20.000000
+
+DeepSpeed (TP=2, DP=2):
+  Initial param norm: 20.000000
+  Final param norm:   20.000000
+  Min param norm:     20.000000
+  Mean param norm:    20.000000
+
+FSDP (TP=2, DP=2):
+  Initial param norm: 20.000000
+  Final param norm:   20.000000
+  Min param norm:     20.000000
+  Mean param norm:    20.000000
+
+------------------------------------------------------------
+Differences from DDP baseline:
+
+DeepSpeed (TP=2, DP=2):
+  Max abs diff:  0.000000
+  Mean abs diff: 0.000000
+  Final diff:    0.000000
+
+FSDP (TP=2, DP=2):
+  Max abs diff:  0.000000
+  Mean abs diff: 0.000000
+  Final diff:    0.000000
+
+============================================================
+VERDICT (every step, each curve: |x - DDP| <= bound * |DDP|)
+============================================================
+
+Bounds UNCALIBRATED: no noise reference in the folder, so the fixed table by precision applies \
+(docs/tolerances.md); run the baseline again with --noise_reference at another layout to calibrate.
+
 DeepSpeed (TP=2, DP=2): PASS
-  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, deepspeed fp32); max relative diff \
-0.000e+00 (loss), 0.000e+00 (grad norm)
+  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, deepspeed \
+fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm \
+0.000e+00
 FSDP (TP=2, DP=2): FAIL
-  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, fsdp fp32); first step outside: step 2: \
-loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > rtol 1e-05
+  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); \
+uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.500e-01, param norm 0.000e+00
+  first step outside: step 2: loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > 1.000e-05
+  differs from the baseline in: nothing recorded
 """
 
 
@@ -184,17 +229,17 @@ def test_printed_block_and_outputs(tmp_path, capsys):
     assert saved["runs"]["fsdp"]["loss"] == {"initial": 10.0, "final": 3.75, "min": 3.75, "mean": 6.65}
     assert saved["runs"]["ddp"]["label"] == "DDP (TP=1, DP=2)"
     fsdp = saved["against_baseline"]["fsdp"]
-    assert fsdp["verdict"] == "FAIL" and fsdp["tolerance"] == {"loss": 1e-5, "grad_norm": 1e-5}
-    assert fsdp["tolerance_source"] == "precision fp32 (ddp fp32, fsdp fp32)"
+    assert fsdp["verdict"] == "FAIL" and (fsdp["calibrated"], fsdp["noise_ratio"]) == (False, None)
+    assert fsdp["tolerance_source"] == "the fixed fp32 table (ddp fp32, fsdp fp32); uncalibrated: no noise reference"
     assert fsdp["loss_diff"] == {"max_abs": 0.5, "mean_abs": 0.15, "final": -0.25}
     assert fsdp["first_outside"] == {"step": 2, "quantity": "loss", "value": 6.5, "reference": 6.0,
-                                     "rel_diff": 0.5 / 6.0, "tolerance": 1e-5}
+                                     "rel_diff": 0.5 / 6.0, "tolerance": 1e-5, "test": "step"}
     assert fsdp["max_rel_diff"]["grad_norm"] == 0.25
     assert saved["against_baseline"]["deepspeed"]["first_outside"] is None
     report = (tmp_path / "out" / "curve_report.md").read_text()
     assert "![Loss curves](loss_curves.png)" in report
-    assert "| FSDP (TP=2, DP=2) | FAIL | 1e-05 / 1e-05 | precision fp32 (ddp fp32, fsdp fp32) | " \
-           "8.333e-02 / 2.500e-01 | step 2, loss: 6.500000 vs 6.000000 (8.333e-02) |" in report
+    assert "| FSDP (TP=2, DP=2) | FAIL | uncalibrated | 8.333e-02 / 2.500e-01 / 0.000e+00 | " \
+           "step 2, loss (step): 8.333e-02 > 1.000e-05 |" in report
     assert "| FSDP (TP=2, DP=2) | 10.000000 | 3.750000 | 3.750000 | 6.650000 |" in report
     assert "| FSDP (TP=2, DP=2) | 0.500000 | 0.150000 | -0.250000 |" in report
     assert not [p for p in os.listdir(tmp_path / "out") if p.endswith(".tmp")]  # atomic writes left nothing
@@ -211,8 +256,9 @@ def test_command_line_script(tmp_path):
     write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD)
     passing = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert passing.returncode == 0
-    assert "FSDP (TP=2, DP=2): PASS\n  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 " \
-           "(ddp fp32, fsdp fp32); max relative diff 0.000e+00 (loss), 0.000e+00 (grad norm)\n" in passing.stdout
+    assert "FSDP (TP=2, DP=2): PASS\n  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 " \
+           "table (ddp fp32, fsdp fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, " \
+           "grad norm 0.000e+00, param norm 0.000e+00\n" in passing.stdout
     bad = subprocess.run(args[:2] + ["--input_dir", str(tmp_path / "none"), "--output", "x.png"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert (bad.returncode, bad.stdout) == (2, "")
@@ -235,9 +281,8 @@ def test_first_step_outside_the_fp32_envelope(tmp_path, capsys):
     write_record(tmp_path, "fsdp", [10.0, 8.0, 6.00003, 5.0001, 4.0])
     code, out, _ = run_cli(capsys, tmp_path)
     assert code == 1
-    assert "FSDP (TP=2, DP=2): FAIL\n  rtol 1e-05 (loss), 1e-05 (grad norm) from precision fp32 (ddp fp32, " \
-           "fsdp fp32); first step outside: step 3: loss 5.000100 vs DDP 5.000000, relative diff 2.000e-05 > " \
-           "rtol 1e-05\n" in out
+    assert "  first step outside: step 3: loss 5.000100 vs DDP 5.000000, relative diff 2.000e-05 > " \
+           "1.000e-05\n" in out
 
 
 def test_a_gradient_scale_bug_fails_on_the_grad_norm(tmp_path, capsys):
@@ -247,9 +292,9 @@ def test_a_gradient_scale_bug_fails_on_the_grad_norm(tmp_path, capsys):
     code, out, _ = run_cli(capsys, tmp_path)
     assert code == 1
     assert "first step outside: step 1: grad norm 3.000000 vs DDP 1.500000, relative diff 1.000e+00 > " \
-           "rtol 1e-05\n" in out
+           "1.000e-05\n" in out
     code, out, _ = run_cli(capsys, tmp_path, "--grad_norm_tolerance", "1.5")
-    assert code == 0 and "from precision fp32 (ddp fp32, fsdp fp32); --grad_norm_tolerance;" in out
+    assert code == 0 and "uncalibrated: no noise reference; grad_norm --grad_norm_tolerance;" in out
 
 
 @pytest.mark.parametrize("base_precision,run_precision,rel_diff,rtol,verdict", [
@@ -264,14 +309,15 @@ def test_tolerance_from_precision(tmp_path, base_precision, run_precision, rel_d
     write_record(tmp_path, "fsdp", [x * (1 + rel_diff) for x in DDP_LOSS], precision=run_precision)
     (r,) = compare(load_runs(str(tmp_path))).results
     v = r.verdict
-    assert (r.tolerance.loss, r.tolerance.grad_norm, v.word) == (rtol, 1e-5 if rtol == 1e-5 else 1e-1, verdict)
+    bounds = r.bounds.per_step
+    assert (bounds["loss"][0], bounds["grad_norm"][0], v.word) == (rtol, 1e-5 if rtol == 1e-5 else 1e-1, verdict)
     looser = "bf16" if "bf16" in (base_precision, run_precision) else "fp32"
-    assert v.tolerance_source == f"precision {looser} (ddp {base_precision}, fsdp {run_precision})"
+    assert v.tolerance_source.startswith(f"the fixed {looser} table (ddp {base_precision}, fsdp {run_precision})")
     assert (v.first_outside.step if v.first_outside else None) == (0 if verdict == "FAIL" else None)
 
 
 @pytest.mark.parametrize("precision", sorted(tolerances.CURVES))
-@pytest.mark.parametrize("quantity", ["loss", "grad_norm"])
+@pytest.mark.parametrize("quantity", tolerances.QUANTITIES)
 def test_the_tolerance_table_is_what_judges(tmp_path, precision, quantity):
     """Whatever the table says for a precision and a curve: half of it PASSes, twice it FAILs at step 1."""
     rtol = tolerances.CURVES[precision].of(quantity)
@@ -279,9 +325,9 @@ def test_the_tolerance_table_is_what_judges(tmp_path, precision, quantity):
         folder = tmp_path / f"{factor}"
         folder.mkdir()
         write_record(folder, "ddp", DDP_LOSS, DDP_GRAD, precision=precision)
-        moved = {"loss": list(DDP_LOSS), "grad_norm": list(DDP_GRAD)}
+        moved = {"loss": list(DDP_LOSS), "grad_norm": list(DDP_GRAD), "param_norm": [20.0] * 5}
         moved[quantity][1] *= 1 + factor * rtol
-        write_record(folder, "fsdp", moved["loss"], moved["grad_norm"], precision=precision)
+        write_record(folder, "fsdp", moved["loss"], moved["grad_norm"], moved["param_norm"], precision=precision)
         (r,) = compare(load_runs(str(folder))).results
         assert r.verdict.word == word
         if word == "FAIL":
@@ -294,11 +340,11 @@ def test_tolerance_override(tmp_path, capsys):
     assert run_cli(capsys, tmp_path)[0] == 0  # bf16: 1e-3 is inside 3e-2
     code, out, _ = run_cli(capsys, tmp_path, "--tolerance", "1e-4")
     assert code == 1
-    assert "rtol 0.0001 (loss), 0.1 (grad norm) from --tolerance; grad norm from precision bf16 (ddp fp32, fsdp " \
-           "bf16); first step outside: step 0: loss 10.010000 vs DDP 10.000000, relative diff 1.000e-03 > " \
-           "rtol 0.0001\n" in out
+    assert "rtol 0.0001 (loss), 0.1 (grad norm), 0.01 (param norm) from the fixed bf16 table (ddp fp32, fsdp " \
+           "bf16); uncalibrated: no noise reference; loss --tolerance;" in out
+    assert "first step outside: step 0: loss 10.010000 vs DDP 10.000000, relative diff 1.000e-03 > 1.000e-04\n" in out
     code, out, _ = run_cli(capsys, tmp_path, "--tolerance", "2e-3")
-    assert code == 0 and "max relative diff 1.000e-03 (loss), 0.000e+00 (grad norm)\n" in out
+    assert code == 0 and "max relative diff loss 1.000e-03, grad norm 0.000e+00, param norm 0.000e+00\n" in out
     with pytest.raises(SystemExit) as exc:
         run_cli(capsys, tmp_path, "--tolerance", "-1")
     assert exc.value.code == 2
@@ -447,22 +493,24 @@ def test_unwritable_output_and_unknown_extension(tmp_path, capsys):
 def test_figure_panels(tmp_path):
     hand_example(tmp_path)
     fig = curve_figure(compare(load_runs(str(tmp_path))))
-    loss, diff, grad = fig.axes
-    assert [ax.get_title() for ax in fig.axes] == ["Loss", "Loss difference from DDP",
-                                                   "Gradient norm (before clipping)"]
-    assert fig._suptitle.get_text() == "5 steps against DDP (TP=1, DP=2): FAIL"
+    loss, diff, grad, param = fig.axes
+    assert [ax.get_title() for ax in fig.axes] == [
+        "Loss", "Loss: relative difference from DDP", "Gradient norm (before clipping): relative difference from DDP",
+        "Parameter norm (after the step): relative difference from DDP"]
+    assert fig._suptitle.get_text() == "5 steps against DDP (TP=1, DP=2): FAIL (uncalibrated)"
     labels = ["DDP (TP=1, DP=2)", "DeepSpeed (TP=2, DP=2)", "FSDP (TP=2, DP=2)"]
     assert [line.get_label() for line in loss.get_lines()] == labels
-    assert [line.get_label() for line in grad.get_lines()] == labels
     assert list(loss.get_lines()[2].get_ydata()) == FSDP_LOSS
-    assert list(grad.get_lines()[0].get_ydata()) == DDP_GRAD
-    assert [line.get_label() for line in diff.get_lines()] == labels[1:]
-    assert list(diff.get_lines()[1].get_ydata()) == [0.0, 0.0, 0.5, 0.0, -0.25]
+    for ax in (diff, grad, param):
+        assert [line.get_label() for line in ax.get_lines()] == labels[1:]
+    assert list(diff.get_lines()[1].get_ydata()) == [0.0, 0.0, 0.5 / 6, 0.0, -0.25 / 4]
+    assert list(grad.get_lines()[1].get_ydata()) == [0.0, 0.0, 0.25, 0.0, 0.0]
     band, failure = diff.collections  # the tolerance band, then the marker at FSDP's first failing step
-    assert band.get_label() == "tolerance ±1e-05·|DDP|"
-    assert failure.get_label() == "FSDP: first step outside (2, loss)"
-    assert failure.get_offsets().tolist() == [[2.0, 0.5]]
-    assert (grad.get_xlabel(), diff.get_ylabel()) == ("step", "loss − DDP loss")
+    assert band.get_label() == "tolerance (bound)"
+    assert band.get_paths()[0].get_extents().y1 == pytest.approx(1e-5)
+    assert failure.get_label() == "FSDP: first outside (2, step)"
+    assert failure.get_offsets().tolist() == [[2.0, 0.5 / 6]]
+    assert (param.get_xlabel(), diff.get_ylabel()) == ("step", "(x − DDP) / |DDP|")
 
 
 @pytest.mark.parametrize("name,check", [

@@ -11,10 +11,11 @@ SCRIPT = os.path.join(REPO, "run_verification_main.sh")
 
 
 def run_main(out, **env_vars):
+    """The script as a user runs it, shortened: 12 steps of 64 tokens on CPU workers."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({"OUTPUT_DIR": str(out), "DEBUG_STEPS": "12", "SEQ_LENGTH": "64", "LOG_INTERVAL": "4",
                 "DEVICE": "cpu", **env_vars})
-    return subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
+    return subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=1200, cwd=out.parent)
 
 
 def test_three_runs_then_a_pass_verdict(tmp_path):
@@ -31,8 +32,10 @@ def test_three_runs_then_a_pass_verdict(tmp_path):
     assert (summary["baseline"], summary["num_steps"], summary["verdict"]) == ("ddp", 12, "PASS")
     for strategy in ("deepspeed", "fsdp"):
         against = summary["against_baseline"][strategy]
-        assert (against["verdict"], against["tolerance"]["loss"]) == ("PASS", 1e-5)
-        assert against["max_rel_diff"]["loss"] < 1e-5
+        assert (against["verdict"], against["calibrated"]) == ("PASS", False)  # fp32: no twins unless asked
+        assert against["tolerance_source"].startswith("the fixed fp32 table")
+        assert max(against["max_rel_diff"].values()) < 1e-5
+    assert summary["noise_references"] == [] and "== ddp (noise reference)" not in proc.stdout
     assert "LOSS CURVE STATISTICS" in proc.stdout and "VERDICT: PASS" in proc.stdout
     assert (tmp_path / "shared_weights" / "init_weights.pt").exists()
 
@@ -44,3 +47,23 @@ def test_a_bad_run_configuration_stops_the_job_before_any_run(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "error: --num_workers 2 ≠ --tp_size 3 × --dp_size 2: pass --num_workers 6 or change tp/dp"]
     assert "== ddp" not in proc.stdout and not list(tmp_path.glob("loss_curves/loss_*.json"))
+
+
+def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
+    """bf16, so the job runs DDP's two twins itself and calibrates. FSDP is a test copy of fsdp_strategy.py
+    whose optimizer steps at 1.05 × the learning rate, put first on PYTHONPATH (the driver and the Ray workers
+    import it instead of the installed one): the verdict FAILs and the job exits 1."""
+    source = open(os.path.join(REPO, "fsdp_strategy.py")).read()
+    buggy = source.replace("        step_optimizer(self.optimizer, lr)\n", "        step_optimizer(self.optimizer, lr * 1.05)\n")
+    assert buggy.count("lr * 1.05") == 1
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "fsdp_strategy.py").write_text(buggy)
+    proc = run_main(tmp_path / "out", PRECISION="bf16", STRATEGIES="ddp fsdp", PYTHONPATH=str(tmp_path / "copy"))
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "== ddp (noise reference): tp=1 dp=1 bf16" in proc.stdout
+    assert "== ddp (noise reference): tp=1 dp=4 bf16" in proc.stdout
+    assert "VERDICT: FAIL" in proc.stderr
+    summary = json.loads((tmp_path / "out" / "loss_curves" / "curve_comparison.json").read_text())
+    fsdp = summary["against_baseline"]["fsdp"]
+    assert (fsdp["verdict"], fsdp["calibrated"]) == ("FAIL", True)
+    assert (fsdp["first_outside"]["step"], fsdp["first_outside"]["quantity"]) == (1, "param_norm")

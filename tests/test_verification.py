@@ -103,6 +103,44 @@ def test_fault_in_one_tp_shard_is_the_first_divergence(tp2_dp1, tmp_path):
     assert rows["output/model.layers.1.mlp.gate_proj"] < 1e-5 and rows["output/model.layers.1.mlp.up_proj"] > 1e-4
 
 
+# --- bf16: tolerances calibrated per tensor on DDP's step in fp32 ---------------------------------------
+
+BF16 = {"precision": "bf16", "seq_length": 128}
+
+
+@pytest.fixture(scope="module")
+def tp2_dp1_bf16(ray_cluster, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("verify_tp_bf16"))
+    return out, verify(out, dp_size=1, **BF16)
+
+
+def test_bf16_clean_runs_pass_the_calibrated_layer_check(tp2_dp1_bf16):
+    out, code = tp2_dp1_bf16
+    assert code == 0
+    assert os.path.exists(os.path.join(out, "noise_reference_ddp.safetensors"))  # run by the check itself in bf16
+    pairs = comparison(out)["pairs"]
+    assert len(pairs) == 3
+    for pair in pairs:
+        assert (pair["verdict"], pair["calibrated"]) == ("PASS", True)
+        assert pair["tolerance_source"].startswith("calibrated: 5 × each tensor's bf16 rounding")
+        assert max(r["rel"] / r["tolerance"] for r in pair["rows"]) < 1
+        assert max(r["rel"] for r in pair["rows"]) > 1e-3  # they really differ: bf16 rounding, not fp32
+
+
+def test_bf16_fault_in_one_tp_shard_is_named_as_in_fp32(tp2_dp1_bf16, tmp_path):
+    """The shard fault the fp32 test plants FAILs in bf16 too, at the same module and phase."""
+    src, _ = tp2_dp1_bf16
+    for name in ("init_weights.safetensors", "inputs.safetensors", "dump_ddp.safetensors", "dump_ddp.json",
+                 "noise_reference_ddp.safetensors", "noise_reference_ddp.json"):
+        shutil.copy(os.path.join(src, name), tmp_path)
+    code = verify(str(tmp_path), dp_size=1, strategy="fsdp", perturb="fsdp:model.layers.1.mlp.up_proj.weight", **BF16)
+    assert code == 1
+    (pair,) = comparison(str(tmp_path))["pairs"]
+    assert (pair["run"], pair["reference"], pair["verdict"], pair["calibrated"]) == ("fsdp", "ddp", "FAIL", True)
+    assert pair["first_outside"]["module"] == "model.layers.1.mlp.up_proj"
+    assert pair["first_outside"]["quantity"] == "forward output"
+
+
 # --- bad input: one line, exit 2, no Ray -----------------------------------------------------------
 
 def run_script(script, *args, env=None):

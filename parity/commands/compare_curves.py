@@ -36,12 +36,13 @@ def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", toler
     """Compare, print the statistics block and the verdicts, write the outputs; returns the exit code
     (0 PASS, 1 FAIL). Raises ConfigError (NotComparable, RecordError) before anything is written."""
     from parity.comparing.curve_report import statistics_text, write_outputs
-    from parity.comparing.curves import compare, load_runs
+    from parity.comparing.curves import compare, load_references, load_runs
     from parity.comparing.figures import figure_format
     from parity.storage import check_writable_dir
 
     figure_format(output)
-    comparison = compare(load_runs(input_dir), baseline, tolerance, allow_incomplete, grad_norm_tolerance)
+    comparison = compare(load_runs(input_dir), baseline, tolerance, allow_incomplete, grad_norm_tolerance,
+                         references=load_references(input_dir))
     check_writable_dir("--output's directory", os.path.dirname(os.path.abspath(output)))
     for warning in comparison.warnings:
         print(warning, file=sys.stderr)

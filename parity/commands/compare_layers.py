@@ -23,10 +23,10 @@ def compare_and_report(input_dir: str, tolerance: float | None = None, heatmap: 
     """Compare every pair of dumps, print the summary, write the outputs; returns the exit code
     (0 every pair agrees, 1 a pair diverges)."""
     from parity.comparing.layer_report import HEATMAP_NAME, console_summary, write_outputs
-    from parity.comparing.layers import compare_all, load_dumps
+    from parity.comparing.layers import compare_all, load_dumps, load_noise_reference
 
     dumps = load_dumps(input_dir)
-    results = compare_all(dumps, tolerance)
+    results = compare_all(dumps, tolerance, load_noise_reference(input_dir, dumps))
     print(console_summary(dumps, results))
     written = write_outputs(input_dir, dumps, results, heatmap or os.path.join(input_dir, HEATMAP_NAME))
     print(f"\nwrote {', '.join(written)}")

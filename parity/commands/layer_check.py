@@ -33,6 +33,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--perturb", default=None, metavar="STRATEGY:PARAM",
                    help="check the check: add 1e-3 to TP rank 0's shard of PARAM in STRATEGY's run")
     p.add_argument("--tolerance", type=float, default=None, help="override the relative tolerance")
+    p.add_argument("--noise_reference", choices=("auto", "on", "off"), default="auto",
+                   help="also run DDP's step in fp32 (noise_reference_ddp.*), against which bf16 tolerances are "
+                        "calibrated per tensor; auto: when the step is bf16")
     add_strategy_options(p, [strategy_class(name) for name in NAMES], given_only=True)
     return p
 
@@ -65,14 +68,20 @@ def check_layers(args: argparse.Namespace) -> int:
     cfgs = {s: resolve(s, _run_values(args, s, out, cluster.gpus, options[s]), cluster=cluster,
                        weights_written_before_launch=fresh) for s in strategies}
     first = cfgs[strategies[0]]
+    runs = [(cfgs[s], perturb.get(s)) for s in strategies]
+    if "ddp" in cfgs and (args.noise_reference == "on" or
+                          (args.noise_reference == "auto" and cfgs["ddp"].precision == "bf16")):
+        reference = {**_run_values(args, "ddp", out, cluster.gpus, {}), "precision": "fp32", "noise_reference": True,
+                     "experiment_name": "layer_check_ddp_noise_reference"}
+        runs.insert(1, (resolve("ddp", reference, cluster=cluster, weights_written_before_launch=fresh), None))
     if fresh:  # the folder's shared weights and inputs, written once, on the driver
         save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), weights)
         write_inputs(training_data(first), first.seed, inputs)
         print(f"wrote {weights} and {inputs}")
-    for s in strategies:
-        check_inputs(inputs, cfgs[s])
-    for s in strategies:
-        launch(cfgs[s], layer_step_worker, {"output_dir": out, "perturb_param": perturb.get(s)})
+    for cfg, _ in runs:
+        check_inputs(inputs, cfg)
+    for cfg, perturb_param in runs:
+        launch(cfg, layer_step_worker, {"output_dir": out, "perturb_param": perturb_param})
     if len(load_dumps(out)) < 2:
         print(f"{out} has one dump so far; run the other strategies into it, then compare_dumps.py")
         return 0

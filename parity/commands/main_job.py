@@ -38,7 +38,8 @@ SETTINGS = (
     ("PRECISION", str, "auto", "fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU)"),
     ("DEVICE", str, "auto", "auto | cpu | cuda (auto: cuda with >= TP_SIZE*DP_SIZE GPUs)"),
     ("STRATEGIES", str, " ".join(NAMES), "which runs, in order; ddp first (it writes the weights, it is the baseline)"),
-    ("TOLERANCE", float, None, "override the verdict's relative loss tolerance [from the precision]"),
+    ("TOLERANCE", float, None, "override the verdict's relative loss tolerance [calibrated, or from the precision]"),
+    ("NOISE_REFERENCE", str, "auto", "run DDP's twins to calibrate the verdict: on | off | auto (on in bf16)"),
     ("PYTHON", str, None, "the interpreter to run under [python3]"),
     ("EXTRA_ARGS", str, "", "more train_*.py flags for every run (a strategy's own flags go to that strategy)"),
 )
@@ -47,7 +48,7 @@ SETTINGS = (
 def build_parser() -> OneLineParser:
     p = OneLineParser(__doc__, prog="run_verification_main.sh")
     for env, kind, default, text in SETTINGS:
-        choices = PRECISIONS if env == "PRECISION" else DEVICES if env == "DEVICE" else None
+        choices = {"PRECISION": PRECISIONS, "DEVICE": DEVICES, "NOISE_REFERENCE": ("on", "off", "auto")}.get(env)
         p.add_argument(f"--{env.lower()}", type=kind, default=os.environ.get(env) or default, choices=choices,
                        metavar=env, help=f"{text} (environment: {env})")
     return p
@@ -63,17 +64,17 @@ def run_main_job(args) -> int:
     from parity.training.data import training_data
     from parity.training.launch import launch
     from parity.training.loop import train_worker
-    from parity.training.record import record_path
+    from parity.training.record import REFERENCE_GLOB, run_record_path
 
     out = os.path.abspath(args.output_dir)
     loss_dir = os.path.join(out, "loss_curves")
     cluster = probe_cluster()
-    plan = run_plan(args, out, cluster.gpus)
-    cfgs = [resolve(strategy, values, cluster=cluster, weights_written_before_launch=strategy != "ddp")
-            for strategy, values in plan]
+    cfgs = [resolve(strategy, values, cluster=cluster, weights_written_before_launch=not values.get("save_init_weights"))
+            for strategy, values in run_plan(args, out, cluster)]
     batches = [training_data(cfg) for cfg in cfgs]
-    for stale in glob.glob(os.path.join(loss_dir, "loss_*.json")):  # a verdict only on this job's runs
-        os.remove(stale)
+    for pattern in ("loss_*.json", REFERENCE_GLOB):  # a verdict only on this job's runs
+        for stale in glob.glob(os.path.join(loss_dir, pattern)):
+            os.remove(stale)
 
     started = time.perf_counter()
     ensure_ray()
@@ -82,15 +83,15 @@ def run_main_job(args) -> int:
           flush=True)
     try:
         for cfg, data in zip(cfgs, batches):
-            print(f"== {cfg.strategy}: tp={cfg.tp_size} dp={cfg.dp_size} {cfg.precision}", flush=True)
+            role = " (noise reference)" if cfg.noise_reference else ""
+            print(f"== {cfg.strategy}{role}: tp={cfg.tp_size} dp={cfg.dp_size} {cfg.precision}", flush=True)
             t0 = time.perf_counter()
             try:
                 launch(cfg, train_worker, {"batches": data})
             except TrainingFailed as exc:
                 print(f"error: the {cfg.strategy} run failed: {exc}", file=sys.stderr)
                 return 1
-            print(f"   done in {time.perf_counter() - t0:.0f} s: {record_path(cfg.loss_output_dir, cfg.strategy)}",
-                  flush=True)
+            print(f"   done in {time.perf_counter() - t0:.0f} s: {run_record_path(cfg)}", flush=True)
     finally:
         ray.shutdown()
 
@@ -108,8 +109,9 @@ def run_main_job(args) -> int:
     return verdict
 
 
-def run_plan(args, out: str, gpus: int) -> list[tuple[str, dict]]:
-    """[(strategy, flags)] in run order: the seed's three commands, with the GPU or CPU defaults."""
+def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
+    """[(strategy, flags)] in run order: the seed's three commands, with the GPU or CPU defaults, and after
+    DDP its twins (noise references) when the verdict is to be calibrated."""
     from parity.registry import strategy_class
 
     strategies = args.strategies.split()
@@ -123,7 +125,7 @@ def run_plan(args, out: str, gpus: int) -> list[tuple[str, dict]]:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name} must be a positive integer (got {getattr(args, name)})")
     world = args.tp_size * args.dp_size
-    on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= world)
+    on_gpu = args.device == "cuda" or (args.device == "auto" and cluster.gpus >= world)
     common = {
         "model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
         "num_layers": args.num_layers, "batch_size": args.batch_size,
@@ -141,7 +143,27 @@ def run_plan(args, out: str, gpus: int) -> list[tuple[str, dict]]:
                   if strategy == "ddp" else {"num_workers": world, "tp_size": args.tp_size, "dp_size": args.dp_size})
         others = all_options - {o.name for o in strategy_class(strategy).options}
         plan.append((strategy, {**common, **layout, **{k: v for k, v in extra.items() if k not in others}}))
+        if strategy == "ddp" and wants_noise_reference(args, on_gpu):
+            ddp = plan[0][1]
+            for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], cluster.gpus if on_gpu else None):
+                plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
+                                     "save_init_weights": False, "noise_reference": True}))
     return plan
+
+
+def wants_noise_reference(args, on_gpu: bool) -> bool:
+    """NOISE_REFERENCE auto: calibrate in bf16 (the GPU default), where the fixed table is blind to real bugs."""
+    if args.noise_reference != "auto":
+        return args.noise_reference == "on"
+    return args.precision == "bf16" or (args.precision == "auto" and on_gpu)
+
+
+def twin_layouts(dp_size: int, batch_size: int, max_workers: int | None) -> list[tuple[int, int]]:
+    """(dp, batch) with the baseline's global batch and another layout: one worker with the whole batch, and
+    one sample per worker when the cluster has that many workers to give (None: no limit)."""
+    global_batch = dp_size * batch_size
+    return [(dp, global_batch // dp) for dp in sorted({1, global_batch})
+            if dp != dp_size and (max_workers is None or dp <= max_workers)]
 
 
 def extra_flags(text: str, strategies: list[str]) -> dict:

@@ -25,13 +25,13 @@ def run(strategy: str, values: Mapping[str, Any]) -> str:
     from parity.training.data import training_data
     from parity.training.launch import launch
     from parity.training.loop import train_worker
-    from parity.training.record import record_path
+    from parity.training.record import run_record_path
 
     cfg = resolve(strategy, values)
     batches = training_data(cfg)
     t0 = time.perf_counter()
     ray_start_s = launch(cfg, train_worker, {"batches": batches})
-    path = record_path(cfg.loss_output_dir, strategy)
+    path = run_record_path(cfg)
     print(f"[{strategy}] finished in {time.perf_counter() - t0:.1f} s (Ray start-up {ray_start_s:.1f} s); "
           f"loss record: {path}", flush=True)
     return path

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from parity.comparing.curves import Comparison, CurveResult
 from parity.comparing.figures import curve_figure, save_figure
+from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
 from parity.registry import label
 from parity.storage import write_json_atomic, write_text_atomic
 
@@ -23,11 +24,13 @@ class Curve(NamedTuple):
 
 
 CURVES = (Curve("loss", "loss", "LOSS CURVE STATISTICS"),
-          Curve("grad_norm", "grad norm", "GRAD NORM STATISTICS (before clipping)"))
+          Curve("grad_norm", "grad norm", "GRAD NORM STATISTICS (before clipping)"),
+          Curve("param_norm", "param norm", "PARAMETER NORM STATISTICS (after the step)"))
+NOUNS = {c.key: c.noun for c in CURVES}
 
 
 def statistics_text(c: Comparison) -> str:
-    """The seed's LOSS CURVE STATISTICS block, the same for grad norms, then the verdicts."""
+    """The seed's LOSS CURVE STATISTICS block, the same for the grad and parameter norms, then the verdicts."""
     lines = []
     for key, noun, title in CURVES:
         lines += ["=" * RULE, title, "=" * RULE, ""]
@@ -41,29 +44,64 @@ def statistics_text(c: Comparison) -> str:
             lines += [f"{r.run.label}:", *_aligned([("Max abs diff", d.max_abs), ("Mean abs diff", d.mean_abs),
                                                     ("Final diff", d.final)]), ""]
     base = _baseline_name(c)
-    lines += ["=" * RULE, f"VERDICT (every step, loss and grad norm: |x - {base}| <= rtol * |{base}|)",
-              "=" * RULE, ""]
+    lines += ["=" * RULE, f"VERDICT (every step, each curve: |x - {base}| <= bound * |{base}|)", "=" * RULE, "",
+              calibration_line(c), ""]
     for r in c.results:
-        lines += [f"{r.run.label}: {r.verdict.word}", f"  {_verdict_detail(c, r)}"]
+        lines += [f"{r.run.label}: {r.verdict.word}", *[f"  {line}" for line in verdict_details(c, r)]]
     return "\n".join(lines)
+
+
+def calibration_line(c: Comparison) -> str:
+    if c.references:
+        names = ", ".join(os.path.basename(r.file) for r in c.references)
+        return (f"Bounds calibrated on {names}: {NOISE_K} × the noise between them and the baseline at each step, "
+                f"and no drift beyond {DRIFT_K} × that noise over {DRIFT_WINDOW} steps.")
+    return ("Bounds UNCALIBRATED: no noise reference in the folder, so the fixed table by precision applies "
+            "(docs/tolerances.md); run the baseline again with --noise_reference at another layout to calibrate.")
+
+
+def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
+    """What the verdict rests on: the headline numbers, and for a FAIL where and the first suspects."""
+    v, f, base = r.verdict, r.verdict.first_outside, _baseline_name(c)
+    worst = ", ".join(f"{NOUNS[q]} {x:.3e}" for q, x in v.max_rel_diff.items())
+    if r.noise_ratios:
+        ratios = ", ".join(f"{NOUNS[q]} {x:.1f}" for q, x in r.noise_ratios.items())
+        lines = [f"deviation ÷ noise {r.noise_ratio:.1f} ({ratios}); tolerance {NOISE_K} × noise, margin "
+                 f"{NOISE_K / r.noise_ratio:.1f}×; max relative diff {worst}"]
+    else:
+        bounds = ", ".join(f"{b[0]:g} ({NOUNS[q]})" for q, b in r.bounds.per_step.items())
+        lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"]
+    if f is not None:
+        if f.test == "drift":
+            lines.append(f"drift: steps {f.step - DRIFT_WINDOW + 1}–{f.step}: {NOUNS[f.quantity]} keeps one sign, "
+                         f"mean relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} ({DRIFT_K} × the window's noise)")
+        else:
+            lines.append(f"first step outside: step {f.step}: {NOUNS[f.quantity]} {f.value:.6f} vs {base} "
+                         f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > {f.tolerance:.3e}")
+        lines.append("differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded"))
+    return lines
 
 
 def markdown_report(c: Comparison, figure_file: str) -> str:
     """curve_report.md: the same numbers as tables, and the figure by its path relative to the report."""
     base = _baseline_name(c)
     out = [f"# Loss curve comparison against {base}", "",
-           f"{c.num_steps} steps compared; baseline {c.baseline.label}. "
-           f"Overall: **{c.word}**.", ""]
+           f"{c.num_steps} steps compared; baseline {c.baseline.label}. Overall: **{c.word}**.", "",
+           calibration_line(c), ""]
     out += [f"> {w}" for w in c.warnings] + ([""] if c.warnings else [])
     out += [f"![Loss curves]({figure_file})", "", "## Verdicts", "",
-            "| run | verdict | rtol loss / grad norm | tolerance from | max relative diff loss / grad norm "
-            "| first step outside |", "|---|---|---|---|---|---|"]
+            "| run | verdict | deviation ÷ noise | max relative diff loss / grad norm / param norm | first outside |",
+            "|---|---|---|---|---|"]
     for r in c.results:
         v, f = r.verdict, r.verdict.first_outside
-        outside = f"step {f.step}, {f.quantity}: {f.value:.6f} vs {f.reference:.6f} ({f.rel_diff:.3e})" if f else "–"
-        out.append(f"| {r.run.label} | {v.word} | {r.tolerance.loss:g} / {r.tolerance.grad_norm:g} | "
-                   f"{v.tolerance_source} | {v.max_rel_diff['loss']:.3e} / {v.max_rel_diff['grad_norm']:.3e} | "
-                   f"{outside} |")
+        outside = f"step {f.step}, {f.quantity} ({f.test}): {f.rel_diff:.3e} > {f.tolerance:.3e}" if f else "–"
+        ratio = f"{r.noise_ratio:.1f} (of {NOISE_K})" if r.noise_ratio is not None else "uncalibrated"
+        worst = " / ".join(f"{v.max_rel_diff[q]:.3e}" for q in NOUNS)
+        out.append(f"| {r.run.label} | {v.word} | {ratio} | {worst} | {outside} |")
+    for r in c.results:
+        if not r.verdict.passed:
+            out += ["", f"{r.run.label} differs from the baseline in: "
+                    + ("; ".join(f"`{d}`" for d in r.config_differences) or "nothing recorded")]
     for key, noun, _ in CURVES:
         out += ["", f"## {noun.capitalize()}", "", "| run | initial | final | min | mean |", "|---|---|---|---|---|"]
         for run in c.runs:
@@ -92,17 +130,6 @@ def _aligned(rows: list[tuple[str, float]]) -> list[str]:
     """'  Label: value' with the values in one column, as in the seed's block."""
     width = max(len(label) for label, _ in rows) + 1
     return [f"  {label + ':':<{width}} {value:.6f}" for label, value in rows]
-
-
-def _verdict_detail(c: Comparison, r: CurveResult) -> str:
-    v, f = r.verdict, r.verdict.first_outside
-    tolerance = f"rtol {r.tolerance.loss:g} (loss), {r.tolerance.grad_norm:g} (grad norm) from {v.tolerance_source}"
-    if f is None:
-        return (f"{tolerance}; max relative diff {v.max_rel_diff['loss']:.3e} (loss), "
-                f"{v.max_rel_diff['grad_norm']:.3e} (grad norm)")
-    noun = "loss" if f.quantity == "loss" else "grad norm"
-    return (f"{tolerance}; first step outside: step {f.step}: {noun} {f.value:.6f} vs {_baseline_name(c)} "
-            f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > rtol {f.tolerance:g}")
 
 
 def _baseline_name(c: Comparison) -> str:

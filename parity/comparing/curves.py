@@ -1,14 +1,15 @@
-"""Comparing loss records: invariants first, then statistics, tolerances and one verdict per run.
+"""Comparing loss records: invariants first, then statistics, bounds and one verdict per run.
 
-A loss difference says something about a strategy only if nothing else differed, so before any number
-every run is checked against the baseline: same initial weights, same model, same optimizer settings,
-same number of steps, and at every step the same batch, tokens and learning rate. A run that differs is
-reported as not comparable (`NotComparable`), never as a loss diff.
+A difference says something about a strategy only if nothing else differed, so before any number every
+run is checked against the baseline: same initial weights, same model, same optimizer settings, same
+number of steps, and at every step the same batch, tokens and learning rate. A run that differs is
+reported as not comparable (`NotComparable`), never as a difference.
 
-The verdict is per step, on the loss and on the pre-clip grad norm: |x - baseline| <= rtol · |baseline| at
-every step, with rtol from parity.comparing.tolerances (the looser precision of the pair) unless given.
-The grad norm is in it because AdamW is (up to eps) invariant to the gradient's scale: a gradient reduced
-twice, not averaged over DP, or clipped differently barely moves the loss but moves the norm.
+The verdict holds three curves at every step — loss, pre-clip grad norm, parameter norm — to bounds on
+|x − baseline| / |baseline|: NOISE_K × the noise the baseline's twins measured (calibrated, when
+noise_reference_*.json records are there), else the fixed table by precision (uncalibrated). Calibrated
+verdicts also run the drift test (parity.comparing.noise). A FAIL lists the config fields in which the run
+differs from the baseline: the first suspects.
 """
 
 from __future__ import annotations
@@ -19,15 +20,19 @@ import os
 from dataclasses import asdict, dataclass
 
 from parity.comparing import tolerances
-from parity.comparing.tolerances import Tolerance
+from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
+                                    relative_diffs)
+from parity.comparing.tolerances import NOISE_K, QUANTITIES, Tolerance
 from parity.comparing.verdict import Outside, Verdict, verdict_word
 from parity.errors import ConfigError, NotComparable
 from parity.registry import label
-from parity.training.record import load_record
-
-QUANTITIES = ("loss", "grad_norm")
+from parity.training.record import REFERENCE_GLOB, load_record
 # Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
 OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+# Config entries that differ between strategies by design: not suspects when a run FAILs.
+LAYOUT_AND_PLACES = ("strategy", "num_workers", "tp_size", "dp_size", "world_size", "batch_size", "cpus_per_worker",
+                     "experiment_name", "final_checkpoint_dir", "loss_output_dir", "storage_path", "noise_reference",
+                     "init_weights_path", "save_init_weights")
 # Per-step entries every run must share with the baseline: (field, what differs, in words).
 STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
                    ("lr", "use different learning rates"))
@@ -93,12 +98,19 @@ class DiffStats:
 
 @dataclass(frozen=True)
 class CurveResult:
-    """One run against the baseline: its verdict, the tolerance it was judged by, and its differences."""
+    """One run against the baseline: its verdict, the bounds it was judged by, and its differences."""
 
     run: Run
-    tolerance: Tolerance
+    bounds: Bounds
     verdict: Verdict
-    diffs: dict[str, DiffStats]  # "loss" and "grad_norm": this run's curve minus the baseline's
+    diffs: dict[str, DiffStats]  # per curve: this run's curve minus the baseline's
+    noise_ratios: dict[str, float] | None  # calibrated: deviation ÷ noise per curve (the worst step)
+    config_differences: list[str]  # "field: baseline's vs this run's", for fields that may explain a FAIL
+
+    @property
+    def noise_ratio(self) -> float | None:
+        """The worst curve's deviation ÷ noise; the run FAILs the per-step test beyond NOISE_K."""
+        return max(self.noise_ratios.values()) if self.noise_ratios else None
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,7 @@ class Comparison:
     num_steps: int  # compared steps: all of them, or those every run has done with --allow_incomplete
     results: list[CurveResult]  # one per run but the baseline, in `runs` order
     warnings: list[str]
+    references: list[Run]  # the noise references the bounds were calibrated on (empty: uncalibrated)
 
     @property
     def passed(self) -> bool:
@@ -128,14 +141,16 @@ class Comparison:
         return {
             "baseline": self.baseline.name, "num_steps": self.num_steps, "verdict": self.word,
             "warnings": self.warnings,
+            "noise_references": [os.path.basename(r.file) for r in self.references],
             "runs": {r.name: {"label": r.label, "file": os.path.basename(r.file), "complete": r.complete,
                               "steps_recorded": len(r.steps), "precision": r.precision,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
-                              "loss": asdict(self.curve_stats(r, "loss")),
-                              "grad_norm": asdict(self.curve_stats(r, "grad_norm"))} for r in self.runs},
-            "against_baseline": {r.run.name: {**r.verdict.to_dict(), "tolerance": asdict(r.tolerance),
-                                              **{f"{key}_diff": asdict(d) for key, d in r.diffs.items()}}
-                                 for r in self.results},
+                              **{q: asdict(self.curve_stats(r, q)) for q in QUANTITIES}} for r in self.runs},
+            "against_baseline": {r.run.name: {
+                **r.verdict.to_dict(), "calibrated": r.bounds.calibrated,
+                "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
+                "config_differences": r.config_differences,
+                **{f"{key}_diff": asdict(d) for key, d in r.diffs.items()}} for r in self.results},
         }
 
 
@@ -158,18 +173,30 @@ def load_runs(input_dir: str) -> list[Run]:
     return runs
 
 
+def load_references(input_dir: str) -> list[Run]:
+    """Every noise_reference_*.json in `input_dir`, validated."""
+    return [Run(path, load_record(path)) for path in sorted(glob.glob(os.path.join(input_dir, REFERENCE_GLOB)))]
+
+
 def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
-            allow_incomplete: bool = False, grad_norm_rtol: float | None = None) -> Comparison:
-    """Check every run against the baseline, then measure it. `rtol` / `grad_norm_rtol` override the
-    precision tolerances for the loss / the grad norm."""
+            allow_incomplete: bool = False, grad_norm_rtol: float | None = None,
+            references: list[Run] = ()) -> Comparison:
+    """Check every run (and every noise reference) against the baseline, then measure it. With references
+    of the baseline's strategy the bounds are calibrated; `rtol` / `grad_norm_rtol` fix the bound on the
+    loss / the grad norm whatever the rest is."""
     base, others = _split_baseline(runs, baseline)
-    num_steps = min(len(r.steps) for r in runs)
-    warnings = _incomplete_warnings(runs, allow_incomplete, num_steps)
-    mismatches = [m for run in others for m in comparability_mismatches(base, run)]
+    warnings = [f"warning: {os.path.basename(r.file)} is a noise reference of {r.name}, not of the baseline "
+                f"({base.name}): not used" for r in references if r.name != base.name]
+    references = [r for r in references if r.name == base.name]
+    num_steps = min(len(r.steps) for r in [*runs, *references])
+    warnings += _incomplete_warnings([*runs, *references], allow_incomplete, num_steps)
+    mismatches = [m for run in [*others, *references] for m in comparability_mismatches(base, run)]
     if mismatches:
         raise NotComparable(mismatches)
-    results = [_result(base, run, num_steps, *tolerance_for(base, run, rtol, grad_norm_rtol)) for run in others]
-    return Comparison(base, [base, *others], num_steps, results, warnings)
+    _check_references(base, references, num_steps)
+    results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol))
+               for run in others]
+    return Comparison(base, [base, *others], num_steps, results, warnings, list(references))
 
 
 def comparability_mismatches(base: Run, run: Run) -> list[str]:
@@ -197,50 +224,97 @@ def comparability_mismatches(base: Run, run: Run) -> list[str]:
     return found
 
 
-def tolerance_for(base: Run, run: Run, rtol: float | None = None,
-                  grad_norm_rtol: float | None = None) -> tuple[Tolerance, str]:
-    """(tolerance, where it came from): the given overrides, else the looser of the runs' precisions."""
-    if rtol is not None and grad_norm_rtol is not None:
-        return Tolerance(rtol, grad_norm_rtol), "--tolerance, --grad_norm_tolerance"
-    try:
-        looser = tolerances.looser_precision(base.precision, run.precision)
-    except ConfigError as exc:
-        odd = base if base.precision not in tolerances.PRECISION_ORDER else run
-        raise ConfigError(f"{os.path.basename(odd.file)}: {exc}") from None
-    source = f"precision {looser} ({base.name} {base.precision}, {run.name} {run.precision})"
-    if rtol is not None:
-        source = f"--tolerance; grad norm from {source}"
-    elif grad_norm_rtol is not None:
-        source = f"{source}; --grad_norm_tolerance"
-    table = tolerances.CURVES[looser]
-    return Tolerance(table.loss if rtol is None else rtol,
-                     table.grad_norm if grad_norm_rtol is None else grad_norm_rtol), source
-
-
+def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol: float | None = None,
+               grad_norm_rtol: float | None = None) -> Bounds:
+    """Calibrated on the references when there are any and the run is at the baseline's precision; else
+    the fixed table of the looser precision. --tolerance / --grad_norm_tolerance replace one curve's bound."""
+    if references and run.precision == base.precision:
+        series = lambda r: {q: _series(r, q, num_steps) for q in QUANTITIES}  # noqa: E731
+        names = ", ".join(os.path.basename(r.file) for r in references)
+        bounds = calibrated_bounds(series(base), [series(r) for r in references], base.precision,
+                                   f"calibrated: {NOISE_K} × the noise of {names}")
+    else:
+        try:
+            looser = tolerances.looser_precision(base.precision, run.precision)
+        except ConfigError as exc:
+            odd = base if base.precision not in tolerances.PRECISION_ORDER else run
+            raise ConfigError(f"{os.path.basename(odd.file)}: {exc}") from None
+        why = "no noise reference" if not references else "the run's precision differs from the baseline's"
+        bounds = fixed_bounds(tolerances.CURVES[looser], num_steps,
+                              f"the fixed {looser} table ({base.name} {base.precision}, {run.name} {run.precision}); "
+                              f"uncalibrated: {why}")
+    for quantity, value, flag in (("loss", rtol, "--tolerance"), ("grad_norm", grad_norm_rtol, "--grad_norm_tolerance")):
+        if value is not None:
+            bounds = Bounds({**bounds.per_step, quantity: [value] * num_steps}, f"{bounds.source}; {quantity} {flag}",
+                            bounds.envelope)
+    return bounds
 def relative_diff(value: float, baseline: float) -> float:
     if baseline == 0:
         return 0.0 if value == 0 else math.inf
     return abs(value - baseline) / abs(baseline)
 
 
-def first_outside(series: dict[str, list[float]], baseline: dict[str, list[float]],
-                  tolerance: Tolerance) -> Outside | None:
-    """The first step at which the loss, then the grad norm, leaves its envelope."""
+def first_outside(series: dict[str, list[float]], baseline: dict[str, list[float]], bounds: Bounds) -> Outside | None:
+    """The first step at which a curve leaves its bound (loss, then grad norm, then parameter norm), or —
+    calibrated — the end of the first drifting window, whichever comes first."""
+    per_step = None
     for step in range(len(series["loss"])):
+        for quantity, bound in bounds.per_step.items():
+            value, base = series[quantity][step], baseline[quantity][step]
+            if not abs(value - base) <= bound[step] * abs(base):  # written so that a NaN fails too
+                per_step = Outside(quantity=quantity, rel_diff=relative_diff(value, base), tolerance=bound[step],
+                                   step=step, value=value, reference=base, test="step")
+                break
+        if per_step:
+            break
+    if bounds.calibrated:
         for quantity in QUANTITIES:
-            value, base, rtol = series[quantity][step], baseline[quantity][step], tolerance.of(quantity)
-            if not abs(value - base) <= rtol * abs(base):  # written so that a NaN fails too
-                return Outside(quantity=quantity, rel_diff=relative_diff(value, base), tolerance=rtol, step=step,
-                               value=value, reference=base)
-    return None
+            drift = first_drift(relative_diffs(series[quantity], baseline[quantity]), bounds.envelope[quantity])
+            if drift and (per_step is None or drift.last_step < per_step.step):
+                per_step = Outside(quantity=quantity, rel_diff=abs(drift.mean_rel_diff), tolerance=drift.bound,
+                                   step=drift.last_step, test="drift")
+    return per_step
 
 
-def _result(base: Run, run: Run, num_steps: int, tolerance: Tolerance, source: str) -> CurveResult:
-    series = {key: _series(run, key, num_steps) for key in QUANTITIES}
-    baseline = {key: _series(base, key, num_steps) for key in QUANTITIES}
-    max_rel = {key: max(relative_diff(x, b) for x, b in zip(series[key], baseline[key])) for key in QUANTITIES}
-    verdict = Verdict(run.name, base.name, source, max_rel, first_outside(series, baseline, tolerance))
-    return CurveResult(run, tolerance, verdict, {key: DiffStats.of(series[key], baseline[key]) for key in QUANTITIES})
+def config_differences(base: Run, run: Run) -> list[str]:
+    """'field: baseline's vs run's' for every config field (strategy options and library versions
+    included) that differs, except the layout and the places files go, which differ by design."""
+    a, b = _flat(base.config), _flat(run.config)
+    return [f"{k}: {a.get(k, '–')} vs {b.get(k, '–')}" for k in sorted(a | b)
+            if k.split(".")[0] not in LAYOUT_AND_PLACES and a.get(k) != b.get(k)]
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and key != "model_config":
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _result(base: Run, run: Run, num_steps: int, bounds: Bounds) -> CurveResult:
+    series = {q: _series(run, q, num_steps) for q in QUANTITIES}
+    baseline = {q: _series(base, q, num_steps) for q in QUANTITIES}
+    max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in QUANTITIES}
+    verdict = Verdict(run.name, base.name, bounds.source, max_rel, first_outside(series, baseline, bounds))
+    ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in QUANTITIES}
+              if bounds.calibrated else None)
+    return CurveResult(run, bounds, verdict, {q: DiffStats.of(series[q], baseline[q]) for q in QUANTITIES}, ratios,
+                       config_differences(base, run))
+
+
+def _check_references(base: Run, references: list[Run], num_steps: int) -> None:
+    """A reference measures the baseline's noise only at the baseline's precision, and only if it differs."""
+    for ref in references:
+        name = os.path.basename(ref.file)
+        if ref.precision != base.precision:
+            raise ConfigError(f"{name} is {ref.precision} but the baseline is {base.precision}: a noise reference "
+                              f"runs at the baseline's precision")
+        if all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in QUANTITIES):
+            raise ConfigError(f"{name} is identical to the baseline: a noise reference must run at another layout "
+                              f"(e.g. --num_workers 1 --batch_size {base.config['global_batch_size']})")
 
 
 def _series(run: Run, key: str, num_steps: int) -> list[float]:

@@ -36,36 +36,41 @@ def save_figure(fig: Figure, path: str, flag: str = "--output") -> None:
 
 
 def curve_figure(c) -> Figure:
-    """Three panels sharing the step axis (a parity.comparing.curves.Comparison); a run keeps its colour."""
+    """The loss curves, then each curve's relative difference from the baseline inside its bound (the band:
+    NOISE_K × the noise when calibrated, the fixed tolerance otherwise), the first point outside marked. A
+    run keeps its colour in every panel (c: a parity.comparing.curves.Comparison)."""
+    from parity.comparing.noise import relative_diffs
+    from parity.comparing.tolerances import QUANTITIES
+
     base = label(c.baseline.name)
     steps = list(range(c.num_steps))
     colours = {run.name: f"C{i}" for i, run in enumerate(c.runs)}
-    fig = Figure(figsize=(10, 11), layout="constrained")
-    ax_loss, ax_diff, ax_grad = fig.subplots(3, 1, sharex=True)
-    fig.suptitle(f"{c.num_steps} steps against {c.baseline.label}: {c.word}")
-
+    fig = Figure(figsize=(10, 14), layout="constrained")
+    ax_loss, *ax_diffs = fig.subplots(1 + len(QUANTITIES), 1, sharex=True)
+    fig.suptitle(f"{c.num_steps} steps against {c.baseline.label}: {c.word}"
+                 + ("" if c.references else " (uncalibrated)"))
     for run in c.runs:
         ax_loss.plot(steps, c.series(run, "loss"), color=colours[run.name], label=run.label)
-        ax_grad.plot(steps, c.series(run, "grad_norm"), color=colours[run.name], label=run.label)
     ax_loss.set(title="Loss", ylabel="loss (nats)")
-    ax_grad.set(title="Gradient norm (before clipping)", ylabel="global L2 norm", xlabel="step")
-    ax_grad.xaxis.set_major_locator(MaxNLocator(integer=True))
 
-    base_losses = c.series(c.baseline, "loss")
-    for rtol in sorted({r.tolerance.loss for r in c.results}):
-        band = [rtol * abs(b) for b in base_losses]
-        ax_diff.fill_between(steps, [-x for x in band], band, color="0.85", label=f"tolerance ±{rtol:g}·|{base}|")
-    for r in c.results:
-        diffs = [x - b for x, b in zip(c.series(r.run, "loss"), base_losses)]
-        ax_diff.plot(steps, diffs, color=colours[r.run.name], label=r.run.label)
-        f = r.verdict.first_outside
-        if f:  # marked where it happened: on the loss difference, or on the grad norm
-            ax, y = (ax_diff, f.value - f.reference) if f.quantity == "loss" else (ax_grad, f.value)
-            ax.scatter([f.step], [y], color=colours[r.run.name], marker="x", zorder=3,
-                       label=f"{label(r.run.name)}: first step outside ({f.step}, {f.quantity})")
-    ax_diff.set(title=f"Loss difference from {base}", ylabel=f"loss − {base} loss")
-
-    for ax in (ax_loss, ax_diff, ax_grad):
+    titles = {"loss": "Loss", "grad_norm": "Gradient norm (before clipping)", "param_norm": "Parameter norm (after the step)"}
+    for ax, quantity in zip(ax_diffs, QUANTITIES):
+        base_series = c.series(c.baseline, quantity)
+        for bound in {tuple(r.bounds.per_step[quantity]) for r in c.results if quantity in r.bounds.per_step}:
+            kind = "noise band" if any(r.bounds.calibrated for r in c.results) else "tolerance"
+            ax.fill_between(steps, [-b for b in bound], bound, color="0.85", label=f"{kind} (bound)")
+        for r in c.results:
+            ax.plot(steps, relative_diffs(c.series(r.run, quantity), base_series), color=colours[r.run.name],
+                    label=r.run.label)
+            f = r.verdict.first_outside
+            if f and f.quantity == quantity:
+                y = (f.value - f.reference) / abs(f.reference) if f.test == "step" else 0.0
+                ax.scatter([f.step], [y], color=colours[r.run.name], marker="x", zorder=3,
+                           label=f"{label(r.run.name)}: first outside ({f.step}, {f.test})")
+        ax.set(title=f"{titles[quantity]}: relative difference from {base}", ylabel=f"(x − {base}) / |{base}|")
+    ax_diffs[-1].set(xlabel="step")
+    ax_diffs[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (ax_loss, *ax_diffs):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     return fig

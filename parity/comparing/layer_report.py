@@ -21,11 +21,12 @@ def console_summary(dumps: dict[str, Dump], results: list[PairResult]) -> str:
     lines.append("")
     for r in results:
         head = f"{dumps[r.a].label} vs {dumps[r.b].label}: {r.verdict.word}"
-        detail = "bit-identical" if r.bit_identical else f"max relative diff {r.max_rel:.3e} (tolerance {r.tolerance:.0e})"
+        detail = "bit-identical" if r.bit_identical else f"max relative diff {r.max_rel:.3e} ({_tolerance_words(r)})"
         lines.append(f"{head} — {detail}")
         fd = r.verdict.first_outside
         if fd:
-            lines.append(f"  first divergence: {fd.module} ({fd.quantity}), relative diff {fd.rel_diff:.3e}")
+            lines.append(f"  first divergence: {fd.module} ({fd.quantity}), relative diff {fd.rel_diff:.3e} > "
+                         f"{fd.tolerance:.2e}")
     return "\n".join(lines)
 
 
@@ -55,16 +56,24 @@ def markdown(dumps: dict[str, Dump], results: list[PairResult], heatmap_name: st
             out.append(f"| {key.split('/', 1)[1]} | " + " | ".join(norms) + " |")
     for r in results:
         out += ["", f"## {dumps[r.a].label} vs {dumps[r.b].label}: {r.verdict.word}", "",
-                f"Tolerance {r.tolerance:.0e} (relative to each tensor's max |value|); "
+                f"{_tolerance_words(r).capitalize()}, relative to each tensor's max |value|; "
                 + ("**bit-identical**." if r.bit_identical else f"max relative diff {r.max_rel:.3e}.")]
         fd = r.verdict.first_outside
         if fd:
-            out.append(f"First divergence: **{fd.module}** ({fd.quantity}), relative diff {fd.rel_diff:.3e}.")
-        out += ["", "| Tensor | Norm (run) | Norm (reference) | Max abs diff | Relative diff |", "|---|---|---|---|---|"]
-        out += [f"| {row.key} | {row.norm_a:.4f} | {row.norm_b:.4f} | {row.max_abs:.2e} | {row.rel:.2e} |"
-                for row in r.rows]
+            out.append(f"First divergence: **{fd.module}** ({fd.quantity}), relative diff {fd.rel_diff:.3e} > "
+                       f"{fd.tolerance:.2e}.")
+        out += ["", "| Tensor | Norm (run) | Norm (reference) | Max abs diff | Relative diff | Tolerance |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {row.key} | {row.norm_a:.4f} | {row.norm_b:.4f} | {row.max_abs:.2e} | {row.rel:.2e} | "
+                f"{(r.tolerance[row.key] if isinstance(r.tolerance, dict) else r.tolerance):.2e} |" for row in r.rows]
     out += ["", f"![heatmap]({heatmap_name})", ""]
     return "\n".join(out)
+
+
+def _tolerance_words(r: PairResult) -> str:
+    if isinstance(r.tolerance, dict):
+        return r.verdict.tolerance_source
+    return f"tolerance {r.tolerance:.0e}, {r.verdict.tolerance_source}"
 
 
 def write_outputs(input_dir: str, dumps: dict[str, Dump], results: list[PairResult], heatmap_path: str) -> list[str]:

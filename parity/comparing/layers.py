@@ -71,7 +71,7 @@ class PairResult:
 
     a: str
     b: str
-    tolerance: float
+    tolerance: float | dict[str, float]  # one for every tensor, or per tensor (calibrated)
     rows: list[Row]
     bit_identical: bool
     loss_a: float
@@ -83,26 +83,52 @@ class PairResult:
         return max(r.rel for r in self.rows)
 
 
+REFERENCE_STEM = "noise_reference_ddp"  # DDP's step again in fp32: how far bf16 rounding moves each tensor
+
+
 def load_dumps(input_dir: str) -> dict[str, Dump]:
     """Every dump_<strategy> of the folder; ConfigError if they are not dumps of the same step."""
-    from safetensors.torch import load_file
-
     metas = sorted(glob.glob(os.path.join(input_dir, "dump_*.json")))
     if not metas:
         raise ConfigError(f"{input_dir} holds no dump_*.json: run run_verification.py --output_dir {input_dir} first")
     dumps = {}
     for meta_path in metas:
-        tensor_path = meta_path[: -len(".json")] + ".safetensors"
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-            tensors = load_file(tensor_path)
-        except (OSError, ValueError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{os.path.basename(meta_path)} or its tensors cannot be read "
-                              f"({type(exc).__name__}: {exc}): rerun that strategy") from None
-        dumps[meta["strategy"]] = Dump(meta["strategy"], meta, tensors)
-    first = next(iter(dumps.values()))
-    for dump in dumps.values():
+        dump = _read_dump(meta_path)
+        dumps[dump.strategy] = dump
+    _check_same_step(list(dumps.values()))
+    return dumps
+
+
+def load_noise_reference(input_dir: str, dumps: dict[str, Dump]) -> Dump | None:
+    """The folder's noise reference (DDP's step in fp32), checked against the dumps; None if there is none."""
+    meta_path = os.path.join(input_dir, REFERENCE_STEM + ".json")
+    if not os.path.exists(meta_path):
+        return None
+    reference = _read_dump(meta_path)
+    _check_same_step([*dumps.values(), reference])
+    if reference.meta["precision"] != "fp32":
+        raise ConfigError(f"{REFERENCE_STEM}.json is {reference.meta['precision']}: the layer check's noise reference "
+                          f"is DDP's step in fp32; delete it and rerun run_verification.py")
+    return reference
+
+
+def _read_dump(meta_path: str) -> Dump:
+    from safetensors.torch import load_file
+
+    tensor_path = meta_path[: -len(".json")] + ".safetensors"
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        tensors = load_file(tensor_path)
+    except (OSError, ValueError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{os.path.basename(meta_path)} or its tensors cannot be read "
+                          f"({type(exc).__name__}: {exc}): rerun that strategy") from None
+    return Dump(meta["strategy"], meta, tensors)
+
+
+def _check_same_step(dumps: list[Dump]) -> None:
+    first = dumps[0]
+    for dump in dumps:
         for key, what in (("inputs_sha256", "inputs"), ("init_weights_sha256", "initial weights"),
                           ("model_config", "model config"), ("learning_rate", "learning rate")):
             if dump.meta[key] != first.meta[key]:
@@ -111,15 +137,35 @@ def load_dumps(input_dir: str) -> dict[str, Dump]:
         if dump.meta["dp_size"] != first.meta["dp_size"]:
             raise ConfigError(f"dumps from different DP sizes: {first.strategy} has dp={first.meta['dp_size']}, "
                               f"{dump.strategy} dp={dump.meta['dp_size']}; rerun with one --dp_size")
-    return dumps
 
 
-def tolerance_for(a: Dump, b: Dump, override: float | None = None) -> tuple[float, str]:
-    """(tolerance, where it came from): the override, else the looser precision's."""
+def tolerance_for(a: Dump, b: Dump, override: float | None = None,
+                  noise: dict[str, float] | None = None) -> tuple[float | dict[str, float], str]:
+    """(tolerance, where it came from): the override; else, for a bf16 pair with the noise reference's
+    per-tensor noise, LAYER_NOISE_K × that noise (never below the fp32 tolerance); else the looser
+    precision's fixed tolerance (uncalibrated)."""
     if override is not None:
         return override, "--tolerance"
     looser = tolerances.looser_precision(a.meta["precision"], b.meta["precision"])
-    return tolerances.LAYERS[looser], f"precision {looser}"
+    if looser == "bf16" and noise is not None:
+        # An updated parameter may also differ by two AdamW steps (±lr each) where rounding flips the sign of
+        # a noise-level gradient: a difference the fp32 reference cannot show.
+        flip = {k: tolerances.ADAM_SIGN_FLIP * a.meta["learning_rate"] / scale
+                for k, scale in tensor_scales(a).items() if k.startswith("param/")}
+        return ({key: max(tolerances.LAYER_NOISE_K * n, flip.get(key, 0.0), tolerances.LAYERS["fp32"])
+                 for key, n in noise.items()},
+                f"calibrated: {tolerances.LAYER_NOISE_K} × each tensor's bf16 rounding ({REFERENCE_STEM})")
+    why = "no noise reference" if looser == "bf16" else "fp32"
+    return tolerances.LAYERS[looser], f"the fixed {looser} tolerance ({why})"
+
+
+def rounding_noise(reference: Dump, dumps: dict[str, Dump]) -> dict[str, float] | None:
+    """Per tensor: how far bf16 rounding moves it — DDP's bf16 dump against DDP's fp32 step, by the same
+    measure the pairs are compared with. None without a DDP bf16 dump to measure it on."""
+    ddp = dumps.get("ddp")
+    if reference is None or ddp is None or ddp.meta["precision"] != "bf16":
+        return None
+    return {row.key: row.rel for row in compare_pair(ddp, reference, 1.0).rows}
 
 
 def execution_order(dump: Dump) -> list[str]:
@@ -131,15 +177,24 @@ def execution_order(dump: Dump) -> list[str]:
     return [k for k in keys if k in dump.tensors]
 
 
-def compare_pair(a: Dump, b: Dump, tolerance: float, source: str = "") -> PairResult:
+def tensor_scales(dump: Dump) -> dict[str, float]:
+    """What each tensor's difference is measured against: its own max |value|, or for a tensor far below the
+    rest of its kind, SCALE_FLOOR of the kind's largest max |value|."""
+    keys = execution_order(dump)
+    largest = {kind: max((float(dump.tensors[k].abs().max()) for k in keys if k.startswith(kind + "/")), default=0.0)
+               for kind in KINDS}
+    return {k: max(float(dump.tensors[k].abs().max()) if dump.tensors[k].numel() else 0.0,
+                   SCALE_FLOOR[k.split("/", 1)[0]] * largest[k.split("/", 1)[0]], 1e-30) for k in keys}
+
+
+def compare_pair(a: Dump, b: Dump, tolerance: float | dict[str, float], source: str = "") -> PairResult:
     """Compare run `a` against reference `b` (b is the earlier of the pair: DDP first)."""
     keys = execution_order(b)
     missing = [k for k in keys if k not in a.tensors]
     if missing:
         raise ConfigError(f"dump of {a.strategy} lacks {missing[0]} that {b.strategy} has "
                           f"({len(missing)} tensors): rerun both with the same version of the harness")
-    scale = {kind: max((float(b.tensors[k].abs().max()) for k in keys if k.startswith(kind + "/")), default=0.0)
-             for kind in KINDS}
+    scales = tensor_scales(b)
     rows, first = [], None
     for key in keys:
         kind, name = key.split("/", 1)
@@ -148,11 +203,11 @@ def compare_pair(a: Dump, b: Dump, tolerance: float, source: str = "") -> PairRe
             raise ConfigError(f"{key} has shape {tuple(ta.shape)} in {a.strategy} and {tuple(tb.shape)} in "
                               f"{b.strategy}: a strategy did not gather it to full size")
         max_abs = float((ta - tb).abs().max()) if ta.numel() else 0.0
-        denom = max(float(tb.abs().max()) if tb.numel() else 0.0, SCALE_FLOOR[kind] * scale[kind], 1e-30)
-        row = Row(key, kind, name, float(ta.norm()), float(tb.norm()), max_abs, max_abs / denom)
+        row = Row(key, kind, name, float(ta.norm()), float(tb.norm()), max_abs, max_abs / scales[key])
         rows.append(row)
-        if first is None and not row.rel <= tolerance:  # NaN is a divergence too
-            first = Outside(quantity=PHASES[kind], rel_diff=row.rel, tolerance=tolerance, module=name)
+        bound = tolerance[key] if isinstance(tolerance, dict) else tolerance
+        if first is None and not row.rel <= bound:  # NaN is a divergence too
+            first = Outside(quantity=PHASES[kind], rel_diff=row.rel, tolerance=bound, module=name)
     worst = {kind: max((r.rel for r in rows if r.kind == kind), default=0.0) for kind in KINDS}
     return PairResult(a=a.strategy, b=b.strategy, tolerance=tolerance, rows=rows,
                       bit_identical=all(r.max_abs == 0 for r in rows) and a.meta["loss"] == b.meta["loss"],
@@ -160,22 +215,25 @@ def compare_pair(a: Dump, b: Dump, tolerance: float, source: str = "") -> PairRe
                       verdict=Verdict(a.strategy, b.strategy, source, worst, first))
 
 
-def compare_all(dumps: dict[str, Dump], override: float | None = None) -> list[PairResult]:
+def compare_all(dumps: dict[str, Dump], override: float | None = None, reference: Dump | None = None) -> list[PairResult]:
     if len(dumps) < 2:
         raise ConfigError(f"only {', '.join(dumps)} has a dump: a comparison needs two strategies")
     known = [s for s in NAMES if s in dumps]
     pairs = [(x, y) for x, y in PAIR_ORDER if x in dumps and y in dumps]
     pairs += [(x, y) for i, x in enumerate(known) for y in known[i + 1:] if (x, y) not in pairs]
-    return [compare_pair(dumps[y], dumps[x], *tolerance_for(dumps[x], dumps[y], override)) for x, y in pairs]
+    noise = rounding_noise(reference, dumps)
+    return [compare_pair(dumps[y], dumps[x], *tolerance_for(dumps[x], dumps[y], override, noise)) for x, y in pairs]
 
 
 def summary_json(dumps: dict[str, Dump], results: list[PairResult]) -> dict:
     return {
         "runs": {s: {k: d.meta[k] for k in ("tp_size", "dp_size", "precision", "loss", "dp_rank_losses",
                                              "grad_norm", "perturbed")} for s, d in dumps.items()},
-        "pairs": [{**r.verdict.to_dict(), "tolerance": r.tolerance, "bit_identical": r.bit_identical,
+        "pairs": [{**r.verdict.to_dict(), "calibrated": isinstance(r.tolerance, dict), "bit_identical": r.bit_identical,
                    "max_rel": _finite(r.max_rel), "loss": r.loss_a, "reference_loss": r.loss_b,
-                   "rows": [{k: _finite(v) for k, v in asdict(row).items()} for row in r.rows]} for r in results],
+                   "rows": [{**{k: _finite(v) for k, v in asdict(row).items()},
+                             "tolerance": r.tolerance[row.key] if isinstance(r.tolerance, dict) else r.tolerance}
+                            for row in r.rows]} for r in results],
     }
 
 

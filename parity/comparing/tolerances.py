@@ -11,22 +11,54 @@ from dataclasses import dataclass
 from parity.errors import ConfigError
 
 
+QUANTITIES = ("loss", "grad_norm", "param_norm")
+"""The three curves a verdict holds, each at every step: the loss, the pre-clip gradient norm (AdamW is
+nearly scale-invariant, so a gradient reduced twice barely moves the loss but moves the norm) and the
+parameter norm after the step (weight decay or a scaled lr move it steadily while rounding barely does)."""
+
+
 @dataclass(frozen=True)
 class Tolerance:
-    """Per-step relative tolerances on the two curves a verdict holds: the loss and the pre-clip grad norm."""
+    """A relative tolerance per curve."""
 
     loss: float
     grad_norm: float
+    param_norm: float | None = None  # None: not judged
 
-    def of(self, quantity: str) -> float:
-        return self.loss if quantity == "loss" else self.grad_norm
+    def of(self, quantity: str) -> float | None:
+        return getattr(self, quantity)
 
 
-CURVES = {"fp32": Tolerance(loss=1e-5, grad_norm=1e-5), "bf16": Tolerance(loss=3e-2, grad_norm=1e-1)}
-"""Loss-curve verdict (plot_loss_curves.py), by precision."""
+CURVES = {"fp32": Tolerance(loss=1e-5, grad_norm=1e-5, param_norm=1e-5),
+          "bf16": Tolerance(loss=3e-2, grad_norm=1e-1, param_norm=1e-2)}
+"""Loss-curve verdict without a noise reference (uncalibrated), by precision: a fixed envelope per step."""
+
+NOISE_K = 20
+"""Calibrated verdict: a run may differ from the baseline by NOISE_K × the noise envelope at each step."""
+
+NOISE_SMOOTHING = 5
+"""The envelope at step s is the largest reference noise over steps s ± NOISE_SMOOTHING."""
+
+NOISE_FLOOR = {"fp32": Tolerance(loss=1e-8, grad_norm=1e-8, param_norm=1e-9),
+               "bf16": Tolerance(loss=1e-6, grad_norm=1e-5, param_norm=1e-7)}
+"""The envelope never goes below this (relative), by precision: reference runs can agree exactly at a step."""
+
+DRIFT_WINDOW, DRIFT_SAME_SIGN, DRIFT_K = 10, 9, 9
+"""Calibrated drift test: over any DRIFT_WINDOW consecutive steps in which at least DRIFT_SAME_SIGN
+differences from the baseline share a sign, their mean may be at most DRIFT_K × the window's mean envelope."""
 
 LAYERS = {"fp32": 1e-5, "bf16": 6e-2}
-"""Layer check (compare_dumps.py): max |a − b| over the tensor's scale, by precision."""
+"""Layer check (compare_dumps.py): max |a − b| over the tensor's scale, by precision; bf16 without a noise
+reference (uncalibrated)."""
+
+LAYER_NOISE_K = 5
+"""Calibrated layer check in bf16: a tensor may differ by LAYER_NOISE_K × how far bf16 rounding moves it
+(DDP's bf16 step against its fp32 step), never less than the fp32 tolerance."""
+
+ADAM_SIGN_FLIP = 2.5
+"""Calibrated layer check, updated parameters: also at least ADAM_SIGN_FLIP × lr over the tensor's scale. The
+first AdamW step moves every element by ±lr whatever its gradient's size, so where bf16 rounding flips the
+sign of a noise-level gradient two correct runs differ by 2 lr (2.5: with room for fp32 rounding)."""
 
 SHORT_RUN_BF16 = Tolerance(loss=1e-4, grad_norm=3e-3)
 """The strategy tests' 12-step bf16 runs (lr 1e-4) against DDP's bf16 run."""

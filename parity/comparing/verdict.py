@@ -22,6 +22,7 @@ class Outside:
     module: str | None = None  # layers: the module (or parameter) name
     value: float | None = None  # curves: the run's value at that step ...
     reference: float | None = None  # ... and the reference's
+    test: str | None = None  # curves: "step" (one step beyond its bound) or "drift" (a window's steady bias)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}

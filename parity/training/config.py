@@ -63,6 +63,10 @@ FLAGS = (
      {"help": "shared initial weights (.pt or .safetensors)"}),
     ("outputs", "save_init_weights", False,
      {"action": "store_true", "help": "initialise fresh weights and write them first"}),
+    ("outputs", "noise_reference", False,
+     {"action": "store_true", "help": "record this run as a noise reference of its strategy "
+                                      "(noise_reference_<strategy>_tp<T>_dp<D>.json): the baseline's strategy again at "
+                                      "another layout, from which plot_loss_curves.py calibrates its bounds"}),
     ("outputs", "final_checkpoint_dir", None,
      {"help": "Hugging Face-format model written at the end (default: <storage_path>/<name>/final_model)"}),
 )
@@ -126,6 +130,7 @@ class RunConfig:
     init_weights_path: str
     save_init_weights: bool
     final_checkpoint_dir: str
+    noise_reference: bool
     options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
     model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
 
@@ -204,7 +209,8 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
         s["tokenizer"] = default_tokenizer(s["model_name"])
     _absolute_paths(s)
     check_source(s["dataset"])
-    s["experiment_name"] = s["experiment_name"] or f"{strategy}_tp{s['tp_size']}_dp{s['dp_size']}"
+    s["experiment_name"] = s["experiment_name"] or (f"{strategy}_tp{s['tp_size']}_dp{s['dp_size']}"
+                                                    + ("_noise_reference" if s["noise_reference"] else ""))
     s["final_checkpoint_dir"] = s["final_checkpoint_dir"] or os.path.join(
         s["storage_path"], s["experiment_name"], "final_model")
 

@@ -23,8 +23,10 @@ INPUTS_FILE = "inputs.safetensors"
 PERTURBATION = 1e-3  # added to one TP shard by --perturb_param: far above fp32 noise, far below the weights
 
 
-def dump_paths(output_dir: str, strategy: str) -> tuple[str, str]:
-    stem = os.path.join(output_dir, f"dump_{strategy}")
+def dump_paths(output_dir: str, cfg: RunConfig) -> tuple[str, str]:
+    """dump_<strategy>.*, or noise_reference_<strategy>.* for a noise reference (the layer check's DDP step in
+    fp32, against which bf16 tolerances are calibrated)."""
+    stem = os.path.join(output_dir, f"{'noise_reference' if cfg.noise_reference else 'dump'}_{cfg.strategy}")
     return stem + ".safetensors", stem + ".json"
 
 
@@ -124,8 +126,7 @@ def layer_step_worker(payload: dict) -> None:
     from parity.training.strategy import causal_lm_loss
 
     w = start_worker(payload)
-    cfg, ctx, log, model_config, strategy, weights_sha = (w.cfg, w.ctx, w.log, w.model_config, w.strategy,
-                                                          w.weights_sha)
+    cfg, ctx, log, strategy = w.cfg, w.ctx, w.log, w.strategy
     output_dir = payload["output_dir"]
     if payload.get("perturb_param"):
         perturb_local_shard(strategy, payload["perturb_param"])
@@ -158,14 +159,14 @@ def layer_step_worker(payload: dict) -> None:
     tensors.update({f"param/{k}": v for k, v in params.items()})
 
     if ctx.is_logging_rank:
-        tensor_path, meta_path = dump_paths(output_dir, cfg.strategy)
+        tensor_path, meta_path = dump_paths(output_dir, cfg)
         with atomic_path(tensor_path) as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
         write_json_atomic(meta_path, {
             "strategy": cfg.strategy, "tp_size": cfg.tp_size, "dp_size": cfg.dp_size,
             "precision": cfg.precision, "options": cfg.options, "device_type": ctx.device.type,
-            "model_config": config_summary(model_config),
-            "init_weights_sha256": weights_sha, "inputs_sha256": file_sha256(inputs_path),
+            "model_config": config_summary(w.model_config),
+            "init_weights_sha256": w.weights_sha, "inputs_sha256": file_sha256(inputs_path),
             "learning_rate": cfg.learning_rate, "loss": sum(dp_losses) / len(dp_losses),
             "dp_rank_losses": dp_losses, "grad_norm": grad_norm, "perturbed": payload.get("perturb_param"),
             "forward_order": forward_order, "backward_order": recorder.backward_order})

@@ -25,7 +25,7 @@ from parity.training.config import RunConfig
 from parity.training.data import batch_hash, dp_slice
 from parity.training.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
                                    save_hf_checkpoint, save_init_weights)
-from parity.training.record import LossRecord, record_path
+from parity.training.record import LossRecord, run_record_path
 from parity.training.strategy import WorkerContext, causal_lm_loss, lr_at
 
 
@@ -41,28 +41,31 @@ class Worker:
     weights_sha: str
 
 
-def start_worker(payload: dict) -> Worker:
+def start_worker(payload: dict, strategy_cls=None) -> Worker:
     """What every worker does first, training or recording one step: [1] the model from the shared initial
-    weights, [2] wrapped by the strategy. The process group (gloo or NCCL) is already up."""
+    weights, [2] wrapped by the strategy (`strategy_cls` overrides the registry's: tests hand in a copy
+    with a bug in it). The process group (gloo or NCCL) is already up."""
     cfg = RunConfig.from_dict(payload["cfg"])
     ctx = worker_context(cfg)
     log = rank0_logger(cfg, ctx)
     model_config = model_config_from_dict(cfg.model_config)
     model, weights_sha = prepare_model(cfg, model_config, ctx, log)  # [1]
-    strategy = strategy_class(cfg.strategy)(cfg, ctx)
+    strategy = (strategy_cls or strategy_class(cfg.strategy))(cfg, ctx)
     strategy.setup(model)  # [2]
     return Worker(cfg, ctx, log, model_config, strategy, weights_sha)
 
 
 def train_worker(payload: dict) -> None:
     """Ray Train's train_loop_per_worker."""
-    w = start_worker(payload)
-    cfg, ctx, log, model_config, strategy, weights_sha = (w.cfg, w.ctx, w.log, w.model_config, w.strategy,
-                                                          w.weights_sha)
-    batches = payload["batches"]
+    train(start_worker(payload), payload["batches"])
+
+
+def train(w: Worker, batches) -> None:
+    """The loop, on every rank of the run's process group (Ray Train's, or a test's local gloo group)."""
+    cfg, ctx, log, strategy = w.cfg, w.ctx, w.log, w.strategy
     total_steps = cfg.debug_steps or cfg.num_epochs * batches.steps_per_epoch
-    record = LossRecord(record_path(cfg.loss_output_dir, cfg.strategy), cfg.strategy,
-                        run_description(cfg, ctx, model_config, weights_sha, batches, total_steps))
+    record = LossRecord(run_record_path(cfg), cfg.strategy,
+                        run_description(cfg, ctx, w.model_config, w.weights_sha, batches, total_steps))
     log(f"training {total_steps} steps: {batches.dataset.describe()}, global batch {cfg.global_batch_size} × "
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
 
@@ -77,7 +80,7 @@ def train_worker(payload: dict) -> None:
         if not math.isfinite(stats.loss):
             raise FloatingPointError(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
         record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [4]
-                      grad_norm=stats.grad_norm, lr=lr, tokens=global_batch.numel(),
+                      grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.numel(),
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
                       peak_memory_bytes=peak_memory_bytes(ctx.device))
         if (step + 1) % cfg.log_interval == 0 or step + 1 == total_steps:
@@ -91,7 +94,7 @@ def train_worker(payload: dict) -> None:
     final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [5]
     params = strategy.full_parameters()
     if ctx.is_logging_rank:
-        save_hf_checkpoint(params, model_config, cfg.final_checkpoint_dir)
+        save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir)
         record.finish(eval_loss_last_batch=final_loss, eval_batch_step=total_steps - 1,
                       checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started)
     log(f"done: loss record {record.path}, final model {cfg.final_checkpoint_dir}")
@@ -99,16 +102,18 @@ def train_worker(payload: dict) -> None:
 
 
 def worker_context(cfg: RunConfig) -> WorkerContext:
-    import ray.train
-    import ray.train.torch
-
+    """This process's place in the run, read from the process group (Ray Train's, or a local one)."""
     if cfg.cpus_per_worker:
         # Workers share the cores: one intra-op thread per whole CPU granted, never more than the grant.
         torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
-    context = ray.train.get_context()
-    device = ray.train.torch.get_device() if cfg.use_cuda else torch.device("cpu")
-    return WorkerContext(rank=context.get_world_rank(), world_size=context.get_world_size(),
-                         tp_size=cfg.tp_size, dp_size=cfg.dp_size, device=device)
+    if cfg.use_cuda:
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()  # the GPU Ray Train gave this worker
+    else:
+        device = torch.device("cpu")
+    return WorkerContext(rank=dist.get_rank(), world_size=dist.get_world_size(), tp_size=cfg.tp_size,
+                         dp_size=cfg.dp_size, device=device)
 
 
 def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log):

@@ -12,16 +12,28 @@ import os
 from parity.errors import RecordError
 from parity.storage import write_json_atomic
 
-SCHEMA_VERSION = 1
-STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "lr", "tokens", "batch_hash", "step_time_s",
+SCHEMA_VERSION = 2  # 2: every step has param_norm
+STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")
 # The config entries a comparison of two records relies on (parity/comparing/curves.py); the loop always writes them.
 CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",
                  "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 
 
+REFERENCE_GLOB = "noise_reference_*.json"
+
+
 def record_path(output_dir: str, strategy: str) -> str:
     return os.path.join(output_dir, f"loss_{strategy}.json")
+
+
+def run_record_path(cfg) -> str:
+    """Where a run writes its record: loss_<strategy>.json, or for a noise reference (a twin of the baseline,
+    one per layout) noise_reference_<strategy>_tp<T>_dp<D>.json."""
+    if cfg.noise_reference:
+        return os.path.join(cfg.loss_output_dir,
+                            f"noise_reference_{cfg.strategy}_tp{cfg.tp_size}_dp{cfg.dp_size}.json")
+    return record_path(cfg.loss_output_dir, cfg.strategy)
 
 
 class LossRecord:
@@ -65,6 +77,9 @@ def load_record(path: str) -> dict:
         if not isinstance(data.get(key), kind):
             raise RecordError(f"{name}: missing or invalid '{key}' (expected {kind.__name__}); "
                               f"not a loss record written by this harness")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise RecordError(f"{name}: schema version {data.get('schema_version')}, this harness reads "
+                          f"{SCHEMA_VERSION} (it records the parameter norm too): rerun that strategy")
     if not isinstance(data.get("complete"), bool):
         raise RecordError(f"{name}: missing or invalid 'complete' (expected true or false)")
     missing = [k for k in CONFIG_FIELDS if k not in data["config"]]
@@ -82,7 +97,7 @@ def load_record(path: str) -> dict:
             raise RecordError(f"{name}: steps[{i}] lacks {', '.join(missing)}")
         if step["step"] != i:
             raise RecordError(f"{name}: steps[{i}] is numbered {step['step']}; steps must be 0, 1, 2, ...")
-        for k in ("loss", "grad_norm", "lr"):
+        for k in ("loss", "grad_norm", "param_norm", "lr"):
             if not isinstance(step[k], (int, float)):
                 raise RecordError(f"{name}: steps[{i}].{k} is not a number")
         if not isinstance(step["tokens"], int):

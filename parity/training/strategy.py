@@ -44,6 +44,7 @@ class StepStats:
     loss: float  # mean token loss over the whole global batch, equal on all ranks
     dp_rank_losses: list[float]  # each DP rank's mean loss over its slice
     grad_norm: float  # global L2 norm of the gradients before clipping
+    param_norm: float  # global L2 norm of the parameters after the step
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -94,10 +95,15 @@ def clip_coefficient(total_norm: float, cfg) -> float:
     return min(1.0, cfg.max_grad_norm / (total_norm + 1e-6))
 
 
+def local_norm(tensors) -> float:
+    """The L2 norm of plain (unsharded) tensors taken together, accumulated in float64."""
+    return math.sqrt(float(sum(squared_norm_fp64(t) for t in tensors)))
+
+
 def clip_local_gradients(params, cfg) -> float:
     """Clip gradients that are plain (unsharded) tensors by their global norm; return that norm."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = math.sqrt(float(sum(squared_norm_fp64(g) for g in grads)))
+    norm = local_norm(grads)
     coef = clip_coefficient(norm, cfg)
     if coef < 1.0:
         torch._foreach_mul_(grads, coef)
@@ -157,6 +163,12 @@ class Strategy:
         """Clip to --max_grad_norm, step with `lr`, zero the gradients; return the pre-clip global norm."""
         raise NotImplementedError
 
+    def parameter_norm(self) -> float:
+        """The global L2 norm of the parameters (the master weights the optimizer updates), each element
+        once, accumulated in float64: a third curve beside loss and grad norm, because optimizer bugs
+        (weight decay, a scaled lr) move it steadily while bf16 rounding barely does. Collective."""
+        raise NotImplementedError
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter at full size on the CPU in fp32, under Hugging Face names (a stock model's
         `named_parameters()`, so a tied lm_head appears once, as model.embed_tokens.weight). Collective:
@@ -175,7 +187,8 @@ class Strategy:
         self.backward(loss)
         grad_norm = self.optimizer_step(lr)
         dp_losses = self.gather_dp_losses(loss.detach())
-        return StepStats(loss=sum(dp_losses) / len(dp_losses), dp_rank_losses=dp_losses, grad_norm=float(grad_norm))
+        return StepStats(loss=sum(dp_losses) / len(dp_losses), dp_rank_losses=dp_losses, grad_norm=float(grad_norm),
+                         param_norm=self.parameter_norm())
 
     def gather_dp_losses(self, loss: torch.Tensor) -> list[float]:
         return [float(x) for x in self.gather_dp(loss)]

@@ -1,0 +1,86 @@
+"""What a correct run may show: bounds per curve and step, fixed (uncalibrated) or measured from the runs
+themselves (calibrated), and the drift test.
+
+A noise reference is the baseline's strategy trained again at a layout that is mathematically the same and
+numerically different — DDP on one worker with the whole global batch, DDP with one sample per worker —
+recorded with --noise_reference. Its per-step distance from the baseline is how far correct runs drift
+apart at this precision, model, data, learning rate and hardware. The envelope is the largest distance of
+any reference over steps s ± NOISE_SMOOTHING, never below a floor; a run may differ from the baseline by
+NOISE_K × the envelope. Why twins, why two of them, and why K = 20: docs/tolerances.md.
+
+The per-step test misses a small steady bias (a weight decay nobody asked for) that stays inside the
+envelope at every step, so the drift test looks at windows of steps whose differences keep one sign.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parity.comparing.tolerances import (DRIFT_K, DRIFT_SAME_SIGN, DRIFT_WINDOW, NOISE_FLOOR, NOISE_K,
+                                         NOISE_SMOOTHING, QUANTITIES, Tolerance)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The largest |run − baseline| / |baseline| a correct run may show, per curve and step."""
+
+    per_step: dict[str, list[float]]  # quantity → bound at each step (a quantity without bounds is not judged)
+    source: str  # where the bounds came from, in words
+    envelope: dict[str, list[float]] | None = None  # calibrated: the noise envelope per step (before NOISE_K)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.envelope is not None
+
+
+def fixed_bounds(tolerance: Tolerance, num_steps: int, source: str) -> Bounds:
+    """The same tolerance at every step (the uncalibrated table, or the user's --tolerance)."""
+    return Bounds({q: [tolerance.of(q)] * num_steps for q in QUANTITIES if tolerance.of(q) is not None}, source)
+
+
+def calibrated_bounds(baseline: dict[str, list[float]], references: list[dict[str, list[float]]], precision: str,
+                      source: str) -> Bounds:
+    """NOISE_K × the envelope of the references' distance from the baseline (series per quantity)."""
+    envelope = {q: noise_envelope(baseline[q], [r[q] for r in references], NOISE_FLOOR[precision].of(q))
+                for q in QUANTITIES}
+    return Bounds({q: [NOISE_K * e for e in envelope[q]] for q in QUANTITIES}, source, envelope)
+
+
+def relative_diffs(series: list[float], baseline: list[float]) -> list[float]:
+    """(x − baseline) / |baseline| per step, signed (inf where the baseline is 0 and x is not)."""
+    return [(x - b) / abs(b) if b else (0.0 if x == b else float("inf")) for x, b in zip(series, baseline)]
+
+
+def noise_envelope(baseline: list[float], references: list[list[float]], floor: float) -> list[float]:
+    """Per step: the largest |reference − baseline| / |baseline| of any reference over steps s ± NOISE_SMOOTHING,
+    at least `floor`."""
+    raw = [max(abs(d) for d in ds) for ds in zip(*(relative_diffs(r, baseline) for r in references))]
+    n = len(raw)
+    return [max(floor, *raw[max(0, s - NOISE_SMOOTHING):min(n, s + NOISE_SMOOTHING + 1)]) for s in range(n)]
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A window of steps whose differences from the baseline keep one sign, with a mean beyond its bound."""
+
+    last_step: int
+    mean_rel_diff: float
+    bound: float
+
+
+def first_drift(rel_diffs: list[float], envelope: list[float]) -> Drift | None:
+    """The first window (by its last step) of DRIFT_WINDOW steps in which at least DRIFT_SAME_SIGN
+    differences share a sign and |their mean| exceeds DRIFT_K × the window's mean envelope."""
+    for end in range(DRIFT_WINDOW, len(rel_diffs) + 1):
+        window = rel_diffs[end - DRIFT_WINDOW:end]
+        same_sign = max(sum(d > 0 for d in window), sum(d < 0 for d in window))
+        mean = sum(window) / DRIFT_WINDOW
+        bound = DRIFT_K * sum(envelope[end - DRIFT_WINDOW:end]) / DRIFT_WINDOW
+        if same_sign >= DRIFT_SAME_SIGN and not abs(mean) <= bound:
+            return Drift(end - 1, mean, bound)
+    return None
+
+
+def noise_ratio(rel_diffs: list[float], envelope: list[float]) -> float:
+    """Deviation ÷ noise: the worst step's |difference| over the envelope at that step."""
+    return max(abs(d) / e for d, e in zip(rel_diffs, envelope))
