@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 
@@ -15,6 +16,7 @@ from parity.errors import ConfigError
 def atomic_path(path: str):
     """Yield a temporary path beside `path`; on success it is fsynced and renamed over `path`."""
     directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -34,18 +36,42 @@ def write_text_atomic(path: str, text: str) -> None:
             f.write(text)
 
 
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def json_safe(data):
+    """`data` with every non-finite float spelled as a string ("NaN", "Infinity", "-Infinity"): JSON has no
+    such numbers, and Python's own NaN token makes a file other readers reject."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return "NaN" if math.isnan(data) else "Infinity" if data > 0 else "-Infinity"
+    if isinstance(data, dict):
+        return {k: json_safe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(v) for v in data]
+    return data
+
+
 def write_json_atomic(path: str, data) -> None:
-    write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+    write_text_atomic(path, json.dumps(json_safe(data), indent=1, allow_nan=False) + "\n")
 
 
 def check_writable_dir(flag: str, path: str) -> None:
-    """Create the directory if needed and prove a file can be written there, before any worker runs."""
+    """Prove, before any worker runs, that `path` is a directory that exists or can be made, and that a file
+    can be written where it would be made — without creating anything (bad input must leave no trace)."""
     if "://" in path:  # remote storage (s3://, gs://): Ray Train checks it itself
         return
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path} is not a writable directory ({exc.strerror}): "
-                          f"choose a directory you can write to") from None
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    problem = None
+    if not os.path.isdir(existing):
+        problem = f"{existing} is a file" if existing != os.path.abspath(path) else "it is a file"
+    else:
+        try:
+            with tempfile.NamedTemporaryFile(dir=existing, prefix=".write_test_"):
+                pass
+        except OSError as exc:
+            problem = f"{exc.strerror} in {existing}"
+    if problem:
+        raise ConfigError(f"{flag} {path} is not a writable directory ({problem}): choose a directory you can "
+                          f"write to")

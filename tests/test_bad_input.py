@@ -1,84 +1,314 @@
-"""Bad input → one line naming the problem and the fix, exit 2, before any worker (or Ray) starts."""
+"""Every entry point's bad input, as a new user types it: exit 2, one `error: …` line that names the flag or
+file and the fix, no traceback, nothing written or overwritten, and fast (no worker, no Ray).
 
+Each case runs the command's own main in this process (what its script runs, argv and environment
+included), so a traceback would fail the test; the scripts themselves, as processes, are run for one case
+each, and for the unreachable cluster, which must fail in seconds rather than Ray's minutes.
+"""
+
+from __future__ import annotations
+
+import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import REPO, to_argv
-from parity.errors import ConfigError
-from parity.training.config import resolve
+from conftest import REPO
+
+SAVED_WEIGHTS = "w.pt"  # made by `workspace` for the cases that need a valid file
 
 
-def flags(tmp_path, weights, **over):
-    return {"model_name": "qwen2-tiny", "num_workers": 2, "seq_length": 64, "init_weights_path": weights,
-            "loss_output_dir": tmp_path / "loss", "storage_path": tmp_path / "ray", **over}
+@pytest.fixture
+def workspace(tmp_path, tiny_weights):
+    """A user's folder: valid weights, an earlier run's record (must survive), a file where a folder is asked."""
+    import shutil
+
+    shutil.copy(tiny_weights, tmp_path / SAVED_WEIGHTS)
+    (tmp_path / "loss").mkdir()
+    (tmp_path / "loss" / "loss_ddp.json").write_text('{"earlier": "run"}')
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "no_config_dir").mkdir()
+    (tmp_path / "text.pt").write_text("hello, not weights")
+    (tmp_path / "truncated.pt").write_bytes((tmp_path / SAVED_WEIGHTS).read_bytes()[:100_000])
+    (tmp_path / "tiny.txt").write_text("too short")
+    return tmp_path
 
 
+def train_flags(**over) -> list[str]:
+    base = {"model_name": "qwen2-tiny", "seq_length": 64, "init_weights_path": "{d}/w.pt",
+            "loss_output_dir": "{d}/loss", "storage_path": "{d}/ray", "debug_steps": 2}
+    argv = []
+    for key, value in {**base, **over}.items():
+        if value is None:
+            continue
+        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return argv
+
+
+def records(d) -> list[str]:
+    """A folder with a DDP and an FSDP record, for plot_loss_curves cases (written by the harness's writer)."""
+    from test_compare import DDP_LOSS, write_record
+
+    write_record(d / "curves", "ddp", DDP_LOSS)
+    write_record(d / "curves", "fsdp", DDP_LOSS)
+    return ["--input_dir", f"{d}/curves", "--output", f"{d}/curves/c.png"]
+
+
+def edit_record(d, edit) -> list[str]:
+    argv = records(d)
+    path = d / "curves" / "loss_fsdp.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return argv
+
+
+def dumps(d, edit) -> list[str]:
+    """A layer-check folder with two dumps, the second damaged by `edit(meta_path, tensor_path)`."""
+    folder = d / "verify"
+    folder.mkdir()
+    for strategy in ("ddp", "fsdp"):
+        valid_dump_meta(folder / f"dump_{strategy}.json", folder / f"dump_{strategy}.safetensors", strategy=strategy)
+    edit(folder / "dump_fsdp.json", folder / "dump_fsdp.safetensors")
+    return ["--input_dir", str(folder)]
+
+
+def valid_dump_meta(meta_path, tensor_path, meta=None, strategy="fsdp"):
+    import torch
+    from safetensors.torch import save_file
+
+    from parity.comparing.layers import META_KEYS
+
+    meta_path.write_text(json.dumps(meta if meta is not None else {**{k: 1 for k in META_KEYS}, "strategy": strategy}))
+    save_file({"output/x": torch.zeros(1)}, str(tensor_path))
+
+
+# (id, command, argv (with {d} for the workspace), environment, the one line expected on stderr as a regex)
 CASES = [
-    ({"num_workers": 3, "dp_size": 2}, r"--num_workers 3 ≠ --tp_size 1 × --dp_size 2: pass --num_workers 2"),
-    ({"num_workers": 3, "tp_size": 2}, r"--num_workers 3 is not a multiple of --tp_size 2"),
-    ({"num_workers": 3, "tp_size": 3}, r"--tp_size 3 does not divide the model's KV-head count \(2\): use a tp_size in \[1, 2\]"),
-    ({"num_workers": 2, "tp_size": 2}, r"DDP does not shard tensors: --tp_size must be 1 \(got 2\)"),
-    ({"batch_size": 0}, r"--batch_size must be a positive integer \(got 0\)"),
-    ({"num_workers": -1}, r"--num_workers must be a positive integer \(got -1\)"),
-    ({"debug_steps": 0}, r"--debug_steps must be a positive integer \(got 0\)"),
-    ({"seq_length": 5000}, r"--seq_length 5000 is above the model's max_position_embeddings \(4096\)"),
-    ({"model_name": "nobody/no-such-model"}, r"unknown model 'nobody/no-such-model': not a built-in preset"),
-    ({"num_layers": 3}, r"has 2 layers, run asks for 3: pass --num_layers 2"),
-    ({"learning_rate": -1}, r"--learning_rate must be positive \(got -1.0\)"),
-    ({"precision": "fp32", "autocast": True}, r"--autocast asks for bf16 but --precision fp32"),
-    ({"dataset": "text:/no/such/file.txt"}, r"no such file /no/such/file.txt"),
+    # --- train_ddp.py -------------------------------------------------------------------------------------
+    ("layout", "ddp", train_flags(num_workers=3, dp_size=2), {},
+     r"--num_workers 3 ≠ --tp_size 1 × --dp_size 2: pass --num_workers 2 or change tp/dp"),
+    ("ddp tp", "ddp", train_flags(tp_size=2), {}, r"DDP does not shard tensors: --tp_size must be 1 \(got 2\); use "),
+    ("batch 0", "ddp", train_flags(batch_size=0), {}, r"--batch_size must be a positive integer \(got 0\)"),
+    ("seq 1", "ddp", train_flags(seq_length=1), {}, r"--seq_length must be an integer >= 2 \(got 1\)"),
+    ("seq long", "ddp", train_flags(seq_length=5000), {},
+     r"--seq_length 5000 is above the model's max_position_embeddings \(4096\): use a shorter sequence"),
+    ("steps 0", "ddp", train_flags(debug_steps=0), {}, r"--debug_steps must be a positive integer \(got 0\)"),
+    ("seed", "ddp", train_flags(seed=-1), {}, r"--seed must be an integer >= 0 \(got -1\)"),
+    ("lr nan", "ddp", train_flags(learning_rate="nan"), {}, r"--learning_rate must be a positive number \(got nan\)"),
+    ("lr neg", "ddp", train_flags(learning_rate=-1), {}, r"--learning_rate must be a positive number \(got -1.0\)"),
+    ("clip nan", "ddp", train_flags(max_grad_norm="nan"), {}, r"--max_grad_norm must be 0 \(off\) or positive \(got nan\)"),
+    ("clip inf", "ddp", train_flags(max_grad_norm="inf"), {}, r"--max_grad_norm must be 0 \(off\) or positive \(got inf\)"),
+    ("beta1", "ddp", train_flags(adam_beta1=1.5), {}, r"--adam_beta1 must be in \[0, 1\) \(got 1.5\)"),
+    ("beta2", "ddp", train_flags(adam_beta2=1.0), {}, r"--adam_beta2 must be in \[0, 1\) \(got 1.0\)"),
+    ("wd", "ddp", train_flags(weight_decay=-1), {}, r"--weight_decay must be 0 or positive \(got -1.0\)"),
+    ("eps", "ddp", train_flags(adam_epsilon=0), {}, r"--adam_epsilon must be a positive number \(got 0.0\)"),
+    ("warmup", "ddp", train_flags(warmup_steps=-1), {}, r"--warmup_steps must be an integer >= 0 \(got -1\)"),
+    ("samples", "ddp", train_flags(num_samples=0), {}, r"--num_samples must be a positive integer \(got 0\)"),
+    ("log", "ddp", train_flags(log_interval=0), {}, r"--log_interval must be a positive integer \(got 0\)"),
+    ("not int", "ddp", train_flags(num_workers="abc"), {},
+     r"argument --num_workers: invalid int value: 'abc' \(see --help\)"),
+    ("precision", "ddp", train_flags(precision="fp16"), {},
+     r"argument --precision: invalid choice: 'fp16' \(choose from 'auto', 'fp32', 'bf16'\) \(see --help\)"),
+    ("unknown flag", "ddp", train_flags(bogus=1), {}, r"unrecognized arguments: --bogus 1 \(see --help\)"),
+    ("cuda", "ddp", train_flags(device="cuda"), {},
+     r"--device cuda needs 2 GPUs \(one per worker\), the Ray cluster has 0: use --device cpu or fewer workers"),
+    ("autocast fp32", "ddp", train_flags(autocast=True, precision="fp32"), {},
+     r"--autocast asks for bf16 but --precision fp32 was also given: pass only one of them"),
+    ("hub model", "ddp", train_flags(model_name="nobody/no-such-model"), {},
+     r"unknown model 'nobody/no-such-model': not a built-in preset .* use a preset or a local directory"),
+    ("model dir", "ddp", train_flags(model_name="{d}/no_config_dir"), {},
+     r"--model_name .*/no_config_dir is a directory without config.json: point it at a Hugging Face model directory"),
+    ("layers", "ddp", train_flags(num_layers=3), {}, r"has 2 layers, run asks for 3: pass --num_layers 2"),
+    ("weights missing", "ddp", train_flags(init_weights_path="{d}/nope.pt"), {},
+     r"init weights file .*/nope.pt does not exist: run train_ddp.py with --save_init_weights first"),
+    ("weights dir", "ddp", train_flags(init_weights_path="{d}"), {},
+     r"init weights file .* is a directory: give the weights file's path \(e.g. .*/init_weights.pt\)"),
+    ("weights text", "ddp", train_flags(init_weights_path="{d}/text.pt"), {},
+     r"text.pt is not a PyTorch weights file \(torch.save writes a zip archive; this is not one\): recreate it"),
+    ("weights truncated", "ddp", train_flags(init_weights_path="{d}/truncated.pt"), {},
+     r"truncated.pt is truncated or corrupt \(its torch.save archive is incomplete\): recreate it with"),
+    ("save into dir", "ddp", train_flags(init_weights_path="{d}/loss", save_init_weights=True), {},
+     r"--init_weights_path .*/loss is a directory: give the file to write \(e.g. .*/loss/init_weights.pt\)"),
+    ("loss dir", "ddp", train_flags(loss_output_dir="{d}/a_file/loss"), {},
+     r"--loss_output_dir .*a_file/loss is not a writable directory \(.*a_file is a file\): choose a directory"),
+    ("storage", "ddp", train_flags(storage_path="{d}/a_file"), {},
+     r"--storage_path .*a_file is not a writable directory \(it is a file\): choose a directory you can write to"),
+    ("final dir", "ddp", train_flags(final_checkpoint_dir="{d}/a_file/final"), {},
+     r"--final_checkpoint_dir's parent .*a_file is not a writable directory \(it is a file\)"),
+    ("text missing", "ddp", train_flags(dataset="text:{d}/none.txt"), {},
+     r"--dataset text:.*none.txt: no such file .*none.txt: give the path of a UTF-8 text file"),
+    ("dataset name", "ddp", train_flags(dataset="imagenet"), {},
+     r"--dataset imagenet is not known: use synthetic, wikitext or text:PATH"),
+    ("text small", "ddp", train_flags(dataset="text:{d}/tiny.txt", tokenizer="bytes"), {},
+     r"holds fewer samples than one global batch \(4\): use more data, a shorter --seq_length or a smaller batch"),
+    ("tokenizer", "ddp", train_flags(dataset="text:{d}/tiny.txt", tokenizer="nobody/tok"), {},
+     r"tokenizer nobody/tok could not be loaded \(.*\): pass --tokenizer bytes or a local tokenizer directory"),
+    # --- train_deepspeed.py / train_fsdp.py --------------------------------------------------------------
+    ("zero 0", "deepspeed", train_flags(num_workers=4, tp_size=2, zero_stage=0), {},
+     r"--zero_stage 0: DeepSpeed runs without ZeRO there .* use --zero_stage 1"),
+    ("zero 4", "deepspeed", train_flags(num_workers=4, tp_size=2, zero_stage=4), {},
+     r"argument --zero_stage: invalid choice: 4 \(choose from 0, 1, 2, 3\) \(see --help\)"),
+    ("master fp32", "deepspeed", train_flags(num_workers=4, tp_size=2, bf16_master_weights=True, precision="fp32"), {},
+     r"--bf16_master_weights is a bf16 setting but --precision is fp32: pass --precision bf16 with it, or drop it"),
+    ("kv heads", "deepspeed", train_flags(num_workers=3, tp_size=3), {},
+     r"--tp_size 3 does not divide the model's KV-head count \(2\): use a tp_size in \[1, 2\]"),
+    ("policy fp32", "fsdp", train_flags(num_workers=4, tp_size=2, mixed_precision="policy", precision="fp32"), {},
+     r"--mixed_precision policy is a bf16 mode but --precision is fp32: add --precision bf16 \(or --autocast\)"),
+    ("not multiple", "fsdp", train_flags(num_workers=3, tp_size=2), {},
+     r"--num_workers 3 is not a multiple of --tp_size 2: num_workers must equal tp_size × dp_size"),
+    # --- plot_loss_curves.py --------------------------------------------------------------------------------
+    ("no input dir", "plot", ["--input_dir", "{d}/none", "--output", "{d}/c.png"], {},
+     r"--input_dir .*/none is not a directory"),
+    ("no records", "plot", ["--input_dir", "{d}/a_dir_without", "--output", "{d}/c.png"], {},
+     r"no loss_\*.json in .*: run the train_\*.py scripts with --loss_output_dir .* first"),
+    ("tolerance neg", "plot", lambda d: records(d) + ["--tolerance", "-1"], {},
+     r"argument --tolerance: must be a finite number >= 0 \(got -1\) \(see --help\)"),
+    ("tolerance nan", "plot", lambda d: records(d) + ["--grad_norm_tolerance", "nan"], {},
+     r"argument --grad_norm_tolerance: must be a finite number >= 0 \(got nan\) \(see --help\)"),
+    ("figure ext", "plot", lambda d: records(d)[:3] + [f"{d}/c.jpg"], {},
+     r"--output .*c.jpg: unknown extension '.jpg': use .png, .svg, .pdf"),
+    ("record truncated", "plot", lambda d: (records(d), (d / "curves/loss_fsdp.json").write_text('{"st'))[0], {},
+     r"loss_fsdp.json: not valid JSON .*; the file is malformed or truncated: rerun that strategy"),
+    ("record list", "plot", lambda d: (records(d), (d / "curves/loss_fsdp.json").write_text("[1, 2]"))[0], {},
+     r"loss_fsdp.json: expected a JSON object with 'strategy', 'config' and 'steps'"),
+    ("record step", "plot", lambda d: edit_record(d, lambda r: r["steps"][1].pop("param_norm")), {},
+     r"loss_fsdp.json: steps\[1\] lacks param_norm"),
+    ("not comparable", "plot", lambda d: edit_record(d, lambda r: r["config"].update(init_weights_sha256="6" * 64)), {},
+     r"not comparable: ddp and fsdp start from different initial weights .*: train both from the same "),
+    ("old schema", "plot", lambda d: edit_record(d, lambda r: r.update(schema_version=1)), {},
+     r"loss_fsdp.json: schema version 1, this harness reads 2 .*: rerun that strategy"),
+    # --- compare_dumps.py -----------------------------------------------------------------------------------
+    ("no dumps", "compare_dumps", ["--input_dir", "{d}"], {},
+     r"holds no dump_\*.json: run run_verification.py --output_dir .* first"),
+    ("dump meta list", "compare_dumps", lambda d: dumps(d, lambda m, t: m.write_text("[1]")), {},
+     r"dump_fsdp.json is not a dump's metadata \(it lacks strategy, tp_size, dp_size …\): rerun that strategy"),
+    ("dump meta keys", "compare_dumps",
+     lambda d: dumps(d, lambda m, t: valid_dump_meta(m, t, {"strategy": "fsdp"})), {},
+     r"dump_fsdp.json is not a dump's metadata \(it lacks tp_size, dp_size, precision …\): rerun that strategy"),
+    ("dump meta json", "compare_dumps", lambda d: dumps(d, lambda m, t: m.write_text('{"strat')), {},
+     r"dump_fsdp.json cannot be read \(JSONDecodeError: .*\): rerun that strategy into the folder"),
+    ("dump truncated", "compare_dumps", lambda d: dumps(d, lambda m, t: t.write_bytes(t.read_bytes()[:20])), {},
+     r"dump_fsdp.safetensors cannot be read \(.*\): rerun that strategy into the folder"),
+    ("dumps tolerance", "compare_dumps", ["--input_dir", "{d}", "--tolerance", "-1"], {},
+     r"argument --tolerance: must be a finite number >= 0 \(got -1\) \(see --help\)"),
+    # --- run_verification.py ------------------------------------------------------------------------------
+    ("verify tolerance", "run_verification", ["--output_dir", "{d}/v", "--tolerance", "-1"], {},
+     r"argument --tolerance: must be a finite number >= 0 \(got -1\) \(see --help\)"),
+    ("perturb param", "run_verification", ["--output_dir", "{d}/v", "--device", "cpu", "--perturb", "fsdp:no.such.w"], {},
+     r"--perturb fsdp:no.such.w: the model has no parameter no.such.w \(e.g. model.layers.0.mlp.up_proj.weight\)"),
+    ("perturb form", "run_verification", ["--output_dir", "{d}/v", "--perturb", "megatron"], {},
+     r"--perturb megatron: expected STRATEGY:PARAM with STRATEGY one of ddp, deepspeed, fsdp"),
+    ("verify layers", "run_verification", ["--output_dir", "{d}/v", "--device", "cpu", "--num_layers", "0"], {},
+     r"--num_layers must be a positive integer \(got 0\)"),
+    ("verify option", "run_verification", ["--output_dir", "{d}/v", "--strategy", "ddp", "--zero_stage", "2"], {},
+     r"--zero_stage is a deepspeed flag, but --strategy ddp runs no deepspeed step: drop it or run --strategy all"),
+    ("verify half folder", "run_verification",
+     lambda d: ((d / "v").mkdir(), (d / "v/init_weights.safetensors").write_bytes(b"x"), ["--output_dir", f"{d}/v"])[2],
+     {}, r"has init_weights.safetensors but no inputs.safetensors: a layer-check folder needs both; use a fresh"),
+    # --- run_verification_main.sh ---------------------------------------------------------------------------
+    ("main tp", "main", ["--output_dir", "{d}/m", "--tp_size", "3", "--device", "cpu"], {},
+     r"--tp_size 3 does not divide the model's KV-head count \(2\): use a tp_size in \[1, 2\]"),
+    ("main tp env", "main", ["--output_dir", "{d}/m"], {"TP_SIZE": "0"}, r"--tp_size must be a positive integer \(got 0\)"),
+    ("main tp text", "main", ["--output_dir", "{d}/m", "--tp_size", "abc"], {},
+     r"argument --tp_size: invalid int value: 'abc' \(see --help\)"),
+    ("main order", "main", ["--output_dir", "{d}/m"], {"STRATEGIES": "fsdp ddp"},
+     r"STRATEGIES 'fsdp ddp' must start with ddp: the DDP run writes the initial weights and is the baseline"),
+    ("main unknown", "main", ["--output_dir", "{d}/m", "--strategies", "ddp megatron"], {},
+     r"unknown strategy 'megatron' in STRATEGIES: use ddp, deepspeed, fsdp"),
+    ("main extra", "main", ["--output_dir", "{d}/m", "--strategies", "ddp fsdp", "--extra_args", "--zero_stage 2"], {},
+     r"EXTRA_ARGS --zero_stage is a deepspeed flag, but STRATEGIES has no deepspeed run"),
+    ("main extra bad", "main", ["--output_dir", "{d}/m", "--extra_args", "--learning_rate nan"], {},
+     r"--learning_rate must be a positive number \(got nan\)"),
+    ("main flag", "main", ["--output_dir", "{d}/m", "--bogus", "1"], {}, r"unrecognized arguments: --bogus 1 \(see --help\)"),
 ]
 
 
-@pytest.mark.parametrize("over,message", CASES, ids=[c[1][:40] for c in CASES])
-def test_resolve_rejects(tmp_path, tiny_weights, over, message):
-    with pytest.raises(ConfigError, match=message):
-        resolve("ddp", flags(tmp_path, tiny_weights, **over))
+def command_main(command: str):
+    from parity.commands import compare_curves, compare_layers, layer_check, main_job, train
+
+    return {"plot": compare_curves.main, "compare_dumps": compare_layers.main, "run_verification": layer_check.main,
+            "main": main_job.main}.get(command) or (lambda argv: train.main(command, argv=argv))
 
 
-def test_missing_weights_without_save(tmp_path):
-    with pytest.raises(ConfigError, match=r"init weights file .*nope.pt does not exist: run train_ddp.py with "
-                                          r"--save_init_weights first"):
-        resolve("ddp", flags(tmp_path, tmp_path / "nope.pt"))
-    cfg = resolve("ddp", flags(tmp_path, tmp_path / "new" / "w.pt", save_init_weights=True))
-    assert cfg.save_init_weights and cfg.init_weights_path == str(tmp_path / "new" / "w.pt")
+def snapshot(root) -> dict:
+    return {os.path.relpath(os.path.join(d, f), root): os.stat(os.path.join(d, f)).st_mtime_ns
+            for d, dirs, files in os.walk(root) for f in files} | {
+            os.path.relpath(os.path.join(d, x), root) + "/": 0 for d, dirs, _ in os.walk(root) for x in dirs}
 
 
-def test_unwritable_output_dir(tmp_path, tiny_weights):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("x")
-    with pytest.raises(ConfigError, match=r"--loss_output_dir .*a_file/loss is not a writable directory"):
-        resolve("ddp", flags(tmp_path, tiny_weights, loss_output_dir=blocker / "loss"))
-    with pytest.raises(ConfigError, match=r"--storage_path .*a_file/ray is not a writable directory"):
-        resolve("ddp", flags(tmp_path, tiny_weights, storage_path=blocker / "ray"))
+@pytest.mark.parametrize("name,command,argv,env,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(workspace, capsys, monkeypatch, name, command, argv, env, expected):
+    import re
+
+    (workspace / "a_dir_without").mkdir()
+    argv = argv(workspace) if callable(argv) else [a.replace("{d}", str(workspace)) for a in argv]
+    for key in ("TP_SIZE", "DP_SIZE", "STRATEGIES", "EXTRA_ARGS", "RAY_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = snapshot(workspace)
+    capsys.readouterr()
+    started = time.perf_counter()
+    try:
+        code = command_main(command)(argv)
+    except SystemExit as exc:  # argparse's own exit, with its one line
+        code = exc.code
+    elapsed = time.perf_counter() - started
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert re.search(expected, lines[0]), lines[0]
+    assert "Traceback" not in out + err
+    assert snapshot(workspace) == before  # nothing written, nothing overwritten (loss/loss_ddp.json kept)
+    assert elapsed < 10, f"{elapsed:.1f} s"
+
+
+SCRIPTS = ["train_ddp.py", "train_deepspeed.py", "train_fsdp.py", "plot_loss_curves.py", "run_verification.py",
+           "compare_dumps.py", "run_verification_main.sh"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_as_a_process_prints_one_line_and_exits_2(tmp_path, script):
+    """The scripts themselves: an argument that is not a number gives one line and exit 2, nothing else."""
+    flag = "--tp_size" if script.startswith(("train", "run_verification")) else "--tolerance"
+    argv = ([sys.executable] if script.endswith(".py") else ["bash"]) + [os.path.join(REPO, script), flag, "x"]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          env={**os.environ, "RAY_ADDRESS": ""})
+    assert (proc.returncode, proc.stdout) == (2, "")
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: argument {flag}: ") and "x" in line and line.endswith("(see --help)"), line
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_unreachable_cluster_fails_in_seconds(tmp_path, tiny_weights):
+    """RAY_ADDRESS naming a port nothing listens on: one line in well under 20 s, not Ray's minutes of retries."""
+    argv = [sys.executable, os.path.join(REPO, "train_ddp.py"),
+            *[a.replace("{d}", str(tmp_path)) for a in train_flags(init_weights_path=tiny_weights)]]
+    started = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 2 and elapsed < 20
+    assert proc.stderr.strip().splitlines() == [
+        "error: cannot reach the Ray cluster at 127.0.0.1:1 (127.0.0.1:1: Connection refused): start it, or unset "
+        "RAY_ADDRESS to run on a local one"]
+    assert not (tmp_path / "loss").exists()
 
 
 def test_good_input_resolves_defaults(tmp_path, tiny_weights):
-    cfg = resolve("ddp", flags(tmp_path, tiny_weights))
+    """The other side of the catalogue: the same flags without the mistake resolve, with the defaults filled."""
+    from parity.training.config import resolve
+
+    values = {"model_name": "qwen2-tiny", "seq_length": 64, "init_weights_path": tiny_weights,
+              "loss_output_dir": tmp_path / "loss", "storage_path": tmp_path / "ray"}
+    cfg = resolve("ddp", values)
     assert (cfg.dp_size, cfg.learning_rate, cfg.tokenizer, cfg.experiment_name) == (2, 1e-3, "bytes", "ddp_tp1_dp2")
     assert cfg.final_checkpoint_dir == str(tmp_path / "ray" / "ddp_tp1_dp2" / "final_model")
-
-
-def run_script(args, tmp_path):
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    return subprocess.run([sys.executable, os.path.join(REPO, "train_ddp.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
-
-
-def test_script_prints_one_line_and_exits_2_before_ray(tmp_path, tiny_weights):
-    proc = run_script(to_argv(flags(tmp_path, tiny_weights, num_workers=3, dp_size=2)), tmp_path)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "error: --num_workers 3 ≠ --tp_size 1 × --dp_size 2: pass --num_workers 2 or change tp/dp"]
-    assert "Traceback" not in proc.stderr + proc.stdout and "Ray" not in proc.stdout + proc.stderr
-    assert not (tmp_path / "loss" / "loss_ddp.json").exists()
-
-
-def test_script_mismatched_weights_exit_2(tmp_path, tiny_weights):
-    proc = run_script(to_argv(flags(tmp_path, tiny_weights, num_layers=4)), tmp_path)
-    assert proc.returncode == 2
-    (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("error: init weights file ") and "has 2 layers, run asks for 4" in line
+    assert not os.listdir(tmp_path)  # resolving writes nothing, not even the output folders
+    saving = resolve("ddp", {**values, "init_weights_path": tmp_path / "new" / "w.pt", "save_init_weights": True})
+    assert saving.save_init_weights and saving.init_weights_path == str(tmp_path / "new" / "w.pt")

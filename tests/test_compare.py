@@ -481,7 +481,7 @@ def test_unwritable_output_and_unknown_extension(tmp_path, capsys):
     (tmp_path / "a_file").write_text("x")
     code, out, err = run_cli(capsys, tmp_path, output="a_file/curves.png")
     assert (code, out) == (2, "")
-    assert err == (f"error: --output's directory {tmp_path}/a_file is not a writable directory (File exists): "
+    assert err == (f"error: --output's directory {tmp_path}/a_file is not a writable directory (it is a file): "
                    f"choose a directory you can write to\n")
     code, out, err = run_cli(capsys, tmp_path, output="curves.jpg")
     assert (code, out) == (2, "")

@@ -91,5 +91,5 @@ def test_missing_and_garbage_files(tmp_path):
         check_init_weights(str(tmp_path / "nope.pt"), config)
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"not a tensor file")
-    with pytest.raises(ConfigError, match=r"garbage.safetensors cannot be read"):
+    with pytest.raises(ConfigError, match=r"garbage.safetensors is not a safetensors file, or is truncated"):
         check_init_weights(str(garbage), config)

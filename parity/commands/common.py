@@ -4,6 +4,7 @@ failed on a worker is one line naming what failed, and exit 1."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from parity.errors import ConfigError, NotComparable, TrainingFailed
@@ -41,3 +42,14 @@ class OneLineParser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     pass
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type of a tolerance: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number (got {text})") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
+    return value

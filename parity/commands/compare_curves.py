@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
-from parity.commands.common import OneLineParser, run_command
-
-
-def relative_tolerance(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
-    return value
+from parity.commands.common import OneLineParser, non_negative_float, run_command
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
@@ -22,9 +14,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--input_dir", required=True, help="folder with the loss_<strategy>.json records")
     p.add_argument("--output", required=True, help="figure path; .png, .svg or .pdf")
     p.add_argument("--baseline", default="ddp", help="strategy name of the reference run")
-    p.add_argument("--tolerance", type=relative_tolerance, default=None,
+    p.add_argument("--tolerance", type=non_negative_float, default=None,
                    help="relative per-step loss tolerance for every run (default: from the runs' precision)")
-    p.add_argument("--grad_norm_tolerance", type=relative_tolerance, default=None,
+    p.add_argument("--grad_norm_tolerance", type=non_negative_float, default=None,
                    help="relative per-step tolerance on the pre-clip grad norm (default: from the runs' precision)")
     p.add_argument("--allow_incomplete", action="store_true",
                    help="compare runs still in progress, over the steps every run has done")

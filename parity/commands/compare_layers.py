@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from parity.commands.common import OneLineParser, run_command
+from parity.commands.common import OneLineParser, non_negative_float, run_command
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = OneLineParser(description)
     p.add_argument("--input_dir", required=True, help="the folder run_verification.py wrote")
-    p.add_argument("--tolerance", type=float, default=None,
+    p.add_argument("--tolerance", type=non_negative_float, default=None,
                    help="relative tolerance for every tensor (default: from the runs' precision, "
                         "parity/comparing/tolerances.py)")
     p.add_argument("--heatmap", default=None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from parity.commands.common import OneLineParser, run_command
+from parity.commands.common import OneLineParser, non_negative_float, run_command
 from parity.errors import ConfigError
 from parity.registry import NAMES
 from parity.training.config import DEVICES, PRECISIONS, add_strategy_options
@@ -32,7 +32,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--perturb", default=None, metavar="STRATEGY:PARAM",
                    help="check the check: add 1e-3 to TP rank 0's shard of PARAM in STRATEGY's run")
-    p.add_argument("--tolerance", type=float, default=None, help="override the relative tolerance")
+    p.add_argument("--tolerance", type=non_negative_float, default=None, help="override the relative tolerance")
     p.add_argument("--noise_reference", choices=("auto", "on", "off"), default="auto",
                    help="also run DDP's step in fp32 (noise_reference_ddp.*), against which bf16 tolerances are "
                         "calibrated per tensor; auto: when the step is bf16")
@@ -51,7 +51,7 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity.training.data import training_data
     from parity.training.launch import launch
     from parity.training.layer_step import INPUTS_FILE, check_inputs, layer_step_worker, write_inputs
-    from parity.training.model import build_model, model_config_from_dict, save_init_weights
+    from parity.training.model import build_model, model_config_from_dict, parameter_names, save_init_weights
 
     out = os.path.abspath(args.output_dir)
     check_writable_dir("--output_dir", out)
@@ -68,6 +68,11 @@ def check_layers(args: argparse.Namespace) -> int:
     cfgs = {s: resolve(s, _run_values(args, s, out, cluster.gpus, options[s]), cluster=cluster,
                        weights_written_before_launch=fresh) for s in strategies}
     first = cfgs[strategies[0]]
+    for strategy, name in perturb.items():
+        known = parameter_names(model_config_from_dict(first.model_config))
+        if name not in known:
+            example = next((n for n in known if n.endswith("mlp.up_proj.weight")), known[0])
+            raise ConfigError(f"--perturb {strategy}:{name}: the model has no parameter {name} (e.g. {example})")
     runs = [(cfgs[s], perturb.get(s)) for s in strategies]
     if "ddp" in cfgs and (args.noise_reference == "on" or
                           (args.noise_reference == "auto" and cfgs["ddp"].precision == "bf16")):

@@ -79,6 +79,9 @@ class CurveStats:
 
     @classmethod
     def of(cls, values: list[float]) -> "CurveStats":
+        """A NaN anywhere makes the min and the mean NaN (Python's min would skip it, depending on order)."""
+        if any(math.isnan(v) for v in values):
+            return cls(values[0], values[-1], math.nan, math.nan)
         return cls(values[0], values[-1], min(values), sum(values) / len(values))
 
 

@@ -112,17 +112,31 @@ def load_noise_reference(input_dir: str, dumps: dict[str, Dump]) -> Dump | None:
     return reference
 
 
+META_KEYS = ("strategy", "tp_size", "dp_size", "precision", "loss", "dp_rank_losses", "grad_norm", "learning_rate",
+             "inputs_sha256", "init_weights_sha256", "model_config", "forward_order", "backward_order")
+
+
 def _read_dump(meta_path: str) -> Dump:
+    """A dump's metadata and tensors, checked; ConfigError naming the file for anything unreadable."""
     from safetensors.torch import load_file
 
+    name = os.path.basename(meta_path)
     tensor_path = meta_path[: -len(".json")] + ".safetensors"
     try:
         with open(meta_path) as f:
             meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{name} cannot be read ({type(exc).__name__}: {str(exc)[:80]}): rerun that strategy "
+                          f"into the folder") from None
+    missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
+    if missing:
+        raise ConfigError(f"{name} is not a dump's metadata (it lacks {', '.join(missing[:3])}"
+                          f"{' …' if len(missing) > 3 else ''}): rerun that strategy into the folder")
+    try:
         tensors = load_file(tensor_path)
-    except (OSError, ValueError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{os.path.basename(meta_path)} or its tensors cannot be read "
-                          f"({type(exc).__name__}: {exc}): rerun that strategy") from None
+    except Exception as exc:  # missing, truncated or not safetensors: safetensors raises its own error type
+        raise ConfigError(f"{os.path.basename(tensor_path)} cannot be read ({str(exc).splitlines()[0][:80]}): "
+                          f"rerun that strategy into the folder") from None
     return Dump(meta["strategy"], meta, tensors)
 
 

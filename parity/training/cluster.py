@@ -44,6 +44,11 @@ def ensure_ray() -> float:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     t0 = time.perf_counter()
     address = os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        _check_reachable(address)
+        # Something answered; if it is not a Ray cluster, give up in ~10 attempts (about 10 s) rather than
+        # Ray's 20 to 120; a user who sets the variable keeps their own budget.
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "10")
     try:
         if address is None and "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
             # Our own local cluster: "local" starts a new one even when another Ray runs on this machine
@@ -56,6 +61,31 @@ def ensure_ray() -> float:
         raise ConfigError(f"cannot reach the Ray cluster at {address} ({str(exc).strip().splitlines()[-1]}): "
                           f"start it, or unset RAY_ADDRESS to run on a local one") from None
     return time.perf_counter() - t0
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, with one line, when nothing answers at RAY_ADDRESS: ray.init would retry the cluster's
+    GCS for minutes without a word. "auto" is looked up the way Ray does (the address file of the cluster
+    started on this machine); a form this does not know is left to Ray."""
+    import socket
+
+    target = address
+    if address == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address(address) or ""
+        except Exception:  # no cluster recorded on this machine, or Ray's private helper moved: Ray will say
+            return
+    host, _, port = target.split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the Ray cluster at {address} ({host}:{port}: "
+                          f"{exc.strerror or type(exc).__name__}): start it, or unset RAY_ADDRESS to run on a "
+                          f"local one") from None
 
 
 def quiet_ray_train_logs() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -193,7 +194,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     s = {**DEFAULTS, **{o.name: o.default for o in cls.options}, **given}
     options = {name: s.pop(name) for name in sorted(option_names)}
     s["precision"] = _precision(s["precision"], s.pop("autocast"))
-    _check_sizes(s)
+    _check_numbers(s)
     s["dp_size"] = _dp_size(s["num_workers"], s["tp_size"], s["dp_size"])
 
     model_config = resolve_model_config(s["model_name"], s["num_layers"])
@@ -215,11 +216,15 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
         s["storage_path"], s["experiment_name"], "final_model")
 
     if s["save_init_weights"] or weights_written_before_launch:
+        if os.path.isdir(s["init_weights_path"]):
+            raise ConfigError(f"--init_weights_path {s['init_weights_path']} is a directory: give the file to write "
+                              f"(e.g. {os.path.join(s['init_weights_path'], 'init_weights.pt')})")
         check_writable_dir("--init_weights_path's directory", os.path.dirname(s["init_weights_path"]))
     else:
         check_init_weights(s["init_weights_path"], model_config)
     check_writable_dir("--loss_output_dir", s["loss_output_dir"])
     check_writable_dir("--storage_path", s["storage_path"])
+    check_writable_dir("--final_checkpoint_dir's parent", os.path.dirname(s["final_checkpoint_dir"]))
 
     s["device"], s["precision"], s["cpus_per_worker"] = _placement(s, cluster)
     return RunConfig(strategy=strategy, options=options, model_config=model_config.to_dict(), **s)
@@ -257,18 +262,33 @@ def _precision(precision: str, autocast: bool) -> str:
     return precision
 
 
-def _check_sizes(s: dict) -> None:
-    for name in ("num_workers", "tp_size", "batch_size", "seq_length", "num_epochs", "log_interval", "num_samples"):
-        _positive(name, s[name])
-    for name in ("dp_size", "num_layers", "debug_steps"):
-        if s[name] is not None:
-            _positive(name, s[name])
-    if s["warmup_steps"] < 0:
-        raise ConfigError(f"--warmup_steps must be 0 or more (got {s['warmup_steps']})")
-    if s["max_grad_norm"] < 0:
-        raise ConfigError(f"--max_grad_norm must be 0 (off) or positive (got {s['max_grad_norm']})")
-    if s["learning_rate"] is not None and s["learning_rate"] <= 0:
-        raise ConfigError(f"--learning_rate must be positive (got {s['learning_rate']})")
+# Every float flag: finite, and in its range (low, high, low included?, high included?, what it means).
+FLOAT_RANGES = {
+    "learning_rate": (0.0, math.inf, False, False, "a positive number"),
+    "weight_decay": (0.0, math.inf, True, False, "0 or positive"),
+    "adam_beta1": (0.0, 1.0, True, False, "in [0, 1)"),
+    "adam_beta2": (0.0, 1.0, True, False, "in [0, 1)"),
+    "adam_epsilon": (0.0, math.inf, False, False, "a positive number"),
+    "max_grad_norm": (0.0, math.inf, True, False, "0 (off) or positive"),
+}
+# Every size: at least this.
+INT_MINIMUMS = {"num_workers": 1, "tp_size": 1, "dp_size": 1, "batch_size": 1, "seq_length": 2, "num_layers": 1,
+                "num_epochs": 1, "debug_steps": 1, "log_interval": 1, "num_samples": 1, "warmup_steps": 0, "seed": 0}
+
+
+def _check_numbers(s: dict) -> None:
+    """Sizes at least their minimum; every float finite and in its range (argparse takes 'nan' as a float)."""
+    for name, minimum in INT_MINIMUMS.items():
+        if s[name] is not None and s[name] < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise ConfigError(f"--{name} must be {what} (got {s[name]})")
+    for name, (low, high, low_ok, high_ok, words) in FLOAT_RANGES.items():
+        value = s[name]
+        if value is None:
+            continue
+        inside = (low < value or (low_ok and value == low)) and (value < high or (high_ok and value == high))
+        if not math.isfinite(value) or not inside:
+            raise ConfigError(f"--{name} must be {words} (got {value})")
     if s["device"] not in DEVICES:
         raise ConfigError(f"--device {s['device']}: use one of {', '.join(DEVICES)}")
 
@@ -311,6 +331,3 @@ def _placement(s: dict, cluster) -> tuple[str, str, float]:
     return device, precision, min(1.0, cluster.cpus / workers)
 
 
-def _positive(name: str, value: int) -> None:
-    if value <= 0:
-        raise ConfigError(f"--{name} must be a positive integer (got {value})")

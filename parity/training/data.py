@@ -100,23 +100,33 @@ def open_dataset(dataset: str, tokenizer: str, vocab_size: int, seq_length: int,
 def tokenize(text: str, tokenizer: str) -> np.ndarray:
     if tokenizer == "bytes":
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    from parity.training.hub import hub_unreachable
+
+    why = None if os.path.isdir(tokenizer) else hub_unreachable()
     try:
+        if why:
+            raise ConnectionError(why)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer)
     except Exception as exc:
-        raise ConfigError(f"tokenizer {tokenizer} could not be loaded ({type(exc).__name__}): pass --tokenizer "
-                          f"bytes or a local tokenizer directory") from None
+        raise ConfigError(f"tokenizer {tokenizer} could not be loaded ({why or type(exc).__name__}): pass "
+                          f"--tokenizer bytes or a local tokenizer directory") from None
     return np.asarray(tok(text)["input_ids"], dtype=np.int64)
 
 
 def _wikitext() -> str:
+    from parity.training.hub import hub_unreachable
+
+    why = hub_unreachable()
     try:
+        if why:
+            raise ConnectionError(why)
         from datasets import load_dataset
 
         rows = load_dataset("wikitext", "wikitext-2-raw-v1", split="train")
     except Exception as exc:
-        raise ConfigError(f"--dataset wikitext needs the Hugging Face hub ({type(exc).__name__}): use "
+        raise ConfigError(f"--dataset wikitext needs the Hugging Face hub ({why or type(exc).__name__}): use "
                           f"--dataset text:PATH with a local file") from None
     return "".join(rows["text"])
 

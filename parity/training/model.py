@@ -63,12 +63,17 @@ def resolve_model_config(model_name: str, num_layers: int | None = None):
                               f"point it at a Hugging Face model directory")
         config = AutoConfig.from_pretrained(model_name)
     else:
+        from parity.training.hub import hub_unreachable
+
+        why = hub_unreachable()
         try:
+            if why:
+                raise ConnectionError(why)
             config = AutoConfig.from_pretrained(model_name)
         except Exception as exc:  # offline, unknown repo, gated ...: all mean "cannot use this name"
             raise ConfigError(f"unknown model '{model_name}': not a built-in preset ({', '.join(PRESETS)}), "
                               f"not a local directory, and the hub could not provide it "
-                              f"({type(exc).__name__}): use a preset or a local directory") from None
+                              f"({why or type(exc).__name__}): use a preset or a local directory") from None
     if config.model_type != "qwen2":
         raise ConfigError(f"--model_name {model_name} is a '{config.model_type}' model; this harness trains "
                           f"Qwen2ForCausalLM: use a qwen2 model")
@@ -148,6 +153,9 @@ def save_init_weights(model, path: str) -> str:
 
 def read_init_weights(path: str) -> tuple[OrderedDict, dict | None]:
     """(state dict, stored model config or None). Raises ConfigError for unreadable files."""
+    if os.path.isdir(path):
+        raise ConfigError(f"init weights file {path} is a directory: give the weights file's path "
+                          f"(e.g. {os.path.join(path, 'init_weights.pt')})")
     if not os.path.isfile(path):
         raise ConfigError(f"init weights file {path} does not exist: run train_ddp.py with --save_init_weights "
                           f"first, or pass --save_init_weights to create it")
@@ -162,13 +170,30 @@ def read_init_weights(path: str) -> tuple[OrderedDict, dict | None]:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             meta = (getattr(state, "_metadata", None) or {}).get("", {})
     except Exception as exc:
-        raise ConfigError(f"init weights file {path} cannot be read ({type(exc).__name__}: {exc}): "
-                          f"recreate it with --save_init_weights") from None
+        raise ConfigError(f"init weights file {path} {_unreadable(path, exc)}: recreate it with "
+                          f"--save_init_weights") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"init weights file {path} is not a state dict of tensors: "
                           f"recreate it with --save_init_weights")
     stored = json.loads(meta["model_config"]) if "model_config" in meta else None
     return state, stored
+
+
+def _unreadable(path: str, exc: Exception) -> str:
+    """Why a weights file cannot be read, in words rather than the loader's own message."""
+    import zipfile
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if not head:
+        return "is empty"
+    if path.endswith(".safetensors"):
+        return f"is not a safetensors file, or is truncated ({str(exc).splitlines()[0][:80]})"
+    if head.startswith(b"PK") and not zipfile.is_zipfile(path):
+        return "is truncated or corrupt (its torch.save archive is incomplete)"
+    if not head.startswith(b"PK"):
+        return "is not a PyTorch weights file (torch.save writes a zip archive; this is not one)"
+    return f"cannot be read as a state dict ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
 
 
 def check_init_weights(path: str, config) -> None:
@@ -211,6 +236,14 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def parameter_names(config) -> list[str]:
+    """A stock model's named_parameters() names (a tied lm_head once, as model.embed_tokens.weight)."""
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        return [name for name, _ in Qwen2ForCausalLM(config).named_parameters()]
+
+
 def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     from transformers import Qwen2ForCausalLM
 
@@ -226,7 +259,9 @@ def save_hf_checkpoint(params: dict[str, torch.Tensor], config, directory: str) 
     import tempfile
 
     from transformers import Qwen2ForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per run is noise in the logs
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
     missing, unexpected = model.load_state_dict(params, strict=False, assign=True)

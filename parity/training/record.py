@@ -10,7 +10,7 @@ import json
 import os
 
 from parity.errors import RecordError
-from parity.storage import write_json_atomic
+from parity.storage import NON_FINITE, write_json_atomic
 
 SCHEMA_VERSION = 2  # 2: every step has param_norm
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
@@ -98,7 +98,8 @@ def load_record(path: str) -> dict:
         if step["step"] != i:
             raise RecordError(f"{name}: steps[{i}] is numbered {step['step']}; steps must be 0, 1, 2, ...")
         for k in ("loss", "grad_norm", "param_norm", "lr"):
-            if not isinstance(step[k], (int, float)):
+            step[k] = NON_FINITE.get(step[k], step[k]) if isinstance(step[k], str) else step[k]
+            if isinstance(step[k], bool) or not isinstance(step[k], (int, float)):
                 raise RecordError(f"{name}: steps[{i}].{k} is not a number")
         if not isinstance(step["tokens"], int):
             raise RecordError(f"{name}: steps[{i}].tokens is not an integer")
