@@ -91,6 +91,12 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 def quiet_ray_train_logs() -> None:
     """Runs in every worker process of a local cluster (runtime_env worker_process_setup_hook).
 
-    Without Ray's dashboard the state API is absent, and Ray Train's placement-group cleaner warns about
-    that once a second for the whole run; the cleaner still works (it falls back to retrying)."""
+    Ray Train's placement-group cleaner asks the state API for the cluster's address "auto": with other Ray
+    instances on the machine that lookup raises "Found multiple active Ray instances" and the cleaner's thread
+    dies with a 20-line traceback, so the address is made explicit. Without Ray's dashboard the state API is
+    absent and the cleaner warns about that once a second for the whole run; it still works (it falls back to
+    retrying), so those warnings are silenced."""
+    import ray
+
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
