@@ -59,9 +59,13 @@ class DeepSpeedStrategy(Strategy):
                               "(get_global_grad_norm() is None), which the record needs; use --zero_stage 1 (the "
                               "default: the same numerics, the optimizer state sharded over DP), 2 or 3")
         if settings.options["offload_param"] != "none" and stage != 3:
-            raise ConfigError(f"--offload_param {settings.options['offload_param']} needs --zero_stage 3 (stages 1 and 2 "
-                              f"do not partition parameters, and DeepSpeed ignores the setting there): pass "
+            raise ConfigError(f"--offload_param {settings.options['offload_param']} needs --zero_stage 3 (stages 1 "
+                              f"and 2 do not partition parameters, and DeepSpeed ignores the setting there): pass "
                               f"--zero_stage 3, or use --offload_optimizer cpu")
+        if settings.options["bf16_master_weights"] and settings.options["offload_optimizer"] != "none":
+            raise ConfigError("--bf16_master_weights with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights "
+                              "in host memory only with its DeepSpeedCPUAdam, not the shared torch AdamW: drop one "
+                              "of the two")
         if settings.options["bf16_master_weights"] and settings.precision != "bf16":
             raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {settings.precision}: "
                               f"pass --precision bf16 with it, or drop it")

@@ -90,8 +90,8 @@ def markdown(summary: dict) -> str:
         f"its tensors after backward (gradients reduced, before the step); the bound is the ZeRO paper's "
         f"params + grads + optimizer states for the row's stage. Peak memory: {s['memory_note']}.",
         "",
-        "| row | step time (s) | × DDP | tokens/s |" + (" MFU |" if mfu else "")
-        + " model states / rank (MiB) | by category (MiB) | ZeRO bound (MiB) | peak memory (MiB) | final loss − DDP (rel.) |",
+        "| row | step time (s) | × DDP | tokens/s |" + (" MFU |" if mfu else "") + " model states / rank (MiB) | "
+        "by category (MiB) | ZeRO bound (MiB) | peak memory (MiB) | final loss − DDP (rel.) |",
         "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---:|---:|---:|",
     ]
     for r in s["rows"]:
@@ -114,7 +114,8 @@ def figure(summary: dict):
     rows = summary["rows"]
     labels = [r["label"] for r in rows]
     fig = Figure(figsize=(max(8.0, 1.1 * len(rows)), 8), layout="constrained")
-    fig.suptitle(f"{summary['model_name']}, {summary['world_size']} {summary['device']} workers, {summary['precision']}")
+    fig.suptitle(f"{summary['model_name']}, {summary['world_size']} {summary['device']} workers, "
+                 f"{summary['precision']}")
     ax_time, ax_mem = fig.subplots(2, 1, sharex=True)
     ax_time.bar(labels, [r["median_step_time_s"] for r in rows], color="C0")
     ax_time.set(title="Median step time", ylabel="seconds")
