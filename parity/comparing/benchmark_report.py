@@ -113,7 +113,7 @@ def figure(summary: dict):
 
     rows = summary["rows"]
     labels = [r["label"] for r in rows]
-    fig = Figure(figsize=(max(8.0, 1.1 * len(rows)), 8), layout="constrained")
+    fig = Figure(figsize=(max(9.0, 1.4 * len(rows)), 8), layout="constrained")
     fig.suptitle(f"{summary['model_name']}, {summary['world_size']} {summary['device']} workers, "
                  f"{summary['precision']}")
     ax_time, ax_mem = fig.subplots(2, 1, sharex=True)
@@ -130,6 +130,8 @@ def figure(summary: dict):
     ax_mem.set(title="Model states per rank (the fullest rank, after backward)", ylabel="MiB")
     ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax_mem.tick_params(axis="x", labelrotation=30)
+    for tick in ax_mem.get_xticklabels():
+        tick.set_horizontalalignment("right")
     for ax in (ax_time, ax_mem):
         ax.grid(axis="y", alpha=0.3)
     return fig
