@@ -27,9 +27,11 @@ import torch
 
 from parity.errors import ConfigError, LibraryMissing
 from parity.training.config import Option
+from parity.training.memory import GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.strategy import Strategy, build_optimizer, set_lr, squared_norm_fp64
 
 ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD = ("none", "cpu")
 
 
 class DeepSpeedStrategy(Strategy):
@@ -42,6 +44,11 @@ class DeepSpeedStrategy(Strategy):
                help="DeepSpeed's bf16 mode with bf16 master weights, gradients and Adam moments "
                     "(bf16_master_weights_and_grads + bf16_optimizer_states, seed 001's setting) instead of "
                     "autocast over fp32 master weights like DDP; needs --precision bf16"),
+        Option("offload_optimizer", "none", choices=OFFLOAD,
+               help="cpu: ZeRO-Offload — the fp32 master partition, its gradients and Adam's state in host memory, "
+                    "the optimizer step on the CPU (with the same torch AdamW)"),
+        Option("offload_param", "none", choices=OFFLOAD,
+               help="cpu: ZeRO-3's parameter partitions in host memory between uses (--zero_stage 3 only)"),
     )
 
     @classmethod
@@ -51,6 +58,14 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError("--zero_stage 0: DeepSpeed runs without ZeRO there and reports no pre-clip gradient norm "
                               "(get_global_grad_norm() is None), which the record needs; use --zero_stage 1 (the "
                               "default: the same numerics, the optimizer state sharded over DP), 2 or 3")
+        if settings.options["offload_param"] != "none" and stage != 3:
+            raise ConfigError(f"--offload_param {settings.options['offload_param']} needs --zero_stage 3 (stages 1 "
+                              f"and 2 do not partition parameters, and DeepSpeed ignores the setting there): pass "
+                              f"--zero_stage 3, or use --offload_optimizer cpu")
+        if settings.options["bf16_master_weights"] and settings.options["offload_optimizer"] != "none":
+            raise ConfigError("--bf16_master_weights with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights "
+                              "in host memory only with its DeepSpeedCPUAdam, not the shared torch AdamW: drop one "
+                              "of the two")
         if settings.options["bf16_master_weights"] and settings.precision != "bf16":
             raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {settings.precision}: "
                               f"pass --precision bf16 with it, or drop it")
@@ -67,6 +82,14 @@ class DeepSpeedStrategy(Strategy):
         self.model = self.engine
         check_rank_layout(self.engine, self.ctx)  # [3]
         self.column_shards = column_parallel_outputs(self.engine.module)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.cfg.options["zero_stage"]
+
+    @property
+    def state_precision(self) -> str:
+        return "bf16_master_weights" if self.cfg.options["bf16_master_weights"] else "fp32"
 
     @property
     def hf_model(self):
@@ -108,6 +131,33 @@ class DeepSpeedStrategy(Strategy):
             dist.all_reduce(sharded, group=groups.get_tensor_model_parallel_group())
             sums[0] = sharded[0]
         return math.sqrt(float(sums.sum()))
+
+    def model_state_bytes(self) -> dict:
+        """Where ZeRO keeps the model states (DeepSpeed 0.19.8; docs/benchmark.md has what each stage holds):
+        the working parameters (stages 1/2: views of the flat buffers bit16_groups_flat, whole on every rank;
+        stage 3: each parameter's ds_tensor partition, plus the full tensor while it is gathered), the master
+        partition the optimizer updates (fp32 even at fp32: a copy of the parameters' partition), the gradient
+        partitions and Adam's state, and ZeRO-Offload's staging buffers. ZeRO's reduce buckets are
+        communication buffers, not model states: not counted (ZeRO-3 allocates one of reduce_bucket_size
+        elements, 2 GB in fp32, which on CPU is never touched beyond the model's size)."""
+        ledger = StateLedger(self.ctx.device)
+        opt, params = self.engine.optimizer, list(self.engine.module.parameters())
+        if self.zero_stage == 3:
+            ledger.add_all(PARAMS, (p.ds_tensor for p in params))
+            ledger.add_all(PARAMS, params)  # a parameter gathered now (empty otherwise)
+            ledger.add_all(MASTER, opt.fp32_partitioned_groups_flat)
+            ledger.add_all(GRADS, (t.grad for t in opt.fp32_partitioned_groups_flat))
+            ledger.add(GRADS, getattr(opt, "grad_partitions_flat_buffer", None))
+        else:
+            ledger.add_all(PARAMS, opt.bit16_groups_flat)
+            ledger.add_all(MASTER, opt.single_partition_of_fp32_groups)
+            ledger.add_all(GRADS, (t.grad for t in opt.single_partition_of_fp32_groups))
+            ledger.add_all(GRADS, (g for group in (opt.averaged_gradients or {}).values() for g in group or ()))
+            ledger.add_all(OFFLOAD_BUFFERS, getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", ()))
+            ledger.add(OFFLOAD_BUFFERS, getattr(opt, "temp_grad_buffer_for_cpu_offload", None))
+        ledger.add_all(GRADS, (p.grad for p in params))
+        ledger.add_optimizer_state(opt.optimizer)
+        return ledger.result()
 
     def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
         """Column-parallel layers (q/k/v/gate/up, the vocab-parallel lm_head) and the MLP activation,
@@ -194,13 +244,26 @@ def engine_config(cfg) -> dict:
     No train_batch_size: DeepSpeed counts TP ranks as DP ranks in that product (micro × accumulation ×
     world size) and rejects the true global batch; the gradient averaging itself uses the real DP group.
     """
+    zero = {"stage": cfg.options["zero_stage"]}
+    if zero["stage"] == 3:
+        # Every parameter partitioned, as the paper's stage 3: DeepSpeed by default keeps parameters under 1e5
+        # elements whole on every rank (for qwen2-tiny, all but the embedding). Numerics are the same either way.
+        zero["stage3_param_persistence_threshold"] = 0
+    for part in ("optimizer", "param"):
+        if cfg.options[f"offload_{part}"] != "none":
+            zero[f"offload_{part}"] = {"device": cfg.options[f"offload_{part}"], "pin_memory": cfg.use_cuda}
     config = {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.max_grad_norm,  # 0 = off, as --max_grad_norm; same formula as torch's
-        "zero_optimization": {"stage": cfg.options["zero_stage"]},
+        "zero_optimization": zero,
         "wall_clock_breakdown": False,
     }
+    if cfg.options["offload_optimizer"] != "none":
+        # Keep the client torch AdamW (the shared optimizer): by default DeepSpeed refuses a client optimizer
+        # with ZeRO-Offload and wants DeepSpeedCPUAdam, a JIT-built op (2 minutes of g++ per host) whose
+        # arithmetic differs from torch's AdamW (5e-6 of a parameter after a few steps at lr 1e-3).
+        config["zero_force_ds_cpu_optimizer"] = False
     if cfg.tp_size > 1:
         config["tensor_parallel"] = {"autotp_size": cfg.tp_size}
     if cfg.precision == "bf16" and cfg.options["bf16_master_weights"]:

@@ -10,6 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from parity.errors import ConfigError
+from parity.training.memory import GRAD_BUCKETS, GRADS, PARAMS, StateLedger
 from parity.training.strategy import Strategy, build_optimizer, clip_local_gradients, local_norm, step_optimizer
 
 
@@ -35,6 +36,19 @@ class DDPStrategy(Strategy):
 
     def parameter_norm(self) -> float:
         return local_norm(self.model.parameters())
+
+    def model_state_bytes(self) -> dict:
+        """The full parameters, their gradients and Adam's state, plus the reducer's gradient buckets: DDP
+        all-reduces a flat copy of the gradients (C++ tensors no Python object reaches; the reducer reports
+        their sizes), so between backward and the step a rank holds the gradients twice."""
+        ledger = StateLedger(self.ctx.device)
+        params = list(self.model.parameters())
+        ledger.add_all(PARAMS, params)
+        ledger.add_all(GRADS, (p.grad for p in params))
+        ledger.add_optimizer_state(self.optimizer)
+        sizes = self.model._get_ddp_logging_data().get("bucket_sizes") or ""
+        ledger.add_bytes(GRAD_BUCKETS, sum(int(s) for s in str(sizes).split(",") if s.strip()))
+        return ledger.result()
 
     @property
     def hf_model(self):

@@ -15,15 +15,17 @@ from collections import defaultdict
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from parity.errors import ConfigError
 from parity.training.config import Option
+from parity.training.memory import GRADS, PARAMS, StateLedger
 from parity.training.strategy import Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
 
 MIXED_PRECISION = ("autocast", "policy")
+OFFLOAD = ("none", "cpu")
 # Per decoder layer: the projections that read the replicated residual stream are split by output
 # columns, the ones that write back to it by input rows (so each block needs one all-reduce).
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -53,7 +55,7 @@ def apply_tp(model, tp_mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
-def apply_fsdp(model, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+def apply_fsdp(model, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> None:
     """FSDP2 over "dp": one group per decoder layer, then the root.
 
     fully_shard is what synchronises gradients across DP ranks (TP alone leaves each DP replica
@@ -64,8 +66,18 @@ def apply_fsdp(model, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> N
     norm. TP'd parameters become 2-D DTensors on the ("dp", "tp") mesh, the rest 1-D DTensors on "dp".
     """
     for layer in model.model.layers:
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+
+
+def offload_policy(cfg) -> OffloadPolicy:
+    """--offload cpu: FSDP2 keeps the parameter shards, their gradients and so Adam's state in host memory,
+    copies each group's shards to the device to all-gather them, and the optimizer steps on the CPU.
+    Pinned host memory (faster copies) needs CUDA: CPUOffloadPolicy's default pin_memory=True fails on a CPU
+    worker ("Cannot access accelerator device when none is available")."""
+    if cfg.options["offload"] == "cpu":
+        return CPUOffloadPolicy(pin_memory=cfg.use_cuda)
+    return OffloadPolicy()
 
 
 def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
@@ -85,14 +97,15 @@ def global_norm(tensors: list[DTensor]) -> float:
     "dp". So each rank sums the squares of its local shards in float64 (the shared helper), and the sums
     are added across exactly the mesh dims a tensor is sharded over — a Partial placement there — and
     not across the ones it is replicated over, so a tensor replicated over tp is counted once.
-    Tensors with the same mesh and sharded dims share one reduction.
+    Tensors with the same mesh and sharded dims share one reduction; with --offload cpu the shards are in
+    host memory and each sum goes to the mesh's device for it.
     """
     local_sums = defaultdict(float)
     for g in tensors:
         assert not any(p.is_partial() for p in g.placements), f"unreduced gradient: {g.placements}"
         key = (g.device_mesh, tuple(Replicate() if p.is_replicate() else Partial() for p in g.placements))
         local_sums[key] = local_sums[key] + squared_norm_fp64(g.to_local())
-    return math.sqrt(sum(float(DTensor.from_local(total, mesh, placements).full_tensor())
+    return math.sqrt(sum(float(DTensor.from_local(total.to(mesh.device_type), mesh, placements).full_tensor())
                          for (mesh, placements), total in local_sums.items()))
 
 
@@ -115,7 +128,11 @@ class FSDPStrategy(Strategy):
                help="how bf16 is applied: autocast (fp32 parameters, bf16 matmuls under torch.autocast, as DDP) "
                     "or policy (FSDP2 MixedPrecisionPolicy: bf16 parameters in compute, fp32 gradient reduction "
                     "and master weights); only with --precision bf16"),
+        Option("offload", "none", choices=OFFLOAD,
+               help="cpu: FSDP2's CPUOffloadPolicy — parameter shards, gradients and optimizer state in host "
+                    "memory, the optimizer step on the CPU"),
     )
+    zero_stage = 3  # full sharding: parameters, gradients and optimizer state all divided over dp
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
@@ -132,7 +149,7 @@ class FSDPStrategy(Strategy):
         model.to(self.ctx.device)
         if self.ctx.tp_size > 1:  # with tp_size 1 this is pure FSDP2 on the 1-D "dp" sub-mesh
             apply_tp(model, mesh["tp"])
-        apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg))
+        apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg), offload_policy(self.cfg))
         self.tp_mesh = mesh["tp"]
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.cfg)
@@ -155,6 +172,15 @@ class FSDPStrategy(Strategy):
     def parameter_norm(self) -> float:
         return global_norm(list(self.model.parameters()))
 
+    def model_state_bytes(self) -> dict:
+        """Each parameter's local shard (its dp × tp piece), its gradient's, and Adam's state of it."""
+        ledger = StateLedger(self.ctx.device)
+        params = list(self.model.parameters())
+        ledger.add_all(PARAMS, params)
+        ledger.add_all(GRADS, (p.grad for p in params))
+        ledger.add_optimizer_state(self.optimizer)
+        return ledger.result()
+
     @property
     def hf_model(self):
         return self.model  # fully_shard and parallelize_module change modules in place: HF names hold
@@ -169,9 +195,12 @@ class FSDPStrategy(Strategy):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         self.model.reshard()  # a forward without backward (the final evaluation) leaves the root unsharded
-        return {n: p.full_tensor().float().cpu().clone() for n, p in self.model.named_parameters()}
+        return {n: self._full(p) for n, p in self.model.named_parameters()}
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad.full_tensor().float().cpu().clone()
-                for n, p in self.model.named_parameters() if p.grad is not None}
+        return {n: self._full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def _full(self, t: DTensor) -> torch.Tensor:
+        """Gathered on the device the mesh communicates on (offloaded shards are in host memory)."""
+        return t.detach().to(self.ctx.device).full_tensor().float().cpu().clone()
 

@@ -57,7 +57,8 @@ def test_record_describes_the_run(runs):
     cfg = runs["tp2_dp2"]["config"]
     assert runs["tp2_dp2"]["strategy"] == "deepspeed" and runs["tp2_dp2"]["complete"] is True
     assert (cfg["world_size"], cfg["tp_size"], cfg["dp_size"], cfg["backend"]) == (4, 2, 2, "gloo")
-    assert cfg["options"] == {"zero_stage": 1, "bf16_master_weights": False}
+    assert cfg["options"] == {"zero_stage": 1, "bf16_master_weights": False, "offload_optimizer": "none",
+                              "offload_param": "none"}
     assert runs["tp2_dp2_zero3"]["config"]["options"]["zero_stage"] == 3
     assert "deepspeed" in cfg["versions"]
 
@@ -143,7 +144,13 @@ def test_engine_config_carries_ddps_settings_and_the_precision_policy(tmp_path, 
     assert master["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     assert "torch_autocast" not in master
     pure_zero = engine_config(resolve("deepspeed", tp_flags(tmp_path, tiny_weights, num_workers=2, tp_size=1)))
-    assert "tensor_parallel" not in pure_zero
+    assert "tensor_parallel" not in pure_zero and "zero_force_ds_cpu_optimizer" not in pure_zero
+    offload = engine_config(resolve("deepspeed", tp_flags(tmp_path, tiny_weights, zero_stage=3, offload_optimizer="cpu",
+                                                       offload_param="cpu", device="cpu")))
+    assert offload["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                            "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                                            "offload_param": {"device": "cpu", "pin_memory": False}}
+    assert offload["zero_force_ds_cpu_optimizer"] is False  # keeps the client torch AdamW
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,6 +163,11 @@ BAD = TP_LAYOUT_ERRORS + [
     ({"bf16_master_weights": True, "precision": "fp32"},
      r"--bf16_master_weights is a bf16 setting but --precision is fp32: pass --precision bf16 with it"),
     ({"bf16_master_weights": True}, r"--bf16_master_weights is a bf16 setting but --precision is auto"),
+    ({"bf16_master_weights": True, "precision": "bf16", "offload_optimizer": "cpu"},
+     r"--bf16_master_weights with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights in host memory only "
+     r"with its DeepSpeedCPUAdam, not the shared torch AdamW: drop one of the two"),
+    ({"offload_param": "cpu"}, r"--offload_param cpu needs --zero_stage 3 .* pass --zero_stage 3, or use "
+                               r"--offload_optimizer cpu"),
 ]
 
 
@@ -168,10 +180,12 @@ def test_resolve_rejects(tmp_path, tiny_weights, over, message):
 def test_good_input_resolves(tmp_path, tiny_weights):
     cfg = resolve("deepspeed", tp_flags(tmp_path, tiny_weights, zero_stage=3, bf16_master_weights=True, autocast=True))
     assert (cfg.tp_size, cfg.dp_size, cfg.precision) == (2, 2, "bf16")
-    assert cfg.options == {"zero_stage": 3, "bf16_master_weights": True}
+    assert cfg.options == {"zero_stage": 3, "bf16_master_weights": True, "offload_optimizer": "none",
+                           "offload_param": "none"}
     assert cfg.experiment_name == "deepspeed_tp2_dp2"
     default = resolve("deepspeed", tp_flags(tmp_path, tiny_weights))
-    assert default.options == {"zero_stage": 1, "bf16_master_weights": False}
+    assert default.options == {"zero_stage": 1, "bf16_master_weights": False, "offload_optimizer": "none",
+                               "offload_param": "none"}
 
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):

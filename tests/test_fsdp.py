@@ -84,7 +84,8 @@ def test_tp2_dp1_clipped_across_meshes_matches_ddp(tp2_dp1_clipped, ddp_clipped)
 @pytest.mark.parametrize("mode", ["autocast", "policy"])
 def test_bf16_matches_ddp_bf16(bf16_runs, ddp_baseline_bf16, ddp_baseline, mode):
     run = bf16_runs[mode]
-    assert (run["config"]["precision"], run["config"]["options"]) == ("bf16", {"mixed_precision": mode})
+    assert run["config"]["precision"] == "bf16"
+    assert run["config"]["options"] == {"mixed_precision": mode, "offload": "none"}
     assert_bf16_parity(run, ddp_baseline_bf16, ddp_baseline)
 
 
@@ -172,9 +173,11 @@ def test_resolve_rejects(tmp_path, tiny_weights, over, message):
 
 def test_good_input_resolves(tmp_path, tiny_weights):
     cfg = resolve("fsdp", tp_flags(tmp_path, tiny_weights, mixed_precision="policy", autocast=True))
-    assert (cfg.tp_size, cfg.dp_size, cfg.precision, cfg.options) == (2, 2, "bf16", {"mixed_precision": "policy"})
+    assert (cfg.tp_size, cfg.dp_size, cfg.precision, cfg.options) == (2, 2, "bf16", {"mixed_precision": "policy",
+                                                                                       "offload": "none"})
     assert cfg.experiment_name == "fsdp_tp2_dp2"
-    assert resolve("fsdp", tp_flags(tmp_path, tiny_weights)).options == {"mixed_precision": "autocast"}
+    default = resolve("fsdp", tp_flags(tmp_path, tiny_weights))
+    assert default.options == {"mixed_precision": "autocast", "offload": "none"}
 
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):

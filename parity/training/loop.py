@@ -4,12 +4,15 @@
 [2] the strategy wraps it and builds the optimizer
 [3] each step: the global batch of that step, this DP rank's slice, one train step
 [4] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval
-[5] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
+[5] on the last step every rank counts the model states it holds, after backward and after the step
+[6] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
     the last batch (which that checkpoint must reproduce)
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import platform
 import resource
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from parity.registry import strategy_class
 from parity.training.config import RunConfig
 from parity.training.data import batch_hash, dp_slice
+from parity.training.memory import zero_bound
 from parity.training.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
                                    save_hf_checkpoint, save_init_weights)
 from parity.training.record import LossRecord, run_record_path
@@ -39,6 +43,7 @@ class Worker:
     model_config: Any
     strategy: Any
     weights_sha: str
+    num_params: int  # Ψ: the model's parameters, each once (a tied weight once)
 
 
 def start_worker(payload: dict, strategy_cls=None) -> Worker:
@@ -50,9 +55,10 @@ def start_worker(payload: dict, strategy_cls=None) -> Worker:
     log = rank0_logger(cfg, ctx)
     model_config = model_config_from_dict(cfg.model_config)
     model, weights_sha = prepare_model(cfg, model_config, ctx, log)  # [1]
+    num_params = sum(p.numel() for p in model.parameters())
     strategy = (strategy_cls or strategy_class(cfg.strategy))(cfg, ctx)
     strategy.setup(model)  # [2]
-    return Worker(cfg, ctx, log, model_config, strategy, weights_sha)
+    return Worker(cfg, ctx, log, model_config, strategy, weights_sha, num_params)
 
 
 def train_worker(payload: dict) -> None:
@@ -60,23 +66,38 @@ def train_worker(payload: dict) -> None:
     train(start_worker(payload), payload["batches"])
 
 
+def train_runs_worker(payload: dict) -> None:
+    """Ray Train's train_loop_per_worker for several runs of one world size, one after another in one worker
+    group (payload["runs"]: each {"cfg", "batches", "title"}): Ray starts the workers once, not once per run
+    (about 20 s each on a 2-core machine). Each run builds its model, strategy and record afresh."""
+    runs = payload["runs"]
+    for i, run in enumerate(runs):
+        if dist.get_rank() == 0:
+            print(f"== [{i + 1}/{len(runs)}] {run['title']}", flush=True)
+        train(start_worker(run), run["batches"])
+        gc.collect()
+
+
 def train(w: Worker, batches) -> None:
     """The loop, on every rank of the run's process group (Ray Train's, or a test's local gloo group)."""
     cfg, ctx, log, strategy = w.cfg, w.ctx, w.log, w.strategy
     total_steps = cfg.debug_steps or cfg.num_epochs * batches.steps_per_epoch
+    memory_metric = reset_peak_memory(ctx.device)
     record = LossRecord(run_record_path(cfg), cfg.strategy,
-                        run_description(cfg, ctx, w.model_config, w.weights_sha, batches, total_steps))
+                        run_description(cfg, ctx, w.model_config, w.weights_sha, batches, total_steps, memory_metric))
     log(f"training {total_steps} steps: {batches.dataset.describe()}, global batch {cfg.global_batch_size} × "
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
 
+    probe = ModelStateProbe(strategy)
     started = time.perf_counter()
     for step in range(total_steps):  # [3]
         global_batch = batches(step)
         lr = lr_at(step, cfg)
         t0 = time.perf_counter()
-        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), lr)
+        observe = probe if step == total_steps - 1 else None  # [5]
+        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), lr, observe)
         _synchronize(ctx.device)
-        step_time = time.perf_counter() - t0
+        step_time = time.perf_counter() - t0 - (probe.seconds if observe else 0.0)
         if not math.isfinite(stats.loss):
             raise FloatingPointError(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
         record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [4]
@@ -91,14 +112,39 @@ def train(w: Worker, batches) -> None:
                 f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {elapsed / (step + 1):.3f} s/step, "
                 f"ETA {elapsed / (step + 1) * (total_steps - step - 1):.0f} s")
 
-    final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [5]
+    model_state = probe.report(w, step=total_steps - 1)
+    final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [6]
     params = strategy.full_parameters()
     if ctx.is_logging_rank:
         save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir)
         record.finish(eval_loss_last_batch=final_loss, eval_batch_step=total_steps - 1,
-                      checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started)
+                      checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started,
+                      model_state=model_state)
     log(f"done: loss record {record.path}, final model {cfg.final_checkpoint_dir}")
     dist.barrier()
+
+
+class ModelStateProbe:
+    """The model states this rank holds at the points train_step calls it at ("after_backward": gradients
+    reduced, before clipping and the step; "after_step"), and the seconds spent counting (not step time)."""
+
+    def __init__(self, strategy):
+        self.strategy, self.points, self.seconds = strategy, {}, 0.0
+
+    def __call__(self, point: str) -> None:
+        t0 = time.perf_counter()
+        self.points[point] = self.strategy.model_state_bytes()
+        self.seconds += time.perf_counter() - t0
+
+    def report(self, w: Worker, step: int) -> dict:
+        """Every rank's counts (collective) with the ZeRO paper's bound for this strategy, for the record."""
+        per_rank = [None] * w.ctx.world_size
+        dist.all_gather_object(per_rank, self.points)
+        s, ctx = self.strategy, w.ctx
+        bound = zero_bound(s.zero_stage, w.num_params, ctx.dp_size, ctx.tp_size, s.state_precision)
+        return {"step": step, "num_params": w.num_params, "zero_stage": s.zero_stage,
+                "state_precision": s.state_precision, "zero_bound_bytes": bound,
+                "per_rank": {point: [r[point] for r in per_rank] for point in self.points}}
 
 
 def worker_context(cfg: RunConfig) -> WorkerContext:
@@ -139,7 +185,8 @@ def evaluate(strategy, input_ids: torch.Tensor) -> float:
     return sum(losses) / len(losses)
 
 
-def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sha: str, batches, total_steps):
+def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sha: str, batches, total_steps,
+                    memory_metric: str):
     """The record's "config": every resolved flag plus what a comparison must know to trust the numbers.
     Its model_config is the summary that makes two models the same model, not the whole HF config."""
     return {**cfg.to_dict(), "world_size": ctx.world_size, "global_batch_size": cfg.global_batch_size,
@@ -147,7 +194,29 @@ def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sh
             "dataset_description": batches.dataset.describe(), "device_type": ctx.device.type,
             "backend": dist.get_backend(), "init_weights_sha256": weights_sha,
             "model_config": config_summary(model_config), "versions": library_versions(),
-            "memory_metric": "cuda_max_memory_allocated" if ctx.device.type == "cuda" else "process_max_rss"}
+            "memory_metric": memory_metric, "device_name": device_name(ctx.device)}
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's name (what its peak FLOP/s is looked up by), or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def reset_peak_memory(device: torch.device) -> str:
+    """Start the run's peak-memory count here (several runs may share a process, as the benchmark's do);
+    returns the metric peak_memory_bytes then is. On CPU the process's peak RSS is reset through Linux's
+    /proc/self/clear_refs ("5" resets the high-water mark that getrusage reports); where that cannot be
+    written the peak is the process's since it started."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return "cuda_max_memory_allocated"
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return "process_max_rss_since_run_start"
+    return "process_max_rss"
 
 
 def library_versions() -> dict[str, str]:

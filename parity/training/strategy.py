@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,8 @@ class Strategy:
 
     name = "base"
     options: tuple = ()  # the strategy's own flags (parity.training.config.Option), in RunConfig.options
+    zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
+    state_precision = "fp32"  # bytes per parameter of its model states (memory.BYTES_PER_PARAM): fp32 and autocast
 
     def __init__(self, cfg, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
@@ -179,13 +182,23 @@ class Strategy:
         """Like full_parameters, for the gradients after backward (before clipping and the step)."""
         raise NotImplementedError
 
-    def train_step(self, input_ids: torch.Tensor, lr: float) -> StepStats:
+    def model_state_bytes(self) -> dict:
+        """The model states this rank holds now: {"bytes": {category: bytes}, "offloaded_bytes": n}, counted
+        from its tensors by a parity.training.memory.StateLedger (each storage once). Local: no collective."""
+        raise NotImplementedError
+
+    def train_step(self, input_ids: torch.Tensor, lr: float, observe: Callable[[str], None] | None = None) -> StepStats:
+        """One step. `observe` (the loop's model-state probe) is called with "after_backward" (gradients
+        reduced, before clipping and the step) and "after_step"."""
+        observe = observe or (lambda point: None)
         input_ids = input_ids.to(self.ctx.device)
         with self.autocast():
             logits = self.forward(input_ids)
         loss = causal_lm_loss(logits, input_ids)
         self.backward(loss)
+        observe("after_backward")
         grad_norm = self.optimizer_step(lr)
+        observe("after_step")
         dp_losses = self.gather_dp_losses(loss.detach())
         return StepStats(loss=sum(dp_losses) / len(dp_losses), dp_rank_losses=dp_losses, grad_norm=float(grad_norm),
                          param_norm=self.parameter_norm())

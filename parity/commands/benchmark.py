@@ -1,0 +1,169 @@
+"""benchmark.py: a matrix of strategies trained for N steps at one global batch through the same Ray launch,
+in one Ray session and one worker group; then per row step time, its ratio to DDP's, tokens/s, model-state
+bytes per rank against the ZeRO bound, peak memory and the final loss against DDP's (parity.comparing.
+benchmark_report writes benchmark.json, benchmark.md and benchmark.png)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from typing import NamedTuple
+
+from parity.commands.common import OneLineParser, run_command
+from parity.errors import ConfigError, TrainingFailed
+from parity.training.config import DEVICES, PRECISIONS
+
+
+class Row(NamedTuple):
+    label: str
+    strategy: str
+    tp_size: int
+    options: dict
+
+
+ROWS = {
+    "ddp": Row("DDP", "ddp", 1, {}),
+    "zero1": Row("ZeRO-1", "deepspeed", 1, {"zero_stage": 1}),
+    "zero2": Row("ZeRO-2", "deepspeed", 1, {"zero_stage": 2}),
+    "zero3": Row("ZeRO-3", "deepspeed", 1, {"zero_stage": 3}),
+    "zero2_offload": Row("ZeRO-2 + offload", "deepspeed", 1, {"zero_stage": 2, "offload_optimizer": "cpu"}),
+    "autotp_zero1": Row("AutoTP tp2 + ZeRO-1", "deepspeed", 2, {"zero_stage": 1}),
+    "fsdp": Row("FSDP2", "fsdp", 1, {}),
+    "fsdp_tp": Row("FSDP2 + TP tp2", "fsdp", 2, {}),
+    "fsdp_offload": Row("FSDP2 + offload", "fsdp", 1, {"offload": "cpu"}),
+}
+WEIGHTS = os.path.join("shared_weights", "init_weights.pt")
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    p = OneLineParser(description)
+    p.add_argument("--output_dir", required=True, help="benchmark.json, benchmark.md, benchmark.png, rows/<row>/")
+    p.add_argument("--rows", default=None,
+                   help=f"comma-separated rows, ddp among them (the reference); default: every row the world size "
+                        f"can run, of {','.join(ROWS)}")
+    p.add_argument("--model_name", default=None, help="default: Qwen/Qwen2.5-0.5B on GPUs, qwen2-tiny on CPU")
+    p.add_argument("--num_layers", type=int, default=2)
+    p.add_argument("--num_workers", type=int, default=2, help="every row's world size (TP rows: tp 2 × dp N/2)")
+    p.add_argument("--batch_size", type=int, default=2,
+                   help="samples per worker; the global batch, num_workers × batch_size, is every row's")
+    p.add_argument("--seq_length", type=int, default=None, help="default: 1024 on GPUs, 256 on CPU")
+    p.add_argument("--debug_steps", type=int, default=20, help="training steps of each row")
+    p.add_argument("--untimed_steps", type=int, default=3, help="the first steps, left out of the timing (warm-up)")
+    p.add_argument("--learning_rate", type=float, default=None, help="default: 1e-5 on GPUs, the preset's on CPU")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--peak_tflops", type=float, default=None,
+                   help="one GPU's peak bf16 TFLOP/s for MFU (default: looked up by the GPU's name)")
+    return p
+
+
+def pick_rows(spec: str | None, num_workers: int) -> list[str]:
+    """The rows to run, DDP first; TP rows need an even world size."""
+    fits = [name for name, row in ROWS.items() if num_workers % row.tp_size == 0]
+    if spec is None:
+        return fits
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    for name in names:
+        if name not in ROWS:
+            raise ConfigError(f"--rows: unknown row '{name}': use {','.join(ROWS)}")
+        if name not in fits:
+            raise ConfigError(f"--rows: {name} runs at tp_size {ROWS[name].tp_size}, which does not divide "
+                              f"--num_workers {num_workers}: use an even --num_workers or leave {name} out")
+    if "ddp" not in names:
+        raise ConfigError("--rows must include ddp: the step-time ratio and the loss difference are against DDP's run")
+    return ["ddp"] + [n for n in dict.fromkeys(names) if n != "ddp"]
+
+
+def run_values(args, name: str, out: str, on_gpu: bool) -> dict:
+    """The train_*.py flags of one row: the same global batch at every layout."""
+    row = ROWS[name]
+    steps = args.debug_steps
+    return {
+        "model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
+        "num_layers": args.num_layers, "seq_length": args.seq_length or (1024 if on_gpu else 256),
+        "num_workers": args.num_workers, "tp_size": row.tp_size, "batch_size": args.batch_size * row.tp_size,
+        "debug_steps": steps, "log_interval": max(1, steps // 4),
+        "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "precision": args.precision,
+        "device": args.device, "seed": args.seed, "init_weights_path": os.path.join(out, WEIGHTS),
+        "loss_output_dir": os.path.join(out, "rows", name), "storage_path": os.path.join(out, "ray"),
+        "experiment_name": f"benchmark_{name}", **row.options,
+    }
+
+
+def run_benchmark(args) -> int:
+    import ray
+
+    from parity.comparing import benchmark_report as report
+    from parity.comparing.figures import save_figure
+    from parity.storage import check_writable_dir, write_json_atomic, write_text_atomic
+    from parity.training.cluster import ensure_ray, probe_cluster
+    from parity.training.config import resolve
+    from parity.training.data import training_data
+    from parity.training.launch import launch
+    from parity.training.loop import train_runs_worker
+    from parity.training.model import build_model, model_config_from_dict, save_init_weights
+    from parity.training.record import load_record, run_record_path
+
+    out = os.path.abspath(args.output_dir)
+    check_writable_dir("--output_dir", out)
+    if not 0 <= args.untimed_steps < args.debug_steps:
+        raise ConfigError(f"--untimed_steps {args.untimed_steps} must be at least 0 and below --debug_steps "
+                          f"{args.debug_steps}: at least one step must be timed")
+    names = pick_rows(args.rows, args.num_workers)
+    started_ray = not ray.is_initialized()
+    cluster = probe_cluster()
+    on_gpu = args.device == "cuda" or (args.device == "auto" and cluster.gpus >= args.num_workers)
+    cfgs = [resolve(ROWS[n].strategy, run_values(args, n, out, on_gpu), cluster=cluster,
+                    weights_written_before_launch=True) for n in names]
+    first = cfgs[0]
+    save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), first.init_weights_path)
+    runs = [{"cfg": cfg.to_dict(), "batches": training_data(cfg),
+             "title": f"{ROWS[n].label}: {cfg.strategy} tp={cfg.tp_size} dp={cfg.dp_size} batch {cfg.batch_size} "
+                      f"{cfg.options}"} for n, cfg in zip(names, cfgs)]
+    print(f"benchmark: {len(names)} rows ({', '.join(names)}) on {args.num_workers} "
+          f"{'GPU' if first.use_cuda else 'CPU'} workers, {first.model_name}, {first.precision}, global batch "
+          f"{first.global_batch_size} × {first.seq_length}, {args.debug_steps} steps; outputs in {out}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        ensure_ray()
+        launch(dataclasses.replace(first, experiment_name="benchmark"), train_runs_worker, {"runs": runs})
+    except TrainingFailed as exc:
+        raise TrainingFailed(f"{exc} (the rows finished so far have their records under {out}/rows)") from None
+    finally:
+        if started_ray:
+            ray.shutdown()
+    print(f"all rows done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    rows = [report.summarize_row(n, ROWS[n].label, load_record(run_record_path(cfg)), run_record_path(cfg),
+                                 args.untimed_steps) for n, cfg in zip(names, cfgs)]
+    ddp_record = load_record(run_record_path(first))
+    on_cuda = first.use_cuda
+    peak, source = report.peak_flops(ddp_record["config"]["device_name"], args.peak_tflops) if on_cuda else (None, "")
+    flops = report.model_flops_per_token(first.model_config, first.seq_length)
+    report.add_ratios(rows, flops, peak, first.num_workers)
+    summary = {
+        "model_name": first.model_name, "num_layers": first.model_config["num_hidden_layers"],
+        "num_params": ddp_record["final"]["model_state"]["num_params"], "device": first.device,
+        "device_name": ddp_record["config"]["device_name"], "precision": first.precision,
+        "world_size": first.num_workers, "global_batch_size": first.global_batch_size, "seq_length": first.seq_length,
+        "steps": args.debug_steps, "untimed_steps": args.untimed_steps, "model_state_measured_at": report.MEASURED_AT,
+        "flops_per_token": flops, "peak_flops": peak, "peak_flops_source": source,
+        "memory_note": ("torch.cuda.max_memory_allocated of rank 0 during the row (reset at its start)" if on_cuda else
+                        "rank 0's process peak RSS during the row, dominated by the imports (~400 MiB), not the model"),
+        "rows": rows,
+    }
+    write_json_atomic(os.path.join(out, "benchmark.json"), summary)
+    table = report.markdown(summary)
+    write_text_atomic(os.path.join(out, "benchmark.md"), table)
+    save_figure(report.figure(summary), os.path.join(out, "benchmark.png"))
+    print(table, flush=True)
+    print(f"wrote {out}/benchmark.json, benchmark.md, benchmark.png", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None, description: str = "") -> int:
+    args = build_parser(description).parse_args(argv)
+    return run_command(lambda: run_benchmark(args), "the benchmark")

@@ -1,0 +1,145 @@
+"""The benchmark's table: one row per strategy, read from the loss records its runs wrote, against DDP's run
+of the same invocation; written as benchmark.json, benchmark.md and a two-panel bar chart.
+
+What each number is (and is not) is docs/benchmark.md; the keys are ROW_KEYS.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from parity.training.memory import BOUND_CATEGORIES
+
+MIB = 2 ** 20
+MEASURED_AT = "after_backward"  # gradients reduced, before clipping and the step: the most a rank holds between steps
+
+ROW_KEYS = (
+    "row", "label", "strategy", "options", "tp_size", "dp_size", "batch_size", "steps", "timed_steps",
+    "median_step_time_s", "step_time_ratio_to_ddp", "tokens_per_s", "mfu",
+    "model_state_bytes", "model_state_total_bytes", "model_state_bytes_per_rank", "offloaded_bytes",
+    "zero_stage", "zero_bound_bytes", "zero_bound_total_bytes", "peak_memory_bytes", "memory_metric",
+    "final_loss", "final_loss_rel_diff_from_ddp", "loss_record",
+)
+
+# Peak dense bf16 FLOP/s of the accelerators MFU knows by name (the first name contained in the device's).
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12))
+
+
+def peak_flops(device_name: str, override_tflops: float | None) -> tuple[float | None, str]:
+    """(peak bf16 FLOP/s of one device, where that number comes from)."""
+    if override_tflops:
+        return override_tflops * 1e12, "--peak_tflops"
+    for name, flops in PEAK_BF16_FLOPS:
+        if name in device_name:
+            return flops, f"dense bf16 peak of the {name}"
+    return None, f"unknown for '{device_name}': pass --peak_tflops"
+
+
+def model_flops_per_token(model_config: dict, seq_length: int) -> float:
+    """Training FLOPs per token, PaLM's estimate: 6 × the matmul parameters (the projections and the lm_head;
+    embedding lookups, norms and biases do no matmul) + 12 × layers × hidden × sequence (attention scores and
+    their weighted sum, forward and backward, without the causal halving)."""
+    h, ff, layers = model_config["hidden_size"], model_config["intermediate_size"], model_config["num_hidden_layers"]
+    kv = h // model_config["num_attention_heads"] * model_config["num_key_value_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ff
+    return 6 * (layers * per_layer + model_config["vocab_size"] * h) + 12 * layers * h * seq_length
+
+
+def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: int) -> dict:
+    """One row from its run's loss record (DDP-relative fields are filled by add_ratios)."""
+    cfg, steps, state = record["config"], record["steps"], record["final"]["model_state"]
+    timed = steps[untimed_steps:]
+    median = statistics.median(s["step_time_s"] for s in timed)
+    per_rank = state["per_rank"]
+    totals = [sum(r["bytes"].values()) for r in per_rank[MEASURED_AT]]
+    fullest = totals.index(max(totals))
+    return {
+        "row": row, "label": label, "strategy": record["strategy"], "options": cfg["options"],
+        "tp_size": cfg["tp_size"], "dp_size": cfg["dp_size"], "batch_size": cfg["batch_size"],
+        "steps": len(steps), "timed_steps": len(timed), "median_step_time_s": median,
+        "step_time_ratio_to_ddp": None, "tokens_per_s": timed[0]["tokens"] / median, "mfu": None,
+        "model_state_bytes": per_rank[MEASURED_AT][fullest]["bytes"], "model_state_total_bytes": totals[fullest],
+        "model_state_bytes_per_rank": {point: [r["bytes"] for r in ranks] for point, ranks in per_rank.items()},
+        "offloaded_bytes": max(r["offloaded_bytes"] for r in per_rank[MEASURED_AT]),
+        "zero_stage": state["zero_stage"], "zero_bound_bytes": state["zero_bound_bytes"],
+        "zero_bound_total_bytes": sum(state["zero_bound_bytes"].values()),
+        "peak_memory_bytes": max(s["peak_memory_bytes"] for s in steps), "memory_metric": cfg["memory_metric"],
+        "final_loss": steps[-1]["loss"], "final_loss_rel_diff_from_ddp": None, "loss_record": path,
+    }
+
+
+def add_ratios(rows: list[dict], flops_per_token: float | None, peak: float | None, world_size: int) -> None:
+    """Step-time ratio and final-loss difference against the DDP row; MFU on GPU (tokens/s per device)."""
+    ddp = next(r for r in rows if r["row"] == "ddp")
+    for r in rows:
+        r["step_time_ratio_to_ddp"] = r["median_step_time_s"] / ddp["median_step_time_s"]
+        r["final_loss_rel_diff_from_ddp"] = abs(r["final_loss"] - ddp["final_loss"]) / abs(ddp["final_loss"])
+        if flops_per_token and peak:
+            r["mfu"] = flops_per_token * r["tokens_per_s"] / (peak * world_size)
+
+
+def markdown(summary: dict) -> str:
+    s = summary
+    mfu = s["device"] == "cuda"
+    lines = [
+        f"# Benchmark: {s['model_name']} ({s['num_layers']} layers, Ψ = {s['num_params']:,} parameters), "
+        f"{s['world_size']} {s['device']} workers, {s['precision']}",
+        "",
+        f"Global batch {s['global_batch_size']} × {s['seq_length']} tokens, {s['steps']} steps, the first "
+        f"{s['untimed_steps']} left out of the timing. Model-state bytes: the rank holding the most, counted from "
+        f"its tensors after backward (gradients reduced, before the step); the bound is the ZeRO paper's "
+        f"params + grads + optimizer states for the row's stage. Peak memory: {s['memory_note']}.",
+        "",
+        "| row | step time (s) | × DDP | tokens/s |" + (" MFU |" if mfu else "") + " model states / rank (MiB) | "
+        "by category (MiB) | ZeRO bound (MiB) | peak memory (MiB) | final loss − DDP (rel.) |",
+        "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---:|---:|---:|",
+    ]
+    for r in s["rows"]:
+        categories = ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["model_state_bytes"].items())
+        lines.append(
+            f"| {r['label']} | {r['median_step_time_s']:.4f} | {r['step_time_ratio_to_ddp']:.2f} | "
+            f"{r['tokens_per_s']:,.0f} |" + (f" {_percent(r['mfu'])} |" if mfu else "")
+            + f" {r['model_state_total_bytes'] / MIB:.2f} | {categories} | {r['zero_bound_total_bytes'] / MIB:.2f} | "
+            f"{r['peak_memory_bytes'] / MIB:.0f} | {r['final_loss_rel_diff_from_ddp']:.1e} |")
+    if mfu:
+        lines += ["", f"MFU = {s['flops_per_token']:.3e} model FLOPs/token × tokens/s ÷ ({s['world_size']} × "
+                      f"{_tflops(s['peak_flops'])}; {s['peak_flops_source']})."]
+    return "\n".join(lines) + "\n"
+
+
+def figure(summary: dict):
+    """Two panels: median step time per row; model-state MiB per rank stacked by category, with the ZeRO bound."""
+    from matplotlib.figure import Figure
+
+    rows = summary["rows"]
+    labels = [r["label"] for r in rows]
+    fig = Figure(figsize=(max(9.0, 1.4 * len(rows)), 8), layout="constrained")
+    fig.suptitle(f"{summary['model_name']}, {summary['world_size']} {summary['device']} workers, "
+                 f"{summary['precision']}")
+    ax_time, ax_mem = fig.subplots(2, 1, sharex=True)
+    ax_time.bar(labels, [r["median_step_time_s"] for r in rows], color="C0")
+    ax_time.set(title="Median step time", ylabel="seconds")
+    bottom = [0.0] * len(rows)
+    categories = list(dict.fromkeys(k for r in rows for k in r["model_state_bytes"]))
+    for i, category in enumerate(categories):
+        heights = [r["model_state_bytes"].get(category, 0) / MIB for r in rows]
+        ax_mem.bar(labels, heights, bottom=bottom, color=f"C{i}", label=category)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax_mem.scatter(labels, [r["zero_bound_total_bytes"] / MIB for r in rows], marker="_", s=600, color="black",
+                   zorder=3, label="ZeRO bound (" + ", ".join(BOUND_CATEGORIES) + ")")
+    ax_mem.set(title="Model states per rank (the fullest rank, after backward)", ylabel="MiB")
+    ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax_mem.tick_params(axis="x", labelrotation=30)
+    for tick in ax_mem.get_xticklabels():
+        tick.set_horizontalalignment("right")
+    for ax in (ax_time, ax_mem):
+        ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def _percent(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f} %"
+
+
+def _tflops(x: float | None) -> str:
+    return "unknown peak" if x is None else f"{x / 1e12:.0f} TFLOP/s"

@@ -1,0 +1,75 @@
+"""Model-state memory: the bytes of parameters, gradients, optimizer states and master copies a rank holds,
+counted from its tensors, and the ZeRO paper's lower bound for them.
+
+Each strategy says where it keeps its model states (`Strategy.model_state_bytes`); this module counts them
+once each. Tensors are reduced to their storage, (data_ptr, nbytes): a view, a slice of a flat buffer, a
+DTensor's local shard or a tied weight all land on one key, so every byte is counted once, in the first
+category that names it, and a whole storage is counted when any view of it is held (that is what the
+allocator keeps). The measurement points and what each strategy keeps: docs/benchmark.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The categories, in the order a strategy names them (the first to name a storage gets it).
+PARAMS, MASTER, GRADS, OPTIMIZER, GRAD_BUCKETS, OFFLOAD_BUFFERS = (
+    "params", "master_params", "grads", "optimizer_states", "grad_buckets", "offload_buffers")
+BOUND_CATEGORIES = (PARAMS, GRADS, OPTIMIZER)  # what the ZeRO paper's formula covers
+
+# Bytes per parameter of (params, gradients, Adam's two moments) by precision mode. fp32 and bf16 autocast
+# keep fp32 weights, fp32 gradients and fp32 moments; DeepSpeed's --bf16_master_weights keeps all three in
+# bf16. (The paper's mixed-precision 2Ψ + 2Ψ + 12Ψ is a mode none of the strategies here runs.)
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16_master_weights": (2, 2, 4)}
+
+
+class StateLedger:
+    """{category: bytes} of the storages a strategy names, each storage once."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes: dict[str, int] = {}
+        self.offloaded = 0  # of those, bytes kept in host memory while the model computes on an accelerator
+        self._seen: set[tuple[int, int]] = set()
+
+    def add(self, category: str, tensor) -> None:
+        if tensor is None:
+            return
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard on this rank
+        if local.device.type == "meta":
+            return
+        storage = local.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if storage.nbytes() == 0 or key in self._seen:
+            return
+        self._seen.add(key)
+        self.add_bytes(category, storage.nbytes())
+        if local.device.type == "cpu" and self.device.type != "cpu":
+            self.offloaded += storage.nbytes()
+
+    def add_all(self, category: str, tensors) -> None:
+        for t in tensors:
+            self.add(category, t)
+
+    def add_optimizer_state(self, optimizer) -> None:
+        """A torch optimizer's per-parameter state (Adam's exp_avg and exp_avg_sq; the step counters too)."""
+        for state in optimizer.state.values():
+            self.add_all(OPTIMIZER, (v for v in state.values() if isinstance(v, torch.Tensor)))
+
+    def add_bytes(self, category: str, nbytes: int) -> None:
+        """Bytes held in tensors no Python object reaches (DDP's reducer buckets, sized by the reducer)."""
+        self.bytes[category] = self.bytes.get(category, 0) + int(nbytes)
+
+    def result(self) -> dict:
+        return {"bytes": dict(self.bytes), "offloaded_bytes": self.offloaded}
+
+
+def zero_bound(stage: int, num_params: int, dp_size: int, tp_size: int = 1, mode: str = "fp32") -> dict[str, float]:
+    """The ZeRO paper's per-rank model-state bytes {params, grads, optimizer_states} for `stage` (0 = plain
+    data parallelism; FSDP's full sharding is stage 3) over `dp_size` ranks: stage 1 divides the optimizer
+    states by Nd, stage 2 the gradients too, stage 3 the parameters too. With tensor parallelism each rank
+    starts from num_params / tp_size (perfect TP sharding: a lower bound where tensors stay replicated)."""
+    psi = num_params / tp_size
+    p, g, o = (b * psi for b in BYTES_PER_PARAM[mode])
+    return {PARAMS: p / dp_size if stage >= 3 else p, GRADS: g / dp_size if stage >= 2 else g,
+            OPTIMIZER: o / dp_size if stage >= 1 else o}
