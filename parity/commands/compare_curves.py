@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 from parity.commands.common import OneLineParser, run_command
@@ -19,8 +18,9 @@ def relative_tolerance(text: str) -> float:
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = OneLineParser(description)
-    p.add_argument("--input_dir", required=True, help="folder with the loss_<strategy>.json records")
-    p.add_argument("--output", required=True, help="figure path; .png, .svg or .pdf")
+    p.add_argument("--input_dir", required=True, help="folder with the loss_<strategy>.json records (a local "
+                                                      "folder or a URI: s3://, gs://, …)")
+    p.add_argument("--output", required=True, help="figure path or URI; .png, .svg or .pdf")
     p.add_argument("--baseline", default="ddp", help="strategy name of the reference run")
     p.add_argument("--tolerance", type=relative_tolerance, default=None,
                    help="relative per-step loss tolerance for every run (default: from the runs' precision)")
@@ -38,12 +38,12 @@ def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", toler
     from parity.comparing.curve_report import statistics_text, write_outputs
     from parity.comparing.curves import compare, load_references, load_runs
     from parity.comparing.figures import figure_format
-    from parity.storage import check_writable_dir
+    from parity import storage
 
     figure_format(output)
     comparison = compare(load_runs(input_dir), baseline, tolerance, allow_incomplete, grad_norm_tolerance,
                          references=load_references(input_dir))
-    check_writable_dir("--output's directory", os.path.dirname(os.path.abspath(output)))
+    storage.check_writable_dir("--output's directory", storage.parent(storage.absolute(output)))
     for warning in comparison.warnings:
         print(warning, file=sys.stderr)
     print(statistics_text(comparison))

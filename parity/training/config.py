@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
+from parity import storage
 from parity.errors import ConfigError
-from parity.storage import check_writable_dir
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -211,15 +211,15 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     check_source(s["dataset"])
     s["experiment_name"] = s["experiment_name"] or (f"{strategy}_tp{s['tp_size']}_dp{s['dp_size']}"
                                                     + ("_noise_reference" if s["noise_reference"] else ""))
-    s["final_checkpoint_dir"] = s["final_checkpoint_dir"] or os.path.join(
+    s["final_checkpoint_dir"] = s["final_checkpoint_dir"] or storage.join(
         s["storage_path"], s["experiment_name"], "final_model")
 
     if s["save_init_weights"] or weights_written_before_launch:
-        check_writable_dir("--init_weights_path's directory", os.path.dirname(s["init_weights_path"]))
+        storage.check_writable_dir("--init_weights_path's directory", storage.parent(s["init_weights_path"]))
     else:
         check_init_weights(s["init_weights_path"], model_config)
-    check_writable_dir("--loss_output_dir", s["loss_output_dir"])
-    check_writable_dir("--storage_path", s["storage_path"])
+    storage.check_writable_dir("--loss_output_dir", s["loss_output_dir"])
+    storage.check_writable_dir("--storage_path", s["storage_path"])
 
     s["device"], s["precision"], s["cpus_per_worker"] = _placement(s, cluster)
     return RunConfig(strategy=strategy, options=options, model_config=model_config.to_dict(), **s)
@@ -287,10 +287,10 @@ def _dp_size(num_workers: int, tp_size: int, dp_size: int | None) -> int:
 
 
 def _absolute_paths(s: dict) -> None:
-    """Ray workers do not run in the driver's directory: every local path travels absolute."""
+    """Ray workers do not run in the driver's directory: every local path travels absolute (a URI as given)."""
     for name in PATH_FLAGS:
-        if s[name] and "://" not in s[name]:
-            s[name] = os.path.abspath(os.path.expanduser(s[name]))
+        if s[name]:
+            s[name] = storage.absolute(s[name])
     if s["dataset"].startswith("text:"):
         s["dataset"] = "text:" + os.path.abspath(s["dataset"][len("text:"):])
     if os.path.isdir(s["model_name"]):
