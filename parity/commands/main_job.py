@@ -147,7 +147,9 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
         plan.append((strategy, {**common, **layout, **{k: v for k, v in extra.items() if k not in others}}))
         if strategy == "ddp" and wants_noise_reference(args, on_gpu):
             ddp = plan[0][1]
-            for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], cluster.gpus if on_gpu else None):
+            # On GPUs a twin gets as many as the cluster has, or as the runs wait for (GPU nodes still to come).
+            gpus = max(cluster.gpus, world) if on_gpu else None
+            for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], gpus):
                 plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
                                      "save_init_weights": False, "noise_reference": True}))
     return plan
