@@ -198,3 +198,12 @@ def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baselin
         "PASS", "loss_fsdp.json", "loss_curves.png")
     assert storage.read_text(storage.join(loss_dir, "curve_report.md")).startswith("# Loss curve comparison")
     assert not [f for f in all_files(store) if f.endswith(".tmp")]
+
+
+def test_the_layer_check_keeps_its_folder_on_this_machine(capsys):
+    from parity.commands.layer_check import main as run_verification
+
+    assert run_verification(["--output_dir", "s3://bucket/verify?region=us-east-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --output_dir s3://bucket/verify?region=us-east-1: the layer check's folder is a folder of this "
+        "machine (its dumps are read back here, tensor by tensor): use a local path or a shared mount"]

@@ -35,10 +35,10 @@ def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", toler
                        grad_norm_tolerance: float | None = None, allow_incomplete: bool = False) -> int:
     """Compare, print the statistics block and the verdicts, write the outputs; returns the exit code
     (0 PASS, 1 FAIL). Raises ConfigError (NotComparable, RecordError) before anything is written."""
+    from parity import storage
     from parity.comparing.curve_report import statistics_text, write_outputs
     from parity.comparing.curves import compare, load_references, load_runs
     from parity.comparing.figures import figure_format
-    from parity import storage
 
     figure_format(output)
     comparison = compare(load_runs(input_dir), baseline, tolerance, allow_incomplete, grad_norm_tolerance,

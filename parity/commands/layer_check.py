@@ -43,9 +43,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 def check_layers(args: argparse.Namespace) -> int:
     """Resolve every strategy's run, write the folder's weights and inputs if it is new, run the recorded
     step of each strategy, compare. Returns the exit code."""
+    from parity import storage
     from parity.commands.compare_layers import compare_and_report
     from parity.comparing.layers import load_dumps
-    from parity import storage
     from parity.training.cluster import probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
