@@ -78,10 +78,9 @@ def local_path(location: str) -> str | None:
     """The path on this machine's own filesystem (a plain path, file://), or None for a remote store."""
     if not is_uri(location):
         return absolute(location)
-    import pyarrow.fs
-
-    fs, path = filesystem(location)
-    return path if isinstance(fs, pyarrow.fs.LocalFileSystem) else None
+    if urlsplit(location).scheme != "file":  # decided without opening it (an s3:// URI may ask for its region)
+        return None
+    return filesystem(location)[1]
 
 
 def visible_to_every_node(location: str) -> bool:

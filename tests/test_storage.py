@@ -154,7 +154,7 @@ def test_uris_are_checked_before_any_worker(s3_endpoint, tmp_path, tiny_weights,
 
 
 @pytest.fixture(scope="module", params=["file", "s3"])
-def store_run(request, ray_cluster, ddp_baseline, s3_endpoint, tmp_path_factory):
+def store_run(request, ray_cluster, s3_endpoint, tmp_path_factory):
     """FSDP TP=2 × DP=1 (global batch 4, as the DDP baseline) with every path on the store: rank 0 writes the
     initial weights there (--save_init_weights), every rank loads them from there."""
     store = store_location(request.param, s3_endpoint, tmp_path_factory.mktemp(f"store_{request.param}"))
