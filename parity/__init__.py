@@ -4,6 +4,6 @@
     comparing/  one vocabulary for loss curves and single-step layer dumps: tolerances, verdicts, reports
     commands/   what each top-level script runs
     registry    strategy name → class (the strategy modules are the top-level *_strategy.py files)
-    storage     atomic writes
+    storage     local paths and the URIs Ray Train accepts, written atomically
     errors      every exception the harness raises on purpose
 """

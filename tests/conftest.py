@@ -9,6 +9,13 @@ import os
 
 import pytest
 
+# The S3 tests' server (moto, tests/test_storage.py) takes any credentials; Ray workers inherit the
+# environment of the process that starts the session cluster, so they are set here, before it starts —
+# and no test can reach a real account with the developer's own.
+os.environ.update(AWS_ACCESS_KEY_ID="parity-test", AWS_SECRET_ACCESS_KEY="parity-test", AWS_EC2_METADATA_DISABLED="true")
+for _name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+    os.environ.pop(_name, None)
+
 from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32, SHORT_RUN_BF16
 from parity.training.record import load_record
 
@@ -90,10 +97,12 @@ def ddp_baseline_bf16(ray_cluster, tiny_weights, tmp_path_factory):
 
 
 def final_parameters(record: dict) -> dict:
-    """The run's final Hugging Face checkpoint, as {name: tensor}."""
-    from safetensors.torch import load_file
+    """The run's final Hugging Face checkpoint (a local folder or a URI), as {name: tensor}."""
+    from safetensors.torch import load
 
-    return load_file(os.path.join(record["final"]["checkpoint_dir"], "model.safetensors"))
+    from parity import storage
+
+    return load(storage.read_bytes(storage.join(record["final"]["checkpoint_dir"], "model.safetensors")))
 
 
 def max_abs_param_diff(a: dict, b: dict) -> float:

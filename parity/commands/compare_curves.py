@@ -11,8 +11,9 @@ from parity.commands.common import OneLineParser, non_negative_float, run_comman
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = OneLineParser(description)
-    p.add_argument("--input_dir", required=True, help="folder with the loss_<strategy>.json records")
-    p.add_argument("--output", required=True, help="figure path; .png, .svg or .pdf")
+    p.add_argument("--input_dir", required=True, help="folder with the loss_<strategy>.json records (a local "
+                                                      "folder or a URI: s3://, gs://, …)")
+    p.add_argument("--output", required=True, help="figure path or URI; .png, .svg or .pdf")
     p.add_argument("--baseline", default="ddp", help="strategy name of the reference run")
     p.add_argument("--tolerance", type=non_negative_float, default=None,
                    help="relative per-step loss tolerance for every run (default: from the runs' precision)")
@@ -27,15 +28,15 @@ def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", toler
                        grad_norm_tolerance: float | None = None, allow_incomplete: bool = False) -> int:
     """Compare, print the statistics block and the verdicts, write the outputs; returns the exit code
     (0 PASS, 1 FAIL). Raises ConfigError (NotComparable, RecordError) before anything is written."""
+    from parity import storage
     from parity.comparing.curve_report import statistics_text, write_outputs
     from parity.comparing.curves import compare, load_references, load_runs
     from parity.comparing.figures import figure_format
-    from parity.storage import check_writable_dir
 
     figure_format(output)
     comparison = compare(load_runs(input_dir), baseline, tolerance, allow_incomplete, grad_norm_tolerance,
                          references=load_references(input_dir))
-    check_writable_dir("--output's directory", os.path.dirname(os.path.abspath(output)))
+    storage.check_writable_dir("--output's directory", storage.parent(storage.absolute(output)))
     for warning in comparison.warnings:
         print(warning, file=sys.stderr)
     print(statistics_text(comparison))

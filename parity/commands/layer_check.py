@@ -43,9 +43,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 def check_layers(args: argparse.Namespace) -> int:
     """Resolve every strategy's run, write the folder's weights and inputs if it is new, run the recorded
     step of each strategy, compare. Returns the exit code."""
+    from parity import storage
     from parity.commands.compare_layers import compare_and_report
     from parity.comparing.layers import load_dumps
-    from parity.storage import check_writable_dir
     from parity.training.cluster import probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
@@ -53,8 +53,11 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity.training.layer_step import INPUTS_FILE, check_inputs, layer_step_worker, write_inputs
     from parity.training.model import build_model, model_config_from_dict, parameter_names, save_init_weights
 
-    out = os.path.abspath(args.output_dir)
-    check_writable_dir("--output_dir", out)
+    out = storage.local_path(args.output_dir)
+    if out is None:
+        raise ConfigError(f"--output_dir {args.output_dir}: the layer check's folder is a folder of this machine "
+                          f"(its dumps are read back here, tensor by tensor): use a local path or a shared mount")
+    storage.check_writable_dir("--output_dir", out)
     strategies = list(NAMES) if args.strategy == "all" else [args.strategy]
     perturb = _parse_perturb(args.perturb, strategies)
     weights, inputs = os.path.join(out, WEIGHTS_FILE), os.path.join(out, INPUTS_FILE)

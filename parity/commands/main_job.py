@@ -11,13 +11,13 @@ Every setting is an environment variable or the flag --lower_case_name value (fl
 
 from __future__ import annotations
 
-import glob
 import os
 import shlex
 import shutil
 import sys
 import time
 
+from parity import storage
 from parity.commands.common import OneLineParser, report_error, run_command
 from parity.errors import ConfigError, TrainingFailed
 from parity.registry import NAMES
@@ -25,7 +25,8 @@ from parity.training.config import DEVICES, PRECISIONS
 
 # (environment variable, type, default, help). Defaults that depend on GPUs are filled in later.
 SETTINGS = (
-    ("OUTPUT_DIR", str, "outputs/verification_main", "all outputs: shared_weights/, loss_curves/, ray_checkpoints/"),
+    ("OUTPUT_DIR", str, "outputs/verification_main",
+     "all outputs: shared_weights/, loss_curves/, ray_checkpoints/ (a local folder or a URI: s3://, gs://, …)"),
     ("MODEL_NAME", str, None, "model preset or directory [GPU: Qwen/Qwen2.5-0.5B, CPU: qwen2-tiny]"),
     ("NUM_LAYERS", int, 2, "decoder layers"),
     ("BATCH_SIZE", int, 2, "samples per DP rank"),
@@ -59,6 +60,7 @@ def run_main_job(args) -> int:
     import ray
 
     from parity.commands.compare_curves import compare_and_report
+    from parity.comparing.curve_report import REPORT_NAME
     from parity.training.cluster import ensure_ray, probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
@@ -66,15 +68,15 @@ def run_main_job(args) -> int:
     from parity.training.loop import train_worker
     from parity.training.record import REFERENCE_GLOB, run_record_path
 
-    out = os.path.abspath(args.output_dir)
-    loss_dir = os.path.join(out, "loss_curves")
+    out = storage.absolute(args.output_dir)
+    loss_dir = storage.join(out, "loss_curves")
     cluster = probe_cluster()
     cfgs = [resolve(strategy, values, cluster=cluster, weights_written_before_launch=not values.get("save_init_weights"))
             for strategy, values in run_plan(args, out, cluster)]
     batches = [training_data(cfg) for cfg in cfgs]
     for pattern in ("loss_*.json", REFERENCE_GLOB):  # a verdict only on this job's runs
-        for stale in glob.glob(os.path.join(loss_dir, pattern)):
-            os.remove(stale)
+        for stale in storage.list_files(loss_dir, pattern):
+            storage.delete_file(stale)
 
     started = time.perf_counter()
     ensure_ray()
@@ -97,13 +99,13 @@ def run_main_job(args) -> int:
 
     print("== comparing", flush=True)
     try:
-        verdict = compare_and_report(loss_dir, os.path.join(loss_dir, "loss_curves.png"), tolerance=args.tolerance)
+        verdict = compare_and_report(loss_dir, storage.join(loss_dir, "loss_curves.png"), tolerance=args.tolerance)
     except ConfigError as exc:
         report_error(exc)
         verdict = 2
-    print({0: f"VERDICT: PASS — every strategy trains the same model as DDP within tolerance "
-              f"({loss_dir}/curve_report.md)",
-           1: f"VERDICT: FAIL — see the first failing step above and {loss_dir}/curve_report.md"}.get(
+    report = storage.join(loss_dir, REPORT_NAME)
+    print({0: f"VERDICT: PASS — every strategy trains the same model as DDP within tolerance ({report})",
+           1: f"VERDICT: FAIL — see the first failing step above and {report}"}.get(
         verdict, "VERDICT: no verdict — the runs could not be compared (see above)"),
         file=sys.stdout if verdict == 0 else sys.stderr)
     return verdict
@@ -132,8 +134,8 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
         "seq_length": args.seq_length or (1024 if on_gpu else 256), "debug_steps": args.debug_steps,
         "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "log_interval": args.log_interval,
         "precision": args.precision, "device": args.device,
-        "loss_output_dir": os.path.join(out, "loss_curves"), "storage_path": os.path.join(out, "ray_checkpoints"),
-        "init_weights_path": os.path.join(out, "shared_weights", "init_weights.pt"),
+        "loss_output_dir": storage.join(out, "loss_curves"), "storage_path": storage.join(out, "ray_checkpoints"),
+        "init_weights_path": storage.join(out, "shared_weights", "init_weights.pt"),
     }
     extra = extra_flags(args.extra_args, strategies)
     all_options = {o.name for name in NAMES for o in strategy_class(name).options}
@@ -145,7 +147,9 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
         plan.append((strategy, {**common, **layout, **{k: v for k, v in extra.items() if k not in others}}))
         if strategy == "ddp" and wants_noise_reference(args, on_gpu):
             ddp = plan[0][1]
-            for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], cluster.gpus if on_gpu else None):
+            # On GPUs a twin gets as many as the cluster has, or as the runs wait for (GPU nodes still to come).
+            gpus = max(cluster.gpus, world) if on_gpu else None
+            for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], gpus):
                 plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
                                      "save_init_weights": False, "noise_reference": True}))
     return plan

@@ -3,14 +3,13 @@ written beside the figure."""
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
+from parity import storage
 from parity.comparing.curves import Comparison, CurveResult
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
 from parity.registry import label
-from parity.storage import write_json_atomic, write_text_atomic
 
 JSON_NAME, REPORT_NAME = "curve_comparison.json", "curve_report.md"
 
@@ -53,7 +52,7 @@ def statistics_text(c: Comparison) -> str:
 
 def calibration_line(c: Comparison) -> str:
     if c.references:
-        names = ", ".join(os.path.basename(r.file) for r in c.references)
+        names = ", ".join(storage.name(r.file) for r in c.references)
         return (f"Bounds calibrated on {names}: {NOISE_K} × the noise between them and the baseline at each step, "
                 f"and no drift beyond {DRIFT_K} × that noise over {DRIFT_WINDOW} steps.")
     return ("Bounds UNCALIBRATED: no noise reference in the folder, so the fixed table by precision applies "
@@ -116,13 +115,13 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
 
 
 def write_outputs(c: Comparison, figure_path: str) -> list[str]:
-    """The figure, curve_comparison.json and curve_report.md (all atomic), in the figure's directory;
-    returns the paths."""
-    directory = os.path.dirname(os.path.abspath(figure_path))
-    json_path, md_path = os.path.join(directory, JSON_NAME), os.path.join(directory, REPORT_NAME)
+    """The figure, curve_comparison.json and curve_report.md (all atomic), in the figure's directory (a
+    local one or a URI); returns the paths."""
+    directory = storage.parent(storage.absolute(figure_path))
+    json_path, md_path = storage.join(directory, JSON_NAME), storage.join(directory, REPORT_NAME)
     save_figure(curve_figure(c), figure_path)
-    write_json_atomic(json_path, {**c.to_dict(), "figure": os.path.basename(figure_path)})
-    write_text_atomic(md_path, markdown_report(c, os.path.basename(figure_path)))
+    storage.write_json_atomic(json_path, {**c.to_dict(), "figure": storage.name(figure_path)})
+    storage.write_text_atomic(md_path, markdown_report(c, storage.name(figure_path)))
     return [figure_path, json_path, md_path]
 
 

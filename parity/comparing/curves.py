@@ -14,11 +14,10 @@ differs from the baseline: the first suspects.
 
 from __future__ import annotations
 
-import glob
 import math
-import os
 from dataclasses import asdict, dataclass
 
+from parity import storage
 from parity.comparing import tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
@@ -32,7 +31,7 @@ OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2
 # Config entries that differ between strategies by design: not suspects when a run FAILs.
 LAYOUT_AND_PLACES = ("strategy", "num_workers", "tp_size", "dp_size", "world_size", "batch_size", "cpus_per_worker",
                      "experiment_name", "final_checkpoint_dir", "loss_output_dir", "storage_path", "noise_reference",
-                     "init_weights_path", "save_init_weights")
+                     "init_weights_path", "save_init_weights", "worker_nodes")
 # Per-step entries every run must share with the baseline: (field, what differs, in words).
 STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
                    ("lr", "use different learning rates"))
@@ -144,8 +143,8 @@ class Comparison:
         return {
             "baseline": self.baseline.name, "num_steps": self.num_steps, "verdict": self.word,
             "warnings": self.warnings,
-            "noise_references": [os.path.basename(r.file) for r in self.references],
-            "runs": {r.name: {"label": r.label, "file": os.path.basename(r.file), "complete": r.complete,
+            "noise_references": [storage.name(r.file) for r in self.references],
+            "runs": {r.name: {"label": r.label, "file": storage.name(r.file), "complete": r.complete,
                               "steps_recorded": len(r.steps), "precision": r.precision,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
                               **{q: asdict(self.curve_stats(r, q)) for q in QUANTITIES}} for r in self.runs},
@@ -159,9 +158,9 @@ class Comparison:
 
 def load_runs(input_dir: str) -> list[Run]:
     """Every loss_*.json in `input_dir`, validated. Raises ConfigError (RecordError for a bad record)."""
-    if not os.path.isdir(input_dir):
+    if not storage.is_dir(input_dir):
         raise ConfigError(f"--input_dir {input_dir} is not a directory")
-    paths = sorted(glob.glob(os.path.join(input_dir, "loss_*.json")))
+    paths = storage.list_files(input_dir, "loss_*.json")
     if not paths:
         raise ConfigError(f"no loss_*.json in {input_dir}: run the train_*.py scripts with "
                           f"--loss_output_dir {input_dir} first")
@@ -169,7 +168,7 @@ def load_runs(input_dir: str) -> list[Run]:
     for path in paths:
         run = Run(path, load_record(path))
         if run.name in by_name:
-            raise ConfigError(f"{os.path.basename(by_name[run.name].file)} and {os.path.basename(path)} are both "
+            raise ConfigError(f"{storage.name(by_name[run.name].file)} and {storage.name(path)} are both "
                               f"{run.name} runs: keep one of them in {input_dir}")
         by_name[run.name] = run
         runs.append(run)
@@ -178,7 +177,7 @@ def load_runs(input_dir: str) -> list[Run]:
 
 def load_references(input_dir: str) -> list[Run]:
     """Every noise_reference_*.json in `input_dir`, validated."""
-    return [Run(path, load_record(path)) for path in sorted(glob.glob(os.path.join(input_dir, REFERENCE_GLOB)))]
+    return [Run(path, load_record(path)) for path in storage.list_files(input_dir, REFERENCE_GLOB)]
 
 
 def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
@@ -188,7 +187,7 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     of the baseline's strategy the bounds are calibrated; `rtol` / `grad_norm_rtol` fix the bound on the
     loss / the grad norm whatever the rest is."""
     base, others = _split_baseline(runs, baseline)
-    warnings = [f"warning: {os.path.basename(r.file)} is a noise reference of {r.name}, not of the baseline "
+    warnings = [f"warning: {storage.name(r.file)} is a noise reference of {r.name}, not of the baseline "
                 f"({base.name}): not used" for r in references if r.name != base.name]
     references = [r for r in references if r.name == base.name]
     num_steps = min(len(r.steps) for r in [*runs, *references])
@@ -233,7 +232,7 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
     the fixed table of the looser precision. --tolerance / --grad_norm_tolerance replace one curve's bound."""
     if references and run.precision == base.precision:
         series = lambda r: {q: _series(r, q, num_steps) for q in QUANTITIES}  # noqa: E731
-        names = ", ".join(os.path.basename(r.file) for r in references)
+        names = ", ".join(storage.name(r.file) for r in references)
         bounds = calibrated_bounds(series(base), [series(r) for r in references], base.precision,
                                    f"calibrated: {NOISE_K} × the noise of {names}")
     else:
@@ -241,7 +240,7 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
             looser = tolerances.looser_precision(base.precision, run.precision)
         except ConfigError as exc:
             odd = base if base.precision not in tolerances.PRECISION_ORDER else run
-            raise ConfigError(f"{os.path.basename(odd.file)}: {exc}") from None
+            raise ConfigError(f"{storage.name(odd.file)}: {exc}") from None
         why = "no noise reference" if not references else "the run's precision differs from the baseline's"
         bounds = fixed_bounds(tolerances.CURVES[looser], num_steps,
                               f"the fixed {looser} table ({base.name} {base.precision}, {run.name} {run.precision}); "
@@ -311,7 +310,7 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds) -> CurveResult:
 def _check_references(base: Run, references: list[Run], num_steps: int) -> None:
     """A reference measures the baseline's noise only at the baseline's precision, and only if it differs."""
     for ref in references:
-        name = os.path.basename(ref.file)
+        name = storage.name(ref.file)
         if ref.precision != base.precision:
             raise ConfigError(f"{name} is {ref.precision} but the baseline is {base.precision}: a noise reference "
                               f"runs at the baseline's precision")
@@ -326,7 +325,7 @@ def _series(run: Run, key: str, num_steps: int) -> list[float]:
 
 def _split_baseline(runs: list[Run], baseline: str) -> tuple[Run, list[Run]]:
     by_name = {r.name: r for r in runs}
-    input_dir = os.path.dirname(runs[0].file)
+    input_dir = storage.parent(runs[0].file)
     if baseline not in by_name:
         raise ConfigError(f"no baseline run '{baseline}' in {input_dir}: found {', '.join(sorted(by_name))}; "
                           f"pass --baseline with one of them")
@@ -341,10 +340,10 @@ def _incomplete_warnings(runs: list[Run], allow_incomplete: bool, num_steps: int
     incomplete = [r for r in runs if not r.complete]
     if incomplete and not allow_incomplete:
         r = incomplete[0]
-        raise ConfigError(f"{os.path.basename(r.file)} is incomplete ({len(r.steps)} of "
+        raise ConfigError(f"{storage.name(r.file)} is incomplete ({len(r.steps)} of "
                           f"{r.config['total_steps']} steps: still running, or it stopped early): "
                           f"pass --allow_incomplete to compare the steps done so far")
-    return [f"warning: {os.path.basename(r.file)} is incomplete ({len(r.steps)} of "
+    return [f"warning: {storage.name(r.file)} is incomplete ({len(r.steps)} of "
             f"{r.config['total_steps']} steps): comparing the first {num_steps} steps of every run"
             for r in incomplete]
 

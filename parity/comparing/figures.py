@@ -7,32 +7,33 @@ display, and `savefig` renders PNG with Agg and SVG/PDF with their own backends.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from parity import storage
 from parity.errors import ConfigError
 from parity.registry import label
-from parity.storage import atomic_path
 
 FIGURE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 
 
 def figure_format(path: str, flag: str = "--output") -> str:
     """The format the file's extension asks for; ConfigError for one matplotlib is not asked to write."""
-    ext = os.path.splitext(path)[1].lower()
+    ext = os.path.splitext(storage.name(path))[1].lower()
     if ext not in FIGURE_FORMATS:
         raise ConfigError(f"{flag} {path}: unknown extension '{ext}': use {', '.join(FIGURE_FORMATS)}")
     return FIGURE_FORMATS[ext]
 
 
 def save_figure(fig: Figure, path: str, flag: str = "--output") -> None:
-    """Atomically: rendered to a temporary file beside `path` (format given explicitly), then renamed."""
-    fmt = figure_format(path, flag)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format=fmt, dpi=120)
+    """Rendered in memory (format given explicitly), then written atomically (a local path or a URI)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=figure_format(path, flag), dpi=120)
+    storage.write_bytes_atomic(path, buffer.getvalue())
 
 
 def curve_figure(c) -> Figure:

@@ -1,8 +1,10 @@
-"""The Ray cluster a run uses: join RAY_ADDRESS's or start a local one, and what it offers (CPUs, GPUs).
+"""The Ray cluster a run uses: join RAY_ADDRESS's or start a local one, and what it offers (CPUs, GPUs,
+nodes).
 
 The device is decided from what the cluster has, not the driver: on a cluster (Anyscale) the driver
 often runs on a CPU-only head node. Without RAY_ADDRESS and before Ray is started, the cluster is this
-machine, so the configuration can be resolved (and bad input rejected) before Ray starts.
+machine, so the configuration can be resolved (and bad input rejected) before Ray starts. A cluster
+that was joined may grow (an autoscaler adds the GPU nodes a run asks for); one started here cannot.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from parity.errors import ConfigError
 class Cluster:
     cpus: float
     gpus: int
+    nodes: int = 1  # alive nodes: with more than one, workers may run where the driver's files are not
+    joined: bool = False  # a cluster someone else runs (RAY_ADDRESS, a Ray job): it may still grow
 
 
 def probe_cluster() -> Cluster:
@@ -28,10 +32,16 @@ def probe_cluster() -> Cluster:
     if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
         ensure_ray()
         resources = ray.cluster_resources()
-        return Cluster(cpus=float(resources.get("CPU", 1)), gpus=int(resources.get("GPU", 0)))
+        return Cluster(cpus=float(resources.get("CPU", 1)), gpus=int(resources.get("GPU", 0)),
+                       nodes=sum(1 for node in ray.nodes() if node["Alive"]), joined=joins_a_cluster())
     import torch
 
     return Cluster(cpus=float(len(os.sched_getaffinity(0))), gpus=torch.cuda.device_count())
+
+
+def joins_a_cluster() -> bool:
+    """True when Ray is (to be) joined rather than started here: RAY_ADDRESS is set, or this is a Ray job."""
+    return bool(os.environ.get("RAY_ADDRESS")) or "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
 
 
 def ensure_ray() -> float:
@@ -50,7 +60,7 @@ def ensure_ray() -> float:
         # Ray's 20 to 120; a user who sets the variable keeps their own budget.
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "10")
     try:
-        if address is None and "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+        if not joins_a_cluster():
             # Our own local cluster: "local" starts a new one even when another Ray runs on this machine
             # (a bare ray.init() would join that one and wait for its resources).
             ray.init(address="local", include_dashboard=False, log_to_driver=True,

@@ -12,12 +12,13 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
+from parity import storage
 from parity.errors import ConfigError
-from parity.storage import check_writable_dir
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -180,6 +181,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     the layer check's driver writes it before this run launches; only its directory is checked.
     """
     from parity.registry import strategy_class
+    from parity.training.cluster import probe_cluster
     from parity.training.data import check_source
     from parity.training.model import (check_init_weights, default_learning_rate, default_tokenizer,
                                        resolve_model_config)
@@ -212,21 +214,23 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     check_source(s["dataset"])
     s["experiment_name"] = s["experiment_name"] or (f"{strategy}_tp{s['tp_size']}_dp{s['dp_size']}"
                                                     + ("_noise_reference" if s["noise_reference"] else ""))
-    s["final_checkpoint_dir"] = s["final_checkpoint_dir"] or os.path.join(
+    s["final_checkpoint_dir"] = s["final_checkpoint_dir"] or storage.join(
         s["storage_path"], s["experiment_name"], "final_model")
 
+    cluster = cluster or probe_cluster()
+    s["device"], s["precision"], s["cpus_per_worker"], spread = _placement(s, cluster)
+    if spread:
+        _check_every_node_sees(s, cluster)
     if s["save_init_weights"] or weights_written_before_launch:
         if os.path.isdir(s["init_weights_path"]):
             raise ConfigError(f"--init_weights_path {s['init_weights_path']} is a directory: give the file to write "
                               f"(e.g. {os.path.join(s['init_weights_path'], 'init_weights.pt')})")
-        check_writable_dir("--init_weights_path's directory", os.path.dirname(s["init_weights_path"]))
+        storage.check_writable_dir("--init_weights_path's directory", storage.parent(s["init_weights_path"]))
     else:
         check_init_weights(s["init_weights_path"], model_config)
-    check_writable_dir("--loss_output_dir", s["loss_output_dir"])
-    check_writable_dir("--storage_path", s["storage_path"])
-    check_writable_dir("--final_checkpoint_dir's parent", os.path.dirname(s["final_checkpoint_dir"]))
-
-    s["device"], s["precision"], s["cpus_per_worker"] = _placement(s, cluster)
+    storage.check_writable_dir("--loss_output_dir", s["loss_output_dir"])
+    storage.check_writable_dir("--storage_path", s["storage_path"])
+    storage.check_writable_dir("--final_checkpoint_dir's parent", storage.parent(s["final_checkpoint_dir"]))
     return RunConfig(strategy=strategy, options=options, model_config=model_config.to_dict(), **s)
 
 
@@ -307,27 +311,43 @@ def _dp_size(num_workers: int, tp_size: int, dp_size: int | None) -> int:
 
 
 def _absolute_paths(s: dict) -> None:
-    """Ray workers do not run in the driver's directory: every local path travels absolute."""
+    """Ray workers do not run in the driver's directory: every local path travels absolute (a URI as given)."""
     for name in PATH_FLAGS:
-        if s[name] and "://" not in s[name]:
-            s[name] = os.path.abspath(os.path.expanduser(s[name]))
+        if s[name]:
+            s[name] = storage.absolute(s[name])
     if s["dataset"].startswith("text:"):
         s["dataset"] = "text:" + os.path.abspath(s["dataset"][len("text:"):])
     if os.path.isdir(s["model_name"]):
         s["model_name"] = os.path.abspath(s["model_name"])
 
 
-def _placement(s: dict, cluster) -> tuple[str, str, float]:
-    """(device, precision, CPUs per worker) from --device/--precision and what the cluster offers."""
-    from parity.training.cluster import probe_cluster
-
-    cluster = cluster or probe_cluster()
+def _placement(s: dict, cluster) -> tuple[str, str, float, bool]:
+    """(device, precision, CPUs per worker, whether workers may run on other nodes than this driver) from
+    --device/--precision and what the cluster offers. A joined cluster short of GPUs for --device cuda may
+    be waiting for its autoscaler: the run goes ahead (Ray Train waits for the GPUs), on nodes to come."""
     workers = s["num_workers"]
-    if s["device"] == "cuda" and cluster.gpus < workers:
+    waits_for_gpus = s["device"] == "cuda" and cluster.gpus < workers
+    if waits_for_gpus and not cluster.joined:
         raise ConfigError(f"--device cuda needs {workers} GPUs (one per worker), the Ray cluster has "
                           f"{cluster.gpus}: use --device cpu or fewer workers")
+    if waits_for_gpus:
+        print(f"note: --device cuda: the Ray cluster has {cluster.gpus} of the {workers} GPUs this run needs "
+              f"now; the run waits until its autoscaler adds them", file=sys.stderr, flush=True)
     device = s["device"] if s["device"] != "auto" else ("cuda" if cluster.gpus >= workers else "cpu")
     precision = s["precision"] if s["precision"] != "auto" else ("bf16" if device == "cuda" else "fp32")
-    return device, precision, min(1.0, cluster.cpus / workers)
+    return device, precision, min(1.0, cluster.cpus / workers), cluster.nodes > 1 or waits_for_gpus
+
+
+def _check_every_node_sees(s: dict, cluster) -> None:
+    """Workers that may run on other nodes (rank 0 writes the record and the checkpoint, every rank reads
+    the weights) need paths every node sees: a URI, a shared mount, or a folder declared shared."""
+    for name in PATH_FLAGS:
+        if not storage.visible_to_every_node(s[name]):
+            where = (f"the Ray cluster has {cluster.nodes} nodes" if cluster.nodes > 1
+                     else "its GPUs are on nodes still to come")
+            raise ConfigError(f"--{name} {s[name]} is a local path, and this run's workers may run on other "
+                              f"nodes than this driver ({where}): use a URI (s3://, gs://, …), a mount every node "
+                              f"shares ({', '.join(storage.SHARED_MOUNTS)}), or name a folder every node shares "
+                              f"in PARITY_SHARED_PATHS")
 
 

@@ -32,6 +32,8 @@ from parity.training.model import (build_model, config_summary, load_init_weight
 from parity.training.record import LossRecord, run_record_path
 from parity.training.strategy import WorkerContext, causal_lm_loss, lr_at
 
+NODE_ID_BYTES = 64  # a Ray node id is 56 hex characters
+
 
 @dataclass
 class Worker:
@@ -84,7 +86,8 @@ def train(w: Worker, batches) -> None:
     total_steps = cfg.debug_steps or cfg.num_epochs * batches.steps_per_epoch
     memory_metric = reset_peak_memory(ctx.device)
     record = LossRecord(run_record_path(cfg), cfg.strategy,
-                        run_description(cfg, ctx, w.model_config, w.weights_sha, batches, total_steps, memory_metric))
+                        run_description(cfg, ctx, w.model_config, w.weights_sha, batches, total_steps, memory_metric,
+                                        worker_nodes(ctx)))
     log(f"training {total_steps} steps: {batches.dataset.describe()}, global batch {cfg.global_batch_size} × "
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
 
@@ -186,10 +189,11 @@ def evaluate(strategy, input_ids: torch.Tensor) -> float:
 
 
 def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sha: str, batches, total_steps,
-                    memory_metric: str):
+                    memory_metric: str, nodes: list[str]):
     """The record's "config": every resolved flag plus what a comparison must know to trust the numbers.
     Its model_config is the summary that makes two models the same model, not the whole HF config."""
     return {**cfg.to_dict(), "world_size": ctx.world_size, "global_batch_size": cfg.global_batch_size,
+            "worker_nodes": nodes,
             "total_steps": total_steps, "steps_per_epoch": batches.steps_per_epoch,
             "dataset_description": batches.dataset.describe(), "device_type": ctx.device.type,
             "backend": dist.get_backend(), "init_weights_sha256": weights_sha,
@@ -217,6 +221,20 @@ def reset_peak_memory(device: torch.device) -> str:
             f.write("5")
         return "process_max_rss_since_run_start"
     return "process_max_rss"
+
+
+def worker_nodes(ctx: WorkerContext) -> list[str]:
+    """The node of every rank, by rank (a collective: every rank calls it): Ray's node id in a Ray Train
+    worker, the host name in a process group without Ray. Gathered as bytes on the run's device, which
+    every backend (gloo, NCCL) can gather."""
+    import ray
+
+    mine = ray.get_runtime_context().get_node_id() if ray.is_initialized() else platform.node()
+    local = torch.tensor(list(mine.encode()[:NODE_ID_BYTES].ljust(NODE_ID_BYTES, b"\0")), dtype=torch.uint8,
+                         device=ctx.device)
+    gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, local)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in gathered]
 
 
 def library_versions() -> dict[str, str]:

@@ -8,13 +8,14 @@ only way "same initial weights" can be true. The file carries the model config i
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from collections import OrderedDict
 
 import torch
 
-from parity.storage import atomic_path
+from parity import storage
 from parity.errors import ConfigError
 
 # Published values of Qwen/Qwen2.5-0.5B's config.json, so no hub is needed.
@@ -130,7 +131,7 @@ def config_summary(config) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 def save_init_weights(model, path: str) -> str:
-    """Write the full state dict atomically; returns the file's sha256.
+    """Write the full state dict atomically (a local path or a URI); returns the file's sha256.
 
     `.safetensors` keeps the config in its string metadata; `.pt` keeps it in the state dict's own
     `_metadata` (what `load_state_dict` reads versions from), so the file still loads with
@@ -139,66 +140,85 @@ def save_init_weights(model, path: str) -> str:
     state = OrderedDict((k, v.detach().to("cpu", torch.float32).contiguous().clone())
                         for k, v in model.state_dict().items())
     meta = {"format": FILE_FORMAT, "model_config": json.dumps(model.config.to_dict(), sort_keys=True)}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with atomic_path(path) as tmp:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import save_file
+    if _is_safetensors(path):
+        from safetensors.torch import save
 
-            save_file(state, tmp, metadata=meta)
-        else:
-            state._metadata = OrderedDict({"": {"version": 1, **meta}})
-            torch.save(state, tmp)
-    return file_sha256(path)
+        data = save(state, metadata=meta)
+    else:
+        state._metadata = OrderedDict({"": {"version": 1, **meta}})
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+    storage.write_bytes_atomic(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
-def read_init_weights(path: str) -> tuple[OrderedDict, dict | None]:
-    """(state dict, stored model config or None). Raises ConfigError for unreadable files."""
-    if os.path.isdir(path):
+def read_init_weights(path: str) -> tuple[OrderedDict, dict | None, str]:
+    """(state dict, stored model config or None, the file's sha256), from one read of the file (a local
+    path or a URI). Raises ConfigError for a missing or unreadable file."""
+    if storage.is_dir(path):
         raise ConfigError(f"init weights file {path} is a directory: give the weights file's path "
-                          f"(e.g. {os.path.join(path, 'init_weights.pt')})")
-    if not os.path.isfile(path):
-        raise ConfigError(f"init weights file {path} does not exist: run train_ddp.py with --save_init_weights "
-                          f"first, or pass --save_init_weights to create it")
+                          f"(e.g. {storage.join(path, 'init_weights.pt')})")
     try:
-        if path.endswith(".safetensors"):
-            from safetensors import safe_open
+        data = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise ConfigError(f"init weights file {path} does not exist: run train_ddp.py with --save_init_weights "
+                          f"first, or pass --save_init_weights to create it") from None
+    except OSError as exc:
+        raise ConfigError(f"init weights file {path} cannot be read ({storage.reason(exc)})") from None
+    try:
+        if _is_safetensors(path):
+            from safetensors.torch import load
 
-            with safe_open(path, framework="pt") as f:
-                meta = f.metadata() or {}
-                state = OrderedDict((k, f.get_tensor(k)) for k in f.keys())
+            state = OrderedDict(load(data))
+            meta = _safetensors_metadata(data)
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             meta = (getattr(state, "_metadata", None) or {}).get("", {})
     except Exception as exc:
-        raise ConfigError(f"init weights file {path} {_unreadable(path, exc)}: recreate it with "
+        raise ConfigError(f"init weights file {path} {_unreadable(path, data, exc)}: recreate it with "
                           f"--save_init_weights") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"init weights file {path} is not a state dict of tensors: "
                           f"recreate it with --save_init_weights")
     stored = json.loads(meta["model_config"]) if "model_config" in meta else None
-    return state, stored
+    return state, stored, hashlib.sha256(data).hexdigest()
 
 
-def _unreadable(path: str, exc: Exception) -> str:
+def _unreadable(path: str, data: bytes, exc: Exception) -> str:
     """Why a weights file cannot be read, in words rather than the loader's own message."""
     import zipfile
 
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if not head:
+    if not data:
         return "is empty"
-    if path.endswith(".safetensors"):
+    if _is_safetensors(path):
         return f"is not a safetensors file, or is truncated ({str(exc).splitlines()[0][:80]})"
-    if head.startswith(b"PK") and not zipfile.is_zipfile(path):
-        return "is truncated or corrupt (its torch.save archive is incomplete)"
-    if not head.startswith(b"PK"):
+    if not data.startswith(b"PK"):
         return "is not a PyTorch weights file (torch.save writes a zip archive; this is not one)"
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        return "is truncated or corrupt (its torch.save archive is incomplete)"
     return f"cannot be read as a state dict ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
 
 
 def check_init_weights(path: str, config) -> None:
     """Fail with one line when the file was made for another model than the run's."""
-    state, stored = read_init_weights(path)
+    state, stored, _ = read_init_weights(path)
+    _check_fits(path, state, stored, config)
+
+
+def load_init_weights(model, path: str) -> str:
+    """Load the file into `model` (strict) and return its sha256."""
+    state, stored, sha = read_init_weights(path)
+    _check_fits(path, state, stored, model.config)
+    model.load_state_dict(state, strict=True)
+    return sha
+
+
+def file_sha256(path: str) -> str:
+    return hashlib.sha256(storage.read_bytes(path)).hexdigest()
+
+
+def _check_fits(path: str, state: dict, stored: dict | None, config) -> None:
     want = config.to_dict()
     if stored is not None:
         for key, label in SHAPE_FIELDS.items():
@@ -220,20 +240,15 @@ def check_init_weights(path: str, config) -> None:
                               f"{tuple(state[name].shape)}, model expects {shape}: recreate it with --save_init_weights")
 
 
-def load_init_weights(model, path: str) -> str:
-    """Load the file into `model` (strict) and return its sha256."""
-    check_init_weights(path, model.config)
-    state, _ = read_init_weights(path)
-    model.load_state_dict(state, strict=True)
-    return file_sha256(path)
+def _is_safetensors(path: str) -> bool:
+    return storage.name(path).endswith(".safetensors")
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _safetensors_metadata(data: bytes) -> dict:
+    """The string metadata of a safetensors file held in memory: its header is an 8-byte little-endian
+    length, then that much JSON, whose "__metadata__" entry holds it."""
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + length]).get("__metadata__") or {}
 
 
 def parameter_names(config) -> list[str]:
@@ -253,11 +268,8 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
 
 
 def save_hf_checkpoint(params: dict[str, torch.Tensor], config, directory: str) -> None:
-    """Write full parameters in `save_pretrained` layout (config.json + model.safetensors), atomically:
-    the model is written into a temporary sibling directory that replaces `directory` when complete."""
-    import shutil
-    import tempfile
-
+    """Write full parameters in `save_pretrained` layout (config.json + model.safetensors) to `directory`
+    (a local path or a URI), whole: parity.storage.directory_writer publishes it when complete."""
     from transformers import Qwen2ForCausalLM
     from transformers.utils import logging as transformers_logging
 
@@ -269,14 +281,5 @@ def save_hf_checkpoint(params: dict[str, torch.Tensor], config, directory: str) 
     if set(missing) - tied or unexpected:
         raise ValueError(f"full parameters do not match the model: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(directory)}.")
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if os.path.isdir(directory):
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with storage.directory_writer(directory) as staging:
+        model.save_pretrained(staging, safe_serialization=True)

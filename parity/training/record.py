@@ -1,16 +1,15 @@
 """The loss record `loss_<strategy>.json`: schema, atomic rewrite during the run, load + validate.
 
-Rank 0 rewrites the whole file every --log_interval steps (temp file + rename), so a crash leaves the
-steps done so far and `"complete": false`; a reader never sees half a file.
+Rank 0 rewrites the whole file every --log_interval steps, atomically (parity.storage: on a local folder or
+a URI), so a crash leaves the steps done so far and `"complete": false`; a reader never sees half a file.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
+from parity import storage
 from parity.errors import RecordError
-from parity.storage import NON_FINITE, write_json_atomic
 
 SCHEMA_VERSION = 2  # 2: every step has param_norm
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
@@ -24,15 +23,14 @@ REFERENCE_GLOB = "noise_reference_*.json"
 
 
 def record_path(output_dir: str, strategy: str) -> str:
-    return os.path.join(output_dir, f"loss_{strategy}.json")
+    return storage.join(output_dir, f"loss_{strategy}.json")
 
 
 def run_record_path(cfg) -> str:
     """Where a run writes its record: loss_<strategy>.json, or for a noise reference (a twin of the baseline,
     one per layout) noise_reference_<strategy>_tp<T>_dp<D>.json."""
     if cfg.noise_reference:
-        return os.path.join(cfg.loss_output_dir,
-                            f"noise_reference_{cfg.strategy}_tp{cfg.tp_size}_dp{cfg.dp_size}.json")
+        return storage.join(cfg.loss_output_dir, f"noise_reference_{cfg.strategy}_tp{cfg.tp_size}_dp{cfg.dp_size}.json")
     return record_path(cfg.loss_output_dir, cfg.strategy)
 
 
@@ -52,7 +50,7 @@ class LossRecord:
         self.steps.append(step)
 
     def write(self) -> None:
-        write_json_atomic(self.path, self.data)
+        storage.write_json_atomic(self.path, self.data)
 
     def finish(self, **final) -> None:
         self.data["final"] = final
@@ -62,15 +60,14 @@ class LossRecord:
 
 def load_record(path: str) -> dict:
     """Read and check a loss record; RecordError names the file and the first thing wrong with it."""
-    name = os.path.basename(path)
+    name = storage.name(path)
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(storage.read_text(path))
     except json.JSONDecodeError as exc:
         raise RecordError(f"{name}: not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); "
                           f"the file is malformed or truncated: rerun that strategy") from None
-    except OSError as exc:
-        raise RecordError(f"{name}: cannot be read ({exc.strerror})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecordError(f"{name}: cannot be read ({storage.reason(exc)})") from None
     if not isinstance(data, dict):
         raise RecordError(f"{name}: expected a JSON object with 'strategy', 'config' and 'steps'")
     for key, kind in (("strategy", str), ("config", dict), ("steps", list)):
@@ -98,7 +95,7 @@ def load_record(path: str) -> dict:
         if step["step"] != i:
             raise RecordError(f"{name}: steps[{i}] is numbered {step['step']}; steps must be 0, 1, 2, ...")
         for k in ("loss", "grad_norm", "param_norm", "lr"):
-            step[k] = NON_FINITE.get(step[k], step[k]) if isinstance(step[k], str) else step[k]
+            step[k] = storage.NON_FINITE.get(step[k], step[k]) if isinstance(step[k], str) else step[k]
             if isinstance(step[k], bool) or not isinstance(step[k], (int, float)):
                 raise RecordError(f"{name}: steps[{i}].{k} is not a number")
         if not isinstance(step["tokens"], int):
