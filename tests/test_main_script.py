@@ -58,7 +58,7 @@ def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
     assert buggy.count("lr * 1.05") == 1
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "fsdp_strategy.py").write_text(buggy)
-    proc = run_main(tmp_path / "out", PRECISION="bf16", STRATEGIES="ddp fsdp", PYTHONPATH=str(tmp_path / "copy"))
+    proc = run_main(tmp_path / "out", PRECISION="bf16", STRATEGIES="ddp fsdp", PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "copy"), os.environ.get("PYTHONPATH")])))
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "== ddp (noise reference): tp=1 dp=1 bf16" in proc.stdout
     assert "== ddp (noise reference): tp=1 dp=4 bf16" in proc.stdout
