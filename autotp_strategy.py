@@ -27,7 +27,7 @@ import torch
 
 from parity.errors import ConfigError, LibraryMissing
 from parity.training.config import Option
-from parity.training.memory import GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
+from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.strategy import Strategy, build_optimizer, set_lr, squared_norm_fp64
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -135,27 +135,31 @@ class DeepSpeedStrategy(Strategy):
     def model_state_bytes(self) -> dict:
         """Where ZeRO keeps the model states (DeepSpeed 0.19.8; docs/benchmark.md has what each stage holds):
         the working parameters (stages 1/2: views of the flat buffers bit16_groups_flat, whole on every rank;
-        stage 3: each parameter's ds_tensor partition, plus the full tensor while it is gathered), the master
-        partition the optimizer updates (fp32 even at fp32: a copy of the parameters' partition), the gradient
-        partitions and Adam's state, and ZeRO-Offload's staging buffers. ZeRO's reduce buckets are
-        communication buffers, not model states: not counted (ZeRO-3 allocates one of reduce_bucket_size
-        elements, 2 GB in fp32, which on CPU is never touched beyond the model's size)."""
+        stage 3: each parameter's ds_tensor partition), the master partition the optimizer updates (fp32 even
+        at fp32: a copy of the parameters' partition), the gradients and Adam's state. A gradient waiting in a
+        reduce bucket during backward is a gradient: counted by its own bytes (the bucket, reduce_bucket_size
+        elements whatever it holds, is a communication buffer). Copies made to compute or communicate are
+        counted beside the model states: the full parameters ZeRO-3 gathers (gathered_params) and
+        ZeRO-Offload's staging buffers."""
         ledger = StateLedger(self.ctx.device)
         opt, params = self.engine.optimizer, list(self.engine.module.parameters())
         if self.zero_stage == 3:
+            ledger.count_by_view(bucket.buffer for bucket in opt.ipg_buckets.values())
             ledger.add_all(PARAMS, (p.ds_tensor for p in params))
-            ledger.add_all(PARAMS, params)  # a parameter gathered now (empty otherwise)
+            ledger.add_all(GATHERED, params)  # a parameter gathered now (empty otherwise)
             ledger.add_all(MASTER, opt.fp32_partitioned_groups_flat)
             ledger.add_all(GRADS, (t.grad for t in opt.fp32_partitioned_groups_flat))
             ledger.add(GRADS, getattr(opt, "grad_partitions_flat_buffer", None))
         else:
+            ledger.count_by_view(buffer for bucket in opt.ipg_buckets.values() for buffer in bucket.buffer)
             ledger.add_all(PARAMS, opt.bit16_groups_flat)
             ledger.add_all(MASTER, opt.single_partition_of_fp32_groups)
             ledger.add_all(GRADS, (t.grad for t in opt.single_partition_of_fp32_groups))
+            ledger.add(GRADS, getattr(opt, "grads_in_partition", None))  # the partition's, once reduced
             ledger.add_all(GRADS, (g for group in (opt.averaged_gradients or {}).values() for g in group or ()))
             ledger.add_all(OFFLOAD_BUFFERS, getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", ()))
             ledger.add(OFFLOAD_BUFFERS, getattr(opt, "temp_grad_buffer_for_cpu_offload", None))
-        ledger.add_all(GRADS, (p.grad for p in params))
+        ledger.add_all(GRADS, (p.grad for p in params))  # before or waiting for their reduction
         ledger.add_optimizer_state(opt.optimizer)
         return ledger.result()
 
