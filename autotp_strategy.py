@@ -32,6 +32,7 @@ from parity.training.strategy import Strategy, build_optimizer, set_lr, squared_
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = ("none", "cpu")
+DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default for zero_optimization.reduce_bucket_size
 
 
 class DeepSpeedStrategy(Strategy):
@@ -49,6 +50,10 @@ class DeepSpeedStrategy(Strategy):
                     "the optimizer step on the CPU (with the same torch AdamW)"),
         Option("offload_param", "none", choices=OFFLOAD,
                help="cpu: ZeRO-3's parameter partitions in host memory between uses (--zero_stage 3 only)"),
+        Option("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET_SIZE,
+               help="elements of gradient ZeRO reduces at once (zero_optimization.reduce_bucket_size; default "
+                    "DeepSpeed's, 5e8). ZeRO-2 and ZeRO-3 free the gradients outside their partition each time a "
+                    "bucket fills, so during backward they hold less than ZeRO-1 only for a model larger than this"),
     )
 
     @classmethod
@@ -66,6 +71,10 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError("--bf16_master_weights with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights "
                               "in host memory only with its DeepSpeedCPUAdam, not the shared torch AdamW: drop one "
                               "of the two")
+        if settings.options["reduce_bucket_size"] < 1:
+            raise ConfigError(f"--reduce_bucket_size must be a positive number of elements (got "
+                              f"{settings.options['reduce_bucket_size']}): DeepSpeed's default is "
+                              f"{DEEPSPEED_REDUCE_BUCKET_SIZE}")
         if settings.options["bf16_master_weights"] and settings.precision != "bf16":
             raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {settings.precision}: "
                               f"pass --precision bf16 with it, or drop it")
@@ -248,7 +257,7 @@ def engine_config(cfg) -> dict:
     No train_batch_size: DeepSpeed counts TP ranks as DP ranks in that product (micro × accumulation ×
     world size) and rejects the true global batch; the gradient averaging itself uses the real DP group.
     """
-    zero = {"stage": cfg.options["zero_stage"]}
+    zero = {"stage": cfg.options["zero_stage"], "reduce_bucket_size": cfg.options["reduce_bucket_size"]}
     if zero["stage"] == 3:
         # Every parameter partitioned, as the paper's stage 3: DeepSpeed by default keeps parameters under 1e5
         # elements whole on every rank (for qwen2-tiny, all but the embedding). Numerics are the same either way.
