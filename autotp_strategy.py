@@ -27,11 +27,12 @@ import torch
 
 from parity.errors import ConfigError, LibraryMissing
 from parity.training.config import Option
-from parity.training.memory import GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
+from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.strategy import Strategy, build_optimizer, set_lr, squared_norm_fp64
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = ("none", "cpu")
+DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default for zero_optimization.reduce_bucket_size
 
 
 class DeepSpeedStrategy(Strategy):
@@ -49,6 +50,10 @@ class DeepSpeedStrategy(Strategy):
                     "the optimizer step on the CPU (with the same torch AdamW)"),
         Option("offload_param", "none", choices=OFFLOAD,
                help="cpu: ZeRO-3's parameter partitions in host memory between uses (--zero_stage 3 only)"),
+        Option("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET_SIZE,
+               help="elements of gradient ZeRO reduces at once (zero_optimization.reduce_bucket_size; default "
+                    "DeepSpeed's, 5e8). ZeRO-2 and ZeRO-3 free the gradients outside their partition each time a "
+                    "bucket fills, so during backward they hold less than ZeRO-1 only for a model larger than this"),
     )
 
     @classmethod
@@ -66,6 +71,10 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError("--bf16_master_weights with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights "
                               "in host memory only with its DeepSpeedCPUAdam, not the shared torch AdamW: drop one "
                               "of the two")
+        if settings.options["reduce_bucket_size"] < 1:
+            raise ConfigError(f"--reduce_bucket_size must be a positive number of elements (got "
+                              f"{settings.options['reduce_bucket_size']}): DeepSpeed's default is "
+                              f"{DEEPSPEED_REDUCE_BUCKET_SIZE}")
         if settings.options["bf16_master_weights"] and settings.precision != "bf16":
             raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {settings.precision}: "
                               f"pass --precision bf16 with it, or drop it")
@@ -135,27 +144,31 @@ class DeepSpeedStrategy(Strategy):
     def model_state_bytes(self) -> dict:
         """Where ZeRO keeps the model states (DeepSpeed 0.19.8; docs/benchmark.md has what each stage holds):
         the working parameters (stages 1/2: views of the flat buffers bit16_groups_flat, whole on every rank;
-        stage 3: each parameter's ds_tensor partition, plus the full tensor while it is gathered), the master
-        partition the optimizer updates (fp32 even at fp32: a copy of the parameters' partition), the gradient
-        partitions and Adam's state, and ZeRO-Offload's staging buffers. ZeRO's reduce buckets are
-        communication buffers, not model states: not counted (ZeRO-3 allocates one of reduce_bucket_size
-        elements, 2 GB in fp32, which on CPU is never touched beyond the model's size)."""
+        stage 3: each parameter's ds_tensor partition), the master partition the optimizer updates (fp32 even
+        at fp32: a copy of the parameters' partition), the gradients and Adam's state. A gradient waiting in a
+        reduce bucket during backward is a gradient: counted by its own bytes (the bucket, reduce_bucket_size
+        elements whatever it holds, is a communication buffer). Copies made to compute or communicate are
+        counted beside the model states: the full parameters ZeRO-3 gathers (gathered_params) and
+        ZeRO-Offload's staging buffers."""
         ledger = StateLedger(self.ctx.device)
         opt, params = self.engine.optimizer, list(self.engine.module.parameters())
         if self.zero_stage == 3:
+            ledger.count_by_view(bucket.buffer for bucket in opt.ipg_buckets.values())
             ledger.add_all(PARAMS, (p.ds_tensor for p in params))
-            ledger.add_all(PARAMS, params)  # a parameter gathered now (empty otherwise)
+            ledger.add_all(GATHERED, params)  # a parameter gathered now (empty otherwise)
             ledger.add_all(MASTER, opt.fp32_partitioned_groups_flat)
             ledger.add_all(GRADS, (t.grad for t in opt.fp32_partitioned_groups_flat))
             ledger.add(GRADS, getattr(opt, "grad_partitions_flat_buffer", None))
         else:
+            ledger.count_by_view(buffer for bucket in opt.ipg_buckets.values() for buffer in bucket.buffer)
             ledger.add_all(PARAMS, opt.bit16_groups_flat)
             ledger.add_all(MASTER, opt.single_partition_of_fp32_groups)
             ledger.add_all(GRADS, (t.grad for t in opt.single_partition_of_fp32_groups))
+            ledger.add(GRADS, getattr(opt, "grads_in_partition", None))  # the partition's, once reduced
             ledger.add_all(GRADS, (g for group in (opt.averaged_gradients or {}).values() for g in group or ()))
             ledger.add_all(OFFLOAD_BUFFERS, getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", ()))
             ledger.add(OFFLOAD_BUFFERS, getattr(opt, "temp_grad_buffer_for_cpu_offload", None))
-        ledger.add_all(GRADS, (p.grad for p in params))
+        ledger.add_all(GRADS, (p.grad for p in params))  # before or waiting for their reduction
         ledger.add_optimizer_state(opt.optimizer)
         return ledger.result()
 
@@ -244,7 +257,7 @@ def engine_config(cfg) -> dict:
     No train_batch_size: DeepSpeed counts TP ranks as DP ranks in that product (micro × accumulation ×
     world size) and rejects the true global batch; the gradient averaging itself uses the real DP group.
     """
-    zero = {"stage": cfg.options["zero_stage"]}
+    zero = {"stage": cfg.options["zero_stage"], "reduce_bucket_size": cfg.options["reduce_bucket_size"]}
     if zero["stage"] == 3:
         # Every parameter partitioned, as the paper's stage 3: DeepSpeed by default keeps parameters under 1e5
         # elements whole on every rank (for qwen2-tiny, all but the embedding). Numerics are the same either way.

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from parity.errors import ConfigError
 from parity.training.config import Option
-from parity.training.memory import GRADS, PARAMS, StateLedger
+from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
 from parity.training.strategy import Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
 
 MIXED_PRECISION = ("autocast", "policy")
@@ -173,12 +173,18 @@ class FSDPStrategy(Strategy):
         return global_norm(list(self.model.parameters()))
 
     def model_state_bytes(self) -> dict:
-        """Each parameter's local shard (its dp × tp piece), its gradient's, and Adam's state of it."""
+        """Each parameter's local shard (its dp × tp piece: the optimizer's parameters), its gradient's, and
+        Adam's state of it. In forward and backward FSDP2 registers a group's all-gathered parameters on the
+        modules in place of the shards: copies, counted as gathered_params; a gradient they accumulate before
+        FSDP2 reduce-scatters it is this rank's gradient, counted as one."""
         ledger = StateLedger(self.ctx.device)
-        params = list(self.model.parameters())
-        ledger.add_all(PARAMS, params)
-        ledger.add_all(GRADS, (p.grad for p in params))
+        shards = [p for group in self.optimizer.param_groups for p in group["params"]]
+        ledger.add_all(PARAMS, shards)
+        ledger.add_all(GRADS, (p.grad for p in shards))
         ledger.add_optimizer_state(self.optimizer)
+        registered = list(self.model.parameters())  # the shards again, or a group's gathered parameters
+        ledger.add_all(GATHERED, registered)
+        ledger.add_all(GRADS, (p.grad for p in registered))
         return ledger.result()
 
     @property

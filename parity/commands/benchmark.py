@@ -55,6 +55,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--reduce_bucket_size", type=int, default=None,
+                   help="the DeepSpeed rows' --reduce_bucket_size (default: DeepSpeed's, 5e8 elements: ZeRO-2 and "
+                        "ZeRO-3 then hold every gradient until the end of backward, as ZeRO-1, for any model "
+                        "smaller than that)")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="one GPU's peak bf16 TFLOP/s for MFU (default: looked up by the GPU's name)")
     return p
@@ -90,6 +94,8 @@ def run_values(args, name: str, out: str, on_gpu: bool) -> dict:
         "device": args.device, "seed": args.seed, "init_weights_path": os.path.join(out, WEIGHTS),
         "loss_output_dir": os.path.join(out, "rows", name), "storage_path": os.path.join(out, "ray"),
         "experiment_name": f"benchmark_{name}", **row.options,
+        **({"reduce_bucket_size": args.reduce_bucket_size} if row.strategy == "deepspeed" and args.reduce_bucket_size
+           is not None else {}),
     }
 
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import statistics
 
-from parity.training.memory import BOUND_CATEGORIES
+from parity.training.memory import BOUND_CATEGORIES, model_state_total
 
 MIB = 2 ** 20
-MEASURED_AT = "after_backward"  # gradients reduced, before clipping and the step: the most a rank holds between steps
+MEASURED_AT = "peak"  # the sample of the measured step where the rank held the most model-state bytes
 
 ROW_KEYS = (
     "row", "label", "strategy", "options", "tp_size", "dp_size", "batch_size", "steps", "timed_steps",
     "median_step_time_s", "step_time_ratio_to_ddp", "tokens_per_s", "mfu",
-    "model_state_bytes", "model_state_total_bytes", "model_state_bytes_per_rank", "offloaded_bytes",
+    "model_state_bytes", "model_state_total_bytes", "model_state_peak_at", "peak_all_bytes",
+    "model_state_bytes_per_rank", "offloaded_bytes",
     "zero_stage", "zero_bound_bytes", "zero_bound_total_bytes", "peak_memory_bytes", "memory_metric",
     "final_loss", "final_loss_rel_diff_from_ddp", "loss_record",
 )
@@ -51,7 +52,7 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
     timed = steps[untimed_steps:]
     median = statistics.median(s["step_time_s"] for s in timed)
     per_rank = state["per_rank"]
-    totals = [sum(r["bytes"].values()) for r in per_rank[MEASURED_AT]]
+    totals = [model_state_total(r["bytes"]) for r in per_rank[MEASURED_AT]]
     fullest = totals.index(max(totals))
     return {
         "row": row, "label": label, "strategy": record["strategy"], "options": cfg["options"],
@@ -59,6 +60,8 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
         "steps": len(steps), "timed_steps": len(timed), "median_step_time_s": median,
         "step_time_ratio_to_ddp": None, "tokens_per_s": timed[0]["tokens"] / median, "mfu": None,
         "model_state_bytes": per_rank[MEASURED_AT][fullest]["bytes"], "model_state_total_bytes": totals[fullest],
+        "model_state_peak_at": [peak_point(r) for r in per_rank[MEASURED_AT]],
+        "peak_all_bytes": max(sum(r["bytes"].values()) for r in per_rank["peak_all"]),
         "model_state_bytes_per_rank": {point: [r["bytes"] for r in ranks] for point, ranks in per_rank.items()},
         "offloaded_bytes": max(r["offloaded_bytes"] for r in per_rank[MEASURED_AT]),
         "zero_stage": state["zero_stage"], "zero_bound_bytes": state["zero_bound_bytes"],
@@ -66,6 +69,11 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
         "peak_memory_bytes": max(s["peak_memory_bytes"] for s in steps), "memory_metric": cfg["memory_metric"],
         "final_loss": steps[-1]["loss"], "final_loss_rel_diff_from_ddp": None, "loss_record": path,
     }
+
+
+def peak_point(peak: dict) -> str:
+    """Where a peak was: "after_backward", or "during_backward, <the parameter whose gradient had just arrived>"."""
+    return f"{peak['point']}, {peak['parameter']}" if peak["parameter"] else peak["point"]
 
 
 def add_ratios(rows: list[dict], flops_per_token: float | None, peak: float | None, world_size: int) -> None:
@@ -86,20 +94,25 @@ def markdown(summary: dict) -> str:
         f"{s['world_size']} {s['device']} workers, {s['precision']}",
         "",
         f"Global batch {s['global_batch_size']} × {s['seq_length']} tokens, {s['steps']} steps, the first "
-        f"{s['untimed_steps']} left out of the timing. Model-state bytes: the rank holding the most, counted from "
-        f"its tensors after backward (gradients reduced, before the step); the bound is the ZeRO paper's "
-        f"params + grads + optimizer states for the row's stage. Peak memory: {s['memory_note']}.",
+        f"{s['untimed_steps']} left out of the timing. Model states (params, grads, optimizer states, master "
+        f"copies), counted from the tensors each rank holds as each gradient arrives in backward, after backward "
+        f"and after the step of the last step: the rank holding the most, at its peak, and where the ranks' peaks "
+        f"were; the bound is the ZeRO paper's params + grads + optimizer states for the row's stage. \"With "
+        f"copies\": the most any rank held counting the copies made to compute or communicate too (DDP's reducer "
+        f"buckets, gathered parameters, offload staging). Peak memory: {s['memory_note']}.",
         "",
         "| row | step time (s) | × DDP | tokens/s |" + (" MFU |" if mfu else "") + " model states / rank (MiB) | "
-        "by category (MiB) | ZeRO bound (MiB) | peak memory (MiB) | final loss − DDP (rel.) |",
-        "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---:|---:|---:|",
+        "peak at | by category (MiB) | ZeRO bound (MiB) | with copies (MiB) | peak memory (MiB) | "
+        "final loss − DDP (rel.) |",
+        "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---|---:|---:|---:|---:|",
     ]
     for r in s["rows"]:
         categories = ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["model_state_bytes"].items())
         lines.append(
             f"| {r['label']} | {r['median_step_time_s']:.4f} | {r['step_time_ratio_to_ddp']:.2f} | "
             f"{r['tokens_per_s']:,.0f} |" + (f" {_percent(r['mfu'])} |" if mfu else "")
-            + f" {r['model_state_total_bytes'] / MIB:.2f} | {categories} | {r['zero_bound_total_bytes'] / MIB:.2f} | "
+            + f" {r['model_state_total_bytes'] / MIB:.2f} | {' / '.join(dict.fromkeys(r['model_state_peak_at']))} | "
+            f"{categories} | {r['zero_bound_total_bytes'] / MIB:.2f} | {r['peak_all_bytes'] / MIB:.2f} | "
             f"{r['peak_memory_bytes'] / MIB:.0f} | {r['final_loss_rel_diff_from_ddp']:.1e} |")
     if mfu:
         lines += ["", f"MFU = {s['flops_per_token']:.3e} model FLOPs/token × tokens/s ÷ ({s['world_size']} × "
@@ -108,7 +121,8 @@ def markdown(summary: dict) -> str:
 
 
 def figure(summary: dict):
-    """Two panels: median step time per row; model-state MiB per rank stacked by category, with the ZeRO bound."""
+    """Two panels: median step time per row; MiB per rank at the peak of the step stacked by category, with the
+    ZeRO bound."""
     from matplotlib.figure import Figure
 
     rows = summary["rows"]
@@ -127,7 +141,7 @@ def figure(summary: dict):
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax_mem.scatter(labels, [r["zero_bound_total_bytes"] / MIB for r in rows], marker="_", s=600, color="black",
                    zorder=3, label="ZeRO bound (" + ", ".join(BOUND_CATEGORIES) + ")")
-    ax_mem.set(title="Model states per rank (the fullest rank, after backward)", ylabel="MiB")
+    ax_mem.set(title="Per rank at the peak of the step (the fullest rank; copies included)", ylabel="MiB")
     ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax_mem.tick_params(axis="x", labelrotation=30)
     for tick in ax_mem.get_xticklabels():

@@ -4,7 +4,8 @@
 [2] the strategy wraps it and builds the optimizer
 [3] each step: the global batch of that step, this DP rank's slice, one train step
 [4] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval
-[5] on the last step every rank counts the model states it holds, after backward and after the step
+[5] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
+    backward and after the step, and keeps the peak
 [6] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
     the last batch (which that checkpoint must reproduce)
 """
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from parity.registry import strategy_class
 from parity.training.config import RunConfig
 from parity.training.data import batch_hash, dp_slice
-from parity.training.memory import zero_bound
+from parity.training.memory import PEAK_ORDERS, zero_bound
 from parity.training.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
                                    save_hf_checkpoint, save_init_weights)
 from parity.training.record import LossRecord, run_record_path
@@ -128,26 +129,39 @@ def train(w: Worker, batches) -> None:
 
 
 class ModelStateProbe:
-    """The model states this rank holds at the points train_step calls it at ("after_backward": gradients
-    reduced, before clipping and the step; "after_step"), and the seconds spent counting (not step time)."""
+    """What this rank holds during the measured step, sampled at every parameter's gradient arrival in backward
+    ("during_backward"), after backward ("after_backward": gradients reduced, before clipping and the step) and
+    after the step ("after_step"). Kept: the two named points and two peaks, each with where it was (the first
+    of equals): "peak", the sample with the most model-state bytes (what the ZeRO paper bounds), and
+    "peak_all", the one with the most bytes in all, the copies made to compute or communicate included.
+    Counting time is kept in `seconds` and left out of the step time."""
 
     def __init__(self, strategy):
-        self.strategy, self.points, self.seconds = strategy, {}, 0.0
+        self.strategy, self.points, self.peaks, self.samples, self.seconds = strategy, {}, {}, 0, 0.0
 
-    def __call__(self, point: str) -> None:
+    def __call__(self, point: str, parameter: str | None = None) -> None:
         t0 = time.perf_counter()
-        self.points[point] = self.strategy.model_state_bytes()
+        counted = self.strategy.model_state_bytes()
+        if point != "during_backward":
+            self.points[point] = counted
+        sample = {**counted, "point": point, "parameter": parameter}
+        for peak, order in PEAK_ORDERS.items():
+            if peak not in self.peaks or order(counted["bytes"]) > order(self.peaks[peak]["bytes"]):
+                self.peaks[peak] = sample
+        self.samples += 1
         self.seconds += time.perf_counter() - t0
 
     def report(self, w: Worker, step: int) -> dict:
         """Every rank's counts (collective) with the ZeRO paper's bound for this strategy, for the record."""
+        counting = {"samples": self.samples, "counting_s": self.seconds}
+        mine = {**self.points, **{name: {**peak, **counting} for name, peak in self.peaks.items()}}
         per_rank = [None] * w.ctx.world_size
-        dist.all_gather_object(per_rank, self.points)
+        dist.all_gather_object(per_rank, mine)
         s, ctx = self.strategy, w.ctx
         bound = zero_bound(s.zero_stage, w.num_params, ctx.dp_size, ctx.tp_size, s.state_precision)
         return {"step": step, "num_params": w.num_params, "zero_stage": s.zero_stage,
                 "state_precision": s.state_precision, "zero_bound_bytes": bound,
-                "per_rank": {point: [r[point] for r in per_rank] for point in self.points}}
+                "per_rank": {point: [r[point] for r in per_rank] for point in mine}}
 
 
 def worker_context(cfg: RunConfig) -> WorkerContext:

@@ -5,7 +5,8 @@ Each strategy says where it keeps its model states (`Strategy.model_state_bytes`
 once each. Tensors are reduced to their storage, (data_ptr, nbytes): a view, a slice of a flat buffer, a
 DTensor's local shard or a tied weight all land on one key, so every byte is counted once, in the first
 category that names it, and a whole storage is counted when any view of it is held (that is what the
-allocator keeps). The measurement points and what each strategy keeps: docs/benchmark.md.
+allocator keeps) — except in a communication buffer (`count_by_view`). The measurement points, the peak
+and what each strategy keeps: docs/benchmark.md.
 """
 
 from __future__ import annotations
@@ -13,9 +14,24 @@ from __future__ import annotations
 import torch
 
 # The categories, in the order a strategy names them (the first to name a storage gets it).
-PARAMS, MASTER, GRADS, OPTIMIZER, GRAD_BUCKETS, OFFLOAD_BUFFERS = (
-    "params", "master_params", "grads", "optimizer_states", "grad_buckets", "offload_buffers")
+PARAMS, MASTER, GRADS, OPTIMIZER, GRAD_BUCKETS, OFFLOAD_BUFFERS, GATHERED = (
+    "params", "master_params", "grads", "optimizer_states", "grad_buckets", "offload_buffers", "gathered_params")
 BOUND_CATEGORIES = (PARAMS, GRADS, OPTIMIZER)  # what the ZeRO paper's formula covers
+# The model states: each value once, where its owner keeps it (DeepSpeed's master copy is its own category:
+# the paper's K counts it with the optimizer states). The rest are copies made to compute or communicate
+# (DDP's reducer copy of the gradients, all-gathered parameters, offload staging), counted beside.
+MODEL_STATES = (PARAMS, MASTER, GRADS, OPTIMIZER)
+
+
+def model_state_total(held: dict[str, int]) -> int:
+    """The model-state bytes of a {category: bytes} count, without the copies."""
+    return sum(held.get(category, 0) for category in MODEL_STATES)
+
+
+# The two peaks of a step (what is compared first, then to break ties): the most model-state bytes, and the
+# most bytes in all.
+PEAK_ORDERS = {"peak": lambda held: (model_state_total(held), sum(held.values())),
+               "peak_all": lambda held: (sum(held.values()), model_state_total(held))}
 
 # Bytes per parameter of (params, gradients, Adam's two moments) by precision mode. fp32 and bf16 autocast
 # keep fp32 weights, fp32 gradients and fp32 moments; DeepSpeed's --bf16_master_weights keeps all three in
@@ -31,6 +47,12 @@ class StateLedger:
         self.bytes: dict[str, int] = {}
         self.offloaded = 0  # of those, bytes kept in host memory while the model computes on an accelerator
         self._seen: set[tuple[int, int]] = set()
+        self._by_view: set[int] = set()  # data_ptr of the communication buffers' storages
+
+    def count_by_view(self, buffers) -> None:
+        """Communication buffers (ZeRO's reduce buckets: reduce_bucket_size elements whatever they hold, 2 GB
+        of fp32 by default): a gradient parked in one is counted by its own bytes, the unused room not at all."""
+        self._by_view.update(b.untyped_storage().data_ptr() for b in buffers if b is not None)
 
     def add(self, category: str, tensor) -> None:
         if tensor is None:
@@ -39,13 +61,18 @@ class StateLedger:
         if local.device.type == "meta":
             return
         storage = local.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if storage.nbytes() == 0 or key in self._seen:
+        if storage.data_ptr() in self._by_view:
+            nbytes = local.numel() * local.element_size()
+            key = (local.data_ptr(), nbytes)
+        else:
+            nbytes = storage.nbytes()
+            key = (storage.data_ptr(), nbytes)
+        if nbytes == 0 or key in self._seen:
             return
         self._seen.add(key)
-        self.add_bytes(category, storage.nbytes())
+        self.add_bytes(category, nbytes)
         if local.device.type == "cpu" and self.device.type != "cpu":
-            self.offloaded += storage.nbytes()
+            self.offloaded += nbytes
 
     def add_all(self, category: str, tensors) -> None:
         for t in tensors:

@@ -111,6 +111,23 @@ def clip_local_gradients(params, cfg) -> float:
     return norm
 
 
+@contextlib.contextmanager
+def gradient_arrivals(model, observe: Callable[..., None]):
+    """Call observe("during_backward", name) each time a parameter's gradient has been accumulated, for the
+    duration of the block. A post-accumulate-grad hook runs after autograd writes `.grad` and after the hooks
+    the strategy registered earlier on the same parameter (ZeRO-1/2/3 bucket and reduce from theirs; FSDP2
+    runs the hooks of its sharded parameters once their gradient is reduce-scattered), and before the
+    post-backward callbacks DeepSpeed reduces the remaining buckets in: it sees what a rank holds in the
+    middle of backward, which the counts after backward cannot."""
+    handles = [p.register_post_accumulate_grad_hook(lambda _, name=name: observe("during_backward", name))
+               for name, p in model.named_parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class Strategy:
     """Base class of the three strategy modules. Subclasses set `name` (the registry's) and `options`, and
     implement the abstract parts."""
@@ -187,15 +204,18 @@ class Strategy:
         from its tensors by a parity.training.memory.StateLedger (each storage once). Local: no collective."""
         raise NotImplementedError
 
-    def train_step(self, input_ids: torch.Tensor, lr: float, observe: Callable[[str], None] | None = None) -> StepStats:
-        """One step. `observe` (the loop's model-state probe) is called with "after_backward" (gradients
-        reduced, before clipping and the step) and "after_step"."""
+    def train_step(self, input_ids: torch.Tensor, lr: float, observe: Callable[..., None] | None = None) -> StepStats:
+        """One step. `observe` (the loop's model-state probe) is called during backward as each parameter's
+        gradient arrives ("during_backward", its name), then with "after_backward" (gradients reduced,
+        before clipping and the step) and "after_step"."""
+        watching = gradient_arrivals(self.hf_model, observe) if observe else contextlib.nullcontext()
         observe = observe or (lambda point: None)
         input_ids = input_ids.to(self.ctx.device)
-        with self.autocast():
-            logits = self.forward(input_ids)
-        loss = causal_lm_loss(logits, input_ids)
-        self.backward(loss)
+        with watching:  # on the parameters as they are between steps (FSDP2's root unshards in forward)
+            with self.autocast():
+                logits = self.forward(input_ids)
+            loss = causal_lm_loss(logits, input_ids)
+            self.backward(loss)
         observe("after_backward")
         grad_norm = self.optimizer_step(lr)
         observe("after_step")
