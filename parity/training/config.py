@@ -69,6 +69,12 @@ FLAGS = (
                                       "another layout, from which plot_loss_curves.py calibrates its bounds"}),
     ("outputs", "final_checkpoint_dir", None,
      {"help": "Hugging Face-format model written at the end (default: <storage_path>/<name>/final_model)"}),
+    ("checkpoints", "checkpoint_interval", 50,
+     {"type": int, "help": "a checkpoint (model, optimizer, step, RNG, the loss record so far) every N steps, "
+                           "and one at the end; 0 = at the end only"}),
+    ("checkpoints", "keep_checkpoints", 2, {"type": int, "help": "keep the last K checkpoints; 0 = keep all"}),
+    ("checkpoints", "max_failures", 1,
+     {"type": int, "help": "restarts after a worker failure, each from the latest checkpoint; -1 = no limit"}),
 )
 DEFAULTS = {name: default for _, name, default, _ in FLAGS}
 TYPES = {name: kwargs.get("type", str) for _, name, _, kwargs in FLAGS if "action" not in kwargs}
@@ -131,6 +137,9 @@ class RunConfig:
     save_init_weights: bool
     final_checkpoint_dir: str
     noise_reference: bool
+    checkpoint_interval: int
+    keep_checkpoints: int
+    max_failures: int
     options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
     model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
 
@@ -263,8 +272,11 @@ def _check_sizes(s: dict) -> None:
     for name in ("dp_size", "num_layers", "debug_steps"):
         if s[name] is not None:
             _positive(name, s[name])
-    if s["warmup_steps"] < 0:
-        raise ConfigError(f"--warmup_steps must be 0 or more (got {s['warmup_steps']})")
+    for name in ("warmup_steps", "checkpoint_interval", "keep_checkpoints"):
+        if s[name] < 0:
+            raise ConfigError(f"--{name} must be 0 or more (got {s[name]})")
+    if s["max_failures"] < -1:
+        raise ConfigError(f"--max_failures must be -1 (no limit), 0 or more (got {s['max_failures']})")
     if s["max_grad_norm"] < 0:
         raise ConfigError(f"--max_grad_norm must be 0 (off) or positive (got {s['max_grad_norm']})")
     if s["learning_rate"] is not None and s["learning_rate"] <= 0:
