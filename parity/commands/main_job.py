@@ -59,6 +59,7 @@ def run_main_job(args) -> int:
     import ray
 
     from parity.commands.compare_curves import compare_and_report
+    from parity.training.checkpoints import run_dir
     from parity.training.cluster import ensure_ray, probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
@@ -75,6 +76,8 @@ def run_main_job(args) -> int:
     for pattern in ("loss_*.json", REFERENCE_GLOB):  # a verdict only on this job's runs
         for stale in glob.glob(os.path.join(loss_dir, pattern)):
             os.remove(stale)
+    for cfg in cfgs:  # fresh runs: Ray Train would resume a run folder's checkpoints (the job owns the folder)
+        shutil.rmtree(run_dir(cfg), ignore_errors=True)
 
     started = time.perf_counter()
     ensure_ray()

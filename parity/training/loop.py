@@ -2,10 +2,14 @@
 
 [1] model built from the config, the shared initial weights loaded on every rank before wrapping
 [2] the strategy wraps it and builds the optimizer
-[3] each step: the global batch of that step, this DP rank's slice, one train step
-[4] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval
-[5] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
+[3] under Ray Train: resume from the run's latest checkpoint when it has one (parity/training/checkpoints.py)
+[4] each step: the global batch of that step, this DP rank's slice, one train step
+[5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval;
+    under Ray Train the step's metrics are reported, with a checkpoint every checkpoint_interval and at the end
+[6] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
     the last batch (which that checkpoint must reproduce)
+A failure every rank meets at once (a write that fails, a loss that is not finite) stops all ranks together
+(RunStopped); the Ray Train worker returns it rather than raising it, so Ray does not retry it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from parity.errors import RunStopped
 from parity.registry import strategy_class
+from parity.training.checkpoints import Checkpoints, RayTrainSession, agree, write_problem
 from parity.training.config import RunConfig
 from parity.training.data import batch_hash, dp_slice
 from parity.training.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
@@ -55,50 +61,75 @@ def start_worker(payload: dict, strategy_cls=None) -> Worker:
     return Worker(cfg, ctx, log, model_config, strategy, weights_sha)
 
 
-def train_worker(payload: dict) -> None:
-    """Ray Train's train_loop_per_worker."""
-    train(start_worker(payload), payload["batches"])
+def train_worker(payload: dict) -> dict | None:
+    """Ray Train's train_loop_per_worker: {"stopped": line} when every rank stopped on the same failure."""
+    try:
+        train(start_worker(payload), payload["batches"], RayTrainSession())
+    except RunStopped as exc:
+        return {"stopped": str(exc)}
+    return None
 
 
-def train(w: Worker, batches) -> None:
-    """The loop, on every rank of the run's process group (Ray Train's, or a test's local gloo group)."""
+def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
+    """The loop, on every rank of the run's process group: Ray Train's (with its `session`: metrics reports,
+    checkpoints, resume), or a test's local gloo group (without)."""
     cfg, ctx, log, strategy = w.cfg, w.ctx, w.log, w.strategy
     total_steps = cfg.debug_steps or cfg.num_epochs * batches.steps_per_epoch
     record = LossRecord(run_record_path(cfg), cfg.strategy,
                         run_description(cfg, ctx, w.model_config, w.weights_sha, batches, total_steps))
     log(f"training {total_steps} steps: {batches.dataset.describe()}, global batch {cfg.global_batch_size} × "
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
+    checkpoints = Checkpoints(w, session, record) if session else None
+    start = checkpoints.resume() if checkpoints else 0  # [3]
+    if start:
+        write_record(record, ctx)  # the record of the run resumed, not of the attempt that failed
 
     started = time.perf_counter()
-    for step in range(total_steps):  # [3]
+    for step in range(start, total_steps):  # [4]
         global_batch = batches(step)
         lr = lr_at(step, cfg)
         t0 = time.perf_counter()
         stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), lr)
         _synchronize(ctx.device)
         step_time = time.perf_counter() - t0
-        if not math.isfinite(stats.loss):
-            raise FloatingPointError(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
-        record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [4]
+        if not math.isfinite(stats.loss):  # the same on every rank: the loss is gathered
+            raise RunStopped(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
+        record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [5]
                       grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.numel(),
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
                       peak_memory_bytes=peak_memory_bytes(ctx.device))
-        if (step + 1) % cfg.log_interval == 0 or step + 1 == total_steps:
-            if ctx.is_logging_rank:
-                record.write()
+        done = step + 1
+        if checkpoints:
+            metrics = {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "param_norm": stats.param_norm,
+                       "lr": lr, "step_time_s": step_time}
+            if checkpoints.due(done, total_steps):
+                checkpoints.write(done, metrics)
+            else:
+                session.report(metrics)
+        if done % cfg.log_interval == 0 or done == total_steps:
+            write_record(record, ctx)
             elapsed = time.perf_counter() - started
-            log(f"step {step + 1}/{total_steps} ({100 * (step + 1) // total_steps}%) loss {stats.loss:.6f} "
-                f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {elapsed / (step + 1):.3f} s/step, "
-                f"ETA {elapsed / (step + 1) * (total_steps - step - 1):.0f} s")
+            log(f"step {done}/{total_steps} ({100 * done // total_steps}%) loss {stats.loss:.6f} "
+                f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {elapsed / (done - start):.3f} s/step, "
+                f"ETA {elapsed / (done - start) * (total_steps - done):.0f} s")
 
-    final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [5]
+    final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [6]
     params = strategy.full_parameters()
-    if ctx.is_logging_rank:
-        save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir)
-        record.finish(eval_loss_last_batch=final_loss, eval_batch_step=total_steps - 1,
-                      checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started)
+
+    def finish() -> None:
+        if ctx.is_logging_rank:
+            save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir)
+            record.finish(eval_loss_last_batch=final_loss, eval_batch_step=total_steps - 1,
+                          checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started)
+
+    agree(write_problem(finish, f"the final model {cfg.final_checkpoint_dir} or the loss record {record.path}",
+                        errors=(Exception,)))  # safetensors raises its own errors
     log(f"done: loss record {record.path}, final model {cfg.final_checkpoint_dir}")
-    dist.barrier()
+
+
+def write_record(record: LossRecord, ctx: WorkerContext) -> None:
+    """Rank 0 rewrites the record; every rank learns whether it could (a collective)."""
+    agree(write_problem(record.write if ctx.is_logging_rank else lambda: None, f"the loss record {record.path}"))
 
 
 def worker_context(cfg: RunConfig) -> WorkerContext:
