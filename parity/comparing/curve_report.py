@@ -4,6 +4,7 @@ written beside the figure."""
 from __future__ import annotations
 
 import os
+import shlex
 from typing import NamedTuple
 
 from parity.comparing.curves import Comparison, CurveResult
@@ -79,7 +80,28 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
             lines.append(f"first step outside: step {f.step}: {NOUNS[f.quantity]} {f.value:.6f} vs {base} "
                          f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > {f.tolerance:.3e}")
         lines.append("differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded"))
+        command = replay_command(c, r)
+        if command:
+            lines.append(f"replay step {f.step} layer by layer from {base}'s checkpoint: {command}")
     return lines
+
+
+def replay_command(c: Comparison, r: CurveResult) -> str | None:
+    """For a FAIL: the layer check that records the first step outside under every strategy, from the DDP
+    baseline's newest checkpoint at or before it, in the failing run's layout and options (docs/checkpoints.md)."""
+    f = r.verdict.first_outside
+    if f is None or c.baseline.name != "ddp":
+        return None
+    base, run = c.baseline.config, r.run.config
+    flags = ["--output_dir", os.path.join(os.path.dirname(os.path.abspath(r.run.file)), f"replay_step_{f.step}"),
+             "--replay", os.path.join(base["storage_path"], base["experiment_name"]), "--step", str(f.step),
+             "--tp_size", str(run["tp_size"]), "--dp_size", str(run["dp_size"]), "--batch_size", str(run["batch_size"])]
+    for name, value in sorted(run.get("options", {}).items()):
+        if value is True:
+            flags.append(f"--{name}")
+        elif value is not False:
+            flags += [f"--{name}", str(value)]
+    return "python run_verification.py " + shlex.join(flags)
 
 
 def markdown_report(c: Comparison, figure_file: str) -> str:
@@ -102,6 +124,10 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         if not r.verdict.passed:
             out += ["", f"{r.run.label} differs from the baseline in: "
                     + ("; ".join(f"`{d}`" for d in r.config_differences) or "nothing recorded")]
+            command = replay_command(c, r)
+            if command:
+                out += ["", f"Replay step {r.verdict.first_outside.step} layer by layer from the baseline's "
+                        f"checkpoint:", "", f"```bash\n{command}\n```"]
     for key, noun, _ in CURVES:
         out += ["", f"## {noun.capitalize()}", "", "| run | initial | final | min | mean |", "|---|---|---|---|---|"]
         for run in c.runs:
@@ -121,7 +147,8 @@ def write_outputs(c: Comparison, figure_path: str) -> list[str]:
     directory = os.path.dirname(os.path.abspath(figure_path))
     json_path, md_path = os.path.join(directory, JSON_NAME), os.path.join(directory, REPORT_NAME)
     save_figure(curve_figure(c), figure_path)
-    write_json_atomic(json_path, {**c.to_dict(), "figure": os.path.basename(figure_path)})
+    replays = {r.run.name: replay_command(c, r) for r in c.results if replay_command(c, r)}
+    write_json_atomic(json_path, {**c.to_dict(), "figure": os.path.basename(figure_path), "replay_commands": replays})
     write_text_atomic(md_path, markdown_report(c, os.path.basename(figure_path)))
     return [figure_path, json_path, md_path]
 
