@@ -30,6 +30,9 @@ CASES = [
     ({"learning_rate": -1}, r"--learning_rate must be positive \(got -1.0\)"),
     ({"precision": "fp32", "autocast": True}, r"--autocast asks for bf16 but --precision fp32"),
     ({"dataset": "text:/no/such/file.txt"}, r"no such file /no/such/file.txt"),
+    ({"checkpoint_interval": -1}, r"--checkpoint_interval must be 0 or more \(got -1\)"),
+    ({"keep_checkpoints": -2}, r"--keep_checkpoints must be 0 or more \(got -2\)"),
+    ({"max_failures": -2}, r"--max_failures must be -1 \(no limit\), 0 or more \(got -2\)"),
 ]
 
 
