@@ -99,12 +99,17 @@ def check_run_folder(cfg) -> None:
                               f"to start afresh")
 
 
-def agree(problem: str | None) -> None:
-    """Collective: every rank learns whether any rank met a problem, and then all raise RunStopped with the
-    first one's line, so they stop at the same point instead of waiting for each other in a collective."""
+def any_rank(problem: str | None) -> str | None:
+    """Collective: the first rank's problem, or None when no rank has one; every rank gets the same answer."""
     problems: list = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
-    first = next((p for p in problems if p), None)
+    return next((p for p in problems if p), None)
+
+
+def agree(problem: str | None) -> None:
+    """Collective: when any rank met a problem, every rank raises RunStopped with the first one's line, so
+    they stop at the same point instead of waiting for each other in a collective."""
+    first = any_rank(problem)
     if first:
         raise RunStopped(first)
 
@@ -134,6 +139,13 @@ class RayTrainSession:
         # INFO, on every rank: with metrics reported every step that is a line per step per rank.
         for name in (context.__file__, "ray.train.v2._internal.execution.storage"):
             logging.getLogger(name).setLevel(logging.WARNING)
+
+    @staticmethod
+    def resuming() -> bool:
+        """Whether Ray Train holds a checkpoint of this run (after a failure, or for a run started again)."""
+        import ray.train
+
+        return ray.train.get_checkpoint() is not None
 
     @staticmethod
     def report(metrics: dict, directory: str | None = None, name: str | None = None) -> None:
@@ -232,9 +244,7 @@ class Checkpoints:
         for checkpoint in checkpoints:
             t0 = time.perf_counter()
             with checkpoint.as_directory() as directory:
-                problems: list = [None] * self.ctx.world_size
-                dist.all_gather_object(problems, damage(directory, self.ctx.world_size, [self.ctx.rank]))
-                problem = next((p for p in problems if p), None)
+                problem = any_rank(damage(directory, self.ctx.world_size, [self.ctx.rank]))
                 if problem is None:
                     step = self._load(directory, checkpoint.path, skipped)
                     self.log(f"resumed from {checkpoint.path} at step {step} (checked and loaded in "
@@ -251,8 +261,9 @@ class Checkpoints:
         with open(os.path.join(directory, META_FILE)) as f:
             meta = json.load(f)
         diff = differences(meta["identity"], identity(self.cfg))
-        if meta["init_weights_sha256"] != self.weights_sha:
-            diff.append(f"initial weights sha256 {meta['init_weights_sha256'][:12]}… there, {self.weights_sha[:12]}… here")
+        stored_sha = meta["init_weights_sha256"]
+        if stored_sha != self.weights_sha:
+            diff.append(f"initial weights sha256 {stored_sha[:12]}… there, {self.weights_sha[:12]}… here")
         if diff:
             raise RunStopped(f"checkpoint {where} was written by another run ({'; '.join(diff[:3])}): use another "
                              f"--experiment_name or --storage_path, or delete {run_dir(self.cfg)} to start afresh")

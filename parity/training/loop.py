@@ -47,15 +47,19 @@ class Worker:
     weights_sha: str
 
 
-def start_worker(payload: dict, strategy_cls=None) -> Worker:
+def start_worker(payload: dict, strategy_cls=None, resuming: bool = False) -> Worker:
     """What every worker does first, training or recording one step: [1] the model from the shared initial
     weights, [2] wrapped by the strategy (`strategy_cls` overrides the registry's: tests hand in a copy
-    with a bug in it). The process group (gloo or NCCL) is already up."""
+    with a bug in it). A run `resuming` from a checkpoint does not write the weights again, even with
+    --save_init_weights: its checkpoint, and every run started from the file, name the file it wrote first
+    (torch.save writes a new serialization id each time: the same weights, another sha256). The process
+    group (gloo or NCCL) is already up."""
     cfg = RunConfig.from_dict(payload["cfg"])
     ctx = worker_context(cfg)
     log = rank0_logger(cfg, ctx)
     model_config = model_config_from_dict(cfg.model_config)
-    model, weights_sha = prepare_model(cfg, model_config, ctx, log)  # [1]
+    model, weights_sha = prepare_model(cfg, model_config, ctx, log,  # [1]
+                                       write=cfg.save_init_weights and not resuming)
     strategy = (strategy_cls or strategy_class(cfg.strategy))(cfg, ctx)
     strategy.setup(model)  # [2]
     return Worker(cfg, ctx, log, model_config, strategy, weights_sha)
@@ -64,7 +68,8 @@ def start_worker(payload: dict, strategy_cls=None) -> Worker:
 def train_worker(payload: dict) -> dict | None:
     """Ray Train's train_loop_per_worker: {"stopped": line} when every rank stopped on the same failure."""
     try:
-        train(start_worker(payload), payload["batches"], RayTrainSession())
+        session = RayTrainSession()
+        train(start_worker(payload, resuming=session.resuming()), payload["batches"], session)
     except RunStopped as exc:
         return {"stopped": str(exc)}
     return None
@@ -147,10 +152,10 @@ def worker_context(cfg: RunConfig) -> WorkerContext:
                          dp_size=cfg.dp_size, device=device)
 
 
-def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log):
-    """Every rank loads the same file; with --save_init_weights rank 0 writes it first."""
+def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log, write: bool):
+    """Every rank loads the same file; when it is to `write` it (--save_init_weights), rank 0 writes it first."""
     model = build_model(model_config, cfg.seed)
-    if cfg.save_init_weights:
+    if write:
         if ctx.is_logging_rank:
             sha = save_init_weights(model, cfg.init_weights_path)
             log(f"Saved initial weights to {cfg.init_weights_path} (sha256 {sha})")
