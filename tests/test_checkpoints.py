@@ -159,6 +159,26 @@ def test_a_fault_at_the_replayed_step_is_named(replay_step_8, ddp_baseline, tmp_
                                                                                      "forward output")
 
 
+def test_a_replay_that_cannot_be_started_is_one_line(ddp_baseline, fsdp_tp2_dp2, tmp_path, capsys):
+    ddp, fsdp = run_folder(ddp_baseline), run_folder(fsdp_tp2_dp2)
+    cases = [
+        ({"step": 3}, "--step is the step of a replay: add --replay RUN_DIR (the baseline's run folder)"),
+        ({"replay": ddp}, "--replay needs --step: the step to record (the loss-curve verdict names it)"),
+        ({"replay": ddp, "step": 3, "seq_length": 128}, "--seq_length comes from the run in a replay: drop it"),
+        ({"replay": str(tmp_path), "step": 3}, f"--replay {tmp_path}: no checkpoint of a training run there (a run "
+         f"folder is <storage_path>/<experiment_name>): train the baseline with --checkpoint_interval"),
+        ({"replay": fsdp, "step": 3}, f"--replay {fsdp} holds fsdp checkpoints: a replay starts from the DDP "
+                                      f"baseline's"),
+        ({"replay": ddp, "step": 12}, f"--step 12 is not a step of {ddp} (0 to 11)"),
+        ({"replay": ddp, "step": 3, "dp_size": 3}, "--dp_size 3 × --batch_size 1 is not the run's global batch (4): "
+                                                   "a replay keeps it"),
+    ]
+    for flags, line in cases:
+        assert layer_check(to_argv({"output_dir": tmp_path / "out", "device": "cpu", **flags})) == 2
+        assert capsys.readouterr().err == f"error: {line}\n"
+    assert not (tmp_path / "out" / "init_weights.safetensors").exists()
+
+
 # --- faults ------------------------------------------------------------------------------------------
 
 def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(ddp_baseline, tiny_weights, tmp_path,
@@ -235,6 +255,16 @@ def train_with_fault(tmp_path, hooks: str, *flags: str) -> subprocess.CompletedP
     env["PYTHONPATH"] = os.pathsep.join(p for p in (hooks, env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "parity.commands.train", "ddp", *flags], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=1200)
+
+
+def test_a_death_without_retries_left_names_the_dead_rank(tiny_weights, tmp_path):
+    """--max_failures 0: the run fails, and its line is rank 1's death, not rank 0's lost connection to it."""
+    hooks = fault_hooks.kill_once(tmp_path / "hooks", "ddp", step=6)
+    proc = train_with_fault(tmp_path, hooks, *ddp_argv(tmp_path, tiny_weights, max_failures=0))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = stderr_errors(proc.stderr)
+    assert line.startswith("error: training failed: rank 1: The actor is dead because its worker process has died.")
+    assert "Connection closed by peer" in proc.stderr  # what rank 0 met
 
 
 def test_a_storage_that_refuses_a_checkpoint_stops_the_run_and_keeps_the_last_one(ddp_baseline, tiny_weights,

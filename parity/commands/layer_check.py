@@ -13,8 +13,6 @@ from parity.registry import NAMES
 from parity.training.config import DEVICES, PRECISIONS, add_strategy_options
 
 WEIGHTS_FILE = "init_weights.safetensors"
-# The layer check's flags that a replay takes from the run instead (with the rest of parity.training.replay.KEPT).
-REPLAY_KEPT = ("model_name", "num_layers", "seq_length", "precision", "learning_rate", "seed")
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
@@ -112,7 +110,7 @@ def check_layers(args: argparse.Namespace) -> int:
 
 def _replay_start(args):
     """--replay's start, after the flags it fixes are checked; None without --replay."""
-    from parity.training.replay import find_start
+    from parity.training.replay import KEPT, find_start
 
     if args.replay is None:
         if args.step is not None:
@@ -120,7 +118,7 @@ def _replay_start(args):
         return None
     if args.step is None:
         raise ConfigError("--replay needs --step: the step to record (the loss-curve verdict names it)")
-    given = [name for name in REPLAY_KEPT if getattr(args, name) is not None]
+    given = [name for name in KEPT if getattr(args, name, None) is not None]  # the layer check's flags among them
     if given:
         raise ConfigError(f"--{given[0]} comes from the run in a replay: drop it")
     return find_start(args.replay, args.step)
@@ -133,25 +131,30 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay)
 
     tp = 1 if strategy == "ddp" else args.tp_size
     if replay:
-        dp = args.dp_size or replay.config["dp_size"]
-        batch = args.batch_size or max(1, replay.global_batch_size // dp)
+        dp = _given(args.dp_size, replay.config["dp_size"])
+        batch = _given(args.batch_size, max(1, replay.global_batch_size // max(1, dp)))
         if batch * dp != replay.global_batch_size:
             raise ConfigError(f"--dp_size {dp} × --batch_size {batch} is not the run's global batch "
                               f"({replay.global_batch_size}): a replay keeps it")
         values = {k: replay.config[k] for k in KEPT}
     else:
-        dp, batch = args.dp_size or 1, args.batch_size or 2
+        dp, batch = _given(args.dp_size, 1), _given(args.batch_size, 2)
         on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= tp * dp)
         values = {"model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
-                  "seq_length": args.seq_length or (1024 if on_gpu else 128), "num_layers": args.num_layers or 2,
-                  "precision": args.precision or "auto", "learning_rate": args.learning_rate or 1e-5,
-                  "seed": args.seed if args.seed is not None else 42}
+                  "seq_length": _given(args.seq_length, 1024 if on_gpu else 128),
+                  "num_layers": _given(args.num_layers, 2), "precision": _given(args.precision, "auto"),
+                  "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42)}
     return {
         **values, "batch_size": batch, "tp_size": tp, "dp_size": dp, "num_workers": tp * dp, "device": args.device,
         "debug_steps": 1,
         "init_weights_path": os.path.join(out, WEIGHTS_FILE), "loss_output_dir": out,
         "storage_path": os.path.join(out, "ray"), "experiment_name": f"layer_check_{strategy}", **options,
     }
+
+
+def _given(value, default):
+    """A flag's value, or its default when not given (a replay's defaults come from the run)."""
+    return default if value is None else value
 
 
 def _strategy_options(args: argparse.Namespace, strategies: list[str]) -> dict[str, dict]:
