@@ -13,6 +13,7 @@ Only what differs from DDP is here; the numbered comments match docs/deepspeed.m
     shard; they are gathered (exactly) so the shared loss sees the full vocabulary.
 [5] Full tensors: ZeRO partitions gathered over DP by DeepSpeed's safe_get_full_* helpers, TP shards by
     each AutoTP layer's own gather_params.
+[6] Checkpoints: the engine's own save_checkpoint / load_checkpoint (every rank its model and ZeRO files).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from parity.training.strategy import Strategy, build_optimizer, set_lr, squared_
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = ("none", "cpu")
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default for zero_optimization.reduce_bucket_size
+CHECKPOINT_TAG = "deepspeed"  # the engine's checkpoint folder inside a checkpoint
 
 
 class DeepSpeedStrategy(Strategy):
@@ -187,6 +189,44 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.utils import safe_get_full_grad
 
         return self._full_tensors(safe_get_full_grad)
+
+    def save_state(self, directory: str) -> None:  # [6]
+        self.engine.save_checkpoint(directory, tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load_state(self, directory: str) -> None:
+        path, _ = self.engine.load_checkpoint(directory, tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:  # DeepSpeed returns None, not an error, when the tag folder is missing
+            raise FileNotFoundError(f"no DeepSpeed checkpoint '{CHECKPOINT_TAG}' in {directory}")
+
+    def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """AdamW's state exists once the engine has stepped: one step with zero gradients at lr 0 creates it
+        without moving a weight (AdamW's update and its decoupled weight decay are both × lr). Then each
+        moment is cut to this rank's TP shard by the owning AutoTP layer's own partitioning, and DeepSpeed's
+        safe_set_full_optimizer_state puts that shard into the ZeRO partitions."""
+        from deepspeed.module_inject.layers import TensorParallel_Layer
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        from parity.training.strategy import causal_lm_loss
+
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.ctx.device)
+        with self.autocast():
+            logits = self.forward(ids)
+        self.backward(causal_lm_loss(logits, ids) * 0.0)
+        set_lr(self.engine.optimizer, 0.0)
+        self.engine.step()
+        seen = set()
+        for module_name, module in self.engine.module.named_modules():
+            named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for _, p in named)
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = [moments[f"{module_name}.{n}" if module_name else n][key].clone() for n, _ in named]
+                if named and isinstance(module, TensorParallel_Layer):
+                    module._tp_partition(full)  # in the layer's own order: weight, then bias
+                for (_, p), value in zip(named, full):
+                    safe_set_full_optimizer_state(p, value.to(self.ctx.device), key)
+        for state in self.engine.optimizer.optimizer.state.values():
+            state["step"] = torch.tensor(float(step)) if torch.is_tensor(state["step"]) else step
 
     # --- gathers ----------------------------------------------------------------------------------
     def _gather_last_dim(self, module_name: str, t: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """DDP: the baseline. Every rank holds the whole model; gradients are averaged by all-reduce.
 
-Only the parts that differ between strategies are here: wrapping, the optimizer step, and (trivially,
-since nothing is sharded) full-size parameters and gradients.
+Only the parts that differ between strategies are here: wrapping, the optimizer step, (trivially, since
+nothing is sharded) full-size parameters and gradients, and the checkpoint: one file of state dicts.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -12,6 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 from parity.errors import ConfigError
 from parity.training.memory import GRAD_BUCKETS, GRADS, PARAMS, StateLedger
 from parity.training.strategy import Strategy, build_optimizer, clip_local_gradients, local_norm, step_optimizer
+
+STATE_FILE = "model_optimizer.pt"  # the module's and the optimizer's state dicts (the replay reads it too)
 
 
 class DDPStrategy(Strategy):
@@ -61,3 +65,29 @@ class DDPStrategy(Strategy):
         return {n: p.grad.detach().float().cpu().clone()
                 for n, p in self.model.module.named_parameters() if p.grad is not None}
 
+    def save_state(self, directory: str) -> None:
+        """Every rank holds the same state: rank 0 writes it, under Hugging Face names."""
+        if self.ctx.rank == 0:
+            torch.save({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()},
+                       os.path.join(directory, STATE_FILE))
+
+    def load_state(self, directory: str) -> None:
+        state = torch.load(os.path.join(directory, STATE_FILE), map_location=self.ctx.device, weights_only=True)
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def read_full_state(directory: str, model_config) -> tuple[dict, dict, int]:
+    """A DDP checkpoint as full tensors under Hugging Face names: (the model's state dict, AdamW's moments
+    {name: {"exp_avg", "exp_avg_sq"}}, the optimizer's step count), for the layer check's replay. The
+    optimizer's state dict numbers the parameters in the model's parameter order, which names them."""
+    from transformers import Qwen2ForCausalLM
+
+    state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
+    with torch.device("meta"):
+        names = [name for name, _ in Qwen2ForCausalLM(model_config).named_parameters()]
+    optimizer = state["optimizer"]
+    order = optimizer["param_groups"][0]["params"]
+    moments = {names[i]: {key: optimizer["state"][index][key] for key in ("exp_avg", "exp_avg_sq")}
+               for i, index in enumerate(order)}
+    return state["model"], moments, int(optimizer["state"][order[0]]["step"])

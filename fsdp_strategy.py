@@ -2,8 +2,8 @@
 decoder layer, FSDP2 sharding (and gradient averaging) over "dp".
 
 Only the parts that differ between strategies are here: the mesh, the TP plan, the FSDP wrapping, the
-mixed-precision choice, clipping across the two meshes the parameters end up on, and gathering
-DTensor shards back to full size under Hugging Face names.
+mixed-precision choice, clipping across the two meshes the parameters end up on, gathering DTensor
+shards back to full size under Hugging Face names, and checkpoints through torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections import defaultdict
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -33,6 +36,7 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 # Modules whose outputs stay local shards along the last dim: the colwise ones, and the MLP's activation
 # (applied to gate_proj's shard before up_proj's shard multiplies it).
 SHARDED_OUTPUTS = COLWISE + ("mlp.act_fn",)
+DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
 
 
 def apply_tp(model, tp_mesh: DeviceMesh) -> None:
@@ -210,3 +214,14 @@ class FSDPStrategy(Strategy):
         """Gathered on the device the mesh communicates on (offloaded shards are in host memory)."""
         return t.detach().to(self.ctx.device).full_tensor().float().cpu().clone()
 
+    def save_state(self, directory: str) -> None:
+        """torch.distributed.checkpoint: each rank writes its own shards (__<rank>_0.distcp), rank 0 the
+        .metadata that maps them to the full tensors."""
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(directory, DCP_DIR))
+
+    def load_state(self, directory: str) -> None:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # the shapes to load into
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

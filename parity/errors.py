@@ -22,6 +22,12 @@ class TrainingFailed(Exception):
     """A worker raised during training; the message is the worker's own error line."""
 
 
+class RunStopped(TrainingFailed):
+    """A failure every rank of a run meets at the same point — a checkpoint that cannot be written, read or
+    used, a record that cannot be written, a loss that is not finite. The workers stop together and return
+    it instead of raising, because Ray Train retries whatever a worker raises and this would only fail again."""
+
+
 class LibraryMissing(ConfigError):
     """A strategy whose library cannot be imported (raised by the registry, or by a strategy's `validate`
     when it imports its library only there, as DeepSpeed does)."""

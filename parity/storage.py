@@ -203,6 +203,15 @@ def delete_file(location: str) -> None:
     fs.delete_file(path)
 
 
+def delete_dir(location: str) -> None:
+    """A folder and everything under it; nothing when there is none."""
+    import pyarrow.fs
+
+    fs, path = filesystem(location)
+    if fs.get_file_info(path).type == pyarrow.fs.FileType.Directory:
+        fs.delete_dir(path)
+
+
 @contextlib.contextmanager
 def directory_writer(location: str):
     """Yield an empty local folder to fill; on success it becomes `location`, whole, with COMPLETE_MARKER

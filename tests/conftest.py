@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 
 import pytest
 
@@ -65,6 +66,18 @@ def train(strategy: str, out_dir, **flags) -> dict:
     return load_record(run(strategy, flags))
 
 
+def run_main(out, **env_vars):
+    """run_verification_main.sh as a user runs it, shortened: 12 steps of 64 tokens on CPU workers. A PYTHONPATH
+    given goes first, before the one this session has."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if "PYTHONPATH" in env_vars and env.get("PYTHONPATH"):
+        env_vars["PYTHONPATH"] += os.pathsep + env["PYTHONPATH"]
+    env.update({"OUTPUT_DIR": str(out), "DEBUG_STEPS": "12", "SEQ_LENGTH": "64", "LOG_INTERVAL": "4",
+                "DEVICE": "cpu", **env_vars})
+    return subprocess.run(["bash", os.path.join(REPO, "run_verification_main.sh")], env=env, capture_output=True,
+                          text=True, timeout=1200, cwd=out.parent)
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), f"{len(a)} steps vs {len(b)}"
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
@@ -79,7 +92,9 @@ def series(record: dict, key: str) -> list[float]:
 # whose gradient is a near-cancellation by ~lr per step whatever the gradient's last bits say, so final
 # parameters of two exact runs differ by O(lr·1e-2), and a 1e-5 check of parameters is meaningful only
 # when the lr leaves room for it (docs/tolerances.md).
-PARITY = {"debug_steps": 12, "learning_rate": 1e-4, "device": "cpu", "log_interval": 4}
+# A checkpoint every 4 steps: the runs keep the last two (steps 8 and 12), which the checkpoint tests resume
+# from, damage and replay.
+PARITY = {"debug_steps": 12, "learning_rate": 1e-4, "device": "cpu", "log_interval": 4, "checkpoint_interval": 4}
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +102,21 @@ def ddp_baseline(ray_cluster, tiny_weights, tmp_path_factory):
     """DDP, DP=2 × batch 2, fp32: the reference every fp32 strategy test compares against."""
     return train("ddp", tmp_path_factory.mktemp("ddp_fp32"), num_workers=2, batch_size=2, precision="fp32",
                  init_weights_path=tiny_weights, **PARITY)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_tp2_dp2(ray_cluster, tiny_weights, tmp_path_factory):
+    """DeepSpeed AutoTP=2 × ZeRO-1 DP=2, fp32: its parity test's run, and the uninterrupted run a resumed one
+    must equal."""
+    return train("deepspeed", tmp_path_factory.mktemp("deepspeed_tp2_dp2"), num_workers=4, tp_size=2, batch_size=2,
+                 zero_stage=1, precision="fp32", init_weights_path=tiny_weights, **PARITY)
+
+
+@pytest.fixture(scope="session")
+def fsdp_tp2_dp2(ray_cluster, tiny_weights, tmp_path_factory):
+    """FSDP2 + TP=2 × DP=2, fp32: its parity test's run, and the uninterrupted run a resumed one must equal."""
+    return train("fsdp", tmp_path_factory.mktemp("fsdp_tp2_dp2"), num_workers=4, tp_size=2, batch_size=2,
+                 precision="fp32", init_weights_path=tiny_weights, **PARITY)
 
 
 @pytest.fixture(scope="session")

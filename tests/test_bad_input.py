@@ -224,6 +224,12 @@ CASES = [
     ("main extra bad", "main", ["--output_dir", "{d}/m", "--extra_args", "--learning_rate nan"], {},
      r"--learning_rate must be a positive number \(got nan\)"),
     ("main flag", "main", ["--output_dir", "{d}/m", "--bogus", "1"], {}, r"unrecognized arguments: --bogus 1 \(see --help\)"),
+    ("checkpoint interval", "ddp", train_flags(checkpoint_interval=-1), {},
+     r"--checkpoint_interval must be an integer >= 0 \(got -1\)"),
+    ("keep checkpoints", "ddp", train_flags(keep_checkpoints=-2), {},
+     r"--keep_checkpoints must be an integer >= 0 \(got -2\)"),
+    ("max failures", "ddp", train_flags(max_failures=-2), {},
+     r"--max_failures must be -1 \(no limit\) or an integer >= 0 \(got -2\)"),
 ]
 
 

@@ -44,7 +44,8 @@ def write_record(folder, strategy, losses, grad_norms=None, param_norms=None, *,
            "device": "cpu", "max_grad_norm": 1.0, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
            "adam_epsilon": 1e-8, "world_size": tp * dp, "global_batch_size": 2 * dp, "total_steps": total_steps or n,
            "init_weights_sha256": SHA, "model_config": dict(MODEL), "loss_output_dir": str(folder),
-           "noise_reference": noise_reference, **(config or {})}
+           "noise_reference": noise_reference, "batch_size": 2, "options": {}, "storage_path": "/runs",
+           "experiment_name": f"{strategy}_tp{tp}_dp{dp}", **(config or {})}
     record = LossRecord(run_record_path(SimpleNamespace(**cfg)), strategy, cfg)
     for step, loss in enumerate(losses):
         fields = {"step": step, "loss": loss, "dp_rank_losses": [loss] * dp,
@@ -194,6 +195,8 @@ FSDP (TP=2, DP=2): FAIL
 uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.500e-01, param norm 0.000e+00
   first step outside: step 2: loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > 1.000e-05
   differs from the baseline in: nothing recorded
+  replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
+{folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
 """
 
 
@@ -220,7 +223,7 @@ def test_printed_block_and_outputs(tmp_path, capsys):
     hand_example(tmp_path)
     code, out, err = run_cli(capsys, tmp_path)
     assert (code, err) == (1, "")
-    assert out == HAND_BLOCK + f"\nwrote {tmp_path}/out/loss_curves.png, {tmp_path}/out/curve_comparison.json, " \
+    assert out == HAND_BLOCK.format(folder=tmp_path) + f"\nwrote {tmp_path}/out/loss_curves.png, {tmp_path}/out/curve_comparison.json, " \
                                f"{tmp_path}/out/curve_report.md\n"
     with open(tmp_path / "out" / "curve_comparison.json") as f:
         saved = json.load(f)
@@ -243,6 +246,28 @@ def test_printed_block_and_outputs(tmp_path, capsys):
     assert "| FSDP (TP=2, DP=2) | 10.000000 | 3.750000 | 3.750000 | 6.650000 |" in report
     assert "| FSDP (TP=2, DP=2) | 0.500000 | 0.150000 | -0.250000 |" in report
     assert not [p for p in os.listdir(tmp_path / "out") if p.endswith(".tmp")]  # atomic writes left nothing
+    replay = saved["replay_commands"]["fsdp"]
+    assert replay == (f"python run_verification.py --output_dir {tmp_path}/replay_step_2 --replay /runs/ddp_tp1_dp2 "
+                      f"--step 2 --tp_size 2 --dp_size 2 --batch_size 2")
+    assert f"```bash\n{replay}\n```" in report
+
+
+def test_the_replay_command_of_a_fail_is_one_the_layer_check_takes(tmp_path):
+    """The printed command parses as run_verification.py's flags, the failing run's strategy options included."""
+    import shlex
+
+    from parity.commands.layer_check import build_parser
+    from parity.comparing.curve_report import replay_command
+
+    write_record(tmp_path, "ddp", DDP_LOSS)
+    write_record(tmp_path, "deepspeed", FSDP_LOSS, config={"options": {"zero_stage": 3, "bf16_master_weights": False}})
+    c = compare(load_runs(str(tmp_path)))
+    argv = shlex.split(replay_command(c, c.results[0]))
+    assert argv[:2] == ["python", "run_verification.py"]
+    args = build_parser().parse_args(argv[2:])
+    assert (args.replay, args.step, args.tp_size, args.dp_size, args.batch_size, args.zero_stage) == (
+        "/runs/ddp_tp1_dp2", 2, 2, 2, 2, 3)
+    assert not hasattr(args, "bf16_master_weights")
 
 
 def test_command_line_script(tmp_path):
@@ -252,7 +277,7 @@ def test_command_line_script(tmp_path):
             "--output", str(tmp_path / "curves.svg")]
     failing = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert (failing.returncode, failing.stderr) == (1, "")
-    assert failing.stdout.startswith(HAND_BLOCK)
+    assert failing.stdout.startswith(HAND_BLOCK.format(folder=tmp_path))
     write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD)
     passing = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert passing.returncode == 0

@@ -3,9 +3,10 @@ stage, bf16, the HF checkpoint; module outputs and gradients gathered to full si
 input.
 
 Every parity run uses **PARITY and global batch 4, so DDP's DP=2 × batch 2 run is the baseline of
-TP=2×DP=2 × batch 2, TP=2×DP=1 × batch 4 and TP=1×DP=2 × batch 2 alike. Six Ray runs of DeepSpeed,
-besides the shared session baselines. At the default --max_grad_norm 1.0 every step of these runs clips
-(pre-clip norms 1.01–1.17), so the parameter checks cover DeepSpeed's clipping too.
+TP=2×DP=2 × batch 2, TP=2×DP=1 × batch 4 and TP=1×DP=2 × batch 2 alike. Six Ray runs of DeepSpeed, one
+of them the session's TP=2×DP=2 fp32 run, besides the session baselines. At the default --max_grad_norm 1.0
+every step of these runs clips (pre-clip norms 1.01–1.17), so the parameter checks cover DeepSpeed's
+clipping too.
 """
 
 import os
@@ -27,13 +28,14 @@ def deepspeed_run(tmp_path_factory, weights, name, **flags):
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, tiny_weights, tmp_path_factory):
-    """The fp32 layouts and ZeRO stages: (tp, dp, batch, zero stage)."""
-    layouts = {"tp2_dp2": (2, 2, 2, 1), "tp2_dp1": (2, 1, 4, 1), "tp1_dp2": (1, 2, 2, 1),
-               "tp2_dp2_zero2": (2, 2, 2, 2), "tp2_dp2_zero3": (2, 2, 2, 3)}
-    return {name: deepspeed_run(tmp_path_factory, tiny_weights, name, num_workers=tp * dp, tp_size=tp, dp_size=dp,
-                                batch_size=batch, zero_stage=stage, precision="fp32")
-            for name, (tp, dp, batch, stage) in layouts.items()}
+def runs(deepspeed_tp2_dp2, tiny_weights, tmp_path_factory):
+    """The fp32 layouts and ZeRO stages: (tp, dp, batch, zero stage); TP=2 × DP=2 × ZeRO-1 is the session's."""
+    layouts = {"tp2_dp1": (2, 1, 4, 1), "tp1_dp2": (1, 2, 2, 1), "tp2_dp2_zero2": (2, 2, 2, 2),
+               "tp2_dp2_zero3": (2, 2, 2, 3)}
+    return {"tp2_dp2": deepspeed_tp2_dp2,
+            **{name: deepspeed_run(tmp_path_factory, tiny_weights, name, num_workers=tp * dp, tp_size=tp, dp_size=dp,
+                                   batch_size=batch, zero_stage=stage, precision="fp32")
+               for name, (tp, dp, batch, stage) in layouts.items()}}
 
 
 @pytest.fixture(scope="module")

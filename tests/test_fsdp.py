@@ -3,7 +3,7 @@ meshes, the two bf16 modes, the HF checkpoint, bad input; and module outputs gat
 
 Every parity run uses **PARITY and global batch 4, so DDP's DP=2 × batch 2 run is the baseline of
 TP=2×DP=2 × batch 2, TP=2×DP=1 × batch 4 and TP=1×DP=2 × batch 2 alike. Five Ray runs of FSDP and one of
-DDP (with clipping at 0.05), besides the shared session baselines.
+DDP (with clipping at 0.05), besides the shared session runs (DDP's, and FSDP's TP=2×DP=2 fp32 run).
 """
 
 import os
@@ -27,9 +27,8 @@ def fsdp_run(tmp_path_factory, weights, name, **flags):
 
 
 @pytest.fixture(scope="module")
-def tp2_dp2(ray_cluster, tiny_weights, tmp_path_factory):
-    return fsdp_run(tmp_path_factory, tiny_weights, "tp2_dp2", num_workers=4, tp_size=2, batch_size=2,
-                    precision="fp32")
+def tp2_dp2(fsdp_tp2_dp2):
+    return fsdp_tp2_dp2
 
 
 @pytest.fixture(scope="module")

@@ -3,19 +3,8 @@ a figure, a report, verdict PASS, exit 0 — and a clear stop, non-zero, when a 
 
 import json
 import os
-import subprocess
 
-from conftest import REPO
-
-SCRIPT = os.path.join(REPO, "run_verification_main.sh")
-
-
-def run_main(out, **env_vars):
-    """The script as a user runs it, shortened: 12 steps of 64 tokens on CPU workers."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update({"OUTPUT_DIR": str(out), "DEBUG_STEPS": "12", "SEQ_LENGTH": "64", "LOG_INTERVAL": "4",
-                "DEVICE": "cpu", **env_vars})
-    return subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=1200, cwd=out.parent)
+from conftest import REPO, run_main
 
 
 def test_three_runs_then_a_pass_verdict(tmp_path):

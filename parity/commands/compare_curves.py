@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from parity.commands.common import OneLineParser, non_negative_float, run_command

@@ -1,11 +1,13 @@
 """run_verification.py: the layer check. One recorded optimizer step per strategy (seed 001), on full
-tensors, from the folder's shared weights and inputs; then every pair of dumps is compared."""
+tensors, from the folder's shared weights and inputs; then every pair of dumps is compared. With --replay,
+the step is step k of a training run, from the DDP baseline's checkpoint (parity/training/replay.py)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from parity import storage
 from parity.commands.common import OneLineParser, non_negative_float, run_command
 from parity.errors import ConfigError
 from parity.registry import NAMES
@@ -20,15 +22,25 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = OneLineParser(description)
     p.add_argument("--output_dir", required=True, help="the layer-check folder (shared weights, inputs, dumps)")
     p.add_argument("--strategy", choices=("all", *NAMES), default="all")
-    p.add_argument("--model_name", default=None, help="default: Qwen/Qwen2.5-0.5B with GPUs, qwen2-tiny without")
-    p.add_argument("--num_layers", type=int, default=2)
-    p.add_argument("--batch_size", type=int, default=2, help="samples per DP rank")
-    p.add_argument("--seq_length", type=int, default=None, help="default: 1024 with GPUs, 128 without")
+    p.add_argument("--replay", default=None, metavar="RUN_DIR",
+                   help="record step --step of a training run instead, from the DDP baseline's newest checkpoint at "
+                        "or before it: its run folder <storage_path>/<experiment_name> or one checkpoint in it; the "
+                        "model, data and optimizer settings are the run's (the flags marked 'not with --replay')")
+    p.add_argument("--step", type=int, default=None, help="with --replay: the step to record (as the verdict names it)")
+    p.add_argument("--model_name", default=None,
+                   help="default: Qwen/Qwen2.5-0.5B with GPUs, qwen2-tiny without; not with --replay")
+    p.add_argument("--num_layers", type=int, default=None, help="default: 2; not with --replay")
+    p.add_argument("--batch_size", type=int, default=None,
+                   help="samples per DP rank; default: 2, with --replay the run's global batch ÷ dp_size")
+    p.add_argument("--seq_length", type=int, default=None,
+                   help="default: 1024 with GPUs, 128 without; not with --replay")
     p.add_argument("--tp_size", type=int, default=2, help="TP size of DeepSpeed and FSDP (DDP runs at 1)")
-    p.add_argument("--dp_size", type=int, default=1)
-    p.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: bf16 on GPU, fp32 on CPU")
-    p.add_argument("--learning_rate", type=float, default=1e-5, help="lr of the one optimizer step")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--dp_size", type=int, default=None, help="default: 1, with --replay the run's")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="default auto: bf16 on GPU, fp32 on CPU; not with --replay")
+    p.add_argument("--learning_rate", type=float, default=None,
+                   help="lr of the one optimizer step; default: 1e-5; not with --replay")
+    p.add_argument("--seed", type=int, default=None, help="default: 42; not with --replay")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--perturb", default=None, metavar="STRATEGY:PARAM",
                    help="check the check: add 1e-3 to TP rank 0's shard of PARAM in STRATEGY's run")
@@ -52,6 +64,7 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity.training.launch import launch
     from parity.training.layer_step import INPUTS_FILE, check_inputs, layer_step_worker, write_inputs
     from parity.training.model import build_model, model_config_from_dict, parameter_names, save_init_weights
+    from parity.training.replay import check_folder, write_folder
 
     out = storage.local_path(args.output_dir)
     if out is None:
@@ -60,15 +73,18 @@ def check_layers(args: argparse.Namespace) -> int:
     storage.check_writable_dir("--output_dir", out)
     strategies = list(NAMES) if args.strategy == "all" else [args.strategy]
     perturb = _parse_perturb(args.perturb, strategies)
+    replay = _replay_start(args)
     weights, inputs = os.path.join(out, WEIGHTS_FILE), os.path.join(out, INPUTS_FILE)
     if os.path.exists(weights) != os.path.exists(inputs):
         have, lack = (WEIGHTS_FILE, INPUTS_FILE) if os.path.exists(weights) else (INPUTS_FILE, WEIGHTS_FILE)
         raise ConfigError(f"{out} has {have} but no {lack}: a layer-check folder needs both; use a fresh "
                           f"--output_dir (or delete {have})")
     fresh = not os.path.exists(weights)
+    if not fresh:
+        check_folder(replay, out)
     cluster = probe_cluster()
     options = _strategy_options(args, strategies)
-    cfgs = {s: resolve(s, _run_values(args, s, out, cluster.gpus, options[s]), cluster=cluster,
+    cfgs = {s: resolve(s, _run_values(args, s, out, cluster.gpus, options[s], replay), cluster=cluster,
                        weights_written_before_launch=fresh) for s in strategies}
     first = cfgs[strategies[0]]
     for strategy, name in perturb.items():
@@ -79,36 +95,78 @@ def check_layers(args: argparse.Namespace) -> int:
     runs = [(cfgs[s], perturb.get(s)) for s in strategies]
     if "ddp" in cfgs and (args.noise_reference == "on" or
                           (args.noise_reference == "auto" and cfgs["ddp"].precision == "bf16")):
-        reference = {**_run_values(args, "ddp", out, cluster.gpus, {}), "precision": "fp32", "noise_reference": True,
-                     "experiment_name": "layer_check_ddp_noise_reference"}
+        reference = {**_run_values(args, "ddp", out, cluster.gpus, {}, replay), "precision": "fp32",
+                     "noise_reference": True, "experiment_name": "layer_check_ddp_noise_reference"}
         runs.insert(1, (resolve("ddp", reference, cluster=cluster, weights_written_before_launch=fresh), None))
-    if fresh:  # the folder's shared weights and inputs, written once, on the driver
+    if fresh and replay:  # the folder's shared weights and inputs, written once, on the driver
+        write_folder(replay, out, weights, inputs, training_data(first))
+        print(f"wrote {weights}, {inputs} and the optimizer state: step {replay.step} from "
+              f"{replay.checkpoint or 'the initial weights'}")
+    elif fresh:
         save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), weights)
         write_inputs(training_data(first), first.seed, inputs)
         print(f"wrote {weights} and {inputs}")
     for cfg, _ in runs:
         check_inputs(inputs, cfg)
     for cfg, perturb_param in runs:
-        launch(cfg, layer_step_worker, {"output_dir": out, "perturb_param": perturb_param})
+        start = {"replay": {**replay.describe(), "batches": training_data(cfg)}} if replay else {}
+        launch(cfg, layer_step_worker, {"output_dir": out, "perturb_param": perturb_param, **start})
     if len(load_dumps(out)) < 2:
         print(f"{out} has one dump so far; run the other strategies into it, then compare_dumps.py")
         return 0
     return compare_and_report(out, args.tolerance)
 
 
-def _run_values(args, strategy: str, out: str, gpus: int, options: dict) -> dict:
-    """The flags of one strategy's recorded step. DDP runs at TP=1 with the same DP size."""
+def _replay_start(args):
+    """--replay's start, after the flags it fixes are checked; None without --replay."""
+    from parity.training.replay import KEPT, find_start
+
+    if args.replay is None:
+        if args.step is not None:
+            raise ConfigError("--step is the step of a replay: add --replay RUN_DIR (the baseline's run folder)")
+        return None
+    if args.step is None:
+        raise ConfigError("--replay needs --step: the step to record (the loss-curve verdict names it)")
+    if storage.local_path(args.replay) is None:
+        raise ConfigError(f"--replay {args.replay}: a replay reads the run's checkpoints from a folder of this "
+                          f"machine: copy the run folder here (or use a shared mount) and pass its path")
+    given = [name for name in KEPT if getattr(args, name, None) is not None]  # the layer check's flags among them
+    if given:
+        raise ConfigError(f"--{given[0]} comes from the run in a replay: drop it")
+    return find_start(args.replay, args.step)
+
+
+def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay) -> dict:
+    """The flags of one strategy's recorded step. DDP runs at TP=1 with the same DP size. A replay keeps the
+    run's model, data and optimizer settings, and its global batch."""
+    from parity.training.replay import KEPT
+
     tp = 1 if strategy == "ddp" else args.tp_size
-    on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= tp * args.dp_size)
+    if replay:
+        dp = _given(args.dp_size, replay.config["dp_size"])
+        batch = _given(args.batch_size, max(1, replay.global_batch_size // max(1, dp)))
+        if batch * dp != replay.global_batch_size:
+            raise ConfigError(f"--dp_size {dp} × --batch_size {batch} is not the run's global batch "
+                              f"({replay.global_batch_size}): a replay keeps it")
+        values = {k: replay.config[k] for k in KEPT}
+    else:
+        dp, batch = _given(args.dp_size, 1), _given(args.batch_size, 2)
+        on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= tp * dp)
+        values = {"model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
+                  "seq_length": _given(args.seq_length, 1024 if on_gpu else 128),
+                  "num_layers": _given(args.num_layers, 2), "precision": _given(args.precision, "auto"),
+                  "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42)}
     return {
-        "model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
-        "num_layers": args.num_layers, "batch_size": args.batch_size,
-        "seq_length": args.seq_length or (1024 if on_gpu else 128),
-        "tp_size": tp, "dp_size": args.dp_size, "num_workers": tp * args.dp_size, "device": args.device,
-        "precision": args.precision, "learning_rate": args.learning_rate, "seed": args.seed, "debug_steps": 1,
+        **values, "batch_size": batch, "tp_size": tp, "dp_size": dp, "num_workers": tp * dp, "device": args.device,
+        "debug_steps": 1,
         "init_weights_path": os.path.join(out, WEIGHTS_FILE), "loss_output_dir": out,
         "storage_path": os.path.join(out, "ray"), "experiment_name": f"layer_check_{strategy}", **options,
     }
+
+
+def _given(value, default):
+    """A flag's value, or its default when not given (a replay's defaults come from the run)."""
+    return default if value is None else value
 
 
 def _strategy_options(args: argparse.Namespace, strategies: list[str]) -> dict[str, dict]:

@@ -61,6 +61,7 @@ def run_main_job(args) -> int:
 
     from parity.commands.compare_curves import compare_and_report
     from parity.comparing.curve_report import REPORT_NAME
+    from parity.training.checkpoints import run_dir
     from parity.training.cluster import ensure_ray, probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
@@ -77,6 +78,8 @@ def run_main_job(args) -> int:
     for pattern in ("loss_*.json", REFERENCE_GLOB):  # a verdict only on this job's runs
         for stale in storage.list_files(loss_dir, pattern):
             storage.delete_file(stale)
+    for cfg in cfgs:  # fresh runs: Ray Train would resume a run folder's checkpoints (the job owns the folder)
+        storage.delete_dir(run_dir(cfg))
 
     started = time.perf_counter()
     ensure_ray()

@@ -3,6 +3,8 @@ written beside the figure."""
 
 from __future__ import annotations
 
+import os
+import shlex
 from typing import NamedTuple
 
 from parity import storage
@@ -78,7 +80,35 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
             lines.append(f"first step outside: step {f.step}: {NOUNS[f.quantity]} {f.value:.6f} vs {base} "
                          f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > {f.tolerance:.3e}")
         lines.append("differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded"))
+        command = replay_command(c, r)
+        if command:
+            lines.append(f"replay step {f.step} layer by layer from {base}'s checkpoint: {command}")
     return lines
+
+
+def replay_command(c: Comparison, r: CurveResult) -> str | None:
+    """For a FAIL: the layer check that records the first step outside under every strategy, from the DDP
+    baseline's newest checkpoint at or before it, in the failing run's layout and options (docs/checkpoints.md).
+    None when the baseline's checkpoints are in an object store: a replay reads them from a folder of its
+    machine (a shared mount on a cluster). Its folder goes beside the records, or under the working
+    directory when they are in an object store."""
+    f = r.verdict.first_outside
+    if f is None or c.baseline.name != "ddp":
+        return None
+    base, run = c.baseline.config, r.run.config
+    checkpoints = storage.local_path(storage.join(base["storage_path"], base["experiment_name"]))
+    if checkpoints is None:
+        return None
+    records = storage.local_path(storage.parent(storage.absolute(r.run.file)))
+    output = os.path.join(records, f"replay_step_{f.step}") if records else f"replay_step_{f.step}"
+    flags = ["--output_dir", output, "--replay", checkpoints, "--step", str(f.step),
+             "--tp_size", str(run["tp_size"]), "--dp_size", str(run["dp_size"]), "--batch_size", str(run["batch_size"])]
+    for name, value in sorted(run.get("options", {}).items()):
+        if value is True:
+            flags.append(f"--{name}")
+        elif value is not False:
+            flags += [f"--{name}", str(value)]
+    return "python run_verification.py " + shlex.join(flags)
 
 
 def markdown_report(c: Comparison, figure_file: str) -> str:
@@ -101,6 +131,10 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         if not r.verdict.passed:
             out += ["", f"{r.run.label} differs from the baseline in: "
                     + ("; ".join(f"`{d}`" for d in r.config_differences) or "nothing recorded")]
+            command = replay_command(c, r)
+            if command:
+                out += ["", f"Replay step {r.verdict.first_outside.step} layer by layer from the baseline's "
+                        f"checkpoint:", "", f"```bash\n{command}\n```"]
     for key, noun, _ in CURVES:
         out += ["", f"## {noun.capitalize()}", "", "| run | initial | final | min | mean |", "|---|---|---|---|---|"]
         for run in c.runs:
@@ -120,7 +154,8 @@ def write_outputs(c: Comparison, figure_path: str) -> list[str]:
     directory = storage.parent(storage.absolute(figure_path))
     json_path, md_path = storage.join(directory, JSON_NAME), storage.join(directory, REPORT_NAME)
     save_figure(curve_figure(c), figure_path)
-    storage.write_json_atomic(json_path, {**c.to_dict(), "figure": storage.name(figure_path)})
+    replays = {r.run.name: replay_command(c, r) for r in c.results if replay_command(c, r)}
+    storage.write_json_atomic(json_path, {**c.to_dict(), "figure": storage.name(figure_path), "replay_commands": replays})
     storage.write_text_atomic(md_path, markdown_report(c, storage.name(figure_path)))
     return [figure_path, json_path, md_path]
 

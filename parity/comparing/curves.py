@@ -21,7 +21,7 @@ from parity import storage
 from parity.comparing import tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
-from parity.comparing.tolerances import NOISE_K, QUANTITIES, Tolerance
+from parity.comparing.tolerances import NOISE_K, QUANTITIES
 from parity.comparing.verdict import Outside, Verdict, verdict_word
 from parity.errors import ConfigError, NotComparable
 from parity.registry import label

@@ -144,8 +144,9 @@ def _check_same_step(dumps: list[Dump]) -> None:
     first = dumps[0]
     for dump in dumps:
         for key, what in (("inputs_sha256", "inputs"), ("init_weights_sha256", "initial weights"),
-                          ("model_config", "model config"), ("learning_rate", "learning rate")):
-            if dump.meta[key] != first.meta[key]:
+                          ("model_config", "model config"), ("learning_rate", "learning rate"),
+                          ("replay", "replay starts")):
+            if dump.meta.get(key) != first.meta.get(key):
                 raise ConfigError(f"dumps from different {what}: {first.strategy} and {dump.strategy} differ in "
                                   f"{key}; rerun both with the same --output_dir")
         if dump.meta["dp_size"] != first.meta["dp_size"]:

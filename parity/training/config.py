@@ -71,6 +71,12 @@ FLAGS = (
                                       "another layout, from which plot_loss_curves.py calibrates its bounds"}),
     ("outputs", "final_checkpoint_dir", None,
      {"help": "Hugging Face-format model written at the end (default: <storage_path>/<name>/final_model)"}),
+    ("checkpoints", "checkpoint_interval", 50,
+     {"type": int, "help": "a checkpoint (model, optimizer, step, RNG, the loss record so far) every N steps, "
+                           "and one at the end; 0 = at the end only"}),
+    ("checkpoints", "keep_checkpoints", 2, {"type": int, "help": "keep the last K checkpoints; 0 = keep all"}),
+    ("checkpoints", "max_failures", 1,
+     {"type": int, "help": "restarts after a worker failure, each from the latest checkpoint; -1 = no limit"}),
 )
 DEFAULTS = {name: default for _, name, default, _ in FLAGS}
 TYPES = {name: kwargs.get("type", str) for _, name, _, kwargs in FLAGS if "action" not in kwargs}
@@ -133,6 +139,9 @@ class RunConfig:
     save_init_weights: bool
     final_checkpoint_dir: str
     noise_reference: bool
+    checkpoint_interval: int
+    keep_checkpoints: int
+    max_failures: int
     options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
     model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
 
@@ -277,7 +286,8 @@ FLOAT_RANGES = {
 }
 # Every size: at least this.
 INT_MINIMUMS = {"num_workers": 1, "tp_size": 1, "dp_size": 1, "batch_size": 1, "seq_length": 2, "num_layers": 1,
-                "num_epochs": 1, "debug_steps": 1, "log_interval": 1, "num_samples": 1, "warmup_steps": 0, "seed": 0}
+                "num_epochs": 1, "debug_steps": 1, "log_interval": 1, "num_samples": 1, "warmup_steps": 0, "seed": 0,
+                "checkpoint_interval": 0, "keep_checkpoints": 0}
 
 
 def _check_numbers(s: dict) -> None:
@@ -286,6 +296,8 @@ def _check_numbers(s: dict) -> None:
         if s[name] is not None and s[name] < minimum:
             what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             raise ConfigError(f"--{name} must be {what} (got {s[name]})")
+    if s["max_failures"] < -1:
+        raise ConfigError(f"--max_failures must be -1 (no limit) or an integer >= 0 (got {s['max_failures']})")
     for name, (low, high, low_ok, high_ok, words) in FLOAT_RANGES.items():
         value = s[name]
         if value is None:

@@ -34,11 +34,12 @@ def dump_paths(output_dir: str, cfg: RunConfig) -> tuple[str, str]:
 # The shared inputs (driver side)
 # ---------------------------------------------------------------------------------------------------
 
-def write_inputs(batches, seed: int, path: str) -> None:
-    """The global batch every run of the folder uses: step 0 of the run's data, labels = input ids."""
+def write_inputs(batches, seed: int, path: str, step: int = 0) -> None:
+    """The global batch every run of the folder uses: a step (0, or the one a replay records) of the run's
+    data, labels = input ids."""
     from safetensors.torch import save_file
 
-    input_ids = batches(0)
+    input_ids = batches(step)
     with atomic_path(path) as tmp:
         save_file({"input_ids": input_ids, "labels": input_ids.clone()}, tmp,
                   metadata={"dataset": batches.dataset.describe(), "seed": str(seed)})
@@ -123,11 +124,15 @@ def layer_step_worker(payload: dict) -> None:
     from safetensors.torch import load_file, save_file
 
     from parity.training.loop import start_worker
-    from parity.training.strategy import causal_lm_loss
+    from parity.training.replay import advance
+    from parity.training.strategy import causal_lm_loss, lr_at
 
     w = start_worker(payload)
     cfg, ctx, log, strategy = w.cfg, w.ctx, w.log, w.strategy
     output_dir = payload["output_dir"]
+    replay = payload.get("replay")
+    step = advance(w, replay, output_dir) if replay else 0
+    lr = lr_at(step, cfg)
     if payload.get("perturb_param"):
         perturb_local_shard(strategy, payload["perturb_param"])
         log(f"perturbed {payload['perturb_param']} by {PERTURBATION} on TP rank 0")
@@ -144,7 +149,7 @@ def layer_step_worker(payload: dict) -> None:
     strategy.backward(loss)
     recorder.remove()
     grads = strategy.full_gradients()
-    grad_norm = strategy.optimizer_step(cfg.learning_rate)
+    grad_norm = strategy.optimizer_step(lr)
     params = strategy.full_parameters()
     dp_losses = strategy.gather_dp_losses(loss.detach())
 
@@ -167,7 +172,8 @@ def layer_step_worker(payload: dict) -> None:
             "precision": cfg.precision, "options": cfg.options, "device_type": ctx.device.type,
             "model_config": config_summary(w.model_config),
             "init_weights_sha256": w.weights_sha, "inputs_sha256": file_sha256(inputs_path),
-            "learning_rate": cfg.learning_rate, "loss": sum(dp_losses) / len(dp_losses),
+            "learning_rate": lr, "loss": sum(dp_losses) / len(dp_losses),
+            "replay": {k: v for k, v in replay.items() if k != "batches"} if replay else None,
             "dp_rank_losses": dp_losses, "grad_norm": grad_norm, "perturbed": payload.get("perturb_param"),
             "forward_order": forward_order, "backward_order": recorder.backward_order})
         log(f"wrote {tensor_path}: {len(tensors)} tensors, loss {sum(dp_losses) / len(dp_losses):.8f}")

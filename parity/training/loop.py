@@ -2,12 +2,16 @@
 
 [1] model built from the config, the shared initial weights loaded on every rank before wrapping
 [2] the strategy wraps it and builds the optimizer
-[3] each step: the global batch of that step, this DP rank's slice, one train step
-[4] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval
-[5] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
+[3] under Ray Train: resume from the run's latest checkpoint when it has one (parity/training/checkpoints.py)
+[4] each step: the global batch of that step, this DP rank's slice, one train step
+[5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval;
+    under Ray Train the step's metrics are reported, with a checkpoint every checkpoint_interval and at the end
+[6] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
     backward and after the step, and keeps the peak
-[6] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
+[7] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
     the last batch (which that checkpoint must reproduce)
+A failure every rank meets at once (a write that fails, a loss that is not finite) stops all ranks together
+(RunStopped); the Ray Train worker returns it rather than raising it, so Ray does not retry it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from parity.errors import RunStopped
 from parity.registry import strategy_class
+from parity.training.checkpoints import Checkpoints, RayTrainSession, agree, write_problem
 from parity.training.config import RunConfig
 from parity.training.data import batch_hash, dp_slice
 from parity.training.memory import PEAK_ORDERS, zero_bound
@@ -49,30 +55,40 @@ class Worker:
     num_params: int  # Ψ: the model's parameters, each once (a tied weight once)
 
 
-def start_worker(payload: dict, strategy_cls=None) -> Worker:
+def start_worker(payload: dict, strategy_cls=None, resuming: bool = False) -> Worker:
     """What every worker does first, training or recording one step: [1] the model from the shared initial
     weights, [2] wrapped by the strategy (`strategy_cls` overrides the registry's: tests hand in a copy
-    with a bug in it). The process group (gloo or NCCL) is already up."""
+    with a bug in it). A run `resuming` from a checkpoint does not write the weights again, even with
+    --save_init_weights: its checkpoint, and every run started from the file, name the file it wrote first
+    (torch.save writes a new serialization id each time: the same weights, another sha256). The process
+    group (gloo or NCCL) is already up."""
     cfg = RunConfig.from_dict(payload["cfg"])
     ctx = worker_context(cfg)
     log = rank0_logger(cfg, ctx)
     model_config = model_config_from_dict(cfg.model_config)
-    model, weights_sha = prepare_model(cfg, model_config, ctx, log)  # [1]
+    model, weights_sha = prepare_model(cfg, model_config, ctx, log,  # [1]
+                                       write=cfg.save_init_weights and not resuming)
     num_params = sum(p.numel() for p in model.parameters())
     strategy = (strategy_cls or strategy_class(cfg.strategy))(cfg, ctx)
     strategy.setup(model)  # [2]
     return Worker(cfg, ctx, log, model_config, strategy, weights_sha, num_params)
 
 
-def train_worker(payload: dict) -> None:
-    """Ray Train's train_loop_per_worker."""
-    train(start_worker(payload), payload["batches"])
+def train_worker(payload: dict) -> dict | None:
+    """Ray Train's train_loop_per_worker: {"stopped": line} when every rank stopped on the same failure."""
+    try:
+        session = RayTrainSession()
+        train(start_worker(payload, resuming=session.resuming()), payload["batches"], session)
+    except RunStopped as exc:
+        return {"stopped": str(exc)}
+    return None
 
 
 def train_runs_worker(payload: dict) -> None:
     """Ray Train's train_loop_per_worker for several runs of one world size, one after another in one worker
     group (payload["runs"]: each {"cfg", "batches", "title"}): Ray starts the workers once, not once per run
-    (about 20 s each on a 2-core machine). Each run builds its model, strategy and record afresh."""
+    (about 20 s each on a 2-core machine). Each run builds its model, strategy and record afresh; none
+    checkpoints (the benchmark measures steps, not recovery)."""
     runs = payload["runs"]
     for i, run in enumerate(runs):
         if dist.get_rank() == 0:
@@ -81,8 +97,9 @@ def train_runs_worker(payload: dict) -> None:
         gc.collect()
 
 
-def train(w: Worker, batches) -> None:
-    """The loop, on every rank of the run's process group (Ray Train's, or a test's local gloo group)."""
+def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
+    """The loop, on every rank of the run's process group: Ray Train's (with its `session`: metrics reports,
+    checkpoints, resume), or a test's local gloo group (without)."""
     cfg, ctx, log, strategy = w.cfg, w.ctx, w.log, w.strategy
     total_steps = cfg.debug_steps or cfg.num_epochs * batches.steps_per_epoch
     memory_metric = reset_peak_memory(ctx.device)
@@ -91,41 +108,61 @@ def train(w: Worker, batches) -> None:
                                         worker_nodes(ctx)))
     log(f"training {total_steps} steps: {batches.dataset.describe()}, global batch {cfg.global_batch_size} × "
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
+    checkpoints = Checkpoints(w, session, record) if session else None
+    start = checkpoints.resume() if checkpoints else 0  # [3]
+    if start:
+        write_record(record, ctx)  # the record of the run resumed, not of the attempt that failed
 
     probe = ModelStateProbe(strategy)
     started = time.perf_counter()
-    for step in range(total_steps):  # [3]
+    for step in range(start, total_steps):  # [4]
         global_batch = batches(step)
         lr = lr_at(step, cfg)
         t0 = time.perf_counter()
-        observe = probe if step == total_steps - 1 else None  # [5]
+        observe = probe if step == total_steps - 1 else None  # [6]
         stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), lr, observe)
         _synchronize(ctx.device)
         step_time = time.perf_counter() - t0 - (probe.seconds if observe else 0.0)
-        if not math.isfinite(stats.loss):
-            raise FloatingPointError(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
-        record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [4]
+        if not math.isfinite(stats.loss):  # the same on every rank: the loss is gathered
+            raise RunStopped(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
+        record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [5]
                       grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.numel(),
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
                       peak_memory_bytes=peak_memory_bytes(ctx.device))
-        if (step + 1) % cfg.log_interval == 0 or step + 1 == total_steps:
-            if ctx.is_logging_rank:
-                record.write()
+        done = step + 1
+        if checkpoints:
+            metrics = {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "param_norm": stats.param_norm,
+                       "lr": lr, "step_time_s": step_time}
+            if checkpoints.due(done, total_steps):
+                checkpoints.write(done, metrics)
+            else:
+                session.report(metrics)
+        if done % cfg.log_interval == 0 or done == total_steps:
+            write_record(record, ctx)
             elapsed = time.perf_counter() - started
-            log(f"step {step + 1}/{total_steps} ({100 * (step + 1) // total_steps}%) loss {stats.loss:.6f} "
-                f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {elapsed / (step + 1):.3f} s/step, "
-                f"ETA {elapsed / (step + 1) * (total_steps - step - 1):.0f} s")
+            log(f"step {done}/{total_steps} ({100 * done // total_steps}%) loss {stats.loss:.6f} "
+                f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {elapsed / (done - start):.3f} s/step, "
+                f"ETA {elapsed / (done - start) * (total_steps - done):.0f} s")
 
     model_state = probe.report(w, step=total_steps - 1)
-    final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [6]
+    final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [7]
     params = strategy.full_parameters()
-    if ctx.is_logging_rank:
-        save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir)
-        record.finish(eval_loss_last_batch=final_loss, eval_batch_step=total_steps - 1,
-                      checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started,
-                      model_state=model_state)
+
+    def finish() -> None:
+        if ctx.is_logging_rank:
+            save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir)
+            record.finish(eval_loss_last_batch=final_loss, eval_batch_step=total_steps - 1,
+                          checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started,
+                          model_state=model_state)
+
+    agree(write_problem(finish, f"the final model {cfg.final_checkpoint_dir} or the loss record {record.path}",
+                        errors=(Exception,)))  # safetensors raises its own errors
     log(f"done: loss record {record.path}, final model {cfg.final_checkpoint_dir}")
-    dist.barrier()
+
+
+def write_record(record: LossRecord, ctx: WorkerContext) -> None:
+    """Rank 0 rewrites the record; every rank learns whether it could (a collective)."""
+    agree(write_problem(record.write if ctx.is_logging_rank else lambda: None, f"the loss record {record.path}"))
 
 
 class ModelStateProbe:
@@ -179,10 +216,10 @@ def worker_context(cfg: RunConfig) -> WorkerContext:
                          dp_size=cfg.dp_size, device=device)
 
 
-def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log):
-    """Every rank loads the same file; with --save_init_weights rank 0 writes it first."""
+def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log, write: bool):
+    """Every rank loads the same file; when it is to `write` it (--save_init_weights), rank 0 writes it first."""
     model = build_model(model_config, cfg.seed)
-    if cfg.save_init_weights:
+    if write:
         if ctx.is_logging_rank:
             sha = save_init_weights(model, cfg.init_weights_path)
             log(f"Saved initial weights to {cfg.init_weights_path} (sha256 {sha})")

@@ -38,11 +38,21 @@ class LossRecord:
     def __init__(self, path: str, strategy: str, config: dict):
         self.path = path
         self.data = {"schema_version": SCHEMA_VERSION, "strategy": strategy, "complete": False,
-                     "config": config, "steps": []}
+                     "config": config, "steps": [], "resumes": []}
 
     @property
     def steps(self) -> list[dict]:
         return self.data["steps"]
+
+    def progress(self) -> dict:
+        """What a checkpoint keeps of the record: the steps so far and the resumes that led to them."""
+        return {"steps": self.steps, "resumes": self.data["resumes"]}
+
+    def resume(self, progress: dict, checkpoint: str, skipped: list[str]) -> None:
+        """Continue the record a checkpoint kept, noting where from and which damaged checkpoints were passed over."""
+        self.data["steps"] = list(progress["steps"])
+        self.data["resumes"] = [*progress["resumes"], {"checkpoint": checkpoint, "step": len(progress["steps"]),
+                                                       "skipped": skipped}]
 
     def append(self, **step) -> None:
         missing = set(STEP_FIELDS) - set(step)

@@ -204,6 +204,32 @@ class Strategy:
         from its tensors by a parity.training.memory.StateLedger (each storage once). Local: no collective."""
         raise NotImplementedError
 
+    # --- checkpoints ------------------------------------------------------------------------------
+    def save_state(self, directory: str) -> None:
+        """Write the model and optimizer state into `directory`, this rank's part in the strategy's own
+        (sharded) form, under file names no other rank uses: every rank writes into a directory of its own
+        and Ray Train merges them into one checkpoint. Collective."""
+        raise NotImplementedError
+
+    def load_state(self, directory: str) -> None:
+        """Load what save_state wrote (all ranks' files, merged in `directory`) into the set-up model and
+        optimizer, so training continues as if it had never stopped. Collective."""
+        raise NotImplementedError
+
+    def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Give the optimizer AdamW's state of another run — {HF name: {"exp_avg", "exp_avg_sq"}} as full
+        tensors, and its step count — in this strategy's own (sharded) form: the layer check's replay starts
+        every strategy from the baseline's state. Here for torch optimizers over the wrapped model's
+        parameters, through torch's full-state-dict loader (which shards DTensor states as the parameters
+        are); DeepSpeed, whose optimizer is its own, overrides it. Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        (group,) = self.optimizer.param_groups  # build_optimizer makes one group
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        state = {name: {"step": torch.tensor(float(step)), **m} for name, m in moments.items()}
+        set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": [
+            {**hyper, "params": list(moments)}]}, options=StateDictOptions(full_state_dict=True))
+
     def train_step(self, input_ids: torch.Tensor, lr: float, observe: Callable[..., None] | None = None) -> StepStats:
         """One step. `observe` (the loop's model-state probe) is called during backward as each parameter's
         gradient arrives ("during_backward", its name), then with "after_backward" (gradients reduced,

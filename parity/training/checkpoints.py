@@ -1,0 +1,311 @@
+"""Checkpoints through Ray Train, and resuming from them on the same curve.
+
+Writing, every --checkpoint_interval steps and at the end, on every rank at once:
+[1] each rank writes into a temporary directory of its own: the strategy's state in its native sharded
+    form (Strategy.save_state), its RNG state, rank 0 also the checkpoint's meta (the step, the run's
+    identity, the loss record so far), and last a manifest of its files (bytes and sha256);
+[2] every rank hands its directory to ray.train.report, which copies it into one checkpoint directory,
+    <storage_path>/<experiment_name>/step_<N>, and registers the checkpoint once every rank has reported;
+    Ray Train keeps the last --keep_checkpoints.
+[3] A rank whose copy into the storage fails tells the others (`agree`): every rank stops at the same
+    point with the same line, the checkpoint is not registered (a partial copy is removed), the previous
+    one stays the latest, and the run is not retried: the storage would refuse the same write again. (A
+    failure in [1], in the system's temporary directory, is raised instead: it may come from a collective
+    save on some ranks only, and a raise is what stops the others there.)
+
+Resuming — after a worker failure Ray Train restarts the group; a run started again with the same
+--storage_path and --experiment_name finds its checkpoints too — from the latest checkpoint:
+[4] every rank checks it against the manifests (its own files by sha256, every file by size); a damaged
+    checkpoint is skipped, with a line saying so, for the one before it;
+[5] a checkpoint of another configuration is refused: it continues only the run that wrote it;
+[6] the strategy loads its state, each rank its RNG state, every rank the loss record so far, and training
+    continues at the checkpoint's step; the data is a function of the step, so the stream continues too.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from parity import storage
+from parity.errors import ConfigError, RunStopped
+from parity.training.model import config_summary, file_sha256, model_config_from_dict
+
+FORMAT = "parity-checkpoint/1"
+META_FILE = "parity_checkpoint.json"
+DIR_PREFIX = "step_"
+# RunConfig fields that do not change what is trained: a run may resume with other values of these. The
+# model is compared by its summary, not by the whole Hugging Face config (which names the library version).
+NOT_IDENTITY = ("log_interval", "loss_output_dir", "storage_path", "experiment_name", "final_checkpoint_dir",
+                "init_weights_path", "save_init_weights", "cpus_per_worker", "checkpoint_interval",
+                "keep_checkpoints", "max_failures", "model_config")
+AFTER_A_FAILED_WRITE = ("the run stopped; its previous checkpoint and the loss record up to it are kept: make room "
+                        "(or make it writable) and run the same command again to resume")
+
+
+def dir_name(step: int) -> str:
+    """A checkpoint's directory, by the number of steps done (training resumes at that step); a step trained
+    again after a damaged checkpoint of it was passed over gets a suffix (step_000012.1)."""
+    return f"{DIR_PREFIX}{step:06d}"
+
+
+def manifest_name(rank: int) -> str:
+    return f"manifest_rank{rank}.json"
+
+
+def rng_name(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
+def run_dir(cfg) -> str:
+    """The run's folder, where Ray Train puts its checkpoints (a local path or a URI)."""
+    return storage.join(cfg.storage_path, cfg.experiment_name)
+
+
+def identity(cfg) -> dict:
+    """What a checkpoint must share with the run that resumes from it: every setting that changes the numbers."""
+    ident = {k: v for k, v in cfg.to_dict().items() if k not in NOT_IDENTITY}
+    ident["model"] = config_summary(model_config_from_dict(cfg.model_config))
+    return json.loads(json.dumps(ident))  # as it reads back from the checkpoint's JSON
+
+
+def differences(stored: dict, current: dict) -> list[str]:
+    return [f"{k} {stored.get(k)!r} there, {current.get(k)!r} here"
+            for k in sorted(stored.keys() | current.keys()) if stored.get(k) != current.get(k)]
+
+
+def check_run_folder(cfg) -> None:
+    """On the driver, before launch: Ray Train resumes a run from the checkpoints in its folder, so they must
+    be this configuration's ([5] before any worker starts). Remote storage is left to the workers' check;
+    so is a meta that cannot be read: that checkpoint is damaged and will be skipped ([4])."""
+    folder = storage.local_path(run_dir(cfg))
+    if folder is None:
+        return
+    want = identity(cfg)
+    for path in sorted(glob.glob(os.path.join(folder, DIR_PREFIX + "*", META_FILE))):
+        try:
+            with open(path) as f:
+                stored = json.load(f)["identity"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        diff = differences(stored, want)
+        if diff:
+            raise ConfigError(f"{folder} holds checkpoints of another run ({'; '.join(diff[:3])}), which Ray Train "
+                              f"would resume: use another --experiment_name or --storage_path, or delete {folder} "
+                              f"to start afresh")
+
+
+def any_rank(problem: str | None) -> str | None:
+    """Collective: the first rank's problem, or None when no rank has one; every rank gets the same answer."""
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
+def agree(problem: str | None) -> None:
+    """Collective: when any rank met a problem, every rank raises RunStopped with the first one's line, so
+    they stop at the same point instead of waiting for each other in a collective."""
+    first = any_rank(problem)
+    if first:
+        raise RunStopped(first)
+
+
+def write_problem(action, what: str, errors=(OSError,)) -> str | None:
+    """Run `action`, which writes `what` (named with its path); the line to stop with if it raised one of
+    `errors`, None if it wrote. Only for actions with no collective inside: a rank that fails must not
+    leave the others waiting in one."""
+    try:
+        action()
+    except errors as exc:
+        errno = getattr(exc, "errno", None)  # pyarrow's errors carry it too, under a longer text
+        reason = os.strerror(errno) if errno else str(exc).strip().splitlines()[-1]
+        return f"cannot write {what} ({reason}): {AFTER_A_FAILED_WRITE}"
+    return None
+
+
+class RayTrainSession:
+    """The Ray Train calls of the loop: a training loop in a test's local process group runs without them."""
+
+    def __init__(self):
+        import logging
+
+        import ray.train.v2._internal.execution.context as context
+
+        # Ray Train logs every report ("Reporting training result …", "Checkpoint successfully created …") at
+        # INFO, on every rank: with metrics reported every step that is a line per step per rank.
+        for name in (context.__file__, "ray.train.v2._internal.execution.storage"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+    @staticmethod
+    def resuming() -> bool:
+        """Whether Ray Train holds a checkpoint of this run (after a failure, or for a run started again)."""
+        import ray.train
+
+        return ray.train.get_checkpoint() is not None
+
+    @staticmethod
+    def report(metrics: dict, directory: str | None = None, name: str | None = None) -> None:
+        """Report a step's metrics, with the checkpoint in `directory` (this rank's part) as `name`."""
+        import ray.train
+
+        if directory is None:
+            ray.train.report(metrics)
+        else:
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                             checkpoint_dir_name=name)
+
+    @staticmethod
+    def checkpoints() -> list:
+        """The run's registered checkpoints, the latest first (then by step, newest first)."""
+        import ray.train
+
+        latest = ray.train.get_checkpoint()
+        if latest is None:
+            return []
+        reported = ray.train.get_all_reported_checkpoints(
+            consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        older = sorted((r for r in reported if r.checkpoint.path != latest.path),
+                       key=lambda r: r.metrics.get("step", -1), reverse=True)
+        return [latest, *(r.checkpoint for r in older)]
+
+    @staticmethod
+    def remove_partial(name: str) -> None:
+        """Delete what a failed report copied of a checkpoint Ray Train did not register."""
+        import ray.train
+
+        storage = ray.train.get_context().get_storage()
+        try:
+            storage.storage_filesystem.delete_dir(storage.build_checkpoint_path_from_name(name))
+        except OSError:
+            pass  # nothing was copied, or the storage refuses even this: the directory is not registered anyway
+
+
+class Checkpoints:
+    """One rank's view of its run's checkpoints: writing one, resuming from the newest intact one."""
+
+    def __init__(self, worker, session, record):
+        self.cfg, self.ctx, self.log, self.strategy = worker.cfg, worker.ctx, worker.log, worker.strategy
+        self.weights_sha = worker.weights_sha
+        self.session, self.record = session, record
+        self.registered: set[str] = set()  # the run's checkpoint directories Ray Train holds (filled by resume)
+
+    def due(self, done: int, total_steps: int) -> bool:
+        interval = self.cfg.checkpoint_interval
+        return done == total_steps or (interval > 0 and done % interval == 0)
+
+    # --- writing ----------------------------------------------------------------------------------
+    def write(self, done: int, metrics: dict) -> None:
+        """[1]–[3]: this rank's part of the checkpoint after `done` steps, reported with `metrics`. Collective."""
+        # A run that resumed past a damaged checkpoint trains its step again: the new one gets a name of its
+        # own, or Ray Train, dropping the damaged one later, would delete the directory they share.
+        name, again = dir_name(done), 0
+        while name in self.registered:
+            again += 1
+            name = f"{dir_name(done)}.{again}"
+        with tempfile.TemporaryDirectory(prefix=f"parity_checkpoint_rank{self.ctx.rank}_") as tmp:
+            self._write_local(tmp, done)
+            problem = write_problem(lambda: self.session.report(metrics, tmp, name),
+                                    f"the checkpoint of step {done} to {os.path.join(run_dir(self.cfg), name)}")
+            try:
+                agree(problem)
+            except RunStopped:
+                if self.ctx.is_logging_rank:
+                    self.session.remove_partial(name)
+                raise
+
+    def _write_local(self, directory: str, done: int) -> None:
+        rank = self.ctx.rank
+        self.strategy.save_state(directory)
+        torch.save(rng_state(self.ctx.device), os.path.join(directory, rng_name(rank)))
+        if self.ctx.is_logging_rank:
+            meta = {"format": FORMAT, "step": done, "strategy": self.cfg.strategy, "world_size": self.ctx.world_size,
+                    "identity": identity(self.cfg), "init_weights_sha256": self.weights_sha,
+                    "config": self.cfg.to_dict(), "record": self.record.progress()}
+            with open(os.path.join(directory, META_FILE), "w") as f:
+                json.dump(meta, f)
+        files = {}
+        for root, _, names in os.walk(directory):
+            for name in names:
+                path = os.path.join(root, name)
+                files[os.path.relpath(path, directory)] = [os.path.getsize(path), file_sha256(path)]
+        with open(os.path.join(directory, manifest_name(rank)), "w") as f:  # last: it vouches for the rest
+            json.dump({"rank": rank, "files": files}, f)
+
+    # --- resuming ---------------------------------------------------------------------------------
+    def resume(self) -> int:
+        """[4]–[6]: load the newest intact checkpoint of the run; the step to continue at (0 without one)."""
+        skipped = []
+        checkpoints = self.session.checkpoints()
+        self.registered = {os.path.basename(c.path.rstrip("/")) for c in checkpoints}
+        for checkpoint in checkpoints:
+            t0 = time.perf_counter()
+            with checkpoint.as_directory() as directory:
+                problem = any_rank(damage(directory, self.ctx.world_size, [self.ctx.rank]))
+                if problem is None:
+                    step = self._load(directory, checkpoint.path, skipped)
+                    self.log(f"resumed from {checkpoint.path} at step {step} (checked and loaded in "
+                             f"{time.perf_counter() - t0:.1f} s)")
+                    return step
+            skipped.append(f"{checkpoint.path}: {problem}")
+            self.log(f"checkpoint {checkpoint.path} is damaged ({problem}): resuming from the one before it")
+        if skipped:
+            raise RunStopped(f"no intact checkpoint to resume from ({skipped[0]}): delete {run_dir(self.cfg)} to "
+                             f"start afresh")
+        return 0
+
+    def _load(self, directory: str, where: str, skipped: list[str]) -> int:
+        with open(os.path.join(directory, META_FILE)) as f:
+            meta = json.load(f)
+        diff = differences(meta["identity"], identity(self.cfg))
+        stored_sha = meta["init_weights_sha256"]
+        if stored_sha != self.weights_sha:
+            diff.append(f"initial weights sha256 {stored_sha[:12]}… there, {self.weights_sha[:12]}… here")
+        if diff:
+            raise RunStopped(f"checkpoint {where} was written by another run ({'; '.join(diff[:3])}): use another "
+                             f"--experiment_name or --storage_path, or delete {run_dir(self.cfg)} to start afresh")
+        self.strategy.load_state(directory)
+        set_rng_state(torch.load(os.path.join(directory, rng_name(self.ctx.rank)), weights_only=True), self.ctx.device)
+        self.record.resume(meta["record"], where, skipped)
+        return meta["step"]
+
+
+def damage(directory: str, world_size: int, hashed_ranks) -> str | None:
+    """What is wrong with a merged checkpoint directory, or None: every rank's manifest must be there and
+    every file it lists present at its size; the files of `hashed_ranks` must also match their sha256 (a
+    worker hashes its own, so the ranks share the reading)."""
+    for r in range(world_size):
+        try:
+            with open(os.path.join(directory, manifest_name(r))) as f:
+                files = json.load(f)["files"]
+        except FileNotFoundError:
+            return f"{manifest_name(r)} is missing"
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{manifest_name(r)} cannot be read"
+        for name, (size, sha256) in sorted(files.items()):
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                return f"{name} is missing"
+            if os.path.getsize(path) != size:
+                return f"{name} has {os.path.getsize(path)} bytes, its manifest says {size}"
+            if r in hashed_ranks and file_sha256(path) != sha256:
+                return f"{name} does not match the sha256 in its manifest"
+    return None
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

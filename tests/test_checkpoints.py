@@ -1,0 +1,306 @@
+"""Checkpoints, resume and replay through real Ray Train jobs on CPU.
+
+- A worker killed once at a known step (test copies of the strategy modules, tests/fault_hooks.py) and the
+  run resumes from its last checkpoint on the uninterrupted run's curve: DDP, DeepSpeed and FSDP.
+- The layer check replays a step of the DDP baseline from its checkpoint (or from before it): DDP reproduces
+  the baseline's step, DeepSpeed and FSDP match it tensor by tensor, and a fault planted at that step in
+  FSDP is named.
+- Faults, each with its line: a damaged checkpoint (passed over for the one before it; or none intact), a
+  checkpoint of another configuration, strategy or initial weights, a storage that refuses a checkpoint and
+  a loss record that cannot be written, mid-run.
+
+The runs are the session's (**PARITY: 12 steps, a checkpoint every 4, the last two kept: steps 8 and 12),
+copied where a test damages them.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import fault_hooks
+import step_metrics
+from conftest import FP32_RTOL, PARITY, max_rel_diff, run_main, series, to_argv, train
+from parity.commands.layer_check import main as layer_check
+from parity.commands.train import main as train_main
+from parity.comparing.tolerances import RESUMED_FP32
+from parity.training.checkpoints import damage
+from parity.training.record import load_record
+
+DDP = {"model_name": "qwen2-tiny", "seq_length": 64, "num_workers": 2, "batch_size": 2, "precision": "fp32", **PARITY}
+AFTER_A_FAILED_WRITE = ("the run stopped; its previous checkpoint and the loss record up to it are kept: make room "
+                        "(or make it writable) and run the same command again to resume")
+
+
+def run_folder(record) -> str:
+    return os.path.join(record["config"]["storage_path"], record["config"]["experiment_name"])
+
+
+def copy_run(record, tmp_path) -> str:
+    """The run's folder (its checkpoints, and Ray Train's list of them) copied to tmp_path/ray/<name>."""
+    destination = str(tmp_path / "ray" / record["config"]["experiment_name"])
+    shutil.copytree(run_folder(record), destination)
+    return destination
+
+
+def ddp_argv(tmp_path, weights, **over) -> list[str]:
+    return to_argv({**DDP, "init_weights_path": weights, "loss_output_dir": tmp_path / "loss",
+                    "storage_path": tmp_path / "ray", **over})
+
+
+def assert_same_curve(run: dict, uninterrupted: dict) -> None:
+    """One entry per step, the same batches, and the uninterrupted run's numbers at every step."""
+    assert [s["step"] for s in run["steps"]] == list(range(len(uninterrupted["steps"])))
+    assert series(run, "batch_hash") == series(uninterrupted, "batch_hash")
+    for key in ("loss", "grad_norm", "param_norm"):
+        assert max_rel_diff(series(run, key), series(uninterrupted, key)) <= RESUMED_FP32, key
+
+
+def stderr_errors(text: str) -> list[str]:
+    """The `error:` lines (Ray's workers print to the driver's stderr too)."""
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+# --- a worker killed once ----------------------------------------------------------------------------
+
+def test_a_worker_killed_once_resumes_each_strategy_on_the_uninterrupted_curve(tmp_path, ddp_baseline,
+                                                                              deepspeed_tp2_dp2, fsdp_tp2_dp2):
+    """The main job with each run's rank 1 killed before step 6, once the checkpoint of step 4 is committed:
+    Ray Train restarts the worker group, the run resumes at step 4 and ends on the uninterrupted curve."""
+    hooks = tmp_path / "hooks"
+    for strategy in ("ddp", "deepspeed", "fsdp"):
+        fault_hooks.kill_once(hooks, strategy, step=6)
+    out = tmp_path / "out"
+    proc = run_main(out, PYTHONPATH=str(hooks), LEARNING_RATE="1e-4",
+                    EXTRA_ARGS="--checkpoint_interval 4 --max_failures 1")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "VERDICT: PASS" in proc.stdout
+    for strategy, uninterrupted in (("ddp", ddp_baseline), ("deepspeed", deepspeed_tp2_dp2), ("fsdp", fsdp_tp2_dp2)):
+        assert (hooks / f"{strategy}.killed").exists()
+        record = load_record(str(out / "loss_curves" / f"loss_{strategy}.json"))
+        checkpoint = str(out / "ray_checkpoints" / record["config"]["experiment_name"] / "step_000004")
+        assert record["resumes"] == [{"checkpoint": checkpoint, "step": 4, "skipped": []}]
+        assert f"[{strategy}] resumed from {checkpoint} at step 4" in proc.stdout
+        assert_same_curve(record, uninterrupted)
+
+
+# --- replaying a step layer by layer -----------------------------------------------------------------
+
+def replay(out, record, step: int, **flags) -> int:
+    return layer_check(to_argv({"output_dir": out, "replay": run_folder(record), "step": step, "device": "cpu",
+                                **flags}))
+
+
+def dump_meta(out, strategy: str) -> dict:
+    with open(os.path.join(out, f"dump_{strategy}.json")) as f:
+        return json.load(f)
+
+
+def assert_replays_the_baseline(meta: dict, baseline: dict, step: int) -> None:
+    """DDP, started from the baseline's own state, computes the baseline's step again."""
+    recorded = baseline["steps"][step]
+    assert meta["loss"] == pytest.approx(recorded["loss"], rel=RESUMED_FP32)
+    assert meta["dp_rank_losses"] == pytest.approx(recorded["dp_rank_losses"], rel=RESUMED_FP32)
+    assert meta["grad_norm"] == pytest.approx(recorded["grad_norm"], rel=RESUMED_FP32)
+
+
+@pytest.fixture(scope="module")
+def replay_step_8(ddp_baseline, tmp_path_factory):
+    """Step 8 of the DDP baseline replayed under every strategy from its checkpoint of step 8: the baseline's
+    weights and AdamW state, each strategy in its own sharded form."""
+    out = str(tmp_path_factory.mktemp("replay_step_8"))
+    return out, replay(out, ddp_baseline, 8)
+
+
+def test_a_replayed_step_is_the_baselines_step_under_every_strategy(replay_step_8, ddp_baseline):
+    out, code = replay_step_8
+    assert code == 0
+    start = {"run": run_folder(ddp_baseline), "checkpoint": os.path.join(run_folder(ddp_baseline), "step_000008"),
+             "from_step": 8, "step": 8}
+    metas = {s: dump_meta(out, s) for s in ("ddp", "deepspeed", "fsdp")}
+    assert all(meta["replay"] == start for meta in metas.values())
+    assert (metas["deepspeed"]["tp_size"], metas["deepspeed"]["dp_size"], metas["ddp"]["dp_size"]) == (2, 2, 2)
+    assert_replays_the_baseline(metas["ddp"], ddp_baseline, 8)
+    with open(os.path.join(out, "layer_comparison.json")) as f:
+        pairs = json.load(f)["pairs"]
+    assert len(pairs) == 3
+    for pair in pairs:  # every tensor, the updated parameters (AdamW's moments at work) included
+        assert pair["verdict"] == "PASS" and max(r["rel"] for r in pair["rows"]) < FP32_RTOL
+        assert {r["kind"] for r in pair["rows"]} == {"output", "output_grad", "grad", "param"}
+
+
+@pytest.mark.parametrize("step,start", [(10, 8), (3, 0)])
+def test_a_step_after_the_checkpoint_is_reached_by_training_to_it(ddp_baseline, tmp_path, step, start):
+    """Step 10 from the checkpoint of step 8, and step 3 from the initial weights (no checkpoint at or before
+    it is kept): DDP trains the steps between and records the baseline's step."""
+    assert replay(tmp_path, ddp_baseline, step, strategy="ddp") == 0
+    meta = dump_meta(tmp_path, "ddp")
+    checkpoint = os.path.join(run_folder(ddp_baseline), "step_000008") if start else None
+    assert meta["replay"] == {"run": run_folder(ddp_baseline), "checkpoint": checkpoint, "from_step": start,
+                              "step": step}
+    assert_replays_the_baseline(meta, ddp_baseline, step)
+
+
+def test_a_fault_at_the_replayed_step_is_named(replay_step_8, ddp_baseline, tmp_path):
+    """1e-3 added to TP rank 0's shard of one weight in FSDP's replay, at step 8: the check names the module."""
+    src, _ = replay_step_8
+    for name in ("init_weights.safetensors", "inputs.safetensors", "optimizer_state.safetensors", "replay.json",
+                 "dump_ddp.safetensors", "dump_ddp.json"):
+        shutil.copy(os.path.join(src, name), tmp_path)
+    code = replay(tmp_path, ddp_baseline, 8, strategy="fsdp", perturb="fsdp:model.layers.1.mlp.up_proj.weight")
+    assert code == 1
+    with open(tmp_path / "layer_comparison.json") as f:
+        (pair,) = json.load(f)["pairs"]
+    assert (pair["run"], pair["reference"], pair["verdict"]) == ("fsdp", "ddp", "FAIL")
+    assert (pair["first_outside"]["module"], pair["first_outside"]["quantity"]) == ("model.layers.1.mlp.up_proj",
+                                                                                     "forward output")
+
+
+def test_a_replay_that_cannot_be_started_is_one_line(ddp_baseline, fsdp_tp2_dp2, tmp_path, capsys):
+    ddp, fsdp = run_folder(ddp_baseline), run_folder(fsdp_tp2_dp2)
+    cases = [
+        ({"step": 3}, "--step is the step of a replay: add --replay RUN_DIR (the baseline's run folder)"),
+        ({"replay": ddp}, "--replay needs --step: the step to record (the loss-curve verdict names it)"),
+        ({"replay": ddp, "step": 3, "seq_length": 128}, "--seq_length comes from the run in a replay: drop it"),
+        ({"replay": str(tmp_path), "step": 3}, f"--replay {tmp_path}: no checkpoint of a training run there (a run "
+         f"folder is <storage_path>/<experiment_name>): train the baseline with --checkpoint_interval"),
+        ({"replay": fsdp, "step": 3}, f"--replay {fsdp} holds fsdp checkpoints: a replay starts from the DDP "
+                                      f"baseline's"),
+        ({"replay": ddp, "step": 12}, f"--step 12 is not a step of {ddp} (0 to 11)"),
+        ({"replay": "s3://bucket/runs/ddp", "step": 3}, "--replay s3://bucket/runs/ddp: a replay reads the run's "
+         "checkpoints from a folder of this machine: copy the run folder here (or use a shared mount) and pass its path"),
+        ({"replay": ddp, "step": 3, "dp_size": 3}, "--dp_size 3 × --batch_size 1 is not the run's global batch (4): "
+                                                   "a replay keeps it"),
+    ]
+    for flags, line in cases:
+        assert layer_check(to_argv({"output_dir": tmp_path / "out", "device": "cpu", **flags})) == 2
+        assert capsys.readouterr().err == f"error: {line}\n"
+    assert not (tmp_path / "out" / "init_weights.safetensors").exists()
+
+
+# --- faults ------------------------------------------------------------------------------------------
+
+def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(ddp_baseline, tiny_weights, tmp_path,
+                                                                   monkeypatch):
+    """Half of step 12's state cut off: the run started again resumes from step 8, says so in its record,
+    reports every step from there to a logger callback, and ends on the same curve."""
+    import ray.cloudpickle
+
+    folder = copy_run(ddp_baseline, tmp_path)
+    state = os.path.join(folder, "step_000012", "model_optimizer.pt")
+    size = os.path.getsize(state)
+    os.truncate(state, size // 2)
+    monkeypatch.setenv("RAY_TRAIN_CALLBACKS", "step_metrics.StepMetrics")
+    monkeypatch.setenv(step_metrics.PATH_ENV, str(tmp_path / "reports.jsonl"))
+    ray.cloudpickle.register_pickle_by_value(step_metrics)  # Ray Train's controller runs it; it cannot import tests/
+    record = train("ddp", tmp_path, init_weights_path=tiny_weights, **DDP)
+    assert record["resumes"] == [{"checkpoint": os.path.join(folder, "step_000008"), "step": 8, "skipped": [
+        f"{os.path.join(folder, 'step_000012')}: model_optimizer.pt has {size // 2} bytes, its manifest says {size}"]}]
+    assert_same_curve(record, ddp_baseline)
+    assert series(record, "step_time_s")[:8] == series(ddp_baseline, "step_time_s")[:8]  # kept by the checkpoint
+    with open(tmp_path / "reports.jsonl") as f:
+        reports = [json.loads(line) for line in f]
+    assert [r["metrics"]["step"] for r in reports] == [8, 9, 10, 11]
+    assert [r["metrics"]["loss"] for r in reports] == series(record, "loss")[8:]
+    assert [r["metrics"]["lr"] for r in reports] == [1e-4] * 4
+    assert [r["checkpoint"] for r in reports] == [None, None, None, os.path.join(folder, "step_000012.1")]
+    assert damage(os.path.join(folder, "step_000012.1"), 2, [0, 1]) is None
+
+
+def test_no_intact_checkpoint_stops_with_one_line(ddp_baseline, tiny_weights, tmp_path, capsys):
+    folder = copy_run(ddp_baseline, tmp_path)
+    for step in ("step_000008", "step_000012"):
+        with open(os.path.join(folder, step, "model_optimizer.pt"), "r+b") as f:
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    assert train_main("ddp", argv=ddp_argv(tmp_path, tiny_weights)) == 1
+    assert stderr_errors(capsys.readouterr().err) == [
+        f"error: training failed: no intact checkpoint to resume from ({folder}/step_000012: model_optimizer.pt "
+        f"does not match the sha256 in its manifest): delete {folder} to start afresh"]
+    assert not (tmp_path / "loss" / "loss_ddp.json").exists()
+
+
+def test_a_checkpoint_of_another_run_is_refused(ddp_baseline, tiny_weights, tmp_path, capsys):
+    """Another learning rate or another strategy under the same run name: one line before Ray starts a worker.
+    Other initial weights are found by the workers, which hash the file: one line, and no retry."""
+    folder = copy_run(ddp_baseline, tmp_path)
+    assert train_main("ddp", argv=ddp_argv(tmp_path, tiny_weights, learning_rate=2e-4)) == 2
+    assert stderr_errors(capsys.readouterr().err) == [
+        f"error: {folder} holds checkpoints of another run (learning_rate 0.0001 there, 0.0002 here), which Ray "
+        f"Train would resume: use another --experiment_name or --storage_path, or delete {folder} to start afresh"]
+    assert train_main("fsdp", argv=ddp_argv(tmp_path, tiny_weights, experiment_name="ddp_tp1_dp2")) == 2
+    assert stderr_errors(capsys.readouterr().err) == [
+        f"error: {folder} holds checkpoints of another run (options {{}} there, {{'mixed_precision': 'autocast'}} "
+        f"here; strategy 'ddp' there, 'fsdp' here), which Ray Train would resume: use another --experiment_name or "
+        f"--storage_path, or delete {folder} to start afresh"]
+
+    from parity.training.model import build_model, resolve_model_config, save_init_weights
+
+    other = str(tmp_path / "other_weights.pt")
+    sha = save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed=7), other)
+    assert train_main("ddp", argv=ddp_argv(tmp_path, other)) == 1
+    assert stderr_errors(capsys.readouterr().err) == [
+        f"error: training failed: checkpoint {folder}/step_000012 was written by another run (initial weights "
+        f"sha256 {ddp_baseline['config']['init_weights_sha256'][:12]}… there, {sha[:12]}… here): use another "
+        f"--experiment_name or --storage_path, or delete {folder} to start afresh"]
+
+
+def train_with_fault(tmp_path, hooks: str, *flags: str) -> subprocess.CompletedProcess:
+    """train_ddp.py's run (python -m, so the test copy on PYTHONPATH comes before the repository's module) on
+    its own Ray cluster, with a test copy of ddp_strategy.py on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (hooks, env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "parity.commands.train", "ddp", *flags], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=1200)
+
+
+def test_a_death_without_retries_left_names_the_dead_rank(tiny_weights, tmp_path):
+    """--max_failures 0: the run fails, and its line is rank 1's death, not rank 0's lost connection to it."""
+    hooks = fault_hooks.kill_once(tmp_path / "hooks", "ddp", step=6)
+    proc = train_with_fault(tmp_path, hooks, *ddp_argv(tmp_path, tiny_weights, max_failures=0))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = stderr_errors(proc.stderr)
+    assert line.startswith("error: training failed: rank 1: The actor is dead because its worker process has died.")
+    assert "Connection closed by peer" in proc.stderr  # what rank 0 met
+
+
+def test_a_storage_that_refuses_a_checkpoint_stops_the_run_and_keeps_the_last_one(ddp_baseline, tiny_weights,
+                                                                                  tmp_path):
+    """From the checkpoint of step 8 on, no file may grow beyond 64 kB: Ray Train's copy of the 3 MB state into
+    the storage fails. One line; the partial copy removed, the checkpoint of step 4 and the record up to it
+    kept; the same command run again resumes there and ends on the uninterrupted curve."""
+    hooks = fault_hooks.file_size_limit(tmp_path / "hooks", "ddp", "save_state", call=1, before=False, limit=1 << 16)
+    proc = train_with_fault(tmp_path, hooks, *ddp_argv(tmp_path, tiny_weights))
+    folder = str(tmp_path / "ray" / "ddp_tp1_dp2")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert stderr_errors(proc.stderr) == [
+        f"error: training failed: cannot write the checkpoint of step 8 to {folder}/step_000008 (File too large): "
+        f"{AFTER_A_FAILED_WRITE}"]
+    assert not os.path.exists(os.path.join(folder, "step_000008"))
+    assert damage(os.path.join(folder, "step_000004"), 2, [0, 1]) is None
+    kept = load_record(str(tmp_path / "loss" / "loss_ddp.json"))
+    assert (len(kept["steps"]), kept["complete"]) == (4, False)
+
+    record = train("ddp", tmp_path, init_weights_path=tiny_weights, **DDP)
+    assert record["resumes"] == [{"checkpoint": os.path.join(folder, "step_000004"), "step": 4, "skipped": []}]
+    assert_same_curve(record, ddp_baseline)
+
+
+def test_a_loss_record_that_cannot_be_written_stops_the_run(tiny_weights, tmp_path):
+    """After step 4 (its checkpoint written, the record rewritten every 2 steps) files may not grow beyond 4 kB:
+    the record of step 6 cannot be written. One line; the record of step 4 kept, nothing half-written."""
+    hooks = fault_hooks.file_size_limit(tmp_path / "hooks", "ddp", "train_step", call=5, before=True, limit=4096)
+    proc = train_with_fault(tmp_path, hooks, *ddp_argv(tmp_path, tiny_weights, log_interval=2))
+    record_path = tmp_path / "loss" / "loss_ddp.json"
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert stderr_errors(proc.stderr) == [
+        f"error: training failed: cannot write the loss record {record_path} (File too large): {AFTER_A_FAILED_WRITE}"]
+    kept = load_record(str(record_path))
+    assert (len(kept["steps"]), kept["complete"]) == (4, False)
+    assert os.listdir(tmp_path / "loss") == ["loss_ddp.json"]
+    assert damage(str(tmp_path / "ray" / "ddp_tp1_dp2" / "step_000004"), 2, [0, 1]) is None
