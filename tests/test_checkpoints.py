@@ -235,9 +235,9 @@ def test_a_checkpoint_of_another_run_is_refused(ddp_baseline, tiny_weights, tmp_
         f"Train would resume: use another --experiment_name or --storage_path, or delete {folder} to start afresh"]
     assert train_main("fsdp", argv=ddp_argv(tmp_path, tiny_weights, experiment_name="ddp_tp1_dp2")) == 2
     assert stderr_errors(capsys.readouterr().err) == [
-        f"error: {folder} holds checkpoints of another run (options {{}} there, {{'mixed_precision': 'autocast'}} "
-        f"here; strategy 'ddp' there, 'fsdp' here), which Ray Train would resume: use another --experiment_name or "
-        f"--storage_path, or delete {folder} to start afresh"]
+        f"error: {folder} holds checkpoints of another run (options {{}} there, {{'mixed_precision': 'autocast', "
+        f"'offload': 'none'}} here; strategy 'ddp' there, 'fsdp' here), which Ray Train would resume: use another "
+        f"--experiment_name or --storage_path, or delete {folder} to start afresh"]
 
     from parity.training.model import build_model, resolve_model_config, save_init_weights
 

@@ -60,7 +60,7 @@ def test_record_describes_the_run(runs):
     assert runs["tp2_dp2"]["strategy"] == "deepspeed" and runs["tp2_dp2"]["complete"] is True
     assert (cfg["world_size"], cfg["tp_size"], cfg["dp_size"], cfg["backend"]) == (4, 2, 2, "gloo")
     assert cfg["options"] == {"zero_stage": 1, "bf16_master_weights": False, "offload_optimizer": "none",
-                              "offload_param": "none"}
+                              "offload_param": "none", "reduce_bucket_size": 500_000_000}
     assert runs["tp2_dp2_zero3"]["config"]["options"]["zero_stage"] == 3
     assert "deepspeed" in cfg["versions"]
 
@@ -136,11 +136,11 @@ def test_engine_config_carries_ddps_settings_and_the_precision_policy(tmp_path, 
 
     fp32 = engine_config(resolve("deepspeed", tp_flags(tmp_path, tiny_weights, precision="fp32", max_grad_norm=0.5)))
     assert fp32 == {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
-                    "zero_optimization": {"stage": 1}, "wall_clock_breakdown": False,
+                    "zero_optimization": {"stage": 1, "reduce_bucket_size": 500_000_000}, "wall_clock_breakdown": False,
                     "tensor_parallel": {"autotp_size": 2}}
     bf16 = engine_config(resolve("deepspeed", tp_flags(tmp_path, tiny_weights, autocast=True, zero_stage=2)))
     assert bf16["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
-    assert "bf16" not in bf16 and bf16["zero_optimization"] == {"stage": 2}
+    assert "bf16" not in bf16 and bf16["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 500_000_000}
     master = engine_config(resolve("deepspeed", tp_flags(tmp_path, tiny_weights, precision="bf16",
                                                       bf16_master_weights=True)))
     assert master["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
@@ -149,7 +149,8 @@ def test_engine_config_carries_ddps_settings_and_the_precision_policy(tmp_path, 
     assert "tensor_parallel" not in pure_zero and "zero_force_ds_cpu_optimizer" not in pure_zero
     offload = engine_config(resolve("deepspeed", tp_flags(tmp_path, tiny_weights, zero_stage=3, offload_optimizer="cpu",
                                                        offload_param="cpu", device="cpu")))
-    assert offload["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0,
+    assert offload["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 500_000_000,
+                                            "stage3_param_persistence_threshold": 0,
                                             "offload_optimizer": {"device": "cpu", "pin_memory": False},
                                             "offload_param": {"device": "cpu", "pin_memory": False}}
     assert offload["zero_force_ds_cpu_optimizer"] is False  # keeps the client torch AdamW
@@ -183,11 +184,11 @@ def test_good_input_resolves(tmp_path, tiny_weights):
     cfg = resolve("deepspeed", tp_flags(tmp_path, tiny_weights, zero_stage=3, bf16_master_weights=True, autocast=True))
     assert (cfg.tp_size, cfg.dp_size, cfg.precision) == (2, 2, "bf16")
     assert cfg.options == {"zero_stage": 3, "bf16_master_weights": True, "offload_optimizer": "none",
-                           "offload_param": "none"}
+                           "offload_param": "none", "reduce_bucket_size": 500_000_000}
     assert cfg.experiment_name == "deepspeed_tp2_dp2"
     default = resolve("deepspeed", tp_flags(tmp_path, tiny_weights))
     assert default.options == {"zero_stage": 1, "bf16_master_weights": False, "offload_optimizer": "none",
-                               "offload_param": "none"}
+                               "offload_param": "none", "reduce_bucket_size": 500_000_000}
 
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):
