@@ -35,3 +35,19 @@ def strategy_class(name: str):
         raise LibraryMissing(name, exc) from None
     return cls
 
+
+
+def option_owners() -> dict[str, str]:
+    """Every strategy's own flags: {option name: the strategy that has it}, in NAMES order."""
+    return {option.name: name for name in NAMES for option in strategy_class(name).options}
+
+
+def flags_for(strategy: str, given: dict) -> dict:
+    """`given` without the other strategies' own flags: the run flags and `strategy`'s options."""
+    owners = option_owners()
+    return {k: v for k, v in given.items() if owners.get(k, strategy) == strategy}
+
+
+def unrun_option(given: dict, strategies: list[str]) -> tuple[str, str] | None:
+    """(flag, strategy) for the first flag in `given` that belongs to a strategy not in `strategies`."""
+    return next(((k, s) for k, s in option_owners().items() if k in given and s not in strategies), None)

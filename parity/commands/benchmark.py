@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from parity.commands.common import OneLineParser, run_command
 from parity.errors import ConfigError, TrainingFailed
+from parity.registry import flags_for
 from parity.training.config import DEVICES, PRECISIONS
 
 
@@ -94,8 +95,8 @@ def run_values(args, name: str, out: str, on_gpu: bool) -> dict:
         "device": args.device, "seed": args.seed, "init_weights_path": os.path.join(out, WEIGHTS),
         "loss_output_dir": os.path.join(out, "rows", name), "storage_path": os.path.join(out, "ray"),
         "experiment_name": f"benchmark_{name}", **row.options,
-        **({"reduce_bucket_size": args.reduce_bucket_size} if row.strategy == "deepspeed" and args.reduce_bucket_size
-           is not None else {}),
+        **flags_for(row.strategy, {} if args.reduce_bucket_size is None else
+                    {"reduce_bucket_size": args.reduce_bucket_size}),
     }
 
 

@@ -171,16 +171,14 @@ def _given(value, default):
 
 def _strategy_options(args: argparse.Namespace, strategies: list[str]) -> dict[str, dict]:
     """The strategy flags given, handed to the strategy that has them; one for no selected strategy is an error."""
-    from parity.registry import strategy_class
+    from parity.registry import flags_for, option_owners, unrun_option
 
-    given = vars(args)
-    chosen = {s: {o.name: given[o.name] for o in strategy_class(s).options if o.name in given} for s in strategies}
-    for name in NAMES:
-        for option in strategy_class(name).options:
-            if option.name in given and name not in strategies:
-                raise ConfigError(f"--{option.name} is a {name} flag, but --strategy {args.strategy} runs no {name} "
-                                  f"step: drop it or run --strategy all")
-    return chosen
+    given = {k: v for k, v in vars(args).items() if k in option_owners()}
+    unrun = unrun_option(given, strategies)
+    if unrun:
+        raise ConfigError(f"--{unrun[0]} is a {unrun[1]} flag, but --strategy {args.strategy} runs no {unrun[1]} "
+                          f"step: drop it or run --strategy all")
+    return {s: flags_for(s, given) for s in strategies}
 
 
 def _parse_perturb(spec: str | None, strategies: list[str]) -> dict[str, str]:

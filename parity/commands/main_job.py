@@ -117,7 +117,7 @@ def run_main_job(args) -> int:
 def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
     """[(strategy, flags)] in run order: the seed's three commands, with the GPU or CPU defaults, and after
     DDP its twins (noise references) when the verdict is to be calibrated."""
-    from parity.registry import strategy_class
+    from parity.registry import flags_for
 
     strategies = args.strategies.split()
     unknown = [s for s in strategies if s not in NAMES]
@@ -141,13 +141,11 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
         "init_weights_path": storage.join(out, "shared_weights", "init_weights.pt"),
     }
     extra = extra_flags(args.extra_args, strategies)
-    all_options = {o.name for name in NAMES for o in strategy_class(name).options}
     plan = []
     for strategy in strategies:
         layout = ({"num_workers": args.dp_size, "dp_size": args.dp_size, "save_init_weights": True}
                   if strategy == "ddp" else {"num_workers": world, "tp_size": args.tp_size, "dp_size": args.dp_size})
-        others = all_options - {o.name for o in strategy_class(strategy).options}
-        plan.append((strategy, {**common, **layout, **{k: v for k, v in extra.items() if k not in others}}))
+        plan.append((strategy, {**common, **layout, **flags_for(strategy, extra)}))
         if strategy == "ddp" and wants_noise_reference(args, on_gpu):
             ddp = plan[0][1]
             # On GPUs a twin gets as many as the cluster has, or as the runs wait for (GPU nodes still to come).
@@ -175,7 +173,7 @@ def twin_layouts(dp_size: int, batch_size: int, max_workers: int | None) -> list
 
 def extra_flags(text: str, strategies: list[str]) -> dict:
     """EXTRA_ARGS → the flags given, by name. A strategy's own flag must belong to a strategy that runs."""
-    from parity.registry import strategy_class
+    from parity.registry import strategy_class, unrun_option
     from parity.training.config import add_run_flags, add_strategy_options
 
     parser = OneLineParser(prog="EXTRA_ARGS")
@@ -186,10 +184,9 @@ def extra_flags(text: str, strategies: list[str]) -> dict:
     except SystemExit:
         raise ConfigError(f"EXTRA_ARGS '{text}' holds a flag that train_*.py does not take: see train_ddp.py "
                           f"--help") from None
-    for name in NAMES:
-        for option in strategy_class(name).options:
-            if option.name in given and name not in strategies:
-                raise ConfigError(f"EXTRA_ARGS --{option.name} is a {name} flag, but STRATEGIES has no {name} run")
+    unrun = unrun_option(given, strategies)
+    if unrun:
+        raise ConfigError(f"EXTRA_ARGS --{unrun[0]} is a {unrun[1]} flag, but STRATEGIES has no {unrun[1]} run")
     return given
 
 
