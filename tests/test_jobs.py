@@ -63,6 +63,7 @@ def test_every_job_file_loads_with_the_sdk_and_runs_the_built_image():
     for name, config in configs.items():
         assert (config.image_uri, config.containerfile, config.requirements) == (IMAGE, None, None), name
         assert (config.working_dir, config.max_retries) == (".", 0), name
+        assert config.timeout_s and config.timeout_s <= 7200, name  # a hung job is stopped, with its cluster
     for name in TRAINING_JOBS:
         assert configs[name].compute_config == configs["ddp"].compute_config, name
 
