@@ -27,9 +27,8 @@ import warnings
 import torch
 
 from parity.errors import ConfigError, LibraryMissing
-from parity.training.config import Option
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
-from parity.training.strategy import Strategy, build_optimizer, set_lr, squared_norm_fp64
+from parity.training.strategy import Option, Strategy, build_optimizer, set_lr, squared_norm_fp64
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = ("none", "cpu")

@@ -23,9 +23,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from parity.errors import ConfigError
-from parity.training.config import Option
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
-from parity.training.strategy import Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
+from parity.training.strategy import Option, Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
 
 MIXED_PRECISION = ("autocast", "policy")
 OFFLOAD = ("none", "cpu")

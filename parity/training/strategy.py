@@ -7,14 +7,37 @@ autocast, loss reduction across ranks — is here, once, so it cannot differ bet
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Option:
+    """A flag only one strategy has (--zero_stage, --mixed_precision): declared by the strategy module in
+    its `options`, stored in `RunConfig.options`. Defined here, with the interface
+    the strategies implement, so that a strategy module imports nothing above it (no import cycle)."""
+
+    name: str
+    default: Any
+    help: str
+    type: Callable | None = None
+    choices: tuple | None = None
+
+    def add_to(self, group, given_only: bool = False) -> None:
+        """Add --<name>. `given_only`: no default, so only a flag the user gave appears in the result."""
+        kwargs: dict[str, Any] = {"help": self.help, "default": argparse.SUPPRESS if given_only else self.default}
+        if isinstance(self.default, bool):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(type=self.type or type(self.default), choices=self.choices)
+        group.add_argument(f"--{self.name}", **kwargs)
 
 
 @dataclass
@@ -133,7 +156,7 @@ class Strategy:
     implement the abstract parts."""
 
     name = "base"
-    options: tuple = ()  # the strategy's own flags (parity.training.config.Option), in RunConfig.options
+    options: tuple = ()  # the strategy's own flags (Option above), in RunConfig.options
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
     state_precision = "fp32"  # bytes per parameter of its model states (memory.BYTES_PER_PARAM): fp32 and autocast
 
