@@ -35,3 +35,7 @@ class LibraryMissing(ConfigError):
     def __init__(self, strategy: str, exc: ImportError):
         super().__init__(f"strategy {strategy} cannot be used: {exc} (install the pinned set with "
                          f"pip install -r requirements.txt)")
+
+
+COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What a rank's error says when another rank failed first (it lost its peer): never the cause to report."""

@@ -1,5 +1,7 @@
 """The three strategies by their one name: the flag value, the record's `strategy`, `loss_<name>.json`,
-the class (`<Label>Strategy`) and the label in reports.
+the class (`<Label>Strategy`) and the label in reports — and any other Strategy subclass by its import path,
+"module:Class" (a user's own strategy, a seeded bug of the calibration catalogue), whose `name` names its
+record.
 
 Each strategy lives in its top-level module (`ddp_strategy.py`, `autotp_strategy.py` — the design card's
 file name for DeepSpeed — and `fsdp_strategy.py`) and is imported only when asked for, because each pulls
@@ -20,8 +22,11 @@ def label(name: str) -> str:
     return LABELS.get(name, name)
 
 
-def strategy_class(name: str):
-    """The Strategy subclass for `name`; ConfigError for an unknown name or a library that cannot be imported."""
+def strategy_class(name: str, path: str | None = None):
+    """The Strategy subclass for `name` — or the one at import `path` when given; ConfigError for an unknown
+    name or a library that cannot be imported."""
+    if path:
+        return import_strategy(path)
     if name not in NAMES:
         raise ConfigError(f"unknown strategy '{name}': use one of {', '.join(NAMES)}")
     try:
@@ -35,6 +40,34 @@ def strategy_class(name: str):
         raise LibraryMissing(name, exc) from None
     return cls
 
+
+def class_path(cls) -> str:
+    """"module:Class", the path import_strategy imports `cls` by."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def import_strategy(path: str):
+    """The Strategy subclass at "module:Class". ConfigError when it cannot be imported or is not a Strategy; the
+    module must be importable where the run's workers start (installed, or on PYTHONPATH)."""
+    import importlib
+
+    from parity.training.strategy import Strategy
+
+    module_name, _, qualname = path.partition(":")
+    if not module_name or not qualname:
+        raise ConfigError(f"--strategy_class {path}: expected module:Class (e.g. my_strategy:MyStrategy)")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except ImportError as exc:
+        raise ConfigError(f"--strategy_class {path}: cannot import {module_name} ({exc}): put its folder on "
+                          f"PYTHONPATH (or install it) where the driver and the workers run") from None
+    except AttributeError:
+        raise ConfigError(f"--strategy_class {path}: {module_name} has no {qualname}") from None
+    if not (isinstance(obj, type) and issubclass(obj, Strategy)) or obj is Strategy:
+        raise ConfigError(f"--strategy_class {path} is not a subclass of parity.training.strategy.Strategy")
+    return obj
 
 
 def option_owners() -> dict[str, str]:

@@ -119,12 +119,21 @@ def is_dir(location: str) -> bool:
 
 def list_files(directory: str, pattern: str) -> list[str]:
     """The files directly in `directory` whose names match the glob `pattern`, sorted, as locations."""
+    return _list(directory, pattern, "File")
+
+
+def list_dirs(directory: str, pattern: str) -> list[str]:
+    """The folders directly in `directory` whose names match the glob `pattern`, sorted, as locations."""
+    return _list(directory, pattern, "Directory")
+
+
+def _list(directory: str, pattern: str, kind: str) -> list[str]:
     import pyarrow.fs
 
     fs, path = filesystem(directory)
     infos = fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
     names = sorted(i.base_name for i in infos
-                   if i.type == pyarrow.fs.FileType.File and fnmatch.fnmatchcase(i.base_name, pattern))
+                   if i.type == getattr(pyarrow.fs.FileType, kind) and fnmatch.fnmatchcase(i.base_name, pattern))
     return [join(directory, n) for n in names]
 
 

@@ -71,3 +71,19 @@ def kill_once(directory, strategy: str, step: int, rank: int = 1) -> str:
 def file_size_limit(directory, strategy: str, method: str, call: int, before: bool, limit: int) -> str:
     """Every rank's files stop growing beyond `limit` bytes before (or after) call `call` of `method`."""
     return write_copy(directory, strategy, method, call, before, FILE_SIZE_LIMIT.format(limit=limit))
+
+
+# A strategy that changed since a run: every step at twice the learning rate (a "fix" its user tries).
+DOUBLE_LR = '''
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location("_real_ddp_strategy", {path!r})
+_real = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_real)
+globals().update({{k: v for k, v in vars(_real).items() if not k.startswith("__")}})
+
+
+class DDPStrategy(_real.DDPStrategy):
+    def optimizer_step(self, lr):
+        return super().optimizer_step(2 * lr)
+'''

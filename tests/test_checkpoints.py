@@ -23,7 +23,7 @@ import pytest
 
 import fault_hooks
 import step_metrics
-from conftest import FP32_RTOL, PARITY, max_rel_diff, run_main, series, to_argv, train
+from conftest import FP32_RTOL, PARITY, REPO, max_rel_diff, run_main, series, to_argv, train
 from parity.commands.layer_check import main as layer_check
 from parity.commands.train import main as train_main
 from parity.comparing.tolerances import RESUMED_FP32
@@ -32,7 +32,7 @@ from parity.training.record import load_record
 
 DDP = {"model_name": "qwen2-tiny", "seq_length": 64, "num_workers": 2, "batch_size": 2, "precision": "fp32", **PARITY}
 AFTER_A_FAILED_WRITE = ("the run stopped; its previous checkpoint and the loss record up to it are kept: make room "
-                        "(or make it writable) and run the same command again to resume")
+                        "(or make it writable) and run the same command again with --resume to continue")
 
 
 def run_folder(record) -> str:
@@ -44,6 +44,25 @@ def copy_run(record, tmp_path) -> str:
     destination = str(tmp_path / "ray" / record["config"]["experiment_name"])
     shutil.copytree(run_folder(record), destination)
     return destination
+
+
+def rewrite_meta(checkpoint: str, edit) -> dict:
+    """The checkpoint's meta as `edit` returns it, with rank 0's manifest vouching for it again (a checkpoint
+    written so by other code, not a damaged one); returns the meta as it was."""
+    from parity.training.checkpoints import META_FILE, manifest_name
+    from parity.training.model import file_sha256
+
+    meta_path, manifest_path = os.path.join(checkpoint, META_FILE), os.path.join(checkpoint, manifest_name(0))
+    with open(meta_path) as f:
+        meta = json.load(f)
+    with open(meta_path, "w") as f:
+        json.dump(edit(meta), f)
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["files"][META_FILE] = [os.path.getsize(meta_path), file_sha256(meta_path)]
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    return meta
 
 
 def ddp_argv(tmp_path, weights, **over) -> list[str]:
@@ -185,8 +204,9 @@ def test_a_replay_that_cannot_be_started_is_one_line(ddp_baseline, fsdp_tp2_dp2,
 
 def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(ddp_baseline, tiny_weights, tmp_path,
                                                                    monkeypatch):
-    """Half of step 12's state cut off: the run started again resumes from step 8, says so in its record,
-    reports every step from there to a logger callback, and ends on the same curve."""
+    """Half of step 12's state cut off: the run started again with --resume resumes from step 8, says so in its
+    record, reports its checkpoint (with that step's metrics: Ray Train's report frequency) to a logger
+    callback, and ends on the same curve."""
     import ray.cloudpickle
 
     folder = copy_run(ddp_baseline, tmp_path)
@@ -196,17 +216,17 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(ddp_baseline,
     monkeypatch.setenv("RAY_TRAIN_CALLBACKS", "step_metrics.StepMetrics")
     monkeypatch.setenv(step_metrics.PATH_ENV, str(tmp_path / "reports.jsonl"))
     ray.cloudpickle.register_pickle_by_value(step_metrics)  # Ray Train's controller runs it; it cannot import tests/
-    record = train("ddp", tmp_path, init_weights_path=tiny_weights, **DDP)
+    record = train("ddp", tmp_path, init_weights_path=tiny_weights, resume=True, **DDP)
     assert record["resumes"] == [{"checkpoint": os.path.join(folder, "step_000008"), "step": 8, "skipped": [
         f"{os.path.join(folder, 'step_000012')}: model_optimizer.pt has {size // 2} bytes, its manifest says {size}"]}]
     assert_same_curve(record, ddp_baseline)
     assert series(record, "step_time_s")[:8] == series(ddp_baseline, "step_time_s")[:8]  # kept by the checkpoint
     with open(tmp_path / "reports.jsonl") as f:
         reports = [json.loads(line) for line in f]
-    assert [r["metrics"]["step"] for r in reports] == [8, 9, 10, 11]
-    assert [r["metrics"]["loss"] for r in reports] == series(record, "loss")[8:]
-    assert [r["metrics"]["lr"] for r in reports] == [1e-4] * 4
-    assert [r["checkpoint"] for r in reports] == [None, None, None, os.path.join(folder, "step_000012.1")]
+    assert [r["metrics"]["step"] for r in reports] == [11]
+    assert [r["metrics"]["loss"] for r in reports] == series(record, "loss")[11:]
+    assert [r["metrics"]["lr"] for r in reports] == [1e-4]
+    assert [r["checkpoint"] for r in reports] == [os.path.join(folder, "step_000012.1")]
     assert damage(os.path.join(folder, "step_000012.1"), 2, [0, 1]) is None
 
 
@@ -218,36 +238,81 @@ def test_no_intact_checkpoint_stops_with_one_line(ddp_baseline, tiny_weights, tm
             byte = f.read(1)
             f.seek(1000)
             f.write(bytes([byte[0] ^ 0xFF]))
-    assert train_main("ddp", argv=ddp_argv(tmp_path, tiny_weights)) == 1
-    assert stderr_errors(capsys.readouterr().err) == [
-        f"error: training failed: no intact checkpoint to resume from ({folder}/step_000012: model_optimizer.pt "
-        f"does not match the sha256 in its manifest): delete {folder} to start afresh"]
-    assert not (tmp_path / "loss" / "loss_ddp.json").exists()
+    assert train_main("ddp", argv=ddp_argv(tmp_path, tiny_weights, resume=True)) == 2
+    assert capsys.readouterr().err == (
+        f"error: --resume: {folder} holds no intact checkpoint to continue ({folder}/step_000012: model_optimizer.pt "
+        f"does not match the sha256 in its manifest): drop --resume to start the run afresh\n")
+    assert not (tmp_path / "loss").exists()
 
 
 def test_a_checkpoint_of_another_run_is_refused(ddp_baseline, tiny_weights, tmp_path, capsys):
-    """Another learning rate or another strategy under the same run name: one line before Ray starts a worker.
-    Other initial weights are found by the workers, which hash the file: one line, and no retry."""
+    """--resume over another learning rate, another strategy under the same run name, other code, or a finished
+    run: one line before Ray starts a worker. Other initial weights are found by the workers, which hash the
+    file: one line, and no retry."""
     folder = copy_run(ddp_baseline, tmp_path)
-    assert train_main("ddp", argv=ddp_argv(tmp_path, tiny_weights, learning_rate=2e-4)) == 2
-    assert stderr_errors(capsys.readouterr().err) == [
-        f"error: {folder} holds checkpoints of another run (learning_rate 0.0001 there, 0.0002 here), which Ray "
-        f"Train would resume: use another --experiment_name or --storage_path, or delete {folder} to start afresh"]
-    assert train_main("fsdp", argv=ddp_argv(tmp_path, tiny_weights, experiment_name="ddp_tp1_dp2")) == 2
-    assert stderr_errors(capsys.readouterr().err) == [
-        f"error: {folder} holds checkpoints of another run (options {{}} there, {{'mixed_precision': 'autocast', "
-        f"'offload': 'none'}} here; strategy 'ddp' there, 'fsdp' here), which Ray Train would resume: use another "
-        f"--experiment_name or --storage_path, or delete {folder} to start afresh"]
+    assert train_main("ddp", argv=ddp_argv(tmp_path, tiny_weights, learning_rate=2e-4, resume=True)) == 2
+    assert capsys.readouterr().err == (
+        f"error: --resume: {folder}/step_000012 is a checkpoint of another run (learning_rate 0.0001 there, 0.0002 "
+        f"here): use the run's own flags, or drop --resume to start this one afresh\n")
+    assert train_main("fsdp", argv=ddp_argv(tmp_path, tiny_weights, experiment_name="ddp_tp1_dp2", resume=True)) == 2
+    assert capsys.readouterr().err == (
+        f"error: --resume: {folder}/step_000012 is a checkpoint of another run (options {{}} there, "
+        f"{{'mixed_precision': 'autocast', 'offload': 'none'}} here; strategy 'ddp' there, 'fsdp' here): use the run's "
+        f"own flags, or drop --resume to start this one afresh\n")
+    assert train_main("ddp", argv=ddp_argv(tmp_path, tiny_weights, resume=True)) == 2
+    assert capsys.readouterr().err == (f"error: --resume: {folder} holds a finished run (12 of 12 steps): nothing to "
+                                       f"continue; drop --resume to train it again\n")
+
+    state = os.path.join(folder, "step_000012", "model_optimizer.pt")  # damaged: the newest intact one is step 8's,
+    os.truncate(state, os.path.getsize(state) // 2)  # an unfinished run's
+    meta = rewrite_meta(os.path.join(folder, "step_000008"), lambda m: m)
+    ours = meta["fingerprint"]["shared_code_sha256"]
+    rewrite_meta(os.path.join(folder, "step_000008"),
+                 lambda m: {**m, "fingerprint": {**m["fingerprint"], "shared_code_sha256": "e" * 64}})
+    assert train_main("ddp", argv=ddp_argv(tmp_path, tiny_weights, resume=True)) == 2
+    assert capsys.readouterr().err == (
+        f"error: --resume: {folder}/step_000008 was written by other code (shared code eeeeeeeeeeee vs {ours[:12]}): "
+        f"drop --resume to train afresh with this code\n")
+    rewrite_meta(os.path.join(folder, "step_000008"), lambda m: meta)
 
     from parity.training.model import build_model, resolve_model_config, save_init_weights
 
     other = str(tmp_path / "other_weights.pt")
     sha = save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed=7), other)
-    assert train_main("ddp", argv=ddp_argv(tmp_path, other)) == 1
-    assert stderr_errors(capsys.readouterr().err) == [
-        f"error: training failed: checkpoint {folder}/step_000012 was written by another run (initial weights "
-        f"sha256 {ddp_baseline['config']['init_weights_sha256'][:12]}… there, {sha[:12]}… here): use another "
-        f"--experiment_name or --storage_path, or delete {folder} to start afresh"]
+    assert train_main("ddp", argv=ddp_argv(tmp_path, other, resume=True)) == 1
+    (line,) = stderr_errors(capsys.readouterr().err)
+    assert line.endswith(
+        f"checkpoint {folder}/step_000008 was written by another run (initial weights sha256 "
+        f"{ddp_baseline['config']['init_weights_sha256'][:12]}… there, {sha[:12]}… here): run again without --resume "
+        f"to start afresh")
+
+
+def test_a_changed_strategy_over_a_finished_run_trains_again_on_a_quiet_terminal(ddp_baseline, tiny_weights, tmp_path):
+    """The same command after the strategy changed (a test copy of ddp_strategy.py on PYTHONPATH that steps at
+    twice the learning rate), over the folder of the finished baseline run: the run folder is replaced, in one
+    line, the record holds the new numbers and the new code's fingerprint. The terminal holds the harness's
+    lines only; Ray's, DeepSpeed's and torch's are in the run's log file."""
+    copy_run(ddp_baseline, tmp_path)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "ddp_strategy.py").write_text(fault_hooks.DOUBLE_LR.format(path=os.path.join(REPO, "ddp_strategy.py")))
+    proc = train_with_fault(tmp_path, str(hooks), *ddp_argv(tmp_path, tiny_weights, debug_steps=6, log_interval=2))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    folder = str(tmp_path / "ray" / "ddp_tp1_dp2")
+    log = tmp_path / "loss" / "logs" / "ddp_tp1_dp2.log"
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert lines[0] == f"[ddp] replaced {folder}: it held a finished run (12 steps); this run starts afresh"
+    assert len(lines) == 8 and lines[1].startswith("[ddp] training 6 steps")
+    assert [line.split(" (")[0] for line in lines[2:5]] == ["[ddp] step 2/6", "[ddp] step 4/6", "[ddp] step 6/6"]
+    assert lines[-2] == f"[ddp] Ray's, DeepSpeed's and torch's output: {log} (--verbose shows it on the terminal)"
+    assert all(line.startswith("[ddp] ") for line in lines)  # none of Ray's: they are in the log
+    text = log.read_text()
+    assert "(RayTrainWorker pid=" in text and "Started a local Ray instance" in text
+    record = load_record(str(tmp_path / "loss" / "loss_ddp.json"))
+    assert record["resumes"] == [] and len(record["steps"]) == 6
+    assert series(record, "loss")[0] == ddp_baseline["steps"][0]["loss"]  # the same start ...
+    assert abs(series(record, "loss")[2] / ddp_baseline["steps"][2]["loss"] - 1) > 1e-4  # ... and the new steps
+    assert record["config"]["fingerprint"]["strategy_code"] != ddp_baseline["config"]["fingerprint"]["strategy_code"]
 
 
 def train_with_fault(tmp_path, hooks: str, *flags: str) -> subprocess.CompletedProcess:
@@ -273,7 +338,7 @@ def test_a_storage_that_refuses_a_checkpoint_stops_the_run_and_keeps_the_last_on
                                                                                   tmp_path):
     """From the checkpoint of step 8 on, no file may grow beyond 64 kB: Ray Train's copy of the 3 MB state into
     the storage fails. One line; the partial copy removed, the checkpoint of step 4 and the record up to it
-    kept; the same command run again resumes there and ends on the uninterrupted curve."""
+    kept; the same command run again with --resume resumes there and ends on the uninterrupted curve."""
     hooks = fault_hooks.file_size_limit(tmp_path / "hooks", "ddp", "save_state", call=1, before=False, limit=1 << 16)
     proc = train_with_fault(tmp_path, hooks, *ddp_argv(tmp_path, tiny_weights))
     folder = str(tmp_path / "ray" / "ddp_tp1_dp2")
@@ -286,7 +351,7 @@ def test_a_storage_that_refuses_a_checkpoint_stops_the_run_and_keeps_the_last_on
     kept = load_record(str(tmp_path / "loss" / "loss_ddp.json"))
     assert (len(kept["steps"]), kept["complete"]) == (4, False)
 
-    record = train("ddp", tmp_path, init_weights_path=tiny_weights, **DDP)
+    record = train("ddp", tmp_path, init_weights_path=tiny_weights, resume=True, **DDP)
     assert record["resumes"] == [{"checkpoint": os.path.join(folder, "step_000004"), "step": 4, "skipped": []}]
     assert_same_curve(record, ddp_baseline)
 

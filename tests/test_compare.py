@@ -19,6 +19,9 @@ from parity.comparing.figures import curve_figure
 from parity.training.record import LossRecord, run_record_path
 
 SHA = "5" * 64
+# What a run records of its code, libraries and device (parity/fingerprint.py), the same for every hand-made run.
+FINGERPRINT = {"shared_code_sha256": "a" * 64, "strategy_code": {"sha256": "b" * 64, "files": ["x_strategy.py"]},
+               "versions": {"python": "3.11.7", "torch": "2.13.0"}, "device": "a test CPU"}
 MODEL = {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 2048, "num_attention_heads": 4,
          "num_key_value_heads": 2, "tie_word_embeddings": True}
 LR = 1e-3
@@ -45,7 +48,7 @@ def write_record(folder, strategy, losses, grad_norms=None, param_norms=None, *,
            "adam_epsilon": 1e-8, "world_size": tp * dp, "global_batch_size": 2 * dp, "total_steps": total_steps or n,
            "init_weights_sha256": SHA, "model_config": dict(MODEL), "loss_output_dir": str(folder),
            "noise_reference": noise_reference, "batch_size": 2, "options": {}, "storage_path": "/runs",
-           "experiment_name": f"{strategy}_tp{tp}_dp{dp}", **(config or {})}
+           "experiment_name": f"{strategy}_tp{tp}_dp{dp}", "fingerprint": FINGERPRINT, **(config or {})}
     record = LossRecord(run_record_path(SimpleNamespace(**cfg)), strategy, cfg)
     for step, loss in enumerate(losses):
         fields = {"step": step, "loss": loss, "dp_rank_losses": [loss] * dp,
@@ -197,6 +200,14 @@ uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.
   differs from the baseline in: nothing recorded
   replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
 {folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
+
+Fingerprints (shared code, strategy code, libraries, device):
+  loss_ddp.json: shared code aaaaaaaaaaaa, strategy code bbbbbbbbbbbb (x_strategy.py); python 3.11.7, torch 2.13.0; \
+a test CPU
+  loss_deepspeed.json: shared code aaaaaaaaaaaa, strategy code bbbbbbbbbbbb (x_strategy.py); python 3.11.7, torch \
+2.13.0; a test CPU
+  loss_fsdp.json: shared code aaaaaaaaaaaa, strategy code bbbbbbbbbbbb (x_strategy.py); python 3.11.7, torch 2.13.0; \
+a test CPU
 """
 
 
@@ -415,6 +426,12 @@ NOT_COMPARABLE = [
     ({"config": {"max_grad_norm": 0.0}},
      "ddp and fsdp use different optimizer settings (max_grad_norm: 1.0 vs 0.0)"),
     ({"losses": DDP_LOSS[:4]}, "ddp has 5 steps, fsdp has 4: train both with the same --debug_steps"),
+    ({"config": {"fingerprint": {**FINGERPRINT, "shared_code_sha256": "c" * 64}}},
+     "loss_ddp.json and loss_fsdp.json ran other code (shared code aaaaaaaaaaaa vs cccccccccccc): rerun them with one "
+     "harness and one set of libraries, or pass --allow_fingerprint_mismatch to compare them anyway"),
+    ({"config": {"fingerprint": {**FINGERPRINT, "versions": {"python": "3.11.7", "torch": "2.14.1"}}}},
+     "loss_ddp.json and loss_fsdp.json ran other code (torch 2.13.0 vs 2.14.1): rerun them with one harness and one "
+     "set of libraries, or pass --allow_fingerprint_mismatch to compare them anyway"),
 ]
 
 
@@ -427,6 +444,24 @@ def test_not_comparable(tmp_path, capsys, change, message):
     assert (code, out) == (2, "")
     assert err == f"error: not comparable: {message}\n"
     assert not (tmp_path / "out" / "curve_comparison.json").exists()
+
+
+def test_other_code_is_compared_only_when_asked(tmp_path, capsys):
+    """Another strategy's code is what a comparison is for; other shared code is refused (above) unless the user
+    asks, and then said on stderr, and every run's fingerprint is in the report."""
+    write_record(tmp_path, "ddp", DDP_LOSS)
+    write_record(tmp_path, "fsdp", DDP_LOSS, config={"fingerprint": {**FINGERPRINT, "shared_code_sha256": "c" * 64,
+                                                                     "strategy_code": {"sha256": "d" * 64,
+                                                                                       "files": ["fsdp_strategy.py"]}}})
+    code, out, err = run_cli(capsys, tmp_path, "--allow_fingerprint_mismatch")
+    assert code == 0
+    assert err == ("warning: loss_ddp.json and loss_fsdp.json ran other code (shared code aaaaaaaaaaaa vs "
+                   "cccccccccccc) (compared anyway: --allow_fingerprint_mismatch)\n")
+    summary = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())
+    assert summary["fingerprints"]["loss_fsdp.json"]["strategy_code"]["files"] == ["fsdp_strategy.py"]
+    report = (tmp_path / "out" / "curve_report.md").read_text()
+    assert "| loss_fsdp.json | `cccccccccccc` | `dddddddddddd` (fsdp_strategy.py) | python 3.11.7, torch 2.13.0 | " \
+           "a test CPU |" in report
 
 
 def test_every_mismatch_is_reported(tmp_path, capsys):

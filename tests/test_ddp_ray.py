@@ -66,7 +66,10 @@ def test_record_schema_and_completion(ddp_runs):
     assert rec["strategy"] == "ddp" and rec["complete"] is True and len(rec["steps"]) == STEPS
     cfg = rec["config"]
     assert (cfg["world_size"], cfg["tp_size"], cfg["dp_size"], cfg["precision"], cfg["backend"]) == (2, 1, 2, "fp32", "gloo")
-    assert {"torch", "transformers", "ray"} <= set(cfg["versions"])
+    fp = cfg["fingerprint"]
+    assert {"python", "torch", "transformers", "ray", "deepspeed"} <= set(fp["versions"])
+    assert fp["strategy_code"]["files"] == ["ddp_strategy.py"] and len(fp["shared_code_sha256"]) == 64
+    assert "bf16 matmuls:" in fp["device"]  # the CPU and its bf16 kernel path
     assert all(s["lr"] == 1e-3 and s["step_time_s"] > 0 and s["peak_memory_bytes"] > 0 for s in rec["steps"])
 
 

@@ -62,7 +62,7 @@ def test_record_describes_the_run(runs):
     assert cfg["options"] == {"zero_stage": 1, "bf16_master_weights": False, "offload_optimizer": "none",
                               "offload_param": "none", "reduce_bucket_size": 500_000_000}
     assert runs["tp2_dp2_zero3"]["config"]["options"]["zero_stage"] == 3
-    assert "deepspeed" in cfg["versions"]
+    assert cfg["fingerprint"]["strategy_code"]["files"] == ["autotp_strategy.py"]
 
 
 def test_bf16_matches_ddp_bf16(bf16_run, ddp_baseline_bf16, ddp_baseline):

@@ -11,6 +11,7 @@ import os
 import time
 from typing import NamedTuple
 
+from parity import console, storage
 from parity.commands.common import OneLineParser, run_command
 from parity.errors import ConfigError, TrainingFailed
 from parity.registry import flags_for
@@ -41,6 +42,8 @@ WEIGHTS = os.path.join("shared_weights", "init_weights.pt")
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = OneLineParser(description)
     p.add_argument("--output_dir", required=True, help="benchmark.json, benchmark.md, benchmark.png, rows/<row>/")
+    p.add_argument("--verbose", action="store_true",
+                   help="Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/benchmark.log")
     p.add_argument("--rows", default=None,
                    help=f"comma-separated rows, ddp among them (the reference); default: every row the world size "
                         f"can run, of {','.join(ROWS)}")
@@ -134,14 +137,16 @@ def run_benchmark(args) -> int:
           f"{'GPU' if first.use_cuda else 'CPU'} workers, {first.model_name}, {first.precision}, global batch "
           f"{first.global_batch_size} × {first.seq_length}, {args.debug_steps} steps; outputs in {out}", flush=True)
     t0 = time.perf_counter()
-    try:
-        ensure_ray()
-        launch(dataclasses.replace(first, experiment_name="benchmark"), train_runs_worker, {"runs": runs})
-    except TrainingFailed as exc:
-        raise TrainingFailed(f"{exc} (the rows finished so far have their records under {out}/rows)") from None
-    finally:
-        if started_ray:
-            ray.shutdown()
+    with console.terminal(storage.join(out, "benchmark.log"), args.verbose) as log, console.pointing_to(log):
+        try:
+            ensure_ray()
+            launch(dataclasses.replace(first, experiment_name="benchmark"), train_runs_worker, {"runs": runs},
+                   announce_folder=False)
+        except TrainingFailed as exc:
+            raise TrainingFailed(f"{exc} (the rows finished so far have their records under {out}/rows)") from None
+        finally:
+            if started_ray:
+                ray.shutdown()
     print(f"all rows done in {time.perf_counter() - t0:.0f} s", flush=True)
 
     rows = [report.summarize_row(n, ROWS[n].label, load_record(run_record_path(cfg)), run_record_path(cfg),

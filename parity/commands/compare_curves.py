@@ -20,11 +20,15 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="relative per-step tolerance on the pre-clip grad norm (default: from the runs' precision)")
     p.add_argument("--allow_incomplete", action="store_true",
                    help="compare runs still in progress, over the steps every run has done")
+    p.add_argument("--allow_fingerprint_mismatch", action="store_true",
+                   help="compare runs whose shared code or library versions differ (refused by default: a difference "
+                        "could then come from either)")
     return p
 
 
 def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", tolerance: float | None = None,
-                       grad_norm_tolerance: float | None = None, allow_incomplete: bool = False) -> int:
+                       grad_norm_tolerance: float | None = None, allow_incomplete: bool = False,
+                       allow_fingerprint_mismatch: bool = False) -> int:
     """Compare, print the statistics block and the verdicts, write the outputs; returns the exit code
     (0 PASS, 1 FAIL). Raises ConfigError (NotComparable, RecordError) before anything is written."""
     from parity import storage
@@ -34,7 +38,7 @@ def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", toler
 
     figure_format(output)
     comparison = compare(load_runs(input_dir), baseline, tolerance, allow_incomplete, grad_norm_tolerance,
-                         references=load_references(input_dir))
+                         references=load_references(input_dir), allow_fingerprint_mismatch=allow_fingerprint_mismatch)
     storage.check_writable_dir("--output's directory", storage.parent(storage.absolute(output)))
     for warning in comparison.warnings:
         print(warning, file=sys.stderr)
@@ -51,5 +55,6 @@ def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", toler
 def main(argv: list[str] | None = None, description: str = "") -> int:
     args = build_parser(description).parse_args(argv)
     return run_command(lambda: compare_and_report(args.input_dir, args.output, args.baseline, args.tolerance,
-                                                  args.grad_norm_tolerance, args.allow_incomplete),
+                                                  args.grad_norm_tolerance, args.allow_incomplete,
+                                                  args.allow_fingerprint_mismatch),
                        "the comparison")

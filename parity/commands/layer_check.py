@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from parity import storage
+from parity import console, storage
 from parity.commands.common import OneLineParser, non_negative_float, run_command
 from parity.errors import ConfigError
 from parity.registry import NAMES
@@ -21,6 +21,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
     p = OneLineParser(description)
     p.add_argument("--output_dir", required=True, help="the layer-check folder (shared weights, inputs, dumps)")
+    p.add_argument("--verbose", action="store_true",
+                   help="Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/layer_check.log")
     p.add_argument("--strategy", choices=("all", *NAMES), default="all")
     p.add_argument("--replay", default=None, metavar="RUN_DIR",
                    help="record step --step of a training run instead, from the DDP baseline's newest checkpoint at "
@@ -62,7 +64,8 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity.training.config import resolve
     from parity.training.data import training_data
     from parity.training.launch import launch
-    from parity.training.layer_step import INPUTS_FILE, check_inputs, layer_step_worker, write_inputs
+    from parity.training.layer_inputs import INPUTS_FILE, check_inputs, write_inputs
+    from parity.training.layer_step import layer_step_worker
     from parity.training.model import build_model, model_config_from_dict, parameter_names, save_init_weights
     from parity.training.replay import check_folder, write_folder
 
@@ -108,9 +111,11 @@ def check_layers(args: argparse.Namespace) -> int:
         print(f"wrote {weights} and {inputs}")
     for cfg, _ in runs:
         check_inputs(inputs, cfg)
-    for cfg, perturb_param in runs:
-        start = {"replay": {**replay.describe(), "batches": training_data(cfg)}} if replay else {}
-        launch(cfg, layer_step_worker, {"output_dir": out, "perturb_param": perturb_param, **start})
+    with console.terminal(os.path.join(out, "layer_check.log"), args.verbose) as log, console.pointing_to(log):
+        for cfg, perturb_param in runs:
+            start = {"replay": {**replay.describe(), "batches": training_data(cfg)}} if replay else {}
+            launch(cfg, layer_step_worker, {"output_dir": out, "perturb_param": perturb_param, **start},
+                   announce_folder=False)
     if len(load_dumps(out)) < 2:
         print(f"{out} has one dump so far; run the other strategies into it, then compare_dumps.py")
         return 0

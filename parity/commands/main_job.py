@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 
-from parity import storage
+from parity import console, storage
 from parity.commands.common import OneLineParser, report_error, run_command
 from parity.errors import ConfigError, TrainingFailed
 from parity.registry import NAMES
@@ -43,13 +43,15 @@ SETTINGS = (
     ("NOISE_REFERENCE", str, "auto", "run DDP's twins to calibrate the verdict: on | off | auto (on in bf16)"),
     ("PYTHON", str, None, "the interpreter to run under [python3]"),
     ("EXTRA_ARGS", str, "", "more train_*.py flags for every run (a strategy's own flags go to that strategy)"),
+    ("VERBOSE", str, "off", "on: Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/main_job.log"),
 )
 
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(__doc__, prog="run_verification_main.sh")
     for env, kind, default, text in SETTINGS:
-        choices = {"PRECISION": PRECISIONS, "DEVICE": DEVICES, "NOISE_REFERENCE": ("on", "off", "auto")}.get(env)
+        choices = {"PRECISION": PRECISIONS, "DEVICE": DEVICES, "NOISE_REFERENCE": ("on", "off", "auto"),
+                   "VERBOSE": ("on", "off")}.get(env)
         p.add_argument(f"--{env.lower()}", type=kind, default=os.environ.get(env) or default, choices=choices,
                        metavar=env, help=f"{text} (environment: {env})")
     return p
@@ -82,23 +84,24 @@ def run_main_job(args) -> int:
         storage.delete_dir(run_dir(cfg))
 
     started = time.perf_counter()
-    ensure_ray()
-    where = f"{cluster.gpus} GPUs" if cfgs[0].use_cuda else "CPU workers"
-    print(f"Ray up in {time.perf_counter() - started:.0f} s; model {cfgs[0].model_name} on {where}; outputs in {out}",
-          flush=True)
-    try:
-        for cfg, data in zip(cfgs, batches):
-            role = " (noise reference)" if cfg.noise_reference else ""
-            print(f"== {cfg.strategy}{role}: tp={cfg.tp_size} dp={cfg.dp_size} {cfg.precision}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                launch(cfg, train_worker, {"batches": data})
-            except TrainingFailed as exc:
-                print(f"error: the {cfg.strategy} run failed: {exc}", file=sys.stderr)
-                return 1
-            print(f"   done in {time.perf_counter() - t0:.0f} s: {run_record_path(cfg)}", flush=True)
-    finally:
-        ray.shutdown()
+    with console.terminal(storage.join(out, "main_job.log"), args.verbose == "on") as log, console.pointing_to(log):
+        try:
+            ensure_ray()
+            where = f"{cluster.gpus} GPUs" if cfgs[0].use_cuda else "CPU workers"
+            console.say(f"Ray up in {time.perf_counter() - started:.0f} s; model {cfgs[0].model_name} on {where}; "
+                        f"outputs in {out}")
+            for cfg, data in zip(cfgs, batches):
+                role = " (noise reference)" if cfg.noise_reference else ""
+                console.say(f"== {cfg.strategy}{role}: tp={cfg.tp_size} dp={cfg.dp_size} {cfg.precision}")
+                t0 = time.perf_counter()
+                try:
+                    launch(cfg, train_worker, {"batches": data})
+                except TrainingFailed as exc:
+                    console.say(f"error: the {cfg.strategy} run failed: {exc}", err=True)
+                    return 1
+                console.say(f"   done in {time.perf_counter() - t0:.0f} s: {run_record_path(cfg)}")
+        finally:
+            ray.shutdown()
 
     print("== comparing", flush=True)
     try:

@@ -7,6 +7,7 @@ import sys
 import time
 from typing import Any, Mapping
 
+from parity import console, storage
 from parity.commands.common import OneLineParser, run_command
 from parity.training.config import add_run_flags, add_strategy_options, resolve
 
@@ -30,11 +31,18 @@ def run(strategy: str, values: Mapping[str, Any]) -> str:
     cfg = resolve(strategy, values)
     batches = training_data(cfg)
     t0 = time.perf_counter()
-    ray_start_s = launch(cfg, train_worker, {"batches": batches})
-    path = run_record_path(cfg)
-    print(f"[{strategy}] finished in {time.perf_counter() - t0:.1f} s (Ray start-up {ray_start_s:.1f} s); "
-          f"loss record: {path}", flush=True)
+    with console.terminal(run_log(cfg), cfg.verbose) as log:
+        with console.pointing_to(log, f"[{cfg.strategy}] "):
+            ray_start_s = launch(cfg, train_worker, {"batches": batches})
+        path = run_record_path(cfg)
+        console.say(f"[{cfg.strategy}] finished in {time.perf_counter() - t0:.1f} s (Ray start-up {ray_start_s:.1f} s); "
+                    f"loss record: {path}")
     return path
+
+
+def run_log(cfg) -> str:
+    """Where a run's Ray, DeepSpeed and torch output goes: <loss_output_dir>/logs/<experiment_name>.log."""
+    return storage.join(cfg.loss_output_dir, "logs", f"{cfg.experiment_name}.log")
 
 
 def main(strategy: str, description: str = "", argv: list[str] | None = None) -> int:

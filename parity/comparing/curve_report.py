@@ -7,7 +7,7 @@ import os
 import shlex
 from typing import NamedTuple
 
-from parity import storage
+from parity import fingerprint, storage
 from parity.comparing.curves import Comparison, CurveResult
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
@@ -49,6 +49,8 @@ def statistics_text(c: Comparison) -> str:
               calibration_line(c), ""]
     for r in c.results:
         lines += [f"{r.run.label}: {r.verdict.word}", *[f"  {line}" for line in verdict_details(c, r)]]
+    lines += ["", "Fingerprints (shared code, strategy code, libraries, device):"]
+    lines += [f"  {storage.name(run.file)}: {fingerprint.short(run.fingerprint)}" for run in [*c.runs, *c.references]]
     return "\n".join(lines)
 
 
@@ -135,6 +137,12 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
             if command:
                 out += ["", f"Replay step {r.verdict.first_outside.step} layer by layer from the baseline's "
                         f"checkpoint:", "", f"```bash\n{command}\n```"]
+    out += ["", "## Fingerprints", "", "| record | shared code | strategy code | libraries | device |", "|---|---|---|---|---|"]
+    for run in [*c.runs, *c.references]:
+        fp = run.fingerprint
+        libraries = ", ".join(f"{k} {v}" for k, v in fp["versions"].items())
+        out.append(f"| {storage.name(run.file)} | `{fp['shared_code_sha256'][:12]}` | `{fp['strategy_code']['sha256'][:12]}` "
+                   f"({', '.join(fp['strategy_code']['files'])}) | {libraries} | {fp['device']} |")
     for key, noun, _ in CURVES:
         out += ["", f"## {noun.capitalize()}", "", "| run | initial | final | min | mean |", "|---|---|---|---|---|"]
         for run in c.runs:

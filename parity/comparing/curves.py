@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from parity import storage
+from parity import fingerprint, storage
 from parity.comparing import tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
@@ -31,7 +31,7 @@ OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2
 # Config entries that differ between strategies by design: not suspects when a run FAILs.
 LAYOUT_AND_PLACES = ("strategy", "num_workers", "tp_size", "dp_size", "world_size", "batch_size", "cpus_per_worker",
                      "experiment_name", "final_checkpoint_dir", "loss_output_dir", "storage_path", "noise_reference",
-                     "init_weights_path", "save_init_weights", "worker_nodes")
+                     "init_weights_path", "save_init_weights", "worker_nodes", "fingerprint", "resume", "verbose")
 # Per-step entries every run must share with the baseline: (field, what differs, in words).
 STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
                    ("lr", "use different learning rates"))
@@ -67,6 +67,10 @@ class Run:
     @property
     def label(self) -> str:
         return f"{label(self.name)} (TP={self.config['tp_size']}, DP={self.config['dp_size']})"
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.config["fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,7 @@ class Comparison:
             "baseline": self.baseline.name, "num_steps": self.num_steps, "verdict": self.word,
             "warnings": self.warnings,
             "noise_references": [storage.name(r.file) for r in self.references],
+            "fingerprints": {storage.name(r.file): r.fingerprint for r in [*self.runs, *self.references]},
             "runs": {r.name: {"label": r.label, "file": storage.name(r.file), "complete": r.complete,
                               "steps_recorded": len(r.steps), "precision": r.precision,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
@@ -182,10 +187,11 @@ def load_references(input_dir: str) -> list[Run]:
 
 def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
             allow_incomplete: bool = False, grad_norm_rtol: float | None = None,
-            references: list[Run] = ()) -> Comparison:
+            references: list[Run] = (), allow_fingerprint_mismatch: bool = False) -> Comparison:
     """Check every run (and every noise reference) against the baseline, then measure it. With references
     of the baseline's strategy the bounds are calibrated; `rtol` / `grad_norm_rtol` fix the bound on the
-    loss / the grad norm whatever the rest is."""
+    loss / the grad norm whatever the rest is. Runs of other shared code or libraries are not comparable
+    unless `allow_fingerprint_mismatch` (then a warning says so)."""
     base, others = _split_baseline(runs, baseline)
     warnings = [f"warning: {storage.name(r.file)} is a noise reference of {r.name}, not of the baseline "
                 f"({base.name}): not used" for r in references if r.name != base.name]
@@ -193,6 +199,12 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     num_steps = min(len(r.steps) for r in [*runs, *references])
     warnings += _incomplete_warnings([*runs, *references], allow_incomplete, num_steps)
     mismatches = [m for run in [*others, *references] for m in comparability_mismatches(base, run)]
+    code = [m for run in [*others, *references] for m in code_mismatches(base, run)]
+    if allow_fingerprint_mismatch:
+        warnings += [f"warning: {m} (compared anyway: --allow_fingerprint_mismatch)" for m in code]
+    else:
+        mismatches += [f"{m}: rerun them with one harness and one set of libraries, or pass "
+                       f"--allow_fingerprint_mismatch to compare them anyway" for m in code]
     if mismatches:
         raise NotComparable(mismatches)
     _check_references(base, references, num_steps)
@@ -224,6 +236,13 @@ def comparability_mismatches(base: Run, run: Run) -> list[str]:
                 found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
                 break
     return found
+
+
+def code_mismatches(base: Run, run: Run) -> list[str]:
+    """The run and the baseline were produced by other shared code or library versions (their fingerprints):
+    one entry naming both, or none."""
+    diff = fingerprint.differences(base.fingerprint, run.fingerprint, strategy=False)
+    return [f"{storage.name(base.file)} and {storage.name(run.file)} ran other code ({'; '.join(diff)})"] if diff else []
 
 
 def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol: float | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from parity import fingerprint
 from parity.comparing.figures import layer_heatmap, save_figure
 from parity.comparing.layers import Dump, PairResult, summary_json
 from parity.storage import write_json_atomic, write_text_atomic
@@ -18,6 +19,8 @@ def console_summary(dumps: dict[str, Dump], results: list[PairResult]) -> str:
         extra = f"  [perturbed: {d.meta['perturbed']}]" if d.meta.get("perturbed") else ""
         losses = ", ".join(f"{x:.8f}" for x in d.meta["dp_rank_losses"])
         lines.append(f"{d.label}: loss {d.meta['loss']:.8f} (per DP rank: {losses}), {d.meta['precision']}{extra}")
+    lines += ["", "Fingerprints (shared code, strategy code, libraries, device):"]
+    lines += [f"  {d.label}: {fingerprint.short(d.meta['fingerprint'])}" for d in dumps.values()]
     lines.append("")
     for r in results:
         head = f"{dumps[r.a].label} vs {dumps[r.b].label}: {r.verdict.word}"
@@ -42,6 +45,8 @@ def markdown(dumps: dict[str, Dump], results: list[PairResult], heatmap_name: st
     for s in names:
         loss = dumps[s].meta["loss"]
         out.append(f"| {dumps[s].label} | {loss:.8f} | {abs(loss - ref.meta['loss']) / abs(ref.meta['loss']):.2e} |")
+    out += ["", "## Fingerprints", "", "| run | fingerprint |", "|---|---|"]
+    out += [f"| {dumps[s].label} | {fingerprint.short(dumps[s].meta['fingerprint'])} |" for s in names]
     out += ["", "## Loss by DP rank", "", "| DP rank | " + " | ".join(labels) + " |",
             "|---|" + "---|" * len(names)]
     for r in range(len(ref.meta["dp_rank_losses"])):

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from parity import fingerprint
 from parity.comparing import tolerances
 from parity.comparing.verdict import Outside, Verdict
 from parity.errors import ConfigError
@@ -113,7 +114,7 @@ def load_noise_reference(input_dir: str, dumps: dict[str, Dump]) -> Dump | None:
 
 
 META_KEYS = ("strategy", "tp_size", "dp_size", "precision", "loss", "dp_rank_losses", "grad_norm", "learning_rate",
-             "inputs_sha256", "init_weights_sha256", "model_config", "forward_order", "backward_order")
+             "inputs_sha256", "init_weights_sha256", "model_config", "forward_order", "backward_order", "fingerprint")
 
 
 def _read_dump(meta_path: str) -> Dump:
@@ -143,6 +144,10 @@ def _read_dump(meta_path: str) -> Dump:
 def _check_same_step(dumps: list[Dump]) -> None:
     first = dumps[0]
     for dump in dumps:
+        code = fingerprint.differences(first.meta["fingerprint"], dump.meta["fingerprint"], strategy=False)
+        if code:
+            raise ConfigError(f"dumps of other code: {first.strategy} and {dump.strategy} ran other shared code or "
+                              f"libraries ({'; '.join(code)}): rerun both into a fresh folder")
         for key, what in (("inputs_sha256", "inputs"), ("init_weights_sha256", "initial weights"),
                           ("model_config", "model config"), ("learning_rate", "learning rate"),
                           ("replay", "replay starts")):
@@ -243,7 +248,7 @@ def compare_all(dumps: dict[str, Dump], override: float | None = None, reference
 def summary_json(dumps: dict[str, Dump], results: list[PairResult]) -> dict:
     return {
         "runs": {s: {k: d.meta[k] for k in ("tp_size", "dp_size", "precision", "loss", "dp_rank_losses",
-                                             "grad_norm", "perturbed")} for s, d in dumps.items()},
+                                             "grad_norm", "perturbed", "fingerprint")} for s, d in dumps.items()},
         "pairs": [{**r.verdict.to_dict(), "calibrated": isinstance(r.tolerance, dict), "bit_identical": r.bit_identical,
                    "max_rel": _finite(r.max_rel), "loss": r.loss_a, "reference_loss": r.loss_b,
                    "rows": [{**{k: _finite(v) for k, v in asdict(row).items()},

@@ -13,18 +13,19 @@ Writing, every --checkpoint_interval steps and at the end, on every rank at once
     failure in [1], in the system's temporary directory, is raised instead: it may come from a collective
     save on some ranks only, and a raise is what stops the others there.)
 
-Resuming — after a worker failure Ray Train restarts the group; a run started again with the same
---storage_path and --experiment_name finds its checkpoints too — from the latest checkpoint:
+Resuming — after a worker failure Ray Train restarts the group; a run started again with --resume over the same
+--storage_path and --experiment_name (without it the folder is replaced: prepare_run_folder) — from the latest
+checkpoint:
 [4] every rank checks it against the manifests (its own files by sha256, every file by size); a damaged
     checkpoint is skipped, with a line saying so, for the one before it;
 [5] a checkpoint of another configuration is refused: it continues only the run that wrote it;
+[7] so is one written by other code (the fingerprint's shared code, strategy code, libraries);
 [6] the strategy loads its state, each rank its RNG state, every rank the loss record so far, and training
     continues at the checkpoint's step; the data is a function of the step, so the stream continues too.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import tempfile
@@ -35,6 +36,8 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.errors import ConfigError, RunStopped
+from parity.fingerprint import differences as fingerprint_differences
+from parity.fingerprint import fingerprint, library_versions, shared_code_sha256, strategy_code
 from parity.training.model import config_summary, file_sha256, model_config_from_dict
 
 FORMAT = "parity-checkpoint/1"
@@ -44,9 +47,9 @@ DIR_PREFIX = "step_"
 # model is compared by its summary, not by the whole Hugging Face config (which names the library version).
 NOT_IDENTITY = ("log_interval", "loss_output_dir", "storage_path", "experiment_name", "final_checkpoint_dir",
                 "init_weights_path", "save_init_weights", "cpus_per_worker", "checkpoint_interval",
-                "keep_checkpoints", "max_failures", "model_config")
+                "keep_checkpoints", "max_failures", "model_config", "resume", "verbose")
 AFTER_A_FAILED_WRITE = ("the run stopped; its previous checkpoint and the loss record up to it are kept: make room "
-                        "(or make it writable) and run the same command again to resume")
+                        "(or make it writable) and run the same command again with --resume to continue")
 
 
 def dir_name(step: int) -> str:
@@ -80,25 +83,90 @@ def differences(stored: dict, current: dict) -> list[str]:
             for k in sorted(stored.keys() | current.keys()) if stored.get(k) != current.get(k)]
 
 
-def check_run_folder(cfg) -> None:
-    """On the driver, before launch: Ray Train resumes a run from the checkpoints in its folder, so they must
-    be this configuration's ([5] before any worker starts). Remote storage is left to the workers' check;
-    so is a meta that cannot be read: that checkpoint is damaged and will be skipped ([4])."""
-    folder = storage.local_path(run_dir(cfg))
-    if folder is None:
-        return
-    want = identity(cfg)
-    for path in sorted(glob.glob(os.path.join(folder, DIR_PREFIX + "*", META_FILE))):
-        try:
-            with open(path) as f:
-                stored = json.load(f)["identity"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        diff = differences(stored, want)
-        if diff:
-            raise ConfigError(f"{folder} holds checkpoints of another run ({'; '.join(diff[:3])}), which Ray Train "
-                              f"would resume: use another --experiment_name or --storage_path, or delete {folder} "
-                              f"to start afresh")
+def replace_run_folder(cfg) -> str | None:
+    """On the driver, before launch. Ray Train resumes a run from whatever its run folder holds, so a run folder
+    is never reused silently: without --resume an existing folder is deleted — a finished or an unfinished run
+    alike — and the line that says what was replaced is returned; with --resume it is kept for Ray Train to
+    resume (check_resume, in resolve, made sure it can)."""
+    folder = run_dir(cfg)
+    if cfg.resume:
+        path, meta = _newest(folder)
+        return f"resuming {folder} from its checkpoint at step {meta['step']} of {meta['total_steps']}"
+    if not storage.is_dir(folder):
+        return None
+    checkpoints = _newest(folder, missing=None)
+    what = ("no checkpoint" if checkpoints is None else f"a finished run ({checkpoints[1]['step']} steps)"
+            if _finished(checkpoints[1]) else
+            f"an unfinished run (checkpoint at step {checkpoints[1]['step']}; --resume continues it)")
+    storage.delete_dir(folder)
+    return f"replaced {folder}: it held {what}; this run starts afresh"
+
+
+def check_resume(cfg) -> None:
+    """--resume, on the driver before anything starts: the run folder's newest intact checkpoint must continue
+    this run ([5]: the same configuration, [7]: the same code) and not be the run's last step; else ConfigError.
+    On a local folder a damaged checkpoint is passed over here as the workers will ([4]); on a remote store the
+    workers check it."""
+    folder = run_dir(cfg)
+    path, meta = _newest(folder)
+    diff = differences(meta["identity"], identity(cfg))
+    if diff:
+        raise ConfigError(f"--resume: {path} is a checkpoint of another run ({'; '.join(diff[:3])}): use the run's "
+                          f"own flags, or drop --resume to start this one afresh")
+    code = code_differences(meta.get("fingerprint", {}), driver_fingerprint(cfg))
+    if code:
+        raise ConfigError(f"--resume: {path} was written by other code ({'; '.join(code[:3])}): drop --resume to "
+                          f"train afresh with this code")
+    if _finished(meta):
+        raise ConfigError(f"--resume: {folder} holds a finished run ({meta['step']} of {meta['total_steps']} steps): "
+                          f"nothing to continue; drop --resume to train it again")
+
+
+_NO_CHECKPOINT = object()
+
+
+def _newest(folder: str, missing=_NO_CHECKPOINT):
+    """(path, meta) of the run folder's newest intact checkpoint (whose meta reads, and whose files match their
+    manifests where the folder is local); `missing` when there is none (ConfigError for --resume by default)."""
+    damaged = None
+    for path in reversed(storage.list_dirs(folder, DIR_PREFIX + "*")):
+        meta = _read_meta(path)
+        local = storage.local_path(path)
+        problem = "its meta cannot be read" if meta is None else \
+            damage(local, meta.get("world_size", 1), range(meta.get("world_size", 1))) if local else None
+        if problem is None:
+            return path, meta
+        damaged = damaged or f"{path}: {problem}"
+    if missing is _NO_CHECKPOINT:
+        raise ConfigError(f"--resume: {folder} holds no intact checkpoint to continue"
+                          + (f" ({damaged})" if damaged else "") + ": drop --resume to start the run afresh")
+    return missing
+
+
+def _read_meta(path: str) -> dict | None:
+    try:
+        meta = json.loads(storage.read_text(storage.join(path, META_FILE)))
+        return meta if isinstance(meta, dict) and "identity" in meta and "step" in meta else None
+    except (OSError, ValueError):
+        return None
+
+
+def _finished(meta: dict) -> bool:
+    return meta["step"] >= meta.get("total_steps", float("inf"))
+
+
+def driver_fingerprint(cfg) -> dict:
+    """The code and library part of the fingerprint, as the driver sees it (the device is the workers')."""
+    from parity.registry import strategy_class
+
+    return {"shared_code_sha256": shared_code_sha256(),
+            "strategy_code": strategy_code(strategy_class(cfg.strategy, cfg.strategy_class)),
+            "versions": library_versions()}
+
+
+def code_differences(stored: dict, current: dict) -> list[str]:
+    """What makes a checkpoint another code's: the shared code, the strategy's code, the libraries."""
+    return fingerprint_differences(stored, current, strategy=True)
 
 
 def any_rank(problem: str | None) -> str | None:
@@ -132,16 +200,6 @@ def write_problem(action, what: str, errors=(OSError,)) -> str | None:
 class RayTrainSession:
     """The Ray Train calls of the loop: a training loop in a test's local process group runs without them."""
 
-    def __init__(self):
-        import logging
-
-        import ray.train.v2._internal.execution.context as context
-
-        # Ray Train logs every report ("Reporting training result …", "Checkpoint successfully created …") at
-        # INFO, on every rank: with metrics reported every step that is a line per step per rank.
-        for name in (context.__file__, "ray.train.v2._internal.execution.storage"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-
     @staticmethod
     def resuming() -> bool:
         """Whether Ray Train holds a checkpoint of this run (after a failure, or for a run started again)."""
@@ -150,15 +208,12 @@ class RayTrainSession:
         return ray.train.get_checkpoint() is not None
 
     @staticmethod
-    def report(metrics: dict, directory: str | None = None, name: str | None = None) -> None:
-        """Report a step's metrics, with the checkpoint in `directory` (this rank's part) as `name`."""
+    def report(metrics: dict, directory: str, name: str) -> None:
+        """Report a checkpoint's metrics with the checkpoint in `directory` (this rank's part) as `name`: Ray
+        Train's own advice, a report at checkpoint frequency (every step is in the loss record and the log)."""
         import ray.train
 
-        if directory is None:
-            ray.train.report(metrics)
-        else:
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                             checkpoint_dir_name=name)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name)
 
     @staticmethod
     def checkpoints() -> list:
@@ -189,9 +244,10 @@ class RayTrainSession:
 class Checkpoints:
     """One rank's view of its run's checkpoints: writing one, resuming from the newest intact one."""
 
-    def __init__(self, worker, session, record):
+    def __init__(self, worker, session, record, total_steps: int):
         self.cfg, self.ctx, self.log, self.strategy = worker.cfg, worker.ctx, worker.log, worker.strategy
-        self.weights_sha = worker.weights_sha
+        self.weights_sha, self.total_steps = worker.weights_sha, total_steps
+        self.fingerprint = fingerprint(type(worker.strategy), worker.ctx.device)
         self.session, self.record = session, record
         self.registered: set[str] = set()  # the run's checkpoint directories Ray Train holds (filled by resume)
 
@@ -224,8 +280,9 @@ class Checkpoints:
         self.strategy.save_state(directory)
         torch.save(rng_state(self.ctx.device), os.path.join(directory, rng_name(rank)))
         if self.ctx.is_logging_rank:
-            meta = {"format": FORMAT, "step": done, "strategy": self.cfg.strategy, "world_size": self.ctx.world_size,
-                    "identity": identity(self.cfg), "init_weights_sha256": self.weights_sha,
+            meta = {"format": FORMAT, "step": done, "total_steps": self.total_steps, "strategy": self.cfg.strategy,
+                    "world_size": self.ctx.world_size, "identity": identity(self.cfg),
+                    "init_weights_sha256": self.weights_sha, "fingerprint": self.fingerprint,
                     "config": self.cfg.to_dict(), "record": self.record.progress()}
             with open(os.path.join(directory, META_FILE), "w") as f:
                 json.dump(meta, f)
@@ -255,7 +312,7 @@ class Checkpoints:
             skipped.append(f"{checkpoint.path}: {problem}")
             self.log(f"checkpoint {checkpoint.path} is damaged ({problem}): resuming from the one before it")
         if skipped:
-            raise RunStopped(f"no intact checkpoint to resume from ({skipped[0]}): delete {run_dir(self.cfg)} to "
+            raise RunStopped(f"no intact checkpoint to resume from ({skipped[0]}): run again without --resume to "
                              f"start afresh")
         return 0
 
@@ -266,9 +323,10 @@ class Checkpoints:
         stored_sha = meta["init_weights_sha256"]
         if stored_sha != self.weights_sha:
             diff.append(f"initial weights sha256 {stored_sha[:12]}… there, {self.weights_sha[:12]}… here")
+        diff += [f"{d} (there vs here)" for d in code_differences(meta.get("fingerprint", {}), self.fingerprint)]
         if diff:
-            raise RunStopped(f"checkpoint {where} was written by another run ({'; '.join(diff[:3])}): use another "
-                             f"--experiment_name or --storage_path, or delete {run_dir(self.cfg)} to start afresh")
+            raise RunStopped(f"checkpoint {where} was written by another run ({'; '.join(diff[:3])}): run again "
+                             f"without --resume to start afresh")
         self.strategy.load_state(directory)
         set_rng_state(torch.load(os.path.join(directory, rng_name(self.ctx.rank)), weights_only=True), self.ctx.device)
         self.record.resume(meta["record"], where, skipped)

@@ -103,9 +103,11 @@ def quiet_ray_train_logs() -> None:
 
     Ray Train's placement-group cleaner asks the state API for the cluster's address "auto": with other Ray
     instances on the machine that lookup raises "Found multiple active Ray instances" and the cleaner's thread
-    dies with a 20-line traceback, so the address is made explicit. Without Ray's dashboard the state API is
-    absent and the cleaner warns about that once a second for the whole run; it still works (it falls back to
-    retrying), so those warnings are silenced."""
+    dies with a 20-line traceback, so the address is made explicit. Without Ray's dashboard (ray[train] does not
+    install it: ray[default] does) the state API is absent and the cleaner warns about that once a second for the
+    whole run — half the lines of a short run's log; it still works (it falls back to retrying). Ray offers no
+    setting for this one logger (LoggingConfig's level would silence every Ray warning in the log), so its level
+    is raised by name."""
     import ray
 
     os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)

@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from parity import storage
 from parity.errors import ConfigError
@@ -26,6 +26,10 @@ PATH_FLAGS = ("loss_output_dir", "storage_path", "init_weights_path", "final_che
 
 # Each flag: (group, name, default, argparse keywords). The default is what a run gets when not told.
 FLAGS = (
+    ("strategy", "strategy_class", None,
+     {"help": "module:Class — train with your own Strategy subclass (parity.training.strategy.Strategy) instead of "
+              "this script's; it must be importable where the driver and the workers run (installed, or on "
+              "PYTHONPATH), and its `name` names the loss record"}),
     ("model", "model_name", "Qwen/Qwen2.5-0.5B",
      {"help": "built-in preset (Qwen/Qwen2.5-0.5B, qwen2-tiny), a local directory with config.json, "
               "or a hub name when the hub is reachable"}),
@@ -58,6 +62,9 @@ FLAGS = (
      {"help": "tokenizer for text data: 'bytes' (UTF-8 bytes) or a name/path (default: the model's; 'bytes' "
               "for qwen2-tiny)"}),
     ("outputs", "log_interval", 10, {"type": int, "help": "log and rewrite the loss JSON every N steps"}),
+    ("outputs", "verbose", False,
+     {"action": "store_true", "help": "show Ray's, DeepSpeed's and torch's own output on the terminal (by default it "
+                                      "goes to a log file in --loss_output_dir/logs, whose path is printed)"}),
     ("outputs", "loss_output_dir", "/tmp/loss_curves", {"help": "where loss_<strategy>.json goes"}),
     ("outputs", "storage_path", "/tmp/ray_checkpoints", {"help": "Ray Train RunConfig storage_path"}),
     ("outputs", "experiment_name", None, {"help": "Ray Train run name (default: <strategy>_tp<T>_dp<D>)"}),
@@ -75,6 +82,9 @@ FLAGS = (
      {"type": int, "help": "a checkpoint (model, optimizer, step, RNG, the loss record so far) every N steps, "
                            "and one at the end; 0 = at the end only"}),
     ("checkpoints", "keep_checkpoints", 2, {"type": int, "help": "keep the last K checkpoints; 0 = keep all"}),
+    ("checkpoints", "resume", False,
+     {"action": "store_true", "help": "continue the unfinished run in <storage_path>/<experiment_name> from its latest "
+                                      "checkpoint; without it an existing run folder is replaced by a fresh run"}),
     ("checkpoints", "max_failures", 1,
      {"type": int, "help": "restarts after a worker failure, each from the latest checkpoint; -1 = no limit"}),
 )
@@ -83,31 +93,11 @@ TYPES = {name: kwargs.get("type", str) for _, name, _, kwargs in FLAGS if "actio
 
 
 @dataclass(frozen=True)
-class Option:
-    """A flag only one strategy has (--zero_stage, --mixed_precision): declared by the strategy module in
-    its `options`, stored in `RunConfig.options`."""
-
-    name: str
-    default: Any
-    help: str
-    type: Callable | None = None
-    choices: tuple | None = None
-
-    def add_to(self, group, given_only: bool = False) -> None:
-        """Add --<name>. `given_only`: no default, so only a flag the user gave appears in the result."""
-        kwargs: dict[str, Any] = {"help": self.help, "default": argparse.SUPPRESS if given_only else self.default}
-        if isinstance(self.default, bool):
-            kwargs["action"] = "store_true"
-        else:
-            kwargs.update(type=self.type or type(self.default), choices=self.choices)
-        group.add_argument(f"--{self.name}", **kwargs)
-
-
-@dataclass(frozen=True)
 class RunConfig:
     """Everything a run depends on, resolved: no 'auto', no missing default. The loss record stores it."""
 
     strategy: str
+    strategy_class: str | None  # "module:Class" of a strategy outside the registry; None: the registry's for `strategy`
     model_name: str
     num_layers: int | None
     num_workers: int
@@ -141,7 +131,9 @@ class RunConfig:
     noise_reference: bool
     checkpoint_interval: int
     keep_checkpoints: int
+    resume: bool
     max_failures: int
+    verbose: bool
     options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
     model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
 
@@ -189,13 +181,18 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     `weights_written_before_launch` the init-weights file need not exist yet: the main job's DDP run or
     the layer check's driver writes it before this run launches; only its directory is checked.
     """
-    from parity.registry import strategy_class
+    from parity.registry import class_path, strategy_class
     from parity.training.cluster import probe_cluster
     from parity.training.data import check_source
     from parity.training.model import (check_init_weights, default_learning_rate, default_tokenizer,
                                        resolve_model_config)
 
-    cls = strategy_class(strategy)
+    values = dict(values)
+    if isinstance(values.get("strategy_class"), type):  # a class handed in by code (a test, the calibration study)
+        values["strategy_class"] = class_path(values["strategy_class"])
+    cls = strategy_class(strategy, values.get("strategy_class"))
+    if values.get("strategy_class"):
+        strategy = _own_name(cls, values["strategy_class"])
     option_names = {o.name for o in cls.options}
     unknown = sorted(set(values) - set(DEFAULTS) - option_names)
     if unknown:
@@ -240,7 +237,20 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     storage.check_writable_dir("--loss_output_dir", s["loss_output_dir"])
     storage.check_writable_dir("--storage_path", s["storage_path"])
     storage.check_writable_dir("--final_checkpoint_dir's parent", storage.parent(s["final_checkpoint_dir"]))
-    return RunConfig(strategy=strategy, options=options, model_config=model_config.to_dict(), **s)
+    cfg = RunConfig(strategy=strategy, options=options, model_config=model_config.to_dict(), **s)
+    if cfg.resume:
+        from parity.training.checkpoints import check_resume
+
+        check_resume(cfg)
+    return cfg
+
+
+def _own_name(cls, path: str) -> str:
+    """The name a strategy class of its own records under: its `name`, which must say which run it is."""
+    if not isinstance(cls.name, str) or not cls.name.isidentifier() or cls.name == "base":
+        raise ConfigError(f"--strategy_class {path}: set the class's `name` (e.g. name = \"my_fsdp\"): it names the "
+                          f"loss record, loss_<name>.json")
+    return cls.name
 
 
 def check_heads(tp_size: int, num_attention_heads: int, num_key_value_heads: int) -> None:

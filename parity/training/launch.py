@@ -7,39 +7,34 @@ restarts the group up to --max_failures times, from the run's latest checkpoint 
 
 from __future__ import annotations
 
-import os
-
-from parity.errors import TrainingFailed
-from parity.training.checkpoints import check_run_folder
+from parity import console
+from parity.errors import COLLATERAL, TrainingFailed
+from parity.training.checkpoints import replace_run_folder
 from parity.training.cluster import ensure_ray
 from parity.training.config import RunConfig
 
-POLL_ENV, POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.05"
-"""How often Ray Train's controller polls the workers (its default: 2 s). A worker's ray.train.report waits
-until the controller has taken its previous report, so with the default every step would last at least 2 s
-once metrics are reported every step; docs/checkpoints.md has the measurements. Ray Train passes this
-variable from the driver to its controller, on a local cluster and on a remote one alike; a value the user
-set wins."""
-
-# Errors a rank meets because another rank failed first: never the cause to report.
-COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def launch(cfg: RunConfig, worker, payload: dict) -> float:
+
+
+def launch(cfg: RunConfig, worker, payload: dict, announce_folder: bool = True) -> float:
     """Run `worker` (the training loop, or the layer check's recorded step) on cfg.num_workers Ray Train
-    workers; it receives {"cfg": cfg as a dict, **payload}. Returns Ray start-up seconds (0 when Ray was
-    already up); raises TrainingFailed with the worker's error line, or with the line all ranks stopped on,
-    and ConfigError, before Ray starts, when the run's folder holds another configuration's checkpoints."""
+    workers; it receives {"cfg": cfg as a dict, "terminal": whether the driver shows marked lines,
+    **payload}. An existing run folder is replaced, or continued with --resume (replace_run_folder), which one
+    line says unless not `announce_folder` (a folder of scratch runs). Returns Ray start-up seconds (0 when Ray
+    was already up). Raises
+    TrainingFailed with the worker's error line, or with the line all ranks stopped on."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    check_run_folder(cfg)
+    note = replace_run_folder(cfg)
+    if note and announce_folder:
+        console.say(f"[{cfg.strategy}] {note}")
     ray_start_s = ensure_ray()
-    os.environ.setdefault(POLL_ENV, POLL_S)
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_cuda else {})}
     trainer = TorchTrainer(
         worker,
-        train_loop_config={"cfg": cfg.to_dict(), **payload},
+        train_loop_config={"cfg": cfg.to_dict(), "terminal": console.active(), **payload},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_cuda,
                                      resources_per_worker=resources),
         run_config=RayRunConfig(storage_path=cfg.storage_path, name=cfg.experiment_name,

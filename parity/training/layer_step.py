@@ -14,12 +14,13 @@ import os
 
 import torch
 
-from parity.errors import ConfigError
+from parity.fingerprint import fingerprint
 from parity.storage import atomic_path, write_json_atomic
 from parity.training.config import RunConfig
+from parity.training.layer_inputs import INPUTS_FILE
 from parity.training.model import config_summary, file_sha256
+from parity.training.replay import advance
 
-INPUTS_FILE = "inputs.safetensors"
 PERTURBATION = 1e-3  # added to one TP shard by --perturb_param: far above fp32 noise, far below the weights
 
 
@@ -28,43 +29,6 @@ def dump_paths(output_dir: str, cfg: RunConfig) -> tuple[str, str]:
     fp32, against which bf16 tolerances are calibrated)."""
     stem = os.path.join(output_dir, f"{'noise_reference' if cfg.noise_reference else 'dump'}_{cfg.strategy}")
     return stem + ".safetensors", stem + ".json"
-
-
-# ---------------------------------------------------------------------------------------------------
-# The shared inputs (driver side)
-# ---------------------------------------------------------------------------------------------------
-
-def write_inputs(batches, seed: int, path: str, step: int = 0) -> None:
-    """The global batch every run of the folder uses: a step (0, or the one a replay records) of the run's
-    data, labels = input ids."""
-    from safetensors.torch import save_file
-
-    input_ids = batches(step)
-    with atomic_path(path) as tmp:
-        save_file({"input_ids": input_ids, "labels": input_ids.clone()}, tmp,
-                  metadata={"dataset": batches.dataset.describe(), "seed": str(seed)})
-
-
-def check_inputs(path: str, cfg: RunConfig) -> None:
-    """The folder's inputs must be the global batch this run would slice: same size and length."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-            max_id = int(f.get_tensor("input_ids").max()) if "input_ids" in shapes else -1
-    except Exception as exc:
-        raise ConfigError(f"{path} cannot be read ({type(exc).__name__}): delete the folder's inputs and "
-                          f"weights to start afresh") from None
-    want = (cfg.global_batch_size, cfg.seq_length)
-    if shapes.get("input_ids") != want or shapes.get("labels") != want:
-        raise ConfigError(f"{path} holds a global batch of {shapes.get('input_ids')}, this run needs {want} "
-                          f"(batch_size {cfg.batch_size} × dp_size {cfg.dp_size}, seq_length {cfg.seq_length}): "
-                          f"use the folder's settings or a fresh --output_dir")
-    vocab_size = cfg.model_config["vocab_size"]
-    if max_id >= vocab_size:
-        raise ConfigError(f"{path} holds token id {max_id}, beyond the model's vocab ({vocab_size}): "
-                          f"use a fresh --output_dir for this model")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -124,7 +88,6 @@ def layer_step_worker(payload: dict) -> None:
     from safetensors.torch import load_file, save_file
 
     from parity.training.loop import start_worker
-    from parity.training.replay import advance
     from parity.training.strategy import causal_lm_loss, lr_at
 
     w = start_worker(payload)
@@ -175,5 +138,6 @@ def layer_step_worker(payload: dict) -> None:
             "learning_rate": lr, "loss": sum(dp_losses) / len(dp_losses),
             "replay": {k: v for k, v in replay.items() if k != "batches"} if replay else None,
             "dp_rank_losses": dp_losses, "grad_norm": grad_norm, "perturbed": payload.get("perturb_param"),
-            "forward_order": forward_order, "backward_order": recorder.backward_order})
+            "forward_order": forward_order, "backward_order": recorder.backward_order,
+            "fingerprint": fingerprint(type(strategy), ctx.device)})
         log(f"wrote {tensor_path}: {len(tensors)} tensors, loss {sum(dp_losses) / len(dp_losses):.8f}")

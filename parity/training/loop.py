@@ -5,7 +5,7 @@
 [3] under Ray Train: resume from the run's latest checkpoint when it has one (parity/training/checkpoints.py)
 [4] each step: the global batch of that step, this DP rank's slice, one train step
 [5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval;
-    under Ray Train the step's metrics are reported, with a checkpoint every checkpoint_interval and at the end
+    under Ray Train a checkpoint every checkpoint_interval and at the end, reported with that step's metrics
 [6] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
     backward and after the step, and keeps the peak
 [7] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
@@ -28,7 +28,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from parity.errors import RunStopped
+from parity.console import marked
+from parity.errors import COLLATERAL, RunStopped
+from parity.fingerprint import fingerprint
 from parity.registry import strategy_class
 from parity.training.checkpoints import Checkpoints, RayTrainSession, agree, write_problem
 from parity.training.config import RunConfig
@@ -55,21 +57,20 @@ class Worker:
     num_params: int  # Ψ: the model's parameters, each once (a tied weight once)
 
 
-def start_worker(payload: dict, strategy_cls=None, resuming: bool = False) -> Worker:
+def start_worker(payload: dict, resuming: bool = False) -> Worker:
     """What every worker does first, training or recording one step: [1] the model from the shared initial
-    weights, [2] wrapped by the strategy (`strategy_cls` overrides the registry's: tests hand in a copy
-    with a bug in it). A run `resuming` from a checkpoint does not write the weights again, even with
+    weights, [2] wrapped by the strategy (the registry's, or the run's --strategy_class). A run `resuming` from a checkpoint does not write the weights again, even with
     --save_init_weights: its checkpoint, and every run started from the file, name the file it wrote first
     (torch.save writes a new serialization id each time: the same weights, another sha256). The process
     group (gloo or NCCL) is already up."""
     cfg = RunConfig.from_dict(payload["cfg"])
     ctx = worker_context(cfg)
-    log = rank0_logger(cfg, ctx)
+    log = rank0_logger(cfg, ctx, payload.get("terminal", False))
     model_config = model_config_from_dict(cfg.model_config)
     model, weights_sha = prepare_model(cfg, model_config, ctx, log,  # [1]
                                        write=cfg.save_init_weights and not resuming)
     num_params = sum(p.numel() for p in model.parameters())
-    strategy = (strategy_cls or strategy_class(cfg.strategy))(cfg, ctx)
+    strategy = strategy_class(cfg.strategy, cfg.strategy_class)(cfg, ctx)
     strategy.setup(model)  # [2]
     return Worker(cfg, ctx, log, model_config, strategy, weights_sha, num_params)
 
@@ -81,7 +82,20 @@ def train_worker(payload: dict) -> dict | None:
         train(start_worker(payload, resuming=session.resuming()), payload["batches"], session)
     except RunStopped as exc:
         return {"stopped": str(exc)}
+    except Exception as exc:  # the user sees it now, before Ray Train restarts the group or gives up
+        report_failure(exc, payload.get("terminal", False))
+        raise
     return None
+
+
+def report_failure(exc: Exception, to_terminal: bool) -> None:
+    """A rank's own error, one line on the user's terminal (not when it only lost a rank that failed first)."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    if any(c in str(exc) for c in COLLATERAL):
+        return
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    line = f"rank {rank} failed: {type(exc).__name__}: {text}"
+    print(marked(line) if to_terminal else line, flush=True)
 
 
 def train_runs_worker(payload: dict) -> None:
@@ -92,8 +106,9 @@ def train_runs_worker(payload: dict) -> None:
     runs = payload["runs"]
     for i, run in enumerate(runs):
         if dist.get_rank() == 0:
-            print(f"== [{i + 1}/{len(runs)}] {run['title']}", flush=True)
-        train(start_worker(run), run["batches"])
+            line = f"== [{i + 1}/{len(runs)}] {run['title']}"
+            print(marked(line) if payload.get("terminal") else line, flush=True)
+        train(start_worker({"terminal": payload.get("terminal", False), **run}), run["batches"])
         gc.collect()
 
 
@@ -108,7 +123,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                                         worker_nodes(ctx)))
     log(f"training {total_steps} steps: {batches.dataset.describe()}, global batch {cfg.global_batch_size} × "
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
-    checkpoints = Checkpoints(w, session, record) if session else None
+    checkpoints = Checkpoints(w, session, record, total_steps) if session else None
     start = checkpoints.resume() if checkpoints else 0  # [3]
     if start:
         write_record(record, ctx)  # the record of the run resumed, not of the attempt that failed
@@ -130,19 +145,16 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
                       peak_memory_bytes=peak_memory_bytes(ctx.device))
         done = step + 1
-        if checkpoints:
-            metrics = {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "param_norm": stats.param_norm,
-                       "lr": lr, "step_time_s": step_time}
-            if checkpoints.due(done, total_steps):
-                checkpoints.write(done, metrics)
-            else:
-                session.report(metrics)
+        if checkpoints and checkpoints.due(done, total_steps):
+            checkpoints.write(done, {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm,
+                                     "param_norm": stats.param_norm, "lr": lr, "step_time_s": step_time})
         if done % cfg.log_interval == 0 or done == total_steps:
             write_record(record, ctx)
             elapsed = time.perf_counter() - started
+            per_step = elapsed / (done - start)
             log(f"step {done}/{total_steps} ({100 * done // total_steps}%) loss {stats.loss:.6f} "
-                f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {elapsed / (done - start):.3f} s/step, "
-                f"ETA {elapsed / (done - start) * (total_steps - done):.0f} s")
+                f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {1 / per_step:.1f} steps/s, "
+                f"{per_step * (total_steps - done):.0f} s left")
 
     model_state = probe.report(w, step=total_steps - 1)
     final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [7]
@@ -222,10 +234,10 @@ def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log, write: 
     if write:
         if ctx.is_logging_rank:
             sha = save_init_weights(model, cfg.init_weights_path)
-            log(f"Saved initial weights to {cfg.init_weights_path} (sha256 {sha})")
+            log(f"Saved initial weights to {cfg.init_weights_path} (sha256 {sha})", terminal=False)
         dist.barrier()
     sha = load_init_weights(model, cfg.init_weights_path)
-    log(f"Loaded initial weights from {cfg.init_weights_path} (sha256 {sha})")
+    log(f"Loaded initial weights from {cfg.init_weights_path} (sha256 {sha})", terminal=False)
     return model, sha
 
 
@@ -248,8 +260,8 @@ def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sh
             "total_steps": total_steps, "steps_per_epoch": batches.steps_per_epoch,
             "dataset_description": batches.dataset.describe(), "device_type": ctx.device.type,
             "backend": dist.get_backend(), "init_weights_sha256": weights_sha,
-            "model_config": config_summary(model_config), "versions": library_versions(),
-            "memory_metric": memory_metric, "device_name": device_name(ctx.device)}
+            "model_config": config_summary(model_config), "memory_metric": memory_metric,
+            "device_name": device_name(ctx.device), "fingerprint": run_fingerprint(cfg, ctx)}
 
 
 def device_name(device: torch.device) -> str:
@@ -288,16 +300,9 @@ def worker_nodes(ctx: WorkerContext) -> list[str]:
     return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in gathered]
 
 
-def library_versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    versions = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "ray", "deepspeed", "numpy"):
-        try:
-            versions[package] = md.version(package)
-        except md.PackageNotFoundError:
-            pass
-    return versions
+def run_fingerprint(cfg: RunConfig, ctx: WorkerContext) -> dict:
+    """The fingerprint of this run's code, libraries and device (parity.fingerprint), as this worker runs it."""
+    return fingerprint(strategy_class(cfg.strategy, cfg.strategy_class), ctx.device)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -311,8 +316,12 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rank0_logger(cfg: RunConfig, ctx: WorkerContext):
-    def log(message: str) -> None:
+def rank0_logger(cfg: RunConfig, ctx: WorkerContext, to_terminal: bool):
+    """Rank 0's lines. Under a quiet driver (`to_terminal`: parity.console.terminal) a line meant for the user
+    is marked, so that the driver shows it while the rest of the workers' output stays in the log file; a
+    line with terminal=False goes to the log only."""
+    def log(message: str, terminal: bool = True) -> None:
         if ctx.is_logging_rank:
-            print(f"[{cfg.strategy}] {message}", flush=True)
+            line = f"[{cfg.strategy}] {message}"
+            print(marked(line) if to_terminal and terminal else line, flush=True)
     return log

@@ -11,12 +11,12 @@ import json
 from parity import storage
 from parity.errors import RecordError
 
-SCHEMA_VERSION = 2  # 2: every step has param_norm
+SCHEMA_VERSION = 3  # 2: every step has param_norm; 3: the config has the fingerprint
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")
 # The config entries a comparison of two records relies on (parity/comparing/curves.py); the loop always writes them.
 CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",
-                 "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+                 "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "fingerprint")
 
 
 REFERENCE_GLOB = "noise_reference_*.json"
@@ -86,7 +86,8 @@ def load_record(path: str) -> dict:
                               f"not a loss record written by this harness")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise RecordError(f"{name}: schema version {data.get('schema_version')}, this harness reads "
-                          f"{SCHEMA_VERSION} (it records the parameter norm too): rerun that strategy")
+                          f"{SCHEMA_VERSION} (it records the parameter norm and the run's fingerprint too): rerun that "
+                          f"strategy")
     if not isinstance(data.get("complete"), bool):
         raise RecordError(f"{name}: missing or invalid 'complete' (expected true or false)")
     missing = [k for k in CONFIG_FIELDS if k not in data["config"]]

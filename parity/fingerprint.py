@@ -1,0 +1,163 @@
+"""What produced a number: the fingerprint every loss record, checkpoint, layer dump and report carries.
+
+- shared_code: sha256 over the harness's shared code (every .py file of the parity package but the
+  calibration catalogue, whose strategy copies are strategy code) — the loop, the loss, the data, the
+  comparison. Two runs whose shared code differs were not trained "the same way but
+  for the strategy", so they are not compared (unless the user asks), and a checkpoint is not resumed by
+  other code.
+- strategy_code: sha256 over the files that define the run's strategy class and its bases down to the
+  Strategy interface (ddp_strategy.py; a seeded bug's file and the strategy it copies; a user's own module).
+  It differs between strategies by design; a resumed run must have the same.
+- versions: python, torch, deepspeed, transformers, ray, numpy — a comparison needs the same libraries.
+- device: the accelerator, or the CPU and the bf16 kernel path its matrix products take (oneDNN picks its
+  kernels by instruction set: ONEDNN_MAX_CPU_ISA, AMX, AVX512-BF16), which decides the bf16 roundings.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+import platform
+
+import parity
+
+PACKAGES = ("torch", "deepspeed", "transformers", "ray", "numpy")
+
+
+NOT_SHARED = ("calibration",)  # parity subpackages no run executes unless its strategy comes from there
+
+
+@functools.lru_cache(maxsize=None)
+def shared_files() -> tuple[str, ...]:
+    """The shared code's files, relative to the parity package, in path order."""
+    root = _package_root()
+    return tuple(sorted(rel for d, _, files in os.walk(root) for f in files if f.endswith(".py")
+                        for rel in [os.path.relpath(os.path.join(d, f), root)] if rel.split(os.sep)[0] not in NOT_SHARED))
+
+
+@functools.lru_cache(maxsize=None)
+def shared_code_sha256() -> str:
+    """sha256 over (relative path, content) of the shared code's files."""
+    return _files_sha256(_package_root(), shared_files())
+
+
+def strategy_code(cls) -> dict:
+    """{"sha256", "files"} over the source files of `cls` and its bases that are not the shared interface."""
+    shared = {os.path.join(_package_root(), rel) for rel in shared_files()}
+    files = []
+    for klass in cls.__mro__:
+        try:
+            path = os.path.abspath(inspect.getsourcefile(klass) or "")
+        except TypeError:  # a builtin (object)
+            continue
+        if path and path not in shared and path not in files:
+            files.append(path)
+    files.sort()
+    return {"sha256": _files_sha256("", files, named=os.path.basename), "files": [os.path.basename(f) for f in files]}
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    versions = {"python": platform.python_version()}
+    for package in PACKAGES:
+        try:
+            versions[package] = md.version(package)
+        except md.PackageNotFoundError:
+            pass
+    return versions
+
+
+def device_description(device) -> str:
+    """The accelerator's name; on CPU its model and the bf16 kernel path (what changes bf16 roundings)."""
+    import torch
+
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    return f"{cpu_model()}; bf16 matmuls: {cpu_bf16_kernels()}"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_bf16_kernels() -> str:
+    """Which oneDNN kernels bf16 matrix products take here: the CPU's bf16 instructions, capped by
+    ONEDNN_MAX_CPU_ISA, or torch's own kernels when oneDNN is off."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return "torch (oneDNN off)"
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    native = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else \
+        "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "generic"
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return f"oneDNN, CPU {native}" + (f", ONEDNN_MAX_CPU_ISA={cap}" if cap else "")
+
+
+def fingerprint(strategy_cls, device) -> dict:
+    """The fingerprint of a run of `strategy_cls` on `device` (a torch.device), computed where it runs."""
+    return {"shared_code_sha256": shared_code_sha256(), "strategy_code": strategy_code(strategy_cls),
+            "versions": library_versions(), "device": device_description(device)}
+
+
+def differences(a: dict, b: dict, *, strategy: bool) -> list[str]:
+    """What differs between two fingerprints that makes their numbers incomparable (or a checkpoint not
+    resumable): the shared code, the library versions, and with `strategy` the strategy's code. Each entry
+    names both values."""
+    found = []
+    if a.get("shared_code_sha256") != b.get("shared_code_sha256"):
+        found.append(f"shared code {_short(a.get('shared_code_sha256'))} vs {_short(b.get('shared_code_sha256'))}")
+    if strategy and a.get("strategy_code", {}).get("sha256") != b.get("strategy_code", {}).get("sha256"):
+        sa, sb = a.get("strategy_code", {}), b.get("strategy_code", {})
+        found.append(f"strategy code {_short(sa.get('sha256'))} ({', '.join(sa.get('files', []))}) vs "
+                     f"{_short(sb.get('sha256'))} ({', '.join(sb.get('files', []))})")
+    va, vb = a.get("versions", {}), b.get("versions", {})
+    for package in sorted(va.keys() | vb.keys()):
+        if va.get(package) != vb.get(package):
+            found.append(f"{package} {va.get(package, 'absent')} vs {vb.get(package, 'absent')}")
+    return found
+
+
+def short(fp: dict) -> str:
+    """One line for reports: shared code, strategy code, versions, device."""
+    versions = ", ".join(f"{k} {v}" for k, v in fp.get("versions", {}).items())
+    return (f"shared code {_short(fp.get('shared_code_sha256'))}, strategy code "
+            f"{_short(fp.get('strategy_code', {}).get('sha256'))} ({', '.join(fp.get('strategy_code', {}).get('files', []))}); "
+            f"{versions}; {fp.get('device')}")
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.abspath(parity.__file__))
+
+
+def _short(sha: str | None) -> str:
+    return sha[:12] if sha else "none"
+
+
+def _files_sha256(root: str, paths, named=lambda path: path) -> str:
+    """sha256 over each file's name (as `named` gives it: never where the checkout lies) and content."""
+    digest = hashlib.sha256()
+    for rel in paths:
+        digest.update(named(rel).encode() + b"\0")
+        with open(os.path.join(root, rel), "rb") as f:
+            digest.update(f.read())
+        digest.update(b"\0")
+    return digest.hexdigest()
