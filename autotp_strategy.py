@@ -109,8 +109,13 @@ class DeepSpeedStrategy(Strategy):
         logits = self.engine(input_ids=input_ids).logits
         return self._gather_last_dim("lm_head", logits)  # [4]
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        """The engine's backward, without its own 1/gradient_accumulation_steps (the shared loss is already the
+        global batch's token mean); after a micro-batch that is not the last, engine.step() only counts it
+        (DeepSpeed reduces and steps at its accumulation boundary, the last micro-batch)."""
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if not last:
+            self.engine.step()
 
     def optimizer_step(self, lr: float) -> float:
         """DeepSpeed clips (gradient_clipping) and steps; its pre-clip global norm (ZeRO's
@@ -206,12 +211,12 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.module_inject.layers import TensorParallel_Layer
         from deepspeed.utils import safe_set_full_optimizer_state
 
-        from parity.training.strategy import causal_lm_loss
+        from parity.training.strategy import loss_sum
 
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.ctx.device)
         with self.autocast():
             logits = self.forward(ids)
-        self.backward(causal_lm_loss(logits, ids) * 0.0)
+        self.backward(loss_sum(logits, ids) * 0.0)
         set_lr(self.engine.optimizer, 0.0)
         self.engine.step()
         seen = set()
@@ -305,8 +310,8 @@ def engine_config(cfg) -> dict:
         if cfg.options[f"offload_{part}"] != "none":
             zero[f"offload_{part}"] = {"device": cfg.options[f"offload_{part}"], "pin_memory": cfg.use_cuda}
     config = {
-        "train_micro_batch_size_per_gpu": cfg.batch_size,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": cfg.batch_size // cfg.grad_accum_steps,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
         "gradient_clipping": cfg.max_grad_norm,  # 0 = off, as --max_grad_norm; same formula as torch's
         "zero_optimization": zero,
         "wall_clock_breakdown": False,

@@ -6,6 +6,7 @@ nothing is sharded) full-size parameters and gradients, and the checkpoint: one 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -32,6 +33,10 @@ class DDPStrategy(Strategy):
         device_ids = [self.ctx.device] if self.ctx.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=device_ids)
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg)
+
+    def accumulating(self, last: bool):
+        """DDP's own way: no all-reduce in a micro-batch's backward until the last (no_sync)."""
+        return contextlib.nullcontext() if last else self.model.no_sync()
 
     def optimizer_step(self, lr: float) -> float:
         norm = clip_local_gradients(self.model.parameters(), self.cfg)

@@ -163,6 +163,12 @@ class FSDPStrategy(Strategy):
             return contextlib.nullcontext()
         return super().autocast()
 
+    def accumulating(self, last: bool):
+        """FSDP2's own way: gradients are reduce-scattered only in the last micro-batch's backward; before it
+        they accumulate unsharded (set_requires_gradient_sync)."""
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
     def local_piece(self, param):
         """A DTensor parameter's local shard (its dp × tp piece), sharing its storage."""
         return param.to_local()

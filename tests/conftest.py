@@ -150,14 +150,19 @@ def record_batches(record: dict):
     return GlobalBatches(dataset, cfg["global_batch_size"], cfg["seed"])
 
 
+def mean_loss(logits, labels):
+    """The harness's loss of a whole batch by itself: its token-loss sum over its loss tokens."""
+    from parity.training.strategy import IGNORE_INDEX, loss_sum
+
+    return loss_sum(logits, labels) / (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
 def stock_loss(model, batch) -> float:
-    """A plain model's mean next-token loss on `batch`, as the harness defines it."""
+    """A plain model's mean next-token loss on `batch` (a data.Batch), as the harness defines it."""
     import torch
 
-    from parity.training.strategy import causal_lm_loss
-
     with torch.no_grad():
-        return causal_lm_loss(model(input_ids=batch).logits, batch).item()
+        return mean_loss(model(input_ids=batch.input_ids).logits, batch.labels).item()
 
 
 def checkpoint_loss(record: dict) -> float:

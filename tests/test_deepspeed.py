@@ -82,11 +82,11 @@ def test_hf_checkpoint_reproduces_the_final_loss(runs):
 def record_step(model, batch, forward, backward, to_full):
     """What parity.verify records of one forward/backward: every module's output and output gradient
     (its ModuleRecorder), through `to_full(name, tensor)`."""
-    from parity.training.strategy import causal_lm_loss
+    from conftest import mean_loss
     from parity.training.layer_step import ModuleRecorder
 
     recorder = ModuleRecorder(model, batch.shape[0])
-    backward(causal_lm_loss(forward(batch), batch))
+    backward(mean_loss(forward(batch), batch))
     recorder.remove()
     return {f"{kind}/{name}": to_full(name, t) for kind, store in (("output", recorder.outputs),
                                                                     ("output_grad", recorder.output_grads))

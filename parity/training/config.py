@@ -41,6 +41,9 @@ FLAGS = (
      {"choices": DEVICES, "help": "auto: one GPU per worker when the cluster has them, else CPU workers over gloo"}),
     ("training", "batch_size", 2, {"type": int, "help": "samples per data-parallel rank per step"}),
     ("training", "seq_length", 1024, {"type": int}),
+    ("training", "grad_accum_steps", 1,
+     {"type": int, "help": "split each DP rank's batch into N micro-batches, gradients accumulated over them (each "
+                           "strategy its own way); --batch_size must be a multiple of N"}),
     ("training", "num_epochs", 1, {"type": int}),
     ("training", "debug_steps", None, {"type": int, "help": "stop after this many steps (overrides epochs)"}),
     ("training", "learning_rate", None, {"type": float, "help": "AdamW lr (default: the preset's)"}),
@@ -56,7 +59,8 @@ FLAGS = (
     ("training", "autocast", False, {"action": "store_true", "help": "same as --precision bf16 (seed scripts' flag)"}),
     ("training", "seed", 42, {"type": int, "help": "seeds the initial weights and the data"}),
     ("data", "dataset", "synthetic",
-     {"help": "synthetic (learnable Markov text), wikitext (needs the hub), or text:PATH (a local file)"}),
+     {"help": "synthetic (learnable Markov text), synthetic_padded (the same in samples of different lengths, "
+              "right-padded, labels -100 on the padding), wikitext (needs the hub), or text:PATH (a local file)"}),
     ("data", "num_samples", 10000, {"type": int, "help": "samples per epoch of the synthetic set"}),
     ("data", "tokenizer", None,
      {"help": "tokenizer for text data: 'bytes' (UTF-8 bytes) or a name/path (default: the model's; 'bytes' "
@@ -108,6 +112,7 @@ class RunConfig:
     cpus_per_worker: float
     batch_size: int
     seq_length: int
+    grad_accum_steps: int
     num_epochs: int
     debug_steps: int | None
     learning_rate: float
@@ -204,6 +209,9 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     s["precision"] = _precision(s["precision"], s.pop("autocast"))
     _check_numbers(s)
     s["dp_size"] = _dp_size(s["num_workers"], s["tp_size"], s["dp_size"])
+    if s["batch_size"] % s["grad_accum_steps"]:
+        raise ConfigError(f"--batch_size {s['batch_size']} is not a multiple of --grad_accum_steps "
+                          f"{s['grad_accum_steps']}: each micro-batch is batch_size / grad_accum_steps samples")
 
     model_config = resolve_model_config(s["model_name"], s["num_layers"])
     check_heads(s["tp_size"], model_config.num_attention_heads, model_config.num_key_value_heads)
@@ -296,6 +304,7 @@ FLOAT_RANGES = {
 }
 # Every size: at least this.
 INT_MINIMUMS = {"num_workers": 1, "tp_size": 1, "dp_size": 1, "batch_size": 1, "seq_length": 2, "num_layers": 1,
+                "grad_accum_steps": 1,
                 "num_epochs": 1, "debug_steps": 1, "log_interval": 1, "num_samples": 1, "warmup_steps": 0, "seed": 0,
                 "checkpoint_interval": 0, "keep_checkpoints": 0}
 

@@ -3,14 +3,16 @@
 The global batch of step s (dp_size × batch_size samples) is a pure function of (seed, step, global
 batch size); DP rank r takes rows [r·batch_size, (r+1)·batch_size). So DDP on 2 workers, DDP on 1 worker
 with twice the batch, and a TP=2×DP=2 job all see the same samples, and every rank of a TP group reads
-the same slice. Every sample is a full window with no padding, so each rank has the same number of loss
-tokens and the mean of the per-rank mean losses is the mean over the global batch.
+the same slice. A batch is input ids and labels (the ids again, −100 where a position is padding): with
+padded samples (--dataset synthetic_padded) DP ranks and micro-batches hold different numbers of loss
+tokens, and a step's loss is the mean over the global batch's loss tokens, never a mean of means.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,6 +54,25 @@ class SyntheticMarkov:
         return f"synthetic Markov text, {self.num_samples} samples"
 
 
+class PaddedMarkov(SyntheticMarkov):
+    """The synthetic language in samples of different lengths: sample i has between a quarter of seq_length and
+    all of it (drawn from (seed, i)), right-padded with token 0 and labelled −100 on the padding. Causal
+    attention never looks right, so the padding needs no mask; the loss ignores its labels."""
+
+    PAD_ID, IGNORE = 0, -100
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = super().__getitem__(i)
+        length = int(np.random.default_rng([self.seed, 3, i]).integers(max(2, self.seq_length // 4),
+                                                                        self.seq_length + 1))
+        labels = ids.copy()
+        ids[length:], labels[length:] = self.PAD_ID, self.IGNORE
+        return ids, labels
+
+    def describe(self) -> str:
+        return f"synthetic Markov text, padded to variable lengths, {self.num_samples} samples"
+
+
 class TokenWindows:
     """A token stream cut into consecutive, non-overlapping windows of seq_length tokens."""
 
@@ -74,8 +95,8 @@ def check_source(dataset: str) -> None:
         path = dataset[len("text:"):]
         if not os.path.isfile(path):
             raise ConfigError(f"--dataset {dataset}: no such file {path}: give the path of a UTF-8 text file")
-    elif dataset not in ("synthetic", "wikitext"):
-        raise ConfigError(f"--dataset {dataset} is not known: use synthetic, wikitext or text:PATH")
+    elif dataset not in ("synthetic", "synthetic_padded", "wikitext"):
+        raise ConfigError(f"--dataset {dataset} is not known: use synthetic, synthetic_padded, wikitext or text:PATH")
 
 
 def open_dataset(dataset: str, tokenizer: str, vocab_size: int, seq_length: int, num_samples: int, seed: int):
@@ -83,6 +104,8 @@ def open_dataset(dataset: str, tokenizer: str, vocab_size: int, seq_length: int,
     check_source(dataset)
     if dataset == "synthetic":
         return SyntheticMarkov(vocab_size, seq_length, num_samples, seed)
+    if dataset == "synthetic_padded":
+        return PaddedMarkov(vocab_size, seq_length, num_samples, seed)
     if dataset.startswith("text:"):
         path = dataset[len("text:"):]
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -131,6 +154,34 @@ def _wikitext() -> str:
     return "".join(rows["text"])
 
 
+@dataclass(frozen=True)
+class Batch:
+    """Samples' input ids and their labels (the ids, −100 on padding), [samples, seq_length] each."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def loss_tokens(self) -> int:
+        """How many positions the loss counts: every label after the first of a sample that is not −100
+        (position t predicts label t + 1)."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    def rows(self, start: int, stop: int) -> "Batch":
+        return Batch(self.input_ids[start:stop], self.labels[start:stop])
+
+    def split(self, parts: int) -> list["Batch"]:
+        """`parts` micro-batches of equal size, in order."""
+        size = len(self.input_ids) // parts
+        return [self.rows(i * size, (i + 1) * size) for i in range(parts)]
+
+    def to(self, device) -> "Batch":
+        return Batch(self.input_ids.to(device), self.labels.to(device))
+
+
+IGNORE_INDEX = PaddedMarkov.IGNORE
+
+
 class GlobalBatches:
     """Step → global batch. Epoch e visits the samples in a permutation seeded by (seed, e)."""
 
@@ -142,12 +193,15 @@ class GlobalBatches:
                               f"({global_batch_size}): use more data, a shorter --seq_length or a smaller batch")
         self._order: tuple[int, np.ndarray] | None = None
 
-    def __call__(self, step: int) -> torch.Tensor:
+    def __call__(self, step: int) -> Batch:
         epoch, k = divmod(step, self.steps_per_epoch)
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, np.random.default_rng([self.seed, 2, epoch]).permutation(len(self.dataset)))
         rows = self._order[1][k * self.global_batch_size:(k + 1) * self.global_batch_size]
-        return torch.from_numpy(np.stack([self.dataset[int(i)] for i in rows]).astype(np.int64))
+        samples = [self.dataset[int(i)] for i in rows]
+        pairs = [s if isinstance(s, tuple) else (s, s) for s in samples]  # a full window is its own labels
+        ids, labels = (torch.from_numpy(np.stack(column).astype(np.int64)) for column in zip(*pairs))
+        return Batch(ids, labels)
 
 
 def training_data(cfg) -> GlobalBatches:
@@ -159,10 +213,14 @@ def training_data(cfg) -> GlobalBatches:
     return GlobalBatches(dataset, cfg.global_batch_size, cfg.seed)
 
 
-def dp_slice(global_batch: torch.Tensor, dp_rank: int, batch_size: int) -> torch.Tensor:
-    return global_batch[dp_rank * batch_size:(dp_rank + 1) * batch_size]
+def dp_slice(global_batch: Batch, dp_rank: int, batch_size: int) -> Batch:
+    return global_batch.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
 
 
-def batch_hash(global_batch: torch.Tensor) -> str:
-    """A short fingerprint of a global batch: equal hashes mean the runs saw the same tokens."""
-    return hashlib.sha256(global_batch.numpy().astype("<i8").tobytes()).hexdigest()[:16]
+def batch_hash(global_batch: Batch) -> str:
+    """A short fingerprint of a global batch: equal hashes mean the runs saw the same tokens and labels. A batch
+    without padding hashes as its ids alone (records of full windows keep their hashes)."""
+    data = global_batch.input_ids.numpy().astype("<i8").tobytes()
+    if not torch.equal(global_batch.labels, global_batch.input_ids):
+        data += global_batch.labels.numpy().astype("<i8").tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]

@@ -12,12 +12,12 @@ INPUTS_FILE = "inputs.safetensors"
 
 def write_inputs(batches, seed: int, path: str, step: int = 0) -> None:
     """The global batch every run of the folder uses: a step (0, or the one a replay records) of the run's
-    data, labels = input ids."""
+    data, its input ids and labels (−100 on padding)."""
     from safetensors.torch import save_file
 
-    input_ids = batches(step)
+    batch = batches(step)
     with atomic_path(path) as tmp:
-        save_file({"input_ids": input_ids, "labels": input_ids.clone()}, tmp,
+        save_file({"input_ids": batch.input_ids, "labels": batch.labels}, tmp,
                   metadata={"dataset": batches.dataset.describe(), "seed": str(seed)})
 
 

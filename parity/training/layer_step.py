@@ -88,7 +88,8 @@ def layer_step_worker(payload: dict) -> None:
     from safetensors.torch import load_file, save_file
 
     from parity.training.loop import start_worker
-    from parity.training.strategy import causal_lm_loss, lr_at
+    from parity.training.data import Batch
+    from parity.training.strategy import loss_sum, lr_at
 
     w = start_worker(payload)
     cfg, ctx, log, strategy = w.cfg, w.ctx, w.log, w.strategy
@@ -102,19 +103,21 @@ def layer_step_worker(payload: dict) -> None:
 
     inputs_path = os.path.join(output_dir, INPUTS_FILE)
     inputs = load_file(inputs_path)
-    rows = slice(ctx.dp_rank * cfg.batch_size, (ctx.dp_rank + 1) * cfg.batch_size)
-    input_ids, labels = inputs["input_ids"][rows].to(ctx.device), inputs["labels"][rows].to(ctx.device)
+    global_batch = Batch(inputs["input_ids"], inputs["labels"])
+    mine = global_batch.rows(ctx.dp_rank * cfg.batch_size, (ctx.dp_rank + 1) * cfg.batch_size).to(ctx.device)
 
     recorder = ModuleRecorder(strategy.hf_model, cfg.batch_size)
     with strategy.autocast():
-        logits = strategy.forward(input_ids)
-    loss = causal_lm_loss(logits, labels)
-    strategy.backward(loss)
+        logits = strategy.forward(mine.input_ids)
+    summed = loss_sum(logits, mine.labels)  # the train step's loss: the global batch's token mean (one micro-batch)
+    strategy.backward(summed * ctx.dp_size / global_batch.loss_tokens)
     recorder.remove()
     grads = strategy.full_gradients()
     grad_norm = strategy.optimizer_step(lr)
     params = strategy.full_parameters()
-    dp_losses = strategy.gather_dp_losses(loss.detach())
+    sums, counts = strategy.gather_dp_sums(summed.detach().double(), mine.loss_tokens)
+    dp_losses = [s / max(c, 1) for s, c in zip(sums, counts)]
+    global_loss = sum(sums) / global_batch.loss_tokens
 
     forward_order = list(recorder.outputs)
     tensors = {}
@@ -135,9 +138,9 @@ def layer_step_worker(payload: dict) -> None:
             "precision": cfg.precision, "options": cfg.options, "device_type": ctx.device.type,
             "model_config": config_summary(w.model_config),
             "init_weights_sha256": w.weights_sha, "inputs_sha256": file_sha256(inputs_path),
-            "learning_rate": lr, "loss": sum(dp_losses) / len(dp_losses),
+            "learning_rate": lr, "loss": global_loss,
             "replay": {k: v for k, v in replay.items() if k != "batches"} if replay else None,
             "dp_rank_losses": dp_losses, "grad_norm": grad_norm, "perturbed": payload.get("perturb_param"),
             "forward_order": forward_order, "backward_order": recorder.backward_order,
             "fingerprint": fingerprint(type(strategy), ctx.device)})
-        log(f"wrote {tensor_path}: {len(tensors)} tensors, loss {sum(dp_losses) / len(dp_losses):.8f}")
+        log(f"wrote {tensor_path}: {len(tensors)} tensors, loss {global_loss:.8f}")

@@ -39,7 +39,7 @@ from parity.training.memory import PEAK_ORDERS, zero_bound
 from parity.training.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
                                    save_hf_checkpoint, save_init_weights)
 from parity.training.record import LossRecord, run_record_path
-from parity.training.strategy import WorkerContext, causal_lm_loss, lr_at
+from parity.training.strategy import WorkerContext, loss_sum, lr_at
 
 NODE_ID_BYTES = 64  # a Ray node id is 56 hex characters
 
@@ -55,6 +55,7 @@ class Worker:
     strategy: Any
     weights_sha: str
     num_params: int  # Ψ: the model's parameters, each once (a tied weight once)
+    setup_s: float  # building the model, loading the weights, the strategy's setup
 
 
 def start_worker(payload: dict, resuming: bool = False) -> Worker:
@@ -63,6 +64,7 @@ def start_worker(payload: dict, resuming: bool = False) -> Worker:
     --save_init_weights: its checkpoint, and every run started from the file, name the file it wrote first
     (torch.save writes a new serialization id each time: the same weights, another sha256). The process
     group (gloo or NCCL) is already up."""
+    t0 = time.perf_counter()
     cfg = RunConfig.from_dict(payload["cfg"])
     ctx = worker_context(cfg)
     log = rank0_logger(cfg, ctx, payload.get("terminal", False))
@@ -72,20 +74,50 @@ def start_worker(payload: dict, resuming: bool = False) -> Worker:
     num_params = sum(p.numel() for p in model.parameters())
     strategy = strategy_class(cfg.strategy, cfg.strategy_class)(cfg, ctx)
     strategy.setup(model)  # [2]
-    return Worker(cfg, ctx, log, model_config, strategy, weights_sha, num_params)
+    return Worker(cfg, ctx, log, model_config, strategy, weights_sha, num_params, time.perf_counter() - t0)
 
 
-def train_worker(payload: dict) -> dict | None:
-    """Ray Train's train_loop_per_worker: {"stopped": line} when every rank stopped on the same failure."""
-    try:
-        session = RayTrainSession()
-        train(start_worker(payload, resuming=session.resuming()), payload["batches"], session)
-    except RunStopped as exc:
-        return {"stopped": str(exc)}
-    except Exception as exc:  # the user sees it now, before Ray Train restarts the group or gives up
-        report_failure(exc, payload.get("terminal", False))
-        raise
+def train_group_worker(payload: dict) -> dict | None:
+    """Ray Train's train_loop_per_worker: the runs of payload["runs"] (each {"cfg", "batches", "title"}, all of
+    one world size) one after another in this worker group — Ray starts the workers once, not once per run —
+    each run with its own model, strategy, record and checkpoints. With payload["checkpoints"] (the default)
+    every run checkpoints and resumes through Ray Train: a run is its group's only one (its folder is the
+    group's) or its checkpoints go under "<experiment_name>/" in the group's folder; after a worker failure
+    the restarted group passes over the runs already finished and resumes the one that was training. Returns
+    {"stopped": line} when every rank of a run stopped on the same failure (the later runs do not start)."""
+    runs, to_terminal = payload["runs"], payload.get("terminal", False)
+    shared = len(runs) > 1
+    for i, run in enumerate(runs):
+        try:
+            session = None
+            if payload.get("checkpoints", True):
+                cfg = RunConfig.from_dict(run["cfg"])
+                session = RayTrainSession(f"{cfg.experiment_name}/" if shared else "")
+                if shared and finished(cfg):
+                    continue
+            if shared and dist.get_rank() == 0:
+                line = f"== [{i + 1}/{len(runs)}] {run['title']}"
+                print(marked(line) if to_terminal else line, flush=True)
+            resuming = session.resuming() if session else False
+            train(start_worker({"terminal": to_terminal, **run}, resuming=resuming), run["batches"], session)
+        except RunStopped as exc:
+            return {"stopped": str(exc)}
+        except Exception as exc:  # the user sees it now, before Ray Train restarts the group or gives up
+            report_failure(exc, to_terminal)
+            raise
+        gc.collect()
     return None
+
+
+def finished(cfg: RunConfig) -> bool:
+    """Whether a run of a shared group finished before a worker failure restarted the group: its final model is
+    whole (the loop writes it before the record's last rewrite). The same answer on every rank (rank 0's)."""
+    from parity import storage
+
+    answer = [storage.exists(storage.join(cfg.final_checkpoint_dir, storage.COMPLETE_MARKER))
+              if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(answer, src=0)
+    return bool(answer[0])
 
 
 def report_failure(exc: Exception, to_terminal: bool) -> None:
@@ -96,20 +128,6 @@ def report_failure(exc: Exception, to_terminal: bool) -> None:
     rank = dist.get_rank() if dist.is_initialized() else "?"
     line = f"rank {rank} failed: {type(exc).__name__}: {text}"
     print(marked(line) if to_terminal else line, flush=True)
-
-
-def train_runs_worker(payload: dict) -> None:
-    """Ray Train's train_loop_per_worker for several runs of one world size, one after another in one worker
-    group (payload["runs"]: each {"cfg", "batches", "title"}): Ray starts the workers once, not once per run
-    (about 20 s each on a 2-core machine). Each run builds its model, strategy and record afresh; none
-    checkpoints (the benchmark measures steps, not recovery)."""
-    runs = payload["runs"]
-    for i, run in enumerate(runs):
-        if dist.get_rank() == 0:
-            line = f"== [{i + 1}/{len(runs)}] {run['title']}"
-            print(marked(line) if payload.get("terminal") else line, flush=True)
-        train(start_worker({"terminal": payload.get("terminal", False), **run}), run["batches"])
-        gc.collect()
 
 
 def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
@@ -129,43 +147,55 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         write_record(record, ctx)  # the record of the run resumed, not of the attempt that failed
 
     probe = ModelStateProbe(strategy)
-    started = time.perf_counter()
+    started, checkpoint_s = time.perf_counter(), 0.0
     for step in range(start, total_steps):  # [4]
         global_batch = batches(step)
         lr = lr_at(step, cfg)
         t0 = time.perf_counter()
         observe = probe if step == total_steps - 1 else None  # [6]
-        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), lr, observe)
+        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.loss_tokens, lr,
+                                    observe)
         _synchronize(ctx.device)
         step_time = time.perf_counter() - t0 - (probe.seconds if observe else 0.0)
         if not math.isfinite(stats.loss):  # the same on every rank: the loss is gathered
             raise RunStopped(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
+        r0 = time.perf_counter()
         record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [5]
-                      grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.numel(),
+                      grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.loss_tokens,
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
-                      peak_memory_bytes=peak_memory_bytes(ctx.device))
+                      peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s)
+        stats.harness_s["record"] = time.perf_counter() - r0
         done = step + 1
         if checkpoints and checkpoints.due(done, total_steps):
+            c0 = time.perf_counter()
             checkpoints.write(done, {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm,
                                      "param_norm": stats.param_norm, "lr": lr, "step_time_s": step_time})
+            checkpoint_s += time.perf_counter() - c0
         if done % cfg.log_interval == 0 or done == total_steps:
+            w0 = time.perf_counter()
             write_record(record, ctx)
+            stats.harness_s["record_write"] = time.perf_counter() - w0
             elapsed = time.perf_counter() - started
             per_step = elapsed / (done - start)
             log(f"step {done}/{total_steps} ({100 * done // total_steps}%) loss {stats.loss:.6f} "
                 f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {1 / per_step:.1f} steps/s, "
                 f"{per_step * (total_steps - done):.0f} s left")
 
+    steps_s = time.perf_counter() - started - checkpoint_s
+    finishing = time.perf_counter()
     model_state = probe.report(w, step=total_steps - 1)
-    final_loss = evaluate(strategy, dp_slice(batches(total_steps - 1), ctx.dp_rank, cfg.batch_size))  # [7]
+    last_batch = batches(total_steps - 1)
+    final_loss = evaluate(strategy, dp_slice(last_batch, ctx.dp_rank, cfg.batch_size), last_batch.loss_tokens)  # [7]
     params = strategy.full_parameters()
 
     def finish() -> None:
         if ctx.is_logging_rank:
             save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir)
+            timings = {"setup_s": w.setup_s, "steps_s": steps_s, "steps": total_steps - start,
+                       "checkpoints_s": checkpoint_s, "finish_s": time.perf_counter() - finishing}
             record.finish(eval_loss_last_batch=final_loss, eval_batch_step=total_steps - 1,
                           checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started,
-                          model_state=model_state)
+                          model_state=model_state, timings=timings)
 
     agree(write_problem(finish, f"the final model {cfg.final_checkpoint_dir} or the loss record {record.path}",
                         errors=(Exception,)))  # safetensors raises its own errors
@@ -242,13 +272,14 @@ def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log, write: 
 
 
 @torch.no_grad()
-def evaluate(strategy, input_ids: torch.Tensor) -> float:
-    """The current model's mean loss over a global batch (each DP rank its slice), without training."""
-    input_ids = input_ids.to(strategy.ctx.device)
+def evaluate(strategy, batch, global_tokens: int) -> float:
+    """The current model's mean token loss over a global batch (each DP rank its slice `batch`), without
+    training."""
+    batch = batch.to(strategy.ctx.device)
     with strategy.autocast():
-        logits = strategy.forward(input_ids)
-    losses = strategy.gather_dp_losses(causal_lm_loss(logits, input_ids))
-    return sum(losses) / len(losses)
+        logits = strategy.forward(batch.input_ids)
+    sums, _ = strategy.gather_dp_sums(loss_sum(logits, batch.labels).double(), batch.loss_tokens)
+    return sum(sums) / global_tokens
 
 
 def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sha: str, batches, total_steps,

@@ -13,7 +13,7 @@ from parity.errors import RecordError
 
 SCHEMA_VERSION = 3  # 2: every step has param_norm; 3: the config has the fingerprint
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
-               "peak_memory_bytes")
+               "peak_memory_bytes")  # and harness_s: the harness's own seconds in the step, by what (not checked)
 # The config entries a comparison of two records relies on (parity/comparing/curves.py); the loop always writes them.
 CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",
                  "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "fingerprint")

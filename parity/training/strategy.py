@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -66,15 +67,22 @@ class WorkerContext:
 @dataclass
 class StepStats:
     loss: float  # mean token loss over the whole global batch, equal on all ranks
-    dp_rank_losses: list[float]  # each DP rank's mean loss over its slice
+    dp_rank_losses: list[float]  # each DP rank's mean loss over its slice's loss tokens
     grad_norm: float  # global L2 norm of the gradients before clipping
     param_norm: float  # global L2 norm of the parameters after the step
+    harness_s: dict  # the harness's own measurements in this step, by what: seconds (docs/benchmark.md)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 (logits are upcast, whatever the compute dtype).
-    `labels` are the input ids (position t predicts labels[t+1])."""
-    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
+IGNORE_INDEX = -100  # a label the loss skips (padding)
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The sum of next-token cross-entropies in fp32 (logits are upcast, whatever the compute dtype) over the
+    positions with a label: position t predicts labels[t + 1], and a label of −100 (padding) counts nothing.
+    A step's loss is the sum over the global batch ÷ its loss tokens (data.Batch.loss_tokens): the mean over
+    tokens, whatever each rank or micro-batch holds, never a mean of their means."""
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def build_optimizer(params, cfg) -> torch.optim.AdamW:
@@ -199,7 +207,8 @@ class Strategy:
         """Full-vocabulary logits of this rank's slice."""
         return self.model(input_ids=input_ids).logits
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        """Backward of one micro-batch's loss (`last`: the step's last micro-batch)."""
         loss.backward()
 
     def optimizer_step(self, lr: float) -> float:
@@ -253,27 +262,51 @@ class Strategy:
         set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": [
             {**hyper, "params": list(moments)}]}, options=StateDictOptions(full_state_dict=True))
 
-    def train_step(self, input_ids: torch.Tensor, lr: float, observe: Callable[..., None] | None = None) -> StepStats:
-        """One step. `observe` (the loop's model-state probe) is called during backward as each parameter's
-        gradient arrives ("during_backward", its name), then with "after_backward" (gradients reduced,
-        before clipping and the step) and "after_step"."""
+    def accumulating(self, last: bool):
+        """The context of one micro-batch's forward and backward under --grad_accum_steps: gradients are
+        synchronised over DP only in the last (`last`), in the strategy's own way (DDP's no_sync, FSDP2's
+        gradient-sync switch; DeepSpeed's engine counts its micro-steps itself). One micro-batch: nothing."""
+        return contextlib.nullcontext()
+
+    def train_step(self, batch, global_tokens: int, lr: float, observe: Callable[..., None] | None = None) -> StepStats:
+        """One step on this rank's slice `batch` (a data.Batch) of a global batch with `global_tokens` loss tokens,
+        as --grad_accum_steps micro-batches. Each rank's loss is its token-loss sum × dp_size / global_tokens, so
+        the gradients the strategy averages over DP are those of the global batch's token mean. `observe` (the
+        loop's model-state probe) is called during backward as each parameter's gradient arrives
+        ("during_backward", its name), then with "after_backward" (gradients reduced, before clipping and the
+        step) and "after_step"."""
         watching = gradient_arrivals(self.hf_model, observe) if observe else contextlib.nullcontext()
         observe = observe or (lambda point: None)
-        input_ids = input_ids.to(self.ctx.device)
+        micro_batches = batch.to(self.ctx.device).split(self.cfg.grad_accum_steps)
+        scale = self.ctx.dp_size / global_tokens
+        local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         with watching:  # on the parameters as they are between steps (FSDP2's root unshards in forward)
-            with self.autocast():
-                logits = self.forward(input_ids)
-            loss = causal_lm_loss(logits, input_ids)
-            self.backward(loss)
+            for i, micro in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1
+                with self.accumulating(last):
+                    with self.autocast():
+                        logits = self.forward(micro.input_ids)
+                    summed = loss_sum(logits, micro.labels)
+                    self.backward(summed * scale, last)
+                local_sum += summed.detach().double()
         observe("after_backward")
         grad_norm = self.optimizer_step(lr)
         observe("after_step")
-        dp_losses = self.gather_dp_losses(loss.detach())
-        return StepStats(loss=sum(dp_losses) / len(dp_losses), dp_rank_losses=dp_losses, grad_norm=float(grad_norm),
-                         param_norm=self.parameter_norm())
+        t0 = time.perf_counter()
+        sums, counts = self.gather_dp_sums(local_sum, batch.loss_tokens)
+        gather_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        param_norm = self.parameter_norm()
+        return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
+                         grad_norm=float(grad_norm), param_norm=param_norm,
+                         harness_s={"loss_gather": gather_s, "param_norm": time.perf_counter() - t0})
 
-    def gather_dp_losses(self, loss: torch.Tensor) -> list[float]:
-        return [float(x) for x in self.gather_dp(loss)]
+    def gather_dp_sums(self, local_sum: torch.Tensor, local_tokens: int) -> tuple[list[float], list[int]]:
+        """Each DP rank's loss sum and loss tokens. Collective."""
+        pairs = self.gather_dp(torch.stack([local_sum.double(),
+                                            torch.tensor(float(local_tokens), dtype=torch.float64,
+                                                         device=local_sum.device)]))
+        return [float(p[0]) for p in pairs], [int(p[1]) for p in pairs]
 
     def gather_dp(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Each DP rank's `t` (same shape everywhere), read from the first rank of its TP group: the
