@@ -110,6 +110,13 @@ def read_text(location: str) -> str:
     return read_bytes(location).decode("utf-8")
 
 
+def exists(location: str) -> bool:
+    import pyarrow.fs
+
+    fs, path = filesystem(location)
+    return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
+
+
 def is_dir(location: str) -> bool:
     import pyarrow.fs
 

@@ -6,7 +6,6 @@ benchmark_report writes benchmark.json, benchmark.md and benchmark.png)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 from typing import NamedTuple
@@ -112,8 +111,7 @@ def run_benchmark(args) -> int:
     from parity.training.cluster import ensure_ray, probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
-    from parity.training.launch import launch
-    from parity.training.loop import train_runs_worker
+    from parity.training.launch import launch_runs
     from parity.training.model import build_model, model_config_from_dict, save_init_weights
     from parity.training.record import load_record, run_record_path
 
@@ -130,9 +128,8 @@ def run_benchmark(args) -> int:
                     weights_written_before_launch=True) for n in names]
     first = cfgs[0]
     save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), first.init_weights_path)
-    runs = [{"cfg": cfg.to_dict(), "batches": training_data(cfg),
-             "title": f"{ROWS[n].label}: {cfg.strategy} tp={cfg.tp_size} dp={cfg.dp_size} batch {cfg.batch_size} "
-                      f"{cfg.options}"} for n, cfg in zip(names, cfgs)]
+    titles = [f"{ROWS[n].label}: {cfg.strategy} tp={cfg.tp_size} dp={cfg.dp_size} batch {cfg.batch_size} {cfg.options}"
+              for n, cfg in zip(names, cfgs)]
     print(f"benchmark: {len(names)} rows ({', '.join(names)}) on {args.num_workers} "
           f"{'GPU' if first.use_cuda else 'CPU'} workers, {first.model_name}, {first.precision}, global batch "
           f"{first.global_batch_size} × {first.seq_length}, {args.debug_steps} steps; outputs in {out}", flush=True)
@@ -140,8 +137,7 @@ def run_benchmark(args) -> int:
     with console.terminal(storage.join(out, "benchmark.log"), args.verbose) as log, console.pointing_to(log):
         try:
             ensure_ray()
-            launch(dataclasses.replace(first, experiment_name="benchmark"), train_runs_worker, {"runs": runs},
-                   announce_folder=False)
+            launch_runs(cfgs, [{"batches": training_data(cfg)} for cfg in cfgs], checkpoints=False, titles=titles)
         except TrainingFailed as exc:
             raise TrainingFailed(f"{exc} (the rows finished so far have their records under {out}/rows)") from None
         finally:

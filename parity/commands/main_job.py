@@ -58,63 +58,96 @@ def build_parser() -> OneLineParser:
 
 
 def run_main_job(args) -> int:
-    """Resolve every run, then train them in order on one Ray session, then compare. Returns the exit code."""
+    """Resolve every run, then train them on one Ray session, the runs of one world size in one worker group,
+    then compare. Returns the exit code."""
     import ray
 
     from parity.commands.compare_curves import compare_and_report
     from parity.comparing.curve_report import REPORT_NAME
-    from parity.training.checkpoints import run_dir
     from parity.training.cluster import ensure_ray, probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
-    from parity.training.launch import launch
-    from parity.training.loop import train_worker
-    from parity.training.record import REFERENCE_GLOB, run_record_path
+    from parity.training.launch import launch_runs
+    from parity.training.record import REFERENCE_GLOB, load_record, run_record_path
 
+    job_started = time.perf_counter()
     out = storage.absolute(args.output_dir)
     loss_dir = storage.join(out, "loss_curves")
     cluster = probe_cluster()
     cfgs = [resolve(strategy, values, cluster=cluster, weights_written_before_launch=not values.get("save_init_weights"))
             for strategy, values in run_plan(args, out, cluster)]
-    batches = [training_data(cfg) for cfg in cfgs]
+    batches = {cfg.experiment_name: training_data(cfg) for cfg in cfgs}
     for pattern in ("loss_*.json", REFERENCE_GLOB):  # a verdict only on this job's runs
         for stale in storage.list_files(loss_dir, pattern):
             storage.delete_file(stale)
-    for cfg in cfgs:  # fresh runs: Ray Train would resume a run folder's checkpoints (the job owns the folder)
-        storage.delete_dir(run_dir(cfg))
+    storage.delete_dir(storage.join(out, "ray_checkpoints"))  # fresh runs: the job owns its run folders
 
-    started = time.perf_counter()
+    times = [("driver start-up and checks", time.perf_counter() - job_started)]
     with console.terminal(storage.join(out, "main_job.log"), args.verbose == "on") as log, console.pointing_to(log):
         try:
-            ensure_ray()
+            times.append(("Ray start", ensure_ray()))
             where = f"{cluster.gpus} GPUs" if cfgs[0].use_cuda else "CPU workers"
-            console.say(f"Ray up in {time.perf_counter() - started:.0f} s; model {cfgs[0].model_name} on {where}; "
-                        f"outputs in {out}")
-            for cfg, data in zip(cfgs, batches):
-                role = " (noise reference)" if cfg.noise_reference else ""
-                console.say(f"== {cfg.strategy}{role}: tp={cfg.tp_size} dp={cfg.dp_size} {cfg.precision}")
+            console.say(f"Ray up; model {cfgs[0].model_name} on {where}; outputs in {out}")
+            for group in world_groups(cfgs):
+                names = ", ".join(run_title(cfg) for cfg in group)
+                console.say(f"== {group[0].num_workers} workers: {names}")
                 t0 = time.perf_counter()
                 try:
-                    launch(cfg, train_worker, {"batches": data})
+                    launch_runs(group, [{"batches": batches[cfg.experiment_name]} for cfg in group],
+                                titles=[run_title(cfg) for cfg in group])
                 except TrainingFailed as exc:
-                    console.say(f"error: the {cfg.strategy} run failed: {exc}", err=True)
+                    console.say(f"error: a run of the {group[0].num_workers}-worker group failed: {exc}", err=True)
                     return 1
-                console.say(f"   done in {time.perf_counter() - t0:.0f} s: {run_record_path(cfg)}")
+                wall = time.perf_counter() - t0
+                runs = [(run_title(cfg), load_record(run_record_path(cfg))["final"]["timings"]) for cfg in group]
+                times.append((f"{group[0].num_workers}-worker group", wall, runs))
         finally:
             ray.shutdown()
 
-    print("== comparing", flush=True)
+    console.say("== comparing")
+    t0 = time.perf_counter()
     try:
         verdict = compare_and_report(loss_dir, storage.join(loss_dir, "loss_curves.png"), tolerance=args.tolerance)
     except ConfigError as exc:
         report_error(exc)
         verdict = 2
+    times.append(("comparison and figure", time.perf_counter() - t0))
+    print(time_table(times, time.perf_counter() - job_started))
     report = storage.join(loss_dir, REPORT_NAME)
     print({0: f"VERDICT: PASS — every strategy trains the same model as DDP within tolerance ({report})",
            1: f"VERDICT: FAIL — see the first failing step above and {report}"}.get(
         verdict, "VERDICT: no verdict — the runs could not be compared (see above)"),
         file=sys.stdout if verdict == 0 else sys.stderr)
     return verdict
+
+
+def world_groups(cfgs: list) -> list[list]:
+    """The runs grouped by world size, each group in the order its first run was planned (DDP's first: it writes
+    the weights), runs in plan order within a group."""
+    groups: dict[int, list] = {}
+    for cfg in cfgs:
+        groups.setdefault(cfg.num_workers, []).append(cfg)
+    return list(groups.values())
+
+
+def run_title(cfg) -> str:
+    role = " (noise reference)" if cfg.noise_reference else ""
+    return f"{cfg.strategy}{role} tp={cfg.tp_size} dp={cfg.dp_size} {cfg.precision}"
+
+
+def time_table(times: list, total: float) -> str:
+    """Where the job's time went: driver, Ray, each worker group (its start-up: what its runs did not use),
+    each run (setup, steps, checkpoints, finishing), the comparison."""
+    lines = ["", f"WHERE THE TIME WENT ({total:.0f} s)"]
+    for what, seconds, *runs in times:
+        lines.append(f"  {what:<36} {seconds:6.1f} s")
+        for title, t in (runs[0] if runs else []):
+            lines.append(f"    {title:<34} setup {t['setup_s']:.1f} s, {t['steps']} steps {t['steps_s']:.1f} s, "
+                         f"checkpoints {t['checkpoints_s']:.1f} s, finishing {t['finish_s']:.1f} s")
+        if runs:
+            used = sum(t["setup_s"] + t["steps_s"] + t["checkpoints_s"] + t["finish_s"] for _, t in runs[0])
+            lines.append(f"    {'start-up and hand-over':<34} {seconds - used:.1f} s")
+    return "\n".join(lines)
 
 
 def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
@@ -140,7 +173,7 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
         "seq_length": args.seq_length or (1024 if on_gpu else 256), "debug_steps": args.debug_steps,
         "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "log_interval": args.log_interval,
         "precision": args.precision, "device": args.device,
-        "loss_output_dir": storage.join(out, "loss_curves"), "storage_path": storage.join(out, "ray_checkpoints"),
+        "loss_output_dir": storage.join(out, "loss_curves"),
         "init_weights_path": storage.join(out, "shared_weights", "init_weights.pt"),
     }
     extra = extra_flags(args.extra_args, strategies)
@@ -156,6 +189,8 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
             for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], gpus):
                 plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
                                      "save_init_weights": False, "noise_reference": True}))
+    for _, values in plan:  # the runs of one world size share a worker group and its folder
+        values["storage_path"] = storage.join(out, "ray_checkpoints", f"{values['num_workers']}_workers")
     return plan
 
 

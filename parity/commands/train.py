@@ -24,8 +24,7 @@ def build_parser(strategy: str, description: str = "") -> argparse.ArgumentParse
 def run(strategy: str, values: Mapping[str, Any]) -> str:
     """Resolve, then train; returns the loss record's path. Raises ConfigError or TrainingFailed."""
     from parity.training.data import training_data
-    from parity.training.launch import launch
-    from parity.training.loop import train_worker
+    from parity.training.launch import launch_runs
     from parity.training.record import run_record_path
 
     cfg = resolve(strategy, values)
@@ -33,7 +32,7 @@ def run(strategy: str, values: Mapping[str, Any]) -> str:
     t0 = time.perf_counter()
     with console.terminal(run_log(cfg), cfg.verbose) as log:
         with console.pointing_to(log, f"[{cfg.strategy}] "):
-            ray_start_s = launch(cfg, train_worker, {"batches": batches})
+            ray_start_s = launch_runs([cfg], [{"batches": batches}])
         path = run_record_path(cfg)
         console.say(f"[{cfg.strategy}] finished in {time.perf_counter() - t0:.1f} s (Ray start-up {ray_start_s:.1f} s); "
                     f"loss record: {path}")

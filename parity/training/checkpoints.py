@@ -198,45 +198,49 @@ def write_problem(action, what: str, errors=(OSError,)) -> str | None:
 
 
 class RayTrainSession:
-    """The Ray Train calls of the loop: a training loop in a test's local process group runs without them."""
+    """The Ray Train calls of one run's loop (a loop in a test's local process group runs without them). A worker
+    group may train several runs one after another (launch_group): each run's checkpoints are then reported
+    under `prefix`, "<experiment_name>/", inside the group's folder, and only those are the run's."""
 
-    @staticmethod
-    def resuming() -> bool:
-        """Whether Ray Train holds a checkpoint of this run (after a failure, or for a run started again)."""
-        import ray.train
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
 
-        return ray.train.get_checkpoint() is not None
+    def resuming(self) -> bool:
+        """Whether Ray Train holds a checkpoint of this run (after a worker failure, or with --resume)."""
+        return bool(self.checkpoints())
 
-    @staticmethod
-    def report(metrics: dict, directory: str, name: str) -> None:
+    def report(self, metrics: dict, directory: str, name: str) -> None:
         """Report a checkpoint's metrics with the checkpoint in `directory` (this rank's part) as `name`: Ray
         Train's own advice, a report at checkpoint frequency (every step is in the loss record and the log)."""
         import ray.train
 
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                         checkpoint_dir_name=self.prefix + name)
 
-    @staticmethod
-    def checkpoints() -> list:
-        """The run's registered checkpoints, the latest first (then by step, newest first)."""
+    def checkpoints(self) -> list:
+        """The run's registered checkpoints, the latest reported first, then by step, newest first."""
         import ray.train
 
-        latest = ray.train.get_checkpoint()
-        if latest is None:
+        if ray.train.get_checkpoint() is None:
             return []
-        reported = ray.train.get_all_reported_checkpoints(
+        experiment = ray.train.get_context().get_storage().experiment_fs_path.rstrip("/") + "/"
+        reported = [r for r in ray.train.get_all_reported_checkpoints(
             consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-        older = sorted((r for r in reported if r.checkpoint.path != latest.path),
-                       key=lambda r: r.metrics.get("step", -1), reverse=True)
-        return [latest, *(r.checkpoint for r in older)]
+            if r.checkpoint.path.startswith(experiment + self.prefix)
+            and "/" not in r.checkpoint.path[len(experiment + self.prefix):].strip("/")]
+        if not reported:
+            return []
+        latest, older = reported[-1], reported[:-1]
+        return [latest.checkpoint, *(r.checkpoint for r in sorted(older, key=lambda r: r.metrics.get("step", -1),
+                                                                   reverse=True))]
 
-    @staticmethod
-    def remove_partial(name: str) -> None:
+    def remove_partial(self, name: str) -> None:
         """Delete what a failed report copied of a checkpoint Ray Train did not register."""
         import ray.train
 
         storage = ray.train.get_context().get_storage()
         try:
-            storage.storage_filesystem.delete_dir(storage.build_checkpoint_path_from_name(name))
+            storage.storage_filesystem.delete_dir(storage.build_checkpoint_path_from_name(self.prefix + name))
         except OSError:
             pass  # nothing was copied, or the storage refuses even this: the directory is not registered anyway
 

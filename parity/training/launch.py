@@ -1,4 +1,5 @@
-"""Ray Train launch: a resolved run on cfg.num_workers workers, one TorchTrainer.
+"""Ray Train launch: resolved runs of one world size on cfg.num_workers workers, one TorchTrainer — one run, or
+several one after another in the same worker group (starting a group costs about 10 s on a 2-core machine).
 
 On CPU the workers get fractional CPUs (4 workers run on 2 cores) and talk over gloo; on GPUs each
 worker gets one GPU and NCCL (`resolve` decided which, from the cluster's resources). A worker failure
@@ -7,7 +8,7 @@ restarts the group up to --max_failures times, from the run's latest checkpoint 
 
 from __future__ import annotations
 
-from parity import console
+from parity import console, storage
 from parity.errors import COLLATERAL, TrainingFailed
 from parity.training.checkpoints import replace_run_folder
 from parity.training.cluster import ensure_ray
@@ -18,28 +19,63 @@ from parity.training.config import RunConfig
 
 
 def launch(cfg: RunConfig, worker, payload: dict, announce_folder: bool = True) -> float:
-    """Run `worker` (the training loop, or the layer check's recorded step) on cfg.num_workers Ray Train
-    workers; it receives {"cfg": cfg as a dict, "terminal": whether the driver shows marked lines,
-    **payload}. An existing run folder is replaced, or continued with --resume (replace_run_folder), which one
-    line says unless not `announce_folder` (a folder of scratch runs). Returns Ray start-up seconds (0 when Ray
-    was already up). Raises
-    TrainingFailed with the worker's error line, or with the line all ranks stopped on."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
+    """Run `worker` (the layer check's recorded step, or the training loop of launch_runs) on cfg.num_workers
+    Ray Train workers; it receives {"cfg": cfg as a dict, "terminal": whether the driver shows marked lines,
+    **payload}. The run's folder, <storage_path>/<experiment_name>, is Ray Train's; an existing one is replaced,
+    or continued with --resume (replace_run_folder), which one line says unless not `announce_folder` (a folder
+    of scratch runs). Returns Ray start-up seconds (0 when Ray was already up). Raises TrainingFailed with the
+    worker's error line, or with the line all ranks stopped on."""
     note = replace_run_folder(cfg)
     if note and announce_folder:
         console.say(f"[{cfg.strategy}] {note}")
     ray_start_s = ensure_ray()
+    _fit(cfg, worker, {"cfg": cfg.to_dict(), "terminal": console.active(), **payload}, cfg.storage_path,
+         cfg.experiment_name, cfg.keep_checkpoints)
+    return ray_start_s
+
+
+def launch_runs(cfgs: list[RunConfig], payloads: list[dict], checkpoints: bool = True,
+                titles: list[str] | None = None) -> float:
+    """Train `cfgs` (one world size; their own `payloads`, {"batches": ...}) one after another in ONE worker group:
+    Ray starts the workers once, not once per run. One run is launch's (its folder is Ray Train's). Several
+    share --storage_path, which becomes the group's folder: each run's checkpoints go to
+    <storage_path>/<experiment_name>/ as they would alone, Ray Train keeps all of them (its --keep_checkpoints
+    would count the runs together), and a worker failure restarts the group, which resumes the run it was
+    training. Returns Ray start-up seconds."""
+    from parity.training.loop import train_group_worker
+
+    runs = [{"cfg": cfg.to_dict(), "title": title, **payload}
+            for cfg, payload, title in zip(cfgs, payloads, titles or [cfg.strategy for cfg in cfgs])]
+    group = {"runs": runs, "checkpoints": checkpoints}
+    if len(cfgs) == 1:
+        return launch(cfgs[0], train_group_worker, group)
+    first = cfgs[0]
+    assert len({(c.num_workers, c.storage_path) for c in cfgs}) == 1, "a group: one world size, one storage_path"
+    for cfg in cfgs:
+        assert not cfg.resume, "a group starts its runs afresh"
+        replace_run_folder(cfg)
+    ray_start_s = ensure_ray()
+    storage.delete_dir(first.storage_path)  # Ray Train's own record of the group's checkpoints: a fresh group
+    _fit(first, train_group_worker, {**group, "terminal": console.active()}, storage.parent(first.storage_path),
+         storage.name(first.storage_path), keep=0)
+    return ray_start_s
+
+
+def _fit(cfg: RunConfig, worker, loop_config: dict, storage_path: str, name: str, keep: int) -> None:
+    """One TorchTrainer: cfg's workers and resources, Ray Train's folder <storage_path>/<name>, the last `keep`
+    checkpoints kept (0: all)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_cuda else {})}
     trainer = TorchTrainer(
         worker,
-        train_loop_config={"cfg": cfg.to_dict(), "terminal": console.active(), **payload},
+        train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_cuda,
                                      resources_per_worker=resources),
-        run_config=RayRunConfig(storage_path=cfg.storage_path, name=cfg.experiment_name,
+        run_config=RayRunConfig(storage_path=storage_path, name=name,
                                 failure_config=FailureConfig(max_failures=cfg.max_failures),
-                                checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints or None)),
+                                checkpoint_config=CheckpointConfig(num_to_keep=keep or None)),
         torch_config=TorchConfig(backend="nccl" if cfg.use_cuda else "gloo"),
     )
     try:
@@ -49,7 +85,6 @@ def launch(cfg: RunConfig, worker, payload: dict, announce_folder: bool = True) 
     stopped = (result.return_value or {}).get("stopped")
     if stopped:
         raise TrainingFailed(stopped)
-    return ray_start_s
 
 
 def _root_cause(exc: BaseException) -> str:
