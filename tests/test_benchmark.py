@@ -169,7 +169,7 @@ OFFLOAD = {  # name: (strategy, tp_size, options)
 
 @pytest.fixture(scope="module")
 def offload_runs(tiny_weights, tmp_path_factory):
-    from local_group import plan, run_group
+    from parity.training.local_group import plan, run_group
 
     out = tmp_path_factory.mktemp("offload")
     runs = [plan(strategy, {**TINY, **PARITY, "num_workers": 2, "tp_size": tp, "batch_size": 2 * tp,

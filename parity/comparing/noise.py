@@ -68,17 +68,28 @@ class Drift:
     bound: float
 
 
+def drift_windows(rel_diffs: list[float], envelope: list[float]):
+    """Every window of DRIFT_WINDOW steps in which at least DRIFT_SAME_SIGN differences share a sign, as
+    (its last step, the mean difference, the window's mean envelope)."""
+    for end in range(DRIFT_WINDOW, len(rel_diffs) + 1):
+        window = rel_diffs[end - DRIFT_WINDOW:end]
+        if max(sum(d > 0 for d in window), sum(d < 0 for d in window)) >= DRIFT_SAME_SIGN:
+            yield end - 1, sum(window) / DRIFT_WINDOW, sum(envelope[end - DRIFT_WINDOW:end]) / DRIFT_WINDOW
+
+
 def first_drift(rel_diffs: list[float], envelope: list[float]) -> Drift | None:
     """The first window (by its last step) of DRIFT_WINDOW steps in which at least DRIFT_SAME_SIGN
     differences share a sign and |their mean| exceeds DRIFT_K × the window's mean envelope."""
-    for end in range(DRIFT_WINDOW, len(rel_diffs) + 1):
-        window = rel_diffs[end - DRIFT_WINDOW:end]
-        same_sign = max(sum(d > 0 for d in window), sum(d < 0 for d in window))
-        mean = sum(window) / DRIFT_WINDOW
-        bound = DRIFT_K * sum(envelope[end - DRIFT_WINDOW:end]) / DRIFT_WINDOW
-        if same_sign >= DRIFT_SAME_SIGN and not abs(mean) <= bound:
-            return Drift(end - 1, mean, bound)
+    for last, mean, noise in drift_windows(rel_diffs, envelope):
+        if not abs(mean) <= DRIFT_K * noise:
+            return Drift(last, mean, DRIFT_K * noise)
     return None
+
+
+def drift_statistic(rel_diffs: list[float], envelope: list[float]) -> float:
+    """The drift test's score: the largest |mean difference| ÷ mean envelope of any one-signed window (0 without
+    one); the test fails above DRIFT_K."""
+    return max((abs(mean) / noise for _, mean, noise in drift_windows(rel_diffs, envelope)), default=0.0)
 
 
 def noise_ratio(rel_diffs: list[float], envelope: list[float]) -> float:

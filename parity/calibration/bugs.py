@@ -1,0 +1,178 @@
+"""The seeded-bug catalogue: copies of the strategies, each with one real bug of a known class in it — what a
+calibrated verdict must FAIL. Each changes the training while the record's numbers claim the correct run's
+settings (the config holds --strategy_class, and nothing else differs). The calibration study runs every entry
+over several seeds and kernel paths (docs/tolerances.md has the detection rates); the tests run them through
+plot_loss_curves.py as a user would.
+
+Every class is importable by its path (parity.calibration.bugs:Name), so it runs in Ray workers and local gloo
+groups alike, and it records under its strategy's name (loss_fsdp.json, loss_deepspeed.json) so that it sits
+beside the DDP baseline like the strategy it is a copy of — except the DDP copy, which has a name of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autotp_strategy import DeepSpeedStrategy
+from ddp_strategy import DDPStrategy
+from fsdp_strategy import FSDPStrategy, global_norm
+from parity.training.layer_step import perturb_local_shard
+from parity.training.strategy import step_optimizer
+
+WEIGHT_DECAY = 0.01  # torch.optim.AdamW's own default: what a run gets when the setting is lost on the way
+LR_FACTOR = 1.05
+ADAM_BETA2 = 0.99
+FAULTY_SHARD = "model.layers.1.mlp.up_proj.weight"
+
+
+# --- FSDP2 + DTensor TP -------------------------------------------------------------------------------
+
+class FSDPClippingSkipped(FSDPStrategy):
+    """The pre-clip norm is computed and recorded, the gradients are never scaled."""
+
+    def optimizer_step(self, lr: float) -> float:
+        with torch.no_grad():
+            norm = global_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        step_optimizer(self.optimizer, lr)
+        return norm
+
+
+class FSDPWeightDecayAdded(FSDPStrategy):
+    """AdamW gets weight_decay 0.01 (torch's default) while the config (and so the record) says 0."""
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = WEIGHT_DECAY
+
+
+class FSDPLearningRateOff(FSDPStrategy):
+    """Every step runs at 1.05 × the scheduled learning rate (the record holds the scheduled one)."""
+
+    def optimizer_step(self, lr: float) -> float:
+        return super().optimizer_step(lr * LR_FACTOR)
+
+
+class FSDPGradientsSummedOverDP(FSDPStrategy):
+    """Gradients summed over the DP ranks instead of averaged: dp_size × the mean, before the norm."""
+
+    def optimizer_step(self, lr: float) -> float:
+        with torch.no_grad():
+            torch._foreach_mul_([p.grad.to_local() for p in self.model.parameters() if p.grad is not None],
+                                float(self.ctx.dp_size))
+        return super().optimizer_step(lr)
+
+
+class FSDPAdamBeta2Off(FSDPStrategy):
+    """AdamW runs with beta2 0.99 while the config says 0.999."""
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        for group in self.optimizer.param_groups:
+            group["betas"] = (group["betas"][0], ADAM_BETA2)
+
+
+class FSDPShardFault(FSDPStrategy):
+    """One TP shard is wrong: TP rank 0's piece of layers.1.mlp.up_proj starts 1e-3 off the shared weights (a
+    shard loaded from the wrong offset, a missed broadcast), on every DP replica alike."""
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        perturb_local_shard(self, FAULTY_SHARD)
+
+
+class FSDPTPRanksFedDifferentSlices(FSDPStrategy):
+    """The data is sharded by global rank instead of DP rank: TP rank t of DP group d trains on DP group
+    (d + t) mod dp's slice, so the ranks of a TP group multiply shards of different samples."""
+
+    def train_step(self, input_ids, lr, observe=None):
+        slices = [torch.empty_like(input_ids) for _ in range(self.ctx.world_size)]
+        dist.all_gather(slices, input_ids.contiguous())
+        other = (self.ctx.dp_rank + self.ctx.tp_rank) % self.ctx.dp_size
+        return super().train_step(slices[other * self.ctx.tp_size], lr, observe)
+
+
+# --- DeepSpeed AutoTP + ZeRO --------------------------------------------------------------------------
+
+class DeepSpeedWeightDecayAdded(DeepSpeedStrategy):
+    """The client AdamW gets weight_decay 0.01 (torch's default) while the config says 0."""
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        for group in self.engine.optimizer.param_groups:
+            group["weight_decay"] = WEIGHT_DECAY
+
+
+class DeepSpeedLearningRateOff(DeepSpeedStrategy):
+    """Every step runs at 1.05 × the scheduled learning rate."""
+
+    def optimizer_step(self, lr: float) -> float:
+        return super().optimizer_step(lr * LR_FACTOR)
+
+
+class DeepSpeedClippingSkipped(DeepSpeedStrategy):
+    """ZeRO never clips (its clip_grad is 0) while --max_grad_norm asks for clipping: a DeepSpeed config whose
+    gradient_clipping disagrees with the run's — the mirror of DeepSpeed 0.19.3's default of 1.0 (#8068)."""
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        self.engine.optimizer.clip_grad = 0.0
+
+
+class DeepSpeedWarmupIgnored(DeepSpeedStrategy):
+    """The learning-rate schedule is not applied: every step runs at the peak --learning_rate (an engine that
+    keeps its own lr while the harness's warm-up is recorded)."""
+
+    def optimizer_step(self, lr: float) -> float:
+        return super().optimizer_step(self.cfg.learning_rate)
+
+
+# --- DDP ----------------------------------------------------------------------------------------------
+
+class DDPTiedEmbeddingUnreduced(DDPStrategy):
+    """The tied embedding / lm_head is left out of DDP's gradient all-reduce: each DP rank steps it with its own
+    slice's gradient, and the replicas part (the loss is gathered, so the record shows their mean)."""
+
+    name = "ddp_tied_embedding_unreduced"
+
+    def setup(self, model) -> None:
+        tied = [name for name, p in model.named_parameters(remove_duplicate=False)
+                if p is model.get_input_embeddings().weight]  # model.embed_tokens.weight and lm_head.weight
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tied)
+        super().setup(model)
+
+
+@dataclass(frozen=True)
+class SeededBug:
+    """One catalogue entry: a bug class, the strategy it is seeded in and how to run it."""
+
+    name: str  # how the study and the docs name it
+    strategy: str  # the registry strategy the run is resolved as
+    strategy_class: type | None  # the copy with the bug; None: the real strategy with `options`
+    options: dict = field(default_factory=dict)  # strategy flags of the run (a policy that is not DDP's)
+    precisions: tuple = ("bf16", "fp32")  # where the bug exists (a bf16 policy has no fp32 run)
+
+    @property
+    def values(self) -> dict:
+        """The run's flags beyond the shared setting."""
+        return {**self.options, **({"strategy_class": self.strategy_class} if self.strategy_class else {})}
+
+
+CATALOGUE = (
+    SeededBug("fsdp: clipping skipped", "fsdp", FSDPClippingSkipped),
+    SeededBug("fsdp: weight decay 0.01", "fsdp", FSDPWeightDecayAdded),
+    SeededBug("fsdp: lr x 1.05", "fsdp", FSDPLearningRateOff),
+    SeededBug("fsdp: gradients summed over DP", "fsdp", FSDPGradientsSummedOverDP),
+    SeededBug("fsdp: Adam beta2 0.99", "fsdp", FSDPAdamBeta2Off),
+    SeededBug("fsdp: a TP shard 1e-3 off", "fsdp", FSDPShardFault),
+    SeededBug("fsdp: TP ranks fed different slices", "fsdp", FSDPTPRanksFedDifferentSlices),
+    SeededBug("deepspeed: weight decay 0.01", "deepspeed", DeepSpeedWeightDecayAdded),
+    SeededBug("deepspeed: lr x 1.05", "deepspeed", DeepSpeedLearningRateOff),
+    SeededBug("deepspeed: clipping skipped", "deepspeed", DeepSpeedClippingSkipped),
+    SeededBug("deepspeed: warm-up ignored", "deepspeed", DeepSpeedWarmupIgnored),
+    SeededBug("deepspeed: bf16 master weights", "deepspeed", None, {"bf16_master_weights": True}, ("bf16",)),
+    SeededBug("ddp: tied embedding gradient unreduced", "ddp", DDPTiedEmbeddingUnreduced),
+)
