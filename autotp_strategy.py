@@ -51,6 +51,11 @@ class DeepSpeedStrategy(Strategy):
                     "the optimizer step on the CPU (with the same torch AdamW)"),
         Option("offload_param", "none", choices=OFFLOAD,
                help="cpu: ZeRO-3's parameter partitions in host memory between uses (--zero_stage 3 only)"),
+        Option("deepspeed_config", None, type=str,
+               help="your own DeepSpeed config (a JSON file): its keys are kept (ZeRO settings, data types, communication "
+                    "dtype, bucket sizes ...) under the keys the run's flags decide — micro-batch and accumulation, "
+                    "clipping (--max_grad_norm), --zero_stage, --tp_size, precision — which must agree with them "
+                    "(docs/deepspeed.md); a key it omits gets the harness's DDP-equivalent value, not DeepSpeed's default"),
         Option("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET_SIZE,
                help="elements of gradient ZeRO reduces at once (zero_optimization.reduce_bucket_size; default "
                     "DeepSpeed's, 5e8). ZeRO-2 and ZeRO-3 free the gradients outside their partition each time a "
@@ -79,6 +84,8 @@ class DeepSpeedStrategy(Strategy):
         if settings.options["bf16_master_weights"] and settings.precision != "bf16":
             raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {settings.precision}: "
                               f"pass --precision bf16 with it, or drop it")
+        if settings.options["deepspeed_config"] is not None:
+            settings.options["deepspeed_config"] = read_user_config(settings.options["deepspeed_config"], settings)
         try:  # fail here, before any worker, if DeepSpeed cannot be imported; the driver computes nothing
             import_deepspeed(torch.device("cpu"))
         except ImportError as exc:
@@ -87,10 +94,14 @@ class DeepSpeedStrategy(Strategy):
     # --- worker side ------------------------------------------------------------------------------
     def setup(self, model) -> None:
         deepspeed = import_deepspeed(self.ctx.device)  # [1]
+        if self.cfg.activation_checkpointing:  # the Hugging Face model's own, as DeepSpeed's HF integration uses
+            model.activation_checkpointing_enable()
         optimizer = build_optimizer(model.parameters(), self.cfg)  # AutoTP keeps the Parameter objects
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(self.cfg))  # [2]
         self.model = self.engine
         check_rank_layout(self.engine, self.ctx)  # [3]
+        if self.cfg.compile:
+            self.engine.compile()  # DeepSpeed's own: the engine's whole module
         self.column_shards = column_parallel_outputs(self.engine.module)
 
     @property
@@ -295,12 +306,83 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
+# The keys the run's flags decide: a user's --deepspeed_config must agree with them. (flag, path, value from the
+# run's settings); `settings` has the flags as attributes and the strategy's options in .options.
+OWNED_KEYS = (
+    ("--batch_size / --grad_accum_steps", ("train_micro_batch_size_per_gpu",),
+     lambda s: s.batch_size // s.grad_accum_steps),
+    ("--grad_accum_steps", ("gradient_accumulation_steps",), lambda s: s.grad_accum_steps),
+    ("--max_grad_norm", ("gradient_clipping",), lambda s: s.max_grad_norm),
+    ("--zero_stage", ("zero_optimization", "stage"), lambda s: s.options["zero_stage"]),
+    ("--tp_size", ("tensor_parallel", "autotp_size"), lambda s: s.tp_size),
+    ("--precision / --bf16_master_weights", ("bf16", "enabled"),
+     lambda s: s.precision == "bf16" and s.options["bf16_master_weights"]),
+    ("--precision", ("torch_autocast", "enabled"),
+     lambda s: s.precision == "bf16" and not s.options["bf16_master_weights"]),
+)
+# Keys a user config may not hold at all: the harness's shared AdamW, lr schedule and global batch are the
+# comparison's, and fp16 is no precision of the harness.
+REFUSED_KEYS = {"optimizer": "the shared torch AdamW", "scheduler": "the shared warm-up schedule (--warmup_steps)",
+                "train_batch_size": "--batch_size × DP (DeepSpeed counts TP ranks into it)", "fp16": "--precision"}
+
+
+def read_user_config(path: str, settings) -> dict:
+    """--deepspeed_config: the JSON file read on the driver (the workers get its content with the run, so the file
+    need not exist where they run), checked against the run's flags. {"file", "config"}; ConfigError for a file
+    that cannot be read or a key that contradicts a flag."""
+    import json
+
+    try:
+        with open(path) as f:
+            user = json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--deepspeed_config {path} cannot be read ({exc.strerror}): give the path of a JSON "
+                          f"file") from None
+    except ValueError as exc:
+        raise ConfigError(f"--deepspeed_config {path} is not valid JSON ({exc}): fix the file") from None
+    if not isinstance(user, dict):
+        raise ConfigError(f"--deepspeed_config {path} holds a {type(user).__name__}, not a JSON object of "
+                          f"DeepSpeed's settings")
+    for key, why in REFUSED_KEYS.items():
+        if key in user:
+            raise ConfigError(f"--deepspeed_config {path} sets \"{key}\": the run's comes from {why}: drop the key")
+    for flag, path_keys, value in OWNED_KEYS:
+        node = user
+        for key in path_keys:
+            node = node.get(key, _ABSENT) if isinstance(node, dict) else _ABSENT
+        want = value(settings)
+        if node is not _ABSENT and node != want and not (path_keys == ("tensor_parallel", "autotp_size") and
+                                                        want == 1 and node in (0, 1)):
+            raise ConfigError(f"--deepspeed_config {path}: {'.'.join(path_keys)} {json.dumps(node)} contradicts "
+                              f"{flag} ({json.dumps(want)} for this run): set it with the flag (for the baseline too), "
+                              f"or drop the key")
+    return {"file": os.path.abspath(path), "config": user}
+
+
+_ABSENT = object()
+
+
+def _merged(base: dict, user: dict) -> dict:
+    """`base` with `user`'s values over it, section by section."""
+    out = dict(base)
+    for key, value in user.items():
+        out[key] = _merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
+
+
 def engine_config(cfg) -> dict:
-    """The DeepSpeed config: nothing in it may make the training differ from DDP's (docs/deepspeed.md).
+    """The DeepSpeed config: nothing in it may make the training differ from DDP's (docs/deepspeed.md) — but what
+    the user's own --deepspeed_config sets, over the harness's DDP-equivalent values (the keys the run's flags
+    decide agree with them: read_user_config).
 
     No train_batch_size: DeepSpeed counts TP ranks as DP ranks in that product (micro × accumulation ×
     world size) and rejects the true global batch; the gradient averaging itself uses the real DP group.
     """
+    user = (cfg.options.get("deepspeed_config") or {}).get("config", {})
+    return _merged(_harness_config(cfg), user)
+
+
+def _harness_config(cfg) -> dict:
     zero = {"stage": cfg.options["zero_stage"], "reduce_bucket_size": cfg.options["reduce_bucket_size"]}
     if zero["stage"] == 3:
         # Every parameter partitioned, as the paper's stage 3: DeepSpeed by default keeps parameters under 1e5

@@ -21,6 +21,7 @@ STATE_FILE = "model_optimizer.pt"  # the module's and the optimizer's state dict
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    tensor_parallel = False
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
@@ -30,6 +31,11 @@ class DDPStrategy(Strategy):
 
     def setup(self, model) -> None:
         model.to(self.ctx.device)
+        if self.cfg.activation_checkpointing:  # the model's own: torch.utils.checkpoint around each decoder layer
+            model.activation_checkpointing_enable()
+        if self.cfg.compile:
+            for layer in model.model.layers:
+                layer.compile()  # in place: the module keeps its name
         device_ids = [self.ctx.device] if self.ctx.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=device_ids)
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg)

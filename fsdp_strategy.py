@@ -58,6 +58,23 @@ def apply_tp(model, tp_mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
+def apply_ac(model) -> None:
+    """Activation checkpointing per decoder layer with torch's composable checkpoint: like fully_shard it adds
+    hooks to the module instead of wrapping it, so the modules keep their Hugging Face names; after TP (the
+    recomputed forward is the sharded one), before FSDP (torchtitan's order)."""
+    from torch.distributed._composable import checkpoint
+
+    for layer in model.model.layers:
+        checkpoint(layer)
+
+
+def apply_compile(model) -> None:
+    """torch.compile each decoder layer in place (the module keeps its name; FSDP2's hooks stay outside the
+    compiled forward), after TP and activation checkpointing, before FSDP (torchtitan's order)."""
+    for layer in model.model.layers:
+        layer.compile()
+
+
 def apply_fsdp(model, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> None:
     """FSDP2 over "dp": one group per decoder layer, then the root.
 
@@ -83,12 +100,26 @@ def offload_policy(cfg) -> OffloadPolicy:
     return OffloadPolicy()
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def policy_dtypes(options: dict) -> tuple[str, str]:
+    """(param_dtype, reduce_dtype) of the MixedPrecisionPolicy: the flags, or --mixed_precision's defaults
+    (policy: bf16 parameters in compute, fp32 reduction; autocast: fp32 both)."""
+    policy = options["mixed_precision"] == "policy"
+    return (options["param_dtype"] or ("bf16" if policy else "fp32"),
+            options["reduce_dtype"] or "fp32")
+
+
 def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
-    """fp32 parameters unless --mixed_precision policy: then FSDP2 casts the gathered parameters to bf16
-    (the whole module computes in bf16) and reduces gradients in fp32 into fp32 shards."""
-    if cfg.precision == "bf16" and cfg.options["mixed_precision"] == "policy":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+    """The MixedPrecisionPolicy of --param_dtype / --reduce_dtype: fp32 parameters and reduction unless asked.
+    --mixed_precision policy: FSDP2 casts the gathered parameters to bf16 (the whole module computes in bf16)
+    and reduces gradients in fp32 into fp32 shards. A bf16 --reduce_dtype reduces gradients in bf16: a real
+    precision difference from DDP's fp32 all-reduce, and the record says so."""
+    param, reduce = policy_dtypes(cfg.options)
+    if (param, reduce) == ("fp32", "fp32"):
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
 
 
 def global_norm(tensors: list[DTensor]) -> float:
@@ -131,6 +162,11 @@ class FSDPStrategy(Strategy):
                help="how bf16 is applied: autocast (fp32 parameters, bf16 matmuls under torch.autocast, as DDP) "
                     "or policy (FSDP2 MixedPrecisionPolicy: bf16 parameters in compute, fp32 gradient reduction "
                     "and master weights); only with --precision bf16"),
+        Option("param_dtype", None, type=str, choices=tuple(DTYPES),
+               help="FSDP2 MixedPrecisionPolicy.param_dtype: the dtype the gathered parameters compute in "
+                    "(default: bf16 with --mixed_precision policy, else fp32)"),
+        Option("reduce_dtype", None, type=str, choices=tuple(DTYPES),
+               help="FSDP2 MixedPrecisionPolicy.reduce_dtype: the dtype gradients are reduce-scattered in (default fp32)"),
         Option("offload", "none", choices=OFFLOAD,
                help="cpu: FSDP2's CPUOffloadPolicy — parameter shards, gradients and optimizer state in host "
                     "memory, the optimizer step on the CPU"),
@@ -142,6 +178,13 @@ class FSDPStrategy(Strategy):
         if settings.options["mixed_precision"] == "policy" and settings.precision != "bf16":
             raise ConfigError(f"--mixed_precision policy is a bf16 mode but --precision is {settings.precision}: "
                               f"add --precision bf16 (or --autocast)")
+        for flag in ("param_dtype", "reduce_dtype"):
+            if settings.options[flag] == "bf16" and settings.precision != "bf16":
+                raise ConfigError(f"--{flag} bf16 is a bf16 setting but --precision is {settings.precision}: add "
+                                  f"--precision bf16, or drop it")
+        if settings.options["param_dtype"] == "bf16" and settings.options["mixed_precision"] != "policy":
+            raise ConfigError("--param_dtype bf16 computes in bf16 through FSDP2's policy, and autocast would cast on "
+                              "top of it: add --mixed_precision policy")
 
     def setup(self, model) -> None:
         # Every full_tensor() of a 2-D DTensor logs that it runs one collective per mesh dim; expected here.
@@ -152,13 +195,17 @@ class FSDPStrategy(Strategy):
         model.to(self.ctx.device)
         if self.ctx.tp_size > 1:  # with tp_size 1 this is pure FSDP2 on the 1-D "dp" sub-mesh
             apply_tp(model, mesh["tp"])
+        if self.cfg.activation_checkpointing:
+            apply_ac(model)
+        if self.cfg.compile:
+            apply_compile(model)
         apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg), offload_policy(self.cfg))
         self.tp_mesh = mesh["tp"]
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.cfg)
 
     def autocast(self):
-        """With the FSDP2 policy the parameters themselves are bf16: no autocast on top."""
+        """With the FSDP2 policy the parameters themselves are in --param_dtype: no autocast on top."""
         if self.cfg.options["mixed_precision"] == "policy":
             return contextlib.nullcontext()
         return super().autocast()

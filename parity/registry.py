@@ -70,6 +70,30 @@ def import_strategy(path: str):
     return obj
 
 
+def module_folder(path: str) -> str | None:
+    """The folder Ray Train's workers need on their PYTHONPATH to import a strategy class at `path`
+    ("module:Class") as the driver did: its top-level module's, unless that is installed (site-packages) or one
+    of the harness's own (the parity package, the top-level strategy modules: every worker imports them
+    already). On a cluster of other machines the folder must be there too: a Ray job's working_dir is, or
+    install the module."""
+    import importlib.util
+    import os
+    import sys
+    import sysconfig
+
+    top = path.partition(":")[0].split(".")[0]
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.origin:
+        return None
+    source = os.path.abspath(os.path.dirname(spec.origin) if spec.submodule_search_locations else spec.origin)
+    installed = [os.path.abspath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")]
+    harness = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules[__name__].__file__)))
+    if any(source.startswith(p + os.sep) for p in installed) or os.path.dirname(source) == harness or \
+            source == os.path.join(harness, "parity"):
+        return None
+    return os.path.dirname(source)
+
+
 def option_owners() -> dict[str, str]:
     """Every strategy's own flags: {option name: the strategy that has it}, in NAMES order."""
     return {option.name: name for name in NAMES for option in strategy_class(name).options}

@@ -95,6 +95,23 @@ class FSDPTPRanksFedDifferentSlices(FSDPStrategy):
         return super().train_step(slices[other * self.ctx.tp_size], lr, observe)
 
 
+class FSDPMicroBatchMeans(FSDPStrategy):
+    """Gradient accumulation that averages per-micro-batch means (Hugging Face's Trainer before transformers 4.46,
+    #34191): each micro-batch backpropagates its own token mean ÷ the number of micro-batches, so on padded data
+    a micro-batch of few tokens weighs as much as one of many."""
+
+    def micro_batch_loss(self, summed, micro, batch, global_tokens):
+        return summed / max(micro.loss_tokens, 1) / self.cfg.grad_accum_steps
+
+
+class FSDPRankMeans(FSDPStrategy):
+    """The loss of a step as a mean of per-rank means: each DP rank normalises by its own loss tokens before the
+    DP average, so on padded data a rank of few tokens weighs as much as one of many."""
+
+    def micro_batch_loss(self, summed, micro, batch, global_tokens):
+        return summed / max(batch.loss_tokens, 1)
+
+
 # --- DeepSpeed AutoTP + ZeRO --------------------------------------------------------------------------
 
 class DeepSpeedWeightDecayAdded(DeepSpeedStrategy):
@@ -154,11 +171,13 @@ class SeededBug:
     strategy_class: type | None  # the copy with the bug; None: the real strategy with `options`
     options: dict = field(default_factory=dict)  # strategy flags of the run (a policy that is not DDP's)
     precisions: tuple = ("bf16", "fp32")  # where the bug exists (a bf16 policy has no fp32 run)
+    padded: bool = False  # a bug of unequal token counts: it shows on padded data with micro-batches
 
     @property
     def values(self) -> dict:
         """The run's flags beyond the shared setting."""
-        return {**self.options, **({"strategy_class": self.strategy_class} if self.strategy_class else {})}
+        padded = {"dataset": "synthetic_padded", "grad_accum_steps": 2} if self.padded else {}
+        return {**self.options, **padded, **({"strategy_class": self.strategy_class} if self.strategy_class else {})}
 
 
 CATALOGUE = (
@@ -169,6 +188,8 @@ CATALOGUE = (
     SeededBug("fsdp: Adam beta2 0.99", "fsdp", FSDPAdamBeta2Off),
     SeededBug("fsdp: a TP shard 1e-3 off", "fsdp", FSDPShardFault),
     SeededBug("fsdp: TP ranks fed different slices", "fsdp", FSDPTPRanksFedDifferentSlices),
+    SeededBug("fsdp: micro-batch means averaged", "fsdp", FSDPMicroBatchMeans, padded=True),
+    SeededBug("fsdp: a mean of per-rank means", "fsdp", FSDPRankMeans, padded=True),
     SeededBug("deepspeed: weight decay 0.01", "deepspeed", DeepSpeedWeightDecayAdded),
     SeededBug("deepspeed: lr x 1.05", "deepspeed", DeepSpeedLearningRateOff),
     SeededBug("deepspeed: clipping skipped", "deepspeed", DeepSpeedClippingSkipped),

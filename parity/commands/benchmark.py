@@ -43,6 +43,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--output_dir", required=True, help="benchmark.json, benchmark.md, benchmark.png, rows/<row>/")
     p.add_argument("--verbose", action="store_true",
                    help="Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/benchmark.log")
+    p.add_argument("--strategy_class", default=None, metavar="MODULE:CLASS",
+                   help="one more row: your own Strategy subclass (named by its class's name)")
     p.add_argument("--rows", default=None,
                    help=f"comma-separated rows, ddp among them (the reference); default: every row the world size "
                         f"can run, of {','.join(ROWS)}")
@@ -67,26 +69,37 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     return p
 
 
-def pick_rows(spec: str | None, num_workers: int) -> list[str]:
+def pick_rows(spec: str | None, num_workers: int, rows: dict[str, Row] = ROWS) -> list[str]:
     """The rows to run, DDP first; TP rows need an even world size."""
-    fits = [name for name, row in ROWS.items() if num_workers % row.tp_size == 0]
+    fits = [name for name, row in rows.items() if num_workers % row.tp_size == 0]
     if spec is None:
         return fits
     names = [n.strip() for n in spec.split(",") if n.strip()]
     for name in names:
-        if name not in ROWS:
-            raise ConfigError(f"--rows: unknown row '{name}': use {','.join(ROWS)}")
+        if name not in rows:
+            raise ConfigError(f"--rows: unknown row '{name}': use {','.join(rows)}")
         if name not in fits:
-            raise ConfigError(f"--rows: {name} runs at tp_size {ROWS[name].tp_size}, which does not divide "
+            raise ConfigError(f"--rows: {name} runs at tp_size {rows[name].tp_size}, which does not divide "
                               f"--num_workers {num_workers}: use an even --num_workers or leave {name} out")
     if "ddp" not in names:
         raise ConfigError("--rows must include ddp: the step-time ratio and the loss difference are against DDP's run")
     return ["ddp"] + [n for n in dict.fromkeys(names) if n != "ddp"]
 
 
-def run_values(args, name: str, out: str, on_gpu: bool) -> dict:
+def all_rows(args) -> dict[str, Row]:
+    """The rows, with --strategy_class's as one more (named by the class, at TP 2 if it shards tensors)."""
+    if not args.strategy_class:
+        return ROWS
+    from parity.registry import strategy_class
+
+    cls = strategy_class("ddp", args.strategy_class)
+    return {**ROWS, cls.name: Row(cls.name, cls.name, 2 if cls.tensor_parallel else 1,
+                                  {"strategy_class": args.strategy_class})}
+
+
+def run_values(args, name: str, out: str, on_gpu: bool, rows: dict[str, Row] = ROWS) -> dict:
     """The train_*.py flags of one row: the same global batch at every layout."""
-    row = ROWS[name]
+    row = rows[name]
     steps = args.debug_steps
     return {
         "model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
@@ -120,15 +133,16 @@ def run_benchmark(args) -> int:
     if not 0 <= args.untimed_steps < args.debug_steps:
         raise ConfigError(f"--untimed_steps {args.untimed_steps} must be at least 0 and below --debug_steps "
                           f"{args.debug_steps}: at least one step must be timed")
-    names = pick_rows(args.rows, args.num_workers)
+    rows = all_rows(args)
+    names = pick_rows(args.rows, args.num_workers, rows)
     started_ray = not ray.is_initialized()
     cluster = probe_cluster()
     on_gpu = args.device == "cuda" or (args.device == "auto" and cluster.gpus >= args.num_workers)
-    cfgs = [resolve(ROWS[n].strategy, run_values(args, n, out, on_gpu), cluster=cluster,
+    cfgs = [resolve(rows[n].strategy, run_values(args, n, out, on_gpu, rows), cluster=cluster,
                     weights_written_before_launch=True) for n in names]
     first = cfgs[0]
     save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), first.init_weights_path)
-    titles = [f"{ROWS[n].label}: {cfg.strategy} tp={cfg.tp_size} dp={cfg.dp_size} batch {cfg.batch_size} {cfg.options}"
+    titles = [f"{rows[n].label}: {cfg.strategy} tp={cfg.tp_size} dp={cfg.dp_size} batch {cfg.batch_size} {cfg.options}"
               for n, cfg in zip(names, cfgs)]
     print(f"benchmark: {len(names)} rows ({', '.join(names)}) on {args.num_workers} "
           f"{'GPU' if first.use_cuda else 'CPU'} workers, {first.model_name}, {first.precision}, global batch "
@@ -145,13 +159,13 @@ def run_benchmark(args) -> int:
                 ray.shutdown()
     print(f"all rows done in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    rows = [report.summarize_row(n, ROWS[n].label, load_record(run_record_path(cfg)), run_record_path(cfg),
-                                 args.untimed_steps) for n, cfg in zip(names, cfgs)]
+    summaries = [report.summarize_row(n, rows[n].label, load_record(run_record_path(cfg)), run_record_path(cfg),
+                                      args.untimed_steps) for n, cfg in zip(names, cfgs)]
     ddp_record = load_record(run_record_path(first))
     on_cuda = first.use_cuda
     peak, source = report.peak_flops(ddp_record["config"]["device_name"], args.peak_tflops) if on_cuda else (None, "")
     flops = report.model_flops_per_token(first.model_config, first.seq_length)
-    report.add_ratios(rows, flops, peak, first.num_workers)
+    report.add_ratios(summaries, flops, peak, first.num_workers)
     summary = {
         "model_name": first.model_name, "num_layers": first.model_config["num_hidden_layers"],
         "num_params": ddp_record["final"]["model_state"]["num_params"], "device": first.device,
@@ -161,7 +175,7 @@ def run_benchmark(args) -> int:
         "flops_per_token": flops, "peak_flops": peak, "peak_flops_source": source,
         "memory_note": ("torch.cuda.max_memory_allocated of rank 0 during the row (reset at its start)" if on_cuda else
                         "rank 0's process peak RSS during the row, dominated by the imports (~400 MiB), not the model"),
-        "rows": rows,
+        "rows": summaries,
     }
     write_json_atomic(os.path.join(out, "benchmark.json"), summary)
     table = report.markdown(summary)

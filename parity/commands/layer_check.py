@@ -24,6 +24,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true",
                    help="Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/layer_check.log")
     p.add_argument("--strategy", choices=("all", *NAMES), default="all")
+    p.add_argument("--strategy_class", default=None, metavar="MODULE:CLASS",
+                   help="also record your own Strategy subclass's step (importable here and on the workers)")
     p.add_argument("--replay", default=None, metavar="RUN_DIR",
                    help="record step --step of a training run instead, from the DDP baseline's newest checkpoint at "
                         "or before it: its run folder <storage_path>/<experiment_name> or one checkpoint in it; the "
@@ -63,9 +65,9 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity.training.cluster import probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
-    from parity.training.launch import launch
+    from parity.training.launch import launch_runs, world_groups
     from parity.training.layer_inputs import INPUTS_FILE, check_inputs, write_inputs
-    from parity.training.layer_step import layer_step_worker
+    from parity.training.layer_step import layer_steps_worker
     from parity.training.model import build_model, model_config_from_dict, parameter_names, save_init_weights
     from parity.training.replay import check_folder, write_folder
 
@@ -75,6 +77,12 @@ def check_layers(args: argparse.Namespace) -> int:
                           f"(its dumps are read back here, tensor by tensor): use a local path or a shared mount")
     storage.check_writable_dir("--output_dir", out)
     strategies = list(NAMES) if args.strategy == "all" else [args.strategy]
+    own = {}  # --strategy_class: the user's strategy, by its name, beside the others
+    if args.strategy_class:
+        from parity.registry import strategy_class
+
+        own[strategy_class("ddp", args.strategy_class).name] = args.strategy_class
+        strategies.append(next(iter(own)))
     perturb = _parse_perturb(args.perturb, strategies)
     replay = _replay_start(args)
     weights, inputs = os.path.join(out, WEIGHTS_FILE), os.path.join(out, INPUTS_FILE)
@@ -87,8 +95,9 @@ def check_layers(args: argparse.Namespace) -> int:
         check_folder(replay, out)
     cluster = probe_cluster()
     options = _strategy_options(args, strategies)
-    cfgs = {s: resolve(s, _run_values(args, s, out, cluster.gpus, options[s], replay), cluster=cluster,
-                       weights_written_before_launch=fresh) for s in strategies}
+    cfgs = {s: resolve(s, {**_run_values(args, s, out, cluster.gpus, options[s], replay, own.get(s)),
+                           **({"strategy_class": own[s]} if s in own else {})},
+                       cluster=cluster, weights_written_before_launch=fresh) for s in strategies}
     first = cfgs[strategies[0]]
     for strategy, name in perturb.items():
         known = parameter_names(model_config_from_dict(first.model_config))
@@ -111,11 +120,13 @@ def check_layers(args: argparse.Namespace) -> int:
         print(f"wrote {weights} and {inputs}")
     for cfg, _ in runs:
         check_inputs(inputs, cfg)
+    payloads = {cfg.experiment_name: {"output_dir": out, "perturb_param": perturb_param,
+                                       **({"replay": {**replay.describe(), "batches": training_data(cfg)}} if replay
+                                          else {})} for cfg, perturb_param in runs}
     with console.terminal(os.path.join(out, "layer_check.log"), args.verbose) as log, console.pointing_to(log):
-        for cfg, perturb_param in runs:
-            start = {"replay": {**replay.describe(), "batches": training_data(cfg)}} if replay else {}
-            launch(cfg, layer_step_worker, {"output_dir": out, "perturb_param": perturb_param, **start},
-                   announce_folder=False)
+        for group in world_groups([cfg for cfg, _ in runs]):  # one worker group per world size
+            launch_runs(group, [payloads[cfg.experiment_name] for cfg in group], checkpoints=False,
+                        worker=layer_steps_worker)
     if len(load_dumps(out)) < 2:
         print(f"{out} has one dump so far; run the other strategies into it, then compare_dumps.py")
         return 0
@@ -141,12 +152,14 @@ def _replay_start(args):
     return find_start(args.replay, args.step)
 
 
-def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay) -> dict:
-    """The flags of one strategy's recorded step. DDP runs at TP=1 with the same DP size. A replay keeps the
-    run's model, data and optimizer settings, and its global batch."""
+def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay, path: str | None = None) -> dict:
+    """The flags of one strategy's recorded step (the class at `path`: the user's own). DDP, and any strategy
+    that does not shard tensors, runs at TP=1 with the same DP size. A replay keeps the run's model, data and
+    optimizer settings, and its global batch."""
+    from parity.registry import strategy_class
     from parity.training.replay import KEPT
 
-    tp = 1 if strategy == "ddp" else args.tp_size
+    tp = args.tp_size if strategy_class(strategy, path).tensor_parallel else 1
     if replay:
         dp = _given(args.dp_size, replay.config["dp_size"])
         batch = _given(args.batch_size, max(1, replay.global_batch_size // max(1, dp)))

@@ -38,7 +38,8 @@ SETTINGS = (
     ("DP_SIZE", int, 2, "DP size of all three"),
     ("PRECISION", str, "auto", "fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU)"),
     ("DEVICE", str, "auto", "auto | cpu | cuda (auto: cuda with >= TP_SIZE*DP_SIZE GPUs)"),
-    ("STRATEGIES", str, " ".join(NAMES), "which runs, in order; ddp first (it writes the weights, it is the baseline)"),
+    ("STRATEGIES", str, " ".join(NAMES), "which runs, in order; ddp first (it writes the weights, it is the baseline); "
+                                         "module:Class runs your own Strategy subclass at TP_SIZE × DP_SIZE"),
     ("TOLERANCE", float, None, "override the verdict's relative loss tolerance [calibrated, or from the precision]"),
     ("NOISE_REFERENCE", str, "auto", "run DDP's twins to calibrate the verdict: on | off | auto (on in bf16)"),
     ("PYTHON", str, None, "the interpreter to run under [python3]"),
@@ -67,7 +68,7 @@ def run_main_job(args) -> int:
     from parity.training.cluster import ensure_ray, probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
-    from parity.training.launch import launch_runs
+    from parity.training.launch import launch_runs, world_groups
     from parity.training.record import REFERENCE_GLOB, load_record, run_record_path
 
     job_started = time.perf_counter()
@@ -121,15 +122,6 @@ def run_main_job(args) -> int:
     return verdict
 
 
-def world_groups(cfgs: list) -> list[list]:
-    """The runs grouped by world size, each group in the order its first run was planned (DDP's first: it writes
-    the weights), runs in plan order within a group."""
-    groups: dict[int, list] = {}
-    for cfg in cfgs:
-        groups.setdefault(cfg.num_workers, []).append(cfg)
-    return list(groups.values())
-
-
 def run_title(cfg) -> str:
     role = " (noise reference)" if cfg.noise_reference else ""
     return f"{cfg.strategy}{role} tp={cfg.tp_size} dp={cfg.dp_size} {cfg.precision}"
@@ -153,12 +145,13 @@ def time_table(times: list, total: float) -> str:
 def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
     """[(strategy, flags)] in run order: the seed's three commands, with the GPU or CPU defaults, and after
     DDP its twins (noise references) when the verdict is to be calibrated."""
-    from parity.registry import flags_for
+    from parity.registry import flags_for, option_owners, strategy_class
 
     strategies = args.strategies.split()
-    unknown = [s for s in strategies if s not in NAMES]
+    unknown = [s for s in strategies if s not in NAMES and ":" not in s]
     if unknown or not strategies:
-        raise ConfigError(f"unknown strategy '{unknown[0] if unknown else ''}' in STRATEGIES: use {', '.join(NAMES)}")
+        raise ConfigError(f"unknown strategy '{unknown[0] if unknown else ''}' in STRATEGIES: use {', '.join(NAMES)}, "
+                          f"or module:Class for your own")
     if strategies[0] != "ddp":
         raise ConfigError(f"STRATEGIES '{args.strategies}' must start with ddp: the DDP run writes the initial "
                           f"weights and is the baseline")
@@ -176,11 +169,17 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
         "loss_output_dir": storage.join(out, "loss_curves"),
         "init_weights_path": storage.join(out, "shared_weights", "init_weights.pt"),
     }
-    extra = extra_flags(args.extra_args, strategies)
+    extra = extra_flags(args.extra_args, [s for s in strategies if ":" not in s])
     plan = []
     for strategy in strategies:
         layout = ({"num_workers": args.dp_size, "dp_size": args.dp_size, "save_init_weights": True}
                   if strategy == "ddp" else {"num_workers": world, "tp_size": args.tp_size, "dp_size": args.dp_size})
+        if ":" in strategy:  # the user's own class: the run flags, its own options at their defaults, TP if it has it
+            if not strategy_class("ddp", strategy).tensor_parallel:
+                layout = {"num_workers": args.dp_size, "tp_size": 1, "dp_size": args.dp_size}
+            run = {k: v for k, v in extra.items() if k not in option_owners()}
+            plan.append(("ddp", {**common, **layout, **run, "strategy_class": strategy}))
+            continue
         plan.append((strategy, {**common, **layout, **flags_for(strategy, extra)}))
         if strategy == "ddp" and wants_noise_reference(args, on_gpu):
             ddp = plan[0][1]
@@ -189,13 +188,16 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
             for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], gpus):
                 plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
                                      "save_init_weights": False, "noise_reference": True}))
+            # and in fp32 at its own layout: how far bf16 rounding itself moves the curves (docs/tolerances.md)
+            plan.append(("ddp", {**ddp, "precision": "fp32", "save_init_weights": False, "noise_reference": True}))
     for _, values in plan:  # the runs of one world size share a worker group and its folder
         values["storage_path"] = storage.join(out, "ray_checkpoints", f"{values['num_workers']}_workers")
     return plan
 
 
 def wants_noise_reference(args, on_gpu: bool) -> bool:
-    """NOISE_REFERENCE auto: calibrate in bf16 (the GPU default), where the fixed table is blind to real bugs."""
+    """NOISE_REFERENCE auto: calibrate in bf16 (the GPU default), where the fixed table is blind to real bugs: DDP
+    again at two other layouts (the twins) and in fp32 at its own."""
     if args.noise_reference != "auto":
         return args.noise_reference == "on"
     return args.precision == "bf16" or (args.precision == "auto" and on_gpu)

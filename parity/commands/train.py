@@ -12,12 +12,17 @@ from parity.commands.common import OneLineParser, run_command
 from parity.training.config import add_run_flags, add_strategy_options, resolve
 
 
-def build_parser(strategy: str, description: str = "") -> argparse.ArgumentParser:
+def build_parser(strategy: str, description: str = "", argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The script's flags: the shared ones and the strategy's own — those of the --strategy_class given in `argv`
+    (a Strategy subclass of the user's, with options of its own) instead of the script's strategy."""
     from parity.registry import strategy_class
 
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--strategy_class", default=None)
+    path = probe.parse_known_args(sys.argv[1:] if argv is None else argv)[0].strategy_class
     parser = OneLineParser(description)
     add_run_flags(parser)
-    add_strategy_options(parser, [strategy_class(strategy)])
+    add_strategy_options(parser, [strategy_class(strategy, path)])
     return parser
 
 
@@ -47,7 +52,7 @@ def run_log(cfg) -> str:
 def main(strategy: str, description: str = "", argv: list[str] | None = None) -> int:
     """The whole of train_<strategy>.py."""
     def train() -> int:
-        run(strategy, vars(build_parser(strategy, description).parse_args(argv)))
+        run(strategy, vars(build_parser(strategy, description, argv).parse_args(argv)))
         return 0
 
     return run_command(train, "training")

@@ -71,6 +71,9 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         ratios = ", ".join(f"{NOUNS[q]} {x:.1f}" for q, x in r.noise_ratios.items())
         lines = [f"deviation ÷ noise {r.noise_ratio:.1f} ({ratios}); tolerance {NOISE_K} × noise, margin "
                  f"{NOISE_K / r.noise_ratio:.1f}×; max relative diff {worst}"]
+        if r.fp32_distance_ratios:
+            far = ", ".join(f"{NOUNS[q]} {x:.1f}×" for q, x in r.fp32_distance_ratios.items())
+            lines.append(f"how far bf16 moved it from the fp32 baseline, as a multiple of how far it moved {base}: {far}")
     else:
         bounds = ", ".join(f"{b[0]:g} ({NOUNS[q]})" for q, b in r.bounds.per_step.items())
         lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"]

@@ -112,6 +112,8 @@ class CurveResult:
     diffs: dict[str, DiffStats]  # per curve: this run's curve minus the baseline's
     noise_ratios: dict[str, float] | None  # calibrated: deviation ÷ noise per curve (the worst step)
     config_differences: list[str]  # "field: baseline's vs this run's", for fields that may explain a FAIL
+    fp32_distance_ratios: dict[str, float] | None = None  # a bf16 run's largest distance from the baseline's fp32
+    # twin ÷ the bf16 baseline's own, per curve: how much farther bf16 moves this strategy than the baseline
 
     @property
     def noise_ratio(self) -> float | None:
@@ -156,6 +158,7 @@ class Comparison:
             "against_baseline": {r.run.name: {
                 **r.verdict.to_dict(), "calibrated": r.bounds.calibrated,
                 "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
+                "fp32_distance_ratio": r.fp32_distance_ratios,
                 "config_differences": r.config_differences,
                 **{f"{key}_diff": asdict(d) for key, d in r.diffs.items()}} for r in self.results},
         }
@@ -208,8 +211,9 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     if mismatches:
         raise NotComparable(mismatches)
     _check_references(base, references, num_steps)
-    results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol))
-               for run in others]
+    fp32_twin = next((r for r in references if r.precision == "fp32" != base.precision), None)
+    results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol),
+                       fp32_twin) for run in others]
     return Comparison(base, [base, *others], num_steps, results, warnings, list(references))
 
 
@@ -315,24 +319,32 @@ def _flat(config: dict, prefix: str = "") -> dict:
     return out
 
 
-def _result(base: Run, run: Run, num_steps: int, bounds: Bounds) -> CurveResult:
+def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None) -> CurveResult:
     series = {q: _series(run, q, num_steps) for q in QUANTITIES}
     baseline = {q: _series(base, q, num_steps) for q in QUANTITIES}
     max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in QUANTITIES}
     verdict = Verdict(run.name, base.name, bounds.source, max_rel, first_outside(series, baseline, bounds))
     ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in QUANTITIES}
               if bounds.calibrated else None)
+    distance = None
+    if fp32_twin is not None and run.precision == base.precision:
+        exact = {q: _series(fp32_twin, q, num_steps) for q in QUANTITIES}
+        worst = lambda a, q: max(abs(x - e) for x, e in zip(a[q], exact[q]))  # noqa: E731
+        distance = {q: worst(series, q) / worst(baseline, q) if worst(baseline, q) else math.inf for q in QUANTITIES}
     return CurveResult(run, bounds, verdict, {q: DiffStats.of(series[q], baseline[q]) for q in QUANTITIES}, ratios,
-                       config_differences(base, run))
+                       config_differences(base, run), distance)
 
 
 def _check_references(base: Run, references: list[Run], num_steps: int) -> None:
-    """A reference measures the baseline's noise only at the baseline's precision, and only if it differs."""
+    """A reference measures the baseline's noise at the baseline's precision (a twin at another layout), or the
+    scale of bf16 rounding itself (the bf16 baseline's twin in fp32, at its own layout); and only if it differs."""
     for ref in references:
         name = storage.name(ref.file)
-        if ref.precision != base.precision:
-            raise ConfigError(f"{name} is {ref.precision} but the baseline is {base.precision}: a noise reference "
-                              f"runs at the baseline's precision")
+        layout = [ref.config[k] for k in ("tp_size", "dp_size", "batch_size")] == \
+            [base.config[k] for k in ("tp_size", "dp_size", "batch_size")]
+        if ref.precision != base.precision and not (base.precision == "bf16" and ref.precision == "fp32" and layout):
+            raise ConfigError(f"{name} is {ref.precision} but the baseline is {base.precision}: a noise reference runs "
+                              f"at the baseline's precision, or in fp32 at the bf16 baseline's own layout")
         if all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in QUANTITIES):
             raise ConfigError(f"{name} is identical to the baseline: a noise reference must run at another layout "
                               f"(e.g. --num_workers 1 --batch_size {base.config['global_batch_size']})")

@@ -238,7 +238,7 @@ def compare_pair(a: Dump, b: Dump, tolerance: float | dict[str, float], source: 
 def compare_all(dumps: dict[str, Dump], override: float | None = None, reference: Dump | None = None) -> list[PairResult]:
     if len(dumps) < 2:
         raise ConfigError(f"only {', '.join(dumps)} has a dump: a comparison needs two strategies")
-    known = [s for s in NAMES if s in dumps]
+    known = [s for s in NAMES if s in dumps] + sorted(s for s in dumps if s not in NAMES)  # yours after the three
     pairs = [(x, y) for x, y in PAIR_ORDER if x in dumps and y in dumps]
     pairs += [(x, y) for i, x in enumerate(known) for y in known[i + 1:] if (x, y) not in pairs]
     noise = rounding_noise(reference, dumps)

@@ -53,6 +53,12 @@ FLAGS = (
     ("training", "adam_epsilon", 1e-8, {"type": float}),
     ("training", "warmup_steps", 0, {"type": int, "help": "linear warm-up, then constant lr"}),
     ("training", "max_grad_norm", 1.0, {"type": float, "help": "global-norm clipping; 0 = off"}),
+    ("training", "activation_checkpointing", False,
+     {"action": "store_true", "help": "recompute each decoder layer's activations in backward (each strategy its own "
+                                      "way: docs/running.md)"}),
+    ("training", "compile", False,
+     {"action": "store_true", "help": "torch.compile each decoder layer (DDP, FSDP) or the engine's module (DeepSpeed's "
+                                      "engine.compile)"}),
     ("training", "precision", "auto",
      {"choices": PRECISIONS, "help": "fp32, or bf16 (autocast compute, fp32 master weights and optimizer "
                                      "state); auto = bf16 on GPU, fp32 on CPU"}),
@@ -113,6 +119,8 @@ class RunConfig:
     batch_size: int
     seq_length: int
     grad_accum_steps: int
+    activation_checkpointing: bool
+    compile: bool
     num_epochs: int
     debug_steps: int | None
     learning_rate: float

@@ -8,8 +8,11 @@ restarts the group up to --max_failures times, from the run's latest checkpoint 
 
 from __future__ import annotations
 
+import os
+
 from parity import console, storage
 from parity.errors import COLLATERAL, TrainingFailed
+from parity.registry import module_folder
 from parity.training.checkpoints import replace_run_folder
 from parity.training.cluster import ensure_ray
 from parity.training.config import RunConfig
@@ -35,20 +38,22 @@ def launch(cfg: RunConfig, worker, payload: dict, announce_folder: bool = True) 
 
 
 def launch_runs(cfgs: list[RunConfig], payloads: list[dict], checkpoints: bool = True,
-                titles: list[str] | None = None) -> float:
+                titles: list[str] | None = None, worker=None) -> float:
     """Train `cfgs` (one world size; their own `payloads`, {"batches": ...}) one after another in ONE worker group:
     Ray starts the workers once, not once per run. One run is launch's (its folder is Ray Train's). Several
     share --storage_path, which becomes the group's folder: each run's checkpoints go to
     <storage_path>/<experiment_name>/ as they would alone, Ray Train keeps all of them (its --keep_checkpoints
     would count the runs together), and a worker failure restarts the group, which resumes the run it was
-    training. Returns Ray start-up seconds."""
+    training. `worker` (default: the training loop's train_group_worker) takes {"runs": [...]}, as the layer
+    check's recorded steps do. Returns Ray start-up seconds."""
     from parity.training.loop import train_group_worker
 
+    worker = worker or train_group_worker
     runs = [{"cfg": cfg.to_dict(), "title": title, **payload}
             for cfg, payload, title in zip(cfgs, payloads, titles or [cfg.strategy for cfg in cfgs])]
     group = {"runs": runs, "checkpoints": checkpoints}
     if len(cfgs) == 1:
-        return launch(cfgs[0], train_group_worker, group)
+        return launch(cfgs[0], worker, group, announce_folder=checkpoints)
     first = cfgs[0]
     assert len({(c.num_workers, c.storage_path) for c in cfgs}) == 1, "a group: one world size, one storage_path"
     for cfg in cfgs:
@@ -56,9 +61,18 @@ def launch_runs(cfgs: list[RunConfig], payloads: list[dict], checkpoints: bool =
         replace_run_folder(cfg)
     ray_start_s = ensure_ray()
     storage.delete_dir(first.storage_path)  # Ray Train's own record of the group's checkpoints: a fresh group
-    _fit(first, train_group_worker, {**group, "terminal": console.active()}, storage.parent(first.storage_path),
+    _fit(first, worker, {**group, "terminal": console.active()}, storage.parent(first.storage_path),
          storage.name(first.storage_path), keep=0)
     return ray_start_s
+
+
+def world_groups(cfgs: list[RunConfig]) -> list[list[RunConfig]]:
+    """The runs grouped by world size (one worker group each), each group in the order its first run was
+    planned (the run that writes the weights first), runs in plan order within a group."""
+    groups: dict[int, list] = {}
+    for cfg in cfgs:
+        groups.setdefault(cfg.num_workers, []).append(cfg)
+    return list(groups.values())
 
 
 def _fit(cfg: RunConfig, worker, loop_config: dict, storage_path: str, name: str, keep: int) -> None:
@@ -68,6 +82,7 @@ def _fit(cfg: RunConfig, worker, loop_config: dict, storage_path: str, name: str
     from ray.train.torch import TorchConfig, TorchTrainer
 
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_cuda else {})}
+    own = module_folder(cfg.strategy_class) if cfg.strategy_class else None  # a user's own strategy module's folder
     trainer = TorchTrainer(
         worker,
         train_loop_config=loop_config,
@@ -75,7 +90,9 @@ def _fit(cfg: RunConfig, worker, loop_config: dict, storage_path: str, name: str
                                      resources_per_worker=resources),
         run_config=RayRunConfig(storage_path=storage_path, name=name,
                                 failure_config=FailureConfig(max_failures=cfg.max_failures),
-                                checkpoint_config=CheckpointConfig(num_to_keep=keep or None)),
+                                checkpoint_config=CheckpointConfig(num_to_keep=keep or None),
+                                worker_runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                                    filter(None, [own, os.environ.get("PYTHONPATH")]))}} if own else None),
         torch_config=TorchConfig(backend="nccl" if cfg.use_cuda else "gloo"),
     )
     try:

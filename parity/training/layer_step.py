@@ -83,8 +83,15 @@ def perturb_local_shard(strategy, param_name: str) -> None:
             strategy.local_piece(p).add_(PERTURBATION)
 
 
+def layer_steps_worker(payload: dict) -> None:
+    """Ray Train worker: the recorded steps of payload["runs"] (one world size), one after another in one worker
+    group."""
+    for run in payload["runs"]:
+        layer_step_worker({"terminal": payload.get("terminal", False), **run})
+
+
 def layer_step_worker(payload: dict) -> None:
-    """Ray Train worker: one fully recorded step; rank 0 writes dump_<strategy>.{safetensors,json}."""
+    """One fully recorded step; rank 0 writes dump_<strategy>.{safetensors,json}."""
     from safetensors.torch import load_file, save_file
 
     from parity.training.loop import start_worker

@@ -27,10 +27,11 @@ def record_path(output_dir: str, strategy: str) -> str:
 
 
 def run_record_path(cfg) -> str:
-    """Where a run writes its record: loss_<strategy>.json, or for a noise reference (a twin of the baseline,
-    one per layout) noise_reference_<strategy>_tp<T>_dp<D>.json."""
+    """Where a run writes its record: loss_<strategy>.json, or for a noise reference (a twin of the baseline: at
+    another layout, or in fp32 at its own) noise_reference_<strategy>_tp<T>_dp<D>_<precision>.json."""
     if cfg.noise_reference:
-        return storage.join(cfg.loss_output_dir, f"noise_reference_{cfg.strategy}_tp{cfg.tp_size}_dp{cfg.dp_size}.json")
+        name = f"noise_reference_{cfg.strategy}_tp{cfg.tp_size}_dp{cfg.dp_size}_{cfg.precision}.json"
+        return storage.join(cfg.loss_output_dir, name)
     return record_path(cfg.loss_output_dir, cfg.strategy)
 
 

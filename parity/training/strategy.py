@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parity.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Option:
@@ -165,6 +167,7 @@ class Strategy:
 
     name = "base"
     options: tuple = ()  # the strategy's own flags (Option above), in RunConfig.options
+    tensor_parallel = True  # whether it shards tensors over --tp_size (DDP and a hand-written DP do not)
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
     state_precision = "fp32"  # bytes per parameter of its model states (memory.BYTES_PER_PARAM): fp32 and autocast
 
@@ -176,7 +179,10 @@ class Strategy:
     @classmethod
     def validate(cls, settings, model_config) -> None:
         """Raise ConfigError for input this strategy cannot run; called by `resolve` before any worker
-        starts, with the flags as attributes (`settings.options`, `settings.precision`, ...)."""
+        starts, with the flags as attributes (`settings.options`, `settings.precision`, ...). It may replace an
+        option's value by what the workers need (a file's content, read here). A subclass calls it too."""
+        if not cls.tensor_parallel and settings.tp_size != 1:
+            raise ConfigError(f"{cls.name} does not shard tensors: --tp_size must be 1 (got {settings.tp_size})")
 
     # --- worker side ------------------------------------------------------------------------------
     def setup(self, model) -> None:
@@ -278,7 +284,6 @@ class Strategy:
         watching = gradient_arrivals(self.hf_model, observe) if observe else contextlib.nullcontext()
         observe = observe or (lambda point: None)
         micro_batches = batch.to(self.ctx.device).split(self.cfg.grad_accum_steps)
-        scale = self.ctx.dp_size / global_tokens
         local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         with watching:  # on the parameters as they are between steps (FSDP2's root unshards in forward)
             for i, micro in enumerate(micro_batches):
@@ -287,7 +292,7 @@ class Strategy:
                     with self.autocast():
                         logits = self.forward(micro.input_ids)
                     summed = loss_sum(logits, micro.labels)
-                    self.backward(summed * scale, last)
+                    self.backward(self.micro_batch_loss(summed, micro, batch, global_tokens), last)
                 local_sum += summed.detach().double()
         observe("after_backward")
         grad_norm = self.optimizer_step(lr)
@@ -300,6 +305,12 @@ class Strategy:
         return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
                          grad_norm=float(grad_norm), param_norm=param_norm,
                          harness_s={"loss_gather": gather_s, "param_norm": time.perf_counter() - t0})
+
+    def micro_batch_loss(self, summed: torch.Tensor, micro, batch, global_tokens: int) -> torch.Tensor:
+        """What a micro-batch backpropagates: its token-loss sum × dp_size / the global batch's loss tokens, so that
+        the strategy's average over DP ranks of the sum over micro-batches is the gradient of the global token
+        mean, whatever each rank and micro-batch holds (`micro` of this rank's `batch`)."""
+        return summed * (self.ctx.dp_size / global_tokens)
 
     def gather_dp_sums(self, local_sum: torch.Tensor, local_tokens: int) -> tuple[list[float], list[int]]:
         """Each DP rank's loss sum and loss tokens. Collective."""

@@ -1,0 +1,60 @@
+"""Your own strategy, without editing the harness: docs/custom_strategy.md's example (tests/my_strategy.py, data
+parallelism written by hand) run with --strategy_class through train_ddp.py's path and Ray Train (its module
+shipped to the workers), compared by plot_loss_curves.py and by the layer check; its copy with the classic bug
+(gradients summed over DP, never averaged) FAILs."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import PARITY, TINY, assert_fp32_parity, to_argv, train
+from parity.commands.compare_curves import main as plot_loss_curves
+from parity.commands.layer_check import main as layer_check
+
+MINE = "my_strategy:HandWrittenDP"
+
+
+def verdict(folder, capsys) -> dict:
+    code = plot_loss_curves(["--input_dir", str(folder), "--output", str(folder / "c.png")])
+    capsys.readouterr()
+    return {"code": code, **json.loads((folder / "curve_comparison.json").read_text())["against_baseline"]}
+
+
+def test_your_strategy_runs_end_to_end_and_passes(ddp_baseline, tiny_weights, tmp_path, capsys):
+    record = train("ddp", tmp_path, strategy_class=MINE, num_workers=2, batch_size=2, precision="fp32",
+                   init_weights_path=tiny_weights, **PARITY)
+    assert (record["strategy"], record["config"]["strategy_class"]) == ("hand_written_dp", MINE)
+    assert record["config"]["fingerprint"]["strategy_code"]["files"] == ["my_strategy.py"]
+    assert_fp32_parity(record, ddp_baseline)
+    assert (tmp_path / "ray" / "hand_written_dp_tp1_dp2" / "step_000012" / "hand_written_dp.pt").exists()
+    folder = tmp_path / "compare"
+    folder.mkdir()
+    shutil.copy(tmp_path / "loss" / "loss_hand_written_dp.json", folder)
+    shutil.copy(f"{ddp_baseline['config']['loss_output_dir']}/loss_ddp.json", folder)
+    result = verdict(folder, capsys)
+    assert (result["code"], result["hand_written_dp"]["verdict"]) == (0, "PASS")
+
+
+def test_your_strategy_with_its_classic_bug_fails(ddp_baseline, tiny_weights, tmp_path, capsys):
+    from parity.training.local_group import plan, run_group
+
+    run_group([plan("ddp", {**TINY, **PARITY, "strategy_class": "my_strategy:HandWrittenDPSummed", "num_workers": 2,
+                            "batch_size": 2, "precision": "fp32", "init_weights_path": tiny_weights,
+                            "loss_output_dir": tmp_path, "storage_path": tmp_path / "ray", "checkpoint_interval": 0})])
+    shutil.copy(f"{ddp_baseline['config']['loss_output_dir']}/loss_ddp.json", tmp_path)
+    result = verdict(tmp_path, capsys)
+    first = result["hand_written_dp"]["first_outside"]
+    assert (result["code"], result["hand_written_dp"]["verdict"], first["step"], first["quantity"]) == (
+        1, "FAIL", 0, "grad_norm")
+    assert first["value"] == pytest.approx(2 * first["reference"], rel=1e-5)  # summed over 2 ranks
+
+
+def test_the_layer_check_takes_your_strategy(tmp_path, capsys):
+    code = layer_check(to_argv({"output_dir": tmp_path, "strategy": "ddp", "strategy_class": MINE, "device": "cpu",
+                                "seq_length": 64, "dp_size": 2}))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    (pair,) = json.loads((tmp_path / "layer_comparison.json").read_text())["pairs"]
+    assert (pair["run"], pair["reference"], pair["verdict"]) == ("hand_written_dp", "ddp", "PASS")
+    assert max(row["rel"] for row in pair["rows"]) < 1e-5
