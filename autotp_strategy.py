@@ -97,6 +97,7 @@ class DeepSpeedStrategy(Strategy):
         if self.cfg.activation_checkpointing:  # the Hugging Face model's own, as DeepSpeed's HF integration uses
             model.activation_checkpointing_enable()
         optimizer = build_optimizer(model.parameters(), self.cfg)  # AutoTP keeps the Parameter objects
+        forget_other_tp_layout(self.cfg.tp_size)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(self.cfg))  # [2]
         self.model = self.engine
         check_rank_layout(self.engine, self.ctx)  # [3]
@@ -324,6 +325,19 @@ OWNED_KEYS = (
 # comparison's, and fp16 is no precision of the harness.
 REFUSED_KEYS = {"optimizer": "the shared torch AdamW", "scheduler": "the shared warm-up schedule (--warmup_steps)",
                 "train_batch_size": "--batch_size × DP (DeepSpeed counts TP ranks into it)", "fp16": "--precision"}
+
+
+def forget_other_tp_layout(tp_size: int) -> None:
+    """DeepSpeed keeps its TP and DP groups process-global (deepspeed.utils.groups) once an AutoTP engine made
+    them, and every later engine in the process reuses them: a run after one of another TP size in the same
+    worker process (runs sharing a worker group, e.g. ZeRO at TP=1 after AutoTP at TP=2) would get the old
+    layout's groups, or fail on them. Forget them when the layout differs; the same layout keeps them."""
+    from deepspeed.utils import groups
+
+    cached = groups._TENSOR_MODEL_PARALLEL_GROUP
+    if cached is not None and torch.distributed.get_world_size(cached) != tp_size:
+        groups.mpu = None
+        groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._DATA_PARALLEL_GROUP = None
 
 
 def read_user_config(path: str, settings) -> dict:

@@ -97,33 +97,92 @@ def series(record: dict, key: str) -> list[float]:
 PARITY = {"debug_steps": 12, "learning_rate": 1e-4, "device": "cpu", "log_interval": 4, "checkpoint_interval": 4}
 
 
+CUSTOM = "my_strategy:HandWrittenDP"  # docs/custom_strategy.md's example, tests/my_strategy.py
+FP32, BF16 = {"precision": "fp32"}, {"precision": "bf16"}
+DDP_DP2 = {"num_workers": 2, "batch_size": 2}
+TP2_DP2 = {"num_workers": 4, "tp_size": 2, "batch_size": 2}
+CLIP = 0.05  # far below the ~1.0–1.2 pre-clip norms of the parity runs: every step clips
+DDP_LEARNS = {"debug_steps": 100, "learning_rate": 1e-3, "checkpoint_interval": 50}  # test_ddp_ray: the preset's lr
+
+# The strategy runs several test modules share, name → (strategy, flags beyond **PARITY). RAY_RUNS go through Ray
+# Train, in one worker group per world size (launch_runs, as the main job does), with their checkpoints: the
+# baselines the checkpoint tests copy, damage, kill and replay, DDP's layout and rerun checks (test_ddp_ray, 100
+# steps), and a user's own strategy module shipped to the workers. LOCAL_RUNS are the other parity runs, in local
+# gloo groups: what they check is the strategies' arithmetic, to which Ray adds nothing.
+RAY_RUNS = {
+    "ddp_tp1_dp2": ("ddp", {**DDP_DP2, **FP32}),  # the fp32 baseline of every parity test
+    "deepspeed_tp2_dp2": ("deepspeed", {**TP2_DP2, **FP32, "zero_stage": 1}),
+    "fsdp_tp2_dp2": ("fsdp", {**TP2_DP2, **FP32}),
+    "hand_written_dp_tp1_dp2": ("ddp", {**DDP_DP2, **FP32, "strategy_class": CUSTOM}),
+    "ddp_two": ("ddp", {**DDP_DP2, **FP32, **DDP_LEARNS}),
+    "ddp_rerun": ("ddp", {**DDP_DP2, **FP32, **DDP_LEARNS}),
+    "ddp_one": ("ddp", {"num_workers": 1, "batch_size": 4, **FP32, **DDP_LEARNS}),
+}
+LOCAL_RUNS = {
+    "ddp_bf16": ("ddp", {**DDP_DP2, **BF16}),  # the bf16 reference
+    "ddp_clip": ("ddp", {**DDP_DP2, **FP32, "max_grad_norm": CLIP}),
+    "deepspeed_tp2_dp1": ("deepspeed", {"num_workers": 2, "tp_size": 2, "batch_size": 4, **FP32}),
+    "deepspeed_tp1_dp2": ("deepspeed", {**DDP_DP2, **FP32}),
+    "deepspeed_tp2_dp2_zero2": ("deepspeed", {**TP2_DP2, **FP32, "zero_stage": 2}),
+    "deepspeed_tp2_dp2_zero3": ("deepspeed", {**TP2_DP2, **FP32, "zero_stage": 3}),
+    "deepspeed_bf16": ("deepspeed", {**TP2_DP2, **BF16}),
+    "fsdp_tp1_dp2": ("fsdp", {**DDP_DP2, **FP32}),
+    "fsdp_tp2_dp1_clip": ("fsdp", {"num_workers": 2, "tp_size": 2, "batch_size": 4, **FP32, "max_grad_norm": CLIP}),
+    "fsdp_bf16_autocast": ("fsdp", {**TP2_DP2, **BF16, "mixed_precision": "autocast"}),
+    "fsdp_bf16_policy": ("fsdp", {**TP2_DP2, **BF16, "mixed_precision": "policy"}),
+}
+
+
 @pytest.fixture(scope="session")
-def ddp_baseline(ray_cluster, tiny_weights, tmp_path_factory):
+def shared_runs(ray_cluster, tiny_weights, tmp_path_factory) -> dict:
+    """Every run of RAY_RUNS and LOCAL_RUNS, by name: its loss record."""
+    from parity.training.cluster import Cluster
+    from parity.training.config import resolve
+    from parity.training.data import training_data
+    from parity.training.launch import launch_runs, world_groups
+    from parity.training.local_group import plan, run_group
+    from parity.training.record import run_record_path
+
+    root = tmp_path_factory.mktemp("shared_runs")
+
+    def values(name, strategy, flags, storage):
+        return {**TINY, **PARITY, "init_weights_path": tiny_weights, "loss_output_dir": root / name / "loss",
+                "storage_path": storage, "experiment_name": name, **flags}
+
+    cfgs = [resolve(strategy, values(name, strategy, flags, root / f"ray_{flags['num_workers']}"),
+                    cluster=Cluster(cpus=2, gpus=0)) for name, (strategy, flags) in RAY_RUNS.items()]
+    for group in world_groups(cfgs):
+        launch_runs(group, [{"batches": training_data(cfg)} for cfg in group])
+    planned = [plan(strategy, {**values(name, strategy, flags, root / "local"), "checkpoint_interval": 0})
+               for name, (strategy, flags) in LOCAL_RUNS.items()]
+    for world in sorted({cfg.num_workers for cfg, _ in planned}):
+        run_group([run for run in planned if run[0].num_workers == world])
+    return {cfg.experiment_name: load_record(run_record_path(cfg)) for cfg in [*cfgs, *(c for c, _ in planned)]}
+
+
+@pytest.fixture(scope="session")
+def ddp_baseline(shared_runs):
     """DDP, DP=2 × batch 2, fp32: the reference every fp32 strategy test compares against."""
-    return train("ddp", tmp_path_factory.mktemp("ddp_fp32"), num_workers=2, batch_size=2, precision="fp32",
-                 init_weights_path=tiny_weights, **PARITY)
+    return shared_runs["ddp_tp1_dp2"]
 
 
 @pytest.fixture(scope="session")
-def deepspeed_tp2_dp2(ray_cluster, tiny_weights, tmp_path_factory):
+def deepspeed_tp2_dp2(shared_runs):
     """DeepSpeed AutoTP=2 × ZeRO-1 DP=2, fp32: its parity test's run, and the uninterrupted run a resumed one
     must equal."""
-    return train("deepspeed", tmp_path_factory.mktemp("deepspeed_tp2_dp2"), num_workers=4, tp_size=2, batch_size=2,
-                 zero_stage=1, precision="fp32", init_weights_path=tiny_weights, **PARITY)
+    return shared_runs["deepspeed_tp2_dp2"]
 
 
 @pytest.fixture(scope="session")
-def fsdp_tp2_dp2(ray_cluster, tiny_weights, tmp_path_factory):
+def fsdp_tp2_dp2(shared_runs):
     """FSDP2 + TP=2 × DP=2, fp32: its parity test's run, and the uninterrupted run a resumed one must equal."""
-    return train("fsdp", tmp_path_factory.mktemp("fsdp_tp2_dp2"), num_workers=4, tp_size=2, batch_size=2,
-                 precision="fp32", init_weights_path=tiny_weights, **PARITY)
+    return shared_runs["fsdp_tp2_dp2"]
 
 
 @pytest.fixture(scope="session")
-def ddp_baseline_bf16(ray_cluster, tiny_weights, tmp_path_factory):
+def ddp_baseline_bf16(shared_runs):
     """DDP, DP=2 × batch 2, bf16 autocast with fp32 master weights: the bf16 reference."""
-    return train("ddp", tmp_path_factory.mktemp("ddp_bf16"), num_workers=2, batch_size=2, precision="bf16",
-                 init_weights_path=tiny_weights, **PARITY)
+    return shared_runs["ddp_bf16"]
 
 
 def final_parameters(record: dict) -> dict:

@@ -49,7 +49,10 @@ KILL = '''if self.ctx.rank == {rank} and not os.path.exists({marker!r}):
 # From here on no file this process writes may grow beyond {limit} bytes: the kernel refuses the write
 # (EFBIG, "File too large") as a full disk refuses it (ENOSPC). The tests run as root, for whom no
 # directory is read-only, and mounting a small filesystem would need privileges CI may not have.
-FILE_SIZE_LIMIT = '''resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))'''
+# Once per rank (marker files remember it): the same command with --resume runs the same code without the fault.
+FILE_SIZE_LIMIT = '''if not os.path.exists({marker!r} + str(self.ctx.rank)):
+                open({marker!r} + str(self.ctx.rank), "w").close()
+                resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))'''
 
 
 def write_copy(directory, strategy: str, method: str, call: int, before: bool, fault: str) -> str:
@@ -69,8 +72,9 @@ def kill_once(directory, strategy: str, step: int, rank: int = 1) -> str:
 
 
 def file_size_limit(directory, strategy: str, method: str, call: int, before: bool, limit: int) -> str:
-    """Every rank's files stop growing beyond `limit` bytes before (or after) call `call` of `method`."""
-    return write_copy(directory, strategy, method, call, before, FILE_SIZE_LIMIT.format(limit=limit))
+    """Every rank's files stop growing beyond `limit` bytes before (or after) call `call` of `method`, once."""
+    marker = os.path.join(str(directory), f"{strategy}.size_limited.")
+    return write_copy(directory, strategy, method, call, before, FILE_SIZE_LIMIT.format(limit=limit, marker=marker))
 
 
 # A strategy that changed since a run: every step at twice the learning rate (a "fix" its user tries).

@@ -4,15 +4,15 @@ shipped to the workers), compared by plot_loss_curves.py and by the layer check;
 (gradients summed over DP, never averaged) FAILs."""
 
 import json
+import os
 import shutil
 
 import pytest
 
-from conftest import PARITY, TINY, assert_fp32_parity, to_argv, train
+from conftest import CUSTOM, PARITY, TINY, assert_fp32_parity, to_argv
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.commands.layer_check import main as layer_check
 
-MINE = "my_strategy:HandWrittenDP"
 
 
 def verdict(folder, capsys) -> dict:
@@ -21,17 +21,17 @@ def verdict(folder, capsys) -> dict:
     return {"code": code, **json.loads((folder / "curve_comparison.json").read_text())["against_baseline"]}
 
 
-def test_your_strategy_runs_end_to_end_and_passes(ddp_baseline, tiny_weights, tmp_path, capsys):
-    record = train("ddp", tmp_path, strategy_class=MINE, num_workers=2, batch_size=2, precision="fp32",
-                   init_weights_path=tiny_weights, **PARITY)
-    assert (record["strategy"], record["config"]["strategy_class"]) == ("hand_written_dp", MINE)
+def test_your_strategy_runs_end_to_end_and_passes(shared_runs, ddp_baseline, tmp_path, capsys):
+    """Trained through Ray Train with checkpoints, in the shared 2-worker group (conftest's RAY_RUNS)."""
+    record = shared_runs["hand_written_dp_tp1_dp2"]
+    assert (record["strategy"], record["config"]["strategy_class"]) == ("hand_written_dp", CUSTOM)
     assert record["config"]["fingerprint"]["strategy_code"]["files"] == ["my_strategy.py"]
     assert_fp32_parity(record, ddp_baseline)
-    assert (tmp_path / "ray" / "hand_written_dp_tp1_dp2" / "step_000012" / "hand_written_dp.pt").exists()
-    folder = tmp_path / "compare"
-    folder.mkdir()
-    shutil.copy(tmp_path / "loss" / "loss_hand_written_dp.json", folder)
-    shutil.copy(f"{ddp_baseline['config']['loss_output_dir']}/loss_ddp.json", folder)
+    folder = os.path.join(record["config"]["storage_path"], record["config"]["experiment_name"])
+    assert os.path.exists(os.path.join(folder, "step_000012", "hand_written_dp.pt"))
+    shutil.copy(f"{record['config']['loss_output_dir']}/loss_hand_written_dp.json", tmp_path)
+    shutil.copy(f"{ddp_baseline['config']['loss_output_dir']}/loss_ddp.json", tmp_path)
+    folder = tmp_path
     result = verdict(folder, capsys)
     assert (result["code"], result["hand_written_dp"]["verdict"]) == (0, "PASS")
 
@@ -51,7 +51,7 @@ def test_your_strategy_with_its_classic_bug_fails(ddp_baseline, tiny_weights, tm
 
 
 def test_the_layer_check_takes_your_strategy(tmp_path, capsys):
-    code = layer_check(to_argv({"output_dir": tmp_path, "strategy": "ddp", "strategy_class": MINE, "device": "cpu",
+    code = layer_check(to_argv({"output_dir": tmp_path, "strategy": "ddp", "strategy_class": CUSTOM, "device": "cpu",
                                 "seq_length": 64, "dp_size": 2}))
     out = capsys.readouterr().out
     assert code == 0, out

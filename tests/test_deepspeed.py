@@ -1,10 +1,10 @@
-"""DeepSpeed AutoTP + ZeRO against DDP through real Ray Train jobs: fp32 parity in every layout and ZeRO
-stage, bf16, the HF checkpoint; module outputs and gradients gathered to full size; the engine config; bad
-input.
+"""DeepSpeed AutoTP + ZeRO against DDP: fp32 parity in every layout and ZeRO stage, bf16, the HF checkpoint;
+module outputs and gradients gathered to full size; the engine config; bad input.
 
 Every parity run uses **PARITY and global batch 4, so DDP's DP=2 × batch 2 run is the baseline of
-TP=2×DP=2 × batch 2, TP=2×DP=1 × batch 4 and TP=1×DP=2 × batch 2 alike. Six Ray runs of DeepSpeed, one
-of them the session's TP=2×DP=2 fp32 run, besides the session baselines. At the default --max_grad_norm 1.0
+TP=2×DP=2 × batch 2, TP=2×DP=1 × batch 4 and TP=1×DP=2 × batch 2 alike. The runs are conftest's shared ones:
+DeepSpeed's TP=2×DP=2 fp32 run and DDP's baseline through Ray Train, the other layouts, stages and bf16 in
+local gloo groups. At the default --max_grad_norm 1.0
 every step of these runs clips (pre-clip norms 1.01–1.17), so the parameter checks cover DeepSpeed's
 clipping too.
 """
@@ -17,31 +17,23 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import (FP32_RTOL, PARITY, REPO, TP_LAYOUT_ERRORS, assert_bf16_parity, assert_fp32_parity,
-                      checkpoint_loss, free_port, series, to_argv, tp2_strategy, tp_flags, train)
+from conftest import (FP32_RTOL, REPO, TP_LAYOUT_ERRORS, assert_bf16_parity, assert_fp32_parity,
+                      checkpoint_loss, free_port, series, to_argv, tp2_strategy, tp_flags)
 from parity.errors import ConfigError
 from parity.training.config import resolve
 
 
-def deepspeed_run(tmp_path_factory, weights, name, **flags):
-    return train("deepspeed", tmp_path_factory.mktemp(name), init_weights_path=weights, **{**PARITY, **flags})
+@pytest.fixture(scope="module")
+def runs(shared_runs):
+    """The fp32 layouts and ZeRO stages (conftest's shared runs: TP=2 × DP=2 × ZeRO-1 through Ray Train, the others
+    in local gloo groups)."""
+    return {name: shared_runs[f"deepspeed_{name}"] for name in ("tp2_dp2", "tp2_dp1", "tp1_dp2", "tp2_dp2_zero2",
+                                                               "tp2_dp2_zero3")}
 
 
 @pytest.fixture(scope="module")
-def runs(deepspeed_tp2_dp2, tiny_weights, tmp_path_factory):
-    """The fp32 layouts and ZeRO stages: (tp, dp, batch, zero stage); TP=2 × DP=2 × ZeRO-1 is the session's."""
-    layouts = {"tp2_dp1": (2, 1, 4, 1), "tp1_dp2": (1, 2, 2, 1), "tp2_dp2_zero2": (2, 2, 2, 2),
-               "tp2_dp2_zero3": (2, 2, 2, 3)}
-    return {"tp2_dp2": deepspeed_tp2_dp2,
-            **{name: deepspeed_run(tmp_path_factory, tiny_weights, name, num_workers=tp * dp, tp_size=tp, dp_size=dp,
-                                   batch_size=batch, zero_stage=stage, precision="fp32")
-               for name, (tp, dp, batch, stage) in layouts.items()}}
-
-
-@pytest.fixture(scope="module")
-def bf16_run(ray_cluster, tiny_weights, tmp_path_factory):
-    return deepspeed_run(tmp_path_factory, tiny_weights, "bf16", num_workers=4, tp_size=2, batch_size=2,
-                         precision="bf16")
+def bf16_run(shared_runs):
+    return shared_runs["deepspeed_bf16"]
 
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp2_dp1", "tp1_dp2", "tp2_dp2_zero2", "tp2_dp2_zero3"])
@@ -60,7 +52,7 @@ def test_record_describes_the_run(runs):
     assert runs["tp2_dp2"]["strategy"] == "deepspeed" and runs["tp2_dp2"]["complete"] is True
     assert (cfg["world_size"], cfg["tp_size"], cfg["dp_size"], cfg["backend"]) == (4, 2, 2, "gloo")
     assert cfg["options"] == {"zero_stage": 1, "bf16_master_weights": False, "offload_optimizer": "none",
-                              "offload_param": "none", "reduce_bucket_size": 500_000_000}
+                              "offload_param": "none", "reduce_bucket_size": 500_000_000, "deepspeed_config": None}
     assert runs["tp2_dp2_zero3"]["config"]["options"]["zero_stage"] == 3
     assert cfg["fingerprint"]["strategy_code"]["files"] == ["autotp_strategy.py"]
 
@@ -184,11 +176,11 @@ def test_good_input_resolves(tmp_path, tiny_weights):
     cfg = resolve("deepspeed", tp_flags(tmp_path, tiny_weights, zero_stage=3, bf16_master_weights=True, autocast=True))
     assert (cfg.tp_size, cfg.dp_size, cfg.precision) == (2, 2, "bf16")
     assert cfg.options == {"zero_stage": 3, "bf16_master_weights": True, "offload_optimizer": "none",
-                           "offload_param": "none", "reduce_bucket_size": 500_000_000}
+                           "offload_param": "none", "reduce_bucket_size": 500_000_000, "deepspeed_config": None}
     assert cfg.experiment_name == "deepspeed_tp2_dp2"
     default = resolve("deepspeed", tp_flags(tmp_path, tiny_weights))
     assert default.options == {"zero_stage": 1, "bf16_master_weights": False, "offload_optimizer": "none",
-                               "offload_param": "none", "reduce_bucket_size": 500_000_000}
+                               "offload_param": "none", "reduce_bucket_size": 500_000_000, "deepspeed_config": None}
 
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):

@@ -1,9 +1,10 @@
-"""FSDP2 + DTensor TP against DDP through real Ray Train jobs: fp32 parity in every layout, clipping across
-meshes, the two bf16 modes, the HF checkpoint, bad input; and module outputs gathered to full size.
+"""FSDP2 + DTensor TP against DDP: fp32 parity in every layout, clipping across meshes, the two bf16 modes, the HF
+checkpoint, bad input; and module outputs gathered to full size.
 
 Every parity run uses **PARITY and global batch 4, so DDP's DP=2 × batch 2 run is the baseline of
-TP=2×DP=2 × batch 2, TP=2×DP=1 × batch 4 and TP=1×DP=2 × batch 2 alike. Five Ray runs of FSDP and one of
-DDP (with clipping at 0.05), besides the shared session runs (DDP's, and FSDP's TP=2×DP=2 fp32 run).
+TP=2×DP=2 × batch 2, TP=2×DP=1 × batch 4 and TP=1×DP=2 × batch 2 alike. The runs are conftest's shared ones:
+FSDP's TP=2×DP=2 fp32 run and DDP's baseline through Ray Train, the other layouts, DDP clipped at 0.05 and the
+bf16 runs in local gloo groups.
 """
 
 import os
@@ -14,17 +15,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import (FP32_RTOL, PARITY, REPO, TP_LAYOUT_ERRORS, assert_bf16_parity, assert_fp32_parity,
-                      checkpoint_loss, free_port, series, to_argv, tp2_strategy, tp_flags, train)
+from conftest import (CLIP, FP32_RTOL, REPO, TP_LAYOUT_ERRORS, assert_bf16_parity, assert_fp32_parity,
+                      checkpoint_loss, free_port, series, to_argv, tp2_strategy, tp_flags)
 from parity.errors import ConfigError
 from parity.training.config import resolve
-
-CLIP = 0.05  # far below the ~1.0–1.2 pre-clip norms of these runs: every step clips
-
-
-def fsdp_run(tmp_path_factory, weights, name, **flags):
-    return train("fsdp", tmp_path_factory.mktemp(name), init_weights_path=weights, **{**PARITY, **flags})
-
 
 @pytest.fixture(scope="module")
 def tp2_dp2(fsdp_tp2_dp2):
@@ -32,30 +26,25 @@ def tp2_dp2(fsdp_tp2_dp2):
 
 
 @pytest.fixture(scope="module")
-def tp1_dp2(ray_cluster, tiny_weights, tmp_path_factory):
-    return fsdp_run(tmp_path_factory, tiny_weights, "tp1_dp2", num_workers=2, tp_size=1, batch_size=2,
-                    precision="fp32")
+def tp1_dp2(shared_runs):
+    return shared_runs["fsdp_tp1_dp2"]
 
 
 @pytest.fixture(scope="module")
-def tp2_dp1_clipped(ray_cluster, tiny_weights, tmp_path_factory):
-    """TP=2×DP=1: gradients on two meshes, (dp=1, tp=2) and (dp=1,), all clipped at every step."""
-    return fsdp_run(tmp_path_factory, tiny_weights, "tp2_dp1_clip", num_workers=2, tp_size=2, batch_size=4,
-                    precision="fp32", max_grad_norm=CLIP)
+def tp2_dp1_clipped(shared_runs):
+    """TP=2×DP=1: gradients on two meshes, (dp=1, tp=2) and (dp=1,), all clipped at every step (at CLIP)."""
+    return shared_runs["fsdp_tp2_dp1_clip"]
 
 
 @pytest.fixture(scope="module")
-def ddp_clipped(ray_cluster, tiny_weights, tmp_path_factory):
-    return train("ddp", tmp_path_factory.mktemp("ddp_clip"), init_weights_path=tiny_weights,
-                 **{**PARITY, "num_workers": 2, "batch_size": 2, "precision": "fp32", "max_grad_norm": CLIP})
+def ddp_clipped(shared_runs):
+    return shared_runs["ddp_clip"]
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(ray_cluster, tiny_weights, tmp_path_factory):
+def bf16_runs(shared_runs):
     """TP=2×DP=2 in both bf16 modes."""
-    return {mode: fsdp_run(tmp_path_factory, tiny_weights, f"bf16_{mode}", num_workers=4, tp_size=2, batch_size=2,
-                           precision="bf16", mixed_precision=mode)
-            for mode in ("autocast", "policy")}
+    return {mode: shared_runs[f"fsdp_bf16_{mode}"] for mode in ("autocast", "policy")}
 
 
 def test_tp2_dp2_fp32_matches_ddp(tp2_dp2, ddp_baseline):
@@ -84,7 +73,8 @@ def test_tp2_dp1_clipped_across_meshes_matches_ddp(tp2_dp1_clipped, ddp_clipped)
 def test_bf16_matches_ddp_bf16(bf16_runs, ddp_baseline_bf16, ddp_baseline, mode):
     run = bf16_runs[mode]
     assert run["config"]["precision"] == "bf16"
-    assert run["config"]["options"] == {"mixed_precision": mode, "offload": "none"}
+    assert run["config"]["options"] == {"mixed_precision": mode, "offload": "none", "param_dtype": None,
+                                        "reduce_dtype": None}
     assert_bf16_parity(run, ddp_baseline_bf16, ddp_baseline)
 
 
@@ -172,11 +162,12 @@ def test_resolve_rejects(tmp_path, tiny_weights, over, message):
 
 def test_good_input_resolves(tmp_path, tiny_weights):
     cfg = resolve("fsdp", tp_flags(tmp_path, tiny_weights, mixed_precision="policy", autocast=True))
-    assert (cfg.tp_size, cfg.dp_size, cfg.precision, cfg.options) == (2, 2, "bf16", {"mixed_precision": "policy",
-                                                                                       "offload": "none"})
+    assert (cfg.tp_size, cfg.dp_size, cfg.precision, cfg.options) == (2, 2, "bf16", {
+        "mixed_precision": "policy", "offload": "none", "param_dtype": None, "reduce_dtype": None})
     assert cfg.experiment_name == "fsdp_tp2_dp2"
     default = resolve("fsdp", tp_flags(tmp_path, tiny_weights))
-    assert default.options == {"mixed_precision": "autocast", "offload": "none"}
+    assert default.options == {"mixed_precision": "autocast", "offload": "none", "param_dtype": None,
+                               "reduce_dtype": None}
 
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):

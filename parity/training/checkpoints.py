@@ -199,11 +199,13 @@ def write_problem(action, what: str, errors=(OSError,)) -> str | None:
 
 class RayTrainSession:
     """The Ray Train calls of one run's loop (a loop in a test's local process group runs without them). A worker
-    group may train several runs one after another (launch_group): each run's checkpoints are then reported
-    under `prefix`, "<experiment_name>/", inside the group's folder, and only those are the run's."""
+    group may train several runs one after another (launch_runs): each run's checkpoints are then reported
+    under `prefix`, "<experiment_name>/", inside the group's folder, and only those are the run's. `folder` is
+    the run's folder, <storage_path>/<experiment_name>: a --resume of a run Ray Train holds no record of (a
+    run of a shared group, a folder copied elsewhere) finds its checkpoints there."""
 
-    def __init__(self, prefix: str = ""):
-        self.prefix = prefix
+    def __init__(self, folder: str, prefix: str = "", resume: bool = False):
+        self.folder, self.prefix, self.resume = folder, prefix, resume
 
     def resuming(self) -> bool:
         """Whether Ray Train holds a checkpoint of this run (after a worker failure, or with --resume)."""
@@ -218,21 +220,30 @@ class RayTrainSession:
                          checkpoint_dir_name=self.prefix + name)
 
     def checkpoints(self) -> list:
-        """The run's registered checkpoints, the latest reported first, then by step, newest first."""
+        """The run's registered checkpoints, the latest reported first, then by step, newest first; with --resume
+        and none registered, the checkpoints in the run's folder, newest first."""
         import ray.train
 
         if ray.train.get_checkpoint() is None:
-            return []
+            return self._in_folder() if self.resume else []
         experiment = ray.train.get_context().get_storage().experiment_fs_path.rstrip("/") + "/"
         reported = [r for r in ray.train.get_all_reported_checkpoints(
             consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
             if r.checkpoint.path.startswith(experiment + self.prefix)
             and "/" not in r.checkpoint.path[len(experiment + self.prefix):].strip("/")]
         if not reported:
-            return []
+            return self._in_folder() if self.resume else []
         latest, older = reported[-1], reported[:-1]
         return [latest.checkpoint, *(r.checkpoint for r in sorted(older, key=lambda r: r.metrics.get("step", -1),
                                                                    reverse=True))]
+
+    def _in_folder(self) -> list:
+        import ray.train
+
+        fs, _ = storage.filesystem(self.folder)
+        paths = [storage.local_path(p) or p.split("://", 1)[-1].split("?")[0]
+                 for p in reversed(storage.list_dirs(self.folder, DIR_PREFIX + "*"))]
+        return [ray.train.Checkpoint(path, filesystem=fs) for path in paths]
 
     def remove_partial(self, name: str) -> None:
         """Delete what a failed report copied of a checkpoint Ray Train did not register."""

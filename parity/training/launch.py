@@ -32,7 +32,7 @@ def launch(cfg: RunConfig, worker, payload: dict, announce_folder: bool = True) 
     if note and announce_folder:
         console.say(f"[{cfg.strategy}] {note}")
     ray_start_s = ensure_ray()
-    _fit(cfg, worker, {"cfg": cfg.to_dict(), "terminal": console.active(), **payload}, cfg.storage_path,
+    _fit([cfg], worker, {"cfg": cfg.to_dict(), "terminal": console.active(), **payload}, cfg.storage_path,
          cfg.experiment_name, cfg.keep_checkpoints)
     return ray_start_s
 
@@ -44,7 +44,7 @@ def launch_runs(cfgs: list[RunConfig], payloads: list[dict], checkpoints: bool =
     share --storage_path, which becomes the group's folder: each run's checkpoints go to
     <storage_path>/<experiment_name>/ as they would alone, Ray Train keeps all of them (its --keep_checkpoints
     would count the runs together), and a worker failure restarts the group, which resumes the run it was
-    training. `worker` (default: the training loop's train_group_worker) takes {"runs": [...]}, as the layer
+    training (each run keeps its own --max_failures). `worker` (default: the training loop's train_group_worker) takes {"runs": [...]}, as the layer
     check's recorded steps do. Returns Ray start-up seconds."""
     from parity.training.loop import train_group_worker
 
@@ -61,9 +61,15 @@ def launch_runs(cfgs: list[RunConfig], payloads: list[dict], checkpoints: bool =
         replace_run_folder(cfg)
     ray_start_s = ensure_ray()
     storage.delete_dir(first.storage_path)  # Ray Train's own record of the group's checkpoints: a fresh group
-    _fit(first, worker, {**group, "terminal": console.active()}, storage.parent(first.storage_path),
+    _fit(cfgs, worker, {**group, "terminal": console.active()}, storage.parent(first.storage_path),
          storage.name(first.storage_path), keep=0)
     return ray_start_s
+
+
+def _max_failures(cfgs: list[RunConfig]) -> int:
+    """Restarts a group may make: each run keeps its own --max_failures (-1: no limit)."""
+    budgets = [c.max_failures for c in cfgs]
+    return -1 if -1 in budgets else sum(budgets)
 
 
 def world_groups(cfgs: list[RunConfig]) -> list[list[RunConfig]]:
@@ -75,21 +81,23 @@ def world_groups(cfgs: list[RunConfig]) -> list[list[RunConfig]]:
     return list(groups.values())
 
 
-def _fit(cfg: RunConfig, worker, loop_config: dict, storage_path: str, name: str, keep: int) -> None:
-    """One TorchTrainer: cfg's workers and resources, Ray Train's folder <storage_path>/<name>, the last `keep`
-    checkpoints kept (0: all)."""
+def _fit(cfgs: list[RunConfig], worker, loop_config: dict, storage_path: str, name: str, keep: int) -> None:
+    """One TorchTrainer for `cfgs` (one world size): their workers and resources, Ray Train's folder
+    <storage_path>/<name>, the last `keep` checkpoints kept (0: all); the folders of users' own strategy modules
+    on the workers' PYTHONPATH."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    cfg = cfgs[0]
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_cuda else {})}
-    own = module_folder(cfg.strategy_class) if cfg.strategy_class else None  # a user's own strategy module's folder
+    own = os.pathsep.join(dict.fromkeys(f for c in cfgs if c.strategy_class and (f := module_folder(c.strategy_class))))
     trainer = TorchTrainer(
         worker,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_cuda,
                                      resources_per_worker=resources),
         run_config=RayRunConfig(storage_path=storage_path, name=name,
-                                failure_config=FailureConfig(max_failures=cfg.max_failures),
+                                failure_config=FailureConfig(max_failures=_max_failures(cfgs)),
                                 checkpoint_config=CheckpointConfig(num_to_keep=keep or None),
                                 worker_runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                                     filter(None, [own, os.environ.get("PYTHONPATH")]))}} if own else None),

@@ -32,7 +32,7 @@ from parity.console import marked
 from parity.errors import COLLATERAL, RunStopped
 from parity.fingerprint import fingerprint
 from parity.registry import strategy_class
-from parity.training.checkpoints import Checkpoints, RayTrainSession, agree, write_problem
+from parity.training.checkpoints import Checkpoints, RayTrainSession, agree, run_dir, write_problem
 from parity.training.config import RunConfig
 from parity.training.data import batch_hash, dp_slice
 from parity.training.memory import PEAK_ORDERS, zero_bound
@@ -92,7 +92,7 @@ def train_group_worker(payload: dict) -> dict | None:
             session = None
             if payload.get("checkpoints", True):
                 cfg = RunConfig.from_dict(run["cfg"])
-                session = RayTrainSession(f"{cfg.experiment_name}/" if shared else "")
+                session = RayTrainSession(run_dir(cfg), f"{cfg.experiment_name}/" if shared else "", cfg.resume)
                 if shared and finished(cfg):
                     continue
             if shared and dist.get_rank() == 0:
