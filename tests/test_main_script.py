@@ -24,7 +24,7 @@ def test_three_runs_then_a_pass_verdict(tmp_path):
         assert (against["verdict"], against["calibrated"]) == ("PASS", False)  # fp32: no twins unless asked
         assert against["tolerance_source"].startswith("the fixed fp32 table")
         assert max(against["max_rel_diff"].values()) < 1e-5
-    assert summary["noise_references"] == [] and "== ddp (noise reference)" not in proc.stdout
+    assert summary["noise_references"] == [] and "(noise reference)" not in proc.stdout
     assert "LOSS CURVE STATISTICS" in proc.stdout and "VERDICT: PASS" in proc.stdout
     assert (tmp_path / "shared_weights" / "init_weights.pt").exists()
 
@@ -35,11 +35,11 @@ def test_a_bad_run_configuration_stops_the_job_before_any_run(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --num_workers 2 ≠ --tp_size 3 × --dp_size 2: pass --num_workers 6 or change tp/dp"]
-    assert "== ddp" not in proc.stdout and not list(tmp_path.glob("loss_curves/loss_*.json"))
+    assert "== " not in proc.stdout and not list(tmp_path.glob("loss_curves/loss_*.json"))
 
 
 def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
-    """bf16, so the job runs DDP's two twins itself and calibrates. FSDP is a test copy of fsdp_strategy.py
+    """bf16, so the job runs DDP's references itself (two twins and the fp32 twin) and calibrates. FSDP is a test copy of fsdp_strategy.py
     whose optimizer steps at 1.05 × the learning rate, put first on PYTHONPATH (the driver and the Ray workers
     import it instead of the installed one): the verdict FAILs and the job exits 1."""
     source = open(os.path.join(REPO, "fsdp_strategy.py")).read()
@@ -49,10 +49,16 @@ def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
     (tmp_path / "copy" / "fsdp_strategy.py").write_text(buggy)
     proc = run_main(tmp_path / "out", PRECISION="bf16", STRATEGIES="ddp fsdp", PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "copy"), os.environ.get("PYTHONPATH")])))
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "== ddp (noise reference): tp=1 dp=1 bf16" in proc.stdout
-    assert "== ddp (noise reference): tp=1 dp=4 bf16" in proc.stdout
+    # one worker group per world size, DDP's three references among its runs
+    assert "ddp (noise reference) tp=1 dp=1 bf16" in proc.stdout
+    assert "ddp (noise reference) tp=1 dp=4 bf16" in proc.stdout
+    assert "ddp (noise reference) tp=1 dp=2 fp32" in proc.stdout
     assert "VERDICT: FAIL" in proc.stderr
     summary = json.loads((tmp_path / "out" / "loss_curves" / "curve_comparison.json").read_text())
+    assert summary["noise_references"] == ["noise_reference_ddp_tp1_dp1_bf16.json",
+                                           "noise_reference_ddp_tp1_dp2_fp32.json",
+                                           "noise_reference_ddp_tp1_dp4_bf16.json"]
     fsdp = summary["against_baseline"]["fsdp"]
     assert (fsdp["verdict"], fsdp["calibrated"]) == ("FAIL", True)
-    assert (fsdp["first_outside"]["step"], fsdp["first_outside"]["quantity"]) == (1, "param_norm")
+    # where it first shows moves by a step or two with the CPU's bf16 kernels (docs/tolerances.md)
+    assert fsdp["first_outside"]["step"] <= 4 and max(fsdp["noise_ratio"].values()) > 20

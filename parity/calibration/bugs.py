@@ -19,6 +19,7 @@ import torch.distributed as dist
 from autotp_strategy import DeepSpeedStrategy
 from ddp_strategy import DDPStrategy
 from fsdp_strategy import FSDPStrategy, global_norm
+from parity.training.data import Batch
 from parity.training.layer_step import perturb_local_shard
 from parity.training.strategy import step_optimizer
 
@@ -88,11 +89,15 @@ class FSDPTPRanksFedDifferentSlices(FSDPStrategy):
     """The data is sharded by global rank instead of DP rank: TP rank t of DP group d trains on DP group
     (d + t) mod dp's slice, so the ranks of a TP group multiply shards of different samples."""
 
-    def train_step(self, input_ids, lr, observe=None):
-        slices = [torch.empty_like(input_ids) for _ in range(self.ctx.world_size)]
-        dist.all_gather(slices, input_ids.contiguous())
+    def train_step(self, batch, global_tokens, lr, observe=None):
         other = (self.ctx.dp_rank + self.ctx.tp_rank) % self.ctx.dp_size
-        return super().train_step(slices[other * self.ctx.tp_size], lr, observe)
+        ids, labels = (self._gathered(t)[other * self.ctx.tp_size] for t in (batch.input_ids, batch.labels))
+        return super().train_step(Batch(ids, labels), global_tokens, lr, observe)
+
+    def _gathered(self, tensor):
+        slices = [torch.empty_like(tensor) for _ in range(self.ctx.world_size)]
+        dist.all_gather(slices, tensor.contiguous())
+        return slices
 
 
 class FSDPMicroBatchMeans(FSDPStrategy):

@@ -108,10 +108,14 @@ def replay_command(c: Comparison, r: CurveResult) -> str | None:
     output = os.path.join(records, f"replay_step_{f.step}") if records else f"replay_step_{f.step}"
     flags = ["--output_dir", output, "--replay", checkpoints, "--step", str(f.step),
              "--tp_size", str(run["tp_size"]), "--dp_size", str(run["dp_size"]), "--batch_size", str(run["batch_size"])]
+    if run.get("strategy_class"):
+        flags += ["--strategy_class", run["strategy_class"]]
     for name, value in sorted(run.get("options", {}).items()):
+        if isinstance(value, dict) and "file" in value:  # an option read from a file (--deepspeed_config)
+            value = value["file"]
         if value is True:
             flags.append(f"--{name}")
-        elif value is not False:
+        elif value not in (False, None):
             flags += [f"--{name}", str(value)]
     return "python run_verification.py " + shlex.join(flags)
 

@@ -43,9 +43,11 @@ NOISE_FLOOR = {"fp32": Tolerance(loss=1e-8, grad_norm=1e-8, param_norm=1e-9),
                "bf16": Tolerance(loss=1e-6, grad_norm=1e-5, param_norm=1e-7)}
 """The envelope never goes below this (relative), by precision: reference runs can agree exactly at a step."""
 
-DRIFT_WINDOW, DRIFT_SAME_SIGN, DRIFT_K = 10, 9, 9
+DRIFT_WINDOW, DRIFT_SAME_SIGN, DRIFT_K = 10, 9, 10
 """Calibrated drift test: over any DRIFT_WINDOW consecutive steps in which at least DRIFT_SAME_SIGN
-differences from the baseline share a sign, their mean may be at most DRIFT_K × the window's mean envelope."""
+differences from the baseline share a sign, their mean may be at most DRIFT_K × the window's mean envelope.
+DRIFT_K 10: above every clean run of the calibration study (8.3) with one weight-decay run less caught than
+9 (docs/tolerances.md)."""
 
 LAYERS = {"fp32": 1e-5, "bf16": 6e-2}
 """Layer check (compare_dumps.py): max |a − b| over the tensor's scale, by precision; bf16 without a noise
