@@ -14,6 +14,7 @@ from parity import console, storage
 from parity.commands.common import OneLineParser, run_command
 from parity.errors import ConfigError, TrainingFailed
 from parity.registry import flags_for
+from parity.training.cluster import ray_for_this_command
 from parity.training.config import DEVICES, PRECISIONS
 
 
@@ -148,7 +149,8 @@ def run_benchmark(args) -> int:
           f"{'GPU' if first.use_cuda else 'CPU'} workers, {first.model_name}, {first.precision}, global batch "
           f"{first.global_batch_size} × {first.seq_length}, {args.debug_steps} steps; outputs in {out}", flush=True)
     t0 = time.perf_counter()
-    with console.terminal(storage.join(out, "benchmark.log"), args.verbose) as log, console.pointing_to(log):
+    with console.terminal(storage.join(out, "benchmark.log"), args.verbose) as log, console.pointing_to(log), \
+            ray_for_this_command():
         try:
             ensure_ray()
             launch_runs(cfgs, [{"batches": training_data(cfg)} for cfg in cfgs], checkpoints=False, titles=titles)

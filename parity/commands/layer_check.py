@@ -11,6 +11,7 @@ from parity import console, storage
 from parity.commands.common import OneLineParser, non_negative_float, run_command
 from parity.errors import ConfigError
 from parity.registry import NAMES
+from parity.training.cluster import ray_for_this_command
 from parity.training.config import DEVICES, PRECISIONS, add_strategy_options
 
 WEIGHTS_FILE = "init_weights.safetensors"
@@ -123,7 +124,8 @@ def check_layers(args: argparse.Namespace) -> int:
     payloads = {cfg.experiment_name: {"output_dir": out, "perturb_param": perturb_param,
                                        **({"replay": {**replay.describe(), "batches": training_data(cfg)}} if replay
                                           else {})} for cfg, perturb_param in runs}
-    with console.terminal(os.path.join(out, "layer_check.log"), args.verbose) as log, console.pointing_to(log):
+    with console.terminal(os.path.join(out, "layer_check.log"), args.verbose) as log, console.pointing_to(log), \
+            ray_for_this_command():
         for group in world_groups([cfg for cfg, _ in runs]):  # one worker group per world size
             launch_runs(group, [payloads[cfg.experiment_name] for cfg in group], checkpoints=False,
                         worker=layer_steps_worker)

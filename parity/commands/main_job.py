@@ -21,6 +21,7 @@ from parity import console, storage
 from parity.commands.common import OneLineParser, report_error, run_command
 from parity.errors import ConfigError, TrainingFailed
 from parity.registry import NAMES
+from parity.training.cluster import ray_for_this_command
 from parity.training.config import DEVICES, PRECISIONS
 
 # (environment variable, type, default, help). Defaults that depend on GPUs are filled in later.
@@ -84,7 +85,8 @@ def run_main_job(args) -> int:
     storage.delete_dir(storage.join(out, "ray_checkpoints"))  # fresh runs: the job owns its run folders
 
     times = [("driver start-up and checks", time.perf_counter() - job_started)]
-    with console.terminal(storage.join(out, "main_job.log"), args.verbose == "on") as log, console.pointing_to(log):
+    with console.terminal(storage.join(out, "main_job.log"), args.verbose == "on") as log, console.pointing_to(log), \
+            ray_for_this_command():
         try:
             times.append(("Ray start", ensure_ray()))
             where = f"{cluster.gpus} GPUs" if cfgs[0].use_cuda else "CPU workers"

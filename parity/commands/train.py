@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from parity import console, storage
 from parity.commands.common import OneLineParser, run_command
+from parity.training.cluster import ray_for_this_command
 from parity.training.config import add_run_flags, add_strategy_options, resolve
 
 
@@ -35,7 +36,7 @@ def run(strategy: str, values: Mapping[str, Any]) -> str:
     cfg = resolve(strategy, values)
     batches = training_data(cfg)
     t0 = time.perf_counter()
-    with console.terminal(run_log(cfg), cfg.verbose) as log:
+    with console.terminal(run_log(cfg), cfg.verbose) as log, ray_for_this_command():
         with console.pointing_to(log, f"[{cfg.strategy}] "):
             ray_start_s = launch_runs([cfg], [{"batches": batches}])
         path = run_record_path(cfg)

@@ -9,8 +9,10 @@ that was joined may grow (an autoscaler adds the GPU nodes a run asks for); one 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -42,6 +44,20 @@ def probe_cluster() -> Cluster:
 def joins_a_cluster() -> bool:
     """True when Ray is (to be) joined rather than started here: RAY_ADDRESS is set, or this is a Ray job."""
     return bool(os.environ.get("RAY_ADDRESS")) or "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+@contextlib.contextmanager
+def ray_for_this_command():
+    """A Ray started within the block (ensure_ray) is shut down at its end. A command enters this inside its
+    terminal block: the workers' last lines (Ray Train's checkpoint and report chatter) reach the driver after
+    the run has ended, and once the terminal block is left they would print on the user's terminal instead of
+    the log. A Ray that was up when the block began (the caller's session, a test's) is left running."""
+    up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    try:
+        yield
+    finally:
+        if not up and "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
 
 
 def ensure_ray() -> float:
