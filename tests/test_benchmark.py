@@ -54,6 +54,11 @@ def test_table_has_every_default_row_and_the_documented_keys(bench):
         assert r["mfu"] is None  # CPU: no MFU
         assert r["tokens_per_s"] == pytest.approx(4 * 64 / r["median_step_time_s"])  # global batch 4 × 64 tokens
         assert r["options"].get("reduce_bucket_size", BUCKET) == BUCKET  # every DeepSpeed row got the flag
+        # the harness's own cost: every part it times, and their share of the step without them
+        assert set(r["harness_s_per_step"]) == {"loss_gather", "param_norm", "record", "record_write"}
+        in_step = r["harness_s_per_step"]["loss_gather"] + r["harness_s_per_step"]["param_norm"]
+        assert r["harness_share"] == pytest.approx(sum(r["harness_s_per_step"].values()) /
+                                                   (r["median_step_time_s"] - in_step))
     assert rows[0]["step_time_ratio_to_ddp"] == 1.0
     assert {(r["tp_size"], r["dp_size"], r["batch_size"]) for r in rows} == {(1, 2, 2), (2, 1, 4)}
     assert all(f"`{key}`" in readme for key in ROW_KEYS), "README names the benchmark.json keys"

@@ -19,7 +19,7 @@ ROW_KEYS = (
     "model_state_bytes", "model_state_total_bytes", "model_state_peak_at", "peak_all_bytes",
     "model_state_bytes_per_rank", "offloaded_bytes",
     "zero_stage", "zero_bound_bytes", "zero_bound_total_bytes", "peak_memory_bytes", "memory_metric",
-    "final_loss", "final_loss_rel_diff_from_ddp", "loss_record",
+    "final_loss", "final_loss_rel_diff_from_ddp", "loss_record", "harness_s_per_step", "harness_share",
 )
 
 # Peak dense bf16 FLOP/s of the accelerators MFU knows by name (the first name contained in the device's).
@@ -51,6 +51,7 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
     cfg, steps, state = record["config"], record["steps"], record["final"]["model_state"]
     timed = steps[untimed_steps:]
     median = statistics.median(s["step_time_s"] for s in timed)
+    harness = harness_cost(timed)
     per_rank = state["per_rank"]
     totals = [model_state_total(r["bytes"]) for r in per_rank[MEASURED_AT]]
     fullest = totals.index(max(totals))
@@ -58,7 +59,9 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
         "row": row, "label": label, "strategy": record["strategy"], "options": cfg["options"],
         "tp_size": cfg["tp_size"], "dp_size": cfg["dp_size"], "batch_size": cfg["batch_size"],
         "steps": len(steps), "timed_steps": len(timed), "median_step_time_s": median,
-        "step_time_ratio_to_ddp": None, "tokens_per_s": timed[0]["tokens"] / median, "mfu": None,
+        "step_time_ratio_to_ddp": None,
+        "tokens_per_s": cfg["dp_size"] * cfg["batch_size"] * cfg["seq_length"] / median,  # processed, padding too
+        "mfu": None,
         "model_state_bytes": per_rank[MEASURED_AT][fullest]["bytes"], "model_state_total_bytes": totals[fullest],
         "model_state_peak_at": [peak_point(r) for r in per_rank[MEASURED_AT]],
         "peak_all_bytes": max(sum(r["bytes"].values()) for r in per_rank["peak_all"]),
@@ -68,7 +71,21 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
         "zero_bound_total_bytes": sum(state["zero_bound_bytes"].values()),
         "peak_memory_bytes": max(s["peak_memory_bytes"] for s in steps), "memory_metric": cfg["memory_metric"],
         "final_loss": steps[-1]["loss"], "final_loss_rel_diff_from_ddp": None, "loss_record": path,
+        "harness_s_per_step": harness, "harness_share": sum(harness.values()) / (median - sum(
+            harness[k] for k in IN_STEP)),
     }
+
+
+IN_STEP = ("loss_gather", "param_norm")  # the harness's parts inside the timed step (step_time_s holds them)
+
+
+def harness_cost(steps: list[dict]) -> dict[str, float]:
+    """The harness's own seconds per step, by what (median over the steps; a part done only at log intervals,
+    the record write, averaged over all steps): the loss gather, the parameter norm, the record's entry and
+    its write. The fp64 grad norm is inside each strategy's clipping (docs/benchmark.md measures it apart)."""
+    parts = sorted({k for s in steps for k in s.get("harness_s", {})})
+    return {k: (sum(s["harness_s"].get(k, 0.0) for s in steps) / len(steps) if k == "record_write" else
+                statistics.median(s["harness_s"].get(k, 0.0) for s in steps)) for k in parts}
 
 
 def peak_point(peak: dict) -> str:
@@ -103,8 +120,8 @@ def markdown(summary: dict) -> str:
         "",
         "| row | step time (s) | × DDP | tokens/s |" + (" MFU |" if mfu else "") + " model states / rank (MiB) | "
         "peak at | by category (MiB) | ZeRO bound (MiB) | with copies (MiB) | peak memory (MiB) | "
-        "final loss − DDP (rel.) |",
-        "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---|---:|---:|---:|---:|",
+        "final loss − DDP (rel.) | harness / bare step |",
+        "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in s["rows"]:
         categories = ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["model_state_bytes"].items())
@@ -113,7 +130,8 @@ def markdown(summary: dict) -> str:
             f"{r['tokens_per_s']:,.0f} |" + (f" {_percent(r['mfu'])} |" if mfu else "")
             + f" {r['model_state_total_bytes'] / MIB:.2f} | {' / '.join(dict.fromkeys(r['model_state_peak_at']))} | "
             f"{categories} | {r['zero_bound_total_bytes'] / MIB:.2f} | {r['peak_all_bytes'] / MIB:.2f} | "
-            f"{r['peak_memory_bytes'] / MIB:.0f} | {r['final_loss_rel_diff_from_ddp']:.1e} |")
+            f"{r['peak_memory_bytes'] / MIB:.0f} | {r['final_loss_rel_diff_from_ddp']:.1e} | "
+            f"{_percent(r['harness_share'])} |")
     if mfu:
         lines += ["", f"MFU = {s['flops_per_token']:.3e} model FLOPs/token × tokens/s ÷ ({s['world_size']} × "
                       f"{_tflops(s['peak_flops'])}; {s['peak_flops_source']})."]
