@@ -216,7 +216,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     options = {name: s.pop(name) for name in sorted(option_names)}
     s["precision"] = _precision(s["precision"], s.pop("autocast"))
     _check_numbers(s)
-    s["dp_size"] = _dp_size(s["num_workers"], s["tp_size"], s["dp_size"])
+    s["dp_size"] = _dp_size(s["num_workers"], s["tp_size"], s["dp_size"], cls.pp_size(options))
     if s["batch_size"] % s["grad_accum_steps"]:
         raise ConfigError(f"--batch_size {s['batch_size']} is not a multiple of --grad_accum_steps "
                           f"{s['grad_accum_steps']}: each micro-batch is batch_size / grad_accum_steps samples")
@@ -336,8 +336,11 @@ def _check_numbers(s: dict) -> None:
         raise ConfigError(f"--device {s['device']}: use one of {', '.join(DEVICES)}")
 
 
-def _dp_size(num_workers: int, tp_size: int, dp_size: int | None) -> int:
-    """num_workers = tp_size × dp_size; dp_size defaults to num_workers / tp_size."""
+def _dp_size(num_workers: int, tp_size: int, dp_size: int | None, pp_size: int = 1) -> int:
+    """num_workers = tp_size × dp_size; dp_size defaults to num_workers / tp_size. A pipeline's (`pp_size` ranks per
+    replica): dp_size defaults to num_workers / (pp_size × tp_size), and its strategy's validate checks the layout."""
+    if pp_size != 1:
+        return dp_size if dp_size is not None else max(1, num_workers // max(1, pp_size * tp_size))
     if dp_size is None:
         if num_workers % tp_size:
             raise ConfigError(f"--num_workers {num_workers} is not a multiple of --tp_size {tp_size}: "

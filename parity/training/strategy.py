@@ -45,21 +45,27 @@ class Option:
 
 @dataclass
 class WorkerContext:
-    """Where this process sits: rank = dp_rank × tp_size + tp_rank (TP groups are consecutive ranks)."""
+    """Where this process sits: rank = (dp_rank × pp_size + pp_rank) × tp_size + tp_rank (TP groups are
+    consecutive ranks, and so are the pp_size ranks of one pipeline: 1 without one, set by Strategy.__init__)."""
 
     rank: int
     world_size: int
     tp_size: int
     dp_size: int
     device: torch.device
+    pp_size: int = 1
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
 
     @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size % self.pp_size
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp_size
+        return self.rank // (self.tp_size * self.pp_size)
 
     @property
     def is_logging_rank(self) -> bool:
@@ -173,9 +179,17 @@ class Strategy:
 
     def __init__(self, cfg, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
+        ctx.pp_size = self.pp_size(cfg.options)  # before the loop slices this rank's data by ctx.dp_rank
         self.model = None  # the wrapped model whose forward returns HF outputs with .logits
 
     # --- driver side ------------------------------------------------------------------------------
+    @classmethod
+    def pp_size(cls, options: dict) -> int:
+        """The pipeline ranks one model replica spans, each holding its stages: num_workers = pp_size × tp_size ×
+        dp_size (`resolve` defaults --dp_size to num_workers / (pp_size × tp_size); the strategy's `validate`
+        checks the layout). 1 for a strategy without pipeline stages."""
+        return 1
+
     @classmethod
     def validate(cls, settings, model_config) -> None:
         """Raise ConfigError for input this strategy cannot run; called by `resolve` before any worker
