@@ -1,12 +1,16 @@
-"""The three strategies by their one name: the flag value, the record's `strategy`, `loss_<name>.json`,
+"""The strategies by their one name: the flag value, the record's `strategy`, `loss_<name>.json`,
 the class (`<Label>Strategy`) and the label in reports — and any other Strategy subclass by its import path,
 "module:Class" (a user's own strategy, a seeded bug of the calibration catalogue), whose `name` names its
 record.
 
 Each strategy lives in its top-level module (`ddp_strategy.py`, `autotp_strategy.py` — the design card's
-file name for DeepSpeed — and `fsdp_strategy.py`) and is imported only when asked for, because each pulls
-its library (DeepSpeed picks an accelerator when it is imported). The strategy modules import nothing from
-here, so there is no cycle.
+file name for DeepSpeed — `fsdp_strategy.py` and `pipeline_strategy.py`) and is imported only when asked for,
+because each pulls its library (DeepSpeed picks an accelerator when it is imported). The strategy modules
+import nothing from here, so there is no cycle.
+
+NAMES are the strategies the main job and the layer check run by default (STRATEGIES, --strategy all), at
+TP_SIZE × DP_SIZE; the pipeline, whose layout is --pp_size × --dp_size, is registered beside them (by its name in
+train_pipeline.py and local runs, with its label and options) and runs on its own.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 from parity.errors import ConfigError, LibraryMissing
 
 NAMES = ("ddp", "deepspeed", "fsdp")
-LABELS = {"ddp": "DDP", "deepspeed": "DeepSpeed", "fsdp": "FSDP"}
+PIPELINE_NAMES = ("pipeline",)  # registered, not in the main job's or the layer check's default set (above)
+KNOWN = NAMES + PIPELINE_NAMES
+LABELS = {"ddp": "DDP", "deepspeed": "DeepSpeed", "fsdp": "FSDP", "pipeline": "Pipeline"}
 
 
 def label(name: str) -> str:
@@ -27,13 +33,15 @@ def strategy_class(name: str, path: str | None = None):
     name or a library that cannot be imported."""
     if path:
         return import_strategy(path)
-    if name not in NAMES:
-        raise ConfigError(f"unknown strategy '{name}': use one of {', '.join(NAMES)}")
+    if name not in KNOWN:
+        raise ConfigError(f"unknown strategy '{name}': use one of {', '.join(KNOWN)}")
     try:
         if name == "ddp":
             from ddp_strategy import DDPStrategy as cls
         elif name == "deepspeed":
             from autotp_strategy import DeepSpeedStrategy as cls
+        elif name == "pipeline":
+            from pipeline_strategy import PipelineStrategy as cls
         else:
             from fsdp_strategy import FSDPStrategy as cls
     except ImportError as exc:
@@ -95,8 +103,8 @@ def module_folder(path: str) -> str | None:
 
 
 def option_owners() -> dict[str, str]:
-    """Every strategy's own flags: {option name: the strategy that has it}, in NAMES order."""
-    return {option.name: name for name in NAMES for option in strategy_class(name).options}
+    """Every strategy's own flags: {option name: the strategy that has it}, in KNOWN order."""
+    return {option.name: name for name in KNOWN for option in strategy_class(name).options}
 
 
 def flags_for(strategy: str, given: dict) -> dict:

@@ -1,0 +1,413 @@
+"""Pipeline parallelism on torch.distributed.pipelining: the decoder layers split into stages over --pp_size ranks,
+run by a GPipe, 1F1B or interleaved 1F1B schedule in --microbatches micro-batches, data parallelism over --dp_size
+pipelines (num_workers = pp_size × dp_size; rank = dp_rank × pp_size + pp_rank, a pipeline's ranks consecutive).
+
+Stages: --num_layers split evenly, in order, over pp_size stages (gpipe, 1f1b) or 2 × pp_size (interleaved_1f1b:
+stage s on pipeline rank s mod pp_size, so each rank holds two). The first stage holds embed_tokens before its
+layers, the last its layers, then the final norm and lm_head. Each stage computes what Qwen2Model.forward
+computes around its layers — position ids 0..S-1, the rotary table from them, the causal mask from
+transformers' create_causal_mask — under the run's autocast (fp32, or bf16 as DDP: ddp_strategy.py), so the
+hidden states a stage sends are the stock model's.
+
+Tied embedding: Qwen2 ties lm_head to embed_tokens, and the two ends of a pipeline sit on different ranks. The
+first stage keeps embed_tokens.weight, the last gets lm_head.weight as a copy of it (equal at the start); after
+backward the two gradients are summed over a two-rank group of the first and the last stage's ranks, so each copy
+holds the tied weight's whole gradient and AdamW gives both the same update: one weight, kept in two places.
+Norms count it once (the first stage's copy); the full parameters name it once, as model.embed_tokens.weight.
+
+Data parallelism over the pipelines: DDP-style — every DP rank of a stage holds that stage's full parameters and
+the shared AdamW over them, and after the schedule's backward its gradients are all-reduced (one flat buffer per
+rank) over the stage's DP group and divided by dp_size. Not FSDP2: its reduce-scatter per micro-batch (or its
+no-sync bookkeeping under a schedule that calls backward per chunk) would be a second moving part beside the
+pipeline's, and sharded gradients would make the tied-weight sum, the norms across stages and the full tensors
+collectives over two meshes; a plain all-reduce is DDP's arithmetic (sum of each rank's gradient ÷ dp_size), so
+the only differences left from the baseline are the micro-batches' partial sums.
+
+Loss and gradient scale: the schedule's loss_fn is the shared loss_sum of a micro-batch × dp_size / the global
+batch's loss tokens (the scale DDP's train step gives each rank's whole slice), with scale_grads=False: summed over
+micro-batches and averaged over DP, the gradients are those of the global batch's token mean, as DDP's. Clipping
+is by the global norm (squared norms in float64, summed over the pipeline's ranks, the tied weight once), with the
+shared clip_coefficient, then the shared AdamW steps each rank's parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from parity.errors import ConfigError
+from parity.training.memory import GRADS, PARAMS, StateLedger
+from parity.training.strategy import (Option, StepStats, Strategy, build_optimizer, clip_coefficient, gradient_arrivals,
+                                      loss_sum, squared_norm_fp64, step_optimizer)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def state_file(pp_rank: int) -> str:
+    """A checkpoint's file of one pipeline rank: its stages' parameters (HF names) and its optimizer's state."""
+    return f"pipeline_pp_rank{pp_rank}.pt"
+
+
+def stage_count(options: dict) -> int:
+    return options["pp_size"] * STAGES_PER_RANK[options["pp_schedule"]]
+
+
+def microbatches_fit(options: dict, m: int) -> bool:
+    """Whether the schedule runs `m` micro-batches (torch's own rules): GPipe any number; 1F1B at least one per stage;
+    interleaved 1F1B whole rounds of max(1, m // pp_size) micro-batches each (so m ≤ pp_size, or a multiple of
+    m // pp_size: 1, 2, 3, 4, 6, 8 ... at pp_size 2)."""
+    if options["pp_schedule"] == "1f1b":
+        return m >= options["pp_size"]
+    if options["pp_schedule"] == "interleaved_1f1b":
+        return m % max(1, m // options["pp_size"]) == 0
+    return True
+
+
+def microbatches_requirement(options: dict, m: int) -> str:
+    """What to use instead of `m`, in words."""
+    if options["pp_schedule"] == "1f1b":
+        return f"at least one per stage: use --microbatches {options['pp_size']} or more"
+    fits = [k for k in range(max(1, m - 2 * options["pp_size"]), m + 2 * options["pp_size"]) if microbatches_fit(options, k)]
+    below, above = max(k for k in fits if k < m), min(k for k in fits if k > m)
+    return f"whole rounds of max(1, microbatches // pp_size): use --microbatches {below} or {above}"
+
+
+class StageModule(nn.Module):
+    """One stage: its slice of Qwen2ForCausalLM.forward. Input: token ids (the first stage) or the hidden states
+    the previous stage sent; output: hidden states, or the logits (the last stage)."""
+
+    def __init__(self, config, layers: dict[int, nn.Module], rotary_emb: nn.Module, autocast,
+                 embed_tokens: nn.Module | None = None, norm: nn.Module | None = None, lm_head: nn.Module | None = None):
+        super().__init__()
+        self.config, self.autocast = config, autocast
+        self.embed_tokens, self.norm, self.lm_head, self.rotary_emb = embed_tokens, norm, lm_head, rotary_emb
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        with self.autocast():
+            h = self.embed_tokens(x) if self.embed_tokens is not None else x
+            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            mask_kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "past_key_values": None,
+                           "position_ids": position_ids}
+            masks = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if "sliding_attention" in self.config.layer_types:
+                masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+            position_embeddings = self.rotary_emb(h, position_ids)
+            for i, layer in self.layers.items():
+                h = layer(h, attention_mask=masks[self.config.layer_types[int(i)]], position_ids=position_ids,
+                          position_embeddings=position_embeddings)
+            if self.lm_head is not None:
+                return self.lm_head(self.norm(h))
+            return h
+
+
+class PipelineStrategy(Strategy):
+    name = "pipeline"
+    tensor_parallel = False
+    options = (
+        Option("pp_size", 2, help="pipeline ranks per model replica (num_workers = pp_size × dp_size)"),
+        Option("pp_schedule", "1f1b", choices=tuple(SCHEDULES),
+               help="the torch.distributed.pipelining schedule: gpipe, 1f1b, or interleaved_1f1b (two stages per "
+                    "rank: 2 × pp_size stages)"),
+        Option("microbatches", None, type=int,
+               help="micro-batches each DP rank's batch is split into (default: --pp_size); --batch_size must be a "
+                    "multiple of it"),
+    )
+
+    @classmethod
+    def pp_size(cls, options: dict) -> int:
+        return options["pp_size"]
+
+    @classmethod
+    def validate(cls, settings, model_config) -> None:
+        super().validate(settings, model_config)
+        o = settings.options
+        p, d, n = o["pp_size"], settings.dp_size, settings.num_workers
+        if p < 2:
+            raise ConfigError(f"--pp_size {p}: a pipeline has at least 2 ranks: use --pp_size 2 or more (or "
+                              f"train_ddp.py for none)")
+        if n % p:
+            lower, upper = max(p, n - n % p), n - n % p + p
+            raise ConfigError(f"--num_workers {n} is not a multiple of --pp_size {p} (num_workers = pp_size × "
+                              f"dp_size): use --num_workers {lower} or {upper}")
+        if p * d != n:
+            raise ConfigError(f"--pp_size {p} × --dp_size {d} ≠ --num_workers {n}: pass --num_workers {p * d} or "
+                              f"--dp_size {n // p}")
+        stages, layers = stage_count(o), model_config.num_hidden_layers
+        if layers % stages:
+            fit = layers - layers % stages or stages
+            raise ConfigError(f"the model's {layers} layers do not divide into the {stages} stages of --pp_schedule "
+                              f"{o['pp_schedule']} at --pp_size {p}: use --num_layers {fit} (a multiple of {stages}) "
+                              f"or fewer stages")
+        if o["microbatches"] is None:
+            o["microbatches"] = p
+        m = o["microbatches"]
+        if m < 1:
+            raise ConfigError(f"--microbatches must be a positive integer (got {m})")
+        if not microbatches_fit(o, m):
+            raise ConfigError(f"--microbatches {m} does not fit --pp_schedule {o['pp_schedule']} at --pp_size {p}, "
+                              f"which needs {microbatches_requirement(o, m)}")
+        if settings.batch_size % m:
+            raise ConfigError(f"--batch_size {settings.batch_size} is not a multiple of --microbatches {m}: each "
+                              f"micro-batch is batch_size / microbatches samples; use --batch_size "
+                              f"{settings.batch_size - settings.batch_size % m or m} or another --microbatches")
+        if settings.grad_accum_steps != 1:
+            raise ConfigError(f"--grad_accum_steps {settings.grad_accum_steps}: the pipeline accumulates over its "
+                              f"micro-batches: use --microbatches (and --grad_accum_steps 1)")
+        for flag in ("activation_checkpointing", "compile"):
+            if getattr(settings, flag):
+                raise ConfigError(f"--{flag} is not supported by the pipeline strategy: drop it")
+
+    # --- set-up -----------------------------------------------------------------------------------
+    def setup(self, model) -> None:
+        o, ctx = self.cfg.options, self.ctx
+        P, D = o["pp_size"], ctx.dp_size
+        assert ctx.world_size == P * D and ctx.tp_size == 1, (ctx.world_size, P, D, ctx.tp_size)
+        self.P, self.first_rank = P, ctx.dp_rank * P  # this pipeline's ranks: first_rank .. first_rank + P - 1
+        # Every rank creates every group, in one order (new_group is collective over the world).
+        pipelines = [dist.new_group([d * P + r for r in range(P)]) for d in range(D)]
+        dp_groups = [dist.new_group([d * P + r for d in range(D)]) for r in range(P)]
+        tie_groups = [dist.new_group([d * P, d * P + P - 1]) for d in range(D)]
+        self.pp_group, self.dp_group, self.tie_group = pipelines[ctx.dp_rank], dp_groups[ctx.pp_rank], tie_groups[ctx.dp_rank]
+
+        config = model.config
+        self.tied, self.hidden_size = bool(config.tie_word_embeddings), config.hidden_size
+        n = stage_count(o)
+        per_stage = config.num_hidden_layers // n
+        self.num_stages = n
+        self.my_stages = [s for s in range(n) if s % P == ctx.pp_rank]
+        self.has_first, self.has_last = 0 in self.my_stages, n - 1 in self.my_stages
+        model.to(ctx.device)
+        layers = model.model.layers
+        lm_head = None
+        if self.has_last:
+            lm_head = model.lm_head
+            if self.tied:  # this rank's own copy of the tied weight (stage 0's rank keeps embed_tokens')
+                lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+        # The rank's modules under Hugging Face names (hf_model), and each stage's view of them.
+        self.model = nn.Module()
+        self.model.model = nn.Module()
+        self.model.model.embed_tokens = model.model.embed_tokens if self.has_first else None
+        self.model.model.layers = nn.ModuleDict()
+        self.model.model.norm = model.model.norm if self.has_last else None
+        self.model.model.rotary_emb = model.model.rotary_emb
+        self.model.lm_head = lm_head
+        self.stage_modules = {}
+        for s in self.my_stages:
+            mine = {i: layers[i] for i in range(s * per_stage, (s + 1) * per_stage)}
+            self.model.model.layers.update({str(i): layer for i, layer in mine.items()})
+            self.stage_modules[s] = StageModule(config, mine, model.model.rotary_emb, self.autocast,
+                                                embed_tokens=model.model.embed_tokens if s == 0 else None,
+                                                norm=model.model.norm if s == n - 1 else None,
+                                                lm_head=lm_head if s == n - 1 else None)
+        self.stages = [PipelineStage(self.stage_modules[s], s, n, ctx.device, group=self.pp_group)
+                       for s in self.my_stages]
+        schedule = SCHEDULES[o["pp_schedule"]]
+        self.schedule = schedule(self.stages if STAGES_PER_RANK[o["pp_schedule"]] > 1 else self.stages[0],
+                                 n_microbatches=o["microbatches"], loss_fn=self._micro_batch_loss, scale_grads=False)
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg)
+        self._layout(config, per_stage)
+        self._loss_scale, self._sums = 1.0, []
+
+    def _layout(self, config, per_stage: int) -> None:
+        """Every full parameter's name (a stock model's order, a tied lm_head once), shape and pipeline rank."""
+        from transformers import Qwen2ForCausalLM
+
+        with torch.device("meta"):
+            stock = Qwen2ForCausalLM(config)
+        self.shapes = {name: tuple(p.shape) for name, p in stock.named_parameters()}
+        last_rank = (self.num_stages - 1) % self.P
+
+        def owner(name: str) -> int:
+            if name.startswith("model.layers."):
+                return int(name.split(".")[2]) // per_stage % self.P
+            return 0 if name == EMBED else last_rank  # model.norm, an untied lm_head
+        self.owner = {name: owner(name) for name in self.shapes}
+
+    def _counted(self):
+        """(name, parameter) of this rank, each weight once: the tied lm_head copy is the embedding's."""
+        return [(n, p) for n, p in self.model.named_parameters() if not (self.tied and n == LM_HEAD)]
+
+    @property
+    def hf_model(self):
+        return self.model
+
+    # --- the train step ---------------------------------------------------------------------------
+    def _micro_batch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn: the micro-batch's token-loss sum × dp_size / the global batch's loss tokens."""
+        summed = loss_sum(logits, labels)
+        self._sums.append(summed.detach())
+        return summed * self._loss_scale
+
+    def train_step(self, batch, global_tokens: int, lr: float, observe=None) -> StepStats:
+        """The schedule's forward and backward over the micro-batches, then the DP all-reduce and the tied-weight
+        sum; clipping and the shared AdamW; the step's statistics as the shared train_step makes them."""
+        watching = gradient_arrivals(self.hf_model, observe) if observe else contextlib.nullcontext()
+        observe = observe or (lambda point: None)
+        batch = batch.to(self.ctx.device)
+        self._loss_scale, self._sums = self.ctx.dp_size / global_tokens, []
+        with watching:
+            self.schedule.step(*((batch.input_ids,) if self.has_first else ()),
+                               target=batch.labels if self.has_last else None,
+                               losses=[] if self.has_last else None, return_outputs=False)
+        self.reduce_gradients()
+        observe("after_backward")
+        grad_norm = self.optimizer_step(lr)
+        observe("after_step")
+        t0 = time.perf_counter()
+        m = self.cfg.options["microbatches"]
+        # The loss_fn's last M calls: on the first step, torch runs it once before them to learn the shapes.
+        local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        if self.has_last:
+            assert len(self._sums) in (m, m + 1), len(self._sums)
+            local_sum = sum(s.double() for s in self._sums[-m:])
+        sums, counts = self.gather_dp_sums(local_sum, batch.loss_tokens)
+        gather_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        param_norm = self.parameter_norm()
+        return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
+                         grad_norm=float(grad_norm), param_norm=param_norm,
+                         harness_s={"loss_gather": gather_s, "param_norm": time.perf_counter() - t0})
+
+    def reduce_gradients(self) -> None:
+        """After the schedule's backward: the tied weight's two gradients summed (each rank's embedding and lm_head
+        parts, as one tied Parameter accumulates them in DDP), then every gradient averaged over the stage's DP
+        group. Both copies of the tied weight then hold the same gradient."""
+        self.sum_tied_gradients()
+        if self.ctx.dp_size > 1:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(self.ctx.dp_size)
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+
+    def sum_tied_gradients(self) -> None:
+        if not self.tied:
+            return
+        if self.has_first:
+            dist.all_reduce(self.model.model.embed_tokens.weight.grad, group=self.tie_group)
+        if self.has_last:
+            dist.all_reduce(self.model.lm_head.weight.grad, group=self.tie_group)
+
+    def _pipeline_sum(self, value: torch.Tensor) -> float:
+        """A float64 sum over this pipeline's ranks (every DP replica holds the same values)."""
+        total = value.detach().to(self.ctx.device, torch.float64).reshape(())
+        dist.all_reduce(total, group=self.pp_group)
+        return float(total)
+
+    @torch.no_grad()
+    def optimizer_step(self, lr: float) -> float:
+        counted = [p.grad for _, p in self._counted() if p.grad is not None]
+        local = sum((squared_norm_fp64(g) for g in counted), torch.zeros((), dtype=torch.float64))
+        norm = math.sqrt(self._pipeline_sum(local))
+        coef = clip_coefficient(norm, self.cfg)
+        if coef < 1.0:
+            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], coef)
+        step_optimizer(self.optimizer, lr)
+        return norm
+
+    def parameter_norm(self) -> float:
+        local = sum((squared_norm_fp64(p) for _, p in self._counted()), torch.zeros((), dtype=torch.float64))
+        return math.sqrt(self._pipeline_sum(local))
+
+    def backward(self, loss, last: bool = True) -> None:
+        raise NotImplementedError("the pipeline's schedule runs forward and backward together: use train_step")
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The full-vocabulary logits of this DP rank's slice on every rank of its pipeline (the final evaluation):
+        the stages run in order, each sending its hidden states to the next, and the last stage's rank broadcasts
+        the logits over the pipeline — as many as a DDP rank computes for the same slice."""
+        h = input_ids.to(self.ctx.device)
+        hidden = (h.shape[0], h.shape[1], self.hidden_size)
+        me = self.ctx.pp_rank
+        for s in self.my_stages:
+            if s > 0 and (s - 1) % self.P != me:
+                h = torch.empty(hidden, dtype=torch.float32, device=self.ctx.device)
+                dist.recv(h, src=self.first_rank + (s - 1) % self.P)
+            h = self.stage_modules[s](h)
+            if s < self.num_stages - 1 and (s + 1) % self.P != me:
+                dist.send(h.float().contiguous(), dst=self.first_rank + (s + 1) % self.P)
+        last = self.first_rank + (self.num_stages - 1) % self.P
+        meta = [(tuple(h.shape), h.dtype) if self.has_last else None]
+        dist.broadcast_object_list(meta, src=last, group=self.pp_group)
+        logits = h.contiguous() if self.has_last else torch.empty(meta[0][0], dtype=meta[0][1], device=self.ctx.device)
+        dist.broadcast(logits, src=last, group=self.pp_group)
+        return logits
+
+    def gather_dp(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Each DP rank's `t`, read from its pipeline's last rank (where the loss is computed)."""
+        gathered = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, t.contiguous())
+        return [gathered[d * self.P + (self.num_stages - 1) % self.P] for d in range(self.ctx.dp_size)]
+
+    # --- full tensors -----------------------------------------------------------------------------
+    def _gather_full(self, local: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Full fp32 CPU tensors under Hugging Face names on every rank: each pipeline rank broadcasts the tensors
+        it holds (one flat buffer) over the pipeline. Names whose tensor is None on its rank are left out."""
+        out = {}
+        for r in range(self.P):
+            names = [n for n in self.shapes if self.owner[n] == r]
+            present = [[n for n in names if local.get(n) is not None] if r == self.ctx.pp_rank else None]
+            dist.broadcast_object_list(present, src=self.first_rank + r, group=self.pp_group)
+            names = present[0]
+            sizes = [math.prod(self.shapes[n]) for n in names]
+            if r == self.ctx.pp_rank:
+                flat = torch.cat([local[n].detach().float().reshape(-1) for n in names]) if names else \
+                    torch.empty(0, device=self.ctx.device)
+            else:
+                flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.ctx.device)
+            dist.broadcast(flat, src=self.first_rank + r, group=self.pp_group)
+            for n, piece in zip(names, flat.split(sizes)):
+                out[n] = piece.view(self.shapes[n]).cpu().clone()
+        return {n: out[n] for n in self.shapes if n in out}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self._gather_full(dict(self._counted()))
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return self._gather_full({n: p.grad for n, p in self._counted()})
+
+    def model_state_bytes(self) -> dict:
+        """This rank's stages: their parameters (the last stage's copy of the tied weight included), gradients and
+        Adam's state of them."""
+        ledger = StateLedger(self.ctx.device)
+        params = list(self.model.parameters())
+        ledger.add_all(PARAMS, params)
+        ledger.add_all(GRADS, (p.grad for p in params))
+        ledger.add_optimizer_state(self.optimizer)
+        return ledger.result()
+
+    def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """AdamW's state of another run, {HF name: moments}, for this rank's parameters (the tied lm_head copy gets
+        the embedding's)."""
+        for name, p in self.model.named_parameters():
+            m = moments[EMBED if self.tied and name == LM_HEAD else name]
+            self.optimizer.state[p] = {"step": torch.tensor(float(step)),
+                                       **{k: m[k].to(p.device, p.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}}
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def save_state(self, directory: str) -> None:
+        """Each pipeline rank of DP rank 0 writes its stages' model and optimizer state to a file of its own."""
+        if self.ctx.dp_rank == 0:
+            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                       os.path.join(directory, state_file(self.ctx.pp_rank)))
+
+    def load_state(self, directory: str) -> None:
+        state = torch.load(os.path.join(directory, state_file(self.ctx.pp_rank)), map_location=self.ctx.device,
+                           weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
