@@ -202,3 +202,18 @@ CATALOGUE = (
     SeededBug("deepspeed: bf16 master weights", "deepspeed", None, {"bf16_master_weights": True}, ("bf16",)),
     SeededBug("ddp: tied embedding gradient unreduced", "ddp", DDPTiedEmbeddingUnreduced),
 )
+
+
+# --- Pipeline (torch.distributed.pipelining) ----------------------------------------------------------
+
+from pipeline_strategy import PipelineStrategy  # noqa: E402  (appended section: the catalogue above is unchanged)
+
+
+class PipelineTiedGradientsNotSummed(PipelineStrategy):
+    """The classic pipeline bug: the tied embedding / lm_head lives on the first and the last stage as two copies,
+    and their gradients are never summed — the first stage steps its copy with the embedding's gradient only, the
+    last with lm_head's only, and the two copies of one weight part from the first step. (Not in CATALOGUE: the
+    calibration study runs its entries at TP layouts a pipeline does not have; tests/test_pipeline.py runs it.)"""
+
+    def sum_tied_gradients(self) -> None:
+        pass
