@@ -251,28 +251,35 @@ class PipelineStrategy(Strategy):
         self._sums.append(summed.detach())
         return summed * self._loss_scale
 
-    def train_step(self, batch, global_tokens: int, lr: float, observe=None) -> StepStats:
-        """The schedule's forward and backward over the micro-batches, then the DP all-reduce and the tied-weight
-        sum; clipping and the shared AdamW; the step's statistics as the shared train_step makes them."""
-        watching = gradient_arrivals(self.hf_model, observe) if observe else contextlib.nullcontext()
-        observe = observe or (lambda point: None)
+    def forward_backward(self, batch, global_tokens: int) -> torch.Tensor:
+        """The schedule's forward and backward over the micro-batches of this DP rank's `batch`, then the tied-weight
+        sum and the DP all-reduce: every rank holds the global batch's gradients of its parameters. Returns this
+        pipeline's token-loss sum (float64) on its last stage's rank, 0 on the others."""
         batch = batch.to(self.ctx.device)
         self._loss_scale, self._sums = self.ctx.dp_size / global_tokens, []
-        with watching:
-            self.schedule.step(*((batch.input_ids,) if self.has_first else ()),
-                               target=batch.labels if self.has_last else None,
-                               losses=[] if self.has_last else None, return_outputs=False)
+        self.schedule.step(*((batch.input_ids,) if self.has_first else ()),
+                           target=batch.labels if self.has_last else None,
+                           losses=[] if self.has_last else None, return_outputs=False)
         self.reduce_gradients()
+        local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        if self.has_last:
+            # The loss_fn's last M calls: on the first step torch calls it once before them, to learn the shapes.
+            m = self.cfg.options["microbatches"]
+            assert len(self._sums) in (m, m + 1), len(self._sums)
+            local_sum = sum(s.double() for s in self._sums[-m:])
+        return local_sum
+
+    def train_step(self, batch, global_tokens: int, lr: float, observe=None) -> StepStats:
+        """forward_backward, clipping and the shared AdamW; the step's statistics as the shared train_step makes
+        them (the loss gathered from each pipeline's last rank)."""
+        watching = gradient_arrivals(self.hf_model, observe) if observe else contextlib.nullcontext()
+        observe = observe or (lambda point: None)
+        with watching:
+            local_sum = self.forward_backward(batch, global_tokens)
         observe("after_backward")
         grad_norm = self.optimizer_step(lr)
         observe("after_step")
         t0 = time.perf_counter()
-        m = self.cfg.options["microbatches"]
-        # The loss_fn's last M calls: on the first step, torch runs it once before them to learn the shapes.
-        local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        if self.has_last:
-            assert len(self._sums) in (m, m + 1), len(self._sums)
-            local_sum = sum(s.double() for s in self._sums[-m:])
         sums, counts = self.gather_dp_sums(local_sum, batch.loss_tokens)
         gather_s = time.perf_counter() - t0
         t0 = time.perf_counter()
