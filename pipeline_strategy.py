@@ -122,8 +122,8 @@ class PipelineStrategy(Strategy):
                help="the torch.distributed.pipelining schedule: gpipe, 1f1b, or interleaved_1f1b (two stages per "
                     "rank: 2 × pp_size stages)"),
         Option("microbatches", None, type=int,
-               help="micro-batches each DP rank's batch is split into (default: --pp_size); --batch_size must be a "
-                    "multiple of it"),
+               help="micro-batches each DP rank's batch is split into, --pp_size when not given; --batch_size must be "
+                    "a multiple of it"),
     )
 
     @classmethod
@@ -261,7 +261,7 @@ class PipelineStrategy(Strategy):
                            target=batch.labels if self.has_last else None,
                            losses=[] if self.has_last else None, return_outputs=False)
         self.reduce_gradients()
-        local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        local_sum = self._zero()
         if self.has_last:
             # The loss_fn's last M calls: on the first step torch calls it once before them, to learn the shapes.
             m = self.cfg.options["microbatches"]
@@ -309,6 +309,9 @@ class PipelineStrategy(Strategy):
         if self.has_last:
             dist.all_reduce(self.model.lm_head.weight.grad, group=self.tie_group)
 
+    def _zero(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+
     def _pipeline_sum(self, value: torch.Tensor) -> float:
         """A float64 sum over this pipeline's ranks (every DP replica holds the same values)."""
         total = value.detach().to(self.ctx.device, torch.float64).reshape(())
@@ -318,7 +321,7 @@ class PipelineStrategy(Strategy):
     @torch.no_grad()
     def optimizer_step(self, lr: float) -> float:
         counted = [p.grad for _, p in self._counted() if p.grad is not None]
-        local = sum((squared_norm_fp64(g) for g in counted), torch.zeros((), dtype=torch.float64))
+        local = sum((squared_norm_fp64(g) for g in counted), self._zero())
         norm = math.sqrt(self._pipeline_sum(local))
         coef = clip_coefficient(norm, self.cfg)
         if coef < 1.0:
@@ -327,7 +330,7 @@ class PipelineStrategy(Strategy):
         return norm
 
     def parameter_norm(self) -> float:
-        local = sum((squared_norm_fp64(p) for _, p in self._counted()), torch.zeros((), dtype=torch.float64))
+        local = sum((squared_norm_fp64(p) for _, p in self._counted()), self._zero())
         return math.sqrt(self._pipeline_sum(local))
 
     def backward(self, loss, last: bool = True) -> None:
