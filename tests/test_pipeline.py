@@ -5,7 +5,8 @@ checkpoint round trip; bad input, one line each.
 
 The runs are the shared loop in local gloo groups (parity.training.local_group), one group per world size, as in
 test_techniques.py. Setting: qwen2-tiny with 4 decoder layers (interleaved 1F1B at P=2 has 4 stages), seq 64,
-12 steps, lr 1e-4, fp32 (and one bf16 autocast run against DDP's bf16 run); global batch 4 = DDP's DP 2 × 2.
+12 steps, lr 1e-4, fp32 (and a bf16 autocast run against DDP's bf16 run, a run on padded samples against DDP's on
+them); global batch 4 = DDP's DP 2 × 2.
 """
 
 import json
@@ -33,8 +34,19 @@ RUNS = {**{f"{s}_p2_d2": {"num_workers": 4, "batch_size": 2, "pp_schedule": s, "
         "bug_tied_gradients_not_summed": {"num_workers": 2, "batch_size": 4, "pp_schedule": "1f1b", "microbatches": 2,
                                           "strategy_class": PipelineTiedGradientsNotSummed},
         "bf16_1f1b_p2_d1": {"num_workers": 2, "batch_size": 4, "pp_schedule": "1f1b", "microbatches": 2,
-                            "precision": "bf16"}}
+                            "precision": "bf16"},
+        # padded samples: every micro-batch holds another number of loss tokens
+        "padded_interleaved_1f1b_p2_d1": {"num_workers": 2, "batch_size": 4, "pp_schedule": "interleaved_1f1b",
+                                          "microbatches": 4, "dataset": "synthetic_padded"}}
 FP32_RUNS = [n for n in RUNS if not n.startswith(("bug_", "bf16_"))]
+# The DDP runs (DP 2 × batch 2) the pipeline runs are held to: by default "ddp"; a run named <prefix>_... with a
+# baseline of its own, "ddp_<prefix>".
+BASELINES = {"ddp": {}, "ddp_bf16": {"precision": "bf16"}, "ddp_padded": {"dataset": "synthetic_padded"}}
+
+
+def baseline_of(name: str) -> str:
+    prefix = f"ddp_{name.split('_')[0]}"
+    return prefix if prefix in BASELINES else "ddp"
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +61,12 @@ def weights4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(weights4, tmp_path_factory):
-    """{name: (its folder, its record)}, the DDP baseline (DP 2 × batch 2) as "ddp", in bf16 as "ddp_bf16"."""
+    """{name: (its folder, its record)}, the DDP baselines (BASELINES) among them."""
     root = tmp_path_factory.mktemp("pipeline")
     planned = {name: plan("ddp", {**SETTING, "num_workers": 2, "batch_size": 2, "init_weights_path": weights4,
                                   "loss_output_dir": root / name, "storage_path": root / "ray", "experiment_name": name,
-                                  "precision": precision})
-               for name, precision in (("ddp", "fp32"), ("ddp_bf16", "bf16"))}
+                                  **flags})
+               for name, flags in BASELINES.items()}
     for name, flags in RUNS.items():
         planned[name] = plan("pipeline", {**SETTING, **flags, "init_weights_path": weights4,
                                           "loss_output_dir": root / name, "storage_path": root / "ray",
@@ -66,7 +78,7 @@ def runs(weights4, tmp_path_factory):
 
 @pytest.mark.parametrize("name", FP32_RUNS)
 def test_each_schedule_and_layout_matches_ddp_in_fp32(runs, name):
-    _, base = runs["ddp"]
+    _, base = runs[baseline_of(name)]
     _, run = runs[name]
     assert run["config"]["init_weights_sha256"] == base["config"]["init_weights_sha256"]
     for key in ("batch_hash", "tokens", "lr"):
