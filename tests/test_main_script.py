@@ -7,11 +7,13 @@ import os
 from conftest import REPO, run_main
 
 
-def test_three_runs_then_a_pass_verdict(tmp_path):
-    proc = run_main(tmp_path)
+def test_four_runs_then_a_pass_verdict(tmp_path):
+    """The seed's three strategies and the pipeline (2 stages × DP 2, in the TP runs' worker group)."""
+    proc = run_main(tmp_path, STRATEGIES="ddp deepspeed fsdp pipeline")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "== 4 workers: deepspeed tp=2 dp=2 fp32, fsdp tp=2 dp=2 fp32, pipeline pp=2 dp=2 fp32" in proc.stdout
     loss_dir = tmp_path / "loss_curves"
-    for strategy in ("ddp", "deepspeed", "fsdp"):
+    for strategy in ("ddp", "deepspeed", "fsdp", "pipeline"):
         record = json.loads((loss_dir / f"loss_{strategy}.json").read_text())
         assert record["complete"] and len(record["steps"]) == 12 and record["config"]["precision"] == "fp32"
     assert (loss_dir / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -19,7 +21,7 @@ def test_three_runs_then_a_pass_verdict(tmp_path):
     assert report.startswith("# Loss curve comparison against DDP") and "![Loss curves](loss_curves.png)" in report
     summary = json.loads((loss_dir / "curve_comparison.json").read_text())
     assert (summary["baseline"], summary["num_steps"], summary["verdict"]) == ("ddp", 12, "PASS")
-    for strategy in ("deepspeed", "fsdp"):
+    for strategy in ("deepspeed", "fsdp", "pipeline"):
         against = summary["against_baseline"][strategy]
         assert (against["verdict"], against["calibrated"]) == ("PASS", False)  # fp32: no twins unless asked
         assert against["tolerance_source"].startswith("the fixed fp32 table")

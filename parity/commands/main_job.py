@@ -20,7 +20,7 @@ import time
 from parity import console, storage
 from parity.commands.common import OneLineParser, report_error, run_command
 from parity.errors import ConfigError, TrainingFailed
-from parity.registry import NAMES
+from parity.registry import KNOWN, NAMES
 from parity.training.cluster import ray_for_this_command
 from parity.training.config import DEVICES, PRECISIONS
 
@@ -40,7 +40,8 @@ SETTINGS = (
     ("PRECISION", str, "auto", "fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU)"),
     ("DEVICE", str, "auto", "auto | cpu | cuda (auto: cuda with >= TP_SIZE*DP_SIZE GPUs)"),
     ("STRATEGIES", str, " ".join(NAMES), "which runs, in order; ddp first (it writes the weights, it is the baseline); "
-                                         "module:Class runs your own Strategy subclass at TP_SIZE × DP_SIZE"),
+                                         "pipeline runs TP_SIZE stages × DP_SIZE; module:Class runs your own Strategy "
+                                         "subclass at TP_SIZE × DP_SIZE"),
     ("TOLERANCE", float, None, "override the verdict's relative loss tolerance [calibrated, or from the precision]"),
     ("NOISE_REFERENCE", str, "auto", "run DDP's twins to calibrate the verdict: on | off | auto (on in bf16)"),
     ("PYTHON", str, None, "the interpreter to run under [python3]"),
@@ -125,8 +126,12 @@ def run_main_job(args) -> int:
 
 
 def run_title(cfg) -> str:
+    from parity.registry import strategy_class
+
     role = " (noise reference)" if cfg.noise_reference else ""
-    return f"{cfg.strategy}{role} tp={cfg.tp_size} dp={cfg.dp_size} {cfg.precision}"
+    pp = strategy_class(cfg.strategy, cfg.strategy_class).pp_size(cfg.options)
+    layout = f"pp={pp}" if pp > 1 else f"tp={cfg.tp_size}"
+    return f"{cfg.strategy}{role} {layout} dp={cfg.dp_size} {cfg.precision}"
 
 
 def time_table(times: list, total: float) -> str:
@@ -150,9 +155,9 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
     from parity.registry import flags_for, option_owners, strategy_class
 
     strategies = args.strategies.split()
-    unknown = [s for s in strategies if s not in NAMES and ":" not in s]
+    unknown = [s for s in strategies if s not in KNOWN and ":" not in s]
     if unknown or not strategies:
-        raise ConfigError(f"unknown strategy '{unknown[0] if unknown else ''}' in STRATEGIES: use {', '.join(NAMES)}, "
+        raise ConfigError(f"unknown strategy '{unknown[0] if unknown else ''}' in STRATEGIES: use {', '.join(KNOWN)}, "
                           f"or module:Class for your own")
     if strategies[0] != "ddp":
         raise ConfigError(f"STRATEGIES '{args.strategies}' must start with ddp: the DDP run writes the initial "
@@ -176,6 +181,8 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
     for strategy in strategies:
         layout = ({"num_workers": args.dp_size, "dp_size": args.dp_size, "save_init_weights": True}
                   if strategy == "ddp" else {"num_workers": world, "tp_size": args.tp_size, "dp_size": args.dp_size})
+        if strategy == "pipeline":  # the TP runs' world: TP_SIZE pipeline ranks (stages) × DP_SIZE replicas
+            layout = {"num_workers": world, "dp_size": args.dp_size, "pp_size": args.tp_size}
         if ":" in strategy:  # the user's own class: the run flags, its own options at their defaults, TP if it has it
             if not strategy_class("ddp", strategy).tensor_parallel:
                 layout = {"num_workers": args.dp_size, "tp_size": 1, "dp_size": args.dp_size}
@@ -220,7 +227,7 @@ def extra_flags(text: str, strategies: list[str]) -> dict:
 
     parser = OneLineParser(prog="EXTRA_ARGS")
     add_run_flags(parser, given_only=True)
-    add_strategy_options(parser, [strategy_class(name) for name in NAMES], given_only=True)
+    add_strategy_options(parser, [strategy_class(name) for name in KNOWN], given_only=True)
     try:
         given = vars(parser.parse_args(shlex.split(text)))
     except SystemExit:
