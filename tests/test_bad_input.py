@@ -142,7 +142,7 @@ CASES = [
     ("text missing", "ddp", train_flags(dataset="text:{d}/none.txt"), {},
      r"--dataset text:.*none.txt: no such file .*none.txt: give the path of a UTF-8 text file"),
     ("dataset name", "ddp", train_flags(dataset="imagenet"), {},
-     r"--dataset imagenet is not known: use synthetic, wikitext or text:PATH"),
+     r"--dataset imagenet is not known: use synthetic, synthetic_padded, wikitext or text:PATH"),
     ("text small", "ddp", train_flags(dataset="text:{d}/tiny.txt", tokenizer="bytes"), {},
      r"holds fewer samples than one global batch \(4\): use more data, a shorter --seq_length or a smaller batch"),
     ("tokenizer", "ddp", train_flags(dataset="text:{d}/tiny.txt", tokenizer="nobody/tok"), {},
@@ -180,7 +180,7 @@ CASES = [
     ("not comparable", "plot", lambda d: edit_record(d, lambda r: r["config"].update(init_weights_sha256="6" * 64)), {},
      r"not comparable: ddp and fsdp start from different initial weights .*: train both from the same "),
     ("old schema", "plot", lambda d: edit_record(d, lambda r: r.update(schema_version=1)), {},
-     r"loss_fsdp.json: schema version 1, this harness reads 2 .*: rerun that strategy"),
+     r"loss_fsdp.json: schema version 1, this harness reads 3 .*: rerun that strategy"),
     # --- compare_dumps.py -----------------------------------------------------------------------------------
     ("no dumps", "compare_dumps", ["--input_dir", "{d}"], {},
      r"holds no dump_\*.json: run run_verification.py --output_dir .* first"),

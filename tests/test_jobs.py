@@ -94,7 +94,7 @@ def test_jobs_hand_over_weights_and_records_through_storage_every_job_sees():
 
 def test_one_job_runs_the_whole_verification(tmp_path, monkeypatch):
     """job_verification.yaml: run_verification_main.sh, whose plan on the job's 4 GPUs is seed 000's three runs
-    in bf16 and DDP's two twins, with every output under the user's shared storage."""
+    in bf16, DDP's two twins and its fp32 twin, with every output under the user's shared storage."""
     for env, *_ in main_job.SETTINGS:
         monkeypatch.delenv(env, raising=False)
     argv = entrypoint("verification")
@@ -107,12 +107,13 @@ def test_one_job_runs_the_whole_verification(tmp_path, monkeypatch):
     cfgs = [resolve(strategy, values, cluster=cluster, weights_written_before_launch=True)
             for strategy, values in main_job.run_plan(args, args.output_dir, cluster)]
     assert [(c.strategy, c.tp_size, c.dp_size, c.batch_size, c.noise_reference) for c in cfgs] == [
-        ("ddp", 1, 2, 2, False), ("ddp", 1, 1, 4, True), ("ddp", 1, 4, 1, True), ("deepspeed", 2, 2, 2, False),
-        ("fsdp", 2, 2, 2, False)]
+        ("ddp", 1, 2, 2, False), ("ddp", 1, 1, 4, True), ("ddp", 1, 4, 1, True), ("ddp", 1, 2, 2, True),
+        ("deepspeed", 2, 2, 2, False), ("fsdp", 2, 2, 2, False)]
     seed = {k: v for k, v in SEED.items() if k != "batch_size"}  # the twins' batch is the whole global batch
     for cfg in cfgs:
         assert {k: getattr(cfg, k) for k in seed} == seed
-        assert (cfg.device, cfg.precision) == ("cuda", "bf16")
+        fp32_twin = cfg.noise_reference and cfg.dp_size == 2  # DDP at its own layout in fp32: a reference
+        assert (cfg.device, cfg.precision) == ("cuda", "fp32" if fp32_twin else "bf16")
         assert cfg.loss_output_dir == os.path.join(args.output_dir, "loss_curves")
 
 

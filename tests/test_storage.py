@@ -190,8 +190,8 @@ def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baselin
     # written there.
     storage.write_json_atomic(storage.join(loss_dir, "loss_ddp.json"), ddp_baseline)
     assert plot_loss_curves(["--input_dir", loss_dir, "--output", storage.join(loss_dir, "loss_curves.png")]) == 0
-    assert all_files(loss_dir) == ["curve_comparison.json", "curve_report.md", "loss_curves.png", "loss_ddp.json",
-                                   "loss_fsdp.json"]
+    assert all_files(loss_dir) == ["curve_comparison.json", "curve_report.md", "logs/fsdp_tp2_dp1.log",
+                                   "loss_curves.png", "loss_ddp.json", "loss_fsdp.json"]
     assert storage.read_bytes(storage.join(loss_dir, "loss_curves.png"))[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads(storage.read_text(storage.join(loss_dir, "curve_comparison.json")))
     assert (summary["verdict"], summary["runs"]["fsdp"]["file"], summary["figure"]) == (
