@@ -47,11 +47,15 @@ BUGS_BF16 = [("DeepSpeedClippingSkipped", "deepspeed", "deepspeed", DeepSpeedCli
              ("DDPTiedEmbeddingUnreduced", "ddp_tied_embedding_unreduced", "ddp", DDPTiedEmbeddingUnreduced, {},
               BASELINE)]
 # Your own setup in bf16 (each in its own folder beside the default path's baseline): gradient accumulation with
-# activation checkpointing in DeepSpeed and FSDP + TP, and FSDP + TP compiled. (id, strategy, flags)
-TECHNIQUES_BF16 = [("deepspeed_accumulation_checkpointing", "deepspeed",
+# activation checkpointing in DeepSpeed and FSDP + TP, FSDP + TP compiled, and the pipeline (2 stages × DP 2,
+# 1F1B). (id, strategy, layout, flags)
+PP2_DP2 = {"num_workers": 4, "dp_size": 2, "batch_size": 2}
+TECHNIQUES_BF16 = [("deepspeed_accumulation_checkpointing", "deepspeed", TP2_DP2,
                     {"grad_accum_steps": 2, "activation_checkpointing": True}),
-                   ("fsdp_accumulation_checkpointing", "fsdp", {"grad_accum_steps": 2, "activation_checkpointing": True}),
-                   ("fsdp_compiled", "fsdp", {"compile": True})]
+                   ("fsdp_accumulation_checkpointing", "fsdp", TP2_DP2,
+                    {"grad_accum_steps": 2, "activation_checkpointing": True}),
+                   ("fsdp_compiled", "fsdp", TP2_DP2, {"compile": True}),
+                   ("pipeline_1f1b", "pipeline", PP2_DP2, {"pp_size": 2, "pp_schedule": "1f1b"})]
 # The two bugs that hide in bf16's noise (docs/tolerances.md): the fp32 run's fixed table FAILs them at once.
 FP32_STEPS = 6
 BUGS_FP32 = [(FSDPWeightDecayAdded, "fsdp", 2, "param_norm"), (DeepSpeedWeightDecayAdded, "deepspeed", 2, "param_norm"),
@@ -91,8 +95,8 @@ def folders(tmp_path_factory, weights):
             add(kernel, kernel, strategy, {**TP2_DP2, "precision": "bf16"}, **options)
     for bug_id, _, strategy, bug, options, layout in BUGS_BF16:
         add("default", bug_id, strategy, {**layout, "precision": "bf16"}, bug, **options)
-    for technique, strategy, flags in TECHNIQUES_BF16:
-        add("default", technique, strategy, {**TP2_DP2, "precision": "bf16"}, **flags)
+    for technique, strategy, layout, flags in TECHNIQUES_BF16:
+        add("default", technique, strategy, {**layout, "precision": "bf16"}, **flags)
     add("default", "fp32", "ddp", {**BASELINE, "precision": "fp32"}, debug_steps=FP32_STEPS)
     for bug, strategy, *_ in BUGS_FP32:
         add("default", f"{bug.__name__}_fp32", strategy, {**TP2_DP2, "precision": "fp32"}, bug,
@@ -130,15 +134,16 @@ def test_clean_strategies_pass_the_calibrated_verdict_on_each_kernel_path(folder
     assert f"Bounds calibrated on {', '.join(sorted(REFERENCES))}" in out
 
 
-@pytest.mark.parametrize("technique,strategy,flags", TECHNIQUES_BF16, ids=[t for t, *_ in TECHNIQUES_BF16])
-def test_techniques_pass_the_calibrated_verdict_in_bf16(folders, capsys, technique, strategy, flags):
+@pytest.mark.parametrize("technique,strategy,layout,flags", TECHNIQUES_BF16, ids=[t for t, *_ in TECHNIQUES_BF16])
+def test_techniques_pass_the_calibrated_verdict_in_bf16(folders, capsys, technique, strategy, layout, flags):
     code, result, out = verdict(folders / technique, capsys)
     assert code == 0, out
     against = result["against_baseline"][strategy]
     assert against["calibrated"] and against["verdict"] == "PASS"
     assert 0 < max(against["noise_ratio"].values()) < NOISE_K
     config = json.loads((folders / technique / f"loss_{strategy}.json").read_text())["config"]
-    assert {k: config[k] for k in flags} == flags  # the technique ran
+    ran = {**config, **config["options"]}
+    assert {k: ran[k] for k in flags} == flags  # the technique ran
 
 
 @pytest.mark.parametrize("bug_id,name,bug,options", [(i, n, b, o) for i, n, _, b, o, _ in BUGS_BF16],
