@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from parity.errors import ConfigError
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
@@ -35,6 +36,7 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 # Modules whose outputs stay local shards along the last dim: the colwise ones, and the MLP's activation
 # (applied to gate_proj's shard before up_proj's shard multiplies it).
 SHARDED_OUTPUTS = COLWISE + ("mlp.act_fn",)
+TP_PLANS = ("default", "sequence_parallel")
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
 
 
@@ -56,6 +58,49 @@ def apply_tp(model, tp_mesh: DeviceMesh) -> None:
     plan = {**{name: ColwiseParallel() for name in COLWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, plan)
+
+
+def apply_sequence_parallel(model, tp_mesh: DeviceMesh, norm_style=SequenceParallel) -> None:
+    """--tp_plan sequence_parallel: the default plan, plus the residual stream and the RMSNorms sharded over the
+    sequence between the TP regions (torchtitan's plan, on Hugging Face's modules).
+
+    Layer 0 takes the replicated embedding output and keeps its own sequence chunk (Shard(1), no
+    communication); each RMSNorm (SequenceParallel) normalises the chunk it holds; attention and the MLP
+    all-gather the sequence before their colwise projections (PrepareModuleInput); o_proj and down_proj
+    reduce-scatter their partial sums back onto sequence chunks (Shard(1) outputs) instead of all-reducing
+    them. The residual stream between layers is a DTensor sharded over the sequence; the final norm runs on
+    chunks too, and lm_head gathers the sequence back: the logits are DDP's full ones, the tied embedding
+    stays replicated as in the default plan. Same collectives' volume as the default plan's all-reduces;
+    the activations between the regions take 1/tp_size of the memory.
+
+    The RMSNorm weights are replicated over tp but each rank's chunk gives only its part of their gradient:
+    a Partial DTensor that must be summed over tp before the gradient norm and clipping (FSDP2 does it when
+    it reduce-scatters over dp; clip_sharded_gradients asserts no gradient is still Partial). A norm taken
+    of the local parts, or weights kept as plain tensors, is the classic bug of this plan: the copy
+    parity.calibration.bugs:FSDPSequenceParallelNormsUnreduced.
+    """
+    layer_plan = {
+        "input_layernorm": norm_style(),
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
+        **{name: ColwiseParallel() for name in COLWISE},
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": norm_style(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    for i, layer in enumerate(model.model.layers):
+        plan = dict(layer_plan)
+        if i == 0:  # the embedding's full output → this rank's sequence chunk
+            plan[""] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                          use_local_output=False)
+        parallelize_module(layer, tp_mesh, plan)
+    parallelize_module(model.model, tp_mesh, {"norm": norm_style()})
+    parallelize_module(model, tp_mesh, {"lm_head": PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)})
+
+
+TP_APPLY = {"default": apply_tp, "sequence_parallel": apply_sequence_parallel}
 
 
 def apply_ac(model) -> None:
@@ -167,6 +212,10 @@ class FSDPStrategy(Strategy):
                     "(default: bf16 with --mixed_precision policy, else fp32)"),
         Option("reduce_dtype", None, type=str, choices=tuple(DTYPES),
                help="FSDP2 MixedPrecisionPolicy.reduce_dtype: the dtype gradients are reduce-scattered in (default fp32)"),
+        Option("tp_plan", "default", choices=TP_PLANS,
+               help="the TP plan: default (Megatron-style TP inside each decoder layer, the residual stream "
+                    "replicated) or sequence_parallel (also the residual stream and the RMSNorms sharded over the "
+                    "sequence between the TP regions, as torchtitan's plan); with --tp_size > 1"),
         Option("offload", "none", choices=OFFLOAD,
                help="cpu: FSDP2's CPUOffloadPolicy — parameter shards, gradients and optimizer state in host "
                     "memory, the optimizer step on the CPU"),
@@ -182,6 +231,17 @@ class FSDPStrategy(Strategy):
             if settings.options[flag] == "bf16" and settings.precision != "bf16":
                 raise ConfigError(f"--{flag} bf16 is a bf16 setting but --precision is {settings.precision}: add "
                                   f"--precision bf16, or drop it")
+        if settings.activation_checkpointing and settings.compile:
+            raise ConfigError("--activation_checkpointing with --compile: torch's composable checkpoint finds the compiled "
+                              "layers' recomputed tensors changed (torch.utils.checkpoint.CheckpointError, pytorch#166926): "
+                              "use one of the two")
+        if settings.options["tp_plan"] == "sequence_parallel":
+            if settings.tp_size < 2:
+                raise ConfigError(f"--tp_plan sequence_parallel shards the sequence over the TP ranks but --tp_size is "
+                                  f"{settings.tp_size}: use --tp_size 2 or more")
+            if settings.seq_length % settings.tp_size:
+                raise ConfigError(f"--tp_plan sequence_parallel splits the sequence into --tp_size {settings.tp_size} "
+                                  f"chunks: --seq_length {settings.seq_length} must be a multiple of it")
         if settings.options["param_dtype"] == "bf16" and settings.options["mixed_precision"] != "policy":
             raise ConfigError("--param_dtype bf16 computes in bf16 through FSDP2's policy, and autocast would cast on "
                               "top of it: add --mixed_precision policy")
@@ -194,7 +254,7 @@ class FSDPStrategy(Strategy):
         assert (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == (self.ctx.dp_rank, self.ctx.tp_rank)
         model.to(self.ctx.device)
         if self.ctx.tp_size > 1:  # with tp_size 1 this is pure FSDP2 on the 1-D "dp" sub-mesh
-            apply_tp(model, mesh["tp"])
+            self.apply_tp_plan(model, mesh["tp"])
         if self.cfg.activation_checkpointing:
             apply_ac(model)
         if self.cfg.compile:
@@ -203,6 +263,10 @@ class FSDPStrategy(Strategy):
         self.tp_mesh = mesh["tp"]
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.cfg)
+
+    def apply_tp_plan(self, model, tp_mesh: DeviceMesh) -> None:
+        """--tp_plan's TP over the "tp" mesh (a test copy with a bug in its plan overrides this)."""
+        TP_APPLY[self.cfg.options["tp_plan"]](model, tp_mesh)
 
     def autocast(self):
         """With the FSDP2 policy the parameters themselves are in --param_dtype: no autocast on top."""

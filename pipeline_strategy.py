@@ -32,10 +32,8 @@ shared clip_coefficient, then the shared AdamW steps each rank's parameters.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -45,8 +43,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parity.errors import ConfigError
 from parity.training.memory import GRADS, PARAMS, StateLedger
-from parity.training.strategy import (Option, StepStats, Strategy, build_optimizer, clip_coefficient, gradient_arrivals,
-                                      loss_sum, squared_norm_fp64, step_optimizer)
+from parity.training.strategy import (ModuleRecords, Option, Strategy, build_optimizer, clip_coefficient, loss_sum, squared_norm_fp64,
+                                      step_optimizer)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -186,11 +184,12 @@ class PipelineStrategy(Strategy):
         self.tied, self.hidden_size = bool(config.tie_word_embeddings), config.hidden_size
         n = stage_count(o)
         per_stage = config.num_hidden_layers // n
-        self.num_stages = n
+        self.num_stages, self.per_stage = n, per_stage
         self.my_stages = [s for s in range(n) if s % P == ctx.pp_rank]
         self.has_first, self.has_last = 0 in self.my_stages, n - 1 in self.my_stages
         model.to(ctx.device)
         layers = model.model.layers
+        self.layer_params = sum(p.numel() for p in layers.parameters())
         lm_head = None
         if self.has_last:
             lm_head = model.lm_head
@@ -212,29 +211,40 @@ class PipelineStrategy(Strategy):
                                                 embed_tokens=model.model.embed_tokens if s == 0 else None,
                                                 norm=model.model.norm if s == n - 1 else None,
                                                 lm_head=lm_head if s == n - 1 else None)
-        self.stages = [PipelineStage(self.stage_modules[s], s, n, ctx.device, group=self.pp_group)
-                       for s in self.my_stages]
+        self.stages = [PipelineStage(self.stage_modules[s], s, n, ctx.device, **self._stage_examples(s, config),
+                                     group=self.pp_group) for s in self.my_stages]
         schedule = SCHEDULES[o["pp_schedule"]]
         self.schedule = schedule(self.stages if STAGES_PER_RANK[o["pp_schedule"]] > 1 else self.stages[0],
                                  n_microbatches=o["microbatches"], loss_fn=self._micro_batch_loss, scale_grads=False)
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg)
-        self._layout(config, per_stage)
+        self._layout(config)
         self._loss_scale, self._sums = 1.0, []
 
-    def _layout(self, config, per_stage: int) -> None:
-        """Every full parameter's name (a stock model's order, a tied lm_head once), shape and pipeline rank."""
+    def _stage_examples(self, stage: int, config) -> dict[str, torch.Tensor | None]:
+        """A micro-batch's input and output of `stage`, and their gradients (shape and dtype): given to PipelineStage,
+        they spare torch's metadata inference — a forward and backward of the first micro-batch inside the first
+        step, which would run every module once more than the step does (and the layer check records every module
+        call). Token ids in, fp32 hidden states between stages (the residual stream stays fp32 under autocast),
+        logits out in the compute dtype. Static metadata must say which inputs get a gradient (torch sends back
+        none for one that does not require it)."""
+        rows, seq = self.cfg.batch_size // self.cfg.options["microbatches"], self.cfg.seq_length
+        device = self.ctx.device
+        hidden = torch.empty(rows, seq, config.hidden_size, device=device)
+        last = stage == self.num_stages - 1
+        logits_dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
+        received = hidden.detach().requires_grad_()  # received hidden states need a gradient, sent back
+        return {"input_args": torch.zeros(rows, seq, dtype=torch.long, device=device) if stage == 0 else received,
+                "output_args": torch.empty(rows, seq, config.vocab_size, dtype=logits_dtype, device=device) if last
+                else hidden,
+                "output_grads": None if last else hidden, "input_grads": None if stage == 0 else hidden}
+
+    def _layout(self, config) -> None:
+        """Every full parameter's name in a stock model's order (a tied lm_head once): the full tensors' order."""
         from transformers import Qwen2ForCausalLM
 
         with torch.device("meta"):
             stock = Qwen2ForCausalLM(config)
-        self.shapes = {name: tuple(p.shape) for name, p in stock.named_parameters()}
-        last_rank = (self.num_stages - 1) % self.P
-
-        def owner(name: str) -> int:
-            if name.startswith("model.layers."):
-                return int(name.split(".")[2]) // per_stage % self.P
-            return 0 if name == EMBED else last_rank  # model.norm, an untied lm_head
-        self.owner = {name: owner(name) for name in self.shapes}
+        self.full_names = [name for name, _ in stock.named_parameters()]
 
     def _counted(self):
         """(name, parameter) of this rank, each weight once: the tied lm_head copy is the embedding's."""
@@ -263,30 +273,9 @@ class PipelineStrategy(Strategy):
         self.reduce_gradients()
         local_sum = self._zero()
         if self.has_last:
-            # The loss_fn's last M calls: on the first step torch calls it once before them, to learn the shapes.
-            m = self.cfg.options["microbatches"]
-            assert len(self._sums) in (m, m + 1), len(self._sums)
-            local_sum = sum(s.double() for s in self._sums[-m:])
+            assert len(self._sums) == self.cfg.options["microbatches"], len(self._sums)
+            local_sum = sum(s.double() for s in self._sums)
         return local_sum
-
-    def train_step(self, batch, global_tokens: int, lr: float, observe=None) -> StepStats:
-        """forward_backward, clipping and the shared AdamW; the step's statistics as the shared train_step makes
-        them (the loss gathered from each pipeline's last rank)."""
-        watching = gradient_arrivals(self.hf_model, observe) if observe else contextlib.nullcontext()
-        observe = observe or (lambda point: None)
-        with watching:
-            local_sum = self.forward_backward(batch, global_tokens)
-        observe("after_backward")
-        grad_norm = self.optimizer_step(lr)
-        observe("after_step")
-        t0 = time.perf_counter()
-        sums, counts = self.gather_dp_sums(local_sum, batch.loss_tokens)
-        gather_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        param_norm = self.parameter_norm()
-        return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
-                         grad_norm=float(grad_norm), param_norm=param_norm,
-                         harness_s={"loss_gather": gather_s, "param_norm": time.perf_counter() - t0})
 
     def reduce_gradients(self) -> None:
         """After the schedule's backward: the tied weight's two gradients summed (each rank's embedding and lm_head
@@ -334,7 +323,7 @@ class PipelineStrategy(Strategy):
         return math.sqrt(self._pipeline_sum(local))
 
     def backward(self, loss, last: bool = True) -> None:
-        raise NotImplementedError("the pipeline's schedule runs forward and backward together: use train_step")
+        raise NotImplementedError("the pipeline's schedule runs forward and backward together: use forward_backward")
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -365,31 +354,58 @@ class PipelineStrategy(Strategy):
         return [gathered[d * self.P + (self.num_stages - 1) % self.P] for d in range(self.ctx.dp_size)]
 
     # --- full tensors -----------------------------------------------------------------------------
-    def _gather_full(self, local: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """Full fp32 CPU tensors under Hugging Face names on every rank: each pipeline rank broadcasts the tensors
-        it holds (one flat buffer) over the pipeline. Names whose tensor is None on its rank are left out."""
-        out = {}
+    def _share(self, mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Each pipeline rank's `mine` (tensors by key), as fp32 CPU tensors, on every rank of the pipeline: each rank
+        in turn broadcasts its keys and shapes, then its tensors as one flat buffer. Collective over the pipeline."""
+        shared = []
         for r in range(self.P):
-            names = [n for n in self.shapes if self.owner[n] == r]
-            present = [[n for n in names if local.get(n) is not None] if r == self.ctx.pp_rank else None]
-            dist.broadcast_object_list(present, src=self.first_rank + r, group=self.pp_group)
-            names = present[0]
-            sizes = [math.prod(self.shapes[n]) for n in names]
-            if r == self.ctx.pp_rank:
-                flat = torch.cat([local[n].detach().float().reshape(-1) for n in names]) if names else \
+            me = r == self.ctx.pp_rank
+            meta = [[(k, tuple(t.shape)) for k, t in mine.items()] if me else None]
+            dist.broadcast_object_list(meta, src=self.first_rank + r, group=self.pp_group)
+            sizes = [math.prod(shape) for _, shape in meta[0]]
+            if me:
+                flat = torch.cat([t.detach().float().reshape(-1) for t in mine.values()]) if mine else \
                     torch.empty(0, device=self.ctx.device)
             else:
                 flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.ctx.device)
             dist.broadcast(flat, src=self.first_rank + r, group=self.pp_group)
-            for n, piece in zip(names, flat.split(sizes)):
-                out[n] = piece.view(self.shapes[n]).cpu().clone()
-        return {n: out[n] for n in self.shapes if n in out}
+            shared.append({k: piece.view(shape).cpu().clone() for (k, shape), piece in zip(meta[0], flat.split(sizes))})
+        return shared
+
+    def _gather_full(self, local: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Full fp32 CPU tensors under Hugging Face names on every rank, in a stock model's order. Names whose tensor
+        is None on its rank are left out."""
+        out = {k: t for part in self._share({n: t for n, t in local.items() if t is not None}) for k, t in part.items()}
+        return {n: out[n] for n in self.full_names if n in out}
+
+    def stage_of(self, module_name: str) -> int:
+        """The stage that runs a module (by its Hugging Face name)."""
+        if module_name.startswith("model.layers."):
+            return int(module_name.split(".")[2]) // self.per_stage
+        return 0 if module_name.startswith("model.embed_tokens") else self.num_stages - 1
+
+    def full_module_records(self, records: ModuleRecords) -> ModuleRecords:
+        """Every stage's module records on every rank: outputs in stage order (forward), output gradients in reverse
+        stage order (backward), each stage's in the order its rank recorded them."""
+        kinds = {"output": records.outputs, "output_grad": records.output_grads}
+        parts = self._share({f"{kind}/{name}": t for kind, store in kinds.items() for name, t in store.items()})
+        keyed = [(key.split("/", 1), t) for part in parts for key, t in part.items()]
+
+        def ordered(kind: str, sign: int) -> dict[str, torch.Tensor]:
+            mine = [(name, t) for (k, name), t in keyed if k == kind]
+            return dict(sorted(mine, key=lambda item: sign * self.stage_of(item[0])))  # stable: each rank's order kept
+        return ModuleRecords(ordered("output", 1), ordered("output_grad", -1))
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return self._gather_full(dict(self._counted()))
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self._gather_full({n: p.grad for n, p in self._counted()})
+
+    def replica_params(self, num_params: int) -> float:
+        """The layers ÷ pp_size, plus what no pipeline splits: a rank at either end holds the tied embedding (the
+        last its copy) and the final norm besides its layers."""
+        return self.layer_params / self.P + (num_params - self.layer_params)
 
     def model_state_bytes(self) -> dict:
         """This rank's stages: their parameters (the last stage's copy of the tied weight included), gradients and

@@ -28,6 +28,17 @@ def label(name: str) -> str:
     return LABELS.get(name, name)
 
 
+def pp_size_of(config: dict) -> int:
+    """The pipeline ranks per model replica of a run (its config or dump metadata): 1 without a pipeline."""
+    return (config.get("options") or {}).get("pp_size", 1)
+
+
+def run_label(name: str, config: dict) -> str:
+    """A run's name in reports with its layout: "FSDP (TP=2, DP=2)", "Pipeline (PP=2, DP=2)"."""
+    pp, tp = pp_size_of(config), config["tp_size"]
+    return f"{label(name)} ({f'PP={pp}' if pp > 1 else f'TP={tp}'}, DP={config['dp_size']})"
+
+
 def strategy_class(name: str, path: str | None = None):
     """The Strategy subclass for `name` — or the one at import `path` when given; ConfigError for an unknown
     name or a library that cannot be imported."""

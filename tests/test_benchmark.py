@@ -60,7 +60,8 @@ def test_table_has_every_default_row_and_the_documented_keys(bench):
         assert r["harness_share"] == pytest.approx(sum(r["harness_s_per_step"].values()) /
                                                    (r["median_step_time_s"] - in_step))
     assert rows[0]["step_time_ratio_to_ddp"] == 1.0
-    assert {(r["tp_size"], r["dp_size"], r["batch_size"]) for r in rows} == {(1, 2, 2), (2, 1, 4)}
+    assert {(r["tp_size"], r["pp_size"], r["dp_size"], r["batch_size"]) for r in rows} == {
+        (1, 1, 2, 2), (2, 1, 1, 4), (1, 2, 1, 4)}  # DP, TP (one TP group), a pipeline of 2 stages
     assert all(f"`{key}`" in readme for key in ROW_KEYS), "README names the benchmark.json keys"
     table = (out / "benchmark.md").read_text().splitlines()
     assert [line.split(" | ")[0] for line in table if line.startswith("| ") and "---" not in line][1:] == \
@@ -154,6 +155,15 @@ def test_peak_model_state_bytes_per_rank_against_the_zero_bound(bench):
     for r in per_rank("zero3", "peak_all"):
         assert r["gathered_params"] == pytest.approx(4 * psi, rel=1e-3)
     assert rows["zero3"]["peak_all_bytes"] > rows["zero2"]["peak_all_bytes"]
+    # The pipeline's rows (2 stages, or 4 interleaved): each rank holds half the layers and one copy of the tied
+    # embedding (the last stage's lm_head is a copy), with their gradients and Adam's states — the bound of the
+    # layers ÷ 2 plus what no stage split (the embedding, the final norm's 64), exactly, on both ranks.
+    unsplit = embedding + 64
+    for name in ("pp_gpipe", "pp_1f1b", "pp_interleaved"):
+        assert rows[name]["zero_bound_total_bytes"] == pytest.approx(16 * ((psi - unsplit) / 2 + unsplit))
+        for held in per_rank(name):
+            assert sum(held[c] for c in BOUND_CATEGORIES) == pytest.approx(rows[name]["zero_bound_total_bytes"],
+                                                                            rel=0.001)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,7 +218,10 @@ BAD = [
     (["--rows", "ddp,zero4"], "error: --rows: unknown row 'zero4': use " + ",".join(ROWS)),
     (["--rows", "ddp,fsdp_tp", "--num_workers", "1"],
      "error: --rows: fsdp_tp runs at tp_size 2, which does not divide --num_workers 1: use an even --num_workers "
-     "or leave fsdp_tp out"),
+     "or leave it out"),
+    (["--rows", "ddp,pp_interleaved", "--num_layers", "6"],
+     "error: --rows: pp_interleaved splits the layers into 4 stages, which do not divide --num_layers 6: use "
+     "--num_layers 4 or leave it out"),
     (["--debug_steps", "2", "--untimed_steps", "2"],
      "error: --untimed_steps 2 must be at least 0 and below --debug_steps 2: at least one step must be timed"),
     (["--rows", "ddp,zero3", "--batch_size", "0"], "error: --batch_size must be a positive integer (got 0)"),

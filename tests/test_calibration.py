@@ -55,6 +55,7 @@ TECHNIQUES_BF16 = [("deepspeed_accumulation_checkpointing", "deepspeed", TP2_DP2
                    ("fsdp_accumulation_checkpointing", "fsdp", TP2_DP2,
                     {"grad_accum_steps": 2, "activation_checkpointing": True}),
                    ("fsdp_compiled", "fsdp", TP2_DP2, {"compile": True}),
+                   ("fsdp_sequence_parallel", "fsdp", TP2_DP2, {"tp_plan": "sequence_parallel"}),
                    ("pipeline_1f1b", "pipeline", PP2_DP2, {"pp_size": 2, "pp_schedule": "1f1b"})]
 # The two bugs that hide in bf16's noise (docs/tolerances.md): the fp32 run's fixed table FAILs them at once.
 FP32_STEPS = 6

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from conftest import FP32_RTOL, max_rel_diff, series
-from parity.calibration.bugs import FSDPMicroBatchMeans, FSDPRankMeans
+from parity.calibration.bugs import FSDPMicroBatchMeans, FSDPRankMeans, FSDPSequenceParallelNormsUnreduced
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.training.local_group import plan, run_group
 
@@ -22,6 +22,7 @@ SETTING = {"model_name": "qwen2-tiny", "seq_length": 64, "debug_steps": 6, "lear
            "checkpoint_interval": 0, "precision": "fp32", "dataset": "synthetic_padded", "batch_size": 4}
 DP2 = {"num_workers": 2}
 TP2_DP2 = {"num_workers": 4, "tp_size": 2}
+SP = {"tp_plan": "sequence_parallel"}
 # name → (strategy, flags): every strategy at N = 2 and 4, with activation checkpointing, with compile.
 RUNS = {
     "ddp_n2": ("ddp", {**DP2, "grad_accum_steps": 2}),
@@ -35,9 +36,14 @@ RUNS = {
     "fsdp_ac": ("fsdp", {**TP2_DP2, "activation_checkpointing": True}),
     "ddp_compile": ("ddp", {**DP2, "compile": True}),
     "fsdp_compile": ("fsdp", {**TP2_DP2, "compile": True}),
+    # sequence parallelism (FSDP's --tp_plan sequence_parallel), with accumulation, and at DP 1 with checkpointing
+    "fsdp_sp_n2": ("fsdp", {**TP2_DP2, **SP, "grad_accum_steps": 2}),
+    "fsdp_sp_tp2_dp1_ac": ("fsdp", {"num_workers": 2, "tp_size": 2, "batch_size": 8, **SP, "activation_checkpointing": True}),
     # the classic bugs of padded data under accumulation, in FSDP copies
     "bug_micro_batch_means": ("fsdp", {**DP2, "grad_accum_steps": 2, "strategy_class": FSDPMicroBatchMeans}),
     "bug_rank_means": ("fsdp", {**DP2, "strategy_class": FSDPRankMeans}),
+    # sequence parallelism's classic bug: the RMSNorm weights' gradients never summed over TP
+    "bug_sp_norms_unreduced": ("fsdp", {**TP2_DP2, **SP, "strategy_class": FSDPSequenceParallelNormsUnreduced}),
     # users' own DeepSpeed configs (USER_CONFIGS, written as files by the fixture)
     "deepspeed_user_config": ("deepspeed", {**TP2_DP2, "deepspeed_config": "deepspeed_user_config"}),
     "bug_deepspeed_bf16_communication": ("deepspeed", {**TP2_DP2, "deepspeed_config": "bug_deepspeed_bf16_communication"}),
@@ -94,14 +100,16 @@ def test_each_technique_matches_ddp_at_one_micro_batch_in_fp32(runs, name):
     cfg = run["config"]
     assert (cfg["grad_accum_steps"], cfg["activation_checkpointing"], cfg["compile"]) == (
         RUNS[name][1].get("grad_accum_steps", 1), "_ac" in name, "_compile" in name)
+    assert cfg["options"].get("tp_plan") == RUNS[name][1].get("tp_plan", "default" if name.startswith("fsdp") else None)
 
 
-@pytest.mark.parametrize("name,step", [("bug_micro_batch_means", 0), ("bug_rank_means", 0)])
-def test_a_mean_of_means_fails_on_padded_data(runs, tmp_path, capsys, name, step):
+@pytest.mark.parametrize("name,step", [("bug_micro_batch_means", 0), ("bug_rank_means", 0), ("bug_sp_norms_unreduced", 0)])
+def test_each_techniques_classic_bug_fails_at_its_step(runs, tmp_path, capsys, name, step):
     """The loss as a mean of per-micro-batch means (transformers < 4.46 under gradient accumulation) or of
-    per-rank means: on padded data the tokens of a short micro-batch or rank weigh more. plot_loss_curves.py
-    FAILs it at the first step, on the grad norm (the loss recorded is the true token mean: only the gradient
-    is off)."""
+    per-rank means: on padded data the tokens of a short micro-batch or rank weigh more. Sequence-parallel
+    RMSNorm weights whose gradients are not summed over TP: each rank's norms learn from its sequence chunk only.
+    plot_loss_curves.py FAILs each at the first step, on the grad norm (the loss recorded is the true token mean:
+    only the gradient is off)."""
     folder, _ = runs[name]
     for record in ("loss_fsdp.json",):
         shutil.copy(folder / record, tmp_path)

@@ -103,6 +103,44 @@ def test_fault_in_one_tp_shard_is_the_first_divergence(tp2_dp1, tmp_path):
     assert rows["output/model.layers.1.mlp.gate_proj"] < 1e-5 and rows["output/model.layers.1.mlp.up_proj"] > 1e-4
 
 
+@pytest.fixture(scope="module")
+def pipeline_and_sequence_parallel(tp2_dp1, tmp_path_factory):
+    """The pipeline (2 stages, 1F1B, 2 micro-batches of one sample) and FSDP + TP=2 with sequence parallelism,
+    recorded one after the other into a copy of the DDP step's folder."""
+    src, _ = tp2_dp1
+    out = str(tmp_path_factory.mktemp("verify_pp_sp"))
+    for name in ("init_weights.safetensors", "inputs.safetensors", "dump_ddp.safetensors", "dump_ddp.json"):
+        shutil.copy(os.path.join(src, name), out)
+    codes = (verify(out, dp_size=1, strategy="fsdp", tp_plan="sequence_parallel"),
+             verify(out, dp_size=1, strategy="pipeline"))
+    return out, codes
+
+
+def test_pipeline_stages_and_sequence_parallel_match_ddp_tensor_for_tensor(pipeline_and_sequence_parallel):
+    """Every module output and output gradient of both pipeline stages (gathered from their ranks, the micro-batches
+    concatenated), every parameter gradient (the tied embedding's summed over its two copies) and updated parameter
+    within 1e-5 of DDP's; the same for FSDP's sequence-parallel plan, whose residual stream and norms are sequence
+    shards (gathered to full size); forward order in stage order, backward order reversed."""
+    out, codes = pipeline_and_sequence_parallel
+    assert codes == (0, 0)
+    result = comparison(out)
+    pairs = {(p["run"], p["reference"]): p for p in result["pairs"]}
+    assert set(pairs) == {("fsdp", "ddp"), ("pipeline", "ddp"), ("pipeline", "fsdp")}
+    keys = {pair: {r["key"] for r in p["rows"]} for pair, p in pairs.items()}
+    assert keys[("pipeline", "ddp")] == keys[("fsdp", "ddp")]
+    assert {r["kind"] for r in pairs[("pipeline", "ddp")]["rows"]} == {"output", "output_grad", "grad", "param"}
+    for pair in pairs.values():
+        worst = max(pair["rows"], key=lambda r: r["rel"])
+        assert (pair["verdict"], pair["first_outside"]) == ("PASS", None)
+        assert worst["rel"] < 1e-5, f"{pair['run']} vs {pair['reference']}: {worst['key']} {worst['rel']:.3e}"
+    meta = json.load(open(os.path.join(out, "dump_pipeline.json")))
+    assert meta["options"]["pp_size"] == 2 and meta["options"]["microbatches"] == 2
+    assert meta["forward_order"][0] == "model.embed_tokens" and meta["forward_order"][-1] == "lm_head"
+    assert meta["forward_order"].index("model.layers.0") < meta["forward_order"].index("model.layers.1")
+    assert meta["backward_order"].index("model.layers.1") < meta["backward_order"].index("model.layers.0")
+    assert json.load(open(os.path.join(out, "dump_fsdp.json")))["options"]["tp_plan"] == "sequence_parallel"
+
+
 # --- bf16: tolerances calibrated per tensor on DDP's step in fp32 ---------------------------------------
 
 BF16 = {"precision": "bf16", "seq_length": 128}

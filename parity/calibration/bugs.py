@@ -18,7 +18,10 @@ import torch.distributed as dist
 
 from autotp_strategy import DeepSpeedStrategy
 from ddp_strategy import DDPStrategy
-from fsdp_strategy import FSDPStrategy, global_norm
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+from fsdp_strategy import FSDPStrategy, apply_sequence_parallel, global_norm
 from parity.training.data import Batch
 from parity.training.layer_step import perturb_local_shard
 from parity.training.strategy import step_optimizer
@@ -115,6 +118,23 @@ class FSDPRankMeans(FSDPStrategy):
 
     def micro_batch_loss(self, summed, micro, batch, global_tokens):
         return summed / max(batch.loss_tokens, 1)
+
+
+def local_chunk_norm() -> PrepareModuleInputOutput:
+    """An RMSNorm run on this rank's sequence chunk as a plain module (Megatron-style sequence parallelism): its
+    weight stays a plain tensor, whose gradient holds only this chunk's part."""
+    return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+                                    output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
+
+
+class FSDPSequenceParallelNormsUnreduced(FSDPStrategy):
+    """--tp_plan sequence_parallel with the RMSNorm weights' gradients never summed over TP: each TP rank's norms
+    learn from its own sequence chunk only (Megatron's forgotten all-reduce of the sequence-parallel norm
+    gradients; in DTensor terms, a Partial gradient treated as whole). The grad norm is too low from step 0 and
+    the TP ranks' copies of the norm weights drift apart."""
+
+    def apply_tp_plan(self, model, tp_mesh) -> None:
+        apply_sequence_parallel(model, tp_mesh, norm_style=local_chunk_norm)
 
 
 # --- DeepSpeed AutoTP + ZeRO --------------------------------------------------------------------------

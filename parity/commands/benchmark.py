@@ -23,6 +23,12 @@ class Row(NamedTuple):
     strategy: str
     tp_size: int
     options: dict
+    pp_size: int = 1  # pipeline ranks per model replica: the row's replica spans tp_size × pp_size ranks
+    stages_per_rank: int = 1  # pipeline stages each of its ranks holds (2: interleaved 1F1B)
+
+    @property
+    def replica_ranks(self) -> int:
+        return self.tp_size * self.pp_size
 
 
 ROWS = {
@@ -35,6 +41,11 @@ ROWS = {
     "fsdp": Row("FSDP2", "fsdp", 1, {}),
     "fsdp_tp": Row("FSDP2 + TP tp2", "fsdp", 2, {}),
     "fsdp_offload": Row("FSDP2 + offload", "fsdp", 1, {"offload": "cpu"}),
+    "fsdp_tp_sp": Row("FSDP2 + TP tp2 + SP", "fsdp", 2, {"tp_plan": "sequence_parallel"}),
+    "pp_gpipe": Row("Pipeline pp2 GPipe", "pipeline", 1, {"pp_size": 2, "pp_schedule": "gpipe"}, pp_size=2),
+    "pp_1f1b": Row("Pipeline pp2 1F1B", "pipeline", 1, {"pp_size": 2, "pp_schedule": "1f1b"}, pp_size=2),
+    "pp_interleaved": Row("Pipeline pp2 interleaved 1F1B", "pipeline", 1,
+                          {"pp_size": 2, "pp_schedule": "interleaved_1f1b"}, pp_size=2, stages_per_rank=2),
 }
 WEIGHTS = os.path.join("shared_weights", "init_weights.pt")
 
@@ -70,18 +81,30 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     return p
 
 
-def pick_rows(spec: str | None, num_workers: int, rows: dict[str, Row] = ROWS) -> list[str]:
-    """The rows to run, DDP first; TP rows need an even world size."""
-    fits = [name for name, row in rows.items() if num_workers % row.tp_size == 0]
+def row_misfit(row: Row, num_workers: int, num_layers: int) -> str | None:
+    """Why the row cannot run at this world size and layer count, in words; None when it can."""
+    if num_workers % row.replica_ranks:
+        what = f"tp_size {row.tp_size}" if row.pp_size == 1 else f"pp_size {row.pp_size}"
+        return (f"runs at {what}, which does not divide --num_workers {num_workers}: use an even --num_workers or "
+                f"leave it out")
+    stages = row.pp_size * row.stages_per_rank
+    if num_layers % stages:
+        return (f"splits the layers into {stages} stages, which do not divide --num_layers {num_layers}: use "
+                f"--num_layers {num_layers - num_layers % stages or stages} or leave it out")
+    return None
+
+
+def pick_rows(spec: str | None, num_workers: int, num_layers: int, rows: dict[str, Row] = ROWS) -> list[str]:
+    """The rows to run, DDP first; by default every row this world size and layer count can run."""
     if spec is None:
-        return fits
+        return [name for name, row in rows.items() if row_misfit(row, num_workers, num_layers) is None]
     names = [n.strip() for n in spec.split(",") if n.strip()]
     for name in names:
         if name not in rows:
             raise ConfigError(f"--rows: unknown row '{name}': use {','.join(rows)}")
-        if name not in fits:
-            raise ConfigError(f"--rows: {name} runs at tp_size {rows[name].tp_size}, which does not divide "
-                              f"--num_workers {num_workers}: use an even --num_workers or leave {name} out")
+        misfit = row_misfit(rows[name], num_workers, num_layers)
+        if misfit:
+            raise ConfigError(f"--rows: {name} {misfit}")
     if "ddp" not in names:
         raise ConfigError("--rows must include ddp: the step-time ratio and the loss difference are against DDP's run")
     return ["ddp"] + [n for n in dict.fromkeys(names) if n != "ddp"]
@@ -105,7 +128,7 @@ def run_values(args, name: str, out: str, on_gpu: bool, rows: dict[str, Row] = R
     return {
         "model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
         "num_layers": args.num_layers, "seq_length": args.seq_length or (1024 if on_gpu else 256),
-        "num_workers": args.num_workers, "tp_size": row.tp_size, "batch_size": args.batch_size * row.tp_size,
+        "num_workers": args.num_workers, "tp_size": row.tp_size, "batch_size": args.batch_size * row.replica_ranks,
         "debug_steps": steps, "log_interval": max(1, steps // 4),
         "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "precision": args.precision,
         "device": args.device, "seed": args.seed, "init_weights_path": os.path.join(out, WEIGHTS),
@@ -135,7 +158,7 @@ def run_benchmark(args) -> int:
         raise ConfigError(f"--untimed_steps {args.untimed_steps} must be at least 0 and below --debug_steps "
                           f"{args.debug_steps}: at least one step must be timed")
     rows = all_rows(args)
-    names = pick_rows(args.rows, args.num_workers, rows)
+    names = pick_rows(args.rows, args.num_workers, args.num_layers, rows)
     started_ray = not ray.is_initialized()
     cluster = probe_cluster()
     on_gpu = args.device == "cuda" or (args.device == "auto" and cluster.gpus >= args.num_workers)
@@ -143,7 +166,8 @@ def run_benchmark(args) -> int:
                     weights_written_before_launch=True) for n in names]
     first = cfgs[0]
     save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), first.init_weights_path)
-    titles = [f"{rows[n].label}: {cfg.strategy} tp={cfg.tp_size} dp={cfg.dp_size} batch {cfg.batch_size} {cfg.options}"
+    titles = [f"{rows[n].label}: {cfg.strategy} tp={cfg.tp_size} pp={rows[n].pp_size} dp={cfg.dp_size} batch "
+              f"{cfg.batch_size} {cfg.options}"
               for n, cfg in zip(names, cfgs)]
     print(f"benchmark: {len(names)} rows ({', '.join(names)}) on {args.num_workers} "
           f"{'GPU' if first.use_cuda else 'CPU'} workers, {first.model_name}, {first.precision}, global batch "

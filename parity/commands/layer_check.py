@@ -10,7 +10,7 @@ import os
 from parity import console, storage
 from parity.commands.common import OneLineParser, non_negative_float, run_command
 from parity.errors import ConfigError
-from parity.registry import NAMES
+from parity.registry import KNOWN, NAMES
 from parity.training.cluster import ray_for_this_command
 from parity.training.config import DEVICES, PRECISIONS, add_strategy_options
 
@@ -24,7 +24,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--output_dir", required=True, help="the layer-check folder (shared weights, inputs, dumps)")
     p.add_argument("--verbose", action="store_true",
                    help="Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/layer_check.log")
-    p.add_argument("--strategy", choices=("all", *NAMES), default="all")
+    p.add_argument("--strategy", choices=("all", *KNOWN), default="all",
+                   help="all: DDP, DeepSpeed and FSDP; or one of them, or the pipeline (--pp_size stages × --dp_size), "
+                        "recorded into the same folder")
     p.add_argument("--strategy_class", default=None, metavar="MODULE:CLASS",
                    help="also record your own Strategy subclass's step (importable here and on the workers)")
     p.add_argument("--replay", default=None, metavar="RUN_DIR",
@@ -53,7 +55,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--noise_reference", choices=("auto", "on", "off"), default="auto",
                    help="also run DDP's step in fp32 (noise_reference_ddp.*), against which bf16 tolerances are "
                         "calibrated per tensor; auto: when the step is bf16")
-    add_strategy_options(p, [strategy_class(name) for name in NAMES], given_only=True)
+    add_strategy_options(p, [strategy_class(name) for name in KNOWN], given_only=True)
     return p
 
 
@@ -156,12 +158,14 @@ def _replay_start(args):
 
 def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay, path: str | None = None) -> dict:
     """The flags of one strategy's recorded step (the class at `path`: the user's own). DDP, and any strategy
-    that does not shard tensors, runs at TP=1 with the same DP size. A replay keeps the run's model, data and
+    that does not shard tensors, runs at TP=1 with the same DP size; a pipeline on pp_size × dp_size workers. A replay keeps the run's model, data and
     optimizer settings, and its global batch."""
     from parity.registry import strategy_class
     from parity.training.replay import KEPT
 
-    tp = args.tp_size if strategy_class(strategy, path).tensor_parallel else 1
+    cls = strategy_class(strategy, path)
+    tp = args.tp_size if cls.tensor_parallel else 1
+    pp = cls.pp_size({**{o.name: o.default for o in cls.options}, **options})
     if replay:
         dp = _given(args.dp_size, replay.config["dp_size"])
         batch = _given(args.batch_size, max(1, replay.global_batch_size // max(1, dp)))
@@ -171,13 +175,13 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
         values = {k: replay.config[k] for k in KEPT}
     else:
         dp, batch = _given(args.dp_size, 1), _given(args.batch_size, 2)
-        on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= tp * dp)
+        on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= pp * tp * dp)
         values = {"model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
                   "seq_length": _given(args.seq_length, 1024 if on_gpu else 128),
                   "num_layers": _given(args.num_layers, 2), "precision": _given(args.precision, "auto"),
                   "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42)}
     return {
-        **values, "batch_size": batch, "tp_size": tp, "dp_size": dp, "num_workers": tp * dp, "device": args.device,
+        **values, "batch_size": batch, "tp_size": tp, "dp_size": dp, "num_workers": pp * tp * dp, "device": args.device,
         "debug_steps": 1,
         "init_weights_path": os.path.join(out, WEIGHTS_FILE), "loss_output_dir": out,
         "storage_path": os.path.join(out, "ray"), "experiment_name": f"layer_check_{strategy}", **options,

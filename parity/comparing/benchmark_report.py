@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import statistics
 
+from parity.registry import pp_size_of
 from parity.training.memory import BOUND_CATEGORIES, model_state_total
 
 MIB = 2 ** 20
 MEASURED_AT = "peak"  # the sample of the measured step where the rank held the most model-state bytes
 
 ROW_KEYS = (
-    "row", "label", "strategy", "options", "tp_size", "dp_size", "batch_size", "steps", "timed_steps",
+    "row", "label", "strategy", "options", "tp_size", "pp_size", "dp_size", "batch_size", "steps", "timed_steps",
     "median_step_time_s", "step_time_ratio_to_ddp", "tokens_per_s", "mfu",
     "model_state_bytes", "model_state_total_bytes", "model_state_peak_at", "peak_all_bytes",
     "model_state_bytes_per_rank", "offloaded_bytes",
@@ -57,7 +58,7 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
     fullest = totals.index(max(totals))
     return {
         "row": row, "label": label, "strategy": record["strategy"], "options": cfg["options"],
-        "tp_size": cfg["tp_size"], "dp_size": cfg["dp_size"], "batch_size": cfg["batch_size"],
+        "tp_size": cfg["tp_size"], "pp_size": pp_size_of(cfg), "dp_size": cfg["dp_size"], "batch_size": cfg["batch_size"],
         "steps": len(steps), "timed_steps": len(timed), "median_step_time_s": median,
         "step_time_ratio_to_ddp": None,
         "tokens_per_s": cfg["dp_size"] * cfg["batch_size"] * cfg["seq_length"] / median,  # processed, padding too

@@ -24,7 +24,7 @@ from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixe
 from parity.comparing.tolerances import NOISE_K, QUANTITIES
 from parity.comparing.verdict import Outside, Verdict, verdict_word
 from parity.errors import ConfigError, NotComparable
-from parity.registry import label
+from parity.registry import run_label
 from parity.training.record import REFERENCE_GLOB, load_record
 # Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
 OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
@@ -66,7 +66,7 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{label(self.name)} (TP={self.config['tp_size']}, DP={self.config['dp_size']})"
+        return run_label(self.name, self.config)
 
     @property
     def fingerprint(self) -> dict:

@@ -28,7 +28,7 @@ from parity import fingerprint
 from parity.comparing import tolerances
 from parity.comparing.verdict import Outside, Verdict
 from parity.errors import ConfigError
-from parity.registry import NAMES, label
+from parity.registry import NAMES, run_label
 
 KINDS = ("output", "output_grad", "grad", "param")
 PHASES = {"output": "forward output", "output_grad": "backward (output gradient)", "grad": "parameter gradient",
@@ -51,7 +51,7 @@ class Dump:
 
     @property
     def label(self) -> str:
-        return f"{label(self.strategy)} (TP={self.meta['tp_size']}, DP={self.meta['dp_size']})"
+        return run_label(self.strategy, self.meta)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from parity.training.config import RunConfig
 from parity.training.layer_inputs import INPUTS_FILE
 from parity.training.model import config_summary, file_sha256
 from parity.training.replay import advance
+from parity.training.strategy import ModuleRecords
 
 PERTURBATION = 1e-3  # added to one TP shard by --perturb_param: far above fp32 noise, far below the weights
 
@@ -36,39 +37,41 @@ def dump_paths(output_dir: str, cfg: RunConfig) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------------------
 
 class ModuleRecorder:
-    """Hooks on every submodule: its output (the first tensor of a tuple) and that output's gradient.
+    """Hooks on every submodule: its output (the first tensor of a tuple) and that output's gradient, over every
+    call of the step — micro-batches (gradient accumulation, a pipeline's schedule) concatenated along the batch,
+    in the order they ran (ascending in forward and in backward under every schedule the harness runs).
 
-    Only outputs with this rank's batch as first dimension are kept; that leaves out the rotary table,
-    which does not depend on the batch.
+    The rotary table, which does not depend on the batch, and tensors without data (a pipeline stage's shape
+    inference on the meta device) are left out.
     """
 
-    def __init__(self, model: torch.nn.Module, local_batch: int):
-        self.outputs: dict[str, torch.Tensor] = {}
-        self.output_grads: dict[str, torch.Tensor] = {}
-        self.backward_order: list[str] = []
-        self.local_batch = local_batch
+    def __init__(self, model: torch.nn.Module):
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+        self.output_grads: dict[str, list[torch.Tensor]] = {}
         self.handles = [m.register_forward_hook(self._forward_hook(name))
-                        for name, m in model.named_modules() if name]
+                        for name, m in model.named_modules() if name and not name.endswith("rotary_emb")]
 
     def _forward_hook(self, name: str):
         def hook(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
-            if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != self.local_batch:
+            if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.is_meta:
                 return
-            self.outputs[name] = out.detach().clone()
+            self.outputs.setdefault(name, []).append(out.detach().clone())
             if out.requires_grad:
                 out.register_hook(self._grad_hook(name))
         return hook
 
     def _grad_hook(self, name: str):
         def hook(grad):
-            self.output_grads[name] = grad.detach().clone()
-            self.backward_order.append(name)
+            self.output_grads.setdefault(name, []).append(grad.detach().clone())
         return hook
 
-    def remove(self) -> None:
+    def remove(self) -> ModuleRecords:
+        """Remove the hooks; the records, each module's calls concatenated."""
         for h in self.handles:
             h.remove()
+        return ModuleRecords(*({name: calls[0] if len(calls) == 1 else torch.cat(calls) for name, calls in store.items()}
+                               for store in (self.outputs, self.output_grads)))
 
 
 def perturb_local_shard(strategy, param_name: str) -> None:
@@ -96,7 +99,7 @@ def layer_step_worker(payload: dict) -> None:
 
     from parity.training.loop import start_worker
     from parity.training.data import Batch
-    from parity.training.strategy import loss_sum, lr_at
+    from parity.training.strategy import lr_at
 
     w = start_worker(payload)
     cfg, ctx, log, strategy = w.cfg, w.ctx, w.log, w.strategy
@@ -113,26 +116,20 @@ def layer_step_worker(payload: dict) -> None:
     global_batch = Batch(inputs["input_ids"], inputs["labels"])
     mine = global_batch.rows(ctx.dp_rank * cfg.batch_size, (ctx.dp_rank + 1) * cfg.batch_size).to(ctx.device)
 
-    recorder = ModuleRecorder(strategy.hf_model, cfg.batch_size)
-    with strategy.autocast():
-        logits = strategy.forward(mine.input_ids)
-    summed = loss_sum(logits, mine.labels)  # the train step's loss: the global batch's token mean (one micro-batch)
-    strategy.backward(summed * ctx.dp_size / global_batch.loss_tokens)
-    recorder.remove()
+    recorder = ModuleRecorder(strategy.hf_model)
+    local_sum = strategy.forward_backward(mine, global_batch.loss_tokens)  # the train step's (one step)
+    records = strategy.full_module_records(recorder.remove())
     grads = strategy.full_gradients()
     grad_norm = strategy.optimizer_step(lr)
     params = strategy.full_parameters()
-    sums, counts = strategy.gather_dp_sums(summed.detach().double(), mine.loss_tokens)
+    sums, counts = strategy.gather_dp_sums(local_sum, mine.loss_tokens)
     dp_losses = [s / max(c, 1) for s, c in zip(sums, counts)]
     global_loss = sum(sums) / global_batch.loss_tokens
 
-    forward_order = list(recorder.outputs)
     tensors = {}
-    for kind, store in (("output", recorder.outputs), ("output_grad", recorder.output_grads)):
-        for name in forward_order:  # the same order on every rank: the gathers are collective
-            if name in store:
-                full = strategy.full_module_output(name, store[name])
-                tensors[f"{kind}/{name}"] = torch.cat(strategy.gather_dp(full.float())).cpu()
+    for kind, store in (("output", records.outputs), ("output_grad", records.output_grads)):
+        for name, full in store.items():  # one order on every rank: the gathers are collective
+            tensors[f"{kind}/{name}"] = torch.cat(strategy.gather_dp(full.float())).cpu()
     tensors.update({f"grad/{k}": v for k, v in grads.items()})
     tensors.update({f"param/{k}": v for k, v in params.items()})
 
@@ -148,6 +145,6 @@ def layer_step_worker(payload: dict) -> None:
             "learning_rate": lr, "loss": global_loss,
             "replay": {k: v for k, v in replay.items() if k != "batches"} if replay else None,
             "dp_rank_losses": dp_losses, "grad_norm": grad_norm, "perturbed": payload.get("perturb_param"),
-            "forward_order": forward_order, "backward_order": recorder.backward_order,
+            "forward_order": list(records.outputs), "backward_order": list(records.output_grads),
             "fingerprint": fingerprint(type(strategy), ctx.device)})
         log(f"wrote {tensor_path}: {len(tensors)} tensors, loss {global_loss:.8f}")

@@ -237,7 +237,7 @@ class ModelStateProbe:
         per_rank = [None] * w.ctx.world_size
         dist.all_gather_object(per_rank, mine)
         s, ctx = self.strategy, w.ctx
-        bound = zero_bound(s.zero_stage, w.num_params, ctx.dp_size, ctx.tp_size, s.state_precision)
+        bound = zero_bound(s.zero_stage, s.replica_params(w.num_params), ctx.dp_size, s.state_precision)
         return {"step": step, "num_params": w.num_params, "zero_stage": s.zero_stage,
                 "state_precision": s.state_precision, "zero_bound_bytes": bound,
                 "per_rank": {point: [r[point] for r in per_rank] for point in mine}}

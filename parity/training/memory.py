@@ -91,12 +91,12 @@ class StateLedger:
         return {"bytes": dict(self.bytes), "offloaded_bytes": self.offloaded}
 
 
-def zero_bound(stage: int, num_params: int, dp_size: int, tp_size: int = 1, mode: str = "fp32") -> dict[str, float]:
+def zero_bound(stage: int, psi: float, dp_size: int, mode: str = "fp32") -> dict[str, float]:
     """The ZeRO paper's per-rank model-state bytes {params, grads, optimizer_states} for `stage` (0 = plain
-    data parallelism; FSDP's full sharding is stage 3) over `dp_size` ranks: stage 1 divides the optimizer
-    states by Nd, stage 2 the gradients too, stage 3 the parameters too. With tensor parallelism each rank
-    starts from num_params / tp_size (perfect TP sharding: a lower bound where tensors stay replicated)."""
-    psi = num_params / tp_size
+    data parallelism; FSDP's full sharding is stage 3) over `dp_size` ranks, of `psi` parameters per model
+    replica's rank (the strategy's Strategy.replica_params: the whole model, ÷ tp_size under tensor parallelism,
+    the layers ÷ pp_size in a pipeline): stage 1 divides the optimizer states by Nd, stage 2 the gradients too,
+    stage 3 the parameters too."""
     p, g, o = (b * psi for b in BYTES_PER_PARAM[mode])
     return {PARAMS: p / dp_size if stage >= 3 else p, GRADS: g / dp_size if stage >= 2 else g,
             OPTIMIZER: o / dp_size if stage >= 1 else o}

@@ -81,6 +81,15 @@ class StepStats:
     harness_s: dict  # the harness's own measurements in this step, by what: seconds (docs/benchmark.md)
 
 
+@dataclass
+class ModuleRecords:
+    """The layer check's module tensors of one step on one rank: each module's output and its gradient for this
+    rank's batch slice, by Hugging Face module name; `outputs` in forward order, `output_grads` in the order
+    backward produced them."""
+    outputs: dict[str, torch.Tensor]
+    output_grads: dict[str, torch.Tensor]
+
+
 IGNORE_INDEX = -100  # a label the loss skips (padding)
 
 
@@ -217,6 +226,13 @@ class Strategy:
         for this rank's batch slice: TP shards gathered. The identity where nothing is sharded."""
         return output
 
+    def full_module_records(self, records: ModuleRecords) -> ModuleRecords:
+        """Every module's recorded tensors at full size for this rank's batch slice (full_module_output), the whole
+        model's modules on every rank, in one order on every rank. Collective. A strategy whose ranks hold
+        different modules (pipeline stages) gathers them here."""
+        return ModuleRecords(*({name: self.full_module_output(name, t) for name, t in store.items()}
+                               for store in (records.outputs, records.output_grads)))
+
     def autocast(self):
         """The compute-precision context of the forward pass."""
         if self.cfg.precision == "bf16":
@@ -250,6 +266,11 @@ class Strategy:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Like full_parameters, for the gradients after backward (before clipping and the step)."""
         raise NotImplementedError
+
+    def replica_params(self, num_params: int) -> float:
+        """The parameters one rank of a model replica holds, for the ZeRO bound (memory.zero_bound): the model's
+        `num_params` ÷ tp_size — perfect TP sharding, a lower bound where tensors stay replicated."""
+        return num_params / self.ctx.tp_size
 
     def model_state_bytes(self) -> dict:
         """The model states this rank holds now: {"bytes": {category: bytes}, "offloaded_bytes": n}, counted
@@ -288,26 +309,32 @@ class Strategy:
         gradient-sync switch; DeepSpeed's engine counts its micro-steps itself). One micro-batch: nothing."""
         return contextlib.nullcontext()
 
-    def train_step(self, batch, global_tokens: int, lr: float, observe: Callable[..., None] | None = None) -> StepStats:
-        """One step on this rank's slice `batch` (a data.Batch) of a global batch with `global_tokens` loss tokens,
-        as --grad_accum_steps micro-batches. Each rank's loss is its token-loss sum × dp_size / global_tokens, so
-        the gradients the strategy averages over DP are those of the global batch's token mean. `observe` (the
-        loop's model-state probe) is called during backward as each parameter's gradient arrives
-        ("during_backward", its name), then with "after_backward" (gradients reduced, before clipping and the
-        step) and "after_step"."""
-        watching = gradient_arrivals(self.hf_model, observe) if observe else contextlib.nullcontext()
-        observe = observe or (lambda point: None)
+    def forward_backward(self, batch, global_tokens: int) -> torch.Tensor:
+        """Forward and backward of this rank's slice `batch` (a data.Batch) as --grad_accum_steps micro-batches,
+        leaving the gradients of the global batch's token mean reduced over DP; returns this rank's token-loss
+        sum (float64). A strategy whose forward and backward are one schedule (the pipeline) overrides this."""
         micro_batches = batch.to(self.ctx.device).split(self.cfg.grad_accum_steps)
         local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self.accumulating(last):
+                with self.autocast():
+                    logits = self.forward(micro.input_ids)
+                summed = loss_sum(logits, micro.labels)
+                self.backward(self.micro_batch_loss(summed, micro, batch, global_tokens), last)
+            local_sum += summed.detach().double()
+        return local_sum
+
+    def train_step(self, batch, global_tokens: int, lr: float, observe: Callable[..., None] | None = None) -> StepStats:
+        """One step on this rank's slice `batch` of a global batch with `global_tokens` loss tokens: forward_backward,
+        then clipping and the optimizer. Each rank's loss is its token-loss sum × dp_size / global_tokens, so the
+        gradients the strategy averages over DP are those of the global batch's token mean. `observe` (the loop's
+        model-state probe) is called during backward as each parameter's gradient arrives ("during_backward", its
+        name), then with "after_backward" (gradients reduced, before clipping and the step) and "after_step"."""
+        watching = gradient_arrivals(self.hf_model, observe) if observe else contextlib.nullcontext()
+        observe = observe or (lambda point: None)
         with watching:  # on the parameters as they are between steps (FSDP2's root unshards in forward)
-            for i, micro in enumerate(micro_batches):
-                last = i == len(micro_batches) - 1
-                with self.accumulating(last):
-                    with self.autocast():
-                        logits = self.forward(micro.input_ids)
-                    summed = loss_sum(logits, micro.labels)
-                    self.backward(self.micro_batch_loss(summed, micro, batch, global_tokens), last)
-                local_sum += summed.detach().double()
+            local_sum = self.forward_backward(batch, global_tokens)
         observe("after_backward")
         grad_norm = self.optimizer_step(lr)
         observe("after_step")
