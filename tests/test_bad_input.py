@@ -160,6 +160,14 @@ CASES = [
      r"--mixed_precision policy is a bf16 mode but --precision is fp32: add --precision bf16 \(or --autocast\)"),
     ("not multiple", "fsdp", train_flags(num_workers=3, tp_size=2), {},
      r"--num_workers 3 is not a multiple of --tp_size 2: num_workers must equal tp_size × dp_size"),
+    ("sp tp1", "fsdp", train_flags(num_workers=2, tp_plan="sequence_parallel"), {},
+     r"--tp_plan sequence_parallel shards the sequence over the TP ranks but --tp_size is 1: use --tp_size 2 or more"),
+    ("sp seq", "fsdp", train_flags(num_workers=2, tp_size=2, seq_length=63, tp_plan="sequence_parallel"), {},
+     r"--tp_plan sequence_parallel splits the sequence into --tp_size 2 chunks: --seq_length 63 must be a multiple of "
+     r"it"),
+    ("ac compile", "fsdp", train_flags(num_workers=2, activation_checkpointing=True, compile=True), {},
+     r"--activation_checkpointing with --compile: torch's composable checkpoint finds the compiled layers' recomputed "
+     r"tensors changed \(torch.utils.checkpoint.CheckpointError, pytorch#166926\): use one of the two"),
     # --- plot_loss_curves.py --------------------------------------------------------------------------------
     ("no input dir", "plot", ["--input_dir", "{d}/none", "--output", "{d}/c.png"], {},
      r"--input_dir .*/none is not a directory"),
