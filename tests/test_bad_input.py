@@ -238,14 +238,22 @@ CASES = [
      r"--keep_checkpoints must be an integer >= 0 \(got -2\)"),
     ("max failures", "ddp", train_flags(max_failures=-2), {},
      r"--max_failures must be -1 \(no limit\) or an integer >= 0 \(got -2\)"),
+    # --- check_context_parallel.py --------------------------------------------------------------------------
+    ("cp size", "context_parallel", ["--cp_size", "1"], {},
+     r"--cp_size 1: context parallelism splits the sequence over at least 2 ranks: use --cp_size 2 or more"),
+    ("cp seq", "context_parallel", ["--seq_length", "100", "--cp_size", "4"], {},
+     r"--seq_length 100 is not a multiple of 2 × --cp_size \(8\): the load balancer gives each rank a head and a "
+     r"tail chunk"),
+    ("cp cuda", "context_parallel", ["--device", "cuda"], {},
+     r"--device cuda needs 2 GPUs \(one per CP rank\), this machine has 0: use --device cpu or a smaller --cp_size"),
 ]
 
 
 def command_main(command: str):
-    from parity.commands import compare_curves, compare_layers, layer_check, main_job, train
+    from parity.commands import compare_curves, compare_layers, context_parallel, layer_check, main_job, train
 
     return {"plot": compare_curves.main, "compare_dumps": compare_layers.main, "run_verification": layer_check.main,
-            "main": main_job.main}.get(command) or (lambda argv: train.main(command, argv=argv))
+            "main": main_job.main, "context_parallel": context_parallel.main}.get(command) or (lambda argv: train.main(command, argv=argv))
 
 
 def snapshot(root) -> dict:
@@ -283,13 +291,14 @@ def test_bad_input(workspace, capsys, monkeypatch, name, command, argv, env, exp
 
 
 SCRIPTS = ["train_ddp.py", "train_deepspeed.py", "train_fsdp.py", "plot_loss_curves.py", "run_verification.py",
-           "compare_dumps.py", "run_verification_main.sh"]
+           "compare_dumps.py", "run_verification_main.sh", "check_context_parallel.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_as_a_process_prints_one_line_and_exits_2(tmp_path, script):
     """The scripts themselves: an argument that is not a number gives one line and exit 2, nothing else."""
-    flag = "--tp_size" if script.startswith(("train", "run_verification")) else "--tolerance"
+    flag = ("--tp_size" if script.startswith(("train", "run_verification")) else
+            "--cp_size" if script == "check_context_parallel.py" else "--tolerance")
     argv = ([sys.executable] if script.endswith(".py") else ["bash"]) + [os.path.join(REPO, script), flag, "x"]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60,
                           env={**os.environ, "RAY_ADDRESS": ""})
