@@ -143,6 +143,43 @@ def test_full_module_outputs_and_gradients_match_a_stock_model(tiny_weights, tmp
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _sequence_parallel_checkpoint_worker(rank, port, weights, directory):
+    """Sequence parallelism at TP=2: three steps, save, a fourth step; a fresh strategy loads the checkpoint (the
+    norms' (dp, tp) Replicate placements of this plan included) and takes the fourth step again, to the same bits."""
+    import torch.distributed as dist
+
+    from parity.training.data import Batch
+    from parity.training.model import build_model, load_init_weights, resolve_model_config
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [Batch(ids, ids) for ids in (torch.randint(0, 2048, (4, 64), generator=generator) for _ in range(4))]
+    with tp2_strategy("fsdp", rank, port, weights, {"tp_plan": "sequence_parallel"}) as strategy:
+        def step(s, k):
+            return s.train_step(batches[k], batches[k].loss_tokens, 1e-4)
+
+        for k in range(3):
+            step(strategy, k)
+        strategy.save_state(directory)
+        dist.barrier()
+        first, params = step(strategy, 3), strategy.full_parameters()
+        fresh = type(strategy)(strategy.cfg, strategy.ctx)
+        model = build_model(resolve_model_config("qwen2-tiny"), seed=0)
+        load_init_weights(model, weights)
+        fresh.setup(model)
+        fresh.load_state(directory)
+        again = step(fresh, 3)
+        assert (again.loss, again.grad_norm, again.param_norm) == (first.loss, first.grad_norm, first.param_norm)
+        params_again = fresh.full_parameters()
+        assert params.keys() == params_again.keys() and all(torch.equal(params[n], params_again[n]) for n in params)
+        norm = dict(fresh.hf_model.named_parameters())["model.layers.0.input_layernorm.weight"]
+        assert [p.is_replicate() for p in norm.placements] == [False, True]  # FSDP over dp, replicated over tp
+
+
+def test_sequence_parallel_checkpoint_resumes_to_the_same_bits(tiny_weights, tmp_path):
+    mp.spawn(_sequence_parallel_checkpoint_worker, args=(free_port(), tiny_weights, str(tmp_path)), nprocs=2)
+    assert (tmp_path / "dcp" / ".metadata").exists()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input: one line before any worker starts
 # ---------------------------------------------------------------------------------------------------
