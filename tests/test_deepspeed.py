@@ -77,11 +77,11 @@ def record_step(model, batch, forward, backward, to_full):
     from conftest import mean_loss
     from parity.training.layer_step import ModuleRecorder
 
-    recorder = ModuleRecorder(model, batch.shape[0])
+    recorder = ModuleRecorder(model)
     backward(mean_loss(forward(batch), batch))
-    recorder.remove()
-    return {f"{kind}/{name}": to_full(name, t) for kind, store in (("output", recorder.outputs),
-                                                                    ("output_grad", recorder.output_grads))
+    records = recorder.remove()
+    return {f"{kind}/{name}": to_full(name, t) for kind, store in (("output", records.outputs),
+                                                                    ("output_grad", records.output_grads))
             for name, t in store.items()}
 
 

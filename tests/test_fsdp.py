@@ -74,7 +74,7 @@ def test_bf16_matches_ddp_bf16(bf16_runs, ddp_baseline_bf16, ddp_baseline, mode)
     run = bf16_runs[mode]
     assert run["config"]["precision"] == "bf16"
     assert run["config"]["options"] == {"mixed_precision": mode, "offload": "none", "param_dtype": None,
-                                        "reduce_dtype": None}
+                                        "reduce_dtype": None, "tp_plan": "default"}
     assert_bf16_parity(run, ddp_baseline_bf16, ddp_baseline)
 
 
@@ -200,11 +200,12 @@ def test_resolve_rejects(tmp_path, tiny_weights, over, message):
 def test_good_input_resolves(tmp_path, tiny_weights):
     cfg = resolve("fsdp", tp_flags(tmp_path, tiny_weights, mixed_precision="policy", autocast=True))
     assert (cfg.tp_size, cfg.dp_size, cfg.precision, cfg.options) == (2, 2, "bf16", {
-        "mixed_precision": "policy", "offload": "none", "param_dtype": None, "reduce_dtype": None})
+        "mixed_precision": "policy", "offload": "none", "param_dtype": None, "reduce_dtype": None,
+        "tp_plan": "default"})
     assert cfg.experiment_name == "fsdp_tp2_dp2"
     default = resolve("fsdp", tp_flags(tmp_path, tiny_weights))
     assert default.options == {"mixed_precision": "autocast", "offload": "none", "param_dtype": None,
-                               "reduce_dtype": None}
+                               "reduce_dtype": None, "tp_plan": "default"}
 
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):
