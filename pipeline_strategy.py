@@ -129,6 +129,10 @@ class PipelineStrategy(Strategy):
         return options["pp_size"]
 
     @classmethod
+    def layer_stages(cls, options: dict) -> int:
+        return stage_count(options)
+
+    @classmethod
     def validate(cls, settings, model_config) -> None:
         super().validate(settings, model_config)
         o = settings.options

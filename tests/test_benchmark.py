@@ -2,9 +2,9 @@
 peak model-state bytes per rank against the ZeRO bound at dp=2, every offload variant at fp32 parity with
 DDP, and bad input.
 
-One benchmark invocation (2 steps of every default row in one Ray worker group, qwen2-tiny with 12 layers and
-a small reduce bucket) feeds the table and memory tests; the offload variants run 12 steps each in one local
-gloo group against the session's DDP baseline.
+One benchmark invocation (2 steps of every default row and of your own strategy class, tests/my_strategy.py, in one
+Ray worker group, qwen2-tiny with 12 layers and a small reduce bucket) feeds the table and memory tests; the offload
+variants run 12 steps each in one local gloo group against the session's DDP baseline.
 """
 
 import json
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from conftest import PARITY, REPO, TINY, assert_fp32_parity
+from conftest import CUSTOM, PARITY, REPO, TINY, assert_fp32_parity
 from parity.commands.benchmark import ROWS, main
 from parity.comparing.benchmark_report import ROW_KEYS
 from parity.errors import ConfigError
@@ -35,7 +35,7 @@ def bench(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark")
     rc = main(["--output_dir", str(out), "--model_name", "qwen2-tiny", "--device", "cpu", "--seq_length", "64",
                "--num_layers", str(NUM_LAYERS), "--reduce_bucket_size", str(BUCKET), "--debug_steps", "2",
-               "--untimed_steps", "1"])
+               "--untimed_steps", "1", "--strategy_class", CUSTOM])
     assert rc == 0
     with open(out / "benchmark.json") as f:
         return json.load(f), out
@@ -44,7 +44,7 @@ def bench(ray_cluster, tmp_path_factory):
 def test_table_has_every_default_row_and_the_documented_keys(bench):
     summary, out = bench
     rows = summary["rows"]
-    assert [r["row"] for r in rows] == list(ROWS)
+    assert [r["row"] for r in rows] == [*ROWS, "hand_written_dp"]  # every default row, then your strategy's
     with open(os.path.join(REPO, "README.md")) as f:
         readme = f.read()
     for r in rows:
@@ -65,7 +65,7 @@ def test_table_has_every_default_row_and_the_documented_keys(bench):
     assert all(f"`{key}`" in readme for key in ROW_KEYS), "README names the benchmark.json keys"
     table = (out / "benchmark.md").read_text().splitlines()
     assert [line.split(" | ")[0] for line in table if line.startswith("| ") and "---" not in line][1:] == \
-        [f"| {ROWS[r['row']].label}" for r in rows]
+        [f"| {ROWS[r['row']].label}" for r in rows[:-1]] + ["| hand_written_dp"]
     assert (out / "benchmark.png").stat().st_size > 10_000
 
 

@@ -23,12 +23,19 @@ class Row(NamedTuple):
     strategy: str
     tp_size: int
     options: dict
-    pp_size: int = 1  # pipeline ranks per model replica: the row's replica spans tp_size × pp_size ranks
-    stages_per_rank: int = 1  # pipeline stages each of its ranks holds (2: interleaved 1F1B)
+
+    def strategy_options(self) -> tuple[type, dict]:
+        """The row's strategy class and its options, defaults filled in."""
+        from parity.registry import strategy_class
+
+        cls = strategy_class(self.strategy, self.options.get("strategy_class"))
+        return cls, {**{o.name: o.default for o in cls.options}, **self.options}
 
     @property
     def replica_ranks(self) -> int:
-        return self.tp_size * self.pp_size
+        """The ranks one model replica spans: tp_size × the strategy's pipeline ranks."""
+        cls, options = self.strategy_options()
+        return self.tp_size * cls.pp_size(options)
 
 
 ROWS = {
@@ -42,10 +49,10 @@ ROWS = {
     "fsdp_tp": Row("FSDP2 + TP tp2", "fsdp", 2, {}),
     "fsdp_offload": Row("FSDP2 + offload", "fsdp", 1, {"offload": "cpu"}),
     "fsdp_tp_sp": Row("FSDP2 + TP tp2 + SP", "fsdp", 2, {"tp_plan": "sequence_parallel"}),
-    "pp_gpipe": Row("Pipeline pp2 GPipe", "pipeline", 1, {"pp_size": 2, "pp_schedule": "gpipe"}, pp_size=2),
-    "pp_1f1b": Row("Pipeline pp2 1F1B", "pipeline", 1, {"pp_size": 2, "pp_schedule": "1f1b"}, pp_size=2),
+    "pp_gpipe": Row("Pipeline pp2 GPipe", "pipeline", 1, {"pp_size": 2, "pp_schedule": "gpipe"}),
+    "pp_1f1b": Row("Pipeline pp2 1F1B", "pipeline", 1, {"pp_size": 2, "pp_schedule": "1f1b"}),
     "pp_interleaved": Row("Pipeline pp2 interleaved 1F1B", "pipeline", 1,
-                          {"pp_size": 2, "pp_schedule": "interleaved_1f1b"}, pp_size=2, stages_per_rank=2),
+                          {"pp_size": 2, "pp_schedule": "interleaved_1f1b"}),
 }
 WEIGHTS = os.path.join("shared_weights", "init_weights.pt")
 
@@ -83,11 +90,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
 def row_misfit(row: Row, num_workers: int, num_layers: int) -> str | None:
     """Why the row cannot run at this world size and layer count, in words; None when it can."""
+    cls, options = row.strategy_options()
     if num_workers % row.replica_ranks:
-        what = f"tp_size {row.tp_size}" if row.pp_size == 1 else f"pp_size {row.pp_size}"
+        pp = cls.pp_size(options)
+        what = f"tp_size {row.tp_size}" if pp == 1 else f"pp_size {pp}"
         return (f"runs at {what}, which does not divide --num_workers {num_workers}: use an even --num_workers or "
                 f"leave it out")
-    stages = row.pp_size * row.stages_per_rank
+    stages = cls.layer_stages(options)
     if num_layers % stages:
         return (f"splits the layers into {stages} stages, which do not divide --num_layers {num_layers}: use "
                 f"--num_layers {num_layers - num_layers % stages or stages} or leave it out")
@@ -166,8 +175,7 @@ def run_benchmark(args) -> int:
                     weights_written_before_launch=True) for n in names]
     first = cfgs[0]
     save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), first.init_weights_path)
-    titles = [f"{rows[n].label}: {cfg.strategy} tp={cfg.tp_size} pp={rows[n].pp_size} dp={cfg.dp_size} batch "
-              f"{cfg.batch_size} {cfg.options}"
+    titles = [f"{rows[n].label}: {cfg.strategy} tp={cfg.tp_size} dp={cfg.dp_size} batch {cfg.batch_size} {cfg.options}"
               for n, cfg in zip(names, cfgs)]
     print(f"benchmark: {len(names)} rows ({', '.join(names)}) on {args.num_workers} "
           f"{'GPU' if first.use_cuda else 'CPU'} workers, {first.model_name}, {first.precision}, global batch "

@@ -200,6 +200,12 @@ class Strategy:
         return 1
 
     @classmethod
+    def layer_stages(cls, options: dict) -> int:
+        """The pieces the decoder layers are split into (--num_layers must be a multiple): a pipeline's stages, 1
+        for a strategy without them."""
+        return 1
+
+    @classmethod
     def validate(cls, settings, model_config) -> None:
         """Raise ConfigError for input this strategy cannot run; called by `resolve` before any worker
         starts, with the flags as attributes (`settings.options`, `settings.precision`, ...). It may replace an
