@@ -41,8 +41,7 @@ class ModuleRecorder:
     call of the step — micro-batches (gradient accumulation, a pipeline's schedule) concatenated along the batch,
     in the order they ran (ascending in forward and in backward under every schedule the harness runs).
 
-    The rotary table, which does not depend on the batch, and tensors without data (a pipeline stage's shape
-    inference on the meta device) are left out.
+    The rotary table, which does not depend on the batch, and meta tensors (shapes without values) are left out.
     """
 
     def __init__(self, model: torch.nn.Module):
