@@ -26,22 +26,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the 
 TINY = {"model_name": "qwen2-tiny", "seq_length": 64, "log_interval": 5}
 
 
-# The suite runs in two pytest-xdist processes (pyproject's addopts), each a group of whole modules: on 2 cores a
-# serial run leaves the CPU idle ~40 % of its time (Ray start-ups, worker-group hand-overs, single-threaded engine
-# set-ups), which the other process's work fills. The modules that compare against the session's shared runs
-# (`shared_runs` below: a few minutes of training) are one group, so that they are trained once; the others —
-# local gloo groups, their own layer-check folders and main jobs — the other. Each process that needs Ray starts
-# its own local Ray session (parity.training.cluster.ensure_ray: address "local").
-SHARED_RUNS_MODULES = {"test_benchmark", "test_checkpoints", "test_custom_strategy", "test_ddp_ray", "test_deepspeed",
-                       "test_fsdp", "test_multinode", "test_storage"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = "shared_runs" if item.module.__name__ in SHARED_RUNS_MODULES else "own_runs"
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
