@@ -29,7 +29,7 @@ class Row(NamedTuple):
         from parity.registry import strategy_class
 
         cls = strategy_class(self.strategy, self.options.get("strategy_class"))
-        return cls, {**{o.name: o.default for o in cls.options}, **self.options}
+        return cls, cls.with_default_options(self.options)
 
     @property
     def replica_ranks(self) -> int:

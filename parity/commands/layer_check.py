@@ -158,14 +158,14 @@ def _replay_start(args):
 
 def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay, path: str | None = None) -> dict:
     """The flags of one strategy's recorded step (the class at `path`: the user's own). DDP, and any strategy
-    that does not shard tensors, runs at TP=1 with the same DP size; a pipeline on pp_size × dp_size workers. A replay keeps the run's model, data and
-    optimizer settings, and its global batch."""
+    that does not shard tensors, runs at TP=1 with the same DP size; a pipeline on pp_size × dp_size workers. A
+    replay keeps the run's model, data and optimizer settings, and its global batch."""
     from parity.registry import strategy_class
     from parity.training.replay import KEPT
 
     cls = strategy_class(strategy, path)
     tp = args.tp_size if cls.tensor_parallel else 1
-    pp = cls.pp_size({**{o.name: o.default for o in cls.options}, **options})
+    pp = cls.pp_size(cls.with_default_options(options))
     if replay:
         dp = _given(args.dp_size, replay.config["dp_size"])
         batch = _given(args.batch_size, max(1, replay.global_batch_size // max(1, dp)))

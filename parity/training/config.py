@@ -212,7 +212,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
         raise ConfigError(f"--{unknown[0]} is not a flag of train_{strategy}.py: see its --help")
     types = {**TYPES, **{o.name: o.type or type(o.default) for o in cls.options}}
     given = {k: _typed(k, v, types.get(k)) for k, v in values.items() if v is not None}
-    s = {**DEFAULTS, **{o.name: o.default for o in cls.options}, **given}
+    s = {**DEFAULTS, **cls.with_default_options(given)}
     options = {name: s.pop(name) for name in sorted(option_names)}
     s["precision"] = _precision(s["precision"], s.pop("autocast"))
     _check_numbers(s)

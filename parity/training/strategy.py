@@ -200,6 +200,11 @@ class Strategy:
         return 1
 
     @classmethod
+    def with_default_options(cls, options: dict) -> dict:
+        """`options` (flag name → value, some of this strategy's own flags) with the others at their defaults."""
+        return {**{o.name: o.default for o in cls.options}, **options}
+
+    @classmethod
     def layer_stages(cls, options: dict) -> int:
         """The pieces the decoder layers are split into (--num_layers must be a multiple): a pipeline's stages, 1
         for a strategy without them."""
