@@ -90,13 +90,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def onednn_bf16_matmuls() -> bool:
+    """Whether torch sends bf16 matrix products to oneDNN here: only on a CPU with AVX512 (torch's own check), and
+    not with oneDNN off. Elsewhere torch computes them itself and ONEDNN_MAX_CPU_ISA changes none of them."""
+    import torch
+
+    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def cpu_bf16_kernels() -> str:
-    """Which oneDNN kernels bf16 matrix products take here: the CPU's bf16 instructions, capped by
-    ONEDNN_MAX_CPU_ISA, or torch's own kernels when oneDNN is off."""
+    """Which kernels bf16 matrix products take here: oneDNN's for the CPU's bf16 instructions, capped by
+    ONEDNN_MAX_CPU_ISA, or torch's own when oneDNN is off or has no bf16 kernels for this CPU."""
     import torch
 
     if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
         return "torch (oneDNN off)"
+    if not onednn_bf16_matmuls():
+        return "torch (no oneDNN bf16 on this CPU)"
     flags = set()
     try:
         with open("/proc/cpuinfo") as f:

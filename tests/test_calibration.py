@@ -5,7 +5,9 @@ bugs, seeded in test copies of every strategy (parity/calibration/bugs.py), FAIL
 The constants were chosen by the calibration study (docs/tolerances.md: 20 seeds × 3 kernel paths, every bug
 of the catalogue over several seeds); this module checks them out of that sample: at a seed the study never
 ran, on this CPU's default kernels and on AVX2's generic path (what CPUs without AVX512 take). A seeded bug is
-asserted to FAIL, not to FAIL at a golden step: the step moves by one or two between kernel paths.
+asserted to FAIL, not to FAIL at a golden step: the step moves by one or two between kernel paths. Where AVX2's path
+takes this CPU's default kernels (a CPU without AVX512: torch computes bf16 products itself, and no oneDNN cap
+changes them), its runs would be the default path's bit for bit, so they run once and both paths are judged on them.
 
 The runs are the shared loop in local gloo groups (parity/training/local_group.py): resolved, fed and recorded
 as Ray runs are, many per group, because Ray adds nothing to what is tested here. The comparison is the user's:
@@ -23,7 +25,7 @@ from parity.calibration.bugs import (DDPTiedEmbeddingUnreduced, DeepSpeedClippin
 from parity.calibration.study import SETTING
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import NOISE_K
-from parity.training.local_group import plan, run_group
+from parity.training.local_group import plan, run_group, same_kernels
 
 SEED = 64  # outside the study's seeds (42–61)
 KERNELS = ("default", "avx2")
@@ -75,7 +77,8 @@ def weights(tmp_path_factory):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, weights):
     """Every run of this module, in one local gloo group per world size and kernel path. Returns the root: per
-    kernel path a folder with the baseline, its references, DeepSpeed and FSDP; per bf16 bug a folder with the
+    kernel path a folder with the baseline, its references, DeepSpeed and FSDP (a link to the folder of the path whose
+    kernels it takes on this CPU, if one ran before it); per bf16 bug a folder with the
     default path's baseline and references beside the buggy copy; per fp32 bug a short fp32 baseline and the
     copy."""
     root = tmp_path_factory.mktemp("calibration")
@@ -88,7 +91,8 @@ def folders(tmp_path_factory, weights):
         run = plan(strategy, values)
         groups.setdefault((kernel, run[0].num_workers), []).append(run)
 
-    for kernel in KERNELS:
+    alike = {kernel: next(k for k in KERNELS if same_kernels(k, kernel)) for kernel in KERNELS}
+    for kernel in sorted(set(alike.values()), key=KERNELS.index):
         add(kernel, kernel, "ddp", BASELINE)
         for layout in REFERENCES.values():
             add(kernel, kernel, "ddp", layout, noise_reference=True)
@@ -104,6 +108,9 @@ def folders(tmp_path_factory, weights):
             debug_steps=FP32_STEPS)
     for (kernel, _), runs in sorted(groups.items()):
         run_group(runs, kernel)
+    for kernel, ran in alike.items():
+        if ran != kernel:
+            (root / kernel).symlink_to(root / ran)
 
     for bug_id in [b[0] for b in BUGS_BF16] + [t[0] for t in TECHNIQUES_BF16]:  # beside the baseline it is judged by
         for name in ["loss_ddp.json", *REFERENCES]:
@@ -191,3 +198,44 @@ def test_a_twin_identical_to_the_baseline_is_refused(folders, tmp_path, capsys):
     assert capsys.readouterr().err == ("error: noise_reference_ddp_tp1_dp2_bf16.json is identical to the baseline: a "
                                        "noise reference must run at another layout (e.g. --num_workers 1 "
                                        "--batch_size 4)\n")
+
+
+# bf16 matrix products as a step computes them (autocast's and bf16 weights', forward and backward, 2-D and batched);
+# ONEDNN_VERBOSE prints one `exec` line per oneDNN primitive run: its kind, implementation (ISA), shapes, then time.
+PRODUCTS = """
+import torch
+x = torch.randn(8, 64, 128, requires_grad=True)
+linear = torch.nn.Linear(128, 256)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    (linear(x) @ linear(x).transpose(1, 2)).sum().backward()
+w = torch.randn(256, 128, dtype=torch.bfloat16, requires_grad=True)
+(x.detach().bfloat16() @ w.t()).float().sum().backward()
+"""
+
+
+def onednn_kernels(kernel: str) -> set[str]:
+    """The oneDNN primitives PRODUCTS runs under `kernel`'s path, without their times."""
+    import os
+    import subprocess
+    import sys
+
+    from parity.training.local_group import KERNEL_PATHS
+
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    proc = subprocess.run([sys.executable, "-c", PRODUCTS], env={**env, **KERNEL_PATHS[kernel], "ONEDNN_VERBOSE": "1"},
+                          capture_output=True, text=True, check=True, timeout=120)
+    return {line.rsplit(",", 1)[0] for line in proc.stdout.splitlines()
+            if line.startswith("onednn_verbose") and ",exec," in line}
+
+
+def test_kernel_paths_are_one_exactly_where_onednn_computes_no_bf16_product():
+    """The fixture runs AVX2's path apart from the default one unless same_kernels says they are one, on torch's own
+    check (fingerprint.onednn_bf16_matmuls): oneDNN's log agrees with that check on this CPU, and where oneDNN computes
+    bf16 products, AVX2's cap changes its kernels."""
+    from parity.fingerprint import onednn_bf16_matmuls
+
+    default = onednn_kernels("default")
+    assert bool(default) == onednn_bf16_matmuls()
+    assert same_kernels("default", "avx2") == (not default)
+    if default:
+        assert onednn_kernels("avx2") != default

@@ -18,6 +18,7 @@ import socket
 
 import torch.multiprocessing as mp
 
+from parity.fingerprint import onednn_bf16_matmuls
 from parity.training.cluster import Cluster
 from parity.training.config import resolve
 from parity.training.data import training_data
@@ -40,6 +41,13 @@ def kernel_path() -> str:
         if env and all(os.environ.get(k) == v for k, v in env.items()):
             return name
     return "default" if not os.environ.get(ISA_ENV) else os.environ[ISA_ENV].lower()
+
+
+def same_kernels(a: str, b: str) -> bool:
+    """Whether kernel paths `a` and `b` compute bf16 matrix products with the same kernels on this CPU, so that runs
+    under one are bit for bit the runs under the other (tests run such a pair once): on a CPU where torch does not
+    send them to oneDNN (no AVX512), every path is torch's own kernels, whatever ONEDNN_MAX_CPU_ISA says."""
+    return a == b or not onednn_bf16_matmuls()
 
 
 def plan(strategy: str, values: dict) -> tuple:
