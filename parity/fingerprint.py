@@ -90,13 +90,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def onednn_bf16_matmuls() -> bool:
-    """Whether torch sends bf16 matrix products to oneDNN here: only on a CPU with AVX512 (torch's own check), and
-    not with oneDNN off. Elsewhere torch computes them itself and ONEDNN_MAX_CPU_ISA changes none of them."""
+def cpu_has_onednn_bf16() -> bool:
+    """Whether torch sends bf16 matrix products to oneDNN on this CPU (with oneDNN on): only on one with AVX512,
+    by torch's own check. Elsewhere torch computes them itself and ONEDNN_MAX_CPU_ISA changes none of them."""
     import torch
 
-    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def cpu_bf16_kernels() -> str:
@@ -106,7 +105,7 @@ def cpu_bf16_kernels() -> str:
 
     if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
         return "torch (oneDNN off)"
-    if not onednn_bf16_matmuls():
+    if not cpu_has_onednn_bf16():
         return "torch (no oneDNN bf16 on this CPU)"
     flags = set()
     try:

@@ -230,12 +230,12 @@ def onednn_kernels(kernel: str) -> set[str]:
 
 def test_kernel_paths_are_one_exactly_where_onednn_computes_no_bf16_product():
     """The fixture runs AVX2's path apart from the default one unless same_kernels says they are one, on torch's own
-    check (fingerprint.onednn_bf16_matmuls): oneDNN's log agrees with that check on this CPU, and where oneDNN computes
+    check (fingerprint.cpu_has_onednn_bf16): oneDNN's log agrees with that check on this CPU, and where oneDNN computes
     bf16 products, AVX2's cap changes its kernels."""
-    from parity.fingerprint import onednn_bf16_matmuls
+    from parity.fingerprint import cpu_has_onednn_bf16
 
     default = onednn_kernels("default")
-    assert bool(default) == onednn_bf16_matmuls()
+    assert bool(default) == cpu_has_onednn_bf16()
     assert same_kernels("default", "avx2") == (not default)
     if default:
         assert onednn_kernels("avx2") != default

@@ -18,7 +18,7 @@ import socket
 
 import torch.multiprocessing as mp
 
-from parity.fingerprint import onednn_bf16_matmuls
+from parity.fingerprint import cpu_has_onednn_bf16
 from parity.training.cluster import Cluster
 from parity.training.config import resolve
 from parity.training.data import training_data
@@ -47,7 +47,7 @@ def same_kernels(a: str, b: str) -> bool:
     """Whether kernel paths `a` and `b` compute bf16 matrix products with the same kernels on this CPU, so that runs
     under one are bit for bit the runs under the other (tests run such a pair once): on a CPU where torch does not
     send them to oneDNN (no AVX512), every path is torch's own kernels, whatever ONEDNN_MAX_CPU_ISA says."""
-    return a == b or not onednn_bf16_matmuls()
+    return a == b or not cpu_has_onednn_bf16()
 
 
 def plan(strategy: str, values: dict) -> tuple:
