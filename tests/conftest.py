@@ -1,10 +1,16 @@
-"""Shared fixtures: one local Ray cluster for the whole session (Ray start-up dominates a CPU run),
-tiny shared initial weights, and a helper that runs a strategy exactly as its entry script would.
-The project is installed (`pip install -e .`): nothing here edits sys.path."""
+"""Shared fixtures: one local Ray cluster per test process (Ray start-up dominates a CPU run), tiny shared
+initial weights and shared strategy runs, made once per session, and a helper that runs a strategy exactly as
+its entry script would. The project is installed (`pip install -e .`): nothing here edits sys.path.
+
+The suite runs in several processes (pytest-xdist, pyproject.toml's addopts): a test module stays in one process
+(its module-scoped runs are made once), and what the session shares (`once_per_session`) is made by the first
+process that needs it, under a file lock, and read by the others from the session's common folder.
+Much of a test's time is fixed cost where one core idles (Ray's start-up, imports): two processes fill it."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 
@@ -26,6 +32,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the 
 TINY = {"model_name": "qwen2-tiny", "seq_length": 64, "log_interval": 5}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids
+def pytest_collection_modifyitems(items):
+    """One xdist group per test module: the module's tests run in one process, after its fixtures are made once."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@contextlib.contextmanager
+def once_per_session(tmp_path_factory, name: str):
+    """Yield (folder, made): `folder` is `name`'s folder for this pytest session, `made` whether another test
+    process already made what goes in it (then read it, do not make it again). Without xdist, a new folder."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield tmp_path_factory.mktemp(name), False
+        return
+    from filelock import FileLock
+
+    folder = tmp_path_factory.getbasetemp().parent / name  # the session's folder, common to its worker processes
+    folder.mkdir(exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        made = (folder / ".made").exists()
+        yield folder, made
+        (folder / ".made").touch()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
@@ -42,8 +72,10 @@ def tiny_weights(tmp_path_factory):
     """The qwen2-tiny initial weights every parity test starts from (what train_ddp.py would save)."""
     from parity.training.model import build_model, resolve_model_config, save_init_weights
 
-    path = str(tmp_path_factory.mktemp("weights") / "init_weights.pt")
-    save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed=42), path)
+    with once_per_session(tmp_path_factory, "weights") as (folder, made):
+        path = str(folder / "init_weights.pt")
+        if not made:
+            save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed=42), path)
     return path
 
 
@@ -135,15 +167,23 @@ LOCAL_RUNS = {
 
 @pytest.fixture(scope="session")
 def shared_runs(ray_cluster, tiny_weights, tmp_path_factory) -> dict:
-    """Every run of RAY_RUNS and LOCAL_RUNS, by name: its loss record."""
+    """Every run of RAY_RUNS and LOCAL_RUNS, by name: its loss record (made once in the session)."""
+    with once_per_session(tmp_path_factory, "shared_runs") as (root, made):
+        if not made:
+            paths = make_shared_runs(root, tiny_weights)
+            (root / "records.json").write_text(json.dumps(paths))
+        paths = json.loads((root / "records.json").read_text())
+    return {name: load_record(path) for name, path in paths.items()}
+
+
+def make_shared_runs(root, tiny_weights) -> dict:
+    """Run RAY_RUNS and LOCAL_RUNS under `root`; return their loss records' paths by name."""
     from parity.training.cluster import Cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
     from parity.training.launch import launch_runs, world_groups
     from parity.training.local_group import plan, run_group
     from parity.training.record import run_record_path
-
-    root = tmp_path_factory.mktemp("shared_runs")
 
     def values(name, strategy, flags, storage):
         return {**TINY, **PARITY, "init_weights_path": tiny_weights, "loss_output_dir": root / name / "loss",
@@ -157,7 +197,7 @@ def shared_runs(ray_cluster, tiny_weights, tmp_path_factory) -> dict:
                for name, (strategy, flags) in LOCAL_RUNS.items()]
     for world in sorted({cfg.num_workers for cfg, _ in planned}):
         run_group([run for run in planned if run[0].num_workers == world])
-    return {cfg.experiment_name: load_record(run_record_path(cfg)) for cfg in [*cfgs, *(c for c, _ in planned)]}
+    return {cfg.experiment_name: str(run_record_path(cfg)) for cfg in [*cfgs, *(c for c, _ in planned)]}
 
 
 @pytest.fixture(scope="session")
