@@ -77,6 +77,14 @@ def ensure_ray() -> float:
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "10")
     try:
         if not joins_a_cluster():
+            # Set before the cluster starts: its processes (Ray Train's controller among them) inherit them.
+            # Ray Train's controller handles the workers' reports once per health check (every 2 s): a report
+            # with a checkpoint waits for it, and the run's end is seen up to 2 s late, seconds of a short run
+            # (a 12-step run took 22 s, 13 s at 0.2 s). A poll of a few local workers costs little.
+            os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+            # Its preemption watcher is one more actor process per worker group, polling for nodes being drained;
+            # this machine is the whole cluster and nothing drains it.
+            os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
             # Our own local cluster: "local" starts a new one even when another Ray runs on this machine
             # (a bare ray.init() would join that one and wait for its resources).
             ray.init(address="local", include_dashboard=False, log_to_driver=True,
