@@ -15,7 +15,6 @@ plot_loss_curves.py's main on the folder.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from parity.calibration.bugs import (DDPTiedEmbeddingUnreduced, DeepSpeedClippin
 from parity.calibration.study import SETTING
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import NOISE_K
-from parity.training.local_group import KERNEL_PATHS, plan, run_group, same_kernels
+from parity.training.local_group import kernel_environment, plan, run_group, same_kernels
 
 SEED = 64  # outside the study's seeds (42–61)
 KERNELS = ("default", "avx2")
@@ -218,8 +217,7 @@ w = torch.randn(256, 128, dtype=torch.bfloat16, requires_grad=True)
 
 def onednn_kernels(kernel: str) -> set[str]:
     """The oneDNN primitives PRODUCTS runs under `kernel`'s path, without their times."""
-    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
-    proc = subprocess.run([sys.executable, "-c", PRODUCTS], env={**env, **KERNEL_PATHS[kernel], "ONEDNN_VERBOSE": "1"},
+    proc = subprocess.run([sys.executable, "-c", PRODUCTS], env={**kernel_environment(kernel), "ONEDNN_VERBOSE": "1"},
                           capture_output=True, text=True, check=True, timeout=120)
     return {line.rsplit(",", 1)[0] for line in proc.stdout.splitlines()
             if line.startswith("onednn_verbose") and ",exec," in line}

@@ -13,12 +13,13 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from conftest import (CLIP, FP32_RTOL, REPO, TP_LAYOUT_ERRORS, assert_bf16_parity, assert_fp32_parity,
                       checkpoint_loss, free_port, series, to_argv, tp2_strategy, tp_flags)
 from parity.errors import ConfigError
 from parity.training.config import resolve
+from parity.training.local_group import start_processes
+
 
 @pytest.fixture(scope="module")
 def tp2_dp2(fsdp_tp2_dp2):
@@ -125,7 +126,7 @@ def test_full_module_outputs_and_gradients_match_a_stock_model(tiny_weights, tmp
     from parity.training.model import build_model, load_init_weights, resolve_model_config
 
     batch = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
-    mp.spawn(_tp_worker, args=(free_port(), tiny_weights, batch, str(tmp_path)), nprocs=2)
+    start_processes(_tp_worker, (free_port(), tiny_weights, batch, str(tmp_path)), 2)
 
     reference = build_model(resolve_model_config("qwen2-tiny"), seed=0)
     load_init_weights(reference, tiny_weights)
@@ -176,7 +177,7 @@ def _sequence_parallel_checkpoint_worker(rank, port, weights, directory):
 
 
 def test_sequence_parallel_checkpoint_resumes_to_the_same_bits(tiny_weights, tmp_path):
-    mp.spawn(_sequence_parallel_checkpoint_worker, args=(free_port(), tiny_weights, str(tmp_path)), nprocs=2)
+    start_processes(_sequence_parallel_checkpoint_worker, (free_port(), tiny_weights, str(tmp_path)), 2)
     assert (tmp_path / "dcp" / ".metadata").exists()
 
 

@@ -14,14 +14,13 @@ import os
 import shutil
 
 import pytest
-import torch.multiprocessing as mp
 
 from conftest import FP32_RTOL, final_parameters, free_port, max_abs_param_diff, max_rel_diff, series
 from parity.calibration.bugs import PipelineTiedGradientsNotSummed
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32
 from parity.errors import ConfigError
-from parity.training.local_group import plan, run_group
+from parity.training.local_group import plan, run_group, start_processes
 from parity.training.record import load_record, run_record_path
 
 SETTING = {"model_name": "qwen2-tiny", "num_layers": 4, "seq_length": 64, "debug_steps": 12, "learning_rate": 1e-4,
@@ -204,7 +203,7 @@ def test_checkpoint_round_trip_and_tied_copies(weights4, tmp_path):
                                      "storage_path": tmp_path / "ray"})
     directory = tmp_path / "checkpoint"
     directory.mkdir()
-    mp.spawn(_round_trip_rank, args=(2, free_port(), cfg.to_dict(), batches, str(directory)), nprocs=2)
+    start_processes(_round_trip_rank, (2, free_port(), cfg.to_dict(), batches, str(directory)), 2)
     assert sorted(os.listdir(directory)) == ["pipeline_pp_rank0.pt", "pipeline_pp_rank1.pt"]
 
 

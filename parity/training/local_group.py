@@ -6,13 +6,19 @@ run does; only the process group is ours. CPU only.
 A group runs under one CPU kernel path (`KERNEL_PATHS`): bf16 matrix products on CPU go through oneDNN,
 whose kernels are chosen by the instruction set (AMX, AVX512-BF16, AVX512, AVX2 ...), and each gives other
 bf16 roundings — the same seed is numerically another run on another CPU. oneDNN reads ONEDNN_MAX_CPU_ISA
-once, when a process first uses it, so the path is set in the environment the group's processes start with.
+once, when a process first uses it, so the path is set in the environment of the group's processes before their
+first bf16 product.
+
+The processes are forked from this process's multiprocessing forkserver, which imports torch, transformers'
+Qwen2, DeepSpeed and the harness's loop once (PRELOAD): a spawned rank spent about 6 CPU-seconds importing them,
+more than a short run trains. A forked rank takes the environment this process has when the group starts (as a
+spawned one would), not the forkserver's, and imports the strategy modules itself, from this process's sys.path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
+import multiprocessing
 import os
 import socket
 
@@ -43,6 +49,12 @@ def kernel_path() -> str:
     return "default" if not os.environ.get(ISA_ENV) else os.environ[ISA_ENV].lower()
 
 
+# What every rank imports, imported once in the forkserver (an import that fails there is left to the rank). Not the
+# strategy modules: a test copy of one on sys.path must win over the installed module, as it does in a spawned rank.
+PRELOAD = ["torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
+           "transformers.models.qwen2.modeling_qwen2", "deepspeed", "parity.training.loop"]
+
+
 def same_kernels(a: str, b: str) -> bool:
     """Whether kernel paths `a` and `b` compute bf16 matrix products with the same kernels on this CPU, so that runs
     under one are bit for bit the runs under the other (tests run such a pair once): on a CPU where torch does not
@@ -58,34 +70,35 @@ def plan(strategy: str, values: dict) -> tuple:
 
 
 def run_group(runs: list[tuple], kernel: str = "default") -> list[dict]:
-    """Run every planned run (all with the same world size) in one spawned gloo group under the kernel path
-    `kernel`; return their records."""
+    """Run every planned run (all with the same world size) in one gloo group on this machine under the kernel
+    path `kernel`; return their records."""
     world = runs[0][0].num_workers
     assert all(cfg.num_workers == world for cfg, _ in runs), "one group, one world size"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with _environment(KERNEL_PATHS[kernel]):
-        mp.spawn(_rank, args=(world, port, runs), nprocs=world)
+    start_processes(_rank, (world, port, runs), world, kernel_environment(kernel))
     return [load_record(run_record_path(cfg)) for cfg, _ in runs]
 
 
-@contextlib.contextmanager
-def _environment(variables: dict):
-    """The kernel path's variables set (and any other path's unset) while the group's processes start."""
+def start_processes(fn, args: tuple, nprocs: int, environment: dict[str, str] | None = None) -> None:
+    """fn(rank, *args) in `nprocs` processes forked from the forkserver (PRELOAD imported), each with `environment`
+    (default: this process's); waits for all of them and raises if one fails, as torch's mp.spawn does."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the forkserver starts (this process's first group)
+    mp.start_processes(_in_environment, args=(dict(os.environ if environment is None else environment), fn, args),
+                       nprocs=nprocs, start_method="forkserver")
+
+
+def kernel_environment(kernel: str) -> dict[str, str]:
+    """This process's environment with the kernel path's variables set and any other path's removed."""
     names = {k for env in KERNEL_PATHS.values() for k in env}
-    saved = {k: os.environ.get(k) for k in names}
-    for k in names:
-        os.environ.pop(k, None)
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return {**{k: v for k, v in os.environ.items() if k not in names}, **KERNEL_PATHS[kernel]}
+
+
+def _in_environment(rank: int, environment: dict[str, str], fn, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
+    fn(rank, *args)
 
 
 def _rank(rank: int, world: int, port: int, runs: list[tuple]) -> None:
