@@ -214,6 +214,8 @@ CASES = [
      r"--num_layers must be a positive integer \(got 0\)"),
     ("verify option", "run_verification", ["--output_dir", "{d}/v", "--strategy", "ddp", "--zero_stage", "2"], {},
      r"--zero_stage is a deepspeed flag, but --strategy ddp runs no deepspeed step: drop it or run --strategy all"),
+    ("verify local gpus", "run_verification", ["--output_dir", "{d}/v", "--launcher", "local", "--device", "cuda"], {},
+     r"--launcher local runs the ranks on this machine's CPU over gloo: use --device cpu, or --launcher ray for GPUs"),
     ("verify half folder", "run_verification",
      lambda d: ((d / "v").mkdir(), (d / "v/init_weights.safetensors").write_bytes(b"x"), ["--output_dir", f"{d}/v"])[2],
      {}, r"has init_weights.safetensors but no inputs.safetensors: a layer-check folder needs both; use a fresh"),

@@ -109,8 +109,10 @@ def test_a_worker_killed_once_resumes_each_strategy_on_the_uninterrupted_curve(t
 # --- replaying a step layer by layer -----------------------------------------------------------------
 
 def replay(out, record, step: int, **flags) -> int:
+    """The layer check's replay of `record`'s step, in gloo processes of this machine (what is tested is the step
+    the checkpoint restores, to which Ray adds nothing)."""
     return layer_check(to_argv({"output_dir": out, "replay": run_folder(record), "step": step, "device": "cpu",
-                                **flags}))
+                                "launcher": "local", **flags}))
 
 
 def dump_meta(out, strategy: str) -> dict:

@@ -14,7 +14,6 @@ from parity.commands.compare_curves import main as plot_loss_curves
 from parity.commands.layer_check import main as layer_check
 
 
-
 def verdict(folder, capsys) -> dict:
     code = plot_loss_curves(["--input_dir", str(folder), "--output", str(folder / "c.png")])
     capsys.readouterr()
@@ -51,10 +50,19 @@ def test_your_strategy_with_its_classic_bug_fails(ddp_baseline, tiny_weights, tm
 
 
 def test_the_layer_check_takes_your_strategy(tmp_path, capsys):
-    code = layer_check(to_argv({"output_dir": tmp_path, "strategy": "ddp", "strategy_class": CUSTOM, "device": "cpu",
-                                "seq_length": 64, "dp_size": 2}))
-    out = capsys.readouterr().out
-    assert code == 0, out
-    (pair,) = json.loads((tmp_path / "layer_comparison.json").read_text())["pairs"]
-    assert (pair["run"], pair["reference"], pair["verdict"]) == ("hand_written_dp", "ddp", "PASS")
-    assert max(row["rel"] for row in pair["rows"]) < 1e-5
+    """Through Ray Train (your module shipped to its workers), and with --launcher local: the same dumps, bit for
+    bit."""
+    from safetensors.torch import load_file
+
+    for launcher in ("ray", "local"):
+        out = tmp_path / launcher
+        code = layer_check(to_argv({"output_dir": out, "strategy": "ddp", "strategy_class": CUSTOM, "device": "cpu",
+                                    "seq_length": 64, "dp_size": 2, "launcher": launcher}))
+        text = capsys.readouterr().out
+        assert code == 0, text
+        (pair,) = json.loads((out / "layer_comparison.json").read_text())["pairs"]
+        assert (pair["run"], pair["reference"], pair["verdict"]) == ("hand_written_dp", "ddp", "PASS")
+        assert max(row["rel"] for row in pair["rows"]) < 1e-5
+    for dump in ("dump_ddp.safetensors", "dump_hand_written_dp.safetensors"):
+        ray, local = load_file(str(tmp_path / "ray" / dump)), load_file(str(tmp_path / "local" / dump))
+        assert ray.keys() == local.keys() and all(ray[k].equal(local[k]) for k in ray)

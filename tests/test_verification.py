@@ -1,7 +1,11 @@
 """Single-step layer verification on full tensors: every module output, output gradient, parameter
 gradient and updated parameter of DeepSpeed and FSDP within 1e-5 relative of DDP — sharded layers
 included, which is the regression test against seed 001 comparing a shard's norm with a full tensor's —
-and a fault planted in one TP shard found as the first divergence, at exactly that module."""
+and a fault planted in one TP shard found as the first divergence, at exactly that module.
+
+The checks run with --launcher local (the same recorded step in gloo processes of this machine): what they test
+is the step's arithmetic, to which Ray adds nothing; the layer check through Ray Train, and its dumps equal to the
+local ones bit for bit, is tests/test_custom_strategy.py's."""
 
 import json
 import os
@@ -14,7 +18,7 @@ import pytest
 from conftest import REPO, to_argv
 from parity.commands.layer_check import main as layer_check
 
-FP32 = {"precision": "fp32", "device": "cpu", "seq_length": 64, "tp_size": 2}
+FP32 = {"precision": "fp32", "device": "cpu", "seq_length": 64, "tp_size": 2, "launcher": "local"}
 SHARDED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.act_fn")
 
 
@@ -28,13 +32,13 @@ def comparison(out) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp2_dp1(ray_cluster, tmp_path_factory):
+def tp2_dp1(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("verify_tp"))
     return out, verify(out, dp_size=1)
 
 
 @pytest.fixture(scope="module")
-def tp2_dp2(ray_cluster, tmp_path_factory):
+def tp2_dp2(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("verify_tp_dp2"))
     return out, verify(out, dp_size=2)
 
@@ -147,7 +151,7 @@ BF16 = {"precision": "bf16", "seq_length": 128}
 
 
 @pytest.fixture(scope="module")
-def tp2_dp1_bf16(ray_cluster, tmp_path_factory):
+def tp2_dp1_bf16(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("verify_tp_bf16"))
     return out, verify(out, dp_size=1, **BF16)
 

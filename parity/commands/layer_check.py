@@ -49,6 +49,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="lr of the one optimizer step; default: 1e-5; not with --replay")
     p.add_argument("--seed", type=int, default=None, help="default: 42; not with --replay")
     p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--launcher", choices=("ray", "local"), default="ray",
+                   help="ray: Ray Train worker groups (a local Ray cluster, or RAY_ADDRESS's); local: processes of this "
+                        "machine over gloo, without Ray (CPU only): the same recorded step without Ray's start-up")
     p.add_argument("--perturb", default=None, metavar="STRATEGY:PARAM",
                    help="check the check: add 1e-3 to TP rank 0's shard of PARAM in STRATEGY's run")
     p.add_argument("--tolerance", type=non_negative_float, default=None, help="override the relative tolerance")
@@ -65,12 +68,12 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity import storage
     from parity.commands.compare_layers import compare_and_report
     from parity.comparing.layers import load_dumps
-    from parity.training.cluster import probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
     from parity.training.launch import launch_runs, world_groups
     from parity.training.layer_inputs import INPUTS_FILE, check_inputs, write_inputs
     from parity.training.layer_step import layer_steps_worker
+    from parity.training.local_group import launch_local
     from parity.training.model import build_model, model_config_from_dict, parameter_names, save_init_weights
     from parity.training.replay import check_folder, write_folder
 
@@ -96,7 +99,7 @@ def check_layers(args: argparse.Namespace) -> int:
     fresh = not os.path.exists(weights)
     if not fresh:
         check_folder(replay, out)
-    cluster = probe_cluster()
+    cluster = _cluster(args)
     options = _strategy_options(args, strategies)
     cfgs = {s: resolve(s, {**_run_values(args, s, out, cluster.gpus, options[s], replay, own.get(s)),
                            **({"strategy_class": own[s]} if s in own else {})},
@@ -129,12 +132,27 @@ def check_layers(args: argparse.Namespace) -> int:
     with console.terminal(os.path.join(out, "layer_check.log"), args.verbose) as log, console.pointing_to(log), \
             ray_for_this_command():
         for group in world_groups([cfg for cfg, _ in runs]):  # one worker group per world size
-            launch_runs(group, [payloads[cfg.experiment_name] for cfg in group], checkpoints=False,
-                        worker=layer_steps_worker)
+            group_payloads = [payloads[cfg.experiment_name] for cfg in group]
+            if args.launcher == "local":
+                launch_local(group, group_payloads, worker=layer_steps_worker)
+            else:
+                launch_runs(group, group_payloads, checkpoints=False, worker=layer_steps_worker)
     if len(load_dumps(out)) < 2:
         print(f"{out} has one dump so far; run the other strategies into it, then compare_dumps.py")
         return 0
     return compare_and_report(out, args.tolerance)
+
+
+def _cluster(args):
+    """What the runs are resolved for: the Ray cluster's resources, or with --launcher local this machine's CPUs."""
+    from parity.training.cluster import Cluster, probe_cluster
+
+    if args.launcher == "ray":
+        return probe_cluster()
+    if args.device == "cuda":
+        raise ConfigError("--launcher local runs the ranks on this machine's CPU over gloo: use --device cpu, or "
+                          "--launcher ray for GPUs")
+    return Cluster(cpus=float(len(os.sched_getaffinity(0))), gpus=0)
 
 
 def _replay_start(args):

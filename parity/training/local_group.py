@@ -1,7 +1,8 @@
-"""Runs of the shared loop in a local gloo process group spawned here, without Ray: several runs one after
-another in one group, for work where Ray adds nothing to what is measured (the calibration study, and the
-tests that need many runs). Each run is resolved, gets its data and writes its loss record exactly as a Ray
-run does; only the process group is ours. CPU only.
+"""Runs of the shared loop in a local gloo process group started here, without Ray: several runs one after
+another in one group, for work where Ray adds nothing to what is measured (the calibration study, the layer
+check's --launcher local, and the tests that need many runs). Each rank runs the worker function a Ray Train
+worker runs (training or the layer check's recorded step), on the same payload: each run is resolved, gets
+its data and writes its records exactly as a Ray run does; only the process group is ours. CPU only.
 
 A group runs under one CPU kernel path (`KERNEL_PATHS`): bf16 matrix products on CPU go through oneDNN,
 whose kernels are chosen by the instruction set (AMX, AVX512-BF16, AVX512, AVX2 ...), and each gives other
@@ -17,7 +18,6 @@ spawned one would), not the forkserver's, and imports the strategy modules itsel
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import socket
@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 
 from parity.fingerprint import cpu_has_onednn_bf16
 from parity.training.cluster import Cluster
-from parity.training.config import resolve
+from parity.errors import TrainingFailed
+from parity.training.config import RunConfig, resolve
 from parity.training.data import training_data
 from parity.training.record import load_record, run_record_path
 
@@ -70,23 +71,42 @@ def plan(strategy: str, values: dict) -> tuple:
 
 
 def run_group(runs: list[tuple], kernel: str = "default") -> list[dict]:
-    """Run every planned run (all with the same world size) in one gloo group on this machine under the kernel
-    path `kernel`; return their records."""
-    world = runs[0][0].num_workers
-    assert all(cfg.num_workers == world for cfg, _ in runs), "one group, one world size"
+    """Train every planned run (all with the same world size) in one local group under the kernel path `kernel`;
+    return their records."""
+    launch_local([cfg for cfg, _ in runs], [{"batches": batches} for _, batches in runs], kernel=kernel)
+    return [load_record(run_record_path(cfg)) for cfg, _ in runs]
+
+
+def launch_local(cfgs: list[RunConfig], payloads: list[dict], worker=None, kernel: str = "default") -> None:
+    """launch_runs without Ray: `cfgs` (one world size) one after another in one gloo group of this machine's
+    processes, each rank calling `worker` (default: the training loop's train_group_worker) with the payload a Ray
+    Train worker gets, without checkpoints (Ray Train's: there is no restart to resume). Raises TrainingFailed
+    with the line of the rank that failed."""
+    from parity.training.loop import train_group_worker
+
+    world = cfgs[0].num_workers
+    assert all(cfg.num_workers == world for cfg in cfgs), "one group, one world size"
+    group = {"runs": [{"cfg": cfg.to_dict(), "title": cfg.strategy, **payload} for cfg, payload in zip(cfgs, payloads)],
+             "checkpoints": False}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    start_processes(_rank, (world, port, runs), world, kernel_environment(kernel))
-    return [load_record(run_record_path(cfg)) for cfg, _ in runs]
+    try:
+        start_processes(_rank, (world, port, worker or train_group_worker, group), world, kernel_environment(kernel))
+    except mp.ProcessRaisedException as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        raise TrainingFailed(f"rank {exc.error_index}: {lines[-1]}") from None
+    except mp.ProcessExitedException as exc:
+        raise TrainingFailed(f"rank {exc.error_index}: {exc}") from None
 
 
 def start_processes(fn, args: tuple, nprocs: int, environment: dict[str, str] | None = None) -> None:
     """fn(rank, *args) in `nprocs` processes forked from the forkserver (PRELOAD imported), each with `environment`
-    (default: this process's); waits for all of them and raises if one fails, as torch's mp.spawn does."""
+    (default: this process's) and this process's stdout and stderr; waits for all of them and raises if one
+    fails, as torch's mp.spawn does."""
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the forkserver starts (this process's first group)
-    mp.start_processes(_in_environment, args=(dict(os.environ if environment is None else environment), fn, args),
-                       nprocs=nprocs, start_method="forkserver")
+    mp.start_processes(_in_environment, args=(dict(os.environ if environment is None else environment), _Stdio(), fn,
+                                              args), nprocs=nprocs, start_method="forkserver")
 
 
 def kernel_environment(kernel: str) -> dict[str, str]:
@@ -95,17 +115,34 @@ def kernel_environment(kernel: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in names}, **KERNEL_PATHS[kernel]}
 
 
-def _in_environment(rank: int, environment: dict[str, str], fn, args: tuple) -> None:
+class _Stdio:
+    """This process's stdout and stderr (descriptors 1 and 2) as they are when a rank starts: multiprocessing hands
+    the descriptors themselves to the forked rank, which then writes where this process writes now (a command's
+    log, a test's captured output), not where the forkserver's output went when it started."""
+
+    def __init__(self, out=None, err=None):
+        self.out, self.err = out, err
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _Stdio, (DupFd(1), DupFd(2))
+
+    def attach(self) -> None:
+        for fd, inherited in ((1, self.out), (2, self.err)):
+            os.dup2(inherited.detach(), fd)
+
+
+def _in_environment(rank: int, environment: dict[str, str], stdio: _Stdio, fn, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(environment)
+    stdio.attach()
     fn(rank, *args)
 
 
-def _rank(rank: int, world: int, port: int, runs: list[tuple]) -> None:
+def _rank(rank: int, world: int, port: int, worker, group: dict) -> None:
     import torch
     import torch.distributed as dist
-
-    from parity.training.loop import start_worker, train
 
     if os.environ.get("PARITY_DISABLE_ONEDNN"):
         torch.backends.mkldnn.enabled = False
@@ -113,8 +150,8 @@ def _rank(rank: int, world: int, port: int, runs: list[tuple]) -> None:
                       WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        for cfg, batches in runs:
-            train(start_worker({"cfg": cfg.to_dict()}), batches)
-            gc.collect()
+        stopped = (worker(group) or {}).get("stopped")
     finally:
         dist.destroy_process_group()
+    if stopped:
+        raise TrainingFailed(stopped)
