@@ -23,7 +23,7 @@ os.environ.update(AWS_ACCESS_KEY_ID="parity-test", AWS_SECRET_ACCESS_KEY="parity
 for _name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
     os.environ.pop(_name, None)
 
-from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32, SHORT_RUN_BF16
+from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32, RESUMED_FP32, SHORT_RUN_BF16
 from parity.training.record import load_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the top-level scripts are
@@ -296,6 +296,14 @@ def assert_fp32_parity(run: dict, baseline: dict) -> None:
     assert max_rel_diff(series(run, "grad_norm"), series(baseline, "grad_norm")) < FP32_RTOL
     assert max_rel_diff(series(run, "param_norm"), series(baseline, "param_norm")) < FP32_RTOL
     assert max_abs_param_diff(final_parameters(run), final_parameters(baseline)) < FINAL_PARAMETERS_ATOL_FP32
+
+
+def assert_same_curve(run: dict, uninterrupted: dict) -> None:
+    """A resumed run: one entry per step, the same batches, and the uninterrupted run's numbers at every step."""
+    assert [s["step"] for s in run["steps"]] == list(range(len(uninterrupted["steps"])))
+    assert series(run, "batch_hash") == series(uninterrupted, "batch_hash")
+    for key in ("loss", "grad_norm", "param_norm"):
+        assert max_rel_diff(series(run, key), series(uninterrupted, key)) <= RESUMED_FP32, key
 
 
 def assert_bf16_parity(run: dict, baseline_bf16: dict, baseline_fp32: dict) -> None:

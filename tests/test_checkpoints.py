@@ -1,7 +1,7 @@
 """Checkpoints, resume and replay through real Ray Train jobs on CPU.
 
-- A worker killed once at a known step (test copies of the strategy modules, tests/fault_hooks.py) and the
-  run resumes from its last checkpoint on the uninterrupted run's curve: DDP, DeepSpeed and FSDP.
+- A worker killed once at a known step and the run resumed on the uninterrupted run's curve, in each strategy of the
+  main job: tests/test_main_script.py.
 - The layer check replays a step of the DDP baseline from its checkpoint (or from before it): DDP reproduces
   the baseline's step, DeepSpeed and FSDP match it tensor by tensor, and a fault planted at that step in
   FSDP is named.
@@ -23,7 +23,7 @@ import pytest
 
 import fault_hooks
 import step_metrics
-from conftest import FP32_RTOL, PARITY, REPO, max_rel_diff, run_main, series, to_argv, train
+from conftest import FP32_RTOL, PARITY, REPO, assert_same_curve, series, to_argv, train
 from parity.commands.layer_check import main as layer_check
 from parity.commands.train import main as train_main
 from parity.comparing.tolerances import RESUMED_FP32
@@ -70,40 +70,9 @@ def ddp_argv(tmp_path, weights, **over) -> list[str]:
                     "storage_path": tmp_path / "ray", **over})
 
 
-def assert_same_curve(run: dict, uninterrupted: dict) -> None:
-    """One entry per step, the same batches, and the uninterrupted run's numbers at every step."""
-    assert [s["step"] for s in run["steps"]] == list(range(len(uninterrupted["steps"])))
-    assert series(run, "batch_hash") == series(uninterrupted, "batch_hash")
-    for key in ("loss", "grad_norm", "param_norm"):
-        assert max_rel_diff(series(run, key), series(uninterrupted, key)) <= RESUMED_FP32, key
-
-
 def stderr_errors(text: str) -> list[str]:
     """The `error:` lines (Ray's workers print to the driver's stderr too)."""
     return [line for line in text.splitlines() if line.startswith("error:")]
-
-
-# --- a worker killed once ----------------------------------------------------------------------------
-
-def test_a_worker_killed_once_resumes_each_strategy_on_the_uninterrupted_curve(tmp_path, ddp_baseline,
-                                                                              deepspeed_tp2_dp2, fsdp_tp2_dp2):
-    """The main job with each run's rank 1 killed before step 6, once the checkpoint of step 4 is committed:
-    Ray Train restarts the worker group, the run resumes at step 4 and ends on the uninterrupted curve."""
-    hooks = tmp_path / "hooks"
-    for strategy in ("ddp", "deepspeed", "fsdp"):
-        fault_hooks.kill_once(hooks, strategy, step=6)
-    out = tmp_path / "out"
-    proc = run_main(out, PYTHONPATH=str(hooks), LEARNING_RATE="1e-4",
-                    EXTRA_ARGS="--checkpoint_interval 4 --max_failures 1")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "VERDICT: PASS" in proc.stdout
-    for strategy, uninterrupted in (("ddp", ddp_baseline), ("deepspeed", deepspeed_tp2_dp2), ("fsdp", fsdp_tp2_dp2)):
-        assert (hooks / f"{strategy}.killed").exists()
-        record = load_record(str(out / "loss_curves" / f"loss_{strategy}.json"))
-        checkpoint = os.path.join(record["config"]["storage_path"], record["config"]["experiment_name"], "step_000004")
-        assert record["resumes"] == [{"checkpoint": checkpoint, "step": 4, "skipped": []}]
-        assert f"[{strategy}] resumed from {checkpoint} at step 4" in proc.stdout
-        assert_same_curve(record, uninterrupted)
 
 
 # --- replaying a step layer by layer -----------------------------------------------------------------

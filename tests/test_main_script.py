@@ -1,15 +1,35 @@
-"""run_verification_main.sh end to end on CPU, as a newcomer runs it (shortened): three loss records,
-a figure, a report, verdict PASS, exit 0 — and a clear stop, non-zero, when a run fails."""
+"""run_verification_main.sh end to end on CPU, as a newcomer runs it (shortened): four loss records,
+a figure, a report, verdict PASS, exit 0, also when a worker dies in each strategy (Ray Train restarts the group
+and the run resumes on its uninterrupted curve) — and a clear stop, non-zero, when a run fails."""
 
 import json
 import os
 
-from conftest import REPO, run_main
+import pytest
+
+import fault_hooks
+from conftest import REPO, assert_same_curve, run_main
+from parity.training.record import load_record
+
+KILLED = ("ddp", "deepspeed", "fsdp")
 
 
-def test_four_runs_then_a_pass_verdict(tmp_path):
-    """The seed's three strategies and the pipeline (2 stages × DP 2, in the TP runs' worker group)."""
-    proc = run_main(tmp_path, STRATEGIES="ddp deepspeed fsdp pipeline")
+@pytest.fixture(scope="module")
+def four_runs(tmp_path_factory):
+    """The seed's three strategies and the pipeline (2 stages × DP 2, in the TP runs' worker group), at the shared
+    runs' lr and checkpoint interval (conftest's PARITY), rank 1 of DDP, DeepSpeed and FSDP killed before step 6
+    (test copies of their modules, tests/fault_hooks.py), once the checkpoint of step 4 is committed."""
+    root = tmp_path_factory.mktemp("main_job")
+    for strategy in KILLED:
+        fault_hooks.kill_once(root / "hooks", strategy, step=6)
+    proc = run_main(root / "out", PYTHONPATH=str(root / "hooks"), STRATEGIES="ddp deepspeed fsdp pipeline",
+                    LEARNING_RATE="1e-4", EXTRA_ARGS="--checkpoint_interval 4 --max_failures 1")
+    return proc, root
+
+
+def test_four_runs_then_a_pass_verdict(four_runs):
+    proc, root = four_runs
+    tmp_path = root / "out"
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "== 4 workers: deepspeed tp=2 dp=2 fp32, fsdp tp=2 dp=2 fp32, pipeline pp=2 dp=2 fp32" in proc.stdout
     loss_dir = tmp_path / "loss_curves"
@@ -29,6 +49,22 @@ def test_four_runs_then_a_pass_verdict(tmp_path):
     assert summary["noise_references"] == [] and "(noise reference)" not in proc.stdout
     assert "LOSS CURVE STATISTICS" in proc.stdout and "VERDICT: PASS" in proc.stdout
     assert (tmp_path / "shared_weights" / "init_weights.pt").exists()
+
+
+def test_a_worker_killed_once_resumes_each_strategy_on_the_uninterrupted_curve(four_runs, ddp_baseline,
+                                                                              deepspeed_tp2_dp2, fsdp_tp2_dp2):
+    """Ray Train restarts the worker group, the run resumes at step 4 and ends on the uninterrupted curve (the
+    session's runs of the same setting)."""
+    proc, root = four_runs
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "VERDICT: PASS" in proc.stdout
+    for strategy, uninterrupted in zip(KILLED, (ddp_baseline, deepspeed_tp2_dp2, fsdp_tp2_dp2)):
+        assert (root / "hooks" / f"{strategy}.killed").exists()
+        record = load_record(str(root / "out" / "loss_curves" / f"loss_{strategy}.json"))
+        checkpoint = os.path.join(record["config"]["storage_path"], record["config"]["experiment_name"], "step_000004")
+        assert record["resumes"] == [{"checkpoint": checkpoint, "step": 4, "skipped": []}]
+        assert f"[{strategy}] resumed from {checkpoint} at step 4" in proc.stdout
+        assert_same_curve(record, uninterrupted)
 
 
 def test_a_bad_run_configuration_stops_the_job_before_any_run(tmp_path):
