@@ -138,9 +138,10 @@ DDP_LEARNS = {"debug_steps": 100, "learning_rate": 1e-3, "checkpoint_interval": 
 
 # The strategy runs several test modules share, name → (strategy, flags beyond **PARITY). RAY_RUNS go through Ray
 # Train, in one worker group per world size (launch_runs, as the main job does), with their checkpoints: the
-# baselines the checkpoint tests copy, damage, kill and replay, DDP's layout and rerun checks (test_ddp_ray, 100
+# baselines the checkpoint tests copy, damage, kill and replay, DDP's learning and rerun checks (test_ddp_ray, 100
 # steps), and a user's own strategy module shipped to the workers. LOCAL_RUNS are the other parity runs, in local
-# gloo groups: what they check is the strategies' arithmetic, to which Ray adds nothing.
+# gloo groups: what they check is the strategies' arithmetic (DDP's other layout among them), to which Ray adds
+# nothing.
 RAY_RUNS = {
     "ddp_tp1_dp2": ("ddp", {**DDP_DP2, **FP32}),  # the fp32 baseline of every parity test
     "deepspeed_tp2_dp2": ("deepspeed", {**TP2_DP2, **FP32, "zero_stage": 1}),
@@ -148,9 +149,9 @@ RAY_RUNS = {
     "hand_written_dp_tp1_dp2": ("ddp", {**DDP_DP2, **FP32, "strategy_class": CUSTOM}),
     "ddp_two": ("ddp", {**DDP_DP2, **FP32, **DDP_LEARNS}),
     "ddp_rerun": ("ddp", {**DDP_DP2, **FP32, **DDP_LEARNS}),
-    "ddp_one": ("ddp", {"num_workers": 1, "batch_size": 4, **FP32, **DDP_LEARNS}),
 }
 LOCAL_RUNS = {
+    "ddp_one": ("ddp", {"num_workers": 1, "batch_size": 4, **FP32, **DDP_LEARNS}),
     "ddp_bf16": ("ddp", {**DDP_DP2, **BF16}),  # the bf16 reference
     "ddp_clip": ("ddp", {**DDP_DP2, **FP32, "max_grad_norm": CLIP}),
     "deepspeed_tp2_dp1": ("deepspeed", {"num_workers": 2, "tp_size": 2, "batch_size": 4, **FP32}),

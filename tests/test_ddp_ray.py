@@ -1,4 +1,5 @@
-"""DDP through real Ray Train jobs: layout independence at fp32, exact reruns, learning, the checkpoint."""
+"""DDP through real Ray Train jobs: exact reruns, learning, the checkpoint; and layout independence at fp32 against
+the same run at 1 × 4 in a local gloo group."""
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ STEPS = 100
 
 @pytest.fixture(scope="module")
 def ddp_runs(shared_runs):
-    """DDP 2 × 2, 1 × 4 and 2 × 2 again, 100 steps at the preset's lr, through Ray Train (conftest's RAY_RUNS)."""
+    """DDP 2 × 2 and 2 × 2 again, 100 steps at the preset's lr, through Ray Train (conftest's RAY_RUNS), and 1 × 4 (its
+    LOCAL_RUNS)."""
     return {name: shared_runs[f"ddp_{name}"] for name in ("two", "one", "rerun")}
 
 
