@@ -118,7 +118,7 @@ class DeepSpeedStrategy(Strategy):
         return self.engine.module
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        logits = self.engine(input_ids=input_ids).logits
+        logits = self.engine(input_ids=input_ids, use_cache=False).logits  # as Strategy.forward
         return self._gather_last_dim("lm_head", logits)  # [4]
 
     def backward(self, loss: torch.Tensor, last: bool = True) -> None:

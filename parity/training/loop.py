@@ -274,9 +274,10 @@ def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log, write: 
 @torch.no_grad()
 def evaluate(strategy, batch, global_tokens: int) -> float:
     """The current model's mean token loss over a global batch (each DP rank its slice `batch`), without
-    training."""
+    training. Eager also under --compile, as the stock model that loads the final checkpoint computes it (a compiled
+    module would compile its whole forward once more for this one call without gradients)."""
     batch = batch.to(strategy.ctx.device)
-    with strategy.autocast():
+    with strategy.autocast(), torch.compiler.set_stance("force_eager"):
         logits = strategy.forward(batch.input_ids)
     sums, _ = strategy.gather_dp_sums(loss_sum(logits, batch.labels).double(), batch.loss_tokens)
     return sum(sums) / global_tokens

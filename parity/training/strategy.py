@@ -251,8 +251,10 @@ class Strategy:
         return contextlib.nullcontext()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits of this rank's slice."""
-        return self.model(input_ids=input_ids).logits
+        """Full-vocabulary logits of this rank's slice. Without a KV cache: Hugging Face builds one in every
+        forward unless told not to (config.use_cache), which a training step never reads; under --compile each
+        decoder layer was compiled again for the cache's state."""
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
     def backward(self, loss: torch.Tensor, last: bool = True) -> None:
         """Backward of one micro-batch's loss (`last`: the step's last micro-batch)."""
