@@ -52,8 +52,11 @@ def kernel_path() -> str:
 
 # What every rank imports, imported once in the forkserver (an import that fails there is left to the rank). Not the
 # strategy modules: a test copy of one on sys.path must win over the installed module, as it does in a spawned rank.
+# pyarrow.fs writes the records; inductor is what DeepSpeed's initialize imports (its Muon optimizer's module calls
+# torch.compile when imported: ~1 s per rank, its first setup went from 3 s to under 1) and what --compile uses.
 PRELOAD = ["torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
-           "transformers.models.qwen2.modeling_qwen2", "deepspeed", "parity.training.loop"]
+           "transformers.models.qwen2.modeling_qwen2", "deepspeed", "parity.training.loop", "pyarrow.fs",
+           "torch._inductor.compile_fx"]
 
 
 def same_kernels(a: str, b: str) -> bool:

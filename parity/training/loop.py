@@ -21,6 +21,7 @@ import gc
 import math
 import platform
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -322,9 +323,8 @@ def worker_nodes(ctx: WorkerContext) -> list[str]:
     """The node of every rank, by rank (a collective: every rank calls it): Ray's node id in a Ray Train
     worker, the host name in a process group without Ray. Gathered as bytes on the run's device, which
     every backend (gloo, NCCL) can gather."""
-    import ray
-
-    mine = ray.get_runtime_context().get_node_id() if ray.is_initialized() else platform.node()
+    ray = sys.modules.get("ray")  # a local group's rank has not imported Ray (about a CPU-second): it is not in one
+    mine = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else platform.node()
     local = torch.tensor(list(mine.encode()[:NODE_ID_BYTES].ljust(NODE_ID_BYTES, b"\0")), dtype=torch.uint8,
                          device=ctx.device)
     gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
