@@ -1,5 +1,7 @@
-"""Test copies of the strategy modules with one fault at a known point, for runs in a subprocess whose
-PYTHONPATH puts the copies first: the driver and every Ray worker import them instead of the real modules.
+"""Test copies of the strategy modules with one fault at a known point. A copy under the real module's name is for a
+run in a subprocess whose PYTHONPATH puts it first: the driver and every Ray worker import it instead of the real
+module (the main job's strategies). A copy under a name of its own (`module`) is a user's strategy class for a run in
+this process: `--strategy_class <module>:<Class>`, its folder on sys.path, and Ray Train ships it to the workers.
 Each copy loads the real module from the repository and subclasses its strategy to do one thing before or
 after the n-th call of one of its methods; nothing in the harness knows about them."""
 
@@ -55,26 +57,30 @@ FILE_SIZE_LIMIT = '''if not os.path.exists({marker!r} + str(self.ctx.rank)):
                 resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))'''
 
 
-def write_copy(directory, strategy: str, method: str, call: int, before: bool, fault: str) -> str:
-    """Write the faulty copy of `strategy`'s module into `directory` (a PYTHONPATH entry); returns it."""
-    module, cls = MODULES[strategy]
+def write_copy(directory, strategy: str, method: str, call: int, before: bool, fault: str,
+               module: str | None = None) -> str:
+    """Write the faulty copy of `strategy`'s module into `directory` (a PYTHONPATH entry), as `module`.py (default:
+    the real module's name); returns the directory."""
+    real, cls = MODULES[strategy]
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"{module}.py"), "w") as f:
-        f.write(TEMPLATE.format(module=module, cls=cls, path=os.path.join(REPO, f"{module}.py"), method=method,
+    with open(os.path.join(directory, f"{module or real}.py"), "w") as f:
+        f.write(TEMPLATE.format(module=real, cls=cls, path=os.path.join(REPO, f"{real}.py"), method=method,
                                 call=call, before=before, when="before" if before else "after", fault=fault))
     return str(directory)
 
 
-def kill_once(directory, strategy: str, step: int, rank: int = 1) -> str:
+def kill_once(directory, strategy: str, step: int, rank: int = 1, module: str | None = None) -> str:
     """Rank `rank` dies before its train step `step`, once."""
     marker = os.path.join(str(directory), f"{strategy}.killed")
-    return write_copy(directory, strategy, "train_step", step, True, KILL.format(rank=rank, marker=marker))
+    return write_copy(directory, strategy, "train_step", step, True, KILL.format(rank=rank, marker=marker), module)
 
 
-def file_size_limit(directory, strategy: str, method: str, call: int, before: bool, limit: int) -> str:
+def file_size_limit(directory, strategy: str, method: str, call: int, before: bool, limit: int,
+                    module: str | None = None) -> str:
     """Every rank's files stop growing beyond `limit` bytes before (or after) call `call` of `method`, once."""
     marker = os.path.join(str(directory), f"{strategy}.size_limited.")
-    return write_copy(directory, strategy, method, call, before, FILE_SIZE_LIMIT.format(limit=limit, marker=marker))
+    return write_copy(directory, strategy, method, call, before, FILE_SIZE_LIMIT.format(limit=limit, marker=marker),
+                      module)
 
 
 # A strategy that changed since a run: every step at twice the learning rate (a "fix" its user tries).

@@ -296,27 +296,40 @@ def train_with_fault(tmp_path, hooks: str, *flags: str) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=1200)
 
 
-def test_a_death_without_retries_left_names_the_dead_rank(tiny_weights, tmp_path):
+def train_faulty(monkeypatch, hooks: str, module: str, *flags: str) -> int:
+    """train_ddp.py's run in this process, on the session's Ray cluster, with a faulty copy of ddp_strategy.py as
+    the user's own strategy class (`module`.DDPStrategy in `hooks`, which Ray Train ships to the workers): what is
+    tested is the harness's handling of the fault, for which a Ray cluster of the command's own adds nothing."""
+    monkeypatch.syspath_prepend(hooks)
+    return train_main("ddp", argv=[*flags, "--strategy_class", f"{module}:DDPStrategy"])
+
+
+def test_a_death_without_retries_left_names_the_dead_rank(ray_cluster, tiny_weights, tmp_path, monkeypatch, capsys):
     """--max_failures 0: the run fails, and its line is rank 1's death, not rank 0's lost connection to it."""
-    hooks = fault_hooks.kill_once(tmp_path / "hooks", "ddp", step=6)
-    proc = train_with_fault(tmp_path, hooks, *ddp_argv(tmp_path, tiny_weights, max_failures=0))
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (line,) = stderr_errors(proc.stderr)
+    hooks = fault_hooks.kill_once(tmp_path / "hooks", "ddp", step=6, module="ddp_killed_without_retries")
+    code = train_faulty(monkeypatch, hooks, "ddp_killed_without_retries",
+                        *ddp_argv(tmp_path, tiny_weights, max_failures=0))
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    (line,) = stderr_errors(err)
     assert line.startswith("error: training failed: rank 1: The actor is dead because its worker process has died.")
     log = (tmp_path / "loss" / "logs" / "ddp_tp1_dp2.log").read_text()
-    assert "Connection closed by peer" in proc.stderr + log  # what rank 0 met: in the run's log
+    assert "Connection closed by peer" in err + log  # what rank 0 met: in the run's log
 
 
 def test_a_storage_that_refuses_a_checkpoint_stops_the_run_and_keeps_the_last_one(ddp_baseline, tiny_weights,
-                                                                                  tmp_path):
+                                                                                  tmp_path, monkeypatch, capsys):
     """From the checkpoint of step 8 on, no file may grow beyond 64 kB: Ray Train's copy of the 3 MB state into
     the storage fails. One line; the partial copy removed, the checkpoint of step 4 and the record up to it
     kept; the same command run again with --resume resumes there and ends on the uninterrupted curve."""
-    hooks = fault_hooks.file_size_limit(tmp_path / "hooks", "ddp", "save_state", call=1, before=False, limit=1 << 16)
-    proc = train_with_fault(tmp_path, hooks, *ddp_argv(tmp_path, tiny_weights))
+    module = "ddp_storage_refusing"
+    hooks = fault_hooks.file_size_limit(tmp_path / "hooks", "ddp", "save_state", call=1, before=False, limit=1 << 16,
+                                        module=module)
+    code = train_faulty(monkeypatch, hooks, module, *ddp_argv(tmp_path, tiny_weights))
+    err = capsys.readouterr().err
     folder = str(tmp_path / "ray" / "ddp_tp1_dp2")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert stderr_errors(proc.stderr) == [
+    assert code == 1, err[-3000:]
+    assert stderr_errors(err) == [
         f"error: training failed: cannot write the checkpoint of step 8 to {folder}/step_000008 (File too large): "
         f"{AFTER_A_FAILED_WRITE}"]
     assert not os.path.exists(os.path.join(folder, "step_000008"))
@@ -325,21 +338,24 @@ def test_a_storage_that_refuses_a_checkpoint_stops_the_run_and_keeps_the_last_on
     assert (len(kept["steps"]), kept["complete"]) == (4, False)
 
     # the same command with --resume (the same code: the fault struck once) resumes there
-    proc = train_with_fault(tmp_path, hooks, *ddp_argv(tmp_path, tiny_weights, resume=True))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code = train_faulty(monkeypatch, hooks, module, *ddp_argv(tmp_path, tiny_weights, resume=True))
+    assert code == 0, capsys.readouterr().err[-3000:]
     record = load_record(str(tmp_path / "loss" / "loss_ddp.json"))
     assert record["resumes"] == [{"checkpoint": os.path.join(folder, "step_000004"), "step": 4, "skipped": []}]
     assert_same_curve(record, ddp_baseline)
 
 
-def test_a_loss_record_that_cannot_be_written_stops_the_run(tiny_weights, tmp_path):
+def test_a_loss_record_that_cannot_be_written_stops_the_run(ray_cluster, tiny_weights, tmp_path, monkeypatch, capsys):
     """After step 4 (its checkpoint written, the record rewritten every 2 steps) files may not grow beyond 4 kB:
     the record of step 6 cannot be written. One line; the record of step 4 kept, nothing half-written."""
-    hooks = fault_hooks.file_size_limit(tmp_path / "hooks", "ddp", "train_step", call=5, before=True, limit=4096)
-    proc = train_with_fault(tmp_path, hooks, *ddp_argv(tmp_path, tiny_weights, log_interval=2))
+    module = "ddp_record_unwritable"
+    hooks = fault_hooks.file_size_limit(tmp_path / "hooks", "ddp", "train_step", call=5, before=True, limit=4096,
+                                        module=module)
+    code = train_faulty(monkeypatch, hooks, module, *ddp_argv(tmp_path, tiny_weights, log_interval=2))
+    err = capsys.readouterr().err
     record_path = tmp_path / "loss" / "loss_ddp.json"
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert stderr_errors(proc.stderr) == [
+    assert code == 1, err[-3000:]
+    assert stderr_errors(err) == [
         f"error: training failed: cannot write the loss record {record_path} (File too large): {AFTER_A_FAILED_WRITE}"]
     kept = load_record(str(record_path))
     assert (len(kept["steps"]), kept["complete"]) == (4, False)
