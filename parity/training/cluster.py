@@ -52,12 +52,18 @@ def ray_for_this_command():
     terminal block: the workers' last lines (Ray Train's checkpoint and report chatter) reach the driver after
     the run has ended, and once the terminal block is left they would print on the user's terminal instead of
     the log. A Ray that was up when the block began (the caller's session, a test's) is left running."""
-    up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    up = ray_is_up()
     try:
         yield
     finally:
-        if not up and "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        if not up and ray_is_up():
             sys.modules["ray"].shutdown()
+
+
+def ray_is_up() -> bool:
+    """Whether this process has started or joined Ray, asked without importing Ray (about a CPU-second, which a
+    local group's rank, never in Ray, would otherwise pay)."""
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def ensure_ray() -> float:

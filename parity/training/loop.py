@@ -34,6 +34,7 @@ from parity.errors import COLLATERAL, RunStopped
 from parity.fingerprint import fingerprint
 from parity.registry import strategy_class
 from parity.training.checkpoints import Checkpoints, RayTrainSession, agree, run_dir, write_problem
+from parity.training.cluster import ray_is_up
 from parity.training.config import RunConfig
 from parity.training.data import batch_hash, dp_slice
 from parity.training.memory import PEAK_ORDERS, zero_bound
@@ -323,8 +324,7 @@ def worker_nodes(ctx: WorkerContext) -> list[str]:
     """The node of every rank, by rank (a collective: every rank calls it): Ray's node id in a Ray Train
     worker, the host name in a process group without Ray. Gathered as bytes on the run's device, which
     every backend (gloo, NCCL) can gather."""
-    ray = sys.modules.get("ray")  # a local group's rank has not imported Ray (about a CPU-second): it is not in one
-    mine = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else platform.node()
+    mine = sys.modules["ray"].get_runtime_context().get_node_id() if ray_is_up() else platform.node()
     local = torch.tensor(list(mine.encode()[:NODE_ID_BYTES].ljust(NODE_ID_BYTES, b"\0")), dtype=torch.uint8,
                          device=ctx.device)
     gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
