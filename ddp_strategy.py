@@ -92,11 +92,10 @@ def read_full_state(directory: str, model_config) -> tuple[dict, dict, int]:
     """A DDP checkpoint as full tensors under Hugging Face names: (the model's state dict, AdamW's moments
     {name: {"exp_avg", "exp_avg_sq"}}, the optimizer's step count), for the layer check's replay. The
     optimizer's state dict numbers the parameters in the model's parameter order, which names them."""
-    from transformers import Qwen2ForCausalLM
+    from parity.training.model import parameter_names
 
     state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
-    with torch.device("meta"):
-        names = [name for name, _ in Qwen2ForCausalLM(model_config).named_parameters()]
+    names = parameter_names(model_config)
     optimizer = state["optimizer"]
     order = optimizer["param_groups"][0]["params"]
     moments = {names[i]: {key: optimizer["state"][index][key] for key in ("exp_avg", "exp_avg_sq")}

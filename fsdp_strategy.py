@@ -13,94 +13,168 @@ import logging
 import math
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from parity.errors import ConfigError
+from parity.training.families import family_of
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
 from parity.training.strategy import Option, Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
 
 MIXED_PRECISION = ("autocast", "policy")
 OFFLOAD = ("none", "cpu")
-# Per decoder layer: the projections that read the replicated residual stream are split by output
-# columns, the ones that write back to it by input rows (so each block needs one all-reduce).
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-# Modules whose outputs stay local shards along the last dim: the colwise ones, and the MLP's activation
-# (applied to gate_proj's shard before up_proj's shard multiplies it).
-SHARDED_OUTPUTS = COLWISE + ("mlp.act_fn",)
 TP_PLANS = ("default", "sequence_parallel")
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
 
 
-def apply_tp(model, tp_mesh: DeviceMesh) -> None:
-    """Tensor-parallelise each decoder layer; leave embedding, lm_head and norms replicated over tp.
+class PackedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for a linear layer whose output packs `parts` equal parts (Phi3's gate_up_proj: gate, then up),
+    sharded part by part: TP rank r holds the r-th slice of every part (a _StridedShard of the rows), so its local
+    output is [gate_r, up_r] and the model's own chunk(2) pairs each gate column with its up column on every rank —
+    the MLP's activation and down_proj (rowwise) then run on local shards as for separate gate/up projections.
+    Sharded as one block (Shard(0)), rank 0 would hold all of gate and rank 1 all of up: the bug
+    parity.calibration.bugs:FSDPFusedGateUpSplitInHalves. DTensor carries the strided layout through the matmul and
+    its gradient, so full tensors, norms, FSDP2 and checkpoints see the true parameter."""
 
-    ColwiseParallel shards q/k/v and gate/up weights (and the q/k/v biases) by rows and returns the
-    output as a *local* tensor, sharded along its last dim. HF Qwen2 attention reshapes with
-    view(..., -1, head_dim), so each rank simply sees heads/tp query heads and kv_heads/tp KV heads
-    — the GQA ratio is unchanged and contiguous head blocks keep each query head with its KV head
-    (tp_size divides the KV-head count, checked before launch); no attention code is patched.
-    RowwiseParallel o/down take that local shard and all-reduce their partial sums into a replicated
-    output, so the residual stream, RMSNorms and logits are the same full tensors on every TP rank.
+    def __init__(self, parts: int):
+        super().__init__()
+        self.parts = parts
 
-    The tied embedding / lm_head is not split: a vocab-parallel pair would need a manual re-tie
-    (parallelize_module gives each module its own new Parameter) and a vocab-parallel loss, while a
-    replicated one keeps the tie as one Parameter and computes exactly DDP's logits.
-    """
-    plan = {**{name: ColwiseParallel() for name in COLWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
-    for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, plan)
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for pname, param in module.named_parameters():
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=self.parts)],
+                                  src_data_rank=self.src_data_rank), requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()  # this rank's slice of every part, in the packed order
 
 
-def apply_sequence_parallel(model, tp_mesh: DeviceMesh, norm_style=SequenceParallel) -> None:
-    """--tp_plan sequence_parallel: the default plan, plus the residual stream and the RMSNorms sharded over the
-    sequence between the TP regions (torchtitan's plan, on Hugging Face's modules).
+class WidthNormParallel(ParallelStyle):
+    """A norm over the whole width of a head-sharded projection's output (OLMo2's q_norm/k_norm: RMSNorm over all
+    heads × head_dim). Its weight is sharded like the projection's output (Shard(0)), and it runs on the
+    projection's output as a DTensor sharded on the last dim (ColwiseParallel(use_local_output=False)): DTensor
+    takes the mean of squares over the whole width (a sum over the TP ranks), so every rank normalises its heads by
+    the full-width statistic, then hands the attention its local heads. Run on the local shard alone, each rank would
+    normalise by its own heads' statistic: the bug parity.calibration.bugs:FSDPWidthNormOnLocalShard."""
 
-    Layer 0 takes the replicated embedding output and keeps its own sequence chunk (Shard(1), no
-    communication); each RMSNorm (SequenceParallel) normalises the chunk it holds; attention and the MLP
-    all-gather the sequence before their colwise projections (PrepareModuleInput); o_proj and down_proj
-    reduce-scatter their partial sums back onto sequence chunks (Shard(1) outputs) instead of all-reducing
-    them. The residual stream between layers is a DTensor sharded over the sequence; the final norm runs on
-    chunks too, and lm_head gathers the sequence back: the logits are DDP's full ones, the tied embedding
-    stays replicated as in the default plan. Same collectives' volume as the default plan's all-reduces;
-    the activations between the regions take 1/tp_size of the memory.
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(name, mod, mesh):
+            for pname, param in mod.named_parameters(recurse=False):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
 
-    The RMSNorm weights are replicated over tp but each rank's chunk gives only its part of their gradient:
-    a Partial DTensor that must be summed over tp before the gradient norm and clipping (FSDP2 does it when
-    it reduce-scatters over dp; clip_sharded_gradients asserts no gradient is still Partial). A norm taken
-    of the local parts, or weights kept as plain tensors, is the classic bug of this plan: the copy
-    parity.calibration.bugs:FSDPSequenceParallelNormsUnreduced.
-    """
-    layer_plan = {
-        "input_layernorm": norm_style(),
-        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
-        **{name: ColwiseParallel() for name in COLWISE},
-        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "post_attention_layernorm": norm_style(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
-        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    }
-    for i, layer in enumerate(model.model.layers):
-        plan = dict(layer_plan)
+        return distribute_module(module, device_mesh, shard,
+                                 output_fn=lambda mod, outputs, mesh: outputs.to_local())
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """The harness's torch-native TP plan of one model family's decoder layer (names relative to a layer), and the
+    modules whose output each rank holds only its piece of: {name: (the dim it is sharded on, the parts of a packed
+    output)} — what the layer check gathers back to full size."""
+
+    layer: dict
+    local_outputs: dict[str, tuple[int, int]]
+
+
+def tp_plan(family, sequence_parallel: bool = False, norm_style=SequenceParallel) -> TPPlan:
+    """The plan, from what the family decides (parity.training.families) — never from transformers' own plan, so
+    the two TP implementations check each other. Megatron-style: the projections that read the residual stream
+    are colwise, the ones that write back to it rowwise (one all-reduce per block); the residual stream, its norms
+    and the logits stay replicated (with `sequence_parallel`: sharded over the sequence between the TP regions).
+
+    - q/k/v (and gate/up) colwise with local outputs: HF attention reshapes with view(..., -1, head_dim), so each
+      rank sees its heads ÷ tp query and KV heads (tp divides the KV heads, checked before launch) and the GQA
+      ratio holds; no attention code is patched.
+    - A fused qkv (Phi3): the attention slices its output at full-width offsets from the config, so the output is
+      gathered (Replicate) and attention runs whole on every rank; o_proj takes its rows of the replicated input.
+    - A fused gate_up (Phi3): sharded part by part (PackedColwiseParallel), local output.
+    - Per-head q/k norms (Qwen3, Gemma3): replicated weights on inputs sharded over the heads dim — SequenceParallel
+      on that dim, so each rank's gradient is a Partial DTensor that FSDP2 sums over tp (left as plain modules, the
+      gradients stay per rank: parity.calibration.bugs:FSDPHeadNormGradientsUnreduced).
+    - Full-width q/k norms (OLMo2): WidthNormParallel on the projection's DTensor output.
+    The tied embedding / lm_head stays replicated: a vocab-parallel pair would need a manual re-tie and a
+    vocab-parallel loss, while a replicated one keeps the tie as one Parameter and computes exactly DDP's logits."""
+    plan, local = {}, {}
+    fused_qkv = any(p.fused for p in family.attention_in)
+    for proj in family.attention_in:
+        if proj.fused:
+            plan[proj.name] = ColwiseParallel(output_layouts=Replicate())
+        elif proj.name in family.width_norms.values():
+            plan[proj.name] = ColwiseParallel(use_local_output=False)
+        else:
+            plan[proj.name], local[proj.name] = ColwiseParallel(), (-1, 1)
+    for norm, heads_dim in family.head_norms.items():
+        plan[norm], local[norm] = SequenceParallel(sequence_dim=heads_dim, use_local_output=True), (heads_dim, 1)
+    for norm in family.width_norms:
+        plan[norm], local[norm] = WidthNormParallel(), (-1, 1)
+    for proj in family.mlp_in:
+        plan[proj.name] = PackedColwiseParallel(len(proj.parts)) if proj.fused else ColwiseParallel()
+        local[proj.name] = (-1, len(proj.parts))
+    local[family.mlp_act] = (-1, 1)
+    attention_input = Replicate() if fused_qkv else Shard(-1)
+    if not sequence_parallel:
+        plan[family.attention_out] = RowwiseParallel(input_layouts=attention_input)
+        plan[family.mlp_out] = RowwiseParallel()
+        return TPPlan(plan, local)
+    plan.update({norm: norm_style() for norm in family.layer_norms})
+    plan[family.attention] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                use_local_output=True)
+    plan[family.attention_out] = RowwiseParallel(input_layouts=attention_input, output_layouts=Shard(1),
+                                                 use_local_output=False)
+    plan[family.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                          use_local_output=True)
+    plan[family.mlp_out] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return TPPlan(plan, local)
+
+
+def apply_tp(model, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
+    """Tensor-parallelise each decoder layer by `plan`; leave the embedding, lm_head and the residual stream's norms
+    replicated over tp."""
+    for layer in model.get_submodule(family_of(model.config).stack):
+        parallelize_module(layer, tp_mesh, plan.layer)
+
+
+def apply_sequence_parallel(model, tp_mesh: DeviceMesh, plan: TPPlan, norm_style=SequenceParallel) -> None:
+    """--tp_plan sequence_parallel: the default plan, plus the residual stream and its norms sharded over the sequence
+    between the TP regions (torchtitan's plan, on Hugging Face's modules; `plan` is tp_plan(..., sequence_parallel)).
+
+    Layer 0 takes the replicated embedding output and keeps its own sequence chunk (Shard(1), no communication); each
+    of the layer's norms (SequenceParallel) normalises the chunk it holds; attention and the MLP all-gather the
+    sequence before their colwise projections (PrepareModuleInput); the rowwise projections reduce-scatter their
+    partial sums back onto sequence chunks (Shard(1) outputs) instead of all-reducing them. The residual stream
+    between layers is a DTensor sharded over the sequence; the final norm runs on chunks too, and lm_head gathers the
+    sequence back: the logits are DDP's full ones, the tied embedding stays replicated as in the default plan. Same
+    collectives' volume as the default plan's all-reduces; the activations between the regions take 1/tp_size of
+    the memory.
+
+    The norm weights are replicated over tp but each rank's chunk gives only its part of their gradient: a Partial
+    DTensor that must be summed over tp before the gradient norm and clipping (FSDP2 does it when it reduce-scatters
+    over dp; clip_sharded_gradients asserts no gradient is still Partial). A norm taken of the local parts, or
+    weights kept as plain tensors, is the classic bug of this plan: the copy
+    parity.calibration.bugs:FSDPSequenceParallelNormsUnreduced."""
+    family = family_of(model.config)
+    for i, layer in enumerate(model.get_submodule(family.stack)):
+        layer_plan = dict(plan.layer)
         if i == 0:  # the embedding's full output → this rank's sequence chunk
-            plan[""] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                          use_local_output=False)
-        parallelize_module(layer, tp_mesh, plan)
-    parallelize_module(model.model, tp_mesh, {"norm": norm_style()})
-    parallelize_module(model, tp_mesh, {"lm_head": PrepareModuleInput(
+            layer_plan[""] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                use_local_output=False)
+        parallelize_module(layer, tp_mesh, layer_plan)
+    *final_norms, head = family.final
+    parallelize_module(model, tp_mesh, {**{norm: norm_style() for norm in final_norms}, head: PrepareModuleInput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)})
-
-
-TP_APPLY = {"default": apply_tp, "sequence_parallel": apply_sequence_parallel}
 
 
 def apply_ac(model) -> None:
@@ -109,14 +183,14 @@ def apply_ac(model) -> None:
     recomputed forward is the sharded one), before FSDP (torchtitan's order)."""
     from torch.distributed._composable import checkpoint
 
-    for layer in model.model.layers:
+    for layer in model.get_submodule(family_of(model.config).stack):
         checkpoint(layer)
 
 
 def apply_compile(model) -> None:
     """torch.compile each decoder layer in place (the module keeps its name; FSDP2's hooks stay outside the
     compiled forward), after TP and activation checkpointing, before FSDP (torchtitan's order)."""
-    for layer in model.model.layers:
+    for layer in model.get_submodule(family_of(model.config).stack):
         layer.compile()
 
 
@@ -130,7 +204,7 @@ def apply_fsdp(model, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offl
     the tied embedding / lm_head (one Parameter: tied weights must sit in one group) and the final
     norm. TP'd parameters become 2-D DTensors on the ("dp", "tp") mesh, the rest 1-D DTensors on "dp".
     """
-    for layer in model.model.layers:
+    for layer in model.get_submodule(family_of(model.config).stack):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
 
@@ -231,6 +305,7 @@ class FSDPStrategy(Strategy):
             if settings.options[flag] == "bf16" and settings.precision != "bf16":
                 raise ConfigError(f"--{flag} bf16 is a bf16 setting but --precision is {settings.precision}: add "
                                   f"--precision bf16, or drop it")
+        family_of(model_config).check_tp(settings.tp_size, "FSDP2 + TP")
         if settings.activation_checkpointing and settings.compile:
             raise ConfigError("--activation_checkpointing with --compile: torch's composable checkpoint finds the compiled "
                               "layers' recomputed tensors changed (torch.utils.checkpoint.CheckpointError, pytorch#166926): "
@@ -253,6 +328,8 @@ class FSDPStrategy(Strategy):
         # The data slice is chosen by ctx.dp_rank, so the mesh must place ranks as WorkerContext does.
         assert (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == (self.ctx.dp_rank, self.ctx.tp_rank)
         model.to(self.ctx.device)
+        self.family = family_of(model.config)
+        self.plan = self.tp_plan()
         if self.ctx.tp_size > 1:  # with tp_size 1 this is pure FSDP2 on the 1-D "dp" sub-mesh
             self.apply_tp_plan(model, mesh["tp"])
         if self.cfg.activation_checkpointing:
@@ -264,9 +341,17 @@ class FSDPStrategy(Strategy):
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.cfg)
 
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.cfg.options["tp_plan"] == "sequence_parallel"
+
+    def tp_plan(self) -> TPPlan:
+        """The model family's TP plan under --tp_plan (a test copy with a bug in its plan overrides this)."""
+        return tp_plan(self.family, self.sequence_parallel)
+
     def apply_tp_plan(self, model, tp_mesh: DeviceMesh) -> None:
-        """--tp_plan's TP over the "tp" mesh (a test copy with a bug in its plan overrides this)."""
-        TP_APPLY[self.cfg.options["tp_plan"]](model, tp_mesh)
+        """The plan's TP over the "tp" mesh."""
+        (apply_sequence_parallel if self.sequence_parallel else apply_tp)(model, tp_mesh, self.plan)
 
     def autocast(self):
         """With the FSDP2 policy the parameters themselves are in --param_dtype: no autocast on top."""
@@ -312,12 +397,20 @@ class FSDPStrategy(Strategy):
         return self.model  # fully_shard and parallelize_module change modules in place: HF names hold
 
     def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
-        """Colwise outputs (and their gradients) are local shards along the last dim: gathered over tp."""
+        """The plan's local outputs (and their gradients) are this rank's piece — of the last dim (colwise
+        projections, the activation on gate's shard), of the heads dim (per-head norms), or of every part of a packed
+        output: gathered over tp."""
         if isinstance(output, DTensor):
             return output.full_tensor()
-        if self.ctx.tp_size > 1 and module_name.startswith("model.layers.") and module_name.endswith(SHARDED_OUTPUTS):
-            return DTensor.from_local(output.detach(), self.tp_mesh, [Shard(output.dim() - 1)]).full_tensor()
-        return output
+        stack = self.family.stack + "."
+        if self.ctx.tp_size == 1 or not module_name.startswith(stack):
+            return output
+        local = self.plan.local_outputs.get(module_name[len(stack):].split(".", 1)[-1])
+        if local is None:
+            return output
+        dim, parts = local[0] % output.dim(), local[1]
+        placement = _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
+        return DTensor.from_local(output.detach(), self.tp_mesh, [placement]).full_tensor()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         self.model.reshard()  # a forward without backward (the final evaluation) leaves the root unsharded

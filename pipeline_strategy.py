@@ -3,16 +3,18 @@ run by a GPipe, 1F1B or interleaved 1F1B schedule in --microbatches micro-batche
 pipelines (num_workers = pp_size × dp_size; rank = dp_rank × pp_size + pp_rank, a pipeline's ranks consecutive).
 
 Stages: --num_layers split evenly, in order, over pp_size stages (gpipe, 1f1b) or 2 × pp_size (interleaved_1f1b:
-stage s on pipeline rank s mod pp_size, so each rank holds two). The first stage holds embed_tokens before its
-layers, the last its layers, then the final norm and lm_head. Each stage computes what Qwen2Model.forward
-computes around its layers — position ids 0..S-1, the rotary table from them, the causal mask from
-transformers' create_causal_mask — under the run's autocast (fp32, or bf16 as DDP: ddp_strategy.py), so the
-hidden states a stage sends are the stock model's.
+stage s on pipeline rank s mod pp_size, so each rank holds two). The first stage holds the embedding before its
+layers, the last its layers, then the final norm and lm_head (the model family's names: parity.training.families).
+Each stage runs the stock model's own forward with the layers of other stages passed through (stage_view), so what
+it computes around its layers — position ids, each layer type's mask and rotary table, an embedding scale, logit
+soft-capping — is the stock model's for any family, under the run's autocast (fp32, or bf16 as DDP:
+ddp_strategy.py), and the hidden states a stage sends are the stock model's.
 
-Tied embedding: Qwen2 ties lm_head to embed_tokens, and the two ends of a pipeline sit on different ranks. The
-first stage keeps embed_tokens.weight, the last gets lm_head.weight as a copy of it (equal at the start); after
-backward the two gradients are summed over a two-rank group of the first and the last stage's ranks, so each copy
-holds the tied weight's whole gradient and AdamW gives both the same update: one weight, kept in two places.
+Tied embedding: a tied model (Qwen2, Qwen3, Gemma3) ties lm_head to embed_tokens, and the two ends of a pipeline sit
+on different ranks. The first stage keeps embed_tokens.weight, the last gets lm_head.weight as a copy of it (equal at
+the start); after backward the two gradients are summed over a two-rank group of the first and the last stage's
+ranks, so each copy holds the tied weight's whole gradient and AdamW gives both the same update: one weight, kept in
+two places.
 Norms count it once (the first stage's copy); the full parameters name it once, as model.embed_tokens.weight.
 
 Data parallelism over the pipelines: DDP-style — every DP rank of a stage holds that stage's full parameters and
@@ -32,6 +34,7 @@ shared clip_coefficient, then the shared AdamW steps each rank's parameters.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -42,13 +45,14 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from parity.errors import ConfigError
+from parity.training.families import family_of
+from parity.training.model import parameter_names
 from parity.training.memory import GRADS, PARAMS, StateLedger
 from parity.training.strategy import (ModuleRecords, Option, Strategy, build_optimizer, clip_coefficient, loss_sum, squared_norm_fp64,
                                       step_optimizer)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
-EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def state_file(pp_rank: int) -> str:
@@ -80,35 +84,79 @@ def microbatches_requirement(options: dict, m: int) -> str:
     return f"whole rounds of max(1, microbatches // pp_size): use --microbatches {below} or {above}"
 
 
-class StageModule(nn.Module):
-    """One stage: its slice of Qwen2ForCausalLM.forward. Input: token ids (the first stage) or the hidden states
-    the previous stage sent; output: hidden states, or the logits (the last stage)."""
+class PassThrough(nn.Module):
+    """What a stage runs in place of a module another stage owns: its first input, unchanged."""
 
-    def __init__(self, config, layers: dict[int, nn.Module], rotary_emb: nn.Module, autocast,
-                 embed_tokens: nn.Module | None = None, norm: nn.Module | None = None, lm_head: nn.Module | None = None):
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+def stage_view(model, family, layers: range, last: bool) -> nn.Module:
+    """A view of the stock causal LM that runs the layers `layers` and, on the `last` stage, what follows the stack:
+    a shallow copy of the model and of its base model that shares every module and parameter, with PassThrough in
+    place of the decoder layers other stages own (and of the base model's final modules before the last stage). The
+    model's own forward then computes around the layers exactly what it does unsplit — position ids, each layer
+    type's mask and rotary table (Gemma3's sliding and full layers), the embedding's scale, the final norm and
+    lm_head — for any family, with each layer at its own index."""
+    base_name = model.base_model_prefix
+    base = getattr(model, base_name)
+    view_base = copy.copy(base)
+    view_base._modules = dict(base._modules)  # its own child table; the children themselves are shared
+    stack = model.get_submodule(family.stack)
+    setattr(view_base, family.stack.rsplit(".", 1)[-1],
+            nn.ModuleList([layer if i in layers else PassThrough() for i, layer in enumerate(stack)]))
+    if not last:
+        for name in family.final:
+            if name.startswith(base_name + "."):
+                setattr(view_base, name.split(".", 1)[1], PassThrough())
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    setattr(view, base_name, view_base)
+    return view
+
+
+class StageModule(nn.Module):
+    """One stage: the stock model's forward over this stage's layers (stage_view). Input: token ids (the first stage)
+    or the hidden states the previous stage sent; output: hidden states, or the logits (the last stage)."""
+
+    def __init__(self, view: nn.Module, first: bool, last: bool, autocast):
         super().__init__()
-        self.config, self.autocast = config, autocast
-        self.embed_tokens, self.norm, self.lm_head, self.rotary_emb = embed_tokens, norm, lm_head, rotary_emb
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.first, self.last, self.autocast = first, last, autocast
+        object.__setattr__(self, "view", view)  # not a submodule: its parameters belong to the rank's tree
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         with self.autocast():
-            h = self.embed_tokens(x) if self.embed_tokens is not None else x
-            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            mask_kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "past_key_values": None,
-                           "position_ids": position_ids}
-            masks = {"full_attention": create_causal_mask(**mask_kwargs)}
-            if "sliding_attention" in self.config.layer_types:
-                masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
-            position_embeddings = self.rotary_emb(h, position_ids)
-            for i, layer in self.layers.items():
-                h = layer(h, attention_mask=masks[self.config.layer_types[int(i)]], position_ids=position_ids,
-                          position_embeddings=position_embeddings)
-            if self.lm_head is not None:
-                return self.lm_head(self.norm(h))
-            return h
+            if self.last:
+                return self.view(**inputs, use_cache=False).logits
+            return getattr(self.view, self.view.base_model_prefix)(**inputs, use_cache=False).last_hidden_state
+
+
+def rank_tree(model, family, owned: list[str], layer_ids: list[int]) -> nn.Module:
+    """This rank's modules under their Hugging Face names: the `owned` ends of the model (the embedding on the first
+    stage's rank, the final norm and lm_head on the last's), its decoder layers (`layer_ids`, under
+    "<stack>.<index>"), and what every stage runs that holds no parameters (the rotary table)."""
+    tree = nn.Module()
+
+    def place(name: str, module: nn.Module) -> None:
+        *path, leaf = name.split(".")
+        node = tree
+        for part in path:
+            if not hasattr(node, part):
+                setattr(node, part, nn.Module())
+            node = getattr(node, part)
+        setattr(node, leaf, module)
+
+    for name in owned:
+        place(name, model.get_submodule(name))
+    stack = nn.ModuleDict({str(i): model.get_submodule(family.stack)[i] for i in layer_ids})
+    place(family.stack, stack)
+    base = model.base_model_prefix
+    ends = {family.embedding, family.stack, *family.final}
+    for name, child in getattr(model, base).named_children():
+        if f"{base}.{name}" not in ends and not any(True for _ in child.parameters()):
+            place(f"{base}.{name}", child)
+    return tree
 
 
 class PipelineStrategy(Strategy):
@@ -184,37 +232,28 @@ class PipelineStrategy(Strategy):
         tie_groups = [dist.new_group([d * P, d * P + P - 1]) for d in range(D)]
         self.pp_group, self.dp_group, self.tie_group = pipelines[ctx.dp_rank], dp_groups[ctx.pp_rank], tie_groups[ctx.dp_rank]
 
-        config = model.config
-        self.tied, self.hidden_size = bool(config.tie_word_embeddings), config.hidden_size
+        config, family = model.config, family_of(model.config)
+        self.family = family
+        self.tied, self.hidden_size = family.tied, config.hidden_size
+        self.embed_name = f"{family.embedding}.weight"
+        self.head_name = f"{family.final[-1]}.weight"  # the output embedding, tied or not
         n = stage_count(o)
         per_stage = config.num_hidden_layers // n
         self.num_stages, self.per_stage = n, per_stage
         self.my_stages = [s for s in range(n) if s % P == ctx.pp_rank]
         self.has_first, self.has_last = 0 in self.my_stages, n - 1 in self.my_stages
         model.to(ctx.device)
-        layers = model.model.layers
+        layers = model.get_submodule(family.stack)
         self.layer_params = sum(p.numel() for p in layers.parameters())
-        lm_head = None
-        if self.has_last:
-            lm_head = model.lm_head
-            if self.tied:  # this rank's own copy of the tied weight (stage 0's rank keeps embed_tokens')
-                lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
-        # The rank's modules under Hugging Face names (hf_model), and each stage's view of them.
-        self.model = nn.Module()
-        self.model.model = nn.Module()
-        self.model.model.embed_tokens = model.model.embed_tokens if self.has_first else None
-        self.model.model.layers = nn.ModuleDict()
-        self.model.model.norm = model.model.norm if self.has_last else None
-        self.model.model.rotary_emb = model.model.rotary_emb
-        self.model.lm_head = lm_head
-        self.stage_modules = {}
-        for s in self.my_stages:
-            mine = {i: layers[i] for i in range(s * per_stage, (s + 1) * per_stage)}
-            self.model.model.layers.update({str(i): layer for i, layer in mine.items()})
-            self.stage_modules[s] = StageModule(config, mine, model.model.rotary_emb, self.autocast,
-                                                embed_tokens=model.model.embed_tokens if s == 0 else None,
-                                                norm=model.model.norm if s == n - 1 else None,
-                                                lm_head=lm_head if s == n - 1 else None)
+        if self.has_last and self.tied:  # this rank's own copy of the tied weight (stage 0's rank keeps the embedding's)
+            model.get_output_embeddings().weight = nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+        # The rank's modules under Hugging Face names (hf_model), and each stage's view of the stock model.
+        owned = ([family.embedding] if self.has_first else []) + (list(family.final) if self.has_last else [])
+        self.model = rank_tree(model, family, owned, [i for s in self.my_stages
+                                                      for i in range(s * per_stage, (s + 1) * per_stage)])
+        self.stage_modules = {s: StageModule(stage_view(model, family, range(s * per_stage, (s + 1) * per_stage),
+                                                        last=s == n - 1), s == 0, s == n - 1, self.autocast)
+                              for s in self.my_stages}
         self.stages = [PipelineStage(self.stage_modules[s], s, n, ctx.device, **self._stage_examples(s, config),
                                      group=self.pp_group) for s in self.my_stages]
         schedule = SCHEDULES[o["pp_schedule"]]
@@ -244,15 +283,11 @@ class PipelineStrategy(Strategy):
 
     def _layout(self, config) -> None:
         """Every full parameter's name in a stock model's order (a tied lm_head once): the full tensors' order."""
-        from transformers import Qwen2ForCausalLM
-
-        with torch.device("meta"):
-            stock = Qwen2ForCausalLM(config)
-        self.full_names = [name for name, _ in stock.named_parameters()]
+        self.full_names = parameter_names(config)
 
     def _counted(self):
         """(name, parameter) of this rank, each weight once: the tied lm_head copy is the embedding's."""
-        return [(n, p) for n, p in self.model.named_parameters() if not (self.tied and n == LM_HEAD)]
+        return [(n, p) for n, p in self.model.named_parameters() if not (self.tied and n == self.head_name)]
 
     @property
     def hf_model(self):
@@ -298,9 +333,9 @@ class PipelineStrategy(Strategy):
         if not self.tied:
             return
         if self.has_first:
-            dist.all_reduce(self.model.model.embed_tokens.weight.grad, group=self.tie_group)
+            dist.all_reduce(self.model.get_parameter(self.embed_name).grad, group=self.tie_group)
         if self.has_last:
-            dist.all_reduce(self.model.lm_head.weight.grad, group=self.tie_group)
+            dist.all_reduce(self.model.get_parameter(self.head_name).grad, group=self.tie_group)
 
     def _zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64, device=self.ctx.device)
@@ -384,9 +419,10 @@ class PipelineStrategy(Strategy):
 
     def stage_of(self, module_name: str) -> int:
         """The stage that runs a module (by its Hugging Face name)."""
-        if module_name.startswith("model.layers."):
-            return int(module_name.split(".")[2]) // self.per_stage
-        return 0 if module_name.startswith("model.embed_tokens") else self.num_stages - 1
+        stack = self.family.stack + "."
+        if module_name.startswith(stack):
+            return int(module_name[len(stack):].split(".")[0]) // self.per_stage
+        return 0 if module_name.startswith(self.family.embedding) else self.num_stages - 1
 
     def full_module_records(self, records: ModuleRecords) -> ModuleRecords:
         """Every stage's module records on every rank: outputs in stage order (forward), output gradients in reverse
@@ -425,7 +461,7 @@ class PipelineStrategy(Strategy):
         """AdamW's state of another run, {HF name: moments}, for this rank's parameters (the tied lm_head copy gets
         the embedding's)."""
         for name, p in self.model.named_parameters():
-            m = moments[EMBED if self.tied and name == LM_HEAD else name]
+            m = moments[self.embed_name if self.tied and name == self.head_name else name]
             self.optimizer.state[p] = {"step": torch.tensor(float(step)),
                                        **{k: m[k].to(p.device, p.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}}
 

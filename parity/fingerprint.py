@@ -11,6 +11,7 @@
 - versions: python, torch, deepspeed, transformers, ray, numpy — a comparison needs the same libraries.
 - device: the accelerator, or the CPU and the bf16 kernel path its matrix products take (oneDNN picks its
   kernels by instruction set: ONEDNN_MAX_CPU_ISA, AMX, AVX512-BF16), which decides the bf16 roundings.
+- model_type: the model family trained (qwen2, llama, gemma3_text ...), named where a fingerprint is shown.
 """
 
 from __future__ import annotations
@@ -122,10 +123,11 @@ def cpu_bf16_kernels() -> str:
     return f"oneDNN, CPU {native}" + (f", ONEDNN_MAX_CPU_ISA={cap}" if cap else "")
 
 
-def fingerprint(strategy_cls, device) -> dict:
-    """The fingerprint of a run of `strategy_cls` on `device` (a torch.device), computed where it runs."""
+def fingerprint(strategy_cls, device, model_type: str) -> dict:
+    """The fingerprint of a run of `strategy_cls` training a `model_type` model on `device` (a torch.device), computed
+    where it runs."""
     return {"shared_code_sha256": shared_code_sha256(), "strategy_code": strategy_code(strategy_cls),
-            "versions": library_versions(), "device": device_description(device)}
+            "versions": library_versions(), "device": device_description(device), "model_type": model_type}
 
 
 def differences(a: dict, b: dict, *, strategy: bool) -> list[str]:
@@ -149,7 +151,7 @@ def differences(a: dict, b: dict, *, strategy: bool) -> list[str]:
 def short(fp: dict) -> str:
     """One line for reports: shared code, strategy code, versions, device."""
     versions = ", ".join(f"{k} {v}" for k, v in fp.get("versions", {}).items())
-    return (f"shared code {_short(fp.get('shared_code_sha256'))}, strategy code "
+    return (f"{fp.get('model_type', 'model')}; shared code {_short(fp.get('shared_code_sha256'))}, strategy code "
             f"{_short(fp.get('strategy_code', {}).get('sha256'))} ({', '.join(fp.get('strategy_code', {}).get('files', []))}); "
             f"{versions}; {fp.get('device')}")
 

@@ -29,7 +29,7 @@ def test_tiny_preset_builds_a_tied_qwen2():
 
 
 def test_unknown_and_local_model_names(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown model 'no-such/model'.*not a built-in preset"):
+    with pytest.raises(ConfigError, match=r"unknown model 'no-such/model'.*not a built-in model"):
         resolve_model_config("no-such/model")
     resolve_model_config("qwen2-tiny").save_pretrained(tmp_path)
     assert resolve_model_config(str(tmp_path)).hidden_size == 64

@@ -21,7 +21,7 @@ from ddp_strategy import DDPStrategy
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from fsdp_strategy import FSDPStrategy, apply_sequence_parallel, global_norm
+from fsdp_strategy import FSDPStrategy, apply_sequence_parallel, global_norm, tp_plan
 from parity.training.data import Batch
 from parity.training.layer_step import perturb_local_shard
 from parity.training.strategy import step_optimizer
@@ -133,8 +133,11 @@ class FSDPSequenceParallelNormsUnreduced(FSDPStrategy):
     gradients; in DTensor terms, a Partial gradient treated as whole). The grad norm is too low from step 0 and
     the TP ranks' copies of the norm weights drift apart."""
 
+    def tp_plan(self):
+        return tp_plan(self.family, sequence_parallel=True, norm_style=local_chunk_norm)
+
     def apply_tp_plan(self, model, tp_mesh) -> None:
-        apply_sequence_parallel(model, tp_mesh, norm_style=local_chunk_norm)
+        apply_sequence_parallel(model, tp_mesh, self.plan, norm_style=local_chunk_norm)
 
 
 # --- DeepSpeed AutoTP + ZeRO --------------------------------------------------------------------------

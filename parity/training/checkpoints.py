@@ -262,7 +262,7 @@ class Checkpoints:
     def __init__(self, worker, session, record, total_steps: int):
         self.cfg, self.ctx, self.log, self.strategy = worker.cfg, worker.ctx, worker.log, worker.strategy
         self.weights_sha, self.total_steps = worker.weights_sha, total_steps
-        self.fingerprint = fingerprint(type(worker.strategy), worker.ctx.device)
+        self.fingerprint = fingerprint(type(worker.strategy), worker.ctx.device, worker.model_config.model_type)
         self.session, self.record = session, record
         self.registered: set[str] = set()  # the run's checkpoint directories Ray Train holds (filled by resume)
 

@@ -31,8 +31,10 @@ FLAGS = (
               "this script's; it must be importable where the driver and the workers run (installed, or on "
               "PYTHONPATH), and its `name` names the loss record"}),
     ("model", "model_name", "Qwen/Qwen2.5-0.5B",
-     {"help": "built-in preset (Qwen/Qwen2.5-0.5B, qwen2-tiny), a local directory with config.json, "
-              "or a hub name when the hub is reachable"}),
+     {"help": "a built-in model (Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B, google/gemma-3-1b-pt; "
+              "tiny CPU presets qwen2-tiny, llama-tiny, qwen3-tiny, gemma3-tiny, mistral-tiny, olmo2-tiny, "
+              "phi3-tiny), a local directory with the config.json of any decoder-only causal LM transformers knows, "
+              "or a hub name when the hub is reachable (docs/model_families.md)"}),
     ("model", "num_layers", None, {"type": int, "help": "override num_hidden_layers"}),
     ("layout", "num_workers", 2, {"type": int, "help": "Ray Train workers = tp_size × dp_size"}),
     ("layout", "tp_size", 1, {"type": int, "help": "tensor-parallel degree"}),
@@ -70,7 +72,7 @@ FLAGS = (
     ("data", "num_samples", 10000, {"type": int, "help": "samples per epoch of the synthetic set"}),
     ("data", "tokenizer", None,
      {"help": "tokenizer for text data: 'bytes' (UTF-8 bytes) or a name/path (default: the model's; 'bytes' "
-              "for qwen2-tiny)"}),
+              "for the tiny presets)"}),
     ("outputs", "log_interval", 10, {"type": int, "help": "log and rewrite the loss JSON every N steps"}),
     ("outputs", "verbose", False,
      {"action": "store_true", "help": "show Ray's, DeepSpeed's and torch's own output on the terminal (by default it "
@@ -197,8 +199,8 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     from parity.registry import class_path, strategy_class
     from parity.training.cluster import probe_cluster
     from parity.training.data import check_source
-    from parity.training.model import (check_init_weights, default_learning_rate, default_tokenizer,
-                                       resolve_model_config)
+    from parity.training.model import check_init_weights, resolve_model_config
+    from parity.training.presets import default_learning_rate, default_tokenizer
 
     values = dict(values)
     if isinstance(values.get("strategy_class"), type):  # a class handed in by code (a test, the calibration study)

@@ -145,5 +145,5 @@ def layer_step_worker(payload: dict) -> None:
             "replay": {k: v for k, v in replay.items() if k != "batches"} if replay else None,
             "dp_rank_losses": dp_losses, "grad_norm": grad_norm, "perturbed": payload.get("perturb_param"),
             "forward_order": list(records.outputs), "backward_order": list(records.output_grads),
-            "fingerprint": fingerprint(type(strategy), ctx.device)})
+            "fingerprint": fingerprint(type(strategy), ctx.device, w.model_config.model_type)})
         log(f"wrote {tensor_path}: {len(tensors)} tensors, loss {global_loss:.8f}")

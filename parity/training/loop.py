@@ -334,7 +334,7 @@ def worker_nodes(ctx: WorkerContext) -> list[str]:
 
 def run_fingerprint(cfg: RunConfig, ctx: WorkerContext) -> dict:
     """The fingerprint of this run's code, libraries and device (parity.fingerprint), as this worker runs it."""
-    return fingerprint(strategy_class(cfg.strategy, cfg.strategy_class), ctx.device)
+    return fingerprint(strategy_class(cfg.strategy, cfg.strategy_class), ctx.device, cfg.model_config["model_type"])
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -1,4 +1,5 @@
-"""The model every strategy trains: presets, config resolution, and the shared initial-weights file.
+"""The model every strategy trains: config resolution (built-in models: parity.training.presets; what a family
+decides: parity.training.families), building it, and the shared initial-weights file.
 
 Initial weights are always loaded from one file, on every rank, before any wrapping: random init is
 not coordinated across processes (DTensor init on CPU even depends on the TP size), so the file is the
@@ -18,51 +19,39 @@ import torch
 from parity import storage
 from parity.errors import ConfigError
 
-# Published values of Qwen/Qwen2.5-0.5B's config.json, so no hub is needed.
-QWEN25_05B = dict(
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768,
-    initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    use_sliding_window=False, sliding_window=32768, max_window_layers=24, attention_dropout=0.0,
-    bos_token_id=151643, eos_token_id=151643,
-)
-# Same family and shape rules (2 KV heads so TP=2 works, tied embeddings), small enough for CPU CI.
-QWEN2_TINY = dict(
-    vocab_size=2048, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=4096,
-    initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    use_sliding_window=False, sliding_window=4096, max_window_layers=2, attention_dropout=0.0,
-    bos_token_id=0, eos_token_id=0,
-)
-PRESETS = {"Qwen/Qwen2.5-0.5B": QWEN25_05B, "qwen2-tiny": QWEN2_TINY}
-# The learning rate a preset trains well with when --learning_rate is not given. 1e-5 is the seed's;
-# the tiny model needs a larger one for its loss to move within 100 steps.
-PRESET_LEARNING_RATES = {"Qwen/Qwen2.5-0.5B": 1e-5, "qwen2-tiny": 1e-3}
-DEFAULT_LEARNING_RATE = 1e-5
-DEFAULT_TOKENIZERS = {"qwen2-tiny": "bytes"}
-
 # The config fields that decide whether a weights file fits a model, with a human name for errors.
 SHAPE_FIELDS = {
-    "num_hidden_layers": "layers", "hidden_size": "hidden size", "intermediate_size": "intermediate size",
-    "vocab_size": "vocab size", "num_attention_heads": "attention heads",
-    "num_key_value_heads": "KV heads", "tie_word_embeddings": "tie_word_embeddings",
+    "model_type": "model type", "num_hidden_layers": "layers", "hidden_size": "hidden size",
+    "intermediate_size": "intermediate size", "vocab_size": "vocab size", "num_attention_heads": "attention heads",
+    "num_key_value_heads": "KV heads", "head_dim": "head_dim", "tie_word_embeddings": "tie_word_embeddings",
 }
+# Besides the shapes, what makes two models compute the same function (the records' model_config).
+NUMERIC_FIELDS = ("rms_norm_eps", "rope_parameters", "max_position_embeddings", "hidden_act", "hidden_activation",
+                  "layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
+                  "final_logit_softcapping")
 FILE_FORMAT = "parity-init-weights/1"
 
 
 def resolve_model_config(model_name: str, num_layers: int | None = None):
-    """A Qwen2Config for a preset, a local directory with config.json, or a hub name."""
-    from transformers import AutoConfig, Qwen2Config
+    """The transformers config of a built-in model (parity.training.presets), a local directory with config.json, or
+    a hub name; cut to `num_layers` layers. ConfigError, before any worker starts, for a model the harness cannot
+    train (not a decoder-only causal LM)."""
+    from transformers import AutoConfig
+
+    from parity.training.families import causal_lm_class, config_from_dict, with_num_layers
+    from parity.training.presets import PRESETS
 
     if model_name in PRESETS:
-        config = Qwen2Config(**PRESETS[model_name])
+        config = config_from_dict(PRESETS[model_name])
     elif os.path.isdir(model_name):
         if not os.path.isfile(os.path.join(model_name, "config.json")):
             raise ConfigError(f"--model_name {model_name} is a directory without config.json: "
                               f"point it at a Hugging Face model directory")
-        config = AutoConfig.from_pretrained(model_name)
+        try:
+            config = AutoConfig.from_pretrained(model_name)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ConfigError(f"--model_name {model_name}: transformers cannot read its config.json "
+                              f"({str(exc).splitlines()[0][:120]}): give a Hugging Face model directory") from None
     else:
         from parity.training.hub import hub_unreachable
 
@@ -72,58 +61,48 @@ def resolve_model_config(model_name: str, num_layers: int | None = None):
                 raise ConnectionError(why)
             config = AutoConfig.from_pretrained(model_name)
         except Exception as exc:  # offline, unknown repo, gated ...: all mean "cannot use this name"
-            raise ConfigError(f"unknown model '{model_name}': not a built-in preset ({', '.join(PRESETS)}), "
+            raise ConfigError(f"unknown model '{model_name}': not a built-in model ({', '.join(PRESETS)}), "
                               f"not a local directory, and the hub could not provide it "
-                              f"({why or type(exc).__name__}): use a preset or a local directory") from None
-    if config.model_type != "qwen2":
-        raise ConfigError(f"--model_name {model_name} is a '{config.model_type}' model; this harness trains "
-                          f"Qwen2ForCausalLM: use a qwen2 model")
+                              f"({why or type(exc).__name__}): use a built-in model or a local directory") from None
+    try:
+        causal_lm_class(config)
+    except ConfigError as exc:
+        raise ConfigError(f"--model_name {model_name}: {exc}") from None
     if num_layers is not None and num_layers != config.num_hidden_layers:
         config = with_num_layers(config, num_layers)
     return config
 
 
 def model_config_from_dict(data: dict):
-    """The Qwen2Config that `resolve_model_config(...).to_dict()` described (RunConfig.model_config): workers
-    rebuild the driver's resolved config instead of resolving the name again (no hub, no files)."""
-    from transformers import Qwen2Config
+    """The config that `resolve_model_config(...).to_dict()` described (RunConfig.model_config): workers rebuild the
+    driver's resolved config instead of resolving the name again (no hub, no files)."""
+    from parity.training.families import config_from_dict
 
-    return Qwen2Config.from_dict(data)
-
-
-def with_num_layers(config, num_layers: int):
-    """Rebuild the config with another depth; derived per-layer lists are recomputed, not truncated."""
-    from transformers import Qwen2Config
-
-    data = config.to_dict()
-    data.pop("layer_types", None)
-    data["num_hidden_layers"] = num_layers
-    data["max_window_layers"] = min(data.get("max_window_layers", num_layers), num_layers)
-    return Qwen2Config.from_dict(data)
-
-
-def default_learning_rate(model_name: str) -> float:
-    return PRESET_LEARNING_RATES.get(model_name, DEFAULT_LEARNING_RATE)
-
-
-def default_tokenizer(model_name: str) -> str:
-    return DEFAULT_TOKENIZERS.get(model_name, model_name)
+    return config_from_dict(data)
 
 
 def build_model(config, seed: int):
-    """A freshly initialised fp32 Qwen2ForCausalLM on the CPU (weights are replaced by the shared file)."""
-    from transformers import Qwen2ForCausalLM
+    """A freshly initialised fp32 causal LM of the config's family on the CPU (weights are replaced by the shared
+    file)."""
+    from parity.training.families import causal_lm_class
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = causal_lm_class(config)(config)
     return model.float()
 
 
 def config_summary(config) -> dict:
     """The fields that make two models the same model, as stored in files and loss records."""
     d = config.to_dict()
-    keep = list(SHAPE_FIELDS) + ["rms_norm_eps", "rope_parameters", "max_position_embeddings", "hidden_act"]
-    return {k: d.get(k) for k in keep}
+    return {k: d.get(k) for k in (*SHAPE_FIELDS, *NUMERIC_FIELDS) if k in d or k in SHAPE_FIELDS}
+
+
+def meta_model(config):
+    """The config's causal LM on the meta device: names and shapes without memory."""
+    from parity.training.families import causal_lm_class
+
+    with torch.device("meta"):
+        return causal_lm_class(config)(config)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,29 +232,20 @@ def _safetensors_metadata(data: bytes) -> dict:
 
 def parameter_names(config) -> list[str]:
     """A stock model's named_parameters() names (a tied lm_head once, as model.embed_tokens.weight)."""
-    from transformers import Qwen2ForCausalLM
-
-    with torch.device("meta"):
-        return [name for name, _ in Qwen2ForCausalLM(config).named_parameters()]
+    return [name for name, _ in meta_model(config).named_parameters()]
 
 
 def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    from transformers import Qwen2ForCausalLM
-
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return {k: tuple(v.shape) for k, v in meta_model(config).state_dict().items()}
 
 
 def save_hf_checkpoint(params: dict[str, torch.Tensor], config, directory: str) -> None:
     """Write full parameters in `save_pretrained` layout (config.json + model.safetensors) to `directory`
     (a local path or a URI), whole: parity.storage.directory_writer publishes it when complete."""
-    from transformers import Qwen2ForCausalLM
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per run is noise in the logs
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+    model = meta_model(config)
     missing, unexpected = model.load_state_dict(params, strict=False, assign=True)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:

@@ -1,0 +1,283 @@
+"""What a model family decides, in one place: the seam between an architecture and the strategies.
+
+A strategy never branches on a model type. It asks the `Family` of the run's model config, which is derived from the
+model itself — transformers' own class for the config (AutoModelForCausalLM's mapping), its module tree, and the
+tensor-parallel plan transformers ships with the config (`base_model_tp_plan`), whose styles say which linear layers
+read the residual stream (colwise) and which write back to it (rowwise), and which replicated parameters get partial
+gradients under TP (`replicated_with_grad_allreduce`). What the plan leaves implicit is read off the modules' shapes:
+
+- a fused projection is one linear layer whose output holds several parts — Phi3's qkv_proj (q, k and v heads:
+  (H + 2·KV)·head_dim rows) and gate_up_proj (gate and up: 2·intermediate rows);
+- a per-head norm (Qwen3, Gemma3: q_norm/k_norm over head_dim) has replicated weights whose gradient each TP rank
+  computes from its own heads only; the dim its input holds the heads in is found by running the layer once
+  (`_probe`: Qwen3 normalises (batch, seq, heads, head_dim), Gemma3 (batch, heads, seq, head_dim));
+- a full-width norm (OLMo2: q_norm over all H·head_dim of q_proj's output) cannot run on a head-sharded projection
+  by itself: its mean is over the whole width;
+- the norms on the residual stream are the decoder layer's own norm children (2 in Llama, 4 in Gemma3, OLMo2's two
+  post-norms and no pre-norm).
+
+Each strategy turns this description into its own parallelism (fsdp_strategy.py a torch-native plan of the
+harness's, autotp_strategy.py DeepSpeed's AutoTP where it can shard the family, the pipeline a stage split of the
+decoder stack, transformers_strategy.py transformers' own plan), so the two TP implementations check each other.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from dataclasses import dataclass, field
+
+from parity.errors import ConfigError
+
+COLWISE_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
+ROWWISE_STYLES = ("rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise")
+PARTIAL_GRAD_STYLES = ("replicated_with_grad_allreduce",)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A linear layer of a decoder layer that reads the residual stream (`parts`: the widths of what its output holds,
+    in order — one part for a plain projection, several for a fused one)."""
+
+    name: str  # relative to the decoder layer, e.g. "self_attn.q_proj"
+    parts: tuple[int, ...]
+
+    @property
+    def fused(self) -> bool:
+        return len(self.parts) > 1
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture's decoder layer, as every strategy needs it (names relative to a decoder layer)."""
+
+    model_type: str
+    causal_lm: str  # transformers' class name, e.g. "Qwen3ForCausalLM"
+    tied: bool  # lm_head is the embedding's weight
+    num_layers: int
+    layer_types: tuple[str, ...]  # per layer: "full_attention", "sliding_attention", ...
+    embedding: str  # the input embedding ("model.embed_tokens"), what the first pipeline stage runs before its layers
+    stack: str  # the decoder layers' ModuleList ("model.layers")
+    final: tuple[str, ...]  # what runs after the stack, in order ("model.norm", "lm_head"): the last stage's
+    attention: str | None = None  # the attention module ("self_attn")
+    mlp: str | None = None  # the MLP module ("mlp")
+    attention_in: tuple[Projection, ...] = ()  # q, k, v — or one fused qkv
+    attention_out: str | None = None  # o_proj
+    mlp_in: tuple[Projection, ...] = ()  # gate, up — or one fused gate_up
+    mlp_act: str | None = None  # the activation module, applied to gate's output
+    mlp_out: str | None = None  # down_proj
+    head_norms: dict[str, int] = field(default_factory=dict)  # per-head norm → the dim of its input that holds heads
+    width_norms: dict[str, str] = field(default_factory=dict)  # full-width norm → the projection whose output it normalises
+    layer_norms: tuple[str, ...] = ()  # norms on the residual stream, in the layer's order
+    why_no_tp: str | None = None  # why the layers cannot be described for TP (None: they can)
+
+    @property
+    def partial_grad_params(self) -> tuple[str, ...]:
+        """Parameters replicated over TP whose gradient each TP rank holds only its part of (summed over TP)."""
+        return tuple(f"{norm}.weight" for norm in self.head_norms)
+
+    def check_tp(self, tp_size: int, who: str) -> None:
+        """ConfigError when `who` (a strategy) cannot shard this family at `tp_size`."""
+        if tp_size > 1 and self.why_no_tp:
+            raise ConfigError(f"{who} cannot tensor-parallelise a '{self.model_type}' model ({self.why_no_tp}): use "
+                              f"--tp_size 1, or train_ddp.py / train_pipeline.py")
+
+
+def causal_lm_class(config):
+    """transformers' causal-LM class for `config`; ConfigError when transformers has none (not a decoder-only LM)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"a '{config.model_type}' model is an encoder-decoder: the harness trains decoder-only causal "
+                          f"language models (e.g. llama, qwen3, gemma3_text, mistral, olmo2, phi3)")
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ConfigError(f"a '{config.model_type}' model has no causal-LM class in transformers "
+                          f"(AutoModelForCausalLM does not take it): the harness trains decoder-only causal language "
+                          f"models") from None
+
+
+def text_config(config):
+    """The config of the language model itself (a multimodal config's text part; else the config)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def family_of(config) -> Family:
+    """The Family of a model config (cached by its JSON)."""
+    return _family(json.dumps(config.to_dict(), sort_keys=True, default=str), type(config))
+
+
+@functools.lru_cache(maxsize=32)
+def _family(config_json: str, config_class) -> Family:
+    import torch
+
+    config = config_class.from_dict(json.loads(config_json))
+    cls = causal_lm_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    text = text_config(config)
+    types = tuple(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    common = dict(model_type=config.model_type, causal_lm=cls.__name__, tied=bool(text.tie_word_embeddings),
+                  num_layers=text.num_hidden_layers, layer_types=types, **_stack_parts(model))
+    layers = model.get_submodule(common["stack"])
+    try:
+        return Family(**common, **_layer_roles(model, text, layers[0]))
+    except _Undescribed as exc:
+        return Family(**common, why_no_tp=str(exc))
+
+
+def _stack_parts(model) -> dict:
+    """Where the decoder stack sits, and what runs before and after it — from transformers' pipeline plan (each
+    entry's inputs and outputs: the module taking input_ids is the embedding, the ModuleList the stack, the rest runs
+    after it), in the stock forward's order."""
+    import torch
+
+    plan = getattr(model, "pp_plan", None) or {}
+    stack = next((name for name in plan if isinstance(model.get_submodule(name), torch.nn.ModuleList)), None)
+    embedding = next((name for name, (inputs, _) in plan.items() if list(inputs) == ["input_ids"]), None)
+    if stack is None or embedding is None:
+        raise ConfigError(f"{type(model).__name__} has no pipeline plan naming its embedding and decoder stack "
+                          f"(base_model_pp_plan): the harness cannot find its decoder layers")
+    final = [name for name in plan if name not in (stack, embedding)]
+    final.sort(key=lambda name: name.startswith(model.base_model_prefix + "."), reverse=True)  # the base model's first
+    return {"embedding": embedding, "stack": stack, "final": tuple(final)}
+
+
+class _Undescribed(Exception):
+    """The decoder layer does not fit the seam's description (a family the harness's TP plans cannot cover)."""
+
+
+def _layer_roles(model, text, layer) -> dict:
+    """The decoder layer's roles, from transformers' TP plan (relative to a layer) and the modules' shapes."""
+    import torch
+
+    plan = {key.split("layers.*.", 1)[1]: style for key, style in (model.tp_plan or {}).items() if "layers.*." in key}
+    if not plan:
+        raise _Undescribed(f"transformers ships no tensor-parallel plan for {type(model).__name__}")
+    modules = dict(layer.named_modules())
+    heads, kv = text.num_attention_heads, text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    attention = next((n for n, m in layer.named_children() if "Attention" in type(m).__name__), None)
+    mlp = next((n for n, m in layer.named_children() if "MLP" in type(m).__name__), None)
+    if attention is None or mlp is None:
+        raise _Undescribed(f"{type(layer).__name__} has no attention or MLP child module")
+    roles: dict = {"attention": attention, "mlp": mlp, "attention_in": [], "mlp_in": [], "head_norms": {},
+                   "width_norms": {}}
+    for name, style in plan.items():
+        module = modules.get(name)
+        if module is None:
+            raise _Undescribed(f"its TP plan names {name}, which the layer does not have")
+        where = "attention" if name.startswith(attention + ".") else "mlp" if name.startswith(mlp + ".") else None
+        if style in PARTIAL_GRAD_STYLES:
+            roles["head_norms"][name] = -1  # its heads dim, probed below
+        elif style in COLWISE_STYLES and isinstance(module, torch.nn.Linear) and where:
+            out = module.out_features
+            parts = ((heads * head_dim, kv * head_dim, kv * head_dim) if where == "attention" and
+                     out == (heads + 2 * kv) * head_dim and "qkv" in name else
+                     (out // 2, out // 2) if where == "mlp" and out == 2 * text.intermediate_size else (out,))
+            roles[f"{where}_in"].append(Projection(name, parts))
+        elif style in ROWWISE_STYLES and isinstance(module, torch.nn.Linear) and where:
+            roles[f"{where}_out"] = name
+        else:
+            raise _Undescribed(f"its TP plan's style '{style}' for {name} is not one the harness can follow")
+    if not roles["attention_in"] or "attention_out" not in roles or not roles["mlp_in"] or "mlp_out" not in roles:
+        raise _Undescribed("its TP plan does not name the attention's and the MLP's input and output projections")
+    inputs = {p.name.rsplit(".", 1)[-1][0]: p for p in roles["attention_in"]}  # q_proj → "q"
+    for name, module in modules.items():
+        if name.startswith(attention + ".") and "Norm" in type(module).__name__ and name not in roles["head_norms"]:
+            width = sum(p.numel() for p in module.parameters())
+            target = inputs.get(name.rsplit(".", 1)[-1][0])  # q_norm → q_proj
+            if target is None or target.fused or target.parts[0] != width:
+                raise _Undescribed(f"its attention norm {name} (width {width}) matches no projection")
+            roles["width_norms"][name] = target.name
+    acts = [n for n, m in modules.items() if n.startswith(mlp + ".") and n.count(".") == 1 and
+            not list(m.parameters()) and not isinstance(m, torch.nn.Dropout)]
+    if len(acts) != 1:
+        raise _Undescribed(f"its MLP has {len(acts)} activation modules, not one")
+    roles["mlp_act"] = acts[0]
+    roles["layer_norms"] = tuple(n for n, m in layer.named_children() if "Norm" in type(m).__name__)
+    if roles["head_norms"]:
+        roles["head_norms"] = _probe_head_dims(model, text, list(roles["head_norms"]), heads, kv)
+    roles["attention_in"], roles["mlp_in"] = tuple(roles["attention_in"]), tuple(roles["mlp_in"])
+    return roles
+
+
+def _probe_head_dims(model, text, norms: list[str], heads: int, kv: int) -> dict[str, int]:
+    """The dim of each per-head norm's input that holds the heads: one forward of a one-layer copy of the model on
+    a (1, 5) input, with hooks on the norms (a meta-device forward cannot build the attention mask)."""
+    import torch
+
+    small = copy.deepcopy(text)
+    small.num_hidden_layers, small.vocab_size = 1, 8
+    if getattr(small, "layer_types", None):
+        small.layer_types = small.layer_types[:1]
+    probe = type(model)(small).eval()
+    layer, seen = getattr(probe, probe.base_model_prefix).layers[0], {}
+
+    def record(name):
+        def hook(module, args):
+            seen.setdefault(name, args[0].shape)
+        return hook
+
+    hooks = [layer.get_submodule(n).register_forward_pre_hook(record(n)) for n in norms]
+    with torch.no_grad():
+        probe(input_ids=torch.zeros(1, 5, dtype=torch.long), use_cache=False)
+    for h in hooks:
+        h.remove()
+    dims = {}
+    for name, shape in seen.items():
+        found = [d for d in range(1, len(shape) - 1) if shape[d] in (heads, kv) and shape[d] != 5]
+        if len(found) != 1:
+            raise _Undescribed(f"cannot tell which dim of {name}'s input {tuple(shape)} holds the heads")
+        dims[name] = found[0]
+    return dims
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs: from a published dict, and cut to fewer layers
+# ---------------------------------------------------------------------------------------------------------------
+
+def config_from_dict(data: dict):
+    """A transformers config from a config.json dict (its `model_type` picks the class)."""
+    from transformers import AutoConfig
+
+    data = dict(data)
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("the model config has no model_type: give a Hugging Face config.json")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except ValueError:
+        raise ConfigError(f"model_type '{model_type}' is not a model transformers knows (transformers "
+                          f"{_transformers_version()}): upgrade transformers, or use another model") from None
+
+
+def with_num_layers(config, num_layers: int):
+    """The config with `num_layers` decoder layers. Every per-layer list (Gemma3's and Qwen's layer_types, and any
+    other list as long as the stack) is cut to the layers kept — the first num_layers layers of the real model — or,
+    when the stack grows, derived again by the config class (from sliding_window_pattern, max_window_layers ...) or
+    else repeated; a count of layers such as max_window_layers is capped at the new depth."""
+    old = config.num_hidden_layers
+    data = config.to_dict()
+    per_layer = [k for k, v in data.items() if isinstance(v, list) and len(v) == old and old > 1]
+    data["num_hidden_layers"] = num_layers
+    if "max_window_layers" in data and isinstance(data["max_window_layers"], int):
+        data["max_window_layers"] = min(data["max_window_layers"], num_layers)
+    if num_layers <= old:
+        for key in per_layer:
+            data[key] = data[key][:num_layers]
+        return type(config).from_dict(data)
+    derived = type(config).from_dict({k: v for k, v in data.items() if k not in per_layer})
+    fixed = derived.to_dict()
+    for key in per_layer:
+        if not (isinstance(fixed.get(key), list) and len(fixed[key]) == num_layers):
+            fixed[key] = [data[key][i % old] for i in range(num_layers)]
+    return type(config).from_dict(fixed)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
