@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
 import warnings
 
 import torch
 
 from parity.errors import ConfigError, LibraryMissing
+from parity.training.families import family_of
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.strategy import Option, Strategy, build_optimizer, set_lr, squared_norm_fp64
 
@@ -90,6 +92,8 @@ class DeepSpeedStrategy(Strategy):
             import_deepspeed(torch.device("cpu"))
         except ImportError as exc:
             raise LibraryMissing(cls.name, exc) from None
+        if settings.tp_size > 1:
+            autotp_partition_config(model_config, user_config(settings.options))  # raises for a family it cannot shard
 
     # --- worker side ------------------------------------------------------------------------------
     def setup(self, model) -> None:
@@ -103,7 +107,8 @@ class DeepSpeedStrategy(Strategy):
         check_rank_layout(self.engine, self.ctx)  # [3]
         if self.cfg.compile:
             self.engine.compile()  # DeepSpeed's own: the engine's whole module
-        self.column_shards = column_parallel_outputs(self.engine.module)
+        self.family = family_of(model.config)
+        self.column_shards = column_parallel_outputs(self.engine.module, self.family)
 
     @property
     def zero_stage(self) -> int:
@@ -191,9 +196,19 @@ class DeepSpeedStrategy(Strategy):
         return ledger.result()
 
     def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
-        """Column-parallel layers (q/k/v/gate/up, the vocab-parallel lm_head) and the MLP activation,
-        which acts on gate_proj's shard, give this rank's slice of the last dim; everything else is full."""
+        """Column-parallel layers (q/k/v/gate/up, the vocab-parallel lm_head) and the MLP activation, which acts on
+        gate's shard, give this rank's slice of the last dim; a per-head norm (Qwen3's, Gemma3's q/k norms) its
+        heads' slice of the heads dim; everything else is full."""
         with torch.no_grad():
+            heads_dim = next((dim for norm, dim in self.family.head_norms.items()
+                              if module_name.endswith("." + norm)), None)
+            if heads_dim is not None and self.ctx.tp_size > 1:
+                import torch.distributed as dist
+                from deepspeed.utils import groups
+
+                pieces = [torch.empty_like(output) for _ in range(self.ctx.tp_size)]
+                dist.all_gather(pieces, output.contiguous(), group=groups.get_tensor_model_parallel_group())
+                return torch.cat(pieces, heads_dim)
             return self._gather_last_dim(module_name, output)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -246,15 +261,21 @@ class DeepSpeedStrategy(Strategy):
 
     # --- gathers ----------------------------------------------------------------------------------
     def _gather_last_dim(self, module_name: str, t: torch.Tensor) -> torch.Tensor:
-        """Concatenate the TP shards of a column-parallel output along the last dim. The backward takes
-        this rank's slice of the gradient (not the sum over ranks that torch.distributed.nn's all_gather
-        returns): every TP rank computes the same loss from the gathered tensor."""
+        """Concatenate the TP shards of a column-parallel output along the last dim — part by part for a layer whose
+        output packs several parts (each rank holds a slice of each). The backward takes this rank's slice of the
+        gradient (not the sum over ranks that torch.distributed.nn's all_gather returns): every TP rank computes
+        the same loss from the gathered tensor."""
         if module_name not in self.column_shards:
             return t
         from deepspeed.module_inject.layers import GatherFromTensorParallelRegion
 
-        group, sizes = self.column_shards[module_name]
-        return GatherFromTensorParallelRegion.apply(group, t, sizes)
+        group, parts = self.column_shards[module_name]
+        per_rank = [sum(widths) for widths in zip(*parts)]
+        full = GatherFromTensorParallelRegion.apply(group, t, per_rank)
+        if len(parts) == 1:
+            return full
+        pieces = [piece.split([widths[r] for widths in parts], -1) for r, piece in enumerate(full.split(per_rank, -1))]
+        return torch.cat([pieces[r][j] for j in range(len(parts)) for r in range(len(per_rank))], -1)
 
     def _full_tensors(self, read) -> dict[str, torch.Tensor]:  # [5]
         """{HF name: full fp32 CPU tensor} for each parameter once (a tied weight under its first name, as
@@ -384,6 +405,67 @@ def _merged(base: dict, user: dict) -> dict:
     return out
 
 
+def user_config(options: dict) -> dict:
+    """The user's --deepspeed_config content (empty without one)."""
+    return (options.get("deepspeed_config") or {}).get("config", {})
+
+
+def autotp_partition_config(model_config, user: dict) -> dict | None:
+    """How AutoTP shards the model: None where DeepSpeed's own path does it — the user's
+    tensor_parallel.partition_config, or the model's Hugging Face TP plan, which DeepSpeed converts when it knows every
+    style in it (Llama, Qwen2/3, Gemma3, Mistral) — else a partition_config written from the family seam
+    (parity.training.families), where DeepSpeed supports the shapes. ConfigError naming DeepSpeed's limit otherwise.
+
+    The written config (OLMo2, Phi3, whose plans use rowwise_split_input, a style DeepSpeed 0.19.8 refuses): OLMo2's
+    q, k, v column-parallel with gathered outputs, because its q/k norms span all heads, and then o_proj replicated
+    (DeepSpeed's row-parallel layer takes a split input only); Phi3's attention replicated whole. Phi3 slices its
+    fused qkv output at offsets of the attention module's num_key_value_heads, which AutoTP divides by tp_size
+    whenever a weight under the module is sharded, gathered output or not (update_mp_params: "Number of heads in key
+    and value must divide the number of heads in query"); and DeepSpeed 0.19.8 refuses gather_output with a
+    part-by-part shape ("AutoTP gather_output does not yet support shaped sub-parameter layers"). The MLP's gate and
+    up (or a fused gate_up, part by part: shape (2, -1)) column-parallel, down_proj row-parallel; an untied lm_head
+    column-parallel with a gathered output, as the Hugging Face plan has it."""
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+
+    from parity.training.model import meta_model
+
+    if (user.get("tensor_parallel") or {}).get("partition_config"):
+        return None
+    family = family_of(model_config)
+    try:
+        TPPlanConverter.convert(_get_hf_tp_plan(meta_model(model_config)))
+        return None
+    except ValueError as exc:
+        refused = str(exc).split(":", 1)[-1].split(".", 1)[0].strip()
+    if family.why_no_tp:
+        raise ConfigError(f"DeepSpeed AutoTP cannot shard a '{family.model_type}' model: its Hugging Face TP plan has "
+                          f"styles DeepSpeed {_deepspeed_version()} refuses ({refused}) and the harness cannot describe "
+                          f"its layers ({family.why_no_tp}): use --tp_size 1, or train_fsdp.py")
+
+    def spec(name: str, kind: str, **extra) -> dict:
+        return {"patterns": [rf".*\.{re.escape(name)}\.weight$"], "partition_type": kind, **extra}
+
+    fused = any(p.fused for p in family.attention_in)
+    gathered = bool(family.width_norms)
+    specs = [spec(p.name, "skip" if fused else "column", gather_output=gathered) for p in family.attention_in]
+    specs.append(spec(family.attention_out, "skip" if fused or gathered else "row"))
+    specs += [spec(norm, "skip", grad_allreduce=True) for norm in family.head_norms]
+    specs += [spec(p.name, "column", **({"shape": [len(p.parts), -1], "partition_dim": 0} if p.fused else {}))
+              for p in family.mlp_in]
+    specs.append(spec(family.mlp_out, "row"))
+    if not family.tied:
+        specs.append({"patterns": [rf"^{re.escape(family.final[-1])}\.weight$"], "partition_type": "column",
+                      "gather_output": True})
+    return {"use_default_specs": False, "layer_specs": specs}
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
 def engine_config(cfg) -> dict:
     """The DeepSpeed config: nothing in it may make the training differ from DDP's (docs/deepspeed.md) — but what
     the user's own --deepspeed_config sets, over the harness's DDP-equivalent values (the keys the run's flags
@@ -419,6 +501,11 @@ def _harness_config(cfg) -> dict:
         config["zero_force_ds_cpu_optimizer"] = False
     if cfg.tp_size > 1:
         config["tensor_parallel"] = {"autotp_size": cfg.tp_size}
+        from parity.training.model import model_config_from_dict
+
+        partition = autotp_partition_config(model_config_from_dict(cfg.model_config), user_config(cfg.options))
+        if partition is not None:
+            config["tensor_parallel"]["partition_config"] = partition
     if cfg.precision == "bf16" and cfg.options["bf16_master_weights"]:
         config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     elif cfg.precision == "bf16":
@@ -446,18 +533,22 @@ def check_rank_layout(engine, ctx) -> None:
                            f"harness's {want_tp} / {want_dp} (rank = dp_rank × tp_size + tp_rank)")
 
 
-def column_parallel_outputs(hf_model) -> dict[str, tuple]:
-    """{module name: (TP group, shard widths)} for every module whose output is this rank's slice of the
-    last dim: AutoTP's column-parallel layers that do not gather their output themselves, and each MLP's
-    act_fn, which acts on gate_proj's shard."""
-    from deepspeed.module_inject.layers import LinearLayer
+def column_parallel_outputs(hf_model, family) -> dict[str, tuple]:
+    """{module name: (TP group, the per-rank widths of each part of its output)} for every module whose output is this
+    rank's slice of the last dim: AutoTP's column-parallel layers that do not gather their output themselves (a
+    sub-parameter layer, a fused gate_up, holds a slice of each part), and each MLP's activation, which acts on the
+    slice of the gate part (the family's mlp_act)."""
+    from deepspeed.module_inject.layers import LinearLayer, SubParamLinearLayer
 
     shards = {}
     for name, module in hf_model.named_modules():
-        if isinstance(module, LinearLayer) and module.is_tp_parallel and not module.gather_output:
-            shards[name] = (module.mp_group, module._partition_sizes)
-    for name in list(shards):
-        if name.endswith("mlp.gate_proj"):
-            shards[name.removesuffix("gate_proj") + "act_fn"] = shards[name]
+        if isinstance(module, SubParamLinearLayer) and module.is_tp_parallel:
+            shards[name] = (module.mp_group, [list(w) for w in module._subparam_shard_widths])
+        elif isinstance(module, LinearLayer) and module.is_tp_parallel and not module.gather_output:
+            shards[name] = (module.mp_group, [list(module._partition_sizes)])
+    if family.mlp_in:
+        gate = "." + family.mlp_in[0].name
+        for name in [n for n in shards if n.endswith(gate)]:
+            group, parts = shards[name]
+            shards[name.removesuffix(gate) + "." + family.mlp_act] = (group, parts[:1])
     return shards
-
