@@ -1,40 +1,35 @@
 """FSDP2 + DTensor tensor parallelism: a 2-D ("dp", "tp") device mesh, Megatron-style TP inside each
 decoder layer, FSDP2 sharding (and gradient averaging) over "dp".
 
-Only the parts that differ between strategies are here: the mesh, the TP plan, the FSDP wrapping, the
-mixed-precision choice, clipping across the two meshes the parameters end up on, gathering DTensor
-shards back to full size under Hugging Face names, and checkpoints through torch.distributed.checkpoint.
+Only the parts that differ between strategies are here: the mesh, the TP plan of each model family, the FSDP
+wrapping, the mixed-precision choice and gathering the plan's local module outputs back to full size; what every
+DTensor strategy shares (norms and clipping across meshes, full tensors, checkpoints through
+torch.distributed.checkpoint) is parity/training/dtensor_strategy.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from parity.errors import ConfigError
+from parity.training.dtensor_strategy import DTensorStrategy, gather_local_output
 from parity.training.families import family_of
-from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
-from parity.training.strategy import Option, Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
+from parity.training.strategy import Option, build_optimizer
 
 MIXED_PRECISION = ("autocast", "policy")
 OFFLOAD = ("none", "cpu")
 TP_PLANS = ("default", "sequence_parallel")
-DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
 
 
 class PackedColwiseParallel(ColwiseParallel):
@@ -241,40 +236,7 @@ def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
 
 
-def global_norm(tensors: list[DTensor]) -> float:
-    """The L2 norm of DTensors taken together (the gradients, or the parameters), whatever mesh and
-    placements each one has.
-
-    torch's clip_grad_norm_ stacks per-tensor norms, which DTensor refuses across meshes ("All operands
-    in aten.stack.default must have the same mesh"): TP'd tensors live on ("dp", "tp"), the others on
-    "dp". So each rank sums the squares of its local shards in float64 (the shared helper), and the sums
-    are added across exactly the mesh dims a tensor is sharded over — a Partial placement there — and
-    not across the ones it is replicated over, so a tensor replicated over tp is counted once.
-    Tensors with the same mesh and sharded dims share one reduction; with --offload cpu the shards are in
-    host memory and each sum goes to the mesh's device for it.
-    """
-    local_sums = defaultdict(float)
-    for g in tensors:
-        assert not any(p.is_partial() for p in g.placements), f"unreduced gradient: {g.placements}"
-        key = (g.device_mesh, tuple(Replicate() if p.is_replicate() else Partial() for p in g.placements))
-        local_sums[key] = local_sums[key] + squared_norm_fp64(g.to_local())
-    return math.sqrt(sum(float(DTensor.from_local(total.to(mesh.device_type), mesh, placements).full_tensor())
-                         for (mesh, placements), total in local_sums.items()))
-
-
-@torch.no_grad()
-def clip_sharded_gradients(params, cfg) -> float:
-    """Clip DTensor gradients by their global norm (torch's formula, --max_grad_norm); return that norm.
-    Scaling each rank's local shards scales the whole tensors: no communication."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = global_norm(grads)
-    coef = clip_coefficient(norm, cfg)
-    if coef < 1.0:
-        torch._foreach_mul_([g.to_local() for g in grads], coef)
-    return norm
-
-
-class FSDPStrategy(Strategy):
+class FSDPStrategy(DTensorStrategy):
     name = "fsdp"
     options = (
         Option("mixed_precision", "autocast", choices=MIXED_PRECISION,
@@ -359,43 +321,6 @@ class FSDPStrategy(Strategy):
             return contextlib.nullcontext()
         return super().autocast()
 
-    def accumulating(self, last: bool):
-        """FSDP2's own way: gradients are reduce-scattered only in the last micro-batch's backward; before it
-        they accumulate unsharded (set_requires_gradient_sync)."""
-        self.model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-
-    def local_piece(self, param):
-        """A DTensor parameter's local shard (its dp × tp piece), sharing its storage."""
-        return param.to_local()
-
-    def optimizer_step(self, lr: float) -> float:
-        norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
-        step_optimizer(self.optimizer, lr)
-        return norm
-
-    def parameter_norm(self) -> float:
-        return global_norm(list(self.model.parameters()))
-
-    def model_state_bytes(self) -> dict:
-        """Each parameter's local shard (its dp × tp piece: the optimizer's parameters), its gradient's, and
-        Adam's state of it. In forward and backward FSDP2 registers a group's all-gathered parameters on the
-        modules in place of the shards: copies, counted as gathered_params; a gradient they accumulate before
-        FSDP2 reduce-scatters it is this rank's gradient, counted as one."""
-        ledger = StateLedger(self.ctx.device)
-        shards = [p for group in self.optimizer.param_groups for p in group["params"]]
-        ledger.add_all(PARAMS, shards)
-        ledger.add_all(GRADS, (p.grad for p in shards))
-        ledger.add_optimizer_state(self.optimizer)
-        registered = list(self.model.parameters())  # the shards again, or a group's gathered parameters
-        ledger.add_all(GATHERED, registered)
-        ledger.add_all(GRADS, (p.grad for p in registered))
-        return ledger.result()
-
-    @property
-    def hf_model(self):
-        return self.model  # fully_shard and parallelize_module change modules in place: HF names hold
-
     def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
         """The plan's local outputs (and their gradients) are this rank's piece — of the last dim (colwise
         projections, the activation on gate's shard), of the heads dim (per-head norms), or of every part of a packed
@@ -406,31 +331,4 @@ class FSDPStrategy(Strategy):
         if self.ctx.tp_size == 1 or not module_name.startswith(stack):
             return output
         local = self.plan.local_outputs.get(module_name[len(stack):].split(".", 1)[-1])
-        if local is None:
-            return output
-        dim, parts = local[0] % output.dim(), local[1]
-        placement = _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
-        return DTensor.from_local(output.detach(), self.tp_mesh, [placement]).full_tensor()
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        self.model.reshard()  # a forward without backward (the final evaluation) leaves the root unsharded
-        return {n: self._full(p) for n, p in self.model.named_parameters()}
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: self._full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
-
-    def _full(self, t: DTensor) -> torch.Tensor:
-        """Gathered on the device the mesh communicates on (offloaded shards are in host memory)."""
-        return t.detach().to(self.ctx.device).full_tensor().float().cpu().clone()
-
-    def save_state(self, directory: str) -> None:
-        """torch.distributed.checkpoint: each rank writes its own shards (__<rank>_0.distcp), rank 0 the
-        .metadata that maps them to the full tensors."""
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(directory, DCP_DIR))
-
-    def load_state(self, directory: str) -> None:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # the shapes to load into
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        return output if local is None else gather_local_output(output, self.tp_mesh, *local)

@@ -4,13 +4,14 @@ the class (`<Label>Strategy`) and the label in reports — and any other Strateg
 record.
 
 Each strategy lives in its top-level module (`ddp_strategy.py`, `autotp_strategy.py` — the design card's
-file name for DeepSpeed — `fsdp_strategy.py` and `pipeline_strategy.py`) and is imported only when asked for,
+file name for DeepSpeed — `fsdp_strategy.py`, `pipeline_strategy.py` and `transformers_strategy.py`: transformers'
+own TP and FSDP2) and is imported only when asked for,
 because each pulls its library (DeepSpeed picks an accelerator when it is imported). The strategy modules
 import nothing from here, so there is no cycle.
 
 NAMES are the strategies the main job and the layer check run by default (STRATEGIES, --strategy all), at
-TP_SIZE × DP_SIZE; the pipeline, whose layout is --pp_size × --dp_size, is registered beside them (by its name in
-train_pipeline.py and local runs, with its label and options) and runs on its own.
+TP_SIZE × DP_SIZE; the pipeline, whose layout is --pp_size × --dp_size, and transformers' own distributed training
+are registered beside them (by name in their train_*.py, STRATEGIES and --strategy, with labels and options).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from __future__ import annotations
 from parity.errors import ConfigError, LibraryMissing
 
 NAMES = ("ddp", "deepspeed", "fsdp")
-PIPELINE_NAMES = ("pipeline",)  # registered, not in the main job's or the layer check's default set (above)
-KNOWN = NAMES + PIPELINE_NAMES
-LABELS = {"ddp": "DDP", "deepspeed": "DeepSpeed", "fsdp": "FSDP", "pipeline": "Pipeline"}
+OTHER_NAMES = ("pipeline", "transformers")  # registered, not in the main job's or the layer check's default set
+KNOWN = NAMES + OTHER_NAMES
+LABELS = {"ddp": "DDP", "deepspeed": "DeepSpeed", "fsdp": "FSDP", "pipeline": "Pipeline",
+          "transformers": "transformers"}
 
 
 def label(name: str) -> str:
@@ -53,6 +55,8 @@ def strategy_class(name: str, path: str | None = None):
             from autotp_strategy import DeepSpeedStrategy as cls
         elif name == "pipeline":
             from pipeline_strategy import PipelineStrategy as cls
+        elif name == "transformers":
+            from transformers_strategy import TransformersStrategy as cls
         else:
             from fsdp_strategy import FSDPStrategy as cls
     except ImportError as exc:

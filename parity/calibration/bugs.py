@@ -21,7 +21,8 @@ from ddp_strategy import DDPStrategy
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from fsdp_strategy import FSDPStrategy, apply_sequence_parallel, global_norm, tp_plan
+from fsdp_strategy import FSDPStrategy, apply_sequence_parallel, tp_plan
+from parity.training.dtensor_strategy import global_norm
 from parity.training.data import Batch
 from parity.training.layer_step import perturb_local_shard
 from parity.training.strategy import step_optimizer
@@ -240,3 +241,78 @@ class PipelineTiedGradientsNotSummed(PipelineStrategy):
 
     def sum_tied_gradients(self) -> None:
         pass
+
+
+# --- Model families: one pitfall per architecture (FSDP2 + TP copies; tests/test_families.py runs them) -------
+
+from dataclasses import replace as _replace  # noqa: E402  (appended section)
+
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor.experimental import local_map  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel  # noqa: E402
+
+
+class FSDPHeadNormGradientsUnreduced(FSDPStrategy):
+    """Qwen3's (and Gemma3's) per-head q/k norms left as plain modules under TP: each TP rank normalises its own heads
+    with the replicated weight, so each rank's gradient of the weight covers its heads only and is never summed over
+    TP (Megatron's "replicated parameter with a partial gradient" forgotten). The TP ranks' copies of the norm
+    weights part from the first step; the grad norm is too low."""
+
+    def tp_plan(self):
+        plan = super().tp_plan()
+        return _replace(plan, layer={k: v for k, v in plan.layer.items() if k not in self.family.head_norms})
+
+
+class FSDPWidthNormOnLocalShard(FSDPStrategy):
+    """OLMo2's full-width q/k norms applied to the head-sharded projections as each rank's own module: the weight
+    sharded with the heads, the mean of squares taken over this rank's slice of the width only (code that treats the
+    norm as per rank). Every rank normalises its heads by the wrong statistic: the forward differs from step 0."""
+
+    def apply_tp_plan(self, model, tp_mesh) -> None:
+        super().apply_tp_plan(model, tp_mesh)
+        for layer in model.get_submodule(self.family.stack):
+            for norm in self.family.width_norms:
+                module = layer.get_submodule(norm)
+                eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+
+                def on_local_slice(x, w, eps=eps):
+                    x32 = x.float()
+                    return (w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+                def forward(x, m=module, f=on_local_slice):
+                    last = Shard(x.ndim - 1)
+                    out = local_map(f, out_placements=[last], in_placements=([last], [Shard(0)]))(x, m.weight)
+                    return out if isinstance(out, DTensor) else DTensor.from_local(out, x.device_mesh, [last])
+
+                module.forward = forward
+
+
+class FSDPFusedGateUpSplitInHalves(FSDPStrategy):
+    """Phi3's fused gate_up_proj sharded as one block over TP (ColwiseParallel's Shard(0)) instead of part by part:
+    with tp_size 2, rank 0 holds all of gate and rank 1 all of up, so the model's chunk(2) of each rank's local output
+    pairs gate rows with gate rows (rank 0) and up rows with up rows (rank 1)."""
+
+    def tp_plan(self):
+        plan = super().tp_plan()
+        fused = [p.name for p in self.family.mlp_in if p.fused]
+        return _replace(plan, layer={**plan.layer, **{name: ColwiseParallel() for name in fused}})
+
+
+class FSDPEmbeddingScaleInBF16(FSDPStrategy):
+    """Gemma's embedding scale (√hidden, a buffer transformers multiplies the embedding by, cast to the weights' dtype)
+    left in bf16 by a set-up that cast the model to bf16 and only its parameters back to fp32: √48 = 6.9282 becomes
+    6.9375 and every embedding is 0.13 % too large in an fp32 run."""
+
+    def setup(self, model) -> None:
+        for module in model.modules():
+            if isinstance(getattr(module, "embed_scale", None), torch.Tensor):
+                module.embed_scale = module.embed_scale.to(torch.bfloat16)
+        super().setup(model)
+
+
+FAMILY_BUGS = {  # the tiny preset each family pitfall shows on → its seeded copy
+    "qwen3-tiny": FSDPHeadNormGradientsUnreduced,
+    "olmo2-tiny": FSDPWidthNormOnLocalShard,
+    "phi3-tiny": FSDPFusedGateUpSplitInHalves,
+    "gemma3-tiny": FSDPEmbeddingScaleInBF16,
+}

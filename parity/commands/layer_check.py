@@ -25,8 +25,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true",
                    help="Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/layer_check.log")
     p.add_argument("--strategy", choices=("all", *KNOWN), default="all",
-                   help="all: DDP, DeepSpeed and FSDP; or one of them, or the pipeline (--pp_size stages × --dp_size), "
-                        "recorded into the same folder")
+                   help="all: DDP, DeepSpeed and FSDP; or one of them, the pipeline (--pp_size stages × --dp_size) or "
+                        "transformers' own TP and FSDP2, recorded into the same folder")
     p.add_argument("--strategy_class", default=None, metavar="MODULE:CLASS",
                    help="also record your own Strategy subclass's step (importable here and on the workers)")
     p.add_argument("--replay", default=None, metavar="RUN_DIR",
@@ -39,6 +39,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--num_layers", type=int, default=None, help="default: 2; not with --replay")
     p.add_argument("--batch_size", type=int, default=None,
                    help="samples per DP rank; default: 2, with --replay the run's global batch ÷ dp_size")
+    p.add_argument("--grad_accum_steps", type=int, default=None,
+                   help="split each DP rank's batch into N micro-batches, gradients accumulated over them (default 1)")
     p.add_argument("--seq_length", type=int, default=None,
                    help="default: 1024 with GPUs, 128 without; not with --replay")
     p.add_argument("--tp_size", type=int, default=2, help="TP size of DeepSpeed and FSDP (DDP runs at 1)")
@@ -200,7 +202,7 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
                   "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42)}
     return {
         **values, "batch_size": batch, "tp_size": tp, "dp_size": dp, "num_workers": pp * tp * dp, "device": args.device,
-        "debug_steps": 1,
+        "debug_steps": 1, "grad_accum_steps": _given(args.grad_accum_steps, 1),
         "init_weights_path": os.path.join(out, WEIGHTS_FILE), "loss_output_dir": out,
         "storage_path": os.path.join(out, "ray"), "experiment_name": f"layer_check_{strategy}", **options,
     }

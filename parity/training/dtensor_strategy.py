@@ -1,0 +1,145 @@
+"""What every strategy whose parameters are DTensors shares (FSDP2 + TP, and transformers' own TP + FSDP2): norms
+and clipping across meshes, full tensors, the model states a rank holds, FSDP2's gradient-sync switch and checkpoints
+through torch.distributed.checkpoint. The strategies differ in how the DTensors are made (fsdp_strategy.py: the
+harness's own plan; transformers_strategy.py: transformers' plan and FSDP2), not in how they are read.
+
+Parameters may also be plain tensors: a module no plan shards (the norms under a TP plan without FSDP) keeps its
+parameter whole on every rank, which counts once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
+from parity.training.strategy import Strategy, clip_coefficient, squared_norm_fp64, step_optimizer
+
+DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
+
+
+def global_norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of DTensors (and plain tensors, whole on every rank) taken together — the gradients, or the
+    parameters — whatever mesh and placements each one has.
+
+    torch's clip_grad_norm_ stacks per-tensor norms, which DTensor refuses across meshes ("All operands
+    in aten.stack.default must have the same mesh"): TP'd tensors live on ("dp", "tp"), the others on
+    "dp". So each rank sums the squares of its local shards in float64 (the shared helper), and the sums
+    are added across exactly the mesh dims a tensor is sharded over — a Partial placement there — and
+    not across the ones it is replicated over, so a tensor replicated over tp is counted once.
+    Tensors with the same mesh and sharded dims share one reduction; with --offload cpu the shards are in
+    host memory and each sum goes to the mesh's device for it.
+    """
+    local_sums, whole = defaultdict(float), 0.0
+    for g in tensors:
+        if not isinstance(g, DTensor):
+            whole = whole + squared_norm_fp64(g)
+            continue
+        assert not any(p.is_partial() for p in g.placements), f"unreduced gradient: {g.placements}"
+        key = (g.device_mesh, tuple(Replicate() if p.is_replicate() else Partial() for p in g.placements))
+        local_sums[key] = local_sums[key] + squared_norm_fp64(g.to_local())
+    return math.sqrt(float(whole) + sum(
+        float(DTensor.from_local(total.to(mesh.device_type), mesh, placements).full_tensor())
+        for (mesh, placements), total in local_sums.items()))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (sharing its storage); a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def clip_sharded_gradients(params, cfg) -> float:
+    """Clip DTensor gradients by their global norm (torch's formula, --max_grad_norm); return that norm.
+    Scaling each rank's local shards scales the whole tensors: no communication."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = global_norm(grads)
+    coef = clip_coefficient(norm, cfg)
+    if coef < 1.0:
+        torch._foreach_mul_([local(g) for g in grads], coef)
+    return norm
+
+
+def gather_local_output(output: torch.Tensor, tp_mesh, dim: int, parts: int = 1) -> torch.Tensor:
+    """A module output (or its gradient) each TP rank holds only its piece of, at full size: its slice of `dim`, or —
+    for an output packing `parts` parts — its slice of every part (a _StridedShard)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dim %= output.dim()
+    placement = _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
+    return DTensor.from_local(output.detach(), tp_mesh, [placement]).full_tensor()
+
+
+class DTensorStrategy(Strategy):
+    """A strategy whose model holds DTensor parameters (`self.model`, HF module names kept) stepped by the shared AdamW
+    (`self.optimizer`)."""
+
+    def local_piece(self, param):
+        """A DTensor parameter's local shard (its dp × tp piece), sharing its storage."""
+        return local(param)
+
+    def accumulating(self, last: bool):
+        """FSDP2's own way: gradients are reduce-scattered only in the last micro-batch's backward; before it they
+        accumulate unsharded (set_requires_gradient_sync). Without FSDP2 there is nothing to hold back."""
+        if hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(last)
+        return super().accumulating(last)
+
+    def optimizer_step(self, lr: float) -> float:
+        norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
+        step_optimizer(self.optimizer, lr)
+        return norm
+
+    def parameter_norm(self) -> float:
+        return global_norm(list(self.model.parameters()))
+
+    def model_state_bytes(self) -> dict:
+        """Each parameter's local shard (its dp × tp piece: the optimizer's parameters), its gradient's, and
+        Adam's state of it. In forward and backward FSDP2 registers a group's all-gathered parameters on the
+        modules in place of the shards: copies, counted as gathered_params; a gradient they accumulate before
+        FSDP2 reduce-scatters it is this rank's gradient, counted as one."""
+        ledger = StateLedger(self.ctx.device)
+        shards = [p for group in self.optimizer.param_groups for p in group["params"]]
+        ledger.add_all(PARAMS, shards)
+        ledger.add_all(GRADS, (p.grad for p in shards))
+        ledger.add_optimizer_state(self.optimizer)
+        registered = list(self.model.parameters())  # the shards again, or a group's gathered parameters
+        ledger.add_all(GATHERED, registered)
+        ledger.add_all(GRADS, (p.grad for p in registered))
+        return ledger.result()
+
+    @property
+    def hf_model(self):
+        return self.model  # fully_shard and TP plans change modules in place: HF names hold
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        if hasattr(self.model, "reshard"):
+            self.model.reshard()  # a forward without backward (the final evaluation) leaves FSDP2's root unsharded
+        return {n: self._full(p) for n, p in self.model.named_parameters()}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: self._full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def _full(self, t: torch.Tensor) -> torch.Tensor:
+        """Gathered on the device the mesh communicates on (offloaded shards are in host memory)."""
+        t = t.detach().to(self.ctx.device)
+        return (t.full_tensor() if isinstance(t, DTensor) else t).float().cpu().clone()
+
+    def save_state(self, directory: str) -> None:
+        """torch.distributed.checkpoint: each rank writes its own shards (__<rank>_0.distcp), rank 0 the
+        .metadata that maps them to the full tensors."""
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(directory, DCP_DIR))
+
+    def load_state(self, directory: str) -> None:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # the shapes to load into
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -1,0 +1,135 @@
+"""transformers' own distributed training ("transformers"): the path a Hugging Face user takes with
+`from_pretrained(..., distributed_config=DistributedConfig(tp_size=..., fsdp_size=...))` — transformers' device
+mesh, the model's own tensor-parallel plan (`base_model_tp_plan`), its FSDP2 plan for data parallelism — with the
+harness's shared AdamW, schedule, clipping and loss. It verifies what Hugging Face users run: new code in
+transformers 5, never patched here. When a clean run FAILs, the layer check names the module (docs/model_families.md).
+
+Only what differs from the other DTensor strategy (fsdp_strategy.py, the harness's own plans) is here; the numbered
+comments match docs/model_families.md.
+
+[1] The shared initial weights, as loaded on every rank, are written once per machine as a Hugging Face model
+    folder (config.json + model.safetensors) in a temporary directory, which from_pretrained then reads as a user's
+    checkpoint: each rank loads only its shard (transformers' DtensorShardOperation).
+[2] transformers' mesh is (pp, dp_replicate, fsdp, tp): rank = fsdp_rank × tp_size + tp_rank, the harness's layout
+    (TP groups are consecutive ranks), checked.
+[3] The model's parameters are DTensors (TP on "tp", FSDP2 on "fsdp" when dp_size > 1) or, without FSDP, plain
+    tensors where the TP plan leaves a module whole: norms, clipping, full tensors and checkpoints are the DTensor
+    strategies' (parity/training/dtensor_strategy.py).
+[4] The layer check gathers the outputs transformers' plan leaves local: a colwise projection's (its slice of the
+    last dim), the MLP activation's on a colwise gate, a per-head norm's (its heads), a packed projection's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from parity.errors import ConfigError, LibraryMissing
+from parity.training.dtensor_strategy import DTensorStrategy, gather_local_output
+from parity.training.families import family_of
+from parity.training.strategy import build_optimizer
+
+LOCAL_STYLES = {"colwise": 1, "packed_colwise": 2}  # TP styles whose output each rank holds its slice of (parts)
+PARTIAL_GRAD_STYLE = "replicated_with_grad_allreduce"  # a replicated norm on local heads: its output is local too
+
+
+class TransformersStrategy(DTensorStrategy):
+    name = "transformers"
+    zero_stage = 3  # with dp_size > 1, FSDP2 divides parameters, gradients and optimizer state over dp
+
+    @classmethod
+    def validate(cls, settings, model_config) -> None:
+        try:
+            import accelerate  # noqa: F401  (from_pretrained with a device map needs it)
+            from transformers import DistributedConfig
+        except ImportError as exc:
+            raise LibraryMissing(cls.name, exc) from None
+        from parity.training.model import meta_model
+
+        model = meta_model(model_config)
+        family = family_of(model_config)
+        for size, plan, what in ((settings.tp_size, model.tp_plan, "tensor-parallel plan (base_model_tp_plan)"),
+                                 (settings.dp_size, model.fsdp_plan, "FSDP plan (base_model_fsdp_plan)")):
+            if size > 1 and not plan:
+                raise ConfigError(f"transformers has no {what} for a '{family.model_type}' model: use --tp_size 1 "
+                                  f"and --dp_size 1 there, or train_fsdp.py")
+        try:
+            DistributedConfig(tp_size=settings.tp_size, fsdp_size=settings.dp_size)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"transformers' DistributedConfig refuses --tp_size {settings.tp_size} × --dp_size "
+                              f"{settings.dp_size}: {exc}") from None
+        if settings.compile:
+            raise ConfigError("--compile is not supported by the transformers strategy (transformers applies its TP "
+                              "by replacing module forwards, which it does not compile): drop it")
+
+    def setup(self, model) -> None:
+        from transformers import AutoModelForCausalLM, DistributedConfig
+
+        self.family = family_of(model.config)
+        folder = self._hf_folder(model)  # [1]
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                folder, distributed_config=DistributedConfig(tp_size=self.ctx.tp_size, fsdp_size=self.ctx.dp_size),
+                dtype=torch.float32, attn_implementation=model.config._attn_implementation)
+        finally:
+            dist.barrier()
+            if folder.startswith(tempfile.gettempdir()) and self._writes_folder:
+                shutil.rmtree(folder, ignore_errors=True)
+        del model
+        mesh = self.model._device_mesh
+        if mesh is not None:  # [2]
+            assert (mesh["fsdp"].get_local_rank(), mesh["tp"].get_local_rank()) == (self.ctx.dp_rank, self.ctx.tp_rank)
+            self.tp_mesh = mesh["tp"]
+        if self.cfg.activation_checkpointing:  # the model's own, as a Hugging Face user enables it
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg)
+        self.local_outputs = self._local_outputs()
+
+    def _hf_folder(self, model) -> str:
+        """[1] One Hugging Face model folder per machine with the loaded weights: the first rank of each host writes it,
+        every rank reads it. The folder's name is rank 0's, so all ranks agree on it."""
+        name = [f"parity-transformers-{uuid.uuid4().hex}" if self.ctx.rank == 0 else None]
+        dist.broadcast_object_list(name, src=0)
+        hosts = [None] * self.ctx.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        self._writes_folder = hosts.index(hosts[self.ctx.rank]) == self.ctx.rank
+        folder = os.path.join(tempfile.gettempdir(), name[0])
+        if self._writes_folder:
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
+            staging = folder + ".partial"
+            model.save_pretrained(staging, safe_serialization=True)
+            os.replace(staging, folder)
+        dist.barrier()
+        return folder
+
+    def _local_outputs(self) -> dict[str, tuple[int, int]]:
+        """[4] {module name with `*` for layer numbers: (the dim its output is sharded on, its parts)} from the model's
+        resolved TP plan."""
+        plan = self.model.tp_plan if self.ctx.tp_size > 1 else {}
+        local = {name: (-1, LOCAL_STYLES[style]) for name, style in plan.items() if style in LOCAL_STYLES}
+        stack = self.family.stack + ".*."
+        for norm, heads_dim in self.family.head_norms.items():
+            if plan.get(stack + norm) == PARTIAL_GRAD_STYLE:
+                local[stack + norm] = (heads_dim, 1)
+        gate = next((p.name for p in self.family.mlp_in), None)
+        if gate and stack + gate in local:
+            local[stack + self.family.mlp_act] = (-1, 1)  # the activation of the gate's slice
+        return local
+
+    def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+        from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+        if isinstance(output, DTensor):
+            return output.full_tensor()
+        local = self.local_outputs.get(replace_layer_number_by_wildcard(module_name))
+        return output if local is None else gather_local_output(output, self.tp_mesh, *local)
