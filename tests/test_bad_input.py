@@ -119,7 +119,7 @@ CASES = [
     ("autocast fp32", "ddp", train_flags(autocast=True, precision="fp32"), {},
      r"--autocast asks for bf16 but --precision fp32 was also given: pass only one of them"),
     ("hub model", "ddp", train_flags(model_name="nobody/no-such-model"), {},
-     r"unknown model 'nobody/no-such-model': not a built-in preset .* use a preset or a local directory"),
+     r"unknown model 'nobody/no-such-model': not a built-in model .* use a built-in model or a local directory"),
     ("model dir", "ddp", train_flags(model_name="{d}/no_config_dir"), {},
      r"--model_name .*/no_config_dir is a directory without config.json: point it at a Hugging Face model directory"),
     ("layers", "ddp", train_flags(num_layers=3), {}, r"has 2 layers, run asks for 3: pass --num_layers 2"),

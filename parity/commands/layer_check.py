@@ -24,8 +24,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--output_dir", required=True, help="the layer-check folder (shared weights, inputs, dumps)")
     p.add_argument("--verbose", action="store_true",
                    help="Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/layer_check.log")
-    p.add_argument("--strategy", choices=("all", *KNOWN), default="all",
-                   help="all: DDP, DeepSpeed and FSDP; or one of them, the pipeline (--pp_size stages × --dp_size) or "
+    p.add_argument("--strategy", choices=("all", *KNOWN), default=["all"], nargs="+",
+                   help="all: DDP, DeepSpeed and FSDP; or any of them, the pipeline (--pp_size stages × --dp_size) and "
                         "transformers' own TP and FSDP2, recorded into the same folder")
     p.add_argument("--strategy_class", default=None, metavar="MODULE:CLASS",
                    help="also record your own Strategy subclass's step (importable here and on the workers)")
@@ -84,7 +84,7 @@ def check_layers(args: argparse.Namespace) -> int:
         raise ConfigError(f"--output_dir {args.output_dir}: the layer check's folder is a folder of this machine "
                           f"(its dumps are read back here, tensor by tensor): use a local path or a shared mount")
     storage.check_writable_dir("--output_dir", out)
-    strategies = list(NAMES) if args.strategy == "all" else [args.strategy]
+    strategies = list(dict.fromkeys(s for name in args.strategy for s in (NAMES if name == "all" else [name])))
     own = {}  # --strategy_class: the user's strategy, by its name, beside the others
     if args.strategy_class:
         from parity.registry import strategy_class
@@ -220,8 +220,8 @@ def _strategy_options(args: argparse.Namespace, strategies: list[str]) -> dict[s
     given = {k: v for k, v in vars(args).items() if k in option_owners()}
     unrun = unrun_option(given, strategies)
     if unrun:
-        raise ConfigError(f"--{unrun[0]} is a {unrun[1]} flag, but --strategy {args.strategy} runs no {unrun[1]} "
-                          f"step: drop it or run --strategy all")
+        raise ConfigError(f"--{unrun[0]} is a {unrun[1]} flag, but --strategy {' '.join(args.strategy)} runs no "
+                          f"{unrun[1]} step: drop it or run --strategy all")
     return {s: flags_for(s, given) for s in strategies}
 
 
