@@ -325,6 +325,54 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int):
+    """This process as `rank` of a gloo group of `world` processes on this machine (a test's start_processes rank),
+    for the block."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def train_step_at(strategy, batches, k: int):
+    """Step k of a run on this rank's DP slice, as the loop trains it (its StepStats)."""
+    from parity.training.data import dp_slice
+    from parity.training.strategy import lr_at
+
+    b = batches(k)
+    return strategy.train_step(dp_slice(b, strategy.ctx.dp_rank, strategy.cfg.batch_size), b.loss_tokens,
+                               lr_at(k, strategy.cfg))
+
+
+def assert_checkpoint_resumes_bitwise(strategy, cfg_dict: dict, batches, directory: str, k: int) -> dict:
+    """On every rank of a gloo_rank group: save the strategy's state, take step k, then load the checkpoint into a fresh
+    strategy of the run and take step k again — the same loss, grad norm, parameter norm and full parameters, bit for
+    bit. Returns the full parameters."""
+    import torch
+    import torch.distributed as dist
+
+    from parity.training.loop import start_worker
+
+    strategy.save_state(directory)
+    dist.barrier()
+    first = train_step_at(strategy, batches, k)
+    params = strategy.full_parameters()
+    fresh = start_worker({"cfg": cfg_dict}).strategy
+    fresh.load_state(directory)
+    again = train_step_at(fresh, batches, k)
+    assert (again.loss, again.grad_norm, again.param_norm) == (first.loss, first.grad_norm, first.param_norm)
+    params_again = fresh.full_parameters()
+    assert params.keys() == params_again.keys() and all(torch.equal(params[n], params_again[n]) for n in params)
+    return params
+
+
+@contextlib.contextmanager
 def tp2_strategy(name: str, rank: int, port: int, weights: str, options: dict):
     """Strategy `name` set up at TP=2×DP=1 (fp32, qwen2-tiny from `weights`) on this rank of a gloo group
     of two processes on this machine, without Ray: for checks of its shards in a test's mp.spawn worker.

@@ -34,7 +34,19 @@ def workspace(tmp_path, tiny_weights):
     (tmp_path / "text.pt").write_text("hello, not weights")
     (tmp_path / "truncated.pt").write_bytes((tmp_path / SAVED_WEIGHTS).read_bytes()[:100_000])
     (tmp_path / "tiny.txt").write_text("too short")
+    for folder, config in MODEL_DIRS.items():
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps(config))
     return tmp_path
+
+
+# Local model folders of models the harness cannot train (as a user's checkpoint folder holds them): an
+# encoder-decoder, a vision model, and a mixture of experts DeepSpeed's AutoTP cannot shard.
+MODEL_DIRS = {"t5": {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 2048},
+              "vit": {"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
+              "moe": {"model_type": "qwen3_moe", "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128,
+                      "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2}}
 
 
 def train_flags(**over) -> list[str]:
@@ -120,6 +132,18 @@ CASES = [
      r"--autocast asks for bf16 but --precision fp32 was also given: pass only one of them"),
     ("hub model", "ddp", train_flags(model_name="nobody/no-such-model"), {},
      r"unknown model 'nobody/no-such-model': not a built-in model .* use a built-in model or a local directory"),
+    ("encoder-decoder", "ddp", train_flags(model_name="{d}/t5"), {},
+     r"--model_name .*/t5: a 't5' model is an encoder-decoder: the harness trains decoder-only causal language models"),
+    ("not a causal LM", "ddp", train_flags(model_name="{d}/vit"), {},
+     r"--model_name .*/vit: a 'vit' model has no causal-LM class in transformers \(AutoModelForCausalLM does not "
+     r"take it\)"),
+    ("one KV head at TP 2", "fsdp", train_flags(model_name="google/gemma-3-1b-pt", num_layers=2, num_workers=2, tp_size=2),
+     {}, r"--tp_size 2 does not divide the model's KV-head count \(1\): use a tp_size in \[1\]"),
+    ("DeepSpeed refuses a family", "deepspeed", train_flags(model_name="{d}/moe", num_workers=2, tp_size=2), {},
+     r"DeepSpeed AutoTP cannot shard a 'qwen3_moe' model: its Hugging Face TP plan has styles DeepSpeed 0.19.8 "
+     r"refuses \(\['moe_tp_experts', 'packed_colwise'\]\) and the harness cannot describe its layers"),
+    ("transformers compile", "transformers", train_flags(num_workers=2, tp_size=2, compile=True), {},
+     r"--compile is not supported by the transformers strategy"),
     ("model dir", "ddp", train_flags(model_name="{d}/no_config_dir"), {},
      r"--model_name .*/no_config_dir is a directory without config.json: point it at a Hugging Face model directory"),
     ("layers", "ddp", train_flags(num_layers=3), {}, r"has 2 layers, run asks for 3: pass --num_layers 2"),

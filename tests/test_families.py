@@ -204,3 +204,38 @@ def test_every_family_passes_the_calibrated_bf16_verdict(bf16_folders, capsys, f
         against = result["against_baseline"][strategy]
         assert against["calibrated"] and against["verdict"] == "PASS"
         assert 0 < max(against["noise_ratio"].values()) < NOISE_K
+
+
+# --- transformers' strategy: checkpoints, on the strategy itself -----------------------------------------------
+
+def _transformers_round_trip_rank(rank: int, world: int, port: int, cfg_dict: dict, batches, directory: str) -> None:
+    """transformers' TP 2 × FSDP 2 on a tied family: two steps; the tie kept (one parameter, under the embedding's
+    name); save; a third step; a fresh strategy loads the checkpoint and takes the third step again, to the same
+    bits and the same full parameters."""
+    from conftest import assert_checkpoint_resumes_bitwise, gloo_rank, train_step_at
+    from parity.training.loop import start_worker
+
+    with gloo_rank(rank, world, port):
+        s = start_worker({"cfg": cfg_dict}).strategy
+        model = s.hf_model
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        for k in range(2):
+            train_step_at(s, batches, k)
+        params = assert_checkpoint_resumes_bitwise(s, cfg_dict, batches, directory, 2)
+        assert "lm_head.weight" not in params  # the tied weight once, as a stock model names it
+
+
+def test_transformers_strategy_checkpoint_round_trip(tmp_path):
+    import os
+
+    from conftest import free_port
+    from parity.training.local_group import start_processes
+
+    weights = family_weights(tmp_path, "qwen3-tiny")
+    cfg, batches = plan("transformers", {**FP32, "dataset": "synthetic", "model_name": "qwen3-tiny", **TP2_DP2,
+                                         "grad_accum_steps": 1, "init_weights_path": weights,
+                                         "loss_output_dir": tmp_path, "storage_path": tmp_path / "ray"})
+    directory = tmp_path / "checkpoint"
+    directory.mkdir()
+    start_processes(_transformers_round_trip_rank, (4, free_port(), cfg.to_dict(), batches, str(directory)), 4)
+    assert sorted(os.listdir(directory / "dcp")) == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]

@@ -1,4 +1,4 @@
-"""run_verification_main.sh end to end on CPU, as a newcomer runs it (shortened): four loss records,
+"""run_verification_main.sh end to end on CPU, as a newcomer runs it (shortened): five loss records,
 a figure, a report, verdict PASS, exit 0, also when a worker dies in each strategy (Ray Train restarts the group
 and the run resumes on its uninterrupted curve) — and a clear stop, non-zero, when a run fails."""
 
@@ -16,13 +16,14 @@ KILLED = ("ddp", "deepspeed", "fsdp")
 
 @pytest.fixture(scope="module")
 def four_runs(tmp_path_factory):
-    """The seed's three strategies and the pipeline (2 stages × DP 2, in the TP runs' worker group), at the shared
+    """The seed's three strategies, the pipeline (2 stages × DP 2) and transformers' own TP + FSDP2 (in the TP runs'
+    worker group), at the shared
     runs' lr and checkpoint interval (conftest's PARITY), rank 1 of DDP, DeepSpeed and FSDP killed before step 6
     (test copies of their modules, tests/fault_hooks.py), once the checkpoint of step 4 is committed."""
     root = tmp_path_factory.mktemp("main_job")
     for strategy in KILLED:
         fault_hooks.kill_once(root / "hooks", strategy, step=6)
-    proc = run_main(root / "out", PYTHONPATH=str(root / "hooks"), STRATEGIES="ddp deepspeed fsdp pipeline",
+    proc = run_main(root / "out", PYTHONPATH=str(root / "hooks"), STRATEGIES="ddp deepspeed fsdp pipeline transformers",
                     LEARNING_RATE="1e-4", EXTRA_ARGS="--checkpoint_interval 4 --max_failures 1")
     return proc, root
 
@@ -31,9 +32,10 @@ def test_four_runs_then_a_pass_verdict(four_runs):
     proc, root = four_runs
     tmp_path = root / "out"
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "== 4 workers: deepspeed tp=2 dp=2 fp32, fsdp tp=2 dp=2 fp32, pipeline pp=2 dp=2 fp32" in proc.stdout
+    assert ("== 4 workers: deepspeed tp=2 dp=2 fp32, fsdp tp=2 dp=2 fp32, pipeline pp=2 dp=2 fp32, transformers tp=2 "
+            "dp=2 fp32") in proc.stdout
     loss_dir = tmp_path / "loss_curves"
-    for strategy in ("ddp", "deepspeed", "fsdp", "pipeline"):
+    for strategy in ("ddp", "deepspeed", "fsdp", "pipeline", "transformers"):
         record = json.loads((loss_dir / f"loss_{strategy}.json").read_text())
         assert record["complete"] and len(record["steps"]) == 12 and record["config"]["precision"] == "fp32"
     assert (loss_dir / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -41,7 +43,7 @@ def test_four_runs_then_a_pass_verdict(four_runs):
     assert report.startswith("# Loss curve comparison against DDP") and "![Loss curves](loss_curves.png)" in report
     summary = json.loads((loss_dir / "curve_comparison.json").read_text())
     assert (summary["baseline"], summary["num_steps"], summary["verdict"]) == ("ddp", 12, "PASS")
-    for strategy in ("deepspeed", "fsdp", "pipeline"):
+    for strategy in ("deepspeed", "fsdp", "pipeline", "transformers"):
         against = summary["against_baseline"][strategy]
         assert (against["verdict"], against["calibrated"]) == ("PASS", False)  # fp32: no twins unless asked
         assert against["tolerance_source"].startswith("the fixed fp32 table")
@@ -79,19 +81,24 @@ def test_a_bad_run_configuration_stops_the_job_before_any_run(tmp_path):
 def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
     """bf16, so the job runs DDP's references itself (two twins and the fp32 twin) and calibrates. FSDP is a test copy of fsdp_strategy.py
     whose optimizer steps at 1.05 × the learning rate, put first on PYTHONPATH (the driver and the Ray workers
-    import it instead of the installed one): the verdict FAILs and the job exits 1."""
+    import it instead of the installed one): the verdict FAILs and the job exits 1. The model is another family's
+    (qwen3-tiny): the job takes any --model_name."""
     source = open(os.path.join(REPO, "fsdp_strategy.py")).read()
-    buggy = source.replace("        step_optimizer(self.optimizer, lr)\n", "        step_optimizer(self.optimizer, lr * 1.05)\n")
+    buggy = source.replace("class FSDPStrategy(DTensorStrategy):\n", "class FSDPStrategy(DTensorStrategy):\n"
+                           "    def optimizer_step(self, lr):\n        return super().optimizer_step(lr * 1.05)\n\n")
     assert buggy.count("lr * 1.05") == 1
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "fsdp_strategy.py").write_text(buggy)
-    proc = run_main(tmp_path / "out", PRECISION="bf16", STRATEGIES="ddp fsdp", PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "copy"), os.environ.get("PYTHONPATH")])))
+    proc = run_main(tmp_path / "out", PRECISION="bf16", STRATEGIES="ddp fsdp", MODEL_NAME="qwen3-tiny",
+                    PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "copy"), os.environ.get("PYTHONPATH")])))
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     # one worker group per world size, DDP's three references among its runs
     assert "ddp (noise reference) tp=1 dp=1 bf16" in proc.stdout
     assert "ddp (noise reference) tp=1 dp=4 bf16" in proc.stdout
     assert "ddp (noise reference) tp=1 dp=2 fp32" in proc.stdout
     assert "VERDICT: FAIL" in proc.stderr
+    assert json.loads((tmp_path / "out" / "loss_curves" / "loss_fsdp.json").read_text())["config"]["model_config"][
+        "model_type"] == "qwen3"
     summary = json.loads((tmp_path / "out" / "loss_curves" / "curve_comparison.json").read_text())
     assert summary["noise_references"] == ["noise_reference_ddp_tp1_dp1_bf16.json",
                                            "noise_reference_ddp_tp1_dp2_fp32.json",

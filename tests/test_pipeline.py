@@ -146,20 +146,13 @@ def _round_trip_rank(rank: int, world: int, port: int, cfg_dict: dict, batches, 
     import torch
     import torch.distributed as dist
 
+    from conftest import assert_checkpoint_resumes_bitwise, gloo_rank, train_step_at
     from parity.training.data import dp_slice
     from parity.training.loop import start_worker
     from parity.training.model import build_model, load_init_weights, model_config_from_dict
-    from parity.training.strategy import loss_sum, lr_at
+    from parity.training.strategy import loss_sum
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        def step(strategy, k):
-            b = batches(k)
-            return strategy.train_step(dp_slice(b, strategy.ctx.dp_rank, strategy.cfg.batch_size), b.loss_tokens,
-                                       lr_at(k, strategy.cfg))
-
+    with gloo_rank(rank, world, port):
         s = start_worker({"cfg": cfg_dict}).strategy
         # full_gradients after one forward and backward: a stock model's on the same global batch (D=1: all of it)
         b = batches(0)
@@ -174,7 +167,7 @@ def _round_trip_rank(rank: int, world: int, port: int, cfg_dict: dict, batches, 
         for n, g in grads.items():
             assert float((g - reference[n].grad).norm() / reference[n].grad.norm()) < 1e-5, n
         for k in range(3):
-            step(s, k)
+            train_step_at(s, batches, k)
         hf = dict(s.hf_model.named_parameters())
         embed = hf["model.embed_tokens.weight"].detach().clone() if rank == 0 else \
             torch.empty_like(hf["lm_head.weight"])
@@ -182,19 +175,8 @@ def _round_trip_rank(rank: int, world: int, port: int, cfg_dict: dict, batches, 
         if rank == world - 1:
             assert torch.equal(hf["lm_head.weight"], embed), "the tied copies parted"
         assert ("lm_head.weight" in hf) == (rank == world - 1) and ("model.embed_tokens.weight" in hf) == (rank == 0)
-        s.save_state(directory)
-        dist.barrier()
-        first = step(s, 3)
-        params = s.full_parameters()
-        fresh = start_worker({"cfg": cfg_dict}).strategy
-        fresh.load_state(directory)
-        again = step(fresh, 3)
-        assert (again.loss, again.grad_norm, again.param_norm) == (first.loss, first.grad_norm, first.param_norm)
-        params_again = fresh.full_parameters()
-        assert params.keys() == params_again.keys() and all(torch.equal(params[n], params_again[n]) for n in params)
+        params = assert_checkpoint_resumes_bitwise(s, cfg_dict, batches, directory, 3)
         assert "lm_head.weight" not in params and len(params) == 4 * 12 + 2  # the tied weight once
-    finally:
-        dist.destroy_process_group()
 
 
 def test_checkpoint_round_trip_and_tied_copies(weights4, tmp_path):

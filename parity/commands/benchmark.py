@@ -53,6 +53,7 @@ ROWS = {
     "pp_1f1b": Row("Pipeline pp2 1F1B", "pipeline", 1, {"pp_size": 2, "pp_schedule": "1f1b"}),
     "pp_interleaved": Row("Pipeline pp2 interleaved 1F1B", "pipeline", 1,
                           {"pp_size": 2, "pp_schedule": "interleaved_1f1b"}),
+    "transformers_tp": Row("transformers TP tp2 + FSDP2", "transformers", 2, {}),
 }
 WEIGHTS = os.path.join("shared_weights", "init_weights.pt")
 
