@@ -18,9 +18,10 @@ TEMPLATE = '''
 import importlib.util
 import os
 import resource
+import sys
 
 _spec = importlib.util.spec_from_file_location("_real_{module}", {path!r})
-_real = importlib.util.module_from_spec(_spec)
+_real = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # before it runs: its dataclasses look it up
 _spec.loader.exec_module(_real)
 globals().update({{k: v for k, v in vars(_real).items() if not k.startswith("__")}})
 
@@ -86,9 +87,10 @@ def file_size_limit(directory, strategy: str, method: str, call: int, before: bo
 # A strategy that changed since a run: every step at twice the learning rate (a "fix" its user tries).
 DOUBLE_LR = '''
 import importlib.util
+import sys
 
 _spec = importlib.util.spec_from_file_location("_real_ddp_strategy", {path!r})
-_real = importlib.util.module_from_spec(_spec)
+_real = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_real)
 globals().update({{k: v for k, v in vars(_real).items() if not k.startswith("__")}})
 
