@@ -40,10 +40,10 @@ STRATEGIES = {"fsdp": TP2_DP2, "transformers": TP2_DP2, "deepspeed": TP2_DP2,
 # micro-batch's part is summed over TP twice (docs/model_families.md).
 LIBRARY_FAILS = {("qwen3-tiny", "transformers"), ("gemma3-tiny", "transformers")}
 # Each pitfall's first FAIL step (fp32 verdict) and the layer check's first divergence (module, phase)
-BUG_FAILS = {"qwen3-tiny": (2, "self_attn.k_norm.weight", "parameter gradient"),
+BUG_FAILS = {"qwen3-tiny": (1, "self_attn.k_norm.weight", "parameter gradient"),
              "olmo2-tiny": (0, "self_attn.q_norm", "forward output"),
              "phi3-tiny": (0, "mlp.gate_up_proj", "forward output"),
-             "gemma3-tiny": (0, "model.embed_tokens", "forward output")}
+             "gemma3-tiny": (1, "model.embed_tokens", "forward output")}
 SEED_BF16 = 65  # outside the calibration study's seeds (42–61) and test_calibration's (64)
 BF16 = {"seq_length": 64, "debug_steps": 12, "learning_rate": 1e-3, "warmup_steps": 3, "max_grad_norm": 0.8,
         "log_interval": 12, "checkpoint_interval": 0, "seed": SEED_BF16}
