@@ -5,9 +5,10 @@ without it a sqlite database beside the records, <loss_output_dir>/mlflow.db, wi
 <loss_output_dir>/mlflow_artifacts (MLflow's file store is deprecated). The experiment is MLFLOW_EXPERIMENT_ID's or
 MLFLOW_EXPERIMENT_NAME's, else the records' folder: the runs one comparison compares are one experiment.
 
-Every step is logged with its own step number and the time it was recorded, the steps queued since the last call in
-one log_batch; the steps a restarted worker group trains again are skipped where the run already has them
-(get_metric_history), so each step is in it once, as the attempt that first trained it logged it.
+Every step is logged with its own step number and the time it was recorded, in one log_batch every --log_interval
+steps (when the record is written: a database transaction per step cost ~6 ms of CPU, ~1.5 ms a step in tens);
+the steps a restarted worker group trains again are skipped where the run already has them (get_metric_history),
+so each step is in it once, as the attempt that first trained it logged it.
 """
 
 from __future__ import annotations
@@ -62,19 +63,24 @@ class MLflowTracker(Tracker):
         self.state = {"tracking_uri": _without_credentials(uri), "experiment_id": experiment, "run_id": self.run_id}
         self._batches(params=[Param(k, v) for k, v in self.run.params.items()],
                       tags=[RunTag(k, v) for k, v in self.run.tags.items()])
-        self.logged = set()
+        self.logged, self.buffer = set(), []
 
     def resume(self, state: dict, step: int) -> None:
         self.client = _client(os.environ.get("MLFLOW_TRACKING_URI") or state["tracking_uri"])
         self.state, self.run_id = dict(state), state["run_id"]
         self.client.update_run(self.run_id, status="RUNNING")
         self._batches(tags=[RunTag(k, v) for k, v in self.run.tags.items()])  # its parameters are logged already
-        self.logged = {m.step for m in self.client.get_metric_history(self.run_id, KEY_STEP)}
+        self.logged, self.buffer = {m.step for m in self.client.get_metric_history(self.run_id, KEY_STEP)}, []
 
     def log(self, steps) -> None:
         # A step trained again after a restart is left as the run has it: MLflow keeps every point logged.
-        items = [Metric(k, v, int(s.time * 1000), s.step) for s in steps if s.step not in self.logged
-                 for k, v in s.metrics.items()]
+        self.buffer += [Metric(k, v, int(s.time * 1000), s.step) for s in steps if s.step not in self.logged
+                        for k, v in s.metrics.items()]
+        if any((s.step + 1) % self.run.log_interval == 0 for s in steps):  # as often as the record is written
+            self.flush()
+
+    def flush(self) -> None:
+        items, self.buffer = self.buffer, []
         for i in range(0, len(items), BATCH["metrics"]):
             self.client.log_batch(self.run_id, metrics=items[i:i + BATCH["metrics"]])
 
@@ -83,6 +89,7 @@ class MLflowTracker(Tracker):
                 f"{self.state['tracking_uri']}")
 
     def finish(self, failed: bool = False) -> None:
+        self.flush()
         self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
 
     @classmethod

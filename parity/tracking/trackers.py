@@ -150,11 +150,11 @@ class RunTrackers:
                      f"records nothing more of this run; the loss record {self.record_path} has every step")
 
 
-def open_trackers(cfg, ctx, record, start: int, log) -> RunTrackers:
+def open_trackers(cfg, ctx, record, start: int, log, checkpointing: bool) -> RunTrackers:
     """The run's trackers on rank 0 (none elsewhere, or without --report_to): each continues the tracker run the
     record names (it came back with a checkpoint) at `start`, or starts a new one, given the steps the record
     already holds; the record keeps what names each run, from its next write on (and so its checkpoints)."""
-    trackers = RunTrackers(log, record.path, cfg.checkpoint_interval)
+    trackers = RunTrackers(log, record.path, cfg.checkpoint_interval if checkpointing else 0)
     if not cfg.report_to or not ctx.is_logging_rank:
         return trackers
     run = TrackedRun.of(record.data)

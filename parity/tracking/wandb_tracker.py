@@ -78,6 +78,7 @@ class WandbTracker(Tracker):
 
     def finish(self, failed: bool = False) -> None:
         self.wb.finish(exit_code=1 if failed else 0)
+        wandb.teardown()  # finish may return before wandb's service has written the run's files: now they are whole
         upload(self.local, self.remote)
 
     @classmethod

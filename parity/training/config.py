@@ -76,10 +76,11 @@ FLAGS = (
      {"action": "store_true", "help": "show Ray's, DeepSpeed's and torch's own output on the terminal (by default it "
                                       "goes to a log file in --loss_output_dir/logs, whose path is printed)"}),
     ("outputs", "loss_output_dir", "/tmp/loss_curves", {"help": "where loss_<strategy>.json goes"}),
-    ("outputs", "report_to", (),
+    ("outputs", "report_to", "none",
      {"nargs": "+", "metavar": "TRACKER", "help": "experiment trackers rank 0 logs every step, the config and the "
                                                  "fingerprint to, and the comparison its verdict: wandb, mlflow, "
-                                                 "tensorboard (one or several) or none (docs/running.md#trackers)"}),
+                                                 "tensorboard (one or several) or none "
+                                                 "(docs/running.md#experiment-trackers)"}),
     ("outputs", "storage_path", "/tmp/ray_checkpoints", {"help": "Ray Train RunConfig storage_path"}),
     ("outputs", "experiment_name", None, {"help": "Ray Train run name (default: <strategy>_tp<T>_dp<D>)"}),
     ("outputs", "init_weights_path", "/tmp/shared_weights/init_weights.pt",

@@ -152,7 +152,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
     checkpoints = Checkpoints(w, session, record, total_steps) if session else None
     start = checkpoints.resume() if checkpoints else 0  # [3]
-    w.trackers = trackers = open_trackers(cfg, ctx, record, start, log)
+    w.trackers = trackers = open_trackers(cfg, ctx, record, start, log, checkpoints is not None)
     if start:
         write_record(record, ctx)  # the record of the run resumed, not of the attempt that failed
 
