@@ -73,7 +73,7 @@ class WandbTracker(Tracker):
         run_dir = os.path.dirname(self.wb.dir.rstrip("/"))
         if self.wb.offline:
             uploaded = f" (uploaded to {self.remote} at the end)" if self.remote else ""
-            return f"wandb: offline run {self.wb.id} in {run_dir}{uploaded}: `wandb sync` of it uploads it"
+            return f"wandb: offline run {self.wb.id} in {run_dir}{uploaded}; `wandb sync {run_dir}` uploads it"
         return f"wandb: {self.wb.url}"
 
     def finish(self, failed: bool = False) -> None:
