@@ -18,11 +18,11 @@ import sys
 import pytest
 
 from conftest import CUSTOM, TINY, to_argv
-from tracker_readers import (as_float32, mlflow_run, mlflow_series, tensorboard, tensorboard_series, tensorboard_text,
-                             wandb_directories, wandb_run)
 from parity.commands.compare_curves import compare_and_report
 from parity.commands.train import main as train_main
 from parity.training.record import load_record
+from tracker_readers import (as_float32, mlflow_run, mlflow_series, tensorboard, tensorboard_series, tensorboard_text,
+                             wandb_directories, wandb_run)
 
 STEPS = 6
 RUN = {**TINY, "debug_steps": STEPS, "log_interval": 2, "learning_rate": 1e-4, "num_workers": 2, "batch_size": 2,
@@ -37,8 +37,8 @@ class MLflowRunDeleted(HandWrittenDP):
     name = "mlflow_deleted"
 
     def train_step(self, *args, **kwargs):
-        self.steps = getattr(self, "steps", 0) + 1
-        if self.steps == 4 and self.ctx.rank == 0:
+        self.trained = getattr(self, "trained", 0) + 1
+        if self.trained == 4 and self.ctx.rank == 0:
             from mlflow import MlflowClient
 
             client = MlflowClient({uri!r})
