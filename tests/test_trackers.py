@@ -209,8 +209,15 @@ def test_a_missing_tracker_library_is_one_line_before_anything_starts(tiny_weigh
     assert not (tmp_path / "loss").exists() and not (tmp_path / "ray").exists()
 
 
-def test_a_word_that_names_no_tracker_is_one_line(tiny_weights, tmp_path, capsys):
+def test_trackers_that_cannot_work_are_one_line(tiny_weights, tmp_path, monkeypatch, capsys):
+    """A word that names no tracker; MLflow's default database in an object store (no MLFLOW_TRACKING_URI)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     argv = to_argv({**RUN, "report_to": None, "init_weights_path": tiny_weights, "loss_output_dir": tmp_path / "loss"})
     assert train_main("ddp", argv=[*argv, "--report_to", "wandb", "comet"]) == 2
     assert capsys.readouterr().err == "error: --report_to comet: use wandb, mlflow, tensorboard (one or several) or none\n"
+    store = "s3://bucket/loss?region=us-east-1"
+    assert train_main("ddp", argv=[*argv, "--report_to", "mlflow", "--loss_output_dir", store]) == 2
+    assert capsys.readouterr().err == (f"error: --report_to mlflow: --loss_output_dir {store} is not a local folder, where "
+                                       f"MLflow's default sqlite database goes: set MLFLOW_TRACKING_URI to your tracking "
+                                       f"server (or to a database every node reaches)\n")
     assert not (tmp_path / "loss").exists()
