@@ -80,6 +80,7 @@ def tracked(tiny_weights, tmp_path_factory):
         for name in [n for n in os.environ if n.startswith(("WANDB_", "MLFLOW_"))]:
             mp.delenv(name)
         mp.setenv("NETRC", str(root / "no_netrc"))  # no `wandb login` either
+        mp.setenv("WANDB_ERROR_REPORTING", "false")  # nothing leaves this machine (MLflow's telemetry is off in tests)
         mp.syspath_prepend(str(root / "hooks"))
         runs = [plan("ddp", {**common, "strategy_class": cls})
                 for cls in (None, CUSTOM, "mlflow_run_deleted:MLflowRunDeleted")]
