@@ -29,6 +29,7 @@ from parity.commands.train import main as train_main
 from parity.comparing.tolerances import RESUMED_FP32
 from parity.training.checkpoints import damage
 from parity.training.record import load_record
+from tracker_readers import as_float32, tensorboard, tensorboard_series
 
 DDP = {"model_name": "qwen2-tiny", "seq_length": 64, "num_workers": 2, "batch_size": 2, "precision": "fp32", **PARITY}
 AFTER_A_FAILED_WRITE = ("the run stopped; its previous checkpoint and the loss record up to it are kept: make room "
@@ -177,7 +178,8 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(ddp_baseline,
                                                                    monkeypatch):
     """Half of step 12's state cut off: the run started again with --resume resumes from step 8, says so in its
     record, reports its checkpoint (with that step's metrics: Ray Train's report frequency) to a logger
-    callback, and ends on the same curve."""
+    callback, and ends on the same curve. It resumes with a tracker the run had not (--report_to is not part of a
+    run's identity): a new TensorBoard run, with the checkpoint's steps and the new ones, each once."""
     import ray.cloudpickle
 
     folder = copy_run(ddp_baseline, tmp_path)
@@ -187,10 +189,11 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(ddp_baseline,
     monkeypatch.setenv("RAY_TRAIN_CALLBACKS", "step_metrics.StepMetrics")
     monkeypatch.setenv(step_metrics.PATH_ENV, str(tmp_path / "reports.jsonl"))
     ray.cloudpickle.register_pickle_by_value(step_metrics)  # Ray Train's controller runs it; it cannot import tests/
-    record = train("ddp", tmp_path, init_weights_path=tiny_weights, resume=True, **DDP)
+    record = train("ddp", tmp_path, init_weights_path=tiny_weights, resume=True, report_to="tensorboard", **DDP)
     assert record["resumes"] == [{"checkpoint": os.path.join(folder, "step_000008"), "step": 8, "skipped": [
         f"{os.path.join(folder, 'step_000012')}: model_optimizer.pt has {size // 2} bytes, its manifest says {size}"]}]
     assert_same_curve(record, ddp_baseline)
+    assert tensorboard_series(tensorboard(record), "loss") == list(zip(range(12), as_float32(series(record, "loss"))))
     assert series(record, "step_time_s")[:8] == series(ddp_baseline, "step_time_s")[:8]  # kept by the checkpoint
     with open(tmp_path / "reports.jsonl") as f:
         reports = [json.loads(line) for line in f]

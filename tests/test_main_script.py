@@ -1,6 +1,7 @@
 """run_verification_main.sh end to end on CPU, as a newcomer runs it (shortened): five loss records,
 a figure, a report, verdict PASS, exit 0, also when a worker dies in each strategy (Ray Train restarts the group
-and the run resumes on its uninterrupted curve) — and a clear stop, non-zero, when a run fails."""
+and the run resumes on its uninterrupted curve), every run and the verdict in MLflow and TensorBoard — and a clear
+stop, non-zero, when a run fails."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import pytest
 import fault_hooks
 from conftest import REPO, assert_same_curve, run_main
 from parity.training.record import load_record
+from tracker_readers import as_float32, mlflow_run, mlflow_series, tensorboard, tensorboard_series
 
 KILLED = ("ddp", "deepspeed", "fsdp")
 
@@ -17,14 +19,15 @@ KILLED = ("ddp", "deepspeed", "fsdp")
 @pytest.fixture(scope="module")
 def four_runs(tmp_path_factory):
     """The seed's three strategies, the pipeline (2 stages × DP 2) and transformers' own TP + FSDP2 (in the TP runs'
-    worker group), at the shared
-    runs' lr and checkpoint interval (conftest's PARITY), rank 1 of DDP, DeepSpeed and FSDP killed before step 6
-    (test copies of their modules, tests/fault_hooks.py), once the checkpoint of step 4 is committed."""
+    worker group), at the shared runs' lr and checkpoint interval (conftest's PARITY), rank 1 of DDP, DeepSpeed and FSDP killed before step 6
+    (test copies of their modules, tests/fault_hooks.py), once the checkpoint of step 4 is committed; reported to
+    MLflow (its default database, beside the records) and TensorBoard."""
     root = tmp_path_factory.mktemp("main_job")
     for strategy in KILLED:
         fault_hooks.kill_once(root / "hooks", strategy, step=6)
     proc = run_main(root / "out", PYTHONPATH=str(root / "hooks"), STRATEGIES="ddp deepspeed fsdp pipeline transformers",
-                    LEARNING_RATE="1e-4", EXTRA_ARGS="--checkpoint_interval 4 --max_failures 1")
+                    LEARNING_RATE="1e-4", EXTRA_ARGS="--checkpoint_interval 4 --max_failures 1",
+                    REPORT_TO="mlflow tensorboard", MLFLOW_TRACKING_URI="", MLFLOW_EXPERIMENT_NAME="")
     return proc, root
 
 
@@ -67,6 +70,28 @@ def test_a_worker_killed_once_resumes_each_strategy_on_the_uninterrupted_curve(f
         assert record["resumes"] == [{"checkpoint": checkpoint, "step": 4, "skipped": []}]
         assert f"[{strategy}] resumed from {checkpoint} at step 4" in proc.stdout
         assert_same_curve(record, uninterrupted)
+
+
+def test_the_trackers_have_every_run_each_step_once_and_the_verdict(four_runs):
+    """One MLflow experiment holds the job's runs; the runs whose worker group restarted continued their tracker runs
+    from the checkpoint of step 4, and every step is in them once: MLflow's value the record's exactly, TensorBoard's
+    its float32 rounding. Every run's summary holds the verdict."""
+    proc, root = four_runs
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    experiments = set()
+    for strategy in ("ddp", "deepspeed", "fsdp", "pipeline", "transformers"):
+        record = load_record(str(root / "out" / "loss_curves" / f"loss_{strategy}.json"))
+        events = tensorboard(record)
+        for key in ("loss", "grad_norm", "param_norm"):
+            assert mlflow_series(record, key) == [(s["step"], s[key]) for s in record["steps"]], (strategy, key)
+            assert tensorboard_series(events, key) == list(zip(range(12), as_float32(s[key] for s in record["steps"]))), \
+                (strategy, key)
+        _, run = mlflow_run(record)
+        experiments.add(run.info.experiment_id)
+        assert (run.info.status, run.data.tags["comparison/verdict"]) == ("FINISHED", "PASS")
+        assert run.data.tags["fingerprint.shared_code_sha256"] == record["config"]["fingerprint"]["shared_code_sha256"]
+    assert len(experiments) == 1
+    assert "trackers: the verdict, the figure and the reports added to 5 mlflow runs, 5 tensorboard runs" in proc.stdout
 
 
 def test_a_bad_run_configuration_stops_the_job_before_any_run(tmp_path):

@@ -2,8 +2,9 @@
 are whole or absent; the user's umask; the check of a URI before any worker runs. Then one real Ray Train
 run per store — a local filesystem URI (file://) and an S3-compatible server on this machine (moto's
 ThreadedMotoServer, the `test` extra) — that writes every output there and reads it back: the initial
-weights (written by rank 0, read by every rank), the loss record, the final checkpoint, and
-plot_loss_curves.py's figure and reports from the records it reads there."""
+weights (written by rank 0, read by every rank), the loss record, the final checkpoint, TensorBoard's event files
+(--report_to: uploaded from rank 0's node to an object store), and plot_loss_curves.py's figure and reports from the
+records it reads there."""
 
 import json
 import logging
@@ -15,6 +16,7 @@ import pytest
 from conftest import PARITY, assert_fp32_parity, checkpoint_loss, train
 from parity import storage
 from parity.errors import ConfigError
+from tracker_readers import as_float32, tensorboard, tensorboard_series, tensorboard_text
 
 BUCKET = "parity"
 
@@ -156,13 +158,13 @@ def test_uris_are_checked_before_any_worker(s3_endpoint, tmp_path, tiny_weights,
 @pytest.fixture(scope="module", params=["file", "s3"])
 def store_run(request, ray_cluster, s3_endpoint, tmp_path_factory):
     """FSDP TP=2 × DP=1 (global batch 4, as the DDP baseline) with every path on the store: rank 0 writes the
-    initial weights there (--save_init_weights), every rank loads them from there."""
+    initial weights there (--save_init_weights), every rank loads them from there; reported to TensorBoard."""
     store = store_location(request.param, s3_endpoint, tmp_path_factory.mktemp(f"store_{request.param}"))
     record = train("fsdp", tmp_path_factory.mktemp("unused"), num_workers=2, tp_size=2, batch_size=4,
                    precision="fp32", save_init_weights=True,
                    init_weights_path=storage.join(store, "shared_weights", "init_weights.pt"),
                    loss_output_dir=storage.join(store, "loss_curves"),
-                   storage_path=storage.join(store, "ray_checkpoints"), **PARITY)
+                   storage_path=storage.join(store, "ray_checkpoints"), report_to="tensorboard", **PARITY)
     return store, record
 
 
@@ -190,8 +192,19 @@ def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baselin
     # written there.
     storage.write_json_atomic(storage.join(loss_dir, "loss_ddp.json"), ddp_baseline)
     assert plot_loss_curves(["--input_dir", loss_dir, "--output", storage.join(loss_dir, "loss_curves.png")]) == 0
-    assert all_files(loss_dir) == ["curve_comparison.json", "curve_report.md", "logs/fsdp_tp2_dp1.log",
-                                   "loss_curves.png", "loss_ddp.json", "loss_fsdp.json"]
+    events = [f for f in all_files(loss_dir) if f.startswith("tensorboard/")]
+    assert [f for f in all_files(loss_dir) if f not in events] == [
+        "curve_comparison.json", "curve_report.md", "logs/fsdp_tp2_dp1.log", "loss_curves.png", "loss_ddp.json",
+        "loss_fsdp.json"]
+    # TensorBoard's run: the training's events and the comparison's, in the run's folder on the store
+    log_dir = record["trackers"]["tensorboard"]["log_dir"]
+    assert len(events) == 2 and {posixpath.dirname(f) for f in events} == {
+        f"tensorboard/fsdp_tp2_dp1/{storage.name(log_dir)}"}
+    (tmp_path / "tensorboard").mkdir()
+    copy_files(log_dir, str(tmp_path / "tensorboard"))
+    read = tensorboard({"trackers": {"tensorboard": {"log_dir": str(tmp_path / "tensorboard")}}})
+    assert tensorboard_series(read, "loss") == list(zip(range(12), as_float32(s["loss"] for s in record["steps"])))
+    assert "| comparison/verdict | `PASS` |" in tensorboard_text(read, "comparison/summary")[0][1]
     assert storage.read_bytes(storage.join(loss_dir, "loss_curves.png"))[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads(storage.read_text(storage.join(loss_dir, "curve_comparison.json")))
     assert (summary["verdict"], summary["runs"]["fsdp"]["file"], summary["figure"]) == (

@@ -29,12 +29,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", tolerance: float | None = None,
                        grad_norm_tolerance: float | None = None, allow_incomplete: bool = False,
                        allow_fingerprint_mismatch: bool = False) -> int:
-    """Compare, print the statistics block and the verdicts, write the outputs; returns the exit code
-    (0 PASS, 1 FAIL). Raises ConfigError (NotComparable, RecordError) before anything is written."""
+    """Compare, print the statistics block and the verdicts, write the outputs and add them to the experiment
+    trackers the records name (--report_to; a tracker that fails is a warning); returns the exit code (0 PASS, 1
+    FAIL). Raises ConfigError (NotComparable, RecordError) before anything is written."""
     from parity import storage
     from parity.comparing.curve_report import statistics_text, write_outputs
     from parity.comparing.curves import compare, load_references, load_runs
     from parity.comparing.figures import figure_format
+    from parity.tracking.trackers import report_comparison
 
     figure_format(output)
     comparison = compare(load_runs(input_dir), baseline, tolerance, allow_incomplete, grad_norm_tolerance,
@@ -49,6 +51,8 @@ def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", toler
         print(f"error: cannot write the outputs beside {output} ({exc.strerror or exc})", file=sys.stderr)
         return 2
     print(f"\nwrote {', '.join(written)}")
+    for line in report_comparison(comparison, written):
+        print(line, file=sys.stderr if line.startswith("warning") else sys.stdout)
     return 0 if comparison.passed else 1
 
 

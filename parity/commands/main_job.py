@@ -45,6 +45,8 @@ SETTINGS = (
     ("TOLERANCE", float, None, "override the verdict's relative loss tolerance [calibrated, or from the precision]"),
     ("NOISE_REFERENCE", str, "auto", "run DDP's twins to calibrate the verdict: on | off | auto (on in bf16)"),
     ("PYTHON", str, None, "the interpreter to run under [python3]"),
+    ("REPORT_TO", str, "none", "experiment trackers of every run and of the comparison: wandb mlflow tensorboard "
+                              "(space-separated) or none; one group (W&B) / experiment (MLflow) holds the job's runs"),
     ("EXTRA_ARGS", str, "", "more train_*.py flags for every run (a strategy's own flags go to that strategy)"),
     ("VERBOSE", str, "off", "on: Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/main_job.log"),
 )
@@ -172,7 +174,7 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
         "num_layers": args.num_layers, "batch_size": args.batch_size,
         "seq_length": args.seq_length or (1024 if on_gpu else 256), "debug_steps": args.debug_steps,
         "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "log_interval": args.log_interval,
-        "precision": args.precision, "device": args.device,
+        "precision": args.precision, "device": args.device, "report_to": args.report_to,
         "loss_output_dir": storage.join(out, "loss_curves"),
         "init_weights_path": storage.join(out, "shared_weights", "init_weights.pt"),
     }

@@ -31,7 +31,8 @@ OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2
 # Config entries that differ between strategies by design: not suspects when a run FAILs.
 LAYOUT_AND_PLACES = ("strategy", "num_workers", "tp_size", "dp_size", "world_size", "batch_size", "cpus_per_worker",
                      "experiment_name", "final_checkpoint_dir", "loss_output_dir", "storage_path", "noise_reference",
-                     "init_weights_path", "save_init_weights", "worker_nodes", "fingerprint", "resume", "verbose")
+                     "init_weights_path", "save_init_weights", "worker_nodes", "fingerprint", "resume", "verbose",
+                     "report_to")
 # Per-step entries every run must share with the baseline: (field, what differs, in words).
 STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
                    ("lr", "use different learning rates"))

@@ -78,6 +78,11 @@ FLAGS = (
      {"action": "store_true", "help": "show Ray's, DeepSpeed's and torch's own output on the terminal (by default it "
                                       "goes to a log file in --loss_output_dir/logs, whose path is printed)"}),
     ("outputs", "loss_output_dir", "/tmp/loss_curves", {"help": "where loss_<strategy>.json goes"}),
+    ("outputs", "report_to", "none",
+     {"nargs": "+", "metavar": "TRACKER", "help": "experiment trackers rank 0 logs every step, the config and the "
+                                                 "fingerprint to, and the comparison its verdict: wandb, mlflow, "
+                                                 "tensorboard (one or several) or none "
+                                                 "(docs/running.md#experiment-trackers)"}),
     ("outputs", "storage_path", "/tmp/ray_checkpoints", {"help": "Ray Train RunConfig storage_path"}),
     ("outputs", "experiment_name", None, {"help": "Ray Train run name (default: <strategy>_tp<T>_dp<D>)"}),
     ("outputs", "init_weights_path", "/tmp/shared_weights/init_weights.pt",
@@ -138,6 +143,7 @@ class RunConfig:
     tokenizer: str
     log_interval: int
     loss_output_dir: str
+    report_to: tuple[str, ...]  # the experiment trackers (parity/tracking); not part of the run's identity
     storage_path: str
     experiment_name: str
     init_weights_path: str
@@ -197,6 +203,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     the layer check's driver writes it before this run launches; only its directory is checked.
     """
     from parity.registry import class_path, strategy_class
+    from parity.tracking import trackers
     from parity.training.cluster import probe_cluster
     from parity.training.data import check_source
     from parity.training.model import check_init_weights, resolve_model_config
@@ -245,6 +252,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     s["device"], s["precision"], s["cpus_per_worker"], spread = _placement(s, cluster)
     if spread:
         _check_every_node_sees(s, cluster)
+    s["report_to"] = trackers.check(s["report_to"], s["loss_output_dir"], spread)
     if s["save_init_weights"] or weights_written_before_launch:
         if os.path.isdir(s["init_weights_path"]):
             raise ConfigError(f"--init_weights_path {s['init_weights_path']} is a directory: give the file to write "
@@ -282,6 +290,8 @@ def check_heads(tp_size: int, num_attention_heads: int, num_key_value_heads: int
 
 def _typed(name: str, value, kind):
     """A flag's value as its parser would have made it, whoever passed it (a command, a test)."""
+    if isinstance(value, (list, tuple)):  # a flag of several values (--report_to)
+        return tuple(_typed(name, v, kind) for v in value)
     if kind is int:
         if isinstance(value, bool) or not float(value).is_integer():
             raise ConfigError(f"--{name} must be an integer (got {value})")

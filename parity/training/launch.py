@@ -13,6 +13,7 @@ import os
 from parity import console, storage
 from parity.errors import COLLATERAL, TrainingFailed
 from parity.registry import module_folder
+from parity.tracking.trackers import worker_environment
 from parity.training.checkpoints import replace_run_folder
 from parity.training.cluster import ensure_ray
 from parity.training.config import RunConfig
@@ -92,7 +93,7 @@ def world_groups(cfgs: list[RunConfig]) -> list[list[RunConfig]]:
 def _fit(cfgs: list[RunConfig], worker, loop_config: dict, storage_path: str, name: str, keep: int) -> None:
     """One TorchTrainer for `cfgs` (one world size): their workers and resources, Ray Train's folder
     <storage_path>/<name>, the last `keep` checkpoints kept (0: all); the folders of users' own strategy modules
-    on the workers' PYTHONPATH."""
+    on the workers' PYTHONPATH, and the experiment trackers' variables (WANDB_*, MLFLOW_*) in their environment."""
     from ray import cloudpickle
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -100,6 +101,8 @@ def _fit(cfgs: list[RunConfig], worker, loop_config: dict, storage_path: str, na
     cfg = cfgs[0]
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_cuda else {})}
     own = os.pathsep.join(dict.fromkeys(f for c in cfgs if c.strategy_class and (f := module_folder(c.strategy_class))))
+    env = {**worker_environment(cfgs),
+           **({"PYTHONPATH": os.pathsep.join(filter(None, [own, os.environ.get("PYTHONPATH")]))} if own else {})}
     trainer = TorchTrainer(
         run_packed,
         train_loop_config={"packed": cloudpickle.dumps((worker, loop_config))},
@@ -108,8 +111,7 @@ def _fit(cfgs: list[RunConfig], worker, loop_config: dict, storage_path: str, na
         run_config=RayRunConfig(storage_path=storage_path, name=name,
                                 failure_config=FailureConfig(max_failures=_max_failures(cfgs)),
                                 checkpoint_config=CheckpointConfig(num_to_keep=keep or None),
-                                worker_runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                                    filter(None, [own, os.environ.get("PYTHONPATH")]))}} if own else None),
+                                worker_runtime_env={"env_vars": env} if env else None),
         torch_config=TorchConfig(backend="nccl" if cfg.use_cuda else "gloo"),
     )
     try:

@@ -5,7 +5,8 @@
 [3] under Ray Train: resume from the run's latest checkpoint when it has one (parity/training/checkpoints.py)
 [4] each step: the global batch of that step, this DP rank's slice, one train step
 [5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval;
-    under Ray Train a checkpoint every checkpoint_interval and at the end, reported with that step's metrics
+    under Ray Train a checkpoint every checkpoint_interval and at the end, reported with that step's metrics; with
+    --report_to, rank 0 logs each step's record entry to the experiment trackers (parity/tracking)
 [6] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
     backward and after the step, and keeps the peak
 [7] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
@@ -23,7 +24,7 @@ import platform
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -33,6 +34,7 @@ from parity.console import marked
 from parity.errors import COLLATERAL, RunStopped
 from parity.fingerprint import fingerprint
 from parity.registry import strategy_class
+from parity.tracking.trackers import RunTrackers, open_trackers
 from parity.training.checkpoints import Checkpoints, RayTrainSession, agree, run_dir, write_problem
 from parity.training.cluster import ray_is_up
 from parity.training.config import RunConfig
@@ -58,6 +60,7 @@ class Worker:
     weights_sha: str
     num_params: int  # Ψ: the model's parameters, each once (a tied weight once)
     setup_s: float  # building the model, loading the weights, the strategy's setup
+    trackers: RunTrackers = field(default_factory=RunTrackers)  # rank 0's, once train() opens them
 
 
 def start_worker(payload: dict, resuming: bool = False) -> Worker:
@@ -101,7 +104,11 @@ def train_group_worker(payload: dict) -> dict | None:
                 line = f"== [{i + 1}/{len(runs)}] {run['title']}"
                 print(marked(line) if to_terminal else line, flush=True)
             resuming = session.resuming() if session else False
-            train(start_worker({"terminal": to_terminal, **run}, resuming=resuming), run["batches"], session)
+            worker = start_worker({"terminal": to_terminal, **run}, resuming=resuming)
+            try:
+                train(worker, run["batches"], session)
+            finally:
+                worker.trackers.close()  # a run that stopped: its tracker runs end as failed
         except RunStopped as exc:
             return {"stopped": str(exc)}
         except Exception as exc:  # the user sees it now, before Ray Train restarts the group or gives up
@@ -145,6 +152,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
     checkpoints = Checkpoints(w, session, record, total_steps) if session else None
     start = checkpoints.resume() if checkpoints else 0  # [3]
+    w.trackers = trackers = open_trackers(cfg, ctx, record, start, log, checkpoints is not None)
     if start:
         write_record(record, ctx)  # the record of the run resumed, not of the attempt that failed
 
@@ -167,6 +175,8 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
                       peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s)
         stats.harness_s["record"] = time.perf_counter() - r0
+        if trackers:
+            stats.harness_s["trackers"] = trackers.log_step(record.steps[-1])
         done = step + 1
         if checkpoints and checkpoints.due(done, total_steps):
             c0 = time.perf_counter()
@@ -201,6 +211,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
 
     agree(write_problem(finish, f"the final model {cfg.final_checkpoint_dir} or the loss record {record.path}",
                         errors=(Exception,)))  # safetensors raises its own errors
+    trackers.finish()
     log(f"done: loss record {record.path}, final model {cfg.final_checkpoint_dir}")
 
 

@@ -46,14 +46,17 @@ class LossRecord:
         return self.data["steps"]
 
     def progress(self) -> dict:
-        """What a checkpoint keeps of the record: the steps so far and the resumes that led to them."""
-        return {"steps": self.steps, "resumes": self.data["resumes"]}
+        """What a checkpoint keeps of the record: the steps so far, the resumes that led to them, and the tracker runs
+        the steps went to (--report_to: a resumed run continues them)."""
+        return {"steps": self.steps, "resumes": self.data["resumes"], "trackers": self.data.get("trackers", {})}
 
     def resume(self, progress: dict, checkpoint: str, skipped: list[str]) -> None:
         """Continue the record a checkpoint kept, noting where from and which damaged checkpoints were passed over."""
         self.data["steps"] = list(progress["steps"])
         self.data["resumes"] = [*progress["resumes"], {"checkpoint": checkpoint, "step": len(progress["steps"]),
                                                        "skipped": skipped}]
+        if progress.get("trackers"):
+            self.data["trackers"] = dict(progress["trackers"])
 
     def append(self, **step) -> None:
         missing = set(STEP_FIELDS) - set(step)
