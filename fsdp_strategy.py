@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from parity.errors import ConfigError
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
+from parity.training.replicas import Replica, mesh_replica_ranks, moments
 from parity.training.strategy import Option, Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
 
 MIXED_PRECISION = ("autocast", "policy")
@@ -260,7 +261,7 @@ class FSDPStrategy(Strategy):
         if self.cfg.compile:
             apply_compile(model)
         apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg), offload_policy(self.cfg))
-        self.tp_mesh = mesh["tp"]
+        self.mesh, self.tp_mesh = mesh, mesh["tp"]
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.cfg)
 
@@ -291,6 +292,19 @@ class FSDPStrategy(Strategy):
 
     def parameter_norm(self) -> float:
         return global_norm(list(self.model.parameters()))
+
+    def replicas(self) -> list[Replica]:
+        """Each parameter's local shard that other ranks hold too, and its moments: a parameter TP leaves whole (the
+        embedding = lm_head, the RMSNorms; their DTensors on the "dp" mesh, or Replicate over "tp" in the sequence-
+        parallel plan) has the same dp shard on every rank of a TP group. TP-sharded parameters are on no two ranks
+        alike, and with --tp_size 1 nothing is (FSDP2 shards everything over dp). The TP ranks compute these copies'
+        gradients each from the same replicated activations: the same bits where the kernels are deterministic
+        (docs/fsdp.md#replicas)."""
+        if not hasattr(self, "_replicated"):  # a parameter's placements do not change: its ranks are found once
+            self._replicated = [(name, p, ranks) for name, p in self.model.named_parameters()
+                                for ranks in [mesh_replica_ranks(self.mesh, p)] if len(ranks) > 1]
+        return [r for name, p, ranks in self._replicated
+                for r in (Replica(name, ranks, p.to_local()), *moments(self.optimizer, p, name, ranks, DTensor.to_local))]
 
     def model_state_bytes(self) -> dict:
         """Each parameter's local shard (its dp × tp piece: the optimizer's parameters), its gradient's, and
