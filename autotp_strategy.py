@@ -166,10 +166,10 @@ class DeepSpeedStrategy(Strategy):
         """What ranks hold alike under AutoTP + ZeRO (DeepSpeed 0.19.8), each with its ranks ([7]):
         - stages 1/2: the module's parameters, whole on every rank (ZeRO all-gathers them from the master partitions
           after each step) — a TP shard on the ranks of its tp_rank, a parameter AutoTP leaves whole (norms, a
-          row-parallel layer's bias) on every rank; and the fp32 master fragment and moments of such a whole
-          parameter, on the TP group of their DP partition: the flat partitions of the ranks of a TP group hold
-          the same parameters at the same offsets (the piece names the fragment's elements);
-        - stage 3: a whole parameter's ZeRO-3 partition, fp32 master partition and moments, on the TP group of
+          row-parallel layer's bias) on every rank; and the master fragment (fp32; bf16 with --bf16_master_weights)
+          and moments of such a whole parameter, on the TP group of their DP partition: the flat partitions of the
+          ranks of a TP group hold the same parameters at the same offsets (the piece names the fragment's elements);
+        - stage 3: a whole parameter's ZeRO-3 partition, master partition and moments, on the TP group of
           their DP partition (TP shards and their partitions are on no two ranks alike)."""
         from deepspeed.runtime.utils import is_model_parallel_parameter
         from deepspeed.utils import safe_get_local_fp32_param
@@ -184,7 +184,7 @@ class DeepSpeedStrategy(Strategy):
             if self.zero_stage == 3:
                 if whole and ctx.tp_size > 1:
                     found += [Replica(name, same_partition, p.ds_tensor, "ZeRO-3 partition"),
-                              Replica(name, same_partition, safe_get_local_fp32_param(p), "fp32 master"),
+                              Replica(name, same_partition, safe_get_local_fp32_param(p), "master"),
                               *(Replica(name, same_partition, _zero3_moment(p, key), key) for key in MOMENTS)]
                 continue
             ranks = everyone if whole else same_shard
@@ -195,7 +195,7 @@ class DeepSpeedStrategy(Strategy):
                 start = fragment.lp_fragment_address.start
                 piece = f"[{start}:{start + fragment.lp_fragment_address.numel}]"
                 states = fragment.optim_fragment or {}
-                found += [Replica(name, same_partition, fragment.hp_fragment, "fp32 master", piece),
+                found += [Replica(name, same_partition, fragment.hp_fragment, "master", piece),
                           *(Replica(name, same_partition, states.get(key), key, piece) for key in MOMENTS)]
         return found
 

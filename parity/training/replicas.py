@@ -8,9 +8,10 @@ So after a step every rank digests each tensor it declared, the digests go round
 when they differ is the tensor itself sent to its group, to say by how much (docs/running.md#replicas).
 
 The digest reads exact bits. A tensor's bytes are read as signed integer words (16-bit words of a 2-byte dtype,
-32-bit ones otherwise), w_0 … w_{n-1}; its digest is (n, S, W) with S = Σ w_i and W = Σ (i + 1)·w_i, both modulo
-the prime P = 2^31 − 1. A change of one word moves S; a swap of two moves W ((p − q)·d ≢ 0 mod P for |d| < P
-and positions closer than P); any change of one or two words moves the pair. It is computed exactly, in any
+32-bit ones otherwise), w_0 … w_{n-1}; its digest is (n, S, W) with S = Σ w_i, an exact integer, and
+W = Σ (i + 1)·w_i modulo the prime P = 2^31 − 1. A change of one word moves S; a swap of two words, or two changes
+that S does not see, move W by (p − q)·d mod P, not 0 for positions closer than P unless the words differ by a
+multiple of P (bit patterns such as −0.0 against a NaN). It is computed exactly, in any
 order, which is what makes it comparable across ranks: the words are copied into a float64 buffer in rows of
 ROW words, and each row's Σ w_j (|·| < 2^42) and Σ (j + 1)·w_j (|·| < 2^51) are sums of integers below 2^53 —
 exact in float64 whatever the order a kernel adds them in (a CPU's vector lanes, a GPU's tree); the rows are
@@ -44,7 +45,7 @@ class Replica:
     ranks: tuple[int, ...]  # every rank that holds it, this one among them, ascending
     tensor: torch.Tensor | None  # this rank's copy, a plain tensor; None while it does not exist (Adam's moments
     # before the first step): then no rank of `ranks` may hold it
-    what: str = "parameter"  # "parameter", "exp_avg", "exp_avg_sq", "fp32 master", "ZeRO-3 partition", ...
+    what: str = "parameter"  # "parameter", "exp_avg", "exp_avg_sq", "master", "ZeRO-3 partition", ...
     piece: str = ""  # which part of the parameter, where a rank holds a part: "[0:64]" (its flat elements)
 
     @property
@@ -65,8 +66,9 @@ def ranks_text(groups: list[list[int]]) -> str:
 
 
 def parting_line(step: int, found: dict) -> str:
-    """One line for a check that found copies parted (`found`: its record entry): the first parted tensor in
-    declaration order, its ranks grouped by the bits they hold, the largest difference, how many more parted."""
+    """One line for a check that found copies parted (`found`: its record entry): the first tensor it lists (the
+    parameter whose copies moved apart most), its ranks grouped by the bits they hold, the max |difference|, how many
+    more parted."""
     first = found["tensors"][0]
     diff = (f"max |difference| {first['max_abs_diff']:.3e}" if first.get("max_abs_diff") is not None
             else "their sizes differ, or some do not hold it")
@@ -202,11 +204,13 @@ class Digester:
             torch.sum(block, 1, out=row_sums[done:done + rows])
             torch.mv(block, self._weights[device], out=row_weighted[done:done + rows])
             done += rows
-        s_row = row_sums.to(torch.int64).remainder_(MODULUS)
-        w_row = (layout.row_start * s_row + row_weighted.to(torch.int64).remainder_(MODULUS)).remainder_(MODULUS)
+        s_row = row_sums.to(torch.int64)  # exact: |Σ| < 2^42 a row, < 2^63 a tensor of fewer than 2^32 words
+        w_row = (layout.row_start * s_row.remainder(MODULUS)
+                 + row_weighted.to(torch.int64).remainder_(MODULUS)).remainder_(MODULUS)
         sw = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
         sw.index_add_(0, layout.row_tensor, torch.stack([s_row, w_row], 1))
-        return torch.cat([counts[:, None], sw.remainder_(MODULUS)], 1)
+        sw[:, 1].remainder_(MODULUS)
+        return torch.cat([counts[:, None], sw], 1)
 
     def _buffer(self, device: torch.device, rows: int) -> torch.Tensor:
         if device not in self._buffers or self._buffers[device].numel() < rows * ROW:
