@@ -14,6 +14,8 @@ Only what differs from DDP is here; the numbered comments match docs/deepspeed.m
 [5] Full tensors: ZeRO partitions gathered over DP by DeepSpeed's safe_get_full_* helpers, TP shards by
     each AutoTP layer's own gather_params.
 [6] Checkpoints: the engine's own save_checkpoint / load_checkpoint (every rank its model and ZeRO files).
+[7] Replicas: what ranks hold alike — whole parameters, TP shards over DP, master fragments and moments of the
+    parameters AutoTP leaves whole — for the loop's check that they stay alike.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from parity.errors import ConfigError, LibraryMissing
 from parity.training.families import family_of
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
+from parity.training.replicas import MOMENTS, Replica
 from parity.training.strategy import Option, Strategy, build_optimizer, set_lr, squared_norm_fp64
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -164,6 +167,43 @@ class DeepSpeedStrategy(Strategy):
             sums[0] = sharded[0]
         return math.sqrt(float(sums.sum()))
 
+    def replicas(self) -> list[Replica]:
+        """What ranks hold alike under AutoTP + ZeRO (DeepSpeed 0.19.8), each with its ranks ([7]):
+        - stages 1/2: the module's parameters, whole on every rank (ZeRO all-gathers them from the master partitions
+          after each step) — a TP shard on the ranks of its tp_rank, a parameter AutoTP leaves whole (norms, a
+          row-parallel layer's bias) on every rank; and the master fragment (fp32; bf16 with --bf16_master_weights)
+          and moments of such a whole parameter, on the TP group of their DP partition: the flat partitions of the
+          ranks of a TP group hold the same parameters at the same offsets (the piece names the fragment's elements);
+        - stage 3: a whole parameter's ZeRO-3 partition, master partition and moments, on the TP group of
+          their DP partition (TP shards and their partitions are on no two ranks alike)."""
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        ctx = self.ctx
+        everyone = tuple(range(ctx.world_size))
+        same_shard = tuple(d * ctx.tp_size + ctx.tp_rank for d in range(ctx.dp_size))
+        same_partition = tuple(ctx.dp_rank * ctx.tp_size + t for t in range(ctx.tp_size))
+        found = []
+        for name, p in self.engine.module.named_parameters():
+            whole = not is_model_parallel_parameter(p)
+            if self.zero_stage == 3:
+                if whole and ctx.tp_size > 1:
+                    found += [Replica(name, same_partition, p.ds_tensor, "ZeRO-3 partition"),
+                              Replica(name, same_partition, safe_get_local_fp32_param(p), "master"),
+                              *(Replica(name, same_partition, _zero3_moment(p, key), key) for key in MOMENTS)]
+                continue
+            ranks = everyone if whole else same_shard
+            if len(ranks) > 1:
+                found.append(Replica(name, ranks, p))
+            fragment = getattr(p, "_hp_mapping", None)
+            if whole and ctx.tp_size > 1 and fragment is not None:
+                start = fragment.lp_fragment_address.start
+                piece = f"[{start}:{start + fragment.lp_fragment_address.numel}]"
+                states = fragment.optim_fragment or {}
+                found += [Replica(name, same_partition, fragment.hp_fragment, "master", piece),
+                          *(Replica(name, same_partition, states.get(key), key, piece) for key in MOMENTS)]
+        return found
+
     def model_state_bytes(self) -> dict:
         """Where ZeRO keeps the model states (DeepSpeed 0.19.8; docs/benchmark.md has what each stage holds):
         the working parameters (stages 1/2: views of the flat buffers bit16_groups_flat, whole on every rank;
@@ -294,6 +334,16 @@ class DeepSpeedStrategy(Strategy):
             for (name, _), t in zip(named, tensors):
                 full[f"{module_name}.{name}" if module_name else name] = t.float().cpu()
         return full
+
+
+def _zero3_moment(param, key: str) -> torch.Tensor | None:
+    """A ZeRO-3 parameter's partition of an AdamW moment; None before the optimizer's first step made it."""
+    from deepspeed.utils import safe_get_local_optimizer_state
+
+    try:
+        return safe_get_local_optimizer_state(param, key)
+    except KeyError:
+        return None
 
 
 def import_deepspeed(device: torch.device):

@@ -312,7 +312,7 @@ class FSDPStrategy(DTensorStrategy):
         if self.cfg.compile:
             apply_compile(model)
         apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg), offload_policy(self.cfg))
-        self.tp_mesh = mesh["tp"]
+        self.mesh, self.tp_mesh = mesh, mesh["tp"]
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.cfg)
 

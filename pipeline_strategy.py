@@ -48,6 +48,7 @@ from parity.errors import ConfigError
 from parity.training.families import family_of
 from parity.training.model import parameter_names
 from parity.training.memory import GRADS, PARAMS, StateLedger
+from parity.training.replicas import Replica, moments
 from parity.training.strategy import (ModuleRecords, Option, Strategy, build_optimizer, clip_coefficient, loss_sum, squared_norm_fp64,
                                       step_optimizer)
 
@@ -446,6 +447,22 @@ class PipelineStrategy(Strategy):
         """The layers ÷ pp_size, plus what no pipeline splits: a rank at either end holds the tied embedding (the
         last its copy) and the final norm besides its layers."""
         return self.layer_params / self.P + (num_params - self.layer_params)
+
+    def replicas(self) -> list[Replica]:
+        """Each stage's parameters and their moments on every DP rank of the stage (its DP all-reduce makes them from
+        one value), and the tied weight's two copies — the embedding's on the first stage, lm_head's on the last — as
+        one replica of both ranks of every pipeline, under the embedding's name (the sum of their gradients makes them
+        from one)."""
+        P, D, me = self.P, self.ctx.dp_size, self.ctx.pp_rank
+        ends = tuple(sorted({d * P + r for d in range(D) for r in (0, (self.num_stages - 1) % P)}))
+        stage = tuple(d * P + me for d in range(D))
+        found = []
+        for name, p in self.model.named_parameters():
+            tied = self.tied and name in (self.embed_name, self.head_name)
+            ranks, name = (ends, self.embed_name) if tied else (stage, name)
+            if len(ranks) > 1:
+                found += [Replica(name, ranks, p), *moments(self.optimizer, p, name, ranks)]
+        return found
 
     def model_state_bytes(self) -> dict:
         """This rank's stages: their parameters (the last stage's copy of the tied weight included), gradients and

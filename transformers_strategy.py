@@ -85,7 +85,7 @@ class TransformersStrategy(DTensorStrategy):
         mesh = self.model._device_mesh
         if mesh is not None:  # [2]
             assert (mesh["fsdp"].get_local_rank(), mesh["tp"].get_local_rank()) == (self.ctx.dp_rank, self.ctx.tp_rank)
-            self.tp_mesh = mesh["tp"]
+            self.mesh, self.tp_mesh = mesh, mesh["tp"]
         if self.cfg.activation_checkpointing:  # the model's own, as a Hugging Face user enables it
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()

@@ -130,6 +130,7 @@ PARITY = {"debug_steps": 12, "learning_rate": 1e-4, "device": "cpu", "log_interv
 
 
 CUSTOM = "my_strategy:HandWrittenDP"  # docs/custom_strategy.md's example, tests/my_strategy.py
+BUGS = "parity.calibration.bugs"  # the seeded-bug copies, by import path
 FP32, BF16 = {"precision": "fp32"}, {"precision": "bf16"}
 DDP_DP2 = {"num_workers": 2, "batch_size": 2}
 TP2_DP2 = {"num_workers": 4, "tp_size": 2, "batch_size": 2}
@@ -163,7 +164,14 @@ LOCAL_RUNS = {
     "fsdp_tp2_dp1_clip": ("fsdp", {"num_workers": 2, "tp_size": 2, "batch_size": 4, **FP32, "max_grad_norm": CLIP}),
     "fsdp_bf16_autocast": ("fsdp", {**TP2_DP2, **BF16, "mixed_precision": "autocast"}),
     "fsdp_bf16_policy": ("fsdp", {**TP2_DP2, **BF16, "mixed_precision": "policy"}),
+    # replicas that part (tests/test_replicas.py): the catalogue's DDP copy, and two of the issue's, in test copies;
+    # ddp_clip checks its replicas every 5 steps (and at the end) instead of every step
+    "bug_ddp_tied_unreduced": ("ddp", {**DDP_DP2, **FP32, "strategy_class": f"{BUGS}:DDPTiedEmbeddingUnreduced"}),
+    "bug_ddp_skips_an_update": ("ddp", {**DDP_DP2, **FP32, "strategy_class": f"{BUGS}:DDPReplicaSkipsAnUpdate"}),
+    "bug_deepspeed_local_clip": ("deepspeed", {**TP2_DP2, **FP32, "max_grad_norm": CLIP,
+                                               "strategy_class": f"{BUGS}:DeepSpeedClippedWithRankLocalNorm"}),
 }
+LOCAL_RUNS["ddp_clip"][1]["replica_check_interval"] = 5
 
 
 @pytest.fixture(scope="session")
@@ -297,6 +305,18 @@ def assert_fp32_parity(run: dict, baseline: dict) -> None:
     assert max_rel_diff(series(run, "grad_norm"), series(baseline, "grad_norm")) < FP32_RTOL
     assert max_rel_diff(series(run, "param_norm"), series(baseline, "param_norm")) < FP32_RTOL
     assert max_abs_param_diff(final_parameters(run), final_parameters(baseline)) < FINAL_PARAMETERS_ATOL_FP32
+
+
+def assert_replicas_held(run: dict, groups: int | None = None) -> None:
+    """The replica check ran after every step and found every tensor several ranks hold bit-identical on each (and,
+    given `groups`, that many replica groups declared)."""
+    assert run["replicas"]["declared"] and run["replicas"]["interval"] == 1, run["replicas"]
+    if run["replicas"]["groups"] == 0:  # no two ranks hold the same tensor: nothing to check
+        assert groups in (None, 0) and not any("replicas" in s for s in run["steps"])
+        return
+    assert [s["replicas"]["parted"] for s in run["steps"]] == [0] * len(run["steps"])
+    if groups is not None:
+        assert {s["replicas"]["checked"] for s in run["steps"]} == {groups} == {run["replicas"]["groups"]}
 
 
 def assert_same_curve(run: dict, uninterrupted: dict) -> None:

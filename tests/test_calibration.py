@@ -21,7 +21,9 @@ import sys
 
 import pytest
 
-from parity.calibration.bugs import (DDPTiedEmbeddingUnreduced, DeepSpeedClippingSkipped, DeepSpeedLearningRateOff,
+from conftest import assert_replicas_held
+from parity.calibration.bugs import (SKIPPED_PARAMETER, SKIPPED_STEP, DDPReplicaSkipsAnUpdate, DDPTiedEmbeddingUnreduced,
+                                     DeepSpeedClippingSkipped, DeepSpeedLearningRateOff,
                                      DeepSpeedWarmupIgnored, DeepSpeedWeightDecayAdded, FSDPAdamBeta2Off,
                                      FSDPShardFault, FSDPTPRanksFedDifferentSlices, FSDPWeightDecayAdded)
 from parity.calibration.study import SETTING
@@ -50,6 +52,11 @@ BUGS_BF16 = [("DeepSpeedClippingSkipped", "deepspeed", "deepspeed", DeepSpeedCli
              ("FSDPAdamBeta2Off", "fsdp", "fsdp", FSDPAdamBeta2Off, {}, TP2_DP2),
              ("DDPTiedEmbeddingUnreduced", "ddp_tied_embedding_unreduced", "ddp", DDPTiedEmbeddingUnreduced, {},
               BASELINE)]
+# Replicas that part, which the curves see late or never (tests/test_replicas.py has their fp32 runs): one DP rank's copy
+# of one parameter skipping one update — within the calibrated bounds at every step. (id, record name, strategy, copy,
+# options, layout), as BUGS_BF16.
+REPLICA_BUGS_BF16 = [("DDPReplicaSkipsAnUpdate", "ddp_replica_skips_an_update", "ddp", DDPReplicaSkipsAnUpdate, {},
+                      BASELINE)]
 # Your own setup in bf16 (each in its own folder beside the default path's baseline): gradient accumulation with
 # activation checkpointing in DeepSpeed and FSDP + TP, FSDP + TP compiled, and the pipeline (2 stages × DP 2,
 # 1F1B). (id, strategy, layout, flags)
@@ -100,7 +107,7 @@ def folders(tmp_path_factory, weights):
             add(kernel, kernel, "ddp", layout, noise_reference=True)
         for strategy, options in CLEAN.values():
             add(kernel, kernel, strategy, {**TP2_DP2, "precision": "bf16"}, **options)
-    for bug_id, _, strategy, bug, options, layout in BUGS_BF16:
+    for bug_id, _, strategy, bug, options, layout in BUGS_BF16 + REPLICA_BUGS_BF16:
         add("default", bug_id, strategy, {**layout, "precision": "bf16"}, bug, **options)
     for technique, strategy, layout, flags in TECHNIQUES_BF16:
         add("default", technique, strategy, {**layout, "precision": "bf16"}, **flags)
@@ -114,7 +121,7 @@ def folders(tmp_path_factory, weights):
         if ran != kernel:
             (root / kernel).symlink_to(root / ran)
 
-    for bug_id in [b[0] for b in BUGS_BF16] + [t[0] for t in TECHNIQUES_BF16]:  # beside the baseline it is judged by
+    for bug_id in [b[0] for b in BUGS_BF16 + REPLICA_BUGS_BF16] + [t[0] for t in TECHNIQUES_BF16]:  # beside its baseline
         for name in ["loss_ddp.json", *REFERENCES]:
             shutil.copy(root / "default" / name, root / bug_id)
     for bug, *_ in BUGS_FP32:
@@ -141,6 +148,7 @@ def test_clean_strategies_pass_the_calibrated_verdict_on_each_kernel_path(folder
         assert 0 < worst < NOISE_K and against["margin"] == pytest.approx(NOISE_K / worst)
         # how far bf16 moved the run from fp32, as a multiple of how far it moved DDP's (docs/tolerances.md)
         assert all(0 < r < 10 for r in against["fp32_distance_ratio"].values()), against["fp32_distance_ratio"]
+        assert_replicas_held(json.loads((folders / kernel / f"loss_{strategy}.json").read_text()))
     assert f"Bounds calibrated on {', '.join(sorted(REFERENCES))}" in out
 
 
@@ -154,6 +162,7 @@ def test_techniques_pass_the_calibrated_verdict_in_bf16(folders, capsys, techniq
     config = json.loads((folders / technique / f"loss_{strategy}.json").read_text())["config"]
     ran = {**config, **config["options"]}
     assert {k: ran[k] for k in flags} == flags  # the technique ran
+    assert_replicas_held(json.loads((folders / technique / f"loss_{strategy}.json").read_text()))
 
 
 @pytest.mark.parametrize("bug_id,name,bug,options", [(i, n, b, o) for i, n, _, b, o, _ in BUGS_BF16],
@@ -171,6 +180,27 @@ def test_seeded_bug_fails_the_calibrated_verdict_in_bf16(folders, capsys, bug_id
     replay = ([f"--strategy_class parity.calibration.bugs:{bug.__name__}"] if bug else [f"--{k}" for k in options])
     assert all(s in out for s in suspects + replay), out
     assert " None" not in out.split("replay step")[-1]
+
+
+@pytest.mark.parametrize("bug_id,name,step,parameter,curves", [
+    ("DDPTiedEmbeddingUnreduced", "ddp_tied_embedding_unreduced", 0, "model.embed_tokens.weight", "FAIL"),
+    ("DDPReplicaSkipsAnUpdate", "ddp_replica_skips_an_update", SKIPPED_STEP, SKIPPED_PARAMETER, "PASS")])
+def test_replicas_that_part_fail_at_their_first_step_in_bf16(folders, capsys, bug_id, name, step, parameter, curves):
+    """The replica check FAILs bf16 runs as fp32 ones, at the step the copies part, naming them and their ranks: the
+    tied embedding left out of DDP's all-reduce (the curves see it too), one DP rank skipping one update of a parameter
+    the loss barely feels (within the calibrated bounds at every step: only the check sees it)."""
+    code, result, out = verdict(folders / bug_id, capsys)
+    against = result["against_baseline"][name]
+    parted = against["replicas_parted"]
+    assert (code, against["verdict"], against["calibrated"]) == (1, "FAIL", True), out
+    assert (parted["step"], parted["name"], parted["what"], parted["ranks"]) == (step, parameter, "parameter", [[0], [1]])
+    assert parted["max_abs_diff"] > 0 and f"replicas part at step {step}: {parameter} differs between rank 0 and rank 1" \
+        in out
+    if curves == "PASS":
+        assert against["first_outside"] is None and max(against["noise_ratio"].values()) < NOISE_K, out
+        assert "curves alone: within their bounds at every step" in out
+    else:
+        assert against["first_outside"] is not None
 
 
 @pytest.mark.parametrize("bug,name,step,quantity", BUGS_FP32, ids=[b.__name__ for b, *_ in BUGS_FP32])

@@ -27,6 +27,7 @@ MODEL = {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 2048, "num_att
 LR = 1e-3
 TOKENS = 512
 LAYOUT = {"ddp": (1, 2), "deepspeed": (2, 2), "fsdp": (2, 2)}
+REPLICA_GROUPS = {"ddp": 78, "deepspeed": 62, "fsdp": 36}  # what qwen2-tiny's runs declare (tests/test_replicas.py)
 
 # The hand-worked example: five steps, numbers exact in binary so the printed block is exact too.
 DDP_LOSS = [10.0, 8.0, 6.0, 5.0, 4.0]
@@ -50,10 +51,12 @@ def write_record(folder, strategy, losses, grad_norms=None, param_norms=None, *,
            "noise_reference": noise_reference, "batch_size": 2, "options": {}, "storage_path": "/runs",
            "experiment_name": f"{strategy}_tp{tp}_dp{dp}", "fingerprint": FINGERPRINT, **(config or {})}
     record = LossRecord(run_record_path(SimpleNamespace(**cfg)), strategy, cfg)
+    groups = REPLICA_GROUPS.get(strategy, 78)  # every step checked, every copy alike, unless step_fields say otherwise
+    record.declare_replicas({"declared": True, "interval": 1, "groups": groups})
     for step, loss in enumerate(losses):
         fields = {"step": step, "loss": loss, "dp_rank_losses": [loss] * dp,
                   "grad_norm": (grad_norms or [1.0] * n)[step], "param_norm": (param_norms or [20.0] * n)[step],
-                  "lr": LR, "tokens": TOKENS,
+                  "lr": LR, "tokens": TOKENS, "replicas": {"checked": groups, "parted": 0},
                   "batch_hash": f"{step:016x}", "step_time_s": 0.01, "peak_memory_bytes": 1 << 20}
         record.append(**{**fields, **(step_fields or {}).get(step, {})})
     if complete:
@@ -188,14 +191,18 @@ VERDICT (every step, each curve: |x - DDP| <= bound * |DDP|)
 
 Bounds UNCALIBRATED: no noise reference in the folder, so the fixed table by precision applies \
 (docs/tolerances.md); run the baseline again with --noise_reference at another layout to calibrate.
+Baseline DDP (TP=1, DP=2): replicas: bit-identical at each of 5 checks (every step) of the 78 tensors held by \
+several ranks each.
 
 DeepSpeed (TP=2, DP=2): PASS
   rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, deepspeed \
 fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm \
 0.000e+00
+  replicas: bit-identical at each of 5 checks (every step) of the 62 tensors held by several ranks each
 FSDP (TP=2, DP=2): FAIL
   rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); \
 uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.500e-01, param norm 0.000e+00
+  replicas: bit-identical at each of 5 checks (every step) of the 36 tensors held by several ranks each
   first step outside: step 2: loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > 1.000e-05
   differs from the baseline in: nothing recorded
   replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
@@ -309,6 +316,55 @@ def test_identical_curves_pass(tmp_path, capsys):
     code, out, _ = run_cli(capsys, tmp_path)
     assert code == 0
     assert "FSDP (TP=2, DP=2): PASS\n" in out
+
+
+PARTED = {"checked": 36, "parted": 3, "tensors": [
+    {"name": "model.norm.weight", "what": "parameter", "piece": "", "ranks": [[0, 2], [1, 3]], "max_abs_diff": 1.5e-7},
+    {"name": "model.norm.weight", "what": "exp_avg", "piece": "", "ranks": [[0], [2], [1, 3]], "max_abs_diff": None}]}
+
+
+def test_replicas_that_part_fail_ahead_of_the_curves_in_one_line(tmp_path, capsys):
+    """Identical curves, and the run's check found copies parted from step 3: FAIL on integrity, the tensor, its ranks
+    grouped by the bits they hold, the step, the max difference, how many parted; the curves' own answer beside it."""
+    write_record(tmp_path, "ddp", DDP_LOSS, DDP_GRAD)
+    write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD, step_fields={3: {"replicas": PARTED}, 4: {"replicas": PARTED}})
+    code, out, _ = run_cli(capsys, tmp_path)
+    assert code == 1
+    assert ("FSDP (TP=2, DP=2): FAIL\n"
+            "  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); "
+            "uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm 0.000e+00\n"
+            "  replicas part at step 3: model.norm.weight differs between ranks 0, 2 and ranks 1, 3 (max |difference| "
+            "1.500e-07; 2 more tensors parted): its ranks no longer hold one model — FAIL before any tolerance\n"
+            "  curves alone: within their bounds at every step\n"
+            "  differs from the baseline in: nothing recorded\n") in out
+    result = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())
+    fsdp = result["against_baseline"]["fsdp"]
+    assert (fsdp["verdict"], fsdp["first_outside"], result["verdict"]) == ("FAIL", None, "FAIL")
+    assert {k: fsdp["replicas_parted"][k] for k in ("step", "name", "what", "ranks", "max_abs_diff", "parted")} == {
+        "step": 3, "name": "model.norm.weight", "what": "parameter", "ranks": [[0, 2], [1, 3]], "max_abs_diff": 1.5e-7,
+        "parted": 3}
+    assert result["runs"]["fsdp"]["replica_checks"] == {"declared": True, "interval": 1, "groups": 36, "checks": 5}
+    assert "| FSDP (TP=2, DP=2) | FAIL | uncalibrated | 0.000e+00 / 0.000e+00 / 0.000e+00 | replicas part at step 3: " \
+           "model.norm.weight |" in (tmp_path / "out" / "curve_report.md").read_text()
+    # a moment first, held by three groups of ranks, one without a size in common: no difference to measure
+    write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD, step_fields={1: {"replicas": {**PARTED, "parted": 1,
+                                                                                     "tensors": PARTED["tensors"][1:]}}})
+    assert run_cli(capsys, tmp_path)[1].count("replicas part at step 1: model.norm.weight (exp_avg) differs between "
+                                             "rank 0 and rank 2 and ranks 1, 3 (their sizes differ, or some do not hold "
+                                             "it)") == 1
+
+
+def test_a_noise_reference_whose_replicas_part_is_refused(tmp_path, capsys):
+    write_record(tmp_path, "ddp", DDP_LOSS, DDP_GRAD)
+    write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD)
+    write_record(tmp_path, "ddp", [x * (1 + 1e-7) for x in DDP_LOSS], DDP_GRAD, config={"tp_size": 1, "dp_size": 1},
+                 noise_reference=True, step_fields={0: {"replicas": PARTED}})
+    code, _, err = run_cli(capsys, tmp_path)
+    assert code == 2
+    assert err == ("error: not comparable: noise_reference_ddp_tp1_dp1_fp32.json (ddp, a noise reference): replicas "
+                   "part at step 0: model.norm.weight differs between ranks 0, 2 and ranks 1, 3 (max |difference| "
+                   "1.500e-07; 2 more tensors parted): a run whose own ranks no longer hold one model is no reference; "
+                   "find why (docs/running.md#replicas) and run it again\n")
 
 
 def test_first_step_outside_the_fp32_envelope(tmp_path, capsys):

@@ -9,7 +9,7 @@ import os
 import pytest
 
 import fault_hooks
-from conftest import REPO, assert_same_curve, run_main
+from conftest import REPO, assert_replicas_held, assert_same_curve, run_main
 from parity.training.record import load_record
 from tracker_readers import as_float32, mlflow_run, mlflow_series, tensorboard, tensorboard_series
 
@@ -70,6 +70,7 @@ def test_a_worker_killed_once_resumes_each_strategy_on_the_uninterrupted_curve(f
         assert record["resumes"] == [{"checkpoint": checkpoint, "step": 4, "skipped": []}]
         assert f"[{strategy}] resumed from {checkpoint} at step 4" in proc.stdout
         assert_same_curve(record, uninterrupted)
+        assert_replicas_held(record)  # checked at every step, before the kill and after the resume
 
 
 def test_the_trackers_have_every_run_each_step_once_and_the_verdict(four_runs):

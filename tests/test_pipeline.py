@@ -15,7 +15,8 @@ import shutil
 
 import pytest
 
-from conftest import FP32_RTOL, final_parameters, free_port, max_abs_param_diff, max_rel_diff, series
+from conftest import (FP32_RTOL, assert_replicas_held, final_parameters, free_port, max_abs_param_diff, max_rel_diff,
+                      series)
 from parity.calibration.bugs import PipelineTiedGradientsNotSummed
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32
@@ -85,6 +86,9 @@ def test_each_schedule_and_layout_matches_ddp_in_fp32(runs, name):
     for key in ("loss", "grad_norm", "param_norm"):
         assert max_rel_diff(series(run, key), series(base, key)) < FP32_RTOL, key
     assert [len(s["dp_rank_losses"]) for s in run["steps"]] == [run["config"]["dp_size"]] * 12
+    # the tied weight's two copies and their moments alike on both ends of each pipeline; at D=2 each stage's
+    # parameters and moments too on both pipelines (4 layers of 12 parameters, and the final norm)
+    assert_replicas_held(run, 3 if run["config"]["dp_size"] == 1 else 3 + 3 * (4 * 12 + 1))
     assert max_abs_param_diff(final_parameters(run), final_parameters(base)) < FINAL_PARAMETERS_ATOL_FP32
     assert run["final"]["eval_loss_last_batch"] == pytest.approx(base["final"]["eval_loss_last_batch"], rel=FP32_RTOL)
     cfg = run["config"]
@@ -126,6 +130,12 @@ def test_tied_gradients_not_summed_fails(runs, tmp_path, capsys):
     assert (code, summary["verdict"]) == (1, "FAIL"), out
     assert (summary["first_outside"]["step"], summary["first_outside"]["quantity"]) == (0, "grad_norm"), out
     assert "strategy_class: None vs parity.calibration.bugs:PipelineTiedGradientsNotSummed" in out
+    # ... and the replica check at the same step, naming the two copies that parted and where they are
+    parted = summary["replicas_parted"]
+    assert (parted["step"], parted["name"], parted["what"], parted["ranks"], parted["parted"]) == (
+        0, "model.embed_tokens.weight", "parameter", [[0], [1]], 3)  # the weight and its two moments
+    assert parted["max_abs_diff"] > 0 and "replicas part at step 0: model.embed_tokens.weight differs between rank 0 " \
+        "and rank 1" in out
 
 
 def test_a_correct_pipeline_passes_plot_loss_curves(runs, tmp_path, capsys):

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import FP32_RTOL, max_rel_diff, series
+from conftest import FP32_RTOL, assert_replicas_held, max_rel_diff, series
 from parity.calibration.bugs import FSDPMicroBatchMeans, FSDPRankMeans, FSDPSequenceParallelNormsUnreduced
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.training.local_group import plan, run_group
@@ -101,6 +101,7 @@ def test_each_technique_matches_ddp_at_one_micro_batch_in_fp32(runs, name):
     assert (cfg["grad_accum_steps"], cfg["activation_checkpointing"], cfg["compile"]) == (
         RUNS[name][1].get("grad_accum_steps", 1), "_ac" in name, "_compile" in name)
     assert cfg["options"].get("tp_plan") == RUNS[name][1].get("tp_plan", "default" if name.startswith("fsdp") else None)
+    assert_replicas_held(run)  # every technique keeps the copies of what several ranks hold bit-identical
 
 
 @pytest.mark.parametrize("name,step", [("bug_micro_batch_means", 0), ("bug_rank_means", 0), ("bug_sp_norms_unreduced", 0)])
@@ -120,6 +121,25 @@ def test_each_techniques_classic_bug_fails_at_its_step(runs, tmp_path, capsys, n
     assert (code, summary["verdict"]) == (1, "FAIL"), out
     assert (summary["first_outside"]["step"], summary["first_outside"]["quantity"]) == (step, "grad_norm")
     assert f"strategy_class: None vs parity.calibration.bugs:{RUNS[name][1]['strategy_class'].__name__}" in out
+
+
+def test_sequence_parallel_norms_unreduced_part_the_tp_ranks_replicas_at_step_0(runs, tmp_path, capsys):
+    """Each TP rank's norms learn from its own chunk: the replica check names a norm weight whose copies differ
+    between the TP ranks from step 0, by a whole Adam step (2 × lr: they moved apart), ahead of the curves."""
+    folder, record = runs["bug_sp_norms_unreduced"]
+    first = record["steps"][0]["replicas"]
+    assert first["checked"] == 36 and first["parted"] >= 10  # the embedding's shard and the 5 norms', and moments:
+    named = first["tensors"][0]  # most copies part (each TP rank clips by another norm), the norms by most
+    assert named["name"].endswith("layernorm.weight") or named["name"] == "model.norm.weight"
+    assert named["what"] == "parameter" and named["ranks"] in ([[0], [1]], [[2], [3]])  # a TP group's two ranks
+    assert named["max_abs_diff"] == pytest.approx(2e-4, rel=1e-3)
+    shutil.copy(folder / "loss_fsdp.json", tmp_path)
+    shutil.copy(runs["ddp"][0] / "loss_ddp.json", tmp_path)
+    assert plot_loss_curves(["--input_dir", str(tmp_path), "--output", str(tmp_path / "c.png")]) == 1
+    summary = json.loads((tmp_path / "curve_comparison.json").read_text())["against_baseline"]["fsdp"]
+    assert (summary["replicas_parted"]["step"], summary["replicas_parted"]["name"]) == (0, named["name"])
+    tp0, tp1 = (r for (r,) in named["ranks"])
+    assert f"replicas part at step 0: {named['name']} differs between rank {tp0} and rank {tp1}" in capsys.readouterr().out
 
 
 def test_a_user_deepspeed_config_is_kept_under_the_flags_and_recorded(runs):

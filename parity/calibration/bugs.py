@@ -11,6 +11,7 @@ beside the DDP baseline like the strategy it is a copy of — except the DDP cop
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -316,3 +317,50 @@ FAMILY_BUGS = {  # the tiny preset each family pitfall shows on → its seeded c
     "phi3-tiny": FSDPFusedGateUpSplitInHalves,
     "gemma3-tiny": FSDPEmbeddingScaleInBF16,
 }
+
+
+# --- Replicas that part (the loop's replica check names them; not in CATALOGUE: the calibration study measures the
+# curves, and these are bugs the curves see late or never — tests/test_replicas.py runs them) -----------------------
+
+SKIPPED_PARAMETER = "model.layers.1.self_attn.k_proj.bias"  # one the loss barely feels: softmax ignores a shift
+SKIPPED_STEP = 2  # shared by all keys, so its gradient is ~1e-3 of the largest (docs/tolerances.md)
+
+
+class DDPReplicaSkipsAnUpdate(DDPStrategy):
+    """One DP rank's replica of one parameter skips one update: at step SKIPPED_STEP, DP rank 1 steps the optimizer
+    without SKIPPED_PARAMETER's gradient (AdamW passes over a parameter without one: neither it nor its moments move),
+    as a rank that took another code path (a parameter unused on that rank, a gradient dropped) would. The gradient was
+    reduced and counted in the norm; only that rank's copy stays behind. The loss record sees it through rank 1's loss
+    alone, and rank 0's norms not at all."""
+
+    name = "ddp_replica_skips_an_update"
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        skipped = dict(self.model.module.named_parameters())[SKIPPED_PARAMETER]
+        steps = itertools.count()
+
+        def drop_gradient(optimizer, args, kwargs) -> None:
+            if next(steps) == SKIPPED_STEP and self.ctx.dp_rank == 1:
+                skipped.grad = None
+
+        self.optimizer.register_step_pre_hook(drop_gradient)
+
+
+class DeepSpeedClippedWithRankLocalNorm(DeepSpeedStrategy):
+    """Clipping by a rank-local norm (the DeepSpeed #1801 class: BF16_Optimizer's TP-replicated layer norms of
+    BLOOM-176B): ZeRO clips each rank's fp32 gradient partition by the norm of that partition alone, never summed over
+    the DP and TP ranks, while the recorded pre-clip norm is still the global one. With clipping active every rank scales
+    by its own factor, so the copies of a parameter AutoTP leaves whole (the RMSNorms) are stepped differently on the
+    ranks of a TP group — and AdamW, nearly blind to a gradient's scale, hides it from the loss."""
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        zero = self.engine.optimizer
+        clip = zero.unscale_and_clip_grads
+
+        def clip_by_local_norm(grad_groups_flat, total_norm):
+            local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grad_groups_flat]))
+            return clip(grad_groups_flat, local.to(total_norm.device) if torch.is_tensor(total_norm) else float(local))
+
+        zero.unscale_and_clip_grads = clip_by_local_norm

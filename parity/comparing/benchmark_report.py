@@ -81,12 +81,13 @@ IN_STEP = ("loss_gather", "param_norm")  # the harness's parts inside the timed 
 
 
 def harness_cost(steps: list[dict]) -> dict[str, float]:
-    """The harness's own seconds per step, by what (median over the steps; a part done only at log intervals,
-    the record write, averaged over all steps): the loss gather, the parameter norm, the record's entry and
-    its write. The fp64 grad norm is inside each strategy's clipping (docs/benchmark.md measures it apart)."""
+    """The harness's own seconds per step, by what: the loss gather, the parameter norm, the replica check, the record's
+    entry and its write — the median over the steps of a part done at every step, the mean over all steps of one done
+    at some (the record's write at log intervals, a thinned replica check). The fp64 grad norm is inside each
+    strategy's clipping (docs/benchmark.md measures it apart)."""
     parts = sorted({k for s in steps for k in s.get("harness_s", {})})
-    return {k: (sum(s["harness_s"].get(k, 0.0) for s in steps) / len(steps) if k == "record_write" else
-                statistics.median(s["harness_s"].get(k, 0.0) for s in steps)) for k in parts}
+    spent = {k: [s.get("harness_s", {}).get(k) for s in steps] for k in parts}
+    return {k: statistics.median(v) if None not in v else sum(x or 0.0 for x in v) / len(v) for k, v in spent.items()}
 
 
 def peak_point(peak: dict) -> str:

@@ -46,7 +46,7 @@ def statistics_text(c: Comparison) -> str:
                                                     ("Final diff", d.final)]), ""]
     base = _baseline_name(c)
     lines += ["=" * RULE, f"VERDICT (every step, each curve: |x - {base}| <= bound * |{base}|)", "=" * RULE, "",
-              calibration_line(c), ""]
+              calibration_line(c), f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
     for r in c.results:
         lines += [f"{r.run.label}: {r.verdict.word}", *[f"  {line}" for line in verdict_details(c, r)]]
     lines += ["", "Fingerprints (shared code, strategy code, libraries, device):"]
@@ -77,6 +77,13 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
     else:
         bounds = ", ".join(f"{b[0]:g} ({NOUNS[q]})" for q, b in r.bounds.per_step.items())
         lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"]
+    if v.parting is not None:
+        lines.append(f"{v.parting.line()}: its ranks no longer hold one model — FAIL before any tolerance")
+        if f is None:
+            lines += ["curves alone: within their bounds at every step",
+                      "differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded")]
+    else:
+        lines.append(replicas_line(r.run))
     if f is not None:
         if f.test == "drift":
             lines.append(f"drift: steps {f.step - DRIFT_WINDOW + 1}–{f.step}: {NOUNS[f.quantity]} keeps one sign, "
@@ -89,6 +96,27 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         if command:
             lines.append(f"replay step {f.step} layer by layer from {base}'s checkpoint: {command}")
     return lines
+
+
+def replicas_line(run) -> str:
+    """What the replica check found in a run whose replicas held: how often it looked, at how many tensors."""
+    checks = run.replica_checks
+    if not checks["declared"]:
+        return "replicas: not declared by this strategy (Strategy.replicas): not checked"
+    if not checks["groups"]:
+        return "replicas: none (no two ranks hold the same tensor)"
+    every = "every step" if checks["interval"] == 1 else f"every {checks['interval']} steps, checkpoints, the end"
+    return (f"replicas: bit-identical at each of {checks['checks']} checks ({every}) of the {checks['groups']} tensors "
+            f"held by several ranks each")
+
+
+def first_failure(r: CurveResult) -> str:
+    """The report table's cell: where the run first failed — its replicas parting, then the curves."""
+    v, f = r.verdict, r.verdict.first_outside
+    cells = [f"replicas part at step {v.parting.step}: {v.parting.to_dict()['name']}"] if v.parting else []
+    if f is not None:
+        cells.append(f"step {f.step}, {f.quantity} ({f.test}): {f.rel_diff:.3e} > {f.tolerance:.3e}")
+    return "; ".join(cells) or "–"
 
 
 def replay_command(c: Comparison, r: CurveResult) -> str | None:
@@ -125,18 +153,20 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
     base = _baseline_name(c)
     out = [f"# Loss curve comparison against {base}", "",
            f"{c.num_steps} steps compared; baseline {c.baseline.label}. Overall: **{c.word}**.", "",
-           calibration_line(c), ""]
+           calibration_line(c), "", f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
     out += [f"> {w}" for w in c.warnings] + ([""] if c.warnings else [])
     out += [f"![Loss curves]({figure_file})", "", "## Verdicts", "",
             "| run | verdict | deviation ÷ noise | max relative diff loss / grad norm / param norm | first outside |",
             "|---|---|---|---|---|"]
     for r in c.results:
-        v, f = r.verdict, r.verdict.first_outside
-        outside = f"step {f.step}, {f.quantity} ({f.test}): {f.rel_diff:.3e} > {f.tolerance:.3e}" if f else "–"
+        v = r.verdict
+        outside = first_failure(r)
         ratio = f"{r.noise_ratio:.1f} (of {NOISE_K})" if r.noise_ratio is not None else "uncalibrated"
         worst = " / ".join(f"{v.max_rel_diff[q]:.3e}" for q in NOUNS)
         out.append(f"| {r.run.label} | {v.word} | {ratio} | {worst} | {outside} |")
     for r in c.results:
+        if r.verdict.parting is not None:
+            out += ["", f"{r.run.label}: {r.verdict.parting.line()}: its ranks no longer hold one model."]
         if not r.verdict.passed:
             out += ["", f"{r.run.label} differs from the baseline in: "
                     + ("; ".join(f"`{d}`" for d in r.config_differences) or "nothing recorded")]

@@ -5,6 +5,10 @@ run is checked against the baseline: same initial weights, same model, same opti
 number of steps, and at every step the same batch, tokens and learning rate. A run that differs is
 reported as not comparable (`NotComparable`), never as a difference.
 
+Then integrity, ahead of any tolerance: a run whose replicas parted (tensors several ranks hold that the loop's
+replica check found different, parity.training.replicas) FAILs at the first step they did, and a baseline whose
+replicas parted is no reference: the comparison is refused.
+
 The verdict holds three curves at every step — loss, pre-clip grad norm, parameter norm — to bounds on
 |x − baseline| / |baseline|: NOISE_K × the noise the baseline's twins measured (calibrated, when
 noise_reference_*.json records are there), else the fixed table by precision (uncalibrated). Calibrated
@@ -22,7 +26,7 @@ from parity.comparing import tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
 from parity.comparing.tolerances import NOISE_K, QUANTITIES
-from parity.comparing.verdict import Outside, Verdict, verdict_word
+from parity.comparing.verdict import Outside, Parting, Verdict, verdict_word
 from parity.errors import ConfigError, NotComparable
 from parity.registry import run_label
 from parity.training.record import REFERENCE_GLOB, load_record
@@ -32,7 +36,7 @@ OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2
 LAYOUT_AND_PLACES = ("strategy", "num_workers", "tp_size", "dp_size", "world_size", "batch_size", "cpus_per_worker",
                      "experiment_name", "final_checkpoint_dir", "loss_output_dir", "storage_path", "noise_reference",
                      "init_weights_path", "save_init_weights", "worker_nodes", "fingerprint", "resume", "verbose",
-                     "report_to")
+                     "report_to", "replica_check_interval")
 # Per-step entries every run must share with the baseline: (field, what differs, in words).
 STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
                    ("lr", "use different learning rates"))
@@ -72,6 +76,20 @@ class Run:
     @property
     def fingerprint(self) -> dict:
         return self.config["fingerprint"]
+
+    @property
+    def replica_checks(self) -> dict:
+        """What the replica check did in this run: {"declared", "interval", "groups" (replica groups declared),
+        "checks" (steps checked)}; declared False when its strategy declares none (or the record predates it)."""
+        declared = self.record.get("replicas", {"declared": False})
+        return {**declared, "checks": sum(1 for s in self.steps if "replicas" in s)}
+
+    @property
+    def parting(self) -> Parting | None:
+        """The first check that found this run's replicas parted, over every recorded step (a parting is a fact of
+        the run, even past the steps compared), or None."""
+        return next((Parting(s["step"], s["replicas"]) for s in self.steps if s.get("replicas", {}).get("parted")),
+                    None)
 
 
 @dataclass(frozen=True)
@@ -155,9 +173,12 @@ class Comparison:
             "runs": {r.name: {"label": r.label, "file": storage.name(r.file), "complete": r.complete,
                               "steps_recorded": len(r.steps), "precision": r.precision,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
+                              "replica_checks": r.replica_checks,
                               **{q: asdict(self.curve_stats(r, q)) for q in QUANTITIES}} for r in self.runs},
             "against_baseline": {r.run.name: {
-                **r.verdict.to_dict(), "calibrated": r.bounds.calibrated,
+                **r.verdict.to_dict(),
+                "replicas_parted": r.verdict.parting.to_dict() if r.verdict.parting else None,
+                "calibrated": r.bounds.calibrated,
                 "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
                 "fp32_distance_ratio": r.fp32_distance_ratios,
                 "config_differences": r.config_differences,
@@ -209,6 +230,9 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     else:
         mismatches += [f"{m}: rerun them with one harness and one set of libraries, or pass "
                        f"--allow_fingerprint_mismatch to compare them anyway" for m in code]
+    mismatches += [f"{storage.name(r.file)} ({r.name}{', the baseline' if r is base else ', a noise reference'}): "
+                   f"{r.parting.line()}: a run whose own ranks no longer hold one model is no reference; find why "
+                   f"(docs/running.md#replicas) and run it again" for r in [base, *references] if r.parting]
     if mismatches:
         raise NotComparable(mismatches)
     _check_references(base, references, num_steps)
@@ -324,7 +348,7 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
     series = {q: _series(run, q, num_steps) for q in QUANTITIES}
     baseline = {q: _series(base, q, num_steps) for q in QUANTITIES}
     max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in QUANTITIES}
-    verdict = Verdict(run.name, base.name, bounds.source, max_rel, first_outside(series, baseline, bounds))
+    verdict = Verdict(run.name, base.name, bounds.source, max_rel, first_outside(series, baseline, bounds), run.parting)
     ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in QUANTITIES}
               if bounds.calibrated else None)
     distance = None

@@ -4,7 +4,9 @@ else FAIL at the first point outside, in the order things happened."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from parity.training.replicas import parting_line
 
 
 def verdict_word(passed: bool) -> str:
@@ -29,6 +31,23 @@ class Outside:
 
 
 @dataclass(frozen=True)
+class Parting:
+    """The first check at which a run's replicas parted (parity.training.replicas): ranks that must hold the same
+    tensor hold different bits — a failure of the run's integrity, ahead of any tolerance."""
+
+    step: int
+    found: dict = field(repr=False)  # the check's record entry: {"checked", "parted", "tensors": [...]}
+
+    def line(self) -> str:
+        return parting_line(self.step, self.found)
+
+    def to_dict(self) -> dict:
+        first = self.found["tensors"][0]
+        return {"step": self.step, "parted": self.found["parted"], "checked": self.found["checked"], **first,
+                "line": self.line()}
+
+
+@dataclass(frozen=True)
 class Verdict:
     """One run measured against its reference."""
 
@@ -36,11 +55,12 @@ class Verdict:
     reference: str
     tolerance_source: str  # where the tolerance came from: a precision, a flag
     max_rel_diff: dict[str, float]  # the worst relative difference per quantity
-    first_outside: Outside | None
+    first_outside: Outside | None  # the tolerances': the first point outside
+    parting: Parting | None = None  # the integrity's: the first check that found the run's replicas parted
 
     @property
     def passed(self) -> bool:
-        return self.first_outside is None
+        return self.first_outside is None and self.parting is None
 
     @property
     def word(self) -> str:

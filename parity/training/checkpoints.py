@@ -45,9 +45,10 @@ META_FILE = "parity_checkpoint.json"
 DIR_PREFIX = "step_"
 # RunConfig fields that do not change what is trained: a run may resume with other values of these. The
 # model is compared by its summary, not by the whole Hugging Face config (which names the library version).
-NOT_IDENTITY = ("log_interval", "loss_output_dir", "storage_path", "experiment_name", "final_checkpoint_dir",
-                "init_weights_path", "save_init_weights", "cpus_per_worker", "checkpoint_interval",
-                "keep_checkpoints", "max_failures", "model_config", "resume", "verbose", "report_to")
+NOT_IDENTITY = ("log_interval", "replica_check_interval", "loss_output_dir", "storage_path", "experiment_name",
+                "final_checkpoint_dir", "init_weights_path", "save_init_weights", "cpus_per_worker",
+                "checkpoint_interval", "keep_checkpoints", "max_failures", "model_config", "resume", "verbose",
+                "report_to")
 AFTER_A_FAILED_WRITE = ("the run stopped; its previous checkpoint and the loss record up to it are kept: make room "
                         "(or make it writable) and run the same command again with --resume to continue")
 

@@ -74,6 +74,10 @@ FLAGS = (
      {"help": "tokenizer for text data: 'bytes' (UTF-8 bytes) or a name/path (default: the model's; 'bytes' "
               "for the tiny presets)"}),
     ("outputs", "log_interval", 10, {"type": int, "help": "log and rewrite the loss JSON every N steps"}),
+    ("outputs", "replica_check_interval", 1,
+     {"type": int, "help": "check every N steps, at every checkpoint and at the end that every tensor several ranks "
+                           "hold (parameters and their optimizer state) is bit for bit the same on each; a "
+                           "difference FAILs the run (docs/running.md#replicas)"}),
     ("outputs", "verbose", False,
      {"action": "store_true", "help": "show Ray's, DeepSpeed's and torch's own output on the terminal (by default it "
                                       "goes to a log file in --loss_output_dir/logs, whose path is printed)"}),
@@ -142,6 +146,7 @@ class RunConfig:
     num_samples: int
     tokenizer: str
     log_interval: int
+    replica_check_interval: int
     loss_output_dir: str
     report_to: tuple[str, ...]  # the experiment trackers (parity/tracking); not part of the run's identity
     storage_path: str
@@ -325,7 +330,8 @@ FLOAT_RANGES = {
 # Every size: at least this.
 INT_MINIMUMS = {"num_workers": 1, "tp_size": 1, "dp_size": 1, "batch_size": 1, "seq_length": 2, "num_layers": 1,
                 "grad_accum_steps": 1,
-                "num_epochs": 1, "debug_steps": 1, "log_interval": 1, "num_samples": 1, "warmup_steps": 0, "seed": 0,
+                "num_epochs": 1, "debug_steps": 1, "log_interval": 1, "replica_check_interval": 1, "num_samples": 1,
+                "warmup_steps": 0, "seed": 0,
                 "checkpoint_interval": 0, "keep_checkpoints": 0}
 
 

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
+from parity.training.replicas import Replica, mesh_replica_ranks, moments
 from parity.training.strategy import Strategy, clip_coefficient, squared_norm_fp64, step_optimizer
 
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
@@ -78,8 +79,25 @@ def gather_local_output(output: torch.Tensor, tp_mesh, dim: int, parts: int = 1)
 
 
 class DTensorStrategy(Strategy):
-    """A strategy whose model holds DTensor parameters (`self.model`, HF module names kept) stepped by the shared AdamW
-    (`self.optimizer`)."""
+    """A strategy whose model holds DTensor parameters (`self.model`, HF module names kept) on the sub-meshes of one
+    device mesh with named dims (`self.mesh`), stepped by the shared AdamW (`self.optimizer`)."""
+
+    mesh = None  # the root DeviceMesh; None for a single rank
+
+    def replicas(self) -> list[Replica]:
+        """Each parameter's local piece that other ranks hold too, and its moments: a DTensor's along the root mesh's
+        dims it is replicated over or does not live on (a parameter TP leaves whole — the embedding, the norms — has
+        the same dp shard on every rank of a TP group), a plain tensor (a module a TP plan leaves whole, without FSDP)
+        on every rank. TP-sharded pieces are on no two ranks alike, and FSDP2 alone shards everything over dp. The TP
+        ranks compute these copies' gradients each from the same replicated activations: the same bits where the
+        kernels are deterministic (docs/fsdp.md#replicas)."""
+        if not hasattr(self, "_replicated"):  # a parameter's placements do not change: its ranks are found once
+            everyone = tuple(range(self.ctx.world_size))
+            self._replicated = [(name, p, ranks) for name, p in self.model.named_parameters()
+                                for ranks in [mesh_replica_ranks(self.mesh, p) if isinstance(p, DTensor) else everyone]
+                                if len(ranks) > 1]
+        return [r for name, p, ranks in self._replicated
+                for r in (Replica(name, ranks, local(p)), *moments(self.optimizer, p, name, ranks, local))]
 
     def local_piece(self, param):
         """A DTensor parameter's local shard (its dp × tp piece), sharing its storage."""

@@ -9,6 +9,8 @@
     --report_to, rank 0 logs each step's record entry to the experiment trackers (parity/tracking)
 [6] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
     backward and after the step, and keeps the peak
+[8] after a step, every --replica_check_interval, at every checkpoint and at the end: every tensor several ranks hold
+    (the strategy's replicas) digested and compared across them (parity/training/replicas.py); the record holds it
 [7] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
     the last batch (which that checkpoint must reproduce)
 A failure every rank meets at once (a write that fails, a loss that is not finite) stops all ranks together
@@ -43,6 +45,7 @@ from parity.training.memory import PEAK_ORDERS, zero_bound
 from parity.training.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
                                    save_hf_checkpoint, save_init_weights)
 from parity.training.record import LossRecord, run_record_path
+from parity.training.replicas import ReplicaCheck, parting_line
 from parity.training.strategy import WorkerContext, loss_sum, lr_at
 
 NODE_ID_BYTES = 64  # a Ray node id is 56 hex characters
@@ -150,6 +153,8 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                                         worker_nodes(ctx)))
     log(f"training {total_steps} steps: {batches.dataset.describe()}, global batch {cfg.global_batch_size} × "
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
+    replicas = ReplicaCheck(strategy, cfg.replica_check_interval)  # each rank's declaration, checked against the rest
+    record.declare_replicas(replicas.summary)
     checkpoints = Checkpoints(w, session, record, total_steps) if session else None
     start = checkpoints.resume() if checkpoints else 0  # [3]
     w.trackers = trackers = open_trackers(cfg, ctx, record, start, log, checkpoints is not None)
@@ -169,15 +174,21 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         step_time = time.perf_counter() - t0 - (probe.seconds if observe else 0.0)
         if not math.isfinite(stats.loss):  # the same on every rank: the loss is gathered
             raise RunStopped(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
+        done = step + 1
+        checked = {}
+        if replicas.due(done, total_steps, bool(checkpoints and checkpoints.due(done, total_steps))):  # [8]
+            c0 = time.perf_counter()
+            checked = {"replicas": replicas.check()}
+            stats.harness_s["replica_check"] = time.perf_counter() - c0
+            log_first_parting(record, checked["replicas"], step, log)
         r0 = time.perf_counter()
         record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [5]
                       grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.loss_tokens,
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
-                      peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s)
+                      peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s, **checked)
         stats.harness_s["record"] = time.perf_counter() - r0
         if trackers:
             stats.harness_s["trackers"] = trackers.log_step(record.steps[-1])
-        done = step + 1
         if checkpoints and checkpoints.due(done, total_steps):
             c0 = time.perf_counter()
             checkpoints.write(done, {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm,
@@ -213,6 +224,12 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                         errors=(Exception,)))  # safetensors raises its own errors
     trackers.finish()
     log(f"done: loss record {record.path}, final model {cfg.final_checkpoint_dir}")
+
+
+def log_first_parting(record: LossRecord, found: dict, step: int, log) -> None:
+    """The run's first parted replicas, one line on the terminal (the record holds every check)."""
+    if found["parted"] and not any(s.get("replicas", {}).get("parted") for s in record.steps):
+        log(f"{parting_line(step, found)}: the verdict will FAIL")
 
 
 def write_record(record: LossRecord, ctx: WorkerContext) -> None:

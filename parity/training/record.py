@@ -11,9 +11,10 @@ import json
 from parity import storage
 from parity.errors import RecordError
 
-SCHEMA_VERSION = 3  # 2: every step has param_norm; 3: the config has the fingerprint
+SCHEMA_VERSION = 4  # 2: every step has param_norm; 3: the config has the fingerprint; 4: the replica check
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
-               "peak_memory_bytes")  # and harness_s: the harness's own seconds in the step, by what (not checked)
+               "peak_memory_bytes")  # and harness_s: the harness's own seconds in the step, by what (not checked);
+# and on a step the replicas were checked after, "replicas": what the check found (parity.training.replicas)
 # The config entries a comparison of two records relies on (parity/comparing/curves.py); the loop always writes them.
 CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",
                  "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "fingerprint")
@@ -39,7 +40,7 @@ class LossRecord:
     def __init__(self, path: str, strategy: str, config: dict):
         self.path = path
         self.data = {"schema_version": SCHEMA_VERSION, "strategy": strategy, "complete": False,
-                     "config": config, "steps": [], "resumes": []}
+                     "config": config, "replicas": {"declared": False}, "steps": [], "resumes": []}
 
     @property
     def steps(self) -> list[dict]:
@@ -57,6 +58,10 @@ class LossRecord:
                                                        "skipped": skipped}]
         if progress.get("trackers"):
             self.data["trackers"] = dict(progress["trackers"])
+
+    def declare_replicas(self, summary: dict) -> None:
+        """What the strategy declared as replicas (ReplicaCheck.summary): how many groups, of what, over which ranks."""
+        self.data["replicas"] = summary
 
     def append(self, **step) -> None:
         missing = set(STEP_FIELDS) - set(step)
@@ -90,8 +95,8 @@ def load_record(path: str) -> dict:
                               f"not a loss record written by this harness")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise RecordError(f"{name}: schema version {data.get('schema_version')}, this harness reads "
-                          f"{SCHEMA_VERSION} (it records the parameter norm and the run's fingerprint too): rerun that "
-                          f"strategy")
+                          f"{SCHEMA_VERSION} (it records the parameter norm, the run's fingerprint and the replica check "
+                          f"too): rerun that strategy")
     if not isinstance(data.get("complete"), bool):
         raise RecordError(f"{name}: missing or invalid 'complete' (expected true or false)")
     missing = [k for k in CONFIG_FIELDS if k not in data["config"]]
@@ -117,4 +122,9 @@ def load_record(path: str) -> dict:
             raise RecordError(f"{name}: steps[{i}].tokens is not an integer")
         if not isinstance(step["batch_hash"], str):
             raise RecordError(f"{name}: steps[{i}].batch_hash is not a string")
+        found = step.get("replicas")
+        if found is not None and not (isinstance(found, dict) and isinstance(found.get("checked"), int)
+                                      and isinstance(found.get("parted"), int)):
+            raise RecordError(f"{name}: steps[{i}].replicas is not a replica check's entry ('checked' and 'parted' "
+                              f"counts)")
     return data

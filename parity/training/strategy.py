@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parity.errors import ConfigError
+from parity.training.replicas import Replica, whole_model
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,23 @@ class Strategy:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Like full_parameters, for the gradients after backward (before clipping and the step)."""
         raise NotImplementedError
+
+    def replicas(self) -> list[Replica] | None:
+        """Every tensor this rank holds that other ranks must hold bit for bit too — parameters as held (a shard, a
+        flat fragment), and the optimizer state of each — with the ranks that hold it (`Replica`, in
+        parity.training.replicas; its helpers `whole_model`, `moments`, `mesh_replica_ranks`). The loop digests
+        them after every step (--replica_check_interval) and the verdict FAILs a run whose copies part. A rank
+        declares the same list at every call from set-up on, a tensor not there yet as None (Adam's moments before
+        the first step), and each rank of a replica declares it alike (name, what, piece, ranks); a tensor only this
+        rank holds (ranks of one) is passed over. Local: no collective.
+
+        Here, for a strategy whose every rank holds the whole model (no tensor parallelism, no pipeline stages: DDP,
+        a hand-written data parallelism): every parameter and its AdamW moments (`self.optimizer`, a torch
+        optimizer, when there is one), on every rank. A strategy that shards or splits the model declares its own;
+        one that does not returns None: nothing is checked, and the record and the report say so."""
+        if self.tensor_parallel or self.ctx.pp_size > 1:
+            return None
+        return whole_model(self.hf_model, getattr(self, "optimizer", None), tuple(range(self.ctx.world_size)))
 
     def replica_params(self, num_params: int) -> float:
         """The parameters one rank of a model replica holds, for the ZeRO bound (memory.zero_bound): the model's

@@ -1,0 +1,373 @@
+"""Replicas: every tensor that several ranks hold must stay the same, bit for bit, and the loop checks it.
+
+A strategy knows which ranks hold the same tensor (`Strategy.replicas`): DDP's parameters on every DP rank, a
+parameter TP leaves whole on every rank of a TP group, the pipeline's two copies of a tied embedding, and the
+optimizer state of each. When copies part, the loss record shows only their mean (the loss is gathered from
+every DP rank, the norms are one rank's), so a small desync shows late, far from its cause, or in bf16 never.
+So after a step every rank digests each tensor it declared, the digests go round in one collective, and only
+when they differ is the tensor itself sent to its group, to say by how much (docs/running.md#replicas).
+
+The digest reads exact bits. A tensor's bytes are read as signed integer words (16-bit words of a 2-byte dtype,
+32-bit ones otherwise), w_0 … w_{n-1}; its digest is (n, S, W) with S = Σ w_i, an exact integer, and
+W = Σ (i + 1)·w_i modulo the prime P = 2^31 − 1. A change of one word moves S; a swap of two words, or two changes
+that S does not see, move W by (p − q)·d mod P, not 0 for positions closer than P unless the words differ by a
+multiple of P (bit patterns such as −0.0 against a NaN). It is computed exactly, in any
+order, which is what makes it comparable across ranks: the words are copied into a float64 buffer in rows of
+ROW words, and each row's Σ w_j (|·| < 2^42) and Σ (j + 1)·w_j (|·| < 2^51) are sums of integers below 2^53 —
+exact in float64 whatever the order a kernel adds them in (a CPU's vector lanes, a GPU's tree); the rows are
+then combined in int64 modulo P. A float checksum of the values would not do: one element a few ulps off
+vanishes into the rounding of a sum of many.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+MODULUS = 2**31 - 1  # the digest's prime: products of two residues stay below 2^62
+ROW = 1024  # words per row: Σ (j + 1)·w_j over a row stays below 2^51, exact in float64
+PASS_ROWS = 1024  # rows per pass over the buffer: 8 MiB of float64, however large the tensors
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter (the shared optimizer: build_optimizer)
+LISTED = 8  # parted tensors a check lists in the record
+MEASURED = 8  # parted tensors whose max |difference| a check measures (their copies sent over their group)
+DIFF_CHUNK = 1 << 22  # elements compared at once in float64 when measuring a difference
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A tensor this rank holds that every rank of `ranks` holds too, bit for bit."""
+
+    name: str  # the parameter's Hugging Face name (a tied weight under its first name: model.embed_tokens.weight)
+    ranks: tuple[int, ...]  # every rank that holds it, this one among them, ascending
+    tensor: torch.Tensor | None  # this rank's copy, a plain tensor; None while it does not exist (Adam's moments
+    # before the first step): then no rank of `ranks` may hold it
+    what: str = "parameter"  # "parameter", "exp_avg", "exp_avg_sq", "master", "ZeRO-3 partition", ...
+    piece: str = ""  # which part of the parameter, where a rank holds a part: "[0:64]" (its flat elements)
+
+    @property
+    def key(self) -> tuple:
+        return self.name, self.what, self.piece, self.ranks
+
+
+def label(name: str, what: str = "parameter", piece: str = "") -> str:
+    """How a report names a replica: the parameter, then what of it, if not the parameter itself."""
+    if what == "parameter" and not piece:
+        return name
+    return f"{name} ({' '.join(p for p in (what if what != 'parameter' else '', piece) if p)})"
+
+
+def ranks_text(groups: list[list[int]]) -> str:
+    """'rank 0 and rank 1', 'ranks 0, 2 and ranks 1, 3': a parted tensor's ranks, grouped by the bits they hold."""
+    return " and ".join(f"rank {g[0]}" if len(g) == 1 else "ranks " + ", ".join(map(str, g)) for g in groups)
+
+
+def parting_line(step: int, found: dict) -> str:
+    """One line for a check that found copies parted (`found`: its record entry): the first tensor it lists (the
+    parameter whose copies moved apart most), its ranks grouped by the bits they hold, the max |difference|, how many
+    more parted."""
+    first = found["tensors"][0]
+    diff = (f"max |difference| {first['max_abs_diff']:.3e}" if first.get("max_abs_diff") is not None
+            else "their sizes differ, or some do not hold it")
+    more = found["parted"] - 1
+    return (f"replicas part at step {step}: {label(first['name'], first['what'], first['piece'])} differs between "
+            f"{ranks_text(first['ranks'])} ({diff}" + (f"; {more} more tensor{'s' if more > 1 else ''} parted" if more
+                                                        else "") + ")")
+
+
+# --- what a strategy declares (helpers for Strategy.replicas) ------------------------------------------------
+
+def moments(optimizer, param, name: str, ranks: tuple[int, ...],
+            local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> list[Replica]:
+    """AdamW's two moments of `param` (a torch optimizer's state), held by `ranks` as the parameter is; `local`
+    gives this rank's piece (a DTensor's to_local). None before the optimizer's first step."""
+    state = optimizer.state.get(param, {}) if optimizer is not None else {}
+    return [Replica(name, ranks, local(state[key]) if key in state else None, key) for key in MOMENTS]
+
+
+def whole_model(model, optimizer, ranks: tuple[int, ...]) -> list[Replica]:
+    """Every parameter of `model` (each once: a tied weight under its first name) and its moments, held whole by
+    every rank of `ranks`."""
+    return [r for name, p in model.named_parameters()
+            for r in (Replica(name, ranks, p), *moments(optimizer, p, name, ranks))]
+
+
+def mesh_replica_ranks(root_mesh, t) -> tuple[int, ...]:
+    """The ranks of `root_mesh` (a DeviceMesh with dim names) that hold the same local piece of the DTensor `t` as
+    this rank: along each of the root's dims that `t`'s mesh lacks (a tensor on the "dp" sub-mesh is the same on
+    every "tp" rank) and along each of its own dims where it is Replicate."""
+    own = list(t.device_mesh.mesh_dim_names or ())
+    coordinate = root_mesh.get_coordinate()
+    index = tuple(coordinate[i] if dim in own and not t.placements[own.index(dim)].is_replicate() else slice(None)
+                  for i, dim in enumerate(root_mesh.mesh_dim_names))
+    return tuple(sorted(int(r) for r in root_mesh.mesh[index].flatten().tolist()))
+
+
+# --- the digest ---------------------------------------------------------------------------------------------
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat tensor of signed integer words: the data itself (a view) where contiguous."""
+    flat = t.detach().reshape(-1)
+    size = flat.element_size()
+    if size == 2:
+        return flat.view(torch.int16)
+    if size % 4 == 0:
+        return flat.view(torch.int32)
+    return flat.view(torch.uint8).to(torch.int16)  # 1-byte types: one word per byte
+
+
+class _Layout:
+    """How one list of tensors (their word counts, on one device) goes through the buffer: each tensor in pieces
+    of at most PASS_ROWS rows, each piece starting on a row, the pieces packed into passes of at most PASS_ROWS
+    rows; and per row the tensor it belongs to and where in that tensor it starts (modulo P)."""
+
+    def __init__(self, counts: tuple[int, ...], device: torch.device):
+        self.passes = []  # per pass: (rows, [(tensor, offset, length, first word in the buffer)])
+        row_tensor, row_start = [], []
+        pieces, used = [], 0
+        for k, n in enumerate(counts):
+            for offset in range(0, n, PASS_ROWS * ROW):
+                length = min(PASS_ROWS * ROW, n - offset)
+                rows = -(-length // ROW)
+                if used + rows > PASS_ROWS:
+                    self.passes.append((used, pieces))
+                    pieces, used = [], 0
+                pieces.append((k, offset, length, used * ROW))
+                row_tensor += [k] * rows
+                row_start += [(offset + ROW * r) % MODULUS for r in range(rows)]
+                used += rows
+        if pieces:
+            self.passes.append((used, pieces))
+        self.rows = len(row_tensor)
+        self.buffer_rows = max((rows for rows, _ in self.passes), default=0)
+        self.row_tensor = torch.tensor(row_tensor, dtype=torch.int64, device=device)
+        self.row_start = torch.tensor(row_start, dtype=torch.int64, device=device)
+
+
+class Digester:
+    """Digests of lists of tensors, computed where each tensor is (an offloaded shard on the CPU), returned on one
+    device. A check digests the same tensors every step, so what it prepares is kept: each list's layout, each
+    device's buffer, and the views of the last tensors seen (their copies into the buffer), keyed by where those
+    tensors' data is — the views hold their storage, so a tensor replaced since then is met at another address."""
+
+    def __init__(self):
+        self._layouts: dict[tuple, _Layout] = {}
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._weights: dict[torch.device, torch.Tensor] = {}
+        self._views: dict[torch.device, tuple] = {}  # device → (the tensors' addresses, the passes' views)
+
+    def __call__(self, tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+        """[len(tensors), 3] int64 on `device`: each tensor's (words, S, W); (−1, −1, −1) for None."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if t is not None:
+                by_device.setdefault(t.device, []).append(i)
+        if list(by_device) == [device] and len(by_device[device]) == len(tensors):
+            return self._digest([tensors[i] for i in by_device[device]], device)
+        out = torch.full((len(tensors), 3), -1, dtype=torch.int64, device=device)
+        for where, indexes in by_device.items():
+            out[torch.tensor(indexes, device=device)] = self._digest([tensors[i] for i in indexes], where).to(device)
+        return out
+
+    def _digest(self, tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """[n, 3]: (words, S, W) of each tensor, all on `device`."""
+        addresses = tuple((t.data_ptr(), t.numel()) for t in tensors)
+        cached = self._views.get(device)
+        if cached is None or cached[0] != addresses:
+            flat = [words(t) for t in tensors]
+            counts = tuple(f.numel() for f in flat)
+            layout = self._layouts.get((device, counts))
+            if layout is None:
+                layout = self._layouts[(device, counts)] = _Layout(counts, device)
+            buffer = self._buffer(device, layout.buffer_rows)
+            passes = [(rows, [buffer[at + length:at + -(-length // ROW) * ROW] for _, _, length, at in pieces
+                              if length % ROW],
+                       [buffer[at:at + length] for _, _, length, at in pieces],
+                       [flat[k][offset:offset + length] for k, offset, length, _ in pieces])
+                      for rows, pieces in layout.passes]
+            counts = torch.tensor(counts, dtype=torch.int64, device=device)
+            cached = self._views[device] = (addresses if all(t.is_contiguous() for t in tensors) else None,
+                                            layout, passes, counts)
+        _, layout, passes, counts = cached
+        buffer = self._buffers[device]
+        row_sums = torch.empty(layout.rows, dtype=torch.float64, device=device)
+        row_weighted = torch.empty_like(row_sums)
+        done = 0
+        for rows, pads, destinations, sources in passes:
+            if pads:
+                torch._foreach_zero_(pads)
+            torch._foreach_copy_(destinations, sources)
+            block = buffer[:rows * ROW].view(rows, ROW)
+            torch.sum(block, 1, out=row_sums[done:done + rows])
+            torch.mv(block, self._weights[device], out=row_weighted[done:done + rows])
+            done += rows
+        s_row = row_sums.to(torch.int64)  # exact: |Σ| < 2^42 a row, < 2^63 a tensor of fewer than 2^32 words
+        w_row = (layout.row_start * s_row.remainder(MODULUS)
+                 + row_weighted.to(torch.int64).remainder_(MODULUS)).remainder_(MODULUS)
+        sw = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
+        sw.index_add_(0, layout.row_tensor, torch.stack([s_row, w_row], 1))
+        sw[:, 1].remainder_(MODULUS)
+        return torch.cat([counts[:, None], sw], 1)
+
+    def _buffer(self, device: torch.device, rows: int) -> torch.Tensor:
+        if device not in self._buffers or self._buffers[device].numel() < rows * ROW:
+            self._buffers[device] = torch.empty(rows * ROW, dtype=torch.float64, device=device)
+            self._weights[device] = torch.arange(1, ROW + 1, dtype=torch.float64, device=device)
+        return self._buffers[device]
+
+
+# --- the check ---------------------------------------------------------------------------------------------
+
+class ReplicaDeclarationError(RuntimeError):
+    """A strategy declared replicas that its ranks do not agree on: a defect of the strategy, not of the run."""
+
+
+def agreed_keys(declared: list[list[tuple]], strategy: str) -> list[tuple]:
+    """Every replica key of the run, in declaration order (the lowest declaring rank's, then the next rank's
+    new ones ...), after checking that the ranks agree: each rank declares each key at most once and only keys
+    it is among the ranks of, and every rank a key names declares it. Raises ReplicaDeclarationError."""
+    holders: dict[tuple, list[int]] = {}
+    for rank, keys in enumerate(declared):
+        if len(set(keys)) != len(keys):
+            twice = next(k for k in keys if keys.count(k) > 1)
+            raise ReplicaDeclarationError(f"{strategy} declares the replica {label(*twice[:3])} twice on rank {rank}")
+        for key in keys:
+            if rank not in key[3]:
+                raise ReplicaDeclarationError(f"{strategy} declares the replica {label(*key[:3])} on rank {rank} for "
+                                              f"ranks {list(key[3])}, which do not include rank {rank}")
+            holders.setdefault(key, []).append(rank)
+    for key, ranks in holders.items():
+        if tuple(ranks) != key[3]:
+            missing = sorted(set(key[3]) - set(ranks))
+            raise ReplicaDeclarationError(f"{strategy} declares the replica {label(*key[:3])} for ranks {list(key[3])}, "
+                                          f"but rank {missing[0]} does not declare it (its ranks must declare the same "
+                                          f"name, what, piece and ranks)")
+    return list(holders)
+
+
+def summary(keys: list[tuple], declared: list[list[tuple]], interval: int) -> dict:
+    """What the record says of the declaration: how many replica groups, of what, over which ranks."""
+    by_what, by_ranks = {}, {}
+    for name, what, piece, ranks in keys:
+        by_what[what] = by_what.get(what, 0) + 1
+        group = ",".join(map(str, ranks))
+        by_ranks[group] = by_ranks.get(group, 0) + 1
+    return {"declared": True, "interval": interval, "groups": len(keys), "tensors_per_rank": [len(d) for d in declared],
+            "by_what": by_what, "by_ranks": by_ranks}
+
+
+class ReplicaCheck:
+    """One run's replica check on this rank. Built after the strategy's setup (a collective: every rank's
+    declaration is gathered once and checked against the others'); `check` after a step (a collective)."""
+
+    def __init__(self, strategy, interval: int):
+        self.strategy, self.ctx, self.interval = strategy, strategy.ctx, interval
+        mine = self._declared()
+        declared: list = [None] * self.ctx.world_size
+        dist.all_gather_object(declared, None if mine is None else [r.key for r in mine])
+        self.declared = all(d is not None for d in declared)
+        if not self.declared:
+            if any(d is not None for d in declared):
+                raise ReplicaDeclarationError(f"{type(strategy).__name__}.replicas() declares on some ranks and not "
+                                              f"on others")
+            self.summary = {"declared": False, "interval": interval}
+            return
+        self.local_keys = [r.key for r in mine]
+        self.keys = agreed_keys(declared, type(strategy).__name__)
+        self.width = max(1, max(len(d) for d in declared))
+        position = {(rank, key): i for rank, keys in enumerate(declared) for i, key in enumerate(keys)}
+        # Where each member's digest lands in the gathered table (rank × width + its index on that rank).
+        self._at = {(k, rank): rank * self.width + position[(rank, key)] for k, key in enumerate(self.keys)
+                    for rank in key[3]}
+        self._member_key = torch.tensor([k for k, _ in self._at], dtype=torch.int64)
+        self._member_at = torch.tensor(list(self._at.values()), dtype=torch.int64)
+        self._first_at = torch.tensor([self._at[(k, key[3][0])] for k, key in enumerate(self.keys)], dtype=torch.int64)
+        self.summary = summary(self.keys, declared, interval)
+        self._digester = Digester()
+        self._groups: dict[tuple[int, ...], object] = {}
+
+    def _declared(self) -> list[Replica] | None:
+        """The strategy's replicas, but a tensor only one rank holds (nothing to compare it with)."""
+        mine = self.strategy.replicas()
+        return None if mine is None else [r for r in mine if len(r.ranks) > 1]
+
+    def due(self, done: int, total_steps: int, checkpoint: bool) -> bool:
+        """Whether to check after `done` steps: every --replica_check_interval, at every checkpoint, at the end (never
+        where no two ranks hold the same tensor)."""
+        return self.declared and bool(self.keys) and (done % self.interval == 0 or done == total_steps or checkpoint)
+
+    def check(self) -> dict:
+        """Digest every declared tensor and compare them across their ranks: the record's entry for this step,
+        {"checked": replica groups, "parted": how many differ, and when some do "tensors": up to LISTED of them (see
+        _describe), each with its name, what, piece, its ranks grouped by the bits they hold and its max |difference|
+        (None where not measured)}. The same answer on every rank. Collective."""
+        mine = self._declared()
+        if [r.key for r in mine] != self.local_keys:
+            raise ReplicaDeclarationError(f"{type(self.strategy).__name__}.replicas() changed its declaration after "
+                                          f"set-up: declare every tensor from the start (None while it does not exist)")
+        digests = torch.zeros(self.width, 3, dtype=torch.int64, device=self.ctx.device)
+        digests[:len(mine)] = self._digester([r.tensor for r in mine], self.ctx.device)
+        gathered = [torch.empty_like(digests) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, digests)
+        table = torch.cat(gathered).cpu()  # [world × width, 3]
+        differs = (table[self._member_at] != table[self._first_at[self._member_key]]).any(1)
+        parted = sorted(set(self._member_key[differs].tolist()))
+        entry = {"checked": len(self.keys), "parted": len(parted)}
+        if parted:
+            entry["tensors"] = self._describe(parted, table, mine)
+        return entry
+
+    def _describe(self, parted: list[int], table: torch.Tensor, mine: list[Replica]) -> list[dict]:
+        """The parted tensors to list, each with its ranks grouped by the bits they hold; the first MEASURED of them,
+        parameters' copies before moments, in declaration order, with their max |difference| — and the list ordered
+        by it (the parameters' first): where every copy moved apart at once, the tensor that moved most is the one
+        nearest the cause (a clip factor differing across ranks moves every copy a little, a skipped or unreduced
+        update moves its own by a whole step)."""
+        order = sorted(parted, key=lambda k: (self.keys[k][1] in MOMENTS, k))
+        holders = {k: self._holders(k, table) for k in order}
+        measured = torch.zeros(MEASURED, dtype=torch.float64, device=self.ctx.device)
+        sizes = {k: {bits[0] for bits in holders[k]} for k in order[:MEASURED]}
+        comparable = [k for k, n in sizes.items() if len(n) == 1 and min(n) >= 0]  # held everywhere, at one size
+        for n, k in enumerate(comparable):
+            ranks = self.keys[k][3]
+            group = self._group(ranks)
+            if self.ctx.rank in ranks:
+                measured[n] = self._max_difference(mine[self.local_keys.index(self.keys[k])].tensor, ranks, group)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        diffs = {k: float(measured[n]) for n, k in enumerate(comparable)}
+        listed = sorted(order, key=lambda k: (self.keys[k][1] in MOMENTS, k not in diffs, -diffs.get(k, 0.0), k))
+        return [{"name": self.keys[k][0], "what": self.keys[k][1], "piece": self.keys[k][2],
+                 "ranks": list(holders[k].values()), "max_abs_diff": diffs.get(k)} for k in listed[:LISTED]]
+
+    def _holders(self, k: int, table: torch.Tensor) -> dict[tuple, list[int]]:
+        """The ranks of replica `k` grouped by the digest each holds (words, S, W), in rank order."""
+        by_bits: dict[tuple, list[int]] = {}
+        for rank in self.keys[k][3]:
+            by_bits.setdefault(tuple(table[self._at[(k, rank)]].tolist()), []).append(rank)
+        return by_bits
+
+    def _group(self, ranks: tuple[int, ...]):
+        """The process group of `ranks` (the world's when they are all): made once, by every rank (new_group is a
+        collective of the world), in the order every rank meets the same parted tensors."""
+        if len(ranks) == self.ctx.world_size:
+            return None
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(list(ranks))
+        return self._groups[ranks]
+
+    def _max_difference(self, mine: torch.Tensor, ranks: tuple[int, ...], group) -> float:
+        """max |this rank's copy − the first rank's|, in float64, the first rank's copy broadcast over `ranks`."""
+        device = self.ctx.device
+        reference = mine.detach().to(device).contiguous().clone() if self.ctx.rank == ranks[0] else \
+            torch.empty(mine.shape, dtype=mine.dtype, device=device)
+        dist.broadcast(reference, src=ranks[0], group=group)
+        a, b = mine.detach().reshape(-1), reference.reshape(-1)
+        worst = torch.zeros((), dtype=torch.float64, device=device)
+        for start in range(0, a.numel(), DIFF_CHUNK):
+            piece = a[start:start + DIFF_CHUNK].to(device, torch.float64) - b[start:start + DIFF_CHUNK].double()
+            worst = torch.maximum(worst, piece.abs().max())  # a NaN stays NaN
+        worst = float(worst)
+        return worst if math.isfinite(worst) else math.inf  # NaN on one copy: no finite difference to report
