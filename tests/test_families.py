@@ -19,7 +19,7 @@ import shutil
 
 import pytest
 
-from conftest import FP32_RTOL, final_parameters, max_abs_param_diff, max_rel_diff, series
+from conftest import FP32_RTOL, assert_replicas_held, final_parameters, max_abs_param_diff, max_rel_diff, series
 from parity.calibration.bugs import FAMILY_BUGS
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.commands.layer_check import main as run_verification
@@ -100,6 +100,8 @@ def test_every_family_trains_as_ddp_under_every_strategy_in_fp32(fp32_runs, fami
     for key in ("loss", "grad_norm", "param_norm"):
         assert max_rel_diff(series(run, key), series(base, key)) < FP32_RTOL, key
     assert max_abs_param_diff(final_parameters(run), final_parameters(base)) < FINAL_PARAMETERS_ATOL_FP32
+    assert_replicas_held(base)
+    assert_replicas_held(run)
 
 
 def verdict(folder, capsys) -> tuple[int, dict, str]:
@@ -121,6 +123,11 @@ def test_each_family_pitfall_fails_the_fp32_verdict_at_its_step(fp32_runs, tmp_p
     against = result["against_baseline"]["fsdp"]
     assert (code, against["verdict"], against["first_outside"]["step"]) == (1, "FAIL", BUG_FAILS[family][0]), out
     assert f"strategy_class: None vs parity.calibration.bugs:{FAMILY_BUGS[family].__name__}" in out
+    parted = against["replicas_parted"]
+    if family == "qwen3-tiny":  # the norm weights' copies on the two TP ranks part at once
+        assert parted["step"] == 0 and parted["name"].endswith(("q_norm.weight", "k_norm.weight")), parted
+    else:  # the other pitfalls change what every rank computes alike: no copies part
+        assert parted is None, parted
 
 
 @pytest.mark.parametrize("family", sorted(f for f, _ in LIBRARY_FAILS))

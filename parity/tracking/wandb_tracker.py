@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 
 import wandb
 
-from parity import storage
 from parity.tracking.tracker import WANDB_GROUP_CHARS, Tracker, local_place, upload
 
 TAG_CHARS = 64  # W&B's limit on a tag
