@@ -2,7 +2,7 @@
 decoder layer, FSDP2 sharding (and gradient averaging) over "dp".
 
 Only the parts that differ between strategies are here: the mesh, the TP plan, the FSDP wrapping, the
-mixed-precision choice, clipping across the two meshes the parameters end up on, gathering DTensor
+precision policy in FSDP2's terms, clipping across the two meshes the parameters end up on, gathering DTensor
 shards back to full size under Hugging Face names, and checkpoints through torch.distributed.checkpoint.
 """
 
@@ -24,10 +24,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from parity.errors import ConfigError
+from parity.training.loss_scaler import LossScaler
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
+from parity.training.precision import DTYPES, POLICIES, OptimizerStep, PolicyRequest, cast_parameters, policy_of
 from parity.training.strategy import Option, Strategy, build_optimizer, clip_coefficient, squared_norm_fp64, step_optimizer
 
-MIXED_PRECISION = ("autocast", "policy")
+MIXED_PRECISION = ("autocast", "policy")  # the flag's values from before the precision axis (precision_request)
 OFFLOAD = ("none", "cpu")
 # Per decoder layer: the projections that read the replicated residual stream are split by output
 # columns, the ones that write back to it by input rows (so each block needs one all-reduce).
@@ -37,6 +39,7 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 # (applied to gate_proj's shard before up_proj's shard multiplies it).
 SHARDED_OUTPUTS = COLWISE + ("mlp.act_fn",)
 TP_PLANS = ("default", "sequence_parallel")
+SCALER_FILE = "loss_scaler.pt"  # fp16: the loss scaler's state (rank 0's)
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
 
 
@@ -145,26 +148,19 @@ def offload_policy(cfg) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def policy_dtypes(options: dict) -> tuple[str, str]:
-    """(param_dtype, reduce_dtype) of the MixedPrecisionPolicy: the flags, or --mixed_precision's defaults
-    (policy: bf16 parameters in compute, fp32 reduction; autocast: fp32 both)."""
-    policy = options["mixed_precision"] == "policy"
-    return (options["param_dtype"] or ("bf16" if policy else "fp32"),
-            options["reduce_dtype"] or "fp32")
-
-
 def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
-    """The MixedPrecisionPolicy of --param_dtype / --reduce_dtype: fp32 parameters and reduction unless asked.
-    --mixed_precision policy: FSDP2 casts the gathered parameters to bf16 (the whole module computes in bf16)
-    and reduces gradients in fp32 into fp32 shards. A bf16 --reduce_dtype reduces gradients in bf16: a real
-    precision difference from DDP's fp32 all-reduce, and the record says so."""
-    param, reduce = policy_dtypes(cfg.options)
-    if (param, reduce) == ("fp32", "fp32"):
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
+    """The run's precision policy in FSDP2's terms. bf16_params and fp16: the sharded parameters stay fp32 (they are the
+    master weights the shared AdamW steps, with its state in fp32); FSDP2 casts them to bf16 / fp16 when it all-gathers
+    them, the whole module computes in that dtype, and gradients are reduce-scattered in --reduce_dtype (the gradients'
+    own by default) into fp32 shards — accumulating micro-batches in that reduce dtype. bf16_pure: no policy, the
+    shards themselves are bf16 (setup casts them). fp32 and bf16 (autocast): fp32 parameters, and the reduction in
+    --reduce_dtype."""
+    policy = policy_of(cfg)
+    if policy.master_copy:
+        return MixedPrecisionPolicy(param_dtype=DTYPES[policy.params], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    if cfg.reduce_dtype != policy.params:
+        return MixedPrecisionPolicy(param_dtype=DTYPES[policy.params], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    return MixedPrecisionPolicy()
 
 
 def global_norm(tensors: list[DTensor]) -> float:
@@ -203,15 +199,11 @@ def clip_sharded_gradients(params, cfg) -> float:
 class FSDPStrategy(Strategy):
     name = "fsdp"
     options = (
-        Option("mixed_precision", "autocast", choices=MIXED_PRECISION,
-               help="how bf16 is applied: autocast (fp32 parameters, bf16 matmuls under torch.autocast, as DDP) "
-                    "or policy (FSDP2 MixedPrecisionPolicy: bf16 parameters in compute, fp32 gradient reduction "
-                    "and master weights); only with --precision bf16"),
-        Option("param_dtype", None, type=str, choices=tuple(DTYPES),
-               help="FSDP2 MixedPrecisionPolicy.param_dtype: the dtype the gathered parameters compute in "
-                    "(default: bf16 with --mixed_precision policy, else fp32)"),
-        Option("reduce_dtype", None, type=str, choices=tuple(DTYPES),
-               help="FSDP2 MixedPrecisionPolicy.reduce_dtype: the dtype gradients are reduce-scattered in (default fp32)"),
+        Option("mixed_precision", None, type=str, choices=MIXED_PRECISION,
+               help="kept from before --precision had its policies: policy = --precision bf16_params with fp32 "
+                    "reduction (FSDP2's MixedPrecisionPolicy(bf16, fp32), what it meant), autocast = --precision bf16"),
+        Option("param_dtype", None, type=str, choices=("fp32", "bf16"),
+               help="kept from before --precision had its policies: bf16 = --mixed_precision policy"),
         Option("tp_plan", "default", choices=TP_PLANS,
                help="the TP plan: default (Megatron-style TP inside each decoder layer, the residual stream "
                     "replicated) or sequence_parallel (also the residual stream and the RMSNorms sharded over the "
@@ -221,16 +213,30 @@ class FSDPStrategy(Strategy):
                     "memory, the optimizer step on the CPU"),
     )
     zero_stage = 3  # full sharding: parameters, gradients and optimizer state all divided over dp
+    precisions = tuple(POLICIES)
+
+    @classmethod
+    def precision_request(cls, options: dict):
+        """--mixed_precision / --param_dtype, as they were before the policy axis: policy (or --param_dtype bf16) is
+        bf16_params reducing in fp32 by default (FSDP2's MixedPrecisionPolicy(bf16, fp32)); autocast is bf16."""
+        mode, param = options["mixed_precision"], options["param_dtype"]
+        if mode == "autocast" and param == "bf16" or mode == "policy" and param == "fp32":
+            raise ConfigError(f"--mixed_precision {mode} with --param_dtype {param}: the two name different policies: "
+                              f"use --precision bf16_params (bf16 parameters) or --precision bf16 (autocast)")
+        if mode == "policy" or param == "bf16":
+            flag = "--mixed_precision policy" if mode == "policy" else "--param_dtype bf16"
+            return PolicyRequest(flag, "bf16_params", reduce_dtype="fp32", soft=True)
+        if mode == "autocast":
+            return PolicyRequest("--mixed_precision autocast", "bf16")
+        return None
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
-        if settings.options["mixed_precision"] == "policy" and settings.precision != "bf16":
-            raise ConfigError(f"--mixed_precision policy is a bf16 mode but --precision is {settings.precision}: "
-                              f"add --precision bf16 (or --autocast)")
-        for flag in ("param_dtype", "reduce_dtype"):
-            if settings.options[flag] == "bf16" and settings.precision != "bf16":
-                raise ConfigError(f"--{flag} bf16 is a bf16 setting but --precision is {settings.precision}: add "
-                                  f"--precision bf16, or drop it")
+        policy = POLICIES[settings.precision]
+        if settings.grad_accum_steps > 1 and policy.master_copy and settings.grad_accum_dtype != settings.reduce_dtype:
+            raise ConfigError(f"--grad_accum_dtype {settings.grad_accum_dtype} with --reduce_dtype "
+                              f"{settings.reduce_dtype}: FSDP2 accumulates micro-batch gradients in the dtype it "
+                              f"reduces them in: pass --grad_accum_dtype {settings.reduce_dtype}")
         if settings.activation_checkpointing and settings.compile:
             raise ConfigError("--activation_checkpointing with --compile: torch's composable checkpoint finds the compiled "
                               "layers' recomputed tensors changed (torch.utils.checkpoint.CheckpointError, pytorch#166926): "
@@ -242,9 +248,6 @@ class FSDPStrategy(Strategy):
             if settings.seq_length % settings.tp_size:
                 raise ConfigError(f"--tp_plan sequence_parallel splits the sequence into --tp_size {settings.tp_size} "
                                   f"chunks: --seq_length {settings.seq_length} must be a multiple of it")
-        if settings.options["param_dtype"] == "bf16" and settings.options["mixed_precision"] != "policy":
-            raise ConfigError("--param_dtype bf16 computes in bf16 through FSDP2's policy, and autocast would cast on "
-                              "top of it: add --mixed_precision policy")
 
     def setup(self, model) -> None:
         # Every full_tensor() of a 2-D DTensor logs that it runs one collective per mesh dim; expected here.
@@ -253,6 +256,8 @@ class FSDPStrategy(Strategy):
         # The data slice is chosen by ctx.dp_rank, so the mesh must place ranks as WorkerContext does.
         assert (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == (self.ctx.dp_rank, self.ctx.tp_rank)
         model.to(self.ctx.device)
+        if not policy_of(self.cfg).master_copy:  # bf16_pure: the parameters themselves in bf16 (fp32, bf16: fp32)
+            cast_parameters(model, self.cfg)
         if self.ctx.tp_size > 1:  # with tp_size 1 this is pure FSDP2 on the 1-D "dp" sub-mesh
             self.apply_tp_plan(model, mesh["tp"])
         if self.cfg.activation_checkpointing:
@@ -263,16 +268,15 @@ class FSDPStrategy(Strategy):
         self.tp_mesh = mesh["tp"]
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.cfg)
+        self.scaler = LossScaler(**self.cfg.loss_scaling) if policy_of(self.cfg).loss_scaling else None
 
     def apply_tp_plan(self, model, tp_mesh: DeviceMesh) -> None:
         """--tp_plan's TP over the "tp" mesh (a test copy with a bug in its plan overrides this)."""
         TP_APPLY[self.cfg.options["tp_plan"]](model, tp_mesh)
 
-    def autocast(self):
-        """With the FSDP2 policy the parameters themselves are in --param_dtype: no autocast on top."""
-        if self.cfg.options["mixed_precision"] == "policy":
-            return contextlib.nullcontext()
-        return super().autocast()
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
 
     def accumulating(self, last: bool):
         """FSDP2's own way: gradients are reduce-scattered only in the last micro-batch's backward; before it
@@ -284,10 +288,18 @@ class FSDPStrategy(Strategy):
         """A DTensor parameter's local shard (its dp × tp piece), sharing its storage."""
         return param.to_local()
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float):
+        """Clip across the meshes and step; under fp16 first the harness's loss scaler (DeepSpeed's rules): an overflow
+        on any rank skips the step, else the gradient shards are unscaled."""
+        scale = self.loss_scale
+        if self.scaler is not None:
+            shards = [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
+            if self.scaler.unscale_or_skip(shards, self.ctx.device):
+                self.optimizer.zero_grad(set_to_none=True)
+                return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
         norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
         step_optimizer(self.optimizer, lr)
-        return norm
+        return OptimizerStep(norm, loss_scale=scale if self.scaler else None)
 
     def parameter_norm(self) -> float:
         return global_norm(list(self.model.parameters()))
@@ -335,9 +347,13 @@ class FSDPStrategy(Strategy):
         .metadata that maps them to the full tensors."""
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(directory, DCP_DIR))
+        if self.scaler is not None and self.ctx.rank == 0:  # every rank's scaler is the same
+            torch.save(self.scaler.state_dict(), os.path.join(directory, SCALER_FILE))
 
     def load_state(self, directory: str) -> None:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # the shapes to load into
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(torch.load(os.path.join(directory, SCALER_FILE), weights_only=True))
