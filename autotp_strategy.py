@@ -331,10 +331,8 @@ class DeepSpeedStrategy(Strategy):
         returns): every TP rank computes the same loss from the gathered tensor."""
         if module_name not in self.column_shards:
             return t
-        from deepspeed.module_inject.layers import GatherFromTensorParallelRegion
-
         group, sizes = self.column_shards[module_name]
-        return GatherFromTensorParallelRegion.apply(group, t, sizes)
+        return GatherLastDim.apply(group, t, sizes)
 
     def _full_tensors(self, read) -> dict[str, torch.Tensor]:  # [5]
         """{HF name: full fp32 CPU tensor} for each parameter once (a tied weight under its first name, as
@@ -468,6 +466,9 @@ RELEASES_THAT_CANNOT = (
          and s.precision == "bf16_params"),
      "its step all-gathers the updated partitions into split views, which torch 2.13 refuses (\"Output 0 of Split is a "
      "view and is being modified inplace\"): use DeepSpeed 0.19, or --zero_stage 0 or 3"),
+    (("0.18.0", "0.18.99"), "0", "AutoTP with ZeRO-3", lambda s: s.tp_size > 1 and s.options["zero_stage"] == 3,
+     "it refuses the pair at initialize (\"the compatibility between 'autotp' and 'zero_stage = 3' has not been "
+     "validated\"): use DeepSpeed 0.19, --zero_stage 0 with --tp_size 2, or ZeRO-3 at --tp_size 1"),
 )
 
 
@@ -636,15 +637,41 @@ def check_rank_layout(engine, ctx) -> None:
 def column_parallel_outputs(hf_model) -> dict[str, tuple]:
     """{module name: (TP group, shard widths)} for every module whose output is this rank's slice of the
     last dim: AutoTP's column-parallel layers that do not gather their output themselves, and each MLP's
-    act_fn, which acts on gate_proj's shard."""
+    act_fn, which acts on gate_proj's shard. DeepSpeed 0.18's LinearLayer has neither is_tp_parallel,
+    gather_output nor _partition_sizes: every one is column-parallel, never gathers, and splits its outputs
+    evenly (torch.chunk) over the TP group."""
     from deepspeed.module_inject.layers import LinearLayer
 
     shards = {}
     for name, module in hf_model.named_modules():
-        if isinstance(module, LinearLayer) and module.is_tp_parallel and not module.gather_output:
-            shards[name] = (module.mp_group, module._partition_sizes)
+        if not isinstance(module, LinearLayer) or getattr(module, "mp_group", None) is None:
+            continue
+        if getattr(module, "is_tp_parallel", True) and not getattr(module, "gather_output", False):
+            even = [module.weight.shape[0]] * module.tp_world_size
+            shards[name] = (module.mp_group, getattr(module, "_partition_sizes", even))
     for name in list(shards):
         if name.endswith("mlp.gate_proj"):
             shards[name.removesuffix("gate_proj") + "act_fn"] = shards[name]
     return shards
 
+
+
+class GatherLastDim(torch.autograd.Function):
+    """The TP shards of a column-parallel output concatenated along the last dim (exactly: a copy), on every rank of
+    the TP group; the backward takes this rank's slice of the gradient — not the sum over ranks that
+    torch.distributed.nn's all_gather returns (every TP rank computes the same loss from the gathered tensor, so the
+    sum would multiply the gradient by tp_size). DeepSpeed 0.19's GatherFromTensorParallelRegion does the same; 0.18
+    has none."""
+
+    @staticmethod
+    def forward(ctx, group, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.sizes, ctx.rank = sizes, dist.get_rank(group)
+        pieces = [torch.empty((*t.shape[:-1], width), dtype=t.dtype, device=t.device) for width in sizes]
+        dist.all_gather(pieces, t.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad.split(ctx.sizes, dim=-1)[ctx.rank].contiguous(), None

@@ -60,6 +60,14 @@ class Policy:
         return self.params != self.master
 
     @property
+    def fp32_twin_measures_noise(self) -> bool:
+        """Whether the policy's distance from fp32 is rounding, which the verdict may take as noise (its fp32 twin is a
+        noise reference): where the master weights are fp32. bf16 master weights lose every update below 2⁻⁸ of a
+        weight, a systematic distance from fp32 that every bf16_pure run shares — 100 × its runs' noise (measured:
+        docs/tolerances.md) — so there the twins alone calibrate."""
+        return self.master == "fp32"
+
+    @property
     def grad_accum_dtypes(self) -> tuple[str, ...]:
         """The dtypes micro-batch gradients may accumulate in, the first the default: the gradients' own, or fp32 where
         an fp32 master copy holds them."""
@@ -214,6 +222,11 @@ class OptimizerStep:
     norm: float
     skipped: bool = False
     loss_scale: float | None = None
+
+    @classmethod
+    def of(cls, result) -> "OptimizerStep":
+        """What optimizer_step returned: an OptimizerStep, or the norm alone (a strategy without loss scaling)."""
+        return result if isinstance(result, cls) else cls(float(result))
 
 
 class PolicyOptimizer:
