@@ -39,13 +39,12 @@ REFERENCES = {  # the main job's noise references of that baseline (parity/comma
 }
 TP2_DP2 = {"num_workers": 4, "tp_size": 2, "batch_size": 2}
 CLEAN = {"deepspeed": ("deepspeed", {}), "fsdp": ("fsdp", {"mixed_precision": "autocast"})}
-# The catalogue's bugs the verdict must see in bf16, in every strategy: DeepSpeed's clipping, schedule, a scaled
-# lr (the same at every layout) and bf16 master weights; TP ranks fed different slices and a wrong β2 in FSDP + TP;
-# a tied embedding's gradient left out of DDP's reduction. (id, record name, strategy, copy, options, layout)
+# The catalogue's bugs the verdict must see in bf16, in every strategy: DeepSpeed's clipping, schedule and a scaled
+# lr (the same at every layout); TP ranks fed different slices and a wrong β2 in FSDP + TP; a tied embedding's gradient
+# left out of DDP's reduction. (id, record name, strategy, copy, options, layout)
 BUGS_BF16 = [("DeepSpeedClippingSkipped", "deepspeed", "deepspeed", DeepSpeedClippingSkipped, {}, TP2_DP2),
              ("DeepSpeedWarmupIgnored", "deepspeed", "deepspeed", DeepSpeedWarmupIgnored, {}, TP2_DP2),
              ("DeepSpeedLearningRateOff", "deepspeed", "deepspeed", DeepSpeedLearningRateOff, {}, TP2_DP2),
-             ("bf16_master_weights", "deepspeed", "deepspeed", None, {"bf16_master_weights": True}, TP2_DP2),
              ("FSDPTPRanksFedDifferentSlices", "fsdp", "fsdp", FSDPTPRanksFedDifferentSlices, {}, TP2_DP2),
              ("FSDPAdamBeta2Off", "fsdp", "fsdp", FSDPAdamBeta2Off, {}, TP2_DP2),
              ("DDPTiedEmbeddingUnreduced", "ddp_tied_embedding_unreduced", "ddp", DDPTiedEmbeddingUnreduced, {},
@@ -102,6 +101,7 @@ def folders(tmp_path_factory, weights):
             add(kernel, kernel, strategy, {**TP2_DP2, "precision": "bf16"}, **options)
     for bug_id, _, strategy, bug, options, layout in BUGS_BF16:
         add("default", bug_id, strategy, {**layout, "precision": "bf16"}, bug, **options)
+    add("default", "bf16_master_weights", "deepspeed", TP2_DP2, bf16_master_weights=True, autocast=True)
     for technique, strategy, layout, flags in TECHNIQUES_BF16:
         add("default", technique, strategy, {**layout, "precision": "bf16"}, **flags)
     add("default", "fp32", "ddp", {**BASELINE, "precision": "fp32"}, debug_steps=FP32_STEPS)
@@ -114,7 +114,7 @@ def folders(tmp_path_factory, weights):
         if ran != kernel:
             (root / kernel).symlink_to(root / ran)
 
-    for bug_id in [b[0] for b in BUGS_BF16] + [t[0] for t in TECHNIQUES_BF16]:  # beside the baseline it is judged by
+    for bug_id in [b[0] for b in BUGS_BF16] + [t[0] for t in TECHNIQUES_BF16] + ["bf16_master_weights"]:
         for name in ["loss_ddp.json", *REFERENCES]:
             shutil.copy(root / "default" / name, root / bug_id)
     for bug, *_ in BUGS_FP32:
@@ -171,6 +171,18 @@ def test_seeded_bug_fails_the_calibrated_verdict_in_bf16(folders, capsys, bug_id
     replay = ([f"--strategy_class parity.calibration.bugs:{bug.__name__}"] if bug else [f"--{k}" for k in options])
     assert all(s in out for s in suspects + replay), out
     assert " None" not in out.split("replay step")[-1]
+
+
+def test_bf16_master_weights_against_the_autocast_baseline_is_a_policy_difference(folders, capsys):
+    """Seed 001's DeepSpeed setting (--bf16_master_weights with --autocast: bf16_pure) against DDP in the autocast
+    policy — seed 004's comparison. Once counted as a strategy bug; it is another policy, reported as such, both named,
+    and not judged (test_precision.py judges strategies in their own policies)."""
+    code, result, out = verdict(folders / "bf16_master_weights", capsys)
+    against = result["against_baseline"]["deepspeed"]
+    assert (code, result["verdict"], against["verdict"]) == (1, "POLICY DIFFERENCE", "POLICY DIFFERENCE")
+    assert against["policy_difference"][0] == "precision: bf16 vs bf16_pure" and against["first_outside"] is None
+    assert "DeepSpeed ran bf16_pure (bf16 parameters, gradients, master weights and Adam state" in out
+    assert "train_ddp.py --precision bf16_pure" in out
 
 
 @pytest.mark.parametrize("bug,name,step,quantity", BUGS_FP32, ids=[b.__name__ for b, *_ in BUGS_FP32])
