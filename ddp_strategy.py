@@ -31,6 +31,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
     tensor_parallel = False
     precisions = tuple(POLICIES)
+    policy_optimizer = PolicyOptimizer  # what steps the shared AdamW under the policy (a seeded bug's copy replaces it)
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
@@ -45,7 +46,7 @@ class DDPStrategy(Strategy):
         if self.cfg.compile:
             for layer in model.model.layers:
                 layer.compile()  # in place: the module keeps its name
-        self.precision = PolicyOptimizer(model.parameters(), self.cfg)  # before DDP: its buckets take the dtype
+        self.precision = self.policy_optimizer(model.parameters(), self.cfg)  # before DDP: its buckets take the dtype
         self.optimizer = self.precision.optimizer
         device_ids = [self.ctx.device] if self.ctx.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=device_ids)

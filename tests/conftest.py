@@ -79,6 +79,16 @@ def tiny_weights(tmp_path_factory):
     return path
 
 
+def seeded_weights(tmp_path_factory, seed: int) -> str:
+    """qwen2-tiny's initial weights from `seed` (what train_ddp.py --save_init_weights --seed writes), for a test module
+    that runs at a seed of its own."""
+    from parity.training.model import build_model, resolve_model_config, save_init_weights
+
+    path = str(tmp_path_factory.mktemp("weights") / f"init_{seed}.pt")
+    save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed), path)
+    return path
+
+
 def to_argv(flags: dict) -> list[str]:
     """{"tp_size": 2, "autocast": True} → ["--tp_size", "2", "--autocast"], as a user types it (False/None left out)."""
     argv: list[str] = []

@@ -184,8 +184,9 @@ CASES = [
                                               grad_accum_dtype="fp32"), {},
      r"--grad_accum_dtype fp32 with --reduce_dtype bf16: FSDP2 accumulates micro-batch gradients in the dtype it reduces "
      r"them in: pass --grad_accum_dtype bf16"),
-    ("pipeline policy", "pipeline", train_flags(num_workers=2, precision="bf16_params"), {},
-     r"pipeline does not run the bf16_params policy \(it runs fp32, bf16\)"),
+    ("own strategy policy", "ddp", train_flags(num_workers=2, precision="bf16_params",
+                                               strategy_class="my_strategy:HandWrittenDP"), {},
+     r"hand_written_dp does not run the bf16_params policy \(it runs fp32, bf16\): pass one of them with --precision"),
     ("not multiple", "fsdp", train_flags(num_workers=3, tp_size=2), {},
      r"--num_workers 3 is not a multiple of --tp_size 2: num_workers must equal tp_size × dp_size"),
     ("sp tp1", "fsdp", train_flags(num_workers=2, tp_plan="sequence_parallel"), {},

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from conftest import seeded_weights
 from parity.calibration.bugs import (DDPTiedEmbeddingUnreduced, DeepSpeedClippingSkipped, DeepSpeedLearningRateOff,
                                      DeepSpeedWarmupIgnored, DeepSpeedWeightDecayAdded, FSDPAdamBeta2Off,
                                      FSDPShardFault, FSDPTPRanksFedDifferentSlices, FSDPWeightDecayAdded)
@@ -68,11 +69,7 @@ BUGS_FP32 = [(FSDPWeightDecayAdded, "fsdp", 2, "param_norm"), (DeepSpeedWeightDe
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
-
-    path = str(tmp_path_factory.mktemp("weights") / f"init_{SEED}.pt")
-    save_init_weights(build_model(resolve_model_config("qwen2-tiny"), SEED), path)
-    return path
+    return seeded_weights(tmp_path_factory, SEED)
 
 
 @pytest.fixture(scope="module")

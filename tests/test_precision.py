@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, seeded_weights
 from parity.calibration.bugs import (DDPGradientsNotZeroed, DDPLastMicroBatchUnreduced, DDPLossScaleKeptForClipping,
                                      DDPOverflowApplied)
 from parity.commands.compare_curves import main as plot_loss_curves
@@ -72,11 +72,7 @@ FOLDERS = {
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
-
-    path = str(tmp_path_factory.mktemp("weights") / f"init_{SEED}.pt")
-    save_init_weights(build_model(resolve_model_config("qwen2-tiny"), SEED), path)
-    return path
+    return seeded_weights(tmp_path_factory, SEED)
 
 
 @pytest.fixture(scope="module")

@@ -271,10 +271,7 @@ class DDPGradientsNotZeroed(DDPStrategy):
     """Gradients not zeroed between steps: each step's gradient holds every earlier step's too."""
 
     name = "ddp_gradients_not_zeroed"
-
-    def setup(self, model) -> None:
-        super().setup(model)
-        self.precision.__class__ = KeptLowPrecisionGradients
+    policy_optimizer = KeptLowPrecisionGradients
 
 
 class ClippedScaled(PolicyOptimizer):
@@ -306,10 +303,7 @@ class DDPLossScaleKeptForClipping(DDPStrategy):
     """fp16: the loss scale removed after clipping (ClippedScaled)."""
 
     name = "ddp_loss_scale_kept_for_clipping"
-
-    def setup(self, model) -> None:
-        super().setup(model)
-        self.precision.__class__ = ClippedScaled
+    policy_optimizer = ClippedScaled
 
 
 class AppliedOverflow(PolicyOptimizer):
@@ -335,7 +329,4 @@ class DDPOverflowApplied(DDPStrategy):
     """fp16: an overflow step applied instead of skipped (AppliedOverflow)."""
 
     name = "ddp_overflow_applied"
-
-    def setup(self, model) -> None:
-        super().setup(model)
-        self.precision.__class__ = AppliedOverflow
+    policy_optimizer = AppliedOverflow

@@ -253,6 +253,7 @@ class PolicyOptimizer:
         self.policy, self.cfg = policy_of(cfg), cfg
         self.params = [p for p in params if p.requires_grad]
         self.masters = [p.detach().float().clone() for p in self.params] if self.policy.master_copy else None
+        self._master = {id(p): m for p, m in zip(self.params, self.masters or self.params)}
         for p in self.params:
             p.data = p.data.to(DTYPES[self.policy.params])
         self.optimizer = build_optimizer(self.masters or self.params, cfg)
@@ -269,9 +270,7 @@ class PolicyOptimizer:
 
     def master_of(self, param) -> torch.Tensor:
         """The master weight of `param` (itself where the policy keeps none)."""
-        if self.masters is None:
-            return param
-        return next(m for p, m in zip(self.params, self.masters) if p is param)
+        return self._master[id(param)]
 
     @torch.no_grad()
     def accumulate(self) -> None:
@@ -285,9 +284,10 @@ class PolicyOptimizer:
                 p.grad = None
 
     @torch.no_grad()
-    def step(self, lr: float, norm_of: Callable[[list[torch.Tensor]], float]) -> OptimizerStep:
+    def step(self, lr: float, norm_of: Callable[[list[torch.Tensor]], float], counted=None) -> OptimizerStep:
         """Clip, step at `lr` and drop the gradients (class docstring); `norm_of(grads)` is the global L2 norm of this
-        rank's gradients (the masters', fp32) in the strategy's own way (a collective where ranks hold pieces)."""
+        rank's gradients (the masters', fp32) of the `counted` parameters (default: all; the pipeline counts a tied
+        weight's copy once) in the strategy's own way (a collective where ranks hold pieces)."""
         from parity.training.strategy import clip_coefficient, set_lr
 
         self.accumulate()
@@ -301,7 +301,8 @@ class PolicyOptimizer:
         if self.scaler is not None and self.scaler.unscale_or_skip(grads, targets[0].device):
             self.zero_grad()
             return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
-        norm = norm_of(grads)
+        counted = self.params if counted is None else [p for p in counted if id(p) in self._master]
+        norm = norm_of([g for g in (self.master_of(p).grad for p in counted) if g is not None])
         coef = clip_coefficient(norm, self.cfg)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
