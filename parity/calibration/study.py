@@ -79,6 +79,14 @@ def clean_runs(policy: str) -> dict:
     return CLEAN_RUNS if policy == "bf16" else POLICY_CLEAN_RUNS[policy]
 
 
+def chosen_reference(policy: str) -> str:
+    """The verdict's references in a policy (CANDIDATES' name): the twins and the fp32 twin where the master weights
+    are fp32, the twins alone in bf16_pure (parity.training.precision.Policy.fp32_twin_measures_noise)."""
+    from parity.training.precision import POLICIES
+
+    return "twins+fp32" if POLICIES[policy].fp32_twin_measures_noise else "twins"
+
+
 CANDIDATES = {  # a noise reference: which runs measure the noise (a callable of the run measured gives a TP twin)
     "twins": ("twin_dp1", "twin_dp4"),
     "fp32": ("ddp_fp32",),
@@ -341,16 +349,17 @@ def markdown(rows: dict, summary: dict, wall_s: float, settings: dict, by_policy
             lines.append(f"| {name} | {w['max_ratio']:.1f} | {w['max_drift']:.1f} | {'yes' if w['caught'] else 'NO'} |")
         lines.append("")
     if by_policy:
-        lines += ["## Other precision policies: clean runs against DDP in the policy (twins + fp32 twin)", "",
-                  "| policy | run | kernel | runs | false alarms | max deviation ÷ noise | max drift |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["## Other precision policies: clean runs against DDP in the policy (the verdict's references)", "",
+                  "| policy | references | run | kernel | runs | false alarms | max deviation ÷ noise | max drift |",
+                  "|---|---|---|---|---|---|---|---|"]
         groups = {}
         for r in rows["clean"]:
-            if r.get("policy", "bf16") in by_policy and "twins+fp32" in r["measured"]:
-                groups.setdefault((r["policy"], r["run"], r["kernel"]), []).append(r["measured"]["twins+fp32"])
+            policy = r.get("policy", "bf16")
+            if policy in by_policy and chosen_reference(policy) in r["measured"]:
+                groups.setdefault((policy, r["run"], r["kernel"]), []).append(r["measured"][chosen_reference(policy)])
         for (policy, run, kernel), ms in sorted(groups.items()):
             fails = sum(max(max(m["ratio"].values()) / NOISE_K, max(m["drift"].values()) / DRIFT_K) > 1 for m in ms)
-            lines.append(f"| {policy} | {run} | {kernel} | {len(ms)} | {fails} | "
+            lines.append(f"| {policy} | {chosen_reference(policy)} | {run} | {kernel} | {len(ms)} | {fails} | "
                          f"{max(max(m['ratio'].values()) for m in ms):.1f} | "
                          f"{max(max(m['drift'].values()) for m in ms):.1f} |")
         lines.append("")

@@ -44,8 +44,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
 
 def study(args) -> int:
-    from parity.calibration.study import (CATALOGUE, POLICIES, SHAPES, analyze, plan_study, run_study, summarize,
-                                          write_outputs)
+    from parity.calibration.study import (CATALOGUE, POLICIES, SHAPES, analyze, chosen_reference, plan_study,
+                                          run_study, summarize, write_outputs)
     from parity.training.local_group import KERNEL_PATHS
 
     kernels, shapes, policies = args.kernels.split(","), args.shapes.split(","), args.policies.split(",")
@@ -62,7 +62,7 @@ def study(args) -> int:
     wall = 0.0 if args.analyze_only else run_study(out, planned)
     rows = analyze(out, planned)
     summary = summarize(rows)
-    by_policy = {p: summarize(rows, policy=p).get("twins+fp32") for p in policies if p != "bf16"}
+    by_policy = {p: summarize(rows, policy=p).get(chosen_reference(p)) for p in policies if p != "bf16"}
     settings = {"seeds": args.seeds, "bug_seeds": args.bug_seeds, "kernels": kernels, "shapes": shapes,
                 "policies": policies}
     for path in write_outputs(out, rows, summary, wall, settings, by_policy):

@@ -15,8 +15,9 @@ A policy says what a run holds and reduces in which dtype (docs/precision.md has
 
 and three refinements, each recorded: the dtype gradients are reduced over DP in (--reduce_dtype: by default the
 gradients' own — bf16 under bf16_params, as DeepSpeed's bf16 mode and FSDP2's policy reduce), the dtype micro-batch
-gradients accumulate in under --grad_accum_steps (--grad_accum_dtype: by default the gradients' own, fp32 possible
-where a master copy exists, DeepSpeed's data_types.grad_accum_dtype), and fp16's loss scaler (DeepSpeed's fp16 keys).
+gradients accumulate in under --grad_accum_steps (--grad_accum_dtype, DeepSpeed's data_types.grad_accum_dtype: by
+default the gradients' own, or fp32 where they are reduced in fp32 into fp32 masters, as FSDP2 accumulates; fp32 is
+possible wherever a master copy exists), and fp16's loss scaler (DeepSpeed's fp16 keys).
 The baseline of a comparison runs in the same policy; a run in another policy than its baseline is reported as a
 policy difference, not judged as a strategy (parity/comparing/curves.py).
 
