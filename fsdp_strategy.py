@@ -218,7 +218,8 @@ class FSDPStrategy(Strategy):
     @classmethod
     def precision_request(cls, options: dict):
         """--mixed_precision / --param_dtype, as they were before the policy axis: policy (or --param_dtype bf16) is
-        bf16_params reducing in fp32 by default (FSDP2's MixedPrecisionPolicy(bf16, fp32)); autocast is bf16."""
+        bf16_params reducing in fp32 by default (FSDP2's MixedPrecisionPolicy(bf16, fp32)); autocast only said how bf16
+        applies — the bf16 policy itself — and asks for nothing (validate refuses it beside another low precision)."""
         mode, param = options["mixed_precision"], options["param_dtype"]
         if mode == "autocast" and param == "bf16" or mode == "policy" and param == "fp32":
             raise ConfigError(f"--mixed_precision {mode} with --param_dtype {param}: the two name different policies: "
@@ -226,13 +227,14 @@ class FSDPStrategy(Strategy):
         if mode == "policy" or param == "bf16":
             flag = "--mixed_precision policy" if mode == "policy" else "--param_dtype bf16"
             return PolicyRequest(flag, "bf16_params", reduce_dtype="fp32", soft=True)
-        if mode == "autocast":
-            return PolicyRequest("--mixed_precision autocast", "bf16")
         return None
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
         policy = POLICIES[settings.precision]
+        if settings.options["mixed_precision"] == "autocast" and policy.params != "fp32":
+            raise ConfigError(f"--mixed_precision autocast is the bf16 policy (autocast over fp32 parameters) but "
+                              f"--precision is {settings.precision}: drop --mixed_precision")
         if settings.grad_accum_steps > 1 and policy.master_copy and settings.grad_accum_dtype != settings.reduce_dtype:
             raise ConfigError(f"--grad_accum_dtype {settings.grad_accum_dtype} with --reduce_dtype "
                               f"{settings.reduce_dtype}: FSDP2 accumulates micro-batch gradients in the dtype it "

@@ -195,6 +195,9 @@ BAD = TP_LAYOUT_ERRORS + [
      r"bf16_params"),
     ({"mixed_precision": "autocast", "param_dtype": "bf16"},
      r"--mixed_precision autocast with --param_dtype bf16: the two name different policies"),
+    ({"mixed_precision": "autocast", "precision": "bf16_params"},
+     r"--mixed_precision autocast is the bf16 policy \(autocast over fp32 parameters\) but --precision is bf16_params: "
+     r"drop --mixed_precision"),
 ]
 
 
