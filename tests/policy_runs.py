@@ -18,10 +18,11 @@ import shutil
 import sys
 
 
-def train_folders(root, folders: dict, setting: dict, weights: str) -> None:
+def train_folders(root, folders: dict, setting: dict, weights: str, kernel: str = "default") -> None:
     """Train every folder's records — {folder: {record file: (strategy, flags)}} — into root/<folder>/: each distinct run
-    once, one local group per world size, copied into the other folders that list it. A flag "deepspeed_config" given
-    as a dict is written to a file first. A run that stops every rank (a NaN loss) ends its group: list it last."""
+    once, one local group per world size under the CPU kernel path `kernel` (local_group.KERNEL_PATHS), copied into the
+    other folders that list it. A flag "deepspeed_config" given as a dict is written to a file first. A run that stops
+    every rank (a NaN loss) ends its group: list it last."""
     from parity.training.local_group import plan, run_group
 
     root = str(root)
@@ -44,7 +45,7 @@ def train_folders(root, folders: dict, setting: dict, weights: str) -> None:
             groups.setdefault(run[0].num_workers, []).append(run)
     for _, runs in sorted(groups.items()):
         try:
-            run_group(runs)
+            run_group(runs, kernel)
         except Exception as exc:  # a run whose loss went NaN stops its group, the record of its steps written
             if "loss is nan" not in str(exc):
                 raise

@@ -23,7 +23,7 @@ from parity.calibration.bugs import (DDPGradientsNotZeroed, DDPLastMicroBatchUnr
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import NOISE_K
 from parity.errors import ConfigError
-from parity.training.local_group import plan, start_processes
+from parity.training.local_group import plan, same_kernels, start_processes
 from policy_runs import train_folders
 
 SEED = 73
@@ -78,9 +78,14 @@ def weights(tmp_path_factory):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, weights):
     """Every folder of FOLDERS with its records (tests/policy_runs.py: each run trained once, in one local gloo group
-    per world size, and copied into the other folders that list it)."""
+    per world size, and copied into the other folders that list it); and zero1's again on AVX2's generic kernel path,
+    unless this CPU computes bf16 products with the same kernels on both (zero1_avx2 is then a link to zero1)."""
     root = tmp_path_factory.mktemp("precision")
     train_folders(root, FOLDERS, SETTING, weights)
+    if same_kernels("default", "avx2"):
+        (root / "zero1_avx2").symlink_to(root / "zero1")
+    else:
+        train_folders(root, {"zero1_avx2": FOLDERS["zero1"]}, SETTING, weights, kernel="avx2")
     return root
 
 
@@ -98,11 +103,13 @@ def records(folder) -> dict:
 
 # --- bf16_params --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("folder,runs", [("zero1", ("deepspeed", "fsdp")), ("zero2", ("deepspeed",))])
+@pytest.mark.parametrize("folder,runs", [("zero1", ("deepspeed", "fsdp")), ("zero1_avx2", ("deepspeed", "fsdp")),
+                                         ("zero2", ("deepspeed",))])
 def test_bf16_params_deepspeed_and_fsdp_pass_against_ddp_in_the_policy(folders, capsys, folder, runs):
     """DeepSpeed's bf16 mode (ZeRO-1 asked for by a DeepSpeed config alone, ZeRO-2 by --precision) and FSDP2's
-    MixedPrecisionPolicy + TP train as DDP in bf16_params: calibrated on DDP's twins and fp32 twin in the policy, with
-    the policy's own distance from fp32 reported beside the verdict."""
+    MixedPrecisionPolicy + TP train as DDP in bf16_params — on this CPU's bf16 kernels and on AVX2's generic path:
+    calibrated on DDP's twins and fp32 twin in the policy, with the policy's own distance from fp32 reported beside the
+    verdict."""
     code, result, out = verdict(folders / folder, capsys)
     assert code == 0, out
     for name in runs:
@@ -117,7 +124,7 @@ def test_bf16_params_deepspeed_and_fsdp_pass_against_ddp_in_the_policy(folders, 
     assert "Precision policy of every run: bf16_params (bf16 parameters and gradients, fp32 master weights and Adam " \
            "state; reduced over DP in bf16)." in out and "The policy itself (bf16_params) moves DDP" in out
     engine = records(folders / folder)["loss_deepspeed.json"]["config"]
-    assert engine["precision"] == "bf16_params" and engine["options"]["zero_stage"] == int(folder[-1])
+    assert engine["precision"] == "bf16_params" and engine["options"]["zero_stage"] == int(folder[4])
 
 
 def test_deepspeed_zero0_bf16_fails_in_its_optimizer(folders, capsys):
