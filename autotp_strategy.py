@@ -94,9 +94,9 @@ class DeepSpeedStrategy(Strategy):
                               "in host memory only with its DeepSpeedCPUAdam, not the shared torch AdamW: drop one "
                               "of the two")
         if policy.name == "bf16" and settings.reduce_dtype != "fp32":
-            raise ConfigError("--reduce_dtype bf16 in the bf16 (autocast) policy: DeepSpeed's torch_autocast reduces only "
-                              "its lower_precision_safe_modules' gradients in bf16, not all of them: use --precision "
-                              "bf16_params for a bf16 reduction")
+            raise ConfigError("--reduce_dtype bf16 in the bf16 (autocast) policy: DeepSpeed's torch_autocast reduces "
+                              "only its lower_precision_safe_modules' gradients in bf16, not all of them: use "
+                              "--precision bf16_params for a bf16 reduction")
         if stage == 0 and policy.master_copy and settings.grad_accum_dtype != policy.params:
             raise ConfigError(f"--zero_stage 0 with micro-batches accumulated in {settings.grad_accum_dtype}: DeepSpeed "
                               f"accumulates in the parameters' {policy.params} without ZeRO (it refuses the mix at "

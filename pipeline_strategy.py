@@ -236,8 +236,8 @@ class PipelineStrategy(Strategy):
         they spare torch's metadata inference — a forward and backward of the first micro-batch inside the first
         step, which would run every module once more than the step does (and the layer check records every module
         call). Token ids in, hidden states between stages in the parameters' dtype (fp32 under autocast: the residual
-        stream stays fp32), logits out in the compute dtype. Static metadata must say which inputs get a gradient (torch sends back
-        none for one that does not require it)."""
+        stream stays fp32), logits out in the compute dtype. Static metadata must say which inputs get a gradient
+        (torch sends back none for one that does not require it)."""
         rows, seq = self.cfg.batch_size // self.cfg.options["microbatches"], self.cfg.seq_length
         device = self.ctx.device
         hidden = torch.empty(rows, seq, config.hidden_size, device=device, dtype=self.hidden_dtype)

@@ -163,7 +163,8 @@ RAY_RUNS = {
 LOCAL_RUNS = {
     "ddp_one": ("ddp", {"num_workers": 1, "batch_size": 4, **FP32, **DDP_LEARNS}),
     "ddp_bf16": ("ddp", {**DDP_DP2, **BF16}),  # the bf16 reference
-    "ddp_bf16_params_fp32_reduce": ("ddp", {**DDP_DP2, "precision": "bf16_params", "reduce_dtype": "fp32"}),  # FSDP policy's
+    # FSDP's --mixed_precision policy's baseline: bf16_params reducing in fp32
+    "ddp_bf16_params_fp32_reduce": ("ddp", {**DDP_DP2, "precision": "bf16_params", "reduce_dtype": "fp32"}),
     "ddp_clip": ("ddp", {**DDP_DP2, **FP32, "max_grad_norm": CLIP}),
     "deepspeed_tp2_dp1": ("deepspeed", {"num_workers": 2, "tp_size": 2, "batch_size": 4, **FP32}),
     "deepspeed_tp1_dp2": ("deepspeed", {**DDP_DP2, **FP32}),

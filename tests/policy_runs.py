@@ -19,9 +19,9 @@ import sys
 
 
 def train_folders(root, folders: dict, setting: dict, weights: str, kernel: str = "default") -> None:
-    """Train every folder's records — {folder: {record file: (strategy, flags)}} — into root/<folder>/: each distinct run
-    once, one local group per world size under the CPU kernel path `kernel` (local_group.KERNEL_PATHS), copied into the
-    other folders that list it. A flag "deepspeed_config" given as a dict is written to a file first. A run that stops
+    """Train every folder's records — {folder: {record file: (strategy, flags)}} — into root/<folder>/: each distinct
+    run once, one local group per world size under the CPU kernel path `kernel` (local_group.KERNEL_PATHS), copied into
+    the other folders that list it. A flag "deepspeed_config" given as a dict is written to a file first. A run that stops
     every rank (a NaN loss) ends its group: list it last."""
     from parity.training.local_group import plan, run_group
 
@@ -41,7 +41,8 @@ def train_folders(root, folders: dict, setting: dict, weights: str, kernel: str 
                 flags["deepspeed_config"] = path
             run = plan(strategy, {**setting, **flags, "init_weights_path": weights,
                                   "loss_output_dir": os.path.join(root, folder),
-                                  "storage_path": os.path.join(root, "ray", folder), "experiment_name": f"{folder}_{name}"})
+                                  "storage_path": os.path.join(root, "ray", folder),
+                                  "experiment_name": f"{folder}_{name}"})
             groups.setdefault(run[0].num_workers, []).append(run)
     for _, runs in sorted(groups.items()):
         try:

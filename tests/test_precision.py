@@ -29,7 +29,8 @@ from policy_runs import train_folders
 SEED = 73
 SETTING = {"model_name": "qwen2-tiny", "seq_length": 64, "debug_steps": 12, "learning_rate": 1e-3, "warmup_steps": 2,
            "max_grad_norm": 0.8, "log_interval": 12, "checkpoint_interval": 0, "seed": SEED}
-DP2, DP1, DP4 = {"num_workers": 2, "batch_size": 2}, {"num_workers": 1, "batch_size": 4}, {"num_workers": 4, "batch_size": 1}
+DP2, DP1, DP4 = ({"num_workers": 2, "batch_size": 2}, {"num_workers": 1, "batch_size": 4},
+                 {"num_workers": 4, "batch_size": 1})
 TP2_DP2 = {"num_workers": 4, "tp_size": 2, "batch_size": 2}
 BF16_PARAMS = {"precision": "bf16_params"}
 ACCUMULATION = {"precision": "bf16_params", "grad_accum_steps": 2, "grad_accum_dtype": "fp32"}
@@ -66,7 +67,8 @@ FOLDERS = {
                                                                    "strategy_class": DDPLossScaleKeptForClipping})},
     "autocast": {"loss_ddp.json": ("ddp", {**DP2, "precision": "bf16"})},
     # last: its NaN loss stops the rest of its group (its record keeps the steps before)
-    "overflow_applied": {"loss_ddp_overflow_applied.json": ("ddp", {**DP2, **FP16, "strategy_class": DDPOverflowApplied})},
+    "overflow_applied": {"loss_ddp_overflow_applied.json": ("ddp", {**DP2, **FP16,
+                                                                    "strategy_class": DDPOverflowApplied})},
 }
 
 
@@ -239,8 +241,6 @@ def test_fp16_an_overflow_step_applied_fails_at_it(folders, capsys, tmp_path):
 
 def test_deepspeed_fp16_is_refused_before_training_on_this_cpu(tmp_path, weights):
     """DeepSpeed refuses its fp16 mode at initialize on a CPU without fp16 kernels: the harness says so first."""
-    from parity.fingerprint import cpu_model  # noqa: F401  (the CPU this ran on is in the message's reasoning)
-
     flags = "".join(open("/proc/cpuinfo").read().split("flags")[1:2])
     if "avx512_fp16" in flags or "amx_fp16" in flags:
         pytest.skip("this CPU has fp16 kernels: DeepSpeed runs fp16 here")

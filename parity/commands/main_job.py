@@ -38,8 +38,8 @@ SETTINGS = (
     ("LOG_INTERVAL", int, 10, "log / record rewrite interval"),
     ("TP_SIZE", int, 2, "TP size of DeepSpeed and FSDP"),
     ("DP_SIZE", int, 2, "DP size of all three"),
-    ("PRECISION", str, "auto", "the precision policy of every run, DDP's included: fp32 | bf16 | bf16_params | bf16_pure | "
-                               "fp16 | auto (bf16 on GPU, fp32 on CPU; or what a strategy's own settings ask for, e.g. "
+    ("PRECISION", str, "auto", "the precision policy of every run, DDP's included: fp32 | bf16 | bf16_params | "
+                               "bf16_pure | fp16 | auto (bf16 on GPU, fp32 on CPU; or what a strategy's own settings ask for, e.g. "
                                "a --deepspeed_config with bf16 enabled: docs/precision.md)"),
     ("DEVICE", str, "auto", "auto | cpu | cuda (auto: cuda with >= TP_SIZE*DP_SIZE GPUs)"),
     ("STRATEGIES", str, " ".join(NAMES), "which runs, in order; ddp first (it writes the weights, it is the baseline); "

@@ -260,8 +260,8 @@ def overflow_alike(base: Run, references: list[Run], num_steps: int) -> tuple[li
             kept.append(ref)
             continue
         steps = lambda flags: ", ".join(str(i) for i, f in enumerate(flags) if f) or "none"  # noqa: E731
-        warnings.append(f"warning: {storage.name(ref.file)} skipped steps {steps(theirs)} on fp16 overflows, the baseline "
-                        f"{steps(skipped)}: it trained another model, not the baseline's noise: not used")
+        warnings.append(f"warning: {storage.name(ref.file)} skipped steps {steps(theirs)} on fp16 overflows, the "
+                        f"baseline {steps(skipped)}: it trained another model, not the baseline's noise: not used")
     return kept, warnings
 
 
@@ -310,8 +310,9 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
     if references and not policy_differences(base, run):
         skipped = base.skipped(num_steps)
         names = ", ".join(storage.name(r.file) for r in references)
-        bounds = calibrated_bounds(_judged(base, num_steps, skipped), [_judged(r, num_steps, skipped) for r in references],
-                                   base.precision, f"calibrated: {NOISE_K} × the noise of {names}")
+        judged = [_judged(r, num_steps, skipped) for r in references]
+        bounds = calibrated_bounds(_judged(base, num_steps, skipped), judged, base.precision,
+                                   f"calibrated: {NOISE_K} × the noise of {names}")
     else:
         try:
             looser = tolerances.looser_precision(base.precision, run.precision)

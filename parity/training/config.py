@@ -123,7 +123,8 @@ FLAGS = (
      {"type": int, "help": "restarts after a worker failure, each from the latest checkpoint; -1 = no limit"}),
 )
 DEFAULTS = {name: default for _, name, default, _ in FLAGS}
-POLICY_FLAGS = tuple(name for group, name, _, _ in FLAGS if group == "precision" and name not in ("precision", "autocast"))
+POLICY_FLAGS = tuple(name for group, name, _, _ in FLAGS
+                     if group == "precision" and name not in ("precision", "autocast"))
 """The precision policy's refinements as flags: the reduce and accumulation dtypes, fp16's loss scaler."""
 TYPES = {name: kwargs.get("type", str) for _, name, _, kwargs in FLAGS if "action" not in kwargs}
 
@@ -220,8 +221,8 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
 
     The precision policy is resolved here once: --precision (or --autocast), what the strategy's own settings ask for
     (Strategy.precision_request: a --deepspeed_config's bf16 or fp16 section), the device (auto), then the policy's
-    refinements (parity.training.precision). `cluster` (a parity.training.cluster.Cluster) decides
-    --device/--precision auto and each worker's CPU share; by default the running or addressed Ray cluster, else this machine. With
+    refinements (parity.training.precision). `cluster` (a parity.training.cluster.Cluster) decides --device/--precision
+    auto and each worker's CPU share; by default the running or addressed Ray cluster, else this machine. With
     `weights_written_before_launch` the init-weights file need not exist yet: the main job's DDP run or
     the layer check's driver writes it before this run launches; only its directory is checked.
     """

@@ -67,9 +67,9 @@ class LossScaler:
 
     @torch.no_grad()
     def unscale_or_skip(self, grads: list[torch.Tensor], device: torch.device) -> bool:
-        """After backward (gradients reduced): whether any rank's `grads` (plain tensors: local shards of DTensors) hold an
-        inf or a NaN — then the step is to be skipped — with the scale updated either way; if not, the gradients are
-        divided by the scale they were computed with, in place. Collective."""
+        """After backward (gradients reduced): whether any rank's `grads` (plain tensors: local shards of DTensors) hold
+        an inf or a NaN — then the step is to be skipped — with the scale updated either way; if not, the gradients
+        are divided by the scale they were computed with, in place. Collective."""
         overflow = any_nonfinite(grads, device)
         scale = self.scale
         self.update(overflow)

@@ -316,8 +316,8 @@ class PolicyOptimizer:
         return OptimizerStep(norm, loss_scale=scale if self.scaler else None)
 
     def set_moments(self, params_and_moments, step: int) -> None:
-        """AdamW's state of another run — [(parameter, {"exp_avg", "exp_avg_sq"})] for this rank's parameters — on their
-        masters (the layer check's replay)."""
+        """AdamW's state of another run — [(parameter, {"exp_avg", "exp_avg_sq"})] for this rank's parameters — on
+        their masters (the layer check's replay)."""
         for p, moments in params_and_moments:
             target = self.master_of(p)
             self.optimizer.state[target] = {"step": torch.tensor(float(step)), **{
