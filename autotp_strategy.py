@@ -6,7 +6,8 @@ Only what differs from DDP is here; the numbered comments match docs/deepspeed.m
 [1] DeepSpeed is imported on the worker once the device is known, because the import picks its
     accelerator; the driver imports it only in validate(), on the CPU one, to fail before launch.
 [2] The engine config: AutoTP of --tp_size, ZeRO --zero_stage, the shared AdamW as the client
-    optimizer, --max_grad_norm as DeepSpeed's own clipping, and the precision policy.
+    optimizer, --max_grad_norm as DeepSpeed's own clipping, and the precision policy in DeepSpeed's own keys — which
+    a user's --deepspeed_config may set instead (its bf16 / fp16 section decides the run's policy).
 [3] DeepSpeed builds its TP and DP groups itself; they must be the harness's layout (consecutive ranks
     form a TP group), or the data slices and the gathers would pair the wrong ranks.
 [4] AutoTP makes the tied embedding and lm_head vocab-parallel, so the logits are this rank's vocab
@@ -32,6 +33,7 @@ import torch
 from parity.errors import ConfigError, LibraryMissing
 from parity.training.families import family_of
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
+from parity.training.precision import POLICIES, OptimizerStep, PolicyRequest, policy_of
 from parity.training.replicas import MOMENTS, Replica
 from parity.training.strategy import Option, Strategy, build_optimizer, set_lr, squared_norm_fp64
 
@@ -45,12 +47,11 @@ class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     options = (
         Option("zero_stage", 1, type=int, choices=ZERO_STAGES,
-               help="ZeRO stage: 1 shards the optimizer state over DP, 2 also the gradients, 3 also the "
-                    "parameters (0 is rejected: DeepSpeed reports no gradient norm there)"),
+               help="ZeRO stage: 0 none (DeepSpeed's data parallelism: gradients all-reduced), 1 shards the optimizer "
+                    "state over DP, 2 also the gradients, 3 also the parameters"),
         Option("bf16_master_weights", False,
-               help="DeepSpeed's bf16 mode with bf16 master weights, gradients and Adam moments "
-                    "(bf16_master_weights_and_grads + bf16_optimizer_states, seed 001's setting) instead of "
-                    "autocast over fp32 master weights like DDP; needs --precision bf16"),
+               help="kept from before --precision had its policies: the bf16_pure policy (--precision bf16_pure: "
+                    "DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states, seed 001's setting)"),
         Option("offload_optimizer", "none", choices=OFFLOAD,
                help="cpu: ZeRO-Offload — the fp32 master partition, its gradients and Adam's state in host memory, "
                     "the optimizer step on the CPU (with the same torch AdamW)"),
@@ -59,44 +60,70 @@ class DeepSpeedStrategy(Strategy):
         Option("deepspeed_config", None, type=str,
                help="your own DeepSpeed config (a JSON file): its keys are kept (ZeRO settings, data types, communication "
                     "dtype, bucket sizes ...) under the keys the run's flags decide — micro-batch and accumulation, "
-                    "clipping (--max_grad_norm), --zero_stage, --tp_size, precision — which must agree with them "
-                    "(docs/deepspeed.md); a key it omits gets the harness's DDP-equivalent value, not DeepSpeed's default"),
+                    "clipping (--max_grad_norm), --zero_stage, --tp_size — which must agree with them "
+                    "(docs/deepspeed.md); its bf16 / fp16 section, communication_data_type, data_types and loss-scale "
+                    "keys decide the run's precision policy; a key it omits gets the harness's DDP-equivalent value"),
         Option("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET_SIZE,
                help="elements of gradient ZeRO reduces at once (zero_optimization.reduce_bucket_size; default "
                     "DeepSpeed's, 5e8). ZeRO-2 and ZeRO-3 free the gradients outside their partition each time a "
                     "bucket fills, so during backward they hold less than ZeRO-1 only for a model larger than this"),
     )
 
+    precisions = tuple(POLICIES)
+
+    @classmethod
+    def precision_request(cls, options: dict):
+        """The policy a user's --deepspeed_config asks for (its bf16, fp16 or torch_autocast section and refinements:
+        config_policy), or --bf16_master_weights's (bf16_pure)."""
+        request = None
+        if options["deepspeed_config"] is not None:
+            path, user = user_config(options["deepspeed_config"])
+            request = config_policy(user, f"--deepspeed_config {path}")
+        if options["bf16_master_weights"]:
+            if request is not None and request.precision not in (None, "bf16_pure"):
+                raise ConfigError(f"--bf16_master_weights (bf16_pure) contradicts {request.source} "
+                                  f"({request.precision}): drop one of them")
+            request = request or PolicyRequest("--bf16_master_weights", "bf16_pure")
+        return request
+
     @classmethod
     def validate(cls, settings, model_config) -> None:
         stage = settings.options["zero_stage"]
-        if stage == 0:
-            raise ConfigError("--zero_stage 0: DeepSpeed runs without ZeRO there and reports no pre-clip gradient norm "
-                              "(get_global_grad_norm() is None), which the record needs; use --zero_stage 1 (the "
-                              "default: the same numerics, the optimizer state sharded over DP), 2 or 3")
+        policy = POLICIES[settings.precision]
         if settings.options["offload_param"] != "none" and stage != 3:
             raise ConfigError(f"--offload_param {settings.options['offload_param']} needs --zero_stage 3 (stages 1 "
                               f"and 2 do not partition parameters, and DeepSpeed ignores the setting there): pass "
                               f"--zero_stage 3, or use --offload_optimizer cpu")
-        if settings.options["bf16_master_weights"] and settings.options["offload_optimizer"] != "none":
-            raise ConfigError("--bf16_master_weights with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights "
+        if policy.name == "bf16_pure" and settings.options["offload_optimizer"] != "none":
+            raise ConfigError("the bf16_pure policy with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights "
                               "in host memory only with its DeepSpeedCPUAdam, not the shared torch AdamW: drop one "
                               "of the two")
+        if policy.name == "bf16" and settings.reduce_dtype != "fp32":
+            raise ConfigError("--reduce_dtype bf16 in the bf16 (autocast) policy: DeepSpeed's torch_autocast reduces "
+                              "only its lower_precision_safe_modules' gradients in bf16, not all of them: use "
+                              "--precision bf16_params for a bf16 reduction")
+        if stage == 0 and policy.master_copy and settings.grad_accum_dtype != policy.params:
+            raise ConfigError(f"--zero_stage 0 with micro-batches accumulated in {settings.grad_accum_dtype}: DeepSpeed "
+                              f"accumulates in the parameters' {policy.params} without ZeRO (it refuses the mix at "
+                              f"initialize): use --zero_stage 1, or --grad_accum_dtype {policy.params}")
         if settings.options["reduce_bucket_size"] < 1:
             raise ConfigError(f"--reduce_bucket_size must be a positive number of elements (got "
                               f"{settings.options['reduce_bucket_size']}): DeepSpeed's default is "
                               f"{DEEPSPEED_REDUCE_BUCKET_SIZE}")
-        if settings.options["bf16_master_weights"] and settings.precision != "bf16":
-            raise ConfigError(f"--bf16_master_weights is a bf16 setting but --precision is {settings.precision}: "
-                              f"pass --precision bf16 with it, or drop it")
         if settings.options["deepspeed_config"] is not None:
             settings.options["deepspeed_config"] = read_user_config(settings.options["deepspeed_config"], settings)
         try:  # fail here, before any worker, if DeepSpeed cannot be imported; the driver computes nothing
-            import_deepspeed(torch.device("cpu"))
+            deepspeed = import_deepspeed(torch.device("cpu"))
         except ImportError as exc:
             raise LibraryMissing(cls.name, exc) from None
+        if policy.name == "fp16" and settings.device == "cpu" and not deepspeed.accelerator.get_accelerator() \
+                .is_fp16_supported():
+            raise ConfigError("DeepSpeed's fp16 mode on CPU workers: DeepSpeed refuses it at initialize on a CPU without "
+                              "fp16 kernels (AVX512-FP16 or AMX-FP16: \"Type fp16 is not supported on your device\"), as "
+                              "this one: run fp16 on GPUs (--device cuda), or --precision bf16_params here")
+        check_release_runs(deepspeed.__version__, settings)
         if settings.tp_size > 1:
-            autotp_partition_config(model_config, user_config(settings.options))  # raises for a family it cannot shard
+            autotp_partition_config(model_config, given_config(settings.options))  # raises for a family it cannot shard
 
     # --- worker side ------------------------------------------------------------------------------
     def setup(self, model) -> None:
@@ -118,10 +145,6 @@ class DeepSpeedStrategy(Strategy):
         return self.cfg.options["zero_stage"]
 
     @property
-    def state_precision(self) -> str:
-        return "bf16_master_weights" if self.cfg.options["bf16_master_weights"] else "fp32"
-
-    @property
     def hf_model(self):
         return self.engine.module
 
@@ -137,30 +160,70 @@ class DeepSpeedStrategy(Strategy):
         if not last:
             self.engine.step()
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float) -> OptimizerStep:
         """DeepSpeed clips (gradient_clipping) and steps; its pre-clip global norm (ZeRO's
         get_grad_norm_direct) sums per-tensor float64 norms, each TP shard once and each replicated tensor
-        once, and rounds the total to fp32."""
+        once, and rounds the total to fp32. Where DeepSpeed reports none (ZeRO-0 over the plain client optimizer:
+        fp32, bf16 autocast) the norm is the harness's own, taken before the step as the parameter norm is (each TP
+        shard summed over its group, each replicated tensor once). fp16: DeepSpeed's own loss scaler skips an
+        overflowing step (was_step_applied)."""
+        scale = getattr(self.engine.optimizer, "loss_scale", None) if policy_of(self.cfg).loss_scaling else None
+        own = self._module_norm(lambda p: p.grad) / (scale or 1.0) if self.zero_stage == 0 else None
         set_lr(self.engine.optimizer, lr)
         self.engine.step()
-        return float(self.engine.get_global_grad_norm())
+        reported = self.engine.get_global_grad_norm()
+        norm = float(reported) if reported is not None else own
+        if scale is not None:
+            return OptimizerStep(norm, skipped=not self.engine.was_step_applied(), loss_scale=float(scale))
+        return OptimizerStep(norm)
 
     def parameter_norm(self) -> float:
-        """Over the module's parameters as the engine left them after the step (ZeRO-1/2 copy the updated
-        master partitions back; ZeRO-3 keeps each parameter as DP partitions of its fp32 master): each TP
-        shard (DeepSpeed marks them tensor_model_parallel) summed over the TP group, each replicated tensor
-        once, ZeRO-3 partitions summed over the DP group. Float64, as the grad norm."""
+        """Over the master weights the optimizer updated (_local_master): each TP shard (DeepSpeed marks them
+        tensor_model_parallel) summed over the TP group, each replicated tensor once, DP partitions summed over the DP
+        group. Float64, as the grad norm."""
+        return self._module_norm(self._local_master, partitioned=self.zero_stage > 0 and self._masters_apart())
+
+    def _masters_apart(self) -> bool:
+        """Whether the optimizer steps copies of the parameters (a policy's fp32 masters) rather than the module's."""
+        return policy_of(self.cfg).master_copy
+
+    def _local_master(self, p) -> torch.Tensor | None:
+        """This rank's part of the master weight of parameter p: ZeRO-3's DP partition of it; ZeRO-1/2's (and the BF16
+        optimizer's) fragment of a policy's fp32 master in this rank's partition (_hp_mapping); ZeRO-0's fp32 copy
+        (FP16_UnfusedOptimizer's fp32_groups) — or the parameter itself where it is the master (fp32, autocast,
+        bf16_pure at stages 0–2: ZeRO copies the updated partitions back)."""
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        if self.zero_stage == 3:
+            return safe_get_local_fp32_param(p)
+        if not self._masters_apart():
+            return p
+        if self.zero_stage == 0:
+            return self._unfused_masters()[id(p)]
+        mapping = getattr(p, "_hp_mapping", None)  # None: no fragment of it in this rank's partition
+        return mapping.get_hp_fragment() if mapping is not None else None
+
+    def _unfused_masters(self) -> dict[int, torch.Tensor]:
+        """ZeRO-0's fp32 master copies, by their parameter's id (DeepSpeed's FP16_UnfusedOptimizer keeps them in
+        fp32_groups, parallel to the parameters' fp16_groups)."""
+        opt = self.engine.optimizer
+        return {id(p): m for lp, hp in zip(opt.fp16_groups, opt.fp32_groups) for p, m in zip(lp, hp)}
+
+    def _module_norm(self, local_of, partitioned: bool = False) -> float:
+        """The L2 norm, in float64, of `local_of(p)` (this rank's piece of a tensor of parameter p) over the module's
+        parameters: TP shards summed over the TP group, replicated tensors once, and — `partitioned` (ZeRO-3, or the
+        fp32 masters of ZeRO-1/2) — DP partitions summed over the DP group."""
         import torch.distributed as dist
         from deepspeed.runtime.utils import is_model_parallel_parameter
-        from deepspeed.utils import groups, safe_get_local_fp32_param
+        from deepspeed.utils import groups
 
-        zero3 = self.cfg.options["zero_stage"] == 3
         sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # [TP-sharded, replicated]
         for p in self.engine.module.parameters():
-            local = safe_get_local_fp32_param(p) if zero3 else p
-            sums[0 if is_model_parallel_parameter(p) else 1] += squared_norm_fp64(local)
-        if zero3:
-            dist.all_reduce(sums, group=self.engine.optimizer.dp_process_group)
+            local = local_of(p)
+            if local is not None:
+                sums[0 if is_model_parallel_parameter(p) else 1] += squared_norm_fp64(local)
+        if partitioned or self.zero_stage == 3:
+            dist.all_reduce(sums, group=self.engine.seq_data_parallel_group)
         if self.ctx.tp_size > 1:
             sharded = sums[:1].clone()
             dist.all_reduce(sharded, group=groups.get_tensor_model_parallel_group())
@@ -222,6 +285,19 @@ class DeepSpeedStrategy(Strategy):
             ledger.add_all(MASTER, opt.fp32_partitioned_groups_flat)
             ledger.add_all(GRADS, (t.grad for t in opt.fp32_partitioned_groups_flat))
             ledger.add(GRADS, getattr(opt, "grad_partitions_flat_buffer", None))
+        elif hasattr(opt, "fp32_groups_gradients_flat"):  # the BF16 optimizer (ZeRO-1, bf16, fp32 accumulation)
+            ledger.add_all(PARAMS, opt.bf16_groups_flat)
+            ledger.add_all(MASTER, opt.fp32_groups_flat_partition)
+            ledger.add_all(GRADS, opt.fp32_groups_gradients_flat)  # the fp32 accumulation buffers, whole
+        elif hasattr(opt, "fp32_groups"):  # ZeRO-0 over bf16 / fp16 parameters (FP16_UnfusedOptimizer)
+            ledger.add_all(PARAMS, params)
+            ledger.add_all(MASTER, (m for group in opt.fp32_groups for m in group))
+            ledger.add_all(GRADS, (m.grad for group in opt.fp32_groups for m in group))
+        elif not hasattr(opt, "optimizer"):  # ZeRO-0 in fp32 or autocast: the client AdamW itself
+            ledger.add_all(PARAMS, params)
+            ledger.add_all(GRADS, (p.grad for p in params))
+            ledger.add_optimizer_state(opt)
+            return ledger.result()
         else:
             ledger.count_by_view(buffer for bucket in opt.ipg_buckets.values() for buffer in bucket.buffer)
             ledger.add_all(PARAMS, opt.bit16_groups_flat)
@@ -252,9 +328,13 @@ class DeepSpeedStrategy(Strategy):
             return self._gather_last_dim(module_name, output)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The master weights, what the optimizer updates: gathered over DP by DeepSpeed (safe_get_full_fp32_param),
+        or ZeRO-0's whole ones."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        return self._full_tensors(safe_get_full_fp32_param)  # the master weights, what the optimizer updates
+        if self.zero_stage == 0:
+            return self._full_tensors(self._local_master)
+        return self._full_tensors(safe_get_full_fp32_param)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_grad
@@ -307,11 +387,9 @@ class DeepSpeedStrategy(Strategy):
         the same loss from the gathered tensor."""
         if module_name not in self.column_shards:
             return t
-        from deepspeed.module_inject.layers import GatherFromTensorParallelRegion
-
         group, parts = self.column_shards[module_name]
         per_rank = [sum(widths) for widths in zip(*parts)]
-        full = GatherFromTensorParallelRegion.apply(group, t, per_rank)
+        full = GatherLastDim.apply(group, t, per_rank)
         if len(parts) == 1:
             return full
         pieces = [piece.split([widths[r] for widths in parts], -1) for r, piece in enumerate(full.split(per_rank, -1))]
@@ -387,15 +465,94 @@ OWNED_KEYS = (
     ("--max_grad_norm", ("gradient_clipping",), lambda s: s.max_grad_norm),
     ("--zero_stage", ("zero_optimization", "stage"), lambda s: s.options["zero_stage"]),
     ("--tp_size", ("tensor_parallel", "autotp_size"), lambda s: s.tp_size),
-    ("--precision / --bf16_master_weights", ("bf16", "enabled"),
-     lambda s: s.precision == "bf16" and s.options["bf16_master_weights"]),
-    ("--precision", ("torch_autocast", "enabled"),
-     lambda s: s.precision == "bf16" and not s.options["bf16_master_weights"]),
 )
 # Keys a user config may not hold at all: the harness's shared AdamW, lr schedule and global batch are the
-# comparison's, and fp16 is no precision of the harness.
+# comparison's.
 REFUSED_KEYS = {"optimizer": "the shared torch AdamW", "scheduler": "the shared warm-up schedule (--warmup_steps)",
-                "train_batch_size": "--batch_size × DP (DeepSpeed counts TP ranks into it)", "fp16": "--precision"}
+                "train_batch_size": "--batch_size × DP (DeepSpeed counts TP ranks into it)"}
+# DeepSpeed's dtype names (communication_data_type, data_types.grad_accum_dtype) → the harness's.
+DS_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
+             "float16": "fp16", "half": "fp16"}
+FP16_SCALER_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                    "min_loss_scale")
+
+
+def config_policy(user: dict, source: str) -> PolicyRequest | None:
+    """The precision policy a DeepSpeed config asks for, with its refinements as DeepSpeed reads them: `bf16` (or
+    `bfloat16`) enabled is bf16_params — bf16_pure with bf16_master_weights_and_grads and bf16_optimizer_states —,
+    `fp16` enabled is fp16 with its loss-scale keys, `torch_autocast` enabled is bf16; `communication_data_type` is
+    the reduce dtype (DeepSpeed's default: the mode's own dtype), `data_types.grad_accum_dtype` the accumulation dtype
+    (default: the parameters' dtype). None when it enables none of them (the run's --precision decides)."""
+    bf16 = user.get("bf16", user.get("bfloat16")) or {}
+    fp16, autocast = user.get("fp16") or {}, user.get("torch_autocast") or {}
+    enabled = [name for name, section in (("bf16", bf16), ("fp16", fp16), ("torch_autocast", autocast))
+               if section.get("enabled")]
+    if len(enabled) > 1:
+        raise ConfigError(f"{source} enables both {enabled[0]} and {enabled[1]}: DeepSpeed runs one precision mode: "
+                          f"keep one of the sections enabled")
+    if not enabled:
+        return None
+    reduce = _ds_dtype(user.get("communication_data_type"), "communication_data_type", source)
+    accum = _ds_dtype((user.get("data_types") or {}).get("grad_accum_dtype"), "data_types.grad_accum_dtype", source)
+    if enabled == ["torch_autocast"]:
+        if str(autocast.get("dtype", "bfloat16")).replace("torch.", "") not in ("bfloat16", "bf16"):
+            raise ConfigError(f"{source}: torch_autocast.dtype {autocast['dtype']}: the harness's autocast policy is "
+                              f"bf16 (--precision bf16); fp16 is --precision fp16 (DeepSpeed's fp16 section)")
+        return PolicyRequest(source, "bf16", reduce_dtype=reduce, grad_accum_dtype=accum)
+    if enabled == ["fp16"]:
+        scaling = {k: fp16[k] for k in FP16_SCALER_KEYS if k in fp16}
+        return PolicyRequest(source, "fp16", reduce_dtype=reduce or "fp16", grad_accum_dtype=accum or "fp16",
+                             loss_scaling=scaling, refines_bf16=False)
+    master, states = bf16.get("bf16_master_weights_and_grads"), bf16.get("bf16_optimizer_states")
+    if bool(master) != bool(states):
+        raise ConfigError(f"{source}: bf16_master_weights_and_grads {json_text(master)} with bf16_optimizer_states "
+                          f"{json_text(states)}: the harness's policies keep both in bf16 (bf16_pure) or both in fp32 "
+                          f"(bf16_params): set both the same")
+    return PolicyRequest(source, "bf16_pure" if master else "bf16_params", reduce_dtype=reduce or "bf16",
+                         grad_accum_dtype=accum or "bf16")
+
+
+def json_text(value) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _ds_dtype(value, key: str, source: str) -> str | None:
+    if value is None:
+        return None
+    name = DS_DTYPES.get(str(value).replace("torch.", "").lower())
+    if name is None:
+        raise ConfigError(f"{source}: {key} {json_text(value)} is not a dtype DeepSpeed takes: use fp32, bf16 or fp16")
+    return name
+
+
+# Paths a DeepSpeed release cannot run on the installed torch, found by running them (docs/deepspeed.md): (releases
+# as (first, last) versions, torch at least, the path in words, whether a run takes it, what to do instead). Checked
+# before any worker starts, so that the run says so in one line instead of failing inside DeepSpeed's own step.
+# Measured on torch 2.13: ZeRO-1 runs on 0.18.5 and 0.18.6 and fails on 0.18.7 and 0.18.9; 0.18.5–0.18.9 assert
+# against AutoTP with ZeRO-3 at initialize.
+RELEASES_THAT_CANNOT = (
+    (("0.18.7", "0.18.99"), "2.13", "ZeRO stages 1 and 2 through its ZeRO optimizer",
+     lambda s: s.options["zero_stage"] in (1, 2) and not (
+         s.options["zero_stage"] == 1 and POLICIES[s.precision].master_copy and s.grad_accum_dtype == "fp32"
+         and s.precision == "bf16_params"),
+     "its step all-gathers the updated partitions into split views, which torch 2.13 refuses (\"Output 0 of Split is a "
+     "view and is being modified inplace\"): use DeepSpeed 0.19, or --zero_stage 0 or 3"),
+    (("0.18.0", "0.18.99"), "0", "AutoTP with ZeRO-3", lambda s: s.tp_size > 1 and s.options["zero_stage"] == 3,
+     "it refuses the pair at initialize (\"the compatibility between 'autotp' and 'zero_stage = 3' has not been "
+     "validated\"): use DeepSpeed 0.19, --zero_stage 0 with --tp_size 2, or ZeRO-3 at --tp_size 1"),
+)
+
+
+def check_release_runs(version: str, settings) -> None:
+    """ConfigError in one line when the installed DeepSpeed release cannot run this run's path on this torch."""
+    from packaging.version import Version
+
+    installed, torch_version = Version(version), Version(torch.__version__.split("+")[0])
+    for (first, last), torch_min, path, takes, instead in RELEASES_THAT_CANNOT:
+        if Version(first) <= installed <= Version(last) and torch_version >= Version(torch_min) and takes(settings):
+            raise ConfigError(f"DeepSpeed {version} cannot run {path} on torch {torch.__version__}: {instead}")
 
 
 def forget_other_tp_layout(tp_size: int) -> None:
@@ -411,12 +568,14 @@ def forget_other_tp_layout(tp_size: int) -> None:
         groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._DATA_PARALLEL_GROUP = None
 
 
-def read_user_config(path: str, settings) -> dict:
-    """--deepspeed_config: the JSON file read on the driver (the workers get its content with the run, so the file
-    need not exist where they run), checked against the run's flags. {"file", "config"}; ConfigError for a file
-    that cannot be read or a key that contradicts a flag."""
+def user_config(option) -> tuple[str, dict]:
+    """(path, content) of --deepspeed_config: a path to read (on the driver), or what read_user_config made of one
+    (a recorded run's options: {"file", "config"}). ConfigError for a file that cannot be read."""
     import json
 
+    if isinstance(option, dict):
+        return option["file"], option["config"]
+    path = option
     try:
         with open(path) as f:
             user = json.load(f)
@@ -428,6 +587,17 @@ def read_user_config(path: str, settings) -> dict:
     if not isinstance(user, dict):
         raise ConfigError(f"--deepspeed_config {path} holds a {type(user).__name__}, not a JSON object of "
                           f"DeepSpeed's settings")
+    return path, user
+
+
+def read_user_config(option, settings) -> dict:
+    """--deepspeed_config: the JSON file read on the driver (the workers get its content with the run, so the file
+    need not exist where they run), checked against the run's flags. {"file", "config"}; ConfigError for a file
+    that cannot be read or a key that contradicts a flag. (Its precision keys decided the run's policy already:
+    config_policy.)"""
+    import json
+
+    path, user = user_config(option)
     for key, why in REFUSED_KEYS.items():
         if key in user:
             raise ConfigError(f"--deepspeed_config {path} sets \"{key}\": the run's comes from {why}: drop the key")
@@ -455,8 +625,8 @@ def _merged(base: dict, user: dict) -> dict:
     return out
 
 
-def user_config(options: dict) -> dict:
-    """The user's --deepspeed_config content (empty without one)."""
+def given_config(options: dict) -> dict:
+    """The user's --deepspeed_config content, as validate read it (empty without one)."""
     return (options.get("deepspeed_config") or {}).get("config", {})
 
 
@@ -524,8 +694,7 @@ def engine_config(cfg) -> dict:
     No train_batch_size: DeepSpeed counts TP ranks as DP ranks in that product (micro × accumulation ×
     world size) and rejects the true global batch; the gradient averaging itself uses the real DP group.
     """
-    user = (cfg.options.get("deepspeed_config") or {}).get("config", {})
-    return _merged(_harness_config(cfg), user)
+    return _merged(_harness_config(cfg), given_config(cfg.options))
 
 
 def _harness_config(cfg) -> dict:
@@ -553,17 +722,37 @@ def _harness_config(cfg) -> dict:
         config["tensor_parallel"] = {"autotp_size": cfg.tp_size}
         from parity.training.model import model_config_from_dict
 
-        partition = autotp_partition_config(model_config_from_dict(cfg.model_config), user_config(cfg.options))
+        partition = autotp_partition_config(model_config_from_dict(cfg.model_config), given_config(cfg.options))
         if partition is not None:
             config["tensor_parallel"]["partition_config"] = partition
-    if cfg.precision == "bf16" and cfg.options["bf16_master_weights"]:
-        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-    elif cfg.precision == "bf16":
-        # DDP's policy: bf16 compute under torch.autocast, fp32 parameters, gradients, master weights and Adam
-        # state. Needed although the shared train step already enters autocast: without this section the
-        # engine switches an outer autocast off inside its forward. The empty list keeps every gradient
-        # reduction in fp32 (by default DeepSpeed would reduce the gradients of nn.Linear layers in bf16).
-        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    return {**config, **policy_config(cfg)}
+
+
+def policy_config(cfg) -> dict:
+    """The run's precision policy in DeepSpeed's keys (what a user's config that asks for it holds: config_policy).
+
+    bf16: DDP's recipe — bf16 compute under torch.autocast, fp32 parameters, gradients, master weights and Adam state.
+    The section is needed although the shared train step already enters autocast: without it the engine switches an
+    outer autocast off inside its forward. The empty list keeps every gradient reduction in fp32 (by default DeepSpeed
+    would reduce the gradients of nn.Linear layers in bf16). bf16_params: DeepSpeed's bf16 mode (bf16 parameters and
+    gradients, fp32 master partitions and Adam state), bf16_pure the same with bf16 masters and states, fp16 its fp16
+    mode with the run's loss scaler. A reduce or accumulation dtype other than the parameters' is
+    communication_data_type / data_types.grad_accum_dtype."""
+    policy = policy_of(cfg)
+    if policy.name == "fp32":
+        return {}
+    if policy.name == "bf16":
+        return {"torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}}
+    if policy.name == "fp16":
+        config = {"fp16": {"enabled": True, **cfg.loss_scaling}}
+    else:
+        pure = policy.name == "bf16_pure"
+        config = {"bf16": {"enabled": True, **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+                                               if pure else {})}}
+    if cfg.reduce_dtype != policy.params:
+        config["communication_data_type"] = cfg.reduce_dtype
+    if cfg.grad_accum_dtype != policy.params:
+        config["data_types"] = {"grad_accum_dtype": cfg.grad_accum_dtype}
     return config
 
 
@@ -575,7 +764,7 @@ def check_rank_layout(engine, ctx) -> None:
     from deepspeed.utils import groups
 
     tp_ranks = dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()) if ctx.tp_size > 1 else [ctx.rank]
-    dp_ranks = dist.get_process_group_ranks(engine.optimizer.dp_process_group)
+    dp_ranks = dist.get_process_group_ranks(engine.seq_data_parallel_group)
     want_tp = [ctx.dp_rank * ctx.tp_size + t for t in range(ctx.tp_size)]
     want_dp = [d * ctx.tp_size + ctx.tp_rank for d in range(ctx.dp_size)]
     if (tp_ranks, dp_ranks) != (want_tp, want_dp):
@@ -587,18 +776,43 @@ def column_parallel_outputs(hf_model, family) -> dict[str, tuple]:
     """{module name: (TP group, the per-rank widths of each part of its output)} for every module whose output is this
     rank's slice of the last dim: AutoTP's column-parallel layers that do not gather their output themselves (a
     sub-parameter layer, a fused gate_up, holds a slice of each part), and each MLP's activation, which acts on the
-    slice of the gate part (the family's mlp_act)."""
-    from deepspeed.module_inject.layers import LinearLayer, SubParamLinearLayer
+    slice of the gate part (the family's mlp_act). DeepSpeed 0.18's LinearLayer has neither is_tp_parallel,
+    gather_output nor _partition_sizes: every one is column-parallel, never gathers, and splits its outputs evenly
+    (torch.chunk) over the TP group; 0.18 has no sub-parameter layers."""
+    from deepspeed.module_inject import layers
 
     shards = {}
     for name, module in hf_model.named_modules():
-        if isinstance(module, SubParamLinearLayer) and module.is_tp_parallel:
+        if isinstance(module, getattr(layers, "SubParamLinearLayer", ())) and module.is_tp_parallel:
             shards[name] = (module.mp_group, [list(w) for w in module._subparam_shard_widths])
-        elif isinstance(module, LinearLayer) and module.is_tp_parallel and not module.gather_output:
-            shards[name] = (module.mp_group, [list(module._partition_sizes)])
+        elif isinstance(module, layers.LinearLayer) and getattr(module, "mp_group", None) is not None and \
+                getattr(module, "is_tp_parallel", True) and not getattr(module, "gather_output", False):
+            even = [module.weight.shape[0]] * module.tp_world_size
+            shards[name] = (module.mp_group, [list(getattr(module, "_partition_sizes", even))])
     if family.mlp_in:
         gate = "." + family.mlp_in[0].name
         for name in [n for n in shards if n.endswith(gate)]:
             group, parts = shards[name]
             shards[name.removesuffix(gate) + "." + family.mlp_act] = (group, parts[:1])
     return shards
+
+
+class GatherLastDim(torch.autograd.Function):
+    """The TP shards of a column-parallel output concatenated along the last dim (exactly: a copy), on every rank of
+    the TP group; the backward takes this rank's slice of the gradient — not the sum over ranks that
+    torch.distributed.nn's all_gather returns (every TP rank computes the same loss from the gathered tensor, so the
+    sum would multiply the gradient by tp_size). DeepSpeed 0.19's GatherFromTensorParallelRegion does the same; 0.18
+    has none."""
+
+    @staticmethod
+    def forward(ctx, group, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.sizes, ctx.rank = sizes, dist.get_rank(group)
+        pieces = [torch.empty((*t.shape[:-1], width), dtype=t.dtype, device=t.device) for width in sizes]
+        dist.all_gather(pieces, t.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad.split(ctx.sizes, dim=-1)[ctx.rank].contiguous(), None

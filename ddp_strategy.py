@@ -2,6 +2,13 @@
 
 Only the parts that differ between strategies are here: wrapping, the optimizer step, (trivially, since
 nothing is sharded) full-size parameters and gradients, and the checkpoint: one file of state dicts.
+
+Every precision policy, so that a strategy is always compared with DDP in its own policy: the shared PolicyOptimizer
+(parity/training/precision.py) keeps the fp32 master copies of a bf16 or fp16 model and fp16's loss scaler, and DDP
+reduces the gradients in the policy's reduce dtype — its own all-reduce when that is the gradients' dtype, else a comm
+hook that reduces in it (precision.reduce_in). Under --grad_accum_dtype fp32 DDP reduces every micro-batch and the
+optimizer adds each into the fp32 master gradients (the sum of averages is the average of sums); otherwise it
+accumulates in the gradients' dtype under no_sync and reduces once.
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from parity.errors import ConfigError
-from parity.training.memory import GRAD_BUCKETS, GRADS, PARAMS, StateLedger
-from parity.training.strategy import Strategy, build_optimizer, clip_local_gradients, local_norm, step_optimizer
+from parity.training.families import family_of
+from parity.training.memory import GRAD_BUCKETS, GRADS, MASTER, PARAMS, StateLedger
+from parity.training.precision import POLICIES, PolicyOptimizer, policy_of, reduce_in
+from parity.training.strategy import Strategy, local_norm
 
 STATE_FILE = "model_optimizer.pt"  # the module's and the optimizer's state dicts (the replay reads it too)
 
@@ -22,6 +31,8 @@ STATE_FILE = "model_optimizer.pt"  # the module's and the optimizer's state dict
 class DDPStrategy(Strategy):
     name = "ddp"
     tensor_parallel = False
+    precisions = tuple(POLICIES)
+    policy_optimizer = PolicyOptimizer  # what steps the shared AdamW under the policy (a seeded bug's copy replaces it)
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
@@ -34,23 +45,36 @@ class DDPStrategy(Strategy):
         if self.cfg.activation_checkpointing:  # the model's own: torch.utils.checkpoint around each decoder layer
             model.activation_checkpointing_enable()
         if self.cfg.compile:
-            for layer in model.model.layers:
+            for layer in model.get_submodule(family_of(model.config).stack):
                 layer.compile()  # in place: the module keeps its name
+        self.precision = self.policy_optimizer(model.parameters(), self.cfg)  # before DDP: its buckets take the dtype
+        self.optimizer = self.precision.optimizer
         device_ids = [self.ctx.device] if self.ctx.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=device_ids)
-        self.optimizer = build_optimizer(self.model.parameters(), self.cfg)
+        if self.cfg.reduce_dtype != policy_of(self.cfg).params:
+            self.model.register_comm_hook(None, reduce_in(self.cfg.reduce_dtype))
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
 
     def accumulating(self, last: bool):
-        """DDP's own way: no all-reduce in a micro-batch's backward until the last (no_sync)."""
-        return contextlib.nullcontext() if last else self.model.no_sync()
+        """DDP's own way: no all-reduce in a micro-batch's backward until the last (no_sync) — except where
+        micro-batches accumulate in fp32 master gradients, which take each one reduced."""
+        return contextlib.nullcontext() if last or self.precision.accumulates_fp32 else self.model.no_sync()
 
-    def optimizer_step(self, lr: float) -> float:
-        norm = clip_local_gradients(self.model.parameters(), self.cfg)
-        step_optimizer(self.optimizer, lr)
-        return norm
+    def backward(self, loss, last: bool = True) -> None:
+        loss.backward()
+        self.precision.accumulate()
+
+    def optimizer_step(self, lr: float):
+        return self.precision.step(lr, local_norm)
 
     def parameter_norm(self) -> float:
-        return local_norm(self.model.parameters())
+        return local_norm(self.precision.master_parameters())
+
+    def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        self.precision.set_moments([(p, moments[n]) for n, p in self.model.module.named_parameters()], step)
 
     def model_state_bytes(self) -> dict:
         """The full parameters, their gradients and Adam's state, plus the reducer's gradient buckets: DDP
@@ -59,7 +83,8 @@ class DDPStrategy(Strategy):
         ledger = StateLedger(self.ctx.device)
         params = list(self.model.parameters())
         ledger.add_all(PARAMS, params)
-        ledger.add_all(GRADS, (p.grad for p in params))
+        ledger.add_all(MASTER, self.precision.masters or ())
+        ledger.add_all(GRADS, (p.grad for p in params + (self.precision.masters or [])))
         ledger.add_optimizer_state(self.optimizer)
         sizes = self.model._get_ddp_logging_data().get("bucket_sizes") or ""
         ledger.add_bytes(GRAD_BUCKETS, sum(int(s) for s in str(sizes).split(",") if s.strip()))
@@ -70,7 +95,9 @@ class DDPStrategy(Strategy):
         return self.model.module
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().float().cpu().clone() for n, p in self.model.module.named_parameters()}
+        """The master weights (what the optimizer updates), under the module's names."""
+        return {n: self.precision.master_of(p).detach().float().cpu().clone()
+                for n, p in self.model.module.named_parameters()}
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return {n: p.grad.detach().float().cpu().clone()
@@ -79,19 +106,20 @@ class DDPStrategy(Strategy):
     def save_state(self, directory: str) -> None:
         """Every rank holds the same state: rank 0 writes it, under Hugging Face names."""
         if self.ctx.rank == 0:
-            torch.save({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()},
+            torch.save({"model": self.model.module.state_dict(), **self.precision.state_dict()},
                        os.path.join(directory, STATE_FILE))
 
     def load_state(self, directory: str) -> None:
         state = torch.load(os.path.join(directory, STATE_FILE), map_location=self.ctx.device, weights_only=True)
         self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state)
 
 
 def read_full_state(directory: str, model_config) -> tuple[dict, dict, int]:
     """A DDP checkpoint as full tensors under Hugging Face names: (the model's state dict, AdamW's moments
     {name: {"exp_avg", "exp_avg_sq"}}, the optimizer's step count), for the layer check's replay. The
-    optimizer's state dict numbers the parameters in the model's parameter order, which names them."""
+    optimizer's state dict numbers the parameters in the model's parameter order, which names them; a policy's fp32
+    master copies (bf16_params, fp16), in the same order, are the weights."""
     from parity.training.model import parameter_names
 
     state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
@@ -100,4 +128,5 @@ def read_full_state(directory: str, model_config) -> tuple[dict, dict, int]:
     order = optimizer["param_groups"][0]["params"]
     moments = {names[i]: {key: optimizer["state"][index][key] for key in ("exp_avg", "exp_avg_sq")}
                for i, index in enumerate(order)}
-    return state["model"], moments, int(optimizer["state"][order[0]]["step"])
+    weights = {**state["model"], **dict(zip(names, state.get("masters") or ()))}
+    return weights, moments, int(optimizer["state"][order[0]]["step"])

@@ -2,14 +2,13 @@
 decoder layer, FSDP2 sharding (and gradient averaging) over "dp".
 
 Only the parts that differ between strategies are here: the mesh, the TP plan of each model family, the FSDP
-wrapping, the mixed-precision choice and gathering the plan's local module outputs back to full size; what every
-DTensor strategy shares (norms and clipping across meshes, full tensors, checkpoints through
+wrapping, the precision policy in FSDP2's terms and gathering the plan's local module outputs back to full size; what
+every DTensor strategy shares (norms and clipping across meshes, fp16's loss scaler, full tensors, checkpoints through
 torch.distributed.checkpoint) is parity/training/dtensor_strategy.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -25,9 +24,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from parity.errors import ConfigError
 from parity.training.dtensor_strategy import DTensorStrategy, gather_local_output
 from parity.training.families import family_of
+from parity.training.loss_scaler import LossScaler
+from parity.training.precision import DTYPES, POLICIES, PolicyRequest, cast_parameters, policy_of
 from parity.training.strategy import Option, build_optimizer
 
-MIXED_PRECISION = ("autocast", "policy")
+MIXED_PRECISION = ("autocast", "policy")  # the flag's values from before the precision axis (precision_request)
 OFFLOAD = ("none", "cpu")
 TP_PLANS = ("default", "sequence_parallel")
 
@@ -227,40 +228,29 @@ def offload_policy(cfg) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def policy_dtypes(options: dict) -> tuple[str, str]:
-    """(param_dtype, reduce_dtype) of the MixedPrecisionPolicy: the flags, or --mixed_precision's defaults
-    (policy: bf16 parameters in compute, fp32 reduction; autocast: fp32 both)."""
-    policy = options["mixed_precision"] == "policy"
-    return (options["param_dtype"] or ("bf16" if policy else "fp32"),
-            options["reduce_dtype"] or "fp32")
-
-
 def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
-    """The MixedPrecisionPolicy of --param_dtype / --reduce_dtype: fp32 parameters and reduction unless asked.
-    --mixed_precision policy: FSDP2 casts the gathered parameters to bf16 (the whole module computes in bf16)
-    and reduces gradients in fp32 into fp32 shards. A bf16 --reduce_dtype reduces gradients in bf16: a real
-    precision difference from DDP's fp32 all-reduce, and the record says so."""
-    param, reduce = policy_dtypes(cfg.options)
-    if (param, reduce) == ("fp32", "fp32"):
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
+    """The run's precision policy in FSDP2's terms. bf16_params and fp16: the sharded parameters stay fp32 (they are the
+    master weights the shared AdamW steps, with its state in fp32); FSDP2 casts them to bf16 / fp16 when it all-gathers
+    them, the whole module computes in that dtype, and gradients are reduce-scattered in --reduce_dtype (the gradients'
+    own by default) into fp32 shards — accumulating micro-batches in that reduce dtype. bf16_pure: no policy, the
+    shards themselves are bf16 (setup casts them). fp32 and bf16 (autocast): fp32 parameters, and the reduction in
+    --reduce_dtype."""
+    policy = policy_of(cfg)
+    if policy.master_copy:
+        return MixedPrecisionPolicy(param_dtype=DTYPES[policy.params], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    if cfg.reduce_dtype != policy.params:
+        return MixedPrecisionPolicy(param_dtype=DTYPES[policy.params], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    return MixedPrecisionPolicy()
 
 
 class FSDPStrategy(DTensorStrategy):
     name = "fsdp"
     options = (
-        Option("mixed_precision", "autocast", choices=MIXED_PRECISION,
-               help="how bf16 is applied: autocast (fp32 parameters, bf16 matmuls under torch.autocast, as DDP) "
-                    "or policy (FSDP2 MixedPrecisionPolicy: bf16 parameters in compute, fp32 gradient reduction "
-                    "and master weights); only with --precision bf16"),
-        Option("param_dtype", None, type=str, choices=tuple(DTYPES),
-               help="FSDP2 MixedPrecisionPolicy.param_dtype: the dtype the gathered parameters compute in "
-                    "(default: bf16 with --mixed_precision policy, else fp32)"),
-        Option("reduce_dtype", None, type=str, choices=tuple(DTYPES),
-               help="FSDP2 MixedPrecisionPolicy.reduce_dtype: the dtype gradients are reduce-scattered in (default fp32)"),
+        Option("mixed_precision", None, type=str, choices=MIXED_PRECISION,
+               help="kept from before --precision had its policies: policy = --precision bf16_params with fp32 "
+                    "reduction (FSDP2's MixedPrecisionPolicy(bf16, fp32), what it meant), autocast = --precision bf16"),
+        Option("param_dtype", None, type=str, choices=("fp32", "bf16"),
+               help="kept from before --precision had its policies: bf16 = --mixed_precision policy"),
         Option("tp_plan", "default", choices=TP_PLANS,
                help="the TP plan: default (Megatron-style TP inside each decoder layer, the residual stream "
                     "replicated) or sequence_parallel (also the residual stream and the RMSNorms sharded over the "
@@ -270,16 +260,32 @@ class FSDPStrategy(DTensorStrategy):
                     "memory, the optimizer step on the CPU"),
     )
     zero_stage = 3  # full sharding: parameters, gradients and optimizer state all divided over dp
+    precisions = tuple(POLICIES)
+
+    @classmethod
+    def precision_request(cls, options: dict):
+        """--mixed_precision / --param_dtype, as they were before the policy axis: policy (or --param_dtype bf16) is
+        bf16_params reducing in fp32 by default (FSDP2's MixedPrecisionPolicy(bf16, fp32)); autocast only said how bf16
+        applies — the bf16 policy itself — and asks for nothing (validate refuses it beside another low precision)."""
+        mode, param = options["mixed_precision"], options["param_dtype"]
+        if mode == "autocast" and param == "bf16" or mode == "policy" and param == "fp32":
+            raise ConfigError(f"--mixed_precision {mode} with --param_dtype {param}: the two name different policies: "
+                              f"use --precision bf16_params (bf16 parameters) or --precision bf16 (autocast)")
+        if mode == "policy" or param == "bf16":
+            flag = "--mixed_precision policy" if mode == "policy" else "--param_dtype bf16"
+            return PolicyRequest(flag, "bf16_params", reduce_dtype="fp32", soft=True)
+        return None
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
-        if settings.options["mixed_precision"] == "policy" and settings.precision != "bf16":
-            raise ConfigError(f"--mixed_precision policy is a bf16 mode but --precision is {settings.precision}: "
-                              f"add --precision bf16 (or --autocast)")
-        for flag in ("param_dtype", "reduce_dtype"):
-            if settings.options[flag] == "bf16" and settings.precision != "bf16":
-                raise ConfigError(f"--{flag} bf16 is a bf16 setting but --precision is {settings.precision}: add "
-                                  f"--precision bf16, or drop it")
+        policy = POLICIES[settings.precision]
+        if settings.options["mixed_precision"] == "autocast" and policy.params != "fp32":
+            raise ConfigError(f"--mixed_precision autocast is the bf16 policy (autocast over fp32 parameters) but "
+                              f"--precision is {settings.precision}: drop --mixed_precision")
+        if settings.grad_accum_steps > 1 and policy.master_copy and settings.grad_accum_dtype != settings.reduce_dtype:
+            raise ConfigError(f"--grad_accum_dtype {settings.grad_accum_dtype} with --reduce_dtype "
+                              f"{settings.reduce_dtype}: FSDP2 accumulates micro-batch gradients in the dtype it "
+                              f"reduces them in: pass --grad_accum_dtype {settings.reduce_dtype}")
         family_of(model_config).check_tp(settings.tp_size, "FSDP2 + TP")
         if settings.activation_checkpointing and settings.compile:
             raise ConfigError("--activation_checkpointing with --compile: torch's composable checkpoint finds the compiled "
@@ -292,9 +298,6 @@ class FSDPStrategy(DTensorStrategy):
             if settings.seq_length % settings.tp_size:
                 raise ConfigError(f"--tp_plan sequence_parallel splits the sequence into --tp_size {settings.tp_size} "
                                   f"chunks: --seq_length {settings.seq_length} must be a multiple of it")
-        if settings.options["param_dtype"] == "bf16" and settings.options["mixed_precision"] != "policy":
-            raise ConfigError("--param_dtype bf16 computes in bf16 through FSDP2's policy, and autocast would cast on "
-                              "top of it: add --mixed_precision policy")
 
     def setup(self, model) -> None:
         # Every full_tensor() of a 2-D DTensor logs that it runs one collective per mesh dim; expected here.
@@ -303,6 +306,8 @@ class FSDPStrategy(DTensorStrategy):
         # The data slice is chosen by ctx.dp_rank, so the mesh must place ranks as WorkerContext does.
         assert (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == (self.ctx.dp_rank, self.ctx.tp_rank)
         model.to(self.ctx.device)
+        if not policy_of(self.cfg).master_copy:  # bf16_pure: the parameters themselves in bf16 (fp32, bf16: fp32)
+            cast_parameters(model, self.cfg)
         self.family = family_of(model.config)
         self.plan = self.tp_plan()
         if self.ctx.tp_size > 1:  # with tp_size 1 this is pure FSDP2 on the 1-D "dp" sub-mesh
@@ -315,6 +320,7 @@ class FSDPStrategy(DTensorStrategy):
         self.mesh, self.tp_mesh = mesh, mesh["tp"]
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.cfg)
+        self.scaler = LossScaler(**self.cfg.loss_scaling) if policy_of(self.cfg).loss_scaling else None
 
     @property
     def sequence_parallel(self) -> bool:
@@ -328,11 +334,9 @@ class FSDPStrategy(DTensorStrategy):
         """The plan's TP over the "tp" mesh."""
         (apply_sequence_parallel if self.sequence_parallel else apply_tp)(model, tp_mesh, self.plan)
 
-    def autocast(self):
-        """With the FSDP2 policy the parameters themselves are in --param_dtype: no autocast on top."""
-        if self.cfg.options["mixed_precision"] == "policy":
-            return contextlib.nullcontext()
-        return super().autocast()
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
 
     def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
         """The plan's local outputs (and their gradients) are this rank's piece — of the last dim (colwise

@@ -8,14 +8,16 @@ layers, the last its layers, then the final norm and lm_head (the model family's
 Each stage runs the stock model's own forward with the layers of other stages passed through (stage_view), so what
 it computes around its layers — position ids, each layer type's mask and rotary table, an embedding scale, logit
 soft-capping — is the stock model's for any family, under the run's autocast (fp32, or bf16 as DDP:
-ddp_strategy.py), and the hidden states a stage sends are the stock model's.
+ddp_strategy.py), and the hidden states a stage sends are the stock model's, in the dtype they are computed in (fp32
+under autocast, the parameters' dtype in bf16_params, bf16_pure and fp16). Every precision policy as DDP carries it:
+the shared PolicyOptimizer (fp32 masters, fp16's loss scaler, docs/precision.md), the DP all-reduce in the policy's
+reduce dtype.
 
 Tied embedding: a tied model (Qwen2, Qwen3, Gemma3) ties lm_head to embed_tokens, and the two ends of a pipeline sit
 on different ranks. The first stage keeps embed_tokens.weight, the last gets lm_head.weight as a copy of it (equal at
 the start); after backward the two gradients are summed over a two-rank group of the first and the last stage's
 ranks, so each copy holds the tied weight's whole gradient and AdamW gives both the same update: one weight, kept in
-two places.
-Norms count it once (the first stage's copy); the full parameters name it once, as model.embed_tokens.weight.
+two places. Norms count it once (the first stage's copy); the full parameters name it once, as model.embed_tokens.weight.
 
 Data parallelism over the pipelines: DDP-style — every DP rank of a stage holds that stage's full parameters and
 the shared AdamW over them, and after the schedule's backward its gradients are all-reduced (one flat buffer per
@@ -46,11 +48,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parity.errors import ConfigError
 from parity.training.families import family_of
+from parity.training.memory import GRADS, MASTER, PARAMS, StateLedger
 from parity.training.model import parameter_names
-from parity.training.memory import GRADS, PARAMS, StateLedger
+from parity.training.precision import DTYPES, POLICIES, PolicyOptimizer, policy_of
 from parity.training.replicas import Replica, moments
-from parity.training.strategy import (ModuleRecords, Option, Strategy, build_optimizer, clip_coefficient, loss_sum, squared_norm_fp64,
-                                      step_optimizer)
+from parity.training.strategy import ModuleRecords, Option, Strategy, loss_sum, squared_norm_fp64
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -163,6 +165,7 @@ def rank_tree(model, family, owned: list[str], layer_ids: list[int]) -> nn.Modul
 class PipelineStrategy(Strategy):
     name = "pipeline"
     tensor_parallel = False
+    precisions = tuple(POLICIES)
     options = (
         Option("pp_size", 2, help="pipeline ranks per model replica (num_workers = pp_size × dp_size)"),
         Option("pp_schedule", "1f1b", choices=tuple(SCHEDULES),
@@ -217,6 +220,9 @@ class PipelineStrategy(Strategy):
         if settings.grad_accum_steps != 1:
             raise ConfigError(f"--grad_accum_steps {settings.grad_accum_steps}: the pipeline accumulates over its "
                               f"micro-batches: use --microbatches (and --grad_accum_steps 1)")
+        if settings.grad_accum_dtype != POLICIES[settings.precision].params:
+            raise ConfigError(f"--grad_accum_dtype {settings.grad_accum_dtype}: the pipeline's schedule accumulates its "
+                              f"micro-batches in the gradients' {POLICIES[settings.precision].params}: drop the flag")
         for flag in ("activation_checkpointing", "compile"):
             if getattr(settings, flag):
                 raise ConfigError(f"--{flag} is not supported by the pipeline strategy: drop it")
@@ -255,12 +261,13 @@ class PipelineStrategy(Strategy):
         self.stage_modules = {s: StageModule(stage_view(model, family, range(s * per_stage, (s + 1) * per_stage),
                                                         last=s == n - 1), s == 0, s == n - 1, self.autocast)
                               for s in self.my_stages}
+        self.precision = PolicyOptimizer(self.model.parameters(), self.cfg)  # the parameters in the policy's dtype
+        self.optimizer = self.precision.optimizer
         self.stages = [PipelineStage(self.stage_modules[s], s, n, ctx.device, **self._stage_examples(s, config),
                                      group=self.pp_group) for s in self.my_stages]
         schedule = SCHEDULES[o["pp_schedule"]]
         self.schedule = schedule(self.stages if STAGES_PER_RANK[o["pp_schedule"]] > 1 else self.stages[0],
                                  n_microbatches=o["microbatches"], loss_fn=self._micro_batch_loss, scale_grads=False)
-        self.optimizer = build_optimizer(self.model.parameters(), self.cfg)
         self._layout(config)
         self._loss_scale, self._sums = 1.0, []
 
@@ -268,14 +275,14 @@ class PipelineStrategy(Strategy):
         """A micro-batch's input and output of `stage`, and their gradients (shape and dtype): given to PipelineStage,
         they spare torch's metadata inference — a forward and backward of the first micro-batch inside the first
         step, which would run every module once more than the step does (and the layer check records every module
-        call). Token ids in, fp32 hidden states between stages (the residual stream stays fp32 under autocast),
-        logits out in the compute dtype. Static metadata must say which inputs get a gradient (torch sends back
-        none for one that does not require it)."""
+        call). Token ids in, hidden states between stages in the parameters' dtype (fp32 under autocast: the residual
+        stream stays fp32), logits out in the compute dtype. Static metadata must say which inputs get a gradient
+        (torch sends back none for one that does not require it)."""
         rows, seq = self.cfg.batch_size // self.cfg.options["microbatches"], self.cfg.seq_length
         device = self.ctx.device
-        hidden = torch.empty(rows, seq, config.hidden_size, device=device)
+        hidden = torch.empty(rows, seq, config.hidden_size, device=device, dtype=self.hidden_dtype)
         last = stage == self.num_stages - 1
-        logits_dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
+        logits_dtype = policy_of(self.cfg).compute_dtype()
         received = hidden.detach().requires_grad_()  # received hidden states need a gradient, sent back
         return {"input_args": torch.zeros(rows, seq, dtype=torch.long, device=device) if stage == 0 else received,
                 "output_args": torch.empty(rows, seq, config.vocab_size, dtype=logits_dtype, device=device) if last
@@ -295,11 +302,22 @@ class PipelineStrategy(Strategy):
         return self.model
 
     # --- the train step ---------------------------------------------------------------------------
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The hidden states' dtype between stages: the parameters' (fp32 under autocast: the residual stream stays
+        fp32)."""
+        return DTYPES[policy_of(self.cfg).params]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
     def _micro_batch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss_fn: the micro-batch's token-loss sum × dp_size / the global batch's loss tokens."""
+        """The schedule's loss_fn: the micro-batch's token-loss sum × dp_size / the global batch's loss tokens (× fp16's
+        loss scale)."""
         summed = loss_sum(logits, labels)
         self._sums.append(summed.detach())
-        return summed * self._loss_scale
+        return summed * self._loss_scale * self.loss_scale
 
     def forward_backward(self, batch, global_tokens: int) -> torch.Tensor:
         """The schedule's forward and backward over the micro-batches of this DP rank's `batch`, then the tied-weight
@@ -324,7 +342,7 @@ class PipelineStrategy(Strategy):
         self.sum_tied_gradients()
         if self.ctx.dp_size > 1:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            flat = _flatten_dense_tensors(grads)
+            flat = _flatten_dense_tensors(grads).to(DTYPES[self.cfg.reduce_dtype])  # the policy's reduce dtype
             dist.all_reduce(flat, group=self.dp_group)
             flat.div_(self.ctx.dp_size)
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -348,18 +366,15 @@ class PipelineStrategy(Strategy):
         return float(total)
 
     @torch.no_grad()
-    def optimizer_step(self, lr: float) -> float:
-        counted = [p.grad for _, p in self._counted() if p.grad is not None]
-        local = sum((squared_norm_fp64(g) for g in counted), self._zero())
-        norm = math.sqrt(self._pipeline_sum(local))
-        coef = clip_coefficient(norm, self.cfg)
-        if coef < 1.0:
-            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], coef)
-        step_optimizer(self.optimizer, lr)
-        return norm
+    def optimizer_step(self, lr: float):
+        """The shared PolicyOptimizer's step, clipped by the pipeline's global norm: squared norms summed over its
+        ranks, the tied weight once."""
+        norm_of = lambda grads: math.sqrt(self._pipeline_sum(sum((squared_norm_fp64(g) for g in grads),  # noqa: E731
+                                                                 self._zero())))
+        return self.precision.step(lr, norm_of, counted=[p for _, p in self._counted()])
 
     def parameter_norm(self) -> float:
-        local = sum((squared_norm_fp64(p) for _, p in self._counted()), self._zero())
+        local = sum((squared_norm_fp64(self.precision.master_of(p)) for _, p in self._counted()), self._zero())
         return math.sqrt(self._pipeline_sum(local))
 
     def backward(self, loss, last: bool = True) -> None:
@@ -375,11 +390,11 @@ class PipelineStrategy(Strategy):
         me = self.ctx.pp_rank
         for s in self.my_stages:
             if s > 0 and (s - 1) % self.P != me:
-                h = torch.empty(hidden, dtype=torch.float32, device=self.ctx.device)
+                h = torch.empty(hidden, dtype=self.hidden_dtype, device=self.ctx.device)
                 dist.recv(h, src=self.first_rank + (s - 1) % self.P)
             h = self.stage_modules[s](h)
             if s < self.num_stages - 1 and (s + 1) % self.P != me:
-                dist.send(h.float().contiguous(), dst=self.first_rank + (s + 1) % self.P)
+                dist.send(h.to(self.hidden_dtype).contiguous(), dst=self.first_rank + (s + 1) % self.P)
         last = self.first_rank + (self.num_stages - 1) % self.P
         meta = [(tuple(h.shape), h.dtype) if self.has_last else None]
         dist.broadcast_object_list(meta, src=last, group=self.pp_group)
@@ -438,7 +453,7 @@ class PipelineStrategy(Strategy):
         return ModuleRecords(ordered("output", 1), ordered("output_grad", -1))
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return self._gather_full(dict(self._counted()))
+        return self._gather_full({n: self.precision.master_of(p) for n, p in self._counted()})
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self._gather_full({n: p.grad for n, p in self._counted()})
@@ -470,27 +485,26 @@ class PipelineStrategy(Strategy):
         ledger = StateLedger(self.ctx.device)
         params = list(self.model.parameters())
         ledger.add_all(PARAMS, params)
-        ledger.add_all(GRADS, (p.grad for p in params))
+        ledger.add_all(MASTER, self.precision.masters or ())
+        ledger.add_all(GRADS, (p.grad for p in params + (self.precision.masters or [])))
         ledger.add_optimizer_state(self.optimizer)
         return ledger.result()
 
     def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """AdamW's state of another run, {HF name: moments}, for this rank's parameters (the tied lm_head copy gets
         the embedding's)."""
-        for name, p in self.model.named_parameters():
-            m = moments[self.embed_name if self.tied and name == self.head_name else name]
-            self.optimizer.state[p] = {"step": torch.tensor(float(step)),
-                                       **{k: m[k].to(p.device, p.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}}
+        self.precision.set_moments([(p, moments[self.embed_name if self.tied and name == self.head_name else name])
+                                    for name, p in self.model.named_parameters()], step)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save_state(self, directory: str) -> None:
         """Each pipeline rank of DP rank 0 writes its stages' model and optimizer state to a file of its own."""
         if self.ctx.dp_rank == 0:
-            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+            torch.save({"model": self.model.state_dict(), **self.precision.state_dict()},
                        os.path.join(directory, state_file(self.ctx.pp_rank)))
 
     def load_state(self, directory: str) -> None:
         state = torch.load(os.path.join(directory, state_file(self.ctx.pp_rank)), map_location=self.ctx.device,
                            weights_only=True)
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state)

@@ -79,6 +79,16 @@ def tiny_weights(tmp_path_factory):
     return path
 
 
+def seeded_weights(tmp_path_factory, seed: int) -> str:
+    """qwen2-tiny's initial weights from `seed` (what train_ddp.py --save_init_weights --seed writes), for a test module
+    that runs at a seed of its own."""
+    from parity.training.model import build_model, resolve_model_config, save_init_weights
+
+    path = str(tmp_path_factory.mktemp("weights") / f"init_{seed}.pt")
+    save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed), path)
+    return path
+
+
 def to_argv(flags: dict) -> list[str]:
     """{"tp_size": 2, "autocast": True} → ["--tp_size", "2", "--autocast"], as a user types it (False/None left out)."""
     argv: list[str] = []
@@ -154,6 +164,8 @@ RAY_RUNS = {
 LOCAL_RUNS = {
     "ddp_one": ("ddp", {"num_workers": 1, "batch_size": 4, **FP32, **DDP_LEARNS}),
     "ddp_bf16": ("ddp", {**DDP_DP2, **BF16}),  # the bf16 reference
+    # FSDP's --mixed_precision policy's baseline: bf16_params reducing in fp32
+    "ddp_bf16_params_fp32_reduce": ("ddp", {**DDP_DP2, "precision": "bf16_params", "reduce_dtype": "fp32"}),
     "ddp_clip": ("ddp", {**DDP_DP2, **FP32, "max_grad_norm": CLIP}),
     "deepspeed_tp2_dp1": ("deepspeed", {"num_workers": 2, "tp_size": 2, "batch_size": 4, **FP32}),
     "deepspeed_tp1_dp2": ("deepspeed", {**DDP_DP2, **FP32}),

@@ -34,6 +34,8 @@ def workspace(tmp_path, tiny_weights):
     (tmp_path / "text.pt").write_text("hello, not weights")
     (tmp_path / "truncated.pt").write_bytes((tmp_path / SAVED_WEIGHTS).read_bytes()[:100_000])
     (tmp_path / "tiny.txt").write_text("too short")
+    (tmp_path / "ds_bf16.json").write_text('{"bf16": {"enabled": true}}')
+    (tmp_path / "ds_both.json").write_text('{"bf16": {"enabled": true}, "fp16": {"enabled": true}}')
     for folder, config in MODEL_DIRS.items():
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "config.json").write_text(json.dumps(config))
@@ -125,13 +127,21 @@ CASES = [
      r"--replica_check_interval must be a positive integer \(got 0\)"),
     ("not int", "ddp", train_flags(num_workers="abc"), {},
      r"argument --num_workers: invalid int value: 'abc' \(see --help\)"),
-    ("precision", "ddp", train_flags(precision="fp16"), {},
-     r"argument --precision: invalid choice: 'fp16' \(choose from 'auto', 'fp32', 'bf16'\) \(see --help\)"),
+    ("precision", "ddp", train_flags(precision="fp8"), {},
+     r"argument --precision: invalid choice: 'fp8' \(choose from 'auto', 'fp32', 'bf16', 'bf16_params', 'bf16_pure', "
+     r"'fp16'\) \(see --help\)"),
     ("unknown flag", "ddp", train_flags(bogus=1), {}, r"unrecognized arguments: --bogus 1 \(see --help\)"),
     ("cuda", "ddp", train_flags(device="cuda"), {},
      r"--device cuda needs 2 GPUs \(one per worker\), the Ray cluster has 0: use --device cpu or fewer workers"),
     ("autocast fp32", "ddp", train_flags(autocast=True, precision="fp32"), {},
-     r"--autocast asks for bf16 but --precision fp32 was also given: pass only one of them"),
+     r"--autocast asks for bf16 \(autocast over fp32 parameters\) but --precision fp32 was also given: pass only one of "
+     r"them"),
+    ("loss scale bf16", "ddp", train_flags(precision="bf16_params", loss_scale_window=2), {},
+     r"--loss_scale_window sets fp16's loss scaler but the policy is bf16_params: pass --precision fp16, or drop it"),
+    ("reduce fp16", "ddp", train_flags(precision="bf16_params", reduce_dtype="fp16"), {},
+     r"--reduce_dtype fp16 is not a reduction of the bf16_params policy \(.*\): use bf16 or fp32"),
+    ("accumulate pure", "ddp", train_flags(precision="bf16_pure", grad_accum_dtype="fp32"), {},
+     r"--grad_accum_dtype fp32: the bf16_pure policy accumulates gradients in bf16"),
     ("hub model", "ddp", train_flags(model_name="nobody/no-such-model"), {},
      r"unknown model 'nobody/no-such-model': not a built-in model .* use a built-in model or a local directory"),
     ("encoder-decoder", "ddp", train_flags(model_name="{d}/t5"), {},
@@ -174,16 +184,35 @@ CASES = [
     ("tokenizer", "ddp", train_flags(dataset="text:{d}/tiny.txt", tokenizer="nobody/tok"), {},
      r"tokenizer nobody/tok could not be loaded \(.*\): pass --tokenizer bytes or a local tokenizer directory"),
     # --- train_deepspeed.py / train_fsdp.py --------------------------------------------------------------
-    ("zero 0", "deepspeed", train_flags(num_workers=4, tp_size=2, zero_stage=0), {},
-     r"--zero_stage 0: DeepSpeed runs without ZeRO there .* use --zero_stage 1"),
+    ("config bf16 fp32", "deepspeed", train_flags(num_workers=4, tp_size=2, deepspeed_config="{d}/ds_bf16.json",
+                                                  precision="fp32"), {},
+     r"--deepspeed_config .*ds_bf16.json asks for the bf16_params policy \(bf16 parameters and gradients, fp32 master "
+     r"weights and Adam state\) but --precision is fp32: pass --precision bf16_params \(or drop --precision\)"),
+    ("config fp16 bf16", "deepspeed", train_flags(num_workers=4, tp_size=2, deepspeed_config="{d}/ds_both.json"), {},
+     r"--deepspeed_config .*ds_both.json enables both bf16 and fp16: DeepSpeed runs one precision mode: keep one of the "
+     r"sections enabled"),
+    ("deepspeed fp16 cpu", "deepspeed", train_flags(num_workers=4, tp_size=2, precision="fp16"), {},
+     r"DeepSpeed's fp16 mode on CPU workers: DeepSpeed refuses it at initialize on a CPU without fp16 kernels"),
+    ("zero 0 accumulation", "deepspeed", train_flags(num_workers=2, zero_stage=0, precision="bf16_params",
+                                                     grad_accum_dtype="fp32"), {},
+     r"--zero_stage 0 with micro-batches accumulated in fp32: DeepSpeed accumulates in the parameters' bf16 without "
+     r"ZeRO"),
     ("zero 4", "deepspeed", train_flags(num_workers=4, tp_size=2, zero_stage=4), {},
      r"argument --zero_stage: invalid choice: 4 \(choose from 0, 1, 2, 3\) \(see --help\)"),
     ("master fp32", "deepspeed", train_flags(num_workers=4, tp_size=2, bf16_master_weights=True, precision="fp32"), {},
-     r"--bf16_master_weights is a bf16 setting but --precision is fp32: pass --precision bf16 with it, or drop it"),
+     r"--bf16_master_weights asks for the bf16_pure policy \(.*\) but --precision is fp32: pass --precision bf16_pure"),
     ("kv heads", "deepspeed", train_flags(num_workers=3, tp_size=3), {},
      r"--tp_size 3 does not divide the model's KV-head count \(2\): use a tp_size in \[1, 2\]"),
     ("policy fp32", "fsdp", train_flags(num_workers=4, tp_size=2, mixed_precision="policy", precision="fp32"), {},
-     r"--mixed_precision policy is a bf16 mode but --precision is fp32: add --precision bf16 \(or --autocast\)"),
+     r"--mixed_precision policy asks for the bf16_params policy \(.*\) but --precision is fp32: pass --precision "
+     r"bf16_params"),
+    ("fsdp accumulation", "fsdp", train_flags(num_workers=2, precision="bf16_params", batch_size=2, grad_accum_steps=2,
+                                              grad_accum_dtype="fp32"), {},
+     r"--grad_accum_dtype fp32 with --reduce_dtype bf16: FSDP2 accumulates micro-batch gradients in the dtype it reduces "
+     r"them in: pass --grad_accum_dtype bf16"),
+    ("own strategy policy", "ddp", train_flags(num_workers=2, precision="bf16_params",
+                                               strategy_class="my_strategy:HandWrittenDP"), {},
+     r"hand_written_dp does not run the bf16_params policy \(it runs fp32, bf16\): pass one of them with --precision"),
     ("not multiple", "fsdp", train_flags(num_workers=3, tp_size=2), {},
      r"--num_workers 3 is not a multiple of --tp_size 2: num_workers must equal tp_size × dp_size"),
     ("sp tp1", "fsdp", train_flags(num_workers=2, tp_plan="sequence_parallel"), {},

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from conftest import assert_replicas_held
+from conftest import assert_replicas_held, seeded_weights
 from parity.calibration.bugs import (SKIPPED_PARAMETER, SKIPPED_STEP, DDPReplicaSkipsAnUpdate, DDPTiedEmbeddingUnreduced,
                                      DeepSpeedClippingSkipped, DeepSpeedLearningRateOff,
                                      DeepSpeedWarmupIgnored, DeepSpeedWeightDecayAdded, FSDPAdamBeta2Off,
@@ -41,13 +41,12 @@ REFERENCES = {  # the main job's noise references of that baseline (parity/comma
 }
 TP2_DP2 = {"num_workers": 4, "tp_size": 2, "batch_size": 2}
 CLEAN = {"deepspeed": ("deepspeed", {}), "fsdp": ("fsdp", {"mixed_precision": "autocast"})}
-# The catalogue's bugs the verdict must see in bf16, in every strategy: DeepSpeed's clipping, schedule, a scaled
-# lr (the same at every layout) and bf16 master weights; TP ranks fed different slices and a wrong β2 in FSDP + TP;
-# a tied embedding's gradient left out of DDP's reduction. (id, record name, strategy, copy, options, layout)
+# The catalogue's bugs the verdict must see in bf16, in every strategy: DeepSpeed's clipping, schedule and a scaled
+# lr (the same at every layout); TP ranks fed different slices and a wrong β2 in FSDP + TP; a tied embedding's gradient
+# left out of DDP's reduction. (id, record name, strategy, copy, options, layout)
 BUGS_BF16 = [("DeepSpeedClippingSkipped", "deepspeed", "deepspeed", DeepSpeedClippingSkipped, {}, TP2_DP2),
              ("DeepSpeedWarmupIgnored", "deepspeed", "deepspeed", DeepSpeedWarmupIgnored, {}, TP2_DP2),
              ("DeepSpeedLearningRateOff", "deepspeed", "deepspeed", DeepSpeedLearningRateOff, {}, TP2_DP2),
-             ("bf16_master_weights", "deepspeed", "deepspeed", None, {"bf16_master_weights": True}, TP2_DP2),
              ("FSDPTPRanksFedDifferentSlices", "fsdp", "fsdp", FSDPTPRanksFedDifferentSlices, {}, TP2_DP2),
              ("FSDPAdamBeta2Off", "fsdp", "fsdp", FSDPAdamBeta2Off, {}, TP2_DP2),
              ("DDPTiedEmbeddingUnreduced", "ddp_tied_embedding_unreduced", "ddp", DDPTiedEmbeddingUnreduced, {},
@@ -76,11 +75,7 @@ BUGS_FP32 = [(FSDPWeightDecayAdded, "fsdp", 2, "param_norm"), (DeepSpeedWeightDe
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
-
-    path = str(tmp_path_factory.mktemp("weights") / f"init_{SEED}.pt")
-    save_init_weights(build_model(resolve_model_config("qwen2-tiny"), SEED), path)
-    return path
+    return seeded_weights(tmp_path_factory, SEED)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +104,7 @@ def folders(tmp_path_factory, weights):
             add(kernel, kernel, strategy, {**TP2_DP2, "precision": "bf16"}, **options)
     for bug_id, _, strategy, bug, options, layout in BUGS_BF16 + REPLICA_BUGS_BF16:
         add("default", bug_id, strategy, {**layout, "precision": "bf16"}, bug, **options)
+    add("default", "bf16_master_weights", "deepspeed", TP2_DP2, bf16_master_weights=True, autocast=True)
     for technique, strategy, layout, flags in TECHNIQUES_BF16:
         add("default", technique, strategy, {**layout, "precision": "bf16"}, **flags)
     add("default", "fp32", "ddp", {**BASELINE, "precision": "fp32"}, debug_steps=FP32_STEPS)
@@ -121,7 +117,8 @@ def folders(tmp_path_factory, weights):
         if ran != kernel:
             (root / kernel).symlink_to(root / ran)
 
-    for bug_id in [b[0] for b in BUGS_BF16 + REPLICA_BUGS_BF16] + [t[0] for t in TECHNIQUES_BF16]:  # beside its baseline
+    for bug_id in [b[0] for b in BUGS_BF16 + REPLICA_BUGS_BF16] + [t[0] for t in TECHNIQUES_BF16] + \
+            ["bf16_master_weights"]:  # beside its baseline
         for name in ["loss_ddp.json", *REFERENCES]:
             shutil.copy(root / "default" / name, root / bug_id)
     for bug, *_ in BUGS_FP32:
@@ -201,6 +198,18 @@ def test_replicas_that_part_fail_at_their_first_step_in_bf16(folders, capsys, bu
         assert "curves alone: within their bounds at every step" in out
     else:
         assert against["first_outside"] is not None
+
+
+def test_bf16_master_weights_against_the_autocast_baseline_is_a_policy_difference(folders, capsys):
+    """Seed 001's DeepSpeed setting (--bf16_master_weights with --autocast: bf16_pure) against DDP in the autocast
+    policy — seed 004's comparison. Once counted as a strategy bug; it is another policy, reported as such, both named,
+    and not judged (test_precision.py judges strategies in their own policies)."""
+    code, result, out = verdict(folders / "bf16_master_weights", capsys)
+    against = result["against_baseline"]["deepspeed"]
+    assert (code, result["verdict"], against["verdict"]) == (1, "POLICY DIFFERENCE", "POLICY DIFFERENCE")
+    assert against["policy_difference"][0] == "precision: bf16 vs bf16_pure" and against["first_outside"] is None
+    assert "DeepSpeed ran bf16_pure (bf16 parameters, gradients, master weights and Adam state" in out
+    assert "train_ddp.py --precision bf16_pure" in out
 
 
 @pytest.mark.parametrize("bug,name,step,quantity", BUGS_FP32, ids=[b.__name__ for b, *_ in BUGS_FP32])

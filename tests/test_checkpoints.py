@@ -231,8 +231,8 @@ def test_a_checkpoint_of_another_run_is_refused(ddp_baseline, tiny_weights, tmp_
     assert train_main("fsdp", argv=ddp_argv(tmp_path, tiny_weights, experiment_name="ddp_tp1_dp2", resume=True)) == 2
     assert capsys.readouterr().err == (
         f"error: --resume: {folder}/step_000012 is a checkpoint of another run (options {{}} there, "
-        f"{{'mixed_precision': 'autocast', 'offload': 'none', 'param_dtype': None, 'reduce_dtype': None, "
-        f"'tp_plan': 'default'}} here; strategy 'ddp' there, 'fsdp' here): use the run's own flags, or drop --resume "
+        f"{{'mixed_precision': None, 'offload': 'none', 'param_dtype': None, 'tp_plan': 'default'}} here; strategy "
+        f"'ddp' there, 'fsdp' here): use the run's own flags, or drop --resume "
         f"to start this one afresh\n")
     assert train_main("ddp", argv=ddp_argv(tmp_path, tiny_weights, resume=True)) == 2
     assert capsys.readouterr().err == (f"error: --resume: {folder} holds a finished run (12 of 12 steps): nothing to "

@@ -189,6 +189,7 @@ FSDP (TP=2, DP=2):
 VERDICT (every step, each curve: |x - DDP| <= bound * |DDP|)
 ============================================================
 
+Precision policy of every run: fp32 (fp32 everything; reduced over DP in fp32).
 Bounds UNCALIBRATED: no noise reference in the folder, so the fixed table by precision applies \
 (docs/tolerances.md); run the baseline again with --noise_reference at another layout to calibrate.
 Baseline DDP (TP=1, DP=2): replicas: bit-identical at each of 5 checks (every step) of the 78 tensors held by \
@@ -391,10 +392,12 @@ def test_a_gradient_scale_bug_fails_on_the_grad_norm(tmp_path, capsys):
 
 @pytest.mark.parametrize("base_precision,run_precision,rel_diff,rtol,verdict", [
     ("fp32", "fp32", 1e-3, 1e-5, "FAIL"),  # fp32 pair: 1e-5
-    ("fp32", "bf16", 1e-3, 3e-2, "PASS"),  # a bf16 run makes the pair bf16 (the looser)
-    ("bf16", "fp32", 1e-3, 3e-2, "PASS"),
+    ("fp32", "bf16", 1e-3, 3e-2, "POLICY DIFFERENCE"),  # another policy than the baseline's: not judged
+    ("bf16", "fp32", 1e-3, 3e-2, "POLICY DIFFERENCE"),
     ("bf16", "bf16", 1e-3, 3e-2, "PASS"),
     ("bf16", "bf16", 5e-2, 3e-2, "FAIL"),
+    ("bf16_params", "bf16_params", 1e-3, 3e-2, "PASS"),  # every low-precision policy has bf16's fixed row
+    ("fp16", "fp16", 5e-2, 3e-2, "FAIL"),
 ])
 def test_tolerance_from_precision(tmp_path, base_precision, run_precision, rel_diff, rtol, verdict):
     write_record(tmp_path, "ddp", DDP_LOSS, precision=base_precision)
@@ -403,9 +406,11 @@ def test_tolerance_from_precision(tmp_path, base_precision, run_precision, rel_d
     v = r.verdict
     bounds = r.bounds.per_step
     assert (bounds["loss"][0], bounds["grad_norm"][0], v.word) == (rtol, 1e-5 if rtol == 1e-5 else 1e-1, verdict)
-    looser = "bf16" if "bf16" in (base_precision, run_precision) else "fp32"
+    looser = "fp32" if base_precision == run_precision == "fp32" else "bf16"
     assert v.tolerance_source.startswith(f"the fixed {looser} table (ddp {base_precision}, fsdp {run_precision})")
     assert (v.first_outside.step if v.first_outside else None) == (0 if verdict == "FAIL" else None)
+    assert v.policy_difference == ((f"precision: {base_precision} vs {run_precision}",)
+                                   if base_precision != run_precision else ())
 
 
 @pytest.mark.parametrize("precision", sorted(tolerances.CURVES))
@@ -427,12 +432,12 @@ def test_the_tolerance_table_is_what_judges(tmp_path, precision, quantity):
 
 
 def test_tolerance_override(tmp_path, capsys):
-    write_record(tmp_path, "ddp", DDP_LOSS)
+    write_record(tmp_path, "ddp", DDP_LOSS, precision="bf16")
     write_record(tmp_path, "fsdp", [x * 1.001 for x in DDP_LOSS], precision="bf16")
     assert run_cli(capsys, tmp_path)[0] == 0  # bf16: 1e-3 is inside 3e-2
     code, out, _ = run_cli(capsys, tmp_path, "--tolerance", "1e-4")
     assert code == 1
-    assert "rtol 0.0001 (loss), 0.1 (grad norm), 0.01 (param norm) from the fixed bf16 table (ddp fp32, fsdp " \
+    assert "rtol 0.0001 (loss), 0.1 (grad norm), 0.01 (param norm) from the fixed bf16 table (ddp bf16, fsdp " \
            "bf16); uncalibrated: no noise reference; loss --tolerance;" in out
     assert "first step outside: step 0: loss 10.010000 vs DDP 10.000000, relative diff 1.000e-03 > 1.000e-04\n" in out
     code, out, _ = run_cli(capsys, tmp_path, "--tolerance", "2e-3")
@@ -578,9 +583,10 @@ BAD_INPUT = [
      "error: loss_fsdp.json: has no steps; the run stopped before its first step: rerun it"),
     ("two records of one strategy", two_fsdp_records, [],
      "error: loss_fsdp.json and loss_fsdp_old.json are both fsdp runs: keep one of them in {d}"),
-    ("precision without a tolerance", lambda d: (write_record(d, "ddp", DDP_LOSS),
-                                                 write_record(d, "fsdp", DDP_LOSS, precision="fp16")), [],
-     "error: loss_fsdp.json: precision 'fp16' has no default tolerance (known: fp32, bf16): pass --tolerance"),
+    ("precision without a tolerance", lambda d: (write_record(d, "ddp", DDP_LOSS, precision="fp8"),
+                                                 write_record(d, "fsdp", DDP_LOSS, precision="fp8")), [],
+     "error: loss_ddp.json: precision 'fp8' has no default tolerance (known: fp32, bf16, bf16_params, bf16_pure, "
+     "fp16): pass --tolerance"),
 ]
 
 

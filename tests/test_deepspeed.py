@@ -153,14 +153,17 @@ def test_engine_config_carries_ddps_settings_and_the_precision_policy(tmp_path, 
 # ---------------------------------------------------------------------------------------------------
 
 BAD = TP_LAYOUT_ERRORS + [
-    ({"zero_stage": 0}, r"--zero_stage 0: DeepSpeed runs without ZeRO there and reports no pre-clip gradient norm .* "
-                        r"use --zero_stage 1"),
     ({"bf16_master_weights": True, "precision": "fp32"},
-     r"--bf16_master_weights is a bf16 setting but --precision is fp32: pass --precision bf16 with it"),
-    ({"bf16_master_weights": True}, r"--bf16_master_weights is a bf16 setting but --precision is auto"),
+     r"--bf16_master_weights asks for the bf16_pure policy \(bf16 parameters, gradients, master weights and Adam "
+     r"state\) but --precision is fp32: pass --precision bf16_pure"),
+    ({"bf16_master_weights": True, "precision": "bf16_params"},
+     r"--bf16_master_weights asks for the bf16_pure policy .* but --precision is bf16_params"),
     ({"bf16_master_weights": True, "precision": "bf16", "offload_optimizer": "cpu"},
-     r"--bf16_master_weights with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights in host memory only "
+     r"the bf16_pure policy with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights in host memory only "
      r"with its DeepSpeedCPUAdam, not the shared torch AdamW: drop one of the two"),
+    ({"precision": "bf16", "reduce_dtype": "bf16"},
+     r"--reduce_dtype bf16 in the bf16 \(autocast\) policy: DeepSpeed's torch_autocast reduces only its "
+     r"lower_precision_safe_modules' gradients in bf16"),
     ({"offload_param": "cpu"}, r"--offload_param cpu needs --zero_stage 3 .* pass --zero_stage 3, or use "
                                r"--offload_optimizer cpu"),
 ]
@@ -173,8 +176,13 @@ def test_resolve_rejects(tmp_path, tiny_weights, over, message):
 
 
 def test_good_input_resolves(tmp_path, tiny_weights):
+    """--bf16_master_weights, from before the policies, names bf16_pure, one of the bf16 policies: with --autocast (bf16)
+    it is that policy; alone too."""
     cfg = resolve("deepspeed", tp_flags(tmp_path, tiny_weights, zero_stage=3, bf16_master_weights=True, autocast=True))
-    assert (cfg.tp_size, cfg.dp_size, cfg.precision) == (2, 2, "bf16")
+    assert (cfg.tp_size, cfg.dp_size, cfg.precision, cfg.reduce_dtype) == (2, 2, "bf16_pure", "bf16")
+    assert resolve("deepspeed", tp_flags(tmp_path, tiny_weights, bf16_master_weights=True)).precision == "bf16_pure"
+    zero0 = resolve("deepspeed", tp_flags(tmp_path, tiny_weights, zero_stage=0, precision="fp32"))
+    assert zero0.options["zero_stage"] == 0  # runs: the harness takes the pre-clip norm where DeepSpeed reports none
     assert cfg.options == {"zero_stage": 3, "bf16_master_weights": True, "offload_optimizer": "none",
                            "offload_param": "none", "reduce_bucket_size": 500_000_000, "deepspeed_config": None}
     assert cfg.experiment_name == "deepspeed_tp2_dp2"
@@ -185,10 +193,10 @@ def test_good_input_resolves(tmp_path, tiny_weights):
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "train_deepspeed.py"),
-                           *to_argv(tp_flags(tmp_path, tiny_weights, zero_stage=0))],
+                           *to_argv(tp_flags(tmp_path, tiny_weights, offload_param="cpu"))],
                           capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""},
                           timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
-    assert proc.stderr.startswith("error: --zero_stage 0: DeepSpeed runs without ZeRO there")
+    assert proc.stderr.startswith("error: --offload_param cpu needs --zero_stage 3")
     assert "Traceback" not in proc.stderr + proc.stdout and not (tmp_path / "loss" / "loss_deepspeed.json").exists()

@@ -70,13 +70,17 @@ def test_tp2_dp1_clipped_across_meshes_matches_ddp(tp2_dp1_clipped, ddp_clipped)
     assert_fp32_parity(tp2_dp1_clipped, ddp_clipped)
 
 
-@pytest.mark.parametrize("mode", ["autocast", "policy"])
-def test_bf16_matches_ddp_bf16(bf16_runs, ddp_baseline_bf16, ddp_baseline, mode):
+@pytest.mark.parametrize("mode,precision", [("autocast", "bf16"), ("policy", "bf16_params")])
+def test_bf16_matches_ddp_in_its_policy(bf16_runs, shared_runs, ddp_baseline, mode, precision):
+    """--mixed_precision autocast is the bf16 policy, policy is bf16_params reducing in fp32: each against DDP in the
+    same policy."""
     run = bf16_runs[mode]
-    assert run["config"]["precision"] == "bf16"
+    assert (run["config"]["precision"], run["config"]["reduce_dtype"]) == (precision, "fp32")
     assert run["config"]["options"] == {"mixed_precision": mode, "offload": "none", "param_dtype": None,
-                                        "reduce_dtype": None, "tp_plan": "default"}
-    assert_bf16_parity(run, ddp_baseline_bf16, ddp_baseline)
+                                        "tp_plan": "default"}
+    baseline = shared_runs["ddp_bf16" if mode == "autocast" else "ddp_bf16_params_fp32_reduce"]
+    assert (baseline["config"]["precision"], baseline["config"]["reduce_dtype"]) == (precision, "fp32")
+    assert_bf16_parity(run, baseline, ddp_baseline)
 
 
 def test_hf_checkpoint_reproduces_the_final_loss(tp2_dp2):
@@ -187,8 +191,13 @@ def test_sequence_parallel_checkpoint_resumes_to_the_same_bits(tiny_weights, tmp
 
 BAD = TP_LAYOUT_ERRORS + [
     ({"mixed_precision": "policy", "precision": "fp32"},
-     r"--mixed_precision policy is a bf16 mode but --precision is fp32: add --precision bf16 \(or --autocast\)"),
-    ({"mixed_precision": "policy"}, r"--mixed_precision policy is a bf16 mode but --precision is auto"),
+     r"--mixed_precision policy asks for the bf16_params policy \(.*\) but --precision is fp32: pass --precision "
+     r"bf16_params"),
+    ({"mixed_precision": "autocast", "param_dtype": "bf16"},
+     r"--mixed_precision autocast with --param_dtype bf16: the two name different policies"),
+    ({"mixed_precision": "autocast", "precision": "bf16_params"},
+     r"--mixed_precision autocast is the bf16 policy \(autocast over fp32 parameters\) but --precision is bf16_params: "
+     r"drop --mixed_precision"),
 ]
 
 
@@ -199,14 +208,18 @@ def test_resolve_rejects(tmp_path, tiny_weights, over, message):
 
 
 def test_good_input_resolves(tmp_path, tiny_weights):
+    """--mixed_precision policy, from before the policies: bf16_params reducing in fp32, as it always did (alone, or
+    refining --autocast / --precision bf16); --reduce_dtype bf16 with it still reduces in bf16."""
     cfg = resolve("fsdp", tp_flags(tmp_path, tiny_weights, mixed_precision="policy", autocast=True))
-    assert (cfg.tp_size, cfg.dp_size, cfg.precision, cfg.options) == (2, 2, "bf16", {
-        "mixed_precision": "policy", "offload": "none", "param_dtype": None, "reduce_dtype": None,
-        "tp_plan": "default"})
+    assert (cfg.tp_size, cfg.dp_size, cfg.precision, cfg.reduce_dtype, cfg.grad_accum_dtype, cfg.options) == (
+        2, 2, "bf16_params", "fp32", "fp32", {"mixed_precision": "policy", "offload": "none", "param_dtype": None,
+                                              "tp_plan": "default"})
     assert cfg.experiment_name == "fsdp_tp2_dp2"
+    alone = resolve("fsdp", tp_flags(tmp_path, tiny_weights, mixed_precision="policy", reduce_dtype="bf16"))
+    assert (alone.precision, alone.reduce_dtype) == ("bf16_params", "bf16")
     default = resolve("fsdp", tp_flags(tmp_path, tiny_weights))
-    assert default.options == {"mixed_precision": "autocast", "offload": "none", "param_dtype": None,
-                               "reduce_dtype": None, "tp_plan": "default"}
+    assert default.options == {"mixed_precision": None, "offload": "none", "param_dtype": None, "tp_plan": "default"}
+    assert (default.precision, default.reduce_dtype) == ("fp32", "fp32")
 
 
 def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):
@@ -215,5 +228,7 @@ def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):
                           capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""},
                           timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: --mixed_precision policy is a bf16 mode but --precision is "
-                                                "fp32: add --precision bf16 (or --autocast)"]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --mixed_precision policy asks for the bf16_params policy (bf16 parameters and gradients, fp32 master "
+        "weights and Adam state) but --precision is fp32: pass --precision bf16_params (or drop --precision), or change "
+        "the setting"]

@@ -183,8 +183,9 @@ def test_a_user_deepspeed_config_that_contradicts_a_flag_is_refused(tiny_weights
              ({"zero_optimization": {"stage": 3}}, {}, "zero_optimization.stage 3 contradicts --zero_stage (1 for this "
                                                      "run)"),
              ({"optimizer": {"type": "Adam"}}, {}, "sets \"optimizer\": the run's comes from the shared torch AdamW"),
-             ({"bf16": {"enabled": True}}, {}, "bf16.enabled true contradicts --precision / --bf16_master_weights "
-                                              "(false for this run)")]
+             ({"bf16": {"enabled": True}}, {}, "asks for the bf16_params policy (bf16 parameters and gradients, fp32 "
+                                              "master weights and Adam state) but --precision is fp32: pass --precision "
+                                              "bf16_params")]
     for config, flags, message in cases:
         path = tmp_path / "ds.json"
         path.write_text(json.dumps(config))

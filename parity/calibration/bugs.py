@@ -224,9 +224,10 @@ CATALOGUE = (
     SeededBug("deepspeed: lr x 1.05", "deepspeed", DeepSpeedLearningRateOff),
     SeededBug("deepspeed: clipping skipped", "deepspeed", DeepSpeedClippingSkipped),
     SeededBug("deepspeed: warm-up ignored", "deepspeed", DeepSpeedWarmupIgnored),
-    SeededBug("deepspeed: bf16 master weights", "deepspeed", None, {"bf16_master_weights": True}, ("bf16",)),
     SeededBug("ddp: tied embedding gradient unreduced", "ddp", DDPTiedEmbeddingUnreduced),
 )
+"""(DeepSpeed with bf16 master weights, once an entry here, is another precision policy — bf16_pure — and is reported
+as a policy difference against an autocast baseline, not judged: docs/precision.md.)"""
 
 
 # --- Pipeline (torch.distributed.pipelining) ----------------------------------------------------------
@@ -364,3 +365,95 @@ class DeepSpeedClippedWithRankLocalNorm(DeepSpeedStrategy):
             return clip(grad_groups_flat, local.to(total_norm.device) if torch.is_tensor(total_norm) else float(local))
 
         zero.unscale_and_clip_grads = clip_by_local_norm
+
+
+# --- Precision policies (parity/training/precision.py): the master copy, the accumulation, fp16's scaler --------------
+# Copies of DDP, whose shared PolicyOptimizer is what a strategy of plain tensors uses; each bug is one real
+# implementations had. tests/test_precision.py runs them against DDP in the same policy.
+
+from parity.training.precision import OptimizerStep, PolicyOptimizer  # noqa: E402
+
+
+class DDPLastMicroBatchUnreduced(DDPStrategy):
+    """Micro-batches accumulated in fp32 master gradients, the last one's gradient never averaged over DP: it is added
+    to the accumulator after the reduction, so it counts with this rank's own gradient only (DeepSpeed 0.18.6–0.18.10's
+    BF16 optimizer under ZeRO-1, deepspeedai/DeepSpeed#7985: allreduce_gradients ran before backward_epilogue)."""
+
+    name = "ddp_last_micro_batch_unreduced"
+
+    def accumulating(self, last: bool):
+        return self.model.no_sync() if last else super().accumulating(last)
+
+
+class KeptLowPrecisionGradients(PolicyOptimizer):
+    """Drops the master gradients after a step but not the low-precision parameters' own: the next backward adds into
+    them (DeepSpeed 0.17.6–0.18.5 with ZeRO-0, bf16 and a torch optimizer, deepspeedai/DeepSpeed#7837)."""
+
+    def zero_grad(self) -> None:
+        for m in self.masters or []:
+            m.grad = None
+
+
+class DDPGradientsNotZeroed(DDPStrategy):
+    """Gradients not zeroed between steps: each step's gradient holds every earlier step's too."""
+
+    name = "ddp_gradients_not_zeroed"
+    policy_optimizer = KeptLowPrecisionGradients
+
+
+class ClippedScaled(PolicyOptimizer):
+    """fp16's loss scale removed after clipping instead of before: the clip coefficient is computed from the scaled
+    gradients' norm (scale × the true norm), so every step clips by 1/scale too much — the recorded norm is the true
+    one (unscaled by the scale, as the code meant)."""
+
+    def step(self, lr, norm_of):
+        from parity.training.strategy import clip_coefficient, set_lr
+
+        scale = self.loss_scale
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.grad.float()
+        grads = [m.grad for m in self.masters]
+        if self.scaler.unscale_or_skip([g.clone() for g in grads], grads[0].device):
+            self.zero_grad()
+            return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
+        scaled_norm = norm_of(grads)
+        torch._foreach_mul_(grads, clip_coefficient(scaled_norm, self.cfg) / scale)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters):
+            p.data.copy_(m)
+        self.zero_grad()
+        return OptimizerStep(scaled_norm / scale, loss_scale=scale)
+
+
+class DDPLossScaleKeptForClipping(DDPStrategy):
+    """fp16: the loss scale removed after clipping (ClippedScaled)."""
+
+    name = "ddp_loss_scale_kept_for_clipping"
+    policy_optimizer = ClippedScaled
+
+
+class AppliedOverflow(PolicyOptimizer):
+    """fp16: an overflowing step's scale is lowered, and the step applied anyway with its non-finite gradients: the
+    weights become NaN, and the record says the step was applied."""
+
+    def step(self, lr, norm_of):
+        scaler, self.scaler = self.scaler, None  # step as if no scaler: unscaled by hand, never skipped
+        scale = scaler.scale
+        try:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(scale)
+            done = super().step(lr, norm_of)
+        finally:
+            self.scaler = scaler
+        grads_finite = all(bool(torch.isfinite(p).all()) for p in self.master_parameters())
+        scaler.update(not grads_finite)
+        return OptimizerStep(done.norm, loss_scale=scale)
+
+
+class DDPOverflowApplied(DDPStrategy):
+    """fp16: an overflow step applied instead of skipped (AppliedOverflow)."""
+
+    name = "ddp_overflow_applied"
+    policy_optimizer = AppliedOverflow

@@ -8,7 +8,10 @@ Per (shape, kernel path, seed) it trains, in local gloo groups (parity.training.
                  DP=4 × 1 (the layout twins), and each TP strategy again at TP=2 × DP=1 × 4 (its TP twin),
   clean runs     DeepSpeed TP=2 × DP=2, FSDP TP=2 × DP=2 with autocast and with the MixedPrecisionPolicy,
 and per (kernel path, bug seed) every entry of the seeded-bug catalogue (parity.calibration.bugs), in bf16
-and, where the bug exists there, in fp32 (judged by the fixed fp32 table). Every run writes its loss record
+and, where the bug exists there, in fp32 (judged by the fixed fp32 table). With other precision policies
+(--policies: bf16_params, bf16_pure, fp16) each seed also gets a folder per policy with DDP's baseline and its
+references in that policy (the fp32 twin in fp32) and the policy's clean runs (POLICY_CLEAN_RUNS): their false-alarm
+rate under the constants the bf16 study chose (docs/tolerances.md). Every run writes its loss record
 into a folder of its own; a record that is already complete is not trained again, so a study that stopped
 continues where it was. Then each clean and buggy run is measured against each candidate reference:
 deviation ÷ noise per curve (its worst step) and the drift statistic — with the comparing package's own
@@ -43,7 +46,7 @@ SHAPES = {
 }
 KERNELS = ("default", "avx512_core_bf16", "avx2")
 
-BASELINE = "ddp_bf16"
+BASELINE = "ddp_bf16"  # the baseline's run id in the bf16 policy; in another, ddp_<policy> (baseline_id)
 REFERENCE_RUNS = {  # run id → (strategy, layout and precision)
     "ddp_bf16": ("ddp", {"precision": "bf16", "num_workers": 2, "batch_size": 2}),
     "ddp_fp32": ("ddp", {"precision": "fp32", "num_workers": 2, "batch_size": 2}),
@@ -55,6 +58,35 @@ CLEAN_RUNS = {  # run id → (strategy, flags); each has a TP twin "<id>_tp_twin
     "fsdp_autocast": ("fsdp", {"tp_size": 2, "mixed_precision": "autocast"}),
     "fsdp_policy": ("fsdp", {"tp_size": 2, "mixed_precision": "policy"}),
 }
+# The clean runs of each other precision policy, against DDP in that policy with the chosen references (twins + fp32
+# twin): TP=2 × DP=2. DeepSpeed at ZeRO-1 and ZeRO-2 (its ZeRO-0 in bf16_params FAILs, tests/test_precision.py says
+# why), FSDP2 + TP; fp16 without DeepSpeed, which refuses fp16 on a CPU without fp16 kernels.
+POLICY_CLEAN_RUNS = {
+    "bf16_params": {"deepspeed_zero1": ("deepspeed", {"tp_size": 2, "zero_stage": 1}),
+                    "deepspeed_zero2": ("deepspeed", {"tp_size": 2, "zero_stage": 2}),
+                    "fsdp": ("fsdp", {"tp_size": 2})},
+    "bf16_pure": {"deepspeed": ("deepspeed", {"tp_size": 2}), "fsdp": ("fsdp", {"tp_size": 2})},
+    "fp16": {"fsdp": ("fsdp", {"tp_size": 2})},
+}
+POLICIES = ("bf16", *POLICY_CLEAN_RUNS)
+
+
+def baseline_id(policy: str) -> str:
+    return f"ddp_{policy}"
+
+
+def clean_runs(policy: str) -> dict:
+    return CLEAN_RUNS if policy == "bf16" else POLICY_CLEAN_RUNS[policy]
+
+
+def chosen_reference(policy: str) -> str:
+    """The verdict's references in a policy (CANDIDATES' name): the twins and the fp32 twin where the master weights
+    are fp32, the twins alone in bf16_pure (parity.training.precision.Policy.fp32_twin_measures_noise)."""
+    from parity.training.precision import POLICIES
+
+    return "twins+fp32" if POLICIES[policy].fp32_twin_measures_noise else "twins"
+
+
 CANDIDATES = {  # a noise reference: which runs measure the noise (a callable of the run measured gives a TP twin)
     "twins": ("twin_dp1", "twin_dp4"),
     "fp32": ("ddp_fp32",),
@@ -73,17 +105,30 @@ class Planned:
     run: str  # its id within the seed's folder
     strategy: str
     values: dict = field(default_factory=dict)
+    policy: str = "bf16"  # the precision policy of the seed's folder
 
     @property
     def folder(self) -> str:
-        return os.path.join(self.shape, self.kernel, f"seed{self.seed}", self.run)
+        policy = () if self.policy == "bf16" else (self.policy,)
+        return os.path.join(self.shape, self.kernel, *policy, f"seed{self.seed}", self.run)
 
 
-def plan_study(shapes, kernels, seeds, bug_seeds, bugs: tuple[SeededBug, ...] = CATALOGUE) -> list[Planned]:
+def plan_study(shapes, kernels, seeds, bug_seeds, bugs: tuple[SeededBug, ...] = CATALOGUE,
+               policies=("bf16",)) -> list[Planned]:
     """Every run of the study, in no particular order. A bug seed is one of the seeds: its folder holds the
-    baseline and the references the bug is judged against."""
+    baseline and the references the bug is judged against. `policies` other than bf16: their clean runs at every
+    seed, beside DDP's baseline and references in the policy (no catalogue: it is bf16's)."""
     assert set(bug_seeds) <= set(seeds), "bug seeds are a subset of the seeds"
     planned = []
+    for shape, kernel, policy, seed in itertools.product(shapes, kernels, [p for p in policies if p != "bf16"], seeds):
+        runs = {baseline_id(policy) if run == BASELINE else run: (strategy, {
+            **flags, "precision": "fp32" if flags["precision"] == "fp32" else policy})
+            for run, (strategy, flags) in REFERENCE_RUNS.items()}
+        for run, (strategy, flags) in POLICY_CLEAN_RUNS[policy].items():
+            runs[run] = (strategy, {"precision": policy, "num_workers": 4, "batch_size": 2, **flags})
+        planned += [Planned(shape, kernel, seed, run, s, v, policy) for run, (s, v) in runs.items()]
+    if "bf16" not in policies:
+        return planned
     for shape, kernel in itertools.product(shapes, kernels):
         for seed in seeds:
             runs = {**REFERENCE_RUNS}
@@ -192,13 +237,13 @@ def analyze(out: str, planned: list[Planned]) -> dict:
     rows = {"clean": [], "bugs": [], "fp32_bugs": []}
     for p in planned:
         seed_folder = os.path.dirname(p.folder)
-        base = series.get(os.path.join(seed_folder, BASELINE))
+        base = series.get(os.path.join(seed_folder, baseline_id(p.policy)))
         mine = series.get(p.folder)
         if base is None or mine is None:
             continue
-        where = {"shape": p.shape, "kernel": p.kernel, "seed": p.seed, "run": p.run}
-        if p.run in CLEAN_RUNS or (p.run.startswith("bug_") and p.run.endswith("_bf16")):
-            kind = "clean" if p.run in CLEAN_RUNS else "bugs"
+        where = {"shape": p.shape, "kernel": p.kernel, "seed": p.seed, "run": p.run, "policy": p.policy}
+        if p.run in clean_runs(p.policy) or (p.run.startswith("bug_") and p.run.endswith("_bf16")):
+            kind = "clean" if p.run in clean_runs(p.policy) else "bugs"
             measured = {}
             for candidate, refs in CANDIDATES.items():
                 ids = (f"{p.run}_tp_twin",) if refs == "tp_twin" else refs  # a strategy's own twin, bugs included
@@ -229,12 +274,13 @@ def measure(run: dict, base: dict, references: list[dict]) -> dict:
             "fails": max(ratios.values()) > NOISE_K or max(drifts.values()) > DRIFT_K}
 
 
-def summarize(rows: dict, noise_k: float = NOISE_K, drift_k: float = DRIFT_K) -> dict:
+def summarize(rows: dict, noise_k: float = NOISE_K, drift_k: float = DRIFT_K, policy: str = "bf16") -> dict:
     """Per candidate: the worst clean run, the weakest detection per bug class, and the false-alarm and
-    detection rates under (noise_k, drift_k)."""
+    detection rates under (noise_k, drift_k), over the clean runs of one precision `policy`."""
     out = {}
     for candidate in CANDIDATES:
-        clean = [(r, r["measured"][candidate]) for r in rows["clean"] if candidate in r["measured"]]
+        clean = [(r, r["measured"][candidate]) for r in rows["clean"]
+                 if candidate in r["measured"] and r.get("policy", "bf16") == policy]
         bugs = [(r, r["measured"][candidate]) for r in rows["bugs"] if candidate in r["measured"]]
         if not clean:
             continue
@@ -260,20 +306,23 @@ def summarize(rows: dict, noise_k: float = NOISE_K, drift_k: float = DRIFT_K) ->
     return out
 
 
-def write_outputs(out: str, rows: dict, summary: dict, wall_s: float, settings: dict) -> list[str]:
-    """calibration_study.json (every row), calibration_study.md (the tables) and calibration_study.png."""
+def write_outputs(out: str, rows: dict, summary: dict, wall_s: float, settings: dict,
+                  by_policy: dict | None = None) -> list[str]:
+    """calibration_study.json (every row), calibration_study.md (the tables) and calibration_study.png.
+    `by_policy`: the other precision policies' summaries under the chosen reference (twins + fp32 twin)."""
     json_path = os.path.join(out, "calibration_study.json")
     md_path = os.path.join(out, "calibration_study.md")
     png_path = os.path.join(out, "calibration_study.png")
     storage.write_json_atomic(json_path, {"settings": settings, "constants": {"NOISE_K": NOISE_K, "DRIFT_K": DRIFT_K},
-                                          "wall_s": wall_s, "summary": summary, "rows": rows})
-    storage.write_text_atomic(md_path, markdown(rows, summary, wall_s, settings))
+                                          "wall_s": wall_s, "summary": summary, "by_policy": by_policy or {},
+                                          "rows": rows})
+    storage.write_text_atomic(md_path, markdown(rows, summary, wall_s, settings, by_policy or {}))
     from parity.comparing.figures import save_figure
     save_figure(study_figure(rows), png_path)
     return [json_path, md_path, png_path]
 
 
-def markdown(rows: dict, summary: dict, wall_s: float, settings: dict) -> str:
+def markdown(rows: dict, summary: dict, wall_s: float, settings: dict, by_policy: dict | None = None) -> str:
     lines = ["# Calibration study", "", f"Settings: `{json.dumps(settings)}`; wall time {wall_s / 60:.1f} min.", "",
              f"Verdict constants: NOISE_K = {NOISE_K}, DRIFT_K = {DRIFT_K}.", "", "## Candidate references", "",
              "| reference | clean runs | false alarms | clean max deviation ÷ noise | clean max drift | bug runs (bf16) "
@@ -287,7 +336,7 @@ def markdown(rows: dict, summary: dict, wall_s: float, settings: dict) -> str:
                   "|---|---|---|---|---|---|"]
         groups: dict = {}
         for r in rows["clean"]:
-            if candidate in r["measured"]:
+            if candidate in r["measured"] and r.get("policy", "bf16") == "bf16":
                 groups.setdefault((r["shape"], r["kernel"], r["run"]), []).append(r["measured"][candidate])
         for (shape, kernel, run), ms in sorted(groups.items()):
             worst = max(ms, key=lambda m: max(m["ratio"].values()))
@@ -298,6 +347,21 @@ def markdown(rows: dict, summary: dict, wall_s: float, settings: dict) -> str:
                   "|---|---|---|---|"]
         for name, w in summary[candidate]["weakest_per_bug"].items():
             lines.append(f"| {name} | {w['max_ratio']:.1f} | {w['max_drift']:.1f} | {'yes' if w['caught'] else 'NO'} |")
+        lines.append("")
+    if by_policy:
+        lines += ["## Other precision policies: clean runs against DDP in the policy (the verdict's references)", "",
+                  "| policy | references | run | kernel | runs | false alarms | max deviation ÷ noise | max drift |",
+                  "|---|---|---|---|---|---|---|---|"]
+        groups = {}
+        for r in rows["clean"]:
+            policy = r.get("policy", "bf16")
+            if policy in by_policy and chosen_reference(policy) in r["measured"]:
+                groups.setdefault((policy, r["run"], r["kernel"]), []).append(r["measured"][chosen_reference(policy)])
+        for (policy, run, kernel), ms in sorted(groups.items()):
+            fails = sum(max(max(m["ratio"].values()) / NOISE_K, max(m["drift"].values()) / DRIFT_K) > 1 for m in ms)
+            lines.append(f"| {policy} | {chosen_reference(policy)} | {run} | {kernel} | {len(ms)} | {fails} | "
+                         f"{max(max(m['ratio'].values()) for m in ms):.1f} | "
+                         f"{max(max(m['drift'].values()) for m in ms):.1f} |")
         lines.append("")
     if rows["fp32_bugs"]:
         lines += ["## Bugs in fp32 (the fixed 1e-5 table)", "", "| bug | runs | caught | latest first FAIL step |",

@@ -25,7 +25,7 @@ def seed_list(text: str) -> list[int]:
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    from parity.calibration.study import KERNELS, SHAPES
+    from parity.calibration.study import KERNELS, POLICIES, SHAPES
     from parity.training.local_group import KERNEL_PATHS
 
     p = OneLineParser(description)
@@ -37,16 +37,20 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help=f"CPU kernel paths, comma-separated: {', '.join(KERNEL_PATHS)}")
     p.add_argument("--shapes", default="tiny", help=f"model shapes, comma-separated: {', '.join(SHAPES)} "
                                                     f"(wide: the clean part only)")
+    p.add_argument("--policies", default="bf16", help=f"precision policies, comma-separated: {', '.join(POLICIES)} "
+                                                      f"(bf16: the study; the others: their clean runs at every seed)")
     p.add_argument("--analyze_only", action="store_true", help="measure the runs already in the folder")
     return p
 
 
 def study(args) -> int:
-    from parity.calibration.study import SHAPES, analyze, plan_study, run_study, summarize, write_outputs
+    from parity.calibration.study import (CATALOGUE, POLICIES, SHAPES, analyze, chosen_reference, plan_study,
+                                          run_study, summarize, write_outputs)
     from parity.training.local_group import KERNEL_PATHS
 
-    kernels, shapes = args.kernels.split(","), args.shapes.split(",")
-    for name, given, known in (("--kernels", kernels, KERNEL_PATHS), ("--shapes", shapes, SHAPES)):
+    kernels, shapes, policies = args.kernels.split(","), args.shapes.split(","), args.policies.split(",")
+    for name, given, known in (("--kernels", kernels, KERNEL_PATHS), ("--shapes", shapes, SHAPES),
+                               ("--policies", policies, POLICIES)):
         unknown = [k for k in given if k not in known]
         if unknown:
             raise ConfigError(f"{name} {unknown[0]}: use one of {', '.join(known)}")
@@ -54,13 +58,19 @@ def study(args) -> int:
         raise ConfigError("--bug_seeds must be among --seeds: a bug is judged against its seed's baseline")
     out = os.path.abspath(args.output_dir)
     os.makedirs(out, exist_ok=True)
-    planned = plan_study(shapes, kernels, args.seeds, args.bug_seeds)
+    planned = plan_study(shapes, kernels, args.seeds, args.bug_seeds, CATALOGUE, policies)
     wall = 0.0 if args.analyze_only else run_study(out, planned)
     rows = analyze(out, planned)
     summary = summarize(rows)
-    settings = {"seeds": args.seeds, "bug_seeds": args.bug_seeds, "kernels": kernels, "shapes": shapes}
-    for path in write_outputs(out, rows, summary, wall, settings):
+    by_policy = {p: summarize(rows, policy=p).get(chosen_reference(p)) for p in policies if p != "bf16"}
+    settings = {"seeds": args.seeds, "bug_seeds": args.bug_seeds, "kernels": kernels, "shapes": shapes,
+                "policies": policies}
+    for path in write_outputs(out, rows, summary, wall, settings, by_policy):
         print(f"wrote {path}")
+    for policy, s in by_policy.items():
+        if s:
+            print(f"{policy:11s} clean runs {s['clean_runs']}, false alarms {s['false_alarms']} (max deviation ÷ noise "
+                  f"{s['clean_max_ratio']:.1f}, drift {s['clean_max_drift']:.1f}; worst {s['worst_clean']})")
     for candidate, s in summary.items():
         print(f"{candidate:11s} clean runs {s['clean_runs']}, false alarms {s['false_alarms']} (max deviation ÷ noise "
               f"{s['clean_max_ratio']:.1f}, drift {s['clean_max_drift']:.1f}); bug runs {s['bug_runs']}, missed "

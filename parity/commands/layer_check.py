@@ -59,7 +59,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=non_negative_float, default=None, help="override the relative tolerance")
     p.add_argument("--noise_reference", choices=("auto", "on", "off"), default="auto",
                    help="also run DDP's step in fp32 (noise_reference_ddp.*), against which bf16 tolerances are "
-                        "calibrated per tensor; auto: when the step is bf16")
+                        "calibrated per tensor; auto: when the step is in a low-precision policy")
     add_strategy_options(p, [strategy_class(name) for name in KNOWN], given_only=True)
     return p
 
@@ -114,9 +114,10 @@ def check_layers(args: argparse.Namespace) -> int:
             raise ConfigError(f"--perturb {strategy}:{name}: the model has no parameter {name} (e.g. {example})")
     runs = [(cfgs[s], perturb.get(s)) for s in strategies]
     if "ddp" in cfgs and (args.noise_reference == "on" or
-                          (args.noise_reference == "auto" and cfgs["ddp"].precision == "bf16")):
+                          (args.noise_reference == "auto" and cfgs["ddp"].precision != "fp32")):
         reference = {**_run_values(args, "ddp", out, cluster.gpus, {}, replay), "precision": "fp32",
-                     "noise_reference": True, "experiment_name": "layer_check_ddp_noise_reference"}
+                     "reduce_dtype": None, "grad_accum_dtype": None, "noise_reference": True,
+                     "experiment_name": "layer_check_ddp_noise_reference"}
         runs.insert(1, (resolve("ddp", reference, cluster=cluster, weights_written_before_launch=fresh), None))
     if fresh and replay:  # the folder's shared weights and inputs, written once, on the driver
         write_folder(replay, out, weights, inputs, training_data(first))
@@ -192,7 +193,7 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
         if batch * dp != replay.global_batch_size:
             raise ConfigError(f"--dp_size {dp} × --batch_size {batch} is not the run's global batch "
                               f"({replay.global_batch_size}): a replay keeps it")
-        values = {k: replay.config[k] for k in KEPT}
+        values = {k: replay.config.get(k) for k in KEPT}
     else:
         dp, batch = _given(args.dp_size, 1), _given(args.batch_size, 2)
         on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= pp * tp * dp)

@@ -11,6 +11,7 @@ Every setting is an environment variable or the flag --lower_case_name value (fl
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -37,13 +38,16 @@ SETTINGS = (
     ("LOG_INTERVAL", int, 10, "log / record rewrite interval"),
     ("TP_SIZE", int, 2, "TP size of DeepSpeed and FSDP"),
     ("DP_SIZE", int, 2, "DP size of all three"),
-    ("PRECISION", str, "auto", "fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU)"),
+    ("PRECISION", str, "auto", "the precision policy of every run, DDP's included: fp32 | bf16 | bf16_params | "
+                               "bf16_pure | fp16 | auto (bf16 on GPU, fp32 on CPU; or what a strategy's own settings ask for, e.g. "
+                               "a --deepspeed_config with bf16 enabled: docs/precision.md)"),
     ("DEVICE", str, "auto", "auto | cpu | cuda (auto: cuda with >= TP_SIZE*DP_SIZE GPUs)"),
     ("STRATEGIES", str, " ".join(NAMES), "which runs, in order; ddp first (it writes the weights, it is the baseline); "
                                          "pipeline runs TP_SIZE stages × DP_SIZE; module:Class runs your own Strategy "
                                          "subclass at TP_SIZE × DP_SIZE"),
     ("TOLERANCE", float, None, "override the verdict's relative loss tolerance [calibrated, or from the precision]"),
-    ("NOISE_REFERENCE", str, "auto", "run DDP's twins to calibrate the verdict: on | off | auto (on in bf16)"),
+    ("NOISE_REFERENCE", str, "auto", "run DDP's twins to calibrate the verdict: on | off | auto (on in every policy "
+                                     "but fp32)"),
     ("PYTHON", str, None, "the interpreter to run under [python3]"),
     ("REPORT_TO", str, "none", "experiment trackers of every run and of the comparison: wandb mlflow tensorboard "
                               "(space-separated) or none; one group (W&B) / experiment (MLflow) holds the job's runs"),
@@ -68,7 +72,7 @@ def run_main_job(args) -> int:
     import ray
 
     from parity.commands.compare_curves import compare_and_report
-    from parity.comparing.curve_report import REPORT_NAME
+    from parity.comparing.curve_report import JSON_NAME, REPORT_NAME
     from parity.training.cluster import ensure_ray, probe_cluster
     from parity.training.config import resolve
     from parity.training.data import training_data
@@ -120,8 +124,10 @@ def run_main_job(args) -> int:
     times.append(("comparison and figure", time.perf_counter() - t0))
     print(time_table(times, time.perf_counter() - job_started))
     report = storage.join(loss_dir, REPORT_NAME)
+    word = json.loads(storage.read_text(storage.join(loss_dir, JSON_NAME)))["verdict"] if verdict == 1 else None
     print({0: f"VERDICT: PASS — every strategy trains the same model as DDP within tolerance ({report})",
-           1: f"VERDICT: FAIL — see the first failing step above and {report}"}.get(
+           1: f"VERDICT: FAIL — see the first failing step above and {report}" if word == "FAIL" else
+           f"VERDICT: {word} — a run trained in another precision policy than DDP (see above and {report})"}.get(
         verdict, "VERDICT: no verdict — the runs could not be compared (see above)"),
         file=sys.stdout if verdict == 0 else sys.stderr)
     return verdict
@@ -169,16 +175,17 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
             raise ConfigError(f"--{name} must be a positive integer (got {getattr(args, name)})")
     world = args.tp_size * args.dp_size
     on_gpu = args.device == "cuda" or (args.device == "auto" and cluster.gpus >= world)
+    extra = extra_flags(args.extra_args, [s for s in strategies if ":" not in s])
+    policy = job_policy(args.precision, strategies, extra)
     common = {
         "model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
         "num_layers": args.num_layers, "batch_size": args.batch_size,
         "seq_length": args.seq_length or (1024 if on_gpu else 256), "debug_steps": args.debug_steps,
         "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "log_interval": args.log_interval,
-        "precision": args.precision, "device": args.device, "report_to": args.report_to,
+        "device": args.device, "report_to": args.report_to, **policy,
         "loss_output_dir": storage.join(out, "loss_curves"),
         "init_weights_path": storage.join(out, "shared_weights", "init_weights.pt"),
     }
-    extra = extra_flags(args.extra_args, [s for s in strategies if ":" not in s])
     plan = []
     for strategy in strategies:
         layout = ({"num_workers": args.dp_size, "dp_size": args.dp_size, "save_init_weights": True}
@@ -192,26 +199,50 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
             plan.append(("ddp", {**common, **layout, **run, "strategy_class": strategy}))
             continue
         plan.append((strategy, {**common, **layout, **flags_for(strategy, extra)}))
-        if strategy == "ddp" and wants_noise_reference(args, on_gpu):
+        if strategy == "ddp" and wants_noise_reference(args, policy["precision"], on_gpu):
             ddp = plan[0][1]
             # On GPUs a twin gets as many as the cluster has, or as the runs wait for (GPU nodes still to come).
             gpus = max(cluster.gpus, world) if on_gpu else None
             for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], gpus):
                 plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
                                      "save_init_weights": False, "noise_reference": True}))
-            # and in fp32 at its own layout: how far bf16 rounding itself moves the curves (docs/tolerances.md)
-            plan.append(("ddp", {**ddp, "precision": "fp32", "save_init_weights": False, "noise_reference": True}))
+            # and in fp32 at its own layout: how far the policy's rounding itself moves the curves (docs/tolerances.md)
+            plan.append(("ddp", {**ddp, **{k: None for k in policy}, "precision": "fp32", "save_init_weights": False,
+                                 "noise_reference": True}))
     for _, values in plan:  # the runs of one world size share a worker group and its folder
         values["storage_path"] = storage.join(out, "ray_checkpoints", f"{values['num_workers']}_workers")
     return plan
 
 
-def wants_noise_reference(args, on_gpu: bool) -> bool:
-    """NOISE_REFERENCE auto: calibrate in bf16 (the GPU default), where the fixed table is blind to real bugs: DDP
-    again at two other layouts (the twins) and in fp32 at its own."""
+def wants_noise_reference(args, precision: str, on_gpu: bool) -> bool:
+    """NOISE_REFERENCE auto: calibrate in every low-precision policy (bf16 is the GPU default), where the fixed table
+    is blind to real bugs: DDP again at two other layouts (the twins) and in fp32 at its own."""
     if args.noise_reference != "auto":
         return args.noise_reference == "on"
-    return args.precision == "bf16" or (args.precision == "auto" and on_gpu)
+    return precision != "fp32" and (precision != "auto" or on_gpu)
+
+
+def job_policy(precision: str, strategies: list[str], extra: dict) -> dict:
+    """The precision policy every run of the job trains in — DDP, its noise references and the strategies — as flags:
+    PRECISION (or --precision / --autocast in EXTRA_ARGS) with the policy flags of EXTRA_ARGS, and what a strategy's
+    own settings ask for (a --deepspeed_config's bf16 or fp16 section: Strategy.precision_request), merged as `resolve`
+    merges them for one run. So a config alone picks the policy, and the baseline is always DDP in the strategies'
+    policy. The policy flags leave `extra` (in place)."""
+    from parity.registry import flags_for, strategy_class
+    from parity.training.config import POLICY_FLAGS, precision_flags
+    from parity.training.precision import resolve_policy
+
+    given = extra.pop("precision", "auto")
+    if "auto" not in (precision, given) and given != precision:
+        raise ConfigError(f"PRECISION {precision} and EXTRA_ARGS --precision {given}: give the policy once")
+    s = {"precision": precision_flags(given if precision == "auto" else precision, extra.pop("autocast", False)),
+         **{k: extra.pop(k, None) for k in POLICY_FLAGS}}
+    for strategy in strategies:
+        cls = strategy_class("ddp", strategy) if ":" in strategy else strategy_class(strategy)
+        names = {o.name for o in cls.options}
+        options = cls.with_default_options({k: v for k, v in flags_for(strategy, extra).items() if k in names})
+        resolve_policy(s, cls.precision_request(options))
+    return s
 
 
 def twin_layouts(dp_size: int, batch_size: int, max_workers: int | None) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ from parity.comparing.curves import Comparison, CurveResult
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
 from parity.registry import label
+from parity.training.precision import describe
 
 JSON_NAME, REPORT_NAME = "curve_comparison.json", "curve_report.md"
 
@@ -46,12 +47,28 @@ def statistics_text(c: Comparison) -> str:
                                                     ("Final diff", d.final)]), ""]
     base = _baseline_name(c)
     lines += ["=" * RULE, f"VERDICT (every step, each curve: |x - {base}| <= bound * |{base}|)", "=" * RULE, "",
-              calibration_line(c), f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
+              policy_line(c), calibration_line(c), *([policy_distance_line(c)] if c.policy_distance else []),
+              f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
     for r in c.results:
         lines += [f"{r.run.label}: {r.verdict.word}", *[f"  {line}" for line in verdict_details(c, r)]]
     lines += ["", "Fingerprints (shared code, strategy code, libraries, device):"]
     lines += [f"  {storage.name(run.file)}: {fingerprint.short(run.fingerprint)}" for run in [*c.runs, *c.references]]
     return "\n".join(lines)
+
+
+def policy_line(c: Comparison) -> str:
+    """Which precision policy each run used (docs/precision.md): one line when they share it."""
+    policies = {run.label: describe(run.config) for run in c.runs}
+    if len(set(policies.values())) == 1:
+        return f"Precision policy of every run: {next(iter(policies.values()))}."
+    return "Precision policies: " + "; ".join(f"{label}: {text}" for label, text in policies.items()) + "."
+
+
+def policy_distance_line(c: Comparison) -> str:
+    """How far the policy itself moves the baseline from its fp32 twin: the scale every deviation sits in."""
+    far = ", ".join(f"{NOUNS[q]} {x:.2e}" for q, x in c.policy_distance.items())
+    return (f"The policy itself ({c.baseline.precision}) moves {_baseline_name(c)} from its fp32 twin by (max relative "
+            f"over the steps): {far}.")
 
 
 def calibration_line(c: Comparison) -> str:
@@ -67,13 +84,21 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
     """What the verdict rests on: the headline numbers, and for a FAIL where and the first suspects."""
     v, f, base = r.verdict, r.verdict.first_outside, _baseline_name(c)
     worst = ", ".join(f"{NOUNS[q]} {x:.3e}" for q, x in v.max_rel_diff.items())
+    if v.policy_difference:
+        return [f"{base} ran {describe(c.baseline.config)}; {label(r.run.name)} ran {describe(r.run.config)}.",
+                f"A precision-policy difference, not a difference of the strategy ({'; '.join(v.policy_difference)}): "
+                f"not judged. To test the strategy, train {base} in {r.run.precision} too (train_ddp.py --precision "
+                f"{r.run.precision}, or the main job with PRECISION={r.run.precision}, which runs the baseline in the "
+                f"run's policy); {base} in each policy shows what the policy itself changes.",
+                f"for scale, max relative diff {worst}"]
     if r.noise_ratios:
         ratios = ", ".join(f"{NOUNS[q]} {x:.1f}" for q, x in r.noise_ratios.items())
         lines = [f"deviation ÷ noise {r.noise_ratio:.1f} ({ratios}); tolerance {NOISE_K} × noise, margin "
                  f"{NOISE_K / r.noise_ratio:.1f}×; max relative diff {worst}"]
         if r.fp32_distance_ratios:
             far = ", ".join(f"{NOUNS[q]} {x:.1f}×" for q, x in r.fp32_distance_ratios.items())
-            lines.append(f"how far bf16 moved it from the fp32 baseline, as a multiple of how far it moved {base}: {far}")
+            lines.append(f"how far {r.run.precision} moved it from the fp32 baseline, as a multiple of how far it moved "
+                         f"{base}: {far}")
     else:
         bounds = ", ".join(f"{b[0]:g} ({NOUNS[q]})" for q, b in r.bounds.per_step.items())
         lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"]
@@ -85,7 +110,11 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
     else:
         lines.append(replicas_line(r.run))
     if f is not None:
-        if f.test == "drift":
+        if f.test == "overflow":
+            did = lambda skipped: "skipped" if skipped else "applied"  # noqa: E731
+            lines.append(f"first step outside: step {f.step}: {label(r.run.name)} {did(f.value)} it and {base} "
+                         f"{did(f.reference)} it (an fp16 overflow): from there they train different models")
+        elif f.test == "drift":
             lines.append(f"drift: steps {f.step - DRIFT_WINDOW + 1}–{f.step}: {NOUNS[f.quantity]} keeps one sign, "
                          f"mean relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} ({DRIFT_K} × the window's noise)")
         else:
@@ -153,7 +182,8 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
     base = _baseline_name(c)
     out = [f"# Loss curve comparison against {base}", "",
            f"{c.num_steps} steps compared; baseline {c.baseline.label}. Overall: **{c.word}**.", "",
-           calibration_line(c), "", f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
+           policy_line(c), "", calibration_line(c), "", *([policy_distance_line(c), ""] if c.policy_distance else []),
+           f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
     out += [f"> {w}" for w in c.warnings] + ([""] if c.warnings else [])
     out += [f"![Loss curves]({figure_file})", "", "## Verdicts", "",
             "| run | verdict | deviation ÷ noise | max relative diff loss / grad norm / param norm | first outside |",
@@ -167,7 +197,9 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
     for r in c.results:
         if r.verdict.parting is not None:
             out += ["", f"{r.run.label}: {r.verdict.parting.line()}: its ranks no longer hold one model."]
-        if not r.verdict.passed:
+        if r.verdict.policy_difference:
+            out += ["", f"{r.run.label}: " + " ".join(verdict_details(c, r)[:2])]
+        elif not r.verdict.passed:
             out += ["", f"{r.run.label} differs from the baseline in: "
                     + ("; ".join(f"`{d}`" for d in r.config_differences) or "nothing recorded")]
             command = replay_command(c, r)

@@ -14,6 +14,12 @@ The verdict holds three curves at every step — loss, pre-clip grad norm, param
 noise_reference_*.json records are there), else the fixed table by precision (uncalibrated). Calibrated
 verdicts also run the drift test (parity.comparing.noise). A FAIL lists the config fields in which the run
 differs from the baseline: the first suspects.
+
+A strategy is judged against DDP in its own precision policy (parity.training.precision): a run in another policy
+than the baseline is reported as a POLICY DIFFERENCE — both policies named, the distance shown for scale — and not
+judged, because the difference would measure the policy, not the strategy. Under fp16 the steps an overflow skipped
+must be the baseline's: a run that applies a step the baseline skipped (or skips one it applied) trains another model
+from there, and FAILs at that step; at steps both skipped the grad norm (infinite) is not judged.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from parity.comparing import tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
 from parity.comparing.tolerances import NOISE_K, QUANTITIES
-from parity.comparing.verdict import Outside, Parting, Verdict, verdict_word
+from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
 from parity.errors import ConfigError, NotComparable
 from parity.registry import run_label
+from parity.training.precision import POLICIES, POLICY_FIELDS, describe
 from parity.training.record import REFERENCE_GLOB, load_record
 # Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
 OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
@@ -68,6 +75,15 @@ class Run:
     @property
     def precision(self) -> str:
         return self.config["precision"]
+
+    @property
+    def policy(self) -> dict:
+        """The run's precision policy and its refinements (parity.training.precision.POLICY_FIELDS)."""
+        return {k: self.config.get(k) for k in POLICY_FIELDS}
+
+    def skipped(self, num_steps: int) -> list[bool]:
+        """Per step: whether an fp16 overflow skipped it."""
+        return [bool(step.get("skipped")) for step in self.steps[:num_steps]]
 
     @property
     def label(self) -> str:
@@ -131,8 +147,8 @@ class CurveResult:
     diffs: dict[str, DiffStats]  # per curve: this run's curve minus the baseline's
     noise_ratios: dict[str, float] | None  # calibrated: deviation ÷ noise per curve (the worst step)
     config_differences: list[str]  # "field: baseline's vs this run's", for fields that may explain a FAIL
-    fp32_distance_ratios: dict[str, float] | None = None  # a bf16 run's largest distance from the baseline's fp32
-    # twin ÷ the bf16 baseline's own, per curve: how much farther bf16 moves this strategy than the baseline
+    fp32_distance_ratios: dict[str, float] | None = None  # a low-precision run's largest distance from the baseline's
+    # fp32 twin ÷ the baseline's own, per curve: how much farther its policy moves this strategy than the baseline
 
     @property
     def noise_ratio(self) -> float | None:
@@ -148,6 +164,8 @@ class Comparison:
     results: list[CurveResult]  # one per run but the baseline, in `runs` order
     warnings: list[str]
     references: list[Run]  # the noise references the bounds were calibrated on (empty: uncalibrated)
+    policy_distance: dict[str, float] | None = None  # the baseline's largest relative distance from its fp32 twin,
+    # per curve: how far the policy itself moves DDP from fp32
 
     @property
     def passed(self) -> bool:
@@ -155,7 +173,9 @@ class Comparison:
 
     @property
     def word(self) -> str:
-        return verdict_word(self.passed)
+        """PASS; FAIL when a run FAILs; POLICY DIFFERENCE when none FAILs but one ran in another policy."""
+        words = {r.verdict.word for r in self.results}
+        return "FAIL" if "FAIL" in words else POLICY_DIFFERENCE if POLICY_DIFFERENCE in words else "PASS"
 
     def series(self, run: Run, key: str) -> list[float]:
         return _series(run, key, self.num_steps)
@@ -170,8 +190,9 @@ class Comparison:
             "warnings": self.warnings,
             "noise_references": [storage.name(r.file) for r in self.references],
             "fingerprints": {storage.name(r.file): r.fingerprint for r in [*self.runs, *self.references]},
+            "policy_fp32_distance": self.policy_distance,
             "runs": {r.name: {"label": r.label, "file": storage.name(r.file), "complete": r.complete,
-                              "steps_recorded": len(r.steps), "precision": r.precision,
+                              "steps_recorded": len(r.steps), "precision": r.precision, "policy": r.policy,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
                               "replica_checks": r.replica_checks,
                               **{q: asdict(self.curve_stats(r, q)) for q in QUANTITIES}} for r in self.runs},
@@ -236,10 +257,43 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     if mismatches:
         raise NotComparable(mismatches)
     _check_references(base, references, num_steps)
+    references, unlike = overflow_alike(base, references, num_steps)
+    warnings += unlike
     fp32_twin = next((r for r in references if r.precision == "fp32" != base.precision), None)
+    if fp32_twin is not None and not POLICIES[base.precision].fp32_twin_measures_noise:
+        references = [r for r in references if r is not fp32_twin]  # its distance only (Policy's docstring)
     results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol),
                        fp32_twin) for run in others]
-    return Comparison(base, [base, *others], num_steps, results, warnings, list(references))
+    distance = None
+    if fp32_twin is not None:
+        judged = _judged(base, num_steps, base.skipped(num_steps))
+        exact = _judged(fp32_twin, num_steps, base.skipped(num_steps))
+        distance = {q: max(relative_diff(x, e) for x, e in zip(judged[q], exact[q])) for q in QUANTITIES}
+    return Comparison(base, [base, *others], num_steps, results, warnings, list(references), distance)
+
+
+def overflow_alike(base: Run, references: list[Run], num_steps: int) -> tuple[list[Run], list[str]]:
+    """The references whose fp16 overflows skipped the baseline's steps (the fp32 twin skips none and stays), and a
+    warning for each other: a twin that skipped other steps trained another model, not the baseline's noise. fp16
+    overflows depend on the DP layout — a rank's gradient before the reduction holds fewer samples at more ranks —
+    so twins at other layouts may skip other steps where overflows are frequent (docs/precision.md)."""
+    kept, warnings = [], []
+    skipped = base.skipped(num_steps)
+    for ref in references:
+        theirs = ref.skipped(num_steps)
+        if ref.precision == "fp32" or theirs == skipped:
+            kept.append(ref)
+            continue
+        steps = lambda flags: ", ".join(str(i) for i, f in enumerate(flags) if f) or "none"  # noqa: E731
+        warnings.append(f"warning: {storage.name(ref.file)} skipped steps {steps(theirs)} on fp16 overflows, the "
+                        f"baseline {steps(skipped)}: it trained another model, not the baseline's noise: not used")
+    return kept, warnings
+
+
+def policy_differences(base: Run, run: Run) -> list[str]:
+    """'field: baseline's vs run's' for each policy field in which the two runs differ (empty: the same policy)."""
+    a, b = base.policy, run.policy
+    return [f"{k}: {a[k]} vs {b[k]}" for k in POLICY_FIELDS if a[k] != b[k]]
 
 
 def comparability_mismatches(base: Run, run: Run) -> list[str]:
@@ -276,20 +330,21 @@ def code_mismatches(base: Run, run: Run) -> list[str]:
 
 def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol: float | None = None,
                grad_norm_rtol: float | None = None) -> Bounds:
-    """Calibrated on the references when there are any and the run is at the baseline's precision; else
+    """Calibrated on the references when there are any and the run is in the baseline's policy; else
     the fixed table of the looser precision. --tolerance / --grad_norm_tolerance replace one curve's bound."""
-    if references and run.precision == base.precision:
-        series = lambda r: {q: _series(r, q, num_steps) for q in QUANTITIES}  # noqa: E731
+    if references and not policy_differences(base, run):
+        skipped = base.skipped(num_steps)
         names = ", ".join(storage.name(r.file) for r in references)
-        bounds = calibrated_bounds(series(base), [series(r) for r in references], base.precision,
+        judged = [_judged(r, num_steps, skipped) for r in references]
+        bounds = calibrated_bounds(_judged(base, num_steps, skipped), judged, base.precision,
                                    f"calibrated: {NOISE_K} × the noise of {names}")
     else:
         try:
             looser = tolerances.looser_precision(base.precision, run.precision)
         except ConfigError as exc:
-            odd = base if base.precision not in tolerances.PRECISION_ORDER else run
+            odd = base if base.precision not in tolerances.TOLERANCE_CLASS else run
             raise ConfigError(f"{storage.name(odd.file)}: {exc}") from None
-        why = "no noise reference" if not references else "the run's precision differs from the baseline's"
+        why = "no noise reference" if not references else "the run's precision policy differs from the baseline's"
         bounds = fixed_bounds(tolerances.CURVES[looser], num_steps,
                               f"the fixed {looser} table ({base.name} {base.precision}, {run.name} {run.precision}); "
                               f"uncalibrated: {why}")
@@ -345,31 +400,58 @@ def _flat(config: dict, prefix: str = "") -> dict:
 
 
 def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None) -> CurveResult:
-    series = {q: _series(run, q, num_steps) for q in QUANTITIES}
-    baseline = {q: _series(base, q, num_steps) for q in QUANTITIES}
+    skipped = base.skipped(num_steps)
+    series, baseline = _judged(run, num_steps, skipped), _judged(base, num_steps, skipped)
     max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in QUANTITIES}
-    verdict = Verdict(run.name, base.name, bounds.source, max_rel, first_outside(series, baseline, bounds), run.parting)
+    other_policy = policy_differences(base, run)
+    outside = None
+    if not other_policy:  # the earlier of the two; at one step, the overflow mismatch (it explains the rest)
+        found = [o for o in (first_overflow_mismatch(base, run, num_steps), first_outside(series, baseline, bounds)) if o]
+        outside = min(found, key=lambda o: o.step, default=None)
+    verdict = Verdict(run.name, base.name, bounds.source, max_rel, outside, run.parting, tuple(other_policy))
     ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in QUANTITIES}
               if bounds.calibrated else None)
     distance = None
-    if fp32_twin is not None and run.precision == base.precision:
-        exact = {q: _series(fp32_twin, q, num_steps) for q in QUANTITIES}
+    if fp32_twin is not None and not other_policy:
+        exact = _judged(fp32_twin, num_steps, skipped)
         worst = lambda a, q: max(abs(x - e) for x, e in zip(a[q], exact[q]))  # noqa: E731
         distance = {q: worst(series, q) / worst(baseline, q) if worst(baseline, q) else math.inf for q in QUANTITIES}
     return CurveResult(run, bounds, verdict, {q: DiffStats.of(series[q], baseline[q]) for q in QUANTITIES}, ratios,
                        config_differences(base, run), distance)
 
 
+def first_overflow_mismatch(base: Run, run: Run, num_steps: int) -> Outside | None:
+    """The first step one run skipped on an fp16 overflow and the other applied: from there they train different
+    models (the module docstring's rule)."""
+    for step, (a, b) in enumerate(zip(base.skipped(num_steps), run.skipped(num_steps))):
+        if a != b:
+            return Outside(quantity="skipped", rel_diff=1.0, tolerance=0.0, step=step, value=float(b),
+                           reference=float(a), test="overflow")
+    return None
+
+
+def _judged(run: Run, num_steps: int, skipped: list[bool]) -> dict[str, list[float]]:
+    """The curves a verdict judges: the recorded ones, with the grad norm set to 0 (not judged) at the steps the
+    baseline skipped on an overflow (an infinite norm there, in every run that skipped them too)."""
+    curves = {q: _series(run, q, num_steps) for q in QUANTITIES}
+    curves["grad_norm"] = [0.0 if skip else g for g, skip in zip(curves["grad_norm"], skipped)]
+    return curves
+
+
 def _check_references(base: Run, references: list[Run], num_steps: int) -> None:
-    """A reference measures the baseline's noise at the baseline's precision (a twin at another layout), or the
-    scale of bf16 rounding itself (the bf16 baseline's twin in fp32, at its own layout); and only if it differs."""
+    """A reference measures the baseline's noise in the baseline's policy (a twin at another layout), or the scale of
+    the policy's rounding itself (a low-precision baseline's twin in fp32, at its own layout); and only if it
+    differs."""
     for ref in references:
         name = storage.name(ref.file)
         layout = [ref.config[k] for k in ("tp_size", "dp_size", "batch_size")] == \
             [base.config[k] for k in ("tp_size", "dp_size", "batch_size")]
-        if ref.precision != base.precision and not (base.precision == "bf16" and ref.precision == "fp32" and layout):
-            raise ConfigError(f"{name} is {ref.precision} but the baseline is {base.precision}: a noise reference runs "
-                              f"at the baseline's precision, or in fp32 at the bf16 baseline's own layout")
+        fp32_twin = base.precision != "fp32" and ref.precision == "fp32" and layout
+        if policy_differences(base, ref) and not fp32_twin:
+            raise ConfigError(f"{name} is {describe(ref.config)} but the baseline is {describe(base.config)}: a noise "
+                              f"reference runs in the baseline's policy, or in fp32 at a low-precision baseline's own "
+                              f"layout")
+
         if all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in QUANTITIES):
             raise ConfigError(f"{name} is identical to the baseline: a noise reference must run at another layout "
                               f"(e.g. --num_workers 1 --batch_size {base.config['global_batch_size']})")

@@ -180,10 +180,10 @@ def tolerance_for(a: Dump, b: Dump, override: float | None = None,
 
 
 def rounding_noise(reference: Dump, dumps: dict[str, Dump]) -> dict[str, float] | None:
-    """Per tensor: how far bf16 rounding moves it — DDP's bf16 dump against DDP's fp32 step, by the same
-    measure the pairs are compared with. None without a DDP bf16 dump to measure it on."""
+    """Per tensor: how far the policy's rounding moves it — DDP's dump in a low-precision policy against DDP's fp32
+    step, by the same measure the pairs are compared with. None without such a DDP dump to measure it on."""
     ddp = dumps.get("ddp")
-    if reference is None or ddp is None or ddp.meta["precision"] != "bf16":
+    if reference is None or ddp is None or ddp.meta["precision"] == "fp32":
         return None
     return {row.key: row.rel for row in compare_pair(ddp, reference, 1.0).rows}
 

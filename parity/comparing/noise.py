@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parity.comparing.tolerances import (DRIFT_K, DRIFT_SAME_SIGN, DRIFT_WINDOW, NOISE_FLOOR, NOISE_K,
-                                         NOISE_SMOOTHING, QUANTITIES, Tolerance)
+                                         NOISE_SMOOTHING, QUANTITIES, Tolerance, tolerance_class)
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ def fixed_bounds(tolerance: Tolerance, num_steps: int, source: str) -> Bounds:
 def calibrated_bounds(baseline: dict[str, list[float]], references: list[dict[str, list[float]]], precision: str,
                       source: str) -> Bounds:
     """NOISE_K × the envelope of the references' distance from the baseline (series per quantity)."""
-    envelope = {q: noise_envelope(baseline[q], [r[q] for r in references], NOISE_FLOOR[precision].of(q))
+    floor = NOISE_FLOOR[tolerance_class(precision)]
+    envelope = {q: noise_envelope(baseline[q], [r[q] for r in references], floor.of(q))
                 for q in QUANTITIES}
     return Bounds({q: [NOISE_K * e for e in envelope[q]] for q in QUANTITIES}, source, envelope)
 

@@ -1,12 +1,16 @@
 """The one verdict type, for loss curves (a run against the baseline, step by step) and layer dumps (a
 run against a reference, tensor by tensor): PASS when every compared point is within its tolerance,
-else FAIL at the first point outside, in the order things happened."""
+else FAIL at the first point outside, in the order things happened — or, for a run in another precision policy
+than its baseline, POLICY DIFFERENCE: not judged (parity/comparing/curves.py)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from parity.training.replicas import parting_line
+
+
+POLICY_DIFFERENCE = "POLICY DIFFERENCE"
 
 
 def verdict_word(passed: bool) -> str:
@@ -57,16 +61,21 @@ class Verdict:
     max_rel_diff: dict[str, float]  # the worst relative difference per quantity
     first_outside: Outside | None  # the tolerances': the first point outside
     parting: Parting | None = None  # the integrity's: the first check that found the run's replicas parted
+    policy_difference: tuple[str, ...] = ()  # curves: the policy fields in which the run differs (not judged then)
 
     @property
     def passed(self) -> bool:
-        return self.first_outside is None and self.parting is None
+        return self.first_outside is None and self.parting is None and not self.policy_difference
 
     @property
     def word(self) -> str:
+        """FAIL when the replicas parted (integrity first), else a policy difference (not judged), else the verdict."""
+        if self.parting is None and self.policy_difference:
+            return POLICY_DIFFERENCE
         return verdict_word(self.passed)
 
     def to_dict(self) -> dict:
         return {"verdict": self.word, "run": self.run, "reference": self.reference,
                 "tolerance_source": self.tolerance_source, "max_rel_diff": self.max_rel_diff,
-                "first_outside": self.first_outside.to_dict() if self.first_outside else None}
+                "first_outside": self.first_outside.to_dict() if self.first_outside else None,
+                **({"policy_difference": list(self.policy_difference)} if self.policy_difference else {})}

@@ -19,8 +19,10 @@ from typing import Any, Mapping
 
 from parity import storage
 from parity.errors import ConfigError
+from parity.training.precision import complete_policy, resolve_policy
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "bf16_params", "bf16_pure", "fp16")
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 PATH_FLAGS = ("loss_output_dir", "storage_path", "init_weights_path", "final_checkpoint_dir")
 
@@ -61,10 +63,32 @@ FLAGS = (
     ("training", "compile", False,
      {"action": "store_true", "help": "torch.compile each decoder layer (DDP, FSDP) or the engine's module (DeepSpeed's "
                                       "engine.compile)"}),
-    ("training", "precision", "auto",
-     {"choices": PRECISIONS, "help": "fp32, or bf16 (autocast compute, fp32 master weights and optimizer "
-                                     "state); auto = bf16 on GPU, fp32 on CPU"}),
-    ("training", "autocast", False, {"action": "store_true", "help": "same as --precision bf16 (seed scripts' flag)"}),
+    ("precision", "precision", "auto",
+     {"choices": PRECISIONS, "help": "the precision policy (docs/precision.md): fp32; bf16 (torch.autocast over fp32 "
+                                     "parameters, gradients, master weights and Adam state); bf16_params (bf16 "
+                                     "parameters and gradients, fp32 master weights and Adam state: DeepSpeed's "
+                                     "bf16.enabled); bf16_pure (bf16 master weights and Adam state too); fp16 (fp16 "
+                                     "parameters, fp32 master, dynamic loss scaling); auto = bf16 on GPU, fp32 on CPU, "
+                                     "or what a strategy's own settings ask for (a --deepspeed_config)"}),
+    ("precision", "autocast", False, {"action": "store_true", "help": "same as --precision bf16 (seed scripts' flag)"}),
+    ("precision", "reduce_dtype", None,
+     {"choices": DTYPE_NAMES, "help": "the dtype gradients are reduced over DP in (default: the gradients' own — fp32 "
+                                      "in fp32 and bf16, bf16 in bf16_params and bf16_pure, fp16 in fp16)"}),
+    ("precision", "grad_accum_dtype", None,
+     {"choices": DTYPE_NAMES, "help": "the dtype micro-batch gradients accumulate in under --grad_accum_steps (default: "
+                                      "the gradients' own; fp32 in bf16_params and fp16: into the fp32 master gradients, "
+                                      "DeepSpeed's data_types.grad_accum_dtype)"}),
+    ("precision", "loss_scale", None,
+     {"type": float, "help": "fp16: a static loss scale; 0 = dynamic (default; DeepSpeed's fp16.loss_scale)"}),
+    ("precision", "initial_scale_power", None,
+     {"type": int, "help": "fp16: the dynamic scale starts at 2^N (default 16)"}),
+    ("precision", "loss_scale_window", None,
+     {"type": int, "help": "fp16: good steps after which the scale doubles (default 1000)"}),
+    ("precision", "hysteresis", None,
+     {"type": int, "help": "fp16: overflows before the scale is halved (default 2)"}),
+    ("precision", "consecutive_hysteresis", None,
+     {"action": "store_true", "help": "fp16: refill the hysteresis at every good step (default off)"}),
+    ("precision", "min_loss_scale", None, {"type": float, "help": "fp16: the lowest scale (default 1)"}),
     ("training", "seed", 42, {"type": int, "help": "seeds the initial weights and the data"}),
     ("data", "dataset", "synthetic",
      {"help": "synthetic (learnable Markov text), synthetic_padded (the same in samples of different lengths, "
@@ -110,6 +134,9 @@ FLAGS = (
      {"type": int, "help": "restarts after a worker failure, each from the latest checkpoint; -1 = no limit"}),
 )
 DEFAULTS = {name: default for _, name, default, _ in FLAGS}
+POLICY_FLAGS = tuple(name for group, name, _, _ in FLAGS
+                     if group == "precision" and name not in ("precision", "autocast"))
+"""The precision policy's refinements as flags: the reduce and accumulation dtypes, fp16's loss scaler."""
 TYPES = {name: kwargs.get("type", str) for _, name, _, kwargs in FLAGS if "action" not in kwargs}
 
 
@@ -125,7 +152,10 @@ class RunConfig:
     tp_size: int
     dp_size: int
     device: str  # cpu | cuda
-    precision: str  # fp32 | bf16
+    precision: str  # the precision policy: fp32 | bf16 | bf16_params | bf16_pure | fp16 (parity.training.precision)
+    reduce_dtype: str  # the dtype gradients are reduced over DP in: fp32 | bf16 | fp16
+    grad_accum_dtype: str  # the dtype micro-batch gradients accumulate in
+    loss_scaling: dict | None  # fp16's loss scaler (DeepSpeed's fp16 keys); None in the other policies
     cpus_per_worker: float
     batch_size: int
     seq_length: int
@@ -202,8 +232,10 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
             weights_written_before_launch: bool = False) -> RunConfig:
     """Flags (a name → value mapping; missing or None means the default) → a checked, complete RunConfig.
 
-    `cluster` (a parity.training.cluster.Cluster) decides --device/--precision auto and each worker's CPU
-    share; by default the running or addressed Ray cluster, else this machine. With
+    The precision policy is resolved here once: --precision (or --autocast), what the strategy's own settings ask for
+    (Strategy.precision_request: a --deepspeed_config's bf16 or fp16 section), the device (auto), then the policy's
+    refinements (parity.training.precision). `cluster` (a parity.training.cluster.Cluster) decides --device/--precision
+    auto and each worker's CPU share; by default the running or addressed Ray cluster, else this machine. With
     `weights_written_before_launch` the init-weights file need not exist yet: the main job's DDP run or
     the layer check's driver writes it before this run launches; only its directory is checked.
     """
@@ -228,12 +260,20 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     given = {k: _typed(k, v, types.get(k)) for k, v in values.items() if v is not None}
     s = {**DEFAULTS, **cls.with_default_options(given)}
     options = {name: s.pop(name) for name in sorted(option_names)}
-    s["precision"] = _precision(s["precision"], s.pop("autocast"))
+    s["precision"] = precision_flags(s["precision"], s.pop("autocast"))
     _check_numbers(s)
     s["dp_size"] = _dp_size(s["num_workers"], s["tp_size"], s["dp_size"], cls.pp_size(options))
     if s["batch_size"] % s["grad_accum_steps"]:
         raise ConfigError(f"--batch_size {s['batch_size']} is not a multiple of --grad_accum_steps "
                           f"{s['grad_accum_steps']}: each micro-batch is batch_size / grad_accum_steps samples")
+    resolve_policy(s, cls.precision_request(options))
+    cluster = cluster or probe_cluster()
+    s["device"], s["precision"], s["cpus_per_worker"], spread = _placement(s, cluster)
+    complete_policy(s)
+    if s["precision"] not in cls.precisions:
+        raise ConfigError(f"{strategy} does not run the {s['precision']} policy (it runs {', '.join(cls.precisions)}): "
+                          f"pass one of them with --precision (a strategy of your own adopts a policy as "
+                          f"docs/custom_strategy.md says)")
 
     model_config = resolve_model_config(s["model_name"], s["num_layers"])
     check_heads(s["tp_size"], model_config.num_attention_heads, model_config.num_key_value_heads)
@@ -253,8 +293,6 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     s["final_checkpoint_dir"] = s["final_checkpoint_dir"] or storage.join(
         s["storage_path"], s["experiment_name"], "final_model")
 
-    cluster = cluster or probe_cluster()
-    s["device"], s["precision"], s["cpus_per_worker"], spread = _placement(s, cluster)
     if spread:
         _check_every_node_sees(s, cluster)
     s["report_to"] = trackers.check(s["report_to"], s["loss_output_dir"], spread)
@@ -308,12 +346,14 @@ def _typed(name: str, value, kind):
     return value
 
 
-def _precision(precision: str, autocast: bool) -> str:
+def precision_flags(precision: str, autocast: bool) -> str:
+    """--precision and the seed scripts' --autocast as one policy name (auto stays auto)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision {precision}: use one of {', '.join(PRECISIONS)}")
     if autocast:
-        if precision == "fp32":
-            raise ConfigError("--autocast asks for bf16 but --precision fp32 was also given: pass only one of them")
+        if precision not in ("auto", "bf16"):
+            raise ConfigError(f"--autocast asks for bf16 (autocast over fp32 parameters) but --precision {precision} was "
+                              f"also given: pass only one of them")
         return "bf16"
     return precision
 

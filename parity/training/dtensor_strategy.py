@@ -1,6 +1,6 @@
 """What every strategy whose parameters are DTensors shares (FSDP2 + TP, and transformers' own TP + FSDP2): norms
-and clipping across meshes, full tensors, the model states a rank holds, FSDP2's gradient-sync switch and checkpoints
-through torch.distributed.checkpoint. The strategies differ in how the DTensors are made (fsdp_strategy.py: the
+and clipping across meshes, fp16's loss scaler, full tensors, the model states a rank holds, FSDP2's gradient-sync
+switch and checkpoints through torch.distributed.checkpoint. The strategies differ in how the DTensors are made (fsdp_strategy.py: the
 harness's own plan; transformers_strategy.py: transformers' plan and FSDP2), not in how they are read.
 
 Parameters may also be plain tensors: a module no plan shards (the norms under a TP plan without FSDP) keeps its
@@ -19,10 +19,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
+from parity.training.precision import OptimizerStep
 from parity.training.replicas import Replica, mesh_replica_ranks, moments
 from parity.training.strategy import Strategy, clip_coefficient, squared_norm_fp64, step_optimizer
 
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
+SCALER_FILE = "loss_scaler.pt"  # fp16: the loss scaler's state (rank 0's)
 
 
 def global_norm(tensors: list[torch.Tensor]) -> float:
@@ -83,6 +85,11 @@ class DTensorStrategy(Strategy):
     device mesh with named dims (`self.mesh`), stepped by the shared AdamW (`self.optimizer`)."""
 
     mesh = None  # the root DeviceMesh; None for a single rank
+    scaler = None  # fp16: the harness's loss scaler (parity.training.loss_scaler), set up by a strategy that runs it
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
 
     def replicas(self) -> list[Replica]:
         """Each parameter's local piece that other ranks hold too, and its moments: a DTensor's along the root mesh's
@@ -110,10 +117,18 @@ class DTensorStrategy(Strategy):
             self.model.set_requires_gradient_sync(last)
         return super().accumulating(last)
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float) -> OptimizerStep:
+        """Clip across the meshes and step; under fp16 first the harness's loss scaler (DeepSpeed's rules): an overflow
+        on any rank skips the step, else the gradient shards are unscaled."""
+        scale = self.loss_scale
+        if self.scaler is not None:
+            shards = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+            if self.scaler.unscale_or_skip(shards, self.ctx.device):
+                self.optimizer.zero_grad(set_to_none=True)
+                return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
         norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
         step_optimizer(self.optimizer, lr)
-        return norm
+        return OptimizerStep(norm, loss_scale=scale if self.scaler else None)
 
     def parameter_norm(self) -> float:
         return global_norm(list(self.model.parameters()))
@@ -155,9 +170,13 @@ class DTensorStrategy(Strategy):
         .metadata that maps them to the full tensors."""
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(directory, DCP_DIR))
+        if self.scaler is not None and self.ctx.rank == 0:  # every rank's scaler is the same
+            torch.save(self.scaler.state_dict(), os.path.join(directory, SCALER_FILE))
 
     def load_state(self, directory: str) -> None:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # the shapes to load into
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(torch.load(os.path.join(directory, SCALER_FILE), weights_only=True))

@@ -98,6 +98,7 @@ def layer_step_worker(payload: dict) -> None:
 
     from parity.training.loop import start_worker
     from parity.training.data import Batch
+    from parity.training.precision import OptimizerStep
     from parity.training.strategy import lr_at
 
     w = start_worker(payload)
@@ -119,7 +120,7 @@ def layer_step_worker(payload: dict) -> None:
     local_sum = strategy.forward_backward(mine, global_batch.loss_tokens)  # the train step's (one step)
     records = strategy.full_module_records(recorder.remove())
     grads = strategy.full_gradients()
-    grad_norm = strategy.optimizer_step(lr)
+    grad_norm = OptimizerStep.of(strategy.optimizer_step(lr)).norm
     params = strategy.full_parameters()
     sums, counts = strategy.gather_dp_sums(local_sum, mine.loss_tokens)
     dp_losses = [s / max(c, 1) for s, c in zip(sums, counts)]

@@ -4,9 +4,10 @@
 [2] the strategy wraps it and builds the optimizer
 [3] under Ray Train: resume from the run's latest checkpoint when it has one (parity/training/checkpoints.py)
 [4] each step: the global batch of that step, this DP rank's slice, one train step
-[5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval;
-    under Ray Train a checkpoint every checkpoint_interval and at the end, reported with that step's metrics; with
-    --report_to, rank 0 logs each step's record entry to the experiment trackers (parity/tracking)
+[5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory (fp16: whether an overflow skipped the step,
+    and the loss scale); rewrites the JSON every log_interval; under Ray Train a checkpoint every checkpoint_interval
+    and at the end, reported with that step's metrics; with --report_to, rank 0 logs each step's record entry to the
+    experiment trackers (parity/tracking)
 [6] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
     backward and after the step, and keeps the peak
 [8] after a step, every --replica_check_interval, at every checkpoint and at the end: every tensor several ranks hold
@@ -173,6 +174,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         _synchronize(ctx.device)
         step_time = time.perf_counter() - t0 - (probe.seconds if observe else 0.0)
         if not math.isfinite(stats.loss):  # the same on every rank: the loss is gathered
+            write_record(record, ctx)  # the steps before it, for the comparison (--allow_incomplete)
             raise RunStopped(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
         done = step + 1
         checked = {}
@@ -182,10 +184,12 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
             stats.harness_s["replica_check"] = time.perf_counter() - c0
             log_first_parting(record, checked["replicas"], step, log)
         r0 = time.perf_counter()
+        scaling = {"skipped": stats.skipped, "loss_scale": stats.loss_scale} if cfg.loss_scaling else {}
         record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [5]
                       grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.loss_tokens,
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
-                      peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s, **checked)
+                      peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s, **checked,
+                      **scaling)
         stats.harness_s["record"] = time.perf_counter() - r0
         if trackers:
             stats.harness_s["trackers"] = trackers.log_step(record.steps[-1])

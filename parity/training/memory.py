@@ -33,10 +33,12 @@ def model_state_total(held: dict[str, int]) -> int:
 PEAK_ORDERS = {"peak": lambda held: (model_state_total(held), sum(held.values())),
                "peak_all": lambda held: (sum(held.values()), model_state_total(held))}
 
-# Bytes per parameter of (params, gradients, Adam's two moments) by precision mode. fp32 and bf16 autocast
-# keep fp32 weights, fp32 gradients and fp32 moments; DeepSpeed's --bf16_master_weights keeps all three in
-# bf16. (The paper's mixed-precision 2Ψ + 2Ψ + 12Ψ is a mode none of the strategies here runs.)
-BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16_master_weights": (2, 2, 4)}
+# Bytes per parameter of (params, gradients, optimizer states) by precision policy (parity.training.precision). fp32
+# and bf16 autocast keep fp32 weights, fp32 gradients and fp32 moments; bf16_params and fp16 are the paper's mixed
+# precision, 2Ψ + 2Ψ + 12Ψ (its K = 12 counts the fp32 master copy with Adam's two moments); bf16_pure keeps all in
+# bf16.
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "bf16_params": (2, 2, 12), "fp16": (2, 2, 12),
+                   "bf16_pure": (2, 2, 4)}
 
 
 class StateLedger:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parity.errors import ConfigError
+from parity.training.precision import OptimizerStep, policy_of
 from parity.training.replicas import Replica, whole_model
 
 
@@ -80,6 +81,8 @@ class StepStats:
     grad_norm: float  # global L2 norm of the gradients before clipping
     param_norm: float  # global L2 norm of the parameters after the step
     harness_s: dict  # the harness's own measurements in this step, by what: seconds (docs/benchmark.md)
+    skipped: bool = False  # fp16: the step was skipped on an overflow (the parameters did not move)
+    loss_scale: float | None = None  # fp16: the loss scale the step's gradients were computed with
 
 
 @dataclass
@@ -185,7 +188,10 @@ class Strategy:
     options: tuple = ()  # the strategy's own flags (Option above), in RunConfig.options
     tensor_parallel = True  # whether it shards tensors over --tp_size (DDP and a hand-written DP do not)
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
-    state_precision = "fp32"  # bytes per parameter of its model states (memory.BYTES_PER_PARAM): fp32 and autocast
+    # The precision policies it carries out (parity.training.precision). fp32 and bf16 (autocast) need nothing of a
+    # strategy but this class's autocast(); the others need the parameters, gradients, reduction and optimizer of the
+    # policy — PolicyOptimizer for plain tensors — and a strategy declares them when it does that.
+    precisions: tuple = ("fp32", "bf16")
 
     def __init__(self, cfg, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
@@ -210,6 +216,12 @@ class Strategy:
         """The pieces the decoder layers are split into (--num_layers must be a multiple): a pipeline's stages, 1
         for a strategy without them."""
         return 1
+
+    @classmethod
+    def precision_request(cls, options: dict):
+        """The precision policy this strategy's own settings ask for (a parity.training.precision.PolicyRequest), or
+        None: `resolve` merges it with --precision and the policy flags, or refuses a contradiction in one line."""
+        return None
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
@@ -245,9 +257,20 @@ class Strategy:
         return ModuleRecords(*({name: self.full_module_output(name, t) for name, t in store.items()}
                                for store in (records.outputs, records.output_grads)))
 
+    @property
+    def state_precision(self) -> str:
+        """What its model states take per parameter (memory.BYTES_PER_PARAM): the run's policy."""
+        return self.cfg.precision
+
+    @property
+    def loss_scale(self) -> float:
+        """What every micro-batch's loss is multiplied by before backward: fp16's loss scale where the strategy scales
+        the loss itself (its PolicyOptimizer's or scaler's), else 1 (DeepSpeed's engine scales its own)."""
+        return 1.0
+
     def autocast(self):
-        """The compute-precision context of the forward pass."""
-        if self.cfg.precision == "bf16":
+        """The compute-precision context of the forward pass: torch.autocast(bfloat16) in the bf16 policy."""
+        if policy_of(self.cfg).autocast:
             return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -261,8 +284,9 @@ class Strategy:
         """Backward of one micro-batch's loss (`last`: the step's last micro-batch)."""
         loss.backward()
 
-    def optimizer_step(self, lr: float) -> float:
-        """Clip to --max_grad_norm, step with `lr`, zero the gradients; return the pre-clip global norm."""
+    def optimizer_step(self, lr: float) -> float | OptimizerStep:
+        """Clip to --max_grad_norm, step with `lr`, zero the gradients; return the pre-clip global norm (of the unscaled
+        gradients), or an OptimizerStep that also says whether an fp16 overflow skipped the step."""
         raise NotImplementedError
 
     def parameter_norm(self) -> float:
@@ -352,7 +376,7 @@ class Strategy:
                 with self.autocast():
                     logits = self.forward(micro.input_ids)
                 summed = loss_sum(logits, micro.labels)
-                self.backward(self.micro_batch_loss(summed, micro, batch, global_tokens), last)
+                self.backward(self.micro_batch_loss(summed, micro, batch, global_tokens) * self.loss_scale, last)
             local_sum += summed.detach().double()
         return local_sum
 
@@ -367,7 +391,7 @@ class Strategy:
         with watching:  # on the parameters as they are between steps (FSDP2's root unshards in forward)
             local_sum = self.forward_backward(batch, global_tokens)
         observe("after_backward")
-        grad_norm = self.optimizer_step(lr)
+        done = OptimizerStep.of(self.optimizer_step(lr))
         observe("after_step")
         t0 = time.perf_counter()
         sums, counts = self.gather_dp_sums(local_sum, batch.loss_tokens)
@@ -375,8 +399,9 @@ class Strategy:
         t0 = time.perf_counter()
         param_norm = self.parameter_norm()
         return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
-                         grad_norm=float(grad_norm), param_norm=param_norm,
-                         harness_s={"loss_gather": gather_s, "param_norm": time.perf_counter() - t0})
+                         grad_norm=done.norm, param_norm=param_norm,
+                         harness_s={"loss_gather": gather_s, "param_norm": time.perf_counter() - t0},
+                         skipped=done.skipped, loss_scale=done.loss_scale)
 
     def micro_batch_loss(self, summed: torch.Tensor, micro, batch, global_tokens: int) -> torch.Tensor:
         """What a micro-batch backpropagates: its token-loss sum × dp_size / the global batch's loss tokens, so that

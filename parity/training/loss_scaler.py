@@ -1,0 +1,95 @@
+"""fp16's dynamic loss scaling for the strategies that step the shared AdamW themselves (DDP, FSDP2, the pipeline, your
+own), with DeepSpeed's rules, so that a DeepSpeed fp16 run and its DDP baseline scale, skip and recover alike.
+
+DeepSpeed's DynamicLossScaler (deepspeed/runtime/fp16/loss_scaler.py), by its fp16 config keys: the scale starts at
+2**initial_scale_power; a step whose gradients hold an inf or a NaN on any rank is skipped, and after `hysteresis`
+such steps (not necessarily consecutive; `consecutive_hysteresis` refills the count at every good step) the scale is
+halved, never below min_loss_scale (an overflow at the minimum stops the run, as DeepSpeed raises); every
+loss_scale_window good steps since the last overflow double it (and refill the hysteresis). A loss_scale > 0 is a
+static scale: never changed, and an overflow still skips its step. torch's GradScaler has neither hysteresis nor a
+minimum, and refuses fp16 gradients.
+
+One rule differs by design: the gradients are unscaled by the scale they were computed with. DeepSpeed's ZeRO step
+updates the scale first and unscales by `self.loss_scale` afterwards, so on a step where the scale grows an unclipped
+gradient is divided by the new (doubled) scale; with clipping active its combined factor cancels the scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from parity.errors import RunStopped
+
+
+@dataclass
+class LossScaler:
+    """DeepSpeed's dynamic loss scaler (module docstring), with its config keys as constructor arguments."""
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self):
+        self.scale = float(self.loss_scale) if self.loss_scale else float(2 ** self.initial_scale_power)
+        self.iteration, self.last_overflow, self.hysteresis_left = 0, -1, self.hysteresis
+
+    @property
+    def dynamic(self) -> bool:
+        return not self.loss_scale
+
+    def update(self, overflow: bool) -> None:
+        """After a step: its gradients overflowed (the step is skipped) or not."""
+        if self.dynamic and overflow:
+            if self.hysteresis == 1 or self.hysteresis_left == 1:
+                if self.scale == self.min_loss_scale:
+                    raise RunStopped(f"fp16 gradients overflow at the minimum loss scale ({self.min_loss_scale:g}) at "
+                                     f"step {self.iteration}: the loss scale cannot go lower (DeepSpeed stops here too); "
+                                     f"lower --learning_rate or --min_loss_scale, or train in bf16")
+                self.scale = max(self.scale / 2, self.min_loss_scale)
+            else:
+                self.hysteresis_left -= 1
+            self.last_overflow = self.iteration
+        elif self.dynamic:
+            if self.consecutive_hysteresis:
+                self.hysteresis_left = self.hysteresis
+            stable = self.iteration - self.last_overflow - 1
+            if stable > 0 and stable % self.loss_scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.hysteresis_left = self.hysteresis
+                self.scale *= 2
+        self.iteration += 1
+
+    @torch.no_grad()
+    def unscale_or_skip(self, grads: list[torch.Tensor], device: torch.device) -> bool:
+        """After backward (gradients reduced): whether any rank's `grads` (plain tensors: local shards of DTensors) hold
+        an inf or a NaN — then the step is to be skipped — with the scale updated either way; if not, the gradients
+        are divided by the scale they were computed with, in place. Collective."""
+        overflow = any_nonfinite(grads, device)
+        scale = self.scale
+        self.update(overflow)
+        if not overflow:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        return overflow
+
+    def state_dict(self) -> dict:
+        return {**asdict(self), "scale": self.scale, "iteration": self.iteration, "last_overflow": self.last_overflow,
+                "hysteresis_left": self.hysteresis_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("scale", "iteration", "last_overflow", "hysteresis_left"):
+            setattr(self, key, state[key])
+
+
+def any_nonfinite(tensors, device: torch.device, group=None) -> bool:
+    """Whether any rank's `tensors` (local gradients, or a DTensor's local shards) hold an inf or a NaN. Collective over
+    `group` (default: every rank of the run), so that every rank skips the same steps."""
+    local = any(bool((~torch.isfinite(t)).any()) for t in tensors)
+    flag = torch.tensor([1.0 if local else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
