@@ -149,9 +149,10 @@ def differences(a: dict, b: dict, *, strategy: bool) -> list[str]:
 
 
 def short(fp: dict) -> str:
-    """One line for reports: shared code, strategy code, versions, device."""
+    """One line for reports: the model type, shared code, strategy code, versions, device."""
     versions = ", ".join(f"{k} {v}" for k, v in fp.get("versions", {}).items())
-    return (f"{fp.get('model_type', 'model')}; shared code {_short(fp.get('shared_code_sha256'))}, strategy code "
+    model = f"{fp['model_type']}; " if fp.get("model_type") else ""
+    return (f"{model}shared code {_short(fp.get('shared_code_sha256'))}, strategy code "
             f"{_short(fp.get('strategy_code', {}).get('sha256'))} ({', '.join(fp.get('strategy_code', {}).get('files', []))}); "
             f"{versions}; {fp.get('device')}")
 

@@ -94,7 +94,7 @@ def build_model(config, seed: int):
 def config_summary(config) -> dict:
     """The fields that make two models the same model, as stored in files and loss records."""
     d = config.to_dict()
-    return {k: d.get(k) for k in (*SHAPE_FIELDS, *NUMERIC_FIELDS) if k in d or k in SHAPE_FIELDS}
+    return {k: d[k] for k in (*SHAPE_FIELDS, *NUMERIC_FIELDS) if k in d}
 
 
 def meta_model(config):
