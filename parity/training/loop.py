@@ -4,7 +4,8 @@
 [2] the strategy wraps it and builds the optimizer
 [3] under Ray Train: resume from the run's latest checkpoint when it has one (parity/training/checkpoints.py)
 [4] each step: the global batch of that step, this DP rank's slice, one train step
-[5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory; rewrites the JSON every log_interval;
+[5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory (a mixture of experts: its load-balancing
+    loss and expert loads too); rewrites the JSON every log_interval;
     under Ray Train a checkpoint every checkpoint_interval and at the end, reported with that step's metrics
 [6] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
     backward and after the step, and keeps the peak
@@ -165,7 +166,8 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [5]
                       grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.loss_tokens,
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
-                      peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s)
+                      peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s,
+                      **(stats.routing or {}))
         stats.harness_s["record"] = time.perf_counter() - r0
         done = step + 1
         if checkpoints and checkpoints.due(done, total_steps):

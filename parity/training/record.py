@@ -14,6 +14,9 @@ from parity.errors import RecordError
 SCHEMA_VERSION = 3  # 2: every step has param_norm; 3: the config has the fingerprint
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")  # and harness_s: the harness's own seconds in the step, by what (not checked)
+ROUTING_FIELDS = ("aux_loss", "expert_loads")  # a mixture of experts' steps also hold these (parity.training.routing):
+# the load-balancing loss of the global batch (null where the family has none in its loss) and, per sparse layer,
+# the real tokens routed to each expert
 # The config entries a comparison of two records relies on (parity/comparing/curves.py); the loop always writes them.
 CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",
                  "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "fingerprint")
@@ -114,4 +117,12 @@ def load_record(path: str) -> dict:
             raise RecordError(f"{name}: steps[{i}].tokens is not an integer")
         if not isinstance(step["batch_hash"], str):
             raise RecordError(f"{name}: steps[{i}].batch_hash is not a string")
+        if "expert_loads" in step and not (isinstance(step["expert_loads"], list) and all(
+                isinstance(row, list) and all(isinstance(n, int) for n in row) for row in step["expert_loads"])):
+            raise RecordError(f"{name}: steps[{i}].expert_loads is not a list of per-layer expert counts")
+        if step.get("aux_loss") is not None:
+            value = step["aux_loss"]
+            step["aux_loss"] = storage.NON_FINITE.get(value, value) if isinstance(value, str) else value
+            if isinstance(step["aux_loss"], bool) or not isinstance(step["aux_loss"], (int, float)):
+                raise RecordError(f"{name}: steps[{i}].aux_loss is not a number")
     return data
