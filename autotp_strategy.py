@@ -433,6 +433,10 @@ def autotp_partition_config(model_config, user: dict) -> dict | None:
     if (user.get("tensor_parallel") or {}).get("partition_config"):
         return None
     family = family_of(model_config)
+    if family.moe:
+        raise ConfigError(f"DeepSpeed AutoTP cannot shard a '{family.model_type}' model: DeepSpeed "
+                          f"{_deepspeed_version()} refuses its experts' plan (moe_tp_experts) and shards no fused 3-D "
+                          f"expert weight: use --tp_size 1 (ZeRO), or train_fsdp.py / train_transformers.py")
     try:
         TPPlanConverter.convert(_get_hf_tp_plan(meta_model(model_config)))
         return None

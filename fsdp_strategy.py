@@ -312,6 +312,7 @@ class FSDPStrategy(DTensorStrategy):
     )
     zero_stage = 3  # full sharding: parameters, gradients and optimizer state all divided over dp
     expert_parallel = True
+    code_modules = ("expert_parallel",)  # its mixture-of-experts parallelism: in the run's strategy fingerprint
 
     @classmethod
     def validate(cls, settings, model_config) -> None:

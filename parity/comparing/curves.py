@@ -5,11 +5,14 @@ run is checked against the baseline: same initial weights, same model, same opti
 number of steps, and at every step the same batch, tokens and learning rate. A run that differs is
 reported as not comparable (`NotComparable`), never as a difference.
 
-The verdict holds three curves at every step — loss, pre-clip grad norm, parameter norm — to bounds on
+The verdict holds three curves at every step — loss, pre-clip grad norm, parameter norm, and a mixture of experts'
+load-balancing loss where both runs record it — to bounds on
 |x − baseline| / |baseline|: NOISE_K × the noise the baseline's twins measured (calibrated, when
 noise_reference_*.json records are there), else the fixed table by precision (uncalibrated). Calibrated
 verdicts also run the drift test (parity.comparing.noise). A FAIL lists the config fields in which the run
-differs from the baseline: the first suspects.
+differs from the baseline: the first suspects. A mixture of experts' expert loads are compared at every step too: a
+token routed to another expert (a near-tie that another reduction order tips) is reported with its step and layer,
+never silently; the curves' bounds decide the verdict (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from parity import fingerprint, storage
 from parity.comparing import tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
-from parity.comparing.tolerances import NOISE_K, QUANTITIES
+from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import Outside, Verdict, verdict_word
 from parity.errors import ConfigError, NotComparable
 from parity.registry import run_label
@@ -114,6 +117,7 @@ class CurveResult:
     config_differences: list[str]  # "field: baseline's vs this run's", for fields that may explain a FAIL
     fp32_distance_ratios: dict[str, float] | None = None  # a bf16 run's largest distance from the baseline's fp32
     # twin ÷ the bf16 baseline's own, per curve: how much farther bf16 moves this strategy than the baseline
+    routing: dict | None = None  # a mixture of experts: where its expert loads differ from the baseline's (routing_diff)
 
     @property
     def noise_ratio(self) -> float | None:
@@ -129,6 +133,7 @@ class Comparison:
     results: list[CurveResult]  # one per run but the baseline, in `runs` order
     warnings: list[str]
     references: list[Run]  # the noise references the bounds were calibrated on (empty: uncalibrated)
+    quantities: tuple = QUANTITIES  # the curves judged (quantities_of)
 
     @property
     def passed(self) -> bool:
@@ -154,12 +159,12 @@ class Comparison:
             "runs": {r.name: {"label": r.label, "file": storage.name(r.file), "complete": r.complete,
                               "steps_recorded": len(r.steps), "precision": r.precision,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
-                              **{q: asdict(self.curve_stats(r, q)) for q in QUANTITIES}} for r in self.runs},
+                              **{q: asdict(self.curve_stats(r, q)) for q in self.quantities}} for r in self.runs},
             "against_baseline": {r.run.name: {
                 **r.verdict.to_dict(), "calibrated": r.bounds.calibrated,
                 "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
                 "fp32_distance_ratio": r.fp32_distance_ratios,
-                "config_differences": r.config_differences,
+                "config_differences": r.config_differences, "routing": r.routing,
                 **{f"{key}_diff": asdict(d) for key, d in r.diffs.items()}} for r in self.results},
         }
 
@@ -210,11 +215,34 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
                        f"--allow_fingerprint_mismatch to compare them anyway" for m in code]
     if mismatches:
         raise NotComparable(mismatches)
-    _check_references(base, references, num_steps)
+    quantities = quantities_of([*runs, *references], num_steps)
+    _check_references(base, references, num_steps, quantities)
     fp32_twin = next((r for r in references if r.precision == "fp32" != base.precision), None)
-    results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol),
-                       fp32_twin) for run in others]
-    return Comparison(base, [base, *others], num_steps, results, warnings, list(references))
+    results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol,
+                                                        quantities), fp32_twin, quantities) for run in others]
+    return Comparison(base, [base, *others], num_steps, results, warnings, list(references), quantities)
+
+
+def quantities_of(runs: list[Run], num_steps: int) -> tuple[str, ...]:
+    """The curves judged: the three, and the load-balancing loss where every run records it at every step."""
+    routed = all(step.get(AUX_LOSS) is not None for run in runs for step in run.steps[:num_steps])
+    return (*QUANTITIES, AUX_LOSS) if routed else QUANTITIES
+
+
+def routing_diff(base: Run, run: Run, num_steps: int) -> dict | None:
+    """Where a mixture of experts' expert loads differ from the baseline's: per step and sparse layer, the token-expert
+    assignments that moved (half the summed count differences) — the flips a near-tie can take under another
+    reduction order. None where either run records no loads."""
+    if not all("expert_loads" in s for r in (base, run) for s in r.steps[:num_steps]):
+        return None
+    moved = []
+    for a, b in zip(run.steps[:num_steps], base.steps[:num_steps]):
+        for layer, (row, ref) in enumerate(zip(a["expert_loads"], b["expert_loads"])):
+            n = sum(abs(x - y) for x, y in zip(row, ref)) // 2
+            if n:
+                moved.append({"step": a["step"], "layer": layer, "assignments": n})
+    return {"equal": not moved, "steps": sorted({m["step"] for m in moved}),
+            "assignments_moved": sum(m["assignments"] for m in moved), "first": moved[0] if moved else None}
 
 
 def comparability_mismatches(base: Run, run: Run) -> list[str]:
@@ -250,11 +278,11 @@ def code_mismatches(base: Run, run: Run) -> list[str]:
 
 
 def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol: float | None = None,
-               grad_norm_rtol: float | None = None) -> Bounds:
+               grad_norm_rtol: float | None = None, quantities: tuple = QUANTITIES) -> Bounds:
     """Calibrated on the references when there are any and the run is at the baseline's precision; else
     the fixed table of the looser precision. --tolerance / --grad_norm_tolerance replace one curve's bound."""
     if references and run.precision == base.precision:
-        series = lambda r: {q: _series(r, q, num_steps) for q in QUANTITIES}  # noqa: E731
+        series = lambda r: {q: _series(r, q, num_steps) for q in quantities}  # noqa: E731
         names = ", ".join(storage.name(r.file) for r in references)
         bounds = calibrated_bounds(series(base), [series(r) for r in references], base.precision,
                                    f"calibrated: {NOISE_K} × the noise of {names}")
@@ -267,7 +295,7 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
         why = "no noise reference" if not references else "the run's precision differs from the baseline's"
         bounds = fixed_bounds(tolerances.CURVES[looser], num_steps,
                               f"the fixed {looser} table ({base.name} {base.precision}, {run.name} {run.precision}); "
-                              f"uncalibrated: {why}")
+                              f"uncalibrated: {why}", quantities)
     for quantity, value, flag in (("loss", rtol, "--tolerance"), ("grad_norm", grad_norm_rtol, "--grad_norm_tolerance")):
         if value is not None:
             bounds = Bounds({**bounds.per_step, quantity: [value] * num_steps}, f"{bounds.source}; {quantity} {flag}",
@@ -293,7 +321,7 @@ def first_outside(series: dict[str, list[float]], baseline: dict[str, list[float
         if per_step:
             break
     if bounds.calibrated:
-        for quantity in QUANTITIES:
+        for quantity in bounds.envelope:
             drift = first_drift(relative_diffs(series[quantity], baseline[quantity]), bounds.envelope[quantity])
             if drift and (per_step is None or drift.last_step < per_step.step):
                 per_step = Outside(quantity=quantity, rel_diff=abs(drift.mean_rel_diff), tolerance=drift.bound,
@@ -319,23 +347,24 @@ def _flat(config: dict, prefix: str = "") -> dict:
     return out
 
 
-def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None) -> CurveResult:
-    series = {q: _series(run, q, num_steps) for q in QUANTITIES}
-    baseline = {q: _series(base, q, num_steps) for q in QUANTITIES}
-    max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in QUANTITIES}
+def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None,
+            quantities: tuple = QUANTITIES) -> CurveResult:
+    series = {q: _series(run, q, num_steps) for q in quantities}
+    baseline = {q: _series(base, q, num_steps) for q in quantities}
+    max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in quantities}
     verdict = Verdict(run.name, base.name, bounds.source, max_rel, first_outside(series, baseline, bounds))
-    ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in QUANTITIES}
+    ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in quantities}
               if bounds.calibrated else None)
     distance = None
     if fp32_twin is not None and run.precision == base.precision:
-        exact = {q: _series(fp32_twin, q, num_steps) for q in QUANTITIES}
+        exact = {q: _series(fp32_twin, q, num_steps) for q in quantities}
         worst = lambda a, q: max(abs(x - e) for x, e in zip(a[q], exact[q]))  # noqa: E731
-        distance = {q: worst(series, q) / worst(baseline, q) if worst(baseline, q) else math.inf for q in QUANTITIES}
-    return CurveResult(run, bounds, verdict, {q: DiffStats.of(series[q], baseline[q]) for q in QUANTITIES}, ratios,
-                       config_differences(base, run), distance)
+        distance = {q: worst(series, q) / worst(baseline, q) if worst(baseline, q) else math.inf for q in quantities}
+    return CurveResult(run, bounds, verdict, {q: DiffStats.of(series[q], baseline[q]) for q in quantities}, ratios,
+                       config_differences(base, run), distance, routing_diff(base, run, num_steps))
 
 
-def _check_references(base: Run, references: list[Run], num_steps: int) -> None:
+def _check_references(base: Run, references: list[Run], num_steps: int, quantities: tuple = QUANTITIES) -> None:
     """A reference measures the baseline's noise at the baseline's precision (a twin at another layout), or the
     scale of bf16 rounding itself (the bf16 baseline's twin in fp32, at its own layout); and only if it differs."""
     for ref in references:
@@ -345,7 +374,7 @@ def _check_references(base: Run, references: list[Run], num_steps: int) -> None:
         if ref.precision != base.precision and not (base.precision == "bf16" and ref.precision == "fp32" and layout):
             raise ConfigError(f"{name} is {ref.precision} but the baseline is {base.precision}: a noise reference runs "
                               f"at the baseline's precision, or in fp32 at the bf16 baseline's own layout")
-        if all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in QUANTITIES):
+        if all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in quantities):
             raise ConfigError(f"{name} is identical to the baseline: a noise reference must run at another layout "
                               f"(e.g. --num_workers 1 --batch_size {base.config['global_batch_size']})")
 
