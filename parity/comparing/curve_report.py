@@ -108,7 +108,8 @@ def routing_line(r: CurveResult) -> str | None:
     first = r.routing["first"]
     return (f"expert loads: {r.routing['assignments_moved']} token-expert assignments differ from the baseline's over "
             f"{len(r.routing['steps'])} steps (first: step {first['step']}, sparse layer {first['layer']}, "
-            f"{first['assignments']}): near-ties routed the other way; judged by the curves' bounds")
+            f"{first['assignments']}): a near-tie tipped the other way, or the routing parted; judged by the curves' "
+            f"bounds")
 
 
 def replay_command(c: Comparison, r: CurveResult) -> str | None:

@@ -194,6 +194,7 @@ class Strategy:
         ctx.pp_size = self.pp_size(cfg.options)  # before the loop slices this rank's data by ctx.dp_rank
         self.model = None  # the wrapped model whose forward returns HF outputs with .logits
         self.step_routing: dict | None = None  # the last forward_backward's routing record (a mixture of experts)
+        self.step_expert_ids: list[torch.Tensor] = []  # and per sparse layer, the experts each token of the rank went to
 
     # --- driver side ------------------------------------------------------------------------------
     @classmethod
@@ -339,6 +340,7 @@ class Strategy:
         counted, totals = (self.count_routes(micro_batches, tap) if aux and len(micro_batches) > 1 else (None, None))
         local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         counts = prob_sums = None
+        chosen = []
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self.accumulating(last):
@@ -347,6 +349,7 @@ class Strategy:
                 summed = loss_sum(logits, micro.labels)
                 loss = self.micro_batch_loss(summed, micro, batch, global_tokens)
                 if tap:
+                    chosen.append([ids.detach() for _, ids in calls])
                     mask = routing.real_tokens(micro.labels)
                     mine = routing.expert_counts(calls, mask, moe.num_experts)
                     counts = mine if counts is None else counts + mine
@@ -362,6 +365,7 @@ class Strategy:
                 raise RuntimeError("the counting forward routed differently from the training forward: the step's "
                                    "load-balancing statistics would not be its own")
             self.step_routing = self.routing_record(counts, prob_sums, totals, moe)
+            self.step_expert_ids = [torch.cat(layer) for layer in zip(*chosen)]
         return local_sum
 
     def router_tap(self):
@@ -372,6 +376,11 @@ class Strategy:
             family = family_of(self.hf_model.config)
             self._router_tap = routing.RouterTap(self.hf_model, family) if family.moe else None
         return self._router_tap
+
+    def router_names(self) -> list[str]:
+        """The sparse layers' routers by Hugging Face name, in layer order (empty for a dense model)."""
+        tap = self.router_tap()
+        return tap.names if tap else []
 
     @torch.no_grad()
     def count_routes(self, micro_batches, tap) -> tuple[torch.Tensor, torch.Tensor]:
