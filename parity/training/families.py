@@ -297,6 +297,9 @@ def _probe_head_dims(model, text, norms: list[str], heads: int, kv: int) -> dict
 
     small = copy.deepcopy(text)
     small.num_hidden_layers, small.vocab_size = 1, 8
+    for width in ("intermediate_size", "moe_intermediate_size"):  # the MLP's (and the experts') width: not probed
+        if isinstance(getattr(small, width, None), int):
+            setattr(small, width, 8)
     if getattr(small, "layer_types", None):
         small.layer_types = small.layer_types[:1]
     probe = type(model)(small).eval()

@@ -114,6 +114,7 @@ PRESETS: dict[str, dict] = {
 }
 
 TINY_PRESETS = tuple(name for name in PRESETS if name.endswith("-tiny"))
+MOE_PRESETS = ("qwen3-moe-tiny", "mixtral-tiny", "deepseek-v3-tiny")  # the mixtures of experts among them
 
 # The learning rate a preset trains well with when --learning_rate is not given. 1e-5 is the seed's; the tiny
 # models need a larger one for their loss to move within 100 steps.
