@@ -258,3 +258,18 @@ def test_the_published_mixtures_of_experts_resolve_as_built_ins():
         assert moe.expert_weights == {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
         model = meta_model(config)
         assert sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) == expert_params
+
+
+def test_the_main_job_takes_a_mixture_of_experts_and_ep_size(tmp_path):
+    """run_verification_main.sh with MODEL_NAME=qwen3-moe-tiny EP_SIZE=2: the expert-parallel runs at EP 2, DDP (the
+    baseline: every expert on every rank) at 1 — resolved, as the job resolves every run before the first starts."""
+    from parity.commands.main_job import build_parser, run_plan
+    from parity.training.config import resolve
+    from parity.training.local_group import CLUSTER
+
+    args = build_parser().parse_args(["--output_dir", str(tmp_path), "--model_name", "qwen3-moe-tiny", "--ep_size",
+                                      "2", "--strategies", "ddp fsdp transformers", "--device", "cpu"])
+    cfgs = [resolve(strategy, values, cluster=CLUSTER, weights_written_before_launch=True)
+            for strategy, values in run_plan(args, str(tmp_path), CLUSTER)]
+    assert [(c.strategy, c.tp_size, c.dp_size, c.ep_size) for c in cfgs] == [
+        ("ddp", 1, 2, 1), ("fsdp", 2, 2, 2), ("transformers", 2, 2, 2)]
