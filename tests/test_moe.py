@@ -34,7 +34,8 @@ SETUPS = {  # preset → {setup: (strategy, layout)}: TP only where the family's
                        "transformers_ep2": ("transformers", EP2)},
     "mixtral-tiny": {"fsdp_ep2": ("fsdp", EP2), "fsdp_tp2_ep2": ("fsdp", TP2_EP2),
                      "transformers_ep2": ("transformers", EP2), "transformers_tp2_ep2": ("transformers", TP2_EP2)},
-    "deepseek-v3-tiny": {"fsdp_ep2": ("fsdp", EP2), "transformers_ep2": ("transformers", EP2)},
+    "deepseek-v3-tiny": {"fsdp_ep2": ("fsdp", EP2), "transformers_ep2": ("transformers", EP2),
+                         "deepspeed_ep2": ("deepspeed", EP2)},  # DeepSpeed's AutoEP: the one family it runs here
 }
 BUG_PRESET = "qwen3-moe-tiny"
 # Each seeded bug: its copy, the layout it shows in, its first FAIL step and curve, and the layer check's first
@@ -226,6 +227,9 @@ def test_fsdp_expert_parallelism_passes_the_calibrated_bf16_verdict(moe_runs, ca
      "--ep_size 4 does not fit --dp_size 2 × --tp_size 1: expert groups are whole TP groups within the 2 ranks"),
     ({"model_name": "qwen3-moe-tiny", "num_workers": 2, "ep_size": 2, "strategy": "ddp"},
      "ddp does not shard experts (every expert on every rank): --ep_size must be 1 (got 2)"),
+    ({"model_name": "mixtral-tiny", "num_workers": 2, "ep_size": 2, "strategy": "deepspeed"},
+     "DeepSpeed 0.19.8's AutoEP cannot convert a 'mixtral' model under transformers 5.23.0: its router-logits adapter "
+     "calls transformers' output-capture registry as get(key, default)"),
     ({"model_name": "qwen3-moe-tiny", "num_workers": 4, "pp_size": 2, "dp_size": 2, "strategy": "pipeline"},
      "the pipeline cannot train a 'qwen3_moe' model with its load-balancing loss"),
     ({"model_name": "qwen3-moe-tiny", "num_workers": 2, "tp_size": 2, "tp_plan": "sequence_parallel"},

@@ -40,7 +40,7 @@ from parity.training.config import RunConfig
 from parity.training.data import batch_hash, dp_slice
 from parity.training.memory import PEAK_ORDERS, zero_bound
 from parity.training.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
-                                   persistent_buffers, save_hf_checkpoint, save_init_weights)
+                                   save_hf_checkpoint, save_init_weights)
 from parity.training.record import LossRecord, run_record_path
 from parity.training.strategy import WorkerContext, loss_sum, lr_at
 
@@ -190,7 +190,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
     model_state = probe.report(w, step=total_steps - 1)
     last_batch = batches(total_steps - 1)
     final_loss = evaluate(strategy, dp_slice(last_batch, ctx.dp_rank, cfg.batch_size), last_batch.loss_tokens)  # [7]
-    params = {**strategy.full_parameters(), **persistent_buffers(strategy.hf_model)}
+    params = {**strategy.full_parameters(), **strategy.full_buffers()}
 
     def finish() -> None:
         if ctx.is_logging_rank:

@@ -34,11 +34,11 @@ class RouterTap:
     call's logits and chosen expert ids, in layer order. Outside it (backward's recomputation under activation
     checkpointing, the final evaluation) the hooks keep nothing."""
 
-    def __init__(self, hf_model, family):
+    def __init__(self, hf_model, family, module_of=lambda name: name):
         self.moe = family.moe
-        self.names = [f"{family.stack}.{i}.{self.moe.router}" for i in self.moe.layers]
+        self.names = [f"{family.stack}.{i}.{self.moe.router}" for i in self.moe.layers]  # the stock model's
         self.calls: list | None = None
-        self.handles = [hf_model.get_submodule(name).register_forward_hook(self._hook) for name in self.names]
+        self.handles = [hf_model.get_submodule(module_of(name)).register_forward_hook(self._hook) for name in self.names]
 
     def _hook(self, module, args, output):
         if self.calls is not None:
@@ -54,13 +54,13 @@ class RouterTap:
             self.calls = None
 
 
-def router_output(output, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [tokens, experts], expert ids [tokens, top_k]) of a router's output tuple: the float tensor with one
-    column per expert, and the integer one."""
+def router_output(output, num_experts: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(logits [tokens, experts], expert ids [tokens, top_k]) of a router's output tuple: the first float tensor of
+    [tokens, experts] (None where the router returns none: DeepSpeed's AutoEP router), and the first integer one."""
     tensors = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
-    logits = next(t for t in tensors if t.is_floating_point() and t.shape[-1] == num_experts)
+    logits = next((t for t in tensors if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] == num_experts), None)
     ids = next(t for t in tensors if not t.is_floating_point())
-    return logits.reshape(-1, num_experts), ids.reshape(logits.shape[0] if logits.dim() == 2 else -1, ids.shape[-1])
+    return (None if logits is None else logits.reshape(-1, num_experts)), ids.reshape(-1, ids.shape[-1])
 
 
 def real_tokens(labels: torch.Tensor) -> torch.Tensor:

@@ -285,6 +285,13 @@ class Strategy:
         """Like full_parameters, for the gradients after backward (before clipping and the step)."""
         raise NotImplementedError
 
+    def full_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers a stock model's state dict holds (DeepSeek-V3's routing bias), under its names, on the CPU in
+        fp32: no strategy shards a buffer. Collective where names must be translated (DeepSpeed's AutoEP)."""
+        from parity.training.model import persistent_buffers
+
+        return persistent_buffers(self.hf_model)
+
     def replica_params(self, num_params: int) -> float:
         """The parameters one rank of a model replica holds, for the ZeRO bound (memory.zero_bound): the model's
         `num_params` ÷ tp_size — perfect TP sharding, a lower bound where tensors stay replicated."""
@@ -374,8 +381,13 @@ class Strategy:
             from parity.training.families import family_of
 
             family = family_of(self.hf_model.config)
-            self._router_tap = routing.RouterTap(self.hf_model, family) if family.moe else None
+            self._router_tap = routing.RouterTap(self.hf_model, family, self.router_module) if family.moe else None
         return self._router_tap
+
+    def router_module(self, name: str) -> str:
+        """The module of `hf_model` that routes where the stock model's router `name` does (the same, unless the
+        strategy replaced the sparse block: DeepSpeed's AutoEP)."""
+        return name
 
     def router_names(self) -> list[str]:
         """The sparse layers' routers by Hugging Face name, in layer order (empty for a dense model)."""
