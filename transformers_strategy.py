@@ -50,7 +50,7 @@ class TransformersStrategy(DTensorStrategy):
     def validate(cls, settings, model_config) -> None:
         try:
             import accelerate  # noqa: F401  (from_pretrained with a device map needs it)
-            from transformers import DistributedConfig
+            from transformers import DistributedConfig  # noqa: F401  (transformers' own distributed training)
         except ImportError as exc:
             raise LibraryMissing(cls.name, exc) from None
         from parity.training.model import meta_model

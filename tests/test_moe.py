@@ -15,12 +15,11 @@ import shutil
 import pytest
 
 from conftest import FP32_RTOL, final_parameters, max_abs_param_diff, max_rel_diff, series
+from test_families import family_weights, verdict
 from parity.calibration import bugs
-from parity.commands.compare_curves import main as plot_loss_curves
 from parity.commands.layer_check import main as run_verification
 from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32, NOISE_K
 from parity.training.local_group import plan, run_group
-from parity.training.presets import MOE_PRESETS
 from parity.training.record import load_record, run_record_path
 
 FP32 = {"seq_length": 32, "debug_steps": 4, "learning_rate": 3e-4, "log_interval": 4, "checkpoint_interval": 0,
@@ -61,14 +60,6 @@ BF16_RUNS = {  # file → (strategy, layout): DDP's bf16 baseline, its three ref
 }
 
 
-def preset_weights(root, preset: str, seed: int = 42) -> str:
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
-
-    path = str(root / f"{preset}_{seed}.pt")
-    save_init_weights(build_model(resolve_model_config(preset), seed), path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
     """{key: (record path, record)}: per preset DDP and its setups, the seeded bugs, and (key "bf16") the folder of
@@ -81,14 +72,14 @@ def moe_runs(tmp_path_factory):
                                        "experiment_name": "_".join(map(str, key)), **values})
 
     for preset, setups in SETUPS.items():
-        common = {**FP32, "model_name": preset, "init_weights_path": preset_weights(root, preset)}
+        common = {**FP32, "model_name": preset, "init_weights_path": family_weights(root, preset)}
         for name, (strategy, layout) in {"ddp": ("ddp", DDP), **setups}.items():
             add((preset, name), strategy, {**common, **layout}, root / preset / name)
     common = {**FP32, "model_name": BUG_PRESET, "init_weights_path": str(root / f"{BUG_PRESET}_42.pt")}
     for name, (cls, layout, _, _) in BUGS.items():
         add(("bug", name), "ddp" if cls.__mro__[1].name == "ddp" else "fsdp",
             {**common, **layout, "strategy_class": cls}, root / "bugs" / name)
-    weights = preset_weights(root, BF16_PRESET, SEED_BF16)
+    weights = family_weights(root, BF16_PRESET, SEED_BF16)
     for file, (strategy, layout) in BF16_RUNS.items():
         add(("bf16", file), strategy, {**BF16, "model_name": BF16_PRESET, "init_weights_path": weights, **layout},
             root / "bf16")
@@ -142,12 +133,6 @@ def test_the_load_balancing_loss_is_transformers_own_on_one_batch():
         assert counts.sum() == moe.top_k * len(moe.layers) * mask.sum()
         mine = routing.aux_loss_term(routing.probability_sums(calls, mask), counts, moe.top_k)
         assert abs(float(mine) / float(out.aux_loss) - 1) < 1e-6
-
-
-def verdict(folder, capsys) -> tuple[int, dict, str]:
-    code = plot_loss_curves(["--input_dir", str(folder), "--output", str(folder / "curves.png")])
-    out = capsys.readouterr().out
-    return code, json.loads((folder / "curve_comparison.json").read_text()), out
 
 
 @pytest.mark.parametrize("bug", BUGS)
