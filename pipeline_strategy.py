@@ -195,11 +195,11 @@ class PipelineStrategy(Strategy):
         if p * d != n:
             raise ConfigError(f"--pp_size {p} × --dp_size {d} ≠ --num_workers {n}: pass --num_workers {p * d} or "
                               f"--dp_size {n // p}")
-        moe = family_of(model_config).moe
-        if moe and moe.aux_loss_coef:
-            raise ConfigError(f"the pipeline cannot train a '{model_config.model_type}' model with its load-balancing "
-                              f"loss: the loss is one product of statistics of every stage's routers over the global "
-                              f"batch (docs/moe.md), and a stage sees only its own: use train_fsdp.py, or train_ddp.py")
+        if family_of(model_config).moe:
+            raise ConfigError(f"the pipeline does not train a mixture of experts ('{model_config.model_type}'): its "
+                              f"load-balancing loss is one product of statistics of every stage's routers over the "
+                              f"global batch (docs/moe.md), and a stage sees only its own: use train_fsdp.py or "
+                              f"train_ddp.py")
         stages, layers = stage_count(o), model_config.num_hidden_layers
         if layers % stages:
             fit = layers - layers % stages or stages

@@ -245,7 +245,7 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     found = {}
     for name, owner in module.named_modules():
         for key, buffer in owner.named_buffers(recurse=False):
-            if buffer is not None and key not in owner._non_persistent_buffers_set:
+            if buffer is not None and not buffer.is_meta and key not in owner._non_persistent_buffers_set:
                 found[f"{name}.{key}" if name else key] = buffer.detach().float().cpu().clone()
     return found
 
