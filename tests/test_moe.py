@@ -22,7 +22,7 @@ from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32, NOISE_K
 from parity.training.local_group import plan, run_group
 from parity.training.record import load_record, run_record_path
 
-FP32 = {"seq_length": 32, "debug_steps": 4, "learning_rate": 3e-4, "log_interval": 4, "checkpoint_interval": 0,
+FP32 = {"seq_length": 32, "debug_steps": 3, "learning_rate": 3e-4, "log_interval": 3, "checkpoint_interval": 0,
         "precision": "fp32", "dataset": "synthetic_padded", "grad_accum_steps": 2}
 DDP = {"num_workers": 2, "batch_size": 4}  # the global batch of 8 samples every setup shares
 EP2 = {"num_workers": 4, "ep_size": 2, "batch_size": 2}  # DP 4, experts over EP groups of 2 (2 copies of each)
@@ -47,8 +47,8 @@ BUGS = {
     "gate_up_halves": (bugs.FSDPFusedExpertGateUpSplitInHalves, TP2, (0, "loss"), ("mlp.experts", "forward output")),
 }
 SEED_BF16 = 66  # outside the calibration study's seeds (42–61), test_calibration's (64) and test_families' (65)
-BF16 = {"seq_length": 32, "debug_steps": 12, "learning_rate": 1e-3, "warmup_steps": 3, "max_grad_norm": 0.8,
-        "log_interval": 12, "checkpoint_interval": 0, "seed": SEED_BF16, "precision": "bf16"}
+BF16 = {"seq_length": 32, "debug_steps": 10, "learning_rate": 1e-3, "warmup_steps": 3, "max_grad_norm": 0.8,
+        "log_interval": 10, "checkpoint_interval": 0, "seed": SEED_BF16, "precision": "bf16"}
 BF16_PRESET = "mixtral-tiny"
 BF16_RUNS = {  # file → (strategy, layout): DDP's bf16 baseline, its three references, FSDP2 + EP's bf16 run
     "loss_ddp.json": ("ddp", {"num_workers": 2, "batch_size": 2}),
