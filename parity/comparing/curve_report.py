@@ -129,6 +129,8 @@ def replay_command(c: Comparison, r: CurveResult) -> str | None:
     output = os.path.join(records, f"replay_step_{f.step}") if records else f"replay_step_{f.step}"
     flags = ["--output_dir", output, "--replay", checkpoints, "--step", str(f.step),
              "--tp_size", str(run["tp_size"]), "--dp_size", str(run["dp_size"]), "--batch_size", str(run["batch_size"])]
+    if run.get("ep_size", 1) > 1:
+        flags += ["--ep_size", str(run["ep_size"])]
     if run.get("strategy_class"):
         flags += ["--strategy_class", run["strategy_class"]]
     for name, value in sorted(run.get("options", {}).items()):
