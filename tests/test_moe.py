@@ -262,3 +262,20 @@ def test_the_main_job_takes_a_mixture_of_experts_and_ep_size(tmp_path):
             for strategy, values in run_plan(args, str(tmp_path), CLUSTER)]
     assert [(c.strategy, c.tp_size, c.dp_size, c.ep_size) for c in cfgs] == [
         ("ddp", 1, 2, 1), ("fsdp", 2, 2, 2), ("transformers", 2, 2, 2)]
+
+
+def test_the_benchmarks_dry_form_bounds_a_published_mixture_of_experts(tmp_path, capsys):
+    """benchmark.py --dry_run on Mixtral-8x7B, whole, on 8 GPUs it does not need: each row's ZeRO bound per rank from
+    the shapes alone, and the experts one layer gathers, halved by EP 2."""
+    from parity.commands.benchmark import main
+
+    assert main(["--output_dir", str(tmp_path), "--model_name", "mistralai/Mixtral-8x7B-v0.1", "--num_workers", "8",
+                 "--device", "cuda", "--rows", "ddp,fsdp,fsdp_ep", "--dry_run"]) == 0
+    rows = {r["row"]: r for r in json.loads((tmp_path / "benchmark_dry.json").read_text())["rows"]}
+    psi, experts = rows["ddp"]["num_params"], rows["ddp"]["expert_params"]
+    assert (psi, experts) == (46_702_792_704, 32 * 8 * 3 * 4096 * 14336)
+    assert rows["ddp"]["zero_bound_total_bytes"] == 16 * psi  # fp32 weights, gradients and Adam's two moments
+    assert rows["fsdp"]["zero_bound_total_bytes"] == rows["fsdp_ep"]["zero_bound_total_bytes"] == 16 * psi / 8
+    assert rows["fsdp"]["experts_gathered_per_layer_bytes"] == 4 * experts / 32
+    assert rows["fsdp_ep"]["experts_gathered_per_layer_bytes"] == 4 * experts / 32 / 2
+    assert "FSDP2 + EP ep2" in capsys.readouterr().out
