@@ -17,6 +17,11 @@ Only what differs from DDP is here; the numbered comments match docs/deepspeed.m
 [6] Checkpoints: the engine's own save_checkpoint / load_checkpoint (every rank its model and ZeRO files).
 [7] Replicas: what ranks hold alike — whole parameters, TP shards over DP, master fragments and moments of the
     parameters AutoTP leaves whole — for the loop's check that they stay alike.
+[8] --ep_size > 1: DeepSpeed's AutoEP (expert_parallel in the engine config) replaces each sparse block by its own
+    layer — its router (router.gate), the experts unfused and EP-sharded (w1 gate, w3 up, w2 down: [E / ep, ...]),
+    the shared experts kept — inside initialize, so the shared AdamW is handed over as a callable DeepSpeed calls on
+    the replaced parameters, in the MoE parameter groups ZeRO requires (the same hyperparameters in every group).
+    Full tensors come back under the stock model's names and layout (gate_up_proj = [w1; w3], gathered over EP).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ CHECKPOINT_TAG = "deepspeed"  # the engine's checkpoint folder inside a checkpoi
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
+    expert_parallel = True  # DeepSpeed's AutoEP, where 0.19.8 runs the family (check_autoep)
     options = (
         Option("zero_stage", 1, type=int, choices=ZERO_STAGES,
                help="ZeRO stage: 0 none (DeepSpeed's data parallelism: gradients all-reduced), 1 shards the optimizer "
@@ -124,22 +130,45 @@ class DeepSpeedStrategy(Strategy):
         check_release_runs(deepspeed.__version__, settings)
         if settings.tp_size > 1:
             autotp_partition_config(model_config, given_config(settings.options))  # raises for a family it cannot shard
+        if settings.ep_size > 1:
+            check_autoep(model_config, settings.tp_size)
+            if policy.master_copy:
+                raise ConfigError(f"DeepSpeed's AutoEP (--ep_size {settings.ep_size}) with --precision {settings.precision}: "
+                                  f"the harness drives AutoEP in the fp32 and bf16 policies only (its experts' master "
+                                  f"partitions are not read back yet): use --precision bf16, or train_fsdp.py")
 
     # --- worker side ------------------------------------------------------------------------------
     def setup(self, model) -> None:
         deepspeed = import_deepspeed(self.ctx.device)  # [1]
         if self.cfg.activation_checkpointing:  # the Hugging Face model's own, as DeepSpeed's HF integration uses
             model.activation_checkpointing_enable()
-        optimizer = build_optimizer(model.parameters(), self.cfg)  # AutoTP keeps the Parameter objects
         forget_other_tp_layout(self.cfg.tp_size)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(self.cfg))  # [2]
+        if self.cfg.ep_size > 1:  # [8] AutoEP replaces parameters inside initialize: the optimizer is built after
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=self._moe_optimizer,
+                                                   model_parameters=list(model.parameters()), config=engine_config(self.cfg))
+        else:
+            optimizer = build_optimizer(model.parameters(), self.cfg)  # AutoTP keeps the Parameter objects
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(self.cfg))  # [2]
         self.model = self.engine
         check_rank_layout(self.engine, self.ctx)  # [3]
         if self.cfg.compile:
             self.engine.compile()  # DeepSpeed's own: the engine's whole module
         self.family = family_of(model.config)
         self.column_shards = column_parallel_outputs(self.engine.module, self.family)
+        self.autoep = {name: layer for name, layer in self.engine.module.named_modules()
+                       if getattr(layer, "_is_autoep_layer", False)}
 
+    def _moe_optimizer(self, params):
+        """[8] The shared AdamW over the parameters AutoEP left, in DeepSpeed's MoE parameter groups."""
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        return build_optimizer(split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(params), "name": "parity"}), self.cfg)
+
+    def router_module(self, name: str) -> str:
+        """[8] An AutoEP layer's router is its own module (`router`), where the stock block has `gate`."""
+        block = name.rsplit(".", 1)[0]
+        return f"{block}.router" if block in self.autoep else name
     @property
     def zero_stage(self) -> int:
         return self.cfg.options["zero_stage"]
@@ -217,13 +246,23 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.runtime.utils import is_model_parallel_parameter
         from deepspeed.utils import groups
 
+        from deepspeed.moe.utils import is_moe_param
+
         sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # [TP-sharded, replicated]
+        experts = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)  # AutoEP's: this rank's experts
         for p in self.engine.module.parameters():
             local = local_of(p)
-            if local is not None:
+            if local is None:
+                continue
+            if is_moe_param(p):
+                experts += squared_norm_fp64(local)
+            else:
                 sums[0 if is_model_parallel_parameter(p) else 1] += squared_norm_fp64(local)
         if partitioned or self.zero_stage == 3:
             dist.all_reduce(sums, group=self.engine.seq_data_parallel_group)
+        if self.autoep:  # [8] each rank of an EP group holds other experts
+            dist.all_reduce(experts, group=next(iter(self.autoep.values())).ep_group)
+            sums[1] += experts[0]
         if self.ctx.tp_size > 1:
             sharded = sums[:1].clone()
             dist.all_reduce(sharded, group=groups.get_tensor_model_parallel_group())
@@ -333,13 +372,39 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.utils import safe_get_full_fp32_param
 
         if self.zero_stage == 0:
-            return self._full_tensors(self._local_master)
-        return self._full_tensors(safe_get_full_fp32_param)
+            return self._stock_names(self._full_tensors(self._local_master))
+        return self._stock_names(self._full_tensors(safe_get_full_fp32_param))  # the master weights, what it updates
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_grad
 
-        return self._full_tensors(safe_get_full_grad)
+        return self._stock_names(self._full_tensors(safe_get_full_grad))
+
+    def full_buffers(self) -> dict[str, torch.Tensor]:
+        from parity.training.model import persistent_buffers
+
+        return self._stock_names(persistent_buffers(self.engine.module), experts=False)
+
+    def _stock_names(self, full: dict[str, torch.Tensor], experts: bool = True) -> dict[str, torch.Tensor]:
+        """[8] AutoEP's tensors under the stock model's names and layout: its router's (router.gate.weight, the routing
+        bias) as the block's gate's, its experts gathered over the EP group and fused back (gate_up_proj = [w1; w3] on
+        dim 1, down_proj = w2). Collective (the gathers), in one order on every rank."""
+        import torch.distributed as dist
+
+        for block, layer in self.autoep.items():
+            for key in [k for k in full if k.startswith(f"{block}.router.")]:
+                full[f"{block}.gate." + key.split(".router.", 1)[1].removeprefix("gate.")] = full.pop(key)
+            if not experts:
+                continue
+            whole = {}
+            for w in ("w1", "w2", "w3"):
+                mine = full.pop(f"{block}.experts.{w}")
+                pieces = [torch.empty_like(mine) for _ in range(layer.ep_size)]
+                dist.all_gather(pieces, mine.to(self.ctx.device).contiguous(), group=layer.ep_group)
+                whole[w] = torch.cat(pieces).cpu()
+            full[f"{block}.experts.gate_up_proj"] = torch.cat([whole["w1"], whole["w3"]], dim=1)
+            full[f"{block}.experts.down_proj"] = whole["w2"]
+        return full
 
     def save_state(self, directory: str) -> None:  # [6]
         self.engine.save_checkpoint(directory, tag=CHECKPOINT_TAG, save_latest=False)
@@ -630,6 +695,41 @@ def given_config(options: dict) -> dict:
     return (options.get("deepspeed_config") or {}).get("config", {})
 
 
+def check_autoep(model_config, tp_size: int) -> None:
+    """ConfigError, before any worker, where DeepSpeed's AutoEP cannot train the family here: at --tp_size > 1 (AutoTP
+    refuses the experts' plan), a family it has no preset for, and one whose preset retargets transformers' router-
+    logit recorders — qwen3_moe, mixtral — where DeepSpeed 0.19.8 calls transformers' output-capture registry as
+    get(key, default) and transformers 5.23's takes the key alone: initialize fails with a TypeError (measured)."""
+    import inspect
+
+    from deepspeed.module_inject.auto_ep_presets.base import TransformersTopLevelRouterLogitsAdapter
+    from deepspeed.module_inject.auto_ep_presets.registry import get_preset, get_preset_adapter, preset_name_for_hf_model_type
+    from transformers.utils import output_capturing
+
+    model_type = model_config.model_type
+    if tp_size > 1:
+        raise ConfigError(f"DeepSpeed's AutoEP runs at --tp_size 1 here (AutoTP refuses a '{model_type}' model's expert "
+                          f"plan): drop --tp_size, or use train_fsdp.py / train_transformers.py for TP with EP")
+    preset = preset_name_for_hf_model_type(model_type)
+    if preset is None:
+        raise ConfigError(f"DeepSpeed {_deepspeed_version()}'s AutoEP has no preset for a '{model_type}' model: use "
+                          f"--ep_size 1, or train_fsdp.py / train_transformers.py for expert parallelism")
+    adapter = get_preset_adapter(get_preset(preset).preset_adapter or preset)
+    takes_default = len(inspect.signature(output_capturing._CAN_RECORD_REGISTRY.get).parameters) > 1
+    if isinstance(adapter, TransformersTopLevelRouterLogitsAdapter) and not takes_default:
+        raise ConfigError(f"DeepSpeed {_deepspeed_version()}'s AutoEP cannot convert a '{model_type}' model under "
+                          f"transformers {_transformers_version()}: its router-logits adapter calls transformers' "
+                          f"output-capture registry as get(key, default), which this transformers' does not take "
+                          f"(a TypeError inside deepspeed.initialize): use train_fsdp.py or train_transformers.py for "
+                          f"expert parallelism")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def autotp_partition_config(model_config, user: dict) -> dict | None:
     """How AutoTP shards the model: None where DeepSpeed's own path does it — the user's
     tensor_parallel.partition_config, or the model's Hugging Face TP plan, which DeepSpeed converts when it knows every
@@ -653,6 +753,10 @@ def autotp_partition_config(model_config, user: dict) -> dict | None:
     if (user.get("tensor_parallel") or {}).get("partition_config"):
         return None
     family = family_of(model_config)
+    if family.moe:
+        raise ConfigError(f"DeepSpeed AutoTP cannot shard a '{family.model_type}' model: DeepSpeed "
+                          f"{_deepspeed_version()} refuses its experts' plan (moe_tp_experts) and shards no fused 3-D "
+                          f"expert weight: use --tp_size 1 (ZeRO), or train_fsdp.py / train_transformers.py")
     try:
         TPPlanConverter.convert(_get_hf_tp_plan(meta_model(model_config)))
         return None
@@ -718,6 +822,8 @@ def _harness_config(cfg) -> dict:
         # with ZeRO-Offload and wants DeepSpeedCPUAdam, a JIT-built op (2 minutes of g++ per host) whose
         # arithmetic differs from torch's AdamW (5e-6 of a parameter after a few steps at lr 1e-3).
         config["zero_force_ds_cpu_optimizer"] = False
+    if cfg.ep_size > 1:  # [8]
+        config["expert_parallel"] = {"enabled": True, "autoep_size": cfg.ep_size}
     if cfg.tp_size > 1:
         config["tensor_parallel"] = {"autotp_size": cfg.tp_size}
         from parity.training.model import model_config_from_dict

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from expert_parallel import apply_ep, apply_etp
 from parity.errors import ConfigError
 from parity.training.dtensor_strategy import DTensorStrategy, gather_local_output
 from parity.training.families import family_of
@@ -118,11 +119,13 @@ def tp_plan(family, sequence_parallel: bool = False, norm_style=SequenceParallel
     for proj in family.mlp_in:
         plan[proj.name] = PackedColwiseParallel(len(proj.parts)) if proj.fused else ColwiseParallel()
         local[proj.name] = (-1, len(proj.parts))
-    local[family.mlp_act] = (-1, 1)
+    if family.mlp_act:  # a mixture of experts whose every layer is sparse has no dense MLP
+        local[family.mlp_act] = (-1, 1)
     attention_input = Replicate() if fused_qkv else Shard(-1)
     if not sequence_parallel:
         plan[family.attention_out] = RowwiseParallel(input_layouts=attention_input)
-        plan[family.mlp_out] = RowwiseParallel()
+        if family.mlp_out:
+            plan[family.mlp_out] = RowwiseParallel()
         return TPPlan(plan, local)
     plan.update({norm: norm_style() for norm in family.layer_norms})
     plan[family.attention] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
@@ -137,10 +140,31 @@ def tp_plan(family, sequence_parallel: bool = False, norm_style=SequenceParallel
 
 
 def apply_tp(model, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
-    """Tensor-parallelise each decoder layer by `plan`; leave the embedding, lm_head and the residual stream's norms
-    replicated over tp."""
+    """Tensor-parallelise each decoder layer by `plan` (the rules naming its modules: a dense MLP's are not a sparse
+    layer's); leave the embedding, lm_head and the residual stream's norms replicated over tp."""
     for layer in model.get_submodule(family_of(model.config).stack):
-        parallelize_module(layer, tp_mesh, plan.layer)
+        parallelize_module(layer, tp_mesh, layer_rules(layer, plan.layer))
+
+
+def layer_rules(layer, rules: dict) -> dict:
+    """The rules of a plan that name a module of this decoder layer."""
+    names = dict(layer.named_modules())
+    return {name: style for name, style in rules.items() if name in names}
+
+
+def apply_moe(model, mesh: DeviceMesh, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh, etp=apply_etp) -> None:
+    """A mixture of experts' experts: over "ep" by expert with all-to-all token dispatch when --ep_size > 1
+    (expert_parallel.apply_ep), else split within each expert over "tp" when --tp_size > 1 (expert_parallel.apply_etp,
+    by the family's description of the fused weights); the routers and shared experts stay replicated, as the
+    residual stream they read. `mesh` is the ("dp", "tp") mesh."""
+    family = family_of(model.config)
+    stack = model.get_submodule(family.stack)
+    for i in family.moe.layers:
+        experts = stack[i].get_submodule(family.moe.experts)
+        if ep_mesh is not None:
+            apply_ep(experts, ep_mesh["ep"], tp_mesh)
+        elif tp_mesh.size() > 1:
+            etp(experts, tp_mesh, family.moe.expert_weights)
 
 
 def apply_sequence_parallel(model, tp_mesh: DeviceMesh, plan: TPPlan, norm_style=SequenceParallel) -> None:
@@ -206,6 +230,23 @@ def apply_fsdp(model, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offl
     fully_shard(model, mesh=dp_mesh, **kwargs)
 
 
+def apply_expert_fsdp(model, ep_mesh: DeviceMesh, dp_size: int, mp_policy, offload_policy,
+                      divide_factor: float | None = None) -> None:
+    """Under expert parallelism each experts module is its own FSDP2 group over "efsdp", the ranks holding the same
+    experts (before the layers' groups, which then leave its parameters alone). Their gradients are summed over efsdp
+    and divided by `divide_factor`, dp_size: each token reached one copy of its experts (expert_parallel.py). gloo has
+    no PREMUL_SUM, with which FSDP2 divides by a factor other than the group's size: it sums and divides locally."""
+    family = family_of(model.config)
+    stack = model.get_submodule(family.stack)
+    efsdp = ep_mesh["efsdp"]
+    for i in family.moe.layers:
+        experts = stack[i].get_submodule(family.moe.experts)
+        fully_shard(experts, mesh=efsdp, mp_policy=mp_policy, offload_policy=offload_policy)
+        experts.set_gradient_divide_factor(float(divide_factor or dp_size))
+        if efsdp.size() > 1:  # one rank: no reduction, FSDP2 divides by the factor itself
+            experts.set_force_sum_reduction_for_comms(True)
+
+
 def fsdp_shard_dim(param) -> Shard | None:
     """The dim FSDP2 shards a parameter over dp: its default (dim 0), but dim 1 for a packed TP parameter (a
     _StridedShard of dim 0: PackedColwiseParallel). Sharded over dp on the same dim, FSDP2 (torch 2.13) records a
@@ -261,6 +302,8 @@ class FSDPStrategy(DTensorStrategy):
     )
     zero_stage = 3  # full sharding: parameters, gradients and optimizer state all divided over dp
     precisions = tuple(POLICIES)
+    expert_parallel = True
+    code_modules = ("expert_parallel",)  # its mixture-of-experts parallelism: in the run's strategy fingerprint
 
     @classmethod
     def precision_request(cls, options: dict):
@@ -292,6 +335,9 @@ class FSDPStrategy(DTensorStrategy):
                               "layers' recomputed tensors changed (torch.utils.checkpoint.CheckpointError, pytorch#166926): "
                               "use one of the two")
         if settings.options["tp_plan"] == "sequence_parallel":
+            if family_of(model_config).moe:
+                raise ConfigError("--tp_plan sequence_parallel does not shard a mixture of experts' sparse blocks over "
+                                  "the sequence: use --tp_plan default (the experts take the TP ranks' token slices)")
             if settings.tp_size < 2:
                 raise ConfigError(f"--tp_plan sequence_parallel shards the sequence over the TP ranks but --tp_size is "
                                   f"{settings.tp_size}: use --tp_size 2 or more")
@@ -312,15 +358,38 @@ class FSDPStrategy(DTensorStrategy):
         self.plan = self.tp_plan()
         if self.ctx.tp_size > 1:  # with tp_size 1 this is pure FSDP2 on the 1-D "dp" sub-mesh
             self.apply_tp_plan(model, mesh["tp"])
+        self.ep_mesh = self.expert_mesh()
+        if self.family.moe and (self.ep_mesh is not None or self.ctx.tp_size > 1):
+            self.apply_experts_plan(model, mesh)
         if self.cfg.activation_checkpointing:
             apply_ac(model)
         if self.cfg.compile:
             apply_compile(model)
+        if self.ep_mesh is not None:
+            self.apply_expert_fsdp(model)
         apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg), offload_policy(self.cfg))
         self.mesh, self.tp_mesh = mesh, mesh["tp"]
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.cfg)
         self.scaler = LossScaler(**self.cfg.loss_scaling) if policy_of(self.cfg).loss_scaling else None
+
+    def expert_mesh(self) -> DeviceMesh | None:
+        """With --ep_size E > 1: the ("efsdp", "ep") mesh over the same ranks, rank = efsdp_rank × E + ep_rank — an EP
+        group is E consecutive ranks (whole TP groups: E is a multiple of tp_size), efsdp the ranks holding the same
+        experts. None without EP."""
+        ep = self.cfg.ep_size
+        if ep == 1:
+            return None
+        return init_device_mesh(self.ctx.device.type, (self.ctx.world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+
+    def apply_experts_plan(self, model, mesh: DeviceMesh) -> None:
+        """The experts over "ep", or within each expert over "tp" (a test copy with a bug in it overrides this)."""
+        apply_moe(model, mesh, self.ep_mesh, mesh["tp"])
+
+    def apply_expert_fsdp(self, model) -> None:
+        """The experts' FSDP2 groups over "efsdp" (a test copy with a bug in it overrides this)."""
+        apply_expert_fsdp(model, self.ep_mesh, self.ctx.dp_size, mixed_precision_policy(self.cfg),
+                          offload_policy(self.cfg))
 
     @property
     def sequence_parallel(self) -> bool:

@@ -199,6 +199,11 @@ class PipelineStrategy(Strategy):
         if p * d != n:
             raise ConfigError(f"--pp_size {p} × --dp_size {d} ≠ --num_workers {n}: pass --num_workers {p * d} or "
                               f"--dp_size {n // p}")
+        if family_of(model_config).moe:
+            raise ConfigError(f"the pipeline does not train a mixture of experts ('{model_config.model_type}'): its "
+                              f"load-balancing loss is one product of statistics of every stage's routers over the "
+                              f"global batch (docs/moe.md), and a stage sees only its own: use train_fsdp.py or "
+                              f"train_ddp.py")
         stages, layers = stage_count(o), model_config.num_hidden_layers
         if layers % stages:
             fit = layers - layers % stages or stages

@@ -1,6 +1,8 @@
 """transformers' own distributed training ("transformers"): the path a Hugging Face user takes with
-`from_pretrained(..., distributed_config=DistributedConfig(tp_size=..., fsdp_size=...))` — transformers' device
-mesh, the model's own tensor-parallel plan (`base_model_tp_plan`), its FSDP2 plan for data parallelism — with the
+`from_pretrained(..., distributed_config=DistributedConfig(tp_size=..., fsdp_size=..., ep_size=...))` — transformers'
+device mesh, the model's own tensor-parallel plan (`base_model_tp_plan`), a mixture of experts' expert-parallel plan
+(`base_model_ep_plan`: transformers' all-to-all dispatch, experts FSDP2-sharded over the ranks holding the same
+ones), its FSDP2 plan for data parallelism — with the
 harness's shared AdamW, schedule, clipping and loss. It verifies what Hugging Face users run: new code in
 transformers 5, never patched here. When a clean run FAILs, the layer check names the module (docs/model_families.md).
 
@@ -42,12 +44,13 @@ PARTIAL_GRAD_STYLE = "replicated_with_grad_allreduce"  # a replicated norm on lo
 class TransformersStrategy(DTensorStrategy):
     name = "transformers"
     zero_stage = 3  # with dp_size > 1, FSDP2 divides parameters, gradients and optimizer state over dp
+    expert_parallel = True  # a mixture of experts' own base_model_ep_plan, transformers' all-to-all dispatch
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
         try:
             import accelerate  # noqa: F401  (from_pretrained with a device map needs it)
-            from transformers import DistributedConfig
+            from transformers import DistributedConfig  # noqa: F401  (transformers' own distributed training)
         except ImportError as exc:
             raise LibraryMissing(cls.name, exc) from None
         from parity.training.model import meta_model
@@ -60,22 +63,22 @@ class TransformersStrategy(DTensorStrategy):
                 raise ConfigError(f"transformers has no {what} for a '{family.model_type}' model: use --tp_size 1 "
                                   f"and --dp_size 1 there, or train_fsdp.py")
         try:
-            DistributedConfig(tp_size=settings.tp_size, fsdp_size=settings.dp_size)
+            distributed_config(settings)
         except (ValueError, OSError) as exc:
             raise ConfigError(f"transformers' DistributedConfig refuses --tp_size {settings.tp_size} × --dp_size "
-                              f"{settings.dp_size}: {exc}") from None
+                              f"{settings.dp_size} × --ep_size {settings.ep_size}: {exc}") from None
         if settings.compile:
             raise ConfigError("--compile is not supported by the transformers strategy (transformers applies its TP "
                               "by replacing module forwards, which it does not compile): drop it")
 
     def setup(self, model) -> None:
-        from transformers import AutoModelForCausalLM, DistributedConfig
+        from transformers import AutoModelForCausalLM
 
         self.family = family_of(model.config)
         folder = self._hf_folder(model)  # [1]
         try:
             self.model = AutoModelForCausalLM.from_pretrained(
-                folder, distributed_config=DistributedConfig(tp_size=self.ctx.tp_size, fsdp_size=self.ctx.dp_size),
+                folder, distributed_config=distributed_config(self.cfg),
                 dtype=torch.float32, attn_implementation=model.config._attn_implementation)
         finally:
             dist.barrier()
@@ -133,3 +136,11 @@ class TransformersStrategy(DTensorStrategy):
             return output.full_tensor()
         local = self.local_outputs.get(replace_layer_number_by_wildcard(module_name))
         return output if local is None else gather_local_output(output, self.tp_mesh, *local)
+
+
+def distributed_config(settings):
+    """transformers' DistributedConfig of the run's layout (`settings`: a RunConfig, or the flags before launch): TP,
+    FSDP2 over dp, and the model's own expert parallelism at --ep_size."""
+    from transformers import DistributedConfig
+
+    return DistributedConfig(tp_size=settings.tp_size, fsdp_size=settings.dp_size, ep_size=settings.ep_size)

@@ -45,16 +45,21 @@ def shared_code_sha256() -> str:
 
 
 def strategy_code(cls) -> dict:
-    """{"sha256", "files"} over the source files of `cls` and its bases that are not the shared interface."""
+    """{"sha256", "files"} over the source files of `cls` and its bases that are not the shared interface, and of the
+    modules they name in `code_modules` (a strategy's own helpers: the FSDP2 strategy's expert_parallel.py)."""
+    import importlib
+
     shared = {os.path.join(_package_root(), rel) for rel in shared_files()}
     files = []
     for klass in cls.__mro__:
         try:
-            path = os.path.abspath(inspect.getsourcefile(klass) or "")
+            paths = [os.path.abspath(inspect.getsourcefile(klass) or "")]
         except TypeError:  # a builtin (object)
             continue
-        if path and path not in shared and path not in files:
-            files.append(path)
+        paths += [os.path.abspath(importlib.import_module(name).__file__) for name in vars(klass).get("code_modules", ())]
+        for path in paths:
+            if path and path not in shared and path not in files:
+                files.append(path)
     files.sort()
     return {"sha256": _files_sha256("", files, named=os.path.basename), "files": [os.path.basename(f) for f in files]}
 

@@ -36,9 +36,11 @@ def pp_size_of(config: dict) -> int:
 
 
 def run_label(name: str, config: dict) -> str:
-    """A run's name in reports with its layout: "FSDP (TP=2, DP=2)", "Pipeline (PP=2, DP=2)"."""
-    pp, tp = pp_size_of(config), config["tp_size"]
-    return f"{label(name)} ({f'PP={pp}' if pp > 1 else f'TP={tp}'}, DP={config['dp_size']})"
+    """A run's name in reports with its layout: "FSDP (TP=2, DP=2)", "Pipeline (PP=2, DP=2)", "FSDP (TP=1, DP=4,
+    EP=2)"."""
+    pp, tp, ep = pp_size_of(config), config["tp_size"], config.get("ep_size", 1)
+    return (f"{label(name)} ({f'PP={pp}' if pp > 1 else f'TP={tp}'}, DP={config['dp_size']}"
+            f"{f', EP={ep}' if ep > 1 else ''})")
 
 
 def strategy_class(name: str, path: str | None = None):

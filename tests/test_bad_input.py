@@ -152,8 +152,8 @@ CASES = [
     ("one KV head at TP 2", "fsdp", train_flags(model_name="google/gemma-3-1b-pt", num_layers=2, num_workers=2, tp_size=2),
      {}, r"--tp_size 2 does not divide the model's KV-head count \(1\): use a tp_size in \[1\]"),
     ("DeepSpeed refuses a family", "deepspeed", train_flags(model_name="{d}/moe", num_workers=2, tp_size=2), {},
-     r"DeepSpeed AutoTP cannot shard a 'qwen3_moe' model: its Hugging Face TP plan has styles DeepSpeed 0.19.8 "
-     r"refuses \(\['moe_tp_experts', 'packed_colwise'\]\) and the harness cannot describe its layers"),
+     r"DeepSpeed AutoTP cannot shard a 'qwen3_moe' model: DeepSpeed 0.19.8 refuses its experts' plan \(moe_tp_experts\) "
+     r"and shards no fused 3-D expert weight: use --tp_size 1 \(ZeRO\), or train_fsdp.py / train_transformers.py"),
     ("transformers compile", "transformers", train_flags(num_workers=2, tp_size=2, compile=True), {},
      r"--compile is not supported by the transformers strategy"),
     ("model dir", "ddp", train_flags(model_name="{d}/no_config_dir"), {},

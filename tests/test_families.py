@@ -25,10 +25,11 @@ from parity.commands.compare_curves import main as plot_loss_curves
 from parity.commands.layer_check import main as run_verification
 from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32, NOISE_K
 from parity.training.local_group import plan, run_group, same_kernels
-from parity.training.presets import TINY_PRESETS
+from parity.training.presets import MOE_PRESETS, TINY_PRESETS
 from parity.training.record import load_record, run_record_path
 
-FAMILIES = [name for name in TINY_PRESETS if name != "qwen2-tiny"]  # qwen2-tiny: every other test module
+FAMILIES = [name for name in TINY_PRESETS if name != "qwen2-tiny" and name not in MOE_PRESETS]  # qwen2-tiny: every
+# other test module; the mixtures of experts: tests/test_moe.py
 FP32 = {"seq_length": 64, "debug_steps": 6, "learning_rate": 3e-4, "log_interval": 6, "checkpoint_interval": 0,
         "precision": "fp32", "dataset": "synthetic_padded", "batch_size": 2}
 DDP = {"num_workers": 2, "grad_accum_steps": 2}

@@ -457,3 +457,62 @@ class DDPOverflowApplied(DDPStrategy):
 
     name = "ddp_overflow_applied"
     policy_optimizer = AppliedOverflow
+
+
+# --- Mixture of experts: the silent bugs of expert parallelism (tests/test_moe.py runs them) -----------------------
+
+from functools import partial as _partial  # noqa: E402  (appended section)
+
+from expert_parallel import apply_etp  # noqa: E402
+from fsdp_strategy import apply_expert_fsdp, apply_moe, mixed_precision_policy, offload_policy  # noqa: E402
+from parity.training.families import family_of  # noqa: E402
+
+
+class DDPRouterGradientsUnreduced(DDPStrategy):
+    """The routers are left out of DDP's gradient all-reduce (a module kept out of the reducer as "replicated"): each
+    DP rank steps its router with its own slice's gradient, and the router weights part rank by rank — routing, and so
+    the experts each rank trains, drift apart while the loss looks plausible."""
+
+    name = "ddp_router_unreduced"
+
+    def setup(self, model) -> None:
+        family = family_of(model.config)
+        routers = [f"{family.stack}.{i}.{family.moe.router}.{name}" for i in family.moe.layers
+                   for name, _ in model.get_submodule(f"{family.stack}.{i}.{family.moe.router}").named_parameters()]
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, routers)
+        super().setup(model)
+
+
+class FSDPAuxStatisticsPerRank(FSDPStrategy):
+    """The load-balancing loss's statistics (each expert's token fraction and mean router probability) taken over each
+    DP rank's own tokens instead of the global batch — transformers' own forward does this on the batch it is given:
+    the loss becomes a mean of per-rank products, not the product of the batch's means."""
+
+    def batch_routing_totals(self, local):
+        return local.detach().double() * self.ctx.dp_size  # this rank's statistic stands for the whole batch's
+
+
+class FSDPExpertGradientsScaledByEP(FSDPStrategy):
+    """The experts' gradients averaged over the ranks holding the same experts (FSDP2's default) instead of summed ÷
+    dp_size: every token reached one copy of its experts, so the average is ep_size ÷ tp_size × DDP's gradient."""
+
+    def apply_expert_fsdp(self, model) -> None:
+        apply_expert_fsdp(model, self.ep_mesh, self.ctx.dp_size, mixed_precision_policy(self.cfg),
+                          offload_policy(self.cfg), divide_factor=self.ep_mesh["efsdp"].size())
+
+
+class FSDPFusedExpertGateUpSplitInHalves(FSDPStrategy):
+    """Under expert tensor parallelism (--ep_size 1, --tp_size 2) every expert's fused gate_up_proj [E, 2I, H] split
+    over TP as one block (Shard(1)) instead of part by part: TP rank 0 holds all of every expert's gate and rank 1 all
+    of its up, so the experts' own chunk(2) pairs gate rows with gate rows (rank 0) and up rows with up rows (rank 1)."""
+
+    def apply_experts_plan(self, model, mesh) -> None:
+        apply_moe(model, mesh, self.ep_mesh, mesh["tp"], etp=_partial(apply_etp, placement=lambda dim, parts: Shard(dim)))
+
+
+MOE_BUGS = {  # the seeded bug → its strategy copy
+    "router gradients not all-reduced over DP": DDPRouterGradientsUnreduced,
+    "aux-loss statistics per rank": FSDPAuxStatisticsPerRank,
+    "expert gradients scaled by EP": FSDPExpertGradientsScaledByEP,
+    "fused gate_up split in two halves across ranks": FSDPFusedExpertGateUpSplitInHalves,
+}

@@ -23,6 +23,7 @@ class Row(NamedTuple):
     strategy: str
     tp_size: int
     options: dict
+    ep_size: int = 1
 
     def strategy_options(self) -> tuple[type, dict]:
         """The row's strategy class and its options, defaults filled in."""
@@ -55,6 +56,12 @@ ROWS = {
                           {"pp_size": 2, "pp_schedule": "interleaved_1f1b"}),
     "transformers_tp": Row("transformers TP tp2 + FSDP2", "transformers", 2, {}),
 }
+# A mixture of experts' rows besides (docs/moe.md): experts over EP groups of 2, FSDP2 over the ranks holding the same.
+EP_ROWS = {
+    "fsdp_ep": Row("FSDP2 + EP ep2", "fsdp", 1, {}, 2),
+    "fsdp_tp_ep": Row("FSDP2 + TP tp2 + EP ep2", "fsdp", 2, {}, 2),
+    "transformers_ep": Row("transformers EP ep2 + FSDP2", "transformers", 1, {}, 2),
+}
 WEIGHTS = os.path.join("shared_weights", "init_weights.pt")
 
 
@@ -69,7 +76,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help=f"comma-separated rows, ddp among them (the reference); default: every row the world size "
                         f"can run, of {','.join(ROWS)}")
     p.add_argument("--model_name", default=None, help="default: Qwen/Qwen2.5-0.5B on GPUs, qwen2-tiny on CPU")
-    p.add_argument("--num_layers", type=int, default=2)
+    p.add_argument("--num_layers", type=int, default=None,
+                   help="default: 2; with --dry_run the model's own")
     p.add_argument("--num_workers", type=int, default=2, help="every row's world size (TP rows: tp 2 × dp N/2)")
     p.add_argument("--batch_size", type=int, default=2,
                    help="samples per worker; the global batch, num_workers × batch_size, is every row's")
@@ -86,12 +94,18 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "smaller than that)")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="one GPU's peak bf16 TFLOP/s for MFU (default: looked up by the GPU's name)")
+    p.add_argument("--dry_run", action="store_true",
+                   help="train nothing: per row the model-state bytes per rank the ZeRO bound allows, from the model's "
+                        "config and shapes alone (a meta model: any size, e.g. Qwen/Qwen3-30B-A3B), and for a mixture "
+                        "of experts the experts one layer gathers to compute (÷ ep_size); writes benchmark_dry.json")
     return p
 
 
 def row_misfit(row: Row, num_workers: int, num_layers: int) -> str | None:
     """Why the row cannot run at this world size and layer count, in words; None when it can."""
     cls, options = row.strategy_options()
+    if num_workers % row.ep_size:
+        return f"runs at ep_size {row.ep_size}, which does not divide --num_workers {num_workers}: leave it out"
     if num_workers % row.replica_ranks:
         pp = cls.pp_size(options)
         what = f"tp_size {row.tp_size}" if pp == 1 else f"pp_size {pp}"
@@ -120,15 +134,35 @@ def pick_rows(spec: str | None, num_workers: int, num_layers: int, rows: dict[st
     return ["ddp"] + [n for n in dict.fromkeys(names) if n != "ddp"]
 
 
-def all_rows(args) -> dict[str, Row]:
-    """The rows, with --strategy_class's as one more (named by the class, at TP 2 if it shards tensors)."""
+def all_rows(args, model_config=None) -> dict[str, Row]:
+    """The rows — a mixture of experts' EP rows too — with --strategy_class's as one more (named by the class, at TP 2
+    if it shards tensors)."""
+    from parity.training.families import family_of
+
+    rows = {**ROWS, **(EP_ROWS if model_config is not None and family_of(model_config).moe else {})}
     if not args.strategy_class:
-        return ROWS
+        return rows
     from parity.registry import strategy_class
 
     cls = strategy_class("ddp", args.strategy_class)
-    return {**ROWS, cls.name: Row(cls.name, cls.name, 2 if cls.tensor_parallel else 1,
+    return {**rows, cls.name: Row(cls.name, cls.name, 2 if cls.tensor_parallel else 1,
                                   {"strategy_class": args.strategy_class})}
+
+
+def runnable(names: list[str], cfgs: dict, explicit: bool) -> list[str]:
+    """The rows whose run resolved; by default (no --rows) the others are passed over with their one line — a
+    mixture of experts refused by AutoTP, a pipeline or sequence parallelism — and with --rows the first refusal is
+    the command's error."""
+    kept = []
+    for name in names:
+        outcome = cfgs[name]
+        if isinstance(outcome, ConfigError):
+            if explicit or name == "ddp":
+                raise outcome
+            print(f"benchmark: row {name} passed over: {outcome}", flush=True)
+        else:
+            kept.append(name)
+    return kept
 
 
 def run_values(args, name: str, out: str, on_gpu: bool, rows: dict[str, Row] = ROWS) -> dict:
@@ -143,7 +177,7 @@ def run_values(args, name: str, out: str, on_gpu: bool, rows: dict[str, Row] = R
         "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "precision": args.precision,
         "device": args.device, "seed": args.seed, "init_weights_path": os.path.join(out, WEIGHTS),
         "loss_output_dir": os.path.join(out, "rows", name), "storage_path": os.path.join(out, "ray"),
-        "experiment_name": f"benchmark_{name}", **row.options,
+        "experiment_name": f"benchmark_{name}", "ep_size": row.ep_size, **row.options,
         **flags_for(row.strategy, {} if args.reduce_bucket_size is None else
                     {"reduce_bucket_size": args.reduce_bucket_size}),
     }
@@ -156,10 +190,9 @@ def run_benchmark(args) -> int:
     from parity.comparing.figures import save_figure
     from parity.storage import check_writable_dir, write_json_atomic, write_text_atomic
     from parity.training.cluster import ensure_ray, probe_cluster
-    from parity.training.config import resolve
     from parity.training.data import training_data
     from parity.training.launch import launch_runs
-    from parity.training.model import build_model, model_config_from_dict, save_init_weights
+    from parity.training.model import build_model, model_config_from_dict, resolve_model_config, save_init_weights
     from parity.training.record import load_record, run_record_path
 
     out = os.path.abspath(args.output_dir)
@@ -167,13 +200,15 @@ def run_benchmark(args) -> int:
     if not 0 <= args.untimed_steps < args.debug_steps:
         raise ConfigError(f"--untimed_steps {args.untimed_steps} must be at least 0 and below --debug_steps "
                           f"{args.debug_steps}: at least one step must be timed")
-    rows = all_rows(args)
-    names = pick_rows(args.rows, args.num_workers, args.num_layers, rows)
     started_ray = not ray.is_initialized()
     cluster = probe_cluster()
     on_gpu = args.device == "cuda" or (args.device == "auto" and cluster.gpus >= args.num_workers)
-    cfgs = [resolve(rows[n].strategy, run_values(args, n, out, on_gpu, rows), cluster=cluster,
-                    weights_written_before_launch=True) for n in names]
+    rows = all_rows(args, resolve_model_config(run_values(args, "ddp", out, on_gpu)["model_name"], args.num_layers))
+    names = pick_rows(args.rows, args.num_workers, args.num_layers, rows)
+    resolved = {n: resolved_or_refused(rows[n].strategy, run_values(args, n, out, on_gpu, rows), cluster)
+                for n in names}
+    names = runnable(names, resolved, explicit=args.rows is not None)
+    cfgs = [resolved[n] for n in names]
     first = cfgs[0]
     save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), first.init_weights_path)
     titles = [f"{rows[n].label}: {cfg.strategy} tp={cfg.tp_size} dp={cfg.dp_size} batch {cfg.batch_size} {cfg.options}"
@@ -221,6 +256,51 @@ def run_benchmark(args) -> int:
     return 0
 
 
+def resolved_or_refused(strategy: str, values: dict, cluster):
+    """A row's RunConfig, or the ConfigError that refuses it."""
+    from parity.training.config import resolve
+
+    try:
+        return resolve(strategy, values, cluster=cluster, weights_written_before_launch=True)
+    except ConfigError as exc:
+        return exc
+
+
+def dry_run(args) -> int:
+    """--dry_run: every row's model-state bound per rank from the config and the shapes alone (docs/benchmark.md)."""
+    from parity.comparing.benchmark_report import dry_markdown, dry_rows
+    from parity.storage import check_writable_dir, write_json_atomic
+    from parity.training.cluster import Cluster
+
+    from parity.training.model import resolve_model_config
+
+    out = os.path.abspath(args.output_dir)
+    check_writable_dir("--output_dir", out)
+    on_gpu = args.device != "cpu"
+    if args.num_layers is None:
+        args.num_layers = resolve_model_config(run_values(args, "ddp", out, on_gpu)["model_name"]).num_hidden_layers
+    cluster = Cluster(cpus=float(args.num_workers), gpus=args.num_workers if on_gpu else 0)
+    first = resolved_or_refused("ddp", run_values(args, "ddp", out, on_gpu), cluster)
+    if isinstance(first, ConfigError):
+        raise first
+    from parity.training.model import model_config_from_dict
+
+    config = model_config_from_dict(first.model_config)
+    rows = all_rows(args, config)
+    names = pick_rows(args.rows, args.num_workers, args.num_layers, rows)
+    resolved = {n: resolved_or_refused(rows[n].strategy, run_values(args, n, out, on_gpu, rows), cluster)
+                for n in names}
+    names = runnable(names, resolved, explicit=args.rows is not None)
+    summary = {"model_name": first.model_name, "world_size": args.num_workers, "device": first.device,
+               "precision": first.precision, "rows": dry_rows(config, [(n, rows[n].label, resolved[n]) for n in names])}
+    write_json_atomic(os.path.join(out, "benchmark_dry.json"), summary)
+    print(dry_markdown(summary), flush=True)
+    print(f"wrote {out}/benchmark_dry.json (nothing trained)", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None, description: str = "") -> int:
     args = build_parser(description).parse_args(argv)
-    return run_command(lambda: run_benchmark(args), "the benchmark")
+    if args.num_layers is None and not args.dry_run:
+        args.num_layers = 2
+    return run_command(lambda: dry_run(args) if args.dry_run else run_benchmark(args), "the benchmark")

@@ -45,6 +45,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="default: 1024 with GPUs, 128 without; not with --replay")
     p.add_argument("--tp_size", type=int, default=2, help="TP size of DeepSpeed and FSDP (DDP runs at 1)")
     p.add_argument("--dp_size", type=int, default=None, help="default: 1, with --replay the run's")
+    p.add_argument("--ep_size", type=int, default=1,
+                   help="expert-parallel degree of the strategies that shard a mixture of experts' experts (DDP and "
+                        "the others run at 1); it divides dp_size × tp_size")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="default auto: bf16 on GPU, fp32 on CPU; not with --replay")
     p.add_argument("--learning_rate", type=float, default=None,
@@ -92,6 +95,10 @@ def check_layers(args: argparse.Namespace) -> int:
         own[strategy_class("ddp", args.strategy_class).name] = args.strategy_class
         strategies.append(next(iter(own)))
     perturb = _parse_perturb(args.perturb, strategies)
+    if args.ep_size > 1 and "deepspeed" in strategies:
+        raise ConfigError("--ep_size with --strategy deepspeed: DeepSpeed's AutoEP replaces the sparse block by its own "
+                          "modules (its router, unfused experts), which have no stock module to compare with: judge it "
+                          "by its loss curves (plot_loss_curves.py), or leave deepspeed out")
     replay = _replay_start(args)
     weights, inputs = os.path.join(out, WEIGHTS_FILE), os.path.join(out, INPUTS_FILE)
     if os.path.exists(weights) != os.path.exists(inputs):
@@ -186,6 +193,7 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
 
     cls = strategy_class(strategy, path)
     tp = args.tp_size if cls.tensor_parallel else 1
+    ep = args.ep_size if cls.expert_parallel else 1
     pp = cls.pp_size(cls.with_default_options(options))
     if replay:
         dp = _given(args.dp_size, replay.config["dp_size"])
@@ -202,7 +210,8 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
                   "num_layers": _given(args.num_layers, 2), "precision": _given(args.precision, "auto"),
                   "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42)}
     return {
-        **values, "batch_size": batch, "tp_size": tp, "dp_size": dp, "num_workers": pp * tp * dp, "device": args.device,
+        **values, "batch_size": batch, "tp_size": tp, "dp_size": dp, "ep_size": ep, "num_workers": pp * tp * dp,
+        "device": args.device,
         "debug_steps": 1, "grad_accum_steps": _given(args.grad_accum_steps, 1),
         "init_weights_path": os.path.join(out, WEIGHTS_FILE), "loss_output_dir": out,
         "storage_path": os.path.join(out, "ray"), "experiment_name": f"layer_check_{strategy}", **options,

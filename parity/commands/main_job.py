@@ -38,6 +38,8 @@ SETTINGS = (
     ("LOG_INTERVAL", int, 10, "log / record rewrite interval"),
     ("TP_SIZE", int, 2, "TP size of DeepSpeed and FSDP"),
     ("DP_SIZE", int, 2, "DP size of all three"),
+    ("EP_SIZE", int, 1, "expert-parallel size of the runs that shard a mixture of experts' experts (fsdp, "
+                        "transformers; DDP holds every expert); it divides TP_SIZE × DP_SIZE (docs/moe.md)"),
     ("PRECISION", str, "auto", "the precision policy of every run, DDP's included: fp32 | bf16 | bf16_params | "
                                "bf16_pure | fp16 | auto (bf16 on GPU, fp32 on CPU; or what a strategy's own settings ask for, e.g. "
                                "a --deepspeed_config with bf16 enabled: docs/precision.md)"),
@@ -139,7 +141,8 @@ def run_title(cfg) -> str:
     role = " (noise reference)" if cfg.noise_reference else ""
     pp = strategy_class(cfg.strategy, cfg.strategy_class).pp_size(cfg.options)
     layout = f"pp={pp}" if pp > 1 else f"tp={cfg.tp_size}"
-    return f"{cfg.strategy}{role} {layout} dp={cfg.dp_size} {cfg.precision}"
+    experts = f" ep={cfg.ep_size}" if cfg.ep_size > 1 else ""
+    return f"{cfg.strategy}{role} {layout} dp={cfg.dp_size}{experts} {cfg.precision}"
 
 
 def time_table(times: list, total: float) -> str:
@@ -170,7 +173,7 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
     if strategies[0] != "ddp":
         raise ConfigError(f"STRATEGIES '{args.strategies}' must start with ddp: the DDP run writes the initial "
                           f"weights and is the baseline")
-    for name in ("tp_size", "dp_size"):
+    for name in ("tp_size", "dp_size", "ep_size"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name} must be a positive integer (got {getattr(args, name)})")
     world = args.tp_size * args.dp_size
@@ -198,6 +201,8 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
             run = {k: v for k, v in extra.items() if k not in option_owners()}
             plan.append(("ddp", {**common, **layout, **run, "strategy_class": strategy}))
             continue
+        if strategy_class(strategy).expert_parallel:
+            layout["ep_size"] = args.ep_size
         plan.append((strategy, {**common, **layout, **flags_for(strategy, extra)}))
         if strategy == "ddp" and wants_noise_reference(args, policy["precision"], on_gpu):
             ddp = plan[0][1]

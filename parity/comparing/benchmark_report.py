@@ -177,3 +177,51 @@ def _percent(x: float | None) -> str:
 
 def _tflops(x: float | None) -> str:
     return "unknown peak" if x is None else f"{x / 1e12:.0f} TFLOP/s"
+
+
+# --- the dry form (benchmark.py --dry_run): bounds from the config and shapes, nothing trained ----------------------
+
+def dry_rows(model_config, rows: list[tuple[str, str, object]]) -> list[dict]:
+    """Per row (name, label, its RunConfig): the model-state bytes per rank the ZeRO bound allows, from a meta model
+    of the config (each parameter once), and for a mixture of experts the bytes of one sparse layer's experts a rank
+    gathers to compute them: all of them without EP, ÷ ep_size with it, ÷ tp_size where TP splits each expert (FSDP2
+    unshards one group at a time)."""
+    from parity.registry import strategy_class
+    from parity.training.families import family_of
+    from parity.training.memory import BYTES_PER_PARAM, zero_bound
+    from parity.training.model import meta_model
+
+    model, family = meta_model(model_config), family_of(model_config)
+    params = dict(model.named_parameters())
+    psi = sum(p.numel() for p in params.values())
+    layers = sum(p.numel() for n, p in params.items() if n.startswith(family.stack + "."))
+    experts = sum(p.numel() for n, p in params.items() if family.moe and f".{family.moe.experts}." in n)
+    per_layer = experts / len(family.moe.layers) if family.moe else 0
+    out = []
+    for name, label, cfg in rows:
+        cls = strategy_class(cfg.strategy, cfg.strategy_class)
+        stage = cfg.options.get("zero_stage", cls.zero_stage)
+        precision = "bf16_master_weights" if cfg.options.get("bf16_master_weights") else "fp32"
+        pp = cls.pp_size(cfg.options)
+        replica = (layers / pp + psi - layers) if pp > 1 else psi / cfg.tp_size
+        bound = zero_bound(stage, replica, cfg.dp_size, precision)
+        split = cfg.ep_size if cfg.ep_size > 1 else (cfg.tp_size if cls.tensor_parallel else 1)
+        out.append({"row": name, "label": label, "strategy": cfg.strategy, "tp_size": cfg.tp_size, "pp_size": pp,
+                    "dp_size": cfg.dp_size, "ep_size": cfg.ep_size, "num_params": psi, "expert_params": experts,
+                    "zero_stage": stage, "zero_bound_bytes": bound, "zero_bound_total_bytes": sum(bound.values()),
+                    "experts_gathered_per_layer_bytes": per_layer * BYTES_PER_PARAM[precision][0] / split})
+    return out
+
+
+def dry_markdown(summary: dict) -> str:
+    rows = summary["rows"]
+    out = [f"Dry run: {summary['model_name']} on {summary['world_size']} {summary['device']} workers, "
+           f"{rows[0]['num_params'] / 1e9:.2f} B parameters ({rows[0]['expert_params'] / 1e9:.2f} B in experts); "
+           f"nothing trained", "",
+           "| row | TP | PP | DP | EP | ZeRO bound per rank (GiB) | experts one layer gathers (GiB) |",
+           "|---|---|---|---|---|---|---|"]
+    out += [f"| {r['label']} | {r['tp_size']} | {r['pp_size']} | {r['dp_size']} | {r['ep_size']} | "
+            f"{r['zero_bound_total_bytes'] / 2 ** 30:.2f} | {r['experts_gathered_per_layer_bytes'] / 2 ** 30:.3f} |"
+            for r in rows]
+    return "\n".join(out) + "\n"
+

@@ -27,14 +27,20 @@ class Curve(NamedTuple):
 
 CURVES = (Curve("loss", "loss", "LOSS CURVE STATISTICS"),
           Curve("grad_norm", "grad norm", "GRAD NORM STATISTICS (before clipping)"),
-          Curve("param_norm", "param norm", "PARAMETER NORM STATISTICS (after the step)"))
+          Curve("param_norm", "param norm", "PARAMETER NORM STATISTICS (after the step)"),
+          Curve("aux_loss", "aux loss", "LOAD-BALANCING LOSS STATISTICS (mixture of experts)"))
 NOUNS = {c.key: c.noun for c in CURVES}
 
 
+def judged_curves(c: Comparison) -> tuple[Curve, ...]:
+    return tuple(curve for curve in CURVES if curve.key in c.quantities)
+
+
 def statistics_text(c: Comparison) -> str:
-    """The seed's LOSS CURVE STATISTICS block, the same for the grad and parameter norms, then the verdicts."""
+    """The seed's LOSS CURVE STATISTICS block, the same for the grad and parameter norms (and a mixture of experts'
+    load-balancing loss), then the verdicts."""
     lines = []
-    for key, noun, title in CURVES:
+    for key, noun, title in judged_curves(c):
         lines += ["=" * RULE, title, "=" * RULE, ""]
         for run in c.runs:
             s = c.curve_stats(run, key)
@@ -124,7 +130,22 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         command = replay_command(c, r)
         if command:
             lines.append(f"replay step {f.step} layer by layer from {base}'s checkpoint: {command}")
-    return lines
+    routed = routing_line(r)
+    return lines + ([routed] if routed else [])
+
+
+def routing_line(r: CurveResult) -> str | None:
+    """A mixture of experts' expert loads against the baseline's, in words: equal, or where tokens went to other
+    experts (never silent; the curves' bounds decide)."""
+    if r.routing is None:
+        return None
+    if r.routing["equal"]:
+        return "expert loads: equal to the baseline's at every step and sparse layer"
+    first = r.routing["first"]
+    return (f"expert loads: {r.routing['assignments_moved']} token-expert assignments differ from the baseline's over "
+            f"{len(r.routing['steps'])} steps (first: step {first['step']}, sparse layer {first['layer']}, "
+            f"{first['assignments']}): a near-tie tipped the other way, or the routing parted; judged by the curves' "
+            f"bounds")
 
 
 def replicas_line(run) -> str:
@@ -165,6 +186,8 @@ def replay_command(c: Comparison, r: CurveResult) -> str | None:
     output = os.path.join(records, f"replay_step_{f.step}") if records else f"replay_step_{f.step}"
     flags = ["--output_dir", output, "--replay", checkpoints, "--step", str(f.step),
              "--tp_size", str(run["tp_size"]), "--dp_size", str(run["dp_size"]), "--batch_size", str(run["batch_size"])]
+    if run.get("ep_size", 1) > 1:
+        flags += ["--ep_size", str(run["ep_size"])]
     if run.get("strategy_class"):
         flags += ["--strategy_class", run["strategy_class"]]
     for name, value in sorted(run.get("options", {}).items()):
@@ -186,14 +209,16 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
            f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
     out += [f"> {w}" for w in c.warnings] + ([""] if c.warnings else [])
     out += [f"![Loss curves]({figure_file})", "", "## Verdicts", "",
-            "| run | verdict | deviation ÷ noise | max relative diff loss / grad norm / param norm | first outside |",
-            "|---|---|---|---|---|"]
+            f"| run | verdict | deviation ÷ noise | max relative diff {' / '.join(n for _, n, _ in judged_curves(c))} "
+            f"| first outside |", "|---|---|---|---|---|"]
     for r in c.results:
         v = r.verdict
         outside = first_failure(r)
         ratio = f"{r.noise_ratio:.1f} (of {NOISE_K})" if r.noise_ratio is not None else "uncalibrated"
-        worst = " / ".join(f"{v.max_rel_diff[q]:.3e}" for q in NOUNS)
+        worst = " / ".join(f"{v.max_rel_diff[q]:.3e}" for q, _, _ in judged_curves(c))
         out.append(f"| {r.run.label} | {v.word} | {ratio} | {worst} | {outside} |")
+        if routing_line(r):
+            out.append(f"|  | {routing_line(r)} | | | |")
     for r in c.results:
         if r.verdict.parting is not None:
             out += ["", f"{r.run.label}: {r.verdict.parting.line()}: its ranks no longer hold one model."]
@@ -212,7 +237,7 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         libraries = ", ".join(f"{k} {v}" for k, v in fp["versions"].items())
         out.append(f"| {storage.name(run.file)} | `{fp['shared_code_sha256'][:12]}` | `{fp['strategy_code']['sha256'][:12]}` "
                    f"({', '.join(fp['strategy_code']['files'])}) | {libraries} | {fp['device']} |")
-    for key, noun, _ in CURVES:
+    for key, noun, _ in judged_curves(c):
         out += ["", f"## {noun.capitalize()}", "", "| run | initial | final | min | mean |", "|---|---|---|---|---|"]
         for run in c.runs:
             s = c.curve_stats(run, key)

@@ -9,11 +9,14 @@ Then integrity, ahead of any tolerance: a run whose replicas parted (tensors sev
 replica check found different, parity.training.replicas) FAILs at the first step they did, and a baseline whose
 replicas parted is no reference: the comparison is refused.
 
-The verdict holds three curves at every step — loss, pre-clip grad norm, parameter norm — to bounds on
+The verdict holds three curves at every step — loss, pre-clip grad norm, parameter norm, and a mixture of experts'
+load-balancing loss where both runs record it — to bounds on
 |x − baseline| / |baseline|: NOISE_K × the noise the baseline's twins measured (calibrated, when
 noise_reference_*.json records are there), else the fixed table by precision (uncalibrated). Calibrated
 verdicts also run the drift test (parity.comparing.noise). A FAIL lists the config fields in which the run
-differs from the baseline: the first suspects.
+differs from the baseline: the first suspects. A mixture of experts' expert loads are compared at every step too: a
+token routed to another expert (a near-tie that another reduction order tips) is reported with its step and layer,
+never silently; the curves' bounds decide the verdict (docs/moe.md).
 
 A strategy is judged against DDP in its own precision policy (parity.training.precision): a run in another policy
 than the baseline is reported as a POLICY DIFFERENCE — both policies named, the distance shown for scale — and not
@@ -31,7 +34,7 @@ from parity import fingerprint, storage
 from parity.comparing import tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
-from parity.comparing.tolerances import NOISE_K, QUANTITIES
+from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
 from parity.errors import ConfigError, NotComparable
 from parity.registry import run_label
@@ -149,6 +152,7 @@ class CurveResult:
     config_differences: list[str]  # "field: baseline's vs this run's", for fields that may explain a FAIL
     fp32_distance_ratios: dict[str, float] | None = None  # a low-precision run's largest distance from the baseline's
     # fp32 twin ÷ the baseline's own, per curve: how much farther its policy moves this strategy than the baseline
+    routing: dict | None = None  # a mixture of experts: where its expert loads differ from the baseline's (routing_diff)
 
     @property
     def noise_ratio(self) -> float | None:
@@ -166,6 +170,7 @@ class Comparison:
     references: list[Run]  # the noise references the bounds were calibrated on (empty: uncalibrated)
     policy_distance: dict[str, float] | None = None  # the baseline's largest relative distance from its fp32 twin,
     # per curve: how far the policy itself moves DDP from fp32
+    quantities: tuple = QUANTITIES  # the curves judged (quantities_of)
 
     @property
     def passed(self) -> bool:
@@ -195,14 +200,14 @@ class Comparison:
                               "steps_recorded": len(r.steps), "precision": r.precision, "policy": r.policy,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
                               "replica_checks": r.replica_checks,
-                              **{q: asdict(self.curve_stats(r, q)) for q in QUANTITIES}} for r in self.runs},
+                              **{q: asdict(self.curve_stats(r, q)) for q in self.quantities}} for r in self.runs},
             "against_baseline": {r.run.name: {
                 **r.verdict.to_dict(),
                 "replicas_parted": r.verdict.parting.to_dict() if r.verdict.parting else None,
                 "calibrated": r.bounds.calibrated,
                 "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
                 "fp32_distance_ratio": r.fp32_distance_ratios,
-                "config_differences": r.config_differences,
+                "config_differences": r.config_differences, "routing": r.routing,
                 **{f"{key}_diff": asdict(d) for key, d in r.diffs.items()}} for r in self.results},
         }
 
@@ -256,20 +261,43 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
                    f"(docs/running.md#replicas) and run it again" for r in [base, *references] if r.parting]
     if mismatches:
         raise NotComparable(mismatches)
-    _check_references(base, references, num_steps)
+    quantities = quantities_of([*runs, *references], num_steps)
+    _check_references(base, references, num_steps, quantities)
     references, unlike = overflow_alike(base, references, num_steps)
     warnings += unlike
     fp32_twin = next((r for r in references if r.precision == "fp32" != base.precision), None)
     if fp32_twin is not None and not POLICIES[base.precision].fp32_twin_measures_noise:
         references = [r for r in references if r is not fp32_twin]  # its distance only (Policy's docstring)
-    results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol),
-                       fp32_twin) for run in others]
+    results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol,
+                                                        quantities), fp32_twin, quantities) for run in others]
     distance = None
     if fp32_twin is not None:
-        judged = _judged(base, num_steps, base.skipped(num_steps))
-        exact = _judged(fp32_twin, num_steps, base.skipped(num_steps))
-        distance = {q: max(relative_diff(x, e) for x, e in zip(judged[q], exact[q])) for q in QUANTITIES}
-    return Comparison(base, [base, *others], num_steps, results, warnings, list(references), distance)
+        judged = _judged(base, num_steps, base.skipped(num_steps), quantities)
+        exact = _judged(fp32_twin, num_steps, base.skipped(num_steps), quantities)
+        distance = {q: max(relative_diff(x, e) for x, e in zip(judged[q], exact[q])) for q in quantities}
+    return Comparison(base, [base, *others], num_steps, results, warnings, list(references), distance, quantities)
+
+
+def quantities_of(runs: list[Run], num_steps: int) -> tuple[str, ...]:
+    """The curves judged: the three, and the load-balancing loss where every run records it at every step."""
+    routed = all(step.get(AUX_LOSS) is not None for run in runs for step in run.steps[:num_steps])
+    return (*QUANTITIES, AUX_LOSS) if routed else QUANTITIES
+
+
+def routing_diff(base: Run, run: Run, num_steps: int) -> dict | None:
+    """Where a mixture of experts' expert loads differ from the baseline's: per step and sparse layer, the token-expert
+    assignments that moved (half the summed count differences) — the flips a near-tie can take under another
+    reduction order. None where either run records no loads."""
+    if not all("expert_loads" in s for r in (base, run) for s in r.steps[:num_steps]):
+        return None
+    moved = []
+    for a, b in zip(run.steps[:num_steps], base.steps[:num_steps]):
+        for layer, (row, ref) in enumerate(zip(a["expert_loads"], b["expert_loads"])):
+            n = sum(abs(x - y) for x, y in zip(row, ref)) // 2
+            if n:
+                moved.append({"step": a["step"], "layer": layer, "assignments": n})
+    return {"equal": not moved, "steps": sorted({m["step"] for m in moved}),
+            "assignments_moved": sum(m["assignments"] for m in moved), "first": moved[0] if moved else None}
 
 
 def overflow_alike(base: Run, references: list[Run], num_steps: int) -> tuple[list[Run], list[str]]:
@@ -329,14 +357,14 @@ def code_mismatches(base: Run, run: Run) -> list[str]:
 
 
 def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol: float | None = None,
-               grad_norm_rtol: float | None = None) -> Bounds:
+               grad_norm_rtol: float | None = None, quantities: tuple = QUANTITIES) -> Bounds:
     """Calibrated on the references when there are any and the run is in the baseline's policy; else
     the fixed table of the looser precision. --tolerance / --grad_norm_tolerance replace one curve's bound."""
     if references and not policy_differences(base, run):
         skipped = base.skipped(num_steps)
         names = ", ".join(storage.name(r.file) for r in references)
-        judged = [_judged(r, num_steps, skipped) for r in references]
-        bounds = calibrated_bounds(_judged(base, num_steps, skipped), judged, base.precision,
+        judged = [_judged(r, num_steps, skipped, quantities) for r in references]
+        bounds = calibrated_bounds(_judged(base, num_steps, skipped, quantities), judged, base.precision,
                                    f"calibrated: {NOISE_K} × the noise of {names}")
     else:
         try:
@@ -347,7 +375,7 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
         why = "no noise reference" if not references else "the run's precision policy differs from the baseline's"
         bounds = fixed_bounds(tolerances.CURVES[looser], num_steps,
                               f"the fixed {looser} table ({base.name} {base.precision}, {run.name} {run.precision}); "
-                              f"uncalibrated: {why}")
+                              f"uncalibrated: {why}", quantities)
     for quantity, value, flag in (("loss", rtol, "--tolerance"), ("grad_norm", grad_norm_rtol, "--grad_norm_tolerance")):
         if value is not None:
             bounds = Bounds({**bounds.per_step, quantity: [value] * num_steps}, f"{bounds.source}; {quantity} {flag}",
@@ -373,7 +401,7 @@ def first_outside(series: dict[str, list[float]], baseline: dict[str, list[float
         if per_step:
             break
     if bounds.calibrated:
-        for quantity in QUANTITIES:
+        for quantity in bounds.envelope:
             drift = first_drift(relative_diffs(series[quantity], baseline[quantity]), bounds.envelope[quantity])
             if drift and (per_step is None or drift.last_step < per_step.step):
                 per_step = Outside(quantity=quantity, rel_diff=abs(drift.mean_rel_diff), tolerance=drift.bound,
@@ -399,25 +427,26 @@ def _flat(config: dict, prefix: str = "") -> dict:
     return out
 
 
-def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None) -> CurveResult:
+def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None,
+            quantities: tuple = QUANTITIES) -> CurveResult:
     skipped = base.skipped(num_steps)
-    series, baseline = _judged(run, num_steps, skipped), _judged(base, num_steps, skipped)
-    max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in QUANTITIES}
+    series, baseline = _judged(run, num_steps, skipped, quantities), _judged(base, num_steps, skipped, quantities)
+    max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in quantities}
     other_policy = policy_differences(base, run)
     outside = None
     if not other_policy:  # the earlier of the two; at one step, the overflow mismatch (it explains the rest)
         found = [o for o in (first_overflow_mismatch(base, run, num_steps), first_outside(series, baseline, bounds)) if o]
         outside = min(found, key=lambda o: o.step, default=None)
     verdict = Verdict(run.name, base.name, bounds.source, max_rel, outside, run.parting, tuple(other_policy))
-    ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in QUANTITIES}
+    ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in quantities}
               if bounds.calibrated else None)
     distance = None
     if fp32_twin is not None and not other_policy:
-        exact = _judged(fp32_twin, num_steps, skipped)
+        exact = _judged(fp32_twin, num_steps, skipped, quantities)
         worst = lambda a, q: max(abs(x - e) for x, e in zip(a[q], exact[q]))  # noqa: E731
-        distance = {q: worst(series, q) / worst(baseline, q) if worst(baseline, q) else math.inf for q in QUANTITIES}
-    return CurveResult(run, bounds, verdict, {q: DiffStats.of(series[q], baseline[q]) for q in QUANTITIES}, ratios,
-                       config_differences(base, run), distance)
+        distance = {q: worst(series, q) / worst(baseline, q) if worst(baseline, q) else math.inf for q in quantities}
+    return CurveResult(run, bounds, verdict, {q: DiffStats.of(series[q], baseline[q]) for q in quantities}, ratios,
+                       config_differences(base, run), distance, routing_diff(base, run, num_steps))
 
 
 def first_overflow_mismatch(base: Run, run: Run, num_steps: int) -> Outside | None:
@@ -430,15 +459,15 @@ def first_overflow_mismatch(base: Run, run: Run, num_steps: int) -> Outside | No
     return None
 
 
-def _judged(run: Run, num_steps: int, skipped: list[bool]) -> dict[str, list[float]]:
-    """The curves a verdict judges: the recorded ones, with the grad norm set to 0 (not judged) at the steps the
-    baseline skipped on an overflow (an infinite norm there, in every run that skipped them too)."""
-    curves = {q: _series(run, q, num_steps) for q in QUANTITIES}
+def _judged(run: Run, num_steps: int, skipped: list[bool], quantities: tuple = QUANTITIES) -> dict[str, list[float]]:
+    """The curves a verdict judges (`quantities`): the recorded ones, with the grad norm set to 0 (not judged) at the
+    steps the baseline skipped on an overflow (an infinite norm there, in every run that skipped them too)."""
+    curves = {q: _series(run, q, num_steps) for q in quantities}
     curves["grad_norm"] = [0.0 if skip else g for g, skip in zip(curves["grad_norm"], skipped)]
     return curves
 
 
-def _check_references(base: Run, references: list[Run], num_steps: int) -> None:
+def _check_references(base: Run, references: list[Run], num_steps: int, quantities: tuple = QUANTITIES) -> None:
     """A reference measures the baseline's noise in the baseline's policy (a twin at another layout), or the scale of
     the policy's rounding itself (a low-precision baseline's twin in fp32, at its own layout); and only if it
     differs."""
@@ -452,7 +481,7 @@ def _check_references(base: Run, references: list[Run], num_steps: int) -> None:
                               f"reference runs in the baseline's policy, or in fp32 at a low-precision baseline's own "
                               f"layout")
 
-        if all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in QUANTITIES):
+        if all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in quantities):
             raise ConfigError(f"{name} is identical to the baseline: a noise reference must run at another layout "
                               f"(e.g. --num_workers 1 --batch_size {base.config['global_batch_size']})")
 

@@ -30,7 +30,21 @@ def console_summary(dumps: dict[str, Dump], results: list[PairResult]) -> str:
         if fd:
             lines.append(f"  first divergence: {fd.module} ({fd.quantity}), relative diff {fd.rel_diff:.3e} > "
                          f"{fd.tolerance:.2e}")
+        lines += [f"  {line}" for line in routing_lines(r)]
     return "\n".join(lines)
+
+
+def routing_lines(r: PairResult) -> list[str]:
+    """A mixture of experts' routing against the reference's: loads equal, or each flipped token (router, token, the
+    reference's logit gap). Never silent; the tensors' tolerances decide the verdict."""
+    if not r.routing:
+        return []
+    flipped = [(router["router"], f) for router in r.routing for f in router["flips"]]
+    if not flipped:
+        return ["routing: every token went to the reference's experts (expert loads equal)"]
+    return [f"routing: {len(flipped)} token(s) went to other experts than the reference's (judged by the tensors' "
+            f"tolerances):", *(f"  {name} token {f['token']}: experts {f['experts']} vs {f['reference_experts']}, "
+                               f"reference logit gap {f['logit_gap']:.3e}" for name, f in flipped[:10])]
 
 
 def markdown(dumps: dict[str, Dump], results: list[PairResult], heatmap_name: str) -> str:
@@ -67,6 +81,7 @@ def markdown(dumps: dict[str, Dump], results: list[PairResult], heatmap_name: st
         if fd:
             out.append(f"First divergence: **{fd.module}** ({fd.quantity}), relative diff {fd.rel_diff:.3e} > "
                        f"{fd.tolerance:.2e}.")
+        out += ["", *routing_lines(r)] if r.routing else []
         out += ["", "| Tensor | Norm (run) | Norm (reference) | Max abs diff | Relative diff | Tolerance |",
                 "|---|---|---|---|---|---|"]
         out += [f"| {row.key} | {row.norm_a:.4f} | {row.norm_b:.4f} | {row.max_abs:.2e} | {row.rel:.2e} | "

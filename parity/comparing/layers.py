@@ -12,6 +12,11 @@ read as divergence.
 Order matters for diagnosis: the first divergence is the first tensor over tolerance in execution order
 — module outputs in forward order, then output gradients in backward order, then parameter gradients,
 then the updated parameters — named as module + phase.
+
+A mixture of experts' routing (routing/<router>: each token's chosen experts) is compared beside the tensors: the
+tokens each expert received in each run, and every token routed to other experts, with the reference's gap between
+its k-th and (k+1)-th router logit (a near-tie another reduction order tips). A flip is always reported; the tensors'
+tolerances decide the verdict (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class PairResult:
     loss_a: float
     loss_b: float
     verdict: Verdict
+    routing: list[dict] | None = None  # a mixture of experts: per router, its expert loads and flips (compare_routing)
 
     @property
     def max_rel(self) -> float:
@@ -232,7 +238,29 @@ def compare_pair(a: Dump, b: Dump, tolerance: float | dict[str, float], source: 
     return PairResult(a=a.strategy, b=b.strategy, tolerance=tolerance, rows=rows,
                       bit_identical=all(r.max_abs == 0 for r in rows) and a.meta["loss"] == b.meta["loss"],
                       loss_a=a.meta["loss"], loss_b=b.meta["loss"],
-                      verdict=Verdict(a.strategy, b.strategy, source, worst, first))
+                      verdict=Verdict(a.strategy, b.strategy, source, worst, first), routing=compare_routing(a, b))
+
+
+def compare_routing(a: Dump, b: Dump) -> list[dict] | None:
+    """Per router of a mixture of experts (in layer order): the tokens each expert received in run `a` and in the
+    reference `b`, and the tokens `a` routed to other experts than `b`, each with `b`'s logit gap at its top-k
+    boundary. None for a dense model."""
+    from parity.training.routing import flips
+
+    routers = [k.split("/", 1)[1] for k in b.tensors if k.startswith("routing/")]
+    if not routers:
+        return None
+    found = []
+    for name in routers:
+        ids_a, ids_b = a.tensors.get(f"routing/{name}"), b.tensors[f"routing/{name}"]
+        if ids_a is None or ids_a.shape != ids_b.shape:
+            raise ConfigError(f"dump of {a.strategy} lacks the routing of {name} that {b.strategy} has: rerun both "
+                              f"with the same version of the harness")
+        experts = b.tensors[f"output/{name}"].shape[-1]
+        loads = [torch.bincount(ids.reshape(-1).long(), minlength=experts).tolist() for ids in (ids_a, ids_b)]
+        found.append({"router": name, "loads": loads[0], "reference_loads": loads[1],
+                      "flips": flips(ids_a, ids_b, b.tensors[f"output/{name}"], ids_b.shape[-1])})
+    return found
 
 
 def compare_all(dumps: dict[str, Dump], override: float | None = None, reference: Dump | None = None) -> list[PairResult]:
@@ -250,7 +278,7 @@ def summary_json(dumps: dict[str, Dump], results: list[PairResult]) -> dict:
         "runs": {s: {k: d.meta[k] for k in ("tp_size", "dp_size", "precision", "loss", "dp_rank_losses",
                                              "grad_norm", "perturbed", "fingerprint")} for s, d in dumps.items()},
         "pairs": [{**r.verdict.to_dict(), "calibrated": isinstance(r.tolerance, dict), "bit_identical": r.bit_identical,
-                   "max_rel": _finite(r.max_rel), "loss": r.loss_a, "reference_loss": r.loss_b,
+                   "max_rel": _finite(r.max_rel), "loss": r.loss_a, "reference_loss": r.loss_b, "routing": r.routing,
                    "rows": [{**{k: _finite(v) for k, v in asdict(row).items()},
                              "tolerance": r.tolerance[row.key] if isinstance(r.tolerance, dict) else r.tolerance}
                             for row in r.rows]} for r in results],

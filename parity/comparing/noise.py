@@ -33,18 +33,18 @@ class Bounds:
         return self.envelope is not None
 
 
-def fixed_bounds(tolerance: Tolerance, num_steps: int, source: str) -> Bounds:
+def fixed_bounds(tolerance: Tolerance, num_steps: int, source: str, quantities=QUANTITIES) -> Bounds:
     """The same tolerance at every step (the uncalibrated table, or the user's --tolerance)."""
-    return Bounds({q: [tolerance.of(q)] * num_steps for q in QUANTITIES if tolerance.of(q) is not None}, source)
+    return Bounds({q: [tolerance.of(q)] * num_steps for q in quantities if tolerance.of(q) is not None}, source)
 
 
 def calibrated_bounds(baseline: dict[str, list[float]], references: list[dict[str, list[float]]], precision: str,
                       source: str) -> Bounds:
-    """NOISE_K × the envelope of the references' distance from the baseline (series per quantity)."""
+    """NOISE_K × the envelope of the references' distance from the baseline (series per quantity: the curves
+    `baseline` holds)."""
     floor = NOISE_FLOOR[tolerance_class(precision)]
-    envelope = {q: noise_envelope(baseline[q], [r[q] for r in references], floor.of(q))
-                for q in QUANTITIES}
-    return Bounds({q: [NOISE_K * e for e in envelope[q]] for q in QUANTITIES}, source, envelope)
+    envelope = {q: noise_envelope(baseline[q], [r[q] for r in references], floor.of(q)) for q in baseline}
+    return Bounds({q: [NOISE_K * e for e in envelope[q]] for q in baseline}, source, envelope)
 
 
 def relative_diffs(series: list[float], baseline: list[float]) -> list[float]:

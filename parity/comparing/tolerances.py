@@ -16,6 +16,10 @@ QUANTITIES = ("loss", "grad_norm", "param_norm")
 nearly scale-invariant, so a gradient reduced twice barely moves the loss but moves the norm) and the
 parameter norm after the step (weight decay or a scaled lr move it steadily while rounding barely does)."""
 
+AUX_LOSS = "aux_loss"
+"""A fourth curve where both runs record it: a mixture of experts' load-balancing loss over the global batch
+(parity.training.routing), which statistics taken per rank or per micro-batch change while the LM loss barely moves."""
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -24,13 +28,14 @@ class Tolerance:
     loss: float
     grad_norm: float
     param_norm: float | None = None  # None: not judged
+    aux_loss: float | None = None  # a mixture of experts' load-balancing loss (None: not judged)
 
     def of(self, quantity: str) -> float | None:
         return getattr(self, quantity)
 
 
-CURVES = {"fp32": Tolerance(loss=1e-5, grad_norm=1e-5, param_norm=1e-5),
-          "bf16": Tolerance(loss=3e-2, grad_norm=1e-1, param_norm=1e-2)}
+CURVES = {"fp32": Tolerance(loss=1e-5, grad_norm=1e-5, param_norm=1e-5, aux_loss=1e-5),
+          "bf16": Tolerance(loss=3e-2, grad_norm=1e-1, param_norm=1e-2, aux_loss=3e-2)}
 """Loss-curve verdict without a noise reference (uncalibrated), by precision: a fixed envelope per step."""
 
 NOISE_K = 20
@@ -39,8 +44,8 @@ NOISE_K = 20
 NOISE_SMOOTHING = 5
 """The envelope at step s is the largest reference noise over steps s ± NOISE_SMOOTHING."""
 
-NOISE_FLOOR = {"fp32": Tolerance(loss=1e-8, grad_norm=1e-8, param_norm=1e-9),
-               "bf16": Tolerance(loss=1e-6, grad_norm=1e-5, param_norm=1e-7)}
+NOISE_FLOOR = {"fp32": Tolerance(loss=1e-8, grad_norm=1e-8, param_norm=1e-9, aux_loss=1e-8),
+               "bf16": Tolerance(loss=1e-6, grad_norm=1e-5, param_norm=1e-7, aux_loss=1e-6)}
 """The envelope never goes below this (relative), by precision: reference runs can agree exactly at a step."""
 
 DRIFT_WINDOW, DRIFT_SAME_SIGN, DRIFT_K = 10, 9, 10

@@ -41,6 +41,10 @@ FLAGS = (
     ("layout", "num_workers", 2, {"type": int, "help": "Ray Train workers = tp_size × dp_size"}),
     ("layout", "tp_size", 1, {"type": int, "help": "tensor-parallel degree"}),
     ("layout", "dp_size", None, {"type": int, "help": "data-parallel degree (default num_workers / tp_size)"}),
+    ("layout", "ep_size", 1,
+     {"type": int, "help": "expert-parallel degree of a mixture-of-experts model: each expert on ep_size fewer ranks, "
+                           "tokens sent to their experts' ranks; EP groups are ep_size consecutive ranks (whole TP "
+                           "groups), so it divides dp_size × tp_size and tp_size divides it (docs/moe.md)"}),
     ("layout", "device", "auto",
      {"choices": DEVICES, "help": "auto: one GPU per worker when the cluster has them, else CPU workers over gloo"}),
     ("training", "batch_size", 2, {"type": int, "help": "samples per data-parallel rank per step"}),
@@ -151,6 +155,7 @@ class RunConfig:
     num_workers: int
     tp_size: int
     dp_size: int
+    ep_size: int  # experts sharded over ep_size consecutive ranks; 1: every expert on every rank
     device: str  # cpu | cuda
     precision: str  # the precision policy: fp32 | bf16 | bf16_params | bf16_pure | fp16 (parity.training.precision)
     reduce_dtype: str  # the dtype gradients are reduced over DP in: fp32 | bf16 | fp16
@@ -277,6 +282,10 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
 
     model_config = resolve_model_config(s["model_name"], s["num_layers"])
     check_heads(s["tp_size"], model_config.num_attention_heads, model_config.num_key_value_heads)
+    check_experts(s["ep_size"], s["tp_size"], s["dp_size"], model_config)
+    if s["ep_size"] > 1 and not cls.expert_parallel:
+        raise ConfigError(f"{strategy} does not shard experts (every expert on every rank): --ep_size must be 1 (got "
+                          f"{s['ep_size']}); use train_fsdp.py or train_transformers.py for expert parallelism")
     if s["seq_length"] > model_config.max_position_embeddings:
         raise ConfigError(f"--seq_length {s['seq_length']} is above the model's max_position_embeddings "
                           f"({model_config.max_position_embeddings}): use a shorter sequence")
@@ -289,6 +298,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     _absolute_paths(s)
     check_source(s["dataset"])
     s["experiment_name"] = s["experiment_name"] or (f"{strategy}_tp{s['tp_size']}_dp{s['dp_size']}"
+                                                    + (f"_ep{s['ep_size']}" if s["ep_size"] > 1 else "")
                                                     + ("_noise_reference" if s["noise_reference"] else ""))
     s["final_checkpoint_dir"] = s["final_checkpoint_dir"] or storage.join(
         s["storage_path"], s["experiment_name"], "final_model")
@@ -331,6 +341,26 @@ def check_heads(tp_size: int, num_attention_heads: int, num_key_value_heads: int
                               f"use a tp_size in {divisors}")
 
 
+def check_experts(ep_size: int, tp_size: int, dp_size: int, model_config) -> None:
+    """--ep_size > 1 needs a mixture-of-experts model whose experts it divides, and a layout it fits: EP groups are
+    ep_size consecutive ranks of the dp_size × tp_size ranks (rank = dp_rank × tp_size + tp_rank), each whole TP
+    groups — the ranks of a TP group share their tokens and split them for the experts."""
+    if ep_size == 1:
+        return
+    from parity.training.families import family_of
+
+    moe = family_of(model_config).moe
+    if moe is None:
+        raise ConfigError(f"--ep_size {ep_size}: a '{model_config.model_type}' model has no experts that transformers' "
+                          f"expert-parallel plan names (not a mixture of experts): use --ep_size 1")
+    moe.check_ep(ep_size)
+    world = dp_size * tp_size
+    if world % ep_size or ep_size % tp_size:
+        fits = [e for e in range(tp_size, world + 1, tp_size) if world % e == 0 and moe.num_experts % e == 0]
+        raise ConfigError(f"--ep_size {ep_size} does not fit --dp_size {dp_size} × --tp_size {tp_size}: expert groups "
+                          f"are whole TP groups within the {world} ranks, so use an --ep_size in {fits}")
+
+
 def _typed(name: str, value, kind):
     """A flag's value as its parser would have made it, whoever passed it (a command, a test)."""
     if isinstance(value, (list, tuple)):  # a flag of several values (--report_to)
@@ -368,7 +398,7 @@ FLOAT_RANGES = {
     "max_grad_norm": (0.0, math.inf, True, False, "0 (off) or positive"),
 }
 # Every size: at least this.
-INT_MINIMUMS = {"num_workers": 1, "tp_size": 1, "dp_size": 1, "batch_size": 1, "seq_length": 2, "num_layers": 1,
+INT_MINIMUMS = {"num_workers": 1, "tp_size": 1, "dp_size": 1, "ep_size": 1, "batch_size": 1, "seq_length": 2, "num_layers": 1,
                 "grad_accum_steps": 1,
                 "num_epochs": 1, "debug_steps": 1, "log_interval": 1, "replica_check_interval": 1, "num_samples": 1,
                 "warmup_steps": 0, "seed": 0,

@@ -16,6 +16,13 @@ gradients under TP (`replicated_with_grad_allreduce`). What the plan leaves impl
 - the norms on the residual stream are the decoder layer's own norm children (2 in Llama, 4 in Gemma3, OLMo2's two
   post-norms and no pre-norm).
 
+A mixture-of-experts family's sparse block is read off transformers' expert-parallel plan (`base_model_ep_plan`: the
+experts module it dispatches tokens to, `ep_dispatch_experts`, and their fused 3-D weights, `grouped_gemm`), its TP
+plan (how those weights split within an expert: gate_up_proj packs gate and up, `packed_colwise`) and the block's
+children: the router is the child whose weight is [experts, hidden], any other child with parameters a shared expert.
+The load-balancing loss's coefficient is the config's router_aux_loss_coef when transformers' own forward would add it
+(output_router_logits). docs/moe.md.
+
 Each strategy turns this description into its own parallelism (fsdp_strategy.py a torch-native plan of the
 harness's, autotp_strategy.py DeepSpeed's AutoTP where it can shard the family, the pipeline a stage split of the
 decoder stack, transformers_strategy.py transformers' own plan), so the two TP implementations check each other.
@@ -49,6 +56,31 @@ class Projection:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """The sparse block of a mixture-of-experts family (names relative to a decoder layer). The router returns (logits
+    [tokens, experts], routing weights [tokens, top_k], expert ids [tokens, top_k]); the experts module is called as
+    experts(hidden [tokens, hidden], expert ids, routing weights) and holds each weight of every expert in one 3-D
+    parameter [experts, out, in]."""
+
+    block: str  # "mlp"
+    router: str  # "mlp.gate"
+    experts: str  # "mlp.experts"
+    expert_weights: dict[str, tuple[int, int]]  # fused 3-D weight → (the dim a TP split of one expert cuts, its parts)
+    shared_experts: tuple[str, ...]  # "mlp.shared_experts": dense MLPs beside the routed experts, run on every token
+    layers: tuple[int, ...]  # the decoder layers whose block is sparse
+    num_experts: int
+    top_k: int
+    aux_loss_coef: float  # the load-balancing loss's weight in the training loss; 0.0: not in it
+
+    def check_ep(self, ep_size: int) -> None:
+        """ConfigError when `ep_size` does not divide the experts."""
+        if self.num_experts % ep_size:
+            fits = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise ConfigError(f"--ep_size {ep_size} does not divide the model's {self.num_experts} experts: use an "
+                              f"--ep_size in {fits}")
+
+
+@dataclass(frozen=True)
 class Family:
     """One architecture's decoder layer, as every strategy needs it (names relative to a decoder layer)."""
 
@@ -71,6 +103,7 @@ class Family:
     width_norms: dict[str, str] = field(default_factory=dict)  # full-width norm → the projection whose output it normalises
     layer_norms: tuple[str, ...] = ()  # norms on the residual stream, in the layer's order
     why_no_tp: str | None = None  # why the layers cannot be described for TP (None: they can)
+    moe: MoE | None = None  # the sparse block of a mixture-of-experts family (None: a dense model)
 
     @property
     def partial_grad_params(self) -> tuple[str, ...]:
@@ -122,10 +155,48 @@ def _family(config_json: str, config_class) -> Family:
     common = dict(model_type=config.model_type, causal_lm=cls.__name__, tied=bool(text.tie_word_embeddings),
                   num_layers=text.num_hidden_layers, layer_types=types, **_stack_parts(model))
     layers = model.get_submodule(common["stack"])
+    common["moe"] = _moe_roles(model, text, layers)
     try:
-        return Family(**common, **_layer_roles(model, text, layers[0]))
+        return Family(**common, **_layer_roles(model, text, layers, common["moe"]))
     except _Undescribed as exc:
         return Family(**common, why_no_tp=str(exc))
+
+
+def _moe_roles(model, text, layers) -> MoE | None:
+    """The sparse block, from transformers' expert-parallel and TP plans and the block's children; None for a model
+    without an expert-parallel plan (a dense model)."""
+    ep_plan = {key.split("layers.*.", 1)[1]: style for key, style in (model.ep_plan or {}).items() if "layers.*." in key}
+    experts = next((name for name, style in ep_plan.items() if style == "ep_dispatch_experts"), None)
+    if experts is None:
+        return None
+    sparse = tuple(i for i, layer in enumerate(layers) if experts in dict(layer.named_modules()))
+    if not sparse:
+        return None
+    layer = layers[sparse[0]]
+    module = layer.get_submodule(experts)
+    block = experts.rsplit(".", 1)[0]
+    tp_plan = {key.split("layers.*.", 1)[1]: style for key, style in (model.tp_plan or {}).items() if "layers.*." in key}
+    transposed = bool(getattr(module, "is_transposed", False))
+    weights = {}
+    for name, param in module.named_parameters(recurse=False):
+        style = tp_plan.get(f"{experts}.{name}", "")
+        reads = style in COLWISE_STYLES  # cuts the output dim; rowwise styles cut the input dim
+        dim = (2 if transposed else 1) if reads else (1 if transposed else 2)
+        weights[name] = (dim, 2 if style.startswith("packed") else 1)
+    num_experts = next(iter(module.parameters())).shape[0]
+    children = [(name, child) for name, child in layer.get_submodule(block).named_children() if name != "experts"
+                and list(child.parameters())]
+    router = next((name for name, child in children
+                   if any(tuple(p.shape) == (num_experts, text.hidden_size) for p in child.parameters(recurse=False))),
+                  None)
+    if router is None:
+        return None
+    top_k = getattr(layer.get_submodule(f"{block}.{router}"), "top_k", None) or text.num_experts_per_tok
+    coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if getattr(text, "output_router_logits", False) \
+        else 0.0
+    return MoE(block=block, router=f"{block}.{router}", experts=experts, expert_weights=weights,
+               shared_experts=tuple(f"{block}.{name}" for name, _ in children if name != router), layers=sparse,
+               num_experts=int(num_experts), top_k=int(top_k), aux_loss_coef=coef)
 
 
 def _stack_parts(model) -> dict:
@@ -149,18 +220,31 @@ class _Undescribed(Exception):
     """The decoder layer does not fit the seam's description (a family the harness's TP plans cannot cover)."""
 
 
-def _layer_roles(model, text, layer) -> dict:
-    """The decoder layer's roles, from transformers' TP plan (relative to a layer) and the modules' shapes."""
+def _layer_roles(model, text, layers, moe: MoE | None) -> dict:
+    """The decoder layers' roles, from transformers' TP plan (relative to a layer) and the modules' shapes. A rule
+    naming a module no layer has (a dense MLP's, where every layer is sparse) is passed over; the experts and any
+    shared experts are the sparse block's (`moe`), not the dense roles' — under TP they stay whole, each TP rank
+    running them on its share of the tokens (the harness's plans) or split by transformers' own plan."""
     import torch
 
     plan = {key.split("layers.*.", 1)[1]: style for key, style in (model.tp_plan or {}).items() if "layers.*." in key}
     if not plan:
         raise _Undescribed(f"transformers ships no tensor-parallel plan for {type(model).__name__}")
-    modules = dict(layer.named_modules())
+    modules = {}
+    for each in layers:
+        for name, module in each.named_modules():
+            modules.setdefault(name, module)
+    layer = layers[0]
+    if moe:
+        sparse_parts = (moe.experts, *moe.shared_experts)
+        plan = {name: style for name, style in plan.items()
+                if not any(name == part or name.startswith(part + ".") for part in sparse_parts)}
+    plan = {name: style for name, style in plan.items() if name in modules}
+    dense_mlp = not moe or len(moe.layers) < len(layers)
     heads, kv = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     attention = next((n for n, m in layer.named_children() if "Attention" in type(m).__name__), None)
-    mlp = next((n for n, m in layer.named_children() if "MLP" in type(m).__name__), None)
+    mlp = moe.block if moe else next((n for n, m in layer.named_children() if "MLP" in type(m).__name__), None)
     if attention is None or mlp is None:
         raise _Undescribed(f"{type(layer).__name__} has no attention or MLP child module")
     roles: dict = {"attention": attention, "mlp": mlp, "attention_in": [], "mlp_in": [], "head_norms": {},
@@ -182,8 +266,10 @@ def _layer_roles(model, text, layer) -> dict:
             roles[f"{where}_out"] = name
         else:
             raise _Undescribed(f"its TP plan's style '{style}' for {name} is not one the harness can follow")
-    if not roles["attention_in"] or "attention_out" not in roles or not roles["mlp_in"] or "mlp_out" not in roles:
-        raise _Undescribed("its TP plan does not name the attention's and the MLP's input and output projections")
+    if not roles["attention_in"] or "attention_out" not in roles:
+        raise _Undescribed("its TP plan does not name the attention's input and output projections")
+    if dense_mlp and (not roles["mlp_in"] or "mlp_out" not in roles):
+        raise _Undescribed("its TP plan does not name the MLP's input and output projections")
     inputs = {p.name.rsplit(".", 1)[-1][0]: p for p in roles["attention_in"]}  # q_proj → "q"
     for name, module in modules.items():
         if name.startswith(attention + ".") and "Norm" in type(module).__name__ and name not in roles["head_norms"]:
@@ -194,9 +280,9 @@ def _layer_roles(model, text, layer) -> dict:
             roles["width_norms"][name] = target.name
     acts = [n for n, m in modules.items() if n.startswith(mlp + ".") and n.count(".") == 1 and
             not list(m.parameters()) and not isinstance(m, torch.nn.Dropout)]
-    if len(acts) != 1:
+    if dense_mlp and len(acts) != 1:
         raise _Undescribed(f"its MLP has {len(acts)} activation modules, not one")
-    roles["mlp_act"] = acts[0]
+    roles["mlp_act"] = acts[0] if dense_mlp else None
     roles["layer_norms"] = tuple(n for n, m in layer.named_children() if "Norm" in type(m).__name__)
     if roles["head_norms"]:
         roles["head_norms"] = _probe_head_dims(model, text, list(roles["head_norms"]), heads, kv)
@@ -211,6 +297,9 @@ def _probe_head_dims(model, text, norms: list[str], heads: int, kv: int) -> dict
 
     small = copy.deepcopy(text)
     small.num_hidden_layers, small.vocab_size = 1, 8
+    for width in ("intermediate_size", "moe_intermediate_size"):  # the MLP's (and the experts') width: not probed
+        if isinstance(getattr(small, width, None), int):
+            setattr(small, width, 8)
     if getattr(small, "layer_types", None):
         small.layer_types = small.layer_types[:1]
     probe = type(model)(small).eval()

@@ -2,7 +2,8 @@
 
 Every rank runs the same step on its DP slice of one fixed global batch. Forward hooks record each
 module's output, tensor hooks each output's gradient; after backward every parameter's gradient, after
-the optimizer step every parameter. All of it is gathered to full size (TP shards by the strategy's
+the optimizer step every parameter; a mixture of experts' routers also the experts each token went to
+(routing/<router>: the comparison counts the loads and finds the flips). All of it is gathered to full size (TP shards by the strategy's
 `full_module_output` / `full_gradients` / `full_parameters`, DP slices concatenated along the batch) and
 rank 0 writes it under Hugging Face names, so two strategies are compared tensor for tensor — never a
 shard's norm against a full tensor's.
@@ -41,14 +42,22 @@ class ModuleRecorder:
     call of the step — micro-batches (gradient accumulation, a pipeline's schedule) concatenated along the batch,
     in the order they ran (ascending in forward and in backward under every schedule the harness runs).
 
-    The rotary table, which does not depend on the batch, and meta tensors (shapes without values) are left out.
+    The rotary table, which does not depend on the batch, and meta tensors (shapes without values) are left out; so
+    are the submodules of a mixture of experts' experts modules (their activation runs on whichever rows reached this
+    rank's experts, in an order of the strategy's making): the experts module's own output and gradient, one row per
+    token, hold all of them.
     """
 
     def __init__(self, model: torch.nn.Module):
+        from parity.training.families import family_of
+
         self.outputs: dict[str, list[torch.Tensor]] = {}
         self.output_grads: dict[str, list[torch.Tensor]] = {}
+        family = family_of(model.config)
+        inner = (f".{family.moe.experts}.",) if family.moe else ()
         self.handles = [m.register_forward_hook(self._forward_hook(name))
-                        for name, m in model.named_modules() if name and not name.endswith("rotary_emb")]
+                        for name, m in model.named_modules() if name and not name.endswith("rotary_emb")
+                        and not any(part in name for part in inner)]
 
     def _forward_hook(self, name: str):
         def hook(module, args, output):
@@ -130,6 +139,8 @@ def layer_step_worker(payload: dict) -> None:
     for kind, store in (("output", records.outputs), ("output_grad", records.output_grads)):
         for name, full in store.items():  # one order on every rank: the gathers are collective
             tensors[f"{kind}/{name}"] = torch.cat(strategy.gather_dp(full.float())).cpu()
+    for name, ids in zip(strategy.router_names(), strategy.step_expert_ids):  # a mixture of experts' routing
+        tensors[f"routing/{name}"] = torch.cat(strategy.gather_dp(ids)).cpu()
     tensors.update({f"grad/{k}": v for k, v in grads.items()})
     tensors.update({f"param/{k}": v for k, v in params.items()})
 
@@ -138,7 +149,7 @@ def layer_step_worker(payload: dict) -> None:
         with atomic_path(tensor_path) as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
         write_json_atomic(meta_path, {
-            "strategy": cfg.strategy, "tp_size": cfg.tp_size, "dp_size": cfg.dp_size,
+            "strategy": cfg.strategy, "tp_size": cfg.tp_size, "dp_size": cfg.dp_size, "ep_size": cfg.ep_size,
             "precision": cfg.precision, "options": cfg.options, "device_type": ctx.device.type,
             "model_config": config_summary(w.model_config),
             "init_weights_sha256": w.weights_sha, "inputs_sha256": file_sha256(inputs_path),

@@ -5,9 +5,9 @@
 [3] under Ray Train: resume from the run's latest checkpoint when it has one (parity/training/checkpoints.py)
 [4] each step: the global batch of that step, this DP rank's slice, one train step
 [5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory (fp16: whether an overflow skipped the step,
-    and the loss scale); rewrites the JSON every log_interval; under Ray Train a checkpoint every checkpoint_interval
-    and at the end, reported with that step's metrics; with --report_to, rank 0 logs each step's record entry to the
-    experiment trackers (parity/tracking)
+    and the loss scale; a mixture of experts: its load-balancing loss and expert loads); rewrites the JSON every
+    log_interval; under Ray Train a checkpoint every checkpoint_interval and at the end, reported with that step's
+    metrics; with --report_to, rank 0 logs each step's record entry to the experiment trackers (parity/tracking)
 [6] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
     backward and after the step, and keeps the peak
 [8] after a step, every --replica_check_interval, at every checkpoint and at the end: every tensor several ranks hold
@@ -189,7 +189,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                       grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.loss_tokens,
                       batch_hash=batch_hash(global_batch), step_time_s=step_time,
                       peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s, **checked,
-                      **scaling)
+                      **scaling, **(stats.routing or {}))
         stats.harness_s["record"] = time.perf_counter() - r0
         if trackers:
             stats.harness_s["trackers"] = trackers.log_step(record.steps[-1])
@@ -213,7 +213,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
     model_state = probe.report(w, step=total_steps - 1)
     last_batch = batches(total_steps - 1)
     final_loss = evaluate(strategy, dp_slice(last_batch, ctx.dp_rank, cfg.batch_size), last_batch.loss_tokens)  # [7]
-    params = strategy.full_parameters()
+    params = {**strategy.full_parameters(), **strategy.full_buffers()}
 
     def finish() -> None:
         if ctx.is_logging_rank:

@@ -239,8 +239,19 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in meta_model(config).state_dict().items()}
 
 
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds (DeepSeek-V3's routing-correction bias; not the rotary tables), on the CPU in
+    fp32: no strategy shards a buffer, so every rank holds them whole."""
+    found = {}
+    for name, owner in module.named_modules():
+        for key, buffer in owner.named_buffers(recurse=False):
+            if buffer is not None and not buffer.is_meta and key not in owner._non_persistent_buffers_set:
+                found[f"{name}.{key}" if name else key] = buffer.detach().float().cpu().clone()
+    return found
+
+
 def save_hf_checkpoint(params: dict[str, torch.Tensor], config, directory: str) -> None:
-    """Write full parameters in `save_pretrained` layout (config.json + model.safetensors) to `directory`
+    """Write full parameters (and persistent buffers) in `save_pretrained` layout (config.json + model.safetensors) to `directory`
     (a local path or a URI), whole: parity.storage.directory_writer publishes it when complete."""
     from transformers.utils import logging as transformers_logging
 

@@ -10,6 +10,14 @@ one full-attention layer, OLMo2's full-width q/k norms and post-norms, Phi3's fu
 Mistral's sliding window. gemma3-tiny is 48 wide: its embedding scale √48 is not a bf16 number (√64 would be), so
 a scale applied in the wrong dtype shows. Tied embeddings: qwen2, qwen3, gemma3; untied: llama, mistral, olmo2, phi3. Their
 sliding windows (16, 32 tokens) are shorter than the tests' sequences, so the masks really cut.
+
+The mixture-of-experts presets (docs/moe.md) keep that shape with 4 experts, top-2 (EP=2 holds 2 experts per rank)
+and what makes each family's sparse block differ: Qwen3-MoE's softmax router with normalised top-k weights and its
+load-balancing loss (coefficient 0.001, as Qwen3-30B-A3B); Mixtral's (0.02, as Mixtral-8x7B); DeepSeek-V3's
+multi-head latent attention, its first layer dense, a shared expert beside the routed ones, and its sigmoid router
+with group-limited, bias-corrected top-k (8 experts in 4 groups, 2 groups kept, scaled by 2.5) and no auxiliary loss.
+Their output_router_logits is on, so the load-balancing loss is in the training loss as transformers adds it; the
+published configs keep theirs (off).
 """
 
 from __future__ import annotations
@@ -46,6 +54,20 @@ PRESETS: dict[str, dict] = {
         rope_local_base_freq=10000, sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
         attn_logit_softcapping=None, final_logit_softcapping=None, attention_bias=False, attention_dropout=0.0,
         pad_token_id=0, bos_token_id=2, eos_token_id=1),
+    "Qwen/Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, hidden_act="silu", max_position_embeddings=40960,
+        initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1000000.0,
+        use_sliding_window=False, sliding_window=None, max_window_layers=48, attention_bias=False,
+        attention_dropout=0.0, decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, output_router_logits=False,
+        router_aux_loss_coef=0.001, bos_token_id=151643, eos_token_id=151645),
+    "mistralai/Mixtral-8x7B-v0.1": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, hidden_act="silu", max_position_embeddings=32768,
+        initializer_range=0.02, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=1000000.0,
+        sliding_window=None, attention_dropout=0.0, num_local_experts=8, num_experts_per_tok=2,
+        output_router_logits=False, router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2),
     # --- tiny presets, one per family ---------------------------------------------------------------------------
     "qwen2-tiny": dict(
         model_type="qwen2", **_TINY, hidden_act="silu", tie_word_embeddings=True, rope_theta=1000000.0,
@@ -73,9 +95,26 @@ PRESETS: dict[str, dict] = {
     "phi3-tiny": dict(
         model_type="phi3", **_TINY, pad_token_id=0, hidden_act="silu", tie_word_embeddings=False, rope_theta=10000.0,
         sliding_window=None),
+    # --- mixture-of-experts tiny presets ---------------------------------------------------------------------
+    "qwen3-moe-tiny": dict(
+        model_type="qwen3_moe", **_TINY, head_dim=32, hidden_act="silu", tie_word_embeddings=False,
+        rope_theta=1000000, use_sliding_window=False, sliding_window=None, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        output_router_logits=True, router_aux_loss_coef=0.001),
+    "mixtral-tiny": dict(
+        model_type="mixtral", **{**_TINY, "intermediate_size": 64}, hidden_act="silu", tie_word_embeddings=False,
+        rope_theta=1000000.0, sliding_window=None, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, router_jitter_noise=0.0),
+    "deepseek-v3-tiny": dict(
+        model_type="deepseek_v3", **{**_TINY, "intermediate_size": 128, "num_key_value_heads": 4}, hidden_act="silu",
+        tie_word_embeddings=False, rope_theta=10000.0, rope_interleave=True, kv_lora_rank=32, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0),
 }
 
 TINY_PRESETS = tuple(name for name in PRESETS if name.endswith("-tiny"))
+MOE_PRESETS = ("qwen3-moe-tiny", "mixtral-tiny", "deepseek-v3-tiny")  # the mixtures of experts among them
 
 # The learning rate a preset trains well with when --learning_rate is not given. 1e-5 is the seed's; the tiny
 # models need a larger one for their loss to move within 100 steps.

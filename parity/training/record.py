@@ -15,6 +15,9 @@ SCHEMA_VERSION = 4  # 2: every step has param_norm; 3: the config has the finger
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")  # and harness_s: the harness's own seconds in the step, by what (not checked);
 # and on a step the replicas were checked after, "replicas": what the check found (parity.training.replicas)
+ROUTING_FIELDS = ("aux_loss", "expert_loads")  # a mixture of experts' steps also hold these (parity.training.routing):
+# the load-balancing loss of the global batch (null where the family has none in its loss) and, per sparse layer,
+# the real tokens routed to each expert
 # The config entries a comparison of two records relies on (parity/comparing/curves.py); the loop always writes them.
 CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",
                  "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "fingerprint")
@@ -127,4 +130,12 @@ def load_record(path: str) -> dict:
                                       and isinstance(found.get("parted"), int)):
             raise RecordError(f"{name}: steps[{i}].replicas is not a replica check's entry ('checked' and 'parted' "
                               f"counts)")
+        if "expert_loads" in step and not (isinstance(step["expert_loads"], list) and all(
+                isinstance(row, list) and all(isinstance(n, int) for n in row) for row in step["expert_loads"])):
+            raise RecordError(f"{name}: steps[{i}].expert_loads is not a list of per-layer expert counts")
+        if step.get("aux_loss") is not None:
+            value = step["aux_loss"]
+            step["aux_loss"] = storage.NON_FINITE.get(value, value) if isinstance(value, str) else value
+            if isinstance(step["aux_loss"], bool) or not isinstance(step["aux_loss"], (int, float)):
+                raise RecordError(f"{name}: steps[{i}].aux_loss is not a number")
     return data

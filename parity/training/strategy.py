@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parity.errors import ConfigError
+from parity.training import routing
 from parity.training.precision import OptimizerStep, policy_of
 from parity.training.replicas import Replica, whole_model
 
@@ -83,6 +84,7 @@ class StepStats:
     harness_s: dict  # the harness's own measurements in this step, by what: seconds (docs/benchmark.md)
     skipped: bool = False  # fp16: the step was skipped on an overflow (the parameters did not move)
     loss_scale: float | None = None  # fp16: the loss scale the step's gradients were computed with
+    routing: dict | None = None  # a mixture of experts: {"aux_loss", "expert_loads"} of the global batch (routing.py)
 
 
 @dataclass
@@ -187,6 +189,7 @@ class Strategy:
     name = "base"
     options: tuple = ()  # the strategy's own flags (Option above), in RunConfig.options
     tensor_parallel = True  # whether it shards tensors over --tp_size (DDP and a hand-written DP do not)
+    expert_parallel = False  # whether it shards a mixture of experts' experts over --ep_size
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
     # The precision policies it carries out (parity.training.precision). fp32 and bf16 (autocast) need nothing of a
     # strategy but this class's autocast(); the others need the parameters, gradients, reduction and optimizer of the
@@ -197,6 +200,8 @@ class Strategy:
         self.cfg, self.ctx = cfg, ctx
         ctx.pp_size = self.pp_size(cfg.options)  # before the loop slices this rank's data by ctx.dp_rank
         self.model = None  # the wrapped model whose forward returns HF outputs with .logits
+        self.step_routing: dict | None = None  # the last forward_backward's routing record (a mixture of experts)
+        self.step_expert_ids: list[torch.Tensor] = []  # and per sparse layer, the experts each token of the rank went to
 
     # --- driver side ------------------------------------------------------------------------------
     @classmethod
@@ -322,6 +327,13 @@ class Strategy:
             return None
         return whole_model(self.hf_model, getattr(self, "optimizer", None), tuple(range(self.ctx.world_size)))
 
+    def full_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers a stock model's state dict holds (DeepSeek-V3's routing bias), under its names, on the CPU in
+        fp32: no strategy shards a buffer. Collective where names must be translated (DeepSpeed's AutoEP)."""
+        from parity.training.model import persistent_buffers
+
+        return persistent_buffers(self.hf_model)
+
     def replica_params(self, num_params: int) -> float:
         """The parameters one rank of a model replica holds, for the ZeRO bound (memory.zero_bound): the model's
         `num_params` ÷ tp_size — perfect TP sharding, a lower bound where tensors stay replicated."""
@@ -366,19 +378,95 @@ class Strategy:
 
     def forward_backward(self, batch, global_tokens: int) -> torch.Tensor:
         """Forward and backward of this rank's slice `batch` (a data.Batch) as --grad_accum_steps micro-batches,
-        leaving the gradients of the global batch's token mean reduced over DP; returns this rank's token-loss
-        sum (float64). A strategy whose forward and backward are one schedule (the pipeline) overrides this."""
+        leaving the gradients of the global batch's token mean reduced over DP — plus, for a mixture of experts with
+        a load-balancing loss, coef × that loss over the global batch (parity.training.routing) — and the step's
+        routing in `step_routing`; returns this rank's token-loss sum (float64). A strategy whose forward and backward
+        are one schedule (the pipeline) overrides this."""
         micro_batches = batch.to(self.ctx.device).split(self.cfg.grad_accum_steps)
+        tap = self.router_tap()
+        moe = tap.moe if tap else None
+        aux = bool(moe and moe.aux_loss_coef)
+        counted, totals = (self.count_routes(micro_batches, tap) if aux and len(micro_batches) > 1 else (None, None))
         local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        counts = prob_sums = None
+        chosen = []
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self.accumulating(last):
-                with self.autocast():
+                with self.autocast(), (tap.recording() if tap else contextlib.nullcontext()) as calls:
                     logits = self.forward(micro.input_ids)
                 summed = loss_sum(logits, micro.labels)
-                self.backward(self.micro_batch_loss(summed, micro, batch, global_tokens) * self.loss_scale, last)
+                loss = self.micro_batch_loss(summed, micro, batch, global_tokens)
+                if tap:
+                    chosen.append([ids.detach() for _, ids in calls])
+                    mask = routing.real_tokens(micro.labels)
+                    mine = routing.expert_counts(calls, mask, moe.num_experts)
+                    counts = mine if counts is None else counts + mine
+                    if aux:
+                        sums = routing.probability_sums(calls, mask)
+                        prob_sums = sums.detach() if prob_sums is None else prob_sums + sums.detach()
+                        totals = totals if totals is not None else self.batch_routing_totals(mine)
+                        loss = loss + self.micro_batch_aux(sums, totals, moe)
+                self.backward(loss * self.loss_scale, last)
             local_sum += summed.detach().double()
+        if tap:
+            if counted is not None and not torch.equal(counted, counts):
+                raise RuntimeError("the counting forward routed differently from the training forward: the step's "
+                                   "load-balancing statistics would not be its own")
+            self.step_routing = self.routing_record(counts, prob_sums, totals, moe)
+            self.step_expert_ids = [torch.cat(layer) for layer in zip(*chosen)]
         return local_sum
+
+    def router_tap(self):
+        """Hooks on the routers of a mixture of experts (made at the first step); None for a dense model."""
+        if not hasattr(self, "_router_tap"):
+            from parity.training.families import family_of
+
+            family = family_of(self.hf_model.config)
+            self._router_tap = routing.RouterTap(self.hf_model, family, self.router_module) if family.moe else None
+        return self._router_tap
+
+    def router_module(self, name: str) -> str:
+        """The module of `hf_model` that routes where the stock model's router `name` does (the same, unless the
+        strategy replaced the sparse block: DeepSpeed's AutoEP)."""
+        return name
+
+    def router_names(self) -> list[str]:
+        """The sparse layers' routers by Hugging Face name, in layer order (empty for a dense model)."""
+        tap = self.router_tap()
+        return tap.names if tap else []
+
+    @torch.no_grad()
+    def count_routes(self, micro_batches, tap) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's, the global batch's) expert counts [layers, experts] before any backward: a forward without
+        gradients over the micro-batches, which the load-balancing loss of each one needs (routing.py)."""
+        counts = 0
+        for micro in micro_batches:
+            with self.autocast(), tap.recording() as calls:
+                self.forward(micro.input_ids)
+            counts = counts + routing.expert_counts(calls, routing.real_tokens(micro.labels), tap.moe.num_experts)
+        return counts, self.batch_routing_totals(counts)
+
+    def batch_routing_totals(self, local: torch.Tensor) -> torch.Tensor:
+        """The global batch's total of a routing statistic of this rank's slice (expert counts, probability sums): the
+        sum over DP ranks, each read from the first rank of its TP group (TP ranks route the same tokens).
+        Collective."""
+        return torch.stack(self.gather_dp(local.detach().double())).sum(0)
+
+    def micro_batch_aux(self, prob_sums: torch.Tensor, totals: torch.Tensor, moe) -> torch.Tensor:
+        """What a micro-batch backpropagates of coef × the load-balancing loss: its tokens' share (`prob_sums`) with
+        the global counts `totals`, × dp_size as the LM loss, so that the average over DP is the global loss's
+        gradient."""
+        return self.ctx.dp_size * moe.aux_loss_coef * routing.aux_loss_term(prob_sums, totals, moe.top_k)
+
+    def routing_record(self, counts, prob_sums, totals, moe) -> dict:
+        """The step's routing over the global batch: the load-balancing loss (without its coefficient; None where the
+        family has none in its loss) and each sparse layer's expert loads (real tokens routed to each expert, top-k
+        assignments). Collective."""
+        totals = totals if totals is not None else self.batch_routing_totals(counts)
+        aux = (float(routing.aux_loss_term(self.batch_routing_totals(prob_sums), totals, moe.top_k))
+               if prob_sums is not None else None)
+        return {"aux_loss": aux, "expert_loads": [[int(n) for n in row] for row in totals.tolist()]}
 
     def train_step(self, batch, global_tokens: int, lr: float, observe: Callable[..., None] | None = None) -> StepStats:
         """One step on this rank's slice `batch` of a global batch with `global_tokens` loss tokens: forward_backward,
@@ -401,7 +489,7 @@ class Strategy:
         return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
                          grad_norm=done.norm, param_norm=param_norm,
                          harness_s={"loss_gather": gather_s, "param_norm": time.perf_counter() - t0},
-                         skipped=done.skipped, loss_scale=done.loss_scale)
+                         skipped=done.skipped, loss_scale=done.loss_scale, routing=self.step_routing)
 
     def micro_batch_loss(self, summed: torch.Tensor, micro, batch, global_tokens: int) -> torch.Tensor:
         """What a micro-batch backpropagates: its token-loss sum × dp_size / the global batch's loss tokens, so that
