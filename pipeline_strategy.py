@@ -138,8 +138,10 @@ class StageModule(nn.Module):
 def rank_tree(model, family, owned: list[str], layer_ids: list[int]) -> nn.Module:
     """This rank's modules under their Hugging Face names: the `owned` ends of the model (the embedding on the first
     stage's rank, the final norm and lm_head on the last's), its decoder layers (`layer_ids`, under
-    "<stack>.<index>"), and what every stage runs that holds no parameters (the rotary table)."""
+    "<stack>.<index>"), and what every stage runs that holds no parameters (the rotary table); and the model's
+    config, which what reads a Hugging Face model (the layer check's recorder, the family) finds there."""
     tree = nn.Module()
+    tree.config = model.config
 
     def place(name: str, module: nn.Module) -> None:
         *path, leaf = name.split(".")

@@ -101,7 +101,7 @@ class DTensorStrategy(Strategy):
         if not hasattr(self, "_replicated"):  # a parameter's placements do not change: its ranks are found once
             everyone = tuple(range(self.ctx.world_size))
             self._replicated = [(name, p, ranks) for name, p in self.model.named_parameters()
-                                for ranks in [mesh_replica_ranks(self.mesh, p) if isinstance(p, DTensor) else everyone]
+                                for ranks in [mesh_replica_ranks(p) if isinstance(p, DTensor) else everyone]
                                 if len(ranks) > 1]
         return [r for name, p, ranks in self._replicated
                 for r in (Replica(name, ranks, local(p)), *moments(self.optimizer, p, name, ranks, local))]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import sys
 
 import torch.multiprocessing as mp
 
@@ -97,6 +98,7 @@ def launch_local(cfgs: list[RunConfig], payloads: list[dict], worker=None, kerne
     try:
         start_processes(_rank, (world, port, worker or train_group_worker, group), world, kernel_environment(kernel))
     except mp.ProcessRaisedException as exc:
+        print(exc, file=sys.stderr, flush=True)  # the rank's traceback, in the run's log (the terminal says where)
         lines = [line for line in str(exc).splitlines() if line.strip()]
         raise TrainingFailed(f"rank {exc.error_index}: {lines[-1]}") from None
     except mp.ProcessExitedException as exc:

@@ -95,15 +95,17 @@ def whole_model(model, optimizer, ranks: tuple[int, ...]) -> list[Replica]:
             for r in (Replica(name, ranks, p), *moments(optimizer, p, name, ranks))]
 
 
-def mesh_replica_ranks(root_mesh, t) -> tuple[int, ...]:
-    """The ranks of `root_mesh` (a DeviceMesh with dim names) that hold the same local piece of the DTensor `t` as
-    this rank: along each of the root's dims that `t`'s mesh lacks (a tensor on the "dp" sub-mesh is the same on
-    every "tp" rank) and along each of its own dims where it is Replicate."""
+def mesh_replica_ranks(t) -> tuple[int, ...]:
+    """The ranks that hold the same local piece of the DTensor `t` as this rank, found on the root of `t`'s own
+    mesh (a strategy may build several: FSDP2's experts live on an ("efsdp", "ep") mesh beside the ("dp", "tp")
+    one): along each of the root's dims that `t`'s mesh lacks (a tensor on the "dp" sub-mesh is the same on every
+    "tp" rank) and along each of its own dims where it is Replicate."""
+    root = t.device_mesh._get_root_mesh()
     own = list(t.device_mesh.mesh_dim_names or ())
-    coordinate = root_mesh.get_coordinate()
+    coordinate = root.get_coordinate()
     index = tuple(coordinate[i] if dim in own and not t.placements[own.index(dim)].is_replicate() else slice(None)
-                  for i, dim in enumerate(root_mesh.mesh_dim_names))
-    return tuple(sorted(int(r) for r in root_mesh.mesh[index].flatten().tolist()))
+                  for i, dim in enumerate(root.mesh_dim_names))
+    return tuple(sorted(int(r) for r in root.mesh[index].flatten().tolist()))
 
 
 # --- the digest ---------------------------------------------------------------------------------------------
