@@ -51,7 +51,7 @@ from parity.training.families import family_of
 from parity.training.memory import GRADS, MASTER, PARAMS, StateLedger
 from parity.training.model import parameter_names
 from parity.training.precision import DTYPES, POLICIES, PolicyOptimizer, policy_of
-from parity.training.replicas import Replica, moments
+from parity.training.replicas import Replica, held
 from parity.training.strategy import ModuleRecords, Option, Strategy, loss_sum, squared_norm_fp64
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -483,7 +483,7 @@ class PipelineStrategy(Strategy):
             tied = self.tied and name in (self.embed_name, self.head_name)
             ranks, name = (ends, self.embed_name) if tied else (stage, name)
             if len(ranks) > 1:
-                found += [Replica(name, ranks, p), *moments(self.optimizer, p, name, ranks)]
+                found += held(name, ranks, p, self.optimizer, self.precision.master_of(p))
         return found
 
     def model_state_bytes(self) -> dict:

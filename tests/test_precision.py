@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, seeded_weights
+from conftest import REPO, assert_replicas_held, seeded_weights
 from parity.calibration.bugs import (DDPGradientsNotZeroed, DDPLastMicroBatchUnreduced, DDPLossScaleKeptForClipping,
                                      DDPOverflowApplied)
 from parity.commands.compare_curves import main as plot_loss_curves
@@ -127,6 +127,9 @@ def test_bf16_params_deepspeed_and_fsdp_pass_against_ddp_in_the_policy(folders, 
            "state; reduced over DP in bf16)." in out and "The policy itself (bf16_params) moves DDP" in out
     engine = records(folders / folder)["loss_deepspeed.json"]["config"]
     assert engine["precision"] == "bf16_params" and engine["options"]["zero_stage"] == int(folder[4])
+    ddp = records(folders / folder)["loss_ddp.json"]  # its fp32 masters are replicas as its bf16 parameters are
+    assert_replicas_held(ddp, 4 * 26)
+    assert ddp["replicas"]["by_what"] == {"parameter": 26, "master": 26, "exp_avg": 26, "exp_avg_sq": 26}
 
 
 def test_deepspeed_zero0_bf16_fails_in_its_optimizer(folders, capsys):

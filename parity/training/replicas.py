@@ -88,11 +88,20 @@ def moments(optimizer, param, name: str, ranks: tuple[int, ...],
     return [Replica(name, ranks, local(state[key]) if key in state else None, key) for key in MOMENTS]
 
 
-def whole_model(model, optimizer, ranks: tuple[int, ...]) -> list[Replica]:
-    """Every parameter of `model` (each once: a tied weight under its first name) and its moments, held whole by
-    every rank of `ranks`."""
+def held(name: str, ranks: tuple[int, ...], param, optimizer, master=None,
+         local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> list[Replica]:
+    """A parameter as `ranks` hold it: the parameter itself, its fp32 master copy where a precision policy keeps one
+    apart (`master`: bf16_params, fp16), and the AdamW moments of what the optimizer steps (the master, if any)."""
+    stepped = param if master is None else master
+    return [Replica(name, ranks, local(param)), *([Replica(name, ranks, master, "master")] if stepped is not param
+                                                   else []), *moments(optimizer, stepped, name, ranks, local)]
+
+
+def whole_model(model, optimizer, ranks: tuple[int, ...], master_of=None) -> list[Replica]:
+    """Every parameter of `model` (each once: a tied weight under its first name), its master copy (`master_of`, a
+    PolicyOptimizer's) and its moments, held whole by every rank of `ranks`."""
     return [r for name, p in model.named_parameters()
-            for r in (Replica(name, ranks, p), *moments(optimizer, p, name, ranks))]
+            for r in held(name, ranks, p, optimizer, master_of(p) if master_of else None)]
 
 
 def mesh_replica_ranks(t) -> tuple[int, ...]:

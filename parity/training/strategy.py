@@ -313,7 +313,7 @@ class Strategy:
     def replicas(self) -> list[Replica] | None:
         """Every tensor this rank holds that other ranks must hold bit for bit too — parameters as held (a shard, a
         flat fragment), and the optimizer state of each — with the ranks that hold it (`Replica`, in
-        parity.training.replicas; its helpers `whole_model`, `moments`, `mesh_replica_ranks`). The loop digests
+        parity.training.replicas; its helpers `whole_model`, `held`, `moments`, `mesh_replica_ranks`). The loop digests
         them after every step (--replica_check_interval) and the verdict FAILs a run whose copies part. A rank
         declares the same list at every call from set-up on, a tensor not there yet as None (Adam's moments before
         the first step), and each rank of a replica declares it alike (name, what, piece, ranks); a tensor only this
@@ -325,7 +325,9 @@ class Strategy:
         one that does not returns None: nothing is checked, and the record and the report say so."""
         if self.tensor_parallel or self.ctx.pp_size > 1:
             return None
-        return whole_model(self.hf_model, getattr(self, "optimizer", None), tuple(range(self.ctx.world_size)))
+        precision = getattr(self, "precision", None)  # a PolicyOptimizer, whose masters are held as the parameters
+        return whole_model(self.hf_model, getattr(self, "optimizer", None), tuple(range(self.ctx.world_size)),
+                           precision.master_of if precision else None)
 
     def full_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers a stock model's state dict holds (DeepSeek-V3's routing bias), under its names, on the CPU in
