@@ -26,6 +26,7 @@ Only what differs from DDP is here; the numbered comments match docs/deepspeed.m
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -36,7 +37,7 @@ import warnings
 import torch
 
 from parity.errors import ConfigError, LibraryMissing
-from parity.training.families import family_of
+from parity.training.families import family_of, transformers_version
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.precision import POLICIES, OptimizerStep, PolicyRequest, policy_of
 from parity.training.replicas import MOMENTS, Replica
@@ -51,6 +52,9 @@ CHECKPOINT_TAG = "deepspeed"  # the engine's checkpoint folder inside a checkpoi
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     expert_parallel = True  # DeepSpeed's AutoEP, where 0.19.8 runs the family (check_autoep)
+    layer_check_refuses_ep = ("DeepSpeed's AutoEP replaces the sparse block by its own modules (its router, unfused "
+                              "experts), which have no stock module to compare with: judge it by its loss curves "
+                              "(plot_loss_curves.py), or leave deepspeed out")
     options = (
         Option("zero_stage", 1, type=int, choices=ZERO_STAGES,
                help="ZeRO stage: 0 none (DeepSpeed's data parallelism: gradients all-reduced), 1 shards the optimizer "
@@ -228,13 +232,15 @@ class DeepSpeedStrategy(Strategy):
         if not self._masters_apart():
             return p
         if self.zero_stage == 0:
-            return self._unfused_masters()[id(p)]
+            return self._unfused_masters[id(p)]
         mapping = getattr(p, "_hp_mapping", None)  # None: no fragment of it in this rank's partition
         return mapping.get_hp_fragment() if mapping is not None else None
 
+    @functools.cached_property
     def _unfused_masters(self) -> dict[int, torch.Tensor]:
         """ZeRO-0's fp32 master copies, by their parameter's id (DeepSpeed's FP16_UnfusedOptimizer keeps them in
-        fp32_groups, parallel to the parameters' fp16_groups)."""
+        fp32_groups, parallel to the parameters' fp16_groups, and loads a checkpoint into them in place): found
+        once, read for every parameter at every step."""
         opt = self.engine.optimizer
         return {id(p): m for lp, hp in zip(opt.fp16_groups, opt.fp32_groups) for p, m in zip(lp, hp)}
 
@@ -718,16 +724,12 @@ def check_autoep(model_config, tp_size: int) -> None:
     takes_default = len(inspect.signature(output_capturing._CAN_RECORD_REGISTRY.get).parameters) > 1
     if isinstance(adapter, TransformersTopLevelRouterLogitsAdapter) and not takes_default:
         raise ConfigError(f"DeepSpeed {_deepspeed_version()}'s AutoEP cannot convert a '{model_type}' model under "
-                          f"transformers {_transformers_version()}: its router-logits adapter calls transformers' "
+                          f"transformers {transformers_version()}: its router-logits adapter calls transformers' "
                           f"output-capture registry as get(key, default), which this transformers' does not take "
                           f"(a TypeError inside deepspeed.initialize): use train_fsdp.py or train_transformers.py for "
                           f"expert parallelism")
 
 
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def autotp_partition_config(model_config, user: dict) -> dict | None:

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parity.errors import ConfigError
 from parity.training.families import family_of
-from parity.training.memory import GRAD_BUCKETS, GRADS, MASTER, PARAMS, StateLedger
+from parity.training.memory import GRAD_BUCKETS, StateLedger
 from parity.training.precision import POLICIES, PolicyOptimizer, policy_of, reduce_in
 from parity.training.strategy import Strategy, local_norm
 
@@ -54,10 +54,6 @@ class DDPStrategy(Strategy):
         if self.cfg.reduce_dtype != policy_of(self.cfg).params:
             self.model.register_comm_hook(None, reduce_in(self.cfg.reduce_dtype))
 
-    @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scale
-
     def accumulating(self, last: bool):
         """DDP's own way: no all-reduce in a micro-batch's backward until the last (no_sync) — except where
         micro-batches accumulate in fp32 master gradients, which take each one reduced."""
@@ -81,11 +77,7 @@ class DDPStrategy(Strategy):
         all-reduces a flat copy of the gradients (C++ tensors no Python object reaches; the reducer reports
         their sizes), so between backward and the step a rank holds the gradients twice."""
         ledger = StateLedger(self.ctx.device)
-        params = list(self.model.parameters())
-        ledger.add_all(PARAMS, params)
-        ledger.add_all(MASTER, self.precision.masters or ())
-        ledger.add_all(GRADS, (p.grad for p in params + (self.precision.masters or [])))
-        ledger.add_optimizer_state(self.optimizer)
+        self.precision.count_state(ledger, list(self.model.parameters()))
         sizes = self.model._get_ddp_logging_data().get("bucket_sizes") or ""
         ledger.add_bytes(GRAD_BUCKETS, sum(int(s) for s in str(sizes).split(",") if s.strip()))
         return ledger.result()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -23,7 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from expert_parallel import apply_ep, apply_etp
 from parity.errors import ConfigError
-from parity.training.dtensor_strategy import DTensorStrategy, gather_local_output
+from parity.training.dtensor_strategy import DTensorStrategy
 from parity.training.families import family_of
 from parity.training.loss_scaler import LossScaler
 from parity.training.precision import DTYPES, POLICIES, PolicyRequest, cast_parameters, policy_of
@@ -277,9 +276,7 @@ def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
     shards themselves are bf16 (setup casts them). fp32 and bf16 (autocast): fp32 parameters, and the reduction in
     --reduce_dtype."""
     policy = policy_of(cfg)
-    if policy.master_copy:
-        return MixedPrecisionPolicy(param_dtype=DTYPES[policy.params], reduce_dtype=DTYPES[cfg.reduce_dtype])
-    if cfg.reduce_dtype != policy.params:
+    if policy.master_copy or cfg.reduce_dtype != policy.params:
         return MixedPrecisionPolicy(param_dtype=DTYPES[policy.params], reduce_dtype=DTYPES[cfg.reduce_dtype])
     return MixedPrecisionPolicy()
 
@@ -403,18 +400,10 @@ class FSDPStrategy(DTensorStrategy):
         """The plan's TP over the "tp" mesh."""
         (apply_sequence_parallel if self.sequence_parallel else apply_tp)(model, tp_mesh, self.plan)
 
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler else 1.0
-
-    def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
-        """The plan's local outputs (and their gradients) are this rank's piece — of the last dim (colwise
-        projections, the activation on gate's shard), of the heads dim (per-head norms), or of every part of a packed
-        output: gathered over tp."""
-        if isinstance(output, DTensor):
-            return output.full_tensor()
+    def local_output(self, module_name: str) -> tuple[int, int] | None:
+        """The plan's local outputs: of the last dim (colwise projections, the activation on gate's shard), of the
+        heads dim (per-head norms), or of every part of a packed output."""
         stack = self.family.stack + "."
         if self.ctx.tp_size == 1 or not module_name.startswith(stack):
-            return output
-        local = self.plan.local_outputs.get(module_name[len(stack):].split(".", 1)[-1])
-        return output if local is None else gather_local_output(output, self.tp_mesh, *local)
+            return None
+        return self.plan.local_outputs.get(module_name[len(stack):].split(".", 1)[-1])

@@ -48,7 +48,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parity.errors import ConfigError
 from parity.training.families import family_of
-from parity.training.memory import GRADS, MASTER, PARAMS, StateLedger
+from parity.training.memory import StateLedger
 from parity.training.model import parameter_names
 from parity.training.precision import DTYPES, POLICIES, PolicyOptimizer, policy_of
 from parity.training.replicas import Replica, held
@@ -315,10 +315,6 @@ class PipelineStrategy(Strategy):
         fp32)."""
         return DTYPES[policy_of(self.cfg).params]
 
-    @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scale
-
     def _micro_batch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The schedule's loss_fn: the micro-batch's token-loss sum × dp_size / the global batch's loss tokens (× fp16's
         loss scale)."""
@@ -490,11 +486,7 @@ class PipelineStrategy(Strategy):
         """This rank's stages: their parameters (the last stage's copy of the tied weight included), gradients and
         Adam's state of them."""
         ledger = StateLedger(self.ctx.device)
-        params = list(self.model.parameters())
-        ledger.add_all(PARAMS, params)
-        ledger.add_all(MASTER, self.precision.masters or ())
-        ledger.add_all(GRADS, (p.grad for p in params + (self.precision.masters or [])))
-        ledger.add_optimizer_state(self.optimizer)
+        self.precision.count_state(ledger, list(self.model.parameters()))
         return ledger.result()
 
     def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from parity.errors import ConfigError, LibraryMissing
-from parity.training.dtensor_strategy import DTensorStrategy, gather_local_output
+from parity.training.dtensor_strategy import DTensorStrategy
 from parity.training.families import family_of
 from parity.training.strategy import build_optimizer
 
@@ -128,14 +128,10 @@ class TransformersStrategy(DTensorStrategy):
             local[stack + self.family.mlp_act] = (-1, 1)  # the activation of the gate's slice
         return local
 
-    def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
+    def local_output(self, module_name: str) -> tuple[int, int] | None:
         from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
-        if isinstance(output, DTensor):
-            return output.full_tensor()
-        local = self.local_outputs.get(replace_layer_number_by_wildcard(module_name))
-        return output if local is None else gather_local_output(output, self.tp_mesh, *local)
+        return self.local_outputs.get(replace_layer_number_by_wildcard(module_name))
 
 
 def distributed_config(settings):

@@ -273,6 +273,9 @@ CASES = [
      r"--zero_stage is a deepspeed flag, but --strategy ddp runs no deepspeed step: drop it or run --strategy all"),
     ("verify local gpus", "run_verification", ["--output_dir", "{d}/v", "--launcher", "local", "--device", "cuda"], {},
      r"--launcher local runs the ranks on this machine's CPU over gloo: use --device cpu, or --launcher ray for GPUs"),
+    ("verify AutoEP", "run_verification", ["--output_dir", "{d}/v", "--strategy", "deepspeed", "--ep_size", "2"], {},
+     r"--ep_size with --strategy deepspeed: DeepSpeed's AutoEP replaces the sparse block by its own modules .* or "
+     r"leave deepspeed out"),
     ("verify half folder", "run_verification",
      lambda d: ((d / "v").mkdir(), (d / "v/init_weights.safetensors").write_bytes(b"x"), ["--output_dir", f"{d}/v"])[2],
      {}, r"has init_weights.safetensors but no inputs.safetensors: a layer-check folder needs both; use a fresh"),

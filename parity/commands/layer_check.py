@@ -95,10 +95,13 @@ def check_layers(args: argparse.Namespace) -> int:
         own[strategy_class("ddp", args.strategy_class).name] = args.strategy_class
         strategies.append(next(iter(own)))
     perturb = _parse_perturb(args.perturb, strategies)
-    if args.ep_size > 1 and "deepspeed" in strategies:
-        raise ConfigError("--ep_size with --strategy deepspeed: DeepSpeed's AutoEP replaces the sparse block by its own "
-                          "modules (its router, unfused experts), which have no stock module to compare with: judge it "
-                          "by its loss curves (plot_loss_curves.py), or leave deepspeed out")
+    if args.ep_size > 1:
+        from parity.registry import strategy_class
+
+        for name in strategies:
+            why = strategy_class(name, own.get(name)).layer_check_refuses_ep
+            if why:
+                raise ConfigError(f"--ep_size with --strategy {name}: {why}")
     replay = _replay_start(args)
     weights, inputs = os.path.join(out, WEIGHTS_FILE), os.path.join(out, INPUTS_FILE)
     if os.path.exists(weights) != os.path.exists(inputs):

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
 from parity.training.precision import OptimizerStep
-from parity.training.replicas import Replica, mesh_replica_ranks, moments
+from parity.training.replicas import Replica, held, mesh_replica_ranks
 from parity.training.strategy import Strategy, clip_coefficient, squared_norm_fp64, step_optimizer
 
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
@@ -85,6 +85,7 @@ class DTensorStrategy(Strategy):
     device mesh with named dims (`self.mesh`), stepped by the shared AdamW (`self.optimizer`)."""
 
     mesh = None  # the root DeviceMesh; None for a single rank
+    tp_mesh = None  # its "tp" sub-mesh, where local outputs are gathered
     scaler = None  # fp16: the harness's loss scaler (parity.training.loss_scaler), set up by a strategy that runs it
 
     @property
@@ -103,8 +104,19 @@ class DTensorStrategy(Strategy):
             self._replicated = [(name, p, ranks) for name, p in self.model.named_parameters()
                                 for ranks in [mesh_replica_ranks(p) if isinstance(p, DTensor) else everyone]
                                 if len(ranks) > 1]
-        return [r for name, p, ranks in self._replicated
-                for r in (Replica(name, ranks, local(p)), *moments(self.optimizer, p, name, ranks, local))]
+        return [r for name, p, ranks in self._replicated for r in held(name, ranks, p, self.optimizer, local=local)]
+
+    def local_output(self, module_name: str) -> tuple[int, int] | None:
+        """Where the module `module_name` leaves each TP rank its piece of its output: (dim, parts) for
+        gather_local_output; None where its output is whole (or a DTensor). The strategy's TP plan says."""
+        return None
+
+    def full_module_output(self, module_name: str, output: torch.Tensor) -> torch.Tensor:
+        """A DTensor output in full; a local output (local_output) gathered over tp."""
+        if isinstance(output, DTensor):
+            return output.full_tensor()
+        piece = self.local_output(module_name)
+        return output if piece is None else gather_local_output(output, self.tp_mesh, *piece)
 
     def local_piece(self, param):
         """A DTensor parameter's local shard (its dp × tp piece), sharing its storage."""

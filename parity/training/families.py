@@ -340,7 +340,7 @@ def config_from_dict(data: dict):
         return AutoConfig.for_model(model_type, **data)
     except ValueError:
         raise ConfigError(f"model_type '{model_type}' is not a model transformers knows (transformers "
-                          f"{_transformers_version()}): upgrade transformers, or use another model") from None
+                          f"{transformers_version()}): upgrade transformers, or use another model") from None
 
 
 def with_num_layers(config, num_layers: int):
@@ -366,7 +366,7 @@ def with_num_layers(config, num_layers: int):
     return type(config).from_dict(fixed)
 
 
-def _transformers_version() -> str:
+def transformers_version() -> str:
     import transformers
 
     return transformers.__version__

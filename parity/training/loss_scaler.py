@@ -89,7 +89,7 @@ class LossScaler:
 def any_nonfinite(tensors, device: torch.device, group=None) -> bool:
     """Whether any rank's `tensors` (local gradients, or a DTensor's local shards) hold an inf or a NaN. Collective over
     `group` (default: every rank of the run), so that every rank skips the same steps."""
-    local = any(bool((~torch.isfinite(t)).any()) for t in tensors)
-    flag = torch.tensor([1.0 if local else 0.0], device=device)
+    flags = [(~torch.isfinite(t)).any().to(device) for t in tensors]  # on the device: one host sync, not one a tensor
+    flag = torch.stack(flags).any().float().reshape(1) if flags else torch.zeros(1, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())

@@ -255,10 +255,13 @@ def save_hf_checkpoint(params: dict[str, torch.Tensor], config, directory: str) 
     (a local path or a URI), whole: parity.storage.directory_writer publishes it when complete."""
     from transformers.utils import logging as transformers_logging
 
+    from parity.training.families import family_of
+
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per run is noise in the logs
     model = meta_model(config)
     missing, unexpected = model.load_state_dict(params, strict=False, assign=True)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    family = family_of(config)
+    tied = {f"{family.final[-1]}.weight"} if family.tied else set()
     if set(missing) - tied or unexpected:
         raise ValueError(f"full parameters do not match the model: missing {missing}, unexpected {unexpected}")
     model.tie_weights()

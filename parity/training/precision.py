@@ -29,7 +29,7 @@ frequencies, another model.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from parity.errors import ConfigError
 from parity.training.loss_scaler import LossScaler
+from parity.training.memory import GRADS, MASTER, PARAMS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,12 +91,10 @@ POLICIES = {
     "fp16": Policy("fp16", "fp16", "fp32", False, ("fp16", "fp32"), True,
                    "fp16 parameters and gradients, fp32 master weights and Adam state, dynamic loss scaling"),
 }
-LOW_PRECISION = tuple(name for name in POLICIES if name != "fp32")
 
-# fp16's loss scaler: DeepSpeed's fp16 keys and defaults (deepspeed/runtime/precision_config.py). loss_scale > 0: a
-# static scale; 0: dynamic, starting at 2**initial_scale_power.
-LOSS_SCALING_DEFAULTS = {"loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
-                         "consecutive_hysteresis": False, "min_loss_scale": 1.0}
+# fp16's loss scaler: DeepSpeed's fp16 keys and defaults (deepspeed/runtime/precision_config.py), LossScaler's fields.
+# loss_scale > 0: a static scale; 0: dynamic, starting at 2**initial_scale_power.
+LOSS_SCALING_DEFAULTS = {f.name: f.default for f in fields(LossScaler)}
 # The settings of a run that make up its policy (the RunConfig's fields): what a comparison requires to be equal.
 POLICY_FIELDS = ("precision", "reduce_dtype", "grad_accum_dtype", "loss_scaling")
 
@@ -326,6 +325,14 @@ class PolicyOptimizer:
     def zero_grad(self) -> None:
         for t in self.params + (self.masters or []):
             t.grad = None
+
+    def count_state(self, ledger, params: list[torch.Tensor]) -> None:
+        """A rank's model state into `ledger` (a memory.StateLedger): `params` (the module's), the masters, the
+        gradients of both, and AdamW's state."""
+        ledger.add_all(PARAMS, params)
+        ledger.add_all(MASTER, self.masters or ())
+        ledger.add_all(GRADS, (p.grad for p in params + (self.masters or [])))
+        ledger.add_optimizer_state(self.optimizer)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "masters": self.masters,

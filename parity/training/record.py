@@ -15,8 +15,7 @@ SCHEMA_VERSION = 4  # 2: every step has param_norm; 3: the config has the finger
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")  # and harness_s: the harness's own seconds in the step, by what (not checked);
 # and on a step the replicas were checked after, "replicas": what the check found (parity.training.replicas)
-ROUTING_FIELDS = ("aux_loss", "expert_loads")  # a mixture of experts' steps also hold these (parity.training.routing):
-# the load-balancing loss of the global batch (null where the family has none in its loss) and, per sparse layer,
+# and a mixture of experts' steps aux_loss and expert_loads (parity.training.routing): the load-balancing loss of the global batch (null where the family has none in its loss) and, per sparse layer,
 # the real tokens routed to each expert
 # The config entries a comparison of two records relies on (parity/comparing/curves.py); the loop always writes them.
 CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",

@@ -190,6 +190,7 @@ class Strategy:
     options: tuple = ()  # the strategy's own flags (Option above), in RunConfig.options
     tensor_parallel = True  # whether it shards tensors over --tp_size (DDP and a hand-written DP do not)
     expert_parallel = False  # whether it shards a mixture of experts' experts over --ep_size
+    layer_check_refuses_ep = None  # why the layer check cannot compare its modules at --ep_size > 1, where it cannot
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
     # The precision policies it carries out (parity.training.precision). fp32 and bf16 (autocast) need nothing of a
     # strategy but this class's autocast(); the others need the parameters, gradients, reduction and optimizer of the
@@ -270,8 +271,10 @@ class Strategy:
     @property
     def loss_scale(self) -> float:
         """What every micro-batch's loss is multiplied by before backward: fp16's loss scale where the strategy scales
-        the loss itself (its PolicyOptimizer's or scaler's), else 1 (DeepSpeed's engine scales its own)."""
-        return 1.0
+        the loss itself (its PolicyOptimizer's, `self.precision`, or scaler's), else 1 (DeepSpeed's engine scales its
+        own)."""
+        precision = getattr(self, "precision", None)
+        return precision.loss_scale if precision else 1.0
 
     def autocast(self):
         """The compute-precision context of the forward pass: torch.autocast(bfloat16) in the bf16 policy."""
