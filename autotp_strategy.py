@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from parity.errors import ConfigError, LibraryMissing
-from parity.training.families import family_of, transformers_version
+from parity.models.families import family_of, transformers_version
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.precision import POLICIES, OptimizerStep, PolicyRequest, policy_of
 from parity.training.replicas import MOMENTS, Replica
@@ -387,7 +387,7 @@ class DeepSpeedStrategy(Strategy):
         return self._stock_names(self._full_tensors(safe_get_full_grad))
 
     def full_buffers(self) -> dict[str, torch.Tensor]:
-        from parity.training.model import persistent_buffers
+        from parity.models.model import persistent_buffers
 
         return self._stock_names(persistent_buffers(self.engine.module), experts=False)
 
@@ -736,7 +736,7 @@ def autotp_partition_config(model_config, user: dict) -> dict | None:
     """How AutoTP shards the model: None where DeepSpeed's own path does it — the user's
     tensor_parallel.partition_config, or the model's Hugging Face TP plan, which DeepSpeed converts when it knows every
     style in it (Llama, Qwen2/3, Gemma3, Mistral) — else a partition_config written from the family seam
-    (parity.training.families), where DeepSpeed supports the shapes. ConfigError naming DeepSpeed's limit otherwise.
+    (parity.models.families), where DeepSpeed supports the shapes. ConfigError naming DeepSpeed's limit otherwise.
 
     The written config (OLMo2, Phi3, whose plans use rowwise_split_input, a style DeepSpeed 0.19.8 refuses): OLMo2's
     q, k, v column-parallel with gathered outputs, because its q/k norms span all heads, and then o_proj replicated
@@ -750,7 +750,7 @@ def autotp_partition_config(model_config, user: dict) -> dict | None:
     from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
     from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
 
-    from parity.training.model import meta_model
+    from parity.models.model import meta_model
 
     if (user.get("tensor_parallel") or {}).get("partition_config"):
         return None
@@ -828,7 +828,7 @@ def _harness_config(cfg) -> dict:
         config["expert_parallel"] = {"enabled": True, "autoep_size": cfg.ep_size}
     if cfg.tp_size > 1:
         config["tensor_parallel"] = {"autotp_size": cfg.tp_size}
-        from parity.training.model import model_config_from_dict
+        from parity.models.model import model_config_from_dict
 
         partition = autotp_partition_config(model_config_from_dict(cfg.model_config), given_config(cfg.options))
         if partition is not None:

@@ -20,7 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from parity.errors import ConfigError
-from parity.training.families import family_of
+from parity.models.families import family_of
 from parity.training.memory import GRAD_BUCKETS, StateLedger
 from parity.training.precision import POLICIES, PolicyOptimizer, policy_of, reduce_in
 from parity.training.strategy import Strategy, local_norm
@@ -112,7 +112,7 @@ def read_full_state(directory: str, model_config) -> tuple[dict, dict, int]:
     {name: {"exp_avg", "exp_avg_sq"}}, the optimizer's step count), for the layer check's replay. The
     optimizer's state dict numbers the parameters in the model's parameter order, which names them; a policy's fp32
     master copies (bf16_params, fp16), in the same order, are the weights."""
-    from parity.training.model import parameter_names
+    from parity.models.model import parameter_names
 
     state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
     names = parameter_names(model_config)

@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from expert_parallel import apply_ep, apply_etp
 from parity.errors import ConfigError
 from parity.training.dtensor_strategy import DTensorStrategy
-from parity.training.families import family_of
+from parity.models.families import family_of
 from parity.training.loss_scaler import LossScaler
 from parity.training.precision import DTYPES, POLICIES, PolicyRequest, cast_parameters, policy_of
 from parity.training.strategy import Option, build_optimizer
@@ -85,7 +85,7 @@ class TPPlan:
 
 
 def tp_plan(family, sequence_parallel: bool = False, norm_style=SequenceParallel) -> TPPlan:
-    """The plan, from what the family decides (parity.training.families) — never from transformers' own plan, so
+    """The plan, from what the family decides (parity.models.families) — never from transformers' own plan, so
     the two TP implementations check each other. Megatron-style: the projections that read the residual stream
     are colwise, the ones that write back to it rowwise (one all-reduce per block); the residual stream, its norms
     and the logits stay replicated (with `sequence_parallel`: sharded over the sequence between the TP regions).

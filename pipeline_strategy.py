@@ -4,7 +4,7 @@ pipelines (num_workers = pp_size × dp_size; rank = dp_rank × pp_size + pp_rank
 
 Stages: --num_layers split evenly, in order, over pp_size stages (gpipe, 1f1b) or 2 × pp_size (interleaved_1f1b:
 stage s on pipeline rank s mod pp_size, so each rank holds two). The first stage holds the embedding before its
-layers, the last its layers, then the final norm and lm_head (the model family's names: parity.training.families).
+layers, the last its layers, then the final norm and lm_head (the model family's names: parity.models.families).
 Each stage runs the stock model's own forward with the layers of other stages passed through (stage_view), so what
 it computes around its layers — position ids, each layer type's mask and rotary table, an embedding scale, logit
 soft-capping — is the stock model's for any family, under the run's autocast (fp32, or bf16 as DDP:
@@ -47,9 +47,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from parity.errors import ConfigError
-from parity.training.families import family_of
+from parity.models.families import family_of
 from parity.training.memory import StateLedger
-from parity.training.model import parameter_names
+from parity.models.model import parameter_names
 from parity.training.precision import DTYPES, POLICIES, PolicyOptimizer, policy_of
 from parity.training.replicas import Replica, held
 from parity.training.strategy import ModuleRecords, Option, Strategy, loss_sum, squared_norm_fp64

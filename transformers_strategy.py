@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from parity.errors import ConfigError, LibraryMissing
 from parity.training.dtensor_strategy import DTensorStrategy
-from parity.training.families import family_of
+from parity.models.families import family_of
 from parity.training.strategy import build_optimizer
 
 LOCAL_STYLES = {"colwise": 1, "packed_colwise": 2}  # TP styles whose output each rank holds its slice of (parts)
@@ -53,7 +53,7 @@ class TransformersStrategy(DTensorStrategy):
             from transformers import DistributedConfig  # noqa: F401  (transformers' own distributed training)
         except ImportError as exc:
             raise LibraryMissing(cls.name, exc) from None
-        from parity.training.model import meta_model
+        from parity.models.model import meta_model
 
         model = meta_model(model_config)
         family = family_of(model_config)

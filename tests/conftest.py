@@ -60,7 +60,7 @@ def once_per_session(tmp_path_factory, name: str):
 def ray_cluster():
     import ray
 
-    from parity.training.cluster import ensure_ray
+    from parity.driver.cluster import ensure_ray
 
     ensure_ray()
     yield
@@ -70,7 +70,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def tiny_weights(tmp_path_factory):
     """The qwen2-tiny initial weights every parity test starts from (what train_ddp.py would save)."""
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
 
     with once_per_session(tmp_path_factory, "weights") as (folder, made):
         path = str(folder / "init_weights.pt")
@@ -82,7 +82,7 @@ def tiny_weights(tmp_path_factory):
 def seeded_weights(tmp_path_factory, seed: int) -> str:
     """qwen2-tiny's initial weights from `seed` (what train_ddp.py --save_init_weights --seed writes), for a test module
     that runs at a seed of its own."""
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
 
     path = str(tmp_path_factory.mktemp("weights") / f"init_{seed}.pt")
     save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed), path)
@@ -199,11 +199,11 @@ def shared_runs(ray_cluster, tiny_weights, tmp_path_factory) -> dict:
 
 def make_shared_runs(root, tiny_weights) -> dict:
     """Run RAY_RUNS and LOCAL_RUNS under `root`; return their loss records' paths by name."""
-    from parity.training.cluster import Cluster
-    from parity.training.config import resolve
+    from parity.driver.cluster import Cluster
+    from parity.driver.config import resolve
     from parity.training.data import training_data
-    from parity.training.launch import launch_runs, world_groups
-    from parity.training.local_group import plan, run_group
+    from parity.driver.launch import launch_runs, world_groups
+    from parity.driver.local_group import plan, run_group
     from parity.training.record import run_record_path
 
     def values(name, strategy, flags, storage):
@@ -415,9 +415,9 @@ def tp2_strategy(name: str, rank: int, port: int, weights: str, options: dict):
     import torch.distributed as dist
 
     from parity.registry import strategy_class
-    from parity.training.cluster import Cluster
-    from parity.training.config import resolve
-    from parity.training.model import build_model, load_init_weights, resolve_model_config
+    from parity.driver.cluster import Cluster
+    from parity.driver.config import resolve
+    from parity.models.model import build_model, load_init_weights, resolve_model_config
     from parity.training.strategy import WorkerContext
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))  # as Ray Train sets them

@@ -23,7 +23,7 @@ def train_folders(root, folders: dict, setting: dict, weights: str, kernel: str 
     run once, one local group per world size under the CPU kernel path `kernel` (local_group.KERNEL_PATHS), copied into
     the other folders that list it. A flag "deepspeed_config" given as a dict is written to a file first. A run that stops
     every rank (a NaN loss) ends its group: list it last."""
-    from parity.training.local_group import plan, run_group
+    from parity.driver.local_group import plan, run_group
 
     root = str(root)
     key = lambda name, run: (name, json.dumps(run, sort_keys=True, default=str))  # noqa: E731

@@ -387,7 +387,7 @@ def test_an_unreachable_cluster_fails_in_seconds(tmp_path, tiny_weights):
 
 def test_good_input_resolves_defaults(tmp_path, tiny_weights):
     """The other side of the catalogue: the same flags without the mistake resolve, with the defaults filled."""
-    from parity.training.config import resolve
+    from parity.driver.config import resolve
 
     values = {"model_name": "qwen2-tiny", "seq_length": 64, "init_weights_path": tiny_weights,
               "loss_output_dir": tmp_path / "loss", "storage_path": tmp_path / "ray"}

@@ -16,7 +16,7 @@ from conftest import CUSTOM, PARITY, REPO, TINY, assert_fp32_parity
 from parity.commands.benchmark import ROWS, main
 from parity.comparing.benchmark_report import ROW_KEYS
 from parity.errors import ConfigError
-from parity.training.config import resolve
+from parity.driver.config import resolve
 from parity.training.memory import BOUND_CATEGORIES, model_state_total
 
 TOLERANCE = 0.10  # the issue's: measured model states within 10 % of the formula
@@ -74,7 +74,7 @@ def test_table_has_every_default_row_and_the_documented_keys(bench):
 def qwen2_tiny_sizes() -> list[int]:
     """Elements of each parameter of the benchmarked model, in the order ZeRO flattens them (the tied
     embedding first)."""
-    from parity.training.model import build_model, resolve_model_config
+    from parity.models.model import build_model, resolve_model_config
 
     return [p.numel() for p in build_model(resolve_model_config("qwen2-tiny", NUM_LAYERS), 0).parameters()]
 
@@ -186,7 +186,7 @@ OFFLOAD = {  # name: (strategy, tp_size, options)
 
 @pytest.fixture(scope="module")
 def offload_runs(tiny_weights, tmp_path_factory):
-    from parity.training.local_group import plan, run_group
+    from parity.driver.local_group import plan, run_group
 
     out = tmp_path_factory.mktemp("offload")
     runs = [plan(strategy, {**TINY, **PARITY, "num_workers": 2, "tp_size": tp, "batch_size": 2 * tp,

@@ -9,7 +9,7 @@ asserted to FAIL, not to FAIL at a golden step: the step moves by one or two bet
 takes this CPU's default kernels (a CPU without AVX512: torch computes bf16 products itself, and no oneDNN cap
 changes them), its runs would be the default path's bit for bit, so they run once and both paths are judged on them.
 
-The runs are the shared loop in local gloo groups (parity/training/local_group.py): resolved, fed and recorded
+The runs are the shared loop in local gloo groups (parity/driver/local_group.py): resolved, fed and recorded
 as Ray runs are, many per group, because Ray adds nothing to what is tested here. The comparison is the user's:
 plot_loss_curves.py's main on the folder.
 """
@@ -29,7 +29,7 @@ from parity.calibration.bugs import (SKIPPED_PARAMETER, SKIPPED_STEP, DDPReplica
 from parity.calibration.study import SETTING
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import NOISE_K
-from parity.training.local_group import kernel_environment, plan, run_group, same_kernels
+from parity.driver.local_group import kernel_environment, plan, run_group, same_kernels
 
 SEED = 64  # outside the study's seeds (42–61)
 KERNELS = ("default", "avx2")

@@ -51,7 +51,7 @@ def rewrite_meta(checkpoint: str, edit) -> dict:
     """The checkpoint's meta as `edit` returns it, with rank 0's manifest vouching for it again (a checkpoint
     written so by other code, not a damaged one); returns the meta as it was."""
     from parity.training.checkpoints import META_FILE, manifest_name
-    from parity.training.model import file_sha256
+    from parity.models.model import file_sha256
 
     meta_path, manifest_path = os.path.join(checkpoint, META_FILE), os.path.join(checkpoint, manifest_name(0))
     with open(meta_path) as f:
@@ -250,7 +250,7 @@ def test_a_checkpoint_of_another_run_is_refused(ddp_baseline, tiny_weights, tmp_
         f"drop --resume to train afresh with this code\n")
     rewrite_meta(os.path.join(folder, "step_000008"), lambda m: meta)
 
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
 
     other = str(tmp_path / "other_weights.pt")
     sha = save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed=7), other)

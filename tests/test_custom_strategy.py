@@ -36,7 +36,7 @@ def test_your_strategy_runs_end_to_end_and_passes(shared_runs, ddp_baseline, tmp
 
 
 def test_your_strategy_with_its_classic_bug_fails(ddp_baseline, tiny_weights, tmp_path, capsys):
-    from parity.training.local_group import plan, run_group
+    from parity.driver.local_group import plan, run_group
 
     run_group([plan("ddp", {**TINY, **PARITY, "strategy_class": "my_strategy:HandWrittenDPSummed", "num_workers": 2,
                             "batch_size": 2, "precision": "fp32", "init_weights_path": tiny_weights,

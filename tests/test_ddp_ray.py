@@ -31,7 +31,7 @@ def test_each_dp_rank_trains_on_its_rows_of_the_global_batch(ddp_runs, tiny_weig
     """Step 0, before any update: DP rank r's loss is a stock model's loss on rows [2r, 2r+2) of that step's
     global batch, and the recorded loss is the stock model's loss on the whole batch."""
     from parity.training.data import batch_hash
-    from parity.training.model import build_model, load_init_weights, resolve_model_config
+    from parity.models.model import build_model, load_init_weights, resolve_model_config
 
     model = build_model(resolve_model_config("qwen2-tiny"), seed=0).eval()
     load_init_weights(model, tiny_weights)

@@ -19,8 +19,8 @@ import torch
 from conftest import (FP32_RTOL, REPO, TP_LAYOUT_ERRORS, assert_bf16_parity, assert_fp32_parity,
                       checkpoint_loss, free_port, series, to_argv, tp2_strategy, tp_flags)
 from parity.errors import ConfigError
-from parity.training.config import resolve
-from parity.training.local_group import start_processes
+from parity.driver.config import resolve
+from parity.driver.local_group import start_processes
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def record_step(model, batch, forward, backward, to_full):
     """What parity.verify records of one forward/backward: every module's output and output gradient
     (its ModuleRecorder), through `to_full(name, tensor)`."""
     from conftest import mean_loss
-    from parity.training.layer_step import ModuleRecorder
+    from parity.layer_check.layer_step import ModuleRecorder
 
     recorder = ModuleRecorder(model)
     backward(mean_loss(forward(batch), batch))
@@ -97,7 +97,7 @@ def _tp_worker(rank, port, weights, batch, out_dir):
 def test_full_outputs_gradients_and_parameters_match_a_stock_model(tiny_weights, tmp_path):
     """Column-parallel outputs (q/k/v/gate/up, act_fn, the vocab-parallel lm_head) come back gathered,
     every other output as it is; gradients and parameters at full size under a stock model's names."""
-    from parity.training.model import build_model, load_init_weights, resolve_model_config
+    from parity.models.model import build_model, load_init_weights, resolve_model_config
 
     batch = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
     start_processes(_tp_worker, (free_port(), tiny_weights, batch, str(tmp_path)), 2)

@@ -24,8 +24,8 @@ from parity.calibration.bugs import FAMILY_BUGS
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.commands.layer_check import main as run_verification
 from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32, NOISE_K
-from parity.training.local_group import plan, run_group, same_kernels
-from parity.training.presets import MOE_PRESETS, TINY_PRESETS
+from parity.driver.local_group import plan, run_group, same_kernels
+from parity.models.presets import MOE_PRESETS, TINY_PRESETS
 from parity.training.record import load_record, run_record_path
 
 FAMILIES = [name for name in TINY_PRESETS if name != "qwen2-tiny" and name not in MOE_PRESETS]  # qwen2-tiny: every
@@ -63,7 +63,7 @@ KERNELS = ("default", "avx2")
 
 
 def family_weights(root, family: str, seed: int = 42) -> str:
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
 
     path = str(root / f"{family}_{seed}.pt")
     save_init_weights(build_model(resolve_model_config(family), seed), path)
@@ -237,7 +237,7 @@ def test_transformers_strategy_checkpoint_round_trip(tmp_path):
     import os
 
     from conftest import free_port
-    from parity.training.local_group import start_processes
+    from parity.driver.local_group import start_processes
 
     weights = family_weights(tmp_path, "qwen3-tiny")
     cfg, batches = plan("transformers", {**FP32, "dataset": "synthetic", "model_name": "qwen3-tiny", **TP2_DP2,

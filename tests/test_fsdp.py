@@ -17,8 +17,8 @@ import torch
 from conftest import (CLIP, FP32_RTOL, REPO, TP_LAYOUT_ERRORS, assert_bf16_parity, assert_fp32_parity,
                       checkpoint_loss, free_port, series, to_argv, tp2_strategy, tp_flags)
 from parity.errors import ConfigError
-from parity.training.config import resolve
-from parity.training.local_group import start_processes
+from parity.driver.config import resolve
+from parity.driver.local_group import start_processes
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def _tp_worker(rank, port, weights, batch, out_dir):
 
 
 def test_full_module_outputs_and_gradients_match_a_stock_model(tiny_weights, tmp_path):
-    from parity.training.model import build_model, load_init_weights, resolve_model_config
+    from parity.models.model import build_model, load_init_weights, resolve_model_config
 
     batch = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
     start_processes(_tp_worker, (free_port(), tiny_weights, batch, str(tmp_path)), 2)
@@ -154,7 +154,7 @@ def _sequence_parallel_checkpoint_worker(rank, port, weights, directory):
     import torch.distributed as dist
 
     from parity.training.data import Batch
-    from parity.training.model import build_model, load_init_weights, resolve_model_config
+    from parity.models.model import build_model, load_init_weights, resolve_model_config
 
     generator = torch.Generator().manual_seed(1)
     batches = [Batch(ids, ids) for ids in (torch.randint(0, 2048, (4, 64), generator=generator) for _ in range(4))]

@@ -14,8 +14,8 @@ from anyscale.job.models import JobConfig
 from conftest import REPO
 from parity.commands import compare_curves, main_job
 from parity.commands.train import build_parser
-from parity.training.cluster import Cluster
-from parity.training.config import resolve
+from parity.driver.cluster import Cluster
+from parity.driver.config import resolve
 
 # Seed 000's configuration, common to the three commands.
 SEED = {"model_name": "Qwen/Qwen2.5-0.5B", "num_layers": 2, "batch_size": 2, "seq_length": 1024, "num_epochs": 1,

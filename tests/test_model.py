@@ -5,7 +5,7 @@ import pytest
 from transformers import Qwen2ForCausalLM
 
 from parity.errors import ConfigError
-from parity.training.model import (build_model, check_init_weights, file_sha256, load_init_weights, resolve_model_config,
+from parity.models.model import (build_model, check_init_weights, file_sha256, load_init_weights, resolve_model_config,
                           save_init_weights)
 
 

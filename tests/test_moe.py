@@ -19,7 +19,7 @@ from test_families import family_weights, verdict
 from parity.calibration import bugs
 from parity.commands.layer_check import main as run_verification
 from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32, NOISE_K
-from parity.training.local_group import plan, run_group
+from parity.driver.local_group import plan, run_group
 from parity.training.record import load_record, run_record_path
 
 FP32 = {"seq_length": 32, "debug_steps": 3, "learning_rate": 3e-4, "log_interval": 3, "checkpoint_interval": 0,
@@ -117,8 +117,8 @@ def test_the_load_balancing_loss_is_transformers_own_on_one_batch():
 
     from parity.training import routing
     from parity.training.data import PaddedMarkov
-    from parity.training.families import family_of
-    from parity.training.model import build_model, resolve_model_config
+    from parity.models.families import family_of
+    from parity.models.model import build_model, resolve_model_config
 
     for preset in ("qwen3-moe-tiny", "mixtral-tiny"):
         config = resolve_model_config(preset)
@@ -222,8 +222,8 @@ def test_fsdp_expert_parallelism_passes_the_calibrated_bf16_verdict(moe_runs, ca
 ])
 def test_bad_expert_parallel_input_is_one_line(tmp_path, values, line):
     from parity.errors import ConfigError
-    from parity.training.config import resolve
-    from parity.training.local_group import CLUSTER
+    from parity.driver.config import resolve
+    from parity.driver.local_group import CLUSTER
 
     values = dict(values)
     strategy = values.pop("strategy", "fsdp")
@@ -235,8 +235,8 @@ def test_bad_expert_parallel_input_is_one_line(tmp_path, values, line):
 
 def test_the_published_mixtures_of_experts_resolve_as_built_ins():
     """Qwen3-30B-A3B and Mixtral-8x7B without the hub: their sparse blocks as the seam reads them."""
-    from parity.training.families import family_of
-    from parity.training.model import meta_model, resolve_model_config
+    from parity.models.families import family_of
+    from parity.models.model import meta_model, resolve_model_config
 
     for name, (experts, top_k, layers, expert_params) in {
             "Qwen/Qwen3-30B-A3B": (128, 8, 48, 48 * 128 * 3 * 2048 * 768),
@@ -253,8 +253,8 @@ def test_the_main_job_takes_a_mixture_of_experts_and_ep_size(tmp_path):
     """run_verification_main.sh with MODEL_NAME=qwen3-moe-tiny EP_SIZE=2: the expert-parallel runs at EP 2, DDP (the
     baseline: every expert on every rank) at 1 — resolved, as the job resolves every run before the first starts."""
     from parity.commands.main_job import build_parser, run_plan
-    from parity.training.config import resolve
-    from parity.training.local_group import CLUSTER
+    from parity.driver.config import resolve
+    from parity.driver.local_group import CLUSTER
 
     args = build_parser().parse_args(["--output_dir", str(tmp_path), "--model_name", "qwen3-moe-tiny", "--ep_size",
                                       "2", "--strategies", "ddp fsdp transformers", "--device", "cpu"])

@@ -80,8 +80,8 @@ def test_gpus_still_to_come_on_a_joined_cluster(tmp_path, tiny_weights, capsys, 
     run is resolved for CUDA and waits, with a note; its workers will be on nodes other than the driver's,
     so its paths must be ones they see. On a cluster started here, no GPU is to come: one line, exit 2."""
     from parity.errors import ConfigError
-    from parity.training.cluster import Cluster
-    from parity.training.config import resolve
+    from parity.driver.cluster import Cluster
+    from parity.driver.config import resolve
 
     head_only = Cluster(cpus=8, gpus=0, nodes=1, joined=True)
     with pytest.raises(ConfigError, match=r"--loss_output_dir .* is a local path, and this run's workers may run on "

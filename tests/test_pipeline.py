@@ -3,7 +3,7 @@ P=2 stages' ranks × D=2 and × D=1, the same loss, grad norm and parameter norm
 model; the classic pipeline bug (the tied embedding's two copies never summed) FAILed by plot_loss_curves.py; a
 checkpoint round trip; bad input, one line each.
 
-The runs are the shared loop in local gloo groups (parity.training.local_group), one group per world size, as in
+The runs are the shared loop in local gloo groups (parity.driver.local_group), one group per world size, as in
 test_techniques.py. Setting: qwen2-tiny with 4 decoder layers (interleaved 1F1B at P=2 has 4 stages), seq 64,
 12 steps, lr 1e-4, fp32 (and a bf16 autocast run against DDP's bf16 run, a run on padded samples against DDP's on
 them); global batch 4 = DDP's DP 2 × 2.
@@ -21,7 +21,7 @@ from parity.calibration.bugs import PipelineTiedGradientsNotSummed
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32
 from parity.errors import ConfigError
-from parity.training.local_group import plan, run_group, start_processes
+from parity.driver.local_group import plan, run_group, start_processes
 from parity.training.record import load_record, run_record_path
 
 SETTING = {"model_name": "qwen2-tiny", "num_layers": 4, "seq_length": 64, "debug_steps": 12, "learning_rate": 1e-4,
@@ -52,7 +52,7 @@ def baseline_of(name: str) -> str:
 @pytest.fixture(scope="module")
 def weights4(tmp_path_factory):
     """qwen2-tiny's initial weights at 4 decoder layers (what train_ddp.py --num_layers 4 would save)."""
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
 
     path = str(tmp_path_factory.mktemp("weights4") / "init_weights.pt")
     save_init_weights(build_model(resolve_model_config("qwen2-tiny", 4), seed=42), path)
@@ -159,7 +159,7 @@ def _round_trip_rank(rank: int, world: int, port: int, cfg_dict: dict, batches, 
     from conftest import assert_checkpoint_resumes_bitwise, gloo_rank, train_step_at
     from parity.training.data import dp_slice
     from parity.training.loop import start_worker
-    from parity.training.model import build_model, load_init_weights, model_config_from_dict
+    from parity.models.model import build_model, load_init_weights, model_config_from_dict
     from parity.training.strategy import loss_sum
 
     with gloo_rank(rank, world, port):

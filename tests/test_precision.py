@@ -23,7 +23,7 @@ from parity.calibration.bugs import (DDPGradientsNotZeroed, DDPLastMicroBatchUnr
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import NOISE_K
 from parity.errors import ConfigError
-from parity.training.local_group import plan, same_kernels, start_processes
+from parity.driver.local_group import plan, same_kernels, start_processes
 from policy_runs import train_folders
 
 SEED = 73
@@ -275,7 +275,7 @@ def test_the_main_job_runs_the_baseline_and_its_references_in_the_strategies_pol
     """PRECISION=bf16_params with a DeepSpeed config, and the config alone: every run of the job — DDP, its twins, the
     strategies — in bf16_params, the fp32 twin in fp32; a config that contradicts PRECISION is one line."""
     from parity.commands.main_job import build_parser, run_plan
-    from parity.training.cluster import Cluster
+    from parity.driver.cluster import Cluster
 
     config = tmp_path / "my.json"
     config.write_text(json.dumps(DEEPSPEED_BF16))

@@ -143,8 +143,8 @@ def test_uris_are_checked_before_any_worker(s3_endpoint, tmp_path, tiny_weights,
                                  "type in URI: nosuch://bucket/run): use a local path or a URI that Ray Train "
                                  "accepts (s3://, gs://, abfs://, hdfs:// or file://)")
     # A URI stays a URI (the seed wrote a local folder named "s3:"), and the check leaves nothing behind.
-    from parity.training.cluster import Cluster
-    from parity.training.config import resolve
+    from parity.driver.cluster import Cluster
+    from parity.driver.config import resolve
 
     monkeypatch.chdir(tmp_path)
     run = s3_uri(s3_endpoint, f"{tmp_path.name}/ray")
@@ -172,7 +172,7 @@ def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baselin
     from pyarrow.fs import copy_files
 
     from parity.commands.compare_curves import main as plot_loss_curves
-    from parity.training.model import read_init_weights
+    from parity.models.model import read_init_weights
 
     store, record = store_run
     loss_dir, checkpoint = storage.join(store, "loss_curves"), storage.join(store, "ray_checkpoints", "fsdp_tp2_dp1",

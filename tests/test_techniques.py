@@ -2,7 +2,7 @@
 your own DeepSpeed config and your own strategy class — each at fp32 parity with DDP at one micro-batch, and
 the classic bug of each seeded in a copy and FAILed by plot_loss_curves.py.
 
-The runs are the shared loop in local gloo groups (parity.training.local_group), one group per world size:
+The runs are the shared loop in local gloo groups (parity.driver.local_group), one group per world size:
 resolved, fed and recorded as Ray runs are; Ray adds nothing here (test_custom_strategy runs a user's class
 through Ray end to end). Setting: qwen2-tiny, seq 64, 6 steps, lr 1e-4, padded samples (synthetic_padded:
 every DP rank and micro-batch holds another number of loss tokens), global batch 8 = DP 2 × 4.
@@ -16,7 +16,7 @@ import pytest
 from conftest import FP32_RTOL, assert_replicas_held, max_rel_diff, series
 from parity.calibration.bugs import FSDPMicroBatchMeans, FSDPRankMeans, FSDPSequenceParallelNormsUnreduced
 from parity.commands.compare_curves import main as plot_loss_curves
-from parity.training.local_group import plan, run_group
+from parity.driver.local_group import plan, run_group
 
 SETTING = {"model_name": "qwen2-tiny", "seq_length": 64, "debug_steps": 6, "learning_rate": 1e-4, "log_interval": 6,
            "checkpoint_interval": 0, "precision": "fp32", "dataset": "synthetic_padded", "batch_size": 4}
@@ -146,7 +146,7 @@ def test_a_user_deepspeed_config_is_kept_under_the_flags_and_recorded(runs):
     """Its keys reach the engine; the keys the run's flags decide, which it omits, get the harness's values (the
     clipping --max_grad_norm asks, never DeepSpeed's default), and the record holds the file's content."""
     from autotp_strategy import engine_config
-    from parity.training.config import RunConfig
+    from parity.run_config import RunConfig
 
     _, record = runs["deepspeed_user_config"]
     cfg = RunConfig.from_dict({k: record["config"][k] for k in RunConfig.__dataclass_fields__})

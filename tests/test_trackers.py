@@ -69,7 +69,7 @@ def output_to(path):
 def tracked(tiny_weights, tmp_path_factory):
     """(records by strategy, the group's output, the comparison's exit code and output, the folder), W&B without
     credentials (offline)."""
-    from parity.training.local_group import plan, run_group
+    from parity.driver.local_group import plan, run_group
 
     root = tmp_path_factory.mktemp("trackers")
     loss = root / "loss"

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from fsdp_strategy import FSDPStrategy, apply_sequence_parallel, tp_plan
 from parity.training.dtensor_strategy import global_norm
 from parity.training.data import Batch
-from parity.training.layer_step import perturb_local_shard
+from parity.layer_check.layer_step import perturb_local_shard
 from parity.training.strategy import step_optimizer
 
 WEIGHT_DECAY = 0.01  # torch.optim.AdamW's own default: what a run gets when the setting is lost on the way
@@ -465,7 +465,7 @@ from functools import partial as _partial  # noqa: E402  (appended section)
 
 from expert_parallel import apply_etp  # noqa: E402
 from fsdp_strategy import apply_expert_fsdp, apply_moe, mixed_precision_policy, offload_policy  # noqa: E402
-from parity.training.families import family_of  # noqa: E402
+from parity.models.families import family_of  # noqa: E402
 
 
 class DDPRouterGradientsUnreduced(DDPStrategy):

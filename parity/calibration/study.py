@@ -2,7 +2,7 @@
 several candidate noise references, over seeds and CPU kernel paths — the numbers NOISE_K, DRIFT_K and the
 choice of reference rest on (docs/tolerances.md).
 
-Per (shape, kernel path, seed) it trains, in local gloo groups (parity.training.local_group):
+Per (shape, kernel path, seed) it trains, in local gloo groups (parity.driver.local_group):
   the baseline   DDP bf16 at DP=2 × batch 2 (the main job's),
   references     DDP fp32 at the same layout (the scale of bf16 rounding itself), DDP bf16 at DP=1 × 4 and
                  DP=4 × 1 (the layout twins), and each TP strategy again at TP=2 × DP=1 × 4 (its TP twin),
@@ -157,7 +157,7 @@ def plan_study(shapes, kernels, seeds, bug_seeds, bugs: tuple[SeededBug, ...] = 
 def run_study(out: str, planned: list[Planned], log=print) -> float:
     """Train every planned run whose record is not complete yet, one local gloo group per (shape, kernel path,
     world size). Returns the seconds it took."""
-    from parity.training.local_group import plan, run_group
+    from parity.driver.local_group import plan, run_group
 
     t0 = time.perf_counter()
     todo = [p for p in planned if not _complete(out, p)]
@@ -200,7 +200,7 @@ def _record_path(out: str, p: Planned) -> str | None:
 
 def wide_model_dir(out: str, vocab_size: int) -> str:
     """A model folder (config.json) of the Qwen2.5-0.5B shape with 2 layers and a smaller vocabulary."""
-    from parity.training.model import resolve_model_config
+    from parity.models.model import resolve_model_config
 
     folder = os.path.join(out, "models", f"qwen2.5-0.5b-shape-2-layers-vocab{vocab_size}")
     if not os.path.exists(os.path.join(folder, "config.json")):
@@ -214,7 +214,7 @@ def wide_model_dir(out: str, vocab_size: int) -> str:
 
 def weights_file(out: str, shape: str, model: str, seed: int) -> str:
     """The initial weights of a seed (what --save_init_weights writes), made once."""
-    from parity.training.model import build_model, resolve_model_config, save_init_weights
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
 
     path = os.path.join(out, "weights", f"{shape}_{seed}.pt")
     if not os.path.exists(path):

@@ -14,8 +14,8 @@ from parity import console, storage
 from parity.commands.common import OneLineParser, run_command
 from parity.errors import ConfigError, TrainingFailed
 from parity.registry import flags_for
-from parity.training.cluster import ray_for_this_command
-from parity.training.config import DEVICES, PRECISIONS
+from parity.driver.cluster import ray_for_this_command
+from parity.driver.config import DEVICES, PRECISIONS
 
 
 class Row(NamedTuple):
@@ -137,7 +137,7 @@ def pick_rows(spec: str | None, num_workers: int, num_layers: int, rows: dict[st
 def all_rows(args, model_config=None) -> dict[str, Row]:
     """The rows — a mixture of experts' EP rows too — with --strategy_class's as one more (named by the class, at TP 2
     if it shards tensors)."""
-    from parity.training.families import family_of
+    from parity.models.families import family_of
 
     rows = {**ROWS, **(EP_ROWS if model_config is not None and family_of(model_config).moe else {})}
     if not args.strategy_class:
@@ -189,10 +189,10 @@ def run_benchmark(args) -> int:
     from parity.comparing import benchmark_report as report
     from parity.comparing.figures import save_figure
     from parity.storage import check_writable_dir, write_json_atomic, write_text_atomic
-    from parity.training.cluster import ensure_ray, probe_cluster
+    from parity.driver.cluster import ensure_ray, probe_cluster
     from parity.training.data import training_data
-    from parity.training.launch import launch_runs
-    from parity.training.model import build_model, model_config_from_dict, resolve_model_config, save_init_weights
+    from parity.driver.launch import launch_runs
+    from parity.models.model import build_model, model_config_from_dict, resolve_model_config, save_init_weights
     from parity.training.record import load_record, run_record_path
 
     out = os.path.abspath(args.output_dir)
@@ -258,7 +258,7 @@ def run_benchmark(args) -> int:
 
 def resolved_or_refused(strategy: str, values: dict, cluster):
     """A row's RunConfig, or the ConfigError that refuses it."""
-    from parity.training.config import resolve
+    from parity.driver.config import resolve
 
     try:
         return resolve(strategy, values, cluster=cluster, weights_written_before_launch=True)
@@ -270,9 +270,9 @@ def dry_run(args) -> int:
     """--dry_run: every row's model-state bound per rank from the config and the shapes alone (docs/benchmark.md)."""
     from parity.comparing.benchmark_report import dry_markdown, dry_rows
     from parity.storage import check_writable_dir, write_json_atomic
-    from parity.training.cluster import Cluster
+    from parity.driver.cluster import Cluster
 
-    from parity.training.model import resolve_model_config
+    from parity.models.model import resolve_model_config
 
     out = os.path.abspath(args.output_dir)
     check_writable_dir("--output_dir", out)
@@ -283,7 +283,7 @@ def dry_run(args) -> int:
     first = resolved_or_refused("ddp", run_values(args, "ddp", out, on_gpu), cluster)
     if isinstance(first, ConfigError):
         raise first
-    from parity.training.model import model_config_from_dict
+    from parity.models.model import model_config_from_dict
 
     config = model_config_from_dict(first.model_config)
     rows = all_rows(args, config)

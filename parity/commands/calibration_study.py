@@ -26,7 +26,7 @@ def seed_list(text: str) -> list[int]:
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     from parity.calibration.study import KERNELS, POLICIES, SHAPES
-    from parity.training.local_group import KERNEL_PATHS
+    from parity.driver.local_group import KERNEL_PATHS
 
     p = OneLineParser(description)
     p.add_argument("--output_dir", required=True, help="the study's folder: runs/, weights/ and the results")
@@ -46,7 +46,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 def study(args) -> int:
     from parity.calibration.study import (CATALOGUE, POLICIES, SHAPES, analyze, chosen_reference, plan_study,
                                           run_study, summarize, write_outputs)
-    from parity.training.local_group import KERNEL_PATHS
+    from parity.driver.local_group import KERNEL_PATHS
 
     kernels, shapes, policies = args.kernels.split(","), args.shapes.split(","), args.policies.split(",")
     for name, given, known in (("--kernels", kernels, KERNEL_PATHS), ("--shapes", shapes, SHAPES),

@@ -23,7 +23,7 @@ import traceback
 
 from parity.commands.common import OneLineParser, run_command
 from parity.errors import ConfigError
-from parity.training.config import DEVICES
+from parity.driver.config import DEVICES
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4  # fp32: a different reduction order of the attention's softmax sums
 
@@ -54,7 +54,7 @@ def check(args) -> int:
     if cuda and torch.cuda.device_count() < args.cp_size:
         raise ConfigError(f"--device cuda needs {args.cp_size} GPUs (one per CP rank), this machine has "
                           f"{torch.cuda.device_count()}: use --device cpu or a smaller --cp_size")
-    from parity.training.model import resolve_model_config
+    from parity.models.model import resolve_model_config
 
     config = resolve_model_config(args.model_name, args.num_layers)
     with socket.socket() as s:
@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, port: int, device_type: str, config, flags: dic
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
-    from parity.training.model import build_model
+    from parity.models.model import build_model
     from parity.training.strategy import IGNORE_INDEX
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,6 +1,6 @@
 """run_verification.py: the layer check. One recorded optimizer step per strategy (seed 001), on full
 tensors, from the folder's shared weights and inputs; then every pair of dumps is compared. With --replay,
-the step is step k of a training run, from the DDP baseline's checkpoint (parity/training/replay.py)."""
+the step is step k of a training run, from the DDP baseline's checkpoint (parity/layer_check/replay.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from parity import console, storage
 from parity.commands.common import OneLineParser, non_negative_float, run_command
 from parity.errors import ConfigError
 from parity.registry import KNOWN, NAMES
-from parity.training.cluster import ray_for_this_command
-from parity.training.config import DEVICES, PRECISIONS, add_strategy_options
+from parity.driver.cluster import ray_for_this_command
+from parity.driver.config import DEVICES, PRECISIONS, add_strategy_options
 
 WEIGHTS_FILE = "init_weights.safetensors"
 
@@ -73,14 +73,14 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity import storage
     from parity.commands.compare_layers import compare_and_report
     from parity.comparing.layers import load_dumps
-    from parity.training.config import resolve
+    from parity.driver.config import resolve
     from parity.training.data import training_data
-    from parity.training.launch import launch_runs, world_groups
-    from parity.training.layer_inputs import INPUTS_FILE, check_inputs, write_inputs
-    from parity.training.layer_step import layer_steps_worker
-    from parity.training.local_group import launch_local
-    from parity.training.model import build_model, model_config_from_dict, parameter_names, save_init_weights
-    from parity.training.replay import check_folder, write_folder
+    from parity.driver.launch import launch_runs, world_groups
+    from parity.layer_check.inputs import INPUTS_FILE, check_inputs, write_inputs
+    from parity.layer_check.layer_step import layer_steps_worker
+    from parity.driver.local_group import launch_local
+    from parity.models.model import build_model, model_config_from_dict, parameter_names, save_init_weights
+    from parity.layer_check.replay import check_folder, write_folder
 
     out = storage.local_path(args.output_dir)
     if out is None:
@@ -158,7 +158,7 @@ def check_layers(args: argparse.Namespace) -> int:
 
 def _cluster(args):
     """What the runs are resolved for: the Ray cluster's resources, or with --launcher local this machine's CPUs."""
-    from parity.training.cluster import Cluster, probe_cluster
+    from parity.driver.cluster import Cluster, probe_cluster
 
     if args.launcher == "ray":
         return probe_cluster()
@@ -170,7 +170,7 @@ def _cluster(args):
 
 def _replay_start(args):
     """--replay's start, after the flags it fixes are checked; None without --replay."""
-    from parity.training.replay import KEPT, find_start
+    from parity.layer_check.replay import KEPT, find_start
 
     if args.replay is None:
         if args.step is not None:
@@ -192,7 +192,7 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
     that does not shard tensors, runs at TP=1 with the same DP size; a pipeline on pp_size × dp_size workers. A
     replay keeps the run's model, data and optimizer settings, and its global batch."""
     from parity.registry import strategy_class
-    from parity.training.replay import KEPT
+    from parity.layer_check.replay import KEPT
 
     cls = strategy_class(strategy, path)
     tp = args.tp_size if cls.tensor_parallel else 1

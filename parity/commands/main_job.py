@@ -22,8 +22,8 @@ from parity import console, storage
 from parity.commands.common import OneLineParser, report_error, run_command
 from parity.errors import ConfigError, TrainingFailed
 from parity.registry import KNOWN, NAMES
-from parity.training.cluster import ray_for_this_command
-from parity.training.config import DEVICES, PRECISIONS
+from parity.driver.cluster import ray_for_this_command
+from parity.driver.config import DEVICES, PRECISIONS
 
 # (environment variable, type, default, help). Defaults that depend on GPUs are filled in later.
 SETTINGS = (
@@ -75,10 +75,10 @@ def run_main_job(args) -> int:
 
     from parity.commands.compare_curves import compare_and_report
     from parity.comparing.curve_report import JSON_NAME, REPORT_NAME
-    from parity.training.cluster import ensure_ray, probe_cluster
-    from parity.training.config import resolve
+    from parity.driver.cluster import ensure_ray, probe_cluster
+    from parity.driver.config import resolve
     from parity.training.data import training_data
-    from parity.training.launch import launch_runs, world_groups
+    from parity.driver.launch import launch_runs, world_groups
     from parity.training.record import REFERENCE_GLOB, load_record, run_record_path
 
     job_started = time.perf_counter()
@@ -234,7 +234,7 @@ def job_policy(precision: str, strategies: list[str], extra: dict) -> dict:
     merges them for one run. So a config alone picks the policy, and the baseline is always DDP in the strategies'
     policy. The policy flags leave `extra` (in place)."""
     from parity.registry import flags_for, strategy_class
-    from parity.training.config import POLICY_FLAGS, precision_flags
+    from parity.driver.config import POLICY_FLAGS, precision_flags
     from parity.training.precision import resolve_policy
 
     given = extra.pop("precision", "auto")
@@ -261,7 +261,7 @@ def twin_layouts(dp_size: int, batch_size: int, max_workers: int | None) -> list
 def extra_flags(text: str, strategies: list[str]) -> dict:
     """EXTRA_ARGS → the flags given, by name. A strategy's own flag must belong to a strategy that runs."""
     from parity.registry import strategy_class, unrun_option
-    from parity.training.config import add_run_flags, add_strategy_options
+    from parity.driver.config import add_run_flags, add_strategy_options
 
     parser = OneLineParser(prog="EXTRA_ARGS")
     add_run_flags(parser, given_only=True)

@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 from parity import console, storage
 from parity.commands.common import OneLineParser, run_command
-from parity.training.cluster import ray_for_this_command
-from parity.training.config import add_run_flags, add_strategy_options, resolve
+from parity.driver.cluster import ray_for_this_command
+from parity.driver.config import add_run_flags, add_strategy_options, resolve
 
 
 def build_parser(strategy: str, description: str = "", argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -30,7 +30,7 @@ def build_parser(strategy: str, description: str = "", argv: list[str] | None = 
 def run(strategy: str, values: Mapping[str, Any]) -> str:
     """Resolve, then train; returns the loss record's path. Raises ConfigError or TrainingFailed."""
     from parity.training.data import training_data
-    from parity.training.launch import launch_runs
+    from parity.driver.launch import launch_runs
     from parity.training.record import run_record_path
 
     cfg = resolve(strategy, values)

@@ -187,9 +187,9 @@ def dry_rows(model_config, rows: list[tuple[str, str, object]]) -> list[dict]:
     gathers to compute them: all of them without EP, ÷ ep_size with it, ÷ tp_size where TP splits each expert (FSDP2
     unshards one group at a time)."""
     from parity.registry import strategy_class
-    from parity.training.families import family_of
+    from parity.models.families import family_of
     from parity.training.memory import BYTES_PER_PARAM, zero_bound
-    from parity.training.model import meta_model
+    from parity.models.model import meta_model
 
     model, family = meta_model(model_config), family_of(model_config)
     params = dict(model.named_parameters())

@@ -38,7 +38,7 @@ from parity import storage
 from parity.errors import ConfigError, RunStopped
 from parity.fingerprint import differences as fingerprint_differences
 from parity.fingerprint import fingerprint, library_versions, shared_code_sha256, strategy_code
-from parity.training.model import config_summary, file_sha256, model_config_from_dict
+from parity.models.model import config_summary, file_sha256, model_config_from_dict
 
 FORMAT = "parity-checkpoint/1"
 META_FILE = "parity_checkpoint.json"

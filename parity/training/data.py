@@ -123,7 +123,7 @@ def open_dataset(dataset: str, tokenizer: str, vocab_size: int, seq_length: int,
 def tokenize(text: str, tokenizer: str) -> np.ndarray:
     if tokenizer == "bytes":
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-    from parity.training.hub import hub_unreachable
+    from parity.models.hub import hub_unreachable
 
     why = None if os.path.isdir(tokenizer) else hub_unreachable()
     try:
@@ -139,7 +139,7 @@ def tokenize(text: str, tokenizer: str) -> np.ndarray:
 
 
 def _wikitext() -> str:
-    from parity.training.hub import hub_unreachable
+    from parity.models.hub import hub_unreachable
 
     why = hub_unreachable()
     try:

@@ -39,11 +39,11 @@ from parity.fingerprint import fingerprint
 from parity.registry import strategy_class
 from parity.tracking.trackers import RunTrackers, open_trackers
 from parity.training.checkpoints import Checkpoints, RayTrainSession, agree, run_dir, write_problem
-from parity.training.cluster import ray_is_up
-from parity.training.config import RunConfig
+from parity.driver.cluster import ray_is_up
+from parity.run_config import RunConfig
 from parity.training.data import batch_hash, dp_slice
 from parity.training.memory import PEAK_ORDERS, zero_bound
-from parity.training.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
+from parity.models.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
                                    save_hf_checkpoint, save_init_weights)
 from parity.training.record import LossRecord, run_record_path
 from parity.training.replicas import ReplicaCheck, parting_line

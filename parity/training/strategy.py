@@ -335,7 +335,7 @@ class Strategy:
     def full_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers a stock model's state dict holds (DeepSeek-V3's routing bias), under its names, on the CPU in
         fp32: no strategy shards a buffer. Collective where names must be translated (DeepSpeed's AutoEP)."""
-        from parity.training.model import persistent_buffers
+        from parity.models.model import persistent_buffers
 
         return persistent_buffers(self.hf_model)
 
@@ -425,7 +425,7 @@ class Strategy:
     def router_tap(self):
         """Hooks on the routers of a mixture of experts (made at the first step); None for a dense model."""
         if not hasattr(self, "_router_tap"):
-            from parity.training.families import family_of
+            from parity.models.families import family_of
 
             family = family_of(self.hf_model.config)
             self._router_tap = routing.RouterTap(self.hf_model, family, self.router_module) if family.moe else None

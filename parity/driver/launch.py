@@ -15,8 +15,8 @@ from parity.errors import COLLATERAL, TrainingFailed
 from parity.registry import module_folder
 from parity.tracking.trackers import worker_environment
 from parity.training.checkpoints import replace_run_folder
-from parity.training.cluster import ensure_ray
-from parity.training.config import RunConfig
+from parity.driver.cluster import ensure_ray
+from parity.run_config import RunConfig
 
 
 def launch(cfg: RunConfig, worker, payload: dict, announce_folder: bool = True) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from parity.errors import ConfigError
 from parity.storage import atomic_path
-from parity.training.config import RunConfig
+from parity.run_config import RunConfig
 
 INPUTS_FILE = "inputs.safetensors"
 

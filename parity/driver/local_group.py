@@ -26,9 +26,10 @@ import sys
 import torch.multiprocessing as mp
 
 from parity.fingerprint import cpu_has_onednn_bf16
-from parity.training.cluster import Cluster
+from parity.driver.cluster import Cluster
 from parity.errors import TrainingFailed
-from parity.training.config import RunConfig, resolve
+from parity.driver.config import resolve
+from parity.run_config import RunConfig
 from parity.training.data import training_data
 from parity.training.record import load_record, run_record_path
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from parity import storage
 from parity.errors import ConfigError
+from parity.run_config import RunConfig
 from parity.training.precision import complete_policy, resolve_policy
 
 PRECISIONS = ("auto", "fp32", "bf16", "bf16_params", "bf16_pure", "fp16")
@@ -144,76 +145,6 @@ POLICY_FLAGS = tuple(name for group, name, _, _ in FLAGS
 TYPES = {name: kwargs.get("type", str) for _, name, _, kwargs in FLAGS if "action" not in kwargs}
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a run depends on, resolved: no 'auto', no missing default. The loss record stores it."""
-
-    strategy: str
-    strategy_class: str | None  # "module:Class" of a strategy outside the registry; None: the registry's for `strategy`
-    model_name: str
-    num_layers: int | None
-    num_workers: int
-    tp_size: int
-    dp_size: int
-    ep_size: int  # experts sharded over ep_size consecutive ranks; 1: every expert on every rank
-    device: str  # cpu | cuda
-    precision: str  # the precision policy: fp32 | bf16 | bf16_params | bf16_pure | fp16 (parity.training.precision)
-    reduce_dtype: str  # the dtype gradients are reduced over DP in: fp32 | bf16 | fp16
-    grad_accum_dtype: str  # the dtype micro-batch gradients accumulate in
-    loss_scaling: dict | None  # fp16's loss scaler (DeepSpeed's fp16 keys); None in the other policies
-    cpus_per_worker: float
-    batch_size: int
-    seq_length: int
-    grad_accum_steps: int
-    activation_checkpointing: bool
-    compile: bool
-    num_epochs: int
-    debug_steps: int | None
-    learning_rate: float
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_epsilon: float
-    warmup_steps: int
-    max_grad_norm: float
-    seed: int
-    dataset: str
-    num_samples: int
-    tokenizer: str
-    log_interval: int
-    replica_check_interval: int
-    loss_output_dir: str
-    report_to: tuple[str, ...]  # the experiment trackers (parity/tracking); not part of the run's identity
-    storage_path: str
-    experiment_name: str
-    init_weights_path: str
-    save_init_weights: bool
-    final_checkpoint_dir: str
-    noise_reference: bool
-    checkpoint_interval: int
-    keep_checkpoints: int
-    resume: bool
-    max_failures: int
-    verbose: bool
-    options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
-    model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.batch_size * self.dp_size
-
-    @property
-    def use_cuda(self) -> bool:
-        return self.device == "cuda"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
-        return cls(**data)
-
-
 def add_run_flags(parser: argparse.ArgumentParser, given_only: bool = False) -> None:
     """The flags every entry script shares, in their groups. `given_only`: no defaults, so only the flags
     the user gave appear in the result (the main job's EXTRA_ARGS)."""
@@ -239,17 +170,17 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
 
     The precision policy is resolved here once: --precision (or --autocast), what the strategy's own settings ask for
     (Strategy.precision_request: a --deepspeed_config's bf16 or fp16 section), the device (auto), then the policy's
-    refinements (parity.training.precision). `cluster` (a parity.training.cluster.Cluster) decides --device/--precision
+    refinements (parity.training.precision). `cluster` (a parity.driver.cluster.Cluster) decides --device/--precision
     auto and each worker's CPU share; by default the running or addressed Ray cluster, else this machine. With
     `weights_written_before_launch` the init-weights file need not exist yet: the main job's DDP run or
     the layer check's driver writes it before this run launches; only its directory is checked.
     """
     from parity.registry import class_path, strategy_class
     from parity.tracking import trackers
-    from parity.training.cluster import probe_cluster
+    from parity.driver.cluster import probe_cluster
     from parity.training.data import check_source
-    from parity.training.model import check_init_weights, resolve_model_config
-    from parity.training.presets import default_learning_rate, default_tokenizer
+    from parity.models.model import check_init_weights, resolve_model_config
+    from parity.models.presets import default_learning_rate, default_tokenizer
 
     values = dict(values)
     if isinstance(values.get("strategy_class"), type):  # a class handed in by code (a test, the calibration study)
@@ -347,7 +278,7 @@ def check_experts(ep_size: int, tp_size: int, dp_size: int, model_config) -> Non
     groups — the ranks of a TP group share their tokens and split them for the experts."""
     if ep_size == 1:
         return
-    from parity.training.families import family_of
+    from parity.models.families import family_of
 
     moe = family_of(model_config).moe
     if moe is None:

@@ -1,5 +1,5 @@
-"""The model every strategy trains: config resolution (built-in models: parity.training.presets; what a family
-decides: parity.training.families), building it, and the shared initial-weights file.
+"""The model every strategy trains: config resolution (built-in models: parity.models.presets; what a family
+decides: parity.models.families), building it, and the shared initial-weights file.
 
 Initial weights are always loaded from one file, on every rank, before any wrapping: random init is
 not coordinated across processes (DTensor init on CPU even depends on the TP size), so the file is the
@@ -33,13 +33,13 @@ FILE_FORMAT = "parity-init-weights/1"
 
 
 def resolve_model_config(model_name: str, num_layers: int | None = None):
-    """The transformers config of a built-in model (parity.training.presets), a local directory with config.json, or
+    """The transformers config of a built-in model (parity.models.presets), a local directory with config.json, or
     a hub name; cut to `num_layers` layers. ConfigError, before any worker starts, for a model the harness cannot
     train (not a decoder-only causal LM)."""
     from transformers import AutoConfig
 
-    from parity.training.families import causal_lm_class, config_from_dict, with_num_layers
-    from parity.training.presets import PRESETS
+    from parity.models.families import causal_lm_class, config_from_dict, with_num_layers
+    from parity.models.presets import PRESETS
 
     if model_name in PRESETS:
         config = config_from_dict(PRESETS[model_name])
@@ -53,7 +53,7 @@ def resolve_model_config(model_name: str, num_layers: int | None = None):
             raise ConfigError(f"--model_name {model_name}: transformers cannot read its config.json "
                               f"({str(exc).splitlines()[0][:120]}): give a Hugging Face model directory") from None
     else:
-        from parity.training.hub import hub_unreachable
+        from parity.models.hub import hub_unreachable
 
         why = hub_unreachable()
         try:
@@ -76,7 +76,7 @@ def resolve_model_config(model_name: str, num_layers: int | None = None):
 def model_config_from_dict(data: dict):
     """The config that `resolve_model_config(...).to_dict()` described (RunConfig.model_config): workers rebuild the
     driver's resolved config instead of resolving the name again (no hub, no files)."""
-    from parity.training.families import config_from_dict
+    from parity.models.families import config_from_dict
 
     return config_from_dict(data)
 
@@ -84,7 +84,7 @@ def model_config_from_dict(data: dict):
 def build_model(config, seed: int):
     """A freshly initialised fp32 causal LM of the config's family on the CPU (weights are replaced by the shared
     file)."""
-    from parity.training.families import causal_lm_class
+    from parity.models.families import causal_lm_class
 
     torch.manual_seed(seed)
     model = causal_lm_class(config)(config)
@@ -99,7 +99,7 @@ def config_summary(config) -> dict:
 
 def meta_model(config):
     """The config's causal LM on the meta device: names and shapes without memory."""
-    from parity.training.families import causal_lm_class
+    from parity.models.families import causal_lm_class
 
     with torch.device("meta"):
         return causal_lm_class(config)(config)
@@ -255,7 +255,7 @@ def save_hf_checkpoint(params: dict[str, torch.Tensor], config, directory: str) 
     (a local path or a URI), whole: parity.storage.directory_writer publishes it when complete."""
     from transformers.utils import logging as transformers_logging
 
-    from parity.training.families import family_of
+    from parity.models.families import family_of
 
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per run is noise in the logs
     model = meta_model(config)

@@ -1,6 +1,6 @@
 """The built-in models: published configs of real models (their config.json values, so no hub is needed) and tiny
 presets of each family for CPU runs. Each entry is a config.json as Hugging Face publishes it (`model_type` and
-the fields); transformers' own config class reads it (parity.training.families.config_from_dict), legacy fields
+the fields); transformers' own config class reads it (parity.models.families.config_from_dict), legacy fields
 (rope_theta, sliding_window_pattern) included.
 
 The tiny presets share one shape — vocabulary 2048, hidden 64, 2 layers, 4 attention heads over 2 KV heads (so

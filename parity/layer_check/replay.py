@@ -92,8 +92,8 @@ def write_folder(start: ReplayStart, out: str, weights_path: str, inputs_path: s
     from safetensors.torch import save_file
 
     from ddp_strategy import read_full_state
-    from parity.training.layer_inputs import write_inputs
-    from parity.training.model import build_model, load_init_weights, model_config_from_dict, save_init_weights
+    from parity.layer_check.inputs import write_inputs
+    from parity.models.model import build_model, load_init_weights, model_config_from_dict, save_init_weights
 
     model = build_model(model_config_from_dict(start.config["model_config"]), start.config["seed"])
     if start.checkpoint is None:

@@ -94,7 +94,7 @@ def ensure_ray() -> float:
             # Our own local cluster: "local" starts a new one even when another Ray runs on this machine
             # (a bare ray.init() would join that one and wait for its resources).
             ray.init(address="local", include_dashboard=False, log_to_driver=True,
-                     runtime_env={"worker_process_setup_hook": "parity.training.cluster.quiet_ray_train_logs"})
+                     runtime_env={"worker_process_setup_hook": "parity.driver.cluster.quiet_ray_train_logs"})
         else:  # a cluster someone else runs; a Ray Job (Anyscale) brings its own runtime env (working_dir)
             ray.init(address=address, log_to_driver=True)
     except ConnectionError as exc:

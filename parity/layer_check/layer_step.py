@@ -17,10 +17,10 @@ import torch
 
 from parity.fingerprint import fingerprint
 from parity.storage import atomic_path, write_json_atomic
-from parity.training.config import RunConfig
-from parity.training.layer_inputs import INPUTS_FILE
-from parity.training.model import config_summary, file_sha256
-from parity.training.replay import advance
+from parity.run_config import RunConfig
+from parity.layer_check.inputs import INPUTS_FILE
+from parity.models.model import config_summary, file_sha256
+from parity.layer_check.replay import advance
 from parity.training.strategy import ModuleRecords
 
 PERTURBATION = 1e-3  # added to one TP shard by --perturb_param: far above fp32 noise, far below the weights
@@ -49,7 +49,7 @@ class ModuleRecorder:
     """
 
     def __init__(self, model: torch.nn.Module):
-        from parity.training.families import family_of
+        from parity.models.families import family_of
 
         self.outputs: dict[str, list[torch.Tensor]] = {}
         self.output_grads: dict[str, list[torch.Tensor]] = {}

@@ -1,0 +1,1 @@
+"""The driver: flags resolved into one RunConfig, Ray Train's launch, the cluster, local process groups."""

@@ -1,0 +1,78 @@
+"""The resolved run: one frozen RunConfig, made by the driver's `resolve` (parity/driver/config.py) and read by every
+worker, record and comparison. It sits below both, so that a worker needs nothing of the driver."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run depends on, resolved: no 'auto', no missing default. The loss record stores it."""
+
+    strategy: str
+    strategy_class: str | None  # "module:Class" of a strategy outside the registry; None: the registry's for `strategy`
+    model_name: str
+    num_layers: int | None
+    num_workers: int
+    tp_size: int
+    dp_size: int
+    ep_size: int  # experts sharded over ep_size consecutive ranks; 1: every expert on every rank
+    device: str  # cpu | cuda
+    precision: str  # the precision policy: fp32 | bf16 | bf16_params | bf16_pure | fp16 (parity.training.precision)
+    reduce_dtype: str  # the dtype gradients are reduced over DP in: fp32 | bf16 | fp16
+    grad_accum_dtype: str  # the dtype micro-batch gradients accumulate in
+    loss_scaling: dict | None  # fp16's loss scaler (DeepSpeed's fp16 keys); None in the other policies
+    cpus_per_worker: float
+    batch_size: int
+    seq_length: int
+    grad_accum_steps: int
+    activation_checkpointing: bool
+    compile: bool
+    num_epochs: int
+    debug_steps: int | None
+    learning_rate: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    warmup_steps: int
+    max_grad_norm: float
+    seed: int
+    dataset: str
+    num_samples: int
+    tokenizer: str
+    log_interval: int
+    replica_check_interval: int
+    loss_output_dir: str
+    report_to: tuple[str, ...]  # the experiment trackers (parity/tracking); not part of the run's identity
+    storage_path: str
+    experiment_name: str
+    init_weights_path: str
+    save_init_weights: bool
+    final_checkpoint_dir: str
+    noise_reference: bool
+    checkpoint_interval: int
+    keep_checkpoints: int
+    resume: bool
+    max_failures: int
+    verbose: bool
+    options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
+    model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.dp_size
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        return cls(**data)
