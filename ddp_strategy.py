@@ -4,11 +4,11 @@ Only the parts that differ between strategies are here: wrapping, the optimizer 
 nothing is sharded) full-size parameters and gradients, and the checkpoint: one file of state dicts.
 
 Every precision policy, so that a strategy is always compared with DDP in its own policy: the shared PolicyOptimizer
-(parity/training/precision.py) keeps the fp32 master copies of a bf16 or fp16 model and fp16's loss scaler, and DDP
-reduces the gradients in the policy's reduce dtype — its own all-reduce when that is the gradients' dtype, else a comm
-hook that reduces in it (precision.reduce_in). Under --grad_accum_dtype fp32 DDP reduces every micro-batch and the
-optimizer adds each into the fp32 master gradients (the sum of averages is the average of sums); otherwise it
-accumulates in the gradients' dtype under no_sync and reduces once.
+(parity/training/policy_optimizer.py) keeps the fp32 master copies of a bf16 or fp16 model and fp16's loss scaler, and
+DDP reduces the gradients in the policy's reduce dtype — its own all-reduce when that is the gradients' dtype, else a
+comm hook that reduces in it (policy_optimizer.reduce_in). Under --grad_accum_dtype fp32 DDP reduces every
+micro-batch and the optimizer adds each into the fp32 master gradients (the sum of averages is the average of sums);
+otherwise it accumulates in the gradients' dtype under no_sync and reduces once.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from torch.nn.parallel import DistributedDataParallel
 from parity.errors import ConfigError
 from parity.models.families import family_of
 from parity.training.memory import GRAD_BUCKETS, StateLedger
-from parity.training.precision import POLICIES, PolicyOptimizer, policy_of, reduce_in
-from parity.training.strategy import Strategy, local_norm
+from parity.precision import POLICIES, policy_of
+from parity.training.optimizer import local_norm
+from parity.training.policy_optimizer import PolicyOptimizer, reduce_in
+from parity.training.strategy import Strategy
 
 STATE_FILE = "model_optimizer.pt"  # the module's and the optimizer's state dicts (the replay reads it too)
 
@@ -32,13 +34,16 @@ class DDPStrategy(Strategy):
     name = "ddp"
     tensor_parallel = False
     precisions = tuple(POLICIES)
-    policy_optimizer = PolicyOptimizer  # what steps the shared AdamW under the policy (a seeded bug's copy replaces it)
+    policy_optimizer_class = PolicyOptimizer  # steps the shared AdamW under the policy (a seeded bug's copy replaces it)
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
+        """The base's checks, after DDP's own refusal of --tp_size > 1, which names the scripts that shard tensors
+        (the base's refusal names none)."""
         if settings.tp_size != 1:
             raise ConfigError(f"DDP does not shard tensors: --tp_size must be 1 (got {settings.tp_size}); use "
                               f"train_deepspeed.py or train_fsdp.py for tensor parallelism")
+        super().validate(settings, model_config)
 
     def setup(self, model) -> None:
         model.to(self.ctx.device)
@@ -47,8 +52,9 @@ class DDPStrategy(Strategy):
         if self.cfg.compile:
             for layer in model.get_submodule(family_of(model.config).stack):
                 layer.compile()  # in place: the module keeps its name
-        self.precision = self.policy_optimizer(model.parameters(), self.cfg)  # before DDP: its buckets take the dtype
-        self.optimizer = self.precision.optimizer
+        # before DDP: its buckets take the dtype
+        self.policy_optimizer = self.policy_optimizer_class(model.parameters(), self.cfg)
+        self.optimizer = self.policy_optimizer.optimizer
         device_ids = [self.ctx.device] if self.ctx.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=device_ids)
         if self.cfg.reduce_dtype != policy_of(self.cfg).params:
@@ -57,27 +63,27 @@ class DDPStrategy(Strategy):
     def accumulating(self, last: bool):
         """DDP's own way: no all-reduce in a micro-batch's backward until the last (no_sync) — except where
         micro-batches accumulate in fp32 master gradients, which take each one reduced."""
-        return contextlib.nullcontext() if last or self.precision.accumulates_fp32 else self.model.no_sync()
+        return contextlib.nullcontext() if last or self.policy_optimizer.accumulates_fp32 else self.model.no_sync()
 
     def backward(self, loss, last: bool = True) -> None:
         loss.backward()
-        self.precision.accumulate()
+        self.policy_optimizer.accumulate()
 
     def optimizer_step(self, lr: float):
-        return self.precision.step(lr, local_norm)
+        return self.policy_optimizer.step(lr, local_norm)
 
     def parameter_norm(self) -> float:
-        return local_norm(self.precision.master_parameters())
+        return local_norm(self.policy_optimizer.master_parameters())
 
     def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        self.precision.set_moments([(p, moments[n]) for n, p in self.model.module.named_parameters()], step)
+        self.policy_optimizer.set_moments([(p, moments[n]) for n, p in self.model.module.named_parameters()], step)
 
     def model_state_bytes(self) -> dict:
         """The full parameters, their gradients and Adam's state, plus the reducer's gradient buckets: DDP
         all-reduces a flat copy of the gradients (C++ tensors no Python object reaches; the reducer reports
         their sizes), so between backward and the step a rank holds the gradients twice."""
         ledger = StateLedger(self.ctx.device)
-        self.precision.count_state(ledger, list(self.model.parameters()))
+        self.policy_optimizer.count_state(ledger, list(self.model.parameters()))
         sizes = self.model._get_ddp_logging_data().get("bucket_sizes") or ""
         ledger.add_bytes(GRAD_BUCKETS, sum(int(s) for s in str(sizes).split(",") if s.strip()))
         return ledger.result()
@@ -88,7 +94,7 @@ class DDPStrategy(Strategy):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The master weights (what the optimizer updates), under the module's names."""
-        return {n: self.precision.master_of(p).detach().float().cpu().clone()
+        return {n: self.policy_optimizer.master_of(p).detach().float().cpu().clone()
                 for n, p in self.model.module.named_parameters()}
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -98,27 +104,27 @@ class DDPStrategy(Strategy):
     def save_state(self, directory: str) -> None:
         """Every rank holds the same state: rank 0 writes it, under Hugging Face names."""
         if self.ctx.rank == 0:
-            torch.save({"model": self.model.module.state_dict(), **self.precision.state_dict()},
+            torch.save({"model": self.model.module.state_dict(), **self.policy_optimizer.state_dict()},
                        os.path.join(directory, STATE_FILE))
 
     def load_state(self, directory: str) -> None:
         state = torch.load(os.path.join(directory, STATE_FILE), map_location=self.ctx.device, weights_only=True)
         self.model.module.load_state_dict(state["model"])
-        self.precision.load_state_dict(state)
+        self.policy_optimizer.load_state_dict(state)
 
+    @staticmethod
+    def read_full_state(directory: str, model_config) -> tuple[dict, dict, int]:
+        """A DDP checkpoint as full tensors under Hugging Face names: (the model's state dict, AdamW's moments
+        {name: {"exp_avg", "exp_avg_sq"}}, the optimizer's step count), for the layer check's replay. The
+        optimizer's state dict numbers the parameters in the model's parameter order, which names them; a policy's fp32
+        master copies (bf16_params, fp16), in the same order, are the weights."""
+        from parity.models.model import parameter_names
 
-def read_full_state(directory: str, model_config) -> tuple[dict, dict, int]:
-    """A DDP checkpoint as full tensors under Hugging Face names: (the model's state dict, AdamW's moments
-    {name: {"exp_avg", "exp_avg_sq"}}, the optimizer's step count), for the layer check's replay. The
-    optimizer's state dict numbers the parameters in the model's parameter order, which names them; a policy's fp32
-    master copies (bf16_params, fp16), in the same order, are the weights."""
-    from parity.models.model import parameter_names
-
-    state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
-    names = parameter_names(model_config)
-    optimizer = state["optimizer"]
-    order = optimizer["param_groups"][0]["params"]
-    moments = {names[i]: {key: optimizer["state"][index][key] for key in ("exp_avg", "exp_avg_sq")}
-               for i, index in enumerate(order)}
-    weights = {**state["model"], **dict(zip(names, state.get("masters") or ()))}
-    return weights, moments, int(optimizer["state"][order[0]]["step"])
+        state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
+        names = parameter_names(model_config)
+        optimizer = state["optimizer"]
+        order = optimizer["param_groups"][0]["params"]
+        moments = {names[i]: {key: optimizer["state"][index][key] for key in ("exp_avg", "exp_avg_sq")}
+                   for i, index in enumerate(order)}
+        weights = {**state["model"], **dict(zip(names, state.get("masters") or ()))}
+        return weights, moments, int(optimizer["state"][order[0]]["step"])

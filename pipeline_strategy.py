@@ -1,6 +1,7 @@
 """Pipeline parallelism on torch.distributed.pipelining: the decoder layers split into stages over --pp_size ranks,
 run by a GPipe, 1F1B or interleaved 1F1B schedule in --microbatches micro-batches, data parallelism over --dp_size
-pipelines (num_workers = pp_size × dp_size; rank = dp_rank × pp_size + pp_rank, a pipeline's ranks consecutive).
+pipelines (num_workers = pp_size × dp_size; rank = dp_rank × pp_size + pp_rank, a pipeline's ranks consecutive:
+the run's layout, parity/layout.py, whose rank groups it builds its process groups from).
 
 Stages: --num_layers split evenly, in order, over pp_size stages (gpipe, 1f1b) or 2 × pp_size (interleaved_1f1b:
 stage s on pipeline rank s mod pp_size, so each rank holds two). The first stage holds the embedding before its
@@ -48,9 +49,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parity.errors import ConfigError
 from parity.models.families import family_of
-from parity.training.memory import StateLedger
 from parity.models.model import parameter_names
-from parity.training.precision import DTYPES, POLICIES, PolicyOptimizer, policy_of
+from parity.precision import DTYPES, POLICIES, policy_of
+from parity.training.memory import StateLedger
+from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.replicas import Replica, held
 from parity.training.strategy import ModuleRecords, Option, Strategy, loss_sum, squared_norm_fp64
 
@@ -63,26 +65,27 @@ def state_file(pp_rank: int) -> str:
     return f"pipeline_pp_rank{pp_rank}.pt"
 
 
-def stage_count(options: dict) -> int:
-    return options["pp_size"] * STAGES_PER_RANK[options["pp_schedule"]]
+def stage_count(schedule: str, pp_size: int) -> int:
+    """The stages of `schedule` (--pp_schedule) over `pp_size` pipeline ranks."""
+    return pp_size * STAGES_PER_RANK[schedule]
 
 
-def microbatches_fit(options: dict, m: int) -> bool:
+def microbatches_fit(schedule: str, pp_size: int, m: int) -> bool:
     """Whether the schedule runs `m` micro-batches (torch's own rules): GPipe any number; 1F1B at least one per stage;
     interleaved 1F1B whole rounds of max(1, m // pp_size) micro-batches each (so m ≤ pp_size, or a multiple of
     m // pp_size: 1, 2, 3, 4, 6, 8 ... at pp_size 2)."""
-    if options["pp_schedule"] == "1f1b":
-        return m >= options["pp_size"]
-    if options["pp_schedule"] == "interleaved_1f1b":
-        return m % max(1, m // options["pp_size"]) == 0
+    if schedule == "1f1b":
+        return m >= pp_size
+    if schedule == "interleaved_1f1b":
+        return m % max(1, m // pp_size) == 0
     return True
 
 
-def microbatches_requirement(options: dict, m: int) -> str:
+def microbatches_requirement(schedule: str, pp_size: int, m: int) -> str:
     """What to use instead of `m`, in words."""
-    if options["pp_schedule"] == "1f1b":
-        return f"at least one per stage: use --microbatches {options['pp_size']} or more"
-    fits = [k for k in range(max(1, m - 2 * options["pp_size"]), m + 2 * options["pp_size"]) if microbatches_fit(options, k)]
+    if schedule == "1f1b":
+        return f"at least one per stage: use --microbatches {pp_size} or more"
+    fits = [k for k in range(max(1, m - 2 * pp_size), m + 2 * pp_size) if microbatches_fit(schedule, pp_size, k)]
     below, above = max(k for k in fits if k < m), min(k for k in fits if k > m)
     return f"whole rounds of max(1, microbatches // pp_size): use --microbatches {below} or {above}"
 
@@ -167,9 +170,9 @@ def rank_tree(model, family, owned: list[str], layer_ids: list[int]) -> nn.Modul
 class PipelineStrategy(Strategy):
     name = "pipeline"
     tensor_parallel = False
+    pipeline_parallel = True  # --pp_size, a layout flag (parity/layout.py): the run's cfg.pp_size, ctx.pp_size
     precisions = tuple(POLICIES)
     options = (
-        Option("pp_size", 2, help="pipeline ranks per model replica (num_workers = pp_size × dp_size)"),
         Option("pp_schedule", "1f1b", choices=tuple(SCHEDULES),
                help="the torch.distributed.pipelining schedule: gpipe, 1f1b, or interleaved_1f1b (two stages per "
                     "rank: 2 × pp_size stages)"),
@@ -179,34 +182,19 @@ class PipelineStrategy(Strategy):
     )
 
     @classmethod
-    def pp_size(cls, options: dict) -> int:
-        return options["pp_size"]
-
-    @classmethod
-    def layer_stages(cls, options: dict) -> int:
-        return stage_count(options)
+    def layer_stages(cls, options: dict, pp_size: int) -> int:
+        return stage_count(options["pp_schedule"], pp_size)
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
         super().validate(settings, model_config)
-        o = settings.options
-        p, d, n = o["pp_size"], settings.dp_size, settings.num_workers
-        if p < 2:
-            raise ConfigError(f"--pp_size {p}: a pipeline has at least 2 ranks: use --pp_size 2 or more (or "
-                              f"train_ddp.py for none)")
-        if n % p:
-            lower, upper = max(p, n - n % p), n - n % p + p
-            raise ConfigError(f"--num_workers {n} is not a multiple of --pp_size {p} (num_workers = pp_size × "
-                              f"dp_size): use --num_workers {lower} or {upper}")
-        if p * d != n:
-            raise ConfigError(f"--pp_size {p} × --dp_size {d} ≠ --num_workers {n}: pass --num_workers {p * d} or "
-                              f"--dp_size {n // p}")
+        o, p = settings.options, settings.pp_size  # the layout's degrees are checked already (parity.layout)
         if family_of(model_config).moe:
             raise ConfigError(f"the pipeline does not train a mixture of experts ('{model_config.model_type}'): its "
                               f"load-balancing loss is one product of statistics of every stage's routers over the "
                               f"global batch (docs/moe.md), and a stage sees only its own: use train_fsdp.py or "
                               f"train_ddp.py")
-        stages, layers = stage_count(o), model_config.num_hidden_layers
+        stages, layers = stage_count(o["pp_schedule"], p), model_config.num_hidden_layers
         if layers % stages:
             fit = layers - layers % stages or stages
             raise ConfigError(f"the model's {layers} layers do not divide into the {stages} stages of --pp_schedule "
@@ -217,9 +205,9 @@ class PipelineStrategy(Strategy):
         m = o["microbatches"]
         if m < 1:
             raise ConfigError(f"--microbatches must be a positive integer (got {m})")
-        if not microbatches_fit(o, m):
+        if not microbatches_fit(o["pp_schedule"], p, m):
             raise ConfigError(f"--microbatches {m} does not fit --pp_schedule {o['pp_schedule']} at --pp_size {p}, "
-                              f"which needs {microbatches_requirement(o, m)}")
+                              f"which needs {microbatches_requirement(o['pp_schedule'], p, m)}")
         if settings.batch_size % m:
             raise ConfigError(f"--batch_size {settings.batch_size} is not a multiple of --microbatches {m}: each "
                               f"micro-batch is batch_size / microbatches samples; use --batch_size "
@@ -236,22 +224,26 @@ class PipelineStrategy(Strategy):
 
     # --- set-up -----------------------------------------------------------------------------------
     def setup(self, model) -> None:
-        o, ctx = self.cfg.options, self.ctx
-        P, D = o["pp_size"], ctx.dp_size
-        assert ctx.world_size == P * D and ctx.tp_size == 1, (ctx.world_size, P, D, ctx.tp_size)
-        self.P, self.first_rank = P, ctx.dp_rank * P  # this pipeline's ranks: first_rank .. first_rank + P - 1
-        # Every rank creates every group, in one order (new_group is collective over the world).
-        pipelines = [dist.new_group([d * P + r for r in range(P)]) for d in range(D)]
-        dp_groups = [dist.new_group([d * P + r for d in range(D)]) for r in range(P)]
-        tie_groups = [dist.new_group([d * P, d * P + P - 1]) for d in range(D)]
-        self.pp_group, self.dp_group, self.tie_group = pipelines[ctx.dp_rank], dp_groups[ctx.pp_rank], tie_groups[ctx.dp_rank]
+        o, ctx, layout = self.cfg.options, self.ctx, self.ctx.layout
+        assert ctx.tp_size == 1, layout  # validate refuses --tp_size
+        self.P = P = ctx.pp_size
+        self.pp_ranks = layout.pp_group(ctx.rank)  # this pipeline's ranks, by pipeline rank
+        # Every rank creates every group, in one order (new_group is collective over the world): each pipeline, each
+        # DP group (a stage's ranks), and each pipeline's two ends (the tied weight's copies).
+        pipelines, stage_ranks = layout.pp_groups(), layout.dp_groups()
+        pp_groups = [dist.new_group(ranks) for ranks in pipelines]
+        dp_groups = [dist.new_group(ranks) for ranks in stage_ranks]
+        tie_groups = [dist.new_group([ranks[0], ranks[-1]]) for ranks in pipelines]
+        mine = pipelines.index(self.pp_ranks)
+        self.pp_group, self.tie_group = pp_groups[mine], tie_groups[mine]
+        self.dp_group = dp_groups[stage_ranks.index(layout.dp_group(ctx.rank))]
 
         config, family = model.config, family_of(model.config)
         self.family = family
         self.tied, self.hidden_size = family.tied, config.hidden_size
         self.embed_name = f"{family.embedding}.weight"
         self.head_name = f"{family.final[-1]}.weight"  # the output embedding, tied or not
-        n = stage_count(o)
+        n = stage_count(o["pp_schedule"], P)
         per_stage = config.num_hidden_layers // n
         self.num_stages, self.per_stage = n, per_stage
         self.my_stages = [s for s in range(n) if s % P == ctx.pp_rank]
@@ -268,8 +260,9 @@ class PipelineStrategy(Strategy):
         self.stage_modules = {s: StageModule(stage_view(model, family, range(s * per_stage, (s + 1) * per_stage),
                                                         last=s == n - 1), s == 0, s == n - 1, self.autocast)
                               for s in self.my_stages}
-        self.precision = PolicyOptimizer(self.model.parameters(), self.cfg)  # the parameters in the policy's dtype
-        self.optimizer = self.precision.optimizer
+        # the parameters in the policy's dtype
+        self.policy_optimizer = PolicyOptimizer(self.model.parameters(), self.cfg)
+        self.optimizer = self.policy_optimizer.optimizer
         self.stages = [PipelineStage(self.stage_modules[s], s, n, ctx.device, **self._stage_examples(s, config),
                                      group=self.pp_group) for s in self.my_stages]
         schedule = SCHEDULES[o["pp_schedule"]]
@@ -374,10 +367,10 @@ class PipelineStrategy(Strategy):
         ranks, the tied weight once."""
         norm_of = lambda grads: math.sqrt(self._pipeline_sum(sum((squared_norm_fp64(g) for g in grads),  # noqa: E731
                                                                  self._zero())))
-        return self.precision.step(lr, norm_of, counted=[p for _, p in self._counted()])
+        return self.policy_optimizer.step(lr, norm_of, counted=[p for _, p in self._counted()])
 
     def parameter_norm(self) -> float:
-        local = sum((squared_norm_fp64(self.precision.master_of(p)) for _, p in self._counted()), self._zero())
+        local = sum((squared_norm_fp64(self.policy_optimizer.master_of(p)) for _, p in self._counted()), self._zero())
         return math.sqrt(self._pipeline_sum(local))
 
     def backward(self, loss, last: bool = True) -> None:
@@ -394,11 +387,11 @@ class PipelineStrategy(Strategy):
         for s in self.my_stages:
             if s > 0 and (s - 1) % self.P != me:
                 h = torch.empty(hidden, dtype=self.hidden_dtype, device=self.ctx.device)
-                dist.recv(h, src=self.first_rank + (s - 1) % self.P)
+                dist.recv(h, src=self.pp_ranks[(s - 1) % self.P])
             h = self.stage_modules[s](h)
             if s < self.num_stages - 1 and (s + 1) % self.P != me:
-                dist.send(h.to(self.hidden_dtype).contiguous(), dst=self.first_rank + (s + 1) % self.P)
-        last = self.first_rank + (self.num_stages - 1) % self.P
+                dist.send(h.to(self.hidden_dtype).contiguous(), dst=self.pp_ranks[(s + 1) % self.P])
+        last = self.pp_ranks[(self.num_stages - 1) % self.P]
         meta = [(tuple(h.shape), h.dtype) if self.has_last else None]
         dist.broadcast_object_list(meta, src=last, group=self.pp_group)
         logits = h.contiguous() if self.has_last else torch.empty(meta[0][0], dtype=meta[0][1], device=self.ctx.device)
@@ -409,7 +402,7 @@ class PipelineStrategy(Strategy):
         """Each DP rank's `t`, read from its pipeline's last rank (where the loss is computed)."""
         gathered = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, t.contiguous())
-        return [gathered[d * self.P + (self.num_stages - 1) % self.P] for d in range(self.ctx.dp_size)]
+        return [gathered[ranks[(self.num_stages - 1) % self.P]] for ranks in self.ctx.layout.pp_groups()]
 
     # --- full tensors -----------------------------------------------------------------------------
     def _share(self, mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -419,14 +412,14 @@ class PipelineStrategy(Strategy):
         for r in range(self.P):
             me = r == self.ctx.pp_rank
             meta = [[(k, tuple(t.shape)) for k, t in mine.items()] if me else None]
-            dist.broadcast_object_list(meta, src=self.first_rank + r, group=self.pp_group)
+            dist.broadcast_object_list(meta, src=self.pp_ranks[r], group=self.pp_group)
             sizes = [math.prod(shape) for _, shape in meta[0]]
             if me:
                 flat = torch.cat([t.detach().float().reshape(-1) for t in mine.values()]) if mine else \
                     torch.empty(0, device=self.ctx.device)
             else:
                 flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.ctx.device)
-            dist.broadcast(flat, src=self.first_rank + r, group=self.pp_group)
+            dist.broadcast(flat, src=self.pp_ranks[r], group=self.pp_group)
             shared.append({k: piece.view(shape).cpu().clone() for (k, shape), piece in zip(meta[0], flat.split(sizes))})
         return shared
 
@@ -456,7 +449,7 @@ class PipelineStrategy(Strategy):
         return ModuleRecords(ordered("output", 1), ordered("output_grad", -1))
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return self._gather_full({n: self.precision.master_of(p) for n, p in self._counted()})
+        return self._gather_full({n: self.policy_optimizer.master_of(p) for n, p in self._counted()})
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self._gather_full({n: p.grad for n, p in self._counted()})
@@ -471,39 +464,40 @@ class PipelineStrategy(Strategy):
         one value), and the tied weight's two copies — the embedding's on the first stage, lm_head's on the last — as
         one replica of both ranks of every pipeline, under the embedding's name (the sum of their gradients makes them
         from one)."""
-        P, D, me = self.P, self.ctx.dp_size, self.ctx.pp_rank
-        ends = tuple(sorted({d * P + r for d in range(D) for r in (0, (self.num_stages - 1) % P)}))
-        stage = tuple(d * P + me for d in range(D))
+        last = (self.num_stages - 1) % self.P
+        ends = tuple(sorted({ranks[r] for ranks in self.ctx.layout.pp_groups() for r in (0, last)}))
+        stage = tuple(self.ctx.layout.dp_group(self.ctx.rank))
         found = []
         for name, p in self.model.named_parameters():
             tied = self.tied and name in (self.embed_name, self.head_name)
             ranks, name = (ends, self.embed_name) if tied else (stage, name)
             if len(ranks) > 1:
-                found += held(name, ranks, p, self.optimizer, self.precision.master_of(p))
+                found += held(name, ranks, p, self.optimizer, self.policy_optimizer.master_of(p))
         return found
 
     def model_state_bytes(self) -> dict:
         """This rank's stages: their parameters (the last stage's copy of the tied weight included), gradients and
         Adam's state of them."""
         ledger = StateLedger(self.ctx.device)
-        self.precision.count_state(ledger, list(self.model.parameters()))
+        self.policy_optimizer.count_state(ledger, list(self.model.parameters()))
         return ledger.result()
 
     def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """AdamW's state of another run, {HF name: moments}, for this rank's parameters (the tied lm_head copy gets
         the embedding's)."""
-        self.precision.set_moments([(p, moments[self.embed_name if self.tied and name == self.head_name else name])
-                                    for name, p in self.model.named_parameters()], step)
+        self.policy_optimizer.set_moments(
+            [(p, moments[self.embed_name if self.tied and name == self.head_name else name])
+             for name, p in self.model.named_parameters()], step)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save_state(self, directory: str) -> None:
         """Each pipeline rank of DP rank 0 writes its stages' model and optimizer state to a file of its own."""
         if self.ctx.dp_rank == 0:
-            torch.save({"model": self.model.state_dict(), **self.precision.state_dict()},
+            torch.save({"model": self.model.state_dict(), **self.policy_optimizer.state_dict()},
                        os.path.join(directory, state_file(self.ctx.pp_rank)))
 
     def load_state(self, directory: str) -> None:
         state = torch.load(os.path.join(directory, state_file(self.ctx.pp_rank)), map_location=self.ctx.device,
                            weights_only=True)
         self.model.load_state_dict(state["model"])
-        self.precision.load_state_dict(state)
+        self.policy_optimizer.load_state_dict(state)

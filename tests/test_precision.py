@@ -1,4 +1,4 @@
-"""Precision policies as users configure them (parity/training/precision.py, docs/precision.md): each strategy against
+"""Precision policies as users configure them (parity/precision.py, docs/precision.md): each strategy against
 DDP in its own policy — bf16_params (DeepSpeed's bf16 mode at ZeRO 0, 1, 2, asked for by a DeepSpeed config alone;
 FSDP2's MixedPrecisionPolicy + TP), fp16 with the harness's loss scaler (DDP, FSDP2), micro-batches accumulated in fp32
 (DeepSpeed's BF16 optimizer) — calibrated on DDP's references in the policy; a clean FAIL of DeepSpeed's own ZeRO-0

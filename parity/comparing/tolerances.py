@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parity.errors import ConfigError
+from parity.precision import POLICIES
 
 
 QUANTITIES = ("loss", "grad_norm", "param_norm")
@@ -74,8 +75,9 @@ FINAL_PARAMETERS_ATOL_FP32 = 1e-5
 """Final parameters of two fp32 runs (12 steps at lr 1e-4), absolute."""
 
 PRECISION_ORDER = ("fp32", "bf16")  # tighter to looser: the classes the tables above are keyed by
-TOLERANCE_CLASS = {"fp32": "fp32", "bf16": "bf16", "bf16_params": "bf16", "bf16_pure": "bf16", "fp16": "bf16"}
-"""Which table row a precision policy takes: every low-precision policy the bf16 one. The fixed rows are uncalibrated
+TOLERANCE_CLASS = {name: "fp32" if policy.compute == "fp32" else "bf16" for name, policy in POLICIES.items()}
+"""Which table row a precision policy takes: a policy whose matrix products run in fp32 the fp32 one, every
+low-precision policy the bf16 one. The fixed rows are uncalibrated
 by design (docs/tolerances.md), and the noise floors only matter where references agree exactly; a policy's own noise
 is what the calibrated verdict measures."""
 

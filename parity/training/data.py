@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from parity.errors import ConfigError
+from parity.training.loss import IGNORE_INDEX
 
 
 class SyntheticMarkov:
@@ -59,7 +60,7 @@ class PaddedMarkov(SyntheticMarkov):
     all of it (drawn from (seed, i)), right-padded with token 0 and labelled −100 on the padding. Causal
     attention never looks right, so the padding needs no mask; the loss ignores its labels."""
 
-    PAD_ID, IGNORE = 0, -100
+    PAD_ID, IGNORE = 0, IGNORE_INDEX
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         ids = super().__getitem__(i)
@@ -177,9 +178,6 @@ class Batch:
 
     def to(self, device) -> "Batch":
         return Batch(self.input_ids.to(device), self.labels.to(device))
-
-
-IGNORE_INDEX = PaddedMarkov.IGNORE
 
 
 class GlobalBatches:

@@ -18,10 +18,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from parity.training.loss_scaler import unscaled_or_skipped
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
-from parity.training.precision import OptimizerStep
+from parity.training.optimizer import OptimizerStep, clip_coefficient, squared_norm_fp64, step_optimizer
 from parity.training.replicas import Replica, held, mesh_replica_ranks
-from parity.training.strategy import Strategy, clip_coefficient, squared_norm_fp64, step_optimizer
+from parity.training.strategy import Strategy
 
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
 SCALER_FILE = "loss_scaler.pt"  # fp16: the loss scaler's state (rank 0's)
@@ -133,11 +134,11 @@ class DTensorStrategy(Strategy):
         """Clip across the meshes and step; under fp16 first the harness's loss scaler (DeepSpeed's rules): an overflow
         on any rank skips the step, else the gradient shards are unscaled."""
         scale = self.loss_scale
-        if self.scaler is not None:
-            shards = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
-            if self.scaler.unscale_or_skip(shards, self.ctx.device):
-                self.optimizer.zero_grad(set_to_none=True)
-                return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
+        shards = (local(p.grad) for p in self.model.parameters() if p.grad is not None)
+        skipped = unscaled_or_skipped(self.scaler, shards, self.ctx.device,
+                                      lambda: self.optimizer.zero_grad(set_to_none=True))
+        if skipped is not None:
+            return skipped
         norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
         step_optimizer(self.optimizer, lr)
         return OptimizerStep(norm, loss_scale=scale if self.scaler else None)

@@ -17,23 +17,20 @@ gradient is divided by the new (doubled) scale; with clipping active its combine
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from parity.errors import RunStopped
+from parity.precision import LossScaling
+from parity.training.optimizer import OptimizerStep
 
 
 @dataclass
-class LossScaler:
-    """DeepSpeed's dynamic loss scaler (module docstring), with its config keys as constructor arguments."""
-
-    loss_scale: float = 0.0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
+class LossScaler(LossScaling):
+    """DeepSpeed's dynamic loss scaler (module docstring), with its config keys (parity.precision.LossScaling's fields,
+    the policy table's) as constructor arguments."""
 
     def __post_init__(self):
         self.scale = float(self.loss_scale) if self.loss_scale else float(2 ** self.initial_scale_power)
@@ -84,6 +81,22 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         for key in ("scale", "iteration", "last_overflow", "hysteresis_left"):
             setattr(self, key, state[key])
+
+
+def unscaled_or_skipped(scaler: LossScaler | None, grads: Iterable[torch.Tensor], device: torch.device,
+                        zero_grad: Callable[[], None]) -> OptimizerStep | None:
+    """fp16's unscale-or-skip before a step, written once for every strategy that runs the harness's scaler (the
+    PolicyOptimizer's plain tensors, the DTensor strategies' local shards): None where the step goes on — there is no
+    scaler, or the gradients `grads` (plain tensors, read only under a scaler) held no inf or NaN on any rank and are
+    now unscaled in place —, else the skipped step's OptimizerStep (norm inf, the scale its gradients were computed
+    with), every gradient dropped by `zero_grad`. Collective under a scaler."""
+    if scaler is None:
+        return None
+    scale = scaler.scale
+    if not scaler.unscale_or_skip(list(grads), device):
+        return None
+    zero_grad()
+    return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
 
 
 def any_nonfinite(tensors, device: torch.device, group=None) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from parity.precision import DTYPES, POLICIES, Policy
+
 # The categories, in the order a strategy names them (the first to name a storage gets it).
 PARAMS, MASTER, GRADS, OPTIMIZER, GRAD_BUCKETS, OFFLOAD_BUFFERS, GATHERED = (
     "params", "master_params", "grads", "optimizer_states", "grad_buckets", "offload_buffers", "gathered_params")
@@ -21,6 +23,9 @@ BOUND_CATEGORIES = (PARAMS, GRADS, OPTIMIZER)  # what the ZeRO paper's formula c
 # the paper's K counts it with the optimizer states). The rest are copies made to compute or communicate
 # (DDP's reducer copy of the gradients, all-gathered parameters, offload staging), counted beside.
 MODEL_STATES = (PARAMS, MASTER, GRADS, OPTIMIZER)
+# Where a strategy may keep model states between uses: on the device, or offloaded to host memory (the choices of
+# DeepSpeed's --offload_optimizer / --offload_param and FSDP2's --offload).
+OFFLOAD = ("none", "cpu")
 
 
 def model_state_total(held: dict[str, int]) -> int:
@@ -33,12 +38,18 @@ def model_state_total(held: dict[str, int]) -> int:
 PEAK_ORDERS = {"peak": lambda held: (model_state_total(held), sum(held.values())),
                "peak_all": lambda held: (sum(held.values()), model_state_total(held))}
 
-# Bytes per parameter of (params, gradients, optimizer states) by precision policy (parity.training.precision). fp32
-# and bf16 autocast keep fp32 weights, fp32 gradients and fp32 moments; bf16_params and fp16 are the paper's mixed
-# precision, 2Ψ + 2Ψ + 12Ψ (its K = 12 counts the fp32 master copy with Adam's two moments); bf16_pure keeps all in
-# bf16.
-BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "bf16_params": (2, 2, 12), "fp16": (2, 2, 12),
-                   "bf16_pure": (2, 2, 4)}
+
+def bytes_per_param(policy: Policy) -> tuple[int, int, int]:
+    """Bytes per parameter of (params, gradients, optimizer states) a rank holds under a precision policy: parameters
+    and gradients in the policy's parameter dtype, Adam's two moments in its master dtype, and the master copy where
+    the policy keeps one — counted with the optimizer states, as the ZeRO paper's K does. fp32 and bf16 autocast keep
+    fp32 weights, gradients and moments (4, 4, 8); bf16_params and fp16 are the paper's mixed precision, 2Ψ + 2Ψ + 12Ψ;
+    bf16_pure keeps all in bf16 (2, 2, 4)."""
+    params, master = DTYPES[policy.params].itemsize, DTYPES[policy.master].itemsize
+    return params, params, 2 * master + (master if policy.master_copy else 0)
+
+
+BYTES_PER_PARAM = {name: bytes_per_param(policy) for name, policy in POLICIES.items()}  # by policy name
 
 
 class StateLedger:

@@ -26,7 +26,7 @@ import contextlib
 
 import torch
 
-from parity.training.data import IGNORE_INDEX
+from parity.training.loss import IGNORE_INDEX
 
 
 class RouterTap:
@@ -99,3 +99,113 @@ def flips(ids_a: torch.Tensor, ids_b: torch.Tensor, logits_b: torch.Tensor, top_
     return [{"token": t, "experts": a[t].tolist(), "reference_experts": b[t].tolist(),
              "logit_gap": float(top[t, top_k - 1] - top[t, top_k]) if top.shape[-1] > top_k else 0.0}
             for t in differ]
+
+
+class StepRoutes:
+    """One step's routing as forward_backward meets it, micro-batch by micro-batch (a mixture of experts; for a dense
+    model every call does nothing): the routers' record of each forward, this rank's expert counts and, with a
+    load-balancing loss, each micro-batch's share of coef × that loss over the global batch (module docstring)."""
+
+    def __init__(self, strategy, micro_batches):
+        self.strategy, self.tap = strategy, strategy.router_tap()
+        self.moe = self.tap.moe if self.tap else None
+        self.aux = bool(self.moe and self.moe.aux_loss_coef)
+        counting = self.aux and len(micro_batches) > 1
+        self.counted, self.totals = strategy.count_routes(micro_batches, self.tap) if counting else (None, None)
+        self.counts = self.prob_sums = None
+        self.chosen = []
+
+    def recording(self):
+        """The context of a micro-batch's forward: yields the router calls it records (None for a dense model)."""
+        return self.tap.recording() if self.tap else contextlib.nullcontext()
+
+    def add(self, calls, micro, loss: torch.Tensor) -> torch.Tensor:
+        """After a micro-batch's forward (`calls`, what `recording` yielded): its routing counted, and `loss` with its
+        share of the load-balancing loss added where the family trains on one."""
+        if not self.tap:
+            return loss
+        strategy, moe = self.strategy, self.moe
+        self.chosen.append([ids.detach() for _, ids in calls])
+        mask = real_tokens(micro.labels)
+        mine = expert_counts(calls, mask, moe.num_experts)
+        self.counts = mine if self.counts is None else self.counts + mine
+        if self.aux:
+            sums = probability_sums(calls, mask)
+            self.prob_sums = sums.detach() if self.prob_sums is None else self.prob_sums + sums.detach()
+            self.totals = self.totals if self.totals is not None else strategy.batch_routing_totals(mine)
+            loss = loss + strategy.micro_batch_aux(sums, self.totals, moe)
+        return loss
+
+    def finish(self) -> None:
+        """After the last micro-batch: the step's routing into the strategy's `step_routing` and `step_expert_ids`,
+        once the counting forward is checked against the training forward. Collective (a mixture of experts)."""
+        if not self.tap:
+            return
+        if self.counted is not None and not torch.equal(self.counted, self.counts):
+            raise RuntimeError("the counting forward routed differently from the training forward: the step's "
+                               "load-balancing statistics would not be its own")
+        self.strategy.step_routing = self.strategy.routing_record(self.counts, self.prob_sums, self.totals, self.moe)
+        self.strategy.step_expert_ids = [torch.cat(layer) for layer in zip(*self.chosen)]
+
+
+class Routing:
+    """The mixture-of-experts part of every strategy (parity.training.strategy.Strategy inherits it): the routers'
+    hooks, the step's routing statistics over the global batch and the load-balancing loss's share of each
+    micro-batch. A strategy overrides `router_module` where it replaced the sparse block; the rest it inherits (a
+    seeded bug may override `batch_routing_totals`). Uses the strategy's hf_model, autocast, forward, gather_dp and
+    ctx."""
+
+    def step_routes(self, micro_batches) -> StepRoutes:
+        """forward_backward's routing of one step over this rank's `micro_batches`."""
+        return StepRoutes(self, micro_batches)
+
+    def router_tap(self):
+        """Hooks on the routers of a mixture of experts (made at the first step); None for a dense model."""
+        if not hasattr(self, "_router_tap"):
+            from parity.models.families import family_of
+
+            family = family_of(self.hf_model.config)
+            self._router_tap = RouterTap(self.hf_model, family, self.router_module) if family.moe else None
+        return self._router_tap
+
+    def router_module(self, name: str) -> str:
+        """The module of `hf_model` that routes where the stock model's router `name` does (the same, unless the
+        strategy replaced the sparse block: DeepSpeed's AutoEP)."""
+        return name
+
+    def router_names(self) -> list[str]:
+        """The sparse layers' routers by Hugging Face name, in layer order (empty for a dense model)."""
+        tap = self.router_tap()
+        return tap.names if tap else []
+
+    @torch.no_grad()
+    def count_routes(self, micro_batches, tap) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's, the global batch's) expert counts [layers, experts] before any backward: a forward without
+        gradients over the micro-batches, which the load-balancing loss of each one needs (module docstring)."""
+        counts = 0
+        for micro in micro_batches:
+            with self.autocast(), tap.recording() as calls:
+                self.forward(micro.input_ids)
+            counts = counts + expert_counts(calls, real_tokens(micro.labels), tap.moe.num_experts)
+        return counts, self.batch_routing_totals(counts)
+
+    def batch_routing_totals(self, local: torch.Tensor) -> torch.Tensor:
+        """The global batch's total of a routing statistic of this rank's slice (expert counts, probability sums): the
+        sum over DP ranks, each read from the first rank of its TP group (TP ranks route the same tokens).
+        Collective."""
+        return torch.stack(self.gather_dp(local.detach().double())).sum(0)
+
+    def micro_batch_aux(self, prob_sums: torch.Tensor, totals: torch.Tensor, moe) -> torch.Tensor:
+        """What a micro-batch backpropagates of coef × the load-balancing loss: its tokens' share (`prob_sums`) with
+        the global counts `totals`, × dp_size as the LM loss, so that the average over DP is the global loss's
+        gradient."""
+        return self.ctx.dp_size * moe.aux_loss_coef * aux_loss_term(prob_sums, totals, moe.top_k)
+
+    def routing_record(self, counts, prob_sums, totals, moe) -> dict:
+        """The step's routing over the global batch: the load-balancing loss (without its coefficient; None where the
+        family has none in its loss) and each sparse layer's expert loads (real tokens routed to each expert, top-k
+        assignments). Collective."""
+        totals = totals if totals is not None else self.batch_routing_totals(counts)
+        aux = (float(aux_loss_term(self.batch_routing_totals(prob_sums), totals, moe.top_k))
+               if prob_sums is not None else None)
+        return {"aux_loss": aux, "expert_loads": [[int(n) for n in row] for row in totals.tolist()]}

@@ -7,68 +7,49 @@ autocast, loss reduction across ranks — is here, once, so it cannot differ bet
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from parity.errors import ConfigError
-from parity.training import routing
-from parity.training.precision import OptimizerStep, policy_of
+from parity.layout import Layout
+from parity.precision import policy_of
+from parity.training.loss import IGNORE_INDEX, loss_sum
+from parity.training.optimizer import (OptimizerStep, build_optimizer, clip_coefficient, clip_local_gradients,
+                                       local_norm, lr_at, set_lr, squared_norm_fp64, step_optimizer)
+from parity.training.option import Option
 from parity.training.replicas import Replica, whole_model
+from parity.training.routing import Routing
+
+# The documented strategy API (docs/custom_strategy.md): what a strategy module imports from here, wherever it is
+# defined — the optimizer primitives (optimizer.py), the loss (loss.py), a strategy's own flag (option.py).
+__all__ = ["IGNORE_INDEX", "ModuleRecords", "Option", "OptimizerStep", "StepStats", "Strategy", "WorkerContext",
+           "build_optimizer", "clip_coefficient", "clip_local_gradients", "gradient_arrivals", "local_norm", "loss_sum",
+           "lr_at", "set_lr", "squared_norm_fp64", "step_optimizer"]
 
 
 @dataclass(frozen=True)
-class Option:
-    """A flag only one strategy has (--zero_stage, --mixed_precision): declared by the strategy module in
-    its `options`, stored in `RunConfig.options`. Defined here, with the interface
-    the strategies implement, so that a strategy module imports nothing above it (no import cycle)."""
-
-    name: str
-    default: Any
-    help: str
-    type: Callable | None = None
-    choices: tuple | None = None
-
-    def add_to(self, group, given_only: bool = False) -> None:
-        """Add --<name>. `given_only`: no default, so only a flag the user gave appears in the result."""
-        kwargs: dict[str, Any] = {"help": self.help, "default": argparse.SUPPRESS if given_only else self.default}
-        if isinstance(self.default, bool):
-            kwargs["action"] = "store_true"
-        else:
-            kwargs.update(type=self.type or type(self.default), choices=self.choices)
-        group.add_argument(f"--{self.name}", **kwargs)
-
-
-@dataclass
 class WorkerContext:
-    """Where this process sits: rank = (dp_rank × pp_size + pp_rank) × tp_size + tp_rank (TP groups are
-    consecutive ranks, and so are the pp_size ranks of one pipeline: 1 without one, set by Strategy.__init__)."""
+    """Where this process sits: its rank and device, in the run's layout (parity.layout.Layout, `cfg.layout`), which
+    gives the degrees and this rank's place: rank = (dp_rank × pp_size + pp_rank) × tp_size + tp_rank (TP groups are
+    consecutive ranks, and so are the pp_size ranks of one pipeline; pp_size 1 without one)."""
 
     rank: int
-    world_size: int
-    tp_size: int
-    dp_size: int
     device: torch.device
-    pp_size: int = 1
+    layout: Layout
 
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // self.tp_size % self.pp_size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.pp_size)
+    world_size = property(lambda self: self.layout.world_size)
+    tp_size = property(lambda self: self.layout.tp_size)
+    dp_size = property(lambda self: self.layout.dp_size)
+    pp_size = property(lambda self: self.layout.pp_size)
+    ep_size = property(lambda self: self.layout.ep_size)
+    tp_rank = property(lambda self: self.layout.coords(self.rank).tp)
+    pp_rank = property(lambda self: self.layout.coords(self.rank).pp)
+    dp_rank = property(lambda self: self.layout.coords(self.rank).dp)
 
     @property
     def is_logging_rank(self) -> bool:
@@ -96,75 +77,6 @@ class ModuleRecords:
     output_grads: dict[str, torch.Tensor]
 
 
-IGNORE_INDEX = -100  # a label the loss skips (padding)
-
-
-def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The sum of next-token cross-entropies in fp32 (logits are upcast, whatever the compute dtype) over the
-    positions with a label: position t predicts labels[t + 1], and a label of −100 (padding) counts nothing.
-    A step's loss is the sum over the global batch ÷ its loss tokens (data.Batch.loss_tokens): the mean over
-    tokens, whatever each rank or micro-batch holds, never a mean of their means."""
-    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-
-
-def build_optimizer(params, cfg) -> torch.optim.AdamW:
-    """The one optimizer every strategy uses (DeepSpeed is handed this same client optimizer)."""
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-
-
-def set_lr(optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
-def step_optimizer(optimizer, lr: float) -> None:
-    """Step a torch optimizer at `lr` and drop the gradients (after the strategy has clipped them)."""
-    set_lr(optimizer, lr)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def lr_at(step: int, cfg) -> float:
-    """Linear warm-up over --warmup_steps, then constant."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
-    return cfg.learning_rate
-
-
-def squared_norm_fp64(t: torch.Tensor) -> torch.Tensor:
-    """Sum of squares accumulated in float64.
-
-    The pre-clip norm is compared across strategies at 1e-5, and an fp32 norm over a large gradient
-    (the 2048×64 tied embedding already) is itself only good to ~1e-5; in float64 the only difference
-    left is which partial sums each strategy forms, far below that.
-    """
-    return torch.linalg.vector_norm(t.detach(), dtype=torch.float64).square()  # no float64 copy: ~1.6× faster
-
-
-def clip_coefficient(total_norm: float, cfg) -> float:
-    """torch's clip_grad_norm_ formula: max_norm / (norm + 1e-6), at most 1; --max_grad_norm 0 = off."""
-    if cfg.max_grad_norm <= 0:
-        return 1.0
-    return min(1.0, cfg.max_grad_norm / (total_norm + 1e-6))
-
-
-def local_norm(tensors) -> float:
-    """The L2 norm of plain (unsharded) tensors taken together, accumulated in float64."""
-    return math.sqrt(float(sum(squared_norm_fp64(t) for t in tensors)))
-
-
-def clip_local_gradients(params, cfg) -> float:
-    """Clip gradients that are plain (unsharded) tensors by their global norm; return that norm."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = local_norm(grads)
-    coef = clip_coefficient(norm, cfg)
-    if coef < 1.0:
-        torch._foreach_mul_(grads, coef)
-    return norm
-
-
 @contextlib.contextmanager
 def gradient_arrivals(model, observe: Callable[..., None]):
     """Call observe("during_backward", name) each time a parameter's gradient has been accumulated, for the
@@ -182,50 +94,49 @@ def gradient_arrivals(model, observe: Callable[..., None]):
             handle.remove()
 
 
-class Strategy:
-    """Base class of the three strategy modules. Subclasses set `name` (the registry's) and `options`, and
-    implement the abstract parts."""
+class Strategy(Routing):
+    """Base class of every strategy: the top-level *_strategy.py modules' classes (directly, or through the DTensor
+    base, parity/training/dtensor_strategy.py) and a user's own. Subclasses set `name` (the registry's) and
+    `options`, and implement the abstract parts."""
 
     name = "base"
     options: tuple = ()  # the strategy's own flags (Option above), in RunConfig.options
     tensor_parallel = True  # whether it shards tensors over --tp_size (DDP and a hand-written DP do not)
     expert_parallel = False  # whether it shards a mixture of experts' experts over --ep_size
+    # whether it splits the decoder layers into stages over --pp_size ranks (a layout flag only such a strategy takes,
+    # parity.layout.DEFAULT_PP_SIZE when not given; `cfg.pp_size`, `ctx.pp_size`: 1 for any other)
+    pipeline_parallel = False
     layer_check_refuses_ep = None  # why the layer check cannot compare its modules at --ep_size > 1, where it cannot
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
-    # The precision policies it carries out (parity.training.precision). fp32 and bf16 (autocast) need nothing of a
-    # strategy but this class's autocast(); the others need the parameters, gradients, reduction and optimizer of the
-    # policy — PolicyOptimizer for plain tensors — and a strategy declares them when it does that.
+    # The precision policies it carries out (parity.precision). fp32 and bf16 (autocast) need nothing of a strategy but
+    # this class's autocast(); the others need the parameters, gradients, reduction and optimizer of the policy —
+    # PolicyOptimizer for plain tensors — and a strategy declares them when it does that.
     precisions: tuple = ("fp32", "bf16")
+    # The PolicyOptimizer (parity.training.policy_optimizer) that steps its plain-tensor parameters under the run's
+    # policy, where the strategy builds one in setup (DDP, the pipeline, your own): loss_scale and replicas read it.
+    policy_optimizer = None
 
     def __init__(self, cfg, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
-        ctx.pp_size = self.pp_size(cfg.options)  # before the loop slices this rank's data by ctx.dp_rank
         self.model = None  # the wrapped model whose forward returns HF outputs with .logits
         self.step_routing: dict | None = None  # the last forward_backward's routing record (a mixture of experts)
         self.step_expert_ids: list[torch.Tensor] = []  # and per sparse layer, the experts each token of the rank went to
 
     # --- driver side ------------------------------------------------------------------------------
     @classmethod
-    def pp_size(cls, options: dict) -> int:
-        """The pipeline ranks one model replica spans, each holding its stages: num_workers = pp_size × tp_size ×
-        dp_size (`resolve` defaults --dp_size to num_workers / (pp_size × tp_size); the strategy's `validate`
-        checks the layout). 1 for a strategy without pipeline stages."""
-        return 1
-
-    @classmethod
     def with_default_options(cls, options: dict) -> dict:
         """`options` (flag name → value, some of this strategy's own flags) with the others at their defaults."""
         return {**{o.name: o.default for o in cls.options}, **options}
 
     @classmethod
-    def layer_stages(cls, options: dict) -> int:
-        """The pieces the decoder layers are split into (--num_layers must be a multiple): a pipeline's stages, 1
-        for a strategy without them."""
+    def layer_stages(cls, options: dict, pp_size: int) -> int:
+        """The pieces the decoder layers are split into (--num_layers must be a multiple) at `pp_size` pipeline ranks:
+        a pipeline's stages, 1 for a strategy without them."""
         return 1
 
     @classmethod
     def precision_request(cls, options: dict):
-        """The precision policy this strategy's own settings ask for (a parity.training.precision.PolicyRequest), or
+        """The precision policy this strategy's own settings ask for (a parity.precision.PolicyRequest), or
         None: `resolve` merges it with --precision and the policy flags, or refuses a contradiction in one line."""
         return None
 
@@ -271,10 +182,9 @@ class Strategy:
     @property
     def loss_scale(self) -> float:
         """What every micro-batch's loss is multiplied by before backward: fp16's loss scale where the strategy scales
-        the loss itself (its PolicyOptimizer's, `self.precision`, or scaler's), else 1 (DeepSpeed's engine scales its
-        own)."""
-        precision = getattr(self, "precision", None)
-        return precision.loss_scale if precision else 1.0
+        the loss itself (its PolicyOptimizer's, `self.policy_optimizer`, or scaler's), else 1 (DeepSpeed's engine scales
+        its own)."""
+        return self.policy_optimizer.loss_scale if self.policy_optimizer is not None else 1.0
 
     def autocast(self):
         """The compute-precision context of the forward pass: torch.autocast(bfloat16) in the bf16 policy."""
@@ -328,9 +238,9 @@ class Strategy:
         one that does not returns None: nothing is checked, and the record and the report say so."""
         if self.tensor_parallel or self.ctx.pp_size > 1:
             return None
-        precision = getattr(self, "precision", None)  # a PolicyOptimizer, whose masters are held as the parameters
+        policy = self.policy_optimizer  # where there is one, its masters are held as the parameters
         return whole_model(self.hf_model, getattr(self, "optimizer", None), tuple(range(self.ctx.world_size)),
-                           precision.master_of if precision else None)
+                           policy.master_of if policy is not None else None)
 
     def full_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers a stock model's state dict holds (DeepSeek-V3's routing bias), under its names, on the CPU in
@@ -388,90 +298,19 @@ class Strategy:
         routing in `step_routing`; returns this rank's token-loss sum (float64). A strategy whose forward and backward
         are one schedule (the pipeline) overrides this."""
         micro_batches = batch.to(self.ctx.device).split(self.cfg.grad_accum_steps)
-        tap = self.router_tap()
-        moe = tap.moe if tap else None
-        aux = bool(moe and moe.aux_loss_coef)
-        counted, totals = (self.count_routes(micro_batches, tap) if aux and len(micro_batches) > 1 else (None, None))
+        routes = self.step_routes(micro_batches)  # a mixture of experts' routing (parity.training.routing)
         local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        counts = prob_sums = None
-        chosen = []
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self.accumulating(last):
-                with self.autocast(), (tap.recording() if tap else contextlib.nullcontext()) as calls:
+                with self.autocast(), routes.recording() as calls:
                     logits = self.forward(micro.input_ids)
                 summed = loss_sum(logits, micro.labels)
-                loss = self.micro_batch_loss(summed, micro, batch, global_tokens)
-                if tap:
-                    chosen.append([ids.detach() for _, ids in calls])
-                    mask = routing.real_tokens(micro.labels)
-                    mine = routing.expert_counts(calls, mask, moe.num_experts)
-                    counts = mine if counts is None else counts + mine
-                    if aux:
-                        sums = routing.probability_sums(calls, mask)
-                        prob_sums = sums.detach() if prob_sums is None else prob_sums + sums.detach()
-                        totals = totals if totals is not None else self.batch_routing_totals(mine)
-                        loss = loss + self.micro_batch_aux(sums, totals, moe)
+                loss = routes.add(calls, micro, self.micro_batch_loss(summed, micro, batch, global_tokens))
                 self.backward(loss * self.loss_scale, last)
             local_sum += summed.detach().double()
-        if tap:
-            if counted is not None and not torch.equal(counted, counts):
-                raise RuntimeError("the counting forward routed differently from the training forward: the step's "
-                                   "load-balancing statistics would not be its own")
-            self.step_routing = self.routing_record(counts, prob_sums, totals, moe)
-            self.step_expert_ids = [torch.cat(layer) for layer in zip(*chosen)]
+        routes.finish()
         return local_sum
-
-    def router_tap(self):
-        """Hooks on the routers of a mixture of experts (made at the first step); None for a dense model."""
-        if not hasattr(self, "_router_tap"):
-            from parity.models.families import family_of
-
-            family = family_of(self.hf_model.config)
-            self._router_tap = routing.RouterTap(self.hf_model, family, self.router_module) if family.moe else None
-        return self._router_tap
-
-    def router_module(self, name: str) -> str:
-        """The module of `hf_model` that routes where the stock model's router `name` does (the same, unless the
-        strategy replaced the sparse block: DeepSpeed's AutoEP)."""
-        return name
-
-    def router_names(self) -> list[str]:
-        """The sparse layers' routers by Hugging Face name, in layer order (empty for a dense model)."""
-        tap = self.router_tap()
-        return tap.names if tap else []
-
-    @torch.no_grad()
-    def count_routes(self, micro_batches, tap) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's, the global batch's) expert counts [layers, experts] before any backward: a forward without
-        gradients over the micro-batches, which the load-balancing loss of each one needs (routing.py)."""
-        counts = 0
-        for micro in micro_batches:
-            with self.autocast(), tap.recording() as calls:
-                self.forward(micro.input_ids)
-            counts = counts + routing.expert_counts(calls, routing.real_tokens(micro.labels), tap.moe.num_experts)
-        return counts, self.batch_routing_totals(counts)
-
-    def batch_routing_totals(self, local: torch.Tensor) -> torch.Tensor:
-        """The global batch's total of a routing statistic of this rank's slice (expert counts, probability sums): the
-        sum over DP ranks, each read from the first rank of its TP group (TP ranks route the same tokens).
-        Collective."""
-        return torch.stack(self.gather_dp(local.detach().double())).sum(0)
-
-    def micro_batch_aux(self, prob_sums: torch.Tensor, totals: torch.Tensor, moe) -> torch.Tensor:
-        """What a micro-batch backpropagates of coef × the load-balancing loss: its tokens' share (`prob_sums`) with
-        the global counts `totals`, × dp_size as the LM loss, so that the average over DP is the global loss's
-        gradient."""
-        return self.ctx.dp_size * moe.aux_loss_coef * routing.aux_loss_term(prob_sums, totals, moe.top_k)
-
-    def routing_record(self, counts, prob_sums, totals, moe) -> dict:
-        """The step's routing over the global batch: the load-balancing loss (without its coefficient; None where the
-        family has none in its loss) and each sparse layer's expert loads (real tokens routed to each expert, top-k
-        assignments). Collective."""
-        totals = totals if totals is not None else self.batch_routing_totals(counts)
-        aux = (float(routing.aux_loss_term(self.batch_routing_totals(prob_sums), totals, moe.top_k))
-               if prob_sums is not None else None)
-        return {"aux_loss": aux, "expert_loads": [[int(n) for n in row] for row in totals.tolist()]}
 
     def train_step(self, batch, global_tokens: int, lr: float, observe: Callable[..., None] | None = None) -> StepStats:
         """One step on this rank's slice `batch` of a global batch with `global_tokens` loss tokens: forward_backward,
@@ -514,4 +353,4 @@ class Strategy:
         ranks of a TP group hold the same full-size values. Collective: every rank calls it."""
         gathered = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, t.contiguous())
-        return [gathered[d * self.ctx.tp_size] for d in range(self.ctx.dp_size)]
+        return [gathered[self.ctx.layout.rank(d, 0, 0)] for d in range(self.ctx.dp_size)]

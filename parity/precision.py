@@ -1,6 +1,8 @@
-"""The precision policy: one axis, --precision, resolved once into the RunConfig and read by every strategy — and the
-one piece that carries a policy out for a strategy whose parameters are plain tensors (DDP, the pipeline, your own
-data parallelism): the shared AdamW over fp32 master copies, with fp16's loss scaling (`PolicyOptimizer`).
+"""The precision policy's table: one axis, --precision, resolved once into the RunConfig and read by every strategy.
+Pure data and the rules that resolve a run's policy from its flags; what carries a policy out (the policy optimizer,
+casts, fp16's loss scaler) is the worker's: parity/training/policy_optimizer.py and parity/training/loss_scaler.py.
+Every table keyed by policy elsewhere (the --precision choices and help, memory's bytes per parameter, the tolerance
+rows) is derived from POLICIES: a new policy is one row here.
 
 A policy says what a run holds and reduces in which dtype (docs/precision.md has the table per strategy):
 
@@ -17,27 +19,19 @@ and three refinements, each recorded: the dtype gradients are reduced over DP in
 gradients' own — bf16 under bf16_params, as DeepSpeed's bf16 mode and FSDP2's policy reduce), the dtype micro-batch
 gradients accumulate in under --grad_accum_steps (--grad_accum_dtype, DeepSpeed's data_types.grad_accum_dtype: by
 default the gradients' own, or fp32 where they are reduced in fp32 into fp32 masters, as FSDP2 accumulates; fp32 is
-possible wherever a master copy exists), and fp16's loss scaler (DeepSpeed's fp16 keys).
+possible wherever a master copy exists), and fp16's loss scaler (DeepSpeed's fp16 keys: LossScaling).
 The baseline of a comparison runs in the same policy; a run in another policy than its baseline is reported as a
 policy difference, not judged as a strategy (parity/comparing/curves.py).
-
-Only the parameters are cast, not the buffers (the rotary embedding's inv_freq stays fp32), as FSDP2's policy and
-DeepSpeed ≥ 0.19 do: `model.to(bfloat16)` — and DeepSpeed 0.18's `module.bfloat16()` — also rounds the rotary
-frequencies, another model.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from parity.errors import ConfigError
-from parity.training.loss_scaler import LossScaler
-from parity.training.memory import GRADS, MASTER, PARAMS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -54,7 +48,7 @@ class Policy:
     autocast: bool
     reduce_dtypes: tuple[str, ...]  # the dtypes gradients may be reduced over DP in; the first is the default
     loss_scaling: bool
-    holds: str  # in words, for notes and reports
+    holds: str  # in words, for notes, reports and the --precision help
 
     @property
     def master_copy(self) -> bool:
@@ -75,9 +69,14 @@ class Policy:
         an fp32 master copy holds them."""
         return (self.params, "fp32") if self.master_copy else (self.params,)
 
+    @property
+    def compute(self) -> str:
+        """The dtype the matrix products run in, by name (DTYPES)."""
+        return "bf16" if self.autocast else self.params
+
     def compute_dtype(self) -> torch.dtype:
         """The dtype the matrix products run in."""
-        return torch.bfloat16 if self.autocast else DTYPES[self.params]
+        return DTYPES[self.compute]
 
 
 POLICIES = {
@@ -92,9 +91,22 @@ POLICIES = {
                    "fp16 parameters and gradients, fp32 master weights and Adam state, dynamic loss scaling"),
 }
 
-# fp16's loss scaler: DeepSpeed's fp16 keys and defaults (deepspeed/runtime/precision_config.py), LossScaler's fields.
-# loss_scale > 0: a static scale; 0: dynamic, starting at 2**initial_scale_power.
-LOSS_SCALING_DEFAULTS = {f.name: f.default for f in fields(LossScaler)}
+
+@dataclass
+class LossScaling:
+    """fp16's loss scaler settings: DeepSpeed's fp16 config keys and defaults (deepspeed/runtime/precision_config.py).
+    loss_scale > 0: a static scale; 0: dynamic, starting at 2**initial_scale_power. What carries them out is
+    parity.training.loss_scaler.LossScaler, whose fields these are."""
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+LOSS_SCALING_DEFAULTS = {f.name: f.default for f in fields(LossScaling)}
 # The settings of a run that make up its policy (the RunConfig's fields): what a comparison requires to be equal.
 POLICY_FIELDS = ("precision", "reduce_dtype", "grad_accum_dtype", "loss_scaling")
 
@@ -202,166 +214,3 @@ def complete_policy(s: dict) -> None:
         raise ConfigError("fp16's loss scaler: --loss_scale must be 0 (dynamic) or positive, --min_loss_scale positive, "
                           "--loss_scale_window and --hysteresis at least 1")
     s["loss_scaling"] = scaling
-
-
-# --- carrying a policy out, for strategies whose parameters are plain tensors --------------------------------
-
-def cast_parameters(module: torch.nn.Module, cfg) -> None:
-    """The policy's parameter dtype on the module's parameters (in place: the same Parameter objects); buffers keep
-    theirs (module docstring)."""
-    dtype = DTYPES[policy_of(cfg).params]
-    for p in module.parameters():
-        p.data = p.data.to(dtype)
-
-
-@dataclass(frozen=True)
-class OptimizerStep:
-    """What a strategy's optimizer step reports: the pre-clip global gradient norm (of the unscaled gradients), and
-    under fp16 whether the step was skipped on an overflow and the loss scale the gradients were computed with."""
-
-    norm: float
-    skipped: bool = False
-    loss_scale: float | None = None
-
-    @classmethod
-    def of(cls, result) -> "OptimizerStep":
-        """What optimizer_step returned: an OptimizerStep, or the norm alone (a strategy without loss scaling)."""
-        return result if isinstance(result, cls) else cls(float(result))
-
-
-class PolicyOptimizer:
-    """The shared AdamW, stepped as the run's policy says, over parameters that are plain tensors (whole, or a rank's
-    own pieces): DDP, the pipeline, a hand-written data parallelism. Give it the module's parameters in fp32 (the
-    shared initial weights, loaded); it keeps fp32 master copies where the policy has them (bf16_params, fp16) and
-    casts the parameters to the policy's dtype, so build it before wrapping the module in what buckets gradients by
-    dtype (DistributedDataParallel).
-
-    Per step, after the strategy has reduced the gradients over DP: `step(lr, norm_of)` moves them into the master
-    copies (fp32), and under fp16 checks every rank for an overflow (then the step is skipped and the scale lowered,
-    DeepSpeed's rules: parity/training/loss_scaler.py) and unscales them; then clips by `norm_of`'s global norm
-    (torch's formula, --max_grad_norm), steps, copies the masters back into the parameters and drops every gradient.
-    Under --grad_accum_dtype fp32, `accumulate()` after each micro-batch's backward adds its (reduced) gradients into
-    the fp32 master gradients.
-
-    What a strategy does with it: `loss_scale` multiplies every micro-batch's loss (Strategy.loss_scale), `accumulate`
-    after each backward where micro-batches accumulate in fp32, `step` in optimizer_step, `master_parameters()` for
-    the parameter norm and the full parameters, `state_dict` / `load_state_dict` in checkpoints."""
-
-    def __init__(self, params, cfg):
-        from parity.training.strategy import build_optimizer
-
-        self.policy, self.cfg = policy_of(cfg), cfg
-        self.params = [p for p in params if p.requires_grad]
-        self.masters = [p.detach().float().clone() for p in self.params] if self.policy.master_copy else None
-        self._master = {id(p): m for p, m in zip(self.params, self.masters or self.params)}
-        for p in self.params:
-            p.data = p.data.to(DTYPES[self.policy.params])
-        self.optimizer = build_optimizer(self.masters or self.params, cfg)
-        self.scaler = LossScaler(**cfg.loss_scaling) if self.policy.loss_scaling else None
-        self.accumulates_fp32 = self.policy.master_copy and cfg.grad_accum_dtype == "fp32"
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler else 1.0
-
-    def master_parameters(self) -> list[torch.Tensor]:
-        """The weights the optimizer updates (fp32 masters, or the parameters themselves), in the parameters' order."""
-        return self.masters or self.params
-
-    def master_of(self, param) -> torch.Tensor:
-        """The master weight of `param` (itself where the policy keeps none)."""
-        return self._master[id(param)]
-
-    @torch.no_grad()
-    def accumulate(self) -> None:
-        """Add each parameter's gradient (a micro-batch's, reduced over DP) into its fp32 master's and drop it: the
-        micro-batches accumulate in fp32 (--grad_accum_dtype fp32)."""
-        if not self.accumulates_fp32:
-            return
-        for p, m in zip(self.params, self.masters):
-            if p.grad is not None:
-                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
-                p.grad = None
-
-    @torch.no_grad()
-    def step(self, lr: float, norm_of: Callable[[list[torch.Tensor]], float], counted=None) -> OptimizerStep:
-        """Clip, step at `lr` and drop the gradients (class docstring); `norm_of(grads)` is the global L2 norm of this
-        rank's gradients (the masters', fp32) of the `counted` parameters (default: all; the pipeline counts a tied
-        weight's copy once) in the strategy's own way (a collective where ranks hold pieces)."""
-        from parity.training.strategy import clip_coefficient, set_lr
-
-        self.accumulate()
-        targets = self.master_parameters()
-        if self.masters is not None:
-            for p, m in zip(self.params, self.masters):
-                if p.grad is not None:
-                    m.grad = p.grad.float()
-        grads = [t.grad for t in targets if t.grad is not None]
-        scale = self.loss_scale
-        if self.scaler is not None and self.scaler.unscale_or_skip(grads, targets[0].device):
-            self.zero_grad()
-            return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
-        counted = self.params if counted is None else [p for p in counted if id(p) in self._master]
-        norm = norm_of([g for g in (self.master_of(p).grad for p in counted) if g is not None])
-        coef = clip_coefficient(norm, self.cfg)
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        if self.masters is not None:
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m)
-        self.zero_grad()
-        return OptimizerStep(norm, loss_scale=scale if self.scaler else None)
-
-    def set_moments(self, params_and_moments, step: int) -> None:
-        """AdamW's state of another run — [(parameter, {"exp_avg", "exp_avg_sq"})] for this rank's parameters — on
-        their masters (the layer check's replay)."""
-        for p, moments in params_and_moments:
-            target = self.master_of(p)
-            self.optimizer.state[target] = {"step": torch.tensor(float(step)), **{
-                k: moments[k].to(target.device, target.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}}
-
-    def zero_grad(self) -> None:
-        for t in self.params + (self.masters or []):
-            t.grad = None
-
-    def count_state(self, ledger, params: list[torch.Tensor]) -> None:
-        """A rank's model state into `ledger` (a memory.StateLedger): `params` (the module's), the masters, the
-        gradients of both, and AdamW's state."""
-        ledger.add_all(PARAMS, params)
-        ledger.add_all(MASTER, self.masters or ())
-        ledger.add_all(GRADS, (p.grad for p in params + (self.masters or [])))
-        ledger.add_optimizer_state(self.optimizer)
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "masters": self.masters,
-                "scaler": self.scaler.state_dict() if self.scaler else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.masters is not None:
-            for p, m, saved in zip(self.params, self.masters, state["masters"]):
-                m.copy_(saved)
-                p.data.copy_(saved)
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
-
-
-def reduce_in(dtype: str):
-    """A DistributedDataParallel comm hook that averages each gradient bucket in `dtype` (the policy's reduce dtype where
-    it is not the gradients' own: bf16 gradients reduced in fp32, or autocast's fp32 ones in bf16), then writes the
-    average back into the bucket in the gradients' dtype. As DDP's own hook, each rank divides by the world size first."""
-    wanted = DTYPES[dtype]
-
-    def hook(state, bucket):
-        group = state if state is not None else dist.group.WORLD
-        buffer = bucket.buffer()
-        tensor = buffer.to(wanted).div_(dist.get_world_size(group))
-        future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-
-        def written(fut):
-            buffer.copy_(fut.value()[0])
-            return buffer
-        return future.then(written)
-    return hook
