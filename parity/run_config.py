@@ -7,6 +7,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from parity.layout import Layout
+
+
+# RunConfig fields that do not change what is trained: a run may resume with other values of these (a checkpoint's
+# identity leaves them out: parity/training/checkpoints.py; the trackers log them as tags: parity/tracking/tracker.py).
+# The model is compared by its summary, not by the whole Hugging Face config (which names the library version).
+NOT_IDENTITY = ("log_interval", "replica_check_interval", "loss_output_dir", "storage_path", "experiment_name",
+                "final_checkpoint_dir", "init_weights_path", "save_init_weights", "cpus_per_worker",
+                "checkpoint_interval", "keep_checkpoints", "max_failures", "model_config", "resume", "verbose",
+                "report_to")
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -14,14 +25,16 @@ class RunConfig:
 
     strategy: str
     strategy_class: str | None  # "module:Class" of a strategy outside the registry; None: the registry's for `strategy`
+    strategy_path: str  # "module:Class" of the run's class, always set: strategy_class, or the registry row's
     model_name: str
     num_layers: int | None
     num_workers: int
     tp_size: int
     dp_size: int
+    pp_size: int  # pipeline ranks per model replica, each holding its stages; 1: no pipeline stages
     ep_size: int  # experts sharded over ep_size consecutive ranks; 1: every expert on every rank
     device: str  # cpu | cuda
-    precision: str  # the precision policy: fp32 | bf16 | bf16_params | bf16_pure | fp16 (parity.training.precision)
+    precision: str  # the precision policy: fp32 | bf16 | bf16_params | bf16_pure | fp16 (parity.precision)
     reduce_dtype: str  # the dtype gradients are reduced over DP in: fp32 | bf16 | fp16
     grad_accum_dtype: str  # the dtype micro-batch gradients accumulate in
     loss_scaling: dict | None  # fp16's loss scaler (DeepSpeed's fp16 keys); None in the other policies
@@ -61,6 +74,11 @@ class RunConfig:
     verbose: bool
     options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
     model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
+
+    @property
+    def layout(self) -> Layout:
+        """The run's layout (parity.layout): its degrees, each rank's place and groups, made from these fields."""
+        return Layout(self.num_workers, self.dp_size, self.tp_size, self.pp_size, self.ep_size)
 
     @property
     def global_batch_size(self) -> int:

@@ -92,9 +92,9 @@ def test_each_schedule_and_layout_matches_ddp_in_fp32(runs, name):
     assert max_abs_param_diff(final_parameters(run), final_parameters(base)) < FINAL_PARAMETERS_ATOL_FP32
     assert run["final"]["eval_loss_last_batch"] == pytest.approx(base["final"]["eval_loss_last_batch"], rel=FP32_RTOL)
     cfg = run["config"]
-    assert (cfg["strategy"], cfg["tp_size"], cfg["dp_size"], cfg["world_size"], cfg["options"]) == (
-        "pipeline", 1, RUNS[name]["num_workers"] // 2, RUNS[name]["num_workers"],
-        {"pp_size": 2, "pp_schedule": RUNS[name]["pp_schedule"], "microbatches": RUNS[name]["microbatches"]})
+    assert (cfg["strategy"], cfg["tp_size"], cfg["pp_size"], cfg["dp_size"], cfg["world_size"], cfg["options"]) == (
+        "pipeline", 1, 2, RUNS[name]["num_workers"] // 2, RUNS[name]["num_workers"],
+        {"pp_schedule": RUNS[name]["pp_schedule"], "microbatches": RUNS[name]["microbatches"]})
 
 
 def test_bf16_autocast_matches_ddps_bf16_run(runs):

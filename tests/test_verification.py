@@ -138,7 +138,7 @@ def test_pipeline_stages_and_sequence_parallel_match_ddp_tensor_for_tensor(pipel
         assert (pair["verdict"], pair["first_outside"]) == ("PASS", None)
         assert worst["rel"] < 1e-5, f"{pair['run']} vs {pair['reference']}: {worst['key']} {worst['rel']:.3e}"
     meta = json.load(open(os.path.join(out, "dump_pipeline.json")))
-    assert meta["options"]["pp_size"] == 2 and meta["options"]["microbatches"] == 2
+    assert meta["pp_size"] == 2 and meta["options"]["microbatches"] == 2 and "pp_size" not in meta["options"]
     assert meta["forward_order"][0] == "model.embed_tokens" and meta["forward_order"][-1] == "lm_head"
     assert meta["forward_order"].index("model.layers.0") < meta["forward_order"].index("model.layers.1")
     assert meta["backward_order"].index("model.layers.1") < meta["backward_order"].index("model.layers.0")

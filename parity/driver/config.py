@@ -9,21 +9,28 @@ scripts, the main job and the layer check all call it; nothing completes a confi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Mapping
 
 from parity import storage
 from parity.errors import ConfigError
+from parity.layout import DEFAULT_PP_SIZE, STAGE_FLAGS, Layout, given_pp_size
+from parity.models.presets import PRESETS, TINY_PRESETS
+from parity.precision import DTYPES, POLICIES, complete_policy, resolve_policy
 from parity.run_config import RunConfig
-from parity.training.precision import complete_policy, resolve_policy
 
-PRECISIONS = ("auto", "fp32", "bf16", "bf16_params", "bf16_pure", "fp16")
-DTYPE_NAMES = ("fp32", "bf16", "fp16")
+PRECISIONS = ("auto", *POLICIES)  # --precision's choices: the policies, or auto (the device decides)
+DTYPE_NAMES = tuple(DTYPES)
+
+
+def _policies(where) -> str:
+    """The policies `where(policy)` holds for, in words (for help texts derived from the table)."""
+    return " and ".join(name for name, policy in POLICIES.items() if where(policy))
+
+
 DEVICES = ("auto", "cpu", "cuda")
 PATH_FLAGS = ("loss_output_dir", "storage_path", "init_weights_path", "final_checkpoint_dir")
 
@@ -34,14 +41,17 @@ FLAGS = (
               "this script's; it must be importable where the driver and the workers run (installed, or on "
               "PYTHONPATH), and its `name` names the loss record"}),
     ("model", "model_name", "Qwen/Qwen2.5-0.5B",
-     {"help": "a built-in model (Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B, google/gemma-3-1b-pt; "
-              "tiny CPU presets qwen2-tiny, llama-tiny, qwen3-tiny, gemma3-tiny, mistral-tiny, olmo2-tiny, "
-              "phi3-tiny), a local directory with the config.json of any decoder-only causal LM transformers knows, "
-              "or a hub name when the hub is reachable (docs/model_families.md)"}),
+     {"help": "a built-in model (" + ", ".join(name for name in PRESETS if name not in TINY_PRESETS) + "; tiny CPU "
+              "presets " + ", ".join(TINY_PRESETS) + "), a local directory with the config.json of any decoder-only "
+              "causal LM transformers knows, or a hub name when the hub is reachable (docs/model_families.md)"}),
     ("model", "num_layers", None, {"type": int, "help": "override num_hidden_layers"}),
-    ("layout", "num_workers", 2, {"type": int, "help": "Ray Train workers = tp_size × dp_size"}),
+    ("layout", "num_workers", 2, {"type": int, "help": "Ray Train workers = pp_size × tp_size × dp_size"}),
     ("layout", "tp_size", 1, {"type": int, "help": "tensor-parallel degree"}),
-    ("layout", "dp_size", None, {"type": int, "help": "data-parallel degree (default num_workers / tp_size)"}),
+    ("layout", "dp_size", None, {"type": int, "help": "data-parallel degree (default num_workers / (pp_size × tp_size))"}),
+    ("layout", "pp_size", DEFAULT_PP_SIZE,
+     {"type": int, "help": "pipeline ranks per model replica, each holding its stages (num_workers = pp_size × "
+                           "dp_size; rank = dp_rank × pp_size + pp_rank): a flag of the strategies with pipeline "
+                           "stages only (train_pipeline.py)"}),
     ("layout", "ep_size", 1,
      {"type": int, "help": "expert-parallel degree of a mixture-of-experts model: each expert on ep_size fewer ranks, "
                            "tokens sent to their experts' ranks; EP groups are ep_size consecutive ranks (whole TP "
@@ -69,20 +79,18 @@ FLAGS = (
      {"action": "store_true", "help": "torch.compile each decoder layer (DDP, FSDP) or the engine's module (DeepSpeed's "
                                       "engine.compile)"}),
     ("precision", "precision", "auto",
-     {"choices": PRECISIONS, "help": "the precision policy (docs/precision.md): fp32; bf16 (torch.autocast over fp32 "
-                                     "parameters, gradients, master weights and Adam state); bf16_params (bf16 "
-                                     "parameters and gradients, fp32 master weights and Adam state: DeepSpeed's "
-                                     "bf16.enabled); bf16_pure (bf16 master weights and Adam state too); fp16 (fp16 "
-                                     "parameters, fp32 master, dynamic loss scaling); auto = bf16 on GPU, fp32 on CPU, "
-                                     "or what a strategy's own settings ask for (a --deepspeed_config)"}),
+     {"choices": PRECISIONS, "help": "the precision policy (docs/precision.md): " + "; ".join(
+         f"{name} ({policy.holds})" for name, policy in POLICIES.items()) + "; auto = bf16 on GPU, fp32 on CPU, or what "
+         "a strategy's own settings ask for (a --deepspeed_config)"}),
     ("precision", "autocast", False, {"action": "store_true", "help": "same as --precision bf16 (seed scripts' flag)"}),
     ("precision", "reduce_dtype", None,
-     {"choices": DTYPE_NAMES, "help": "the dtype gradients are reduced over DP in (default: the gradients' own — fp32 "
-                                      "in fp32 and bf16, bf16 in bf16_params and bf16_pure, fp16 in fp16)"}),
+     {"choices": DTYPE_NAMES, "help": "the dtype gradients are reduced over DP in (default: the gradients' own — " +
+      ", ".join(f"{d} in {_policies(lambda p, d=d: p.reduce_dtypes[0] == d)}" for d in DTYPES
+                if any(p.reduce_dtypes[0] == d for p in POLICIES.values())) + ")"}),
     ("precision", "grad_accum_dtype", None,
      {"choices": DTYPE_NAMES, "help": "the dtype micro-batch gradients accumulate in under --grad_accum_steps (default: "
-                                      "the gradients' own; fp32 in bf16_params and fp16: into the fp32 master gradients, "
-                                      "DeepSpeed's data_types.grad_accum_dtype)"}),
+                                      f"the gradients' own; fp32 in {_policies(lambda p: p.master_copy)}: into the fp32 "
+                                      "master gradients, DeepSpeed's data_types.grad_accum_dtype)"}),
     ("precision", "loss_scale", None,
      {"type": float, "help": "fp16: a static loss scale; 0 = dynamic (default; DeepSpeed's fp16.loss_scale)"}),
     ("precision", "initial_scale_power", None,
@@ -150,13 +158,20 @@ def add_run_flags(parser: argparse.ArgumentParser, given_only: bool = False) -> 
     the user gave appear in the result (the main job's EXTRA_ARGS)."""
     groups: dict[str, Any] = {}
     for group, name, default, kwargs in FLAGS:
+        if name in STAGE_FLAGS:
+            continue  # add_strategy_options adds them, for a strategy with pipeline stages
         if group not in groups:
             groups[group] = parser.add_argument_group(group)
         groups[group].add_argument(f"--{name}", default=argparse.SUPPRESS if given_only else default, **kwargs)
 
 
 def add_strategy_options(parser: argparse.ArgumentParser, strategy_classes, given_only: bool = False) -> None:
-    """Each strategy's own flags, one group per strategy."""
+    """Each strategy's own flags, one group per strategy; and, once, the layout flags of pipeline stages (STAGE_FLAGS)
+    where one of the strategies has them."""
+    if any(cls.pipeline_parallel for cls in strategy_classes):
+        group = parser.add_argument_group("layout of pipeline stages")
+        for _, name, default, kwargs in (flag for flag in FLAGS if flag[1] in STAGE_FLAGS):
+            group.add_argument(f"--{name}", default=argparse.SUPPRESS if given_only else default, **kwargs)
     for cls in strategy_classes:
         if cls.options:
             group = parser.add_argument_group(f"{cls.name} options")
@@ -170,26 +185,31 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
 
     The precision policy is resolved here once: --precision (or --autocast), what the strategy's own settings ask for
     (Strategy.precision_request: a --deepspeed_config's bf16 or fp16 section), the device (auto), then the policy's
-    refinements (parity.training.precision). `cluster` (a parity.driver.cluster.Cluster) decides --device/--precision
+    refinements (parity.precision). `cluster` (a parity.driver.cluster.Cluster) decides --device/--precision
     auto and each worker's CPU share; by default the running or addressed Ray cluster, else this machine. With
     `weights_written_before_launch` the init-weights file need not exist yet: the main job's DDP run or
     the layer check's driver writes it before this run launches; only its directory is checked.
     """
-    from parity.registry import class_path, strategy_class
+    from parity.registry import class_path, load, row
     from parity.tracking import trackers
     from parity.driver.cluster import probe_cluster
     from parity.training.data import check_source
+    from parity.models.families import family_of
     from parity.models.model import check_init_weights, resolve_model_config
     from parity.models.presets import default_learning_rate, default_tokenizer
 
     values = dict(values)
     if isinstance(values.get("strategy_class"), type):  # a class handed in by code (a test, the calibration study)
         values["strategy_class"] = class_path(values["strategy_class"])
-    cls = strategy_class(strategy, values.get("strategy_class"))
+    # The run's class, resolved once into the path RunConfig carries: every later place loads it (registry.load).
+    strategy_path = values.get("strategy_class") or row(strategy).path
+    cls = load(strategy_path)
     if values.get("strategy_class"):
         strategy = _own_name(cls, values["strategy_class"])
     option_names = {o.name for o in cls.options}
-    unknown = sorted(set(values) - set(DEFAULTS) - option_names)
+    # A stage flag given to a strategy without pipeline stages is refused as any flag it does not take.
+    refused = set() if cls.pipeline_parallel else {k for k in STAGE_FLAGS if values.get(k) is not None}
+    unknown = sorted((set(values) - set(DEFAULTS) - option_names) | refused)
     if unknown:
         raise ConfigError(f"--{unknown[0]} is not a flag of train_{strategy}.py: see its --help")
     types = {**TYPES, **{o.name: o.type or type(o.default) for o in cls.options}}
@@ -198,7 +218,10 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     options = {name: s.pop(name) for name in sorted(option_names)}
     s["precision"] = precision_flags(s["precision"], s.pop("autocast"))
     _check_numbers(s)
-    s["dp_size"] = _dp_size(s["num_workers"], s["tp_size"], s["dp_size"], cls.pp_size(options))
+    s["pp_size"] = given_pp_size(cls, given)
+    layout = Layout.from_flags(s["num_workers"], s["tp_size"], s["dp_size"], s["pp_size"], s["ep_size"],
+                               pipeline=cls.pipeline_parallel)  # the run's one layout: RunConfig carries its degrees
+    s["dp_size"] = layout.dp_size
     if s["batch_size"] % s["grad_accum_steps"]:
         raise ConfigError(f"--batch_size {s['batch_size']} is not a multiple of --grad_accum_steps "
                           f"{s['grad_accum_steps']}: each micro-batch is batch_size / grad_accum_steps samples")
@@ -212,8 +235,9 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
                           f"docs/custom_strategy.md says)")
 
     model_config = resolve_model_config(s["model_name"], s["num_layers"])
-    check_heads(s["tp_size"], model_config.num_attention_heads, model_config.num_key_value_heads)
-    check_experts(s["ep_size"], s["tp_size"], s["dp_size"], model_config)
+    layout.check_heads(model_config.num_attention_heads, model_config.num_key_value_heads)
+    if layout.ep_size > 1:  # (a family is read from a meta model: only where experts are to be placed)
+        layout.check_experts(family_of(model_config).moe, model_config.model_type)
     if s["ep_size"] > 1 and not cls.expert_parallel:
         raise ConfigError(f"{strategy} does not shard experts (every expert on every rank): --ep_size must be 1 (got "
                           f"{s['ep_size']}); use train_fsdp.py or train_transformers.py for expert parallelism")
@@ -247,7 +271,8 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     storage.check_writable_dir("--loss_output_dir", s["loss_output_dir"])
     storage.check_writable_dir("--storage_path", s["storage_path"])
     storage.check_writable_dir("--final_checkpoint_dir's parent", storage.parent(s["final_checkpoint_dir"]))
-    cfg = RunConfig(strategy=strategy, options=options, model_config=model_config.to_dict(), **s)
+    cfg = RunConfig(strategy=strategy, strategy_path=strategy_path, options=options, model_config=model_config.to_dict(),
+                    **s)
     if cfg.resume:
         from parity.training.checkpoints import check_resume
 
@@ -261,35 +286,6 @@ def _own_name(cls, path: str) -> str:
         raise ConfigError(f"--strategy_class {path}: set the class's `name` (e.g. name = \"my_fsdp\"): it names the "
                           f"loss record, loss_<name>.json")
     return cls.name
-
-
-def check_heads(tp_size: int, num_attention_heads: int, num_key_value_heads: int) -> None:
-    """Tensor parallelism splits attention by heads, so tp_size must divide both head counts."""
-    for label, count in (("KV-head", num_key_value_heads), ("attention-head", num_attention_heads)):
-        if count % tp_size:
-            divisors = [d for d in range(1, count + 1) if count % d == 0 and num_attention_heads % d == 0]
-            raise ConfigError(f"--tp_size {tp_size} does not divide the model's {label} count ({count}): "
-                              f"use a tp_size in {divisors}")
-
-
-def check_experts(ep_size: int, tp_size: int, dp_size: int, model_config) -> None:
-    """--ep_size > 1 needs a mixture-of-experts model whose experts it divides, and a layout it fits: EP groups are
-    ep_size consecutive ranks of the dp_size × tp_size ranks (rank = dp_rank × tp_size + tp_rank), each whole TP
-    groups — the ranks of a TP group share their tokens and split them for the experts."""
-    if ep_size == 1:
-        return
-    from parity.models.families import family_of
-
-    moe = family_of(model_config).moe
-    if moe is None:
-        raise ConfigError(f"--ep_size {ep_size}: a '{model_config.model_type}' model has no experts that transformers' "
-                          f"expert-parallel plan names (not a mixture of experts): use --ep_size 1")
-    moe.check_ep(ep_size)
-    world = dp_size * tp_size
-    if world % ep_size or ep_size % tp_size:
-        fits = [e for e in range(tp_size, world + 1, tp_size) if world % e == 0 and moe.num_experts % e == 0]
-        raise ConfigError(f"--ep_size {ep_size} does not fit --dp_size {dp_size} × --tp_size {tp_size}: expert groups "
-                          f"are whole TP groups within the {world} ranks, so use an --ep_size in {fits}")
 
 
 def _typed(name: str, value, kind):
@@ -353,22 +349,6 @@ def _check_numbers(s: dict) -> None:
             raise ConfigError(f"--{name} must be {words} (got {value})")
     if s["device"] not in DEVICES:
         raise ConfigError(f"--device {s['device']}: use one of {', '.join(DEVICES)}")
-
-
-def _dp_size(num_workers: int, tp_size: int, dp_size: int | None, pp_size: int = 1) -> int:
-    """num_workers = tp_size × dp_size; dp_size defaults to num_workers / tp_size. A pipeline's (`pp_size` ranks per
-    replica): dp_size defaults to num_workers / (pp_size × tp_size), and its strategy's validate checks the layout."""
-    if pp_size != 1:
-        return dp_size if dp_size is not None else max(1, num_workers // max(1, pp_size * tp_size))
-    if dp_size is None:
-        if num_workers % tp_size:
-            raise ConfigError(f"--num_workers {num_workers} is not a multiple of --tp_size {tp_size}: "
-                              f"num_workers must equal tp_size × dp_size")
-        return num_workers // tp_size
-    if tp_size * dp_size != num_workers:
-        raise ConfigError(f"--num_workers {num_workers} ≠ --tp_size {tp_size} × --dp_size {dp_size}: "
-                          f"pass --num_workers {tp_size * dp_size} or change tp/dp")
-    return dp_size
 
 
 def _absolute_paths(s: dict) -> None:

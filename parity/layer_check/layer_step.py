@@ -107,7 +107,7 @@ def layer_step_worker(payload: dict) -> None:
 
     from parity.training.loop import start_worker
     from parity.training.data import Batch
-    from parity.training.precision import OptimizerStep
+    from parity.training.optimizer import OptimizerStep
     from parity.training.strategy import lr_at
 
     w = start_worker(payload)
@@ -149,7 +149,8 @@ def layer_step_worker(payload: dict) -> None:
         with atomic_path(tensor_path) as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
         write_json_atomic(meta_path, {
-            "strategy": cfg.strategy, "tp_size": cfg.tp_size, "dp_size": cfg.dp_size, "ep_size": cfg.ep_size,
+            "strategy": cfg.strategy, "tp_size": cfg.tp_size, "dp_size": cfg.dp_size, "pp_size": cfg.pp_size,
+            "ep_size": cfg.ep_size,
             "precision": cfg.precision, "options": cfg.options, "device_type": ctx.device.type,
             "model_config": config_summary(w.model_config),
             "init_weights_sha256": w.weights_sha, "inputs_sha256": file_sha256(inputs_path),

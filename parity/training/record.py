@@ -11,12 +11,14 @@ import json
 from parity import storage
 from parity.errors import RecordError
 
-SCHEMA_VERSION = 4  # 2: every step has param_norm; 3: the config has the fingerprint; 4: the replica check
+SCHEMA_VERSION = 5  # 2: every step has param_norm; 3: the config has the fingerprint; 4: the replica check;
+# 5: pp_size a layout field (not an option), the strategy's class path
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")  # and harness_s: the harness's own seconds in the step, by what (not checked);
 # and on a step the replicas were checked after, "replicas": what the check found (parity.training.replicas)
-# and a mixture of experts' steps aux_loss and expert_loads (parity.training.routing): the load-balancing loss of the global batch (null where the family has none in its loss) and, per sparse layer,
-# the real tokens routed to each expert
+# and a mixture of experts' steps aux_loss and expert_loads (parity.training.routing): the load-balancing loss of the
+# global batch (null where the family has none in its loss) and, per sparse layer, the real tokens routed to each
+# expert
 # The config entries a comparison of two records relies on (parity/comparing/curves.py); the loop always writes them.
 CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights_sha256", "model_config",
                  "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "fingerprint")
@@ -97,7 +99,8 @@ def load_record(path: str) -> dict:
                               f"not a loss record written by this harness")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise RecordError(f"{name}: schema version {data.get('schema_version')}, this harness reads "
-                          f"{SCHEMA_VERSION} (it records the parameter norm, the run's fingerprint and the replica check "
+                          f"{SCHEMA_VERSION} (it records the parameter norm, the run's fingerprint, the replica check, "
+                          f"pp_size among the layout's fields and the strategy's class path "
                           f"too): rerun that strategy")
     if not isinstance(data.get("complete"), bool):
         raise RecordError(f"{name}: missing or invalid 'complete' (expected true or false)")
