@@ -1,7 +1,10 @@
 """The DeepSpeed strategy ("deepspeed"): AutoTP shards the model over TP groups, ZeRO the optimizer state
 (and, by stage, gradients and parameters) over DP. The file keeps the design card's name.
 
-Only what differs from DDP is here; the numbered comments match docs/deepspeed.md.
+Only what differs from DDP is here; the numbered comments match docs/deepspeed.md. Its helpers live beside it in
+parity/strategies/autotp/: the engine config (engine_config.py) and a user's --deepspeed_config (user_config.py), the
+release and AutoEP guards (guards.py), the AutoTP partition config (partition.py), the TP and EP gathers (gathers.py)
+and DeepSpeed's import (library.py).
 
 [1] DeepSpeed is imported on the worker once the device is known, because the import picks its
     accelerator; the driver imports it only in validate(), on the CPU one, to fail before launch.
@@ -27,24 +30,25 @@ Only what differs from DDP is here; the numbered comments match docs/deepspeed.m
 from __future__ import annotations
 
 import functools
-import logging
 import math
-import os
-import re
-import sys
-import warnings
 
 import torch
 
 from parity.errors import ConfigError, LibraryMissing
-from parity.models.families import family_of, transformers_version
-from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD_BUFFERS, PARAMS, StateLedger
-from parity.training.precision import POLICIES, OptimizerStep, PolicyRequest, policy_of
+from parity.models.families import family_of
+from parity.precision import POLICIES, PolicyRequest, policy_of
+from parity.strategies.autotp.engine_config import engine_config
+from parity.strategies.autotp.gathers import column_parallel_outputs, full_tensors, gather_last_dim, stock_names
+from parity.strategies.autotp.guards import check_autoep, check_release_runs
+from parity.strategies.autotp.library import forget_other_tp_layout, import_deepspeed
+from parity.strategies.autotp.partition import autotp_partition_config
+from parity.strategies.autotp.user_config import config_policy, given_config, read_user_config, user_config
+from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
+from parity.training.optimizer import OptimizerStep
 from parity.training.replicas import MOMENTS, Replica
 from parity.training.strategy import Option, Strategy, build_optimizer, set_lr, squared_norm_fp64
 
 ZERO_STAGES = (0, 1, 2, 3)
-OFFLOAD = ("none", "cpu")
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default for zero_optimization.reduce_bucket_size
 CHECKPOINT_TAG = "deepspeed"  # the engine's checkpoint folder inside a checkpoint
 
@@ -183,7 +187,7 @@ class DeepSpeedStrategy(Strategy):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         logits = self.engine(input_ids=input_ids, use_cache=False).logits  # as Strategy.forward
-        return self._gather_last_dim("lm_head", logits)  # [4]
+        return gather_last_dim(self.column_shards, "lm_head", logits)  # [4]
 
     def backward(self, loss: torch.Tensor, last: bool = True) -> None:
         """The engine's backward, without its own 1/gradient_accumulation_steps (the shared loss is already the
@@ -289,8 +293,8 @@ class DeepSpeedStrategy(Strategy):
 
         ctx = self.ctx
         everyone = tuple(range(ctx.world_size))
-        same_shard = tuple(d * ctx.tp_size + ctx.tp_rank for d in range(ctx.dp_size))
-        same_partition = tuple(ctx.dp_rank * ctx.tp_size + t for t in range(ctx.tp_size))
+        same_shard = tuple(ctx.layout.dp_group(ctx.rank))  # the ranks of this tp_rank
+        same_partition = tuple(ctx.layout.tp_group(ctx.rank))  # the TP group of this DP partition
         found = []
         for name, p in self.engine.module.named_parameters():
             whole = not is_model_parallel_parameter(p)
@@ -370,7 +374,7 @@ class DeepSpeedStrategy(Strategy):
                 pieces = [torch.empty_like(output) for _ in range(self.ctx.tp_size)]
                 dist.all_gather(pieces, output.contiguous(), group=groups.get_tensor_model_parallel_group())
                 return torch.cat(pieces, heads_dim)
-            return self._gather_last_dim(module_name, output)
+            return gather_last_dim(self.column_shards, module_name, output)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The master weights, what the optimizer updates: gathered over DP by DeepSpeed (safe_get_full_fp32_param),
@@ -378,39 +382,23 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.utils import safe_get_full_fp32_param
 
         if self.zero_stage == 0:
-            return self._stock_names(self._full_tensors(self._local_master))
-        return self._stock_names(self._full_tensors(safe_get_full_fp32_param))  # the master weights, what it updates
+            return self._full_tensors(self._local_master)
+        return self._full_tensors(safe_get_full_fp32_param)  # the master weights, what it updates
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_grad
 
-        return self._stock_names(self._full_tensors(safe_get_full_grad))
+        return self._full_tensors(safe_get_full_grad)
 
     def full_buffers(self) -> dict[str, torch.Tensor]:
         from parity.models.model import persistent_buffers
 
-        return self._stock_names(persistent_buffers(self.engine.module), experts=False)
+        return stock_names(persistent_buffers(self.engine.module), self.autoep, self.ctx.device, experts=False)
 
-    def _stock_names(self, full: dict[str, torch.Tensor], experts: bool = True) -> dict[str, torch.Tensor]:
-        """[8] AutoEP's tensors under the stock model's names and layout: its router's (router.gate.weight, the routing
-        bias) as the block's gate's, its experts gathered over the EP group and fused back (gate_up_proj = [w1; w3] on
-        dim 1, down_proj = w2). Collective (the gathers), in one order on every rank."""
-        import torch.distributed as dist
-
-        for block, layer in self.autoep.items():
-            for key in [k for k in full if k.startswith(f"{block}.router.")]:
-                full[f"{block}.gate." + key.split(".router.", 1)[1].removeprefix("gate.")] = full.pop(key)
-            if not experts:
-                continue
-            whole = {}
-            for w in ("w1", "w2", "w3"):
-                mine = full.pop(f"{block}.experts.{w}")
-                pieces = [torch.empty_like(mine) for _ in range(layer.ep_size)]
-                dist.all_gather(pieces, mine.to(self.ctx.device).contiguous(), group=layer.ep_group)
-                whole[w] = torch.cat(pieces).cpu()
-            full[f"{block}.experts.gate_up_proj"] = torch.cat([whole["w1"], whole["w3"]], dim=1)
-            full[f"{block}.experts.down_proj"] = whole["w2"]
-        return full
+    def _full_tensors(self, read) -> dict[str, torch.Tensor]:  # [5], [8]
+        """{stock name: full fp32 CPU tensor}: `read` gives this rank's TP shard of a parameter's tensor (gathered over
+        DP), the owning AutoTP layer gathers it over TP, AutoEP's experts over EP (gathers.py). Collective."""
+        return stock_names(full_tensors(self.engine.module, read), self.autoep, self.ctx.device)
 
     def save_state(self, directory: str) -> None:  # [6]
         self.engine.save_checkpoint(directory, tag=CHECKPOINT_TAG, save_latest=False)
@@ -450,40 +438,6 @@ class DeepSpeedStrategy(Strategy):
         for state in self.engine.optimizer.optimizer.state.values():
             state["step"] = torch.tensor(float(step)) if torch.is_tensor(state["step"]) else step
 
-    # --- gathers ----------------------------------------------------------------------------------
-    def _gather_last_dim(self, module_name: str, t: torch.Tensor) -> torch.Tensor:
-        """Concatenate the TP shards of a column-parallel output along the last dim — part by part for a layer whose
-        output packs several parts (each rank holds a slice of each). The backward takes this rank's slice of the
-        gradient (not the sum over ranks that torch.distributed.nn's all_gather returns): every TP rank computes
-        the same loss from the gathered tensor."""
-        if module_name not in self.column_shards:
-            return t
-        group, parts = self.column_shards[module_name]
-        per_rank = [sum(widths) for widths in zip(*parts)]
-        full = GatherLastDim.apply(group, t, per_rank)
-        if len(parts) == 1:
-            return full
-        pieces = [piece.split([widths[r] for widths in parts], -1) for r, piece in enumerate(full.split(per_rank, -1))]
-        return torch.cat([pieces[r][j] for j in range(len(parts)) for r in range(len(per_rank))], -1)
-
-    def _full_tensors(self, read) -> dict[str, torch.Tensor]:  # [5]
-        """{HF name: full fp32 CPU tensor} for each parameter once (a tied weight under its first name, as
-        named_parameters() gives it). `read` gathers the ZeRO partitions over DP and returns this rank's TP
-        shard; the owning AutoTP layer then gathers that along its own split dim (a row-parallel bias is
-        replicated and stays as it is). Collective: the same calls in the same order on every rank."""
-        from deepspeed.module_inject.layers import TensorParallel_Layer
-
-        full, seen = {}, set()
-        for module_name, module in self.engine.module.named_modules():
-            named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-            seen.update(id(p) for _, p in named)
-            tensors = [read(p).detach().clone() for _, p in named]
-            if named and isinstance(module, TensorParallel_Layer):
-                module.gather_params(tensors)  # in the layer's own order: weight, then bias
-            for (name, _), t in zip(named, tensors):
-                full[f"{module_name}.{name}" if module_name else name] = t.float().cpu()
-        return full
-
 
 def _zero3_moment(param, key: str) -> torch.Tensor | None:
     """A ZeRO-3 parameter's partition of an AdamW moment; None before the optimizer's first step made it."""
@@ -495,375 +449,6 @@ def _zero3_moment(param, key: str) -> torch.Tensor | None:
         return None
 
 
-def import_deepspeed(device: torch.device):
-    """Import DeepSpeed for this process's device, quietly, without its CPU shared-memory comm op.
-
-    DS_ACCELERATOR is set before the import because the import picks the accelerator for good: a CPU
-    worker on a GPU machine (--device cpu) must not get the CUDA one.
-
-    The shm op: creating DeepSpeed's comm backend JIT-compiles `deepspeed_shm_comm` with g++ on the CPU
-    accelerator (190 s with an empty extension cache, and a "built successfully" print per rank) although
-    only inference_all_reduce uses it, never training. The backend builds it only when DeepSpeed's own
-    op-compatibility table says it can (`deepspeed.ops.__compatible_ops__`, the dict it also marks False on
-    non-Linux platforms, probed once and kept), so that entry is set False here. DS_BUILD_SHM_COMM only
-    affects `pip install`-time pre-building, and replacing comm.torch.build_shm_op would patch code.
-    """
-    wanted = "cuda" if device.type == "cuda" else "cpu"
-    os.environ["DS_ACCELERATOR"] = wanted
-    if "deepspeed" in sys.modules:  # imported before the device was known: its accelerator may be wrong
-        from deepspeed.accelerator import get_accelerator
-
-        if get_accelerator().device_name() != wanted:
-            raise RuntimeError(f"deepspeed was imported with the {get_accelerator().device_name()} accelerator "
-                               f"before the {wanted} worker set DS_ACCELERATOR")
-    import deepspeed
-    import deepspeed.ops
-
-    deepspeed.utils.logger.setLevel(logging.ERROR)
-    # ZeRO's collectives and the logits gather call torch's all_gather_into_tensor/reduce_scatter_tensor,
-    # which torch 2.13 marks deprecated: one FutureWarning per rank and call site, nothing to act on here.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return deepspeed
-
-
-# The keys the run's flags decide: a user's --deepspeed_config must agree with them. (flag, path, value from the
-# run's settings); `settings` has the flags as attributes and the strategy's options in .options.
-OWNED_KEYS = (
-    ("--batch_size / --grad_accum_steps", ("train_micro_batch_size_per_gpu",),
-     lambda s: s.batch_size // s.grad_accum_steps),
-    ("--grad_accum_steps", ("gradient_accumulation_steps",), lambda s: s.grad_accum_steps),
-    ("--max_grad_norm", ("gradient_clipping",), lambda s: s.max_grad_norm),
-    ("--zero_stage", ("zero_optimization", "stage"), lambda s: s.options["zero_stage"]),
-    ("--tp_size", ("tensor_parallel", "autotp_size"), lambda s: s.tp_size),
-)
-# Keys a user config may not hold at all: the harness's shared AdamW, lr schedule and global batch are the
-# comparison's.
-REFUSED_KEYS = {"optimizer": "the shared torch AdamW", "scheduler": "the shared warm-up schedule (--warmup_steps)",
-                "train_batch_size": "--batch_size × DP (DeepSpeed counts TP ranks into it)"}
-# DeepSpeed's dtype names (communication_data_type, data_types.grad_accum_dtype) → the harness's.
-DS_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
-             "float16": "fp16", "half": "fp16"}
-FP16_SCALER_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-                    "min_loss_scale")
-
-
-def config_policy(user: dict, source: str) -> PolicyRequest | None:
-    """The precision policy a DeepSpeed config asks for, with its refinements as DeepSpeed reads them: `bf16` (or
-    `bfloat16`) enabled is bf16_params — bf16_pure with bf16_master_weights_and_grads and bf16_optimizer_states —,
-    `fp16` enabled is fp16 with its loss-scale keys, `torch_autocast` enabled is bf16; `communication_data_type` is
-    the reduce dtype (DeepSpeed's default: the mode's own dtype), `data_types.grad_accum_dtype` the accumulation dtype
-    (default: the parameters' dtype). None when it enables none of them (the run's --precision decides)."""
-    bf16 = user.get("bf16", user.get("bfloat16")) or {}
-    fp16, autocast = user.get("fp16") or {}, user.get("torch_autocast") or {}
-    enabled = [name for name, section in (("bf16", bf16), ("fp16", fp16), ("torch_autocast", autocast))
-               if section.get("enabled")]
-    if len(enabled) > 1:
-        raise ConfigError(f"{source} enables both {enabled[0]} and {enabled[1]}: DeepSpeed runs one precision mode: "
-                          f"keep one of the sections enabled")
-    if not enabled:
-        return None
-    reduce = _ds_dtype(user.get("communication_data_type"), "communication_data_type", source)
-    accum = _ds_dtype((user.get("data_types") or {}).get("grad_accum_dtype"), "data_types.grad_accum_dtype", source)
-    if enabled == ["torch_autocast"]:
-        if str(autocast.get("dtype", "bfloat16")).replace("torch.", "") not in ("bfloat16", "bf16"):
-            raise ConfigError(f"{source}: torch_autocast.dtype {autocast['dtype']}: the harness's autocast policy is "
-                              f"bf16 (--precision bf16); fp16 is --precision fp16 (DeepSpeed's fp16 section)")
-        return PolicyRequest(source, "bf16", reduce_dtype=reduce, grad_accum_dtype=accum)
-    if enabled == ["fp16"]:
-        scaling = {k: fp16[k] for k in FP16_SCALER_KEYS if k in fp16}
-        return PolicyRequest(source, "fp16", reduce_dtype=reduce or "fp16", grad_accum_dtype=accum or "fp16",
-                             loss_scaling=scaling, refines_bf16=False)
-    master, states = bf16.get("bf16_master_weights_and_grads"), bf16.get("bf16_optimizer_states")
-    if bool(master) != bool(states):
-        raise ConfigError(f"{source}: bf16_master_weights_and_grads {json_text(master)} with bf16_optimizer_states "
-                          f"{json_text(states)}: the harness's policies keep both in bf16 (bf16_pure) or both in fp32 "
-                          f"(bf16_params): set both the same")
-    return PolicyRequest(source, "bf16_pure" if master else "bf16_params", reduce_dtype=reduce or "bf16",
-                         grad_accum_dtype=accum or "bf16")
-
-
-def json_text(value) -> str:
-    import json
-
-    return json.dumps(value)
-
-
-def _ds_dtype(value, key: str, source: str) -> str | None:
-    if value is None:
-        return None
-    name = DS_DTYPES.get(str(value).replace("torch.", "").lower())
-    if name is None:
-        raise ConfigError(f"{source}: {key} {json_text(value)} is not a dtype DeepSpeed takes: use fp32, bf16 or fp16")
-    return name
-
-
-# Paths a DeepSpeed release cannot run on the installed torch, found by running them (docs/deepspeed.md): (releases
-# as (first, last) versions, torch at least, the path in words, whether a run takes it, what to do instead). Checked
-# before any worker starts, so that the run says so in one line instead of failing inside DeepSpeed's own step.
-# Measured on torch 2.13: ZeRO-1 runs on 0.18.5 and 0.18.6 and fails on 0.18.7 and 0.18.9; 0.18.5–0.18.9 assert
-# against AutoTP with ZeRO-3 at initialize.
-RELEASES_THAT_CANNOT = (
-    (("0.18.7", "0.18.99"), "2.13", "ZeRO stages 1 and 2 through its ZeRO optimizer",
-     lambda s: s.options["zero_stage"] in (1, 2) and not (
-         s.options["zero_stage"] == 1 and POLICIES[s.precision].master_copy and s.grad_accum_dtype == "fp32"
-         and s.precision == "bf16_params"),
-     "its step all-gathers the updated partitions into split views, which torch 2.13 refuses (\"Output 0 of Split is a "
-     "view and is being modified inplace\"): use DeepSpeed 0.19, or --zero_stage 0 or 3"),
-    (("0.18.0", "0.18.99"), "0", "AutoTP with ZeRO-3", lambda s: s.tp_size > 1 and s.options["zero_stage"] == 3,
-     "it refuses the pair at initialize (\"the compatibility between 'autotp' and 'zero_stage = 3' has not been "
-     "validated\"): use DeepSpeed 0.19, --zero_stage 0 with --tp_size 2, or ZeRO-3 at --tp_size 1"),
-)
-
-
-def check_release_runs(version: str, settings) -> None:
-    """ConfigError in one line when the installed DeepSpeed release cannot run this run's path on this torch."""
-    from packaging.version import Version
-
-    installed, torch_version = Version(version), Version(torch.__version__.split("+")[0])
-    for (first, last), torch_min, path, takes, instead in RELEASES_THAT_CANNOT:
-        if Version(first) <= installed <= Version(last) and torch_version >= Version(torch_min) and takes(settings):
-            raise ConfigError(f"DeepSpeed {version} cannot run {path} on torch {torch.__version__}: {instead}")
-
-
-def forget_other_tp_layout(tp_size: int) -> None:
-    """DeepSpeed keeps its TP and DP groups process-global (deepspeed.utils.groups) once an AutoTP engine made
-    them, and every later engine in the process reuses them: a run after one of another TP size in the same
-    worker process (runs sharing a worker group, e.g. ZeRO at TP=1 after AutoTP at TP=2) would get the old
-    layout's groups, or fail on them. Forget them when the layout differs; the same layout keeps them."""
-    from deepspeed.utils import groups
-
-    cached = groups._TENSOR_MODEL_PARALLEL_GROUP
-    if cached is not None and torch.distributed.get_world_size(cached) != tp_size:
-        groups.mpu = None
-        groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._DATA_PARALLEL_GROUP = None
-
-
-def user_config(option) -> tuple[str, dict]:
-    """(path, content) of --deepspeed_config: a path to read (on the driver), or what read_user_config made of one
-    (a recorded run's options: {"file", "config"}). ConfigError for a file that cannot be read."""
-    import json
-
-    if isinstance(option, dict):
-        return option["file"], option["config"]
-    path = option
-    try:
-        with open(path) as f:
-            user = json.load(f)
-    except OSError as exc:
-        raise ConfigError(f"--deepspeed_config {path} cannot be read ({exc.strerror}): give the path of a JSON "
-                          f"file") from None
-    except ValueError as exc:
-        raise ConfigError(f"--deepspeed_config {path} is not valid JSON ({exc}): fix the file") from None
-    if not isinstance(user, dict):
-        raise ConfigError(f"--deepspeed_config {path} holds a {type(user).__name__}, not a JSON object of "
-                          f"DeepSpeed's settings")
-    return path, user
-
-
-def read_user_config(option, settings) -> dict:
-    """--deepspeed_config: the JSON file read on the driver (the workers get its content with the run, so the file
-    need not exist where they run), checked against the run's flags. {"file", "config"}; ConfigError for a file
-    that cannot be read or a key that contradicts a flag. (Its precision keys decided the run's policy already:
-    config_policy.)"""
-    import json
-
-    path, user = user_config(option)
-    for key, why in REFUSED_KEYS.items():
-        if key in user:
-            raise ConfigError(f"--deepspeed_config {path} sets \"{key}\": the run's comes from {why}: drop the key")
-    for flag, path_keys, value in OWNED_KEYS:
-        node = user
-        for key in path_keys:
-            node = node.get(key, _ABSENT) if isinstance(node, dict) else _ABSENT
-        want = value(settings)
-        if node is not _ABSENT and node != want and not (path_keys == ("tensor_parallel", "autotp_size") and
-                                                        want == 1 and node in (0, 1)):
-            raise ConfigError(f"--deepspeed_config {path}: {'.'.join(path_keys)} {json.dumps(node)} contradicts "
-                              f"{flag} ({json.dumps(want)} for this run): set it with the flag (for the baseline too), "
-                              f"or drop the key")
-    return {"file": os.path.abspath(path), "config": user}
-
-
-_ABSENT = object()
-
-
-def _merged(base: dict, user: dict) -> dict:
-    """`base` with `user`'s values over it, section by section."""
-    out = dict(base)
-    for key, value in user.items():
-        out[key] = _merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    return out
-
-
-def given_config(options: dict) -> dict:
-    """The user's --deepspeed_config content, as validate read it (empty without one)."""
-    return (options.get("deepspeed_config") or {}).get("config", {})
-
-
-def check_autoep(model_config, tp_size: int) -> None:
-    """ConfigError, before any worker, where DeepSpeed's AutoEP cannot train the family here: at --tp_size > 1 (AutoTP
-    refuses the experts' plan), a family it has no preset for, and one whose preset retargets transformers' router-
-    logit recorders — qwen3_moe, mixtral — where DeepSpeed 0.19.8 calls transformers' output-capture registry as
-    get(key, default) and transformers 5.23's takes the key alone: initialize fails with a TypeError (measured)."""
-    import inspect
-
-    from deepspeed.module_inject.auto_ep_presets.base import TransformersTopLevelRouterLogitsAdapter
-    from deepspeed.module_inject.auto_ep_presets.registry import get_preset, get_preset_adapter, preset_name_for_hf_model_type
-    from transformers.utils import output_capturing
-
-    model_type = model_config.model_type
-    if tp_size > 1:
-        raise ConfigError(f"DeepSpeed's AutoEP runs at --tp_size 1 here (AutoTP refuses a '{model_type}' model's expert "
-                          f"plan): drop --tp_size, or use train_fsdp.py / train_transformers.py for TP with EP")
-    preset = preset_name_for_hf_model_type(model_type)
-    if preset is None:
-        raise ConfigError(f"DeepSpeed {_deepspeed_version()}'s AutoEP has no preset for a '{model_type}' model: use "
-                          f"--ep_size 1, or train_fsdp.py / train_transformers.py for expert parallelism")
-    adapter = get_preset_adapter(get_preset(preset).preset_adapter or preset)
-    takes_default = len(inspect.signature(output_capturing._CAN_RECORD_REGISTRY.get).parameters) > 1
-    if isinstance(adapter, TransformersTopLevelRouterLogitsAdapter) and not takes_default:
-        raise ConfigError(f"DeepSpeed {_deepspeed_version()}'s AutoEP cannot convert a '{model_type}' model under "
-                          f"transformers {transformers_version()}: its router-logits adapter calls transformers' "
-                          f"output-capture registry as get(key, default), which this transformers' does not take "
-                          f"(a TypeError inside deepspeed.initialize): use train_fsdp.py or train_transformers.py for "
-                          f"expert parallelism")
-
-
-
-
-def autotp_partition_config(model_config, user: dict) -> dict | None:
-    """How AutoTP shards the model: None where DeepSpeed's own path does it — the user's
-    tensor_parallel.partition_config, or the model's Hugging Face TP plan, which DeepSpeed converts when it knows every
-    style in it (Llama, Qwen2/3, Gemma3, Mistral) — else a partition_config written from the family seam
-    (parity.models.families), where DeepSpeed supports the shapes. ConfigError naming DeepSpeed's limit otherwise.
-
-    The written config (OLMo2, Phi3, whose plans use rowwise_split_input, a style DeepSpeed 0.19.8 refuses): OLMo2's
-    q, k, v column-parallel with gathered outputs, because its q/k norms span all heads, and then o_proj replicated
-    (DeepSpeed's row-parallel layer takes a split input only); Phi3's attention replicated whole. Phi3 slices its
-    fused qkv output at offsets of the attention module's num_key_value_heads, which AutoTP divides by tp_size
-    whenever a weight under the module is sharded, gathered output or not (update_mp_params: "Number of heads in key
-    and value must divide the number of heads in query"); and DeepSpeed 0.19.8 refuses gather_output with a
-    part-by-part shape ("AutoTP gather_output does not yet support shaped sub-parameter layers"). The MLP's gate and
-    up (or a fused gate_up, part by part: shape (2, -1)) column-parallel, down_proj row-parallel; an untied lm_head
-    column-parallel with a gathered output, as the Hugging Face plan has it."""
-    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
-    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
-
-    from parity.models.model import meta_model
-
-    if (user.get("tensor_parallel") or {}).get("partition_config"):
-        return None
-    family = family_of(model_config)
-    if family.moe:
-        raise ConfigError(f"DeepSpeed AutoTP cannot shard a '{family.model_type}' model: DeepSpeed "
-                          f"{_deepspeed_version()} refuses its experts' plan (moe_tp_experts) and shards no fused 3-D "
-                          f"expert weight: use --tp_size 1 (ZeRO), or train_fsdp.py / train_transformers.py")
-    try:
-        TPPlanConverter.convert(_get_hf_tp_plan(meta_model(model_config)))
-        return None
-    except ValueError as exc:
-        refused = str(exc).split(":", 1)[-1].split(".", 1)[0].strip()
-    if family.why_no_tp:
-        raise ConfigError(f"DeepSpeed AutoTP cannot shard a '{family.model_type}' model: its Hugging Face TP plan has "
-                          f"styles DeepSpeed {_deepspeed_version()} refuses ({refused}) and the harness cannot describe "
-                          f"its layers ({family.why_no_tp}): use --tp_size 1, or train_fsdp.py")
-
-    def spec(name: str, kind: str, **extra) -> dict:
-        return {"patterns": [rf".*\.{re.escape(name)}\.weight$"], "partition_type": kind, **extra}
-
-    fused = any(p.fused for p in family.attention_in)
-    gathered = bool(family.width_norms)
-    specs = [spec(p.name, "skip" if fused else "column", gather_output=gathered) for p in family.attention_in]
-    specs.append(spec(family.attention_out, "skip" if fused or gathered else "row"))
-    specs += [spec(norm, "skip", grad_allreduce=True) for norm in family.head_norms]
-    specs += [spec(p.name, "column", **({"shape": [len(p.parts), -1], "partition_dim": 0} if p.fused else {}))
-              for p in family.mlp_in]
-    specs.append(spec(family.mlp_out, "row"))
-    if not family.tied:
-        specs.append({"patterns": [rf"^{re.escape(family.final[-1])}\.weight$"], "partition_type": "column",
-                      "gather_output": True})
-    return {"use_default_specs": False, "layer_specs": specs}
-
-
-def _deepspeed_version() -> str:
-    import deepspeed
-
-    return deepspeed.__version__
-
-
-def engine_config(cfg) -> dict:
-    """The DeepSpeed config: nothing in it may make the training differ from DDP's (docs/deepspeed.md) — but what
-    the user's own --deepspeed_config sets, over the harness's DDP-equivalent values (the keys the run's flags
-    decide agree with them: read_user_config).
-
-    No train_batch_size: DeepSpeed counts TP ranks as DP ranks in that product (micro × accumulation ×
-    world size) and rejects the true global batch; the gradient averaging itself uses the real DP group.
-    """
-    return _merged(_harness_config(cfg), given_config(cfg.options))
-
-
-def _harness_config(cfg) -> dict:
-    zero = {"stage": cfg.options["zero_stage"], "reduce_bucket_size": cfg.options["reduce_bucket_size"]}
-    if zero["stage"] == 3:
-        # Every parameter partitioned, as the paper's stage 3: DeepSpeed by default keeps parameters under 1e5
-        # elements whole on every rank (for qwen2-tiny, all but the embedding). Numerics are the same either way.
-        zero["stage3_param_persistence_threshold"] = 0
-    for part in ("optimizer", "param"):
-        if cfg.options[f"offload_{part}"] != "none":
-            zero[f"offload_{part}"] = {"device": cfg.options[f"offload_{part}"], "pin_memory": cfg.use_cuda}
-    config = {
-        "train_micro_batch_size_per_gpu": cfg.batch_size // cfg.grad_accum_steps,
-        "gradient_accumulation_steps": cfg.grad_accum_steps,
-        "gradient_clipping": cfg.max_grad_norm,  # 0 = off, as --max_grad_norm; same formula as torch's
-        "zero_optimization": zero,
-        "wall_clock_breakdown": False,
-    }
-    if cfg.options["offload_optimizer"] != "none":
-        # Keep the client torch AdamW (the shared optimizer): by default DeepSpeed refuses a client optimizer
-        # with ZeRO-Offload and wants DeepSpeedCPUAdam, a JIT-built op (2 minutes of g++ per host) whose
-        # arithmetic differs from torch's AdamW (5e-6 of a parameter after a few steps at lr 1e-3).
-        config["zero_force_ds_cpu_optimizer"] = False
-    if cfg.ep_size > 1:  # [8]
-        config["expert_parallel"] = {"enabled": True, "autoep_size": cfg.ep_size}
-    if cfg.tp_size > 1:
-        config["tensor_parallel"] = {"autotp_size": cfg.tp_size}
-        from parity.models.model import model_config_from_dict
-
-        partition = autotp_partition_config(model_config_from_dict(cfg.model_config), given_config(cfg.options))
-        if partition is not None:
-            config["tensor_parallel"]["partition_config"] = partition
-    return {**config, **policy_config(cfg)}
-
-
-def policy_config(cfg) -> dict:
-    """The run's precision policy in DeepSpeed's keys (what a user's config that asks for it holds: config_policy).
-
-    bf16: DDP's recipe — bf16 compute under torch.autocast, fp32 parameters, gradients, master weights and Adam state.
-    The section is needed although the shared train step already enters autocast: without it the engine switches an
-    outer autocast off inside its forward. The empty list keeps every gradient reduction in fp32 (by default DeepSpeed
-    would reduce the gradients of nn.Linear layers in bf16). bf16_params: DeepSpeed's bf16 mode (bf16 parameters and
-    gradients, fp32 master partitions and Adam state), bf16_pure the same with bf16 masters and states, fp16 its fp16
-    mode with the run's loss scaler. A reduce or accumulation dtype other than the parameters' is
-    communication_data_type / data_types.grad_accum_dtype."""
-    policy = policy_of(cfg)
-    if policy.name == "fp32":
-        return {}
-    if policy.name == "bf16":
-        return {"torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}}
-    if policy.name == "fp16":
-        config = {"fp16": {"enabled": True, **cfg.loss_scaling}}
-    else:
-        pure = policy.name == "bf16_pure"
-        config = {"bf16": {"enabled": True, **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-                                               if pure else {})}}
-    if cfg.reduce_dtype != policy.params:
-        config["communication_data_type"] = cfg.reduce_dtype
-    if cfg.grad_accum_dtype != policy.params:
-        config["data_types"] = {"grad_accum_dtype": cfg.grad_accum_dtype}
-    return config
-
-
 def check_rank_layout(engine, ctx) -> None:
     """DeepSpeed's TP group must be ranks [dp_rank·tp, (dp_rank+1)·tp) and the group ZeRO averages the
     gradients over the ranks with this tp_rank: the loop feeds every rank of a TP group the same DP slice
@@ -873,54 +458,7 @@ def check_rank_layout(engine, ctx) -> None:
 
     tp_ranks = dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()) if ctx.tp_size > 1 else [ctx.rank]
     dp_ranks = dist.get_process_group_ranks(engine.seq_data_parallel_group)
-    want_tp = [ctx.dp_rank * ctx.tp_size + t for t in range(ctx.tp_size)]
-    want_dp = [d * ctx.tp_size + ctx.tp_rank for d in range(ctx.dp_size)]
+    want_tp, want_dp = ctx.layout.tp_group(ctx.rank), ctx.layout.dp_group(ctx.rank)  # the run's (parity/layout.py)
     if (tp_ranks, dp_ranks) != (want_tp, want_dp):
         raise RuntimeError(f"rank {ctx.rank}: DeepSpeed's TP group {tp_ranks} / DP group {dp_ranks} are not the "
                            f"harness's {want_tp} / {want_dp} (rank = dp_rank × tp_size + tp_rank)")
-
-
-def column_parallel_outputs(hf_model, family) -> dict[str, tuple]:
-    """{module name: (TP group, the per-rank widths of each part of its output)} for every module whose output is this
-    rank's slice of the last dim: AutoTP's column-parallel layers that do not gather their output themselves (a
-    sub-parameter layer, a fused gate_up, holds a slice of each part), and each MLP's activation, which acts on the
-    slice of the gate part (the family's mlp_act). DeepSpeed 0.18's LinearLayer has neither is_tp_parallel,
-    gather_output nor _partition_sizes: every one is column-parallel, never gathers, and splits its outputs evenly
-    (torch.chunk) over the TP group; 0.18 has no sub-parameter layers."""
-    from deepspeed.module_inject import layers
-
-    shards = {}
-    for name, module in hf_model.named_modules():
-        if isinstance(module, getattr(layers, "SubParamLinearLayer", ())) and module.is_tp_parallel:
-            shards[name] = (module.mp_group, [list(w) for w in module._subparam_shard_widths])
-        elif isinstance(module, layers.LinearLayer) and getattr(module, "mp_group", None) is not None and \
-                getattr(module, "is_tp_parallel", True) and not getattr(module, "gather_output", False):
-            even = [module.weight.shape[0]] * module.tp_world_size
-            shards[name] = (module.mp_group, [list(getattr(module, "_partition_sizes", even))])
-    if family.mlp_in:
-        gate = "." + family.mlp_in[0].name
-        for name in [n for n in shards if n.endswith(gate)]:
-            group, parts = shards[name]
-            shards[name.removesuffix(gate) + "." + family.mlp_act] = (group, parts[:1])
-    return shards
-
-
-class GatherLastDim(torch.autograd.Function):
-    """The TP shards of a column-parallel output concatenated along the last dim (exactly: a copy), on every rank of
-    the TP group; the backward takes this rank's slice of the gradient — not the sum over ranks that
-    torch.distributed.nn's all_gather returns (every TP rank computes the same loss from the gathered tensor, so the
-    sum would multiply the gradient by tp_size). DeepSpeed 0.19's GatherFromTensorParallelRegion does the same; 0.18
-    has none."""
-
-    @staticmethod
-    def forward(ctx, group, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.sizes, ctx.rank = sizes, dist.get_rank(group)
-        pieces = [torch.empty((*t.shape[:-1], width), dtype=t.dtype, device=t.device) for width in sizes]
-        dist.all_gather(pieces, t.contiguous(), group=group)
-        return torch.cat(pieces, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return None, grad.split(ctx.sizes, dim=-1)[ctx.rank].contiguous(), None

@@ -54,7 +54,10 @@ def test_record_describes_the_run(runs):
     assert cfg["options"] == {"zero_stage": 1, "bf16_master_weights": False, "offload_optimizer": "none",
                               "offload_param": "none", "reduce_bucket_size": 500_000_000, "deepspeed_config": None}
     assert runs["tp2_dp2_zero3"]["config"]["options"]["zero_stage"] == 3
-    assert cfg["fingerprint"]["strategy_code"]["files"] == ["autotp_strategy.py"]
+    helpers = sorted(os.path.relpath(os.path.join(d, f), REPO).replace(os.sep, "/")  # its helper package, by place
+                     for d, _, files in os.walk(os.path.join(REPO, "parity", "strategies", "autotp"))
+                     for f in files if f.endswith(".py"))
+    assert helpers and cfg["fingerprint"]["strategy_code"]["files"] == ["autotp_strategy.py", *helpers]
 
 
 def test_bf16_matches_ddp_bf16(bf16_run, ddp_baseline_bf16, ddp_baseline):
@@ -124,7 +127,7 @@ def test_full_outputs_gradients_and_parameters_match_a_stock_model(tiny_weights,
 # ---------------------------------------------------------------------------------------------------
 
 def test_engine_config_carries_ddps_settings_and_the_precision_policy(tmp_path, tiny_weights):
-    from autotp_strategy import engine_config
+    from parity.strategies.autotp.engine_config import engine_config
 
     fp32 = engine_config(resolve("deepspeed", tp_flags(tmp_path, tiny_weights, precision="fp32", max_grad_norm=0.5)))
     assert fp32 == {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,

@@ -145,7 +145,7 @@ def test_sequence_parallel_norms_unreduced_part_the_tp_ranks_replicas_at_step_0(
 def test_a_user_deepspeed_config_is_kept_under_the_flags_and_recorded(runs):
     """Its keys reach the engine; the keys the run's flags decide, which it omits, get the harness's values (the
     clipping --max_grad_norm asks, never DeepSpeed's default), and the record holds the file's content."""
-    from autotp_strategy import engine_config
+    from parity.strategies.autotp.engine_config import engine_config
     from parity.run_config import RunConfig
 
     _, record = runs["deepspeed_user_config"]

@@ -1,0 +1,1 @@
+"""The DeepSpeed strategy's helpers: engine config, guards, AutoTP partition, gathers (class: autotp_strategy.py)."""

@@ -1,0 +1,65 @@
+"""DeepSpeed in this process: its import, which picks the accelerator for good and must wait for the worker's device (and
+keeps DeepSpeed from JIT-building a comm op training never uses), its version, and the TP / DP groups it keeps
+process-global between engines. Apart from the strategy because the driver's checks (guards.py, partition.py) and the
+worker's setup both need them, each importing DeepSpeed only when it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+import torch
+
+
+def import_deepspeed(device: torch.device):
+    """Import DeepSpeed for this process's device, quietly, without its CPU shared-memory comm op.
+
+    DS_ACCELERATOR is set before the import because the import picks the accelerator for good: a CPU
+    worker on a GPU machine (--device cpu) must not get the CUDA one.
+
+    The shm op: creating DeepSpeed's comm backend JIT-compiles `deepspeed_shm_comm` with g++ on the CPU
+    accelerator (190 s with an empty extension cache, and a "built successfully" print per rank) although
+    only inference_all_reduce uses it, never training. The backend builds it only when DeepSpeed's own
+    op-compatibility table says it can (`deepspeed.ops.__compatible_ops__`, the dict it also marks False on
+    non-Linux platforms, probed once and kept), so that entry is set False here. DS_BUILD_SHM_COMM only
+    affects `pip install`-time pre-building, and replacing comm.torch.build_shm_op would patch code.
+    """
+    wanted = "cuda" if device.type == "cuda" else "cpu"
+    os.environ["DS_ACCELERATOR"] = wanted
+    if "deepspeed" in sys.modules:  # imported before the device was known: its accelerator may be wrong
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != wanted:
+            raise RuntimeError(f"deepspeed was imported with the {get_accelerator().device_name()} accelerator "
+                               f"before the {wanted} worker set DS_ACCELERATOR")
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    # ZeRO's collectives and the logits gather call torch's all_gather_into_tensor/reduce_scatter_tensor,
+    # which torch 2.13 marks deprecated: one FutureWarning per rank and call site, nothing to act on here.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def forget_other_tp_layout(tp_size: int) -> None:
+    """DeepSpeed keeps its TP and DP groups process-global (deepspeed.utils.groups) once an AutoTP engine made
+    them, and every later engine in the process reuses them: a run after one of another TP size in the same
+    worker process (runs sharing a worker group, e.g. ZeRO at TP=1 after AutoTP at TP=2) would get the old
+    layout's groups, or fail on them. Forget them when the layout differs; the same layout keeps them."""
+    from deepspeed.utils import groups
+
+    cached = groups._TENSOR_MODEL_PARALLEL_GROUP
+    if cached is not None and torch.distributed.get_world_size(cached) != tp_size:
+        groups.mpu = None
+        groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._DATA_PARALLEL_GROUP = None
+
+
+def deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
