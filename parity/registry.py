@@ -1,28 +1,49 @@
-"""The strategies by their one name: the flag value, the record's `strategy`, `loss_<name>.json`,
-the class (`<Label>Strategy`) and the label in reports — and any other Strategy subclass by its import path,
-"module:Class" (a user's own strategy, a seeded bug of the calibration catalogue), whose `name` names its
-record.
+"""The strategies: one table of rows (name, label, class path, in the default set), and the loader every other place
+uses. A row's name is the flag value (--strategy, STRATEGIES), the record's `strategy`, `loss_<name>.json` and its
+entry script's suffix; its label names it in reports; its class path, "module:Class", is where its class lives.
 
-Each strategy lives in its top-level module (`ddp_strategy.py`, `autotp_strategy.py` — the design card's
-file name for DeepSpeed — `fsdp_strategy.py`, `pipeline_strategy.py` and `transformers_strategy.py`: transformers'
-own TP and FSDP2) and is imported only when asked for,
-because each pulls its library (DeepSpeed picks an accelerator when it is imported). The strategy modules
-import nothing from here, so there is no cycle.
+`resolve` (parity/driver/config.py) turns a run's strategy — a row's name, a --strategy_class path of the user's, or a
+class handed in by code — into one class path, `RunConfig.strategy_path`, once; every later place loads that path
+with `load` (importlib), never looking a name up again. Any Strategy subclass loads the same way (a user's own, a
+seeded bug of the calibration catalogue): its `name` names its record.
 
-NAMES are the strategies the main job and the layer check run by default (STRATEGIES, --strategy all), at
-TP_SIZE × DP_SIZE; the pipeline, whose layout is --pp_size × --dp_size, and transformers' own distributed training
-are registered beside them (by name in their train_*.py, STRATEGIES and --strategy, with labels and options).
+Nothing here imports a strategy module: each pulls its library when loaded (DeepSpeed picks an accelerator when it is
+imported), and the strategy modules sit floors above this table. Adding a strategy is its module, its entry script and
+one row here: the main job, the layer check and the benchmark read the table and the class's attributes
+(`tensor_parallel`, `pipeline_parallel`, `expert_parallel`, …). The rows `default` True are the runs of the main job
+and the layer check by default (STRATEGIES, --strategy all) at TP_SIZE × DP_SIZE.
 """
 
 from __future__ import annotations
 
-from parity.errors import ConfigError, LibraryMissing
+import importlib
+import sys
+from dataclasses import dataclass
 
-NAMES = ("ddp", "deepspeed", "fsdp")
-OTHER_NAMES = ("pipeline", "transformers")  # registered, not in the main job's or the layer check's default set
-KNOWN = NAMES + OTHER_NAMES
-LABELS = {"ddp": "DDP", "deepspeed": "DeepSpeed", "fsdp": "FSDP", "pipeline": "Pipeline",
-          "transformers": "transformers"}
+from parity.errors import ConfigError, LibraryMissing
+from parity.layout import STAGE_FLAGS
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # the flag value, the record's `strategy`, loss_<name>.json, train_<name>.py
+    label: str  # how reports name it
+    path: str  # "module:Class"
+    default: bool  # run by the main job and the layer check by default
+
+
+ROWS = (
+    Row("ddp", "DDP", "ddp_strategy:DDPStrategy", True),
+    Row("deepspeed", "DeepSpeed", "autotp_strategy:DeepSpeedStrategy", True),  # the design card's file name
+    Row("fsdp", "FSDP", "fsdp_strategy:FSDPStrategy", True),
+    Row("pipeline", "Pipeline", "pipeline_strategy:PipelineStrategy", False),
+    Row("transformers", "transformers", "transformers_strategy:TransformersStrategy", False),  # its own TP and FSDP2
+)
+NAMES = tuple(r.name for r in ROWS if r.default)  # the default set, in run order (ddp first: the baseline)
+KNOWN = tuple(r.name for r in ROWS)
+LABELS = {r.name: r.label for r in ROWS}
+_BY_NAME = {r.name: r for r in ROWS}
+_BY_PATH = {r.path: r for r in ROWS}
 
 
 def label(name: str) -> str:
@@ -32,7 +53,7 @@ def label(name: str) -> str:
 
 def pp_size_of(config: dict) -> int:
     """The pipeline ranks per model replica of a run (its config or dump metadata): 1 without a pipeline."""
-    return (config.get("options") or {}).get("pp_size", 1)
+    return config.get("pp_size", 1)
 
 
 def run_label(name: str, config: dict) -> str:
@@ -43,41 +64,27 @@ def run_label(name: str, config: dict) -> str:
             f"{f', EP={ep}' if ep > 1 else ''})")
 
 
-def strategy_class(name: str, path: str | None = None):
-    """The Strategy subclass for `name` — or the one at import `path` when given; ConfigError for an unknown
-    name or a library that cannot be imported."""
-    if path:
-        return import_strategy(path)
-    if name not in KNOWN:
+def row(name: str) -> Row:
+    """The row named `name`; ConfigError for a name the table does not hold."""
+    if name not in _BY_NAME:
         raise ConfigError(f"unknown strategy '{name}': use one of {', '.join(KNOWN)}")
-    try:
-        if name == "ddp":
-            from ddp_strategy import DDPStrategy as cls
-        elif name == "deepspeed":
-            from autotp_strategy import DeepSpeedStrategy as cls
-        elif name == "pipeline":
-            from pipeline_strategy import PipelineStrategy as cls
-        elif name == "transformers":
-            from transformers_strategy import TransformersStrategy as cls
-        else:
-            from fsdp_strategy import FSDPStrategy as cls
-    except ImportError as exc:
-        raise LibraryMissing(name, exc) from None
-    return cls
+    return _BY_NAME[name]
+
+
+def path_of(strategy: str) -> str:
+    """The class path of a strategy as a command names it: a row's name, or "module:Class" as it is."""
+    return strategy if ":" in strategy else row(strategy).path
 
 
 def class_path(cls) -> str:
-    """"module:Class", the path import_strategy imports `cls` by."""
+    """"module:Class", the path `load` loads `cls` by."""
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def import_strategy(path: str):
-    """The Strategy subclass at "module:Class". ConfigError when it cannot be imported or is not a Strategy; the
-    module must be importable where the run's workers start (installed, or on PYTHONPATH)."""
-    import importlib
-
-    from parity.training.strategy import Strategy
-
+def load(path: str):
+    """The Strategy subclass at "module:Class". A row's class whose library cannot be imported raises LibraryMissing;
+    any other path ConfigError when it cannot be imported or is not a Strategy subclass. The module must be importable
+    where the run's workers start (installed, or on PYTHONPATH)."""
     module_name, _, qualname = path.partition(":")
     if not module_name or not qualname:
         raise ConfigError(f"--strategy_class {path}: expected module:Class (e.g. my_strategy:MyStrategy)")
@@ -86,13 +93,22 @@ def import_strategy(path: str):
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except ImportError as exc:
+        if path in _BY_PATH:
+            raise LibraryMissing(_BY_PATH[path].name, exc) from None
         raise ConfigError(f"--strategy_class {path}: cannot import {module_name} ({exc}): put its folder on "
                           f"PYTHONPATH (or install it) where the driver and the workers run") from None
     except AttributeError:
         raise ConfigError(f"--strategy_class {path}: {module_name} has no {qualname}") from None
-    if not (isinstance(obj, type) and issubclass(obj, Strategy)) or obj is Strategy:
+    # A Strategy subclass's module imported parity.training.strategy already: the base is read, not imported, here.
+    base = getattr(sys.modules.get("parity.training.strategy"), "Strategy", None)
+    if base is None or not (isinstance(obj, type) and issubclass(obj, base)) or obj is base:
         raise ConfigError(f"--strategy_class {path} is not a subclass of parity.training.strategy.Strategy")
     return obj
+
+
+def classes() -> list:
+    """Every row's class, in the table's order (for their flags: each strategy's own options)."""
+    return [load(r.path) for r in ROWS]
 
 
 def module_folder(path: str) -> str | None:
@@ -103,7 +119,6 @@ def module_folder(path: str) -> str | None:
     install the module."""
     import importlib.util
     import os
-    import sys
     import sysconfig
 
     top = path.partition(":")[0].split(".")[0]
@@ -120,8 +135,11 @@ def module_folder(path: str) -> str | None:
 
 
 def option_owners() -> dict[str, str]:
-    """Every strategy's own flags: {option name: the strategy that has it}, in KNOWN order."""
-    return {option.name: name for name in KNOWN for option in strategy_class(name).options}
+    """Every strategy's own flags: {option name: the strategy that has it}, in the table's order; and the layout flags
+    only a strategy with pipeline stages takes (parity.layout.STAGE_FLAGS: --pp_size), to the first such row's."""
+    stages = {flag: r.name for r, cls in reversed(list(zip(ROWS, classes()))) if cls.pipeline_parallel
+              for flag in STAGE_FLAGS}
+    return {**stages, **{option.name: r.name for r, cls in zip(ROWS, classes()) for option in cls.options}}
 
 
 def flags_for(strategy: str, given: dict) -> dict:

@@ -414,7 +414,7 @@ def tp2_strategy(name: str, rank: int, port: int, weights: str, options: dict):
     import torch
     import torch.distributed as dist
 
-    from parity.registry import strategy_class
+    from parity.registry import load
     from parity.driver.cluster import Cluster
     from parity.driver.config import resolve
     from parity.models.model import build_model, load_init_weights, resolve_model_config
@@ -428,8 +428,7 @@ def tp2_strategy(name: str, rank: int, port: int, weights: str, options: dict):
         cfg = resolve(name, {"model_name": "qwen2-tiny", "num_workers": 2, "tp_size": 2, "precision": "fp32",
                              "device": "cpu", "learning_rate": 1e-4, "init_weights_path": weights,
                              "loss_output_dir": out, "storage_path": out, **options}, cluster=Cluster(cpus=2, gpus=0))
-        strategy = strategy_class(name)(cfg, WorkerContext(rank=rank, world_size=2, tp_size=2, dp_size=1,
-                                                           device=torch.device("cpu")))
+        strategy = load(cfg.strategy_path)(cfg, WorkerContext(rank=rank, device=torch.device("cpu"), layout=cfg.layout))
         model = build_model(resolve_model_config("qwen2-tiny"), seed=0)
         load_init_weights(model, weights)
         strategy.setup(model)

@@ -205,9 +205,9 @@ def test_offload_matches_ddp(offload_runs, ddp_baseline, name):
 
 
 def resolve_defaults(strategy: str) -> dict:
-    from parity.registry import strategy_class
+    from parity.registry import load, path_of
 
-    return {o.name: o.default for o in strategy_class(strategy).options}
+    return {o.name: o.default for o in load(path_of(strategy)).options}
 
 
 # ---------------------------------------------------------------------------------------------------

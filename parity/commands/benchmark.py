@@ -13,33 +13,42 @@ from typing import NamedTuple
 from parity import console, storage
 from parity.commands.common import OneLineParser, run_command
 from parity.errors import ConfigError, TrainingFailed
-from parity.registry import flags_for
+from parity import registry
+from parity.layout import given_pp_size
 from parity.driver.cluster import ray_for_this_command
 from parity.driver.config import DEVICES, PRECISIONS
 
 
 class Row(NamedTuple):
     label: str
-    strategy: str
-    tp_size: int
+    strategy: str  # a registry row's name, or your class's name (its path in options["strategy_class"])
+    tp: int | None  # the row's TP size; None: 2 where its class shards tensors, else 1
     options: dict
     ep_size: int = 1
 
+    @property
+    def path(self) -> str:
+        """The row's strategy class, "module:Class"."""
+        return self.options.get("strategy_class") or registry.row(self.strategy).path
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp if self.tp is not None else 2 if registry.load(self.path).tensor_parallel else 1
+
     def strategy_options(self) -> tuple[type, dict]:
         """The row's strategy class and its options, defaults filled in."""
-        from parity.registry import strategy_class
-
-        cls = strategy_class(self.strategy, self.options.get("strategy_class"))
+        cls = registry.load(self.path)
         return cls, cls.with_default_options(self.options)
 
     @property
     def replica_ranks(self) -> int:
         """The ranks one model replica spans: tp_size × the strategy's pipeline ranks."""
-        cls, options = self.strategy_options()
-        return self.tp_size * cls.pp_size(options)
+        return self.tp_size * given_pp_size(registry.load(self.path), self.options)
 
 
-ROWS = {
+# The rows that set a strategy's layout or options (ZeRO stages, offload, TP, SP, pipeline schedules); a registered
+# strategy without one gets its plain row below (its registry label, at TP 2 where it shards tensors).
+VARIANTS = {
     "ddp": Row("DDP", "ddp", 1, {}),
     "zero1": Row("ZeRO-1", "deepspeed", 1, {"zero_stage": 1}),
     "zero2": Row("ZeRO-2", "deepspeed", 1, {"zero_stage": 2}),
@@ -56,6 +65,8 @@ ROWS = {
                           {"pp_size": 2, "pp_schedule": "interleaved_1f1b"}),
     "transformers_tp": Row("transformers TP tp2 + FSDP2", "transformers", 2, {}),
 }
+ROWS = {**VARIANTS, **{r.name: Row(r.label, r.name, None, {}) for r in registry.ROWS
+                       if r.name not in {v.strategy for v in VARIANTS.values()}}}
 # A mixture of experts' rows besides (docs/moe.md): experts over EP groups of 2, FSDP2 over the ranks holding the same.
 EP_ROWS = {
     "fsdp_ep": Row("FSDP2 + EP ep2", "fsdp", 1, {}, 2),
@@ -106,12 +117,12 @@ def row_misfit(row: Row, num_workers: int, num_layers: int) -> str | None:
     cls, options = row.strategy_options()
     if num_workers % row.ep_size:
         return f"runs at ep_size {row.ep_size}, which does not divide --num_workers {num_workers}: leave it out"
+    pp = given_pp_size(cls, row.options)
     if num_workers % row.replica_ranks:
-        pp = cls.pp_size(options)
         what = f"tp_size {row.tp_size}" if pp == 1 else f"pp_size {pp}"
         return (f"runs at {what}, which does not divide --num_workers {num_workers}: use an even --num_workers or "
                 f"leave it out")
-    stages = cls.layer_stages(options)
+    stages = cls.layer_stages(options, pp)
     if num_layers % stages:
         return (f"splits the layers into {stages} stages, which do not divide --num_layers {num_layers}: use "
                 f"--num_layers {num_layers - num_layers % stages or stages} or leave it out")
@@ -142,11 +153,8 @@ def all_rows(args, model_config=None) -> dict[str, Row]:
     rows = {**ROWS, **(EP_ROWS if model_config is not None and family_of(model_config).moe else {})}
     if not args.strategy_class:
         return rows
-    from parity.registry import strategy_class
-
-    cls = strategy_class("ddp", args.strategy_class)
-    return {**rows, cls.name: Row(cls.name, cls.name, 2 if cls.tensor_parallel else 1,
-                                  {"strategy_class": args.strategy_class})}
+    name = registry.load(args.strategy_class).name
+    return {**rows, name: Row(name, name, None, {"strategy_class": args.strategy_class})}
 
 
 def runnable(names: list[str], cfgs: dict, explicit: bool) -> list[str]:
@@ -178,7 +186,7 @@ def run_values(args, name: str, out: str, on_gpu: bool, rows: dict[str, Row] = R
         "device": args.device, "seed": args.seed, "init_weights_path": os.path.join(out, WEIGHTS),
         "loss_output_dir": os.path.join(out, "rows", name), "storage_path": os.path.join(out, "ray"),
         "experiment_name": f"benchmark_{name}", "ep_size": row.ep_size, **row.options,
-        **flags_for(row.strategy, {} if args.reduce_bucket_size is None else
+        **registry.flags_for(row.strategy, {} if args.reduce_bucket_size is None else
                     {"reduce_bucket_size": args.reduce_bucket_size}),
     }
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from parity.calibration.study import (CATALOGUE, KERNELS, POLICIES, SHAPES, analyze, chosen_reference, plan_study,
+                                      run_study, summarize, write_outputs)
 from parity.commands.common import OneLineParser, run_command
+from parity.driver.local_group import KERNEL_PATHS
 from parity.errors import ConfigError
 
 
@@ -25,9 +28,6 @@ def seed_list(text: str) -> list[int]:
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    from parity.calibration.study import KERNELS, POLICIES, SHAPES
-    from parity.driver.local_group import KERNEL_PATHS
-
     p = OneLineParser(description)
     p.add_argument("--output_dir", required=True, help="the study's folder: runs/, weights/ and the results")
     p.add_argument("--seeds", type=seed_list, default=seed_list("42-61"), help="seeds of the clean runs")
@@ -44,10 +44,6 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
 
 def study(args) -> int:
-    from parity.calibration.study import (CATALOGUE, POLICIES, SHAPES, analyze, chosen_reference, plan_study,
-                                          run_study, summarize, write_outputs)
-    from parity.driver.local_group import KERNEL_PATHS
-
     kernels, shapes, policies = args.kernels.split(","), args.shapes.split(","), args.policies.split(",")
     for name, given, known in (("--kernels", kernels, KERNEL_PATHS), ("--shapes", shapes, SHAPES),
                                ("--policies", policies, POLICIES)):

@@ -10,7 +10,7 @@ import os
 from parity import console, storage
 from parity.commands.common import OneLineParser, non_negative_float, run_command
 from parity.errors import ConfigError
-from parity.registry import KNOWN, NAMES
+from parity.registry import KNOWN, LABELS, NAMES
 from parity.driver.cluster import ray_for_this_command
 from parity.driver.config import DEVICES, PRECISIONS, add_strategy_options
 
@@ -18,15 +18,16 @@ WEIGHTS_FILE = "init_weights.safetensors"
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    from parity.registry import strategy_class
+    from parity.registry import classes
 
     p = OneLineParser(description)
     p.add_argument("--output_dir", required=True, help="the layer-check folder (shared weights, inputs, dumps)")
     p.add_argument("--verbose", action="store_true",
                    help="Ray's, DeepSpeed's and torch's output on the terminal, not in OUTPUT_DIR/layer_check.log")
+    defaults = [LABELS[name] for name in NAMES]  # the registry's default rows
     p.add_argument("--strategy", choices=("all", *KNOWN), default=["all"], nargs="+",
-                   help="all: DDP, DeepSpeed and FSDP; or any of them, the pipeline (--pp_size stages × --dp_size) and "
-                        "transformers' own TP and FSDP2, recorded into the same folder")
+                   help=f"all: {', '.join(defaults[:-1])} and {defaults[-1]}; or any of {', '.join(KNOWN)} (a "
+                        f"pipeline on --pp_size stages × --dp_size), recorded into the same folder")
     p.add_argument("--strategy_class", default=None, metavar="MODULE:CLASS",
                    help="also record your own Strategy subclass's step (importable here and on the workers)")
     p.add_argument("--replay", default=None, metavar="RUN_DIR",
@@ -63,7 +64,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--noise_reference", choices=("auto", "on", "off"), default="auto",
                    help="also run DDP's step in fp32 (noise_reference_ddp.*), against which bf16 tolerances are "
                         "calibrated per tensor; auto: when the step is in a low-precision policy")
-    add_strategy_options(p, [strategy_class(name) for name in KNOWN], given_only=True)
+    add_strategy_options(p, classes(), given_only=True)
     return p
 
 
@@ -87,19 +88,19 @@ def check_layers(args: argparse.Namespace) -> int:
         raise ConfigError(f"--output_dir {args.output_dir}: the layer check's folder is a folder of this machine "
                           f"(its dumps are read back here, tensor by tensor): use a local path or a shared mount")
     storage.check_writable_dir("--output_dir", out)
+    from parity.registry import load, path_of
+
     strategies = list(dict.fromkeys(s for name in args.strategy for s in (NAMES if name == "all" else [name])))
+    paths = {s: path_of(s) for s in strategies}  # each strategy's class, by the name its dump goes under
     own = {}  # --strategy_class: the user's strategy, by its name, beside the others
     if args.strategy_class:
-        from parity.registry import strategy_class
-
-        own[strategy_class("ddp", args.strategy_class).name] = args.strategy_class
+        own[load(args.strategy_class).name] = args.strategy_class
         strategies.append(next(iter(own)))
+        paths.update(own)
     perturb = _parse_perturb(args.perturb, strategies)
     if args.ep_size > 1:
-        from parity.registry import strategy_class
-
         for name in strategies:
-            why = strategy_class(name, own.get(name)).layer_check_refuses_ep
+            why = load(paths[name]).layer_check_refuses_ep
             if why:
                 raise ConfigError(f"--ep_size with --strategy {name}: {why}")
     replay = _replay_start(args)
@@ -113,7 +114,7 @@ def check_layers(args: argparse.Namespace) -> int:
         check_folder(replay, out)
     cluster = _cluster(args)
     options = _strategy_options(args, strategies)
-    cfgs = {s: resolve(s, {**_run_values(args, s, out, cluster.gpus, options[s], replay, own.get(s)),
+    cfgs = {s: resolve(s, {**_run_values(args, s, out, cluster.gpus, options[s], replay, paths[s]),
                            **({"strategy_class": own[s]} if s in own else {})},
                        cluster=cluster, weights_written_before_launch=fresh) for s in strategies}
     first = cfgs[strategies[0]]
@@ -125,7 +126,7 @@ def check_layers(args: argparse.Namespace) -> int:
     runs = [(cfgs[s], perturb.get(s)) for s in strategies]
     if "ddp" in cfgs and (args.noise_reference == "on" or
                           (args.noise_reference == "auto" and cfgs["ddp"].precision != "fp32")):
-        reference = {**_run_values(args, "ddp", out, cluster.gpus, {}, replay), "precision": "fp32",
+        reference = {**_run_values(args, "ddp", out, cluster.gpus, {}, replay, path_of("ddp")), "precision": "fp32",
                      "reduce_dtype": None, "grad_accum_dtype": None, "noise_reference": True,
                      "experiment_name": "layer_check_ddp_noise_reference"}
         runs.insert(1, (resolve("ddp", reference, cluster=cluster, weights_written_before_launch=fresh), None))
@@ -187,33 +188,33 @@ def _replay_start(args):
     return find_start(args.replay, args.step)
 
 
-def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay, path: str | None = None) -> dict:
-    """The flags of one strategy's recorded step (the class at `path`: the user's own). DDP, and any strategy
-    that does not shard tensors, runs at TP=1 with the same DP size; a pipeline on pp_size × dp_size workers. A
-    replay keeps the run's model, data and optimizer settings, and its global batch."""
-    from parity.registry import strategy_class
+def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay, path: str) -> dict:
+    """The flags of one strategy's recorded step (its class at `path`). DDP, and any strategy that does not shard
+    tensors, runs at TP=1 with the same DP size; a pipeline on pp_size × dp_size workers. A replay keeps the run's
+    model, data and optimizer settings, and its global batch."""
     from parity.layer_check.replay import KEPT
+    from parity.layout import given_pp_size, job_layout
+    from parity.registry import load
 
-    cls = strategy_class(strategy, path)
-    tp = args.tp_size if cls.tensor_parallel else 1
-    ep = args.ep_size if cls.expert_parallel else 1
-    pp = cls.pp_size(cls.with_default_options(options))
+    cls = load(path)
+    dp = _given(args.dp_size, replay.config["dp_size"] if replay else 1)
+    layout = job_layout(cls, tp_size=args.tp_size, dp_size=dp, pp_size=given_pp_size(cls, vars(args)),
+                        ep_size=args.ep_size)  # its --tp_size, --pp_size, --ep_size where it has them
     if replay:
-        dp = _given(args.dp_size, replay.config["dp_size"])
         batch = _given(args.batch_size, max(1, replay.global_batch_size // max(1, dp)))
         if batch * dp != replay.global_batch_size:
             raise ConfigError(f"--dp_size {dp} × --batch_size {batch} is not the run's global batch "
                               f"({replay.global_batch_size}): a replay keeps it")
         values = {k: replay.config.get(k) for k in KEPT}
     else:
-        dp, batch = _given(args.dp_size, 1), _given(args.batch_size, 2)
-        on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= pp * tp * dp)
+        batch = _given(args.batch_size, 2)
+        on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= layout["num_workers"])
         values = {"model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
                   "seq_length": _given(args.seq_length, 1024 if on_gpu else 128),
                   "num_layers": _given(args.num_layers, 2), "precision": _given(args.precision, "auto"),
                   "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42)}
     return {
-        **values, "batch_size": batch, "tp_size": tp, "dp_size": dp, "ep_size": ep, "num_workers": pp * tp * dp,
+        **values, "batch_size": batch, **layout,
         "device": args.device,
         "debug_steps": 1, "grad_accum_steps": _given(args.grad_accum_steps, 1),
         "init_weights_path": os.path.join(out, WEIGHTS_FILE), "loss_output_dir": out,

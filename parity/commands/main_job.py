@@ -36,13 +36,13 @@ SETTINGS = (
     ("DEBUG_STEPS", int, 100, "training steps"),
     ("LEARNING_RATE", float, None, "AdamW lr [GPU: 1e-5, CPU: the preset's (1e-3 for qwen2-tiny)]"),
     ("LOG_INTERVAL", int, 10, "log / record rewrite interval"),
-    ("TP_SIZE", int, 2, "TP size of DeepSpeed and FSDP"),
-    ("DP_SIZE", int, 2, "DP size of all three"),
+    ("TP_SIZE", int, 2, "TP size of the runs that shard tensors (DDP's is 1)"),
+    ("DP_SIZE", int, 2, "DP size of every run"),
     ("EP_SIZE", int, 1, "expert-parallel size of the runs that shard a mixture of experts' experts (fsdp, "
                         "transformers; DDP holds every expert); it divides TP_SIZE × DP_SIZE (docs/moe.md)"),
-    ("PRECISION", str, "auto", "the precision policy of every run, DDP's included: fp32 | bf16 | bf16_params | "
-                               "bf16_pure | fp16 | auto (bf16 on GPU, fp32 on CPU; or what a strategy's own settings ask for, e.g. "
-                               "a --deepspeed_config with bf16 enabled: docs/precision.md)"),
+    ("PRECISION", str, "auto", "the precision policy of every run, DDP's included: " +
+     " | ".join(p for p in PRECISIONS if p != "auto") + " | auto (bf16 on GPU, fp32 on CPU; or what a strategy's own "
+     "settings ask for, e.g. a --deepspeed_config with bf16 enabled: docs/precision.md)"),
     ("DEVICE", str, "auto", "auto | cpu | cuda (auto: cuda with >= TP_SIZE*DP_SIZE GPUs)"),
     ("STRATEGIES", str, " ".join(NAMES), "which runs, in order; ddp first (it writes the weights, it is the baseline); "
                                          "pipeline runs TP_SIZE stages × DP_SIZE; module:Class runs your own Strategy "
@@ -136,11 +136,8 @@ def run_main_job(args) -> int:
 
 
 def run_title(cfg) -> str:
-    from parity.registry import strategy_class
-
     role = " (noise reference)" if cfg.noise_reference else ""
-    pp = strategy_class(cfg.strategy, cfg.strategy_class).pp_size(cfg.options)
-    layout = f"pp={pp}" if pp > 1 else f"tp={cfg.tp_size}"
+    layout = f"pp={cfg.pp_size}" if cfg.pp_size > 1 else f"tp={cfg.tp_size}"
     experts = f" ep={cfg.ep_size}" if cfg.ep_size > 1 else ""
     return f"{cfg.strategy}{role} {layout} dp={cfg.dp_size}{experts} {cfg.precision}"
 
@@ -162,8 +159,11 @@ def time_table(times: list, total: float) -> str:
 
 def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
     """[(strategy, flags)] in run order: the seed's three commands, with the GPU or CPU defaults, and after
-    DDP its twins (noise references) when the verdict is to be calibrated."""
-    from parity.registry import flags_for, option_owners, strategy_class
+    DDP its twins (noise references) when the verdict is to be calibrated. Each entry of STRATEGIES, a registry
+    row's name or a class path of the user's, is planned from its class's attributes (which tensors it shards, its
+    pipeline ranks, its experts), not from its name."""
+    from parity.layout import job_layout
+    from parity.registry import flags_for, load, path_of
 
     strategies = args.strategies.split()
     unknown = [s for s in strategies if s not in KNOWN and ":" not in s]
@@ -178,7 +178,8 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
             raise ConfigError(f"--{name} must be a positive integer (got {getattr(args, name)})")
     world = args.tp_size * args.dp_size
     on_gpu = args.device == "cuda" or (args.device == "auto" and cluster.gpus >= world)
-    extra = extra_flags(args.extra_args, [s for s in strategies if ":" not in s])
+    classes = [load(path_of(s)) for s in strategies]
+    extra = extra_flags(args.extra_args, [cls.name for cls in classes])
     policy = job_policy(args.precision, strategies, extra)
     common = {
         "model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
@@ -190,21 +191,16 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
         "init_weights_path": storage.join(out, "shared_weights", "init_weights.pt"),
     }
     plan = []
-    for strategy in strategies:
-        layout = ({"num_workers": args.dp_size, "dp_size": args.dp_size, "save_init_weights": True}
-                  if strategy == "ddp" else {"num_workers": world, "tp_size": args.tp_size, "dp_size": args.dp_size})
-        if strategy == "pipeline":  # the TP runs' world: TP_SIZE pipeline ranks (stages) × DP_SIZE replicas
-            layout = {"num_workers": world, "dp_size": args.dp_size, "pp_size": args.tp_size}
-        if ":" in strategy:  # the user's own class: the run flags, its own options at their defaults, TP if it has it
-            if not strategy_class("ddp", strategy).tensor_parallel:
-                layout = {"num_workers": args.dp_size, "tp_size": 1, "dp_size": args.dp_size}
-            run = {k: v for k, v in extra.items() if k not in option_owners()}
-            plan.append(("ddp", {**common, **layout, **run, "strategy_class": strategy}))
-            continue
-        if strategy_class(strategy).expert_parallel:
-            layout["ep_size"] = args.ep_size
-        plan.append((strategy, {**common, **layout, **flags_for(strategy, extra)}))
-        if strategy == "ddp" and wants_noise_reference(args, policy["precision"], on_gpu):
+    for i, (strategy, cls) in enumerate(zip(strategies, classes)):
+        # DDP's DP_SIZE replicas; TP_SIZE × DP_SIZE where it shards tensors; a pipeline in the TP runs' world, TP_SIZE
+        # pipeline ranks × DP_SIZE; EP_SIZE where it shards experts
+        layout = job_layout(cls, tp_size=args.tp_size, dp_size=args.dp_size, pp_size=args.tp_size, ep_size=args.ep_size)
+        if i == 0:  # the baseline, DDP: it writes the initial weights
+            layout["save_init_weights"] = True
+        # A class path of the user's is its run's --strategy_class; its own options stay at their defaults.
+        own = {} if ":" not in strategy else {"strategy_class": strategy}
+        plan.append((cls.name, {**common, **layout, **flags_for(cls.name, extra), **own}))
+        if i == 0 and wants_noise_reference(args, policy["precision"], on_gpu):
             ddp = plan[0][1]
             # On GPUs a twin gets as many as the cluster has, or as the runs wait for (GPU nodes still to come).
             gpus = max(cluster.gpus, world) if on_gpu else None
@@ -233,9 +229,9 @@ def job_policy(precision: str, strategies: list[str], extra: dict) -> dict:
     own settings ask for (a --deepspeed_config's bf16 or fp16 section: Strategy.precision_request), merged as `resolve`
     merges them for one run. So a config alone picks the policy, and the baseline is always DDP in the strategies'
     policy. The policy flags leave `extra` (in place)."""
-    from parity.registry import flags_for, strategy_class
+    from parity.registry import flags_for, load, path_of
     from parity.driver.config import POLICY_FLAGS, precision_flags
-    from parity.training.precision import resolve_policy
+    from parity.precision import resolve_policy
 
     given = extra.pop("precision", "auto")
     if "auto" not in (precision, given) and given != precision:
@@ -243,9 +239,9 @@ def job_policy(precision: str, strategies: list[str], extra: dict) -> dict:
     s = {"precision": precision_flags(given if precision == "auto" else precision, extra.pop("autocast", False)),
          **{k: extra.pop(k, None) for k in POLICY_FLAGS}}
     for strategy in strategies:
-        cls = strategy_class("ddp", strategy) if ":" in strategy else strategy_class(strategy)
+        cls = load(path_of(strategy))
         names = {o.name for o in cls.options}
-        options = cls.with_default_options({k: v for k, v in flags_for(strategy, extra).items() if k in names})
+        options = cls.with_default_options({k: v for k, v in flags_for(cls.name, extra).items() if k in names})
         resolve_policy(s, cls.precision_request(options))
     return s
 
@@ -260,12 +256,12 @@ def twin_layouts(dp_size: int, batch_size: int, max_workers: int | None) -> list
 
 def extra_flags(text: str, strategies: list[str]) -> dict:
     """EXTRA_ARGS → the flags given, by name. A strategy's own flag must belong to a strategy that runs."""
-    from parity.registry import strategy_class, unrun_option
+    from parity.registry import classes, unrun_option
     from parity.driver.config import add_run_flags, add_strategy_options
 
     parser = OneLineParser(prog="EXTRA_ARGS")
     add_run_flags(parser, given_only=True)
-    add_strategy_options(parser, [strategy_class(name) for name in KNOWN], given_only=True)
+    add_strategy_options(parser, classes(), given_only=True)
     try:
         given = vars(parser.parse_args(shlex.split(text)))
     except SystemExit:

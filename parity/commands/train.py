@@ -16,14 +16,14 @@ from parity.driver.config import add_run_flags, add_strategy_options, resolve
 def build_parser(strategy: str, description: str = "", argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The script's flags: the shared ones and the strategy's own — those of the --strategy_class given in `argv`
     (a Strategy subclass of the user's, with options of its own) instead of the script's strategy."""
-    from parity.registry import strategy_class
+    from parity.registry import load, row
 
     probe = argparse.ArgumentParser(add_help=False)
     probe.add_argument("--strategy_class", default=None)
     path = probe.parse_known_args(sys.argv[1:] if argv is None else argv)[0].strategy_class
     parser = OneLineParser(description)
     add_run_flags(parser)
-    add_strategy_options(parser, [strategy_class(strategy, path)])
+    add_strategy_options(parser, [load(path or row(strategy).path)])
     return parser
 
 

@@ -186,7 +186,7 @@ def dry_rows(model_config, rows: list[tuple[str, str, object]]) -> list[dict]:
     of the config (each parameter once), and for a mixture of experts the bytes of one sparse layer's experts a rank
     gathers to compute them: all of them without EP, ÷ ep_size with it, ÷ tp_size where TP splits each expert (FSDP2
     unshards one group at a time)."""
-    from parity.registry import strategy_class
+    from parity.registry import load
     from parity.models.families import family_of
     from parity.training.memory import BYTES_PER_PARAM, zero_bound
     from parity.models.model import meta_model
@@ -199,10 +199,10 @@ def dry_rows(model_config, rows: list[tuple[str, str, object]]) -> list[dict]:
     per_layer = experts / len(family.moe.layers) if family.moe else 0
     out = []
     for name, label, cfg in rows:
-        cls = strategy_class(cfg.strategy, cfg.strategy_class)
+        cls = load(cfg.strategy_path)
         stage = cfg.options.get("zero_stage", cls.zero_stage)
         precision = "bf16_master_weights" if cfg.options.get("bf16_master_weights") else "fp32"
-        pp = cls.pp_size(cfg.options)
+        pp = cfg.pp_size
         replica = (layers / pp + psi - layers) if pp > 1 else psi / cfg.tp_size
         bound = zero_bound(stage, replica, cfg.dp_size, precision)
         split = cfg.ep_size if cfg.ep_size > 1 else (cfg.tp_size if cls.tensor_parallel else 1)

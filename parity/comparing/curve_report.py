@@ -11,8 +11,8 @@ from parity import fingerprint, storage
 from parity.comparing.curves import Comparison, CurveResult
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
+from parity.precision import describe
 from parity.registry import label
-from parity.training.precision import describe
 
 JSON_NAME, REPORT_NAME = "curve_comparison.json", "curve_report.md"
 

@@ -18,7 +18,7 @@ differs from the baseline: the first suspects. A mixture of experts' expert load
 token routed to another expert (a near-tie that another reduction order tips) is reported with its step and layer,
 never silently; the curves' bounds decide the verdict (docs/moe.md).
 
-A strategy is judged against DDP in its own precision policy (parity.training.precision): a run in another policy
+A strategy is judged against DDP in its own precision policy (parity.precision): a run in another policy
 than the baseline is reported as a POLICY DIFFERENCE — both policies named, the distance shown for scale — and not
 judged, because the difference would measure the policy, not the strategy. Under fp16 the steps an overflow skipped
 must be the baseline's: a run that applies a step the baseline skipped (or skips one it applied) trains another model
@@ -37,16 +37,17 @@ from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixe
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
 from parity.errors import ConfigError, NotComparable
+from parity.precision import POLICIES, POLICY_FIELDS, describe
 from parity.registry import run_label
-from parity.training.precision import POLICIES, POLICY_FIELDS, describe
 from parity.training.record import REFERENCE_GLOB, load_record
 # Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
 OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
-# Config entries that differ between strategies by design: not suspects when a run FAILs.
-LAYOUT_AND_PLACES = ("strategy", "num_workers", "tp_size", "dp_size", "world_size", "batch_size", "cpus_per_worker",
-                     "experiment_name", "final_checkpoint_dir", "loss_output_dir", "storage_path", "noise_reference",
-                     "init_weights_path", "save_init_weights", "worker_nodes", "fingerprint", "resume", "verbose",
-                     "report_to", "replica_check_interval")
+# Config entries that differ between strategies by design: not suspects when a run FAILs. strategy_path is the
+# strategy's class (a user's or a seeded bug's shows as strategy_class, which is a suspect).
+LAYOUT_AND_PLACES = ("strategy", "strategy_path", "num_workers", "tp_size", "dp_size", "world_size", "batch_size",
+                     "cpus_per_worker", "experiment_name", "final_checkpoint_dir", "loss_output_dir", "storage_path",
+                     "noise_reference", "init_weights_path", "save_init_weights", "worker_nodes", "fingerprint", "resume",
+                     "verbose", "report_to", "replica_check_interval")
 # Per-step entries every run must share with the baseline: (field, what differs, in words).
 STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
                    ("lr", "use different learning rates"))
@@ -81,7 +82,7 @@ class Run:
 
     @property
     def policy(self) -> dict:
-        """The run's precision policy and its refinements (parity.training.precision.POLICY_FIELDS)."""
+        """The run's precision policy and its refinements (parity.precision.POLICY_FIELDS)."""
         return {k: self.config.get(k) for k in POLICY_FIELDS}
 
     def skipped(self, num_steps: int) -> list[bool]:

@@ -33,7 +33,7 @@ from parity import fingerprint
 from parity.comparing import tolerances
 from parity.comparing.verdict import Outside, Verdict
 from parity.errors import ConfigError
-from parity.registry import NAMES, run_label
+from parity.registry import KNOWN, run_label
 
 KINDS = ("output", "output_grad", "grad", "param")
 PHASES = {"output": "forward output", "output_grad": "backward (output gradient)", "grad": "parameter gradient",
@@ -44,8 +44,6 @@ the zero-initialised q/k/v biases hold nothing but one AdamW step (≈ lr), and 
 is near AdamW's eps the step turns the gradients' last-bit differences into update differences amplified
 by lr/eps; against 1e-2 of the largest parameter that stays far below the fp32 tolerance, while a bias that
 missed its update still reads far above it (docs/tolerances.md has the numbers)."""
-
-PAIR_ORDER = (("ddp", "deepspeed"), ("ddp", "fsdp"), ("deepspeed", "fsdp"))
 
 
 @dataclass
@@ -266,9 +264,8 @@ def compare_routing(a: Dump, b: Dump) -> list[dict] | None:
 def compare_all(dumps: dict[str, Dump], override: float | None = None, reference: Dump | None = None) -> list[PairResult]:
     if len(dumps) < 2:
         raise ConfigError(f"only {', '.join(dumps)} has a dump: a comparison needs two strategies")
-    known = [s for s in NAMES if s in dumps] + sorted(s for s in dumps if s not in NAMES)  # yours after the three
-    pairs = [(x, y) for x, y in PAIR_ORDER if x in dumps and y in dumps]
-    pairs += [(x, y) for i, x in enumerate(known) for y in known[i + 1:] if (x, y) not in pairs]
+    known = [s for s in KNOWN if s in dumps] + sorted(s for s in dumps if s not in KNOWN)  # yours after the table's
+    pairs = [(x, y) for i, x in enumerate(known) for y in known[i + 1:]]  # every pair, DDP's first
     noise = rounding_noise(reference, dumps)
     return [compare_pair(dumps[y], dumps[x], *tolerance_for(dumps[x], dumps[y], override, noise)) for x, y in pairs]
 

@@ -21,6 +21,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from parity import registry
 from parity.errors import ConfigError
 from parity.storage import atomic_path, write_json_atomic
 from parity.training.checkpoints import DIR_PREFIX, META_FILE, damage
@@ -91,7 +92,6 @@ def write_folder(start: ReplayStart, out: str, weights_path: str, inputs_path: s
     """[2] The layer-check folder's weights, moments, inputs and replay.json, on the driver."""
     from safetensors.torch import save_file
 
-    from ddp_strategy import read_full_state
     from parity.layer_check.inputs import write_inputs
     from parity.models.model import build_model, load_init_weights, model_config_from_dict, save_init_weights
 
@@ -99,7 +99,8 @@ def write_folder(start: ReplayStart, out: str, weights_path: str, inputs_path: s
     if start.checkpoint is None:
         load_init_weights(model, start.config["init_weights_path"])
     else:
-        weights, moments, count = read_full_state(start.checkpoint, model.config)
+        baseline = registry.load(start.config["strategy_path"])  # DDP's class (checked above), by the run's own path
+        weights, moments, count = baseline.read_full_state(start.checkpoint, model.config)
         model.load_state_dict(weights)
         tensors = {f"{key}/{name}": m[key].contiguous() for name, m in moments.items() for key in m}
         with atomic_path(os.path.join(out, OPTIMIZER_FILE)) as tmp:

@@ -39,16 +39,11 @@ from parity.errors import ConfigError, RunStopped
 from parity.fingerprint import differences as fingerprint_differences
 from parity.fingerprint import fingerprint, library_versions, shared_code_sha256, strategy_code
 from parity.models.model import config_summary, file_sha256, model_config_from_dict
+from parity.run_config import NOT_IDENTITY  # the fields a resume may change
 
-FORMAT = "parity-checkpoint/1"
+FORMAT = "parity-checkpoint/2"  # 2: the config's pp_size a layout field (not an option), the strategy's class path
 META_FILE = "parity_checkpoint.json"
 DIR_PREFIX = "step_"
-# RunConfig fields that do not change what is trained: a run may resume with other values of these. The
-# model is compared by its summary, not by the whole Hugging Face config (which names the library version).
-NOT_IDENTITY = ("log_interval", "replica_check_interval", "loss_output_dir", "storage_path", "experiment_name",
-                "final_checkpoint_dir", "init_weights_path", "save_init_weights", "cpus_per_worker",
-                "checkpoint_interval", "keep_checkpoints", "max_failures", "model_config", "resume", "verbose",
-                "report_to")
 AFTER_A_FAILED_WRITE = ("the run stopped; its previous checkpoint and the loss record up to it are kept: make room "
                         "(or make it writable) and run the same command again with --resume to continue")
 
@@ -158,10 +153,10 @@ def _finished(meta: dict) -> bool:
 
 def driver_fingerprint(cfg) -> dict:
     """The code and library part of the fingerprint, as the driver sees it (the device is the workers')."""
-    from parity.registry import strategy_class
+    from parity.registry import load
 
     return {"shared_code_sha256": shared_code_sha256(),
-            "strategy_code": strategy_code(strategy_class(cfg.strategy, cfg.strategy_class)),
+            "strategy_code": strategy_code(load(cfg.strategy_path)),
             "versions": library_versions()}
 
 
