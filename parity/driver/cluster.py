@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from parity.errors import ConfigError
+from parity.ray_session import ray_is_up
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,6 @@ def ray_for_this_command():
     finally:
         if not up and ray_is_up():
             sys.modules["ray"].shutdown()
-
-
-def ray_is_up() -> bool:
-    """Whether this process has started or joined Ray, asked without importing Ray (about a CPU-second, which a
-    local group's rank, never in Ray, would otherwise pay)."""
-    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def ensure_ray() -> float:

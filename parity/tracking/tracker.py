@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from parity import storage
-from parity.training.checkpoints import NOT_IDENTITY
+from parity.run_config import NOT_IDENTITY
 
 # Record config fields that a resumed run may change (a checkpoint's identity leaves them out; the record's
 # model_config is the model's summary, which a resume keeps), and those the loop fills per attempt: MLflow's

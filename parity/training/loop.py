@@ -5,9 +5,10 @@
 [3] under Ray Train: resume from the run's latest checkpoint when it has one (parity/training/checkpoints.py)
 [4] each step: the global batch of that step, this DP rank's slice, one train step
 [5] rank 0 records loss, grad norm, lr, tokens, batch hash, time, memory (fp16: whether an overflow skipped the step,
-    and the loss scale; a mixture of experts: its load-balancing loss and expert loads); rewrites the JSON every
-    log_interval; under Ray Train a checkpoint every checkpoint_interval and at the end, reported with that step's
-    metrics; with --report_to, rank 0 logs each step's record entry to the experiment trackers (parity/tracking)
+    and the loss scale; a mixture of experts: its load-balancing loss and expert loads) through the step observer
+    (parity/training/observer.py, which any training loop can feed); rewrites the JSON every log_interval; under Ray
+    Train a checkpoint every checkpoint_interval and at the end, reported with that step's metrics; with
+    --report_to, rank 0 logs each step's record entry to the experiment trackers (parity/tracking)
 [6] on the last step every rank counts the model states it holds as each gradient arrives in backward, after
     backward and after the step, and keeps the peak
 [8] after a step, every --replica_check_interval, at every checkpoint and at the end: every tensor several ranks hold
@@ -20,12 +21,8 @@ A failure every rank meets at once (a write that fails, a loss that is not finit
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
-import platform
-import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,20 +33,17 @@ import torch.distributed as dist
 from parity.console import marked
 from parity.errors import COLLATERAL, RunStopped
 from parity.fingerprint import fingerprint
-from parity.registry import strategy_class
+from parity.registry import load
 from parity.tracking.trackers import RunTrackers, open_trackers
-from parity.training.checkpoints import Checkpoints, RayTrainSession, agree, run_dir, write_problem
-from parity.driver.cluster import ray_is_up
+from parity.training.checkpoints import Checkpoints, RayTrainSession, run_dir
 from parity.run_config import RunConfig
-from parity.training.data import batch_hash, dp_slice
-from parity.training.memory import PEAK_ORDERS, zero_bound
+from parity.training.data import dp_slice
 from parity.models.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
                                    save_hf_checkpoint, save_init_weights)
+from parity.training.observer import (ModelStateProbe, StepObserver, device_name, reset_peak_memory,
+                                      worker_nodes)
 from parity.training.record import LossRecord, run_record_path
-from parity.training.replicas import ReplicaCheck, parting_line
 from parity.training.strategy import WorkerContext, loss_sum, lr_at
-
-NODE_ID_BYTES = 64  # a Ray node id is 56 hex characters
 
 
 @dataclass
@@ -69,10 +63,10 @@ class Worker:
 
 def start_worker(payload: dict, resuming: bool = False) -> Worker:
     """What every worker does first, training or recording one step: [1] the model from the shared initial
-    weights, [2] wrapped by the strategy (the registry's, or the run's --strategy_class). A run `resuming` from a checkpoint does not write the weights again, even with
-    --save_init_weights: its checkpoint, and every run started from the file, name the file it wrote first
-    (torch.save writes a new serialization id each time: the same weights, another sha256). The process
-    group (gloo or NCCL) is already up."""
+    weights, [2] wrapped by the strategy (the class at the run's strategy_path). A run `resuming` from a checkpoint
+    does not write the weights again, even with --save_init_weights: its checkpoint, and every run started from the
+    file, name the file it wrote first (torch.save writes a new serialization id each time: the same weights, another
+    sha256). The process group (gloo or NCCL) is already up."""
     t0 = time.perf_counter()
     cfg = RunConfig.from_dict(payload["cfg"])
     ctx = worker_context(cfg)
@@ -81,7 +75,7 @@ def start_worker(payload: dict, resuming: bool = False) -> Worker:
     model, weights_sha = prepare_model(cfg, model_config, ctx, log,  # [1]
                                        write=cfg.save_init_weights and not resuming)
     num_params = sum(p.numel() for p in model.parameters())
-    strategy = strategy_class(cfg.strategy, cfg.strategy_class)(cfg, ctx)
+    strategy = load(cfg.strategy_path)(cfg, ctx)
     strategy.setup(model)  # [2]
     return Worker(cfg, ctx, log, model_config, strategy, weights_sha, num_params, time.perf_counter() - t0)
 
@@ -151,57 +145,44 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
     memory_metric = reset_peak_memory(ctx.device)
     record = LossRecord(run_record_path(cfg), cfg.strategy,
                         run_description(cfg, ctx, w.model_config, w.weights_sha, batches, total_steps, memory_metric,
-                                        worker_nodes(ctx)))
+                                        worker_nodes(ctx.device)))
     log(f"training {total_steps} steps: {batches.dataset.describe()}, global batch {cfg.global_batch_size} × "
         f"{cfg.seq_length} tokens, tp={cfg.tp_size} dp={cfg.dp_size}, {cfg.precision} on {ctx.device.type}")
-    replicas = ReplicaCheck(strategy, cfg.replica_check_interval)  # each rank's declaration, checked against the rest
-    record.declare_replicas(replicas.summary)
+    observer = StepObserver(record, device=ctx.device, replicas=strategy,  # what [5], [6] and [8] go through
+                            replica_check_interval=cfg.replica_check_interval, total_steps=total_steps,
+                            probe=ModelStateProbe.of_strategy(strategy, w.num_params, ctx.dp_size), log=log)
     checkpoints = Checkpoints(w, session, record, total_steps) if session else None
     start = checkpoints.resume() if checkpoints else 0  # [3]
-    w.trackers = trackers = open_trackers(cfg, ctx, record, start, log, checkpoints is not None)
+    w.trackers = observer.trackers = open_trackers(cfg, ctx, record, start, log, checkpoints is not None)
     if start:
-        write_record(record, ctx)  # the record of the run resumed, not of the attempt that failed
+        observer.write()  # the record of the run resumed, not of the attempt that failed
 
-    probe = ModelStateProbe(strategy)
     started, checkpoint_s = time.perf_counter(), 0.0
     for step in range(start, total_steps):  # [4]
         global_batch = batches(step)
         lr = lr_at(step, cfg)
         t0 = time.perf_counter()
-        observe = probe if step == total_steps - 1 else None  # [6]
+        probe = observer.probe_at(step)  # [6] on the last step
         stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.loss_tokens, lr,
-                                    observe)
+                                    probe)
         _synchronize(ctx.device)
-        step_time = time.perf_counter() - t0 - (probe.seconds if observe else 0.0)
+        step_time = time.perf_counter() - t0 - (probe.seconds if probe is not None else 0.0)
         if not math.isfinite(stats.loss):  # the same on every rank: the loss is gathered
-            write_record(record, ctx)  # the steps before it, for the comparison (--allow_incomplete)
+            observer.write()  # the steps before it, for the comparison (--allow_incomplete)
             raise RunStopped(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
         done = step + 1
-        checked = {}
-        if replicas.due(done, total_steps, bool(checkpoints and checkpoints.due(done, total_steps))):  # [8]
-            c0 = time.perf_counter()
-            checked = {"replicas": replicas.check()}
-            stats.harness_s["replica_check"] = time.perf_counter() - c0
-            log_first_parting(record, checked["replicas"], step, log)
-        r0 = time.perf_counter()
+        checkpoint = bool(checkpoints and checkpoints.due(done, total_steps))
         scaling = {"skipped": stats.skipped, "loss_scale": stats.loss_scale} if cfg.loss_scaling else {}
-        record.append(step=step, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [5]
-                      grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, tokens=global_batch.loss_tokens,
-                      batch_hash=batch_hash(global_batch), step_time_s=step_time,
-                      peak_memory_bytes=peak_memory_bytes(ctx.device), harness_s=stats.harness_s, **checked,
-                      **scaling, **(stats.routing or {}))
-        stats.harness_s["record"] = time.perf_counter() - r0
-        if trackers:
-            stats.harness_s["trackers"] = trackers.log_step(record.steps[-1])
-        if checkpoints and checkpoints.due(done, total_steps):
+        observer.observe_step(step, batch=global_batch, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [8] [5]
+                              grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, step_time_s=step_time,
+                              harness_s=stats.harness_s, checkpoint=checkpoint, **scaling, **(stats.routing or {}))
+        if checkpoint:
             c0 = time.perf_counter()
             checkpoints.write(done, {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm,
                                      "param_norm": stats.param_norm, "lr": lr, "step_time_s": step_time})
             checkpoint_s += time.perf_counter() - c0
         if done % cfg.log_interval == 0 or done == total_steps:
-            w0 = time.perf_counter()
-            write_record(record, ctx)
-            stats.harness_s["record_write"] = time.perf_counter() - w0
+            stats.harness_s["record_write"] = observer.write()
             elapsed = time.perf_counter() - started
             per_step = elapsed / (done - start)
             log(f"step {done}/{total_steps} ({100 * done // total_steps}%) loss {stats.loss:.6f} "
@@ -210,71 +191,21 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
 
     steps_s = time.perf_counter() - started - checkpoint_s
     finishing = time.perf_counter()
-    model_state = probe.report(w, step=total_steps - 1)
+    model_state = observer.report_model_state()  # [6]
     last_batch = batches(total_steps - 1)
     final_loss = evaluate(strategy, dp_slice(last_batch, ctx.dp_rank, cfg.batch_size), last_batch.loss_tokens)  # [7]
     params = {**strategy.full_parameters(), **strategy.full_buffers()}
 
-    def finish() -> None:
-        if ctx.is_logging_rank:
-            save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir)
-            timings = {"setup_s": w.setup_s, "steps_s": steps_s, "steps": total_steps - start,
-                       "checkpoints_s": checkpoint_s, "finish_s": time.perf_counter() - finishing}
-            record.finish(eval_loss_last_batch=final_loss, eval_batch_step=total_steps - 1,
-                          checkpoint_dir=cfg.final_checkpoint_dir, train_time_s=time.perf_counter() - started,
-                          model_state=model_state, timings=timings)
+    def final() -> dict:  # rank 0's, once it has written the final model
+        timings = {"setup_s": w.setup_s, "steps_s": steps_s, "steps": total_steps - start,
+                   "checkpoints_s": checkpoint_s, "finish_s": time.perf_counter() - finishing}
+        return {"eval_loss_last_batch": final_loss, "eval_batch_step": total_steps - 1,
+                "checkpoint_dir": cfg.final_checkpoint_dir, "train_time_s": time.perf_counter() - started,
+                "model_state": model_state, "timings": timings}
 
-    agree(write_problem(finish, f"the final model {cfg.final_checkpoint_dir} or the loss record {record.path}",
-                        errors=(Exception,)))  # safetensors raises its own errors
-    trackers.finish()
+    observer.finish(final, before=lambda: save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir),
+                    what=f"the final model {cfg.final_checkpoint_dir} or the loss record {record.path}")
     log(f"done: loss record {record.path}, final model {cfg.final_checkpoint_dir}")
-
-
-def log_first_parting(record: LossRecord, found: dict, step: int, log) -> None:
-    """The run's first parted replicas, one line on the terminal (the record holds every check)."""
-    if found["parted"] and not any(s.get("replicas", {}).get("parted") for s in record.steps):
-        log(f"{parting_line(step, found)}: the verdict will FAIL")
-
-
-def write_record(record: LossRecord, ctx: WorkerContext) -> None:
-    """Rank 0 rewrites the record; every rank learns whether it could (a collective)."""
-    agree(write_problem(record.write if ctx.is_logging_rank else lambda: None, f"the loss record {record.path}"))
-
-
-class ModelStateProbe:
-    """What this rank holds during the measured step, sampled at every parameter's gradient arrival in backward
-    ("during_backward"), after backward ("after_backward": gradients reduced, before clipping and the step) and
-    after the step ("after_step"). Kept: the two named points and two peaks, each with where it was (the first
-    of equals): "peak", the sample with the most model-state bytes (what the ZeRO paper bounds), and
-    "peak_all", the one with the most bytes in all, the copies made to compute or communicate included.
-    Counting time is kept in `seconds` and left out of the step time."""
-
-    def __init__(self, strategy):
-        self.strategy, self.points, self.peaks, self.samples, self.seconds = strategy, {}, {}, 0, 0.0
-
-    def __call__(self, point: str, parameter: str | None = None) -> None:
-        t0 = time.perf_counter()
-        counted = self.strategy.model_state_bytes()
-        if point != "during_backward":
-            self.points[point] = counted
-        sample = {**counted, "point": point, "parameter": parameter}
-        for peak, order in PEAK_ORDERS.items():
-            if peak not in self.peaks or order(counted["bytes"]) > order(self.peaks[peak]["bytes"]):
-                self.peaks[peak] = sample
-        self.samples += 1
-        self.seconds += time.perf_counter() - t0
-
-    def report(self, w: Worker, step: int) -> dict:
-        """Every rank's counts (collective) with the ZeRO paper's bound for this strategy, for the record."""
-        counting = {"samples": self.samples, "counting_s": self.seconds}
-        mine = {**self.points, **{name: {**peak, **counting} for name, peak in self.peaks.items()}}
-        per_rank = [None] * w.ctx.world_size
-        dist.all_gather_object(per_rank, mine)
-        s, ctx = self.strategy, w.ctx
-        bound = zero_bound(s.zero_stage, s.replica_params(w.num_params), ctx.dp_size, s.state_precision)
-        return {"step": step, "num_params": w.num_params, "zero_stage": s.zero_stage,
-                "state_precision": s.state_precision, "zero_bound_bytes": bound,
-                "per_rank": {point: [r[point] for r in per_rank] for point in mine}}
 
 
 def worker_context(cfg: RunConfig) -> WorkerContext:
@@ -288,8 +219,8 @@ def worker_context(cfg: RunConfig) -> WorkerContext:
         device = ray.train.torch.get_device()  # the GPU Ray Train gave this worker
     else:
         device = torch.device("cpu")
-    return WorkerContext(rank=dist.get_rank(), world_size=dist.get_world_size(), tp_size=cfg.tp_size,
-                         dp_size=cfg.dp_size, device=device)
+    assert dist.get_world_size() == cfg.num_workers, (dist.get_world_size(), cfg.layout)  # the group is the layout's
+    return WorkerContext(rank=dist.get_rank(), device=device, layout=cfg.layout)
 
 
 def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log, write: bool):
@@ -330,49 +261,9 @@ def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sh
             "device_name": device_name(ctx.device), "fingerprint": run_fingerprint(cfg, ctx)}
 
 
-def device_name(device: torch.device) -> str:
-    """The accelerator's name (what its peak FLOP/s is looked up by), or the CPU's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
-
-
-def reset_peak_memory(device: torch.device) -> str:
-    """Start the run's peak-memory count here (several runs may share a process, as the benchmark's do);
-    returns the metric peak_memory_bytes then is. On CPU the process's peak RSS is reset through Linux's
-    /proc/self/clear_refs ("5" resets the high-water mark that getrusage reports); where that cannot be
-    written the peak is the process's since it started."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return "cuda_max_memory_allocated"
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return "process_max_rss_since_run_start"
-    return "process_max_rss"
-
-
-def worker_nodes(ctx: WorkerContext) -> list[str]:
-    """The node of every rank, by rank (a collective: every rank calls it): Ray's node id in a Ray Train
-    worker, the host name in a process group without Ray. Gathered as bytes on the run's device, which
-    every backend (gloo, NCCL) can gather."""
-    mine = sys.modules["ray"].get_runtime_context().get_node_id() if ray_is_up() else platform.node()
-    local = torch.tensor(list(mine.encode()[:NODE_ID_BYTES].ljust(NODE_ID_BYTES, b"\0")), dtype=torch.uint8,
-                         device=ctx.device)
-    gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
-    dist.all_gather(gathered, local)
-    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in gathered]
-
-
 def run_fingerprint(cfg: RunConfig, ctx: WorkerContext) -> dict:
     """The fingerprint of this run's code, libraries and device (parity.fingerprint), as this worker runs it."""
-    return fingerprint(strategy_class(cfg.strategy, cfg.strategy_class), ctx.device, cfg.model_config["model_type"])
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return fingerprint(load(cfg.strategy_path), ctx.device, cfg.model_config["model_type"])
 
 
 def _synchronize(device: torch.device) -> None:

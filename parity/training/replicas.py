@@ -271,13 +271,18 @@ def summary(keys: list[tuple], declared: list[list[tuple]], interval: int) -> di
 
 
 class ReplicaCheck:
-    """One run's replica check on this rank. Built after the strategy's setup (a collective: every rank's
-    declaration is gathered once and checked against the others'); `check` after a step (a collective)."""
+    """One run's replica check on this rank, over the world's process group. Built after the strategy's setup (a
+    collective: every rank's declaration is gathered once and checked against the others'); `check` after a step (a
+    collective). `strategy` is what declares the replicas: a Strategy, or any object with its `replicas()` (a recorder
+    of another training loop: parity/training/observer.py); `device` is where the digests are gathered (the
+    backend's device: CUDA under NCCL), by default the strategy's (strategy.ctx.device)."""
 
-    def __init__(self, strategy, interval: int):
-        self.strategy, self.ctx, self.interval = strategy, strategy.ctx, interval
+    def __init__(self, strategy, interval: int, device: torch.device | None = None):
+        self.strategy, self.interval = strategy, interval
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = device if device is not None else strategy.ctx.device
         mine = self._declared()
-        declared: list = [None] * self.ctx.world_size
+        declared: list = [None] * self.world_size
         dist.all_gather_object(declared, None if mine is None else [r.key for r in mine])
         self.declared = all(d is not None for d in declared)
         if not self.declared:
@@ -319,9 +324,9 @@ class ReplicaCheck:
         if [r.key for r in mine] != self.local_keys:
             raise ReplicaDeclarationError(f"{type(self.strategy).__name__}.replicas() changed its declaration after "
                                           f"set-up: declare every tensor from the start (None while it does not exist)")
-        digests = torch.zeros(self.width, 3, dtype=torch.int64, device=self.ctx.device)
-        digests[:len(mine)] = self._digester([r.tensor for r in mine], self.ctx.device)
-        gathered = [torch.empty_like(digests) for _ in range(self.ctx.world_size)]
+        digests = torch.zeros(self.width, 3, dtype=torch.int64, device=self.device)
+        digests[:len(mine)] = self._digester([r.tensor for r in mine], self.device)
+        gathered = [torch.empty_like(digests) for _ in range(self.world_size)]
         dist.all_gather(gathered, digests)
         table = torch.cat(gathered).cpu()  # [world × width, 3]
         differs = (table[self._member_at] != table[self._first_at[self._member_key]]).any(1)
@@ -339,13 +344,13 @@ class ReplicaCheck:
         update moves its own by a whole step)."""
         order = sorted(parted, key=lambda k: (self.keys[k][1] in MOMENTS, k))
         holders = {k: self._holders(k, table) for k in order}
-        measured = torch.zeros(MEASURED, dtype=torch.float64, device=self.ctx.device)
+        measured = torch.zeros(MEASURED, dtype=torch.float64, device=self.device)
         sizes = {k: {bits[0] for bits in holders[k]} for k in order[:MEASURED]}
         comparable = [k for k, n in sizes.items() if len(n) == 1 and min(n) >= 0]  # held everywhere, at one size
         for n, k in enumerate(comparable):
             ranks = self.keys[k][3]
             group = self._group(ranks)
-            if self.ctx.rank in ranks:
+            if self.rank in ranks:
                 measured[n] = self._max_difference(mine[self.local_keys.index(self.keys[k])].tensor, ranks, group)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         diffs = {k: float(measured[n]) for n, k in enumerate(comparable)}
@@ -363,7 +368,7 @@ class ReplicaCheck:
     def _group(self, ranks: tuple[int, ...]):
         """The process group of `ranks` (the world's when they are all): made once, by every rank (new_group is a
         collective of the world), in the order every rank meets the same parted tensors."""
-        if len(ranks) == self.ctx.world_size:
+        if len(ranks) == self.world_size:
             return None
         if ranks not in self._groups:
             self._groups[ranks] = dist.new_group(list(ranks))
@@ -371,8 +376,8 @@ class ReplicaCheck:
 
     def _max_difference(self, mine: torch.Tensor, ranks: tuple[int, ...], group) -> float:
         """max |this rank's copy − the first rank's|, in float64, the first rank's copy broadcast over `ranks`."""
-        device = self.ctx.device
-        reference = mine.detach().to(device).contiguous().clone() if self.ctx.rank == ranks[0] else \
+        device = self.device
+        reference = mine.detach().to(device).contiguous().clone() if self.rank == ranks[0] else \
             torch.empty(mine.shape, dtype=mine.dtype, device=device)
         dist.broadcast(reference, src=ranks[0], group=group)
         a, b = mine.detach().reshape(-1), reference.reshape(-1)
