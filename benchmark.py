@@ -1,6 +1,9 @@
 #!/usr/bin/env python
-"""Benchmark every strategy side by side: DDP, ZeRO-1/2/3, ZeRO-2 + offload, AutoTP tp2 + ZeRO-1, FSDP2,
-FSDP2 + TP and FSDP2 + offload, trained for N steps at one global batch in one Ray session.
+"""Benchmark every strategy side by side, trained for N steps at one global batch in one Ray session. The 14 rows
+(parity/commands/benchmark.py's ROWS): DDP; ZeRO-1/2/3, ZeRO-2 + offload and AutoTP tp2 + ZeRO-1; FSDP2, FSDP2 + TP
+tp2, FSDP2 + offload and FSDP2 + TP tp2 + SP; pipelines pp2 under GPipe, 1F1B and interleaved 1F1B; transformers'
+TP tp2 + FSDP2 — and for a mixture of experts FSDP2 + EP ep2, FSDP2 + TP tp2 + EP ep2 and transformers' EP ep2 +
+FSDP2. By default, every row the world size and the layer count allow.
 
     python benchmark.py --output_dir OUT/benchmark                                   # GPUs: the seed model
     python benchmark.py --output_dir OUT/bench --num_workers 1 --rows ddp,zero1,zero2,zero3,zero2_offload,fsdp

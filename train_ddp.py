@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train Qwen2.5 with DistributedDataParallel under Ray Train: the baseline the other strategies match.
+"""Train a model with DistributedDataParallel under Ray Train: the baseline the other strategies match.
 
 Run it first with --save_init_weights: it writes the initial weights every other strategy loads.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train Qwen2.5 with DeepSpeed AutoTP tensor parallelism + ZeRO under Ray Train, for parity with DDP.
+"""Train a model with DeepSpeed AutoTP tensor parallelism + ZeRO under Ray Train, for parity with DDP.
 
 Run train_ddp.py --save_init_weights first: this loads the initial weights it wrote.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train Qwen2.5 with pipeline parallelism (torch.distributed.pipelining) under Ray Train, from DDP's initial weights.
+"""Train a model with pipeline parallelism (torch.distributed.pipelining) under Ray Train, from DDP's initial weights.
 
 Run train_ddp.py with --save_init_weights first: this loads the initial weights it wrote.
 

@@ -18,6 +18,8 @@ import sys
 import tempfile
 import warnings
 
+from parity import storage
+
 MARK = "::parity:: "
 """Starts a worker line meant for the terminal (stripped there; kept in the log)."""
 
@@ -64,8 +66,6 @@ def terminal(log_location: str, verbose: bool = False):
     if verbose or _terminal is not None:
         yield None
         return
-    from parity import storage
-
     log_path = storage.local_path(log_location) or os.path.join(tempfile.mkdtemp(prefix="parity_log_"),
                                                                 storage.name(log_location))
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)

@@ -1,13 +1,16 @@
 """What produced a number: the fingerprint every loss record, checkpoint, layer dump and report carries.
 
-- shared_code: sha256 over the harness's shared code (every .py file of the parity package but the
-  calibration catalogue, whose strategy copies are strategy code) — the loop, the loss, the data, the
-  comparison. Two runs whose shared code differs were not trained "the same way but
-  for the strategy", so they are not compared (unless the user asks), and a checkpoint is not resumed by
-  other code.
-- strategy_code: sha256 over the files that define the run's strategy class and its bases down to the
-  Strategy interface (ddp_strategy.py; a seeded bug's file and the strategy it copies; a user's own module).
-  It differs between strategies by design; a resumed run must have the same.
+The code is split by place, not by a list:
+- strategy_code: sha256 over a strategy's code — the module of its class and of every class it inherits down to
+  the shared Strategy interface (ddp_strategy.py; fsdp_strategy.py and the DTensor base,
+  parity/training/dtensor_strategy.py; a seeded bug's parity/calibration/bugs.py and the strategy it copies; a
+  user's own module), and the helper package of each `<stem>_strategy.py` among them, parity/strategies/<stem>/
+  (FSDP's plans and expert parallelism). It differs between strategies by design; a resumed run must have the same.
+- shared_code: sha256 over every other .py file of the parity package — the loop, the loss, the data, the
+  comparison: not the calibration catalogue, the strategies' helper packages (parity/strategies/) or a module that
+  defines a strategy's base class (the DTensor base: editing it is FSDP's and transformers' change, not DDP's).
+  Two runs whose shared code differs were not trained "the same way but for the strategy", so they are not
+  compared (unless the user asks), and a checkpoint is not resumed by other code.
 - versions: python, torch, deepspeed, transformers, ray, numpy — a comparison needs the same libraries.
 - device: the accelerator, or the CPU and the bf16 kernel path its matrix products take (oneDNN picks its
   kernels by instruction set: ONEDNN_MAX_CPU_ISA, AMX, AVX512-BF16), which decides the bf16 roundings.
@@ -16,6 +19,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
@@ -27,15 +31,22 @@ import parity
 PACKAGES = ("torch", "deepspeed", "transformers", "ray", "numpy")
 
 
-NOT_SHARED = ("calibration",)  # parity subpackages no run executes unless its strategy comes from there
+# parity subpackages that are no run's shared code: the calibration catalogue (seeded bugs: strategy code of the runs
+# that train them) and the strategies' helper packages (each its strategy's code)
+NOT_SHARED = ("calibration", "strategies")
+STRATEGY_BASE = "Strategy"  # the interface every strategy inherits (parity/training/strategy.py): shared code
+HELPERS = "strategies"  # parity/strategies/<stem>/: the helper package of a strategy module <stem>_strategy.py
 
 
 @functools.lru_cache(maxsize=None)
 def shared_files() -> tuple[str, ...]:
-    """The shared code's files, relative to the parity package, in path order."""
+    """The shared code's files, relative to the parity package, in path order: every .py file but those of
+    NOT_SHARED's subpackages and the modules of strategies' bases (strategy_base_files)."""
     root = _package_root()
-    return tuple(sorted(rel for d, _, files in os.walk(root) for f in files if f.endswith(".py")
-                        for rel in [os.path.relpath(os.path.join(d, f), root)] if rel.split(os.sep)[0] not in NOT_SHARED))
+    candidates = [rel for d, _, files in os.walk(root) for f in files if f.endswith(".py")
+                  for rel in [os.path.relpath(os.path.join(d, f), root)] if rel.split(os.sep)[0] not in NOT_SHARED]
+    bases = strategy_base_files(tuple(candidates))
+    return tuple(sorted(rel for rel in candidates if rel not in bases))
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,24 +55,59 @@ def shared_code_sha256() -> str:
     return _files_sha256(_package_root(), shared_files())
 
 
-def strategy_code(cls) -> dict:
-    """{"sha256", "files"} over the source files of `cls` and its bases that are not the shared interface, and of the
-    modules they name in `code_modules` (a strategy's own helpers: the FSDP2 strategy's expert_parallel.py)."""
-    import importlib
+def strategy_base_files(rels: tuple[str, ...]) -> set[str]:
+    """Those of `rels` (relative to the parity package) that define a subclass of the Strategy interface — a base
+    a strategy inherits, such as the DTensor base — read from their source (importing them would pull their
+    libraries): a class counts when it inherits Strategy, or a class that does, by name."""
+    root = _package_root()
+    classes = {}
+    for rel in rels:
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=rel)
+        classes[rel] = [(node.name, {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                                     if isinstance(b, (ast.Name, ast.Attribute))})
+                        for node in tree.body if isinstance(node, ast.ClassDef)]
+    strategies, grown = {STRATEGY_BASE}, True
+    while grown:
+        grown = False
+        for defined in classes.values():
+            for name, bases in defined:
+                if name not in strategies and bases & strategies:
+                    strategies.add(name)
+                    grown = True
+    return {rel for rel, defined in classes.items() if any(bases & strategies for _, bases in defined)}
 
+
+def helper_files(module_path: str) -> list[str]:
+    """The .py files of the helper package of the strategy module at `module_path` when it is `<stem>_strategy.py`:
+    parity/strategies/<stem>/ (fsdp_strategy.py's is parity/strategies/fsdp/); none when there is no such package."""
+    stem = os.path.splitext(os.path.basename(module_path))[0]
+    if not stem.endswith("_strategy") or stem == "_strategy":
+        return []
+    folder = os.path.join(_package_root(), HELPERS, stem[:-len("_strategy")])
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if f.endswith(".py"))
+
+
+def strategy_code(cls) -> dict:
+    """{"sha256", "files"} over a strategy's code: the source file of `cls` and of every class in its MRO that is
+    not shared code (the Strategy interface is), and the helper package of each (helper_files). Files of the
+    harness are named by their path from the folder that holds the parity package ("fsdp_strategy.py",
+    "parity/training/dtensor_strategy.py"), others (a user's module) by their name alone: never where a checkout
+    lies."""
     shared = {os.path.join(_package_root(), rel) for rel in shared_files()}
-    files = []
+    files = set()
     for klass in cls.__mro__:
         try:
-            paths = [os.path.abspath(inspect.getsourcefile(klass) or "")]
+            source = inspect.getsourcefile(klass)
         except TypeError:  # a builtin (object)
             continue
-        paths += [os.path.abspath(importlib.import_module(name).__file__) for name in vars(klass).get("code_modules", ())]
-        for path in paths:
-            if path and path not in shared and path not in files:
-                files.append(path)
-    files.sort()
-    return {"sha256": _files_sha256("", files, named=os.path.basename), "files": [os.path.basename(f) for f in files]}
+        path = os.path.abspath(source) if source else None
+        if path and path not in shared:
+            files.add(path)
+            files.update(helper_files(path))
+    named = sorted((_file_name(path), path) for path in files)
+    return {"sha256": _files_sha256("", [path for _, path in named], named=_file_name),
+            "files": [name for name, _ in named]}
 
 
 def library_versions() -> dict[str, str]:
@@ -164,6 +210,15 @@ def short(fp: dict) -> str:
 
 def _package_root() -> str:
     return os.path.dirname(os.path.abspath(parity.__file__))
+
+
+def _file_name(path: str) -> str:
+    """How strategy_code names a file: from the folder holding the parity package when it is inside the package
+    ("parity/strategies/fsdp/plans.py"), else by its name ("fsdp_strategy.py", a user's "my_strategy.py")."""
+    home = os.path.dirname(_package_root())
+    if path.startswith(_package_root() + os.sep):
+        return os.path.relpath(path, home).replace(os.sep, "/")
+    return os.path.basename(path)
 
 
 def _short(sha: str | None) -> str:

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def product_files(root: str = ROOT) -> list[str]:
     """The product's .py files, relative to `root`: the top-level scripts and modules, and everything in parity/."""
-    files = [f for f in os.listdir(root) if f.endswith(".py")]
+    files = [f for f in os.listdir(root) if f.endswith(".py") and f != "setup.py"]  # setup.py only packages
     for folder, dirs, names in os.walk(os.path.join(root, "parity")):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         files += [os.path.relpath(os.path.join(folder, n), root) for n in names if n.endswith(".py")]

@@ -13,20 +13,29 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from dataclasses import replace as _replace
+from functools import partial as _partial
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.experimental import local_map
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput
 
+# The strategies the entries copy. DeepSpeed itself stays unimported here: autotp_strategy imports it only once a
+# worker knows its device (import_deepspeed), because DeepSpeed picks its accelerator when it is imported.
 from autotp_strategy import DeepSpeedStrategy
 from ddp_strategy import DDPStrategy
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
-from fsdp_strategy import FSDPStrategy, apply_sequence_parallel, tp_plan
-from parity.training.dtensor_strategy import global_norm
-from parity.training.data import Batch
+from fsdp_strategy import FSDPStrategy, apply_expert_fsdp, mixed_precision_policy, offload_policy
+from pipeline_strategy import PipelineStrategy
 from parity.layer_check.layer_step import perturb_local_shard
-from parity.training.strategy import step_optimizer
+from parity.models.families import family_of
+from parity.strategies.fsdp.expert_parallel import apply_etp
+from parity.strategies.fsdp.plans import apply_moe, apply_sequence_parallel, tp_plan
+from parity.training.data import Batch
+from parity.training.dtensor_strategy import global_norm
+from parity.training.optimizer import OptimizerStep, clip_coefficient, set_lr, step_optimizer
+from parity.training.policy_optimizer import PolicyOptimizer
 
 WEIGHT_DECAY = 0.01  # torch.optim.AdamW's own default: what a run gets when the setting is lost on the way
 LR_FACTOR = 1.05
@@ -96,7 +105,7 @@ class FSDPTPRanksFedDifferentSlices(FSDPStrategy):
 
     def train_step(self, batch, global_tokens, lr, observe=None):
         other = (self.ctx.dp_rank + self.ctx.tp_rank) % self.ctx.dp_size
-        ids, labels = (self._gathered(t)[other * self.ctx.tp_size] for t in (batch.input_ids, batch.labels))
+        ids, labels = (self._gathered(t)[self.ctx.layout.rank(other, 0, 0)] for t in (batch.input_ids, batch.labels))
         return super().train_step(Batch(ids, labels), global_tokens, lr, observe)
 
     def _gathered(self, tensor):
@@ -232,8 +241,6 @@ as a policy difference against an autocast baseline, not judged: docs/precision.
 
 # --- Pipeline (torch.distributed.pipelining) ----------------------------------------------------------
 
-from pipeline_strategy import PipelineStrategy  # noqa: E402  (appended section: the catalogue above is unchanged)
-
 
 class PipelineTiedGradientsNotSummed(PipelineStrategy):
     """The classic pipeline bug: the tied embedding / lm_head lives on the first and the last stage as two copies,
@@ -246,12 +253,6 @@ class PipelineTiedGradientsNotSummed(PipelineStrategy):
 
 
 # --- Model families: one pitfall per architecture (FSDP2 + TP copies; tests/test_families.py runs them) -------
-
-from dataclasses import replace as _replace  # noqa: E402  (appended section)
-
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.distributed.tensor.experimental import local_map  # noqa: E402
-from torch.distributed.tensor.parallel import ColwiseParallel  # noqa: E402
 
 
 class FSDPHeadNormGradientsUnreduced(FSDPStrategy):
@@ -367,11 +368,9 @@ class DeepSpeedClippedWithRankLocalNorm(DeepSpeedStrategy):
         zero.unscale_and_clip_grads = clip_by_local_norm
 
 
-# --- Precision policies (parity/training/precision.py): the master copy, the accumulation, fp16's scaler --------------
+# --- Precision policies (parity/training/policy_optimizer.py): the master copy, the accumulation, fp16's scaler -------
 # Copies of DDP, whose shared PolicyOptimizer is what a strategy of plain tensors uses; each bug is one real
 # implementations had. tests/test_precision.py runs them against DDP in the same policy.
-
-from parity.training.precision import OptimizerStep, PolicyOptimizer  # noqa: E402
 
 
 class DDPLastMicroBatchUnreduced(DDPStrategy):
@@ -398,7 +397,7 @@ class DDPGradientsNotZeroed(DDPStrategy):
     """Gradients not zeroed between steps: each step's gradient holds every earlier step's too."""
 
     name = "ddp_gradients_not_zeroed"
-    policy_optimizer = KeptLowPrecisionGradients
+    policy_optimizer_class = KeptLowPrecisionGradients
 
 
 class ClippedScaled(PolicyOptimizer):
@@ -407,8 +406,6 @@ class ClippedScaled(PolicyOptimizer):
     one (unscaled by the scale, as the code meant)."""
 
     def step(self, lr, norm_of):
-        from parity.training.strategy import clip_coefficient, set_lr
-
         scale = self.loss_scale
         for p, m in zip(self.params, self.masters):
             m.grad = p.grad.float()
@@ -430,7 +427,7 @@ class DDPLossScaleKeptForClipping(DDPStrategy):
     """fp16: the loss scale removed after clipping (ClippedScaled)."""
 
     name = "ddp_loss_scale_kept_for_clipping"
-    policy_optimizer = ClippedScaled
+    policy_optimizer_class = ClippedScaled
 
 
 class AppliedOverflow(PolicyOptimizer):
@@ -456,16 +453,10 @@ class DDPOverflowApplied(DDPStrategy):
     """fp16: an overflow step applied instead of skipped (AppliedOverflow)."""
 
     name = "ddp_overflow_applied"
-    policy_optimizer = AppliedOverflow
+    policy_optimizer_class = AppliedOverflow
 
 
 # --- Mixture of experts: the silent bugs of expert parallelism (tests/test_moe.py runs them) -----------------------
-
-from functools import partial as _partial  # noqa: E402  (appended section)
-
-from expert_parallel import apply_etp  # noqa: E402
-from fsdp_strategy import apply_expert_fsdp, apply_moe, mixed_precision_policy, offload_policy  # noqa: E402
-from parity.models.families import family_of  # noqa: E402
 
 
 class DDPRouterGradientsUnreduced(DDPStrategy):

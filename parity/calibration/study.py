@@ -81,8 +81,8 @@ def clean_runs(policy: str) -> dict:
 
 def chosen_reference(policy: str) -> str:
     """The verdict's references in a policy (CANDIDATES' name): the twins and the fp32 twin where the master weights
-    are fp32, the twins alone in bf16_pure (parity.training.precision.Policy.fp32_twin_measures_noise)."""
-    from parity.training.precision import POLICIES
+    are fp32, the twins alone in bf16_pure (parity.precision.Policy.fp32_twin_measures_noise)."""
+    from parity.precision import POLICIES
 
     return "twins+fp32" if POLICIES[policy].fp32_twin_measures_noise else "twins"
 

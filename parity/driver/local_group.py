@@ -44,14 +44,6 @@ KERNEL_PATHS = {
 }
 
 
-def kernel_path() -> str:
-    """The kernel path this process runs under, by the names of KERNEL_PATHS ('default' when none is set)."""
-    for name, env in KERNEL_PATHS.items():
-        if env and all(os.environ.get(k) == v for k, v in env.items()):
-            return name
-    return "default" if not os.environ.get(ISA_ENV) else os.environ[ISA_ENV].lower()
-
-
 # What every rank imports, imported once in the forkserver (an import that fails there is left to the rank). Not the
 # strategy modules: a test copy of one on sys.path must win over the installed module, as it does in a spawned rank.
 # pyarrow.fs writes the records; inductor is what DeepSpeed's initialize imports (its Muon optimizer's module calls

@@ -105,11 +105,6 @@ class Family:
     why_no_tp: str | None = None  # why the layers cannot be described for TP (None: they can)
     moe: MoE | None = None  # the sparse block of a mixture-of-experts family (None: a dense model)
 
-    @property
-    def partial_grad_params(self) -> tuple[str, ...]:
-        """Parameters replicated over TP whose gradient each TP rank holds only its part of (summed over TP)."""
-        return tuple(f"{norm}.weight" for norm in self.head_norms)
-
     def check_tp(self, tp_size: int, who: str) -> None:
         """ConfigError when `who` (a strategy) cannot shard this family at `tp_size`."""
         if tp_size > 1 and self.why_no_tp:
