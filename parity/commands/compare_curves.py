@@ -35,7 +35,7 @@ def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", toler
     from parity import storage
     from parity.comparing.curve_report import statistics_text, write_outputs
     from parity.comparing.curves import compare, load_references, load_runs
-    from parity.comparing.figures import figure_format
+    from parity.comparing.figures import curve_png, figure_format
     from parity.tracking.trackers import report_comparison
 
     figure_format(output)
@@ -51,7 +51,7 @@ def compare_and_report(input_dir: str, output: str, baseline: str = "ddp", toler
         print(f"error: cannot write the outputs beside {output} ({exc.strerror or exc})", file=sys.stderr)
         return 2
     print(f"\nwrote {', '.join(written)}")
-    for line in report_comparison(comparison, written):
+    for line in report_comparison(comparison, written, curve_png(comparison, written[0])):
         print(line, file=sys.stderr if line.startswith("warning") else sys.stdout)
     return 0 if comparison.passed else 1
 

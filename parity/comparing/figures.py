@@ -100,3 +100,20 @@ def layer_heatmap(dumps: dict, results: list) -> Figure:
         ax.set_yticks(range(len(modules)), modules, fontsize=7)
     fig.colorbar(image, ax=axes, label="log10(max|a−b| / scale)")
     return fig
+
+
+def curve_png(comparison, figure_path: str):
+    """The comparison's figure as PNG bytes, made once when first asked (the trackers ask): the file itself when it is
+    a PNG, else drawn again as one (the figure was written as SVG or PDF)."""
+    made = []
+
+    def png() -> bytes:
+        if not made:
+            if figure_path.lower().split("?")[0].endswith(".png"):
+                made.append(storage.read_bytes(figure_path))
+            else:
+                buffer = io.BytesIO()
+                curve_figure(comparison).savefig(buffer, format="png", dpi=120)
+                made.append(buffer.getvalue())
+        return made[0]
+    return png

@@ -9,7 +9,6 @@ line, and the loss record, which has every step, stays the source of truth.
 from __future__ import annotations
 
 import importlib
-import io
 import os
 import queue
 import tempfile
@@ -181,24 +180,24 @@ def _begin(tracker, states: dict, record, start: int, log) -> None:
     log(tracker.where())
 
 
-def report_comparison(comparison, files: list[str]) -> list[str]:
+def report_comparison(comparison, files: list[str], figure_png) -> list[str]:
     """The comparison's summary (verdicts, deviation ÷ noise, first step outside) and its files (the figure, the
     reports) added to the tracker runs that every compared run's record names; returns the lines to print (which
-    tracker runs got it; a warning per one that could not)."""
+    tracker runs got it; a warning per one that could not). `figure_png()` gives the figure as PNG bytes, asked once
+    at most (parity.comparing.figures.curve_png: the comparison draws it, the trackers only carry it)."""
     runs = [r for r in [*comparison.runs, *comparison.references] if r.record.get("trackers")]
     if not runs:
         return []
     verdicts = comparison.to_dict()
     added: dict[str, int] = {}
     lines = []
-    figure = _figure_png(comparison, files[0])
     with tempfile.TemporaryDirectory(prefix="parity_comparison_") as scratch:
         local_files = [_local_copy(path, scratch) for path in files]
         for run in runs:
             summary = run_summary(comparison, verdicts, run)
             for name, state in run.record["trackers"].items():
                 try:
-                    tracker_class(name).add_comparison(state, TrackedRun.of(run.record), summary, local_files, figure)
+                    tracker_class(name).add_comparison(state, TrackedRun.of(run.record), summary, local_files, figure_png)
                 except Exception as exc:
                     lines.append(f"warning: the comparison could not be added to {run.label}'s {name} run "
                                  f"({type(exc).__name__}: {storage.reason(exc)}); it is in {', '.join(files)}")
@@ -225,24 +224,6 @@ def run_summary(comparison, verdicts: dict, run) -> dict:
         for group in ("noise_ratio", "max_rel_diff", "first_outside"):
             summary.update({f"{group}/{k}": v for k, v in (against[group] or {}).items()})
     return {f"comparison/{k}": v for k, v in summary.items() if v is not None}
-
-
-def _figure_png(comparison, figure_path: str):
-    """The figure as PNG bytes, made once when a tracker first asks (rendered again when the figure is SVG or PDF)."""
-    made = []
-
-    def png() -> bytes:
-        if not made:
-            if figure_path.lower().split("?")[0].endswith(".png"):
-                made.append(storage.read_bytes(figure_path))
-            else:
-                from parity.comparing.figures import curve_figure
-
-                buffer = io.BytesIO()
-                curve_figure(comparison).savefig(buffer, format="png", dpi=120)
-                made.append(buffer.getvalue())
-        return made[0]
-    return png
 
 
 def _local_copy(location: str, scratch: str) -> str:
