@@ -23,7 +23,7 @@ os.environ.update(AWS_ACCESS_KEY_ID="parity-test", AWS_SECRET_ACCESS_KEY="parity
 for _name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
     os.environ.pop(_name, None)
 
-from parity.comparing.tolerances import FINAL_PARAMETERS_ATOL_FP32, RESUMED_FP32, SHORT_RUN_BF16
+from parity.comparing.tolerances import RESUMED_FP32, SHORT_RUN_BF16, final_parameters_atol_fp32
 from parity.training.record import load_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the top-level scripts are
@@ -316,7 +316,8 @@ def assert_fp32_parity(run: dict, baseline: dict) -> None:
     assert abs(run["steps"][0]["grad_norm"] / baseline["steps"][0]["grad_norm"] - 1) < FP32_RTOL
     assert max_rel_diff(series(run, "grad_norm"), series(baseline, "grad_norm")) < FP32_RTOL
     assert max_rel_diff(series(run, "param_norm"), series(baseline, "param_norm")) < FP32_RTOL
-    assert max_abs_param_diff(final_parameters(run), final_parameters(baseline)) < FINAL_PARAMETERS_ATOL_FP32
+    bound = final_parameters_atol_fp32(series(baseline, "lr"))
+    assert max_abs_param_diff(final_parameters(run), final_parameters(baseline)) < bound
 
 
 def assert_replicas_held(run: dict, groups: int | None = None) -> None:

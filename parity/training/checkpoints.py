@@ -75,8 +75,11 @@ def identity(cfg) -> dict:
 
 
 def differences(stored: dict, current: dict) -> list[str]:
-    return [f"{k} {stored.get(k)!r} there, {current.get(k)!r} here"
-            for k in sorted(stored.keys() | current.keys()) if stored.get(k) != current.get(k)]
+    """Each setting that differs, in words. The strategy's class path only where its name is the same (a user's class
+    that moved): beside another strategy it says nothing the name does not."""
+    shown = [k for k in sorted(stored.keys() | current.keys()) if stored.get(k) != current.get(k)]
+    shown = [k for k in shown if not (k == "strategy_path" and "strategy" in shown)]
+    return [f"{k} {stored.get(k)!r} there, {current.get(k)!r} here" for k in shown]
 
 
 def replace_run_folder(cfg) -> str | None:
