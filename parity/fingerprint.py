@@ -11,7 +11,8 @@ The code is split by place, not by a list:
   defines a strategy's base class (the DTensor base: editing it is FSDP's and transformers' change, not DDP's).
   Two runs whose shared code differs were not trained "the same way but for the strategy", so they are not
   compared (unless the user asks), and a checkpoint is not resumed by other code.
-- versions: python, torch, deepspeed, transformers, ray, numpy — a comparison needs the same libraries.
+- versions: python, torch, deepspeed, transformers, ray, numpy, and the CUDA torch was built with (torch.version.cuda,
+  on a CUDA build) — a comparison needs the same libraries.
 - device: the accelerator, or the CPU and the bf16 kernel path its matrix products take (oneDNN picks its
   kernels by instruction set: ONEDNN_MAX_CPU_ISA, AMX, AVX512-BF16), which decides the bf16 roundings.
 - model_type: the model family trained (qwen2, llama, gemma3_text ...), named where a fingerprint is shown.
@@ -113,12 +114,16 @@ def strategy_code(cls) -> dict:
 def library_versions() -> dict[str, str]:
     import importlib.metadata as md
 
+    import torch
+
     versions = {"python": platform.python_version()}
     for package in PACKAGES:
         try:
             versions[package] = md.version(package)
         except md.PackageNotFoundError:
             pass
+    if torch.version.cuda:  # a CUDA build of torch: the CUDA it runs on (a CPU build has none, and says nothing)
+        versions["cuda"] = torch.version.cuda
     return versions
 
 

@@ -272,7 +272,8 @@ CASES = [
     ("verify option", "run_verification", ["--output_dir", "{d}/v", "--strategy", "ddp", "--zero_stage", "2"], {},
      r"--zero_stage is a deepspeed flag, but --strategy ddp runs no deepspeed step: drop it or run --strategy all"),
     ("verify local gpus", "run_verification", ["--output_dir", "{d}/v", "--launcher", "local", "--device", "cuda"], {},
-     r"--launcher local runs the ranks on this machine's CPU over gloo: use --device cpu, or --launcher ray for GPUs"),
+     r"--launcher local --device cuda: torch sees no GPU on this machine: use --device cpu, or --launcher ray for a "
+     r"cluster's GPUs"),
     ("verify AutoEP", "run_verification", ["--output_dir", "{d}/v", "--strategy", "deepspeed", "--ep_size", "2"], {},
      r"--ep_size with --strategy deepspeed: DeepSpeed's AutoEP replaces the sparse block by its own modules .* or "
      r"leave deepspeed out"),

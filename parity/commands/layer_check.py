@@ -57,7 +57,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--launcher", choices=("ray", "local"), default="ray",
                    help="ray: Ray Train worker groups (a local Ray cluster, or RAY_ADDRESS's); local: processes of this "
-                        "machine over gloo, without Ray (CPU only): the same recorded step without Ray's start-up")
+                        "machine without Ray (gloo on CPU, NCCL on its GPUs: docs/gpu.md): the same recorded step "
+                        "without Ray's start-up")
     p.add_argument("--perturb", default=None, metavar="STRATEGY:PARAM",
                    help="check the check: add 1e-3 to TP rank 0's shard of PARAM in STRATEGY's run")
     p.add_argument("--tolerance", type=non_negative_float, default=None, help="override the relative tolerance")
@@ -164,8 +165,13 @@ def _cluster(args):
     if args.launcher == "ray":
         return probe_cluster()
     if args.device == "cuda":
-        raise ConfigError("--launcher local runs the ranks on this machine's CPU over gloo: use --device cpu, or "
-                          "--launcher ray for GPUs")
+        from parity.driver.local_group import local_cluster
+
+        cluster = local_cluster("cuda")  # this machine's GPUs, one per rank (or the testing switch's one: docs/gpu.md)
+        if not cluster.gpus:
+            raise ConfigError("--launcher local --device cuda: torch sees no GPU on this machine: use --device cpu, "
+                              "or --launcher ray for a cluster's GPUs")
+        return cluster
     return Cluster(cpus=float(len(os.sched_getaffinity(0))), gpus=0)
 
 

@@ -2,7 +2,10 @@
 another in one group, for work where Ray adds nothing to what is measured (the calibration study, the layer
 check's --launcher local, and the tests that need many runs). Each rank runs the worker function a Ray Train
 worker runs (training or the layer check's recorded step), on the same payload: each run is resolved, gets
-its data and writes its records exactly as a Ray run does; only the process group is ours. CPU only.
+its data and writes its records exactly as a Ray run does; only the process group is ours. On the run's device:
+cpu over gloo, or cuda with one GPU per rank over NCCL; with PARITY_SHARE_ONE_GPU=1 (a switch for testing only,
+docs/gpu.md) every rank of a group on cuda:0 of one GPU, over gloo with CUDA tensors (NCCL refuses two ranks on one
+device).
 
 A group runs under one CPU kernel path (`KERNEL_PATHS`): bf16 matrix products on CPU go through oneDNN,
 whose kernels are chosen by the instruction set (AMX, AVX512-BF16, AVX512, AVX2 ...), and each gives other
@@ -34,6 +37,8 @@ from parity.training.data import training_data
 from parity.training.record import load_record, run_record_path
 
 CLUSTER = Cluster(cpus=2, gpus=0)  # what resolve is told: CPU workers sharing two cores
+SHARE_ONE_GPU = "PARITY_SHARE_ONE_GPU"  # =1: every rank of a cuda group on cuda:0, over gloo (testing only)
+SHARED_GPU_RANKS = 64  # the ranks resolve is told the one GPU takes under SHARE_ONE_GPU
 ISA_ENV = "ONEDNN_MAX_CPU_ISA"
 KERNEL_PATHS = {
     "default": {},  # whatever oneDNN picks on this CPU (AMX or AVX512-BF16 where the CPU has them)
@@ -62,9 +67,28 @@ def same_kernels(a: str, b: str) -> bool:
 
 def plan(strategy: str, values: dict) -> tuple:
     """One run: its resolved config and its data. values["strategy_class"] (a class, or "module:Class") runs
-    another Strategy subclass than the registry's `strategy`, e.g. a copy with a bug in it."""
-    cfg = resolve(strategy, {"device": "cpu", **values}, cluster=CLUSTER)
+    another Strategy subclass than the registry's `strategy`, e.g. a copy with a bug in it; values["device"] is cpu
+    (the default) or cuda (local_cluster)."""
+    device = values.get("device") or "cpu"
+    cfg = resolve(strategy, {**values, "device": device}, cluster=local_cluster(device))
     return cfg, training_data(cfg)
+
+
+def share_one_gpu() -> bool:
+    """Whether the testing switch puts every rank of a cuda group on cuda:0 (PARITY_SHARE_ONE_GPU=1)."""
+    return os.environ.get(SHARE_ONE_GPU) == "1"
+
+
+def local_cluster(device: str) -> Cluster:
+    """What resolve is told for a local group on `device`: CPU workers sharing two cores; on cuda this machine's
+    GPUs, one per rank, or under the testing switch as many ranks as a group asks for, all on the one GPU."""
+    if device != "cuda":
+        return CLUSTER
+    import torch
+
+    gpus = torch.cuda.device_count()
+    return Cluster(cpus=float(len(os.sched_getaffinity(0))),
+                   gpus=max(gpus, SHARED_GPU_RANKS) if gpus and share_one_gpu() else gpus)
 
 
 def run_group(runs: list[tuple], kernel: str = "default") -> list[dict]:
@@ -89,13 +113,21 @@ def launch_local(cfgs: list[RunConfig], payloads: list[dict], worker=None, kerne
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        start_processes(_rank, (world, port, worker or train_group_worker, group), world, kernel_environment(kernel))
+        start_processes(_rank, (world, port, worker or train_group_worker, group, placement(cfgs[0].device)), world,
+                        kernel_environment(kernel))
     except mp.ProcessRaisedException as exc:
         print(exc, file=sys.stderr, flush=True)  # the rank's traceback, in the run's log (the terminal says where)
         lines = [line for line in str(exc).splitlines() if line.strip()]
         raise TrainingFailed(f"rank {exc.error_index}: {lines[-1]}") from None
     except mp.ProcessExitedException as exc:
         raise TrainingFailed(f"rank {exc.error_index}: {exc}") from None
+
+
+def placement(device: str) -> tuple[str, str | None]:
+    """(backend, GPU of every rank or None: rank r's own, cuda:r) of a local group on `device`."""
+    if device != "cuda":
+        return "gloo", None
+    return ("gloo", "0") if share_one_gpu() else ("nccl", None)
 
 
 def start_processes(fn, args: tuple, nprocs: int, environment: dict[str, str] | None = None) -> None:
@@ -138,15 +170,20 @@ def _in_environment(rank: int, environment: dict[str, str], stdio: _Stdio, fn, a
     fn(rank, *args)
 
 
-def _rank(rank: int, world: int, port: int, worker, group: dict) -> None:
+def _rank(rank: int, world: int, port: int, worker, group: dict, where: tuple = ("gloo", None)) -> None:
     import torch
     import torch.distributed as dist
 
     if os.environ.get("PARITY_DISABLE_ONEDNN"):
         torch.backends.mkldnn.enabled = False
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
+    backend, gpu = where
+    # LOCAL_RANK is the rank's GPU (what DeviceMesh sets as the device when none is set): cuda:0 for every rank
+    # under the testing switch, which sets it here first
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=gpu or str(rank), RANK=str(rank),
                       WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl" or gpu is not None:
+        torch.cuda.set_device(int(gpu or rank))
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         stopped = (worker(group) or {}).get("stopped")
     finally:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from parity.console import marked
 from parity.errors import COLLATERAL, RunStopped
 from parity.fingerprint import fingerprint
+from parity.ray_session import ray_is_up
 from parity.registry import load
 from parity.tracking.trackers import RunTrackers, open_trackers
 from parity.training.checkpoints import Checkpoints, RayTrainSession, run_dir
@@ -213,10 +214,12 @@ def worker_context(cfg: RunConfig) -> WorkerContext:
     if cfg.cpus_per_worker:
         # Workers share the cores: one intra-op thread per whole CPU granted, never more than the grant.
         torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
-    if cfg.use_cuda:
+    if cfg.use_cuda and ray_is_up():
         import ray.train.torch
 
         device = ray.train.torch.get_device()  # the GPU Ray Train gave this worker
+    elif cfg.use_cuda:  # a local group's rank (parity.driver.local_group), which set its GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
     assert dist.get_world_size() == cfg.num_workers, (dist.get_world_size(), cfg.layout)  # the group is the layout's

@@ -1,0 +1,574 @@
+"""gpu_check.sh: the GPU check in one command, without Ray or DeepSpeed (docs/gpu.md). Each step is timed and recorded
+as passed or failed with its error line; a step that fails does not stop the next. Writes gpu_check.md and
+gpu_check.json under --output_dir (rewritten after every step, so a check cut short still leaves its report).
+
+  collectives   gloo with the run's tensors (CUDA ones on a GPU): every collective the strategies use, on 2 local
+                ranks; which work, which do not
+  seed          the seed configuration at world size 1 (Qwen/Qwen2.5-0.5B, 2 layers, batch 2, seq 1024, 100 steps,
+                lr 1e-5, bf16): DDP, FSDP2 and transformers' (the pipeline needs 2 ranks); tokens/s, peak
+                memory, MFU against the device's bf16 peak (the benchmark's table), each record
+  layer_check   one recorded step of DDP and FSDP2 + TP=2 in bf16 against DDP's fp32 twin (the layer check)
+  parity        several ranks on the one GPU over gloo (PARITY_SHARE_ONE_GPU=1, a switch for testing only): DDP
+                DP=2 against FSDP2 + TP at TP=2 × DP=1 and TP=2 × DP=2 (qwen2-tiny, seq 256), in fp32 (the harness's
+                verdict), and in bf16 at 3 seeds each judged against DDP's noise references (the baseline at two
+                other layouts and in fp32, as the main job runs them): the false-alarm question asked of CUDA
+
+--device cpu is the dry run: the same steps on CPU ranks, every size scaled down (a few steps, tiny sequences).
+Exit 0: every step passed; 1: a step failed; 2: bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import traceback
+
+from parity.commands.common import OneLineParser, run_command
+from parity.errors import ConfigError
+
+JSON_NAME, REPORT_NAME = "gpu_check.json", "gpu_check.md"
+TP_STRATEGY = "fsdp"  # FSDP2 + DTensor TP: the TP strategy that runs without DeepSpeed
+# Every strategy that runs at one rank without DeepSpeed (the pipeline needs 2 ranks at least: --pp_size 1 is refused)
+WORLD_ONE = ("ddp", "fsdp", "transformers")
+NOT_YET = ("Own-trainer GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP / ModelParallel, "
+           "recorded and replayed) are not in this check: issue 40, which brings them, has not landed.")
+
+# Sizes by device: the same steps, only sizes differ (a CPU dry run takes seconds per step).
+SIZES = {
+    "cuda": {
+        "seed": {"model_name": "Qwen/Qwen2.5-0.5B", "num_layers": 2, "batch_size": 2, "seq_length": 1024,
+                 "debug_steps": 100, "learning_rate": 1e-5, "precision": "bf16"},
+        "small": {"model_name": "qwen2-tiny", "num_layers": 2, "batch_size": 2, "seq_length": 256, "debug_steps": 100},
+        "seeds": (1, 2, 3),
+        "layers": {"model_name": "qwen2-tiny", "num_layers": 2, "batch_size": 2, "seq_length": 256},
+        "numel": 1 << 20,  # elements per rank of each collective's tensor
+    },
+    "cpu": {
+        "seed": {"model_name": "qwen2-tiny", "num_layers": 2, "batch_size": 2, "seq_length": 32, "debug_steps": 3,
+                 "learning_rate": 1e-5, "precision": "bf16"},
+        "small": {"model_name": "qwen2-tiny", "num_layers": 1, "batch_size": 2, "seq_length": 16, "debug_steps": 3},
+        "seeds": (1,),
+        "layers": {"model_name": "qwen2-tiny", "num_layers": 1, "batch_size": 2, "seq_length": 16},
+        "numel": 1024,
+    },
+}
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    p = OneLineParser(description, prog="gpu_check.sh")
+    p.add_argument("--output_dir", required=True, help="where gpu_check.md, gpu_check.json and every record go")
+    p.add_argument("--device", default="cuda",
+                   help="cuda (the check) or cpu (the dry run: the same steps, scaled down)")
+    p.add_argument("--steps", nargs="+", default=None, metavar="STEP",
+                   help="only these steps (default: all): collectives seed layer_check parity")
+    return p
+
+
+STEP_NAMES = ("collectives", "seed", "layer_check", "parity")  # the longest last: a check cut short loses least
+
+
+def check(args) -> int:
+    """Check the input, run every step, write the report; the exit code."""
+    from parity import storage
+
+    if args.device not in SIZES:
+        raise ConfigError(f"--device {args.device}: use cuda (the check) or cpu (the dry run)")
+    unknown = [s for s in (args.steps or ()) if s not in STEP_NAMES]
+    if unknown:
+        raise ConfigError(f"--steps {unknown[0]}: use any of {', '.join(STEP_NAMES)}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: torch sees no GPU here: use --device cpu for the dry run")
+    out = storage.local_path(args.output_dir)
+    if out is None:
+        raise ConfigError(f"--output_dir {args.output_dir}: use a folder of this machine")
+    out = os.path.abspath(out)
+    storage.check_writable_dir("--output_dir", out)
+    os.makedirs(out, exist_ok=True)
+    report = Report(out, args.device)
+    steps = {"collectives": step_collectives, "seed": step_seed, "parity": step_parity,
+             "layer_check": step_layer_check}
+    started = time.perf_counter()
+    with open(os.path.join(out, "gpu_check.log"), "a") as log:
+        for name in args.steps or STEP_NAMES:
+            print(f"== {name}", flush=True)
+            report.run(name, steps[name], SIZES[args.device], log)
+            entry = report.steps[-1]
+            print(f"   {'passed' if entry['passed'] else 'FAILED'} in {entry['seconds']:.1f} s"
+                  + ("" if entry["passed"] else f": {entry['error']}"), flush=True)
+    report.data["total_seconds"] = time.perf_counter() - started
+    report.write()
+    print(f"wrote {report.md_path} and {report.json_path} ({report.data['total_seconds']:.0f} s)")
+    return 0 if all(s["passed"] for s in report.steps) else 1
+
+
+class Report:
+    """gpu_check.json and gpu_check.md: the environment, then one entry per step."""
+
+    def __init__(self, out: str, device: str):
+        self.out, self.device = out, device
+        self.json_path, self.md_path = os.path.join(out, JSON_NAME), os.path.join(out, REPORT_NAME)
+        self.steps: list[dict] = []
+        self.data = {"device": device, "environment": environment(device), "output_dir": out, "steps": self.steps,
+                     "not_yet": NOT_YET,
+                     "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+    def run(self, name: str, fn, sizes: dict, log) -> None:
+        t0 = time.perf_counter()
+        entry = {"step": name, "passed": False, "seconds": 0.0, "error": None, "details": {}}
+        self.steps.append(entry)
+        try:
+            with into(log):
+                entry["details"] = fn(os.path.join(self.out, name), self.device, sizes)
+            failures = entry["details"].pop("failures", [])
+            entry["passed"] = not failures
+            entry["error"] = "; ".join(failures) or None
+        except Exception as exc:  # the step failed: its line, and the next step runs
+            traceback.print_exc(file=log)
+            entry["error"] = error_line(exc)
+        entry["seconds"] = time.perf_counter() - t0
+        self.write()
+
+    def write(self) -> None:
+        from parity.storage import write_json_atomic, write_text_atomic
+
+        write_json_atomic(self.json_path, self.data)
+        write_text_atomic(self.md_path, markdown(self.data))
+
+
+@contextlib.contextmanager
+def into(log):
+    """This process's output and its ranks' (descriptors 1 and 2, which a local group's ranks write to) into `log`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            yield
+    finally:
+        log.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+
+
+def error_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[-1]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def environment(device: str) -> dict:
+    """What ran: the fingerprint's library versions (torch, CUDA, transformers …) and the device."""
+    import torch
+
+    from parity.fingerprint import device_description, library_versions
+
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    return {"versions": library_versions(), "device": device_description(where),
+            "gpus": torch.cuda.device_count() if device == "cuda" else 0}
+
+
+# --- a. collectives ---------------------------------------------------------------------------------------------
+
+def step_collectives(folder: str, device: str, sizes: dict) -> dict:
+    """Every collective the strategies use (theirs, FSDP2's and DTensor's), tried on 2 local ranks over gloo with
+    tensors on `device` (both ranks on cuda:0), in fp32 and bf16, each result checked."""
+    from parity.driver.local_group import start_processes
+
+    os.makedirs(folder, exist_ok=True)
+    result = os.path.join(folder, "collectives.json")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start_processes(_collectives_rank, (2, port, device, sizes["numel"], result), 2)
+    with open(result) as f:
+        tried = json.load(f)
+    failing = [f"{name} {dtype}" for name, by_dtype in tried.items() for dtype, r in by_dtype.items() if not r["ok"]]
+    return {"backend": "gloo", "tensors_on": device, "ranks": 2, "results": tried,
+            "working": sorted(name for name, by in tried.items() if all(r["ok"] for r in by.values())),
+            "failures": [f"gloo refuses or miscomputes: {', '.join(failing)}"] if failing else []}
+
+
+def _collectives_rank(rank: int, world: int, port: int, device: str, numel: int, result: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    group = dist.group.WORLD
+
+    def full(value, n=numel, dtype=torch.float32):
+        return torch.full((n,), float(value), dtype=dtype, device=where)
+
+    def same(t, value) -> bool:
+        return t.device.type == where.type and bool((t.float() == value).all())
+
+    def all_reduce(dt):
+        t = full(rank + 1, dtype=dt)
+        dist.all_reduce(t)
+        return same(t, 3)
+
+    def all_reduce_max(dt):
+        t = full(rank + 1, dtype=dt)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return same(t, 2)
+
+    def broadcast(dt):
+        t = full(rank + 5, dtype=dt)
+        dist.broadcast(t, src=0)
+        return same(t, 5)
+
+    def all_gather(dt):
+        outs = [full(0, dtype=dt) for _ in range(world)]
+        dist.all_gather(outs, full(rank + 1, dtype=dt))
+        return all(same(o, i + 1) for i, o in enumerate(outs))
+
+    def all_gather_into_tensor(dt):
+        out = full(0, world * numel, dt)
+        dist.all_gather_into_tensor(out, full(rank + 1, dtype=dt))
+        return all(same(c, i + 1) for i, c in enumerate(out.chunk(world)))
+
+    def reduce_scatter_tensor(dt):
+        out = full(0, dtype=dt)
+        dist.reduce_scatter_tensor(out, full(rank + 1, world * numel, dt))
+        return same(out, 3)
+
+    def all_to_all_single(dt):
+        out = full(0, world * numel, dt)
+        dist.all_to_all_single(out, torch.cat([full(rank * 10 + j, dtype=dt) for j in range(world)]))
+        return all(same(c, i * 10 + rank) for i, c in enumerate(out.chunk(world)))
+
+    def send_recv(dt):
+        t = full(7 if rank == 0 else 0, dtype=dt)
+        dist.send(t, dst=1) if rank == 0 else dist.recv(t, src=0)
+        return same(t, 7)
+
+    def batch_isend_irecv(dt):  # the pipeline's P2P
+        other = 1 - rank
+        got = full(0, dtype=dt)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, full(rank + 1, dtype=dt), other),
+                                            dist.P2POp(dist.irecv, got, other)]):
+            work.wait()
+        return same(got, other + 1)
+
+    def funcol_all_reduce(dt):  # DTensor's
+        return same(funcol.wait_tensor(funcol.all_reduce(full(rank + 1, dtype=dt), "sum", group)), 3)
+
+    def funcol_all_gather_tensor(dt):
+        out = funcol.wait_tensor(funcol.all_gather_tensor(full(rank + 1, dtype=dt), 0, group))
+        return all(same(c, i + 1) for i, c in enumerate(out.chunk(world)))
+
+    def funcol_reduce_scatter_tensor(dt):
+        out = funcol.wait_tensor(funcol.reduce_scatter_tensor(full(rank + 1, world * numel, dt), "sum", 0, group))
+        return same(out, 3)
+
+    def all_gather_object(dt):
+        outs = [None] * world
+        dist.all_gather_object(outs, {"rank": rank})
+        return outs == [{"rank": i} for i in range(world)]
+
+    def broadcast_object_list(dt):
+        objs = [rank + 3]
+        dist.broadcast_object_list(objs, src=0)
+        return objs == [3]
+
+    def barrier(dt):
+        dist.barrier()
+        return True
+
+    tensor_ops = (all_reduce, all_reduce_max, broadcast, all_gather, all_gather_into_tensor, reduce_scatter_tensor,
+                  all_to_all_single, send_recv, batch_isend_irecv, funcol_all_reduce, funcol_all_gather_tensor,
+                  funcol_reduce_scatter_tensor)
+    results = {}
+    for op in (*tensor_ops, all_gather_object, broadcast_object_list, barrier):
+        dtypes = (torch.float32, torch.bfloat16) if op in tensor_ops else (None,)
+        for dt in dtypes:
+            key = str(dt).replace("torch.", "") if dt else "object"
+            t0 = time.perf_counter()
+            try:
+                ok, error = bool(op(dt)), None
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if not ok:
+                    error = "wrong result"
+            except Exception as exc:  # this collective does not take these tensors: say so, try the next
+                ok, error = False, error_line(exc)
+            results.setdefault(op.__name__, {})[key] = {"ok": ok, "error": error,
+                                                        "seconds": time.perf_counter() - t0}
+    if rank == 0:
+        with open(result, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --- b. the seed configuration at world size 1 ------------------------------------------------------------------
+
+def _common(folder: str, name: str, device: str, values: dict, weights: str) -> dict:
+    steps = values["debug_steps"]
+    return {**values, "device": device, "loss_output_dir": folder, "storage_path": os.path.join(folder, "runs"),
+            "init_weights_path": weights, "experiment_name": name, "log_interval": steps, "checkpoint_interval": 0}
+
+
+def write_weights(values: dict, seed: int, path: str) -> str:
+    """The shared initial weights, written here (not by DDP's run): each run of a step then stands alone."""
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
+
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_init_weights(build_model(resolve_model_config(values["model_name"], values["num_layers"]), seed), path)
+    return path
+
+
+def step_seed(folder: str, device: str, sizes: dict) -> dict:
+    """DDP, then each strategy that runs at one rank without DeepSpeed, at world size 1, in one local group (NCCL on a
+    GPU); per run tokens/s, peak memory and MFU from its record (the benchmark's row)."""
+    from parity.comparing import benchmark_report as bench
+    from parity.driver.local_group import plan
+    from parity.registry import label
+    from parity.training.record import load_record, run_record_path
+
+    values = sizes["seed"]
+    weights = write_weights(values, 42, os.path.join(folder, "init_weights.pt"))
+    untimed = max(1, values["debug_steps"] // 10)
+    one_rank = {**values, "num_workers": 1, "tp_size": 1, "dp_size": 1}
+    planned = {s: plan(s, _common(os.path.join(folder, s), f"seed_{s}", device, one_rank, weights)) for s in WORLD_ONE}
+    failed = train(list(planned.values()))
+    rows, failures = {}, []
+    for strategy, (cfg, _) in planned.items():
+        if cfg.experiment_name in failed:
+            rows[strategy] = {"error": failed[cfg.experiment_name]}
+            failures.append(f"{strategy}: {failed[cfg.experiment_name]}")
+            continue
+        record = load_record(run_record_path(cfg))
+        row = bench.summarize_row(strategy, label(strategy), record, run_record_path(cfg), untimed)
+        peak, source = bench.peak_flops(record["config"]["device_name"], None) if device == "cuda" else (None, "")
+        flops = bench.model_flops_per_token(cfg.model_config, cfg.seq_length)
+        row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None  # add_ratios' formula, one rank
+        row.update(backend=record["config"]["backend"], device_name=record["config"]["device_name"],
+                   flops_per_token=flops, peak_flops=peak, peak_flops_source=source, untimed_steps=untimed)
+        rows[strategy] = row
+    return {"config": values, "rows": rows, "failures": failures}
+
+
+def train(runs: list[tuple]) -> dict[str, str]:
+    """Train planned runs ((cfg, batches), each run afresh) in local groups, one per world size, DDP's DP=2 first; the
+    runs a failed group did not finish train again one by one, so that a failure costs only its own run. Returns the
+    error line of each run that failed, by experiment name."""
+    from parity.driver.local_group import run_group
+    from parity.training.record import load_record, run_record_path
+
+    def complete(cfg) -> bool:
+        return os.path.exists(run_record_path(cfg)) and load_record(run_record_path(cfg)).get("complete", False)
+
+    by_world: dict[int, list] = {}
+    for cfg, batches in runs:
+        if os.path.exists(run_record_path(cfg)):
+            os.remove(run_record_path(cfg))  # a record of an earlier check in this folder
+        by_world.setdefault(cfg.num_workers, []).append((cfg, batches))
+    failed = {}
+    for world in sorted(by_world, key=lambda w: (w != 2, w)):
+        try:
+            run_group(by_world[world])
+        except Exception:
+            for cfg, batches in by_world[world]:
+                if complete(cfg):
+                    continue
+                try:
+                    run_group([(cfg, batches)])
+                except Exception as exc:
+                    failed[cfg.experiment_name] = error_line(exc)
+    return failed
+
+
+# --- c. several ranks on the one GPU: fp32 parity, the bf16 calibrated verdict ------------------------------------
+
+def _parity_runs(folder: str, device: str, small: dict, precision: str, seed: int, weights: str,
+                 references: bool) -> tuple[list[tuple[str, str, dict]], dict[str, str]]:
+    """(run id, strategy, flags) of one seed's runs, and the comparison folder of each TP layout: DDP DP=2 (and its
+    references) train into the TP=2 × DP=1 folder and are copied to the others."""
+    from parity.commands.main_job import twin_layouts
+
+    batch, dp = small["batch_size"], 2
+    folders = {f"tp2dp{d}": os.path.join(folder, f"tp2dp{d}") for d in (1, 2)}
+    base = os.path.join(folder, "tp2dp1")
+    flags = {**small, "precision": precision, "seed": seed}
+    runs = [("ddp", "ddp", _common(base, f"ddp_{precision}_s{seed}", device,
+                                   {**flags, "num_workers": dp, "dp_size": dp}, weights))]
+    if references:  # the main job's: the baseline at two other layouts and in fp32 at its own
+        for twin_dp, twin_batch in twin_layouts(dp, batch, None):
+            runs.append((f"twin_dp{twin_dp}", "ddp", _common(base, f"ddp_twin_dp{twin_dp}_s{seed}", device, {
+                **flags, "num_workers": twin_dp, "dp_size": twin_dp, "batch_size": twin_batch, "noise_reference": True},
+                weights)))
+        runs.append(("fp32_twin", "ddp", _common(base, f"ddp_fp32_twin_s{seed}", device, {
+            **flags, "precision": "fp32", "num_workers": dp, "dp_size": dp, "noise_reference": True}, weights)))
+    for d in (1, 2):
+        runs.append((f"tp2dp{d}", TP_STRATEGY, _common(folders[f"tp2dp{d}"], f"fsdp_tp2dp{d}_{precision}_s{seed}",
+                                                       device, {**flags, "num_workers": 2 * d, "tp_size": 2,
+                                                                "dp_size": d, "batch_size": batch * dp // d}, weights)))
+    return runs, folders
+
+
+def step_parity(folder: str, device: str, sizes: dict) -> dict:
+    """fp32 parity at the first seed and the bf16 calibrated verdict at every seed: every run planned, trained in one
+    local group per world size (on a GPU every rank on it, over gloo: the testing switch), then each TP layout's
+    folder judged by the harness's comparison (plot_loss_curves.py's: its exit code, verdict, max relative
+    differences, deviation ÷ noise)."""
+    from parity.commands.compare_curves import compare_and_report
+    from parity.driver.local_group import SHARE_ONE_GPU, plan
+
+    planned, comparisons, failures = [], [], []
+    for precision, seeds, references in (("fp32", sizes["seeds"][:1], False), ("bf16", sizes["seeds"], True)):
+        for seed in seeds:
+            seed_folder = os.path.join(folder, precision, f"seed_{seed}")
+            weights = write_weights(sizes["small"], seed, os.path.join(folder, f"init_weights_seed_{seed}.pt"))
+            runs, folders = _parity_runs(seed_folder, device, sizes["small"], precision, seed, weights, references)
+            planned += [plan(strategy, values) for _, strategy, values in runs]
+            comparisons.append((precision, seed, folders))
+    with _shared_gpu(device, SHARE_ONE_GPU):
+        failed = train(planned)
+    failures += [f"{name}: {line}" for name, line in failed.items()]
+    results = []
+    for precision, seed, folders in comparisons:
+        base = folders["tp2dp1"]
+        for name, target in folders.items():
+            if target != base:  # DDP's record and references, trained once, judged against each layout
+                for f in os.listdir(base) if os.path.isdir(base) else []:
+                    if f == "loss_ddp.json" or f.startswith("noise_reference_"):
+                        os.makedirs(target, exist_ok=True)
+                        shutil.copy(os.path.join(base, f), target)
+            entry = {"precision": precision, "seed": seed, "layout": name, "folder": target}
+            try:
+                code = compare_and_report(target, os.path.join(target, "loss_curves.png"))  # its block: in the log
+                with open(os.path.join(target, "curve_comparison.json")) as f:
+                    c = json.load(f)
+                against = c["against_baseline"][TP_STRATEGY]
+                entry.update(exit_code=code, verdict=c["verdict"], calibrated=against["calibrated"],
+                             max_rel_diff=against["max_rel_diff"], noise_ratio=against["noise_ratio"],
+                             noise_references=c["noise_references"])
+                if code != 0:
+                    failures.append(f"{precision} seed {seed} {name}: {c['verdict']} (exit {code})")
+            except (Exception, SystemExit) as exc:
+                entry.update(exit_code=2, error=error_line(exc))
+                failures.append(f"{precision} seed {seed} {name}: {error_line(exc)}")
+            results.append(entry)
+    return {"seeds": list(sizes["seeds"]), "config": sizes["small"], "comparisons": results, "failures": failures}
+
+
+@contextlib.contextmanager
+def _shared_gpu(device: str, variable: str):
+    """The testing switch on for the block on a GPU (every rank of a group on cuda:0, over gloo)."""
+    before = os.environ.get(variable)
+    if device == "cuda":
+        os.environ[variable] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = before
+
+
+# --- d. the layer check -----------------------------------------------------------------------------------------
+
+def step_layer_check(folder: str, device: str, sizes: dict) -> dict:
+    """run_verification.py through local groups: DDP and FSDP2 + TP=2 in bf16, with DDP's fp32 twin (the noise
+    reference its tolerances are calibrated on)."""
+    from parity.commands.layer_check import main as layer_check
+    from parity.driver.local_group import SHARE_ONE_GPU
+
+    s = sizes["layers"]
+    argv = ["--output_dir", folder, "--launcher", "local", "--device", device, "--strategy", "ddp", TP_STRATEGY,
+            "--tp_size", "2", "--precision", "bf16", "--noise_reference", "on", "--model_name", s["model_name"],
+            "--num_layers", str(s["num_layers"]), "--batch_size", str(s["batch_size"]),
+            "--seq_length", str(s["seq_length"])]
+    with _shared_gpu(device, SHARE_ONE_GPU):
+        code = layer_check(argv)
+    details = {"command": "python run_verification.py " + " ".join(argv), "exit_code": code}
+    path = os.path.join(folder, "layer_comparison.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            pairs = json.load(f)["pairs"]
+        details["pairs"] = [{k: p.get(k) for k in ("run", "reference", "verdict", "calibrated", "max_rel",
+                                                   "bit_identical")} for p in pairs]
+    details["failures"] = [] if code == 0 else [f"run_verification.py exit {code} (see {folder}/layer_check.log)"]
+    return details
+
+
+# --- the report -------------------------------------------------------------------------------------------------
+
+def markdown(data: dict) -> str:
+    env = data["environment"]
+    lines = ["# GPU check", "", f"Device: **{env['device']}** ({data['device']}); started {data['started']}"
+             + (f", {data['total_seconds']:.0f} s in all" if "total_seconds" in data else "") + ".", "",
+             "Libraries: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", "",
+             "| step | result | seconds | error |", "|---|---|---:|---|"]
+    for s in data["steps"]:
+        lines.append(f"| {s['step']} | {'passed' if s['passed'] else '**FAILED**'} | {s['seconds']:.1f} | "
+                     f"{(s['error'] or '').replace('|', '/')} |")
+    for s in data["steps"]:
+        d = s["details"]
+        lines += ["", f"## {s['step']}", ""]
+        if s["step"] == "collectives" and "results" in d:
+            lines += [f"gloo, 2 ranks, tensors on {d['tensors_on']}.", "", "| collective | float32 | bfloat16 |",
+                      "|---|---|---|"]
+            for name, by in d["results"].items():
+                cells = [("ok" if r["ok"] else f"fails: {r['error']}") for r in by.values()]
+                lines.append(f"| {name} | " + " | ".join(cells + [""] * (2 - len(cells))) + " |")
+        elif s["step"] == "seed" and "rows" in d:
+            lines += ["| strategy | backend | tokens/s | MFU | peak memory (MiB) | metric | final loss | record |",
+                      "|---|---|---:|---:|---:|---|---:|---|"]
+            for name, r in d["rows"].items():
+                if "error" in r:
+                    lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
+                    continue
+                mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") is not None else "n/a"
+                lines.append(f"| {name} | {r['backend']} | {r['tokens_per_s']:,.0f} | {mfu} | "
+                             f"{r['peak_memory_bytes'] / 2**20:,.0f} | {r['memory_metric']} | {r['final_loss']:.6f} | "
+                             f"{os.path.relpath(r['loss_record'], data['output_dir'])} |")
+        elif "comparisons" in d:
+            lines += ["DDP DP=2 against FSDP2 + TP (`layout`), several ranks on one device.", "",
+                      "| precision | seed | layout | verdict | exit | calibrated | max rel diff (loss) "
+                      "| deviation ÷ noise |",
+                      "|---|---:|---|---|---:|---|---:|---:|"]
+            for c in d["comparisons"]:
+                where = f"| {c['precision']} | {c['seed']} | {c['layout']} |"
+                if "error" in c:
+                    lines.append(f"{where} error: {c['error']} | {c['exit_code']} | | | |")
+                    continue
+                ratio = max(c["noise_ratio"].values()) if c.get("noise_ratio") else None
+                lines.append(f"{where} {c['verdict']} | {c['exit_code']} | {c['calibrated']} | "
+                             f"{c['max_rel_diff'].get('loss', float('nan')):.2e} | "
+                             f"{'n/a' if ratio is None else f'{ratio:.3f}'} |")
+        elif s["step"] == "layer_check" and "exit_code" in d:
+            lines += [f"`{d['command']}`: exit {d['exit_code']}.", ""]
+            for p in d.get("pairs", []):
+                lines.append(f"- {p['run']} vs {p['reference']}: {p['verdict']}, max rel {p['max_rel']}, "
+                             f"calibrated {p['calibrated']}")
+    lines += ["", "## Not in this check", "", data["not_yet"], ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser(__doc__).parse_args(argv)
+    return run_command(lambda: check(args), "the GPU check")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

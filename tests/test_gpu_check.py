@@ -1,0 +1,203 @@
+"""The GPU check prepared on CPU (issue 42, docs/gpu.md): its CPU dry run (the same steps as on a GPU, scaled down),
+bad input, the local launcher's placement on a GPU, the worker path without Ray or DeepSpeed, the fingerprint's
+CUDA version, and a built bundle's size and wheels."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """The whole check on CPU, once: (exit code, its JSON report, the folder, what it printed)."""
+    from parity.commands.gpu_check import main
+
+    out = tmp_path_factory.mktemp("gpu_check")
+    code = main(["--output_dir", str(out), "--device", "cpu"])
+    with open(out / "gpu_check.json") as f:
+        return code, json.load(f), out
+
+
+def _step(report: dict, name: str) -> dict:
+    return next(s for s in report["steps"] if s["step"] == name)
+
+
+def test_the_dry_run_passes_every_step_and_writes_one_report(dry_run):
+    code, report, out = dry_run
+    assert code == 0, [(s["step"], s["error"]) for s in report["steps"]]
+    assert [s["step"] for s in report["steps"]] == ["collectives", "seed", "layer_check", "parity"]
+    assert all(s["passed"] and s["error"] is None and s["seconds"] > 0 for s in report["steps"])
+    assert report["total_seconds"] >= sum(s["seconds"] for s in report["steps"])  # each step timed, in the total
+    assert report["environment"]["versions"]["torch"].startswith("2.")
+    text = (out / "gpu_check.md").read_text()
+    assert f"torch {report['environment']['versions']['torch']}" in text
+    assert "issue 40" in text and text.count("| passed |") == 4
+
+
+def test_the_dry_run_tries_every_collective_on_two_gloo_ranks(dry_run):
+    _, report, _ = dry_run
+    d = _step(report, "collectives")["details"]
+    assert d["backend"] == "gloo" and d["ranks"] == 2 and d["tensors_on"] == "cpu"
+    tensor_ops = {"all_reduce", "all_reduce_max", "broadcast", "all_gather", "all_gather_into_tensor",
+                  "reduce_scatter_tensor", "all_to_all_single", "send_recv", "batch_isend_irecv", "funcol_all_reduce",
+                  "funcol_all_gather_tensor", "funcol_reduce_scatter_tensor"}
+    assert tensor_ops <= set(d["results"]) and len(d["results"]) == 15
+    assert all(set(d["results"][op]) == {"float32", "bfloat16"} for op in tensor_ops)
+    assert sorted(d["working"]) == sorted(d["results"])  # gloo takes every one on CPU
+
+
+def test_the_seed_step_measures_each_strategy_at_one_rank(dry_run):
+    _, report, _ = dry_run
+    d = _step(report, "seed")["details"]
+    assert list(d["rows"]) == ["ddp", "fsdp", "transformers"]
+    losses = []
+    for name, row in d["rows"].items():
+        assert row["tokens_per_s"] > 0 and row["peak_memory_bytes"] > 10 * MIB, row
+        assert row["memory_metric"].startswith("process_max_rss") and row["backend"] == "gloo"
+        assert row["mfu"] is None and row["flops_per_token"] > 0  # no bf16 peak on a CPU
+        assert row["steps"] == 3 and os.path.exists(row["loss_record"])
+        losses.append(row["final_loss"])
+    assert max(losses) - min(losses) <= 1e-2 * abs(losses[0]), losses  # one rank, one model, bf16
+
+
+def test_the_dry_run_judges_parity_with_the_harness_verdict(dry_run):
+    from parity.comparing.tolerances import NOISE_K
+
+    _, report, _ = dry_run
+    comparisons = _step(report, "parity")["details"]["comparisons"]
+    fp32 = [c for c in comparisons if c["precision"] == "fp32"]
+    assert [(c["seed"], c["layout"]) for c in fp32] == [(1, "tp2dp1"), (1, "tp2dp2")]
+    for c in fp32:
+        assert c["exit_code"] == 0 and c["verdict"] == "PASS" and c["calibrated"] is False
+        assert c["max_rel_diff"]["loss"] < 1e-5, c
+    bf16 = [c for c in comparisons if c["precision"] == "bf16"]
+    assert [(c["seed"], c["layout"]) for c in bf16] == [(1, "tp2dp1"), (1, "tp2dp2")] and len(comparisons) == 4
+    for c in bf16:
+        assert c["exit_code"] == 0 and c["verdict"] == "PASS" and c["calibrated"] is True
+        assert len(c["noise_references"]) == 3  # the twins at DP=1 and DP=4, the fp32 twin
+        assert 0 <= max(c["noise_ratio"].values()) < NOISE_K, c
+    layers = _step(report, "layer_check")["details"]
+    assert layers["exit_code"] == 0 and "--launcher local" in layers["command"]
+    assert [(p["run"], p["verdict"], p["calibrated"]) for p in layers["pairs"]] == [("fsdp", "PASS", True)]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--device", "tpu"], "error: --device tpu: use cuda (the check) or cpu (the dry run)"),
+    (["--device", "cpu", "--steps", "seed", "nope"], "error: --steps nope: use any of collectives, seed, layer_check, "
+                                                      "parity"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, line):
+    from parity.commands.gpu_check import main
+
+    assert main(["--output_dir", str(tmp_path / "out"), *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unwritable_output_or_no_gpu_is_one_line_and_exit_2(tmp_path, capsys):
+    import torch
+
+    from parity.commands.gpu_check import main
+
+    (tmp_path / "file").write_text("x")
+    assert main(["--output_dir", str(tmp_path / "file" / "out"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --output_dir {tmp_path / 'file' / 'out'} is not a writable")
+    if not torch.cuda.is_available():
+        assert main(["--output_dir", str(tmp_path / "out"), "--device", "cuda"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "error: --device cuda: torch sees no GPU here: use --device cpu for the dry run"]
+
+
+def test_the_local_launcher_places_ranks_on_the_runs_device(tmp_path, monkeypatch):
+    """cpu: gloo; cuda: NCCL with rank r on cuda:r, or under the testing switch gloo with every rank on cuda:0, and
+    resolve told as many GPUs as a group asks for (where torch sees one)."""
+    import torch
+
+    from parity.driver import local_group
+    from parity.errors import ConfigError
+
+    monkeypatch.delenv(local_group.SHARE_ONE_GPU, raising=False)
+    assert local_group.placement("cpu") == ("gloo", None)
+    assert local_group.placement("cuda") == ("nccl", None)
+    assert local_group.local_cluster("cpu") == local_group.CLUSTER
+    monkeypatch.setenv(local_group.SHARE_ONE_GPU, "1")
+    assert local_group.placement("cuda") == ("gloo", "0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert local_group.local_cluster("cuda").gpus == local_group.SHARED_GPU_RANKS == 64
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert local_group.local_cluster("cuda").gpus == 0
+    with pytest.raises(ConfigError, match=r"--device cuda needs 2 GPUs \(one per worker\), the Ray cluster has 0"):
+        local_group.plan("ddp", {"model_name": "qwen2-tiny", "seq_length": 16, "device": "cuda",
+                                 "init_weights_path": str(tmp_path / "w.pt"), "save_init_weights": True,
+                                 "loss_output_dir": str(tmp_path / "l"), "storage_path": str(tmp_path / "s")})
+
+
+def test_the_worker_path_imports_without_ray_or_deepspeed():
+    """The device image has neither: the worker, the local launcher, the layer check, the comparison, the check and
+    the strategies that run without DeepSpeed import with both blocked."""
+    code = """
+import sys
+sys.modules['ray'] = None
+sys.modules['deepspeed'] = None
+import parity.training.loop, parity.driver.local_group, parity.layer_check.layer_step, parity.commands.gpu_check
+import parity.commands.layer_check, parity.commands.compare_curves, parity.comparing.curve_report
+from parity.registry import load, row
+print(' '.join(load(row(n).path).__name__ for n in ('ddp', 'fsdp', 'pipeline', 'transformers')))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["DDPStrategy", "FSDPStrategy", "PipelineStrategy", "TransformersStrategy"]
+
+
+def test_the_fingerprint_records_cuda_and_reports_show_it(monkeypatch):
+    import importlib.metadata
+
+    import torch
+
+    from parity import fingerprint
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "cuda" not in fingerprint.library_versions()  # a CPU build says nothing
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    versions = fingerprint.library_versions()
+    assert versions["cuda"] == "13.0" and versions["torch"] == importlib.metadata.version("torch")
+    fp = {"shared_code_sha256": "a" * 64, "strategy_code": {"sha256": "b" * 64, "files": ["ddp_strategy.py"]},
+          "versions": versions, "device": "NVIDIA H100 80GB HBM3 (CUDA 13.0)", "model_type": "qwen2"}
+    line = fingerprint.short(fp)
+    assert "cuda 13.0" in line and f"torch {versions['torch']}" in line and "NVIDIA H100 80GB HBM3 (CUDA 13.0)" in line
+
+
+def test_a_built_bundle_fits_and_carries_wheels_the_device_takes():
+    manifest = os.path.join(REPO, ".whl", "bundle.json")
+    if not os.path.exists(manifest):
+        pytest.skip("no bundle built here (python tools/build_gpu_bundle.py builds .whl/)")
+    import zipfile
+
+    with open(manifest) as f:
+        m = json.load(f)
+    folder = os.path.dirname(manifest)
+    wheels = sorted(f for f in os.listdir(folder) if f.endswith(".whl"))
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    assert size <= 64 * MIB and m["travelling_bytes"] <= 64 * MIB, (size, m["travelling_bytes"])
+    names = [w.split("-")[0].lower() for w in wheels]
+    assert len(names) == len(set(names)), wheels  # one version of each
+    with open(os.path.join(REPO, "requirements.txt")) as f:
+        pinned = next(line.split("==")[1].strip() for line in f if line.startswith("transformers=="))
+    assert f"transformers-{pinned}-py3-none-any.whl" in wheels
+    assert not any(n in ("deepspeed", "ray") for n in names)
+    for w in wheels:
+        with zipfile.ZipFile(os.path.join(folder, w)) as z:
+            meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/WHEEL"))).decode()
+        tags = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Tag:")]
+        assert tags and all(t == "py3-none-any" or (t.startswith("cp312-") and "manylinux" in t and
+                                                    t.endswith("x86_64")) for t in tags), (w, tags)
