@@ -53,7 +53,8 @@ class DDPStrategy(Strategy):
             for layer in model.get_submodule(family_of(model.config).stack):
                 layer.compile()  # in place: the module keeps its name
         # before DDP: its buckets take the dtype
-        self.policy_optimizer = self.policy_optimizer_class(model.parameters(), self.cfg)
+        self.policy_optimizer = self.policy_optimizer_class(model.parameters(), self.cfg,
+                                                            [name for name, _ in model.named_parameters()])
         self.optimizer = self.policy_optimizer.optimizer
         device_ids = [self.ctx.device] if self.ctx.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=device_ids)

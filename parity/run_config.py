@@ -19,6 +19,9 @@ NOT_IDENTITY = ("log_interval", "replica_check_interval", "loss_output_dir", "st
                 "report_to")
 
 
+REPLAY_ONLY = ("optimizer", "lr_schedule")  # RunConfig fields only a replay of a recorded run sets
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a run depends on, resolved: no 'auto', no missing default. The loss record stores it."""
@@ -74,6 +77,10 @@ class RunConfig:
     verbose: bool
     options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
     model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
+    # A replay of a recorded run (parity/integrations/replay.py) only; None in every other run, and then left out of
+    # to_dict (a harness run's record and checkpoints are as they were):
+    optimizer: dict | None = None  # the recorded optimizer, {"type", "groups": [{"params": names, "lr_scale", ...}]}
+    lr_schedule: tuple | None = None  # the lr applied at each step, as recorded (parity.training.optimizer.lr_at)
 
     @property
     def layout(self) -> Layout:
@@ -89,7 +96,11 @@ class RunConfig:
         return self.device == "cuda"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        for key in REPLAY_ONLY:
+            if data[key] is None:
+                del data[key]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":

@@ -24,7 +24,44 @@ def build_parser(strategy: str, description: str = "", argv: list[str] | None = 
     parser = OneLineParser(description)
     add_run_flags(parser)
     add_strategy_options(parser, [load(path or row(strategy).path)])
+    if strategy == "ddp":
+        parser.add_argument("--replay_record", default=argparse.SUPPRESS, metavar="LOSS_JSON",  # absent unless given
+                            help="replay a run recorded by parity's recorder (its loss_<name>.json) under DDP: the record "
+                                 "supplies the model, weights, data, optimizer, lr, micro-batches, precision and steps; "
+                                 "give only --num_workers, --device, the output and checkpoint flags and "
+                                 "--noise_reference (docs/own_trainer.md)")
     return parser
+
+
+def given_flags(strategy: str, argv: list[str] | None) -> dict:
+    """Only the flags the user typed (no defaults), by name."""
+    from parity.registry import load, row
+
+    parser = OneLineParser()
+    add_run_flags(parser, given_only=True)
+    add_strategy_options(parser, [load(row(strategy).path)], given_only=True)
+    parser.add_argument("--replay_record", default=argparse.SUPPRESS)
+    given = vars(parser.parse_known_args(sys.argv[1:] if argv is None else argv)[0])
+    given.pop("replay_record", None)
+    return given
+
+
+def replay(record_file: str, given: Mapping[str, Any]) -> str:
+    """train_ddp.py --replay_record: the replay's config and batches from the record (parity/integrations/replay.py),
+    then trained as every run; returns the loss record's path. Raises ConfigError or TrainingFailed."""
+    from parity.driver.launch import launch_runs
+    from parity.integrations.replay import plan_replay
+    from parity.training.record import run_record_path
+
+    cfg, batches = plan_replay(record_file, given)
+    t0 = time.perf_counter()
+    with console.terminal(run_log(cfg), cfg.verbose) as log, ray_for_this_command():
+        with console.pointing_to(log, f"[{cfg.strategy}] "):
+            launch_runs([cfg], [{"batches": batches}])
+        path = run_record_path(cfg)
+        console.say(f"[{cfg.strategy}] replayed {storage.name(record_file)} in {time.perf_counter() - t0:.1f} s; "
+                    f"loss record: {path}")
+    return path
 
 
 def run(strategy: str, values: Mapping[str, Any]) -> str:
@@ -53,7 +90,12 @@ def run_log(cfg) -> str:
 def main(strategy: str, description: str = "", argv: list[str] | None = None) -> int:
     """The whole of train_<strategy>.py."""
     def train() -> int:
-        run(strategy, vars(build_parser(strategy, description, argv).parse_args(argv)))
+        values = vars(build_parser(strategy, description, argv).parse_args(argv))
+        record = values.pop("replay_record", None)
+        if record:
+            replay(record, given_flags(strategy, argv))
+        else:
+            run(strategy, values)
         return 0
 
     return run_command(train, "training")

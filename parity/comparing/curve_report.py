@@ -116,7 +116,10 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
     else:
         lines.append(replicas_line(r.run))
     if f is not None:
-        if f.test == "overflow":
+        if f.test == "duplicate_rows":
+            lines.append(f"first step outside: step {f.step}: ranks {int(f.value)} and {int(f.reference)} fed the same "
+                         f"rows ({int(f.rel_diff)} duplicated): no two data-parallel ranks may train on one sample")
+        elif f.test == "overflow":
             did = lambda skipped: "skipped" if skipped else "applied"  # noqa: E731
             lines.append(f"first step outside: step {f.step}: {label(r.run.name)} {did(f.value)} it and {base} "
                          f"{did(f.reference)} it (an fp16 overflow): from there they train different models")
@@ -176,8 +179,8 @@ def replay_command(c: Comparison, r: CurveResult) -> str | None:
     machine (a shared mount on a cluster). Its folder goes beside the records, or under the working
     directory when they are in an object store."""
     f = r.verdict.first_outside
-    if f is None or c.baseline.name != "ddp":
-        return None
+    if f is None or c.baseline.name != "ddp" or r.run.config.get("source") == "recorder":
+        return None  # a recorded run has no checkpoint of the harness's to replay a step from
     base, run = c.baseline.config, r.run.config
     checkpoints = storage.local_path(storage.join(base["storage_path"], base["experiment_name"]))
     if checkpoints is None:

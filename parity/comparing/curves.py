@@ -41,7 +41,8 @@ from parity.precision import POLICIES, POLICY_FIELDS, describe
 from parity.registry import run_label
 from parity.training.record import REFERENCE_GLOB, load_record
 # Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
-OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+                      "optimizer")  # optimizer: by parameter group, where a record names it (a recorded run, its replay)
 # Config entries that differ between strategies by design: not suspects when a run FAILs. strategy_path is the
 # strategy's class (a user's or a seeded bug's shows as strategy_class, which is a suspect).
 LAYOUT_AND_PLACES = ("strategy", "strategy_path", "num_workers", "tp_size", "dp_size", "world_size", "batch_size",
@@ -103,6 +104,18 @@ class Run:
         "checks" (steps checked)}; declared False when its strategy declares none (or the record predates it)."""
         declared = self.record.get("replicas", {"declared": False})
         return {**declared, "checks": sum(1 for s in self.steps if "replicas" in s)}
+
+    @property
+    def duplicate_rows(self) -> Outside | None:
+        """The first step at which two of this run's DP ranks fed the same rows (a recorded run's rows check,
+        parity/integrations/recorder.py), or None: an integrity failure, ahead of any tolerance."""
+        for s in self.steps:
+            found = s.get("rows_check") or {}
+            if found.get("duplicates"):
+                rank, other, rows = found["pairs"][0]
+                return Outside(quantity="duplicate_rows", rel_diff=float(found["duplicates"]), tolerance=0.0,
+                               step=s["step"], value=float(rank), reference=float(other), test="duplicate_rows")
+        return None
 
     @property
     def parting(self) -> Parting | None:
@@ -260,6 +273,9 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     mismatches += [f"{storage.name(r.file)} ({r.name}{', the baseline' if r is base else ', a noise reference'}): "
                    f"{r.parting.line()}: a run whose own ranks no longer hold one model is no reference; find why "
                    f"(docs/running.md#replicas) and run it again" for r in [base, *references] if r.parting]
+    mismatches += [f"{storage.name(r.file)} ({r.name}): ranks fed the same rows at step {r.duplicate_rows.step}: a "
+                   f"run that trained on other data than it says is no reference" for r in [base, *references]
+                   if r.duplicate_rows]
     if mismatches:
         raise NotComparable(mismatches)
     quantities = quantities_of([*runs, *references], num_steps)
@@ -436,7 +452,8 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
     other_policy = policy_differences(base, run)
     outside = None
     if not other_policy:  # the earlier of the two; at one step, the overflow mismatch (it explains the rest)
-        found = [o for o in (first_overflow_mismatch(base, run, num_steps), first_outside(series, baseline, bounds)) if o]
+        found = [o for o in (run.duplicate_rows, first_overflow_mismatch(base, run, num_steps),
+                             first_outside(series, baseline, bounds)) if o]
         outside = min(found, key=lambda o: o.step, default=None)
     verdict = Verdict(run.name, base.name, bounds.source, max_rel, outside, run.parting, tuple(other_policy))
     ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in quantities}

@@ -96,6 +96,8 @@ def check_source(dataset: str) -> None:
         path = dataset[len("text:"):]
         if not os.path.isfile(path):
             raise ConfigError(f"--dataset {dataset}: no such file {path}: give the path of a UTF-8 text file")
+    elif dataset.startswith(RECORDED):
+        return  # a replay's (parity/integrations/replay.py): its record and batches are checked there
     elif dataset not in ("synthetic", "synthetic_padded", "wikitext"):
         raise ConfigError(f"--dataset {dataset} is not known: use synthetic, synthetic_padded, wikitext or text:PATH")
 
@@ -209,6 +211,43 @@ def training_data(cfg) -> GlobalBatches:
     dataset = open_dataset(cfg.dataset, cfg.tokenizer, cfg.model_config["vocab_size"], cfg.seq_length,
                            cfg.num_samples, cfg.seed)
     return GlobalBatches(dataset, cfg.global_batch_size, cfg.seed)
+
+
+RECORDED = "recorded:"  # --dataset of a replay: recorded:<the record's batch folder>
+
+
+def recorded_batch_path(folder: str, step: int) -> str:
+    """Where a recorded run's global batch of `step` is saved (parity/integrations/recorder.py writes it): input ids,
+    labels and attention mask, [rows, length] each, in safetensors."""
+    from parity import storage
+
+    return storage.join(folder, f"step_{step:06d}.safetensors")
+
+
+class _Described:
+    def __init__(self, text: str):
+        self.text = text
+
+    def describe(self) -> str:
+        return self.text
+
+
+class RecordedBatches:
+    """Step → the global batch a recorded run trained on (parity/integrations/recorder.py saved each one in
+    `folder`), its rows in the harness's order (DP rank r's at [r·b, (r+1)·b), micro-batches in order): what a
+    replay trains on. Read on the worker when the step comes."""
+
+    def __init__(self, folder: str, steps: int, description: str):
+        self.folder, self.steps_per_epoch = folder, steps
+        self.dataset = _Described(description)
+
+    def __call__(self, step: int) -> Batch:
+        from safetensors.torch import load
+
+        from parity import storage
+
+        tensors = load(storage.read_bytes(recorded_batch_path(self.folder, step)))
+        return Batch(tensors["input_ids"].long(), tensors["labels"].long())
 
 
 def dp_slice(global_batch: Batch, dp_rank: int, batch_size: int) -> Batch:

@@ -29,15 +29,40 @@ class OptimizerStep:
         return result if isinstance(result, cls) else cls(float(result))
 
 
-def build_optimizer(params, cfg) -> torch.optim.AdamW:
-    """The one optimizer every strategy uses (DeepSpeed is handed this same client optimizer)."""
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}  # what cfg.optimizer's "type" may name
+
+
+def build_optimizer(params, cfg, names=None) -> torch.optim.Optimizer:
+    """The one optimizer every strategy uses (DeepSpeed is handed this same client optimizer): AdamW over `params`
+    in one group with the flags' settings — or, where the run names its optimizer by parameter group
+    (`cfg.optimizer`, a replay's: parity.integrations.replay), that optimizer's type (AdamW or Adam) with one group
+    per recorded group, each of the parameters it names (`names`: the name of each of `params`, in order), its weight
+    decay, betas, eps and lr scale (set_lr gives each group lr × its scale)."""
+    spec = getattr(cfg, "optimizer", None)
+    if not spec:
+        return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                 eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    params = list(params)
+    if names is None or len(names) != len(params):
+        raise ValueError("an optimizer by parameter group needs the name of every parameter")
+    by_name = dict(zip(names, params))
+    groups = []
+    for group in spec["groups"]:
+        missing = [n for n in group["params"] if n not in by_name]
+        if missing:
+            raise ValueError(f"the optimizer's group names {missing[0]}, which the model does not hold")
+        groups.append({"params": [by_name.pop(n) for n in group["params"]], "lr": cfg.learning_rate * group["lr_scale"],
+                       "lr_scale": group["lr_scale"], "weight_decay": group["weight_decay"],
+                       "betas": tuple(group["betas"]), "eps": group["eps"]})
+    if by_name:
+        raise ValueError(f"no group of the optimizer holds {next(iter(by_name))}")
+    return OPTIMIZERS[spec["type"]](groups, lr=cfg.learning_rate)
 
 
 def set_lr(optimizer, lr: float) -> None:
+    """Every group's lr: `lr`, times the group's lr scale where it has one (an optimizer by parameter group)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
 def step_optimizer(optimizer, lr: float) -> None:
@@ -48,7 +73,10 @@ def step_optimizer(optimizer, lr: float) -> None:
 
 
 def lr_at(step: int, cfg) -> float:
-    """Linear warm-up over --warmup_steps, then constant."""
+    """Linear warm-up over --warmup_steps, then constant; a replay's recorded lr at each step (cfg.lr_schedule)."""
+    schedule = getattr(cfg, "lr_schedule", None)
+    if schedule:
+        return schedule[step]
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
     return cfg.learning_rate

@@ -47,14 +47,17 @@ class PolicyOptimizer:
     after each backward where micro-batches accumulate in fp32, `step` in optimizer_step, `master_parameters()` for
     the parameter norm and the full parameters, `state_dict` / `load_state_dict` in checkpoints."""
 
-    def __init__(self, params, cfg):
+    def __init__(self, params, cfg, names=None):
         self.policy, self.cfg = policy_of(cfg), cfg
-        self.params = [p for p in params if p.requires_grad]
+        params = list(params)
+        kept = [i for i, p in enumerate(params) if p.requires_grad]
+        self.params = [params[i] for i in kept]
+        names = [names[i] for i in kept] if names is not None else None  # build_optimizer's, for groups by name
         self.masters = [p.detach().float().clone() for p in self.params] if self.policy.master_copy else None
         self._master = {id(p): m for p, m in zip(self.params, self.masters or self.params)}
         for p in self.params:
             p.data = p.data.to(DTYPES[self.policy.params])
-        self.optimizer = build_optimizer(self.masters or self.params, cfg)
+        self.optimizer = build_optimizer(self.masters or self.params, cfg, names)
         self.scaler = LossScaler(**cfg.loss_scaling) if self.policy.loss_scaling else None
         self.accumulates_fp32 = self.policy.master_copy and cfg.grad_accum_dtype == "fp32"
 

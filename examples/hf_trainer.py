@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Hugging Face's Trainer on a tiny Qwen2 (the harness's qwen2-tiny preset, random weights), padded data with an
+attention mask and gradient accumulation, recorded for the harness by ParityCallback (docs/own_trainer.md).
+
+    python examples/hf_trainer.py --output_dir OUT --nproc 2        # 2 ranks spawned here (DDP over gloo, CPU)
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --output_dir OUT
+    python train_ddp.py --replay_record OUT/loss_hf_trainer.json --num_workers 2 --loss_output_dir OUT \\
+        --storage_path OUT/checkpoints
+    python plot_loss_curves.py --input_dir OUT --output OUT/curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+
+from parity.integrations.transformers import ParityCallback
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--name", default="hf_trainer")
+    p.add_argument("--nproc", type=int, default=1, help="ranks to spawn when not started by torchrun")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch_size", type=int, default=2, help="rows per rank per micro-batch")
+    p.add_argument("--grad_accum_steps", type=int, default=2)
+    p.add_argument("--seq_length", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_grad_norm", type=float, default=10.0,
+                   help="Trainer's clipping; where it does not clip, the recorder measures the pre-clip norm itself in "
+                        "float64, else it records Trainer's fp32 value (docs/own_trainer.md)")
+    return p.parse_args(argv)
+
+
+class PaddedRows(torch.utils.data.Dataset):
+    """Random tokens, each row of its own length, right-padded with 0 (attention mask 0, labels -100 there)."""
+
+    def __init__(self, rows: int, seq_length: int, vocab: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, vocab, (rows, seq_length), generator=g)
+        lengths = torch.randint(seq_length // 4, seq_length + 1, (rows,), generator=g)
+        self.mask = (torch.arange(seq_length)[None, :] < lengths[:, None]).long()
+        self.ids = ids * self.mask
+        self.labels = self.ids.masked_fill(self.mask == 0, -100)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+def train(args) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from parity.models.model import build_model, resolve_model_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
+    rows = args.steps * world * args.batch_size * args.grad_accum_steps
+    data = PaddedRows(rows, args.seq_length, model.config.vocab_size, args.seed)
+    training = TrainingArguments(
+        output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=1e-3,
+        warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, ddp_backend="gloo", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
+        disable_tqdm=True)
+    trainer = Trainer(model=model, args=training, train_dataset=data,
+                      callbacks=[ParityCallback(args.output_dir, name=args.name)])
+    trainer.train()
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    train(args)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # torchrun
+        train(args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()

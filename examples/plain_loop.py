@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""A hand-written DDP training loop, recorded for the harness (docs/own_trainer.md).
+
+The loop is a user's own: torch DDP over gloo on CPU, a tiny Qwen2 (the harness's qwen2-tiny preset, random weights),
+right-padded samples of different lengths with an attention mask, gradient accumulation under no_sync, AdamW with
+two parameter groups (no weight decay on biases and norms, as Hugging Face's Trainer does), a linear warm-up, and
+clipping. The recorder (parity.integrations.recorder.ParityRecorder) is five lines of it.
+
+    python examples/plain_loop.py --output_dir OUT --nproc 2          # 2 ranks, spawned here (gloo, CPU)
+    torchrun --nproc_per_node 2 examples/plain_loop.py --output_dir OUT
+    python train_ddp.py --replay_record OUT/loss_plain_loop.json --num_workers 2 --loss_output_dir OUT \\
+        --storage_path OUT/checkpoints
+    python plot_loss_curves.py --input_dir OUT --output OUT/curves.png    # PASS: the loop trains as DDP does
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from parity.integrations.recorder import ParityRecorder
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output_dir", required=True, help="where loss_<name>.json and the recorded batches go")
+    p.add_argument("--name", default="plain_loop", help="the record's name: loss_<name>.json")
+    p.add_argument("--nproc", type=int, default=1, help="ranks to spawn when not started by torchrun")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch_size", type=int, default=4, help="rows per rank per step")
+    p.add_argument("--grad_accum_steps", type=int, default=2)
+    p.add_argument("--seq_length", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup_steps", type=int, default=3)
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_batch_bytes", type=int, default=None, help="the recorder's cap on the batches it saves")
+    return p.parse_args(argv)
+
+
+def global_rows(step: int, rows: int, seq_length: int, vocab: int, seed: int):
+    """Step `step`'s rows of every rank: random tokens, each row of its own length, right-padded with 0 (attention mask
+    0, labels -100 there)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ids = torch.randint(1, vocab, (rows, seq_length), generator=g)
+    lengths = torch.randint(seq_length // 4, seq_length + 1, (rows,), generator=g)
+    mask = (torch.arange(seq_length)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    return ids, ids.masked_fill(mask == 0, -100), mask
+
+
+def build(args):
+    """The model (random weights, the same on every rank) and AdamW in two groups, with a linear warm-up."""
+    from parity.models.model import build_model, resolve_model_config
+
+    model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+    return model, optimizer, scheduler
+
+
+def train(args) -> str | None:
+    """The loop, on every rank of the process group that is up. Returns the record's path on rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer, scheduler = build(args)
+    ddp = DistributedDataParallel(model)
+    rec = ParityRecorder(args.output_dir, name=args.name, model=ddp, optimizer=optimizer,
+                         max_grad_norm=args.max_grad_norm, framework="examples/plain_loop.py",
+                         **({"max_batch_bytes": args.max_batch_bytes} if args.max_batch_bytes else {}))
+    b, accum = args.batch_size, args.grad_accum_steps
+    m = b // accum
+    for step in range(args.steps):
+        ids, labels, mask = global_rows(step, world * b, args.seq_length, model.config.vocab_size, args.seed)
+        mine = slice(rank * b, (rank + 1) * b)  # this rank's rows
+        ids, labels, mask = ids[mine], labels[mine], mask[mine]
+        # the global batch's loss tokens: each rank's count, summed over the ranks
+        local = (labels[:, 1:] != -100).sum()
+        global_tokens = local.clone()
+        dist.all_reduce(global_tokens)
+        logged = 0.0
+        for k in range(accum):
+            micro = slice(k * m, (k + 1) * m)
+            with contextlib.nullcontext() if k == accum - 1 else ddp.no_sync():
+                logits = ddp(input_ids=ids[micro], attention_mask=mask[micro], use_cache=False).logits
+                summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[micro][:, 1:].flatten(),
+                                         ignore_index=-100, reduction="sum")
+                loss = summed * world / global_tokens  # DDP averages over ranks: the global token mean
+                loss.backward()
+            rec.micro_batch(ids[micro], labels[micro], logits, attention_mask=mask[micro])
+            logged += float(summed.detach())
+        logged = torch.tensor(logged, dtype=torch.float64)
+        dist.all_reduce(logged)  # the loss the loop logs: the global batch's token mean
+        rec.before_step()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        rec.after_step(logged_loss=float(logged / global_tokens))
+    return rec.close()
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        train(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group("gloo")
+        try:
+            train(args)
+        finally:
+            dist.destroy_process_group()
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The replay of a recorded run (parity/integrations/recorder.py) under the harness's DDP: `train_ddp.py
+--replay_record OUT/loss_<name>.json --num_workers N --loss_output_dir OUT --storage_path CK` trains the trusted loop on
+what the record supplies and writes OUT/loss_ddp.json, the baseline plot_loss_curves.py judges the recorded run
+against (docs/own_trainer.md).
+
+The record supplies the model (its config.json) and the initial weights, the data (each step's saved global batch,
+its rows split evenly over the workers), the optimizer (type and parameter groups by name: build_optimizer with
+RunConfig.optimizer), the lr of each step (RunConfig.lr_schedule), the micro-batch structure (--grad_accum_steps), the
+precision and the step count. Beside it only --num_workers, --device, the output and checkpoint flags and
+--noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything else contradicts
+the record and is refused in one line. The harness feeds no attention masks: a causal model's right padding needs none
+(labels −100 on it), and a record whose masks are anything else is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from parity import storage
+from parity.driver.config import resolve
+from parity.errors import ConfigError, RecordError
+from parity.training.data import RECORDED, RecordedBatches, recorded_batch_path
+from parity.training.loss import IGNORE_INDEX
+from parity.training.record import load_record
+
+# The flags a replay takes beside --replay_record: where it runs and where its outputs go.
+ALLOWED = ("num_workers", "device", "loss_output_dir", "storage_path", "experiment_name", "final_checkpoint_dir",
+           "log_interval", "replica_check_interval", "verbose", "report_to", "checkpoint_interval",
+           "keep_checkpoints", "resume", "max_failures", "noise_reference")
+REPLAYED_OPTIMIZERS = ("AdamW", "Adam")  # parity.training.optimizer.OPTIMIZERS
+
+
+def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None):
+    """(RunConfig, RecordedBatches) of the replay of `record_file` with the flags the user `given` (only those given).
+    ConfigError, one line, for anything that cannot be replayed."""
+    record = read_recorded(record_file)
+    config = record["config"]
+    given = {k: v for k, v in given.items() if v is not None}
+    allowed = set(ALLOWED) | ({"precision"} if given.get("noise_reference") else set())
+    extra = sorted(set(given) - allowed)
+    if extra:
+        raise ConfigError(f"--{extra[0]} contradicts --replay_record: the record supplies the model, weights, data, "
+                          f"optimizer, lr, micro-batches, precision and steps; beside it give only --num_workers, "
+                          f"--device, the output and checkpoint flags and --noise_reference")
+    optimizer = replayable_optimizer(record_file, config["optimizer"])
+    steps = len(record["steps"])
+    folder = config["batches"]["folder"]
+    structure = config["batches"]["micro_batches"]
+    micro_batches, rows = len(structure[0]), sum(map(sum, structure))
+    workers = int(given.get("num_workers", config["dp_size"]))
+    if workers < 1 or rows % workers or (rows // workers) % micro_batches:
+        raise ConfigError(f"--num_workers {workers}: the record's global batch of {rows} rows in {micro_batches} "
+                          f"micro-batches per rank does not split evenly over {workers} workers: use a number of "
+                          f"workers that divides {rows // micro_batches}")
+    length = check_batches(record_file, folder, steps)
+    model_folder = config["model_name"]
+    _check_model(record_file, model_folder)
+    lrs = tuple(float(s["lr"]) for s in record["steps"])
+    values = {"model_name": model_folder, "init_weights_path": config["init_weights_path"], "num_workers": workers,
+              "batch_size": rows // workers, "grad_accum_steps": micro_batches, "seq_length": max(length, 2),
+              "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0,
+              "weight_decay": config["weight_decay"], "adam_beta1": config["adam_beta1"],
+              "adam_beta2": config["adam_beta2"], "adam_epsilon": config["adam_epsilon"],
+              "max_grad_norm": config["max_grad_norm"], "precision": config["precision"],
+              "dataset": RECORDED + folder, "checkpoint_interval": 0, **given}
+    cfg = resolve("ddp", values, cluster=cluster)
+    cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs)
+    _check_groups(record_file, cfg)
+    return cfg, RecordedBatches(folder, steps, f"the global batches of {storage.name(record_file)} ({steps} steps, "
+                                               f"{rows} rows each)")
+
+
+def read_recorded(record_file: str) -> dict:
+    """The record, checked as every record is (load_record), then as a recorder's that can be replayed."""
+    name = storage.name(record_file)
+    try:
+        record = load_record(record_file)
+    except RecordError as exc:
+        raise ConfigError(f"--replay_record: {exc}") from None
+    config = record["config"]
+    if config.get("source") != "recorder":
+        raise ConfigError(f"--replay_record {name}: not a record of parity's recorder (a harness run's record is "
+                          f"compared with plot_loss_curves.py, not replayed)")
+    if not config.get("hugging_face_model"):
+        raise ConfigError(f"--replay_record {name}: the recorded model is not a Hugging Face model (no config to "
+                          f"build it from): the harness trains Hugging Face causal LMs only")
+    batches = config.get("batches") or {}
+    if not batches.get("replayable"):
+        raise ConfigError(f"--replay_record {name}: not replayable: {batches.get('not_replayable')}")
+    if not batches.get("saved_steps") or batches["saved_steps"] < len(record["steps"]):
+        raise ConfigError(f"--replay_record {name}: its batches are missing (saved {batches.get('saved_steps', 0)} of "
+                          f"{len(record['steps'])} steps): record again with the batches saved")
+    if config["precision"] == "fp16":
+        raise ConfigError(f"--replay_record {name}: fp16 runs are not replayed (the recorder does not record the loss "
+                          f"scaler)")
+    return record
+
+
+def replayable_optimizer(record_file: str, optimizer: dict) -> dict:
+    """The recorded optimizer if the harness can build it (AdamW or Adam, without amsgrad and the like)."""
+    name = storage.name(record_file)
+    kind = optimizer.get("type")
+    if kind not in REPLAYED_OPTIMIZERS:
+        raise ConfigError(f"--replay_record {name}: the recorded optimizer is {kind}: the replay builds "
+                          f"{' and '.join(REPLAYED_OPTIMIZERS)} only")
+    for i, group in enumerate(optimizer["groups"]):
+        if group.get("flags"):
+            flag = next(iter(group["flags"]))
+            raise ConfigError(f"--replay_record {name}: the recorded {kind}'s group {i} sets {flag}: the replay builds "
+                              f"{kind} without it")
+        if "betas" not in group or "eps" not in group:
+            raise ConfigError(f"--replay_record {name}: the recorded {kind}'s group {i} has no betas or eps")
+    return optimizer
+
+
+def check_batches(record_file: str, folder: str, steps: int) -> int:
+    """Every step's saved batch is there and right-padded (each row's mask 1…1 0…0, labels −100 where it is 0);
+    returns the longest row."""
+    from safetensors.torch import load
+
+    name, longest = storage.name(record_file), 0
+    for step in range(steps):
+        path = recorded_batch_path(folder, step)
+        try:
+            tensors = load(storage.read_bytes(path))
+        except FileNotFoundError:
+            raise ConfigError(f"--replay_record {name}: step {step}'s batch {path} is missing: record again") from None
+        except Exception as exc:
+            raise ConfigError(f"--replay_record {name}: step {step}'s batch {path} cannot be read "
+                              f"({type(exc).__name__})") from None
+        mask, labels = tensors["attention_mask"], tensors["labels"]
+        ones = mask.sum(1, keepdim=True)
+        right = (mask == (mask.new_ones(mask.shape).cumsum(1) <= ones).long()).all(1)
+        if not bool(right.all()):
+            row = int((~right).nonzero()[0])
+            raise ConfigError(f"--replay_record {name}: step {step}, row {row}: the attention mask is not right "
+                              f"padding (1…1 0…0): the harness feeds no masks; replay runs padded on the right only")
+        unlabelled = (labels[mask == 0] == IGNORE_INDEX).all()
+        if not bool(unlabelled):
+            raise ConfigError(f"--replay_record {name}: step {step}: labels on padding (where the attention mask is "
+                              f"0): set them to -100")
+        longest = max(longest, mask.shape[1])
+    return longest
+
+
+def _check_model(record_file: str, folder: str) -> None:
+    """The harness can build the recorded model (a decoder-only causal LM transformers knows)."""
+    from parity.models.model import resolve_model_config
+
+    try:
+        resolve_model_config(folder)
+    except ConfigError as exc:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: the recorded model cannot be built by the "
+                          f"harness: {str(exc).split(': ', 1)[-1]}") from None
+
+
+def _check_groups(record_file: str, cfg) -> None:
+    """The recorded groups name the model's parameters, each once (build_optimizer on the model's meta copy)."""
+    import torch
+
+    from parity.models.model import meta_model, model_config_from_dict
+    from parity.training.optimizer import build_optimizer
+
+    model = meta_model(model_config_from_dict(cfg.model_config))
+    named = [(n, torch.nn.Parameter(torch.empty(0))) for n, _ in model.named_parameters()]
+    try:
+        build_optimizer([p for _, p in named], cfg, [n for n, _ in named])
+    except ValueError as exc:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: {exc}") from None
