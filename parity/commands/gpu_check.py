@@ -38,7 +38,8 @@ TP_STRATEGY = "fsdp"  # FSDP2 + DTensor TP: the TP strategy that runs without De
 # Every strategy that runs at one rank without DeepSpeed (the pipeline needs 2 ranks at least: --pp_size 1 is refused)
 WORLD_ONE = ("ddp", "fsdp", "transformers")
 NOT_YET = ("Own-trainer GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP / ModelParallel, "
-           "recorded and replayed) are not in this check: issue 40, which brings them, has not landed.")
+           "recorded and replayed) are not in this check: issue 40's recorder covers plain and DDP loops so far "
+           "(docs/own_trainer.md), not sharded ones.")
 
 # Sizes by device: the same steps, only sizes differ (a CPU dry run takes seconds per step).
 SIZES = {
