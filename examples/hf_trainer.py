@@ -30,6 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad_accum_steps", type=int, default=2)
     p.add_argument("--seq_length", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast over fp32 weights)")
+    p.add_argument("--dump_step", type=int, default=None,
+                   help="record step K in full for compare_dumps.py (docs/own_trainer.md: localising a FAIL)")
     p.add_argument("--max_grad_norm", type=float, default=10.0,
                    help="Trainer's clipping; where it does not clip, the recorder measures the pre-clip norm itself in "
                         "float64, else it records Trainer's fp32 value (docs/own_trainer.md)")
@@ -68,9 +71,9 @@ def train(args) -> None:
         gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=1e-3,
         warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=True, ddp_backend="gloo", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
-        disable_tqdm=True)
+        disable_tqdm=True, bf16=args.bf16)
     trainer = Trainer(model=model, args=training, train_dataset=data,
-                      callbacks=[ParityCallback(args.output_dir, name=args.name)])
+                      callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step)])
     trainer.train()
 
 

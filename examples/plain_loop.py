@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_batch_bytes", type=int, default=None, help="the recorder's cap on the batches it saves")
+    p.add_argument("--dump_step", type=int, default=None,
+                   help="record step K in full for compare_dumps.py (docs/own_trainer.md: localising a FAIL)")
     return p.parse_args(argv)
 
 
@@ -57,13 +59,17 @@ def global_rows(step: int, rows: int, seq_length: int, vocab: int, seed: int):
     return ids, ids.masked_fill(mask == 0, -100), mask
 
 
-def build(args):
-    """The model (random weights, the same on every rank) and AdamW in two groups, with a linear warm-up."""
+def build(args, shard=None):
+    """The model (random weights, the same on every rank) and AdamW in two groups, with a linear warm-up. `shard`:
+    what shards the model in place before the optimizer is built (examples/sharded_loop.py's fully_shard)."""
     from parity.models.model import build_model, resolve_model_config
 
     model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    flat = {n for n, p in model.named_parameters() if p.ndim < 2}  # biases and norms, named before any sharding
+    if shard is not None:
+        shard(model)
+    decay = [p for n, p in model.named_parameters() if n not in flat]
+    no_decay = [p for n, p in model.named_parameters() if n in flat]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
@@ -77,7 +83,8 @@ def train(args) -> str | None:
     ddp = DistributedDataParallel(model)
     rec = ParityRecorder(args.output_dir, name=args.name, model=ddp, optimizer=optimizer,
                          max_grad_norm=args.max_grad_norm, framework="examples/plain_loop.py",
-                         **({"max_batch_bytes": args.max_batch_bytes} if args.max_batch_bytes else {}))
+                         **({"max_batch_bytes": args.max_batch_bytes} if args.max_batch_bytes else {}),
+                         dump_step=args.dump_step)
     b, accum = args.batch_size, args.grad_accum_steps
     m = b // accum
     for step in range(args.steps):
@@ -110,29 +117,34 @@ def train(args) -> str | None:
     return rec.close()
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
+def _spawned(rank: int, world: int, port: int, args, run=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        train(args)
+        (run or train)(args)
     finally:
         dist.destroy_process_group()
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def launch(args, run=None) -> None:
+    """`run(args)` (default: this loop's train) on every rank: in torchrun's group, or on --nproc ranks spawned here
+    (gloo, CPU). examples/sharded_loop.py launches its loop with it."""
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group("gloo")
         try:
-            train(args)
+            (run or train)(args)
         finally:
             dist.destroy_process_group()
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args, run), nprocs=args.nproc)
+
+
+def main(argv=None) -> None:
+    launch(parse_args(argv))
 
 
 if __name__ == "__main__":

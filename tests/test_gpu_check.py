@@ -34,13 +34,24 @@ def _step(report: dict, name: str) -> dict:
 def test_the_dry_run_passes_every_step_and_writes_one_report(dry_run):
     code, report, out = dry_run
     assert code == 0, [(s["step"], s["error"]) for s in report["steps"]]
-    assert [s["step"] for s in report["steps"]] == ["collectives", "seed", "layer_check", "parity"]
+    assert [s["step"] for s in report["steps"]] == ["collectives", "seed", "layer_check", "own_trainer", "parity"]
     assert all(s["passed"] and s["error"] is None and s["seconds"] > 0 for s in report["steps"])
     assert report["total_seconds"] >= sum(s["seconds"] for s in report["steps"])  # each step timed, in the total
     assert report["environment"]["versions"]["torch"].startswith("2.")
     text = (out / "gpu_check.md").read_text()
     assert f"torch {report['environment']['versions']['torch']}" in text
-    assert "issue 40" in text and text.count("| passed |") == 4
+    assert "DeepSpeed paths" in text and text.count("| passed |") == 4
+
+
+def test_the_dry_run_skips_the_own_trainer_gpu_paths_in_one_line(dry_run):
+    """Trainer with accelerate's FSDP2, Lightning's FSDP and ModelParallel need CUDA: on CPU the step says so."""
+    from parity.commands.gpu_check_own import SKIPPED
+
+    _, report, out = dry_run
+    step = _step(report, "own_trainer")
+    assert step["passed"] and step["details"] == {"skipped": SKIPPED} and step["seconds"] < 1
+    text = (out / "gpu_check.md").read_text()
+    assert "| own_trainer | skipped |" in text and SKIPPED in text
 
 
 def test_the_dry_run_tries_every_collective_on_two_gloo_ranks(dry_run):
@@ -93,7 +104,7 @@ def test_the_dry_run_judges_parity_with_the_harness_verdict(dry_run):
 @pytest.mark.parametrize("argv,line", [
     (["--device", "tpu"], "error: --device tpu: use cuda (the check) or cpu (the dry run)"),
     (["--device", "cpu", "--steps", "seed", "nope"], "error: --steps nope: use any of collectives, seed, layer_check, "
-                                                      "parity"),
+                                                      "own_trainer, parity"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, line):
     from parity.commands.gpu_check import main

@@ -1,13 +1,17 @@
 """Your own trainer (docs/own_trainer.md): examples/plain_loop.py — a hand-written torch DDP loop over gloo, padded data,
-gradient accumulation — recorded by parity's recorder at 2 ranks, replayed under the harness's DDP (the local
-launcher: Ray adds nothing to the arithmetic), judged by the verdict. Seeded bugs in copies of the example FAIL at a
-named step; bad input is one line and exit 2.
+gradient accumulation — and examples/hf_trainer.py (Trainer, recorded by ParityCallback) recorded by parity's recorder,
+replayed under the harness's DDP (the local launcher: Ray adds nothing to the arithmetic), judged by the verdict.
+Seeded bugs in copies of the examples FAIL at a named step, and the dumps of a step name the first divergent module;
+Trainer in bf16 PASSes the calibrated verdict and a seeded bug FAILs it; Trainer's DeepSpeed path is refused in one
+line; Trainer at 2 ranks and at 1 rank with twice the accumulation agree; bad input is one line and exit 2.
 
-One group of two ranks records every copy of the example one after another, and one local group replays them all
-(module-scoped): the file's time is two group start-ups and a few dozen tiny steps."""
+One group of two ranks records every job one after another, one group of one rank the 1-rank runs, and one local
+group per world size (2, 1, 4) replays them all, then one more replays the two dumped steps (module-scoped): the
+file's time is seven group start-ups and a few dozen tiny steps."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -34,52 +38,142 @@ COPIES = {
     # rank r fed rank r-1's rows (rank 0 its own): two ranks train on the same samples
     "neighbour": [(MINE, "mine = slice(max(rank - 1, 0) * b, max(rank - 1, 0) * b + b)")],
 }
+TRAINER_LINE = "    trainer = Trainer(model=model, args=training, train_dataset=data,"
+CALLBACKS = "callbacks=[ParityCallback("
+ARGS_END = "disable_tqdm=True, bf16=args.bf16)"
+DEEPSPEED = ("{'train_micro_batch_size_per_gpu': 'auto', 'gradient_accumulation_steps': 'auto', "
+             "'zero_optimization': {'stage': 1}, 'gradient_clipping': 'auto'}")  # DeepSpeed's train_batch_size its own
+# The seeded bugs and the DeepSpeed path in copies of examples/hf_trainer.py.
+HF_COPIES = {
+    # a compute_loss override that drops num_items_in_batch: each micro-batch's own token mean, not divided by the
+    # accumulation (Trainer divides only where num_items_in_batch is missing from its own call)
+    "hf_num_items": [(TRAINER_LINE, """    class Buggy(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+    trainer = Buggy(model=model, args=training, train_dataset=data,""")],
+    # the scheduler stepped again at the end of every update: twice per update
+    "hf_twice": [(CALLBACKS, "callbacks=[Twice(), ParityCallback("),
+                 ("def train(args) -> None:", """from transformers import TrainerCallback
+
+
+class Twice(TrainerCallback):
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        lr_scheduler.step()
+
+
+def train(args) -> None:""")],
+    # Trainer's DeepSpeed path on CPU: ZeRO-1 through TrainingArguments(deepspeed=...)
+    "hf_deepspeed": [(ARGS_END, f"disable_tqdm=True, bf16=args.bf16, deepspeed={DEEPSPEED})")],
+    # the same without use_cpu=True (the reported case), in a fresh accelerate state as a user's process has it
+    "hf_deepspeed_world": [(ARGS_END, f"disable_tqdm=True, bf16=args.bf16, deepspeed={DEEPSPEED})"),
+                           ("use_cpu=True, ", ""),
+                           ("    world = int(", "    from accelerate.state import AcceleratorState\n\n"
+                                              "    AcceleratorState._reset_state(reset_partial_state=True)\n"
+                                              "    world = int(")],
+}
 STEPS = 6
+BF16_STEPS = 4
+HF_DUMP_STEP = 2  # the clean Trainer run dumps step 2 (a replayed step past the first), the seeded bug step 0
 CAPPED = "capped"  # the clean loop recorded with a batch cap that 3 steps pass
+BF16 = "bf16"  # Trainer in bf16: the clean run (hf_trainer) and the compute_loss bug (hf_bug) in one folder
 
 
 def _record_rank(rank: int, world: int, port: int, jobs: list) -> None:
-    """Every job (a copy of the example, its arguments) one after another on this rank of one gloo group (the
+    """Every job (a copy of an example, its arguments) one after another on this rank of one gloo group (the
     variables torchrun sets, for accelerate: it takes the group that is up)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")  # else accelerate sets torch's threads to the cores ÷ the ranks: 2 at 1 rank
     with gloo_rank(rank, world, port):
-        for i, (path, argv) in enumerate(jobs):
-            spec = importlib.util.spec_from_file_location(f"plain_loop_copy_{i}", path)
+        for i, (path, argv, *stderr) in enumerate(jobs):
+            spec = importlib.util.spec_from_file_location(f"example_copy_{i}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            module.train(module.parse_args(argv))
+            if stderr and rank == 0:  # the job's lines, for a test to read
+                with open(stderr[0], "w") as f, contextlib.redirect_stderr(f):
+                    module.train(module.parse_args(argv))
+            else:
+                module.train(module.parse_args(argv))
+
+
+def _copy(root, source: str, name: str, edits) -> str:
+    text = open(source).read()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = root / f"{name}.py"
+    path.write_text(text)
+    return str(path)
+
+
+def _replay(folders, root, name, record, workers, **given):
+    from parity.driver.local_group import CLUSTER
+    from parity.integrations.replay import plan_replay
+
+    values = {"num_workers": workers, "device": "cpu", "loss_output_dir": str(folders[name]),
+              "storage_path": str(root / "checkpoints"), "experiment_name": f"replay_{name}_{workers}_{len(given)}",
+              **given}
+    return plan_replay(str(folders[name] / f"loss_{record}.json"), values, cluster=CLUSTER)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each copy recorded at 2 ranks (4 rows a rank in 2 micro-batches, padded) and replayed at 2 workers: {copy:
-    its folder}, each holding loss_plain_loop.json and loss_ddp.json; and the capped recording's folder."""
-    from parity.driver.local_group import CLUSTER, launch_local, start_processes
-    from parity.integrations.replay import plan_replay
+    """Recorded at 2 ranks in one gloo group (4 rows a rank in 2 micro-batches, padded), one job after another: each
+    copy of the plain loop, the capped loop, the Trainer example clean (dumping step 2) and its seeded bugs (the
+    compute_loss one dumping step 0), the Trainer's DeepSpeed path, and Trainer in bf16 (clean and the compute_loss
+    bug, one folder); at 1 rank in another: the plain loop, and Trainer with twice the accumulation. Replayed in one
+    local group per world size: at the records' layouts, and for the bf16 folder its noise references (1 and 4
+    workers, and fp32 at 2); then the two dumped steps replayed by the layer check's worker. {name: its folder}."""
+    from parity.driver.local_group import launch_local, start_processes
+    from parity.integrations.dump import dump_payload, finish_dump
+    from parity.layer_check.layer_step import layer_steps_worker
 
     root = tmp_path_factory.mktemp("own_trainer")
     jobs, folders = [], {}
-    source = open(EXAMPLE).read()
     for name, edits in COPIES.items():
-        text = source
-        for old, new in edits:
-            assert text.count(old) == 1, old
-            text = text.replace(old, new)
-        path = root / f"{name}.py"
-        path.write_text(text)
         folders[name] = root / name
-        jobs.append((str(path), ["--output_dir", str(folders[name]), "--name", NAME, "--steps", str(STEPS)]))
+        jobs.append((_copy(root, EXAMPLE, name, edits), ["--output_dir", str(folders[name]), "--name", NAME,
+                                                         "--steps", str(STEPS)]))
     folders[CAPPED] = root / CAPPED
     jobs.append((EXAMPLE, ["--output_dir", str(folders[CAPPED]), "--name", NAME, "--steps", "3",
                            "--max_batch_bytes", "10000"]))
-    folders[HF] = root / HF
-    jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[HF]), "--steps", str(STEPS)]))  # last: accelerate stays
+    for name in (BF16, HF, *HF_COPIES, "plain_1rank", "hf_1rank", "internal"):
+        folders[name] = root / name
+    jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[HF]), "--steps", str(STEPS),
+                              "--dump_step", str(HF_DUMP_STEP)]))
+    hf_copies = {name: _copy(root, HF_EXAMPLE, name, edits) for name, edits in HF_COPIES.items()}
+    for name in ("hf_num_items", "hf_twice"):  # 3 steps: they FAIL at step 0 and 1
+        jobs.append((hf_copies[name], ["--output_dir", str(folders[name]), "--steps", "3",
+                                       *(["--dump_step", "0"] if name == "hf_num_items" else [])]))
+    jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16"]))
+    jobs.append((hf_copies["hf_num_items"], ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16",
+                                             "--name", "hf_bug"]))
+    for name in ("hf_deepspeed", "hf_deepspeed_world"):  # last: the second resets accelerate's state
+        folders[name].mkdir()
+        jobs.append((hf_copies[name], ["--output_dir", str(folders[name]), "--steps", "1"],
+                     str(folders[name] / "stderr.txt")))
     start_processes(_record_rank, (2, free_port(), jobs), 2)
-    planned = [plan_replay(str(folders[name] / f"loss_{HF if name == HF else NAME}.json"),
-                           {"num_workers": 2, "device": "cpu", "loss_output_dir": str(folders[name]),
-                            "storage_path": str(root / "checkpoints"), "experiment_name": f"replay_{name}"},
-                           cluster=CLUSTER) for name in [*COPIES, HF]]
-    launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
+    one = [(EXAMPLE, ["--output_dir", str(folders["plain_1rank"]), "--name", NAME, "--steps", str(STEPS)]),
+           (HF_EXAMPLE, ["--output_dir", str(folders["hf_1rank"]), "--name", "hf_1rank", "--steps", str(STEPS),
+                         "--grad_accum_steps", "4"])]
+    start_processes(_record_rank, (1, free_port(), one), 1)
+
+    two = [_replay(folders, root, name, NAME, 2) for name in COPIES]
+    two += [_replay(folders, root, name, HF, 2) for name in (HF, "hf_num_items", "hf_twice", BF16)]
+    two.append(_replay(folders, root, BF16, HF, 2, noise_reference=True, precision="fp32"))
+    groups = [two, [_replay(folders, root, "plain_1rank", NAME, 1), _replay(folders, root, "hf_1rank", "hf_1rank", 1),
+                    _replay(folders, root, BF16, HF, 1, noise_reference=True)],
+              [_replay(folders, root, BF16, HF, 4, noise_reference=True)]]
+    for planned in groups:
+        launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
+    dumps = [(_replay(folders, root, HF, HF, 2), HF_DUMP_STEP), (_replay(folders, root, "hf_num_items", HF, 2), 0)]
+    launch_local([cfg for (cfg, _), _ in dumps], [dump_payload(cfg, batches, k) for (cfg, batches), k in dumps],
+                 worker=layer_steps_worker)
+    for (cfg, batches), k in dumps:
+        finish_dump(cfg, batches, k)
+    folders["internal"].mkdir()
+    for source, name in ((folders[HF], HF), (folders["hf_1rank"], "hf_1rank")):  # Trainer at 2 ranks and at 1
+        shutil.copy(source / f"loss_{name}.json", folders["internal"] / f"loss_{name}.json")
     return folders
 
 
@@ -128,12 +222,18 @@ def test_seeded_loss_bug_fails_at_its_first_step(runs, bug):
     0, so the same loss, but another gradient — FAIL at step 0 on the pre-clip grad norm."""
     recorded, replay = _record(runs[bug]), _record(runs[bug], "ddp")
     assert abs(recorded["steps"][0]["loss"] - replay["steps"][0]["loss"]) <= 1e-6 * replay["steps"][0]["loss"]
-    comparison = _compare(runs[bug])
+    outside = first_fail(runs[bug], 0, "grad_norm")
+    assert outside.rel_diff > 1e-3
+
+
+def first_fail(folder, step: int, quantity: str):
+    """The folder's one run against its replay FAILs, first at `step` on `quantity`: the verdict's Outside."""
+    comparison = _compare(folder)
     (result,) = comparison.results
     assert comparison.word == "FAIL"
     outside = result.verdict.first_outside
-    assert (outside.step, outside.quantity) == (0, "grad_norm"), outside
-    assert outside.rel_diff > 1e-3
+    assert (outside.step, outside.quantity) == (step, quantity), outside
+    return outside
 
 
 def test_neighbour_rows_fail_the_duplicate_rows_check(runs):
@@ -170,6 +270,12 @@ def _edited_record(runs, tmp_path, edit) -> str:
 
 
 def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
+    """Each refused before any worker starts (nothing written under --loss_output_dir): a record without its batches,
+    one whose batches passed the cap, initial weights of another model, flags the record supplies, an optimizer the
+    replay cannot build, workers that do not divide the rows, a harness run's record, a step to dump that the record
+    lacks, --dump_step without a record."""
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
+
     record = str(runs["clean"] / f"loss_{NAME}.json")
     out = ["--loss_output_dir", str(tmp_path / "out"), "--storage_path", str(tmp_path / "ck")]
     empty = tmp_path / "no_batches"
@@ -181,7 +287,19 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
     def sgd(data):
         data["config"]["optimizer"]["type"] = "SGD"
 
+    other = str(tmp_path / "other_model.safetensors")  # the same preset with one decoder layer
+    save_init_weights(build_model(resolve_model_config("qwen2-tiny", num_layers=1), 0), other)
+
+    def other_weights(data):
+        data["config"]["init_weights_path"] = other
+
     cases = [
+        ([*out, "--replay_record", _edited_record(runs, tmp_path / "c", other_weights)],
+         f"error: --replay_record loss_{NAME}.json: its initial weights {other} are not the recorded model's (has 1 "
+         f"layers, run asks for 2): record the run again"),
+        ([*out, "--replay_record", record, "--dump_step", str(STEPS)],
+         f"error: --dump_step {STEPS} is not a step of loss_{NAME}.json (0 to {STEPS - 1})"),
+        ([*out, "--dump_step", "0"], "error: --dump_step needs --replay_record"),
         ([*out, "--replay_record", _edited_record(runs, tmp_path / "a", without_batches)],
          f"error: --replay_record loss_{NAME}.json: step 0's batch {empty}/step_000000.safetensors is missing: "
          f"record again"),
@@ -260,6 +378,7 @@ def test_hf_trainer_replays_to_the_record_and_passes(runs):
     assert recorded["config"]["batches"]["micro_batches"] == [[2, 2], [2, 2]]
     assert [g["weight_decay"] for g in recorded["config"]["optimizer"]["groups"]] == [0.01, 0.0]
     assert series(recorded, "lr")[0] == 0.0 and len(set(series(recorded, "lr"))) > 2  # Trainer's warm-up and decay
+    assert series(recorded, "declared_lr") == series(recorded, "lr")  # the schedule Trainer's settings declare
     for key in ("batch_hash", "tokens", "lr"):
         assert series(replay, key) == series(recorded, key), key
     for key in ("loss", "grad_norm", "param_norm"):
@@ -302,3 +421,162 @@ def test_a_recorder_failure_never_stops_the_training(tmp_path):
         assert rec.close() is None
     finally:
         dist.destroy_process_group()
+
+
+def _only(comparison):
+    (result,) = comparison.results
+    return result
+
+
+@pytest.mark.parametrize("bug, step, quantity", [("hf_num_items", 0, "grad_norm"), ("hf_twice", 1, "lr")])
+def test_seeded_trainer_bug_fails_at_its_step(runs, bug, step, quantity):
+    """Copies of examples/hf_trainer.py, replayed. A compute_loss that drops num_items_in_batch: each micro-batch's
+    own mean, not divided by the accumulation — the same loss at step 0, a gradient ~2× (measured 2.38 vs 1.18):
+    FAIL at step 0 on the grad norm, and the verdict says how to localise it. A scheduler stepped twice per update:
+    the replay applies the recorded lr, so the curves agree (within 1e-5), and the lr Trainer's own settings declare
+    FAILs it at step 1 (0.001 applied, 0.0005 declared), ahead of any tolerance."""
+    from parity.comparing.curve_report import verdict_details
+
+    outside = first_fail(runs[bug], step, quantity)
+    comparison = _compare(runs[bug])
+    result = _only(comparison)
+    details = verdict_details(comparison, result)
+    if bug == "hf_twice":
+        assert all(x < 1e-5 for x in result.verdict.max_rel_diff.values())
+        assert (outside.value, outside.reference) == (1e-3, 5e-4)
+        assert any("the lr applied, 0.001, is not the one the framework's own settings declare (0.0005)" in line
+                   for line in details)
+    else:
+        assert 1.5 < outside.value / outside.reference < 2.5  # ~2: the sum of the 2 micro-batches' means
+        assert any(line.startswith(f"localise step 0: rerun your script with the recorder's dump_step=0") and
+                   f"--replay_record D/loss_{HF}.json --dump_step 0" in line for line in details)
+
+
+def test_compare_dumps_names_the_first_divergent_module(runs):
+    """The localisation: the Trainer run dumped one step (ParityCallback(dump_step=K)), the replay dumped the same
+    step (the layer check's worker after K replayed steps), compare_dumps.py compares them tensor by tensor.
+    The compute_loss bug at step 0: every forward output agrees (same weights, same rows), and the first divergence
+    is the backward's first tensor, lm_head's output gradient (×2: the loss's scale). The clean run at step 2: every
+    module output, output gradient and parameter gradient within 1e-5 (the user's masked attention against the
+    harness's unmasked one: last bits); the parameters after AdamW's update too, but for the k_proj biases, whose
+    noise-level gradients AdamW turns into update differences (measured 1.3e-4 relative: parity/comparing/layers.py
+    SCALE_FLOOR's case)."""
+    from parity.comparing.layer_report import console_summary
+    from parity.comparing.layers import compare_all, load_dumps
+
+    dumps = load_dumps(str(runs["hf_num_items"]))  # what compare_dumps.py reads and compares (no heatmap here)
+    (bug,) = compare_all(dumps)
+    assert (bug.a, bug.b) == (HF, "ddp")
+    first = bug.verdict.first_outside
+    assert (first.module, first.quantity) == ("lm_head", "backward (output gradient)"), first
+    assert max(r.rel for r in bug.rows if r.kind == "output") < 1e-5
+    assert "lm_head" in console_summary(dumps, [bug])
+    (clean,) = compare_all(load_dumps(str(runs[HF])))
+    assert max(r.rel for r in clean.rows if r.kind != "param") < 1e-5
+    over = {r.name for r in clean.rows if r.rel > 1e-5}
+    assert over <= {f"model.layers.{i}.self_attn.k_proj.bias" for i in range(2)}, over
+
+
+def test_bf16_trainer_calibrated_verdict(runs):
+    """Trainer in bf16 (autocast on CPU), 4 steps: the replay at the record's layout is the baseline; the replays with
+    --noise_reference at 1 and 4 workers and in fp32 give the noise. The clean run PASSes within 1× the noise
+    (measured deviation ÷ noise 0.8: loss 0.8, grad norm 0.04, param norm 0.3); the compute_loss bug, recorded on the
+    same data from the same weights, FAILs at step 0 on the grad norm under the same calibration (measured 669×)."""
+    comparison = compare_in(runs[BF16])
+    assert comparison.baseline.name == "ddp" and comparison.baseline.precision == "bf16"
+    assert len(comparison.references) == 3
+    results = {r.run.name: r for r in comparison.results}
+    clean, bug = results[HF], results["hf_bug"]
+    assert clean.bounds.calibrated and clean.verdict.passed and max(clean.noise_ratios.values()) < 1.5
+    assert not bug.verdict.passed and max(bug.noise_ratios.values()) > 100
+    outside = bug.verdict.first_outside
+    assert (outside.step, outside.quantity) == (0, "grad_norm")
+
+
+def compare_in(folder):
+    from parity.comparing.curves import compare, load_references, load_runs
+
+    return compare(load_runs(str(folder)), references=load_references(str(folder)))
+
+
+def test_one_rank_runs_replay_and_pass(runs):
+    """The plain loop and Trainer (4 accumulation steps) at 1 rank (a group of one), replayed at 1 worker: loss, grad
+    norm and parameter norm within 1e-5 at every step; PASS."""
+    for folder, name in ((runs["plain_1rank"], NAME), (runs["hf_1rank"], "hf_1rank")):
+        recorded, replay = _record(folder, name), _record(folder, "ddp")
+        assert recorded["config"]["dp_size"] == 1
+        for key in ("loss", "grad_norm", "param_norm"):
+            assert max_rel_diff(series(replay, key), series(recorded, key)) < 1e-5, (name, key)
+        assert _compare(folder).word == "PASS", name
+    assert _record(runs["hf_1rank"], "hf_1rank")["config"]["batches"]["micro_batches"] == [[2, 2, 2, 2]]
+
+
+def test_trainer_two_ranks_against_one_rank_twice_the_accumulation(runs):
+    """A framework-internal comparison in the same folder and verdict: Trainer at 2 ranks × 2 accumulation steps (the
+    baseline) against 1 rank × 4. The same rows each step in another order (other batch hashes, equal order-free
+    rows hashes), the same loss, grad norm and parameter norm within 1e-5: PASS."""
+    from parity.comparing.curves import compare, load_runs
+
+    two, one = _record(runs["internal"], HF), _record(runs["internal"], "hf_1rank")
+    assert series(two, "batch_hash") != series(one, "batch_hash")
+    assert series(two, "rows_hash") == series(one, "rows_hash")
+    comparison = compare(load_runs(str(runs["internal"])), baseline=HF)
+    assert comparison.word == "PASS"
+    assert max(_only(comparison).verdict.max_rel_diff.values()) < 1e-5
+
+
+def _recorder_lines(folder) -> list[str]:
+    return [line for line in (folder / "stderr.txt").read_text().splitlines() if line.startswith("parity recorder")]
+
+
+def test_trainer_deepspeed_path_is_refused_in_one_line(runs):
+    """Trainer's DeepSpeed path on CPU (ZeRO-1 through TrainingArguments(deepspeed=...), two ranks). With use_cpu=True
+    Trainer sees the world right, but DeepSpeed's engine steps its optimizer inside backward, out of the recorder's
+    sight: refused in one line naming it. Without use_cpu=True (the reported finding) each rank's Trainer sees
+    world_size 1 and process_index 0 — accelerate's state found no backend and kept one process while DeepSpeed
+    started the 2-rank group — so every rank feeds the same rows: refused in one line naming that and its cause.
+    Nothing recorded (never a PASS); the user's training ran to its end in both."""
+    assert _recorder_lines(runs["hf_deepspeed"]) == [
+        f"parity recorder [{HF}]: Trainer's DeepSpeed path (TrainingArguments(deepspeed=...)) is not recorded: "
+        f"DeepSpeed steps its own optimizer inside backward (no torch optimizer step to hook, no gradients outside it) "
+        f"and shards the optimizer state; record the run under Trainer's DDP path (no deepspeed=) or with the "
+        f"harness's own train_deepspeed.py: recording nothing"]
+    assert _recorder_lines(runs["hf_deepspeed_world"]) == [
+        f"parity recorder [{HF}]: Trainer sees world_size 1 and process_index 0, the process group 2 ranks (this one "
+        f"rank 0): every rank would feed the same rows and the loss be normalised for another world than the one "
+        f"training (accelerate without use_cpu=True on a machine without GPUs: DeepSpeed starts the group, "
+        f"accelerate's state finds no backend and keeps one process): pass use_cpu=True: recording nothing"]
+    for name in ("hf_deepspeed", "hf_deepspeed_world"):
+        assert not (runs[name] / f"loss_{HF}.json").exists()
+        assert (runs[name] / "trainer").is_dir()  # Trainer's own output folder: it trained
+
+
+def test_a_model_that_is_not_hugging_faces_is_refused_at_replay(tmp_path, capsys):
+    """A plain torch module recorded (one rank, a group of one in this process): the recorder marks the record (no
+    config to build the model from: hugging_face_model false, not replayable) and the replay refuses it in one line."""
+    import torch.distributed as dist
+
+    from parity.integrations.recorder import ParityRecorder
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        rec = ParityRecorder(str(tmp_path / "rec"), name="mine", model=model, optimizer=optimizer, log=lambda _: None)
+        ids = torch.randint(0, 4, (2, 8))
+        logits = model(torch.nn.functional.one_hot(ids, 4).float())
+        logits.sum().backward()
+        rec.micro_batch(ids, ids, logits)
+        rec.before_step()
+        optimizer.step()
+        rec.after_step()
+        path = rec.close()
+    finally:
+        dist.destroy_process_group()
+    config = json.loads(open(path).read())["config"]
+    assert config["hugging_face_model"] is False and config["batches"]["replayable"] is False
+    code, lines = _train_ddp(["--replay_record", path, "--loss_output_dir", str(tmp_path / "out"),
+                              "--storage_path", str(tmp_path / "ck")], capsys)
+    assert code == 2 and lines == ["error: --replay_record loss_mine.json: the recorded model is not a Hugging Face "
+                                   "model (no config to build it from): the harness trains Hugging Face causal LMs "
+                                   "only"], lines

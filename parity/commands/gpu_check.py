@@ -8,6 +8,9 @@ gpu_check.json under --output_dir (rewritten after every step, so a check cut sh
                 lr 1e-5, bf16): DDP, FSDP2 and transformers' (the pipeline needs 2 ranks); tokens/s, peak
                 memory, MFU against the device's bf16 peak (the benchmark's table), each record
   layer_check   one recorded step of DDP and FSDP2 + TP=2 in bf16 against DDP's fp32 twin (the layer check)
+  own_trainer   your own trainer's GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP and
+                ModelParallel strategies), each recorded and replayed at world size 1 (gpu_check_own.py); skipped
+                on --device cpu
   parity        several ranks on the one GPU over gloo (PARITY_SHARE_ONE_GPU=1, a switch for testing only): DDP
                 DP=2 against FSDP2 + TP at TP=2 × DP=1 and TP=2 × DP=2 (qwen2-tiny, seq 256), in fp32 (the harness's
                 verdict), and in bf16 at 3 seeds each judged against DDP's noise references (the baseline at two
@@ -31,15 +34,15 @@ import time
 import traceback
 
 from parity.commands.common import OneLineParser, run_command
+from parity.commands.gpu_check_own import markdown as own_markdown, step_own_trainer
 from parity.errors import ConfigError
 
 JSON_NAME, REPORT_NAME = "gpu_check.json", "gpu_check.md"
 TP_STRATEGY = "fsdp"  # FSDP2 + DTensor TP: the TP strategy that runs without DeepSpeed
 # Every strategy that runs at one rank without DeepSpeed (the pipeline needs 2 ranks at least: --pp_size 1 is refused)
 WORLD_ONE = ("ddp", "fsdp", "transformers")
-NOT_YET = ("Own-trainer GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP / ModelParallel, "
-           "recorded and replayed) are not in this check: issue 40's recorder covers plain and DDP loops so far "
-           "(docs/own_trainer.md), not sharded ones.")
+NOT_YET = ("Trainer's and Lightning's DeepSpeed paths (they need DeepSpeed, which the check does not carry), and the "
+           "own-trainer paths at more than one rank.")
 
 # Sizes by device: the same steps, only sizes differ (a CPU dry run takes seconds per step).
 SIZES = {
@@ -68,11 +71,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda",
                    help="cuda (the check) or cpu (the dry run: the same steps, scaled down)")
     p.add_argument("--steps", nargs="+", default=None, metavar="STEP",
-                   help="only these steps (default: all): collectives seed layer_check parity")
+                   help="only these steps (default: all): collectives seed layer_check own_trainer parity")
     return p
 
 
-STEP_NAMES = ("collectives", "seed", "layer_check", "parity")  # the longest last: a check cut short loses least
+# the longest last: a check cut short loses least
+STEP_NAMES = ("collectives", "seed", "layer_check", "own_trainer", "parity")
 
 
 def check(args) -> int:
@@ -97,15 +101,16 @@ def check(args) -> int:
     os.makedirs(out, exist_ok=True)
     report = Report(out, args.device)
     steps = {"collectives": step_collectives, "seed": step_seed, "parity": step_parity,
-             "layer_check": step_layer_check}
+             "layer_check": step_layer_check, "own_trainer": step_own_trainer}
     started = time.perf_counter()
     with open(os.path.join(out, "gpu_check.log"), "a") as log:
         for name in args.steps or STEP_NAMES:
             print(f"== {name}", flush=True)
             report.run(name, steps[name], SIZES[args.device], log)
             entry = report.steps[-1]
-            print(f"   {'passed' if entry['passed'] else 'FAILED'} in {entry['seconds']:.1f} s"
-                  + ("" if entry["passed"] else f": {entry['error']}"), flush=True)
+            skipped = entry["details"].get("skipped")
+            print(f"   {skipped}" if skipped else f"   {'passed' if entry['passed'] else 'FAILED'} in "
+                  f"{entry['seconds']:.1f} s" + ("" if entry["passed"] else f": {entry['error']}"), flush=True)
     report.data["total_seconds"] = time.perf_counter() - started
     report.write()
     print(f"wrote {report.md_path} and {report.json_path} ({report.data['total_seconds']:.0f} s)")
@@ -521,7 +526,8 @@ def markdown(data: dict) -> str:
              "Libraries: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", "",
              "| step | result | seconds | error |", "|---|---|---:|---|"]
     for s in data["steps"]:
-        lines.append(f"| {s['step']} | {'passed' if s['passed'] else '**FAILED**'} | {s['seconds']:.1f} | "
+        result = "skipped" if s["details"].get("skipped") else "passed" if s["passed"] else "**FAILED**"
+        lines.append(f"| {s['step']} | {result} | {s['seconds']:.1f} | "
                      f"{(s['error'] or '').replace('|', '/')} |")
     for s in data["steps"]:
         d = s["details"]
@@ -557,6 +563,8 @@ def markdown(data: dict) -> str:
                 lines.append(f"{where} {c['verdict']} | {c['exit_code']} | {c['calibrated']} | "
                              f"{c['max_rel_diff'].get('loss', float('nan')):.2e} | "
                              f"{'n/a' if ratio is None else f'{ratio:.3f}'} |")
+        elif s["step"] == "own_trainer":
+            lines += own_markdown(d)
         elif s["step"] == "layer_check" and "exit_code" in d:
             lines += [f"`{d['command']}`: exit {d['exit_code']}.", ""]
             for p in d.get("pairs", []):

@@ -16,17 +16,20 @@ check and the experiment trackers. What the recorder adds is what a foreign loop
   tokens, the global batch's hash over its rows in the harness's order (DP rank r's rows at [r·b, (r+1)·b),
   micro-batches in order: parity.training.data.batch_hash of that Batch, which is what the replay hashes), and a check
   that no two DP ranks fed the same rows (`rows_check`: the verdict FAILs a run whose ranks did, at that step);
-- the replica check over the user's model and optimizer (every parameter and its Adam moments on every rank:
-  parity.training.replicas.whole_model), bit for bit;
+- the replica check over what the ranks hold alike (under DDP every parameter and its Adam moments; FSDP2's and
+  ZeRO's replicated pieces: the layout's replicas()), bit for bit;
 - the optimizer whole (its type; per parameter group the parameter names, lr scale, weight decay, betas, eps);
 - the initial weights at construction (safetensors with the model's config, as --save_init_weights writes them, and
   config.json) and every step's global batch (input ids, labels, attention mask; the micro-batch structure in the
   record), up to `max_batch_bytes`; past it no more batches are saved, one line says so and the record is marked not
   replayable.
 
-Data parallelism over the whole world (DDP, or one process): every rank of the default process group is one DP rank
-holding the whole model. A recorder failure never stops the user's training: it logs one line and records nothing
-more (every rank together: the ranks' health travels with each step's one exchange).
+The process group the loop trains in is read by its layout (sharded.py): plain or DDP (every rank a DP rank holding
+the whole model), FSDP2 with or without DTensor TP, a DeepSpeed ZeRO 0–3 engine — each with the harness's own gather
+and norm code for that sharding. A step's rows, sums and health travel in one all_gather (rows.py); rank 0 alone
+hashes, checks and saves the batch, the saving on a thread of its own. A recorder failure never stops the user's
+training: it logs one line and records nothing more (every rank together: the ranks' health travels with each
+step's exchange).
 """
 
 from __future__ import annotations
@@ -43,19 +46,18 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.fingerprint import fingerprint
+from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
+from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.models.model import config_summary, save_init_weights
 from parity.precision import POLICIES
 from parity.registry import KNOWN
 from parity.training.data import Batch, batch_hash, recorded_batch_path
 from parity.training.loss import IGNORE_INDEX, loss_sum
 from parity.training.observer import StepObserver, device_name
-from parity.training.optimizer import local_norm
 from parity.training.record import LossRecord, record_path
-from parity.training.replicas import whole_model
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
 SOURCE = "recorder"  # the record's config.source: written by this recorder, not by the harness's loop
-PAD_ID = 0  # what a shorter micro-batch's rows are right-padded with to the step's longest (labels −100, mask 0)
 OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov")  # what changes the update, if set
 
 
@@ -75,15 +77,17 @@ def unwrap(model):
         model = inner
 
 
-def describe_optimizer(optimizer, names: dict[int, str]) -> dict:
+def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list] | None = None) -> dict:
     """The optimizer whole: its type and per parameter group the parameters' names, the lr scale (the group's lr ÷ the
     first group's: each group's lr is scale × the step's lr), weight decay, betas, eps, and the flags that change the
-    update where set (amsgrad, maximize ...)."""
+    update where set (amsgrad, maximize ...). `group_params`: each group's module parameters, where the optimizer's
+    groups hold others (ZeRO's flat partitions)."""
     groups = optimizer.param_groups
+    group_params = group_params or [g["params"] for g in groups]
     firsts = [g.get("initial_lr", g.get("lr", 0.0)) for g in groups]
     described = []
-    for group, first in zip(groups, firsts):
-        entry = {"params": [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in group["params"]],
+    for group, first, params in zip(groups, firsts, group_params):
+        entry = {"params": [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params],
                  "lr_scale": float(first / firsts[0]) if firsts[0] else 1.0,
                  "weight_decay": float(group.get("weight_decay", 0.0))}
         if "betas" in group:
@@ -115,7 +119,9 @@ class ParityRecorder:
         rec.close()                          # the record complete
 
     Made before the first optimizer step (it saves the initial weights then) and after the process group is up
-    (torch.distributed initialised: one rank is a group of one). `model` may be wrapped (DDP, torch.compile);
+    (torch.distributed initialised: one rank is a group of one). `model` may be wrapped (DDP, torch.compile),
+    sharded by FSDP2's fully_shard (with or without DTensor TP), or a DeepSpeed engine (then
+    `optimizer=engine.optimizer`, after_step after the boundary's engine.step(): sharded.py);
     `max_grad_norm` is what the loop clips to (0: it does not clip); `precision` the harness's name of what the loop
     computes in (fp32, bf16 for autocast over fp32 weights ...); `max_batch_bytes` caps the batches saved (default
     DEFAULT_MAX_BATCH_BYTES); `framework` names the loop (shown in the fingerprint, not compared); `log` takes rank
@@ -124,8 +130,8 @@ class ParityRecorder:
     def __init__(self, output_dir: str, *, name: str, model, optimizer, max_grad_norm: float = 0.0,
                  precision: str = "fp32", max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, log_interval: int = 10,
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
-                 log: Callable[[str], Any] | None = None):
-        self.enabled, self.name = False, name
+                 log: Callable[[str], Any] | None = None, dump_step: int | None = None):
+        self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         refusal = self._refusal(name, precision)
         if refusal:
@@ -135,6 +141,12 @@ class ParityRecorder:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
                         framework, framework_versions or {})
             self.enabled = True
+            if dump_step is not None:  # step K in full, for compare_dumps.py (parity/integrations/dump.py)
+                from parity.integrations.dump import StepDump
+
+                self.dump = StepDump(self, dump_step)
+        except LayoutRefused as exc:  # a process group or wrapper it cannot read (sharded.py)
+            self._print(f"parity recorder: {exc}: recording nothing")
         except Exception as exc:  # never the user's training
             self._print(f"parity recorder: could not start ({type(exc).__name__}: {_first_line(exc)}): recording "
                         f"nothing")
@@ -156,25 +168,31 @@ class ParityRecorder:
     # --- set-up -------------------------------------------------------------------------------------
     def _start(self, output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
                framework, framework_versions) -> None:
-        self.model, self.optimizer = unwrap(model), optimizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
                        else torch.device("cpu"))
+        self.layout = layout_of(model, optimizer, self.device, unwrap)  # plain/DDP, FSDP2, ZeRO (sharded.py)
+        self.model, self.optimizer = self.layout.model, self.layout.optimizer
+        optimizer = self.optimizer  # the torch optimizer that steps (ZeRO's wraps the user's client one)
         self.folder = recorded_folder(output_dir, self.name)
         self.max_batch_bytes, self.saved_bytes, self.log_interval = max_batch_bytes, 0, log_interval
-        self.names = {id(p): n for n, p in self.model.named_parameters()}
-        self.optimizer_description = describe_optimizer(optimizer, self.names)
+        self.names = self.layout.names()  # Hugging Face names (FSDP1's cleaned of its wrappers)
+        self.optimizer_description = describe_optimizer(optimizer, self.names, self.layout.group_params())
         self.not_replayable: str | None = None
         config = getattr(self.model, "config", None)
         hf = config is not None and hasattr(config, "to_json_string")
         weights_sha = None
+        state = self.layout.full_state() if hf else None  # full tensors where sharded: every rank (collective)
         if self.rank == 0:
             if hf:
                 storage.write_bytes_atomic(storage.join(self.folder, "config.json"),
                                            config.to_json_string().encode())
-                weights_sha = save_init_weights(self.model, storage.join(self.folder, "init_weights.safetensors"))
+                weights_sha = save_init_weights(self.model, storage.join(self.folder, "init_weights.safetensors"),
+                                                state)
             else:
                 self.not_replayable = f"the model ({type(self.model).__name__}) is not a Hugging Face model"
+        self.writer = BatchWriter() if self.rank == 0 else None
+        self.exchange = RowExchange()
         group0 = optimizer.param_groups[0]
         betas = group0.get("betas", (0.0, 0.0))
         script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else None
@@ -185,7 +203,8 @@ class ParityRecorder:
         description = {
             "source": SOURCE, "framework": framework, "strategy": self.name, "strategy_path": None,
             "model_name": self.folder, "model_type": getattr(config, "model_type", None),
-            "hugging_face_model": hf, "tp_size": 1, "pp_size": 1, "ep_size": 1, "dp_size": self.world,
+            "hugging_face_model": hf, "tp_size": self.layout.tp_size, "pp_size": 1, "ep_size": 1,
+            "dp_size": self.layout.dp_size, "sharding": self.layout.describe(),
             "num_workers": self.world, "world_size": self.world, "batch_size": None, "global_batch_size": None,
             "grad_accum_steps": None, "seq_length": None, "precision": precision,
             "reduce_dtype": policy.reduce_dtypes[0], "grad_accum_dtype": policy.grad_accum_dtypes[0],
@@ -211,14 +230,17 @@ class ParityRecorder:
             self._not_replayable(self.not_replayable)
         self._lrs: list[float] | None = None
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
+        self.step_extras: dict = {}  # an adapter's fields for the next step's entry
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._last = time.perf_counter()
-        self._line(f"recording {self.name} ({framework}, {self.world} rank{'s' if self.world > 1 else ''}) into "
+        self._line(f"recording {self.name} ({framework}, {self.layout.kind}, {self.world} rank"
+                   f"{'s' if self.world > 1 else ''}) into "
                    f"{self.record.path}")
 
     def replicas(self):
-        """What every rank holds alike under data parallelism: every parameter and its Adam moments."""
-        return whole_model(self.model, self.optimizer, tuple(range(self.world)))
+        """What ranks hold alike in the loop's layout (sharded.py): under data parallelism every parameter and its Adam
+        moments on every rank; FSDP2's and ZeRO's replicated pieces."""
+        return self.layout.replicas()
 
     def _reset_step(self) -> None:
         self.micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -228,15 +250,21 @@ class ParityRecorder:
         self.recorder_s = 0.0
 
     # --- per micro-batch, per step --------------------------------------------------------------------
-    def micro_batch(self, input_ids, labels, logits, attention_mask=None) -> None:
+    def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None) -> None:
         """One micro-batch this rank fed the model: its input ids and labels ([rows, length]; labels as Hugging Face
-        takes them: the ids, −100 where no loss is taken), the model's logits on it, the attention mask if any."""
+        takes them: the ids, −100 where no loss is taken), the model's logits on it, the attention mask if any. A model
+        that returns no logits (TRL's fused LM head) gives `log_probs` instead: each position's log-probability of its
+        next token, zero where no loss is taken ([rows, length − 1])."""
         if not self.enabled or self.broken:
             return
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                summed = float(loss_sum(logits.detach(), labels.to(logits.device)).double())
+                if log_probs is not None:
+                    summed = float(-log_probs.detach().double().sum())
+                else:
+                    logits = self.layout.logits(logits.detach())  # a DTensor's in full
+                    summed = float(loss_sum(logits, labels.to(logits.device)).double())
             ids, lab = input_ids.detach().to("cpu", torch.int64), labels.detach().to("cpu", torch.int64)
             mask = (torch.ones_like(ids) if attention_mask is None
                     else attention_mask.detach().to("cpu", torch.int64))
@@ -255,10 +283,12 @@ class ParityRecorder:
             return
         t0 = time.perf_counter()
         try:
+            if self.dump is not None and grad_norm is None:
+                self.dump.take_grads()
             if grad_norm is not None:
                 self.grad_norm, self.grad_norm_source = float(grad_norm), source
-            else:
-                self.grad_norm = local_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+            elif self.layout.grad_norm_visible:  # full gradients, float64 (collective where they are sharded)
+                self.grad_norm = self.layout.grad_norm()
                 self.grad_norm_source = "recorder"
         except Exception as exc:
             self.broken = f"before_step: {type(exc).__name__}: {_first_line(exc)}"
@@ -268,9 +298,11 @@ class ParityRecorder:
         """The optimizer's step pre-hook: the lr of every group as the step applies it; for an adapter that asks
         (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after any clipping)."""
         self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        if self.dump is not None:
+            self.dump.take_grads()
         if self.norm_at_optimizer_step is not None:
             try:
-                self.norm_at_optimizer_step = local_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+                self.norm_at_optimizer_step = self.layout.grad_norm()
             except Exception:
                 self.norm_at_optimizer_step = math.nan
 
@@ -286,6 +318,8 @@ class ParityRecorder:
         step_time = t0 - self._last - self.recorder_s
         try:
             self._record_step(lr, logged_loss, grad_norm, step_time, t0, logged_grad_norm)
+            if self.dump is not None:
+                self.dump.after_step(self.step - 1, self.micro)
         except Exception as exc:
             self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
         self._reset_step()
@@ -295,30 +329,31 @@ class ParityRecorder:
     def _record_step(self, lr, logged_loss, grad_norm, step_time, t0, logged_grad_norm=None) -> None:
         if grad_norm is not None and self.grad_norm is None:
             self.grad_norm, self.grad_norm_source = float(grad_norm), "framework"
+        if self.grad_norm is None and not self.layout.grad_norm_visible:  # DeepSpeed's own, of the step it took
+            self.grad_norm, self.grad_norm_source = self.layout.framework_grad_norm(), "framework"
         if not self.broken and self.grad_norm is None:
             self.broken = "no pre-clip grad norm: call before_step() before clipping, or give after_step(grad_norm=)"
         if not self.broken and not self.micro:
             self.broken = "no micro-batch: call micro_batch() for each one the step fed"
-        mine = {"broken": self.broken, "sum": self.loss_sum, "tokens": self.tokens,
-                "micro": self.micro if not self.broken else None}
-        every: list = [None] * self.world
-        dist.all_gather_object(every, mine)  # the step's one exchange: every rank's health, sums and rows
-        broken = [(r, e["broken"]) for r, e in enumerate(every) if e["broken"]]
-        if broken:
-            rank, why = broken[0]
-            raise RuntimeError(f"rank {rank}: {why}")
+        # the step's exchange (rows.py): every rank's health, loss sum and tokens to all, the rows to rank 0 alone
+        got = self.exchange(self.broken, self.loss_sum, self.tokens, self.micro, feeds=self.layout.feeds,
+                       dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device)
+        exchanged = time.perf_counter()
         lrs = self._lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
         lr = float(lr) if lr is not None else lrs[0]
         self._check_scales(lrs)
-        param_norm = local_norm([p.detach() for p in self.model.parameters()])
-        sums, counts = [e["sum"] for e in every], [e["tokens"] for e in every]
+        param_norm = self.layout.param_norm()  # full parameters, float64 (collective where they are sharded)
+        normed = time.perf_counter()
+        sums, counts = got.rank_loss_sums, got.rank_tokens
         tokens = sum(counts)
-        hash_, rows_check, saving = "", None, 0.0
+        hash_, rows_check, order_free, saving = "", None, None, 0.0
         if self.rank == 0:  # rank 0 alone: what fails here must not leave the other ranks in a collective
             s0 = time.perf_counter()
             try:
-                batch, mask, structure = global_batch([e["micro"] for e in every])
-                hash_, rows_check = batch_hash(batch), duplicate_rows([e["micro"] for e in every])
+                self._harvest(self.writer.finished())
+                batch, mask, structure = global_batch(got.per_dp_rank)
+                hash_, rows_check = batch_hash(batch), duplicate_rows(got.per_dp_rank)
+                order_free = rows_hash(got.per_dp_rank)
                 self._describe_layout(structure, batch)
                 self._save_batch(batch, mask)
             except Exception as exc:
@@ -335,9 +370,10 @@ class ParityRecorder:
         if logged_grad_norm is not None:
             extras["logged_grad_norm"] = float(logged_grad_norm)
         if rows_check is not None:
-            extras["rows_check"] = rows_check
-        harness_s = {"recorder_before": self.recorder_s, "exchange_and_batch": time.perf_counter() - t0 - saving,
-                     "batch_save": saving}
+            extras["rows_check"], extras["rows_hash"] = rows_check, order_free
+        extras.update(self.step_extras)  # an adapter's per-step fields (Trainer's: declared_lr)
+        harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - t0, "param_norm": normed - exchanged,
+                     "batch": saving}
         self.observer.observe_step(self.step, rank_loss_sums=sums, rank_tokens=counts, tokens=tokens,
                                    grad_norm=self.grad_norm, param_norm=param_norm, lr=lr, batch_hash=hash_,
                                    step_time_s=step_time, harness_s=harness_s, **extras)
@@ -384,13 +420,19 @@ class ParityRecorder:
             self._not_replayable(f"the batches passed max_batch_bytes ({self.max_batch_bytes} bytes) at step "
                                  f"{self.step}: no more batches are saved")
             return
-        from safetensors.torch import save
-
-        data = save({"input_ids": batch.input_ids.contiguous(), "labels": batch.labels.contiguous(),
-                     "attention_mask": mask.contiguous()})
-        storage.write_bytes_atomic(recorded_batch_path(layout["folder"], self.step), data)
+        self.writer.submit(self.step, recorded_batch_path(layout["folder"], self.step),  # written on its own thread
+                           {"input_ids": batch.input_ids, "labels": batch.labels, "attention_mask": mask})
         self.saved_bytes += size
-        layout["saved_steps"] = self.step + 1
+
+    def _harvest(self, finished: list[tuple[int, str | None]]) -> None:
+        """The batches the writer has finished: saved_steps counts those on disk, in order; a failed one makes the
+        record not replayable."""
+        layout = self.record.data["config"]["batches"]
+        for step, failed in finished:
+            if failed:
+                self._not_replayable(f"step {step}'s batch could not be saved ({failed})")
+            elif layout["replayable"] and step == layout["saved_steps"]:
+                layout["saved_steps"] = step + 1
 
     def _not_replayable(self, why: str) -> None:
         layout = self.record.data["config"]["batches"]
@@ -405,6 +447,8 @@ class ParityRecorder:
             return None
         try:
             self._hook.remove()
+            if self.writer is not None:
+                self._harvest(self.writer.close())
             config = self.record.data["config"]
             config["total_steps"] = self.step
             self.observer.finish(lambda: {"steps": self.step, "source": SOURCE})
@@ -422,43 +466,12 @@ class ParityRecorder:
         hook = getattr(self, "_hook", None)
         if hook is not None:
             hook.remove()
+        if getattr(self, "writer", None) is not None:
+            self.writer.close()
 
     def _line(self, text: str) -> None:
         if getattr(self, "rank", 0) == 0:
             self._print(f"parity recorder [{self.name}]: {text}")
-
-
-def global_batch(per_rank: list[list[tuple]]) -> tuple[Batch, torch.Tensor, list[list[int]]]:
-    """The step's global batch in the harness's order — rank 0's micro-batches in order, then rank 1's ... — every
-    row right-padded to the step's longest (ids PAD_ID, labels −100, mask 0: nothing the loss or a causal model's
-    earlier positions see), with the attention mask and the rows of each micro-batch per rank."""
-    length = max(ids.shape[1] for micro in per_rank for ids, _, _ in micro)
-    ids, labels, masks = [], [], []
-    for micro in per_rank:
-        for i, lab, m in micro:
-            pad = length - i.shape[1]
-            ids.append(torch.nn.functional.pad(i, (0, pad), value=PAD_ID))
-            labels.append(torch.nn.functional.pad(lab, (0, pad), value=IGNORE_INDEX))
-            masks.append(torch.nn.functional.pad(m, (0, pad), value=0))
-    structure = [[ids_.shape[0] for ids_, _, _ in micro] for micro in per_rank]
-    return Batch(torch.cat(ids), torch.cat(labels)), torch.cat(masks), structure
-
-
-def duplicate_rows(per_rank: list[list[tuple]]) -> dict:
-    """Whether two DP ranks fed the same rows in the step: {"duplicates": rows of a rank another rank also fed,
-    "pairs": [[rank, other rank, rows], ...]}."""
-    digests = []
-    for micro in per_rank:
-        mine = set()
-        for ids, labels, mask in micro:
-            for row in range(ids.shape[0]):
-                real = int(mask[row].sum()) if mask is not None else ids.shape[1]
-                mine.add(hashlib.sha256(ids[row, :real].numpy().tobytes() + labels[row, :real].numpy().tobytes())
-                         .hexdigest())
-        digests.append(mine)
-    pairs = [[r, s, len(digests[r] & digests[s])] for r in range(len(digests)) for s in range(r + 1, len(digests))
-             if digests[r] & digests[s]]
-    return {"duplicates": sum(p[2] for p in pairs), "pairs": pairs}
 
 
 def _file_sha256(path: str) -> str:

@@ -31,9 +31,11 @@ ALLOWED = ("num_workers", "device", "loss_output_dir", "storage_path", "experime
 REPLAYED_OPTIMIZERS = ("AdamW", "Adam")  # parity.training.optimizer.OPTIMIZERS
 
 
-def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None):
-    """(RunConfig, RecordedBatches) of the replay of `record_file` with the flags the user `given` (only those given).
-    ConfigError, one line, for anything that cannot be replayed."""
+def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strategy: str = "ddp",
+                dump_step: int | None = None):
+    """(RunConfig, RecordedBatches) of the replay of `record_file` under `strategy` (the trusted loop: the one whose
+    class replays records) with the flags the user `given` (only those given); `dump_step`, the step to record fully
+    instead of training. ConfigError, one line, for anything that cannot be replayed."""
     record = read_recorded(record_file)
     config = record["config"]
     given = {k: v for k, v in given.items() if v is not None}
@@ -45,6 +47,8 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None):
                           f"--device, the output and checkpoint flags and --noise_reference")
     optimizer = replayable_optimizer(record_file, config["optimizer"])
     steps = len(record["steps"])
+    if dump_step is not None and not 0 <= dump_step < steps:
+        raise ConfigError(f"--dump_step {dump_step} is not a step of {storage.name(record_file)} (0 to {steps - 1})")
     folder = config["batches"]["folder"]
     structure = config["batches"]["micro_batches"]
     micro_batches, rows = len(structure[0]), sum(map(sum, structure))
@@ -56,6 +60,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None):
     length = check_batches(record_file, folder, steps)
     model_folder = config["model_name"]
     _check_model(record_file, model_folder)
+    _check_weights(record_file, config["init_weights_path"], model_folder)
     lrs = tuple(float(s["lr"]) for s in record["steps"])
     values = {"model_name": model_folder, "init_weights_path": config["init_weights_path"], "num_workers": workers,
               "batch_size": rows // workers, "grad_accum_steps": micro_batches, "seq_length": max(length, 2),
@@ -64,7 +69,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None):
               "adam_beta2": config["adam_beta2"], "adam_epsilon": config["adam_epsilon"],
               "max_grad_norm": config["max_grad_norm"], "precision": config["precision"],
               "dataset": RECORDED + folder, "checkpoint_interval": 0, **given}
-    cfg = resolve("ddp", values, cluster=cluster)
+    cfg = resolve(strategy, values, cluster=cluster)
     cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs)
     _check_groups(record_file, cfg)
     return cfg, RecordedBatches(folder, steps, f"the global batches of {storage.name(record_file)} ({steps} steps, "
@@ -153,6 +158,19 @@ def _check_model(record_file: str, folder: str) -> None:
     except ConfigError as exc:
         raise ConfigError(f"--replay_record {storage.name(record_file)}: the recorded model cannot be built by the "
                           f"harness: {str(exc).split(': ', 1)[-1]}") from None
+
+
+def _check_weights(record_file: str, path: str, folder: str) -> None:
+    """The record's initial weights are the recorded model's (the harness's own check, in the replay's words: the
+    flags its hint names are the record's)."""
+    from parity.models.model import check_init_weights, resolve_model_config
+
+    try:
+        check_init_weights(path, resolve_model_config(folder))
+    except ConfigError as exc:
+        why = str(exc).replace(f"init weights file {path} ", "").split(": ")[0]
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: its initial weights {path} are not the "
+                          f"recorded model's ({why}): record the run again") from None
 
 
 def _check_groups(record_file: str, cfg) -> None:

@@ -11,14 +11,20 @@ What a callback cannot see, it takes from the framework's own extension points:
   the pre-clip norm (`grad_norm_source: recorder`); where it clipped, Trainer's value is recorded
   (`grad_norm_source: framework`). Trainer logs it at every logging step: the callback needs `logging_steps=1` and
   says so in one line otherwise;
-- the lr: the recorder's optimizer step pre-hook on the torch optimizer inside accelerate's wrapper.
+- the lr: the recorder's optimizer step pre-hook on the torch optimizer inside accelerate's wrapper. Beside it, each
+  step's `declared_lr`: what Trainer's own settings schedule at that update (its scheduler, rebuilt from
+  TrainingArguments on a scratch optimizer and stepped once per update). The replay applies the recorded lr, so a
+  scheduler stepped twice per update would replay to the same curves: the verdict FAILs the first step whose lr is
+  not the declared one instead (parity.comparing.curves.Run.lr_off_schedule).
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import sys
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
@@ -28,14 +34,21 @@ PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → 
 
 class ParityCallback(TrainerCallback):
     """Records a Trainer's run for the harness: `output_dir` and `name` as ParityRecorder's, `max_batch_bytes` its
-    cap on the saved batches."""
+    cap on the saved batches, `dump_step` a step to record in full for compare_dumps.py (parity/integrations/dump.py)."""
 
-    def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES):
+    def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+                 dump_step: int | None = None):
         self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
+        self.dump_step = dump_step
         self.recorder: ParityRecorder | None = None
-        self._hook, self._stepped = None, False
+        self._hook, self._stepped, self._declared = None, False, None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        refusal = trainer_refusal(args)
+        if refusal:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"parity recorder [{self.name}]: {refusal}: recording nothing", file=sys.stderr, flush=True)
+            return
         precision = next((policy for flag, policy in PRECISIONS if getattr(args, flag, False)), "fp32")
         versions = {}
         for package in ("transformers", "accelerate", "trl"):
@@ -47,7 +60,7 @@ class ParityCallback(TrainerCallback):
                                        optimizer=getattr(optimizer, "optimizer", optimizer),
                                        max_grad_norm=args.max_grad_norm or 0.0, precision=precision,
                                        max_batch_bytes=self.max_batch_bytes, framework="transformers.Trainer",
-                                       framework_versions=versions)
+                                       framework_versions=versions, dump_step=self.dump_step)
         if not self.recorder.enabled:
             return
         if args.logging_steps != 1:
@@ -56,6 +69,7 @@ class ParityCallback(TrainerCallback):
             return
         self._hook = unwrap(model).register_forward_hook(self._forward, with_kwargs=True)
         self.recorder.norm_at_optimizer_step = float("nan")  # measured by the recorder's optimizer step pre-hook
+        self._declared = declared_schedule(args, state.max_steps, self.recorder.optimizer)
 
     def _forward(self, module, args, kwargs, output) -> None:
         """A training micro-batch's forward: its rows and the logits the model made of them."""
@@ -66,7 +80,9 @@ class ParityCallback(TrainerCallback):
         if labels is None or ids is None:
             self.recorder.broken = "a training forward without input_ids and labels (the recorder needs both)"
             return
-        self.recorder.micro_batch(ids, labels, output.logits, attention_mask=kwargs.get("attention_mask"))
+        logits = getattr(output, "logits", None)
+        fused = getattr(output, "log_probs", None) if logits is None else None  # TRL's fused LM head: no logits
+        self.recorder.micro_batch(ids, labels, logits, attention_mask=kwargs.get("attention_mask"), log_probs=fused)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._stepped = True
@@ -81,6 +97,8 @@ class ParityCallback(TrainerCallback):
                 self.recorder.before_step(grad_norm=own, source="recorder")
             else:
                 self.recorder.before_step(grad_norm=theirs, source="framework")
+            if self._declared is not None:
+                self.recorder.step_extras = {"declared_lr": self._declared.lr()}
             self.recorder.after_step(logged_loss=logs.get("loss"), logged_grad_norm=theirs)
             self.recorder.norm_at_optimizer_step = float("nan")
 
@@ -90,3 +108,61 @@ class ParityCallback(TrainerCallback):
             self._hook = None
         if self.recorder is not None:
             self.recorder.close()
+
+
+def trainer_refusal(args) -> str | None:
+    """Why this Trainer run cannot be recorded, in one line (None: it can).
+    - Its DeepSpeed path (`TrainingArguments(deepspeed=...)`): DeepSpeed's engine steps its own optimizer inside
+      `backward` (no torch optimizer for the recorder's step pre-hook, no gradients outside it) and shards the optimizer
+      state over the ranks, which the replica check and the recorded optimizer assume whole; the sharded recorders
+      are not wired into Trainer's DeepSpeed path.
+    - A Trainer whose own view of the world is not the process group's (`args.world_size`, `args.process_index`
+      against torch.distributed's): its data sharding and loss normalisation would be another run's than the one the
+      ranks train together. Measured with DeepSpeed on CPU without use_cpu=True (transformers 5.23.0, accelerate
+      1.15.0, torchrun): accelerate's PartialState._prepare_backend sets a distributed type only for a device backend
+      or, with cpu=True, MULTI_CPU; with neither it keeps one process (num_processes 1, process_index 0) while
+      deepspeed.init_distributed has started the 2-rank group, then relabels itself DEEPSPEED. Refused, never
+      recorded as if it were whole."""
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if (args.world_size, args.process_index) != (world, rank):
+            why = (" (accelerate without use_cpu=True on a machine without GPUs: DeepSpeed starts the group, "
+                   "accelerate's state finds no backend and keeps one process): pass use_cpu=True"
+                   if getattr(args, "deepspeed", None) else "")
+            return (f"Trainer sees world_size {args.world_size} and process_index {args.process_index}, the process "
+                    f"group {world} ranks (this one rank {rank}): every rank would feed the same rows and the loss be "
+                    f"normalised for another world than the one training{why}")
+    if getattr(args, "deepspeed", None):
+        return ("Trainer's DeepSpeed path (TrainingArguments(deepspeed=...)) is not recorded: DeepSpeed steps its own "
+                "optimizer inside backward (no torch optimizer step to hook, no gradients outside it) and shards the "
+                "optimizer state; record the run under Trainer's DDP path (no deepspeed=) or with the harness's own "
+                "train_deepspeed.py")
+    return None
+
+
+def declared_schedule(args, max_steps: int, optimizer) -> "DeclaredSchedule | None":
+    """Trainer's lr schedule as its settings declare it; None where the run's optimizer did not start at
+    args.learning_rate (an optimizer or scheduler of the user's: nothing declared) or the steps are unknown."""
+    first = optimizer.param_groups[0]
+    if not max_steps or max_steps <= 0 or first.get("initial_lr", first["lr"]) != args.learning_rate:
+        return None
+    return DeclaredSchedule(args, max_steps)
+
+
+class DeclaredSchedule:
+    """create_scheduler's get_scheduler call on a scratch optimizer: `lr()` is the lr of the next update, then the
+    schedule moves one update on."""
+
+    def __init__(self, args, max_steps: int):
+        from transformers import get_scheduler
+
+        self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.learning_rate)
+        self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer=self.optimizer,
+                                       num_warmup_steps=args.get_warmup_steps(max_steps),
+                                       num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+
+    def lr(self) -> float:
+        value = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        return value

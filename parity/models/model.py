@@ -109,20 +109,21 @@ def meta_model(config):
 # The initial-weights file
 # ---------------------------------------------------------------------------------------------------
 
-def save_init_weights(model, path: str) -> str:
-    """Write the full state dict atomically (a local path or a URI); returns the file's sha256.
+def save_init_weights(model, path: str, state: dict | None = None) -> str:
+    """Write the full state dict atomically (a local path or a URI); returns the file's sha256. `state`: the full
+    state dict where the model's own holds shards (a recorder of a sharded loop gathers it: parity.integrations).
 
     `.safetensors` keeps the config in its string metadata; `.pt` keeps it in the state dict's own
     `_metadata` (what `load_state_dict` reads versions from), so the file still loads with
     `weights_only=True` and `strict=True` into a stock model.
     """
     state = OrderedDict((k, v.detach().to("cpu", torch.float32).contiguous().clone())
-                        for k, v in model.state_dict().items())
+                        for k, v in (model.state_dict() if state is None else state).items())
     meta = {"format": FILE_FORMAT, "model_config": json.dumps(model.config.to_dict(), sort_keys=True)}
     if _is_safetensors(path):
         from safetensors.torch import save
 
-        data = save(state, metadata=meta)
+        data = canonical_safetensors(save(state, metadata=meta))
     else:
         state._metadata = OrderedDict({"": {"version": 1, **meta}})
         buffer = io.BytesIO()
@@ -130,6 +131,17 @@ def save_init_weights(model, path: str) -> str:
         data = buffer.getvalue()
     storage.write_bytes_atomic(path, data)
     return hashlib.sha256(data).hexdigest()
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """The same safetensors file with its header's keys sorted. safetensors writes its metadata from a Rust HashMap,
+    whose order is random per process: two processes saving the same tensors and metadata would write files of other
+    bytes, hence other sha256s (init_weights_sha256, a dump's inputs_sha256), and two runs from one model would not
+    compare. The data section and its offsets are untouched; the header is padded to 8 bytes as safetensors pads it."""
+    n = int.from_bytes(data[:8], "little")
+    text = json.dumps(json.loads(data[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + n:]
 
 
 def read_init_weights(path: str) -> tuple[OrderedDict, dict | None, str]:

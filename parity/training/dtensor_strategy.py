@@ -58,6 +58,27 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A DTensor (or a plain tensor, whole on every rank) in full, as an fp32 CPU copy: gathered on `device`, the one
+    its mesh communicates on (offloaded shards are in host memory). Collective for a DTensor."""
+    t = t.detach().to(device)
+    return (t.full_tensor() if isinstance(t, DTensor) else t).float().cpu().clone()
+
+
+def replicated_parameters(model, world_size: int) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """(name, parameter, ranks) of every parameter whose local piece other ranks hold too: a DTensor's along the root
+    mesh's dims it is replicated over or does not live on, a plain tensor (a module a TP plan leaves whole, without
+    FSDP) on every rank of the world. A parameter's placements do not change: found once, read at every check."""
+    everyone = tuple(range(world_size))
+    return [(name, p, ranks) for name, p in model.named_parameters()
+            for ranks in [mesh_replica_ranks(p) if isinstance(p, DTensor) else everyone] if len(ranks) > 1]
+
+
+def dtensor_replicas(replicated, optimizer) -> list[Replica]:
+    """The local pieces of `replicated` (replicated_parameters) and their moments, as Replicas."""
+    return [r for name, p, ranks in replicated for r in held(name, ranks, p, optimizer, local=local)]
+
+
 @torch.no_grad()
 def clip_sharded_gradients(params, cfg) -> float:
     """Clip DTensor gradients by their global norm (torch's formula, --max_grad_norm); return that norm.
@@ -101,11 +122,8 @@ class DTensorStrategy(Strategy):
         ranks compute these copies' gradients each from the same replicated activations: the same bits where the
         kernels are deterministic (docs/fsdp.md#replicas)."""
         if not hasattr(self, "_replicated"):  # a parameter's placements do not change: its ranks are found once
-            everyone = tuple(range(self.ctx.world_size))
-            self._replicated = [(name, p, ranks) for name, p in self.model.named_parameters()
-                                for ranks in [mesh_replica_ranks(p) if isinstance(p, DTensor) else everyone]
-                                if len(ranks) > 1]
-        return [r for name, p, ranks in self._replicated for r in held(name, ranks, p, self.optimizer, local=local)]
+            self._replicated = replicated_parameters(self.model, self.ctx.world_size)
+        return dtensor_replicas(self._replicated, self.optimizer)
 
     def local_output(self, module_name: str) -> tuple[int, int] | None:
         """Where the module `module_name` leaves each TP rank its piece of its output: (dim, parts) for
@@ -174,9 +192,7 @@ class DTensorStrategy(Strategy):
         return {n: self._full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
 
     def _full(self, t: torch.Tensor) -> torch.Tensor:
-        """Gathered on the device the mesh communicates on (offloaded shards are in host memory)."""
-        t = t.detach().to(self.ctx.device)
-        return (t.full_tensor() if isinstance(t, DTensor) else t).float().cpu().clone()
+        return full_tensor(t, self.ctx.device)
 
     def save_state(self, directory: str) -> None:
         """torch.distributed.checkpoint: each rank writes its own shards (__<rank>_0.distcp), rank 0 the

@@ -112,8 +112,11 @@ def mesh_replica_ranks(t) -> tuple[int, ...]:
     root = t.device_mesh._get_root_mesh()
     own = list(t.device_mesh.mesh_dim_names or ())
     coordinate = root.get_coordinate()
-    index = tuple(coordinate[i] if dim in own and not t.placements[own.index(dim)].is_replicate() else slice(None)
-                  for i, dim in enumerate(root.mesh_dim_names))
+    if t.device_mesh is root:  # its own mesh is the root (fully_shard's default mesh has no dim names)
+        index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(t.placements, coordinate))
+    else:
+        index = tuple(coordinate[i] if dim in own and not t.placements[own.index(dim)].is_replicate() else slice(None)
+                      for i, dim in enumerate(root.mesh_dim_names))
     return tuple(sorted(int(r) for r in root.mesh[index].flatten().tolist()))
 
 

@@ -1,0 +1,87 @@
+"""gpu_check's own_trainer step (issue 40's GPU paths, docs/own_trainer.md): the frameworks' paths that run only on
+CUDA — Trainer with accelerate's FSDP2 plugin (accelerate picks FSDP only for GPU device types), Lightning's FSDP
+strategy (refused on CPU) and its ModelParallel strategy (which runs on CPU too, and is tested there: this is its GPU
+run) — each recorded by its example at world size 1, replayed under the harness's DDP on the GPU (the local launcher),
+and judged by the verdict.
+
+On --device cpu the step is skipped in one line: the CPU paths are the test suite's (tests/test_own_trainer*.py), and
+the dry run stays cheap."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+# (row, example under examples/, its flags for the GPU path)
+PATHS = (
+    ("trainer_fsdp2", "trl_sft.py", ["--device", "cuda", "--fsdp2"]),
+    ("lightning_fsdp", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "fsdp"]),
+    ("lightning_model_parallel", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "model_parallel"]),
+)
+SKIPPED = ("skipped on --device cpu: the own-trainer GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's "
+           "FSDP and ModelParallel strategies) need CUDA")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+
+
+def step_own_trainer(folder: str, device: str, sizes: dict) -> dict:
+    """Each path recorded at world size 1 on the GPU, replayed at 1 worker, judged: {"rows": {path: verdict, exit
+    code, max relative differences}, "failures": [...]} — or {"skipped": line} on CPU."""
+    if device != "cuda":
+        return {"skipped": SKIPPED}
+    rows, failures = {}, []
+    for name, example, flags in PATHS:
+        out = os.path.join(folder, name)
+        try:
+            rows[name] = _record_and_replay(out, os.path.join(EXAMPLES, example), flags)
+            if rows[name]["verdict"] != "PASS":
+                failures.append(f"{name}: {rows[name]['verdict']}")
+        except Exception as exc:  # the path's one line; the next path runs
+            rows[name] = {"error": (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]}
+            failures.append(f"{name}: {rows[name]['error']}")
+    return {"rows": rows, "failures": failures}
+
+
+def _record_and_replay(out: str, script: str, flags: list[str]) -> dict:
+    from parity.comparing.curves import compare, load_runs
+    from parity.driver.local_group import launch_local, local_cluster
+    from parity.integrations.replay import plan_replay
+    from parity.training.record import load_record
+
+    if not os.path.isfile(script):
+        raise RuntimeError(f"{script} is not here: the examples travel with the project")
+    done = subprocess.run([sys.executable, script, "--output_dir", out, "--nproc", "1", *flags], capture_output=True,
+                          text=True, timeout=1200)
+    print(done.stdout + done.stderr, flush=True)  # into the check's log
+    records = [r for r in glob.glob(os.path.join(out, "loss_*.json")) if not r.endswith("loss_ddp.json")]
+    if done.returncode or not records:
+        lines = [line for line in (done.stderr or "").splitlines() if line.strip()]
+        raise RuntimeError(f"{os.path.basename(script)} {' '.join(flags)}: exit {done.returncode}"
+                           + (f": {lines[-1]}" if lines else ""))
+    cfg, batches = plan_replay(records[0], {"num_workers": 1, "device": "cuda", "loss_output_dir": out,
+                                            "storage_path": os.path.join(out, "checkpoints")},
+                               cluster=local_cluster("cuda"))
+    launch_local([cfg], [{"batches": batches}])
+    comparison = compare(load_runs(out))
+    recorded, replay = load_record(records[0]), load_record(os.path.join(out, "loss_ddp.json"))
+    diffs = {k: max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for a, b in zip(recorded["steps"], replay["steps"]))
+             for k in ("loss", "grad_norm", "param_norm")}
+    return {"verdict": comparison.word, "max_rel_diff": diffs, "steps": len(recorded["steps"]),
+            "grad_norm_source": recorded["config"].get("grad_norm_source"), "record": records[0]}
+
+
+def markdown(details: dict) -> list[str]:
+    """The step's lines in gpu_check.md."""
+    if "skipped" in details:
+        return [details["skipped"] + "."]
+    lines = ["World size 1, recorded by the example, replayed under DDP on the GPU.", "",
+             "| path | verdict | loss | grad norm | param norm | grad norm from |", "|---|---|---:|---:|---:|---|"]
+    for name, row in details.get("rows", {}).items():
+        if "error" in row:
+            lines.append(f"| {name} | error: {row['error'].replace('|', '/')} | | | | |")
+            continue
+        d = row["max_rel_diff"]
+        lines.append(f"| {name} | {row['verdict']} | {d['loss']:.1e} | {d['grad_norm']:.1e} | {d['param_norm']:.1e} | "
+                     f"{row['grad_norm_source']} |")
+    return lines

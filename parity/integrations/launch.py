@@ -1,0 +1,52 @@
+"""How the own-trainer examples start (docs/own_trainer.md#launchers): under a launcher that set torchrun's variables
+(torchrun, `accelerate launch`) the training function runs in this process; with `--ray N` it runs on N Ray Train
+workers (a TorchTrainer over gloo, the function told `ray=True` to use Ray's own integrations); otherwise `--nproc`
+ranks are spawned here with torchrun's variables set."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable
+
+
+def launch(train: Callable, args) -> None:
+    """`train(args)` on every rank (`train(args, ray=True)` on Ray Train's workers)."""
+    import torch
+
+    if getattr(args, "ray", 0):
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        TorchTrainer(_ray_worker, train_loop_config={"train": train, "args": args},
+                     scaling_config=ScalingConfig(num_workers=args.ray, use_gpu=False),
+                     run_config=RunConfig(storage_path=os.path.abspath(os.path.join(args.output_dir, "ray")),
+                                          name=args.name),
+                     torch_config=TorchConfig(backend="gloo")).fit()
+        return
+    if "RANK" in os.environ:  # torchrun, accelerate launch
+        train(args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, train, args), nprocs=args.nproc)
+
+
+def _spawned(rank: int, world: int, port: int, train: Callable, args) -> None:
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
+    torch.set_num_threads(1)
+    train(args)
+
+
+def _ray_worker(config: dict) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    config["train"](config["args"], ray=True)
+
+
+__all__ = ["launch"]

@@ -1,0 +1,126 @@
+"""The recorder for Lightning's Trainer: `lightning.Trainer(..., callbacks=[ParityCallback(output_dir, name=...)])`
+(docs/own_trainer.md).
+
+What a callback cannot see, it takes from the framework's own extension points, never from a patched library:
+- the loss: a forward hook on the Hugging Face model inside the LightningModule (registered with its kwargs, the same
+  hook as Trainer's adapter) hands the recorder each training micro-batch's input ids, labels, attention mask and the
+  logits; the recorder measures the global token mean itself. The model must be called with `labels=` (Hugging Face's
+  convention) for the hook to see them;
+- the pre-clip gradient norm: Lightning calls `on_before_optimizer_step` after the window's last backward (DDP's
+  gradients reduced) and before its own clipping, so the recorder measures it in float64 from the gradients
+  (`grad_norm_source: recorder`);
+- the lr: the recorder's optimizer step pre-hook on the torch optimizer Lightning steps;
+- the framework's own loss: what `training_step` returned over the window (Lightning divides each by
+  `accumulate_grad_batches`), summed, then averaged over the ranks: `logged_loss`.
+
+One process without a process group (Lightning's single-device strategy): the callback starts a gloo group of one for
+the recorder and ends it after training.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
+from parity.integrations.transformers import ParityCallback as _TrainerCallback
+
+# Lightning's precision → the harness's policy
+PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+def hugging_face_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a LightningModule (the first submodule with a config that holds every one of its
+    parameters): its parameter names are the ones the replay builds; the LightningModule itself otherwise (the record
+    then says it is not replayable)."""
+    everything = {id(p) for p in module.parameters()}
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "to_json_string") and \
+                {id(p) for p in sub.parameters()} == everything:
+            return sub
+    return module
+
+
+class ParityCallback(pl.Callback):
+    """Records a Lightning run for the harness: `output_dir` and `name` as ParityRecorder's, `max_batch_bytes` its cap
+    on the saved batches. One optimizer, automatic optimization, clipping by norm (or none)."""
+
+    _forward = _TrainerCallback._forward  # the micro-batch's rows and logits: the same hook as Trainer's adapter
+
+    def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES):
+        self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
+        self.recorder: ParityRecorder | None = None
+        self._hook, self._own_group, self._stepped, self._logged = None, False, False, 0.0
+
+    def on_train_start(self, trainer, pl_module):
+        if not dist.is_initialized() and trainer.world_size == 1:  # the single-device strategy: a group of one
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._own_group = True
+        model = hugging_face_model(pl_module)
+        versions = {}
+        for package in ("lightning", "transformers", "torch"):
+            try:
+                versions[package] = md.version(package)
+            except md.PackageNotFoundError:
+                pass
+        optimizers = trainer.optimizers
+        self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
+                                       optimizer=optimizers[0] if optimizers else None,
+                                       max_grad_norm=float(trainer.gradient_clip_val or 0.0),
+                                       precision=PRECISIONS.get(str(trainer.precision), "fp32"),
+                                       max_batch_bytes=self.max_batch_bytes, framework="lightning.Trainer",
+                                       framework_versions=versions)
+        if not self.recorder.enabled:
+            return
+        refusal = self._refusal(trainer, pl_module)
+        if refusal:
+            self.recorder._disable(refusal)
+            return
+        self._hook = model.register_forward_hook(self._forward, with_kwargs=True)
+
+    @staticmethod
+    def _refusal(trainer, pl_module) -> str | None:
+        """What this adapter cannot record, in one line."""
+        if len(trainer.optimizers) != 1:
+            return f"{len(trainer.optimizers)} optimizers: the recorder follows one"
+        if not pl_module.automatic_optimization:
+            return "manual optimization: on_before_optimizer_step comes after your own clipping there"
+        if str(trainer.precision) not in PRECISIONS:
+            return f"precision {trainer.precision!r}: the harness replays {', '.join(sorted(PRECISIONS))}"
+        if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") != "norm":  # None: by norm
+            return f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: the replay clips by norm"
+        return None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.recorder is not None:
+            self.recorder.before_step()  # before Lightning's clipping: the recorder's own float64 pre-clip norm
+            self._stepped = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.recorder is None or not self.recorder.enabled:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._logged += float(loss.detach())
+        if self._stepped:  # the window's optimizer step ran in this batch
+            self._stepped = False
+            logged = trainer.strategy.reduce(torch.tensor(self._logged, dtype=torch.float64), reduce_op="mean")
+            self._logged = 0.0
+            self.recorder.after_step(logged_loss=float(logged))
+
+    def on_train_end(self, trainer, pl_module):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.recorder is not None:
+            self.recorder.close()
+        if self._own_group:
+            dist.destroy_process_group()
+            self._own_group = False
+
+
+__all__ = ["ParityCallback", "hugging_face_model"]

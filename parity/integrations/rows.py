@@ -1,0 +1,204 @@
+"""A recorded step's rows: what each rank hands over (its DP rank's micro-batches, its loss sum and tokens, its health),
+how they reach rank 0, and what rank 0 makes of them — the global batch in the harness's order, the check that no two
+DP ranks fed the same rows — and the background writer that saves each step's batch off the training's path.
+
+The exchange is one tensor collective a step (after the first): an all_gather, per rank, of a six-number header
+(every rank learns every rank's health, loss sum and loss tokens) and its packed rows (int64 words: the micro-batches'
+shapes, then their ids, labels and masks) padded to a capacity that grows to the longest rows seen. Rows longer than
+the capacity (the first step's; any past FUSED_WORDS) go to rank 0 alone in a gather. Rank 0 alone unpacks, hashes,
+checks and saves the batch. Where ranks share a DP rank (FSDP2's TP ranks
+feed the same rows) only one of them hands over rows and sums (the layout's `feeds`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from queue import Queue
+
+import torch
+import torch.distributed as dist
+
+from parity.training.data import Batch
+from parity.training.loss import IGNORE_INDEX
+
+PAD_ID = 0  # what a shorter micro-batch's rows are right-padded with to the step's longest (labels −100, mask 0)
+HEADER = ("broken", "loss_sum", "tokens", "feeds", "dp_rank", "words")  # int64 each (the sum: its float64 bits)
+FUSED_WORDS = 1 << 20  # rows up to 8 MiB a rank travel with the header (one all_gather); longer ones to rank 0 alone
+
+
+@dataclass
+class Exchanged:
+    """What the step's exchange gave this rank: every DP rank's loss sum and loss tokens (in DP rank order, every
+    rank), and on rank 0 every DP rank's micro-batches [(ids, labels, mask), ...]."""
+
+    rank_loss_sums: list[float]
+    rank_tokens: list[int]
+    per_dp_rank: list[list[tuple]] | None = field(default=None)
+
+
+def pack(micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Micro-batches (int64 CPU ids, labels, mask, each [rows, length]) as one int64 tensor: their count, each one's
+    shape, then each one's ids, labels and mask."""
+    shapes = [d for ids, _, _ in micro for d in ids.shape]
+    return torch.cat([torch.tensor([len(micro), *shapes], dtype=torch.int64),
+                      *(t.reshape(-1) for m in micro for t in m)])
+
+
+def unpack(words: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    n = int(words[0])
+    shapes = words[1:1 + 2 * n].tolist()
+    at, out = 1 + 2 * n, []
+    for rows, length in zip(shapes[0::2], shapes[1::2]):
+        size = rows * length
+        ids, labels, mask = (words[at + k * size:at + (k + 1) * size].view(rows, length) for k in range(3))
+        out.append((ids, labels, mask))
+        at += 3 * size
+    return out
+
+
+class RowExchange:
+    """The step's exchange, one per recorder: its capacity (the rows' words that travel with the header) grows to the
+    longest rows seen, up to FUSED_WORDS, so that from the second step on it is one all_gather."""
+
+    def __init__(self):
+        self.capacity = 0
+
+    def __call__(self, broken: str | None, loss_sum: float, tokens: int, micro: list, *, feeds: bool, dp_rank: int,
+                 dp_size: int, device: torch.device) -> Exchanged:
+        """Every rank; collective. Raises RuntimeError("rank r: why") on every rank where any rank is broken (the text
+        on rank 0), or where the DP ranks are not each fed by one rank."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if broken:
+            payload = torch.tensor(list(broken.encode()[:400]), dtype=torch.int64)
+        elif feeds:
+            payload = pack(micro)
+        else:
+            payload = torch.zeros(0, dtype=torch.int64)
+        n, cap = payload.numel(), self.capacity
+        sent = torch.zeros(len(HEADER) + cap, dtype=torch.int64)
+        sent[:len(HEADER)] = torch.tensor([int(bool(broken)), 0, int(tokens), int(feeds), int(dp_rank), n])
+        sent[1:2] = torch.tensor([float(loss_sum)], dtype=torch.float64).view(torch.int64)  # the sum's bits, exact
+        sent[len(HEADER):len(HEADER) + min(n, cap)] = payload[:cap]
+        sent = sent.to(device)
+        table = [torch.empty_like(sent) for _ in range(world)]
+        dist.all_gather(table, sent)
+        table = torch.stack(table).cpu()
+        lengths = table[:, 5].tolist()
+        longest = max(lengths)
+        if longest <= cap:
+            payloads = [table[r, len(HEADER):len(HEADER) + lengths[r]] for r in range(world)]
+        else:  # longer rows than the capacity: gathered to rank 0 apart, this once
+            if longest <= FUSED_WORDS:
+                self.capacity = 1 << (longest - 1).bit_length()
+            padded = torch.zeros(longest, dtype=torch.int64, device=device)
+            padded[:n] = payload.to(device)
+            gathered = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
+            dist.gather(padded, gathered, dst=0)
+            payloads = [g[:lengths[r]].cpu() for r, g in enumerate(gathered)] if rank == 0 else None
+        down = [r for r in range(world) if table[r, 0]]
+        if down:
+            why = bytes(payloads[down[0]].tolist()).decode(errors="replace") if payloads is not None else "broken"
+            raise RuntimeError(f"rank {down[0]}: {why}")
+        feeders = sorted((int(table[r, 4]), r) for r in range(world) if table[r, 3])
+        if [d for d, _ in feeders] != list(range(dp_size)):
+            raise RuntimeError(f"the DP ranks fed ({[d for d, _ in feeders]}) are not each of 0…{dp_size - 1} once")
+        sums = table[:, 1].contiguous().view(torch.float64).tolist()
+        return Exchanged([sums[r] for _, r in feeders], [int(table[r, 2]) for _, r in feeders],
+                         [unpack(payloads[r]) for _, r in feeders] if rank == 0 else None)
+
+
+def global_batch(per_rank: list[list[tuple]]) -> tuple[Batch, torch.Tensor, list[list[int]]]:
+    """The step's global batch in the harness's order — DP rank 0's micro-batches in order, then DP rank 1's ... —
+    every row right-padded to the step's longest (ids PAD_ID, labels −100, mask 0: nothing the loss or a causal model's
+    earlier positions see), with the attention mask and the rows of each micro-batch per DP rank."""
+    length = max(ids.shape[1] for micro in per_rank for ids, _, _ in micro)
+    ids, labels, masks = [], [], []
+    for micro in per_rank:
+        for i, lab, m in micro:
+            pad = length - i.shape[1]
+            ids.append(torch.nn.functional.pad(i, (0, pad), value=PAD_ID))
+            labels.append(torch.nn.functional.pad(lab, (0, pad), value=IGNORE_INDEX))
+            masks.append(torch.nn.functional.pad(m, (0, pad), value=0))
+    structure = [[ids_.shape[0] for ids_, _, _ in micro] for micro in per_rank]
+    return Batch(torch.cat(ids), torch.cat(labels)), torch.cat(masks), structure
+
+
+def row_digests(per_rank: list[list[tuple]]) -> list[list[str]]:
+    """Per rank, each row's sha256 over its unpadded ids and labels, in the order the rank fed them."""
+    digests = []
+    for micro in per_rank:
+        mine = []
+        for ids, labels, mask in micro:
+            for row in range(ids.shape[0]):
+                real = int(mask[row].sum()) if mask is not None else ids.shape[1]
+                mine.append(hashlib.sha256(ids[row, :real].numpy().tobytes() + labels[row, :real].numpy().tobytes())
+                            .hexdigest())
+        digests.append(mine)
+    return digests
+
+
+def rows_hash(per_rank: list[list[tuple]]) -> str:
+    """The step's rows whatever their order or layout: sha256 over the sorted row digests. Two recordings of one
+    script at other layouts (2 ranks, or 1 rank with twice the accumulation) feed the same rows in another order:
+    equal here, other batch hashes (parity.comparing.curves accepts that between two recorded runs)."""
+    return hashlib.sha256("".join(sorted(d for rank in row_digests(per_rank) for d in rank)).encode()).hexdigest()
+
+
+def duplicate_rows(per_rank: list[list[tuple]]) -> dict:
+    """Whether two DP ranks fed the same rows in the step: {"duplicates": rows of a rank another rank also fed,
+    "pairs": [[rank, other rank, rows], ...]}."""
+    digests = [set(rank) for rank in row_digests(per_rank)]
+    pairs = [[r, s, len(digests[r] & digests[s])] for r in range(len(digests)) for s in range(r + 1, len(digests))
+             if digests[r] & digests[s]]
+    return {"duplicates": sum(p[2] for p in pairs), "pairs": pairs}
+
+
+class BatchWriter:
+    """Rank 0's writer of the saved batches, on a thread of its own: each step's batch is encoded (safetensors) and
+    written atomically while the training goes on; `finished()` says which steps are on disk and which failed (in
+    step order); `close()` waits for the rest."""
+
+    def __init__(self):
+        self._queue: Queue = Queue()
+        self._done: list[tuple[int, str | None]] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="parity-batch-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, path: str, tensors: dict[str, torch.Tensor]) -> None:
+        self._queue.put((step, path, tensors))
+
+    def _run(self) -> None:
+        from safetensors.torch import save
+
+        from parity import storage
+
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            step, path, tensors = job
+            try:
+                storage.write_bytes_atomic(path, save({k: v.contiguous() for k, v in tensors.items()}))
+                outcome = None
+            except Exception as exc:  # said by the recorder, on its thread
+                outcome = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            with self._lock:
+                self._done.append((step, outcome))
+
+    def finished(self) -> list[tuple[int, str | None]]:
+        """(step, None if written else why not) of every batch finished since the last call."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def close(self) -> list[tuple[int, str | None]]:
+        self._queue.put(None)
+        self._thread.join()
+        return self.finished()
+
+
+__all__ = ["BatchWriter", "Exchanged", "PAD_ID", "duplicate_rows", "RowExchange", "global_batch", "pack", "row_digests",
+           "rows_hash", "unpack"]

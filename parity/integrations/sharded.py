@@ -1,0 +1,308 @@
+"""Where the recorder (recorder.py) reads a model in the process group a user's loop trains it in: which rank feeds
+which data-parallel rank's rows, the pre-clip gradient norm and the parameter norm over full tensors (float64), the
+full initial weights under Hugging Face names, and the replicas (what several ranks hold alike).
+
+Each layout reads the model with the harness's own code for that sharding, never a copy of it:
+- `DataParallel` — plain or DDP, every rank a DP rank holding the whole model: the float64 norms of plain tensors
+  (parity.training.optimizer.local_norm), every parameter and its moments on every rank (replicas.whole_model);
+- `FullyShard` — FSDP2 (`fully_shard`) with or without a DTensor TP mesh: the DTensor strategies' norms across meshes
+  (dtensor_strategy.global_norm), full tensors (full_tensor) and replicas (replicated_parameters, dtensor_replicas).
+  The DP dim of a 2-D mesh is the one named "dp" (the harness's and torchtitan's name); the ranks of other dims
+  feed the same rows, and only the one at coordinate 0 of every other dim hands them over;
+- `ZeRO` — a user's `deepspeed.initialize` engine, ZeRO stages 0–3, TP 1: the DeepSpeed strategy's norm over each
+  rank's master pieces and its replicas (parity/strategies/autotp/zero_state.py), its full tensors through
+  DeepSpeed's safe_get_full_fp32_param (parity/strategies/autotp/gathers.full_tensors). DeepSpeed clips and steps
+  inside `engine.step()`: the pre-clip norm is DeepSpeed's own (`engine.get_global_grad_norm()`, per-tensor float64
+  sums rounded to fp32), the record's grad_norm_source says "framework".
+
+- `FSDP1` — FullyShardedDataParallel with use_orig_params=True (FULL_SHARD, SHARD_GRAD_OP): no harness strategy runs
+  FSDP1, so its norms are written here as FSDP1's own clip_grad_norm_ takes them (each rank's pieces, summed over the
+  group), its initial weights are FSDP1's FULL_STATE_DICT.
+
+Refused in one line (layout_of): FSDP1 without use_orig_params or in another sharding strategy, DeepSpeed's AutoTP,
+a 2-D mesh without a "dp" dim.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+from parity.training.optimizer import local_norm
+from parity.training.replicas import whole_model
+
+
+class DataParallel:
+    """Every rank of the world a DP rank holding the whole model (plain PyTorch, DDP). `model`: the user's module,
+    unwrapped; `optimizer`: the torch optimizer that steps it."""
+
+    kind = "data parallel"
+    zero_stage = 0
+    grad_norm_visible = True  # whether the recorder sees the full gradients before clipping (before_step)
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = self.rank, self.world
+        self.feeds = True  # whether this rank hands over its DP rank's rows (one rank of each DP rank does)
+
+    @property
+    def tp_size(self) -> int:
+        return self.world // self.dp_size
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "zero_stage": self.zero_stage, "dp_size": self.dp_size, "tp_size": self.tp_size}
+
+    def names(self) -> dict[int, str]:
+        """Each parameter's Hugging Face name, by its id (a tied weight under its first name)."""
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    def group_params(self) -> list[list]:
+        """The parameters of each of the optimizer's groups (the module's: named in the record)."""
+        return [list(g["params"]) for g in self.optimizer.param_groups]
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The full logits of a micro-batch, as the loss sees them."""
+        return logits
+
+    def grad_norm(self) -> float:
+        """The global norm of the full gradients, float64 (after backward, before clipping). Collective where the
+        gradients are sharded: every rank calls it."""
+        return local_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+
+    def framework_grad_norm(self) -> float | None:
+        """The framework's own pre-clip norm of the step just taken, where it keeps one (DeepSpeed)."""
+        return None
+
+    def param_norm(self) -> float:
+        """The global norm of the full parameters, float64. Collective where they are sharded."""
+        return local_norm([p.detach() for p in self.model.parameters()])
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The model's full state dict under Hugging Face names, for the initial weights; None: the module's own
+        state_dict is full. Collective where it is sharded: every rank calls it, rank 0 saves it."""
+        return None
+
+    def replicas(self):
+        """What every rank holds alike under data parallelism: every parameter and its Adam moments."""
+        return whole_model(self.model, self.optimizer, tuple(range(self.world)))
+
+
+class FullyShard(DataParallel):
+    """FSDP2 (fully_shard) over a 1-D mesh, or over the "dp" dim of a ("dp", "tp") mesh with DTensor TP: the norms,
+    full tensors and replicas of the DTensor strategies (parity/training/dtensor_strategy.py)."""
+
+    kind = "fsdp2"
+    zero_stage = 3
+
+    def __init__(self, model, optimizer, device: torch.device):
+        super().__init__(model, optimizer)
+        from torch.distributed.tensor import DTensor
+
+        # every full_tensor() of a 2-D DTensor logs that it runs one collective per mesh dim (as fsdp_strategy.py)
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        self.device = device
+        meshes = {p.device_mesh._get_root_mesh() for p in model.parameters() if isinstance(p, DTensor)}
+        if len(meshes) != 1:
+            raise LayoutRefused(f"the model's DTensors live on {len(meshes)} root meshes: the recorder reads one")
+        root = meshes.pop()
+        names = list(root.mesh_dim_names or ())
+        dp_name = next((n for n in ("dp", "data_parallel") if n in names), None)  # data_parallel: Lightning's name
+        if root.ndim > 1 and dp_name is None:
+            raise LayoutRefused(f"a {root.ndim}-D device mesh without a dim named 'dp' or 'data_parallel' ({names}): "
+                                f"the recorder takes the data-parallel dim by that name")
+        if root.size() != self.world:
+            raise LayoutRefused(f"the device mesh spans {root.size()} of the {self.world} ranks")
+        dp = names.index(dp_name) if root.ndim > 1 else 0
+        coordinate = root.get_coordinate()
+        self.dp_rank, self.dp_size = coordinate[dp], root.size(dp)
+        self.feeds = all(c == 0 for i, c in enumerate(coordinate) if i != dp)
+        self.mesh_shape = list(root.shape)
+        self._replicated = None
+
+    def describe(self) -> dict:
+        return {**super().describe(), "mesh": self.mesh_shape}
+
+    def logits(self, logits):
+        from torch.distributed.tensor import DTensor
+
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+    def grad_norm(self) -> float:
+        from parity.training.dtensor_strategy import global_norm
+
+        return global_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+
+    def param_norm(self) -> float:
+        from parity.training.dtensor_strategy import global_norm
+
+        return global_norm([p.detach() for p in self.model.parameters()])
+
+    def full_state(self):
+        from parity.training.dtensor_strategy import full_tensor
+
+        return {k: full_tensor(v, self.device) for k, v in self.model.state_dict().items()}
+
+    def replicas(self):
+        from parity.training.dtensor_strategy import dtensor_replicas, replicated_parameters
+
+        if self._replicated is None:
+            self._replicated = replicated_parameters(self.model, self.world)
+        return dtensor_replicas(self._replicated, self.optimizer)
+
+
+class FSDP1(DataParallel):
+    """FSDP1 (FullyShardedDataParallel) with use_orig_params=True, FULL_SHARD or SHARD_GRAD_OP over every rank: each
+    rank holds a flat shard of each parameter (a view of its piece, empty where it holds none). Its norms are the sums
+    of the local pieces' squares over the process group, as FSDP1's own clip_grad_norm_ takes them (float64 here); the
+    initial weights are its FULL_STATE_DICT; no two ranks hold a piece alike."""
+
+    kind = "fsdp1"
+    zero_stage = 3
+
+    def __init__(self, wrapper, optimizer, inner, device: torch.device):
+        from torch.distributed.fsdp import ShardingStrategy
+
+        if not getattr(wrapper, "_use_orig_params", False):
+            raise LayoutRefused("FSDP1 without use_orig_params=True: its optimizer steps flat parameters the recorder "
+                                "cannot name; wrap with use_orig_params=True")
+        if wrapper.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+            raise LayoutRefused(f"FSDP1 with {wrapper.sharding_strategy.name}: the recorder reads FULL_SHARD and "
+                                f"SHARD_GRAD_OP")
+        super().__init__(inner, optimizer)
+        self.wrapper, self.device = wrapper, device
+        if dist.get_world_size(wrapper.process_group) != self.world:
+            raise LayoutRefused("FSDP1 over a process group other than the world's")
+        if self.model is wrapper:
+            raise LayoutRefused("FSDP1 around a module the recorder cannot name (pass the FSDP wrapper of a Hugging "
+                                "Face model)")
+
+    def names(self):
+        from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+        return {id(p): clean_tensor_name(n) for n, p in self.model.named_parameters()}
+
+    def _norm(self, tensors) -> float:
+        from parity.training.optimizer import squared_norm_fp64
+
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for t in tensors:
+            total += squared_norm_fp64(t).to(self.device)
+        dist.all_reduce(total, group=self.wrapper.process_group)
+        return float(total.sqrt())
+
+    def grad_norm(self) -> float:
+        return self._norm(p.grad for p in self.model.parameters() if p.grad is not None)
+
+    def param_norm(self) -> float:
+        return self._norm(p.detach() for p in self.model.parameters())
+
+    def full_state(self):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(self.wrapper, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+            return {k: v.detach().clone() for k, v in self.wrapper.state_dict().items()}  # FSDP1's gather
+
+    def replicas(self):
+        return []
+
+
+class ZeRO(DataParallel):
+    """A DeepSpeed engine (ZeRO stages 0–3, TP 1) that a user's loop steps: the DeepSpeed strategy's norms and
+    replicas (parity/strategies/autotp/zero_state.py), DeepSpeed's own full tensors and pre-clip norm."""
+
+    grad_norm_visible = False  # DeepSpeed clips inside engine.step(): its own norm, after the step
+
+    def __init__(self, engine, device: torch.device):
+        if engine.autotp_size() > 1:
+            raise LayoutRefused(f"DeepSpeed's AutoTP (autotp_size {engine.autotp_size()}): the recorder reads ZeRO at "
+                                f"TP 1 only so far")
+        optimizer = engine.optimizer
+        while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer  # ZeRO's optimizer wraps the client one, which steps (and is hooked)
+        super().__init__(engine.module, optimizer)
+        self.engine, self.device = engine, device
+        self.zero_stage = engine.zero_optimization_stage()
+        self.kind = f"deepspeed zero{self.zero_stage}"
+        self.masters_apart = engine.bfloat16_enabled() or engine.fp16_enabled()
+        if self.masters_apart and self.zero_stage == 0:
+            raise LayoutRefused("DeepSpeed at ZeRO stage 0 with bf16 or fp16 weights: the recorder reads its masters at "
+                                "stages 1–3 only")
+
+    def group_params(self):
+        wrapper = self.engine.optimizer
+        for attribute in ("bit16_groups", "fp16_groups"):  # ZeRO-1/2's, ZeRO-3's: the module's parameters by group
+            groups = getattr(wrapper, attribute, None)
+            if groups is not None and len(groups) == len(self.optimizer.param_groups):
+                return [list(g) for g in groups]
+        return super().group_params()
+
+    def grad_norm(self) -> float:
+        raise RuntimeError("DeepSpeed clips inside engine.step(): its own norm is read after the step")
+
+    def framework_grad_norm(self):
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def _local_master(self, p):
+        from parity.strategies.autotp.zero_state import local_master
+
+        return local_master(p, self.zero_stage, self.masters_apart)
+
+    def param_norm(self) -> float:
+        from parity.strategies.autotp.zero_state import module_norm
+
+        return module_norm(self.engine, self._local_master, zero_stage=self.zero_stage,
+                           partitioned=self.zero_stage > 0 and self.masters_apart, device=self.device, tp_size=1)
+
+    def full_state(self):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        from parity.strategies.autotp.gathers import full_tensors
+
+        read = safe_get_full_fp32_param if self.zero_stage > 0 else (lambda p: p)
+        full = full_tensors(self.model, read)  # every parameter once, under its first name
+        first = {id(p): name for name, p in self.model.named_parameters()}
+        tied = {name: full[first[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
+        return {k: tied.get(k, v) for k, v in self.model.state_dict().items()}  # buffers as the module holds them
+
+    def replicas(self):
+        from parity.strategies.autotp.zero_state import zero_replicas
+
+        everyone = tuple(range(self.world))
+        return zero_replicas(self.engine, self.zero_stage, everyone=everyone, same_shard=everyone,
+                             same_partition=(self.rank,), tp_size=1)
+
+
+class LayoutRefused(ValueError):
+    """A process group or wrapper the recorder cannot read: one line, and it records nothing."""
+
+
+def layout_of(model, optimizer, device: torch.device, unwrap) -> DataParallel:
+    """The layout the user's `model` (as handed to the recorder: wrapped or not) trains in. LayoutRefused, one line,
+    for one the recorder cannot read."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if "deepspeed" in sys.modules:
+        from deepspeed import DeepSpeedEngine
+
+        if isinstance(model, DeepSpeedEngine):
+            return ZeRO(model, device)
+    inner = unwrap(model)
+    if isinstance(model, FullyShardedDataParallel):
+        return FSDP1(model, optimizer, inner, device)
+    if any(isinstance(m, FullyShardedDataParallel) for m in inner.modules()):
+        raise LayoutRefused("FSDP1 inside the module: hand the recorder the root FullyShardedDataParallel")
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in inner.parameters()):
+        return FullyShard(inner, optimizer, device)
+    return DataParallel(inner, optimizer)
+
+
+__all__ = ["DataParallel", "FSDP1", "FullyShard", "LayoutRefused", "ZeRO", "layout_of"]

@@ -1,0 +1,111 @@
+"""What ZeRO's ranks hold, read the way the DeepSpeed strategy reads it: the float64 norm over each rank's pieces of the
+module's tensors (TP shards summed over their TP group, DP partitions over the DP group, AutoEP's experts over the EP
+group) and the replicas (the tensors several ranks hold alike). Apart from the strategy because a recorder of a user's
+own DeepSpeed loop (parity/integrations/sharded.py) reads an engine it did not build with the same code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parity.training.optimizer import squared_norm_fp64
+from parity.training.replicas import MOMENTS, Replica
+
+
+def module_norm(engine, local_of, *, zero_stage: int, partitioned: bool, device: torch.device, tp_size: int,
+                autoep: dict | None = None) -> float:
+    """The L2 norm, in float64, of `local_of(p)` (this rank's piece of a tensor of parameter p; None: none here) over
+    the engine's module's parameters: TP shards summed over the TP group, replicated tensors once, and — `partitioned`
+    (ZeRO-3, or the fp32 masters of ZeRO-1/2) — DP partitions summed over the DP group; AutoEP's experts (`autoep`:
+    {block name: its layer}) over their EP group. Collective."""
+    import torch.distributed as dist
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.utils import groups
+
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [TP-sharded, replicated]
+    experts = torch.zeros(1, dtype=torch.float64, device=device)  # AutoEP's: this rank's experts
+    for p in engine.module.parameters():
+        local = local_of(p)
+        if local is None:
+            continue
+        if is_moe_param(p):
+            experts += squared_norm_fp64(local)
+        else:
+            sums[0 if is_model_parallel_parameter(p) else 1] += squared_norm_fp64(local)
+    if partitioned or zero_stage == 3:
+        dist.all_reduce(sums, group=engine.seq_data_parallel_group)
+    if autoep:  # each rank of an EP group holds other experts
+        dist.all_reduce(experts, group=next(iter(autoep.values())).ep_group)
+        sums[1] += experts[0]
+    if tp_size > 1:
+        sharded = sums[:1].clone()
+        dist.all_reduce(sharded, group=groups.get_tensor_model_parallel_group())
+        sums[0] = sharded[0]
+    return math.sqrt(float(sums.sum()))
+
+
+def local_master(p, zero_stage: int, masters_apart: bool, unfused_masters: dict | None = None):
+    """This rank's part of the master weight of parameter p: ZeRO-3's DP partition of it; ZeRO-1/2's (and the BF16
+    optimizer's) fragment of a policy's fp32 master in this rank's partition (_hp_mapping); ZeRO-0's fp32 copy
+    (FP16_UnfusedOptimizer's fp32_groups: `unfused_masters`, by parameter id) — or the parameter itself where it is
+    the master (`masters_apart` False: fp32, autocast, bf16_pure at stages 0–2: ZeRO copies the updated partitions
+    back). None where this rank holds no part of it."""
+    from deepspeed.utils import safe_get_local_fp32_param
+
+    if zero_stage == 3:
+        return safe_get_local_fp32_param(p)
+    if not masters_apart:
+        return p
+    if zero_stage == 0:
+        return unfused_masters[id(p)]
+    mapping = getattr(p, "_hp_mapping", None)  # None: no fragment of it in this rank's partition
+    return mapping.get_hp_fragment() if mapping is not None else None
+
+
+def zero_replicas(engine, zero_stage: int, *, everyone: tuple[int, ...], same_shard: tuple[int, ...],
+                  same_partition: tuple[int, ...], tp_size: int) -> list[Replica]:
+    """What ranks hold alike under AutoTP + ZeRO (DeepSpeed 0.19.8), each with its ranks: `everyone` (the world),
+    `same_shard` (the ranks of this rank's tp_rank: its DP group), `same_partition` (this rank's TP group):
+    - stages 1/2: the module's parameters, whole on every rank (ZeRO all-gathers them from the master partitions
+      after each step) — a TP shard on the ranks of its tp_rank, a parameter AutoTP leaves whole (norms, a
+      row-parallel layer's bias) on every rank; and the master fragment (fp32; bf16 with --bf16_master_weights)
+      and moments of such a whole parameter, on the TP group of their DP partition: the flat partitions of the
+      ranks of a TP group hold the same parameters at the same offsets (the piece names the fragment's elements);
+    - stage 3: a whole parameter's ZeRO-3 partition, master partition and moments, on the TP group of
+      their DP partition (TP shards and their partitions are on no two ranks alike; at TP 1 nothing)."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.utils import safe_get_local_fp32_param
+
+    found = []
+    for name, p in engine.module.named_parameters():
+        whole = not is_model_parallel_parameter(p)
+        if zero_stage == 3:
+            if whole and tp_size > 1:
+                found += [Replica(name, same_partition, p.ds_tensor, "ZeRO-3 partition"),
+                          Replica(name, same_partition, safe_get_local_fp32_param(p), "master"),
+                          *(Replica(name, same_partition, zero3_moment(p, key), key) for key in MOMENTS)]
+            continue
+        ranks = everyone if whole else same_shard
+        if len(ranks) > 1:
+            found.append(Replica(name, ranks, p))
+        fragment = getattr(p, "_hp_mapping", None)
+        if whole and tp_size > 1 and fragment is not None:
+            start = fragment.lp_fragment_address.start
+            piece = f"[{start}:{start + fragment.lp_fragment_address.numel}]"
+            states = fragment.optim_fragment or {}
+            found += [Replica(name, same_partition, fragment.hp_fragment, "master", piece),
+                      *(Replica(name, same_partition, states.get(key), key, piece) for key in MOMENTS)]
+    return found
+
+
+def zero3_moment(param, key: str) -> torch.Tensor | None:
+    """A ZeRO-3 parameter's partition of an AdamW moment; None before the optimizer's first step made it."""
+    from deepspeed.utils import safe_get_local_optimizer_state
+
+    try:
+        return safe_get_local_optimizer_state(param, key)
+    except KeyError:
+        return None
