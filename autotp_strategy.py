@@ -30,7 +30,6 @@ and DeepSpeed's import (library.py).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -42,11 +41,12 @@ from parity.strategies.autotp.gathers import column_parallel_outputs, full_tenso
 from parity.strategies.autotp.guards import check_autoep, check_release_runs
 from parity.strategies.autotp.library import forget_other_tp_layout, import_deepspeed
 from parity.strategies.autotp.partition import autotp_partition_config
+from parity.strategies.autotp.zero_state import local_master, module_norm, zero_replicas
 from parity.strategies.autotp.user_config import config_policy, given_config, read_user_config, user_config
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.optimizer import OptimizerStep
-from parity.training.replicas import MOMENTS, Replica
-from parity.training.strategy import Option, Strategy, build_optimizer, set_lr, squared_norm_fp64
+from parity.training.replicas import Replica
+from parity.training.strategy import Option, Strategy, build_optimizer, set_lr
 
 ZERO_STAGES = (0, 1, 2, 3)
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default for zero_optimization.reduce_bucket_size
@@ -225,20 +225,9 @@ class DeepSpeedStrategy(Strategy):
         return policy_of(self.cfg).master_copy
 
     def _local_master(self, p) -> torch.Tensor | None:
-        """This rank's part of the master weight of parameter p: ZeRO-3's DP partition of it; ZeRO-1/2's (and the BF16
-        optimizer's) fragment of a policy's fp32 master in this rank's partition (_hp_mapping); ZeRO-0's fp32 copy
-        (FP16_UnfusedOptimizer's fp32_groups) — or the parameter itself where it is the master (fp32, autocast,
-        bf16_pure at stages 0–2: ZeRO copies the updated partitions back)."""
-        from deepspeed.utils import safe_get_local_fp32_param
-
-        if self.zero_stage == 3:
-            return safe_get_local_fp32_param(p)
-        if not self._masters_apart():
-            return p
-        if self.zero_stage == 0:
-            return self._unfused_masters[id(p)]
-        mapping = getattr(p, "_hp_mapping", None)  # None: no fragment of it in this rank's partition
-        return mapping.get_hp_fragment() if mapping is not None else None
+        """This rank's part of the master weight of parameter p (zero_state.local_master)."""
+        apart = self._masters_apart()
+        return local_master(p, self.zero_stage, apart, self._unfused_masters if apart and self.zero_stage == 0 else None)
 
     @functools.cached_property
     def _unfused_masters(self) -> dict[int, torch.Tensor]:
@@ -251,70 +240,17 @@ class DeepSpeedStrategy(Strategy):
     def _module_norm(self, local_of, partitioned: bool = False) -> float:
         """The L2 norm, in float64, of `local_of(p)` (this rank's piece of a tensor of parameter p) over the module's
         parameters: TP shards summed over the TP group, replicated tensors once, and — `partitioned` (ZeRO-3, or the
-        fp32 masters of ZeRO-1/2) — DP partitions summed over the DP group."""
-        import torch.distributed as dist
-        from deepspeed.runtime.utils import is_model_parallel_parameter
-        from deepspeed.utils import groups
-
-        from deepspeed.moe.utils import is_moe_param
-
-        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # [TP-sharded, replicated]
-        experts = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)  # AutoEP's: this rank's experts
-        for p in self.engine.module.parameters():
-            local = local_of(p)
-            if local is None:
-                continue
-            if is_moe_param(p):
-                experts += squared_norm_fp64(local)
-            else:
-                sums[0 if is_model_parallel_parameter(p) else 1] += squared_norm_fp64(local)
-        if partitioned or self.zero_stage == 3:
-            dist.all_reduce(sums, group=self.engine.seq_data_parallel_group)
-        if self.autoep:  # [8] each rank of an EP group holds other experts
-            dist.all_reduce(experts, group=next(iter(self.autoep.values())).ep_group)
-            sums[1] += experts[0]
-        if self.ctx.tp_size > 1:
-            sharded = sums[:1].clone()
-            dist.all_reduce(sharded, group=groups.get_tensor_model_parallel_group())
-            sums[0] = sharded[0]
-        return math.sqrt(float(sums.sum()))
+        fp32 masters of ZeRO-1/2) — DP partitions summed over the DP group (zero_state.py)."""
+        return module_norm(self.engine, local_of, zero_stage=self.zero_stage, partitioned=partitioned,
+                           device=self.ctx.device, tp_size=self.ctx.tp_size, autoep=self.autoep)
 
     def replicas(self) -> list[Replica]:
-        """What ranks hold alike under AutoTP + ZeRO (DeepSpeed 0.19.8), each with its ranks ([7]):
-        - stages 1/2: the module's parameters, whole on every rank (ZeRO all-gathers them from the master partitions
-          after each step) — a TP shard on the ranks of its tp_rank, a parameter AutoTP leaves whole (norms, a
-          row-parallel layer's bias) on every rank; and the master fragment (fp32; bf16 with --bf16_master_weights)
-          and moments of such a whole parameter, on the TP group of their DP partition: the flat partitions of the
-          ranks of a TP group hold the same parameters at the same offsets (the piece names the fragment's elements);
-        - stage 3: a whole parameter's ZeRO-3 partition, master partition and moments, on the TP group of
-          their DP partition (TP shards and their partitions are on no two ranks alike)."""
-        from deepspeed.runtime.utils import is_model_parallel_parameter
-        from deepspeed.utils import safe_get_local_fp32_param
-
+        """What ranks hold alike under AutoTP + ZeRO ([7], zero_state.py): whole parameters on every rank, TP shards
+        on the ranks of their tp_rank, master fragments and moments of whole parameters on their TP group."""
         ctx = self.ctx
-        everyone = tuple(range(ctx.world_size))
-        same_shard = tuple(ctx.layout.dp_group(ctx.rank))  # the ranks of this tp_rank
-        same_partition = tuple(ctx.layout.tp_group(ctx.rank))  # the TP group of this DP partition
-        found = []
-        for name, p in self.engine.module.named_parameters():
-            whole = not is_model_parallel_parameter(p)
-            if self.zero_stage == 3:
-                if whole and ctx.tp_size > 1:
-                    found += [Replica(name, same_partition, p.ds_tensor, "ZeRO-3 partition"),
-                              Replica(name, same_partition, safe_get_local_fp32_param(p), "master"),
-                              *(Replica(name, same_partition, _zero3_moment(p, key), key) for key in MOMENTS)]
-                continue
-            ranks = everyone if whole else same_shard
-            if len(ranks) > 1:
-                found.append(Replica(name, ranks, p))
-            fragment = getattr(p, "_hp_mapping", None)
-            if whole and ctx.tp_size > 1 and fragment is not None:
-                start = fragment.lp_fragment_address.start
-                piece = f"[{start}:{start + fragment.lp_fragment_address.numel}]"
-                states = fragment.optim_fragment or {}
-                found += [Replica(name, same_partition, fragment.hp_fragment, "master", piece),
-                          *(Replica(name, same_partition, states.get(key), key, piece) for key in MOMENTS)]
-        return found
+        return zero_replicas(self.engine, self.zero_stage, everyone=tuple(range(ctx.world_size)),
+                             same_shard=tuple(ctx.layout.dp_group(ctx.rank)),
+                             same_partition=tuple(ctx.layout.tp_group(ctx.rank)), tp_size=ctx.tp_size)
 
     def model_state_bytes(self) -> dict:
         """Where ZeRO keeps the model states (DeepSpeed 0.19.8; docs/benchmark.md has what each stage holds):
@@ -409,6 +345,28 @@ class DeepSpeedStrategy(Strategy):
         if path is None:  # DeepSpeed returns None, not an error, when the tag folder is missing
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{CHECKPOINT_TAG}' in {directory}")
 
+    def full_optimizer_state(self):
+        """AdamW's moments gathered as full_parameters gathers the master weights: over DP by DeepSpeed
+        (safe_get_full_optimizer_state; ZeRO-0's optimizer's own state of each master), then over TP by each AutoTP
+        layer, AutoEP's experts over EP. Collective."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        counts = {int(v["step"]) for v in inner.state.values() if "step" in v}
+        if not counts:  # before the first step (ZeRO-3 holds empty entries then)
+            return {}, 0
+        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # after load_checkpoint DeepSpeed links the moments to the parameters at its next step
+            link()
+        (count,) = counts
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            read = ((lambda p, key=key: inner.state[self._local_master(p)][key]) if self.zero_stage == 0
+                    else (lambda p, key=key: safe_get_full_optimizer_state(p, key)))
+            for name, t in self._full_tensors(read).items():
+                moments.setdefault(name, {})[key] = t
+        return moments, count
+
     def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """AdamW's state exists once the engine has stepped: one step with zero gradients at lr 0 creates it
         without moving a weight (AdamW's update and its decoupled weight decay are both × lr). Then each
@@ -437,16 +395,6 @@ class DeepSpeedStrategy(Strategy):
                     safe_set_full_optimizer_state(p, value.to(self.ctx.device), key)
         for state in self.engine.optimizer.optimizer.state.values():
             state["step"] = torch.tensor(float(step)) if torch.is_tensor(state["step"]) else step
-
-
-def _zero3_moment(param, key: str) -> torch.Tensor | None:
-    """A ZeRO-3 parameter's partition of an AdamW moment; None before the optimizer's first step made it."""
-    from deepspeed.utils import safe_get_local_optimizer_state
-
-    try:
-        return safe_get_local_optimizer_state(param, key)
-    except KeyError:
-        return None
 
 
 def check_rank_layout(engine, ctx) -> None:

@@ -482,6 +482,19 @@ class PipelineStrategy(Strategy):
         self.policy_optimizer.count_state(ledger, list(self.model.parameters()))
         return ledger.result()
 
+    def full_optimizer_state(self):
+        """Every stage's AdamW moments under HF names (the tied lm_head's copy left out, as full_parameters does),
+        gathered from every rank as objects: each rank holds its stages' whole tensors. Collective."""
+        mine, count = {}, 0
+        for name, p in self.model.named_parameters():
+            state = self.optimizer.state.get(self.policy_optimizer.master_of(p))
+            if state and not (self.tied and name == self.head_name):
+                mine[name] = {k: state[k].detach().float().cpu().clone() for k in ("exp_avg", "exp_avg_sq")}
+                count = int(state["step"])
+        gathered = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, (mine, count))
+        return {name: m for part, _ in gathered for name, m in part.items()}, max(c for _, c in gathered)
+
     def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """AdamW's state of another run, {HF name: moments}, for this rank's parameters (the tied lm_head copy gets
         the embedding's)."""

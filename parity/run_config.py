@@ -16,7 +16,7 @@ from parity.layout import Layout
 NOT_IDENTITY = ("log_interval", "replica_check_interval", "loss_output_dir", "storage_path", "experiment_name",
                 "final_checkpoint_dir", "init_weights_path", "save_init_weights", "cpus_per_worker",
                 "checkpoint_interval", "keep_checkpoints", "max_failures", "model_config", "resume", "verbose",
-                "report_to")
+                "report_to", "no_teacher_forced")
 
 
 REPLAY_ONLY = ("optimizer", "lr_schedule")  # RunConfig fields only a replay of a recorded run sets
@@ -81,6 +81,7 @@ class RunConfig:
     # to_dict (a harness run's record and checkpoints are as they were):
     optimizer: dict | None = None  # the recorded optimizer, {"type", "groups": [{"params": names, "lr_scale", ...}]}
     lr_schedule: tuple | None = None  # the lr applied at each step, as recorded (parity.training.optimizer.lr_at)
+    no_teacher_forced: bool = False  # --no_teacher_forced: no teacher-forced check (parity/training/teacher_forced.py)
 
     @property
     def layout(self) -> Layout:

@@ -40,7 +40,8 @@ BUG_PRESET = "qwen3-moe-tiny"
 # Each seeded bug: its copy, the layout it shows in, its first FAIL step and curve, and the layer check's first
 # divergence (module suffix, phase) at --dp_size 2 with the layout's TP and EP.
 BUGS = {
-    "router": (bugs.DDPRouterGradientsUnreduced, DDP, (1, "loss"), ("mlp.gate.weight", "parameter gradient")),
+    "router": (bugs.DDPRouterGradientsUnreduced, DDP, (0, "teacher_forced"),  # the check at step 0; the loss at step 1
+               ("mlp.gate.weight", "parameter gradient")),
     "aux_per_rank": (bugs.FSDPAuxStatisticsPerRank, EP2, (0, "aux_loss"), ("mlp.gate", "backward (output gradient)")),
     "scaled_by_ep": (bugs.FSDPExpertGradientsScaledByEP, EP2, (0, "grad_norm"), ("mlp.experts.down_proj",
                                                                                "parameter gradient")),

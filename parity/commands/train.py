@@ -11,6 +11,7 @@ from parity import console, storage
 from parity.commands.common import OneLineParser, run_command
 from parity.driver.cluster import ray_for_this_command
 from parity.driver.config import add_run_flags, add_strategy_options, resolve
+from parity.errors import ConfigError
 
 
 def build_parser(strategy: str, description: str = "", argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -23,13 +24,19 @@ def build_parser(strategy: str, description: str = "", argv: list[str] | None = 
     path = probe.parse_known_args(sys.argv[1:] if argv is None else argv)[0].strategy_class
     parser = OneLineParser(description)
     add_run_flags(parser)
-    add_strategy_options(parser, [load(path or row(strategy).path)])
-    if strategy == "ddp":
+    cls = load(path or row(strategy).path)
+    add_strategy_options(parser, [cls])
+    if cls.replays_records:  # the trusted loop a recorded run is replayed under (DDP's class says so)
         parser.add_argument("--replay_record", default=argparse.SUPPRESS, metavar="LOSS_JSON",  # absent unless given
                             help="replay a run recorded by parity's recorder (its loss_<name>.json) under DDP: the record "
                                  "supplies the model, weights, data, optimizer, lr, micro-batches, precision and steps; "
                                  "give only --num_workers, --device, the output and checkpoint flags and "
                                  "--noise_reference (docs/own_trainer.md)")
+        parser.add_argument("--dump_step", type=int, default=argparse.SUPPRESS, metavar="K",
+                            help="with --replay_record: instead of training, record step K of the replay fully (every "
+                                 "module's output and gradient, every parameter's gradient and update, under Hugging "
+                                 "Face names) into --loss_output_dir as dump_ddp.*, beside the dump the recorder wrote "
+                                 "with dump_step=K: compare_dumps.py --input_dir there names the first divergent module")
     return parser
 
 
@@ -41,19 +48,31 @@ def given_flags(strategy: str, argv: list[str] | None) -> dict:
     add_run_flags(parser, given_only=True)
     add_strategy_options(parser, [load(row(strategy).path)], given_only=True)
     parser.add_argument("--replay_record", default=argparse.SUPPRESS)
+    parser.add_argument("--dump_step", default=argparse.SUPPRESS)
     given = vars(parser.parse_known_args(sys.argv[1:] if argv is None else argv)[0])
     given.pop("replay_record", None)
+    given.pop("dump_step", None)
     return given
 
 
-def replay(record_file: str, given: Mapping[str, Any]) -> str:
+def replay(record_file: str, given: Mapping[str, Any], strategy: str, dump_step: int | None = None) -> str:
     """train_ddp.py --replay_record: the replay's config and batches from the record (parity/integrations/replay.py),
-    then trained as every run; returns the loss record's path. Raises ConfigError or TrainingFailed."""
+    then trained as every run — or with `dump_step`, that step recorded fully (parity/integrations/dump.py); returns
+    the loss record's (or the dump's) path. Raises ConfigError or TrainingFailed."""
     from parity.driver.launch import launch_runs
     from parity.integrations.replay import plan_replay
     from parity.training.record import run_record_path
 
-    cfg, batches = plan_replay(record_file, given)
+    cfg, batches = plan_replay(record_file, given, strategy=strategy, dump_step=dump_step)
+    if dump_step is not None:
+        from parity.integrations.dump import dump_replay
+
+        with console.terminal(run_log(cfg), cfg.verbose) as log:
+            with console.pointing_to(log, f"[{cfg.strategy}] "):
+                path = dump_replay(cfg, batches, dump_step)
+            console.say(f"[{cfg.strategy}] dumped step {dump_step} of the replay: {path}; then compare_dumps.py "
+                        f"--input_dir {storage.parent(path)}")
+        return path
     t0 = time.perf_counter()
     with console.terminal(run_log(cfg), cfg.verbose) as log, ray_for_this_command():
         with console.pointing_to(log, f"[{cfg.strategy}] "):
@@ -91,9 +110,11 @@ def main(strategy: str, description: str = "", argv: list[str] | None = None) ->
     """The whole of train_<strategy>.py."""
     def train() -> int:
         values = vars(build_parser(strategy, description, argv).parse_args(argv))
-        record = values.pop("replay_record", None)
+        record, dump_step = values.pop("replay_record", None), values.pop("dump_step", None)
+        if dump_step is not None and not record:
+            raise ConfigError("--dump_step needs --replay_record: it records a step of a recorded run's replay")
         if record:
-            replay(record, given_flags(strategy, argv))
+            replay(record, given_flags(strategy, argv), strategy, dump_step)
         else:
             run(strategy, values)
         return 0

@@ -21,6 +21,7 @@ ROW_KEYS = (
     "model_state_bytes_per_rank", "offloaded_bytes",
     "zero_stage", "zero_bound_bytes", "zero_bound_total_bytes", "peak_memory_bytes", "memory_metric",
     "final_loss", "final_loss_rel_diff_from_ddp", "loss_record", "harness_s_per_step", "harness_share",
+    "teacher_forced_s_per_check", "teacher_forced_share",
 )
 
 # Peak dense bf16 FLOP/s of the accelerators MFU knows by name (the first name contained in the device's).
@@ -74,7 +75,20 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
         "final_loss": steps[-1]["loss"], "final_loss_rel_diff_from_ddp": None, "loss_record": path,
         "harness_s_per_step": harness, "harness_share": sum(harness.values()) / (median - sum(
             harness[k] for k in IN_STEP)),
+        **teacher_forced_cost(steps, cfg, median),
     }
+
+
+def teacher_forced_cost(steps: list[dict], cfg: dict, median_step_s: float) -> dict:
+    """The teacher-forced check's seconds per check (the median over the row's checks: every rank's two state
+    gathers and rank 0's reference steps) and its share of the training time at the row's --checkpoint_interval (one
+    check per interval steps); None where the check did not run."""
+    spent = [s["teacher_forced"]["seconds"] for s in steps if "teacher_forced" in s]
+    if not spent:
+        return {"teacher_forced_s_per_check": None, "teacher_forced_share": None}
+    per_check = statistics.median(spent)
+    interval = cfg["checkpoint_interval"] or len(steps)  # 0: step 0 only, once per run
+    return {"teacher_forced_s_per_check": per_check, "teacher_forced_share": per_check / (interval * median_step_s)}
 
 
 IN_STEP = ("loss_gather", "param_norm")  # the harness's parts inside the timed step (step_time_s holds them)
@@ -122,8 +136,8 @@ def markdown(summary: dict) -> str:
         "",
         "| row | step time (s) | × DDP | tokens/s |" + (" MFU |" if mfu else "") + " model states / rank (MiB) | "
         "peak at | by category (MiB) | ZeRO bound (MiB) | with copies (MiB) | peak memory (MiB) | "
-        "final loss − DDP (rel.) | harness / bare step |",
-        "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---|---:|---:|---:|---:|---:|",
+        "final loss − DDP (rel.) | harness / bare step | teacher-forced check / training |",
+        "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in s["rows"]:
         categories = ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["model_state_bytes"].items())
@@ -133,7 +147,8 @@ def markdown(summary: dict) -> str:
             + f" {r['model_state_total_bytes'] / MIB:.2f} | {' / '.join(dict.fromkeys(r['model_state_peak_at']))} | "
             f"{categories} | {r['zero_bound_total_bytes'] / MIB:.2f} | {r['peak_all_bytes'] / MIB:.2f} | "
             f"{r['peak_memory_bytes'] / MIB:.0f} | {r['final_loss_rel_diff_from_ddp']:.1e} | "
-            f"{_percent(r['harness_share'])} |")
+            f"{_percent(r['harness_share'])} | "
+            f"{_percent(r['teacher_forced_share'])} |")
     if mfu:
         lines += ["", f"MFU = {s['flops_per_token']:.3e} model FLOPs/token × tokens/s ÷ ({s['world_size']} × "
                       f"{_tflops(s['peak_flops'])}; {s['peak_flops_source']})."]

@@ -9,7 +9,9 @@ from typing import NamedTuple
 
 from parity import fingerprint, storage
 from parity.comparing.curves import Comparison, CurveResult
+from parity.comparing import teacher_forced
 from parity.comparing.figures import curve_figure, save_figure
+from parity.comparing.html_report import write_curve_page
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
 from parity.precision import describe
 from parity.registry import label
@@ -115,10 +117,21 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
                       "differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded")]
     else:
         lines.append(replicas_line(r.run))
+    checked = teacher_forced.summary(r.run.record)
+    if checked:  # (a record from before the check, or a run with --no_teacher_forced: no line)
+        lines.append(teacher_forced.describe(checked))
     if f is not None:
         if f.test == "duplicate_rows":
             lines.append(f"first step outside: step {f.step}: ranks {int(f.value)} and {int(f.reference)} fed the same "
                          f"rows ({int(f.rel_diff)} duplicated): no two data-parallel ranks may train on one sample")
+        elif f.test == teacher_forced.TEST:
+            lines.append(f"first step outside: step {f.step}: the teacher-forced step from its own state at the "
+                         f"checkpoint of step {f.step}: {f.module} relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} "
+                         f"from the reference step (whatever the curves say)")
+        elif f.test == "lr_schedule":
+            lines.append(f"first step outside: step {f.step}: the lr applied, {f.value:.6g}, is not the one the "
+                         f"framework's own settings declare ({f.reference:.6g}): a scheduler stepped other than once "
+                         f"per update")
         elif f.test == "overflow":
             did = lambda skipped: "skipped" if skipped else "applied"  # noqa: E731
             lines.append(f"first step outside: step {f.step}: {label(r.run.name)} {did(f.value)} it and {base} "
@@ -133,6 +146,8 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         command = replay_command(c, r)
         if command:
             lines.append(f"replay step {f.step} layer by layer from {base}'s checkpoint: {command}")
+        elif r.run.config.get("source") == "recorder" and f.test not in ("duplicate_rows", "lr_schedule"):
+            lines.append(localise_recorded(r.run.name, f.step))
     routed = routing_line(r)
     return lines + ([routed] if routed else [])
 
@@ -170,6 +185,15 @@ def first_failure(r: CurveResult) -> str:
     if f is not None:
         cells.append(f"step {f.step}, {f.quantity} ({f.test}): {f.rel_diff:.3e} > {f.tolerance:.3e}")
     return "; ".join(cells) or "–"
+
+
+def localise_recorded(name: str, step: int) -> str:
+    """For a recorded run's FAIL: how to find the first divergent module at the first step outside
+    (parity/integrations/dump.py)."""
+    return (f"localise step {step}: rerun your script with the recorder's dump_step={step} (ParityRecorder or "
+            f"ParityCallback(..., dump_step={step})) into a fresh folder D, then python train_ddp.py --replay_record "
+            f"D/loss_{name}.json --dump_step {step} --loss_output_dir D, then python compare_dumps.py --input_dir D: "
+            f"it names the first divergent module")
 
 
 def replay_command(c: Comparison, r: CurveResult) -> str | None:
@@ -234,6 +258,17 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
             if command:
                 out += ["", f"Replay step {r.verdict.first_outside.step} layer by layer from the baseline's "
                         f"checkpoint:", "", f"```bash\n{command}\n```"]
+    checked = [(run, found) for run in c.runs if (found := teacher_forced.summary(run.record))]
+    out += ["", "## Teacher-forced checks", "", "Each checked step's update against a reference step from the run's own "
+            "state (docs/teacher_forced.md); the worst tensor by relative diff ÷ bound.", "",
+            "| run | step | result | worst tensor | relative diff | bound | ratio | note |",
+            "|---|---|---|---|---|---|---|---|"] if checked else []
+    for run, found in checked:
+        for check in found["checks"]:
+            number = lambda x, form=".3e": "–" if x is None else format(x, form)  # noqa: E731
+            out.append(f"| {run.label} | {check['step']} | {'PASS' if check['ok'] else 'FAIL'} | "
+                       f"{check['tensor'] or '–'} | {number(check['rel_diff'])} | {number(check['bound'])} | "
+                       f"{number(check['ratio'], '.2f')} | {check['note'] or ''} |")
     out += ["", "## Fingerprints", "", "| record | shared code | strategy code | libraries | device |", "|---|---|---|---|---|"]
     for run in [*c.runs, *c.references]:
         fp = run.fingerprint
@@ -254,15 +289,31 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
 
 
 def write_outputs(c: Comparison, figure_path: str) -> list[str]:
-    """The figure, curve_comparison.json and curve_report.md (all atomic), in the figure's directory (a
+    """The figure, curve_comparison.json, curve_report.md and report.html (all atomic), in the figure's directory (a
     local one or a URI); returns the paths."""
     directory = storage.parent(storage.absolute(figure_path))
     json_path, md_path = storage.join(directory, JSON_NAME), storage.join(directory, REPORT_NAME)
     save_figure(curve_figure(c), figure_path)
     replays = {r.run.name: replay_command(c, r) for r in c.results if replay_command(c, r)}
-    storage.write_json_atomic(json_path, {**c.to_dict(), "figure": storage.name(figure_path), "replay_commands": replays})
+    data = c.to_dict()
+    for name, command in replays.items():  # a failing teacher-forced check's step is the first outside: its replay
+        if data["runs"][name].get(teacher_forced.KEY, {}).get("first_fail_step") is not None:
+            data["runs"][name][teacher_forced.KEY]["replay_command"] = command
+    links = {**{run.name: _link(run.file, directory) for run in c.runs},  # the records, from the report page's folder
+             **{storage.name(run.file): _link(run.file, directory) for run in c.references}}
+    storage.write_json_atomic(json_path, {**data, "figure": storage.name(figure_path), "replay_commands": replays,
+                                          "record_links": links})
     storage.write_text_atomic(md_path, markdown_report(c, storage.name(figure_path)))
-    return [figure_path, json_path, md_path]
+    return [figure_path, json_path, md_path, write_curve_page(directory)]
+
+
+def _link(location: str, directory: str) -> str:
+    """A record's location relative to the outputs' folder when both are on this machine (the folder may be copied
+    elsewhere with its records), else the location itself."""
+    if storage.parent(storage.absolute(location)) == directory:
+        return storage.name(location)  # beside the page, on any store (a folder downloaded whole keeps it)
+    a, b = storage.local_path(storage.absolute(location)), storage.local_path(directory)
+    return os.path.relpath(a, b).replace(os.sep, "/") if a and b else location
 
 
 def _aligned(rows: list[tuple[str, float]]) -> list[str]:

@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from parity import fingerprint, storage
-from parity.comparing import tolerances
+from parity.comparing import teacher_forced, tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
@@ -115,6 +115,17 @@ class Run:
                 rank, other, rows = found["pairs"][0]
                 return Outside(quantity="duplicate_rows", rel_diff=float(found["duplicates"]), tolerance=0.0,
                                step=s["step"], value=float(rank), reference=float(other), test="duplicate_rows")
+        return None
+
+    @property
+    def lr_off_schedule(self) -> Outside | None:
+        """The first step whose applied lr is not the one the framework's own settings declare (a recorded Trainer
+        run's `declared_lr`: a scheduler stepped twice per update replays to the same curves), or None."""
+        for s in self.steps:
+            declared = s.get("declared_lr")
+            if declared is not None and abs(s["lr"] - declared) > 1e-12 * max(abs(declared), abs(s["lr"])):
+                return Outside(quantity="lr", rel_diff=relative_diff(s["lr"], declared), tolerance=0.0,
+                               step=s["step"], value=s["lr"], reference=declared, test="lr_schedule")
         return None
 
     @property
@@ -214,6 +225,8 @@ class Comparison:
                               "steps_recorded": len(r.steps), "precision": r.precision, "policy": r.policy,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
                               "replica_checks": r.replica_checks,
+                              **({"teacher_forced": tf} if (tf := teacher_forced.summary(r.record)) else {}),
+                              "series": {q: self.series(r, q) for q in self.quantities},  # every compared step's value
                               **{q: asdict(self.curve_stats(r, q)) for q in self.quantities}} for r in self.runs},
             "against_baseline": {r.run.name: {
                 **r.verdict.to_dict(),
@@ -222,6 +235,7 @@ class Comparison:
                 "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
                 "fp32_distance_ratio": r.fp32_distance_ratios,
                 "config_differences": r.config_differences, "routing": r.routing,
+                "bounds": r.bounds.per_step,  # each curve's bound at every step (the report page's bands)
                 **{f"{key}_diff": asdict(d) for key, d in r.diffs.items()}} for r in self.results},
         }
 
@@ -276,6 +290,9 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     mismatches += [f"{storage.name(r.file)} ({r.name}): ranks fed the same rows at step {r.duplicate_rows.step}: a "
                    f"run that trained on other data than it says is no reference" for r in [base, *references]
                    if r.duplicate_rows]
+    mismatches += [f"{storage.name(base.file)} ({base.name}, the baseline): "
+                   f"{teacher_forced.describe(teacher_forced.summary(base.record))}: a baseline whose own step is not "
+                   f"the reference step's is no reference"] if teacher_forced.first_fail(base.record) else []
     if mismatches:
         raise NotComparable(mismatches)
     quantities = quantities_of([*runs, *references], num_steps)
@@ -360,7 +377,9 @@ def comparability_mismatches(base: Run, run: Run) -> list[str]:
                      f"--debug_steps")
     for field, what in STEP_INVARIANTS:
         for sa, sb in zip(base.steps, run.steps):
-            if sa[field] != sb[field]:
+            if sa[field] != sb[field] and not (field == "batch_hash" and sa.get("rows_hash")
+                                               and sa.get("rows_hash") == sb.get("rows_hash")):
+                # (two recorded runs of one script at other layouts: the same rows in another order)
                 found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
                 break
     return found
@@ -452,8 +471,9 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
     other_policy = policy_differences(base, run)
     outside = None
     if not other_policy:  # the earlier of the two; at one step, the overflow mismatch (it explains the rest)
-        found = [o for o in (run.duplicate_rows, first_overflow_mismatch(base, run, num_steps),
-                             first_outside(series, baseline, bounds)) if o]
+        found = [o for o in (run.duplicate_rows, run.lr_off_schedule, first_overflow_mismatch(base, run, num_steps),
+                             first_outside(series, baseline, bounds),
+                             teacher_forced.first_fail(run.record, num_steps)) if o]  # (at one step, the curves')
         outside = min(found, key=lambda o: o.step, default=None)
     verdict = Verdict(run.name, base.name, bounds.source, max_rel, outside, run.parting, tuple(other_policy))
     ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in quantities}

@@ -68,6 +68,19 @@ ADAM_SIGN_FLIP = 2.5
 first AdamW step moves every element by ±lr whatever its gradient's size, so where bf16 rounding flips the
 sign of a noise-level gradient two correct runs differ by 2 lr (2.5: with room for fp32 rounding)."""
 
+TEACHER_FORCED_FP32 = {"param": 2e-3, "exp_avg": 1e-4, "exp_avg_sq": 1e-4, "grad_norm": LAYERS["fp32"]}
+"""The teacher-forced check in fp32 (parity/comparing/teacher_forced.py), by what is measured: the pre-clip grad norm
+at the layer check's fixed tolerance; AdamW's moments, each relative to itself, at 1e-4: a small tensor's moments (a
+norm's weight, its gradient summed over every token) carry its gradient's reduction-order rounding, squared in
+exp_avg_sq (measured: 2.0e-5, DeepSpeed ZeRO-0 at step 0; a β2 of 0.99 for 0.999 moves exp_avg_sq by ~1e-2); the
+updated parameters, measured against the reference's
+update (‖p − p_ref‖ / ‖Δp_ref‖, floored at a tenth of lr per element; 2e-3 of a step), not the weights' size: where a
+gradient element is near AdamW's eps, the last-bit differences of two correct reductions move its update (measured:
+up to 6.3e-4, FSDP2 + TP=2 at lr 1e-3, and 5.3e-4, DeepSpeed ZeRO-3 TP=2 × DP=2 at lr 1e-4, both a k_proj bias). A bug
+that scales the update by 3 % reads 3e-2. In a low-precision policy each
+tensor may differ by LAYER_NOISE_K × how far the policy's rounding moves it at that step (the reference's step in the
+policy against its step in fp32, taken at the check), never less than this."""
+
 SHORT_RUN_BF16 = Tolerance(loss=1e-4, grad_norm=3e-3)
 """The strategy tests' 12-step bf16 runs (lr 1e-4) against DDP's bf16 run."""
 

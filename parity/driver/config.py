@@ -139,6 +139,11 @@ FLAGS = (
     ("checkpoints", "checkpoint_interval", 50,
      {"type": int, "help": "a checkpoint (model, optimizer, step, RNG, the loss record so far) every N steps, "
                            "and one at the end; 0 = at the end only"}),
+    ("checkpoints", "no_teacher_forced", False,
+     {"action": "store_true", "help": "skip the teacher-forced check: at step 0 and every --checkpoint_interval steps "
+                                      "the strategy's next update is compared with a reference step from its own state "
+                                      "(parameters, AdamW's moments, grad norm); a failing check FAILs the run "
+                                      "(docs/teacher_forced.md)"}),
     ("checkpoints", "keep_checkpoints", 2, {"type": int, "help": "keep the last K checkpoints; 0 = keep all"}),
     ("checkpoints", "resume", False,
      {"action": "store_true", "help": "continue the unfinished run in <storage_path>/<experiment_name> from its latest "

@@ -126,6 +126,10 @@ def numeric_fields(entry, prefix: str = "") -> dict[str, float]:
             continue
         if isinstance(value, (int, float)):
             out[name] = float(value)
+        elif name == "teacher_forced" and isinstance(value, dict):  # hundreds of tensors: their largest difference
+            tensors = [v for v in (value.get("tensors") or {}).values() if isinstance(v, (int, float))]
+            if tensors:
+                out[f"{name}/max_rel_diff"] = float(max(tensors))
         elif isinstance(value, (dict, list, tuple)):
             out.update(numeric_fields(value, f"{name}/"))
     return out

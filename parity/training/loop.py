@@ -13,6 +13,8 @@
     backward and after the step, and keeps the peak
 [8] after a step, every --replica_check_interval, at every checkpoint and at the end: every tensor several ranks hold
     (the strategy's replicas) digested and compared across them (parity/training/replicas.py); the record holds it
+[9] at step 0 and every checkpoint step: the teacher-forced check (parity/training/teacher_forced.py): the strategy's
+    next update against a reference step from its own state; the record's step holds the measurements
 [7] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
     the last batch (which that checkpoint must reproduce)
 A failure every rank meets at once (a write that fails, a loss that is not finite) stops all ranks together
@@ -45,6 +47,7 @@ from parity.training.observer import (ModelStateProbe, StepObserver, device_name
                                       worker_nodes)
 from parity.training.record import LossRecord, run_record_path
 from parity.training.strategy import WorkerContext, loss_sum, lr_at
+from parity.training.teacher_forced import KEY as TEACHER_FORCED, TeacherForcedCheck
 
 
 @dataclass
@@ -159,9 +162,12 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         observer.write()  # the record of the run resumed, not of the attempt that failed
 
     started, checkpoint_s = time.perf_counter(), 0.0
+    teacher = TeacherForcedCheck(w, total_steps)  # [9]
+    teacher.resumed(start, record)
     for step in range(start, total_steps):  # [4]
         global_batch = batches(step)
         lr = lr_at(step, cfg)
+        teacher.before(step, global_batch)  # [9] at a checked step: the state, and rank 0's reference step
         t0 = time.perf_counter()
         probe = observer.probe_at(step)  # [6] on the last step
         stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.loss_tokens, lr,
@@ -174,10 +180,14 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         done = step + 1
         checkpoint = bool(checkpoints and checkpoints.due(done, total_steps))
         scaling = {"skipped": stats.skipped, "loss_scale": stats.loss_scale} if cfg.loss_scaling else {}
+        checked = teacher.after(step, stats.grad_norm, stats.skipped)  # [9]
+        if checked is not None:
+            scaling[TEACHER_FORCED] = checked
         observer.observe_step(step, batch=global_batch, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [8] [5]
                               grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, step_time_s=step_time,
                               harness_s=stats.harness_s, checkpoint=checkpoint, **scaling, **(stats.routing or {}))
         if checkpoint:
+            teacher.at_checkpoint(done, record)  # [9] the state the next check starts from, its digest in the record
             c0 = time.perf_counter()
             checkpoints.write(done, {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm,
                                      "param_norm": stats.param_norm, "lr": lr, "step_time_s": step_time})
@@ -190,7 +200,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                 f"grad_norm {stats.grad_norm:.4f} lr {lr:.3g} | {1 / per_step:.1f} steps/s, "
                 f"{per_step * (total_steps - done):.0f} s left")
 
-    steps_s = time.perf_counter() - started - checkpoint_s
+    steps_s = time.perf_counter() - started - checkpoint_s - teacher.seconds
     finishing = time.perf_counter()
     model_state = observer.report_model_state()  # [6]
     last_batch = batches(total_steps - 1)
@@ -199,7 +209,9 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
 
     def final() -> dict:  # rank 0's, once it has written the final model
         timings = {"setup_s": w.setup_s, "steps_s": steps_s, "steps": total_steps - start,
-                   "checkpoints_s": checkpoint_s, "finish_s": time.perf_counter() - finishing}
+                   "checkpoints_s": checkpoint_s, "teacher_forced_s": teacher.seconds,
+                   "teacher_forced_checks": len(teacher.steps & set(range(start, total_steps))),
+                   "finish_s": time.perf_counter() - finishing}
         return {"eval_loss_last_batch": final_loss, "eval_batch_step": total_steps - 1,
                 "checkpoint_dir": cfg.final_checkpoint_dir, "train_time_s": time.perf_counter() - started,
                 "model_state": model_state, "timings": timings}

@@ -106,6 +106,7 @@ class Strategy(Routing):
     # whether it splits the decoder layers into stages over --pp_size ranks (a layout flag only such a strategy takes,
     # parity.layout.DEFAULT_PP_SIZE when not given; `cfg.pp_size`, `ctx.pp_size`: 1 for any other)
     pipeline_parallel = False
+    replays_records = False  # whether train_<name>.py takes --replay_record: the loop a recorded run is replayed under
     layer_check_refuses_ep = None  # why the layer check cannot compare its modules at --ep_size > 1, where it cannot
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
     # The precision policies it carries out (parity.precision). fp32 and bf16 (autocast) need nothing of a strategy but
@@ -284,6 +285,33 @@ class Strategy(Routing):
         state = {name: {"step": torch.tensor(float(step)), **m} for name, m in moments.items()}
         set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": [
             {**hyper, "params": list(moments)}]}, options=StateDictOptions(full_state_dict=True))
+
+    def full_optimizer_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], int] | None:
+        """AdamW's state as full fp32 CPU tensors under Hugging Face names — ({name: {"exp_avg", "exp_avg_sq"}}, its
+        step count), ({}, 0) before the first step — on every rank, or None where this strategy cannot export it (the
+        teacher-forced check then compares the grad norm only: parity/training/teacher_forced.py). The inverse of
+        set_optimizer_state. Here for a torch optimizer (`self.optimizer`) over the HF module's parameters (or their
+        PolicyOptimizer masters), whole or DTensor shards (gathered, in one order on every rank); a moment whose shape is
+        not its full parameter's (a piece of a strategy's own) makes it None on every rank alike. Collective."""
+        from torch.distributed.tensor import DTensor
+
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or self.ctx.pp_size > 1 or not hasattr(optimizer, "state"):
+            return None
+        policy = self.policy_optimizer
+        moments, count = {}, 0
+        for name, p in self.hf_model.named_parameters():
+            state = optimizer.state.get(policy.master_of(p) if policy is not None else p)
+            if not state:
+                continue
+            count = int(state["step"]) if "step" in state else count
+            moments[name] = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = state[key].detach().to(self.ctx.device)
+                moments[name][key] = (t.full_tensor() if isinstance(t, DTensor) else t).float().cpu().clone()
+            if moments[name]["exp_avg"].shape != p.shape:
+                return None
+        return moments, count
 
     def accumulating(self, last: bool):
         """The context of one micro-batch's forward and backward under --grad_accum_steps: gradients are

@@ -1,0 +1,88 @@
+"""The teacher-forced check's verdict: each checked step of a run (the record's "teacher_forced" entries, measured by
+parity/training/teacher_forced.py) judged tensor by tensor against its bound, the first failing check a FAIL at that
+step whatever the curves say — the curves' bounds widen as bf16 runs drift apart, a teacher-forced step's do not.
+
+Bounds (parity.comparing.tolerances.TEACHER_FORCED_FP32): in fp32 a fixed one per kind of tensor (the updated
+parameters against the reference's update, AdamW's two moments, the pre-clip grad norm); in a low-precision policy
+LAYER_NOISE_K × how far the policy's rounding moved that tensor in the same step (the reference in the policy against
+the reference in fp32, recorded beside the measurement), never below the fp32 bound. A run resumed at a checked step
+also compares the state it loaded with the digest of the state its checkpoint saved ("resumed <tensor>": each norm and
+AdamW's step count) at RESUMED_FP32: a resume is bit-identical (docs/checkpoints.md).
+
+The summary per run (curve_comparison.json's runs.<name>.teacher_forced, report.html's table):
+{"interval", "checks": [{"step", "ok", "tensor", "rel_diff", "bound", "ratio", "note"}], "first_fail_step",
+"replay_command"} — each check's worst tensor by rel_diff ÷ bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+from parity.comparing.tolerances import LAYER_NOISE_K, RESUMED_FP32, TEACHER_FORCED_FP32, tolerance_class
+from parity.comparing.verdict import Outside
+
+KEY = "teacher_forced"  # the record's step entry (parity.training.teacher_forced.KEY) and the JSON's key
+TEST = "teacher_forced"  # Outside.test of a failing check
+
+
+def bound(key: str, precision: str, rounding: dict | None) -> float:
+    """The bound of one measured tensor ("param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>", "grad_norm")."""
+    fixed = TEACHER_FORCED_FP32[key.split("/", 1)[0]]
+    if tolerance_class(precision) == "fp32" or rounding is None or key not in rounding:
+        return fixed
+    return max(LAYER_NOISE_K * rounding[key], fixed)
+
+
+def judge_check(entry: dict) -> dict:
+    """One check: its worst tensor (by rel_diff ÷ bound) and whether every tensor is within its bound (a NaN is
+    not)."""
+    tensors = entry.get("tensors") or {}
+    result = {"step": entry["step"], "ok": True, "tensor": None, "rel_diff": None, "bound": None, "ratio": None,
+              "note": entry.get("note")}
+    worst = -1.0
+    judged = [(key, rel, bound(key, entry["precision"], entry.get("rounding"))) for key, rel in tensors.items()]
+    judged += [(f"resumed {key}", rel, RESUMED_FP32) for key, rel in (entry.get("resumed") or {}).items()]
+    for key, rel, b in judged:
+        ratio = rel / b if not math.isnan(rel) else math.inf
+        if ratio > worst:
+            worst = ratio
+            result.update(tensor=key, rel_diff=rel, bound=b, ratio=ratio)
+    result["ok"] = worst <= 1.0
+    return result
+
+
+def summary(record: dict) -> dict | None:
+    """The run's checks, judged (the module docstring's shape); None where the check did not run."""
+    entries = [s[KEY] for s in record["steps"] if KEY in s]
+    if not entries:
+        return None
+    checks = [judge_check(e) for e in entries]
+    first = next((c["step"] for c in checks if not c["ok"]), None)
+    return {"interval": record["config"].get("checkpoint_interval"), "checks": checks, "first_fail_step": first,
+            "replay_command": None}
+
+
+def first_fail(record: dict, num_steps: int | None = None) -> Outside | None:
+    """The run's first failing check (within the `num_steps` compared) as the verdict's point outside."""
+    found = summary(record)
+    for c in (found or {}).get("checks", []):
+        if not c["ok"] and (num_steps is None or c["step"] < num_steps):
+            return Outside(quantity=KEY, rel_diff=c["rel_diff"], tolerance=c["bound"], step=c["step"],
+                           module=c["tensor"], test=TEST)
+    return None
+
+
+def describe(found: dict) -> str:
+    """One line on a run's checks (summary's): where it first FAILs, or where it ran and the largest rel_diff ÷
+    bound."""
+    judged = [c for c in found["checks"] if c["ratio"] is not None]
+    worst = max(judged, key=lambda c: c["ratio"], default=None)
+    where = ", ".join(str(c["step"]) for c in found["checks"])
+    if found["first_fail_step"] is not None:
+        c = next(c for c in found["checks"] if not c["ok"])
+        return (f"teacher-forced check FAILS at step {c['step']}: {c['tensor']} relative diff {c['rel_diff']:.3e} > "
+                f"{c['bound']:.3e} ({c['ratio']:.1f} × its bound)")
+    notes = {c["note"] for c in found["checks"] if c["note"]}
+    return (f"teacher-forced check: within bounds at steps {where}"
+            + (f" (largest {worst['ratio']:.2f} of its bound: {worst['tensor']} at step {worst['step']})" if worst else "")
+            + (f"; {'; '.join(sorted(notes))}" if notes else ""))

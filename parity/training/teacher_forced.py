@@ -1,0 +1,276 @@
+"""The teacher-forced check: at every checkpoint step k (--checkpoint_interval, and step 0), the strategy's own next
+update is compared with a trusted update taken from the same state on the same batch — so a bug that starts late is
+judged as sharply as one at step 0, whatever the curves' noise has grown to by then (docs/teacher_forced.md).
+
+Which state: the strategy's own at k, fed to a reference step (not DDP's state at k loaded into the strategy). Every
+strategy already exports its full state — full_parameters() (what the final model and the layer check gather) and
+AdamW's moments (Strategy.full_optimizer_state, the inverse of set_optimizer_state that the layer check's replay loads
+moments with) — while loading a foreign state into a running strategy would need every strategy's load path at every
+checkpoint, and two runs' states at step k are never the same model in bf16 (they drift apart chaotically): the
+comparison would measure the drift, not the step. From its own state the strategy's step and the reference's differ
+by that step alone.
+
+[1] before step k, on every rank: the strategy's full state (parameters, AdamW's moments and step count, buffers),
+    gathered as full tensors under Hugging Face names (collective);
+[2] rank 0 takes the reference step from it on the global batch of step k at step k's lr: one process, the whole
+    batch, the shared AdamW (PolicyOptimizer) in the run's precision policy — DDP at one rank, without DDP — and, in a
+    low-precision policy, the same step in fp32 as well: how far the policy's rounding moves each tensor (the layer
+    check's calibration, taken at this step);
+[3] after step k, on every rank: the strategy's full state again (collective); rank 0 measures each tensor against
+    the reference — the updated parameters relative to the reference's update (‖p − p_ref‖ / ‖p_ref − p_k‖: a bug
+    that scales the update by 3 % reads 3e-2 whatever the weights' size), each moment relative to itself, the pre-clip
+    grad norm — and the record's step k holds every measurement (and the rounding's), which the verdict judges
+    (parity/comparing/teacher_forced.py). Every rank gets the entry (one broadcast), so the records agree.
+
+[4] At a checkpoint (under Ray Train) the state the next check starts from is captured before it is written, and its
+    digest (each tensor's norm, AdamW's step count) goes into the record the checkpoint keeps; a run resumed there
+    compares the state it loaded with it at its first step ("resumed"): a resume that loses the moments FAILs there.
+
+A strategy that cannot export its optimizer state (full_optimizer_state returns None) is checked on the pre-clip grad
+norm only, which needs its parameters alone; the entry says so in one line ("note").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parity.layout import Layout
+from parity.training.optimizer import local_norm
+from parity.training.policy_optimizer import PolicyOptimizer
+from parity.training.strategy import Strategy, WorkerContext, lr_at
+
+KEY = "teacher_forced"  # the record's per-step entry
+STATE_KEY = "teacher_forced_state"  # the digest of the state a checkpoint holds, in its record's last step entry
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def check_steps(cfg, total_steps: int) -> list[int]:
+    """The steps checked: 0 and every checkpoint step before the last (--checkpoint_interval; 0: step 0 only), none
+    with --no_teacher_forced, and none yet under fp16 (a loss scaler's policy). The step checked at checkpoint k is the one trained from it (index k): the step after a
+    resume."""
+    if getattr(cfg, "no_teacher_forced", False) or cfg.loss_scaling:
+        return []  # fp16: its loss scaler's overflow check is a collective the one-process reference cannot join
+    interval = cfg.checkpoint_interval
+    return sorted({0, *(range(interval, total_steps, interval) if interval > 0 else ())} & set(range(total_steps)))
+
+
+@dataclass
+class FullState:
+    """A model and its optimizer as full fp32 CPU tensors under Hugging Face names (a tied weight once)."""
+
+    params: dict[str, torch.Tensor]
+    moments: dict[str, dict[str, torch.Tensor]] | None  # None: the strategy cannot export them
+    count: int  # AdamW's step count
+    buffers: dict[str, torch.Tensor]
+
+
+def capture(strategy) -> FullState:
+    """[1] / [3]: the strategy's full state, on every rank. Collective."""
+    params = strategy.full_parameters()
+    exported = strategy.full_optimizer_state()
+    moments, count = exported if exported is not None else (None, 0)
+    return FullState(params, moments, count, strategy.full_buffers())
+
+
+class ReferenceStep(Strategy):
+    """The trusted step: the whole model in one process (no DP, no sharding, no collective), the shared AdamW under the
+    run's policy (PolicyOptimizer), Strategy's own forward_backward over the whole global batch."""
+
+    name = "reference"
+    tensor_parallel = False
+
+    def setup(self, model) -> None:
+        model.to(self.ctx.device)
+        self.model = model
+        self.policy_optimizer = PolicyOptimizer(model.parameters(), self.cfg, [n for n, _ in model.named_parameters()])
+        self.optimizer = self.policy_optimizer.optimizer
+
+    @property
+    def hf_model(self):
+        return self.model
+
+    def backward(self, loss, last: bool = True) -> None:
+        loss.backward()
+        self.policy_optimizer.accumulate()
+
+    def optimizer_step(self, lr: float):
+        return self.policy_optimizer.step(lr, local_norm)
+
+    def gather_dp(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t]  # one process: no collective
+
+    def state(self) -> FullState:
+        names = [n for n, _ in self.model.named_parameters()]
+        masters = [self.policy_optimizer.master_of(p) for _, p in self.model.named_parameters()]
+        moments = {n: {k: self.optimizer.state[m][k].detach().float().cpu() for k in MOMENTS}
+                   for n, m in zip(names, masters) if m in self.optimizer.state}
+        return FullState({n: m.detach().float().cpu() for n, m in zip(names, masters)}, moments, 0, {})
+
+
+def reference_cfg(cfg, batch_rows: int, precision: str | None = None):
+    """The run's config for one process holding the whole global batch (`batch_rows` rows), in `precision`'s policy
+    (fp32: no loss scaling, fp32 reductions) or the run's own."""
+    changes = dict(num_workers=1, dp_size=1, tp_size=1, pp_size=1, ep_size=1, batch_size=batch_rows,
+                   grad_accum_steps=1, compile=False, activation_checkpointing=False)
+    if precision == "fp32":
+        changes.update(precision="fp32", reduce_dtype="fp32", grad_accum_dtype="fp32", loss_scaling=None)
+    return dataclasses.replace(cfg, **changes)
+
+
+def reference_step(cfg, model_config, state: FullState, global_batch, lr: float, device,
+                   precision: str | None = None, loss_scale: float = 1.0) -> tuple[FullState, float] | None:
+    """[2]: one step from `state` on `global_batch` at `lr`; (the state after it, the pre-clip grad norm), or None where
+    an fp16 overflow skipped it (at the strategy's `loss_scale`)."""
+    from parity.models.model import build_model
+
+    model = build_model(model_config, cfg.seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state.params[name])
+        for name, b in model.named_buffers():
+            if name in state.buffers:
+                b.copy_(state.buffers[name])
+    ref = ReferenceStep(reference_cfg(cfg, len(global_batch.input_ids), precision),
+                        WorkerContext(rank=0, device=device, layout=Layout(1, 1)))
+    ref.setup(model)
+    if state.moments:
+        ref.policy_optimizer.set_moments([(p, state.moments[n]) for n, p in model.named_parameters()], state.count)
+    if ref.policy_optimizer.scaler is not None:
+        ref.policy_optimizer.scaler.scale = loss_scale  # the strategy's, at this step
+    ref.forward_backward(global_batch, global_batch.loss_tokens)
+    done = ref.policy_optimizer.step(lr, local_norm)
+    return None if done.skipped else (ref.state(), float(done.norm))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
+    """‖a − b‖ / ‖scale‖ in float64 (0 where both are equal, inf where only the scale is 0)."""
+    diff = float(torch.linalg.vector_norm((a.double() - b.double()).flatten()))
+    size = float(torch.linalg.vector_norm(scale.double().flatten()))
+    return diff / size if size > 0 else (0.0 if diff == 0 else math.inf)
+
+
+UPDATE_FLOOR = 0.1
+"""The updated parameters' scale is never below UPDATE_FLOOR × lr per element: a tensor whose gradient sits near
+AdamW's eps (a k_proj bias: softmax ignores a shift shared by all keys) barely moves, and against its own tiny update
+the last bits of two correct reductions would read as a difference."""
+
+
+def measure(after: FullState, grad_norm: float, ref: FullState, ref_norm: float,
+            before: FullState, lr: float) -> dict[str, float]:
+    """[3] Each tensor of `after` (a step from `before` at `lr`) against `ref` (the reference's step from it):
+    "param/<name>" relative to the reference's update (UPDATE_FLOOR), "exp_avg/<name>" and "exp_avg_sq/<name>" relative
+    to themselves, and "grad_norm". AdamW's first step (`before` without moments) moves each element by lr × the sign
+    of its gradient: its parameters say nothing its moments do not (they hold the gradient itself), while rounding
+    flips the sign of every noise-level gradient (the layer check's ADAM_SIGN_FLIP): they are compared from the
+    second step on."""
+    out = {"grad_norm": abs(grad_norm - ref_norm) / abs(ref_norm) if ref_norm else float(grad_norm != ref_norm)}
+    if after.moments is None:
+        return out
+    for name, p in ref.params.items() if before.moments else ():
+        update = p.double() - before.params[name].double()
+        floor = UPDATE_FLOOR * lr * math.sqrt(update.numel())
+        if float(torch.linalg.vector_norm(update.flatten())) < floor:
+            update = torch.full((1,), floor, dtype=torch.float64)
+        out[f"param/{name}"] = _rel(after.params[name], p, update)
+    for name, m in ref.moments.items():
+        for k in MOMENTS:
+            out[f"{k}/{name}"] = _rel(after.moments[name][k], m[k], m[k])
+    return out
+
+
+def digest(state: FullState) -> dict[str, float]:
+    """Each tensor's float64 norm and AdamW's step count: what a checkpoint's state must read again once resumed."""
+    out = {f"param/{n}": float(torch.linalg.vector_norm(t.double())) for n, t in state.params.items()}
+    for n, m in (state.moments or {}).items():
+        out.update({f"{k}/{n}": float(torch.linalg.vector_norm(m[k].double())) for k in MOMENTS})
+    if state.moments is not None:
+        out["step_count"] = float(state.count)
+    return out
+
+
+class TeacherForcedCheck:
+    """One run's checks on this rank: `before(step, batch)` ahead of a checked step's train step and `after(step,
+    grad_norm, skipped)` once it is done return the record's entry for that step (None elsewhere). Every rank calls
+    both at every step (a checked step's are collective); only rank 0 computes the reference."""
+
+    def __init__(self, worker, total_steps: int):
+        self.cfg, self.ctx, self.strategy, self.model_config = worker.cfg, worker.ctx, worker.strategy, \
+            worker.model_config
+        self.steps = set(check_steps(self.cfg, total_steps))
+        self.pending = self.captured = self.resumed_from = None
+        self.seconds = 0.0
+
+    def at_checkpoint(self, done: int, record) -> None:
+        """[4] Ahead of the checkpoint after `done` steps (every rank): the state the next check starts from, captured
+        now, and its digest in the record's last step entry, which the checkpoint keeps: a run resumed there checks
+        that it holds the same state (`resumed`). Collective."""
+        if done not in self.steps:
+            return
+        t0 = time.perf_counter()
+        state = capture(self.strategy)
+        record.steps[-1][STATE_KEY] = digest(state)
+        self.captured = (done, state)
+        self.seconds += time.perf_counter() - t0
+
+    def resumed(self, start: int, record) -> None:
+        """The run resumed at step `start` from a checkpoint whose record holds the digest of the state there."""
+        saved = record.steps[-1].get(STATE_KEY) if start and record.steps else None
+        self.resumed_from = (start, saved) if saved else None
+
+    def before(self, step: int, global_batch) -> None:
+        if step not in self.steps:
+            return
+        t0 = time.perf_counter()
+        held = self.captured
+        state = held[1] if held and held[0] == step else capture(self.strategy)
+        self.captured = None
+        resume = None
+        if self.resumed_from and self.resumed_from[0] == step:  # [4] the state loaded against the state saved
+            saved, now = self.resumed_from[1], digest(state)
+            resume = {k: abs(now.get(k, 0.0) - v) / abs(v) if v else float(now.get(k, 0.0) != v)
+                      for k, v in saved.items()}
+        refs = None
+        if self.ctx.is_logging_rank:
+            batch, lr = global_batch.to(self.ctx.device), lr_at(step, self.cfg)
+            own = reference_step(self.cfg, self.model_config, state, batch, lr, self.ctx.device,
+                                 loss_scale=self.strategy.loss_scale)
+            exact = None
+            if self.cfg.precision != "fp32" and own is not None:
+                exact = reference_step(self.cfg, self.model_config, state, batch, lr, self.ctx.device, "fp32")
+            refs = (own, exact)
+        self.pending = (state, refs, resume, time.perf_counter() - t0)
+
+    def after(self, step: int, grad_norm: float, skipped: bool = False) -> dict | None:
+        if step not in self.steps or self.pending is None:
+            return None
+        t0 = time.perf_counter()
+        before, refs, resume, spent = self.pending
+        self.pending = None
+        after = capture(self.strategy)
+        entry = None
+        if self.ctx.is_logging_rank:
+            (ref, ref_norm), exact = refs if refs[0] is not None else ((None, None), None)
+            note = None
+            if before.moments is None:
+                note = (f"{self.cfg.strategy} cannot export its optimizer state (Strategy.full_optimizer_state): "
+                        f"the pre-clip grad norm only")
+            if skipped or refs[0] is None:
+                entry = {"note": "an fp16 overflow skipped the step: nothing to compare"}
+            else:
+                lr = lr_at(step, self.cfg)
+                entry = {"tensors": measure(after, grad_norm, ref, ref_norm, before, lr), "note": note}
+                if exact is not None:
+                    entry["rounding"] = measure(ref, ref_norm, exact[0], exact[1], before, lr)
+            if resume is not None:
+                entry["resumed"] = resume
+        answer = [entry]
+        dist.broadcast_object_list(answer, src=0)
+        self.seconds += spent + time.perf_counter() - t0
+        return {"step": step, "precision": self.cfg.precision, "seconds": spent + time.perf_counter() - t0,
+                **answer[0]}
