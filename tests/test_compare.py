@@ -243,7 +243,7 @@ def test_printed_block_and_outputs(tmp_path, capsys):
     code, out, err = run_cli(capsys, tmp_path)
     assert (code, err) == (1, "")
     assert out == HAND_BLOCK.format(folder=tmp_path) + f"\nwrote {tmp_path}/out/loss_curves.png, {tmp_path}/out/curve_comparison.json, " \
-                               f"{tmp_path}/out/curve_report.md\n"
+                               f"{tmp_path}/out/curve_report.md, {tmp_path}/out/report.html\n"
     with open(tmp_path / "out" / "curve_comparison.json") as f:
         saved = json.load(f)
     assert (saved["baseline"], saved["num_steps"], saved["verdict"], saved["figure"]) == ("ddp", 5, "FAIL",

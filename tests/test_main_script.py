@@ -53,6 +53,10 @@ def test_four_runs_then_a_pass_verdict(four_runs):
         assert max(against["max_rel_diff"].values()) < 1e-5
     assert summary["noise_references"] == [] and "(noise reference)" not in proc.stdout
     assert "LOSS CURVE STATISTICS" in proc.stdout and "VERDICT: PASS" in proc.stdout
+    times = json.loads((loss_dir / "main_job_times.json").read_text())  # the time table, for report.html too
+    assert [row["what"] for row in times["rows"]][-1] == "comparison and figure" and times["total_s"] > 0
+    page = (loss_dir / "report.html").read_text()
+    assert "Where the time went" in page and "PASS: every run" in page
     assert (tmp_path / "shared_weights" / "init_weights.pt").exists()
 
 

@@ -195,7 +195,8 @@ def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baselin
     events = [f for f in all_files(loss_dir) if f.startswith("tensorboard/")]
     assert [f for f in all_files(loss_dir) if f not in events] == [
         "curve_comparison.json", "curve_report.md", "logs/fsdp_tp2_dp1.log", "loss_curves.png", "loss_ddp.json",
-        "loss_fsdp.json"]
+        "loss_fsdp.json", "report.html"]
+    assert 'href="loss_fsdp.json"' in storage.read_text(storage.join(loss_dir, "report.html"))  # the page, on the store
     # TensorBoard's run: the training's events and the comparison's, in the run's folder on the store
     log_dir = record["trackers"]["tensorboard"]["log_dir"]
     assert len(events) == 2 and {posixpath.dirname(f) for f in events} == {

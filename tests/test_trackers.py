@@ -118,7 +118,9 @@ def test_mlflow_has_every_step_the_config_the_fingerprint_and_the_verdict(tracke
         assert tags["fingerprint.versions.torch"] == config["fingerprint"]["versions"]["torch"]
         assert tags["comparison/verdict"] == "PASS" and tags["comparison/baseline"] == "ddp"
         assert [a.path for a in client.list_artifacts(run.info.run_id, "comparison")] == [
-            "comparison/curve_comparison.json", "comparison/curve_report.md", "comparison/loss_curves.png"]
+            "comparison/curve_comparison.json", "comparison/curve_report.md", "comparison/loss_curves.png",
+            "comparison/report.html"]
+        assert tags["comparison/page"] == str(root / "loss" / "report.html")
     summary = json.loads((root / "loss" / "curve_comparison.json").read_text())["against_baseline"]["hand_written_dp"]
     _, run = mlflow_run(records["hand_written_dp"])
     assert (run.data.tags["comparison/role"], run.data.tags["comparison/run_verdict"]) == ("compared", "PASS")
@@ -149,6 +151,7 @@ def test_tensorboard_has_every_step_the_config_the_fingerprint_and_the_verdict(t
         assert f"| fingerprint.shared_code_sha256 | `{record['config']['fingerprint']['shared_code_sha256']}` |" in tags
         ((step, summary),) = tensorboard_text(events, "comparison/summary")
         assert step == STEPS - 1 and "| comparison/verdict | `PASS` |" in summary
+        assert f"| comparison/page | `{root / 'loss' / 'report.html'}` |" in summary  # the page's path: no files here
         ((_, report),) = tensorboard_text(events, "comparison/report")
         assert report == (root / "loss" / "curve_report.md").read_text()
         (image,) = events.Images("comparison/loss_curves")
@@ -167,6 +170,8 @@ def test_wandb_offline_has_every_step_the_config_the_fingerprint_and_the_verdict
         assert sorted(run["history"]) == [s["step"] for s in record["steps"]]
         assert [run["history"][s["step"]]["loss"] for s in record["steps"]] == [s["loss"] for s in record["steps"]]
         assert run["summary"]["comparison/verdict"] == "PASS"
+        assert run["summary"]["comparison/page"] == str(root / "loss" / "report.html")
+        assert os.path.isfile(os.path.join(wandb_directories(record)[-1], "files", "report.html"))
         wandb_dir = wandb_directories(record)[0]
         assert f"[{record['strategy']}] wandb: offline run {record['trackers']['wandb']['id']} in {wandb_dir}" in log
     assert "wandb: " not in log.replace("] wandb: ", "")  # wandb's own lines stay in the run's log

@@ -75,6 +75,7 @@ def run_main_job(args) -> int:
 
     from parity.commands.compare_curves import compare_and_report
     from parity.comparing.curve_report import JSON_NAME, REPORT_NAME
+    from parity.comparing.html_report import PAGE_NAME, TIMES_NAME, write_curve_page
     from parity.driver.cluster import ensure_ray, probe_cluster
     from parity.driver.config import resolve
     from parity.training.data import training_data
@@ -118,14 +119,20 @@ def run_main_job(args) -> int:
 
     console.say("== comparing")
     t0 = time.perf_counter()
+    # the time table so far beside the records, so that the comparison's page (and what the trackers get) has it
+    storage.write_json_atomic(storage.join(loss_dir, TIMES_NAME), time_table_json(times, t0 - job_started))
     try:
         verdict = compare_and_report(loss_dir, storage.join(loss_dir, "loss_curves.png"), tolerance=args.tolerance)
     except ConfigError as exc:
         report_error(exc)
         verdict = 2
     times.append(("comparison and figure", time.perf_counter() - t0))
-    print(time_table(times, time.perf_counter() - job_started))
-    report = storage.join(loss_dir, REPORT_NAME)
+    total = time.perf_counter() - job_started
+    print(time_table(times, total))
+    storage.write_json_atomic(storage.join(loss_dir, TIMES_NAME), time_table_json(times, total))
+    if verdict != 2:  # the page again, with the comparison's own time
+        write_curve_page(loss_dir)
+    report = storage.join(loss_dir, PAGE_NAME if storage.exists(storage.join(loss_dir, PAGE_NAME)) else REPORT_NAME)
     word = json.loads(storage.read_text(storage.join(loss_dir, JSON_NAME)))["verdict"] if verdict == 1 else None
     print({0: f"VERDICT: PASS — every strategy trains the same model as DDP within tolerance ({report})",
            1: f"VERDICT: FAIL — see the first failing step above and {report}" if word == "FAIL" else
@@ -155,6 +162,20 @@ def time_table(times: list, total: float) -> str:
             used = sum(t["setup_s"] + t["steps_s"] + t["checkpoints_s"] + t["finish_s"] for _, t in runs[0])
             lines.append(f"    {'start-up and hand-over':<34} {seconds - used:.1f} s")
     return "\n".join(lines)
+
+
+def time_table_json(times: list, total: float) -> dict:
+    """The time table as main_job_times.json holds it (the comparison's report.html shows it)."""
+    rows = []
+    for what, seconds, *runs in times:
+        row = {"what": what, "seconds": seconds}
+        if runs:
+            row["runs"] = [{"title": title, **{k: t[k] for k in ("setup_s", "steps", "steps_s", "checkpoints_s",
+                                                                "finish_s")}} for title, t in runs[0]]
+            row["startup_s"] = seconds - sum(r["setup_s"] + r["steps_s"] + r["checkpoints_s"] + r["finish_s"]
+                                             for r in row["runs"])
+        rows.append(row)
+    return {"total_s": total, "rows": rows}
 
 
 def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:

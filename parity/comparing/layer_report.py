@@ -1,5 +1,5 @@
 """What the layer check writes: the console summary, layer_report.md (seed 001's tables, on full tensors),
-layer_comparison.json and the heatmap (modules × run pairs, log10 relative difference)."""
+layer_comparison.json, the heatmap (modules × run pairs, log10 relative difference) and report.html."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 
 from parity import fingerprint
 from parity.comparing.figures import layer_heatmap, save_figure
+from parity.comparing.html_report import write_layer_page
 from parity.comparing.layers import Dump, PairResult, summary_json
 from parity.storage import write_json_atomic, write_text_atomic
 
@@ -97,9 +98,10 @@ def _tolerance_words(r: PairResult) -> str:
 
 
 def write_outputs(input_dir: str, dumps: dict[str, Dump], results: list[PairResult], heatmap_path: str) -> list[str]:
-    """The heatmap, layer_comparison.json and layer_report.md (all atomic); returns the paths."""
+    """The heatmap, layer_comparison.json, layer_report.md and report.html (all atomic); returns the paths."""
     json_path, md_path = os.path.join(input_dir, JSON_NAME), os.path.join(input_dir, REPORT_NAME)
     save_figure(layer_heatmap(dumps, results), heatmap_path, flag="--heatmap")
-    write_json_atomic(json_path, summary_json(dumps, results))
-    write_text_atomic(md_path, markdown(dumps, results, os.path.relpath(heatmap_path, input_dir)))
-    return [md_path, json_path, heatmap_path]
+    heatmap = os.path.relpath(heatmap_path, input_dir)
+    write_json_atomic(json_path, {**summary_json(dumps, results), "heatmap": heatmap})
+    write_text_atomic(md_path, markdown(dumps, results, heatmap))
+    return [md_path, json_path, heatmap_path, write_layer_page(input_dir)]

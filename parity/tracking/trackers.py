@@ -193,8 +193,10 @@ def report_comparison(comparison, files: list[str], figure_png) -> list[str]:
     lines = []
     with tempfile.TemporaryDirectory(prefix="parity_comparison_") as scratch:
         local_files = [_local_copy(path, scratch) for path in files]
+        pages = [path for path in files if storage.name(path) == "report.html"]
         for run in runs:
-            summary = run_summary(comparison, verdicts, run)
+            # the page's location too: W&B and MLflow keep the page among the files, TensorBoard (no files) its path
+            summary = {**run_summary(comparison, verdicts, run), **({"comparison/page": pages[0]} if pages else {})}
             for name, state in run.record["trackers"].items():
                 try:
                     tracker_class(name).add_comparison(state, TrackedRun.of(run.record), summary, local_files, figure_png)
