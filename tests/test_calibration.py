@@ -169,8 +169,8 @@ def test_seeded_bug_fails_the_calibrated_verdict_in_bf16(folders, capsys, bug_id
     against = result["against_baseline"][name]
     assert (code, against["verdict"], against["calibrated"]) == (1, "FAIL", True), out
     first = against["first_outside"]
-    assert 0 <= first["step"] < SETTING["debug_steps"] and first["test"] in ("step", "drift")
-    assert max(against["noise_ratio"].values()) > NOISE_K or first["test"] == "drift"
+    assert 0 <= first["step"] < SETTING["debug_steps"] and first["test"] in ("step", "drift", "teacher_forced")
+    assert max(against["noise_ratio"].values()) > NOISE_K or first["test"] in ("drift", "teacher_forced")
     # the first suspect is on screen, in the config diff and in the replay command: the copy or the option
     suspects = ([f"strategy_class: None vs parity.calibration.bugs:{bug.__name__}"] if bug else
                 [f"options.{k}: – vs {v}" for k, v in options.items()])

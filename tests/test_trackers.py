@@ -172,6 +172,7 @@ def test_wandb_offline_has_every_step_the_config_the_fingerprint_and_the_verdict
         assert run["summary"]["comparison/verdict"] == "PASS"
         assert run["summary"]["comparison/page"] == str(root / "loss" / "report.html")
         assert os.path.isfile(os.path.join(wandb_directories(record)[-1], "files", "report.html"))
+        assert [(kind, paths) for kind, _, paths in run["artifacts"]] == [("parity-report", ["report.html"])]
         wandb_dir = wandb_directories(record)[0]
         assert f"[{record['strategy']}] wandb: offline run {record['trackers']['wandb']['id']} in {wandb_dir}" in log
     assert "wandb: " not in log.replace("] wandb: ", "")  # wandb's own lines stay in the run's log

@@ -85,8 +85,8 @@ def wandb_records(directory: str):
 
 def wandb_run(record: dict) -> dict:
     """What W&B's offline directories of the run hold, merged in the order they were written: its group and name,
-    its config and summary (key → value), its history (step → {key: value})."""
-    out = {"group": None, "name": None, "config": {}, "summary": {}, "history": {}, "directories": 0}
+    its config and summary (key → value), its history (step → {key: value}), its artifacts (type, name, paths)."""
+    out = {"group": None, "name": None, "config": {}, "summary": {}, "history": {}, "directories": 0, "artifacts": []}
     for directory in wandb_directories(record):
         out["directories"] += 1
         for r in wandb_records(directory):
@@ -100,6 +100,9 @@ def wandb_run(record: dict) -> dict:
             elif kind == "summary":
                 out["summary"].update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
                                        for i in r.summary.update})
+            elif kind == "artifact":
+                out["artifacts"].append((r.artifact.type, r.artifact.name,
+                                         sorted(c.path for c in r.artifact.manifest.contents)))
             elif kind == "history":
                 out["history"][r.history.step.num] = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
                                                       for i in r.history.item}

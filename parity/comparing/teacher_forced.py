@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 
-from parity.comparing.tolerances import LAYER_NOISE_K, RESUMED_FP32, TEACHER_FORCED_FP32, tolerance_class
+from parity.comparing.tolerances import (LAYER_NOISE_K, RESUMED_FP32, TEACHER_FORCED_FP32,
+                                         TEACHER_FORCED_GRAD_NORM_LOW, tolerance_class)
 from parity.comparing.verdict import Outside
 
 KEY = "teacher_forced"  # the record's step entry (parity.training.teacher_forced.KEY) and the JSON's key
@@ -30,7 +31,7 @@ def bound(key: str, precision: str, rounding: dict | None) -> float:
     fixed = TEACHER_FORCED_FP32[key.split("/", 1)[0]]
     if tolerance_class(precision) == "fp32" or rounding is None or key not in rounding:
         return fixed
-    return max(LAYER_NOISE_K * rounding[key], fixed)
+    return max(LAYER_NOISE_K * rounding[key], TEACHER_FORCED_GRAD_NORM_LOW if key == "grad_norm" else fixed)
 
 
 def judge_check(entry: dict) -> dict:

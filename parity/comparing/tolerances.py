@@ -81,6 +81,13 @@ that scales the update by 3 % reads 3e-2. In a low-precision policy each
 tensor may differ by LAYER_NOISE_K × how far the policy's rounding moves it at that step (the reference's step in the
 policy against its step in fp32, taken at the check), never less than this."""
 
+TEACHER_FORCED_GRAD_NORM_LOW = 1e-3
+"""The teacher-forced check's pre-clip grad norm in a low-precision policy, at least: the run reduces its gradients
+across ranks in the policy's dtype (DeepSpeed's bf16_params: bf16 gradients, ZeRO-1/2's reduce) where the one-process
+reference sums them in another order, which the reference's own rounding (its policy step against its fp32 step) does
+not see. Measured: 2.5e-4 (DeepSpeed ZeRO-1 and ZeRO-2, TP=2 × DP=2, bf16_params, step 0; 5 × the reference's rounding
+was 1.96e-4). A bug that scales the gradients by 3 % reads 3e-2; the updated parameters and moments keep their bounds."""
+
 SHORT_RUN_BF16 = Tolerance(loss=1e-4, grad_norm=3e-3)
 """The strategy tests' 12-step bf16 runs (lr 1e-4) against DDP's bf16 run."""
 

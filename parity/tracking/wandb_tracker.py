@@ -26,6 +26,7 @@ import wandb
 from parity.tracking.tracker import WANDB_GROUP_CHARS, Tracker, local_place, upload
 
 TAG_CHARS = 64  # W&B's limit on a tag
+PAGE, ARTIFACT_TYPE = "report.html", "parity-report"  # the comparison's page, attached as an Artifact of this type
 
 
 def mode() -> str | None:
@@ -94,6 +95,12 @@ class WandbTracker(Tracker):
             shutil.copy(path, os.path.join(tracker.wb.dir, os.path.basename(path)))
             tracker.wb.save(os.path.join(tracker.wb.dir, os.path.basename(path)), base_path=tracker.wb.dir,
                             policy="now")
+        pages = [path for path in files if os.path.basename(path) == PAGE]
+        if pages:  # the page as a versioned W&B Artifact too: it opens from the Artifacts tab and can be linked
+            artifact = wandb.Artifact(f"parity-report-{tracker.wb.id}", type=ARTIFACT_TYPE,
+                                      description="the comparison's self-contained report.html (docs/report.md)")
+            artifact.add_file(pages[0], name=PAGE)
+            tracker.wb.log_artifact(artifact)
         tracker.finish()
 
     def _init(self, id: str | None, resume: str | None, project: str | None = None, location: str | None = None):
