@@ -28,6 +28,11 @@ from parity.training.record import load_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the top-level scripts are
 
+# Whether this CPU has fp16 kernels (AVX512-FP16 or AMX-FP16): DeepSpeed's fp16 mode runs on CPU workers only there, and
+# the harness refuses it elsewhere (DeepSpeedStrategy.validate).
+CPU_HAS_FP16 = bool({"avx512_fp16", "amx_fp16"} & set(
+    next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])))
+
 # Small enough that a Ray Train run is dominated by start-up, big enough that TP has work to split.
 TINY = {"model_name": "qwen2-tiny", "seq_length": 64, "log_interval": 5}
 
