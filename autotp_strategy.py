@@ -198,6 +198,12 @@ class DeepSpeedStrategy(Strategy):
         if not last:
             self.engine.step()
 
+    @property
+    def current_loss_scale(self) -> float:
+        """fp16: the engine's own loss scale (it scales the loss inside backward), else 1."""
+        scaled = policy_of(self.cfg).loss_scaling
+        return float(getattr(self.engine.optimizer, "loss_scale", 1.0)) if scaled else 1.0
+
     def optimizer_step(self, lr: float) -> OptimizerStep:
         """DeepSpeed clips (gradient_clipping) and steps; its pre-clip global norm (ZeRO's
         get_grad_norm_direct) sums per-tensor float64 norms, each TP shard once and each replicated tensor

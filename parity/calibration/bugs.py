@@ -35,6 +35,7 @@ from parity.strategies.fsdp.plans import apply_moe, apply_sequence_parallel, tp_
 from parity.training.data import Batch
 from parity.training.dtensor_strategy import global_norm
 from parity.training.optimizer import OptimizerStep, clip_coefficient, set_lr, step_optimizer
+from parity.training.loss_scaler import LossScaler, any_nonfinite
 from parity.training.policy_optimizer import PolicyOptimizer
 
 WEIGHT_DECAY = 0.01  # torch.optim.AdamW's own default: what a run gets when the setting is lost on the way
@@ -454,6 +455,30 @@ class DDPOverflowApplied(DDPStrategy):
 
     name = "ddp_overflow_applied"
     policy_optimizer_class = AppliedOverflow
+
+
+class ScaleUpdatedFirst(LossScaler):
+    """fp16: the scale updated before the gradients are unscaled, so that on each step where it grows they are divided by
+    the new, doubled scale — half the gradients, at every loss-scale change — while the recorded pre-clip norm is
+    unscaled by the old one. DeepSpeed 0.19.8's ZeRO-1/2 step does this (stage_1_and_2.py: _update_scale, then
+    unscale_and_clip_grads by self.loss_scale; tests/test_precision.py catches it there, on a CPU with fp16 kernels)."""
+
+    def unscale_or_skip(self, grads, device) -> bool:
+        overflow = any_nonfinite(grads, device, collective=self.collective)
+        self.update(overflow)
+        if not overflow:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+        return overflow
+
+
+class DDPScaleUpdatedBeforeUnscaling(DDPStrategy):
+    """fp16: the loss scale updated before unscaling (ScaleUpdatedFirst): a late bug, at each scale growth."""
+
+    name = "ddp_scale_updated_before_unscaling"
+
+    def setup(self, model):
+        super().setup(model)
+        self.policy_optimizer.scaler = ScaleUpdatedFirst(**self.cfg.loss_scaling)
 
 
 # --- Mixture of experts: the silent bugs of expert parallelism (tests/test_moe.py runs them) -----------------------

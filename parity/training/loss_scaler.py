@@ -35,6 +35,9 @@ class LossScaler(LossScaling):
     def __post_init__(self):
         self.scale = float(self.loss_scale) if self.loss_scale else float(2 ** self.initial_scale_power)
         self.iteration, self.last_overflow, self.hysteresis_left = 0, -1, self.hysteresis
+        # Whether an overflow is looked for on every rank of the run (a collective) or in this process's gradients
+        # alone: a step taken by one process for itself (the teacher-forced check's reference) joins no collective.
+        self.collective = True
 
     @property
     def dynamic(self) -> bool:
@@ -66,8 +69,8 @@ class LossScaler(LossScaling):
     def unscale_or_skip(self, grads: list[torch.Tensor], device: torch.device) -> bool:
         """After backward (gradients reduced): whether any rank's `grads` (plain tensors: local shards of DTensors) hold
         an inf or a NaN — then the step is to be skipped — with the scale updated either way; if not, the gradients
-        are divided by the scale they were computed with, in place. Collective."""
-        overflow = any_nonfinite(grads, device)
+        are divided by the scale they were computed with, in place. Collective (unless `collective` is off)."""
+        overflow = any_nonfinite(grads, device, collective=self.collective)
         scale = self.scale
         self.update(overflow)
         if not overflow:
@@ -99,10 +102,12 @@ def unscaled_or_skipped(scaler: LossScaler | None, grads: Iterable[torch.Tensor]
     return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
 
 
-def any_nonfinite(tensors, device: torch.device, group=None) -> bool:
+def any_nonfinite(tensors, device: torch.device, group=None, collective: bool = True) -> bool:
     """Whether any rank's `tensors` (local gradients, or a DTensor's local shards) hold an inf or a NaN. Collective over
-    `group` (default: every rank of the run), so that every rank skips the same steps."""
+    `group` (default: every rank of the run), so that every rank skips the same steps; without `collective`, this
+    process's tensors alone."""
     flags = [(~torch.isfinite(t)).any().to(device) for t in tensors]  # on the device: one host sync, not one a tensor
     flag = torch.stack(flags).any().float().reshape(1) if flags else torch.zeros(1, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if collective:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())

@@ -187,6 +187,13 @@ class Strategy(Routing):
         its own)."""
         return self.policy_optimizer.loss_scale if self.policy_optimizer is not None else 1.0
 
+    @property
+    def current_loss_scale(self) -> float:
+        """The loss scale the next step's gradients are computed with: fp16's, whoever applies it (the harness's scaler
+        through loss_scale, or a library's own — DeepSpeed's engine), else 1. The teacher-forced check's reference
+        step computes its gradients at it."""
+        return self.loss_scale
+
     def autocast(self):
         """The compute-precision context of the forward pass: torch.autocast(bfloat16) in the bf16 policy."""
         if policy_of(self.cfg).autocast:

@@ -50,12 +50,21 @@ STATE_KEY = "teacher_forced_state"  # the digest of the state a checkpoint holds
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+SKIPPED = {  # (the run skipped the step, the reference did): why an fp16 check compares nothing
+    (True, True): "an fp16 overflow skipped the step in the run and in the reference: nothing to compare",
+    (True, False): "the run skipped the step on an fp16 overflow, the reference did not: nothing to compare (the "
+                   "curves judge each run's skipped steps against the baseline's)",
+    (False, True): "the reference overflowed in fp16 at the run's loss scale, the run did not: nothing to compare "
+                   "(the run reduces its ranks' gradients, the reference the whole batch's)",
+}
+
+
 def check_steps(cfg, total_steps: int) -> list[int]:
     """The steps checked: 0 and every checkpoint step before the last (--checkpoint_interval; 0: step 0 only), none
-    with --no_teacher_forced, and none yet under fp16 (a loss scaler's policy). The step checked at checkpoint k is the one trained from it (index k): the step after a
+    with --no_teacher_forced. The step checked at checkpoint k is the one trained from it (index k): the step after a
     resume."""
-    if getattr(cfg, "no_teacher_forced", False) or cfg.loss_scaling:
-        return []  # fp16: its loss scaler's overflow check is a collective the one-process reference cannot join
+    if getattr(cfg, "no_teacher_forced", False):
+        return []
     interval = cfg.checkpoint_interval
     return sorted({0, *(range(interval, total_steps, interval) if interval > 0 else ())} & set(range(total_steps)))
 
@@ -141,8 +150,9 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
     ref.setup(model)
     if state.moments:
         ref.policy_optimizer.set_moments([(p, state.moments[n]) for n, p in model.named_parameters()], state.count)
-    if ref.policy_optimizer.scaler is not None:
-        ref.policy_optimizer.scaler.scale = loss_scale  # the strategy's, at this step
+    scaler = ref.policy_optimizer.scaler
+    if scaler is not None:  # fp16: the strategy's scale at this step; an overflow looked for in this process alone
+        scaler.scale, scaler.collective = loss_scale, False
     ref.forward_backward(global_batch, global_batch.loss_tokens)
     done = ref.policy_optimizer.step(lr, local_norm)
     return None if done.skipped else (ref.state(), float(done.norm))
@@ -239,7 +249,7 @@ class TeacherForcedCheck:
         if self.ctx.is_logging_rank:
             batch, lr = global_batch.to(self.ctx.device), lr_at(step, self.cfg)
             own = reference_step(self.cfg, self.model_config, state, batch, lr, self.ctx.device,
-                                 loss_scale=self.strategy.loss_scale)
+                                 loss_scale=self.strategy.current_loss_scale)
             exact = None
             if self.cfg.precision != "fp32" and own is not None:
                 exact = reference_step(self.cfg, self.model_config, state, batch, lr, self.ctx.device, "fp32")
@@ -261,7 +271,7 @@ class TeacherForcedCheck:
                 note = (f"{self.cfg.strategy} cannot export its optimizer state (Strategy.full_optimizer_state): "
                         f"the pre-clip grad norm only")
             if skipped or refs[0] is None:
-                entry = {"note": "an fp16 overflow skipped the step: nothing to compare"}
+                entry = {"note": SKIPPED[skipped, refs[0] is None]}
             else:
                 lr = lr_at(step, self.cfg)
                 entry = {"tensors": measure(after, grad_norm, ref, ref_norm, before, lr), "note": note}
