@@ -91,7 +91,7 @@ was 1.96e-4). A bug that scales the gradients by 3 % reads 3e-2; the updated par
 SHORT_RUN_BF16 = Tolerance(loss=1e-4, grad_norm=3e-3)
 """The strategy tests' 12-step bf16 runs (lr 1e-4) against DDP's bf16 run."""
 
-FINAL_PARAMETERS_ATOL_FP32 = 1e-5
+FINAL_PARAMETERS_ATOL_FP32 = 2e-5
 """Final parameters of two fp32 runs (12 steps at lr 1e-4), absolute: see final_parameters_atol_fp32."""
 
 
@@ -100,8 +100,9 @@ def final_parameters_atol_fp32(lrs) -> float:
     FINAL_PARAMETERS_ATOL_FP32 where the steps' lrs add up to at most its setting's (12 × 1e-4), in proportion beyond.
     AdamW moves an element by up to its lr a step whatever its gradient's size, so where two strategies' fp32
     rounding differs in a gradient that cancels to near zero the update's direction differs: the distance grows with
-    the sum of the lrs. Measured on an AVX2-only CPU: OLMo2's q_proj under FSDP2 + TP (width-wide q_norm, 6 steps at
-    lr 3e-4) 1.18e-5 from DDP in one element, its loss, grad norm and parameter norm within 5e-7."""
+    the sum of the lrs. Measured: OLMo2's q_proj (width-wide q_norm, 6 steps at lr 3e-4) 1.18e-5 from DDP in one
+    element under FSDP2 + TP on an AVX2-only CPU, 1.74e-5 under transformers' TP on an AVX512/AMX one (Sapphire
+    Rapids), its loss, grad norm and parameter norm within 5e-7: 1e-5 failed there."""
     return FINAL_PARAMETERS_ATOL_FP32 * max(1.0, sum(lrs) / 1.2e-3)
 
 PRECISION_ORDER = ("fp32", "bf16")  # tighter to looser: the classes the tables above are keyed by
