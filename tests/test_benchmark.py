@@ -16,7 +16,8 @@ from conftest import CUSTOM, PARITY, REPO, TINY, assert_fp32_parity
 from parity.commands.benchmark import ROWS, main
 from parity.comparing.benchmark_report import ROW_KEYS
 from parity.errors import ConfigError
-from parity.driver.config import resolve
+from parity.comparing import teacher_forced
+from parity.driver.config import DEFAULTS, resolve
 from parity.training.memory import BOUND_CATEGORIES, model_state_total
 
 TOLERANCE = 0.10  # the issue's: measured model states within 10 % of the formula
@@ -61,6 +62,13 @@ def test_table_has_every_default_row_and_the_documented_keys(bench):
         in_step = r["harness_s_per_step"]["loss_gather"] + r["harness_s_per_step"]["param_norm"]
         assert r["harness_share"] == pytest.approx(sum(r["harness_s_per_step"].values()) /
                                                    (r["median_step_time_s"] - in_step))
+        # the teacher-forced check's cost: its check of step 1 (a checkpoint mid-run: a state with AdamW's moments), as
+        # a share of the training time at the default interval
+        with open(r["loss_record"]) as f:
+            checked = {s["step"]: s[teacher_forced.KEY] for s in json.load(f)["steps"] if teacher_forced.KEY in s}
+        assert sorted(checked) == [0, 1] and r["teacher_forced_s_per_check"] == checked[1]["seconds"] > 0
+        assert r["teacher_forced_share"] == pytest.approx(r["teacher_forced_s_per_check"] / (
+            DEFAULTS["checkpoint_interval"] * r["median_step_time_s"]))
     assert rows[0]["step_time_ratio_to_ddp"] == 1.0
     assert {(r["tp_size"], r["pp_size"], r["dp_size"], r["batch_size"]) for r in rows} == {
         (1, 1, 2, 2), (2, 1, 1, 4), (1, 2, 1, 4)}  # DP, TP (one TP group), a pipeline of 2 stages

@@ -182,6 +182,8 @@ def run_values(args, name: str, out: str, on_gpu: bool, rows: dict[str, Row] = R
         "num_layers": args.num_layers, "seq_length": args.seq_length or (1024 if on_gpu else 256),
         "num_workers": args.num_workers, "tp_size": row.tp_size, "batch_size": args.batch_size * row.replica_ranks,
         "debug_steps": steps, "log_interval": max(1, steps // 4),
+        # a checkpoint mid-run: its teacher-forced check, from a state with AdamW's moments, is the one the cost is of
+        "checkpoint_interval": max(1, steps // 2),
         "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "precision": args.precision,
         "device": args.device, "seed": args.seed, "init_weights_path": os.path.join(out, WEIGHTS),
         "loss_output_dir": os.path.join(out, "rows", name), "storage_path": os.path.join(out, "ray"),

@@ -80,15 +80,18 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
 
 
 def teacher_forced_cost(steps: list[dict], cfg: dict, median_step_s: float) -> dict:
-    """The teacher-forced check's seconds per check (the median over the row's checks: every rank's two state
-    gathers and rank 0's reference steps) and its share of the training time at the row's --checkpoint_interval (one
-    check per interval steps); None where the check did not run."""
-    spent = [s["teacher_forced"]["seconds"] for s in steps if "teacher_forced" in s]
-    if not spent:
+    """The teacher-forced check's seconds per check (the median over the row's checks from a state with AdamW's moments,
+    every check after step 0 — step 0's has none to gather, set and compare, and costs less —, step 0's where it
+    alone ran: every rank's two state gathers and rank 0's reference steps) and its share of the training time at the
+    default --checkpoint_interval (one check per interval steps); None where the check did not run."""
+    from parity.driver.config import DEFAULTS
+
+    checks = {s["step"]: s["teacher_forced"]["seconds"] for s in steps if "teacher_forced" in s}
+    if not checks:
         return {"teacher_forced_s_per_check": None, "teacher_forced_share": None}
-    per_check = statistics.median(spent)
-    interval = cfg["checkpoint_interval"] or len(steps)  # 0: step 0 only, once per run
-    return {"teacher_forced_s_per_check": per_check, "teacher_forced_share": per_check / (interval * median_step_s)}
+    per_check = statistics.median([t for step, t in checks.items() if step > 0] or checks.values())
+    return {"teacher_forced_s_per_check": per_check,
+            "teacher_forced_share": per_check / (DEFAULTS["checkpoint_interval"] * median_step_s)}
 
 
 IN_STEP = ("loss_gather", "param_norm")  # the harness's parts inside the timed step (step_time_s holds them)
