@@ -44,14 +44,13 @@ from parity.strategies.autotp.partition import autotp_partition_config
 from parity.strategies.autotp.zero_state import full_fragments, local_master, module_norm, zero_replicas
 from parity.strategies.autotp.user_config import config_policy, given_config, read_user_config, user_config
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
-from parity.training.optimizer import OptimizerStep
+from parity.training.optimizer import ADAMW_MOMENTS, OptimizerStep
 from parity.training.replicas import Replica
 from parity.training.strategy import Option, Strategy, build_optimizer, set_lr
 
 ZERO_STAGES = (0, 1, 2, 3)
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default for zero_optimization.reduce_bucket_size
 CHECKPOINT_TAG = "deepspeed"  # the engine's checkpoint folder inside a checkpoint
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's state DeepSpeed's fragments hold, by its keys
 
 
 class DeepSpeedStrategy(Strategy):
@@ -211,14 +210,14 @@ class DeepSpeedStrategy(Strategy):
         fp32, bf16 autocast) the norm is the harness's own, taken before the step as the parameter norm is (each TP
         shard summed over its group, each replicated tensor once). fp16: DeepSpeed's own loss scaler skips an
         overflowing step (was_step_applied)."""
-        scale = getattr(self.engine.optimizer, "loss_scale", None) if policy_of(self.cfg).loss_scaling else None
-        own = self._module_norm(lambda p: p.grad) / (scale or 1.0) if self.zero_stage == 0 else None
+        scale = self.current_loss_scale
+        own = self._module_norm(lambda p: p.grad) / scale if self.zero_stage == 0 else None
         set_lr(self.engine.optimizer, lr)
         self.engine.step()
         reported = self.engine.get_global_grad_norm()
         norm = float(reported) if reported is not None else own
-        if scale is not None:
-            return OptimizerStep(norm, skipped=not self.engine.was_step_applied(), loss_scale=float(scale))
+        if policy_of(self.cfg).loss_scaling:
+            return OptimizerStep(norm, skipped=not self.engine.was_step_applied(), loss_scale=scale)
         return OptimizerStep(norm)
 
     def parameter_norm(self) -> float:
@@ -373,14 +372,15 @@ class DeepSpeedStrategy(Strategy):
             link()
         (count,) = counts
         if self.zero_stage in (1, 2):
-            by_key = self._full_zero_tensors(MOMENT_KEYS)
+            by_key = self._full_zero_tensors(ADAMW_MOMENTS)
+        elif self.zero_stage == 0:
+            by_key = {key: self._full_tensors(lambda p, key=key: inner.state[self._local_master(p)][key])
+                      for key in ADAMW_MOMENTS}
         else:
-            by_key = {key: self._full_tensors((lambda p, key=key: inner.state[self._local_master(p)][key])
-                                              if self.zero_stage == 0
-                                              else (lambda p, key=key: safe_get_full_optimizer_state(p, key)))
-                      for key in MOMENT_KEYS}
-        names = by_key[MOMENT_KEYS[0]]
-        return {name: {key: by_key[key][name] for key in MOMENT_KEYS} for name in names}, count
+            by_key = {key: self._full_tensors(lambda p, key=key: safe_get_full_optimizer_state(p, key))
+                      for key in ADAMW_MOMENTS}
+        names = by_key[ADAMW_MOMENTS[0]]
+        return {name: {key: by_key[key][name] for key in ADAMW_MOMENTS} for name in names}, count
 
     def _full_zero_tensors(self, keys) -> dict:
         """ZeRO-1/2: {key: {stock name: full fp32 CPU tensor}} of the master weights (key None) or optimizer states

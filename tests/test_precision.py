@@ -21,6 +21,7 @@ from conftest import CPU_HAS_FP16, REPO, assert_replicas_held, seeded_weights
 from parity.calibration.bugs import (DDPGradientsNotZeroed, DDPLastMicroBatchUnreduced, DDPLossScaleKeptForClipping,
                                      DDPOverflowApplied, DDPScaleUpdatedBeforeUnscaling)
 from parity.commands.compare_curves import main as plot_loss_curves
+from parity.comparing import teacher_forced
 from parity.comparing.tolerances import NOISE_K
 from parity.errors import ConfigError
 from parity.driver.local_group import plan, same_kernels, start_processes
@@ -244,8 +245,6 @@ def growth_steps(record) -> list[int]:
 
 
 def checks_of(record) -> dict[int, dict]:
-    from parity.comparing import teacher_forced
-
     return {c["step"]: c for c in teacher_forced.summary(record)["checks"]}
 
 

@@ -9,7 +9,8 @@ recorded under names of their own beside DDP's bf16 baseline and its noise refer
 in local gloo groups (parity.driver.local_group); the verdict is the user's comparison
 (parity.comparing.curves.compare) on each bug's folder, and again on a copy of its records without the teacher-forced
 entries: what the curves alone say (they PASS the lr, the weight decay and the halved step; they see β2 and the
-dropped moments at once). Every other strategy runs 3 fp32 steps, checked at 0 and 2, in one more group.
+dropped moments at once). Every other strategy runs 3 steps, checked at 0 and 2, in fp32 and in bf16 at 3 seeds, in
+one more group.
 """
 
 import json
@@ -144,7 +145,6 @@ BUGS = [(DDPLearningRateLowLate, first_check_from(ONSET)), (DDPWeightDecayLate, 
 # 0.058 to 0.45 (updates ~2.6 × larger at once), and a resume that drops the moments restarts AdamW (its next update
 # lr × sign(g) everywhere); the verdict is then the earlier of the two, and the check is never later.
 HIDDEN = (DDPLearningRateLowLate, DDPWeightDecayLate, DDPHalfGradientsOnce)
-
 
 
 @pytest.fixture(scope="module")

@@ -75,11 +75,11 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
         "final_loss": steps[-1]["loss"], "final_loss_rel_diff_from_ddp": None, "loss_record": path,
         "harness_s_per_step": harness, "harness_share": sum(harness.values()) / (median - sum(
             harness[k] for k in IN_STEP)),
-        **teacher_forced_cost(steps, cfg, median),
+        **teacher_forced_cost(steps, median),
     }
 
 
-def teacher_forced_cost(steps: list[dict], cfg: dict, median_step_s: float) -> dict:
+def teacher_forced_cost(steps: list[dict], median_step_s: float) -> dict:
     """The teacher-forced check's seconds per check (the median over the row's checks from a state with AdamW's moments,
     every check after step 0 — step 0's has none to gather, set and compare, and costs less —, step 0's where it
     alone ran: every rank's two state gathers and rank 0's reference steps) and its share of the training time at the

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")  # the shared AdamW's state per parameter, by torch's keys (DeepSpeed's too)
+
+
 @dataclass(frozen=True)
 class OptimizerStep:
     """What a strategy's optimizer step reports: the pre-clip global gradient norm (of the unscaled gradients), and

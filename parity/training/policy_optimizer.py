@@ -18,7 +18,7 @@ import torch.distributed as dist
 from parity.precision import DTYPES, policy_of
 from parity.training.loss_scaler import LossScaler, unscaled_or_skipped
 from parity.training.memory import GRADS, MASTER, PARAMS
-from parity.training.optimizer import OptimizerStep, build_optimizer, clip_coefficient, set_lr
+from parity.training.optimizer import ADAMW_MOMENTS, OptimizerStep, build_optimizer, clip_coefficient, set_lr
 
 
 def cast_parameters(module: torch.nn.Module, cfg) -> None:
@@ -119,7 +119,7 @@ class PolicyOptimizer:
         for p, moments in params_and_moments:
             target = self.master_of(p)
             self.optimizer.state[target] = {"step": torch.tensor(float(step)), **{
-                k: moments[k].to(target.device, target.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}}
+                k: moments[k].to(target.device, target.dtype).clone() for k in ADAMW_MOMENTS}}
 
     def zero_grad(self) -> None:
         for t in self.params + (self.masters or []):

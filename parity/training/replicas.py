@@ -28,10 +28,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from parity.training.optimizer import ADAMW_MOMENTS
+
 MODULUS = 2**31 - 1  # the digest's prime: products of two residues stay below 2^62
 ROW = 1024  # words per row: Σ (j + 1)·w_j over a row stays below 2^51, exact in float64
 PASS_ROWS = 1024  # rows per pass over the buffer: 8 MiB of float64, however large the tensors
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter (the shared optimizer: build_optimizer)
 LISTED = 8  # parted tensors a check lists in the record
 MEASURED = 8  # parted tensors whose max |difference| a check measures (their copies sent over their group)
 DIFF_CHUNK = 1 << 22  # elements compared at once in float64 when measuring a difference
@@ -85,7 +86,7 @@ def moments(optimizer, param, name: str, ranks: tuple[int, ...],
     """AdamW's two moments of `param` (a torch optimizer's state), held by `ranks` as the parameter is; `local`
     gives this rank's piece (a DTensor's to_local). None before the optimizer's first step."""
     state = optimizer.state.get(param, {}) if optimizer is not None else {}
-    return [Replica(name, ranks, local(state[key]) if key in state else None, key) for key in MOMENTS]
+    return [Replica(name, ranks, local(state[key]) if key in state else None, key) for key in ADAMW_MOMENTS]
 
 
 def held(name: str, ranks: tuple[int, ...], param, optimizer, master=None,
@@ -345,7 +346,7 @@ class ReplicaCheck:
         by it (the parameters' first): where every copy moved apart at once, the tensor that moved most is the one
         nearest the cause (a clip factor differing across ranks moves every copy a little, a skipped or unreduced
         update moves its own by a whole step)."""
-        order = sorted(parted, key=lambda k: (self.keys[k][1] in MOMENTS, k))
+        order = sorted(parted, key=lambda k: (self.keys[k][1] in ADAMW_MOMENTS, k))
         holders = {k: self._holders(k, table) for k in order}
         measured = torch.zeros(MEASURED, dtype=torch.float64, device=self.device)
         sizes = {k: {bits[0] for bits in holders[k]} for k in order[:MEASURED]}
@@ -357,7 +358,7 @@ class ReplicaCheck:
                 measured[n] = self._max_difference(mine[self.local_keys.index(self.keys[k])].tensor, ranks, group)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         diffs = {k: float(measured[n]) for n, k in enumerate(comparable)}
-        listed = sorted(order, key=lambda k: (self.keys[k][1] in MOMENTS, k not in diffs, -diffs.get(k, 0.0), k))
+        listed = sorted(order, key=lambda k: (self.keys[k][1] in ADAMW_MOMENTS, k not in diffs, -diffs.get(k, 0.0), k))
         return [{"name": self.keys[k][0], "what": self.keys[k][1], "piece": self.keys[k][2],
                  "ranks": list(holders[k].values()), "max_abs_diff": diffs.get(k)} for k in listed[:LISTED]]
 

@@ -19,8 +19,8 @@ from parity.errors import ConfigError
 from parity.layout import Layout
 from parity.precision import policy_of
 from parity.training.loss import IGNORE_INDEX, loss_sum
-from parity.training.optimizer import (OptimizerStep, build_optimizer, clip_coefficient, clip_local_gradients,
-                                       local_norm, lr_at, set_lr, squared_norm_fp64, step_optimizer)
+from parity.training.optimizer import (ADAMW_MOMENTS, OptimizerStep, build_optimizer, clip_coefficient,
+                                       clip_local_gradients, local_norm, lr_at, set_lr, squared_norm_fp64, step_optimizer)
 from parity.training.option import Option
 from parity.training.replicas import Replica, whole_model
 from parity.training.routing import Routing
@@ -313,7 +313,7 @@ class Strategy(Routing):
                 continue
             count = int(state["step"]) if "step" in state else count
             moments[name] = {}
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ADAMW_MOMENTS:
                 t = state[key].detach().to(self.ctx.device)
                 moments[name][key] = (t.full_tensor() if isinstance(t, DTensor) else t).float().cpu().clone()
             if moments[name]["exp_avg"].shape != p.shape:

@@ -41,13 +41,12 @@ import torch
 import torch.distributed as dist
 
 from parity.layout import Layout
-from parity.training.optimizer import local_norm
+from parity.training.optimizer import ADAMW_MOMENTS, local_norm
 from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.strategy import Strategy, WorkerContext, lr_at
 
 KEY = "teacher_forced"  # the record's per-step entry
 STATE_KEY = "teacher_forced_state"  # the digest of the state a checkpoint holds, in its record's last step entry
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 SKIPPED = {  # (the run skipped the step, the reference did): why an fp16 check compares nothing
@@ -117,7 +116,7 @@ class ReferenceStep(Strategy):
     def state(self) -> FullState:
         names = [n for n, _ in self.model.named_parameters()]
         masters = [self.policy_optimizer.master_of(p) for _, p in self.model.named_parameters()]
-        moments = {n: {k: self.optimizer.state[m][k].detach().float().cpu() for k in MOMENTS}
+        moments = {n: {k: self.optimizer.state[m][k].detach().float().cpu() for k in ADAMW_MOMENTS}
                    for n, m in zip(names, masters) if m in self.optimizer.state}
         return FullState({n: m.detach().float().cpu() for n, m in zip(names, masters)}, moments, 0, {})
 
@@ -189,7 +188,7 @@ def measure(after: FullState, grad_norm: float, ref: FullState, ref_norm: float,
             update = torch.full((1,), floor, dtype=torch.float64)
         out[f"param/{name}"] = _rel(after.params[name], p, update)
     for name, m in ref.moments.items():
-        for k in MOMENTS:
+        for k in ADAMW_MOMENTS:
             out[f"{k}/{name}"] = _rel(after.moments[name][k], m[k], m[k])
     return out
 
@@ -198,7 +197,7 @@ def digest(state: FullState) -> dict[str, float]:
     """Each tensor's float64 norm and AdamW's step count: what a checkpoint's state must read again once resumed."""
     out = {f"param/{n}": float(torch.linalg.vector_norm(t.double())) for n, t in state.params.items()}
     for n, m in (state.moments or {}).items():
-        out.update({f"{k}/{n}": float(torch.linalg.vector_norm(m[k].double())) for k in MOMENTS})
+        out.update({f"{k}/{n}": float(torch.linalg.vector_norm(m[k].double())) for k in ADAMW_MOMENTS})
     if state.moments is not None:
         out["step_count"] = float(state.count)
     return out

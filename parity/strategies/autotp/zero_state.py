@@ -11,7 +11,8 @@ import math
 import torch
 
 from parity.training.optimizer import squared_norm_fp64
-from parity.training.replicas import MOMENTS, Replica
+from parity.training.optimizer import ADAMW_MOMENTS
+from parity.training.replicas import Replica
 
 
 def module_norm(engine, local_of, *, zero_stage: int, partitioned: bool, device: torch.device, tp_size: int,
@@ -121,7 +122,7 @@ def zero_replicas(engine, zero_stage: int, *, everyone: tuple[int, ...], same_sh
             if whole and tp_size > 1:
                 found += [Replica(name, same_partition, p.ds_tensor, "ZeRO-3 partition"),
                           Replica(name, same_partition, safe_get_local_fp32_param(p), "master"),
-                          *(Replica(name, same_partition, zero3_moment(p, key), key) for key in MOMENTS)]
+                          *(Replica(name, same_partition, zero3_moment(p, key), key) for key in ADAMW_MOMENTS)]
             continue
         ranks = everyone if whole else same_shard
         if len(ranks) > 1:
@@ -132,7 +133,7 @@ def zero_replicas(engine, zero_stage: int, *, everyone: tuple[int, ...], same_sh
             piece = f"[{start}:{start + fragment.lp_fragment_address.numel}]"
             states = fragment.optim_fragment or {}
             found += [Replica(name, same_partition, fragment.hp_fragment, "master", piece),
-                      *(Replica(name, same_partition, states.get(key), key, piece) for key in MOMENTS)]
+                      *(Replica(name, same_partition, states.get(key), key, piece) for key in ADAMW_MOMENTS)]
     return found
 
 
