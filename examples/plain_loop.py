@@ -2,9 +2,12 @@
 """A hand-written DDP training loop, recorded for the harness (docs/own_trainer.md).
 
 The loop is a user's own: torch DDP over gloo on CPU, a tiny Qwen2 (the harness's qwen2-tiny preset, random weights),
-right-padded samples of different lengths with an attention mask, gradient accumulation under no_sync, AdamW with
-two parameter groups (no weight decay on biases and norms, as Hugging Face's Trainer does), a linear warm-up, and
-clipping. The recorder (parity.integrations.recorder.ParityRecorder) is five lines of it.
+a dataset of right-padded samples of different lengths with an attention mask, read in epochs the way
+DistributedSampler and a DataLoader with drop_last=False read it (each rank every world-th sample of a shuffled
+epoch, the epoch topped up from its start to a multiple of the ranks, a smaller last micro-batch, a partial last
+accumulation window), gradient accumulation under no_sync, AdamW with two parameter groups (no weight decay on biases
+and norms, as Hugging Face's Trainer does), a linear warm-up, and clipping. Each window's loss is its global token
+mean, whatever its micro-batches hold. The recorder (parity.integrations.recorder.ParityRecorder) is five lines of it.
 
     python examples/plain_loop.py --output_dir OUT --nproc 2          # 2 ranks, spawned here (gloo, CPU)
     torchrun --nproc_per_node 2 examples/plain_loop.py --output_dir OUT
@@ -34,7 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", default="plain_loop", help="the record's name: loss_<name>.json")
     p.add_argument("--nproc", type=int, default=1, help="ranks to spawn when not started by torchrun")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--batch_size", type=int, default=4, help="rows per rank per step")
+    p.add_argument("--batch_size", type=int, default=4, help="rows per rank per step (a full window)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="samples in the dataset (default: every step a full window); others end each epoch in a "
+                        "partial window")
     p.add_argument("--grad_accum_steps", type=int, default=2)
     p.add_argument("--seq_length", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -48,10 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def global_rows(step: int, rows: int, seq_length: int, vocab: int, seed: int):
-    """Step `step`'s rows of every rank: random tokens, each row of its own length, right-padded with 0 (attention mask
-    0, labels -100 there)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+def dataset(rows: int, seq_length: int, vocab: int, seed: int):
+    """The samples: random tokens, each row of its own length, right-padded with 0 (attention mask 0, labels -100
+    there)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003)
     ids = torch.randint(1, vocab, (rows, seq_length), generator=g)
     lengths = torch.randint(seq_length // 4, seq_length + 1, (rows,), generator=g)
     mask = (torch.arange(seq_length)[None, :] < lengths[:, None]).long()
@@ -76,6 +82,23 @@ def build(args, shard=None):
     return model, optimizer, scheduler
 
 
+def windows(args, rank: int, world: int, samples: int):
+    """This rank's accumulation windows, epoch after epoch: lists of micro-batches (lists of sample indices) as
+    DistributedSampler(shuffle, drop_last=False) and a DataLoader(batch_size=micro) with drop_last=False give them —
+    each rank every world-th index of the epoch's permutation, topped up from its start to a multiple of the ranks —
+    grouped `grad_accum_steps` micro-batches at a time, the epoch's last window partial if it must be."""
+    micro = args.batch_size // args.grad_accum_steps
+    epoch = 0
+    while True:
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        order += order[:-samples % world]  # topped up from the epoch's start, as DistributedSampler does
+        mine = order[rank::world]
+        batches = [mine[i:i + micro] for i in range(0, len(mine), micro)]
+        for i in range(0, len(batches), args.grad_accum_steps):
+            yield batches[i:i + args.grad_accum_steps]
+        epoch += 1
+
+
 def train(args) -> str | None:
     """The loop, on every rank of the process group that is up. Returns the record's path on rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -85,26 +108,24 @@ def train(args) -> str | None:
                          max_grad_norm=args.max_grad_norm, framework="examples/plain_loop.py",
                          **({"max_batch_bytes": args.max_batch_bytes} if args.max_batch_bytes else {}),
                          dump_step=args.dump_step)
-    b, accum = args.batch_size, args.grad_accum_steps
-    m = b // accum
-    for step in range(args.steps):
-        ids, labels, mask = global_rows(step, world * b, args.seq_length, model.config.vocab_size, args.seed)
-        mine = slice(rank * b, (rank + 1) * b)  # this rank's rows
-        ids, labels, mask = ids[mine], labels[mine], mask[mine]
-        # the global batch's loss tokens: each rank's count, summed over the ranks
-        local = (labels[:, 1:] != -100).sum()
+    accum = args.grad_accum_steps
+    samples = args.samples or args.steps * world * args.batch_size
+    all_ids, all_labels, all_mask = dataset(samples, args.seq_length, model.config.vocab_size, args.seed)
+    for step, window in zip(range(args.steps), windows(args, rank, world, samples)):
+        # the window's loss tokens: each rank's count, summed over the ranks
+        local = sum((all_labels[batch][:, 1:] != -100).sum() for batch in window)
         global_tokens = local.clone()
         dist.all_reduce(global_tokens)
         logged = 0.0
-        for k in range(accum):
-            micro = slice(k * m, (k + 1) * m)
-            with contextlib.nullcontext() if k == accum - 1 else ddp.no_sync():
-                logits = ddp(input_ids=ids[micro], attention_mask=mask[micro], use_cache=False).logits
-                summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[micro][:, 1:].flatten(),
+        for k, batch in enumerate(window):
+            ids, labels, mask = all_ids[batch], all_labels[batch], all_mask[batch]
+            with contextlib.nullcontext() if k == len(window) - 1 else ddp.no_sync():
+                logits = ddp(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                          ignore_index=-100, reduction="sum")
                 loss = summed * world / global_tokens  # DDP averages over ranks: the global token mean
                 loss.backward()
-            rec.micro_batch(ids[micro], labels[micro], logits, attention_mask=mask[micro])
+            rec.micro_batch(ids, labels, logits, attention_mask=mask)
             logged += float(summed.detach())
         logged = torch.tensor(logged, dtype=torch.float64)
         dist.all_reduce(logged)  # the loss the loop logs: the global batch's token mean

@@ -2,7 +2,7 @@
 """examples/plain_loop.py's loop with the model sharded — FSDP2, FSDP1 or DeepSpeed ZeRO 1–3 — recorded for the
 harness (docs/own_trainer.md) and replayed under its DDP, which trains the same model unsharded.
 
-The same model, data, AdamW groups, warm-up and clipping as plain_loop.py (its build and global_rows); what differs is
+The same model, data, AdamW groups, warm-up and clipping as plain_loop.py (its build, dataset and windows); what differs is
 the sharding and who steps: under FSDP2 and FSDP1 the loop clips and steps (the recorder measures the pre-clip norm over the full
 gradients), under DeepSpeed `engine.step()` clips and steps (the record keeps DeepSpeed's own pre-clip norm).
 
@@ -16,18 +16,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plain_loop import build, global_rows, launch  # noqa: E402  (the example beside this one)
-from plain_loop import parse_args as plain_args  # noqa: E402
+from parity.integrations.recorder import ParityRecorder
 
-from parity.integrations.recorder import ParityRecorder  # noqa: E402
+
+def _beside(name: str):
+    """The example `name`.py in this folder, loaded from its file (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_{name}", os.path.join(os.path.dirname(__file__), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+plain_loop = _beside("plain_loop")
 
 SHARDS = ("fsdp2", "fsdp1", "zero1", "zero2", "zero3")
 
@@ -38,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="fsdp2: DTensor TP over this many ranks (the harness's plan for "
                                                      "the model), FSDP2 over the 'dp' dim of the ('dp', 'tp') mesh")
     known, rest = p.parse_known_args(argv)
-    args = plain_args([*rest, *([] if "--name" in rest else ["--name", "sharded_loop"])])
+    args = plain_loop.parse_args([*rest, *([] if "--name" in rest else ["--name", "sharded_loop"])])
     args.shard, args.tp = known.shard, known.tp
     return args
 
@@ -90,25 +97,25 @@ def train(args) -> str | None:
     fsdp, wrapped = args.shard.startswith("fsdp"), []  # the loop steps (FSDP), or DeepSpeed's engine does
     dp_rank, dp_world = dist.get_rank() // args.tp, dist.get_world_size() // args.tp  # a TP group feeds one DP rank
     shard = (lambda m: fully_shard_layers(m, args.tp)) if args.shard == "fsdp2" else (lambda m: fsdp1(m, wrapped))
-    model, optimizer, scheduler = build(args, shard=shard if fsdp else None)
+    model, optimizer, scheduler = plain_loop.build(args, shard=shard if fsdp else None)
     engine = wrapped[0] if wrapped else model if fsdp else deepspeed_engine(args, model, optimizer, scheduler)
     rec = ParityRecorder(args.output_dir, name=args.name, model=engine,
                          optimizer=optimizer if fsdp else engine.optimizer, max_grad_norm=args.max_grad_norm,
                          framework=f"examples/sharded_loop.py --shard {args.shard}")
-    b, accum = args.batch_size, args.grad_accum_steps
-    m = b // accum
-    for step in range(args.steps):
-        ids, labels, mask = global_rows(step, dp_world * b, args.seq_length, model.config.vocab_size, args.seed)
-        global_tokens = (labels[:, 1:] != -100).sum()  # the global batch's loss tokens
-        mine = slice(dp_rank * b, (dp_rank + 1) * b)  # this DP rank's rows
-        ids, labels, mask = ids[mine], labels[mine], mask[mine]
-        for k in range(accum):
-            micro = slice(k * m, (k + 1) * m)
+    samples = args.steps * dp_world * args.batch_size  # full windows: DeepSpeed counts its own accumulation boundary
+    all_ids, all_labels, all_mask = plain_loop.dataset(samples, args.seq_length, model.config.vocab_size, args.seed)
+    for step, window in zip(range(args.steps), plain_loop.windows(args, dp_rank, dp_world, samples)):
+        global_tokens = sum((all_labels[batch][:, 1:] != -100).sum() for batch in window)  # the window's loss tokens
+        dist.all_reduce(global_tokens)  # summed over the ranks (a TP group's ranks count once each: ÷ tp)
+        global_tokens = global_tokens // args.tp
+        for k, batch in enumerate(window):
+            last = k == len(window) - 1
+            ids, labels, mask = all_ids[batch], all_labels[batch], all_mask[batch]
             if args.shard == "fsdp2":
-                model.set_requires_gradient_sync(k == accum - 1)  # reduce-scatter after the last micro-batch only
-            with engine.no_sync() if wrapped and k < accum - 1 else contextlib.nullcontext():  # FSDP1's
-                logits = engine(input_ids=ids[micro], attention_mask=mask[micro], use_cache=False).logits
-                summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[micro][:, 1:].flatten(),
+                model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only
+            with engine.no_sync() if wrapped and not last else contextlib.nullcontext():  # FSDP1's
+                logits = engine(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                          ignore_index=-100, reduction="sum")
                 loss = summed * dp_world / global_tokens  # averaged over the DP ranks: the global token mean
                 if fsdp:
@@ -116,7 +123,7 @@ def train(args) -> str | None:
             if not fsdp:
                 engine.backward(loss, scale_wrt_gas=False)  # the loss is already the global mean
                 engine.step()  # clips, steps and schedules at the accumulation boundary (the last micro-batch)
-            rec.micro_batch(ids[micro], labels[micro], logits, attention_mask=mask[micro])
+            rec.micro_batch(ids, labels, logits, attention_mask=mask)
         if fsdp:
             rec.before_step()  # the pre-clip norm over the full gradients
             if wrapped:
@@ -135,7 +142,7 @@ def train(args) -> str | None:
 
 
 def main(argv=None) -> None:
-    launch(parse_args(argv), train)  # plain_loop.py's: torchrun's group, or --nproc ranks spawned here
+    plain_loop.launch(parse_args(argv), train)  # plain_loop.py's: torchrun's group, or --nproc ranks spawned here
 
 
 if __name__ == "__main__":

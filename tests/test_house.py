@@ -360,27 +360,28 @@ def test_pp_size_is_a_layout_field_taken_only_with_pipeline_stages(tmp_path, cap
 
 
 def test_a_record_of_the_previous_schema_is_refused_in_one_line(tmp_path, capsys):
-    """A loss record of schema 4 (pp_size among a pipeline's options) beside this harness's records: the comparison
-    refuses it in one line naming both schema versions (exit 2), before comparing anything."""
+    """A loss record of schema 5 (a recorded run's one batch shape for the whole run) beside this harness's records:
+    the comparison refuses it in one line naming both schema versions (exit 2), before comparing anything."""
     import json
 
     from parity.commands.compare_curves import main
     from parity.training.record import SCHEMA_VERSION
     from test_compare import DDP_LOSS, hand_example, write_record
 
-    assert SCHEMA_VERSION == 5
+    assert SCHEMA_VERSION == 6
     hand_example(tmp_path)
-    path = write_record(tmp_path, "pipeline", DDP_LOSS, config={"options": {"pp_size": 2, "pp_schedule": "1f1b"}})
+    path = write_record(tmp_path, "pipeline", DDP_LOSS)
     with open(path) as f:
         data = json.load(f)
-    data["schema_version"] = 4
+    data["schema_version"] = 5
     with open(path, "w") as f:
         json.dump(data, f)
     code = main(["--input_dir", str(tmp_path), "--output", str(tmp_path / "c.png")])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")
-    assert err.startswith("error: loss_pipeline.json: schema version 4, this harness reads 5 (") and \
-        err.endswith("pp_size among the layout's fields and the strategy's class path too): rerun that strategy\n")
+    assert err.startswith("error: loss_pipeline.json: schema version 5, this harness reads 6 (") and \
+        err.endswith("and a recorded run's batch shape per step too): rerun that strategy, or record the run "
+                     "again\n")
     assert err.count("\n") == 1
 
 

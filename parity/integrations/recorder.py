@@ -20,9 +20,13 @@ check and the experiment trackers. What the recorder adds is what a foreign loop
   ZeRO's replicated pieces: the layout's replicas()), bit for bit;
 - the optimizer whole (its type; per parameter group the parameter names, lr scale, weight decay, betas, eps);
 - the initial weights at construction (safetensors with the model's config, as --save_init_weights writes them, and
-  config.json) and every step's global batch (input ids, labels, attention mask; the micro-batch structure in the
-  record), up to `max_batch_bytes`; past it no more batches are saved, one line says so and the record is marked not
-  replayable.
+  config.json) and every step's global batch (input ids, labels, attention mask; each step's shape — rows, and the
+  rows of each micro-batch per DP rank, free to differ from step to step and rank to rank — in its entry), up to
+  `max_batch_bytes`. Everything is named relative to the record's folder, so the folder can move.
+
+A step that cannot be recorded or replayed (past `max_batch_bytes`, a batch that cannot be saved, rows padded
+otherwise than right or left, groups' lrs out of their ratios, a rank that broke) stops the record there, in one line:
+the record holds the steps before it (`config.stopped`: the step and why), which are replayed and judged.
 
 The process group the loop trains in is read by its layout (sharded.py): plain or DDP (every rank a DP rank holding
 the whole model), FSDP2 with or without DTensor TP, a DeepSpeed ZeRO 0–3 engine — each with the harness's own gather
@@ -59,6 +63,7 @@ from parity.training.record import LossRecord, record_path
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
 SOURCE = "recorder"  # the record's config.source: written by this recorder, not by the harness's loop
 OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov")  # what changes the update, if set
+STOPPED = "the record stopped"  # what rank 0 hands the other ranks in the step's exchange after its record stopped
 
 
 def recorded_folder(output_dir: str, name: str) -> str:
@@ -174,11 +179,12 @@ class ParityRecorder:
         self.layout = layout_of(model, optimizer, self.device, unwrap)  # plain/DDP, FSDP2, ZeRO (sharded.py)
         self.model, self.optimizer = self.layout.model, self.layout.optimizer
         optimizer = self.optimizer  # the torch optimizer that steps (ZeRO's wraps the user's client one)
-        self.folder = recorded_folder(output_dir, self.name)
+        self.folder = recorded_folder(output_dir, self.name)  # written here; named in the record relative to it
+        here = f"recorded_{self.name}"
         self.max_batch_bytes, self.saved_bytes, self.log_interval = max_batch_bytes, 0, log_interval
         self.names = self.layout.names()  # Hugging Face names (FSDP1's cleaned of its wrappers)
         self.optimizer_description = describe_optimizer(optimizer, self.names, self.layout.group_params())
-        self.not_replayable: str | None = None
+        self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
         config = getattr(self.model, "config", None)
         hf = config is not None and hasattr(config, "to_json_string")
         weights_sha = None
@@ -189,8 +195,6 @@ class ParityRecorder:
                                            config.to_json_string().encode())
                 weights_sha = save_init_weights(self.model, storage.join(self.folder, "init_weights.safetensors"),
                                                 state)
-            else:
-                self.not_replayable = f"the model ({type(self.model).__name__}) is not a Hugging Face model"
         self.writer = BatchWriter() if self.rank == 0 else None
         self.exchange = RowExchange()
         group0 = optimizer.param_groups[0]
@@ -202,21 +206,23 @@ class ParityRecorder:
         policy = POLICIES[precision]
         description = {
             "source": SOURCE, "framework": framework, "strategy": self.name, "strategy_path": None,
-            "model_name": self.folder, "model_type": getattr(config, "model_type", None),
+            "model_name": here, "model_type": getattr(config, "model_type", None),
             "hugging_face_model": hf, "tp_size": self.layout.tp_size, "pp_size": 1, "ep_size": 1,
             "dp_size": self.layout.dp_size, "sharding": self.layout.describe(),
             "num_workers": self.world, "world_size": self.world, "batch_size": None, "global_batch_size": None,
             "grad_accum_steps": None, "seq_length": None, "precision": precision,
             "reduce_dtype": policy.reduce_dtypes[0], "grad_accum_dtype": policy.grad_accum_dtypes[0],
             "loss_scaling": None, "total_steps": None, "init_weights_sha256": weights_sha,
-            "init_weights_path": storage.join(self.folder, "init_weights.safetensors") if hf else None,
+            "init_weights_path": f"{here}/init_weights.safetensors" if hf else None,
             "model_config": config_summary(config) if hf else {},
             "learning_rate": float(group0.get("initial_lr", group0.get("lr", 0.0))),
             "max_grad_norm": float(max_grad_norm), "weight_decay": float(group0.get("weight_decay", 0.0)),
             "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_epsilon": float(group0.get("eps", 0.0)),
             "optimizer": self.optimizer_description, "grad_norm_source": None, "loss_source": "recorder",
-            "batches": {"folder": storage.join(self.folder, "batches"), "max_bytes": max_batch_bytes,
-                        "saved_steps": 0, "replayable": True, "not_replayable": None, "micro_batches": None},
+            "batches": {"folder": f"{here}/batches", "max_bytes": max_batch_bytes, "saved_steps": 0,
+                        "most_rows": 0, "position_ids_from": None},
+            "not_replayable": None if hf else f"the model ({type(self.model).__name__}) is not a Hugging Face model",
+            "stopped": None, "resumed_at": [],
             "device_type": self.device.type, "device_name": device_name(self.device), "backend": dist.get_backend(),
             "fingerprint": {**fingerprint(type(self), self.device, getattr(config, "model_type", None)),
                             "framework": framework_part},
@@ -226,8 +232,6 @@ class ParityRecorder:
                                      log=self._line)
         self.step, self.grad_norm_source = 0, None
         self._reset_step()
-        if self.not_replayable:
-            self._not_replayable(self.not_replayable)
         self._lrs: list[float] | None = None
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
         self.step_extras: dict = {}  # an adapter's fields for the next step's entry
@@ -247,14 +251,17 @@ class ParityRecorder:
         self.loss_sum, self.tokens = 0.0, 0
         self.grad_norm: float | None = None
         self.broken: str | None = None
+        self.positions = False  # whether this rank fed position ids of its own in the step (packed rows)
         self.recorder_s = 0.0
 
     # --- per micro-batch, per step --------------------------------------------------------------------
-    def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None) -> None:
+    def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None,
+                    position_ids=None) -> None:
         """One micro-batch this rank fed the model: its input ids and labels ([rows, length]; labels as Hugging Face
-        takes them: the ids, −100 where no loss is taken), the model's logits on it, the attention mask if any. A model
-        that returns no logits (TRL's fused LM head) gives `log_probs` instead: each position's log-probability of its
-        next token, zero where no loss is taken ([rows, length − 1])."""
+        takes them: the ids, −100 where no loss is taken), the model's logits on it, the attention mask if any (right
+        or left padding), the position ids if the loop passed its own (packed rows). Any rows, any length, from step
+        to step and rank to rank. A model that returns no logits (TRL's fused LM head) gives `log_probs` instead: each
+        position's log-probability of its next token, zero where no loss is taken ([rows, length − 1])."""
         if not self.enabled or self.broken:
             return
         t0 = time.perf_counter()
@@ -269,6 +276,7 @@ class ParityRecorder:
             mask = (torch.ones_like(ids) if attention_mask is None
                     else attention_mask.detach().to("cpu", torch.int64))
             self.micro.append((ids, lab, mask))
+            self.positions |= position_ids is not None and not _default_positions(position_ids, ids.shape[1])
             self.loss_sum += summed
             self.tokens += int((lab[:, 1:] != IGNORE_INDEX).sum())
         except Exception as exc:
@@ -320,8 +328,9 @@ class ParityRecorder:
             self._record_step(lr, logged_loss, grad_norm, step_time, t0, logged_grad_norm)
             if self.dump is not None:
                 self.dump.after_step(self.step - 1, self.micro)
-        except Exception as exc:
-            self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
+        except Exception as exc:  # the exchange fails on every rank alike: the record ends at this step
+            self._end(f"{type(exc).__name__}: {_first_line(exc)}" if not isinstance(exc, RuntimeError)
+                      else _first_line(exc))
         self._reset_step()
         self._lrs = None
         self._last = time.perf_counter()
@@ -335,9 +344,12 @@ class ParityRecorder:
             self.broken = "no pre-clip grad norm: call before_step() before clipping, or give after_step(grad_norm=)"
         if not self.broken and not self.micro:
             self.broken = "no micro-batch: call micro_batch() for each one the step fed"
+        if self.stop is not None:  # rank 0 stopped the record at an earlier step: every rank ends it now
+            self.broken = STOPPED
         # the step's exchange (rows.py): every rank's health, loss sum and tokens to all, the rows to rank 0 alone
         got = self.exchange(self.broken, self.loss_sum, self.tokens, self.micro, feeds=self.layout.feeds,
-                       dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device)
+                            dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device,
+                            positions=self.positions)
         exchanged = time.perf_counter()
         lrs = self._lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
         lr = float(lr) if lr is not None else lrs[0]
@@ -346,113 +358,156 @@ class ParityRecorder:
         normed = time.perf_counter()
         sums, counts = got.rank_loss_sums, got.rank_tokens
         tokens = sum(counts)
-        hash_, rows_check, order_free, saving = "", None, None, 0.0
+        extras, saving = {"grad_norm_source": self.grad_norm_source}, 0.0
+        hash_ = ""
         if self.rank == 0:  # rank 0 alone: what fails here must not leave the other ranks in a collective
             s0 = time.perf_counter()
-            try:
-                self._harvest(self.writer.finished())
-                batch, mask, structure = global_batch(got.per_dp_rank)
-                hash_, rows_check = batch_hash(batch), duplicate_rows(got.per_dp_rank)
-                order_free = rows_hash(got.per_dp_rank)
-                self._describe_layout(structure, batch)
-                self._save_batch(batch, mask)
-            except Exception as exc:
-                self._not_replayable(f"step {self.step}'s batch could not be hashed or saved ({type(exc).__name__}: "
-                                     f"{_first_line(exc)})")
+            hash_ = self._take_batch(got, extras)
             saving = time.perf_counter() - s0
-        if self.record.data["config"]["grad_norm_source"] not in (None, self.grad_norm_source):
-            self.record.data["config"]["grad_norm_source"] = "mixed"
-        elif self.record.data["config"]["grad_norm_source"] is None:
-            self.record.data["config"]["grad_norm_source"] = self.grad_norm_source
-        extras = {"grad_norm_source": self.grad_norm_source}
+        config = self.record.data["config"]
+        if config["grad_norm_source"] not in (None, self.grad_norm_source):
+            config["grad_norm_source"] = "mixed"
+        elif config["grad_norm_source"] is None:
+            config["grad_norm_source"] = self.grad_norm_source
         if logged_loss is not None:
             extras["logged_loss"] = float(logged_loss)
         if logged_grad_norm is not None:
             extras["logged_grad_norm"] = float(logged_grad_norm)
-        if rows_check is not None:
-            extras["rows_check"], extras["rows_hash"] = rows_check, order_free
         extras.update(self.step_extras)  # an adapter's per-step fields (Trainer's: declared_lr)
         harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - t0, "param_norm": normed - exchanged,
                      "batch": saving}
         self.observer.observe_step(self.step, rank_loss_sums=sums, rank_tokens=counts, tokens=tokens,
                                    grad_norm=self.grad_norm, param_norm=param_norm, lr=lr, batch_hash=hash_,
                                    step_time_s=step_time, harness_s=harness_s, **extras)
-        if rows_check and rows_check["duplicates"] and self.rank == 0:
+        rows_check = extras.get("rows_check")
+        if rows_check and rows_check["duplicates"]:
             first = rows_check["pairs"][0]
             self._line(f"step {self.step}: ranks {first[0]} and {first[1]} fed {first[2]} identical row"
                        f"{'s' if first[2] > 1 else ''}: the verdict will FAIL")
+        if self.stop is not None and self.rank == 0:
+            self._apply_stop()
         self.step += 1
         if self.step % self.log_interval == 0:
             self.observer.write()
 
+    def _take_batch(self, got, extras: dict) -> str:
+        """Rank 0: the step's global batch from every DP rank's rows — its hash, the rows check, its shape (into the
+        step's `extras`) — saved for the replay. A batch that cannot be taken stops the record at this step. Returns
+        the batch's hash ("" where it could not be taken)."""
+        config = self.record.data["config"]
+        try:
+            self._harvest(self.writer.finished())
+            batch, mask, structure = global_batch(got.per_dp_rank)
+            extras["rows_check"], extras["rows_hash"] = duplicate_rows(got.per_dp_rank), rows_hash(got.per_dp_rank)
+            extras["rows"], extras["micro_batches"] = len(batch.input_ids), structure
+            if got.positions and config["batches"]["position_ids_from"] is None:
+                config["batches"]["position_ids_from"] = self.step
+                self._line(f"step {self.step} fed position ids of its own (packed or padding-free rows): recorded; the "
+                           f"replay feeds none and refuses the record")
+            self._shape(structure, batch)
+            self._save_batch(batch, mask)
+            return batch_hash(batch)
+        except ValueError as exc:  # rows the replay cannot feed (rows.padding_problem)
+            self._stop_at(self.step, f"step {self.step}: {_first_line(exc)}")
+        except Exception as exc:
+            self._stop_at(self.step, f"step {self.step}'s batch could not be hashed or saved ({type(exc).__name__}: "
+                                     f"{_first_line(exc)})")
+        return ""
+
     def _check_scales(self, lrs: list[float]) -> None:
         """Each group's lr must stay its recorded scale × the first group's, as the replay applies it."""
-        if lrs[0] and self.not_replayable is None:
+        if lrs[0]:
             for group, applied in zip(self.optimizer_description["groups"], lrs):
                 if abs(applied - group["lr_scale"] * lrs[0]) > 1e-12 * abs(applied):
-                    self._not_replayable(f"at step {self.step} the groups' lrs are not in their recorded ratios")
+                    self._stop_at(self.step, f"at step {self.step} the groups' lrs are not in their recorded ratios "
+                                             f"(the replay applies each group its recorded scale of the first's)")
                     return
 
-    def _describe_layout(self, structure: list[list[int]], batch: Batch) -> None:
-        """The run's micro-batch structure (rows of each micro-batch, per rank), which the replay repeats: the same at
-        every step, the same on every rank."""
+    def _shape(self, structure: list[list[int]], batch: Batch) -> None:
+        """The run's batch shape so far, in the record's config: step 0's rows per DP rank and micro-batches (shown as
+        the run's batch size and accumulation), the most rows any micro-batch held (the replay's micro-batches hold no
+        more), the longest row. Every step's own shape is in its entry: it may differ from step to step and rank to
+        rank."""
         config = self.record.data["config"]
-        layout = config["batches"]
-        if layout["micro_batches"] is None:
-            layout["micro_batches"] = structure
-            config["batch_size"] = sum(structure[0])
+        if config["batch_size"] is None:
+            config["batch_size"] = max(map(sum, structure))
             config["global_batch_size"] = sum(map(sum, structure))
-            config["grad_accum_steps"] = len(structure[0])
-        elif layout["micro_batches"] != structure:
-            self._not_replayable(f"step {self.step}'s micro-batches ({structure}) differ from step 0's "
-                                 f"({layout['micro_batches']})")
-        if any(s != structure[0] for s in structure) or len(set(structure[0])) > 1:
-            self._not_replayable(f"step {self.step}'s micro-batches are not alike on every rank ({structure}): the "
-                                 f"harness gives each DP rank equal micro-batches")
+            config["grad_accum_steps"] = max(map(len, structure))
+        layout = config["batches"]
+        layout["most_rows"] = max(layout["most_rows"], *(n for rank in structure for n in rank))
         config["seq_length"] = max(config["seq_length"] or 0, batch.input_ids.shape[1])
 
     def _save_batch(self, batch: Batch, mask: torch.Tensor) -> None:
-        layout = self.record.data["config"]["batches"]
-        if not layout["replayable"]:
+        if self.stop is not None:
             return
+        layout = self.record.data["config"]["batches"]
         size = 3 * batch.input_ids.numel() * 8
         if self.saved_bytes + size > self.max_batch_bytes:
-            self._not_replayable(f"the batches passed max_batch_bytes ({self.max_batch_bytes} bytes) at step "
-                                 f"{self.step}: no more batches are saved")
+            self._stop_at(self.step, f"the batches passed max_batch_bytes ({self.max_batch_bytes} bytes) at step "
+                                     f"{self.step}: no more are saved")
             return
-        self.writer.submit(self.step, recorded_batch_path(layout["folder"], self.step),  # written on its own thread
+        self.writer.submit(self.step, recorded_batch_path(storage.join(self.folder, "batches"), self.step),
                            {"input_ids": batch.input_ids, "labels": batch.labels, "attention_mask": mask})
         self.saved_bytes += size
 
     def _harvest(self, finished: list[tuple[int, str | None]]) -> None:
-        """The batches the writer has finished: saved_steps counts those on disk, in order; a failed one makes the
-        record not replayable."""
+        """The batches the writer has finished: saved_steps counts those on disk, in order; one that failed stops the
+        record at its step."""
         layout = self.record.data["config"]["batches"]
         for step, failed in finished:
             if failed:
-                self._not_replayable(f"step {step}'s batch could not be saved ({failed})")
-            elif layout["replayable"] and step == layout["saved_steps"]:
+                self._stop_at(step, f"step {step}'s batch could not be saved ({failed})")
+            elif step == layout["saved_steps"]:
                 layout["saved_steps"] = step + 1
 
-    def _not_replayable(self, why: str) -> None:
-        layout = self.record.data["config"]["batches"]
-        if layout["replayable"]:
-            layout["replayable"], layout["not_replayable"] = False, why
-            self._line(f"{why}: the record is not replayable")
+    # --- where the record stops -------------------------------------------------------------------------
+    def _stop_at(self, step: int, why: str) -> None:
+        """Rank 0: the record ends before `step` (the earliest step asked), `why` in one line. The steps before it are
+        replayed and judged; the training goes on, and every rank stops recording at the next step's exchange."""
+        if self.stop is None or step < self.stop[0]:
+            self.stop = (step, why)
+            self._line(f"{why}: the record stops at step {step}; steps 0…{step - 1} are replayed and judged; the "
+                       f"training goes on")
+
+    def _apply_stop(self) -> None:
+        step, why = self.stop
+        data = self.record.data
+        del data["steps"][step:]
+        data["config"]["stopped"] = {"step": step, "why": why}
+
+    def _end(self, why: str) -> None:
+        """Every rank, where the step's exchange failed (a rank broken, or rank 0's record stopped): rank 0 completes
+        the record at its stop (this step if none came before), without a collective; no rank records more."""
+        self.enabled = False
+        self._hook.remove()
+        if self.rank != 0:
+            return
+        if self.stop is None:
+            self._stop_at(self.step, f"step {self.step} could not be recorded ({why})")
+        try:
+            self._harvest(self.writer.close())
+            self._apply_stop()
+            self.record.data["config"]["total_steps"] = len(self.record.steps)
+            self.record.finish(steps=len(self.record.steps), source=SOURCE)
+        except Exception as exc:
+            self._line(f"failed ({type(exc).__name__}: {_first_line(exc)}): the record {self.record.path} is not "
+                       f"complete")
 
     # --- the end ----------------------------------------------------------------------------------
     def close(self) -> str | None:
         """The record complete (every rank; a collective). Returns its path on rank 0 (None if nothing recorded)."""
         if not self.enabled:
-            return None
+            return self.record.path if getattr(self, "stop", None) and self.rank == 0 else None
         try:
             self._hook.remove()
             if self.writer is not None:
                 self._harvest(self.writer.close())
+            if self.stop is not None and self.rank == 0:
+                self._apply_stop()
             config = self.record.data["config"]
-            config["total_steps"] = self.step
-            self.observer.finish(lambda: {"steps": self.step, "source": SOURCE})
-            self._line(f"recorded {self.step} steps: {self.record.path}")
+            config["total_steps"] = len(self.record.steps)
+            self.observer.finish(lambda: {"steps": len(self.record.steps), "source": SOURCE})
+            self._line(f"recorded {len(self.record.steps)} steps: {self.record.path}")
             return self.record.path if self.rank == 0 else None
         except Exception as exc:
             self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
@@ -472,6 +527,11 @@ class ParityRecorder:
     def _line(self, text: str) -> None:
         if getattr(self, "rank", 0) == 0:
             self._print(f"parity recorder [{self.name}]: {text}")
+
+
+def _default_positions(position_ids, length: int) -> bool:
+    """Whether position ids are what the model makes by itself (0, 1, … on every row): then they change nothing."""
+    return bool((position_ids.detach().cpu() == torch.arange(length)).all())
 
 
 def _file_sha256(path: str) -> str:

@@ -4,12 +4,15 @@ what the record supplies and writes OUT/loss_ddp.json, the baseline plot_loss_cu
 against (docs/own_trainer.md).
 
 The record supplies the model (its config.json) and the initial weights, the data (each step's saved global batch,
-its rows split evenly over the workers), the optimizer (type and parameter groups by name: build_optimizer with
-RunConfig.optimizer), the lr of each step (RunConfig.lr_schedule), the micro-batch structure (--grad_accum_steps), the
-precision and the step count. Beside it only --num_workers, --device, the output and checkpoint flags and
+whatever its shape, its rows split over the N workers by parity.training.data.row_plan), the optimizer (type and
+parameter groups by name: build_optimizer with RunConfig.optimizer), the lr of each step (RunConfig.lr_schedule), the
+precision and the step count (up to where the record stopped, if it did). It names them relative to its own folder,
+which may have moved since. Beside it only --num_workers, --device, the output and checkpoint flags and
 --noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything else contradicts
-the record and is refused in one line. The harness feeds no attention masks: a causal model's right padding needs none
-(labels −100 on it), and a record whose masks are anything else is refused.
+the record and is refused in one line. The harness feeds no attention mask where every row is right-padded (a causal
+model's right padding needs none: labels −100 on it) and the recorded mask where a row is left-padded (its real tokens
+sit at shifted positions); a mask with holes is refused. Everything is checked on the driver, before any worker
+starts.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from typing import Any, Mapping
 from parity import storage
 from parity.driver.config import resolve
 from parity.errors import ConfigError, RecordError
+from parity.integrations.rows import padding_problem
 from parity.training.data import RECORDED, RecordedBatches, recorded_batch_path
-from parity.training.loss import IGNORE_INDEX
 from parity.training.record import load_record
 
 # The flags a replay takes beside --replay_record: where it runs and where its outputs go.
@@ -49,21 +52,21 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
     steps = len(record["steps"])
     if dump_step is not None and not 0 <= dump_step < steps:
         raise ConfigError(f"--dump_step {dump_step} is not a step of {storage.name(record_file)} (0 to {steps - 1})")
-    folder = config["batches"]["folder"]
-    structure = config["batches"]["micro_batches"]
-    micro_batches, rows = len(structure[0]), sum(map(sum, structure))
+    folder, model_folder, weights = (recorded_path(record_file, named) for named in
+                                     (config["batches"]["folder"], config["model_name"], config["init_weights_path"]))
+    rows = [int(s["rows"]) for s in record["steps"]]
     workers = int(given.get("num_workers", config["dp_size"]))
-    if workers < 1 or rows % workers or (rows // workers) % micro_batches:
-        raise ConfigError(f"--num_workers {workers}: the record's global batch of {rows} rows in {micro_batches} "
-                          f"micro-batches per rank does not split evenly over {workers} workers: use a number of "
-                          f"workers that divides {rows // micro_batches}")
+    if workers > min(rows):
+        fewest = min(rows)
+        raise ConfigError(f"--num_workers {workers}: step {rows.index(fewest)} of {storage.name(record_file)} holds "
+                          f"{fewest} row{'s' if fewest > 1 else ''}, fewer than {workers} workers: use at most "
+                          f"{fewest} workers")
     length = check_batches(record_file, folder, steps)
-    model_folder = config["model_name"]
     _check_model(record_file, model_folder)
-    _check_weights(record_file, config["init_weights_path"], model_folder)
+    _check_weights(record_file, weights, model_folder)
     lrs = tuple(float(s["lr"]) for s in record["steps"])
-    values = {"model_name": model_folder, "init_weights_path": config["init_weights_path"], "num_workers": workers,
-              "batch_size": rows // workers, "grad_accum_steps": micro_batches, "seq_length": max(length, 2),
+    values = {"model_name": model_folder, "init_weights_path": weights, "num_workers": workers,
+              "batch_size": -(-max(rows) // workers), "grad_accum_steps": 1, "seq_length": max(length, 2),
               "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0,
               "weight_decay": config["weight_decay"], "adam_beta1": config["adam_beta1"],
               "adam_beta2": config["adam_beta2"], "adam_epsilon": config["adam_epsilon"],
@@ -72,8 +75,15 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
     cfg = resolve(strategy, values, cluster=cluster)
     cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs)
     _check_groups(record_file, cfg)
-    return cfg, RecordedBatches(folder, steps, f"the global batches of {storage.name(record_file)} ({steps} steps, "
-                                               f"{rows} rows each)")
+    stopped = f", stopped before step {steps}" if config.get("stopped") else ""
+    return cfg, RecordedBatches(folder, steps, f"the global batches of {storage.name(record_file)} ({steps} steps of "
+                                               f"{min(rows)}–{max(rows)} rows{stopped})",
+                                workers, max(1, config["batches"]["most_rows"]))
+
+
+def recorded_path(record_file: str, named: str) -> str:
+    """Where a file or folder the record names (relative to the record's own folder) is now."""
+    return storage.join(storage.parent(storage.absolute(record_file)), named)
 
 
 def read_recorded(record_file: str) -> dict:
@@ -90,12 +100,14 @@ def read_recorded(record_file: str) -> dict:
     if not config.get("hugging_face_model"):
         raise ConfigError(f"--replay_record {name}: the recorded model is not a Hugging Face model (no config to "
                           f"build it from): the harness trains Hugging Face causal LMs only")
-    batches = config.get("batches") or {}
-    if not batches.get("replayable"):
-        raise ConfigError(f"--replay_record {name}: not replayable: {batches.get('not_replayable')}")
-    if not batches.get("saved_steps") or batches["saved_steps"] < len(record["steps"]):
-        raise ConfigError(f"--replay_record {name}: its batches are missing (saved {batches.get('saved_steps', 0)} of "
+    batches = config["batches"]
+    if batches["saved_steps"] < len(record["steps"]):
+        raise ConfigError(f"--replay_record {name}: its batches are missing (saved {batches['saved_steps']} of "
                           f"{len(record['steps'])} steps): record again with the batches saved")
+    if batches.get("position_ids_from") is not None:
+        raise ConfigError(f"--replay_record {name}: from step {batches['position_ids_from']} the run fed position ids "
+                          f"of its own (packed or padding-free rows): the replay feeds none yet, so it would train "
+                          f"another model; record the run without packing")
     if config["precision"] == "fp16":
         raise ConfigError(f"--replay_record {name}: fp16 runs are not replayed (the recorder does not record the loss "
                           f"scaler)")
@@ -120,8 +132,8 @@ def replayable_optimizer(record_file: str, optimizer: dict) -> dict:
 
 
 def check_batches(record_file: str, folder: str, steps: int) -> int:
-    """Every step's saved batch is there and right-padded (each row's mask 1…1 0…0, labels −100 where it is 0);
-    returns the longest row."""
+    """Every step's saved batch is there, readable and padded as the replay feeds it (each row's mask one run of ones,
+    labels −100 where it is 0); returns the longest row."""
     from safetensors.torch import load
 
     name, longest = storage.name(record_file), 0
@@ -129,22 +141,16 @@ def check_batches(record_file: str, folder: str, steps: int) -> int:
         path = recorded_batch_path(folder, step)
         try:
             tensors = load(storage.read_bytes(path))
+            mask, labels = tensors["attention_mask"], tensors["labels"]
         except FileNotFoundError:
-            raise ConfigError(f"--replay_record {name}: step {step}'s batch {path} is missing: record again") from None
+            raise ConfigError(f"--replay_record {name}: step {step}'s batch {path} is missing: copy the record's "
+                              f"whole folder (recorded_*/ beside it) or record again") from None
         except Exception as exc:
             raise ConfigError(f"--replay_record {name}: step {step}'s batch {path} cannot be read "
-                              f"({type(exc).__name__})") from None
-        mask, labels = tensors["attention_mask"], tensors["labels"]
-        ones = mask.sum(1, keepdim=True)
-        right = (mask == (mask.new_ones(mask.shape).cumsum(1) <= ones).long()).all(1)
-        if not bool(right.all()):
-            row = int((~right).nonzero()[0])
-            raise ConfigError(f"--replay_record {name}: step {step}, row {row}: the attention mask is not right "
-                              f"padding (1…1 0…0): the harness feeds no masks; replay runs padded on the right only")
-        unlabelled = (labels[mask == 0] == IGNORE_INDEX).all()
-        if not bool(unlabelled):
-            raise ConfigError(f"--replay_record {name}: step {step}: labels on padding (where the attention mask is "
-                              f"0): set them to -100")
+                              f"({type(exc).__name__}): record again") from None
+        problem = padding_problem(mask, labels, f"step {step}")
+        if problem:
+            raise ConfigError(f"--replay_record {name}: {problem}")
         longest = max(longest, mask.shape[1])
     return longest
 

@@ -24,17 +24,20 @@ from parity.training.data import Batch
 from parity.training.loss import IGNORE_INDEX
 
 PAD_ID = 0  # what a shorter micro-batch's rows are right-padded with to the step's longest (labels −100, mask 0)
-HEADER = ("broken", "loss_sum", "tokens", "feeds", "dp_rank", "words")  # int64 each (the sum: its float64 bits)
+HEADER = ("broken", "loss_sum", "tokens", "feeds", "dp_rank", "positions", "words")  # int64 each (the sum: its
+# float64 bits; positions: whether the rank fed position ids of its own, packed rows')
 FUSED_WORDS = 1 << 20  # rows up to 8 MiB a rank travel with the header (one all_gather); longer ones to rank 0 alone
 
 
 @dataclass
 class Exchanged:
     """What the step's exchange gave this rank: every DP rank's loss sum and loss tokens (in DP rank order, every
-    rank), and on rank 0 every DP rank's micro-batches [(ids, labels, mask), ...]."""
+    rank), whether any rank fed position ids of its own, and on rank 0 every DP rank's micro-batches
+    [(ids, labels, mask), ...]."""
 
     rank_loss_sums: list[float]
     rank_tokens: list[int]
+    positions: bool = False
     per_dp_rank: list[list[tuple]] | None = field(default=None)
 
 
@@ -66,7 +69,7 @@ class RowExchange:
         self.capacity = 0
 
     def __call__(self, broken: str | None, loss_sum: float, tokens: int, micro: list, *, feeds: bool, dp_rank: int,
-                 dp_size: int, device: torch.device) -> Exchanged:
+                 dp_size: int, device: torch.device, positions: bool = False) -> Exchanged:
         """Every rank; collective. Raises RuntimeError("rank r: why") on every rank where any rank is broken (the text
         on rank 0), or where the DP ranks are not each fed by one rank."""
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -78,14 +81,15 @@ class RowExchange:
             payload = torch.zeros(0, dtype=torch.int64)
         n, cap = payload.numel(), self.capacity
         sent = torch.zeros(len(HEADER) + cap, dtype=torch.int64)
-        sent[:len(HEADER)] = torch.tensor([int(bool(broken)), 0, int(tokens), int(feeds), int(dp_rank), n])
+        sent[:len(HEADER)] = torch.tensor([int(bool(broken)), 0, int(tokens), int(feeds), int(dp_rank),
+                                           int(positions), n])
         sent[1:2] = torch.tensor([float(loss_sum)], dtype=torch.float64).view(torch.int64)  # the sum's bits, exact
         sent[len(HEADER):len(HEADER) + min(n, cap)] = payload[:cap]
         sent = sent.to(device)
         table = [torch.empty_like(sent) for _ in range(world)]
         dist.all_gather(table, sent)
         table = torch.stack(table).cpu()
-        lengths = table[:, 5].tolist()
+        lengths = table[:, HEADER.index("words")].tolist()
         longest = max(lengths)
         if longest <= cap:
             payloads = [table[r, len(HEADER):len(HEADER) + lengths[r]] for r in range(world)]
@@ -106,17 +110,22 @@ class RowExchange:
             raise RuntimeError(f"the DP ranks fed ({[d for d, _ in feeders]}) are not each of 0…{dp_size - 1} once")
         sums = table[:, 1].contiguous().view(torch.float64).tolist()
         return Exchanged([sums[r] for _, r in feeders], [int(table[r, 2]) for _, r in feeders],
+                         bool(table[:, HEADER.index("positions")].any()),
                          [unpack(payloads[r]) for _, r in feeders] if rank == 0 else None)
 
 
 def global_batch(per_rank: list[list[tuple]]) -> tuple[Batch, torch.Tensor, list[list[int]]]:
     """The step's global batch in the harness's order — DP rank 0's micro-batches in order, then DP rank 1's ... —
-    every row right-padded to the step's longest (ids PAD_ID, labels −100, mask 0: nothing the loss or a causal model's
-    earlier positions see), with the attention mask and the rows of each micro-batch per DP rank."""
+    every row as it was fed (right or left padded) and padded on the right to the step's longest (ids PAD_ID, labels
+    −100, mask 0: nothing the loss or a causal model's earlier positions see), with the attention mask and the rows
+    of each micro-batch per DP rank. ValueError, one line, for rows the replay cannot feed (padding_problem)."""
     length = max(ids.shape[1] for micro in per_rank for ids, _, _ in micro)
     ids, labels, masks = [], [], []
-    for micro in per_rank:
-        for i, lab, m in micro:
+    for rank, micro in enumerate(per_rank):
+        for k, (i, lab, m) in enumerate(micro):
+            problem = padding_problem(m, lab, f"DP rank {rank}'s micro-batch {k}")
+            if problem:
+                raise ValueError(problem)
             pad = length - i.shape[1]
             ids.append(torch.nn.functional.pad(i, (0, pad), value=PAD_ID))
             labels.append(torch.nn.functional.pad(lab, (0, pad), value=IGNORE_INDEX))
@@ -125,15 +134,29 @@ def global_batch(per_rank: list[list[tuple]]) -> tuple[Batch, torch.Tensor, list
     return Batch(torch.cat(ids), torch.cat(labels)), torch.cat(masks), structure
 
 
+def padding_problem(mask: torch.Tensor, labels: torch.Tensor, where: str) -> str | None:
+    """Why rows with this attention mask cannot be replayed (None: each row's ones are one run — right padding
+    1…1 0…0, left padding 0…0 1…1, or both — and no label sits where the mask is 0). A mask with holes (packed
+    documents masked apart) is another model input than the replay feeds."""
+    starts = (mask[:, 1:] > mask[:, :-1]).sum(1) + (mask[:, 0] > 0).long()  # where a run of ones begins
+    holes = starts > 1
+    if bool(holes.any()):
+        return (f"{where}, row {int(holes.nonzero()[0])}: the attention mask has holes (more than one run of ones): "
+                f"the replay feeds right or left padding only")
+    if not bool((labels[mask == 0] == IGNORE_INDEX).all()):
+        return f"{where}: labels on padding (where the attention mask is 0): set them to -100"
+    return None
+
+
 def row_digests(per_rank: list[list[tuple]]) -> list[list[str]]:
-    """Per rank, each row's sha256 over its unpadded ids and labels, in the order the rank fed them."""
+    """Per rank, each row's sha256 over its ids and labels where its mask is 1, in the order the rank fed them."""
     digests = []
     for micro in per_rank:
         mine = []
         for ids, labels, mask in micro:
             for row in range(ids.shape[0]):
-                real = int(mask[row].sum()) if mask is not None else ids.shape[1]
-                mine.append(hashlib.sha256(ids[row, :real].numpy().tobytes() + labels[row, :real].numpy().tobytes())
+                real = mask[row] != 0  # right or left padding alike
+                mine.append(hashlib.sha256(ids[row, real].numpy().tobytes() + labels[row, real].numpy().tobytes())
                             .hexdigest())
         digests.append(mine)
     return digests
@@ -200,5 +223,5 @@ class BatchWriter:
         return self.finished()
 
 
-__all__ = ["BatchWriter", "Exchanged", "PAD_ID", "duplicate_rows", "RowExchange", "global_batch", "pack", "row_digests",
-           "rows_hash", "unpack"]
+__all__ = ["BatchWriter", "Exchanged", "PAD_ID", "duplicate_rows", "RowExchange", "global_batch", "pack",
+           "padding_problem", "row_digests", "rows_hash", "unpack"]

@@ -82,7 +82,8 @@ class ParityCallback(TrainerCallback):
             return
         logits = getattr(output, "logits", None)
         fused = getattr(output, "log_probs", None) if logits is None else None  # TRL's fused LM head: no logits
-        self.recorder.micro_batch(ids, labels, logits, attention_mask=kwargs.get("attention_mask"), log_probs=fused)
+        self.recorder.micro_batch(ids, labels, logits, attention_mask=kwargs.get("attention_mask"), log_probs=fused,
+                                  position_ids=kwargs.get("position_ids"))
 
     def on_step_end(self, args, state, control, **kwargs):
         self._stepped = True

@@ -106,7 +106,7 @@ def layer_step_worker(payload: dict) -> None:
     from safetensors.torch import load_file, save_file
 
     from parity.training.loop import start_worker
-    from parity.training.data import Batch
+    from parity.training.data import Batch, dp_slice
     from parity.training.optimizer import OptimizerStep
     from parity.training.strategy import lr_at
 
@@ -122,8 +122,10 @@ def layer_step_worker(payload: dict) -> None:
 
     inputs_path = os.path.join(output_dir, INPUTS_FILE)
     inputs = load_file(inputs_path)
-    global_batch = Batch(inputs["input_ids"], inputs["labels"])
-    mine = global_batch.rows(ctx.dp_rank * cfg.batch_size, (ctx.dp_rank + 1) * cfg.batch_size).to(ctx.device)
+    # a replay's step as its batches give it (a recorded step's rows split over the ranks, its mask), the same tokens
+    # as the folder's inputs
+    global_batch = replay["batches"](step) if replay else Batch(inputs["input_ids"], inputs["labels"])
+    mine = dp_slice(global_batch, ctx.dp_rank, cfg.batch_size).to(ctx.device)
 
     recorder = ModuleRecorder(strategy.hf_model)
     local_sum = strategy.forward_backward(mine, global_batch.loss_tokens)  # the train step's (one step)

@@ -159,10 +159,16 @@ def _wikitext() -> str:
 
 @dataclass(frozen=True)
 class Batch:
-    """Samples' input ids and their labels (the ids, −100 on padding), [samples, seq_length] each."""
+    """Samples' input ids and their labels (the ids, −100 on padding), [samples, seq_length] each. `micro_rows`: where
+    the rows do not split evenly (a recorded run's step, replayed: parity.training.data.RecordedBatches), the rows of
+    each micro-batch of each DP rank, ((rank 0's), (rank 1's), ...); None: DP rank r holds rows [r·b, (r+1)·b) in
+    --grad_accum_steps equal micro-batches. `attention_mask`: fed to the model where rows are left-padded (a recorded
+    run's, as it fed them); None: no mask (right padding needs none for a causal model)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
+    micro_rows: tuple[tuple[int, ...], ...] | None = None
+    attention_mask: torch.Tensor | None = None
 
     @property
     def loss_tokens(self) -> int:
@@ -171,15 +177,22 @@ class Batch:
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
     def rows(self, start: int, stop: int) -> "Batch":
-        return Batch(self.input_ids[start:stop], self.labels[start:stop])
+        mask = self.attention_mask
+        return Batch(self.input_ids[start:stop], self.labels[start:stop],
+                     attention_mask=None if mask is None else mask[start:stop])
 
     def split(self, parts: int) -> list["Batch"]:
-        """`parts` micro-batches of equal size, in order."""
-        size = len(self.input_ids) // parts
-        return [self.rows(i * size, (i + 1) * size) for i in range(parts)]
+        """`parts` micro-batches of equal size, in order — or, for one DP rank's slice of a step planned in
+        `micro_rows`, its planned micro-batches."""
+        sizes = self.micro_rows[0] if self.micro_rows is not None and len(self.micro_rows) == 1 else \
+            [len(self.input_ids) // parts] * parts
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self.rows(start, start + size) for start, size in zip(starts, sizes)]
 
     def to(self, device) -> "Batch":
-        return Batch(self.input_ids.to(device), self.labels.to(device))
+        mask = self.attention_mask
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.micro_rows,
+                     None if mask is None else mask.to(device))
 
 
 class GlobalBatches:
@@ -234,11 +247,13 @@ class _Described:
 
 class RecordedBatches:
     """Step → the global batch a recorded run trained on (parity/integrations/recorder.py saved each one in
-    `folder`), its rows in the harness's order (DP rank r's at [r·b, (r+1)·b), micro-batches in order): what a
-    replay trains on. Read on the worker when the step comes."""
+    `folder`), its rows in the harness's order (the run's DP rank 0's rows, then rank 1's ..., each row right-padded),
+    split over the replay's `workers` by row_plan in micro-batches of at most `most_rows` rows: what a replay trains
+    on. Read on the worker when the step comes."""
 
-    def __init__(self, folder: str, steps: int, description: str):
+    def __init__(self, folder: str, steps: int, description: str, workers: int = 1, most_rows: int = 1):
         self.folder, self.steps_per_epoch = folder, steps
+        self.workers, self.most_rows = workers, most_rows
         self.dataset = _Described(description)
 
     def __call__(self, step: int) -> Batch:
@@ -247,11 +262,36 @@ class RecordedBatches:
         from parity import storage
 
         tensors = load(storage.read_bytes(recorded_batch_path(self.folder, step)))
-        return Batch(tensors["input_ids"].long(), tensors["labels"].long())
+        ids, mask = tensors["input_ids"].long(), tensors["attention_mask"].long()
+        return Batch(ids, tensors["labels"].long(), row_plan(len(ids), self.workers, self.most_rows),
+                     mask if left_padded(mask) else None)
+
+
+def left_padded(mask: torch.Tensor) -> bool:
+    """Whether a row begins with padding: the model must then be fed the mask, as the run fed it (its real tokens sit
+    at shifted positions, and its last padding position predicts the first real token)."""
+    return bool(((mask[:, 0] == 0) & (mask.sum(1) > 0)).any())
 
 
 def dp_slice(global_batch: Batch, dp_rank: int, batch_size: int) -> Batch:
-    return global_batch.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
+    """DP rank `dp_rank`'s rows of a global batch: [r·batch_size, (r+1)·batch_size), or those its plan gives it."""
+    plan = global_batch.micro_rows
+    if plan is None:
+        return global_batch.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
+    start = sum(map(sum, plan[:dp_rank]))
+    mine = global_batch.rows(start, start + sum(plan[dp_rank]))
+    return Batch(mine.input_ids, mine.labels, (plan[dp_rank],), mine.attention_mask)
+
+
+def row_plan(rows: int, workers: int, most_rows: int) -> tuple[tuple[int, ...], ...]:
+    """How a step's `rows` split over `workers` DP ranks: as evenly as they go (the first ranks one row more), each
+    rank's rows in the same number of micro-batches (DDP reduces on the last one alike everywhere) of at most
+    `most_rows` rows where the fewest rows a rank holds allow — the largest micro-batch the recorded run fed, so
+    that the replay needs no more memory a micro-batch than the run did. A rank with fewer rows weighs by its loss
+    tokens (Strategy.micro_batch_loss): the loss is the step's global token mean whatever the split."""
+    per_rank = [rows // workers + (k < rows % workers) for k in range(workers)]
+    parts = min(-(-per_rank[0] // most_rows), per_rank[-1])
+    return tuple(tuple(n // parts + (i < n % parts) for i in range(parts)) for n in per_rank)
 
 
 def batch_hash(global_batch: Batch) -> str:

@@ -258,7 +258,7 @@ def evaluate(strategy, batch, global_tokens: int) -> float:
     module would compile its whole forward once more for this one call without gradients)."""
     batch = batch.to(strategy.ctx.device)
     with strategy.autocast(), torch.compiler.set_stance("force_eager"):
-        logits = strategy.forward(batch.input_ids)
+        logits = strategy.logits_of(batch)
     sums, _ = strategy.gather_dp_sums(loss_sum(logits, batch.labels).double(), batch.loss_tokens)
     return sum(sums) / global_tokens
 

@@ -11,8 +11,9 @@ import json
 from parity import storage
 from parity.errors import RecordError
 
-SCHEMA_VERSION = 5  # 2: every step has param_norm; 3: the config has the fingerprint; 4: the replica check;
-# 5: pp_size a layout field (not an option), the strategy's class path
+SCHEMA_VERSION = 6  # 2: every step has param_norm; 3: the config has the fingerprint; 4: the replica check;
+# 5: pp_size a layout field (not an option), the strategy's class path; 6: a recorder's record takes each step's batch
+# shape as it comes (its rows and micro-batches per step), names its files relative to itself and may stop early
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")  # and harness_s: the harness's own seconds in the step, by what (not checked);
 # and on a step the replicas were checked after, "replicas": what the check found (parity.training.replicas)
@@ -100,8 +101,8 @@ def load_record(path: str) -> dict:
     if data.get("schema_version") != SCHEMA_VERSION:
         raise RecordError(f"{name}: schema version {data.get('schema_version')}, this harness reads "
                           f"{SCHEMA_VERSION} (it records the parameter norm, the run's fingerprint, the replica check, "
-                          f"pp_size among the layout's fields and the strategy's class path "
-                          f"too): rerun that strategy")
+                          f"pp_size among the layout's fields, the strategy's class path and a recorded run's batch "
+                          f"shape per step too): rerun that strategy, or record the run again")
     if not isinstance(data.get("complete"), bool):
         raise RecordError(f"{name}: missing or invalid 'complete' (expected true or false)")
     missing = [k for k in CONFIG_FIELDS if k not in data["config"]]

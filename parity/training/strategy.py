@@ -200,11 +200,20 @@ class Strategy(Routing):
             return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Full-vocabulary logits of this rank's slice. Without a KV cache: Hugging Face builds one in every
         forward unless told not to (config.use_cache), which a training step never reads; under --compile each
-        decoder layer was compiled again for the cache's state."""
+        decoder layer was compiled again for the cache's state. `attention_mask`: a replayed run's left-padded rows
+        (the data's own batches carry none; a strategy that overrides forward is never handed one)."""
+        if attention_mask is not None:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def logits_of(self, batch) -> torch.Tensor:
+        """forward on a data.Batch: its ids, and its mask where it carries one."""
+        if batch.attention_mask is not None:
+            return self.forward(batch.input_ids, attention_mask=batch.attention_mask)
+        return self.forward(batch.input_ids)
 
     def backward(self, loss: torch.Tensor, last: bool = True) -> None:
         """Backward of one micro-batch's loss (`last`: the step's last micro-batch)."""
@@ -339,7 +348,7 @@ class Strategy(Routing):
             last = i == len(micro_batches) - 1
             with self.accumulating(last):
                 with self.autocast(), routes.recording() as calls:
-                    logits = self.forward(micro.input_ids)
+                    logits = self.logits_of(micro)
                 summed = loss_sum(logits, micro.labels)
                 loss = routes.add(calls, micro, self.micro_batch_loss(summed, micro, batch, global_tokens))
                 self.backward(loss * self.loss_scale, last)
