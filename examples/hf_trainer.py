@@ -31,6 +31,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq_length", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast over fp32 weights)")
+    p.add_argument("--rows", type=int, default=None,
+                   help="samples in the dataset (default: every step a full window); others end each epoch in a "
+                        "partial accumulation window and, with drop_last off, a smaller last batch")
+    p.add_argument("--dynamic_padding", action="store_true",
+                   help="pad each batch to its own longest row (a collator), not every row to --seq_length")
+    p.add_argument("--drop_last", action="store_true", help="TrainingArguments(dataloader_drop_last=True)")
     p.add_argument("--dump_step", type=int, default=None,
                    help="record step K in full for compare_dumps.py (docs/own_trainer.md: localising a FAIL)")
     p.add_argument("--max_grad_norm", type=float, default=10.0,
@@ -57,6 +63,21 @@ class PaddedRows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
 
 
+class Unpadded(PaddedRows):
+    """The same rows without their padding: each sample as long as it is (a collator pads a batch)."""
+
+    def __getitem__(self, i: int) -> dict:
+        n = int(self.mask[i].sum())
+        return {"input_ids": self.ids[i, :n], "attention_mask": self.mask[i, :n], "labels": self.labels[i, :n]}
+
+
+def pad_to_longest(samples: list[dict]) -> dict:
+    """Dynamic padding: a batch right-padded to its own longest row (ids 0, mask 0, labels -100)."""
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    return {key: torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True, padding_value=value)
+            for key, value in fill.items()}
+
+
 def train(args) -> None:
     from transformers import Trainer, TrainingArguments
 
@@ -64,15 +85,17 @@ def train(args) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
-    rows = args.steps * world * args.batch_size * args.grad_accum_steps
-    data = PaddedRows(rows, args.seq_length, model.config.vocab_size, args.seed)
+    rows = args.rows or args.steps * world * args.batch_size * args.grad_accum_steps
+    data = (Unpadded if args.dynamic_padding else PaddedRows)(rows, args.seq_length, model.config.vocab_size,
+                                                                args.seed)
     training = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=1e-3,
         warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=True, ddp_backend="gloo", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
-        disable_tqdm=True, bf16=args.bf16)
+        disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)
     trainer = Trainer(model=model, args=training, train_dataset=data,
+                      data_collator=pad_to_longest if args.dynamic_padding else None,
                       callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step)])
     trainer.train()
 

@@ -1,6 +1,10 @@
-"""Your own trainer (docs/own_trainer.md): examples/plain_loop.py — a hand-written torch DDP loop over gloo, padded data,
-gradient accumulation — and examples/hf_trainer.py (Trainer, recorded by ParityCallback) recorded by parity's recorder,
-replayed under the harness's DDP (the local launcher: Ray adds nothing to the arithmetic), judged by the verdict.
+"""Your own trainer (docs/own_trainer.md): examples/plain_loop.py — a hand-written torch DDP loop over gloo, padded data
+read in epochs that end in a partial accumulation window and a smaller micro-batch, gradient accumulation — and
+examples/hf_trainer.py (Trainer, recorded by ParityCallback; dynamic padding, a partial last window, a smaller last
+batch at one process) recorded by parity's recorder, replayed under the harness's DDP (the local launcher: Ray adds
+nothing to the arithmetic) at any worker count the rows allow, judged by the verdict. A 1-rank record of micro-batches
+of one row replays at 1, 2 and 4 workers, from a relative recording folder and from a copy of it; a record past its
+batch cap stops there and its steps before the cap are judged.
 Seeded bugs in copies of the examples FAIL at a named step, and the dumps of a step name the first divergent module;
 Trainer in bf16 PASSes the calibrated verdict and a seeded bug FAILs it; Trainer's DeepSpeed path is refused in one
 line; Trainer at 2 ranks and at 1 rank with twice the accumulation agree; bad input is one line and exit 2.
@@ -27,20 +31,24 @@ HF_EXAMPLE = os.path.join(REPO, "examples", "hf_trainer.py")
 HF = "hf_trainer"  # the Trainer example, recorded by ParityCallback
 NAME = "plain_loop"
 CLEAN_LOSS = "loss = summed * world / global_tokens  # DDP averages over ranks: the global token mean"
-MINE = "mine = slice(rank * b, (rank + 1) * b)  # this rank's rows"
+MINE = "mine = order[rank::world]"
+SAMPLES = "18"  # 9 a rank: windows of 2 + 2 micro-batches of 2 rows, then 1 of 1 row — steps 2 and 5 partial
 # The seeded bugs, each one line of the example changed in a copy.
 COPIES = {
     "clean": [],
     # each rank's mean over its own tokens, averaged by DDP: a mean of per-rank means on padded data
     "rank_mean": [(CLEAN_LOSS, "loss = summed / local")],
     # accumulation that averages per-micro-batch means (transformers <= 4.45)
-    "micro_mean": [(CLEAN_LOSS, "loss = summed / (labels[micro][:, 1:] != -100).sum() / accum")],
+    "micro_mean": [(CLEAN_LOSS, "loss = summed / (labels[:, 1:] != -100).sum() / accum")],
     # rank r fed rank r-1's rows (rank 0 its own): two ranks train on the same samples
-    "neighbour": [(MINE, "mine = slice(max(rank - 1, 0) * b, max(rank - 1, 0) * b + b)")],
+    "neighbour": [(MINE, "mine = order[max(rank - 1, 0)::world]")],
+    # the epoch's partial last window divided by the full accumulation count, not by what it holds
+    "partial_window": [(CLEAN_LOSS, "loss = summed * world / global_tokens * len(window) / accum")],
 }
+PARTIAL_STEP = 2
 TRAINER_LINE = "    trainer = Trainer(model=model, args=training, train_dataset=data,"
 CALLBACKS = "callbacks=[ParityCallback("
-ARGS_END = "disable_tqdm=True, bf16=args.bf16)"
+ARGS_END = "disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)"
 DEEPSPEED = ("{'train_micro_batch_size_per_gpu': 'auto', 'gradient_accumulation_steps': 'auto', "
              "'zero_optimization': {'stage': 1}, 'gradient_clipping': 'auto'}")  # DeepSpeed's train_batch_size its own
 # The seeded bugs and the DeepSpeed path in copies of examples/hf_trainer.py.
@@ -64,9 +72,9 @@ class Twice(TrainerCallback):
 
 def train(args) -> None:""")],
     # Trainer's DeepSpeed path on CPU: ZeRO-1 through TrainingArguments(deepspeed=...)
-    "hf_deepspeed": [(ARGS_END, f"disable_tqdm=True, bf16=args.bf16, deepspeed={DEEPSPEED})")],
+    "hf_deepspeed": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})")],
     # the same without use_cpu=True (the reported case), in a fresh accelerate state as a user's process has it
-    "hf_deepspeed_world": [(ARGS_END, f"disable_tqdm=True, bf16=args.bf16, deepspeed={DEEPSPEED})"),
+    "hf_deepspeed_world": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})"),
                            ("use_cpu=True, ", ""),
                            ("    world = int(", "    from accelerate.state import AcceleratorState\n\n"
                                               "    AcceleratorState._reset_state(reset_partial_state=True)\n"
@@ -77,11 +85,15 @@ BF16_STEPS = 4
 HF_DUMP_STEP = 2  # the clean Trainer run dumps step 2 (a replayed step past the first), the seeded bug step 0
 CAPPED = "capped"  # the clean loop recorded with a batch cap that 3 steps pass
 BF16 = "bf16"  # Trainer in bf16: the clean run (hf_trainer) and the compute_loss bug (hf_bug) in one folder
+HF_SHAPES = ["--rows", "10", "--dynamic_padding"]  # 5 rows a rank: every other window holds one micro-batch
 
 
-def _record_rank(rank: int, world: int, port: int, jobs: list) -> None:
+def _record_rank(rank: int, world: int, port: int, jobs: list, cwd: str | None = None) -> None:
     """Every job (a copy of an example, its arguments) one after another on this rank of one gloo group (the
-    variables torchrun sets, for accelerate: it takes the group that is up)."""
+    variables torchrun sets, for accelerate: it takes the group that is up), in `cwd` where given (relative
+    output folders)."""
+    if cwd:
+        os.chdir(cwd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       OMP_NUM_THREADS="1")  # else accelerate sets torch's threads to the cores ÷ the ranks: 2 at 1 rank
     with gloo_rank(rank, world, port):
@@ -133,11 +145,11 @@ def runs(tmp_path_factory):
     for name, edits in COPIES.items():
         folders[name] = root / name
         jobs.append((_copy(root, EXAMPLE, name, edits), ["--output_dir", str(folders[name]), "--name", NAME,
-                                                         "--steps", str(STEPS)]))
+                                                         "--steps", str(STEPS), "--samples", SAMPLES]))
     folders[CAPPED] = root / CAPPED
-    jobs.append((EXAMPLE, ["--output_dir", str(folders[CAPPED]), "--name", NAME, "--steps", "3",
-                           "--max_batch_bytes", "10000"]))
-    for name in (BF16, HF, *HF_COPIES, "plain_1rank", "hf_1rank", "internal"):
+    jobs.append((EXAMPLE, ["--output_dir", str(folders[CAPPED]), "--name", NAME, "--steps", "4",
+                           "--max_batch_bytes", "15000"]))  # 6144 bytes a step: steps 0 and 1 saved
+    for name in (BF16, HF, *HF_COPIES, "plain_1rank", "plain_copy", "hf_1rank", "hf_small", "internal"):
         folders[name] = root / name
     jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[HF]), "--steps", str(STEPS),
                               "--dump_step", str(HF_DUMP_STEP)]))
@@ -145,25 +157,33 @@ def runs(tmp_path_factory):
     for name in ("hf_num_items", "hf_twice"):  # 3 steps: they FAIL at step 0 and 1
         jobs.append((hf_copies[name], ["--output_dir", str(folders[name]), "--steps", "3",
                                        *(["--dump_step", "0"] if name == "hf_num_items" else [])]))
-    jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16"]))
+    jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16", *HF_SHAPES]))
     jobs.append((hf_copies["hf_num_items"], ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16",
-                                             "--name", "hf_bug"]))
+                                             *HF_SHAPES, "--name", "hf_bug"]))
     for name in ("hf_deepspeed", "hf_deepspeed_world"):  # last: the second resets accelerate's state
         folders[name].mkdir()
         jobs.append((hf_copies[name], ["--output_dir", str(folders[name]), "--steps", "1"],
                      str(folders[name] / "stderr.txt")))
     start_processes(_record_rank, (2, free_port(), jobs), 2)
-    one = [(EXAMPLE, ["--output_dir", str(folders["plain_1rank"]), "--name", NAME, "--steps", str(STEPS)]),
+    one = [(EXAMPLE, ["--output_dir", "plain_1rank", "--name", NAME, "--steps", str(STEPS),  # relative to the cwd
+                      "--batch_size", "4", "--grad_accum_steps", "4"]),  # 4 micro-batches of one row
            (HF_EXAMPLE, ["--output_dir", str(folders["hf_1rank"]), "--name", "hf_1rank", "--steps", str(STEPS),
-                         "--grad_accum_steps", "4"])]
-    start_processes(_record_rank, (1, free_port(), one), 1)
+                         "--grad_accum_steps", "4"]),
+           (HF_EXAMPLE, ["--output_dir", str(folders["hf_small"]), "--steps", "4", "--rows", "5",
+                         "--dynamic_padding"])]  # windows of 2 + 2 rows, then of 1 (drop_last off)
+    start_processes(_record_rank, (1, free_port(), one, str(root)), 1)
+    shutil.copytree(folders["plain_1rank"], folders["plain_copy"])  # a copied record folder replays too
 
     two = [_replay(folders, root, name, NAME, 2) for name in COPIES]
     two += [_replay(folders, root, name, HF, 2) for name in (HF, "hf_num_items", "hf_twice", BF16)]
-    two.append(_replay(folders, root, BF16, HF, 2, noise_reference=True, precision="fp32"))
+    two += [_replay(folders, root, BF16, HF, 2, noise_reference=True, precision="fp32"),
+            _replay(folders, root, "plain_1rank", NAME, 2, noise_reference=True),
+            _replay(folders, root, "plain_copy", NAME, 2), _replay(folders, root, CAPPED, NAME, 2)]
     groups = [two, [_replay(folders, root, "plain_1rank", NAME, 1), _replay(folders, root, "hf_1rank", "hf_1rank", 1),
-                    _replay(folders, root, BF16, HF, 1, noise_reference=True)],
-              [_replay(folders, root, BF16, HF, 4, noise_reference=True)]]
+                    _replay(folders, root, BF16, HF, 1, noise_reference=True),
+                    _replay(folders, root, "hf_small", HF, 1)],
+              [_replay(folders, root, BF16, HF, 4, noise_reference=True),
+               _replay(folders, root, "plain_1rank", NAME, 4, noise_reference=True)]]
     for planned in groups:
         launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
     dumps = [(_replay(folders, root, HF, HF, 2), HF_DUMP_STEP), (_replay(folders, root, "hf_num_items", HF, 2), 0)]
@@ -196,7 +216,9 @@ def test_clean_loop_replays_to_the_record_and_passes(runs, tmp_path):
     recorded, replay = _record(runs["clean"]), _record(runs["clean"], "ddp")
     assert recorded["config"]["source"] == "recorder" and recorded["complete"]
     assert recorded["config"]["grad_accum_steps"] == 2 and recorded["config"]["dp_size"] == 2
-    assert recorded["config"]["batches"]["micro_batches"] == [[2, 2], [2, 2]]
+    assert [s["micro_batches"] for s in recorded["steps"]] == [[[2, 2], [2, 2]]] * 2 + [[[1], [1]]] + \
+        [[[2, 2], [2, 2]]] * 2 + [[[1], [1]]]  # the epoch's partial window: one micro-batch of one row a rank
+    assert series(recorded, "rows") == [8, 8, 2, 8, 8, 2] and recorded["config"]["stopped"] is None
     assert recorded["config"]["grad_norm_source"] == "recorder"
     groups = recorded["config"]["optimizer"]["groups"]
     assert recorded["config"]["optimizer"]["type"] == "AdamW" and [g["weight_decay"] for g in groups] == [0.01, 0.0]
@@ -224,6 +246,14 @@ def test_seeded_loss_bug_fails_at_its_first_step(runs, bug):
     assert abs(recorded["steps"][0]["loss"] - replay["steps"][0]["loss"]) <= 1e-6 * replay["steps"][0]["loss"]
     outside = first_fail(runs[bug], 0, "grad_norm")
     assert outside.rel_diff > 1e-3
+
+
+def test_a_partial_window_divided_by_the_full_accumulation_fails_at_that_step(runs):
+    """The epoch's last window holds one micro-batch, the copy divides it by the full accumulation count (2): its
+    gradient is halved there and only there — every full window PASSes, step 2 FAILs on the grad norm at half the
+    replay's."""
+    outside = first_fail(runs["partial_window"], PARTIAL_STEP, "grad_norm")
+    assert abs(outside.value / outside.reference - 0.5) < 1e-3
 
 
 def first_fail(folder, step: int, quantity: str):
@@ -260,8 +290,12 @@ def _train_ddp(argv, capsys) -> tuple[int, list[str]]:
 
 
 def _edited_record(runs, tmp_path, edit) -> str:
-    """A copy of the clean record, edited."""
+    """A copy of the clean record elsewhere, naming the clean record's files where they are, edited."""
     data = _record(runs["clean"])
+    config = data["config"]
+    config["model_name"], config["init_weights_path"], config["batches"]["folder"] = (
+        str(runs["clean"] / named) for named in (config["model_name"], config["init_weights_path"],
+                                                  config["batches"]["folder"]))
     edit(data)
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"loss_{NAME}.json"
@@ -282,7 +316,7 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
     empty.mkdir()
 
     def without_batches(data):
-        data["config"]["batches"]["folder"] = str(empty)
+        data["config"]["batches"]["folder"] = str(empty)  # an absolute folder: named as it is
 
     def sgd(data):
         data["config"]["optimizer"]["type"] = "SGD"
@@ -302,10 +336,7 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
         ([*out, "--dump_step", "0"], "error: --dump_step needs --replay_record"),
         ([*out, "--replay_record", _edited_record(runs, tmp_path / "a", without_batches)],
          f"error: --replay_record loss_{NAME}.json: step 0's batch {empty}/step_000000.safetensors is missing: "
-         f"record again"),
-        ([*out, "--replay_record", str(runs[CAPPED] / f"loss_{NAME}.json")],
-         f"error: --replay_record loss_{NAME}.json: not replayable: the batches passed max_batch_bytes (10000 bytes) "
-         f"at step 1: no more batches are saved"),
+         f"copy the record's whole folder (recorded_*/ beside it) or record again"),
         ([*out, "--replay_record", record, "--learning_rate", "1e-4"],
          "error: --learning_rate contradicts --replay_record: the record supplies the model, weights, data, "
          "optimizer, lr, micro-batches, precision and steps; beside it give only --num_workers, --device, the output "
@@ -315,8 +346,8 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
          f"error: --replay_record loss_{NAME}.json: the recorded optimizer is SGD: the replay builds AdamW and Adam "
          f"only"),
         ([*out, "--replay_record", record, "--num_workers", "3"],
-         "error: --num_workers 3: the record's global batch of 8 rows in 2 micro-batches per rank does not split "
-         "evenly over 3 workers: use a number of workers that divides 4"),
+         f"error: --num_workers 3: step {PARTIAL_STEP} of loss_{NAME}.json holds 2 rows, fewer than 3 workers: use at "
+         f"most 2 workers"),
         ([*out, "--replay_record", str(runs["clean"] / "loss_ddp.json")],
          "error: --replay_record loss_ddp.json: not a record of parity's recorder (a harness run's record is compared "
          "with plot_loss_curves.py, not replayed)"),
@@ -327,15 +358,17 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_mask_that_is_not_right_padding_is_refused(runs, tmp_path, capsys):
-    """Left padding: the harness feeds no masks, so a replay of it would train another function: refused."""
+def test_a_mask_with_holes_is_refused(runs, tmp_path, capsys):
+    """A row masked in two runs of ones (packed documents masked apart): the replay feeds right or left padding only,
+    so a replay of it would train another function: refused in one line, before any worker."""
     from safetensors.torch import load, save
 
     batches = tmp_path / "batches"
-    shutil.copytree(_record(runs["clean"])["config"]["batches"]["folder"], batches)
+    shutil.copytree(runs["clean"] / _record(runs["clean"])["config"]["batches"]["folder"], batches)
     step0 = batches / "step_000000.safetensors"
     tensors = load(step0.read_bytes())
-    tensors["attention_mask"] = tensors["attention_mask"].flip(1).contiguous()
+    tensors["attention_mask"][0, 1] = 0
+    tensors["labels"][0, 1] = -100
     step0.write_bytes(save(tensors))
 
     def moved(data):
@@ -345,8 +378,8 @@ def test_a_mask_that_is_not_right_padding_is_refused(runs, tmp_path, capsys):
             "--storage_path", str(tmp_path / "ck")]
     code, lines = _train_ddp(argv, capsys)
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith(f"error: --replay_record loss_{NAME}.json: step 0, row 0: the attention mask is not "
-                               f"right padding (1…1 0…0)"), lines
+    assert lines[0] == (f"error: --replay_record loss_{NAME}.json: step 0, row 0: the attention mask has holes (more "
+                        f"than one run of ones): the replay feeds right or left padding only"), lines
 
 
 def test_a_strategy_name_is_refused_in_one_line(tmp_path):
@@ -375,7 +408,7 @@ def test_hf_trainer_replays_to_the_record_and_passes(runs):
     assert recorded["config"]["framework"] == "transformers.Trainer"
     assert recorded["config"]["grad_norm_source"] == "recorder"
     assert {s["grad_norm_source"] for s in recorded["steps"]} == {"recorder"}
-    assert recorded["config"]["batches"]["micro_batches"] == [[2, 2], [2, 2]]
+    assert [s["micro_batches"] for s in recorded["steps"]] == [[[2, 2], [2, 2]]] * STEPS
     assert [g["weight_decay"] for g in recorded["config"]["optimizer"]["groups"]] == [0.01, 0.0]
     assert series(recorded, "lr")[0] == 0.0 and len(set(series(recorded, "lr"))) > 2  # Trainer's warm-up and decay
     assert series(recorded, "declared_lr") == series(recorded, "lr")  # the schedule Trainer's settings declare
@@ -391,8 +424,8 @@ def test_hf_trainer_replays_to_the_record_and_passes(runs):
 
 
 def test_a_recorder_failure_never_stops_the_training(tmp_path):
-    """A step fed without its micro-batches: the recorder says so in one line, records nothing more, and the user's
-    loop goes on (one rank, a group of one in this process)."""
+    """A step fed without its micro-batches: the recorder says so in one line, its record stops there (holding the
+    steps before it, complete), and the user's loop goes on (one rank, a group of one in this process)."""
     import torch.distributed as dist
 
     from parity.integrations.recorder import ParityRecorder
@@ -415,10 +448,12 @@ def test_a_recorder_failure_never_stops_the_training(tmp_path):
             optimizer.zero_grad()
             rec.after_step()
         assert not rec.enabled and rec.step == 1 and optimizer.state[model.weight]["step"] == 3
-        failed = [line for line in lines if "failed" in line]
-        assert failed == ["parity recorder [mine]: failed (RuntimeError: rank 0: no micro-batch: call micro_batch() "
-                          "for each one the step fed): recording nothing more; the training goes on"], lines
-        assert rec.close() is None
+        assert lines[-1] == ("parity recorder [mine]: step 1 could not be recorded (rank 0: no micro-batch: call "
+                             "micro_batch() for each one the step fed): the record stops at step 1; step 0 is replayed "
+                             "and judged; the training goes on"), lines
+        path = rec.close()
+        record = json.loads(open(path).read())
+        assert record["complete"] and len(record["steps"]) == 1 and record["config"]["stopped"]["step"] == 1
     finally:
         dist.destroy_process_group()
 
@@ -500,15 +535,50 @@ def compare_in(folder):
 
 
 def test_one_rank_runs_replay_and_pass(runs):
-    """The plain loop and Trainer (4 accumulation steps) at 1 rank (a group of one), replayed at 1 worker: loss, grad
-    norm and parameter norm within 1e-5 at every step; PASS."""
-    for folder, name in ((runs["plain_1rank"], NAME), (runs["hf_1rank"], "hf_1rank")):
+    """At 1 rank (a group of one), replayed at 1 worker: the plain loop in 4 micro-batches of one row, Trainer in 4
+    accumulation steps, Trainer with drop_last off on 5 rows (a smaller last batch: steps of 4, 1, 4, 1 rows) — loss,
+    grad norm and parameter norm within 1e-5 at every step; PASS."""
+    for folder, name in ((runs["plain_1rank"], NAME), (runs["hf_1rank"], "hf_1rank"), (runs["hf_small"], HF)):
         recorded, replay = _record(folder, name), _record(folder, "ddp")
         assert recorded["config"]["dp_size"] == 1
         for key in ("loss", "grad_norm", "param_norm"):
             assert max_rel_diff(series(replay, key), series(recorded, key)) < 1e-5, (name, key)
         assert _compare(folder).word == "PASS", name
-    assert _record(runs["hf_1rank"], "hf_1rank")["config"]["batches"]["micro_batches"] == [[2, 2, 2, 2]]
+    assert _record(runs["hf_1rank"], "hf_1rank")["steps"][0]["micro_batches"] == [[2, 2, 2, 2]]
+    assert series(_record(runs["hf_small"], HF), "rows") == [4, 1, 4, 1]
+
+
+def test_a_one_rank_record_replays_at_1_2_and_4_workers_from_a_relative_and_a_copied_folder(runs):
+    """The plain loop at 1 rank, 4 micro-batches of one row a step, recorded with a relative --output_dir: its
+    record names its files relative to itself (a moved or copied folder replays) and its 4 rows a step split over 1,
+    2 or 4 workers (the replay's micro-batches hold one row, as the run's). Replayed from the test's own cwd at 1
+    worker (the baseline), 2 and 4 (noise references: the verdict is calibrated), and from a copy of the folder at 2:
+    every replay within 1e-5 of the record; PASS, calibrated."""
+    recorded = _record(runs["plain_1rank"])
+    config = recorded["config"]
+    assert (config["model_name"], config["init_weights_path"], config["batches"]["folder"]) == (
+        "recorded_plain_loop", "recorded_plain_loop/init_weights.safetensors", "recorded_plain_loop/batches")
+    assert recorded["steps"][0]["micro_batches"] == [[1, 1, 1, 1]]
+    replays = [_record(runs["plain_1rank"], "ddp"), _record(runs["plain_copy"], "ddp"),
+               *(json.loads(p.read_text()) for p in sorted(runs["plain_1rank"].glob("noise_reference_*.json")))]
+    assert sorted(r["config"]["num_workers"] for r in replays) == [1, 2, 2, 4]
+    for replay in replays:
+        for key in ("loss", "grad_norm", "param_norm"):
+            assert max_rel_diff(series(replay, key), series(recorded, key)) < 1e-5, (replay["config"]["num_workers"], key)
+        assert series(replay, "batch_hash") == series(recorded, "batch_hash")
+    comparison = compare_in(runs["plain_1rank"])
+    assert comparison.word == "PASS" and _only(comparison).bounds.calibrated
+    assert _compare(runs["plain_copy"]).word == "PASS"
+
+
+def test_a_record_past_its_batch_cap_stops_there_and_its_steps_before_are_judged(runs):
+    """The batch cap passed at step 2 (6144 bytes a step, cap 15000): the record stops there in one line — it holds
+    steps 0 and 1, and says where and why — the replay trains those two, and they PASS."""
+    recorded, replay = _record(runs[CAPPED]), _record(runs[CAPPED], "ddp")
+    assert recorded["complete"] and len(recorded["steps"]) == len(replay["steps"]) == 2
+    assert recorded["config"]["stopped"] == {
+        "step": 2, "why": "the batches passed max_batch_bytes (15000 bytes) at step 2: no more are saved"}
+    assert _compare(runs[CAPPED]).word == "PASS"
 
 
 def test_trainer_two_ranks_against_one_rank_twice_the_accumulation(runs):
@@ -574,7 +644,8 @@ def test_a_model_that_is_not_hugging_faces_is_refused_at_replay(tmp_path, capsys
     finally:
         dist.destroy_process_group()
     config = json.loads(open(path).read())["config"]
-    assert config["hugging_face_model"] is False and config["batches"]["replayable"] is False
+    assert config["hugging_face_model"] is False and config["not_replayable"] == "the model (Linear) is not a " \
+        "Hugging Face model"
     code, lines = _train_ddp(["--replay_record", path, "--loss_output_dir", str(tmp_path / "out"),
                               "--storage_path", str(tmp_path / "ck")], capsys)
     assert code == 2 and lines == ["error: --replay_record loss_mine.json: the recorded model is not a Hugging Face "

@@ -106,7 +106,7 @@ def test_clean_run_replays_to_the_record_and_passes(runs, name):
     recorded, replay = _record(runs[name], record_name), _record(runs[name], "ddp")
     config = recorded["config"]
     assert recorded["complete"] and config["source"] == "recorder" and len(recorded["steps"]) == STEPS
-    assert config["batches"]["micro_batches"] == [[2, 2]] * ranks  # 2 rows a micro-batch, 2 micro-batches, padded
+    assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * ranks  # 2 rows a micro-batch, 2 micro-batches, padded
     assert len(set(series(recorded, "tokens"))) > 1
     framework = config["fingerprint"]["framework"]
     if example == LIGHTNING:

@@ -77,7 +77,7 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
     assert config["sharding"]["kind"] == (shard[:5] if fsdp else f"deepspeed {shard}")
     assert config["sharding"]["zero_stage"] == (3 if fsdp else int(shard[-1]))
     assert (config["dp_size"], config["tp_size"]) == (dp, 2 // dp)
-    assert config["batches"]["micro_batches"] == [[2, 2]] * dp
+    assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * dp
     assert config["grad_norm_source"] == ("recorder" if fsdp else "framework")
     assert [g["weight_decay"] for g in config["optimizer"]["groups"]] == [0.01, 0.0]
     assert replay["config"]["optimizer"] == config["optimizer"]

@@ -466,8 +466,8 @@ class ParityRecorder:
         replayed and judged; the training goes on, and every rank stops recording at the next step's exchange."""
         if self.stop is None or step < self.stop[0]:
             self.stop = (step, why)
-            self._line(f"{why}: the record stops at step {step}; steps 0…{step - 1} are replayed and judged; the "
-                       f"training goes on")
+            judged = "no step is" if step == 0 else "step 0 is" if step == 1 else f"steps 0…{step - 1} are"
+            self._line(f"{why}: the record stops at step {step}; {judged} replayed and judged; the training goes on")
 
     def _apply_stop(self) -> None:
         step, why = self.stop

@@ -60,7 +60,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
         fewest = min(rows)
         raise ConfigError(f"--num_workers {workers}: step {rows.index(fewest)} of {storage.name(record_file)} holds "
                           f"{fewest} row{'s' if fewest > 1 else ''}, fewer than {workers} workers: use at most "
-                          f"{fewest} workers")
+                          f"{fewest} worker{'s' if fewest > 1 else ''}")
     length = check_batches(record_file, folder, steps)
     _check_model(record_file, model_folder)
     _check_weights(record_file, weights, model_folder)
