@@ -13,6 +13,7 @@ from parity.comparing import teacher_forced
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
+from parity.comparing.verdict import EXACT_MARGIN
 from parity.precision import describe
 from parity.registry import label
 
@@ -101,15 +102,17 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
                 f"for scale, max relative diff {worst}"]
     if r.noise_ratios:
         ratios = ", ".join(f"{NOUNS[q]} {x:.1f}" for q, x in r.noise_ratios.items())
-        lines = [f"deviation ÷ noise {r.noise_ratio:.1f} ({ratios}); tolerance {NOISE_K} × noise, margin "
-                 f"{NOISE_K / r.noise_ratio:.1f}×; max relative diff {worst}"]
+        margin = EXACT_MARGIN if r.bit_identical else f"margin {NOISE_K / r.noise_ratio:.1f}×"
+        lines = [f"deviation ÷ noise {r.noise_ratio:.1f} ({ratios}); tolerance {NOISE_K} × noise, {margin}; max "
+                 f"relative diff {worst}"]
         if r.fp32_distance_ratios:
             far = ", ".join(f"{NOUNS[q]} {x:.1f}×" for q, x in r.fp32_distance_ratios.items())
             lines.append(f"how far {r.run.precision} moved it from the fp32 baseline, as a multiple of how far it moved "
                          f"{base}: {far}")
     else:
         bounds = ", ".join(f"{b[0]:g} ({NOUNS[q]})" for q, b in r.bounds.per_step.items())
-        lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"]
+        lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"
+                 + (f"; {EXACT_MARGIN}" if r.bit_identical else "")]
     if v.parting is not None:
         lines.append(f"{v.parting.line()}: its ranks no longer hold one model — FAIL before any tolerance")
         if f is None:
@@ -242,6 +245,7 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         v = r.verdict
         outside = first_failure(r)
         ratio = f"{r.noise_ratio:.1f} (of {NOISE_K})" if r.noise_ratio is not None else "uncalibrated"
+        ratio += f"; {EXACT_MARGIN}" if r.bit_identical else ""
         worst = " / ".join(f"{v.max_rel_diff[q]:.3e}" for q, _, _ in judged_curves(c))
         out.append(f"| {r.run.label} | {v.word} | {ratio} | {worst} | {outside} |")
         if routing_line(r):

@@ -184,6 +184,11 @@ class CurveResult:
         """The worst curve's deviation ÷ noise; the run FAILs the per-step test beyond NOISE_K."""
         return max(self.noise_ratios.values()) if self.noise_ratios else None
 
+    @property
+    def bit_identical(self) -> bool:
+        """Every judged curve equals the baseline's at every compared step (a NaN equals nothing)."""
+        return all(d.max_abs == 0 for d in self.diffs.values())
+
 
 @dataclass(frozen=True)
 class Comparison:
@@ -233,6 +238,7 @@ class Comparison:
                 "replicas_parted": r.verdict.parting.to_dict() if r.verdict.parting else None,
                 "calibrated": r.bounds.calibrated,
                 "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
+                "bit_identical": r.bit_identical,
                 "fp32_distance_ratio": r.fp32_distance_ratios,
                 "config_differences": r.config_differences, "routing": r.routing,
                 "bounds": r.bounds.per_step,  # each curve's bound at every step (the report page's bands)

@@ -22,6 +22,7 @@ from importlib import resources
 
 from parity import storage
 from parity.comparing.html_charts import curve_panels
+from parity.comparing.verdict import EXACT_MARGIN
 from parity.registry import label, run_label
 
 PAGE_NAME = "report.html"
@@ -308,6 +309,7 @@ def runs_table(saved: dict, directory: str, quantities: list[str]) -> str:
             ratio = "<br>".join(f"{escape(NOUNS.get(q, q))} {ratios[q]:.1f}" for q in quantities if q in ratios)
         else:
             ratio = "uncalibrated"
+        ratio += f"<br>{escape(EXACT_MARGIN)}" if a.get("bit_identical") else ""
         worst = "<br>".join(f"{escape(NOUNS.get(q, q))} {a['max_rel_diff'][q]:.3e}" for q in quantities
                             if q in a["max_rel_diff"])
         rows.append([escape(run["label"]), _word(a["verdict"]), ratio, worst,

@@ -1,0 +1,122 @@
+"""What plot_loss_curves.py reports of a recorded run (your own trainer: parity/integrations/recorder.py) against its
+replay (train_ddp.py --replay_record) or against another recorded run of the same script, on hand-made records (no
+training): a bit-exact replay, the config fields a FAIL lists, the fingerprint line, a record that stopped early, a
+run that resumed from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parity.commands.compare_curves import compare_and_report
+from parity.training.record import LossRecord, record_path
+
+SHA = "5" * 64
+EMPTY_SHA = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # the sha256 of nothing
+SCRIPT_SHA = "c" * 64
+MODEL = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 2048,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+OPTIMIZER = {"type": "AdamW", "groups": [
+    {"params": ["model.embed_tokens.weight"], "lr_scale": 1.0, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8},
+    {"params": ["model.norm.weight"], "lr_scale": 1.0, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}]}
+LRS = [1e-4, 2e-4, 3e-4, 3e-4, 3e-4]
+LOSSES = [10.0, 8.0, 6.0, 5.0, 4.0]
+SHARED = {"shared_code_sha256": "a" * 64, "versions": {"python": "3.11.7", "torch": "2.13.0"}, "device": "a test CPU",
+          "model_type": "qwen2"}
+FRAMEWORK = {"name": "lightning", "versions": {"lightning": "2.6.6", "transformers": "5.23.0"}, "script": "train_lm.py",
+             "script_sha256": SCRIPT_SHA}
+BATCHES = "/runs/recorded_{name}/batches"
+
+
+def recorded_config(name: str, **changes) -> dict:
+    """A recorder's config, shaped as examples/plain_loop.py's record (2 ranks, 2 micro-batches of 2 rows each)."""
+    return {"source": "recorder", "framework": "lightning", "strategy": name, "strategy_path": None,
+            "model_name": f"/runs/recorded_{name}", "model_type": "qwen2", "hugging_face_model": True, "tp_size": 1,
+            "pp_size": 1, "ep_size": 1, "dp_size": 2, "sharding": {"kind": "data parallel", "zero_stage": 0},
+            "num_workers": 2, "world_size": 2, "batch_size": 4, "global_batch_size": 8, "grad_accum_steps": 2,
+            "seq_length": 32, "precision": "fp32", "reduce_dtype": "fp32", "grad_accum_dtype": "fp32",
+            "loss_scaling": None, "total_steps": len(LOSSES), "init_weights_sha256": SHA,
+            "init_weights_path": f"/runs/recorded_{name}/init_weights.safetensors", "model_config": dict(MODEL),
+            "learning_rate": 3e-4, "max_grad_norm": 1.0, "weight_decay": 0.01, "adam_beta1": 0.9,
+            "adam_beta2": 0.999, "adam_epsilon": 1e-8, "optimizer": OPTIMIZER, "grad_norm_source": "recorder",
+            "loss_source": "recorder", "batches": {"folder": BATCHES.format(name=name), "max_bytes": 1 << 30,
+                                                   "saved_steps": len(LOSSES), "replayable": True,
+                                                   "not_replayable": None, "micro_batches": [[2, 2], [2, 2]]},
+            "device_type": "cpu", "device_name": "x86_64", "backend": "nccl",
+            "fingerprint": {**SHARED, "strategy_code": {"sha256": EMPTY_SHA, "files": []}, "framework": FRAMEWORK},
+            **changes}
+
+
+def replay_config(of: str, **changes) -> dict:
+    """train_ddp.py --replay_record's config of the record `of`: what the replay takes from it, and the harness's own
+    fields beside (seed, dataset, schedule, places ...), shaped as a real replay's."""
+    recorded = recorded_config(of)
+    taken = {k: recorded[k] for k in ("model_name", "precision", "reduce_dtype", "grad_accum_dtype", "loss_scaling",
+                                      "init_weights_sha256", "init_weights_path", "model_config", "max_grad_norm",
+                                      "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optimizer",
+                                      "total_steps", "device_type", "device_name")}
+    return {**taken, "strategy": "ddp", "strategy_class": None, "strategy_path": "ddp_strategy:DDPStrategy",
+            "num_layers": None, "num_workers": 2, "tp_size": 1, "dp_size": 2, "pp_size": 1, "ep_size": 1,
+            "device": "cpu", "cpus_per_worker": 1.0, "batch_size": 4, "seq_length": 32, "grad_accum_steps": 2,
+            "activation_checkpointing": False, "compile": False, "num_epochs": 1, "debug_steps": len(LOSSES),
+            "learning_rate": max(LRS), "warmup_steps": 0, "seed": 42, "dataset": "recorded:" + BATCHES.format(name=of),
+            "num_samples": 10000, "tokenizer": f"/runs/recorded_{of}", "log_interval": 10,
+            "replica_check_interval": 1, "loss_output_dir": "/runs", "report_to": [], "storage_path": "/runs/ck",
+            "experiment_name": "ddp_tp1_dp2", "save_init_weights": False, "final_checkpoint_dir": "/runs/ck/final",
+            "noise_reference": False, "checkpoint_interval": 0, "keep_checkpoints": 2, "resume": False,
+            "max_failures": 1, "verbose": False, "options": {}, "lr_schedule": LRS, "no_teacher_forced": False,
+            "world_size": 2, "global_batch_size": 8, "worker_nodes": ["n0", "n0"], "steps_per_epoch": len(LOSSES),
+            "dataset_description": f"the global batches of loss_{of}.json", "backend": "gloo",
+            "memory_metric": "process_max_rss_since_run_start",
+            "fingerprint": {**SHARED, "strategy_code": {"sha256": "b" * 64, "files": ["ddp_strategy.py"]}}, **changes}
+
+
+def write(folder, name: str, config: dict, losses=LOSSES, step_fields=None, path=None) -> str:
+    """A record written by the harness's own writer: the given losses, every other curve flat, step i's rows hashed
+    `i` (recorded runs carry the order-free rows_hash too); `step_fields` maps step → fields to override."""
+    record = LossRecord(path or record_path(str(folder), name), name, config)
+    record.declare_replicas({"declared": True, "interval": 1, "groups": 78})
+    recorded = config.get("source") == "recorder"
+    for step, loss in enumerate(losses):
+        fields = {"step": step, "loss": loss, "dp_rank_losses": [loss, loss], "grad_norm": 2.0, "param_norm": 20.0,
+                  "lr": LRS[step], "tokens": 512, "batch_hash": f"{step:016x}", "step_time_s": 0.01,
+                  "peak_memory_bytes": 1 << 20, "replicas": {"checked": 78, "parted": 0},
+                  **({"rows_hash": f"rows{step}"} if recorded else {})}
+        record.append(**{**fields, **(step_fields or {}).get(step, {})})
+    record.finish(eval_loss_last_batch=losses[-1], eval_batch_step=len(losses) - 1, checkpoint_dir="/nowhere")
+    return record.path
+
+
+def report(folder, capsys, baseline: str = "ddp") -> tuple[int, str, str, str]:
+    """(exit code, terminal output, curve_report.md, report.html) of plot_loss_curves.py on `folder`."""
+    code = compare_and_report(str(folder), str(folder / "out" / "curves.png"), baseline)
+    out = capsys.readouterr().out
+    return code, out, (folder / "out" / "curve_report.md").read_text(), (folder / "out" / "report.html").read_text()
+
+
+def line_of(text: str, start: str) -> str:
+    """The first line of `text` that starts with `start` once stripped."""
+    return next(line for line in text.splitlines() if line.strip().startswith(start))
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_a_bit_exact_replay_passes_with_its_margin_exact(tmp_path, capsys, calibrated):
+    """The recorded run equals its replay bit for bit: PASS, exit 0, no division by its deviation of 0; the margin reads
+    exact in the terminal, curve_report.md and report.html, calibrated (deviation ÷ noise 0.0) or not (max relative
+    diff 0)."""
+    write(tmp_path, "my_run", recorded_config("my_run"))
+    write(tmp_path, "ddp", replay_config("my_run"))
+    if calibrated:
+        write(tmp_path, "ddp", replay_config("my_run", noise_reference=True, num_workers=1, dp_size=1, batch_size=8),
+              [10.0, 8.001, 6.0, 5.0, 4.0], path=str(tmp_path / "noise_reference_ddp_tp1_dp1_fp32.json"))
+    code, out, md, html = report(tmp_path, capsys)
+    assert code == 0
+    details = line_of(out, "deviation ÷ noise" if calibrated else "rtol")
+    assert "margin: exact (bit-identical)" in details
+    assert "max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm 0.000e+00" in details
+    assert ("deviation ÷ noise 0.0 " in details) == calibrated
+    assert "margin: exact (bit-identical)" in line_of(md, "| my_run")
+    assert "margin: exact (bit-identical)" in html
+    saved = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())["against_baseline"]["my_run"]
+    assert saved["bit_identical"] is True and saved["margin"] is None
