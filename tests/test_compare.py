@@ -198,7 +198,7 @@ several ranks each.
 DeepSpeed (TP=2, DP=2): PASS
   rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, deepspeed \
 fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm \
-0.000e+00
+0.000e+00; margin: exact (bit-identical)
   replicas: bit-identical at each of 5 checks (every step) of the 62 tensors held by several ranks each
 FSDP (TP=2, DP=2): FAIL
   rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); \
@@ -302,7 +302,7 @@ def test_command_line_script(tmp_path):
     assert passing.returncode == 0
     assert "FSDP (TP=2, DP=2): PASS\n  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 " \
            "table (ddp fp32, fsdp fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, " \
-           "grad norm 0.000e+00, param norm 0.000e+00\n" in passing.stdout
+           "grad norm 0.000e+00, param norm 0.000e+00; margin: exact (bit-identical)\n" in passing.stdout
     bad = subprocess.run(args[:2] + ["--input_dir", str(tmp_path / "none"), "--output", "x.png"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert (bad.returncode, bad.stdout) == (2, "")
@@ -333,7 +333,8 @@ def test_replicas_that_part_fail_ahead_of_the_curves_in_one_line(tmp_path, capsy
     assert code == 1
     assert ("FSDP (TP=2, DP=2): FAIL\n"
             "  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); "
-            "uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm 0.000e+00\n"
+            "uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm 0.000e+00; "
+            "margin: exact (bit-identical)\n"
             "  replicas part at step 3: model.norm.weight differs between ranks 0, 2 and ranks 1, 3 (max |difference| "
             "1.500e-07; 2 more tensors parted): its ranks no longer hold one model — FAIL before any tolerance\n"
             "  curves alone: within their bounds at every step\n"
@@ -345,8 +346,8 @@ def test_replicas_that_part_fail_ahead_of_the_curves_in_one_line(tmp_path, capsy
         "step": 3, "name": "model.norm.weight", "what": "parameter", "ranks": [[0, 2], [1, 3]], "max_abs_diff": 1.5e-7,
         "parted": 3}
     assert result["runs"]["fsdp"]["replica_checks"] == {"declared": True, "interval": 1, "groups": 36, "checks": 5}
-    assert "| FSDP (TP=2, DP=2) | FAIL | uncalibrated | 0.000e+00 / 0.000e+00 / 0.000e+00 | replicas part at step 3: " \
-           "model.norm.weight |" in (tmp_path / "out" / "curve_report.md").read_text()
+    assert "| FSDP (TP=2, DP=2) | FAIL | uncalibrated; margin: exact (bit-identical) | 0.000e+00 / 0.000e+00 / 0.000e+00 " \
+           "| replicas part at step 3: model.norm.weight |" in (tmp_path / "out" / "curve_report.md").read_text()
     # a moment first, held by three groups of ranks, one without a size in common: no difference to measure
     write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD, step_fields={1: {"replicas": {**PARTED, "parted": 1,
                                                                                      "tensors": PARTED["tensors"][1:]}}})
