@@ -18,7 +18,8 @@ SCRIPT_SHA = "c" * 64
 MODEL = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 2048,
          "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
 OPTIMIZER = {"type": "AdamW", "groups": [
-    {"params": ["model.embed_tokens.weight"], "lr_scale": 1.0, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8},
+    {"params": ["model.embed_tokens.weight"], "lr_scale": 1.0, "weight_decay": 0.01, "betas": [0.9, 0.999],
+     "eps": 1e-8},
     {"params": ["model.norm.weight"], "lr_scale": 1.0, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}]}
 LRS = [1e-4, 2e-4, 3e-4, 3e-4, 3e-4]
 LOSSES = [10.0, 8.0, 6.0, 5.0, 4.0]
@@ -120,3 +121,38 @@ def test_a_bit_exact_replay_passes_with_its_margin_exact(tmp_path, capsys, calib
     assert "margin: exact (bit-identical)" in html
     saved = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())["against_baseline"]["my_run"]
     assert saved["bit_identical"] is True and saved["margin"] is None
+
+
+def test_a_replays_differences_are_what_it_takes_from_the_record(tmp_path, capsys):
+    """A recorded run FAILs against its replay at step 2; the replay's model_name is not the record's (a field it
+    takes): 'differs from the baseline in:' lists that field alone, in the terminal, the JSON, the md and the page —
+    none of the fields in which every recorded run differs from its replay by design."""
+    write(tmp_path, "my_run", recorded_config("my_run"), [10.0, 8.0, 6.5, 5.0, 4.0])
+    write(tmp_path, "ddp", replay_config("my_run", model_name="/elsewhere/recorded_my_run"))
+    code, out, md, html = report(tmp_path, capsys)
+    assert code == 1
+    moved = "model_name: /elsewhere/recorded_my_run vs /runs/recorded_my_run"
+    line = line_of(out, "differs from the baseline in:")
+    assert line.strip() == f"differs from the baseline in: {moved}"
+    saved = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())["against_baseline"]["my_run"]
+    assert saved["config_differences"] == [moved]
+    for by_design in ("backend", "seed", "num_samples", "dataset", "strategy_path", "lr_schedule", "framework",
+                      "sharding", "batches", "learning_rate", "source", "debug_steps"):
+        assert f"{by_design}:" not in line and f"`{by_design}:" not in md and f">{by_design}<" not in html, by_design
+    assert f"`{moved}`" in md
+    assert '<th scope="row">model_name</th>' in html
+
+
+def test_replay_takes_is_what_plan_replay_reads():
+    """REPLAY_TAKES, the one place that says which of a record's config fields a replay takes, is what the replay's
+    code reads of the record's config: a field plan_replay starts (or stops) reading fails here until it is listed."""
+    import ast
+    import inspect
+
+    from parity.integrations import replay
+    from parity.run_config import REPLAY_TAKES
+
+    tree = ast.parse(inspect.getsource(replay.plan_replay))
+    read = {node.slice.value for node in ast.walk(tree) if isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name) and node.value.id == "config" and isinstance(node.slice, ast.Constant)}
+    assert read == set(REPLAY_TAKES)

@@ -149,7 +149,7 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         command = replay_command(c, r)
         if command:
             lines.append(f"replay step {f.step} layer by layer from {base}'s checkpoint: {command}")
-        elif r.run.config.get("source") == "recorder" and f.test not in ("duplicate_rows", "lr_schedule"):
+        elif r.run.recorded and f.test not in ("duplicate_rows", "lr_schedule"):
             lines.append(localise_recorded(r.run.name, f.step))
     routed = routing_line(r)
     return lines + ([routed] if routed else [])
@@ -206,7 +206,7 @@ def replay_command(c: Comparison, r: CurveResult) -> str | None:
     machine (a shared mount on a cluster). Its folder goes beside the records, or under the working
     directory when they are in an object store."""
     f = r.verdict.first_outside
-    if f is None or c.baseline.name != "ddp" or r.run.config.get("source") == "recorder":
+    if f is None or c.baseline.name != "ddp" or r.run.recorded:
         return None  # a recorded run has no checkpoint of the harness's to replay a step from
     base, run = c.baseline.config, r.run.config
     checkpoints = storage.local_path(storage.join(base["storage_path"], base["experiment_name"]))

@@ -34,6 +34,7 @@ from parity import fingerprint, storage
 from parity.comparing import teacher_forced, tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
+from parity.comparing.recorded import is_recorded, is_replay, replay_suspects
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
 from parity.errors import ConfigError, NotComparable
@@ -76,6 +77,11 @@ class Run:
     @property
     def complete(self) -> bool:
         return self.record["complete"]
+
+    @property
+    def recorded(self) -> bool:
+        """A record of parity's recorder (your own trainer), not of the harness's loop."""
+        return is_recorded(self.config)
 
     @property
     def precision(self) -> str:
@@ -453,10 +459,20 @@ def first_outside(series: dict[str, list[float]], baseline: dict[str, list[float
 
 def config_differences(base: Run, run: Run) -> list[str]:
     """'field: baseline's vs run's' for every config field (strategy options and library versions
-    included) that differs, except the layout and the places files go, which differ by design."""
+    included) that differs, among those that may explain a FAIL (suspect_fields)."""
     a, b = _flat(base.config), _flat(run.config)
+    suspects = suspect_fields(base, run)
     return [f"{k}: {a.get(k, '–')} vs {b.get(k, '–')}" for k in sorted(a | b)
-            if k.split(".")[0] not in LAYOUT_AND_PLACES and a.get(k) != b.get(k)]
+            if k.split(".")[0] in suspects and a.get(k) != b.get(k)]
+
+
+def suspect_fields(base: Run, run: Run) -> set[str]:
+    """The config fields whose difference may explain a FAIL: all but the layout and the places files go, which differ
+    by design; a recorded run against its replay, only those the replay takes from the record (replay_suspects)."""
+    fields = set(base.config) | set(run.config)
+    if run.recorded and is_replay(base.config):
+        fields &= replay_suspects(base.config)
+    return fields - set(LAYOUT_AND_PLACES)
 
 
 def _flat(config: dict, prefix: str = "") -> dict:
