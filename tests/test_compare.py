@@ -209,7 +209,7 @@ uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.
   replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
 {folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
 
-Fingerprints (shared code, strategy code, libraries, device):
+Fingerprints (shared code, strategy code or framework and script, libraries, device):
   loss_ddp.json: shared code aaaaaaaaaaaa, strategy code bbbbbbbbbbbb (x_strategy.py); python 3.11.7, torch 2.13.0; \
 a test CPU
   loss_deepspeed.json: shared code aaaaaaaaaaaa, strategy code bbbbbbbbbbbb (x_strategy.py); python 3.11.7, torch \

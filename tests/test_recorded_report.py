@@ -156,3 +156,21 @@ def test_replay_takes_is_what_plan_replay_reads():
     read = {node.slice.value for node in ast.walk(tree) if isinstance(node, ast.Subscript)
             and isinstance(node.value, ast.Name) and node.value.id == "config" and isinstance(node.slice, ast.Constant)}
     assert read == set(REPLAY_TAKES)
+
+
+def test_a_recorded_runs_fingerprint_names_its_framework_and_script(tmp_path, capsys):
+    """A recorded run has no strategy code (its strategy_code is the sha256 of nothing): its fingerprint line names the
+    framework, its versions and the user's script with its sha256 instead, in the terminal, the md and the page."""
+    write(tmp_path, "my_run", recorded_config("my_run"))
+    write(tmp_path, "ddp", replay_config("my_run"))
+    _, out, md, html = report(tmp_path, capsys)
+    own = "framework lightning (lightning 2.6.6, transformers 5.23.0), script train_lm.py cccccccccccc"
+    assert line_of(out, "loss_my_run.json:").strip() == (f"loss_my_run.json: qwen2; shared code aaaaaaaaaaaa, {own}; python "
+                                                         f"3.11.7, torch 2.13.0; a test CPU")
+    assert "strategy code bbbbbbbbbbbb (ddp_strategy.py)" in line_of(out, "loss_ddp.json:")
+    assert EMPTY_SHA[:12] not in out and EMPTY_SHA[:12] not in md and EMPTY_SHA[:12] not in html
+    assert f"| {own} |" in line_of(md, "| loss_my_run.json")
+    for field, shown in (("framework.name", "lightning"), ("framework.versions.lightning", "2.6.6"),
+                         ("framework.script", "train_lm.py"), ("framework.script_sha256", "cccccccccccc…")):
+        row = next(r for r in html.split("<tr>") if f'<th scope="row">{field}</th>' in r)
+        assert f"≠ {shown}</span>" in row, field

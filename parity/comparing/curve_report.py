@@ -60,7 +60,7 @@ def statistics_text(c: Comparison) -> str:
               f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
     for r in c.results:
         lines += [f"{r.run.label}: {r.verdict.word}", *[f"  {line}" for line in verdict_details(c, r)]]
-    lines += ["", "Fingerprints (shared code, strategy code, libraries, device):"]
+    lines += ["", "Fingerprints (shared code, strategy code or framework and script, libraries, device):"]
     lines += [f"  {storage.name(run.file)}: {fingerprint.short(run.fingerprint)}" for run in [*c.runs, *c.references]]
     return "\n".join(lines)
 
@@ -273,12 +273,13 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
             out.append(f"| {run.label} | {check['step']} | {'PASS' if check['ok'] else 'FAIL'} | "
                        f"{check['tensor'] or '–'} | {number(check['rel_diff'])} | {number(check['bound'])} | "
                        f"{number(check['ratio'], '.2f')} | {check['note'] or ''} |")
-    out += ["", "## Fingerprints", "", "| record | shared code | strategy code | libraries | device |", "|---|---|---|---|---|"]
+    out += ["", "## Fingerprints", "", "| record | shared code | own code (strategy, or framework and script) | libraries "
+            "| device |", "|---|---|---|---|---|"]
     for run in [*c.runs, *c.references]:
         fp = run.fingerprint
         libraries = ", ".join(f"{k} {v}" for k, v in fp["versions"].items())
-        out.append(f"| {storage.name(run.file)} | `{fp['shared_code_sha256'][:12]}` | `{fp['strategy_code']['sha256'][:12]}` "
-                   f"({', '.join(fp['strategy_code']['files'])}) | {libraries} | {fp['device']} |")
+        out.append(f"| {storage.name(run.file)} | `{fp['shared_code_sha256'][:12]}` | {fingerprint.own_code(fp)} "
+                   f"| {libraries} | {fp['device']} |")
     for key, noun, _ in judged_curves(c):
         out += ["", f"## {noun.capitalize()}", "", "| run | initial | final | min | mean |", "|---|---|---|---|---|"]
         for run in c.runs:

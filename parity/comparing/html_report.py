@@ -20,7 +20,7 @@ import shlex
 from html import escape
 from importlib import resources
 
-from parity import storage
+from parity import fingerprint, storage
 from parity.comparing.html_charts import curve_panels
 from parity.comparing.verdict import EXACT_MARGIN
 from parity.registry import label, run_label
@@ -131,7 +131,7 @@ def _fingerprints(records: dict[str, dict]) -> str:
             else:
                 out[f"{prefix}{k}"] = ", ".join(map(str, v)) if isinstance(v, list) else str(v)
         return out
-    flats = {name: flat(fp or {}) for name, fp in records.items()}
+    flats = {name: flat(fingerprint.reported(fp or {})) for name, fp in records.items()}
     names = list(flats)
     fields = list(dict.fromkeys(k for f in flats.values() for k in f))
     rows, differing = [], 0
