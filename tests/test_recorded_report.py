@@ -6,6 +6,7 @@ run that resumed from its checkpoint."""
 from __future__ import annotations
 
 import json
+from html import escape
 
 import pytest
 
@@ -73,9 +74,10 @@ def replay_config(of: str, **changes) -> dict:
             "fingerprint": {**SHARED, "strategy_code": {"sha256": "b" * 64, "files": ["ddp_strategy.py"]}}, **changes}
 
 
-def write(folder, name: str, config: dict, losses=LOSSES, step_fields=None, path=None) -> str:
+def write(folder, name: str, config: dict, losses=LOSSES, step_fields=None, path=None, complete=True) -> str:
     """A record written by the harness's own writer: the given losses, every other curve flat, step i's rows hashed
-    `i` (recorded runs carry the order-free rows_hash too); `step_fields` maps step → fields to override."""
+    `i` (recorded runs carry the order-free rows_hash too); `step_fields` maps step → fields to override; `complete`
+    False leaves it unfinished."""
     record = LossRecord(path or record_path(str(folder), name), name, config)
     record.declare_replicas({"declared": True, "interval": 1, "groups": 78})
     recorded = config.get("source") == "recorder"
@@ -85,7 +87,10 @@ def write(folder, name: str, config: dict, losses=LOSSES, step_fields=None, path
                   "peak_memory_bytes": 1 << 20, "replicas": {"checked": 78, "parted": 0},
                   **({"rows_hash": f"rows{step}"} if recorded else {})}
         record.append(**{**fields, **(step_fields or {}).get(step, {})})
-    record.finish(eval_loss_last_batch=losses[-1], eval_batch_step=len(losses) - 1, checkpoint_dir="/nowhere")
+    if complete:
+        record.finish(eval_loss_last_batch=losses[-1], eval_batch_step=len(losses) - 1, checkpoint_dir="/nowhere")
+    else:
+        record.write()
     return record.path
 
 
@@ -174,3 +179,24 @@ def test_a_recorded_runs_fingerprint_names_its_framework_and_script(tmp_path, ca
                          ("framework.script", "train_lm.py"), ("framework.script_sha256", "cccccccccccc…")):
         row = next(r for r in html.split("<tr>") if f'<th scope="row">{field}</th>' in r)
         assert f"≠ {shown}</span>" in row, field
+
+
+def test_a_record_that_stopped_early_says_where_and_why(tmp_path, capsys):
+    """The recorder stopped at step 3 (config.stopped) and the replay trained steps 0–2: PASS over those 3 steps, exit 0,
+    the verdict's lines, the md and the page say where and why — no 'incomplete' warning, even when the recorder left
+    its record unfinished."""
+    why = "step 3's batch could not be saved (No space left on device)"
+    write(tmp_path, "my_run", recorded_config("my_run", stopped={"step": 3, "why": why}), LOSSES[:3], complete=False)
+    write(tmp_path, "ddp", replay_config("my_run", debug_steps=3, total_steps=3, lr_schedule=LRS[:3]), LOSSES[:3])
+    code = compare_and_report(str(tmp_path), str(tmp_path / "out" / "curves.png"))
+    out, err = capsys.readouterr()
+    assert code == 0 and "incomplete" not in out + err
+    said = f"recorded up to step 3: {why}; steps 0…2 judged"
+    verdict = out.split("my_run (TP=1, DP=2): PASS\n", 1)[1].splitlines()
+    assert verdict[0] == f"  {said}"
+    assert "3 steps compared" in (tmp_path / "out" / "curve_report.md").read_text()
+    assert f"my_run (TP=1, DP=2): {said}" in (tmp_path / "out" / "curve_report.md").read_text()
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert escape(f"my_run (TP=1, DP=2): {said}.") in html.split('id="verdict"', 1)[1].split("</p>", 1)[0]
+    saved = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())
+    assert saved["runs"]["my_run"]["stopped"] == {"step": 3, "why": why} and saved["num_steps"] == 3

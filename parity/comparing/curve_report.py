@@ -12,6 +12,7 @@ from parity.comparing.curves import Comparison, CurveResult
 from parity.comparing import teacher_forced
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
+from parity.comparing.recorded import stopped_words
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
 from parity.comparing.verdict import EXACT_MARGIN
 from parity.precision import describe
@@ -57,7 +58,8 @@ def statistics_text(c: Comparison) -> str:
     base = _baseline_name(c)
     lines += ["=" * RULE, f"VERDICT (every step, each curve: |x - {base}| <= bound * |{base}|)", "=" * RULE, "",
               policy_line(c), calibration_line(c), *([policy_distance_line(c)] if c.policy_distance else []),
-              f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
+              f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.",
+              *stopped_lines(c.baseline, f"Baseline {c.baseline.label}: "), ""]
     for r in c.results:
         lines += [f"{r.run.label}: {r.verdict.word}", *[f"  {line}" for line in verdict_details(c, r)]]
     lines += ["", "Fingerprints (shared code, strategy code or framework and script, libraries, device):"]
@@ -113,6 +115,7 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         bounds = ", ".join(f"{b[0]:g} ({NOUNS[q]})" for q, b in r.bounds.per_step.items())
         lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"
                  + (f"; {EXACT_MARGIN}" if r.bit_identical else "")]
+    lines = [*stopped_lines(r.run), *lines]
     if v.parting is not None:
         lines.append(f"{v.parting.line()}: its ranks no longer hold one model — FAIL before any tolerance")
         if f is None:
@@ -153,6 +156,11 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
             lines.append(localise_recorded(r.run.name, f.step))
     routed = routing_line(r)
     return lines + ([routed] if routed else [])
+
+
+def stopped_lines(run, prefix: str = "") -> list[str]:
+    """Where a recorded run's record stopped early, in one line after `prefix`; none for a record that did not."""
+    return [f"{prefix}{stopped_words(run.stopped)}"] if run.stopped else []
 
 
 def routing_line(r: CurveResult) -> str | None:
@@ -250,6 +258,8 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         out.append(f"| {r.run.label} | {v.word} | {ratio} | {worst} | {outside} |")
         if routing_line(r):
             out.append(f"|  | {routing_line(r)} | | | |")
+    for run in c.runs:
+        out += ["", *stopped_lines(run, f"{run.label}: ")] if run.stopped else []
     for r in c.results:
         if r.verdict.parting is not None:
             out += ["", f"{r.run.label}: {r.verdict.parting.line()}: its ranks no longer hold one model."]

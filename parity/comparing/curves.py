@@ -76,7 +76,13 @@ class Run:
 
     @property
     def complete(self) -> bool:
-        return self.record["complete"]
+        """Finished: closed by its run, or a recorded run's record that stopped early (it holds every step it will)."""
+        return self.record["complete"] or self.stopped is not None
+
+    @property
+    def stopped(self) -> dict | None:
+        """Where a recorded run's record stopped early, {"step", "why"} (recorded.stopped_words), or None."""
+        return self.config.get("stopped")
 
     @property
     def recorded(self) -> bool:
@@ -235,7 +241,7 @@ class Comparison:
             "runs": {r.name: {"label": r.label, "file": storage.name(r.file), "complete": r.complete,
                               "steps_recorded": len(r.steps), "precision": r.precision, "policy": r.policy,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
-                              "replica_checks": r.replica_checks,
+                              "replica_checks": r.replica_checks, **({"stopped": r.stopped} if r.stopped else {}),
                               **({"teacher_forced": tf} if (tf := teacher_forced.summary(r.record)) else {}),
                               "series": {q: self.series(r, q) for q in self.quantities},  # every compared step's value
                               **{q: asdict(self.curve_stats(r, q)) for q in self.quantities}} for r in self.runs},

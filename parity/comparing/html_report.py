@@ -22,6 +22,7 @@ from importlib import resources
 
 from parity import fingerprint, storage
 from parity.comparing.html_charts import curve_panels
+from parity.comparing.recorded import stopped_words
 from parity.comparing.verdict import EXACT_MARGIN
 from parity.registry import label, run_label
 
@@ -253,6 +254,12 @@ def verdict_sentence(saved: dict, layers: dict) -> str:
     return f"{saved['verdict']} against {base} over {n} steps. " + ". ".join(parts) + "." + tail
 
 
+def stopped_sentences(saved: dict) -> str:
+    """Where each recorded run's record stopped early, a sentence each after the verdict's ('' when none did)."""
+    return "".join(f" {run['label']}: {stopped_words(run['stopped'])}." for run in saved["runs"].values()
+                   if run.get("stopped"))
+
+
 def _replicas(run: dict, against: dict) -> str:
     parted = against.get("replicas_parted") if against else None
     if parted:
@@ -387,7 +394,7 @@ def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
     word = saved["verdict"]
     body = [f'<header><h1>Loss-curve comparison against {escape(base)}: {_word(word)}</h1>',
             f'<p id="verdict" class="verdict {word.lower().replace(" ", "-")}" role="status">'
-            f'{escape(verdict_sentence(saved, layers))}</p>']
+            f'{escape(verdict_sentence(saved, layers) + stopped_sentences(saved))}</p>']
     body += [f'<p class="warning">{escape(w)}</p>' for w in saved.get("warnings", [])]
     sections = [("runs", "Verdict per run"), ("curves", "Curves"), *[(f"why-{n}", f"Why {saved['runs'][n]['label']} "
                 f"FAILed") for n, a in saved["against_baseline"].items() if a["verdict"] == "FAIL"],

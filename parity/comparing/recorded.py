@@ -1,5 +1,6 @@
 """What a comparison says of a recorded run (your own trainer: parity/integrations/recorder.py, docs/own_trainer.md)
-beyond what it says of a harness run: which config fields it must share with its replay (parity/integrations/replay.py).
+beyond what it says of a harness run: which config fields it must share with its replay (parity/integrations/replay.py),
+and where its record stopped early.
 """
 
 from __future__ import annotations
@@ -27,3 +28,10 @@ def replay_suspects(replay: dict) -> set[str]:
     config is the recorder's (its backend, its batches' folder ...) and the rest of the replay's the harness's (its
     seed, dataset, schedule ...); the batches, which the replay holds as its dataset, are compared step by step."""
     return set(REPLAY_TAKES) & set(replay)
+
+
+def stopped_words(stopped: dict) -> str:
+    """Where a record stopped early and why (config.stopped, written by the recorder at a step it could not record or
+    replay, or where the batches passed their cap): the steps before it are all the record holds, and all judged."""
+    step = stopped["step"]
+    return f"recorded up to step {step}: {stopped['why']}; steps 0…{step - 1} judged"
