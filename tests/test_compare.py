@@ -522,8 +522,8 @@ def test_other_code_is_compared_only_when_asked(tmp_path, capsys):
     summary = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())
     assert summary["fingerprints"]["loss_fsdp.json"]["strategy_code"]["files"] == ["fsdp_strategy.py"]
     report = (tmp_path / "out" / "curve_report.md").read_text()
-    assert "| loss_fsdp.json | `cccccccccccc` | `dddddddddddd` (fsdp_strategy.py) | python 3.11.7, torch 2.13.0 | " \
-           "a test CPU |" in report
+    assert "| loss_fsdp.json | `cccccccccccc` | strategy code dddddddddddd (fsdp_strategy.py) | python 3.11.7, torch " \
+           "2.13.0 | a test CPU |" in report
 
 
 def test_every_mismatch_is_reported(tmp_path, capsys):
