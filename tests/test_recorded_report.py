@@ -10,7 +10,7 @@ from html import escape
 
 import pytest
 
-from parity.commands.compare_curves import compare_and_report
+from parity.commands.compare_curves import compare_and_report, main
 from parity.training.record import LossRecord, record_path
 
 SHA = "5" * 64
@@ -200,3 +200,64 @@ def test_a_record_that_stopped_early_says_where_and_why(tmp_path, capsys):
     assert escape(f"my_run (TP=1, DP=2): {said}.") in html.split('id="verdict"', 1)[1].split("</p>", 1)[0]
     saved = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())
     assert saved["runs"]["my_run"]["stopped"] == {"step": 3, "why": why} and saved["num_steps"] == 3
+
+
+# Steps 3 and 4 of a run that resumed at step 3 and fed other rows from there (e.g. its sampler restarted its epoch).
+OTHER_ROWS = {step: {"batch_hash": f"other{step}", "rows_hash": f"other_rows{step}", "tokens": 480} for step in (3, 4)}
+
+
+@pytest.mark.parametrize("baseline", ["uninterrupted", "resumed"])
+def test_rows_that_part_where_a_run_resumed_fail_there(tmp_path, capsys, baseline):
+    """Two recorded runs of one script, one resumed from its checkpoint at step 3: the same rows before, others from
+    step 3 on — FAIL at step 3 on resumed_rows (exit 1), in the terminal, the md and the page, whichever is the
+    baseline."""
+    write(tmp_path, "uninterrupted", recorded_config("uninterrupted"))
+    write(tmp_path, "resumed", recorded_config("resumed", resumed_at=[3]), [10.0, 8.0, 6.0, 5.2, 4.4], OTHER_ROWS)
+    code, out, md, html = report(tmp_path, capsys, baseline)
+    assert code == 1
+    other = "resumed" if baseline == "uninterrupted" else "uninterrupted"
+    saved = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())["against_baseline"][other]
+    assert saved["first_outside"] == {"quantity": "resumed_rows", "rel_diff": 1.0, "tolerance": 0.0, "step": 3,
+                                      "value": float(other == "resumed"), "reference": float(baseline == "resumed"),
+                                      "test": "resumed_rows"}
+    resumed, ran_on = ("this run", "the baseline") if other == "resumed" else ("the baseline", "this run")
+    words = (f"{resumed} resumed from its checkpoint at step 3 and feeds other rows than {ran_on}, which ran on "
+             f"uninterrupted, from step 3 on: its resume skipped or repeated data")
+    assert line_of(out, "first step outside:").strip() == f"first step outside: step 3: {words}"
+    assert "localise step" not in out  # a dump of step 3 would not show skipped data
+    assert f"| {other} (TP=1, DP=2) | FAIL |" in md and "| step 3, resumed_rows (resumed_rows): " in md
+    assert f"first step outside: step 3, {escape(words)}" in html.split('id="verdict"', 1)[1].split("</p>", 1)[0]
+
+
+@pytest.mark.parametrize("case", ["never resumed", "another script", "both resumed there"])
+def test_other_rows_without_a_resume_there_stay_not_comparable(tmp_path, capsys, case):
+    """The same two runs' rows parting at step 3 where that is no resume's finding — neither resumed there, the runs are
+    of different scripts, or both resumed there — are not comparable, as any two runs that see different batches: exit
+    2, naming the step."""
+    other_script = {"fingerprint": {**recorded_config("resumed")["fingerprint"],
+                                    "framework": {**FRAMEWORK, "script_sha256": "d" * 64}}}
+    config = {"never resumed": {}, "another script": {"resumed_at": [3], **other_script},
+              "both resumed there": {"resumed_at": [3]}}[case]
+    write(tmp_path, "uninterrupted", recorded_config("uninterrupted", **({"resumed_at": [3]}
+                                                                          if case == "both resumed there" else {})))
+    write(tmp_path, "resumed", recorded_config("resumed", **config), [10.0, 8.0, 6.0, 5.2, 4.4], OTHER_ROWS)
+    code = main(["--input_dir", str(tmp_path), "--output", str(tmp_path / "out" / "curves.png"),
+                 "--baseline", "uninterrupted"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "uninterrupted and resumed see different batches from step 3 (batch_hash 0000000000000003 vs other3)" in err
+    assert "train on different tokens per step from step 3" in err
+
+
+def test_a_fail_at_the_step_a_run_resumed_says_so(tmp_path, capsys):
+    """A recorded run that resumed at step 2 against its replay (the same batches) FAILs at step 2 on the loss: its
+    details, the md and the page add that the run resumed from its checkpoint there."""
+    write(tmp_path, "my_run", recorded_config("my_run", resumed_at=[2]), [10.0, 8.0, 6.5, 5.0, 4.0])
+    write(tmp_path, "ddp", replay_config("my_run"))
+    code, out, md, html = report(tmp_path, capsys)
+    assert code == 1
+    details = out.split("my_run (TP=1, DP=2): FAIL\n", 1)[1].splitlines()
+    outside = details.index(line_of(out, "first step outside: step 2: loss"))
+    assert details[outside + 1] == "  the run resumed from its checkpoint at step 2"
+    assert "my_run (TP=1, DP=2): the run resumed from its checkpoint at step 2." in md
+    assert "<p>the run resumed from its checkpoint at step 2.</p>" in html

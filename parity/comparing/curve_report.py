@@ -12,7 +12,7 @@ from parity.comparing.curves import Comparison, CurveResult
 from parity.comparing import teacher_forced
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
-from parity.comparing.recorded import stopped_words
+from parity.comparing.recorded import RESUMED_ROWS, resumed_at, resumed_note, resumed_rows_words, stopped_words
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
 from parity.comparing.verdict import EXACT_MARGIN
 from parity.precision import describe
@@ -130,6 +130,8 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         if f.test == "duplicate_rows":
             lines.append(f"first step outside: step {f.step}: ranks {int(f.value)} and {int(f.reference)} fed the same "
                          f"rows ({int(f.rel_diff)} duplicated): no two data-parallel ranks may train on one sample")
+        elif f.test == RESUMED_ROWS:
+            lines.append(f"first step outside: step {f.step}: {resumed_rows_words(f.step, bool(f.value))}")
         elif f.test == teacher_forced.TEST:
             lines.append(f"first step outside: step {f.step}: the teacher-forced step from its own state at the "
                          f"checkpoint of step {f.step}: {f.module} relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} "
@@ -148,14 +150,21 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         else:
             lines.append(f"first step outside: step {f.step}: {NOUNS[f.quantity]} {f.value:.6f} vs {base} "
                          f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > {f.tolerance:.3e}")
+        lines += [resumed_line(r)] if resumed_line(r) else []
         lines.append("differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded"))
         command = replay_command(c, r)
         if command:
             lines.append(f"replay step {f.step} layer by layer from {base}'s checkpoint: {command}")
-        elif r.run.recorded and f.test not in ("duplicate_rows", "lr_schedule"):
+        elif r.run.recorded and f.test not in ("duplicate_rows", RESUMED_ROWS, "lr_schedule"):
             lines.append(localise_recorded(r.run.name, f.step))
     routed = routing_line(r)
     return lines + ([routed] if routed else [])
+
+
+def resumed_line(r: CurveResult) -> str | None:
+    """For a FAIL first outside at a step the run resumed from its checkpoint: that it did (recorded.resumed_note)."""
+    f = r.verdict.first_outside
+    return resumed_note(resumed_at(r.run.config), f.step, f.test) if f is not None else None
 
 
 def stopped_lines(run, prefix: str = "") -> list[str]:
@@ -266,6 +275,7 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         if r.verdict.policy_difference:
             out += ["", f"{r.run.label}: " + " ".join(verdict_details(c, r)[:2])]
         elif not r.verdict.passed:
+            out += ["", f"{r.run.label}: {resumed_line(r)}."] if resumed_line(r) else []
             out += ["", f"{r.run.label} differs from the baseline in: "
                     + ("; ".join(f"`{d}`" for d in r.config_differences) or "nothing recorded")]
             command = replay_command(c, r)

@@ -34,7 +34,8 @@ from parity import fingerprint, storage
 from parity.comparing import teacher_forced, tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
-from parity.comparing.recorded import is_recorded, is_replay, replay_suspects
+from parity.comparing.recorded import (is_recorded, is_replay, replay_suspects, resumed_at, resumed_rows,
+                                       same_rows)
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
 from parity.errors import ConfigError, NotComparable
@@ -53,6 +54,7 @@ LAYOUT_AND_PLACES = ("strategy", "strategy_path", "num_workers", "tp_size", "dp_
 # Per-step entries every run must share with the baseline: (field, what differs, in words).
 STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
                    ("lr", "use different learning rates"))
+FOLLOW_ROWS = ("batch_hash", "tokens")  # those that follow the rows fed: compared up to a resume finding's step only
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,7 @@ class Comparison:
                               "steps_recorded": len(r.steps), "precision": r.precision, "policy": r.policy,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
                               "replica_checks": r.replica_checks, **({"stopped": r.stopped} if r.stopped else {}),
+                              **({"resumed_at": resumed_at(r.config)} if resumed_at(r.config) else {}),
                               **({"teacher_forced": tf} if (tf := teacher_forced.summary(r.record)) else {}),
                               "series": {q: self.series(r, q) for q in self.quantities},  # every compared step's value
                               **{q: asdict(self.curve_stats(r, q)) for q in self.quantities}} for r in self.runs},
@@ -393,13 +396,14 @@ def comparability_mismatches(base: Run, run: Run) -> list[str]:
     if base.complete and run.complete and len(base.steps) != len(run.steps):
         found.append(f"{a} has {len(base.steps)} steps, {b} has {len(run.steps)}: train both with the same "
                      f"--debug_steps")
+    resumed = resumed_rows(base.record, run.record)  # rows parting where one resumed: _result's finding, not this
     for field, what in STEP_INVARIANTS:
-        for sa, sb in zip(base.steps, run.steps):
-            if sa[field] != sb[field] and not (field == "batch_hash" and sa.get("rows_hash")
-                                               and sa.get("rows_hash") == sb.get("rows_hash")):
-                # (two recorded runs of one script at other layouts: the same rows in another order)
-                found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
-                break
+        compared = list(zip(base.steps, run.steps))[:resumed.step if resumed and field in FOLLOW_ROWS else None]
+        apart = next(((sa, sb) for sa, sb in compared
+                      if not (same_rows(sa, sb) if field == "batch_hash" else sa[field] == sb[field])), None)
+        if apart:
+            sa, sb = apart
+            found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
     return found
 
 
@@ -499,7 +503,8 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
     other_policy = policy_differences(base, run)
     outside = None
     if not other_policy:  # the earlier of the two; at one step, the overflow mismatch (it explains the rest)
-        found = [o for o in (run.duplicate_rows, run.lr_off_schedule, first_overflow_mismatch(base, run, num_steps),
+        found = [o for o in (run.duplicate_rows, resumed_rows(base.record, run.record), run.lr_off_schedule,
+                             first_overflow_mismatch(base, run, num_steps),
                              first_outside(series, baseline, bounds),
                              teacher_forced.first_fail(run.record, num_steps)) if o]  # (at one step, the curves')
         outside = min(found, key=lambda o: o.step, default=None)

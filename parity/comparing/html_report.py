@@ -22,7 +22,7 @@ from importlib import resources
 
 from parity import fingerprint, storage
 from parity.comparing.html_charts import curve_panels
-from parity.comparing.recorded import stopped_words
+from parity.comparing.recorded import RESUMED_ROWS, resumed_note, resumed_rows_words, stopped_words
 from parity.comparing.verdict import EXACT_MARGIN
 from parity.registry import label, run_label
 
@@ -291,6 +291,8 @@ def _outside_words(f: dict) -> str:
                 f"({f.get('reference')})")
     if test == "duplicate_rows":
         return f"{step}, two data-parallel ranks fed the same rows"
+    if test == RESUMED_ROWS:
+        return f"{step}, {resumed_rows_words(f['step'], bool(f['value']))}"
     return f"{step} ({test}, {f['quantity']})"
 
 
@@ -344,6 +346,9 @@ def failure_section(saved: dict, name: str, directory: str, layers: dict) -> str
     run, a = saved["runs"][name], saved["against_baseline"][name]
     out = [f'<section id="why-{escape(name)}"><h2>Why {escape(run["label"])} FAILed</h2>',
            f"<p>{_outside(a)}</p>" if a.get("first_outside") else ""]
+    f = a.get("first_outside")
+    resumed = resumed_note(run.get("resumed_at", []), f["step"], f.get("test")) if f else None
+    out += [f"<p>{escape(resumed)}.</p>"] if resumed else []
     if a.get("replicas_parted"):
         out.append(f"<p>{escape(a['replicas_parted'].get('line', ''))}</p>")
     diffs = a.get("config_differences") or []
