@@ -150,7 +150,7 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         else:
             lines.append(f"first step outside: step {f.step}: {NOUNS[f.quantity]} {f.value:.6f} vs {base} "
                          f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > {f.tolerance:.3e}")
-        lines += [resumed_line(r)] if resumed_line(r) else []
+        lines += [resumed] if (resumed := resumed_line(r)) else []
         lines.append("differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded"))
         command = replay_command(c, r)
         if command:
@@ -275,7 +275,7 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         if r.verdict.policy_difference:
             out += ["", f"{r.run.label}: " + " ".join(verdict_details(c, r)[:2])]
         elif not r.verdict.passed:
-            out += ["", f"{r.run.label}: {resumed_line(r)}."] if resumed_line(r) else []
+            out += ["", f"{r.run.label}: {resumed}."] if (resumed := resumed_line(r)) else []
             out += ["", f"{r.run.label} differs from the baseline in: "
                     + ("; ".join(f"`{d}`" for d in r.config_differences) or "nothing recorded")]
             command = replay_command(c, r)

@@ -398,13 +398,17 @@ def comparability_mismatches(base: Run, run: Run) -> list[str]:
                      f"--debug_steps")
     resumed = resumed_rows(base.record, run.record)  # rows parting where one resumed: _result's finding, not this
     for field, what in STEP_INVARIANTS:
-        compared = list(zip(base.steps, run.steps))[:resumed.step if resumed and field in FOLLOW_ROWS else None]
-        apart = next(((sa, sb) for sa, sb in compared
-                      if not (same_rows(sa, sb) if field == "batch_hash" else sa[field] == sb[field])), None)
+        until = resumed.step if resumed and field in FOLLOW_ROWS else len(base.steps)
+        apart = next(((sa, sb) for sa, sb in zip(base.steps[:until], run.steps) if not _agree(field, sa, sb)), None)
         if apart:
             sa, sb = apart
             found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
     return found
+
+
+def _agree(field: str, a: dict, b: dict) -> bool:
+    """Two runs' entries of one step hold the same step invariant `field` (the batch: the same rows, same_rows)."""
+    return same_rows(a, b) if field == "batch_hash" else a[field] == b[field]
 
 
 def code_mismatches(base: Run, run: Run) -> list[str]:

@@ -344,11 +344,10 @@ def teacher_forced_table(name: str, label_: str, tf: dict) -> str:
 
 def failure_section(saved: dict, name: str, directory: str, layers: dict) -> str:
     run, a = saved["runs"][name], saved["against_baseline"][name]
-    out = [f'<section id="why-{escape(name)}"><h2>Why {escape(run["label"])} FAILed</h2>',
-           f"<p>{_outside(a)}</p>" if a.get("first_outside") else ""]
     f = a.get("first_outside")
     resumed = resumed_note(run.get("resumed_at", []), f["step"], f.get("test")) if f else None
-    out += [f"<p>{escape(resumed)}.</p>"] if resumed else []
+    out = [f'<section id="why-{escape(name)}"><h2>Why {escape(run["label"])} FAILed</h2>',
+           f"<p>{_outside(a)}</p>" if f else "", f"<p>{escape(resumed)}.</p>" if resumed else ""]
     if a.get("replicas_parted"):
         out.append(f"<p>{escape(a['replicas_parted'].get('line', ''))}</p>")
     diffs = a.get("config_differences") or []

@@ -13,10 +13,11 @@ from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
 from parity.training.data import RECORDED
 
 RECORDER = "recorder"  # a recorded run's config.source (parity/integrations/recorder.py's SOURCE)
-RESUMED_ROWS = "resumed_rows"  # the finding's quantity and test (resumed_rows)
+RESUMED_ROWS = "resumed_rows"  # the resume finding's quantity and test (Outside; found by resumed_rows below)
 
 
 def is_recorded(config: dict) -> bool:
+    """A record's config is the recorder's, not the harness loop's."""
     return config.get("source") == RECORDER
 
 
