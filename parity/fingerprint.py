@@ -205,12 +205,28 @@ def differences(a: dict, b: dict, *, strategy: bool) -> list[str]:
 
 
 def short(fp: dict) -> str:
-    """One line for reports: the model type, shared code, strategy code, versions, device."""
+    """One line for reports: the model type, shared code, the run's own code (own_code), versions, device."""
     versions = ", ".join(f"{k} {v}" for k, v in fp.get("versions", {}).items())
     model = f"{fp['model_type']}; " if fp.get("model_type") else ""
-    return (f"{model}shared code {_short(fp.get('shared_code_sha256'))}, strategy code "
-            f"{_short(fp.get('strategy_code', {}).get('sha256'))} ({', '.join(fp.get('strategy_code', {}).get('files', []))}); "
-            f"{versions}; {fp.get('device')}")
+    return f"{model}shared code {_short(fp.get('shared_code_sha256'))}, {own_code(fp)}; {versions}; {fp.get('device')}"
+
+
+def own_code(fp: dict) -> str:
+    """The code a run adds to the shared code, in words: its strategy's, or for a recorded run (its fingerprint's
+    `framework`: parity/integrations/recorder.py) the framework, its versions and the user's script with its sha256."""
+    framework = fp.get("framework")
+    if not framework:
+        code = fp.get("strategy_code", {})
+        return f"strategy code {_short(code.get('sha256'))} ({', '.join(code.get('files', []))})"
+    versions = ", ".join(f"{k} {v}" for k, v in (framework.get("versions") or {}).items())
+    return (f"framework {framework.get('name')}{f' ({versions})' if versions else ''}, script "
+            f"{framework.get('script') or 'unknown'} {_short(framework.get('script_sha256'))}")
+
+
+def reported(fp: dict) -> dict:
+    """The fingerprint as the reports show it field by field: a recorded run's strategy_code left out beside its
+    framework (a recorded run has no strategy: that code is the sha256 of no file)."""
+    return {k: v for k, v in fp.items() if not (k == "strategy_code" and fp.get("framework"))}
 
 
 def _package_root() -> str:

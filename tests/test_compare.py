@@ -198,7 +198,7 @@ several ranks each.
 DeepSpeed (TP=2, DP=2): PASS
   rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, deepspeed \
 fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm \
-0.000e+00
+0.000e+00; margin: exact (bit-identical)
   replicas: bit-identical at each of 5 checks (every step) of the 62 tensors held by several ranks each
 FSDP (TP=2, DP=2): FAIL
   rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); \
@@ -209,7 +209,7 @@ uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.
   replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
 {folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
 
-Fingerprints (shared code, strategy code, libraries, device):
+Fingerprints (shared code, strategy code or framework and script, libraries, device):
   loss_ddp.json: shared code aaaaaaaaaaaa, strategy code bbbbbbbbbbbb (x_strategy.py); python 3.11.7, torch 2.13.0; \
 a test CPU
   loss_deepspeed.json: shared code aaaaaaaaaaaa, strategy code bbbbbbbbbbbb (x_strategy.py); python 3.11.7, torch \
@@ -302,7 +302,7 @@ def test_command_line_script(tmp_path):
     assert passing.returncode == 0
     assert "FSDP (TP=2, DP=2): PASS\n  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 " \
            "table (ddp fp32, fsdp fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, " \
-           "grad norm 0.000e+00, param norm 0.000e+00\n" in passing.stdout
+           "grad norm 0.000e+00, param norm 0.000e+00; margin: exact (bit-identical)\n" in passing.stdout
     bad = subprocess.run(args[:2] + ["--input_dir", str(tmp_path / "none"), "--output", "x.png"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert (bad.returncode, bad.stdout) == (2, "")
@@ -333,7 +333,8 @@ def test_replicas_that_part_fail_ahead_of_the_curves_in_one_line(tmp_path, capsy
     assert code == 1
     assert ("FSDP (TP=2, DP=2): FAIL\n"
             "  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); "
-            "uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm 0.000e+00\n"
+            "uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm 0.000e+00; "
+            "margin: exact (bit-identical)\n"
             "  replicas part at step 3: model.norm.weight differs between ranks 0, 2 and ranks 1, 3 (max |difference| "
             "1.500e-07; 2 more tensors parted): its ranks no longer hold one model — FAIL before any tolerance\n"
             "  curves alone: within their bounds at every step\n"
@@ -345,8 +346,8 @@ def test_replicas_that_part_fail_ahead_of_the_curves_in_one_line(tmp_path, capsy
         "step": 3, "name": "model.norm.weight", "what": "parameter", "ranks": [[0, 2], [1, 3]], "max_abs_diff": 1.5e-7,
         "parted": 3}
     assert result["runs"]["fsdp"]["replica_checks"] == {"declared": True, "interval": 1, "groups": 36, "checks": 5}
-    assert "| FSDP (TP=2, DP=2) | FAIL | uncalibrated | 0.000e+00 / 0.000e+00 / 0.000e+00 | replicas part at step 3: " \
-           "model.norm.weight |" in (tmp_path / "out" / "curve_report.md").read_text()
+    assert "| FSDP (TP=2, DP=2) | FAIL | uncalibrated; margin: exact (bit-identical) | 0.000e+00 / 0.000e+00 / 0.000e+00 " \
+           "| replicas part at step 3: model.norm.weight |" in (tmp_path / "out" / "curve_report.md").read_text()
     # a moment first, held by three groups of ranks, one without a size in common: no difference to measure
     write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD, step_fields={1: {"replicas": {**PARTED, "parted": 1,
                                                                                      "tensors": PARTED["tensors"][1:]}}})
@@ -521,8 +522,8 @@ def test_other_code_is_compared_only_when_asked(tmp_path, capsys):
     summary = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())
     assert summary["fingerprints"]["loss_fsdp.json"]["strategy_code"]["files"] == ["fsdp_strategy.py"]
     report = (tmp_path / "out" / "curve_report.md").read_text()
-    assert "| loss_fsdp.json | `cccccccccccc` | `dddddddddddd` (fsdp_strategy.py) | python 3.11.7, torch 2.13.0 | " \
-           "a test CPU |" in report
+    assert "| loss_fsdp.json | `cccccccccccc` | strategy code dddddddddddd (fsdp_strategy.py) | python 3.11.7, torch " \
+           "2.13.0 | a test CPU |" in report
 
 
 def test_every_mismatch_is_reported(tmp_path, capsys):

@@ -12,7 +12,9 @@ from parity.comparing.curves import Comparison, CurveResult
 from parity.comparing import teacher_forced
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
+from parity.comparing.recorded import RESUMED_ROWS, resumed_at, resumed_note, resumed_rows_words, stopped_words
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
+from parity.comparing.verdict import EXACT_MARGIN
 from parity.precision import describe
 from parity.registry import label
 
@@ -56,10 +58,11 @@ def statistics_text(c: Comparison) -> str:
     base = _baseline_name(c)
     lines += ["=" * RULE, f"VERDICT (every step, each curve: |x - {base}| <= bound * |{base}|)", "=" * RULE, "",
               policy_line(c), calibration_line(c), *([policy_distance_line(c)] if c.policy_distance else []),
-              f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
+              f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.",
+              *stopped_lines(c.baseline, f"Baseline {c.baseline.label}: "), ""]
     for r in c.results:
         lines += [f"{r.run.label}: {r.verdict.word}", *[f"  {line}" for line in verdict_details(c, r)]]
-    lines += ["", "Fingerprints (shared code, strategy code, libraries, device):"]
+    lines += ["", "Fingerprints (shared code, strategy code or framework and script, libraries, device):"]
     lines += [f"  {storage.name(run.file)}: {fingerprint.short(run.fingerprint)}" for run in [*c.runs, *c.references]]
     return "\n".join(lines)
 
@@ -101,15 +104,18 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
                 f"for scale, max relative diff {worst}"]
     if r.noise_ratios:
         ratios = ", ".join(f"{NOUNS[q]} {x:.1f}" for q, x in r.noise_ratios.items())
-        lines = [f"deviation ÷ noise {r.noise_ratio:.1f} ({ratios}); tolerance {NOISE_K} × noise, margin "
-                 f"{NOISE_K / r.noise_ratio:.1f}×; max relative diff {worst}"]
+        margin = EXACT_MARGIN if r.bit_identical else f"margin {NOISE_K / r.noise_ratio:.1f}×"
+        lines = [f"deviation ÷ noise {r.noise_ratio:.1f} ({ratios}); tolerance {NOISE_K} × noise, {margin}; max "
+                 f"relative diff {worst}"]
         if r.fp32_distance_ratios:
             far = ", ".join(f"{NOUNS[q]} {x:.1f}×" for q, x in r.fp32_distance_ratios.items())
             lines.append(f"how far {r.run.precision} moved it from the fp32 baseline, as a multiple of how far it moved "
                          f"{base}: {far}")
     else:
         bounds = ", ".join(f"{b[0]:g} ({NOUNS[q]})" for q, b in r.bounds.per_step.items())
-        lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"]
+        lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"
+                 + (f"; {EXACT_MARGIN}" if r.bit_identical else "")]
+    lines = [*stopped_lines(r.run), *lines]
     if v.parting is not None:
         lines.append(f"{v.parting.line()}: its ranks no longer hold one model — FAIL before any tolerance")
         if f is None:
@@ -124,6 +130,8 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         if f.test == "duplicate_rows":
             lines.append(f"first step outside: step {f.step}: ranks {int(f.value)} and {int(f.reference)} fed the same "
                          f"rows ({int(f.rel_diff)} duplicated): no two data-parallel ranks may train on one sample")
+        elif f.test == RESUMED_ROWS:
+            lines.append(f"first step outside: step {f.step}: {resumed_rows_words(f.step, bool(f.value))}")
         elif f.test == teacher_forced.TEST:
             lines.append(f"first step outside: step {f.step}: the teacher-forced step from its own state at the "
                          f"checkpoint of step {f.step}: {f.module} relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} "
@@ -142,14 +150,26 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
         else:
             lines.append(f"first step outside: step {f.step}: {NOUNS[f.quantity]} {f.value:.6f} vs {base} "
                          f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > {f.tolerance:.3e}")
+        lines += [resumed] if (resumed := resumed_line(r)) else []
         lines.append("differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded"))
         command = replay_command(c, r)
         if command:
             lines.append(f"replay step {f.step} layer by layer from {base}'s checkpoint: {command}")
-        elif r.run.config.get("source") == "recorder" and f.test not in ("duplicate_rows", "lr_schedule"):
+        elif r.run.recorded and f.test not in ("duplicate_rows", RESUMED_ROWS, "lr_schedule"):
             lines.append(localise_recorded(r.run.name, f.step))
     routed = routing_line(r)
     return lines + ([routed] if routed else [])
+
+
+def resumed_line(r: CurveResult) -> str | None:
+    """For a FAIL first outside at a step the run resumed from its checkpoint: that it did (recorded.resumed_note)."""
+    f = r.verdict.first_outside
+    return resumed_note(resumed_at(r.run.config), f.step, f.test) if f is not None else None
+
+
+def stopped_lines(run, prefix: str = "") -> list[str]:
+    """Where a recorded run's record stopped early, in one line after `prefix`; none for a record that did not."""
+    return [f"{prefix}{stopped_words(run.stopped)}"] if run.stopped else []
 
 
 def routing_line(r: CurveResult) -> str | None:
@@ -203,7 +223,7 @@ def replay_command(c: Comparison, r: CurveResult) -> str | None:
     machine (a shared mount on a cluster). Its folder goes beside the records, or under the working
     directory when they are in an object store."""
     f = r.verdict.first_outside
-    if f is None or c.baseline.name != "ddp" or r.run.config.get("source") == "recorder":
+    if f is None or c.baseline.name != "ddp" or r.run.recorded:
         return None  # a recorded run has no checkpoint of the harness's to replay a step from
     base, run = c.baseline.config, r.run.config
     checkpoints = storage.local_path(storage.join(base["storage_path"], base["experiment_name"]))
@@ -242,16 +262,20 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         v = r.verdict
         outside = first_failure(r)
         ratio = f"{r.noise_ratio:.1f} (of {NOISE_K})" if r.noise_ratio is not None else "uncalibrated"
+        ratio += f"; {EXACT_MARGIN}" if r.bit_identical else ""
         worst = " / ".join(f"{v.max_rel_diff[q]:.3e}" for q, _, _ in judged_curves(c))
         out.append(f"| {r.run.label} | {v.word} | {ratio} | {worst} | {outside} |")
         if routing_line(r):
             out.append(f"|  | {routing_line(r)} | | | |")
+    for run in c.runs:
+        out += ["", *stopped_lines(run, f"{run.label}: ")] if run.stopped else []
     for r in c.results:
         if r.verdict.parting is not None:
             out += ["", f"{r.run.label}: {r.verdict.parting.line()}: its ranks no longer hold one model."]
         if r.verdict.policy_difference:
             out += ["", f"{r.run.label}: " + " ".join(verdict_details(c, r)[:2])]
         elif not r.verdict.passed:
+            out += ["", f"{r.run.label}: {resumed}."] if (resumed := resumed_line(r)) else []
             out += ["", f"{r.run.label} differs from the baseline in: "
                     + ("; ".join(f"`{d}`" for d in r.config_differences) or "nothing recorded")]
             command = replay_command(c, r)
@@ -269,12 +293,13 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
             out.append(f"| {run.label} | {check['step']} | {'PASS' if check['ok'] else 'FAIL'} | "
                        f"{check['tensor'] or '–'} | {number(check['rel_diff'])} | {number(check['bound'])} | "
                        f"{number(check['ratio'], '.2f')} | {check['note'] or ''} |")
-    out += ["", "## Fingerprints", "", "| record | shared code | strategy code | libraries | device |", "|---|---|---|---|---|"]
+    out += ["", "## Fingerprints", "", "| record | shared code | own code (strategy, or framework and script) | libraries "
+            "| device |", "|---|---|---|---|---|"]
     for run in [*c.runs, *c.references]:
         fp = run.fingerprint
         libraries = ", ".join(f"{k} {v}" for k, v in fp["versions"].items())
-        out.append(f"| {storage.name(run.file)} | `{fp['shared_code_sha256'][:12]}` | `{fp['strategy_code']['sha256'][:12]}` "
-                   f"({', '.join(fp['strategy_code']['files'])}) | {libraries} | {fp['device']} |")
+        out.append(f"| {storage.name(run.file)} | `{fp['shared_code_sha256'][:12]}` | {fingerprint.own_code(fp)} "
+                   f"| {libraries} | {fp['device']} |")
     for key, noun, _ in judged_curves(c):
         out += ["", f"## {noun.capitalize()}", "", "| run | initial | final | min | mean |", "|---|---|---|---|---|"]
         for run in c.runs:

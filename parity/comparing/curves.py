@@ -34,6 +34,8 @@ from parity import fingerprint, storage
 from parity.comparing import teacher_forced, tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
+from parity.comparing.recorded import (is_recorded, is_replay, replay_suspects, resumed_at, resumed_rows,
+                                       same_rows)
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
 from parity.errors import ConfigError, NotComparable
@@ -52,6 +54,7 @@ LAYOUT_AND_PLACES = ("strategy", "strategy_path", "num_workers", "tp_size", "dp_
 # Per-step entries every run must share with the baseline: (field, what differs, in words).
 STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
                    ("lr", "use different learning rates"))
+FOLLOW_ROWS = ("batch_hash", "tokens")  # those that follow the rows fed: compared up to a resume finding's step only
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,18 @@ class Run:
 
     @property
     def complete(self) -> bool:
-        return self.record["complete"]
+        """Finished: closed by its run, or a recorded run's record that stopped early (it holds every step it will)."""
+        return self.record["complete"] or self.stopped is not None
+
+    @property
+    def stopped(self) -> dict | None:
+        """Where a recorded run's record stopped early, {"step", "why"} (recorded.stopped_words), or None."""
+        return self.config.get("stopped")
+
+    @property
+    def recorded(self) -> bool:
+        """A record of parity's recorder (your own trainer), not of the harness's loop."""
+        return is_recorded(self.config)
 
     @property
     def precision(self) -> str:
@@ -184,6 +198,11 @@ class CurveResult:
         """The worst curve's deviation ÷ noise; the run FAILs the per-step test beyond NOISE_K."""
         return max(self.noise_ratios.values()) if self.noise_ratios else None
 
+    @property
+    def bit_identical(self) -> bool:
+        """Every judged curve equals the baseline's at every compared step (a NaN equals nothing)."""
+        return all(d.max_abs == 0 for d in self.diffs.values())
+
 
 @dataclass(frozen=True)
 class Comparison:
@@ -224,7 +243,8 @@ class Comparison:
             "runs": {r.name: {"label": r.label, "file": storage.name(r.file), "complete": r.complete,
                               "steps_recorded": len(r.steps), "precision": r.precision, "policy": r.policy,
                               "tp_size": r.config["tp_size"], "dp_size": r.config["dp_size"],
-                              "replica_checks": r.replica_checks,
+                              "replica_checks": r.replica_checks, **({"stopped": r.stopped} if r.stopped else {}),
+                              **({"resumed_at": resumed_at(r.config)} if resumed_at(r.config) else {}),
                               **({"teacher_forced": tf} if (tf := teacher_forced.summary(r.record)) else {}),
                               "series": {q: self.series(r, q) for q in self.quantities},  # every compared step's value
                               **{q: asdict(self.curve_stats(r, q)) for q in self.quantities}} for r in self.runs},
@@ -233,6 +253,7 @@ class Comparison:
                 "replicas_parted": r.verdict.parting.to_dict() if r.verdict.parting else None,
                 "calibrated": r.bounds.calibrated,
                 "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
+                "bit_identical": r.bit_identical,
                 "fp32_distance_ratio": r.fp32_distance_ratios,
                 "config_differences": r.config_differences, "routing": r.routing,
                 "bounds": r.bounds.per_step,  # each curve's bound at every step (the report page's bands)
@@ -375,14 +396,19 @@ def comparability_mismatches(base: Run, run: Run) -> list[str]:
     if base.complete and run.complete and len(base.steps) != len(run.steps):
         found.append(f"{a} has {len(base.steps)} steps, {b} has {len(run.steps)}: train both with the same "
                      f"--debug_steps")
+    resumed = resumed_rows(base.record, run.record)  # rows parting where one resumed: _result's finding, not this
     for field, what in STEP_INVARIANTS:
-        for sa, sb in zip(base.steps, run.steps):
-            if sa[field] != sb[field] and not (field == "batch_hash" and sa.get("rows_hash")
-                                               and sa.get("rows_hash") == sb.get("rows_hash")):
-                # (two recorded runs of one script at other layouts: the same rows in another order)
-                found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
-                break
+        until = resumed.step if resumed and field in FOLLOW_ROWS else len(base.steps)
+        apart = next(((sa, sb) for sa, sb in zip(base.steps[:until], run.steps) if not _agree(field, sa, sb)), None)
+        if apart:
+            sa, sb = apart
+            found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
     return found
+
+
+def _agree(field: str, a: dict, b: dict) -> bool:
+    """Two runs' entries of one step hold the same step invariant `field` (the batch: the same rows, same_rows)."""
+    return same_rows(a, b) if field == "batch_hash" else a[field] == b[field]
 
 
 def code_mismatches(base: Run, run: Run) -> list[str]:
@@ -447,10 +473,20 @@ def first_outside(series: dict[str, list[float]], baseline: dict[str, list[float
 
 def config_differences(base: Run, run: Run) -> list[str]:
     """'field: baseline's vs run's' for every config field (strategy options and library versions
-    included) that differs, except the layout and the places files go, which differ by design."""
+    included) that differs, among those that may explain a FAIL (suspect_fields)."""
     a, b = _flat(base.config), _flat(run.config)
+    suspects = suspect_fields(base, run)
     return [f"{k}: {a.get(k, '–')} vs {b.get(k, '–')}" for k in sorted(a | b)
-            if k.split(".")[0] not in LAYOUT_AND_PLACES and a.get(k) != b.get(k)]
+            if k.split(".")[0] in suspects and a.get(k) != b.get(k)]
+
+
+def suspect_fields(base: Run, run: Run) -> set[str]:
+    """The config fields whose difference may explain a FAIL: all but the layout and the places files go, which differ
+    by design; a recorded run against its replay, only those the replay takes from the record (replay_suspects)."""
+    fields = set(base.config) | set(run.config)
+    if run.recorded and is_replay(base.config):
+        fields &= replay_suspects(base.config)
+    return fields - set(LAYOUT_AND_PLACES)
 
 
 def _flat(config: dict, prefix: str = "") -> dict:
@@ -471,7 +507,8 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
     other_policy = policy_differences(base, run)
     outside = None
     if not other_policy:  # the earlier of the two; at one step, the overflow mismatch (it explains the rest)
-        found = [o for o in (run.duplicate_rows, run.lr_off_schedule, first_overflow_mismatch(base, run, num_steps),
+        found = [o for o in (run.duplicate_rows, resumed_rows(base.record, run.record), run.lr_off_schedule,
+                             first_overflow_mismatch(base, run, num_steps),
                              first_outside(series, baseline, bounds),
                              teacher_forced.first_fail(run.record, num_steps)) if o]  # (at one step, the curves')
         outside = min(found, key=lambda o: o.step, default=None)

@@ -20,8 +20,10 @@ import shlex
 from html import escape
 from importlib import resources
 
-from parity import storage
+from parity import fingerprint, storage
 from parity.comparing.html_charts import curve_panels
+from parity.comparing.recorded import RESUMED_ROWS, resumed_note, resumed_rows_words, stopped_words
+from parity.comparing.verdict import EXACT_MARGIN
 from parity.registry import label, run_label
 
 PAGE_NAME = "report.html"
@@ -130,7 +132,7 @@ def _fingerprints(records: dict[str, dict]) -> str:
             else:
                 out[f"{prefix}{k}"] = ", ".join(map(str, v)) if isinstance(v, list) else str(v)
         return out
-    flats = {name: flat(fp or {}) for name, fp in records.items()}
+    flats = {name: flat(fingerprint.reported(fp or {})) for name, fp in records.items()}
     names = list(flats)
     fields = list(dict.fromkeys(k for f in flats.values() for k in f))
     rows, differing = [], 0
@@ -252,6 +254,12 @@ def verdict_sentence(saved: dict, layers: dict) -> str:
     return f"{saved['verdict']} against {base} over {n} steps. " + ". ".join(parts) + "." + tail
 
 
+def stopped_sentences(saved: dict) -> str:
+    """Where each recorded run's record stopped early, a sentence each after the verdict's ('' when none did)."""
+    return "".join(f" {run['label']}: {stopped_words(run['stopped'])}." for run in saved["runs"].values()
+                   if run.get("stopped"))
+
+
 def _replicas(run: dict, against: dict) -> str:
     parted = against.get("replicas_parted") if against else None
     if parted:
@@ -283,6 +291,8 @@ def _outside_words(f: dict) -> str:
                 f"({f.get('reference')})")
     if test == "duplicate_rows":
         return f"{step}, two data-parallel ranks fed the same rows"
+    if test == RESUMED_ROWS:
+        return f"{step}, {resumed_rows_words(f['step'], bool(f['value']))}"
     return f"{step} ({test}, {f['quantity']})"
 
 
@@ -308,6 +318,7 @@ def runs_table(saved: dict, directory: str, quantities: list[str]) -> str:
             ratio = "<br>".join(f"{escape(NOUNS.get(q, q))} {ratios[q]:.1f}" for q in quantities if q in ratios)
         else:
             ratio = "uncalibrated"
+        ratio += f"<br>{escape(EXACT_MARGIN)}" if a.get("bit_identical") else ""
         worst = "<br>".join(f"{escape(NOUNS.get(q, q))} {a['max_rel_diff'][q]:.3e}" for q in quantities
                             if q in a["max_rel_diff"])
         rows.append([escape(run["label"]), _word(a["verdict"]), ratio, worst,
@@ -333,8 +344,10 @@ def teacher_forced_table(name: str, label_: str, tf: dict) -> str:
 
 def failure_section(saved: dict, name: str, directory: str, layers: dict) -> str:
     run, a = saved["runs"][name], saved["against_baseline"][name]
+    f = a.get("first_outside")
+    resumed = resumed_note(run.get("resumed_at", []), f["step"], f.get("test")) if f else None
     out = [f'<section id="why-{escape(name)}"><h2>Why {escape(run["label"])} FAILed</h2>',
-           f"<p>{_outside(a)}</p>" if a.get("first_outside") else ""]
+           f"<p>{_outside(a)}</p>" if f else "", f"<p>{escape(resumed)}.</p>" if resumed else ""]
     if a.get("replicas_parted"):
         out.append(f"<p>{escape(a['replicas_parted'].get('line', ''))}</p>")
     diffs = a.get("config_differences") or []
@@ -385,7 +398,7 @@ def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
     word = saved["verdict"]
     body = [f'<header><h1>Loss-curve comparison against {escape(base)}: {_word(word)}</h1>',
             f'<p id="verdict" class="verdict {word.lower().replace(" ", "-")}" role="status">'
-            f'{escape(verdict_sentence(saved, layers))}</p>']
+            f'{escape(verdict_sentence(saved, layers) + stopped_sentences(saved))}</p>']
     body += [f'<p class="warning">{escape(w)}</p>' for w in saved.get("warnings", [])]
     sections = [("runs", "Verdict per run"), ("curves", "Curves"), *[(f"why-{n}", f"Why {saved['runs'][n]['label']} "
                 f"FAILed") for n, a in saved["against_baseline"].items() if a["verdict"] == "FAIL"],

@@ -11,6 +11,8 @@ from parity.training.replicas import parting_line
 
 
 POLICY_DIFFERENCE = "POLICY DIFFERENCE"
+# A run equal to its baseline bit for bit at every step: no deviation, so no ratio of its bound to it
+EXACT_MARGIN = "margin: exact (bit-identical)"
 
 
 def verdict_word(passed: bool) -> str:

@@ -1,0 +1,90 @@
+"""What a comparison says of a recorded run (your own trainer: parity/integrations/recorder.py, docs/own_trainer.md)
+beyond what it says of a harness run: which config fields it must share with its replay (parity/integrations/replay.py),
+where its record stopped early, and where it resumed from its framework's checkpoint (config.resumed_at: the steps at
+which it did): between two recorded runs of one script, rows that part at the step one of them resumed and the other
+ran through are that resume's finding — it skipped or repeated data — where other rows anywhere else make two runs not
+comparable.
+"""
+
+from __future__ import annotations
+
+from parity.comparing.verdict import Outside
+from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
+from parity.training.data import RECORDED
+
+RECORDER = "recorder"  # a recorded run's config.source (parity/integrations/recorder.py's SOURCE)
+RESUMED_ROWS = "resumed_rows"  # the resume finding's quantity and test (Outside; found by resumed_rows below)
+
+
+def is_recorded(config: dict) -> bool:
+    """A record's config is the recorder's, not the harness loop's."""
+    return config.get("source") == RECORDER
+
+
+def is_replay(config: dict) -> bool:
+    """A replay of a recorded run (train_ddp.py --replay_record): trained on a record's batches, with the record's
+    optimizer groups and lr at each step (the only runs that set REPLAY_ONLY's fields)."""
+    return (all(config.get(k) is not None for k in REPLAY_ONLY)
+            and str(config.get("dataset", "")).startswith(RECORDED))
+
+
+def replay_suspects(replay: dict) -> set[str]:
+    """The config fields in which a recorded run may differ from its replay `replay` (a config) other than by design:
+    those the replay takes from the record (REPLAY_TAKES) and records under their own name. The rest of the record's
+    config is the recorder's (its backend, its batches' folder ...) and the rest of the replay's the harness's (its
+    seed, dataset, schedule ...); the batches, which the replay holds as its dataset, are compared step by step."""
+    return set(REPLAY_TAKES) & set(replay)
+
+
+def stopped_words(stopped: dict) -> str:
+    """Where a record stopped early and why (config.stopped, written by the recorder at a step it could not record or
+    replay, or where the batches passed their cap): the steps before it are all the record holds, and all judged."""
+    step = stopped["step"]
+    return f"recorded up to step {step}: {stopped['why']}; steps 0…{step - 1} judged"
+
+
+def resumed_at(config: dict) -> list[int]:
+    """The steps at which a recorded run resumed from its framework's checkpoint (none when the key is absent)."""
+    return list(config.get("resumed_at") or [])
+
+
+def resumed_note(resumed: list[int], step: int, test: str) -> str | None:
+    """For a FAIL first outside at `step` (found by `test`) of a run that resumed at the steps `resumed`: that it
+    resumed from its checkpoint there, the first suspect; None elsewhere, and for the resume finding (it says so)."""
+    return f"the run resumed from its checkpoint at step {step}" if step in resumed and test != RESUMED_ROWS else None
+
+
+def same_script(a: dict, b: dict) -> bool:
+    """Two recorded runs' configs name one script: the same sha256 of it where both have one, else the same framework
+    and script name."""
+    fa, fb = a["fingerprint"].get("framework") or {}, b["fingerprint"].get("framework") or {}
+    if fa.get("script_sha256") and fb.get("script_sha256"):
+        return fa["script_sha256"] == fb["script_sha256"]
+    return bool(fa.get("script")) and (fa.get("name"), fa.get("script")) == (fb.get("name"), fb.get("script"))
+
+
+def same_rows(a: dict, b: dict) -> bool:
+    """Two runs' entries of one step fed the same rows: the same batch hash, or — two recorded runs at other layouts feed
+    them in another order — the same order-free rows_hash."""
+    return a["batch_hash"] == b["batch_hash"] or bool(a.get("rows_hash")) and a.get("rows_hash") == b.get("rows_hash")
+
+
+def resumed_rows(base: dict, run: dict) -> Outside | None:
+    """The resume finding between two records (the baseline's and a run's): both recorded runs of one script whose
+    rows are the same up to a step k at which exactly one of them resumed, and differ there. The Outside's value says
+    whether the run resumed at k, its reference whether the baseline did. None for any other pair."""
+    a, b = base["config"], run["config"]
+    if not (is_recorded(a) and is_recorded(b) and same_script(a, b)):
+        return None
+    step = next((sa["step"] for sa, sb in zip(base["steps"], run["steps"]) if not same_rows(sa, sb)), None)
+    if step is None or (step in resumed_at(a)) == (step in resumed_at(b)):
+        return None
+    return Outside(quantity=RESUMED_ROWS, rel_diff=1.0, tolerance=0.0, step=step, value=float(step in resumed_at(b)),
+                   reference=float(step in resumed_at(a)), test=RESUMED_ROWS)
+
+
+def resumed_rows_words(step: int, run_resumed: bool) -> str:
+    """The resume finding at `step` in words, the run (this run, or the baseline) that resumed there named."""
+    resumed, other = ("this run", "the baseline") if run_resumed else ("the baseline", "this run")
+    return (f"{resumed} resumed from its checkpoint at step {step} and feeds other rows than {other}, which ran on "
+            f"uninterrupted, from step {step} on: its resume skipped or repeated data")
