@@ -20,11 +20,13 @@ NOT_IDENTITY = ("log_interval", "replica_check_interval", "loss_output_dir", "st
 
 
 REPLAY_ONLY = ("optimizer", "lr_schedule")  # RunConfig fields only a replay of a recorded run sets
-# The recorded run's config fields its replay reads (parity/integrations/replay.py's plan_replay): what the replay takes
-# from the record, so what may explain a FAIL of the run against it (parity/comparing/recorded.py).
-# tests/test_recorded_report.py holds it equal to the fields plan_replay's code reads.
-REPLAY_TAKES = ("model_name", "init_weights_path", "optimizer", "weight_decay", "adam_beta1", "adam_beta2",
-                "adam_epsilon", "max_grad_norm", "precision", "batches", "dp_size")
+# The recorded run's config fields its replay copies into its own config as they are (parity/integrations/replay.py's
+# plan_replay): what may explain a FAIL of the run against its replay (parity/comparing/recorded.py). The replay also
+# reads where the record's files are (model_name, init_weights_path, batches: named relative to the record, compared
+# through the weights' sha256 and the model's config) and its dp_size (the default worker count, which --num_workers
+# changes by design). tests/test_recorded_report.py holds these equal to the fields plan_replay's code reads.
+REPLAY_TAKES = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "precision", "optimizer")
+REPLAY_LOCATES = ("model_name", "init_weights_path", "batches", "dp_size")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from parity import storage
 from parity.driver.config import resolve
 from parity.errors import ConfigError, RecordError
 from parity.integrations.rows import padding_problem
+from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
 from parity.training.data import RECORDED, RecordedBatches, recorded_batch_path
 from parity.training.record import load_record
 
@@ -48,7 +49,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
         raise ConfigError(f"--{extra[0]} contradicts --replay_record: the record supplies the model, weights, data, "
                           f"optimizer, lr, micro-batches, precision and steps; beside it give only --num_workers, "
                           f"--device, the output and checkpoint flags and --noise_reference")
-    optimizer = replayable_optimizer(record_file, config["optimizer"])
+    optimizer = replayable_optimizer(record_file, config["optimizer"])  # set below: not a flag
     steps = len(record["steps"])
     if dump_step is not None and not 0 <= dump_step < steps:
         raise ConfigError(f"--dump_step {dump_step} is not a step of {storage.name(record_file)} (0 to {steps - 1})")
@@ -68,9 +69,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
     values = {"model_name": model_folder, "init_weights_path": weights, "num_workers": workers,
               "batch_size": -(-max(rows) // workers), "grad_accum_steps": 1, "seq_length": max(length, 2),
               "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0,
-              "weight_decay": config["weight_decay"], "adam_beta1": config["adam_beta1"],
-              "adam_beta2": config["adam_beta2"], "adam_epsilon": config["adam_epsilon"],
-              "max_grad_norm": config["max_grad_norm"], "precision": config["precision"],
+              **{k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY},
               "dataset": RECORDED + folder, "checkpoint_interval": 0, **given}
     cfg = resolve(strategy, values, cluster=cluster)
     cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs)
