@@ -119,8 +119,9 @@ class ParityRecorder:
         rec.close()                          # the record complete
 
     Made before the first optimizer step (it saves the initial weights then) and after the process group is up
-    (torch.distributed initialised: one rank is a group of one). `model` may be wrapped (DDP, torch.compile),
-    sharded by FSDP2's fully_shard (with or without DTensor TP), or a DeepSpeed engine (then
+    (torch.distributed initialised: one rank is a group of one). `model` may be wrapped (DDP, torch.compile,
+    accelerate's prepare: its model and AcceleratedOptimizer as they are), sharded by FSDP2's fully_shard (with or
+    without DTensor TP), or a DeepSpeed engine (then
     `optimizer=engine.optimizer`, after_step after the boundary's engine.step(): sharded.py);
     `max_grad_norm` is what the loop clips to (0: it does not clip); `precision` the harness's name of what the loop
     computes in (fp32, bf16 for autocast over fp32 weights ...); `max_batch_bytes` caps the batches saved (default
@@ -140,16 +141,26 @@ class ParityRecorder:
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
                         framework, framework_versions or {})
-            self.enabled = True
             if dump_step is not None:  # step K in full, for compare_dumps.py (parity/integrations/dump.py)
                 from parity.integrations.dump import StepDump
 
                 self.dump = StepDump(self, dump_step)
+            self.enabled = True
         except LayoutRefused as exc:  # a process group or wrapper it cannot read (sharded.py)
             self._print(f"parity recorder: {exc}: recording nothing")
         except Exception as exc:  # never the user's training
+            self._discard()
             self._print(f"parity recorder: could not start ({type(exc).__name__}: {_first_line(exc)}): recording "
                         f"nothing")
+
+    def _discard(self) -> None:
+        """After a start that failed: the hook off, and the recorded folder gone if this start wrote into it (a failed
+        write of the initial weights): no half-written record stays."""
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+        if getattr(self, "_wrote", False):
+            storage.delete_dir(self.folder)
 
     @staticmethod
     def _refusal(name: str, precision: str) -> str | None:
@@ -181,16 +192,9 @@ class ParityRecorder:
         self.not_replayable: str | None = None
         config = getattr(self.model, "config", None)
         hf = config is not None and hasattr(config, "to_json_string")
-        weights_sha = None
         state = self.layout.full_state() if hf else None  # full tensors where sharded: every rank (collective)
-        if self.rank == 0:
-            if hf:
-                storage.write_bytes_atomic(storage.join(self.folder, "config.json"),
-                                           config.to_json_string().encode())
-                weights_sha = save_init_weights(self.model, storage.join(self.folder, "init_weights.safetensors"),
-                                                state)
-            else:
-                self.not_replayable = f"the model ({type(self.model).__name__}) is not a Hugging Face model"
+        if self.rank == 0 and not hf:
+            self.not_replayable = f"the model ({type(self.model).__name__}) is not a Hugging Face model"
         self.writer = BatchWriter() if self.rank == 0 else None
         self.exchange = RowExchange()
         group0 = optimizer.param_groups[0]
@@ -208,7 +212,7 @@ class ParityRecorder:
             "num_workers": self.world, "world_size": self.world, "batch_size": None, "global_batch_size": None,
             "grad_accum_steps": None, "seq_length": None, "precision": precision,
             "reduce_dtype": policy.reduce_dtypes[0], "grad_accum_dtype": policy.grad_accum_dtypes[0],
-            "loss_scaling": None, "total_steps": None, "init_weights_sha256": weights_sha,
+            "loss_scaling": None, "total_steps": None, "init_weights_sha256": None,
             "init_weights_path": storage.join(self.folder, "init_weights.safetensors") if hf else None,
             "model_config": config_summary(config) if hf else {},
             "learning_rate": float(group0.get("initial_lr", group0.get("lr", 0.0))),
@@ -232,6 +236,11 @@ class ParityRecorder:
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
         self.step_extras: dict = {}  # an adapter's fields for the next step's entry
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if self.rank == 0 and hf:  # the first write: all that could refuse or fail has passed
+            self._wrote = True
+            storage.write_bytes_atomic(storage.join(self.folder, "config.json"), config.to_json_string().encode())
+            self.record.data["config"]["init_weights_sha256"] = save_init_weights(
+                self.model, storage.join(self.folder, "init_weights.safetensors"), state)
         self._last = time.perf_counter()
         self._line(f"recording {self.name} ({framework}, {self.layout.kind}, {self.world} rank"
                    f"{'s' if self.world > 1 else ''}) into "
