@@ -48,6 +48,7 @@ from parity import storage
 from parity.fingerprint import fingerprint
 from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
 from parity.integrations.sharded import LayoutRefused, layout_of
+from parity.integrations.world import trains_alone
 from parity.models.model import config_summary, save_init_weights
 from parity.precision import POLICIES
 from parity.registry import KNOWN
@@ -136,7 +137,8 @@ class ParityRecorder:
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         refusal = self._refusal(name, precision)
         if refusal:
-            self._print(f"parity recorder: {refusal}: recording nothing")
+            if _first_process():
+                self._print(f"parity recorder: {refusal}: recording nothing")
             return
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
@@ -169,6 +171,9 @@ class ParityRecorder:
         if name in KNOWN:
             return (f"name {name!r} is a strategy of the harness ({', '.join(KNOWN)}): its record would be taken for "
                     f"the harness's own run; choose another")
+        alone = trains_alone()  # the launcher started several processes and this one trains alone (world.py)
+        if alone:
+            return alone
         if not dist.is_available() or not dist.is_initialized():
             return ("torch.distributed is not initialised: call init_process_group first (one process: "
                     "init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:29500'))")
@@ -486,6 +491,14 @@ class ParityRecorder:
 def _file_sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def _first_process() -> bool:
+    """Whether this process speaks for the run: the launcher's rank 0 (RANK), which a process that trains alone is
+    not told otherwise; without a launcher, rank 0 of the process group."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"] == "0"
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _first_line(exc: Exception) -> str:
