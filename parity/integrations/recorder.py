@@ -238,6 +238,7 @@ class ParityRecorder:
         if self.not_replayable:
             self._not_replayable(self.not_replayable)
         self._lrs: list[float] | None = None
+        self._optimizer_steps = 0  # the hook's firings since the last after_step
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
         self.step_extras: dict = {}  # an adapter's fields for the next step's entry
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -312,6 +313,7 @@ class ParityRecorder:
         """The optimizer's step pre-hook: the lr of every group as the step applies it; for an adapter that asks
         (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after any clipping)."""
         self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._optimizer_steps += 1
         if self.dump is not None:
             self.dump.take_grads()
         if self.norm_at_optimizer_step is not None:
@@ -353,6 +355,7 @@ class ParityRecorder:
         got = self.exchange(self.broken, self.loss_sum, self.tokens, self.micro, feeds=self.layout.feeds,
                        dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device)
         exchanged = time.perf_counter()
+        self._check_optimizer_steps()
         lrs = self._lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
         lr = float(lr) if lr is not None else lrs[0]
         self._check_scales(lrs)
@@ -398,6 +401,18 @@ class ParityRecorder:
         self.step += 1
         if self.step % self.log_interval == 0:
             self.observer.write()
+
+    def _check_optimizer_steps(self) -> None:
+        """One optimizer step per recorded step, as the replay takes one (the step hook's firings, where the
+        layout's torch optimizer steps once an update). A loop whose optimizer did not step or stepped twice between two
+        after_step() calls trained another run than the one recorded: not replayable, said at that step."""
+        steps, self._optimizer_steps = self._optimizer_steps, 0
+        if steps == 1 or not self.layout.steps_once_an_update:
+            return
+        why = (f"did not step in step {self.step} (a skipped step, or after_step() after a micro-batch that only "
+               f"accumulated)" if steps == 0 else
+               f"stepped {steps} times in step {self.step} (after_step() goes after each optimizer step)")
+        self._not_replayable(f"the optimizer {why}: the replay steps it once a recorded step")
 
     def _check_scales(self, lrs: list[float]) -> None:
         """Each group's lr must stay its recorded scale × the first group's, as the replay applies it."""

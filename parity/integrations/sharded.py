@@ -42,6 +42,7 @@ class DataParallel:
     kind = "data parallel"
     zero_stage = 0
     grad_norm_visible = True  # whether the recorder sees the full gradients before clipping (before_step)
+    steps_once_an_update = True  # whether the torch optimizer steps (fires its step hooks) once in each update
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
@@ -217,6 +218,7 @@ class ZeRO(DataParallel):
     replicas (parity/strategies/autotp/zero_state.py), DeepSpeed's own full tensors and pre-clip norm."""
 
     grad_norm_visible = False  # DeepSpeed clips inside engine.step(): its own norm, after the step
+    steps_once_an_update = False  # ZeRO-1/2 step the client optimizer once per parameter group, ZeRO-3 per sub-group
 
     def __init__(self, engine, device: torch.device):
         if engine.autotp_size() > 1:
