@@ -6,7 +6,7 @@ FAILs at step 0; a process that trains alone while its launcher started two (acc
 without cpu=True) is refused in one line naming the cause and the fix, and nothing is written; a recorder that fails
 while writing its start leaves no folder.
 
-One gloo group of two ranks records the three jobs one after another (the variables torchrun sets: accelerate takes
+One gloo group of two ranks records the four jobs one after another (the variables torchrun sets: accelerate takes
 the group that is up), one local group of two replays the two records (module-scoped)."""
 
 from __future__ import annotations
