@@ -52,6 +52,7 @@ from parity import storage
 from parity.fingerprint import fingerprint
 from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
 from parity.integrations.sharded import LayoutRefused, layout_of
+from parity.integrations.world import trains_alone
 from parity.models.model import config_summary, save_init_weights
 from parity.precision import POLICIES
 from parity.registry import KNOWN
@@ -124,8 +125,9 @@ class ParityRecorder:
         rec.close()                          # the record complete
 
     Made before the first optimizer step (it saves the initial weights then) and after the process group is up
-    (torch.distributed initialised: one rank is a group of one). `model` may be wrapped (DDP, torch.compile),
-    sharded by FSDP2's fully_shard (with or without DTensor TP), or a DeepSpeed engine (then
+    (torch.distributed initialised: one rank is a group of one). `model` may be wrapped (DDP, torch.compile,
+    accelerate's prepare: its model and AcceleratedOptimizer as they are), sharded by FSDP2's fully_shard (with or
+    without DTensor TP), or a DeepSpeed engine (then
     `optimizer=engine.optimizer`, after_step after the boundary's engine.step(): sharded.py);
     `max_grad_norm` is what the loop clips to (0: it does not clip); `precision` the harness's name of what the loop
     computes in (fp32, bf16 for autocast over fp32 weights ...); `max_batch_bytes` caps the batches saved (default
@@ -140,21 +142,32 @@ class ParityRecorder:
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         refusal = self._refusal(name, precision)
         if refusal:
-            self._print(f"parity recorder: {refusal}: recording nothing")
+            if _first_process():
+                self._print(f"parity recorder: {refusal}: recording nothing")
             return
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
                         framework, framework_versions or {})
-            self.enabled = True
             if dump_step is not None:  # step K in full, for compare_dumps.py (parity/integrations/dump.py)
                 from parity.integrations.dump import StepDump
 
                 self.dump = StepDump(self, dump_step)
+            self.enabled = True
         except LayoutRefused as exc:  # a process group or wrapper it cannot read (sharded.py)
             self._print(f"parity recorder: {exc}: recording nothing")
         except Exception as exc:  # never the user's training
+            self._discard()
             self._print(f"parity recorder: could not start ({type(exc).__name__}: {_first_line(exc)}): recording "
                         f"nothing")
+
+    def _discard(self) -> None:
+        """After a start that failed: the hook off, and the recorded folder gone if this start wrote into it (a failed
+        write of the initial weights): no half-written record stays."""
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+        if getattr(self, "_wrote", False):
+            storage.delete_dir(self.folder)
 
     @staticmethod
     def _refusal(name: str, precision: str) -> str | None:
@@ -163,6 +176,9 @@ class ParityRecorder:
         if name in KNOWN:
             return (f"name {name!r} is a strategy of the harness ({', '.join(KNOWN)}): its record would be taken for "
                     f"the harness's own run; choose another")
+        alone = trains_alone()  # the launcher started several processes and this one trains alone (world.py)
+        if alone:
+            return alone
         if not dist.is_available() or not dist.is_initialized():
             return ("torch.distributed is not initialised: call init_process_group first (one process: "
                     "init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:29500'))")
@@ -187,14 +203,7 @@ class ParityRecorder:
         self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
         config = getattr(self.model, "config", None)
         hf = config is not None and hasattr(config, "to_json_string")
-        weights_sha = None
         state = self.layout.full_state() if hf else None  # full tensors where sharded: every rank (collective)
-        if self.rank == 0:
-            if hf:
-                storage.write_bytes_atomic(storage.join(self.folder, "config.json"),
-                                           config.to_json_string().encode())
-                weights_sha = save_init_weights(self.model, storage.join(self.folder, "init_weights.safetensors"),
-                                                state)
         self.writer = BatchWriter() if self.rank == 0 else None
         self.exchange = RowExchange()
         group0 = optimizer.param_groups[0]
@@ -212,7 +221,7 @@ class ParityRecorder:
             "num_workers": self.world, "world_size": self.world, "batch_size": None, "global_batch_size": None,
             "grad_accum_steps": None, "seq_length": None, "precision": precision,
             "reduce_dtype": policy.reduce_dtypes[0], "grad_accum_dtype": policy.grad_accum_dtypes[0],
-            "loss_scaling": None, "total_steps": None, "init_weights_sha256": weights_sha,
+            "loss_scaling": None, "total_steps": None, "init_weights_sha256": None,
             "init_weights_path": f"{here}/init_weights.safetensors" if hf else None,
             "model_config": config_summary(config) if hf else {},
             "learning_rate": float(group0.get("initial_lr", group0.get("lr", 0.0))),
@@ -233,9 +242,15 @@ class ParityRecorder:
         self.step, self.grad_norm_source = 0, None
         self._reset_step()
         self._lrs: list[float] | None = None
+        self._optimizer_steps = 0  # the hook's firings since the last after_step
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
         self.step_extras: dict = {}  # an adapter's fields for the next step's entry
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if self.rank == 0 and hf:  # the first write: all that could refuse or fail has passed
+            self._wrote = True
+            storage.write_bytes_atomic(storage.join(self.folder, "config.json"), config.to_json_string().encode())
+            self.record.data["config"]["init_weights_sha256"] = save_init_weights(
+                self.model, storage.join(self.folder, "init_weights.safetensors"), state)
         self._last = time.perf_counter()
         self._line(f"recording {self.name} ({framework}, {self.layout.kind}, {self.world} rank"
                    f"{'s' if self.world > 1 else ''}) into "
@@ -306,6 +321,7 @@ class ParityRecorder:
         """The optimizer's step pre-hook: the lr of every group as the step applies it; for an adapter that asks
         (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after any clipping)."""
         self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._optimizer_steps += 1
         if self.dump is not None:
             self.dump.take_grads()
         if self.norm_at_optimizer_step is not None:
@@ -351,6 +367,7 @@ class ParityRecorder:
                             dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device,
                             positions=self.positions)
         exchanged = time.perf_counter()
+        self._check_optimizer_steps()
         lrs = self._lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
         lr = float(lr) if lr is not None else lrs[0]
         self._check_scales(lrs)
@@ -413,6 +430,18 @@ class ParityRecorder:
             self._stop_at(self.step, f"step {self.step}'s batch could not be hashed or saved ({type(exc).__name__}: "
                                      f"{_first_line(exc)})")
         return ""
+
+    def _check_optimizer_steps(self) -> None:
+        """One optimizer step per recorded step, as the replay takes one (the step hook's firings, where the
+        layout's torch optimizer steps once an update). A loop whose optimizer did not step or stepped twice between two
+        after_step() calls trained another run than the one recorded: not replayable, said at that step."""
+        steps, self._optimizer_steps = self._optimizer_steps, 0
+        if steps == 1 or not self.layout.steps_once_an_update:
+            return
+        why = (f"did not step in step {self.step} (a skipped step, or after_step() after a micro-batch that only "
+               f"accumulated)" if steps == 0 else
+               f"stepped {steps} times in step {self.step} (after_step() goes after each optimizer step)")
+        self._stop_at(self.step, f"the optimizer {why}: the replay steps it once a recorded step")
 
     def _check_scales(self, lrs: list[float]) -> None:
         """Each group's lr must stay its recorded scale × the first group's, as the replay applies it."""
@@ -537,6 +566,14 @@ def _default_positions(position_ids, length: int) -> bool:
 def _file_sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def _first_process() -> bool:
+    """Whether this process speaks for the run: the launcher's rank 0 (RANK), which a process that trains alone is
+    not told otherwise; without a launcher, rank 0 of the process group."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"] == "0"
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _first_line(exc: Exception) -> str:

@@ -42,6 +42,7 @@ class DataParallel:
     kind = "data parallel"
     zero_stage = 0
     grad_norm_visible = True  # whether the recorder sees the full gradients before clipping (before_step)
+    steps_once_an_update = True  # whether the torch optimizer steps (fires its step hooks) once in each update
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
@@ -217,15 +218,13 @@ class ZeRO(DataParallel):
     replicas (parity/strategies/autotp/zero_state.py), DeepSpeed's own full tensors and pre-clip norm."""
 
     grad_norm_visible = False  # DeepSpeed clips inside engine.step(): its own norm, after the step
+    steps_once_an_update = False  # ZeRO-1/2 step the client optimizer once per parameter group, ZeRO-3 per sub-group
 
     def __init__(self, engine, device: torch.device):
         if engine.autotp_size() > 1:
             raise LayoutRefused(f"DeepSpeed's AutoTP (autotp_size {engine.autotp_size()}): the recorder reads ZeRO at "
                                 f"TP 1 only so far")
-        optimizer = engine.optimizer
-        while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
-            optimizer = optimizer.optimizer  # ZeRO's optimizer wraps the client one, which steps (and is hooked)
-        super().__init__(engine.module, optimizer)
+        super().__init__(engine.module, torch_optimizer(engine.optimizer))
         self.engine, self.device = engine, device
         self.zero_stage = engine.zero_optimization_stage()
         self.kind = f"deepspeed zero{self.zero_stage}"
@@ -283,10 +282,23 @@ class LayoutRefused(ValueError):
     """A process group or wrapper the recorder cannot read: one line, and it records nothing."""
 
 
+def torch_optimizer(optimizer):
+    """The torch optimizer that steps inside a framework's wrapper, the one the recorder hooks and describes:
+    accelerate's AcceleratedOptimizer (a torch Optimizer subclass that never ran Optimizer.__init__, so it has no step
+    hooks of its own, and steps the inner one only when accelerate syncs the gradients) and DeepSpeed's ZeRO
+    optimizers hold it in `.optimizer`."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def layout_of(model, optimizer, device: torch.device, unwrap) -> DataParallel:
-    """The layout the user's `model` (as handed to the recorder: wrapped or not) trains in. LayoutRefused, one line,
-    for one the recorder cannot read."""
+    """The layout the user's `model` (as handed to the recorder: wrapped or not, accelerate's prepared model: DDP or
+    the bare module) trains in, stepped by `optimizer` (or the torch optimizer inside its wrapper). LayoutRefused, one
+    line, for one the recorder cannot read."""
     from torch.distributed.fsdp import FullyShardedDataParallel
+
+    optimizer = torch_optimizer(optimizer)
 
     if "deepspeed" in sys.modules:
         from deepspeed import DeepSpeedEngine
@@ -305,4 +317,4 @@ def layout_of(model, optimizer, device: torch.device, unwrap) -> DataParallel:
     return DataParallel(inner, optimizer)
 
 
-__all__ = ["DataParallel", "FSDP1", "FullyShard", "LayoutRefused", "ZeRO", "layout_of"]
+__all__ = ["DataParallel", "FSDP1", "FullyShard", "LayoutRefused", "ZeRO", "layout_of", "torch_optimizer"]
