@@ -80,8 +80,8 @@ def test_accelerate_loop_replays_to_the_record_and_passes(runs, tmp_path):
 
     recorded, replay = _record(runs["clean"], NAME), _record(runs["clean"], "ddp")
     config = recorded["config"]
-    assert config["batches"]["replayable"], config["batches"]["not_replayable"]
-    assert config["batches"]["micro_batches"] == [[2, 2], [2, 2]] and config["grad_norm_source"] == "recorder"
+    assert config["stopped"] is None and config["not_replayable"] is None
+    assert recorded["steps"][0]["micro_batches"] == [[2, 2], [2, 2]] and config["grad_norm_source"] == "recorder"
     assert config["optimizer"]["type"] == "AdamW" and replay["config"]["optimizer"] == config["optimizer"]
     assert len(replay["steps"]) == len(recorded["steps"]) == STEPS
     for key in ("batch_hash", "tokens", "lr"):
@@ -102,15 +102,16 @@ def test_mean_of_micro_batch_means_fails_at_step_0(runs):
     assert first_fail(runs["mean_of_means"], 0, "grad_norm").rel_diff > 1e-3
 
 
-def test_an_optimizer_that_stepped_twice_in_a_step_is_not_replayable(runs):
+def test_an_optimizer_that_stepped_twice_in_a_step_stops_the_record_there(runs):
     """AcceleratedOptimizer.step() runs at every micro-batch and steps the torch optimizer only where accelerate syncs:
     the recorder's hook on it fires once a step. Where accelerate syncs at every micro-batch of a step (the last one,
-    its dataloader ended by fetching ahead), the torch optimizer steps twice in that step: the record says so and is
-    not replayable (the replay would step once)."""
-    batches = _record(runs["stepped_twice"], NAME)["config"]["batches"]
-    assert not batches["replayable"] and batches["not_replayable"] == (
+    its dataloader ended by fetching ahead), the torch optimizer steps twice in that step: the record stops there,
+    saying so (the replay would step once), and holds the step before it."""
+    recorded = _record(runs["stepped_twice"], NAME)
+    assert recorded["config"]["stopped"] == {"step": 1, "why": (
         "the optimizer stepped 2 times in step 1 (after_step() goes after each optimizer step): the replay steps it "
-        "once a recorded step")
+        "once a recorded step")}
+    assert len(recorded["steps"]) == 1
 
 
 def test_a_process_that_trains_alone_is_refused_in_one_line(runs):
