@@ -121,8 +121,8 @@ def test_a_scheduler_stepped_twice_fails_on_the_declared_schedule(runs):
 
 def test_a_record_that_cannot_be_continued_is_refused_in_one_line(tmp_path):
     """A run recorded for 2 steps, then resumed (a group of one in this process): at step 3 (the record holds fewer
-    steps), with another optimizer setting, and with a batch gone — each one line, nothing recorded (the record's file
-    unchanged), and the loop trains on."""
+    steps), into a folder without the record, with another optimizer setting, and with a batch gone — each one line,
+    nothing recorded (the record's file unchanged), and the loop trains on."""
     import torch.distributed as dist
 
     from parity.integrations.recorder import ParityRecorder
@@ -140,15 +140,17 @@ def test_a_record_that_cannot_be_continued_is_refused_in_one_line(tmp_path):
         written = record.read_bytes()
         batch = out / "recorded_mine" / "batches" / "step_000001.safetensors"
         other = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        cases = [(3, optimizer, "it holds 2 steps"),
-                 (2, other, "this run's optimizer.groups[0].weight_decay is 0.1, the record's 0.01: it continues "
-                            "another run"),
-                 (2, optimizer, f"its batch of step 1 is missing from {out / 'recorded_mine' / 'batches'}")]
-        for k, opt, why in cases:
-            if k == 2 and opt is optimizer:
+        cases = [(3, out, optimizer, "it holds 2 steps"),
+                 (2, tmp_path / "elsewhere", optimizer,
+                  f"there is none in {tmp_path / 'elsewhere'} (the first run was not recorded there)"),
+                 (2, out, other, "this run's optimizer.groups[0].weight_decay is 0.1, the record's 0.01: it continues "
+                                 "another run"),
+                 (2, out, optimizer, f"its batch of step 1 is missing from {out / 'recorded_mine' / 'batches'}")]
+        for k, folder, opt, why in cases:
+            if why.startswith("its batch"):
                 batch.unlink()
             lines = []
-            rec = ParityRecorder(str(out), name="mine", model=model, optimizer=opt, start_step=k, log=lines.append)
+            rec = ParityRecorder(str(folder), name="mine", model=model, optimizer=opt, start_step=k, log=lines.append)
             assert not rec.enabled and lines == [f"parity recorder [mine]: cannot continue loss_mine.json at step {k}: "
                                                  f"{why}: recording nothing; the training goes on"], lines
             steps = int(opt.state[model.weight].get("step", 0))
