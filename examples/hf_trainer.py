@@ -7,6 +7,11 @@ attention mask and gradient accumulation, recorded for the harness by ParityCall
     python train_ddp.py --replay_record OUT/loss_hf_trainer.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png
+
+Stopped after a checkpoint and resumed from it (the recorder continues its record from the checkpoint's step):
+
+    python examples/hf_trainer.py --output_dir OUT --nproc 2 --save_at 3
+    python examples/hf_trainer.py --output_dir OUT --nproc 2 --resume_from_checkpoint OUT/trainer/checkpoint-3
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import socket
 
 import torch
+from transformers import TrainerCallback
 
 from parity.integrations.transformers import ParityCallback
 
@@ -42,7 +48,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=10.0,
                    help="Trainer's clipping; where it does not clip, the recorder measures the pre-clip norm itself in "
                         "float64, else it records Trainer's fp32 value (docs/own_trainer.md)")
+    p.add_argument("--save_at", type=int, default=None,
+                   help="save Trainer's checkpoint at step K (OUTPUT_DIR/trainer/checkpoint-K) and stop there")
+    p.add_argument("--resume_from_checkpoint", default=None, help="trainer.train(resume_from_checkpoint=...)")
     return p.parse_args(argv)
+
+
+class StopAt(TrainerCallback):
+    """Stops the run at step K, after the checkpoint save_steps=K has Trainer save there (Trainer saves after
+    on_step_end, then leaves its loop): the run max_steps declares, stopped — its schedule is the full run's."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop |= state.global_step == self.step
 
 
 class PaddedRows(torch.utils.data.Dataset):
@@ -91,13 +111,15 @@ def train(args) -> None:
     training = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=1e-3,
-        warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[],
+        warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, report_to=[],
+        **({"save_strategy": "steps", "save_steps": args.save_at} if args.save_at else {"save_strategy": "no"}),
         use_cpu=True, ddp_backend="gloo", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
         disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)
     trainer = Trainer(model=model, args=training, train_dataset=data,
                       data_collator=pad_to_longest if args.dynamic_padding else None,
-                      callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step)])
-    trainer.train()
+                      callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step),
+                                 *([StopAt(args.save_at)] if args.save_at else [])])
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 
 
 def _spawned(rank: int, world: int, port: int, args) -> None:

@@ -9,17 +9,25 @@ accumulation window), gradient accumulation under no_sync, AdamW with two parame
 and norms, as Hugging Face's Trainer does), a linear warm-up, and clipping. Each window's loss is its global token
 mean, whatever its micro-batches hold. The recorder (parity.integrations.recorder.ParityRecorder) is five lines of it.
 
+It checkpoints the way a user's loop does: `--save_at K` writes the model's, the optimizer's and the scheduler's state
+dicts and the data position after K steps (torch.save on rank 0) and stops; `--resume_from DIR` restores them and goes
+on, the recorder continuing the record from step K (start_step).
+
     python examples/plain_loop.py --output_dir OUT --nproc 2          # 2 ranks, spawned here (gloo, CPU)
     torchrun --nproc_per_node 2 examples/plain_loop.py --output_dir OUT
     python train_ddp.py --replay_record OUT/loss_plain_loop.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png    # PASS: the loop trains as DDP does
+
+    python examples/plain_loop.py --output_dir OUT --nproc 2 --save_at 3                        # steps 0-2, checkpoint
+    python examples/plain_loop.py --output_dir OUT --nproc 2 --resume_from OUT/checkpoint-3     # steps 3-5: one record
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import socket
 
@@ -51,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_batch_bytes", type=int, default=None, help="the recorder's cap on the batches it saves")
     p.add_argument("--dump_step", type=int, default=None,
                    help="record step K in full for compare_dumps.py (docs/own_trainer.md: localising a FAIL)")
+    p.add_argument("--save_at", type=int, default=None,
+                   help="after K steps write a checkpoint into OUTPUT_DIR/checkpoint-K and stop")
+    p.add_argument("--resume_from", default=None, help="a checkpoint folder --save_at wrote: restore it and go on")
     return p.parse_args(argv)
 
 
@@ -99,19 +110,39 @@ def windows(args, rank: int, world: int, samples: int):
         epoch += 1
 
 
+def save_checkpoint(folder: str, model, optimizer, scheduler, step: int) -> None:
+    """Rank 0 writes the state dicts and the data position — the steps done: the windows follow from the seed — and
+    every rank waits for it."""
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "step": step}, os.path.join(folder, "checkpoint.pt"))
+    dist.barrier()
+
+
+def restore(folder: str, model, optimizer, scheduler) -> int:
+    """Every rank loads the checkpoint save_checkpoint wrote; returns the steps done."""
+    state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["step"]
+
+
 def train(args) -> str | None:
     """The loop, on every rank of the process group that is up. Returns the record's path on rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer, scheduler = build(args)
+    start = restore(args.resume_from, model, optimizer, scheduler) if args.resume_from else 0
     ddp = DistributedDataParallel(model)
     rec = ParityRecorder(args.output_dir, name=args.name, model=ddp, optimizer=optimizer,
                          max_grad_norm=args.max_grad_norm, framework="examples/plain_loop.py",
                          **({"max_batch_bytes": args.max_batch_bytes} if args.max_batch_bytes else {}),
-                         dump_step=args.dump_step)
-    accum = args.grad_accum_steps
+                         dump_step=args.dump_step, scheduler=scheduler, start_step=start)
     samples = args.samples or args.steps * world * args.batch_size
     all_ids, all_labels, all_mask = dataset(samples, args.seq_length, model.config.vocab_size, args.seed)
-    for step, window in zip(range(args.steps), windows(args, rank, world, samples)):
+    data = itertools.islice(windows(args, rank, world, samples), start, None)  # the data position restored
+    for step, window in zip(range(start, args.steps), data):
         # the window's loss tokens: each rank's count, summed over the ranks
         local = sum((all_labels[batch][:, 1:] != -100).sum() for batch in window)
         global_tokens = local.clone()
@@ -135,6 +166,11 @@ def train(args) -> str | None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         rec.after_step(logged_loss=float(logged / global_tokens))
+        if step + 1 == args.save_at:
+            save_checkpoint(os.path.join(args.output_dir, f"checkpoint-{step + 1}"), model, optimizer, scheduler,
+                            step + 1)
+            rec.save()  # the record holds the steps up to the checkpoint: a run killed after it resumes without a gap
+            break
     return rec.close()
 
 

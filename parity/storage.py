@@ -117,6 +117,15 @@ def exists(location: str) -> bool:
     return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
 
 
+def size(location: str) -> int | None:
+    """The file's size in bytes, or None where there is no file."""
+    import pyarrow.fs
+
+    fs, path = filesystem(location)
+    info = fs.get_file_info(path)
+    return info.size if info.type == pyarrow.fs.FileType.File else None
+
+
 def is_dir(location: str) -> bool:
     import pyarrow.fs
 

@@ -621,6 +621,17 @@ def test_trainer_deepspeed_path_is_refused_in_one_line(runs):
         assert (runs[name] / "trainer").is_dir()  # Trainer's own output folder: it trained
 
 
+def linear_step(model, optimizer, rec, ids) -> None:
+    """One recorded step of a torch.nn.Linear(4, 4) on one-hot `ids` (their own labels)."""
+    logits = model(torch.nn.functional.one_hot(ids, 4).float())
+    logits.sum().backward()
+    rec.micro_batch(ids, ids, logits)
+    rec.before_step()
+    optimizer.step()
+    optimizer.zero_grad()
+    rec.after_step()
+
+
 def test_a_model_that_is_not_hugging_faces_is_refused_at_replay(tmp_path, capsys):
     """A plain torch module recorded (one rank, a group of one in this process): the recorder marks the record (no
     config to build the model from: hugging_face_model false, not replayable) and the replay refuses it in one line."""
@@ -633,13 +644,7 @@ def test_a_model_that_is_not_hugging_faces_is_refused_at_replay(tmp_path, capsys
         model = torch.nn.Linear(4, 4)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         rec = ParityRecorder(str(tmp_path / "rec"), name="mine", model=model, optimizer=optimizer, log=lambda _: None)
-        ids = torch.randint(0, 4, (2, 8))
-        logits = model(torch.nn.functional.one_hot(ids, 4).float())
-        logits.sum().backward()
-        rec.micro_batch(ids, ids, logits)
-        rec.before_step()
-        optimizer.step()
-        rec.after_step()
+        linear_step(model, optimizer, rec, torch.randint(0, 4, (2, 8)))
         path = rec.close()
     finally:
         dist.destroy_process_group()

@@ -15,6 +15,11 @@ What a callback cannot see, it takes from the framework's own extension points, 
 
 One process without a process group (Lightning's single-device strategy): the callback starts a gloo group of one for
 the recorder and ends it after training.
+
+A run resumed with `trainer.fit(..., ckpt_path=...)` continues its first run's record from the checkpoint's step
+(trainer.global_step at on_train_start: ParityRecorder's start_step); each checkpoint Lightning saves writes the record
+(on_save_checkpoint: ModelCheckpoint saves after the other callbacks' on_train_batch_end, where the step was recorded),
+so that it holds the steps up to the checkpoint.
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ class ParityCallback(pl.Callback):
                                        max_grad_norm=float(trainer.gradient_clip_val or 0.0),
                                        precision=PRECISIONS.get(str(trainer.precision), "fp32"),
                                        max_batch_bytes=self.max_batch_bytes, framework="lightning.Trainer",
-                                       framework_versions=versions)
+                                       framework_versions=versions,
+                                       start_step=trainer.global_step)  # > 0: resumed from ckpt_path
         if not self.recorder.enabled:
             return
         refusal = self._refusal(trainer, pl_module)
@@ -111,6 +117,10 @@ class ParityCallback(pl.Callback):
             logged = trainer.strategy.reduce(torch.tensor(self._logged, dtype=torch.float64), reduce_op="mean")
             self._logged = 0.0
             self.recorder.after_step(logged_loss=float(logged))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if self.recorder is not None:
+            self.recorder.save()  # every rank dumps the checkpoint: a collective is safe here
 
     def on_train_end(self, trainer, pl_module):
         if self._hook is not None:

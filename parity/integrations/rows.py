@@ -181,7 +181,7 @@ def duplicate_rows(per_rank: list[list[tuple]]) -> dict:
 class BatchWriter:
     """Rank 0's writer of the saved batches, on a thread of its own: each step's batch is encoded (safetensors) and
     written atomically while the training goes on; `finished()` says which steps are on disk and which failed (in
-    step order); `close()` waits for the rest."""
+    step order); `flush()` waits for those submitted (a checkpoint's), `close()` for the rest and ends the thread."""
 
     def __init__(self):
         self._queue: Queue = Queue()
@@ -210,12 +210,17 @@ class BatchWriter:
                 outcome = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
             with self._lock:
                 self._done.append((step, outcome))
+            self._queue.task_done()
 
     def finished(self) -> list[tuple[int, str | None]]:
         """(step, None if written else why not) of every batch finished since the last call."""
         with self._lock:
             done, self._done = self._done, []
         return done
+
+    def flush(self) -> list[tuple[int, str | None]]:
+        self._queue.join()
+        return self.finished()
 
     def close(self) -> list[tuple[int, str | None]]:
         self._queue.put(None)

@@ -16,6 +16,10 @@ What a callback cannot see, it takes from the framework's own extension points:
   TrainingArguments on a scratch optimizer and stepped once per update). The replay applies the recorded lr, so a
   scheduler stepped twice per update would replay to the same curves: the verdict FAILs the first step whose lr is
   not the declared one instead (parity.comparing.curves.Run.lr_off_schedule).
+
+A run resumed with `trainer.train(resume_from_checkpoint=...)` continues its first run's record from the checkpoint's
+step (state.global_step at on_train_begin: ParityRecorder's start_step), its declared schedule moved on to that step;
+each checkpoint Trainer saves writes the record (on_save), so that it holds the steps up to the checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
+from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, DeclaredSchedule, ParityRecorder, unwrap
 
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → the harness's policy (autocast)
 
@@ -41,7 +45,7 @@ class ParityCallback(TrainerCallback):
         self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
         self.dump_step = dump_step
         self.recorder: ParityRecorder | None = None
-        self._hook, self._stepped, self._declared = None, False, None
+        self._hook, self._stepped = None, False
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         refusal = trainer_refusal(args)
@@ -60,7 +64,8 @@ class ParityCallback(TrainerCallback):
                                        optimizer=getattr(optimizer, "optimizer", optimizer),
                                        max_grad_norm=args.max_grad_norm or 0.0, precision=precision,
                                        max_batch_bytes=self.max_batch_bytes, framework="transformers.Trainer",
-                                       framework_versions=versions, dump_step=self.dump_step)
+                                       framework_versions=versions, dump_step=self.dump_step,
+                                       start_step=state.global_step)  # > 0: resumed from a checkpoint
         if not self.recorder.enabled:
             return
         if args.logging_steps != 1:
@@ -69,7 +74,7 @@ class ParityCallback(TrainerCallback):
             return
         self._hook = unwrap(model).register_forward_hook(self._forward, with_kwargs=True)
         self.recorder.norm_at_optimizer_step = float("nan")  # measured by the recorder's optimizer step pre-hook
-        self._declared = declared_schedule(args, state.max_steps, self.recorder.optimizer)
+        self.recorder.declared = declared_schedule(args, state.max_steps, self.recorder.optimizer, state.global_step)
 
     def _forward(self, module, args, kwargs, output) -> None:
         """A training micro-batch's forward: its rows and the logits the model made of them."""
@@ -98,10 +103,13 @@ class ParityCallback(TrainerCallback):
                 self.recorder.before_step(grad_norm=own, source="recorder")
             else:
                 self.recorder.before_step(grad_norm=theirs, source="framework")
-            if self._declared is not None:
-                self.recorder.step_extras = {"declared_lr": self._declared.lr()}
             self.recorder.after_step(logged_loss=logs.get("loss"), logged_grad_norm=theirs)
             self.recorder.norm_at_optimizer_step = float("nan")
+
+    def on_save(self, args, state, control, **kwargs):
+        """Trainer saved a checkpoint (after the step's on_log): the record holds the steps up to it."""
+        if self.recorder is not None:
+            self.recorder.save()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:
@@ -141,29 +149,19 @@ def trainer_refusal(args) -> str | None:
     return None
 
 
-def declared_schedule(args, max_steps: int, optimizer) -> "DeclaredSchedule | None":
-    """Trainer's lr schedule as its settings declare it; None where the run's optimizer did not start at
+def declared_schedule(args, max_steps: int, optimizer, step: int = 0) -> DeclaredSchedule | None:
+    """Trainer's lr schedule as its settings declare it (create_scheduler's get_scheduler call, on a scratch optimizer),
+    moved on to `step` (the updates a resumed run did before); None where the run's optimizer did not start at
     args.learning_rate (an optimizer or scheduler of the user's: nothing declared) or the steps are unknown."""
+    from transformers import get_scheduler
+
     first = optimizer.param_groups[0]
     if not max_steps or max_steps <= 0 or first.get("initial_lr", first["lr"]) != args.learning_rate:
         return None
-    return DeclaredSchedule(args, max_steps)
-
-
-class DeclaredSchedule:
-    """create_scheduler's get_scheduler call on a scratch optimizer: `lr()` is the lr of the next update, then the
-    schedule moves one update on."""
-
-    def __init__(self, args, max_steps: int):
-        from transformers import get_scheduler
-
-        self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.learning_rate)
-        self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer=self.optimizer,
-                                       num_warmup_steps=args.get_warmup_steps(max_steps),
-                                       num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
-
-    def lr(self) -> float:
-        value = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
-        self.scheduler.step()
-        return value
+    scratch = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.learning_rate)
+    declared = DeclaredSchedule(get_scheduler(args.lr_scheduler_type, optimizer=scratch,
+                                              num_warmup_steps=args.get_warmup_steps(max_steps),
+                                              num_training_steps=max_steps,
+                                              scheduler_specific_kwargs=args.lr_scheduler_kwargs))
+    declared.advance(step)
+    return declared
