@@ -39,11 +39,11 @@ COPIES = {
     # each rank's mean over its own tokens, averaged by DDP: a mean of per-rank means on padded data
     "rank_mean": [(CLEAN_LOSS, "loss = summed / local")],
     # accumulation that averages per-micro-batch means (transformers <= 4.45)
-    "micro_mean": [(CLEAN_LOSS, "loss = summed / (labels[:, 1:] != -100).sum() / accum")],
+    "micro_mean": [(CLEAN_LOSS, "loss = summed / (labels[:, 1:] != -100).sum() / args.grad_accum_steps")],
     # rank r fed rank r-1's rows (rank 0 its own): two ranks train on the same samples
     "neighbour": [(MINE, "mine = order[max(rank - 1, 0)::world]")],
     # the epoch's partial last window divided by the full accumulation count, not by what it holds
-    "partial_window": [(CLEAN_LOSS, "loss = summed * world / global_tokens * len(window) / accum")],
+    "partial_window": [(CLEAN_LOSS, "loss = summed * world / global_tokens * len(window) / args.grad_accum_steps")],
 }
 PARTIAL_STEP = 2
 TRAINER_LINE = "    trainer = Trainer(model=model, args=training, train_dataset=data,"
