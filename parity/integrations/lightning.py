@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
+from parity.integrations.settle import settle_at_exit
 from parity.integrations.transformers import ParityCallback as _TrainerCallback
 
 # Lightning's precision → the harness's policy
@@ -118,6 +119,7 @@ class ParityCallback(pl.Callback):
             self._hook = None
         if self.recorder is not None:
             self.recorder.close()
+            settle_at_exit()  # the group outlives the callback: its threads still hold close()'s tensors (settle.py)
         if self._own_group:
             dist.destroy_process_group()
             self._own_group = False

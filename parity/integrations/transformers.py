@@ -28,6 +28,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
+from parity.integrations.settle import settle_at_exit
 
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → the harness's policy (autocast)
 
@@ -108,6 +109,7 @@ class ParityCallback(TrainerCallback):
             self._hook = None
         if self.recorder is not None:
             self.recorder.close()
+            settle_at_exit()  # the group outlives the callback: its threads still hold close()'s tensors (settle.py)
 
 
 def trainer_refusal(args) -> str | None:
