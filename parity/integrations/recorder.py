@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.fingerprint import fingerprint
+from parity.integrations.attach import attached
 from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.models.model import config_summary, save_init_weights
@@ -131,6 +132,7 @@ class ParityRecorder:
                  precision: str = "fp32", max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, log_interval: int = 10,
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
                  log: Callable[[str], Any] | None = None, dump_step: int | None = None):
+        output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         refusal = self._refusal(name, precision)
