@@ -16,6 +16,9 @@ What a callback cannot see, it takes from the framework's own extension points:
   TrainingArguments on a scratch optimizer and stepped once per update). The replay applies the recorded lr, so a
   scheduler stepped twice per update would replay to the same curves: the verdict FAILs the first step whose lr is
   not the declared one instead (parity.comparing.curves.Run.lr_off_schedule).
+
+One process without a process group (no launcher): the callback starts a gloo group of one for the recorder and ends
+it after training, as Lightning's does (group.py).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from parity.integrations.group import own_group, release
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
-from parity.integrations.settle import settle_at_exit
 
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → the harness's policy (autocast)
 
@@ -42,9 +45,10 @@ class ParityCallback(TrainerCallback):
         self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
         self.dump_step = dump_step
         self.recorder: ParityRecorder | None = None
-        self._hook, self._stepped, self._declared = None, False, None
+        self._hook, self._stepped, self._declared, self._own_group = None, False, None, False
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._own_group = own_group(args.world_size)  # one process without a launcher: a group of one
         refusal = trainer_refusal(args)
         if refusal:
             if not dist.is_initialized() or dist.get_rank() == 0:
@@ -89,7 +93,7 @@ class ParityCallback(TrainerCallback):
         self._stepped = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._stepped and self.recorder is not None and logs and "grad_norm" in logs:
+        if self._stepped and self.recorder is not None and self.recorder.enabled and logs and "grad_norm" in logs:
             self._stepped = False
             theirs, own = float(logs["grad_norm"]), self.recorder.norm_at_optimizer_step
             clipping = args.max_grad_norm or 0.0
@@ -109,7 +113,8 @@ class ParityCallback(TrainerCallback):
             self._hook = None
         if self.recorder is not None:
             self.recorder.close()
-            settle_at_exit()  # the group outlives the callback: its threads still hold close()'s tensors (settle.py)
+        release(self._own_group)
+        self._own_group = False
 
 
 def trainer_refusal(args) -> str | None:
