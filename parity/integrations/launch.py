@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Callable
 
 
@@ -18,7 +19,11 @@ def launch(train: Callable, args) -> None:
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
-        TorchTrainer(_ray_worker, train_loop_config={"train": train, "args": args},
+        # the function by its script's path, not pickled by value: cloudpickle takes along the submodules of torch
+        # whose names a function's code mentions, and torch 2.13's torch.distributed.config (a function that imports
+        # torch.distributed and reads model.config) cannot be pickled
+        script = {"script": os.path.abspath(sys.modules[train.__module__].__file__), "function": train.__name__}
+        TorchTrainer(_ray_worker, train_loop_config={**script, "args": args},
                      scaling_config=ScalingConfig(num_workers=args.ray, use_gpu=False),
                      run_config=RunConfig(storage_path=os.path.abspath(os.path.join(args.output_dir, "ray")),
                                           name=args.name),
@@ -43,10 +48,15 @@ def _spawned(rank: int, world: int, port: int, train: Callable, args) -> None:
 
 
 def _ray_worker(config: dict) -> None:
+    import importlib.util
+
     import torch
 
     torch.set_num_threads(1)
-    config["train"](config["args"], ray=True)
+    spec = importlib.util.spec_from_file_location("parity_ray_script", config["script"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    getattr(module, config["function"])(config["args"], ray=True)
 
 
 __all__ = ["launch"]

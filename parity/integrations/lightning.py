@@ -28,8 +28,8 @@ import importlib.metadata as md
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 
+from parity.integrations.group import own_group, release
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
 from parity.integrations.transformers import ParityCallback as _TrainerCallback
 
@@ -62,9 +62,7 @@ class ParityCallback(pl.Callback):
         self._hook, self._own_group, self._stepped, self._logged = None, False, False, 0.0
 
     def on_train_start(self, trainer, pl_module):
-        if not dist.is_initialized() and trainer.world_size == 1:  # the single-device strategy: a group of one
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            self._own_group = True
+        self._own_group = own_group(trainer.world_size)  # the single-device strategy: a group of one
         model = hugging_face_model(pl_module)
         versions = {}
         for package in ("lightning", "transformers", "torch"):
@@ -128,9 +126,8 @@ class ParityCallback(pl.Callback):
             self._hook = None
         if self.recorder is not None:
             self.recorder.close()
-        if self._own_group:
-            dist.destroy_process_group()
-            self._own_group = False
+        release(self._own_group)
+        self._own_group = False
 
 
 __all__ = ["ParityCallback", "hugging_face_model"]

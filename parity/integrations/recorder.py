@@ -53,6 +53,7 @@ import torch.distributed as dist
 from parity import storage
 from parity.errors import RecordError
 from parity.fingerprint import fingerprint
+from parity.integrations.attach import attached
 from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.integrations.world import trains_alone
@@ -204,6 +205,7 @@ class ParityRecorder:
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
                  log: Callable[[str], Any] | None = None, dump_step: int | None = None, scheduler=None,
                  start_step: int = 0):
+        output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         refusal = self._refusal(name, precision, start_step)

@@ -20,6 +20,9 @@ What a callback cannot see, it takes from the framework's own extension points:
 A run resumed with `trainer.train(resume_from_checkpoint=...)` continues its first run's record from the checkpoint's
 step (state.global_step at on_train_begin: ParityRecorder's start_step), its declared schedule moved on to that step;
 each checkpoint Trainer saves writes the record (on_save), so that it holds the steps up to the checkpoint.
+
+One process without a process group (no launcher): the callback starts a gloo group of one for the recorder and ends
+it after training, as Lightning's does (group.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from parity.integrations.group import own_group, release
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, DeclaredSchedule, ParityRecorder, unwrap
 
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → the harness's policy (autocast)
@@ -45,9 +49,10 @@ class ParityCallback(TrainerCallback):
         self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
         self.dump_step = dump_step
         self.recorder: ParityRecorder | None = None
-        self._hook, self._stepped = None, False
+        self._hook, self._stepped, self._own_group = None, False, False
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._own_group = own_group(args.world_size)  # one process without a launcher: a group of one
         refusal = trainer_refusal(args)
         if refusal:
             if not dist.is_initialized() or dist.get_rank() == 0:
@@ -94,7 +99,7 @@ class ParityCallback(TrainerCallback):
         self._stepped = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._stepped and self.recorder is not None and logs and "grad_norm" in logs:
+        if self._stepped and self.recorder is not None and self.recorder.enabled and logs and "grad_norm" in logs:
             self._stepped = False
             theirs, own = float(logs["grad_norm"]), self.recorder.norm_at_optimizer_step
             clipping = args.max_grad_norm or 0.0
@@ -117,6 +122,8 @@ class ParityCallback(TrainerCallback):
             self._hook = None
         if self.recorder is not None:
             self.recorder.close()
+        release(self._own_group)
+        self._own_group = False
 
 
 def trainer_refusal(args) -> str | None:

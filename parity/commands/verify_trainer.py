@@ -1,0 +1,245 @@
+"""verify_trainer.py: your training command run as you launch it, recorded, replayed under the harness's DDP and judged,
+in one command (docs/own_trainer.md#one-command).
+
+The command runs as a child process, its output passed through, with the recorder attached by environment
+(parity/integrations/attach.py): its records land in --output_dir under a name taken from the command. Each record's
+replay (and with --calibrate its noise references) trains in local gloo groups of this machine's processes
+(parity.driver.local_group: no Ray, whose start-up would cost more than a short replay trains), one group per world
+size; then plot_loss_curves.py's comparison judges every record in the folder against the replay, and writes its
+page. Exit codes as plot_loss_curves.py's (0 PASS, 1 FAIL, 2 bad input); a command that fails, its own status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+from parity.commands.common import OneLineParser, run_command
+from parity.errors import ConfigError
+
+FIGURE = "curves.png"  # the comparison's figure; curve_report.md and report.html beside it
+WARM = ("parity.integrations.replay", "parity.models.model", "transformers.modeling_utils",
+        "parity.commands.compare_curves", "parity.comparing.curves", "parity.comparing.figures")
+
+
+def build_parser(description: str = "") -> OneLineParser:
+    p = OneLineParser(description, usage="verify_trainer.py --output_dir OUT [--num_workers N] [--calibrate] "
+                                         "[--verbose] -- COMMAND [ARG ...]")
+    p.add_argument("--output_dir", required=True, help="where the records, the replays and the page go (a folder "
+                                                       "without records in it)")
+    p.add_argument("--num_workers", type=positive_int, default=None,
+                   help="the replay's worker count (None: the recorded run's data-parallel size)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also replay at another worker count (and in fp32, for a low-precision run) as noise "
+                        "references: bounds calibrated on them instead of the fixed fp32 table")
+    p.add_argument("--verbose", action="store_true", help="the replays' torch and DeepSpeed output on the terminal "
+                                                          "too (else in OUT/logs/replay.log)")
+    return p
+
+
+def main(argv: list[str] | None = None, description: str = "") -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser(description).parse_args(argv[:split])
+    return run_command(lambda: verify(args.output_dir, argv[split + 1:], args.num_workers, args.calibrate,
+                                      args.verbose), "the replay")
+
+
+def verify(output_dir: str, command: list[str], num_workers: int | None = None, calibrate: bool = False,
+           verbose: bool = False) -> int:
+    """Run `command` recorded into `output_dir`, replay and judge it; returns the exit code. Raises ConfigError
+    (bad input: before the command runs where it can be known then) or TrainingFailed (a replay failed)."""
+    from parity import storage
+    from parity.integrations import attach
+
+    start = time.perf_counter()
+    if not command:
+        raise ConfigError("no command: give your launch command after --, e.g. verify_trainer.py --output_dir OUT "
+                          "-- torchrun --nproc_per_node 2 train.py")
+    if shutil.which(command[0]) is None:
+        raise ConfigError(f"{command[0]}: no such command: give the launch command as you would run it")
+    out = storage.absolute(output_dir)
+    storage.check_writable_dir("--output_dir", out)
+    stale = existing_records(out)
+    if stale:
+        raise ConfigError(f"--output_dir {output_dir} already holds records ({', '.join(stale[:3])}): they would be "
+                          f"judged with this run's; give an empty folder, or remove them")
+    name = record_name(command)
+    print(f"verify_trainer: running {' '.join(command)}, recorded as {name} into {out}", flush=True)
+    status, command_s = run_recorded(command, attach.environment(out, name, dict(os.environ)))
+    if status:
+        code = status if status > 0 else 128 - status  # killed by signal N: 128 + N, as a shell says
+        print(f"error: the command exited with status {code} after {command_s:.1f} s: nothing replayed",
+              file=sys.stderr)
+        return code
+    records = recorded(out, name)
+    planned = plan_replays(records[0], out, num_workers, calibrate)
+    replay_s, steps_s = replay(planned, out, verbose)
+    from parity.commands.compare_curves import compare_and_report
+
+    t0 = time.perf_counter()
+    code = compare_and_report(out, storage.join(out, FIGURE))
+    verdict_s = time.perf_counter() - t0
+    total = time.perf_counter() - start
+    print(f"verify_trainer: {total:.1f} s: the command {command_s:.1f} s, the replays {replay_s:.1f} s "
+          f"({len(planned)} run{'s' if len(planned) > 1 else ''}, {steps_s:.1f} s of training steps), the verdict "
+          f"{verdict_s:.1f} s; overhead {total - command_s - steps_s:.1f} s beyond the command and the replays' "
+          f"training steps (its imports ran beside the command)")
+    return code
+
+
+def run_recorded(command: list[str], env: dict[str, str]) -> tuple[int, float]:
+    """(exit status, seconds) of `command` run with `env`, its output passed through; what follows it warms up
+    meanwhile. A ^C reaches the command too (one process group): its status is then the answer."""
+    t0 = time.perf_counter()
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        raise ConfigError(f"{command[0]}: cannot run it ({exc.strerror or exc})") from None
+    warming = warm_up()
+    try:
+        status = child.wait()
+    except KeyboardInterrupt:
+        status = child.wait()
+    seconds = time.perf_counter() - t0
+    warming.join()  # never an import left running into the interpreter's exit
+    return status, seconds
+
+
+def warm_up():
+    """While the command runs, what follows it starts: the forkserver the replays' ranks fork from imports what they
+    import (parity.driver.local_group.PRELOAD, about 5 CPU-seconds), and a thread here what plans the replays (the
+    model's classes) and judges them (WARM). Where the command leaves cores idle that is time off the wait; on a CPU
+    it keeps busy, part of it is the command's (docs/benchmark.md#one-command-verify_trainerpy). Returns the thread."""
+    import importlib
+    import multiprocessing.forkserver
+    import threading
+
+    from parity.driver.local_group import PRELOAD
+
+    multiprocessing.set_forkserver_preload(PRELOAD)  # as local_group.start_processes sets it
+    multiprocessing.forkserver.ensure_running()  # returns at once: the server imports on its own
+    thread = threading.Thread(target=lambda: [importlib.import_module(m) for m in WARM], daemon=True)
+    thread.start()
+    return thread
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text})")
+    return int(text)
+
+
+def record_name(command: list[str]) -> str:
+    """The record's name from the command: the script's stem (`torchrun ... train.py` → train), a module's last part
+    (`python -m pkg.train` → train), else the program and its subcommand (`trl sft` → trl_sft); made an identifier,
+    and never a strategy's name (ddp, ...: loss_ddp.json is the replay's)."""
+    from parity.registry import KNOWN
+
+    script = next((a for a in command if a.endswith(".py")), None)
+    if script:
+        stem = os.path.basename(script)[:-3]
+    elif "-m" in command[:-1]:
+        stem = command[command.index("-m") + 1].rsplit(".", 1)[-1]
+    else:
+        words = [os.path.basename(command[0])] + [w for w in command[1:2] if w.isidentifier()]
+        stem = "_".join(words)
+    name = re.sub(r"\W", "_", stem)
+    name = name if name and not name[0].isdigit() else f"run_{name}"
+    return f"{name}_run" if name in KNOWN else name
+
+
+def existing_records(out: str) -> list[str]:
+    """The records already in `out` (loss records and noise references)."""
+    from parity import storage
+    from parity.training.record import REFERENCE_GLOB
+
+    if not storage.is_dir(out):
+        return []
+    return [storage.name(p) for glob in ("loss_*.json", REFERENCE_GLOB) for p in storage.list_files(out, glob)]
+
+
+def recorded(out: str, name: str) -> list[str]:
+    """The records the command wrote, the one named `name` first (the one replayed); ConfigError if none."""
+    from parity import storage
+
+    records = sorted(storage.list_files(out, "loss_*.json"), key=lambda p: (storage.name(p) != f"loss_{name}.json", p))
+    if not records:
+        raise ConfigError(f"the command ran but recorded nothing into {out}: Trainer, TRL's trainers and Lightning "
+                          f"are recorded by themselves (in Python processes the command starts), a loop of your own "
+                          f"makes a ParityRecorder (docs/own_trainer.md); a recorder that refused says why above"
+                          f"{lightning_hint()}")
+    return records
+
+
+def lightning_hint() -> str:
+    """Where Lightning is installed but parity's callbacks entry point is not (an install older than it)."""
+    import importlib.metadata as md
+    import importlib.util
+
+    if importlib.util.find_spec("lightning") is None:
+        return ""
+    if any(e.value.startswith("parity.") for e in md.entry_points(group="lightning.pytorch.callbacks_factory")):
+        return ""
+    return "; Lightning finds parity's callback through an entry point this install lacks: pip install -e the project"
+
+
+def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool) -> list[tuple]:
+    """[(RunConfig, batches)]: the replay of `record` at `num_workers` (default the record's DP size); with
+    `calibrate` the noise references too: the replay at another worker count the record's rows allow (fewer workers
+    first: fewer processes on a CPU) and, for a low-precision run, in fp32 at the replay's own."""
+    from parity import storage
+    from parity.driver.local_group import local_cluster
+    from parity.integrations.replay import plan_replay
+    from parity.training.record import load_record
+
+    config = load_record(record)["config"]
+    device = config.get("device_type") or "cpu"
+
+    def plan(workers: int | None, **reference):
+        given = {"num_workers": workers, "device": device, "loss_output_dir": out,
+                 "storage_path": storage.join(out, "checkpoints"), **reference}
+        return plan_replay(record, given, cluster=local_cluster(device))
+
+    planned = [plan(num_workers)]
+    if not calibrate:
+        return planned
+    workers = planned[0][0].num_workers
+    rows = planned[0][0].global_batch_size
+    for other in [*range(workers - 1, 0, -1), *range(workers + 1, rows + 1)]:
+        try:
+            planned.append(plan(other, noise_reference=True))
+            break
+        except ConfigError:
+            continue
+    else:
+        print(f"verify_trainer: no other worker count splits {storage.name(record)}'s {rows} rows: no noise "
+              f"reference at another layout", file=sys.stderr)
+    if config["precision"] != "fp32":
+        planned.append(plan(workers, noise_reference=True, precision="fp32"))
+    return planned
+
+
+def replay(planned: list[tuple], out: str, verbose: bool = False) -> tuple[float, float]:
+    """Every planned run trained, one local group per world size; returns (seconds, of which training steps)."""
+    from parity import console, storage
+    from parity.driver.launch import world_groups
+    from parity.driver.local_group import launch_local
+    from parity.training.record import load_record, run_record_path
+
+    batches = {cfg.experiment_name: b for cfg, b in planned}
+    t0 = time.perf_counter()
+    with console.terminal(storage.join(out, "logs", "replay.log"), verbose) as log, \
+            console.pointing_to(log, "[replay] "):
+        for group in world_groups([cfg for cfg, _ in planned]):
+            console.say(f"[replay] {', '.join(cfg.experiment_name for cfg in group)} in a local group of "
+                        f"{group[0].num_workers}")
+            launch_local(group, [{"batches": batches[cfg.experiment_name]} for cfg in group])
+    seconds = time.perf_counter() - t0
+    steps = sum(s.get("step_time_s", 0.0) for cfg, _ in planned for s in load_record(run_record_path(cfg))["steps"])
+    return seconds, steps

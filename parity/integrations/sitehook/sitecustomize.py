@@ -1,0 +1,41 @@
+"""Imported at start-up by every Python process of a command verify_trainer.py runs: this folder is first on the
+command's PYTHONPATH (parity/integrations/attach.py). It first runs the sitecustomize it shadows, if there is one, as
+that one would have run; then, only where the command runs under verify_trainer.py (PARITY_RECORD_DIR set), it
+installs the hook that gives Hugging Face's Trainer parity's callback once transformers' trainer module is imported
+(parity/integrations/trainer_hook.py). Nothing is imported eagerly: a process that never imports transformers pays
+for a path lookup."""
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _chain() -> None:
+    """The sitecustomize this one shadows (the next one on sys.path), run as `sitecustomize`."""
+    import importlib.util
+    from importlib.machinery import PathFinder
+
+    spec = PathFinder.find_spec("sitecustomize", [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE])
+    if spec is not None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+
+
+def _attach() -> None:
+    if not os.environ.get("PARITY_RECORD_DIR"):  # attach.RECORD_DIR: not under verify_trainer.py
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("parity") is None:  # not installed: the tree this file belongs to
+        sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(_HERE))))
+    from parity.integrations.trainer_hook import install
+
+    install()
+
+
+try:
+    _chain()
+finally:
+    _attach()
