@@ -44,12 +44,14 @@ def _write_log(args, rank, entries) -> None:
 '''
 HF_LOG = [("    trainer.train()\n", "    trainer.train()\n    _write_log(args, os.environ.get(\"RANK\", \"0\"), "
                                      "trainer.state.log_history)\n")]
+HF_TRAIN = ("    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)\n", "    trainer.train()\n")
 # the callback lines removed, what each framework logged written out
 EDITS = {
     "hf": [("from parity.integrations.transformers import ParityCallback\n", ""),
-           (",\n                      callbacks=[ParityCallback(args.output_dir, name=args.name, "
-            "dump_step=args.dump_step)])", ")"),
-           ("by ParityCallback", "by parity's callback"), *HF_LOG],
+           ("callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step),\n"
+            "                                 *([StopAt(args.save_at)] if args.save_at else [])])",
+            "callbacks=[StopAt(args.save_at)] if args.save_at else [])"),
+           ("by ParityCallback", "by parity's callback"), HF_TRAIN, *HF_LOG],
     "trl": [("from parity.integrations.transformers import ParityCallback\n", ""),
             (",\n                         callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")"),
             ("Trainer's ParityCallback", "Trainer's callback"), *HF_LOG],
