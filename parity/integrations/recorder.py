@@ -38,21 +38,19 @@ step's exchange).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import os
 import sys
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from parity import storage
-from parity.errors import RecordError
 from parity.fingerprint import fingerprint
+from parity.integrations import resume
 from parity.integrations.attach import attached
 from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
 from parity.integrations.sharded import LayoutRefused, layout_of
@@ -63,18 +61,13 @@ from parity.registry import KNOWN
 from parity.training.data import Batch, batch_hash, recorded_batch_path
 from parity.training.loss import IGNORE_INDEX, loss_sum
 from parity.training.observer import StepObserver, device_name
-from parity.training.record import LossRecord, load_record, record_path
+from parity.training.record import LossRecord, record_path
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
 SOURCE = "recorder"  # the record's config.source: written by this recorder, not by the harness's loop
 OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov")  # what changes the update, if set
 STOPPED = "the record stopped"  # what rank 0 hands the other ranks in the step's exchange after its record stopped
-# What a resumed run must share with the record it continues: the replay takes them from the record once, for every step
-CONTINUED = ("hugging_face_model", "model_type", "model_config", "optimizer", "max_grad_norm", "precision")
 
-
-class ResumeRefused(Exception):
-    """A record that a resumed run (ParityRecorder's start_step) cannot continue: one line, nothing recorded."""
 
 
 def recorded_folder(output_dir: str, name: str) -> str:
@@ -120,54 +113,6 @@ def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list
     return {"type": type(optimizer).__name__, "groups": described}
 
 
-class DeclaredSchedule:
-    """An lr schedule as it is declared, on a scratch optimizer that never trains: `lr()` is the lr of the next update,
-    then the schedule moves one update on. It moves once per recorded update whatever the loop does, so a scheduler the
-    loop steps twice per update, or restarts at a resume, applies another lr than this one, and the verdict FAILs the
-    first step whose lr is not the declared one (parity.comparing.curves.Run.lr_off_schedule)."""
-
-    def __init__(self, scheduler):
-        self.scheduler, self.optimizer = scheduler, scheduler.optimizer
-
-    @classmethod
-    def copy_of(cls, scheduler, step: int, line: Callable[[str], Any]) -> "DeclaredSchedule | None":
-        """The loop's own scheduler, copied at the recorder's start (`step`: the updates done before it) onto a scratch
-        optimizer that holds the scheduler's last lrs. Copied from the scheduler's own state — its last_epoch and last
-        lrs, as the loop restored them from its checkpoint at a resume — so that a restored schedule goes on where it
-        was, and one that restarted (fewer epochs than `step`: said in one line) is moved on to `step` here: the lr the
-        restarted one applies is then not the declared one. None, in one line, where no step count drives the schedule
-        (ReduceLROnPlateau) or it is already ahead of the updates."""
-        epoch = getattr(scheduler, "last_epoch", None)
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or not isinstance(epoch, int):
-            line(f"{type(scheduler).__name__} is not driven by a step count: no declared lr recorded")
-            return None
-        if epoch > step:
-            line(f"the scheduler has stepped {epoch} times before update {step}: it runs ahead of the updates; no "
-                 f"declared lr recorded")
-            return None
-        if epoch < step:
-            line(f"the scheduler has stepped {epoch} times, the run {step} updates: its schedule restarted at this "
-                 f"resume (restore its state_dict); the declared lr goes on from update {step}")
-        user = scheduler.optimizer
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [torch.zeros(1)], "lr": lr}
-                  for group, lr in zip(user.param_groups, scheduler.get_last_lr())]
-        declared = cls(copy.deepcopy(scheduler, {id(user): torch.optim.Optimizer(groups, {})}))
-        declared.advance(step - epoch)
-        return declared
-
-    def lr(self) -> float:
-        value = float(self.optimizer.param_groups[0]["lr"])
-        self.advance(1)
-        return value
-
-    def advance(self, updates: int) -> None:
-        """The schedule `updates` updates on. Its optimizer never steps: torch's warning that it should have is moot."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(updates):
-                self.scheduler.step()
-
-
 class ParityRecorder:
     """Records a training run of your own loop, on every rank of its process group (docs/own_trainer.md):
 
@@ -192,7 +137,7 @@ class ParityRecorder:
     computes in (fp32, bf16 for autocast over fp32 weights ...); `max_batch_bytes` caps the batches saved (default
     DEFAULT_MAX_BATCH_BYTES); `framework` names the loop (shown in the fingerprint, not compared); `log` takes rank
     0's lines (default: stderr); `scheduler`, the loop's lr scheduler, records each step's `declared_lr`
-    (DeclaredSchedule.copy_of: the verdict FAILs a step whose lr is not the one its schedule declares).
+    (resume.DeclaredSchedule.copy_of: the verdict FAILs a step whose lr is not the one its schedule declares).
 
     A run resumed from its own checkpoint after k updates passes `start_step=k`: the recorder continues the record of
     its first run (loss_<name>.json in `output_dir`) — its steps 0…k−1 kept, k appended to config.resumed_at, the
@@ -223,7 +168,7 @@ class ParityRecorder:
             self.enabled = True
         except LayoutRefused as exc:  # a process group or wrapper it cannot read (sharded.py)
             self._print(f"parity recorder: {exc}: recording nothing")
-        except ResumeRefused as exc:  # a record the resumed run cannot continue (_continue)
+        except resume.ResumeRefused as exc:  # a record the resumed run cannot continue (_continue)
             self._line(f"{exc}: recording nothing; the training goes on")
         except Exception as exc:  # never the user's training
             self._discard()
@@ -312,7 +257,7 @@ class ParityRecorder:
         if start_step:
             self._continue(start_step)
         self.writer = BatchWriter() if self.rank == 0 else None
-        self.declared = DeclaredSchedule.copy_of(scheduler, start_step, self._line) if scheduler is not None else None
+        self.declared = resume.DeclaredSchedule.copy_of(scheduler, start_step, self._line) if scheduler is not None else None
         self.observer = StepObserver(self.record, device=self.device, replicas=self, replica_check_interval=1,
                                      log=self._line)
         self.step, self.grad_norm_source = start_step, None
@@ -334,54 +279,22 @@ class ParityRecorder:
     # --- a resumed run ----------------------------------------------------------------------------------
     def _continue(self, k: int) -> None:
         """A run resumed after k updates continues its first run's record: rank 0 reads and checks it (_kept) and
-        takes its steps 0…k−1 and its description; every rank learns the answer (ResumeRefused on every rank where
+        takes its steps 0…k−1 and its description; every rank learns the answer (resume.ResumeRefused on every rank where
         the record cannot be continued). The description is the first run's — its initial weights, model, optimizer
         — with k appended to resumed_at."""
         why, kept = None, None
         if self.rank == 0:
             try:
-                kept = self._kept(k)
-            except ResumeRefused as exc:
+                kept = resume.kept(self.record.path, self.folder, self.record.data["config"], k)
+            except resume.ResumeRefused as exc:
                 why = str(exc)
         answer = [why]
         dist.broadcast_object_list(answer, src=0, device=self.device)
         if answer[0]:
-            raise ResumeRefused(answer[0])
+            raise resume.ResumeRefused(answer[0])
         if kept is not None:
             config, steps, self.saved_bytes = kept
             self.record.data.update(config=config, steps=steps)
-
-    def _kept(self, k: int) -> tuple[dict, list[dict], int]:
-        """Rank 0: (the continued config, steps 0…k−1, the bytes of their saved batches) of the record in the output
-        folder, or ResumeRefused naming why it cannot be continued at step k."""
-        path = self.record.path
-        name = storage.name(path)
-        refused = f"cannot continue {name} at step {k}"
-        if not storage.exists(path):
-            raise ResumeRefused(f"{refused}: there is none in {storage.parent(path)} (the first run was not recorded "
-                                f"there)")
-        try:
-            data = load_record(path)
-        except RecordError as exc:
-            raise ResumeRefused(f"{refused}: {exc}") from None
-        config, steps = data["config"], data["steps"]
-        if config.get("source") != SOURCE:
-            raise ResumeRefused(f"{refused}: it is not a record of parity's recorder")
-        if len(steps) < k:
-            stopped = config.get("stopped")
-            raise ResumeRefused(f"{refused}: it holds {len(steps)} step{'s' if len(steps) != 1 else ''}"
-                                + (f" (it stopped at step {stopped['step']}: {stopped['why']})" if stopped else ""))
-        now = storage.json_safe(self.record.data["config"])  # as the record reads back: tuples are lists
-        for key in CONTINUED:
-            differs = _first_difference(config.get(key), now.get(key), key)
-            if differs:
-                raise ResumeRefused(f"{refused}: this run's {differs}: it continues another run")
-        sizes = [storage.size(recorded_batch_path(storage.join(self.folder, "batches"), i)) for i in range(k)]
-        if config["batches"]["saved_steps"] < k or None in sizes:
-            missing = min(config["batches"]["saved_steps"], sizes.index(None) if None in sizes else k)
-            raise ResumeRefused(f"{refused}: its batch of step {missing} is missing from "
-                                f"{storage.join(self.folder, 'batches')}")
-        return _continued(config, steps[:k]), steps[:k], sum(sizes)
 
     def replicas(self):
         """What ranks hold alike in the loop's layout (sharded.py): under data parallelism every parameter and its Adam
@@ -597,7 +510,6 @@ class ParityRecorder:
     def _save_batch(self, batch: Batch, mask: torch.Tensor) -> None:
         if self.stop is not None:
             return
-        layout = self.record.data["config"]["batches"]
         size = 3 * batch.input_ids.numel() * 8
         if self.saved_bytes + size > self.max_batch_bytes:
             self._stop_at(self.step, f"the batches passed max_batch_bytes ({self.max_batch_bytes} bytes) at step "
@@ -701,36 +613,6 @@ class ParityRecorder:
             self._print(f"parity recorder [{self.name}]: {text}")
 
 
-def _continued(config: dict, steps: list[dict]) -> dict:
-    """The first run's config, continued after its `steps` (0…k−1): k appended to resumed_at, no stop and no end yet,
-    the batches counted up to k and their shape that of the steps kept (the first run may have gone past its
-    checkpoint)."""
-    k = len(steps)
-    batches = {**config["batches"], "saved_steps": k,
-               "most_rows": max(n for s in steps for rank in s["micro_batches"] for n in rank)}
-    if batches.get("position_ids_from") is not None and batches["position_ids_from"] >= k:
-        batches["position_ids_from"] = None
-    return {**config, "batches": batches, "resumed_at": [*config.get("resumed_at", []), k], "stopped": None,
-            "total_steps": None}
-
-
-def _first_difference(recorded, now, where: str) -> str | None:
-    """'where is X, the record's Y' at the first place two descriptions differ (objects and lists walked), or None."""
-    if isinstance(recorded, dict) and isinstance(now, dict):
-        keys = [*recorded, *(key for key in now if key not in recorded)]
-        found = (_first_difference(recorded.get(key), now.get(key), f"{where}.{key}") for key in keys)
-    elif isinstance(recorded, list) and isinstance(now, list) and len(recorded) == len(now):
-        found = (_first_difference(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(recorded, now)))
-    else:
-        return None if recorded == now else f"{where} is {_short(now)}, the record's {_short(recorded)}"
-    return next((d for d in found if d), None)
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _default_positions(position_ids, length: int) -> bool:
     """Whether position ids are what the model makes by itself (0, 1, … on every row): then they change nothing."""
     return bool((position_ids.detach().cpu() == torch.arange(length)).all())
@@ -753,5 +635,5 @@ def _first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
-__all__ = ["DEFAULT_MAX_BATCH_BYTES", "DeclaredSchedule", "ParityRecorder", "describe_optimizer", "recorded_folder",
+__all__ = ["DEFAULT_MAX_BATCH_BYTES", "ParityRecorder", "describe_optimizer", "recorded_folder",
            "unwrap"]

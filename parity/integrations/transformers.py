@@ -35,7 +35,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from parity.integrations.group import own_group, release
-from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, DeclaredSchedule, ParityRecorder, unwrap
+from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
+from parity.integrations.resume import DeclaredSchedule
 
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → the harness's policy (autocast)
 
