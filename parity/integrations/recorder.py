@@ -1,39 +1,20 @@
 """A recorder for a training loop of your own: it writes the harness's loss record (`loss_<name>.json`) of a run the
 harness never trained, so that the run can be replayed under the harness's DDP (parity/integrations/replay.py) and
-judged by plot_loss_curves.py (docs/own_trainer.md).
+judged by plot_loss_curves.py (docs/own_trainer.md, whose "What the record holds" lists every field).
 
-It is one more loop feeding the per-step observer (parity/training/observer.py), which keeps the record, the replica
-check and the experiment trackers. What the recorder adds is what a foreign loop does not hand over by itself:
+It is one more loop feeding the per-step observer (parity/training/observer.py: the record, the replica check, the
+trackers). What it adds is what a foreign loop does not hand over by itself: the loss it measures from the model's
+outputs (the global token mean, float64, whatever the loop backpropagated), the pre-clip norm from the gradients (or
+the framework's own where it cannot see them: `grad_norm_source`), the parameter norm, the lr applied (an optimizer
+step pre-hook), the global batch in the harness's order with its hash and the check that no two DP ranks fed the same
+rows, the optimizer whole, the initial weights and every step's batch as it came (any shape, right or left padding),
+named relative to the record's folder, up to `max_batch_bytes`.
 
-- the loss it measures itself, from the model's outputs: each micro-batch's logits and labels (`micro_batch`) give a
-  token-loss sum (parity.training.loss.loss_sum, float64); the sums of every DP rank ÷ the global batch's loss tokens
-  are the step's loss — the global token mean, whatever the loop backpropagated. The loop's own logged loss is kept
-  beside it (`logged_loss`);
-- the pre-clip global gradient norm in float64, from the gradients (`before_step`, after backward and before
-  clipping), or the framework's own value where the recorder cannot see the gradients before clipping: the record's
-  `grad_norm_source` says which;
-- the parameter norm after the update, the lr the optimizer applied (read by an optimizer step pre-hook), the loss
-  tokens, the global batch's hash over its rows in the harness's order (DP rank r's rows at [r·b, (r+1)·b),
-  micro-batches in order: parity.training.data.batch_hash of that Batch, which is what the replay hashes), and a check
-  that no two DP ranks fed the same rows (`rows_check`: the verdict FAILs a run whose ranks did, at that step);
-- the replica check over what the ranks hold alike (under DDP every parameter and its Adam moments; FSDP2's and
-  ZeRO's replicated pieces: the layout's replicas()), bit for bit;
-- the optimizer whole (its type; per parameter group the parameter names, lr scale, weight decay, betas, eps);
-- the initial weights at construction (safetensors with the model's config, as --save_init_weights writes them, and
-  config.json) and every step's global batch (input ids, labels, attention mask; each step's shape — rows, and the
-  rows of each micro-batch per DP rank, free to differ from step to step and rank to rank — in its entry), up to
-  `max_batch_bytes`. Everything is named relative to the record's folder, so the folder can move.
-
-A step that cannot be recorded or replayed (past `max_batch_bytes`, a batch that cannot be saved, rows padded
-otherwise than right or left, groups' lrs out of their ratios, a rank that broke) stops the record there, in one line:
-the record holds the steps before it (`config.stopped`: the step and why), which are replayed and judged.
-
-The process group the loop trains in is read by its layout (sharded.py): plain or DDP (every rank a DP rank holding
-the whole model), FSDP2 with or without DTensor TP, a DeepSpeed ZeRO 0–3 engine — each with the harness's own gather
-and norm code for that sharding. A step's rows, sums and health travel in one all_gather (rows.py); rank 0 alone
-hashes, checks and saves the batch, the saving on a thread of its own. A recorder failure never stops the user's
-training: it logs one line and records nothing more (every rank together: the ranks' health travels with each
-step's exchange).
+A step that cannot be recorded or replayed stops the record there, in one line: it holds the steps before it
+(`config.stopped`), which are replayed and judged. The process group is read by its layout (sharded.py: plain/DDP,
+FSDP2 ± DTensor TP, FSDP1, DeepSpeed ZeRO 0–3), each with the harness's own gather and norm code; a step's rows, sums
+and health travel in one all_gather (rows.py), rank 0 alone hashes, checks and saves the batch, on a thread of its
+own. A recorder failure never stops the user's training.
 """
 
 from __future__ import annotations
@@ -52,6 +33,7 @@ from parity import storage
 from parity.fingerprint import fingerprint
 from parity.integrations import resume
 from parity.integrations.attach import attached
+from parity.integrations.optimizer_description import describe_optimizer
 from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.integrations.world import trains_alone
@@ -65,7 +47,6 @@ from parity.training.record import LossRecord, record_path
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
 SOURCE = "recorder"  # the record's config.source: written by this recorder, not by the harness's loop
-OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov")  # what changes the update, if set
 STOPPED = "the record stopped"  # what rank 0 hands the other ranks in the step's exchange after its record stopped
 
 
@@ -84,33 +65,6 @@ def unwrap(model):
         if inner is None:
             return model
         model = inner
-
-
-def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list] | None = None) -> dict:
-    """The optimizer whole: its type and per parameter group the parameters' names, the lr scale (the group's lr ÷ the
-    first group's: each group's lr is scale × the step's lr), weight decay, betas, eps, and the flags that change the
-    update where set (amsgrad, maximize ...). `group_params`: each group's module parameters, where the optimizer's
-    groups hold others (ZeRO's flat partitions)."""
-    groups = optimizer.param_groups
-    group_params = group_params or [g["params"] for g in groups]
-    firsts = [g.get("initial_lr", g.get("lr", 0.0)) for g in groups]
-    described = []
-    for group, first, params in zip(groups, firsts, group_params):
-        entry = {"params": [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params],
-                 "lr_scale": float(first / firsts[0]) if firsts[0] else 1.0,
-                 "weight_decay": float(group.get("weight_decay", 0.0))}
-        if "betas" in group:
-            entry["betas"] = [float(b) for b in group["betas"]]
-        if "momentum" in group:
-            entry["momentum"] = float(group["momentum"])
-        if "eps" in group:
-            entry["eps"] = float(group["eps"])
-        flags = {k: group[k] for k in OPTIMIZER_FLAGS if group.get(k)
-                 and not (k == "decoupled_weight_decay" and isinstance(optimizer, torch.optim.AdamW))}  # AdamW's own
-        if flags:
-            entry["flags"] = flags
-        described.append(entry)
-    return {"type": type(optimizer).__name__, "groups": described}
 
 
 class ParityRecorder:
@@ -635,5 +589,4 @@ def _first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
-__all__ = ["DEFAULT_MAX_BATCH_BYTES", "ParityRecorder", "describe_optimizer", "recorded_folder",
-           "unwrap"]
+__all__ = ["DEFAULT_MAX_BATCH_BYTES", "ParityRecorder", "recorded_folder", "unwrap"]
