@@ -37,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch_size", type=int, default=2, help="rows per rank per micro-batch")
     p.add_argument("--grad_accum_steps", type=int, default=2)
+    p.add_argument("--micro_batches", type=int, default=None,
+                   help="micro-batches a rank in an epoch (default: every step a full window); others end each epoch in "
+                        "a partial accumulation window")
     p.add_argument("--seq_length", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
@@ -51,26 +54,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class MicroBatches(torch.utils.data.Dataset):
-    """This rank's micro-batches in order (rank r's rows of step s at [r·b, (r+1)·b) of the step's rows, micro-batch
-    k its k-th slice): random tokens, each row of its own length, right-padded with 0 (mask 0, labels -100 there).
-    Each micro-batch carries `step_tokens`: its optimizer step's loss tokens over every rank and micro-batch."""
+    """This rank's micro-batches of an epoch in order (window w's rows over every rank in order, rank r's at its r-th
+    share, micro-batch k its k-th slice): random tokens, each row of its own length, right-padded with 0 (mask 0,
+    labels -100 there). An epoch of `--micro_batches` micro-batches a rank (default: every step a full window) ends in
+    a partial window where accumulation does not divide it. Each micro-batch carries `step_tokens`: its window's loss
+    tokens over every rank and micro-batch."""
 
     def __init__(self, args, rank: int, world: int, vocab: int):
         b, accum, length = args.batch_size, args.grad_accum_steps, args.seq_length
+        micro = args.micro_batches or args.steps * accum
         g = torch.Generator().manual_seed(args.seed)
-        rows = args.steps * world * b * accum
+        rows = micro * world * b
         ids = torch.randint(1, vocab, (rows, length), generator=g)
         lengths = torch.randint(length // 4, length + 1, (rows,), generator=g)
         mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
         ids = ids * mask
         labels = ids.masked_fill(mask == 0, -100)
-        per_step = world * b * accum
         self.items = []
-        for step in range(args.steps):
-            rows_of_step = slice(step * per_step, (step + 1) * per_step)
-            tokens = int((labels[rows_of_step, 1:] != -100).sum())
-            mine = step * per_step + rank * b * accum
-            for k in range(accum):
+        for first in range(0, micro, accum):
+            window = min(accum, micro - first)  # micro-batches in this window: the epoch's last may hold fewer
+            start, per_rank = first * world * b, window * b
+            rows_of_window = slice(start, start + world * per_rank)
+            tokens = int((labels[rows_of_window, 1:] != -100).sum())
+            mine = start + rank * per_rank
+            for k in range(window):
                 part = slice(mine + k * b, mine + (k + 1) * b)
                 self.items.append({"input_ids": ids[part], "attention_mask": mask[part], "labels": labels[part],
                                    "step_tokens": torch.tensor(tokens)})

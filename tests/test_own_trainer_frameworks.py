@@ -28,17 +28,18 @@ CLEAN_LOSS = "loss = summed * self.world * self.args.grad_accum_steps / batch[\"
 # The seeded bug: the Hugging Face model's own loss, each micro-batch's token mean — what a Lightning module usually
 # returns; Lightning then averages it over the accumulation window and DDP over the ranks: a mean of means.
 BUG = [(CLEAN_LOSS, "loss = out.loss")]
+PARTIAL = ["--micro_batches", "11"]  # an epoch of 5 full windows and one of a single micro-batch: step 5
 # folder → (example, record name, ranks, extra arguments); "ray_*" are recorded by the Ray Train run
 # TRL first in each group: Lightning's environment deletes WORLD_SIZE at its teardown, which accelerate reads
 JOBS = {
     "trl": (TRL, "trl_sft", 2, []),
-    "lightning": (LIGHTNING, "lightning_lm", 2, []),
+    "lightning": (LIGHTNING, "lightning_lm", 2, PARTIAL),
     "lightning_bug": (None, "lightning_lm", 2, []),
     "lightning_mp": (LIGHTNING, "lightning_lm", 2, ["--strategy", "model_parallel"]),
     "trl_1": (TRL, "trl_sft", 1, []),
     "lightning_1": (LIGHTNING, "lightning_lm", 1, []),
     "ray_trl": (TRL, "trl_sft", 2, []),
-    "ray_lightning": (LIGHTNING, "lightning_lm", 2, []),
+    "ray_lightning": (LIGHTNING, "lightning_lm", 2, PARTIAL),
 }
 CLEAN = ["lightning", "lightning_mp", "trl", "lightning_1", "trl_1", "ray_lightning", "ray_trl"]
 
@@ -155,3 +156,17 @@ def test_ray_train_records_what_the_local_group_records(runs, framework):
     local, ray = _record(runs[framework], name), _record(runs[f"ray_{framework}"], name)
     for key in ("batch_hash", "lr", "loss", "grad_norm", "param_norm"):
         assert series(ray, key) == series(local, key), key
+
+
+def test_lightnings_partial_last_window_is_divided_by_the_full_accumulation(runs):
+    """The finding for Lightning 2.6.6: at the epoch's last window, which holds one micro-batch of the two
+    accumulate_grad_batches asks for, Lightning still divides the returned loss by 2 (the full count) and steps. The
+    example returns its token sum × world × accumulation ÷ the window's own tokens, so it trains the window's token
+    mean: the record (step 5: one micro-batch of 2 rows a rank) PASSes its replay within 1e-5 (measured 1.6e-7 on the
+    grad norm). Had Lightning divided by the window's own count, the gradient would double there and FAIL; a module
+    returning the model's own mean (the usual one) halves it there, on top of its mean of means."""
+    recorded, replay = _record(runs["lightning"], "lightning_lm"), _record(runs["lightning"], "ddp")
+    assert recorded["steps"][5]["micro_batches"] == [[2], [2]]
+    assert [s["micro_batches"] for s in recorded["steps"][:5]] == [[[2, 2], [2, 2]]] * 5
+    assert max_rel_diff(series(replay, "grad_norm"), series(recorded, "grad_norm")) < 1e-5
+    assert _compare(runs["lightning"]).word == "PASS"
