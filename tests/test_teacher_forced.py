@@ -140,8 +140,8 @@ def first_check_from(step: int) -> int:
 BUGS = [(DDPLearningRateLowLate, first_check_from(ONSET)), (DDPWeightDecayLate, first_check_from(ONSET)),
         (DDPBeta2Late, first_check_from(ONSET)), (DDPHalfGradientsOnce, first_check_from(SPIKE)),
         (DDPResumeDropsMoments, RESUME)]
-# The bugs the curves alone do not see in this setting: their verdict is the check's. The other two the curves see at
-# once, as they would at any step of any run: β2 0.99 from step 60 changes AdamW's bias correction 1 − β2^t from
+# The bugs the curves alone do not see in this setting, or see only later than the check: their verdict is the
+# check's. The other two the curves see at once, as they would at any step of any run: β2 0.99 from step 60 changes AdamW's bias correction 1 − β2^t from
 # 0.058 to 0.45 (updates ~2.6 × larger at once), and a resume that drops the moments restarts AdamW (its next update
 # lr × sign(g) everywhere); the verdict is then the earlier of the two, and the check is never later.
 HIDDEN = (DDPLearningRateLowLate, DDPWeightDecayLate, DDPHalfGradientsOnce)
@@ -212,8 +212,8 @@ def test_clean_runs_pass_every_check_in_bf16_and_fp32(runs):
 @pytest.mark.parametrize("bug,step", BUGS, ids=[b.__name__ for b, _ in BUGS])
 def test_a_late_bug_fails_at_the_first_checkpoint_after_its_onset(runs, tmp_path, bug, step):
     """Its check FAILs at the first checked step at or after its onset (every check before PASSes), naming the tensor
-    and its relative difference, and so does the verdict — at that step where the curves alone PASS (HIDDEN); at the
-    curves' step where they see the bug at once (β2, the dropped moments)."""
+    and its relative difference, and so does the verdict — at that step where the curves alone PASS or see it only
+    later (HIDDEN); at the curves' step where they see the bug at once (β2, the dropped moments)."""
     c, r = verdict_of(folder_of(runs, tmp_path, bug.name))
     _, alone = verdict_of(folder_of(runs, tmp_path, bug.name, strip=True))
     found = c.to_dict()["runs"][bug.name][teacher_forced.KEY]
@@ -228,8 +228,9 @@ def test_a_late_bug_fails_at_the_first_checkpoint_after_its_onset(runs, tmp_path
           f"{failing['bound']:.3e} ({failing['ratio']:.1f} × bound); curves alone: "
           f"{'PASS' if seen is None else f'FAIL at step {seen.step} ({seen.quantity}, {seen.test})'}, deviation ÷ noise "
           f"{alone.noise_ratio:.1f} ({', '.join(f'{q} {x:.1f}' for q, x in alone.noise_ratios.items())})")
-    if bug in HIDDEN:
-        assert alone.verdict.word == "PASS", seen
+    if bug in HIDDEN:  # the curves alone PASS it, or see it only later than the check (lr × 0.97 on an AMD EPYC's
+        # oneDNN bf16 path: the drift test at step 78, 1.003 × its tolerance; 8.1 × noise and PASS on an Intel AMX CPU)
+        assert seen is None or seen.step > step, seen
         assert (f.test, f.step, f.module) == (teacher_forced.TEST, step, failing["tensor"])
     else:  # the curves see it at once, at or before the check's step: the verdict names the earlier
         assert seen is not None and seen.step <= step and f.step == seen.step, seen
