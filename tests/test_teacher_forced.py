@@ -141,8 +141,8 @@ BUGS = [(DDPLearningRateLowLate, first_check_from(ONSET)), (DDPWeightDecayLate, 
         (DDPBeta2Late, first_check_from(ONSET)), (DDPHalfGradientsOnce, first_check_from(SPIKE)),
         (DDPResumeDropsMoments, RESUME)]
 # The bugs the curves alone do not see in this setting, or see only later than the check: their verdict is the
-# check's. The other two the curves see at once, as they would at any step of any run: β2 0.99 from step 60 changes AdamW's bias correction 1 − β2^t from
-# 0.058 to 0.45 (updates ~2.6 × larger at once), and a resume that drops the moments restarts AdamW (its next update
+# check's. The other two the curves see at once, as they would at any step of any run: β2 0.99 from step 60 changes
+# AdamW's bias correction 1 − β2^t from 0.058 to 0.45 (updates ~2.6 × larger at once), and a resume that drops the moments restarts AdamW (its next update
 # lr × sign(g) everywhere); the verdict is then the earlier of the two, and the check is never later.
 HIDDEN = (DDPLearningRateLowLate, DDPWeightDecayLate, DDPHalfGradientsOnce)
 
