@@ -34,14 +34,13 @@ from parity import fingerprint, storage
 from parity.comparing import teacher_forced, tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
-from parity.comparing.recorded import (is_recorded, is_replay, replay_suspects, resumed_at, resumed_rows,
-                                       same_rows)
+from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
 from parity.errors import ConfigError, NotComparable
 from parity.precision import POLICIES, POLICY_FIELDS, describe
 from parity.registry import run_label
-from parity.training.record import REFERENCE_GLOB, load_record
+from parity.training.record import REFERENCE_GLOB, is_recorded, load_record
 # Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
 OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
                       "optimizer")  # optimizer: by parameter group, where a record names it (a recorded run, its replay)

@@ -11,14 +11,9 @@ from __future__ import annotations
 from parity.comparing.verdict import Outside
 from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
 from parity.training.data import RECORDED
+from parity.training.record import is_recorded
 
-RECORDER = "recorder"  # a recorded run's config.source (parity/integrations/recorder.py's SOURCE)
 RESUMED_ROWS = "resumed_rows"  # the resume finding's quantity and test (Outside; found by resumed_rows below)
-
-
-def is_recorded(config: dict) -> bool:
-    """A record's config is the recorder's, not the harness loop's."""
-    return config.get("source") == RECORDER
 
 
 def is_replay(config: dict) -> bool:

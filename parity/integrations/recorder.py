@@ -43,12 +43,10 @@ from parity.registry import KNOWN
 from parity.training.data import Batch, batch_hash, recorded_batch_path
 from parity.training.loss import IGNORE_INDEX, loss_sum
 from parity.training.observer import StepObserver, device_name
-from parity.training.record import LossRecord, record_path
+from parity.training.record import RECORDER_SOURCE as SOURCE, LossRecord, record_path
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
-SOURCE = "recorder"  # the record's config.source: written by this recorder, not by the harness's loop
 STOPPED = "the record stopped"  # what rank 0 hands the other ranks in the step's exchange after its record stopped
-
 
 
 def recorded_folder(output_dir: str, name: str) -> str:
@@ -211,7 +209,8 @@ class ParityRecorder:
         if start_step:
             self._continue(start_step)
         self.writer = BatchWriter() if self.rank == 0 else None
-        self.declared = resume.DeclaredSchedule.copy_of(scheduler, start_step, self._line) if scheduler is not None else None
+        self.declared = (resume.DeclaredSchedule.copy_of(scheduler, start_step, self._line) if scheduler is not None
+                         else None)
         self.observer = StepObserver(self.record, device=self.device, replicas=self, replica_check_interval=1,
                                      log=self._line)
         self.step, self.grad_norm_source = start_step, None
@@ -492,6 +491,13 @@ class ParityRecorder:
             judged = "no step is" if step == 0 else "step 0 is" if step == 1 else f"steps 0…{step - 1} are"
             self._line(f"{why}: the record stops at step {step}; {judged} replayed and judged; the training goes on")
 
+    def _settle(self, finished: list[tuple[int, str | None]]) -> None:
+        """Rank 0, where the record is written: the batches the writer finished counted (_harvest), then the record cut
+        at its stop if it has one."""
+        self._harvest(finished)
+        if self.stop is not None:
+            self._apply_stop()
+
     def _apply_stop(self) -> None:
         step, why = self.stop
         data = self.record.data
@@ -508,8 +514,7 @@ class ParityRecorder:
         if self.stop is None:
             self._stop_at(self.step, f"step {self.step} could not be recorded ({why})")
         try:
-            self._harvest(self.writer.close())
-            self._apply_stop()
+            self._settle(self.writer.close())
             self.record.data["config"]["total_steps"] = len(self.record.steps)
             self.record.finish(steps=len(self.record.steps), source=SOURCE)
         except Exception as exc:
@@ -525,9 +530,7 @@ class ParityRecorder:
             return
         try:
             if self.writer is not None:
-                self._harvest(self.writer.flush())
-                if self.stop is not None:
-                    self._apply_stop()
+                self._settle(self.writer.flush())
             self.observer.write()
         except Exception as exc:
             self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
@@ -539,9 +542,7 @@ class ParityRecorder:
         try:
             self._hook.remove()
             if self.writer is not None:
-                self._harvest(self.writer.close())
-            if self.stop is not None and self.rank == 0:
-                self._apply_stop()
+                self._settle(self.writer.close())
             config = self.record.data["config"]
             config["total_steps"] = len(self.record.steps)
             self.observer.finish(lambda: {"steps": len(self.record.steps), "source": SOURCE})

@@ -26,7 +26,7 @@ from parity.errors import ConfigError, RecordError
 from parity.integrations.rows import padding_problem
 from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
 from parity.training.data import RECORDED, RecordedBatches, recorded_batch_path
-from parity.training.record import load_record
+from parity.training.record import is_recorded, load_record
 
 # The flags a replay takes beside --replay_record: where it runs and where its outputs go.
 ALLOWED = ("num_workers", "device", "loss_output_dir", "storage_path", "experiment_name", "final_checkpoint_dir",
@@ -93,7 +93,7 @@ def read_recorded(record_file: str) -> dict:
     except RecordError as exc:
         raise ConfigError(f"--replay_record: {exc}") from None
     config = record["config"]
-    if config.get("source") != "recorder":
+    if not is_recorded(config):
         raise ConfigError(f"--replay_record {name}: not a record of parity's recorder (a harness run's record is "
                           f"compared with plot_loss_curves.py, not replayed)")
     if not config.get("hugging_face_model"):

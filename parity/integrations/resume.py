@@ -14,9 +14,8 @@ import torch
 from parity import storage
 from parity.errors import RecordError
 from parity.training.data import recorded_batch_path
-from parity.training.record import load_record
+from parity.training.record import is_recorded, load_record
 
-RECORDER_SOURCE = "recorder"  # a recorder's config.source (recorder.SOURCE)
 # What a resumed run must share with the record it continues: the replay takes them from the record once, for every step
 CONTINUED = ("hugging_face_model", "model_type", "model_config", "optimizer", "max_grad_norm", "precision")
 
@@ -87,7 +86,7 @@ def kept(path: str, folder: str, now: dict, k: int) -> tuple[dict, list[dict], i
     except RecordError as exc:
         raise ResumeRefused(f"{refused}: {exc}") from None
     config, steps = data["config"], data["steps"]
-    if config.get("source") != RECORDER_SOURCE:
+    if not is_recorded(config):
         raise ResumeRefused(f"{refused}: it is not a record of parity's recorder")
     if len(steps) < k:
         stopped = config.get("stopped")

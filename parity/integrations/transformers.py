@@ -67,7 +67,7 @@ class ParityCallback(TrainerCallback):
             except md.PackageNotFoundError:
                 pass
         self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
-                                       optimizer=getattr(optimizer, "optimizer", optimizer),
+                                       optimizer=optimizer,  # accelerate's wrapper: the recorder takes it as it is
                                        max_grad_norm=args.max_grad_norm or 0.0, precision=precision,
                                        max_batch_bytes=self.max_batch_bytes, framework="transformers.Trainer",
                                        framework_versions=versions, dump_step=self.dump_step,

@@ -247,7 +247,7 @@ class _Described:
 
 class RecordedBatches:
     """Step → the global batch a recorded run trained on (parity/integrations/recorder.py saved each one in
-    `folder`), its rows in the harness's order (the run's DP rank 0's rows, then rank 1's ..., each row right-padded),
+    `folder`), its rows in the harness's order (the run's DP rank 0's rows, then rank 1's ..., each row as fed),
     split over the replay's `workers` by row_plan in micro-batches of at most `most_rows` rows: what a replay trains
     on. Read on the worker when the step comes."""
 

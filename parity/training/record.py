@@ -26,6 +26,12 @@ CONFIG_FIELDS = ("tp_size", "dp_size", "precision", "total_steps", "init_weights
 
 
 REFERENCE_GLOB = "noise_reference_*.json"
+RECORDER_SOURCE = "recorder"  # config.source of a record that parity's recorder wrote (your own trainer's run)
+
+
+def is_recorded(config: dict) -> bool:
+    """A record's config is the recorder's (parity/integrations/recorder.py), not the harness loop's."""
+    return config.get("source") == RECORDER_SOURCE
 
 
 def record_path(output_dir: str, strategy: str) -> str:
