@@ -245,7 +245,7 @@ CASES = [
     ("not comparable", "plot", lambda d: edit_record(d, lambda r: r["config"].update(init_weights_sha256="6" * 64)), {},
      r"not comparable: ddp and fsdp start from different initial weights .*: train both from the same "),
     ("old schema", "plot", lambda d: edit_record(d, lambda r: r.update(schema_version=1)), {},
-     r"loss_fsdp.json: schema version 1, this harness reads 6 .*: rerun that strategy, or record the run again"),
+     r"loss_fsdp.json: schema version 1, this harness reads 7 .*: rerun that strategy, or record the run again"),
     ("record replicas", "plot", lambda d: edit_record(d, lambda r: r["steps"][1].update(replicas={"parted": "x"})), {},
      r"loss_fsdp.json: steps\[1\].replicas is not a replica check's entry \('checked' and 'parted' counts\)"),
     # --- compare_dumps.py -----------------------------------------------------------------------------------

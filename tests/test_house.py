@@ -360,7 +360,7 @@ def test_pp_size_is_a_layout_field_taken_only_with_pipeline_stages(tmp_path, cap
 
 
 def test_a_record_of_the_previous_schema_is_refused_in_one_line(tmp_path, capsys):
-    """A loss record of schema 5 (a recorded run's one batch shape for the whole run) beside this harness's records:
+    """A loss record of schema 6 (one global grad norm per step, no tensor's series) beside this harness's records:
     the comparison refuses it in one line naming both schema versions (exit 2), before comparing anything."""
     import json
 
@@ -368,20 +368,19 @@ def test_a_record_of_the_previous_schema_is_refused_in_one_line(tmp_path, capsys
     from parity.training.record import SCHEMA_VERSION
     from test_compare import DDP_LOSS, hand_example, write_record
 
-    assert SCHEMA_VERSION == 6
+    assert SCHEMA_VERSION == 7
     hand_example(tmp_path)
     path = write_record(tmp_path, "pipeline", DDP_LOSS)
     with open(path) as f:
         data = json.load(f)
-    data["schema_version"] = 5
+    data["schema_version"] = 6
     with open(path, "w") as f:
         json.dump(data, f)
     code = main(["--input_dir", str(tmp_path), "--output", str(tmp_path / "c.png")])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")
-    assert err.startswith("error: loss_pipeline.json: schema version 5, this harness reads 6 (") and \
-        err.endswith("and a recorded run's batch shape per step too): rerun that strategy, or record the run "
-                     "again\n")
+    assert err.startswith("error: loss_pipeline.json: schema version 6, this harness reads 7 (") and \
+        err.endswith("and every tensor's norms per step too): rerun that strategy, or record the run again\n")
     assert err.count("\n") == 1
 
 

@@ -23,6 +23,7 @@ from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
 from parity.training.optimizer import OptimizerStep, clip_coefficient, squared_norm_fp64, step_optimizer
 from parity.training.replicas import Replica, held, mesh_replica_ranks
 from parity.training.strategy import Strategy
+from parity.training.tensor_norms import Piece, counted_here, local_pieces
 
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
 SCALER_FILE = "loss_scaler.pt"  # fp16: the loss scaler's state (rank 0's)
@@ -124,6 +125,22 @@ class DTensorStrategy(Strategy):
         if not hasattr(self, "_replicated"):  # a parameter's placements do not change: its ranks are found once
             self._replicated = replicated_parameters(self.model, self.ctx.world_size)
         return dtensor_replicas(self._replicated, self.optimizer)
+
+    def tensor_names(self) -> list[str]:
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def gradient_pieces(self) -> list[Piece]:
+        """Each gradient's local shard, counted on one of the ranks that hold it alike (tensor_norms.counted_here)."""
+        return local_pieces(((n, p.grad) for n, p in self.model.named_parameters() if p.requires_grad), self._counted)
+
+    def parameter_pieces(self) -> list[Piece]:
+        return local_pieces(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), self._counted)
+
+    @property
+    def _counted(self) -> dict[str, bool]:
+        if not hasattr(self, "_counted_pieces"):  # a parameter's placements do not change: found once
+            self._counted_pieces = {n: counted_here(p) for n, p in self.model.named_parameters()}
+        return self._counted_pieces
 
     def local_output(self, module_name: str) -> tuple[int, int] | None:
         """Where the module `module_name` leaves each TP rank its piece of its output: (dim, parts) for

@@ -37,6 +37,8 @@ from parity.training.memory import PEAK_ORDERS, zero_bound
 from parity.training.optimizer import local_norm
 from parity.training.record import LossRecord
 from parity.training.replicas import ReplicaCheck, parting_line
+from parity.training.tensor_norms import PRE_CLIP
+from parity.training.tensor_series import TensorSeriesWriter
 
 NODE_ID_BYTES = 64  # a Ray node id is 56 hex characters
 
@@ -53,7 +55,8 @@ class StepObserver:
     def __init__(self, record: LossRecord, *, device: torch.device, replicas=None, replica_check_interval: int = 1,
                  total_steps: int | None = None, parameter_norm: Callable[[], float] | None = None,
                  probe: ModelStateProbe | None = None, measured_step: int | None = None,
-                 log: Callable[[str], Any] | None = None):
+                 log: Callable[[str], Any] | None = None, tensor_names: list[str] | None = None,
+                 tensor_grad: str = PRE_CLIP, tensors_why: str | None = None):
         self.record, self.device, self.total_steps = record, device, total_steps
         self.is_logging_rank = dist.get_rank() == 0
         self.parameter_norm, self.probe, self.log = parameter_norm, probe, log or (lambda line: None)
@@ -64,6 +67,9 @@ class StepObserver:
         self.replica_check = ReplicaCheck(replicas if replicas is not None else _NoReplicas(), replica_check_interval,
                                           device)
         record.declare_replicas(self.replica_check.summary)
+        # every tensor's norms at every step, beside the record (tensor_series.py): `tensor_names` as observe_step's
+        # tensor_grad_norms and tensor_param_norms come, `tensor_grad` which gradient, or None and `tensors_why`
+        self.tensors = TensorSeriesWriter(record, tensor_names, tensor_grad, tensors_why)
 
     # --- the step ---------------------------------------------------------------------------------------
     def probe_at(self, step: int) -> ModelStateProbe | None:
@@ -77,7 +83,9 @@ class StepObserver:
                      rank_tokens: Sequence[int] | None = None, grad_norm: float | None = None,
                      gradients: Iterable[torch.Tensor] | None = None, param_norm: float | None = None,
                      batch=None, batch_hash: str | None = None, tokens: int | None = None,
-                     harness_s: dict | None = None, checkpoint: bool = False, **extras) -> dict:
+                     harness_s: dict | None = None, checkpoint: bool = False,
+                     tensor_grad_norms: Sequence[float] | None = None, tensor_param_norms: Sequence[float] | None = None,
+                     clip_coef: float | None = None, **extras) -> dict:
         """Step `step` done (0-based; every rank calls it, in step order): the replica check when due (a collective;
         `checkpoint`: a checkpoint of this step follows), then the record's entry, then the trackers. Returns the
         entry (its "harness_s" is `harness_s` itself, with the seconds the check, the record and the trackers took
@@ -91,6 +99,8 @@ class StepObserver:
           global batch's loss tokens);
         - `grad_norm` (the pre-clip global norm), or `gradients` (full, unsharded ones: their float64 norm);
         - `param_norm` (after the update), or none: the observer's `parameter_norm()`;
+        - `tensor_grad_norms` and `tensor_param_norms`: each tensor's, in the observer's `tensor_names` order (and
+          `clip_coef` where the gradients are the clipped ones), for the series beside the record;
         - `lr`, `step_time_s`, and `extras`: further entries of the record's step, in order (fp16's skipped and
           loss_scale, a mixture of experts' aux_loss and expert_loads)."""
         harness_s = {} if harness_s is None else harness_s
@@ -124,6 +134,8 @@ class StepObserver:
                            batch_hash=hash_of_batch(batch) if batch_hash is None else batch_hash,
                            step_time_s=step_time_s, peak_memory_bytes=peak_memory_bytes(self.device),
                            harness_s=harness_s, **checked, **extras)
+        if self.is_logging_rank and tensor_grad_norms is not None and tensor_param_norms is not None:
+            self.tensors.append(step, list(tensor_grad_norms), list(tensor_param_norms), clip_coef)
         harness_s["record"] = time.perf_counter() - r0
         if self.trackers:
             harness_s["trackers"] = self.trackers.log_step(self.record.steps[-1])
@@ -139,9 +151,14 @@ class StepObserver:
         """Rank 0 rewrites the record; every rank learns whether it could (a collective: RunStopped on every rank if
         not). Returns the seconds it took."""
         w0 = time.perf_counter()
-        agree(write_problem(self.record.write if self.is_logging_rank else lambda: None,
+        agree(write_problem(self._write if self.is_logging_rank else lambda: None,
                             f"the loss record {self.record.path}"))
         return time.perf_counter() - w0
+
+    def _write(self) -> None:
+        """The tensor series' new chunk, then the record that lists it (rank 0)."""
+        self.tensors.flush()
+        self.record.write()
 
     def report_model_state(self) -> dict | None:
         """Every rank's model-state counts of the measured step, for the record's final entry (a collective), or
@@ -158,6 +175,7 @@ class StepObserver:
         def complete() -> None:
             if self.is_logging_rank:
                 before()
+                self.tensors.flush()
                 self.record.finish(**final())
 
         agree(write_problem(complete, what or f"the loss record {self.record.path}",

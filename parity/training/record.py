@@ -10,10 +10,12 @@ import json
 
 from parity import storage
 from parity.errors import RecordError
+from parity.training.tensor_series import KEY as TENSORS, kept_chunks
 
-SCHEMA_VERSION = 6  # 2: every step has param_norm; 3: the config has the fingerprint; 4: the replica check;
+SCHEMA_VERSION = 7  # 2: every step has param_norm; 3: the config has the fingerprint; 4: the replica check;
 # 5: pp_size a layout field (not an option), the strategy's class path; 6: a recorder's record takes each step's batch
-# shape as it comes (its rows and micro-batches per step), names its files relative to itself and may stop early
+# shape as it comes (its rows and micro-batches per step), names its files relative to itself and may stop early;
+# 7: every trainable tensor's gradient and parameter norm at every step, in chunks beside it (tensor_series.py)
 STEP_FIELDS = ("step", "loss", "dp_rank_losses", "grad_norm", "param_norm", "lr", "tokens", "batch_hash", "step_time_s",
                "peak_memory_bytes")  # and harness_s: the harness's own seconds in the step, by what (not checked);
 # and on a step the replicas were checked after, "replicas": what the check found (parity.training.replicas)
@@ -60,7 +62,8 @@ class LossRecord:
     def progress(self) -> dict:
         """What a checkpoint keeps of the record: the steps so far, the resumes that led to them, and the tracker runs
         the steps went to (--report_to: a resumed run continues them)."""
-        return {"steps": self.steps, "resumes": self.data["resumes"], "trackers": self.data.get("trackers", {})}
+        return {"steps": self.steps, "resumes": self.data["resumes"], "trackers": self.data.get("trackers", {}),
+                "tensor_chunks": self.data.get(TENSORS, {}).get("chunks", [])}
 
     def resume(self, progress: dict, checkpoint: str, skipped: list[str]) -> None:
         """Continue the record a checkpoint kept, noting where from and which damaged checkpoints were passed over."""
@@ -69,6 +72,8 @@ class LossRecord:
                                                        "skipped": skipped}]
         if progress.get("trackers"):
             self.data["trackers"] = dict(progress["trackers"])
+        if self.data.get(TENSORS, {}).get("names"):  # the chunks of the steps kept (tensor_series.py)
+            self.data[TENSORS]["chunks"] = kept_chunks(progress.get("tensor_chunks", []), len(progress["steps"]))
 
     def declare_replicas(self, summary: dict) -> None:
         """What the strategy declared as replicas (ReplicaCheck.summary): how many groups, of what, over which ranks."""
@@ -107,8 +112,9 @@ def load_record(path: str) -> dict:
     if data.get("schema_version") != SCHEMA_VERSION:
         raise RecordError(f"{name}: schema version {data.get('schema_version')}, this harness reads "
                           f"{SCHEMA_VERSION} (it records the parameter norm, the run's fingerprint, the replica check, "
-                          f"pp_size among the layout's fields, the strategy's class path and a recorded run's batch "
-                          f"shape per step too): rerun that strategy, or record the run again")
+                          f"pp_size among the layout's fields, the strategy's class path, a recorded run's batch "
+                          f"shape per step and every tensor's norms per step too): rerun that strategy, or record the "
+                          f"run again")
     if not isinstance(data.get("complete"), bool):
         raise RecordError(f"{name}: missing or invalid 'complete' (expected true or false)")
     missing = [k for k in CONFIG_FIELDS if k not in data["config"]]

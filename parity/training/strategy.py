@@ -24,10 +24,11 @@ from parity.training.optimizer import (ADAMW_MOMENTS, OptimizerStep, build_optim
 from parity.training.option import Option
 from parity.training.replicas import Replica, whole_model
 from parity.training.routing import Routing
+from parity.training.tensor_norms import Piece, gathered_norms, local_squares, rank0_pieces
 
 # The documented strategy API (docs/custom_strategy.md): what a strategy module imports from here, wherever it is
 # defined — the optimizer primitives (optimizer.py), the loss (loss.py), a strategy's own flag (option.py).
-__all__ = ["IGNORE_INDEX", "ModuleRecords", "Option", "OptimizerStep", "StepStats", "Strategy", "WorkerContext",
+__all__ = ["IGNORE_INDEX", "ModuleRecords", "Option", "OptimizerStep", "Piece", "StepStats", "Strategy", "WorkerContext",
            "build_optimizer", "clip_coefficient", "clip_local_gradients", "gradient_arrivals", "local_norm", "loss_sum",
            "lr_at", "set_lr", "squared_norm_fp64", "step_optimizer"]
 
@@ -66,6 +67,10 @@ class StepStats:
     skipped: bool = False  # fp16: the step was skipped on an overflow (the parameters did not move)
     loss_scale: float | None = None  # fp16: the loss scale the step's gradients were computed with
     routing: dict | None = None  # a mixture of experts: {"aux_loss", "expert_loads"} of the global batch (routing.py)
+    # each trainable tensor's pre-clip gradient norm and parameter norm after the step, in tensor_names() order (None
+    # where the strategy does not hand over its pieces): parity/training/tensor_norms.py
+    tensor_grad_norms: list[float] | None = None
+    tensor_param_norms: list[float] | None = None
 
 
 @dataclass
@@ -240,6 +245,29 @@ class Strategy(Routing):
         """Like full_parameters, for the gradients after backward (before clipping and the step)."""
         raise NotImplementedError
 
+    # --- every tensor's norms (parity/training/tensor_norms.py) -----------------------------------------------
+    def tensor_names(self) -> list[str] | None:
+        """The trainable parameters' Hugging Face names, in one order on every rank (the whole model's, also on a rank
+        that holds part of it), whose gradient and parameter norms the record holds at every step; None where this
+        strategy does not hand over its pieces (the record then says so). Here for a strategy whose every rank holds
+        the whole model (no tensor parallelism, no pipeline stages: DDP, a hand-written data parallelism)."""
+        if self.tensor_parallel or self.ctx.pp_size > 1:
+            return None
+        return [n for n, p in self.hf_model.named_parameters() if p.requires_grad]
+
+    def gradient_pieces(self) -> list[Piece]:
+        """This rank's piece of each trainable tensor's gradient after backward (reduced over DP, before clipping and
+        the step; fp16: still at the loss scale, which the caller takes out), as tensor_norms.Piece by Hugging Face
+        name. Local: no collective. Here: the whole gradients, rank 0's counted."""
+        return rank0_pieces((n, p.grad) for n, p in self.hf_model.named_parameters() if p.requires_grad)
+
+    def parameter_pieces(self) -> list[Piece]:
+        """Like gradient_pieces, for the parameters after the step: the master weights the optimizer updates (what
+        parameter_norm measures). Here: the whole parameters (their PolicyOptimizer masters), rank 0's counted."""
+        policy = self.policy_optimizer
+        return rank0_pieces((n, policy.master_of(p) if policy is not None else p)
+                            for n, p in self.hf_model.named_parameters() if p.requires_grad)
+
     def replicas(self) -> list[Replica] | None:
         """Every tensor this rank holds that other ranks must hold bit for bit too — parameters as held (a shard, a
         flat fragment), and the optimizer state of each — with the ranks that hold it (`Replica`, in
@@ -367,6 +395,11 @@ class Strategy(Routing):
         with watching:  # on the parameters as they are between steps (FSDP2's root unshards in forward)
             local_sum = self.forward_backward(batch, global_tokens)
         observe("after_backward")
+        t0 = time.perf_counter()
+        names = self.tensor_names()
+        if names is not None:  # the gradients as reduced, before clipping: this rank's sums of squares, unscaled
+            grad_squares = local_squares(self.gradient_pieces(), names, self.ctx.device, self.current_loss_scale)
+        tensors_s = time.perf_counter() - t0
         done = OptimizerStep.of(self.optimizer_step(lr))
         observe("after_step")
         t0 = time.perf_counter()
@@ -374,10 +407,18 @@ class Strategy(Routing):
         gather_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         param_norm = self.parameter_norm()
+        param_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        grads = params = None
+        if names is not None:
+            grads, params = gathered_norms(grad_squares, local_squares(self.parameter_pieces(), names,
+                                                                       self.ctx.device))
+        tensors_s += time.perf_counter() - t0
         return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
                          grad_norm=done.norm, param_norm=param_norm,
-                         harness_s={"loss_gather": gather_s, "param_norm": time.perf_counter() - t0},
-                         skipped=done.skipped, loss_scale=done.loss_scale, routing=self.step_routing)
+                         harness_s={"loss_gather": gather_s, "param_norm": param_s, "tensor_norms": tensors_s},
+                         skipped=done.skipped, loss_scale=done.loss_scale, routing=self.step_routing,
+                         tensor_grad_norms=grads, tensor_param_norms=params)
 
     def micro_batch_loss(self, summed: torch.Tensor, micro, batch, global_tokens: int) -> torch.Tensor:
         """What a micro-batch backpropagates: its token-loss sum × dp_size / the global batch's loss tokens, so that

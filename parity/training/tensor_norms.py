@@ -1,0 +1,82 @@
+"""Every trainable tensor's gradient norm and parameter norm, measured from each rank's piece of it in float64 and
+summed over the ranks in one collective per step.
+
+A strategy (or a recorder's layout) hands over its pieces (`Piece`): for each trainable parameter under its Hugging
+Face name, the part this rank holds — a DTensor's local shard, a ZeRO partition's slice, a pipeline stage's tensor, a
+whole tensor under DDP — and whether this rank's copy is the one counted. Copies several ranks hold alike (DDP's
+replicas, a tensor replicated over tp, every DP rank of a pipeline stage) are counted on one of them only, so the
+sum over the world is each element once: the tensor's norm over its full size, whatever the layout, and the squares
+of all tensors add up to the global norm the strategy clips by (tests/test_tensor_norms.py holds every strategy to
+that). Why per tensor: a bug confined to one tensor's gradient (an expert's, a norm's, a router's) moves the global
+norm by its share only, and AdamW divides a constant scale away from the loss (docs/tensors.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from parity.training.replicas import mesh_replica_ranks
+
+GRADIENT, UPDATE = "gradient", "update"  # the two phases a tensor is judged in: its gradient, its parameter after
+PRE_CLIP, CLIPPED = "pre_clip", "clipped"  # which gradient a record holds: before clipping, or after (with the coefficient)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What this rank holds of the tensor `name`: `tensor` (None where it holds nothing of it), and whether its copy is
+    the one counted (`counted`: False on a rank whose piece another rank holds alike and counts)."""
+
+    name: str
+    tensor: torch.Tensor | None
+    counted: bool = True
+
+
+def counted_here(t: torch.Tensor) -> bool:
+    """Whether this rank's piece of the parameter `t` is the copy counted: a DTensor's local shard on the lowest of the
+    ranks that hold that same shard (replicas.mesh_replica_ranks: along the root mesh's dims it is replicated over or
+    does not live on — a norm TP leaves whole, on the "dp" sub-mesh, is the same on every "tp" rank); a plain tensor,
+    whole on every rank, on rank 0."""
+    if not isinstance(t, DTensor):
+        return dist.get_rank() == 0
+    return dist.get_rank() == mesh_replica_ranks(t)[0]
+
+
+def local_pieces(named: Iterable[tuple[str, torch.Tensor | None]], counted: dict[str, bool]) -> list[Piece]:
+    """Pieces of DTensors (and plain tensors) by name: each local shard, counted where `counted` (counted_here of each
+    parameter, found once: placements do not change) says."""
+    return [Piece(name, None if t is None else t.to_local() if isinstance(t, DTensor) else t,
+                  counted[name] and t is not None) for name, t in named]
+
+
+def rank0_pieces(named: Iterable[tuple[str, torch.Tensor | None]]) -> list[Piece]:
+    """Whole tensors every rank holds alike (DDP, a hand-written data parallelism): rank 0's copies counted."""
+    counted = dist.get_rank() == 0
+    return [Piece(name, t, counted and t is not None) for name, t in named]
+
+
+def local_squares(pieces: list[Piece], names: list[str], device: torch.device, scale: float = 1.0) -> torch.Tensor:
+    """This rank's float64 sums of squares of its counted pieces, one per name in `names` order (the same order on
+    every rank); a name this rank holds nothing of is 0. `scale` divides the tensors (a loss scale to take out)."""
+    index = {n: i for i, n in enumerate(names)}
+    held = [(index[p.name], p.tensor.detach()) for p in pieces
+            if p.counted and p.tensor is not None and p.name in index]
+    out = torch.zeros(len(names), dtype=torch.float64, device=device)
+    if held:  # one foreach kernel, not a reduction per tensor (the step's cost: docs/benchmark.md)
+        norms = torch._foreach_norm([t for _, t in held], 2, dtype=torch.float64)
+        out.index_put_((torch.tensor([i for i, _ in held], device=device),),
+                       torch.stack([n.to(device) for n in norms]).square(), accumulate=True)
+    return out / (scale * scale) if scale != 1.0 else out
+
+
+def gathered_norms(gradients: torch.Tensor, parameters: torch.Tensor) -> tuple[list[float], list[float]]:
+    """The per-tensor norms over every rank from each rank's local sums (local_squares): one all-reduce. Collective."""
+    both = torch.cat([gradients, parameters])
+    dist.all_reduce(both)
+    n = gradients.numel()
+    return [math.sqrt(float(x)) for x in both[:n]], [math.sqrt(float(x)) for x in both[n:]]
