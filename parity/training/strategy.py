@@ -258,8 +258,11 @@ class Strategy(Routing):
     def gradient_pieces(self) -> list[Piece]:
         """This rank's piece of each trainable tensor's gradient after backward (reduced over DP, before clipping and
         the step; fp16: still at the loss scale, which the caller takes out), as tensor_norms.Piece by Hugging Face
-        name. Local: no collective. Here: the whole gradients, rank 0's counted."""
-        return rank0_pieces((n, p.grad) for n, p in self.hf_model.named_parameters() if p.requires_grad)
+        name. Local: no collective. Here: the whole gradients (where micro-batches accumulate in their PolicyOptimizer's
+        fp32 masters, those), rank 0's counted."""
+        policy = self.policy_optimizer
+        return rank0_pieces((n, policy.gradient_of(p) if policy is not None else p.grad)
+                            for n, p in self.hf_model.named_parameters() if p.requires_grad)
 
     def parameter_pieces(self) -> list[Piece]:
         """Like gradient_pieces, for the parameters after the step: the master weights the optimizer updates (what
