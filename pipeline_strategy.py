@@ -54,7 +54,7 @@ from parity.precision import DTYPES, POLICIES, policy_of
 from parity.training.memory import StateLedger
 from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.replicas import Replica, held
-from parity.training.strategy import ModuleRecords, Option, Strategy, loss_sum, squared_norm_fp64
+from parity.training.strategy import ModuleRecords, Option, Piece, Strategy, loss_sum, squared_norm_fp64
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -368,6 +368,23 @@ class PipelineStrategy(Strategy):
         norm_of = lambda grads: math.sqrt(self._pipeline_sum(sum((squared_norm_fp64(g) for g in grads),  # noqa: E731
                                                                  self._zero())))
         return self.policy_optimizer.step(lr, norm_of, counted=[p for _, p in self._counted()])
+
+    def tensor_names(self) -> list[str]:
+        """The whole model's names on every rank, in a stock model's order (full_names: the tied lm_head once, as the
+        embedding): a rank holds the pieces of its stages only."""
+        return self.full_names
+
+    def gradient_pieces(self) -> list[Piece]:
+        """This rank's stages' gradients, reduced over the stage's DP group and the tied weight's two copies summed (the
+        first stage's copy only: _counted), counted on the stage's first DP rank."""
+        return self._pieces(self.policy_optimizer.gradient_of)
+
+    def parameter_pieces(self) -> list[Piece]:
+        return self._pieces(self.policy_optimizer.master_of)
+
+    def _pieces(self, tensor_of) -> list[Piece]:
+        counted = self.ctx.dp_rank == 0  # every DP rank of a stage holds its tensors alike
+        return [Piece(n, tensor_of(p), counted) for n, p in self._counted()]
 
     def parameter_norm(self) -> float:
         local = sum((squared_norm_fp64(self.policy_optimizer.master_of(p)) for _, p in self._counted()), self._zero())

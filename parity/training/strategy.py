@@ -24,7 +24,7 @@ from parity.training.optimizer import (ADAMW_MOMENTS, OptimizerStep, build_optim
 from parity.training.option import Option
 from parity.training.replicas import Replica, whole_model
 from parity.training.routing import Routing
-from parity.training.tensor_norms import Piece, gathered_norms, local_squares, rank0_pieces
+from parity.training.tensor_norms import CLIPPED, Piece, gathered_norms, local_squares, rank0_pieces
 
 # The documented strategy API (docs/custom_strategy.md): what a strategy module imports from here, wherever it is
 # defined — the optimizer primitives (optimizer.py), the loss (loss.py), a strategy's own flag (option.py).
@@ -67,10 +67,11 @@ class StepStats:
     skipped: bool = False  # fp16: the step was skipped on an overflow (the parameters did not move)
     loss_scale: float | None = None  # fp16: the loss scale the step's gradients were computed with
     routing: dict | None = None  # a mixture of experts: {"aux_loss", "expert_loads"} of the global batch (routing.py)
-    # each trainable tensor's pre-clip gradient norm and parameter norm after the step, in tensor_names() order (None
-    # where the strategy does not hand over its pieces): parity/training/tensor_norms.py
+    # each trainable tensor's pre-clip gradient norm (× clip_coef where cfg.tensor_grad is CLIPPED) and parameter norm
+    # after the step, in tensor_names() order (None where the strategy does not hand over its pieces): tensor_norms.py
     tensor_grad_norms: list[float] | None = None
     tensor_param_norms: list[float] | None = None
+    clip_coef: float | None = None  # where the run's series holds the clipped gradients (cfg.tensor_grad): its factor
 
 
 @dataclass
@@ -258,8 +259,11 @@ class Strategy(Routing):
     def gradient_pieces(self) -> list[Piece]:
         """This rank's piece of each trainable tensor's gradient after backward (reduced over DP, before clipping and
         the step; fp16: still at the loss scale, which the caller takes out), as tensor_norms.Piece by Hugging Face
-        name. Local: no collective. Here: the whole gradients, rank 0's counted."""
-        return rank0_pieces((n, p.grad) for n, p in self.hf_model.named_parameters() if p.requires_grad)
+        name. Local: no collective. Here: the whole gradients (where micro-batches accumulate in their PolicyOptimizer's
+        fp32 masters, those), rank 0's counted."""
+        policy = self.policy_optimizer
+        return rank0_pieces((n, policy.gradient_of(p) if policy is not None else p.grad)
+                            for n, p in self.hf_model.named_parameters() if p.requires_grad)
 
     def parameter_pieces(self) -> list[Piece]:
         """Like gradient_pieces, for the parameters after the step: the master weights the optimizer updates (what
@@ -409,16 +413,19 @@ class Strategy(Routing):
         param_norm = self.parameter_norm()
         param_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        grads = params = None
+        grads = params = coef = None
         if names is not None:
             grads, params = gathered_norms(grad_squares, local_squares(self.parameter_pieces(), names,
                                                                        self.ctx.device))
+            if self.cfg.tensor_grad == CLIPPED:  # a replay of a record of clipped gradients: the same, to rounding
+                coef = clip_coefficient(done.norm, self.cfg)
+                grads = [g * coef for g in grads]
         tensors_s += time.perf_counter() - t0
         return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
                          grad_norm=done.norm, param_norm=param_norm,
                          harness_s={"loss_gather": gather_s, "param_norm": param_s, "tensor_norms": tensors_s},
                          skipped=done.skipped, loss_scale=done.loss_scale, routing=self.step_routing,
-                         tensor_grad_norms=grads, tensor_param_norms=params)
+                         tensor_grad_norms=grads, tensor_param_norms=params, clip_coef=coef)
 
     def micro_batch_loss(self, summed: torch.Tensor, micro, batch, global_tokens: int) -> torch.Tensor:
         """What a micro-batch backpropagates: its token-loss sum × dp_size / the global batch's loss tokens, so that

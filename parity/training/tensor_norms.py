@@ -47,9 +47,13 @@ def counted_here(t: torch.Tensor) -> bool:
     return dist.get_rank() == mesh_replica_ranks(t)[0]
 
 
+def counted_by_name(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, bool]:
+    """counted_here of each (name, parameter): found once for a model, whose parameters' placements do not change."""
+    return {name: counted_here(p) for name, p in named}
+
+
 def local_pieces(named: Iterable[tuple[str, torch.Tensor | None]], counted: dict[str, bool]) -> list[Piece]:
-    """Pieces of DTensors (and plain tensors) by name: each local shard, counted where `counted` (counted_here of each
-    parameter, found once: placements do not change) says."""
+    """Pieces of DTensors (and plain tensors) by name: each local shard, counted where `counted` (counted_by_name) says."""
     return [Piece(name, None if t is None else t.to_local() if isinstance(t, DTensor) else t,
                   counted[name] and t is not None) for name, t in named]
 
