@@ -236,7 +236,7 @@ def analyze(out: str, planned: list[Planned]) -> dict:
         if path:
             record = load_record(path)
             series[p.folder] = {q: [s[q] for s in record["steps"]] for q in QUANTITIES}
-            tensors[p.folder] = (load_series(path, record), record["steps"])
+            tensors[p.folder] = load_series(path, record)
     rows = {"clean": [], "bugs": [], "fp32_bugs": []}
     for p in planned:
         seed_folder = os.path.dirname(p.folder)
@@ -254,11 +254,10 @@ def analyze(out: str, planned: list[Planned]) -> dict:
                 if any(r is None for r in references):
                     continue
                 measured[candidate] = measure(mine, base, references)
-            references = [tensors.get(os.path.join(seed_folder, r), (None,))[0]
-                          for r in CANDIDATES[chosen_reference(p.policy)]]
+            references = [tensors.get(os.path.join(seed_folder, r)) for r in CANDIDATES[chosen_reference(p.policy)]]
             rows[kind].append({**where, "measured": measured,
-                               "tensors": measure_tensors(tensors[p.folder][0], *tensors[os.path.join(
-                                   seed_folder, baseline_id(p.policy))], references)})
+                               "tensors": measure_tensors(tensors[p.folder], tensors[os.path.join(
+                                   seed_folder, baseline_id(p.policy))], references, p.policy)})
         elif p.run.startswith("bug_") and p.run.endswith("_fp32"):
             fp32 = series.get(os.path.join(seed_folder, "ddp_fp32"))
             if fp32 is not None:
@@ -281,13 +280,13 @@ def measure(run: dict, base: dict, references: list[dict]) -> dict:
             "fails": max(ratios.values()) > NOISE_K or max(drifts.values()) > DRIFT_K}
 
 
-def measure_tensors(run, base, base_steps, references) -> dict | None:
+def measure_tensors(run, base, references, policy: str = "bf16") -> dict | None:
     """One run's tensors against the baseline's, each held to NOISE_K × its own envelope from the verdict's references:
     the worst tensor's deviation ÷ noise and where, and the first tensor outside (None: within at every step); None
     where the run, the baseline or a reference has no tensor series (a strategy that does not hand over its pieces)."""
     if run is None or base is None or any(r is None for r in references):
         return None
-    measured = deviations(run, base, base_steps, references, phase_floors("bf16"))
+    measured = deviations(run, base, references, phase_floors(policy))
     worst = max(measured, key=lambda d: max(d.ratios))
     ratios = worst.ratios
     first = first_outside(measured, NOISE_K)

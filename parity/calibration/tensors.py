@@ -4,9 +4,7 @@ against the per-tensor noise of the baseline's references: the measurements that
 
 Each tensor's two curves are measured as the three global curves are — relative_diffs and noise_envelope of
 parity.comparing.noise, the envelope per tensor from the references' own series of that tensor, never below the
-phase's floor — so a ratio here is what NOISE_K × the per-tensor envelope would judge. Beside it, each deviation as a
-share of the baseline's global norm of that phase (|Δ‖g_t‖| / ‖g‖): where a correct run's noise lands among the
-tensors (which element AdamW amplifies) changes from run to run, while its share of the whole does not as much.
+phase's floor — so a ratio here is what NOISE_K × the per-tensor envelope would judge.
 """
 
 from __future__ import annotations
@@ -19,27 +17,18 @@ from parity.training.tensor_norms import GRADIENT, UPDATE
 from parity.training.tensor_series import TensorSeries
 
 PHASES = {GRADIENT: "grad_norm", UPDATE: "param_norm"}
-"""A phase → the TensorSeries field and the record's global curve of the same quantity."""
+"""A phase → its TensorSeries field."""
 
 
 @dataclass(frozen=True)
 class TensorDeviation:
-    """One tensor in one phase of a run against the baseline, per step: the signed relative difference, its share of
-    the baseline's global norm, and (with references) the per-tensor noise envelope."""
+    """One tensor in one phase of a run against the baseline, per step: the signed relative difference and the
+    per-tensor noise envelope."""
 
     phase: str
     name: str
     rel_diffs: list[float]
-    shares: list[float]
-    envelope: list[float] | None = None
-
-    @property
-    def max_rel(self) -> float:
-        return max(abs(d) for d in self.rel_diffs)
-
-    @property
-    def max_share(self) -> float:
-        return max(self.shares)
+    envelope: list[float]
 
     @property
     def ratios(self) -> list[float]:
@@ -57,28 +46,26 @@ def tensor_curves(series: TensorSeries, phase: str) -> dict[str, list[float]]:
     return {name: [row[i] for row in rows] for i, name in enumerate(series.names)}
 
 
-def deviations(run: TensorSeries, base: TensorSeries, base_steps: list[dict], references: list[TensorSeries] = (),
-               floors: dict[str, float] | None = None) -> list[TensorDeviation]:
-    """Every tensor of `run` in both phases against `base` (whose record's steps are `base_steps`, for the global
-    norms), with the per-tensor envelope of `references` never below `floors[phase]` where references are given.
-    Tensors in the baseline's order; a tensor the baseline lacks is an error of the caller (runs of one model)."""
+def deviations(run: TensorSeries, base: TensorSeries, references: list[TensorSeries],
+               floors: dict[str, float]) -> list[TensorDeviation]:
+    """Every tensor of `run` in both phases against `base`, with the per-tensor envelope of `references` never below
+    `floors[phase]`. Tensors in the baseline's order (runs of one model: every run names the same tensors)."""
     out = []
-    for phase, key in PHASES.items():
+    for phase in PHASES:
         mine, theirs = tensor_curves(run, phase), tensor_curves(base, phase)
         refs = [tensor_curves(r, phase) for r in references]
-        totals = [s[key] for s in base_steps]
         for name, baseline in theirs.items():
-            diffs = relative_diffs(mine[name], baseline)
-            shares = [abs(x - b) / t for x, b, t in zip(mine[name], baseline, totals)]
-            envelope = noise_envelope(baseline, [r[name] for r in refs], floors[phase]) if refs else None
-            out.append(TensorDeviation(phase, name, diffs, shares, envelope))
+            envelope = noise_envelope(baseline, [r[name] for r in refs], floors[phase])
+            out.append(TensorDeviation(phase, name, relative_diffs(mine[name], baseline), envelope))
     return out
 
 
 def first_outside(measured: list[TensorDeviation], k: float) -> TensorDeviation | None:
-    """The tensor first outside k × its envelope: the earliest step, then the order measured (gradients before
-    updates, the model's order) — what a verdict names."""
-    found = [(step, i, d) for i, d in enumerate(measured) if (step := d.first_above(k)) is not None]
+    """The tensor to name: at the earliest step any tensor is outside k × its envelope, the one furthest outside.
+    Not the first in the model's order: a bug in one tensor moves the gradients of every tensor backpropagation reaches
+    before it (the aux loss's dropped gradient moves the embedding's too, measured: 190 × its bound in fp32, the router's
+    far more), and the tensor it is in moves most."""
+    found = [(step, -d.ratios[step], d) for d in measured if (step := d.first_above(k)) is not None]
     return min(found, key=lambda x: x[:2])[2] if found else None
 
 
