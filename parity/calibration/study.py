@@ -15,7 +15,8 @@ rate under the constants the bf16 study chose (docs/tolerances.md). Every run wr
 into a folder of its own; a record that is already complete is not trained again, so a study that stopped
 continues where it was. Then each clean and buggy run is measured against each candidate reference:
 deviation ÷ noise per curve (its worst step) and the drift statistic — with the comparing package's own
-functions, so the study measures exactly what the verdict computes.
+functions, so the study measures exactly what the verdict computes — and, where its record holds every tensor's series,
+tensor by tensor against NOISE_K × each tensor's own envelope from the verdict's references (parity.calibration.tensors).
 """
 
 from __future__ import annotations
