@@ -19,7 +19,7 @@ import shutil
 import pytest
 
 from test_families import family_weights
-from parity.calibration.bugs import LATE_ONSET, TENSOR_BUGS
+from parity.calibration.tensor_bugs import LATE_ONSET, TENSOR_BUGS
 from parity.calibration.tensors import deviations, first_outside, phase_floors
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import NOISE_K
