@@ -415,11 +415,9 @@ class PipelineStrategy(Strategy):
         dist.broadcast(logits, src=last, group=self.pp_group)
         return logits
 
-    def gather_dp(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Each DP rank's `t`, read from its pipeline's last rank (where the loss is computed)."""
-        gathered = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
-        dist.all_gather(gathered, t.contiguous())
-        return [gathered[ranks[(self.num_stages - 1) % self.P]] for ranks in self.ctx.layout.pp_groups()]
+    def dp_rows(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each DP rank's row, read from its pipeline's last rank (where the loss is computed)."""
+        return [rows[ranks[(self.num_stages - 1) % self.P]] for ranks in self.ctx.layout.pp_groups()]
 
     # --- full tensors -----------------------------------------------------------------------------
     def _share(self, mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -1,5 +1,5 @@
 """Every trainable tensor's gradient norm and parameter norm, measured from each rank's piece of it in float64 and
-summed over the ranks in one collective per step.
+summed over the ranks in one collective per step (a harness strategy's ride its loss gather: Strategy.gather_step).
 
 A strategy (or a recorder's layout) hands over its pieces (`Piece`): for each trainable parameter under its Hugging
 Face name, the part this rank holds — a DTensor's local shard, a ZeRO partition's slice, a pipeline stage's tensor, a
@@ -79,8 +79,15 @@ def local_squares(pieces: list[Piece], names: list[str], device: torch.device, s
 
 
 def gathered_norms(gradients: torch.Tensor, parameters: torch.Tensor) -> tuple[list[float], list[float]]:
-    """The per-tensor norms over every rank from each rank's local sums (local_squares): one all-reduce. Collective."""
+    """The per-tensor norms over every rank from each rank's local sums (local_squares): one all-reduce. Collective.
+    (A harness strategy's ride its loss gather instead: Strategy.gather_step.)"""
     both = torch.cat([gradients, parameters])
     dist.all_reduce(both)
-    n = gradients.numel()
-    return [math.sqrt(float(x)) for x in both[:n]], [math.sqrt(float(x)) for x in both[n:]]
+    return norms_of(both)
+
+
+def norms_of(summed: torch.Tensor) -> tuple[list[float], list[float]]:
+    """The gradient and parameter norms of every tensor from the sums over the ranks of both kinds of squares, the
+    gradients' then the parameters' (each in tensor_names order)."""
+    n = summed.numel() // 2
+    return [math.sqrt(float(x)) for x in summed[:n]], [math.sqrt(float(x)) for x in summed[n:]]
