@@ -6,7 +6,8 @@ references: a norm's gradient summed over TP once more and one expert layer's gr
 step on that tensor, in its gradient, while the three curves alone PASS. A router's gradient doubled on one rank
 under EP and the load-balancing loss's gradient dropped move the router's gradient by 0.4 and 0.08: below bf16's own
 noise on a router (its top-k choices flip; NOISE_K × its envelope is about 0.6, docs/tensors_measured.md), so they are
-judged in fp32, calibrated on DDP's fp32 twins: named at their step, where the curves FAIL too but name no tensor.
+judged in fp32, on DDP's two fp32 twins (the fixed fp32 per-tensor bound the doc recommends, 1e-3, reads them at 410 ×
+and 80 ×): named at their step, where the curves FAIL too but name no tensor.
 One mixture of experts (mixtral-tiny: norms, experts and routers in one model), one set of weights, one local gloo group
 per world size.
 """
