@@ -51,8 +51,9 @@ SERIES_OF = {GRADIENT: "grad_norm", UPDATE: "param_norm"}  # TensorSeries' attri
 NOUNS = {GRADIENT: "gradient norm", UPDATE: "parameter norm after the step"}
 GRADIENTS = {PRE_CLIP: "pre-clip"}  # how a series' gradient is named in words (else its own name: "clipped")
 # The heatmap's columns: one per step up to MATRIX_COLUMNS, else bins of steps; fewer for many tensors, so that the page
-# holds at most ~MATRIX_CELLS cells (never fewer than MIN_COLUMNS columns): 1000 steps × 30 tensors is 60 × 30.
-MATRIX_COLUMNS, MATRIX_CELLS, MIN_COLUMNS = 60, 3000, 10
+# holds at most ~MATRIX_CELLS cells (never fewer than MIN_COLUMNS columns): 1000 steps × 30 tensors is 40 bins of 25
+# steps × 30 tensors, ~250 kB of the page.
+MATRIX_COLUMNS, MATRIX_CELLS, MIN_COLUMNS = 40, 2000, 10
 
 
 @dataclass(frozen=True)
