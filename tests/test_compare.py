@@ -48,9 +48,9 @@ def write_record(folder, strategy, losses, grad_norms=None, param_norms=None, *,
                  tensors_why=None, gradient="pre_clip"):
     """A loss record written by the harness's own writers (parity/training/record.py, tensor_series.py), so the schema
     is the real one. `config` overrides config entries (a noise reference's layout: {"dp_size": 1}); `step_fields`
-    maps step → fields to override in that step. Its tensor series: TENSOR_SHARES of each step's grad and parameter
-    norms, `tensors` mapping step → {tensor: factor} on that step's gradient norms (a bug confined to a tensor), of
-    `gradient` ("pre_clip" or "clipped"); or none, where `tensors_why` says why."""
+    maps step → fields to override in that step. Its tensor series (write_series): TENSOR_SHARES of each step's grad
+    and parameter norms, `tensors` their factors by step and tensor (a bug confined to a tensor), of `gradient`
+    ("pre_clip" or "clipped"); or none, where `tensors_why` says why."""
     tp, dp = (config or {}).get("tp_size", LAYOUT.get(strategy, (1, 2))[0]), (config or {}).get("dp_size", LAYOUT.get(strategy, (1, 2))[1])
     n = len(losses)
     cfg = {"strategy": strategy, "model_name": "qwen2-tiny", "num_workers": tp * dp, "tp_size": tp, "dp_size": dp,
@@ -80,14 +80,15 @@ def write_record(folder, strategy, losses, grad_norms=None, param_norms=None, *,
 def write_series(record: LossRecord, tensors: dict | None = None, why: str | None = None,
                  gradient: str = "pre_clip") -> None:
     """The tensor series beside a hand-made `record` whose steps are all appended, by the harness's own writer: per step
-    TENSOR_SHARES of its grad and parameter norms, `tensors` mapping step → {tensor: factor} on that step's gradient
-    norms; or none, where `why` says why."""
+    TENSOR_SHARES of its grad and parameter norms, `tensors` mapping step → {tensor: factor on its gradient norm, or
+    (factor on its gradient norm, factor on its parameter norm)}; or none, where `why` says why."""
     series = TensorSeriesWriter(record, None if why else list(TENSOR_SHARES), gradient, why)
     for step in record.steps:
-        factors = (tensors or {}).get(step["step"], {})
-        series.append(step["step"], [step["grad_norm"] * share * factors.get(name, 1.0)
-                                     for name, share in TENSOR_SHARES.items()],
-                      [step["param_norm"] * share for share in TENSOR_SHARES.values()])
+        factors = {name: f if isinstance(f, tuple) else (f, 1.0)
+                   for name, f in (tensors or {}).get(step["step"], {}).items()}
+        series.append(step["step"], *([step[key] * share * factors.get(name, (1.0, 1.0))[i]
+                                       for name, share in TENSOR_SHARES.items()]
+                                      for i, key in enumerate(("grad_norm", "param_norm"))))
     series.flush()
 
 

@@ -91,8 +91,10 @@ def write(folder, name: str, config: dict, losses=LOSSES, step_fields=None, path
                   "peak_memory_bytes": 1 << 20, "replicas": {"checked": 78, "parted": 0},
                   **({"rows_hash": f"rows{step}"} if recorded else {})}
         record.append(**{**fields, **(step_fields or {}).get(step, {})})
-    gradient = gradient or (None if recorded else "pre_clip")
-    write_series(record, tensors, None if gradient else "the recorder hands over no tensor's pieces", gradient or "")
+    if gradient or not recorded:
+        write_series(record, tensors, gradient=gradient or "pre_clip")
+    else:
+        write_series(record, why="the recorder hands over no tensor's pieces")
     if complete:
         record.finish(eval_loss_last_batch=losses[-1], eval_batch_step=len(losses) - 1, checkpoint_dir="/nowhere")
     else:

@@ -3,9 +3,9 @@ its largest deviation ÷ bound over both phases, drawn as static SVG from curve_
 
 A cell is a rectangle with a `<title>`: pointing at it reads the tensor, the step, the phase, the run's norm, the
 baseline's and the ratio, without JavaScript (report.js adds the same in the page's readout). Colour: a light
-sequential blue on log10 of the ratio, half a decade a shade from 10⁻²·⁵ to 1, saturating there (light grey: exactly 0);
-past 1 — outside its bound — dark red, which stays by far the darkest cell in greyscale; the first cell outside is framed and named. A step the verdict did not judge has
-no cell. Many steps are binned into at most 40 columns (tensor_verdict.heat_matrix), each cell its bin's largest, so
+sequential blue on log10 of the ratio, half a decade a shade from 10⁻²·⁵ to 1, saturating there (light grey: exactly
+0); past 1 — outside its bound — dark red, by far the darkest cell in greyscale too; the first cell outside is framed
+and named. Many steps are binned into at most 40 columns (tensor_verdict.heat_matrix), each cell its bin's largest, so
 that the page stays a few hundred kilobytes at 1000 steps × 30 tensors. The grid is drawn in cell units (one scaled
 group: each rectangle's x and y are its column and row), which keeps every cell a few dozen bytes.
 """
@@ -102,9 +102,10 @@ def tensor_section(saved: dict, directory: str, layers: dict) -> str:
         if not found:
             continue
         run = saved["runs"][name]
-        out.append(f'<h3 id="tensors-{escape(name)}">{escape(run["label"])}</h3>')
+        out.append(f'<div id="tensors-{escape(name)}"><h3>{escape(run["label"])}</h3>')
         out.append(f"<p>{escape(describe(found, base['label']))}.</p>")
         if not found["taken"]:
+            out.append("</div>")
             continue
         f = found["first_outside"]
         if f:
@@ -117,7 +118,7 @@ def tensor_section(saved: dict, directory: str, layers: dict) -> str:
                            f"<pre><code>{escape(found['replay_command'])}</code></pre>")
             elif found.get("localise"):
                 out.append(f"<p>{escape(found['localise'])}.</p>")
-        out.append(f'<figure class="chart">{heatmap(name, found, label(name), label(saved["baseline"]))}</figure>')
+        out.append(f'<figure class="chart">{heatmap(name, found, label(name), label(saved["baseline"]))}</figure></div>')
     out.append("</section>")
     return "\n".join(out)
 

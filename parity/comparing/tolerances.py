@@ -75,8 +75,8 @@ clipped at 0.8) — the update grows with the lrs' sum, as the final parameters 
 
 TENSOR_NOISE_FLOOR = {"fp32": {"gradient": 1e-8, "update": 1e-8}, "bf16": {"gradient": 1e-5, "update": 1e-6}}
 """The calibrated tensor verdict's envelope never goes below this (the deviation above), by precision and phase: the
-twins can agree on a tensor exactly (fp32: one tensor's norm carries ~1e-8 of rounding, FSDP2 + TP's down_proj 1.6e-8
-where DDP's twins read 0). The bound is NOISE_K × the envelope, smoothed over NOISE_SMOOTHING steps as the curves'."""
+twins can agree on a tensor exactly (fp32: one tensor's norm carries ~1e-8 of rounding; transformers' TP=2 moved a
+down_proj's updated norm by 1.6e-8 where DDP's twins read 0: 0.8 of a 1e-9 floor's bound). The bound is NOISE_K × the envelope, smoothed over NOISE_SMOOTHING steps as the curves'."""
 
 LAYERS = {"fp32": 1e-5, "bf16": 6e-2}
 """Layer check (compare_dumps.py): max |a − b| over the tensor's scale, by precision; bf16 without a noise
