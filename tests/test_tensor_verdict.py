@@ -279,3 +279,42 @@ def test_the_heatmap_bins_many_steps_and_keeps_the_page_small(tmp_path, capsys):
            f'gradient: FSDP ' in svg
     assert f"✗ first outside: step 517, {doubled} (gradient)</text>" in svg
     assert len(html.encode()) < 600 * 1024, len(html.encode())
+
+
+def test_a_resume_between_record_writes_keeps_every_steps_series(tmp_path):
+    """A checkpoint is taken before its step's record write (the loop's order), so the series' steps buffered since the
+    last write must be in a chunk by then (the observer flushes them at a checkpoint step): resumed from the checkpoint
+    of step 4 after a worker died at step 6 — the main job's --log_interval 4 --checkpoint_interval 4 — the record
+    holds every step's series once, the resumed steps' own."""
+    from conftest import free_port, gloo_rank
+    from parity.training.observer import StepObserver
+    from parity.training.record import LossRecord
+    from parity.training.tensor_series import load_series
+
+    path = str(tmp_path / "loss_ddp.json")
+
+    def observer() -> StepObserver:
+        return StepObserver(LossRecord(path, "ddp", {"loop": "by hand"}), device=torch.device("cpu"),
+                            tensor_names=["w", "b"], parameter_norm=lambda: 1.0)
+
+    def step(obs: StepObserver, k: int, run: int, checkpoint: bool = False) -> None:
+        obs.observe_step(k, loss=1.0, dp_rank_losses=[1.0], grad_norm=1.0, lr=1e-3, batch_hash=f"{k:016x}", tokens=8,
+                         step_time_s=0.0, checkpoint=checkpoint, tensor_grad_norms=[float(k), float(run)],
+                         tensor_param_norms=[1.0, 1.0])
+
+    with gloo_rank(0, 1, free_port()):
+        first = observer()
+        for k in range(4):
+            step(first, k, run=0, checkpoint=k == 3)
+        progress = json.loads(json.dumps(first.record.progress()))  # what the checkpoint of step 4 keeps
+        first.write()
+        for k in (4, 5):  # the worker dies before the next write
+            step(first, k, run=0)
+        resumed = observer()
+        resumed.record.resume(progress, "step_000004", [])
+        for k in range(4, 8):
+            step(resumed, k, run=1)
+        resumed.write()
+    assert progress["tensor_chunks"] == ["chunk_0000000.json"]
+    found = load_series(path, json.loads(open(path).read()))
+    assert found.grad_norm == [[float(k), float(k >= 4)] for k in range(8)]
