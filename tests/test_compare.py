@@ -234,10 +234,10 @@ uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.
   replicas: bit-identical at each of 5 checks (every step) of the 36 tensors held by several ranks each
   tensor verdict: FAIL at step 2: model.embed_tokens.weight, phase gradient: its gradient norm 1.000000e+00 vs DDP \
 8.000000e-01, deviation 2.500e-01 > bound 1.000e-05 (2.5e+04 × its bound; uncalibrated)
+    replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
+{folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
   first step outside: step 2: loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > 1.000e-05
   differs from the baseline in: nothing recorded
-  replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
-{folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
 
 Fingerprints (shared code, strategy code or framework and script, libraries, device):
   loss_ddp.json: shared code aaaaaaaaaaaa, strategy code bbbbbbbbbbbb (x_strategy.py); python 3.11.7, torch 2.13.0; \

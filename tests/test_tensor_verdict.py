@@ -110,11 +110,10 @@ def test_a_norm_weights_doubled_gradient_fails_at_step_0_naming_it(shared_runs, 
             f"{f['reference']:.6e}, deviation {f['deviation']:.3e} > bound 1.000e-05 ({f['ratio']:.3g} × its bound; "
             f"uncalibrated)")
     details = out.split("FSDP (TP=2, DP=1): FAIL\n", 1)[1].splitlines()
-    tensor_line = details.index(f"  {line}")
-    replay = next(i for i, x in enumerate(details) if x.startswith("  replay step 0 layer by layer"))
-    assert tensor_line < replay  # before any layer check line
-    assert "--step 0" in found["replay_command"] and found["replay_command"] in details[replay]
-    assert found["localise"] == details[replay].strip()
+    tensor_line = details.index(f"  {line}")  # before any layer check line, which comes next, once
+    assert details[tensor_line + 1] == f"    {found['localise']}" and out.count("replay step 0 layer by layer") == 1
+    assert found["localise"] == f"replay step 0 layer by layer from DDP's checkpoint: {found['replay_command']}"
+    assert "--step 0" in found["replay_command"] and "FSDPNormGradientDoubled" in found["replay_command"]
     assert f"| FSDP (TP=2, DP=1) | FAIL | step 0, {DOUBLED}, gradient: {f['value']:.6e} vs {f['reference']:.6e}, " \
            f"deviation {f['deviation']:.3e} > 1.000e-05 |" in md
     assert f"Localise FSDP (TP=2, DP=1)'s step 0 layer by layer:\n\n```bash\n{found['replay_command']}\n```" in md
@@ -144,7 +143,8 @@ def test_the_first_point_outside_by_step_then_phase_then_name(tmp_path, capsys):
     assert r.tensors.largest["update"].tensor == EMBED and r.tensors.largest["update"].deviation == pytest.approx(1e-3)
     assert "  first step outside: step 2: model.layers.0.input_layernorm.weight, phase gradient, outside its bound " \
            "(the tensor verdict above), whatever the curves say\n" in out
-    assert not re.search(r"^  replay step 2 .*\n  replay step 2", out, re.M)  # the FAIL's step is the first: one replay
+    assert re.search(r"^  tensor verdict: FAIL at step 2: .*\n    replay step 2 layer by layer .*\n  first step "
+                     r"outside: step 2: model", out, re.M) and out.count("replay step 2") == 1
 
 
 def test_a_tensor_far_below_the_global_norm_is_read_against_the_floor(tmp_path):
@@ -181,6 +181,20 @@ def test_calibrated_per_tensor_on_the_references_series(tmp_path, capsys):
         assert (p["tensor"], p["bound"]) == (NORM_WEIGHT, pytest.approx(NOISE_K * 1e-6, rel=1e-6))
         assert p["ratio"] == pytest.approx(off / (NOISE_K * 1e-6), rel=1e-5)
     assert "calibrated)" in run_cli(capsys, tmp_path)[1]
+
+
+def test_the_gradient_of_a_step_an_fp16_overflow_skipped_is_not_judged(tmp_path):
+    """fp16, step 2 skipped on an overflow in both runs (its gradient norms infinite): its gradients are not judged, as
+    the curves' grad norm is not; its parameters, which did not move, are — the heatmap's cell there is the update's."""
+    inf = float("inf")
+    skipped = {2: {"skipped": True, "loss_scale": 65536.0}}
+    for name in ("ddp", "fsdp"):
+        write_record(tmp_path, name, DDP_LOSS, [2.0, 1.5, inf, 0.5, 0.25], precision="fp16", step_fields=skipped)
+    (r,) = compare(load_runs(str(tmp_path))).results
+    assert r.verdict.word == "PASS" and r.tensors.first is None
+    matrix = r.tensors.to_dict()["matrix"]
+    assert [cell[:2] for cell in matrix["at"][0]] == [[0, 0], [1, 0], [2, 1], [3, 0], [4, 0]]  # step 2: the update
+    assert r.tensors.to_dict()["source"] == "the fixed bf16 table; uncalibrated: no noise reference"
 
 
 def test_a_record_without_series_says_why_in_one_line_and_the_verdict_stands(tmp_path, capsys):
@@ -245,7 +259,7 @@ def test_a_recorded_runs_clipped_series_against_its_replays_localises_with_dump_
              "ParityCallback(..., dump_step=1)) into a fresh folder D, then python train_ddp.py --replay_record "
              "D/loss_my_run.json --dump_step 1 --loss_output_dir D, then python compare_dumps.py --input_dir D: it "
              "names the first divergent module")
-    assert found["localise"] == words and f"  {words}\n" in out and words in md
+    assert found["localise"] == words and out.count(f"    {words}\n") == 1 and words in md  # after the tensor line
 
 
 def test_the_heatmap_bins_many_steps_and_keeps_the_page_small(tmp_path, capsys):

@@ -126,11 +126,10 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
     checked = teacher_forced.summary(r.run.record)
     if checked:  # (a record from before the check, or a run with --no_teacher_forced: no line)
         lines.append(teacher_forced.describe(checked))
-    if r.tensors is not None:
+    k = r.tensors.first.step if r.tensors is not None and r.tensors.first else None  # the tensor verdict's FAIL
+    if r.tensors is not None:  # its line, and on the next the layer check of its step
         lines.append(tensor_verdict.describe(r.tensors.to_dict(), base))
-        k = r.tensors.first.step if r.tensors.first else None
-        if k is not None and k != f.step and localise(c, r, k):  # (at the first step outside: the replay below)
-            lines.append(f"  {localise(c, r, k)}")
+        lines += [f"  {where}"] if k is not None and (where := localise(c, r, k)) else []
     if f is not None:
         if f.test == "duplicate_rows":
             lines.append(f"first step outside: step {f.step}: ranks {int(f.value)} and {int(f.reference)} fed the same "
@@ -160,8 +159,8 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
                          f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > {f.tolerance:.3e}")
         lines += [resumed] if (resumed := resumed_line(r)) else []
         lines.append("differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded"))
-        if f.test not in ("duplicate_rows", RESUMED_ROWS, "lr_schedule") or not r.run.recorded:
-            lines += [where] if (where := localise(c, r, f.step)) else []
+        if (f.test not in ("duplicate_rows", RESUMED_ROWS, "lr_schedule") or not r.run.recorded) and f.step != k:
+            lines += [where] if (where := localise(c, r, f.step)) else []  # (at the tensors' step: above, once)
     routed = routing_line(r)
     return lines + ([routed] if routed else [])
 

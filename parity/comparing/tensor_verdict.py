@@ -22,12 +22,12 @@ strategy or a recorder's layout that hands over no pieces: its record says why),
 beside it, is not judged here: one line says why, and the curves' verdict stands.
 
 The summary per run (curve_comparison.json's against_baseline.<run>.tensors; `TensorVerdict.to_dict`): {"taken",
-"why", "calibrated", "source", "gradient", "tensors", "steps", "first_outside", "largest" (per phase), "matrix",
-"replay_command" | "localise"}; each point {"step", "tensor", "phase", "value", "reference", "deviation", "bound",
-"ratio"}. The matrix is the report page's heatmap: tensors (model order) × columns of steps (one step each, or bins of
-several when there are many), each cell the largest deviation ÷ bound over its steps and both phases, with where it
-was ({"tensors", "phases", "columns": [[first, last]], "ratio": [[...]], "at": [[[step, phase index, value,
-reference]]]}).
+"why", "calibrated", "source", "gradient", "tensors", "steps", "first_outside", "largest" (per phase), "matrix"; for a
+FAIL also "replay_command" and "localise", the layer check of its step: curve_report.write_outputs}; each point
+{"step", "tensor", "phase", "value", "reference", "deviation", "bound", "ratio"}. The matrix is the report page's
+heatmap: tensors (model order) × columns of steps (one step each, or bins of several when there are many), each cell
+the largest deviation ÷ bound over its steps and both phases, with where it was ({"tensors", "phases", "columns":
+[[first, last]], "ratio": [[...]], "at": [[[step, phase index, value, reference]]]}).
 """
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ def name_order(name: str) -> list:
 
 def deviation(value: float, reference: float, scale: float) -> float:
     """|value − reference| / max(|reference|, scale): the relative difference, floored (`scale`: TENSOR_FLOOR × the
-    step's global norm); 0 where both are 0, infinite where only the reference is."""
+    step's global norm); with a denominator of 0 (both norms 0 at that step), 0 where the value is 0 too, else
+    infinite."""
     denominator = max(abs(reference), scale)
     if denominator == 0:
         return 0.0 if value == reference else math.inf
