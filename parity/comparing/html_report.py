@@ -334,9 +334,10 @@ def teacher_forced_table(name: str, label_: str, tf: dict) -> str:
     first = tf.get("first_fail_step")
     out = [f'<h3 id="teacher-forced-{escape(name)}">{escape(label_)}: teacher-forced check (every '
            f'{tf.get("interval")} steps)</h3>',
+           f"<p>No check: {escape(tf['none'])}.</p>" if tf.get("none") else
            f"<p>First failing checkpoint: <strong>step {first}</strong>.</p>" if first is not None else
            "<p>Every checkpoint within its bound.</p>",
-           _table(["step", "verdict", "tensor", "relative diff", "bound", "ratio", "note"], rows)]
+           _table(["step", "verdict", "tensor", "relative diff", "bound", "ratio", "note"], rows) if rows else ""]
     if tf.get("replay_command"):
         out.append(f"<pre><code>{escape(tf['replay_command'])}</code></pre>")
     return "\n".join(out)
