@@ -8,7 +8,8 @@ outputs (the global token mean, float64, whatever the loop backpropagated), the 
 the framework's own where it cannot see them: `grad_norm_source`), the parameter norm, the lr applied (an optimizer
 step pre-hook), the global batch in the harness's order with its hash and the check that no two DP ranks fed the same
 rows, the optimizer whole, the initial weights and every step's batch as it came (any shape, right or left padding),
-named relative to the record's folder, up to `max_batch_bytes`.
+named relative to the record's folder, up to `max_batch_bytes`; and, for the teacher-forced check its replay takes, the
+run's full state around its checkpoints (states.py), apart from the record, up to `max_state_bytes`.
 
 A step that cannot be recorded or replayed stops the record there, in one line: it holds the steps before it
 (`config.stopped`), which are replayed and judged. The process group is read by its layout (sharded.py: plain/DDP,
@@ -30,13 +31,11 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.fingerprint import fingerprint
-from parity.integrations import resume
+from parity.integrations import resume, states
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
 from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
 from parity.integrations.sharded import LayoutRefused, layout_of
-from parity.integrations.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES, StateSaver
-from parity.integrations.states import refusal as states_refusal
 from parity.integrations.world import trains_alone
 from parity.models.model import config_summary, file_sha256, save_init_weights
 from parity.precision import POLICIES
@@ -104,12 +103,12 @@ class ParityRecorder:
                  precision: str = "fp32", max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, log_interval: int = 10,
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
                  log: Callable[[str], Any] | None = None, dump_step: int | None = None, scheduler=None,
-                 start_step: int = 0, checkpoint_interval: int | None = DEFAULT_CHECKPOINT_INTERVAL,
-                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES):
+                 start_step: int = 0, checkpoint_interval: int | None = states.DEFAULT_CHECKPOINT_INTERVAL,
+                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES):
         output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        refusal = self._refusal(name, precision, start_step) or states_refusal(checkpoint_interval, max_state_bytes)
+        refusal = self._refusal(name, precision, start_step) or states.refusal(checkpoint_interval, max_state_bytes)
         if refusal:
             if _first_process():
                 self._print(f"parity recorder: {refusal}: recording nothing")
@@ -117,7 +116,7 @@ class ParityRecorder:
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
                         framework, framework_versions or {}, scheduler, start_step)
-            self.states = StateSaver(self, checkpoint_interval, max_state_bytes, start_step)  # the check's (states.py)
+            self.states = states.StateSaver(self, checkpoint_interval, max_state_bytes, start_step)  # for the check
             if dump_step is not None:  # step K in full, for compare_dumps.py (parity/integrations/dump.py)
                 from parity.integrations.dump import StepDump
 

@@ -11,8 +11,9 @@ which may have moved since. Beside it only --num_workers, --device, the output a
 --noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything else contradicts
 the record and is refused in one line. The harness feeds no attention mask where every row is right-padded (a causal
 model's right padding needs none: labels −100 on it) and the recorded mask where a row is left-padded (its real tokens
-sit at shifted positions); a mask with holes is refused. Everything is checked on the driver, before any worker
-starts.
+sit at shifted positions); a mask with holes is refused. The states the recorder saved at the run's checkpoints go
+with the batches (recorded_states): once trained, the replay — not its noise references — takes the teacher-forced
+check from each (parity/training/recorded_states.py). Everything is checked on the driver, before any worker starts.
 """
 
 from __future__ import annotations
@@ -98,19 +99,24 @@ def recorded_states(record_file: str, record: dict) -> RecordedStates:
     if not storage.exists(index_file):
         return RecordedStates(record_file, name, None, (), "the recorder saved no states (recorded with "
                                                            "checkpoint_interval=None, or by a recorder before them)")
-    index = json.loads(storage.read_text(index_file))
+    try:
+        index = json.loads(storage.read_text(index_file))
+        wanted = sorted(k for k in index["checks"] if k < len(steps))
+        saved = {k: [index["states"][str(u)] for u in (k, k + 1)] for k in wanted}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: its states' index {index_file} cannot be read "
+                          f"({type(exc).__name__}): copy the record's whole folder or record again") from None
     checks = []
-    for k in sorted(k for k in index["checks"] if k < len(steps)):
-        saved = [index["states"][str(u)] for u in (k, k + 1)]
-        files = [recorded_path(record_file, s["file"]) for s in saved]
+    for k in wanted:
+        files = [recorded_path(record_file, s["file"]) for s in saved[k]]
         for step, path in zip((k, k + 1), files):
             if not storage.exists(path):
                 raise ConfigError(f"--replay_record {storage.name(record_file)}: its state after {step} updates {path} "
                                   f"is missing: copy the record's whole folder (recorded_*/ beside it) or record again")
         entry = steps[k]
         lr = entry["declared_lr"] if entry.get("declared_lr") is not None else entry["lr"]
-        checks.append(StateCheck(k, *files, (saved[0]["step_count"], saved[1]["step_count"]), entry["grad_norm"], lr,
-                                 entry["batch_hash"]))
+        checks.append(StateCheck(k, *files, (saved[k][0]["step_count"], saved[k][1]["step_count"]), entry["grad_norm"],
+                                 lr, entry["batch_hash"]))
     stopped = index.get("stopped")
     none = None if checks else (f"no state was saved: {stopped['why']}" if stopped else
                                 "no step's states before and after were both saved")
