@@ -79,13 +79,16 @@ class StateSaver:
 
     def _continue(self, start: int) -> None:
         """Rank 0, a run resumed after `start` updates: the first run's index, its states up to `start` and its checks
-        whose two states are among them kept (their bytes counted against the cap), its stop too."""
+        whose two states are among them kept (their bytes counted against the cap), its stop where it came before;
+        the states it saved past `start` (a run that went on past its checkpoint) deleted: this run saves its own."""
         if not storage.exists(self.path):
             return
         first = json.loads(storage.read_text(self.path))
         states = {u: s for u, s in first["states"].items() if int(u) <= start}
-        checks = [k for k in first["checks"] if k + 1 <= start]
-        self.index.update(states=states, checks=checks, stopped=first["stopped"])
+        for u in set(first["states"]) - set(states):
+            storage.delete_file(storage.join(self.rec.folder, state_file(int(u))))
+        stopped = first["stopped"] if first["stopped"] and first["stopped"]["step"] <= start else None
+        self.index.update(states=states, checks=[k for k in first["checks"] if k + 1 <= start], stopped=stopped)
         self.committed = sum(s["bytes"] for s in states.values())
 
     def take(self, updates: int) -> None:
