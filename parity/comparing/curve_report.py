@@ -140,9 +140,11 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
             lines.append(f"first step outside: step {f.step}: {f.module}, phase {f.quantity}, outside its bound (the "
                          f"tensor verdict above), whatever the curves say")
         elif f.test == teacher_forced.TEST:
-            lines.append(f"first step outside: step {f.step}: the teacher-forced step from its own state at the "
-                         f"checkpoint of step {f.step}: {f.module} relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} "
-                         f"from the reference step (whatever the curves say)")
+            state = "the state its recorder saved before step" if r.run.recorded else \
+                "its own state at the checkpoint of step"
+            lines.append(f"first step outside: step {f.step}: the teacher-forced step from {state} {f.step}: "
+                         f"{f.module} relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} from the reference step "
+                         f"(whatever the curves say)")
         elif f.test == "lr_schedule":
             lines.append(f"first step outside: step {f.step}: the lr applied, {f.value:.6g}, is not the one the "
                          f"framework's own settings declare ({f.reference:.6g}): a scheduler stepped other than once "
@@ -304,6 +306,7 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
             "| run | step | result | worst tensor | relative diff | bound | ratio | note |",
             "|---|---|---|---|---|---|---|---|"] if checked else []
     for run, found in checked:
+        out += [f"| {run.label} | – | none | – | – | – | – | {found['none']} |"] if found.get("none") else []
         for check in found["checks"]:
             number = lambda x, form=".3e": "–" if x is None else format(x, form)  # noqa: E731
             out.append(f"| {run.label} | {check['step']} | {'PASS' if check['ok'] else 'FAIL'} | "

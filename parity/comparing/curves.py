@@ -35,6 +35,7 @@ from parity.comparing import teacher_forced, tensor_verdict, tolerances
 from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
 from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
+from parity.comparing.recorded_checks import attach as attach_checks
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
 from parity.errors import ConfigError, NotComparable
@@ -271,7 +272,7 @@ def load_runs(input_dir: str) -> list[Run]:
                           f"--loss_output_dir {input_dir} first")
     runs, by_name = [], {}
     for path in paths:
-        run = Run(path, load_record(path))
+        run = Run(path, attach_checks(path, load_record(path)))  # a recorded run's, from its replay
         if run.name in by_name:
             raise ConfigError(f"{storage.name(by_name[run.name].file)} and {storage.name(path)} are both "
                               f"{run.name} runs: keep one of them in {input_dir}")

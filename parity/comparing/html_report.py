@@ -348,11 +348,12 @@ def teacher_forced_table(name: str, label_: str, tf: dict) -> str:
     rows = [[str(c["step"]), _word("PASS" if c["ok"] else "FAIL"), escape(c.get("tensor") or "–"), _e(c.get("rel_diff")),
              _e(c.get("bound")), _e(c.get("ratio")), escape(c.get("note") or "")] for c in tf.get("checks", [])]
     first = tf.get("first_fail_step")
-    out = [f'<h3 id="teacher-forced-{escape(name)}">{escape(label_)}: teacher-forced check (every '
-           f'{tf.get("interval")} steps)</h3>',
+    every = f" (every {tf['interval']} steps)" if tf.get("interval") is not None else ""
+    out = [f'<h3 id="teacher-forced-{escape(name)}">{escape(label_)}: teacher-forced check{every}</h3>',
+           f"<p>No check: {escape(tf['none'])}.</p>" if tf.get("none") else
            f"<p>First failing checkpoint: <strong>step {first}</strong>.</p>" if first is not None else
            "<p>Every checkpoint within its bound.</p>",
-           _table(["step", "verdict", "tensor", "relative diff", "bound", "ratio", "note"], rows)]
+           _table(["step", "verdict", "tensor", "relative diff", "bound", "ratio", "note"], rows) if rows else ""]
     if tf.get("replay_command"):
         out.append(f"<pre><code>{escape(tf['replay_command'])}</code></pre>")
     return "\n".join(out)

@@ -8,7 +8,8 @@ outputs (the global token mean, float64, whatever the loop backpropagated), the 
 the framework's own where it cannot see them: `grad_norm_source`), the parameter norm, the lr applied (an optimizer
 step pre-hook), the global batch in the harness's order with its hash and the check that no two DP ranks fed the same
 rows, the optimizer whole, the initial weights and every step's batch as it came (any shape, right or left padding),
-named relative to the record's folder, up to `max_batch_bytes`.
+named relative to the record's folder, up to `max_batch_bytes`; and, for the teacher-forced check its replay takes, the
+run's full state around its checkpoints (states.py), apart from the record, up to `max_state_bytes`.
 
 A step that cannot be recorded or replayed stops the record there, in one line: it holds the steps before it
 (`config.stopped`), which are replayed and judged. The process group is read by its layout (sharded.py: plain/DDP,
@@ -19,7 +20,6 @@ own. A recorder failure never stops the user's training.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import sys
@@ -31,13 +31,13 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.fingerprint import fingerprint
-from parity.integrations import resume
+from parity.integrations import resume, states
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
 from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.integrations.world import trains_alone
-from parity.models.model import config_summary, save_init_weights
+from parity.models.model import config_summary, file_sha256, save_init_weights
 from parity.precision import POLICIES
 from parity.registry import KNOWN
 from parity.training.data import Batch, batch_hash, recorded_batch_path
@@ -89,7 +89,9 @@ class ParityRecorder:
     computes in (fp32, bf16 for autocast over fp32 weights ...); `max_batch_bytes` caps the batches saved (default
     DEFAULT_MAX_BATCH_BYTES); `framework` names the loop (shown in the fingerprint, not compared); `log` takes rank
     0's lines (default: stderr); `scheduler`, the loop's lr scheduler, records each step's `declared_lr`
-    (resume.DeclaredSchedule.copy_of: the verdict FAILs a step whose lr is not the one its schedule declares).
+    (resume.DeclaredSchedule.copy_of: the verdict FAILs a step whose lr is not the one its schedule declares);
+    `checkpoint_interval` (default 50; 0: step 0 alone; None: none) and `max_state_bytes` (default 32 GiB) say where
+    the run's full state is saved before and after a step, for the teacher-forced check its replay takes (states.py).
 
     A run resumed from its own checkpoint after k updates passes `start_step=k`: the recorder continues the record of
     its first run (loss_<name>.json in `output_dir`) — its steps 0…k−1 kept, k appended to config.resumed_at, the
@@ -101,11 +103,12 @@ class ParityRecorder:
                  precision: str = "fp32", max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, log_interval: int = 10,
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
                  log: Callable[[str], Any] | None = None, dump_step: int | None = None, scheduler=None,
-                 start_step: int = 0):
+                 start_step: int = 0, checkpoint_interval: int | None = states.DEFAULT_CHECKPOINT_INTERVAL,
+                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES):
         output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        refusal = self._refusal(name, precision, start_step)
+        refusal = self._refusal(name, precision, start_step) or states.refusal(checkpoint_interval, max_state_bytes)
         if refusal:
             if _first_process():
                 self._print(f"parity recorder: {refusal}: recording nothing")
@@ -113,6 +116,7 @@ class ParityRecorder:
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
                         framework, framework_versions or {}, scheduler, start_step)
+            self.states = states.StateSaver(self, checkpoint_interval, max_state_bytes, start_step)  # for the check
             if dump_step is not None:  # step K in full, for compare_dumps.py (parity/integrations/dump.py)
                 from parity.integrations.dump import StepDump
 
@@ -180,7 +184,7 @@ class ParityRecorder:
         script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else None
         framework_part = {"name": framework, "versions": framework_versions,
                           "script": os.path.basename(script) if script else None,
-                          "script_sha256": _file_sha256(script) if script and os.path.isfile(script) else None}
+                          "script_sha256": file_sha256(script) if script and os.path.isfile(script) else None}
         policy = POLICIES[precision]
         description = {
             "source": SOURCE, "framework": framework, "strategy": self.name, "strategy_path": None,
@@ -340,6 +344,8 @@ class ParityRecorder:
         except Exception as exc:  # the exchange fails on every rank alike: the record ends at this step
             self._end(f"{type(exc).__name__}: {_first_line(exc)}" if not isinstance(exc, RuntimeError)
                       else _first_line(exc))
+        if self.enabled:
+            self.states.take(self.step)  # the state after this step, where a check wants it
         self._reset_step()
         self._lrs = None
         self._last = time.perf_counter()
@@ -515,6 +521,7 @@ class ParityRecorder:
             self._stop_at(self.step, f"step {self.step} could not be recorded ({why})")
         try:
             self._settle(self.writer.close())
+            self.states.close()
             self.record.data["config"]["total_steps"] = len(self.record.steps)
             self.record.finish(steps=len(self.record.steps), source=SOURCE)
         except Exception as exc:
@@ -532,6 +539,7 @@ class ParityRecorder:
             if self.writer is not None:
                 self._settle(self.writer.flush())
             self.observer.write()
+            self.states.save()
         except Exception as exc:
             self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
 
@@ -543,6 +551,7 @@ class ParityRecorder:
             self._hook.remove()
             if self.writer is not None:
                 self._settle(self.writer.close())
+            self.states.close()
             config = self.record.data["config"]
             config["total_steps"] = len(self.record.steps)
             self.observer.finish(lambda: {"steps": len(self.record.steps), "source": SOURCE})
@@ -562,6 +571,8 @@ class ParityRecorder:
             hook.remove()
         if getattr(self, "writer", None) is not None:
             self.writer.close()
+        if getattr(self, "states", None) is not None:
+            self.states.close(keep=False)
 
     def _line(self, text: str) -> None:
         if getattr(self, "rank", 0) == 0:
@@ -571,11 +582,6 @@ class ParityRecorder:
 def _default_positions(position_ids, length: int) -> bool:
     """Whether position ids are what the model makes by itself (0, 1, … on every row): then they change nothing."""
     return bool((position_ids.detach().cpu() == torch.arange(length)).all())
-
-
-def _file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _first_process() -> bool:
