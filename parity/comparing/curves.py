@@ -31,11 +31,9 @@ import math
 from dataclasses import asdict, dataclass
 
 from parity import fingerprint, storage
-from parity.comparing import teacher_forced, tensor_verdict, tolerances
-from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
-                                    relative_diffs)
+from parity.comparing import recorded_checks, teacher_forced, tensor_verdict, tolerances
+from parity.comparing.noise import Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio, relative_diffs
 from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
-from parity.comparing.recorded_checks import attach as attach_checks
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
 from parity.errors import ConfigError, NotComparable
@@ -272,7 +270,7 @@ def load_runs(input_dir: str) -> list[Run]:
                           f"--loss_output_dir {input_dir} first")
     runs, by_name = [], {}
     for path in paths:
-        run = Run(path, attach_checks(path, load_record(path)))  # a recorded run's, from its replay
+        run = Run(path, recorded_checks.attach(path, load_record(path)))  # a recorded run's, from its replay
         if run.name in by_name:
             raise ConfigError(f"{storage.name(by_name[run.name].file)} and {storage.name(path)} are both "
                               f"{run.name} runs: keep one of them in {input_dir}")
