@@ -31,8 +31,8 @@ SUFFIX = ".tensors"
 
 def folder_of(record_path: str) -> str:
     """The series' folder beside the record `record_path` (loss_ddp.json → loss_ddp.tensors)."""
-    stem = record_path[:-len(".json")] if record_path.endswith(".json") else record_path
-    return stem + SUFFIX
+    name = storage.name(record_path)  # a URI's query (an S3 endpoint) stays the URI's, after the path
+    return storage.join(storage.parent(record_path), (name[:-len(".json")] if name.endswith(".json") else name) + SUFFIX)
 
 
 class TensorSeriesWriter:
