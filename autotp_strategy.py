@@ -25,6 +25,12 @@ and DeepSpeed's import (library.py).
     the shared experts kept — inside initialize, so the shared AdamW is handed over as a callable DeepSpeed calls on
     the replaced parameters, in the MoE parameter groups ZeRO requires (the same hyperparameters in every group).
     Full tensors come back under the stock model's names and layout (gate_up_proj = [w1; w3], gathered over EP).
+[9] Every tensor's norms (parity/training/tensor_norms.py): each rank's pieces read where DeepSpeed holds them — the
+    gradients after backward and before engine.step() (ZeRO-1/2's fragments of the averaged gradients, ZeRO-3's
+    partitions: zero_state.local_gradient), the master weights after it (_local_master) — under the stock names
+    (AutoEP's w1 and w3 both under gate_up_proj, their squares summed), each piece counted on one of the ranks that
+    hold it alike (zero_state.zero_pieces). DeepSpeed's own pre-clip norm is rounded to fp32: the squares add up to it
+    at fp32's precision (~1e-7), to the float64 norm of its own ZeRO-0 path exactly.
 """
 
 from __future__ import annotations
@@ -35,19 +41,21 @@ import torch
 
 from parity.errors import ConfigError, LibraryMissing
 from parity.models.families import family_of
+from parity.models.model import parameter_names
 from parity.precision import POLICIES, PolicyRequest, policy_of
 from parity.strategies.autotp.engine_config import engine_config
-from parity.strategies.autotp.gathers import column_parallel_outputs, full_tensors, gather_last_dim, stock_names
+from parity.strategies.autotp.gathers import (column_parallel_outputs, full_tensors, gather_last_dim, stock_name,
+                                              stock_names)
 from parity.strategies.autotp.guards import check_autoep, check_release_runs
 from parity.strategies.autotp.library import forget_other_tp_layout, import_deepspeed
 from parity.strategies.autotp.partition import autotp_partition_config
-from parity.strategies.autotp.zero_state import (full_masters, full_moments, local_master, module_norm,
-                                                 zero_replicas)
+from parity.strategies.autotp.zero_state import (full_fragments, full_masters, full_moments, local_gradient, local_master,
+                                                 module_norm, zero_pieces, zero_replicas)
 from parity.strategies.autotp.user_config import config_policy, given_config, read_user_config, user_config
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.optimizer import OptimizerStep
 from parity.training.replicas import Replica
-from parity.training.strategy import Option, Strategy, build_optimizer, set_lr
+from parity.training.strategy import Option, Piece, Strategy, build_optimizer, set_lr
 
 ZERO_STAGES = (0, 1, 2, 3)
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default for zero_optimization.reduce_bucket_size
@@ -226,6 +234,33 @@ class DeepSpeedStrategy(Strategy):
         tensor_model_parallel) summed over the TP group, each replicated tensor once, DP partitions summed over the DP
         group. Float64, as the grad norm."""
         return self._module_norm(self._local_master, partitioned=self.zero_stage > 0 and self._masters_apart())
+
+    def tensor_names(self) -> list[str]:
+        """[9] The trainable parameters under the stock model's names, each once, in its order."""
+        return self._stock_names
+
+    def gradient_pieces(self) -> list[Piece]:
+        """[9] Each gradient's piece where DeepSpeed holds it before engine.step() (zero_state.local_gradient): ZeRO-1/2's
+        fragments and ZeRO-3's partitions, each rank its own; ZeRO-0's whole gradient on DP rank 0."""
+        return zero_pieces(self.engine, self._stock_named, lambda p: local_gradient(p, self.zero_stage),
+                           partitioned=self.zero_stage > 0, tp_rank=self.ctx.tp_rank)
+
+    def parameter_pieces(self) -> list[Piece]:
+        """[9] Each master weight's piece as parameter_norm reads it (_local_master)."""
+        return zero_pieces(self.engine, self._stock_named, self._local_master,
+                           partitioned=self.zero_stage == 3 or self.zero_stage > 0 and self._masters_apart(),
+                           tp_rank=self.ctx.tp_rank)
+
+    @functools.cached_property
+    def _stock_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """[9] (stock name, parameter) of the engine's module's trainable parameters (AutoEP's renamed: w1 and w3 both
+        gate_up_proj, gathers.stock_name), found once: the engine keeps its parameter objects."""
+        return [(stock_name(n, self.autoep), p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+
+    @functools.cached_property
+    def _stock_names(self) -> list[str]:
+        order = {n: i for i, n in enumerate(parameter_names(self.engine.module.config))}  # AutoEP moved its modules
+        return sorted(dict.fromkeys(name for name, _ in self._stock_named), key=order.__getitem__)
 
     def _masters_apart(self) -> bool:
         """Whether the optimizer steps copies of the parameters (a policy's fp32 masters) rather than the module's."""

@@ -54,7 +54,7 @@ from parity.precision import DTYPES, POLICIES, policy_of
 from parity.training.memory import StateLedger
 from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.replicas import Replica, held
-from parity.training.strategy import ModuleRecords, Option, Strategy, loss_sum, squared_norm_fp64
+from parity.training.strategy import ModuleRecords, Option, Piece, Strategy, loss_sum, squared_norm_fp64
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -369,6 +369,23 @@ class PipelineStrategy(Strategy):
                                                                  self._zero())))
         return self.policy_optimizer.step(lr, norm_of, counted=[p for _, p in self._counted()])
 
+    def tensor_names(self) -> list[str]:
+        """The whole model's names on every rank, in a stock model's order (full_names: the tied lm_head once, as the
+        embedding): a rank holds the pieces of its stages only."""
+        return self.full_names
+
+    def gradient_pieces(self) -> list[Piece]:
+        """This rank's stages' gradients, reduced over the stage's DP group and the tied weight's two copies summed (the
+        first stage's copy only: _counted), counted on the stage's first DP rank."""
+        return self._pieces(self.policy_optimizer.gradient_of)
+
+    def parameter_pieces(self) -> list[Piece]:
+        return self._pieces(self.policy_optimizer.master_of)
+
+    def _pieces(self, tensor_of) -> list[Piece]:
+        counted = self.ctx.dp_rank == 0  # every DP rank of a stage holds its tensors alike
+        return [Piece(n, tensor_of(p), counted) for n, p in self._counted()]
+
     def parameter_norm(self) -> float:
         local = sum((squared_norm_fp64(self.policy_optimizer.master_of(p)) for _, p in self._counted()), self._zero())
         return math.sqrt(self._pipeline_sum(local))
@@ -398,11 +415,9 @@ class PipelineStrategy(Strategy):
         dist.broadcast(logits, src=last, group=self.pp_group)
         return logits
 
-    def gather_dp(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Each DP rank's `t`, read from its pipeline's last rank (where the loss is computed)."""
-        gathered = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
-        dist.all_gather(gathered, t.contiguous())
-        return [gathered[ranks[(self.num_stages - 1) % self.P]] for ranks in self.ctx.layout.pp_groups()]
+    def dp_rows(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each DP rank's row, read from its pipeline's last rank (where the loss is computed)."""
+        return [rows[ranks[(self.num_stages - 1) % self.P]] for ranks in self.ctx.layout.pp_groups()]
 
     # --- full tensors -----------------------------------------------------------------------------
     def _share(self, mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -4,7 +4,9 @@ harness (docs/own_trainer.md) and replayed under its DDP, which trains the same 
 
 The same model, data, AdamW groups, warm-up and clipping as plain_loop.py (its build, dataset and windows); what differs is
 the sharding and who steps: under FSDP2 and FSDP1 the loop clips and steps (the recorder measures the pre-clip norm over the full
-gradients), under DeepSpeed `engine.step()` clips and steps (the record keeps DeepSpeed's own pre-clip norm).
+gradients), under DeepSpeed `engine.step()` clips and steps (the record keeps DeepSpeed's own pre-clip norm; the loop
+calls before_step() before the boundary's engine.step(), where the recorder reads every tensor's gradient from ZeRO's
+partitions).
 
     python examples/sharded_loop.py --shard fsdp2 --output_dir OUT --nproc 2        # or fsdp1, zero1, zero2, zero3
     python train_ddp.py --replay_record OUT/loss_sharded_loop.json --num_workers 2 --loss_output_dir OUT \\
@@ -124,6 +126,8 @@ def train(args) -> str | None:
                     loss.backward()
             if not fsdp:
                 engine.backward(loss, scale_wrt_gas=False)  # the loss is already the global mean
+                if last:
+                    rec.before_step()  # every tensor's gradient while ZeRO still holds it, before engine.step() clips
                 engine.step()  # clips, steps and schedules at the accumulation boundary (the last micro-batch)
             rec.micro_batch(ids, labels, logits, attention_mask=mask)
         if fsdp:

@@ -19,7 +19,7 @@ NOT_IDENTITY = ("log_interval", "replica_check_interval", "loss_output_dir", "st
                 "report_to", "no_teacher_forced")
 
 
-REPLAY_ONLY = ("optimizer", "lr_schedule")  # RunConfig fields only a replay of a recorded run sets
+REPLAY_ONLY = ("optimizer", "lr_schedule", "tensor_grad")  # RunConfig fields only a replay of a recorded run sets
 # The recorded run's config fields its replay copies into its own config as they are (parity/integrations/replay.py's
 # plan_replay): what may explain a FAIL of the run against its replay (parity/comparing/recorded.py). The replay also
 # reads where the record's files are (model_name, init_weights_path, batches: named relative to the record, compared
@@ -88,6 +88,9 @@ class RunConfig:
     # to_dict (a harness run's record and checkpoints are as they were):
     optimizer: dict | None = None  # the recorded optimizer, {"type", "groups": [{"params": names, "lr_scale", ...}]}
     lr_schedule: tuple | None = None  # the lr applied at each step, as recorded (parity.training.optimizer.lr_at)
+    # which gradient every tensor's series holds, as the record's does (tensor_norms.PRE_CLIP or CLIPPED: a framework
+    # whose hooks come after its clipping records the clipped gradients; Strategy.train_step records its own alike)
+    tensor_grad: str | None = None
     no_teacher_forced: bool = False  # --no_teacher_forced: no teacher-forced check (parity/training/teacher_forced.py)
 
     @property

@@ -134,6 +134,45 @@ def series(record: dict, key: str) -> list[float]:
     return [s[key] for s in record["steps"]]
 
 
+def tensor_series(record: dict, folder=None):
+    """The record's every-tensor series (parity/training/tensor_series.py), read from beside it: in `folder`, by
+    default the run's loss_output_dir."""
+    from parity.training.tensor_series import load_series
+
+    folder = folder if folder is not None else record["config"]["loss_output_dir"]
+    return load_series(os.path.join(str(folder), "record.json"), record)
+
+
+def assert_same_tensors_at_step_0(run: dict, baseline: dict, folder=None, baseline_folder=None) -> None:
+    """Two runs of one model from the same weights and batch: their series name the same tensors in the same order, and
+    at step 0 each tensor's gradient norm agrees within the fp32 tolerance. Not the parameters': a gradient that is
+    rounding alone (a k_proj bias's, which softmax cancels) takes AdamW's first step, ±lr an element, by its sign, so
+    that bias's norm already parts by ~1e-5 after it (the parameter series is held by tensor_norms_off instead)."""
+    ours, theirs = tensor_series(run, folder), tensor_series(baseline, baseline_folder)
+    assert ours.names == theirs.names
+    assert max_rel_diff(ours.grad_norm[0], theirs.grad_norm[0]) < FP32_RTOL
+
+
+def tensor_norms_off(record: dict, folder=None) -> tuple[float, float]:
+    """How far each step's tensors' squares are from the step's own norms, at most (relative): the gradients' from its
+    pre-clip grad norm (their sum ÷ the clip coefficient where the series holds the clipped gradients), the
+    parameters' from its parameter norm; a step an fp16 overflow skipped is left out. The series must name tensors."""
+    import math
+
+    found = tensor_series(record, folder)
+    assert found is not None and found.names, record.get("tensors")
+    grad, param = [], []
+    for k, step in enumerate(record["steps"]):
+        if step.get("skipped"):
+            continue
+        coef = found.clip_coef[k] if found.grad == "clipped" else 1.0
+        grads = math.sqrt(sum(x * x for x in found.grad_norm[k])) / coef
+        params = math.sqrt(sum(x * x for x in found.param_norm[k]))
+        grad.append(abs(grads - step["grad_norm"]) / step["grad_norm"])
+        param.append(abs(params - step["param_norm"]) / step["param_norm"])
+    return tuple(max(off) if not any(math.isnan(x) for x in off) else math.inf for off in (grad, param))
+
+
 # Strategy parity runs: global batch 4 in every layout (DP=2×2, TP=2×DP=1×4, TP=2×DP=2×2), so one DDP
 # run is the baseline for all of them. lr 1e-4 rather than the tiny preset's 1e-3: AdamW moves a weight
 # whose gradient is a near-cancellation by ~lr per step whatever the gradient's last bits say, so final

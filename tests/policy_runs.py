@@ -24,6 +24,7 @@ def train_folders(root, folders: dict, setting: dict, weights: str, kernel: str 
     the other folders that list it. A flag "deepspeed_config" given as a dict is written to a file first. A run that stops
     every rank (a NaN loss) ends its group: list it last."""
     from parity.driver.local_group import plan, run_group
+    from parity.training.tensor_series import folder_of
 
     root = str(root)
     key = lambda name, run: (name, json.dumps(run, sort_keys=True, default=str))  # noqa: E731
@@ -55,6 +56,8 @@ def train_folders(root, folders: dict, setting: dict, weights: str, kernel: str 
             source = trained[key(name, run)]
             if source != os.path.join(root, folder, name):
                 shutil.copy(source, os.path.join(root, folder, name))
+                if os.path.isdir(folder_of(source)):  # the record's every-tensor series beside it, copied with it
+                    shutil.copytree(folder_of(source), folder_of(os.path.join(root, folder, name)))
 
 
 def refused(cases: dict) -> dict:

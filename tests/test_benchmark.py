@@ -57,11 +57,14 @@ def test_table_has_every_default_row_and_the_documented_keys(bench):
         assert r["options"].get("reduce_bucket_size", BUCKET) == BUCKET  # every DeepSpeed row got the flag
         # the harness's own cost: every part it times, and their share of the step without them
         # (the replica check where two ranks hold the same tensor: not in ZeRO-3 or FSDP2 at DP 2, which shard all)
-        assert set(r["harness_s_per_step"]) == {"loss_gather", "param_norm", "record", "record_write"} | (
+        assert set(r["harness_s_per_step"]) == {"loss_gather", "param_norm", "tensor_norms", "record",
+                                                "record_write"} | (
             set() if r["row"] in ("zero3", "fsdp", "fsdp_offload") else {"replica_check"})
-        in_step = r["harness_s_per_step"]["loss_gather"] + r["harness_s_per_step"]["param_norm"]
+        in_step = sum(r["harness_s_per_step"][k] for k in ("loss_gather", "param_norm", "tensor_norms"))
         assert r["harness_share"] == pytest.approx(sum(r["harness_s_per_step"].values()) /
                                                    (r["median_step_time_s"] - in_step))
+        assert 0 < r["tensor_norms_share"] == pytest.approx(r["harness_s_per_step"]["tensor_norms"] /
+                                                            r["median_step_time_s"])
         # the teacher-forced check's cost: its check of step 1 (a checkpoint mid-run: a state with AdamW's moments), as
         # a share of the training time at the default interval
         with open(r["loss_record"]) as f:

@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from conftest import FP32_RTOL, final_parameters, max_abs_param_diff, max_rel_diff, series
+from conftest import (FP32_RTOL, assert_same_tensors_at_step_0, final_parameters, max_abs_param_diff, max_rel_diff,
+                      series, tensor_norms_off)
 from test_families import family_weights, verdict
 from parity.calibration import bugs
 from parity.commands.layer_check import main as run_verification
@@ -110,6 +111,12 @@ def test_every_moe_preset_trains_as_ddp_under_expert_parallelism_in_fp32(moe_run
     assert series(run, "expert_loads") == series(base, "expert_loads")  # every token to DDP's experts
     bound = final_parameters_atol_fp32(series(base, "lr"))
     assert max_abs_param_diff(final_parameters(run), final_parameters(base)) < bound
+    # every tensor, the experts too (sharded over EP, or over TP; AutoEP's unfused w1/w3 as the stock gate_up_proj):
+    # the squares add up to the step's norms — DeepSpeed's own at ZeRO-1 rounded to fp32 — and each is DDP's at step 0
+    grad, param = tensor_norms_off(run)
+    assert grad < (1e-7 if setup.startswith("deepspeed") else 1e-12) and param < 1e-12, (grad, param)
+    assert max(tensor_norms_off(base)) < 1e-12
+    assert_same_tensors_at_step_0(run, base)
 
 
 def test_the_load_balancing_loss_is_transformers_own_on_one_batch():

@@ -24,7 +24,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO, free_port, gloo_rank, max_rel_diff, series
+from conftest import (REPO, assert_same_tensors_at_step_0, free_port, gloo_rank, max_rel_diff, series, tensor_norms_off,
+                      tensor_series)
 
 EXAMPLE = os.path.join(REPO, "examples", "plain_loop.py")
 HF_EXAMPLE = os.path.join(REPO, "examples", "hf_trainer.py")
@@ -87,6 +88,7 @@ HF_DUMP_STEP = 2  # the clean Trainer run dumps step 2 (a replayed step past the
 CAPPED = "capped"  # the clean loop recorded with a batch cap that 3 steps pass
 BF16 = "bf16"  # Trainer in bf16: the clean run (hf_trainer) and the compute_loss bug (hf_bug) in one folder
 HF_SHAPES = ["--rows", "10", "--dynamic_padding"]  # 5 rows a rank: every other window holds one micro-batch
+HF_CLIPPED = "hf_clipped"  # Trainer at 1 rank clipping at 0.5: every step clips (norms ~1.2)
 
 
 def _record_rank(rank: int, world: int, port: int, jobs: list, cwd: str | None = None) -> None:
@@ -151,7 +153,7 @@ def runs(tmp_path_factory):
     folders[CAPPED] = root / CAPPED
     jobs.append((EXAMPLE, ["--output_dir", str(folders[CAPPED]), "--name", NAME, "--steps", "4",
                            "--max_batch_bytes", "15000"]))  # 6144 bytes a step: steps 0 and 1 saved
-    for name in (BF16, HF, *HF_COPIES, "plain_1rank", "plain_copy", "hf_1rank", "hf_small", "internal"):
+    for name in (BF16, HF, *HF_COPIES, "plain_1rank", "plain_copy", "hf_1rank", "hf_small", HF_CLIPPED, "internal"):
         folders[name] = root / name
     jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[HF]), "--steps", str(STEPS),
                               "--dump_step", str(HF_DUMP_STEP), "--checkpoint_interval", str(INTERVAL)]))
@@ -172,7 +174,8 @@ def runs(tmp_path_factory):
            (HF_EXAMPLE, ["--output_dir", str(folders["hf_1rank"]), "--name", "hf_1rank", "--steps", str(STEPS),
                          "--grad_accum_steps", "4"]),
            (HF_EXAMPLE, ["--output_dir", str(folders["hf_small"]), "--steps", "4", "--rows", "5",
-                         "--dynamic_padding"])]  # windows of 2 + 2 rows, then of 1 (drop_last off)
+                         "--dynamic_padding"]),  # windows of 2 + 2 rows, then of 1 (drop_last off)
+           (HF_EXAMPLE, ["--output_dir", str(folders[HF_CLIPPED]), "--steps", "3", "--max_grad_norm", "0.5"])]
     start_processes(_record_rank, (1, free_port(), one, str(root)), 1)
     shutil.copytree(folders["plain_1rank"], folders["plain_copy"])  # a copied record folder replays too
 
@@ -183,7 +186,7 @@ def runs(tmp_path_factory):
             _replay(folders, root, "plain_copy", NAME, 2), _replay(folders, root, CAPPED, NAME, 2)]
     groups = [two, [_replay(folders, root, "plain_1rank", NAME, 1), _replay(folders, root, "hf_1rank", "hf_1rank", 1),
                     _replay(folders, root, BF16, HF, 1, noise_reference=True),
-                    _replay(folders, root, "hf_small", HF, 1)],
+                    _replay(folders, root, "hf_small", HF, 1), _replay(folders, root, HF_CLIPPED, HF, 1)],
               [_replay(folders, root, BF16, HF, 4, noise_reference=True),
                _replay(folders, root, "plain_1rank", NAME, 4, noise_reference=True)]]
     for planned in groups:
@@ -255,6 +258,10 @@ def test_clean_loop_replays_to_the_record_and_passes(runs, tmp_path):
     for record in (recorded, replay):
         assert record["replicas"]["groups"] == 78
         assert [s["replicas"]["parted"] for s in record["steps"]] == [0] * STEPS
+        # every tensor, before the loop's clipping (before_step): the squares add up to the step's norms
+        assert tensor_series(record, runs["clean"]).grad == "pre_clip"
+        assert max(tensor_norms_off(record, runs["clean"])) < 1e-12
+    assert_same_tensors_at_step_0(replay, recorded, runs["clean"], runs["clean"])
     assert all(s["rows_check"]["duplicates"] == 0 for s in recorded["steps"])
     assert compare_and_report(str(runs["clean"]), str(tmp_path / "curves.png")) == 0
     print(f"clean fp32 loop: its saved states' checks, largest {assert_checks_pass(runs['clean'], NAME, [0, 2, 4]):.3f} "
@@ -428,7 +435,8 @@ def test_hf_trainer_replays_to_the_record_and_passes(runs):
     not clip (norms ~1.2, max_grad_norm 10), so the pre-clip norm is the recorder's own float64 one at the optimizer
     step (the record says so); the replay equals the record's loss, grad norm and parameter norm within 1e-5 (measured
     ~1e-8); replicas held; PASS. Trainer's own logged loss is the global token mean too (average_tokens_across_devices),
-    and its fp32 grad norm within 3e-5 of the float64 one."""
+    and its fp32 grad norm within 3e-5 of the float64 one. Every tensor's series holds the gradients its optimizer step
+    applies, after its clipping (coefficient 1 here), and the replay's the same kind."""
     recorded, replay = _record(runs[HF], HF), _record(runs[HF], "ddp")
     assert recorded["config"]["framework"] == "transformers.Trainer"
     assert recorded["config"]["grad_norm_source"] == "recorder"
@@ -445,9 +453,34 @@ def test_hf_trainer_replays_to_the_record_and_passes(runs):
     assert max_rel_diff(series(recorded, "logged_grad_norm"), series(recorded, "grad_norm")) < 3e-5
     for record in (recorded, replay):
         assert [s["replicas"]["parted"] for s in record["steps"]] == [0] * STEPS
+        # every tensor's gradient as Trainer's optimizer step sees it, after its clipping — which did not clip
+        found = tensor_series(record, runs[HF])
+        assert (found.grad, found.clip_coef) == ("clipped", [1.0] * STEPS)
+        assert max(tensor_norms_off(record, runs[HF])) < 1e-12
+    assert replay["config"]["tensor_grad"] == "clipped"
+    assert_same_tensors_at_step_0(replay, recorded, runs[HF], runs[HF])
     assert _compare(runs[HF]).word == "PASS"
     print(f"Trainer fp32: its saved states' checks, largest {assert_checks_pass(runs[HF], HF, [0, 2, 4]):.3f} of the "
           f"bound")
+
+
+def test_a_clipping_trainers_series_holds_the_clipped_gradients_as_its_replays_does(runs):
+    """Trainer at 1 rank clipping at 0.5 (every step: norms ~1.2): its callbacks see the gradients only after its
+    clipping, so every tensor's series holds the clipped gradients with each step's coefficient — torch's formula on
+    the step's recorded pre-clip norm, Trainer's own fp32 one where it clipped; the replay records the same kind
+    (RunConfig.tensor_grad: its pre-clip norms × its coefficient). The coefficients and each tensor's clipped norm at
+    step 0 agree within that fp32 norm's rounding (3e-5, as Trainer's logged norm does); the squares ÷ the coefficient
+    add up to the recorded grad norm within it too, and to the replay's own exactly."""
+    folder = runs[HF_CLIPPED]
+    recorded, replay = _record(folder, HF), _record(folder, "ddp")
+    ours, theirs = tensor_series(recorded, folder), tensor_series(replay, folder)
+    assert ours.grad == theirs.grad == replay["config"]["tensor_grad"] == "clipped"
+    assert series(recorded, "grad_norm_source") == ["framework"] * 3 and max(ours.clip_coef) < 0.6
+    assert max_rel_diff(theirs.clip_coef, ours.clip_coef) < 3e-5
+    assert max_rel_diff(theirs.grad_norm[0], ours.grad_norm[0]) < 3e-5
+    grad, param = tensor_norms_off(recorded, folder)
+    assert grad < 3e-5 and param < 1e-12
+    assert max(tensor_norms_off(replay, folder)) < 1e-12
 
 
 def test_a_recorder_failure_never_stops_the_training(tmp_path):

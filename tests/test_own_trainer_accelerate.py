@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from conftest import REPO, free_port, gloo_rank, max_rel_diff, series
+from conftest import REPO, free_port, gloo_rank, max_rel_diff, series, tensor_norms_off
 from test_own_trainer import _copy, _record, _record_rank, _replay, first_fail
 
 EXAMPLE = os.path.join(REPO, "examples", "accelerate_loop.py")
@@ -91,6 +91,8 @@ def test_accelerate_loop_replays_to_the_record_and_passes(runs, tmp_path):
         assert max_rel_diff(series(replay, key), series(recorded, key)) < 1e-5, key
     assert max(abs(s["logged_loss"] - s["loss"]) / s["loss"] for s in recorded["steps"]) < 1e-5
     assert all(s["rows_check"]["duplicates"] == 0 for s in recorded["steps"])
+    for record in (recorded, replay):  # every tensor's pre-clip norms (before_step) add up to the step's
+        assert max(tensor_norms_off(record, runs["clean"])) < 1e-12
     assert compare_and_report(str(runs["clean"]), str(tmp_path / "curves.png")) == 0
 
 

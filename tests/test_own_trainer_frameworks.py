@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, max_rel_diff, series
+from conftest import REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, series, tensor_norms_off, tensor_series
 from test_own_trainer import _copy, _record_rank, _replay
 
 LIGHTNING = os.path.join(REPO, "examples", "lightning_lm.py")
@@ -128,6 +128,14 @@ def test_clean_run_replays_to_the_record_and_passes(runs, name):
     for record, twice in ((recorded, held_twice), (replay, True)):  # the replay at 2 workers holds every tensor twice
         assert [s["replicas"]["parted"] for s in record["steps"] if "replicas" in s] == ([0] * STEPS if twice else [])
     assert all(s["rows_check"]["duplicates"] == 0 for s in recorded["steps"])
+    # every tensor: Lightning's before its clipping, TRL's (Trainer's callbacks) after it, which did not clip here
+    # (max_grad_norm 10) — the replay records the same kind; the squares add up to the step's norms
+    kind = "pre_clip" if example == LIGHTNING else "clipped"
+    for record in (recorded, replay):
+        found = tensor_series(record, runs[name])
+        assert found.grad == kind and found.clip_coef == ([None] if example == LIGHTNING else [1.0]) * STEPS
+        assert max(tensor_norms_off(record, runs[name])) < 1e-12
+    assert_same_tensors_at_step_0(replay, recorded, runs[name], runs[name])
     assert _compare(runs[name]).word == "PASS"
 
 

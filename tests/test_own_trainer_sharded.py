@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from conftest import REPO, free_port, max_rel_diff, series
+from conftest import (REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, series, tensor_norms_off,
+                      tensor_series)
 from test_own_trainer import INTERVAL, _compare, _record, _record_rank, assert_checks_pass
 
 EXAMPLE = os.path.join(REPO, "examples", "sharded_loop.py")
@@ -72,7 +73,9 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
     the same batches, tokens and lr at every step; loss, pre-clip grad norm and parameter norm within 1e-5 relative at
     every step (measured ≤ 1.3e-7); the replica check over what the ranks hold alike (REPLICA_GROUPS) holds at every
     step; FSDP's norm is the recorder's own over the full gradients, ZeRO's DeepSpeed's own (it clips inside
-    engine.step()); the verdict PASSes."""
+    engine.step()); every tensor's pre-clip gradient (ZeRO's partitions read at before_step(), before engine.step())
+    and parameter norm, each layout's pieces adding up to the step's norms — DeepSpeed's own at ZeRO-1/2 rounded to
+    fp32 (measured 6.6e-8), the others exactly — and each tensor the replay's at step 0; the verdict PASSes."""
     recorded, replay = _record(runs[shard], NAME), _record(runs[shard], "ddp")
     config, fsdp, dp = recorded["config"], shard.startswith("fsdp"), 1 if shard == "fsdp2_tp" else 2
     assert config["sharding"]["kind"] == (shard[:5] if fsdp else f"deepspeed {shard}")
@@ -91,6 +94,11 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
     if REPLICA_GROUPS[shard]:
         assert [s["replicas"]["parted"] for s in recorded["steps"]] == [0] * STEPS
     assert [s["replicas"]["parted"] for s in replay["steps"]] == [0] * STEPS
+    assert tensor_series(recorded, runs[shard]).grad == "pre_clip"
+    grad, param = tensor_norms_off(recorded, runs[shard])
+    assert grad < (1e-7 if shard in ("zero1", "zero2") else 1e-12) and param < 1e-12, (grad, param)
+    assert max(tensor_norms_off(replay, runs[shard])) < 1e-12
+    assert_same_tensors_at_step_0(replay, recorded, runs[shard], runs[shard])
     assert all(s["rows_check"]["duplicates"] == 0 for s in recorded["steps"])
     assert _compare(runs[shard]).word == "PASS"
     worst = assert_checks_pass(runs[shard], NAME, [0, 2])  # its states, gathered by the layout's own code, checked

@@ -15,8 +15,8 @@ import shutil
 
 import pytest
 
-from conftest import (FP32_RTOL, assert_replicas_held, final_parameters, free_port, max_abs_param_diff, max_rel_diff,
-                      series)
+from conftest import (FP32_RTOL, assert_replicas_held, assert_same_tensors_at_step_0, final_parameters, free_port,
+                      max_abs_param_diff, max_rel_diff, series, tensor_norms_off)
 from parity.calibration.bugs import PipelineTiedGradientsNotSummed
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import final_parameters_atol_fp32
@@ -92,6 +92,10 @@ def test_each_schedule_and_layout_matches_ddp_in_fp32(runs, name):
     bound = final_parameters_atol_fp32(series(base, "lr"))
     assert max_abs_param_diff(final_parameters(run), final_parameters(base)) < bound
     assert run["final"]["eval_loss_last_batch"] == pytest.approx(base["final"]["eval_loss_last_batch"], rel=FP32_RTOL)
+    # every tensor: the whole model's on every stage's rank (the tied weight once, as the embedding), its squares adding
+    # up to the step's norms (measured ≤ 2.7e-16), each as DDP's at step 0
+    assert max(tensor_norms_off(run)) < 1e-12
+    assert_same_tensors_at_step_0(run, base)
     cfg = run["config"]
     assert (cfg["strategy"], cfg["tp_size"], cfg["pp_size"], cfg["dp_size"], cfg["world_size"], cfg["options"]) == (
         "pipeline", 1, 2, RUNS[name]["num_workers"] // 2, RUNS[name]["num_workers"],
@@ -109,6 +113,7 @@ def test_bf16_autocast_matches_ddps_bf16_run(runs):
     assert max_rel_diff(series(run, "loss"), series(base, "loss")) < SHORT_RUN_BF16.loss
     assert max_rel_diff(series(run, "grad_norm"), series(base, "grad_norm")) < SHORT_RUN_BF16.grad_norm
     assert max_rel_diff(series(run, "grad_norm"), series(runs["ddp"][1], "grad_norm")) > 10 * FP32_RTOL
+    assert max(tensor_norms_off(run)) < 1e-12  # every tensor's norms, of the gradients as autocast made them
 
 
 def test_dp_rank_losses_are_each_pipelines_own(runs):

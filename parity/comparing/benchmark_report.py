@@ -21,7 +21,7 @@ ROW_KEYS = (
     "model_state_bytes_per_rank", "offloaded_bytes",
     "zero_stage", "zero_bound_bytes", "zero_bound_total_bytes", "peak_memory_bytes", "memory_metric",
     "final_loss", "final_loss_rel_diff_from_ddp", "loss_record", "harness_s_per_step", "harness_share",
-    "teacher_forced_s_per_check", "teacher_forced_share",
+    "tensor_norms_share", "teacher_forced_s_per_check", "teacher_forced_share",
 )
 
 # Peak dense bf16 FLOP/s of the accelerators MFU knows by name (the first name contained in the device's).
@@ -74,7 +74,8 @@ def summarize_row(row: str, label: str, record: dict, path: str, untimed_steps: 
         "peak_memory_bytes": max(s["peak_memory_bytes"] for s in steps), "memory_metric": cfg["memory_metric"],
         "final_loss": steps[-1]["loss"], "final_loss_rel_diff_from_ddp": None, "loss_record": path,
         "harness_s_per_step": harness, "harness_share": sum(harness.values()) / (median - sum(
-            harness[k] for k in IN_STEP)),
+            harness.get(k, 0.0) for k in IN_STEP)),
+        "tensor_norms_share": harness["tensor_norms"] / median if "tensor_norms" in harness else None,
         **teacher_forced_cost(steps, median),
     }
 
@@ -94,12 +95,13 @@ def teacher_forced_cost(steps: list[dict], median_step_s: float) -> dict:
             "teacher_forced_share": per_check / (DEFAULTS["checkpoint_interval"] * median_step_s)}
 
 
-IN_STEP = ("loss_gather", "param_norm")  # the harness's parts inside the timed step (step_time_s holds them)
+# the harness's parts inside the timed step (step_time_s holds them): Strategy.train_step times them
+IN_STEP = ("loss_gather", "param_norm", "tensor_norms")
 
 
 def harness_cost(steps: list[dict]) -> dict[str, float]:
-    """The harness's own seconds per step, by what: the loss gather, the parameter norm, the replica check, the record's
-    entry and its write — the median over the steps of a part done at every step, the mean over all steps of one done
+    """The harness's own seconds per step, by what: the loss gather, the parameter norm, every tensor's norms (their
+    local sums of squares and the one all-reduce), the replica check, the record's entry and its write — the median over the steps of a part done at every step, the mean over all steps of one done
     at some (the record's write at log intervals, a thinned replica check). The fp64 grad norm is inside each
     strategy's clipping (docs/benchmark.md measures it apart)."""
     parts = sorted({k for s in steps for k in s.get("harness_s", {})})
@@ -139,8 +141,8 @@ def markdown(summary: dict) -> str:
         "",
         "| row | step time (s) | × DDP | tokens/s |" + (" MFU |" if mfu else "") + " model states / rank (MiB) | "
         "peak at | by category (MiB) | ZeRO bound (MiB) | with copies (MiB) | peak memory (MiB) | "
-        "final loss − DDP (rel.) | harness / bare step | teacher-forced check / training |",
-        "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "final loss − DDP (rel.) | harness / bare step | every tensor's norms / step | teacher-forced check / training |",
+        "|---|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in s["rows"]:
         categories = ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["model_state_bytes"].items())
@@ -150,7 +152,7 @@ def markdown(summary: dict) -> str:
             + f" {r['model_state_total_bytes'] / MIB:.2f} | {' / '.join(dict.fromkeys(r['model_state_peak_at']))} | "
             f"{categories} | {r['zero_bound_total_bytes'] / MIB:.2f} | {r['peak_all_bytes'] / MIB:.2f} | "
             f"{r['peak_memory_bytes'] / MIB:.0f} | {r['final_loss_rel_diff_from_ddp']:.1e} | "
-            f"{_percent(r['harness_share'])} | "
+            f"{_percent(r['harness_share'])} | {_percent(r['tensor_norms_share'])} | "
             f"{_percent(r['teacher_forced_share'])} |")
     if mfu:
         lines += ["", f"MFU = {s['flops_per_token']:.3e} model FLOPs/token × tokens/s ÷ ({s['world_size']} × "

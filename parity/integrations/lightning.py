@@ -7,8 +7,8 @@ What a callback cannot see, it takes from the framework's own extension points, 
   logits; the recorder measures the global token mean itself. The model must be called with `labels=` (Hugging Face's
   convention) for the hook to see them;
 - the pre-clip gradient norm: Lightning calls `on_before_optimizer_step` after the window's last backward (DDP's
-  gradients reduced) and before its own clipping, so the recorder measures it in float64 from the gradients
-  (`grad_norm_source: recorder`);
+  gradients reduced) and before its own clipping (Precision._after_closure, lightning 2.6), so the recorder measures it
+  in float64 from the gradients (`grad_norm_source: recorder`), and every tensor's pre-clip norm there;
 - the lr: the recorder's optimizer step pre-hook on the torch optimizer Lightning steps;
 - the framework's own loss: what `training_step` returned over the window (Lightning divides each by
   `accumulate_grad_batches`), summed, then averaged over the ranks: `logged_loss`.

@@ -2,14 +2,12 @@
 harness never trained, so that the run can be replayed under the harness's DDP (parity/integrations/replay.py) and
 judged by plot_loss_curves.py (docs/own_trainer.md, whose "What the record holds" lists every field).
 
-It is one more loop feeding the per-step observer (parity/training/observer.py: the record, the replica check, the
-trackers). What it adds is what a foreign loop does not hand over by itself: the loss it measures from the model's
-outputs (the global token mean, float64, whatever the loop backpropagated), the pre-clip norm from the gradients (or
-the framework's own where it cannot see them: `grad_norm_source`), the parameter norm, the lr applied (an optimizer
-step pre-hook), the global batch in the harness's order with its hash and the check that no two DP ranks fed the same
-rows, the optimizer whole, the initial weights and every step's batch as it came (any shape, right or left padding),
-named relative to the record's folder, up to `max_batch_bytes`; and, for the teacher-forced check its replay takes, the
-run's full state around its checkpoints (states.py), apart from the record, up to `max_state_bytes`.
+It is one more loop feeding the per-step observer (parity/training/observer.py). What it adds is what a foreign loop
+does not hand over by itself: the loss from the model's outputs (the global token mean, float64), the pre-clip norm
+(or the framework's own: `grad_norm_source`), the parameter norm, every tensor's norms (recorded_tensors.py), the lr
+applied, the global batch in the harness's order, its hash and the rows check, the optimizer whole, the initial
+weights and every step's batch as it came (up to `max_batch_bytes`), and the full state around its checkpoints for its
+replay's teacher-forced check (states.py, up to `max_state_bytes`): files named relative to the record's folder.
 
 A step that cannot be recorded or replayed stops the record there, in one line: it holds the steps before it
 (`config.stopped`), which are replayed and judged. The process group is read by its layout (sharded.py: plain/DDP,
@@ -34,7 +32,9 @@ from parity.fingerprint import fingerprint
 from parity.integrations import resume, states
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
-from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
+from parity.integrations.recorded_tensors import CLIPPED, PRE_CLIP, RecordedTensors
+from parity.integrations.rows import (BatchWriter, RowExchange, default_positions, duplicate_rows, global_batch,
+                                     rows_hash)
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.integrations.world import trains_alone
 from parity.models.model import config_summary, file_sha256, save_init_weights
@@ -83,15 +83,16 @@ class ParityRecorder:
     Made before the first optimizer step (it saves the initial weights then) and after the process group is up
     (torch.distributed initialised: one rank is a group of one). `model` may be wrapped (DDP, torch.compile,
     accelerate's prepare: its model and AcceleratedOptimizer as they are), sharded by FSDP2's fully_shard (with or
-    without DTensor TP), or a DeepSpeed engine (then
-    `optimizer=engine.optimizer`, after_step after the boundary's engine.step(): sharded.py);
+    without DTensor TP), or a DeepSpeed engine (then `optimizer=engine.optimizer`, before_step before the boundary's
+    engine.step() and after_step after it: sharded.py);
     `max_grad_norm` is what the loop clips to (0: it does not clip); `precision` the harness's name of what the loop
     computes in (fp32, bf16 for autocast over fp32 weights ...); `max_batch_bytes` caps the batches saved (default
     DEFAULT_MAX_BATCH_BYTES); `framework` names the loop (shown in the fingerprint, not compared); `log` takes rank
     0's lines (default: stderr); `scheduler`, the loop's lr scheduler, records each step's `declared_lr`
     (resume.DeclaredSchedule.copy_of: the verdict FAILs a step whose lr is not the one its schedule declares);
-    `checkpoint_interval` (default 50; 0: step 0 alone; None: none) and `max_state_bytes` (default 32 GiB) say where
-    the run's full state is saved before and after a step, for the teacher-forced check its replay takes (states.py).
+    `checkpoint_interval` (default 50; 0: step 0 alone; None: none) and `max_state_bytes` (default 32 GiB): the full
+    state saved around a step for its replay's teacher-forced check (states.py); `tensor_grad`: every tensor's
+    gradient read at before_step (PRE_CLIP) or, after the framework's clipping, at the optimizer's step (CLIPPED).
 
     A run resumed from its own checkpoint after k updates passes `start_step=k`: the recorder continues the record of
     its first run (loss_<name>.json in `output_dir`) — its steps 0…k−1 kept, k appended to config.resumed_at, the
@@ -104,7 +105,7 @@ class ParityRecorder:
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
                  log: Callable[[str], Any] | None = None, dump_step: int | None = None, scheduler=None,
                  start_step: int = 0, checkpoint_interval: int | None = states.DEFAULT_CHECKPOINT_INTERVAL,
-                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES):
+                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES, tensor_grad: str = PRE_CLIP):
         output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -115,7 +116,7 @@ class ParityRecorder:
             return
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
-                        framework, framework_versions or {}, scheduler, start_step)
+                        framework, framework_versions or {}, scheduler, start_step, tensor_grad)
             self.states = states.StateSaver(self, checkpoint_interval, max_state_bytes, start_step)  # for the check
             if dump_step is not None:  # step K in full, for compare_dumps.py (parity/integrations/dump.py)
                 from parity.integrations.dump import StepDump
@@ -161,7 +162,7 @@ class ParityRecorder:
 
     # --- set-up -------------------------------------------------------------------------------------
     def _start(self, output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
-               framework, framework_versions, scheduler, start_step) -> None:
+               framework, framework_versions, scheduler, start_step, tensor_grad) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
                        else torch.device("cpu"))
@@ -215,14 +216,15 @@ class ParityRecorder:
         self.writer = BatchWriter() if self.rank == 0 else None
         self.declared = (resume.DeclaredSchedule.copy_of(scheduler, start_step, self._line) if scheduler is not None
                          else None)
+        self.tensors = RecordedTensors(self.layout, self.device, tensor_grad, float(max_grad_norm), self._line)
         self.observer = StepObserver(self.record, device=self.device, replicas=self, replica_check_interval=1,
-                                     log=self._line)
+                                     log=self._line, **self.tensors.observer_arguments())
         self.step, self.grad_norm_source = start_step, None
         self._reset_step()
         self._lrs: list[float] | None = None
         self._optimizer_steps = 0  # the hook's firings since the last after_step
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
-        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._hook = self.tensors.watch(optimizer, self._before_optimizer_step)  # and its step post-hook
         if self.rank == 0 and fresh:  # the first write: all that could refuse or fail has passed
             self._wrote = True
             storage.write_bytes_atomic(storage.join(self.folder, "config.json"), config.to_json_string().encode())
@@ -288,7 +290,7 @@ class ParityRecorder:
             mask = (torch.ones_like(ids) if attention_mask is None
                     else attention_mask.detach().to("cpu", torch.int64))
             self.micro.append((ids, lab, mask))
-            self.positions |= position_ids is not None and not _default_positions(position_ids, ids.shape[1])
+            self.positions |= position_ids is not None and not default_positions(position_ids, ids.shape[1])
             self.loss_sum += summed
             self.tokens += int((lab[:, 1:] != IGNORE_INDEX).sum())
         except Exception as exc:
@@ -305,6 +307,7 @@ class ParityRecorder:
         try:
             if self.dump is not None and grad_norm is None:
                 self.dump.take_grads()
+            self.tensors.read(PRE_CLIP)  # every tensor's gradient, before the loop's clipping (recorded_tensors.py)
             if grad_norm is not None:
                 self.grad_norm, self.grad_norm_source = float(grad_norm), source
             elif self.layout.grad_norm_visible:  # full gradients, float64 (collective where they are sharded)
@@ -318,6 +321,7 @@ class ParityRecorder:
         """The optimizer's step pre-hook: the lr of every group as the step applies it; for an adapter that asks
         (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after any clipping)."""
         self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self.tensors.read(CLIPPED)  # where the framework clipped before any hook of the recorder's
         self._optimizer_steps += 1
         if self.dump is not None:
             self.dump.take_grads()
@@ -395,7 +399,8 @@ class ParityRecorder:
                      "batch": saving}
         self.observer.observe_step(self.step, rank_loss_sums=sums, rank_tokens=counts, tokens=tokens,
                                    grad_norm=self.grad_norm, param_norm=param_norm, lr=lr, batch_hash=hash_,
-                                   step_time_s=step_time, harness_s=harness_s, **extras)
+                                   step_time_s=step_time, harness_s=harness_s,
+                                   **self.tensors.step_norms(self.step, self.grad_norm), **extras)
         rows_check = extras.get("rows_check")
         if rows_check and rows_check["duplicates"]:
             first = rows_check["pairs"][0]
@@ -577,11 +582,6 @@ class ParityRecorder:
     def _line(self, text: str) -> None:
         if getattr(self, "rank", 0) == 0:
             self._print(f"parity recorder [{self.name}]: {text}")
-
-
-def _default_positions(position_ids, length: int) -> bool:
-    """Whether position ids are what the model makes by itself (0, 1, … on every row): then they change nothing."""
-    return bool((position_ids.detach().cpu() == torch.arange(length)).all())
 
 
 def _first_process() -> bool:

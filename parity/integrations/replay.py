@@ -6,7 +6,8 @@ against (docs/own_trainer.md).
 The record supplies the model (its config.json) and the initial weights, the data (each step's saved global batch,
 whatever its shape, its rows split over the N workers by parity.training.data.row_plan), the optimizer (type and
 parameter groups by name: build_optimizer with RunConfig.optimizer), the lr of each step (RunConfig.lr_schedule), the
-precision and the step count (up to where the record stopped, if it did). It names them relative to its own folder,
+precision, the step count (up to where the record stopped, if it did) and which gradient every tensor's series holds
+(RunConfig.tensor_grad: where the recorded framework's hooks came after its clipping, the clipped ones). It names them relative to its own folder,
 which may have moved since. Beside it only --num_workers, --device, the output and checkpoint flags and
 --noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything else contradicts
 the record and is refused in one line. The harness feeds no attention mask where every row is right-padded (a causal
@@ -30,6 +31,8 @@ from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
 from parity.training.data import RECORDED, RecordedBatches, recorded_batch_path
 from parity.training.recorded_states import INDEX as STATES_INDEX, RecordedStates, StateCheck
 from parity.training.record import is_recorded, load_record
+from parity.training.tensor_norms import PRE_CLIP
+from parity.training.tensor_series import KEY as TENSORS
 
 # The flags a replay takes beside --replay_record: where it runs and where its outputs go.
 ALLOWED = ("num_workers", "device", "loss_output_dir", "storage_path", "experiment_name", "final_checkpoint_dir",
@@ -75,7 +78,8 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
               **{k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY},
               "dataset": RECORDED + folder, "checkpoint_interval": 0, **given}
     cfg = resolve(strategy, values, cluster=cluster)
-    cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs)
+    cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs,  # the series as the record's: like with like
+                              tensor_grad=record.get(TENSORS, {}).get("grad") or PRE_CLIP)
     _check_groups(record_file, cfg)
     stopped = f", stopped before step {steps}" if config.get("stopped") else ""
     states = None if given.get("noise_reference") or dump_step is not None else recorded_states(record_file, record)

@@ -22,12 +22,17 @@ Each layout reads the model with the harness's own code for that sharding, never
   FSDP1, so its norms are written here as FSDP1's own clip_grad_norm_ takes them (each rank's pieces, summed over the
   group), its full tensors are FSDP1's FULL_STATE_DICT and its optimizer's full state dict.
 
+Every layout also hands over each trainable tensor's pieces (tensor_names, gradient_pieces, parameter_pieces: the
+strategy interface's three methods, read with the same code) for every tensor's series beside the record
+(recorded_tensors.py).
+
 Refused in one line (layout_of): FSDP1 without use_orig_params or in another sharding strategy, DeepSpeed's AutoTP,
 a 2-D mesh without a "dp" dim.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -36,6 +41,7 @@ import torch.distributed as dist
 
 from parity.training.optimizer import ADAMW_MOMENTS, full_moments, local_norm
 from parity.training.replicas import whole_model
+from parity.training.tensor_norms import Piece, counted_by_name, local_pieces, rank0_pieces
 
 
 class DataParallel:
@@ -111,6 +117,23 @@ class DataParallel:
         """What every rank holds alike under data parallelism: every parameter and its Adam moments."""
         return whole_model(self.model, self.optimizer, tuple(range(self.world)))
 
+    # --- every tensor's norms (parity/training/tensor_norms.py): the strategy interface's three methods ------------
+    def trainable(self) -> list[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, parameter) of every parameter the loop trains (requires_grad: a frozen one has no
+        gradient and no update to judge), in the module's order."""
+        names = self.names()
+        return [(names[id(p)], p) for p in self.model.parameters() if p.requires_grad]
+
+    def tensor_names(self) -> list[str]:
+        return [name for name, _ in self.trainable()]
+
+    def gradient_pieces(self) -> list[Piece]:
+        """This rank's piece of each trainable tensor's gradient (local): here whole, rank 0's counted."""
+        return rank0_pieces((name, p.grad) for name, p in self.trainable())
+
+    def parameter_pieces(self) -> list[Piece]:
+        return rank0_pieces((name, p.detach()) for name, p in self.trainable())
+
 
 class FullyShard(DataParallel):
     """FSDP2 (fully_shard) over a 1-D mesh, or over the "dp" dim of a ("dp", "tp") mesh with DTensor TP: the norms,
@@ -177,6 +200,17 @@ class FullyShard(DataParallel):
         if self._replicated is None:
             self._replicated = replicated_parameters(self.model, self.world)
         return dtensor_replicas(self._replicated, self.optimizer)
+
+    def gradient_pieces(self) -> list[Piece]:
+        """Each local shard, counted on one of the ranks that hold it alike, as the DTensor strategies count it."""
+        return local_pieces(((name, p.grad) for name, p in self.trainable()), self._counted)
+
+    def parameter_pieces(self) -> list[Piece]:
+        return local_pieces(((name, p.detach()) for name, p in self.trainable()), self._counted)
+
+    @functools.cached_property
+    def _counted(self) -> dict[str, bool]:
+        return counted_by_name(self.trainable())
 
 
 class FSDP1(DataParallel):
@@ -252,6 +286,13 @@ class FSDP1(DataParallel):
     def replicas(self):
         return []
 
+    def gradient_pieces(self) -> list[Piece]:
+        """Each rank's flat shard of each gradient (empty where it holds none): no two ranks hold one alike."""
+        return [Piece(name, p.grad) for name, p in self.trainable()]
+
+    def parameter_pieces(self) -> list[Piece]:
+        return [Piece(name, p.detach()) for name, p in self.trainable()]
+
 
 class ZeRO(DataParallel):
     """A DeepSpeed engine (ZeRO stages 0–3, TP 1) that a user's loop steps: the DeepSpeed strategy's norms, replicas
@@ -319,6 +360,21 @@ class ZeRO(DataParallel):
         from parity.strategies.autotp.zero_state import full_moments as zero_moments
 
         return zero_moments(self.engine, self.zero_stage, self._gather, self._local_master)
+
+    def gradient_pieces(self) -> list[Piece]:
+        """Each gradient's piece where DeepSpeed holds it before engine.step() (the DeepSpeed strategy's reading:
+        zero_state.local_gradient, zero_pieces): read when the loop calls before_step() before the boundary's
+        engine.step()."""
+        from parity.strategies.autotp.zero_state import local_gradient, zero_pieces
+
+        return zero_pieces(self.engine, self.trainable(), lambda p: local_gradient(p, self.zero_stage),
+                           partitioned=self.zero_stage > 0, tp_rank=0)
+
+    def parameter_pieces(self) -> list[Piece]:
+        from parity.strategies.autotp.zero_state import zero_pieces
+
+        return zero_pieces(self.engine, self.trainable(), self._local_master, tp_rank=0,
+                           partitioned=self.zero_stage == 3 or self.zero_stage > 0 and self.masters_apart)
 
     def replicas(self):
         from parity.strategies.autotp.zero_state import zero_replicas

@@ -11,6 +11,9 @@ What a callback cannot see, it takes from the framework's own extension points:
   the pre-clip norm (`grad_norm_source: recorder`); where it clipped, Trainer's value is recorded
   (`grad_norm_source: framework`). Trainer logs it at every logging step: the callback needs `logging_steps=1` and
   says so in one line otherwise;
+- every tensor's gradient norms: read at the optimizer step, after Trainer's clipping, so the series holds the clipped
+  gradients (`tensors.grad: clipped`) with each step's clip coefficient beside it (recorded_tensors.py); the replay
+  records its own the same way (parity/integrations/replay.py);
 - the lr: the recorder's optimizer step pre-hook on the torch optimizer inside accelerate's wrapper. Beside it, each
   step's `declared_lr`: what Trainer's own settings schedule at that update (its scheduler, rebuilt from
   TrainingArguments on a scratch optimizer and stepped once per update). The replay applies the recorded lr, so a
@@ -35,6 +38,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from parity.integrations.group import own_group, release
+from parity.integrations.recorded_tensors import CLIPPED
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
 from parity.integrations.resume import DeclaredSchedule
 from parity.integrations.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
@@ -77,6 +81,7 @@ class ParityCallback(TrainerCallback):
                                        max_batch_bytes=self.max_batch_bytes, framework="transformers.Trainer",
                                        framework_versions=versions, dump_step=self.dump_step,
                                        start_step=state.global_step,  # > 0: resumed from a checkpoint
+                                       tensor_grad=CLIPPED,  # its callbacks come after its clipping
                                        **self.state_saving)
         if not self.recorder.enabled:
             return

@@ -23,7 +23,7 @@ from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
 from parity.training.optimizer import OptimizerStep, clip_coefficient, squared_norm_fp64, step_optimizer
 from parity.training.replicas import Replica, held, mesh_replica_ranks
 from parity.training.strategy import Strategy
-from parity.training.tensor_norms import Piece, counted_here, local_pieces
+from parity.training.tensor_norms import Piece, counted_by_name, local_pieces
 
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
 SCALER_FILE = "loss_scaler.pt"  # fp16: the loss scaler's state (rank 0's)
@@ -139,7 +139,7 @@ class DTensorStrategy(Strategy):
     @property
     def _counted(self) -> dict[str, bool]:
         if not hasattr(self, "_counted_pieces"):  # a parameter's placements do not change: found once
-            self._counted_pieces = {n: counted_here(p) for n, p in self.model.named_parameters()}
+            self._counted_pieces = counted_by_name(self.model.named_parameters())
         return self._counted_pieces
 
     def local_output(self, module_name: str) -> tuple[int, int] | None:

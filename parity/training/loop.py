@@ -51,6 +51,7 @@ from parity.training.record import LossRecord, run_record_path
 from parity.training.recorded_states import check_recorded
 from parity.training.strategy import WorkerContext, loss_sum, lr_at
 from parity.training.teacher_forced import KEY as TEACHER_FORCED, TeacherForcedCheck
+from parity.training.tensor_norms import PRE_CLIP
 
 
 @dataclass
@@ -159,7 +160,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
     observer = StepObserver(record, device=ctx.device, replicas=strategy,  # what [5], [6] and [8] go through
                             replica_check_interval=cfg.replica_check_interval, total_steps=total_steps,
                             probe=ModelStateProbe.of_strategy(strategy, w.num_params, ctx.dp_size), log=log,
-                            tensor_names=strategy.tensor_names(),
+                            tensor_names=strategy.tensor_names(), tensor_grad=cfg.tensor_grad or PRE_CLIP,
                             tensors_why=f"{cfg.strategy} does not hand over its tensors' pieces (Strategy.tensor_names)")
     checkpoints = Checkpoints(w, session, record, total_steps) if session else None
     start = checkpoints.resume() if checkpoints else 0  # [3]
@@ -192,7 +193,8 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         observer.observe_step(step, batch=global_batch, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [8] [5]
                               grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, step_time_s=step_time,
                               harness_s=stats.harness_s, checkpoint=checkpoint, tensor_grad_norms=stats.tensor_grad_norms,
-                              tensor_param_norms=stats.tensor_param_norms, **scaling, **(stats.routing or {}))
+                              tensor_param_norms=stats.tensor_param_norms, clip_coef=stats.clip_coef, **scaling,
+                              **(stats.routing or {}))
         if checkpoint:
             teacher.at_checkpoint(done, record)  # [9] the state the next check starts from, its digest in the record
             c0 = time.perf_counter()

@@ -45,7 +45,8 @@ class PolicyOptimizer:
 
     What a strategy does with it: `loss_scale` multiplies every micro-batch's loss (Strategy.loss_scale), `accumulate`
     after each backward where micro-batches accumulate in fp32, `step` in optimizer_step, `master_parameters()` for
-    the parameter norm and the full parameters, `state_dict` / `load_state_dict` in checkpoints."""
+    the parameter norm and the full parameters, `gradient_of` and `master_of` for each tensor's norms
+    (Strategy.gradient_pieces), `state_dict` / `load_state_dict` in checkpoints."""
 
     def __init__(self, params, cfg, names=None):
         self.policy, self.cfg = policy_of(cfg), cfg
@@ -72,6 +73,12 @@ class PolicyOptimizer:
     def master_of(self, param) -> torch.Tensor:
         """The master weight of `param` (itself where the policy keeps none)."""
         return self._master[id(param)]
+
+    def gradient_of(self, param) -> torch.Tensor | None:
+        """The gradient the next step applies to `param`, as reduced and before the step unscales and clips it: its
+        fp32 master's where the micro-batches accumulate there (--grad_accum_dtype fp32 moved it out of the
+        parameter), else the parameter's own."""
+        return self._master[id(param)].grad if self.accumulates_fp32 else param.grad
 
     @torch.no_grad()
     def accumulate(self) -> None:

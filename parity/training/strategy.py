@@ -24,7 +24,7 @@ from parity.training.optimizer import (OptimizerStep, build_optimizer, clip_coef
 from parity.training.option import Option
 from parity.training.replicas import Replica, whole_model
 from parity.training.routing import Routing
-from parity.training.tensor_norms import Piece, gathered_norms, local_squares, rank0_pieces
+from parity.training.tensor_norms import CLIPPED, Piece, local_squares, norms_of, rank0_pieces
 
 # The documented strategy API (docs/custom_strategy.md): what a strategy module imports from here, wherever it is
 # defined — the optimizer primitives (optimizer.py), the loss (loss.py), a strategy's own flag (option.py).
@@ -67,10 +67,11 @@ class StepStats:
     skipped: bool = False  # fp16: the step was skipped on an overflow (the parameters did not move)
     loss_scale: float | None = None  # fp16: the loss scale the step's gradients were computed with
     routing: dict | None = None  # a mixture of experts: {"aux_loss", "expert_loads"} of the global batch (routing.py)
-    # each trainable tensor's pre-clip gradient norm and parameter norm after the step, in tensor_names() order (None
-    # where the strategy does not hand over its pieces): parity/training/tensor_norms.py
+    # each trainable tensor's pre-clip gradient norm (× clip_coef where cfg.tensor_grad is CLIPPED) and parameter norm
+    # after the step, in tensor_names() order (None where the strategy does not hand over its pieces): tensor_norms.py
     tensor_grad_norms: list[float] | None = None
     tensor_param_norms: list[float] | None = None
+    clip_coef: float | None = None  # where the run's series holds the clipped gradients (cfg.tensor_grad): its factor
 
 
 @dataclass
@@ -258,8 +259,11 @@ class Strategy(Routing):
     def gradient_pieces(self) -> list[Piece]:
         """This rank's piece of each trainable tensor's gradient after backward (reduced over DP, before clipping and
         the step; fp16: still at the loss scale, which the caller takes out), as tensor_norms.Piece by Hugging Face
-        name. Local: no collective. Here: the whole gradients, rank 0's counted."""
-        return rank0_pieces((n, p.grad) for n, p in self.hf_model.named_parameters() if p.requires_grad)
+        name. Local: no collective. Here: the whole gradients (where micro-batches accumulate in their PolicyOptimizer's
+        fp32 masters, those), rank 0's counted."""
+        policy = self.policy_optimizer
+        return rank0_pieces((n, policy.gradient_of(p) if policy is not None else p.grad)
+                            for n, p in self.hf_model.named_parameters() if p.requires_grad)
 
     def parameter_pieces(self) -> list[Piece]:
         """Like gradient_pieces, for the parameters after the step: the master weights the optimizer updates (what
@@ -384,29 +388,38 @@ class Strategy(Routing):
             local_sum = self.forward_backward(batch, global_tokens)
         observe("after_backward")
         t0 = time.perf_counter()
-        names = self.tensor_names()
+        if not hasattr(self, "_tensor_names"):  # fixed for the run (tensor_names' contract): asked once
+            self._tensor_names = self.tensor_names()
+        names = self._tensor_names
         if names is not None:  # the gradients as reduced, before clipping: this rank's sums of squares, unscaled
             grad_squares = local_squares(self.gradient_pieces(), names, self.ctx.device, self.current_loss_scale)
         tensors_s = time.perf_counter() - t0
         done = OptimizerStep.of(self.optimizer_step(lr))
         observe("after_step")
         t0 = time.perf_counter()
-        sums, counts = self.gather_dp_sums(local_sum, batch.loss_tokens)
+        squares = None
+        if names is not None:  # and the parameters after the step: both ride the loss gather (gather_step)
+            squares = torch.cat([grad_squares, local_squares(self.parameter_pieces(), names, self.ctx.device)])
+        tensors_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sums, counts, summed = self.gather_step(local_sum, batch.loss_tokens, squares)
         gather_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         param_norm = self.parameter_norm()
         param_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        grads = params = None
-        if names is not None:
-            grads, params = gathered_norms(grad_squares, local_squares(self.parameter_pieces(), names,
-                                                                       self.ctx.device))
+        grads = params = coef = None
+        if summed is not None:
+            grads, params = norms_of(summed)
+            if self.cfg.tensor_grad == CLIPPED:  # a replay of a record of clipped gradients: the same, to rounding
+                coef = clip_coefficient(done.norm, self.cfg)
+                grads = [g * coef for g in grads]
         tensors_s += time.perf_counter() - t0
         return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
                          grad_norm=done.norm, param_norm=param_norm,
                          harness_s={"loss_gather": gather_s, "param_norm": param_s, "tensor_norms": tensors_s},
                          skipped=done.skipped, loss_scale=done.loss_scale, routing=self.step_routing,
-                         tensor_grad_norms=grads, tensor_param_norms=params)
+                         tensor_grad_norms=grads, tensor_param_norms=params, clip_coef=coef)
 
     def micro_batch_loss(self, summed: torch.Tensor, micro, batch, global_tokens: int) -> torch.Tensor:
         """What a micro-batch backpropagates: its token-loss sum × dp_size / the global batch's loss tokens, so that
@@ -416,14 +429,33 @@ class Strategy(Routing):
 
     def gather_dp_sums(self, local_sum: torch.Tensor, local_tokens: int) -> tuple[list[float], list[int]]:
         """Each DP rank's loss sum and loss tokens. Collective."""
-        pairs = self.gather_dp(torch.stack([local_sum.double(),
-                                            torch.tensor(float(local_tokens), dtype=torch.float64,
-                                                         device=local_sum.device)]))
-        return [float(p[0]) for p in pairs], [int(p[1]) for p in pairs]
+        sums, counts, _ = self.gather_step(local_sum, local_tokens)
+        return sums, counts
+
+    def gather_step(self, local_sum: torch.Tensor, local_tokens: int, squares: torch.Tensor | None = None
+                    ) -> tuple[list[float], list[int], torch.Tensor | None]:
+        """Each DP rank's loss sum and loss tokens, and `squares` (this rank's float64 sums of squares of its tensors'
+        pieces, the same length on every rank) summed over every rank, in one all_gather: every tensor's sums ride the
+        loss gather rather than a collective of their own (on CPU ranks a collective costs milliseconds, more than the
+        sums: docs/benchmark.md). Collective."""
+        row = torch.stack([local_sum.double(), torch.tensor(float(local_tokens), dtype=torch.float64,
+                                                            device=local_sum.device)])
+        rows = self.gather_world(row if squares is None else torch.cat([row, squares.to(row.device)]))
+        pairs = self.dp_rows(rows)
+        summed = None if squares is None else torch.stack(rows)[:, 2:].sum(0)
+        return [float(p[0]) for p in pairs], [int(p[1]) for p in pairs], summed
 
     def gather_dp(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Each DP rank's `t` (same shape everywhere), read from the first rank of its TP group: the
-        ranks of a TP group hold the same full-size values. Collective: every rank calls it."""
+        """Each DP rank's `t` (same shape everywhere). Collective: every rank calls it."""
+        return self.dp_rows(self.gather_world(t))
+
+    def gather_world(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape everywhere), in rank order. Collective."""
         gathered = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, t.contiguous())
-        return [gathered[self.ctx.layout.rank(d, 0, 0)] for d in range(self.ctx.dp_size)]
+        return gathered
+
+    def dp_rows(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each DP rank's of every rank's `rows`, read from the first rank of its TP group: the ranks of a TP group
+        hold the same full-size values."""
+        return [rows[self.ctx.layout.rank(d, 0, 0)] for d in range(self.ctx.dp_size)]

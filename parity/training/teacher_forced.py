@@ -110,7 +110,7 @@ class ReferenceStep(Strategy):
     def optimizer_step(self, lr: float):
         return self.policy_optimizer.step(lr, local_norm)
 
-    def gather_dp(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def gather_world(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t]  # one process: no collective
 
     def state(self) -> FullState:

@@ -47,9 +47,13 @@ def counted_here(t: torch.Tensor) -> bool:
     return dist.get_rank() == mesh_replica_ranks(t)[0]
 
 
+def counted_by_name(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, bool]:
+    """counted_here of each (name, parameter): found once for a model, whose parameters' placements do not change."""
+    return {name: counted_here(p) for name, p in named}
+
+
 def local_pieces(named: Iterable[tuple[str, torch.Tensor | None]], counted: dict[str, bool]) -> list[Piece]:
-    """Pieces of DTensors (and plain tensors) by name: each local shard, counted where `counted` (counted_here of each
-    parameter, found once: placements do not change) says."""
+    """Pieces of DTensors (and plain tensors) by name: each local shard, counted where `counted` (counted_by_name) says."""
     return [Piece(name, None if t is None else t.to_local() if isinstance(t, DTensor) else t,
                   counted[name] and t is not None) for name, t in named]
 
@@ -75,8 +79,15 @@ def local_squares(pieces: list[Piece], names: list[str], device: torch.device, s
 
 
 def gathered_norms(gradients: torch.Tensor, parameters: torch.Tensor) -> tuple[list[float], list[float]]:
-    """The per-tensor norms over every rank from each rank's local sums (local_squares): one all-reduce. Collective."""
+    """The per-tensor norms over every rank from each rank's local sums (local_squares): one all-reduce. Collective.
+    (A harness strategy's ride its loss gather instead: Strategy.gather_step.)"""
     both = torch.cat([gradients, parameters])
     dist.all_reduce(both)
-    n = gradients.numel()
-    return [math.sqrt(float(x)) for x in both[:n]], [math.sqrt(float(x)) for x in both[n:]]
+    return norms_of(both)
+
+
+def norms_of(summed: torch.Tensor) -> tuple[list[float], list[float]]:
+    """The gradient and parameter norms of every tensor from the sums over the ranks of both kinds of squares, the
+    gradients' then the parameters' (each in tensor_names order)."""
+    n = summed.numel() // 2
+    return [math.sqrt(float(x)) for x in summed[:n]], [math.sqrt(float(x)) for x in summed[n:]]

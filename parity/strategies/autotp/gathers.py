@@ -92,6 +92,23 @@ def full_tensors(hf_model, read) -> dict[str, torch.Tensor]:
     return full
 
 
+AUTOEP_EXPERTS = {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}  # its unfused experts' stock tensors
+
+
+def stock_name(name: str, autoep: dict) -> str:
+    """The stock model's name of the parameter `name` of the engine's module: an AutoEP layer's router's as the block's
+    gate's, its experts' w1 and w3 as the fused gate_up_proj (whose two halves they are), w2 as down_proj; any other
+    name as it is. `autoep`: {block name: its AutoEP layer}."""
+    for block in autoep:
+        if name.startswith(block + "."):
+            kind, _, rest = name[len(block) + 1:].partition(".")
+            if kind == "router":
+                return f"{block}.gate.{rest.removeprefix('gate.')}"
+            if kind == "experts" and rest in AUTOEP_EXPERTS:
+                return f"{block}.experts.{AUTOEP_EXPERTS[rest]}"
+    return name
+
+
 def stock_names(full: dict[str, torch.Tensor], autoep: dict, device: torch.device,
                 experts: bool = True) -> dict[str, torch.Tensor]:
     """AutoEP's tensors under the stock model's names and layout: its router's (router.gate.weight, the routing
@@ -102,7 +119,7 @@ def stock_names(full: dict[str, torch.Tensor], autoep: dict, device: torch.devic
 
     for block, layer in autoep.items():
         for key in [k for k in full if k.startswith(f"{block}.router.")]:
-            full[f"{block}.gate." + key.split(".router.", 1)[1].removeprefix("gate.")] = full.pop(key)
+            full[stock_name(key, autoep)] = full.pop(key)
         if not experts:
             continue
         whole = {}

@@ -1,6 +1,7 @@
 """What ZeRO's ranks hold, read the way the DeepSpeed strategy reads it: the float64 norm over each rank's pieces of the
 module's tensors (TP shards summed over their TP group, DP partitions over the DP group, AutoEP's experts over the EP
-group) and the replicas (the tensors several ranks hold alike). Apart from the strategy because a recorder of a user's
+group), each tensor's pieces with the rank that counts each (local_gradient, zero_pieces: every tensor's norms,
+parity/training/tensor_norms.py) and the replicas (the tensors several ranks hold alike). Apart from the strategy because a recorder of a user's
 own DeepSpeed loop (parity/integrations/sharded.py) reads an engine it did not build with the same code.
 """
 
@@ -13,6 +14,7 @@ import torch
 from parity.training.optimizer import squared_norm_fp64
 from parity.training.optimizer import ADAMW_MOMENTS
 from parity.training.replicas import Replica
+from parity.training.tensor_norms import Piece
 
 
 def module_norm(engine, local_of, *, zero_stage: int, partitioned: bool, device: torch.device, tp_size: int,
@@ -28,7 +30,10 @@ def module_norm(engine, local_of, *, zero_stage: int, partitioned: bool, device:
 
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [TP-sharded, replicated]
     experts = torch.zeros(1, dtype=torch.float64, device=device)  # AutoEP's: this rank's experts
+    expert_dp_group = None  # the ranks holding the same experts, over which ZeRO partitions them
     for p in engine.module.parameters():
+        if is_moe_param(p):
+            expert_dp_group = groups._get_expert_data_parallel_group(p.group_name)
         local = local_of(p)
         if local is None:
             continue
@@ -39,6 +44,8 @@ def module_norm(engine, local_of, *, zero_stage: int, partitioned: bool, device:
     if partitioned or zero_stage == 3:
         dist.all_reduce(sums, group=engine.seq_data_parallel_group)
     if autoep:  # each rank of an EP group holds other experts
+        if partitioned or zero_stage == 3:  # and their partitions are over the ranks holding the same experts
+            dist.all_reduce(experts, group=expert_dp_group)
         dist.all_reduce(experts, group=next(iter(autoep.values())).ep_group)
         sums[1] += experts[0]
     if tp_size > 1:
@@ -64,6 +71,54 @@ def local_master(p, zero_stage: int, masters_apart: bool, unfused_masters: dict 
         return unfused_masters[id(p)]
     mapping = getattr(p, "_hp_mapping", None)  # None: no fragment of it in this rank's partition
     return mapping.get_hp_fragment() if mapping is not None else None
+
+
+def local_gradient(p, zero_stage: int):
+    """This rank's part of parameter p's gradient as DeepSpeed holds it after the step's backward and before
+    engine.step(), which clips it and frees it: ZeRO-3's partition of it (safe_get_local_grad, fp32); ZeRO-1/2's (and
+    the BF16 optimizer's) fragment in this rank's partition, where DeepSpeed's own safe_get_full_grad reads it (the
+    averaged gradients, ZeRO-Offload's fp32 gradient partition, or the BF16 optimizer's whole fp32 accumulation buffer,
+    of which the fragment's elements); ZeRO-0's whole reduced gradient. The same dtype and loss scale as DeepSpeed's
+    own norm reads. None where this rank holds no part of it."""
+    from deepspeed.utils import safe_get_local_grad
+
+    if zero_stage == 3:
+        return safe_get_local_grad(p)
+    if zero_stage == 0:
+        return p.grad
+    mapping = getattr(p, "_hp_mapping", None)  # None: no fragment of it in this rank's partition
+    if mapping is None:
+        return None
+    whole = getattr(p, "_hp_grad", None)  # the BF16 optimizer's fp32 accumulation of the whole gradient
+    fragment = (whole if whole is not None else mapping.get_lp_grad_fragment(p._index_in_param_group)).flatten()
+    address = mapping.lp_fragment_address
+    return fragment.narrow(0, address.start, address.numel) if fragment.numel() == p.numel() else fragment
+
+
+def zero_pieces(engine, named, local_of, *, partitioned: bool, tp_rank: int) -> list[Piece]:
+    """tensor_norms.Piece of each (name, parameter) in `named`: `local_of(p)`, this rank's piece of a tensor of p (None:
+    none here), counted on one rank of those that hold it alike — a tensor AutoTP leaves whole on TP rank 0 only (as
+    DeepSpeed's own norm counts it), and a whole tensor (not `partitioned` over DP, as ZeRO-1/2's gradient fragments,
+    ZeRO-3's partitions and ZeRO-1/2's master fragments are) on the first rank of the DP group that holds it (AutoEP's
+    experts: their expert-data-parallel group)."""
+    import torch.distributed as dist
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.utils import groups
+
+    def dp_group(p):
+        if hasattr(p, "_dp_group"):  # ZeRO-1/2's partitioned groups (the experts' own)
+            return p._dp_group
+        return groups._get_expert_data_parallel_group(p.group_name) if is_moe_param(p) else \
+            engine.seq_data_parallel_group
+
+    pieces = []
+    for name, p in named:
+        t = local_of(p)
+        counted = t is not None and (is_model_parallel_parameter(p) or tp_rank == 0) and (
+            partitioned or dist.get_rank(dp_group(p)) == 0)
+        pieces.append(Piece(name, t, counted))
+    return pieces
 
 
 def full_fragments(params, keys) -> dict[int, dict]:
