@@ -29,6 +29,7 @@ from parity.commands.train import main as train_main
 from parity.comparing.tolerances import RESUMED_FP32
 from parity.training.checkpoints import damage
 from parity.training.record import load_record
+from parity.training.tensor_series import load_series
 from tracker_readers import as_float32, tensorboard, tensorboard_series
 
 DDP = {"model_name": "qwen2-tiny", "seq_length": 64, "num_workers": 2, "batch_size": 2, "precision": "fp32", **PARITY}
@@ -362,5 +363,7 @@ def test_a_loss_record_that_cannot_be_written_stops_the_run(ray_cluster, tiny_we
         f"error: training failed: cannot write the loss record {record_path} (File too large): {AFTER_A_FAILED_WRITE}"]
     kept = load_record(str(record_path))
     assert (len(kept["steps"]), kept["complete"]) == (4, False)
-    assert sorted(os.listdir(tmp_path / "loss")) == ["logs", "loss_ddp.json"]  # the record and the run's log
+    # the record, its every-tensor series (whose chunks are written before the record that lists them) and the log
+    assert sorted(os.listdir(tmp_path / "loss")) == ["logs", "loss_ddp.json", "loss_ddp.tensors"]
+    assert len(load_series(str(record_path), kept).grad_norm) == 4  # the kept record's 4 steps, each chunk whole
     assert damage(str(tmp_path / "ray" / "ddp_tp1_dp2" / "step_000004"), 2, [0, 1]) is None
