@@ -36,6 +36,7 @@ from parity.integrations.recorded_tensors import CLIPPED, PRE_CLIP, RecordedTens
 from parity.integrations.rows import (BatchWriter, RowExchange, default_positions, duplicate_rows, global_batch,
                                      rows_hash)
 from parity.integrations.sharded import LayoutRefused, layout_of
+from parity.training.tensor_series import kept_chunks
 from parity.integrations.world import trains_alone
 from parity.models.model import config_summary, file_sha256, save_init_weights
 from parity.precision import POLICIES
@@ -252,8 +253,8 @@ class ParityRecorder:
         if answer[0]:
             raise resume.ResumeRefused(answer[0])
         if kept is not None:
-            config, steps, self.saved_bytes = kept
-            self.record.data.update(config=config, steps=steps)
+            config, steps, self.saved_bytes, chunks = kept  # with the tensor series' chunks before k (the observer's)
+            self.record.data.update(config=config, steps=steps, tensors={"chunks": kept_chunks(chunks, k)})
 
     def replicas(self):
         """What ranks hold alike in the loop's layout (sharded.py): under data parallelism every parameter and its Adam

@@ -45,7 +45,7 @@ class TensorSeriesWriter:
             record.data[KEY] = {"names": [], "why": why or "the strategy does not hand over its tensors' pieces"}
         else:
             record.data[KEY] = {"names": list(names), "grad": grad, "folder": storage.name(folder_of(record.path)),
-                                "chunks": []}
+                                "chunks": list(record.data.get(KEY, {}).get("chunks", []))}  # a resumed record's kept
 
     @property
     def measured(self) -> bool:
