@@ -74,8 +74,8 @@ class DeclaredSchedule:
 
 def kept(path: str, folder: str, now: dict, k: int) -> tuple[dict, list[dict], int, list[str]]:
     """(the continued config, steps 0…k−1, the bytes of their saved batches, its tensor series' chunks) of the
-    record at `path` (its recorded folder `folder`), which a run described by `now` (its record's config) resumed after k updates continues — or
-    ResumeRefused naming why it cannot be continued at step k."""
+    record at `path` (its recorded folder `folder`), which a run described by `now` (its record's config) resumed after
+    k updates continues — or ResumeRefused naming why it cannot be continued at step k."""
     name = storage.name(path)
     refused = f"cannot continue {name} at step {k}"
     if not storage.exists(path):
