@@ -49,8 +49,8 @@ from parity.strategies.autotp.gathers import (column_parallel_outputs, full_tens
 from parity.strategies.autotp.guards import check_autoep, check_release_runs
 from parity.strategies.autotp.library import forget_other_tp_layout, import_deepspeed
 from parity.strategies.autotp.partition import autotp_partition_config
-from parity.strategies.autotp.zero_state import (full_fragments, full_masters, full_moments, local_gradient, local_master,
-                                                 module_norm, zero_pieces, zero_replicas)
+from parity.strategies.autotp.zero_state import (full_masters, full_moments, local_gradient, local_master, module_norm,
+                                                 zero_pieces, zero_replicas)
 from parity.strategies.autotp.user_config import config_policy, given_config, read_user_config, user_config
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.optimizer import OptimizerStep
