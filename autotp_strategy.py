@@ -49,11 +49,11 @@ from parity.strategies.autotp.gathers import (column_parallel_outputs, full_tens
 from parity.strategies.autotp.guards import check_autoep, check_release_runs
 from parity.strategies.autotp.library import forget_other_tp_layout, import_deepspeed
 from parity.strategies.autotp.partition import autotp_partition_config
-from parity.strategies.autotp.zero_state import (full_fragments, local_gradient, local_master, module_norm,
+from parity.strategies.autotp.zero_state import (full_masters, full_moments, local_gradient, local_master, module_norm,
                                                  zero_pieces, zero_replicas)
 from parity.strategies.autotp.user_config import config_policy, given_config, read_user_config, user_config
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
-from parity.training.optimizer import ADAMW_MOMENTS, OptimizerStep
+from parity.training.optimizer import OptimizerStep
 from parity.training.replicas import Replica
 from parity.training.strategy import Option, Piece, Strategy, build_optimizer, set_lr
 
@@ -355,16 +355,8 @@ class DeepSpeedStrategy(Strategy):
             return gather_last_dim(self.column_shards, module_name, output)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """The master weights, what the optimizer updates: ZeRO-1/2's fragments gathered over DP in one collective
-        (zero_state.full_fragments), ZeRO-3's partitions by DeepSpeed (safe_get_full_fp32_param), ZeRO-0's whole
-        ones."""
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        if self.zero_stage == 0:
-            return self._full_tensors(self._local_master)
-        if self.zero_stage == 3:
-            return self._full_tensors(safe_get_full_fp32_param)  # the master weights, what it updates
-        return self._full_zero_tensors((None,))[None]
+        """The master weights, what the optimizer updates (zero_state.full_masters), then over TP and EP."""
+        return full_masters(self.engine, self.zero_stage, self._full_tensors, self._local_master)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_grad
@@ -391,39 +383,11 @@ class DeepSpeedStrategy(Strategy):
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{CHECKPOINT_TAG}' in {directory}")
 
     def full_optimizer_state(self):
-        """AdamW's moments gathered as full_parameters gathers the master weights: over DP (ZeRO-1/2's fragments in one
-        collective, zero_state.full_fragments; ZeRO-3's by DeepSpeed's safe_get_full_optimizer_state; ZeRO-0's
-        optimizer's own state of each master), then over TP by each AutoTP layer, AutoEP's experts over EP.
-        Collective."""
-        from deepspeed.utils import safe_get_full_optimizer_state
-
+        """AdamW's moments gathered as full_parameters gathers the master weights (zero_state.full_moments), then over
+        TP by each AutoTP layer, AutoEP's experts over EP. Collective."""
         if self.autoep:  # AutoEP's experts keep their moments outside the fragments DeepSpeed's reader knows
             return None  # ("exp_avg not found in optimizer state fragment"): the check compares the grad norm only
-        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
-        counts = {int(v["step"]) for v in inner.state.values() if "step" in v}
-        if not counts:  # before the first step (ZeRO-3 holds empty entries then)
-            return {}, 0
-        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:  # after load_checkpoint DeepSpeed links the moments to the parameters at its next step
-            link()
-        (count,) = counts
-        if self.zero_stage in (1, 2):
-            by_key = self._full_zero_tensors(ADAMW_MOMENTS)
-        elif self.zero_stage == 0:
-            by_key = {key: self._full_tensors(lambda p, key=key: inner.state[self._local_master(p)][key])
-                      for key in ADAMW_MOMENTS}
-        else:
-            by_key = {key: self._full_tensors(lambda p, key=key: safe_get_full_optimizer_state(p, key))
-                      for key in ADAMW_MOMENTS}
-        names = by_key[ADAMW_MOMENTS[0]]
-        return {name: {key: by_key[key][name] for key in ADAMW_MOMENTS} for name in names}, count
-
-    def _full_zero_tensors(self, keys) -> dict:
-        """ZeRO-1/2: {key: {stock name: full fp32 CPU tensor}} of the master weights (key None) or optimizer states
-        (`keys`), gathered over DP in one collective per DP group (zero_state.full_fragments), then over TP and EP as
-        _full_tensors does. Collective."""
-        fragments = full_fragments(list(self.engine.module.parameters()), keys)
-        return {key: self._full_tensors(lambda p, key=key: fragments[id(p)][key]) for key in keys}
+        return full_moments(self.engine, self.zero_stage, self._full_tensors, self._local_master)
 
     def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """AdamW's state exists once the engine has stepped: one step with zero gradients at lr 0 creates it

@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save_at", type=int, default=None,
                    help="save Trainer's checkpoint at step K (OUTPUT_DIR/trainer/checkpoint-K) and stop there")
     p.add_argument("--resume_from_checkpoint", default=None, help="trainer.train(resume_from_checkpoint=...)")
+    p.add_argument("--checkpoint_interval", type=int, default=50,
+                   help="the callback saves the run's state around step 0 and every N steps, for the replay's "
+                        "teacher-forced check (0: step 0 alone)")
     return p.parse_args(argv)
 
 
@@ -117,7 +120,8 @@ def train(args) -> None:
         disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)
     trainer = Trainer(model=model, args=training, train_dataset=data,
                       data_collator=pad_to_longest if args.dynamic_padding else None,
-                      callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step),
+                      callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step,
+                                                checkpoint_interval=args.checkpoint_interval),
                                  *([StopAt(args.save_at)] if args.save_at else [])])
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 

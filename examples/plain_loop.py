@@ -56,6 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="the forward under torch.autocast(bfloat16), over fp32 weights")
+    p.add_argument("--checkpoint_interval", type=int, default=50,
+                   help="the recorder saves the run's state around step 0 and every N steps, for the replay's "
+                        "teacher-forced check (0: step 0 alone)")
+    p.add_argument("--max_state_bytes", type=int, default=None, help="the recorder's cap on the states it saves")
     p.add_argument("--max_batch_bytes", type=int, default=None, help="the recorder's cap on the batches it saves")
     p.add_argument("--dump_step", type=int, default=None,
                    help="record step K in full for compare_dumps.py (docs/own_trainer.md: localising a FAIL)")
@@ -137,8 +142,11 @@ def train(args) -> str | None:
     ddp = DistributedDataParallel(model)
     rec = ParityRecorder(args.output_dir, name=args.name, model=ddp, optimizer=optimizer,
                          max_grad_norm=args.max_grad_norm, framework="examples/plain_loop.py",
+                         precision="bf16" if args.bf16 else "fp32",
                          **({"max_batch_bytes": args.max_batch_bytes} if args.max_batch_bytes else {}),
-                         dump_step=args.dump_step, scheduler=scheduler, start_step=start)
+                         **({"max_state_bytes": args.max_state_bytes} if args.max_state_bytes else {}),
+                         dump_step=args.dump_step, scheduler=scheduler, start_step=start,
+                         checkpoint_interval=args.checkpoint_interval)
     samples = args.samples or args.steps * world * args.batch_size
     all_ids, all_labels, all_mask = dataset(samples, args.seq_length, model.config.vocab_size, args.seed)
     data = itertools.islice(windows(args, rank, world, samples), start, None)  # the data position restored
@@ -151,7 +159,8 @@ def train(args) -> str | None:
         for k, batch in enumerate(window):
             ids, labels, mask = all_ids[batch], all_labels[batch], all_mask[batch]
             with contextlib.nullcontext() if k == len(window) - 1 else ddp.no_sync():
-                logits = ddp(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                    logits = ddp(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                          ignore_index=-100, reduction="sum")
                 loss = summed * world / global_tokens  # DDP averages over ranks: the global token mean

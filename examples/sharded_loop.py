@@ -103,7 +103,8 @@ def train(args) -> str | None:
     engine = wrapped[0] if wrapped else model if fsdp else deepspeed_engine(args, model, optimizer, scheduler)
     rec = ParityRecorder(args.output_dir, name=args.name, model=engine,
                          optimizer=optimizer if fsdp else engine.optimizer, max_grad_norm=args.max_grad_norm,
-                         framework=f"examples/sharded_loop.py --shard {args.shard}")
+                         framework=f"examples/sharded_loop.py --shard {args.shard}",
+                         precision="bf16" if args.bf16 else "fp32", checkpoint_interval=args.checkpoint_interval)
     samples = args.steps * dp_world * args.batch_size  # full windows: DeepSpeed counts its own accumulation boundary
     all_ids, all_labels, all_mask = plain_loop.dataset(samples, args.seq_length, model.config.vocab_size, args.seed)
     for step, window in zip(range(args.steps), plain_loop.windows(args, dp_rank, dp_world, samples)):
@@ -116,7 +117,8 @@ def train(args) -> str | None:
             if args.shard == "fsdp2":
                 model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only
             with engine.no_sync() if wrapped and not last else contextlib.nullcontext():  # FSDP1's
-                logits = engine(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                    logits = engine(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                          ignore_index=-100, reduction="sum")
                 loss = summed * dp_world / global_tokens  # averaged over the DP ranks: the global token mean

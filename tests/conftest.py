@@ -220,6 +220,8 @@ LOCAL_RUNS = {
     "fsdp_tp2_dp1_clip": ("fsdp", {"num_workers": 2, "tp_size": 2, "batch_size": 4, **FP32, "max_grad_norm": CLIP}),
     "fsdp_bf16_autocast": ("fsdp", {**TP2_DP2, **BF16, "mixed_precision": "autocast"}),
     "fsdp_bf16_policy": ("fsdp", {**TP2_DP2, **BF16, "mixed_precision": "policy"}),
+    # transformers' own TP (tests/test_tensor_verdict.py: its every tensor against DDP's)
+    "transformers_tp2_dp1": ("transformers", {"num_workers": 2, "tp_size": 2, "batch_size": 4, **FP32}),
     # replicas that part (tests/test_replicas.py): the catalogue's DDP copy, and two of the issue's, in test copies;
     # ddp_clip checks its replicas every 5 steps (and at the end) instead of every step
     "bug_ddp_tied_unreduced": ("ddp", {**DDP_DP2, **FP32, "strategy_class": f"{BUGS}:DDPTiedEmbeddingUnreduced"}),
@@ -263,6 +265,22 @@ def make_shared_runs(root, tiny_weights) -> dict:
     for world in sorted({cfg.num_workers for cfg, _ in planned}):
         run_group([run for run in planned if run[0].num_workers == world])
     return {cfg.experiment_name: str(run_record_path(cfg)) for cfg in [*cfgs, *(c for c, _ in planned)]}
+
+
+def copy_record(record: dict | str, folder) -> str:
+    """A loss record (a record's data, or its path) copied into `folder` with its tensor series
+    (loss_<name>.tensors, parity/training/tensor_series.py), as a user copies a run's outputs; returns the copy's
+    path."""
+    import shutil
+
+    from parity.training.tensor_series import folder_of
+
+    path = record if isinstance(record, str) else os.path.join(record["config"]["loss_output_dir"],
+                                                                f"loss_{record['strategy']}.json")
+    shutil.copy(path, folder)
+    if os.path.isdir(folder_of(path)):
+        shutil.copytree(folder_of(path), os.path.join(folder, os.path.basename(folder_of(path))))
+    return os.path.join(folder, os.path.basename(path))
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from parity.comparing import tolerances
 from parity.comparing.curves import compare, load_runs
 from parity.comparing.figures import curve_figure
 from parity.training.record import LossRecord, run_record_path
+from parity.training.tensor_series import TensorSeriesWriter
 
 SHA = "5" * 64
 # What a run records of its code, libraries and device (parity/fingerprint.py), the same for every hand-made run.
@@ -34,13 +35,22 @@ DDP_LOSS = [10.0, 8.0, 6.0, 5.0, 4.0]
 DDP_GRAD = [2.0, 1.5, 1.0, 0.5, 0.25]
 FSDP_LOSS = [10.0, 8.0, 6.5, 5.0, 3.75]  # +0.5 at step 2, -0.25 at step 4
 FSDP_GRAD = [2.0, 1.5, 1.25, 0.5, 0.25]  # +0.25 at step 2
+# Every hand-made record's tensor series (parity/training/tensor_series.py): each tensor's gradient and parameter norm is
+# this share of the step's global one — a norm weight's gradient (5e-3) above the verdict's floor, a k_proj bias's
+# (1e-4) below it, as in qwen2-tiny.
+TENSOR_SHARES = {"model.embed_tokens.weight": 0.8, "model.layers.0.self_attn.q_proj.weight": 0.6,
+                 "model.layers.0.input_layernorm.weight": 0.005, "model.layers.0.self_attn.k_proj.bias": 1e-4}
+NORM_WEIGHT = "model.layers.0.input_layernorm.weight"
 
 
 def write_record(folder, strategy, losses, grad_norms=None, param_norms=None, *, precision="fp32", complete=True,
-                 total_steps=None, config=None, step_fields=None, noise_reference=False):
-    """A loss record written by the harness's own writer (parity/training/record.py), so the schema is the real
-    one. `config` overrides config entries (a noise reference's layout: {"dp_size": 1}); `step_fields` maps
-    step → fields to override in that step."""
+                 total_steps=None, config=None, step_fields=None, noise_reference=False, tensors=None,
+                 tensors_why=None, gradient="pre_clip"):
+    """A loss record written by the harness's own writers (parity/training/record.py, tensor_series.py), so the schema
+    is the real one. `config` overrides config entries (a noise reference's layout: {"dp_size": 1}); `step_fields`
+    maps step → fields to override in that step. Its tensor series (write_series): TENSOR_SHARES of each step's grad
+    and parameter norms, `tensors` their factors by step and tensor (a bug confined to a tensor), of `gradient`
+    ("pre_clip" or "clipped"); or none, where `tensors_why` says why."""
     tp, dp = (config or {}).get("tp_size", LAYOUT.get(strategy, (1, 2))[0]), (config or {}).get("dp_size", LAYOUT.get(strategy, (1, 2))[1])
     n = len(losses)
     cfg = {"strategy": strategy, "model_name": "qwen2-tiny", "num_workers": tp * dp, "tp_size": tp, "dp_size": dp,
@@ -59,11 +69,27 @@ def write_record(folder, strategy, losses, grad_norms=None, param_norms=None, *,
                   "lr": LR, "tokens": TOKENS, "replicas": {"checked": groups, "parted": 0},
                   "batch_hash": f"{step:016x}", "step_time_s": 0.01, "peak_memory_bytes": 1 << 20}
         record.append(**{**fields, **(step_fields or {}).get(step, {})})
+    write_series(record, tensors, tensors_why, gradient)
     if complete:
         record.finish(eval_loss_last_batch=losses[-1], eval_batch_step=n - 1, checkpoint_dir="/nowhere")
     else:
         record.write()
     return record.path
+
+
+def write_series(record: LossRecord, tensors: dict | None = None, why: str | None = None,
+                 gradient: str = "pre_clip") -> None:
+    """The tensor series beside a hand-made `record` whose steps are all appended, by the harness's own writer: per step
+    TENSOR_SHARES of its grad and parameter norms, `tensors` mapping step → {tensor: factor on its gradient norm, or
+    (factor on its gradient norm, factor on its parameter norm)}; or none, where `why` says why."""
+    series = TensorSeriesWriter(record, None if why else list(TENSOR_SHARES), gradient, why)
+    for step in record.steps:
+        factors = {name: f if isinstance(f, tuple) else (f, 1.0)
+                   for name, f in (tensors or {}).get(step["step"], {}).items()}
+        series.append(step["step"], *([step[key] * share * factors.get(name, (1.0, 1.0))[i]
+                                       for name, share in TENSOR_SHARES.items()]
+                                      for i, key in enumerate(("grad_norm", "param_norm"))))
+    series.flush()
 
 
 def hand_example(folder):
@@ -200,14 +226,18 @@ DeepSpeed (TP=2, DP=2): PASS
 fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm \
 0.000e+00; margin: exact (bit-identical)
   replicas: bit-identical at each of 5 checks (every step) of the 62 tensors held by several ranks each
+  tensor verdict: PASS: 4 tensors' gradient and parameter norms within their bounds at each of 5 steps (bit-identical \
+to DDP's; uncalibrated)
 FSDP (TP=2, DP=2): FAIL
   rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); \
 uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.500e-01, param norm 0.000e+00
   replicas: bit-identical at each of 5 checks (every step) of the 36 tensors held by several ranks each
+  tensor verdict: FAIL at step 2: model.embed_tokens.weight, phase gradient: its gradient norm 1.000000e+00 vs DDP \
+8.000000e-01, deviation 2.500e-01 > bound 1.000e-05 (2.5e+04 × its bound; uncalibrated)
+    replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
+{folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
   first step outside: step 2: loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > 1.000e-05
   differs from the baseline in: nothing recorded
-  replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
-{folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
 
 Fingerprints (shared code, strategy code or framework and script, libraries, device):
   loss_ddp.json: shared code aaaaaaaaaaaa, strategy code bbbbbbbbbbbb (x_strategy.py); python 3.11.7, torch 2.13.0; \
@@ -380,7 +410,8 @@ def test_first_step_outside_the_fp32_envelope(tmp_path, capsys):
 
 
 def test_a_gradient_scale_bug_fails_on_the_grad_norm(tmp_path, capsys):
-    """AdamW hardly notices a doubled gradient, so the loss stays inside its envelope; the norm does not."""
+    """AdamW hardly notices a doubled gradient, so the loss stays inside its envelope; the norm does not. A looser
+    --grad_norm_tolerance lets the curve through, not the tensor verdict: every tensor's gradient doubled too."""
     write_record(tmp_path, "ddp", DDP_LOSS, DDP_GRAD)
     write_record(tmp_path, "fsdp", DDP_LOSS, [2.0, 3.0, 2.0, 1.0, 0.5])
     code, out, _ = run_cli(capsys, tmp_path)
@@ -388,7 +419,12 @@ def test_a_gradient_scale_bug_fails_on_the_grad_norm(tmp_path, capsys):
     assert "first step outside: step 1: grad norm 3.000000 vs DDP 1.500000, relative diff 1.000e+00 > " \
            "1.000e-05\n" in out
     code, out, _ = run_cli(capsys, tmp_path, "--grad_norm_tolerance", "1.5")
-    assert code == 0 and "uncalibrated: no noise reference; grad_norm --grad_norm_tolerance;" in out
+    assert code == 1 and "uncalibrated: no noise reference; grad_norm --grad_norm_tolerance;" in out
+    assert "  first step outside: step 1: model.embed_tokens.weight, phase gradient, outside its bound (the tensor " \
+           "verdict above), whatever the curves say\n" in out
+    assert "  tensor verdict: FAIL at step 1: model.embed_tokens.weight, phase gradient: its gradient norm " \
+           "2.400000e+00 vs DDP 1.200000e+00, deviation 1.000e+00 > bound 1.000e-05 (1e+05 × its bound; " \
+           "uncalibrated)\n" in out
 
 
 @pytest.mark.parametrize("base_precision,run_precision,rel_diff,rtol,verdict", [

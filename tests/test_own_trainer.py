@@ -82,6 +82,7 @@ def train(args) -> None:""")],
                                               "    world = int(")],
 }
 STEPS = 6
+INTERVAL = 2  # the recorder's states around steps 0, 2 and 4: the replay's teacher-forced check of each
 BF16_STEPS = 4
 HF_DUMP_STEP = 2  # the clean Trainer run dumps step 2 (a replayed step past the first), the seeded bug step 0
 CAPPED = "capped"  # the clean loop recorded with a batch cap that 3 steps pass
@@ -147,14 +148,15 @@ def runs(tmp_path_factory):
     for name, edits in COPIES.items():
         folders[name] = root / name
         jobs.append((_copy(root, EXAMPLE, name, edits), ["--output_dir", str(folders[name]), "--name", NAME,
-                                                         "--steps", str(STEPS), "--samples", SAMPLES]))
+                                                         "--steps", str(STEPS), "--samples", SAMPLES,
+                                                         "--checkpoint_interval", str(INTERVAL)]))
     folders[CAPPED] = root / CAPPED
     jobs.append((EXAMPLE, ["--output_dir", str(folders[CAPPED]), "--name", NAME, "--steps", "4",
                            "--max_batch_bytes", "15000"]))  # 6144 bytes a step: steps 0 and 1 saved
     for name in (BF16, HF, *HF_COPIES, "plain_1rank", "plain_copy", "hf_1rank", "hf_small", HF_CLIPPED, "internal"):
         folders[name] = root / name
     jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[HF]), "--steps", str(STEPS),
-                              "--dump_step", str(HF_DUMP_STEP)]))
+                              "--dump_step", str(HF_DUMP_STEP), "--checkpoint_interval", str(INTERVAL)]))
     hf_copies = {name: _copy(root, HF_EXAMPLE, name, edits) for name, edits in HF_COPIES.items()}
     for name in ("hf_num_items", "hf_twice"):  # 3 steps: they FAIL at step 0 and 1
         jobs.append((hf_copies[name], ["--output_dir", str(folders[name]), "--steps", "3",
@@ -210,6 +212,25 @@ def _compare(folder):
     return compare(load_runs(str(folder)))
 
 
+def state_checks(folder, name=NAME) -> dict:
+    """The teacher-forced checks the replay took from the run's saved states, as the verdict judges them (attached to
+    the loaded record: parity/comparing/recorded_checks.py)."""
+    from parity.comparing import teacher_forced
+    from parity.comparing.curves import load_runs
+
+    (run,) = [r for r in load_runs(str(folder)) if r.name == name]
+    return teacher_forced.summary(run.record)
+
+
+def assert_checks_pass(folder, name, steps: list[int]) -> float:
+    """Every state the recorder saved (around `steps`) passes its check, each tensor of AdamW's state compared from the
+    second step on; returns the largest difference ÷ bound."""
+    found = state_checks(folder, name)
+    assert [c["step"] for c in found["checks"]] == steps and found["first_fail_step"] is None, found
+    assert found["interval"] == INTERVAL and all(c["note"] is None for c in found["checks"])
+    return max(c["ratio"] for c in found["checks"])
+
+
 def test_clean_loop_replays_to_the_record_and_passes(runs, tmp_path):
     """The clean loop's record and its DDP replay: the same batches, tokens and lr at every step, loss, pre-clip grad
     norm and parameter norm within 1e-5 relative at every step (measured ~1e-8), replicas bit-identical in both, and
@@ -243,6 +264,8 @@ def test_clean_loop_replays_to_the_record_and_passes(runs, tmp_path):
     assert_same_tensors_at_step_0(replay, recorded, runs["clean"], runs["clean"])
     assert all(s["rows_check"]["duplicates"] == 0 for s in recorded["steps"])
     assert compare_and_report(str(runs["clean"]), str(tmp_path / "curves.png")) == 0
+    print(f"clean fp32 loop: its saved states' checks, largest {assert_checks_pass(runs['clean'], NAME, [0, 2, 4]):.3f} "
+          f"of the bound")
 
 
 @pytest.mark.parametrize("bug", ["rank_mean", "micro_mean"])
@@ -261,6 +284,8 @@ def test_a_partial_window_divided_by_the_full_accumulation_fails_at_that_step(ru
     replay's."""
     outside = first_fail(runs["partial_window"], PARTIAL_STEP, "grad_norm")
     assert abs(outside.value / outside.reference - 0.5) < 1e-3
+    found = state_checks(runs["partial_window"])  # the check from the run's own state sees it there too, and only there
+    assert [c["ok"] for c in found["checks"]] == [True, False, True] and found["first_fail_step"] == PARTIAL_STEP
 
 
 def first_fail(folder, step: int, quantity: str):
@@ -435,6 +460,8 @@ def test_hf_trainer_replays_to_the_record_and_passes(runs):
     assert replay["config"]["tensor_grad"] == "clipped"
     assert_same_tensors_at_step_0(replay, recorded, runs[HF], runs[HF])
     assert _compare(runs[HF]).word == "PASS"
+    print(f"Trainer fp32: its saved states' checks, largest {assert_checks_pass(runs[HF], HF, [0, 2, 4]):.3f} of the "
+          f"bound")
 
 
 def test_a_clipping_trainers_series_holds_the_clipped_gradients_as_its_replays_does(runs):
@@ -516,7 +543,9 @@ def test_seeded_trainer_bug_fails_at_its_step(runs, bug, step, quantity):
                    for line in details)
     else:
         assert 1.5 < outside.value / outside.reference < 2.5  # ~2: the sum of the 2 micro-batches' means
-        assert any(line.startswith(f"localise step 0: rerun your script with the recorder's dump_step=0") and
+        assert any(line.startswith("tensor verdict: FAIL at step 0: model.embed_tokens.weight, phase gradient")
+                   for line in details)  # every tensor's gradient ~2×: the first in model order is named
+        assert any(line.strip().startswith("localise step 0: rerun your script with the recorder's dump_step=0") and
                    f"--replay_record D/loss_{HF}.json --dump_step 0" in line for line in details)
 
 

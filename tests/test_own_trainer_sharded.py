@@ -14,8 +14,9 @@ import shutil
 
 import pytest
 
-from conftest import REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, series, tensor_norms_off, tensor_series
-from test_own_trainer import _compare, _record, _record_rank
+from conftest import (REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, series, tensor_norms_off,
+                      tensor_series)
+from test_own_trainer import INTERVAL, _compare, _record, _record_rank, assert_checks_pass
 
 EXAMPLE = os.path.join(REPO, "examples", "sharded_loop.py")
 NAME = "sharded_loop"
@@ -54,7 +55,8 @@ def runs(tmp_path_factory):
             path = copies / f"{name}.py"
             path.write_text(source.replace(CLEAN_LOSS, f"{bug}  # seeded: each rank's own token mean"))
         folders[name] = root / name
-        jobs.append((str(path), [*argv, "--output_dir", str(folders[name]), "--steps", str(STEPS)]))
+        jobs.append((str(path), [*argv, "--output_dir", str(folders[name]), "--steps", str(STEPS),
+                                 "--checkpoint_interval", str(INTERVAL)]))
     start_processes(_record_rank, (2, free_port(), jobs), 2)
     planned = [plan_replay(str(folders[name] / f"loss_{NAME}.json"),
                            {"num_workers": 2, "device": "cpu", "loss_output_dir": str(folders[name]),
@@ -99,6 +101,10 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
     assert_same_tensors_at_step_0(replay, recorded, runs[shard], runs[shard])
     assert all(s["rows_check"]["duplicates"] == 0 for s in recorded["steps"])
     assert _compare(runs[shard]).word == "PASS"
+    worst = assert_checks_pass(runs[shard], NAME, [0, 2])  # its states, gathered by the layout's own code, checked
+    steps = {s["step"]: s for s in recorded["steps"]}
+    print(f"{shard}: checks largest {worst:.3f} of the bound; saving a state {steps[1]['harness_s']['states']:.4f} s "
+          f"against a step of {steps[1]['step_time_s']:.4f} s")
 
 
 @pytest.mark.parametrize("bug", ["fsdp2_rank_mean", "zero2_rank_mean"])

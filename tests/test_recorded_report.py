@@ -12,6 +12,7 @@ import pytest
 
 from parity.commands.compare_curves import compare_and_report, main
 from parity.training.record import LossRecord, record_path
+from test_compare import write_series
 
 SHA = "5" * 64
 EMPTY_SHA = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # the sha256 of nothing
@@ -75,10 +76,13 @@ def replay_config(of: str, **changes) -> dict:
             "fingerprint": {**SHARED, "strategy_code": {"sha256": "b" * 64, "files": ["ddp_strategy.py"]}}, **changes}
 
 
-def write(folder, name: str, config: dict, losses=LOSSES, step_fields=None, path=None, complete=True) -> str:
-    """A record written by the harness's own writer: the given losses, every other curve flat, step i's rows hashed
+def write(folder, name: str, config: dict, losses=LOSSES, step_fields=None, path=None, complete=True,
+          tensors=None, gradient=None) -> str:
+    """A record written by the harness's own writers: the given losses, every other curve flat, step i's rows hashed
     `i` (recorded runs carry the order-free rows_hash too); `step_fields` maps step → fields to override; `complete`
-    False leaves it unfinished."""
+    False leaves it unfinished. Its tensor series (test_compare.write_series): a replay's pre-clip ones; a recorded
+    run's none, as the recorder's record says today, unless `gradient` names which (`tensors`: step → {tensor: factor}
+    on its gradient norms)."""
     record = LossRecord(path or record_path(str(folder), name), name, config)
     record.declare_replicas({"declared": True, "interval": 1, "groups": 78})
     recorded = config.get("source") == "recorder"
@@ -88,6 +92,10 @@ def write(folder, name: str, config: dict, losses=LOSSES, step_fields=None, path
                   "peak_memory_bytes": 1 << 20, "replicas": {"checked": 78, "parted": 0},
                   **({"rows_hash": f"rows{step}"} if recorded else {})}
         record.append(**{**fields, **(step_fields or {}).get(step, {})})
+    if gradient or not recorded:
+        write_series(record, tensors, gradient=gradient or "pre_clip")
+    else:
+        write_series(record, why="the recorder hands over no tensor's pieces")
     if complete:
         record.finish(eval_loss_last_batch=losses[-1], eval_batch_step=len(losses) - 1, checkpoint_dir="/nowhere")
     else:

@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+from conftest import copy_record
 from parity.comparing.html_report import TIMES_NAME
 
 # Debian's binary itself (its /usr/bin/chromium is a wrapper script), else whatever the PATH has
@@ -93,7 +94,7 @@ def folders(tmp_path_factory, tiny_weights):
     (passing / TIMES_NAME).write_text(json.dumps(time_table_json(times, time.perf_counter() - started)))
     assert compare_and_report(str(passing), str(passing / "loss_curves.png")) == 0
 
-    shutil.copy(passing / "loss_ddp.json", failing)  # the one baseline beside the bug, as the calibration tests do
+    copy_record(str(passing / "loss_ddp.json"), failing)  # the one baseline beside the bug, with its tensor series
     assert compare_and_report(str(failing), str(failing / "loss_curves.png")) == 1
     before = (failing / "report.html").read_text()
     saved = json.loads((failing / "curve_comparison.json").read_text())
@@ -106,7 +107,8 @@ def folders(tmp_path_factory, tiny_weights):
     argv = [*(x for k, v in flags.items() if k not in ("--replay", "--step") for x in (k, v)),
             "--strategy", "ddp", "fsdp", "--device", "cpu", "--seq_length", "32", "--launcher", "local"]
     assert layer_check(argv) == 1
-    assert MODULE not in before and MODULE in (failing / "report.html").read_text()  # written again, with the module
+    named = f"the first divergent module: {MODULE} (forward output)"  # (the heatmap names every tensor, up_proj's too)
+    assert named not in before and named in (failing / "report.html").read_text()  # written again, with the module
     return passing, failing
 
 
@@ -186,6 +188,11 @@ def test_the_pass_page(browser, folders, tmp_path):
     for step in (0, 3):
         assert_readout_is_the_json(hover(page, "loss", step, saved["num_steps"]), saved, step)
     page.screenshot(path=str(tmp_path / "pass_hover.png"))
+    tensors = saved["against_baseline"]["fsdp"]["tensors"]  # every tensor within its calibrated bound, far inside
+    assert (tensors["calibrated"], tensors["first_outside"]) == (True, None)
+    assert 0 < max(p["ratio"] for p in tensors["largest"].values()) < 1
+    assert page.locator('svg.tensor-map[data-run="fsdp"] .cells rect').count() == 26 * STEPS
+    assert page.locator('svg.tensor-map[data-run="fsdp"] .cells rect.tco').count() == 0
     page.emulate_media(media="print")  # on paper: the verdict and the figures, not the navigation or the readout
     assert page.locator("#verdict").is_visible() and page.locator("svg.panel").first.is_visible()
     assert not page.locator("nav").is_visible() and not page.locator("#readout").is_visible()
@@ -217,12 +224,42 @@ def test_the_fail_page_names_the_step_and_the_module(browser, folders, tmp_path)
     assert not [v for (run, *_), v in cells.items() if run == "deepspeed" and "✗" in v]
     assert_readout_is_the_json(hover(page, "loss", STEPS - 1, saved["num_steps"]), saved, STEPS - 1)
     page.screenshot(path=str(tmp_path / "fail_hover.png"))
+    assert_tensor_heatmap(page, saved, tmp_path)
     layer_page = failing / f"replay_step_{step}" / "report.html"
     layer, messages, requests = open_page(browser, layer_page, tmp_path, "layer")
     assert_rendered(layer, messages, requests, layer_page.as_uri())
     assert layer.locator("#verdict").inner_text().startswith(
         f"FAIL: FSDP (TP=2, DP=1) first diverges from DDP (TP=1, DP=1) at module {MODULE} (forward output)")
     assert "✗" in layer.locator("table.modules tr", has_text=MODULE).inner_text()
+
+
+def assert_tensor_heatmap(page, saved: dict, tmp_path):
+    """The FAIL's tensor verdict: its line in the verdict before the layer check's module, the first cell outside
+    framed in its heatmap, the cell's readout the JSON's values; DeepSpeed's record holds no series (one line)."""
+    found = saved["against_baseline"]["fsdp"]["tensors"]
+    f, m = found["first_outside"], found["matrix"]
+    assert (f["step"], f["phase"]) == (0, "gradient") and f["ratio"] > 10  # measured 33: the shard fault moves gradients
+    verdict = page.locator("#verdict").inner_text()
+    assert verdict.index(f"the tensor verdict fails first at step 0 ({f['tensor']}, gradient") < \
+        verdict.index("the first divergent module")  # (at one step the curves' point is the run's first outside)
+    heatmap = page.locator('svg.tensor-map[data-run="fsdp"]')
+    heatmap.scroll_into_view_if_needed()
+    assert heatmap.locator(".cells rect").count() == len(m["tensors"]) * STEPS
+    assert heatmap.locator(".first-outside text").text_content() == \
+        f"✗ first outside: step 0, {f['tensor']} ({f['phase']})"
+    row = m["tensors"].index(f["tensor"])
+    cell = heatmap.locator(f'.cells rect[x="0"][y="{row}"]')
+    assert cell.get_attribute("class") == "tco"
+    cell.hover()
+    readout = page.locator("#readout")
+    caption = readout.locator("caption")
+    assert (caption.get_attribute("data-tensor"), caption.get_attribute("data-step"),
+            caption.get_attribute("data-phase")) == (f["tensor"], "0", "gradient")
+    value, reference = (float(readout.locator(f'td[data-kind="{k}"]').inner_text()) for k in ("value", "reference"))
+    assert (value, reference) == (pytest.approx(f["value"], rel=1e-5), pytest.approx(f["reference"], rel=1e-5))
+    assert readout.locator('td[data-kind="ratio"]').inner_text().endswith("✗ outside")
+    page.screenshot(path=str(tmp_path / "tensor_hover.png"))
+    assert "tensor verdict: PASS: 26 tensors" in page.inner_text("#tensors-deepspeed")  # DeepSpeed's pieces, read too
 
 
 def test_without_javascript_the_verdict_and_the_static_figures_are_there(browser, folders, tmp_path):
@@ -233,6 +270,13 @@ def test_without_javascript_the_verdict_and_the_static_figures_are_there(browser
         assert page.locator("#verdict").inner_text().startswith(name.upper())
         assert page.locator("svg.panel polyline.curve").count() >= 4
         assert not page.locator("#readout").is_visible()
+        # a heatmap cell reads its values from its <title>, the first cell outside too
+        saved = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"]["fsdp"]["tensors"]
+        m = saved["matrix"]
+        title = page.locator('svg.tensor-map[data-run="fsdp"] .cells rect[x="1"][y="0"] title').text_content()
+        step, phase, value, reference = m["at"][0][1]
+        assert title == (f"{m['tensors'][0]}, step 1, {m['phases'][phase]}: FSDP {value:.6g} vs DDP {reference:.6g}, "
+                         f"{m['ratio'][0][1]:.3g} × bound")
 
 
 def test_the_page_is_whole_in_a_copied_folder(browser, folders, tmp_path):

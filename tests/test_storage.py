@@ -188,14 +188,20 @@ def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baselin
     local = {**record, "final": {**record["final"], "checkpoint_dir": str(tmp_path / "final_model")}}
     assert checkpoint_loss(local) == pytest.approx(record["final"]["eval_loss_last_batch"], rel=1e-5)
 
-    # The DDP job's record, as that job writes it into the same folder; then the comparison, read and
-    # written there.
+    # The DDP job's record and its tensor series, as that job writes them into the same folder; then the comparison,
+    # read and written there.
     storage.write_json_atomic(storage.join(loss_dir, "loss_ddp.json"), ddp_baseline)
+    chunks = ddp_baseline["tensors"]["chunks"]
+    for chunk in chunks:
+        storage.write_bytes_atomic(storage.join(loss_dir, "loss_ddp.tensors", chunk), storage.read_bytes(
+            storage.join(ddp_baseline["config"]["loss_output_dir"], "loss_ddp.tensors", chunk)))
     assert plot_loss_curves(["--input_dir", loss_dir, "--output", storage.join(loss_dir, "loss_curves.png")]) == 0
     events = [f for f in all_files(loss_dir) if f.startswith("tensorboard/")]
     assert [f for f in all_files(loss_dir) if f not in events] == [
         "curve_comparison.json", "curve_report.md", "logs/fsdp_tp2_dp1.log", "loss_curves.png", "loss_ddp.json",
-        "loss_fsdp.json", "report.html"]
+        *(f"loss_ddp.tensors/{c}" for c in chunks), "loss_fsdp.json",
+        *(f"loss_fsdp.tensors/{c}" for c in record["tensors"]["chunks"]), "report.html"]
+    assert record["tensors"]["chunks"] == chunks == ["chunk_0000000.json", "chunk_0000004.json", "chunk_0000008.json"]
     assert 'href="loss_fsdp.json"' in storage.read_text(storage.join(loss_dir, "report.html"))  # the page, on the store
     # TensorBoard's run: the training's events and the comparison's, in the run's folder on the store
     log_dir = record["trackers"]["tensorboard"]["log_dir"]
@@ -210,6 +216,8 @@ def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baselin
     summary = json.loads(storage.read_text(storage.join(loss_dir, "curve_comparison.json")))
     assert (summary["verdict"], summary["runs"]["fsdp"]["file"], summary["figure"]) == (
         "PASS", "loss_fsdp.json", "loss_curves.png")
+    tensors = summary["against_baseline"]["fsdp"]["tensors"]  # every tensor's series read from the store
+    assert tensors["taken"] and tensors["first_outside"] is None and tensors["steps"] == 12
     assert storage.read_text(storage.join(loss_dir, "curve_report.md")).startswith("# Loss curve comparison")
     assert not [f for f in all_files(store) if f.endswith(".tmp")]
 

@@ -48,7 +48,8 @@ HF_TRAIN = ("    trainer.train(resume_from_checkpoint=args.resume_from_checkpoin
 # the callback lines removed, what each framework logged written out
 EDITS = {
     "hf": [("from parity.integrations.transformers import ParityCallback\n", ""),
-           ("callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step),\n"
+           ("callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step,\n"
+            "                                                checkpoint_interval=args.checkpoint_interval),\n"
             "                                 *([StopAt(args.save_at)] if args.save_at else [])])",
             "callbacks=[StopAt(args.save_at)] if args.save_at else [])"),
            ("by ParityCallback", "by parity's callback"), HF_TRAIN, *HF_LOG],
@@ -122,9 +123,10 @@ def runs(tmp_path_factory):
     try:
         # the real command line once: Trainer
         out, own = root / "hf", root / "hf_own"
-        done = subprocess.run([sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", str(out), "--",
-                               sys.executable, copies["hf"], "--output_dir", str(own), "--nproc", "2", "--steps",
-                               str(STEPS)], capture_output=True, text=True, timeout=600)
+        done = subprocess.run([sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", str(out),
+                               "--checkpoint_interval", "2", "--", sys.executable, copies["hf"], "--output_dir",
+                               str(own), "--nproc", "2", "--steps", str(STEPS)], capture_output=True, text=True,
+                              timeout=600)
         results["hf"] = (done.returncode, out, own, done.stdout + done.stderr)
         for name, calibrate, ranks in (("trl", False, "2"), ("lightning", True, "2"), ("twice", False, "0")):
             out, own = root / name, root / f"{name}_own"
@@ -163,6 +165,11 @@ def test_an_unchanged_script_passes(runs, name):
     assert (out / f"loss_{name}_copy.json").exists()
     if name == "hf":
         assert "verify_trainer: " in output and "overhead" in output and "Traceback" not in output
+        # --checkpoint_interval 2: the callback the copy never names saved its states around steps 0 and 2, checked
+        index = json.loads((out / "recorded_hf_copy" / "states.json").read_text())
+        assert index["interval"] == 2 and index["checks"] == [0, 2]
+        checks = comparison["runs"]["hf_copy"]["teacher_forced"]["checks"]
+        assert [(c["step"], c["ok"]) for c in checks] == [(0, True), (2, True)]
     if name == "lightning":  # the replay at 1 worker: the noise the bounds are calibrated on
         assert comparison["noise_references"] == ["noise_reference_ddp_tp1_dp1_fp32.json"]
 
@@ -205,6 +212,8 @@ def test_a_script_that_records_twice_is_judged_in_one_comparison(runs):
     (["--output_dir", "{tmp}/out", "--", "no-such-launcher", "x.py"], "error: no-such-launcher: no such command"),
     (["--output_dir", "{tmp}/out", "--num_workers", "0", "--", sys.executable, "-c", "pass"],
      "error: argument --num_workers: must be a whole number >= 1 (got 0)"),
+    (["--output_dir", "{tmp}/out", "--checkpoint_interval", "-1", "--", sys.executable, "-c", "pass"],
+     "error: argument --checkpoint_interval: must be a whole number >= 0 (got -1)"),
     (["--output_dir", "{tmp}/out", "--", sys.executable, "-c", "pass"],
      "error: the command ran but recorded nothing into {tmp}/out"),
     (["--output_dir", "{tmp}/stale", "--", sys.executable, "-c", "pass"],

@@ -455,9 +455,13 @@ def step_parity(folder: str, device: str, sizes: dict) -> dict:
         for name, target in folders.items():
             if target != base:  # DDP's record and references, trained once, judged against each layout
                 for f in os.listdir(base) if os.path.isdir(base) else []:
-                    if f == "loss_ddp.json" or f.startswith("noise_reference_"):
-                        os.makedirs(target, exist_ok=True)
-                        shutil.copy(os.path.join(base, f), target)
+                    if f in ("loss_ddp.json", "loss_ddp.tensors") or f.startswith("noise_reference_"):
+                        os.makedirs(target, exist_ok=True)  # a record's tensor series is a folder beside it
+                        source = os.path.join(base, f)
+                        if os.path.isdir(source):
+                            shutil.copytree(source, os.path.join(target, f), dirs_exist_ok=True)
+                        else:
+                            shutil.copy(source, target)
             entry = {"precision": precision, "seed": seed, "layout": name, "folder": target}
             try:
                 code = compare_and_report(target, os.path.join(target, "loss_curves.png"))  # its block: in the log

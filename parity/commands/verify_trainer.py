@@ -32,13 +32,16 @@ def build_parser(description: str = "") -> OneLineParser:
                                          "[--verbose] -- COMMAND [ARG ...]")
     p.add_argument("--output_dir", required=True, help="where the records, the replays and the page go (a folder "
                                                        "without records in it)")
-    p.add_argument("--num_workers", type=positive_int, default=None,
+    p.add_argument("--num_workers", type=whole_number(1), default=None,
                    help="the replay's worker count (None: the recorded run's data-parallel size)")
     p.add_argument("--calibrate", action="store_true",
                    help="also replay at another worker count (and in fp32, for a low-precision run) as noise "
                         "references: bounds calibrated on them instead of the fixed fp32 table")
     p.add_argument("--verbose", action="store_true", help="the replays' torch and DeepSpeed output on the terminal "
                                                           "too (else in OUT/logs/replay.log)")
+    p.add_argument("--checkpoint_interval", type=whole_number(0), default=None,
+                   help="where the recorder saves the run's state for the teacher-forced check: around step 0 and "
+                        "every N steps (0: step 0 alone; default: what the code passes, 50 unless it says)")
     return p
 
 
@@ -47,13 +50,14 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args = build_parser(description).parse_args(argv[:split])
     return run_command(lambda: verify(args.output_dir, argv[split + 1:], args.num_workers, args.calibrate,
-                                      args.verbose), "the replay")
+                                      args.verbose, args.checkpoint_interval), "the replay")
 
 
 def verify(output_dir: str, command: list[str], num_workers: int | None = None, calibrate: bool = False,
-           verbose: bool = False) -> int:
-    """Run `command` recorded into `output_dir`, replay and judge it; returns the exit code. Raises ConfigError
-    (bad input: before the command runs where it can be known then) or TrainingFailed (a replay failed)."""
+           verbose: bool = False, checkpoint_interval: int | None = None) -> int:
+    """Run `command` recorded into `output_dir` (its states saved every `checkpoint_interval` steps where given), replay
+    and judge it; returns the exit code. Raises ConfigError (bad input: before the command runs where it can be known
+    then) or TrainingFailed (a replay failed)."""
     from parity import storage
     from parity.integrations import attach
 
@@ -71,7 +75,7 @@ def verify(output_dir: str, command: list[str], num_workers: int | None = None, 
                           f"judged with this run's; give an empty folder, or remove them")
     name = record_name(command)
     print(f"verify_trainer: running {' '.join(command)}, recorded as {name} into {out}", flush=True)
-    status, command_s = run_recorded(command, attach.environment(out, name, dict(os.environ)))
+    status, command_s = run_recorded(command, attach.environment(out, name, dict(os.environ), checkpoint_interval))
     if status:
         code = status if status > 0 else 128 - status  # killed by signal N: 128 + N, as a shell says
         print(f"error: the command exited with status {code} after {command_s:.1f} s: nothing replayed",
@@ -129,10 +133,13 @@ def warm_up():
     return thread
 
 
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text})")
-    return int(text)
+def whole_number(least: int):
+    """argparse's type of a whole number >= `least`."""
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {least} (got {text})")
+        return int(text)
+    return parse
 
 
 def record_name(command: list[str]) -> str:

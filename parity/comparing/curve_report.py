@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from parity import fingerprint, storage
 from parity.comparing.curves import Comparison, CurveResult
-from parity.comparing import teacher_forced
+from parity.comparing import teacher_forced, tensor_verdict
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
 from parity.comparing.recorded import RESUMED_ROWS, resumed_at, resumed_note, resumed_rows_words, stopped_words
@@ -126,16 +126,25 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
     checked = teacher_forced.summary(r.run.record)
     if checked:  # (a record from before the check, or a run with --no_teacher_forced: no line)
         lines.append(teacher_forced.describe(checked))
+    k = r.tensors.first.step if r.tensors is not None and r.tensors.first else None  # the tensor verdict's FAIL
+    if r.tensors is not None:  # its line, and on the next the layer check of its step
+        lines.append(tensor_verdict.describe(r.tensors.to_dict(), base))
+        lines += [f"  {where}"] if k is not None and (where := localise(c, r, k)) else []
     if f is not None:
         if f.test == "duplicate_rows":
             lines.append(f"first step outside: step {f.step}: ranks {int(f.value)} and {int(f.reference)} fed the same "
                          f"rows ({int(f.rel_diff)} duplicated): no two data-parallel ranks may train on one sample")
         elif f.test == RESUMED_ROWS:
             lines.append(f"first step outside: step {f.step}: {resumed_rows_words(f.step, bool(f.value))}")
+        elif f.test == tensor_verdict.TEST:
+            lines.append(f"first step outside: step {f.step}: {f.module}, phase {f.quantity}, outside its bound (the "
+                         f"tensor verdict above), whatever the curves say")
         elif f.test == teacher_forced.TEST:
-            lines.append(f"first step outside: step {f.step}: the teacher-forced step from its own state at the "
-                         f"checkpoint of step {f.step}: {f.module} relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} "
-                         f"from the reference step (whatever the curves say)")
+            state = "the state its recorder saved before step" if r.run.recorded else \
+                "its own state at the checkpoint of step"
+            lines.append(f"first step outside: step {f.step}: the teacher-forced step from {state} {f.step}: "
+                         f"{f.module} relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} from the reference step "
+                         f"(whatever the curves say)")
         elif f.test == "lr_schedule":
             lines.append(f"first step outside: step {f.step}: the lr applied, {f.value:.6g}, is not the one the "
                          f"framework's own settings declare ({f.reference:.6g}): a scheduler stepped other than once "
@@ -152,11 +161,8 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
                          f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > {f.tolerance:.3e}")
         lines += [resumed] if (resumed := resumed_line(r)) else []
         lines.append("differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded"))
-        command = replay_command(c, r)
-        if command:
-            lines.append(f"replay step {f.step} layer by layer from {base}'s checkpoint: {command}")
-        elif r.run.recorded and f.test not in ("duplicate_rows", RESUMED_ROWS, "lr_schedule"):
-            lines.append(localise_recorded(r.run.name, f.step))
+        if (f.test not in ("duplicate_rows", RESUMED_ROWS, "lr_schedule") or not r.run.recorded) and f.step != k:
+            lines += [where] if (where := localise(c, r, f.step)) else []  # (at the tensors' step: above, once)
     routed = routing_line(r)
     return lines + ([routed] if routed else [])
 
@@ -202,7 +208,9 @@ def first_failure(r: CurveResult) -> str:
     """The report table's cell: where the run first failed — its replicas parting, then the curves."""
     v, f = r.verdict, r.verdict.first_outside
     cells = [f"replicas part at step {v.parting.step}: {v.parting.to_dict()['name']}"] if v.parting else []
-    if f is not None:
+    if f is not None and f.test == tensor_verdict.TEST:
+        cells.append(f"step {f.step}, {f.module} ({f.quantity}, tensors): {f.rel_diff:.3e} > {f.tolerance:.3e}")
+    elif f is not None:
         cells.append(f"step {f.step}, {f.quantity} ({f.test}): {f.rel_diff:.3e} > {f.tolerance:.3e}")
     return "; ".join(cells) or "–"
 
@@ -216,22 +224,32 @@ def localise_recorded(name: str, step: int) -> str:
             f"it names the first divergent module")
 
 
-def replay_command(c: Comparison, r: CurveResult) -> str | None:
-    """For a FAIL: the layer check that records the first step outside under every strategy, from the DDP
-    baseline's newest checkpoint at or before it, in the failing run's layout and options (docs/checkpoints.md).
-    None when the baseline's checkpoints are in an object store: a replay reads them from a folder of its
-    machine (a shared mount on a cluster). Its folder goes beside the records, or under the working
+def localise(c: Comparison, r: CurveResult, step: int) -> str | None:
+    """The line that offers the layer check of a FAIL's step `step`: the replay of it (a harness run), the recorder's
+    dump_step (a recorded run), or None where neither can be offered."""
+    command = replay_command(c, r, step)
+    if command:
+        return f"replay step {step} layer by layer from {_baseline_name(c)}'s checkpoint: {command}"
+    return localise_recorded(r.run.name, step) if r.run.recorded else None
+
+
+def replay_command(c: Comparison, r: CurveResult, step: int | None = None) -> str | None:
+    """For a FAIL: the layer check that records its step `step` (by default the first step outside) under every
+    strategy, from the DDP baseline's newest checkpoint at or before it, in the failing run's layout and options
+    (docs/checkpoints.md). None when the baseline's checkpoints are in an object store: a replay reads them from a
+    folder of its machine (a shared mount on a cluster). Its folder goes beside the records, or under the working
     directory when they are in an object store."""
     f = r.verdict.first_outside
     if f is None or c.baseline.name != "ddp" or r.run.recorded:
         return None  # a recorded run has no checkpoint of the harness's to replay a step from
+    step = f.step if step is None else step
     base, run = c.baseline.config, r.run.config
     checkpoints = storage.local_path(storage.join(base["storage_path"], base["experiment_name"]))
     if checkpoints is None:
         return None
     records = storage.local_path(storage.parent(storage.absolute(r.run.file)))
-    output = os.path.join(records, f"replay_step_{f.step}") if records else f"replay_step_{f.step}"
-    flags = ["--output_dir", output, "--replay", checkpoints, "--step", str(f.step),
+    output = os.path.join(records, f"replay_step_{step}") if records else f"replay_step_{step}"
+    flags = ["--output_dir", output, "--replay", checkpoints, "--step", str(step),
              "--tp_size", str(run["tp_size"]), "--dp_size", str(run["dp_size"]), "--batch_size", str(run["batch_size"])]
     if run.get("ep_size", 1) > 1:
         flags += ["--ep_size", str(run["ep_size"])]
@@ -288,11 +306,13 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
             "| run | step | result | worst tensor | relative diff | bound | ratio | note |",
             "|---|---|---|---|---|---|---|---|"] if checked else []
     for run, found in checked:
+        out += [f"| {run.label} | – | none | – | – | – | – | {found['none']} |"] if found.get("none") else []
         for check in found["checks"]:
             number = lambda x, form=".3e": "–" if x is None else format(x, form)  # noqa: E731
             out.append(f"| {run.label} | {check['step']} | {'PASS' if check['ok'] else 'FAIL'} | "
                        f"{check['tensor'] or '–'} | {number(check['rel_diff'])} | {number(check['bound'])} | "
                        f"{number(check['ratio'], '.2f')} | {check['note'] or ''} |")
+    out += tensor_markdown(c)
     out += ["", "## Fingerprints", "", "| record | shared code | own code (strategy, or framework and script) | libraries "
             "| device |", "|---|---|---|---|---|"]
     for run in [*c.runs, *c.references]:
@@ -313,6 +333,33 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def tensor_markdown(c: Comparison) -> list[str]:
+    """curve_report.md's tensor verdict: a row per run (its first point outside, the largest deviation ÷ bound per phase,
+    its bounds; or why it was not taken), then for each FAIL the layer check of its step."""
+    out = ["", "## Tensor verdict", "", f"Each trainable tensor's gradient norm and parameter norm after the step, at every "
+           f"step, against {_baseline_name(c)}'s (docs/tensors.md).", "",
+           "| run | verdict | first outside | largest deviation ÷ bound | bounds |", "|---|---|---|---|---|"]
+    failed = []
+    for r in c.results:
+        found = r.tensors.to_dict() if r.tensors else {"taken": False, "why": "not measured"}
+        if not found["taken"]:
+            out.append(f"| {r.run.label} | not taken | {found['why']} | | |")
+            continue
+        f = found["first_outside"]
+        largest = "; ".join(f"{phase} {p['ratio']:.3g} ({p['tensor']}, step {p['step']})"
+                            for phase, p in found["largest"].items())
+        outside = (f"step {f['step']}, {f['tensor']}, {f['phase']}: {f['value']:.6e} vs {f['reference']:.6e}, "
+                   f"deviation {f['deviation']:.3e} > {f['bound']:.3e}" if f else "–")
+        out.append(f"| {r.run.label} | {'FAIL' if f else 'PASS'} | {outside} | {largest} | {found['source']} |")
+        if f and localise(c, r, f["step"]):
+            failed.append((r, f["step"]))
+    for r, step in failed:
+        command = replay_command(c, r, step)
+        out += ["", f"Localise {r.run.label}'s step {step} layer by layer:", "",
+                f"```bash\n{command}\n```" if command else localise(c, r, step)]
+    return out
+
+
 def write_outputs(c: Comparison, figure_path: str) -> list[str]:
     """The figure, curve_comparison.json, curve_report.md and report.html (all atomic), in the figure's directory (a
     local one or a URI); returns the paths."""
@@ -324,6 +371,11 @@ def write_outputs(c: Comparison, figure_path: str) -> list[str]:
     for name, command in replays.items():  # a failing teacher-forced check's step is the first outside: its replay
         if data["runs"][name].get(teacher_forced.KEY, {}).get("first_fail_step") is not None:
             data["runs"][name][teacher_forced.KEY]["replay_command"] = command
+    for r in c.results:  # a tensor verdict's FAIL: the layer check of its step (tensor_verdict's summary)
+        first = r.tensors.first if r.tensors else None
+        if first is not None:
+            data["against_baseline"][r.run.name][tensor_verdict.KEY]["localise"] = localise(c, r, first.step)
+            data["against_baseline"][r.run.name][tensor_verdict.KEY]["replay_command"] = replay_command(c, r, first.step)
     links = {**{run.name: _link(run.file, directory) for run in c.runs},  # the records, from the report page's folder
              **{storage.name(run.file): _link(run.file, directory) for run in c.references}}
     storage.write_json_atomic(json_path, {**data, "figure": storage.name(figure_path), "replay_commands": replays,

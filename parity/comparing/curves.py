@@ -31,9 +31,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from parity import fingerprint, storage
-from parity.comparing import teacher_forced, tolerances
-from parity.comparing.noise import (Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
-                                    relative_diffs)
+from parity.comparing import recorded_checks, teacher_forced, tensor_verdict, tolerances
+from parity.comparing.noise import Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio, relative_diffs
 from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
@@ -191,6 +190,7 @@ class CurveResult:
     fp32_distance_ratios: dict[str, float] | None = None  # a low-precision run's largest distance from the baseline's
     # fp32 twin ÷ the baseline's own, per curve: how much farther its policy moves this strategy than the baseline
     routing: dict | None = None  # a mixture of experts: where its expert loads differ from the baseline's (routing_diff)
+    tensors: tensor_verdict.TensorVerdict | None = None  # every tensor's gradient and update against the baseline's
 
     @property
     def noise_ratio(self) -> float | None:
@@ -255,7 +255,7 @@ class Comparison:
                 "bit_identical": r.bit_identical,
                 "fp32_distance_ratio": r.fp32_distance_ratios,
                 "config_differences": r.config_differences, "routing": r.routing,
-                "bounds": r.bounds.per_step,  # each curve's bound at every step (the report page's bands)
+                tensor_verdict.KEY: r.tensors and r.tensors.to_dict(), "bounds": r.bounds.per_step,  # (the page's bands)
                 **{f"{key}_diff": asdict(d) for key, d in r.diffs.items()}} for r in self.results},
         }
 
@@ -270,7 +270,7 @@ def load_runs(input_dir: str) -> list[Run]:
                           f"--loss_output_dir {input_dir} first")
     runs, by_name = [], {}
     for path in paths:
-        run = Run(path, load_record(path))
+        run = Run(path, recorded_checks.attach(path, load_record(path)))  # a recorded run's, from its replay
         if run.name in by_name:
             raise ConfigError(f"{storage.name(by_name[run.name].file)} and {storage.name(path)} are both "
                               f"{run.name} runs: keep one of them in {input_dir}")
@@ -313,6 +313,8 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     mismatches += [f"{storage.name(base.file)} ({base.name}, the baseline): "
                    f"{teacher_forced.describe(teacher_forced.summary(base.record))}: a baseline whose own step is not "
                    f"the reference step's is no reference"] if teacher_forced.first_fail(base.record) else []
+    series = {r.file: tensor_verdict.read(r) for r in [*runs, *references]}  # every tensor's, or why none
+    mismatches += [m for run in [*others, *references] for m in tensor_verdict.mismatches(base, run, series)]
     if mismatches:
         raise NotComparable(mismatches)
     quantities = quantities_of([*runs, *references], num_steps)
@@ -323,7 +325,9 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     if fp32_twin is not None and not POLICIES[base.precision].fp32_twin_measures_noise:
         references = [r for r in references if r is not fp32_twin]  # its distance only (Policy's docstring)
     results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol,
-                                                        quantities), fp32_twin, quantities) for run in others]
+                                                        quantities), fp32_twin, quantities,
+                       tensor_verdict.judge(base, run, references, series, num_steps, not policy_differences(base, run)))
+               for run in others]
     distance = None
     if fp32_twin is not None:
         judged = _judged(base, num_steps, base.skipped(num_steps), quantities)
@@ -499,7 +503,7 @@ def _flat(config: dict, prefix: str = "") -> dict:
 
 
 def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None,
-            quantities: tuple = QUANTITIES) -> CurveResult:
+            quantities: tuple = QUANTITIES, tensors: tensor_verdict.TensorVerdict | None = None) -> CurveResult:
     skipped = base.skipped(num_steps)
     series, baseline = _judged(run, num_steps, skipped, quantities), _judged(base, num_steps, skipped, quantities)
     max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in quantities}
@@ -509,7 +513,8 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
         found = [o for o in (run.duplicate_rows, resumed_rows(base.record, run.record), run.lr_off_schedule,
                              first_overflow_mismatch(base, run, num_steps),
                              first_outside(series, baseline, bounds),
-                             teacher_forced.first_fail(run.record, num_steps)) if o]  # (at one step, the curves')
+                             teacher_forced.first_fail(run.record, num_steps),
+                             tensors.first_fail() if tensors else None) if o]  # (at one step, the curves')
         outside = min(found, key=lambda o: o.step, default=None)
     verdict = Verdict(run.name, base.name, bounds.source, max_rel, outside, run.parting, tuple(other_policy))
     ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in quantities}
@@ -520,7 +525,7 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
         worst = lambda a, q: max(abs(x - e) for x, e in zip(a[q], exact[q]))  # noqa: E731
         distance = {q: worst(series, q) / worst(baseline, q) if worst(baseline, q) else math.inf for q in quantities}
     return CurveResult(run, bounds, verdict, {q: DiffStats.of(series[q], baseline[q]) for q in quantities}, ratios,
-                       config_differences(base, run), distance, routing_diff(base, run, num_steps))
+                       config_differences(base, run), distance, routing_diff(base, run, num_steps), tensors)
 
 
 def first_overflow_mismatch(base: Run, run: Run, num_steps: int) -> Outside | None:

@@ -22,6 +22,7 @@ from importlib import resources
 
 from parity import fingerprint, storage
 from parity.comparing.html_charts import curve_panels
+from parity.comparing.html_tensors import tensor_section, tensors_cell
 from parity.comparing.recorded import RESUMED_ROWS, resumed_note, resumed_rows_words, stopped_words
 from parity.comparing.verdict import EXACT_MARGIN
 from parity.registry import label, run_label
@@ -211,8 +212,10 @@ def curve_data(saved: dict) -> dict:
                      "verdict": against.get("verdict", "baseline")})
     quantities = [q for q in TITLES if q in runs[0]["series"]]
     calibrated = any(a.get("calibrated") for a in saved["against_baseline"].values())
+    tensors = {name: {"label": saved["runs"][name]["label"], "matrix": a["tensors"]["matrix"]}
+               for name, a in saved["against_baseline"].items() if (a.get("tensors") or {}).get("taken")}
     return _finite({"num_steps": saved["num_steps"], "runs": runs, "calibrated": calibrated,
-                    "quantities": [[q, TITLES[q]] for q in quantities], "nouns": NOUNS})
+                    "quantities": [[q, TITLES[q]] for q in quantities], "nouns": NOUNS, "tensors": tensors})
 
 
 def verdict_sentence(saved: dict, layers: dict) -> str:
@@ -222,8 +225,12 @@ def verdict_sentence(saved: dict, layers: dict) -> str:
     against = saved["against_baseline"]
     names = {k: saved["runs"][k]["label"] for k in against}
     if saved["verdict"] == "PASS":
+        found = {names[k]: a["tensors"] for k, a in against.items() if a.get("tensors")}
+        taken, missing = [k for k, t in found.items() if t["taken"]], [k for k, t in found.items() if not t["taken"]]
         return (f"PASS: every run ({', '.join(names.values())}) trains the same model as {base}: loss, grad norm and "
-                f"parameter norm within their bounds at each of the {n} steps.")
+                f"parameter norm within their bounds at each of the {n} steps."
+                + (f" Every tensor's gradient and parameter norm too ({', '.join(taken)})." if taken else "")
+                + (f" The tensor verdict was not taken for {', '.join(missing)}." if missing else ""))
     parts = []
     for name, a in against.items():
         if a["verdict"] == "PASS":
@@ -241,6 +248,10 @@ def verdict_sentence(saved: dict, layers: dict) -> str:
         if tf.get("first_fail_step") is not None and not (f and f.get("test") == "teacher_forced"):
             bad = next((c for c in tf.get("checks", []) if c.get("step") == tf["first_fail_step"]), {})
             where.append(f"teacher-forced check fails first at step {tf['first_fail_step']} ({bad.get('tensor', '')})")
+        tv = (a.get("tensors") or {}).get("first_outside")
+        if tv and not (f and f.get("test") == "tensors"):
+            where.append(f"the tensor verdict fails first at step {tv['step']} ({tv['tensor']}, {tv['phase']}, "
+                         f"{tv['ratio']:.3g} × its bound)")
         sentence = f"{names[name]} FAILs: " + "; ".join(where or ["see below"])
         if name in layers:
             pair = first_divergence(layers[name][1], name)
@@ -278,6 +289,9 @@ def _outside_words(f: dict) -> str:
     if test == "step":
         return (f"{step}, {NOUNS.get(f['quantity'], f['quantity'])} {f['value']:.6g} vs {f['reference']:.6g}, relative "
                 f"diff {f['rel_diff']:.3e} > bound {f['tolerance']:.3e}")
+    if test == "tensors":
+        return (f"{step}, the tensor verdict: {f.get('module')}, phase {f['quantity']}: {f['value']:.6g} vs "
+                f"{f['reference']:.6g}, deviation {f['rel_diff']:.3e} > bound {f['tolerance']:.3e}")
     if test == "teacher_forced":
         return (f"{step}, the teacher-forced check: {f.get('module')} relative diff {f['rel_diff']:.3e} > bound "
                 f"{f['tolerance']:.3e}")
@@ -311,7 +325,7 @@ def runs_table(saved: dict, directory: str, quantities: list[str]) -> str:
         record = (saved.get("record_links") or {}).get(name, run["file"])
         link = f'<a href="{escape(record)}">{escape(run["file"])}</a>'
         if a is None:
-            rows.append([escape(run["label"]), "baseline", "–", "–", "–", "–", _replicas(run, {}), link])
+            rows.append([escape(run["label"]), "baseline", "–", "–", "–", "–", "–", _replicas(run, {}), link])
             continue
         ratios = a.get("noise_ratio")
         if ratios:
@@ -322,9 +336,11 @@ def runs_table(saved: dict, directory: str, quantities: list[str]) -> str:
         worst = "<br>".join(f"{escape(NOUNS.get(q, q))} {a['max_rel_diff'][q]:.3e}" for q in quantities
                             if q in a["max_rel_diff"])
         rows.append([escape(run["label"]), _word(a["verdict"]), ratio, worst,
-                     "calibrated" if a.get("calibrated") else "uncalibrated", _outside(a), _replicas(run, a), link])
+                     "calibrated" if a.get("calibrated") else "uncalibrated", _outside(a), tensors_cell(a),
+                     _replicas(run, a), link])
     return _table(["run", "verdict", "deviation ÷ noise (of 20)", "max relative diff", "bounds",
-                   "first step outside", "replicas", "record"], rows, "One row per run, against the baseline",
+                   "first step outside", "tensor verdict", "replicas", "record"], rows,
+                  "One row per run, against the baseline",
                   "runs")
 
 
@@ -332,11 +348,12 @@ def teacher_forced_table(name: str, label_: str, tf: dict) -> str:
     rows = [[str(c["step"]), _word("PASS" if c["ok"] else "FAIL"), escape(c.get("tensor") or "–"), _e(c.get("rel_diff")),
              _e(c.get("bound")), _e(c.get("ratio")), escape(c.get("note") or "")] for c in tf.get("checks", [])]
     first = tf.get("first_fail_step")
-    out = [f'<h3 id="teacher-forced-{escape(name)}">{escape(label_)}: teacher-forced check (every '
-           f'{tf.get("interval")} steps)</h3>',
+    every = f" (every {tf['interval']} steps)" if tf.get("interval") is not None else ""
+    out = [f'<h3 id="teacher-forced-{escape(name)}">{escape(label_)}: teacher-forced check{every}</h3>',
+           f"<p>No check: {escape(tf['none'])}.</p>" if tf.get("none") else
            f"<p>First failing checkpoint: <strong>step {first}</strong>.</p>" if first is not None else
            "<p>Every checkpoint within its bound.</p>",
-           _table(["step", "verdict", "tensor", "relative diff", "bound", "ratio", "note"], rows)]
+           _table(["step", "verdict", "tensor", "relative diff", "bound", "ratio", "note"], rows) if rows else ""]
     if tf.get("replay_command"):
         out.append(f"<pre><code>{escape(tf['replay_command'])}</code></pre>")
     return "\n".join(out)
@@ -361,7 +378,8 @@ def failure_section(saved: dict, name: str, directory: str, layers: dict) -> str
         folder, layer = layers[name]
         pair = first_divergence(layer, name)
         link = _rel(os.path.join(folder, PAGE_NAME), directory)
-        out.append(f'<h3>Layer check (<a href="{escape(link)}">its page</a>)</h3>')
+        out.append(f'<h3 id="layer-check-{escape(name)}">Layer check (<a href="{escape(link)}">its page</a>; '
+                   f'<a href="#tensors-{escape(name)}">the tensor verdict</a>)</h3>')
         fd = pair and pair.get("first_outside")
         if fd:
             out.append(f'<p class="module">First divergent module: <strong>{escape(fd["module"])}</strong>, phase '
@@ -400,7 +418,9 @@ def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
             f'<p id="verdict" class="verdict {word.lower().replace(" ", "-")}" role="status">'
             f'{escape(verdict_sentence(saved, layers) + stopped_sentences(saved))}</p>']
     body += [f'<p class="warning">{escape(w)}</p>' for w in saved.get("warnings", [])]
-    sections = [("runs", "Verdict per run"), ("curves", "Curves"), *[(f"why-{n}", f"Why {saved['runs'][n]['label']} "
+    tensors = any(a.get("tensors") for a in saved["against_baseline"].values())
+    sections = [("runs", "Verdict per run"), ("curves", "Curves"), *([("tensors", "Tensor verdict")] if tensors else []),
+                *[(f"why-{n}", f"Why {saved['runs'][n]['label']} "
                 f"FAILed") for n, a in saved["against_baseline"].items() if a["verdict"] == "FAIL"],
                 *([("teacher-forced", "Teacher-forced check")] if any(r.get("teacher_forced") for r in
                                                                        saved["runs"].values()) else []),
@@ -426,6 +446,7 @@ def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
              '<div id="readout" aria-live="polite" hidden></div>', charts,
              (f'<p>The same figure as an image: <a href="{escape(figure)}">{escape(figure)}</a>.</p>' if figure else ""),
              "</section>"]
+    body += [tensor_section(saved, directory, layers)] if tensors else []
     for name, a in saved["against_baseline"].items():
         if a["verdict"] == "FAIL":
             body.append(failure_section(saved, name, directory, layers))
@@ -507,7 +528,8 @@ def layer_page(saved: dict, directory: str) -> str:
         grid.append(cells)
     heatmap = saved.get("heatmap", "layer_heatmap.png")
     parent = os.path.dirname(os.path.abspath(directory))
-    back = (f'<p>This check replays a step of the comparison in <a href="../{PAGE_NAME}">../{PAGE_NAME}</a>.</p>'
+    back = (f'<p>This check replays a step of the comparison in <a href="../{PAGE_NAME}">../{PAGE_NAME}</a> (its '
+            f'<a href="../{PAGE_NAME}#tensors">tensor verdict</a>).</p>'
             if os.path.isfile(os.path.join(parent, CURVE_JSON)) else "")
     body = [f"<header><h1>Layer-by-layer check: {_word(word)}</h1>",
             f'<p id="verdict" class="verdict {word.lower()}" role="status">{escape(sentence)}</p>{back}</header><main>',

@@ -55,7 +55,13 @@ def relative_diffs(series: list[float], baseline: list[float]) -> list[float]:
 def noise_envelope(baseline: list[float], references: list[list[float]], floor: float) -> list[float]:
     """Per step: the largest |reference − baseline| / |baseline| of any reference over steps s ± NOISE_SMOOTHING,
     at least `floor`."""
-    raw = [max(abs(d) for d in ds) for ds in zip(*(relative_diffs(r, baseline) for r in references))]
+    return smoothed_envelope([max(abs(d) for d in ds) for ds in zip(*(relative_diffs(r, baseline) for r in references))],
+                             floor)
+
+
+def smoothed_envelope(raw: list[float], floor: float) -> list[float]:
+    """Per step s: the largest of `raw` (the references' largest distance from the baseline at each step) over steps
+    s ± NOISE_SMOOTHING, at least `floor` — a curve's envelope, and a tensor's (parity.comparing.tensor_verdict)."""
     n = len(raw)
     return [max(floor, *raw[max(0, s - NOISE_SMOOTHING):min(n, s + NOISE_SMOOTHING + 1)]) for s in range(n)]
 

@@ -11,7 +11,9 @@ AdamW's step count) at RESUMED_FP32: a resume is bit-identical (docs/checkpoints
 
 The summary per run (curve_comparison.json's runs.<name>.teacher_forced, report.html's table):
 {"interval", "checks": [{"step", "ok", "tensor", "rel_diff", "bound", "ratio", "note"}], "first_fail_step",
-"replay_command"} — each check's worst tensor by rel_diff ÷ bound.
+"replay_command"} — each check's worst tensor by rel_diff ÷ bound. A recorded run's checks are taken by its replay from
+the states its recorder saved, and attached to its record when it is loaded (recorded_checks.py); one without any says
+why ("none").
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from parity.comparing.tolerances import (LAYER_NOISE_K, RESUMED_FP32, TEACHER_FO
 from parity.comparing.verdict import Outside
 
 KEY = "teacher_forced"  # the record's step entry (parity.training.teacher_forced.KEY) and the JSON's key
+NONE = "teacher_forced_none"  # a loaded recorded run's record: why it has no check (recorded_checks.attach)
 TEST = "teacher_forced"  # Outside.test of a failing check
 
 
@@ -53,10 +56,12 @@ def judge_check(entry: dict) -> dict:
 
 
 def summary(record: dict) -> dict | None:
-    """The run's checks, judged (the module docstring's shape); None where the check did not run."""
+    """The run's checks, judged (the module docstring's shape); None where the check did not run — or, for a recorded
+    run that has none, the shape with no checks and why under "none" (recorded_checks.attach)."""
     entries = [s[KEY] for s in record["steps"] if KEY in s]
     if not entries:
-        return None
+        return None if NONE not in record else {"interval": record["config"].get("checkpoint_interval"), "checks": [],
+                                                "first_fail_step": None, "replay_command": None, "none": record[NONE]}
     checks = [judge_check(e) for e in entries]
     first = next((c["step"] for c in checks if not c["ok"]), None)
     return {"interval": record["config"].get("checkpoint_interval"), "checks": checks, "first_fail_step": first,
@@ -76,6 +81,8 @@ def first_fail(record: dict, num_steps: int | None = None) -> Outside | None:
 def describe(found: dict) -> str:
     """One line on a run's checks (summary's): where it first FAILs, or where it ran and the largest rel_diff ÷
     bound."""
+    if found.get("none"):
+        return f"teacher-forced check: none ({found['none']})"
     judged = [c for c in found["checks"] if c["ratio"] is not None]
     worst = max(judged, key=lambda c: c["ratio"], default=None)
     where = ", ".join(str(c["step"]) for c in found["checks"])

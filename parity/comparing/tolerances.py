@@ -55,6 +55,29 @@ differences from the baseline share a sign, their mean may be at most DRIFT_K ×
 DRIFT_K 10: above every clean run of the calibration study (8.3) with one weight-decay run less caught than
 9 (docs/tolerances.md)."""
 
+TENSOR_FLOOR = {"gradient": 1e-3, "update": 1e-2}  # by phase (parity.training.tensor_norms.GRADIENT, UPDATE)
+"""The tensor verdict (parity/comparing/tensor_verdict.py) measures a tensor's deviation at a step as
+|x − baseline| / max(|baseline|, floor × the baseline's global norm at that step): its gradient norm against the global
+gradient norm, its parameter norm against the global parameter norm. The floor keeps a tensor whose norm is a sliver of
+the whole from reading its rounding as a difference: a k_proj bias's gradient is ~1e-4 of the global (softmax ignores a
+shift shared by all keys), and a zero-initialised bias holds a few AdamW steps, each ±lr per element whatever its
+gradient's last bits say. A tensor at or above the floor is measured against itself: a 64-element norm weight's gradient
+(5e-3 of the global) doubled reads 1.0. Provisional (docs/tensors.md): qwen2-tiny fp32, the floors put DDP's twins,
+FSDP2 + TP and transformers' TP within 1.4e-6 (gradient) and 6.2e-6 (update) of DDP over 40 steps at lr 1e-3; without
+them the update read 5.4e-5 (a k_proj bias)."""
+
+TENSORS = {"fp32": {"gradient": 1e-5, "update": 3e-5}, "bf16": {"gradient": 1e-1, "update": 1e-1}}
+"""The tensor verdict without a noise reference (uncalibrated), by precision and phase: the largest deviation (above)
+a correct run may show at any step. Provisional, from qwen2-tiny runs against DDP (docs/tensors.md): fp32, clean FSDP2
++ TP=2 and transformers' TP=2 within 1.6e-7 / 4.4e-7 (12 steps, lr 1e-4) and 1.4e-6 / 6.2e-6 (40 steps, lr 1e-3,
+clipped at 0.8) — the update grows with the lrs' sum, as the final parameters do (final_parameters_atol_fp32), hence
+3e-5; bf16, 3.6e-2 / 2.2e-2 (40 steps). A norm weight's gradient doubled reads 1.0 in both."""
+
+TENSOR_NOISE_FLOOR = {"fp32": {"gradient": 1e-8, "update": 1e-8}, "bf16": {"gradient": 1e-5, "update": 1e-6}}
+"""The calibrated tensor verdict's envelope never goes below this (the deviation above), by precision and phase: the
+twins can agree on a tensor exactly (fp32: one tensor's norm carries ~1e-8 of rounding; transformers' TP=2 moved a
+down_proj's updated norm by 1.6e-8 where DDP's twins read 0: 0.8 of a 1e-9 floor's bound). The bound is NOISE_K × the envelope, smoothed over NOISE_SMOOTHING steps as the curves'."""
+
 LAYERS = {"fp32": 1e-5, "bf16": 6e-2}
 """Layer check (compare_dumps.py): max |a − b| over the tensor's scale, by precision; bf16 without a noise
 reference (uncalibrated)."""

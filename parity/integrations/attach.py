@@ -3,11 +3,12 @@
 
 verify_trainer.py sets them in the environment of the user's command, which every process the command starts
 inherits (a launcher's ranks, spawned ranks, a local Ray cluster's workers): PARITY_RECORD_DIR, the folder the
-records go to, and PARITY_RECORD_NAME, the record's name. Where they are set, every ParityRecorder the command makes
-writes there under that name, whatever folder and name its code passes (`attached`): a loop of your own keeps its
-ParityRecorder lines, and verify_trainer.py finds the record where it replays and judges it. Trainer and TRL's
-trainers get their callback from sitecustomize (trainer_hook.py), Lightning from its callbacks entry point
-(lightning_factory.py), both only where the variables are set.
+records go to, and PARITY_RECORD_NAME, the record's name (and PARITY_CHECKPOINT_INTERVAL where verify_trainer.py was
+given --checkpoint_interval). Where they are set, every ParityRecorder the command makes writes there under that name
+(and saves its states at that interval), whatever folder, name and interval its code passes (`attached`): a loop of
+your own keeps its ParityRecorder lines, and verify_trainer.py finds the record where it replays and judges it.
+Trainer and TRL's trainers get their callback from sitecustomize (trainer_hook.py), Lightning from its callbacks entry
+point (lightning_factory.py), both only where the variables are set.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 
 RECORD_DIR = "PARITY_RECORD_DIR"  # sitehook/sitecustomize.py reads this name before importing anything
 RECORD_NAME = "PARITY_RECORD_NAME"
+CHECKPOINT_INTERVAL = "PARITY_CHECKPOINT_INTERVAL"  # verify_trainer.py --checkpoint_interval: where states are saved
 SITE_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitehook")  # sitecustomize.py alone
 
 _made = 0  # recorders this process has made under the variables
@@ -43,11 +45,22 @@ def variables() -> tuple[str, str]:
     return os.environ[RECORD_DIR], os.environ[RECORD_NAME]
 
 
-def environment(output_dir: str, name: str, base: dict[str, str]) -> dict[str, str]:
-    """`base` with the variables set for a command recorded into `output_dir` under `name`, and the folder of
-    sitecustomize.py first on its PYTHONPATH (so that every Python process of the command imports it)."""
+def checkpoint_interval(given: int | None) -> int | None:
+    """A recorder's checkpoint_interval (parity/integrations/states.py): verify_trainer.py's --checkpoint_interval
+    where it set one, else `given`: the states of a command whose code cannot be told are saved where the user asks."""
+    value = os.environ.get(CHECKPOINT_INTERVAL) if active() else None
+    return int(value) if value else given
+
+
+def environment(output_dir: str, name: str, base: dict[str, str], interval: int | None = None) -> dict[str, str]:
+    """`base` with the variables set for a command recorded into `output_dir` under `name` (with `interval`, the
+    recorders' checkpoint_interval), and the folder of sitecustomize.py first on its PYTHONPATH (so that every Python
+    process of the command imports it)."""
     path = [SITE_FOLDER] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_FOLDER]
-    return {**base, RECORD_DIR: output_dir, RECORD_NAME: name, "PYTHONPATH": os.pathsep.join(path)}
+    env = {k: v for k, v in base.items() if k != CHECKPOINT_INTERVAL}
+    return {**env, RECORD_DIR: output_dir, RECORD_NAME: name, "PYTHONPATH": os.pathsep.join(path),
+            **({CHECKPOINT_INTERVAL: str(interval)} if interval is not None else {})}
 
 
-__all__ = ["RECORD_DIR", "RECORD_NAME", "SITE_FOLDER", "active", "attached", "environment", "variables"]
+__all__ = ["CHECKPOINT_INTERVAL", "RECORD_DIR", "RECORD_NAME", "SITE_FOLDER", "active", "attached",
+           "checkpoint_interval", "environment", "variables"]

@@ -31,6 +31,7 @@ import torch
 
 from parity.integrations.group import own_group, release
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
+from parity.integrations.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
 from parity.integrations.transformers import ParityCallback as _TrainerCallback
 
 # Lightning's precision → the harness's policy
@@ -52,12 +53,17 @@ def hugging_face_model(module: torch.nn.Module) -> torch.nn.Module:
 
 class ParityCallback(pl.Callback):
     """Records a Lightning run for the harness: `output_dir` and `name` as ParityRecorder's, `max_batch_bytes` its cap
-    on the saved batches. One optimizer, automatic optimization, clipping by norm (or none)."""
+    on the saved batches, `checkpoint_interval` and `max_state_bytes` where and how much of the run's state it saves
+    for the teacher-forced check (parity/integrations/states.py). One optimizer, automatic optimization, clipping by
+    norm (or none)."""
 
     _forward = _TrainerCallback._forward  # the micro-batch's rows and logits: the same hook as Trainer's adapter
 
-    def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES):
+    def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+                 checkpoint_interval: int | None = DEFAULT_CHECKPOINT_INTERVAL,
+                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES):
         self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
+        self.state_saving = {"checkpoint_interval": checkpoint_interval, "max_state_bytes": max_state_bytes}
         self.recorder: ParityRecorder | None = None
         self._hook, self._own_group, self._stepped, self._logged = None, False, False, 0.0
 
@@ -76,7 +82,7 @@ class ParityCallback(pl.Callback):
                                        max_grad_norm=float(trainer.gradient_clip_val or 0.0),
                                        precision=PRECISIONS.get(str(trainer.precision), "fp32"),
                                        max_batch_bytes=self.max_batch_bytes, framework="lightning.Trainer",
-                                       framework_versions=versions,
+                                       framework_versions=versions, **self.state_saving,
                                        start_step=trainer.global_step)  # > 0: resumed from ckpt_path
         if not self.recorder.enabled:
             return

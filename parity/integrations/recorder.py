@@ -2,13 +2,12 @@
 harness never trained, so that the run can be replayed under the harness's DDP (parity/integrations/replay.py) and
 judged by plot_loss_curves.py (docs/own_trainer.md, whose "What the record holds" lists every field).
 
-It is one more loop feeding the per-step observer (parity/training/observer.py: the record, the replica check, the
-trackers). What it adds is what a foreign loop does not hand over by itself: the loss it measures from the model's
-outputs (the global token mean, float64, whatever the loop backpropagated), the pre-clip norm from the gradients (or
-the framework's own where it cannot see them: `grad_norm_source`), the parameter norm, every tensor's norms
-(recorded_tensors.py), the lr applied (an optimizer step pre-hook), the global batch in the harness's order with its
-hash and the check that no two DP ranks fed the same rows, the optimizer whole, the initial weights and every step's
-batch as it came (any shape, right or left padding), named relative to the record's folder, up to `max_batch_bytes`.
+It is one more loop feeding the per-step observer (parity/training/observer.py). What it adds is what a foreign loop
+does not hand over by itself: the loss from the model's outputs (the global token mean, float64), the pre-clip norm
+(or the framework's own: `grad_norm_source`), the parameter norm, every tensor's norms (recorded_tensors.py), the lr
+applied, the global batch in the harness's order, its hash and the rows check, the optimizer whole, the initial
+weights and every step's batch as it came (up to `max_batch_bytes`), and the full state around its checkpoints for its
+replay's teacher-forced check (states.py, up to `max_state_bytes`): files named relative to the record's folder.
 
 A step that cannot be recorded or replayed stops the record there, in one line: it holds the steps before it
 (`config.stopped`), which are replayed and judged. The process group is read by its layout (sharded.py: plain/DDP,
@@ -19,7 +18,6 @@ own. A recorder failure never stops the user's training.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import sys
@@ -31,14 +29,16 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.fingerprint import fingerprint
-from parity.integrations import resume
+from parity.integrations import resume, states
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
 from parity.integrations.recorded_tensors import CLIPPED, PRE_CLIP, RecordedTensors
-from parity.integrations.rows import BatchWriter, RowExchange, duplicate_rows, global_batch, rows_hash
+from parity.integrations.rows import (BatchWriter, RowExchange, default_positions, duplicate_rows, global_batch,
+                                     rows_hash)
 from parity.integrations.sharded import LayoutRefused, layout_of
+from parity.training.tensor_series import kept_chunks
 from parity.integrations.world import trains_alone
-from parity.models.model import config_summary, save_init_weights
+from parity.models.model import config_summary, file_sha256, save_init_weights
 from parity.precision import POLICIES
 from parity.registry import KNOWN
 from parity.training.data import Batch, batch_hash, recorded_batch_path
@@ -91,8 +91,9 @@ class ParityRecorder:
     DEFAULT_MAX_BATCH_BYTES); `framework` names the loop (shown in the fingerprint, not compared); `log` takes rank
     0's lines (default: stderr); `scheduler`, the loop's lr scheduler, records each step's `declared_lr`
     (resume.DeclaredSchedule.copy_of: the verdict FAILs a step whose lr is not the one its schedule declares);
-    `tensor_grad` which gradient every tensor's series holds (recorded_tensors.py: PRE_CLIP, read at before_step;
-    CLIPPED, at the optimizer's step, for an adapter whose hooks come after the framework's clipping).
+    `checkpoint_interval` (default 50; 0: step 0 alone; None: none) and `max_state_bytes` (default 32 GiB): the full
+    state saved around a step for its replay's teacher-forced check (states.py); `tensor_grad`: every tensor's
+    gradient read at before_step (PRE_CLIP) or, after the framework's clipping, at the optimizer's step (CLIPPED).
 
     A run resumed from its own checkpoint after k updates passes `start_step=k`: the recorder continues the record of
     its first run (loss_<name>.json in `output_dir`) — its steps 0…k−1 kept, k appended to config.resumed_at, the
@@ -104,11 +105,12 @@ class ParityRecorder:
                  precision: str = "fp32", max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, log_interval: int = 10,
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
                  log: Callable[[str], Any] | None = None, dump_step: int | None = None, scheduler=None,
-                 start_step: int = 0, tensor_grad: str = PRE_CLIP):
+                 start_step: int = 0, checkpoint_interval: int | None = states.DEFAULT_CHECKPOINT_INTERVAL,
+                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES, tensor_grad: str = PRE_CLIP):
         output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        refusal = self._refusal(name, precision, start_step)
+        refusal = self._refusal(name, precision, start_step) or states.refusal(checkpoint_interval, max_state_bytes)
         if refusal:
             if _first_process():
                 self._print(f"parity recorder: {refusal}: recording nothing")
@@ -116,6 +118,7 @@ class ParityRecorder:
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
                         framework, framework_versions or {}, scheduler, start_step, tensor_grad)
+            self.states = states.StateSaver(self, checkpoint_interval, max_state_bytes, start_step)  # for the check
             if dump_step is not None:  # step K in full, for compare_dumps.py (parity/integrations/dump.py)
                 from parity.integrations.dump import StepDump
 
@@ -183,7 +186,7 @@ class ParityRecorder:
         script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else None
         framework_part = {"name": framework, "versions": framework_versions,
                           "script": os.path.basename(script) if script else None,
-                          "script_sha256": _file_sha256(script) if script and os.path.isfile(script) else None}
+                          "script_sha256": file_sha256(script) if script and os.path.isfile(script) else None}
         policy = POLICIES[precision]
         description = {
             "source": SOURCE, "framework": framework, "strategy": self.name, "strategy_path": None,
@@ -250,8 +253,8 @@ class ParityRecorder:
         if answer[0]:
             raise resume.ResumeRefused(answer[0])
         if kept is not None:
-            config, steps, self.saved_bytes = kept
-            self.record.data.update(config=config, steps=steps)
+            config, steps, self.saved_bytes, chunks = kept  # with the tensor series' chunks before k (the observer's)
+            self.record.data.update(config=config, steps=steps, tensors={"chunks": kept_chunks(chunks, k)})
 
     def replicas(self):
         """What ranks hold alike in the loop's layout (sharded.py): under data parallelism every parameter and its Adam
@@ -288,7 +291,7 @@ class ParityRecorder:
             mask = (torch.ones_like(ids) if attention_mask is None
                     else attention_mask.detach().to("cpu", torch.int64))
             self.micro.append((ids, lab, mask))
-            self.positions |= position_ids is not None and not _default_positions(position_ids, ids.shape[1])
+            self.positions |= position_ids is not None and not default_positions(position_ids, ids.shape[1])
             self.loss_sum += summed
             self.tokens += int((lab[:, 1:] != IGNORE_INDEX).sum())
         except Exception as exc:
@@ -346,6 +349,8 @@ class ParityRecorder:
         except Exception as exc:  # the exchange fails on every rank alike: the record ends at this step
             self._end(f"{type(exc).__name__}: {_first_line(exc)}" if not isinstance(exc, RuntimeError)
                       else _first_line(exc))
+        if self.enabled:
+            self.states.take(self.step)  # the state after this step, where a check wants it
         self._reset_step()
         self._lrs = None
         self._last = time.perf_counter()
@@ -522,6 +527,7 @@ class ParityRecorder:
             self._stop_at(self.step, f"step {self.step} could not be recorded ({why})")
         try:
             self._settle(self.writer.close())
+            self.states.close()
             self.record.data["config"]["total_steps"] = len(self.record.steps)
             self.record.finish(steps=len(self.record.steps), source=SOURCE)
         except Exception as exc:
@@ -539,6 +545,7 @@ class ParityRecorder:
             if self.writer is not None:
                 self._settle(self.writer.flush())
             self.observer.write()
+            self.states.save()
         except Exception as exc:
             self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
 
@@ -550,6 +557,7 @@ class ParityRecorder:
             self._hook.remove()
             if self.writer is not None:
                 self._settle(self.writer.close())
+            self.states.close()
             config = self.record.data["config"]
             config["total_steps"] = len(self.record.steps)
             self.observer.finish(lambda: {"steps": len(self.record.steps), "source": SOURCE})
@@ -569,20 +577,12 @@ class ParityRecorder:
             hook.remove()
         if getattr(self, "writer", None) is not None:
             self.writer.close()
+        if getattr(self, "states", None) is not None:
+            self.states.close(keep=False)
 
     def _line(self, text: str) -> None:
         if getattr(self, "rank", 0) == 0:
             self._print(f"parity recorder [{self.name}]: {text}")
-
-
-def _default_positions(position_ids, length: int) -> bool:
-    """Whether position ids are what the model makes by itself (0, 1, … on every row): then they change nothing."""
-    return bool((position_ids.detach().cpu() == torch.arange(length)).all())
-
-
-def _file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _first_process() -> bool:

@@ -12,13 +12,15 @@ which may have moved since. Beside it only --num_workers, --device, the output a
 --noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything else contradicts
 the record and is refused in one line. The harness feeds no attention mask where every row is right-padded (a causal
 model's right padding needs none: labels −100 on it) and the recorded mask where a row is left-padded (its real tokens
-sit at shifted positions); a mask with holes is refused. Everything is checked on the driver, before any worker
-starts.
+sit at shifted positions); a mask with holes is refused. The states the recorder saved at the run's checkpoints go
+with the batches (recorded_states): once trained, the replay — not its noise references — takes the teacher-forced
+check from each (parity/training/recorded_states.py). Everything is checked on the driver, before any worker starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Mapping
 
 from parity import storage
@@ -27,6 +29,7 @@ from parity.errors import ConfigError, RecordError
 from parity.integrations.rows import padding_problem
 from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
 from parity.training.data import RECORDED, RecordedBatches, recorded_batch_path
+from parity.training.recorded_states import INDEX as STATES_INDEX, RecordedStates, StateCheck
 from parity.training.record import is_recorded, load_record
 from parity.training.tensor_norms import PRE_CLIP
 from parity.training.tensor_series import KEY as TENSORS
@@ -79,14 +82,49 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
                               tensor_grad=record.get(TENSORS, {}).get("grad") or PRE_CLIP)
     _check_groups(record_file, cfg)
     stopped = f", stopped before step {steps}" if config.get("stopped") else ""
+    states = None if given.get("noise_reference") or dump_step is not None else recorded_states(record_file, record)
     return cfg, RecordedBatches(folder, steps, f"the global batches of {storage.name(record_file)} ({steps} steps of "
                                                f"{min(rows)}–{max(rows)} rows{stopped})",
-                                workers, max(1, config["batches"]["most_rows"]))
+                                workers, max(1, config["batches"]["most_rows"]), states)
 
 
 def recorded_path(record_file: str, named: str) -> str:
     """Where a file or folder the record names (relative to the record's own folder) is now."""
     return storage.join(storage.parent(storage.absolute(record_file)), named)
+
+
+def recorded_states(record_file: str, record: dict) -> RecordedStates:
+    """The checks the replay takes from the states the recorder saved (parity/integrations/states.py): each step whose
+    states before and after are both saved and which the record holds, its files found relative to the record's folder
+    (where it has moved), its pre-clip norm, its lr — declared where the framework declares one, else applied — and its
+    batch's hash; where there is none, why. ConfigError, one line, for an index that names a file that is not there."""
+    name, config, steps = record["strategy"], record["config"], record["steps"]
+    index_file = recorded_path(record_file, f"{config['model_name']}/{STATES_INDEX}")
+    if not storage.exists(index_file):
+        return RecordedStates(record_file, name, None, (), "the recorder saved no states (recorded with "
+                                                           "checkpoint_interval=None, or by a recorder before them)")
+    try:
+        index = json.loads(storage.read_text(index_file))
+        wanted = sorted(k for k in index["checks"] if k < len(steps))
+        saved = {k: [index["states"][str(u)] for u in (k, k + 1)] for k in wanted}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: its states' index {index_file} cannot be read "
+                          f"({type(exc).__name__}): copy the record's whole folder or record again") from None
+    checks = []
+    for k in wanted:
+        files = [recorded_path(record_file, s["file"]) for s in saved[k]]
+        for step, path in zip((k, k + 1), files):
+            if not storage.exists(path):
+                raise ConfigError(f"--replay_record {storage.name(record_file)}: its state after {step} updates {path} "
+                                  f"is missing: copy the record's whole folder (recorded_*/ beside it) or record again")
+        entry = steps[k]
+        lr = entry["declared_lr"] if entry.get("declared_lr") is not None else entry["lr"]
+        checks.append(StateCheck(k, *files, (saved[k][0]["step_count"], saved[k][1]["step_count"]), entry["grad_norm"],
+                                 lr, entry["batch_hash"]))
+    stopped = index.get("stopped")
+    none = None if checks else (f"no state was saved: {stopped['why']}" if stopped else
+                                "no step's states before and after were both saved")
+    return RecordedStates(record_file, name, index["interval"], tuple(checks), none)
 
 
 def read_recorded(record_file: str) -> dict:

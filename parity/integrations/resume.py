@@ -72,10 +72,10 @@ class DeclaredSchedule:
                 self.scheduler.step()
 
 
-def kept(path: str, folder: str, now: dict, k: int) -> tuple[dict, list[dict], int]:
-    """(the continued config, steps 0…k−1, the bytes of their saved batches) of the record at `path` (its recorded
-    folder `folder`), which a run described by `now` (its record's config) resumed after k updates continues — or
-    ResumeRefused naming why it cannot be continued at step k."""
+def kept(path: str, folder: str, now: dict, k: int) -> tuple[dict, list[dict], int, list[str]]:
+    """(the continued config, steps 0…k−1, the bytes of their saved batches, its tensor series' chunks) of the
+    record at `path` (its recorded folder `folder`), which a run described by `now` (its record's config) resumed after
+    k updates continues — or ResumeRefused naming why it cannot be continued at step k."""
     name = storage.name(path)
     refused = f"cannot continue {name} at step {k}"
     if not storage.exists(path):
@@ -102,7 +102,7 @@ def kept(path: str, folder: str, now: dict, k: int) -> tuple[dict, list[dict], i
         missing = min(config["batches"]["saved_steps"], sizes.index(None) if None in sizes else k)
         raise ResumeRefused(f"{refused}: its batch of step {missing} is missing from "
                             f"{storage.join(folder, 'batches')}")
-    return _continued(config, steps[:k]), steps[:k], sum(sizes)
+    return _continued(config, steps[:k]), steps[:k], sum(sizes), data.get("tensors", {}).get("chunks", [])
 
 
 def _continued(config: dict, steps: list[dict]) -> dict:

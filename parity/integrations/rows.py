@@ -230,3 +230,8 @@ class BatchWriter:
 
 __all__ = ["BatchWriter", "Exchanged", "PAD_ID", "duplicate_rows", "RowExchange", "global_batch", "pack",
            "padding_problem", "row_digests", "rows_hash", "unpack"]
+
+
+def default_positions(position_ids, length: int) -> bool:
+    """Whether position ids are what the model makes by itself (0, 1, … on every row): then they change nothing."""
+    return bool((position_ids.detach().cpu() == torch.arange(length)).all())

@@ -1,23 +1,26 @@
 """Where the recorder (recorder.py) reads a model in the process group a user's loop trains it in: which rank feeds
 which data-parallel rank's rows, the pre-clip gradient norm and the parameter norm over full tensors (float64), the
-full initial weights under Hugging Face names, and the replicas (what several ranks hold alike).
+full initial weights and the full state at a checkpoint (parameters and AdamW's moments: states.py) under Hugging Face
+names, and the replicas (what several ranks hold alike).
 
 Each layout reads the model with the harness's own code for that sharding, never a copy of it:
 - `DataParallel` — plain or DDP, every rank a DP rank holding the whole model: the float64 norms of plain tensors
-  (parity.training.optimizer.local_norm), every parameter and its moments on every rank (replicas.whole_model);
+  (parity.training.optimizer.local_norm), every parameter and its moments on every rank (replicas.whole_model), the
+  moments as the harness's strategies export theirs (optimizer.full_moments);
 - `FullyShard` — FSDP2 (`fully_shard`) with or without a DTensor TP mesh: the DTensor strategies' norms across meshes
-  (dtensor_strategy.global_norm), full tensors (full_tensor) and replicas (replicated_parameters, dtensor_replicas).
-  The DP dim of a 2-D mesh is the one named "dp" (the harness's and torchtitan's name); the ranks of other dims
-  feed the same rows, and only the one at coordinate 0 of every other dim hands them over;
+  (dtensor_strategy.global_norm), full tensors (full_tensor, optimizer.full_moments) and replicas
+  (replicated_parameters, dtensor_replicas). The DP dim of a 2-D mesh is the one named "dp" (the harness's and
+  torchtitan's name); the ranks of other dims feed the same rows, and only the one at coordinate 0 of every other dim
+  hands them over;
 - `ZeRO` — a user's `deepspeed.initialize` engine, ZeRO stages 0–3, TP 1: the DeepSpeed strategy's norm over each
-  rank's master pieces and its replicas (parity/strategies/autotp/zero_state.py), its full tensors through
-  DeepSpeed's safe_get_full_fp32_param (parity/strategies/autotp/gathers.full_tensors). DeepSpeed clips and steps
+  rank's master pieces, its replicas and its full master weights and moments (parity/strategies/autotp/zero_state.py:
+  ZeRO-1/2's fragments in one collective, ZeRO-3's through DeepSpeed's safe_get_full_*). DeepSpeed clips and steps
   inside `engine.step()`: the pre-clip norm is DeepSpeed's own (`engine.get_global_grad_norm()`, per-tensor float64
   sums rounded to fp32), the record's grad_norm_source says "framework".
 
 - `FSDP1` — FullyShardedDataParallel with use_orig_params=True (FULL_SHARD, SHARD_GRAD_OP): no harness strategy runs
   FSDP1, so its norms are written here as FSDP1's own clip_grad_norm_ takes them (each rank's pieces, summed over the
-  group), its initial weights are FSDP1's FULL_STATE_DICT.
+  group), its full tensors are FSDP1's FULL_STATE_DICT and its optimizer's full state dict.
 
 Every layout also hands over each trainable tensor's pieces (tensor_names, gradient_pieces, parameter_pieces: the
 strategy interface's three methods, read with the same code) for every tensor's series beside the record
@@ -36,7 +39,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from parity.training.optimizer import local_norm
+from parity.training.optimizer import ADAMW_MOMENTS, full_moments, local_norm
 from parity.training.replicas import whole_model
 from parity.training.tensor_norms import Piece, counted_by_name, local_pieces, rank0_pieces
 
@@ -47,6 +50,7 @@ class DataParallel:
 
     kind = "data parallel"
     zero_stage = 0
+    whole = True  # every rank holds the whole model and its optimizer's state: rank 0 reads its own (no collective)
     grad_norm_visible = True  # whether the recorder sees the full gradients before clipping (before_step)
     steps_once_an_update = True  # whether the torch optimizer steps (fires its step hooks) once in each update
 
@@ -65,7 +69,16 @@ class DataParallel:
 
     def names(self) -> dict[int, str]:
         """Each parameter's Hugging Face name, by its id (a tied weight under its first name)."""
-        return {id(p): n for n, p in self.model.named_parameters()}
+        return {id(p): self.clean(n) for n, p in self.model.named_parameters()}
+
+    def buffer_names(self) -> list[str]:
+        """The module's buffers' Hugging Face names (a state dict holds the persistent ones)."""
+        return [self.clean(n) for n, _ in self.model.named_buffers()]
+
+    @staticmethod
+    def clean(name: str) -> str:
+        """A name of the module's as Hugging Face names it (FSDP1's wrappers add parts of their own)."""
+        return name
 
     def group_params(self) -> list[list]:
         """The parameters of each of the optimizer's groups (the module's: named in the record)."""
@@ -92,6 +105,13 @@ class DataParallel:
         """The model's full state dict under Hugging Face names, for the initial weights; None: the module's own
         state_dict is full. Collective where it is sharded: every rank calls it, rank 0 saves it."""
         return None
+
+    def full_optimizer_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], int] | None:
+        """AdamW's moments as full fp32 CPU tensors under Hugging Face names and its step count, as the harness's
+        strategies export theirs (Strategy.full_optimizer_state's shape and, for a torch optimizer over the module's
+        parameters, its code: parity.training.optimizer.full_moments); None where the optimizer holds them in pieces of
+        its own. Collective where they are sharded: every rank calls it (whole: rank 0 alone needs to)."""
+        return full_moments(self.model.named_parameters(), self.optimizer, torch.device("cpu"))
 
     def replicas(self):
         """What every rank holds alike under data parallelism: every parameter and its Adam moments."""
@@ -121,6 +141,7 @@ class FullyShard(DataParallel):
 
     kind = "fsdp2"
     zero_stage = 3
+    whole = False
 
     def __init__(self, model, optimizer, device: torch.device):
         super().__init__(model, optimizer)
@@ -170,6 +191,9 @@ class FullyShard(DataParallel):
 
         return {k: full_tensor(v, self.device) for k, v in self.model.state_dict().items()}
 
+    def full_optimizer_state(self):
+        return full_moments(self.model.named_parameters(), self.optimizer, self.device)  # DTensors: full_tensor()
+
     def replicas(self):
         from parity.training.dtensor_strategy import dtensor_replicas, replicated_parameters
 
@@ -197,6 +221,7 @@ class FSDP1(DataParallel):
 
     kind = "fsdp1"
     zero_stage = 3
+    whole = False
 
     def __init__(self, wrapper, optimizer, inner, device: torch.device):
         from torch.distributed.fsdp import ShardingStrategy
@@ -215,10 +240,11 @@ class FSDP1(DataParallel):
             raise LayoutRefused("FSDP1 around a module the recorder cannot name (pass the FSDP wrapper of a Hugging "
                                 "Face model)")
 
-    def names(self):
+    @staticmethod
+    def clean(name: str) -> str:
         from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-        return {id(p): clean_tensor_name(n) for n, p in self.model.named_parameters()}
+        return clean_tensor_name(name)
 
     def _norm(self, tensors) -> float:
         from parity.training.optimizer import squared_norm_fp64
@@ -243,6 +269,20 @@ class FSDP1(DataParallel):
                                   FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
             return {k: v.detach().clone() for k, v in self.wrapper.state_dict().items()}  # FSDP1's gather
 
+    def full_optimizer_state(self):
+        """FSDP1's own gather of the optimizer's state (its optim_state_dict under FULL_STATE_DICT, keyed by the
+        parameters' names), as full_state is its FULL_STATE_DICT: no harness strategy runs FSDP1."""
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(self.wrapper, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=False),
+                                  FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+            state = FSDP.optim_state_dict(self.wrapper, self.optimizer)["state"]
+        moments = {self.clean(n): {k: s[k].detach().float().cpu().clone() for k in ADAMW_MOMENTS}
+                   for n, s in state.items() if s}
+        return moments, next((int(s["step"]) for s in state.values() if "step" in s), 0)
+
     def replicas(self):
         return []
 
@@ -255,10 +295,11 @@ class FSDP1(DataParallel):
 
 
 class ZeRO(DataParallel):
-    """A DeepSpeed engine (ZeRO stages 0–3, TP 1) that a user's loop steps: the DeepSpeed strategy's norms and
-    replicas (parity/strategies/autotp/zero_state.py), DeepSpeed's own full tensors and pre-clip norm."""
+    """A DeepSpeed engine (ZeRO stages 0–3, TP 1) that a user's loop steps: the DeepSpeed strategy's norms, replicas
+    and full tensors (parity/strategies/autotp/zero_state.py), DeepSpeed's own pre-clip norm."""
 
     grad_norm_visible = False  # DeepSpeed clips inside engine.step(): its own norm, after the step
+    whole = False
     steps_once_an_update = False  # ZeRO-1/2 step the client optimizer once per parameter group, ZeRO-3 per sub-group
 
     def __init__(self, engine, device: torch.device):
@@ -300,16 +341,25 @@ class ZeRO(DataParallel):
         return module_norm(self.engine, self._local_master, zero_stage=self.zero_stage,
                            partitioned=self.zero_stage > 0 and self.masters_apart, device=self.device, tp_size=1)
 
-    def full_state(self):
-        from deepspeed.utils import safe_get_full_fp32_param
-
+    def _gather(self, read) -> dict[str, torch.Tensor]:
         from parity.strategies.autotp.gathers import full_tensors
 
-        read = safe_get_full_fp32_param if self.zero_stage > 0 else (lambda p: p)
-        full = full_tensors(self.model, read)  # every parameter once, under its first name
+        return full_tensors(self.model, read)  # every parameter once, under its first name (TP 1: as read)
+
+    def full_state(self):
+        """The master weights (the DeepSpeed strategy's reading: zero_state.full_masters), tied names and buffers as
+        the module's state dict holds them."""
+        from parity.strategies.autotp.zero_state import full_masters
+
+        full = full_masters(self.engine, self.zero_stage, self._gather, self._local_master)
         first = {id(p): name for name, p in self.model.named_parameters()}
         tied = {name: full[first[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
         return {k: tied.get(k, v) for k, v in self.model.state_dict().items()}  # buffers as the module holds them
+
+    def full_optimizer_state(self):
+        from parity.strategies.autotp.zero_state import full_moments as zero_moments
+
+        return zero_moments(self.engine, self.zero_stage, self._gather, self._local_master)
 
     def gradient_pieces(self) -> list[Piece]:
         """Each gradient's piece where DeepSpeed holds it before engine.step() (the DeepSpeed strategy's reading:

@@ -41,18 +41,23 @@ from parity.integrations.group import own_group, release
 from parity.integrations.recorded_tensors import CLIPPED
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
 from parity.integrations.resume import DeclaredSchedule
+from parity.integrations.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
 
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → the harness's policy (autocast)
 
 
 class ParityCallback(TrainerCallback):
     """Records a Trainer's run for the harness: `output_dir` and `name` as ParityRecorder's, `max_batch_bytes` its
-    cap on the saved batches, `dump_step` a step to record in full for compare_dumps.py (parity/integrations/dump.py)."""
+    cap on the saved batches, `dump_step` a step to record in full for compare_dumps.py (parity/integrations/dump.py),
+    `checkpoint_interval` and `max_state_bytes` where and how much of the run's state it saves for the teacher-forced
+    check (parity/integrations/states.py)."""
 
     def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-                 dump_step: int | None = None):
+                 dump_step: int | None = None, checkpoint_interval: int | None = DEFAULT_CHECKPOINT_INTERVAL,
+                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES):
         self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
         self.dump_step = dump_step
+        self.state_saving = {"checkpoint_interval": checkpoint_interval, "max_state_bytes": max_state_bytes}
         self.recorder: ParityRecorder | None = None
         self._hook, self._stepped, self._own_group = None, False, False
 
@@ -76,7 +81,8 @@ class ParityCallback(TrainerCallback):
                                        max_batch_bytes=self.max_batch_bytes, framework="transformers.Trainer",
                                        framework_versions=versions, dump_step=self.dump_step,
                                        start_step=state.global_step,  # > 0: resumed from a checkpoint
-                                       tensor_grad=CLIPPED)  # its callbacks come after its clipping
+                                       tensor_grad=CLIPPED,  # its callbacks come after its clipping
+                                       **self.state_saving)
         if not self.recorder.enabled:
             return
         if args.logging_steps != 1:

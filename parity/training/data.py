@@ -163,7 +163,8 @@ class Batch:
     the rows do not split evenly (a recorded run's step, replayed: parity.training.data.RecordedBatches), the rows of
     each micro-batch of each DP rank, ((rank 0's), (rank 1's), ...); None: DP rank r holds rows [r·b, (r+1)·b) in
     --grad_accum_steps equal micro-batches. `attention_mask`: fed to the model where rows are left-padded (a recorded
-    run's, as it fed them); None: no mask (right padding needs none for a causal model)."""
+    run's, as it fed them), and where a step is taken as a recorded run fed it (RecordedBatches.as_fed); None: no mask
+    (right padding needs none for a causal model)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -249,22 +250,31 @@ class RecordedBatches:
     """Step → the global batch a recorded run trained on (parity/integrations/recorder.py saved each one in
     `folder`), its rows in the harness's order (the run's DP rank 0's rows, then rank 1's ..., each row as fed),
     split over the replay's `workers` by row_plan in micro-batches of at most `most_rows` rows: what a replay trains
-    on. Read on the worker when the step comes."""
+    on. Read on the worker when the step comes. `states`: the run's states the recorder saved at its checkpoints, which
+    the replay (not a noise reference) checks after its training (recorded_states.RecordedStates, check_recorded)."""
 
-    def __init__(self, folder: str, steps: int, description: str, workers: int = 1, most_rows: int = 1):
+    def __init__(self, folder: str, steps: int, description: str, workers: int = 1, most_rows: int = 1,
+                 states=None):
         self.folder, self.steps_per_epoch = folder, steps
-        self.workers, self.most_rows = workers, most_rows
+        self.workers, self.most_rows, self.states = workers, most_rows, states
         self.dataset = _Described(description)
 
     def __call__(self, step: int) -> Batch:
+        fed = self.as_fed(step)
+        ids, mask = fed.input_ids, fed.attention_mask
+        return Batch(ids, fed.labels, row_plan(len(ids), self.workers, self.most_rows),
+                     mask if left_padded(mask) else None)
+
+    def as_fed(self, step: int) -> Batch:
+        """The global batch of `step` as the run fed it, its attention mask whatever its padding, in one piece: what
+        the teacher-forced check's reference step computes on, as the run computed (in bf16 an attention with a mask
+        rounds otherwise than one without: ~the policy's whole rounding)."""
         from safetensors.torch import load
 
         from parity import storage
 
         tensors = load(storage.read_bytes(recorded_batch_path(self.folder, step)))
-        ids, mask = tensors["input_ids"].long(), tensors["attention_mask"].long()
-        return Batch(ids, tensors["labels"].long(), row_plan(len(ids), self.workers, self.most_rows),
-                     mask if left_padded(mask) else None)
+        return Batch(tensors["input_ids"].long(), tensors["labels"].long(), None, tensors["attention_mask"].long())
 
 
 def left_padded(mask: torch.Tensor) -> bool:

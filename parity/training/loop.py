@@ -17,6 +17,8 @@
     next update against a reference step from its own state; the record's step holds the measurements
 [7] at the end: full parameters gathered, a Hugging Face-format checkpoint, and the final model's loss on
     the last batch (which that checkpoint must reproduce)
+[10] a replay of a recorded run (train_ddp.py --replay_record), once trained: the teacher-forced check from each state
+    the run's recorder saved (parity/training/recorded_states.py), on rank 0 while the others wait
 A failure every rank meets at once (a write that fails, a loss that is not finite) stops all ranks together
 (RunStopped); the Ray Train worker returns it rather than raising it, so Ray does not retry it.
 """
@@ -46,6 +48,7 @@ from parity.models.model import (build_model, config_summary, load_init_weights,
 from parity.training.observer import (ModelStateProbe, StepObserver, device_name, reset_peak_memory,
                                       worker_nodes)
 from parity.training.record import LossRecord, run_record_path
+from parity.training.recorded_states import check_recorded
 from parity.training.strategy import WorkerContext, loss_sum, lr_at
 from parity.training.teacher_forced import KEY as TEACHER_FORCED, TeacherForcedCheck
 from parity.training.tensor_norms import PRE_CLIP
@@ -110,6 +113,7 @@ def train_group_worker(payload: dict) -> dict | None:
             worker = start_worker({"terminal": to_terminal, **run}, resuming=resuming)
             try:
                 train(worker, run["batches"], session)
+                check_recorded(worker, run["batches"])  # [10] a recorded run's replay: the states it saved
             finally:
                 worker.trackers.close()  # a run that stopped: its tracker runs end as failed
         except RunStopped as exc:

@@ -136,6 +136,9 @@ class StepObserver:
                            harness_s=harness_s, **checked, **extras)
         if self.is_logging_rank and tensor_grad_norms is not None and tensor_param_norms is not None:
             self.tensors.append(step, list(tensor_grad_norms), list(tensor_param_norms), clip_coef)
+        if checkpoint:  # the checkpoint keeps the record's progress, chunks listed: a resume keeps no step held back
+            agree(write_problem(self.tensors.flush if self.is_logging_rank else lambda: None,
+                                f"the tensor series beside {self.record.path}"))
         harness_s["record"] = time.perf_counter() - r0
         if self.trackers:
             harness_s["trackers"] = self.trackers.log_step(self.record.steps[-1])

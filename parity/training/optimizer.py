@@ -102,6 +102,31 @@ def clip_coefficient(total_norm: float, cfg) -> float:
     return min(1.0, cfg.max_grad_norm / (total_norm + 1e-6))
 
 
+def full_moments(named_parameters, optimizer, device: torch.device, master_of=None) -> tuple[dict, int] | None:
+    """AdamW's state of a torch `optimizer` over the module parameters `named_parameters` ((Hugging Face name,
+    parameter), a tied weight once) as full fp32 CPU tensors — ({name: {"exp_avg", "exp_avg_sq"}}, its step count),
+    ({}, 0) before the first step — where each state is whole or a DTensor (gathered, in the parameters' order on
+    every rank); `master_of(p)`: the tensor the optimizer steps for p (a policy's fp32 master), p itself by default.
+    None where a moment's shape is not its parameter's (a piece of a framework's own: a flat shard), alike on every
+    rank. Strategy.full_optimizer_state and the recorder's layouts (parity/integrations/sharded.py) read it so, once.
+    Collective where the states are DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    moments, count = {}, 0
+    for name, p in named_parameters:
+        state = optimizer.state.get(master_of(p) if master_of is not None else p)
+        if not state:
+            continue
+        count = int(state["step"]) if "step" in state else count
+        moments[name] = {}
+        for key in ADAMW_MOMENTS:
+            t = state[key].detach().to(device)
+            moments[name][key] = (t.full_tensor() if isinstance(t, DTensor) else t).float().cpu().clone()
+        if moments[name]["exp_avg"].shape != p.shape:
+            return None
+    return moments, count
+
+
 def local_norm(tensors) -> float:
     """The L2 norm of plain (unsharded) tensors taken together, accumulated in float64."""
     return math.sqrt(float(sum(squared_norm_fp64(t) for t in tensors)))

@@ -19,8 +19,8 @@ from parity.errors import ConfigError
 from parity.layout import Layout
 from parity.precision import policy_of
 from parity.training.loss import IGNORE_INDEX, loss_sum
-from parity.training.optimizer import (ADAMW_MOMENTS, OptimizerStep, build_optimizer, clip_coefficient,
-                                       clip_local_gradients, local_norm, lr_at, set_lr, squared_norm_fp64, step_optimizer)
+from parity.training.optimizer import (OptimizerStep, build_optimizer, clip_coefficient, clip_local_gradients,
+                                       full_moments, local_norm, lr_at, set_lr, squared_norm_fp64, step_optimizer)
 from parity.training.option import Option
 from parity.training.replicas import Replica, whole_model
 from parity.training.routing import Routing
@@ -339,27 +339,15 @@ class Strategy(Routing):
         step count), ({}, 0) before the first step — on every rank, or None where this strategy cannot export it (the
         teacher-forced check then compares the grad norm only: parity/training/teacher_forced.py). The inverse of
         set_optimizer_state. Here for a torch optimizer (`self.optimizer`) over the HF module's parameters (or their
-        PolicyOptimizer masters), whole or DTensor shards (gathered, in one order on every rank); a moment whose shape is
-        not its full parameter's (a piece of a strategy's own) makes it None on every rank alike. Collective."""
-        from torch.distributed.tensor import DTensor
-
+        PolicyOptimizer masters), whole or DTensor shards (optimizer.full_moments: gathered, in one order on every
+        rank); a moment whose shape is not its full parameter's (a piece of a strategy's own) makes it None on every rank
+        alike. Collective."""
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or self.ctx.pp_size > 1 or not hasattr(optimizer, "state"):
             return None
         policy = self.policy_optimizer
-        moments, count = {}, 0
-        for name, p in self.hf_model.named_parameters():
-            state = optimizer.state.get(policy.master_of(p) if policy is not None else p)
-            if not state:
-                continue
-            count = int(state["step"]) if "step" in state else count
-            moments[name] = {}
-            for key in ADAMW_MOMENTS:
-                t = state[key].detach().to(self.ctx.device)
-                moments[name][key] = (t.full_tensor() if isinstance(t, DTensor) else t).float().cpu().clone()
-            if moments[name]["exp_avg"].shape != p.shape:
-                return None
-        return moments, count
+        return full_moments(self.hf_model.named_parameters(), optimizer, self.ctx.device,
+                            policy.master_of if policy is not None else None)
 
     def accumulating(self, last: bool):
         """The context of one micro-batch's forward and backward under --grad_accum_steps: gradients are

@@ -157,6 +157,28 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
     return None if done.skipped else (ref.state(), float(done.norm))
 
 
+def references(cfg, model_config, state: FullState, global_batch, lr: float, device,
+               loss_scale: float = 1.0) -> tuple[tuple[FullState, float] | None, tuple[FullState, float] | None]:
+    """[2] (the reference step in the run's policy, the same step in fp32 or None): reference_step's twice in a
+    low-precision policy — how far the policy's rounding moves each tensor at this step is the check's bound there —
+    and once in fp32 (the first None where an fp16 overflow skipped it)."""
+    own = reference_step(cfg, model_config, state, global_batch, lr, device, loss_scale=loss_scale)
+    exact = None
+    if cfg.precision != "fp32" and own is not None:
+        exact = reference_step(cfg, model_config, state, global_batch, lr, device, "fp32")
+    return own, exact
+
+
+def measured(after: FullState, grad_norm: float, refs, before: FullState, lr: float) -> dict:
+    """[3] A check's measurements: {"tensors": each tensor of `after` against the reference step (measure)} and, where
+    `refs` (references') holds the fp32 twin, "rounding": the reference in the policy measured against it."""
+    (ref, ref_norm), exact = refs
+    entry = {"tensors": measure(after, grad_norm, ref, ref_norm, before, lr)}
+    if exact is not None:
+        entry["rounding"] = measure(ref, ref_norm, exact[0], exact[1], before, lr)
+    return entry
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
     """‖a − b‖ / ‖scale‖ in float64 (0 where both are equal, inf where only the scale is 0)."""
     diff = float(torch.linalg.vector_norm((a.double() - b.double()).flatten()))
@@ -246,13 +268,8 @@ class TeacherForcedCheck:
                       for k, v in saved.items()}
         refs = None
         if self.ctx.is_logging_rank:
-            batch, lr = global_batch.to(self.ctx.device), lr_at(step, self.cfg)
-            own = reference_step(self.cfg, self.model_config, state, batch, lr, self.ctx.device,
-                                 loss_scale=self.strategy.current_loss_scale)
-            exact = None
-            if self.cfg.precision != "fp32" and own is not None:
-                exact = reference_step(self.cfg, self.model_config, state, batch, lr, self.ctx.device, "fp32")
-            refs = (own, exact)
+            refs = references(self.cfg, self.model_config, state, global_batch.to(self.ctx.device),
+                              lr_at(step, self.cfg), self.ctx.device, self.strategy.current_loss_scale)
         self.pending = (state, refs, resume, time.perf_counter() - t0)
 
     def after(self, step: int, grad_norm: float, skipped: bool = False) -> dict | None:
@@ -264,7 +281,6 @@ class TeacherForcedCheck:
         after = capture(self.strategy)
         entry = None
         if self.ctx.is_logging_rank:
-            (ref, ref_norm), exact = refs if refs[0] is not None else ((None, None), None)
             note = None
             if before.moments is None:
                 note = (f"{self.cfg.strategy} cannot export its optimizer state (Strategy.full_optimizer_state): "
@@ -272,10 +288,7 @@ class TeacherForcedCheck:
             if skipped or refs[0] is None:
                 entry = {"note": SKIPPED[skipped, refs[0] is None]}
             else:
-                lr = lr_at(step, self.cfg)
-                entry = {"tensors": measure(after, grad_norm, ref, ref_norm, before, lr), "note": note}
-                if exact is not None:
-                    entry["rounding"] = measure(ref, ref_norm, exact[0], exact[1], before, lr)
+                entry = {**measured(after, grad_norm, refs, before, lr_at(step, self.cfg)), "note": note}
             if resume is not None:
                 entry["resumed"] = resume
         answer = [entry]

@@ -31,8 +31,8 @@ SUFFIX = ".tensors"
 
 def folder_of(record_path: str) -> str:
     """The series' folder beside the record `record_path` (loss_ddp.json → loss_ddp.tensors)."""
-    stem = record_path[:-len(".json")] if record_path.endswith(".json") else record_path
-    return stem + SUFFIX
+    name = storage.name(record_path)  # a URI's query (an S3 endpoint) stays the URI's, after the path
+    return storage.join(storage.parent(record_path), (name[:-len(".json")] if name.endswith(".json") else name) + SUFFIX)
 
 
 class TensorSeriesWriter:
@@ -45,7 +45,7 @@ class TensorSeriesWriter:
             record.data[KEY] = {"names": [], "why": why or "the strategy does not hand over its tensors' pieces"}
         else:
             record.data[KEY] = {"names": list(names), "grad": grad, "folder": storage.name(folder_of(record.path)),
-                                "chunks": []}
+                                "chunks": list(record.data.get(KEY, {}).get("chunks", []))}  # a resumed record's kept
 
     @property
     def measured(self) -> bool:

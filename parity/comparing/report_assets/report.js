@@ -1,6 +1,7 @@
 /* report.html's script (parity/comparing/html_report.py inlines it): a hover readout over the static SVG charts.
    Pointing at (or focusing and pressing ← →) a step shows every run's loss, grad norm and parameter norm there,
-   and for each run but the baseline its relative difference from the baseline and its bound. Nothing is fetched:
+   and for each run but the baseline its relative difference from the baseline and its bound; pointing at a cell of a
+   tensor verdict's heatmap, that tensor's norms, step, phase and deviation ÷ bound. Nothing is fetched:
    the numbers are the page's own JSON (#report-data). Without this script the charts and tables read as they are. */
 (function () {
   "use strict";
@@ -93,6 +94,38 @@
     var left = +svg.dataset.left, right = +svg.dataset.right;
     return Math.round((x - left) / (right - left) * (n - 1));
   }
+
+  // The tensor verdict's heatmaps: pointing at a cell (its x and y are its column and row) shows the JSON's values.
+  function showCell(svg, rect) {
+    var found = (data.tensors || {})[svg.dataset.run];
+    if (!found) { return; }
+    var m = found.matrix, row = +rect.getAttribute("y"), col = +rect.getAttribute("x");
+    var at = m.at[row][col], span = m.columns[col];
+    var table = document.createElement("table");
+    table.appendChild(cell("caption", m.tensors[row] + ", step " + at[0] + (span[1] > span[0] ?
+      " (largest of steps " + span[0] + "–" + span[1] + ")" : "") + ", " + m.phases[at[1]],
+      {"data-tensor": m.tensors[row], "data-step": String(at[0]), "data-phase": m.phases[at[1]]}));
+    var tbody = document.createElement("tbody");
+    [[found.label, at[2], "value"], [base.label + " (baseline)", at[3], "reference"],
+     ["deviation ÷ bound", m.ratio[row][col], "ratio"]].forEach(function (r) {
+      var tr = document.createElement("tr");
+      tr.appendChild(cell("th", r[0], {scope: "row"}));
+      var td = cell("td", r[2] === "ratio" ? Number(r[1]).toPrecision(3) + (r[1] > 1 ? " ✗ outside" : "") :
+                    fmt(r[1]), {"data-kind": r[2]});
+      if (r[2] === "ratio" && r[1] > 1) { td.className = "differs"; }
+      tr.appendChild(td);
+      tbody.appendChild(tr);
+    });
+    table.appendChild(tbody);
+    readout.replaceChildren(table);
+    readout.hidden = false;
+  }
+  Array.prototype.forEach.call(document.querySelectorAll("svg.tensor-map"), function (svg) {
+    svg.addEventListener("mouseover", function (e) {
+      var rect = e.target.closest ? e.target.closest(".cells rect") : null;
+      if (rect) { showCell(svg, rect); }
+    });
+  });
 
   panels.forEach(function (svg) {
     svg.setAttribute("tabindex", "0");

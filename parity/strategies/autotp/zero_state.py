@@ -156,6 +156,65 @@ def full_fragments(params, keys) -> dict[int, dict]:
     return full
 
 
+def full_masters(engine, zero_stage: int, gather, local_of) -> dict[str, torch.Tensor]:
+    """The master weights, what the optimizer updates, as full fp32 CPU tensors by name: ZeRO-1/2's fragments gathered
+    over DP in one collective (full_fragments), ZeRO-3's partitions by DeepSpeed (safe_get_full_fp32_param), ZeRO-0's
+    whole ones (`local_of`: local_master's reading of the engine's policy). `gather(read)`: {name: full tensor} of
+    `read(p)` — this rank's shard of each parameter's tensor — over the layers a strategy shards (TP, EP) or as they are
+    (gathers.full_tensors). The DeepSpeed strategy and the recorder of a user's engine read them so. Collective."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    if zero_stage == 0:
+        return gather(local_of)
+    if zero_stage == 3:
+        return gather(safe_get_full_fp32_param)
+    fragments = full_fragments(list(engine.module.parameters()), (None,))
+    return gather(lambda p: fragments[id(p)][None])
+
+
+def full_moments(engine, zero_stage: int, gather, local_of) -> tuple[dict, int]:
+    """AdamW's moments gathered as full_masters gathers the master weights — ({name: {"exp_avg", "exp_avg_sq"}}, the
+    optimizer's step count), ({}, 0) before its first step: ZeRO-1/2's fragments in one collective (full_fragments),
+    ZeRO-3's by DeepSpeed's safe_get_full_optimizer_state, ZeRO-0's optimizer's own state of each master. Collective."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    counts = {int(v["step"]) for v in inner.state.values() if "step" in v}
+    if not counts:  # before the first step (ZeRO-3 holds empty entries then)
+        return {}, 0
+    link_moments(engine.optimizer)
+    (count,) = counts
+    if zero_stage in (1, 2):
+        fragments = full_fragments(list(engine.module.parameters()), ADAMW_MOMENTS)
+        by_key = {key: gather(lambda p, key=key: fragments[id(p)][key]) for key in ADAMW_MOMENTS}
+    elif zero_stage == 0:
+        by_key = {key: gather(lambda p, key=key: inner.state[local_of(p)][key]) for key in ADAMW_MOMENTS}
+    else:
+        by_key = {key: gather(lambda p, key=key: safe_get_full_optimizer_state(p, key)) for key in ADAMW_MOMENTS}
+    names = by_key[ADAMW_MOMENTS[0]]
+    return {name: {key: by_key[key][name] for key in ADAMW_MOMENTS} for name in names}, count
+
+
+def link_moments(zero_optimizer) -> None:
+    """Each parameter's fragment linked to AdamW's state with DeepSpeed's own linkage, every parameter group's.
+    DeepSpeed links them once, at its first step, and after load_checkpoint at its next one; ZeRO-1/2 (0.19.8) do it
+    inside the step of the first group (`_optimizer_step(group_no)`), before AdamW has made the later groups' state, so
+    that a loop with several groups (no weight decay on biases and norms) finds no moments in theirs ("exp_avg not found
+    in optimizer state fragment"). Relinked here, now that every state exists; the BF16 optimizer, which steps its
+    groups at once, links them itself."""
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+    groups = getattr(zero_optimizer, "bit16_groups", None)
+    partitions = getattr(zero_optimizer, "single_partition_of_fp32_groups", None)
+    if groups is None or partitions is None:
+        link = getattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:
+            link()
+        return
+    for params, partition in zip(groups, partitions):
+        lazy_init_hp_params_optimizer_state(params, partition, zero_optimizer.optimizer.state)
+
+
 def zero_replicas(engine, zero_stage: int, *, everyone: tuple[int, ...], same_shard: tuple[int, ...],
                   same_partition: tuple[int, ...], tp_size: int) -> list[Replica]:
     """What ranks hold alike under AutoTP + ZeRO (DeepSpeed 0.19.8), each with its ranks: `everyone` (the world),
