@@ -1,33 +1,30 @@
-"""The per-tensor verdict's seeded bugs (issue 52): one tensor wrong from a late step, named at that step.
+"""The tensor verdict's seeded bugs (issue 52): one tensor wrong from a late step, named at that step.
 
 The bugs start at LATE_ONSET, a step the teacher-forced check does not run at (it runs at step 0 alone here: no
---checkpoint_interval), so the per-tensor series is what sees them there. In bf16, calibrated on DDP's three
-references: a norm's gradient summed over TP once more and one expert layer's gradient doubled under EP FAIL at that
-step on that tensor, in its gradient, while the three curves alone PASS. A router's gradient doubled on one rank
-under EP and the load-balancing loss's gradient dropped move the router's gradient by 0.4 and 0.08: below bf16's own
-noise on a router (its top-k choices flip; NOISE_K × its envelope is about 0.6, docs/tensors_measured.md), so they are
-judged in fp32, on DDP's two fp32 twins (the fixed fp32 per-tensor bound the doc recommends, 1e-3, reads them at 410 ×
-and 80 ×): named at their step, where the curves FAIL too but name no tensor.
-One mixture of experts (mixtral-tiny: norms, experts and routers in one model), one set of weights, one local gloo group
-per world size.
+--checkpoint_interval), so the tensor series is what sees them there. In bf16, calibrated on DDP's three references: a
+norm's gradient summed over TP once more and one expert layer's gradient doubled under EP FAIL at that step on that
+tensor, in its gradient, while the three curves alone PASS. A router's gradient doubled on one rank under EP and the
+load-balancing loss's gradient dropped move the router's gradient by 0.4 and 0.08: below bf16's own noise on a router
+(its top-k choices flip; NOISE_K × its envelope is about 0.6, docs/tensors_measured.md), so they are judged in fp32, on
+DDP's two fp32 twins, the fixed fp32 table a floor under their bounds: named at their step; the router's bug leaves the
+curves within their bounds (its 5e-6 on the global grad norm), the dropped aux loss's moves the global grad norm
+(4e-4) but names no tensor. One mixture of experts (mixtral-tiny: norms, experts and routers in one model), one set of
+weights, one local gloo group per world size; plot_loss_curves.py judges each folder as a user runs it.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from fnmatch import fnmatch
 
 import pytest
 
 from test_families import family_weights
 from parity.calibration.tensor_bugs import LATE_ONSET, TENSOR_BUGS
-from parity.calibration.tensors import deviations, first_outside, phase_floors
 from parity.commands.compare_curves import main as plot_loss_curves
-from parity.comparing.tolerances import NOISE_K
 from parity.driver.local_group import plan, run_group
-from parity.training.record import load_record
 from parity.training.tensor_norms import GRADIENT
-from parity.training.tensor_series import load_series
 
 MODEL = "mixtral-tiny"
 SEED = 67  # outside the calibration study's seeds (42–61) and the suite's others (64–66)
@@ -89,53 +86,44 @@ def copy(record, to) -> None:
     shutil.copytree(record.parent / series, to.parent / series, dirs_exist_ok=True)
 
 
-def tensors_against_baseline(folder, precision: str):
-    """Every tensor of the run in `folder` against DDP's, each with its envelope from the references."""
-    def series(name):
-        path = str(folder / name)
-        return load_series(path, load_record(path))
-
-    references = [series(name) for name in reference_files(precision)]
-    return deviations(series("loss_fsdp.json"), series("loss_ddp.json"), references, phase_floors(precision))
-
-
-def curves_alone(folder, capsys) -> dict:
-    """plot_loss_curves.py on the folder, as a user runs it: the run's entry (its curves, calibrated)."""
+def judged(folder, capsys) -> dict:
+    """plot_loss_curves.py on the folder, as a user runs it: the copy's entry against DDP (its curves, calibrated, and
+    its tensor verdict), and the curves' own worst deviation ÷ bound over every step (the tensor verdict aside)."""
     code = plot_loss_curves(["--input_dir", str(folder), "--output", str(folder / "curves.png")])
     capsys.readouterr()
-    against = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"]["fsdp"]
-    assert code == (0 if against["verdict"] == "PASS" else 1) and against["calibrated"]
+    comparison = json.loads((folder / "curve_comparison.json").read_text())
+    against = comparison["against_baseline"]["fsdp"]
+    assert code == 1 and against["verdict"] == "FAIL" and against["calibrated"] and against["tensors"]["calibrated"]
+    mine, base = comparison["runs"]["fsdp"]["series"], comparison["runs"]["ddp"]["series"]
+    against["curves_worst"] = max(abs(x - b) / abs(b) / bound for q, bounds in against["bounds"].items()
+                                  for x, b, bound in zip(mine[q], base[q], bounds))
     return against
-
-
-def tensor_named(folder, precision: str) -> tuple[int, str, str, float]:
-    """The per-tensor measurement's first tensor outside: (step, name, phase, deviation ÷ its bound)."""
-    first = first_outside(tensors_against_baseline(folder, precision), NOISE_K)
-    assert first is not None, folder
-    step = first.first_above(NOISE_K)
-    return step, first.name, first.phase, first.ratios[step] / NOISE_K
 
 
 @pytest.mark.parametrize("bug", [b for b, (_, precision) in CASES.items() if precision == "bf16"])
 def test_a_late_bug_in_one_tensor_fails_at_its_step_on_that_tensor_while_the_curves_pass_in_bf16(folders, capsys,
                                                                                                    bug):
-    folder, precision = folders[bug]
-    step, name, phase, times = tensor_named(folder, precision)
-    against = curves_alone(folder, capsys)
-    print(f"{bug}: step {step}, {name} ({phase}) at {times:.1f} × its bound; the curves' deviation ÷ noise "
-          f"{max(against['noise_ratio'].values()):.1f}")
-    assert (step, name, phase) == (LATE_ONSET, TENSOR_BUGS[bug][1], GRADIENT) and times > 1
-    assert against["verdict"] == "PASS" and max(against["noise_ratio"].values()) < NOISE_K, against
+    folder, _ = folders[bug]
+    against = judged(folder, capsys)
+    first = against["tensors"]["first_outside"]
+    print(f"{bug}: step {first['step']}, {first['tensor']} ({first['phase']}) at {first['ratio']:.1f} × its bound; "
+          f"the curves' worst {against['curves_worst']:.2f} of their bounds")
+    assert (first["step"], first["tensor"], first["phase"]) == (LATE_ONSET, TENSOR_BUGS[bug][1], GRADIENT)
+    assert first["ratio"] > 1 and against["first_outside"]["test"] == "tensors"
+    assert against["curves_worst"] < 1, against
 
 
 @pytest.mark.parametrize("bug", [b for b, (_, precision) in CASES.items() if precision == "fp32"])
 def test_a_late_router_bug_is_named_at_its_step_in_fp32(folders, capsys, bug):
-    """Below bf16's noise on a router, plain in fp32: the tensor verdict names the router at the bug's first step; the
-    curves, calibrated on the same twins, FAIL too, but name no tensor."""
-    folder, precision = folders[bug]
-    step, name, phase, times = tensor_named(folder, precision)
-    against = curves_alone(folder, capsys)
-    curves = against["first_outside"]
-    print(f"{bug}: step {step}, {name} ({phase}) at {times:.1f} × its bound; the curves: {curves}")
-    assert (step, name, phase) == (LATE_ONSET, TENSOR_BUGS[bug][1], GRADIENT) and times > 1
-    assert against["verdict"] == "FAIL" and curves["step"] >= LATE_ONSET
+    """Below bf16's noise on a router, plain in fp32: the tensor verdict names the router at the bug's first step, the
+    gradient phase, far outside; the curves see the router's doubled piece nowhere, the dropped aux loss's at most on
+    the global grad norm."""
+    folder, _ = folders[bug]
+    against = judged(folder, capsys)
+    first = against["tensors"]["first_outside"]
+    print(f"{bug}: step {first['step']}, {first['tensor']} ({first['phase']}) at {first['ratio']:.1f} × its bound; "
+          f"the curves' worst {against['curves_worst']:.2f} of their bounds")
+    assert (first["step"], first["phase"]) == (LATE_ONSET, GRADIENT) and fnmatch(first["tensor"], TENSOR_BUGS[bug][1])
+    assert first["ratio"] > 10 and against["first_outside"]["step"] == LATE_ONSET
+    if bug.startswith("a router"):
+        assert against["curves_worst"] < 1 and against["first_outside"]["test"] == "tensors", against

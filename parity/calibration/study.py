@@ -16,7 +16,7 @@ into a folder of its own; a record that is already complete is not trained again
 continues where it was. Then each clean and buggy run is measured against each candidate reference:
 deviation ÷ noise per curve (its worst step) and the drift statistic — with the comparing package's own
 functions, so the study measures exactly what the verdict computes — and, where its record holds every tensor's series,
-tensor by tensor against NOISE_K × each tensor's own envelope from the verdict's references (parity.calibration.tensors).
+tensor by tensor by the tensor verdict itself (parity.comparing.tensor_verdict), on the verdict's references.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from parity import storage
 from parity.calibration.bugs import CATALOGUE, SeededBug
 from parity.comparing.noise import drift_statistic, noise_envelope, noise_ratio, relative_diffs
 from parity.comparing.tolerances import CURVES, DRIFT_K, NOISE_FLOOR, NOISE_K, QUANTITIES
-from parity.calibration.tensors import deviations, first_outside, phase_floors
+from parity.comparing import tensor_verdict
+from parity.comparing.curves import Run
 from parity.training.record import load_record
-from parity.training.tensor_series import load_series
 
 SETTING = {"seq_length": 128, "debug_steps": 40, "learning_rate": 1e-3, "warmup_steps": 5, "max_grad_norm": 0.8,
            "log_interval": 40, "checkpoint_interval": 0}
@@ -237,7 +237,7 @@ def analyze(out: str, planned: list[Planned]) -> dict:
         if path:
             record = load_record(path)
             series[p.folder] = {q: [s[q] for s in record["steps"]] for q in QUANTITIES}
-            tensors[p.folder] = load_series(path, record)
+            tensors[p.folder] = Run(path, record)
     rows = {"clean": [], "bugs": [], "fp32_bugs": []}
     for p in planned:
         seed_folder = os.path.dirname(p.folder)
@@ -281,21 +281,23 @@ def measure(run: dict, base: dict, references: list[dict]) -> dict:
             "fails": max(ratios.values()) > NOISE_K or max(drifts.values()) > DRIFT_K}
 
 
-def measure_tensors(run, base, references, policy: str = "bf16") -> dict | None:
-    """One run's tensors against the baseline's, each held to NOISE_K × its own envelope from the verdict's references:
-    the worst tensor's deviation ÷ noise and where, and the first tensor outside (None: within at every step); None
-    where the run, the baseline or a reference has no tensor series (a strategy that does not hand over its pieces)."""
+def measure_tensors(run: Run | None, base: Run | None, references: list, policy: str = "bf16") -> dict | None:
+    """One run's tensor verdict against the baseline's on the verdict's references (tensor_verdict.judge): the worst
+    point's deviation ÷ bound and where, and the point it names (None: within at every step); None where the run, the
+    baseline or a reference has no tensor series (a strategy that does not hand over its pieces)."""
     if run is None or base is None or any(r is None for r in references):
         return None
-    measured = deviations(run, base, references, phase_floors(policy))
-    worst = max(measured, key=lambda d: max(d.ratios))
-    ratios = worst.ratios
-    first = first_outside(measured, NOISE_K)
-    step = first.first_above(NOISE_K) if first else None
-    return {"ratio": max(ratios), "tensor": worst.name, "phase": worst.phase, "step": ratios.index(max(ratios)),
+    series = {r.file: tensor_verdict.read(r) for r in [run, base, *references]}
+    if any(isinstance(x, str) for x in series.values()):
+        return None
+    steps = min(len(r.steps) for r in [run, base, *references])
+    found = tensor_verdict.judge(base, run, references, series, steps)
+    worst = max(found.largest.values(), key=lambda p: p.ratio)
+    first = found.first
+    return {"ratio": worst.ratio, "tensor": worst.tensor, "phase": worst.phase, "step": worst.step,
             "fails": first is not None,
-            "first_outside": {"step": step, "tensor": first.name, "phase": first.phase,
-                              "ratio": first.ratios[step]} if first else None}
+            "first_outside": {"step": first.step, "tensor": first.tensor, "phase": first.phase,
+                              "ratio": first.ratio} if first else None}
 
 
 def summarize_tensors(rows: dict, policy: str = "bf16") -> dict:
@@ -430,17 +432,17 @@ def markdown(rows: dict, summary: dict, wall_s: float, settings: dict, by_policy
 def tensor_markdown(t: dict) -> list[str]:
     """The per-tensor verdict's section: false alarms among the clean runs, and per bug class what caught it."""
     w = t["worst_clean"]
-    lines = ["## Per-tensor verdict (each tensor's gradient and parameter norm within NOISE_K × its own envelope, "
-             "twins + fp32 twin)", "",
+    lines = ["## Per-tensor verdict (the tensor verdict: each tensor's gradient and parameter norm within NOISE_K × its "
+             "own envelope, twins + fp32 twin)", "",
              f"Clean runs with tensor series: {t['clean_runs']}, false alarms: {t['false_alarms']}; the worst: "
-             f"{t['clean_max_ratio']:.1f} × its noise ({w['run']}, {w['kernel']}, seed {w['seed']}: {w['tensor']}, "
+             f"{t['clean_max_ratio']:.2f} of its bound ({w['run']}, {w['kernel']}, seed {w['seed']}: {w['tensor']}, "
              f"{w['phase']}, step {w['step']}).", ""]
     if t["by_bug"]:
-        lines += ["| bug | runs | caught by the tensors | by the curves | by either | weakest tensor ratio |",
+        lines += ["| bug | runs | caught by the tensors | by the curves | by either | weakest deviation ÷ bound |",
                   "|---|---|---|---|---|---|"]
         for name, b in t["by_bug"].items():
             lines.append(f"| {name} | {b['runs']} | {b['tensors']} | {b['curves']} | {b['either']} | "
-                         f"{b['min_ratio']:.1f} |")
+                         f"{b['min_ratio']:.2f} |")
     return lines
 
 

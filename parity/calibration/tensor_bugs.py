@@ -21,7 +21,7 @@ LATE_ONSET = 4
 TP_NORM = "model.layers.1.post_attention_layernorm.weight"  # a norm TP leaves whole (replicated over tp)
 EXPERTS = "model.layers.1.mlp.experts.down_proj"  # one sparse layer's experts (fused, sharded over ep)
 ROUTER = "model.layers.1.mlp.gate.weight"  # one sparse layer's router
-FIRST_ROUTER = "model.layers.0.mlp.gate.weight"  # the router the dropped aux loss moves most (measured, fp32)
+ROUTERS = "model.layers.*.mlp.gate.weight"  # every router: the dropped aux loss moves each (an fnmatch pattern)
 ROUTER_RANK = 1  # the rank whose router gradient is doubled
 
 
@@ -89,9 +89,9 @@ class FSDPAuxLossGradientDropped(_LateGradientBug):
         return aux.detach() if self.late() else aux
 
 
-TENSOR_BUGS = {  # the seeded bug → (its copy, the tensor it is confined to)
+TENSOR_BUGS = {  # the seeded bug → (its copy, the tensor it is confined to: a name, or an fnmatch pattern of names)
     "a norm's gradient summed over TP": (FSDPNormGradientSummedOverTP, TP_NORM),
     "an expert layer's gradient x 2 under EP": (FSDPExpertGradientDoubled, EXPERTS),
     "a router's gradient x 2 on one rank under EP": (FSDPRouterGradientDoubledOnOneRank, ROUTER),
-    "the aux loss's gradient dropped": (FSDPAuxLossGradientDropped, FIRST_ROUTER),
+    "the aux loss's gradient dropped": (FSDPAuxLossGradientDropped, ROUTERS),
 }

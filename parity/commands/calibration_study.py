@@ -66,7 +66,7 @@ def study(args) -> int:
         print(f"wrote {path}")
     if tensors["clean_runs"]:
         print(f"per tensor   clean runs {tensors['clean_runs']}, false alarms {tensors['false_alarms']} (max deviation "
-              f"÷ noise {tensors['clean_max_ratio']:.1f}; worst {tensors['worst_clean']})")
+              f"÷ bound {tensors['clean_max_ratio']:.2f}; worst {tensors['worst_clean']})")
     for policy, s in by_policy.items():
         if s:
             print(f"{policy:11s} clean runs {s['clean_runs']}, false alarms {s['false_alarms']} (max deviation ÷ noise "
