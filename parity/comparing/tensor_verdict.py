@@ -243,8 +243,8 @@ def first_outside(points: list[Point]) -> Point | None:
     outside = [p for p in points if not p.deviation <= p.bound]  # written so that a NaN fails too
     if not outside:
         return None
-    step = min(p.step for p in outside)
-    return max((p for p in outside if p.step == step), key=lambda p: p.ratio)
+    step = min(p.step for p in outside)  # ratios alike to rounding (a scale on every tensor) go to the earlier phase
+    return max((p for p in outside if p.step == step), key=lambda p: _rounded(p.ratio, 9))  # and model order
 
 
 def heat_matrix(names: list[str], points: list[Point], num_steps: int) -> dict:
