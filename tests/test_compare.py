@@ -222,18 +222,18 @@ Baseline DDP (TP=1, DP=2): replicas: bit-identical at each of 5 checks (every st
 several ranks each.
 
 DeepSpeed (TP=2, DP=2): PASS
-  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, deepspeed \
+  rtol 1e-05 (loss), 0.0001 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, deepspeed \
 fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm \
 0.000e+00; margin: exact (bit-identical)
   replicas: bit-identical at each of 5 checks (every step) of the 62 tensors held by several ranks each
   tensor verdict: PASS: 4 tensors' gradient and parameter norms within their bounds at each of 5 steps (bit-identical \
 to DDP's; uncalibrated)
 FSDP (TP=2, DP=2): FAIL
-  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); \
+  rtol 1e-05 (loss), 0.0001 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); \
 uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.500e-01, param norm 0.000e+00
   replicas: bit-identical at each of 5 checks (every step) of the 36 tensors held by several ranks each
   tensor verdict: FAIL at step 2: model.embed_tokens.weight, phase gradient: its gradient norm 1.000000e+00 vs DDP \
-8.000000e-01, deviation 2.500e-01 > bound 1.000e-05 (2.5e+04 × its bound; uncalibrated)
+8.000000e-01, deviation 2.500e-01 > bound 1.000e-03 (250 × its bound; uncalibrated)
     replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
 {folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
   first step outside: step 2: loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > 1.000e-05
@@ -330,7 +330,7 @@ def test_command_line_script(tmp_path):
     write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD)
     passing = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert passing.returncode == 0
-    assert "FSDP (TP=2, DP=2): PASS\n  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 " \
+    assert "FSDP (TP=2, DP=2): PASS\n  rtol 1e-05 (loss), 0.0001 (grad norm), 1e-05 (param norm) from the fixed fp32 " \
            "table (ddp fp32, fsdp fp32); uncalibrated: no noise reference; max relative diff loss 0.000e+00, " \
            "grad norm 0.000e+00, param norm 0.000e+00; margin: exact (bit-identical)\n" in passing.stdout
     bad = subprocess.run(args[:2] + ["--input_dir", str(tmp_path / "none"), "--output", "x.png"],
@@ -362,7 +362,7 @@ def test_replicas_that_part_fail_ahead_of_the_curves_in_one_line(tmp_path, capsy
     code, out, _ = run_cli(capsys, tmp_path)
     assert code == 1
     assert ("FSDP (TP=2, DP=2): FAIL\n"
-            "  rtol 1e-05 (loss), 1e-05 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); "
+            "  rtol 1e-05 (loss), 0.0001 (grad norm), 1e-05 (param norm) from the fixed fp32 table (ddp fp32, fsdp fp32); "
             "uncalibrated: no noise reference; max relative diff loss 0.000e+00, grad norm 0.000e+00, param norm 0.000e+00; "
             "margin: exact (bit-identical)\n"
             "  replicas part at step 3: model.norm.weight differs between ranks 0, 2 and ranks 1, 3 (max |difference| "
@@ -417,13 +417,13 @@ def test_a_gradient_scale_bug_fails_on_the_grad_norm(tmp_path, capsys):
     code, out, _ = run_cli(capsys, tmp_path)
     assert code == 1
     assert "first step outside: step 1: grad norm 3.000000 vs DDP 1.500000, relative diff 1.000e+00 > " \
-           "1.000e-05\n" in out
+           "1.000e-04\n" in out
     code, out, _ = run_cli(capsys, tmp_path, "--grad_norm_tolerance", "1.5")
     assert code == 1 and "uncalibrated: no noise reference; grad_norm --grad_norm_tolerance;" in out
     assert "  first step outside: step 1: model.embed_tokens.weight, phase gradient, outside its bound (the tensor " \
            "verdict above), whatever the curves say\n" in out
     assert "  tensor verdict: FAIL at step 1: model.embed_tokens.weight, phase gradient: its gradient norm " \
-           "2.400000e+00 vs DDP 1.200000e+00, deviation 1.000e+00 > bound 1.000e-05 (1e+05 × its bound; " \
+           "2.400000e+00 vs DDP 1.200000e+00, deviation 1.000e+00 > bound 1.000e-03 (1e+03 × its bound; " \
            "uncalibrated)\n" in out
 
 
@@ -442,7 +442,7 @@ def test_tolerance_from_precision(tmp_path, base_precision, run_precision, rel_d
     (r,) = compare(load_runs(str(tmp_path))).results
     v = r.verdict
     bounds = r.bounds.per_step
-    assert (bounds["loss"][0], bounds["grad_norm"][0], v.word) == (rtol, 1e-5 if rtol == 1e-5 else 1e-1, verdict)
+    assert (bounds["loss"][0], bounds["grad_norm"][0], v.word) == (rtol, 1e-4 if rtol == 1e-5 else 1e-1, verdict)
     looser = "fp32" if base_precision == run_precision == "fp32" else "bf16"
     assert v.tolerance_source.startswith(f"the fixed {looser} table (ddp {base_precision}, fsdp {run_precision})")
     assert (v.first_outside.step if v.first_outside else None) == (0 if verdict == "FAIL" else None)

@@ -31,6 +31,12 @@ HALVED = ("        rec.before_step()\n",
           "        rec.before_step()\n"
           f"        if step >= {ONSET}:  # seeded: the gradients halved after the recorder read them\n"
           "            torch._foreach_mul_([p.grad for p in ddp.parameters()], 0.5)\n")
+# One tensor's gradient doubled before the recorder reads it, from a step that is no state's: the tensor verdict's.
+DOUBLED_ONSET, DOUBLED_TENSOR = 40, "model.layers.0.input_layernorm.weight"
+DOUBLED = ("        rec.before_step()\n",
+           f"        if step >= {DOUBLED_ONSET}:  # seeded: one tensor's gradient doubled before the recorder reads it\n"
+           f"            model.get_parameter('{DOUBLED_TENSOR}').grad.mul_(2.0)\n"
+           "        rec.before_step()\n")
 # bf16 under autocast, seq 16 (a 100-step run of ~3 s a rank), lr 3e-4: the curves' uncalibrated bf16 bounds hold the
 # bug at 0.02 of their width (at the example's 1e-3 its grad norm leaves them at step 87, after the check's 75)
 LATE = ["--steps", str(STEPS), "--bf16", "--seq_length", "16", "--lr", "3e-4", "--checkpoint_interval", str(INTERVAL)]
@@ -42,16 +48,18 @@ CAPPED = ["--steps", "6", "--checkpoint_interval", "2", "--max_state_bytes", str
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: its folder}: the late bug ("late"), its clean twin ("clean") and the capped run, recorded at 2 ranks
+    """{name: its folder}: the late bug ("late"), the doubled tensor ("doubled"), their clean twin ("clean") and the
+    capped run, recorded at 2 ranks
     (the capped run's lines on rank 0's stderr kept in its folder's stderr.txt); the capped folder then moved
     ("moved") and replayed from there with the other two, at 2 workers."""
     from parity.driver.local_group import CLUSTER, launch_local, start_processes
     from parity.integrations.replay import plan_replay
 
     root = tmp_path_factory.mktemp("own_trainer_states")
-    folders = {name: root / name for name in ("late", "clean", "capped")}
+    folders = {name: root / name for name in ("late", "doubled", "clean", "capped")}
     folders["capped"].mkdir()
     jobs = [(_copy(root, EXAMPLE, "late", [HALVED]), ["--output_dir", str(folders["late"]), *LATE]),
+            (_copy(root, EXAMPLE, "doubled", [DOUBLED]), ["--output_dir", str(folders["doubled"]), *LATE]),
             (EXAMPLE, ["--output_dir", str(folders["clean"]), *LATE]),
             (EXAMPLE, ["--output_dir", str(folders["capped"]), *CAPPED], str(folders["capped"] / "stderr.txt"))]
     start_processes(_record_rank, (2, free_port(), jobs), 2)
@@ -99,6 +107,27 @@ def test_a_late_bug_fails_the_check_at_the_first_saved_state_after_its_onset(run
     print(f"late bug: check FAILs at step 75: {failing['tensor']} {failing['rel_diff']:.3e} > {failing['bound']:.3e} "
           f"({failing['ratio']:.1f} × bound); the curves alone PASS, the largest at "
           + ", ".join(f"{q} {x:.2f}" for q, x in width.items()) + " of their bounds")
+
+
+def test_one_tensors_gradient_doubled_before_the_recorder_reads_it_fails_at_its_step_on_that_tensor(runs, tmp_path):
+    """The same bf16 loop with one norm weight's gradient doubled before the recorder reads it, from step 40 — a step
+    that is no saved state's (25, 50, 75): the tensor verdict FAILs at step 40 on that tensor's gradient (read 2 ×
+    against the replay's), the run's first step outside; its three curves alone PASS."""
+    comparison, result = _verdict(runs["doubled"])
+    first, outside = result.tensors.first, result.verdict.first_outside
+    assert comparison.word == "FAIL" and (outside.step, outside.test) == (DOUBLED_ONSET, "tensors")
+    assert (first.step, first.tensor, first.phase) == (DOUBLED_ONSET, DOUBLED_TENSOR, "gradient")
+    assert first.value / first.reference == pytest.approx(2.0, rel=0.2) and first.ratio > 1
+    alone = tmp_path / "curves_alone"  # the records without their series and checks: the curves' verdict alone
+    alone.mkdir()
+    for file in (f"loss_{NAME}.json", "loss_ddp.json"):
+        shutil.copy(runs["doubled"] / file, alone / file)
+    curves, result_alone = _verdict(alone)
+    assert curves.word == "PASS" and result_alone.tensors.why, result_alone.verdict.first_outside
+    width = {q: d / result_alone.bounds.per_step[q][0] for q, d in result_alone.verdict.max_rel_diff.items()}
+    print(f"doubled tensor: tensor verdict FAILs at step {first.step}: {first.tensor} {first.value:.4e} vs "
+          f"{first.reference:.4e} ({first.ratio:.1f} × its bound, {result.tensors.source}); the curves alone PASS, the "
+          f"largest at " + ", ".join(f"{q} {x:.2f}" for q, x in width.items()) + " of their bounds")
 
 
 def test_the_clean_twin_passes_every_check(runs):

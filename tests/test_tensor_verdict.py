@@ -5,7 +5,7 @@ Real runs (qwen2-tiny, fp32, the shared parity setting: 12 steps at lr 1e-4): cl
 PASS every tensor; a seeded bug — FSDP2 + TP with one norm weight's gradient doubled after backward, a copy of the
 strategy here, in a local gloo group — keeps the loss within 1e-5 of DDP's and FAILs the tensor verdict at step 0,
 naming the tensor. Hand-made records (test_compare's writers) check the arithmetic: the floor, the calibrated bounds,
-the order of the first point outside, what is not comparable, a record without series, the heatmap's matrix and page.
+the point named (the furthest outside at the first step outside), what is not comparable, a record without series, the heatmap's matrix and page.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from fsdp_strategy import FSDPStrategy
 from parity.commands.compare_curves import compare_and_report
 from parity.comparing import tensor_verdict
 from parity.comparing.curves import compare, load_references, load_runs
-from parity.comparing.tolerances import NOISE_K, TENSOR_FLOOR, TENSORS
-from test_compare import DDP_GRAD, DDP_LOSS, NORM_WEIGHT, TENSOR_SHARES, run_cli, write_record
+from parity.comparing.tolerances import ADAM_SIGN_FLIP, NOISE_K, TENSOR_FLOOR, TENSORS
+from test_compare import DDP_GRAD, DDP_LOSS, LR, NORM_WEIGHT, TENSOR_SHARES, run_cli, write_record
 
 DOUBLED = NORM_WEIGHT  # layers.0.input_layernorm: 64 elements, ~5e-3 of qwen2-tiny's gradient norm
 K_BIAS = "model.layers.0.self_attn.k_proj.bias"  # 1e-4 of the hand-made records' gradient: below the floor
@@ -79,7 +79,7 @@ def test_clean_fp32_strategies_pass_every_tensor(shared_runs, tmp_path, capsys):
         assert found["source"] == "the fixed fp32 table; uncalibrated: no noise reference"
         for phase, p in found["largest"].items():
             assert 0 < p["ratio"] < 0.1, (name, phase, p)
-            assert p["bound"] == TENSORS["fp32"][phase] and p["ratio"] == pytest.approx(p["deviation"] / p["bound"])
+            assert p["bound"] >= TENSORS["fp32"][phase] and p["ratio"] == pytest.approx(p["deviation"] / p["bound"])
         assert len(found["matrix"]["ratio"]) == 26 and len(found["matrix"]["columns"]) == 12
         assert max(max(row) for row in found["matrix"]["ratio"]) == pytest.approx(
             max(p["ratio"] for p in found["largest"].values()), rel=1e-2)
@@ -88,9 +88,9 @@ def test_clean_fp32_strategies_pass_every_tensor(shared_runs, tmp_path, capsys):
 
 
 def test_a_norm_weights_doubled_gradient_fails_at_step_0_naming_it(shared_runs, bug_run, tmp_path, capsys):
-    """The loss within 1e-5 of DDP's at every step, the global grad norm off by a few times its bound at step 0 with no
-    tensor named; the tensor verdict FAILs at step 0 on that norm weight's gradient, read exactly doubled (deviation
-    1.0), with the layer check of that step offered."""
+    """The loss within 1e-5 of DDP's at every step, the global grad norm inside its 1e-4 (a few times the 1e-5 it once
+    had, no tensor named); the tensor verdict FAILs at step 0 on that norm weight's gradient, read exactly doubled
+    (deviation 1.0, 1e3 × its bound), with the layer check of that step offered."""
     copy_record(shared_runs["ddp_tp1_dp2"], tmp_path)
     copy_record(bug_run, tmp_path)
     code, saved, out, md = verdict(tmp_path, capsys)
@@ -101,13 +101,12 @@ def test_a_norm_weights_doubled_gradient_fails_at_step_0_naming_it(shared_runs, 
     f = found["first_outside"]
     assert (f["step"], f["tensor"], f["phase"]) == (0, DOUBLED, "gradient")
     assert f["value"] == pytest.approx(2 * f["reference"], rel=1e-6) and f["deviation"] == pytest.approx(1.0, rel=1e-5)
-    assert (f["bound"], f["ratio"]) == (1e-5, pytest.approx(1e5, rel=1e-5))
+    assert (f["bound"], f["ratio"]) == (1e-3, pytest.approx(1e3, rel=1e-5))
     assert found["largest"]["gradient"]["tensor"] == DOUBLED and found["largest"]["update"]["ratio"] < 0.1
-    # the curves' grad norm sees the tensor's share only: at one step the curves' point is the run's first outside
-    assert (against["first_outside"]["step"], against["first_outside"]["quantity"]) == (0, "grad_norm")
-    assert 1 < against["first_outside"]["rel_diff"] / against["first_outside"]["tolerance"] < 10
+    # the curves' grad norm sees the tensor's share only: inside its bound, beyond the 1e-5 it had before the spikes
+    assert 1e-5 < against["max_rel_diff"]["grad_norm"] < 1e-4 and against["first_outside"]["step"] == 0
     line = (f"tensor verdict: FAIL at step 0: {DOUBLED}, phase gradient: its gradient norm {f['value']:.6e} vs DDP "
-            f"{f['reference']:.6e}, deviation {f['deviation']:.3e} > bound 1.000e-05 ({f['ratio']:.3g} × its bound; "
+            f"{f['reference']:.6e}, deviation {f['deviation']:.3e} > bound 1.000e-03 ({f['ratio']:.3g} × its bound; "
             f"uncalibrated)")
     details = out.split("FSDP (TP=2, DP=1): FAIL\n", 1)[1].splitlines()
     tensor_line = details.index(f"  {line}")  # before any layer check line, which comes next, once
@@ -115,8 +114,33 @@ def test_a_norm_weights_doubled_gradient_fails_at_step_0_naming_it(shared_runs, 
     assert found["localise"] == f"replay step 0 layer by layer from DDP's checkpoint: {found['replay_command']}"
     assert "--step 0" in found["replay_command"] and "FSDPNormGradientDoubled" in found["replay_command"]
     assert f"| FSDP (TP=2, DP=1) | FAIL | step 0, {DOUBLED}, gradient: {f['value']:.6e} vs {f['reference']:.6e}, " \
-           f"deviation {f['deviation']:.3e} > 1.000e-05 |" in md
+           f"deviation {f['deviation']:.3e} > 1.000e-03 |" in md
     assert f"Localise FSDP (TP=2, DP=1)'s step 0 layer by layer:\n\n```bash\n{found['replay_command']}\n```" in md
+
+
+def test_the_tensor_verdict_and_the_teacher_forced_check_agree_at_their_shared_steps(shared_runs, bug_run, tmp_path,
+                                                                                      capsys):
+    """At every step both judge — 0 and each --checkpoint_interval — the tensor verdict has a point outside exactly
+    where the teacher-forced check FAILs: nowhere for clean FSDP2 + TP and transformers' TP, at step 0 for the doubled
+    norm weight (the check sees it in AdamW's moments, the verdict in the tensor's gradient)."""
+    clean, bug = tmp_path / "clean", tmp_path / "bug"
+    for folder, records in ((clean, ("fsdp_tp2_dp2", "transformers_tp2_dp1")), (bug, ())):
+        folder.mkdir()
+        for name in ("ddp_tp1_dp2", *records):
+            copy_record(shared_runs[name], folder)
+    copy_record(bug_run, bug)
+    shared = {}
+    for folder, names in ((clean, ("fsdp", "transformers")), (bug, ("fsdp",))):
+        saved = verdict(folder, capsys)[1]
+        for name in names:
+            checks = saved["runs"][name]["teacher_forced"]["checks"]
+            ratios = saved["against_baseline"][name]["tensors"]["matrix"]["ratio"]  # one column a step (12 steps)
+            shared[(folder.name, name)] = {c["step"]: (not c["ok"], max(row[c["step"]] for row in ratios) > 1)
+                                           for c in checks}
+    assert all(check == tensors for found in shared.values() for check, tensors in found.values()), shared
+    assert [s for s, (failed, _) in shared[("bug", "fsdp")].items() if failed] == [0]
+    assert all(not failed for key in (("clean", "fsdp"), ("clean", "transformers"))
+               for failed, _ in shared[key].values()) and all(0 in found for found in shared.values())
 
 
 # --- hand-made records ------------------------------------------------------------------------------------
@@ -124,62 +148,65 @@ def test_a_norm_weights_doubled_gradient_fails_at_step_0_naming_it(shared_runs, 
 EMBED = "model.embed_tokens.weight"
 
 
-def test_the_first_point_outside_by_step_then_phase_then_name(tmp_path, capsys):
-    """Identical curves; at step 2 of FSDP's series the embedding's parameter norm, the k_proj bias's and the norm
-    weight's gradients 0.1 % off, at step 1 nothing: the first outside is step 2's gradient (before the update) of the
-    norm weight (layers.0.input_layernorm before layers.0.self_attn.k_proj) — a FAIL (exit 1) the curves alone PASS."""
+def test_the_point_named_is_the_furthest_outside_at_the_first_step_outside(tmp_path, capsys):
+    """Identical curves; at step 2 of FSDP's series the norm weight's gradient 2 % off (20 × its 1e-3 bound), the k_proj
+    bias's 10 % (against the floor: 10 ×) and the embedding's parameter norm 1 % (64 × the update's bound, ADAM_SIGN_FLIP
+    × lr over its norm), at step 3 the norm weight's gradient doubled (1e3 ×), at step 1 nothing: the point named is
+    step 2's furthest outside, the embedding's update — not the first in step, phase and model order, nor the largest
+    of the run — a FAIL (exit 1) the curves alone PASS."""
     write_record(tmp_path, "ddp", DDP_LOSS, DDP_GRAD)
-    write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD, tensors={2: {EMBED: (1.0, 1.001), K_BIAS: 1.001,
-                                                                   NORM_WEIGHT: 1.001}})
+    write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD, tensors={2: {EMBED: (1.0, 1.01), K_BIAS: 1.1, NORM_WEIGHT: 1.02},
+                                                                3: {NORM_WEIGHT: 2.0}})
     code, out, _ = run_cli(capsys, tmp_path)
     (r,) = compare(load_runs(str(tmp_path))).results
     assert code == 1 and r.verdict.max_rel_diff == {"loss": 0.0, "grad_norm": 0.0, "param_norm": 0.0}
     f = r.tensors.first
-    assert (f.step, f.tensor, f.phase, f.value / f.reference) == (2, NORM_WEIGHT, "gradient", pytest.approx(1.001))
-    assert f.deviation == pytest.approx(1e-3, rel=1e-9)  # at 5e-3 of the global gradient norm: against itself
+    update_bound = ADAM_SIGN_FLIP * LR / (TENSOR_SHARES[EMBED] * 20.0)  # the records' parameter norm: 20
+    assert (f.step, f.tensor, f.phase, f.value / f.reference) == (2, EMBED, "update", pytest.approx(1.01))
+    assert (f.deviation, f.bound) == (pytest.approx(1e-2, rel=1e-9), pytest.approx(update_bound, rel=1e-9))
     assert r.verdict.first_outside == tensor_verdict.Outside(
-        quantity="gradient", rel_diff=f.deviation, tolerance=1e-5, step=2, module=NORM_WEIGHT, value=f.value,
+        quantity="update", rel_diff=f.deviation, tolerance=f.bound, step=2, module=EMBED, value=f.value,
         reference=f.reference, test="tensors")
-    assert r.tensors.largest["update"].tensor == EMBED and r.tensors.largest["update"].deviation == pytest.approx(1e-3)
-    assert "  first step outside: step 2: model.layers.0.input_layernorm.weight, phase gradient, outside its bound " \
+    assert r.tensors.largest["gradient"].tensor == NORM_WEIGHT and r.tensors.largest["gradient"].step == 3
+    assert "  first step outside: step 2: model.embed_tokens.weight, phase update, outside its bound " \
            "(the tensor verdict above), whatever the curves say\n" in out
     assert re.search(r"^  tensor verdict: FAIL at step 2: .*\n    replay step 2 layer by layer .*\n  first step "
                      r"outside: step 2: model", out, re.M) and out.count("replay step 2") == 1
 
 
 def test_a_tensor_far_below_the_global_norm_is_read_against_the_floor(tmp_path):
-    """The k_proj bias (1e-4 of the step's global gradient norm) 0.1 % off at step 3: read against TENSOR_FLOOR (1e-3)
-    × the global norm, 1e-4, not against itself (1e-3) — still 10 × the fp32 bound, which a bias's real rounding
+    """The k_proj bias (1e-4 of the step's global gradient norm) 10 % off at step 3: read against TENSOR_FLOOR (1e-3)
+    × the global norm, 1e-2, not against itself (1e-1) — still 10 × the fp32 bound, which a bias's real rounding
     (measured ≤ 1.4e-6 read so) is not."""
     write_record(tmp_path, "ddp", DDP_LOSS, DDP_GRAD)
-    write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD, tensors={3: {K_BIAS: 1.001}})
+    write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD, tensors={3: {K_BIAS: 1.1}})
     (r,) = compare(load_runs(str(tmp_path))).results
     f = r.tensors.first
     global_norm = DDP_GRAD[3] * math.sqrt(sum(x * x for x in TENSOR_SHARES.values()))
     assert (f.step, f.tensor, f.phase) == (3, K_BIAS, "gradient")
-    assert f.deviation == pytest.approx(DDP_GRAD[3] * 1e-4 * 1e-3 / (TENSOR_FLOOR["gradient"] * global_norm), rel=1e-9)
-    assert f.deviation == pytest.approx(1e-4, rel=1e-4) and f.bound == TENSORS["fp32"]["gradient"]
+    assert f.deviation == pytest.approx(DDP_GRAD[3] * 1e-4 * 1e-1 / (TENSOR_FLOOR["gradient"] * global_norm), rel=1e-9)
+    assert f.deviation == pytest.approx(1e-2, rel=1e-4) and f.bound == TENSORS["fp32"]["gradient"]
     assert tensor_verdict.deviation(1.001e-4, 1e-4, 1e-3) == pytest.approx(1e-4)  # the floor binds
     assert tensor_verdict.deviation(2.0, 1.0, 1e-3) == 1.0 and tensor_verdict.deviation(0.0, 0.0, 0.0) == 0.0
 
 
 def test_calibrated_per_tensor_on_the_references_series(tmp_path, capsys):
-    """A noise reference whose norm weight's gradient is 1e-6 off at every step: that tensor's gradient bound is NOISE_K
-    × 1e-6, every other tensor's NOISE_K × the fp32 floor (1e-8); a run 1.5e-5 off there PASSes (0.75 of it), 3e-5 off
-    FAILs (1.5 ×)."""
+    """A noise reference whose norm weight's gradient is 1e-4 off at every step: that tensor's gradient bound is NOISE_K
+    × 1e-4, every other tensor's the fixed fp32 table's 1e-3 (a floor under NOISE_K × the fp32 envelope floor, 1e-8:
+    fp32 twins miss the AdamW lottery); a run 1.5e-3 off there PASSes (0.75 of it), 3e-3 off FAILs (1.5 ×)."""
     write_record(tmp_path, "ddp", DDP_LOSS, DDP_GRAD)
     write_record(tmp_path, "ddp", [x * (1 + 1e-7) for x in DDP_LOSS], DDP_GRAD, config={"tp_size": 1, "dp_size": 1},
-                 noise_reference=True, tensors={s: {NORM_WEIGHT: 1 + 1e-6} for s in range(5)})
-    for off, word in ((1.5e-5, "PASS"), (3e-5, "FAIL")):
+                 noise_reference=True, tensors={s: {NORM_WEIGHT: 1 + 1e-4} for s in range(5)})
+    for off, word in ((1.5e-3, "PASS"), (3e-3, "FAIL")):
         write_record(tmp_path, "fsdp", DDP_LOSS, DDP_GRAD, tensors={s: {NORM_WEIGHT: 1 + off} for s in range(5)})
         (r,) = compare(load_runs(str(tmp_path)), references=load_references(str(tmp_path))).results
         found = r.tensors.to_dict()
         assert (r.verdict.word, found["calibrated"]) == (word, True)
         assert found["source"] == f"calibrated: {NOISE_K} × the noise of noise_reference_ddp_tp1_dp1_fp32.json, " \
-                                  f"per tensor"
+                                  f"per tensor, never below the fixed fp32 table"
         p = found["first_outside"] or found["largest"]["gradient"]
-        assert (p["tensor"], p["bound"]) == (NORM_WEIGHT, pytest.approx(NOISE_K * 1e-6, rel=1e-6))
-        assert p["ratio"] == pytest.approx(off / (NOISE_K * 1e-6), rel=1e-5)
+        assert (p["tensor"], p["bound"]) == (NORM_WEIGHT, pytest.approx(NOISE_K * 1e-4, rel=1e-6))
+        assert p["ratio"] == pytest.approx(off / (NOISE_K * 1e-4), rel=1e-5)
     assert "calibrated)" in run_cli(capsys, tmp_path)[1]
 
 
@@ -282,7 +309,7 @@ def test_the_heatmap_bins_many_steps_and_keeps_the_page_small(tmp_path, capsys):
     m = saved["matrix"]
     assert code == 1 and len(m["columns"]) == 40 and m["columns"][20] == [500, 524] and m["columns"][-1] == [975, 999]
     row = m["tensors"].index(doubled)
-    assert m["ratio"][row][20] == pytest.approx(1e5) and m["at"][row][20][:2] == [517, 0]
+    assert m["ratio"][row][20] == pytest.approx(1e3) and m["at"][row][20][:2] == [517, 0]
     assert m["at"][row][20][2] == pytest.approx(2 * m["at"][row][20][3], rel=1e-5)
     assert sum(r is not None and r > 1 for line in m["ratio"] for r in line) == 1
     html = (tmp_path / "out" / "report.html").read_text()

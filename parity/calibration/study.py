@@ -15,7 +15,8 @@ rate under the constants the bf16 study chose (docs/tolerances.md). Every run wr
 into a folder of its own; a record that is already complete is not trained again, so a study that stopped
 continues where it was. Then each clean and buggy run is measured against each candidate reference:
 deviation ÷ noise per curve (its worst step) and the drift statistic — with the comparing package's own
-functions, so the study measures exactly what the verdict computes.
+functions, so the study measures exactly what the verdict computes — and, where its record holds every tensor's series,
+tensor by tensor by the tensor verdict itself (parity.comparing.tensor_verdict), on the verdict's references.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from parity import storage
 from parity.calibration.bugs import CATALOGUE, SeededBug
 from parity.comparing.noise import drift_statistic, noise_envelope, noise_ratio, relative_diffs
 from parity.comparing.tolerances import CURVES, DRIFT_K, NOISE_FLOOR, NOISE_K, QUANTITIES
+from parity.comparing import tensor_verdict
+from parity.comparing.curves import Run
 from parity.training.record import load_record
 
 SETTING = {"seq_length": 128, "debug_steps": 40, "learning_rate": 1e-3, "warmup_steps": 5, "max_grad_norm": 0.8,
@@ -228,12 +231,13 @@ def weights_file(out: str, shape: str, model: str, seed: int) -> str:
 def analyze(out: str, planned: list[Planned]) -> dict:
     """Every clean and buggy bf16 run measured against every candidate reference, and every bug's fp32 run
     against the fixed fp32 table: {"clean": [...], "bugs": [...], "fp32_bugs": [...]}, one row per run."""
-    series = {}
+    series, tensors = {}, {}
     for p in planned:
         path = _record_path(out, p)
         if path:
-            steps = load_record(path)["steps"]
-            series[p.folder] = {q: [s[q] for s in steps] for q in QUANTITIES}
+            record = load_record(path)
+            series[p.folder] = {q: [s[q] for s in record["steps"]] for q in QUANTITIES}
+            tensors[p.folder] = Run(path, record)
     rows = {"clean": [], "bugs": [], "fp32_bugs": []}
     for p in planned:
         seed_folder = os.path.dirname(p.folder)
@@ -251,7 +255,10 @@ def analyze(out: str, planned: list[Planned]) -> dict:
                 if any(r is None for r in references):
                     continue
                 measured[candidate] = measure(mine, base, references)
-            rows[kind].append({**where, "measured": measured})
+            references = [tensors.get(os.path.join(seed_folder, r)) for r in CANDIDATES[chosen_reference(p.policy)]]
+            rows[kind].append({**where, "measured": measured,
+                               "tensors": measure_tensors(tensors[p.folder], tensors[os.path.join(
+                                   seed_folder, baseline_id(p.policy))], references, p.policy)})
         elif p.run.startswith("bug_") and p.run.endswith("_fp32"):
             fp32 = series.get(os.path.join(seed_folder, "ddp_fp32"))
             if fp32 is not None:
@@ -272,6 +279,49 @@ def measure(run: dict, base: dict, references: list[dict]) -> dict:
         ratios[q], drifts[q] = noise_ratio(diffs, envelope), drift_statistic(diffs, envelope)
     return {"ratio": ratios, "drift": drifts,
             "fails": max(ratios.values()) > NOISE_K or max(drifts.values()) > DRIFT_K}
+
+
+def measure_tensors(run: Run | None, base: Run | None, references: list, policy: str = "bf16") -> dict | None:
+    """One run's tensor verdict against the baseline's on the verdict's references (tensor_verdict.judge): the worst
+    point's deviation ÷ bound and where, and the point it names (None: within at every step); None where the run, the
+    baseline or a reference has no tensor series (a strategy that does not hand over its pieces)."""
+    if run is None or base is None or any(r is None for r in references):
+        return None
+    series = {r.file: tensor_verdict.read(r) for r in [run, base, *references]}
+    if any(isinstance(x, str) for x in series.values()):
+        return None
+    steps = min(len(r.steps) for r in [run, base, *references])
+    found = tensor_verdict.judge(base, run, references, series, steps)
+    worst = max(found.largest.values(), key=lambda p: p.ratio)
+    first = found.first
+    return {"ratio": worst.ratio, "tensor": worst.tensor, "phase": worst.phase, "step": worst.step,
+            "fails": first is not None,
+            "first_outside": {"step": first.step, "tensor": first.tensor, "phase": first.phase,
+                              "ratio": first.ratio} if first else None}
+
+
+def summarize_tensors(rows: dict, policy: str = "bf16") -> dict:
+    """The per-tensor verdict over the runs with tensor series, under the verdict's references: its false alarms
+    among the clean runs (and the worst), and per bug class whether it, the curves or either caught every run."""
+    chosen = chosen_reference(policy)
+    clean = [r for r in rows["clean"] if r.get("tensors") and r.get("policy", "bf16") == policy]
+    bugs = [r for r in rows["bugs"] if r.get("tensors") and chosen in r["measured"]]
+    worst = max(clean, key=lambda r: r["tensors"]["ratio"], default=None)
+    by_class: dict = {}
+    for r in bugs:
+        entry = by_class.setdefault(r["run"], {"runs": 0, "tensors": 0, "curves": 0, "either": 0, "min_ratio": None})
+        by_tensors, by_curves = r["tensors"]["fails"], r["measured"][chosen]["fails"]
+        entry["runs"] += 1
+        entry["tensors"] += by_tensors
+        entry["curves"] += by_curves
+        entry["either"] += by_tensors or by_curves
+        ratio = r["tensors"]["ratio"]
+        entry["min_ratio"] = ratio if entry["min_ratio"] is None else min(entry["min_ratio"], ratio)
+    return {"clean_runs": len(clean), "false_alarms": sum(r["tensors"]["fails"] for r in clean),
+            "clean_max_ratio": worst["tensors"]["ratio"] if worst else None,
+            "worst_clean": {**{k: worst[k] for k in ("kernel", "seed", "run")},
+                            **{k: worst["tensors"][k] for k in ("tensor", "phase", "step")}} if worst else None,
+            "bug_runs": len(bugs), "by_bug": dict(sorted(by_class.items()))}
 
 
 def summarize(rows: dict, noise_k: float = NOISE_K, drift_k: float = DRIFT_K, policy: str = "bf16") -> dict:
@@ -307,22 +357,24 @@ def summarize(rows: dict, noise_k: float = NOISE_K, drift_k: float = DRIFT_K, po
 
 
 def write_outputs(out: str, rows: dict, summary: dict, wall_s: float, settings: dict,
-                  by_policy: dict | None = None) -> list[str]:
+                  by_policy: dict | None = None, tensor_summary: dict | None = None) -> list[str]:
     """calibration_study.json (every row), calibration_study.md (the tables) and calibration_study.png.
-    `by_policy`: the other precision policies' summaries under the chosen reference (twins + fp32 twin)."""
+    `by_policy`: the other precision policies' summaries under the chosen reference (twins + fp32 twin);
+    `tensor_summary`: the per-tensor verdict's (summarize_tensors)."""
     json_path = os.path.join(out, "calibration_study.json")
     md_path = os.path.join(out, "calibration_study.md")
     png_path = os.path.join(out, "calibration_study.png")
     storage.write_json_atomic(json_path, {"settings": settings, "constants": {"NOISE_K": NOISE_K, "DRIFT_K": DRIFT_K},
                                           "wall_s": wall_s, "summary": summary, "by_policy": by_policy or {},
-                                          "rows": rows})
-    storage.write_text_atomic(md_path, markdown(rows, summary, wall_s, settings, by_policy or {}))
+                                          "tensor_summary": tensor_summary, "rows": rows})
+    storage.write_text_atomic(md_path, markdown(rows, summary, wall_s, settings, by_policy or {}, tensor_summary))
     from parity.comparing.figures import save_figure
     save_figure(study_figure(rows), png_path)
     return [json_path, md_path, png_path]
 
 
-def markdown(rows: dict, summary: dict, wall_s: float, settings: dict, by_policy: dict | None = None) -> str:
+def markdown(rows: dict, summary: dict, wall_s: float, settings: dict, by_policy: dict | None = None,
+             tensor_summary: dict | None = None) -> str:
     lines = ["# Calibration study", "", f"Settings: `{json.dumps(settings)}`; wall time {wall_s / 60:.1f} min.", "",
              f"Verdict constants: NOISE_K = {NOISE_K}, DRIFT_K = {DRIFT_K}.", "", "## Candidate references", "",
              "| reference | clean runs | false alarms | clean max deviation ÷ noise | clean max drift | bug runs (bf16) "
@@ -330,6 +382,8 @@ def markdown(rows: dict, summary: dict, wall_s: float, settings: dict, by_policy
     for candidate, s in summary.items():
         lines.append(f"| {candidate} | {s['clean_runs']} | {s['false_alarms']} | {s['clean_max_ratio']:.1f} | "
                      f"{s['clean_max_drift']:.1f} | {s['bug_runs']} | {s['missed']} |")
+    if tensor_summary and tensor_summary["clean_runs"]:
+        lines += ["", *tensor_markdown(tensor_summary)]
     lines += ["", "## Clean runs: worst deviation ÷ noise (and drift) per strategy, shape and kernel path", ""]
     for candidate in summary:
         lines += [f"### {candidate}", "", "| shape | kernel | run | max ratio | max drift | worst curve |",
@@ -373,6 +427,23 @@ def markdown(rows: dict, summary: dict, wall_s: float, settings: dict, by_policy
             caught = [s for s in steps if s is not None]
             lines.append(f"| {run} | {len(steps)} | {len(caught)} | {max(caught) if caught else '–'} |")
     return "\n".join(lines) + "\n"
+
+
+def tensor_markdown(t: dict) -> list[str]:
+    """The per-tensor verdict's section: false alarms among the clean runs, and per bug class what caught it."""
+    w = t["worst_clean"]
+    lines = ["## Per-tensor verdict (the tensor verdict: each tensor's gradient and parameter norm within NOISE_K × its "
+             "own envelope, twins + fp32 twin)", "",
+             f"Clean runs with tensor series: {t['clean_runs']}, false alarms: {t['false_alarms']}; the worst: "
+             f"{t['clean_max_ratio']:.2f} of its bound ({w['run']}, {w['kernel']}, seed {w['seed']}: {w['tensor']}, "
+             f"{w['phase']}, step {w['step']}).", ""]
+    if t["by_bug"]:
+        lines += ["| bug | runs | caught by the tensors | by the curves | by either | weakest deviation ÷ bound |",
+                  "|---|---|---|---|---|---|"]
+        for name, b in t["by_bug"].items():
+            lines.append(f"| {name} | {b['runs']} | {b['tensors']} | {b['curves']} | {b['either']} | "
+                         f"{b['min_ratio']:.2f} |")
+    return lines
 
 
 def study_figure(rows: dict, candidate: str | None = None):

@@ -9,7 +9,7 @@ import argparse
 import os
 
 from parity.calibration.study import (CATALOGUE, KERNELS, POLICIES, SHAPES, analyze, chosen_reference, plan_study,
-                                      run_study, summarize, write_outputs)
+                                      run_study, summarize, summarize_tensors, write_outputs)
 from parity.commands.common import OneLineParser, run_command
 from parity.driver.local_group import KERNEL_PATHS
 from parity.errors import ConfigError
@@ -61,8 +61,12 @@ def study(args) -> int:
     by_policy = {p: summarize(rows, policy=p).get(chosen_reference(p)) for p in policies if p != "bf16"}
     settings = {"seeds": args.seeds, "bug_seeds": args.bug_seeds, "kernels": kernels, "shapes": shapes,
                 "policies": policies}
-    for path in write_outputs(out, rows, summary, wall, settings, by_policy):
+    tensors = summarize_tensors(rows)
+    for path in write_outputs(out, rows, summary, wall, settings, by_policy, tensors):
         print(f"wrote {path}")
+    if tensors["clean_runs"]:
+        print(f"per tensor   clean runs {tensors['clean_runs']}, false alarms {tensors['false_alarms']} (max deviation "
+              f"÷ bound {tensors['clean_max_ratio']:.2f}; worst {tensors['worst_clean']})")
     for policy, s in by_policy.items():
         if s:
             print(f"{policy:11s} clean runs {s['clean_runs']}, false alarms {s['false_alarms']} (max deviation ÷ noise "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parity.comparing.tolerances import (DRIFT_K, DRIFT_SAME_SIGN, DRIFT_WINDOW, NOISE_FLOOR, NOISE_K,
+from parity.comparing.tolerances import (CALIBRATION_FLOORED, CURVES, DRIFT_K, DRIFT_SAME_SIGN, DRIFT_WINDOW, NOISE_FLOOR, NOISE_K,
                                          NOISE_SMOOTHING, QUANTITIES, Tolerance, tolerance_class)
 
 
@@ -41,10 +41,13 @@ def fixed_bounds(tolerance: Tolerance, num_steps: int, source: str, quantities=Q
 def calibrated_bounds(baseline: dict[str, list[float]], references: list[dict[str, list[float]]], precision: str,
                       source: str) -> Bounds:
     """NOISE_K × the envelope of the references' distance from the baseline (series per quantity: the curves
-    `baseline` holds)."""
-    floor = NOISE_FLOOR[tolerance_class(precision)]
+    `baseline` holds); in a precision of CALIBRATION_FLOORED never below the fixed table (its twins miss the AdamW
+    lottery the run may draw)."""
+    kind = tolerance_class(precision)
+    floor = NOISE_FLOOR[kind]
     envelope = {q: noise_envelope(baseline[q], [r[q] for r in references], floor.of(q)) for q in baseline}
-    return Bounds({q: [NOISE_K * e for e in envelope[q]] for q in baseline}, source, envelope)
+    fixed = {q: (CURVES[kind].of(q) or 0.0) if kind in CALIBRATION_FLOORED else 0.0 for q in baseline}
+    return Bounds({q: [max(NOISE_K * e, fixed[q]) for e in envelope[q]] for q in baseline}, source, envelope)
 
 
 def relative_diffs(series: list[float], baseline: list[float]) -> list[float]:

@@ -10,10 +10,10 @@ constant scale away from the parameters. Per tensor the same bug reads 1.0 (docs
 The deviation of a tensor at a step is |x − baseline| / max(|baseline|, TENSOR_FLOOR × the baseline's global norm at
 that step) (parity.comparing.tolerances says why the floor). Its bound: calibrated on the noise references the curves
 use, from their own series — NOISE_K × the envelope of their deviations over steps s ± NOISE_SMOOTHING, never below
-TENSOR_NOISE_FLOOR (parity.comparing.noise's logic, per tensor) — else the fixed TENSORS table by precision. Not judged:
+TENSOR_NOISE_FLOOR (parity.comparing.noise's logic, per tensor) — else the fixed TENSORS table by precision (in fp32 also a floor under the calibrated bound). Not judged:
 the gradient at the steps the baseline skipped on an fp16 overflow (as the curves), frozen parameters (in no series).
-The first point outside — in step order, then the gradient before the update, then name order (numbers by value:
-layers.2 before layers.10) — FAILs the run whatever the curves say: curves.py takes it with the curves' and the
+The point named — at the first step any point is outside, the one furthest outside its bound (`first_outside`) —
+FAILs the run whatever the curves say: curves.py takes it with the curves' and the
 teacher-forced check's, the earliest step first, at one step the curves'.
 
 Both runs' series must name the same tensors and hold the same gradient (pre-clip, or a recorded run's clipped one
@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass
 
 from parity import storage
 from parity.comparing.noise import smoothed_envelope
-from parity.comparing.tolerances import (NOISE_K, TENSOR_FLOOR, TENSOR_NOISE_FLOOR, TENSORS, looser_precision,
-                                         tolerance_class)
+from parity.comparing.tolerances import (ADAM_SIGN_FLIP, CALIBRATION_FLOORED, NOISE_K, TENSOR_FLOOR,
+                                         TENSOR_NOISE_FLOOR, TENSORS, looser_precision, tolerance_class)
 from parity.comparing.verdict import Outside
 from parity.training.tensor_norms import GRADIENT, PRE_CLIP, UPDATE
 from parity.training.tensor_series import KEY as SERIES_KEY, TensorSeries, load_series
@@ -158,7 +158,7 @@ def judge(base, run, references: list, series: dict, num_steps: int, judged: boo
     judged_points = [Point(s, theirs.names[i], phase, *points[phase][s][i], bounds[phase][s][i])
                      for s in range(num_steps) for phase in PHASES if not (phase == GRADIENT and skipped[s])
                      for i in order]
-    first = next((p for p in judged_points if not p.deviation <= p.bound), None)  # written so that a NaN fails too
+    first = first_outside(judged_points)
     largest = {phase: max((p for p in judged_points if p.phase == phase), key=lambda p: p.ratio,
                           default=Point(0, theirs.names[0], phase, 0.0, 0.0, 0.0, 1.0)) for phase in PHASES}
     return TensorVerdict(None, calibrated, source, theirs.grad, tuple(theirs.names), num_steps, first, largest,
@@ -193,25 +193,58 @@ def _points(run: TensorSeries, base: TensorSeries, phase: str, num_steps: int) -
 
 
 def _bounds(base, run, references: list, series: dict, num_steps: int, skipped: list[bool]) -> tuple:
-    """(bounds per phase [step][tensor] in the baseline's order, calibrated, their source in words)."""
+    """(bounds per phase [step][tensor] in the baseline's order, calibrated, their source in words). Calibrated: NOISE_K
+    × each tensor's envelope, in a precision of CALIBRATION_FLOORED never below the fixed table; else the fixed table."""
     usable = [r for r in references if not isinstance(series[r.file], str)]
-    names = len(series[base.file].names)
+    looser = looser_precision(base.precision, run.precision)
+    fixed = _fixed_bounds(base, series[base.file], looser, num_steps)
     if usable:
-        floor = TENSOR_NOISE_FLOOR[tolerance_class(base.precision)]
+        kind = tolerance_class(base.precision)
+        floor = TENSOR_NOISE_FLOOR[kind]
+        names = len(series[base.file].names)
         bounds = {}
         for phase in PHASES:
             refs = [_points(series[r.file], series[base.file], phase, num_steps) for r in usable]
             raw = [[0.0 if phase == GRADIENT and skipped[s] else max(ref[s][i][2] for ref in refs)
                     for s in range(num_steps)] for i in range(names)]
             envelopes = [smoothed_envelope(per_step, floor[phase]) for per_step in raw]
-            bounds[phase] = [[NOISE_K * envelopes[i][s] for i in range(names)] for s in range(num_steps)]
+            least = fixed[phase] if kind in CALIBRATION_FLOORED else [[0.0] * names] * num_steps
+            bounds[phase] = [[max(NOISE_K * envelopes[i][s], least[s][i]) for i in range(names)]
+                             for s in range(num_steps)]
+        floored = f", never below the fixed {kind} table" if kind in CALIBRATION_FLOORED else ""
         return bounds, True, (f"calibrated: {NOISE_K} × the noise of "
-                              f"{', '.join(storage.name(r.file) for r in usable)}, per tensor")
-    looser = looser_precision(base.precision, run.precision)
+                              f"{', '.join(storage.name(r.file) for r in usable)}, per tensor{floored}")
     why = ("no noise reference" if not references else
            f"the noise references hold no tensor series ({'; '.join(series[r.file] for r in references)})")
-    return ({phase: [[TENSORS[looser][phase]] * names] * num_steps for phase in PHASES}, False,
-            f"the fixed {looser} table; uncalibrated: {why}")
+    return fixed, False, f"the fixed {looser} table; uncalibrated: {why}"
+
+
+def _fixed_bounds(base, theirs: TensorSeries, precision: str, num_steps: int) -> dict:
+    """The fixed table's bounds per phase [step][tensor]; in fp32 the update's at least ADAM_SIGN_FLIP × the largest lr
+    so far over the deviation's denominator: each element whose AdamW update flips sign moves its tensor's norm by up to
+    2 lr, whatever the element's size (tolerances.TENSORS)."""
+    names = len(theirs.names)
+    bounds = {phase: [[TENSORS[precision][phase]] * names for _ in range(num_steps)] for phase in PHASES}
+    if precision == "fp32":
+        rows, peak = theirs.param_norm, 0.0
+        for s in range(num_steps):
+            peak = max(peak, abs(base.steps[s].get("lr") or 0.0))
+            scale = TENSOR_FLOOR[UPDATE] * math.sqrt(sum(x * x for x in rows[s]))
+            bounds[UPDATE][s] = [max(b, ADAM_SIGN_FLIP * peak / d) if (d := max(abs(x), scale)) else b
+                                 for b, x in zip(bounds[UPDATE][s], rows[s])]
+    return bounds
+
+
+def first_outside(points: list[Point]) -> Point | None:
+    """The point to name: at the earliest step any point is outside its bound, the one furthest outside (a NaN
+    deviation: outside). Not the first in the model's order: a bug in one tensor moves the gradient of every tensor
+    backpropagation reaches before it — the aux loss's gradient dropped moves the embedding's gradient 9.6 × its fp32
+    bound and the router's 1989 × (docs/tensors_measured.md) — and the tensor it is in moves most."""
+    outside = [p for p in points if not p.deviation <= p.bound]  # written so that a NaN fails too
+    if not outside:
+        return None
+    step = min(p.step for p in outside)  # ratios alike to rounding (a scale on every tensor) go to the earlier phase
+    return max((p for p in outside if p.step == step), key=lambda p: _rounded(p.ratio, 9))  # and model order
 
 
 def heat_matrix(names: list[str], points: list[Point], num_steps: int) -> dict:

@@ -35,9 +35,19 @@ class Tolerance:
         return getattr(self, quantity)
 
 
-CURVES = {"fp32": Tolerance(loss=1e-5, grad_norm=1e-5, param_norm=1e-5, aux_loss=1e-5),
+CURVES = {"fp32": Tolerance(loss=1e-5, grad_norm=1e-4, param_norm=1e-5, aux_loss=1e-5),
           "bf16": Tolerance(loss=3e-2, grad_norm=1e-1, param_norm=1e-2, aux_loss=3e-2)}
-"""Loss-curve verdict without a noise reference (uncalibrated), by precision: a fixed envelope per step."""
+"""Loss-curve verdict without a noise reference (uncalibrated), by precision: a fixed envelope per step. The fp32 grad
+norm's 1e-4: a correct fp32 run's grad norm spikes where AdamW's first update of a gradient element that cancels below
+its eps turns another reduction order's last bits into a parameter difference of up to lr, which each later batch
+projects onto the gradient (docs/tensors_measured.md: 2.8e-5 measured on an Intel AVX512-FP16 CPU, 2.7e-6 here, 1.4e-5
+injected). What the looser global bound gives up, the tensor verdict's per-tensor gradient bound (TENSORS) keeps: a
+doubled 64-element norm weight reads 8.4e-5 on the global norm and 1e3 × its bound on its own tensor."""
+
+CALIBRATION_FLOORED = ("fp32",)
+"""The precisions whose fixed table (CURVES, TENSORS) stays a floor under a calibrated bound: fp32 twins do not sample
+the AdamW lottery above — a twin flips other elements than the run does (qwen3-tiny seed 46, one twin: a clean TP run at
+2.15 × its calibrated grad-norm bound and a tensor at 4.5 ×, docs/tensors_measured.md). bf16's noise dwarfs it."""
 
 NOISE_K = 20
 """Calibrated verdict: a run may differ from the baseline by NOISE_K × the noise envelope at each step."""
@@ -66,12 +76,15 @@ gradient's last bits say. A tensor at or above the floor is measured against its
 FSDP2 + TP and transformers' TP within 1.4e-6 (gradient) and 6.2e-6 (update) of DDP over 40 steps at lr 1e-3; without
 them the update read 5.4e-5 (a k_proj bias)."""
 
-TENSORS = {"fp32": {"gradient": 1e-5, "update": 3e-5}, "bf16": {"gradient": 1e-1, "update": 1e-1}}
-"""The tensor verdict without a noise reference (uncalibrated), by precision and phase: the largest deviation (above)
-a correct run may show at any step. Provisional, from qwen2-tiny runs against DDP (docs/tensors.md): fp32, clean FSDP2
-+ TP=2 and transformers' TP=2 within 1.6e-7 / 4.4e-7 (12 steps, lr 1e-4) and 1.4e-6 / 6.2e-6 (40 steps, lr 1e-3,
-clipped at 0.8) — the update grows with the lrs' sum, as the final parameters do (final_parameters_atol_fp32), hence
-3e-5; bf16, 3.6e-2 / 2.2e-2 (40 steps). A norm weight's gradient doubled reads 1.0 in both."""
+TENSORS = {"fp32": {"gradient": 1e-3, "update": 1e-5}, "bf16": {"gradient": 1e-1, "update": 1e-1}}
+"""The tensor verdict without a noise reference (uncalibrated; in fp32 also a floor under a calibrated bound:
+CALIBRATION_FLOORED), by precision and phase: the largest deviation (above) a correct run may show at any step. In fp32
+the update's bound is also at least ADAM_SIGN_FLIP × the largest lr so far over the deviation's denominator (a tensor's
+norm moves by at most 2 lr for each element whose AdamW update flips sign, docs/tensors_measured.md). Measured clean
+(qwen2-tiny and mixtral-tiny, 145 runs, every strategy with a series, two kernel paths): fp32 gradients within 1.2e-5,
+6.6e-5 in a spike injected at the Intel run's size; updates within 0.0024 lr. A tensor's gradient doubled reads 1.0 (1e3
+× the bound), a router's gradient doubled on one of two ranks holding it 0.41, the aux loss's gradient dropped 0.08 on
+the router; every fp32 catalogue bug still FAILs. bf16's 0.1: the largest clean deviation seen, 3.6e-2, with room."""
 
 TENSOR_NOISE_FLOOR = {"fp32": {"gradient": 1e-8, "update": 1e-8}, "bf16": {"gradient": 1e-5, "update": 1e-6}}
 """The calibrated tensor verdict's envelope never goes below this (the deviation above), by precision and phase: the

@@ -71,7 +71,7 @@ class RowExchange:
     def __call__(self, broken: str | None, loss_sum: float, tokens: int, micro: list, *, feeds: bool, dp_rank: int,
                  dp_size: int, device: torch.device, positions: bool = False) -> Exchanged:
         """Every rank; collective. Raises RuntimeError("rank r: why") on every rank where any rank is broken (the text
-        on rank 0), or where the DP ranks are not each fed by one rank."""
+        on rank 0), where the DP ranks are not each fed by one rank, or where the step has no token in its loss."""
         rank, world = dist.get_rank(), dist.get_world_size()
         if broken:
             payload = torch.tensor(list(broken.encode()[:400]), dtype=torch.int64)
@@ -108,8 +108,11 @@ class RowExchange:
         feeders = sorted((int(table[r, 4]), r) for r in range(world) if table[r, 3])
         if [d for d, _ in feeders] != list(range(dp_size)):
             raise RuntimeError(f"the DP ranks fed ({[d for d, _ in feeders]}) are not each of 0…{dp_size - 1} once")
-        sums = table[:, 1].contiguous().view(torch.float64).tolist()
-        return Exchanged([sums[r] for _, r in feeders], [int(table[r, 2]) for _, r in feeders],
+        sums, tokens = table[:, 1].contiguous().view(torch.float64).tolist(), [int(table[r, 2]) for _, r in feeders]
+        if not sum(tokens):  # the step's loss is 0/0: nothing to hold a replay's against
+            raise RuntimeError("the step's global batch has no token in its loss (every label is -100 on every rank): "
+                               "look at the data's labels — a prompt as long as max_length leaves none")
+        return Exchanged([sums[r] for _, r in feeders], tokens,
                          bool(table[:, HEADER.index("positions")].any()),
                          [unpack(payloads[r]) for _, r in feeders] if rank == 0 else None)
 
