@@ -185,7 +185,7 @@ class Routing:
         counts = 0
         for micro in micro_batches:
             with self.autocast(), tap.recording() as calls:
-                self.forward(micro.input_ids)
+                self.logits_of(micro)
             counts = counts + expert_counts(calls, real_tokens(micro.labels), tap.moe.num_experts)
         return counts, self.batch_routing_totals(counts)
 
