@@ -2,10 +2,11 @@
 
 --packing: rows of whole documents, position ids restarting at 0 at each one (the synthetic language's documents of 8
 to 32 tokens in rows of 64: ~3 a row). --padding_free: each micro-batch's samples as one row, their padding dropped
-(synthetic_padded's samples of 16 to 64 tokens). Every run is the shared loop in a local gloo group, one group per world
-size: DDP at DP 2 the baseline of each; DeepSpeed AutoTP tp2 with ZeRO 0–3, FSDP2 + TP (and + sequence parallelism),
-transformers' TP and the pipeline at DP 2 × 2 — and the pipeline at pp2 dp1 beside DDP, with the seeded bug of a
-pipeline that hands the position ids to its first stage only. qwen2-tiny, seq 64, 4 steps, lr 1e-4, global batch 8.
+(synthetic_padded's samples of 16 to 64 tokens). Every run is the shared loop in one local gloo group of 2 ranks: DDP at
+DP 2 the baseline; DeepSpeed AutoTP tp2 and ZeRO 0–3, FSDP2 + TP (and + sequence parallelism), FSDP2 + EP (a mixture of
+experts, against its own DDP), transformers' TP and the pipeline (1F1B, GPipe) beside it, with the seeded bug of a
+pipeline that hands the position ids to its first stage only; and the layer check of one packed, padding-free step.
+qwen2-tiny (qwen3-moe-tiny for EP), seq 64, 3 steps, lr 1e-4, global batch 8.
 """
 
 import json
@@ -17,50 +18,64 @@ import torch
 from conftest import FP32_RTOL, assert_replicas_held, max_rel_diff, series
 from parity.calibration.bugs import PipelinePositionsOnFirstStageOnly
 from parity.commands.compare_curves import main as plot_loss_curves
+from parity.commands.layer_check import main as run_verification
 from parity.driver.local_group import plan, run_group
 from parity.training.data import Batch, batch_hash
 from parity.training.record import load_record, run_record_path
 
-SETTING = {"model_name": "qwen2-tiny", "seq_length": 64, "debug_steps": 4, "learning_rate": 1e-4, "log_interval": 4,
+SETTING = {"model_name": "qwen2-tiny", "seq_length": 64, "debug_steps": 3, "learning_rate": 1e-4, "log_interval": 3,
            "checkpoint_interval": 0, "precision": "fp32", "batch_size": 4}
 PACKING = {"packing": True}
 PADDING_FREE = {"padding_free": True, "dataset": "synthetic_padded"}
-TP2_DP2 = {"num_workers": 4, "tp_size": 2}
-PP2_DP2 = {"num_workers": 4, "pp_size": 2}
-PP2_DP1 = {"num_workers": 2, "pp_size": 2, "batch_size": 8}
+DP2 = {"num_workers": 2}
+TP2 = {"num_workers": 2, "tp_size": 2, "batch_size": 8}
+PP2 = {"num_workers": 2, "pp_size": 2, "batch_size": 8}
 SP = {"tp_plan": "sequence_parallel"}
-# name → (strategy, flags); each name's data is its prefix's (packing_ or padding_free_), its baseline that DDP run
-RUNS = {
-    **{f"packing_deepspeed_zero{z}": ("deepspeed", {**TP2_DP2, **PACKING, "zero_stage": z}) for z in (0, 1)},
-    **{f"padding_free_deepspeed_zero{z}": ("deepspeed", {**TP2_DP2, **PADDING_FREE, "zero_stage": z}) for z in (2, 3)},
-    "packing_fsdp_tp2_sp": ("fsdp", {**TP2_DP2, **PACKING, **SP, "grad_accum_steps": 2}),
-    "padding_free_fsdp_tp2": ("fsdp", {**TP2_DP2, **PADDING_FREE}),
-    # both at once: packed rows flattened per micro-batch, against DDP's packed rows
-    "packing_padding_free_transformers_tp2": ("transformers", {**TP2_DP2, **PACKING, "padding_free": True}),
-    "packing_pipeline_pp2_dp2": ("pipeline", {**PP2_DP2, **PACKING}),
-    "padding_free_pipeline_pp2_dp2": ("pipeline", {**PP2_DP2, **PADDING_FREE}),
-    "packing_pipeline_pp2_dp1_gpipe": ("pipeline", {**PP2_DP1, **PACKING, "pp_schedule": "gpipe", "microbatches": 4}),
-    # the seeded bug: later stages make their own position ids, 0, 1, ... along the row
-    "bug_pipeline_positions": ("pipeline", {**PP2_DP1, **PACKING, "strategy_class": PipelinePositionsOnFirstStageOnly}),
+MOE = {"model_name": "qwen3-moe-tiny", "grad_accum_steps": 2}  # two micro-batches: the routing counted over both
+EP2 = {"num_workers": 2, "ep_size": 2, **MOE}
+BASELINES = {  # name → DDP's flags
+    "packing": {**DP2, **PACKING},
+    "padding_free": {**DP2, **PADDING_FREE},
+    "padded": {**DP2, "dataset": "synthetic_padded"},  # padding-free's tokens, padded
+    "moe_packing": {**DP2, **MOE, **PACKING},
+    "moe_padding_free": {**DP2, **MOE, **PADDING_FREE},
+    "moe_padded": {**DP2, **MOE, "dataset": "synthetic_padded"},
 }
-BASELINES = {"packing": ("ddp", {"num_workers": 2, **PACKING}), "padding_free": ("ddp", {"num_workers": 2, **PADDING_FREE}),
-             "padded": ("ddp", {"num_workers": 2, "dataset": "synthetic_padded"})}  # padding-free's tokens, padded
-
-
-def baseline_of(name: str) -> str:
-    return "padding_free" if name.startswith("padding_free") else "packing"
+RUNS = {  # name → (strategy, flags, its DDP baseline)
+    "packing_deepspeed_tp2_zero0": ("deepspeed", {**TP2, **PACKING, "zero_stage": 0}, "packing"),
+    "packing_deepspeed_dp2_zero1": ("deepspeed", {**DP2, **PACKING, "zero_stage": 1}, "packing"),
+    "padding_free_deepspeed_tp2_zero2": ("deepspeed", {**TP2, **PADDING_FREE, "zero_stage": 2}, "padding_free"),
+    "padding_free_deepspeed_dp2_zero3": ("deepspeed", {**DP2, **PADDING_FREE, "zero_stage": 3}, "padding_free"),
+    "packing_fsdp_tp2_sp": ("fsdp", {**TP2, **PACKING, **SP, "grad_accum_steps": 2}, "packing"),
+    "padding_free_fsdp_tp2": ("fsdp", {**TP2, **PADDING_FREE}, "padding_free"),
+    "packing_fsdp_ep2": ("fsdp", {**EP2, **PACKING}, "moe_packing"),
+    "padding_free_fsdp_ep2": ("fsdp", {**EP2, **PADDING_FREE}, "moe_padding_free"),
+    # both at once: packed rows flattened per micro-batch, against DDP's packed rows
+    "packing_padding_free_transformers_tp2": ("transformers", {**TP2, **PACKING, "padding_free": True}, "packing"),
+    "packing_pipeline_1f1b": ("pipeline", {**PP2, **PACKING}, "packing"),
+    "padding_free_pipeline_gpipe": ("pipeline", {**PP2, **PADDING_FREE, "pp_schedule": "gpipe", "microbatches": 4},
+                                    "padding_free"),
+    # the seeded bug: later stages make their own position ids, 0, 1, ... along the row
+    "bug_pipeline_positions": ("pipeline", {**PP2, **PACKING, "strategy_class": PipelinePositionsOnFirstStageOnly},
+                               "packing"),
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_weights, tmp_path_factory):
     """{name: (its folder, its record)}, the DDP baselines among them."""
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
+
     root = tmp_path_factory.mktemp("packing")
-    planned = {name: plan(strategy, {**SETTING, **flags, "init_weights_path": tiny_weights,
-                                     "loss_output_dir": root / name, "storage_path": root / "ray",
-                                     "experiment_name": name})
-               for name, (strategy, flags) in {**BASELINES, **RUNS}.items()}
-    for world in (2, 4):
-        run_group([run for run in planned.values() if run[0].num_workers == world])
+    moe_weights = str(root / "moe.pt")
+    save_init_weights(build_model(resolve_model_config(MOE["model_name"]), seed=42), moe_weights)
+    every = {**{name: ("ddp", flags) for name, flags in BASELINES.items()},
+             **{name: (strategy, flags) for name, (strategy, flags, _) in RUNS.items()}}
+    planned = {name: plan(strategy, {**SETTING, **flags, "loss_output_dir": root / name, "storage_path": root / "ray",
+                                     "experiment_name": name,
+                                     "init_weights_path": moe_weights if "model_name" in flags else tiny_weights})
+               for name, (strategy, flags) in every.items()}
+    run_group(list(planned.values()))
     return {name: (root / name, load_record(run_record_path(cfg))) for name, (cfg, _) in planned.items()}
 
 
@@ -69,8 +84,8 @@ def test_each_strategy_matches_ddp_packed_and_padding_free_in_fp32(runs, name):
     """The same batches (their hash covers the position ids), tokens, and every step's loss, pre-clip grad norm and
     parameter norm within 1e-5 of DDP's (measured: ≤ 3e-7); the replicas bit-identical; the teacher-forced check's step
     from each run's state — fed the same position ids — within 1e-5 at step 0."""
-    _, base = runs[baseline_of(name)]
     _, run = runs[name]
+    _, base = runs[RUNS[name][2]]
     assert series(run, "batch_hash") == series(base, "batch_hash") and series(run, "tokens") == series(base, "tokens")
     for key in ("loss", "grad_norm", "param_norm"):
         assert max_rel_diff(series(run, key), series(base, key)) < FP32_RTOL, key
@@ -91,20 +106,24 @@ def test_packed_rows_hold_documents_and_the_loss_is_every_real_tokens_mean(runs)
     assert min(a, b) < base["steps"][0]["loss"] < max(a, b)
 
 
-def test_padding_free_trains_the_padded_runs_tokens_to_rounding(runs):
+@pytest.mark.parametrize("model", ["", "moe_"])
+def test_padding_free_trains_the_padded_runs_tokens_to_rounding(runs, model):
     """Padding-free is a way of feeding, not other data: DDP's padding-free run has the padded run's batches, tokens
-    and, to fp32 rounding (other matrix shapes), its losses and norms."""
-    _, padded = runs["padded"]
-    _, flat = runs["padding_free"]
+    and, to fp32 rounding (other matrix shapes), its losses and norms — and a mixture of experts its load-balancing
+    loss and expert loads: each sample's first token, labelled −100 in the flattened row, is routed and counted."""
+    _, padded = runs[f"{model}padded"]
+    _, flat = runs[f"{model}padding_free"]
     assert series(flat, "batch_hash") == series(padded, "batch_hash") and series(flat, "tokens") == series(padded, "tokens")
-    for key in ("loss", "grad_norm", "param_norm"):
+    for key in ("loss", "grad_norm", "param_norm", *(("aux_loss",) if model else ())):
         assert max_rel_diff(series(flat, key), series(padded, key)) < FP32_RTOL, key
+    if model:
+        assert series(flat, "expert_loads") == series(padded, "expert_loads")
 
 
 def test_all_strategies_pass_together_against_ddp(runs, tmp_path, capsys):
-    """plot_loss_curves.py over DDP's packed record and every packed strategy's at DP 2 × 2: PASS, exit 0."""
-    for name in ("packing", "packing_deepspeed_zero1", "packing_fsdp_tp2_sp", "packing_padding_free_transformers_tp2",
-                 "packing_pipeline_pp2_dp2"):
+    """plot_loss_curves.py over DDP's packed record and every packed strategy's: PASS, exit 0."""
+    for name in ("packing", "packing_deepspeed_tp2_zero0", "packing_fsdp_tp2_sp", "packing_padding_free_transformers_tp2",
+                 "packing_pipeline_1f1b"):
         for record in runs[name][0].glob("loss_*.json"):
             shutil.copy(record, tmp_path)
     code = plot_loss_curves(["--input_dir", str(tmp_path), "--output", str(tmp_path / "c.png")])
@@ -177,3 +196,36 @@ def test_flattening_keeps_the_tokens_and_the_hash_covers_the_position_ids():
     assert batch_hash(restarted) != batch_hash(Batch(ids, ids)) != batch_hash(
         Batch(ids, ids, position_ids=torch.tensor([[0, 1, 0, 1, 2, 3]] * 2)))
     assert restarted.flattened().position_ids.tolist() == [[0, 1, 2, 0, 1, 2] * 2]
+
+
+def test_the_layer_check_of_a_packed_padding_free_step_passes(tiny_weights, tmp_path, capsys):
+    """run_verification.py --packing --padding_free: DDP, DeepSpeed AutoTP, FSDP2 + TP, transformers' TP and the
+    pipeline (two micro-batches a rank where the others feed one row) each record one step of packed rows flattened,
+    every module's output put back at its rows' positions; every pair PASSes at 1e-5 (measured ≤ 5e-6)."""
+    out = tmp_path / "layers"
+    code = run_verification(["--launcher", "local", "--output_dir", str(out), "--strategy", "ddp", "deepspeed", "fsdp",
+                             "transformers", "pipeline", "--packing", "--padding_free", "--seq_length", "64",
+                             "--batch_size", "4"])
+    printed = capsys.readouterr().out
+    pairs = json.loads((out / "layer_comparison.json").read_text())["pairs"]
+    assert code == 0 and len(pairs) == 10 and {p["verdict"] for p in pairs} == {"PASS"}, printed
+    assert max(p["max_rel"] for p in pairs) < FP32_RTOL
+
+
+def test_the_layer_checks_records_of_flattened_micro_batches_go_back_to_their_rows():
+    """row_places: a module's output of each flattened micro-batch (the second one filled up as the pipeline fills it)
+    at its rows' positions — per-token outputs as [rows, seq, ...], a router's [tokens, ...] as [rows × seq, ...] — with
+    zeros on the padding the flattening dropped."""
+    from parity.layer_check.layer_step import row_places
+
+    ids = torch.arange(1, 17).reshape(4, 4)
+    labels = ids.clone()
+    labels[1, 2:] = labels[2, 3:] = -100
+    batch = Batch(ids, labels)
+    fed = [batch.rows(0, 2).flattened(), batch.rows(2, 4).flattened()]
+    fed[1] = Batch(torch.cat([fed[1].input_ids, torch.zeros(1, 1, dtype=torch.long)], 1), fed[1].labels)
+    place = row_places(batch, fed)
+    expected = ids.masked_fill(labels == -100, 0)
+    assert place(0, fed[0].input_ids[..., None]).squeeze(-1).tolist() == expected[:2].tolist()
+    assert place(1, fed[1].input_ids[0, :, None].float()).squeeze(-1).tolist() == expected[2:].flatten().tolist()
+    assert row_places(batch, batch.split(2)) is None  # rows fed as they are
