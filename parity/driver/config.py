@@ -264,7 +264,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     if s["tokenizer"] is None:
         s["tokenizer"] = default_tokenizer(s["model_name"])
     _absolute_paths(s)
-    check_source(s["dataset"], s["packing"])
+    check_source(s["dataset"], s["packing"], s["padding_free"])
     s["experiment_name"] = s["experiment_name"] or (f"{strategy}_tp{s['tp_size']}_dp{s['dp_size']}"
                                                     + (f"_ep{s['ep_size']}" if s["ep_size"] > 1 else "")
                                                     + ("_noise_reference" if s["noise_reference"] else ""))

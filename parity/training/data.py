@@ -122,9 +122,12 @@ class TokenWindows:
         return f"{self.name}: {len(self.tokens)} tokens, {len(self)} windows"
 
 
-def check_source(dataset: str, packing: bool = False) -> None:
+def check_source(dataset: str, packing: bool = False, padding_free: bool = False) -> None:
     """The cheap part of --dataset's checks, for `resolve`: a known source, an existing text file; --packing only of
-    the synthetic documents."""
+    the synthetic documents, --padding_free of any source but a recorded run's."""
+    if padding_free and dataset.startswith(RECORDED):
+        raise ConfigError("--padding_free with a recorded run's batches: a replay feeds each row as the run fed it; "
+                          "drop --padding_free")
     if packing and dataset != "synthetic":
         why = ("its rows are padded samples, and packed rows hold no padding" if dataset == "synthetic_padded" else
                "it has no document boundaries to restart the position ids at")
