@@ -3,7 +3,7 @@
 --packing: rows of whole documents, position ids restarting at 0 at each one (the synthetic language's documents of 8
 to 32 tokens in rows of 64: ~3 a row). --padding_free: each micro-batch's samples as one row, their padding dropped
 (synthetic_padded's samples of 16 to 64 tokens). Every run is the shared loop in one local gloo group of 2 ranks: DDP at
-DP 2 the baseline; DeepSpeed AutoTP tp2 and ZeRO 0–3, FSDP2 + TP (and + sequence parallelism), FSDP2 + EP (a mixture of
+DP 2 the baseline; DeepSpeed AutoTP tp2 and ZeRO 0–3, FSDP2 (± TP, + sequence parallelism), FSDP2 + EP (a mixture of
 experts, against its own DDP), transformers' TP and the pipeline (1F1B, GPipe) beside it, with the seeded bug of a
 pipeline that hands the position ids to its first stage only; and the layer check of one packed, padding-free step.
 qwen2-tiny (qwen3-moe-tiny for EP), seq 64, 3 steps, lr 1e-4, global batch 8.
@@ -46,6 +46,7 @@ RUNS = {  # name → (strategy, flags, its DDP baseline)
     "packing_deepspeed_dp2_zero1": ("deepspeed", {**DP2, **PACKING, "zero_stage": 1}, "packing"),
     "padding_free_deepspeed_tp2_zero2": ("deepspeed", {**TP2, **PADDING_FREE, "zero_stage": 2}, "padding_free"),
     "padding_free_deepspeed_dp2_zero3": ("deepspeed", {**DP2, **PADDING_FREE, "zero_stage": 3}, "padding_free"),
+    "packing_fsdp_dp2": ("fsdp", {**DP2, **PACKING}, "packing"),
     "packing_fsdp_tp2_sp": ("fsdp", {**TP2, **PACKING, **SP, "grad_accum_steps": 2}, "packing"),
     "padding_free_fsdp_tp2": ("fsdp", {**TP2, **PADDING_FREE}, "padding_free"),
     "packing_fsdp_ep2": ("fsdp", {**EP2, **PACKING}, "moe_packing"),
