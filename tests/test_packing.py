@@ -211,6 +211,12 @@ def test_the_layer_check_of_a_packed_padding_free_step_passes(tiny_weights, tmp_
     pairs = json.loads((out / "layer_comparison.json").read_text())["pairs"]
     assert code == 0 and len(pairs) == 10 and {p["verdict"] for p in pairs} == {"PASS"}, printed
     assert max(p["max_rel"] for p in pairs) < FP32_RTOL
+    # the folder's inputs are packed rows: a step without --packing into it is one line, exit 2, before any worker
+    assert run_verification(["--launcher", "local", "--output_dir", str(out), "--strategy", "ddp", "--seq_length",
+                             "64", "--batch_size", "4"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and line.endswith(
+        "holds packed rows, this run does not pack them: use the folder's --packing setting or a fresh --output_dir")
 
 
 def test_the_layer_checks_records_of_flattened_micro_batches_go_back_to_their_rows():

@@ -93,9 +93,9 @@ def row_places(batch, fed: list):
     zeros on the padding: [1, tokens, ...] as [rows, seq_length, ...], a router's [tokens, ...] as [rows × seq_length,
     ...] — the shapes of the rows fed as they are, whatever a strategy's micro-batches, so that every strategy's
     records compare position for position. None where the rows are fed as they are."""
-    if len(fed[0].input_ids) == len(batch.input_ids) // len(fed):
-        return None
     rows, seq = len(batch.input_ids) // len(fed), batch.input_ids.shape[1]
+    if all(m.input_ids.shape == (rows, seq) for m in fed):
+        return None
     lengths = batch.real_lengths()
 
     def place(i: int, t: torch.Tensor) -> torch.Tensor:
