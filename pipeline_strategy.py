@@ -134,7 +134,7 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        if position_ids is not None:  # packed or flattened rows': every stage masks the documents apart and rotates by them
+        if position_ids is not None:  # packed or flattened rows': each stage masks its documents apart, rotates by them
             inputs["position_ids"] = position_ids
         with self.autocast():
             if self.last:

@@ -114,7 +114,8 @@ def test_padding_free_trains_the_padded_runs_tokens_to_rounding(runs, model):
     loss and expert loads: each sample's first token, labelled −100 in the flattened row, is routed and counted."""
     _, padded = runs[f"{model}padded"]
     _, flat = runs[f"{model}padding_free"]
-    assert series(flat, "batch_hash") == series(padded, "batch_hash") and series(flat, "tokens") == series(padded, "tokens")
+    for key in ("batch_hash", "tokens"):
+        assert series(flat, key) == series(padded, key)
     for key in ("loss", "grad_norm", "param_norm", *(("aux_loss",) if model else ())):
         assert max_rel_diff(series(flat, key), series(padded, key)) < FP32_RTOL, key
     if model:
@@ -123,8 +124,8 @@ def test_padding_free_trains_the_padded_runs_tokens_to_rounding(runs, model):
 
 def test_all_strategies_pass_together_against_ddp(runs, tmp_path, capsys):
     """plot_loss_curves.py over DDP's packed record and every packed strategy's: PASS, exit 0."""
-    for name in ("packing", "packing_deepspeed_tp2_zero0", "packing_fsdp_tp2_sp", "packing_padding_free_transformers_tp2",
-                 "packing_pipeline_1f1b"):
+    for name in ("packing", "packing_deepspeed_tp2_zero0", "packing_fsdp_tp2_sp",
+                 "packing_padding_free_transformers_tp2", "packing_pipeline_1f1b"):
         for record in runs[name][0].glob("loss_*.json"):
             shutil.copy(record, tmp_path)
     code = plot_loss_curves(["--input_dir", str(tmp_path), "--output", str(tmp_path / "c.png")])
@@ -152,7 +153,7 @@ def test_positions_on_the_first_stage_only_fail_at_step_0(runs, tmp_path, capsys
 def test_a_packed_documents_logits_are_its_own_run_alone(tiny_weights, tmp_path):
     """What the harness's forward feeds a packed row (its position ids, no mask, no cache): each document's logits
     equal the document run alone to ~1e-7 (fp32). Fed with transformers' default cache, or with a 2-D mask, the
-    per-document masks are off and the later documents' logits are another model's (measured 0.6)."""
+    per-document masks are off and the later documents' logits are another model's (measured 0.62 to 0.73)."""
     from parity.layout import Layout
     from parity.models.model import build_model, load_init_weights, model_config_from_dict
     from parity.training.strategy import WorkerContext
