@@ -194,8 +194,11 @@ class DeepSpeedStrategy(Strategy):
     def hf_model(self):
         return self.engine.module
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        logits = self.engine(input_ids=input_ids, use_cache=False).logits  # as Strategy.forward
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """As Strategy.forward, through the engine (which broadcasts its inputs over the TP group and checks them):
+        no cache, packed rows' position ids and no mask."""
+        positions = {} if position_ids is None else {"position_ids": position_ids}
+        logits = self.engine(input_ids=input_ids, use_cache=False, **positions).logits
         return gather_last_dim(self.column_shards, "lm_head", logits)  # [4]
 
     def backward(self, loss: torch.Tensor, last: bool = True) -> None:

@@ -51,10 +51,12 @@ from parity.errors import ConfigError
 from parity.models.families import family_of
 from parity.models.model import parameter_names
 from parity.precision import DTYPES, POLICIES, policy_of
+from parity.training.data import Batch
 from parity.training.memory import StateLedger
 from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.replicas import Replica, held
-from parity.training.strategy import ModuleRecords, Option, Piece, Strategy, loss_sum, squared_norm_fp64
+from parity.training.strategy import (IGNORE_INDEX, ModuleRecords, Option, Piece, Strategy, loss_sum,
+                                      squared_norm_fp64)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -130,8 +132,10 @@ class StageModule(nn.Module):
         self.first, self.last, self.autocast = first, last, autocast
         object.__setattr__(self, "view", view)  # not a submodule: its parameters belong to the rank's tree
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if position_ids is not None:  # packed or flattened rows': each stage masks its documents apart, rotates by them
+            inputs["position_ids"] = position_ids
         with self.autocast():
             if self.last:
                 return self.view(**inputs, use_cache=False).logits
@@ -279,6 +283,8 @@ class PipelineStrategy(Strategy):
         stream stays fp32), logits out in the compute dtype. Static metadata must say which inputs get a gradient
         (torch sends back none for one that does not require it)."""
         rows, seq = self.cfg.batch_size // self.cfg.options["microbatches"], self.cfg.seq_length
+        if self.cfg.padding_free:  # one row of the micro-batch's length (micro_batches)
+            rows, seq = 1, rows * seq
         device = self.ctx.device
         hidden = torch.empty(rows, seq, config.hidden_size, device=device, dtype=self.hidden_dtype)
         last = stage == self.num_stages - 1
@@ -315,21 +321,45 @@ class PipelineStrategy(Strategy):
         self._sums.append(summed.detach())
         return summed * self._loss_scale * self.loss_scale
 
+    def micro_batches(self, batch) -> list:
+        """--microbatches parts of `batch` (the schedule's split); under --padding_free each flattened into one row and
+        filled up to the micro-batch's rows × seq_length with a document of token 0 labelled −100 (no loss, and no
+        token of another document attends to it): the schedule's stages exchange tensors of one shape."""
+        parts = batch.split(self.cfg.options["microbatches"])
+        if not self.cfg.padding_free:
+            return parts
+        fed = []
+        for micro in parts:
+            flat, length = micro.flattened(), micro.input_ids.numel()
+            fill = length - flat.input_ids.shape[1]
+            padded = [torch.cat([t, torch.full((1, fill), value, dtype=t.dtype, device=t.device)], 1)
+                      for t, value in ((flat.input_ids, 0), (flat.labels, IGNORE_INDEX))]
+            positions = torch.cat([flat.position_ids, torch.arange(fill, device=flat.position_ids.device)[None]], 1)
+            fed.append(Batch(*padded, position_ids=positions))
+        return fed
+
     def forward_backward(self, batch, global_tokens: int) -> torch.Tensor:
         """The schedule's forward and backward over the micro-batches of this DP rank's `batch`, then the tied-weight
         sum and the DP all-reduce: every rank holds the global batch's gradients of its parameters. Returns this
-        pipeline's token-loss sum (float64) on its last stage's rank, 0 on the others."""
-        batch = batch.to(self.ctx.device)
+        pipeline's token-loss sum (float64) on its last stage's rank, 0 on the others. Position ids (packed or
+        flattened rows) go to every stage's rank, which the schedule splits as it splits the ids."""
+        fed = self.micro_batches(batch.to(self.ctx.device))
         self._loss_scale, self._sums = self.ctx.dp_size / global_tokens, []
-        self.schedule.step(*((batch.input_ids,) if self.has_first else ()),
-                           target=batch.labels if self.has_last else None,
-                           losses=[] if self.has_last else None, return_outputs=False)
+        self.schedule.step(*((torch.cat([m.input_ids for m in fed]),) if self.has_first else ()),
+                           target=torch.cat([m.labels for m in fed]) if self.has_last else None,
+                           losses=[] if self.has_last else None, return_outputs=False, **self.stage_kwargs(fed))
         self.reduce_gradients()
         local_sum = self._zero()
         if self.has_last:
             assert len(self._sums) == self.cfg.options["microbatches"], len(self._sums)
             local_sum = sum(s.double() for s in self._sums)
         return local_sum
+
+    def stage_kwargs(self, fed: list) -> dict:
+        """What this rank gives the schedule for every stage it holds besides the first stage's ids: the micro-batches'
+        position ids where they carry them (packed or flattened rows), which every stage needs — its layers' rotary
+        angles and transformers' per-document mask are computed from them in each stage's own forward."""
+        return {} if fed[0].position_ids is None else {"position_ids": torch.cat([m.position_ids for m in fed])}
 
     def reduce_gradients(self) -> None:
         """After the schedule's backward: the tied weight's two gradients summed (each rank's embedding and lm_head
@@ -394,10 +424,11 @@ class PipelineStrategy(Strategy):
         raise NotImplementedError("the pipeline's schedule runs forward and backward together: use forward_backward")
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The full-vocabulary logits of this DP rank's slice on every rank of its pipeline (the final evaluation):
         the stages run in order, each sending its hidden states to the next, and the last stage's rank broadcasts
-        the logits over the pipeline — as many as a DDP rank computes for the same slice."""
+        the logits over the pipeline — as many as a DDP rank computes for the same slice. Every stage takes the
+        position ids (packed rows')."""
         h = input_ids.to(self.ctx.device)
         hidden = (h.shape[0], h.shape[1], self.hidden_size)
         me = self.ctx.pp_rank
@@ -405,7 +436,7 @@ class PipelineStrategy(Strategy):
             if s > 0 and (s - 1) % self.P != me:
                 h = torch.empty(hidden, dtype=self.hidden_dtype, device=self.ctx.device)
                 dist.recv(h, src=self.pp_ranks[(s - 1) % self.P])
-            h = self.stage_modules[s](h)
+            h = self.stage_modules[s](h, position_ids)
             if s < self.num_stages - 1 and (s + 1) % self.P != me:
                 dist.send(h.to(self.hidden_dtype).contiguous(), dst=self.pp_ranks[(s + 1) % self.P])
         last = self.pp_ranks[(self.num_stages - 1) % self.P]

@@ -92,6 +92,8 @@ class RunConfig:
     # whose hooks come after its clipping records the clipped gradients; Strategy.train_step records its own alike)
     tensor_grad: str | None = None
     no_teacher_forced: bool = False  # --no_teacher_forced: no teacher-forced check (parity/training/teacher_forced.py)
+    packing: bool = False  # --packing: documents packed into full rows, position ids restarting (parity/training/data.py)
+    padding_free: bool = False  # --padding_free: each micro-batch's samples fed as one row (data.Batch.flattened)
 
     @property
     def layout(self) -> Layout:

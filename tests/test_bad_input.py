@@ -179,6 +179,11 @@ CASES = [
      r"--dataset text:.*none.txt: no such file .*none.txt: give the path of a UTF-8 text file"),
     ("dataset name", "ddp", train_flags(dataset="imagenet"), {},
      r"--dataset imagenet is not known: use synthetic, synthetic_padded, wikitext or text:PATH"),
+    ("packing padded", "ddp", train_flags(dataset="synthetic_padded", packing=True), {},
+     r"--packing with --dataset synthetic_padded: its rows are padded samples, and packed rows hold no padding; use "
+     r"--dataset synthetic \(--packing packs its documents of varying lengths\), or --padding_free to drop padding"),
+    ("padding free recorded", "ddp", train_flags(dataset="recorded:{d}/batches", padding_free=True), {},
+     r"--padding_free with a recorded run's batches: a replay feeds each row as the run fed it; drop --padding_free"),
     ("text small", "ddp", train_flags(dataset="text:{d}/tiny.txt", tokenizer="bytes"), {},
      r"holds fewer samples than one global batch \(4\): use more data, a shorter --seq_length or a smaller batch"),
     ("tokenizer", "ddp", train_flags(dataset="text:{d}/tiny.txt", tokenizer="nobody/tok"), {},

@@ -253,6 +253,17 @@ class PipelineTiedGradientsNotSummed(PipelineStrategy):
         pass
 
 
+class PipelinePositionsOnFirstStageOnly(PipelineStrategy):
+    """Packed rows' position ids handed to the first stage only: the later stages' forwards make their own, 0, 1, ...
+    along the whole row, so their layers rotate each document by its offset in the row and, with no restart to find,
+    attend across the documents (transformers builds its per-document mask from the position ids). The first stage
+    is right; the loss is off from the first step. (Not in CATALOGUE: the calibration study's runs are not packed;
+    tests/test_packing.py runs it.)"""
+
+    def stage_kwargs(self, fed: list) -> dict:
+        return super().stage_kwargs(fed) if self.has_first else {}
+
+
 # --- Model families: one pitfall per architecture (FSDP2 + TP copies; tests/test_families.py runs them) -------
 
 

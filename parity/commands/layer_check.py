@@ -54,6 +54,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--learning_rate", type=float, default=None,
                    help="lr of the one optimizer step; default: 1e-5; not with --replay")
     p.add_argument("--seed", type=int, default=None, help="default: 42; not with --replay")
+    p.add_argument("--packing", action="store_true",
+                   help="a step of packed rows, position ids restarting per document (docs/finetune.md); not with "
+                        "--replay (the run's)")
+    p.add_argument("--padding_free", action="store_true",
+                   help="each micro-batch fed as one row; each module's output is compared at its rows' positions; "
+                        "not with --replay (the run's)")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--launcher", choices=("ray", "local"), default="ray",
                    help="ray: Ray Train worker groups (a local Ray cluster, or RAY_ADDRESS's); local: processes of this "
@@ -218,7 +224,8 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
         values = {"model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
                   "seq_length": _given(args.seq_length, 1024 if on_gpu else 128),
                   "num_layers": _given(args.num_layers, 2), "precision": _given(args.precision, "auto"),
-                  "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42)}
+                  "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42),
+                  "packing": args.packing, "padding_free": args.padding_free}
     return {
         **values, "batch_size": batch, **layout,
         "device": args.device,

@@ -106,6 +106,14 @@ FLAGS = (
     ("data", "dataset", "synthetic",
      {"help": "synthetic (learnable Markov text), synthetic_padded (the same in samples of different lengths, "
               "right-padded, labels -100 on the padding), wikitext (needs the hub), or text:PATH (a local file)"}),
+    ("data", "packing", False,
+     {"action": "store_true", "help": "pack documents of varying lengths (the synthetic language's) into full rows, "
+                                      "each document's position ids from 0, fed with no mask and no cache so that no "
+                                      "token attends across documents; the loss is over every real token "
+                                      "(docs/finetune.md)"}),
+    ("data", "padding_free", False,
+     {"action": "store_true", "help": "feed each micro-batch's samples as one row, their padding dropped and each "
+                                      "sample's position ids from 0 (docs/finetune.md)"}),
     ("data", "num_samples", 10000, {"type": int, "help": "samples per epoch of the synthetic set"}),
     ("data", "tokenizer", None,
      {"help": "tokenizer for text data: 'bytes' (UTF-8 bytes) or a name/path (default: the model's; 'bytes' "
@@ -256,7 +264,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     if s["tokenizer"] is None:
         s["tokenizer"] = default_tokenizer(s["model_name"])
     _absolute_paths(s)
-    check_source(s["dataset"])
+    check_source(s["dataset"], s["packing"], s["padding_free"])
     s["experiment_name"] = s["experiment_name"] or (f"{strategy}_tp{s['tp_size']}_dp{s['dp_size']}"
                                                     + (f"_ep{s['ep_size']}" if s["ep_size"] > 1 else "")
                                                     + ("_noise_reference" if s["noise_reference"] else ""))

@@ -48,9 +48,10 @@ class ModuleRecorder:
     token, hold all of them.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, place=None):
         from parity.models.families import family_of
 
+        self.place = place  # (call index, tensor) → the tensor at the rows' positions (row_places), or None: as it is
         self.outputs: dict[str, list[torch.Tensor]] = {}
         self.output_grads: dict[str, list[torch.Tensor]] = {}
         family = family_of(model.config)
@@ -75,11 +76,41 @@ class ModuleRecorder:
         return hook
 
     def remove(self) -> ModuleRecords:
-        """Remove the hooks; the records, each module's calls concatenated."""
+        """Remove the hooks; the records, each module's calls (placed at their rows' positions) concatenated."""
         for h in self.handles:
             h.remove()
+        if self.place is not None:
+            for store in (self.outputs, self.output_grads):
+                for name, calls in store.items():
+                    store[name] = [self.place(i, t) for i, t in enumerate(calls)]
         return ModuleRecords(*({name: calls[0] if len(calls) == 1 else torch.cat(calls) for name, calls in store.items()}
                                for store in (self.outputs, self.output_grads)))
+
+
+def row_places(batch, fed: list):
+    """--padding_free: what puts a module's output of the i-th micro-batch `fed` (one flattened row, the pipeline's
+    filled up) back at its rows' positions in `batch` (this rank's slice, in equal micro-batches of consecutive rows),
+    zeros on the padding: [1, tokens, ...] as [rows, seq_length, ...], a router's [tokens, ...] as [rows × seq_length,
+    ...] — the shapes of the rows fed as they are, whatever a strategy's micro-batches, so that every strategy's
+    records compare position for position. None where the rows are fed as they are."""
+    rows, seq = len(batch.input_ids) // len(fed), batch.input_ids.shape[1]
+    if all(m.input_ids.shape == (rows, seq) for m in fed):
+        return None
+    lengths = batch.real_lengths()
+
+    def place(i: int, t: torch.Tensor) -> torch.Tensor:
+        fed_length = fed[i].input_ids.shape[1]
+        per_token = t.dim() >= 2 and t.shape[:2] == (1, fed_length)
+        tokens = t[0] if per_token else t
+        if tokens.shape[0] != fed_length:
+            return t
+        placed = tokens.new_zeros(rows * seq, *tokens.shape[1:])
+        start = 0
+        for r, n in enumerate(lengths[i * rows:(i + 1) * rows]):
+            placed[r * seq:r * seq + n] = tokens[start:start + n]
+            start += n
+        return placed.view(rows, seq, *tokens.shape[1:]) if per_token else placed
+    return place
 
 
 def perturb_local_shard(strategy, param_name: str) -> None:
@@ -124,10 +155,11 @@ def layer_step_worker(payload: dict) -> None:
     inputs = load_file(inputs_path)
     # a replay's step as its batches give it (a recorded step's rows split over the ranks, its mask), the same tokens
     # as the folder's inputs
-    global_batch = replay["batches"](step) if replay else Batch(inputs["input_ids"], inputs["labels"])
+    global_batch = replay["batches"](step) if replay else Batch(inputs["input_ids"], inputs["labels"],
+                                                                 position_ids=inputs.get("position_ids"))
     mine = dp_slice(global_batch, ctx.dp_rank, cfg.batch_size).to(ctx.device)
 
-    recorder = ModuleRecorder(strategy.hf_model)
+    recorder = ModuleRecorder(strategy.hf_model, row_places(mine, strategy.micro_batches(mine)))
     local_sum = strategy.forward_backward(mine, global_batch.loss_tokens)  # the train step's (one step)
     records = strategy.full_module_records(recorder.remove())
     grads = strategy.full_gradients()

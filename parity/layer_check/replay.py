@@ -31,7 +31,7 @@ OPTIMIZER_FILE = "optimizer_state.safetensors"
 # The baseline's settings the replay keeps: the model, the data and the optimizer, as it trained.
 KEPT = ("model_name", "num_layers", "seq_length", "precision", "reduce_dtype", "grad_accum_dtype", "learning_rate",
         "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_steps", "max_grad_norm", "seed", "dataset",
-        "num_samples", "tokenizer")
+        "num_samples", "tokenizer", "packing", "padding_free")
 
 
 @dataclass(frozen=True)

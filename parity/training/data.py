@@ -6,6 +6,11 @@ with twice the batch, and a TP=2×DP=2 job all see the same samples, and every r
 the same slice. A batch is input ids and labels (the ids again, −100 where a position is padding): with
 padded samples (--dataset synthetic_padded) DP ranks and micro-batches hold different numbers of loss
 tokens, and a step's loss is the mean over the global batch's loss tokens, never a mean of means.
+
+--packing fills each row with whole documents of varying lengths, their position ids restarting at 0 at each
+document's start and its first label −100 (the previous document's last token predicts nothing): the loss is over every
+real token, and the model, fed the position ids with no mask and no cache, keeps the documents apart. --padding_free
+feeds each micro-batch's samples as one row (Batch.flattened), the padding dropped: the same tokens, the same loss.
 """
 
 from __future__ import annotations
@@ -42,9 +47,12 @@ class SyntheticMarkov:
         return self.num_samples
 
     def __getitem__(self, i: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, 1, i])
+        return self.walk(np.random.default_rng([self.seed, 1, i]), self.seq_length)
+
+    def walk(self, rng: np.random.Generator, length: int) -> np.ndarray:
+        """`length` tokens of the chain, drawn from `rng`."""
         state = int(rng.integers(len(self.alphabet)))
-        choices = rng.choice(len(self.SUCCESSOR_PROBS), size=self.seq_length, p=self.SUCCESSOR_PROBS).tolist()
+        choices = rng.choice(len(self.SUCCESSOR_PROBS), size=length, p=self.SUCCESSOR_PROBS).tolist()
         path = []
         for c in choices:
             path.append(state)
@@ -74,6 +82,30 @@ class PaddedMarkov(SyntheticMarkov):
         return f"synthetic Markov text, padded to variable lengths, {self.num_samples} samples"
 
 
+class PackedMarkov(SyntheticMarkov):
+    """--packing: row i holds documents of the synthetic language, each between an eighth and a half of seq_length
+    long (at least 2), drawn one after another from (seed, i, k) until the row is full (the last one cut to fit): input
+    ids, labels (the ids, −100 at each document's first position) and position ids (0 at each document's start). Every
+    position is a real token; the loss counts each one that a token of its own document precedes."""
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids, labels, positions = [], [], []
+        shortest, longest = max(2, self.seq_length // 8), max(2, self.seq_length // 2)
+        k = filled = 0
+        while filled < self.seq_length:
+            rng = np.random.default_rng([self.seed, 4, i, k])
+            length = min(int(rng.integers(shortest, longest + 1)), self.seq_length - filled)
+            document = self.walk(rng, length)
+            ids.append(document)
+            labels.append(np.concatenate([[IGNORE_INDEX], document[1:]]))
+            positions.append(np.arange(length))
+            filled, k = filled + length, k + 1
+        return tuple(np.concatenate(column) for column in (ids, labels, positions))
+
+    def describe(self) -> str:
+        return f"synthetic Markov text, documents packed into full rows, {self.num_samples} rows"
+
+
 class TokenWindows:
     """A token stream cut into consecutive, non-overlapping windows of seq_length tokens."""
 
@@ -90,8 +122,17 @@ class TokenWindows:
         return f"{self.name}: {len(self.tokens)} tokens, {len(self)} windows"
 
 
-def check_source(dataset: str) -> None:
-    """The cheap part of --dataset's checks, for `resolve`: a known source, an existing text file."""
+def check_source(dataset: str, packing: bool = False, padding_free: bool = False) -> None:
+    """The cheap part of --dataset's checks, for `resolve`: a known source, an existing text file; --packing only of
+    the synthetic documents, --padding_free of any source but a recorded run's."""
+    if padding_free and dataset.startswith(RECORDED):
+        raise ConfigError("--padding_free with a recorded run's batches: a replay feeds each row as the run fed it; "
+                          "drop --padding_free")
+    if packing and dataset != "synthetic":
+        why = ("its rows are padded samples, and packed rows hold no padding" if dataset == "synthetic_padded" else
+               "it has no document boundaries to restart the position ids at")
+        raise ConfigError(f"--packing with --dataset {dataset}: {why}; use --dataset synthetic (--packing packs its "
+                          f"documents of varying lengths), or --padding_free to drop padding")
     if dataset.startswith("text:"):
         path = dataset[len("text:"):]
         if not os.path.isfile(path):
@@ -102,9 +143,12 @@ def check_source(dataset: str) -> None:
         raise ConfigError(f"--dataset {dataset} is not known: use synthetic, synthetic_padded, wikitext or text:PATH")
 
 
-def open_dataset(dataset: str, tokenizer: str, vocab_size: int, seq_length: int, num_samples: int, seed: int):
-    """The source named by --dataset. Raises ConfigError for anything that cannot work."""
-    check_source(dataset)
+def open_dataset(dataset: str, tokenizer: str, vocab_size: int, seq_length: int, num_samples: int, seed: int,
+                 packing: bool = False):
+    """The source named by --dataset (packed: --packing). Raises ConfigError for anything that cannot work."""
+    check_source(dataset, packing)
+    if packing:
+        return PackedMarkov(vocab_size, seq_length, num_samples, seed)
     if dataset == "synthetic":
         return SyntheticMarkov(vocab_size, seq_length, num_samples, seed)
     if dataset == "synthetic_padded":
@@ -164,12 +208,15 @@ class Batch:
     each micro-batch of each DP rank, ((rank 0's), (rank 1's), ...); None: DP rank r holds rows [r·b, (r+1)·b) in
     --grad_accum_steps equal micro-batches. `attention_mask`: fed to the model where rows are left-padded (a recorded
     run's, as it fed them), and where a step is taken as a recorded run fed it (RecordedBatches.as_fed); None: no mask
-    (right padding needs none for a causal model)."""
+    (right padding needs none for a causal model). `position_ids`: packed rows' (--packing) and flattened ones'
+    (flattened), 0 at each document's start, fed with no mask (a 2-D mask would turn transformers' per-document masks
+    off); None: 0, 1, ... along every row."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     micro_rows: tuple[tuple[int, ...], ...] | None = None
     attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
 
     @property
     def loss_tokens(self) -> int:
@@ -178,9 +225,10 @@ class Batch:
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
     def rows(self, start: int, stop: int) -> "Batch":
-        mask = self.attention_mask
+        mask, positions = self.attention_mask, self.position_ids
         return Batch(self.input_ids[start:stop], self.labels[start:stop],
-                     attention_mask=None if mask is None else mask[start:stop])
+                     attention_mask=None if mask is None else mask[start:stop],
+                     position_ids=None if positions is None else positions[start:stop])
 
     def split(self, parts: int) -> list["Batch"]:
         """`parts` micro-batches of equal size, in order — or, for one DP rank's slice of a step planned in
@@ -190,10 +238,28 @@ class Batch:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [self.rows(start, start + size) for start, size in zip(starts, sizes)]
 
+    def real_lengths(self) -> list[int]:
+        """Each row's length without its padding: up to its last position with a label (what follows is padding)."""
+        real = self.labels != IGNORE_INDEX
+        return [int(row.nonzero()[-1]) + 1 if row.any() else 0 for row in real]
+
+    def flattened(self) -> "Batch":
+        """--padding_free: the rows as one row — each row's real tokens (real_lengths: its padding dropped) after the
+        previous row's, with its own position ids (0, 1, ... where the rows carry none) and its first label −100: the
+        previous row's last token predicts nothing, as at the end of a row. The same loss tokens as the rows."""
+        assert self.attention_mask is None, "a left-padded row is fed with its mask, never flattened"
+        ids, labels, positions = [], [], []
+        for r, n in enumerate(self.real_lengths()):
+            ids.append(self.input_ids[r, :n])
+            labels.append(torch.cat([torch.full_like(self.labels[r, :1], IGNORE_INDEX), self.labels[r, 1:n]])[:n])
+            positions.append(self.position_ids[r, :n] if self.position_ids is not None else
+                             torch.arange(n, device=self.input_ids.device))
+        return Batch(*(torch.cat(column)[None] for column in (ids, labels)), position_ids=torch.cat(positions)[None])
+
     def to(self, device) -> "Batch":
-        mask = self.attention_mask
+        mask, positions = self.attention_mask, self.position_ids
         return Batch(self.input_ids.to(device), self.labels.to(device), self.micro_rows,
-                     None if mask is None else mask.to(device))
+                     None if mask is None else mask.to(device), None if positions is None else positions.to(device))
 
 
 class GlobalBatches:
@@ -213,9 +279,9 @@ class GlobalBatches:
             self._order = (epoch, np.random.default_rng([self.seed, 2, epoch]).permutation(len(self.dataset)))
         rows = self._order[1][k * self.global_batch_size:(k + 1) * self.global_batch_size]
         samples = [self.dataset[int(i)] for i in rows]
-        pairs = [s if isinstance(s, tuple) else (s, s) for s in samples]  # a full window is its own labels
-        ids, labels = (torch.from_numpy(np.stack(column).astype(np.int64)) for column in zip(*pairs))
-        return Batch(ids, labels)
+        columns = [s if isinstance(s, tuple) else (s, s) for s in samples]  # a full window is its own labels
+        ids, labels, *positions = (torch.from_numpy(np.stack(column).astype(np.int64)) for column in zip(*columns))
+        return Batch(ids, labels, position_ids=positions[0] if positions else None)  # packed rows: their positions
 
 
 def training_data(cfg) -> GlobalBatches:
@@ -223,7 +289,7 @@ def training_data(cfg) -> GlobalBatches:
     and shipped to the workers with the run. ConfigError if the source cannot work or holds fewer samples
     than one global batch: raised before any worker starts."""
     dataset = open_dataset(cfg.dataset, cfg.tokenizer, cfg.model_config["vocab_size"], cfg.seq_length,
-                           cfg.num_samples, cfg.seed)
+                           cfg.num_samples, cfg.seed, cfg.packing)
     return GlobalBatches(dataset, cfg.global_batch_size, cfg.seed)
 
 
@@ -290,7 +356,7 @@ def dp_slice(global_batch: Batch, dp_rank: int, batch_size: int) -> Batch:
         return global_batch.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     start = sum(map(sum, plan[:dp_rank]))
     mine = global_batch.rows(start, start + sum(plan[dp_rank]))
-    return Batch(mine.input_ids, mine.labels, (plan[dp_rank],), mine.attention_mask)
+    return Batch(mine.input_ids, mine.labels, (plan[dp_rank],), mine.attention_mask, mine.position_ids)
 
 
 def row_plan(rows: int, workers: int, most_rows: int) -> tuple[tuple[int, ...], ...]:
@@ -305,9 +371,12 @@ def row_plan(rows: int, workers: int, most_rows: int) -> tuple[tuple[int, ...], 
 
 
 def batch_hash(global_batch: Batch) -> str:
-    """A short fingerprint of a global batch: equal hashes mean the runs saw the same tokens and labels. A batch
-    without padding hashes as its ids alone (records of full windows keep their hashes)."""
+    """A short fingerprint of a global batch: equal hashes mean the runs saw the same tokens, labels and position ids.
+    A batch without padding hashes as its ids alone, one without position ids as its ids and labels (records of full
+    windows and of padded samples keep their hashes)."""
     data = global_batch.input_ids.numpy().astype("<i8").tobytes()
     if not torch.equal(global_batch.labels, global_batch.input_ids):
         data += global_batch.labels.numpy().astype("<i8").tobytes()
+    if global_batch.position_ids is not None:
+        data += b"position_ids" + global_batch.position_ids.numpy().astype("<i8").tobytes()
     return hashlib.sha256(data).hexdigest()[:16]

@@ -63,9 +63,12 @@ def router_output(output, num_experts: int) -> tuple[torch.Tensor | None, torch.
     return (None if logits is None else logits.reshape(-1, num_experts)), ids.reshape(-1, ids.shape[-1])
 
 
-def real_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """The positions of a batch that are not padding, flattened as the routers see the tokens ([samples × seq])."""
-    return (labels != IGNORE_INDEX).reshape(-1)
+def real_tokens(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The positions of a batch that are not padding, flattened as the routers see the tokens ([samples × seq]): a
+    label that is not −100 — or, in packed and flattened rows (`position_ids`), a document's first token, whose label is
+    −100 because the token before it is another document's (no padding is fed there)."""
+    real = labels != IGNORE_INDEX
+    return (real if position_ids is None else real | (position_ids == 0)).reshape(-1)
 
 
 def expert_counts(calls, mask: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -126,7 +129,7 @@ class StepRoutes:
             return loss
         strategy, moe = self.strategy, self.moe
         self.chosen.append([ids.detach() for _, ids in calls])
-        mask = real_tokens(micro.labels)
+        mask = real_tokens(micro.labels, micro.position_ids)
         mine = expert_counts(calls, mask, moe.num_experts)
         self.counts = mine if self.counts is None else self.counts + mine
         if self.aux:
@@ -185,8 +188,8 @@ class Routing:
         counts = 0
         for micro in micro_batches:
             with self.autocast(), tap.recording() as calls:
-                self.forward(micro.input_ids)
-            counts = counts + expert_counts(calls, real_tokens(micro.labels), tap.moe.num_experts)
+                self.logits_of(micro)
+            counts = counts + expert_counts(calls, real_tokens(micro.labels, micro.position_ids), tap.moe.num_experts)
         return counts, self.batch_routing_totals(counts)
 
     def batch_routing_totals(self, local: torch.Tensor) -> torch.Tensor:

@@ -206,20 +206,30 @@ class Strategy(Routing):
             return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Full-vocabulary logits of this rank's slice. Without a KV cache: Hugging Face builds one in every
         forward unless told not to (config.use_cache), which a training step never reads; under --compile each
-        decoder layer was compiled again for the cache's state. `attention_mask`: a replayed run's left-padded rows
-        (the data's own batches carry none; a strategy that overrides forward is never handed one)."""
-        if attention_mask is not None:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        decoder layer was compiled again for the cache's state — and with a cache, or a 2-D mask, transformers does
+        not mask packed documents apart. `attention_mask`: a replayed run's left-padded rows (the data's own batches
+        carry none). `position_ids`: packed or flattened rows' (--packing, --padding_free), 0 at each document's start:
+        fed as they are, with no mask, so that each document attends to itself only. A strategy that overrides forward
+        is handed each only where the batch carries it (logits_of), and feeds it to the model as given."""
+        inputs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        return self.model(input_ids=input_ids, use_cache=False,
+                          **{k: v for k, v in inputs.items() if v is not None}).logits
 
     def logits_of(self, batch) -> torch.Tensor:
-        """forward on a data.Batch: its ids, and its mask where it carries one."""
-        if batch.attention_mask is not None:
-            return self.forward(batch.input_ids, attention_mask=batch.attention_mask)
-        return self.forward(batch.input_ids)
+        """forward on a data.Batch: its ids, and its mask and position ids where it carries them."""
+        inputs = {"attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+        return self.forward(batch.input_ids, **{k: v for k, v in inputs.items() if v is not None})
+
+    def micro_batches(self, batch) -> list:
+        """The micro-batches forward_backward feeds, in order: this rank's slice `batch` in --grad_accum_steps parts,
+        each flattened into one row under --padding_free (data.Batch.flattened). A strategy that splits otherwise (the
+        pipeline's schedule) overrides it; the layer check reads each module's calls by it."""
+        parts = batch.split(self.cfg.grad_accum_steps)
+        return [micro.flattened() for micro in parts] if self.cfg.padding_free else parts
 
     def backward(self, loss: torch.Tensor, last: bool = True) -> None:
         """Backward of one micro-batch's loss (`last`: the step's last micro-batch)."""
@@ -361,7 +371,7 @@ class Strategy(Routing):
         a load-balancing loss, coef × that loss over the global batch (parity.training.routing) — and the step's
         routing in `step_routing`; returns this rank's token-loss sum (float64). A strategy whose forward and backward
         are one schedule (the pipeline) overrides this."""
-        micro_batches = batch.to(self.ctx.device).split(self.cfg.grad_accum_steps)
+        micro_batches = self.micro_batches(batch.to(self.ctx.device))
         routes = self.step_routes(micro_batches)  # a mixture of experts' routing (parity.training.routing)
         local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for i, micro in enumerate(micro_batches):
