@@ -64,6 +64,7 @@ CHECKPOINT_TAG = "deepspeed"  # the engine's checkpoint folder inside a checkpoi
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
+    takes_adapters = True  # LoRA at --tp_size 1 (validate): ZeRO partitions the frozen base, steps the adapters
     expert_parallel = True  # DeepSpeed's AutoEP, where 0.19.8 runs the family (check_autoep)
     layer_check_refuses_ep = ("DeepSpeed's AutoEP replaces the sparse block by its own modules (its router, unfused "
                               "experts), which have no stock module to compare with: judge it by its loss curves "
@@ -145,6 +146,10 @@ class DeepSpeedStrategy(Strategy):
                               "fp16 kernels (AVX512-FP16 or AMX-FP16: \"Type fp16 is not supported on your device\"), as "
                               "this one: run fp16 on GPUs (--device cuda), or --precision bf16_params here")
         check_release_runs(deepspeed.__version__, settings)
+        if settings.lora and (settings.tp_size > 1 or settings.ep_size > 1):
+            raise ConfigError(f"LoRA under DeepSpeed's AutoTP or AutoEP (--tp_size {settings.tp_size}, --ep_size "
+                              f"{settings.ep_size}): AutoTP replaces the linear layers peft wrapped, AutoEP the experts: "
+                              f"use --tp_size 1 --ep_size 1 (ZeRO over dp), or train_fsdp.py")
         if settings.tp_size > 1:
             autotp_partition_config(model_config, given_config(settings.options))  # raises for a family it cannot shard
         if settings.ep_size > 1:
@@ -164,7 +169,8 @@ class DeepSpeedStrategy(Strategy):
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=self._moe_optimizer,
                                                    model_parameters=list(model.parameters()), config=engine_config(self.cfg))
         else:
-            optimizer = build_optimizer(model.parameters(), self.cfg)  # AutoTP keeps the Parameter objects
+            # AutoTP keeps the Parameter objects; LoRA's frozen base is no optimizer's (ZeRO partitions it still)
+            optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(self.cfg))  # [2]
         self.model = self.engine
         check_rank_layout(self.engine, self.ctx)  # [3]
@@ -193,6 +199,11 @@ class DeepSpeedStrategy(Strategy):
     @property
     def hf_model(self):
         return self.engine.module
+
+    def local_piece(self, param):
+        """ZeRO-3's partition of `param` on this rank (the module's parameter is an empty placeholder between uses);
+        the parameter itself under ZeRO 0–2 (AutoTP's shard, where it shards)."""
+        return getattr(param, "ds_tensor", param)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """As Strategy.forward, through the engine (which broadcasts its inputs over the TP group and checks them):
@@ -262,7 +273,10 @@ class DeepSpeedStrategy(Strategy):
 
     @functools.cached_property
     def _stock_names(self) -> list[str]:
-        order = {n: i for i, n in enumerate(parameter_names(self.engine.module.config))}  # AutoEP moved its modules
+        # the stock model's order (AutoEP moved its modules); with LoRA's adapters (no AutoEP) the module's own
+        names = (parameter_names(self.engine.module.config) if self.cfg.lora is None
+                 else [n for n, _ in self.engine.module.named_parameters()])
+        order = {n: i for i, n in enumerate(names)}
         return sorted(dict.fromkeys(name for name, _ in self._stock_named), key=order.__getitem__)
 
     def _masters_apart(self) -> bool:

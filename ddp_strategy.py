@@ -33,6 +33,7 @@ STATE_FILE = "model_optimizer.pt"  # the module's and the optimizer's state dict
 class DDPStrategy(Strategy):
     name = "ddp"
     tensor_parallel = False
+    takes_adapters = True  # LoRA: DDP reduces the gradients of what requires them, its PolicyOptimizer steps them
     replays_records = True  # the trusted loop: train_ddp.py --replay_record (parity/integrations/replay.py)
     precisions = tuple(POLICIES)
     policy_optimizer_class = PolicyOptimizer  # steps the shared AdamW under the policy (a seeded bug's copy replaces it)

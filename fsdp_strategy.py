@@ -135,6 +135,9 @@ class FSDPStrategy(DTensorStrategy):
     zero_stage = 3  # full sharding: parameters, gradients and optimizer state all divided over dp
     precisions = tuple(POLICIES)
     expert_parallel = True
+    # LoRA: FSDP2 shards the frozen base with the rest and reduces only the adapters' gradients; the TP plan places each
+    # adapter beside the projection it wraps (plans.adapter_rules)
+    takes_adapters = True
 
     @classmethod
     def precision_request(cls, options: dict):
@@ -161,6 +164,9 @@ class FSDPStrategy(DTensorStrategy):
                               f"{settings.reduce_dtype}: FSDP2 accumulates micro-batch gradients in the dtype it "
                               f"reduces them in: pass --grad_accum_dtype {settings.reduce_dtype}")
         family_of(model_config).check_tp(settings.tp_size, "FSDP2 + TP")
+        if settings.lora and settings.options["tp_plan"] == "sequence_parallel":
+            raise ConfigError("LoRA with --tp_plan sequence_parallel: a rowwise projection's output is left sharded over "
+                              "the sequence, which its adapters' whole output cannot be added to: use --tp_plan default")
         if settings.activation_checkpointing and settings.compile:
             raise ConfigError("--activation_checkpointing with --compile: torch's composable checkpoint finds the compiled "
                               "layers' recomputed tensors changed (torch.utils.checkpoint.CheckpointError, pytorch#166926): "
@@ -201,7 +207,7 @@ class FSDPStrategy(DTensorStrategy):
         apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg), offload_policy(self.cfg))
         self.mesh, self.tp_mesh = mesh, mesh["tp"]
         self.model = model
-        self.optimizer = build_optimizer(model.parameters(), self.cfg)
+        self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)
         self.scaler = LossScaler(**self.cfg.loss_scaling) if policy_of(self.cfg).loss_scaling else None
 
     def expert_mesh(self) -> DeviceMesh | None:

@@ -94,6 +94,9 @@ class RunConfig:
     no_teacher_forced: bool = False  # --no_teacher_forced: no teacher-forced check (parity/training/teacher_forced.py)
     packing: bool = False  # --packing: documents packed into full rows, position ids restarting (parity/training/data.py)
     padding_free: bool = False  # --padding_free: each micro-batch's samples fed as one row (data.Batch.flattened)
+    # --lora_*: LoRA adapters on a frozen base, {"r", "alpha", "dropout", "targets"} (parity/models/adapters.py); None:
+    # every parameter trains (and the field is left out of to_dict: a full fine-tune's record is as it was)
+    lora: dict | None = None
 
     @property
     def layout(self) -> Layout:
@@ -110,7 +113,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in REPLAY_ONLY:
+        for key in (*REPLAY_ONLY, "lora"):
             if data[key] is None:
                 del data[key]
         return data

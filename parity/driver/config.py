@@ -114,6 +114,15 @@ FLAGS = (
     ("data", "padding_free", False,
      {"action": "store_true", "help": "feed each micro-batch's samples as one row, their padding dropped and each "
                                       "sample's position ids from 0 (docs/finetune.md)"}),
+    ("lora", "lora_r", None,
+     {"type": int, "help": "train LoRA adapters of rank R on a frozen base, through peft (pip install -e '.[lora]'; "
+                           "docs/finetune.md): only the adapters train; the base stays the init-weights file's"}),
+    ("lora", "lora_alpha", None, {"type": float, "help": "the adapters' scale alpha (alpha / r multiplies them; default 2 × r)"}),
+    ("lora", "lora_dropout", 0.0,
+     {"type": float, "help": "must be 0: strategies (and a replay) cannot draw the same dropout masks"}),
+    ("lora", "lora_targets", None,
+     {"help": "the linear layers that get adapters, by their last name part: q_proj,v_proj,... (default: peft's for the "
+              "family)"}),
     ("data", "num_samples", 10000, {"type": int, "help": "samples per epoch of the synthetic set"}),
     ("data", "tokenizer", None,
      {"help": "tokenizer for text data: 'bytes' (UTF-8 bytes) or a name/path (default: the model's; 'bytes' "
@@ -208,6 +217,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     from parity.driver.cluster import probe_cluster
     from parity.training.data import check_source
     from parity.models.families import family_of
+    from parity.models.adapters import check_adapters, lora_settings
     from parity.models.model import check_init_weights, resolve_model_config
     from parity.models.presets import default_learning_rate, default_tokenizer
 
@@ -257,6 +267,11 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     if s["seq_length"] > model_config.max_position_embeddings:
         raise ConfigError(f"--seq_length {s['seq_length']} is above the model's max_position_embeddings "
                           f"({model_config.max_position_embeddings}): use a shorter sequence")
+    s["lora"] = lora_settings(s.pop("lora_r"), s.pop("lora_alpha"), s.pop("lora_dropout"), s.pop("lora_targets"),
+                              model_config)
+    if s["lora"] and not cls.takes_adapters:
+        raise ConfigError(f"{strategy} does not train LoRA adapters (it trains every parameter): use train_ddp.py, "
+                          f"train_fsdp.py or train_deepspeed.py with --lora_r (docs/finetune.md)")
     cls.validate(SimpleNamespace(strategy=strategy, options=options, **s), model_config)
 
     if s["learning_rate"] is None:
@@ -281,6 +296,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
         storage.check_writable_dir("--init_weights_path's directory", storage.parent(s["init_weights_path"]))
     else:
         check_init_weights(s["init_weights_path"], model_config)
+        check_adapters(s["init_weights_path"], s["lora"])
     storage.check_writable_dir("--loss_output_dir", s["loss_output_dir"])
     storage.check_writable_dir("--storage_path", s["storage_path"])
     storage.check_writable_dir("--final_checkpoint_dir's parent", storage.parent(s["final_checkpoint_dir"]))
@@ -331,6 +347,8 @@ def precision_flags(precision: str, autocast: bool) -> str:
 # Every float flag: finite, and in its range (low, high, low included?, high included?, what it means).
 FLOAT_RANGES = {
     "learning_rate": (0.0, math.inf, False, False, "a positive number"),
+    "lora_alpha": (0.0, math.inf, False, False, "a positive number"),
+    "lora_dropout": (0.0, 1.0, True, False, "in [0, 1)"),
     "weight_decay": (0.0, math.inf, True, False, "0 or positive"),
     "adam_beta1": (0.0, 1.0, True, False, "in [0, 1)"),
     "adam_beta2": (0.0, 1.0, True, False, "in [0, 1)"),
@@ -338,7 +356,7 @@ FLOAT_RANGES = {
     "max_grad_norm": (0.0, math.inf, True, False, "0 (off) or positive"),
 }
 # Every size: at least this.
-INT_MINIMUMS = {"num_workers": 1, "tp_size": 1, "dp_size": 1, "ep_size": 1, "batch_size": 1, "seq_length": 2, "num_layers": 1,
+INT_MINIMUMS = {"lora_r": 1, "num_workers": 1, "tp_size": 1, "dp_size": 1, "ep_size": 1, "batch_size": 1, "seq_length": 2, "num_layers": 1,
                 "grad_accum_steps": 1,
                 "num_epochs": 1, "debug_steps": 1, "log_interval": 1, "replica_check_interval": 1, "num_samples": 1,
                 "warmup_steps": 0, "seed": 0,

@@ -162,7 +162,7 @@ def read_init_weights(path: str) -> tuple[OrderedDict, dict | None, str]:
             from safetensors.torch import load
 
             state = OrderedDict(load(data))
-            meta = _safetensors_metadata(data)
+            meta = safetensors_metadata(data)
         else:
             state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             meta = (getattr(state, "_metadata", None) or {}).get("", {})
@@ -235,7 +235,7 @@ def _is_safetensors(path: str) -> bool:
     return storage.name(path).endswith(".safetensors")
 
 
-def _safetensors_metadata(data: bytes) -> dict:
+def safetensors_metadata(data: bytes) -> dict:
     """The string metadata of a safetensors file held in memory: its header is an 8-byte little-endian
     length, then that much JSON, whose "__metadata__" entry holds it."""
     length = int.from_bytes(data[:8], "little")

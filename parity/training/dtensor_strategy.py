@@ -179,7 +179,7 @@ class DTensorStrategy(Strategy):
         return OptimizerStep(norm, loss_scale=scale if self.scaler else None)
 
     def parameter_norm(self) -> float:
-        return global_norm(list(self.model.parameters()))
+        return global_norm([p for p in self.model.parameters() if p.requires_grad])  # LoRA's: the adapters
 
     def model_state_bytes(self) -> dict:
         """Each parameter's local shard (its dp × tp piece: the optimizer's parameters), its gradient's, and

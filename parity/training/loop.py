@@ -43,6 +43,8 @@ from parity.tracking.trackers import RunTrackers, open_trackers
 from parity.training.checkpoints import Checkpoints, RayTrainSession, run_dir
 from parity.run_config import RunConfig
 from parity.training.data import dp_slice
+from parity.models.adapters import (adapters_path, add_adapters, load_adapters, save_adapters,
+                                    save_lora_checkpoint)
 from parity.models.model import (build_model, config_summary, load_init_weights, model_config_from_dict,
                                    save_hf_checkpoint, save_init_weights)
 from parity.training.observer import (ModelStateProbe, StepObserver, device_name, reset_peak_memory,
@@ -225,7 +227,13 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                 "checkpoint_dir": cfg.final_checkpoint_dir, "train_time_s": time.perf_counter() - started,
                 "model_state": model_state, "timings": timings}
 
-    observer.finish(final, before=lambda: save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir),
+    def write_model() -> None:
+        if cfg.lora is None:
+            save_hf_checkpoint(params, w.model_config, cfg.final_checkpoint_dir)
+        else:
+            save_lora_checkpoint(params, w.model_config, cfg.lora, cfg.final_checkpoint_dir)
+
+    observer.finish(final, before=write_model,
                     what=f"the final model {cfg.final_checkpoint_dir} or the loss record {record.path}")
     log(f"done: loss record {record.path}, final model {cfg.final_checkpoint_dir}")
 
@@ -248,16 +256,28 @@ def worker_context(cfg: RunConfig) -> WorkerContext:
 
 
 def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log, write: bool):
-    """Every rank loads the same file; when it is to `write` it (--save_init_weights), rank 0 writes it first."""
+    """Every rank loads the same file; when it is to `write` it (--save_init_weights), rank 0 writes it first. With
+    LoRA (--lora_r) the adapters are added to the loaded base and take their initial weights from their own file beside
+    it, written alike (parity/models/adapters.py); the sha256 is then the base's and the adapters' together."""
     model = build_model(model_config, cfg.seed)
+    if write and ctx.is_logging_rank:
+        sha = save_init_weights(model, cfg.init_weights_path)
+        log(f"Saved initial weights to {cfg.init_weights_path} (sha256 {sha})", terminal=False)
     if write:
-        if ctx.is_logging_rank:
-            sha = save_init_weights(model, cfg.init_weights_path)
-            log(f"Saved initial weights to {cfg.init_weights_path} (sha256 {sha})", terminal=False)
         dist.barrier()
     sha = load_init_weights(model, cfg.init_weights_path)
     log(f"Loaded initial weights from {cfg.init_weights_path} (sha256 {sha})", terminal=False)
-    return model, sha
+    if cfg.lora is None:
+        return model, sha
+    model = add_adapters(model, cfg.lora)
+    path = adapters_path(cfg.init_weights_path)
+    if write and ctx.is_logging_rank:
+        save_adapters(model, cfg.lora, sha, path)
+    if write:
+        dist.barrier()
+    adapters_sha = load_adapters(model, path, cfg.lora)
+    log(f"Loaded the LoRA adapters' initial weights from {path} (sha256 {adapters_sha})", terminal=False)
+    return model, f"{sha}+{adapters_sha}"
 
 
 @torch.no_grad()

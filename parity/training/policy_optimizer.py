@@ -56,7 +56,7 @@ class PolicyOptimizer:
         names = [names[i] for i in kept] if names is not None else None  # build_optimizer's, for groups by name
         self.masters = [p.detach().float().clone() for p in self.params] if self.policy.master_copy else None
         self._master = {id(p): m for p, m in zip(self.params, self.masters or self.params)}
-        for p in self.params:
+        for p in params:  # a frozen parameter (LoRA's base) is computed with in the policy's dtype too
             p.data = p.data.to(DTYPES[self.policy.params])
         self.optimizer = build_optimizer(self.masters or self.params, cfg, names)
         self.scaler = LossScaler(**cfg.loss_scaling) if self.policy.loss_scaling else None
@@ -71,8 +71,9 @@ class PolicyOptimizer:
         return self.masters or self.params
 
     def master_of(self, param) -> torch.Tensor:
-        """The master weight of `param` (itself where the policy keeps none)."""
-        return self._master[id(param)]
+        """The master weight of `param` (itself where the policy keeps none, or where it is frozen: no optimizer
+        steps it)."""
+        return self._master.get(id(param), param)
 
     def gradient_of(self, param) -> torch.Tensor | None:
         """The gradient the next step applies to `param`, as reduced and before the step unscales and clips it: its

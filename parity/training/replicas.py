@@ -69,8 +69,13 @@ def ranks_text(groups: list[list[int]]) -> str:
 def parting_line(step: int, found: dict) -> str:
     """One line for a check that found copies parted (`found`: its record entry): the first tensor it lists (the
     parameter whose copies moved apart most), its ranks grouped by the bits they hold, the max |difference|, how many
-    more parted."""
+    more parted — or a frozen tensor that moved (parity.training.frozen)."""
     first = found["tensors"][0]
+    if first["what"] == "frozen":
+        more = found["parted"] - 1
+        return (f"a frozen tensor moved at step {step}: {first['name']} changed on {ranks_text(first['ranks'])} since "
+                f"set-up" + (f" ({more} more tensor{'s' if more > 1 else ''} moved or parted)" if more else "")
+                + ": the strategy updates what the run froze")
     diff = (f"max |difference| {first['max_abs_diff']:.3e}" if first.get("max_abs_diff") is not None
             else "their sizes differ, or some do not hold it")
     more = found["parted"] - 1
@@ -94,6 +99,8 @@ def held(name: str, ranks: tuple[int, ...], param, optimizer, master=None,
     """A parameter as `ranks` hold it: the parameter itself, its fp32 master copy where a precision policy keeps one
     apart (`master`: bf16_params, fp16), and the AdamW moments of what the optimizer steps (the master, if any)."""
     stepped = param if master is None else master
+    if not param.requires_grad:  # frozen (LoRA's base): the parameter alone, which no optimizer steps
+        return [Replica(name, ranks, local(param))]
     return [Replica(name, ranks, local(param)), *([Replica(name, ranks, master, "master")] if stepped is not param
                                                    else []), *moments(optimizer, stepped, name, ranks, local)]
 
@@ -286,6 +293,9 @@ class ReplicaCheck:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = device if device is not None else strategy.ctx.device
         mine = self._declared()
+        from parity.training.frozen import FrozenCheck  # (it digests with this module's Digester)
+
+        self.frozen = FrozenCheck(strategy, self.device)  # frozen tensors must not move either
         declared: list = [None] * self.world_size
         dist.all_gather_object(declared, None if mine is None else [r.key for r in mine])
         self.declared = all(d is not None for d in declared)
@@ -317,13 +327,23 @@ class ReplicaCheck:
     def due(self, done: int, total_steps: int, checkpoint: bool) -> bool:
         """Whether to check after `done` steps: every --replica_check_interval, at every checkpoint, at the end (never
         where no two ranks hold the same tensor)."""
-        return self.declared and bool(self.keys) and (done % self.interval == 0 or done == total_steps or checkpoint)
+        something = self.declared and bool(self.keys) or self.frozen.any
+        return something and (done % self.interval == 0 or done == total_steps or checkpoint)
 
     def check(self) -> dict:
         """Digest every declared tensor and compare them across their ranks: the record's entry for this step,
         {"checked": replica groups, "parted": how many differ, and when some do "tensors": up to LISTED of them (see
         _describe), each with its name, what, piece, its ranks grouped by the bits they hold and its max |difference|
         (None where not measured)}. The same answer on every rank. Collective."""
+        moved = self.frozen.moved() if self.frozen.any else []
+        entry = self._replicas() if self.declared and self.keys else {"checked": 0, "parted": 0}
+        if moved:  # a frozen tensor that moved first: the nearer cause
+            entry = {**entry, "parted": entry["parted"] + len(moved),
+                     "tensors": (moved + entry.get("tensors", []))[:LISTED]}
+        return entry
+
+    def _replicas(self) -> dict:
+        """The replicas' part of check (its docstring). Collective."""
         mine = self._declared()
         if [r.key for r in mine] != self.local_keys:
             raise ReplicaDeclarationError(f"{type(self.strategy).__name__}.replicas() changed its declaration after "

@@ -112,6 +112,10 @@ class Strategy(Routing):
     # whether it splits the decoder layers into stages over --pp_size ranks (a layout flag only such a strategy takes,
     # parity.layout.DEFAULT_PP_SIZE when not given; `cfg.pp_size`, `ctx.pp_size`: 1 for any other)
     pipeline_parallel = False
+    # whether it trains LoRA adapters on a frozen base (--lora_r: parity/models/adapters.py): its optimizer, norms and
+    # pieces take the trainable parameters only, and frozen ones stay as loaded (validate refuses its layouts that
+    # cannot: a TP plan that does not know the adapters' modules)
+    takes_adapters = False
     replays_records = False  # whether train_<name>.py takes --replay_record: the loop a recorded run is replayed under
     layer_check_refuses_ep = None  # why the layer check cannot compare its modules at --ep_size > 1, where it cannot
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
@@ -300,6 +304,11 @@ class Strategy(Routing):
         policy = self.policy_optimizer  # where there is one, its masters are held as the parameters
         return whole_model(self.hf_model, getattr(self, "optimizer", None), tuple(range(self.ctx.world_size)),
                            policy.master_of if policy is not None else None)
+
+    def frozen_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, this rank's piece: local_piece) of every frozen parameter (LoRA's base), which must stay
+        bit for bit as set up (parity/training/frozen.py); [] where every parameter trains. Local: no collective."""
+        return [(n, self.local_piece(p)) for n, p in self.hf_model.named_parameters() if not p.requires_grad]
 
     def full_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers a stock model's state dict holds (DeepSeek-V3's routing bias), under its names, on the CPU in

@@ -135,9 +135,10 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
                    precision: str | None = None, loss_scale: float = 1.0) -> tuple[FullState, float] | None:
     """[2]: one step from `state` on `global_batch` at `lr`; (the state after it, the pre-clip grad norm), or None where
     an fp16 overflow skipped it (at the strategy's `loss_scale`)."""
+    from parity.models.adapters import add_adapters
     from parity.models.model import build_model
 
-    model = build_model(model_config, cfg.seed)
+    model = add_adapters(build_model(model_config, cfg.seed), cfg.lora)  # the run's model: its adapters, if any
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(state.params[name])
@@ -148,7 +149,8 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
                         WorkerContext(rank=0, device=device, layout=Layout(1, 1)))
     ref.setup(model)
     if state.moments:
-        ref.policy_optimizer.set_moments([(p, state.moments[n]) for n, p in model.named_parameters()], state.count)
+        ref.policy_optimizer.set_moments([(p, state.moments[n]) for n, p in model.named_parameters() if p.requires_grad],
+                                         state.count)
     scaler = ref.policy_optimizer.scaler
     if scaler is not None:  # fp16: the strategy's scale at this step; an overflow looked for in this process alone
         scaler.scale, scaler.collective = loss_scale, False

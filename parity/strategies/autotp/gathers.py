@@ -75,8 +75,8 @@ def gather_last_dim(column_shards: dict[str, tuple], module_name: str, t: torch.
 
 def full_tensors(hf_model, read) -> dict[str, torch.Tensor]:
     """{HF name: full fp32 CPU tensor} for each parameter once (a tied weight under its first name, as
-    named_parameters() gives it). `read` gathers the ZeRO partitions over DP and returns this rank's TP
-    shard; the owning AutoTP layer then gathers that along its own split dim (a row-parallel bias is
+    named_parameters() gives it) that `read` reads (it returns None for one it has nothing of). `read` gathers the
+    ZeRO partitions over DP and returns this rank's TP shard; the owning AutoTP layer then gathers that along its own split dim (a row-parallel bias is
     replicated and stays as it is). Collective: the same calls in the same order on every rank."""
     from deepspeed.module_inject.layers import TensorParallel_Layer
 
@@ -84,7 +84,9 @@ def full_tensors(hf_model, read) -> dict[str, torch.Tensor]:
     for module_name, module in hf_model.named_modules():
         named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         seen.update(id(p) for _, p in named)
-        tensors = [read(p).detach().clone() for _, p in named]
+        read_as = [(n, read(p)) for n, p in named]  # None: nothing of it to read (a frozen tensor's moments)
+        named = [(n, p) for (n, p), (_, t) in zip(named, read_as) if t is not None]
+        tensors = [t.detach().clone() for _, t in read_as if t is not None]
         if named and isinstance(module, TensorParallel_Layer):
             module.gather_params(tensors)  # in the layer's own order: weight, then bias
         for (name, _), t in zip(named, tensors):

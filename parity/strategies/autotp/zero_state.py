@@ -20,7 +20,7 @@ from parity.training.tensor_norms import Piece
 def module_norm(engine, local_of, *, zero_stage: int, partitioned: bool, device: torch.device, tp_size: int,
                 autoep: dict | None = None) -> float:
     """The L2 norm, in float64, of `local_of(p)` (this rank's piece of a tensor of parameter p; None: none here) over
-    the engine's module's parameters: TP shards summed over the TP group, replicated tensors once, and — `partitioned`
+    the engine's module's trainable parameters: TP shards summed over the TP group, replicated tensors once, and — `partitioned`
     (ZeRO-3, or the fp32 masters of ZeRO-1/2) — DP partitions summed over the DP group; AutoEP's experts (`autoep`:
     {block name: its layer}) over their EP group. Collective."""
     import torch.distributed as dist
@@ -34,7 +34,7 @@ def module_norm(engine, local_of, *, zero_stage: int, partitioned: bool, device:
     for p in engine.module.parameters():
         if is_moe_param(p):
             expert_dp_group = groups._get_expert_data_parallel_group(p.group_name)
-        local = local_of(p)
+        local = local_of(p) if p.requires_grad else None  # LoRA's frozen base: what the optimizer updates only
         if local is None:
             continue
         if is_moe_param(p):
@@ -165,11 +165,33 @@ def full_masters(engine, zero_stage: int, gather, local_of) -> dict[str, torch.T
     from deepspeed.utils import safe_get_full_fp32_param
 
     if zero_stage == 0:
-        return gather(local_of)
+        return gather(or_frozen(local_of, zero_stage))
     if zero_stage == 3:
-        return gather(safe_get_full_fp32_param)
+        return gather(or_frozen(safe_get_full_fp32_param, zero_stage))
     fragments = full_fragments(list(engine.module.parameters()), (None,))
-    return gather(lambda p: fragments[id(p)][None])
+    return gather(or_frozen(lambda p: fragments[id(p)][None], zero_stage))
+
+
+def or_frozen(read, zero_stage: int):
+    """`read` for a trainable parameter; a frozen one (LoRA's base), which has no master and no optimizer state, read
+    as the module holds it: whole under ZeRO 0–2, its ZeRO-3 partitions gathered (GatheredParameters, a collective of
+    the DP group: every rank reads the same parameters in one order)."""
+    def reading(p):
+        if p.requires_grad:
+            return read(p)
+        if zero_stage < 3:
+            return p.detach()
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p]):
+            return p.detach().clone()
+    return reading
+
+
+def trained_only(read):
+    """`read` for a trainable parameter, None for a frozen one (gathers.full_tensors leaves it out): the optimizer's
+    state of the parameters it steps."""
+    return lambda p: read(p) if p.requires_grad else None
 
 
 def full_moments(engine, zero_stage: int, gather, local_of) -> tuple[dict, int]:
@@ -185,12 +207,13 @@ def full_moments(engine, zero_stage: int, gather, local_of) -> tuple[dict, int]:
     link_moments(engine.optimizer)
     (count,) = counts
     if zero_stage in (1, 2):
-        fragments = full_fragments(list(engine.module.parameters()), ADAMW_MOMENTS)
-        by_key = {key: gather(lambda p, key=key: fragments[id(p)][key]) for key in ADAMW_MOMENTS}
+        fragments = full_fragments([p for p in engine.module.parameters() if p.requires_grad], ADAMW_MOMENTS)
+        by_key = {key: gather(trained_only(lambda p, key=key: fragments[id(p)][key])) for key in ADAMW_MOMENTS}
     elif zero_stage == 0:
-        by_key = {key: gather(lambda p, key=key: inner.state[local_of(p)][key]) for key in ADAMW_MOMENTS}
+        by_key = {key: gather(trained_only(lambda p, key=key: inner.state[local_of(p)][key])) for key in ADAMW_MOMENTS}
     else:
-        by_key = {key: gather(lambda p, key=key: safe_get_full_optimizer_state(p, key)) for key in ADAMW_MOMENTS}
+        by_key = {key: gather(trained_only(lambda p, key=key: safe_get_full_optimizer_state(p, key)))
+                  for key in ADAMW_MOMENTS}
     names = by_key[ADAMW_MOMENTS[0]]
     return {name: {key: by_key[key][name] for key in ADAMW_MOMENTS} for name in names}, count
 

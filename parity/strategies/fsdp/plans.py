@@ -134,9 +134,30 @@ def apply_tp(model, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
 
 
 def layer_rules(layer, rules: dict) -> dict:
-    """The rules of a plan that name a module of this decoder layer."""
+    """The rules of a plan that name a module of this decoder layer; a module peft wrapped in a LoRA layer
+    (--lora_r: parity/models/adapters.py) by adapter_rules."""
     names = dict(layer.named_modules())
-    return {name: style for name, style in rules.items() if name in names}
+    found = {}
+    for name, style in rules.items():
+        if name in names:
+            found.update(adapter_rules(name, style) if hasattr(names[name], "lora_A") else {name: style})
+    return found
+
+
+def adapter_rules(name: str, style: ParallelStyle) -> dict:
+    """The rules for peft's LoRA layer `name` (its output: base_layer(x) + lora_B(lora_A(x)) × scale) in place of
+    `style`, the rule of the projection it wraps: the projection (base_layer) by `style`, and its adapter path so that it
+    adds the same piece of the output. A colwise projection's lora_B is colwise like it (lora_A, r × in, reads the
+    replicated input whole: its gradient, a sum over the TP ranks' output columns, is all-reduced by lora_B's input
+    layout); a rowwise projection's lora_A is rowwise (it reads the same input shard, its r outputs all-reduced) and
+    lora_B, out × r, stays whole. A rowwise output left sharded (sequence parallelism) has no such partner: the
+    strategy refuses LoRA there."""
+    adapter = f"{name}.lora_{'{}'}.default"
+    if isinstance(style, ColwiseParallel):
+        return {f"{name}.base_layer": style, adapter.format("B"): style}
+    if isinstance(style, RowwiseParallel) and style.output_layouts == (Replicate(),):
+        return {f"{name}.base_layer": style, adapter.format("A"): RowwiseParallel(input_layouts=style.input_layouts[0])}
+    raise ValueError(f"no LoRA rule for {name} under {type(style).__name__} with outputs {style.output_layouts}")
 
 
 def apply_moe(model, mesh: DeviceMesh, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh, etp=apply_etp) -> None:

@@ -1,0 +1,221 @@
+"""LoRA adapters on the run's model, through peft (the `lora` extra): what a fine-tune trains (docs/finetune.md).
+
+The model axis's one place for adapters. Every strategy, the teacher-forced check's reference step and the layer
+check's replay build the run's model as `build_model` + `load_init_weights` + `add_adapters` + the adapters' initial
+weights; nothing else knows LoRA exists but the strategies' own choices of what they can shard.
+
+Names. peft wraps the model in a PeftModel (`base_model.model` is the original causal LM, adapters injected in place);
+the harness hands the strategies that inner model, so every name it keys by — the weights check, the optimizer,
+replicas, the tensor series, dumps, checkpoints — is the name under PEFT's `base_model.model.`: a targeted projection's
+weight is `model.layers.0.self_attn.q_proj.base_layer.weight`, its adapters `...q_proj.lora_A.default.weight` and
+`...q_proj.lora_B.default.weight`. The final model is written in peft's own layout (adapter_config.json and
+adapter_model.safetensors, `PeftModel.from_pretrained` loads it onto the base) and merged (stock transformers loads it).
+
+The adapters' initial weights. peft draws lora_A at random (Kaiming-uniform) and sets lora_B to 0; as for the base, the
+draw is made once and shared through a file beside the init-weights file (`adapters_path`), which holds the adapter
+settings it was drawn for and the base's sha256: every rank of every strategy starts from the same adapters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+
+import torch
+
+from parity import storage
+from parity.errors import ConfigError
+
+ADAPTERS_FORMAT = "parity-lora-adapters/1"
+ADAPTER_NAME = "default"  # peft's name of the one adapter (in every adapter parameter's name)
+ADAPTER_FOLDER = "adapter"  # the final model folder's peft layout (the merged model is the folder itself)
+
+
+def lora_settings(r: int | None, alpha: float | None, dropout: float, targets: str | None, model_config) -> dict | None:
+    """The run's adapters from the --lora_* flags (None without --lora_r): {"r", "alpha", "dropout", "targets"}, the
+    targets resolved (given, else peft's default for the family) and checked against the model's modules.
+    ConfigError, one line, for settings the harness cannot compare."""
+    if r is None:
+        if alpha is not None or targets is not None or dropout:
+            raise ConfigError("--lora_alpha, --lora_dropout and --lora_targets set up LoRA adapters, which --lora_r "
+                              "turns on: pass --lora_r R (e.g. --lora_r 8)")
+        return None
+    _require_peft()
+    if r < 1:
+        raise ConfigError(f"--lora_r must be a positive integer (got {r})")
+    if dropout:
+        raise ConfigError(f"--lora_dropout {dropout}: each strategy draws dropout masks in its own order (and a replay "
+                          f"cannot draw a recorded run's), so no two runs would train the same adapters: use "
+                          f"--lora_dropout 0")
+    names = _linear_names(model_config)
+    if targets is None:
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        chosen = DEFAULTS.get(model_config.model_type)
+        if not chosen:
+            raise ConfigError(f"peft has no default LoRA targets for {model_config.model_type}: name them with "
+                              f"--lora_targets (its linear layers: {', '.join(sorted(set(names)))})")
+    else:
+        chosen = [t.strip() for t in targets.split(",") if t.strip()]
+    unknown = [t for t in chosen if t not in names]
+    if unknown or not chosen:
+        raise ConfigError(f"--lora_targets {','.join(unknown) or repr(targets)} names no linear layer of "
+                          f"{model_config.model_type} (its linear layers: {', '.join(sorted(set(names)))}): name some "
+                          f"of them")
+    return {"r": int(r), "alpha": float(alpha if alpha is not None else 2 * r), "dropout": 0.0,
+            "targets": sorted(set(chosen))}
+
+
+def _require_peft() -> None:
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError("--lora_r needs peft: pip install -e '.[lora]'") from None
+
+
+def _linear_names(model_config) -> list[str]:
+    """The last name part of every nn.Linear of the model (what peft's target_modules match), the lm_head left out:
+    tied to the embedding in most tiny presets, it would train the embedding through the adapters' merge."""
+    from parity.models.model import meta_model
+
+    return [name.rsplit(".", 1)[-1] for name, module in meta_model(model_config).named_modules()
+            if isinstance(module, torch.nn.Linear) and name != "lm_head"]
+
+
+def peft_config(lora: dict):
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=list(lora["targets"]), task_type="CAUSAL_LM")
+
+
+def peft_model(model, lora: dict):
+    """peft's PeftModel around `model` (adapters injected in place, the base frozen)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, peft_config(lora))
+
+
+def add_adapters(model, lora: dict | None):
+    """`model` with the run's LoRA adapters injected in place and every other parameter frozen (requires_grad False);
+    the model itself where the run has none. The adapters are peft's fresh draw: load_adapters gives them the shared
+    initial weights."""
+    if lora is None:
+        return model
+    return peft_model(model, lora).base_model.model
+
+
+def adapter_names(model) -> list[str]:
+    """The adapters' parameter names of a model add_adapters made (what trains)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The adapters' initial-weights file, beside the init-weights file
+# ---------------------------------------------------------------------------------------------------
+
+def adapters_path(init_weights_path: str) -> str:
+    """Where the adapters' initial weights of runs from `init_weights_path` are: beside it, its name + .lora."""
+    return init_weights_path + ".lora.safetensors"
+
+
+def save_adapters(model, lora: dict, base_sha256: str, path: str) -> str:
+    """Write the adapters of `model` (add_adapters') atomically, with the settings they were drawn for and the base's
+    sha256; returns the file's sha256."""
+    from safetensors.torch import save
+
+    from parity.models.model import canonical_safetensors
+
+    state = OrderedDict((n, p.detach().to("cpu", torch.float32).contiguous().clone())
+                        for n, p in model.named_parameters() if p.requires_grad)
+    meta = {"format": ADAPTERS_FORMAT, "lora": json.dumps(lora, sort_keys=True), "base_sha256": base_sha256}
+    data = canonical_safetensors(save(state, metadata=meta))
+    storage.write_bytes_atomic(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_adapters(path: str, lora: dict) -> tuple[OrderedDict, str]:
+    """(the adapters' state dict, the file's sha256); ConfigError, one line, for a file missing, unreadable or drawn for
+    other adapter settings."""
+    from safetensors.torch import load
+
+    from parity.models.model import safetensors_metadata
+
+    try:
+        data = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise ConfigError(f"the adapters' initial weights {path} do not exist: run train_ddp.py with the same --lora_* "
+                          f"flags and --save_init_weights first") from None
+    try:
+        state, meta = OrderedDict(load(data)), safetensors_metadata(data)
+    except Exception:
+        raise ConfigError(f"the adapters' initial weights {path} are not a safetensors file, or are truncated: "
+                          f"recreate them with --save_init_weights") from None
+    stored = json.loads(meta.get("lora", "null"))
+    if stored != lora:
+        what = {k: stored.get(k) for k in lora if stored.get(k) != lora[k]} if isinstance(stored, dict) else stored
+        raise ConfigError(f"the adapters' initial weights {path} were drawn for other LoRA settings ({what} against "
+                          f"the run's {({k: lora[k] for k in what} if isinstance(what, dict) else lora)}): pass the "
+                          f"flags they were made with, or recreate them with --save_init_weights")
+    return state, hashlib.sha256(data).hexdigest()
+
+
+def write_initial_adapters(init_weights_path: str, model_config, lora: dict, seed: int) -> str:
+    """Draw the adapters of runs from the base in `init_weights_path` (seeded by `seed`, as a run's
+    --save_init_weights draws them) and write them beside it; returns their file's path. For a driver that makes the
+    weights itself (a test, the calibration study)."""
+    from parity.models.model import build_model, load_init_weights
+
+    model = build_model(model_config, seed)
+    sha = load_init_weights(model, init_weights_path)
+    path = adapters_path(init_weights_path)
+    save_adapters(add_adapters(model, lora), lora, sha, path)
+    return path
+
+
+def check_adapters(init_weights_path: str, lora: dict | None) -> None:
+    """The driver's check, before any worker: the adapters' file exists and fits the run's settings."""
+    if lora is not None:
+        read_adapters(adapters_path(init_weights_path), lora)
+
+
+def load_adapters(model, path: str, lora: dict) -> str:
+    """Give `model`'s adapters (add_adapters') the file's initial weights; returns the file's sha256."""
+    state, sha = read_adapters(path, lora)
+    mine = dict(model.named_parameters())
+    trained = set(adapter_names(model))
+    if set(state) != trained:
+        odd = sorted(set(state) ^ trained)[0]
+        raise ConfigError(f"the adapters' initial weights {path} do not fit the model's adapters ({odd}): recreate "
+                          f"them with --save_init_weights")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            mine[name].copy_(tensor)
+    return sha
+
+
+# ---------------------------------------------------------------------------------------------------
+# The final model: peft's layout and the merged model
+# ---------------------------------------------------------------------------------------------------
+
+def save_lora_checkpoint(params: dict[str, torch.Tensor], config, lora: dict, directory: str) -> None:
+    """Write the trained model whole into `directory` (a local path or a URI; parity.storage.directory_writer
+    publishes it when complete): the adapters in peft's layout under `adapter/` (PeftModel.from_pretrained loads them
+    onto the base, the init-weights file's model), and the model with its adapters merged into the base as
+    save_pretrained writes it (config.json + model.safetensors: stock transformers loads it)."""
+    from transformers.utils import logging as transformers_logging
+
+    from parity.models.model import build_model
+
+    transformers_logging.disable_progress_bar()
+    wrapped = peft_model(build_model(config, 0), lora)
+    inner = wrapped.base_model.model
+    missing, unexpected = inner.load_state_dict(params, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"full parameters do not match the model: missing {missing}, unexpected {unexpected}")
+    with storage.directory_writer(directory) as staging:
+        wrapped.save_pretrained(os.path.join(staging, ADAPTER_FOLDER))
+        wrapped.merge_and_unload().save_pretrained(staging, safe_serialization=True)
