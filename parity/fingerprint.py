@@ -11,8 +11,8 @@ The code is split by place, not by a list:
   defines a strategy's base class (the DTensor base: editing it is FSDP's and transformers' change, not DDP's).
   Two runs whose shared code differs were not trained "the same way but for the strategy", so they are not
   compared (unless the user asks), and a checkpoint is not resumed by other code.
-- versions: python, torch, deepspeed, transformers, ray, numpy, peft (where installed), and the CUDA torch was built with (torch.version.cuda,
-  on a CUDA build) — a comparison needs the same libraries.
+- versions: python, torch, deepspeed, transformers, ray, numpy, peft (where installed), and the CUDA torch was built
+  with (torch.version.cuda, on a CUDA build) — a comparison needs the same libraries.
 - device: the accelerator, or the CPU and the bf16 kernel path its matrix products take (oneDNN picks its
   kernels by instruction set: ONEDNN_MAX_CPU_ISA, AMX, AVX512-BF16), which decides the bf16 roundings.
 - model_type: the model family trained (qwen2, llama, gemma3_text ...), named where a fingerprint is shown.
