@@ -386,8 +386,10 @@ def assert_replicas_held(run: dict, groups: int | None = None) -> None:
     """The replica check ran after every step and found every tensor several ranks hold bit-identical on each (and,
     given `groups`, that many replica groups declared)."""
     assert run["replicas"]["declared"] and run["replicas"]["interval"] == 1, run["replicas"]
-    if run["replicas"]["groups"] == 0:  # no two ranks hold the same tensor: nothing to check
-        assert groups in (None, 0) and not any("replicas" in s for s in run["steps"])
+    if run["replicas"]["groups"] == 0:  # no two ranks hold the same tensor: nothing to check but frozen tensors (LoRA)
+        frozen = run["config"].get("lora") is not None
+        assert groups in (None, 0) and all(("replicas" in s) == frozen for s in run["steps"])
+        assert all(s["replicas"] == {"checked": 0, "parted": 0} for s in run["steps"] if frozen)
         return
     assert [s["replicas"]["parted"] for s in run["steps"]] == [0] * len(run["steps"])
     if groups is not None:

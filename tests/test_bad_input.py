@@ -179,6 +179,20 @@ CASES = [
      r"--dataset text:.*none.txt: no such file .*none.txt: give the path of a UTF-8 text file"),
     ("dataset name", "ddp", train_flags(dataset="imagenet"), {},
      r"--dataset imagenet is not known: use synthetic, synthetic_padded, wikitext or text:PATH"),
+    ("lora targets", "ddp", train_flags(lora_r=4, lora_targets="q_proj,nope"), {},
+     r"--lora_targets nope names no linear layer of qwen2 \(its linear layers: down_proj, gate_proj, k_proj, o_proj, "
+     r"q_proj, up_proj, v_proj\): name some of them"),
+    ("lora dropout", "ddp", train_flags(lora_r=4, lora_dropout=0.1), {},
+     r"--lora_dropout 0.1: each strategy draws dropout masks in its own order .*: use --lora_dropout 0"),
+    ("lora alpha alone", "ddp", train_flags(lora_alpha=16), {}, r"which --lora_r turns on: pass --lora_r R"),
+    ("lora adapters missing", "ddp", train_flags(lora_r=4), {},
+     r"the adapters' initial weights .*w\.pt\.lora\.safetensors do not exist: run train_ddp\.py with the same --lora_\* "
+     r"flags and --save_init_weights first"),
+    ("lora autotp", "deepspeed", train_flags(lora_r=4, tp_size=2), {},
+     r"LoRA under DeepSpeed's AutoTP or AutoEP \(--tp_size 2, --ep_size 1\): AutoTP replaces the linear layers peft "
+     r"wrapped, AutoEP the experts: use --tp_size 1 --ep_size 1 \(ZeRO over dp\), or train_fsdp\.py"),
+    ("lora sequence parallel", "fsdp", train_flags(lora_r=4, tp_size=2, tp_plan="sequence_parallel"), {},
+     r"LoRA with --tp_plan sequence_parallel: .*: use --tp_plan default"),
     ("packing padded", "ddp", train_flags(dataset="synthetic_padded", packing=True), {},
      r"--packing with --dataset synthetic_padded: its rows are padded samples, and packed rows hold no padding; use "
      r"--dataset synthetic \(--packing packs its documents of varying lengths\), or --padding_free to drop padding"),

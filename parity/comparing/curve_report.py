@@ -117,7 +117,7 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
                  + (f"; {EXACT_MARGIN}" if r.bit_identical else "")]
     lines = [*stopped_lines(r.run), *lines]
     if v.parting is not None:
-        lines.append(f"{v.parting.line()}: its ranks no longer hold one model — FAIL before any tolerance")
+        lines.append(f"{v.parting.line()}: {v.parting.broken} — FAIL before any tolerance")
         if f is None:
             lines += ["curves alone: within their bounds at every step",
                       "differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded")]
@@ -289,7 +289,7 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         out += ["", *stopped_lines(run, f"{run.label}: ")] if run.stopped else []
     for r in c.results:
         if r.verdict.parting is not None:
-            out += ["", f"{r.run.label}: {r.verdict.parting.line()}: its ranks no longer hold one model."]
+            out += ["", f"{r.run.label}: {r.verdict.parting.line()}: {r.verdict.parting.broken}."]
         if r.verdict.policy_difference:
             out += ["", f"{r.run.label}: " + " ".join(verdict_details(c, r)[:2])]
         elif not r.verdict.passed:

@@ -305,7 +305,7 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
         mismatches += [f"{m}: rerun them with one harness and one set of libraries, or pass "
                        f"--allow_fingerprint_mismatch to compare them anyway" for m in code]
     mismatches += [f"{storage.name(r.file)} ({r.name}{', the baseline' if r is base else ', a noise reference'}): "
-                   f"{r.parting.line()}: a run whose own ranks no longer hold one model is no reference; find why "
+                   f"{r.parting.line()}: {r.parting.no_reference}; find why "
                    f"(docs/running.md#replicas) and run it again" for r in [base, *references] if r.parting]
     mismatches += [f"{storage.name(r.file)} ({r.name}): ranks fed the same rows at step {r.duplicate_rows.step}: a "
                    f"run that trained on other data than it says is no reference" for r in [base, *references]

@@ -47,6 +47,22 @@ class Parting:
     def line(self) -> str:
         return parting_line(self.step, self.found)
 
+    @property
+    def broken(self) -> str:
+        """What the parting means for the run: its ranks hold two models, or (a frozen tensor moved) it trained what
+        it froze."""
+        return "it trained what it froze" if self.frozen else "its ranks no longer hold one model"
+
+    @property
+    def no_reference(self) -> str:
+        """Why such a run is no baseline or noise reference, in words."""
+        return ("a run that trained what it froze is no reference" if self.frozen
+                else "a run whose own ranks no longer hold one model is no reference")
+
+    @property
+    def frozen(self) -> bool:
+        return self.found["tensors"][0]["what"] == "frozen"
+
     def to_dict(self) -> dict:
         first = self.found["tensors"][0]
         return {"step": self.step, "parted": self.found["parted"], "checked": self.found["checked"], **first,

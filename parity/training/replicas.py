@@ -74,8 +74,7 @@ def parting_line(step: int, found: dict) -> str:
     if first["what"] == "frozen":
         more = found["parted"] - 1
         return (f"a frozen tensor moved at step {step}: {first['name']} changed on {ranks_text(first['ranks'])} since "
-                f"set-up" + (f" ({more} more tensor{'s' if more > 1 else ''} moved or parted)" if more else "")
-                + ": the strategy updates what the run froze")
+                f"set-up" + (f" ({more} more tensor{'s' if more > 1 else ''} moved or parted)" if more else ""))
     diff = (f"max |difference| {first['max_abs_diff']:.3e}" if first.get("max_abs_diff") is not None
             else "their sizes differ, or some do not hold it")
     more = found["parted"] - 1
