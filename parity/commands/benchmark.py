@@ -99,6 +99,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--lora_r", type=int, default=None,
+                   help="every row trains LoRA adapters of rank R on the frozen base (docs/finetune.md): the rows of "
+                        "strategies that cannot are passed over; compare its memory with a run without")
+    p.add_argument("--lora_targets", default=None, help="the adapters' linear layers (default: peft's for the family)")
     p.add_argument("--reduce_bucket_size", type=int, default=None,
                    help="the DeepSpeed rows' --reduce_bucket_size (default: DeepSpeed's, 5e8 elements: ZeRO-2 and "
                         "ZeRO-3 then hold every gradient until the end of backward, as ZeRO-1, for any model "
@@ -188,6 +192,7 @@ def run_values(args, name: str, out: str, on_gpu: bool, rows: dict[str, Row] = R
         "device": args.device, "seed": args.seed, "init_weights_path": os.path.join(out, WEIGHTS),
         "loss_output_dir": os.path.join(out, "rows", name), "storage_path": os.path.join(out, "ray"),
         "experiment_name": f"benchmark_{name}", "ep_size": row.ep_size, **row.options,
+        "lora_r": args.lora_r, "lora_targets": args.lora_targets,
         **registry.flags_for(row.strategy, {} if args.reduce_bucket_size is None else
                     {"reduce_bucket_size": args.reduce_bucket_size}),
     }
@@ -202,6 +207,7 @@ def run_benchmark(args) -> int:
     from parity.driver.cluster import ensure_ray, probe_cluster
     from parity.training.data import training_data
     from parity.driver.launch import launch_runs
+    from parity.models.adapters import write_initial_adapters
     from parity.models.model import build_model, model_config_from_dict, resolve_model_config, save_init_weights
     from parity.training.record import load_record, run_record_path
 
@@ -221,6 +227,9 @@ def run_benchmark(args) -> int:
     cfgs = [resolved[n] for n in names]
     first = cfgs[0]
     save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), first.init_weights_path)
+    if first.lora is not None:
+        write_initial_adapters(first.init_weights_path, model_config_from_dict(first.model_config), first.lora,
+                               first.seed)
     titles = [f"{rows[n].label}: {cfg.strategy} tp={cfg.tp_size} dp={cfg.dp_size} batch {cfg.batch_size} {cfg.options}"
               for n, cfg in zip(names, cfgs)]
     print(f"benchmark: {len(names)} rows ({', '.join(names)}) on {args.num_workers} "
@@ -251,6 +260,7 @@ def run_benchmark(args) -> int:
         "num_params": ddp_record["final"]["model_state"]["num_params"], "device": first.device,
         "device_name": ddp_record["config"]["device_name"], "precision": first.precision,
         "world_size": first.num_workers, "global_batch_size": first.global_batch_size, "seq_length": first.seq_length,
+        "lora": first.lora,
         "steps": args.debug_steps, "untimed_steps": args.untimed_steps, "model_state_measured_at": report.MEASURED_AT,
         "flops_per_token": flops, "peak_flops": peak, "peak_flops_source": source,
         "memory_note": ("torch.cuda.max_memory_allocated of rank 0 during the row (reset at its start)" if on_cuda else

@@ -129,7 +129,8 @@ def markdown(summary: dict) -> str:
     mfu = s["device"] == "cuda"
     lines = [
         f"# Benchmark: {s['model_name']} ({s['num_layers']} layers, Ψ = {s['num_params']:,} parameters), "
-        f"{s['world_size']} {s['device']} workers, {s['precision']}",
+        f"{s['world_size']} {s['device']} workers, {s['precision']}"
+        + (f", LoRA r {s['lora']['r']} on {','.join(s['lora']['targets'])} (the base frozen)" if s.get("lora") else ""),
         "",
         f"Global batch {s['global_batch_size']} × {s['seq_length']} tokens, {s['steps']} steps, the first "
         f"{s['untimed_steps']} left out of the timing. Model states (params, grads, optimizer states, master "
