@@ -20,7 +20,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from parity.errors import ConfigError
 from parity.models.families import family_of
 from parity.precision import DTYPES, POLICIES, PolicyRequest, policy_of
-from parity.strategies.fsdp.plans import TPPlan, apply_moe, apply_sequence_parallel, apply_tp, tp_plan
+from parity.strategies.fsdp.plans import (TPPlan, apply_moe, apply_sequence_parallel, apply_tp, local_output_of,
+                                         tp_plan)
 from parity.training.dtensor_strategy import DTensorStrategy
 from parity.training.loss_scaler import LossScaler
 from parity.training.memory import OFFLOAD
@@ -245,4 +246,4 @@ class FSDPStrategy(DTensorStrategy):
         stack = self.family.stack + "."
         if self.ctx.tp_size == 1 or not module_name.startswith(stack):
             return None
-        return self.plan.local_outputs.get(module_name[len(stack):].split(".", 1)[-1])
+        return local_output_of(self.plan, module_name[len(stack):].split(".", 1)[-1])

@@ -60,6 +60,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--padding_free", action="store_true",
                    help="each micro-batch fed as one row; each module's output is compared at its rows' positions; "
                         "not with --replay (the run's)")
+    p.add_argument("--lora_r", type=int, default=None,
+                   help="a step of LoRA adapters of rank R on the frozen base (docs/finetune.md): their modules and "
+                        "gradients compared with the rest; not with --replay")
+    p.add_argument("--lora_targets", default=None, help="the adapters' linear layers (default: peft's for the family)")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--launcher", choices=("ray", "local"), default="ray",
                    help="ray: Ray Train worker groups (a local Ray cluster, or RAY_ADDRESS's); local: processes of this "
@@ -87,7 +91,8 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity.layer_check.inputs import INPUTS_FILE, check_inputs, write_inputs
     from parity.layer_check.layer_step import layer_steps_worker
     from parity.driver.local_group import launch_local
-    from parity.models.model import build_model, model_config_from_dict, parameter_names, save_init_weights
+    from parity.models.adapters import run_parameter_names, write_initial_adapters
+    from parity.models.model import build_model, model_config_from_dict, save_init_weights
     from parity.layer_check.replay import check_folder, write_folder
 
     out = storage.local_path(args.output_dir)
@@ -126,7 +131,7 @@ def check_layers(args: argparse.Namespace) -> int:
                        cluster=cluster, weights_written_before_launch=fresh) for s in strategies}
     first = cfgs[strategies[0]]
     for strategy, name in perturb.items():
-        known = parameter_names(model_config_from_dict(first.model_config))
+        known = run_parameter_names(model_config_from_dict(first.model_config), first.lora)
         if name not in known:
             example = next((n for n in known if n.endswith("mlp.up_proj.weight")), known[0])
             raise ConfigError(f"--perturb {strategy}:{name}: the model has no parameter {name} (e.g. {example})")
@@ -143,6 +148,8 @@ def check_layers(args: argparse.Namespace) -> int:
               f"{replay.checkpoint or 'the initial weights'}")
     elif fresh:
         save_init_weights(build_model(model_config_from_dict(first.model_config), first.seed), weights)
+        if first.lora is not None:  # the adapters' initial weights beside them, as a run's --save_init_weights
+            write_initial_adapters(weights, model_config_from_dict(first.model_config), first.lora, first.seed)
         write_inputs(training_data(first), first.seed, inputs)
         print(f"wrote {weights} and {inputs}")
     for cfg, _ in runs:
@@ -197,7 +204,12 @@ def _replay_start(args):
     given = [name for name in KEPT if getattr(args, name, None) is not None]  # the layer check's flags among them
     if given:
         raise ConfigError(f"--{given[0]} comes from the run in a replay: drop it")
-    return find_start(args.replay, args.step)
+    start = find_start(args.replay, args.step)
+    if start.config.get("lora") or args.lora_r is not None:
+        raise ConfigError(f"--replay of a LoRA run (or with --lora_r): the replay reads a checkpoint under the stock "
+                          f"model's names, not yet its adapters': run the layer check of a fresh step with --lora_r "
+                          f"{(start.config.get('lora') or {}).get('r', args.lora_r)} instead")
+    return start
 
 
 def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay, path: str) -> dict:
@@ -225,7 +237,8 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
                   "seq_length": _given(args.seq_length, 1024 if on_gpu else 128),
                   "num_layers": _given(args.num_layers, 2), "precision": _given(args.precision, "auto"),
                   "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42),
-                  "packing": args.packing, "padding_free": args.padding_free}
+                  "packing": args.packing, "padding_free": args.padding_free, "lora_r": args.lora_r,
+                  "lora_targets": args.lora_targets}
     return {
         **values, "batch_size": batch, **layout,
         "device": args.device,

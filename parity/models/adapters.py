@@ -107,6 +107,14 @@ def add_adapters(model, lora: dict | None):
     return peft_model(model, lora).base_model.model
 
 
+def run_parameter_names(config, lora: dict | None) -> list[str]:
+    """The parameter names of a run's model: the stock model's (model.parameter_names), with LoRA its adapters' and
+    wrapped projections' too (from a meta model: names and shapes without memory)."""
+    from parity.models.model import meta_model
+
+    return [name for name, _ in add_adapters(meta_model(config), lora).named_parameters()]
+
+
 def adapter_names(model) -> list[str]:
     """The adapters' parameter names of a model add_adapters made (what trains)."""
     return [n for n, p in model.named_parameters() if p.requires_grad]

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from parity.models.adapters import ADAPTER_NAME as ADAPTER
 from parity.models.families import family_of
 from parity.strategies.fsdp.expert_parallel import apply_ep, apply_etp
 
@@ -152,12 +153,27 @@ def adapter_rules(name: str, style: ParallelStyle) -> dict:
     layout); a rowwise projection's lora_A is rowwise (it reads the same input shard, its r outputs all-reduced) and
     lora_B, out × r, stays whole. A rowwise output left sharded (sequence parallelism) has no such partner: the
     strategy refuses LoRA there."""
-    adapter = f"{name}.lora_{'{}'}.default"
+    adapter = f"{name}.lora_{'{}'}.{ADAPTER}"
     if isinstance(style, ColwiseParallel):
         return {f"{name}.base_layer": style, adapter.format("B"): style}
     if isinstance(style, RowwiseParallel) and style.output_layouts == (Replicate(),):
         return {f"{name}.base_layer": style, adapter.format("A"): RowwiseParallel(input_layouts=style.input_layouts[0])}
     raise ValueError(f"no LoRA rule for {name} under {type(style).__name__} with outputs {style.output_layouts}")
+
+
+def local_output_of(plan: TPPlan, name: str) -> tuple[int, int] | None:
+    """The plan's local output (TPPlan.local_outputs) of the layer's module `name`, LoRA's modules too: a wrapped
+    projection's base_layer and (colwise) lora_B hold the piece of its output the projection would (adapter_rules); the
+    adapters' dropout (an identity at --lora_dropout 0) outputs the projection's input, a rowwise one's shard of it."""
+    dropout = f".lora_dropout.{ADAPTER}"
+    if name.endswith(dropout):
+        style = plan.layer.get(name[:-len(dropout)])
+        sharded = isinstance(style, RowwiseParallel) and isinstance(style.input_layouts[0], Shard)
+        return (-1, 1) if sharded else None
+    for suffix in (".base_layer", f".lora_B.{ADAPTER}"):
+        if name.endswith(suffix):
+            name = name[:-len(suffix)]
+    return plan.local_outputs.get(name)
 
 
 def apply_moe(model, mesh: DeviceMesh, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh, etp=apply_etp) -> None:
