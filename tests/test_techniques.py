@@ -104,13 +104,16 @@ def test_each_technique_matches_ddp_at_one_micro_batch_in_fp32(runs, name):
     assert_replicas_held(run)  # every technique keeps the copies of what several ranks hold bit-identical
 
 
-@pytest.mark.parametrize("name,step", [("bug_micro_batch_means", 0), ("bug_rank_means", 0), ("bug_sp_norms_unreduced", 0)])
-def test_each_techniques_classic_bug_fails_at_its_step(runs, tmp_path, capsys, name, step):
+@pytest.mark.parametrize("name,step,quantity", [("bug_micro_batch_means", 0, "grad_norm"), ("bug_rank_means", 0, "grad_norm"),
+                                                ("bug_sp_norms_unreduced", 0, "teacher_forced")])
+def test_each_techniques_classic_bug_fails_at_its_step(runs, tmp_path, capsys, name, step, quantity):
     """The loss as a mean of per-micro-batch means (transformers < 4.46 under gradient accumulation) or of
     per-rank means: on padded data the tokens of a short micro-batch or rank weigh more. Sequence-parallel
     RMSNorm weights whose gradients are not summed over TP: each rank's norms learn from its sequence chunk only.
-    plot_loss_curves.py FAILs each at the first step, on the grad norm (the loss recorded is the true token mean:
-    only the gradient is off)."""
+    plot_loss_curves.py FAILs each at the first step (the loss recorded is the true token mean: only the gradient is
+    off): the means on the grad norm; the unreduced norms move it by 3.2e-5 only, inside its fp32 bound of 1e-4, and
+    FAIL at step 0 on the teacher-forced check (model.norm's exp_avg_sq, 0.73 relative) and the tensor verdict (a
+    post-attention norm's gradient, 315 × its bound), besides their replicas parting."""
     folder, _ = runs[name]
     for record in ("loss_fsdp.json",):
         shutil.copy(folder / record, tmp_path)
@@ -119,7 +122,7 @@ def test_each_techniques_classic_bug_fails_at_its_step(runs, tmp_path, capsys, n
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "curve_comparison.json").read_text())["against_baseline"]["fsdp"]
     assert (code, summary["verdict"]) == (1, "FAIL"), out
-    assert (summary["first_outside"]["step"], summary["first_outside"]["quantity"]) == (step, "grad_norm")
+    assert (summary["first_outside"]["step"], summary["first_outside"]["quantity"]) == (step, quantity)
     assert f"strategy_class: None vs parity.calibration.bugs:{RUNS[name][1]['strategy_class'].__name__}" in out
 
 

@@ -201,7 +201,8 @@ def _replay_start(args):
     if storage.local_path(args.replay) is None:
         raise ConfigError(f"--replay {args.replay}: a replay reads the run's checkpoints from a folder of this "
                           f"machine: copy the run folder here (or use a shared mount) and pass its path")
-    given = [name for name in KEPT if getattr(args, name, None) is not None]  # the layer check's flags among them
+    # the layer check's flags among them, given (a switch such as --packing: set)
+    given = [name for name in KEPT if getattr(args, name, None) not in (None, False)]
     if given:
         raise ConfigError(f"--{given[0]} comes from the run in a replay: drop it")
     start = find_start(args.replay, args.step)
