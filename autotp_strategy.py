@@ -331,6 +331,7 @@ class DeepSpeedStrategy(Strategy):
             ledger.add(GRADS, getattr(opt, "grad_partitions_flat_buffer", None))
         elif hasattr(opt, "fp32_groups_gradients_flat"):  # the BF16 optimizer (ZeRO-1, bf16, fp32 accumulation)
             ledger.add_all(PARAMS, opt.bf16_groups_flat)
+            ledger.add_all(PARAMS, (p for p in params if not p.requires_grad))  # LoRA's base: in no flat group
             ledger.add_all(MASTER, opt.fp32_groups_flat_partition)
             ledger.add_all(GRADS, opt.fp32_groups_gradients_flat)  # the fp32 accumulation buffers, whole
         elif hasattr(opt, "fp32_groups"):  # ZeRO-0 over bf16 / fp16 parameters (FP16_UnfusedOptimizer)
@@ -345,6 +346,7 @@ class DeepSpeedStrategy(Strategy):
         else:
             ledger.count_by_view(buffer for bucket in opt.ipg_buckets.values() for buffer in bucket.buffer)
             ledger.add_all(PARAMS, opt.bit16_groups_flat)
+            ledger.add_all(PARAMS, (p for p in params if not p.requires_grad))  # LoRA's base: in no flat group
             ledger.add_all(MASTER, opt.single_partition_of_fp32_groups)
             ledger.add_all(GRADS, (t.grad for t in opt.single_partition_of_fp32_groups))
             ledger.add(GRADS, getattr(opt, "grads_in_partition", None))  # the partition's, once reduced

@@ -20,8 +20,8 @@ import torch
 from conftest import assert_replicas_held
 from parity.calibration.bugs import SKIPPED_PARAMETER, SKIPPED_STEP
 from parity.commands.compare_curves import main as plot_loss_curves
-from parity.training.replicas import (MODULUS, PASS_ROWS, ROW, Digester, ReplicaDeclarationError, agreed_keys,
-                                      words)
+from parity.training.digest import MODULUS, PASS_ROWS, ROW, Digester, words
+from parity.training.replicas import ReplicaDeclarationError, agreed_keys
 
 # qwen2-tiny has 26 parameters (a tied embedding once), 5 of them RMSNorm weights, the only ones AutoTP and FSDP's TP
 # plan leave whole besides FSDP's tied embedding (AutoTP shards it by vocabulary).

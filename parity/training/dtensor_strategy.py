@@ -189,6 +189,7 @@ class DTensorStrategy(Strategy):
         ledger = StateLedger(self.ctx.device)
         shards = [p for group in self.optimizer.param_groups for p in group["params"]]
         ledger.add_all(PARAMS, shards)
+        ledger.add_all(PARAMS, (p for p in self.model.parameters() if not p.requires_grad))  # LoRA's frozen base shards
         ledger.add_all(GRADS, (p.grad for p in shards))
         ledger.add_optimizer_state(self.optimizer)
         registered = list(self.model.parameters())  # the shards again, or a group's gathered parameters

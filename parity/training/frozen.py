@@ -3,7 +3,7 @@
 A frozen parameter has no gradient, so no norm and no series ever sees it; a strategy that moves it anyway — weight decay
 applied to every parameter, an optimizer handed the whole model, a base a framework unfroze — trains another model
 with a loss that barely shows it. So each rank digests the frozen pieces it holds (Strategy.frozen_pieces) once at
-set-up, as the replica check digests replicas (parity.training.replicas.Digester: exact bits), and again at every
+set-up, as the replica check digests replicas (parity.training.digest.Digester: exact bits), and again at every
 replica check; a piece whose digest changed is reported there as a parted tensor of its own kind ("frozen"), so the
 verdict FAILs at the first step it moved (docs/running.md#replicas).
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parity.training.digest import Digester
+
 FROZEN = "frozen"  # what a moved frozen tensor is, in the replica check's entry (replicas.parting_line words it)
 
 
@@ -21,8 +23,6 @@ class FrozenCheck:
     digested at set-up on `device`; `moved()` after a step. Collective: every rank makes it and calls moved() alike."""
 
     def __init__(self, strategy, device: torch.device):
-        from parity.training.replicas import Digester
-
         pieces = getattr(strategy, "frozen_pieces", lambda: [])()
         self.strategy, self.device, self.digester = strategy, device, Digester()  # its own: a Digester keeps its views
         self.names = [name for name, _ in pieces]
