@@ -69,15 +69,21 @@ def test_each_strategy_trains_ddps_adapters_in_fp32(runs, name):
     assert run["config"]["lora"] == base["config"]["lora"]
 
 
-def test_all_strategies_pass_together_against_ddp(runs, tmp_path, capsys):
-    """plot_loss_curves.py over DDP's LoRA record and the pipeline's and transformers' TP's: PASS, exit 0."""
+def compared(runs, names, folder, capsys) -> tuple[int, str, dict]:
+    """plot_loss_curves.py over the records of the runs `names` (DDP's among them), as a user runs it on one folder:
+    (its exit code, its output, the summary against the baseline)."""
     from parity.commands.compare_curves import main as plot_loss_curves
 
-    for name in ("ddp", "pipeline_1f1b", "transformers_tp2"):
-        shutil.copy(next(runs[name][0].glob("loss_*.json")), tmp_path)
-    code = plot_loss_curves(["--input_dir", str(tmp_path), "--output", str(tmp_path / "c.png")])
-    out = capsys.readouterr().out
-    summary = json.loads((tmp_path / "curve_comparison.json").read_text())["against_baseline"]
+    for name in names:
+        shutil.copy(next(runs[name][0].glob("loss_*.json")), folder)
+    code = plot_loss_curves(["--input_dir", str(folder), "--output", str(folder / "c.png")])
+    summary = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"]
+    return code, capsys.readouterr().out, summary
+
+
+def test_all_strategies_pass_together_against_ddp(runs, tmp_path, capsys):
+    """plot_loss_curves.py over DDP's LoRA record and the pipeline's and transformers' TP's: PASS, exit 0."""
+    code, out, summary = compared(runs, ("ddp", "pipeline_1f1b", "transformers_tp2"), tmp_path, capsys)
     assert code == 0 and {s["verdict"] for s in summary.values()} == {"PASS"} and len(summary) == 2, out
 
 
@@ -85,15 +91,10 @@ def test_adapters_redrawn_by_peft_fail_at_step_0(runs, tmp_path, capsys):
     """The seeded bug: transformers' copy keeps peft's own draw of lora_A. Its loss at step 0 is the base's, DDP's to
     rounding (lora_B starts at 0 either way); its grad norm is another from step 0: plot_loss_curves.py FAILs it
     there and names the copy."""
-    from parity.commands.compare_curves import main as plot_loss_curves
-
-    shutil.copy(runs["ddp"][0] / "loss_ddp.json", tmp_path)
-    shutil.copy(runs["bug_transformers_redrawn"][0] / "loss_transformers.json", tmp_path)
-    code = plot_loss_curves(["--input_dir", str(tmp_path), "--output", str(tmp_path / "c.png")])
-    out = capsys.readouterr().out
-    summary = json.loads((tmp_path / "curve_comparison.json").read_text())["against_baseline"]["transformers"]
-    assert (code, summary["verdict"]) == (1, "FAIL"), out
-    assert (summary["first_outside"]["step"], summary["first_outside"]["quantity"]) == (0, "grad_norm"), summary
+    code, out, summary = compared(runs, ("ddp", "bug_transformers_redrawn"), tmp_path, capsys)
+    found = summary["transformers"]
+    assert (code, found["verdict"]) == (1, "FAIL"), out
+    assert (found["first_outside"]["step"], found["first_outside"]["quantity"]) == (0, "grad_norm"), found
     assert "strategy_class: None vs parity.calibration.lora_bugs:TransformersAdaptersRedrawn" in out
     _, bug = runs["bug_transformers_redrawn"]
     _, base = runs["ddp"]
