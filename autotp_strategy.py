@@ -146,10 +146,14 @@ class DeepSpeedStrategy(Strategy):
                               "fp16 kernels (AVX512-FP16 or AMX-FP16: \"Type fp16 is not supported on your device\"), as "
                               "this one: run fp16 on GPUs (--device cuda), or --precision bf16_params here")
         check_release_runs(deepspeed.__version__, settings)
+        # AutoTP (0.19.8, partition_config: the HF plan converted, or the harness's) takes a module with a 2-D `weight`
+        # for a linear layer and never looks inside it: peft's LoRA layer has its base's weight, so a spec naming the
+        # projection replaces the LoRA layer whole by a sharded base (adapters gone), and no spec reaches base_layer
         if settings.lora and (settings.tp_size > 1 or settings.ep_size > 1):
             raise ConfigError(f"LoRA under DeepSpeed's AutoTP or AutoEP (--tp_size {settings.tp_size}, --ep_size "
-                              f"{settings.ep_size}): AutoTP replaces the linear layers peft wrapped, AutoEP the experts: "
-                              f"use --tp_size 1 --ep_size 1 (ZeRO over dp), or train_fsdp.py")
+                              f"{settings.ep_size}): AutoTP replaces each projection peft wrapped by a sharded copy of "
+                              f"its base, adapters dropped, and AutoEP replaces the experts: use --tp_size 1 --ep_size 1 "
+                              f"(ZeRO over dp), or train_fsdp.py / train_transformers.py")
         if settings.tp_size > 1:
             autotp_partition_config(model_config, given_config(settings.options))  # raises for a family it cannot shard
         if settings.ep_size > 1:

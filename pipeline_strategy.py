@@ -33,6 +33,11 @@ batch's loss tokens (the scale DDP's train step gives each rank's whole slice), 
 micro-batches and averaged over DP, the gradients are those of the global batch's token mean, as DDP's. Clipping
 is by the global norm (squared norms in float64, summed over the pipeline's ranks, the tied weight once), with the
 shared clip_coefficient, then the shared AdamW steps each rank's parameters.
+
+LoRA (--lora_r: parity/models/adapters.py): peft's adapters sit inside the decoder layers, so each stage holds its
+layers' adapters and trains those alone; the frozen base is split into the stages with them, the tied embedding's
+copy on the last stage frozen too (nothing to sum). The optimizer, the norms and each tensor's pieces take the trained
+parameters; the full parameters every tensor, the base included (the final model, the teacher-forced check).
 """
 
 from __future__ import annotations
@@ -49,7 +54,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parity.errors import ConfigError
 from parity.models.families import family_of
-from parity.models.model import parameter_names
 from parity.precision import DTYPES, POLICIES, policy_of
 from parity.training.data import Batch
 from parity.training.memory import StateLedger
@@ -175,6 +179,7 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     tensor_parallel = False
     pipeline_parallel = True  # --pp_size, a layout flag (parity/layout.py): the run's cfg.pp_size, ctx.pp_size
+    takes_adapters = True  # LoRA: each stage steps its layers' adapters (module docstring)
     precisions = tuple(POLICIES)
     options = (
         Option("pp_schedule", "1f1b", choices=tuple(SCHEDULES),
@@ -255,8 +260,14 @@ class PipelineStrategy(Strategy):
         model.to(ctx.device)
         layers = model.get_submodule(family.stack)
         self.layer_params = sum(p.numel() for p in layers.parameters())
+        # the whole model's names in its own order (a tied lm_head once), LoRA's adapters among them, and what trains
+        self.full_names = [n for n, _ in model.named_parameters()]
+        self.trained_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        embedding = model.get_input_embeddings().weight
+        self.tie_trains = self.tied and embedding.requires_grad  # LoRA freezes it: no gradient to sum
         if self.has_last and self.tied:  # this rank's own copy of the tied weight (stage 0's rank keeps the embedding's)
-            model.get_output_embeddings().weight = nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+            model.get_output_embeddings().weight = nn.Parameter(embedding.detach().clone(),
+                                                                requires_grad=embedding.requires_grad)
         # The rank's modules under Hugging Face names (hf_model), and each stage's view of the stock model.
         owned = ([family.embedding] if self.has_first else []) + (list(family.final) if self.has_last else [])
         self.model = rank_tree(model, family, owned, [i for s in self.my_stages
@@ -272,7 +283,6 @@ class PipelineStrategy(Strategy):
         schedule = SCHEDULES[o["pp_schedule"]]
         self.schedule = schedule(self.stages if STAGES_PER_RANK[o["pp_schedule"]] > 1 else self.stages[0],
                                  n_microbatches=o["microbatches"], loss_fn=self._micro_batch_loss, scale_grads=False)
-        self._layout(config)
         self._loss_scale, self._sums = 1.0, []
 
     def _stage_examples(self, stage: int, config) -> dict[str, torch.Tensor | None]:
@@ -295,13 +305,13 @@ class PipelineStrategy(Strategy):
                 else hidden,
                 "output_grads": None if last else hidden, "input_grads": None if stage == 0 else hidden}
 
-    def _layout(self, config) -> None:
-        """Every full parameter's name in a stock model's order (a tied lm_head once): the full tensors' order."""
-        self.full_names = parameter_names(config)
-
     def _counted(self):
         """(name, parameter) of this rank, each weight once: the tied lm_head copy is the embedding's."""
         return [(n, p) for n, p in self.model.named_parameters() if not (self.tied and n == self.head_name)]
+
+    def _trained(self):
+        """_counted's parameters that train: all of them, or LoRA's adapters (what the norms and pieces cover)."""
+        return [(n, p) for n, p in self._counted() if p.requires_grad]
 
     @property
     def hf_model(self):
@@ -375,7 +385,7 @@ class PipelineStrategy(Strategy):
                 g.copy_(reduced)
 
     def sum_tied_gradients(self) -> None:
-        if not self.tied:
+        if not self.tie_trains:
             return
         if self.has_first:
             dist.all_reduce(self.model.get_parameter(self.embed_name).grad, group=self.tie_group)
@@ -397,16 +407,16 @@ class PipelineStrategy(Strategy):
         ranks, the tied weight once."""
         norm_of = lambda grads: math.sqrt(self._pipeline_sum(sum((squared_norm_fp64(g) for g in grads),  # noqa: E731
                                                                  self._zero())))
-        return self.policy_optimizer.step(lr, norm_of, counted=[p for _, p in self._counted()])
+        return self.policy_optimizer.step(lr, norm_of, counted=[p for _, p in self._trained()])
 
     def tensor_names(self) -> list[str]:
-        """The whole model's names on every rank, in a stock model's order (full_names: the tied lm_head once, as the
-        embedding): a rank holds the pieces of its stages only."""
-        return self.full_names
+        """The whole model's trainable names on every rank, in its order (the tied lm_head once, as the embedding;
+        LoRA's adapters alone where the base is frozen): a rank holds the pieces of its stages only."""
+        return self.trained_names
 
     def gradient_pieces(self) -> list[Piece]:
         """This rank's stages' gradients, reduced over the stage's DP group and the tied weight's two copies summed (the
-        first stage's copy only: _counted), counted on the stage's first DP rank."""
+        first stage's copy only: _trained), counted on the stage's first DP rank."""
         return self._pieces(self.policy_optimizer.gradient_of)
 
     def parameter_pieces(self) -> list[Piece]:
@@ -414,10 +424,10 @@ class PipelineStrategy(Strategy):
 
     def _pieces(self, tensor_of) -> list[Piece]:
         counted = self.ctx.dp_rank == 0  # every DP rank of a stage holds its tensors alike
-        return [Piece(n, tensor_of(p), counted) for n, p in self._counted()]
+        return [Piece(n, tensor_of(p), counted) for n, p in self._trained()]
 
     def parameter_norm(self) -> float:
-        local = sum((squared_norm_fp64(self.policy_optimizer.master_of(p)) for _, p in self._counted()), self._zero())
+        local = sum((squared_norm_fp64(self.policy_optimizer.master_of(p)) for _, p in self._trained()), self._zero())
         return math.sqrt(self._pipeline_sum(local))
 
     def backward(self, loss, last: bool = True) -> None:
@@ -546,7 +556,7 @@ class PipelineStrategy(Strategy):
         the embedding's)."""
         self.policy_optimizer.set_moments(
             [(p, moments[self.embed_name if self.tied and name == self.head_name else name])
-             for name, p in self.model.named_parameters()], step)
+             for name, p in self.model.named_parameters() if p.requires_grad], step)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save_state(self, directory: str) -> None:

@@ -19,6 +19,17 @@ comments match docs/model_families.md.
     strategies' (parity/training/dtensor_strategy.py).
 [4] The layer check gathers the outputs transformers' plan leaves local: a colwise projection's (its slice of the
     last dim), the MLP activation's on a colwise gate, a per-head norm's (its heads), a packed projection's.
+[5] LoRA (--lora_r), as a Hugging Face user adds it: from_pretrained loads the base (the folder holds it under stock
+    names), then peft's get_peft_model adds the adapters to the TP'd model and places them by transformers' plan
+    (peft.tuners.lora.model.add_lora_tp_hooks_dtensor): a colwise projection's lora_B colwise, its lora_A whole —
+    what the harness's own plan does (plans.adapter_rules). Each rank's adapters then take the run's initial values.
+    With expert parallelism at --dp_size 1 (tp × ep) the attention's adapters are placed alike.
+    Refused, each in one line: a rowwise projection as a target at --tp_size > 1 (peft 0.21.2 builds its lora_A
+    rowwise with the local in_features, which transformers 5.23's RowwiseParallel reads as the full width: the
+    first forward fails), a target sharded in another style (peft places none), and FSDP2 (--dp_size > 1):
+    from_pretrained applies it before peft adds the adapters, which it then neither shards nor reduces over dp —
+    transformers' own FSDP code says PEFT is still to do (transformers/distributed/fsdp.py) — measured: their copies
+    part at step 0.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from parity.errors import ConfigError, LibraryMissing
+from parity.models.adapters import adapter_state, add_adapters, assign_adapters, base_state_dict
 from parity.training.dtensor_strategy import DTensorStrategy
 from parity.models.families import family_of
 from parity.training.strategy import build_optimizer
@@ -44,6 +56,7 @@ PARTIAL_GRAD_STYLE = "replicated_with_grad_allreduce"  # a replicated norm on lo
 class TransformersStrategy(DTensorStrategy):
     name = "transformers"
     zero_stage = 3  # with dp_size > 1, FSDP2 divides parameters, gradients and optimizer state over dp
+    takes_adapters = True  # LoRA at --dp_size 1: peft places the adapters beside transformers' colwise projections [5]
     expert_parallel = True  # a mixture of experts' own base_model_ep_plan, transformers' all-to-all dispatch
 
     @classmethod
@@ -67,6 +80,8 @@ class TransformersStrategy(DTensorStrategy):
         except (ValueError, OSError) as exc:
             raise ConfigError(f"transformers' DistributedConfig refuses --tp_size {settings.tp_size} × --dp_size "
                               f"{settings.dp_size} × --ep_size {settings.ep_size}: {exc}") from None
+        if settings.lora:
+            check_adapter_layout(settings, model.tp_plan)
         if settings.compile:
             raise ConfigError("--compile is not supported by the transformers strategy (transformers applies its TP "
                               "by replacing module forwards, which it does not compile): drop it")
@@ -84,6 +99,8 @@ class TransformersStrategy(DTensorStrategy):
             dist.barrier()
             if folder.startswith(tempfile.gettempdir()) and self._writes_folder:
                 shutil.rmtree(folder, ignore_errors=True)
+        if self.cfg.lora is not None:
+            self.place_adapters(adapter_state(model))
         del model
         mesh = self.model._device_mesh
         if mesh is not None:  # [2]
@@ -92,8 +109,14 @@ class TransformersStrategy(DTensorStrategy):
         if self.cfg.activation_checkpointing:  # the model's own, as a Hugging Face user enables it
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = build_optimizer(self.model.parameters(), self.cfg)
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], self.cfg)
         self.local_outputs = self._local_outputs()
+
+    def place_adapters(self, initial: dict[str, torch.Tensor]) -> None:
+        """[5] peft's adapters on the loaded model, placed by transformers' TP plan, with the run's `initial` values (the
+        given model's: peft's own draw on each rank is another)."""
+        self.model = add_adapters(self.model, self.cfg.lora)
+        assign_adapters(self.model, initial)
 
     def _hf_folder(self, model) -> str:
         """[1] One Hugging Face model folder per machine with the loaded weights: the first rank of each host writes it,
@@ -109,7 +132,9 @@ class TransformersStrategy(DTensorStrategy):
 
             transformers_logging.disable_progress_bar()
             staging = folder + ".partial"
-            model.save_pretrained(staging, safe_serialization=True)
+            # the base alone, under stock names (LoRA's adapters are added to the loaded model: [5])
+            model.save_pretrained(staging, safe_serialization=True,
+                                  state_dict=base_state_dict(model) if self.cfg.lora is not None else None)
             os.replace(staging, folder)
         dist.barrier()
         return folder
@@ -132,6 +157,32 @@ class TransformersStrategy(DTensorStrategy):
         from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
         return self.local_outputs.get(replace_layer_number_by_wildcard(module_name))
+
+
+def check_adapter_layout(settings, tp_plan: dict[str, str]) -> None:
+    """[5] LoRA's layouts: ConfigError, one line, where the adapters would not train as DDP's do."""
+    if settings.dp_size > 1:
+        raise ConfigError(f"LoRA under transformers' FSDP2 (--dp_size {settings.dp_size}): from_pretrained shards the "
+                          f"model before peft can add the adapters, which FSDP2 then neither shards nor reduces over dp "
+                          f"(their copies part at step 0): use --dp_size 1 (transformers' TP), or train_fsdp.py")
+    if settings.tp_size == 1:
+        return
+    odd = sorted((name.rsplit(".", 1)[-1], style) for name, style in tp_plan.items()
+                 if name.rsplit(".", 1)[-1] in settings.lora["targets"] and style != "colwise")
+    if odd:
+        target, style = odd[0]
+        why = ("peft builds its lora_A with the local in_features, which transformers' RowwiseParallel reads as the "
+               "full width (the first forward fails)" if style == "rowwise" else
+               f"peft places adapters beside colwise and rowwise projections only, not '{style}' ones")
+        raise ConfigError(f"--lora_targets {target} at --tp_size {settings.tp_size}: transformers' TP plan shards it "
+                          f"{style}, and {why}: leave it out of --lora_targets (colwise targets: "
+                          f"{', '.join(colwise_targets(tp_plan))}), or use train_fsdp.py")
+
+
+def colwise_targets(tp_plan: dict[str, str]) -> list[str]:
+    """The linear layers transformers' plan shards colwise, by their last name part (what --lora_targets takes)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, style in tp_plan.items()
+                   if style == "colwise" and name.rsplit(".", 1)[-1] != "lm_head"})
 
 
 def distributed_config(settings):

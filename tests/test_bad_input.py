@@ -156,6 +156,17 @@ CASES = [
      r"and shards no fused 3-D expert weight: use --tp_size 1 \(ZeRO\), or train_fsdp.py / train_transformers.py"),
     ("transformers compile", "transformers", train_flags(num_workers=2, tp_size=2, compile=True), {},
      r"--compile is not supported by the transformers strategy"),
+    ("transformers LoRA FSDP2", "transformers", train_flags(num_workers=2, lora_r=4), {},
+     r"LoRA under transformers' FSDP2 \(--dp_size 2\): from_pretrained shards the model before peft can add the "
+     r"adapters, .*: use --dp_size 1 \(transformers' TP\), or train_fsdp.py"),
+    ("transformers LoRA rowwise", "transformers", train_flags(num_workers=2, tp_size=2, lora_r=4,
+                                                              lora_targets="q_proj,o_proj"), {},
+     r"--lora_targets o_proj at --tp_size 2: transformers' TP plan shards it rowwise, and peft builds its lora_A with "
+     r"the local in_features, .*: leave it out of --lora_targets \(colwise targets: gate_proj, k_proj, q_proj, "
+     r"up_proj, v_proj\), or use train_fsdp.py"),
+    ("AutoTP LoRA", "deepspeed", train_flags(num_workers=2, tp_size=2, lora_r=4), {},
+     r"LoRA under DeepSpeed's AutoTP or AutoEP \(--tp_size 2, --ep_size 1\): AutoTP replaces each projection peft "
+     r"wrapped by a sharded copy of its base, adapters dropped"),
     ("model dir", "ddp", train_flags(model_name="{d}/no_config_dir"), {},
      r"--model_name .*/no_config_dir is a directory without config.json: point it at a Hugging Face model directory"),
     ("layers", "ddp", train_flags(num_layers=3), {}, r"has 2 layers, run asks for 3: pass --num_layers 2"),

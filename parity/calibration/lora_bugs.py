@@ -13,6 +13,8 @@ DDP copy), kept apart so that each module stays one subject.
   decay of lr × 0.01 a step hides in the rounding of a short run).
 - The adapters' scale of rank-stabilised LoRA (alpha / √r, peft's use_rslora) where the run asked for alpha / r: the
   adapters' output, and so lora_B's gradient, off by √r — a setting frameworks default differently.
+- Adapters that keep peft's own draw instead of the run's initial values (transformers' TP, which rebuilds the model
+  through from_pretrained): the grad norm FAILs at step 0 (tests/test_lora_strategies.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from ddp_strategy import DDPStrategy
 from fsdp_strategy import FSDPStrategy
-from parity.models.adapters import adapter_names
+from parity.models.adapters import adapter_names, add_adapters
+from transformers_strategy import TransformersStrategy
 from parity.training.dtensor_strategy import local
 
 BASE_DECAY = 0.01  # the decoupled weight decay of the hand-written loop (torch.optim.AdamW's default value)
@@ -63,3 +66,14 @@ class FSDPAdapterScaleRankStabilised(FSDPStrategy):
                 for adapter in module.scaling:
                     module.scaling[adapter] = module.lora_alpha[adapter] / math.sqrt(module.r[adapter])
         super().setup(model)
+
+
+class TransformersAdaptersRedrawn(TransformersStrategy):
+    """The Hugging Face user's path taken literally: from_pretrained loads the base, get_peft_model adds the adapters —
+    and they keep peft's own draw (lora_A Kaiming-uniform from this process's RNG, lora_B 0) instead of the run's
+    initial values, which the model the strategy was handed holds. lora_B is 0 either way, so the loss of step 0 is the
+    base's and equal to DDP's; but lora_B's gradient is lora_A's output times the error, so the grad norm is another
+    from step 0, and so is every step after."""
+
+    def place_adapters(self, initial) -> None:
+        self.model = add_adapters(self.model, self.cfg.lora)

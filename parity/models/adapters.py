@@ -120,6 +120,35 @@ def adapter_names(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """{name: tensor} of the adapters of a model add_adapters made (what a strategy that rebuilds the model, as
+    transformers' from_pretrained does, hands its own adapters)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def base_state_dict(model) -> dict[str, torch.Tensor]:
+    """The base's state dict of a model add_adapters made, under a stock model's names (peft's
+    `<projection>.base_layer.weight` is `<projection>.weight`), its adapters left out: what save_pretrained writes for
+    from_pretrained to load the base."""
+    adapters = set(adapter_names(model))
+    return {n.replace(".base_layer.", "."): t for n, t in model.state_dict().items() if n not in adapters}
+
+
+def assign_adapters(model, state: dict[str, torch.Tensor]) -> None:
+    """Give `model`'s adapters the full tensors `state` holds, by name: where an adapter is a DTensor (peft placed it
+    beside a tensor-parallel projection), each rank its own piece, sliced locally."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mine = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state.items():
+            target = mine[name]
+            if isinstance(target, DTensor):
+                tensor = distribute_tensor(tensor.to(target.device), target.device_mesh, target.placements,
+                                           src_data_rank=None)
+            target.copy_(tensor)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The adapters' initial-weights file, beside the init-weights file
 # ---------------------------------------------------------------------------------------------------
@@ -192,15 +221,12 @@ def check_adapters(init_weights_path: str, lora: dict | None) -> None:
 def load_adapters(model, path: str, lora: dict) -> str:
     """Give `model`'s adapters (add_adapters') the file's initial weights; returns the file's sha256."""
     state, sha = read_adapters(path, lora)
-    mine = dict(model.named_parameters())
     trained = set(adapter_names(model))
     if set(state) != trained:
         odd = sorted(set(state) ^ trained)[0]
         raise ConfigError(f"the adapters' initial weights {path} do not fit the model's adapters ({odd}): recreate "
                           f"them with --save_init_weights")
-    with torch.no_grad():
-        for name, tensor in state.items():
-            mine[name].copy_(tensor)
+    assign_adapters(model, state)
     return sha
 
 

@@ -1,0 +1,101 @@
+"""LoRA (--lora_r) under the pipeline and transformers' own TP, at fp32 parity with DDP's LoRA run.
+
+The pipeline splits the model with its adapters into stages (each stage steps its layers' adapters; the tied embedding
+is frozen in both places); transformers' from_pretrained shards the base and peft places the adapters by its TP plan
+(a colwise projection's lora_B colwise, a rowwise one's lora_A rowwise). Every run is the shared loop in one local gloo
+group of 2 ranks: DDP at DP 2 the baseline; the pipeline at pp2 (1F1B with 2 micro-batches, GPipe with 4) and
+transformers' TP at tp2 beside it, with the seeded bug of a transformers copy whose adapters keep peft's own draw.
+qwen2-tiny, adapters of rank 4 on the five projections transformers' plan shards colwise (q, k, v, gate, up: it refuses
+rowwise ones at tp > 1), seq 64, 3 steps, lr 1e-4, global batch 8.
+"""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import FP32_RTOL, assert_fp32_parity, assert_replicas_held, tensor_series
+from parity.calibration.lora_bugs import TransformersAdaptersRedrawn
+from parity.driver.local_group import plan, run_group
+from parity.models.adapters import lora_settings, write_initial_adapters
+from parity.models.model import resolve_model_config
+
+TARGETS = "q_proj,k_proj,v_proj,gate_proj,up_proj"  # the colwise ones: transformers refuses rowwise targets at tp > 1
+SETTING = {"model_name": "qwen2-tiny", "seq_length": 64, "debug_steps": 3, "learning_rate": 1e-4, "log_interval": 3,
+           "checkpoint_interval": 0, "precision": "fp32", "batch_size": 4, "lora_r": 4, "lora_targets": TARGETS}
+PP2 = {"num_workers": 2, "pp_size": 2, "batch_size": 8}
+RUNS = {  # name → (strategy, flags); "ddp" is the baseline
+    "ddp": ("ddp", {"num_workers": 2}),
+    "pipeline_1f1b": ("pipeline", PP2),
+    "pipeline_gpipe": ("pipeline", {**PP2, "pp_schedule": "gpipe", "microbatches": 4}),
+    "transformers_tp2": ("transformers", {"num_workers": 2, "tp_size": 2, "batch_size": 8}),
+    "bug_transformers_redrawn": ("transformers", {"num_workers": 2, "tp_size": 2, "batch_size": 8,
+                                                  "strategy_class": TransformersAdaptersRedrawn}),
+}
+CHECKED = [name for name in RUNS if name != "ddp" and not name.startswith("bug_")]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_weights, tmp_path_factory):
+    """{name: (its folder, its record)}: the base is the shared tiny weights (copied: the adapters' file lies beside
+    it), the adapters drawn once for the run's settings."""
+    root = tmp_path_factory.mktemp("lora")
+    weights = str(root / "init_weights.pt")
+    shutil.copy(tiny_weights, weights)
+    config = resolve_model_config(SETTING["model_name"])
+    write_initial_adapters(weights, config, lora_settings(SETTING["lora_r"], None, 0.0, TARGETS, config), seed=42)
+    planned = {name: plan(strategy, {**SETTING, **flags, "loss_output_dir": root / name, "storage_path": root / "ray",
+                                     "experiment_name": name, "init_weights_path": weights})
+               for name, (strategy, flags) in RUNS.items()}
+    records = run_group(list(planned.values()))
+    return {name: (root / name, record) for name, record in zip(planned, records)}
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_each_strategy_trains_ddps_adapters_in_fp32(runs, name):
+    """The same batches; every step's loss, pre-clip grad norm and parameter norm (the adapters') within 1e-5 of DDP's,
+    and the final merged model's tensors within the fp32 bound (assert_fp32_parity); the replicas bit-identical (the
+    frozen base checked unmoved among them); the teacher-forced step from each run's state within 1e-5 at step 0; the
+    tensor series name the adapters alone, as DDP's do, at step 0 within 1e-5."""
+    folder, run = runs[name]
+    base_folder, base = runs["ddp"]
+    assert_fp32_parity(run, base)
+    assert_replicas_held(run)
+    checked = run["steps"][0]["teacher_forced"]["tensors"]
+    assert max(checked.values()) < FP32_RTOL, max(checked.items(), key=lambda kv: kv[1])
+    ours, theirs = tensor_series(run, folder), tensor_series(base, base_folder)
+    assert ours.names == theirs.names and all(".lora_" in n for n in ours.names) and len(ours.names) == 2 * 5 * 2
+    assert max(abs(a / b - 1) for a, b in zip(ours.grad_norm[0], theirs.grad_norm[0]) if b) < FP32_RTOL
+    assert run["config"]["lora"] == base["config"]["lora"]
+
+
+def compared(runs, names, folder, capsys) -> tuple[int, str, dict]:
+    """plot_loss_curves.py over the records of the runs `names` (DDP's among them), as a user runs it on one folder:
+    (its exit code, its output, the summary against the baseline)."""
+    from parity.commands.compare_curves import main as plot_loss_curves
+
+    for name in names:
+        shutil.copy(next(runs[name][0].glob("loss_*.json")), folder)
+    code = plot_loss_curves(["--input_dir", str(folder), "--output", str(folder / "c.png")])
+    summary = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"]
+    return code, capsys.readouterr().out, summary
+
+
+def test_all_strategies_pass_together_against_ddp(runs, tmp_path, capsys):
+    """plot_loss_curves.py over DDP's LoRA record and the pipeline's and transformers' TP's: PASS, exit 0."""
+    code, out, summary = compared(runs, ("ddp", "pipeline_1f1b", "transformers_tp2"), tmp_path, capsys)
+    assert code == 0 and {s["verdict"] for s in summary.values()} == {"PASS"} and len(summary) == 2, out
+
+
+def test_adapters_redrawn_by_peft_fail_at_step_0(runs, tmp_path, capsys):
+    """The seeded bug: transformers' copy keeps peft's own draw of lora_A. Its loss at step 0 is the base's, DDP's to
+    rounding (lora_B starts at 0 either way); its grad norm is another from step 0: plot_loss_curves.py FAILs it
+    there and names the copy."""
+    code, out, summary = compared(runs, ("ddp", "bug_transformers_redrawn"), tmp_path, capsys)
+    found = summary["transformers"]
+    assert (code, found["verdict"]) == (1, "FAIL"), out
+    assert (found["first_outside"]["step"], found["first_outside"]["quantity"]) == (0, "grad_norm"), found
+    assert "strategy_class: None vs parity.calibration.lora_bugs:TransformersAdaptersRedrawn" in out
+    _, bug = runs["bug_transformers_redrawn"]
+    _, base = runs["ddp"]
+    assert abs(bug["steps"][0]["loss"] / base["steps"][0]["loss"] - 1) < FP32_RTOL
