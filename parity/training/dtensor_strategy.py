@@ -129,6 +129,19 @@ class DTensorStrategy(Strategy):
     def tensor_names(self) -> list[str]:
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
 
+    def frozen_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """Each frozen parameter's local shard (LoRA's base), read from the sharded parameters found once."""
+        return [(n, local(p)) for n, p in self._frozen]
+
+    @property
+    def _frozen(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, sharded parameter) of every frozen parameter, found at the first call — the replica check's set-up,
+        before any forward: in forward and backward FSDP2 registers a group's gathered parameters on the modules in
+        place of its shards, and the optimizer, which holds the trainable ones' shards, holds no frozen one."""
+        if not hasattr(self, "_frozen_params"):
+            self._frozen_params = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
+        return self._frozen_params
+
     def gradient_pieces(self) -> list[Piece]:
         """Each gradient's local shard, counted on one of the ranks that hold it alike (tensor_norms.counted_here)."""
         return local_pieces(((n, p.grad) for n, p in self.model.named_parameters() if p.requires_grad), self._counted)
@@ -189,7 +202,7 @@ class DTensorStrategy(Strategy):
         ledger = StateLedger(self.ctx.device)
         shards = [p for group in self.optimizer.param_groups for p in group["params"]]
         ledger.add_all(PARAMS, shards)
-        ledger.add_all(PARAMS, (p for p in self.model.parameters() if not p.requires_grad))  # LoRA's frozen base shards
+        ledger.add_all(PARAMS, (p for _, p in self._frozen))  # LoRA's frozen base: its shards
         ledger.add_all(GRADS, (p.grad for p in shards))
         ledger.add_optimizer_state(self.optimizer)
         registered = list(self.model.parameters())  # the shards again, or a group's gathered parameters
