@@ -46,8 +46,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("own_trainer_packing")
     folders = {name: root / name for name in JOBS}
     cached = _copy(root, HF, "hf_cache", CACHE)
-    jobs = [(example or cached, ["--output_dir", str(folders[name]), "--name", record, "--steps", str(STEPS), *extra])
-            for name, (example, record, extra) in JOBS.items()]
+    for folder in folders.values():
+        folder.mkdir()
+    jobs = [(example or cached, ["--output_dir", str(folders[name]), "--name", record, "--steps", str(STEPS), *extra],
+             str(folders[name] / "stderr.txt")) for name, (example, record, extra) in JOBS.items()]
     start_processes(_record_rank, (2, free_port(), jobs), 2)
     folders["hf_1"] = root / "hf_1"
     shutil.copytree(folders["hf"], folders["hf_1"])
@@ -110,6 +112,9 @@ def test_a_packed_run_is_recorded_with_its_position_ids_and_replays_as_it_ran(ru
     checks = teacher_forced.summary(run.record)
     assert [c["step"] for c in checks["checks"]] == [0] and checks["first_fail_step"] is None
     assert _compare(runs[name]).word == "PASS"
+    said = [line for line in (runs[name] / "stderr.txt").read_text().splitlines() if "position ids" in line]
+    assert said == [f"parity recorder [{record_name}]: step 0 fed position ids of its own (packed or padding-free "
+                    f"rows): each row is recorded with them, its mask or none and its cache, and replayed as it was fed"]
 
 
 def test_a_padding_free_record_replays_at_1_2_and_4_workers(runs):
@@ -141,12 +146,17 @@ def test_a_padding_free_record_replays_at_1_2_and_4_workers(runs):
 def test_a_run_whose_documents_attended_to_each_other_replays_with_its_cache(runs):
     """Trainer with TrainingArguments(use_cache=True) on the same flattened rows: transformers builds a cache, and
     with it one causal mask over the whole row — each sample attends to the samples before it. The record says so (each
-    row's flags: position ids and a cache), the replay feeds the cache and equals the run within 1e-5 (PASS; measured
+    row's flags: position ids and a cache) and its recorder says so in one line, the replay feeds the cache and equals the run within 1e-5 (PASS; measured
     ≤ 3e-8); at step 0 its loss is 6.0e-4 off the clean run's and its grad norm 4.8e-3 (random weights attend
     almost evenly): fed otherwise, the replay would have trained another model, 60 and 480 × the fp32 bound away."""
     from parity.training.fed_rows import FED_CACHE, FED_POSITIONS
 
     recorded, clean = _record(runs["hf_cache"], "hf_trainer"), _record(runs["hf"], "hf_trainer")
+    said = [line for line in (runs["hf_cache"] / "stderr.txt").read_text().splitlines() if "position ids" in line]
+    assert said == ["parity recorder [hf_trainer]: step 0 fed position ids of its own (packed or padding-free rows): each "
+                    "row is recorded with them, its mask or none and its cache, and replayed as it was fed; some came "
+                    "with an attention mask or a cache, under which transformers masks the whole row causally: their "
+                    "documents attended to each other (pass use_cache=False and no attention_mask to keep them apart)"]
     assert _saved_step(runs["hf_cache"], recorded, 0)["fed"].tolist() == [FED_POSITIONS | FED_CACHE] * 2
     assert series(recorded, "batch_hash") != series(clean, "batch_hash")  # the flags are part of what was fed
     assert series(recorded, "tokens") == series(clean, "tokens")

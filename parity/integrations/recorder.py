@@ -33,8 +33,8 @@ from parity.integrations import resume, states
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
 from parity.integrations.recorded_tensors import CLIPPED, PRE_CLIP, RecordedTensors
-from parity.integrations.rows import (BatchWriter, MicroBatch, RowExchange, duplicate_rows, global_batch, rows_hash,
-                                     taken)
+from parity.integrations.rows import (BatchWriter, MicroBatch, RowExchange, duplicate_rows, global_batch,
+                                     positions_line, rows_hash, taken)
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.training.tensor_series import kept_chunks
 from parity.integrations.world import trains_alone
@@ -421,8 +421,7 @@ class ParityRecorder:
             extras["rows"], extras["micro_batches"] = len(batch.input_ids), structure
             if batch.fed is not None and config["batches"]["position_ids_from"] is None:
                 config["batches"]["position_ids_from"] = self.step
-                self._line(f"step {self.step} fed position ids of its own (packed or padding-free rows): each row is "
-                           f"recorded with them, its mask or none and its cache, and replayed as it was fed")
+                self._line(positions_line(self.step, batch.fed))
             self._shape(structure, batch)
             self._save_batch(batch, mask)
             return batch_hash(batch)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from parity.training.data import Batch
-from parity.training.fed_rows import FED_POSITIONS, flags_of
+from parity.training.fed_rows import FED_CACHE, FED_MASK, FED_POSITIONS, flags_of
 from parity.training.loss import IGNORE_INDEX
 
 PAD_ID = 0  # what a shorter micro-batch's rows are right-padded with to the step's longest (labels −100, mask 0)
@@ -59,6 +59,19 @@ def taken(input_ids, labels, attention_mask, position_ids, use_cache, model) -> 
         use_cache = getattr(getattr(model, "config", None), "use_cache", False)
     cache = bool(use_cache) and not (getattr(model, "is_gradient_checkpointing", False) and model.training)
     return MicroBatch(ids, lab, mask, positions, flags_of(positions is not None, attention_mask is not None, cache))
+
+
+def positions_line(step: int, flags: torch.Tensor) -> str:
+    """The recorder's line at the first step whose rows came with position ids of their own. Where some came with a
+    mask or a cache too, transformers masked the whole row causally and its documents attended to each other: the
+    replay feeds them so, as the run did, so the verdict cannot tell — the line says it."""
+    line = (f"step {step} fed position ids of its own (packed or padding-free rows): each row is recorded with them, "
+            f"its mask or none and its cache, and replayed as it was fed")
+    if any(f & FED_POSITIONS and f & (FED_MASK | FED_CACHE) for f in flags.tolist()):
+        line += ("; some came with an attention mask or a cache, under which transformers masks the whole row "
+                 "causally: their documents attended to each other (pass use_cache=False and no attention_mask to "
+                 "keep them apart)")
+    return line
 
 
 @dataclass
@@ -267,7 +280,7 @@ class BatchWriter:
 
 
 __all__ = ["BatchWriter", "Exchanged", "MicroBatch", "PAD_ID", "duplicate_rows", "RowExchange", "global_batch", "pack",
-           "padding_problem", "row_digests", "rows_hash", "taken", "unpack"]
+           "padding_problem", "positions_line", "row_digests", "rows_hash", "taken", "unpack"]
 
 
 def default_positions(position_ids, length: int) -> bool:
