@@ -1,12 +1,12 @@
-"""Your own packed and padding-free runs, recorded and replayed as they ran (docs/own_trainer.md#packed-and-padding-free-
-rows): TRL's SFTTrainer with packing=True (trl 1.16's default 'bfd' strategy: each micro-batch padding-free, one row
-whose position ids restart at each text, no attention mask, use_cache=False) and Trainer with transformers'
+"""Your own packed and padding-free runs, recorded and replayed as they ran (docs/own_trainer.md#packed-and-padding-
+free-rows): TRL's SFTTrainer with packing=True (trl 1.16's default 'bfd' strategy: each micro-batch padding-free, one
+row whose position ids restart at each text, no attention mask, use_cache=False) and Trainer with transformers'
 DataCollatorWithFlattening (the same kind of rows; use_cache=False from TrainingArguments), each at 2 ranks in fp32,
 recorded with every row's position ids and what came with them, replayed under the harness's DDP as fed and judged;
 the Trainer record also at 1 worker (both ranks' rows on one) and at 4 (its one row a rank and step cut at document
-boundaries). A Trainer run whose documents attended to each other (TrainingArguments(use_cache=True): transformers then
-masks the whole row causally) is replayed with its cache and PASSes too, its loss off the clean run's. Bad input: an
-attention implementation the replay cannot run here, workers the documents do not go round, a record whose batches
+boundaries). A Trainer run whose documents attended to each other (TrainingArguments(use_cache=True): transformers
+then masks the whole row causally) is replayed with its cache and PASSes too, its loss off the clean run's. Bad input:
+an attention implementation the replay cannot run here, workers the documents do not go round, a record whose batches
 lack the position ids its run fed — one line, exit 2, before any worker.
 
 Processes are shared: one gloo group of two ranks records the three runs one after another, and one local group per
@@ -114,7 +114,8 @@ def test_a_packed_run_is_recorded_with_its_position_ids_and_replays_as_it_ran(ru
     assert _compare(runs[name]).word == "PASS"
     said = [line for line in (runs[name] / "stderr.txt").read_text().splitlines() if "position ids" in line]
     assert said == [f"parity recorder [{record_name}]: step 0 fed position ids of its own (packed or padding-free "
-                    f"rows): each row is recorded with them, its mask or none and its cache, and replayed as it was fed"]
+                    f"rows): each row is recorded with them, its mask or none and its cache, and replayed as it was "
+                    f"fed"]
 
 
 def test_a_padding_free_record_replays_at_1_2_and_4_workers(runs):
@@ -145,18 +146,20 @@ def test_a_padding_free_record_replays_at_1_2_and_4_workers(runs):
 
 def test_a_run_whose_documents_attended_to_each_other_replays_with_its_cache(runs):
     """Trainer with TrainingArguments(use_cache=True) on the same flattened rows: transformers builds a cache, and
-    with it one causal mask over the whole row — each sample attends to the samples before it. The record says so (each
-    row's flags: position ids and a cache) and its recorder says so in one line, the replay feeds the cache and equals the run within 1e-5 (PASS; measured
-    ≤ 3e-8); at step 0 its loss is 6.0e-4 off the clean run's and its grad norm 4.8e-3 (random weights attend
-    almost evenly): fed otherwise, the replay would have trained another model, 60 and 480 × the fp32 bound away."""
+    with it one causal mask over the whole row — each sample attends to the samples before it. The record says so
+    (each row's flags: position ids and a cache) and its recorder says so in one line; the replay feeds the cache and
+    equals the run within 1e-5 (PASS; measured ≤ 3e-8). At step 0 its loss is 6.0e-4 off the clean run's and its grad
+    norm 4.8e-3 (random weights attend almost evenly): fed otherwise, the replay would have trained another model, 60
+    and 480 × the fp32 bound away."""
     from parity.training.fed_rows import FED_CACHE, FED_POSITIONS
 
     recorded, clean = _record(runs["hf_cache"], "hf_trainer"), _record(runs["hf"], "hf_trainer")
     said = [line for line in (runs["hf_cache"] / "stderr.txt").read_text().splitlines() if "position ids" in line]
-    assert said == ["parity recorder [hf_trainer]: step 0 fed position ids of its own (packed or padding-free rows): each "
-                    "row is recorded with them, its mask or none and its cache, and replayed as it was fed; some came "
-                    "with an attention mask or a cache, under which transformers masks the whole row causally: their "
-                    "documents attended to each other (pass use_cache=False and no attention_mask to keep them apart)"]
+    assert said == ["parity recorder [hf_trainer]: step 0 fed position ids of its own (packed or padding-free rows): "
+                    "each row is recorded with them, its mask or none and its cache, and replayed as it was fed; some "
+                    "came with an attention mask or a cache, under which transformers masks the whole row causally: "
+                    "their documents attended to each other (pass use_cache=False and no attention_mask to keep them "
+                    "apart)"]
     assert _saved_step(runs["hf_cache"], recorded, 0)["fed"].tolist() == [FED_POSITIONS | FED_CACHE] * 2
     assert series(recorded, "batch_hash") != series(clean, "batch_hash")  # the flags are part of what was fed
     assert series(recorded, "tokens") == series(clean, "tokens")

@@ -15,9 +15,10 @@ model's right padding needs none: labels −100 on it) and the recorded mask whe
 sit at shifted positions); a mask with holes is refused. A step whose rows came with position ids of their own (packed
 or padding-free) is fed as the run fed it — each row alone, its position ids, its mask or none, its cache or none
 (parity/training/fed_rows.py) — and its rows go round the workers at document boundaries; the model computes attention
-with the run's implementation (refused where it cannot run here: flash attention off CUDA). The states the recorder saved at the run's checkpoints go
-with the batches (recorded_states): once trained, the replay — not its noise references — takes the teacher-forced
-check from each (parity/training/recorded_states.py). Everything is checked on the driver, before any worker starts.
+with the run's implementation (refused where it cannot run here: flash attention off CUDA). The states the recorder
+saved at the run's checkpoints go with the batches (recorded_states): once trained, the replay — not its noise
+references — takes the teacher-forced check from each (parity/training/recorded_states.py). Everything is checked on
+the driver, before any worker starts.
 """
 
 from __future__ import annotations

@@ -340,8 +340,9 @@ class RecordedBatches:
     `folder`), its rows in the harness's order (the run's DP rank 0's rows, then rank 1's ..., each row as fed),
     split over the replay's `workers` by row_plan in micro-batches of at most `most_rows` rows — or, a step whose rows
     came with position ids of their own, each row alone as the run fed it, the rows cut at document boundaries where
-    the workers need (fed_rows.units) — what a replay trains on. Read on the worker when the step comes. `states`: the run's states the recorder saved at its checkpoints, which
-    the replay (not a noise reference) checks after its training (recorded_states.RecordedStates, check_recorded)."""
+    the workers need (fed_rows.units) — what a replay trains on. Read on the worker when the step comes. `states`: the
+    run's states the recorder saved at its checkpoints, which the replay (not a noise reference) checks after its
+    training (recorded_states.RecordedStates, check_recorded)."""
 
     def __init__(self, folder: str, steps: int, description: str, workers: int = 1, most_rows: int = 1,
                  states=None):

@@ -65,8 +65,8 @@ def plan_units(lengths: list[int], cuts: list[list[int]], workers: int, where: s
     wanted = max(workers, -(-rows // workers) * workers)
     if wanted > most:
         fits = [str(w) for w in range(1, most + 1) if -(-rows // w) * w <= most]
-        raise ValueError(f"{where}: its {rows} row{'s' if rows > 1 else ''} cannot be cut at document boundaries into a "
-                         f"multiple of {workers} (at most {most} pieces): use {', '.join(fits[:8])}"
+        raise ValueError(f"{where}: its {rows} row{'s' if rows > 1 else ''} cannot be cut at document boundaries "
+                         f"into a multiple of {workers} (at most {most} pieces): use {', '.join(fits[:8])}"
                          f"{' …' if len(fits) > 8 else ''} workers")
     for _ in range(wanted - rows):
         cuttable = [(stop - start, -i, i) for i, (r, start, stop) in enumerate(units)
