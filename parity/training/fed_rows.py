@@ -14,7 +14,7 @@ workers do not divide: each rank must feed as many micro-batches, as DDP's buffe
 every rank), rows are cut at document boundaries (`cut_points`) into `units`. A step's hash is then taken over its rows'
 tokens one after another (`stream_hash`): the same for the recorded rows and for the units they were cut into.
 
-Here, on the training floor: the flags, the cuts and the hash. The recorder sets the flags (parity/integrations/fed.py),
+Here, on the training floor: the flags, the cuts and the hash. The recorder sets the flags (parity/integrations/rows.py),
 data.Batch carries them and data.RecordedBatches cuts.
 """
 
@@ -24,11 +24,13 @@ import hashlib
 
 import torch
 
+from parity.training.loss import IGNORE_INDEX
+
 FED_POSITIONS, FED_MASK, FED_CACHE = 1, 2, 4  # a row came with position ids of its own / an attention mask / use_cache
-IGNORE = -100  # parity.training.loss.IGNORE_INDEX (not imported: loss.py stays free of the data's modules)
 
 
 def flags_of(positions: bool, mask: bool, cache: bool) -> int:
+    """A row's flags: one int64 a row in the saved batch, and in the exchange's header of its micro-batch."""
     return FED_POSITIONS * positions + FED_MASK * mask + FED_CACHE * cache
 
 
@@ -51,7 +53,7 @@ def cut_points(labels_row: torch.Tensor, positions_row: torch.Tensor, flag: int,
     model kept apart (`separable`). Cut there, each piece computes what it computed inside the row."""
     if not separable(flag) or n < 2:
         return []
-    starts = (positions_row[1:n] != positions_row[:n - 1] + 1) & (labels_row[1:n] == IGNORE)
+    starts = (positions_row[1:n] != positions_row[:n - 1] + 1) & (labels_row[1:n] == IGNORE_INDEX)
     return [int(i) + 1 for i in starts.nonzero().flatten()]
 
 
@@ -87,7 +89,7 @@ def units(ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, positions
     plan = plan_units(lengths, cuts, workers, where)
     longest = max(stop - start for _, start, stop in plan)
     out = []
-    for source, fill in ((ids, 0), (labels, IGNORE), (mask, 0), (positions, 0)):
+    for source, fill in ((ids, 0), (labels, IGNORE_INDEX), (mask, 0), (positions, 0)):
         table = torch.full((len(plan), longest), fill, dtype=torch.int64)
         for u, (r, start, stop) in enumerate(plan):
             table[u, :stop - start] = source[r, start:stop]
