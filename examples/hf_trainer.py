@@ -8,6 +8,11 @@ attention mask and gradient accumulation, recorded for the harness by ParityCall
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png
 
+Padding-free: each micro-batch's rows flattened into one row by transformers' DataCollatorWithFlattening (each row's
+position ids from 0, its first label -100, no attention mask), recorded and replayed as fed:
+
+    python examples/hf_trainer.py --output_dir OUT --nproc 2 --padding_free
+
 Stopped after a checkpoint and resumed from it (the recorder continues its record from the checkpoint's step):
 
     python examples/hf_trainer.py --output_dir OUT --nproc 2 --save_at 3
@@ -42,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "partial accumulation window and, with drop_last off, a smaller last batch")
     p.add_argument("--dynamic_padding", action="store_true",
                    help="pad each batch to its own longest row (a collator), not every row to --seq_length")
+    p.add_argument("--padding_free", action="store_true",
+                   help="each micro-batch's rows as one row: transformers' DataCollatorWithFlattening (position ids, "
+                        "no mask)")
     p.add_argument("--drop_last", action="store_true", help="TrainingArguments(dataloader_drop_last=True)")
     p.add_argument("--dump_step", type=int, default=None,
                    help="record step K in full for compare_dumps.py (docs/own_trainer.md: localising a FAIL)")
@@ -102,15 +110,15 @@ def pad_to_longest(samples: list[dict]) -> dict:
 
 
 def train(args) -> None:
-    from transformers import Trainer, TrainingArguments
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     from parity.models.model import build_model, resolve_model_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
     rows = args.rows or args.steps * world * args.batch_size * args.grad_accum_steps
-    data = (Unpadded if args.dynamic_padding else PaddedRows)(rows, args.seq_length, model.config.vocab_size,
-                                                                args.seed)
+    data = (Unpadded if args.dynamic_padding or args.padding_free else PaddedRows)(
+        rows, args.seq_length, model.config.vocab_size, args.seed)
     training = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=1e-3,
@@ -119,7 +127,8 @@ def train(args) -> None:
         use_cpu=True, ddp_backend="gloo", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
         disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)
     trainer = Trainer(model=model, args=training, train_dataset=data,
-                      data_collator=pad_to_longest if args.dynamic_padding else None,
+                      data_collator=(DataCollatorWithFlattening() if args.padding_free else
+                                     pad_to_longest if args.dynamic_padding else None),
                       callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step,
                                                 checkpoint_interval=args.checkpoint_interval),
                                  *([StopAt(args.save_at)] if args.save_at else [])])

@@ -3,12 +3,15 @@
 Trainer's ParityCallback, which TRL's trainers inherit (docs/own_trainer.md). No hub: the tokenizer is built here
 (a word-level `tokenizers` model, then PreTrainedTokenizerFast with eos and pad), the data is a `datasets.Dataset` of
 texts of different lengths (SFTTrainer's collator pads them on the right, labels -100 there), per-device batch 2,
-2 accumulation steps, fp32 (`bf16=False`).
+2 accumulation steps, fp32 (`bf16=False`). With --packing, TRL packs the texts into rows of --seq_length (its default
+'bfd' strategy) and feeds each micro-batch padding-free: its rows as one row, position ids restarting at each text,
+no attention mask, use_cache=False — recorded and replayed as fed.
 
     python examples/trl_sft.py --output_dir OUT --nproc 2        # 2 ranks spawned here (DDP over gloo, CPU)
     torchrun --nproc_per_node 2 examples/trl_sft.py --output_dir OUT
     accelerate launch --multi_gpu --num_processes 2 examples/trl_sft.py --output_dir OUT   # on CPU too (torchrun's)
     python examples/trl_sft.py --output_dir OUT --ray 2          # Ray Train: prepare_trainer, RayTrainReportCallback
+    python examples/trl_sft.py --output_dir OUT --nproc 2 --packing
     python train_ddp.py --replay_record OUT/loss_trl_sft.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png
@@ -40,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_grad_norm", type=float, default=10.0,
                    help="Trainer's clipping; where it does not clip, the recorder measures the pre-clip norm itself")
+    p.add_argument("--packing", action="store_true", help="SFTConfig(packing=True): TRL's 'bfd' packing, padding-free")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU a rank (NCCL)")
     p.add_argument("--fsdp2", action="store_true", help="accelerate's FSDP2 plugin (GPU only: accelerate picks FSDP "
                                                         "for GPU device types)")
@@ -84,7 +88,7 @@ def train(args, ray: bool = False) -> None:
         report_to=[], use_cpu=args.device == "cpu", ddp_backend="gloo" if args.device == "cpu" else None,
         **({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if args.fsdp2 else {}), seed=args.seed,
         data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=False, max_length=args.seq_length,
-        packing=False, dataset_text_field="text")
+        packing=args.packing, dataset_text_field="text")
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=local_tokenizer(),
                          callbacks=[ParityCallback(args.output_dir, name=args.name)])
     if ray:

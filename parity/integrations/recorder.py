@@ -33,8 +33,8 @@ from parity.integrations import resume, states
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
 from parity.integrations.recorded_tensors import CLIPPED, PRE_CLIP, RecordedTensors
-from parity.integrations.rows import (BatchWriter, RowExchange, default_positions, duplicate_rows, global_batch,
-                                     rows_hash)
+from parity.integrations.rows import (BatchWriter, MicroBatch, RowExchange, duplicate_rows, global_batch,
+                                     positions_line, rows_hash, taken)
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.training.tensor_series import kept_chunks
 from parity.integrations.world import trains_alone
@@ -191,7 +191,8 @@ class ParityRecorder:
         description = {
             "source": SOURCE, "framework": framework, "strategy": self.name, "strategy_path": None,
             "model_name": here, "model_type": getattr(config, "model_type", None),
-            "hugging_face_model": hf, "tp_size": self.layout.tp_size, "pp_size": 1, "ep_size": 1,
+            "hugging_face_model": hf, "attn_implementation": getattr(config, "_attn_implementation", None),
+            "tp_size": self.layout.tp_size, "pp_size": 1, "ep_size": 1,
             "dp_size": self.layout.dp_size, "sharding": self.layout.describe(),
             "num_workers": self.world, "world_size": self.world, "batch_size": None, "global_batch_size": None,
             "grad_accum_steps": None, "seq_length": None, "precision": precision,
@@ -262,21 +263,21 @@ class ParityRecorder:
         return self.layout.replicas()
 
     def _reset_step(self) -> None:
-        self.micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.micro: list[MicroBatch] = []
         self.loss_sum, self.tokens = 0.0, 0
         self.grad_norm: float | None = None
         self.broken: str | None = None
-        self.positions = False  # whether this rank fed position ids of its own in the step (packed rows)
         self.recorder_s = 0.0
 
     # --- per micro-batch, per step --------------------------------------------------------------------
     def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None,
-                    position_ids=None) -> None:
+                    position_ids=None, use_cache=None) -> None:
         """One micro-batch this rank fed the model: its input ids and labels ([rows, length]; labels as Hugging Face
         takes them: the ids, −100 where no loss is taken), the model's logits on it, the attention mask if any (right
-        or left padding), the position ids if the loop passed its own (packed rows). Any rows, any length, from step
-        to step and rank to rank. A model that returns no logits (TRL's fused LM head) gives `log_probs` instead: each
-        position's log-probability of its next token, zero where no loss is taken ([rows, length − 1])."""
+        or left padding), the position ids if the loop passed its own (packed rows), `use_cache` as passed (None: the
+        model config's). Any rows, any length, from step to step and rank to rank. A model that returns no logits (TRL's
+        fused LM head) gives `log_probs` instead: each position's log-probability of its next token, zero where no loss
+        is taken ([rows, length − 1])."""
         if not self.enabled or self.broken:
             return
         t0 = time.perf_counter()
@@ -287,13 +288,9 @@ class ParityRecorder:
                 else:
                     logits = self.layout.logits(logits.detach())  # a DTensor's in full
                     summed = float(loss_sum(logits, labels.to(logits.device)).double())
-            ids, lab = input_ids.detach().to("cpu", torch.int64), labels.detach().to("cpu", torch.int64)
-            mask = (torch.ones_like(ids) if attention_mask is None
-                    else attention_mask.detach().to("cpu", torch.int64))
-            self.micro.append((ids, lab, mask))
-            self.positions |= position_ids is not None and not default_positions(position_ids, ids.shape[1])
+            self.micro.append(taken(input_ids, labels, attention_mask, position_ids, use_cache, self.model))
             self.loss_sum += summed
-            self.tokens += int((lab[:, 1:] != IGNORE_INDEX).sum())
+            self.tokens += int((self.micro[-1].labels[:, 1:] != IGNORE_INDEX).sum())
         except Exception as exc:
             self.broken = f"micro_batch: {type(exc).__name__}: {_first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0
@@ -368,8 +365,7 @@ class ParityRecorder:
             self.broken = STOPPED
         # the step's exchange (rows.py): every rank's health, loss sum and tokens to all, the rows to rank 0 alone
         got = self.exchange(self.broken, self.loss_sum, self.tokens, self.micro, feeds=self.layout.feeds,
-                            dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device,
-                            positions=self.positions)
+                            dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device)
         exchanged = time.perf_counter()
         self._check_optimizer_steps()
         lrs = self._lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -423,10 +419,9 @@ class ParityRecorder:
             batch, mask, structure = global_batch(got.per_dp_rank)
             extras["rows_check"], extras["rows_hash"] = duplicate_rows(got.per_dp_rank), rows_hash(got.per_dp_rank)
             extras["rows"], extras["micro_batches"] = len(batch.input_ids), structure
-            if got.positions and config["batches"]["position_ids_from"] is None:
+            if batch.fed is not None and config["batches"]["position_ids_from"] is None:
                 config["batches"]["position_ids_from"] = self.step
-                self._line(f"step {self.step} fed position ids of its own (packed or padding-free rows): recorded; the "
-                           f"replay feeds none and refuses the record")
+                self._line(positions_line(self.step, batch.fed))
             self._shape(structure, batch)
             self._save_batch(batch, mask)
             return batch_hash(batch)
@@ -475,13 +470,14 @@ class ParityRecorder:
     def _save_batch(self, batch: Batch, mask: torch.Tensor) -> None:
         if self.stop is not None:
             return
-        size = 3 * batch.input_ids.numel() * 8
+        size = (3 if batch.fed is None else 4) * batch.input_ids.numel() * 8  # int64 ids, labels, mask (positions)
         if self.saved_bytes + size > self.max_batch_bytes:
             self._stop_at(self.step, f"the batches passed max_batch_bytes ({self.max_batch_bytes} bytes) at step "
                                      f"{self.step}: no more are saved")
             return
+        fed = {} if batch.fed is None else {"position_ids": batch.position_ids, "fed": batch.fed}
         self.writer.submit(self.step, recorded_batch_path(storage.join(self.folder, "batches"), self.step),
-                           {"input_ids": batch.input_ids, "labels": batch.labels, "attention_mask": mask})
+                           {"input_ids": batch.input_ids, "labels": batch.labels, "attention_mask": mask, **fed})
         self.saved_bytes += size
 
     def _harvest(self, finished: list[tuple[int, str | None]]) -> None:

@@ -12,9 +12,13 @@ which may have moved since. Beside it only --num_workers, --device, the output a
 --noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything else contradicts
 the record and is refused in one line. The harness feeds no attention mask where every row is right-padded (a causal
 model's right padding needs none: labels −100 on it) and the recorded mask where a row is left-padded (its real tokens
-sit at shifted positions); a mask with holes is refused. The states the recorder saved at the run's checkpoints go
-with the batches (recorded_states): once trained, the replay — not its noise references — takes the teacher-forced
-check from each (parity/training/recorded_states.py). Everything is checked on the driver, before any worker starts.
+sit at shifted positions); a mask with holes is refused. A step whose rows came with position ids of their own (packed
+or padding-free) is fed as the run fed it — each row alone, its position ids, its mask or none, its cache or none
+(parity/training/fed_rows.py) — and its rows go round the workers at document boundaries; the model computes attention
+with the run's implementation (refused where it cannot run here: flash attention off CUDA). The states the recorder
+saved at the run's checkpoints go with the batches (recorded_states): once trained, the replay — not its noise
+references — takes the teacher-forced check from each (parity/training/recorded_states.py). Everything is checked on
+the driver, before any worker starts.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from parity.errors import ConfigError, RecordError
 from parity.integrations.rows import padding_problem
 from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
 from parity.training.data import RECORDED, RecordedBatches, recorded_batch_path
+from parity.training.fed_rows import units
 from parity.training.recorded_states import INDEX as STATES_INDEX, RecordedStates, StateCheck
 from parity.training.record import is_recorded, load_record
 from parity.training.tensor_norms import PRE_CLIP
@@ -63,12 +68,13 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
                                      (config["batches"]["folder"], config["model_name"], config["init_weights_path"]))
     rows = [int(s["rows"]) for s in record["steps"]]
     workers = int(given.get("num_workers", config["dp_size"]))
-    if workers > min(rows):
-        fewest = min(rows)
+    length, fed = check_batches(record_file, folder, steps, workers, config["batches"].get("position_ids_from"))
+    plain = [n for step, n in enumerate(rows) if step not in fed]  # fed rows go round at document boundaries
+    if plain and workers > min(plain):
+        fewest = min(plain)
         raise ConfigError(f"--num_workers {workers}: step {rows.index(fewest)} of {storage.name(record_file)} holds "
                           f"{fewest} row{'s' if fewest > 1 else ''}, fewer than {workers} workers: use at most "
                           f"{fewest} worker{'s' if fewest > 1 else ''}")
-    length = check_batches(record_file, folder, steps)
     _check_model(record_file, model_folder)
     _check_weights(record_file, weights, model_folder)
     lrs = tuple(float(s["lr"]) for s in record["steps"])
@@ -78,8 +84,12 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
               **{k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY},
               "dataset": RECORDED + folder, "checkpoint_interval": 0, **given}
     cfg = resolve(strategy, values, cluster=cluster)
+    attention = config.get("attn_implementation")  # the run's (a record from before it was kept: the default)
+    model_config = {**cfg.model_config, **({"attn_implementation": attention} if attention else {})}
+    if attention:
+        _check_attention(record_file, model_config, cfg.device)
     cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs,  # the series as the record's: like with like
-                              tensor_grad=record.get(TENSORS, {}).get("grad") or PRE_CLIP)
+                              tensor_grad=record.get(TENSORS, {}).get("grad") or PRE_CLIP, model_config=model_config)
     _check_groups(record_file, cfg)
     stopped = f", stopped before step {steps}" if config.get("stopped") else ""
     states = None if given.get("noise_reference") or dump_step is not None else recorded_states(record_file, record)
@@ -145,10 +155,6 @@ def read_recorded(record_file: str) -> dict:
     if batches["saved_steps"] < len(record["steps"]):
         raise ConfigError(f"--replay_record {name}: its batches are missing (saved {batches['saved_steps']} of "
                           f"{len(record['steps'])} steps): record again with the batches saved")
-    if batches.get("position_ids_from") is not None:
-        raise ConfigError(f"--replay_record {name}: from step {batches['position_ids_from']} the run fed position ids "
-                          f"of its own (packed or padding-free rows): the replay feeds none yet, so it would train "
-                          f"another model; record the run without packing")
     if config["precision"] == "fp16":
         raise ConfigError(f"--replay_record {name}: fp16 runs are not replayed (the recorder does not record the loss "
                           f"scaler)")
@@ -172,12 +178,15 @@ def replayable_optimizer(record_file: str, optimizer: dict) -> dict:
     return optimizer
 
 
-def check_batches(record_file: str, folder: str, steps: int) -> int:
+def check_batches(record_file: str, folder: str, steps: int, workers: int,
+                  positions_from: int | None = None) -> tuple[int, set[int]]:
     """Every step's saved batch is there, readable and padded as the replay feeds it (each row's mask one run of ones,
-    labels −100 where it is 0); returns the longest row."""
+    labels −100 where it is 0); a step whose rows came with position ids of their own goes round `workers` at
+    document boundaries (fed_rows.units), and holds them (`positions_from`: the first such step, whose batch a recorder
+    before they were kept saved without them). Returns the longest row and the steps of fed rows."""
     from safetensors.torch import load
 
-    name, longest = storage.name(record_file), 0
+    name, longest, fed = storage.name(record_file), 0, set()
     for step in range(steps):
         path = recorded_batch_path(folder, step)
         try:
@@ -192,8 +201,38 @@ def check_batches(record_file: str, folder: str, steps: int) -> int:
         problem = padding_problem(mask, labels, f"step {step}")
         if problem:
             raise ConfigError(f"--replay_record {name}: {problem}")
+        if step == positions_from and "fed" not in tensors:
+            raise ConfigError(f"--replay_record {name}: step {step} fed position ids of its own, which its batch does "
+                              f"not hold (recorded before the recorder kept them): record the run again")
+        if "fed" in tensors:
+            fed.add(step)
+            try:
+                units(tensors["input_ids"], labels, mask, tensors["position_ids"], tensors["fed"], workers,
+                      f"step {step}")
+            except ValueError as exc:
+                raise ConfigError(f"--replay_record {name}: --num_workers {workers}: {exc}") from None
         longest = max(longest, mask.shape[1])
-    return longest
+    return longest, fed
+
+
+def _check_attention(record_file: str, model_config: dict, device: str) -> None:
+    """The run's attention implementation (config._attn_implementation, in `model_config`) runs here: flash attention
+    needs a CUDA device, and every implementation what transformers' own check asks of the recorded model (its package,
+    the model's support: built on the meta device)."""
+    from parity.models.model import meta_model, model_config_from_dict
+
+    attention, why = model_config["attn_implementation"], None
+    if attention.startswith("flash_attention") and device != "cuda":
+        why = f"it needs a CUDA device, and the replay runs on {device}"
+    else:
+        try:
+            meta_model(model_config_from_dict(model_config))
+        except (ImportError, ValueError) as exc:
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    if why:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: the run computed attention with {attention}, "
+                          f"which the replay cannot run here ({why}): replay it where it runs, or record the run "
+                          f"with attn_implementation='sdpa'")
 
 
 def _check_model(record_file: str, folder: str) -> None:

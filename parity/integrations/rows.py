@@ -2,9 +2,14 @@
 how they reach rank 0, and what rank 0 makes of them — the global batch in the harness's order, the check that no two
 DP ranks fed the same rows — and the background writer that saves each step's batch off the training's path.
 
+Each micro-batch is kept as the loop fed it (`taken`): its ids, labels and mask (ones where it fed none), its position
+ids where it fed its own (packed or padding-free rows) and what came with them (fed_rows flags: transformers keeps
+packed documents apart only under position ids with no mask and no cache, so the replay feeds each as it came).
+
 The exchange is one tensor collective a step (after the first): an all_gather, per rank, of a six-number header
 (every rank learns every rank's health, loss sum and loss tokens) and its packed rows (int64 words: the micro-batches'
-shapes, then their ids, labels and masks) padded to a capacity that grows to the longest rows seen. Rows longer than
+shapes and flags, then their ids, labels, masks and position ids where fed) padded to a capacity that grows to the
+longest rows seen. Rows longer than
 the capacity (the first step's; any past FUSED_WORDS) go to rank 0 alone in a gather. Rank 0 alone unpacks, hashes,
 checks and saves the batch. Where ranks share a DP rank (FSDP2's TP ranks
 feed the same rows) only one of them hands over rows and sums (the layout's `feeds`).
@@ -16,48 +21,86 @@ import hashlib
 import threading
 from dataclasses import dataclass, field
 from queue import Queue
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from parity.training.data import Batch
+from parity.training.fed_rows import FED_CACHE, FED_MASK, FED_POSITIONS, flags_of
 from parity.training.loss import IGNORE_INDEX
 
 PAD_ID = 0  # what a shorter micro-batch's rows are right-padded with to the step's longest (labels −100, mask 0)
-HEADER = ("broken", "loss_sum", "tokens", "feeds", "dp_rank", "positions", "words")  # int64 each (the sum: its
-# float64 bits; positions: whether the rank fed position ids of its own, packed rows')
+HEADER = ("broken", "loss_sum", "tokens", "feeds", "dp_rank", "words")  # int64 each (the sum: its float64 bits)
 FUSED_WORDS = 1 << 20  # rows up to 8 MiB a rank travel with the header (one all_gather); longer ones to rank 0 alone
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch as a rank fed it: int64 CPU ids, labels and mask (ones where it fed none) [rows, length], its
+    position ids where it fed its own (else None) and its fed_rows flags (what came with its rows)."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor | None
+    flags: int
+
+
+def taken(input_ids, labels, attention_mask, position_ids, use_cache, model) -> MicroBatch:
+    """What the loop fed the model, as the replay must feed it: position ids that are not the model's own (0, 1, …
+    along every row) and whether a mask came with them; `use_cache` as transformers resolves it (5.23's
+    merge_with_config_defaults: the call's, else the model config's; off under gradient checkpointing in training)."""
+    ids, lab = input_ids.detach().to("cpu", torch.int64), labels.detach().to("cpu", torch.int64)
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask.detach().to("cpu", torch.int64)
+    positions = None
+    if position_ids is not None and not default_positions(position_ids, ids.shape[1]):
+        positions = position_ids.detach().to("cpu", torch.int64).expand(ids.shape).contiguous()
+    if use_cache is None:
+        use_cache = getattr(getattr(model, "config", None), "use_cache", False)
+    cache = bool(use_cache) and not (getattr(model, "is_gradient_checkpointing", False) and model.training)
+    return MicroBatch(ids, lab, mask, positions, flags_of(positions is not None, attention_mask is not None, cache))
+
+
+def positions_line(step: int, flags: torch.Tensor) -> str:
+    """The recorder's line at the first step whose rows came with position ids of their own. Where some came with a
+    mask or a cache too, transformers masked the whole row causally and its documents attended to each other: the
+    replay feeds them so, as the run did, so the verdict cannot tell — the line says it."""
+    line = (f"step {step} fed position ids of its own (packed or padding-free rows): each row is recorded with them, "
+            f"its mask or none and its cache, and replayed as it was fed")
+    if any(f & FED_POSITIONS and f & (FED_MASK | FED_CACHE) for f in flags.tolist()):
+        line += ("; some came with an attention mask or a cache, under which transformers masks the whole row "
+                 "causally: their documents attended to each other (pass use_cache=False and no attention_mask to "
+                 "keep them apart)")
+    return line
 
 
 @dataclass
 class Exchanged:
     """What the step's exchange gave this rank: every DP rank's loss sum and loss tokens (in DP rank order, every
-    rank), whether any rank fed position ids of its own, and on rank 0 every DP rank's micro-batches
-    [(ids, labels, mask), ...]."""
+    rank), and on rank 0 every DP rank's micro-batches [MicroBatch, ...]."""
 
     rank_loss_sums: list[float]
     rank_tokens: list[int]
-    positions: bool = False
-    per_dp_rank: list[list[tuple]] | None = field(default=None)
+    per_dp_rank: list[list[MicroBatch]] | None = field(default=None)
 
 
-def pack(micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Micro-batches (int64 CPU ids, labels, mask, each [rows, length]) as one int64 tensor: their count, each one's
-    shape, then each one's ids, labels and mask."""
-    shapes = [d for ids, _, _ in micro for d in ids.shape]
-    return torch.cat([torch.tensor([len(micro), *shapes], dtype=torch.int64),
-                      *(t.reshape(-1) for m in micro for t in m)])
+def pack(micro: list[MicroBatch]) -> torch.Tensor:
+    """Micro-batches as one int64 tensor: their count, each one's shape and flags, then each one's ids, labels, mask
+    and position ids (where it fed its own)."""
+    heads = [d for m in micro for d in (*m.ids.shape, m.flags)]
+    return torch.cat([torch.tensor([len(micro), *heads], dtype=torch.int64),
+                      *(t.reshape(-1) for m in micro for t in (m.ids, m.labels, m.mask, m.positions) if t is not None)])
 
 
-def unpack(words: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def unpack(words: torch.Tensor) -> list[MicroBatch]:
     n = int(words[0])
-    shapes = words[1:1 + 2 * n].tolist()
-    at, out = 1 + 2 * n, []
-    for rows, length in zip(shapes[0::2], shapes[1::2]):
-        size = rows * length
-        ids, labels, mask = (words[at + k * size:at + (k + 1) * size].view(rows, length) for k in range(3))
-        out.append((ids, labels, mask))
-        at += 3 * size
+    heads = words[1:1 + 3 * n].tolist()
+    at, out = 1 + 3 * n, []
+    for rows, length, flags in zip(heads[0::3], heads[1::3], heads[2::3]):
+        size, parts = rows * length, 4 if flags & FED_POSITIONS else 3
+        tensors = [words[at + k * size:at + (k + 1) * size].view(rows, length) for k in range(parts)]
+        out.append(MicroBatch(*tensors[:3], tensors[3] if parts == 4 else None, flags))
+        at += parts * size
     return out
 
 
@@ -69,7 +112,7 @@ class RowExchange:
         self.capacity = 0
 
     def __call__(self, broken: str | None, loss_sum: float, tokens: int, micro: list, *, feeds: bool, dp_rank: int,
-                 dp_size: int, device: torch.device, positions: bool = False) -> Exchanged:
+                 dp_size: int, device: torch.device) -> Exchanged:
         """Every rank; collective. Raises RuntimeError("rank r: why") on every rank where any rank is broken (the text
         on rank 0), where the DP ranks are not each fed by one rank, or where the step has no token in its loss."""
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -81,8 +124,7 @@ class RowExchange:
             payload = torch.zeros(0, dtype=torch.int64)
         n, cap = payload.numel(), self.capacity
         sent = torch.zeros(len(HEADER) + cap, dtype=torch.int64)
-        sent[:len(HEADER)] = torch.tensor([int(bool(broken)), 0, int(tokens), int(feeds), int(dp_rank),
-                                           int(positions), n])
+        sent[:len(HEADER)] = torch.tensor([int(bool(broken)), 0, int(tokens), int(feeds), int(dp_rank), n])
         sent[1:2] = torch.tensor([float(loss_sum)], dtype=torch.float64).view(torch.int64)  # the sum's bits, exact
         sent[len(HEADER):len(HEADER) + min(n, cap)] = payload[:cap]
         sent = sent.to(device)
@@ -113,28 +155,34 @@ class RowExchange:
             raise RuntimeError("the step's global batch has no token in its loss (every label is -100 on every rank): "
                                "look at the data's labels — a prompt as long as max_length leaves none")
         return Exchanged([sums[r] for _, r in feeders], tokens,
-                         bool(table[:, HEADER.index("positions")].any()),
                          [unpack(payloads[r]) for _, r in feeders] if rank == 0 else None)
 
 
-def global_batch(per_rank: list[list[tuple]]) -> tuple[Batch, torch.Tensor, list[list[int]]]:
+def global_batch(per_rank: list[list[MicroBatch]]) -> tuple[Batch, torch.Tensor, list[list[int]]]:
     """The step's global batch in the harness's order — DP rank 0's micro-batches in order, then DP rank 1's ... —
     every row as it was fed (right or left padded) and padded on the right to the step's longest (ids PAD_ID, labels
-    −100, mask 0: nothing the loss or a causal model's earlier positions see), with the attention mask and the rows
-    of each micro-batch per DP rank. ValueError, one line, for rows the replay cannot feed (padding_problem)."""
-    length = max(ids.shape[1] for micro in per_rank for ids, _, _ in micro)
-    ids, labels, masks = [], [], []
+    −100, mask 0, position ids 0: nothing the loss or a causal model's earlier positions see), with the attention mask
+    and the rows of each micro-batch per DP rank. Where a row came with position ids of its own, the batch carries every
+    row's (the model's own where a row fed none) and flags (data.Batch.fed): the replay feeds each row as it came.
+    ValueError, one line, for rows the replay cannot feed (padding_problem)."""
+    length = max(m.ids.shape[1] for micro in per_rank for m in micro)
+    fed = any(m.positions is not None for micro in per_rank for m in micro)
+    columns: dict[str, list[torch.Tensor]] = {"ids": [], "labels": [], "mask": [], "positions": []}
     for rank, micro in enumerate(per_rank):
-        for k, (i, lab, m) in enumerate(micro):
-            problem = padding_problem(m, lab, f"DP rank {rank}'s micro-batch {k}")
+        for k, m in enumerate(micro):
+            problem = padding_problem(m.mask, m.labels, f"DP rank {rank}'s micro-batch {k}")
             if problem:
                 raise ValueError(problem)
-            pad = length - i.shape[1]
-            ids.append(torch.nn.functional.pad(i, (0, pad), value=PAD_ID))
-            labels.append(torch.nn.functional.pad(lab, (0, pad), value=IGNORE_INDEX))
-            masks.append(torch.nn.functional.pad(m, (0, pad), value=0))
-    structure = [[ids_.shape[0] for ids_, _, _ in micro] for micro in per_rank]
-    return Batch(torch.cat(ids), torch.cat(labels)), torch.cat(masks), structure
+            positions = m.positions if m.positions is not None else torch.arange(m.ids.shape[1]).expand(m.ids.shape)
+            for key, t, fill in (("ids", m.ids, PAD_ID), ("labels", m.labels, IGNORE_INDEX), ("mask", m.mask, 0),
+                                 ("positions", positions, 0)):
+                columns[key].append(torch.nn.functional.pad(t, (0, length - t.shape[1]), value=fill))
+    ids, labels, mask, positions = (torch.cat(columns[k]) for k in ("ids", "labels", "mask", "positions"))
+    structure = [[m.ids.shape[0] for m in micro] for micro in per_rank]
+    if not fed:
+        return Batch(ids, labels), mask, structure
+    flags = torch.tensor([m.flags for micro in per_rank for m in micro for _ in range(m.ids.shape[0])])
+    return Batch(ids, labels, None, mask, positions, flags), mask, structure
 
 
 def padding_problem(mask: torch.Tensor, labels: torch.Tensor, where: str) -> str | None:
@@ -156,7 +204,7 @@ def row_digests(per_rank: list[list[tuple]]) -> list[list[str]]:
     digests = []
     for micro in per_rank:
         mine = []
-        for ids, labels, mask in micro:
+        for ids, labels, mask, _, _ in micro:
             for row in range(ids.shape[0]):
                 real = mask[row] != 0  # right or left padding alike
                 mine.append(hashlib.sha256(ids[row, real].numpy().tobytes() + labels[row, real].numpy().tobytes())
@@ -231,8 +279,8 @@ class BatchWriter:
         return self.finished()
 
 
-__all__ = ["BatchWriter", "Exchanged", "PAD_ID", "duplicate_rows", "RowExchange", "global_batch", "pack",
-           "padding_problem", "row_digests", "rows_hash", "unpack"]
+__all__ = ["BatchWriter", "Exchanged", "MicroBatch", "PAD_ID", "duplicate_rows", "RowExchange", "global_batch", "pack",
+           "padding_problem", "positions_line", "row_digests", "rows_hash", "taken", "unpack"]
 
 
 def default_positions(position_ids, length: int) -> bool:

@@ -3,7 +3,8 @@ name=...)])` (docs/own_trainer.md).
 
 What a callback cannot see, it takes from the framework's own extension points:
 - the loss: a forward hook on the model (registered with its kwargs) hands the recorder each training micro-batch's
-  input ids, labels, attention mask and the model's logits; the recorder measures the global token mean itself;
+  input ids, labels, attention mask, position ids and use_cache as passed (packed rows are replayed as they were
+  fed: parity/training/fed_rows.py) and the model's logits; the recorder measures the global token mean itself;
 - the pre-clip gradient norm: Trainer's callbacks run after its clipping (on_pre_optimizer_step comes after
   `_clip_grad_norm`). Where Trainer's own norm (its logs' `grad_norm`: what clip_grad_norm_ returned, in fp32, good to
   ~1e-5 relative over a large gradient) says it did not clip at the step (norm + 1e-6 <= max_grad_norm, or no
@@ -105,7 +106,7 @@ class ParityCallback(TrainerCallback):
         logits = getattr(output, "logits", None)
         fused = getattr(output, "log_probs", None) if logits is None else None  # TRL's fused LM head: no logits
         self.recorder.micro_batch(ids, labels, logits, attention_mask=kwargs.get("attention_mask"), log_probs=fused,
-                                  position_ids=kwargs.get("position_ids"))
+                                  position_ids=kwargs.get("position_ids"), use_cache=kwargs.get("use_cache"))
 
     def on_step_end(self, args, state, control, **kwargs):
         self._stepped = True

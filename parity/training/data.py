@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from parity.errors import ConfigError
+from parity.training.fed_rows import FED_CACHE, FED_MASK, FED_POSITIONS, length, stream_hash, units
 from parity.training.loss import IGNORE_INDEX
 
 
@@ -210,13 +211,17 @@ class Batch:
     run's, as it fed them), and where a step is taken as a recorded run fed it (RecordedBatches.as_fed); None: no mask
     (right padding needs none for a causal model). `position_ids`: packed rows' (--packing) and flattened ones'
     (flattened), 0 at each document's start, fed with no mask (a 2-D mask would turn transformers' per-document masks
-    off); None: 0, 1, ... along every row."""
+    off); None: 0, 1, ... along every row. `fed`: a recorded step whose rows came with position ids of their own
+    (packed or padding-free), each row's fed_rows flags: each row is then a micro-batch of its own, cut to its length
+    and fed as the run fed it — its position ids, its mask or none, a cache or none (fed_rows.py); `attention_mask`
+    is then the saved one (ones where the run fed none), which says each row's length."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     micro_rows: tuple[tuple[int, ...], ...] | None = None
     attention_mask: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
+    fed: torch.Tensor | None = None
 
     @property
     def loss_tokens(self) -> int:
@@ -224,19 +229,35 @@ class Batch:
         (position t predicts label t + 1)."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
+    @property
+    def use_cache(self) -> bool:
+        """Whether the model is fed these rows with a cache: only where a recorded run fed them so (FED_CACHE)."""
+        return self.fed is not None and bool((self.fed & FED_CACHE).any())
+
     def rows(self, start: int, stop: int) -> "Batch":
-        mask, positions = self.attention_mask, self.position_ids
-        return Batch(self.input_ids[start:stop], self.labels[start:stop],
-                     attention_mask=None if mask is None else mask[start:stop],
-                     position_ids=None if positions is None else positions[start:stop])
+        def part(t):
+            return None if t is None else t[start:stop]
+        return Batch(self.input_ids[start:stop], self.labels[start:stop], attention_mask=part(self.attention_mask),
+                     position_ids=part(self.position_ids), fed=part(self.fed))
 
     def split(self, parts: int) -> list["Batch"]:
         """`parts` micro-batches of equal size, in order — or, for one DP rank's slice of a step planned in
-        `micro_rows`, its planned micro-batches."""
+        `micro_rows`, its planned micro-batches; or, for fed rows, each row alone as the run fed it (fed_row)."""
+        if self.fed is not None:
+            return [self.fed_row(r) for r in range(len(self.input_ids)) if length(self.attention_mask[r])]
         sizes = self.micro_rows[0] if self.micro_rows is not None and len(self.micro_rows) == 1 else \
             [len(self.input_ids) // parts] * parts
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [self.rows(start, start + size) for start, size in zip(starts, sizes)]
+
+    def fed_row(self, r: int) -> "Batch":
+        """Row `r` of fed rows as the run fed it: cut to its length, with its position ids and its mask only where it
+        came with them, and its flags (use_cache)."""
+        n, flag = length(self.attention_mask[r]), int(self.fed[r])
+        row = (slice(r, r + 1), slice(0, n))
+        return Batch(self.input_ids[row], self.labels[row], attention_mask=self.attention_mask[row] if flag & FED_MASK
+                     else None, position_ids=self.position_ids[row] if flag & FED_POSITIONS else None,
+                     fed=self.fed[r:r + 1])
 
     def real_lengths(self) -> list[int]:
         """Each row's length without its padding: up to its last position with a label (what follows is padding)."""
@@ -257,9 +278,10 @@ class Batch:
         return Batch(*(torch.cat(column)[None] for column in (ids, labels)), position_ids=torch.cat(positions)[None])
 
     def to(self, device) -> "Batch":
-        mask, positions = self.attention_mask, self.position_ids
-        return Batch(self.input_ids.to(device), self.labels.to(device), self.micro_rows,
-                     None if mask is None else mask.to(device), None if positions is None else positions.to(device))
+        def moved(t):
+            return None if t is None else t.to(device)
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.micro_rows, moved(self.attention_mask),
+                     moved(self.position_ids), moved(self.fed))
 
 
 class GlobalBatches:
@@ -298,7 +320,8 @@ RECORDED = "recorded:"  # --dataset of a replay: recorded:<the record's batch fo
 
 def recorded_batch_path(folder: str, step: int) -> str:
     """Where a recorded run's global batch of `step` is saved (parity/integrations/recorder.py writes it): input ids,
-    labels and attention mask, [rows, length] each, in safetensors."""
+    labels and attention mask, [rows, length] each, in safetensors; where a row came with position ids of its own, also
+    the position ids and each row's flags (`fed`: fed_rows.py)."""
     from parity import storage
 
     return storage.join(folder, f"step_{step:06d}.safetensors")
@@ -315,9 +338,11 @@ class _Described:
 class RecordedBatches:
     """Step → the global batch a recorded run trained on (parity/integrations/recorder.py saved each one in
     `folder`), its rows in the harness's order (the run's DP rank 0's rows, then rank 1's ..., each row as fed),
-    split over the replay's `workers` by row_plan in micro-batches of at most `most_rows` rows: what a replay trains
-    on. Read on the worker when the step comes. `states`: the run's states the recorder saved at its checkpoints, which
-    the replay (not a noise reference) checks after its training (recorded_states.RecordedStates, check_recorded)."""
+    split over the replay's `workers` by row_plan in micro-batches of at most `most_rows` rows — or, a step whose rows
+    came with position ids of their own, each row alone as the run fed it, the rows cut at document boundaries where
+    the workers need (fed_rows.units) — what a replay trains on. Read on the worker when the step comes. `states`: the
+    run's states the recorder saved at its checkpoints, which the replay (not a noise reference) checks after its
+    training (recorded_states.RecordedStates, check_recorded)."""
 
     def __init__(self, folder: str, steps: int, description: str, workers: int = 1, most_rows: int = 1,
                  states=None):
@@ -328,19 +353,24 @@ class RecordedBatches:
     def __call__(self, step: int) -> Batch:
         fed = self.as_fed(step)
         ids, mask = fed.input_ids, fed.attention_mask
+        if fed.fed is not None:
+            *table, flags = units(ids, fed.labels, mask, fed.position_ids, fed.fed, self.workers, f"step {step}")
+            each = len(flags) // self.workers
+            return Batch(table[0], table[1], ((1,) * each,) * self.workers, table[2], table[3], flags)
         return Batch(ids, fed.labels, row_plan(len(ids), self.workers, self.most_rows),
                      mask if left_padded(mask) else None)
 
     def as_fed(self, step: int) -> Batch:
         """The global batch of `step` as the run fed it, its attention mask whatever its padding, in one piece: what
         the teacher-forced check's reference step computes on, as the run computed (in bf16 an attention with a mask
-        rounds otherwise than one without: ~the policy's whole rounding)."""
+        rounds otherwise than one without: ~the policy's whole rounding); fed rows with their position ids and flags."""
         from safetensors.torch import load
 
         from parity import storage
 
         tensors = load(storage.read_bytes(recorded_batch_path(self.folder, step)))
-        return Batch(tensors["input_ids"].long(), tensors["labels"].long(), None, tensors["attention_mask"].long())
+        return Batch(tensors["input_ids"].long(), tensors["labels"].long(), None, tensors["attention_mask"].long(),
+                     tensors.get("position_ids"), tensors.get("fed"))
 
 
 def left_padded(mask: torch.Tensor) -> bool:
@@ -356,7 +386,7 @@ def dp_slice(global_batch: Batch, dp_rank: int, batch_size: int) -> Batch:
         return global_batch.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     start = sum(map(sum, plan[:dp_rank]))
     mine = global_batch.rows(start, start + sum(plan[dp_rank]))
-    return Batch(mine.input_ids, mine.labels, (plan[dp_rank],), mine.attention_mask, mine.position_ids)
+    return Batch(mine.input_ids, mine.labels, (plan[dp_rank],), mine.attention_mask, mine.position_ids, mine.fed)
 
 
 def row_plan(rows: int, workers: int, most_rows: int) -> tuple[tuple[int, ...], ...]:
@@ -373,7 +403,10 @@ def row_plan(rows: int, workers: int, most_rows: int) -> tuple[tuple[int, ...], 
 def batch_hash(global_batch: Batch) -> str:
     """A short fingerprint of a global batch: equal hashes mean the runs saw the same tokens, labels and position ids.
     A batch without padding hashes as its ids alone, one without position ids as its ids and labels (records of full
-    windows and of padded samples keep their hashes)."""
+    windows and of padded samples keep their hashes); fed rows as one stream (fed_rows.stream_hash: cut or not)."""
+    if global_batch.fed is not None:
+        b = global_batch
+        return stream_hash(b.input_ids, b.labels, b.attention_mask, b.position_ids, b.fed)
     data = global_batch.input_ids.numpy().astype("<i8").tobytes()
     if not torch.equal(global_batch.labels, global_batch.input_ids):
         data += global_batch.labels.numpy().astype("<i8").tobytes()

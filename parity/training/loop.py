@@ -284,11 +284,13 @@ def prepare_model(cfg: RunConfig, model_config, ctx: WorkerContext, log, write: 
 def evaluate(strategy, batch, global_tokens: int) -> float:
     """The current model's mean token loss over a global batch (each DP rank its slice `batch`), without
     training. Eager also under --compile, as the stock model that loads the final checkpoint computes it (a compiled
-    module would compile its whole forward once more for this one call without gradients)."""
+    module would compile its whole forward once more for this one call without gradients). A recorded run's fed rows
+    each alone, as it fed them (data.Batch.fed)."""
     batch = batch.to(strategy.ctx.device)
     with strategy.autocast(), torch.compiler.set_stance("force_eager"):
-        logits = strategy.logits_of(batch)
-    sums, _ = strategy.gather_dp_sums(loss_sum(logits, batch.labels).double(), batch.loss_tokens)
+        summed = sum(loss_sum(strategy.logits_of(part), part.labels).double()
+                     for part in (batch.split(1) if batch.fed is not None else [batch]))
+    sums, _ = strategy.gather_dp_sums(summed, batch.loss_tokens)
     return sum(sums) / global_tokens
 
 

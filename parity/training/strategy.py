@@ -211,21 +211,24 @@ class Strategy(Routing):
         return contextlib.nullcontext()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, use_cache: bool = False) -> torch.Tensor:
         """Full-vocabulary logits of this rank's slice. Without a KV cache: Hugging Face builds one in every
         forward unless told not to (config.use_cache), which a training step never reads; under --compile each
         decoder layer was compiled again for the cache's state — and with a cache, or a 2-D mask, transformers does
         not mask packed documents apart. `attention_mask`: a replayed run's left-padded rows (the data's own batches
         carry none). `position_ids`: packed or flattened rows' (--packing, --padding_free), 0 at each document's start:
         fed as they are, with no mask, so that each document attends to itself only. A strategy that overrides forward
-        is handed each only where the batch carries it (logits_of), and feeds it to the model as given."""
+        is handed each only where the batch carries it (logits_of), and feeds it to the model as given. `use_cache`: a
+        replayed run's rows that it fed with a cache (data.Batch.use_cache), whose documents then attend to each
+        other as they did in the run."""
         inputs = {"attention_mask": attention_mask, "position_ids": position_ids}
-        return self.model(input_ids=input_ids, use_cache=False,
+        return self.model(input_ids=input_ids, use_cache=use_cache,
                           **{k: v for k, v in inputs.items() if v is not None}).logits
 
     def logits_of(self, batch) -> torch.Tensor:
-        """forward on a data.Batch: its ids, and its mask and position ids where it carries them."""
-        inputs = {"attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+        """forward on a data.Batch: its ids, and its mask, position ids and cache where it carries them."""
+        inputs = {"attention_mask": batch.attention_mask, "position_ids": batch.position_ids,
+                  "use_cache": batch.use_cache or None}
         return self.forward(batch.input_ids, **{k: v for k, v in inputs.items() if v is not None})
 
     def micro_batches(self, batch) -> list:
