@@ -199,9 +199,6 @@ CASES = [
     ("lora adapters missing", "ddp", train_flags(lora_r=4), {},
      r"the adapters' initial weights .*w\.pt\.lora\.safetensors do not exist: run train_ddp\.py with the same --lora_\* "
      r"flags and --save_init_weights first"),
-    ("lora autotp", "deepspeed", train_flags(lora_r=4, tp_size=2), {},
-     r"LoRA under DeepSpeed's AutoTP or AutoEP \(--tp_size 2, --ep_size 1\): AutoTP replaces the linear layers peft "
-     r"wrapped, AutoEP the experts: use --tp_size 1 --ep_size 1 \(ZeRO over dp\), or train_fsdp\.py"),
     ("lora sequence parallel", "fsdp", train_flags(lora_r=4, tp_size=2, tp_plan="sequence_parallel"), {},
      r"LoRA with --tp_plan sequence_parallel: .*: use --tp_plan default"),
     ("packing padded", "ddp", train_flags(dataset="synthetic_padded", packing=True), {},
