@@ -77,12 +77,13 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
                           f"{fewest} worker{'s' if fewest > 1 else ''}")
     _check_model(record_file, model_folder)
     _check_weights(record_file, weights, model_folder)
+    lora = _recorded_adapters(record_file, weights, config.get("lora"))  # a LoRA run's: {} for any other
     lrs = tuple(float(s["lr"]) for s in record["steps"])
     values = {"model_name": model_folder, "init_weights_path": weights, "num_workers": workers,
               "batch_size": -(-max(rows) // workers), "grad_accum_steps": 1, "seq_length": max(length, 2),
               "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0,
               **{k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY},
-              "dataset": RECORDED + folder, "checkpoint_interval": 0, **given}
+              "dataset": RECORDED + folder, "checkpoint_interval": 0, **lora, **given}
     cfg = resolve(strategy, values, cluster=cluster)
     attention = config.get("attn_implementation")  # the run's (a record from before it was kept: the default)
     model_config = {**cfg.model_config, **({"attn_implementation": attention} if attention else {})}
@@ -259,15 +260,33 @@ def _check_weights(record_file: str, path: str, folder: str) -> None:
                           f"recorded model's ({why}): record the run again") from None
 
 
+def _recorded_adapters(record_file: str, weights: str, lora: dict | None) -> dict:
+    """A LoRA run's adapters as the flags that build them (--lora_r, --lora_alpha, --lora_targets: its settings,
+    RunConfig.lora), once their initial weights beside the record's are found to be those adapters' (the file
+    adapters.adapters_path names); {} for a run without adapters."""
+    from parity.models.adapters import check_adapters
+
+    if not lora:
+        return {}
+    try:
+        check_adapters(weights, lora)
+    except ConfigError as exc:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: {str(exc).split(': ')[0]}: copy the record's "
+                          f"whole folder (recorded_*/ beside it) or record the run again") from None
+    return {"lora_r": lora["r"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"])}
+
+
 def _check_groups(record_file: str, cfg) -> None:
-    """The recorded groups name the model's parameters, each once (build_optimizer on the model's meta copy)."""
+    """The recorded groups name the parameters the replay trains, each once (build_optimizer on the model's meta copy:
+    with a LoRA run's adapters, whose base is frozen)."""
     import torch
 
+    from parity.models.adapters import add_adapters
     from parity.models.model import meta_model, model_config_from_dict
     from parity.training.optimizer import build_optimizer
 
-    model = meta_model(model_config_from_dict(cfg.model_config))
-    named = [(n, torch.nn.Parameter(torch.empty(0))) for n, _ in model.named_parameters()]
+    model = add_adapters(meta_model(model_config_from_dict(cfg.model_config)), cfg.lora)
+    named = [(n, torch.nn.Parameter(torch.empty(0))) for n, p in model.named_parameters() if p.requires_grad]
     try:
         build_optimizer([p for _, p in named], cfg, [n for n, _ in named])
     except ValueError as exc:

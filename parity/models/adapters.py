@@ -158,15 +158,16 @@ def adapters_path(init_weights_path: str) -> str:
     return init_weights_path + ".lora.safetensors"
 
 
-def save_adapters(model, lora: dict, base_sha256: str, path: str) -> str:
+def save_adapters(model, lora: dict, base_sha256: str, path: str, state: dict | None = None) -> str:
     """Write the adapters of `model` (add_adapters') atomically, with the settings they were drawn for and the base's
-    sha256; returns the file's sha256."""
+    sha256; returns the file's sha256. `state`: the adapters' full tensors by name where the model holds shards (a
+    recorder of a sharded loop gathers them: parity/integrations/adapters_record.py)."""
     from safetensors.torch import save
 
     from parity.models.model import canonical_safetensors
 
-    state = OrderedDict((n, p.detach().to("cpu", torch.float32).contiguous().clone())
-                        for n, p in model.named_parameters() if p.requires_grad)
+    state = state if state is not None else {n: p for n, p in model.named_parameters() if p.requires_grad}
+    state = OrderedDict((n, t.detach().to("cpu", torch.float32).contiguous().clone()) for n, t in state.items())
     meta = {"format": ADAPTERS_FORMAT, "lora": json.dumps(lora, sort_keys=True), "base_sha256": base_sha256}
     data = canonical_safetensors(save(state, metadata=meta))
     storage.write_bytes_atomic(path, data)
