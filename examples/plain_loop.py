@@ -99,8 +99,10 @@ def build(args, shard):
     shard(model)
     decay = [p for n, p in model.named_parameters() if n not in flat and p.requires_grad]
     no_decay = [p for n, p in model.named_parameters() if n in flat and p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # no empty group (LoRA's adapters have no biases or norms): DeepSpeed 0.19.8's initialize drops it from this
+    # optimizer in place, and the scheduler made over it here then fails in engine.step()
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
     return model, optimizer, scheduler
 
