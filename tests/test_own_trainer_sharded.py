@@ -28,7 +28,8 @@ RANK_MEAN = [("loss = summed * dp_world / global_tokens  # averaged over the DP 
               "loss = summed / (labels[:, 1:] != -100).sum()  # seeded: each rank's own token mean")]
 ADAPTERS = "    if args.lora:  # peft's adapters, the model frozen under them\n"
 # the plain loop's DDP wrapping (its `shard`) moved before peft injects the adapters: DDP reduces the base's gradients
-LATE_ADAPTERS = [("    shard(model)\n", ""), (ADAPTERS, "    shard(model)  # seeded: wrapped before its adapters\n" + ADAPTERS)]
+LATE_ADAPTERS = [("    shard(model)\n", ""),
+                 (ADAPTERS, "    shard(model)  # seeded: wrapped before its adapters\n" + ADAPTERS)]
 # (its arguments, the example, the seeded bug's edits of a copy of it): each recorded in this order in one group
 RUNS = {"fsdp2": (["--shard", "fsdp2"], EXAMPLE, []), "fsdp2_tp": (["--shard", "fsdp2", "--tp", "2"], EXAMPLE, []),
         "fsdp1": (["--shard", "fsdp1"], EXAMPLE, []),

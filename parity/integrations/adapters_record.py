@@ -9,9 +9,10 @@ that inner model, so every name it records is the harness's: `model.layers.0.sel
 `...q_proj.lora_A.default.weight`.
 
 What the replay cannot build is refused in one line (AdaptersRefused, which the layout raises as its LayoutRefused:
-the recorder records nothing, the training goes on): dropout above 0 (the replay cannot draw the run's masks), any setting that changes the adapters beyond r, alpha
-and the targeted modules (DoRA, modules_to_save, rsLoRA, rank or alpha patterns, biases ...), adapters on only some of
-the targeted modules, a parameter trained beside the adapters, several adapters or one not named "default".
+the recorder records nothing, the training goes on): dropout above 0 (the replay cannot draw the run's masks), any
+setting that changes the adapters beyond r, alpha and the targeted modules (DoRA, modules_to_save, rsLoRA, rank or
+alpha patterns, biases ...), adapters on only some of the targeted modules, a parameter trained beside the adapters,
+several adapters or one not named "default".
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class AdaptersRefused(ValueError):
 
 
 def peft_inner(module) -> tuple:
-    """(the Hugging Face model inside peft's PeftModel — `base_model.model`, the adapters injected in place — and what
-    the PeftModel's names hold before its names, "base_model.model."); (`module`, "") for any other module."""
+    """(the Hugging Face model inside peft's PeftModel — `base_model.model`, the adapters injected in place — and
+    the prefix of that model's names among the PeftModel's, "base_model.model."); (`module`, "") for any other
+    module."""
     if "peft" not in sys.modules:  # a PeftModel's process has imported peft: no import for a run without one
         return module, ""
     from peft import PeftModel
@@ -52,26 +54,26 @@ def lora_of(model, names: dict[int, str]) -> dict | None:
         return None
     if len(configs) != 1:
         raise AdaptersRefused(f"the model holds {len(configs)} PEFT adapters ({', '.join(configs)}): the recorder "
-                            f"follows one")
+                              f"follows one")
     (adapter, config), = configs.items()
     kind = str(getattr(config.peft_type, "value", config.peft_type))
     if kind != "LORA":
         raise AdaptersRefused(f"a PEFT model of type {kind}: the harness builds LoRA adapters only")
     if config.lora_dropout:
         raise AdaptersRefused(f"LoRA dropout {config.lora_dropout} (lora_dropout): the replay cannot draw the dropout "
-                            f"masks your run drew, so it would train other adapters; train with lora_dropout=0")
+                              f"masks your run drew, so it would train other adapters; train with lora_dropout=0")
     from parity.models.adapters import ADAPTER_NAME, lora_settings, peft_config
 
     if adapter != ADAPTER_NAME:
         raise AdaptersRefused(f"the adapter is named {adapter!r}: the harness names its one adapter {ADAPTER_NAME!r} "
-                            f"(get_peft_model's default), and every adapter tensor's name holds it")
+                              f"(get_peft_model's default), and every adapter tensor's name holds it")
     ours = peft_config({"r": 1, "alpha": 1.0, "dropout": 0.0, "targets": ["q_proj"]}).to_dict()
     theirs = config.to_dict()
     odd = next((k for k in sorted(set(ours) | set(theirs)) if k not in SETTLED and theirs.get(k) != ours.get(k)), None)
     if odd is not None:
         raise AdaptersRefused(f"the LoRA adapters set {odd}={theirs.get(odd)!r}, which the harness's adapters do not "
-                            f"(they are peft's defaults but for r, lora_alpha and target_modules): the replay cannot "
-                            f"build them")
+                              f"(they are peft's defaults but for r, lora_alpha and target_modules): the replay cannot "
+                              f"build them")
     lora_a = f".lora_A.{ADAPTER_NAME}."  # in the name of each adapted module's first adapter: its module's last part
     targets = sorted({name.split(lora_a)[0].rsplit(".", 1)[-1] for name in names.values() if lora_a in name})
     try:
@@ -84,7 +86,8 @@ def lora_of(model, names: dict[int, str]) -> dict | None:
 
 def _check_built(model, names: dict[int, str], lora: dict) -> None:
     """The harness's adapters for `lora` on the model's config (a meta copy) hold the same tensors under the same names
-    and train the same ones as the user's model: else the replay would train another model. AdaptersRefused, one line."""
+    and train the same ones as the user's model: else the replay would train another model. AdaptersRefused, one
+    line."""
     from parity.models.adapters import add_adapters
     from parity.models.model import meta_model
 
@@ -93,11 +96,11 @@ def _check_built(model, names: dict[int, str], lora: dict) -> None:
     trained = sorted(n for n, grad in mine.items() if grad and not built.get(n))
     if trained:
         raise AdaptersRefused(f"the run trains {trained[0]} beside its LoRA adapters ({len(trained)} such tensor"
-                            f"{'s' if len(trained) > 1 else ''}): the replay trains the adapters alone; freeze it")
+                              f"{'s' if len(trained) > 1 else ''}): the replay trains the adapters alone; freeze it")
     differ = sorted(set(built) ^ set(mine))
     if differ:
-        raise AdaptersRefused(f"the LoRA adapters sit on other modules than {','.join(lora['targets'])} in every layer "
-                            f"({differ[0]}): the harness puts them on every module of those names")
+        raise AdaptersRefused(f"the LoRA adapters sit on other modules than {','.join(lora['targets'])} in every "
+                              f"layer ({differ[0]}): the harness puts them on every module of those names")
     frozen = sorted(n for n, grad in built.items() if grad and not mine[n])
     if frozen:
         raise AdaptersRefused(f"the run freezes the adapter {frozen[0]}: the replay trains every adapter")

@@ -7,18 +7,20 @@ The record supplies the model (its config.json) and the initial weights, the dat
 whatever its shape, its rows split over the N workers by parity.training.data.row_plan), the optimizer (type and
 parameter groups by name: build_optimizer with RunConfig.optimizer), the lr of each step (RunConfig.lr_schedule), the
 precision, the step count (up to where the record stopped, if it did) and which gradient every tensor's series holds
-(RunConfig.tensor_grad: where the recorded framework's hooks came after its clipping, the clipped ones). It names them relative to its own folder,
-which may have moved since. Beside it only --num_workers, --device, the output and checkpoint flags and
---noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything else contradicts
-the record and is refused in one line. The harness feeds no attention mask where every row is right-padded (a causal
-model's right padding needs none: labels −100 on it) and the recorded mask where a row is left-padded (its real tokens
-sit at shifted positions); a mask with holes is refused. A step whose rows came with position ids of their own (packed
-or padding-free) is fed as the run fed it — each row alone, its position ids, its mask or none, its cache or none
-(parity/training/fed_rows.py) — and its rows go round the workers at document boundaries; the model computes attention
-with the run's implementation (refused where it cannot run here: flash attention off CUDA). The states the recorder
-saved at the run's checkpoints go with the batches (recorded_states): once trained, the replay — not its noise
-references — takes the teacher-forced check from each (parity/training/recorded_states.py). Everything is checked on
-the driver, before any worker starts.
+(RunConfig.tensor_grad: where the recorded framework's hooks came after its clipping, the clipped ones). It names them
+relative to its own folder, which may have moved since. Beside it only --num_workers, --device, the output and
+checkpoint flags and --noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything
+else contradicts the record and is refused in one line. A LoRA run's record (config.lora: a PeftModel recorded,
+adapters_record.py) sets the replay's --lora_* flags, so that its worker builds the same PEFT model from the recorded
+base and the adapters' initial weights beside it, and trains the adapters alone. The harness feeds no attention mask
+where every row is right-padded (a causal model's right padding needs none: labels −100 on it) and the recorded mask
+where a row is left-padded (its real tokens sit at shifted positions); a mask with holes is refused. A step whose rows
+came with position ids of their own (packed or padding-free) is fed as the run fed it — each row alone, its position
+ids, its mask or none, its cache or none (parity/training/fed_rows.py) — and its rows go round the workers at document
+boundaries; the model computes attention with the run's implementation (refused where it cannot run here: flash
+attention off CUDA). The states the recorder saved at the run's checkpoints go with the batches (recorded_states):
+once trained, the replay — not its noise references — takes the teacher-forced check from each
+(parity/training/recorded_states.py). Everything is checked on the driver, before any worker starts.
 """
 
 from __future__ import annotations

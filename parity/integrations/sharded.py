@@ -24,10 +24,15 @@ Each layout reads the model with the harness's own code for that sharding, never
 
 Every layout also hands over each trainable tensor's pieces (tensor_names, gradient_pieces, parameter_pieces: the
 strategy interface's three methods, read with the same code) for every tensor's series beside the record
-(recorded_tensors.py).
+(recorded_tensors.py), and each frozen one's (frozen_pieces) for the replica check's frozen check.
+
+A peft PeftModel (wrapped or sharded as any model) is read through the Hugging Face model inside it, so that its names
+are the harness's LoRA names; its adapters' settings are the layout's `lora` (adapters_record.py). What trains is what
+requires gradients: the parameter norm, the series and the optimizer's groups take those alone, as the harness's
+strategies do under LoRA (the base frozen).
 
 Refused in one line (layout_of): FSDP1 without use_orig_params or in another sharding strategy, DeepSpeed's AutoTP,
-a 2-D mesh without a "dp" dim.
+a 2-D mesh without a "dp" dim, LoRA adapters the replay cannot build.
 """
 
 from __future__ import annotations
@@ -257,7 +262,8 @@ class FSDP1(DataParallel):
             raise LayoutRefused(f"FSDP1 with {wrapper.sharding_strategy.name}: the recorder reads FULL_SHARD and "
                                 f"SHARD_GRAD_OP")
         super().__init__(inner, optimizer)
-        self.wrapper, self.device, self.prefix = wrapper, device, prefix  # prefix: a PeftModel's, in the wrapper's names
+        self.wrapper, self.device = wrapper, device
+        self.prefix = prefix  # a PeftModel's names' part before its Hugging Face model's, in the wrapper's names
         if dist.get_world_size(wrapper.process_group) != self.world:
             raise LayoutRefused("FSDP1 over a process group other than the world's")
         if self.model is wrapper:
