@@ -110,9 +110,10 @@ def base_and_adapters(state: dict, trained: list[str]) -> tuple[dict, dict]:
     """A full state dict under the harness's names split into (the base under a stock model's names: peft's
     `X.base_layer.weight` is `X.weight` again; the adapters, `trained`), as a harness LoRA run keeps them in the
     init-weights file and the adapters' file beside it."""
+    from parity.models.adapters import stock_name
+
     adapters = {n: state[n] for n in trained}
-    base = {k.replace(".base_layer.", "."): v for k, v in state.items() if k not in adapters}
-    return base, adapters
+    return {stock_name(k): v for k, v in state.items() if k not in adapters}, adapters
 
 
 def save_initial_weights(layout, path: str, state: dict | None) -> str:

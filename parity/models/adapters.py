@@ -127,11 +127,15 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
 
 
 def base_state_dict(model) -> dict[str, torch.Tensor]:
-    """The base's state dict of a model add_adapters made, under a stock model's names (peft's
-    `<projection>.base_layer.weight` is `<projection>.weight`), its adapters left out: what save_pretrained writes for
-    from_pretrained to load the base."""
+    """The base's state dict of a model add_adapters made, under a stock model's names (stock_name), its adapters left
+    out: what save_pretrained writes for from_pretrained to load the base."""
     adapters = set(adapter_names(model))
-    return {n.replace(".base_layer.", "."): t for n, t in model.state_dict().items() if n not in adapters}
+    return {stock_name(n): t for n, t in model.state_dict().items() if n not in adapters}
+
+
+def stock_name(name: str) -> str:
+    """A base tensor's name in a stock model: peft's `<projection>.base_layer.weight` is `<projection>.weight`."""
+    return name.replace(".base_layer.", ".")
 
 
 def assign_adapters(model, state: dict[str, torch.Tensor]) -> None:
