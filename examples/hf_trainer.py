@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq_length", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast over fp32 weights)")
+    p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
+                                                       "v_proj) on the frozen model (docs/own_trainer.md#lora)")
     p.add_argument("--rows", type=int, default=None,
                    help="samples in the dataset (default: every step a full window); others end each epoch in a "
                         "partial accumulation window and, with drop_last off, a smaller last batch")
@@ -116,6 +118,11 @@ def train(args) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
+    if args.lora:  # a PeftModel: Trainer's optimizer takes what requires gradients, the adapters
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
     rows = args.rows or args.steps * world * args.batch_size * args.grad_accum_steps
     data = (Unpadded if args.dynamic_padding or args.padding_free else PaddedRows)(
         rows, args.seq_length, model.config.vocab_size, args.seed)

@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
+                                                       "v_proj) on the frozen model (docs/own_trainer.md#lora)")
     p.add_argument("--strategy", default="ddp", choices=("ddp", "model_parallel", "fsdp"),
                    help="Lightning's strategy: ddp; model_parallel (FSDP2 over its data-parallel dim: CPU or GPU); "
                         "fsdp (GPU only: Lightning refuses it on CPU)")
@@ -141,6 +143,11 @@ def train(args, ray: bool = False) -> None:
     world = dist.get_world_size() if up else int(os.environ.get("WORLD_SIZE", "1"))
     rank = dist.get_rank() if up else int(os.environ.get("RANK", "0"))
     model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
+    if args.lora:  # a PeftModel in the module; its optimizer over every parameter steps the adapters alone
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
     data = torch.utils.data.DataLoader(MicroBatches(args, rank, world, model.config.vocab_size), batch_size=None)
     if ray:
         from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer

@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="the forward under torch.autocast(bfloat16), over fp32 weights")
+    p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
+                                                       "v_proj) on the frozen model (docs/own_trainer.md#lora)")
     p.add_argument("--checkpoint_interval", type=int, default=50,
                    help="the recorder saves the run's state around step 0 and every N steps, for the replay's "
                         "teacher-forced check (0: step 0 alone)")
@@ -81,19 +83,26 @@ def dataset(rows: int, seq_length: int, vocab: int, seed: int):
     return ids, ids.masked_fill(mask == 0, -100), mask
 
 
-def build(args, shard=None):
-    """The model (random weights, the same on every rank) and AdamW in two groups, with a linear warm-up. `shard`:
-    what shards the model in place before the optimizer is built (examples/sharded_loop.py's fully_shard)."""
+def build(args, shard):
+    """The model (random weights, the same on every rank; with --lora a PeftModel: adapters on it, the rest frozen)
+    and AdamW in two groups over what trains, with a linear warm-up. `shard`: what wraps or shards the model in place
+    once its adapters are in, before the optimizer is built (DDP here, examples/sharded_loop.py's fully_shard)."""
     from parity.models.model import build_model, resolve_model_config
 
     model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
+    if args.lora:  # peft's adapters, the model frozen under them
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
     flat = {n for n, p in model.named_parameters() if p.ndim < 2}  # biases and norms, named before any sharding
-    if shard is not None:
-        shard(model)
-    decay = [p for n, p in model.named_parameters() if n not in flat]
-    no_decay = [p for n, p in model.named_parameters() if n in flat]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+    shard(model)
+    decay = [p for n, p in model.named_parameters() if n not in flat and p.requires_grad]
+    no_decay = [p for n, p in model.named_parameters() if n in flat and p.requires_grad]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # no empty group (LoRA's adapters have no biases or norms): DeepSpeed 0.19.8's initialize drops it from this
+    # optimizer in place, and the scheduler made over it here then fails in engine.step()
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
     return model, optimizer, scheduler
 
@@ -137,9 +146,10 @@ def restore(folder: str, model, optimizer, scheduler) -> int:
 def train(args) -> str | None:
     """The loop, on every rank of the process group that is up. Returns the record's path on rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, optimizer, scheduler = build(args)
+    wrapped = []  # DDP, around the model with its adapters (--lora)
+    model, optimizer, scheduler = build(args, shard=lambda m: wrapped.append(DistributedDataParallel(m)))
     start = restore(args.resume_from, model, optimizer, scheduler) if args.resume_from else 0
-    ddp = DistributedDataParallel(model)
+    ddp = wrapped[0]
     rec = ParityRecorder(args.output_dir, name=args.name, model=ddp, optimizer=optimizer,
                          max_grad_norm=args.max_grad_norm, framework="examples/plain_loop.py",
                          precision="bf16" if args.bf16 else "fp32",

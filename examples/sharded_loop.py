@@ -53,10 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def fully_shard_layers(model, tp: int = 1) -> None:
-    """FSDP2: one group per decoder layer, then the root (the tied embedding and the final norm) — over every rank
-    (fully_shard's default mesh), or with `tp` > 1 over the 'dp' dim of a ('dp', 'tp') mesh after TP over 'tp'."""
+    """FSDP2: one group per decoder layer, then the root (the tied embedding and the final norm; a PeftModel with
+    --lora) — over every rank (fully_shard's default mesh), or with `tp` > 1 over the 'dp' dim of a ('dp', 'tp') mesh
+    after TP over 'tp' (the harness's plan, which puts each LoRA adapter beside the projection it wraps)."""
     from torch.distributed.fsdp import fully_shard
 
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel's Hugging Face model
     mesh = None
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -65,9 +67,9 @@ def fully_shard_layers(model, tp: int = 1) -> None:
         from parity.strategies.fsdp.plans import apply_tp, tp_plan
 
         mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
-        apply_tp(model, mesh["tp"], tp_plan(family_of(model.config), False))
+        apply_tp(hf, mesh["tp"], tp_plan(family_of(hf.config), False))
         mesh = mesh["dp"]
-    for layer in model.model.layers:
+    for layer in hf.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
@@ -99,7 +101,7 @@ def train(args) -> str | None:
     fsdp, wrapped = args.shard.startswith("fsdp"), []  # the loop steps (FSDP), or DeepSpeed's engine does
     dp_rank, dp_world = dist.get_rank() // args.tp, dist.get_world_size() // args.tp  # a TP group feeds one DP rank
     shard = (lambda m: fully_shard_layers(m, args.tp)) if args.shard == "fsdp2" else (lambda m: fsdp1(m, wrapped))
-    model, optimizer, scheduler = plain_loop.build(args, shard=shard if fsdp else None)
+    model, optimizer, scheduler = plain_loop.build(args, shard=shard if fsdp else lambda m: None)
     engine = wrapped[0] if wrapped else model if fsdp else deepspeed_engine(args, model, optimizer, scheduler)
     rec = ParityRecorder(args.output_dir, name=args.name, model=engine,
                          optimizer=optimizer if fsdp else engine.optimizer, max_grad_norm=args.max_grad_norm,

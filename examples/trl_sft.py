@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad_accum_steps", type=int, default=2)
     p.add_argument("--seq_length", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora", action="store_true", help="SFTTrainer(peft_config=...): peft's LoRA adapters (r 8, alpha "
+                                                       "16, on q_proj and v_proj) on the frozen model")
     p.add_argument("--max_grad_norm", type=float, default=10.0,
                    help="Trainer's clipping; where it does not clip, the recorder measures the pre-clip norm itself")
     p.add_argument("--packing", action="store_true", help="SFTConfig(packing=True): TRL's 'bfd' packing, padding-free")
@@ -89,7 +91,14 @@ def train(args, ray: bool = False) -> None:
         **({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if args.fsdp2 else {}), seed=args.seed,
         data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=False, max_length=args.seq_length,
         packing=args.packing, dataset_text_field="text")
+    lora = None
+    if args.lora:  # TRL wraps the model in a PeftModel itself
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                          task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=local_tokenizer(),
+                         peft_config=lora,
                          callbacks=[ParityCallback(args.output_dir, name=args.name)])
     if ray:
         from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer

@@ -232,6 +232,41 @@ def assert_checks_pass(folder, name, steps: list[int]) -> float:
     return max(c["ratio"] for c in found["checks"])
 
 
+LORA = {"r": 8, "alpha": 16.0, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}  # the examples' --lora
+
+
+def assert_lora_replays(folder, name) -> dict:
+    """A LoRA run's record (an example's --lora: peft's adapters on q_proj and v_proj, r 8, on the frozen qwen2-tiny)
+    and its DDP replay: the record's adapters settings are the harness's and its replay's; its initial weights are a
+    stock model's under their own names (peft's base_layer folded back) with the 8 adapters in their file beside them,
+    as a harness LoRA run keeps them; its optimizer's groups and tensor series name the adapters alone; the replay
+    equals it within 1e-5 relative (loss, grad norm, parameter norm over the adapters) at every step on the same
+    batches and lr; no replica parted and no frozen tensor moved in either; PASS. Returns the largest differences."""
+    from safetensors.torch import load_file
+
+    from parity.models.adapters import adapters_path
+    from parity.models.model import check_init_weights, resolve_model_config
+
+    recorded, replay = _record(folder, name), _record(folder, "ddp")
+    config = recorded["config"]
+    assert config["lora"] == replay["config"]["lora"] == LORA
+    weights = str(folder / config["init_weights_path"])
+    check_init_weights(weights, resolve_model_config(str(folder / config["model_name"])))  # a stock model's file
+    adapters = sorted(load_file(adapters_path(weights)))
+    assert len(adapters) == 8 and all(n.split(".")[-3] in ("lora_A", "lora_B") for n in adapters), adapters
+    assert sorted(p for g in config["optimizer"]["groups"] for p in g["params"]) == adapters
+    assert sorted(tensor_series(recorded, folder).names) == adapters
+    assert config["init_weights_sha256"] == replay["config"]["init_weights_sha256"]  # the base's + the adapters'
+    for key in ("batch_hash", "tokens", "lr"):
+        assert series(replay, key) == series(recorded, key), key
+    off = {key: max_rel_diff(series(replay, key), series(recorded, key)) for key in ("loss", "grad_norm", "param_norm")}
+    assert max(off.values()) < 1e-5, off
+    for record in (recorded, replay):
+        assert [s["replicas"]["parted"] for s in record["steps"] if "replicas" in s] in ([0] * len(record["steps"]), [])
+    assert _compare(folder).word == "PASS"
+    return off
+
+
 def test_clean_loop_replays_to_the_record_and_passes(runs, tmp_path):
     """The clean loop's record and its DDP replay: the same batches, tokens and lr at every step, loss, pre-clip grad
     norm and parameter norm within 1e-5 relative at every step (measured ~1e-8), replicas bit-identical in both, and

@@ -2,8 +2,9 @@
 and examples/trl_sft.py (TRL's SFTTrainer, recorded by Trainer's ParityCallback, which it inherits), each at 2 ranks
 and at 1 with accumulation on padded data, recorded, replayed under the harness's DDP (the local launcher: Ray adds
 nothing to the arithmetic), judged by the verdict; Lightning's ModelParallelStrategy (FSDP2 over its data-parallel
-dim, on CPU); a seeded bug in a copy of the Lightning example FAILs at a named step; and one Ray Train run of both
-frameworks with Ray's own integrations, recorded and replayed.
+dim, on CPU); a seeded bug in a copy of the Lightning example FAILs at a named step; one Ray Train run of both
+frameworks with Ray's own integrations, recorded and replayed; and LoRA (peft's adapters on the frozen model) under
+Lightning, TRL (SFTTrainer's peft_config) and Hugging Face's Trainer (examples/hf_trainer.py), each PASSing its replay.
 
 Processes are shared: one gloo group of two ranks records every 2-rank job one after another, one group of one the
 1-rank jobs, one Ray Train run (two workers) both frameworks in sequence, and one local group of two replays every
@@ -18,7 +19,7 @@ import sys
 import pytest
 
 from conftest import REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, series, tensor_norms_off, tensor_series
-from test_own_trainer import _copy, _record_rank, _replay
+from test_own_trainer import HF_EXAMPLE, _copy, _record_rank, _replay, assert_lora_replays
 
 LIGHTNING = os.path.join(REPO, "examples", "lightning_lm.py")
 TRL = os.path.join(REPO, "examples", "trl_sft.py")
@@ -33,6 +34,9 @@ PARTIAL = ["--micro_batches", "11"]  # an epoch of 5 full windows and one of a s
 # TRL first in each group: Lightning's environment deletes WORLD_SIZE at its teardown, which accelerate reads
 JOBS = {
     "trl": (TRL, "trl_sft", 2, []),
+    "trl_lora": (TRL, "trl_sft", 2, ["--lora"]),
+    "hf_lora": (HF_EXAMPLE, "hf_trainer", 2, ["--lora"]),  # Trainer reads WORLD_SIZE too: before Lightning
+    "lightning_lora": (LIGHTNING, "lightning_lm", 2, ["--lora"]),
     "lightning": (LIGHTNING, "lightning_lm", 2, PARTIAL),
     "lightning_bug": (None, "lightning_lm", 2, []),
     "lightning_mp": (LIGHTNING, "lightning_lm", 2, ["--strategy", "model_parallel"]),
@@ -137,6 +141,20 @@ def test_clean_run_replays_to_the_record_and_passes(runs, name):
         assert max(tensor_norms_off(record, runs[name])) < 1e-12
     assert_same_tensors_at_step_0(replay, recorded, runs[name], runs[name])
     assert _compare(runs[name]).word == "PASS"
+
+
+@pytest.mark.parametrize("name", ["lightning_lora", "trl_lora", "hf_lora"])
+def test_lora_run_replays_to_the_record_and_passes(runs, name):
+    """peft's LoRA adapters on the frozen model under Lightning (a PeftModel in the module, its optimizer over every
+    parameter), TRL (SFTTrainer's peft_config: TRL makes the PeftModel) and Trainer (a PeftModel handed to it): each
+    recorded as the harness's LoRA run (assert_lora_replays: the adapters' settings, the base under stock names and the
+    adapters beside it, groups and series over the adapters alone) and PASSing its replay, which builds the same PEFT
+    model, within 1e-5 at every step; the replica check over the PEFT model's 34 parameters and the adapters' 8 pairs
+    of moments holds in both."""
+    off = assert_lora_replays(runs[name], JOBS[name][1])
+    recorded = _record(runs[name], JOBS[name][1])
+    assert recorded["replicas"]["groups"] == 50 and len(recorded["steps"]) == STEPS
+    print(f"{name}: {off}")
 
 
 def test_lightning_mean_of_micro_batch_means_fails_at_step_0(runs):

@@ -2,7 +2,9 @@
 (fully_shard, with and without DTensor TP), FSDP1 and DeepSpeed ZeRO 1, 2 and 3 (deepspeed.initialize, the CPU accelerator) — recorded at 2 ranks by
 parity's recorder and replayed under the harness's DDP, which trains the same model unsharded: every path PASSes with
 the replay equal to the record within 1e-5 at every step; a per-rank mean loss seeded into the FSDP2 and the ZeRO-2
-loop FAILs at step 0.
+loop FAILs at step 0. With --lora (peft's LoRA adapters on the frozen model) the FSDP2 and ZeRO-2 loops PASS their
+replay, which builds the same PEFT model from the recorded base and adapters; a plain loop whose adapters come after
+DDP's wrapping FAILs at step 0 on its replicas; adapters the replay cannot build are refused in one line.
 
 One gloo group of two ranks records every variant one after another, one local group replays them all
 (module-scoped); the helpers are test_own_trainer.py's."""
@@ -16,22 +18,32 @@ import pytest
 
 from conftest import (REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, series, tensor_norms_off,
                       tensor_series)
-from test_own_trainer import INTERVAL, _compare, _record, _record_rank, assert_checks_pass
+from test_own_trainer import INTERVAL, _compare, _copy, _record, _record_rank, assert_checks_pass, assert_lora_replays
 
 EXAMPLE = os.path.join(REPO, "examples", "sharded_loop.py")
+PLAIN = os.path.join(REPO, "examples", "plain_loop.py")
 NAME = "sharded_loop"
 STEPS = 4
-RANK_MEAN = "loss = summed / (labels[:, 1:] != -100).sum()"  # over this rank's own loss tokens
-CLEAN_LOSS = "loss = summed * dp_world / global_tokens  # averaged over the DP ranks: the global token mean"
-# (its arguments, seeded bug or None): each recorded in this order in one group
-RUNS = {"fsdp2": (["--shard", "fsdp2"], None), "fsdp2_tp": (["--shard", "fsdp2", "--tp", "2"], None),
-        "fsdp1": (["--shard", "fsdp1"], None),
-        "zero1": (["--shard", "zero1"], None), "zero2": (["--shard", "zero2"], None),
-        "zero3": (["--shard", "zero3"], None), "fsdp2_rank_mean": (["--shard", "fsdp2"], RANK_MEAN),
-        "zero2_rank_mean": (["--shard", "zero2"], RANK_MEAN)}
+RANK_MEAN = [("loss = summed * dp_world / global_tokens  # averaged over the DP ranks: the global token mean",
+              "loss = summed / (labels[:, 1:] != -100).sum()  # seeded: each rank's own token mean")]
+ADAPTERS = "    if args.lora:  # peft's adapters, the model frozen under them\n"
+# the plain loop's DDP wrapping (its `shard`) moved before peft injects the adapters: DDP reduces the base's gradients
+LATE_ADAPTERS = [("    shard(model)\n", ""),
+                 (ADAPTERS, "    shard(model)  # seeded: wrapped before its adapters\n" + ADAPTERS)]
+# (its arguments, the example, the seeded bug's edits of a copy of it): each recorded in this order in one group
+RUNS = {"fsdp2": (["--shard", "fsdp2"], EXAMPLE, []), "fsdp2_tp": (["--shard", "fsdp2", "--tp", "2"], EXAMPLE, []),
+        "fsdp1": (["--shard", "fsdp1"], EXAMPLE, []),
+        "zero1": (["--shard", "zero1"], EXAMPLE, []), "zero2": (["--shard", "zero2"], EXAMPLE, []),
+        "zero3": (["--shard", "zero3"], EXAMPLE, []), "fsdp2_rank_mean": (["--shard", "fsdp2"], EXAMPLE, RANK_MEAN),
+        "zero2_rank_mean": (["--shard", "zero2"], EXAMPLE, RANK_MEAN),
+        "fsdp2_lora": (["--shard", "fsdp2", "--lora"], EXAMPLE, []),
+        "zero2_lora": (["--shard", "zero2", "--lora"], EXAMPLE, []),
+        "ddp_lora_late": (["--lora", "--name", NAME], PLAIN, LATE_ADAPTERS)}
 # What each path's ranks hold alike: the replica groups its record declares. ZeRO-1/2: the 26 parameters, whole on
-# both ranks; FSDP2 with TP 2: the 6 parameters TP leaves whole (the embedding, the norms) and their 2 moments.
-REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero1": 26, "zero2": 26, "zero3": 0}
+# both ranks (with LoRA the 34 of the PEFT model: 26 − 8 projections + their 8 base layers + 8 adapters); FSDP2 with
+# TP 2: the 6 parameters TP leaves whole (the embedding, the norms) and their 2 moments.
+REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero1": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
+                  "zero2_lora": 34}
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +58,12 @@ def runs(tmp_path_factory):
     copies = root / "copies"
     copies.mkdir()
     shutil.copy(os.path.join(REPO, "examples", "plain_loop.py"), copies)  # what sharded_loop.py imports beside it
-    source = open(EXAMPLE).read()
     jobs, folders = [], {}
-    for name, (argv, bug) in RUNS.items():
-        path = EXAMPLE
-        if bug:
-            assert source.count(CLEAN_LOSS) == 1
-            path = copies / f"{name}.py"
-            path.write_text(source.replace(CLEAN_LOSS, f"{bug}  # seeded: each rank's own token mean"))
+    for name, (argv, example, edits) in RUNS.items():
         folders[name] = root / name
-        jobs.append((str(path), [*argv, "--output_dir", str(folders[name]), "--steps", str(STEPS),
-                                 "--checkpoint_interval", str(INTERVAL)]))
+        jobs.append((_copy(copies, example, name, edits) if edits else example,
+                     [*argv, "--output_dir", str(folders[name]), "--steps", str(STEPS),
+                      "--checkpoint_interval", str(INTERVAL)]))
     start_processes(_record_rank, (2, free_port(), jobs), 2)
     planned = [plan_replay(str(folders[name] / f"loss_{NAME}.json"),
                            {"num_workers": 2, "device": "cpu", "loss_output_dir": str(folders[name]),
@@ -77,13 +84,14 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
     and parameter norm, each layout's pieces adding up to the step's norms — DeepSpeed's own at ZeRO-1/2 rounded to
     fp32 (measured 6.6e-8), the others exactly — and each tensor the replay's at step 0; the verdict PASSes."""
     recorded, replay = _record(runs[shard], NAME), _record(runs[shard], "ddp")
+    kind, lora = shard.split("_")[0], shard.endswith("_lora")
     config, fsdp, dp = recorded["config"], shard.startswith("fsdp"), 1 if shard == "fsdp2_tp" else 2
-    assert config["sharding"]["kind"] == (shard[:5] if fsdp else f"deepspeed {shard}")
-    assert config["sharding"]["zero_stage"] == (3 if fsdp else int(shard[-1]))
+    assert config["sharding"]["kind"] == (kind if fsdp else f"deepspeed {kind}")
+    assert config["sharding"]["zero_stage"] == (3 if fsdp else int(kind[-1]))
     assert (config["dp_size"], config["tp_size"]) == (dp, 2 // dp)
     assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * dp
     assert config["grad_norm_source"] == ("recorder" if fsdp else "framework")
-    assert [g["weight_decay"] for g in config["optimizer"]["groups"]] == [0.01, 0.0]
+    assert [g["weight_decay"] for g in config["optimizer"]["groups"]] == ([0.01] if lora else [0.01, 0.0])
     assert replay["config"]["optimizer"] == config["optimizer"]
     assert len(replay["steps"]) == len(recorded["steps"]) == STEPS
     for key in ("batch_hash", "tokens", "lr"):
@@ -96,7 +104,7 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
     assert [s["replicas"]["parted"] for s in replay["steps"]] == [0] * STEPS
     assert tensor_series(recorded, runs[shard]).grad == "pre_clip"
     grad, param = tensor_norms_off(recorded, runs[shard])
-    assert grad < (1e-7 if shard in ("zero1", "zero2") else 1e-12) and param < 1e-12, (grad, param)
+    assert grad < (1e-7 if kind in ("zero1", "zero2") else 1e-12) and param < 1e-12, (grad, param)
     assert max(tensor_norms_off(replay, runs[shard])) < 1e-12
     assert_same_tensors_at_step_0(replay, recorded, runs[shard], runs[shard])
     assert all(s["rows_check"]["duplicates"] == 0 for s in recorded["steps"])
@@ -105,6 +113,25 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
     steps = {s["step"]: s for s in recorded["steps"]}
     print(f"{shard}: checks largest {worst:.3f} of the bound; saving a state {steps[1]['harness_s']['states']:.4f} s "
           f"against a step of {steps[1]['step_time_s']:.4f} s")
+    if lora:
+        print(f"{shard}: {assert_lora_replays(runs[shard], NAME)}")
+
+
+def test_adapters_added_after_ddp_wrapping_part_the_replicas_at_step_0(runs):
+    """A plain loop that wraps its model in DDP before peft injects the adapters: DDP found the base's parameters,
+    which peft then froze, and never reduces the adapters' gradients, so each rank steps its adapters on its own rows'
+    gradient. The recorder's replica check finds them parted at step 0 — the 4 lora_B (lora_A's gradient is 0 while
+    lora_B is) and their 2 moments each: 12 tensors — and the verdict FAILs there ahead of any tolerance; the grad norm
+    recorded (rank 0's own gradient's) is off the replay's at step 0 too."""
+    recorded = _record(runs["ddp_lora_late"], NAME)
+    assert recorded["config"]["lora"]["targets"] == ["q_proj", "v_proj"]
+    first = recorded["steps"][0]["replicas"]
+    assert first["parted"] == 12 and {t["name"].split(".")[-3] for t in first["tensors"]} == {"lora_B"}, first
+    comparison = _compare(runs["ddp_lora_late"])
+    (result,) = comparison.results
+    assert comparison.word == "FAIL" and result.verdict.parting.step == 0
+    assert (result.verdict.first_outside.step, result.verdict.first_outside.quantity) == (0, "grad_norm")
+    assert result.verdict.first_outside.rel_diff > 0.1
 
 
 @pytest.mark.parametrize("bug", ["fsdp2_rank_mean", "zero2_rank_mean"])
@@ -143,3 +170,68 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
         assert rec.close() is None and not (tmp_path / "out").exists()
     finally:
         dist.destroy_process_group()
+
+
+def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
+    """A PeftModel whose adapters the replay cannot build: one line each naming why, nothing recorded, and the user's
+    loop goes on (one rank, a group of one in this process): dropout (the replay cannot draw the run's masks), a
+    setting beyond r, alpha and the targets (DoRA, modules_to_save), adapters on some of the targeted modules only (a
+    regular expression that picks layer 0), a base tensor trained beside the adapters."""
+    import torch
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from parity.integrations.recorder import ParityRecorder
+    from parity.models.model import build_model, resolve_model_config
+
+    def norm_trained(model):
+        model.get_base_model().model.norm.weight.requires_grad_(True)
+
+    cases = [  # (LoraConfig's settings beside r 8, what the loop does to the PeftModel, the line)
+        ({"lora_dropout": 0.05}, None, "LoRA dropout 0.05 (lora_dropout): the replay cannot draw the dropout masks your "
+                                       "run drew, so it would train other adapters; train with lora_dropout=0"),
+        ({"use_dora": True}, None, "the LoRA adapters set use_dora=True, which the harness's adapters do not (they are "
+                                   "peft's defaults but for r, lora_alpha and target_modules): the replay cannot build "
+                                   "them"),
+        ({"modules_to_save": ["norm"]}, None, "the LoRA adapters set modules_to_save=['norm'], which the harness's "
+                                              "adapters do not (they are peft's defaults but for r, lora_alpha and "
+                                              "target_modules): the replay cannot build them"),
+        ({"target_modules": r".*layers\.0\.self_attn\.q_proj"}, None,
+         "the LoRA adapters sit on other modules than q_proj in every layer (model.layers.1.self_attn.q_proj.base_layer"
+         ".bias): the harness puts them on every module of those names"),
+        ({}, norm_trained, "the run trains model.norm.weight beside its LoRA adapters (1 such tensor): the replay trains "
+                           "the adapters alone; freeze it"),
+    ]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for settings, edit, line in cases:
+            model = get_peft_model(build_model(resolve_model_config("qwen2-tiny"), 0),
+                                   LoraConfig(**{"r": 8, "target_modules": ["q_proj", "v_proj"], **settings}))
+            if edit is not None:
+                edit(model)
+            lines = []
+            rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model,
+                                 optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                                 log=lines.append)
+            assert not rec.enabled and lines == [f"parity recorder: {line}: recording nothing"], lines
+            rec.after_step()
+            assert rec.close() is None and not (tmp_path / "out").exists()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_lora_record_without_its_adapters_file_is_refused_in_one_line(runs, tmp_path):
+    """The adapters' initial weights are a file of the record's folder (beside its initial weights): a copy of the
+    folder without it is refused by the replay in one line, before any worker."""
+    from parity.errors import ConfigError
+    from parity.integrations.replay import plan_replay
+
+    folder = tmp_path / "copy"
+    shutil.copytree(runs["fsdp2_lora"], folder, ignore=shutil.ignore_patterns("loss_ddp*", "teacher_forced_*"))
+    adapters = folder / f"recorded_{NAME}" / "init_weights.safetensors.lora.safetensors"
+    adapters.unlink()
+    with pytest.raises(ConfigError) as refused:
+        plan_replay(str(folder / f"loss_{NAME}.json"), {"num_workers": 2, "loss_output_dir": str(folder)})
+    assert str(refused.value) == (f"--replay_record loss_{NAME}.json: the adapters' initial weights {adapters} do not "
+                                  f"exist: copy the record's whole folder (recorded_*/ beside it) or record the run "
+                                  f"again")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from parity import storage
 from parity.fingerprint import fingerprint
 from parity.integrations import resume, states
+from parity.integrations.adapters_record import save_initial_weights
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
 from parity.integrations.recorded_tensors import CLIPPED, PRE_CLIP, RecordedTensors
@@ -38,7 +39,7 @@ from parity.integrations.rows import (BatchWriter, MicroBatch, RowExchange, dupl
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.training.tensor_series import kept_chunks
 from parity.integrations.world import trains_alone
-from parity.models.model import config_summary, file_sha256, save_init_weights
+from parity.models.model import config_summary, file_sha256
 from parity.precision import POLICIES
 from parity.registry import KNOWN
 from parity.training.data import Batch, batch_hash, recorded_batch_path
@@ -199,7 +200,7 @@ class ParityRecorder:
             "reduce_dtype": policy.reduce_dtypes[0], "grad_accum_dtype": policy.grad_accum_dtypes[0],
             "loss_scaling": None, "total_steps": None, "init_weights_sha256": None,
             "init_weights_path": f"{here}/init_weights.safetensors" if hf else None,
-            "model_config": config_summary(config) if hf else {},
+            "model_config": config_summary(config) if hf else {}, "lora": self.layout.lora,  # a PEFT model's adapters
             "learning_rate": float(group0.get("initial_lr", group0.get("lr", 0.0))),
             "max_grad_norm": float(max_grad_norm), "weight_decay": float(group0.get("weight_decay", 0.0)),
             "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_epsilon": float(group0.get("eps", 0.0)),
@@ -219,7 +220,7 @@ class ParityRecorder:
         self.declared = (resume.DeclaredSchedule.copy_of(scheduler, start_step, self._line) if scheduler is not None
                          else None)
         self.tensors = RecordedTensors(self.layout, self.device, tensor_grad, float(max_grad_norm), self._line)
-        self.observer = StepObserver(self.record, device=self.device, replicas=self, replica_check_interval=1,
+        self.observer = StepObserver(self.record, device=self.device, replicas=self.layout, replica_check_interval=1,
                                      log=self._line, **self.tensors.observer_arguments())
         self.step, self.grad_norm_source = start_step, None
         self._reset_step()
@@ -230,8 +231,8 @@ class ParityRecorder:
         if self.rank == 0 and fresh:  # the first write: all that could refuse or fail has passed
             self._wrote = True
             storage.write_bytes_atomic(storage.join(self.folder, "config.json"), config.to_json_string().encode())
-            self.record.data["config"]["init_weights_sha256"] = save_init_weights(
-                self.model, storage.join(self.folder, "init_weights.safetensors"), state)
+            self.record.data["config"]["init_weights_sha256"] = save_initial_weights(  # LoRA's adapters beside
+                self.layout, storage.join(self.folder, "init_weights.safetensors"), state)
         self._last = time.perf_counter()
         self._line(f"recording {self.name} ({framework}, {self.layout.kind}, {self.world} rank"
                    f"{'s' if self.world > 1 else ''}) into "
@@ -256,11 +257,6 @@ class ParityRecorder:
         if kept is not None:
             config, steps, self.saved_bytes, chunks = kept  # with the tensor series' chunks before k (the observer's)
             self.record.data.update(config=config, steps=steps, tensors={"chunks": kept_chunks(chunks, k)})
-
-    def replicas(self):
-        """What ranks hold alike in the loop's layout (sharded.py): under data parallelism every parameter and its Adam
-        moments on every rank; FSDP2's and ZeRO's replicated pieces."""
-        return self.layout.replicas()
 
     def _reset_step(self) -> None:
         self.micro: list[MicroBatch] = []

@@ -7,18 +7,20 @@ The record supplies the model (its config.json) and the initial weights, the dat
 whatever its shape, its rows split over the N workers by parity.training.data.row_plan), the optimizer (type and
 parameter groups by name: build_optimizer with RunConfig.optimizer), the lr of each step (RunConfig.lr_schedule), the
 precision, the step count (up to where the record stopped, if it did) and which gradient every tensor's series holds
-(RunConfig.tensor_grad: where the recorded framework's hooks came after its clipping, the clipped ones). It names them relative to its own folder,
-which may have moved since. Beside it only --num_workers, --device, the output and checkpoint flags and
---noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything else contradicts
-the record and is refused in one line. The harness feeds no attention mask where every row is right-padded (a causal
-model's right padding needs none: labels −100 on it) and the recorded mask where a row is left-padded (its real tokens
-sit at shifted positions); a mask with holes is refused. A step whose rows came with position ids of their own (packed
-or padding-free) is fed as the run fed it — each row alone, its position ids, its mask or none, its cache or none
-(parity/training/fed_rows.py) — and its rows go round the workers at document boundaries; the model computes attention
-with the run's implementation (refused where it cannot run here: flash attention off CUDA). The states the recorder
-saved at the run's checkpoints go with the batches (recorded_states): once trained, the replay — not its noise
-references — takes the teacher-forced check from each (parity/training/recorded_states.py). Everything is checked on
-the driver, before any worker starts.
+(RunConfig.tensor_grad: where the recorded framework's hooks came after its clipping, the clipped ones). It names them
+relative to its own folder, which may have moved since. Beside it only --num_workers, --device, the output and
+checkpoint flags and --noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything
+else contradicts the record and is refused in one line. A LoRA run's record (config.lora: a PeftModel recorded,
+adapters_record.py) sets the replay's --lora_* flags, so that its worker builds the same PEFT model from the recorded
+base and the adapters' initial weights beside it, and trains the adapters alone. The harness feeds no attention mask
+where every row is right-padded (a causal model's right padding needs none: labels −100 on it) and the recorded mask
+where a row is left-padded (its real tokens sit at shifted positions); a mask with holes is refused. A step whose rows
+came with position ids of their own (packed or padding-free) is fed as the run fed it — each row alone, its position
+ids, its mask or none, its cache or none (parity/training/fed_rows.py) — and its rows go round the workers at document
+boundaries; the model computes attention with the run's implementation (refused where it cannot run here: flash
+attention off CUDA). The states the recorder saved at the run's checkpoints go with the batches (recorded_states):
+once trained, the replay — not its noise references — takes the teacher-forced check from each
+(parity/training/recorded_states.py). Everything is checked on the driver, before any worker starts.
 """
 
 from __future__ import annotations
@@ -77,12 +79,13 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
                           f"{fewest} worker{'s' if fewest > 1 else ''}")
     _check_model(record_file, model_folder)
     _check_weights(record_file, weights, model_folder)
+    lora = _recorded_adapters(record_file, weights, config.get("lora"))  # a LoRA run's: {} for any other
     lrs = tuple(float(s["lr"]) for s in record["steps"])
     values = {"model_name": model_folder, "init_weights_path": weights, "num_workers": workers,
               "batch_size": -(-max(rows) // workers), "grad_accum_steps": 1, "seq_length": max(length, 2),
               "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0,
               **{k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY},
-              "dataset": RECORDED + folder, "checkpoint_interval": 0, **given}
+              "dataset": RECORDED + folder, "checkpoint_interval": 0, **lora, **given}
     cfg = resolve(strategy, values, cluster=cluster)
     attention = config.get("attn_implementation")  # the run's (a record from before it was kept: the default)
     model_config = {**cfg.model_config, **({"attn_implementation": attention} if attention else {})}
@@ -259,15 +262,33 @@ def _check_weights(record_file: str, path: str, folder: str) -> None:
                           f"recorded model's ({why}): record the run again") from None
 
 
+def _recorded_adapters(record_file: str, weights: str, lora: dict | None) -> dict:
+    """A LoRA run's adapters as the flags that build them (--lora_r, --lora_alpha, --lora_targets: its settings,
+    RunConfig.lora), once their initial weights beside the record's are found to be those adapters' (the file
+    adapters.adapters_path names); {} for a run without adapters."""
+    from parity.models.adapters import check_adapters
+
+    if not lora:
+        return {}
+    try:
+        check_adapters(weights, lora)
+    except ConfigError as exc:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: {str(exc).split(': ')[0]}: copy the record's "
+                          f"whole folder (recorded_*/ beside it) or record the run again") from None
+    return {"lora_r": lora["r"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"])}
+
+
 def _check_groups(record_file: str, cfg) -> None:
-    """The recorded groups name the model's parameters, each once (build_optimizer on the model's meta copy)."""
+    """The recorded groups name the parameters the replay trains, each once (build_optimizer on the model's meta copy:
+    with a LoRA run's adapters, whose base is frozen)."""
     import torch
 
+    from parity.models.adapters import add_adapters
     from parity.models.model import meta_model, model_config_from_dict
     from parity.training.optimizer import build_optimizer
 
-    model = meta_model(model_config_from_dict(cfg.model_config))
-    named = [(n, torch.nn.Parameter(torch.empty(0))) for n, _ in model.named_parameters()]
+    model = add_adapters(meta_model(model_config_from_dict(cfg.model_config)), cfg.lora)
+    named = [(n, torch.nn.Parameter(torch.empty(0))) for n, p in model.named_parameters() if p.requires_grad]
     try:
         build_optimizer([p for _, p in named], cfg, [n for n, _ in named])
     except ValueError as exc:

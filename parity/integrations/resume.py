@@ -17,7 +17,7 @@ from parity.training.data import recorded_batch_path
 from parity.training.record import is_recorded, load_record
 
 # What a resumed run must share with the record it continues: the replay takes them from the record once, for every step
-CONTINUED = ("hugging_face_model", "model_type", "model_config", "optimizer", "max_grad_norm", "precision")
+CONTINUED = ("hugging_face_model", "model_type", "model_config", "lora", "optimizer", "max_grad_norm", "precision")
 
 
 class ResumeRefused(Exception):

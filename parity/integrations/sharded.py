@@ -24,14 +24,20 @@ Each layout reads the model with the harness's own code for that sharding, never
 
 Every layout also hands over each trainable tensor's pieces (tensor_names, gradient_pieces, parameter_pieces: the
 strategy interface's three methods, read with the same code) for every tensor's series beside the record
-(recorded_tensors.py).
+(recorded_tensors.py), and each frozen one's (frozen_pieces) for the replica check's frozen check.
+
+A peft PeftModel (wrapped or sharded as any model) is read through the Hugging Face model inside it, so that its names
+are the harness's LoRA names; its adapters' settings are the layout's `lora` (adapters_record.py). What trains is what
+requires gradients: the parameter norm, the series and the optimizer's groups take those alone, as the harness's
+strategies do under LoRA (the base frozen).
 
 Refused in one line (layout_of): FSDP1 without use_orig_params or in another sharding strategy, DeepSpeed's AutoTP,
-a 2-D mesh without a "dp" dim.
+a 2-D mesh without a "dp" dim, LoRA adapters the replay cannot build.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
@@ -39,6 +45,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from parity.integrations.adapters_record import AdaptersRefused, lora_of, peft_inner
 from parity.training.optimizer import ADAMW_MOMENTS, full_moments, local_norm
 from parity.training.replicas import whole_model
 from parity.training.tensor_norms import Piece, counted_by_name, local_pieces, rank0_pieces
@@ -59,6 +66,7 @@ class DataParallel:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = self.rank, self.world
         self.feeds = True  # whether this rank hands over its DP rank's rows (one rank of each DP rank does)
+        self.lora: dict | None = None  # the run's LoRA adapters, as RunConfig.lora (layout_of: adapters_record.py)
 
     @property
     def tp_size(self) -> int:
@@ -81,8 +89,10 @@ class DataParallel:
         return name
 
     def group_params(self) -> list[list]:
-        """The parameters of each of the optimizer's groups (the module's: named in the record)."""
-        return [list(g["params"]) for g in self.optimizer.param_groups]
+        """The parameters of each of the optimizer's groups (the module's: named in the record), frozen ones left out:
+        they have no gradient, so torch's optimizers never step them (an optimizer over a LoRA model's every
+        parameter trains its adapters alone)."""
+        return [[p for p in g["params"] if p.requires_grad] for g in self.optimizer.param_groups]
 
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The full logits of a micro-batch, as the loss sees them."""
@@ -98,8 +108,9 @@ class DataParallel:
         return None
 
     def param_norm(self) -> float:
-        """The global norm of the full parameters, float64. Collective where they are sharded."""
-        return local_norm([p.detach() for p in self.model.parameters()])
+        """The global norm of the full trainable parameters (LoRA's adapters, not its frozen base: as the harness's
+        strategies take it), float64. Collective where they are sharded."""
+        return local_norm([p.detach() for p in self.model.parameters() if p.requires_grad])
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The model's full state dict under Hugging Face names, for the initial weights; None: the module's own
@@ -116,6 +127,18 @@ class DataParallel:
     def replicas(self):
         """What every rank holds alike under data parallelism: every parameter and its Adam moments."""
         return whole_model(self.model, self.optimizer, tuple(range(self.world)))
+
+    def frozen_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, this rank's piece) of every frozen parameter (LoRA's base), which the replica check
+        holds to its bits at set-up (parity/training/frozen.py, as the harness's strategies' Strategy.frozen_pieces):
+        a loop that moves its base trains another model than the adapters' replay. Local: no collective."""
+        names = self.names()
+        return [(names[id(p)], self.local_piece(p)) for p in self.model.parameters() if not p.requires_grad]
+
+    @staticmethod
+    def local_piece(p: torch.Tensor) -> torch.Tensor:
+        """What this rank holds of parameter `p` (whole here; FSDP1's flat shard is `p` itself too)."""
+        return p.detach()
 
     # --- every tensor's norms (parity/training/tensor_norms.py): the strategy interface's three methods ------------
     def trainable(self) -> list[tuple[str, torch.Tensor]]:
@@ -184,7 +207,7 @@ class FullyShard(DataParallel):
     def param_norm(self) -> float:
         from parity.training.dtensor_strategy import global_norm
 
-        return global_norm([p.detach() for p in self.model.parameters()])
+        return global_norm([p.detach() for p in self.model.parameters() if p.requires_grad])
 
     def full_state(self):
         from parity.training.dtensor_strategy import full_tensor
@@ -193,6 +216,12 @@ class FullyShard(DataParallel):
 
     def full_optimizer_state(self):
         return full_moments(self.model.named_parameters(), self.optimizer, self.device)  # DTensors: full_tensor()
+
+    @staticmethod
+    def local_piece(p):
+        from parity.training.dtensor_strategy import local
+
+        return local(p.detach())
 
     def replicas(self):
         from parity.training.dtensor_strategy import dtensor_replicas, replicated_parameters
@@ -223,7 +252,7 @@ class FSDP1(DataParallel):
     zero_stage = 3
     whole = False
 
-    def __init__(self, wrapper, optimizer, inner, device: torch.device):
+    def __init__(self, wrapper, optimizer, inner, device: torch.device, prefix: str = ""):
         from torch.distributed.fsdp import ShardingStrategy
 
         if not getattr(wrapper, "_use_orig_params", False):
@@ -234,17 +263,17 @@ class FSDP1(DataParallel):
                                 f"SHARD_GRAD_OP")
         super().__init__(inner, optimizer)
         self.wrapper, self.device = wrapper, device
+        self.prefix = prefix  # a PeftModel's names' part before its Hugging Face model's, in the wrapper's names
         if dist.get_world_size(wrapper.process_group) != self.world:
             raise LayoutRefused("FSDP1 over a process group other than the world's")
         if self.model is wrapper:
             raise LayoutRefused("FSDP1 around a module the recorder cannot name (pass the FSDP wrapper of a Hugging "
                                 "Face model)")
 
-    @staticmethod
-    def clean(name: str) -> str:
+    def clean(self, name: str) -> str:
         from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-        return clean_tensor_name(name)
+        return clean_tensor_name(name).removeprefix(self.prefix)
 
     def _norm(self, tensors) -> float:
         from parity.training.optimizer import squared_norm_fp64
@@ -259,7 +288,7 @@ class FSDP1(DataParallel):
         return self._norm(p.grad for p in self.model.parameters() if p.grad is not None)
 
     def param_norm(self) -> float:
-        return self._norm(p.detach() for p in self.model.parameters())
+        return self._norm(p.detach() for p in self.model.parameters() if p.requires_grad)
 
     def full_state(self):
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
@@ -267,7 +296,7 @@ class FSDP1(DataParallel):
 
         with FSDP.state_dict_type(self.wrapper, StateDictType.FULL_STATE_DICT,
                                   FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
-            return {k: v.detach().clone() for k, v in self.wrapper.state_dict().items()}  # FSDP1's gather
+            return {self.clean(k): v.detach().clone() for k, v in self.wrapper.state_dict().items()}  # FSDP1's gather
 
     def full_optimizer_state(self):
         """FSDP1's own gather of the optimizer's state (its optim_state_dict under FULL_STATE_DICT, keyed by the
@@ -306,7 +335,8 @@ class ZeRO(DataParallel):
         if engine.autotp_size() > 1:
             raise LayoutRefused(f"DeepSpeed's AutoTP (autotp_size {engine.autotp_size()}): the recorder reads ZeRO at "
                                 f"TP 1 only so far")
-        super().__init__(engine.module, torch_optimizer(engine.optimizer))
+        inner, self.prefix = peft_inner(engine.module)  # a PeftModel's Hugging Face model, and its names' prefix
+        super().__init__(inner, torch_optimizer(engine.optimizer))
         self.engine, self.device = engine, device
         self.zero_stage = engine.zero_optimization_stage()
         self.kind = f"deepspeed zero{self.zero_stage}"
@@ -376,12 +406,18 @@ class ZeRO(DataParallel):
         return zero_pieces(self.engine, self.trainable(), self._local_master, tp_rank=0,
                            partitioned=self.zero_stage == 3 or self.zero_stage > 0 and self.masters_apart)
 
+    @staticmethod
+    def local_piece(p):
+        """A ZeRO-3 parameter's partition (the module's parameter is empty between uses); the parameter below it."""
+        return getattr(p, "ds_tensor", p).detach()
+
     def replicas(self):
         from parity.strategies.autotp.zero_state import zero_replicas
 
         everyone = tuple(range(self.world))
-        return zero_replicas(self.engine, self.zero_stage, everyone=everyone, same_shard=everyone,
-                             same_partition=(self.rank,), tp_size=1)
+        found = zero_replicas(self.engine, self.zero_stage, everyone=everyone, same_shard=everyone,
+                              same_partition=(self.rank,), tp_size=1)  # under the engine's module's names
+        return [dataclasses.replace(r, name=r.name.removeprefix(self.prefix)) for r in found]
 
 
 class LayoutRefused(ValueError):
@@ -401,19 +437,28 @@ def torch_optimizer(optimizer):
 def layout_of(model, optimizer, device: torch.device, unwrap) -> DataParallel:
     """The layout the user's `model` (as handed to the recorder: wrapped or not, accelerate's prepared model: DDP or
     the bare module) trains in, stepped by `optimizer` (or the torch optimizer inside its wrapper). LayoutRefused, one
-    line, for one the recorder cannot read."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
+    line, for one the recorder cannot read, and for LoRA adapters the replay cannot build."""
     optimizer = torch_optimizer(optimizer)
+
+    layout = _layout(model, optimizer, device, unwrap)
+    try:
+        layout.lora = lora_of(layout.model, layout.names())  # a PEFT model's adapters, as the harness builds them
+    except AdaptersRefused as exc:
+        raise LayoutRefused(str(exc)) from None
+    return layout
+
+
+def _layout(model, optimizer, device: torch.device, unwrap) -> DataParallel:
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
     if "deepspeed" in sys.modules:
         from deepspeed import DeepSpeedEngine
 
         if isinstance(model, DeepSpeedEngine):
             return ZeRO(model, device)
-    inner = unwrap(model)
+    inner, prefix = peft_inner(unwrap(model))  # a PeftModel's Hugging Face model: the harness's names
     if isinstance(model, FullyShardedDataParallel):
-        return FSDP1(model, optimizer, inner, device)
+        return FSDP1(model, optimizer, inner, device, prefix)
     if any(isinstance(m, FullyShardedDataParallel) for m in inner.modules()):
         raise LayoutRefused("FSDP1 inside the module: hand the recorder the root FullyShardedDataParallel")
     from torch.distributed.tensor import DTensor

@@ -127,11 +127,15 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
 
 
 def base_state_dict(model) -> dict[str, torch.Tensor]:
-    """The base's state dict of a model add_adapters made, under a stock model's names (peft's
-    `<projection>.base_layer.weight` is `<projection>.weight`), its adapters left out: what save_pretrained writes for
-    from_pretrained to load the base."""
+    """The base's state dict of a model add_adapters made, under a stock model's names (stock_name), its adapters left
+    out: what save_pretrained writes for from_pretrained to load the base."""
     adapters = set(adapter_names(model))
-    return {n.replace(".base_layer.", "."): t for n, t in model.state_dict().items() if n not in adapters}
+    return {stock_name(n): t for n, t in model.state_dict().items() if n not in adapters}
+
+
+def stock_name(name: str) -> str:
+    """A base tensor's name in a stock model: peft's `<projection>.base_layer.weight` is `<projection>.weight`."""
+    return name.replace(".base_layer.", ".")
 
 
 def assign_adapters(model, state: dict[str, torch.Tensor]) -> None:
@@ -158,15 +162,16 @@ def adapters_path(init_weights_path: str) -> str:
     return init_weights_path + ".lora.safetensors"
 
 
-def save_adapters(model, lora: dict, base_sha256: str, path: str) -> str:
+def save_adapters(model, lora: dict, base_sha256: str, path: str, state: dict | None = None) -> str:
     """Write the adapters of `model` (add_adapters') atomically, with the settings they were drawn for and the base's
-    sha256; returns the file's sha256."""
+    sha256; returns the file's sha256. `state`: the adapters' full tensors by name where the model holds shards (a
+    recorder of a sharded loop gathers them: parity/integrations/adapters_record.py)."""
     from safetensors.torch import save
 
     from parity.models.model import canonical_safetensors
 
-    state = OrderedDict((n, p.detach().to("cpu", torch.float32).contiguous().clone())
-                        for n, p in model.named_parameters() if p.requires_grad)
+    state = state if state is not None else {n: p for n, p in model.named_parameters() if p.requires_grad}
+    state = OrderedDict((n, t.detach().to("cpu", torch.float32).contiguous().clone()) for n, t in state.items())
     meta = {"format": ADAPTERS_FORMAT, "lora": json.dumps(lora, sort_keys=True), "base_sha256": base_sha256}
     data = canonical_safetensors(save(state, metadata=meta))
     storage.write_bytes_atomic(path, data)
