@@ -1,6 +1,7 @@
 """Your own packed and padding-free runs, recorded and replayed as they ran (docs/own_trainer.md#packed-and-padding-
 free-rows): TRL's SFTTrainer with packing=True (trl 1.16's default 'bfd' strategy: each micro-batch padding-free, one
-row whose position ids restart at each text, no attention mask, use_cache=False) and Trainer with transformers'
+row whose position ids restart at each text, no attention mask, use_cache=False) training LoRA adapters (peft_config)
+and Trainer with transformers'
 DataCollatorWithFlattening (the same kind of rows; use_cache=False from TrainingArguments), each at 2 ranks in fp32,
 recorded with every row's position ids and what came with them, replayed under the harness's DDP as fed and judged;
 the Trainer record also at 1 worker (both ranks' rows on one) and at 4 (its one row a rank and step cut at document
@@ -31,7 +32,7 @@ CACHE = [("disable_tqdm=True, bf16=args.bf16,", "disable_tqdm=True, bf16=args.bf
 # folder → (example, record name, arguments); "hf_cache" is a copy of the Trainer example with TrainingArguments'
 # use_cache=True
 JOBS = {
-    "trl": (TRL, "trl_sft", ["--packing", "--seq_length", "64"]),
+    "trl": (TRL, "trl_sft", ["--packing", "--lora", "--seq_length", "64"]),  # TRL's LoRA fine-tune, packed
     "hf": (HF, "hf_trainer", ["--padding_free", "--grad_accum_steps", "1"]),
     "hf_cache": (None, "hf_trainer", ["--padding_free", "--grad_accum_steps", "1"]),
 }
@@ -88,11 +89,11 @@ def _assert_replays(recorded: dict, replay: dict) -> None:
 
 @pytest.mark.parametrize("name", ["trl", "hf"])
 def test_a_packed_run_is_recorded_with_its_position_ids_and_replays_as_it_ran(runs, name):
-    """TRL packed (bfd) and Trainer flattened, 2 ranks: every micro-batch one row of several documents, its position
-    ids restarting at each and its first label −100 there, fed with no mask and no cache — so recorded (each row's
-    flags: position ids only) with the run's attention implementation (sdpa); replayed at 2 workers to within 1e-5
-    of the record at every step (measured ≤ 6e-8), the teacher-forced check from the run's step-0 state within its
-    bounds; PASS."""
+    """TRL packed (bfd) with LoRA and Trainer flattened, 2 ranks: every micro-batch one row of several documents, its
+    position ids restarting at each and its first label −100 there, fed with no mask and no cache — so recorded (each
+    row's flags: position ids only) with the run's attention implementation (sdpa); replayed at 2 workers to within 1e-5
+    of the record at every step (measured ≤ 7e-8), the teacher-forced check from the run's step-0 state within its
+    bounds; PASS. TRL's record trains what peft adapted alone: its config holds the adapters, its replay the same."""
     from parity.comparing.curves import load_runs
     from parity.comparing import teacher_forced
     from parity.training.fed_rows import FED_POSITIONS
@@ -108,6 +109,8 @@ def test_a_packed_run_is_recorded_with_its_position_ids_and_replays_as_it_ran(ru
     assert restarts.sum(1).min() >= 1  # every row holds two documents or more
     assert (saved["labels"][:, 1:][restarts] == -100).all()
     _assert_replays(recorded, replay)
+    if name == "trl":
+        assert recorded["config"]["lora"]["targets"] and replay["config"]["lora"] == recorded["config"]["lora"]
     (run,) = [r for r in load_runs(str(runs[name])) if r.name == record_name]
     checks = teacher_forced.summary(run.record)
     assert [c["step"] for c in checks["checks"]] == [0] and checks["first_fail_step"] is None
