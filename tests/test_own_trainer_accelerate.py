@@ -153,7 +153,7 @@ def test_a_start_that_fails_while_writing_leaves_no_folder(tmp_path, monkeypatch
 
     from parity.models.model import build_model, resolve_model_config
 
-    monkeypatch.setattr(recorder, "save_init_weights", failing)
+    monkeypatch.setattr(recorder, "save_initial_weights", failing)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     model = build_model(resolve_model_config("qwen2-tiny"), 0)
     lines = []

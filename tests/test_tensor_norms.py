@@ -43,7 +43,8 @@ def test_every_strategys_tensors_add_up_to_its_own_norms(shared_runs, name):
 def test_a_frozen_parameter_is_left_out_and_an_unseen_steps_gradients_are_nan(tmp_path):
     """A hand-written loop (one rank, a group of one in this process) that freezes one bias and clips at 0.1: the
     series holds the three trainable tensors, pre-clip, their gradients' squares adding up to the recorded grad norm
-    and their parameters' plus the frozen bias's to the parameter norm (which counts every parameter); a step that calls
+    and their parameters' to the parameter norm (which counts what trains, as the harness's strategies: the frozen
+    bias is the frozen check's); a step that calls
     after_step(grad_norm=) without before_step() holds NaN gradient norms, its parameter norms measured, and one line
     says so."""
     import torch.distributed as dist
@@ -83,8 +84,9 @@ def test_a_frozen_parameter_is_left_out_and_an_unseen_steps_gradients_are_nan(tm
         assert abs(total / record["steps"][k]["grad_norm"] - 1) < EXACT
     assert all(math.isnan(x) for x in found.grad_norm[1])
     for k, step in enumerate(record["steps"]):
-        total = math.sqrt(sum(x * x for x in found.param_norm[k]) + frozen ** 2)
+        total = math.sqrt(sum(x * x for x in found.param_norm[k]))
         assert abs(total / step["param_norm"] - 1) < EXACT
+        assert abs(math.sqrt(total ** 2 + frozen ** 2) / step["param_norm"] - 1) > 1e-3  # the bias is no part of it
     assert sum("tensors' gradient norms are NaN" in line for line in lines) == 1
     assert ("parity recorder [frozen]: step 1: the gradients were not seen at before_step() before clipping (before a "
             "DeepSpeed loop's engine.step()): its tensors' gradient norms are NaN, and so are any later step's that "
