@@ -55,7 +55,7 @@ from parity.strategies.autotp.user_config import config_policy, given_config, re
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.optimizer import OptimizerStep
 from parity.training.replicas import Replica
-from parity.training.strategy import Option, Piece, Strategy, build_optimizer, set_lr
+from parity.training.strategy import Option, Piece, Strategy, build_optimizer, set_lr, trainable
 
 ZERO_STAGES = (0, 1, 2, 3)
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default for zero_optimization.reduce_bucket_size
@@ -174,7 +174,7 @@ class DeepSpeedStrategy(Strategy):
                                                    model_parameters=list(model.parameters()), config=engine_config(self.cfg))
         else:
             # AutoTP keeps the Parameter objects; LoRA's frozen base is no optimizer's (ZeRO partitions it still)
-            optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)
+            optimizer = build_optimizer(trainable(model.parameters()), self.cfg)
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(self.cfg))  # [2]
         self.model = self.engine
         check_rank_layout(self.engine, self.ctx)  # [3]

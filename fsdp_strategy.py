@@ -26,7 +26,7 @@ from parity.training.dtensor_strategy import DTensorStrategy
 from parity.training.loss_scaler import LossScaler
 from parity.training.memory import OFFLOAD
 from parity.training.policy_optimizer import cast_parameters
-from parity.training.strategy import Option, build_optimizer
+from parity.training.strategy import Option, build_optimizer, trainable
 
 MIXED_PRECISION = ("autocast", "policy")  # the flag's values from before the precision axis (precision_request)
 TP_PLANS = ("default", "sequence_parallel")
@@ -208,7 +208,7 @@ class FSDPStrategy(DTensorStrategy):
         apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg), offload_policy(self.cfg))
         self.mesh, self.tp_mesh = mesh, mesh["tp"]
         self.model = model
-        self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)
+        self.optimizer = build_optimizer(trainable(model.parameters()), self.cfg)
         self.scaler = LossScaler(**self.cfg.loss_scaling) if policy_of(self.cfg).loss_scaling else None
 
     def expert_mesh(self) -> DeviceMesh | None:

@@ -47,7 +47,7 @@ from parity.errors import ConfigError, LibraryMissing
 from parity.models.adapters import adapter_state, add_adapters, assign_adapters, base_state_dict
 from parity.training.dtensor_strategy import DTensorStrategy
 from parity.models.families import family_of
-from parity.training.strategy import build_optimizer
+from parity.training.strategy import build_optimizer, trainable
 
 LOCAL_STYLES = {"colwise": 1, "packed_colwise": 2}  # TP styles whose output each rank holds its slice of (parts)
 PARTIAL_GRAD_STYLE = "replicated_with_grad_allreduce"  # a replicated norm on local heads: its output is local too
@@ -109,7 +109,7 @@ class TransformersStrategy(DTensorStrategy):
         if self.cfg.activation_checkpointing:  # the model's own, as a Hugging Face user enables it
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], self.cfg)
+        self.optimizer = build_optimizer(trainable(self.model.parameters()), self.cfg)
         self.local_outputs = self._local_outputs()
 
     def place_adapters(self, initial: dict[str, torch.Tensor]) -> None:

@@ -246,15 +246,11 @@ def save_lora_checkpoint(params: dict[str, torch.Tensor], config, lora: dict, di
     save_pretrained writes it (config.json + model.safetensors: stock transformers loads it)."""
     from transformers.utils import logging as transformers_logging
 
-    from parity.models.model import build_model
+    from parity.models.model import hold_full_parameters, meta_model
 
     transformers_logging.disable_progress_bar()
-    wrapped = peft_model(build_model(config, 0), lora)
-    inner = wrapped.base_model.model
-    missing, unexpected = inner.load_state_dict(params, strict=False)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"full parameters do not match the model: missing {missing}, unexpected {unexpected}")
+    wrapped = peft_model(meta_model(config), lora)
+    hold_full_parameters(wrapped.base_model.model, params, config)
     with storage.directory_writer(directory) as staging:
         wrapped.save_pretrained(os.path.join(staging, ADAPTER_FOLDER))
         wrapped.merge_and_unload().save_pretrained(staging, safe_serialization=True)

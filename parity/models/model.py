@@ -267,15 +267,22 @@ def save_hf_checkpoint(params: dict[str, torch.Tensor], config, directory: str) 
     (a local path or a URI), whole: parity.storage.directory_writer publishes it when complete."""
     from transformers.utils import logging as transformers_logging
 
-    from parity.models.families import family_of
-
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per run is noise in the logs
     model = meta_model(config)
+    hold_full_parameters(model, params, config)
+    with storage.directory_writer(directory) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+
+
+def hold_full_parameters(model, params: dict[str, torch.Tensor], config) -> None:
+    """Make `model` (the config's causal LM on the meta device, LoRA's adapters added or not) hold `params` — full
+    tensors under its names, a tied weight once — assigned, not copied, and tie its weights. ValueError where they do
+    not fit: a writer of the final model never writes another model's."""
+    from parity.models.families import family_of
+
     missing, unexpected = model.load_state_dict(params, strict=False, assign=True)
     family = family_of(config)
     tied = {f"{family.final[-1]}.weight"} if family.tied else set()
     if set(missing) - tied or unexpected:
         raise ValueError(f"full parameters do not match the model: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    with storage.directory_writer(directory) as staging:
-        model.save_pretrained(staging, safe_serialization=True)

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parity.training.loss_scaler import unscaled_or_skipped
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
-from parity.training.optimizer import OptimizerStep, clip_coefficient, squared_norm_fp64, step_optimizer
+from parity.training.optimizer import (OptimizerStep, clip_coefficient, squared_norm_fp64, step_optimizer,
+                                       trainable)
 from parity.training.replicas import Replica, held, mesh_replica_ranks
 from parity.training.strategy import Strategy
 from parity.training.tensor_norms import Piece, counted_by_name, local_pieces
@@ -192,7 +193,7 @@ class DTensorStrategy(Strategy):
         return OptimizerStep(norm, loss_scale=scale if self.scaler else None)
 
     def parameter_norm(self) -> float:
-        return global_norm([p for p in self.model.parameters() if p.requires_grad])  # LoRA's: the adapters
+        return global_norm(trainable(self.model.parameters()))  # LoRA's: the adapters
 
     def model_state_bytes(self) -> dict:
         """Each parameter's local shard (its dp × tp piece: the optimizer's parameters), its gradient's, and

@@ -35,6 +35,12 @@ class OptimizerStep:
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}  # what cfg.optimizer's "type" may name
 
 
+def trainable(params) -> list[torch.Tensor]:
+    """The parameters that train: under LoRA (--lora_r) the adapters, the frozen base left out — of the optimizer a
+    strategy builds, of its parameter norm."""
+    return [p for p in params if p.requires_grad]
+
+
 def build_optimizer(params, cfg, names=None) -> torch.optim.Optimizer:
     """The one optimizer every strategy uses (DeepSpeed is handed this same client optimizer): AdamW over `params`
     in one group with the flags' settings — or, where the run names its optimizer by parameter group
