@@ -19,6 +19,9 @@ on different ranks. The first stage keeps embed_tokens.weight, the last gets lm_
 the start); after backward the two gradients are summed over a two-rank group of the first and the last stage's
 ranks, so each copy holds the tied weight's whole gradient and AdamW gives both the same update: one weight, kept in
 two places. Norms count it once (the first stage's copy); the full parameters name it once, as model.embed_tokens.weight.
+The ties are read off the model (a parameter reached under two names: parity.models.model.tied_aliases), so a saved
+module's tied pair (--lora_modules_to_save embed_tokens: peft's frozen original and trained copy, each tied to
+lm_head's) is kept in two places alike.
 
 Data parallelism over the pipelines: DDP-style — every DP rank of a stage holds that stage's full parameters and
 the shared AdamW over them, and after the schedule's backward its gradients are all-reduced (one flat buffer per
@@ -36,7 +39,8 @@ shared clip_coefficient, then the shared AdamW steps each rank's parameters.
 
 LoRA (--lora_r: parity/models/adapters.py): peft's adapters sit inside the decoder layers, so each stage holds its
 layers' adapters and trains those alone; the frozen base is split into the stages with them, the tied embedding's
-copy on the last stage frozen too (nothing to sum). The optimizer, the norms and each tensor's pieces take the trained
+copy on the last stage frozen too (nothing to sum, unless the embedding is saved whole: its trained copy's two
+gradients are summed). The optimizer, the norms and each tensor's pieces take the trained
 parameters; the full parameters every tensor, the base included (the final model, the teacher-forced check).
 """
 
@@ -54,6 +58,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parity.errors import ConfigError
 from parity.models.families import family_of
+from parity.models.model import tied_aliases
 from parity.precision import DTYPES, POLICIES, policy_of
 from parity.training.data import Batch
 from parity.training.memory import StateLedger
@@ -249,9 +254,10 @@ class PipelineStrategy(Strategy):
 
         config, family = model.config, family_of(model.config)
         self.family = family
-        self.tied, self.hidden_size = family.tied, config.hidden_size
-        self.embed_name = f"{family.embedding}.weight"
-        self.head_name = f"{family.final[-1]}.weight"  # the output embedding, tied or not
+        self.hidden_size = config.hidden_size
+        # the tied weights: {lm_head's name: the embedding's} (stock: lm_head.weight; with --lora_modules_to_save
+        # peft's frozen original and trained copy, each tied), read off the model before the last stage unties them
+        self.ties = tied_aliases(model)
         n = stage_count(o["pp_schedule"], P)
         per_stage = config.num_hidden_layers // n
         self.num_stages, self.per_stage = n, per_stage
@@ -263,11 +269,15 @@ class PipelineStrategy(Strategy):
         # the whole model's names in its own order (a tied lm_head once), LoRA's adapters among them, and what trains
         self.full_names = [n for n, _ in model.named_parameters()]
         self.trained_names = [n for n, p in model.named_parameters() if p.requires_grad]
-        embedding = model.get_input_embeddings().weight
-        self.tie_trains = self.tied and embedding.requires_grad  # LoRA freezes it: no gradient to sum
-        if self.has_last and self.tied:  # this rank's own copy of the tied weight (stage 0's rank keeps the embedding's)
-            model.get_output_embeddings().weight = nn.Parameter(embedding.detach().clone(),
-                                                                requires_grad=embedding.requires_grad)
+        # the tied weights that train (LoRA freezes the base: nothing to sum but a trained copy of it)
+        self.trained_ties = [(alias, source) for alias, source in sorted(self.ties.items())
+                             if model.get_parameter(source).requires_grad]
+        if self.has_last:  # this rank's own copy of each tied weight (stage 0's rank keeps the embedding's)
+            for alias, source in self.ties.items():
+                owner, _, leaf = alias.rpartition(".")
+                shared = model.get_parameter(source)
+                setattr(model.get_submodule(owner), leaf,
+                        nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad))
         # The rank's modules under Hugging Face names (hf_model), and each stage's view of the stock model.
         owned = ([family.embedding] if self.has_first else []) + (list(family.final) if self.has_last else [])
         self.model = rank_tree(model, family, owned, [i for s in self.my_stages
@@ -307,7 +317,7 @@ class PipelineStrategy(Strategy):
 
     def _counted(self):
         """(name, parameter) of this rank, each weight once: the tied lm_head copy is the embedding's."""
-        return [(n, p) for n, p in self.model.named_parameters() if not (self.tied and n == self.head_name)]
+        return [(n, p) for n, p in self.model.named_parameters() if n not in self.ties]
 
     def _trained(self):
         """_counted's parameters that train: all of them, or LoRA's adapters (what the norms and pieces cover)."""
@@ -385,12 +395,11 @@ class PipelineStrategy(Strategy):
                 g.copy_(reduced)
 
     def sum_tied_gradients(self) -> None:
-        if not self.tie_trains:
-            return
-        if self.has_first:
-            dist.all_reduce(self.model.get_parameter(self.embed_name).grad, group=self.tie_group)
-        if self.has_last:
-            dist.all_reduce(self.model.get_parameter(self.head_name).grad, group=self.tie_group)
+        for alias, source in self.trained_ties:  # in one order on both ends
+            if self.has_first:
+                dist.all_reduce(self.model.get_parameter(source).grad, group=self.tie_group)
+            if self.has_last:
+                dist.all_reduce(self.model.get_parameter(alias).grad, group=self.tie_group)
 
     def _zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64, device=self.ctx.device)
@@ -525,8 +534,8 @@ class PipelineStrategy(Strategy):
         stage = tuple(self.ctx.layout.dp_group(self.ctx.rank))
         found = []
         for name, p in self.model.named_parameters():
-            tied = self.tied and name in (self.embed_name, self.head_name)
-            ranks, name = (ends, self.embed_name) if tied else (stage, name)
+            tied = name in self.ties or name in self.ties.values()
+            ranks, name = (ends, self.ties.get(name, name)) if tied else (stage, name)
             if len(ranks) > 1:
                 found += held(name, ranks, p, self.optimizer, self.policy_optimizer.master_of(p))
         return found
@@ -544,7 +553,7 @@ class PipelineStrategy(Strategy):
         mine, count = {}, 0
         for name, p in self.model.named_parameters():
             state = self.optimizer.state.get(self.policy_optimizer.master_of(p))
-            if state and not (self.tied and name == self.head_name):
+            if state and name not in self.ties:
                 mine[name] = {k: state[k].detach().float().cpu().clone() for k in ("exp_avg", "exp_avg_sq")}
                 count = int(state["step"])
         gathered = [None] * self.ctx.world_size
@@ -555,7 +564,7 @@ class PipelineStrategy(Strategy):
         """AdamW's state of another run, {HF name: moments}, for this rank's parameters (the tied lm_head copy gets
         the embedding's)."""
         self.policy_optimizer.set_moments(
-            [(p, moments[self.embed_name if self.tied and name == self.head_name else name])
+            [(p, moments[self.ties.get(name, name)])
              for name, p in self.model.named_parameters() if p.requires_grad], step)
 
     # --- checkpoints ------------------------------------------------------------------------------

@@ -29,7 +29,10 @@ comments match docs/model_families.md.
     first forward fails), a target sharded in another style (peft places none), and FSDP2 (--dp_size > 1):
     from_pretrained applies it before peft adds the adapters, which it then neither shards nor reduces over dp —
     transformers' own FSDP code says PEFT is still to do (transformers/distributed/fsdp.py) — measured: their copies
-    part at step 0.
+    part at step 0. And --lora_modules_to_save naming a module the plan shards at --tp_size > 1: peft saves a module
+    by deep-copying it, and on rank 1 the vocab-sharded embedding from_pretrained loads (transformers 5.23) holds a
+    local tensor whose storage cannot be copied ("invalid python storage"); a module the plan leaves whole (a norm)
+    is saved as on one process.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from parity.errors import ConfigError, LibraryMissing
-from parity.models.adapters import adapter_state, add_adapters, assign_adapters, base_state_dict
+from parity.models.adapters import adapter_names, adapter_state, add_adapters, assign_adapters, base_state_dict
 from parity.training.dtensor_strategy import DTensorStrategy
 from parity.models.families import family_of
 from parity.training.strategy import build_optimizer, trainable
@@ -133,8 +136,8 @@ class TransformersStrategy(DTensorStrategy):
             transformers_logging.disable_progress_bar()
             staging = folder + ".partial"
             # the base alone, under stock names (LoRA's adapters are added to the loaded model: [5])
-            model.save_pretrained(staging, safe_serialization=True,
-                                  state_dict=base_state_dict(model) if self.cfg.lora is not None else None)
+            base = base_state_dict(model.state_dict(), adapter_names(model)) if self.cfg.lora is not None else None
+            model.save_pretrained(staging, safe_serialization=True, state_dict=base)
             os.replace(staging, folder)
         dist.barrier()
         return folder
@@ -167,6 +170,12 @@ def check_adapter_layout(settings, tp_plan: dict[str, str]) -> None:
                           f"(their copies part at step 0): use --dp_size 1 (transformers' TP), or train_fsdp.py")
     if settings.tp_size == 1:
         return
+    sharded = sorted({name.rsplit(".", 1)[-1] for name in tp_plan} & set(settings.lora.get("modules_to_save", [])))
+    if sharded:
+        raise ConfigError(f"--lora_modules_to_save {','.join(sharded)} at --tp_size {settings.tp_size}: transformers' "
+                          f"TP plan shards it, and peft saves a module by deep-copying it, which fails on the shards "
+                          f"from_pretrained loads (\"invalid python storage\" on rank 1's embedding): save modules the "
+                          f"plan leaves whole (the norms), or use train_fsdp.py")
     odd = sorted((name.rsplit(".", 1)[-1], style) for name, style in tp_plan.items()
                  if name.rsplit(".", 1)[-1] in settings.lora["targets"] and style != "colwise")
     if odd:

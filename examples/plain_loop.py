@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="the forward under torch.autocast(bfloat16), over fp32 weights")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer.md#lora)")
+    p.add_argument("--lora_save", default=None,
+                   help="with --lora, modules trained whole beside the adapters (peft's modules_to_save, the tied "
+                        "embedding kept tied): embed_tokens,norm,...")
     p.add_argument("--checkpoint_interval", type=int, default=50,
                    help="the recorder saves the run's state around step 0 and every N steps, for the replay's "
                         "teacher-forced check (0: step 0 alone)")
@@ -93,8 +96,10 @@ def build(args, shard):
     if args.lora:  # peft's adapters, the model frozen under them
         from peft import LoraConfig, get_peft_model
 
+        saved = args.lora_save.split(",") if args.lora_save else None
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
+                                                 lora_dropout=0.0, task_type="CAUSAL_LM", modules_to_save=saved,
+                                                 ensure_weight_tying=bool(saved)))
     flat = {n for n, p in model.named_parameters() if p.ndim < 2}  # biases and norms, named before any sharding
     shard(model)
     decay = [p for n, p in model.named_parameters() if n not in flat and p.requires_grad]

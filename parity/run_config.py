@@ -94,7 +94,8 @@ class RunConfig:
     no_teacher_forced: bool = False  # --no_teacher_forced: no teacher-forced check (parity/training/teacher_forced.py)
     packing: bool = False  # --packing: documents packed into full rows, position ids restarting (parity/training/data.py)
     padding_free: bool = False  # --padding_free: each micro-batch's samples fed as one row (data.Batch.flattened)
-    # --lora_*: LoRA adapters on a frozen base, {"r", "alpha", "dropout", "targets"} (parity/models/adapters.py); None:
+    # --lora_*: LoRA adapters on a frozen base, {"r", "alpha", "dropout", "targets"[, "modules_to_save"]}
+    # (parity/models/adapters.py); None:
     # every parameter trains (and the field is left out of to_dict: a full fine-tune's record is as it was)
     lora: dict | None = None
 

@@ -267,6 +267,29 @@ def make_shared_runs(root, tiny_weights) -> dict:
     return {cfg.experiment_name: str(run_record_path(cfg)) for cfg in [*cfgs, *(c for c, _ in planned)]}
 
 
+def lora_group(root, tiny_weights, setting: dict, runs: dict) -> dict:
+    """LoRA runs in one local gloo group: the shared tiny weights copied into `root` (the adapters' file lies beside
+    them), the adapters drawn once for `setting`'s --lora_* flags, then every run of `runs` — {name: (strategy,
+    flags)} — into root/<name>/. Returns {name: (its folder, its record)}."""
+    import shutil
+
+    from parity.driver.local_group import plan, run_group
+    from parity.models.adapters import lora_settings, write_initial_adapters
+    from parity.models.model import resolve_model_config
+
+    weights = str(root / "init_weights.pt")
+    shutil.copy(tiny_weights, weights)
+    config = resolve_model_config(setting["model_name"])
+    lora = lora_settings(setting["lora_r"], None, 0.0, setting["lora_targets"], config,
+                         setting.get("lora_modules_to_save"))
+    write_initial_adapters(weights, config, lora, seed=42)
+    planned = {name: plan(strategy, {**setting, **flags, "loss_output_dir": root / name, "storage_path": root / "ray",
+                                     "experiment_name": name, "init_weights_path": weights})
+               for name, (strategy, flags) in runs.items()}
+    records = run_group(list(planned.values()))
+    return {name: (root / name, record) for name, record in zip(planned, records)}
+
+
 def copy_record(record: dict | str, folder) -> str:
     """A loss record (a record's data, or its path) copied into `folder` with its tensor series
     (loss_<name>.tensors, parity/training/tensor_series.py), as a user copies a run's outputs; returns the copy's

@@ -196,6 +196,17 @@ CASES = [
     ("lora dropout", "ddp", train_flags(lora_r=4, lora_dropout=0.1), {},
      r"--lora_dropout 0.1: each strategy draws dropout masks in its own order .*: use --lora_dropout 0"),
     ("lora alpha alone", "ddp", train_flags(lora_alpha=16), {}, r"which --lora_r turns on: pass --lora_r R"),
+    ("lora saved module", "ddp", train_flags(lora_r=4, lora_modules_to_save="norm,nope"), {},
+     r"--lora_modules_to_save nope names no module of qwen2 that holds parameters \(its modules: down_proj, "
+     r"embed_tokens, gate_proj, input_layernorm, k_proj, lm_head, norm, o_proj, post_attention_layernorm, q_proj, "
+     r"up_proj, v_proj\): name some of them"),
+    ("lora saved target", "ddp", train_flags(lora_r=4, lora_targets="q_proj,v_proj", lora_modules_to_save="v_proj"),
+     {}, r"--lora_modules_to_save v_proj is also a LoRA target: a module trains either whole or through adapters"),
+    ("transformers saved sharded", "transformers", train_flags(num_workers=2, tp_size=2, lora_r=4, lora_targets="q_proj",
+                                                               lora_modules_to_save="embed_tokens,norm"), {},
+     r"--lora_modules_to_save embed_tokens at --tp_size 2: transformers' TP plan shards it, and peft saves a module by "
+     r"deep-copying it, .*invalid python storage.*: save modules the plan leaves whole \(the norms\), or use "
+     r"train_fsdp.py"),
     ("lora adapters missing", "ddp", train_flags(lora_r=4), {},
      r"the adapters' initial weights .*w\.pt\.lora\.safetensors do not exist: run train_ddp\.py with the same --lora_\* "
      r"flags and --save_init_weights first"),

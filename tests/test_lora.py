@@ -196,11 +196,14 @@ def test_a_bf16_lora_run_passes_calibrated(root, capsys):
 def test_the_layer_check_compares_the_adapters_under_tp(tmp_path, capsys):
     """run_verification.py --lora_r (local processes): FSDP2 + TP2's step against DDP's, module by module — the adapters'
     modules (dropout, lora_A, lora_B) and the wrapped projections' base layers gathered where TP leaves pieces (a rowwise
-    projection's input shard, a colwise one's output columns) — and every adapter's gradient: PASS (measured 4.6e-7)."""
+    projection's input shard, a colwise one's output columns) — and every adapter's gradient, with the tied embedding
+    and the layers' input norms saved whole beside them (--lora_modules_to_save: their trained copies' outputs and
+    gradients): PASS (measured 4.6e-7)."""
     from parity.commands.layer_check import main as run_verification
 
     code = run_verification(["--launcher", "local", "--strategy", "ddp", "fsdp", "--tp_size", "2", "--dp_size", "1",
                              "--lora_r", "4", "--lora_targets", TARGETS, "--seq_length", "64",
+                             "--lora_modules_to_save", "embed_tokens,input_layernorm",
                              "--output_dir", str(tmp_path)])
     out = capsys.readouterr().out
     (pair,) = json.loads((tmp_path / "layer_comparison.json").read_text())["pairs"]
@@ -212,3 +215,7 @@ def test_the_layer_check_compares_the_adapters_under_tp(tmp_path, capsys):
                        "self_attn.q_proj.lora_B.default", "self_attn.q_proj.base_layer", "mlp.down_proj.lora_A.default"):
             assert f"output/model.layers.{layer}.{module}" in keys
         assert f"grad/model.layers.{layer}.self_attn.v_proj.lora_B.default.weight" in keys
+        assert f"output/model.layers.{layer}.input_layernorm.modules_to_save.default" in keys
+    # the saved tied embedding: its trained copy's output at both ends and its one gradient
+    assert {"output/model.embed_tokens.modules_to_save.default", "output/lm_head.modules_to_save.default",
+            "grad/model.embed_tokens.modules_to_save.default.weight"} <= keys

@@ -14,11 +14,8 @@ import shutil
 
 import pytest
 
-from conftest import FP32_RTOL, assert_fp32_parity, assert_replicas_held, tensor_series
+from conftest import FP32_RTOL, assert_fp32_parity, assert_replicas_held, lora_group, tensor_series
 from parity.calibration.lora_bugs import TransformersAdaptersRedrawn
-from parity.driver.local_group import plan, run_group
-from parity.models.adapters import lora_settings, write_initial_adapters
-from parity.models.model import resolve_model_config
 
 TARGETS = "q_proj,k_proj,v_proj,gate_proj,up_proj"  # the colwise ones: transformers refuses rowwise targets at tp > 1
 SETTING = {"model_name": "qwen2-tiny", "seq_length": 64, "debug_steps": 3, "learning_rate": 1e-4, "log_interval": 3,
@@ -39,16 +36,7 @@ CHECKED = [name for name in RUNS if name != "ddp" and not name.startswith("bug_"
 def runs(tiny_weights, tmp_path_factory):
     """{name: (its folder, its record)}: the base is the shared tiny weights (copied: the adapters' file lies beside
     it), the adapters drawn once for the run's settings."""
-    root = tmp_path_factory.mktemp("lora")
-    weights = str(root / "init_weights.pt")
-    shutil.copy(tiny_weights, weights)
-    config = resolve_model_config(SETTING["model_name"])
-    write_initial_adapters(weights, config, lora_settings(SETTING["lora_r"], None, 0.0, TARGETS, config), seed=42)
-    planned = {name: plan(strategy, {**SETTING, **flags, "loss_output_dir": root / name, "storage_path": root / "ray",
-                                     "experiment_name": name, "init_weights_path": weights})
-               for name, (strategy, flags) in RUNS.items()}
-    records = run_group(list(planned.values()))
-    return {name: (root / name, record) for name, record in zip(planned, records)}
+    return lora_group(tmp_path_factory.mktemp("lora"), tiny_weights, SETTING, RUNS)
 
 
 @pytest.mark.parametrize("name", CHECKED)

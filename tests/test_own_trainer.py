@@ -235,11 +235,13 @@ def assert_checks_pass(folder, name, steps: list[int]) -> float:
 LORA = {"r": 8, "alpha": 16.0, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}  # the examples' --lora
 
 
-def assert_lora_replays(folder, name) -> dict:
-    """A LoRA run's record (an example's --lora: peft's adapters on q_proj and v_proj, r 8, on the frozen qwen2-tiny)
-    and its DDP replay: the record's adapters settings are the harness's and its replay's; its initial weights are a
-    stock model's under their own names (peft's base_layer folded back) with the 8 adapters in their file beside them,
-    as a harness LoRA run keeps them; its optimizer's groups and tensor series name the adapters alone; the replay
+def assert_lora_replays(folder, name, saved: tuple = ()) -> dict:
+    """A LoRA run's record (an example's --lora: peft's adapters on q_proj and v_proj, r 8, on the frozen qwen2-tiny;
+    with --lora_save the `saved` modules trained whole beside them) and its DDP replay: the record's adapters settings
+    are the harness's and its replay's; its initial weights are a stock model's under their own names (peft's
+    base_layer and original_module folded back) with the 8 adapters and each saved module's trained copy (a tied
+    embedding's once) in their file beside them, as a harness LoRA run keeps them; its optimizer's groups and tensor
+    series name what trains alone; the replay
     equals it within 1e-5 relative (loss, grad norm, parameter norm over the adapters) at every step on the same
     batches and lr; no replica parted and no frozen tensor moved in either; PASS. Returns the largest differences."""
     from safetensors.torch import load_file
@@ -249,11 +251,14 @@ def assert_lora_replays(folder, name) -> dict:
 
     recorded, replay = _record(folder, name), _record(folder, "ddp")
     config = recorded["config"]
-    assert config["lora"] == replay["config"]["lora"] == LORA
+    assert config["lora"] == replay["config"]["lora"] == ({**LORA, "modules_to_save": list(saved)} if saved else LORA)
     weights = str(folder / config["init_weights_path"])
     check_init_weights(weights, resolve_model_config(str(folder / config["model_name"])))  # a stock model's file
     adapters = sorted(load_file(adapters_path(weights)))
-    assert len(adapters) == 8 and all(n.split(".")[-3] in ("lora_A", "lora_B") for n in adapters), adapters
+    copies = [n.split(".modules_to_save.")[0].rsplit(".", 1)[-1] for n in adapters if ".modules_to_save." in n]
+    assert copies == list(saved), adapters
+    assert len(adapters) == 8 + len(copies) and all(n.split(".")[-3] in ("lora_A", "lora_B") for n in adapters
+                                                    if ".modules_to_save." not in n), adapters
     assert sorted(p for g in config["optimizer"]["groups"] for p in g["params"]) == adapters
     assert sorted(tensor_series(recorded, folder).names) == adapters
     assert config["init_weights_sha256"] == replay["config"]["init_weights_sha256"]  # the base's + the adapters'

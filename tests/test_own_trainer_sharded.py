@@ -3,7 +3,8 @@
 parity's recorder and replayed under the harness's DDP, which trains the same model unsharded: every path PASSes with
 the replay equal to the record within 1e-5 at every step; a per-rank mean loss seeded into the FSDP2 and the ZeRO-2
 loop FAILs at step 0. With --lora (peft's LoRA adapters on the frozen model) the FSDP2 and ZeRO-2 loops PASS their
-replay, which builds the same PEFT model from the recorded base and adapters; a plain loop whose adapters come after
+replay, which builds the same PEFT model from the recorded base and adapters (FSDP2's with the tied embedding trained
+whole beside them: --lora_save embed_tokens); a plain loop whose adapters come after
 DDP's wrapping FAILs at step 0 on its replicas; adapters the replay cannot build are refused in one line.
 
 One gloo group of two ranks records every variant one after another, one local group replays them all
@@ -36,9 +37,11 @@ RUNS = {"fsdp2": (["--shard", "fsdp2"], EXAMPLE, []), "fsdp2_tp": (["--shard", "
         "zero1": (["--shard", "zero1"], EXAMPLE, []), "zero2": (["--shard", "zero2"], EXAMPLE, []),
         "zero3": (["--shard", "zero3"], EXAMPLE, []), "fsdp2_rank_mean": (["--shard", "fsdp2"], EXAMPLE, RANK_MEAN),
         "zero2_rank_mean": (["--shard", "zero2"], EXAMPLE, RANK_MEAN),
-        "fsdp2_lora": (["--shard", "fsdp2", "--lora"], EXAMPLE, []),
+        "fsdp2_lora": (["--shard", "fsdp2", "--lora", "--lora_save", "embed_tokens"], EXAMPLE, []),
         "zero2_lora": (["--shard", "zero2", "--lora"], EXAMPLE, []),
         "ddp_lora_late": (["--lora", "--name", NAME], PLAIN, LATE_ADAPTERS)}
+# The modules a LoRA variant trains whole beside its adapters (--lora_save): FSDP2's, the tied embedding (one copy)
+SAVED = {"fsdp2_lora": ("embed_tokens",)}
 # What each path's ranks hold alike: the replica groups its record declares. ZeRO-1/2: the 26 parameters, whole on
 # both ranks (with LoRA the 34 of the PEFT model: 26 − 8 projections + their 8 base layers + 8 adapters); FSDP2 with
 # TP 2: the 6 parameters TP leaves whole (the embedding, the norms) and their 2 moments.
@@ -114,7 +117,7 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
     print(f"{shard}: checks largest {worst:.3f} of the bound; saving a state {steps[1]['harness_s']['states']:.4f} s "
           f"against a step of {steps[1]['step_time_s']:.4f} s")
     if lora:
-        print(f"{shard}: {assert_lora_replays(runs[shard], NAME)}")
+        print(f"{shard}: {assert_lora_replays(runs[shard], NAME, SAVED.get(shard, ()))}")
 
 
 def test_adapters_added_after_ddp_wrapping_part_the_replicas_at_step_0(runs):
@@ -175,7 +178,8 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
 def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
     """A PeftModel whose adapters the replay cannot build: one line each naming why, nothing recorded, and the user's
     loop goes on (one rank, a group of one in this process): dropout (the replay cannot draw the run's masks), a
-    setting beyond r, alpha and the targets (DoRA, modules_to_save), adapters on some of the targeted modules only (a
+    setting beyond r, alpha, the targets and the saved modules (DoRA), a tied embedding saved with peft's default
+    ensure_weight_tying=False (its lm_head keeps the frozen original), adapters on some of the targeted modules only (a
     regular expression that picks layer 0), a base tensor trained beside the adapters."""
     import torch
     import torch.distributed as dist
@@ -193,9 +197,10 @@ def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
         ({"use_dora": True}, None, "the LoRA adapters set use_dora=True, which the harness's adapters do not (they are "
                                    "peft's defaults but for r, lora_alpha and target_modules): the replay cannot build "
                                    "them"),
-        ({"modules_to_save": ["norm"]}, None, "the LoRA adapters set modules_to_save=['norm'], which the harness's "
-                                              "adapters do not (they are peft's defaults but for r, lora_alpha and "
-                                              "target_modules): the replay cannot build them"),
+        ({"modules_to_save": ["embed_tokens"]}, None,
+         "modules_to_save embed_tokens of a model with tied embeddings, without ensure_weight_tying: peft trains a copy "
+         "of the embedding and leaves lm_head the frozen original, so the tie is broken; the harness trains them as "
+         "one weight: pass ensure_weight_tying=True to LoraConfig"),
         ({"target_modules": r".*layers\.0\.self_attn\.q_proj"}, None,
          "the LoRA adapters sit on other modules than q_proj in every layer (model.layers.1.self_attn.q_proj.base_layer"
          ".bias): the harness puts them on every module of those names"),

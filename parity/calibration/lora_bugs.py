@@ -15,6 +15,8 @@ DDP copy), kept apart so that each module stays one subject.
   adapters' output, and so lora_B's gradient, off by √r — a setting frameworks default differently.
 - Adapters that keep peft's own draw instead of the run's initial values (transformers' TP, which rebuilds the model
   through from_pretrained): the grad norm FAILs at step 0 (tests/test_lora_strategies.py).
+- A saved tied embedding's two copies stepped apart (the pipeline's ends: --lora_modules_to_save embed_tokens): the
+  replica check FAILs it at step 0 (tests/test_lora_saved_modules.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from ddp_strategy import DDPStrategy
 from fsdp_strategy import FSDPStrategy
+from pipeline_strategy import PipelineStrategy
 from parity.models.adapters import adapter_names, add_adapters
 from transformers_strategy import TransformersStrategy
 from parity.training.dtensor_strategy import local
@@ -77,3 +80,13 @@ class TransformersAdaptersRedrawn(TransformersStrategy):
 
     def place_adapters(self, initial) -> None:
         self.model = add_adapters(self.model, self.cfg.lora)
+
+
+class PipelineSavedTieUnsummed(PipelineStrategy):
+    """--lora_modules_to_save embed_tokens on a tied model, its two ends on two ranks: the trained copy of the embedding
+    on the first stage and lm_head's copy of it on the last each stepped with its own end's gradient — the tie's sum
+    left out (a pipeline that sums only the stock tied weight, by its stock name). The two copies of one weight part
+    at step 0."""
+
+    def sum_tied_gradients(self) -> None:
+        return None

@@ -103,6 +103,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="every row trains LoRA adapters of rank R on the frozen base (docs/finetune.md): the rows of "
                         "strategies that cannot are passed over; compare its memory with a run without")
     p.add_argument("--lora_targets", default=None, help="the adapters' linear layers (default: peft's for the family)")
+    p.add_argument("--lora_modules_to_save", default=None,
+                   help="modules trained whole beside the adapters (peft's modules_to_save): embed_tokens,norm,...")
     p.add_argument("--reduce_bucket_size", type=int, default=None,
                    help="the DeepSpeed rows' --reduce_bucket_size (default: DeepSpeed's, 5e8 elements: ZeRO-2 and "
                         "ZeRO-3 then hold every gradient until the end of backward, as ZeRO-1, for any model "
@@ -192,7 +194,7 @@ def run_values(args, name: str, out: str, on_gpu: bool, rows: dict[str, Row] = R
         "device": args.device, "seed": args.seed, "init_weights_path": os.path.join(out, WEIGHTS),
         "loss_output_dir": os.path.join(out, "rows", name), "storage_path": os.path.join(out, "ray"),
         "experiment_name": f"benchmark_{name}", "ep_size": row.ep_size, **row.options,
-        "lora_r": args.lora_r, "lora_targets": args.lora_targets,
+        "lora_r": args.lora_r, "lora_targets": args.lora_targets, "lora_modules_to_save": args.lora_modules_to_save,
         **registry.flags_for(row.strategy, {} if args.reduce_bucket_size is None else
                     {"reduce_bucket_size": args.reduce_bucket_size}),
     }

@@ -64,6 +64,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="a step of LoRA adapters of rank R on the frozen base (docs/finetune.md): their modules and "
                         "gradients compared with the rest; not with --replay")
     p.add_argument("--lora_targets", default=None, help="the adapters' linear layers (default: peft's for the family)")
+    p.add_argument("--lora_modules_to_save", default=None,
+                   help="modules trained whole beside the adapters (peft's modules_to_save): embed_tokens,norm,...")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--launcher", choices=("ray", "local"), default="ray",
                    help="ray: Ray Train worker groups (a local Ray cluster, or RAY_ADDRESS's); local: processes of this "
@@ -239,7 +241,8 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
                   "num_layers": _given(args.num_layers, 2), "precision": _given(args.precision, "auto"),
                   "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42),
                   "packing": args.packing, "padding_free": args.padding_free, "lora_r": args.lora_r,
-                  "lora_targets": args.lora_targets}
+                  "lora_targets": args.lora_targets,
+                  "lora_modules_to_save": args.lora_modules_to_save}
     return {
         **values, "batch_size": batch, **layout,
         "device": args.device,

@@ -123,6 +123,9 @@ FLAGS = (
     ("lora", "lora_targets", None,
      {"help": "the linear layers that get adapters, by their last name part: q_proj,v_proj,... (default: peft's for the "
               "family)"}),
+    ("lora", "lora_modules_to_save", None,
+     {"help": "modules trained whole beside the adapters (peft's modules_to_save), by their last name part: "
+              "embed_tokens,lm_head,norm,... (a tied embedding and lm_head train as one weight)"}),
     ("data", "num_samples", 10000, {"type": int, "help": "samples per epoch of the synthetic set"}),
     ("data", "tokenizer", None,
      {"help": "tokenizer for text data: 'bytes' (UTF-8 bytes) or a name/path (default: the model's; 'bytes' "
@@ -268,7 +271,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
         raise ConfigError(f"--seq_length {s['seq_length']} is above the model's max_position_embeddings "
                           f"({model_config.max_position_embeddings}): use a shorter sequence")
     s["lora"] = lora_settings(s.pop("lora_r"), s.pop("lora_alpha"), s.pop("lora_dropout"), s.pop("lora_targets"),
-                              model_config)
+                              model_config, s.pop("lora_modules_to_save"))
     if s["lora"] and not cls.takes_adapters:
         raise ConfigError(f"{strategy} does not train LoRA adapters (it trains every parameter): use train_ddp.py, "
                           f"train_fsdp.py or train_deepspeed.py with --lora_r (docs/finetune.md)")

@@ -10,9 +10,9 @@ that inner model, so every name it records is the harness's: `model.layers.0.sel
 
 What the replay cannot build is refused in one line (AdaptersRefused, which the layout raises as its LayoutRefused:
 the recorder records nothing, the training goes on): dropout above 0 (the replay cannot draw the run's masks), any
-setting that changes the adapters beyond r, alpha and the targeted modules (DoRA, modules_to_save, rsLoRA, rank or
-alpha patterns, biases ...), adapters on only some of the targeted modules, a parameter trained beside the adapters,
-several adapters or one not named "default".
+setting that changes the adapters beyond r, alpha, the targeted modules and the modules saved whole (DoRA, rsLoRA,
+rank or alpha patterns, biases ...), adapters on only some of the targeted modules, a parameter trained beside the
+adapters, several adapters or one not named "default", a tied embedding saved without ensure_weight_tying.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from parity.errors import ConfigError
 # are what trains, whatever drew them) and bookkeeping.
 SETTLED = frozenset({"r", "lora_alpha", "lora_dropout", "target_modules", "init_lora_weights", "loftq_config",
                      "eva_config", "corda_config", "lora_ga_config", "task_type", "peft_type", "auto_mapping",
-                     "peft_version", "base_model_name_or_path", "revision", "inference_mode"})
+                     "peft_version", "base_model_name_or_path", "revision", "inference_mode", "modules_to_save",
+                     "ensure_weight_tying"})  # the saved modules: read off the modules, their tying checked (lora_of)
 
 
 class AdaptersRefused(ValueError):
@@ -62,7 +63,7 @@ def lora_of(model, names: dict[int, str]) -> dict | None:
     if config.lora_dropout:
         raise AdaptersRefused(f"LoRA dropout {config.lora_dropout} (lora_dropout): the replay cannot draw the dropout "
                               f"masks your run drew, so it would train other adapters; train with lora_dropout=0")
-    from parity.models.adapters import ADAPTER_NAME, lora_settings, peft_config
+    from parity.models.adapters import ADAPTER_NAME, SAVED_COPY, lora_settings, peft_config
 
     if adapter != ADAPTER_NAME:
         raise AdaptersRefused(f"the adapter is named {adapter!r}: the harness names its one adapter {ADAPTER_NAME!r} "
@@ -76,12 +77,27 @@ def lora_of(model, names: dict[int, str]) -> dict | None:
                               f"build them")
     lora_a = f".lora_A.{ADAPTER_NAME}."  # in the name of each adapted module's first adapter: its module's last part
     targets = sorted({name.split(lora_a)[0].rsplit(".", 1)[-1] for name in names.values() if lora_a in name})
+    saved = sorted({name.split(SAVED_COPY)[0].rsplit(".", 1)[-1] for name in names.values() if SAVED_COPY in name})
+    _check_tying(model, config, saved)
     try:
-        lora = lora_settings(int(config.r), float(config.lora_alpha), 0.0, ",".join(targets), model.config)
+        lora = lora_settings(int(config.r), float(config.lora_alpha), 0.0, ",".join(targets), model.config,
+                             ",".join(saved) or None)
     except ConfigError as exc:
         raise AdaptersRefused(f"LoRA adapters the harness cannot build ({str(exc).split(': ', 1)[-1]})") from None
     _check_built(model, names, lora)
     return lora
+
+
+def _check_tying(model, config, saved: list[str]) -> None:
+    """A tied model's embedding (or lm_head) saved whole without peft's ensure_weight_tying — peft's default — trains
+    the embedding's copy while lm_head keeps the frozen original (peft warns, and goes on): the harness trains the tied
+    pair as one copy. AdaptersRefused, one line."""
+    ends = {"embed_tokens", "lm_head"} & set(saved)
+    if ends and model.config.tie_word_embeddings and not getattr(config, "ensure_weight_tying", False):
+        raise AdaptersRefused(f"modules_to_save {','.join(sorted(ends))} of a model with tied embeddings, without "
+                              f"ensure_weight_tying: peft trains a copy of the embedding and leaves lm_head the frozen "
+                              f"original, so the tie is broken; the harness trains them as one weight: pass "
+                              f"ensure_weight_tying=True to LoraConfig")
 
 
 def _check_built(model, names: dict[int, str], lora: dict) -> None:
@@ -106,30 +122,21 @@ def _check_built(model, names: dict[int, str], lora: dict) -> None:
         raise AdaptersRefused(f"the run freezes the adapter {frozen[0]}: the replay trains every adapter")
 
 
-def base_and_adapters(state: dict, trained: list[str]) -> tuple[dict, dict]:
-    """A full state dict under the harness's names split into (the base under a stock model's names: peft's
-    `X.base_layer.weight` is `X.weight` again; the adapters, `trained`), as a harness LoRA run keeps them in the
-    init-weights file and the adapters' file beside it."""
-    from parity.models.adapters import stock_name
-
-    adapters = {n: state[n] for n in trained}
-    return {stock_name(k): v for k, v in state.items() if k not in adapters}, adapters
-
-
 def save_initial_weights(layout, path: str, state: dict | None) -> str:
     """Rank 0: the recorded model's initial weights written to `path` (its full `state` under the harness's names, or
     the module's own where it is whole: the layout's, sharded.py) and, for a LoRA run, its adapters beside it
     (adapters.adapters_path, with the settings they are and the base's sha256); returns the init-weights file's
     sha256 — a LoRA run's as the harness's worker makes it (prepare_model): the base file's, "+", the adapters'."""
-    from parity.models.adapters import adapters_path, save_adapters
+    from parity.models.adapters import adapters_path, base_state_dict, save_adapters
     from parity.models.model import save_init_weights
 
     model = layout.model
     if layout.lora is None:
         return save_init_weights(model, path, state)
-    base, adapters = base_and_adapters(state if state is not None else model.state_dict(), layout.tensor_names())
-    sha = save_init_weights(model, path, base)
+    state, trained = state if state is not None else model.state_dict(), layout.tensor_names()
+    adapters = {n: state[n] for n in trained}
+    sha = save_init_weights(model, path, base_state_dict(state, trained))
     return f"{sha}+{save_adapters(model, layout.lora, sha, adapters_path(path), adapters)}"
 
 
-__all__ = ["AdaptersRefused", "base_and_adapters", "lora_of", "peft_inner", "save_initial_weights"]
+__all__ = ["AdaptersRefused", "lora_of", "peft_inner", "save_initial_weights"]

@@ -275,7 +275,8 @@ def _recorded_adapters(record_file: str, weights: str, lora: dict | None) -> dic
     except ConfigError as exc:
         raise ConfigError(f"--replay_record {storage.name(record_file)}: {str(exc).split(': ')[0]}: copy the record's "
                           f"whole folder (recorded_*/ beside it) or record the run again") from None
-    return {"lora_r": lora["r"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"])}
+    return {"lora_r": lora["r"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"]),
+            "lora_modules_to_save": ",".join(lora["modules_to_save"]) if lora.get("modules_to_save") else None}
 
 
 def _check_groups(record_file: str, cfg) -> None:

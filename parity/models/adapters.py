@@ -30,17 +30,20 @@ from parity.errors import ConfigError
 
 ADAPTERS_FORMAT = "parity-lora-adapters/1"
 ADAPTER_NAME = "default"  # peft's name of the one adapter (in every adapter parameter's name)
+SAVED_COPY = f".modules_to_save.{ADAPTER_NAME}."  # in the name of a saved module's trained copy (save_settings)
 ADAPTER_FOLDER = "adapter"  # the final model folder's peft layout (the merged model is the folder itself)
 
 
-def lora_settings(r: int | None, alpha: float | None, dropout: float, targets: str | None, model_config) -> dict | None:
+def lora_settings(r: int | None, alpha: float | None, dropout: float, targets: str | None, model_config,
+                  modules_to_save: str | None = None) -> dict | None:
     """The run's adapters from the --lora_* flags (None without --lora_r): {"r", "alpha", "dropout", "targets"}, the
-    targets resolved (given, else peft's default for the family) and checked against the model's modules.
+    targets resolved (given, else peft's default for the family) and checked against the model's modules, and
+    "modules_to_save" where --lora_modules_to_save names modules trained whole beside the adapters (save_settings).
     ConfigError, one line, for settings the harness cannot compare."""
     if r is None:
-        if alpha is not None or targets is not None or dropout:
-            raise ConfigError("--lora_alpha, --lora_dropout and --lora_targets set up LoRA adapters, which --lora_r "
-                              "turns on: pass --lora_r R (e.g. --lora_r 8)")
+        if alpha is not None or targets is not None or dropout or modules_to_save is not None:
+            raise ConfigError("--lora_alpha, --lora_dropout, --lora_targets and --lora_modules_to_save set up LoRA "
+                              "adapters, which --lora_r turns on: pass --lora_r R (e.g. --lora_r 8)")
         return None
     _require_peft()
     if r < 1:
@@ -64,8 +67,35 @@ def lora_settings(r: int | None, alpha: float | None, dropout: float, targets: s
         raise ConfigError(f"--lora_targets {','.join(unknown) or repr(targets)} names no linear layer of "
                           f"{model_config.model_type} (its linear layers: {', '.join(sorted(set(names)))}): name some "
                           f"of them")
-    return {"r": int(r), "alpha": float(alpha if alpha is not None else 2 * r), "dropout": 0.0,
-            "targets": sorted(set(chosen))}
+    settings = {"r": int(r), "alpha": float(alpha if alpha is not None else 2 * r), "dropout": 0.0,
+                "targets": sorted(set(chosen))}
+    saved = save_settings(modules_to_save, settings["targets"], model_config)
+    return {**settings, "modules_to_save": saved} if saved else settings
+
+
+def save_settings(modules_to_save: str | None, targets: list[str], model_config) -> list[str]:
+    """--lora_modules_to_save: the modules (by their last name part, as peft's modules_to_save matches them) that
+    train whole beside the adapters — peft keeps each module's original frozen and trains a copy of it
+    (`<module>.modules_to_save.default`, the original at `<module>.original_module`). Checked against the model: a
+    module it has, holding parameters, and not an adapter target. A tied family's embedding and lm_head are one
+    weight: naming either trains one copy of it, tied in both places (peft's ensure_weight_tying, peft_config)."""
+    if modules_to_save is None:
+        return []
+    from parity.models.model import meta_model
+
+    chosen = sorted({m.strip() for m in modules_to_save.split(",") if m.strip()})
+    modules = {name.rsplit(".", 1)[-1] for name, module in meta_model(model_config).named_modules()
+               if name and any(True for _ in module.parameters(recurse=False))}
+    unknown = [m for m in chosen if m not in modules]
+    if unknown or not chosen:
+        raise ConfigError(f"--lora_modules_to_save {','.join(unknown) or repr(modules_to_save)} names no module of "
+                          f"{model_config.model_type} that holds parameters (its modules: {', '.join(sorted(modules))})"
+                          f": name some of them")
+    both = sorted(set(chosen) & set(targets))
+    if both:
+        raise ConfigError(f"--lora_modules_to_save {','.join(both)} is also a LoRA target: a module trains either "
+                          f"whole or through adapters; name it in one of --lora_targets and --lora_modules_to_save")
+    return chosen
 
 
 def _require_peft() -> None:
@@ -84,18 +114,22 @@ def _linear_names(model_config) -> list[str]:
             if isinstance(module, torch.nn.Linear) and name != "lm_head"]
 
 
-def peft_config(lora: dict):
+def peft_config(lora: dict, tied: bool = False):
+    """peft's LoraConfig of the run's adapters; `tied`: the model ties lm_head to its embedding, so that a module saved
+    whole among them is one trained copy in both places (ensure_weight_tying)."""
     from peft import LoraConfig
 
+    saved = list(lora.get("modules_to_save", []))
     return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      target_modules=list(lora["targets"]), task_type="CAUSAL_LM")
+                      target_modules=list(lora["targets"]), task_type="CAUSAL_LM", modules_to_save=saved or None,
+                      ensure_weight_tying=bool(saved) and tied)
 
 
 def peft_model(model, lora: dict):
     """peft's PeftModel around `model` (adapters injected in place, the base frozen)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config(lora))
+    return get_peft_model(model, peft_config(lora, bool(model.config.tie_word_embeddings)))
 
 
 def add_adapters(model, lora: dict | None):
@@ -126,16 +160,19 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def base_state_dict(model) -> dict[str, torch.Tensor]:
-    """The base's state dict of a model add_adapters made, under a stock model's names (stock_name), its adapters left
-    out: what save_pretrained writes for from_pretrained to load the base."""
-    adapters = set(adapter_names(model))
-    return {stock_name(n): t for n, t in model.state_dict().items() if n not in adapters}
+def base_state_dict(state: dict[str, torch.Tensor], trained: list[str]) -> dict[str, torch.Tensor]:
+    """The base of a state dict under the names add_adapters gives (a model's, or a recorder's gathered one), under a
+    stock model's names (stock_name): what trains (`trained`) left out, and the trained copies of saved modules under
+    every name they are tied to (lm_head's copy of a tied embedding's). What save_pretrained writes for
+    from_pretrained to load the base; what a harness LoRA run's init-weights file holds."""
+    left_out = set(trained)
+    return {stock_name(n): t for n, t in state.items() if n not in left_out and SAVED_COPY not in n}
 
 
 def stock_name(name: str) -> str:
-    """A base tensor's name in a stock model: peft's `<projection>.base_layer.weight` is `<projection>.weight`."""
-    return name.replace(".base_layer.", ".")
+    """A base tensor's name in a stock model: peft's `<projection>.base_layer.weight` is `<projection>.weight`, as a
+    saved module's frozen original `<module>.original_module.weight` is `<module>.weight`."""
+    return name.replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
 def assign_adapters(model, state: dict[str, torch.Tensor]) -> None:
@@ -250,7 +287,7 @@ def save_lora_checkpoint(params: dict[str, torch.Tensor], config, lora: dict, di
 
     transformers_logging.disable_progress_bar()
     wrapped = peft_model(meta_model(config), lora)
-    hold_full_parameters(wrapped.base_model.model, params, config)
+    hold_full_parameters(wrapped.base_model.model, params)
     with storage.directory_writer(directory) as staging:
         wrapped.save_pretrained(os.path.join(staging, ADAPTER_FOLDER))
         wrapped.merge_and_unload().save_pretrained(staging, safe_serialization=True)

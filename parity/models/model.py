@@ -269,20 +269,33 @@ def save_hf_checkpoint(params: dict[str, torch.Tensor], config, directory: str) 
 
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per run is noise in the logs
     model = meta_model(config)
-    hold_full_parameters(model, params, config)
+    hold_full_parameters(model, params)
     with storage.directory_writer(directory) as staging:
         model.save_pretrained(staging, safe_serialization=True)
 
 
-def hold_full_parameters(model, params: dict[str, torch.Tensor], config) -> None:
+def hold_full_parameters(model, params: dict[str, torch.Tensor]) -> None:
     """Make `model` (the config's causal LM on the meta device, LoRA's adapters added or not) hold `params` — full
-    tensors under its names, a tied weight once — assigned, not copied, and tie its weights. ValueError where they do
-    not fit: a writer of the final model never writes another model's."""
-    from parity.models.families import family_of
-
+    tensors under its names, a tied weight once — assigned, not copied, and keep its ties. ValueError where they do
+    not fit: a writer of the final model never writes another model's. The ties are read off the model itself (a
+    parameter reached under two names): the stock lm_head, and with --lora_modules_to_save peft's tied copies."""
+    aliases = tied_aliases(model)
     missing, unexpected = model.load_state_dict(params, strict=False, assign=True)
-    family = family_of(config)
-    tied = {f"{family.final[-1]}.weight"} if family.tied else set()
-    if set(missing) - tied or unexpected:
+    if set(missing) - set(aliases) or unexpected:
         raise ValueError(f"full parameters do not match the model: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
+    for alias, source in aliases.items():
+        owner, _, leaf = alias.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(source))
+
+
+def tied_aliases(model) -> dict[str, str]:
+    """{name: the name it is tied to} of each parameter `model` reaches under more than one name (the later names:
+    named_parameters gives each parameter once, under its first)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            aliases[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return aliases

@@ -136,12 +136,19 @@ def apply_tp(model, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
 
 def layer_rules(layer, rules: dict) -> dict:
     """The rules of a plan that name a module of this decoder layer; a module peft wrapped in a LoRA layer
-    (--lora_r: parity/models/adapters.py) by adapter_rules."""
+    (--lora_r: parity/models/adapters.py) by adapter_rules, and one it saves whole (--lora_modules_to_save) by the
+    module's rule for both its frozen original and its trained copy."""
     names = dict(layer.named_modules())
     found = {}
     for name, style in rules.items():
-        if name in names:
-            found.update(adapter_rules(name, style) if hasattr(names[name], "lora_A") else {name: style})
+        if name not in names:
+            continue
+        if hasattr(names[name], "lora_A"):
+            found.update(adapter_rules(name, style))
+        elif hasattr(names[name], "modules_to_save"):
+            found.update({f"{name}.original_module": style, f"{name}.modules_to_save.{ADAPTER}": style})
+        else:
+            found[name] = style
     return found
 
 
@@ -163,14 +170,15 @@ def adapter_rules(name: str, style: ParallelStyle) -> dict:
 
 def local_output_of(plan: TPPlan, name: str) -> tuple[int, int] | None:
     """The plan's local output (TPPlan.local_outputs) of the layer's module `name`, LoRA's modules too: a wrapped
-    projection's base_layer and (colwise) lora_B hold the piece of its output the projection would (adapter_rules); the
+    projection's base_layer and (colwise) lora_B hold the piece of its output the projection would (adapter_rules), as a
+    saved module's original and copy do (layer_rules); the
     adapters' dropout (an identity at --lora_dropout 0) outputs the projection's input, a rowwise one's shard of it."""
     dropout = f".lora_dropout.{ADAPTER}"
     if name.endswith(dropout):
         style = plan.layer.get(name[:-len(dropout)])
         sharded = isinstance(style, RowwiseParallel) and isinstance(style.input_layouts[0], Shard)
         return (-1, 1) if sharded else None
-    for suffix in (".base_layer", f".lora_B.{ADAPTER}"):
+    for suffix in (".base_layer", f".lora_B.{ADAPTER}", ".original_module", f".modules_to_save.{ADAPTER}"):
         if name.endswith(suffix):
             name = name[:-len(suffix)]
     return plan.local_outputs.get(name)
