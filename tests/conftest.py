@@ -290,6 +290,25 @@ def lora_group(root, tiny_weights, setting: dict, runs: dict) -> dict:
     return {name: (root / name, record) for name, record in zip(planned, records)}
 
 
+def assert_lora_parity(runs: dict, name: str, baseline: str = "ddp"):
+    """A LoRA run of lora_group's against its baseline's: the same batches; every step's loss, pre-clip grad norm and
+    parameter norm (what trains) within 1e-5 and the final merged model's tensors within the fp32 bound
+    (assert_fp32_parity); the replicas bit-identical (the frozen base checked unmoved among them); the teacher-forced
+    step from the run's state within 1e-5 at step 0; the same adapter settings, and the tensor series under the same
+    names, within 1e-5 at step 0. Returns the two series (the run's, the baseline's)."""
+    folder, run = runs[name]
+    base_folder, base = runs[baseline]
+    assert_fp32_parity(run, base)
+    assert_replicas_held(run)
+    checked = run["steps"][0]["teacher_forced"]["tensors"]
+    assert max(checked.values()) < FP32_RTOL, max(checked.items(), key=lambda kv: kv[1])
+    ours, theirs = tensor_series(run, folder), tensor_series(base, base_folder)
+    assert ours.names == theirs.names
+    assert max(abs(a / b - 1) for a, b in zip(ours.grad_norm[0], theirs.grad_norm[0]) if b) < FP32_RTOL
+    assert run["config"]["lora"] == base["config"]["lora"]
+    return ours, theirs
+
+
 def copy_record(record: dict | str, folder) -> str:
     """A loss record (a record's data, or its path) copied into `folder` with its tensor series
     (loss_<name>.tensors, parity/training/tensor_series.py), as a user copies a run's outputs; returns the copy's

@@ -4,7 +4,8 @@ The pipeline splits the model with its adapters into stages (each stage steps it
 is frozen in both places); transformers' from_pretrained shards the base and peft places the adapters by its TP plan
 (a colwise projection's lora_B colwise, a rowwise one's lora_A rowwise). Every run is the shared loop in one local gloo
 group of 2 ranks: DDP at DP 2 the baseline; the pipeline at pp2 (1F1B with 2 micro-batches, GPipe with 4) and
-transformers' TP at tp2 beside it, with the seeded bug of a transformers copy whose adapters keep peft's own draw.
+transformers' TP at tp2 beside it, with the seeded bug of a transformers copy whose adapters keep peft's own draw; and
+LoRA + packing where no other test packs (FSDP2 at DP 2, ZeRO-0, transformers' TP2), against DDP's packed run.
 qwen2-tiny, adapters of rank 4 on the five projections transformers' plan shards colwise (q, k, v, gate, up: it refuses
 rowwise ones at tp > 1), seq 64, 3 steps, lr 1e-4, global batch 8.
 """
@@ -14,13 +15,14 @@ import shutil
 
 import pytest
 
-from conftest import FP32_RTOL, assert_fp32_parity, assert_replicas_held, lora_group, tensor_series
+from conftest import FP32_RTOL, assert_lora_parity, lora_group
 from parity.calibration.lora_bugs import TransformersAdaptersRedrawn
 
 TARGETS = "q_proj,k_proj,v_proj,gate_proj,up_proj"  # the colwise ones: transformers refuses rowwise targets at tp > 1
 SETTING = {"model_name": "qwen2-tiny", "seq_length": 64, "debug_steps": 3, "learning_rate": 1e-4, "log_interval": 3,
            "checkpoint_interval": 0, "precision": "fp32", "batch_size": 4, "lora_r": 4, "lora_targets": TARGETS}
 PP2 = {"num_workers": 2, "pp_size": 2, "batch_size": 8}
+PACKED = {"packing": True}
 RUNS = {  # name → (strategy, flags); "ddp" is the baseline
     "ddp": ("ddp", {"num_workers": 2}),
     "pipeline_1f1b": ("pipeline", PP2),
@@ -28,8 +30,13 @@ RUNS = {  # name → (strategy, flags); "ddp" is the baseline
     "transformers_tp2": ("transformers", {"num_workers": 2, "tp_size": 2, "batch_size": 8}),
     "bug_transformers_redrawn": ("transformers", {"num_workers": 2, "tp_size": 2, "batch_size": 8,
                                                   "strategy_class": TransformersAdaptersRedrawn}),
+    # LoRA + packing where no other test packs: each against DDP's packed run
+    "ddp_packed": ("ddp", {"num_workers": 2, **PACKED}),
+    "fsdp_dp2_packed": ("fsdp", {"num_workers": 2, **PACKED}),
+    "zero0_packed": ("deepspeed", {"num_workers": 2, "zero_stage": 0, **PACKED}),
+    "transformers_tp2_packed": ("transformers", {"num_workers": 2, "tp_size": 2, "batch_size": 8, **PACKED}),
 }
-CHECKED = [name for name in RUNS if name != "ddp" and not name.startswith("bug_")]
+CHECKED = [name for name in RUNS if name not in ("ddp", "ddp_packed") and not name.startswith("bug_")]
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +48,11 @@ def runs(tiny_weights, tmp_path_factory):
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_each_strategy_trains_ddps_adapters_in_fp32(runs, name):
-    """The same batches; every step's loss, pre-clip grad norm and parameter norm (the adapters') within 1e-5 of DDP's,
-    and the final merged model's tensors within the fp32 bound (assert_fp32_parity); the replicas bit-identical (the
-    frozen base checked unmoved among them); the teacher-forced step from each run's state within 1e-5 at step 0; the
-    tensor series name the adapters alone, as DDP's do, at step 0 within 1e-5."""
-    folder, run = runs[name]
-    base_folder, base = runs["ddp"]
-    assert_fp32_parity(run, base)
-    assert_replicas_held(run)
-    checked = run["steps"][0]["teacher_forced"]["tensors"]
-    assert max(checked.values()) < FP32_RTOL, max(checked.items(), key=lambda kv: kv[1])
-    ours, theirs = tensor_series(run, folder), tensor_series(base, base_folder)
-    assert ours.names == theirs.names and all(".lora_" in n for n in ours.names) and len(ours.names) == 2 * 5 * 2
-    assert max(abs(a / b - 1) for a, b in zip(ours.grad_norm[0], theirs.grad_norm[0]) if b) < FP32_RTOL
-    assert run["config"]["lora"] == base["config"]["lora"]
+    """Against DDP's LoRA run (packed runs against DDP's packed one), at fp32 parity step by step, the replicas held,
+    the teacher-forced step within 1e-5 (assert_lora_parity); the tensor series name the adapters alone."""
+    ours, _ = assert_lora_parity(runs, name, "ddp_packed" if name.endswith("_packed") else "ddp")
+    assert all(".lora_" in n for n in ours.names) and len(ours.names) == 2 * 5 * 2
+    assert runs[name][1]["config"]["packing"] == name.endswith("_packed")
 
 
 def compared(runs, names, folder, capsys) -> tuple[int, str, dict]:

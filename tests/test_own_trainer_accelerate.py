@@ -43,9 +43,9 @@ COPIES = {
                                         "                f'{accelerator.num_processes}')\n"
                                         "    return rec.close()")],
 }
-ALONE_LINE = (f"parity recorder: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone "
-              f"(accelerate's DistributedType.NO, num_processes 1: on CPU accelerate forms a process group only with "
-              f"cpu=True): pass Accelerator(cpu=True) or set ACCELERATE_USE_CPU=1: recording nothing")
+ALONE_LINE = ("parity recorder: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone "
+              "(accelerate's DistributedType.NO, num_processes 1: on CPU accelerate forms a process group only with "
+              "cpu=True): pass Accelerator(cpu=True) or set ACCELERATE_USE_CPU=1: recording nothing")
 
 
 @pytest.fixture(scope="module")

@@ -166,7 +166,7 @@ def test_replay_takes_is_what_plan_replay_reads():
     import inspect
 
     from parity.integrations import replay
-    from parity.run_config import REPLAY_LOCATES, REPLAY_TAKES
+    from parity.run_config import REPLAY_LOCATES
 
     tree = ast.parse(inspect.getsource(replay.plan_replay))
     read = {node.slice.value for node in ast.walk(tree) if isinstance(node, ast.Subscript)

@@ -15,7 +15,6 @@ one more group.
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
