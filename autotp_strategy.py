@@ -430,7 +430,8 @@ class DeepSpeedStrategy(Strategy):
         self.engine.step()
         seen = set()
         for module_name, module in self.engine.module.named_modules():
-            named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            named = [(n, p) for n, p in module.named_parameters(recurse=False)
+                     if id(p) not in seen and p.requires_grad]  # LoRA's frozen base has no moments
             seen.update(id(p) for _, p in named)
             for key in ("exp_avg", "exp_avg_sq"):
                 full = [moments[f"{module_name}.{n}" if module_name else n][key].clone() for n, _ in named]

@@ -79,7 +79,8 @@ class DDPStrategy(Strategy):
         return local_norm(self.policy_optimizer.master_parameters())
 
     def set_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        self.policy_optimizer.set_moments([(p, moments[n]) for n, p in self.model.module.named_parameters()], step)
+        self.policy_optimizer.set_moments([(p, moments[n]) for n, p in self.model.module.named_parameters()
+                                           if p.requires_grad], step)
 
     def model_state_bytes(self) -> dict:
         """The full parameters, their gradients and Adam's state, plus the reducer's gradient buckets: DDP
@@ -116,15 +117,16 @@ class DDPStrategy(Strategy):
         self.policy_optimizer.load_state_dict(state)
 
     @staticmethod
-    def read_full_state(directory: str, model_config) -> tuple[dict, dict, int]:
+    def read_full_state(directory: str, model_config, lora: dict | None = None) -> tuple[dict, dict, int]:
         """A DDP checkpoint as full tensors under Hugging Face names: (the model's state dict, AdamW's moments
         {name: {"exp_avg", "exp_avg_sq"}}, the optimizer's step count), for the layer check's replay. The
-        optimizer's state dict numbers the parameters in the model's parameter order, which names them; a policy's fp32
-        master copies (bf16_params, fp16), in the same order, are the weights."""
-        from parity.models.model import parameter_names
+        optimizer's state dict numbers the parameters it steps in the model's parameter order, which names them (with
+        LoRA, `lora`, the adapters alone: the state dict is the PEFT model's); a policy's fp32 master copies
+        (bf16_params, fp16), in the same order, are the weights."""
+        from parity.models.adapters import trained_parameter_names
 
         state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
-        names = parameter_names(model_config)
+        names = trained_parameter_names(model_config, lora)
         optimizer = state["optimizer"]
         order = optimizer["param_groups"][0]["params"]
         moments = {names[i]: {key: optimizer["state"][index][key] for key in ("exp_avg", "exp_avg_sq")}

@@ -219,3 +219,59 @@ def test_the_layer_check_compares_the_adapters_under_tp(tmp_path, capsys):
     # the saved tied embedding: its trained copy's output at both ends and its one gradient
     assert {"output/model.embed_tokens.modules_to_save.default", "output/lm_head.modules_to_save.default",
             "grad/model.embed_tokens.modules_to_save.default.weight"} <= keys
+
+
+@pytest.fixture(scope="module")
+def checkpointed(ray_cluster, tmp_path_factory):
+    """A LoRA run as a user trains it, through Ray Train: DDP at DP 2 saving its own initial weights (the base and the
+    adapters beside it), packed rows, the input norms saved whole beside the adapters, 4 steps with a checkpoint at
+    steps 2 and 4. Returns (its record, its run folder)."""
+    from conftest import train
+
+    out = tmp_path_factory.mktemp("lora_checkpointed")
+    flags = {**SETTING, **DP2, **PACKING, "debug_steps": 4, "checkpoint_interval": 2, "log_interval": 2,
+             "lora_modules_to_save": "input_layernorm", "init_weights_path": out / "w" / "init_weights.pt",
+             "save_init_weights": True}
+    run = train("ddp", out, **flags)
+    return run, str(out / "ray" / run["config"]["experiment_name"])
+
+
+def test_the_layer_check_replays_a_lora_runs_step(checkpointed, tmp_path, capsys):
+    """run_verification.py --replay of the LoRA run's step 3 (local processes): the folder gets the checkpoint of step 2
+    as its weights — the base under stock names, the adapters and the saved norms' copies in the adapters' file beside
+    it, AdamW's moments theirs — and DDP, FSDP2 and ZeRO (DeepSpeed at TP 1) each load it in their own form, train
+    step 2 and record step 3: DDP's is the run's own step 3 (loss and grad norm), the three agree module by module
+    (measured: bit-identical at DP 2). Step 1 starts from the run's initial weights and adapters (no checkpoint before
+    it) and is the run's step 1 too. --lora_r with --replay is one line: the run's adapters are the replay's."""
+    from safetensors.torch import load_file
+
+    from parity.commands.layer_check import main as run_verification
+    from parity.models.adapters import adapters_path
+
+    run, folder = checkpointed
+    common = ["--launcher", "local", "--device", "cpu", "--replay", folder]
+    out = tmp_path / "step_3"
+    code = run_verification([*common, "--step", "3", "--strategy", "ddp", "fsdp", "deepspeed", "--tp_size", "1",
+                             "--dp_size", "2", "--output_dir", str(out)])
+    printed = capsys.readouterr().out
+    pairs = json.loads((out / "layer_comparison.json").read_text())["pairs"]
+    assert code == 0 and len(pairs) == 3 and {p["verdict"] for p in pairs} == {"PASS"}, printed
+    assert max(v for p in pairs for v in p["max_rel_diff"].values()) < FP32_RTOL
+    keys = {row["key"] for row in pairs[0]["rows"]}
+    assert {"grad/model.layers.1.self_attn.q_proj.lora_A.default.weight",
+            "param/model.layers.0.input_layernorm.modules_to_save.default.weight",
+            "output/model.layers.1.mlp.down_proj.base_layer"} <= keys
+    for step, where in ((3, out), (1, tmp_path / "step_1")):
+        if step == 1:
+            assert run_verification([*common, "--step", "1", "--strategy", "ddp", "--output_dir", str(where)]) == 0
+        meta = json.loads((where / "dump_ddp.json").read_text())
+        assert meta["replay"]["checkpoint"] == (f"{folder}/step_000002" if step == 3 else None)
+        assert meta["loss"] == pytest.approx(run["steps"][step]["loss"], rel=1e-6)
+        assert meta["grad_norm"] == pytest.approx(run["steps"][step]["grad_norm"], rel=1e-6)
+    adapters = load_file(adapters_path(str(out / "init_weights.safetensors")))
+    initial = load_file(adapters_path(run["config"]["init_weights_path"]))
+    assert sorted(adapters) == sorted(initial) and len(adapters) == 2 * 4 * 2 + 2
+    assert all(float((adapters[n] - initial[n]).abs().max()) > 0 for n in adapters)  # step 2's, not the initial ones
+    assert not any(".lora_" in n or "base_layer" in n for n in load_file(out / "init_weights.safetensors"))
+    refused = run_verification([*common, "--step", "3", "--lora_r", "4", "--output_dir", str(tmp_path / "x")])
+    assert refused == 2 and "error: --lora_r comes from the run in a replay: drop it" in capsys.readouterr().err

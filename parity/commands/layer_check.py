@@ -193,6 +193,7 @@ def _cluster(args):
 def _replay_start(args):
     """--replay's start, after the flags it fixes are checked; None without --replay."""
     from parity.layer_check.replay import KEPT, find_start
+    from parity.models.adapters import LORA_FLAGS
 
     if args.replay is None:
         if args.step is not None:
@@ -204,15 +205,10 @@ def _replay_start(args):
         raise ConfigError(f"--replay {args.replay}: a replay reads the run's checkpoints from a folder of this "
                           f"machine: copy the run folder here (or use a shared mount) and pass its path")
     # the layer check's flags among them, given (a switch such as --packing: set)
-    given = [name for name in KEPT if getattr(args, name, None) not in (None, False)]
+    given = [name for name in (*KEPT, *LORA_FLAGS) if getattr(args, name, None) not in (None, False)]
     if given:
         raise ConfigError(f"--{given[0]} comes from the run in a replay: drop it")
-    start = find_start(args.replay, args.step)
-    if start.config.get("lora") or args.lora_r is not None:
-        raise ConfigError(f"--replay of a LoRA run (or with --lora_r): the replay reads a checkpoint under the stock "
-                          f"model's names, not yet its adapters': run the layer check of a fresh step with --lora_r "
-                          f"{(start.config.get('lora') or {}).get('r', args.lora_r)} instead")
-    return start
+    return find_start(args.replay, args.step)
 
 
 def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay, path: str) -> dict:
@@ -221,6 +217,7 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
     model, data and optimizer settings, and its global batch."""
     from parity.layer_check.replay import KEPT
     from parity.layout import given_pp_size, job_layout
+    from parity.models.adapters import lora_flags
     from parity.registry import load
 
     cls = load(path)
@@ -232,7 +229,7 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
         if batch * dp != replay.global_batch_size:
             raise ConfigError(f"--dp_size {dp} × --batch_size {batch} is not the run's global batch "
                               f"({replay.global_batch_size}): a replay keeps it")
-        values = {k: replay.config.get(k) for k in KEPT}
+        values = {**{k: replay.config.get(k) for k in KEPT}, **lora_flags(replay.config.get("lora"))}
     else:
         batch = _given(args.batch_size, 2)
         on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= layout["num_workers"])

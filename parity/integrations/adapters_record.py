@@ -92,8 +92,10 @@ def _check_tying(model, config, saved: list[str]) -> None:
     """A tied model's embedding (or lm_head) saved whole without peft's ensure_weight_tying — peft's default — trains
     the embedding's copy while lm_head keeps the frozen original (peft warns, and goes on): the harness trains the tied
     pair as one copy. AdaptersRefused, one line."""
-    ends = {"embed_tokens", "lm_head"} & set(saved)
-    if ends and model.config.tie_word_embeddings and not getattr(config, "ensure_weight_tying", False):
+    from parity.models.adapters import tied_ends
+
+    ends = tied_ends(model.config) & set(saved)
+    if ends and not getattr(config, "ensure_weight_tying", False):
         raise AdaptersRefused(f"modules_to_save {','.join(sorted(ends))} of a model with tied embeddings, without "
                               f"ensure_weight_tying: peft trains a copy of the embedding and leaves lm_head the frozen "
                               f"original, so the tie is broken; the harness trains them as one weight: pass "

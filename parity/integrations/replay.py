@@ -263,10 +263,9 @@ def _check_weights(record_file: str, path: str, folder: str) -> None:
 
 
 def _recorded_adapters(record_file: str, weights: str, lora: dict | None) -> dict:
-    """A LoRA run's adapters as the flags that build them (--lora_r, --lora_alpha, --lora_targets: its settings,
-    RunConfig.lora), once their initial weights beside the record's are found to be those adapters' (the file
+    """A LoRA run's adapters as the flags that build them (adapters.lora_flags: its settings, RunConfig.lora), once their initial weights beside the record's are found to be those adapters' (the file
     adapters.adapters_path names); {} for a run without adapters."""
-    from parity.models.adapters import check_adapters
+    from parity.models.adapters import check_adapters, lora_flags
 
     if not lora:
         return {}
@@ -275,8 +274,7 @@ def _recorded_adapters(record_file: str, weights: str, lora: dict | None) -> dic
     except ConfigError as exc:
         raise ConfigError(f"--replay_record {storage.name(record_file)}: {str(exc).split(': ')[0]}: copy the record's "
                           f"whole folder (recorded_*/ beside it) or record the run again") from None
-    return {"lora_r": lora["r"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"]),
-            "lora_modules_to_save": ",".join(lora["modules_to_save"]) if lora.get("modules_to_save") else None}
+    return lora_flags(lora)
 
 
 def _check_groups(record_file: str, cfg) -> None:

@@ -89,23 +89,36 @@ def _meta(folder: str) -> dict | None:
 
 
 def write_folder(start: ReplayStart, out: str, weights_path: str, inputs_path: str, batches) -> None:
-    """[2] The layer-check folder's weights, moments, inputs and replay.json, on the driver."""
+    """[2] The layer-check folder's weights, moments, inputs and replay.json, on the driver. A LoRA run's state is
+    its PEFT model's: the base goes into the weights under stock names, the adapters (and saved modules' copies) into
+    the adapters' file beside them, as a LoRA run's --save_init_weights writes them, and the moments are theirs."""
     from safetensors.torch import save_file
 
     from parity.layer_check.inputs import write_inputs
+    from parity.models.adapters import (adapter_names, adapters_path, add_adapters, base_state_dict, load_adapters,
+                                        save_adapters)
     from parity.models.model import build_model, load_init_weights, model_config_from_dict, save_init_weights
 
+    lora = start.config.get("lora")
     model = build_model(model_config_from_dict(start.config["model_config"]), start.config["seed"])
     if start.checkpoint is None:
         load_init_weights(model, start.config["init_weights_path"])
+        model = add_adapters(model, lora)
+        if lora is not None:
+            load_adapters(model, adapters_path(start.config["init_weights_path"]), lora)
     else:
+        model = add_adapters(model, lora)
         baseline = registry.load(start.config["strategy_path"])  # DDP's class (checked above), by the run's own path
-        weights, moments, count = baseline.read_full_state(start.checkpoint, model.config)
+        weights, moments, count = baseline.read_full_state(start.checkpoint, model.config, lora)
         model.load_state_dict(weights)
         tensors = {f"{key}/{name}": m[key].contiguous() for name, m in moments.items() for key in m}
         with atomic_path(os.path.join(out, OPTIMIZER_FILE)) as tmp:
             save_file(tensors, tmp, metadata={"step": str(count)})
-    save_init_weights(model, weights_path)
+    if lora is None:
+        save_init_weights(model, weights_path)
+    else:
+        sha = save_init_weights(model, weights_path, base_state_dict(model.state_dict(), adapter_names(model)))
+        save_adapters(model, lora, sha, adapters_path(weights_path))
     write_inputs(batches, start.config["seed"], inputs_path, step=start.step)
     write_json_atomic(os.path.join(out, REPLAY_FILE), start.describe())
 

@@ -114,22 +114,31 @@ def _linear_names(model_config) -> list[str]:
             if isinstance(module, torch.nn.Linear) and name != "lm_head"]
 
 
-def peft_config(lora: dict, tied: bool = False):
-    """peft's LoraConfig of the run's adapters; `tied`: the model ties lm_head to its embedding, so that a module saved
-    whole among them is one trained copy in both places (ensure_weight_tying)."""
+def peft_config(lora: dict, tied: frozenset = frozenset()):
+    """peft's LoraConfig of the run's adapters; `tied`: the modules the model ties (tied_ends), so that one of them
+    saved whole is one trained copy in both places (ensure_weight_tying: set only then, where peft warns otherwise)."""
     from peft import LoraConfig
 
     saved = list(lora.get("modules_to_save", []))
     return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                       target_modules=list(lora["targets"]), task_type="CAUSAL_LM", modules_to_save=saved or None,
-                      ensure_weight_tying=bool(saved) and tied)
+                      ensure_weight_tying=bool(tied & set(saved)))
+
+
+def tied_ends(config) -> frozenset:
+    """The last name parts of the embedding and lm_head where the family ties them (the seam's), as peft's
+    modules_to_save names them; none where it does not."""
+    from parity.models.families import family_of
+
+    family = family_of(config)
+    return frozenset({family.embedding.rsplit(".", 1)[-1], family.final[-1].rsplit(".", 1)[-1]} if family.tied else ())
 
 
 def peft_model(model, lora: dict):
     """peft's PeftModel around `model` (adapters injected in place, the base frozen)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config(lora, bool(model.config.tie_word_embeddings)))
+    return get_peft_model(model, peft_config(lora, tied_ends(model.config)))
 
 
 def add_adapters(model, lora: dict | None):
@@ -147,6 +156,26 @@ def run_parameter_names(config, lora: dict | None) -> list[str]:
     from parity.models.model import meta_model
 
     return [name for name, _ in add_adapters(meta_model(config), lora).named_parameters()]
+
+
+def trained_parameter_names(config, lora: dict | None) -> list[str]:
+    """What trains in a run's model, in its parameter order (the order its optimizer holds them): every parameter of
+    the stock model, or with LoRA the adapters and the saved modules' copies."""
+    from parity.models.model import meta_model, parameter_names
+
+    return adapter_names(add_adapters(meta_model(config), lora)) if lora is not None else parameter_names(config)
+
+
+def lora_flags(lora: dict | None) -> dict:
+    """The --lora_* flags that resolve to `lora` (a record's or a RunConfig's settings; none without LoRA): what a
+    replay of a LoRA run passes on, so that it builds the run's adapters."""
+    if lora is None:
+        return {}
+    return {"lora_r": lora["r"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"]),
+            "lora_modules_to_save": ",".join(lora["modules_to_save"]) if lora.get("modules_to_save") else None}
+
+
+LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_modules_to_save")
 
 
 def adapter_names(model) -> list[str]:
