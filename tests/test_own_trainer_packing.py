@@ -8,7 +8,9 @@ the Trainer record also at 1 worker (both ranks' rows on one) and at 4 (its one 
 boundaries). A Trainer run whose documents attended to each other (TrainingArguments(use_cache=True): transformers
 then masks the whole row causally) is replayed with its cache and PASSes too, its loss off the clean run's. Bad input:
 an attention implementation the replay cannot run here, workers the documents do not go round, a record whose batches
-lack the position ids its run fed — one line, exit 2, before any worker.
+lack the position ids its run fed — one line, exit 2, before any worker. verify_trainer.py --calibrate's noise
+reference for each record: a worker count whose micro-batches or sums differ from the replay's (3 workers for the
+Trainer record, whose replay at 1 is the 2 workers' bit for bit).
 
 Processes are shared: one gloo group of two ranks records the three runs one after another, and one local group per
 world size (2, 1, 4) replays them."""
@@ -145,6 +147,38 @@ def test_a_padding_free_record_replays_at_1_2_and_4_workers(runs):
     comparison = _compare(runs["hf"])
     assert comparison.word == "PASS" and comparison.results[0].bounds.calibrated
     assert _compare(runs["hf_1"]).word == "PASS"
+
+
+def test_calibrate_picks_a_worker_count_that_changes_the_arithmetic(runs, tmp_path, capsys):
+    """verify_trainer.py --calibrate's noise reference (plan_replays) on these records, without processes: the Trainer
+    record's replay at 1 worker feeds the same rows alone and sums them as the 2 workers' DDP does (gradient_sums equal
+    at every step: the fixture's replays at 1 and 2 workers are bit for bit one), so it is passed over for 3 workers,
+    each row cut once (3 pieces a step: sums unlike the 2 workers' at every step, as the 4 workers' are, whose loss is
+    4.8e-8 off theirs); TRL's record (2 rows a rank) keeps 1 worker, fewer first: its 4 rows summed in one order, not
+    two ranks' pairs; the record fed with a cache, whose rows cannot be cut, gets none, in one line."""
+    from parity.commands.verify_trainer import gradient_sums, plan_replays
+    from parity.driver.local_group import CLUSTER
+    from parity.integrations.replay import plan_replay
+
+    record = str(runs["hf"] / "loss_hf_trainer.json")
+    planned = plan_replays(record, str(tmp_path), None, True)
+    assert [(cfg.num_workers, cfg.noise_reference) for cfg, _ in planned] == [(2, False), (3, True)]
+    cut = planned[1][1](0)
+    assert len(cut.input_ids) == 3 and cut.micro_rows == ((1,),) * 3
+    sums = {w: list(gradient_sums(*plan_replay(record, {"num_workers": w}, cluster=CLUSTER))) for w in (1, 2, 4)}
+    assert [a == b for a, b in zip(sums[1], sums[2])] == [True] * STEPS
+    assert [a == b for a, b in zip(sums[4], sums[2])] == [False] * STEPS
+    assert series(_record(runs["hf_1"], "ddp"), "loss") == series(_record(runs["hf"], "ddp"), "loss")
+    (four,) = (json.loads(p.read_text()) for p in runs["hf"].glob("noise_reference_*.json"))
+    assert 0 < max_rel_diff(series(four, "loss"), series(_record(runs["hf"], "ddp"), "loss")) < 1e-5
+    planned = plan_replays(str(runs["trl"] / "loss_trl_sft.json"), str(tmp_path), None, True)
+    assert [cfg.num_workers for cfg, _ in planned] == [2, 1]
+    capsys.readouterr()
+    planned = plan_replays(str(runs["hf_cache"] / "loss_hf_trainer.json"), str(tmp_path), None, True)
+    assert [cfg.num_workers for cfg, _ in planned] == [2]
+    assert capsys.readouterr().err.splitlines() == [(
+        "verify_trainer: no other worker count splits loss_hf_trainer.json's 2 rows into other micro-batches or sums: "
+        "no noise reference at another layout")]
 
 
 def test_a_run_whose_documents_attended_to_each_other_replays_with_its_cache(runs):

@@ -199,7 +199,12 @@ def lightning_hint() -> str:
 def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool) -> list[tuple]:
     """[(RunConfig, batches)]: the replay of `record` at `num_workers` (default the record's DP size); with
     `calibrate` the noise references too: the replay at another worker count the record's rows allow (fewer workers
-    first: fewer processes on a CPU) and, for a low-precision run, in fp32 at the replay's own."""
+    first: fewer processes on a CPU; then more, fed rows cut at document boundaries beyond the rows a step holds) whose
+    arithmetic differs from the replay's (`gradient_sums`: a count that feeds the same micro-batches summed alike,
+    as fed rows regrouped whole from two ranks onto one, trains the replay bit for bit and measures no noise) and, for
+    a low-precision run, in fp32 at the replay's own."""
+    import itertools
+
     from parity import storage
     from parity.driver.local_group import local_cluster
     from parity.integrations.replay import plan_replay
@@ -218,18 +223,50 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
         return planned
     workers = planned[0][0].num_workers
     rows = planned[0][0].global_batch_size
-    for other in [*range(workers - 1, 0, -1), *range(workers + 1, rows + 1)]:
+    for other in itertools.chain(range(workers - 1, 0, -1), itertools.count(workers + 1)):
         try:
-            planned.append(plan(other, noise_reference=True))
-            break
+            reference = plan(other, noise_reference=True)
         except ConfigError:
+            if other > rows:  # more workers than any step's rows: a count refused here refuses every larger one
+                break
             continue
-    else:
-        print(f"verify_trainer: no other worker count splits {storage.name(record)}'s {rows} rows: no noise "
-              f"reference at another layout", file=sys.stderr)
+        if any(a != b for a, b in zip(gradient_sums(*reference), gradient_sums(*planned[0]))):
+            planned.append(reference)
+            break
+    if len(planned) == 1:
+        print(f"verify_trainer: no other worker count splits {storage.name(record)}'s {rows} rows into other "
+              f"micro-batches or sums: no noise reference at another layout", file=sys.stderr)
     if config["precision"] != "fp32":
         planned.append(plan(workers, noise_reference=True, precision="fp32"))
     return planned
+
+
+def gradient_sums(cfg, batches):
+    """Each step's gradient as the replay of `cfg` on `batches` computes it, yielded step by step: an expression over
+    what it feeds — each DP rank's micro-batches (named by their tensors: the same tensors, the same forward)
+    accumulated in order, then all-reduced: over two ranks one addition, which commutes; over more, in gloo's own
+    order, taken as its own. Two layouts of the same expressions train the same bits (their loss scales, dp_size /
+    tokens at 1 and 2 ranks, differ by a power of two): the replay at 1 worker of a record of one micro-batch on each
+    of 2 ranks, where its micro-batches stay whole (fed rows: each row alone at any count)."""
+    import functools
+    import hashlib
+
+    from parity.training.data import dp_slice
+
+    def named(micro) -> str:
+        digest = hashlib.sha256()
+        for t in (micro.input_ids, micro.labels, micro.attention_mask, micro.position_ids, micro.fed):
+            digest.update(b"none" if t is None else repr(tuple(t.shape)).encode() + t.numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def plus(a, b):
+        return ("+", *sorted((a, b), key=repr))
+
+    for step in range(batches.steps_per_epoch):
+        batch = batches(step)
+        ranks = [functools.reduce(plus, map(named, dp_slice(batch, r, cfg.batch_size).split(cfg.grad_accum_steps)))
+                 for r in range(cfg.dp_size)]
+        yield functools.reduce(plus, ranks) if len(ranks) <= 2 else ("all-reduce", *ranks)
 
 
 def replay(planned: list[tuple], out: str, verbose: bool = False) -> tuple[float, float]:
