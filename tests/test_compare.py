@@ -235,7 +235,8 @@ uncalibrated: no noise reference; max relative diff loss 8.333e-02, grad norm 2.
   tensor verdict: FAIL at step 2: model.embed_tokens.weight, phase gradient: its gradient norm 1.000000e+00 vs DDP \
 8.000000e-01, deviation 2.500e-01 > bound 1.000e-03 (250 × its bound; uncalibrated)
     replay step 2 layer by layer from DDP's checkpoint: python run_verification.py --output_dir \
-{folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --tp_size 2 --dp_size 2 --batch_size 2
+{folder}/replay_step_2 --replay /runs/ddp_tp1_dp2 --step 2 --strategy ddp fsdp --tp_size 2 --dp_size 2 \
+--batch_size 2
   first step outside: step 2: loss 6.500000 vs DDP 6.000000, relative diff 8.333e-02 > 1.000e-05
   differs from the baseline in: nothing recorded
 
@@ -297,7 +298,7 @@ def test_printed_block_and_outputs(tmp_path, capsys):
     assert not [p for p in os.listdir(tmp_path / "out") if p.endswith(".tmp")]  # atomic writes left nothing
     replay = saved["replay_commands"]["fsdp"]
     assert replay == (f"python run_verification.py --output_dir {tmp_path}/replay_step_2 --replay /runs/ddp_tp1_dp2 "
-                      f"--step 2 --tp_size 2 --dp_size 2 --batch_size 2")
+                      f"--step 2 --strategy ddp fsdp --tp_size 2 --dp_size 2 --batch_size 2")
     assert f"```bash\n{replay}\n```" in report
 
 
@@ -314,8 +315,8 @@ def test_the_replay_command_of_a_fail_is_one_the_layer_check_takes(tmp_path):
     argv = shlex.split(replay_command(c, c.results[0]))
     assert argv[:2] == ["python", "run_verification.py"]
     args = build_parser().parse_args(argv[2:])
-    assert (args.replay, args.step, args.tp_size, args.dp_size, args.batch_size, args.zero_stage) == (
-        "/runs/ddp_tp1_dp2", 2, 2, 2, 2, 3)
+    assert (args.replay, args.step, args.strategy, args.tp_size, args.dp_size, args.batch_size, args.zero_stage) == (
+        "/runs/ddp_tp1_dp2", 2, ["ddp", "deepspeed"], 2, 2, 2, 3)
     assert not hasattr(args, "bf16_master_weights")
 
 

@@ -234,9 +234,10 @@ def localise(c: Comparison, r: CurveResult, step: int) -> str | None:
 
 
 def replay_command(c: Comparison, r: CurveResult, step: int | None = None) -> str | None:
-    """For a FAIL: the layer check that records its step `step` (by default the first step outside) under every
-    strategy, from the DDP baseline's newest checkpoint at or before it, in the failing run's layout and options
-    (docs/checkpoints.md). None when the baseline's checkpoints are in an object store: a replay reads them from a
+    """For a FAIL: the layer check that records its step `step` (by default the first step outside) under DDP and the
+    failing run's strategy (or its own class), from the DDP baseline's newest checkpoint at or before it, in the
+    failing run's layout and options (docs/checkpoints.md) — not every strategy: one that cannot take the run's layout
+    (DeepSpeed's AutoTP and a LoRA run at --tp_size 2) would refuse the whole command. None when the baseline's checkpoints are in an object store: a replay reads them from a
     folder of its machine (a shared mount on a cluster). Its folder goes beside the records, or under the working
     directory when they are in an object store."""
     f = r.verdict.first_outside
@@ -250,9 +251,11 @@ def replay_command(c: Comparison, r: CurveResult, step: int | None = None) -> st
     records = storage.local_path(storage.parent(storage.absolute(r.run.file)))
     output = os.path.join(records, f"replay_step_{step}") if records else f"replay_step_{step}"
     flags = ["--output_dir", output, "--replay", checkpoints, "--step", str(step),
+             "--strategy", *dict.fromkeys(["ddp"] + ([] if run.get("strategy_class") else [run["strategy"]])),
              "--tp_size", str(run["tp_size"]), "--dp_size", str(run["dp_size"]), "--batch_size", str(run["batch_size"])]
-    if run.get("ep_size", 1) > 1:
-        flags += ["--ep_size", str(run["ep_size"])]
+    for size in ("pp_size", "ep_size"):
+        if run.get(size, 1) > 1:
+            flags += [f"--{size}", str(run[size])]
     if run.get("strategy_class"):
         flags += ["--strategy_class", run["strategy_class"]]
     for name, value in sorted(run.get("options", {}).items()):
