@@ -34,13 +34,14 @@ def _step(report: dict, name: str) -> dict:
 def test_the_dry_run_passes_every_step_and_writes_one_report(dry_run):
     code, report, out = dry_run
     assert code == 0, [(s["step"], s["error"]) for s in report["steps"]]
-    assert [s["step"] for s in report["steps"]] == ["collectives", "seed", "layer_check", "own_trainer", "parity"]
+    assert [s["step"] for s in report["steps"]] == ["collectives", "seed", "layer_check", "own_trainer", "lora",
+                                                    "parity"]
     assert all(s["passed"] and s["error"] is None and s["seconds"] > 0 for s in report["steps"])
     assert report["total_seconds"] >= sum(s["seconds"] for s in report["steps"])  # each step timed, in the total
     assert report["environment"]["versions"]["torch"].startswith("2.")
     text = (out / "gpu_check.md").read_text()
     assert f"torch {report['environment']['versions']['torch']}" in text
-    assert "DeepSpeed paths" in text and text.count("| passed |") == 4
+    assert "DeepSpeed paths" in text and text.count("| passed |") == 5
 
 
 def test_the_dry_run_skips_the_own_trainer_gpu_paths_in_one_line(dry_run):
@@ -101,10 +102,31 @@ def test_the_dry_run_judges_parity_with_the_harness_verdict(dry_run):
     assert [(p["run"], p["verdict"], p["calibrated"]) for p in layers["pairs"]] == [("fsdp", "PASS", True)]
 
 
+def test_the_dry_run_judges_lora_under_fsdp2_tp(dry_run):
+    """The lora step: the parity step's layouts with rank-8 adapters on the attention projections, at the first seed —
+    fp32 within 1e-5 of DDP's LoRA run (measured ≤ 1e-7), bf16 PASS calibrated on DDP's references."""
+    from parity.comparing.tolerances import NOISE_K
+
+    _, report, out = dry_run
+    d = _step(report, "lora")["details"]
+    assert d["lora"] == {"lora_r": 8, "lora_targets": "q_proj,k_proj,v_proj,o_proj"} and d["seeds"] == [1]
+    assert [(c["precision"], c["layout"]) for c in d["comparisons"]] == [
+        ("fp32", "tp2dp1"), ("fp32", "tp2dp2"), ("bf16", "tp2dp1"), ("bf16", "tp2dp2")]
+    for c in d["comparisons"]:
+        assert (c["exit_code"], c["verdict"], c["calibrated"]) == (0, "PASS", c["precision"] == "bf16"), c
+        if c["precision"] == "fp32":
+            assert max(c["max_rel_diff"].values()) < 1e-5, c
+        else:
+            assert 0 <= max(c["noise_ratio"].values()) < NOISE_K, c
+    record = json.loads((out / "lora" / "fp32" / "seed_1" / "tp2dp1" / "loss_fsdp.json").read_text())
+    assert record["config"]["lora"]["targets"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert "LoRA adapters (rank 8" in (out / "gpu_check.md").read_text()
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--device", "tpu"], "error: --device tpu: use cuda (the check) or cpu (the dry run)"),
     (["--device", "cpu", "--steps", "seed", "nope"], "error: --steps nope: use any of collectives, seed, layer_check, "
-                                                      "own_trainer, parity"),
+                                                      "own_trainer, lora, parity"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, line):
     from parity.commands.gpu_check import main

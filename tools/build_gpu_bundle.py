@@ -4,7 +4,8 @@
   .whl/<wheels>          cp312 manylinux / py3-none-any wheels of what the device image lacks or has at another
                          version and the check imports: transformers (the pinned one; the image has 5.17.0) and regex
                          (transformers checks its minimum when imported; the image's is not known), and trl
-                         (the own_trainer step's SFTTrainer; pure Python)
+                         (the own_trainer step's SFTTrainer; pure Python), and peft (the lora step's adapters; pure
+                         Python)
   .whl/project.tar.gz    the project: the working tree's files as the device tool sends them (tracked and untracked
                          but not ignored), as they are now: a record of what the check ran
   .whl/bundle.json       what is in it: each file's bytes, each wheel's tags, the commit, and what travels in all
@@ -33,7 +34,8 @@ LIMIT = 64 * 2**20  # the device tool's limit on what travels in one call
 PYTHON = "3.12"  # the device image's
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 EXTRA = {"regex": None,  # wheels beside the pinned ones: name → version (None: the one installed here)
-         "trl": "1.16.0"}  # gpu_check's own_trainer step (TRL's SFTTrainer); the image has lightning, not trl
+         "trl": "1.16.0",  # gpu_check's own_trainer step (TRL's SFTTrainer); the image has lightning, not trl
+         "peft": "0.21.2"}  # gpu_check's lora step (pyproject.toml's lora extra; pure Python)
 
 
 def pins() -> dict[str, str]:

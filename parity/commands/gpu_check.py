@@ -11,6 +11,8 @@ gpu_check.json under --output_dir (rewritten after every step, so a check cut sh
   own_trainer   your own trainer's GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP and
                 ModelParallel strategies), each recorded and replayed at world size 1 (gpu_check_own.py); skipped
                 on --device cpu
+  lora          LoRA adapters (rank 8 on q, k, v and o) on the frozen base, the parity step's runs at its first seed: DDP
+                DP=2's LoRA run against FSDP2 + TP's, fp32 and the bf16 calibrated verdict (docs/finetune.md)
   parity        several ranks on the one GPU over gloo (PARITY_SHARE_ONE_GPU=1, a switch for testing only): DDP
                 DP=2 against FSDP2 + TP at TP=2 × DP=1 and TP=2 × DP=2 (qwen2-tiny, seq 256), in fp32 (the harness's
                 verdict), and in bf16 at 3 seeds each judged against DDP's noise references (the baseline at two
@@ -71,12 +73,15 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda",
                    help="cuda (the check) or cpu (the dry run: the same steps, scaled down)")
     p.add_argument("--steps", nargs="+", default=None, metavar="STEP",
-                   help="only these steps (default: all): collectives seed layer_check own_trainer parity")
+                   help="only these steps (default: all): collectives seed layer_check own_trainer lora parity")
     return p
 
 
 # the longest last: a check cut short loses least
-STEP_NAMES = ("collectives", "seed", "layer_check", "own_trainer", "parity")
+STEP_NAMES = ("collectives", "seed", "layer_check", "own_trainer", "lora", "parity")
+# the lora step's adapters: every attention projection (FSDP2's TP plan places a colwise one's lora_B and a rowwise
+# one's lora_A beside their projection: plans.adapter_rules)
+LORA = {"lora_r": 8, "lora_targets": "q_proj,k_proj,v_proj,o_proj"}
 
 
 def check(args) -> int:
@@ -100,7 +105,7 @@ def check(args) -> int:
     storage.check_writable_dir("--output_dir", out)
     os.makedirs(out, exist_ok=True)
     report = Report(out, args.device)
-    steps = {"collectives": step_collectives, "seed": step_seed, "parity": step_parity,
+    steps = {"collectives": step_collectives, "seed": step_seed, "parity": step_parity, "lora": step_lora,
              "layer_check": step_layer_check, "own_trainer": step_own_trainer}
     started = time.perf_counter()
     with open(os.path.join(out, "gpu_check.log"), "a") as log:
@@ -332,12 +337,18 @@ def _common(folder: str, name: str, device: str, values: dict, weights: str) -> 
 
 
 def write_weights(values: dict, seed: int, path: str) -> str:
-    """The shared initial weights, written here (not by DDP's run): each run of a step then stands alone."""
+    """The shared initial weights, written here (not by DDP's run): each run of a step then stands alone. With LoRA's
+    flags among `values`, the adapters' initial weights beside them (what --save_init_weights writes)."""
+    from parity.models.adapters import lora_settings, write_initial_adapters
     from parity.models.model import build_model, resolve_model_config, save_init_weights
 
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_init_weights(build_model(resolve_model_config(values["model_name"], values["num_layers"]), seed), path)
+        config = resolve_model_config(values["model_name"], values["num_layers"])
+        save_init_weights(build_model(config, seed), path)
+        if values.get("lora_r"):
+            write_initial_adapters(path, config, lora_settings(values["lora_r"], None, 0.0, values["lora_targets"],
+                                                               config), seed)
     return path
 
 
@@ -406,6 +417,7 @@ def train(runs: list[tuple]) -> dict[str, str]:
 
 def _parity_runs(folder: str, device: str, small: dict, precision: str, seed: int, weights: str,
                  references: bool) -> tuple[list[tuple[str, str, dict]], dict[str, str]]:
+    # `small`: the runs' flags (the sizes' "small", LoRA's flags with it in the lora step)
     """(run id, strategy, flags) of one seed's runs, and the comparison folder of each TP layout: DDP DP=2 (and its
     references) train into the TP=2 × DP=1 folder and are copied to the others."""
     from parity.commands.main_job import twin_layouts
@@ -431,19 +443,33 @@ def _parity_runs(folder: str, device: str, small: dict, precision: str, seed: in
 
 
 def step_parity(folder: str, device: str, sizes: dict) -> dict:
-    """fp32 parity at the first seed and the bf16 calibrated verdict at every seed: every run planned, trained in one
-    local group per world size (on a GPU every rank on it, over gloo: the testing switch), then each TP layout's
-    folder judged by the harness's comparison (plot_loss_curves.py's: its exit code, verdict, max relative
-    differences, deviation ÷ noise)."""
+    """fp32 parity at the first seed and the bf16 calibrated verdict at every seed (judged)."""
+    return judged(folder, device, sizes["small"], (("fp32", sizes["seeds"][:1], False),
+                                                   ("bf16", sizes["seeds"], True)))
+
+
+def step_lora(folder: str, device: str, sizes: dict) -> dict:
+    """The parity step's runs with LoRA adapters (LORA) on the frozen base, at its first seed: fp32 parity and the bf16
+    calibrated verdict (judged), the adapters' initial weights drawn beside each seed's weights."""
+    seed = sizes["seeds"][:1]
+    return {**judged(folder, device, {**sizes["small"], **LORA}, (("fp32", seed, False), ("bf16", seed, True))),
+            "lora": LORA}
+
+
+def judged(folder: str, device: str, flags: dict, plan_by_precision) -> dict:
+    """The runs of each (precision, seeds, with DDP's noise references) in `plan_by_precision` with the run `flags`:
+    every run planned, trained in one local group per world size (on a GPU every rank on it, over gloo: the testing
+    switch), then each TP layout's folder judged by the harness's comparison (plot_loss_curves.py's: its exit code,
+    verdict, max relative differences, deviation ÷ noise)."""
     from parity.commands.compare_curves import compare_and_report
     from parity.driver.local_group import SHARE_ONE_GPU, plan
 
     planned, comparisons, failures = [], [], []
-    for precision, seeds, references in (("fp32", sizes["seeds"][:1], False), ("bf16", sizes["seeds"], True)):
+    for precision, seeds, references in plan_by_precision:
         for seed in seeds:
             seed_folder = os.path.join(folder, precision, f"seed_{seed}")
-            weights = write_weights(sizes["small"], seed, os.path.join(folder, f"init_weights_seed_{seed}.pt"))
-            runs, folders = _parity_runs(seed_folder, device, sizes["small"], precision, seed, weights, references)
+            weights = write_weights(flags, seed, os.path.join(folder, f"init_weights_seed_{seed}.pt"))
+            runs, folders = _parity_runs(seed_folder, device, flags, precision, seed, weights, references)
             planned += [plan(strategy, values) for _, strategy, values in runs]
             comparisons.append((precision, seed, folders))
     with _shared_gpu(device, SHARE_ONE_GPU):
@@ -477,7 +503,8 @@ def step_parity(folder: str, device: str, sizes: dict) -> dict:
                 entry.update(exit_code=2, error=error_line(exc))
                 failures.append(f"{precision} seed {seed} {name}: {error_line(exc)}")
             results.append(entry)
-    return {"seeds": list(sizes["seeds"]), "config": sizes["small"], "comparisons": results, "failures": failures}
+    seeds = list(dict.fromkeys(seed for _, seeds, _ in plan_by_precision for seed in seeds))
+    return {"seeds": seeds, "config": flags, "comparisons": results, "failures": failures}
 
 
 @contextlib.contextmanager
@@ -554,7 +581,9 @@ def markdown(data: dict) -> str:
                              f"{r['peak_memory_bytes'] / 2**20:,.0f} | {r['memory_metric']} | {r['final_loss']:.6f} | "
                              f"{os.path.relpath(r['loss_record'], data['output_dir'])} |")
         elif "comparisons" in d:
-            lines += ["DDP DP=2 against FSDP2 + TP (`layout`), several ranks on one device.", "",
+            lora = (f" LoRA adapters (rank {d['lora']['lora_r']} on {d['lora']['lora_targets']}) on the frozen base in "
+                    f"every run." if d.get("lora") else "")
+            lines += [f"DDP DP=2 against FSDP2 + TP (`layout`), several ranks on one device.{lora}", "",
                       "| precision | seed | layout | verdict | exit | calibrated | max rel diff (loss) "
                       "| deviation ÷ noise |",
                       "|---|---:|---|---|---:|---|---:|---:|"]
