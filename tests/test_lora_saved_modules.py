@@ -83,3 +83,19 @@ def test_a_pipeline_that_steps_the_tied_copies_apart_fails_at_step_0(runs):
     first = bug["steps"][0]["replicas"]
     assert first["parted"] >= 1, first
     assert {t["name"] for t in first["tensors"]} == {EMBEDDING_COPY}, first
+
+
+def test_saved_modules_are_named_as_peft_matches_them():
+    """peft saves every module whose name ends with a key of modules_to_save: `norm` saves the layers' norms too. The
+    run's settings list what peft saves — the same model built from them — so a record says what trains."""
+    from parity.models.adapters import add_adapters, lora_settings
+    from parity.models.model import meta_model, resolve_model_config
+
+    config = resolve_model_config("qwen2-tiny")
+    lora = lora_settings(4, None, 0.0, "q_proj", config, "norm")
+    assert lora["modules_to_save"] == ["input_layernorm", "norm", "post_attention_layernorm"]
+    saved = [n for n, p in add_adapters(meta_model(config), lora).named_parameters()
+             if p.requires_grad and ".modules_to_save." in n]
+    assert len(saved) == 2 * 2 + 1 and {n.split(".modules_to_save.")[0].rsplit(".", 1)[-1] for n in saved} == set(
+        lora["modules_to_save"])
+    assert lora_settings(4, None, 0.0, "q_proj", config, ",".join(lora["modules_to_save"])) == lora

@@ -731,6 +731,44 @@ def test_trainer_deepspeed_path_is_refused_in_one_line(runs):
         assert (runs[name] / "trainer").is_dir()  # Trainer's own output folder: it trained
 
 
+def _world_before_the_group(rank: int, world: int, port: int, out: str, result: str) -> None:
+    """TRL's own sft.py under torchrun on CPU without --use_cpu: TrainingArguments settle their world — accelerate's
+    state brings the launcher's group up and yet keeps one process (transformers warns that parallel_mode is not
+    distributed)."""
+    import torch.distributed as dist
+    from transformers import TrainingArguments
+
+    from parity.integrations.transformers import trainer_refusal
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args = TrainingArguments(output_dir=out, report_to=[])
+    args.world_size  # noqa: B018 (its devices set up, as Trainer's first use does)
+    assert dist.is_initialized() and dist.get_world_size() == world
+    try:
+        refusal = trainer_refusal(args)
+        if rank == 0:
+            with open(result, "w") as f:
+                json.dump([args.world_size, args.process_index, refusal], f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_trainer_that_sees_one_process_of_several_is_refused_naming_use_cpu(tmp_path):
+    """Trainer's DDP path on a machine without GPUs, without use_cpu=True: its arguments see world_size 1 (accelerate
+    formed no group) while the launcher's 2 ranks form one — every rank would train alone on the same rows (TRL's own
+    sft.py under torchrun without --use_cpu, found as a new user). Refused in one line that names the fix."""
+    from parity.driver.local_group import start_processes
+
+    result = tmp_path / "refusal.json"
+    start_processes(_world_before_the_group, (2, free_port(), str(tmp_path / "trainer"), str(result)), 2)
+    assert json.loads(result.read_text()) == [1, 0, (
+        "Trainer sees world_size 1 and process_index 0, the process group 2 ranks (this one rank 0): every rank would "
+        "feed the same rows and the loss be normalised for another world than the one training (accelerate without "
+        "use_cpu=True on a machine without GPUs keeps one process while the launcher started several): pass "
+        "use_cpu=True to TrainingArguments (--use_cpu where the script parses them)")]
+
+
 def linear_step(model, optimizer, rec, ids) -> None:
     """One recorded step of a torch.nn.Linear(4, 4) on one-hot `ids` (their own labels)."""
     logits = model(torch.nn.functional.one_hot(ids, 4).float())

@@ -200,7 +200,8 @@ def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
         ({"modules_to_save": ["embed_tokens"]}, None,
          "modules_to_save embed_tokens of a model with tied embeddings, without ensure_weight_tying: peft trains a copy "
          "of the embedding and leaves lm_head the frozen original, so the tie is broken; the harness trains them as "
-         "one weight: pass ensure_weight_tying=True to LoraConfig"),
+         "one weight: pass ensure_weight_tying=True to LoraConfig (TRL's --lora_modules_to_save builds one without "
+         "it: build the LoraConfig in your script and pass it as peft_config)"),
         ({"target_modules": r".*layers\.0\.self_attn\.q_proj"}, None,
          "the LoRA adapters sit on other modules than q_proj in every layer (model.layers.1.self_attn.q_proj.base_layer"
          ".bias): the harness puts them on every module of those names"),

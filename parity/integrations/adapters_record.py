@@ -99,7 +99,8 @@ def _check_tying(model, config, saved: list[str]) -> None:
         raise AdaptersRefused(f"modules_to_save {','.join(sorted(ends))} of a model with tied embeddings, without "
                               f"ensure_weight_tying: peft trains a copy of the embedding and leaves lm_head the frozen "
                               f"original, so the tie is broken; the harness trains them as one weight: pass "
-                              f"ensure_weight_tying=True to LoraConfig")
+                              f"ensure_weight_tying=True to LoraConfig (TRL's --lora_modules_to_save builds one "
+                              f"without it: build the LoraConfig in your script and pass it as peft_config)")
 
 
 def _check_built(model, names: dict[int, str], lora: dict) -> None:

@@ -125,8 +125,9 @@ class ParityRecorder:
 
                 self.dump = StepDump(self, dump_step)
             self.enabled = True
-        except LayoutRefused as exc:  # a process group or wrapper it cannot read (sharded.py)
-            self._print(f"parity recorder: {exc}: recording nothing")
+        except LayoutRefused as exc:  # a process group or wrapper it cannot read (sharded.py): every rank finds it
+            if _first_process():
+                self._print(f"parity recorder: {exc}: recording nothing")
         except resume.ResumeRefused as exc:  # a record the resumed run cannot continue (_continue)
             self._line(f"{exc}: recording nothing; the training goes on")
         except Exception as exc:  # never the user's training

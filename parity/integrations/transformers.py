@@ -150,14 +150,19 @@ def trainer_refusal(args) -> str | None:
       ranks train together. Measured with DeepSpeed on CPU without use_cpu=True (transformers 5.23.0, accelerate
       1.15.0, torchrun): accelerate's PartialState._prepare_backend sets a distributed type only for a device backend
       or, with cpu=True, MULTI_CPU; with neither it keeps one process (num_processes 1, process_index 0) while
-      deepspeed.init_distributed has started the 2-rank group, then relabels itself DEEPSPEED. Refused, never
-      recorded as if it were whole."""
+      deepspeed.init_distributed has started the 2-rank group, then relabels itself DEEPSPEED. The same without
+      DeepSpeed: TRL's own trl/scripts/sft.py under torchrun on CPU without --use_cpu (trl 1.16) trains as two
+      one-process runs in a group of 2 (transformers warns that parallel_mode is not distributed). Refused, never
+      recorded as if it were whole; on a machine without GPUs the line names use_cpu."""
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
         if (args.world_size, args.process_index) != (world, rank):
             why = (" (accelerate without use_cpu=True on a machine without GPUs: DeepSpeed starts the group, "
                    "accelerate's state finds no backend and keeps one process): pass use_cpu=True"
-                   if getattr(args, "deepspeed", None) else "")
+                   if getattr(args, "deepspeed", None) else
+                   " (accelerate without use_cpu=True on a machine without GPUs keeps one process while the launcher "
+                   "started several): pass use_cpu=True to TrainingArguments (--use_cpu where the script parses them)"
+                   if not torch.cuda.is_available() else "")
             return (f"Trainer sees world_size {args.world_size} and process_index {args.process_index}, the process "
                     f"group {world} ranks (this one rank {rank}): every rank would feed the same rows and the loss be "
                     f"normalised for another world than the one training{why}")

@@ -74,19 +74,22 @@ def lora_settings(r: int | None, alpha: float | None, dropout: float, targets: s
 
 
 def save_settings(modules_to_save: str | None, targets: list[str], model_config) -> list[str]:
-    """--lora_modules_to_save: the modules (by their last name part, as peft's modules_to_save matches them) that
-    train whole beside the adapters — peft keeps each module's original frozen and trains a copy of it
-    (`<module>.modules_to_save.default`, the original at `<module>.original_module`). Checked against the model: a
-    module it has, holding parameters, and not an adapter target. A tied family's embedding and lm_head are one
-    weight: naming either trains one copy of it, tied in both places (peft's ensure_weight_tying, peft_config)."""
+    """--lora_modules_to_save: the modules that train whole beside the adapters — peft keeps each module's original
+    frozen and trains a copy of it (`<module>.modules_to_save.default`, the original at `<module>.original_module`) —
+    as peft matches them: every module whose name ends with a given key (`norm` saves input_layernorm and
+    post_attention_layernorm too), resolved here to their last name parts, so that the run's settings say what trains.
+    Checked against the model: a module it has, holding parameters, and not an adapter target. A tied family's
+    embedding and lm_head are one weight: naming either trains one copy of it, tied in both places (peft's
+    ensure_weight_tying, peft_config)."""
     if modules_to_save is None:
         return []
     from parity.models.model import meta_model
 
-    chosen = sorted({m.strip() for m in modules_to_save.split(",") if m.strip()})
+    keys = {m.strip() for m in modules_to_save.split(",") if m.strip()}
     modules = {name.rsplit(".", 1)[-1] for name, module in meta_model(model_config).named_modules()
                if name and any(True for _ in module.parameters(recurse=False))}
-    unknown = [m for m in chosen if m not in modules]
+    unknown = sorted(k for k in keys if not any(m.endswith(k) for m in modules))
+    chosen = sorted(m for m in modules if any(m.endswith(k) for k in keys))
     if unknown or not chosen:
         raise ConfigError(f"--lora_modules_to_save {','.join(unknown) or repr(modules_to_save)} names no module of "
                           f"{model_config.model_type} that holds parameters (its modules: {', '.join(sorted(modules))})"
