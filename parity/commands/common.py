@@ -53,3 +53,9 @@ def non_negative_float(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
     return value
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception as one report line: its type and the last line of its message (a step of a check that failed)."""
+    text = (str(exc).strip().splitlines() or [""])[-1]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
