@@ -11,8 +11,8 @@ gpu_check.json under --output_dir (rewritten after every step, so a check cut sh
   own_trainer   your own trainer's GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP and
                 ModelParallel strategies), each recorded and replayed at world size 1 (gpu_check_own.py); skipped
                 on --device cpu
-  lora          LoRA adapters (rank 8 on q, k, v and o) on the frozen base, the parity step's runs at its first seed: DDP
-                DP=2's LoRA run against FSDP2 + TP's, fp32 and the bf16 calibrated verdict (docs/finetune.md)
+  lora          LoRA adapters (rank 8 on q, k, v and o) on the frozen base, the parity step's runs at its first seed:
+                DDP DP=2's LoRA run against FSDP2 + TP's, fp32 and the bf16 calibrated verdict (docs/finetune.md)
   parity        several ranks on the one GPU over gloo (PARITY_SHARE_ONE_GPU=1, a switch for testing only): DDP
                 DP=2 against FSDP2 + TP at TP=2 × DP=1 and TP=2 × DP=2 (qwen2-tiny, seq 256), in fp32 (the harness's
                 verdict), and in bf16 at 3 seeds each judged against DDP's noise references (the baseline at two
@@ -274,9 +274,9 @@ def train(runs: list[tuple]) -> dict[str, str]:
 
 def _parity_runs(folder: str, device: str, small: dict, precision: str, seed: int, weights: str,
                  references: bool) -> tuple[list[tuple[str, str, dict]], dict[str, str]]:
-    # `small`: the runs' flags (the sizes' "small", LoRA's flags with it in the lora step)
     """(run id, strategy, flags) of one seed's runs, and the comparison folder of each TP layout: DDP DP=2 (and its
-    references) train into the TP=2 × DP=1 folder and are copied to the others."""
+    references) train into the TP=2 × DP=1 folder and are copied to the others. `small`: the runs' flags (the sizes'
+    "small", with LoRA's in the lora step)."""
     from parity.commands.main_job import twin_layouts
 
     batch, dp = small["batch_size"], 2

@@ -12,6 +12,7 @@ import time
 
 from parity.commands.common import error_line
 
+
 def step_collectives(folder: str, device: str, sizes: dict) -> dict:
     """Every collective the strategies use (theirs, FSDP2's and DTensor's), tried on 2 local ranks over gloo with
     tensors on `device` (both ranks on cuda:0), in fp32 and bf16, each result checked."""

@@ -237,9 +237,9 @@ def replay_command(c: Comparison, r: CurveResult, step: int | None = None) -> st
     """For a FAIL: the layer check that records its step `step` (by default the first step outside) under DDP and the
     failing run's strategy (or its own class), from the DDP baseline's newest checkpoint at or before it, in the
     failing run's layout and options (docs/checkpoints.md) — not every strategy: one that cannot take the run's layout
-    (DeepSpeed's AutoTP and a LoRA run at --tp_size 2) would refuse the whole command. None when the baseline's checkpoints are in an object store: a replay reads them from a
-    folder of its machine (a shared mount on a cluster). Its folder goes beside the records, or under the working
-    directory when they are in an object store."""
+    (DeepSpeed's AutoTP and a LoRA run at --tp_size 2) would refuse the whole command. None when the baseline's
+    checkpoints are in an object store: a replay reads them from a folder of its machine (a shared mount on a
+    cluster). Its folder goes beside the records, or under the working directory when they are in an object store."""
     f = r.verdict.first_outside
     if f is None or c.baseline.name != "ddp" or r.run.recorded:
         return None  # a recorded run has no checkpoint of the harness's to replay a step from

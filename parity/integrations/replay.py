@@ -263,7 +263,8 @@ def _check_weights(record_file: str, path: str, folder: str) -> None:
 
 
 def _recorded_adapters(record_file: str, weights: str, lora: dict | None) -> dict:
-    """A LoRA run's adapters as the flags that build them (adapters.lora_flags: its settings, RunConfig.lora), once their initial weights beside the record's are found to be those adapters' (the file
+    """A LoRA run's adapters as the flags that build them (adapters.lora_flags: its settings, RunConfig.lora), once
+    their initial weights beside the record's are found to be those adapters' (the file
     adapters.adapters_path names); {} for a run without adapters."""
     from parity.models.adapters import check_adapters, lora_flags
 

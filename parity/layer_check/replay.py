@@ -95,8 +95,8 @@ def write_folder(start: ReplayStart, out: str, weights_path: str, inputs_path: s
     from safetensors.torch import save_file
 
     from parity.layer_check.inputs import write_inputs
-    from parity.models.adapters import (adapter_names, adapters_path, add_adapters, base_state_dict, load_adapters,
-                                        save_adapters)
+    from parity.models.adapters import (adapter_names, adapters_path, add_adapters, load_adapters,
+                                        save_base_and_adapters)
     from parity.models.model import build_model, load_init_weights, model_config_from_dict, save_init_weights
 
     lora = start.config.get("lora")
@@ -117,8 +117,7 @@ def write_folder(start: ReplayStart, out: str, weights_path: str, inputs_path: s
     if lora is None:
         save_init_weights(model, weights_path)
     else:
-        sha = save_init_weights(model, weights_path, base_state_dict(model.state_dict(), adapter_names(model)))
-        save_adapters(model, lora, sha, adapters_path(weights_path))
+        save_base_and_adapters(model, lora, weights_path, model.state_dict(), adapter_names(model))
     write_inputs(batches, start.config["seed"], inputs_path, step=start.step)
     write_json_atomic(os.path.join(out, REPLAY_FILE), start.describe())
 

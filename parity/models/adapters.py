@@ -247,6 +247,17 @@ def save_adapters(model, lora: dict, base_sha256: str, path: str, state: dict | 
     return hashlib.sha256(data).hexdigest()
 
 
+def save_base_and_adapters(model, lora: dict, path: str, state: dict[str, torch.Tensor], trained: list[str]) -> str:
+    """A LoRA model's state (`state`, under add_adapters' names; `trained`: what trains in it) written as a harness LoRA
+    run keeps its initial weights: the base under stock names at `path`, what trains in the adapters' file beside it
+    (adapters_path, with the base's sha256). Returns the sha256 a LoRA run reports (prepare_model): the base file's,
+    "+", the adapters'."""
+    from parity.models.model import save_init_weights
+
+    sha = save_init_weights(model, path, base_state_dict(state, trained))
+    return f"{sha}+{save_adapters(model, lora, sha, adapters_path(path), {n: state[n] for n in trained})}"
+
+
 def read_adapters(path: str, lora: dict) -> tuple[OrderedDict, str]:
     """(the adapters' state dict, the file's sha256); ConfigError, one line, for a file missing, unreadable or drawn for
     other adapter settings."""
