@@ -172,6 +172,8 @@ def test_an_unchanged_script_passes(runs, name):
         assert [(c["step"], c["ok"]) for c in checks] == [(0, True), (2, True)]
     if name == "lightning":  # the replay at 1 worker: the noise the bounds are calibrated on
         assert comparison["noise_references"] == ["noise_reference_ddp_tp1_dp1_fp32.json"]
+        # a run shorter than the drift test's window is not said to have passed it
+        assert f"no drift test: it needs 10 steps and {STEPS} were compared" in (out / "curve_report.md").read_text()
 
 
 @pytest.mark.parametrize("name", ["hf", "trl", "lightning"])

@@ -85,8 +85,10 @@ def policy_distance_line(c: Comparison) -> str:
 def calibration_line(c: Comparison) -> str:
     if c.references:
         names = ", ".join(storage.name(r.file) for r in c.references)
+        drift = (f"and no drift beyond {DRIFT_K} × that noise over {DRIFT_WINDOW} steps" if c.num_steps >= DRIFT_WINDOW
+                 else f"no drift test: it needs {DRIFT_WINDOW} steps and {c.num_steps} were compared")
         return (f"Bounds calibrated on {names}: {NOISE_K} × the noise between them and the baseline at each step, "
-                f"and no drift beyond {DRIFT_K} × that noise over {DRIFT_WINDOW} steps.")
+                f"{drift}.")
     return ("Bounds UNCALIBRATED: no noise reference in the folder, so the fixed table by precision applies "
             "(docs/tolerances.md); run the baseline again with --noise_reference at another layout to calibrate.")
 
