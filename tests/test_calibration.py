@@ -239,6 +239,12 @@ def test_a_twin_identical_to_the_baseline_is_refused(folders, tmp_path, capsys):
     assert capsys.readouterr().err == ("error: noise_reference_ddp_tp1_dp2_bf16.json is identical to the baseline: a "
                                        "noise reference must run at another layout (e.g. --num_workers 1 "
                                        "--batch_size 4)\n")
+    # a reference said to have run at one worker: the hint names neither its layout nor the baseline's
+    record = json.loads((tmp_path / "noise_reference_ddp_tp1_dp2_bf16.json").read_text())
+    record["config"]["dp_size"] = 1
+    (tmp_path / "noise_reference_ddp_tp1_dp2_bf16.json").write_text(json.dumps(record))
+    assert plot_loss_curves(["--input_dir", str(tmp_path), "--output", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err.endswith("at another layout (e.g. --num_workers 4 --batch_size 1)\n")
 
 
 # bf16 matrix products as a step computes them (autocast's and bf16 weights', forward and backward, 2-D and batched);
