@@ -97,9 +97,10 @@ def build(args, shard):
         from peft import LoraConfig, get_peft_model
 
         saved = args.lora_save.split(",") if args.lora_save else None
+        tied = bool({"embed_tokens", "lm_head"} & set(saved or ()))  # qwen2-tiny ties them: one copy trains
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                  lora_dropout=0.0, task_type="CAUSAL_LM", modules_to_save=saved,
-                                                 ensure_weight_tying=bool(saved)))
+                                                 ensure_weight_tying=tied))
     flat = {n for n, p in model.named_parameters() if p.ndim < 2}  # biases and norms, named before any sharding
     shard(model)
     decay = [p for n, p in model.named_parameters() if n not in flat and p.requires_grad]
