@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass
 
 from parity import fingerprint, storage
 from parity.comparing import recorded_checks, teacher_forced, tensor_verdict, tolerances
-from parity.comparing.noise import Bounds, calibrated_bounds, first_drift, fixed_bounds, noise_ratio, relative_diffs
+from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
+                                    relative_diffs)
 from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
@@ -562,18 +563,7 @@ def _check_references(base: Run, references: list[Run], num_steps: int, quantiti
 
         if all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in quantities):
             raise ConfigError(f"{name} is identical to the baseline: a noise reference must run at another layout"
-                              f"{_another_layout(base, ref)}")
-
-
-def _another_layout(base: Run, ref: Run) -> str:
-    """The hint of an identical reference: a data-parallel split of the global batch that neither it nor the baseline
-    ran at (the reference may already be at one worker)."""
-    batch, accum = base.config["global_batch_size"], base.config.get("grad_accum_steps") or 1
-    taken = {base.config["dp_size"], ref.config["dp_size"]}
-    workers = next((w for w in range(1, batch + 1) if w not in taken and batch % (w * accum) == 0), None)
-    if workers is None:
-        return f" — the global batch of {batch} has no other split: judge without a reference (uncalibrated)"
-    return f" (e.g. --num_workers {workers} --batch_size {batch // (workers * accum)})"
+                              f"{another_layout(base.config, ref.config)}")
 
 
 def _series(run: Run, key: str, num_steps: int) -> list[float]:

@@ -105,3 +105,14 @@ def drift_statistic(rel_diffs: list[float], envelope: list[float]) -> float:
 def noise_ratio(rel_diffs: list[float], envelope: list[float]) -> float:
     """Deviation ÷ noise: the worst step's |difference| over the envelope at that step."""
     return max(abs(d) / e for d, e in zip(rel_diffs, envelope))
+
+
+def another_layout(base: dict, reference: dict) -> str:
+    """The hint for a reference identical to the baseline (configs of both): a data-parallel split of the global
+    batch that neither ran at (the reference may already be at one worker)."""
+    batch, accum = base["global_batch_size"], base.get("grad_accum_steps") or 1
+    taken = {base["dp_size"], reference["dp_size"]}
+    workers = next((w for w in range(1, batch + 1) if w not in taken and batch % (w * accum) == 0), None)
+    if workers is None:
+        return f" — the global batch of {batch} has no other split: judge without a reference (uncalibrated)"
+    return f" (e.g. --num_workers {workers} --batch_size {batch // (workers * accum)})"
