@@ -130,14 +130,9 @@ def save_initial_weights(layout, path: str, state: dict | None) -> str:
     the module's own where it is whole: the layout's, sharded.py) and, for a LoRA run, its adapters beside it
     (adapters.adapters_path, with the settings they are and the base's sha256); returns the init-weights file's
     sha256 — a LoRA run's as the harness's worker makes it (prepare_model): the base file's, "+", the adapters'."""
-    from parity.models.adapters import save_base_and_adapters
-    from parity.models.model import save_init_weights
+    from parity.models.adapters import save_run_weights
 
-    model = layout.model
-    if layout.lora is None:
-        return save_init_weights(model, path, state)
-    return save_base_and_adapters(model, layout.lora, path, state if state is not None else model.state_dict(),
-                                  layout.tensor_names())
+    return save_run_weights(layout.model, layout.lora, path, state, layout.tensor_names())
 
 
 __all__ = ["AdaptersRefused", "lora_of", "peft_inner", "save_initial_weights"]

@@ -95,9 +95,8 @@ def write_folder(start: ReplayStart, out: str, weights_path: str, inputs_path: s
     from safetensors.torch import save_file
 
     from parity.layer_check.inputs import write_inputs
-    from parity.models.adapters import (adapter_names, adapters_path, add_adapters, load_adapters,
-                                        save_base_and_adapters)
-    from parity.models.model import build_model, load_init_weights, model_config_from_dict, save_init_weights
+    from parity.models.adapters import adapters_path, add_adapters, load_adapters, save_run_weights
+    from parity.models.model import build_model, load_init_weights, model_config_from_dict
 
     lora = start.config.get("lora")
     model = build_model(model_config_from_dict(start.config["model_config"]), start.config["seed"])
@@ -114,10 +113,7 @@ def write_folder(start: ReplayStart, out: str, weights_path: str, inputs_path: s
         tensors = {f"{key}/{name}": m[key].contiguous() for name, m in moments.items() for key in m}
         with atomic_path(os.path.join(out, OPTIMIZER_FILE)) as tmp:
             save_file(tensors, tmp, metadata={"step": str(count)})
-    if lora is None:
-        save_init_weights(model, weights_path)
-    else:
-        save_base_and_adapters(model, lora, weights_path, model.state_dict(), adapter_names(model))
+    save_run_weights(model, lora, weights_path)
     write_inputs(batches, start.config["seed"], inputs_path, step=start.step)
     write_json_atomic(os.path.join(out, REPLAY_FILE), start.describe())
 

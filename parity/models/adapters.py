@@ -247,13 +247,19 @@ def save_adapters(model, lora: dict, base_sha256: str, path: str, state: dict | 
     return hashlib.sha256(data).hexdigest()
 
 
-def save_base_and_adapters(model, lora: dict, path: str, state: dict[str, torch.Tensor], trained: list[str]) -> str:
-    """A LoRA model's state (`state`, under add_adapters' names; `trained`: what trains in it) written as a harness LoRA
-    run keeps its initial weights: the base under stock names at `path`, what trains in the adapters' file beside it
-    (adapters_path, with the base's sha256). Returns the sha256 a LoRA run reports (prepare_model): the base file's,
-    "+", the adapters'."""
+def save_run_weights(model, lora: dict | None, path: str, state: dict[str, torch.Tensor] | None = None,
+                     trained: list[str] | None = None) -> str:
+    """A model's state (`state`, default the model's own) written as a harness run keeps its initial weights: at `path`
+    (save_init_weights); with LoRA (`state` under add_adapters' names; `trained`: what trains in it, default
+    adapter_names) the base under stock names at `path` and what trains in the adapters' file beside it
+    (adapters_path, with the base's sha256). Returns the sha256 the run reports (prepare_model): the file's, or a LoRA
+    run's base file's, "+", the adapters'."""
     from parity.models.model import save_init_weights
 
+    if lora is None:
+        return save_init_weights(model, path, state)
+    state = model.state_dict() if state is None else state
+    trained = adapter_names(model) if trained is None else trained
     sha = save_init_weights(model, path, base_state_dict(state, trained))
     return f"{sha}+{save_adapters(model, lora, sha, adapters_path(path), {n: state[n] for n in trained})}"
 
