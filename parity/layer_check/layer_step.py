@@ -128,8 +128,11 @@ def perturb_local_shard(strategy, param_name: str) -> None:
 def layer_steps_worker(payload: dict) -> None:
     """Ray Train worker: the recorded steps of payload["runs"] (one world size), one after another in one worker
     group."""
+    from parity.training.loop import torch_functions_kept
+
     for run in payload["runs"]:
-        layer_step_worker({"terminal": payload.get("terminal", False), **run})
+        with torch_functions_kept():  # each strategy's step with torch's own functions (DeepSpeed's ZeRO-3 replaces one)
+            layer_step_worker({"terminal": payload.get("terminal", False), **run})
 
 
 def layer_step_worker(payload: dict) -> None:

@@ -133,6 +133,7 @@ class Strategy(Routing):
     # unscaling, before clipping —, so that whatever its step does to a gradient before then is judged; False (a
     # strategy that does not): they are read after backward, before optimizer_step, and its record says so.
     reads_at_clip = False
+    clip_norm_dtype = "float64"  # what the norm it clips by is accumulated in ("fp32": a library's): the invariant's bound
 
     def __init__(self, cfg, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
@@ -435,7 +436,9 @@ class Strategy(Routing):
             if grad_squares is None:  # an fp16 overflow skipped the step before its clip: an infinite norm, as its own
                 if not done.skipped:
                     raise RuntimeError(f"{type(self).__name__} declares reads_at_clip but its optimizer_step did not "
-                                       f"call record_gradients() (docs/custom_strategy.md)")
+                                       f"call self.record_gradients() where it takes the norm it clips by (a "
+                                       f"PolicyOptimizer's: step(lr, norm_of, before_norm=self.record_gradients)): "
+                                       f"call it there, or set reads_at_clip = False (docs/custom_strategy.md)")
                 grad_squares = torch.full((len(names),), math.inf, dtype=torch.float64, device=self.ctx.device)
             squares = torch.cat([grad_squares, local_squares(self.parameter_pieces(), names, self.ctx.device)])
         tensors_s = self._tensors_s + time.perf_counter() - t0
