@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from parity import storage
 from parity.errors import ConfigError
 
 FORMAT = "parity-rollouts/1"
@@ -124,8 +125,6 @@ def write_rollouts(path: str, family: str, tensors: dict, describe: str, generat
     """Write a rollout file whole (atomic: the file appears complete or not at all), after checking its tensors."""
     from safetensors.torch import save
 
-    from parity import storage
-
     check_tensors(path, family, tensors)
     data = save({k: v.contiguous() for k, v in tensors.items()},
                 metadata={"format": FORMAT, "family": family, "describe": describe,
@@ -135,8 +134,6 @@ def write_rollouts(path: str, family: str, tensors: dict, describe: str, generat
 
 def read_rollouts(path: str) -> RolloutFile:
     """A rollout file, checked; ConfigError in one line naming the file and what is wrong."""
-    from parity import storage
-
     if not storage.exists(path):
         raise ConfigError(f"--rollouts {path}: no such file: write one with make_rollouts.py (docs/posttrain.md)")
     try:

@@ -179,7 +179,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         teacher.before(step, global_batch)  # [9] at a checked step: the state, and rank 0's reference step
         t0 = time.perf_counter()
         probe = observer.probe_at(step)  # [6] on the last step
-        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.loss_tokens, lr,
+        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.divisor, lr,
                                     probe)
         _synchronize(ctx.device)
         step_time = time.perf_counter() - t0 - (probe.seconds if probe is not None else 0.0)
@@ -196,7 +196,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                               grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, step_time_s=step_time,
                               harness_s=stats.harness_s, checkpoint=checkpoint, tensor_grad_norms=stats.tensor_grad_norms,
                               tensor_param_norms=stats.tensor_param_norms, clip_coef=stats.clip_coef, **scaling,
-                              **(stats.routing or {}))
+                              **(stats.routing or {}), **({"objective": stats.objective} if stats.objective else {}))
         if checkpoint:
             teacher.at_checkpoint(done, record)  # [9] the state the next check starts from, its digest in the record
             c0 = time.perf_counter()
