@@ -289,6 +289,15 @@ def invariance_of(objective: dict | None) -> Invariance:
     return Invariance(splits, tuple(terms))
 
 
+def micro_rows(config: dict) -> int:
+    """The rows of each micro-batch a run's config (a record's, or RunConfig.to_dict()) splits its step into: a DP
+    rank's rows ÷ its micro-batches (--grad_accum_steps, or a pipeline's --microbatches). The step's rows go to the
+    micro-batches in order, so this is the partition a split-dependent definition is defined at: dp 2 × GA 2 and dp 1
+    × GA 4 of one global batch are the same partition."""
+    options = config.get("options") or {}
+    return config["batch_size"] // (options.get("microbatches") or config.get("grad_accum_steps") or 1)
+
+
 def describe(objective: dict | None) -> str:
     """An objective in words for reports and logs: its name and the settings that differ from the defaults."""
     definition = definition_of(objective)

@@ -68,13 +68,11 @@ class Objective:
         return grpo.quantities(self.name, self.settings, stats)
 
 
-def generation_tokens(rollouts, step: int, mask_truncated: bool) -> float:
-    """normalizer="generation": the counted completion tokens of step `step`'s generation batch ÷ the optimizer steps
-    it spans — the mean of the counted tokens of the steps whose rows it holds (a rollouts.RolloutFile)."""
-    generation = int(rollouts.step(step)[1].generation[0])
-    counts = []
-    for s in range(rollouts.steps):
-        rows = rollouts.step(s)[1]
-        if int(rows.generation[0]) == generation:
-            counts.append(float(rows.counted(mask_truncated)[:, 1:].sum()))
-    return max(sum(counts) / len(counts), 1.0)
+def generation_tokens(rollouts, mask_truncated: bool) -> dict[int, float]:
+    """normalizer="generation": each generation batch's counted completion tokens ÷ the optimizer steps it spans — the
+    mean of the counted tokens of the steps whose rows it holds (a rollouts.RolloutFile), by generation id."""
+    counts: dict[int, list[float]] = {}
+    for step in range(rollouts.steps):
+        rows = rollouts.step(step)[1]
+        counts.setdefault(int(rows.generation[0]), []).append(float(rows.counted(mask_truncated)[:, 1:].sum()))
+    return {g: max(sum(c) / len(c), 1.0) for g, c in counts.items()}

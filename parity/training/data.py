@@ -446,10 +446,10 @@ class RolloutBatches:
     def __init__(self, path: str, objective: dict | None, steps: int, description: str):
         self.path, self.objective, self.steps_per_epoch = path, objective, steps
         self.dataset = _Described(description)
-        self._file = None
+        self._file = self._generations = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_file": None}  # shipped to the workers without the file's tensors
+        return {**self.__dict__, "_file": None, "_generations": None}  # shipped to the workers without the file
 
     def __call__(self, step: int) -> Batch:
         import dataclasses
@@ -461,8 +461,10 @@ class RolloutBatches:
         objective = Objective(self.objective)
         truncated_out = bool(objective.settings.get("mask_truncated_completions"))
         labels = ids.masked_fill(rows.counted(truncated_out) == 0, IGNORE_INDEX)
-        if objective.settings.get("normalizer") == "generation":
-            rows = dataclasses.replace(rows, generation_tokens=generation_tokens(rollouts, step, truncated_out))
+        if rollouts.family == "grpo":  # (normalizer="generation"'s divisor; a seeded bug's at any normalizer)
+            if self._generations is None:
+                self._generations = generation_tokens(rollouts, truncated_out)
+            rows = dataclasses.replace(rows, generation_tokens=self._generations[int(rows.generation[0])])
         rows = dataclasses.replace(rows, divisor=objective.step_divisor(labels, rows))
         mask = rollouts.attention_mask(step)
         return Batch(ids, labels, attention_mask=mask if left_padded(mask) else None, rollout=rows)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from parity.console import marked
 from parity.errors import COLLATERAL, RunStopped
 from parity.fingerprint import fingerprint
+from parity.objectives import describe as describe_objective
 from parity.ray_session import ray_is_up
 from parity.registry import load
 from parity.tracking.trackers import RunTrackers, open_trackers
@@ -309,7 +310,8 @@ def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sh
 
 def run_fingerprint(cfg: RunConfig, ctx: WorkerContext) -> dict:
     """The fingerprint of this run's code, libraries and device (parity.fingerprint), as this worker runs it."""
-    return fingerprint(load(cfg.strategy_path), ctx.device, cfg.model_config["model_type"])
+    return fingerprint(load(cfg.strategy_path), ctx.device, cfg.model_config["model_type"],
+                       None if cfg.objective is None else describe_objective(cfg.objective))
 
 
 def _synchronize(device: torch.device) -> None:
