@@ -228,7 +228,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     from parity.registry import class_path, load, row
     from parity.tracking import trackers
     from parity.driver.cluster import probe_cluster
-    from parity.objectives import parse_settings, resolve_objective
+    from parity.objectives import micro_rows, parse_settings, resolve_objective
     from parity.training.data import check_source
     from parity.models.families import family_of
     from parity.models.adapters import check_adapters, lora_settings
@@ -289,6 +289,10 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
         raise ConfigError(f"{strategy} does not train LoRA adapters (it trains every parameter): use train_ddp.py, "
                           f"train_fsdp.py or train_deepspeed.py with --lora_r (docs/finetune.md)")
     cls.validate(SimpleNamespace(strategy=strategy, options=options, **s), model_config)
+    rows = micro_rows({**s, "options": options})  # (a pipeline's --microbatches are filled in by its validate)
+    if s["objective"] and s["objective"]["name"] == "dpo" and rows % 2:
+        raise ConfigError(f"a DPO micro-batch holds whole pairs (chosen, rejected): micro-batches of {rows} rows cut "
+                          f"one; use an even --batch_size ÷ micro-batches")
 
     if s["learning_rate"] is None:
         s["learning_rate"] = default_learning_rate(s["model_name"])
@@ -352,10 +356,6 @@ def _rollout_run(s: dict, options: dict) -> None:
         fits = f"--batch_size {rows // s['dp_size']}" if rows and rows % s["dp_size"] == 0 else "another layout"
         raise ConfigError(f"--rollouts {path} holds {rows or 'different numbers of'} rows a step, the run's global "
                           f"batch is --batch_size {s['batch_size']} × dp_size {s['dp_size']} = {global_rows}: use {fits}")
-    micro = s["batch_size"] // options.get("microbatches", s["grad_accum_steps"])
-    if rollouts.family == "dpo" and micro % 2:
-        raise ConfigError(f"a DPO micro-batch holds whole pairs: {micro} rows a micro-batch splits one; use an even "
-                          f"--batch_size ÷ micro-batches")
     settings = (objective or {}).get("settings", {})
     if settings.get("beta") and rollouts.family == "grpo" and "ref_logps" not in rollouts.tensors:
         raise ConfigError(f"--objective {objective['name']} with beta {settings['beta']} needs the reference's "

@@ -298,6 +298,15 @@ def micro_rows(config: dict) -> int:
     return config["batch_size"] // (options.get("microbatches") or config.get("grad_accum_steps") or 1)
 
 
+def twin_accumulation(objective: dict | None, rows_per_micro: int, twin_rows: int) -> int | None:
+    """The --grad_accum_steps of a noise reference holding `twin_rows` rows a rank beside a baseline of `rows_per_micro`
+    rows a micro-batch, at a split the definition allows: the baseline's micro-batches where it depends on the split,
+    else one micro-batch (of whole pairs, for DPO); None where there is none."""
+    if invariance_of(objective).depends_on_split:
+        return twin_rows // rows_per_micro if twin_rows % rows_per_micro == 0 else None
+    return None if objective is not None and objective["name"] == "dpo" and twin_rows % 2 else 1
+
+
 def describe(objective: dict | None) -> str:
     """An objective in words for reports and logs: its name and the settings that differ from the defaults."""
     definition = definition_of(objective)
