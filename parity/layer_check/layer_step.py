@@ -155,7 +155,8 @@ def layer_step_worker(payload: dict) -> None:
     inputs = load_file(inputs_path)
     # a replay's step as its batches give it (a recorded step's rows split over the ranks, its mask), the same tokens
     # as the folder's inputs
-    global_batch = replay["batches"](step) if replay else Batch(inputs["input_ids"], inputs["labels"],
+    batches = replay["batches"] if replay else payload.get("batches")  # a replay's, or a rollout file's (rows and all)
+    global_batch = batches(step) if batches else Batch(inputs["input_ids"], inputs["labels"],
                                                                  position_ids=inputs.get("position_ids"))
     mine = dp_slice(global_batch, ctx.dp_rank, cfg.batch_size).to(ctx.device)
 

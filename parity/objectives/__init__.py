@@ -318,6 +318,17 @@ def describe(objective: dict | None) -> str:
     return objective["name"] + (f" ({json.dumps(changed, sort_keys=True)})" if changed else "")
 
 
+def objective_flags(objective: dict | None, dataset: str) -> dict:
+    """The --objective, --objective_args and --rollouts flags that resolve to a run's `objective` and rollout data (its
+    config's `dataset`, "rollouts:PATH"): what a replay of the run passes on (the layer check's --replay). None."""
+    flags = {"rollouts": dataset.split(":", 1)[1]} if dataset.startswith("rollouts:") else {}
+    if objective is not None:
+        flags.update(objective=objective["name"], objective_args=[
+            f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in objective["settings"].items()
+            if v is not None])
+    return flags
+
+
 def parse_settings(pairs) -> dict:
     """--objective_args KEY=VALUE ... → {key: value as typed}; ConfigError in one line for a pair without '='."""
     settings = {}
