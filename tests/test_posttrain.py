@@ -137,3 +137,39 @@ def test_a_seeded_objective_bug_fails_at_its_step(runs, tmp_path, capsys, bug):
     (verdict,) = verdicts.values()
     assert (code, verdict["verdict"]) == (1, "FAIL"), out
     assert verdict["first_outside"]["step"] == step, out
+
+
+REFUSED = [  # (flags beyond a dapo run on the GRPO file, what the one line says)
+    ({"objective": "ppo"}, "--objective ppo is not a known objective"),
+    ({"objective_args": ["betta=0.1"]}, "--objective dapo has no setting betta"),
+    ({"objective_args": ["vllm_importance_sampling=true"]}, "cannot be computed by the reference"),
+    ({"objective": "dpo", "objective_args": ["loss_type=aot"]}, "loss_type aot sorts the log-ratios"),
+    ({"objective": "dpo"}, "trains on dpo rollouts, and --rollouts"),
+    ({"rollouts": None}, "--objective dapo trains on a rollout file: give --rollouts FILE"),
+    ({"batch_size": 2}, "rows a step, the run's global batch is --batch_size 2"),
+    ({"objective_args": ["beta=0.1"], "rollouts": "no_ref"}, "needs the reference's log-probs"),
+    ({"packing": True}, "--packing with --rollouts"),
+]
+
+
+@pytest.mark.parametrize("flags,line", REFUSED, ids=[r[1][:30] for r in REFUSED])
+def test_what_the_reference_cannot_compute_is_refused_in_one_line(tiny_weights, posttrain_rollouts, tmp_path, capsys,
+                                                                  flags, line):
+    """Before any worker starts: one line naming the problem, exit 2."""
+    from safetensors.torch import load_file
+
+    from conftest import to_argv
+    from parity.commands.train import main as train
+    from parity.objectives.rollouts import write_rollouts
+
+    if flags.get("rollouts") == "no_ref":  # the GRPO file without its reference log-probs
+        tensors = load_file(posttrain_rollouts["grpo"])
+        del tensors["ref_logps"]
+        flags["rollouts"] = str(tmp_path / "no_ref.safetensors")
+        write_rollouts(flags["rollouts"], "grpo", tensors, "without ref_logps", {})
+    values = {**RUN, **DAPO, **DP2, "rollouts": posttrain_rollouts["grpo"], "init_weights_path": tiny_weights,
+              "loss_output_dir": tmp_path, "storage_path": tmp_path, "objective_args": None, "device": "cpu", **flags}
+    assert train("ddp", argv=to_argv({k: v for k, v in values.items() if k != "objective_args"})
+                 + (["--objective_args", *values["objective_args"]] if values["objective_args"] else [])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
