@@ -2,8 +2,9 @@
 command's PYTHONPATH (parity/integrations/attach.py). It first runs the sitecustomize it shadows, if there is one, as
 that one would have run; then, only where the command runs under verify_trainer.py (PARITY_RECORD_DIR set), it
 installs the hook that gives Hugging Face's Trainer parity's callback once transformers' trainer module is imported
-(parity/integrations/trainer_hook.py). Nothing is imported eagerly: a process that never imports transformers pays
-for a path lookup."""
+(parity/integrations/trainer_hook.py) — or, in a Python that cannot import parity (the command runs another
+interpreter than the one the harness is installed in), says so in one line and exits 2: nothing would be recorded.
+Nothing is imported eagerly: a process that never imports transformers pays for a path lookup."""
 
 import os
 import sys
@@ -28,8 +29,11 @@ def _attach() -> None:
         return
     import importlib.util
 
-    if importlib.util.find_spec("parity") is None:  # not installed: the tree this file belongs to
-        sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(_HERE))))
+    if importlib.util.find_spec("parity") is None:  # a Python the harness is not installed in: nothing would record
+        sys.stderr.write(f"error: verify_trainer.py's command runs {sys.executable}, which cannot import parity: install "
+                         f"the harness into it (pip install -e {os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))}"
+                         f") and run again\n")
+        raise SystemExit(2)
     from parity.integrations.trainer_hook import install
 
     install()
