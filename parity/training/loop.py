@@ -38,6 +38,7 @@ import torch.distributed as dist
 from parity.console import marked
 from parity.errors import COLLATERAL, RunStopped
 from parity.fingerprint import fingerprint
+from parity.objectives import describe as describe_objective
 from parity.ray_session import ray_is_up
 from parity.registry import load
 from parity.tracking.trackers import RunTrackers, open_trackers
@@ -197,7 +198,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         teacher.before(step, global_batch)  # [9] at a checked step: the state, and rank 0's reference step
         t0 = time.perf_counter()
         probe = observer.probe_at(step)  # [6] on the last step
-        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.loss_tokens, lr,
+        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.divisor, lr,
                                     probe)
         _synchronize(ctx.device)
         step_time = time.perf_counter() - t0 - (probe.seconds if probe is not None else 0.0)
@@ -214,7 +215,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                               grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, step_time_s=step_time,
                               harness_s=stats.harness_s, checkpoint=checkpoint, tensor_grad_norms=stats.tensor_grad_norms,
                               tensor_param_norms=stats.tensor_param_norms, clip_coef=stats.clip_coef, **scaling,
-                              **(stats.routing or {}))
+                              **(stats.routing or {}), **({"objective": stats.objective} if stats.objective else {}))
         if checkpoint:
             teacher.at_checkpoint(done, record)  # [9] the state the next check starts from, its digest in the record
             c0 = time.perf_counter()
@@ -327,7 +328,8 @@ def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sh
 
 def run_fingerprint(cfg: RunConfig, ctx: WorkerContext) -> dict:
     """The fingerprint of this run's code, libraries and device (parity.fingerprint), as this worker runs it."""
-    return fingerprint(load(cfg.strategy_path), ctx.device, cfg.model_config["model_type"])
+    return fingerprint(load(cfg.strategy_path), ctx.device, cfg.model_config["model_type"],
+                       None if cfg.objective is None else describe_objective(cfg.objective))
 
 
 def _synchronize(device: torch.device) -> None:
