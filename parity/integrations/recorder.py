@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.fingerprint import fingerprint
-from parity.integrations import resume, states
+from parity.integrations import layer_cut, resume, states
 from parity.integrations.adapters_record import save_initial_weights
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
@@ -125,7 +125,7 @@ class ParityRecorder:
 
                 self.dump = StepDump(self, dump_step)
             self.enabled = True
-        except LayoutRefused as exc:  # a process group or wrapper it cannot read (sharded.py): every rank finds it
+        except (LayoutRefused, layer_cut.NotCut) as exc:  # a group, wrapper or depth it cannot take: every rank finds it
             if _first_process():
                 self._print(f"parity recorder: {exc}: recording nothing")
         except resume.ResumeRefused as exc:  # a record the resumed run cannot continue (_continue)
@@ -202,6 +202,7 @@ class ParityRecorder:
             "loss_scaling": None, "total_steps": None, "init_weights_sha256": None,
             "init_weights_path": f"{here}/init_weights.safetensors" if hf else None,
             "model_config": config_summary(config) if hf else {}, "lora": self.layout.lora,  # a PEFT model's adapters
+            "layer_cut": layer_cut.recorded(self.model),  # verify_trainer.py --num_layers: {"num_layers", "of"}
             "learning_rate": float(group0.get("initial_lr", group0.get("lr", 0.0))),
             "max_grad_norm": float(max_grad_norm), "weight_decay": float(group0.get("weight_decay", 0.0)),
             "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_epsilon": float(group0.get("eps", 0.0)),

@@ -2,7 +2,8 @@
 command's PYTHONPATH (parity/integrations/attach.py). It first runs the sitecustomize it shadows, if there is one, as
 that one would have run; then, only where the command runs under verify_trainer.py (PARITY_RECORD_DIR set), it
 installs the hook that gives Hugging Face's Trainer parity's callback once transformers' trainer module is imported
-(parity/integrations/trainer_hook.py). Nothing is imported eagerly: a process that never imports transformers pays
+(parity/integrations/trainer_hook.py) and, under --num_layers, the one that cuts every transformers model built
+(parity/integrations/layer_cut.py). Nothing is imported eagerly: a process that never imports transformers pays
 for a path lookup."""
 
 import os
@@ -30,9 +31,10 @@ def _attach() -> None:
 
     if importlib.util.find_spec("parity") is None:  # not installed: the tree this file belongs to
         sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(_HERE))))
-    from parity.integrations.trainer_hook import install
+    from parity.integrations import layer_cut, trainer_hook
 
-    install()
+    trainer_hook.install()
+    layer_cut.install()
 
 
 try:
