@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from parity.training.optimizer import clip_coefficient
-from parity.training.tensor_norms import CLIPPED, PRE_CLIP, gathered_norms, local_squares
+from parity.training.tensor_norms import CLIPPED, PRE_CLIP, local_squares, norms_of
 
 __all__ = ["CLIPPED", "PRE_CLIP", "RecordedTensors"]
 
@@ -66,9 +66,10 @@ class RecordedTensors:
         except Exception:  # the step's gradients are NaN (module docstring): never the user's training
             self.squares = None
 
-    def step_norms(self, step: int, grad_norm: float) -> dict:
-        """Every tensor's gradient and parameter norm of step `step` (after the optimizer's step), and under CLIPPED the
-        step's clip coefficient from its pre-clip `grad_norm`: observe_step's arguments. Collective (one all-reduce)."""
+    def local(self, step: int) -> torch.Tensor:
+        """This rank's float64 sums of squares of step `step` (after the optimizer's step): every tensor's gradient's
+        (NaN where unseen), then its parameter's — summed over the world in rank order (the recorder's step exchange
+        carries them, as a harness strategy's ride its loss gather: Strategy.gather_step), they are `norms`' `summed`. Local."""
         squares = self.squares
         if squares is None:
             squares = torch.full((len(self.names),), math.nan, dtype=torch.float64, device=self.device)
@@ -79,8 +80,12 @@ class RecordedTensors:
                 self.log(f"step {step}: the gradients were not seen at {place}: its tensors' gradient norms are NaN, "
                          f"and so are any later step's that are not seen either")
         self.squares, self.applied = None, False
-        grads, params = gathered_norms(squares, local_squares(self.layout.parameter_pieces(), self.names,
-                                                              self.device))
+        return torch.cat([squares, local_squares(self.layout.parameter_pieces(), self.names, self.device)])
+
+    def norms(self, summed: torch.Tensor, grad_norm: float) -> dict:
+        """Every tensor's gradient and parameter norm from `summed` (local's, summed over the world), and under CLIPPED
+        the step's clip coefficient from its pre-clip `grad_norm`: observe_step's arguments."""
+        grads, params = norms_of(summed)
         coef = clip_coefficient(grad_norm, self.clipping) if self.grad == CLIPPED else None
         return {"tensor_grad_norms": grads, "tensor_param_norms": params, "clip_coef": coef}
 

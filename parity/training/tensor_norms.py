@@ -78,14 +78,6 @@ def local_squares(pieces: list[Piece], names: list[str], device: torch.device, s
     return out / (scale * scale) if scale != 1.0 else out
 
 
-def gathered_norms(gradients: torch.Tensor, parameters: torch.Tensor) -> tuple[list[float], list[float]]:
-    """The per-tensor norms over every rank from each rank's local sums (local_squares): one all-reduce. Collective.
-    (A harness strategy's ride its loss gather instead: Strategy.gather_step.)"""
-    both = torch.cat([gradients, parameters])
-    dist.all_reduce(both)
-    return norms_of(both)
-
-
 def norms_of(summed: torch.Tensor) -> tuple[list[float], list[float]]:
     """The gradient and parameter norms of every tensor from the sums over the ranks of both kinds of squares, the
     gradients' then the parameters' (each in tensor_names order)."""
