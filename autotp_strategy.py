@@ -26,8 +26,8 @@ and DeepSpeed's import (library.py).
     the replaced parameters, in the MoE parameter groups ZeRO requires (the same hyperparameters in every group).
     Full tensors come back under the stock model's names and layout (gate_up_proj = [w1; w3], gathered over EP).
 [9] Every tensor's norms (parity/training/tensor_norms.py): each rank's pieces read where DeepSpeed holds them — the
-    gradients after backward and before engine.step() (ZeRO-1/2's fragments of the averaged gradients, ZeRO-3's
-    partitions: zero_state.local_gradient), the master weights after it (_local_master) — under the stock names
+    gradients inside engine.step(), where it takes the norm it clips by (norm_point.py: ZeRO-1/2's fragments of the
+    averaged gradients, ZeRO-3's partitions: zero_state.local_gradient), the master weights after it (_local_master) — under the stock names
     (AutoEP's w1 and w3 both under gate_up_proj, their squares summed), each piece counted on one of the ranks that
     hold it alike (zero_state.zero_pieces). DeepSpeed's own pre-clip norm is rounded to fp32: the squares add up to it
     at fp32's precision (~1e-7), to the float64 norm of its own ZeRO-0 path exactly.
@@ -49,6 +49,7 @@ from parity.strategies.autotp.gathers import (column_parallel_outputs, full_tens
                                               stock_names)
 from parity.strategies.autotp.guards import check_autoep, check_release_runs
 from parity.strategies.autotp.library import forget_other_tp_layout, import_deepspeed
+from parity.strategies.autotp.norm_point import watch_norm
 from parity.strategies.autotp.partition import autotp_partition_config
 from parity.strategies.autotp.zero_state import (full_masters, full_moments, local_gradient, local_master, module_norm,
                                                  zero_pieces, zero_replicas)
@@ -186,6 +187,8 @@ class DeepSpeedStrategy(Strategy):
         self.column_shards = column_parallel_outputs(self.engine.module, self.family)
         self.autoep = {name: layer for name, layer in self.engine.module.named_modules()
                        if getattr(layer, "_is_autoep_layer", False)}
+        self.reads_at_clip = watch_norm(self.engine, self._at_norm)  # [9]
+        self._own_norm = None
 
     def _moe_optimizer(self, params):
         """[8] The shared AdamW over the parameters AutoEP left, in DeepSpeed's MoE parameter groups."""
@@ -243,18 +246,29 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed clips (gradient_clipping) and steps; its pre-clip global norm (ZeRO's
         get_grad_norm_direct) sums per-tensor float64 norms, each TP shard once and each replicated tensor
         once, and rounds the total to fp32. Where DeepSpeed reports none (ZeRO-0 over the plain client optimizer:
-        fp32, bf16 autocast) the norm is the harness's own, taken before the step as the parameter norm is (each TP
-        shard summed over its group, each replicated tensor once). fp16: DeepSpeed's own loss scaler skips an
-        overflowing step (was_step_applied)."""
+        fp32, bf16 autocast) the norm is the harness's own, taken where DeepSpeed clips (_at_norm) as the parameter
+        norm is (each TP shard summed over its group, each replicated tensor once). fp16: DeepSpeed's own loss scaler
+        skips an overflowing step (was_step_applied)."""
         scale = self.current_loss_scale
-        own = self._module_norm(lambda p: p.grad) / scale if self.zero_stage == 0 else None
+        self._own_norm = None
+        if self.zero_stage == 0 and not self.reads_at_clip:  # its fp16 optimizers: before the step (norm_point.py)
+            self._own_norm = self._module_norm(lambda p: p.grad) / scale
         set_lr(self.engine.optimizer, lr)
         self.engine.step()
         reported = self.engine.get_global_grad_norm()
-        norm = float(reported) if reported is not None else own
+        norm = float(reported) if reported is not None else self._own_norm
         if policy_of(self.cfg).loss_scaling:
             return OptimizerStep(norm, skipped=not self.engine.was_step_applied(), loss_scale=scale)
         return OptimizerStep(norm)
+
+    def _at_norm(self) -> None:
+        """[9] Where engine.step() takes the norm it clips by (norm_point.py): the gradients to the tensor record, as
+        its clip reads them (at its loss scale); at ZeRO-0, whose client optimizer reports no norm, the harness's own
+        taken of them there."""
+        scale = self.current_loss_scale
+        self.record_gradients(scale)
+        if self.zero_stage == 0:
+            self._own_norm = self._module_norm(lambda p: p.grad) / scale
 
     def parameter_norm(self) -> float:
         """Over the master weights the optimizer updated (_local_master): each TP shard (DeepSpeed marks them
@@ -267,7 +281,7 @@ class DeepSpeedStrategy(Strategy):
         return self._stock_names
 
     def gradient_pieces(self) -> list[Piece]:
-        """[9] Each gradient's piece where DeepSpeed holds it before engine.step() (zero_state.local_gradient): ZeRO-1/2's
+        """[9] Each gradient's piece where DeepSpeed holds it at its norm (zero_state.local_gradient): ZeRO-1/2's
         fragments and ZeRO-3's partitions, each rank its own; ZeRO-0's whole gradient on DP rank 0."""
         return zero_pieces(self.engine, self._stock_named, lambda p: local_gradient(p, self.zero_stage),
                            partitioned=self.zero_stage > 0, tp_rank=self.ctx.tp_rank)

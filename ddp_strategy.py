@@ -37,6 +37,7 @@ class DDPStrategy(Strategy):
     replays_records = True  # the trusted loop: train_ddp.py --replay_record (parity/integrations/replay.py)
     precisions = tuple(POLICIES)
     policy_optimizer_class = PolicyOptimizer  # steps the shared AdamW under the policy (a seeded bug's copy replaces it)
+    reads_at_clip = True  # its PolicyOptimizer's step hands the gradients to the tensor record where it takes the norm
 
     @classmethod
     def validate(cls, settings, model_config) -> None:
@@ -73,7 +74,7 @@ class DDPStrategy(Strategy):
         self.policy_optimizer.accumulate()
 
     def optimizer_step(self, lr: float):
-        return self.policy_optimizer.step(lr, local_norm)
+        return self.policy_optimizer.step(lr, local_norm, before_norm=self.record_gradients)
 
     def parameter_norm(self) -> float:
         return local_norm(self.policy_optimizer.master_parameters())

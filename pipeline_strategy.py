@@ -185,6 +185,7 @@ class PipelineStrategy(Strategy):
     tensor_parallel = False
     pipeline_parallel = True  # --pp_size, a layout flag (parity/layout.py): the run's cfg.pp_size, ctx.pp_size
     takes_adapters = True  # LoRA: each stage steps its layers' adapters (module docstring)
+    reads_at_clip = True  # its PolicyOptimizer's step hands the gradients to the tensor record where it takes the norm
     precisions = tuple(POLICIES)
     options = (
         Option("pp_schedule", "1f1b", choices=tuple(SCHEDULES),
@@ -416,7 +417,8 @@ class PipelineStrategy(Strategy):
         ranks, the tied weight once."""
         norm_of = lambda grads: math.sqrt(self._pipeline_sum(sum((squared_norm_fp64(g) for g in grads),  # noqa: E731
                                                                  self._zero())))
-        return self.policy_optimizer.step(lr, norm_of, counted=[p for _, p in self._trained()])
+        return self.policy_optimizer.step(lr, norm_of, counted=[p for _, p in self._trained()],
+                                          before_norm=self.record_gradients)
 
     def tensor_names(self) -> list[str]:
         """The whole model's trainable names on every rank, in its order (the tied lm_head once, as the embedding;

@@ -14,6 +14,7 @@ as Ray runs are, many per group, because Ray adds nothing to what is tested here
 plot_loss_curves.py's main on the folder.
 """
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -26,6 +27,9 @@ from parity.calibration.bugs import (SKIPPED_PARAMETER, SKIPPED_STEP, DDPReplica
                                      DeepSpeedClippingSkipped, DeepSpeedLearningRateOff,
                                      DeepSpeedWarmupIgnored, DeepSpeedWeightDecayAdded, FSDPAdamBeta2Off,
                                      FSDPShardFault, FSDPTPRanksFedDifferentSlices, FSDPWeightDecayAdded)
+from parity.calibration.clip_bugs import (IN_STEP, SCALED_FROM_STEP_0, SHARDED, STEP, TENSOR,
+                                          FSDPEmbeddingGradientScaled, FSDPGradientsScaledAfterTheRead,
+                                          FSDPShardGradientScaled)
 from parity.calibration.study import SETTING
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import NOISE_K
@@ -69,6 +73,11 @@ TECHNIQUES_BF16 = [("deepspeed_accumulation_checkpointing", "deepspeed", TP2_DP2
                    ("pipeline_1f1b", "pipeline", PP2_DP2, {"pp_size": 2, "pp_schedule": "1f1b"})]
 # The two bugs that hide in bf16's noise (docs/tolerances.md): the fp32 run's fixed table FAILs them at once.
 FP32_STEPS = 6
+# A gradient changed inside each strategy family's own optimizer step (parity/calibration/clip_bugs.py): in bf16 against
+# a short baseline with its references (FP32_STEPS steps, folder "short_bf16"), and in fp32 against the fp32 baseline.
+IN_STEP_LAYOUTS = {"ddp": BASELINE, "deepspeed": TP2_DP2, "fsdp": TP2_DP2, "pipeline": {**PP2_DP2, "pp_size": 2},
+                   "transformers": {"num_workers": 2, "tp_size": 2, "batch_size": 4}}
+IN_STEP_OPTIONS = {"fsdp": {"bf16": {"mixed_precision": "autocast"}}}
 BUGS_FP32 = [(FSDPWeightDecayAdded, "fsdp", 2, "param_norm"), (DeepSpeedWeightDecayAdded, "deepspeed", 2, "param_norm"),
              (FSDPShardFault, "fsdp", 0, "grad_norm")]
 
@@ -111,6 +120,14 @@ def folders(tmp_path_factory, weights):
     for bug, strategy, *_ in BUGS_FP32:
         add("default", f"{bug.__name__}_fp32", strategy, {**TP2_DP2, "precision": "fp32"}, bug,
             debug_steps=FP32_STEPS)
+    add("default", "short_bf16", "ddp", BASELINE, debug_steps=FP32_STEPS)
+    for layout in REFERENCES.values():
+        add("default", "short_bf16", "ddp", layout, noise_reference=True, debug_steps=FP32_STEPS)
+    for (strategy, bug), precision in itertools.product(IN_STEP.items(), ("fp32", "bf16")):
+        add("default", f"in_step_{strategy}_{precision}", strategy, {**IN_STEP_LAYOUTS[strategy], "precision": precision},
+            bug, debug_steps=FP32_STEPS, **IN_STEP_OPTIONS.get(strategy, {}).get(precision, {}))
+    for bug in (FSDPGradientsScaledAfterTheRead, *SCALED_FROM_STEP_0):
+        add("default", f"{bug.__name__}_fp32", "fsdp", {**TP2_DP2, "precision": "fp32"}, bug, debug_steps=FP32_STEPS)
     for (kernel, _), runs in sorted(groups.items()):
         run_group(runs, kernel)
     for kernel, ran in alike.items():
@@ -123,7 +140,21 @@ def folders(tmp_path_factory, weights):
             shutil.copy(root / "default" / name, root / bug_id)
     for bug, *_ in BUGS_FP32:
         shutil.copy(root / "fp32" / "loss_ddp.json", root / f"{bug.__name__}_fp32")
+    for folder in [f"in_step_{s}_fp32" for s in IN_STEP] + \
+            [f"{bug.__name__}_fp32" for bug in (FSDPGradientsScaledAfterTheRead, *SCALED_FROM_STEP_0)]:
+        copy_run(root / "fp32" / "loss_ddp.json", root / folder)  # with its tensor series: the tensor verdict
+    for strategy in IN_STEP:
+        for name in ["loss_ddp.json", *REFERENCES]:
+            copy_run(root / "short_bf16" / name, root / f"in_step_{strategy}_bf16")
     return root
+
+
+def copy_run(record, folder) -> None:
+    """A loss record and its tensor series beside it, into `folder`."""
+    shutil.copy(record, folder)
+    series = record.with_suffix(".tensors")
+    if series.is_dir():
+        shutil.copytree(series, folder / series.name)
 
 
 def verdict(folder, capsys) -> tuple[int, dict, str]:
@@ -245,6 +276,57 @@ def test_a_twin_identical_to_the_baseline_is_refused(folders, tmp_path, capsys):
     (tmp_path / "noise_reference_ddp_tp1_dp2_bf16.json").write_text(json.dumps(record))
     assert plot_loss_curves(["--input_dir", str(tmp_path), "--output", str(tmp_path / "c.png")]) == 2
     assert capsys.readouterr().err.endswith("at another layout (e.g. --num_workers 4 --batch_size 1)\n")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", IN_STEP)
+def test_a_gradient_changed_in_the_strategys_own_step_fails_at_that_step_naming_it(folders, capsys, strategy, precision):
+    """Issue 58: one tensor's gradient doubled inside each strategy family's optimizer step, after where the tensor
+    record read the gradients before (after backward) and before the clip, at one step with no checkpoint and no
+    teacher-forced check. Read where the strategy takes the norm it clips by, the tensor verdict names that tensor at that
+    step (1.0 its deviation: 1e3 × the fixed fp32 bound, ~29 × the calibrated bf16 one); the three curves alone stay
+    within their bounds (the global norm moves by the tensor's 3.6e-5 share)."""
+    code, result, out = verdict(folders / f"in_step_{strategy}_{precision}", capsys)
+    name = IN_STEP[strategy].name
+    against = result["against_baseline"][name]
+    first = against["first_outside"]
+    assert (code, against["verdict"], against["calibrated"]) == (1, "FAIL", precision == "bf16"), out
+    assert (first["step"], first["test"], first["module"], first["quantity"]) == (STEP, "tensors", TENSOR, "gradient")
+    assert first["rel_diff"] == pytest.approx(1.0, abs=2e-3) and first["rel_diff"] > 20 * first["tolerance"]
+    assert against["tensors"]["read_at"] == "clip" and against["tensors"]["clip_read"] is None
+    if precision == "bf16":  # the curves alone: within NOISE_K × the references' noise at every step
+        assert max(against["noise_ratio"].values()) < NOISE_K, against["noise_ratio"]
+    else:  # within the fixed fp32 table: the doubled tensor moves the global norm by its share
+        assert against["max_rel_diff"]["grad_norm"] == pytest.approx(3.6e-5, rel=0.1)
+        assert against["max_rel_diff"]["loss"] < 1e-5 and against["max_rel_diff"]["param_norm"] < 1e-5
+
+
+def test_gradients_scaled_between_the_read_and_the_clip_fail_the_records_invariant(folders, capsys):
+    """Every gradient × 1.5 after the tensor record read them and before the norm: the squares no longer add up to the
+    norm clipped by, which FAILs the run at that step ahead of any tolerance, the step named."""
+    code, result, out = verdict(folders / "FSDPGradientsScaledAfterTheRead_fp32", capsys)
+    first = result["against_baseline"]["fsdp"]["first_outside"]
+    assert (code, first["step"], first["test"]) == (1, STEP, "clip_read")
+    assert first["value"] * 1.5 == pytest.approx(first["reference"], rel=1e-9)
+    assert (f"first step outside: step {STEP}: the gradients the optimizer clipped are not the gradients the tensor "
+            f"record read (√Σ = ") in out and "ahead of any tolerance" in out
+
+
+@pytest.mark.parametrize("bug,check,what", [(FSDPEmbeddingGradientScaled, "grad_norm", None),
+                                            (FSDPShardGradientScaled, "exp_avg_sq", SHARDED)],
+                         ids=["embedding", "tp_shard"])
+def test_what_the_fp32_grad_norms_1e_5_bound_caught_still_fails(folders, capsys, bug, check, what):
+    """Issue 52 moved the fp32 grad norm's bound from 1e-5 to 1e-4. Seeded scales whose only sign among the curves is
+    the global grad norm between those bounds — the embedding's gradient × (1 + 1e-4), one TP shard of v_proj's ×
+    (1 + 1e-3) — are within the tensor verdict's fixed 1e-3 too: the teacher-forced check, whose step from the run's own
+    state holds the grad norm to 1e-5 and each moment to 1e-4, FAILs them at step 0."""
+    code, result, out = verdict(folders / f"{bug.__name__}_fp32", capsys)
+    against = result["against_baseline"]["fsdp"]
+    first = against["first_outside"]
+    assert 1e-5 < against["max_rel_diff"]["grad_norm"] < 1e-4  # what the 1e-5 bound caught, the 1e-4 one does not
+    assert against["tensors"]["first_outside"] is None  # nor the tensor verdict
+    assert (code, first["step"], first["test"]) == (1, 0, "teacher_forced")
+    assert first["module"] == (check if what is None else f"{check}/{what}")
 
 
 # bf16 matrix products as a step computes them (autocast's and bf16 weights', forward and backward, 2-D and batched);

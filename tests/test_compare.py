@@ -2,6 +2,7 @@
 statistics checked against values worked out by hand, tolerances, verdicts, the figure, bad input."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -40,6 +41,8 @@ FSDP_GRAD = [2.0, 1.5, 1.25, 0.5, 0.25]  # +0.25 at step 2
 # (1e-4) below it, as in qwen2-tiny.
 TENSOR_SHARES = {"model.embed_tokens.weight": 0.8, "model.layers.0.self_attn.q_proj.weight": 0.6,
                  "model.layers.0.input_layernorm.weight": 0.005, "model.layers.0.self_attn.k_proj.bias": 1e-4}
+TENSOR_SHARES["model.layers.0.self_attn.q_proj.weight"] = math.sqrt(0.36 - 0.005 ** 2 - 1e-4 ** 2)
+# (each tensor's share of the step's grad norm: their squares add up to it, as a real run's — parity/comparing/clip_read.py)
 NORM_WEIGHT = "model.layers.0.input_layernorm.weight"
 
 
@@ -86,9 +89,11 @@ def write_series(record: LossRecord, tensors: dict | None = None, why: str | Non
     for step in record.steps:
         factors = {name: f if isinstance(f, tuple) else (f, 1.0)
                    for name, f in (tensors or {}).get(step["step"], {}).items()}
-        series.append(step["step"], *([step[key] * share * factors.get(name, (1.0, 1.0))[i]
-                                       for name, share in TENSOR_SHARES.items()]
-                                      for i, key in enumerate(("grad_norm", "param_norm"))))
+        rows = [[step[key] * share * factors.get(name, (1.0, 1.0))[i] for name, share in TENSOR_SHARES.items()]
+                for i, key in enumerate(("grad_norm", "param_norm"))]
+        # the tensors' squares add up to the step's norm, as a real run's: a tensor's factor moves it by its share
+        step["grad_norm"] = math.sqrt(sum(g * g for g in rows[0]))
+        series.append(step["step"], *rows)
     series.flush()
 
 

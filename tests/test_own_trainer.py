@@ -34,6 +34,8 @@ HF = "hf_trainer"  # the Trainer example, recorded by ParityCallback
 NAME = "plain_loop"
 CLEAN_LOSS = "loss = summed * world / global_tokens  # DDP averages over ranks: the global token mean"
 MINE = "mine = order[rank::world]"
+CLIP_LINE = "        torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.max_grad_norm)"
+EDITED, EDITED_STEP = "model.layers.1.post_attention_layernorm.weight", 3
 SAMPLES = "18"  # 9 a rank: windows of 2 + 2 micro-batches of 2 rows, then 1 of 1 row — steps 2 and 5 partial
 # The seeded bugs, each one line of the example changed in a copy.
 COPIES = {
@@ -46,6 +48,9 @@ COPIES = {
     "neighbour": [(MINE, "mine = order[max(rank - 1, 0)::world]")],
     # the epoch's partial last window divided by the full accumulation count, not by what it holds
     "partial_window": [(CLEAN_LOSS, "loss = summed * world / global_tokens * len(window) / args.grad_accum_steps")],
+    # at one step a norm weight's gradient doubled after the recorder read the gradients, before the clip and the step
+    "edited_after_read": [(CLIP_LINE, f"if step == {EDITED_STEP}:\n"
+                                      f"            model.get_parameter('{EDITED}').grad.mul_(2)\n{CLIP_LINE}")],
 }
 PARTIAL_STEP = 2
 TRAINER_LINE = "    trainer = Trainer(model=model, args=training, train_dataset=data,"
@@ -337,6 +342,23 @@ def first_fail(folder, step: int, quantity: str):
     outside = result.verdict.first_outside
     assert (outside.step, outside.quantity) == (step, quantity), outside
     return outside
+
+
+def test_gradients_edited_between_the_recorders_read_and_the_step_fail_at_that_step(runs):
+    """A loop that doubles a norm weight's gradient after before_step() read the gradients and before it clips and
+    steps (issue 58): at the optimizer's step the recorder finds that tensor applied at 2 × the clip coefficient × what
+    it read, which FAILs the run at that step ahead of any tolerance, naming the tensor."""
+    from parity.comparing.curve_report import verdict_details
+
+    record = _record(runs["edited_after_read"])
+    entry = record["steps"][EDITED_STEP]["clip_read"]
+    assert entry["tensor"] == EDITED and entry["applied"] == pytest.approx(2 * entry["coef"] * entry["read"], rel=1e-6)
+    assert not any("clip_read" in s for k, s in enumerate(record["steps"]) if k != EDITED_STEP)
+    outside = first_fail(runs["edited_after_read"], EDITED_STEP, "grad_norm")
+    assert (outside.test, outside.module) == ("clip_read", EDITED)
+    comparison = _compare(runs["edited_after_read"])
+    assert any(f"step {EDITED_STEP}: the gradients the optimizer applied are not the gradients the tensor record read "
+               f"({EDITED}: " in line for line in verdict_details(comparison, comparison.results[0]))
 
 
 def test_neighbour_rows_fail_the_duplicate_rows_check(runs):

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from parity import fingerprint, storage
 from parity.comparing.curves import Comparison, CurveResult
-from parity.comparing import teacher_forced, tensor_verdict
+from parity.comparing import clip_read, teacher_forced, tensor_verdict
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
 from parity.comparing.recorded import (RESUMED_ROWS, cut_words, replay_lines, resumed_at, resumed_note,
@@ -139,6 +139,8 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
                          f"rows ({int(f.rel_diff)} duplicated): no two data-parallel ranks may train on one sample")
         elif f.test == RESUMED_ROWS:
             lines.append(f"first step outside: step {f.step}: {resumed_rows_words(f.step, bool(f.value))}")
+        elif f.test == clip_read.TEST:
+            lines.append(f"first step outside: {clip_read.line(f)}: ahead of any tolerance")
         elif f.test == tensor_verdict.TEST:
             lines.append(f"first step outside: step {f.step}: {f.module}, phase {f.quantity}, outside its bound (the "
                          f"tensor verdict above), whatever the curves say")

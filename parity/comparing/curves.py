@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from parity import fingerprint, storage
-from parity.comparing import recorded_checks, teacher_forced, tensor_verdict, tolerances
+from parity.comparing import clip_read, recorded_checks, teacher_forced, tensor_verdict, tolerances
 from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
 from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
@@ -308,14 +308,14 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     mismatches += [f"{storage.name(r.file)} ({r.name}{', the baseline' if r is base else ', a noise reference'}): "
                    f"{r.parting.line()}: {r.parting.no_reference}; find why "
                    f"(docs/running.md#replicas) and run it again" for r in [base, *references] if r.parting]
-    mismatches += [f"{storage.name(r.file)} ({r.name}): ranks fed the same rows at step {r.duplicate_rows.step}: a "
-                   f"run that trained on other data than it says is no reference" for r in [base, *references]
-                   if r.duplicate_rows]
+    mismatches += [f"{storage.name(r.file)} ({r.name}): ranks fed the same rows at step {r.duplicate_rows.step}: a run "
+                   f"that trained on other data than it says is no reference" for r in [base, *references] if r.duplicate_rows]
     mismatches += [f"{storage.name(base.file)} ({base.name}, the baseline): "
                    f"{teacher_forced.describe(teacher_forced.summary(base.record))}: a baseline whose own step is not "
                    f"the reference step's is no reference"] if teacher_forced.first_fail(base.record) else []
     series = {r.file: tensor_verdict.read(r) for r in [*runs, *references]}  # every tensor's, or why none
     mismatches += [m for run in [*others, *references] for m in tensor_verdict.mismatches(base, run, series)]
+    mismatches += clip_read.no_reference(base, series[base.file])
     if mismatches:
         raise NotComparable(mismatches)
     quantities = quantities_of([*runs, *references], num_steps)
@@ -512,7 +512,7 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
     outside = None
     if not other_policy:  # the earlier of the two; at one step, the overflow mismatch (it explains the rest)
         found = [o for o in (run.duplicate_rows, resumed_rows(base.record, run.record), run.lr_off_schedule,
-                             first_overflow_mismatch(base, run, num_steps),
+                             first_overflow_mismatch(base, run, num_steps), tensors and tensors.clip_gap,
                              first_outside(series, baseline, bounds),
                              teacher_forced.first_fail(run.record, num_steps),
                              tensors.first_fail() if tensors else None) if o]  # (at one step, the curves')

@@ -37,11 +37,12 @@ import re
 from dataclasses import asdict, dataclass
 
 from parity import storage
+from parity.comparing import clip_read
 from parity.comparing.noise import smoothed_envelope
 from parity.comparing.tolerances import (ADAM_SIGN_FLIP, CALIBRATION_FLOORED, NOISE_K, TENSOR_FLOOR,
                                          TENSOR_NOISE_FLOOR, TENSORS, looser_precision, tolerance_class)
 from parity.comparing.verdict import Outside
-from parity.training.tensor_norms import GRADIENT, PRE_CLIP, UPDATE
+from parity.training.tensor_norms import AT_CLIP, AT_OPTIMIZER, GRADIENT, PRE_CLIP, READ_AT, UPDATE
 from parity.training.tensor_series import KEY as SERIES_KEY, TensorSeries, load_series
 
 KEY = "tensors"  # curve_comparison.json's entry per run
@@ -90,24 +91,28 @@ class TensorVerdict:
     first: Point | None = None  # the first point outside
     largest: dict[str, Point] | None = None  # per phase: the point of largest deviation ÷ bound
     matrix: dict | None = None
+    read_at: str = AT_CLIP  # where the run's gradients were read (tensor_norms.READ_AT)
+    clip_gap: Outside | None = None  # the record's own invariant, whatever the baseline's: clip_read.first_gap
 
     @property
     def taken(self) -> bool:
         return self.why is None
 
     def first_fail(self) -> Outside | None:
-        """The first point outside as the verdict's point outside (curves.py takes the earliest of the checks')."""
+        """The first point outside as the verdict's point outside (curves.py takes the earliest of the checks', the
+        record's own invariant, `clip_gap`, ahead of any tolerance)."""
         f = self.first
         return None if f is None else Outside(quantity=f.phase, rel_diff=f.deviation, tolerance=f.bound, step=f.step,
                                               module=f.tensor, value=f.value, reference=f.reference, test=TEST)
 
     def to_dict(self) -> dict:
-        if not self.taken:
-            return {"taken": False, "why": self.why}
+        gap = {"clip_read": self.clip_gap.to_dict() if self.clip_gap else None, "read_at": self.read_at}
+        if not self.taken:  # (its own invariant where the run has a series and it parts)
+            return {"taken": False, "why": self.why, **(gap if self.clip_gap else {})}
         return {"taken": True, "why": None, "calibrated": self.calibrated, "source": self.source,
                 "gradient": self.gradient, "tensors": len(self.tensors), "steps": self.steps,
                 "first_outside": self.first.to_dict() if self.first else None,
-                "largest": {phase: p.to_dict() for phase, p in self.largest.items()}, "matrix": self.matrix}
+                "largest": {phase: p.to_dict() for phase, p in self.largest.items()}, "matrix": self.matrix, **gap}
 
 
 def read(run) -> TensorSeries | str:
@@ -147,10 +152,11 @@ def judge(base, run, references: list, series: dict, num_steps: int, judged: boo
     if not judged:
         return TensorVerdict(why="the run is in another precision policy than the baseline's: not judged")
     theirs, mine = series[base.file], series[run.file]
-    if isinstance(theirs, str):
-        return TensorVerdict(why=f"the baseline has none to hold it against ({theirs})")
     if isinstance(mine, str):
         return TensorVerdict(why=mine)
+    own = {"read_at": mine.read_at, "clip_gap": clip_read.first_gap(run, mine)}
+    if isinstance(theirs, str):
+        return TensorVerdict(why=f"the baseline has none to hold it against ({theirs})", **own)
     skipped = base.skipped(num_steps)
     points = {phase: _points(mine, theirs, phase, num_steps) for phase in PHASES}
     bounds, calibrated, source = _bounds(base, run, references, series, num_steps, skipped)
@@ -162,7 +168,7 @@ def judge(base, run, references: list, series: dict, num_steps: int, judged: boo
     largest = {phase: max((p for p in judged_points if p.phase == phase), key=lambda p: p.ratio,
                           default=Point(0, theirs.names[0], phase, 0.0, 0.0, 0.0, 1.0)) for phase in PHASES}
     return TensorVerdict(None, calibrated, source, theirs.grad, tuple(theirs.names), num_steps, first, largest,
-                         heat_matrix(theirs.names, judged_points, num_steps))
+                         heat_matrix(theirs.names, judged_points, num_steps), **own)
 
 
 def name_order(name: str) -> list:
@@ -266,7 +272,14 @@ def heat_matrix(names: list[str], points: list[Point], num_steps: int) -> dict:
 
 
 def describe(found: dict, baseline: str) -> str:
-    """The terminal's one line on a run's tensor verdict (to_dict's summary; `baseline`: its name in words)."""
+    """The terminal's one line on a run's tensor verdict (to_dict's summary; `baseline`: its name in words), and where
+    its gradients were read when that is not at the norm the run clips by (tensor_norms.READ_AT)."""
+    where = found.get("read_at", AT_CLIP)
+    return _verdict_words(found, baseline) + ("" if where in (AT_CLIP, AT_OPTIMIZER) else
+                                              f"; its gradients read {READ_AT.get(where, where)}")
+
+
+def _verdict_words(found: dict, baseline: str) -> str:
     if not found["taken"]:
         return f"tensor verdict not taken: {found['why']}"
     judged = "calibrated" if found["calibrated"] else "uncalibrated"

@@ -86,6 +86,16 @@ norm moves by at most 2 lr for each element whose AdamW update flips sign, docs/
 × the bound), a router's gradient doubled on one of two ranks holding it 0.41, the aux loss's gradient dropped 0.08 on
 the router; every fp32 catalogue bug still FAILs. bf16's 0.1: the largest clean deviation seen, 3.6e-2, with room."""
 
+CLIP_READ = {"float64": 1e-6, "fp32": 1e-4, "bf16": 4e-3}
+"""The tensor record's invariant (parity/comparing/clip_read.py): how far the root of the sum of every tensor's squared
+gradient norm may be from the norm the run clipped by, relative, at a step, by how that norm was taken. "float64": by
+the harness, of the gradients read at its clip — every strategy's float64 sums, DeepSpeed's float64 norm rounded to
+fp32 (measured ≤ 8.4e-8, ZeRO-1), a recorder's own norm; also each tensor's applied gradient against its read one × the
+clip coefficient (recorded_tensors.py), in fp32. "fp32": by a framework in its own arithmetic (torch's clip_grad_norm_
+in Trainer, DeepSpeed's fp32 per-tensor norms at ZeRO-0 with bf16 weights: 1.0e-5 measured, qwen2-tiny) or of
+gradients read elsewhere than at its clip — the fp32 grad-norm curve's own bound. "bf16": clipped gradients held in a
+low-precision dtype (each element rounded to 8 bits after × the coefficient, ≤ 2^-9 of it)."""
+
 TENSOR_NOISE_FLOOR = {"fp32": {"gradient": 1e-8, "update": 1e-8}, "bf16": {"gradient": 1e-5, "update": 1e-6}}
 """The calibrated tensor verdict's envelope never goes below this (the deviation above), by precision and phase: the
 twins can agree on a tensor exactly (fp32: one tensor's norm carries ~1e-8 of rounding; transformers' TP=2 moved a

@@ -2,18 +2,22 @@
 (parity/training/tensor_series.py): read from the loop's layout (sharded.py: each layout's pieces, with the harness's
 own code for that sharding), summed over the ranks as a harness run sums them (parity/training/tensor_norms.py).
 
-Which gradient a record holds follows from where the loop lets the recorder see it, declared once for the run:
+Which gradient a record holds, and where it was read (the series' read_at), follows from where the loop lets the
+recorder see it, declared once for the run:
 - PRE_CLIP, before the loop's clipping: read at before_step() — a hand-written loop calls it there, Lightning's
-  on_before_optimizer_step comes before its clipping, and a DeepSpeed loop calls it before the boundary's
-  engine.step(), while ZeRO still holds the reduced partitions (engine.step() clips and frees them);
+  on_before_optimizer_step comes before its clipping — or, in a DeepSpeed loop, inside engine.step() where DeepSpeed
+  takes the norm it clips by (the layout's watch_norm: norm_point.py), after all the engine does before its clip;
 - CLIPPED, after the framework clipped: read at the optimizer's step pre-hook (Trainer's callbacks all come after its
   clipping), with the step's clip coefficient beside it — torch's formula on the step's recorded pre-clip norm and the
   loop's max_grad_norm: the clipped gradient is the pre-clip one × it.
+A PRE_CLIP record read at before_step() is also held to what the optimizer applies: at the optimizer's step pre-hook,
+after the loop's clipping, each tensor's gradient must be the one read × the clip coefficient (to rounding); the first
+tensor that is not is written into its step (`clip_read`), which FAILs the run there (parity/comparing/clip_read.py).
 A step whose gradients were not seen there (before_step() not called, or only after the optimizer's step applied them,
 when they are gone or ZeRO's partitions stale: a step post-hook says when) holds NaN for every gradient norm and its
 parameter norms as measured; one line names the first such step. A read that fails leaves its step so too: a recorder
 failure never stops the user's training. Not the step pre-hook's count: Lightning's optimizer step runs its closure —
-forward, backward, on_before_optimizer_step — inside the step, after that hook.
+forward, backward, on_before_optimizer_step — inside the step, after that hook (no applied check there).
 """
 
 from __future__ import annotations
@@ -23,11 +27,15 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from parity.comparing.tolerances import CLIP_READ, TENSOR_FLOOR
+from parity.precision import POLICIES
 from parity.training.optimizer import clip_coefficient
-from parity.training.tensor_norms import CLIPPED, PRE_CLIP, local_squares, norms_of
+from parity.training.tensor_norms import (AT_CLIP, AT_OPTIMIZER, BEFORE_STEP, CLIPPED, PRE_CLIP, local_squares,
+                                          norms_of)
 
-__all__ = ["CLIPPED", "PRE_CLIP", "RecordedTensors"]
+__all__ = ["AT_OPTIMIZER", "BEFORE_STEP", "CLIPPED", "PRE_CLIP", "RecordedTensors"]
 
 
 class RecordedTensors:
@@ -35,19 +43,28 @@ class RecordedTensors:
     which gradient the record holds (PRE_CLIP or CLIPPED), `max_grad_norm` is what the loop clips to (0: it does not),
     `log` takes rank 0's lines."""
 
-    def __init__(self, layout, device: torch.device, grad: str, max_grad_norm: float, log: Callable[[str], object]):
+    def __init__(self, layout, device: torch.device, grad: str, max_grad_norm: float, log: Callable[[str], object],
+                 precision: str = "fp32"):
         if grad not in (PRE_CLIP, CLIPPED):
             raise ValueError(f"tensor_grad {grad!r}: {PRE_CLIP!r} or {CLIPPED!r}")
         self.layout, self.device, self.grad, self.log = layout, device, grad, log
         self.clipping = SimpleNamespace(max_grad_norm=max_grad_norm)  # what clip_coefficient reads
         self.names = layout.tensor_names()
         self.squares: torch.Tensor | None = None  # this step's gradient squares, once read
+        self.applied_squares: torch.Tensor | None = None  # and as the optimizer applies them (PRE_CLIP: the applied check)
         self.applied = False  # whether the optimizer's step has applied this step's gradients (its post-hook)
         self.missed = False  # whether a step's gradients went unseen already (its line said so)
+        low = precision in POLICIES and POLICIES[precision].params != "fp32"  # the gradients' own dtype, clipped in it
+        self.bound = CLIP_READ["bf16" if low else "float64"]
+        # where the gradients are read: where the engine takes its norm where the layout can watch it, else the loop's
+        self.read_at = AT_OPTIMIZER if grad == CLIPPED else BEFORE_STEP
+        if grad == PRE_CLIP and layout.watch_norm(lambda: self.read(AT_CLIP)):
+            self.read_at = AT_CLIP
+        self.checks_applied = self.read_at == BEFORE_STEP and layout.pieces_at_optimizer  # (module docstring)
 
     def observer_arguments(self) -> dict:
-        """What the StepObserver takes of the series: the names and which gradient."""
-        return {"tensor_names": self.names, "tensor_grad": self.grad}
+        """What the StepObserver takes of the series: the names, which gradient and where it was read."""
+        return {"tensor_names": self.names, "tensor_grad": self.grad, "tensors_read_at": self.read_at}
 
     def watch(self, optimizer, pre_hook) -> "Hooks":
         """The recorder's step `pre_hook` on `optimizer` and a post-hook that marks this step's gradients applied, as
@@ -56,38 +73,72 @@ class RecordedTensors:
                      optimizer.register_step_post_hook(lambda *_: setattr(self, "applied", True)))
 
     def read(self, where: str) -> None:
-        """The gradients' squares of this rank's pieces, where the loop stands at `where` (PRE_CLIP: before_step;
-        CLIPPED: the optimizer's step pre-hook) if that is the record's place, this step's are not read yet and the
-        optimizer has not applied them. Local."""
-        if where != self.grad or self.squares is not None or self.applied:
+        """The gradients' squares of this rank's pieces, where the loop stands at `where` (BEFORE_STEP: before_step;
+        AT_CLIP: inside the engine's step, at its norm; AT_OPTIMIZER: the optimizer's step pre-hook) if that is the
+        record's place, this step's are not read yet and the optimizer has not applied them; at the step pre-hook of a
+        record read at before_step(), the applied gradients' too (the module docstring's check). Local."""
+        if where == AT_OPTIMIZER and self.checks_applied and self.squares is not None and not self.applied:
+            self.applied_squares = self._squares()
+        if where != self.read_at or self.squares is not None or self.applied:
             return
+        self.squares = self._squares()
+
+    def _squares(self) -> torch.Tensor | None:
         try:
-            self.squares = local_squares(self.layout.gradient_pieces(), self.names, self.device)
+            return local_squares(self.layout.gradient_pieces(), self.names, self.device, self.layout.loss_scale())
         except Exception:  # the step's gradients are NaN (module docstring): never the user's training
-            self.squares = None
+            return None
 
     def local(self, step: int) -> torch.Tensor:
         """This rank's float64 sums of squares of step `step` (after the optimizer's step): every tensor's gradient's
-        (NaN where unseen), then its parameter's — summed over the world in rank order (the recorder's step exchange
-        carries them, as a harness strategy's ride its loss gather: Strategy.gather_step), they are `norms`' `summed`. Local."""
+        (NaN where unseen), then its parameter's, and where the applied check runs the applied gradients' and whether
+        this rank read them — summed over the world in rank order (the recorder's step exchange carries them, as a
+        harness strategy's ride its loss gather: Strategy.gather_step), they are `norms`' `summed`. Local."""
         squares = self.squares
         if squares is None:
             squares = torch.full((len(self.names),), math.nan, dtype=torch.float64, device=self.device)
             if not self.missed:
                 self.missed = True
-                place = ("before_step() before clipping (before a DeepSpeed loop's engine.step())"
-                         if self.grad == PRE_CLIP else "the optimizer's step")
+                place = {BEFORE_STEP: "before_step() before clipping", AT_CLIP: "the engine's norm in its step",
+                         AT_OPTIMIZER: "the optimizer's step"}[self.read_at]
                 self.log(f"step {step}: the gradients were not seen at {place}: its tensors' gradient norms are NaN, "
                          f"and so are any later step's that are not seen either")
-        self.squares, self.applied = None, False
-        return torch.cat([squares, local_squares(self.layout.parameter_pieces(), self.names, self.device)])
+        applied = self.applied_squares
+        self.squares, self.applied_squares, self.applied = None, None, False
+        params = local_squares(self.layout.parameter_pieces(), self.names, self.device)
+        rows = [squares, params]
+        if self.checks_applied:  # the applied gradients ride along, with a count of who read them
+            seen = applied is not None
+            rows += [applied if seen else torch.zeros_like(squares), torch.tensor([float(seen)], dtype=torch.float64,
+                                                                                  device=self.device)]
+        return torch.cat(rows)
 
     def norms(self, summed: torch.Tensor, grad_norm: float) -> dict:
-        """Every tensor's gradient and parameter norm from `summed` (local's, summed over the world), and under CLIPPED
-        the step's clip coefficient from its pre-clip `grad_norm`: observe_step's arguments."""
-        grads, params = norms_of(summed)
+        """Every tensor's gradient and parameter norm from `summed` (local's, summed over the world), under CLIPPED the
+        step's clip coefficient from its pre-clip `grad_norm`, and the applied check's finding where it has one:
+        observe_step's arguments."""
+        n = len(self.names)
+        grads, params = norms_of(summed[:2 * n])
+        found = {}
+        if self.checks_applied and int(summed[-1]) == dist.get_world_size():  # every rank saw them applied
+            found = self._applied_check(grads, [math.sqrt(float(x)) for x in summed[2 * n:3 * n]], grad_norm)
         coef = clip_coefficient(grad_norm, self.clipping) if self.grad == CLIPPED else None
-        return {"tensor_grad_norms": grads, "tensor_param_norms": params, "clip_coef": coef}
+        return {"tensor_grad_norms": grads, "tensor_param_norms": params, "clip_coef": coef, **found}
+
+    def _applied_check(self, read: list[float], applied: list[float], grad_norm: float) -> dict:
+        """The first tensor whose applied gradient is not its read one × the step's clip coefficient (to the
+        precision's rounding, CLIP_READ; a tensor below TENSOR_FLOOR of the global norm measured against that floor),
+        as the step's `clip_read` entry; {} where every tensor's is."""
+        coef = clip_coefficient(grad_norm, self.clipping)
+        floor = TENSOR_FLOOR["gradient"] * coef * math.sqrt(sum(x * x for x in read))
+        for name, r, a in zip(self.names, read, applied):
+            if math.isnan(r) or math.isnan(a):
+                continue
+            gap = abs(a - coef * r) / max(coef * r, floor) if max(coef * r, floor) else abs(a)
+            if not gap <= self.bound:
+                return {"clip_read": {"tensor": name, "read": r, "applied": a, "coef": coef, "gap": gap,
+                                      "tolerance": self.bound}}
+        return {}
 
 
 class Hooks:

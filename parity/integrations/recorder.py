@@ -33,7 +33,7 @@ from parity.integrations import layer_cut, resume, states
 from parity.integrations.adapters_record import save_initial_weights
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
-from parity.integrations.recorded_tensors import CLIPPED, PRE_CLIP, RecordedTensors
+from parity.integrations.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
 from parity.integrations.rows import (BatchWriter, MicroBatch, RowExchange, duplicate_rows, global_batch,
                                      positions_line, rows_hash, taken)
 from parity.integrations.sharded import LayoutRefused, layout_of
@@ -222,7 +222,8 @@ class ParityRecorder:
         self.writer = BatchWriter() if self.rank == 0 else None
         self.declared = (resume.DeclaredSchedule.copy_of(scheduler, start_step, self._line) if scheduler is not None
                          else None)
-        self.tensors = RecordedTensors(self.layout, self.device, tensor_grad, float(max_grad_norm), self._line)
+        self.tensors = RecordedTensors(self.layout, self.device, tensor_grad, float(max_grad_norm), self._line,
+                                       precision)
         self.observer = StepObserver(self.record, device=self.device, replicas=self.layout, replica_check_interval=1,
                                      replica_moments_every=REPLICA_MOMENTS_EVERY,
                                      log=self._line, **self.tensors.observer_arguments())
@@ -305,7 +306,7 @@ class ParityRecorder:
         try:
             if self.dump is not None and grad_norm is None:
                 self.dump.take_grads()
-            self.tensors.read(PRE_CLIP)  # every tensor's gradient, before the loop's clipping (recorded_tensors.py)
+            self.tensors.read(BEFORE_STEP)  # every tensor's gradient, before the loop's clipping (recorded_tensors.py)
             if grad_norm is not None:
                 self.grad_norm, self.grad_norm_source = float(grad_norm), source
             elif self.layout.grad_norm_visible:  # full gradients, float64 (collective where they are sharded)
@@ -319,7 +320,7 @@ class ParityRecorder:
         """The optimizer's step pre-hook: the lr of every group as the step applies it; for an adapter that asks
         (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after any clipping)."""
         self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
-        self.tensors.read(CLIPPED)  # where the framework clipped before any hook of the recorder's
+        self.tensors.read(AT_OPTIMIZER)  # where the framework clipped before any hook of the recorder's
         self._optimizer_steps += 1
         if self.dump is not None:
             self.dump.take_grads()
@@ -380,7 +381,8 @@ class ParityRecorder:
         lrs = self._lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
         lr = float(lr) if lr is not None else lrs[0]
         self._check_scales(lrs)
-        param_norm = math.sqrt(float(summed[len(squares) // 2:].sum()))  # the full trainable parameters, float64
+        n = len(self.tensors.names)
+        param_norm = math.sqrt(float(summed[n:2 * n].sum()))  # the full trainable parameters, float64
         sums, counts = got.rank_loss_sums, got.rank_tokens
         tokens = sum(counts)
         extras, saving = {"grad_norm_source": self.grad_norm_source}, 0.0

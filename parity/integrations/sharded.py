@@ -60,6 +60,9 @@ class DataParallel:
     whole = True  # every rank holds the whole model and its optimizer's state: rank 0 reads its own (no collective)
     grad_norm_visible = True  # whether the recorder sees the full gradients before clipping (before_step)
     steps_once_an_update = True  # whether the torch optimizer steps (fires its step hooks) once in each update
+    # whether gradient_pieces still reads the gradients the optimizer applies at its step pre-hook (not ZeRO's, whose
+    # optimizer steps flat partitions its step built): the recorder's applied check (recorded_tensors.py)
+    pieces_at_optimizer = True
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
@@ -106,6 +109,15 @@ class DataParallel:
     def framework_grad_norm(self) -> float | None:
         """The framework's own pre-clip norm of the step just taken, where it keeps one (DeepSpeed)."""
         return None
+
+    def watch_norm(self, read) -> bool:
+        """Have `read()` called where the framework takes the norm it clips by, inside its own step, where it can be
+        watched (DeepSpeed's engine); False: the loop's before_step() is where the gradients are read."""
+        return False
+
+    def loss_scale(self) -> float:
+        """What the gradients are still multiplied by where they are read (fp16's scale inside DeepSpeed's step)."""
+        return 1.0
 
     def param_norm(self) -> float:
         """The global norm of the full trainable parameters (LoRA's adapters, not its frozen base: as the harness's
@@ -330,6 +342,7 @@ class ZeRO(DataParallel):
     grad_norm_visible = False  # DeepSpeed clips inside engine.step(): its own norm, after the step
     whole = False
     steps_once_an_update = False  # ZeRO-1/2 step the client optimizer once per parameter group, ZeRO-3 per sub-group
+    pieces_at_optimizer = False
 
     def __init__(self, engine, device: torch.device):
         if engine.autotp_size() > 1:
@@ -359,6 +372,15 @@ class ZeRO(DataParallel):
     def framework_grad_norm(self):
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
+
+    def watch_norm(self, read) -> bool:
+        """Where engine.step() takes the norm it clips by (the DeepSpeed strategy's reading point: norm_point.py)."""
+        from parity.strategies.autotp.norm_point import watch_norm
+
+        return watch_norm(self.engine, read)
+
+    def loss_scale(self) -> float:
+        return float(getattr(self.engine.optimizer, "loss_scale", 1.0)) if self.engine.fp16_enabled() else 1.0
 
     def _local_master(self, p):
         from parity.strategies.autotp.zero_state import local_master
@@ -392,9 +414,8 @@ class ZeRO(DataParallel):
         return zero_moments(self.engine, self.zero_stage, self._gather, self._local_master)
 
     def gradient_pieces(self) -> list[Piece]:
-        """Each gradient's piece where DeepSpeed holds it before engine.step() (the DeepSpeed strategy's reading:
-        zero_state.local_gradient, zero_pieces): read when the loop calls before_step() before the boundary's
-        engine.step()."""
+        """Each gradient's piece where DeepSpeed holds it at its norm inside engine.step() (the DeepSpeed strategy's
+        reading: zero_state.local_gradient, zero_pieces; watch_norm)."""
         from parity.strategies.autotp.zero_state import local_gradient, zero_pieces
 
         return zero_pieces(self.engine, self.trainable(), lambda p: local_gradient(p, self.zero_stage),

@@ -111,6 +111,7 @@ class DTensorStrategy(Strategy):
     mesh = None  # the root DeviceMesh; None for a single rank
     tp_mesh = None  # its "tp" sub-mesh, where local outputs are gathered
     scaler = None  # fp16: the harness's loss scaler (parity.training.loss_scaler), set up by a strategy that runs it
+    reads_at_clip = True  # optimizer_step hands the unscaled shards to the tensor record where it takes the norm
 
     @property
     def loss_scale(self) -> float:
@@ -188,6 +189,7 @@ class DTensorStrategy(Strategy):
                                       lambda: self.optimizer.zero_grad(set_to_none=True))
         if skipped is not None:
             return skipped
+        self.record_gradients()  # the shards the norm below is taken of, unscaled
         norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
         step_optimizer(self.optimizer, lr)
         return OptimizerStep(norm, loss_scale=scale if self.scaler else None)

@@ -53,7 +53,7 @@ from parity.training.record import LossRecord, run_record_path
 from parity.training.recorded_states import check_recorded
 from parity.training.strategy import WorkerContext, loss_sum, lr_at
 from parity.training.teacher_forced import KEY as TEACHER_FORCED, TeacherForcedCheck
-from parity.training.tensor_norms import PRE_CLIP
+from parity.training.tensor_norms import AFTER_BACKWARD, AT_CLIP, PRE_CLIP
 
 
 @dataclass
@@ -163,7 +163,8 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                             replica_check_interval=cfg.replica_check_interval, total_steps=total_steps,
                             probe=ModelStateProbe.of_strategy(strategy, w.num_params, ctx.dp_size), log=log,
                             tensor_names=strategy.tensor_names(), tensor_grad=cfg.tensor_grad or PRE_CLIP,
-                            tensors_why=f"{cfg.strategy} does not hand over its tensors' pieces (Strategy.tensor_names)")
+                            tensors_why=f"{cfg.strategy} does not hand over its tensors' pieces (Strategy.tensor_names)",
+                            tensors_read_at=AT_CLIP if strategy.reads_at_clip else AFTER_BACKWARD)
     checkpoints = Checkpoints(w, session, record, total_steps) if session else None
     start = checkpoints.resume() if checkpoints else 0  # [3]
     w.trackers = observer.trackers = open_trackers(cfg, ctx, record, start, log, checkpoints is not None)

@@ -37,7 +37,7 @@ from parity.training.memory import PEAK_ORDERS, zero_bound
 from parity.training.optimizer import local_norm
 from parity.training.record import LossRecord
 from parity.training.replicas import ReplicaCheck, parting_line
-from parity.training.tensor_norms import PRE_CLIP
+from parity.training.tensor_norms import AT_CLIP, PRE_CLIP
 from parity.training.tensor_series import TensorSeriesWriter
 
 NODE_ID_BYTES = 64  # a Ray node id is 56 hex characters
@@ -56,7 +56,8 @@ class StepObserver:
                  total_steps: int | None = None, parameter_norm: Callable[[], float] | None = None,
                  probe: ModelStateProbe | None = None, measured_step: int | None = None,
                  log: Callable[[str], Any] | None = None, tensor_names: list[str] | None = None,
-                 tensor_grad: str = PRE_CLIP, tensors_why: str | None = None, replica_moments_every: int = 1):
+                 tensor_grad: str = PRE_CLIP, tensors_why: str | None = None, tensors_read_at: str = AT_CLIP,
+                 replica_moments_every: int = 1):
         self.record, self.device, self.total_steps = record, device, total_steps
         self.is_logging_rank = dist.get_rank() == 0
         self.parameter_norm, self.probe, self.log = parameter_norm, probe, log or (lambda line: None)
@@ -68,8 +69,9 @@ class StepObserver:
                                           device, replica_moments_every)
         record.declare_replicas(self.replica_check.summary)
         # every tensor's norms at every step, beside the record (tensor_series.py): `tensor_names` as observe_step's
-        # tensor_grad_norms and tensor_param_norms come, `tensor_grad` which gradient, or None and `tensors_why`
-        self.tensors = TensorSeriesWriter(record, tensor_names, tensor_grad, tensors_why)
+        # tensor_grad_norms and tensor_param_norms come, `tensor_grad` which gradient read where (`tensors_read_at`),
+        # or None and `tensors_why`
+        self.tensors = TensorSeriesWriter(record, tensor_names, tensor_grad, tensors_why, tensors_read_at)
 
     # --- the step ---------------------------------------------------------------------------------------
     def probe_at(self, step: int) -> ModelStateProbe | None:

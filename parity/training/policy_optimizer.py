@@ -76,10 +76,11 @@ class PolicyOptimizer:
         return self._master.get(id(param), param)
 
     def gradient_of(self, param) -> torch.Tensor | None:
-        """The gradient the next step applies to `param`, as reduced and before the step unscales and clips it: its
-        fp32 master's where the micro-batches accumulate there (--grad_accum_dtype fp32 moved it out of the
-        parameter), else the parameter's own."""
-        return self._master[id(param)].grad if self.accumulates_fp32 else param.grad
+        """The gradient the next step applies to `param`, where it is now: its fp32 master's once there (inside step,
+        unscaled, where the norm is taken; or where micro-batches accumulate in fp32, --grad_accum_dtype fp32), else
+        the parameter's own (after backward, as reduced)."""
+        master = self._master[id(param)]
+        return master.grad if master.grad is not None else param.grad
 
     @torch.no_grad()
     def accumulate(self) -> None:
@@ -93,10 +94,13 @@ class PolicyOptimizer:
                 p.grad = None
 
     @torch.no_grad()
-    def step(self, lr: float, norm_of: Callable[[list[torch.Tensor]], float], counted=None) -> OptimizerStep:
+    def step(self, lr: float, norm_of: Callable[[list[torch.Tensor]], float], counted=None,
+             before_norm: Callable[[], None] | None = None) -> OptimizerStep:
         """Clip, step at `lr` and drop the gradients (class docstring); `norm_of(grads)` is the global L2 norm of this
         rank's gradients (the masters', fp32) of the `counted` parameters (default: all; the pipeline counts a tied
-        weight's copy once) in the strategy's own way (a collective where ranks hold pieces)."""
+        weight's copy once) in the strategy's own way (a collective where ranks hold pieces). `before_norm()` is called
+        just before it, on the gradients it is taken of (gradient_of: the masters', unscaled): where the strategy hands
+        them to the tensor record (Strategy.record_gradients)."""
         self.accumulate()
         targets = self.master_parameters()
         if self.masters is not None:
@@ -109,6 +113,8 @@ class PolicyOptimizer:
         if skipped is not None:
             return skipped
         counted = self.params if counted is None else [p for p in counted if id(p) in self._master]
+        if before_norm is not None:
+            before_norm()
         norm = norm_of([g for g in (self.master_of(p).grad for p in counted) if g is not None])
         coef = clip_coefficient(norm, self.cfg)
         if coef < 1.0:

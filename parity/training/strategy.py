@@ -8,6 +8,7 @@ autocast, loss reduction across ranks — is here, once, so it cannot differ bet
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -127,12 +128,19 @@ class Strategy(Routing):
     # The PolicyOptimizer (parity.training.policy_optimizer) that steps its plain-tensor parameters under the run's
     # policy, where the strategy builds one in setup (DDP, the pipeline, your own): loss_scale and replicas read it.
     policy_optimizer = None
+    # Where it hands its gradients to the tensor record (tensor_norms.py, docs/tensors.md#reading-point): True where its
+    # optimizer_step calls record_gradients() where it computes the norm it clips by — after its own reduction and
+    # unscaling, before clipping —, so that whatever its step does to a gradient before then is judged; False (a
+    # strategy that does not): they are read after backward, before optimizer_step, and its record says so.
+    reads_at_clip = False
 
     def __init__(self, cfg, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
         self.model = None  # the wrapped model whose forward returns HF outputs with .logits
         self.step_routing: dict | None = None  # the last forward_backward's routing record (a mixture of experts)
         self.step_expert_ids: list[torch.Tensor] = []  # and per sparse layer, the experts each token of the rank went to
+        self._reading = False  # whether this step's gradients are still to be handed to the tensor record (train_step)
+        self._grad_squares: torch.Tensor | None = None  # and once handed: this rank's squares of them
 
     # --- driver side ------------------------------------------------------------------------------
     @classmethod
@@ -275,10 +283,11 @@ class Strategy(Routing):
         return [n for n, p in self.hf_model.named_parameters() if p.requires_grad]
 
     def gradient_pieces(self) -> list[Piece]:
-        """This rank's piece of each trainable tensor's gradient after backward (reduced over DP, before clipping and
-        the step; fp16: still at the loss scale, which the caller takes out), as tensor_norms.Piece by Hugging Face
-        name. Local: no collective. Here: the whole gradients (where micro-batches accumulate in their PolicyOptimizer's
-        fp32 masters, those), rank 0's counted."""
+        """This rank's piece of each trainable tensor's gradient as it stands now — where record_gradients() is called,
+        the gradients the norm it clips by is taken of; else after backward (reduced over DP, before the step; fp16:
+        still at the loss scale, which the caller takes out) —, as tensor_norms.Piece by Hugging Face name. Local: no
+        collective. Here: the whole gradients (where the PolicyOptimizer holds them in fp32 masters, those), rank 0's
+        counted."""
         policy = self.policy_optimizer
         return rank0_pieces((n, policy.gradient_of(p) if policy is not None else p.grad)
                             for n, p in self.hf_model.named_parameters() if p.requires_grad)
@@ -410,20 +419,26 @@ class Strategy(Routing):
         with watching:  # on the parameters as they are between steps (FSDP2's root unshards in forward)
             local_sum = self.forward_backward(batch, global_tokens)
         observe("after_backward")
-        t0 = time.perf_counter()
         if not hasattr(self, "_tensor_names"):  # fixed for the run (tensor_names' contract): asked once
             self._tensor_names = self.tensor_names()
         names = self._tensor_names
-        if names is not None:  # the gradients as reduced, before clipping: this rank's sums of squares, unscaled
-            grad_squares = local_squares(self.gradient_pieces(), names, self.ctx.device, self.current_loss_scale)
-        tensors_s = time.perf_counter() - t0
+        self._grad_squares, self._tensors_s, self._reading = None, 0.0, names is not None and self.reads_at_clip
+        if names is not None and not self.reads_at_clip:  # read here: after backward, before the step (unscaled)
+            self._read_gradients(self.current_loss_scale)
         done = OptimizerStep.of(self.optimizer_step(lr))
+        self._reading = False
         observe("after_step")
         t0 = time.perf_counter()
         squares = None
         if names is not None:  # and the parameters after the step: both ride the loss gather (gather_step)
+            grad_squares = self._grad_squares
+            if grad_squares is None:  # an fp16 overflow skipped the step before its clip: an infinite norm, as its own
+                if not done.skipped:
+                    raise RuntimeError(f"{type(self).__name__} declares reads_at_clip but its optimizer_step did not "
+                                       f"call record_gradients() (docs/custom_strategy.md)")
+                grad_squares = torch.full((len(names),), math.inf, dtype=torch.float64, device=self.ctx.device)
             squares = torch.cat([grad_squares, local_squares(self.parameter_pieces(), names, self.ctx.device)])
-        tensors_s += time.perf_counter() - t0
+        tensors_s = self._tensors_s + time.perf_counter() - t0
         t0 = time.perf_counter()
         sums, counts, summed = self.gather_step(local_sum, batch.loss_tokens, squares)
         gather_s = time.perf_counter() - t0
@@ -443,6 +458,20 @@ class Strategy(Routing):
                          harness_s={"loss_gather": gather_s, "param_norm": param_s, "tensor_norms": tensors_s},
                          skipped=done.skipped, loss_scale=done.loss_scale, routing=self.step_routing,
                          tensor_grad_norms=grads, tensor_param_norms=params, clip_coef=coef)
+
+    def record_gradients(self, loss_scale: float = 1.0) -> None:
+        """Hand the gradients to the tensor record, here: a strategy that `reads_at_clip` calls it in optimizer_step
+        where it computes the norm it clips by — after its reduction and unscaling, before clipping — once a step
+        (`loss_scale`: what the gradients are still multiplied by there, DeepSpeed's inside its step). The record's
+        tensors' squares then add up to that norm, which the verdict checks at every step (docs/tensors.md). Local."""
+        if self._reading:
+            self._reading = False
+            self._read_gradients(loss_scale)
+
+    def _read_gradients(self, loss_scale: float) -> None:
+        t0 = time.perf_counter()
+        self._grad_squares = local_squares(self.gradient_pieces(), self._tensor_names, self.ctx.device, loss_scale)
+        self._tensors_s += time.perf_counter() - t0
 
     def micro_batch_loss(self, summed: torch.Tensor, micro, batch, global_tokens: int) -> torch.Tensor:
         """What a micro-batch backpropagates: its token-loss sum × dp_size / the global batch's loss tokens, so that

@@ -1,5 +1,6 @@
 """Every trainable tensor's gradient norm and parameter norm, measured from each rank's piece of it in float64 and
-summed over the ranks in one collective per step (a harness strategy's ride its loss gather: Strategy.gather_step).
+summed over the ranks in one collective per step (a harness strategy's ride its loss gather: Strategy.gather_step; a
+recorder's, its step exchange: parity/integrations/recorded_tensors.py).
 
 A strategy (or a recorder's layout) hands over its pieces (`Piece`): for each trainable parameter under its Hugging
 Face name, the part this rank holds — a DTensor's local shard, a ZeRO partition's slice, a pipeline stage's tensor, a
@@ -25,6 +26,15 @@ from parity.training.replicas import mesh_replica_ranks
 
 GRADIENT, UPDATE = "gradient", "update"  # the two phases a tensor is judged in: its gradient, its parameter after
 PRE_CLIP, CLIPPED = "pre_clip", "clipped"  # which gradient a record holds: before clipping, or after (with the coefficient)
+# Where a record's gradients were read (its series' "read_at"), in words: at the norm the run clips by — what a harness
+# strategy's optimizer step takes it of (Strategy.record_gradients), what a framework's clip reads —, or elsewhere,
+# which the report says beside the tensor verdict (docs/tensors.md#reading-point)
+AT_CLIP, AFTER_BACKWARD, BEFORE_STEP, AT_OPTIMIZER = "clip", "after_backward", "before_step", "optimizer_step"
+READ_AT = {AT_CLIP: "where the run takes the norm it clips by",
+           AFTER_BACKWARD: "after backward, before the strategy's optimizer step: what its step does to a gradient is "
+                           "not judged per tensor",
+           BEFORE_STEP: "at the loop's before_step(), before its clipping",
+           AT_OPTIMIZER: "at the optimizer's step, after the framework's clipping (× its clip coefficient)"}
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ buffers the steps' per-tensor norms and, at each record write, writes the steps 
 (`chunk_<first step>.json`, atomically, through parity.storage: a local folder or a URI) before the record, which
 lists its chunks. The record's "tensors" entry:
 
-    {"names": [Hugging Face names], "grad": "pre_clip" | "clipped", "folder": "loss_<name>.tensors",
-     "chunks": ["chunk_0000000.json", ...]}
+    {"names": [Hugging Face names], "grad": "pre_clip" | "clipped", "read_at": where (tensor_norms.READ_AT),
+     "folder": "loss_<name>.tensors", "chunks": ["chunk_0000000.json", ...]}
 
 or {"names": [], "why": "..."} where the run measured none. A chunk: {"first_step", "grad_norm": [[per name] per step],
 "param_norm": [[...]], "clip_coef": [per step] (a "clipped" record's coefficient), or absent}. A run resumed at step k
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from parity import storage
 from parity.errors import RecordError
-from parity.training.tensor_norms import CLIPPED, PRE_CLIP
+from parity.training.tensor_norms import AFTER_BACKWARD, AT_CLIP, CLIPPED, PRE_CLIP
 
 KEY = "tensors"  # the record's entry
 SUFFIX = ".tensors"
@@ -37,14 +37,17 @@ def folder_of(record_path: str) -> str:
 
 class TensorSeriesWriter:
     """Rank 0's writer of one run's series, declared into its LossRecord `record` (`names`: the trainable tensors, or
-    None with `why` where the run measures none; `grad`: which gradient, PRE_CLIP or CLIPPED)."""
+    None with `why` where the run measures none; `grad`: which gradient, PRE_CLIP or CLIPPED; `read_at`: where it was
+    read, a key of tensor_norms.READ_AT)."""
 
-    def __init__(self, record, names: list[str] | None, grad: str = PRE_CLIP, why: str | None = None):
+    def __init__(self, record, names: list[str] | None, grad: str = PRE_CLIP, why: str | None = None,
+                 read_at: str = AT_CLIP):
         self.record, self.rows = record, []
         if names is None:
             record.data[KEY] = {"names": [], "why": why or "the strategy does not hand over its tensors' pieces"}
         else:
-            record.data[KEY] = {"names": list(names), "grad": grad, "folder": storage.name(folder_of(record.path)),
+            record.data[KEY] = {"names": list(names), "grad": grad, "read_at": read_at,
+                                "folder": storage.name(folder_of(record.path)),
                                 "chunks": list(record.data.get(KEY, {}).get("chunks", []))}  # a resumed record's kept
 
     @property
@@ -97,6 +100,7 @@ class TensorSeries:
     grad_norm: list[list[float]]
     param_norm: list[list[float]]
     clip_coef: list[float | None]
+    read_at: str = AT_CLIP  # where the gradients were read (tensor_norms.READ_AT)
 
     def series(self, phase_key: str, name: str) -> list[float]:
         i = self.names.index(name)
@@ -137,4 +141,4 @@ def load_series(record_path: str, data: dict) -> TensorSeries | None:
                           f"{entry['folder']} folder is incomplete; copy it with the record, or rerun that run")
     ordered = [rows[s] for s in range(steps)]
     return TensorSeries(list(entry["names"]), entry["grad"], [r[0] for r in ordered], [r[1] for r in ordered],
-                        [r[2] for r in ordered])
+                        [r[2] for r in ordered], entry.get("read_at", AFTER_BACKWARD))  # (before it was recorded)

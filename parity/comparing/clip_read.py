@@ -1,0 +1,80 @@
+"""The tensor record's invariant, at every step: the gradients the tensor record read are the gradients the run clipped.
+The root of the sum of every tensor's squared gradient norm must equal the norm the run clipped by — its recorded
+pre-clip grad norm (× the step's clip coefficient where the series holds the clipped gradients) — to the rounding of
+that norm's arithmetic (tolerances.CLIP_READ). A step where they part FAILs the run there, ahead of any tolerance, as
+the replica check does: between the read and the clip something changed the gradients (a strategy's own step, a
+framework's hook), or the norm counts a tensor otherwise than its pieces say (a Partial gradient summed locally), and
+what the optimizer applied is not what the tensor verdict judged (docs/tensors.md#reading-point).
+
+Not judged: a step an fp16 overflow skipped (no clip), and a recorded step whose gradients the recorder did not see (NaN,
+its line says so). A series read elsewhere than at the clip (tensor_norms.READ_AT) is held to it all the same: the
+norm is the run's, and the two part exactly where something acted between them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from parity import storage
+from parity.comparing.tolerances import CLIP_READ
+from parity.comparing.verdict import Outside
+from parity.precision import POLICIES
+from parity.training.tensor_norms import AT_CLIP, BEFORE_STEP, CLIPPED
+
+TEST = "clip_read"  # Outside.test of its FAIL
+
+
+def tolerance(run, series) -> float:
+    """The bound on a run's gap (tolerances.CLIP_READ): clipped gradients held in a low-precision dtype; a norm a
+    framework took in its own arithmetic, or gradients read elsewhere than at the clip; else the harness's float64 norm
+    of the gradients it read there."""
+    policy = POLICIES.get(run.precision)
+    if series.grad == CLIPPED and policy is not None and policy.params != "fp32":
+        return CLIP_READ["bf16"]
+    if run.config.get("grad_norm_source") in ("framework", "mixed") or series.read_at not in (AT_CLIP, BEFORE_STEP):
+        return CLIP_READ["fp32"]
+    return CLIP_READ["float64"]
+
+
+def first_gap(run, series) -> Outside | None:
+    """The first step of `run` (a curves.Run) whose tensors' squares do not add up to the norm it clipped by — or, in a
+    recorded run read at before_step(), whose optimizer applied another gradient to a tensor than the one read × the
+    clip coefficient (the recorder's `clip_read` entry: parity/integrations/recorded_tensors.py) —, or None; `series`
+    its TensorSeries (anything else — a run with none — has no invariant to hold)."""
+    if not hasattr(series, "grad_norm"):
+        return None
+    bound = tolerance(run, series)
+    for k, (step, grads) in enumerate(zip(run.steps, series.grad_norm)):
+        applied = step.get(TEST)
+        if applied:
+            return Outside(quantity="grad_norm", rel_diff=applied["gap"], tolerance=applied["tolerance"], step=k,
+                           module=applied["tensor"], value=applied["applied"],
+                           reference=applied["read"] * applied["coef"], test=TEST)
+        norm, coef = step.get("grad_norm"), series.clip_coef[k] if series.grad == CLIPPED else 1.0
+        if step.get("skipped") or norm is None or coef is None or not math.isfinite(norm) or \
+                any(math.isnan(g) for g in grads):
+            continue
+        read = math.sqrt(sum(g * g for g in grads))
+        clipped_by = norm * coef
+        gap = abs(read - clipped_by) / clipped_by if clipped_by else (0.0 if read == 0 else math.inf)
+        if not gap <= bound:
+            return Outside(quantity="grad_norm", rel_diff=gap, tolerance=bound, step=k, value=read,
+                           reference=clipped_by, test=TEST)
+    return None
+
+
+def line(gap: Outside) -> str:
+    """The FAIL in words."""
+    if gap.module is not None:  # a tensor the optimizer applied otherwise than read
+        return (f"step {gap.step}: the gradients the optimizer applied are not the gradients the tensor record read "
+                f"({gap.module}: {gap.reference:.9g} read × the clip coefficient, {gap.value:.9g} applied; relative gap "
+                f"{gap.rel_diff:.3e} > {gap.tolerance:.0e})")
+    return (f"step {gap.step}: the gradients the optimizer clipped are not the gradients the tensor record read (√Σ = "
+            f"{gap.value:.9g}, clipped by {gap.reference:.9g}; relative gap {gap.rel_diff:.3e} > {gap.tolerance:.0e})")
+
+
+def no_reference(base, series) -> list[str]:
+    """Why the baseline (a curves.Run) is no reference, where its own record parts from its clip: one line, or none."""
+    gap = first_gap(base, series)
+    return [] if gap is None else [f"{storage.name(base.file)} ({base.name}, the baseline): {line(gap)}: a baseline "
+                                   f"whose optimizer applies other gradients than it records is no reference"]
