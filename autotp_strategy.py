@@ -49,7 +49,7 @@ from parity.strategies.autotp.gathers import (column_parallel_outputs, full_tens
                                               stock_names)
 from parity.strategies.autotp.guards import check_autoep, check_release_runs
 from parity.strategies.autotp.library import forget_other_tp_layout, import_deepspeed
-from parity.strategies.autotp.norm_point import watch_norm
+from parity.strategies.autotp.norm_point import norm_dtype, watch_norm
 from parity.strategies.autotp.partition import autotp_partition_config
 from parity.strategies.autotp.zero_state import (full_masters, full_moments, local_gradient, local_master, module_norm,
                                                  zero_pieces, zero_replicas)
@@ -188,6 +188,7 @@ class DeepSpeedStrategy(Strategy):
         self.autoep = {name: layer for name, layer in self.engine.module.named_modules()
                        if getattr(layer, "_is_autoep_layer", False)}
         self.reads_at_clip = watch_norm(self.engine, self._at_norm)  # [9]
+        self.clip_norm_dtype = norm_dtype(self.engine)
         self._own_norm = None
 
     def _moe_optimizer(self, params):

@@ -31,9 +31,10 @@ pipeline's, and sharded gradients would make the tied-weight sum, the norms acro
 collectives over two meshes; a plain all-reduce is DDP's arithmetic (sum of each rank's gradient ÷ dp_size), so
 the only differences left from the baseline are the micro-batches' partial sums.
 
-Loss and gradient scale: the schedule's loss_fn is the shared loss_sum of a micro-batch × dp_size / the global
-batch's loss tokens (the scale DDP's train step gives each rank's whole slice), with scale_grads=False: summed over
-micro-batches and averaged over DP, the gradients are those of the global batch's token mean, as DDP's. Clipping
+Loss and gradient scale: the schedule's loss_fn is the shared micro-batch sum (Strategy.micro_batch_sum: the token-loss
+sum, or the run's objective's, parity/objectives) × dp_size / the step's divisor (the global batch's loss tokens, or
+the objective's), with scale_grads=False: summed over micro-batches and averaged over DP, the gradients are those of
+the step's loss, as DDP's. Clipping
 is by the global norm (squared norms in float64, summed over the pipeline's ranks, the tied weight once), with the
 shared clip_coefficient, then the shared AdamW steps each rank's parameters.
 
@@ -64,7 +65,7 @@ from parity.training.data import Batch
 from parity.training.memory import StateLedger
 from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.replicas import Replica, held
-from parity.training.strategy import (IGNORE_INDEX, ModuleRecords, Option, Piece, Strategy, loss_sum,
+from parity.training.strategy import (IGNORE_INDEX, ModuleRecords, Option, Piece, Strategy,
                                       squared_norm_fp64)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -336,9 +337,12 @@ class PipelineStrategy(Strategy):
         return DTYPES[policy_of(self.cfg).params]
 
     def _micro_batch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss_fn: the micro-batch's token-loss sum × dp_size / the global batch's loss tokens (× fp16's
-        loss scale)."""
-        summed = loss_sum(logits, labels)
+        """The schedule's loss_fn: the micro-batch's sum (Strategy.micro_batch_sum: its token-loss sum, or the run's
+        objective's over its rollout rows) × dp_size / the step's divisor (× fp16's loss scale). The schedule calls it
+        for the micro-batches in order, whose labels it is handed (checked)."""
+        micro = self._fed[len(self._sums)]
+        assert torch.equal(labels, micro.labels), "the schedule's micro-batches came out of order"
+        summed = self.micro_batch_sum(logits, micro, self._divisor, self.ctx.dp_size * len(self._fed))
         self._sums.append(summed.detach())
         return summed * self._loss_scale * self.loss_scale
 
@@ -366,6 +370,7 @@ class PipelineStrategy(Strategy):
         flattened rows) go to every stage's rank, which the schedule splits as it splits the ids."""
         fed = self.micro_batches(batch.to(self.ctx.device))
         self._loss_scale, self._sums = self.ctx.dp_size / global_tokens, []
+        self._fed, self._divisor, self.objective_stats = fed, global_tokens, None
         self.schedule.step(*((torch.cat([m.input_ids for m in fed]),) if self.has_first else ()),
                            target=torch.cat([m.labels for m in fed]) if self.has_last else None,
                            losses=[] if self.has_last else None, return_outputs=False, **self.stage_kwargs(fed))

@@ -16,6 +16,9 @@ The code is split by place, not by a list:
 - device: the accelerator, or the CPU and the bf16 kernel path its matrix products take (oneDNN picks its
   kernels by instruction set: ONEDNN_MAX_CPU_ISA, AMX, AVX512-BF16), which decides the bf16 roundings.
 - model_type: the model family trained (qwen2, llama, gemma3_text ...), named where a fingerprint is shown.
+- objective: a post-training objective's name and the settings it changes (parity.objectives.describe), where the run
+  trains one; absent for the causal-LM token mean (its fingerprints are as they were). The comparison refuses runs of
+  other objectives from their configs (parity/comparing/objective.py), not as other code.
 """
 
 from __future__ import annotations
@@ -179,11 +182,12 @@ def cpu_bf16_kernels() -> str:
     return f"oneDNN, CPU {native}" + (f", ONEDNN_MAX_CPU_ISA={cap}" if cap else "")
 
 
-def fingerprint(strategy_cls, device, model_type: str) -> dict:
+def fingerprint(strategy_cls, device, model_type: str, objective: str | None = None) -> dict:
     """The fingerprint of a run of `strategy_cls` training a `model_type` model on `device` (a torch.device), computed
-    where it runs."""
-    return {"shared_code_sha256": shared_code_sha256(), "strategy_code": strategy_code(strategy_cls),
-            "versions": library_versions(), "device": device_description(device), "model_type": model_type}
+    where it runs; `objective`: its post-training objective in words (parity.objectives.describe), or None."""
+    found = {"shared_code_sha256": shared_code_sha256(), "strategy_code": strategy_code(strategy_cls),
+             "versions": library_versions(), "device": device_description(device), "model_type": model_type}
+    return found if objective is None else {**found, "objective": objective}
 
 
 def differences(a: dict, b: dict, *, strategy: bool) -> list[str]:

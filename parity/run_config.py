@@ -98,6 +98,9 @@ class RunConfig:
     # (parity/models/adapters.py); None:
     # every parameter trains (and the field is left out of to_dict: a full fine-tune's record is as it was)
     lora: dict | None = None
+    # --objective (parity/objectives): {"name", "settings"} of a post-training objective, trained on --rollouts; None:
+    # the causal-LM token mean (and the field is left out of to_dict: such a run's record is as it was)
+    objective: dict | None = None
 
     @property
     def layout(self) -> Layout:
@@ -114,7 +117,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in (*REPLAY_ONLY, "lora"):
+        for key in (*REPLAY_ONLY, "lora", "objective"):
             if data[key] is None:
                 del data[key]
         return data

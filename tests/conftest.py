@@ -84,6 +84,26 @@ def tiny_weights(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def posttrain_rollouts(tiny_weights, tmp_path_factory) -> dict:
+    """make_rollouts.py's files from the tiny weights, {"grpo": path, "dpo": path} (tests/test_posttrain.py,
+    tests/test_objective_invariance.py): 3 GRPO steps of 4 prompts × 2 completions (one generation batch over the 3
+    steps), 2 DPO steps of 4 pairs; completions stop at 1 id in 16, so lengths vary and some are cut at 16 tokens; the
+    reference a model of another seed, so the KL term and DPO's log-ratios are not 0 at step 0."""
+    from parity.commands.make_rollouts import main as make_rollouts
+
+    shapes = {"grpo": ["--steps", "3", "--prompts_per_step", "4", "--num_generations", "2", "--steps_per_generation", "3"],
+              "dpo": ["--steps", "2", "--prompts_per_step", "4"]}
+    with once_per_session(tmp_path_factory, "rollouts") as (folder, made):
+        paths = {family: str(folder / f"{family}.safetensors") for family in shapes}
+        for family, shape in shapes.items():
+            if not made:
+                assert make_rollouts(["--family", family, "--init_weights_path", tiny_weights, "--output", paths[family],
+                                      "--reference_seed", "7", "--stop_token_ids", "0:2048:16", "--threads", "1",
+                                      *shape]) == 0
+    return paths
+
+
 def seeded_weights(tmp_path_factory, seed: int) -> str:
     """qwen2-tiny's initial weights from `seed` (what train_ddp.py --save_init_weights --seed writes), for a test module
     that runs at a seed of its own."""

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (FP32_RTOL, REPO, TP_LAYOUT_ERRORS, assert_bf16_parity, assert_fp32_parity,
+from conftest import (FP32_RTOL, REPO, TINY, TP_LAYOUT_ERRORS, assert_bf16_parity, assert_fp32_parity,
                       checkpoint_loss, free_port, series, to_argv, tp2_strategy, tp_flags)
 from parity.errors import ConfigError
 from parity.driver.config import resolve
@@ -203,3 +203,27 @@ def test_script_prints_one_line_and_exits_2(tmp_path, tiny_weights):
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("error: --offload_param cpu needs --zero_stage 3")
     assert "Traceback" not in proc.stderr + proc.stdout and not (tmp_path / "loss" / "loss_deepspeed.json").exists()
+
+
+def _linear_after_zero3(payload: dict) -> None:
+    """The training loop's worker over a ZeRO-3 run, then which torch.nn.functional.linear the process holds."""
+    from parity.training.loop import train_group_worker
+
+    original = torch.nn.functional.linear
+    train_group_worker(payload)
+    cfg = payload["runs"][0]["cfg"]
+    with open(os.path.join(cfg["loss_output_dir"], "linear.txt"), "w") as f:
+        f.write(f"{torch.nn.functional.linear is original} {torch.nn.functional.linear.__name__}")
+
+
+def test_a_zero3_run_leaves_torchs_linear_as_it_was_for_the_next_run_in_its_group(tmp_path, tiny_weights):
+    """DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear by its memory-efficient linear for the life of the
+    process; the next run of a worker group (the benchmark's FSDP2 after ZeRO-3, a layer check's) would compute with
+    it. The loop restores torch's own after each run (loop.torch_functions_kept)."""
+    from parity.driver.local_group import launch_local, plan
+
+    cfg, batches = plan("deepspeed", {**TINY, "debug_steps": 1, "num_workers": 1, "batch_size": 2, "zero_stage": 3,
+                                      "init_weights_path": tiny_weights, "loss_output_dir": tmp_path,
+                                      "storage_path": tmp_path / "ray", "checkpoint_interval": 0})
+    launch_local([cfg], [{"batches": batches}], worker=_linear_after_zero3)
+    assert (tmp_path / "linear.txt").read_text() == "True linear"  # (without: "False zero3_linear_wrap")

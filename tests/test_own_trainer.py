@@ -49,7 +49,7 @@ COPIES = {
     # the epoch's partial last window divided by the full accumulation count, not by what it holds
     "partial_window": [(CLEAN_LOSS, "loss = summed * world / global_tokens * len(window) / args.grad_accum_steps")],
     # at one step a norm weight's gradient doubled after the recorder read the gradients, before the clip and the step
-    "edited_after_read": [(CLIP_LINE, f"if step == {EDITED_STEP}:\n"
+    "edited_after_read": [(CLIP_LINE, f"        if step == {EDITED_STEP}:\n"
                                       f"            model.get_parameter('{EDITED}').grad.mul_(2)\n{CLIP_LINE}")],
 }
 PARTIAL_STEP = 2

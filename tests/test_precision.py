@@ -143,13 +143,17 @@ def test_bf16_params_deepspeed_and_fsdp_pass_against_ddp_in_the_policy(folders, 
 
 def test_deepspeed_zero0_bf16_fails_in_its_optimizer(folders, capsys):
     """DeepSpeed 0.19.8's own ZeRO-0 with bf16 parameters (its FP16_UnfusedOptimizer over the torch AdamW): FAIL at step
-    0 on the grad norm. The layer check of step 0 PASSes (outputs and gradients agree: docs/deepspeed.md), so the cause
-    is the optimizer — two of them, asserted by test_deepspeed_zero0_bf16_causes."""
+    0 on the grad norm, first by the tensor record's invariant — the norm it clips by is TP rank 0's shards' only, well
+    below the squares of every tensor's gradient (read after backward: its optimizer takes the norm inline). The layer
+    check of step 0 PASSes (outputs and gradients agree: docs/deepspeed.md), so the cause is the optimizer — two of
+    them, asserted by test_deepspeed_zero0_bf16_causes."""
     code, result, out = verdict(folders / "zero0", capsys)
     against = result["against_baseline"]["deepspeed"]
+    first = against["first_outside"]
     assert (code, against["verdict"]) == (1, "FAIL"), out
-    assert (against["first_outside"]["step"], against["first_outside"]["quantity"]) == (0, "grad_norm")
-    assert against["first_outside"]["value"] < 0.8 * against["first_outside"]["reference"]  # only this rank's TP shards
+    assert (first["step"], first["quantity"], first["test"]) == (0, "grad_norm", "clip_read")
+    assert first["reference"] < 0.8 * first["value"]  # clipped by this rank's TP shards' norm only
+    assert against["tensors"]["read_at"] == "after_backward" and "its gradients read after backward" in out
 
 
 def _zero0_worker(rank, port, weights, out):
@@ -260,11 +264,14 @@ def test_fp16_fsdp_with_the_harness_scaler_passes_against_ddp(folders, capsys):
 
 
 def test_fp16_loss_scale_kept_for_clipping_fails(folders, capsys):
-    """The loss scale removed after clipping instead of before: every step clipped by the scale too much."""
+    """The loss scale removed after clipping instead of before: every step clipped by the scale too much. The norm it
+    clips by is the scaled gradients', the one it records the unscaled: the tensor record, read where it takes its norm,
+    holds the scaled ones — its invariant FAILs the run at step 0, ahead of the curves (which see it by step 4)."""
     code, result, out = verdict(folders / "fp16", capsys)
     bug = result["against_baseline"]["ddp_loss_scale_kept_for_clipping"]
+    first = bug["first_outside"]
     assert (code, bug["verdict"]) == (1, "FAIL"), out
-    assert bug["first_outside"]["step"] <= 4 and bug["first_outside"]["quantity"] in ("loss", "param_norm"), bug
+    assert (first["step"], first["test"]) == (0, "clip_read") and first["value"] > 100 * first["reference"], bug
 
 
 def growth_steps(record) -> list[int]:

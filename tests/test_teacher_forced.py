@@ -106,7 +106,7 @@ class DDPHalfGradientsOnce(_LateBug):
             norm = local_norm(grads)
             torch._foreach_mul_(grads, 0.5)
             return norm
-        return self.policy_optimizer.step(lr, norm_then_halve)
+        return self.policy_optimizer.step(lr, norm_then_halve, before_norm=self.record_gradients)
 
 
 class DDPResumeDropsMoments(_LateBug):

@@ -417,7 +417,7 @@ class ClippedScaled(PolicyOptimizer):
     gradients' norm (scale × the true norm), so every step clips by 1/scale too much — the recorded norm is the true
     one (unscaled by the scale, as the code meant)."""
 
-    def step(self, lr, norm_of):
+    def step(self, lr, norm_of, counted=None, before_norm=None):
         scale = self.loss_scale
         for p, m in zip(self.params, self.masters):
             m.grad = p.grad.float()
@@ -425,6 +425,8 @@ class ClippedScaled(PolicyOptimizer):
         if self.scaler.unscale_or_skip([g.clone() for g in grads], grads[0].device):
             self.zero_grad()
             return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
+        if before_norm is not None:
+            before_norm()  # the tensor record reads them where the norm is taken: still scaled
         scaled_norm = norm_of(grads)
         torch._foreach_mul_(grads, clip_coefficient(scaled_norm, self.cfg) / scale)
         set_lr(self.optimizer, lr)
@@ -446,14 +448,14 @@ class AppliedOverflow(PolicyOptimizer):
     """fp16: an overflowing step's scale is lowered, and the step applied anyway with its non-finite gradients: the
     weights become NaN, and the record says the step was applied."""
 
-    def step(self, lr, norm_of):
+    def step(self, lr, norm_of, counted=None, before_norm=None):
         scaler, self.scaler = self.scaler, None  # step as if no scaler: unscaled by hand, never skipped
         scale = scaler.scale
         try:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(scale)
-            done = super().step(lr, norm_of)
+            done = super().step(lr, norm_of, counted, before_norm)
         finally:
             self.scaler = scaler
         grads_finite = all(bool(torch.isfinite(p).all()) for p in self.master_parameters())

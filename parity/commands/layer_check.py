@@ -66,6 +66,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--lora_targets", default=None, help="the adapters' linear layers (default: peft's for the family)")
     p.add_argument("--lora_modules_to_save", default=None,
                    help="modules trained whole beside the adapters (peft's modules_to_save): embed_tokens,norm,...")
+    p.add_argument("--objective", default=None,
+                   help="a post-training objective (docs/posttrain.md), trained on --rollouts; not with --replay")
+    p.add_argument("--objective_args", nargs="+", default=None, metavar="KEY=VALUE", help="the objective's settings")
+    p.add_argument("--rollouts", default=None, help="the rollout file whose first step is recorded; not with --replay")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--launcher", choices=("ray", "local"), default="ray",
                    help="ray: Ray Train worker groups (a local Ray cluster, or RAY_ADDRESS's); local: processes of this "
@@ -88,7 +92,7 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity.commands.compare_layers import compare_and_report
     from parity.comparing.layers import load_dumps
     from parity.driver.config import resolve
-    from parity.training.data import training_data
+    from parity.training.data import ROLLOUTS, training_data
     from parity.driver.launch import launch_runs, world_groups
     from parity.layer_check.inputs import INPUTS_FILE, check_inputs, write_inputs
     from parity.layer_check.layer_step import layer_steps_worker
@@ -158,6 +162,7 @@ def check_layers(args: argparse.Namespace) -> int:
         check_inputs(inputs, cfg)
     payloads = {cfg.experiment_name: {"output_dir": out, "perturb_param": perturb_param,
                                        **({"replay": {**replay.describe(), "batches": training_data(cfg)}} if replay
+                                          else {"batches": training_data(cfg)} if cfg.dataset.startswith(ROLLOUTS)
                                           else {})} for cfg, perturb_param in runs}
     with console.terminal(os.path.join(out, "layer_check.log"), args.verbose) as log, console.pointing_to(log), \
             ray_for_this_command():
@@ -205,7 +210,8 @@ def _replay_start(args):
         raise ConfigError(f"--replay {args.replay}: a replay reads the run's checkpoints from a folder of this "
                           f"machine: copy the run folder here (or use a shared mount) and pass its path")
     # the layer check's flags among them, given (a switch such as --packing: set)
-    given = [name for name in (*KEPT, *LORA_FLAGS) if getattr(args, name, None) not in (None, False)]
+    given = [name for name in (*KEPT, *LORA_FLAGS, "objective", "objective_args", "rollouts")
+             if getattr(args, name, None) not in (None, False)]
     if given:
         raise ConfigError(f"--{given[0]} comes from the run in a replay: drop it")
     return find_start(args.replay, args.step)
@@ -218,6 +224,7 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
     from parity.layer_check.replay import KEPT
     from parity.layout import given_pp_size, job_layout
     from parity.models.adapters import lora_flags
+    from parity.objectives import objective_flags
     from parity.registry import load
 
     cls = load(path)
@@ -229,17 +236,21 @@ def _run_values(args, strategy: str, out: str, gpus: int, options: dict, replay,
         if batch * dp != replay.global_batch_size:
             raise ConfigError(f"--dp_size {dp} × --batch_size {batch} is not the run's global batch "
                               f"({replay.global_batch_size}): a replay keeps it")
-        values = {**{k: replay.config.get(k) for k in KEPT}, **lora_flags(replay.config.get("lora"))}
+        values = {**{k: replay.config.get(k) for k in KEPT}, **lora_flags(replay.config.get("lora")),
+                  **objective_flags(replay.config.get("objective"), replay.config["dataset"])}
+        if "rollouts" in values:  # (the rollout file is the run's data: --rollouts, not --dataset)
+            values.pop("dataset")
     else:
         batch = _given(args.batch_size, 2)
         on_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= layout["num_workers"])
         values = {"model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
-                  "seq_length": _given(args.seq_length, 1024 if on_gpu else 128),
+                  "seq_length": _given(args.seq_length, None if args.rollouts else 1024 if on_gpu else 128),
                   "num_layers": _given(args.num_layers, 2), "precision": _given(args.precision, "auto"),
                   "learning_rate": _given(args.learning_rate, 1e-5), "seed": _given(args.seed, 42),
                   "packing": args.packing, "padding_free": args.padding_free, "lora_r": args.lora_r,
                   "lora_targets": args.lora_targets,
-                  "lora_modules_to_save": args.lora_modules_to_save}
+                  "lora_modules_to_save": args.lora_modules_to_save, "objective": args.objective,
+                  "objective_args": args.objective_args, "rollouts": args.rollouts}
     return {
         **values, "batch_size": batch, **layout,
         "device": args.device,

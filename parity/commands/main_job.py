@@ -184,6 +184,7 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
     row's name or a class path of the user's, is planned from its class's attributes (which tensors it shards, its
     pipeline ranks, its experts), not from its name."""
     from parity.layout import job_layout
+    from parity.objectives import micro_rows, parse_settings, resolve_objective, twin_accumulation
     from parity.registry import flags_for, load, path_of
 
     strategies = args.strategies.split()
@@ -202,10 +203,12 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
     classes = [load(path_of(s)) for s in strategies]
     extra = extra_flags(args.extra_args, [cls.name for cls in classes])
     policy = job_policy(args.precision, strategies, extra)
+    objective = resolve_objective(extra.get("objective"), parse_settings(extra.get("objective_args")))
+    rollouts = extra.get("rollouts")  # a rollout file's rows set the length
     common = {
         "model_name": args.model_name or ("Qwen/Qwen2.5-0.5B" if on_gpu else "qwen2-tiny"),
         "num_layers": args.num_layers, "batch_size": args.batch_size,
-        "seq_length": args.seq_length or (1024 if on_gpu else 256), "debug_steps": args.debug_steps,
+        "seq_length": args.seq_length or (None if rollouts else 1024 if on_gpu else 256), "debug_steps": args.debug_steps,
         "learning_rate": args.learning_rate or (1e-5 if on_gpu else None), "log_interval": args.log_interval,
         "device": args.device, "report_to": args.report_to, **policy,
         "loss_output_dir": storage.join(out, "loss_curves"),
@@ -226,8 +229,11 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
             # On GPUs a twin gets as many as the cluster has, or as the runs wait for (GPU nodes still to come).
             gpus = max(cluster.gpus, world) if on_gpu else None
             for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], gpus):
-                plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
-                                     "save_init_weights": False, "noise_reference": True}))
+                accumulation = twin_accumulation(objective, micro_rows(ddp), batch)  # a split the objective allows
+                if accumulation is not None:
+                    plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
+                                         "grad_accum_steps": accumulation, "save_init_weights": False,
+                                         "noise_reference": True}))
             # and in fp32 at its own layout: how far the policy's rounding itself moves the curves (docs/tolerances.md)
             plan.append(("ddp", {**ddp, **{k: None for k in policy}, "precision": "fp32", "save_init_weights": False,
                                  "noise_reference": True}))

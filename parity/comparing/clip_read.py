@@ -26,12 +26,14 @@ TEST = "clip_read"  # Outside.test of its FAIL
 
 def tolerance(run, series) -> float:
     """The bound on a run's gap (tolerances.CLIP_READ): clipped gradients held in a low-precision dtype; a norm a
-    framework took in its own arithmetic, or gradients read elsewhere than at the clip; else the harness's float64 norm
-    of the gradients it read there."""
+    framework took in its own arithmetic (a recorded framework's, a library's accumulated in fp32: the series'
+    norm_dtype), or gradients read elsewhere than at the clip; else the harness's float64 norm of the gradients it read
+    there."""
     policy = POLICIES.get(run.precision)
     if series.grad == CLIPPED and policy is not None and policy.params != "fp32":
         return CLIP_READ["bf16"]
-    if run.config.get("grad_norm_source") in ("framework", "mixed") or series.read_at not in (AT_CLIP, BEFORE_STEP):
+    if run.config.get("grad_norm_source") in ("framework", "mixed") or series.norm_dtype != "float64" or \
+            series.read_at not in (AT_CLIP, BEFORE_STEP):
         return CLIP_READ["fp32"]
     return CLIP_READ["float64"]
 

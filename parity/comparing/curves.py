@@ -1,9 +1,9 @@
 """Comparing loss records: invariants first, then statistics, bounds and one verdict per run.
 
-A difference says something about a strategy only if nothing else differed, so before any number every
-run is checked against the baseline: same initial weights, same model, same optimizer settings, same
-number of steps, and at every step the same batch, tokens and learning rate. A run that differs is
-reported as not comparable (`NotComparable`), never as a difference.
+A difference says something about a strategy only if nothing else differed, so before any number every run is checked
+against the baseline: same initial weights, model, objective (parity/comparing/objective.py), optimizer settings and
+number of steps, and at every step the same batch, tokens and learning rate. A run that differs is reported as not
+comparable (`NotComparable`), never as a difference.
 
 Then integrity, ahead of any tolerance: a run whose replicas parted (tensors several ranks hold that the loop's
 replica check found different, parity.training.replicas) FAILs at the first step they did, and a baseline whose
@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from parity import fingerprint, storage
-from parity.comparing import clip_read, recorded_checks, teacher_forced, tensor_verdict, tolerances
+from parity.comparing import clip_read, objective, recorded_checks, teacher_forced, tensor_verdict, tolerances
 from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
                                     relative_diffs)
 from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
@@ -297,7 +297,7 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
                 f"({base.name}): not used" for r in references if r.name != base.name]
     references = [r for r in references if r.name == base.name]
     num_steps = min(len(r.steps) for r in [*runs, *references])
-    warnings += _incomplete_warnings([*runs, *references], allow_incomplete, num_steps)
+    warnings += _incomplete_warnings([*runs, *references], allow_incomplete, num_steps) + objective.notes(base)
     mismatches = [m for run in [*others, *references] for m in comparability_mismatches(base, run)]
     code = [m for run in [*others, *references] for m in code_mismatches(base, run)]
     if allow_fingerprint_mismatch:
@@ -407,7 +407,7 @@ def comparability_mismatches(base: Run, run: Run) -> list[str]:
         if apart:
             sa, sb = apart
             found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
-    return found
+    return found + objective.mismatches(base, run)
 
 
 def _agree(field: str, a: dict, b: dict) -> bool:

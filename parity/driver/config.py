@@ -126,6 +126,16 @@ FLAGS = (
     ("lora", "lora_modules_to_save", None,
      {"help": "modules trained whole beside the adapters (peft's modules_to_save), by their last name part: "
               "embed_tokens,lm_head,norm,... (a tied embedding and lm_head train as one weight)"}),
+    ("objective", "objective", None,
+     {"help": "what a step's gradient is the gradient of (docs/posttrain.md): causal_lm (the token mean, the default), "
+              "a GRPO-family loss (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo) or dpo, trained on --rollouts"}),
+    ("objective", "objective_args", None,
+     {"nargs": "+", "metavar": "KEY=VALUE", "help": "the objective's settings, by TRL's argument names: beta=0.04 "
+                                                    "epsilon_high=0.28 loss_type=sigmoid,sft …"}),
+    ("objective", "rollouts", None,
+     {"help": "a rollout file (make_rollouts.py, or a recorded run's): what each optimizer step consumes — prompts, "
+              "completions, advantages, old and reference log-probs; it sets the steps, a step's rows "
+              "(= --batch_size × dp_size) and --seq_length"}),
     ("data", "num_samples", 10000, {"type": int, "help": "samples per epoch of the synthetic set"}),
     ("data", "tokenizer", None,
      {"help": "tokenizer for text data: 'bytes' (UTF-8 bytes) or a name/path (default: the model's; 'bytes' "
@@ -218,6 +228,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     from parity.registry import class_path, load, row
     from parity.tracking import trackers
     from parity.driver.cluster import probe_cluster
+    from parity.objectives import micro_rows, parse_settings, resolve_objective
     from parity.training.data import check_source
     from parity.models.families import family_of
     from parity.models.adapters import check_adapters, lora_settings
@@ -251,6 +262,8 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     if s["batch_size"] % s["grad_accum_steps"]:
         raise ConfigError(f"--batch_size {s['batch_size']} is not a multiple of --grad_accum_steps "
                           f"{s['grad_accum_steps']}: each micro-batch is batch_size / grad_accum_steps samples")
+    s["objective"] = resolve_objective(s["objective"], parse_settings(s.pop("objective_args")))
+    _rollout_run(s, options)
     resolve_policy(s, cls.precision_request(options))
     cluster = cluster or probe_cluster()
     s["device"], s["precision"], s["cpus_per_worker"], spread = _placement(s, cluster)
@@ -276,6 +289,10 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
         raise ConfigError(f"{strategy} does not train LoRA adapters (it trains every parameter): use train_ddp.py, "
                           f"train_fsdp.py or train_deepspeed.py with --lora_r (docs/finetune.md)")
     cls.validate(SimpleNamespace(strategy=strategy, options=options, **s), model_config)
+    rows = micro_rows({**s, "options": options})  # (a pipeline's --microbatches are filled in by its validate)
+    if s["objective"] and s["objective"]["name"] == "dpo" and rows % 2:
+        raise ConfigError(f"a DPO micro-batch holds whole pairs (chosen, rejected): micro-batches of {rows} rows cut "
+                          f"one; use an even --batch_size ÷ micro-batches")
 
     if s["learning_rate"] is None:
         s["learning_rate"] = default_learning_rate(s["model_name"])
@@ -310,6 +327,46 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
 
         check_resume(cfg)
     return cfg
+
+
+def _rollout_run(s: dict, options: dict) -> None:
+    """--rollouts FILE: the run's data is the file's steps (--dataset rollouts:FILE), its rows a step the global batch
+    and its length --seq_length, checked against the objective; ConfigError in one line for what cannot train."""
+    from parity.objectives.rollouts import read_rollouts
+    from parity.training.data import ROLLOUTS
+
+    path, objective = s.pop("rollouts"), s["objective"]
+    if path is None:
+        if objective is not None:
+            raise ConfigError(f"--objective {objective['name']} trains on a rollout file: give --rollouts FILE "
+                              f"(make_rollouts.py writes one from any model; docs/posttrain.md)")
+        return
+    other_data = s["dataset"] != DEFAULTS["dataset"]  # (flags at their defaults count as not given)
+    if other_data or s["packing"] or s["padding_free"]:
+        flag = "--dataset" if other_data else "--packing" if s["packing"] else "--padding_free"
+        raise ConfigError(f"{flag} with --rollouts: a rollout file is the run's data, its rows fed as they are; drop "
+                          f"{flag}")
+    rollouts = read_rollouts(storage.absolute(path))
+    wanted = rollouts.family if objective is None else "dpo" if objective["name"] == "dpo" else "grpo"
+    if wanted != rollouts.family:
+        raise ConfigError(f"--objective {objective['name']} trains on {wanted} rollouts, and --rollouts {path} holds "
+                          f"{rollouts.family} ones: give a {wanted} rollout file")
+    rows, global_rows = rollouts.rows_per_step(), s["batch_size"] * s["dp_size"]
+    if rows != global_rows:
+        fits = f"--batch_size {rows // s['dp_size']}" if rows and rows % s["dp_size"] == 0 else "another layout"
+        raise ConfigError(f"--rollouts {path} holds {rows or 'different numbers of'} rows a step, the run's global "
+                          f"batch is --batch_size {s['batch_size']} × dp_size {s['dp_size']} = {global_rows}: use {fits}")
+    settings = (objective or {}).get("settings", {})
+    if settings.get("beta") and rollouts.family == "grpo" and "ref_logps" not in rollouts.tensors:
+        raise ConfigError(f"--objective {objective['name']} with beta {settings['beta']} needs the reference's "
+                          f"log-probs, and --rollouts {path} has none: give beta=0, or a file with ref_logps")
+    if settings.get("ld_alpha") is not None and "ref_logps" not in rollouts.tensors:
+        raise ConfigError(f"--objective dpo with ld_alpha weighs the reference's tokens, and --rollouts {path} holds "
+                          f"only its sums (ref_seq_logps): give a file with ref_logps")
+    if s["seq_length"] not in (DEFAULTS["seq_length"], rollouts.seq_length):
+        raise ConfigError(f"--seq_length {s['seq_length']}: --rollouts {path} holds rows of {rollouts.seq_length} "
+                          f"tokens; drop --seq_length")
+    s["seq_length"], s["dataset"] = rollouts.seq_length, ROLLOUTS + rollouts.path
 
 
 def _own_name(cls, path: str) -> str:

@@ -126,18 +126,28 @@ class RecordedTensors:
         return {"tensor_grad_norms": grads, "tensor_param_norms": params, "clip_coef": coef, **found}
 
     def _applied_check(self, read: list[float], applied: list[float], grad_norm: float) -> dict:
-        """The first tensor whose applied gradient is not its read one × the step's clip coefficient (to the
-        precision's rounding, CLIP_READ; a tensor below TENSOR_FLOOR of the global norm measured against that floor),
-        as the step's `clip_read` entry; {} where every tensor's is."""
+        """The first tensor the optimizer applied otherwise than read, as the step's `clip_read` entry; {} where none.
+        Each tensor's ratio applied ÷ read is held to the median one (to the clip's rounding, `bound`; a tensor below
+        TENSOR_FLOOR of the global norm measured against that floor) — a framework's clip multiplies every gradient by
+        one coefficient, which it takes of its own norm in its own arithmetic (torch's fp32 total: 1e-5 from the
+        recorder's float64 one) — and the median to the clip coefficient of the step's norm at a framework's bound
+        (CLIP_READ "fp32"), naming the largest tensor then (a max_grad_norm other than the one declared)."""
         coef = clip_coefficient(grad_norm, self.clipping)
-        floor = TENSOR_FLOOR["gradient"] * coef * math.sqrt(sum(x * x for x in read))
-        for name, r, a in zip(self.names, read, applied):
-            if math.isnan(r) or math.isnan(a):
-                continue
-            gap = abs(a - coef * r) / max(coef * r, floor) if max(coef * r, floor) else abs(a)
-            if not gap <= self.bound:
-                return {"clip_read": {"tensor": name, "read": r, "applied": a, "coef": coef, "gap": gap,
-                                      "tolerance": self.bound}}
+        floor = TENSOR_FLOOR["gradient"] * math.sqrt(sum(x * x for x in read))
+        seen = [(name, r, a) for name, r, a in zip(self.names, read, applied) if not (math.isnan(r) or math.isnan(a))]
+        ratios = sorted(a / r for _, r, a in seen if r > floor)
+        if not ratios:
+            return {}
+        common = ratios[len(ratios) // 2]
+        if abs(common - coef) > CLIP_READ["fp32"] * coef:
+            name, r, a = max(seen, key=lambda t: t[1])
+            return {"clip_read": {"tensor": name, "read": r, "applied": a, "coef": coef,
+                                  "gap": abs(common - coef) / coef, "tolerance": CLIP_READ["fp32"]}}
+        gaps = [(abs(a - common * r) / (common * max(r, floor)), name, r, a) for name, r, a in seen]
+        gap, name, r, a = max(gaps)
+        if not gap <= self.bound:
+            return {"clip_read": {"tensor": name, "read": r, "applied": a, "coef": common, "gap": gap,
+                                  "tolerance": self.bound}}
         return {}
 
 

@@ -128,8 +128,11 @@ def perturb_local_shard(strategy, param_name: str) -> None:
 def layer_steps_worker(payload: dict) -> None:
     """Ray Train worker: the recorded steps of payload["runs"] (one world size), one after another in one worker
     group."""
+    from parity.training.loop import torch_functions_kept
+
     for run in payload["runs"]:
-        layer_step_worker({"terminal": payload.get("terminal", False), **run})
+        with torch_functions_kept():  # each strategy's step with torch's own functions (DeepSpeed's ZeRO-3 replaces one)
+            layer_step_worker({"terminal": payload.get("terminal", False), **run})
 
 
 def layer_step_worker(payload: dict) -> None:
@@ -155,19 +158,20 @@ def layer_step_worker(payload: dict) -> None:
     inputs = load_file(inputs_path)
     # a replay's step as its batches give it (a recorded step's rows split over the ranks, its mask), the same tokens
     # as the folder's inputs
-    global_batch = replay["batches"](step) if replay else Batch(inputs["input_ids"], inputs["labels"],
+    batches = replay["batches"] if replay else payload.get("batches")  # a replay's, or a rollout file's (rows and all)
+    global_batch = batches(step) if batches else Batch(inputs["input_ids"], inputs["labels"],
                                                                  position_ids=inputs.get("position_ids"))
     mine = dp_slice(global_batch, ctx.dp_rank, cfg.batch_size).to(ctx.device)
 
     recorder = ModuleRecorder(strategy.hf_model, row_places(mine, strategy.micro_batches(mine)))
-    local_sum = strategy.forward_backward(mine, global_batch.loss_tokens)  # the train step's (one step)
+    local_sum = strategy.forward_backward(mine, global_batch.divisor)  # the train step's (one step)
     records = strategy.full_module_records(recorder.remove())
     grads = strategy.full_gradients()
     grad_norm = OptimizerStep.of(strategy.optimizer_step(lr)).norm
     params = strategy.full_parameters()
     sums, counts = strategy.gather_dp_sums(local_sum, mine.loss_tokens)
     dp_losses = [s / max(c, 1) for s, c in zip(sums, counts)]
-    global_loss = sum(sums) / global_batch.loss_tokens
+    global_loss = sum(sums) / global_batch.divisor
 
     tensors = {}
     for kind, store in (("output", records.outputs), ("output_grad", records.output_grads)):

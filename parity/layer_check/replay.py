@@ -155,7 +155,7 @@ def advance(worker, replay: dict, output_dir: str) -> int:
         strategy.set_optimizer_state(moments, count)
     for s in range(start, step):
         global_batch = batches(s)
-        strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.loss_tokens, lr_at(s, cfg))
+        strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.divisor, lr_at(s, cfg))
     where = replay["checkpoint"] or "the initial weights"
     worker.log(f"replay: from {where} (step {start}), {step - start} steps trained, recording step {step}")
     return step

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from parity.errors import ConfigError
+from parity.objectives.micro_batch import Objective, generation_tokens
+from parity.objectives.rollouts import read_rollouts
 from parity.training.fed_rows import FED_CACHE, FED_MASK, FED_POSITIONS, length, stream_hash, units
 from parity.training.loss import IGNORE_INDEX
 
@@ -126,6 +128,8 @@ class TokenWindows:
 def check_source(dataset: str, packing: bool = False, padding_free: bool = False) -> None:
     """The cheap part of --dataset's checks, for `resolve`: a known source, an existing text file; --packing only of
     the synthetic documents, --padding_free of any source but a recorded run's."""
+    if dataset.startswith(ROLLOUTS):
+        return  # a rollout file's (--rollouts): checked with the run's objective (rollout_run)
     if padding_free and dataset.startswith(RECORDED):
         raise ConfigError("--padding_free with a recorded run's batches: a replay feeds each row as the run fed it; "
                           "drop --padding_free")
@@ -214,7 +218,9 @@ class Batch:
     off); None: 0, 1, ... along every row. `fed`: a recorded step whose rows came with position ids of their own
     (packed or padding-free), each row's fed_rows flags: each row is then a micro-batch of its own, cut to its length
     and fed as the run fed it — its position ids, its mask or none, a cache or none (fed_rows.py); `attention_mask`
-    is then the saved one (ones where the run fed none), which says each row's length."""
+    is then the saved one (ones where the run fed none), which says each row's length. `rollout`: a post-training
+    step's rows as its objective reads them (parity.objectives.rollouts.RolloutRows: advantages, old and reference
+    log-probs, the step's divisor …; labels are the completion tokens), sliced with the rows."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -222,6 +228,13 @@ class Batch:
     attention_mask: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     fed: torch.Tensor | None = None
+    rollout: object | None = None
+
+    @property
+    def divisor(self) -> float:
+        """What the step's micro-batch sums are divided by (Strategy.micro_batch_loss): the loss tokens, or a
+        post-training objective's divisor of the whole step (parity/objectives/micro_batch.py), kept by every slice."""
+        return self.loss_tokens if self.rollout is None else self.rollout.divisor
 
     @property
     def loss_tokens(self) -> int:
@@ -238,7 +251,8 @@ class Batch:
         def part(t):
             return None if t is None else t[start:stop]
         return Batch(self.input_ids[start:stop], self.labels[start:stop], attention_mask=part(self.attention_mask),
-                     position_ids=part(self.position_ids), fed=part(self.fed))
+                     position_ids=part(self.position_ids), fed=part(self.fed),
+                     rollout=None if self.rollout is None else self.rollout.rows(start, stop))
 
     def split(self, parts: int) -> list["Batch"]:
         """`parts` micro-batches of equal size, in order — or, for one DP rank's slice of a step planned in
@@ -281,7 +295,7 @@ class Batch:
         def moved(t):
             return None if t is None else t.to(device)
         return Batch(self.input_ids.to(device), self.labels.to(device), self.micro_rows, moved(self.attention_mask),
-                     moved(self.position_ids), moved(self.fed))
+                     moved(self.position_ids), moved(self.fed), moved(self.rollout))
 
 
 class GlobalBatches:
@@ -309,7 +323,11 @@ class GlobalBatches:
 def training_data(cfg) -> GlobalBatches:
     """A run's step → global batch, built once on the driver (a text source is read and tokenized there)
     and shipped to the workers with the run. ConfigError if the source cannot work or holds fewer samples
-    than one global batch: raised before any worker starts."""
+    than one global batch: raised before any worker starts. A rollout file's (--rollouts): RolloutBatches."""
+    if cfg.dataset.startswith(ROLLOUTS):
+        rollouts = read_rollouts(cfg.dataset[len(ROLLOUTS):])
+        return RolloutBatches(rollouts.path, cfg.objective, rollouts.steps, f"rollouts {rollouts.path}: "
+                              f"{rollouts.describe}")
     dataset = open_dataset(cfg.dataset, cfg.tokenizer, cfg.model_config["vocab_size"], cfg.seq_length,
                            cfg.num_samples, cfg.seed, cfg.packing)
     return GlobalBatches(dataset, cfg.global_batch_size, cfg.seed)
@@ -386,7 +404,8 @@ def dp_slice(global_batch: Batch, dp_rank: int, batch_size: int) -> Batch:
         return global_batch.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     start = sum(map(sum, plan[:dp_rank]))
     mine = global_batch.rows(start, start + sum(plan[dp_rank]))
-    return Batch(mine.input_ids, mine.labels, (plan[dp_rank],), mine.attention_mask, mine.position_ids, mine.fed)
+    return Batch(mine.input_ids, mine.labels, (plan[dp_rank],), mine.attention_mask, mine.position_ids, mine.fed,
+                 mine.rollout)
 
 
 def row_plan(rows: int, workers: int, most_rows: int) -> tuple[tuple[int, ...], ...]:
@@ -413,3 +432,39 @@ def batch_hash(global_batch: Batch) -> str:
     if global_batch.position_ids is not None:
         data += b"position_ids" + global_batch.position_ids.numpy().astype("<i8").tobytes()
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+ROLLOUTS = "rollouts:"  # --dataset of a run on a rollout file (--rollouts): rollouts:<its path>
+
+
+class RolloutBatches:
+    """Step → the global batch of a rollout file's step (parity/objectives/rollouts.py) for the run's `objective` (a
+    RunConfig's field): its rows (labels the completion tokens the objective counts, −100 elsewhere; the mask where
+    rows are left-padded) and their RolloutRows with the step's divisor, computed here from the whole step once, so
+    every rank and slice divides by the same (parity/objectives/micro_batch.py). Each worker reads the file once."""
+
+    def __init__(self, path: str, objective: dict | None, steps: int, description: str):
+        self.path, self.objective, self.steps_per_epoch = path, objective, steps
+        self.dataset = _Described(description)
+        self._file = self._generations = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_file": None, "_generations": None}  # shipped to the workers without the file
+
+    def __call__(self, step: int) -> Batch:
+        import dataclasses
+
+        if self._file is None:
+            self._file = read_rollouts(self.path)
+        rollouts, step = self._file, step % self._file.steps
+        ids, rows = rollouts.step(step)
+        objective = Objective(self.objective)
+        truncated_out = bool(objective.settings.get("mask_truncated_completions"))
+        labels = ids.masked_fill(rows.counted(truncated_out) == 0, IGNORE_INDEX)
+        if rollouts.family == "grpo":  # (normalizer="generation"'s divisor; a seeded bug's at any normalizer)
+            if self._generations is None:
+                self._generations = generation_tokens(rollouts, truncated_out)
+            rows = dataclasses.replace(rows, generation_tokens=self._generations[int(rows.generation[0])])
+        rows = dataclasses.replace(rows, divisor=objective.step_divisor(labels, rows))
+        mask = rollouts.attention_mask(step)
+        return Batch(ids, labels, attention_mask=mask if left_padded(mask) else None, rollout=rows)

@@ -25,6 +25,7 @@ A failure every rank meets at once (a write that fails, a loss that is not finit
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from parity.console import marked
 from parity.errors import COLLATERAL, RunStopped
 from parity.fingerprint import fingerprint
+from parity.objectives import describe as describe_objective
 from parity.ray_session import ray_is_up
 from parity.registry import load
 from parity.tracking.trackers import RunTrackers, open_trackers
@@ -90,6 +92,20 @@ def start_worker(payload: dict, resuming: bool = False) -> Worker:
     return Worker(cfg, ctx, log, model_config, strategy, weights_sha, num_params, time.perf_counter() - t0)
 
 
+@contextlib.contextmanager
+def torch_functions_kept():
+    """torch's functions as they were before a run, after it: DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear by
+    its memory-efficient linear for the life of the process ("This will persist unless manually reset"), and a later
+    run in the same worker — FSDP2 after ZeRO-3 in one group: the benchmark's, the main job's, the layer check's —
+    computed its every linear layer with DeepSpeed's kernels (other last bits: a pipeline's bf16 grad norm 1.7103 after
+    a ZeRO-3 run in its group, 1.7096 alone)."""
+    linear = torch.nn.functional.linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = linear
+
+
 def train_group_worker(payload: dict) -> dict | None:
     """Ray Train's train_loop_per_worker: the runs of payload["runs"] (each {"cfg", "batches", "title"}, all of
     one world size) one after another in this worker group — Ray starts the workers once, not once per run —
@@ -112,12 +128,13 @@ def train_group_worker(payload: dict) -> dict | None:
                 line = f"== [{i + 1}/{len(runs)}] {run['title']}"
                 print(marked(line) if to_terminal else line, flush=True)
             resuming = session.resuming() if session else False
-            worker = start_worker({"terminal": to_terminal, **run}, resuming=resuming)
-            try:
-                train(worker, run["batches"], session)
-                check_recorded(worker, run["batches"])  # [10] a recorded run's replay: the states it saved
-            finally:
-                worker.trackers.close()  # a run that stopped: its tracker runs end as failed
+            with torch_functions_kept():
+                worker = start_worker({"terminal": to_terminal, **run}, resuming=resuming)
+                try:
+                    train(worker, run["batches"], session)
+                    check_recorded(worker, run["batches"])  # [10] a recorded run's replay: the states it saved
+                finally:
+                    worker.trackers.close()  # a run that stopped: its tracker runs end as failed
         except RunStopped as exc:
             return {"stopped": str(exc)}
         except Exception as exc:  # the user sees it now, before Ray Train restarts the group or gives up
@@ -164,7 +181,8 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                             probe=ModelStateProbe.of_strategy(strategy, w.num_params, ctx.dp_size), log=log,
                             tensor_names=strategy.tensor_names(), tensor_grad=cfg.tensor_grad or PRE_CLIP,
                             tensors_why=f"{cfg.strategy} does not hand over its tensors' pieces (Strategy.tensor_names)",
-                            tensors_read_at=AT_CLIP if strategy.reads_at_clip else AFTER_BACKWARD)
+                            tensors_read_at=AT_CLIP if strategy.reads_at_clip else AFTER_BACKWARD,
+                            tensors_norm_dtype=strategy.clip_norm_dtype)
     checkpoints = Checkpoints(w, session, record, total_steps) if session else None
     start = checkpoints.resume() if checkpoints else 0  # [3]
     w.trackers = observer.trackers = open_trackers(cfg, ctx, record, start, log, checkpoints is not None)
@@ -180,7 +198,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         teacher.before(step, global_batch)  # [9] at a checked step: the state, and rank 0's reference step
         t0 = time.perf_counter()
         probe = observer.probe_at(step)  # [6] on the last step
-        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.loss_tokens, lr,
+        stats = strategy.train_step(dp_slice(global_batch, ctx.dp_rank, cfg.batch_size), global_batch.divisor, lr,
                                     probe)
         _synchronize(ctx.device)
         step_time = time.perf_counter() - t0 - (probe.seconds if probe is not None else 0.0)
@@ -197,7 +215,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
                               grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, step_time_s=step_time,
                               harness_s=stats.harness_s, checkpoint=checkpoint, tensor_grad_norms=stats.tensor_grad_norms,
                               tensor_param_norms=stats.tensor_param_norms, clip_coef=stats.clip_coef, **scaling,
-                              **(stats.routing or {}))
+                              **(stats.routing or {}), **({"objective": stats.objective} if stats.objective else {}))
         if checkpoint:
             teacher.at_checkpoint(done, record)  # [9] the state the next check starts from, its digest in the record
             c0 = time.perf_counter()
@@ -310,7 +328,8 @@ def run_description(cfg: RunConfig, ctx: WorkerContext, model_config, weights_sh
 
 def run_fingerprint(cfg: RunConfig, ctx: WorkerContext) -> dict:
     """The fingerprint of this run's code, libraries and device (parity.fingerprint), as this worker runs it."""
-    return fingerprint(load(cfg.strategy_path), ctx.device, cfg.model_config["model_type"])
+    return fingerprint(load(cfg.strategy_path), ctx.device, cfg.model_config["model_type"],
+                       None if cfg.objective is None else describe_objective(cfg.objective))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -57,7 +57,7 @@ class StepObserver:
                  probe: ModelStateProbe | None = None, measured_step: int | None = None,
                  log: Callable[[str], Any] | None = None, tensor_names: list[str] | None = None,
                  tensor_grad: str = PRE_CLIP, tensors_why: str | None = None, tensors_read_at: str = AT_CLIP,
-                 replica_moments_every: int = 1):
+                 tensors_norm_dtype: str = "float64", replica_moments_every: int = 1):
         self.record, self.device, self.total_steps = record, device, total_steps
         self.is_logging_rank = dist.get_rank() == 0
         self.parameter_norm, self.probe, self.log = parameter_norm, probe, log or (lambda line: None)
@@ -69,9 +69,10 @@ class StepObserver:
                                           device, replica_moments_every)
         record.declare_replicas(self.replica_check.summary)
         # every tensor's norms at every step, beside the record (tensor_series.py): `tensor_names` as observe_step's
-        # tensor_grad_norms and tensor_param_norms come, `tensor_grad` which gradient read where (`tensors_read_at`),
-        # or None and `tensors_why`
-        self.tensors = TensorSeriesWriter(record, tensor_names, tensor_grad, tensors_why, tensors_read_at)
+        # tensor_grad_norms and tensor_param_norms come, `tensor_grad` which gradient read where (`tensors_read_at`)
+        # against a norm taken in `tensors_norm_dtype`, or None and `tensors_why`
+        self.tensors = TensorSeriesWriter(record, tensor_names, tensor_grad, tensors_why, tensors_read_at,
+                                          tensors_norm_dtype)
 
     # --- the step ---------------------------------------------------------------------------------------
     def probe_at(self, step: int) -> ModelStateProbe | None:

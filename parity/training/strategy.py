@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from parity.errors import ConfigError
 from parity.layout import Layout
+from parity.objectives.micro_batch import Objective
 from parity.precision import policy_of
 from parity.training.loss import IGNORE_INDEX, loss_sum
 from parity.training.optimizer import (OptimizerStep, build_named_optimizer, build_optimizer, clip_coefficient,
@@ -74,6 +75,8 @@ class StepStats:
     tensor_grad_norms: list[float] | None = None
     tensor_param_norms: list[float] | None = None
     clip_coef: float | None = None  # where the run's series holds the clipped gradients (cfg.tensor_grad): its factor
+    # a post-training objective's quantities of the step (KL, clipped fraction, mean ratio …: Objective.quantities)
+    objective: dict | None = None
 
 
 @dataclass
@@ -133,6 +136,7 @@ class Strategy(Routing):
     # unscaling, before clipping —, so that whatever its step does to a gradient before then is judged; False (a
     # strategy that does not): they are read after backward, before optimizer_step, and its record says so.
     reads_at_clip = False
+    clip_norm_dtype = "float64"  # what the norm it clips by is accumulated in ("fp32": a library's): the invariant's bound
 
     def __init__(self, cfg, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
@@ -141,6 +145,8 @@ class Strategy(Routing):
         self.step_expert_ids: list[torch.Tensor] = []  # and per sparse layer, the experts each token of the rank went to
         self._reading = False  # whether this step's gradients are still to be handed to the tensor record (train_step)
         self._grad_squares: torch.Tensor | None = None  # and once handed: this rank's squares of them
+        self.objective = Objective(getattr(cfg, "objective", None))  # the run's objective (parity/objectives)
+        self.objective_stats: torch.Tensor | None = None  # its statistics summed over this rank's micro-batches
 
     # --- driver side ------------------------------------------------------------------------------
     @classmethod
@@ -396,12 +402,13 @@ class Strategy(Routing):
         micro_batches = self.micro_batches(batch.to(self.ctx.device))
         routes = self.step_routes(micro_batches)  # a mixture of experts' routing (parity.training.routing)
         local_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        self.objective_stats = None
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self.accumulating(last):
                 with self.autocast(), routes.recording() as calls:
                     logits = self.logits_of(micro)
-                summed = loss_sum(logits, micro.labels)
+                summed = self.micro_batch_sum(logits, micro, global_tokens, self.ctx.dp_size * len(micro_batches))
                 loss = routes.add(calls, micro, self.micro_batch_loss(summed, micro, batch, global_tokens))
                 self.backward(loss * self.loss_scale, last)
             local_sum += summed.detach().double()
@@ -435,12 +442,17 @@ class Strategy(Routing):
             if grad_squares is None:  # an fp16 overflow skipped the step before its clip: an infinite norm, as its own
                 if not done.skipped:
                     raise RuntimeError(f"{type(self).__name__} declares reads_at_clip but its optimizer_step did not "
-                                       f"call record_gradients() (docs/custom_strategy.md)")
+                                       f"call self.record_gradients() where it takes the norm it clips by (a "
+                                       f"PolicyOptimizer's: step(lr, norm_of, before_norm=self.record_gradients)): "
+                                       f"call it there, or set reads_at_clip = False (docs/custom_strategy.md)")
                 grad_squares = torch.full((len(names),), math.inf, dtype=torch.float64, device=self.ctx.device)
             squares = torch.cat([grad_squares, local_squares(self.parameter_pieces(), names, self.ctx.device)])
         tensors_s = self._tensors_s + time.perf_counter() - t0
         t0 = time.perf_counter()
-        sums, counts, summed = self.gather_step(local_sum, batch.loss_tokens, squares)
+        stats = self.objective_stats
+        if stats is None and self.objective.stats_size:  # a rank that computed no loss (a pipeline's earlier stage)
+            stats = torch.zeros(self.objective.stats_size, dtype=torch.float64, device=self.ctx.device)
+        sums, counts, summed, stats = self.gather_step(local_sum, batch.loss_tokens, squares, stats)
         gather_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         param_norm = self.parameter_norm()
@@ -457,7 +469,20 @@ class Strategy(Routing):
                          grad_norm=done.norm, param_norm=param_norm,
                          harness_s={"loss_gather": gather_s, "param_norm": param_s, "tensor_norms": tensors_s},
                          skipped=done.skipped, loss_scale=done.loss_scale, routing=self.step_routing,
-                         tensor_grad_norms=grads, tensor_param_norms=params, clip_coef=coef)
+                         tensor_grad_norms=grads, tensor_param_norms=params, clip_coef=coef,
+                         objective=self.objective.quantities(stats))
+
+    def micro_batch_sum(self, logits: torch.Tensor, micro, divisor: float, micro_batches: int) -> torch.Tensor:
+        """What micro-batch `micro` contributes to its step's loss × the step's divisor `divisor` (the global batch's
+        loss tokens, or its objective's divisor: data.Batch.divisor), from its `logits`: the token-loss sum, or the run's
+        objective's sum over the micro-batch's rollout rows (parity/objectives/micro_batch.py, the one place a
+        micro-batch's loss is defined). `micro_batches`: the step's micro-batches over all DP ranks (a term of each
+        micro-batch's own is its mean ÷ that many). The objective's statistics add up in `objective_stats`."""
+        summed, stats = self.objective.micro_sum(logits, micro.input_ids, micro.labels, micro.rollout, divisor,
+                                                 micro_batches)
+        if stats is not None:
+            self.objective_stats = stats if self.objective_stats is None else self.objective_stats + stats
+        return summed
 
     def record_gradients(self, loss_scale: float = 1.0) -> None:
         """Hand the gradients to the tensor record, here: a strategy that `reads_at_clip` calls it in optimizer_step
@@ -474,28 +499,34 @@ class Strategy(Routing):
         self._tensors_s += time.perf_counter() - t0
 
     def micro_batch_loss(self, summed: torch.Tensor, micro, batch, global_tokens: int) -> torch.Tensor:
-        """What a micro-batch backpropagates: its token-loss sum × dp_size / the global batch's loss tokens, so that
-        the strategy's average over DP ranks of the sum over micro-batches is the gradient of the global token
-        mean, whatever each rank and micro-batch holds (`micro` of this rank's `batch`)."""
+        """What a micro-batch backpropagates: its sum (micro_batch_sum) × dp_size / the step's divisor (the global
+        batch's loss tokens, or its objective's), so that the strategy's average over DP ranks of the sum over
+        micro-batches is the gradient of the step's loss, whatever each rank and micro-batch holds (`micro` of this
+        rank's `batch`)."""
         return summed * (self.ctx.dp_size / global_tokens)
 
     def gather_dp_sums(self, local_sum: torch.Tensor, local_tokens: int) -> tuple[list[float], list[int]]:
         """Each DP rank's loss sum and loss tokens. Collective."""
-        sums, counts, _ = self.gather_step(local_sum, local_tokens)
+        sums, counts, _, _ = self.gather_step(local_sum, local_tokens)
         return sums, counts
 
-    def gather_step(self, local_sum: torch.Tensor, local_tokens: int, squares: torch.Tensor | None = None
-                    ) -> tuple[list[float], list[int], torch.Tensor | None]:
-        """Each DP rank's loss sum and loss tokens, and `squares` (this rank's float64 sums of squares of its tensors'
-        pieces, the same length on every rank) summed over every rank, in one all_gather: every tensor's sums ride the
-        loss gather rather than a collective of their own (on CPU ranks a collective costs milliseconds, more than the
-        sums: docs/benchmark.md). Collective."""
+    def gather_step(self, local_sum: torch.Tensor, local_tokens: int, squares: torch.Tensor | None = None,
+                    stats: torch.Tensor | None = None
+                    ) -> tuple[list[float], list[int], torch.Tensor | None, torch.Tensor | None]:
+        """Each DP rank's loss sum and loss tokens; `squares` (this rank's float64 sums of squares of its tensors'
+        pieces, the same length on every rank) summed over every rank; and `stats` (an objective's statistics of this
+        rank's micro-batches) summed over the DP ranks — in one all_gather: every tensor's sums ride the loss gather
+        rather than a collective of their own (on CPU ranks a collective costs milliseconds, more than the sums:
+        docs/benchmark.md). Collective."""
         row = torch.stack([local_sum.double(), torch.tensor(float(local_tokens), dtype=torch.float64,
                                                             device=local_sum.device)])
-        rows = self.gather_world(row if squares is None else torch.cat([row, squares.to(row.device)]))
+        size = 0 if stats is None else len(stats)
+        parts = [row] + [t.to(row.device, torch.float64) for t in (stats, squares) if t is not None]
+        rows = self.gather_world(torch.cat(parts))
         pairs = self.dp_rows(rows)
-        summed = None if squares is None else torch.stack(rows)[:, 2:].sum(0)
-        return [float(p[0]) for p in pairs], [int(p[1]) for p in pairs], summed
+        summed = None if squares is None else torch.stack(rows)[:, 2 + size:].sum(0)
+        stats_sum = None if stats is None else torch.stack(pairs)[:, 2:2 + size].sum(0)
+        return [float(p[0]) for p in pairs], [int(p[1]) for p in pairs], summed, stats_sum
 
     def gather_dp(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Each DP rank's `t` (same shape everywhere). Collective: every rank calls it."""

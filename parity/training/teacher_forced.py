@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from parity.layout import Layout
+from parity.objectives import invariance_of
 from parity.training.optimizer import ADAMW_MOMENTS, local_norm
 from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.strategy import Strategy, WorkerContext, lr_at
@@ -121,11 +122,20 @@ class ReferenceStep(Strategy):
         return FullState({n: m.detach().float().cpu() for n, m in zip(names, masters)}, moments, 0, {})
 
 
+def split_micro_batches(cfg) -> int:
+    """The micro-batches the reference step splits the global batch into: 1, or — for an objective that depends on the
+    split by definition (parity.objectives.invariance_of: bnpo, an entropy bonus, DPO's sft) — the run's own, every DP
+    rank's micro-batches in order (a pipeline's --microbatches), so the reference computes the same definition."""
+    if not invariance_of(getattr(cfg, "objective", None)).depends_on_split:
+        return 1
+    return cfg.dp_size * cfg.options.get("microbatches", cfg.grad_accum_steps)
+
+
 def reference_cfg(cfg, batch_rows: int, precision: str | None = None):
     """The run's config for one process holding the whole global batch (`batch_rows` rows), in `precision`'s policy
     (fp32: no loss scaling, fp32 reductions) or the run's own."""
     changes = dict(num_workers=1, dp_size=1, tp_size=1, pp_size=1, ep_size=1, batch_size=batch_rows,
-                   grad_accum_steps=1, compile=False, activation_checkpointing=False)
+                   grad_accum_steps=split_micro_batches(cfg), compile=False, activation_checkpointing=False)
     if precision == "fp32":
         changes.update(precision="fp32", reduce_dtype="fp32", grad_accum_dtype="fp32", loss_scaling=None)
     return dataclasses.replace(cfg, **changes)
@@ -154,7 +164,7 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
     scaler = ref.policy_optimizer.scaler
     if scaler is not None:  # fp16: the strategy's scale at this step; an overflow looked for in this process alone
         scaler.scale, scaler.collective = loss_scale, False
-    ref.forward_backward(global_batch, global_batch.loss_tokens)
+    ref.forward_backward(global_batch, global_batch.divisor)
     done = ref.policy_optimizer.step(lr, local_norm)
     return None if done.skipped else (ref.state(), float(done.norm))
 

@@ -7,7 +7,8 @@ buffers the steps' per-tensor norms and, at each record write, writes the steps 
 lists its chunks. The record's "tensors" entry:
 
     {"names": [Hugging Face names], "grad": "pre_clip" | "clipped", "read_at": where (tensor_norms.READ_AT),
-     "folder": "loss_<name>.tensors", "chunks": ["chunk_0000000.json", ...]}
+     "norm_dtype": what the run's norm is accumulated in ("float64", "fp32"), "folder": "loss_<name>.tensors",
+     "chunks": ["chunk_0000000.json", ...]}
 
 or {"names": [], "why": "..."} where the run measured none. A chunk: {"first_step", "grad_norm": [[per name] per step],
 "param_norm": [[...]], "clip_coef": [per step] (a "clipped" record's coefficient), or absent}. A run resumed at step k
@@ -38,15 +39,15 @@ def folder_of(record_path: str) -> str:
 class TensorSeriesWriter:
     """Rank 0's writer of one run's series, declared into its LossRecord `record` (`names`: the trainable tensors, or
     None with `why` where the run measures none; `grad`: which gradient, PRE_CLIP or CLIPPED; `read_at`: where it was
-    read, a key of tensor_norms.READ_AT)."""
+    read, a key of tensor_norms.READ_AT; `norm_dtype`: what the norm it is held to is accumulated in)."""
 
     def __init__(self, record, names: list[str] | None, grad: str = PRE_CLIP, why: str | None = None,
-                 read_at: str = AT_CLIP):
+                 read_at: str = AT_CLIP, norm_dtype: str = "float64"):
         self.record, self.rows = record, []
         if names is None:
             record.data[KEY] = {"names": [], "why": why or "the strategy does not hand over its tensors' pieces"}
         else:
-            record.data[KEY] = {"names": list(names), "grad": grad, "read_at": read_at,
+            record.data[KEY] = {"names": list(names), "grad": grad, "read_at": read_at, "norm_dtype": norm_dtype,
                                 "folder": storage.name(folder_of(record.path)),
                                 "chunks": list(record.data.get(KEY, {}).get("chunks", []))}  # a resumed record's kept
 
@@ -101,6 +102,7 @@ class TensorSeries:
     param_norm: list[list[float]]
     clip_coef: list[float | None]
     read_at: str = AT_CLIP  # where the gradients were read (tensor_norms.READ_AT)
+    norm_dtype: str = "float64"  # what the run's pre-clip norm is accumulated in
 
     def series(self, phase_key: str, name: str) -> list[float]:
         i = self.names.index(name)
@@ -141,4 +143,5 @@ def load_series(record_path: str, data: dict) -> TensorSeries | None:
                           f"{entry['folder']} folder is incomplete; copy it with the record, or rerun that run")
     ordered = [rows[s] for s in range(steps)]
     return TensorSeries(list(entry["names"]), entry["grad"], [r[0] for r in ordered], [r[1] for r in ordered],
-                        [r[2] for r in ordered], entry.get("read_at", AFTER_BACKWARD))  # (before it was recorded)
+                        [r[2] for r in ordered], entry.get("read_at", AFTER_BACKWARD),  # (before it was recorded)
+                        entry.get("norm_dtype", "fp32"))

@@ -17,6 +17,14 @@ import torch
 
 NORM_METHODS = {"DeepSpeedZeroOptimizer": "scaled_global_norm", "DeepSpeedZeroOptimizer_Stage3": "_get_norm_groups",
                 "BF16_Optimizer": "get_grads_for_norm"}  # the engine optimizer's class → its method that takes the norm
+# the optimizers that take each tensor's norm in fp32 (.float().norm(): 1.0e-5 from the float64 sum on qwen2-tiny's
+# embedding); the others sum float64 norms (ZeRO-1/2 round the total to fp32; ZeRO-3 and the client's: the harness's)
+FP32_NORMS = ("BF16_Optimizer", "FP16_UnfusedOptimizer", "FP16_Optimizer")
+
+
+def norm_dtype(engine) -> str:
+    """The arithmetic the engine's pre-clip norm is accumulated in: "fp32" or "float64" (Strategy.clip_norm_dtype)."""
+    return "fp32" if type(engine.optimizer).__name__ in FP32_NORMS else "float64"
 
 
 def watch_norm(engine, read: Callable[[], None]) -> bool:

@@ -1,0 +1,199 @@
+"""make_rollouts.py: a rollout file from any model (parity/objectives/rollouts.py has the schema) — real generation with
+the model from the run's initial weights, rewards from a simple verifiable function, GRPO groups (advantages per
+group) or DPO pairs (the better-rewarded completion chosen), the generating model's per-token log-probs as π_old and
+the reference's (the same weights, or a fresh model of --reference_seed) as π_ref. Every train_*.py then trains the
+same steps with --objective NAME --rollouts FILE (docs/posttrain.md).
+
+The whole file is sampled from the initial weights: a step after the first trains on completions an earlier policy
+generated (π_old ≠ π), as a generation batch spread over several optimizer steps does (--steps_per_generation).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from parity import console, storage
+from parity.commands.common import OneLineParser, run_command
+from parity.errors import ConfigError
+
+REWARDS = {
+    "even_fraction": "the fraction of the completion's tokens whose id is even",
+    "stops_early": "1 − the completion's length ÷ --max_completion_length",
+}
+
+
+def stop_ids(text: str, vocab: int) -> list[int]:
+    """--stop_token_ids: ids and ranges (start:stop:step), comma-separated."""
+    ids = []
+    for part in text.split(","):
+        try:
+            ids += list(range(*map(int, part.split(":")))) if ":" in part else [int(part)]
+        except ValueError:
+            raise ConfigError(f"--stop_token_ids {text}: give ids or ranges start:stop:step, comma-separated") from None
+    if not ids or min(ids) < 0 or max(ids) >= vocab:
+        raise ConfigError(f"--stop_token_ids {text}: ids must lie in the model's vocabulary [0, {vocab})")
+    return sorted(set(ids))
+
+
+def reward_of(name: str, completion: torch.Tensor, limit: int) -> float:
+    if name == "even_fraction":
+        return float((completion % 2 == 0).float().mean()) if len(completion) else 0.0
+    return 1.0 - len(completion) / limit
+
+
+def sample_group(model, prompt: torch.Tensor, count: int, a: argparse.Namespace, stops: list[int], seed: int):
+    """`count` completions of `prompt`, each (tokens, truncated): sampled at --temperature, cut after its first stop
+    token (truncated where none came within --max_completion_length)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(prompt[None].repeat(count, 1), do_sample=True, temperature=a.temperature, top_k=0,
+                             top_p=1.0, max_new_tokens=a.max_completion_length, eos_token_id=stops,
+                             pad_token_id=stops[0], attention_mask=torch.ones(count, len(prompt), dtype=torch.long))
+    completions = []
+    for row in out[:, len(prompt):]:
+        hits = [i for i, t in enumerate(row.tolist()) if t in stops]
+        end = hits[0] + 1 if hits else len(row)
+        completions.append((row[:end], not hits))
+    return completions
+
+
+@torch.no_grad()
+def token_logps(model, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """log π of each token at its own position (0 at position 0 and on padding), fp32."""
+    logits = model(input_ids=ids, attention_mask=real).logits.float()
+    logps = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(len(ids), 1), logps], 1) * real
+
+
+def build_rows(model, a, stops, vocab: int) -> tuple[list, list]:
+    """Every step's rows: (prompt, completion, truncated, reward, group, generation) each, GRPO groups or DPO pairs."""
+    rng = torch.Generator().manual_seed(a.seed)
+    allowed = torch.tensor([t for t in range(vocab) if t not in set(stops)])
+    steps, group = [], 0
+    for step in range(a.steps):
+        rows = []
+        for _ in range(a.prompts_per_step):
+            length = int(torch.randint(a.prompt_length // 2, a.prompt_length + 1, (1,), generator=rng))
+            prompt = allowed[torch.randint(len(allowed), (max(length, 1),), generator=rng)]
+            count = a.num_generations if a.family == "grpo" else 2
+            sampled = sample_group(model, prompt, count, a, stops, a.seed * 1_000_003 + group)
+            rewards = [reward_of(a.reward, c, a.max_completion_length) for c, _ in sampled]
+            order = range(count) if a.family == "grpo" else sorted(range(2), key=lambda i: -rewards[i])
+            rows += [(prompt, *sampled[i], rewards[i], group, step // a.steps_per_generation) for i in order]
+            group += 1
+        steps.append(rows)
+    return steps, [len(r) for r in steps]
+
+
+def advantages(rows: list, scale: str) -> torch.Tensor:
+    """GRPO's advantages of a step's rows: each reward minus its group's mean, ÷ the group's standard deviation
+    (+1e-4; --scale_rewards group), the batch's (batch) or 1 (none)."""
+    rewards = torch.tensor([r[3] for r in rows])
+    groups = torch.tensor([r[4] for r in rows])
+    centred = torch.empty_like(rewards)
+    spread = torch.ones_like(rewards)
+    for g in groups.unique():
+        where = groups == g
+        centred[where] = rewards[where] - rewards[where].mean()
+        spread[where] = rewards[where].std() if scale == "group" else 1.0
+    if scale == "batch":
+        spread[:] = rewards.std()
+    return centred / (spread + 1e-4)
+
+
+def tensors_of(model, reference, steps: list, a) -> dict:
+    """The file's tensors (the schema) from the sampled rows."""
+    flat = [r for rows in steps for r in rows]
+    width = max(len(p) + len(c) for p, c, *_ in flat)
+    ids = torch.full((len(flat), width), 0, dtype=torch.long)
+    real, completion = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (prompt, tokens, *_) in enumerate(flat):
+        n = len(prompt) + len(tokens)
+        ids[i, :n] = torch.cat([prompt, tokens])
+        real[i, :n] = 1
+        completion[i, len(prompt):n] = 1
+    tensors = {"input_ids": ids, "attention_mask": real, "completion_mask": completion,
+               "truncated": torch.tensor([int(r[2]) for r in flat]), "group": torch.tensor([r[4] for r in flat]),
+               "generation": torch.tensor([r[5] for r in flat]),
+               "step_rows": torch.tensor([len(rows) for rows in steps]),
+               "ref_logps": token_logps(reference, ids, real) * completion}
+    if a.family == "grpo":
+        tensors["rewards"] = torch.tensor([r[3] for r in flat], dtype=torch.float32)
+        tensors["advantages"] = torch.cat([advantages(rows, a.scale_rewards) for rows in steps]).float()
+        tensors["old_logps"] = token_logps(model, ids, real) * completion
+    return tensors
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(__doc__)
+    p.add_argument("--output", required=True, help="the rollout file to write (.safetensors)")
+    p.add_argument("--family", choices=("grpo", "dpo"), default="grpo",
+                   help="grpo: groups of --num_generations completions per prompt; dpo: pairs")
+    p.add_argument("--model_name", default="qwen2-tiny", help="a built-in model or a local model directory")
+    p.add_argument("--num_layers", type=int, default=None)
+    p.add_argument("--init_weights_path", required=True, help="the run's initial weights (written with "
+                                                               "--save_init_weights)")
+    p.add_argument("--save_init_weights", action="store_true", help="initialise fresh weights (--seed) and write them")
+    p.add_argument("--reference_seed", type=int, default=None,
+                   help="π_ref: a fresh model of this seed (default: the initial weights themselves)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompts_per_step", type=int, default=2)
+    p.add_argument("--num_generations", type=int, default=4, help="GRPO: completions per prompt")
+    p.add_argument("--steps_per_generation", type=int, default=1,
+                   help="optimizer steps one generation batch spans (the generation ids)")
+    p.add_argument("--prompt_length", type=int, default=8, help="prompts hold between half this and this many tokens")
+    p.add_argument("--max_completion_length", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--stop_token_ids", default=None,
+                   help="ids that end a completion (and ranges start:stop:step); default the model's eos")
+    p.add_argument("--reward", choices=tuple(REWARDS), default="even_fraction",
+                   help="; ".join(f"{k}: {v}" for k, v in REWARDS.items()))
+    p.add_argument("--scale_rewards", choices=("group", "batch", "none"), default="group")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's own; 1 is "
+                                                              "fastest for a tiny model on shared cores)")
+    return p
+
+
+def make(a: argparse.Namespace) -> str:
+    """Sample, score and write the file; returns its path. ConfigError for what cannot work."""
+    from parity.models.model import build_model, load_init_weights, resolve_model_config, save_init_weights
+    from parity.objectives.rollouts import write_rollouts
+
+    for name in ("steps", "prompts_per_step", "num_generations", "steps_per_generation", "prompt_length",
+                 "max_completion_length"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"--{name} must be a positive integer (got {getattr(a, name)})")
+    if a.family == "grpo" and a.num_generations < 2:
+        raise ConfigError("--num_generations must be at least 2: a group's advantages compare its completions")
+    if a.threads is not None:
+        torch.set_num_threads(max(1, a.threads))
+    if not a.temperature > 0:
+        raise ConfigError(f"--temperature must be positive (got {a.temperature})")
+    config = resolve_model_config(a.model_name, a.num_layers)
+    model = build_model(config, a.seed)
+    if a.save_init_weights:
+        save_init_weights(model, a.init_weights_path)
+    elif not storage.exists(a.init_weights_path):
+        raise ConfigError(f"--init_weights_path {a.init_weights_path}: no such file: pass --save_init_weights to "
+                          f"write fresh weights, or a train_ddp.py --save_init_weights run's file")
+    load_init_weights(model, a.init_weights_path)
+    model.eval()
+    reference = model if a.reference_seed is None else build_model(config, a.reference_seed).eval()
+    eos = config.eos_token_id if isinstance(config.eos_token_id, int) else (config.eos_token_id or [0])[0]
+    stops = stop_ids(a.stop_token_ids, config.vocab_size) if a.stop_token_ids else [eos]
+    steps, _ = build_rows(model, a, stops, config.vocab_size)
+    tensors = tensors_of(model, reference, steps, a)
+    rows = tensors["step_rows"].tolist()
+    describe = (f"{a.family} rollouts of {a.model_name} ({len(rows)} steps × {rows[0]} rows, completions up to "
+                f"{a.max_completion_length} tokens, reward {a.reward}, seed {a.seed})")
+    write_rollouts(a.output, a.family, tensors, describe, {k: v for k, v in vars(a).items() if k != "output"})
+    truncated = int(tensors["truncated"].sum())
+    console.say(f"wrote {a.output}: {describe}; {truncated} of {len(tensors['truncated'])} completions truncated")
+    return a.output
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(lambda: make(build_parser().parse_args(argv)) and 0, "make_rollouts.py")

@@ -1,0 +1,138 @@
+"""The GRPO family at work: a micro-batch's sum of its rows' loss and its per-step quantities (docs/posttrain.md has
+the formulas and their sources; parity/objectives/__init__.py the definitions and their settings).
+
+Per completion token t of row i (the counted mask m: the completion's tokens, without a truncated row's under
+mask_truncated_completions), with log π (the policy's), log π_old (the rollout's; the policy's own, detached, where
+the file holds none), log π_ref and the row's advantage A:
+  ratio r = exp(log π − log π_old) per token; GSPO's sequence level: exp of its mean over the row's tokens;
+  grpo, bnpo, dr_grpo, dapo, luspo: l = −min(min(r, δ) A, clip(r, 1 − ε_low, 1 + ε_high) A);
+  cispo: l = −sg(min(r, ε_high)) A log π;  sapo: l = −σ(τ(r − 1)) 4/τ A, τ by the sign of A;
+  vespo: l = −sg(φ(w)) A log π, w = exp Σ_t (log π − log π_old), φ(w) = exp(λ + k log w − λ w), (k, λ) by A ≥ 0;
+  + β k3, k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 (× r under use_bias_correction_kl).
+A micro-batch returns the sum its rows contribute × the step's divisor D (Objective.step_divisor): Σ l m for the
+token-summed definitions (dapo, cispo, vespo: D the step's tokens; dr_grpo: D = rows × L; luspo: D = rows), Σ_i of
+each row's token mean (grpo, sapo: D = rows); bnpo its own token mean × D ÷ the step's micro-batches; the entropy bonus
+− coef × its own mean entropy × D ÷ the step's micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parity.objectives.causal_lm import entropies, token_log_probs
+
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped surrogate
+ROW_MEANS = ("grpo", "sapo")  # each row's token mean, averaged over the step's rows
+ROW_SUMS = ("luspo",)  # each row's token sum, averaged over the step's rows
+TOKEN_SUMS = ("dapo", "cispo", "vespo")  # summed over the step ÷ its tokens (or the generation batch's)
+# a micro-batch's statistics, float64 sums (summed over the DP ranks, then `quantities`)
+STATS = ("tokens", "rows", "kl", "ratio", "ratios", "clipped_low", "clipped_high", "entropy", "phi")
+
+
+def step_divisor(name: str, s: dict, rows, generation_tokens: float | None = None) -> float:
+    """The step's divisor D from all its rows (a RolloutRows): what the micro-batches' sums are divided by."""
+    count = len(rows.group)
+    if name in ROW_MEANS + ROW_SUMS:
+        return float(count)
+    if name == "dr_grpo":
+        return float(count * s["max_completion_length"])
+    tokens = float(rows.counted(s["mask_truncated_completions"])[:, 1:].sum())
+    if name in TOKEN_SUMS and s["normalizer"] == "generation":
+        tokens = generation_tokens
+    return max(tokens, 1.0)
+
+
+def surrogate(name: str, s: dict, ratio, advantages, log_probs, log_ratio, mask):
+    """Each token's policy loss l (before the KL term): [rows, L − 1], or [rows, 1] at the sequence level."""
+    a = advantages
+    if name in CLIPPED:
+        clipped = ratio.clamp(1 - s["epsilon"], 1 + s["epsilon_high"])
+        capped = ratio.clamp(max=s["delta"]) if s["delta"] is not None else ratio
+        return -torch.min(capped * a, clipped * a)
+    if name == "cispo":
+        return -ratio.clamp(max=s["epsilon_high"]).detach() * a * log_probs
+    if name == "sapo":
+        tau = torch.where(a > 0, s["sapo_temperature_pos"], s["sapo_temperature_neg"])
+        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
+    if name == "vespo":
+        return -vespo_weight(s, log_ratio, mask, a) * a * log_probs
+    raise AssertionError(name)
+
+
+@torch.no_grad()
+def vespo_weight(s: dict, log_ratio, mask, advantages):
+    """VESPO's φ(w) of each row's sequence importance weight w = exp Σ_t log r (detached), [rows, 1]."""
+    log_w = (log_ratio * mask).sum(1, keepdim=True)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, s["vespo_k_pos"], s["vespo_k_neg"])
+    lam = torch.where(nonneg, s["vespo_lambda_pos"], s["vespo_lambda_neg"])
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
+
+
+def micro_sum(name: str, s: dict, logits, input_ids, rows, divisor: float, micro_batches: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what this micro-batch contributes to the step's loss × the step's divisor, its statistics (STATS, float64))."""
+    log_probs, log_softmax = token_log_probs(logits, input_ids)
+    mask = rows.counted(s["mask_truncated_completions"])[:, 1:].to(log_probs.device)
+    lengths = mask.sum(1)
+    old = log_probs.detach() if rows.old_logps is None else rows.old_logps[:, 1:].float()
+    log_ratio = torch.where(mask > 0, log_probs - old, 0.0)
+    advantages = rows.advantages.float()[:, None]
+    sequence = s["importance_sampling_level"] == "sequence"
+    log_weight = log_ratio.sum(1, keepdim=True) / lengths.clamp(min=1)[:, None] if sequence else log_ratio
+    ratio = log_weight.exp()
+    per_token = surrogate(name, s, ratio, advantages, log_probs, log_ratio, mask)
+    kl = None
+    if s["beta"]:
+        gap = torch.where(mask > 0, rows.ref_logps[:, 1:].float() - log_probs, 0.0)
+        kl = gap.exp() - gap - 1
+        if s["use_bias_correction_kl"]:
+            kl = kl * ratio
+        per_token = per_token + s["beta"] * kl
+    per_token = per_token * mask
+    micro_tokens = mask.sum().clamp(min=1)
+    if name in ROW_MEANS:
+        summed = (per_token.sum(1) / lengths.clamp(min=1)).sum()
+    elif name == "bnpo":
+        summed = per_token.sum() / micro_tokens * (divisor / micro_batches)
+    else:
+        summed = per_token.sum()
+    entropy = entropies(log_softmax if s["entropy_coef"] else log_softmax.detach())
+    if s["entropy_coef"]:
+        summed = summed - s["entropy_coef"] * (entropy * mask).sum() / micro_tokens * (divisor / micro_batches)
+    return summed, statistics(name, s, mask, ratio, advantages, kl, entropy, log_ratio, sequence)
+
+
+@torch.no_grad()
+def statistics(name, s, mask, ratio, advantages, kl, entropy, log_ratio, sequence) -> torch.Tensor:
+    """A micro-batch's sums for the step's quantities (STATS): its tokens and rows, the KL term's sum, the ratios'
+    sum and count (tokens, or rows at the sequence level), the clipped ones below and above, the entropy's sum,
+    VESPO's weights' sum."""
+    scored = (mask.sum(1, keepdim=True) > 0).float() if sequence else mask
+    ratios = (ratio * scored).sum()
+    low = high = torch.zeros((), device=mask.device)
+    if name in CLIPPED:
+        low = (((ratio < 1 - s["epsilon"]) & (advantages < 0)).float() * scored).sum()
+        high = (((ratio > 1 + s["epsilon_high"]) & (advantages > 0)).float() * scored).sum()
+    elif name == "cispo":
+        high = (((ratio > s["epsilon_high"]) & (advantages > 0)).float() * scored).sum()
+    phi = vespo_weight(s, log_ratio, mask, advantages).sum() if name == "vespo" else torch.zeros((), device=mask.device)
+    kl_sum = (kl * mask).sum() if kl is not None else torch.zeros((), device=mask.device)
+    values = (mask.sum(), float(len(mask)), kl_sum, ratios, scored.sum(), low, high, (entropy * mask).sum(), phi)
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in values])
+
+
+def quantities(name: str, s: dict, stats: list[float]) -> dict:
+    """The step's quantities from its statistics summed over every micro-batch: mean KL per token (β > 0), the mean
+    ratio, the fraction clipped (below, above, either), the mean entropy, VESPO's mean weight."""
+    t = dict(zip(STATS, stats))
+    tokens, ratios = max(t["tokens"], 1.0), max(t["ratios"], 1.0)
+    found = {"tokens": t["tokens"], "ratio_mean": t["ratio"] / ratios, "entropy": t["entropy"] / tokens}
+    if s["beta"]:
+        found["kl"] = t["kl"] / tokens
+    if name in CLIPPED + ("cispo",):
+        found.update(clipped_fraction=(t["clipped_low"] + t["clipped_high"]) / ratios,
+                     clipped_low=t["clipped_low"] / ratios, clipped_high=t["clipped_high"] / ratios)
+    if name == "vespo":
+        found["phi_mean"] = t["phi"] / max(t["rows"], 1.0)
+    return found
