@@ -35,6 +35,7 @@ and DeepSpeed's import (library.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -56,7 +57,7 @@ from parity.strategies.autotp.user_config import config_policy, given_config, re
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.optimizer import OptimizerStep
 from parity.training.replicas import Replica
-from parity.training.strategy import Option, Piece, Strategy, build_optimizer, set_lr, trainable
+from parity.training.strategy import Option, Piece, Strategy, build_named_optimizer, build_optimizer, set_lr
 
 ZERO_STAGES = (0, 1, 2, 3)
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default for zero_optimization.reduce_bucket_size
@@ -66,6 +67,7 @@ CHECKPOINT_TAG = "deepspeed"  # the engine's checkpoint folder inside a checkpoi
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     takes_adapters = True  # LoRA at --tp_size 1 (validate): ZeRO partitions the frozen base, steps the adapters
+    replays_records = True  # at ZeRO-3: train_deepspeed.py --replay_record (replay_choice.py)
     expert_parallel = True  # DeepSpeed's AutoEP, where 0.19.8 runs the family (check_autoep)
     layer_check_refuses_ep = ("DeepSpeed's AutoEP replaces the sparse block by its own modules (its router, unfused "
                               "experts), which have no stock module to compare with: judge it by its loss curves "
@@ -175,7 +177,7 @@ class DeepSpeedStrategy(Strategy):
                                                    model_parameters=list(model.parameters()), config=engine_config(self.cfg))
         else:
             # AutoTP keeps the Parameter objects; LoRA's frozen base is no optimizer's (ZeRO partitions it still)
-            optimizer = build_optimizer(trainable(model.parameters()), self.cfg)
+            optimizer = build_named_optimizer(model, self.cfg)
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(self.cfg))  # [2]
         self.model = self.engine
         check_rank_layout(self.engine, self.ctx)  # [3]
@@ -220,10 +222,17 @@ class DeepSpeedStrategy(Strategy):
         logits = self.engine(input_ids=input_ids, use_cache=False, **positions).logits
         return gather_last_dim(self.column_shards, "lm_head", logits)  # [4]
 
+    def accumulating(self, last: bool):
+        """The engine told whether this micro-batch ends the step (its accumulation boundary, where it reduces and
+        steps), instead of counting micro-steps against gradient_accumulation_steps: a replay's steps hold as many
+        micro-batches as the recorded run's did, which may differ from step to step."""
+        self.engine.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, last: bool = True) -> None:
         """The engine's backward, without its own 1/gradient_accumulation_steps (the shared loss is already the
         global batch's token mean); after a micro-batch that is not the last, engine.step() only counts it
-        (DeepSpeed reduces and steps at its accumulation boundary, the last micro-batch)."""
+        (DeepSpeed reduces and steps at its accumulation boundary, the last micro-batch: accumulating)."""
         self.engine.backward(loss, scale_wrt_gas=False)
         if not last:
             self.engine.step()

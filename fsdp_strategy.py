@@ -26,7 +26,7 @@ from parity.training.dtensor_strategy import DTensorStrategy
 from parity.training.loss_scaler import LossScaler
 from parity.training.memory import OFFLOAD
 from parity.training.policy_optimizer import cast_parameters
-from parity.training.strategy import Option, build_optimizer, trainable
+from parity.training.strategy import Option, build_named_optimizer
 
 MIXED_PRECISION = ("autocast", "policy")  # the flag's values from before the precision axis (precision_request)
 TP_PLANS = ("default", "sequence_parallel")
@@ -139,6 +139,7 @@ class FSDPStrategy(DTensorStrategy):
     # LoRA: FSDP2 shards the frozen base with the rest and reduces only the adapters' gradients; the TP plan places each
     # adapter beside the projection it wraps (plans.adapter_rules)
     takes_adapters = True
+    replays_records = True  # fully sharded, no TP: train_fsdp.py --replay_record (the sharded replay, replay_choice.py)
 
     @classmethod
     def precision_request(cls, options: dict):
@@ -208,7 +209,7 @@ class FSDPStrategy(DTensorStrategy):
         apply_fsdp(model, mesh["dp"], mixed_precision_policy(self.cfg), offload_policy(self.cfg))
         self.mesh, self.tp_mesh = mesh, mesh["tp"]
         self.model = model
-        self.optimizer = build_optimizer(trainable(model.parameters()), self.cfg)
+        self.optimizer = build_named_optimizer(model, self.cfg)
         self.scaler = LossScaler(**self.cfg.loss_scaling) if policy_of(self.cfg).loss_scaling else None
 
     def expert_mesh(self) -> DeviceMesh | None:

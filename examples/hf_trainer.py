@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad_accum_steps", type=int, default=2)
     p.add_argument("--seq_length", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model_path", default=None,
+                   help="a Hugging Face model folder to train, loaded with from_pretrained (default: qwen2-tiny, "
+                        "random weights)")
     p.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast over fp32 weights)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer.md#lora)")
@@ -117,7 +120,12 @@ def train(args) -> None:
     from parity.models.model import build_model, resolve_model_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
+    if args.model_path:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+    else:
+        model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
     if args.lora:  # a PeftModel: Trainer's optimizer takes what requires gradients, the adapters
         from peft import LoraConfig, get_peft_model
 

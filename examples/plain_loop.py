@@ -56,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model_layers", type=int, default=2, help="qwen2-tiny's decoder layers")
     p.add_argument("--bf16", action="store_true", help="the forward under torch.autocast(bfloat16), over fp32 weights")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer.md#lora)")
@@ -92,7 +93,7 @@ def build(args, shard):
     once its adapters are in, before the optimizer is built (DDP here, examples/sharded_loop.py's fully_shard)."""
     from parity.models.model import build_model, resolve_model_config
 
-    model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
+    model = build_model(resolve_model_config("qwen2-tiny", args.model_layers), args.seed)
     if args.lora:  # peft's adapters, the model frozen under them
         from peft import LoraConfig, get_peft_model
 

@@ -77,6 +77,54 @@ def test_the_digest_is_its_definition_on_every_path_and_sees_one_ulp_and_a_swap(
     assert (n2, s2) == (n, s) and w2 != w  # the same words in other places: only the weighted sum sees it
 
 
+class _Held:
+    """What a recorder's layout declares for one parameter held by both ranks of a group of 2 — the parameter and its
+    two moments — with a fault seeded on rank 1 at check `at`, into the parameter or into a moment alone."""
+
+    def __init__(self, rank: int, fault: str, at: int):
+        self.rank, self.fault, self.at, self.checks = rank, fault, at, 0
+        self.tensors = {what: torch.full((64,), float(i)) for i, what in enumerate(("parameter", "exp_avg",
+                                                                                     "exp_avg_sq"))}
+
+    def replicas(self):
+        from parity.training.replicas import Replica
+
+        if self.rank == 1 and self.checks == self.at:
+            self.tensors[self.fault][5] += 1.0
+        self.checks += 1
+        return [Replica("w", (0, 1), t, what) for what, t in self.tensors.items()]
+
+
+def _moments_every_rank(rank: int, port: int, out: str) -> None:
+    from conftest import gloo_rank
+    from parity.training.replicas import ReplicaCheck
+
+    with gloo_rank(rank, 2, port):
+        found = {}
+        for fault in ("parameter", "exp_avg"):
+            held = _Held(rank, fault, at=4)  # the declaration at set-up is call 0: the fault comes at check 3
+            check = ReplicaCheck(held, 1, torch.device("cpu"), moments_every=10)
+            entries = [check.check() for _ in range(12)]
+            found[fault] = [(e["checked"], e["parted"]) for e in entries]
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(found, f)
+
+
+def test_the_recorders_check_reads_the_parameters_every_step_and_the_moments_every_tenth(tmp_path):
+    """moments_every 10 (the recorder's): a parameter that parts at check 3 is caught at check 3; a moment alone that
+    parts there is caught at check 10, the next to read the moments (what the cheaper check gives up)."""
+    from conftest import free_port
+    from parity.driver.local_group import start_processes
+
+    out = tmp_path / "found.json"
+    start_processes(_moments_every_rank, (free_port(), str(out)), 2)
+    found = json.loads(out.read_text())
+    full, light = [3, 0], [1, 0]
+    assert found["parameter"] == [full, light, light, [1, 1], *[[1, 1]] * 6, [3, 1], [1, 1]]
+    assert found["exp_avg"] == [full, light, light, light, *[light] * 6, [3, 1], light]
+
+
 def test_ranks_must_agree_on_what_they_declare():
     key = ("model.norm.weight", "parameter", "", (0, 1))
     assert agreed_keys([[key], [key]], "S") == [key]

@@ -115,6 +115,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="train nothing: per row the model-state bytes per rank the ZeRO bound allows, from the model's "
                         "config and shapes alone (a meta model: any size, e.g. Qwen/Qwen3-30B-A3B), and for a mixture "
                         "of experts the experts one layer gathers to compute (÷ ep_size); writes benchmark_dry.json")
+    p.add_argument("--recorder", action="store_true",
+                   help="instead of the strategies: the recorder's own cost per recorder layout (DDP, FSDP2, FSDP1, "
+                        "ZeRO-1/2/3, Trainer, Lightning: --rows picks), each its example recording itself at these "
+                        "sizes; writes recorder.json and recorder.md (docs/benchmark.md#the-recorders-cost)")
     return p
 
 
@@ -325,4 +329,8 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
     args = build_parser(description).parse_args(argv)
     if args.num_layers is None and not args.dry_run:
         args.num_layers = 2
+    if args.recorder:
+        from parity.commands import recorder_cost
+
+        return run_command(lambda: recorder_cost.run(args), "the benchmark")
     return run_command(lambda: dry_run(args) if args.dry_run else run_benchmark(args), "the benchmark")

@@ -9,8 +9,8 @@ gpu_check.json under --output_dir (rewritten after every step, so a check cut sh
                 memory, MFU against the device's bf16 peak (the benchmark's table), each record
   layer_check   one recorded step of DDP and FSDP2 + TP=2 in bf16 against DDP's fp32 twin (the layer check)
   own_trainer   your own trainer's GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP and
-                ModelParallel strategies), each recorded and replayed at world size 1 (gpu_check_own.py); skipped
-                on --device cpu
+                ModelParallel strategies), each recorded and replayed at world size 1 (gpu_check_own.py), the
+                FSDP2 Trainer's also under the sharded replays (FSDP2, ZeRO-3); skipped on --device cpu
   lora          LoRA adapters (rank 8 on q, k, v and o) on the frozen base, the parity step's runs at its first seed:
                 DDP DP=2's LoRA run against FSDP2 + TP's, fp32 and the bf16 calibrated verdict (docs/finetune.md)
   parity        several ranks on the one GPU over gloo (PARITY_SHARE_ONE_GPU=1, a switch for testing only): DDP

@@ -2,7 +2,8 @@
 CUDA — Trainer with accelerate's FSDP2 plugin (accelerate picks FSDP only for GPU device types), Lightning's FSDP
 strategy (refused on CPU) and its ModelParallel strategy (which runs on CPU too, and is tested there: this is its GPU
 run) — each recorded by its example at world size 1, replayed under the harness's DDP on the GPU (the local launcher),
-and judged by the verdict.
+and judged by the verdict; the FSDP2 Trainer's record also under the sharded replays (FSDP2, fully sharded, no TP —
+which shares FSDP2's code with the run — and ZeRO-3: parity/integrations/replay_choice.py), each judging it.
 
 On --device cpu the step is skipped in one line: the CPU paths are the test suite's (tests/test_own_trainer*.py), and
 the dry run stays cheap."""
@@ -14,11 +15,11 @@ import os
 import subprocess
 import sys
 
-# (row, example under examples/, its flags for the GPU path)
+# (row, example under examples/, its flags for the GPU path, the replays that judge it: replay_choice.REPLAYS)
 PATHS = (
-    ("trainer_fsdp2", "trl_sft.py", ["--device", "cuda", "--fsdp2"]),
-    ("lightning_fsdp", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "fsdp"]),
-    ("lightning_model_parallel", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "model_parallel"]),
+    ("trainer_fsdp2", "trl_sft.py", ["--device", "cuda", "--fsdp2"], ("ddp", "fsdp", "zero3")),
+    ("lightning_fsdp", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "fsdp"], ("ddp",)),
+    ("lightning_model_parallel", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "model_parallel"], ("ddp",)),
 )
 SKIPPED = ("skipped on --device cpu: the own-trainer GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's "
            "FSDP and ModelParallel strategies) need CUDA")
@@ -26,29 +27,29 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.
 
 
 def step_own_trainer(folder: str, device: str, sizes: dict) -> dict:
-    """Each path recorded at world size 1 on the GPU, replayed at 1 worker, judged: {"rows": {path: verdict, exit
-    code, max relative differences}, "failures": [...]} — or {"skipped": line} on CPU."""
+    """Each path recorded at world size 1 on the GPU, replayed at 1 worker under each of its replays, judged: {"rows":
+    {"path" or "path under replay": verdict, exit code, max relative differences}, "failures": [...]} — or {"skipped":
+    line} on CPU."""
     if device != "cuda":
         return {"skipped": SKIPPED}
     rows, failures = {}, []
-    for name, example, flags in PATHS:
+    for name, example, flags, replays in PATHS:
         out = os.path.join(folder, name)
         try:
-            rows[name] = _record_and_replay(out, os.path.join(EXAMPLES, example), flags)
-            if rows[name]["verdict"] != "PASS":
-                failures.append(f"{name}: {rows[name]['verdict']}")
+            record = _record(out, os.path.join(EXAMPLES, example), flags)
+            for replay in replays:
+                row = name if replay == "ddp" else f"{name} under {replay}"
+                rows[row] = _replay(out, record, replay)
+                if rows[row]["verdict"] != "PASS":
+                    failures.append(f"{row}: {rows[row]['verdict']}")
         except Exception as exc:  # the path's one line; the next path runs
             rows[name] = {"error": (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]}
             failures.append(f"{name}: {rows[name]['error']}")
     return {"rows": rows, "failures": failures}
 
 
-def _record_and_replay(out: str, script: str, flags: list[str]) -> dict:
-    from parity.comparing.curves import compare, load_runs
-    from parity.driver.local_group import launch_local, local_cluster
-    from parity.integrations.replay import plan_replay
-    from parity.training.record import load_record
-
+def _record(out: str, script: str, flags: list[str]) -> str:
+    """The example run at world size 1 with its recorder; its record's path."""
     if not os.path.isfile(script):
         raise RuntimeError(f"{script} is not here: the examples travel with the project")
     done = subprocess.run([sys.executable, script, "--output_dir", out, "--nproc", "1", *flags], capture_output=True,
@@ -59,23 +60,38 @@ def _record_and_replay(out: str, script: str, flags: list[str]) -> dict:
         lines = [line for line in (done.stderr or "").splitlines() if line.strip()]
         raise RuntimeError(f"{os.path.basename(script)} {' '.join(flags)}: exit {done.returncode}"
                            + (f": {lines[-1]}" if lines else ""))
-    cfg, batches = plan_replay(records[0], {"num_workers": 1, "device": "cuda", "loss_output_dir": out,
-                                            "storage_path": os.path.join(out, "checkpoints")},
-                               cluster=local_cluster("cuda"))
+    return records[0]
+
+
+def _replay(out: str, record: str, replay: str) -> dict:
+    """`record` replayed at 1 worker under `replay` (replay_choice.REPLAYS) and judged against it."""
+    from parity.comparing.curves import compare, load_runs
+    from parity.driver.local_group import launch_local, local_cluster
+    from parity.integrations.replay import plan_replay
+    from parity.integrations.replay_choice import REPLAYS
+    from parity.training.record import load_record, run_record_path
+
+    strategy, flags, _ = REPLAYS[replay]
+    cfg, batches = plan_replay(record, {"num_workers": 1, "device": "cuda", "loss_output_dir": out,
+                                        "storage_path": os.path.join(out, "checkpoints")},
+                               cluster=local_cluster("cuda"), strategy=strategy, flags=flags)
     launch_local([cfg], [{"batches": batches}])
-    comparison = compare(load_runs(out))
-    recorded, replay = load_record(records[0]), load_record(os.path.join(out, "loss_ddp.json"))
-    diffs = {k: max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for a, b in zip(recorded["steps"], replay["steps"]))
+    comparison = compare(load_runs(out), baseline=strategy)
+    recorded, replayed = load_record(record), load_record(run_record_path(cfg))
+    name = recorded["strategy"]
+    verdict = next(r.verdict.word for r in comparison.results if r.run.name == name)
+    diffs = {k: max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for a, b in zip(recorded["steps"], replayed["steps"]))
              for k in ("loss", "grad_norm", "param_norm")}
-    return {"verdict": comparison.word, "max_rel_diff": diffs, "steps": len(recorded["steps"]),
-            "grad_norm_source": recorded["config"].get("grad_norm_source"), "record": records[0]}
+    return {"verdict": verdict, "max_rel_diff": diffs, "steps": len(recorded["steps"]),
+            "grad_norm_source": recorded["config"].get("grad_norm_source"), "record": record, "replay": replay}
 
 
 def markdown(details: dict) -> list[str]:
     """The step's lines in gpu_check.md."""
     if "skipped" in details:
         return [details["skipped"] + "."]
-    lines = ["World size 1, recorded by the example, replayed under DDP on the GPU.", "",
+    lines = ["World size 1, recorded by the example, replayed under DDP on the GPU (and where named, under the sharded "
+             "replays).", "",
              "| path | verdict | loss | grad norm | param norm | grad norm from |", "|---|---|---:|---:|---:|---|"]
     for name, row in details.get("rows", {}).items():
         if "error" in row:

@@ -26,9 +26,10 @@ def build_parser(strategy: str, description: str = "", argv: list[str] | None = 
     add_run_flags(parser)
     cls = load(path or row(strategy).path)
     add_strategy_options(parser, [cls])
-    if cls.replays_records:  # the trusted loop a recorded run is replayed under (DDP's class says so)
+    if cls.replays_records:  # a trusted loop a recorded run is replayed under (DDP's, FSDP2's, ZeRO-3's class says so)
         parser.add_argument("--replay_record", default=argparse.SUPPRESS, metavar="LOSS_JSON",  # absent unless given
-                            help="replay a run recorded by parity's recorder (its loss_<name>.json) under DDP: the record "
+                            help="replay a run recorded by parity's recorder (its loss_<name>.json) under this loop (DDP; "
+                                 "FSDP2 fully sharded, no TP; DeepSpeed ZeRO-3): the record "
                                  "supplies the model, weights, data, optimizer, lr, micro-batches, precision and steps; "
                                  "give only --num_workers, --device, the output and checkpoint flags and "
                                  "--noise_reference (docs/own_trainer.md)")
@@ -63,7 +64,15 @@ def replay(record_file: str, given: Mapping[str, Any], strategy: str, dump_step:
     from parity.integrations.replay import plan_replay
     from parity.training.record import run_record_path
 
-    cfg, batches = plan_replay(record_file, given, strategy=strategy, dump_step=dump_step)
+    from parity.integrations.replay_choice import REPLAYS, choose
+
+    name = next((name for name, (loop, _, _) in REPLAYS.items() if loop == strategy), None)
+    if dump_step is not None and name != "ddp":
+        raise ConfigError("--dump_step: the replay's step is dumped under DDP: use train_ddp.py --replay_record")
+    cfg, batches = plan_replay(record_file, given, strategy=strategy, dump_step=dump_step,
+                               flags=REPLAYS[name][1] if name else None)
+    if name:
+        choose(name, cfg, None, storage.name(record_file))  # one line where its states would not fit a worker
     if dump_step is not None:
         from parity.integrations.dump import dump_replay
 

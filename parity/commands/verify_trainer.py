@@ -29,7 +29,8 @@ WARM = ("parity.integrations.replay", "parity.models.model", "transformers.model
 
 def build_parser(description: str = "") -> OneLineParser:
     p = OneLineParser(description, usage="verify_trainer.py --output_dir OUT [--num_workers N] [--calibrate] "
-                                         "[--verbose] -- COMMAND [ARG ...]")
+                                         "[--num_layers N] [--replay_strategy auto|ddp|fsdp|zero3] [--replay_memory SIZE] [--verbose] "
+                                         "-- COMMAND [ARG ...]")
     p.add_argument("--output_dir", required=True, help="where the records, the replays and the page go (a folder "
                                                        "without records in it)")
     p.add_argument("--num_workers", type=whole_number(1), default=None,
@@ -42,7 +43,27 @@ def build_parser(description: str = "") -> OneLineParser:
     p.add_argument("--checkpoint_interval", type=whole_number(0), default=None,
                    help="where the recorder saves the run's state for the teacher-forced check: around step 0 and "
                         "every N steps (0: step 0 alone; default: what the code passes, 50 unless it says)")
+    p.add_argument("--num_layers", type=whole_number(1), default=None,
+                   help="train the command's model cut to its first N decoder layers, at its real widths (every "
+                        "transformers model its processes build; docs/own_trainer.md#your-model-at-its-real-widths)")
+    p.add_argument("--replay_strategy", default="auto", choices=("auto", "ddp", "fsdp", "zero3"),
+                   help="the trusted loop that replays the record: ddp (a whole replica a worker), fsdp (FSDP2, fully "
+                        "sharded, no TP), zero3 (DeepSpeed ZeRO-3); auto: ddp where a replica with its gradients and "
+                        "AdamW states fits a worker, else fsdp (docs/own_trainer.md#the-sharded-replay)")
+    p.add_argument("--replay_memory", type=size, default=None,
+                   help="what one replay worker may hold, e.g. 80GiB (default: its GPU's memory; on CPU the "
+                        "machine's ÷ the workers)")
     return p
+
+
+def size(text: str) -> int:
+    """argparse's type of a memory size (replay_choice.parse_size)."""
+    from parity.integrations.replay_choice import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None, description: str = "") -> int:
@@ -50,13 +71,16 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args = build_parser(description).parse_args(argv[:split])
     return run_command(lambda: verify(args.output_dir, argv[split + 1:], args.num_workers, args.calibrate,
-                                      args.verbose, args.checkpoint_interval), "the replay")
+                                      args.verbose, args.checkpoint_interval, args.num_layers, args.replay_strategy,
+                                      args.replay_memory), "the replay")
 
 
 def verify(output_dir: str, command: list[str], num_workers: int | None = None, calibrate: bool = False,
-           verbose: bool = False, checkpoint_interval: int | None = None) -> int:
-    """Run `command` recorded into `output_dir` (its states saved every `checkpoint_interval` steps where given), replay
-    and judge it; returns the exit code. Raises ConfigError (bad input: before the command runs where it can be known
+           verbose: bool = False, checkpoint_interval: int | None = None, num_layers: int | None = None,
+           replay_strategy: str = "auto", replay_memory: int | None = None) -> int:
+    """Run `command` recorded into `output_dir` (its states saved every `checkpoint_interval` steps where given; its
+    models cut to `num_layers` decoder layers where given), replay it under `replay_strategy` (auto: by
+    `replay_memory`, bytes a worker) and judge it; returns the exit code. Raises ConfigError (bad input: before the command runs where it can be known
     then) or TrainingFailed (a replay failed)."""
     from parity import storage
     from parity.integrations import attach
@@ -73,21 +97,30 @@ def verify(output_dir: str, command: list[str], num_workers: int | None = None, 
     if stale:
         raise ConfigError(f"--output_dir {output_dir} already holds records ({', '.join(stale[:3])}): they would be "
                           f"judged with this run's; give an empty folder, or remove them")
+    if num_layers is not None:
+        from parity.integrations.model_builders import builds
+
+        if builds(command) is False:
+            raise ConfigError(f"--num_layers {num_layers}: {command_script(command)} builds its model in no way the cut "
+                              f"reaches (from_pretrained, from_config, a transformers model class, TRL): cut it in your "
+                              f"code, or leave --num_layers out")
     name = record_name(command)
-    print(f"verify_trainer: running {' '.join(command)}, recorded as {name} into {out}", flush=True)
-    status, command_s = run_recorded(command, attach.environment(out, name, dict(os.environ), checkpoint_interval))
+    cut = f", its model cut to {num_layers} decoder layers" if num_layers is not None else ""
+    print(f"verify_trainer: running {' '.join(command)}, recorded as {name} into {out}{cut}", flush=True)
+    env = attach.environment(out, name, dict(os.environ), checkpoint_interval, num_layers)
+    status, command_s = run_recorded(command, env)
     if status:
         code = status if status > 0 else 128 - status  # killed by signal N: 128 + N, as a shell says
         print(f"error: the command exited with status {code} after {command_s:.1f} s: nothing replayed",
               file=sys.stderr)
         return code
     records = recorded(out, name)
-    planned = plan_replays(records[0], out, num_workers, calibrate)
+    planned = plan_replays(records[0], out, num_workers, calibrate, replay_strategy, replay_memory)
     replay_s, steps_s = replay(planned, out, verbose)
     from parity.commands.compare_curves import compare_and_report
 
     t0 = time.perf_counter()
-    code = compare_and_report(out, storage.join(out, FIGURE))
+    code = compare_and_report(out, storage.join(out, FIGURE), baseline=planned[0][0].strategy)
     verdict_s = time.perf_counter() - t0
     total = time.perf_counter() - start
     print(f"verify_trainer: {total:.1f} s: the command {command_s:.1f} s, the replays {replay_s:.1f} s "
@@ -142,17 +175,23 @@ def whole_number(least: int):
     return parse
 
 
+def command_script(command: list[str]) -> str:
+    """The script or module the command runs, as the user typed it (else the program)."""
+    return next((a for a in command if a.endswith(".py")), None) or (
+        command[command.index("-m") + 1] if "-m" in command[:-1] else command[0])
+
+
 def record_name(command: list[str]) -> str:
     """The record's name from the command: the script's stem (`torchrun ... train.py` → train), a module's last part
     (`python -m pkg.train` → train), else the program and its subcommand (`trl sft` → trl_sft); made an identifier,
     and never a strategy's name (ddp, ...: loss_ddp.json is the replay's)."""
     from parity.registry import KNOWN
 
-    script = next((a for a in command if a.endswith(".py")), None)
-    if script:
+    script = command_script(command)
+    if script.endswith(".py"):
         stem = os.path.basename(script)[:-3]
-    elif "-m" in command[:-1]:
-        stem = command[command.index("-m") + 1].rsplit(".", 1)[-1]
+    elif script != command[0]:  # -m pkg.train
+        stem = script.rsplit(".", 1)[-1]
     else:
         words = [os.path.basename(command[0])] + [w for w in command[1:2] if w.isidentifier()]
         stem = "_".join(words)
@@ -196,8 +235,10 @@ def lightning_hint() -> str:
     return "; Lightning finds parity's callback through an entry point this install lacks: pip install -e the project"
 
 
-def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool) -> list[tuple]:
-    """[(RunConfig, batches)]: the replay of `record` at `num_workers` (default the record's DP size); with
+def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool, replay: str = "auto",
+                 memory: int | None = None) -> list[tuple]:
+    """[(RunConfig, batches)]: the replay of `record` at `num_workers` (default the record's DP size), under the loop
+    `replay` names or, for auto, the one whose states fit `memory` bytes a worker (replay_choice.choose); with
     `calibrate` the noise references too: the replay at another worker count the record's rows allow (fewer workers
     first: fewer processes on a CPU; then more, fed rows cut at document boundaries beyond the rows a step holds) whose
     arithmetic differs from the replay's (`gradient_sums`: a count that feeds the same micro-batches summed alike,
@@ -208,17 +249,26 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     from parity import storage
     from parity.driver.local_group import local_cluster
     from parity.integrations.replay import plan_replay
+    from parity.integrations.replay_choice import REPLAYS, choose
     from parity.training.record import load_record
 
     config = load_record(record)["config"]
     device = config.get("device_type") or "cpu"
+    chosen = ["ddp"]
 
     def plan(workers: int | None, **reference):
         given = {"num_workers": workers, "device": device, "loss_output_dir": out,
                  "storage_path": storage.join(out, "checkpoints"), **reference}
-        return plan_replay(record, given, cluster=local_cluster(device))
+        strategy, flags, _ = REPLAYS[chosen[0]]
+        planned = plan_replay(record, given, cluster=local_cluster(device), strategy=strategy, flags=flags)
+        if reference:  # a noise reference's states must fit a worker too
+            choose(chosen[0], planned[0], memory, storage.name(record))
+        return planned
 
-    planned = [plan(num_workers)]
+    first = plan(num_workers)
+    chosen[0], why = choose(replay, first[0], memory, storage.name(record))
+    print(f"verify_trainer: the replay runs under {REPLAYS[chosen[0]][2]}: {why}", flush=True)
+    planned = [first if chosen[0] == "ddp" else plan(num_workers)]
     if not calibrate:
         return planned
     workers = planned[0][0].num_workers

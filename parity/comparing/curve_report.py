@@ -12,7 +12,8 @@ from parity.comparing.curves import Comparison, CurveResult
 from parity.comparing import clip_read, teacher_forced, tensor_verdict
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
-from parity.comparing.recorded import RESUMED_ROWS, resumed_at, resumed_note, resumed_rows_words, stopped_words
+from parity.comparing.recorded import (RESUMED_ROWS, cut_words, replay_lines, resumed_at, resumed_note,
+                                      resumed_rows_words, stopped_words)
 from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
 from parity.comparing.verdict import EXACT_MARGIN
 from parity.precision import describe
@@ -59,7 +60,7 @@ def statistics_text(c: Comparison) -> str:
     lines += ["=" * RULE, f"VERDICT (every step, each curve: |x - {base}| <= bound * |{base}|)", "=" * RULE, "",
               policy_line(c), calibration_line(c), *([policy_distance_line(c)] if c.policy_distance else []),
               f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.",
-              *stopped_lines(c.baseline, f"Baseline {c.baseline.label}: "), ""]
+              *stopped_lines(c.baseline, f"Baseline {c.baseline.label}: "), *judge_lines(c), ""]
     for r in c.results:
         lines += [f"{r.run.label}: {r.verdict.word}", *[f"  {line}" for line in verdict_details(c, r)]]
     lines += ["", "Fingerprints (shared code, strategy code or framework and script, libraries, device):"]
@@ -178,8 +179,16 @@ def resumed_line(r: CurveResult) -> str | None:
 
 
 def stopped_lines(run, prefix: str = "") -> list[str]:
-    """Where a recorded run's record stopped early, in one line after `prefix`; none for a record that did not."""
-    return [f"{prefix}{stopped_words(run.stopped)}"] if run.stopped else []
+    """Where a recorded run's record stopped early, and that it trained cut to fewer layers, each in one line after
+    `prefix`; none for a record that did neither."""
+    cut = cut_words(run.config)
+    return [f"{prefix}{words}" for words in (stopped_words(run.stopped) if run.stopped else None, cut) if words]
+
+
+def judge_lines(c: Comparison) -> list[str]:
+    """Which replay judged the recorded runs, and where it shares a library's code with one (recorded.replay_lines)."""
+    lines = replay_lines(c.baseline.config, {r.run.label: r.run.config for r in c.results})
+    return [f"Baseline {c.baseline.label}: {line}." for line in lines]
 
 
 def routing_line(r: CurveResult) -> str | None:
@@ -278,7 +287,8 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
     out = [f"# Loss curve comparison against {base}", "",
            f"{c.num_steps} steps compared; baseline {c.baseline.label}. Overall: **{c.word}**.", "",
            policy_line(c), "", calibration_line(c), "", *([policy_distance_line(c), ""] if c.policy_distance else []),
-           f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", ""]
+           f"Baseline {c.baseline.label}: {replicas_line(c.baseline)}.", "",
+           *[x for line in judge_lines(c) for x in (line, "")]]
     out += [f"> {w}" for w in c.warnings] + ([""] if c.warnings else [])
     out += [f"![Loss curves]({figure_file})", "", "## Verdicts", "",
             f"| run | verdict | deviation ÷ noise | max relative diff {' / '.join(n for _, n, _ in judged_curves(c))} "
@@ -293,7 +303,7 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
         if routing_line(r):
             out.append(f"|  | {routing_line(r)} | | | |")
     for run in c.runs:
-        out += ["", *stopped_lines(run, f"{run.label}: ")] if run.stopped else []
+        out += ["", *stopped_lines(run, f"{run.label}: ")] if stopped_lines(run) else []
     for r in c.results:
         if r.verdict.parting is not None:
             out += ["", f"{r.run.label}: {r.verdict.parting.line()}: {r.verdict.parting.broken}."]

@@ -14,6 +14,11 @@ from parity.training.data import RECORDED
 from parity.training.record import is_recorded
 
 RESUMED_ROWS = "resumed_rows"  # the resume finding's quantity and test (Outside; found by resumed_rows below)
+# a replay (verify_trainer.py --replay_strategy) → the words for it, the recorded layout (the recorder's sharding.kind)
+# whose library it shares, that library, and the replay to offer instead (parity/integrations/replay_choice.py)
+REPLAY_WORDS = {"ddp": ("the harness's DDP", None, None, None),
+                "fsdp": ("the harness's FSDP2, fully sharded, no TP", "fsdp2", "FSDP2 (torch's fully_shard)", "zero3"),
+                "zero3": ("the harness's DeepSpeed ZeRO-3, no TP", "deepspeed zero3", "DeepSpeed's ZeRO-3", "fsdp")}
 
 
 def is_replay(config: dict) -> bool:
@@ -36,6 +41,40 @@ def stopped_words(stopped: dict) -> str:
     replay, or where the batches passed their cap): the steps before it are all the record holds, and all judged."""
     step = stopped["step"]
     return f"recorded up to step {step}: {stopped['why']}; steps 0…{step - 1} judged"
+
+
+def cut_words(config: dict) -> str | None:
+    """A recorded run trained cut to its first N decoder layers (verify_trainer.py --num_layers: config.layer_cut,
+    written by the recorder), in words; None for a run at its own depth."""
+    cut = config.get("layer_cut")
+    return (f"trained cut to its first {cut['num_layers']} of {cut['of']} decoder layers at its real widths "
+            f"(--num_layers {cut['num_layers']}), and replayed so" if cut else None)
+
+
+def replay_name(config: dict) -> str | None:
+    """Which replay a baseline is (REPLAY_WORDS' key), or None for a baseline that is no replay."""
+    if not is_replay(config):
+        return None
+    if config.get("strategy") == "deepspeed":
+        return "zero3" if (config.get("options") or {}).get("zero_stage") == 3 else None
+    return config.get("strategy") if config.get("strategy") in REPLAY_WORDS else None
+
+
+def replay_lines(baseline: dict, runs: dict[str, dict]) -> list[str]:
+    """Which replay judged the recorded runs (`runs`: label → config), and for each run whose layout the replay's
+    library also ran, that the baseline shares that code path with it — a bug of that library's own would be in both,
+    unseen — and the replay to judge it under instead."""
+    name = replay_name(baseline)
+    if name is None:
+        return []
+    words, kind, library, other = REPLAY_WORDS[name]
+    lines = [f"the record's replay under {words}, over {baseline.get('dp_size')} workers"]
+    for label, config in runs.items():
+        if kind and (config.get("sharding") or {}).get("kind") == kind:
+            lines.append(f"{label} ran {library} too: the baseline shares that library's code path with the run it "
+                         f"judges, so a bug in {library} itself would be in both and unseen; judge it against the "
+                         f"replay under {REPLAY_WORDS[other][0]} too (verify_trainer.py --replay_strategy {other})")
+    return lines
 
 
 def resumed_at(config: dict) -> list[int]:

@@ -4,7 +4,7 @@
 verify_trainer.py sets them in the environment of the user's command, which every process the command starts
 inherits (a launcher's ranks, spawned ranks, a local Ray cluster's workers): PARITY_RECORD_DIR, the folder the
 records go to, and PARITY_RECORD_NAME, the record's name (and PARITY_CHECKPOINT_INTERVAL where verify_trainer.py was
-given --checkpoint_interval). Where they are set, every ParityRecorder the command makes writes there under that name
+given --checkpoint_interval, PARITY_NUM_LAYERS where it was given --num_layers: layer_cut.py). Where they are set, every ParityRecorder the command makes writes there under that name
 (and saves its states at that interval), whatever folder, name and interval its code passes (`attached`): a loop of
 your own keeps its ParityRecorder lines, and verify_trainer.py finds the record where it replays and judges it.
 Trainer and TRL's trainers get their callback from sitecustomize (trainer_hook.py), Lightning from its callbacks entry
@@ -52,14 +52,18 @@ def checkpoint_interval(given: int | None) -> int | None:
     return int(value) if value else given
 
 
-def environment(output_dir: str, name: str, base: dict[str, str], interval: int | None = None) -> dict[str, str]:
+def environment(output_dir: str, name: str, base: dict[str, str], interval: int | None = None,
+                num_layers: int | None = None) -> dict[str, str]:
     """`base` with the variables set for a command recorded into `output_dir` under `name` (with `interval`, the
-    recorders' checkpoint_interval), and the folder of sitecustomize.py first on its PYTHONPATH (so that every Python
-    process of the command imports it)."""
+    recorders' checkpoint_interval; with `num_layers`, the depth every transformers model is cut to), and the folder of
+    sitecustomize.py first on its PYTHONPATH (so that every Python process of the command imports it)."""
+    from parity.integrations.layer_cut import NUM_LAYERS
+
     path = [SITE_FOLDER] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_FOLDER]
-    env = {k: v for k, v in base.items() if k != CHECKPOINT_INTERVAL}
+    env = {k: v for k, v in base.items() if k not in (CHECKPOINT_INTERVAL, NUM_LAYERS)}
     return {**env, RECORD_DIR: output_dir, RECORD_NAME: name, "PYTHONPATH": os.pathsep.join(path),
-            **({CHECKPOINT_INTERVAL: str(interval)} if interval is not None else {})}
+            **({CHECKPOINT_INTERVAL: str(interval)} if interval is not None else {}),
+            **({NUM_LAYERS: str(num_layers)} if num_layers is not None else {})}
 
 
 __all__ = ["CHECKPOINT_INTERVAL", "RECORD_DIR", "RECORD_NAME", "SITE_FOLDER", "active", "attached",

@@ -89,9 +89,11 @@ class RecordedTensors:
         except Exception:  # the step's gradients are NaN (module docstring): never the user's training
             return None
 
-    def step_norms(self, step: int, grad_norm: float) -> dict:
-        """Every tensor's gradient and parameter norm of step `step` (after the optimizer's step), and under CLIPPED the
-        step's clip coefficient from its pre-clip `grad_norm`: observe_step's arguments. Collective (one all-reduce)."""
+    def local(self, step: int) -> torch.Tensor:
+        """This rank's float64 sums of squares of step `step` (after the optimizer's step): every tensor's gradient's
+        (NaN where unseen), then its parameter's, and where the applied check runs the applied gradients' and whether
+        this rank read them — summed over the world in rank order (the recorder's step exchange carries them, as a
+        harness strategy's ride its loss gather: Strategy.gather_step), they are `norms`' `summed`. Local."""
         squares = self.squares
         if squares is None:
             squares = torch.full((len(self.names),), math.nan, dtype=torch.float64, device=self.device)
@@ -105,12 +107,16 @@ class RecordedTensors:
         self.squares, self.applied_squares, self.applied = None, None, False
         params = local_squares(self.layout.parameter_pieces(), self.names, self.device)
         rows = [squares, params]
-        if self.checks_applied:  # the applied gradients ride the same all-reduce, with a count of who read them
+        if self.checks_applied:  # the applied gradients ride along, with a count of who read them
             seen = applied is not None
             rows += [applied if seen else torch.zeros_like(squares), torch.tensor([float(seen)], dtype=torch.float64,
                                                                                   device=self.device)]
-        summed = torch.cat(rows)
-        dist.all_reduce(summed)
+        return torch.cat(rows)
+
+    def norms(self, summed: torch.Tensor, grad_norm: float) -> dict:
+        """Every tensor's gradient and parameter norm from `summed` (local's, summed over the world), under CLIPPED the
+        step's clip coefficient from its pre-clip `grad_norm`, and the applied check's finding where it has one:
+        observe_step's arguments."""
         n = len(self.names)
         grads, params = norms_of(summed[:2 * n])
         found = {}

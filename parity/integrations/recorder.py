@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.fingerprint import fingerprint
-from parity.integrations import resume, states
+from parity.integrations import layer_cut, resume, states
 from parity.integrations.adapters_record import save_initial_weights
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
@@ -38,7 +38,7 @@ from parity.integrations.rows import (BatchWriter, MicroBatch, RowExchange, dupl
                                      positions_line, rows_hash, taken)
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.training.tensor_series import kept_chunks
-from parity.integrations.world import trains_alone
+from parity.integrations.world import first_process, trains_alone
 from parity.models.model import config_summary, file_sha256
 from parity.precision import POLICIES
 from parity.registry import KNOWN
@@ -48,6 +48,7 @@ from parity.training.observer import StepObserver, device_name
 from parity.training.record import RECORDER_SOURCE as SOURCE, LossRecord, record_path
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
+REPLICA_MOMENTS_EVERY = 10  # the replica check reads AdamW's moments every 10th step, the parameters at every step
 STOPPED = "the record stopped"  # what rank 0 hands the other ranks in the step's exchange after its record stopped
 
 
@@ -113,7 +114,7 @@ class ParityRecorder:
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         refusal = self._refusal(name, precision, start_step) or states.refusal(checkpoint_interval, max_state_bytes)
         if refusal:
-            if _first_process():
+            if first_process():
                 self._print(f"parity recorder: {refusal}: recording nothing")
             return
         try:
@@ -125,8 +126,8 @@ class ParityRecorder:
 
                 self.dump = StepDump(self, dump_step)
             self.enabled = True
-        except LayoutRefused as exc:  # a process group or wrapper it cannot read (sharded.py): every rank finds it
-            if _first_process():
+        except (LayoutRefused, layer_cut.NotCut) as exc:  # a group, wrapper or depth it cannot take: every rank finds it
+            if first_process():
                 self._print(f"parity recorder: {exc}: recording nothing")
         except resume.ResumeRefused as exc:  # a record the resumed run cannot continue (_continue)
             self._line(f"{exc}: recording nothing; the training goes on")
@@ -202,6 +203,7 @@ class ParityRecorder:
             "loss_scaling": None, "total_steps": None, "init_weights_sha256": None,
             "init_weights_path": f"{here}/init_weights.safetensors" if hf else None,
             "model_config": config_summary(config) if hf else {}, "lora": self.layout.lora,  # a PEFT model's adapters
+            "layer_cut": layer_cut.recorded(self.model),  # verify_trainer.py --num_layers: {"num_layers", "of"}
             "learning_rate": float(group0.get("initial_lr", group0.get("lr", 0.0))),
             "max_grad_norm": float(max_grad_norm), "weight_decay": float(group0.get("weight_decay", 0.0)),
             "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_epsilon": float(group0.get("eps", 0.0)),
@@ -223,6 +225,7 @@ class ParityRecorder:
         self.tensors = RecordedTensors(self.layout, self.device, tensor_grad, float(max_grad_norm), self._line,
                                        precision)
         self.observer = StepObserver(self.record, device=self.device, replicas=self.layout, replica_check_interval=1,
+                                     replica_moments_every=REPLICA_MOMENTS_EVERY,
                                      log=self._line, **self.tensors.observer_arguments())
         self.step, self.grad_norm_source = start_step, None
         self._reset_step()
@@ -361,16 +364,25 @@ class ParityRecorder:
             self.broken = "no micro-batch: call micro_batch() for each one the step fed"
         if self.stop is not None:  # rank 0 stopped the record at an earlier step: every rank ends it now
             self.broken = STOPPED
+        # riding the step's exchange: every tensor's squares and, where the check is due, the replica digests
+        q0 = time.perf_counter()
+        squares = self.tensors.local(self.step)
+        d0 = time.perf_counter()
+        digests = self.observer.replica_digests(self.step)
+        riders = torch.cat([squares.cpu().view(torch.int64), *([] if digests is None else [digests.reshape(-1).cpu()])])
+        normed = time.perf_counter()
         # the step's exchange (rows.py): every rank's health, loss sum and tokens to all, the rows to rank 0 alone
         got = self.exchange(self.broken, self.loss_sum, self.tokens, self.micro, feeds=self.layout.feeds,
-                            dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device)
+                            dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device, extra=riders)
         exchanged = time.perf_counter()
+        summed = got.extra[:, :len(squares)].contiguous().view(torch.float64).sum(0)  # over the ranks, in rank order
+        table = None if digests is None else got.extra[:, len(squares):].reshape(-1, 3)
         self._check_optimizer_steps()
         lrs = self._lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
         lr = float(lr) if lr is not None else lrs[0]
         self._check_scales(lrs)
-        param_norm = self.layout.param_norm()  # full parameters, float64 (collective where they are sharded)
-        normed = time.perf_counter()
+        n = len(self.tensors.names)
+        param_norm = math.sqrt(float(summed[n:2 * n].sum()))  # the full trainable parameters, float64
         sums, counts = got.rank_loss_sums, got.rank_tokens
         tokens = sum(counts)
         extras, saving = {"grad_norm_source": self.grad_norm_source}, 0.0
@@ -390,12 +402,12 @@ class ParityRecorder:
             extras["logged_grad_norm"] = float(logged_grad_norm)
         if self.declared is not None:  # what the schedule declares for this update (once a step, every rank)
             extras["declared_lr"] = self.declared.lr()
-        harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - t0, "param_norm": normed - exchanged,
-                     "batch": saving}
+        harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - normed, "batch": saving,
+                     "tensor_norms": d0 - q0, "replica_check": normed - d0}  # the check's comparison adds to it
         self.observer.observe_step(self.step, rank_loss_sums=sums, rank_tokens=counts, tokens=tokens,
                                    grad_norm=self.grad_norm, param_norm=param_norm, lr=lr, batch_hash=hash_,
-                                   step_time_s=step_time, harness_s=harness_s,
-                                   **self.tensors.step_norms(self.step, self.grad_norm), **extras)
+                                   step_time_s=step_time, harness_s=harness_s, replica_table=table,
+                                   **self.tensors.norms(summed, self.grad_norm), **extras)
         rows_check = extras.get("rows_check")
         if rows_check and rows_check["duplicates"]:
             first = rows_check["pairs"][0]
@@ -405,7 +417,8 @@ class ParityRecorder:
             self._apply_stop()
         self.step += 1
         if self.step % self.log_interval == 0:
-            self.observer.write()
+            harness_s["record_write"] = self.observer.write()
+        harness_s["after_step"] = time.perf_counter() - t0  # all of the recorder's at the step's end, the above in it
 
     def _take_batch(self, got, extras: dict) -> str:
         """Rank 0: the step's global batch from every DP rank's rows — its hash, the rows check, its shape (into the
@@ -577,14 +590,6 @@ class ParityRecorder:
     def _line(self, text: str) -> None:
         if getattr(self, "rank", 0) == 0:
             self._print(f"parity recorder [{self.name}]: {text}")
-
-
-def _first_process() -> bool:
-    """Whether this process speaks for the run: the launcher's rank 0 (RANK), which a process that trains alone is
-    not told otherwise; without a launcher, rank 0 of the process group."""
-    if "RANK" in os.environ:
-        return os.environ["RANK"] == "0"
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _first_line(exc: Exception) -> str:

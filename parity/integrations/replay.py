@@ -49,10 +49,11 @@ REPLAYED_OPTIMIZERS = ("AdamW", "Adam")  # parity.training.optimizer.OPTIMIZERS
 
 
 def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strategy: str = "ddp",
-                dump_step: int | None = None):
-    """(RunConfig, RecordedBatches) of the replay of `record_file` under `strategy` (the trusted loop: the one whose
-    class replays records) with the flags the user `given` (only those given); `dump_step`, the step to record fully
-    instead of training. ConfigError, one line, for anything that cannot be replayed."""
+                dump_step: int | None = None, flags: Mapping[str, Any] | None = None):
+    """(RunConfig, RecordedBatches) of the replay of `record_file` under `strategy` (a trusted loop: one whose class
+    replays records; `flags`, what makes it the replay: replay_choice.REPLAYS) with the flags the user `given` (only
+    those given); `dump_step`, the step to record fully instead of training. ConfigError, one line, for anything that
+    cannot be replayed."""
     record = read_recorded(record_file)
     config = record["config"]
     given = {k: v for k, v in given.items() if v is not None}
@@ -85,7 +86,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
               "batch_size": -(-max(rows) // workers), "grad_accum_steps": 1, "seq_length": max(length, 2),
               "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0,
               **{k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY},
-              "dataset": RECORDED + folder, "checkpoint_interval": 0, **lora, **given}
+              "dataset": RECORDED + folder, "checkpoint_interval": 0, **lora, **(flags or {}), **given}
     cfg = resolve(strategy, values, cluster=cluster)
     attention = config.get("attn_implementation")  # the run's (a record from before it was kept: the default)
     model_config = {**cfg.model_config, **({"attn_implementation": attention} if attention else {})}

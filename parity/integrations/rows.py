@@ -82,6 +82,7 @@ class Exchanged:
     rank_loss_sums: list[float]
     rank_tokens: list[int]
     per_dp_rank: list[list[MicroBatch]] | None = field(default=None)
+    extra: torch.Tensor | None = field(default=None)  # [world, words]: each rank's `extra` words, in rank order
 
 
 def pack(micro: list[MicroBatch]) -> torch.Tensor:
@@ -112,9 +113,11 @@ class RowExchange:
         self.capacity = 0
 
     def __call__(self, broken: str | None, loss_sum: float, tokens: int, micro: list, *, feeds: bool, dp_rank: int,
-                 dp_size: int, device: torch.device) -> Exchanged:
-        """Every rank; collective. Raises RuntimeError("rank r: why") on every rank where any rank is broken (the text
-        on rank 0), where the DP ranks are not each fed by one rank, or where the step has no token in its loss."""
+                 dp_size: int, device: torch.device, extra: torch.Tensor | None = None) -> Exchanged:
+        """Every rank; collective. `extra`: int64 words every rank sends, as many on each (what rides the exchange:
+        the recorder's tensor sums and replica digests), handed back gathered. Raises RuntimeError("rank r: why") on
+        every rank where any rank is broken (the text on rank 0), where the DP ranks are not each fed by one rank, or
+        where the step has no token in its loss."""
         rank, world = dist.get_rank(), dist.get_world_size()
         if broken:
             payload = torch.tensor(list(broken.encode()[:400]), dtype=torch.int64)
@@ -123,14 +126,18 @@ class RowExchange:
         else:
             payload = torch.zeros(0, dtype=torch.int64)
         n, cap = payload.numel(), self.capacity
-        sent = torch.zeros(len(HEADER) + cap, dtype=torch.int64)
+        extra = torch.zeros(0, dtype=torch.int64) if extra is None else extra.reshape(-1).cpu()
+        head = len(HEADER) + extra.numel()
+        sent = torch.zeros(head + cap, dtype=torch.int64)
         sent[:len(HEADER)] = torch.tensor([int(bool(broken)), 0, int(tokens), int(feeds), int(dp_rank), n])
         sent[1:2] = torch.tensor([float(loss_sum)], dtype=torch.float64).view(torch.int64)  # the sum's bits, exact
-        sent[len(HEADER):len(HEADER) + min(n, cap)] = payload[:cap]
+        sent[len(HEADER):head] = extra
+        sent[head:head + min(n, cap)] = payload[:cap]
         sent = sent.to(device)
         table = [torch.empty_like(sent) for _ in range(world)]
         dist.all_gather(table, sent)
         table = torch.stack(table).cpu()
+        extras, table = table[:, len(HEADER):head], torch.cat([table[:, :len(HEADER)], table[:, head:]], 1)
         lengths = table[:, HEADER.index("words")].tolist()
         longest = max(lengths)
         if longest <= cap:
@@ -155,7 +162,7 @@ class RowExchange:
             raise RuntimeError("the step's global batch has no token in its loss (every label is -100 on every rank): "
                                "look at the data's labels — a prompt as long as max_length leaves none")
         return Exchanged([sums[r] for _, r in feeders], tokens,
-                         [unpack(payloads[r]) for _, r in feeders] if rank == 0 else None)
+                         [unpack(payloads[r]) for _, r in feeders] if rank == 0 else None, extras)
 
 
 def global_batch(per_rank: list[list[MicroBatch]]) -> tuple[Batch, torch.Tensor, list[list[int]]]:

@@ -12,51 +12,16 @@ pre-hook, the logs) and changes nothing the framework computes.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import sys
 
 from parity.integrations import attach
+from parity.integrations.import_hook import when_imported
 
 MODULE = "transformers.trainer"
 
 
 def install() -> None:
     """Wrap Trainer.__init__ once transformers' trainer module is imported (now, if it already is)."""
-    if MODULE in sys.modules:
-        _wrap(sys.modules[MODULE].Trainer)
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: it hands `transformers.trainer`'s own spec on with a loader that wraps Trainer once the
-    module has run, then leaves the import system."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != MODULE:
-            return None
-        sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _wrap(module.Trainer)
-
-    def __getattr__(self, name):  # the module's own loader for anything else (resources, source)
-        return getattr(self.loader, name)
+    when_imported(MODULE, lambda module: _wrap(module.Trainer))
 
 
 def _wrap(trainer_class) -> None:

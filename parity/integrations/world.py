@@ -21,6 +21,14 @@ import sys
 import torch.distributed as dist
 
 
+def first_process() -> bool:
+    """Whether this process speaks for the run: the launcher's rank 0 (RANK), which a process that trains alone is
+    not told otherwise; without a launcher, rank 0 of the process group."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"] == "0"
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def launched_processes() -> int:
     """How many processes the launcher says it started: WORLD_SIZE (torchrun's, accelerate launch's; LOCAL_WORLD_SIZE
     where only that is set); 1 without a launcher."""

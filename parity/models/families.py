@@ -339,19 +339,26 @@ def config_from_dict(data: dict):
 
 
 def with_num_layers(config, num_layers: int):
-    """The config with `num_layers` decoder layers. Every per-layer list (Gemma3's and Qwen's layer_types, and any
-    other list as long as the stack) is cut to the layers kept — the first num_layers layers of the real model — or,
-    when the stack grows, derived again by the config class (from sliding_window_pattern, max_window_layers ...) or
-    else repeated; a count of layers such as max_window_layers is capped at the new depth."""
+    """The config with `num_layers` decoder layers. Every per-layer list (Gemma3's and Qwen's layer_types, Llama4's
+    no_rope_layers, and any other list as long as the stack) is cut to the layers kept — the first num_layers layers of
+    the real model — or, when the stack grows, derived again by the config class (from sliding_window_pattern,
+    max_window_layers ...) or else repeated; a list of layer indices (`*_layers`: Qwen-MoE's mlp_only_layers, Llama4's
+    moe_layers) keeps the indices of the layers kept; a count of layers such as max_window_layers is capped at the new
+    depth. What is set as a frequency (decoder_sparse_step, interleave_moe_layer_step, first_k_dense_replace,
+    sliding_window_pattern) holds for the layers kept as it is."""
     old = config.num_hidden_layers
     data = config.to_dict()
-    per_layer = [k for k, v in data.items() if isinstance(v, list) and len(v) == old and old > 1]
+    indices = [k for k, v in data.items() if k.endswith("_layers") and isinstance(v, list)
+               and all(isinstance(i, int) and not isinstance(i, bool) for i in v)]
+    per_layer = [k for k, v in data.items() if isinstance(v, list) and len(v) == old and old > 1 and k not in indices]
     data["num_hidden_layers"] = num_layers
     if "max_window_layers" in data and isinstance(data["max_window_layers"], int):
         data["max_window_layers"] = min(data["max_window_layers"], num_layers)
     if num_layers <= old:
         for key in per_layer:
             data[key] = data[key][:num_layers]
+        for key in indices:
+            data[key] = [i for i in data[key] if i < num_layers]
         return type(config).from_dict(data)
     derived = type(config).from_dict({k: v for k, v in data.items() if k not in per_layer})
     fixed = derived.to_dict()
@@ -359,6 +366,27 @@ def with_num_layers(config, num_layers: int):
         if not (isinstance(fixed.get(key), list) and len(fixed[key]) == num_layers):
             fixed[key] = [data[key][i % old] for i in range(num_layers)]
     return type(config).from_dict(fixed)
+
+
+def cut_in_place(config, num_layers: int) -> int | None:
+    """A causal LM's config object cut in place to its first `num_layers` decoder layers, as with_num_layers cuts a
+    copy (verify_trainer.py --num_layers: the config the user's code holds is the one its model is built from). Only
+    the language model's depth: a multimodal config's text part is cut, its vision tower's config keeps its depth, and
+    a config transformers builds no causal LM from (a vision encoder's) is left alone. Returns the layers it had; None
+    where nothing was cut (not such a config, or not deeper than `num_layers`)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    text = text_config(config)
+    old = getattr(text, "num_hidden_layers", None)
+    if not isinstance(old, int) or old <= num_layers:
+        return None
+    before, after = text.to_dict(), with_num_layers(text, num_layers).to_dict()
+    for key, value in after.items():
+        if key in before and before[key] != value:
+            setattr(text, key, value)
+    return old
 
 
 def transformers_version() -> str:

@@ -57,7 +57,7 @@ class StepObserver:
                  probe: ModelStateProbe | None = None, measured_step: int | None = None,
                  log: Callable[[str], Any] | None = None, tensor_names: list[str] | None = None,
                  tensor_grad: str = PRE_CLIP, tensors_why: str | None = None, tensors_read_at: str = AT_CLIP,
-                 tensors_norm_dtype: str = "float64"):
+                 tensors_norm_dtype: str = "float64", replica_moments_every: int = 1):
         self.record, self.device, self.total_steps = record, device, total_steps
         self.is_logging_rank = dist.get_rank() == 0
         self.parameter_norm, self.probe, self.log = parameter_norm, probe, log or (lambda line: None)
@@ -66,7 +66,7 @@ class StepObserver:
         self.trackers = None  # rank 0's experiment trackers (parity.tracking.trackers.RunTrackers), set by the caller
         # each rank's declaration, checked against the rest
         self.replica_check = ReplicaCheck(replicas if replicas is not None else _NoReplicas(), replica_check_interval,
-                                          device)
+                                          device, replica_moments_every)
         record.declare_replicas(self.replica_check.summary)
         # every tensor's norms at every step, beside the record (tensor_series.py): `tensor_names` as observe_step's
         # tensor_grad_norms and tensor_param_norms come, `tensor_grad` which gradient read where (`tensors_read_at`)
@@ -81,6 +81,15 @@ class StepObserver:
         and leaves its `seconds` out of the step's time."""
         return self.probe if self.probe is not None and step == self.measured_step else None
 
+    def replica_digests(self, step: int) -> torch.Tensor | None:
+        """Where the replica check is due after `step` (a loop without checkpoints: a recorder's), this rank's digests
+        for the loop to gather over the world with a collective of its own — observe_step then takes the gathered
+        table (`replica_table`): [0, 3] where there is nothing to digest — else None. Local."""
+        if not self.replica_check.due(step + 1, self.total_steps, False):
+            return None
+        digests = self.replica_check.digests(step + 1 == self.total_steps)
+        return digests if digests is not None else torch.zeros(0, 3, dtype=torch.int64)
+
     def observe_step(self, step: int, *, lr: float, step_time_s: float, loss: float | None = None,
                      dp_rank_losses: Sequence[float] | None = None, rank_loss_sums: Sequence[float] | None = None,
                      rank_tokens: Sequence[int] | None = None, grad_norm: float | None = None,
@@ -88,7 +97,7 @@ class StepObserver:
                      batch=None, batch_hash: str | None = None, tokens: int | None = None,
                      harness_s: dict | None = None, checkpoint: bool = False,
                      tensor_grad_norms: Sequence[float] | None = None, tensor_param_norms: Sequence[float] | None = None,
-                     clip_coef: float | None = None, **extras) -> dict:
+                     clip_coef: float | None = None, replica_table: torch.Tensor | None = None, **extras) -> dict:
         """Step `step` done (0-based; every rank calls it, in step order): the replica check when due (a collective;
         `checkpoint`: a checkpoint of this step follows), then the record's entry, then the trackers. Returns the
         entry (its "harness_s" is `harness_s` itself, with the seconds the check, the record and the trackers took
@@ -105,7 +114,8 @@ class StepObserver:
         - `tensor_grad_norms` and `tensor_param_norms`: each tensor's, in the observer's `tensor_names` order (and
           `clip_coef` where the gradients are the clipped ones), for the series beside the record;
         - `lr`, `step_time_s`, and `extras`: further entries of the record's step, in order (fp16's skipped and
-          loss_scale, a mixture of experts' aux_loss and expert_loads)."""
+          loss_scale, a mixture of experts' aux_loss and expert_loads);
+        - `replica_table`: where the loop gathered the replica digests itself (replica_digests), what it gathered."""
         harness_s = {} if harness_s is None else harness_s
         if loss is None or dp_rank_losses is None:
             if rank_loss_sums is None or rank_tokens is None:
@@ -126,10 +136,12 @@ class StepObserver:
         if batch is None and (batch_hash is None or tokens is None):
             raise TypeError("observe_step needs the global batch, or its batch_hash and tokens")
         checked = {}
-        if self.replica_check.due(step + 1, self.total_steps, checkpoint):  # [8]
+        if replica_table is not None or self.replica_check.due(step + 1, self.total_steps, checkpoint):  # [8]
             c0 = time.perf_counter()
-            checked = {"replicas": self.replica_check.check()}
-            harness_s["replica_check"] = time.perf_counter() - c0
+            full = checkpoint or step + 1 == self.total_steps
+            checked = {"replicas": self.replica_check.compare(replica_table) if replica_table is not None
+                       else self.replica_check.check(full)}
+            harness_s["replica_check"] = harness_s.get("replica_check", 0.0) + time.perf_counter() - c0
             self._log_first_parting(checked["replicas"], step)
         r0 = time.perf_counter()
         self.record.append(step=step, loss=loss, dp_rank_losses=dp_rank_losses, grad_norm=grad_norm,

@@ -68,6 +68,12 @@ def build_optimizer(params, cfg, names=None) -> torch.optim.Optimizer:
     return OPTIMIZERS[spec["type"]](groups, lr=cfg.learning_rate)
 
 
+def build_named_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+    """build_optimizer over `model`'s trainable parameters, with their names (a replay's groups name them)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return build_optimizer([p for _, p in named], cfg, [n for n, _ in named])
+
+
 def set_lr(optimizer, lr: float) -> None:
     """Every group's lr: `lr`, times the group's lr scale where it has one (an optimizer by parameter group)."""
     for group in optimizer.param_groups:

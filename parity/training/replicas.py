@@ -164,8 +164,8 @@ class ReplicaCheck:
     of another training loop: parity/training/observer.py); `device` is where the digests are gathered (the
     backend's device: CUDA under NCCL), by default the strategy's (strategy.ctx.device)."""
 
-    def __init__(self, strategy, interval: int, device: torch.device | None = None):
-        self.strategy, self.interval = strategy, interval
+    def __init__(self, strategy, interval: int, device: torch.device | None = None, moments_every: int = 1):
+        self.strategy, self.interval, self.moments_every, self.checks = strategy, interval, moments_every, 0
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = device if device is not None else strategy.ctx.device
         mine = self._declared()
@@ -204,34 +204,61 @@ class ReplicaCheck:
         something = self.declared and bool(self.keys) or self.frozen.any
         return something and (done % self.interval == 0 or done == total_steps or checkpoint)
 
-    def check(self) -> dict:
+    def check(self, full: bool = False) -> dict:
         """Digest every declared tensor and compare them across their ranks: the record's entry for this step,
         {"checked": replica groups, "parted": how many differ, and when some do "tensors": up to LISTED of them (see
         _describe), each with its name, what, piece, its ranks grouped by the bits they hold and its max |difference|
-        (None where not measured)}. The same answer on every rank. Collective."""
+        (None where not measured)}. The same answer on every rank. Collective. AdamW's moments are digested at every
+        `moments_every`-th check and where `full` (a checkpoint, the last step): the other checks read the parameters
+        (and masters) alone (docs/running.md#replicas: what that gives up)."""
+        digests = self.digests(full)
+        if digests is None:
+            return self.compare(None)
+        gathered = [torch.empty_like(digests) for _ in range(self.world_size)]
+        dist.all_gather(gathered, digests)
+        return self.compare(torch.cat(gathered))
+
+    def digests(self, full: bool = False) -> torch.Tensor | None:
+        """This rank's half of a check: [width, 3] int64, the digest of each tensor it declared in declaration order —
+        (−2, −2, −2) for a moment this check leaves out, alike on every rank — to be gathered over the world in rank
+        order (check's all_gather, or a collective of the caller's: a recorder's step exchange) and handed to
+        `compare`; None where there is nothing to digest. Local."""
+        self._full = full or self.checks % self.moments_every == 0
+        self.checks += 1
+        if not (self.declared and self.keys):
+            return None
+        mine = self._declared()
+        if [r.key for r in mine] != self.local_keys:
+            raise ReplicaDeclarationError(f"{type(self.strategy).__name__}.replicas() changed its declaration after "
+                                          f"set-up: declare every tensor from the start (None while it does not exist)")
+        chosen = [i for i, r in enumerate(mine) if self._full or r.what not in ADAMW_MOMENTS]
+        digests = torch.full((self.width, 3), -2, dtype=torch.int64, device=self.device)
+        if chosen:
+            digests[chosen] = self._digester([mine[i].tensor for i in chosen], self.device)
+        self._mine = mine
+        return digests
+
+    def compare(self, gathered: torch.Tensor | None) -> dict:
+        """The other half: the check's entry (check's docstring) from every rank's digests as gathered, [world × width,
+        3] in rank order (None where `digests` had nothing to digest). Collective (the frozen tensors' check, and a
+        parted tensor's measure)."""
         moved = self.frozen.moved() if self.frozen.any else []
-        entry = self._replicas() if self.declared and self.keys else {"checked": 0, "parted": 0}
+        entry = self._replicas(gathered.cpu()) if gathered is not None and gathered.numel() else \
+            {"checked": 0, "parted": 0}
         if moved:  # a frozen tensor that moved first: the nearer cause
             entry = {**entry, "parted": entry["parted"] + len(moved),
                      "tensors": (moved + entry.get("tensors", []))[:LISTED]}
         return entry
 
-    def _replicas(self) -> dict:
-        """The replicas' part of check (its docstring). Collective."""
-        mine = self._declared()
-        if [r.key for r in mine] != self.local_keys:
-            raise ReplicaDeclarationError(f"{type(self.strategy).__name__}.replicas() changed its declaration after "
-                                          f"set-up: declare every tensor from the start (None while it does not exist)")
-        digests = torch.zeros(self.width, 3, dtype=torch.int64, device=self.device)
-        digests[:len(mine)] = self._digester([r.tensor for r in mine], self.device)
-        gathered = [torch.empty_like(digests) for _ in range(self.world_size)]
-        dist.all_gather(gathered, digests)
-        table = torch.cat(gathered).cpu()  # [world × width, 3]
+    def _replicas(self, table: torch.Tensor) -> dict:
+        """The replicas' part of compare, from the gathered digests `table` [world × width, 3]. Collective where some
+        parted."""
         differs = (table[self._member_at] != table[self._first_at[self._member_key]]).any(1)
         parted = sorted(set(self._member_key[differs].tolist()))
-        entry = {"checked": len(self.keys), "parted": len(parted)}
+        checked = len(self.keys) if self._full else sum(k[1] not in ADAMW_MOMENTS for k in self.keys)
+        entry = {"checked": checked, "parted": len(parted)}
         if parted:
-            entry["tensors"] = self._describe(parted, table, mine)
+            entry["tensors"] = self._describe(parted, table, self._mine)
         return entry
 
     def _describe(self, parted: list[int], table: torch.Tensor, mine: list[Replica]) -> list[dict]:

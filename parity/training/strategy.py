@@ -21,9 +21,9 @@ from parity.layout import Layout
 from parity.objectives.micro_batch import Objective
 from parity.precision import policy_of
 from parity.training.loss import IGNORE_INDEX, loss_sum
-from parity.training.optimizer import (OptimizerStep, build_optimizer, clip_coefficient, clip_local_gradients,
-                                       full_moments, local_norm, lr_at, set_lr, squared_norm_fp64, step_optimizer,
-                                       trainable)
+from parity.training.optimizer import (OptimizerStep, build_named_optimizer, build_optimizer, clip_coefficient,
+                                       clip_local_gradients, full_moments, local_norm, lr_at, set_lr, squared_norm_fp64,
+                                       step_optimizer, trainable)
 from parity.training.option import Option
 from parity.training.replicas import Replica, whole_model
 from parity.training.routing import Routing
@@ -32,8 +32,8 @@ from parity.training.tensor_norms import CLIPPED, Piece, local_squares, norms_of
 # The documented strategy API (docs/custom_strategy.md): what a strategy module imports from here, wherever it is
 # defined — the optimizer primitives (optimizer.py), the loss (loss.py), a strategy's own flag (option.py).
 __all__ = ["IGNORE_INDEX", "ModuleRecords", "Option", "OptimizerStep", "Piece", "StepStats", "Strategy", "WorkerContext",
-           "build_optimizer", "clip_coefficient", "clip_local_gradients", "gradient_arrivals", "local_norm", "loss_sum",
-           "lr_at", "set_lr", "squared_norm_fp64", "step_optimizer", "trainable"]
+           "build_named_optimizer", "build_optimizer", "clip_coefficient", "clip_local_gradients", "gradient_arrivals",
+           "local_norm", "loss_sum", "lr_at", "set_lr", "squared_norm_fp64", "step_optimizer", "trainable"]
 
 
 @dataclass(frozen=True)
