@@ -3,11 +3,13 @@ the run's full state around step 0 and every `checkpoint_interval` steps, the re
 from each (parity/training/recorded_states.py), and the verdict FAILs a late bug at the first saved state after its
 onset whatever the curves say.
 
-The bug is issue 52's: a hand-written loop (a copy of examples/plain_loop.py) in bf16, 100 steps with its states every
-25, whose gradients are halved after the recorder read them from step 60 on — the recorded grad norm is the whole
-gradients', the replay steps with them whole, and AdamW's near scale-invariance keeps the three curves within their
-bounds; the check from the run's own state at step 75 sees the moments part. (An lr bug would not do: the replay
-applies the recorded lr.) Its clean twin passes every check. A run recorded with a cap on its states' bytes stops
+The bug acts inside the optimizer's state alone: a hand-written loop (a copy of examples/plain_loop.py) in bf16, 100
+steps with its states every 25, whose AdamW moments are scaled after each step from step 60 on (m × 0.9, v × 0.81).
+AdamW's update m̂ ÷ (√v̂ + ε) does not see the scale, so the parameters, the losses, the grad norms and every tensor's
+norms follow the clean run's; the gradients the optimizer is handed are the ones the recorder read (the clip-read check
+passes). Only the check from the run's own state at step 75 sees the moments part. (An lr bug would not do: the replay
+applies the recorded lr; gradients changed after the recorder's read FAIL at their step by the clip-read check, issue
+58.) Its clean twin passes every check. A run recorded with a cap on its states' bytes stops
 saving past it in one line and keeps the checks before; its folder, moved, replays with its states.
 
 One gloo group of two ranks records the three runs, one local group replays them (module-scoped); the helpers are
@@ -26,11 +28,13 @@ from test_own_trainer import NAME, _copy, _record_rank, _train_ddp, state_checks
 
 EXAMPLE = os.path.join(REPO, "examples", "plain_loop.py")
 ONSET, INTERVAL, STEPS = 60, 25, 100
-# The gradients halved between the recorder's before_step and the loop's clipping and step: from ONSET on.
-HALVED = ("        rec.before_step()\n",
-          "        rec.before_step()\n"
-          f"        if step >= {ONSET}:  # seeded: the gradients halved after the recorder read them\n"
-          "            torch._foreach_mul_([p.grad for p in ddp.parameters()], 0.5)\n")
+# AdamW's moments scaled after the optimizer's step, from ONSET on: the update is scale-invariant, the state is not.
+SCALED_MOMENTS = ("        optimizer.step()\n",
+                  "        optimizer.step()\n"
+                  f"        if step >= {ONSET}:  # seeded: AdamW's moments scaled after its step\n"
+                  "            for state in optimizer.state.values():\n"
+                  "                state['exp_avg'].mul_(0.9)\n"
+                  "                state['exp_avg_sq'].mul_(0.81)\n")
 # One tensor's gradient doubled before the recorder reads it, from a step that is no state's: the tensor verdict's.
 DOUBLED_ONSET, DOUBLED_TENSOR = 40, "model.layers.0.input_layernorm.weight"
 DOUBLED = ("        rec.before_step()\n",
@@ -58,7 +62,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("own_trainer_states")
     folders = {name: root / name for name in ("late", "doubled", "clean", "capped")}
     folders["capped"].mkdir()
-    jobs = [(_copy(root, EXAMPLE, "late", [HALVED]), ["--output_dir", str(folders["late"]), *LATE]),
+    jobs = [(_copy(root, EXAMPLE, "late", [SCALED_MOMENTS]), ["--output_dir", str(folders["late"]), *LATE]),
             (_copy(root, EXAMPLE, "doubled", [DOUBLED]), ["--output_dir", str(folders["doubled"]), *LATE]),
             (EXAMPLE, ["--output_dir", str(folders["clean"]), *LATE]),
             (EXAMPLE, ["--output_dir", str(folders["capped"]), *CAPPED], str(folders["capped"] / "stderr.txt"))]
