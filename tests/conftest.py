@@ -212,7 +212,7 @@ CLIP = 0.05  # far below the ~1.0–1.2 pre-clip norms of the parity runs: every
 DDP_LEARNS = {"debug_steps": 100, "learning_rate": 1e-3, "checkpoint_interval": 50}  # test_ddp_ray: the preset's lr
 
 # The strategy runs several test modules share, name → (strategy, flags beyond **PARITY). RAY_RUNS go through Ray
-# Train, in one worker group per world size (launch_runs, as the main job does), with their checkpoints: the
+# Train, in one worker group (launch_runs, as the main job does), with their checkpoints: the
 # baselines the checkpoint tests copy, damage, kill and replay, DDP's learning and rerun checks (test_ddp_ray, 100
 # steps), and a user's own strategy module shipped to the workers. LOCAL_RUNS are the other parity runs, in local
 # gloo groups: what they check is the strategies' arithmetic (DDP's other layout among them), to which Ray adds
@@ -268,7 +268,7 @@ def make_shared_runs(root, tiny_weights) -> dict:
     from parity.driver.cluster import Cluster
     from parity.driver.config import resolve
     from parity.training.data import training_data
-    from parity.driver.launch import launch_runs, world_groups
+    from parity.driver.launch import launch_runs
     from parity.driver.local_group import plan, run_group
     from parity.training.record import run_record_path
 
@@ -276,14 +276,12 @@ def make_shared_runs(root, tiny_weights) -> dict:
         return {**TINY, **PARITY, "init_weights_path": tiny_weights, "loss_output_dir": root / name / "loss",
                 "storage_path": storage, "experiment_name": name, **flags}
 
-    cfgs = [resolve(strategy, values(name, strategy, flags, root / f"ray_{flags['num_workers']}"),
+    cfgs = [resolve(strategy, values(name, strategy, flags, root / "ray"),
                     cluster=Cluster(cpus=2, gpus=0)) for name, (strategy, flags) in RAY_RUNS.items()]
-    for group in world_groups(cfgs):
-        launch_runs(group, [{"batches": training_data(cfg)} for cfg in group])
+    launch_runs(cfgs, [{"batches": training_data(cfg)} for cfg in cfgs])  # one worker group
     planned = [plan(strategy, {**values(name, strategy, flags, root / "local"), "checkpoint_interval": 0})
                for name, (strategy, flags) in LOCAL_RUNS.items()]
-    for world in sorted({cfg.num_workers for cfg, _ in planned}):
-        run_group([run for run in planned if run[0].num_workers == world])
+    run_group(planned)  # one local group: a run of fewer workers on its first ranks
     return {cfg.experiment_name: str(run_record_path(cfg)) for cfg in [*cfgs, *(c for c, _ in planned)]}
 
 

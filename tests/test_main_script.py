@@ -35,8 +35,8 @@ def test_four_runs_then_a_pass_verdict(four_runs):
     proc, root = four_runs
     tmp_path = root / "out"
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert ("== 4 workers: deepspeed tp=2 dp=2 fp32, fsdp tp=2 dp=2 fp32, pipeline pp=2 dp=2 fp32, transformers tp=2 "
-            "dp=2 fp32") in proc.stdout
+    assert ("== 4 workers: ddp tp=1 dp=2 fp32, deepspeed tp=2 dp=2 fp32, fsdp tp=2 dp=2 fp32, pipeline pp=2 dp=2 fp32, "
+            "transformers tp=2 dp=2 fp32") in proc.stdout  # one worker group: DDP on its first two ranks
     loss_dir = tmp_path / "loss_curves"
     for strategy in ("ddp", "deepspeed", "fsdp", "pipeline", "transformers"):
         record = json.loads((loss_dir / f"loss_{strategy}.json").read_text())
@@ -54,7 +54,16 @@ def test_four_runs_then_a_pass_verdict(four_runs):
     assert summary["noise_references"] == [] and "(noise reference)" not in proc.stdout
     assert "LOSS CURVE STATISTICS" in proc.stdout and "VERDICT: PASS" in proc.stdout
     times = json.loads((loss_dir / "main_job_times.json").read_text())  # the time table, for report.html too
-    assert [row["what"] for row in times["rows"]][-1] == "comparison and figure" and times["total_s"] > 0
+    assert [row["what"] for row in times["rows"]] == ["driver start-up and checks", "Ray start", "4-worker group",
+                                                      "Ray shutdown", "comparison and figure"]
+    group = times["rows"][2]
+    assert [r["title"] for r in group["runs"]] == ["ddp tp=1 dp=2 fp32", "deepspeed tp=2 dp=2 fp32",
+                                                   "fsdp tp=2 dp=2 fp32", "pipeline pp=2 dp=2 fp32",
+                                                   "transformers tp=2 dp=2 fp32"]
+    accounted = sum(sum(r[k] for k in ("setup_s", "steps_s", "teacher_forced_s", "checkpoints_s", "finish_s",
+                                       "other_s")) for r in group["runs"]) + sum(s for _, s in group["parts"])
+    assert accounted == pytest.approx(group["seconds"], abs=0.5)  # every second of the group, by part
+    assert sum(row["seconds"] for row in times["rows"]) == pytest.approx(times["total_s"], abs=1e-6)
     page = (loss_dir / "report.html").read_text()
     assert "Where the time went" in page and "PASS: every run" in page
     assert (tmp_path / "shared_weights" / "init_weights.pt").exists()
@@ -122,7 +131,7 @@ def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
     proc = run_main(tmp_path / "out", PRECISION="bf16", STRATEGIES="ddp fsdp", MODEL_NAME="qwen3-tiny",
                     PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "copy"), os.environ.get("PYTHONPATH")])))
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
-    # one worker group per world size, DDP's three references among its runs
+    # one worker group, DDP's three references among its runs
     assert "ddp (noise reference) tp=1 dp=1 bf16" in proc.stdout
     assert "ddp (noise reference) tp=1 dp=4 bf16" in proc.stdout
     assert "ddp (noise reference) tp=1 dp=2 fp32" in proc.stdout

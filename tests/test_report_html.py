@@ -86,11 +86,11 @@ def folders(tmp_path_factory, tiny_weights):
               [run(passing, "ddp", num_workers=1, batch_size=4, noise_reference=True)]]  # DDP's twin at DP=1
     times = []
     for group in groups:  # the time table as the main job writes it: each group's wall time, each run's own timings
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         run_group(group)
         runs = [(run_title(cfg) + ("" if cfg.loss_output_dir == str(passing) else " (the FAIL page's)"),
                  load_record(run_record_path(cfg))["final"]["timings"]) for cfg, _ in group]
-        times.append((f"{group[0][0].num_workers}-worker group", time.perf_counter() - t0, runs))
+        times.append((f"{group[0][0].num_workers}-worker group", time.perf_counter() - t0, began, time.time(), runs))
     (passing / TIMES_NAME).write_text(json.dumps(time_table_json(times, time.perf_counter() - started)))
     assert compare_and_report(str(passing), str(passing / "loss_curves.png")) == 0
 

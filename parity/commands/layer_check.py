@@ -93,7 +93,7 @@ def check_layers(args: argparse.Namespace) -> int:
     from parity.comparing.layers import load_dumps
     from parity.driver.config import resolve
     from parity.training.data import ROLLOUTS, training_data
-    from parity.driver.launch import launch_runs, world_groups
+    from parity.driver.launch import launch_runs
     from parity.layer_check.inputs import INPUTS_FILE, check_inputs, write_inputs
     from parity.layer_check.layer_step import layer_steps_worker
     from parity.driver.local_group import launch_local
@@ -166,12 +166,12 @@ def check_layers(args: argparse.Namespace) -> int:
                                           else {})} for cfg, perturb_param in runs}
     with console.terminal(os.path.join(out, "layer_check.log"), args.verbose) as log, console.pointing_to(log), \
             ray_for_this_command():
-        for group in world_groups([cfg for cfg, _ in runs]):  # one worker group per world size
-            group_payloads = [payloads[cfg.experiment_name] for cfg in group]
-            if args.launcher == "local":
-                launch_local(group, group_payloads, worker=layer_steps_worker)
-            else:
-                launch_runs(group, group_payloads, checkpoints=False, worker=layer_steps_worker)
+        group = [cfg for cfg, _ in runs]  # one worker group: a run of fewer workers on its first ranks
+        group_payloads = [payloads[cfg.experiment_name] for cfg in group]
+        if args.launcher == "local":
+            launch_local(group, group_payloads, worker=layer_steps_worker)
+        else:
+            launch_runs(group, group_payloads, checkpoints=False, worker=layer_steps_worker)
     if len(load_dumps(out)) < 2:
         print(f"{out} has one dump so far; run the other strategies into it, then compare_dumps.py")
         return 0

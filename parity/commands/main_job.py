@@ -20,6 +20,7 @@ import time
 
 from parity import console, storage
 from parity.commands.common import OneLineParser, report_error, run_command
+from parity.comparing.html_report import RUN_PARTS, run_times
 from parity.errors import ConfigError, TrainingFailed
 from parity.registry import KNOWN, NAMES
 from parity.driver.cluster import ray_for_this_command
@@ -69,8 +70,8 @@ def build_parser() -> OneLineParser:
 
 
 def run_main_job(args) -> int:
-    """Resolve every run, then train them on one Ray session, the runs of one world size in one worker group,
-    then compare. Returns the exit code."""
+    """Resolve every run, then train them on one Ray session in one worker group, then compare. Returns the exit
+    code."""
     import ray
 
     from parity.commands.compare_curves import compare_and_report
@@ -79,10 +80,20 @@ def run_main_job(args) -> int:
     from parity.driver.cluster import ensure_ray, probe_cluster
     from parity.driver.config import resolve
     from parity.training.data import training_data
-    from parity.driver.launch import launch_runs, world_groups
+    from parity.driver.launch import launch_runs
     from parity.training.record import REFERENCE_GLOB, load_record, run_record_path
 
-    job_started = time.perf_counter()
+    import psutil
+
+    # from the process's own start: the interpreter and the imports are the driver's start-up too
+    job_started = time.perf_counter() - (time.time() - psutil.Process().create_time())
+    times, clock = [], [job_started]
+
+    def lap(what: str, *group) -> None:  # the seconds since the last lap, as a row of the time table
+        now = time.perf_counter()
+        times.append((what, now - clock[0], *group))
+        clock[0] = now
+
     out = storage.absolute(args.output_dir)
     loss_dir = storage.join(out, "loss_curves")
     cluster = probe_cluster()
@@ -94,42 +105,42 @@ def run_main_job(args) -> int:
             storage.delete_file(stale)
     storage.delete_dir(storage.join(out, "ray_checkpoints"))  # fresh runs: the job owns its run folders
 
-    times = [("driver start-up and checks", time.perf_counter() - job_started)]
+    lap("driver start-up and checks")
     with console.terminal(storage.join(out, "main_job.log"), args.verbose == "on") as log, console.pointing_to(log), \
             ray_for_this_command():
         try:
-            times.append(("Ray start", ensure_ray()))
+            ensure_ray()
+            lap("Ray start")
             where = f"{cluster.gpus} GPUs" if cfgs[0].use_cuda else "CPU workers"
             console.say(f"Ray up; model {cfgs[0].model_name} on {where}; outputs in {out}")
-            for group in world_groups(cfgs):
-                names = ", ".join(run_title(cfg) for cfg in group)
-                console.say(f"== {group[0].num_workers} workers: {names}")
-                t0 = time.perf_counter()
-                try:
-                    launch_runs(group, [{"batches": batches[cfg.experiment_name]} for cfg in group],
-                                titles=[run_title(cfg) for cfg in group])
-                except TrainingFailed as exc:
-                    console.say(f"error: a run of the {group[0].num_workers}-worker group failed: {exc}", err=True)
-                    return 1
-                wall = time.perf_counter() - t0
-                runs = [(run_title(cfg), load_record(run_record_path(cfg))["final"]["timings"]) for cfg in group]
-                times.append((f"{group[0].num_workers}-worker group", wall, runs))
+            workers = max(cfg.num_workers for cfg in cfgs)  # one worker group: a run of fewer on its first ranks
+            console.say(f"== {workers} workers: " + ", ".join(run_title(cfg) for cfg in cfgs))
+            began = time.time()
+            try:
+                launch_runs(cfgs, [{"batches": batches[cfg.experiment_name]} for cfg in cfgs],
+                            titles=[run_title(cfg) for cfg in cfgs])
+            except TrainingFailed as exc:
+                console.say(f"error: a run of the {workers}-worker group failed: {exc}", err=True)
+                return 1
+            ended = time.time()
+            runs = [(run_title(cfg), load_record(run_record_path(cfg))["final"]["timings"]) for cfg in cfgs]
+            lap(f"{workers}-worker group", began, ended, runs)
         finally:
             ray.shutdown()
+    lap("Ray shutdown")
 
     console.say("== comparing")
-    t0 = time.perf_counter()
     # the time table so far beside the records, so that the comparison's page (and what the trackers get) has it
-    storage.write_json_atomic(storage.join(loss_dir, TIMES_NAME), time_table_json(times, t0 - job_started))
+    storage.write_json_atomic(storage.join(loss_dir, TIMES_NAME), time_table_json(times, clock[0] - job_started))
     try:
         verdict = compare_and_report(loss_dir, storage.join(loss_dir, "loss_curves.png"), tolerance=args.tolerance)
     except ConfigError as exc:
         report_error(exc)
         verdict = 2
-    times.append(("comparison and figure", time.perf_counter() - t0))
-    total = time.perf_counter() - job_started
-    print(time_table(times, total))
-    storage.write_json_atomic(storage.join(loss_dir, TIMES_NAME), time_table_json(times, total))
+    lap("comparison and figure")
+    table = time_table_json(times, clock[0] - job_started)
+    print(time_table(table))
+    storage.write_json_atomic(storage.join(loss_dir, TIMES_NAME), table)
     if verdict != 2:  # the page again, with the comparison's own time
         write_curve_page(loss_dir)
     report = storage.join(loss_dir, PAGE_NAME if storage.exists(storage.join(loss_dir, PAGE_NAME)) else REPORT_NAME)
@@ -149,31 +160,37 @@ def run_title(cfg) -> str:
     return f"{cfg.strategy}{role} {layout} dp={cfg.dp_size}{experts} {cfg.precision}"
 
 
-def time_table(times: list, total: float) -> str:
-    """Where the job's time went: driver, Ray, each worker group (its start-up: what its runs did not use),
-    each run (setup, steps, checkpoints, finishing), the comparison."""
-    lines = ["", f"WHERE THE TIME WENT ({total:.0f} s)"]
-    for what, seconds, *runs in times:
-        lines.append(f"  {what:<36} {seconds:6.1f} s")
-        for title, t in (runs[0] if runs else []):
-            lines.append(f"    {title:<34} setup {t['setup_s']:.1f} s, {t['steps']} steps {t['steps_s']:.1f} s, "
-                         f"checkpoints {t['checkpoints_s']:.1f} s, finishing {t['finish_s']:.1f} s")
-        if runs:
-            used = sum(t["setup_s"] + t["steps_s"] + t["checkpoints_s"] + t["finish_s"] for _, t in runs[0])
-            lines.append(f"    {'start-up and hand-over':<34} {seconds - used:.1f} s")
+def time_table(table: dict) -> str:
+    """Where the job's time went, as text: main_job_times.json's rows (time_table_json)."""
+    lines = ["", f"WHERE THE TIME WENT ({table['total_s']:.0f} s)"]
+    for row in table["rows"]:
+        lines.append(f"  {row['what']:<36} {row['seconds']:6.1f} s")
+        for r in row.get("runs", []):
+            lines.append(f"    {r['title']:<34} {run_times(r)}")
+        for what, seconds in row.get("parts", []):
+            lines.append(f"    {what:<34} {seconds:6.1f} s")
     return "\n".join(lines)
 
 
 def time_table_json(times: list, total: float) -> dict:
-    """The time table as main_job_times.json holds it (the comparison's report.html shows it)."""
+    """The time table as main_job_times.json holds it (the comparison's report.html shows it). A worker group's row
+    accounts for each of its seconds: its workers' start-up (Ray Train's actors, each worker's imports, the process
+    group) until its first run began, each run by part (the rest: its record and trackers opening, its last
+    writes), the hand-over between runs (a restarted group's lost attempt among it), and the teardown after the
+    last run ended. The times of a run are rank 0's own clock; the group's, the driver's (one machine's, or
+    the cluster's synchronised clocks)."""
     rows = []
-    for what, seconds, *runs in times:
+    for what, seconds, *group in times:
         row = {"what": what, "seconds": seconds}
-        if runs:
-            row["runs"] = [{"title": title, **{k: t[k] for k in ("setup_s", "steps", "steps_s", "checkpoints_s",
-                                                                "finish_s")}} for title, t in runs[0]]
-            row["startup_s"] = seconds - sum(r["setup_s"] + r["steps_s"] + r["checkpoints_s"] + r["finish_s"]
-                                             for r in row["runs"])
+        if group:
+            began, ended, runs = group
+            row["runs"] = [{"title": title, **{k: t[k] for k in ("steps", *RUN_PARTS)},
+                            "other_s": t["ended_at"] - t["began_at"] - sum(t[k] for k in RUN_PARTS)}
+                           for title, t in runs]
+            spans = sorted((t["began_at"], t["ended_at"]) for _, t in runs)
+            row["parts"] = [("workers' start-up", spans[0][0] - began),
+                            ("hand-over between runs", sum(b - a for (_, a), (b, _) in zip(spans, spans[1:]))),
+                            ("teardown", ended - spans[-1][1])]
         rows.append(row)
     return {"total_s": total, "rows": rows}
 
@@ -237,8 +254,8 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
             # and in fp32 at its own layout: how far the policy's rounding itself moves the curves (docs/tolerances.md)
             plan.append(("ddp", {**ddp, **{k: None for k in policy}, "precision": "fp32", "save_init_weights": False,
                                  "noise_reference": True}))
-    for _, values in plan:  # the runs of one world size share a worker group and its folder
-        values["storage_path"] = storage.join(out, "ray_checkpoints", f"{values['num_workers']}_workers")
+    for _, values in plan:  # the runs share a worker group and its folder
+        values["storage_path"] = storage.join(out, "ray_checkpoints")
     return plan
 
 

@@ -320,9 +320,9 @@ def gradient_sums(cfg, batches):
 
 
 def replay(planned: list[tuple], out: str, verbose: bool = False) -> tuple[float, float]:
-    """Every planned run trained, one local group per world size; returns (seconds, of which training steps)."""
+    """Every planned run trained in one local group (a run of fewer workers on its first ranks); returns (seconds, of
+    which training steps)."""
     from parity import console, storage
-    from parity.driver.launch import world_groups
     from parity.driver.local_group import launch_local
     from parity.training.record import load_record, run_record_path
 
@@ -330,10 +330,10 @@ def replay(planned: list[tuple], out: str, verbose: bool = False) -> tuple[float
     t0 = time.perf_counter()
     with console.terminal(storage.join(out, "logs", "replay.log"), verbose) as log, \
             console.pointing_to(log, "[replay] "):
-        for group in world_groups([cfg for cfg, _ in planned]):
-            console.say(f"[replay] {', '.join(cfg.experiment_name for cfg in group)} in a local group of "
-                        f"{group[0].num_workers}")
-            launch_local(group, [{"batches": batches[cfg.experiment_name]} for cfg in group])
+        group = [cfg for cfg, _ in planned]
+        console.say(f"[replay] {', '.join(f'{cfg.experiment_name} ({cfg.num_workers})' for cfg in group)} in a local "
+                    f"group of {max(cfg.num_workers for cfg in group)}")
+        launch_local(group, [{"batches": batches[cfg.experiment_name]} for cfg in group])
     seconds = time.perf_counter() - t0
     steps = sum(s.get("step_time_s", 0.0) for cfg, _ in planned for s in load_record(run_record_path(cfg))["steps"])
     return seconds, steps

@@ -393,16 +393,25 @@ def failure_section(saved: dict, name: str, directory: str, layers: dict) -> str
     return "\n".join(out)
 
 
+RUN_PARTS = ("setup_s", "steps_s", "teacher_forced_s", "checkpoints_s", "finish_s")  # a run's timed parts
+
+
+def run_times(r: dict) -> str:
+    """One run's seconds by part, as the main job's time table says them (its text and this page)."""
+    return (f"setup {r['setup_s']:.1f} s, {r['steps']} steps {r['steps_s']:.1f} s, teacher-forced checks "
+            f"{r['teacher_forced_s']:.1f} s, checkpoints {r['checkpoints_s']:.1f} s, finishing {r['finish_s']:.1f} s, "
+            f"the rest {r['other_s']:.1f} s")
+
+
 def time_section(times: dict) -> str:
     rows = []
     for row in times["rows"]:
         rows.append([escape(row["what"]), f"{row['seconds']:.1f} s", ""])
         for r in row.get("runs", []):
-            rows.append([f'<span class="indent">{escape(r["title"])}</span>', "",
-                         f"setup {r['setup_s']:.1f} s, {r['steps']} steps {r['steps_s']:.1f} s, checkpoints "
-                         f"{r['checkpoints_s']:.1f} s, finishing {r['finish_s']:.1f} s"])
-        if "startup_s" in row:
-            rows.append(['<span class="indent">start-up and hand-over</span>', f"{row['startup_s']:.1f} s", ""])
+            seconds = sum(r[k] for k in (*RUN_PARTS, "other_s"))
+            rows.append([f'<span class="indent">{escape(r["title"])}</span>', f"{seconds:.1f} s", run_times(r)])
+        for what, seconds in row.get("parts", []):
+            rows.append([f'<span class="indent">{escape(what)}</span>', f"{seconds:.1f} s", ""])
     return (f'<section id="time"><h2>Where the time went ({times["total_s"]:.0f} s)</h2>'
             + _table(["what", "seconds", "of which"], rows) + "</section>")
 

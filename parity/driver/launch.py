@@ -1,5 +1,6 @@
-"""Ray Train launch: resolved runs of one world size on cfg.num_workers workers, one TorchTrainer — one run, or
-several one after another in the same worker group (starting a group costs about 10 s on a 2-core machine).
+"""Ray Train launch: resolved runs on one TorchTrainer — one run, or several one after another in the same worker
+group of as many workers as the largest needs, a run of fewer on the group's first ranks
+(parity/training/sub_world.py): starting a group costs 10–15 s on a 2-core machine.
 
 On CPU the workers get fractional CPUs (4 workers run on 2 cores) and talk over gloo; on GPUs each
 worker gets one GPU and NCCL (`resolve` decided which, from the cluster's resources). A worker failure
@@ -37,9 +38,9 @@ def launch(cfg: RunConfig, worker, payload: dict, announce_folder: bool = True) 
 
 def launch_runs(cfgs: list[RunConfig], payloads: list[dict], checkpoints: bool = True,
                 titles: list[str] | None = None, worker=None) -> float:
-    """Train `cfgs` (one world size; their own `payloads`, {"batches": ...}) one after another in ONE worker group:
-    Ray starts the workers once, not once per run. One run is launch's (its folder is Ray Train's). Several
-    share --storage_path, which becomes the group's folder: each run's checkpoints go to
+    """Train `cfgs` (their own `payloads`, {"batches": ...}) one after another in ONE worker group of the largest
+    run's workers: Ray starts the workers once, not once per run. One run is launch's (its folder is Ray Train's).
+    Several share --storage_path, which becomes the group's folder: each run's checkpoints go to
     <storage_path>/<experiment_name>/ as they would alone, Ray Train keeps all of them (its --keep_checkpoints
     would count the runs together), and a worker failure restarts the group, which resumes the run it was
     training (each run keeps its own --max_failures). `worker` (default: the training loop's train_group_worker) takes {"runs": [...]}, as the layer
@@ -53,7 +54,7 @@ def launch_runs(cfgs: list[RunConfig], payloads: list[dict], checkpoints: bool =
     if len(cfgs) == 1:
         return launch(cfgs[0], worker, group, announce_folder=checkpoints)
     first = cfgs[0]
-    assert len({(c.num_workers, c.storage_path) for c in cfgs}) == 1, "a group: one world size, one storage_path"
+    assert len({c.storage_path for c in cfgs}) == 1, "a group: one storage_path"
     for cfg in cfgs:
         assert not cfg.resume, "a group starts its runs afresh"
         replace_run_folder(cfg)
@@ -81,24 +82,15 @@ def _max_failures(cfgs: list[RunConfig]) -> int:
     return -1 if -1 in budgets else sum(budgets)
 
 
-def world_groups(cfgs: list[RunConfig]) -> list[list[RunConfig]]:
-    """The runs grouped by world size (one worker group each), each group in the order its first run was
-    planned (the run that writes the weights first), runs in plan order within a group."""
-    groups: dict[int, list] = {}
-    for cfg in cfgs:
-        groups.setdefault(cfg.num_workers, []).append(cfg)
-    return list(groups.values())
-
-
 def _fit(cfgs: list[RunConfig], worker, loop_config: dict, storage_path: str, name: str, keep: int) -> None:
-    """One TorchTrainer for `cfgs` (one world size): their workers and resources, Ray Train's folder
+    """One TorchTrainer for `cfgs`: the largest run's workers and resources, Ray Train's folder
     <storage_path>/<name>, the last `keep` checkpoints kept (0: all); the folders of users' own strategy modules
     on the workers' PYTHONPATH, and the experiment trackers' variables (WANDB_*, MLFLOW_*) in their environment."""
     from ray import cloudpickle
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    cfg = cfgs[0]
+    cfg = max(cfgs, key=lambda c: c.num_workers)
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_cuda else {})}
     own = os.pathsep.join(dict.fromkeys(f for c in cfgs if c.strategy_class and (f := module_folder(c.strategy_class))))
     env = {**worker_environment(cfgs),

@@ -92,21 +92,20 @@ def local_cluster(device: str) -> Cluster:
 
 
 def run_group(runs: list[tuple], kernel: str = "default") -> list[dict]:
-    """Train every planned run (all with the same world size) in one local group under the kernel path `kernel`;
-    return their records."""
+    """Train every planned run in one local group of the largest run's ranks under the kernel path `kernel` (a run of
+    fewer on its first ranks); return their records."""
     launch_local([cfg for cfg, _ in runs], [{"batches": batches} for _, batches in runs], kernel=kernel)
     return [load_record(run_record_path(cfg)) for cfg, _ in runs]
 
 
 def launch_local(cfgs: list[RunConfig], payloads: list[dict], worker=None, kernel: str = "default") -> None:
-    """launch_runs without Ray: `cfgs` (one world size) one after another in one gloo group of this machine's
-    processes, each rank calling `worker` (default: the training loop's train_group_worker) with the payload a Ray
+    """launch_runs without Ray: `cfgs` one after another in one gloo group of this machine's processes, as many as
+    the largest run's workers (a run of fewer on the group's first ranks: parity/training/sub_world.py), each rank calling `worker` (default: the training loop's train_group_worker) with the payload a Ray
     Train worker gets, without checkpoints (Ray Train's: there is no restart to resume). Raises TrainingFailed
     with the line of the rank that failed."""
     from parity.training.loop import train_group_worker
 
-    world = cfgs[0].num_workers
-    assert all(cfg.num_workers == world for cfg in cfgs), "one group, one world size"
+    world = max(cfg.num_workers for cfg in cfgs)
     group = {"runs": [{"cfg": cfg.to_dict(), "title": cfg.strategy, **payload} for cfg, payload in zip(cfgs, payloads)],
              "checkpoints": False}
     with socket.socket() as s:

@@ -126,13 +126,16 @@ def perturb_local_shard(strategy, param_name: str) -> None:
 
 
 def layer_steps_worker(payload: dict) -> None:
-    """Ray Train worker: the recorded steps of payload["runs"] (one world size), one after another in one worker
-    group."""
+    """Ray Train worker: the recorded steps of payload["runs"], one after another in one worker group (a run of fewer
+    workers on its first ranks: parity/training/sub_world.py)."""
+    from parity.run_config import RunConfig
     from parity.training.loop import torch_functions_kept
+    from parity.training.sub_world import ranks_for
 
     for run in payload["runs"]:
-        with torch_functions_kept():  # each strategy's step with torch's own functions (DeepSpeed's ZeRO-3 replaces one)
-            layer_step_worker({"terminal": payload.get("terminal", False), **run})
+        with ranks_for(RunConfig.from_dict(run["cfg"]).num_workers) as part, torch_functions_kept():
+            if part.trains:  # each strategy's step with torch's own functions (DeepSpeed's ZeRO-3 replaces one)
+                layer_step_worker({"terminal": payload.get("terminal", False), **run})
 
 
 def layer_step_worker(payload: dict) -> None:

@@ -40,6 +40,7 @@ from parity.fingerprint import differences as fingerprint_differences
 from parity.fingerprint import fingerprint, library_versions, shared_code_sha256, strategy_code
 from parity.models.model import config_summary, file_sha256, model_config_from_dict
 from parity.run_config import NOT_IDENTITY  # the fields a resume may change
+from parity.training.sub_world import before_report
 
 FORMAT = "parity-checkpoint/2"  # 2: the config's pp_size a layout field (not an option), the strategy's class path
 META_FILE = "parity_checkpoint.json"
@@ -215,6 +216,7 @@ class RayTrainSession:
         Train's own advice, a report at checkpoint frequency (every step is in the loss record and the log)."""
         import ray.train
 
+        before_report()  # the group's ranks that wait while a run of fewer workers trains report with it
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                          checkpoint_dir_name=self.prefix + name)
 

@@ -54,6 +54,7 @@ from parity.training.observer import (ModelStateProbe, StepObserver, device_name
 from parity.training.record import LossRecord, run_record_path
 from parity.training.recorded_states import check_recorded
 from parity.training.strategy import WorkerContext, loss_sum, lr_at
+from parity.training.sub_world import ranks_for
 from parity.training.teacher_forced import KEY as TEACHER_FORCED, TeacherForcedCheck
 from parity.training.tensor_norms import AFTER_BACKWARD, AT_CLIP, PRE_CLIP
 
@@ -70,6 +71,7 @@ class Worker:
     weights_sha: str
     num_params: int  # Ψ: the model's parameters, each once (a tied weight once)
     setup_s: float  # building the model, loading the weights, the strategy's setup
+    began_at: float  # when its setup began (time.time(), comparable across processes: the main job's time table)
     trackers: RunTrackers = field(default_factory=RunTrackers)  # rank 0's, once train() opens them
 
 
@@ -79,7 +81,7 @@ def start_worker(payload: dict, resuming: bool = False) -> Worker:
     does not write the weights again, even with --save_init_weights: its checkpoint, and every run started from the
     file, name the file it wrote first (torch.save writes a new serialization id each time: the same weights, another
     sha256). The process group (gloo or NCCL) is already up."""
-    t0 = time.perf_counter()
+    t0, began_at = time.perf_counter(), time.time()
     cfg = RunConfig.from_dict(payload["cfg"])
     ctx = worker_context(cfg)
     log = rank0_logger(cfg, ctx, payload.get("terminal", False))
@@ -89,7 +91,7 @@ def start_worker(payload: dict, resuming: bool = False) -> Worker:
     num_params = sum(p.numel() for p in model.parameters())
     strategy = load(cfg.strategy_path)(cfg, ctx)
     strategy.setup(model)  # [2]
-    return Worker(cfg, ctx, log, model_config, strategy, weights_sha, num_params, time.perf_counter() - t0)
+    return Worker(cfg, ctx, log, model_config, strategy, weights_sha, num_params, time.perf_counter() - t0, began_at)
 
 
 @contextlib.contextmanager
@@ -107,9 +109,9 @@ def torch_functions_kept():
 
 
 def train_group_worker(payload: dict) -> dict | None:
-    """Ray Train's train_loop_per_worker: the runs of payload["runs"] (each {"cfg", "batches", "title"}, all of
-    one world size) one after another in this worker group — Ray starts the workers once, not once per run —
-    each run with its own model, strategy, record and checkpoints. With payload["checkpoints"] (the default)
+    """Ray Train's train_loop_per_worker: the runs of payload["runs"] (each {"cfg", "batches", "title"}) one after
+    another in this worker group — Ray starts the workers once, not once per run — each run with its own model,
+    strategy, record and checkpoints, a run of fewer workers than the group on its first ranks (sub_world.py). With payload["checkpoints"] (the default)
     every run checkpoints and resumes through Ray Train: a run is its group's only one (its folder is the
     group's) or its checkpoints go under "<experiment_name>/" in the group's folder; after a worker failure
     the restarted group passes over the runs already finished and resumes the one that was training. Returns
@@ -117,31 +119,41 @@ def train_group_worker(payload: dict) -> dict | None:
     runs, to_terminal = payload["runs"], payload.get("terminal", False)
     shared = len(runs) > 1
     for i, run in enumerate(runs):
+        cfg = RunConfig.from_dict(run["cfg"])
         try:
             session = None
             if payload.get("checkpoints", True):
-                cfg = RunConfig.from_dict(run["cfg"])
                 session = RayTrainSession(run_dir(cfg), f"{cfg.experiment_name}/" if shared else "", cfg.resume)
                 if shared and finished(cfg):
                     continue
             if shared and dist.get_rank() == 0:
                 line = f"== [{i + 1}/{len(runs)}] {run['title']}"
                 print(marked(line) if to_terminal else line, flush=True)
-            resuming = session.resuming() if session else False
-            with torch_functions_kept():
-                worker = start_worker({"terminal": to_terminal, **run}, resuming=resuming)
-                try:
-                    train(worker, run["batches"], session)
-                    check_recorded(worker, run["batches"])  # [10] a recorded run's replay: the states it saved
-                finally:
-                    worker.trackers.close()  # a run that stopped: its tracker runs end as failed
-        except RunStopped as exc:
-            return {"stopped": str(exc)}
+            with ranks_for(cfg.num_workers) as part:  # a run of fewer workers: the group's first ranks
+                if part.trains:
+                    try:
+                        train_one(run, session, to_terminal)
+                    except RunStopped as exc:
+                        part.stopped = str(exc)
+            if part.stopped:
+                return {"stopped": part.stopped}
         except Exception as exc:  # the user sees it now, before Ray Train restarts the group or gives up
             report_failure(exc, to_terminal)
             raise
         gc.collect()
     return None
+
+
+def train_one(run: dict, session: RayTrainSession | None, to_terminal: bool) -> None:
+    """One run of a group, on the ranks that train it: from its checkpoint when Ray Train holds one."""
+    resuming = session.resuming() if session else False
+    with torch_functions_kept():
+        worker = start_worker({"terminal": to_terminal, **run}, resuming=resuming)
+        try:
+            train(worker, run["batches"], session)
+            check_recorded(worker, run["batches"])  # [10] a recorded run's replay: the states it saved
+        finally:
+            worker.trackers.close()  # a run that stopped: its tracker runs end as failed
 
 
 def finished(cfg: RunConfig) -> bool:
@@ -241,7 +253,7 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         timings = {"setup_s": w.setup_s, "steps_s": steps_s, "steps": total_steps - start,
                    "checkpoints_s": checkpoint_s, "teacher_forced_s": teacher.seconds,
                    "teacher_forced_checks": len(teacher.steps & set(range(start, total_steps))),
-                   "finish_s": time.perf_counter() - finishing}
+                   "finish_s": time.perf_counter() - finishing, "began_at": w.began_at, "ended_at": time.time()}
         return {"eval_loss_last_batch": final_loss, "eval_batch_step": total_steps - 1,
                 "checkpoint_dir": cfg.final_checkpoint_dir, "train_time_s": time.perf_counter() - started,
                 "model_state": model_state, "timings": timings}
