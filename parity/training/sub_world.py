@@ -4,7 +4,7 @@ formed again after it. Starting a Ray Train worker group costs 10–15 s on 2 co
 imports), and the main job's three world sizes (DDP's 2, its noise reference's 1, the TP runs' 4) started three.
 
 Ray Train's report is a collective of the whole worker group: every worker calls it as often (it agrees on the
-checkpoint's folder), so a waiting rank reports whenever the run's rank 0 does, told through a TCPStore of the group.
+checkpoint's folder), so a waiting rank reports whenever the run's rank 0 does, told through the group's store.
 A run that stops every rank (RunStopped) tells the waiting ranks its line, so that the whole group stops on it."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from parity.errors import COLLATERAL
 
 TIMEOUT = datetime.timedelta(minutes=30)  # Ray Train's own process-group timeout (TorchConfig.timeout_s)
 REPORT, DONE, STOP, FAILED = "report", "done", "stop:", "failed"
-_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT")  # what DeepSpeed and torch read of the process group
+_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE")  # what DeepSpeed reads of the process group
 
 
 @dataclass
@@ -46,31 +46,29 @@ def before_report() -> None:
 def ranks_for(k: int):
     """Yield this rank's Part in a run of `k` workers: the first k ranks of the current process group train in a group
     of their own (Part.trains); the others wait, reporting to Ray Train as the run does, until it ends. The whole group
-    is formed again after a run that ended or stopped (a failure raises on, and Ray Train restarts the group)."""
+    is formed again after a run that ended or stopped (a failure raises on, and Ray Train restarts the group). Both
+    groups meet through the store the group was formed with (its launcher's), under keys of their own: no new port."""
     global _current
     world, rank, backend = dist.get_world_size(), dist.get_rank(), dist.get_backend()
     if k >= world:
         yield Part(trains=True)
         return
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    ports = [_free_port() for _ in range(3)] if rank == 0 else None
+    base = _base_store()
     hosts: list = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
-    shared = [ports]
-    dist.broadcast_object_list(shared, src=0)
-    store_port, run_port, group_port = shared[0]
+    _sessions[0] += 1  # every rank of the group counts the same sessions
+    keys = f"parity_sub_world/{_sessions[0]}/"
     dist.destroy_process_group()
-    store = dist.TCPStore(host, store_port, world, is_master=rank == 0, timeout=TIMEOUT)
     part = Part(trains=rank < k)
     saved = {name: os.environ.get(name) for name in _ENV}
     try:
         if part.trains:
-            os.environ.update(WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(hosts[:k].count(hosts[rank])),
-                              MASTER_PORT=str(run_port))
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{run_port}", rank=rank, world_size=k,
+            os.environ.update(WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(hosts[:k].count(hosts[rank])))
+            dist.init_process_group(backend, store=dist.PrefixStore(keys + "run/", base), rank=rank, world_size=k,
                                     timeout=TIMEOUT)
+            events = dist.PrefixStore(keys + "events/", base)
             if rank == 0:
-                part._tell = [store, 0]
+                part._tell = [events, 0]
             _current = part
             try:
                 yield part
@@ -85,15 +83,30 @@ def ranks_for(k: int):
             dist.destroy_process_group()
         else:
             yield part
-            _wait(store, part)
+            _wait(dist.PrefixStore(keys + "events/", base), part)
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{group_port}", rank=rank, world_size=world,
+    dist.init_process_group(backend, store=dist.PrefixStore(keys + "group/", base), rank=rank, world_size=world,
                             timeout=TIMEOUT)
+    _store[1] = dist.group.WORLD
+
+
+_sessions = [0]
+_store: list = []  # [the launcher's store, the group formed again from it last]
+
+
+def _base_store():
+    """The store the launcher formed the group with (Ray Train's or a local group's), kept while its group is replaced;
+    a group this module did not form is a launcher's, with its own store."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    if not _store or dist.group.WORLD is not _store[1]:
+        _store[:] = [_get_default_store(), None]
+    return _store[0]
 
 
 def _tell(part: Part, event: str) -> None:
@@ -126,7 +139,3 @@ def _wait(store, part: Part) -> None:
             raise RuntimeError(f"{COLLATERAL[0]}: the run on the group's first ranks failed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
