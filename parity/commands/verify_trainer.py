@@ -211,7 +211,8 @@ def existing_records(out: str) -> list[str]:
 
 
 def recorded(out: str, name: str) -> list[str]:
-    """The records the command wrote, the one named `name` first (the one replayed); ConfigError if none."""
+    """The records the command wrote, the one named `name` first (the one replayed); ConfigError if none, or where
+    that one holds no step (a recorder that refused its first step: why)."""
     from parity import storage
 
     records = sorted(storage.list_files(out, "loss_*.json"), key=lambda p: (storage.name(p) != f"loss_{name}.json", p))
@@ -220,6 +221,9 @@ def recorded(out: str, name: str) -> list[str]:
                           f"are recorded by themselves (in Python processes the command starts), a loop of your own "
                           f"makes a ParityRecorder (docs/own_trainer.md); a recorder that refused says why above"
                           f"{lightning_hint()}")
+    from parity.training.record import load_record
+
+    load_record(records[0])  # RecordError (bad input) where it holds no step: its recorder's reason, as its last line
     return records
 
 

@@ -10,7 +10,8 @@ weights and every step's batch as it came (up to `max_batch_bytes`), and the ful
 replay's teacher-forced check (states.py, up to `max_state_bytes`): files named relative to the record's folder.
 
 A step that cannot be recorded or replayed stops the record there, in one line: it holds the steps before it
-(`config.stopped`), which are replayed and judged. The process group is read by its layout (sharded.py: plain/DDP,
+(`config.stopped`), which are replayed and judged; so does a first step whose logged loss is not the causal-LM token
+mean the recorder measured (recorded_objective.py). The process group is read by its layout (sharded.py: plain/DDP,
 FSDP2 ± DTensor TP, FSDP1, DeepSpeed ZeRO 0–3), each with the harness's own gather and norm code; a step's rows, sums
 and health travel in one all_gather (rows.py), rank 0 alone hashes, checks and saves the batch, on a thread of its
 own. A recorder failure never stops the user's training.
@@ -28,24 +29,25 @@ import torch
 import torch.distributed as dist
 
 from parity import storage
+from parity.errors import first_line
 from parity.fingerprint import fingerprint
 from parity.integrations import layer_cut, resume, states
 from parity.integrations.adapters_record import save_initial_weights
+from parity.integrations.batch_taking import BatchTaking
 from parity.integrations.attach import attached
 from parity.integrations.optimizer_description import describe_optimizer
+from parity.integrations.recorded_objective import causal_lm_refusal
 from parity.integrations.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
-from parity.integrations.rows import (BatchWriter, MicroBatch, RowExchange, duplicate_rows, global_batch,
-                                     positions_line, rows_hash, taken)
+from parity.integrations.rows import BatchWriter, MicroBatch, RowExchange, taken
 from parity.integrations.sharded import LayoutRefused, layout_of
-from parity.training.tensor_series import kept_chunks
 from parity.integrations.world import first_process, trains_alone
 from parity.models.model import config_summary, file_sha256
 from parity.precision import POLICIES
 from parity.registry import KNOWN
-from parity.training.data import Batch, batch_hash, recorded_batch_path
 from parity.training.loss import IGNORE_INDEX, loss_sum
 from parity.training.observer import StepObserver, device_name
 from parity.training.record import RECORDER_SOURCE as SOURCE, LossRecord, record_path
+from parity.training.tensor_series import kept_chunks
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
 REPLICA_MOMENTS_EVERY = 10  # the replica check reads AdamW's moments every 10th step, the parameters at every step
@@ -68,7 +70,7 @@ def unwrap(model):
         model = inner
 
 
-class ParityRecorder:
+class ParityRecorder(BatchTaking):
     """Records a training run of your own loop, on every rank of its process group (docs/own_trainer.md):
 
         rec = ParityRecorder(output_dir, name="my_run", model=model, optimizer=optimizer, max_grad_norm=1.0)
@@ -133,12 +135,11 @@ class ParityRecorder:
             self._line(f"{exc}: recording nothing; the training goes on")
         except Exception as exc:  # never the user's training
             self._discard()
-            self._print(f"parity recorder: could not start ({type(exc).__name__}: {_first_line(exc)}): recording "
+            self._print(f"parity recorder: could not start ({type(exc).__name__}: {first_line(exc)}): recording "
                         f"nothing")
 
     def _discard(self) -> None:
-        """After a start that failed: the hook off, and the recorded folder gone if this start wrote into it (a failed
-        write of the initial weights): no half-written record stays."""
+        """After a failed start: the hook off, the recorded folder gone if this start wrote into it: none half-written."""
         hook = getattr(self, "_hook", None)
         if hook is not None:
             hook.remove()
@@ -265,10 +266,9 @@ class ParityRecorder:
 
     def _reset_step(self) -> None:
         self.micro: list[MicroBatch] = []
-        self.loss_sum, self.tokens = 0.0, 0
+        self.loss_sum, self.tokens, self.recorder_s = 0.0, 0, 0.0
         self.grad_norm: float | None = None
         self.broken: str | None = None
-        self.recorder_s = 0.0
 
     # --- per micro-batch, per step --------------------------------------------------------------------
     def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None,
@@ -293,7 +293,7 @@ class ParityRecorder:
             self.loss_sum += summed
             self.tokens += int((self.micro[-1].labels[:, 1:] != IGNORE_INDEX).sum())
         except Exception as exc:
-            self.broken = f"micro_batch: {type(exc).__name__}: {_first_line(exc)}"
+            self.broken = f"micro_batch: {type(exc).__name__}: {first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0
 
     def before_step(self, grad_norm: float | None = None, source: str = "framework") -> None:
@@ -313,7 +313,7 @@ class ParityRecorder:
                 self.grad_norm = self.layout.grad_norm()
                 self.grad_norm_source = "recorder"
         except Exception as exc:
-            self.broken = f"before_step: {type(exc).__name__}: {_first_line(exc)}"
+            self.broken = f"before_step: {type(exc).__name__}: {first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -345,8 +345,8 @@ class ParityRecorder:
             if self.dump is not None:
                 self.dump.after_step(self.step - 1, self.micro)
         except Exception as exc:  # the exchange fails on every rank alike: the record ends at this step
-            self._end(f"{type(exc).__name__}: {_first_line(exc)}" if not isinstance(exc, RuntimeError)
-                      else _first_line(exc))
+            self._end(f"{type(exc).__name__}: {first_line(exc)}" if not isinstance(exc, RuntimeError)
+                      else first_line(exc))
         if self.enabled:
             self.states.take(self.step)  # the state after this step, where a check wants it
         self._reset_step()
@@ -385,9 +385,13 @@ class ParityRecorder:
         param_norm = math.sqrt(float(summed[n:2 * n].sum()))  # the full trainable parameters, float64
         sums, counts = got.rank_loss_sums, got.rank_tokens
         tokens = sum(counts)
-        extras, saving = {"grad_norm_source": self.grad_norm_source}, 0.0
-        hash_ = ""
+        extras, saving, hash_ = {"grad_norm_source": self.grad_norm_source}, 0.0, ""
         if self.rank == 0:  # rank 0 alone: what fails here must not leave the other ranks in a collective
+            ranks, micro = len(got.per_dp_rank), max(len(m) for m in got.per_dp_rank)  # the step's split
+            refused = causal_lm_refusal(logged_loss, sums, counts, (ranks, micro, ranks * micro)) if not self.step \
+                else None  # a logged loss that is not the causal-LM token mean, nor a scaling of it
+            if refused:
+                self._stop_at(0, refused)
             s0 = time.perf_counter()
             hash_ = self._take_batch(got, extras)
             saving = time.perf_counter() - s0
@@ -420,29 +424,6 @@ class ParityRecorder:
             harness_s["record_write"] = self.observer.write()
         harness_s["after_step"] = time.perf_counter() - t0  # all of the recorder's at the step's end, the above in it
 
-    def _take_batch(self, got, extras: dict) -> str:
-        """Rank 0: the step's global batch from every DP rank's rows — its hash, the rows check, its shape (into the
-        step's `extras`) — saved for the replay. A batch that cannot be taken stops the record at this step. Returns
-        the batch's hash ("" where it could not be taken)."""
-        config = self.record.data["config"]
-        try:
-            self._harvest(self.writer.finished())
-            batch, mask, structure = global_batch(got.per_dp_rank)
-            extras["rows_check"], extras["rows_hash"] = duplicate_rows(got.per_dp_rank), rows_hash(got.per_dp_rank)
-            extras["rows"], extras["micro_batches"] = len(batch.input_ids), structure
-            if batch.fed is not None and config["batches"]["position_ids_from"] is None:
-                config["batches"]["position_ids_from"] = self.step
-                self._line(positions_line(self.step, batch.fed))
-            self._shape(structure, batch)
-            self._save_batch(batch, mask)
-            return batch_hash(batch)
-        except ValueError as exc:  # rows the replay cannot feed (rows.padding_problem)
-            self._stop_at(self.step, f"step {self.step}: {_first_line(exc)}")
-        except Exception as exc:
-            self._stop_at(self.step, f"step {self.step}'s batch could not be hashed or saved ({type(exc).__name__}: "
-                                     f"{_first_line(exc)})")
-        return ""
-
     def _check_optimizer_steps(self) -> None:
         """One optimizer step per recorded step, as the replay takes one (the step hook's firings, where the
         layout's torch optimizer steps once an update). A loop whose optimizer did not step or stepped twice between two
@@ -463,43 +444,6 @@ class ParityRecorder:
                     self._stop_at(self.step, f"at step {self.step} the groups' lrs are not in their recorded ratios "
                                              f"(the replay applies each group its recorded scale of the first's)")
                     return
-
-    def _shape(self, structure: list[list[int]], batch: Batch) -> None:
-        """The run's batch shape so far, in the record's config: step 0's rows per DP rank and micro-batches (shown as
-        the run's batch size and accumulation), the most rows any micro-batch held (the replay's micro-batches hold no
-        more), the longest row. Every step's own shape is in its entry: it may differ from step to step and rank to
-        rank."""
-        config = self.record.data["config"]
-        if config["batch_size"] is None:
-            config["batch_size"] = max(map(sum, structure))
-            config["global_batch_size"] = sum(map(sum, structure))
-            config["grad_accum_steps"] = max(map(len, structure))
-        layout = config["batches"]
-        layout["most_rows"] = max(layout["most_rows"], *(n for rank in structure for n in rank))
-        config["seq_length"] = max(config["seq_length"] or 0, batch.input_ids.shape[1])
-
-    def _save_batch(self, batch: Batch, mask: torch.Tensor) -> None:
-        if self.stop is not None:
-            return
-        size = (3 if batch.fed is None else 4) * batch.input_ids.numel() * 8  # int64 ids, labels, mask (positions)
-        if self.saved_bytes + size > self.max_batch_bytes:
-            self._stop_at(self.step, f"the batches passed max_batch_bytes ({self.max_batch_bytes} bytes) at step "
-                                     f"{self.step}: no more are saved")
-            return
-        fed = {} if batch.fed is None else {"position_ids": batch.position_ids, "fed": batch.fed}
-        self.writer.submit(self.step, recorded_batch_path(storage.join(self.folder, "batches"), self.step),
-                           {"input_ids": batch.input_ids, "labels": batch.labels, "attention_mask": mask, **fed})
-        self.saved_bytes += size
-
-    def _harvest(self, finished: list[tuple[int, str | None]]) -> None:
-        """The batches the writer has finished: saved_steps counts those on disk, in order; one that failed stops the
-        record at its step."""
-        layout = self.record.data["config"]["batches"]
-        for step, failed in finished:
-            if failed:
-                self._stop_at(step, f"step {step}'s batch could not be saved ({failed})")
-            elif step == layout["saved_steps"]:
-                layout["saved_steps"] = step + 1
 
     # --- where the record stops -------------------------------------------------------------------------
     def _stop_at(self, step: int, why: str) -> None:
@@ -538,7 +482,7 @@ class ParityRecorder:
             self.record.data["config"]["total_steps"] = len(self.record.steps)
             self.record.finish(steps=len(self.record.steps), source=SOURCE)
         except Exception as exc:
-            self._line(f"failed ({type(exc).__name__}: {_first_line(exc)}): the record {self.record.path} is not "
+            self._line(f"failed ({type(exc).__name__}: {first_line(exc)}): the record {self.record.path} is not "
                        f"complete")
 
     # --- the end ----------------------------------------------------------------------------------
@@ -554,7 +498,7 @@ class ParityRecorder:
             self.observer.write()
             self.states.save()
         except Exception as exc:
-            self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
+            self._disable(f"{type(exc).__name__}: {first_line(exc)}")
 
     def close(self) -> str | None:
         """The record complete (every rank; a collective). Returns its path on rank 0 (None if nothing recorded)."""
@@ -571,7 +515,7 @@ class ParityRecorder:
             self._line(f"recorded {len(self.record.steps)} steps: {self.record.path}")
             return self.record.path if self.rank == 0 else None
         except Exception as exc:
-            self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
+            self._disable(f"{type(exc).__name__}: {first_line(exc)}")
             return None
         finally:
             self.enabled = False
@@ -590,10 +534,6 @@ class ParityRecorder:
     def _line(self, text: str) -> None:
         if getattr(self, "rank", 0) == 0:
             self._print(f"parity recorder [{self.name}]: {text}")
-
-
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 __all__ = ["DEFAULT_MAX_BATCH_BYTES", "ParityRecorder", "recorded_folder", "unwrap"]
