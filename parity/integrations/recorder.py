@@ -41,7 +41,7 @@ from parity.integrations.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_
 from parity.integrations.rows import BatchWriter, MicroBatch, RowExchange, taken
 from parity.integrations.sharded import LayoutRefused, layout_of
 from parity.integrations.world import first_process, trains_alone
-from parity.models.model import config_summary, file_sha256
+from parity.models.model import config_as_built, config_summary, file_sha256
 from parity.precision import POLICIES
 from parity.registry import KNOWN
 from parity.training.loss import IGNORE_INDEX, loss_sum
@@ -236,7 +236,8 @@ class ParityRecorder(BatchTaking):
         self._hook = self.tensors.watch(optimizer, self._before_optimizer_step)  # and its step post-hook
         if self.rank == 0 and fresh:  # the first write: all that could refuse or fail has passed
             self._wrote = True
-            storage.write_bytes_atomic(storage.join(self.folder, "config.json"), config.to_json_string().encode())
+            storage.write_bytes_atomic(storage.join(self.folder, "config.json"),
+                                       config_as_built(self.model).to_json_string().encode())
             self.record.data["config"]["init_weights_sha256"] = save_initial_weights(  # LoRA's adapters beside
                 self.layout, storage.join(self.folder, "init_weights.safetensors"), state)
         self._last = time.perf_counter()

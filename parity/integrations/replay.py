@@ -134,7 +134,7 @@ def recorded_states(record_file: str, record: dict) -> RecordedStates:
         entry = steps[k]
         lr = entry["declared_lr"] if entry.get("declared_lr") is not None else entry["lr"]
         checks.append(StateCheck(k, *files, (saved[k][0]["step_count"], saved[k][1]["step_count"]), entry["grad_norm"],
-                                 lr, entry["batch_hash"]))
+                                 lr, entry["batch_hash"], entry.get("grad_norm_source")))
     stopped = index.get("stopped")
     none = None if checks else (f"no state was saved: {stopped['why']}" if stopped else
                                 "no step's states before and after were both saved")
