@@ -1,6 +1,7 @@
 """Rank 0's side of a recorded step's batch (parity/integrations/recorder.py): the global batch from every DP rank's
 rows — its hash, the rows check, its shape in the record — saved for the replay by the background writer (rows.py),
-and the writes it finished counted. What cannot be taken or saved stops the record at that step."""
+and the writes it finished counted; a post-training objective's rows, loss and quantities, and its rollout file at
+the end (recorded_objective.py). What cannot be taken or saved stops the record at that step."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ class BatchTaking:
         try:
             self._harvest(self.writer.finished())
             batch, mask, structure = global_batch(got.per_dp_rank)
-            extras["rows_check"], extras["rows_hash"] = duplicate_rows(got.per_dp_rank), rows_hash(got.per_dp_rank)
+            extras["rows_hash"] = rows_hash(got.per_dp_rank)
+            if self.objective_rows is None or self.objective_rows.family != "grpo":  # sampled rows may repeat
+                extras["rows_check"] = duplicate_rows(got.per_dp_rank)
             extras["rows"], extras["micro_batches"] = len(batch.input_ids), structure
             if batch.fed is not None and config["batches"]["position_ids_from"] is None:
                 config["batches"]["position_ids_from"] = self.step
@@ -53,7 +56,7 @@ class BatchTaking:
         config["seq_length"] = max(config["seq_length"] or 0, batch.input_ids.shape[1])
 
     def _save_batch(self, batch: Batch, mask: torch.Tensor) -> None:
-        if self.stop is not None:
+        if self.stop is not None or self.objective_rows is not None:  # (an objective's rows go to its rollout file)
             return
         size = (3 if batch.fed is None else 4) * batch.input_ids.numel() * 8  # int64 ids, labels, mask (positions)
         if self.saved_bytes + size > self.max_batch_bytes:
@@ -74,3 +77,37 @@ class BatchTaking:
                 self._stop_at(step, f"step {step}'s batch could not be saved ({failed})")
             elif step == layout["saved_steps"]:
                 layout["saved_steps"] = step + 1
+
+    def _objective_step(self, got, measured: dict) -> dict:
+        """Rank 0: a post-training objective's step — its loss under the reference objective, its tokens and
+        quantities (RecordedObjective.step) — or, for the causal LM, `measured`. Rows the replay cannot take, or past
+        max_batch_bytes, stop the record at this step."""
+        if self.objective_rows is None or self.stop is not None:
+            return measured
+        try:
+            found = self.objective_rows.step(self.step, got.per_dp_rank)
+        except ValueError as exc:  # rows the replay cannot take
+            self._stop_at(self.step, first_line(exc))
+            return measured
+        except Exception as exc:  # rank 0 alone: never the other ranks left in a collective
+            self._stop_at(self.step, f"step {self.step}'s rollouts could not be taken ({type(exc).__name__}: "
+                                     f"{first_line(exc)})")
+            return measured
+        if self.objective_rows.saved_bytes > self.max_batch_bytes:
+            self._stop_at(self.step, f"the rollouts passed max_batch_bytes ({self.max_batch_bytes} bytes) at step "
+                                     f"{self.step}: no more are kept")
+        return found
+
+    def _objective_file(self, final: bool = True) -> None:
+        """Rank 0, where the record is written whole: a post-training objective's rollout file of the steps recorded,
+        each step's hash, tokens and loss as its replay computes them (RecordedObjective.finish); at the end (`final`)
+        without a last generation batch it does not hold whole (whole_generations)."""
+        if self.objective_rows is not None:
+            keep, why = self.objective_rows.whole_generations(len(self.record.data["steps"])) if final else (0, None)
+            if why:
+                self._stop_at(keep, why)
+                self._apply_stop()
+            config = self.record.data["config"]
+            path = self.objective_rows.finish(self.folder, self.record.data["steps"], f"{config['framework']}")
+            config["rollouts"] = f"recorded_{self.name}/{storage.name(path)}" if path else None
+            config["batches"]["saved_steps"] = len(self.record.data["steps"])

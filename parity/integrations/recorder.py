@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 
 from parity import storage
-from parity.errors import first_line
+from parity.errors import ConfigError, first_line
 from parity.fingerprint import fingerprint
 from parity.integrations import layer_cut, resume, states
 from parity.integrations.adapters_record import save_initial_weights
 from parity.integrations.batch_taking import BatchTaking
-from parity.integrations.attach import attached
+from parity.integrations.attach import attached, refused
 from parity.integrations.optimizer_description import describe_optimizer
-from parity.integrations.recorded_objective import causal_lm_refusal
+from parity.integrations.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.integrations.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
 from parity.integrations.rows import BatchWriter, MicroBatch, RowExchange, taken
 from parity.integrations.sharded import LayoutRefused, layout_of
@@ -110,14 +110,21 @@ class ParityRecorder(BatchTaking):
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
                  log: Callable[[str], Any] | None = None, dump_step: int | None = None, scheduler=None,
                  start_step: int = 0, checkpoint_interval: int | None = states.DEFAULT_CHECKPOINT_INTERVAL,
-                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES, tensor_grad: str = PRE_CLIP):
+                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES, tensor_grad: str = PRE_CLIP,
+                 objective: str | dict | None = None, objective_args: dict | None = None,
+                 objective_declared: dict | None = None):
         output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         refusal = self._refusal(name, precision, start_step) or states.refusal(checkpoint_interval, max_state_bytes)
+        try:  # a post-training objective's rows and sums (recorded_objective.py); None: the causal-LM token mean
+            self.objective_rows = named_objective(objective, objective_args, objective_declared, start_step)
+        except ConfigError as exc:
+            refusal = refusal or str(exc)
         if refusal:
             if first_process():
                 self._print(f"parity recorder: {refusal}: recording nothing")
+                refused(refusal)
             return
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
@@ -131,6 +138,7 @@ class ParityRecorder(BatchTaking):
         except (LayoutRefused, layer_cut.NotCut) as exc:  # a group, wrapper or depth it cannot take: every rank finds it
             if first_process():
                 self._print(f"parity recorder: {exc}: recording nothing")
+                refused(str(exc))
         except resume.ResumeRefused as exc:  # a record the resumed run cannot continue (_continue)
             self._line(f"{exc}: recording nothing; the training goes on")
         except Exception as exc:  # never the user's training
@@ -212,7 +220,8 @@ class ParityRecorder(BatchTaking):
             "batches": {"folder": f"{here}/batches", "max_bytes": max_batch_bytes, "saved_steps": 0,
                         "most_rows": 0, "position_ids_from": None},
             "not_replayable": None if hf else f"the model ({type(self.model).__name__}) is not a Hugging Face model",
-            "stopped": None, "resumed_at": [],
+            "stopped": None, "resumed_at": [], "rollouts": None,
+            **(self.objective_rows.describe_record() if self.objective_rows else {"objective": None}),
             "device_type": self.device.type, "device_name": device_name(self.device), "backend": dist.get_backend(),
             "fingerprint": {**fingerprint(type(self), self.device, getattr(config, "model_type", None)),
                             "framework": framework_part},
@@ -282,6 +291,10 @@ class ParityRecorder(BatchTaking):
         is taken ([rows, length − 1])."""
         if not self.enabled or self.broken:
             return
+        if self.objective_rows is not None:
+            self.broken = (f"micro_batch() in a record of {self.objective_rows.config['name']}: hand each micro-batch "
+                           f"over with objective_batch()")
+            return
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
@@ -295,6 +308,31 @@ class ParityRecorder(BatchTaking):
             self.tokens += int((self.micro[-1].labels[:, 1:] != IGNORE_INDEX).sum())
         except Exception as exc:
             self.broken = f"micro_batch: {type(exc).__name__}: {first_line(exc)}"
+        self.recorder_s += time.perf_counter() - t0
+
+    def objective_batch(self, input_ids, logits=None, *, completion_mask, attention_mask=None, log_probs=None,
+                        entropies=None, **rows) -> None:
+        """One micro-batch of a post-training objective's run (ParityRecorder(objective=...)): its ids [rows, L], the
+        model's logits on it (or its log-probs of each next token and their entropies, [rows, L − 1], from a fused LM
+        head), the attention mask as fed, and its rows in the rollout file's schema (docs/posttrain.md): completion_mask
+        [rows, L]; truncated, group, generation [rows]; GRPO's advantages [rows], old_logps and ref_logps [rows, L] —
+        the log-prob of the token at each position — where the objective uses them; DPO's ref_logps (or ref_seq_logps
+        [rows]), its rows in pairs (2k chosen, 2k + 1 rejected)."""
+        if not self.enabled or self.broken:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.objective_rows is None:
+                raise ValueError("this recorder records the causal-LM token mean: name the objective, "
+                                 "ParityRecorder(objective=...)")
+            labels, words = self.objective_rows.micro(input_ids, self.layout.logits(logits.detach()) if logits
+                                                      is not None else None, completion_mask=completion_mask,
+                                                      attention_mask=attention_mask, log_probs=log_probs,
+                                                      entropies_=entropies, **rows)
+            self.micro.append(taken(input_ids, labels, attention_mask, None, False, self.model)._replace(rollout=words))
+            self.tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
+        except Exception as exc:
+            self.broken = f"objective_batch: {type(exc).__name__}: {first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0
 
     def before_step(self, grad_norm: float | None = None, source: str = "framework") -> None:
@@ -387,12 +425,14 @@ class ParityRecorder(BatchTaking):
         sums, counts = got.rank_loss_sums, got.rank_tokens
         tokens = sum(counts)
         extras, saving, hash_ = {"grad_norm_source": self.grad_norm_source}, 0.0, ""
+        measured = {"rank_loss_sums": sums, "rank_tokens": counts, "tokens": tokens}  # the causal-LM token mean's
         if self.rank == 0:  # rank 0 alone: what fails here must not leave the other ranks in a collective
             ranks, micro = len(got.per_dp_rank), max(len(m) for m in got.per_dp_rank)  # the step's split
-            refused = causal_lm_refusal(logged_loss, sums, counts, (ranks, micro, ranks * micro)) if not self.step \
-                else None  # a logged loss that is not the causal-LM token mean, nor a scaling of it
-            if refused:
-                self._stop_at(0, refused)
+            refusal = causal_lm_refusal(logged_loss, sums, counts, (ranks, micro, ranks * micro)) if not self.step \
+                and self.objective_rows is None else None  # a logged loss not the causal-LM token mean, nor scaled
+            if refusal:
+                self._stop_at(0, refusal)
+            measured = self._objective_step(got, measured)
             s0 = time.perf_counter()
             hash_ = self._take_batch(got, extras)
             saving = time.perf_counter() - s0
@@ -409,9 +449,8 @@ class ParityRecorder(BatchTaking):
             extras["declared_lr"] = self.declared.lr()
         harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - normed, "batch": saving,
                      "tensor_norms": d0 - q0, "replica_check": normed - d0}  # the check's comparison adds to it
-        self.observer.observe_step(self.step, rank_loss_sums=sums, rank_tokens=counts, tokens=tokens,
-                                   grad_norm=self.grad_norm, param_norm=param_norm, lr=lr, batch_hash=hash_,
-                                   step_time_s=step_time, harness_s=harness_s, replica_table=table,
+        self.observer.observe_step(self.step, **measured, grad_norm=self.grad_norm, param_norm=param_norm, lr=lr,
+                                   batch_hash=hash_, step_time_s=step_time, harness_s=harness_s, replica_table=table,
                                    **self.tensors.norms(summed, self.grad_norm), **extras)
         rows_check = extras.get("rows_check")
         if rows_check and rows_check["duplicates"]:
@@ -481,6 +520,7 @@ class ParityRecorder(BatchTaking):
             self._settle(self.writer.close())
             self.states.close()
             self.record.data["config"]["total_steps"] = len(self.record.steps)
+            self._objective_file()
             self.record.finish(steps=len(self.record.steps), source=SOURCE)
         except Exception as exc:
             self._line(f"failed ({type(exc).__name__}: {first_line(exc)}): the record {self.record.path} is not "
@@ -496,6 +536,7 @@ class ParityRecorder(BatchTaking):
         try:
             if self.writer is not None:
                 self._settle(self.writer.flush())
+                self._objective_file(final=False)
             self.observer.write()
             self.states.save()
         except Exception as exc:
@@ -507,11 +548,11 @@ class ParityRecorder(BatchTaking):
             return self.record.path if getattr(self, "stop", None) and self.rank == 0 else None
         try:
             self._hook.remove()
-            if self.writer is not None:
+            if self.writer is not None:  # rank 0
                 self._settle(self.writer.close())
+                self._objective_file()
             self.states.close()
-            config = self.record.data["config"]
-            config["total_steps"] = len(self.record.steps)
+            self.record.data["config"]["total_steps"] = len(self.record.steps)
             self.observer.finish(lambda: {"steps": len(self.record.steps), "source": SOURCE})
             self._line(f"recorded {len(self.record.steps)} steps: {self.record.path}")
             return self.record.path if self.rank == 0 else None
