@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A hand-written GRPO loop (DAPO's token-level loss with a KL term), recorded for the harness: the recorder is told
-its objective and handed each micro-batch's inputs (docs/posttrain.md#a-loop-of-your-own).
+its objective and handed each micro-batch's inputs (docs/posttrain.md#your-own-run-recorded).
 
 The loop is a user's own: torch DDP over gloo on CPU, a tiny Qwen2 (the harness's qwen2-tiny preset, random weights),
 real generation (model.generate, sampled; 1 token id in 16 ends a completion, so lengths vary and some are cut at

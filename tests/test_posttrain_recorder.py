@@ -257,8 +257,11 @@ def test_a_loss_divided_once_more_by_the_accumulation_fails_at_step_0(runs):
 
 def test_bnpo_replays_at_its_own_split_only(runs, capsys):
     """bnpo (each micro-batch's own token mean) at 2 ranks × 1 micro-batch of 4 rows: replayed at 2 workers, PASS, the
-    report saying the split in one line; a replay at 4 workers (2 rows each: a split bnpo is another objective at) is
-    refused in one line, naming the counts that keep it."""
+    report saying the split in one line; --calibrate says in one line that its noise references keep those
+    micro-batches (1 or 2 workers) — and at 1 worker the same two micro-batches sum to the replay's bits, so there is
+    none; a replay at 4 workers (2 rows each: a split at which bnpo is another objective) is refused in one line,
+    naming the counts that keep it."""
+    from parity.commands.verify_trainer import plan_replays
     from parity.errors import ConfigError
     from parity.integrations.replay import plan_replay
 
@@ -267,6 +270,16 @@ def test_bnpo_replays_at_its_own_split_only(runs, capsys):
     assert any("bnpo depends on the split by definition" in w and "(4 rows a micro-batch)" in w
                for w in comparison.warnings)
     record = _record_file(runs["bnpo"])
+    capsys.readouterr()
+    planned = plan_replays(record, str(runs["root"] / "bnpo_calibrate"), None, True)
+    assert [(cfg.num_workers, cfg.grad_accum_steps) for cfg, _ in planned] == [(2, 1)]
+    assert capsys.readouterr().err.splitlines() == [
+        "verify_trainer: --calibrate: bnpo depends on the split by definition (bnpo: each micro-batch's own token "
+        "mean): trained and judged at the run's own split of ranks × micro-batches only: its noise references keep the "
+        "run's micro-batches of 4 rows, so only 1, 2 worker(s) can replay it; another split would measure another "
+        "objective, not noise",
+        "verify_trainer: no other worker count splits loss_trl_posttrain.json's 8 rows into other micro-batches or "
+        "sums: no noise reference at another layout"]  # (1 worker sums the same two micro-batches: the replay's bits)
     with pytest.raises(ConfigError) as refused:
         plan_replay(record, {"num_workers": 4, "noise_reference": True})
     assert str(refused.value) == (
