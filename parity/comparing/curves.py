@@ -329,7 +329,7 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol,
                                                         quantities, scales), fp32_twin, quantities,
                        tensor_verdict.judge(base, run, references, series, num_steps, not policy_differences(base, run)),
-                       scales) for run in others]
+                       scales, references) for run in others]
     distance = None
     if fp32_twin is not None:
         judged = _judged(base, num_steps, base.skipped(num_steps), quantities)
@@ -478,7 +478,7 @@ def _flat(config: dict, prefix: str = "") -> dict:
 
 def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None,
             quantities: tuple = QUANTITIES, tensors: tensor_verdict.TensorVerdict | None = None,
-            scales: dict | None = None) -> CurveResult:
+            scales: dict | None = None, references: list[Run] = ()) -> CurveResult:
     skipped, scales = base.skipped(num_steps), scales or {}
     series, baseline = _judged(run, num_steps, skipped, quantities), _judged(base, num_steps, skipped, quantities)
     rel = {q: relative_diffs(series[q], baseline[q], scales.get(q)) for q in quantities}
@@ -490,7 +490,7 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
                              first_overflow_mismatch(base, run, num_steps), tensors and tensors.clip_gap,
                              first_outside(series, baseline, bounds, scales),
                              teacher_forced.first_fail(run.record, num_steps),
-                             objective.first_outside(base, run, num_steps, bounds.per_step["loss"]),
+                             objective.first_outside(base, run, num_steps, bounds.per_step["loss"], references),
                              tensors.first_fail() if tensors else None) if o]  # (at one step, the curves')
         outside = min(found, key=lambda o: o.step, default=None)
     verdict = Verdict(run.name, base.name, bounds.source, max_rel, outside, run.parting, tuple(other_policy))

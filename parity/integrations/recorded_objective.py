@@ -32,7 +32,7 @@ from parity.objectives.rollouts import RolloutRows, write_rollouts
 
 # How far (relative) a run's logged step-0 loss may lie outside the range of the causal-LM token means the recorder
 # measured — the global one and each rank's own — and still be taken for one: a mean of micro-batch means (a real
-# bug, which the verdict judges) lies inside that range; rounding (Trainer logs 4 decimals) and bf16 add ~1e-4.
+# bug, which the verdict judges) lies inside that range; a loss logged rounded, or from bf16 logits, ~1e-4 off it.
 CAUSAL_SLACK = 0.05
 ROLLOUT_FILE = "rollouts.safetensors"  # in recorded_<name>/
 PAD_ID = 0  # a row shorter than the file's length is padded with it (mask 0, nothing counted)
