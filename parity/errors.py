@@ -37,5 +37,10 @@ class LibraryMissing(ConfigError):
                          f"pip install -r requirements.txt)")
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's message as one line: its first, cut at `limit` characters."""
+    return (str(exc).strip().splitlines() or [""])[0][:limit]
+
+
 COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 """What a rank's error says when another rank failed first (it lost its peer): never the cause to report."""

@@ -207,19 +207,28 @@ def existing_records(out: str) -> list[str]:
 
     if not storage.is_dir(out):
         return []
-    return [storage.name(p) for glob in ("loss_*.json", REFERENCE_GLOB) for p in storage.list_files(out, glob)]
+    return [storage.name(p) for glob in ("loss_*.json", REFERENCE_GLOB, "refused_*.txt")
+            for p in storage.list_files(out, glob)]
 
 
 def recorded(out: str, name: str) -> list[str]:
-    """The records the command wrote, the one named `name` first (the one replayed); ConfigError if none."""
+    """The records the command wrote, the one named `name` first (the one replayed); ConfigError if none, or where
+    that one holds no step (a recorder that refused its first step: why)."""
     from parity import storage
 
     records = sorted(storage.list_files(out, "loss_*.json"), key=lambda p: (storage.name(p) != f"loss_{name}.json", p))
+    refusals = storage.list_files(out, "refused_*.txt")  # a recorder's refusal (attach.refused): its line, last
+    if not records and refusals:
+        raise ConfigError(f"{storage.name(refusals[0])[len('refused_'):-len('.txt')]} was not recorded: "
+                          f"{storage.read_text(refusals[0]).strip()}")
     if not records:
         raise ConfigError(f"the command ran but recorded nothing into {out}: Trainer, TRL's trainers and Lightning "
                           f"are recorded by themselves (in Python processes the command starts), a loop of your own "
                           f"makes a ParityRecorder (docs/own_trainer.md); a recorder that refused says why above"
                           f"{lightning_hint()}")
+    from parity.training.record import load_record
+
+    load_record(records[0])  # RecordError (bad input) where it holds no step: its recorder's reason, as its last line
     return records
 
 
@@ -273,6 +282,7 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
         return planned
     workers = planned[0][0].num_workers
     rows = planned[0][0].global_batch_size
+    split_line(config, rows)
     for other in itertools.chain(range(workers - 1, 0, -1), itertools.count(workers + 1)):
         try:
             reference = plan(other, noise_reference=True)
@@ -289,6 +299,20 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     if config["precision"] != "fp32":
         planned.append(plan(workers, noise_reference=True, precision="fp32"))
     return planned
+
+
+def split_line(config: dict, rows: int) -> None:
+    """--calibrate on a record whose objective depends on the split by definition (bnpo, an entropy bonus, DPO's sft):
+    one line saying its noise references keep the run's micro-batches, and at which worker counts they can."""
+    from parity.integrations.objective_replay import allowed_workers
+    from parity.objectives import invariance_of, micro_rows
+
+    objective = config.get("objective")
+    note = invariance_of(objective).note(objective["name"]) if objective else None
+    if note:
+        print(f"verify_trainer: --calibrate: {note}: its noise references keep the run's micro-batches of "
+              f"{micro_rows(config)} rows, so only {', '.join(map(str, allowed_workers(config, rows)))} worker(s) can "
+              f"replay it; another split would measure another objective, not noise", file=sys.stderr)
 
 
 def gradient_sums(cfg, batches):

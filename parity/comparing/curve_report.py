@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from parity import fingerprint, storage
 from parity.comparing.curves import Comparison, CurveResult
-from parity.comparing import clip_read, teacher_forced, tensor_verdict
+from parity.comparing import clip_read, objective, teacher_forced, tensor_verdict
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
 from parity.comparing.recorded import (RESUMED_ROWS, cut_words, replay_lines, resumed_at, resumed_note,
@@ -150,6 +150,8 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
             lines.append(f"first step outside: step {f.step}: the teacher-forced step from {state} {f.step}: "
                          f"{f.module} relative diff {f.rel_diff:.3e} > {f.tolerance:.3e} from the reference step "
                          f"(whatever the curves say)")
+        elif f.test == objective.TEST:
+            lines.append(f"first step outside: {objective.line(f, base)}")
         elif f.test == "lr_schedule":
             lines.append(f"first step outside: step {f.step}: the lr applied, {f.value:.6g}, is not the one the "
                          f"framework's own settings declare ({f.reference:.6g}): a scheduler stepped other than once "
@@ -243,6 +245,10 @@ def localise(c: Comparison, r: CurveResult, step: int) -> str | None:
     command = replay_command(c, r, step)
     if command:
         return f"replay step {step} layer by layer from {_baseline_name(c)}'s checkpoint: {command}"
+    if r.run.recorded and r.run.config.get("objective"):  # a post-training record: its rollouts, not a dump
+        return (f"localise: its recorded rollouts ({r.run.config.get('rollouts')}, beside the record) train under any "
+                f"strategy, and run_verification.py --objective … --rollouts takes their first step module by module "
+                f"(docs/posttrain.md)")
     return localise_recorded(r.run.name, step) if r.run.recorded else None
 
 

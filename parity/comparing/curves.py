@@ -1,8 +1,8 @@
 """Comparing loss records: invariants first, then statistics, bounds and one verdict per run.
 
 A difference says something about a strategy only if nothing else differed, so before any number every run is checked
-against the baseline: same initial weights, model, objective (parity/comparing/objective.py), optimizer settings and
-number of steps, and at every step the same batch, tokens and learning rate. A run that differs is reported as not
+against the baseline: same initial weights, model, objective (parity/comparing/objective.py: and its quantities at
+every step), optimizer settings and number of steps, and at every step the same batch, tokens and learning rate. A run that differs is reported as not
 comparable (`NotComparable`), never as a difference.
 
 Then integrity, ahead of any tolerance: a run whose replicas parted (tensors several ranks hold that the loop's
@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 
 from parity import fingerprint, storage
 from parity.comparing import clip_read, objective, recorded_checks, teacher_forced, tensor_verdict, tolerances
-from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_drift, fixed_bounds, noise_ratio,
-                                    relative_diffs)
+from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_outside, fixed_bounds,
+                                    noise_ratio, relative_diff, relative_diffs)
 from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
 from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
@@ -325,10 +325,11 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     fp32_twin = next((r for r in references if r.precision == "fp32" != base.precision), None)
     if fp32_twin is not None and not POLICIES[base.precision].fp32_twin_measures_noise:
         references = [r for r in references if r is not fp32_twin]  # its distance only (Policy's docstring)
+    scales = objective.scales(base, num_steps)  # a post-training loss measured on its own scale where it crosses 0
     results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol,
-                                                        quantities), fp32_twin, quantities,
-                       tensor_verdict.judge(base, run, references, series, num_steps, not policy_differences(base, run)))
-               for run in others]
+                                                        quantities, scales), fp32_twin, quantities,
+                       tensor_verdict.judge(base, run, references, series, num_steps, not policy_differences(base, run)),
+                       scales, references) for run in others]
     distance = None
     if fp32_twin is not None:
         judged = _judged(base, num_steps, base.skipped(num_steps), quantities)
@@ -423,7 +424,7 @@ def code_mismatches(base: Run, run: Run) -> list[str]:
 
 
 def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol: float | None = None,
-               grad_norm_rtol: float | None = None, quantities: tuple = QUANTITIES) -> Bounds:
+               grad_norm_rtol: float | None = None, quantities: tuple = QUANTITIES, scales: dict | None = None) -> Bounds:
     """Calibrated on the references when there are any and the run is in the baseline's policy; else
     the fixed table of the looser precision. --tolerance / --grad_norm_tolerance replace one curve's bound."""
     if references and not policy_differences(base, run):
@@ -431,7 +432,7 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
         names = ", ".join(storage.name(r.file) for r in references)
         judged = [_judged(r, num_steps, skipped, quantities) for r in references]
         bounds = calibrated_bounds(_judged(base, num_steps, skipped, quantities), judged, base.precision,
-                                   f"calibrated: {NOISE_K} × the noise of {names}")
+                                   f"calibrated: {NOISE_K} × the noise of {names}", scales)
     else:
         try:
             looser = tolerances.looser_precision(base.precision, run.precision)
@@ -447,34 +448,6 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
             bounds = Bounds({**bounds.per_step, quantity: [value] * num_steps}, f"{bounds.source}; {quantity} {flag}",
                             bounds.envelope)
     return bounds
-def relative_diff(value: float, baseline: float) -> float:
-    if baseline == 0:
-        return 0.0 if value == 0 else math.inf
-    return abs(value - baseline) / abs(baseline)
-
-
-def first_outside(series: dict[str, list[float]], baseline: dict[str, list[float]], bounds: Bounds) -> Outside | None:
-    """The first step at which a curve leaves its bound (loss, then grad norm, then parameter norm), or —
-    calibrated — the end of the first drifting window, whichever comes first."""
-    per_step = None
-    for step in range(len(series["loss"])):
-        for quantity, bound in bounds.per_step.items():
-            value, base = series[quantity][step], baseline[quantity][step]
-            if not abs(value - base) <= bound[step] * abs(base):  # written so that a NaN fails too
-                per_step = Outside(quantity=quantity, rel_diff=relative_diff(value, base), tolerance=bound[step],
-                                   step=step, value=value, reference=base, test="step")
-                break
-        if per_step:
-            break
-    if bounds.calibrated:
-        for quantity in bounds.envelope:
-            drift = first_drift(relative_diffs(series[quantity], baseline[quantity]), bounds.envelope[quantity])
-            if drift and (per_step is None or drift.last_step < per_step.step):
-                per_step = Outside(quantity=quantity, rel_diff=abs(drift.mean_rel_diff), tolerance=drift.bound,
-                                   step=drift.last_step, test="drift")
-    return per_step
-
-
 def config_differences(base: Run, run: Run) -> list[str]:
     """'field: baseline's vs run's' for every config field (strategy options and library versions
     included) that differs, among those that may explain a FAIL (suspect_fields)."""
@@ -504,21 +477,24 @@ def _flat(config: dict, prefix: str = "") -> dict:
 
 
 def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None,
-            quantities: tuple = QUANTITIES, tensors: tensor_verdict.TensorVerdict | None = None) -> CurveResult:
-    skipped = base.skipped(num_steps)
+            quantities: tuple = QUANTITIES, tensors: tensor_verdict.TensorVerdict | None = None,
+            scales: dict | None = None, references: list[Run] = ()) -> CurveResult:
+    skipped, scales = base.skipped(num_steps), scales or {}
     series, baseline = _judged(run, num_steps, skipped, quantities), _judged(base, num_steps, skipped, quantities)
-    max_rel = {q: max(relative_diff(x, b) for x, b in zip(series[q], baseline[q])) for q in quantities}
+    rel = {q: relative_diffs(series[q], baseline[q], scales.get(q)) for q in quantities}
+    max_rel = {q: max(map(abs, rel[q])) for q in quantities}
     other_policy = policy_differences(base, run)
     outside = None
     if not other_policy:  # the earlier of the two; at one step, the overflow mismatch (it explains the rest)
         found = [o for o in (run.duplicate_rows, resumed_rows(base.record, run.record), run.lr_off_schedule,
                              first_overflow_mismatch(base, run, num_steps), tensors and tensors.clip_gap,
-                             first_outside(series, baseline, bounds),
+                             first_outside(series, baseline, bounds, scales),
                              teacher_forced.first_fail(run.record, num_steps),
+                             objective.first_outside(base, run, num_steps, bounds.per_step["loss"], references),
                              tensors.first_fail() if tensors else None) if o]  # (at one step, the curves')
         outside = min(found, key=lambda o: o.step, default=None)
     verdict = Verdict(run.name, base.name, bounds.source, max_rel, outside, run.parting, tuple(other_policy))
-    ratios = ({q: noise_ratio(relative_diffs(series[q], baseline[q]), bounds.envelope[q]) for q in quantities}
+    ratios = ({q: noise_ratio(rel[q], bounds.envelope[q]) for q in quantities}
               if bounds.calibrated else None)
     distance = None
     if fp32_twin is not None and not other_policy:

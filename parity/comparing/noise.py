@@ -8,16 +8,18 @@ apart at this precision, model, data, learning rate and hardware. The envelope i
 any reference over steps s ± NOISE_SMOOTHING, never below a floor; a run may differ from the baseline by
 NOISE_K × the envelope. Why twins, why two of them, and why K = 20: docs/tolerances.md.
 
-The per-step test misses a small steady bias (a weight decay nobody asked for) that stays inside the
-envelope at every step, so the drift test looks at windows of steps whose differences keep one sign.
+The per-step test (`first_outside`) misses a small steady bias (a weight decay nobody asked for) that stays inside
+the envelope at every step, so the drift test looks at windows of steps whose differences keep one sign.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from parity.comparing.tolerances import (CALIBRATION_FLOORED, CURVES, DRIFT_K, DRIFT_SAME_SIGN, DRIFT_WINDOW, NOISE_FLOOR, NOISE_K,
                                          NOISE_SMOOTHING, QUANTITIES, Tolerance, tolerance_class)
+from parity.comparing.verdict import Outside
 
 
 @dataclass(frozen=True)
@@ -39,27 +41,33 @@ def fixed_bounds(tolerance: Tolerance, num_steps: int, source: str, quantities=Q
 
 
 def calibrated_bounds(baseline: dict[str, list[float]], references: list[dict[str, list[float]]], precision: str,
-                      source: str) -> Bounds:
+                      source: str, scales: dict[str, list[float]] | None = None) -> Bounds:
     """NOISE_K × the envelope of the references' distance from the baseline (series per quantity: the curves
-    `baseline` holds); in a precision of CALIBRATION_FLOORED never below the fixed table (its twins miss the AdamW
-    lottery the run may draw)."""
+    `baseline` holds; `scales`: a curve's floor under |baseline|, relative_diffs'); in a precision of
+    CALIBRATION_FLOORED never below the fixed table (its twins miss the AdamW lottery the run may draw)."""
     kind = tolerance_class(precision)
     floor = NOISE_FLOOR[kind]
-    envelope = {q: noise_envelope(baseline[q], [r[q] for r in references], floor.of(q)) for q in baseline}
+    envelope = {q: noise_envelope(baseline[q], [r[q] for r in references], floor.of(q), (scales or {}).get(q))
+                for q in baseline}
     fixed = {q: (CURVES[kind].of(q) or 0.0) if kind in CALIBRATION_FLOORED else 0.0 for q in baseline}
     return Bounds({q: [max(NOISE_K * e, fixed[q]) for e in envelope[q]] for q in baseline}, source, envelope)
 
 
-def relative_diffs(series: list[float], baseline: list[float]) -> list[float]:
-    """(x − baseline) / |baseline| per step, signed (inf where the baseline is 0 and x is not)."""
-    return [(x - b) / abs(b) if b else (0.0 if x == b else float("inf")) for x, b in zip(series, baseline)]
+def relative_diffs(series: list[float], baseline: list[float], scales: list[float] | None = None) -> list[float]:
+    """(x − baseline) / |baseline| per step, signed (inf where the baseline is 0 and x is not); with `scales`, divided
+    by the larger of |baseline| and the step's scale (a post-training loss that crosses 0 is measured on its own
+    scale: parity/comparing/objective.py)."""
+    scales = scales or [0.0] * len(baseline)
+    return [(x - b) / max(abs(b), c) if b or c else (0.0 if x == b else float("inf"))
+            for x, b, c in zip(series, baseline, scales)]
 
 
-def noise_envelope(baseline: list[float], references: list[list[float]], floor: float) -> list[float]:
-    """Per step: the largest |reference − baseline| / |baseline| of any reference over steps s ± NOISE_SMOOTHING,
-    at least `floor`."""
-    return smoothed_envelope([max(abs(d) for d in ds) for ds in zip(*(relative_diffs(r, baseline) for r in references))],
-                             floor)
+def noise_envelope(baseline: list[float], references: list[list[float]], floor: float,
+                   scales: list[float] | None = None) -> list[float]:
+    """Per step: the largest |reference − baseline| / |baseline| (relative_diffs) of any reference over steps s ±
+    NOISE_SMOOTHING, at least `floor`."""
+    return smoothed_envelope([max(abs(d) for d in ds)
+                              for ds in zip(*(relative_diffs(r, baseline, scales) for r in references))], floor)
 
 
 def smoothed_envelope(raw: list[float], floor: float) -> list[float]:
@@ -105,6 +113,38 @@ def drift_statistic(rel_diffs: list[float], envelope: list[float]) -> float:
 def noise_ratio(rel_diffs: list[float], envelope: list[float]) -> float:
     """Deviation ÷ noise: the worst step's |difference| over the envelope at that step."""
     return max(abs(d) / e for d, e in zip(rel_diffs, envelope))
+
+
+def relative_diff(value: float, baseline: float, scale: float = 0.0) -> float:
+    if baseline == 0 and not scale:
+        return 0.0 if value == 0 else math.inf
+    return abs(value - baseline) / max(abs(baseline), scale)
+
+
+def first_outside(series: dict[str, list[float]], baseline: dict[str, list[float]], bounds: Bounds,
+                  scales: dict | None = None) -> Outside | None:
+    """The first step at which a curve leaves its bound (loss, then grad norm, then parameter norm; relative to the
+    larger of |baseline| and a curve's `scales` at that step), or — calibrated — the end of the first drifting window,
+    whichever comes first."""
+    per_step, scales = None, scales or {}
+    for step in range(len(series["loss"])):
+        for quantity, bound in bounds.per_step.items():
+            value, base = series[quantity][step], baseline[quantity][step]
+            scale = max(abs(base), scales[quantity][step]) if quantity in scales else abs(base)
+            if not abs(value - base) <= bound[step] * scale:  # written so that a NaN fails too
+                per_step = Outside(quantity=quantity, rel_diff=relative_diff(value, base, scale), tolerance=bound[step],
+                                   step=step, value=value, reference=base, test="step")
+                break
+        if per_step:
+            break
+    if bounds.calibrated:
+        for quantity in bounds.envelope:
+            drift = first_drift(relative_diffs(series[quantity], baseline[quantity], scales.get(quantity)),
+                                bounds.envelope[quantity])
+            if drift and (per_step is None or drift.last_step < per_step.step):
+                per_step = Outside(quantity=quantity, rel_diff=abs(drift.mean_rel_diff), tolerance=drift.bound,
+                                   step=drift.last_step, test="drift")
+    return per_step
 
 
 def another_layout(base: dict, reference: dict) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from parity.comparing.verdict import Outside
 from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
-from parity.training.data import RECORDED
+from parity.training.data import RECORDED, ROLLOUTS
 from parity.training.record import is_recorded
 
 RESUMED_ROWS = "resumed_rows"  # the resume finding's quantity and test (Outside; found by resumed_rows below)
@@ -22,10 +22,11 @@ REPLAY_WORDS = {"ddp": ("the harness's DDP", None, None, None),
 
 
 def is_replay(config: dict) -> bool:
-    """A replay of a recorded run (train_ddp.py --replay_record): trained on a record's batches, with the record's
-    optimizer groups and lr at each step (the only runs that set REPLAY_ONLY's fields)."""
+    """A replay of a recorded run (train_ddp.py --replay_record): trained on a record's batches (a post-training
+    objective's: its rollouts), with the record's optimizer groups and lr at each step (the only runs that set
+    REPLAY_ONLY's fields)."""
     return (all(config.get(k) is not None for k in REPLAY_ONLY)
-            and str(config.get("dataset", "")).startswith(RECORDED))
+            and str(config.get("dataset", "")).startswith((RECORDED, ROLLOUTS)))
 
 
 def replay_suspects(replay: dict) -> set[str]:

@@ -45,6 +45,19 @@ def variables() -> tuple[str, str]:
     return os.environ[RECORD_DIR], os.environ[RECORD_NAME]
 
 
+def refused(why: str) -> None:
+    """Under verify_trainer.py, a recorder that refuses to record leaves its line in the folder (refused_<name>.txt),
+    which verify_trainer.py repeats as its own last line; elsewhere nothing (the recorder printed it)."""
+    if active():
+        from parity import storage
+
+        folder, name = variables()
+        try:
+            storage.write_bytes_atomic(storage.join(folder, f"refused_{name}.txt"), why.encode())
+        except OSError:
+            pass
+
+
 def checkpoint_interval(given: int | None) -> int | None:
     """A recorder's checkpoint_interval (parity/integrations/states.py): verify_trainer.py's --checkpoint_interval
     where it set one, else `given`: the states of a command whose code cannot be told are saved where the user asks."""
@@ -67,4 +80,4 @@ def environment(output_dir: str, name: str, base: dict[str, str], interval: int 
 
 
 __all__ = ["CHECKPOINT_INTERVAL", "RECORD_DIR", "RECORD_NAME", "SITE_FOLDER", "active", "attached",
-           "checkpoint_interval", "environment", "variables"]
+           "checkpoint_interval", "environment", "refused", "variables"]

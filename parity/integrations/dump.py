@@ -90,7 +90,7 @@ class StepDump:
                 "micro": micro, "order": (list(records.outputs), list(records.output_grads))}
         every = [None] * world if rank == 0 else None
         dist.gather_object(mine, every, dst=0)
-        if rank == 0:
+        if rank == 0 and (self.rec.stop is None or self.rec.stop[0] > self.step):  # (a step the record holds)
             self._write(every, self.grads or {}, params)
         self.grads = None
 

@@ -58,6 +58,7 @@ class ParityCallback(pl.Callback):
     norm (or none)."""
 
     _forward = _TrainerCallback._forward  # the micro-batch's rows and logits: the same hook as Trainer's adapter
+    feed = None  # (where Trainer's hands a TRL GRPO or DPO trainer's rows: none in Lightning)
 
     def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
                  checkpoint_interval: int | None = DEFAULT_CHECKPOINT_INTERVAL,

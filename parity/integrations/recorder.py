@@ -10,7 +10,8 @@ weights and every step's batch as it came (up to `max_batch_bytes`), and the ful
 replay's teacher-forced check (states.py, up to `max_state_bytes`): files named relative to the record's folder.
 
 A step that cannot be recorded or replayed stops the record there, in one line: it holds the steps before it
-(`config.stopped`), which are replayed and judged. The process group is read by its layout (sharded.py: plain/DDP,
+(`config.stopped`), which are replayed and judged; so does a first step whose logged loss is not the causal-LM token
+mean the recorder measured (recorded_objective.py). The process group is read by its layout (sharded.py: plain/DDP,
 FSDP2 ± DTensor TP, FSDP1, DeepSpeed ZeRO 0–3), each with the harness's own gather and norm code; a step's rows, sums
 and health travel in one all_gather (rows.py), rank 0 alone hashes, checks and saves the batch, on a thread of its
 own. A recorder failure never stops the user's training.
@@ -28,24 +29,25 @@ import torch
 import torch.distributed as dist
 
 from parity import storage
+from parity.errors import ConfigError, first_line
 from parity.fingerprint import fingerprint
 from parity.integrations import layer_cut, resume, states
 from parity.integrations.adapters_record import save_initial_weights
-from parity.integrations.attach import attached
+from parity.integrations.batch_taking import BatchTaking
+from parity.integrations.attach import attached, refused
 from parity.integrations.optimizer_description import describe_optimizer
+from parity.integrations.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.integrations.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
-from parity.integrations.rows import (BatchWriter, MicroBatch, RowExchange, duplicate_rows, global_batch,
-                                     positions_line, rows_hash, taken)
+from parity.integrations.rows import BatchWriter, MicroBatch, RowExchange, taken
 from parity.integrations.sharded import LayoutRefused, layout_of
-from parity.training.tensor_series import kept_chunks
 from parity.integrations.world import first_process, trains_alone
-from parity.models.model import config_summary, file_sha256
+from parity.models.model import config_as_built, config_summary, file_sha256
 from parity.precision import POLICIES
 from parity.registry import KNOWN
-from parity.training.data import Batch, batch_hash, recorded_batch_path
 from parity.training.loss import IGNORE_INDEX, loss_sum
 from parity.training.observer import StepObserver, device_name
 from parity.training.record import RECORDER_SOURCE as SOURCE, LossRecord, record_path
+from parity.training.tensor_series import kept_chunks
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
 REPLICA_MOMENTS_EVERY = 10  # the replica check reads AdamW's moments every 10th step, the parameters at every step
@@ -68,7 +70,7 @@ def unwrap(model):
         model = inner
 
 
-class ParityRecorder:
+class ParityRecorder(BatchTaking):
     """Records a training run of your own loop, on every rank of its process group (docs/own_trainer.md):
 
         rec = ParityRecorder(output_dir, name="my_run", model=model, optimizer=optimizer, max_grad_norm=1.0)
@@ -108,14 +110,21 @@ class ParityRecorder:
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
                  log: Callable[[str], Any] | None = None, dump_step: int | None = None, scheduler=None,
                  start_step: int = 0, checkpoint_interval: int | None = states.DEFAULT_CHECKPOINT_INTERVAL,
-                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES, tensor_grad: str = PRE_CLIP):
+                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES, tensor_grad: str = PRE_CLIP,
+                 objective: str | dict | None = None, objective_args: dict | None = None,
+                 objective_declared: dict | None = None):
         output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         refusal = self._refusal(name, precision, start_step) or states.refusal(checkpoint_interval, max_state_bytes)
+        try:  # a post-training objective's rows and sums (recorded_objective.py); None: the causal-LM token mean
+            self.objective_rows = named_objective(objective, objective_args, objective_declared, start_step)
+        except ConfigError as exc:
+            refusal = refusal or str(exc)
         if refusal:
             if first_process():
                 self._print(f"parity recorder: {refusal}: recording nothing")
+                refused(refusal)
             return
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
@@ -129,16 +138,16 @@ class ParityRecorder:
         except (LayoutRefused, layer_cut.NotCut) as exc:  # a group, wrapper or depth it cannot take: every rank finds it
             if first_process():
                 self._print(f"parity recorder: {exc}: recording nothing")
+                refused(str(exc))
         except resume.ResumeRefused as exc:  # a record the resumed run cannot continue (_continue)
             self._line(f"{exc}: recording nothing; the training goes on")
         except Exception as exc:  # never the user's training
             self._discard()
-            self._print(f"parity recorder: could not start ({type(exc).__name__}: {_first_line(exc)}): recording "
+            self._print(f"parity recorder: could not start ({type(exc).__name__}: {first_line(exc)}): recording "
                         f"nothing")
 
     def _discard(self) -> None:
-        """After a start that failed: the hook off, and the recorded folder gone if this start wrote into it (a failed
-        write of the initial weights): no half-written record stays."""
+        """After a failed start: the hook off, the recorded folder gone if this start wrote into it: none half-written."""
         hook = getattr(self, "_hook", None)
         if hook is not None:
             hook.remove()
@@ -211,7 +220,8 @@ class ParityRecorder:
             "batches": {"folder": f"{here}/batches", "max_bytes": max_batch_bytes, "saved_steps": 0,
                         "most_rows": 0, "position_ids_from": None},
             "not_replayable": None if hf else f"the model ({type(self.model).__name__}) is not a Hugging Face model",
-            "stopped": None, "resumed_at": [],
+            "stopped": None, "resumed_at": [], "rollouts": None,
+            **(self.objective_rows.describe_record() if self.objective_rows else {"objective": None}),
             "device_type": self.device.type, "device_name": device_name(self.device), "backend": dist.get_backend(),
             "fingerprint": {**fingerprint(type(self), self.device, getattr(config, "model_type", None)),
                             "framework": framework_part},
@@ -235,7 +245,8 @@ class ParityRecorder:
         self._hook = self.tensors.watch(optimizer, self._before_optimizer_step)  # and its step post-hook
         if self.rank == 0 and fresh:  # the first write: all that could refuse or fail has passed
             self._wrote = True
-            storage.write_bytes_atomic(storage.join(self.folder, "config.json"), config.to_json_string().encode())
+            storage.write_bytes_atomic(storage.join(self.folder, "config.json"),
+                                       config_as_built(self.model).to_json_string().encode())
             self.record.data["config"]["init_weights_sha256"] = save_initial_weights(  # LoRA's adapters beside
                 self.layout, storage.join(self.folder, "init_weights.safetensors"), state)
         self._last = time.perf_counter()
@@ -265,10 +276,9 @@ class ParityRecorder:
 
     def _reset_step(self) -> None:
         self.micro: list[MicroBatch] = []
-        self.loss_sum, self.tokens = 0.0, 0
+        self.loss_sum, self.tokens, self.recorder_s = 0.0, 0, 0.0
         self.grad_norm: float | None = None
         self.broken: str | None = None
-        self.recorder_s = 0.0
 
     # --- per micro-batch, per step --------------------------------------------------------------------
     def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None,
@@ -280,6 +290,10 @@ class ParityRecorder:
         fused LM head) gives `log_probs` instead: each position's log-probability of its next token, zero where no loss
         is taken ([rows, length − 1])."""
         if not self.enabled or self.broken:
+            return
+        if self.objective_rows is not None:
+            self.broken = (f"micro_batch() in a record of {self.objective_rows.config['name']}: hand each micro-batch "
+                           f"over with objective_batch()")
             return
         t0 = time.perf_counter()
         try:
@@ -293,7 +307,32 @@ class ParityRecorder:
             self.loss_sum += summed
             self.tokens += int((self.micro[-1].labels[:, 1:] != IGNORE_INDEX).sum())
         except Exception as exc:
-            self.broken = f"micro_batch: {type(exc).__name__}: {_first_line(exc)}"
+            self.broken = f"micro_batch: {type(exc).__name__}: {first_line(exc)}"
+        self.recorder_s += time.perf_counter() - t0
+
+    def objective_batch(self, input_ids, logits=None, *, completion_mask, attention_mask=None, log_probs=None,
+                        entropies=None, **rows) -> None:
+        """One micro-batch of a post-training objective's run (ParityRecorder(objective=...)): its ids [rows, L], the
+        model's logits on it (or its log-probs of each next token and their entropies, [rows, L − 1], from a fused LM
+        head), the attention mask as fed, and its rows in the rollout file's schema (docs/posttrain.md): completion_mask
+        [rows, L]; truncated, group, generation [rows]; GRPO's advantages [rows], old_logps and ref_logps [rows, L] —
+        the log-prob of the token at each position — where the objective uses them; DPO's ref_logps (or ref_seq_logps
+        [rows]), its rows in pairs (2k chosen, 2k + 1 rejected)."""
+        if not self.enabled or self.broken:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.objective_rows is None:
+                raise ValueError("this recorder records the causal-LM token mean: name the objective, "
+                                 "ParityRecorder(objective=...)")
+            labels, words = self.objective_rows.micro(input_ids, self.layout.logits(logits.detach()) if logits
+                                                      is not None else None, completion_mask=completion_mask,
+                                                      attention_mask=attention_mask, log_probs=log_probs,
+                                                      entropies_=entropies, **rows)
+            self.micro.append(taken(input_ids, labels, attention_mask, None, False, self.model)._replace(rollout=words))
+            self.tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
+        except Exception as exc:
+            self.broken = f"objective_batch: {type(exc).__name__}: {first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0
 
     def before_step(self, grad_norm: float | None = None, source: str = "framework") -> None:
@@ -313,7 +352,7 @@ class ParityRecorder:
                 self.grad_norm = self.layout.grad_norm()
                 self.grad_norm_source = "recorder"
         except Exception as exc:
-            self.broken = f"before_step: {type(exc).__name__}: {_first_line(exc)}"
+            self.broken = f"before_step: {type(exc).__name__}: {first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -345,8 +384,8 @@ class ParityRecorder:
             if self.dump is not None:
                 self.dump.after_step(self.step - 1, self.micro)
         except Exception as exc:  # the exchange fails on every rank alike: the record ends at this step
-            self._end(f"{type(exc).__name__}: {_first_line(exc)}" if not isinstance(exc, RuntimeError)
-                      else _first_line(exc))
+            self._end(f"{type(exc).__name__}: {first_line(exc)}" if not isinstance(exc, RuntimeError)
+                      else first_line(exc))
         if self.enabled:
             self.states.take(self.step)  # the state after this step, where a check wants it
         self._reset_step()
@@ -385,9 +424,15 @@ class ParityRecorder:
         param_norm = math.sqrt(float(summed[n:2 * n].sum()))  # the full trainable parameters, float64
         sums, counts = got.rank_loss_sums, got.rank_tokens
         tokens = sum(counts)
-        extras, saving = {"grad_norm_source": self.grad_norm_source}, 0.0
-        hash_ = ""
+        extras, saving, hash_ = {"grad_norm_source": self.grad_norm_source}, 0.0, ""
+        measured = {"rank_loss_sums": sums, "rank_tokens": counts, "tokens": tokens}  # the causal-LM token mean's
         if self.rank == 0:  # rank 0 alone: what fails here must not leave the other ranks in a collective
+            ranks, micro = len(got.per_dp_rank), max(len(m) for m in got.per_dp_rank)  # the step's split
+            refusal = causal_lm_refusal(logged_loss, sums, counts, (ranks, micro, ranks * micro)) if not self.step \
+                and self.objective_rows is None else None  # a logged loss not the causal-LM token mean, nor scaled
+            if refusal:
+                self._stop_at(0, refusal)
+            measured = self._objective_step(got, measured)
             s0 = time.perf_counter()
             hash_ = self._take_batch(got, extras)
             saving = time.perf_counter() - s0
@@ -404,9 +449,8 @@ class ParityRecorder:
             extras["declared_lr"] = self.declared.lr()
         harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - normed, "batch": saving,
                      "tensor_norms": d0 - q0, "replica_check": normed - d0}  # the check's comparison adds to it
-        self.observer.observe_step(self.step, rank_loss_sums=sums, rank_tokens=counts, tokens=tokens,
-                                   grad_norm=self.grad_norm, param_norm=param_norm, lr=lr, batch_hash=hash_,
-                                   step_time_s=step_time, harness_s=harness_s, replica_table=table,
+        self.observer.observe_step(self.step, **measured, grad_norm=self.grad_norm, param_norm=param_norm, lr=lr,
+                                   batch_hash=hash_, step_time_s=step_time, harness_s=harness_s, replica_table=table,
                                    **self.tensors.norms(summed, self.grad_norm), **extras)
         rows_check = extras.get("rows_check")
         if rows_check and rows_check["duplicates"]:
@@ -419,29 +463,6 @@ class ParityRecorder:
         if self.step % self.log_interval == 0:
             harness_s["record_write"] = self.observer.write()
         harness_s["after_step"] = time.perf_counter() - t0  # all of the recorder's at the step's end, the above in it
-
-    def _take_batch(self, got, extras: dict) -> str:
-        """Rank 0: the step's global batch from every DP rank's rows — its hash, the rows check, its shape (into the
-        step's `extras`) — saved for the replay. A batch that cannot be taken stops the record at this step. Returns
-        the batch's hash ("" where it could not be taken)."""
-        config = self.record.data["config"]
-        try:
-            self._harvest(self.writer.finished())
-            batch, mask, structure = global_batch(got.per_dp_rank)
-            extras["rows_check"], extras["rows_hash"] = duplicate_rows(got.per_dp_rank), rows_hash(got.per_dp_rank)
-            extras["rows"], extras["micro_batches"] = len(batch.input_ids), structure
-            if batch.fed is not None and config["batches"]["position_ids_from"] is None:
-                config["batches"]["position_ids_from"] = self.step
-                self._line(positions_line(self.step, batch.fed))
-            self._shape(structure, batch)
-            self._save_batch(batch, mask)
-            return batch_hash(batch)
-        except ValueError as exc:  # rows the replay cannot feed (rows.padding_problem)
-            self._stop_at(self.step, f"step {self.step}: {_first_line(exc)}")
-        except Exception as exc:
-            self._stop_at(self.step, f"step {self.step}'s batch could not be hashed or saved ({type(exc).__name__}: "
-                                     f"{_first_line(exc)})")
-        return ""
 
     def _check_optimizer_steps(self) -> None:
         """One optimizer step per recorded step, as the replay takes one (the step hook's firings, where the
@@ -463,43 +484,6 @@ class ParityRecorder:
                     self._stop_at(self.step, f"at step {self.step} the groups' lrs are not in their recorded ratios "
                                              f"(the replay applies each group its recorded scale of the first's)")
                     return
-
-    def _shape(self, structure: list[list[int]], batch: Batch) -> None:
-        """The run's batch shape so far, in the record's config: step 0's rows per DP rank and micro-batches (shown as
-        the run's batch size and accumulation), the most rows any micro-batch held (the replay's micro-batches hold no
-        more), the longest row. Every step's own shape is in its entry: it may differ from step to step and rank to
-        rank."""
-        config = self.record.data["config"]
-        if config["batch_size"] is None:
-            config["batch_size"] = max(map(sum, structure))
-            config["global_batch_size"] = sum(map(sum, structure))
-            config["grad_accum_steps"] = max(map(len, structure))
-        layout = config["batches"]
-        layout["most_rows"] = max(layout["most_rows"], *(n for rank in structure for n in rank))
-        config["seq_length"] = max(config["seq_length"] or 0, batch.input_ids.shape[1])
-
-    def _save_batch(self, batch: Batch, mask: torch.Tensor) -> None:
-        if self.stop is not None:
-            return
-        size = (3 if batch.fed is None else 4) * batch.input_ids.numel() * 8  # int64 ids, labels, mask (positions)
-        if self.saved_bytes + size > self.max_batch_bytes:
-            self._stop_at(self.step, f"the batches passed max_batch_bytes ({self.max_batch_bytes} bytes) at step "
-                                     f"{self.step}: no more are saved")
-            return
-        fed = {} if batch.fed is None else {"position_ids": batch.position_ids, "fed": batch.fed}
-        self.writer.submit(self.step, recorded_batch_path(storage.join(self.folder, "batches"), self.step),
-                           {"input_ids": batch.input_ids, "labels": batch.labels, "attention_mask": mask, **fed})
-        self.saved_bytes += size
-
-    def _harvest(self, finished: list[tuple[int, str | None]]) -> None:
-        """The batches the writer has finished: saved_steps counts those on disk, in order; one that failed stops the
-        record at its step."""
-        layout = self.record.data["config"]["batches"]
-        for step, failed in finished:
-            if failed:
-                self._stop_at(step, f"step {step}'s batch could not be saved ({failed})")
-            elif step == layout["saved_steps"]:
-                layout["saved_steps"] = step + 1
 
     # --- where the record stops -------------------------------------------------------------------------
     def _stop_at(self, step: int, why: str) -> None:
@@ -536,9 +520,10 @@ class ParityRecorder:
             self._settle(self.writer.close())
             self.states.close()
             self.record.data["config"]["total_steps"] = len(self.record.steps)
+            self._objective_file()
             self.record.finish(steps=len(self.record.steps), source=SOURCE)
         except Exception as exc:
-            self._line(f"failed ({type(exc).__name__}: {_first_line(exc)}): the record {self.record.path} is not "
+            self._line(f"failed ({type(exc).__name__}: {first_line(exc)}): the record {self.record.path} is not "
                        f"complete")
 
     # --- the end ----------------------------------------------------------------------------------
@@ -551,10 +536,11 @@ class ParityRecorder:
         try:
             if self.writer is not None:
                 self._settle(self.writer.flush())
+                self._objective_file(final=False)
             self.observer.write()
             self.states.save()
         except Exception as exc:
-            self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
+            self._disable(f"{type(exc).__name__}: {first_line(exc)}")
 
     def close(self) -> str | None:
         """The record complete (every rank; a collective). Returns its path on rank 0 (None if nothing recorded)."""
@@ -562,16 +548,16 @@ class ParityRecorder:
             return self.record.path if getattr(self, "stop", None) and self.rank == 0 else None
         try:
             self._hook.remove()
-            if self.writer is not None:
+            if self.writer is not None:  # rank 0
                 self._settle(self.writer.close())
+                self._objective_file()
             self.states.close()
-            config = self.record.data["config"]
-            config["total_steps"] = len(self.record.steps)
+            self.record.data["config"]["total_steps"] = len(self.record.steps)
             self.observer.finish(lambda: {"steps": len(self.record.steps), "source": SOURCE})
             self._line(f"recorded {len(self.record.steps)} steps: {self.record.path}")
             return self.record.path if self.rank == 0 else None
         except Exception as exc:
-            self._disable(f"{type(exc).__name__}: {_first_line(exc)}")
+            self._disable(f"{type(exc).__name__}: {first_line(exc)}")
             return None
         finally:
             self.enabled = False
@@ -590,10 +576,6 @@ class ParityRecorder:
     def _line(self, text: str) -> None:
         if getattr(self, "rank", 0) == 0:
             self._print(f"parity recorder [{self.name}]: {text}")
-
-
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 __all__ = ["DEFAULT_MAX_BATCH_BYTES", "ParityRecorder", "recorded_folder", "unwrap"]

@@ -32,9 +32,10 @@ from typing import Any, Mapping
 from parity import storage
 from parity.driver.config import resolve
 from parity.errors import ConfigError, RecordError
+from parity.integrations.objective_replay import objective_data
 from parity.integrations.rows import padding_problem
 from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
-from parity.training.data import RECORDED, RecordedBatches, recorded_batch_path
+from parity.training.data import RECORDED, ROLLOUTS, RecordedBatches, RecordedRollouts, recorded_batch_path
 from parity.training.fed_rows import units
 from parity.training.recorded_states import INDEX as STATES_INDEX, RecordedStates, StateCheck
 from parity.training.record import is_recorded, load_record
@@ -71,22 +72,18 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
                                      (config["batches"]["folder"], config["model_name"], config["init_weights_path"]))
     rows = [int(s["rows"]) for s in record["steps"]]
     workers = int(given.get("num_workers", config["dp_size"]))
-    length, fed = check_batches(record_file, folder, steps, workers, config["batches"].get("position_ids_from"))
-    plain = [n for step, n in enumerate(rows) if step not in fed]  # fed rows go round at document boundaries
-    if plain and workers > min(plain):
-        fewest = min(plain)
-        raise ConfigError(f"--num_workers {workers}: step {rows.index(fewest)} of {storage.name(record_file)} holds "
-                          f"{fewest} row{'s' if fewest > 1 else ''}, fewer than {workers} workers: use at most "
-                          f"{fewest} worker{'s' if fewest > 1 else ''}")
+    if config.get("objective") is not None:  # a post-training objective's: its rollout file (objective_replay.py)
+        data = objective_data(record_file, config, steps, workers, dump_step)
+    else:
+        data = _recorded_data(record_file, config, folder, rows, workers)
     _check_model(record_file, model_folder)
     _check_weights(record_file, weights, model_folder)
     lora = _recorded_adapters(record_file, weights, config.get("lora"))  # a LoRA run's: {} for any other
     lrs = tuple(float(s["lr"]) for s in record["steps"])
-    values = {"model_name": model_folder, "init_weights_path": weights, "num_workers": workers,
-              "batch_size": -(-max(rows) // workers), "grad_accum_steps": 1, "seq_length": max(length, 2),
+    values = {"model_name": model_folder, "init_weights_path": weights, "num_workers": workers, **data,
               "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0,
               **{k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY},
-              "dataset": RECORDED + folder, "checkpoint_interval": 0, **lora, **(flags or {}), **given}
+              "checkpoint_interval": 0, **lora, **(flags or {}), **given}
     cfg = resolve(strategy, values, cluster=cluster)
     attention = config.get("attn_implementation")  # the run's (a record from before it was kept: the default)
     model_config = {**cfg.model_config, **({"attn_implementation": attention} if attention else {})}
@@ -97,9 +94,25 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
     _check_groups(record_file, cfg)
     stopped = f", stopped before step {steps}" if config.get("stopped") else ""
     states = None if given.get("noise_reference") or dump_step is not None else recorded_states(record_file, record)
+    if cfg.objective is not None:
+        return cfg, RecordedRollouts(cfg.dataset[len(ROLLOUTS):], cfg.objective, steps, f"the rollouts of "
+                                     f"{storage.name(record_file)} ({steps} steps of {rows[0]} rows{stopped})", states)
     return cfg, RecordedBatches(folder, steps, f"the global batches of {storage.name(record_file)} ({steps} steps of "
                                                f"{min(rows)}–{max(rows)} rows{stopped})",
                                 workers, max(1, config["batches"]["most_rows"]), states)
+
+
+def _recorded_data(record_file: str, config: dict, folder: str, rows: list[int], workers: int) -> dict:
+    """The replay's data flags for a record of the causal LM: its saved batches (checked), split over `workers`."""
+    length, fed = check_batches(record_file, folder, len(rows), workers, config["batches"].get("position_ids_from"))
+    plain = [n for step, n in enumerate(rows) if step not in fed]  # fed rows go round at document boundaries
+    if plain and workers > min(plain):
+        fewest = min(plain)
+        raise ConfigError(f"--num_workers {workers}: step {rows.index(fewest)} of {storage.name(record_file)} holds "
+                          f"{fewest} row{'s' if fewest > 1 else ''}, fewer than {workers} workers: use at most "
+                          f"{fewest} worker{'s' if fewest > 1 else ''}")
+    return {"batch_size": -(-max(rows) // workers), "grad_accum_steps": 1, "seq_length": max(length, 2),
+            "dataset": RECORDED + folder}
 
 
 def recorded_path(record_file: str, named: str) -> str:
@@ -134,7 +147,7 @@ def recorded_states(record_file: str, record: dict) -> RecordedStates:
         entry = steps[k]
         lr = entry["declared_lr"] if entry.get("declared_lr") is not None else entry["lr"]
         checks.append(StateCheck(k, *files, (saved[k][0]["step_count"], saved[k][1]["step_count"]), entry["grad_norm"],
-                                 lr, entry["batch_hash"]))
+                                 lr, entry["batch_hash"], entry.get("grad_norm_source")))
     stopped = index.get("stopped")
     none = None if checks else (f"no state was saved: {stopped['why']}" if stopped else
                                 "no step's states before and after were both saved")

@@ -37,13 +37,15 @@ FUSED_WORDS = 1 << 20  # rows up to 8 MiB a rank travel with the header (one all
 
 class MicroBatch(NamedTuple):
     """One micro-batch as a rank fed it: int64 CPU ids, labels and mask (ones where it fed none) [rows, length], its
-    position ids where it fed its own (else None) and its fed_rows flags (what came with its rows)."""
+    position ids where it fed its own (else None), its fed_rows flags (what came with its rows) and, for a run of a
+    post-training objective, its rollout rows and partial sums as int64 words (recorded_objective.encode)."""
 
     ids: torch.Tensor
     labels: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor | None
     flags: int
+    rollout: torch.Tensor | None = None
 
 
 def taken(input_ids, labels, attention_mask, position_ids, use_cache, model) -> MicroBatch:
@@ -86,22 +88,25 @@ class Exchanged:
 
 
 def pack(micro: list[MicroBatch]) -> torch.Tensor:
-    """Micro-batches as one int64 tensor: their count, each one's shape and flags, then each one's ids, labels, mask
-    and position ids (where it fed its own)."""
-    heads = [d for m in micro for d in (*m.ids.shape, m.flags)]
+    """Micro-batches as one int64 tensor: their count, each one's shape, flags and rollout words, then each one's ids,
+    labels, mask, position ids (where it fed its own) and rollout words (a post-training objective's)."""
+    heads = [d for m in micro for d in (*m.ids.shape, m.flags, 0 if m.rollout is None else m.rollout.numel())]
     return torch.cat([torch.tensor([len(micro), *heads], dtype=torch.int64),
-                      *(t.reshape(-1) for m in micro for t in (m.ids, m.labels, m.mask, m.positions) if t is not None)])
+                      *(t.reshape(-1) for m in micro for t in (m.ids, m.labels, m.mask, m.positions, m.rollout)
+                        if t is not None)])
 
 
 def unpack(words: torch.Tensor) -> list[MicroBatch]:
     n = int(words[0])
-    heads = words[1:1 + 3 * n].tolist()
-    at, out = 1 + 3 * n, []
-    for rows, length, flags in zip(heads[0::3], heads[1::3], heads[2::3]):
+    heads = words[1:1 + 4 * n].tolist()
+    at, out = 1 + 4 * n, []
+    for rows, length, flags, extra in zip(heads[0::4], heads[1::4], heads[2::4], heads[3::4]):
         size, parts = rows * length, 4 if flags & FED_POSITIONS else 3
         tensors = [words[at + k * size:at + (k + 1) * size].view(rows, length) for k in range(parts)]
-        out.append(MicroBatch(*tensors[:3], tensors[3] if parts == 4 else None, flags))
         at += parts * size
+        out.append(MicroBatch(*tensors[:3], tensors[3] if parts == 4 else None, flags,
+                              words[at:at + extra] if extra else None))
+        at += extra
     return out
 
 
@@ -211,7 +216,7 @@ def row_digests(per_rank: list[list[tuple]]) -> list[list[str]]:
     digests = []
     for micro in per_rank:
         mine = []
-        for ids, labels, mask, _, _ in micro:
+        for ids, labels, mask, *_ in micro:
             for row in range(ids.shape[0]):
                 real = mask[row] != 0  # right or left padding alike
                 mine.append(hashlib.sha256(ids[row, real].numpy().tobytes() + labels[row, real].numpy().tobytes())

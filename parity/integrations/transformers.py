@@ -27,6 +27,10 @@ each checkpoint Trainer saves writes the record (on_save), so that it holds the 
 
 One process without a process group (no launcher): the callback starts a gloo group of one for the recorder and ends
 it after training, as Lightning's does (group.py).
+
+TRL's GRPOTrainer and DPOTrainer (found as the trainer whose training loop calls on_train_begin) are recorded with
+their objective, each micro-batch as it consumed it (trl_objectives.py, docs/posttrain.md); any other trainer as the
+causal-LM token mean, its first step's logged loss held to it (recorded_objective.causal_lm_refusal).
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from parity.integrations import attach
 from parity.integrations.group import own_group, release
 from parity.integrations.recorded_tensors import CLIPPED
 from parity.integrations.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
 from parity.integrations.resume import DeclaredSchedule
 from parity.integrations.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
+from parity.integrations.trl_objectives import DPOFeed, GRPOFeed, Refused, calling_trainer, kind_of, plan, resolved
 
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → the harness's policy (autocast)
 
@@ -60,14 +66,20 @@ class ParityCallback(TrainerCallback):
         self.dump_step = dump_step
         self.state_saving = {"checkpoint_interval": checkpoint_interval, "max_state_bytes": max_state_bytes}
         self.recorder: ParityRecorder | None = None
-        self._hook, self._stepped, self._own_group = None, False, False
+        self._hook, self._stepped, self._own_group, self.feed = None, False, False, None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._own_group = own_group(args.world_size)  # one process without a launcher: a group of one
-        refusal = trainer_refusal(args)
+        trainer = calling_trainer()  # TRL's GRPO and DPO trainers: their objective (trl_objectives.py)
+        try:
+            refusal, planned = trainer_refusal(args), plan(trainer, optimizer) if trainer is not None else None
+            objective = resolved(*planned[:2]) if planned and not refusal else None
+        except Refused as exc:
+            refusal = str(exc)
         if refusal:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(f"parity recorder [{self.name}]: {refusal}: recording nothing", file=sys.stderr, flush=True)
+                attach.refused(refusal)
             return
         precision = next((policy for flag, policy in PRECISIONS if getattr(args, flag, False)), "fp32")
         versions = {}
@@ -83,6 +95,7 @@ class ParityCallback(TrainerCallback):
                                        framework_versions=versions, dump_step=self.dump_step,
                                        start_step=state.global_step,  # > 0: resumed from a checkpoint
                                        tensor_grad=CLIPPED,  # its callbacks come after its clipping
+                                       objective=objective, objective_declared=planned and planned[2],
                                        **self.state_saving)
         if not self.recorder.enabled:
             return
@@ -91,12 +104,19 @@ class ParityCallback(TrainerCallback):
                                    f"(got {args.logging_steps})")
             return
         self._hook = unwrap(model).register_forward_hook(self._forward, with_kwargs=True)
+        if objective is not None:
+            self.feed = (GRPOFeed if kind_of(trainer) == "grpo" else DPOFeed)(trainer, self.recorder)
         self.recorder.norm_at_optimizer_step = float("nan")  # measured by the recorder's optimizer step pre-hook
         self.recorder.declared = declared_schedule(args, state.max_steps, self.recorder.optimizer, state.global_step)
 
     def _forward(self, module, args, kwargs, output) -> None:
-        """A training micro-batch's forward: its rows and the logits the model made of them."""
-        if not (module.training and torch.is_grad_enabled()) or self.recorder is None:
+        """A training micro-batch's forward: its rows and the logits the model made of them (TRL's GRPO and DPO: its
+        rows and what its trainer made of them, through the feed)."""
+        grad = module.training and torch.is_grad_enabled()
+        if self.feed is not None and self.recorder is not None and self.recorder.enabled:
+            self.feed.forward(module, args, kwargs, output, grad)
+            return
+        if not grad or self.recorder is None:
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         labels = kwargs.get("labels")
@@ -133,6 +153,8 @@ class ParityCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if isinstance(self.feed, DPOFeed):
+            self.feed.close()
         if self.recorder is not None:
             self.recorder.close()
         release(self._own_group)

@@ -97,6 +97,20 @@ def config_summary(config) -> dict:
     return {k: d[k] for k in (*SHAPE_FIELDS, *NUMERIC_FIELDS) if k in d}
 
 
+def config_as_built(model):
+    """A copy of `model`'s config that builds the model as it is: its pad_token_id the input embedding's padding_idx,
+    the row whose gradient the embedding leaves out. A trainer may set config.pad_token_id after the model was built
+    (TRL's DPOTrainer sets it to the tokenizer's): a model built from that config would drop the gradient of a row the
+    run trained wherever that id is an input whose output the loss counts."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embedding, torch.nn.Embedding):
+        config.get_text_config().pad_token_id = embedding.padding_idx
+    return config
+
+
 def meta_model(config):
     """The config's causal LM on the meta device: names and shapes without memory."""
     from parity.models.families import causal_lm_class

@@ -94,6 +94,8 @@ _COMMON = (Setting("beta", 0.0, float, "β: the weight of the k3 KL estimate to 
                    choices=("token", "sequence")),
            Setting("mask_truncated_completions", False, bool, "rows whose completion was cut at the length limit count "
                                                               "nothing, in the loss and in every normaliser"),
+           Setting("temperature", 1.0, float, "T: the policy's log-probs are its logits ÷ T's, at the temperature the "
+                                              "completions were sampled at (TRL's temperature)"),
            Setting("entropy_coef", 0.0, float, "the entropy bonus: − coef × each micro-batch's mean token entropy "
                                                "(depends on the split)"),
            Setting("top_entropy_quantile", 1.0, float, "", refused="the top-entropy token mask is a quantile over the "
@@ -223,6 +225,8 @@ def _check_grpo(name: str, s: dict) -> None:
     for key in ("epsilon", "epsilon_high", "beta", "entropy_coef"):
         if s[key] < 0:
             raise ConfigError(f"--objective {name}: {key} must be 0 or positive (got {s[key]})")
+    if s["temperature"] <= 0:
+        raise ConfigError(f"--objective {name}: temperature must be positive (got {s['temperature']})")
     if s["delta"] is not None and s["delta"] <= 1:
         raise ConfigError(f"--objective {name}: delta caps the ratio and must be above 1 (got {s['delta']})")
     if name == "luspo" and s["importance_sampling_level"] != "sequence":

@@ -91,6 +91,14 @@ def micro_sum(s: dict, logits, input_ids, rows, divisor: float, micro_batches: i
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(what this micro-batch's pairs contribute to the step's loss × the step's divisor, its statistics)."""
     log_probs, _ = token_log_probs(logits, input_ids)
+    summed, own, stats = micro_parts(s, log_probs, rows)
+    return summed + own * (divisor / micro_batches), stats
+
+
+def micro_parts(s: dict, log_probs, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch's (sum of its pairs' weighted losses, its own mean term — sft's weighted chosen-token mean NLL, 0
+    without it —, its statistics) from the policy's log-probs of its next tokens ([rows, L − 1]): it contributes sum +
+    own × D ÷ the step's micro-batches to the step's loss × D."""
     mask = rows.completion_mask[:, 1:].float().to(log_probs.device)
     policy, reference = sequence_log_probs(s, log_probs, rows, mask)
     x = policy - reference
@@ -98,12 +106,11 @@ def micro_sum(s: dict, logits, input_ids, rows, divisor: float, micro_batches: i
     f_c, f_r = score(s, x_c), score(s, x_r)
     lengths = mask.sum(1).clamp(min=1)
     delta, delta_mean = f_c - f_r, f_c / lengths[0::2] - f_r / lengths[1::2]
-    summed = torch.zeros((), device=log_probs.device)
+    summed, own = torch.zeros((), device=log_probs.device), torch.zeros((), device=log_probs.device)
     for kind, weight in zip(s["loss_type"], s["loss_weights"]):
         if kind == "sft":
             chosen = mask[0::2]
-            nll = -(log_probs[0::2] * chosen).sum() / chosen.sum().clamp(min=1)
-            summed = summed + weight * nll * (divisor / micro_batches)
+            own = own + weight * (-(log_probs[0::2] * chosen).sum() / chosen.sum().clamp(min=1))
         else:
             summed = summed + weight * pair_loss(kind, s, x_c, x_r, delta, delta_mean).sum()
     with torch.no_grad():
@@ -111,13 +118,14 @@ def micro_sum(s: dict, logits, input_ids, rows, divisor: float, micro_batches: i
         values = (float(len(x_c)), reward_c.sum(), reward_r.sum(), (reward_c - reward_r).sum(),
                   (reward_c > reward_r).float().sum(), mask.sum())
         stats = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in values])
-    return summed, stats
+    return summed, own, stats
 
 
 def quantities(s: dict, stats: list[float]) -> dict:
-    """The step's quantities: the chosen and rejected implicit rewards β x, their margin, the fraction of pairs whose
-    chosen reward is the higher."""
+    """The step's quantities: its pairs, the chosen and rejected implicit rewards β x, their margin, the fraction of
+    pairs whose chosen reward is the higher."""
     t = dict(zip(STATS, stats))
     pairs = max(t["pairs"], 1.0)
-    return {"rewards_chosen": t["reward_chosen"] / pairs, "rewards_rejected": t["reward_rejected"] / pairs,
+    return {"pairs": t["pairs"], "rewards_chosen": t["reward_chosen"] / pairs,
+            "rewards_rejected": t["reward_rejected"] / pairs,
             "margin": t["margin"] / pairs, "accuracy": t["accurate"] / pairs}

@@ -9,10 +9,11 @@ the file holds none), log π_ref and the row's advantage A:
   cispo: l = −sg(min(r, ε_high)) A log π;  sapo: l = −σ(τ(r − 1)) 4/τ A, τ by the sign of A;
   vespo: l = −sg(φ(w)) A log π, w = exp Σ_t (log π − log π_old), φ(w) = exp(λ + k log w − λ w), (k, λ) by A ≥ 0;
   + β k3, k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 (× r under use_bias_correction_kl).
+The policy's log-probs are those of its logits ÷ the sampling temperature (TRL's `temperature`, 1 by default).
 A micro-batch returns the sum its rows contribute × the step's divisor D (Objective.step_divisor): Σ l m for the
 token-summed definitions (dapo, cispo, vespo: D the step's tokens; dr_grpo: D = rows × L; luspo: D = rows), Σ_i of
 each row's token mean (grpo, sapo: D = rows); bnpo its own token mean × D ÷ the step's micro-batches; the entropy bonus
-− coef × its own mean entropy × D ÷ the step's micro-batches.
+− coef × its own mean entropy × D ÷ the step's micro-batches (micro_parts: the two parts apart).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ROW_MEANS = ("grpo", "sapo")  # each row's token mean, averaged over the step's 
 ROW_SUMS = ("luspo",)  # each row's token sum, averaged over the step's rows
 TOKEN_SUMS = ("dapo", "cispo", "vespo")  # summed over the step ÷ its tokens (or the generation batch's)
 # a micro-batch's statistics, float64 sums (summed over the DP ranks, then `quantities`)
-STATS = ("tokens", "rows", "kl", "ratio", "ratios", "clipped_low", "clipped_high", "entropy", "phi")
+STATS = ("tokens", "rows", "kl", "ratio", "ratios", "clipped_low", "clipped_high", "entropy", "phi", "advantage")
 
 
 def step_divisor(name: str, s: dict, rows, generation_tokens: float | None = None) -> float:
@@ -71,8 +72,20 @@ def vespo_weight(s: dict, log_ratio, mask, advantages):
 
 def micro_sum(name: str, s: dict, logits, input_ids, rows, divisor: float, micro_batches: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(what this micro-batch contributes to the step's loss × the step's divisor, its statistics (STATS, float64))."""
-    log_probs, log_softmax = token_log_probs(logits, input_ids)
+    """(what this micro-batch contributes to the step's loss × the step's divisor, its statistics (STATS, float64)):
+    its parts (micro_parts) of the log-probs of the logits at the sampling temperature."""
+    tempered = logits if s["temperature"] == 1 else logits / s["temperature"]
+    log_probs, log_softmax = token_log_probs(tempered, input_ids)
+    entropy = entropies(log_softmax if s["entropy_coef"] else log_softmax.detach())
+    summed, own, stats = micro_parts(name, s, log_probs, entropy, rows)
+    return summed + own * (divisor / micro_batches), stats
+
+
+def micro_parts(name: str, s: dict, log_probs, entropy, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch's (sum of its rows' terms, its own mean term, its statistics) from the policy's log-probs and
+    entropies of its next tokens ([rows, L − 1], at the sampling temperature): the micro-batch contributes sum + own ×
+    D ÷ the step's micro-batches to the step's loss × D. The own term is bnpo's token mean and the entropy bonus; 0 for
+    the rest. A recorder computes them from the log-probs the run's own forward returned (a fused LM head's)."""
     mask = rows.counted(s["mask_truncated_completions"])[:, 1:].to(log_probs.device)
     lengths = mask.sum(1)
     old = log_probs.detach() if rows.old_logps is None else rows.old_logps[:, 1:].float()
@@ -91,23 +104,23 @@ def micro_sum(name: str, s: dict, logits, input_ids, rows, divisor: float, micro
         per_token = per_token + s["beta"] * kl
     per_token = per_token * mask
     micro_tokens = mask.sum().clamp(min=1)
+    own = torch.zeros((), device=log_probs.device)
     if name in ROW_MEANS:
         summed = (per_token.sum(1) / lengths.clamp(min=1)).sum()
     elif name == "bnpo":
-        summed = per_token.sum() / micro_tokens * (divisor / micro_batches)
+        summed, own = torch.zeros((), device=log_probs.device), per_token.sum() / micro_tokens
     else:
         summed = per_token.sum()
-    entropy = entropies(log_softmax if s["entropy_coef"] else log_softmax.detach())
     if s["entropy_coef"]:
-        summed = summed - s["entropy_coef"] * (entropy * mask).sum() / micro_tokens * (divisor / micro_batches)
-    return summed, statistics(name, s, mask, ratio, advantages, kl, entropy, log_ratio, sequence)
+        own = own - s["entropy_coef"] * (entropy * mask).sum() / micro_tokens
+    return summed, own, statistics(name, s, mask, ratio, advantages, kl, entropy.detach(), log_ratio, sequence)
 
 
 @torch.no_grad()
 def statistics(name, s, mask, ratio, advantages, kl, entropy, log_ratio, sequence) -> torch.Tensor:
     """A micro-batch's sums for the step's quantities (STATS): its tokens and rows, the KL term's sum, the ratios'
     sum and count (tokens, or rows at the sequence level), the clipped ones below and above, the entropy's sum,
-    VESPO's weights' sum."""
+    VESPO's weights' sum, the rows' |advantage| sum."""
     scored = (mask.sum(1, keepdim=True) > 0).float() if sequence else mask
     ratios = (ratio * scored).sum()
     low = high = torch.zeros((), device=mask.device)
@@ -118,16 +131,22 @@ def statistics(name, s, mask, ratio, advantages, kl, entropy, log_ratio, sequenc
         high = (((ratio > s["epsilon_high"]) & (advantages > 0)).float() * scored).sum()
     phi = vespo_weight(s, log_ratio, mask, advantages).sum() if name == "vespo" else torch.zeros((), device=mask.device)
     kl_sum = (kl * mask).sum() if kl is not None else torch.zeros((), device=mask.device)
-    values = (mask.sum(), float(len(mask)), kl_sum, ratios, scored.sum(), low, high, (entropy * mask).sum(), phi)
+    values = (mask.sum(), float(len(mask)), kl_sum, ratios, scored.sum(), low, high, (entropy * mask).sum(), phi,
+              advantages.abs().sum())
     return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in values])
 
 
 def quantities(name: str, s: dict, stats: list[float]) -> dict:
-    """The step's quantities from its statistics summed over every micro-batch: mean KL per token (β > 0), the mean
-    ratio, the fraction clipped (below, above, either), the mean entropy, VESPO's mean weight."""
+    """The step's quantities from its statistics summed over every micro-batch: the tokens counted and the ratios
+    scored (tokens, or rows at the sequence level), mean KL per token (β > 0), the mean ratio, the fraction clipped
+    (below, above, either), the mean entropy, VESPO's mean weight, and the mean |advantage|: the scale of the loss,
+    which crosses 0 where the advantages cancel (parity/comparing/objective.py measures it against that)."""
     t = dict(zip(STATS, stats))
     tokens, ratios = max(t["tokens"], 1.0), max(t["ratios"], 1.0)
-    found = {"tokens": t["tokens"], "ratio_mean": t["ratio"] / ratios, "entropy": t["entropy"] / tokens}
+    found = {"tokens": t["tokens"], "scored": t["ratios"], "ratio_mean": t["ratio"] / ratios,
+             "advantage_scale": t["advantage"] / max(t["rows"], 1.0)}
+    if t["entropy"] == t["entropy"]:  # (not NaN: a recorded forward that returned no entropies has none)
+        found["entropy"] = t["entropy"] / tokens
     if s["beta"]:
         found["kl"] = t["kl"] / tokens
     if name in CLIPPED + ("cispo",):

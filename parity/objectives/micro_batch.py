@@ -58,6 +58,21 @@ class Objective:
             return dpo.micro_sum(self.settings, logits, input_ids, rows, divisor, micro_batches)
         return grpo.micro_sum(self.name, self.settings, logits, input_ids, rows, divisor, micro_batches)
 
+    def micro_parts(self, log_probs: torch.Tensor, entropies: torch.Tensor | None, rows
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the sum of the micro-batch's rows' terms, its own mean term, its statistics) from the policy's log-probs of
+        its next tokens and their entropies ([rows, L − 1]; None: not computed, the entropy statistic NaN): micro_sum is
+        sum + own × D ÷ the step's micro-batches (grpo.micro_parts, dpo.micro_parts). A recorder's, from a run's own
+        forward."""
+        rows = rows.to(log_probs.device)
+        if self.family == "dpo":
+            return dpo.micro_parts(self.settings, log_probs, rows)
+        if entropies is None:
+            if self.settings["entropy_coef"]:
+                raise ValueError("the entropy bonus needs each token's entropy")
+            entropies = torch.full_like(log_probs, float("nan"))
+        return grpo.micro_parts(self.name, self.settings, log_probs, entropies, rows)
+
     def quantities(self, stats) -> dict | None:
         """The step's quantities from its statistics summed over all its micro-batches (None for the causal LM)."""
         if self.causal_lm or stats is None:

@@ -468,3 +468,19 @@ class RolloutBatches:
         rows = dataclasses.replace(rows, divisor=objective.step_divisor(labels, rows))
         mask = rollouts.attention_mask(step)
         return Batch(ids, labels, attention_mask=mask if left_padded(mask) else None, rollout=rows)
+
+
+class RecordedRollouts(RolloutBatches):
+    """A recorded run's rollout file (parity/integrations/recorded_objective.py wrote it) as its replay reads it:
+    RolloutBatches, with the states its recorder saved for the teacher-forced check (as RecordedBatches carries them)
+    and each step as the run fed it, its attention mask whatever its padding (`as_fed`: the check's reference step)."""
+
+    def __init__(self, path: str, objective: dict | None, steps: int, description: str, states=None):
+        super().__init__(path, objective, steps, description)
+        self.states = states
+
+    def as_fed(self, step: int) -> Batch:
+        import dataclasses
+
+        batch = self(step)
+        return dataclasses.replace(batch, attention_mask=self._file.attention_mask(step % self._file.steps))

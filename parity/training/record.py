@@ -123,6 +123,9 @@ def load_record(path: str) -> dict:
     if not isinstance(data["config"]["model_config"], dict):
         raise RecordError(f"{name}: config.model_config is not an object")
     if not data["steps"]:
+        stopped = data["config"].get("stopped")
+        if stopped:  # a recorder that would not record even its first step says why (parity/integrations/recorder.py)
+            raise RecordError(f"{name}: has no steps: its recorder refused step {stopped['step']}: {stopped['why']}")
         raise RecordError(f"{name}: has no steps; the run stopped before its first step: rerun it")
     for i, step in enumerate(data["steps"]):
         if not isinstance(step, dict):

@@ -82,6 +82,7 @@ class StateCheck:
     grad_norm: float
     lr: float
     batch_hash: str
+    grad_norm_source: str | None = None  # "framework": the norm the framework took in its own fp32 arithmetic
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _check(worker, batches, check: StateCheck) -> dict:
     refs = references(cfg, worker.model_config, before, batches.as_fed(check.step).to(device), check.lr, device)
     entry = measured(after, check.grad_norm, refs, before, check.lr)
     return {"step": check.step, "precision": cfg.precision, "seconds": time.perf_counter() - t0, **entry,
-            "note": None, "batch_hash": check.batch_hash}
+            "note": None, "batch_hash": check.batch_hash, "grad_norm_source": check.grad_norm_source}
 
 
 __all__ = ["INDEX", "RecordedStates", "StateCheck", "check_recorded", "checks_path", "encode", "read_state",

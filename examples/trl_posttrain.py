@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""TRL's GRPOTrainer or DPOTrainer on a tiny Qwen2 (the harness's qwen2-tiny preset, random weights), recorded for the
+harness by Trainer's ParityCallback, which TRL's trainers inherit (docs/posttrain.md#your-own-run-recorded). No hub:
+the tokenizer is built here (a word-level `tokenizers` model over the model's 2048 ids, `</s>` the end and the
+padding), the data is a `datasets.Dataset` of prompts (GRPO) or of prompt, chosen and rejected texts (DPO).
+
+GRPO: real generation (model.generate, sampled at --temperature; 1 token id in 16 ends a completion, so lengths vary
+and some are cut at --max_completion_length), a verifiable reward (the share of even token ids of the completion),
+--num_generations completions a prompt, the loss TRL's --loss_type names with its --beta, ε's and truncation masking.
+DPO: --loss_type (comma-separated, TRL's list), --beta, the reference a frozen copy of the initial model.
+bf16 is TRL's default (on, even on CPU: autocast over fp32 weights); --fp32 turns it off.
+
+    python examples/trl_posttrain.py --output_dir OUT --nproc 2                        # GRPO, dapo, 2 ranks × GA 2
+    torchrun --nproc_per_node 2 examples/trl_posttrain.py --output_dir OUT --trainer dpo --fp32
+    python train_ddp.py --replay_record OUT/loss_trl_posttrain.json --num_workers 2 --loss_output_dir OUT \\
+        --storage_path OUT/checkpoints
+    python plot_loss_curves.py --input_dir OUT --output OUT/curves.png
+    python verify_trainer.py --output_dir OUT2 -- torchrun --nproc_per_node 2 examples/trl_posttrain.py --output_dir RUN
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from parity.integrations.launch import launch
+from parity.integrations.transformers import ParityCallback
+
+VOCAB = 2048  # qwen2-tiny's ids: 0 is </s>, i ≥ 1 the word w<i>
+STOP_EVERY = 16  # ids 0, 16, 32, … end a completion
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--name", default="trl_posttrain")
+    p.add_argument("--nproc", type=int, default=1, help="ranks to spawn when not started by a launcher")
+    p.add_argument("--trainer", default="grpo", choices=("grpo", "dpo"))
+    p.add_argument("--loss_type", default=None, help="TRL's loss_type (default: dapo for GRPO, sigmoid for DPO; DPO "
+                                                     "takes a comma-separated list)")
+    p.add_argument("--beta", type=float, default=None, help="TRL's beta (default: 0.04 for GRPO, 0.1 for DPO)")
+    p.add_argument("--epsilon_high", type=float, default=None)
+    p.add_argument("--mask_truncated_completions", action="store_true")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch_size", type=int, default=2, help="rows per rank per micro-batch (DPO: pairs)")
+    p.add_argument("--grad_accum_steps", type=int, default=2)
+    p.add_argument("--steps_per_generation", type=int, default=None, help="GRPO: micro-steps a generation spans "
+                                                                          "(default: --grad_accum_steps)")
+    p.add_argument("--num_generations", type=int, default=2)
+    p.add_argument("--max_completion_length", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max_grad_norm", type=float, default=10.0)
+    p.add_argument("--fp32", action="store_true", help="bf16=False (TRL's default is bf16=True)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def local_tokenizer():
+    """A word-level tokenizer over the model's ids, built here (no hub): `</s>` is 0 (end and padding), `w<i>` is i."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"</s>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", pad_token="</s>", unk_token="</s>")
+
+
+def words(n: int, generator) -> str:
+    return " ".join(f"w{int(i)}" for i in torch.randint(1, VOCAB, (n,), generator=generator))
+
+
+def even_share(completion_ids, **kwargs) -> list[float]:
+    """The reward: the share of the completion's token ids that are even."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def local_model(folder: str, seed: int) -> str:
+    """qwen2-tiny with random weights of `seed`, saved as a local model folder (TRL builds the reference from the
+    policy's folder), 1 id in STOP_EVERY ending a generation: rank 0 writes it, the others wait for it."""
+    import time
+
+    from parity.models.model import build_model, resolve_model_config
+
+    done = os.path.join(folder, "saved")
+    if os.environ.get("RANK", "0") == "0" and not os.path.exists(done):
+        model = build_model(resolve_model_config("qwen2-tiny"), seed)
+        model.generation_config.eos_token_id = list(range(0, VOCAB, STOP_EVERY))
+        model.save_pretrained(folder)
+        local_tokenizer().save_pretrained(folder)
+        open(done, "w").close()
+    while not os.path.exists(done):
+        time.sleep(0.1)
+    return folder
+
+
+def train(args, ray: bool = False) -> None:
+    from datasets import Dataset
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    g = torch.Generator().manual_seed(args.seed)
+    model = local_model(os.path.join(args.output_dir, "model"), args.seed)
+    common = dict(output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
+                  gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=args.lr,
+                  max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                  ddp_backend="gloo", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
+                  disable_tqdm=True, **({"bf16": False} if args.fp32 else {}))
+    if args.trainer == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        spg = args.steps_per_generation or args.grad_accum_steps
+        prompts = args.steps * world * args.batch_size * args.grad_accum_steps // args.num_generations
+        data = Dataset.from_dict({"prompt": [words(int(n), g) for n in torch.randint(2, 7, (prompts,), generator=g)]})
+        config = GRPOConfig(**common, loss_type=args.loss_type or "dapo",
+                            beta=0.04 if args.beta is None else args.beta, epsilon_high=args.epsilon_high,
+                            num_generations=args.num_generations, steps_per_generation=spg,
+                            max_completion_length=args.max_completion_length, temperature=args.temperature,
+                            mask_truncated_completions=args.mask_truncated_completions, top_k=0, top_p=1.0)
+        trainer = GRPOTrainer(model=model, reward_funcs=even_share, args=config, train_dataset=data,
+                              processing_class=local_tokenizer(),
+                              callbacks=[ParityCallback(args.output_dir, name=args.name)])
+    else:
+        from trl import DPOConfig, DPOTrainer
+
+        pairs = args.steps * world * args.batch_size * args.grad_accum_steps
+        lengths = torch.randint(2, 9, (pairs, 3), generator=g)
+        data = Dataset.from_dict({"prompt": [words(int(n), g) for n in lengths[:, 0]],
+                                  "chosen": [words(int(n), g) for n in lengths[:, 1]],
+                                  "rejected": [words(int(n), g) for n in lengths[:, 2]]})
+        config = DPOConfig(**common, loss_type=(args.loss_type or "sigmoid").split(","),
+                           beta=0.1 if args.beta is None else args.beta)
+        trainer = DPOTrainer(model=model, args=config, train_dataset=data, processing_class=local_tokenizer(),
+                             callbacks=[ParityCallback(args.output_dir, name=args.name)])
+    trainer.train()
+
+
+def main(argv=None) -> None:
+    launch(train, parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
