@@ -104,6 +104,11 @@ def verify(output_dir: str, command: list[str], num_workers: int | None = None, 
             raise ConfigError(f"--num_layers {num_layers}: {command_script(command)} builds its model in no way the cut "
                               f"reaches (from_pretrained, from_config, a transformers model class, TRL): cut it in your "
                               f"code, or leave --num_layers out")
+    from parity.integrations.torchtitan import command_refusal
+
+    titan = command_refusal(command)  # a torchtitan job whose model cannot be mapped: said before it runs
+    if titan:
+        raise ConfigError(f"{titan}: nothing run")
     name = record_name(command)
     cut = f", its model cut to {num_layers} decoder layers" if num_layers is not None else ""
     print(f"verify_trainer: running {' '.join(command)}, recorded as {name} into {out}{cut}", flush=True)
