@@ -4,7 +4,7 @@ says what it changes and why) — recorded through the Trainer hook in Hugging F
 DDP on transformers' LlamaForCausalLM and judged.
 
 The debug model as torchtitan ships it (6 layers, dim 256, 16 heads, vocab 2048, fused QKV), rows of 64 tokens of the
-tests' own word-level data (tests/titan_assets.py), 2 rows a rank, 3 steps (the seeded bugs 2: each shows at step 0):
+tests' own word-level data (examples/titan_assets.py), 2 rows a rank, 3 steps (the seeded bugs 2: each shows at step 0):
 - FSDP 2, TP 2 and FSDP 2 × TP 2 (4 ranks), fp32: PASS against DDP, every curve within 1e-5 (measured ~1e-8) and
   every tensor within the fixed fp32 table;
 - FSDP 2 in bf16 (torchtitan's default mixed precision: bf16 compute, fp32 reduction), calibrated: PASS;
@@ -44,8 +44,12 @@ JOBS = {  # name: (ranks, extra arguments, seeded bug, verify_trainer flags, ste
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from titan_assets import make_assets
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("titan_assets", os.path.join(REPO, "examples", "titan_assets.py"))
+    assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(assets)
+    make_assets = assets.make_assets
     root = tmp_path_factory.mktemp("titan")
     tokenizer, data = make_assets(str(root / "assets"))
     done = {}

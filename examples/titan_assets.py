@@ -1,6 +1,6 @@
-"""What a torchtitan job on this machine reads besides its config, made here (no hub): a word-level tokenizer folder
-(`--hf_assets_path`: tokenizer.json and tokenizer_config.json, BOS and EOS named) whose vocabulary fits the llama3
-debug model's 2048 embeddings, and a folder of JSON lines (`--dataloader.dataset_path`, read by torchtitan's c4_test
+"""What a torchtitan debug job reads besides its config, made here (no hub; tests/test_torchtitan.py and gpu_check's
+own_trainer step use it): a word-level tokenizer folder (`--hf_assets_path`: tokenizer.json and tokenizer_config.json,
+BOS and EOS named) whose vocabulary fits the llama3 debug model's 2048 embeddings, and a folder of JSON lines (`--dataloader.dataset_path`, read by torchtitan's c4_test
 loader: `load_dataset(path, split="train")`) of documents of varied lengths, so that a packed row of torchtitan's
 text loader holds document boundaries (its per-document positions restart there)."""
 
