@@ -190,8 +190,9 @@ class TitanRecording:
                                        framework_versions={"torchtitan": md.version("torchtitan")},
                                        scheduler=schedulers[0] if len(schedulers) == 1 else None,
                                        start_step=trainer.step - 1, checkpoint_interval=interval)
-        if self.recorder.enabled:  # torchtitan's FSDP reduces in its own mixed_precision_reduce
-            self.recorder.record.data["config"]["reduce_dtype"] = REDUCE.get(training.mixed_precision_reduce)
+        if self.recorder.enabled:  # FSDP2 reduces, and accumulates, in torchtitan's mixed_precision_reduce
+            reduce = REDUCE.get(training.mixed_precision_reduce)
+            self.recorder.record.data["config"].update(reduce_dtype=reduce, grad_accum_dtype=reduce)
 
     def _micro_batch(self, input_dict, labels, loss, tokens) -> None:
         """One micro-batch's rows, as the replay feeds them (the module docstring), and its summed loss; after the
