@@ -126,7 +126,7 @@ def test_a_seeded_bug_fails_at_its_step_naming_the_tensor(job, bug, tensor):
     if tensor is not None:
         assert first["tensor"] == tensor, first
     else:  # every gradient scaled alike (by the DP size, or its inverse): the grad norm parts at step 0 too
-        assert against["first_outside"]["step"] == 0 and abs(against["max_rel_diff"]["grad_norm"] - 1.0) > 0.4
+        assert against["first_outside"]["step"] == 0 and against["max_rel_diff"]["grad_norm"] > 0.4  # 1.0 or 0.5
 
 
 def test_the_fused_qkv_split_is_the_adapters_own():
