@@ -22,9 +22,11 @@ and varlen's block-causal masks) is recorded with its positions alone, which tra
 attention is causal over the whole row (SDPA) with a mask as well, under which transformers is causal over the row.
 
 Refused in one line on every rank, and the job stops with exit status 2 before it trains (what it cannot record it
-would train for nothing): a model the recorder cannot map (titan_config.py, titan_layout.py), pipeline parallelism
-(several model parts: the recorder reads one module), context parallelism (each rank consumes a slice of the rows),
-several optimizers, parameters not in fp32 (training.dtype).
+would train for nothing), its line left for verify_trainer.py (attach.stop_command), which repeats it with exit status
+2 whatever status the launcher reports: a model the recorder cannot map (titan_config.py, titan_layout.py), pipeline
+parallelism (several model parts: the recorder reads one module), context parallelism (each rank consumes a slice of
+the rows), several optimizers, parameters not in fp32 (training.dtype). verify_trainer.py refuses the same before the
+command runs where the command names torchtitan's --module and --config (`command_refusal`).
 """
 
 from __future__ import annotations
@@ -61,32 +63,45 @@ def _wrap(trainer_class) -> None:
     trainer_class.__init__ = __init__
 
 
-def refusal(trainer) -> str | None:
-    """Why this job cannot be recorded, in one line (None: it can)."""
-    config, dims = trainer.config, trainer.parallel_dims
-    if dims.pp_enabled:
-        return (f"pipeline parallelism (pipeline_parallel_degree {dims.pp}): each rank holds model parts of its stages "
-                f"and the loss lives on the last; the recorder reads one whole module a rank — record the job at "
-                f"pipeline_parallel_degree 1, the harness's own pipeline strategy checks pipelines")
-    if dims.cp_enabled:
-        return (f"context parallelism (context_parallel_degree {dims.cp}): each rank consumes a slice of its rows' "
-                f"sequence, which the recorder does not reassemble; record the job at context_parallel_degree 1")
-    if len(trainer.model_parts) != 1 or len(trainer.optimizers.optimizers) != 1:
-        return "several model parts or optimizers: the recorder follows one module stepped by one torch optimizer"
-    if config.training.dtype != "float32":
-        return (f"training.dtype {config.training.dtype}: the parameters the optimizer steps are not fp32, which no "
+def config_refusal(config) -> str | None:
+    """Why a job of this torchtitan config (its overrides applied) cannot be recorded, in one line (None: as far as
+    the config tells, it can): what verify_trainer.py refuses before the command runs, and the job before it trains."""
+    parallelism, training = config.parallelism, config.training
+    if parallelism.pipeline_parallel_degree > 1:
+        return (f"pipeline parallelism (pipeline_parallel_degree {parallelism.pipeline_parallel_degree}): each rank "
+                f"holds model parts of its stages and the loss lives on the last; the recorder reads one whole module "
+                f"a rank — record the job at pipeline_parallel_degree 1, the harness's own pipeline strategy checks "
+                f"pipelines")
+    if parallelism.context_parallel_degree > 1:
+        return (f"context parallelism (context_parallel_degree {parallelism.context_parallel_degree}): each rank "
+                f"consumes a slice of its rows' sequence, which the recorder does not reassemble; record the job at "
+                f"context_parallel_degree 1")
+    if training.dtype != "float32":
+        return (f"training.dtype {training.dtype}: the parameters the optimizer steps are not fp32, which no "
                 f"policy of the replay trains; train in float32 (with mixed_precision_param for the compute)")
-    if config.training.mixed_precision_param not in PRECISIONS:
-        return f"mixed_precision_param {config.training.mixed_precision_param}: the replay trains fp32 and bf16"
+    if training.mixed_precision_param not in PRECISIONS:
+        return f"mixed_precision_param {training.mixed_precision_param}: the replay trains fp32 and bf16"
     return None
 
 
+def refusal(trainer) -> str | None:
+    """Why this job cannot be recorded, in one line (None: it can)."""
+    why = config_refusal(trainer.config)
+    if why is None and (len(trainer.model_parts) != 1 or len(trainer.optimizers.optimizers) != 1):
+        return "several model parts or optimizers: the recorder follows one module stepped by one torch optimizer"
+    return why
+
+
 def command_refusal(command: list[str]) -> str | None:
-    """For a torchtitan command (its arguments name --module and --config, torchtitan installed): why the model its
-    config builds cannot be recorded, in one line, found before the command runs — verify_trainer.py's check (the
-    config function's model, built on the meta device, mapped through its adapter onto the transformers model); None
-    where it can, or the command is none of torchtitan's (the job's own hook checks again, with its overrides)."""
+    """For a torchtitan command (its arguments name --module and --config, torchtitan installed): why the job cannot
+    be recorded, in one line, found before the command runs — verify_trainer.py's check: its config with the
+    command's overrides (config_refusal), and the config's model, built on the meta device, mapped through its
+    adapter onto the transformers model. None where it can, or the command is none of torchtitan's; where the
+    overrides do not parse here, the config without them (the job says what is wrong with them, and its own hook
+    checks again)."""
+    import contextlib
     import importlib.util
+    import io
 
     flags = {a.split("=", 1)[0] for a in command}
     if not {"--module", "--config"} <= flags or importlib.util.find_spec("torchtitan") is None:
@@ -97,24 +112,39 @@ def command_refusal(command: list[str]) -> str | None:
     from parity.integrations.titan_layout import Translation
     from parity.models.model import meta_model
 
+    why, config = None, None
     logging.disable(logging.WARNING)  # torchtitan's own warnings while its config loads: the job prints them
     try:
-        config, _ = ConfigManager()._load_config(command)
-    except Exception:  # not a config torchtitan loads: the command says so itself
-        return None
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            config = ConfigManager().parse_args(titan_arguments(command))
+        why = config_refusal(config)
+    except (Exception, SystemExit):  # overrides this torchtitan does not take: the command says so itself
+        try:
+            config, _ = ConfigManager()._load_config(command)
+        except Exception:  # not a config torchtitan loads
+            return None
     finally:
         logging.disable(logging.NOTSET)
     spec = getattr(config, "model_spec", None)
     if spec is None:
         return None
     try:
-        hf = meta_model(hf_config(spec))
-        with torch.device("meta"):
-            module = spec.model.build()
-        Translation(module, spec.state_dict_adapter(spec.model, None)).targets(hf)
+        if why is None:
+            hf = meta_model(hf_config(spec))
+            with torch.device("meta"):
+                module = spec.model.build()
+            Translation(module, spec.state_dict_adapter(spec.model, None)).targets(hf)
     except TitanRefused as exc:
-        return f"torchtitan {spec.name} ({spec.flavor}): {exc}"
-    return None
+        why = str(exc)
+    return None if why is None else f"torchtitan {spec.name} ({spec.flavor}): {why}"
+
+
+def titan_arguments(command: list[str]) -> list[str]:
+    """torchtitan's own arguments in a launch command: those after its entry point (`-m MODULE` or a script)."""
+    if "-m" in command[:-1]:
+        return command[command.index("-m") + 2:]
+    script = next((i for i, a in enumerate(command) if a.endswith(".py")), None)
+    return command if script is None else command[script + 1:]
 
 
 class TitanRecording:
@@ -138,9 +168,11 @@ class TitanRecording:
         except TitanRefused as exc:
             why = str(exc)
         if why is not None:
+            line = f"torchtitan {spec.name} ({spec.flavor}): {why}"
             if int(os.environ.get("RANK", "0")) == 0:
-                print(f"parity recorder: torchtitan {spec.name} ({spec.flavor}): {why}: recording nothing; the job "
-                      f"stops (exit 2)", file=sys.stderr, flush=True)
+                print(f"parity recorder: {line}: recording nothing; the job stops (exit 2)", file=sys.stderr,
+                      flush=True)
+            attach.stop_command(line)
             raise SystemExit(2)
         self.apart = _documents_apart(spec.model)
         self._patch()
@@ -232,4 +264,4 @@ def _device(trainer) -> torch.device:
     return trainer.device if dist.get_backend() != "gloo" else torch.device("cpu")
 
 
-__all__ = ["TitanRecording", "command_refusal", "install", "refusal"]
+__all__ = ["TitanRecording", "command_refusal", "config_refusal", "install", "refusal", "titan_arguments"]
