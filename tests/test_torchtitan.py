@@ -19,10 +19,11 @@ sitecustomize.py, never by the recorder.
   with its line repeated.
 
 Start-up is what costs here (a rank imports torch, torchtitan and the recorder for about 5 CPU-seconds, more than a
-debug job trains), so the jobs other than the user's command run one after another in one process of the tests'
-runner (`titan_cpu.py JOBS`), each job's ranks forked from it, each recorded into its own folder; every record is
-replayed in one local group a world size (the bf16 job's noise reference at 1 worker in a second), and judged once
-(module-scoped), while the user's command runs beside them."""
+debug job trains), so the jobs other than the user's command run in the tests' runner (`titan_cpu.py JOBS`): the
+ranks of each world size forked once from one process that imported all that, running that size's jobs one after
+another, each recorded into its own folder; every record is replayed in one local group a world size (the bf16 job's
+noise reference at 1 worker in a second), and judged once (module-scoped), while the user's command runs beside
+them."""
 
 from __future__ import annotations
 
@@ -53,18 +54,18 @@ STOPPED_JOB = (2, ["--parallelism.context_parallel_degree", "2"], None, 2)  # th
 QKV_SPLIT_TENSORS = 57  # 6 layers × 9 (q, k, v split from wqkv) + embeddings, final norm, lm_head
 
 
-def job_arguments(assets: dict, steps: int, dump: str, precision: str = "float32") -> list[str]:
+def job_arguments(assets: dict, steps: int, dump: str) -> list[str]:
     """torchtitan's arguments for the debug job on the tests' assets (relative to the tests' folder)."""
     return ["--module", "llama3", "--config", "llama3_debugmodel", "--hf_assets_path", assets["tokenizer"],
             "--dataloader.dataset_path", assets["data"], "--training.seq_len", "64", "--training.local_batch_size",
-            "2", "--training.steps", str(steps), "--training.mixed_precision_param", precision, "--dump_folder", dump,
+            "2", "--training.steps", str(steps), "--training.mixed_precision_param", "float32", "--dump_folder", dump,
             "--validator.no-enable", "--checkpoint.no-enable"]
 
 
-def environment(**extra) -> dict[str, str]:
+def environment() -> dict[str, str]:
     """This process's environment with the tests' CPU changes and their modules on PYTHONPATH."""
     path = [SITE, REPO, TESTS, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), **extra}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +155,8 @@ def kernel_path() -> str:
 
 
 def record(root, name: str) -> dict:
-    folder = root / name
-    (path,) = [p for p in folder.iterdir() if p.name.startswith("loss_") and p.name != "loss_ddp.json"
-               and p.suffix == ".json"]
-    return json.loads(path.read_text())
+    """The runner's job `name`'s record."""
+    return json.loads((root / name / "loss_titan.json").read_text())
 
 
 def test_the_users_command_passes_against_its_ddp_replay(runs):
