@@ -25,7 +25,8 @@ REPLAY_ONLY = ("optimizer", "lr_schedule", "tensor_grad")  # RunConfig fields on
 # reads where the record's files are (model_name, init_weights_path, batches: named relative to the record, compared
 # through the weights' sha256 and the model's config) and its dp_size (the default worker count, which --num_workers
 # changes by design). tests/test_recorded_report.py holds these equal to the fields plan_replay's code reads.
-REPLAY_TAKES = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "precision", "optimizer")
+REPLAY_TAKES = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "precision", "reduce_dtype",
+                "grad_accum_dtype", "optimizer")
 REPLAY_LOCATES = ("model_name", "init_weights_path", "batches", "dp_size")
 
 

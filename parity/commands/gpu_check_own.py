@@ -3,7 +3,10 @@ CUDA — Trainer with accelerate's FSDP2 plugin (accelerate picks FSDP only for 
 strategy (refused on CPU) and its ModelParallel strategy (which runs on CPU too, and is tested there: this is its GPU
 run) — each recorded by its example at world size 1, replayed under the harness's DDP on the GPU (the local launcher),
 and judged by the verdict; the FSDP2 Trainer's record also under the sharded replays (FSDP2, fully sharded, no TP —
-which shares FSDP2's code with the run — and ZeRO-3: parity/integrations/replay_choice.py), each judging it.
+which shares FSDP2's code with the run — and ZeRO-3: parity/integrations/replay_choice.py), each judging it; and a
+torchtitan job as its users run it (`torchrun -m torchtitan.train --module llama3 --config llama3_debugmodel`: CUDA,
+FlexAttention, no CPU launcher) under verify_trainer.py, fp32 and bf16 calibrated (docs/torchtitan.md), on the
+assets examples/titan_assets.py makes.
 
 On --device cpu the step is skipped in one line: the CPU paths are the test suite's (tests/test_own_trainer*.py), and
 the dry run stays cheap."""
@@ -21,8 +24,11 @@ PATHS = (
     ("lightning_fsdp", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "fsdp"], ("ddp",)),
     ("lightning_model_parallel", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "model_parallel"], ("ddp",)),
 )
+# (row, the job's own arguments beyond the debug config, verify_trainer.py's flags)
+TITAN = (("torchtitan_fp32", ["--training.mixed_precision_param", "float32"], []),
+         ("torchtitan_bf16", [], ["--calibrate"]))
 SKIPPED = ("skipped on --device cpu: the own-trainer GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's "
-           "FSDP and ModelParallel strategies) need CUDA")
+           "FSDP and ModelParallel strategies, torchtitan as its users run it) need CUDA")
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
 
@@ -45,7 +51,40 @@ def step_own_trainer(folder: str, device: str, sizes: dict) -> dict:
         except Exception as exc:  # the path's one line; the next path runs
             rows[name] = {"error": (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]}
             failures.append(f"{name}: {rows[name]['error']}")
+    for name, extra, flags in TITAN:
+        try:
+            rows[name] = _titan(os.path.join(folder, name), extra, flags)
+            if rows[name]["verdict"] != "PASS":
+                failures.append(f"{name}: {rows[name]['verdict']}")
+        except Exception as exc:
+            rows[name] = {"error": (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]}
+            failures.append(f"{name}: {rows[name]['error']}")
     return {"rows": rows, "failures": failures}
+
+
+def _titan(out: str, extra: list[str], flags: list[str]) -> dict:
+    """The torchtitan debug job at world size 1 under verify_trainer.py: its verdict against the DDP replay."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("titan_assets", os.path.join(EXAMPLES, "titan_assets.py"))
+    assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(assets)
+    tokenizer, data = assets.make_assets(os.path.join(os.path.dirname(out), "titan_assets"))
+    command = [sys.executable, os.path.join(os.path.dirname(EXAMPLES), "verify_trainer.py"), "--output_dir", out,
+               *flags, "--", "torchrun", "--nproc_per_node", "1", "-m", "torchtitan.train", "--module", "llama3",
+               "--config", "llama3_debugmodel", "--hf_assets_path", tokenizer, "--dataloader.dataset_path", data,
+               "--training.steps", "4", "--dump_folder", os.path.join(out, "job"), "--checkpoint.no-enable",
+               "--validator.no-enable", *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    print(done.stdout + done.stderr, flush=True)  # into the check's log
+    report = os.path.join(out, "curve_comparison.json")
+    if not os.path.isfile(report):
+        lines = [line for line in (done.stderr or "").splitlines() if line.strip()]
+        raise RuntimeError(f"torchtitan {' '.join(extra)}: exit {done.returncode}" + (f": {lines[-1]}" if lines else ""))
+    against = json.load(open(report))["against_baseline"]["train"]
+    return {"verdict": against["verdict"], "max_rel_diff": against["max_rel_diff"], "grad_norm_source": "recorder",
+            "replay": "ddp", "exit": done.returncode}
 
 
 def _record(out: str, script: str, flags: list[str]) -> str:

@@ -6,7 +6,8 @@ The command runs as a child process, its output passed through, with the recorde
 replay (and with --calibrate its noise references) trains in local gloo groups of this machine's processes
 (parity.driver.local_group: no Ray, whose start-up would cost more than a short replay trains), one group per world
 size; then plot_loss_curves.py's comparison judges every record in the folder against the replay, and writes its
-page. Exit codes as plot_loss_curves.py's (0 PASS, 1 FAIL, 2 bad input); a command that fails, its own status.
+page. Exit codes as plot_loss_curves.py's (0 PASS, 1 FAIL, 2 bad input — a job the recorder stopped included, its
+line repeated whatever its launcher reported); a command that fails, its own status.
 """
 
 from __future__ import annotations
@@ -104,11 +105,21 @@ def verify(output_dir: str, command: list[str], num_workers: int | None = None, 
             raise ConfigError(f"--num_layers {num_layers}: {command_script(command)} builds its model in no way the cut "
                               f"reaches (from_pretrained, from_config, a transformers model class, TRL): cut it in your "
                               f"code, or leave --num_layers out")
+    from parity.integrations.torchtitan import command_refusal
+
+    titan = command_refusal(command)  # a torchtitan job whose model cannot be mapped: said before it runs
+    if titan:
+        raise ConfigError(f"{titan}: nothing run")
     name = record_name(command)
     cut = f", its model cut to {num_layers} decoder layers" if num_layers is not None else ""
     print(f"verify_trainer: running {' '.join(command)}, recorded as {name} into {out}{cut}", flush=True)
     env = attach.environment(out, name, dict(os.environ), checkpoint_interval, num_layers)
+    if attach.stopped_command(out):  # an earlier command's, stopped by its recorder: never this one's
+        storage.delete_file(storage.join(out, attach.STOPPED_FILE))
     status, command_s = run_recorded(command, env)
+    stopped = attach.stopped_command(out)
+    if stopped:  # the recorder stopped the job, whatever status its launcher reports for that
+        raise ConfigError(f"{stopped}: the job stopped before it trained: nothing replayed")
     if status:
         code = status if status > 0 else 128 - status  # killed by signal N: 128 + N, as a shell says
         print(f"error: the command exited with status {code} after {command_s:.1f} s: nothing replayed",

@@ -8,7 +8,8 @@ given --checkpoint_interval, PARITY_NUM_LAYERS where it was given --num_layers: 
 (and saves its states at that interval), whatever folder, name and interval its code passes (`attached`): a loop of
 your own keeps its ParityRecorder lines, and verify_trainer.py finds the record where it replays and judges it.
 Trainer and TRL's trainers get their callback from sitecustomize (trainer_hook.py), Lightning from its callbacks entry
-point (lightning_factory.py), both only where the variables are set.
+point (lightning_factory.py), both only where the variables are set. A recorder that stops the command (a torchtitan
+job it cannot record) leaves its line in the folder (`stop_command`), which verify_trainer.py repeats, exit status 2.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import os
 RECORD_DIR = "PARITY_RECORD_DIR"  # sitehook/sitecustomize.py reads this name before importing anything
 RECORD_NAME = "PARITY_RECORD_NAME"
 CHECKPOINT_INTERVAL = "PARITY_CHECKPOINT_INTERVAL"  # verify_trainer.py --checkpoint_interval: where states are saved
+STOPPED_FILE = "stopped.txt"  # a recorder that stopped the command (torchtitan.py): its line, for verify_trainer.py
 SITE_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitehook")  # sitecustomize.py alone
 
-_made = 0  # recorders this process has made under the variables
+_made: dict[tuple[str, str], int] = {}  # recorders this process has made, by the variables they were made under
 
 
 def active() -> bool:
@@ -29,15 +31,16 @@ def active() -> bool:
 
 
 def attached(output_dir: str, name: str) -> tuple[str, str]:
-    """(output_dir, name) for a recorder: the variables' where they are set, else the ones given. A process that makes
-    several recorders (a script that records twice) names the second `<name>_2`, the third `<name>_3`: every rank
-    makes them in the same order, so the ranks of one run agree on its name."""
-    global _made
+    """(output_dir, name) for a recorder: the variables' where they are set (read when it is made), else the ones
+    given. A process that makes several recorders under the same variables (a script that records twice) names the
+    second `<name>_2`, the third `<name>_3`: every rank makes them in the same order, so the ranks of one run agree on
+    its name. One that records into another folder or name (the variables changed between its runs, as the tests'
+    torchtitan runner changes them between jobs) names that one's first record plainly."""
     if not active():
         return output_dir, name
-    _made += 1
-    output_dir, name = variables()
-    return output_dir, name if _made == 1 else f"{name}_{_made}"
+    where = variables()
+    _made[where] = made = _made.get(where, 0) + 1
+    return where[0], where[1] if made == 1 else f"{where[1]}_{made}"
 
 
 def variables() -> tuple[str, str]:
@@ -49,13 +52,33 @@ def refused(why: str) -> None:
     """Under verify_trainer.py, a recorder that refuses to record leaves its line in the folder (refused_<name>.txt),
     which verify_trainer.py repeats as its own last line; elsewhere nothing (the recorder printed it)."""
     if active():
-        from parity import storage
+        _leave(f"refused_{variables()[1]}.txt", why)
 
-        folder, name = variables()
-        try:
-            storage.write_bytes_atomic(storage.join(folder, f"refused_{name}.txt"), why.encode())
-        except OSError:
-            pass
+
+def stop_command(line: str) -> None:
+    """Where a recorder stops the command it records (a job it cannot record, on every rank): its one line left in
+    the records' folder (rank 0), for verify_trainer.py to repeat with exit status 2 — a launcher reports its own
+    status for a worker that stopped (torchrun: 1)."""
+    if active() and int(os.environ.get("RANK", "0")) == 0:
+        _leave(STOPPED_FILE, line)
+
+
+def _leave(file: str, line: str) -> None:
+    """A line for verify_trainer.py in the records' folder, written atomically (a folder it cannot write: nothing)."""
+    from parity import storage
+
+    try:
+        storage.write_text_atomic(storage.join(os.environ[RECORD_DIR], file), line)
+    except OSError:
+        pass
+
+
+def stopped_command(output_dir: str) -> str | None:
+    """The line a recorder left where it stopped the command recorded into `output_dir` (None: it did not)."""
+    from parity import storage
+
+    path = storage.join(output_dir, STOPPED_FILE)
+    return storage.read_text(path).strip() if storage.exists(path) else None
 
 
 def checkpoint_interval(given: int | None) -> int | None:
@@ -79,5 +102,5 @@ def environment(output_dir: str, name: str, base: dict[str, str], interval: int 
             **({NUM_LAYERS: str(num_layers)} if num_layers is not None else {})}
 
 
-__all__ = ["CHECKPOINT_INTERVAL", "RECORD_DIR", "RECORD_NAME", "SITE_FOLDER", "active", "attached",
-           "checkpoint_interval", "environment", "refused", "variables"]
+__all__ = ["CHECKPOINT_INTERVAL", "RECORD_DIR", "RECORD_NAME", "SITE_FOLDER", "STOPPED_FILE", "active",
+           "attached", "checkpoint_interval", "environment", "refused", "stop_command", "stopped_command", "variables"]

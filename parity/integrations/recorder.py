@@ -282,13 +282,13 @@ class ParityRecorder(BatchTaking):
 
     # --- per micro-batch, per step --------------------------------------------------------------------
     def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None,
-                    position_ids=None, use_cache=None) -> None:
+                    position_ids=None, use_cache=None, summed_loss=None) -> None:
         """One micro-batch this rank fed the model: its input ids and labels ([rows, length]; labels as Hugging Face
         takes them: the ids, −100 where no loss is taken), the model's logits on it, the attention mask if any (right
         or left padding), the position ids if the loop passed its own (packed rows), `use_cache` as passed (None: the
         model config's). Any rows, any length, from step to step and rank to rank. A model that returns no logits (TRL's
         fused LM head) gives `log_probs` instead: each position's log-probability of its next token, zero where no loss
-        is taken ([rows, length − 1])."""
+        is taken ([rows, length − 1]); one that never forms the full logits (torchtitan's chunked loss), `summed_loss`."""
         if not self.enabled or self.broken:
             return
         if self.objective_rows is not None:
@@ -298,8 +298,8 @@ class ParityRecorder(BatchTaking):
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                if log_probs is not None:
-                    summed = float(-log_probs.detach().double().sum())
+                if summed_loss is not None or log_probs is not None:
+                    summed = float(summed_loss) if log_probs is None else float(-log_probs.detach().double().sum())
                 else:
                     logits = self.layout.logits(logits.detach())  # a DTensor's in full
                     summed = float(loss_sum(logits, labels.to(logits.device)).double())

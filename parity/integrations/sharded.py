@@ -459,8 +459,9 @@ def layout_of(model, optimizer, device: torch.device, unwrap) -> DataParallel:
     """The layout the user's `model` (as handed to the recorder: wrapped or not, accelerate's prepared model: DDP or
     the bare module) trains in, stepped by `optimizer` (or the torch optimizer inside its wrapper). LayoutRefused, one
     line, for one the recorder cannot read, and for LoRA adapters the replay cannot build."""
+    if isinstance(model, DataParallel):  # a layout a framework adapter read itself (torchtitan's: titan_layout.py)
+        return model
     optimizer = torch_optimizer(optimizer)
-
     layout = _layout(model, optimizer, device, unwrap)
     try:
         layout.lora = lora_of(layout.model, layout.names())  # a PEFT model's adapters, as the harness builds them

@@ -2,7 +2,8 @@
 command's PYTHONPATH (parity/integrations/attach.py). It first runs the sitecustomize it shadows, if there is one, as
 that one would have run; then, only where the command runs under verify_trainer.py (PARITY_RECORD_DIR set), it
 installs the hook that gives Hugging Face's Trainer parity's callback once transformers' trainer module is imported
-(parity/integrations/trainer_hook.py) and, under --num_layers, the one that cuts every transformers model built
+(parity/integrations/trainer_hook.py), the one that records torchtitan's Trainer
+(parity/integrations/torchtitan.py) and, under --num_layers, the one that cuts every transformers model built
 (parity/integrations/layer_cut.py) — or, in a Python that cannot import parity (the command runs another
 interpreter than the one the harness is installed in), says so in one line and exits 2: nothing would be recorded.
 Nothing is imported eagerly: a process that never imports transformers pays for a path lookup."""
@@ -35,9 +36,10 @@ def _attach() -> None:
                          f"the harness into it (pip install -e {os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))}"
                          f") and run again\n")
         raise SystemExit(2)
-    from parity.integrations import layer_cut, trainer_hook
+    from parity.integrations import layer_cut, torchtitan, trainer_hook
 
     trainer_hook.install()
+    torchtitan.install()
     layer_cut.install()
 
 
