@@ -36,7 +36,7 @@ import pytest
 
 from conftest import REPO
 
-pytest.importorskip("torchtitan", reason="torchtitan is installed by pyproject.toml's torchtitan extra (.ci/run)")
+pytest.importorskip("torchtitan", reason="torchtitan: pip install --no-deps -r requirements-torchtitan.txt (the README's test set-up)")
 
 TESTS = os.path.join(REPO, "tests")
 SITE = os.path.join(TESTS, "titan_site")  # the CPU changes, in every Python process of a job
