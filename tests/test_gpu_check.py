@@ -34,14 +34,14 @@ def _step(report: dict, name: str) -> dict:
 def test_the_dry_run_passes_every_step_and_writes_one_report(dry_run):
     code, report, out = dry_run
     assert code == 0, [(s["step"], s["error"]) for s in report["steps"]]
-    assert [s["step"] for s in report["steps"]] == ["collectives", "seed", "layer_check", "own_trainer", "lora",
-                                                    "parity"]
+    assert [s["step"] for s in report["steps"]] == ["collectives", "seed", "layer_check", "posttrain", "own_trainer",
+                                                    "lora", "parity"]
     assert all(s["passed"] and s["error"] is None and s["seconds"] > 0 for s in report["steps"])
     assert report["total_seconds"] >= sum(s["seconds"] for s in report["steps"])  # each step timed, in the total
     assert report["environment"]["versions"]["torch"].startswith("2.")
     text = (out / "gpu_check.md").read_text()
     assert f"torch {report['environment']['versions']['torch']}" in text
-    assert "DeepSpeed paths" in text and text.count("| passed |") == 5
+    assert "DeepSpeed paths" in text and text.count("| passed |") == 6
 
 
 def test_the_dry_run_skips_the_own_trainer_gpu_paths_in_one_line(dry_run):
@@ -123,10 +123,28 @@ def test_the_dry_run_judges_lora_under_fsdp2_tp(dry_run):
     assert "LoRA adapters (rank 8" in (out / "gpu_check.md").read_text()
 
 
+def test_the_dry_run_judges_a_grpo_update_from_a_rollout_file(dry_run):
+    """The posttrain step: dapo on make_rollouts.py's file, FSDP2 + TP=2 × DP=2 against DDP DP=2 — fp32 within 1e-5
+    (measured 9.6e-8 on the loss), bf16 PASS calibrated on DDP's two references (measured 1.8 × noise)."""
+    from parity.comparing.tolerances import NOISE_K
+
+    _, report, out = dry_run
+    d = _step(report, "posttrain")["details"]
+    assert d["config"]["objective"] == "dapo"
+    assert [(c["precision"], c["layout"]) for c in d["comparisons"]] == [("fp32", "tp2dp2"), ("bf16", "tp2dp2")]
+    fp32, bf16 = d["comparisons"]
+    assert (fp32["exit_code"], fp32["verdict"], fp32["calibrated"]) == (0, "PASS", False)
+    assert max(fp32["max_rel_diff"].values()) < 1e-5, fp32
+    assert (bf16["exit_code"], bf16["verdict"], bf16["calibrated"]) == (0, "PASS", True)
+    assert len(bf16["noise_references"]) == 2 and 0 <= max(bf16["noise_ratio"].values()) < NOISE_K, bf16
+    record = json.loads((out / "posttrain" / "fp32" / "loss_fsdp.json").read_text())
+    assert record["config"]["objective"]["name"] == "dapo" and len(record["steps"]) == 2
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--device", "tpu"], "error: --device tpu: use cuda (the check) or cpu (the dry run)"),
     (["--device", "cpu", "--steps", "seed", "nope"], "error: --steps nope: use any of collectives, seed, layer_check, "
-                                                      "own_trainer, lora, parity"),
+                                                      "posttrain, own_trainer, lora, parity"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, line):
     from parity.commands.gpu_check import main
@@ -232,5 +250,5 @@ def test_a_built_bundle_fits_and_carries_wheels_the_device_takes():
         with zipfile.ZipFile(os.path.join(folder, w)) as z:
             meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/WHEEL"))).decode()
         tags = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Tag:")]
-        assert tags and all(t == "py3-none-any" or (t.startswith("cp312-") and "manylinux" in t and
+        assert tags and all(t in ("py3-none-any", "py312-none-any") or (t.startswith("cp312-") and "manylinux" in t and
                                                     t.endswith("x86_64")) for t in tags), (w, tags)

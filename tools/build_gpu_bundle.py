@@ -4,8 +4,10 @@
   .whl/<wheels>          cp312 manylinux / py3-none-any wheels of what the device image lacks or has at another
                          version and the check imports: transformers (the pinned one; the image has 5.17.0) and regex
                          (transformers checks its minimum when imported; the image's is not known), and trl
-                         (the own_trainer step's SFTTrainer; pure Python), and peft (the lora step's adapters; pure
-                         Python)
+                         (the own_trainer step's SFTTrainer and GRPOTrainer; pure Python), and peft (the lora step's
+                         adapters; pure Python), and requirements-torchtitan.txt's pins but triton (the own_trainer
+                         step's torchtitan job; the image's triton is its torch's), and datasets with dill and
+                         multiprocess (TRL and torchtitan import it; the image has none of them)
   .whl/project.tar.gz    the project: the working tree's files as the device tool sends them (tracked and untracked
                          but not ignored), as they are now: a record of what the check ran
   .whl/bundle.json       what is in it: each file's bytes, each wheel's tags, the commit, and what travels in all
@@ -35,13 +37,17 @@ PYTHON = "3.12"  # the device image's
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 EXTRA = {"regex": None,  # wheels beside the pinned ones: name → version (None: the one installed here)
          "trl": "1.16.0",  # gpu_check's own_trainer step (TRL's SFTTrainer); the image has lightning, not trl
-         "peft": "0.21.2"}  # gpu_check's lora step (pyproject.toml's lora extra; pure Python)
+         "peft": "0.21.2",  # gpu_check's lora step (pyproject.toml's lora extra; pure Python)
+         "datasets": None, "dill": None, "multiprocess": None}  # TRL's trainers and torchtitan's loader import datasets
+# (the image has none of the three); pyarrow, xxhash, fsspec and huggingface_hub are the image's
+# requirements-torchtitan.txt's pins the bundle leaves to the image: its own triton is the one its torch was built with
+IMAGE_HAS = ("triton",)
 
 
-def pins() -> dict[str, str]:
-    """requirements.txt's pins, by name."""
+def pins(file: str = "requirements.txt") -> dict[str, str]:
+    """A requirements file's pins, by name."""
     found = {}
-    with open(os.path.join(ROOT, "requirements.txt")) as f:
+    with open(os.path.join(ROOT, file)) as f:
         for line in f:
             m = re.match(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==([^\s#]+)", line.strip())
             if m:
@@ -53,7 +59,8 @@ def wanted() -> dict[str, str]:
     """name → version of every wheel the bundle carries."""
     from importlib.metadata import version
 
-    return {"transformers": pins()["transformers"], **{n: v or version(n) for n, v in EXTRA.items()}}
+    titan = {n: v for n, v in pins("requirements-torchtitan.txt").items() if n not in IMAGE_HAS}
+    return {"transformers": pins()["transformers"], **titan, **{n: v or version(n) for n, v in EXTRA.items()}}
 
 
 def download(name: str, ver: str, folder: str) -> None:

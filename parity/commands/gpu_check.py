@@ -8,6 +8,8 @@ gpu_check.json under --output_dir (rewritten after every step, so a check cut sh
                 lr 1e-5, bf16): DDP, FSDP2 and transformers' (the pipeline needs 2 ranks); tokens/s, peak
                 memory, MFU against the device's bf16 peak (the benchmark's table), each record
   layer_check   one recorded step of DDP and FSDP2 + TP=2 in bf16 against DDP's fp32 twin (the layer check)
+  posttrain     a GRPO-family update (dapo) from a rollout file, DDP DP=2 against FSDP2 + TP=2 × DP=2, fp32 and the
+                bf16 calibrated verdict (gpu_check_posttrain.py)
   own_trainer   your own trainer's GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP and
                 ModelParallel strategies), each recorded and replayed at world size 1 (gpu_check_own.py), the
                 FSDP2 Trainer's also under the sharded replays (FSDP2, ZeRO-3); skipped on --device cpu
@@ -37,6 +39,7 @@ import traceback
 from parity.commands.common import OneLineParser, error_line, run_command
 from parity.commands.gpu_check_collectives import step_collectives
 from parity.commands.gpu_check_own import markdown as own_markdown, step_own_trainer
+from parity.commands.gpu_check_posttrain import step_posttrain
 from parity.errors import ConfigError
 
 JSON_NAME, REPORT_NAME = "gpu_check.json", "gpu_check.md"
@@ -73,12 +76,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda",
                    help="cuda (the check) or cpu (the dry run: the same steps, scaled down)")
     p.add_argument("--steps", nargs="+", default=None, metavar="STEP",
-                   help="only these steps (default: all): collectives seed layer_check own_trainer lora parity")
+                   help="only these steps (default: all): " + " ".join(STEP_NAMES))
     return p
 
 
 # the longest last: a check cut short loses least
-STEP_NAMES = ("collectives", "seed", "layer_check", "own_trainer", "lora", "parity")
+STEP_NAMES = ("collectives", "seed", "layer_check", "posttrain", "own_trainer", "lora", "parity")
 # the lora step's adapters: every attention projection (FSDP2's TP plan places a colwise one's lora_B and a rowwise
 # one's lora_A beside their projection: plans.adapter_rules)
 LORA = {"lora_r": 8, "lora_targets": "q_proj,k_proj,v_proj,o_proj"}
@@ -106,7 +109,7 @@ def check(args) -> int:
     os.makedirs(out, exist_ok=True)
     report = Report(out, args.device)
     steps = {"collectives": step_collectives, "seed": step_seed, "parity": step_parity, "lora": step_lora,
-             "layer_check": step_layer_check, "own_trainer": step_own_trainer}
+             "layer_check": step_layer_check, "posttrain": step_posttrain, "own_trainer": step_own_trainer}
     started = time.perf_counter()
     with open(os.path.join(out, "gpu_check.log"), "a") as log:
         for name in args.steps or STEP_NAMES:

@@ -14,6 +14,7 @@ the dry run stays cheap."""
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -23,7 +24,10 @@ PATHS = (
     ("trainer_fsdp2", "trl_sft.py", ["--device", "cuda", "--fsdp2"], ("ddp", "fsdp", "zero3")),
     ("lightning_fsdp", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "fsdp"], ("ddp",)),
     ("lightning_model_parallel", "lightning_lm.py", ["--accelerator", "gpu", "--strategy", "model_parallel"], ("ddp",)),
+    ("trl_grpo", "trl_posttrain.py", ["--trainer", "grpo", "--fp32"], ("ddp",)),  # TRL's GRPOTrainer (docs/posttrain.md)
 )
+TIMEOUT_S = 300  # one path's recording or job: a hung one costs its row, not the check's other rows
+NEEDS_DEEPSPEED = ("zero3",)  # the replays the check runs only where DeepSpeed is installed (the bundle leaves it out)
 # (row, the job's own arguments beyond the debug config, verify_trainer.py's flags)
 TITAN = (("torchtitan_fp32", ["--training.mixed_precision_param", "float32"], []),
          ("torchtitan_bf16", [], ["--calibrate"]))
@@ -45,6 +49,9 @@ def step_own_trainer(folder: str, device: str, sizes: dict) -> dict:
             record = _record(out, os.path.join(EXAMPLES, example), flags)
             for replay in replays:
                 row = name if replay == "ddp" else f"{name} under {replay}"
+                if replay in NEEDS_DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
+                    rows[row] = {"skipped": "DeepSpeed is not installed here"}
+                    continue
                 rows[row] = _replay(out, record, replay)
                 if rows[row]["verdict"] != "PASS":
                     failures.append(f"{row}: {rows[row]['verdict']}")
@@ -64,7 +71,6 @@ def step_own_trainer(folder: str, device: str, sizes: dict) -> dict:
 
 def _titan(out: str, extra: list[str], flags: list[str]) -> dict:
     """The torchtitan debug job at world size 1 under verify_trainer.py: its verdict against the DDP replay."""
-    import importlib.util
     import json
 
     spec = importlib.util.spec_from_file_location("titan_assets", os.path.join(EXAMPLES, "titan_assets.py"))
@@ -76,7 +82,7 @@ def _titan(out: str, extra: list[str], flags: list[str]) -> dict:
                "--config", "llama3_debugmodel", "--hf_assets_path", tokenizer, "--dataloader.dataset_path", data,
                "--training.steps", "4", "--dump_folder", os.path.join(out, "job"), "--checkpoint.no-enable",
                "--validator.no-enable", *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
     print(done.stdout + done.stderr, flush=True)  # into the check's log
     report = os.path.join(out, "curve_comparison.json")
     if not os.path.isfile(report):
@@ -92,7 +98,7 @@ def _record(out: str, script: str, flags: list[str]) -> str:
     if not os.path.isfile(script):
         raise RuntimeError(f"{script} is not here: the examples travel with the project")
     done = subprocess.run([sys.executable, script, "--output_dir", out, "--nproc", "1", *flags], capture_output=True,
-                          text=True, timeout=1200)
+                          text=True, timeout=TIMEOUT_S)
     print(done.stdout + done.stderr, flush=True)  # into the check's log
     records = [r for r in glob.glob(os.path.join(out, "loss_*.json")) if not r.endswith("loss_ddp.json")]
     if done.returncode or not records:
@@ -122,7 +128,17 @@ def _replay(out: str, record: str, replay: str) -> dict:
     diffs = {k: max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for a, b in zip(recorded["steps"], replayed["steps"]))
              for k in ("loss", "grad_norm", "param_norm")}
     return {"verdict": verdict, "max_rel_diff": diffs, "steps": len(recorded["steps"]),
-            "grad_norm_source": recorded["config"].get("grad_norm_source"), "record": record, "replay": replay}
+            "grad_norm_source": recorded["config"].get("grad_norm_source"), "record": record, "replay": replay,
+            "recorder": recorder_share(recorded["steps"])}
+
+
+def recorder_share(steps: list[dict]) -> dict | None:
+    """The recorder's cost in the recorded run (benchmark.py --recorder's figures: recorder_cost.cost), its first step
+    left out; None where the record holds no timings."""
+    from parity.commands.recorder_cost import cost
+
+    timed = [s for s in steps[1:] if "harness_s" in s and s.get("step_time_s")]
+    return cost(timed) if timed else None
 
 
 def markdown(details: dict) -> list[str]:
@@ -131,12 +147,16 @@ def markdown(details: dict) -> list[str]:
         return [details["skipped"] + "."]
     lines = ["World size 1, recorded by the example, replayed under DDP on the GPU (and where named, under the sharded "
              "replays).", "",
-             "| path | verdict | loss | grad norm | param norm | grad norm from |", "|---|---|---:|---:|---:|---|"]
+             "| path | verdict | loss | grad norm | param norm | grad norm from | recorder's share of a step |",
+             "|---|---|---:|---:|---:|---|---:|"]
     for name, row in details.get("rows", {}).items():
-        if "error" in row:
-            lines.append(f"| {name} | error: {row['error'].replace('|', '/')} | | | | |")
+        if "error" in row or "skipped" in row:
+            what = f"error: {row['error']}" if "error" in row else f"skipped: {row['skipped']}"
+            lines.append(f"| {name} | {what.replace('|', '/')} | | | | | |")
             continue
+        share = row.get("recorder")
+        share = f"{share['share_of_mean_step']:.1%} of {1e3 * share['mean_step_s']:.1f} ms" if share else "n/a"
         d = row["max_rel_diff"]
         lines.append(f"| {name} | {row['verdict']} | {d['loss']:.1e} | {d['grad_norm']:.1e} | {d['param_norm']:.1e} | "
-                     f"{row['grad_norm_source']} |")
+                     f"{row['grad_norm_source']} | {share} |")
     return lines
