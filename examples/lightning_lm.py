@@ -169,7 +169,9 @@ def train(args, ray: bool = False) -> None:
         strategy, plugins = DDPStrategy(process_group_backend="gloo" if args.accelerator == "cpu" else "nccl"), []
     trainer = pl.Trainer(accelerator=args.accelerator, devices="auto" if ray else world, strategy=strategy,
                          plugins=plugins, max_steps=args.steps, accumulate_grad_batches=args.grad_accum_steps,
-                         gradient_clip_val=args.max_grad_norm, use_distributed_sampler=False, logger=False,
+                         # Lightning's FSDPPrecision refuses clipping by norm: FSDP runs unclipped
+                         gradient_clip_val=None if args.strategy == "fsdp" else args.max_grad_norm,
+                         use_distributed_sampler=False, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[] if args.no_record else [ParityCallback(args.output_dir, name=args.name)])
     if ray:

@@ -252,3 +252,23 @@ def test_a_built_bundle_fits_and_carries_wheels_the_device_takes():
         tags = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Tag:")]
         assert tags and all(t in ("py3-none-any", "py312-none-any") or (t.startswith("cp312-") and "manylinux" in t and
                                                     t.endswith("x86_64")) for t in tags), (w, tags)
+
+
+def _modules_of_rank(rank: int, out: str) -> None:
+    import sys as _sys
+
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(sorted(m for m in _sys.modules if m.startswith("transformers.models.qwen2")), f)
+
+
+def test_a_cuda_group_spawns_its_ranks_and_a_cpu_group_forks_them(tmp_path):
+    """On cuda a local group's ranks are spawned, not forked from the forkserver: what the forkserver imports asks torch
+    for the GPUs, and a process forked after that cannot use CUDA (the first GPU check: every rank failed so). A spawned
+    rank has imported nothing of PRELOAD; a forked one has transformers' Qwen2 already."""
+    from parity.driver.local_group import start_method, start_processes
+
+    assert (start_method("cuda"), start_method("cpu")) == ("spawn", "forkserver")
+    for device in ("cuda", "cpu"):
+        start_processes(_modules_of_rank, (str(tmp_path / device),), 1, device=device)
+        held = json.loads((tmp_path / f"{device}.0").read_text())
+        assert (held == []) == (device == "cuda"), (device, held)

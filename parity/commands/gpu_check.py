@@ -325,14 +325,14 @@ def judged(folder: str, device: str, flags: dict, plan_by_precision) -> dict:
     from parity.driver.local_group import SHARE_ONE_GPU, plan
 
     planned, comparisons, failures = [], [], []
-    for precision, seeds, references in plan_by_precision:
-        for seed in seeds:
-            seed_folder = os.path.join(folder, precision, f"seed_{seed}")
-            weights = write_weights(flags, seed, os.path.join(folder, f"init_weights_seed_{seed}.pt"))
-            runs, folders = _parity_runs(seed_folder, device, flags, precision, seed, weights, references)
-            planned += [plan(strategy, values) for _, strategy, values in runs]
-            comparisons.append((precision, seed, folders))
-    with _shared_gpu(device, SHARE_ONE_GPU):
+    with _shared_gpu(device, SHARE_ONE_GPU):  # planned under it too: without it a run's workers need a GPU each
+        for precision, seeds, references in plan_by_precision:
+            for seed in seeds:
+                seed_folder = os.path.join(folder, precision, f"seed_{seed}")
+                weights = write_weights(flags, seed, os.path.join(folder, f"init_weights_seed_{seed}.pt"))
+                runs, folders = _parity_runs(seed_folder, device, flags, precision, seed, weights, references)
+                planned += [plan(strategy, values) for _, strategy, values in runs]
+                comparisons.append((precision, seed, folders))
         failed = train(planned)
     failures += [f"{name}: {line}" for name, line in failed.items()]
     results = []

@@ -23,7 +23,7 @@ def step_collectives(folder: str, device: str, sizes: dict) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    start_processes(_collectives_rank, (2, port, device, sizes["numel"], result), 2)
+    start_processes(_collectives_rank, (2, port, device, sizes["numel"], result), 2, device=device)
     with open(result) as f:
         tried = json.load(f)
     failing = [f"{name} {dtype}" for name, by_dtype in tried.items() for dtype, r in by_dtype.items() if not r["ok"]]

@@ -58,7 +58,11 @@ def step_own_trainer(folder: str, device: str, sizes: dict) -> dict:
         except Exception as exc:  # the path's one line; the next path runs
             rows[name] = {"error": (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]}
             failures.append(f"{name}: {rows[name]['error']}")
+    unusable = _titan_unusable()
     for name, extra, flags in TITAN:
+        if unusable:
+            rows[name] = {"skipped": unusable}
+            continue
         try:
             rows[name] = _titan(os.path.join(folder, name), extra, flags)
             if rows[name]["verdict"] != "PASS":
@@ -67,6 +71,16 @@ def step_own_trainer(folder: str, device: str, sizes: dict) -> dict:
             rows[name] = {"error": (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]}
             failures.append(f"{name}: {rows[name]['error']}")
     return {"rows": rows, "failures": failures}
+
+
+def _titan_unusable() -> str | None:
+    """Why torchtitan cannot run here (it does not import with this torch: 0.3.0 needs torch.distributed.fsdp's
+    DataParallelMeshDims, which torch 2.11 has not), or None."""
+    done = subprocess.run([sys.executable, "-c", "import torchtitan.train"], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    return f"torchtitan.train does not import here: {lines[-1] if lines else f'exit {done.returncode}'}" \
+        if done.returncode else None
 
 
 def _titan(out: str, extra: list[str], flags: list[str]) -> dict:

@@ -39,10 +39,10 @@ def step_posttrain(folder: str, device: str, sizes: dict) -> dict:
     rollouts = os.path.join(folder, "grpo.safetensors")
     if make_rollouts([*ROLLOUTS, "--init_weights_path", weights, "--output", rollouts]) != 0:
         return {"failures": ["make_rollouts.py failed (see the log)"]}
-    planned = [plan(strategy, _common(os.path.join(folder, where), name, device,
-                                      {**RUN, **DAPO, **flags, "rollouts": rollouts, "debug_steps": 2}, weights))
-               for name, (strategy, where, flags) in RUNS.items()]
-    with _shared_gpu(device, SHARE_ONE_GPU):
+    with _shared_gpu(device, SHARE_ONE_GPU):  # planned under it too: without it a run's workers need a GPU each
+        planned = [plan(strategy, _common(os.path.join(folder, where), name, device,
+                                          {**RUN, **DAPO, **flags, "rollouts": rollouts, "debug_steps": 2}, weights))
+                   for name, (strategy, where, flags) in RUNS.items()]
         failed = train(planned)
     failures = [f"{name}: {line}" for name, line in failed.items()]
     results = []

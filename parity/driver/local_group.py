@@ -113,7 +113,7 @@ def launch_local(cfgs: list[RunConfig], payloads: list[dict], worker=None, kerne
         port = s.getsockname()[1]
     try:
         start_processes(_rank, (world, port, worker or train_group_worker, group, placement(cfgs[0].device)), world,
-                        kernel_environment(kernel))
+                        kernel_environment(kernel), cfgs[0].device)
     except mp.ProcessRaisedException as exc:
         print(exc, file=sys.stderr, flush=True)  # the rank's traceback, in the run's log (the terminal says where)
         lines = [line for line in str(exc).splitlines() if line.strip()]
@@ -129,13 +129,21 @@ def placement(device: str) -> tuple[str, str | None]:
     return ("gloo", "0") if share_one_gpu() else ("nccl", None)
 
 
-def start_processes(fn, args: tuple, nprocs: int, environment: dict[str, str] | None = None) -> None:
-    """fn(rank, *args) in `nprocs` processes forked from the forkserver (PRELOAD imported), each with `environment`
-    (default: this process's) and this process's stdout and stderr; waits for all of them and raises if one
-    fails, as torch's mp.spawn does."""
+def start_processes(fn, args: tuple, nprocs: int, environment: dict[str, str] | None = None,
+                    device: str = "cpu") -> None:
+    """fn(rank, *args) in `nprocs` processes, each with `environment` (default: this process's) and this process's
+    stdout and stderr; waits for all of them and raises if one fails, as torch's mp.spawn does. On cpu they are forked
+    from the forkserver (PRELOAD imported); on cuda spawned: what the forkserver imports asks torch for the GPUs
+    (transformers, inductor), after which no process forked from it can use CUDA ("Cannot re-initialize CUDA in
+    forked subprocess": every rank of the GPU check's first run)."""
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the forkserver starts (this process's first group)
     mp.start_processes(_in_environment, args=(dict(os.environ if environment is None else environment), _Stdio(), fn,
-                                              args), nprocs=nprocs, start_method="forkserver")
+                                              args), nprocs=nprocs, start_method=start_method(device))
+
+
+def start_method(device: str) -> str:
+    """How a local group's ranks start on `device` (start_processes)."""
+    return "spawn" if device == "cuda" else "forkserver"
 
 
 def kernel_environment(kernel: str) -> dict[str, str]:

@@ -119,7 +119,8 @@ class ParityCallback(pl.Callback):
             self._logged += float(loss.detach())
         if self._stepped:  # the window's optimizer step ran in this batch
             self._stepped = False
-            logged = trainer.strategy.reduce(torch.tensor(self._logged, dtype=torch.float64), reduce_op="mean")
+            logged = trainer.strategy.reduce(torch.tensor(self._logged, dtype=torch.float64, device=pl_module.device),
+                                             reduce_op="mean")  # on the module's device: NCCL has no CPU tensors
             self._logged = 0.0
             self.recorder.after_step(logged_loss=float(logged))
 
