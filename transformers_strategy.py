@@ -106,6 +106,8 @@ class TransformersStrategy(DTensorStrategy):
             self.place_adapters(adapter_state(model))
         del model
         mesh = self.model._device_mesh
+        if mesh is None:  # TP 1 × DP 1: transformers makes no mesh and leaves the model where it loaded, on the CPU
+            self.model.to(self.ctx.device)
         if mesh is not None:  # [2]
             assert (mesh["fsdp"].get_local_rank(), mesh["tp"].get_local_rank()) == (self.ctx.dp_rank, self.ctx.tp_rank)
             self.mesh, self.tp_mesh = mesh, mesh["tp"]

@@ -56,7 +56,11 @@ def test_the_dry_run_skips_the_own_trainer_gpu_paths_in_one_line(dry_run):
 
 
 def test_the_dry_run_tries_every_collective_on_two_gloo_ranks(dry_run):
-    _, report, _ = dry_run
+    from parity.commands.gpu_check_collectives import _last_begun
+
+    _, report, out = dry_run
+    # each rank notes the collective it begins, so that a crash (gloo with CUDA tensors died so) names it
+    assert [_last_begun(str(out / "collectives" / "collectives.json"), r) for r in (0, 1)] == ["barrier object"] * 2
     d = _step(report, "collectives")["details"]
     assert d["backend"] == "gloo" and d["ranks"] == 2 and d["tensors_on"] == "cpu"
     tensor_ops = {"all_reduce", "all_reduce_max", "broadcast", "all_gather", "all_gather_into_tensor",

@@ -100,7 +100,6 @@ def runs(assets):
     beside the runner (on two cores each leaves one idle while it imports and judges)."""
     from parity.commands.verify_trainer import plan_replays, warm_up
     from parity.comparing.curves import compare, load_references, load_runs
-    from parity.driver.launch import world_groups
     from parity.driver.local_group import launch_local
 
     root = assets["root"]
@@ -125,9 +124,7 @@ def runs(assets):
         planned = []
         for name in JOBS:
             planned += plan_replays(str(root / name / "loss_titan.json"), str(root / name), None, name == "bf16")
-        batches = {id(cfg): b for cfg, b in planned}
-        for group in world_groups([cfg for cfg, _ in planned]):
-            launch_local(group, [{"batches": batches[id(cfg)]} for cfg in group], kernel=kernel_path())
+        launch_local([cfg for cfg, _ in planned], [{"batches": b} for _, b in planned], kernel=kernel_path())
         found = {name: compare(load_runs(str(root / name)), references=load_references(str(root / name))).to_dict()
                  for name in JOBS}
         found["stopped"] = (done.returncode, done.stdout + done.stderr, statuses["stopped"])

@@ -23,13 +23,31 @@ def step_collectives(folder: str, device: str, sizes: dict) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    start_processes(_collectives_rank, (2, port, device, sizes["numel"], result), 2, device=device)
+    for r in range(2):  # an earlier check's progress
+        if os.path.exists(f"{result}.rank{r}"):
+            os.remove(f"{result}.rank{r}")
+    try:
+        start_processes(_collectives_rank, (2, port, device, sizes["numel"], result), 2, device=device)
+    except Exception as exc:  # a rank that dies (gloo with CUDA tensors crashed so): the collective it was in
+        begun = {r: _last_begun(result, r) for r in range(2)}
+        raise RuntimeError(f"{str(exc).strip().splitlines()[-1]} in " + ", ".join(
+            f"rank {r}'s {what}" for r, what in begun.items() if what)) from exc
     with open(result) as f:
         tried = json.load(f)
     failing = [f"{name} {dtype}" for name, by_dtype in tried.items() for dtype, r in by_dtype.items() if not r["ok"]]
     return {"backend": "gloo", "tensors_on": device, "ranks": 2, "results": tried,
             "working": sorted(name for name, by in tried.items() if all(r["ok"] for r in by.values())),
             "failures": [f"gloo refuses or miscomputes: {', '.join(failing)}"] if failing else []}
+
+
+def _last_begun(result: str, rank: int) -> str | None:
+    """The collective `rank` began last ("name dtype"), or None."""
+    try:
+        with open(f"{result}.rank{rank}") as f:
+            lines = f.read().split()
+    except FileNotFoundError:
+        return None
+    return " ".join(lines[-2:]) or None
 
 
 def _collectives_rank(rank: int, world: int, port: int, device: str, numel: int, result: str) -> None:
@@ -131,6 +149,8 @@ def _collectives_rank(rank: int, world: int, port: int, device: str, numel: int,
         dtypes = (torch.float32, torch.bfloat16) if op in tensor_ops else (None,)
         for dt in dtypes:
             key = str(dt).replace("torch.", "") if dt else "object"
+            with open(f"{result}.rank{rank}", "a") as begun:  # a crash's collective (step_collectives)
+                begun.write(f"{op.__name__} {key}\n")
             t0 = time.perf_counter()
             try:
                 ok, error = bool(op(dt)), None
