@@ -37,9 +37,26 @@ CPU_HAS_FP16 = bool({"avx512_fp16", "amx_fp16"} & set(
 TINY = {"model_name": "qwen2-tiny", "seq_length": 64, "log_interval": 5}
 
 
+# The order the test processes take the modules in (pytest-xdist hands them out in the collection's order,
+# --no-loadscope-reorder in pyproject.toml): first a module that reads the session's shared runs, so that one process
+# makes them while the other runs the longest module that needs none (before, the second process to reach a module of
+# them waited on their lock, 75 s); then the longest first (--durations=0, docs/benchmark.md), so that neither process
+# is left alone with a long module at the end. The modules not listed, each under 40 s, follow in collection order.
+MODULE_ORDER = ("test_checkpoints", "test_families", "test_calibration", "test_main_script", "test_benchmark",
+                "test_replicas", "test_precision", "test_own_trainer", "test_verify_trainer", "test_moe",
+                "test_teacher_forced", "test_storage", "test_lora", "test_techniques", "test_own_trainer_frameworks",
+                "test_multinode", "test_verification", "test_gpu_check", "test_posttrain", "test_custom_strategy",
+                "test_real_size", "test_own_trainer_states", "test_compare", "test_packing", "test_own_trainer_sharded")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(items):
-    """One xdist group per test module: the module's tests run in one process, after its fixtures are made once."""
+    """One xdist group per test module: the module's tests run in one process, after its fixtures are made once; the
+    modules in MODULE_ORDER's order, then the others."""
+    modules = list(dict.fromkeys(item.module.__name__ for item in items))
+    rank = {name: (MODULE_ORDER.index(name) if name in MODULE_ORDER else len(MODULE_ORDER), i)
+            for i, name in enumerate(modules)}
+    items.sort(key=lambda item: rank[item.module.__name__])
     for item in items:
         item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 

@@ -5,9 +5,9 @@
 - The layer check replays a step of the DDP baseline from its checkpoint (or from before it): DDP reproduces
   the baseline's step, DeepSpeed and FSDP match it tensor by tensor, and a fault planted at that step in
   FSDP is named.
-- Faults, each with its line: a damaged checkpoint (passed over for the one before it; or none intact), a
-  checkpoint of another configuration, strategy or initial weights, a storage that refuses a checkpoint and
-  a loss record that cannot be written, mid-run.
+- Faults, each with its line: a damaged checkpoint (passed over for the one before it, in the resume after a storage
+  that refused a checkpoint; or none intact), a checkpoint of another configuration, strategy or initial weights, a
+  storage that refuses a checkpoint and a loss record that cannot be written, mid-run.
 
 The runs are the session's (**PARITY: 12 steps, a checkpoint every 4, the last two kept: steps 8 and 12),
 copied where a test damages them.
@@ -23,7 +23,7 @@ import pytest
 
 import fault_hooks
 import step_metrics
-from conftest import FP32_RTOL, PARITY, REPO, assert_same_curve, series, to_argv, train
+from conftest import FP32_RTOL, PARITY, REPO, assert_same_curve, series, to_argv
 from parity.commands.layer_check import main as layer_check
 from parity.commands.train import main as train_main
 from parity.comparing.tolerances import RESUMED_FP32
@@ -175,36 +175,6 @@ def test_a_replay_that_cannot_be_started_is_one_line(ddp_baseline, fsdp_tp2_dp2,
 
 # --- faults ------------------------------------------------------------------------------------------
 
-def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(ddp_baseline, tiny_weights, tmp_path,
-                                                                   monkeypatch):
-    """Half of step 12's state cut off: the run started again with --resume resumes from step 8, says so in its
-    record, reports its checkpoint (with that step's metrics: Ray Train's report frequency) to a logger
-    callback, and ends on the same curve. It resumes with a tracker the run had not (--report_to is not part of a
-    run's identity): a new TensorBoard run, with the checkpoint's steps and the new ones, each once."""
-    import ray.cloudpickle
-
-    folder = copy_run(ddp_baseline, tmp_path)
-    state = os.path.join(folder, "step_000012", "model_optimizer.pt")
-    size = os.path.getsize(state)
-    os.truncate(state, size // 2)
-    monkeypatch.setenv("RAY_TRAIN_CALLBACKS", "step_metrics.StepMetrics")
-    monkeypatch.setenv(step_metrics.PATH_ENV, str(tmp_path / "reports.jsonl"))
-    ray.cloudpickle.register_pickle_by_value(step_metrics)  # Ray Train's controller runs it; it cannot import tests/
-    record = train("ddp", tmp_path, init_weights_path=tiny_weights, resume=True, report_to="tensorboard", **DDP)
-    assert record["resumes"] == [{"checkpoint": os.path.join(folder, "step_000008"), "step": 8, "skipped": [
-        f"{os.path.join(folder, 'step_000012')}: model_optimizer.pt has {size // 2} bytes, its manifest says {size}"]}]
-    assert_same_curve(record, ddp_baseline)
-    assert tensorboard_series(tensorboard(record), "loss") == list(zip(range(12), as_float32(series(record, "loss"))))
-    assert series(record, "step_time_s")[:8] == series(ddp_baseline, "step_time_s")[:8]  # kept by the checkpoint
-    with open(tmp_path / "reports.jsonl") as f:
-        reports = [json.loads(line) for line in f]
-    assert [r["metrics"]["step"] for r in reports] == [11]
-    assert [r["metrics"]["loss"] for r in reports] == series(record, "loss")[11:]
-    assert [r["metrics"]["lr"] for r in reports] == [1e-4]
-    assert [r["checkpoint"] for r in reports] == [os.path.join(folder, "step_000012.1")]
-    assert damage(os.path.join(folder, "step_000012.1"), 2, [0, 1]) is None
-
-
 def test_no_intact_checkpoint_stops_with_one_line(ddp_baseline, tiny_weights, tmp_path, capsys):
     folder = copy_run(ddp_baseline, tmp_path)
     for step in sorted(n for n in os.listdir(folder) if n.startswith("step_")):  # every one the group kept
@@ -341,32 +311,56 @@ def test_the_failed_line_is_the_rank_whose_own_error_it_was():
         assert _root_cause(WorkerGroupError("errors", failures)) == expected, failures
 
 
-def test_a_storage_that_refuses_a_checkpoint_stops_the_run_and_keeps_the_last_one(ddp_baseline, tiny_weights,
-                                                                                  tmp_path, monkeypatch, capsys):
-    """From the checkpoint of step 8 on, no file may grow beyond 64 kB: Ray Train's copy of the 3 MB state into
-    the storage fails. One line; the partial copy removed, the checkpoint of step 4 and the record up to it
-    kept; the same command run again with --resume resumes there and ends on the uninterrupted curve."""
+def test_a_storage_that_refuses_a_checkpoint_stops_the_run_and_a_damaged_one_is_passed_over(
+        ray_cluster, ddp_baseline, tiny_weights, tmp_path, monkeypatch, capsys):
+    """From the checkpoint of step 12 on, no file may grow beyond 64 kB: Ray Train's copy of the 3 MB state into the
+    storage fails. One line; the partial copy removed, the checkpoints of steps 4 and 8 and the record up to step 8
+    kept. Then half of step 8's state cut off: the same command with --resume passes it over for the one before it
+    (step 4), says so in its record, reports its checkpoints (with their steps' metrics: Ray Train's report frequency)
+    to a logger callback, names the new checkpoint of step 8 beside the damaged one, and ends on the uninterrupted
+    curve. It resumes with a tracker the run had not (--report_to is not part of a run's identity): a new TensorBoard
+    run, with the checkpoint's steps and the new ones, each once."""
+    import ray.cloudpickle
+
     module = "ddp_storage_refusing"
-    hooks = fault_hooks.file_size_limit(tmp_path / "hooks", "ddp", "save_state", call=1, before=False, limit=1 << 16,
+    hooks = fault_hooks.file_size_limit(tmp_path / "hooks", "ddp", "save_state", call=2, before=False, limit=1 << 16,
                                         module=module)
     code = train_faulty(monkeypatch, hooks, module, *ddp_argv(tmp_path, tiny_weights))
     err = capsys.readouterr().err
     folder = str(tmp_path / "ray" / "ddp_tp1_dp2")
     assert code == 1, err[-3000:]
     assert stderr_errors(err) == [
-        f"error: training failed: cannot write the checkpoint of step 8 to {folder}/step_000008 (File too large): "
+        f"error: training failed: cannot write the checkpoint of step 12 to {folder}/step_000012 (File too large): "
         f"{AFTER_A_FAILED_WRITE}"]
-    assert not os.path.exists(os.path.join(folder, "step_000008"))
-    assert damage(os.path.join(folder, "step_000004"), 2, [0, 1]) is None
+    assert not os.path.exists(os.path.join(folder, "step_000012"))
+    assert all(damage(os.path.join(folder, f"step_00000{k}"), 2, [0, 1]) is None for k in (4, 8))
     kept = load_record(str(tmp_path / "loss" / "loss_ddp.json"))
-    assert (len(kept["steps"]), kept["complete"]) == (4, False)
+    assert (len(kept["steps"]), kept["complete"]) == (8, False)
 
-    # the same command with --resume (the same code: the fault struck once) resumes there
-    code = train_faulty(monkeypatch, hooks, module, *ddp_argv(tmp_path, tiny_weights, resume=True))
+    # step 8's checkpoint damaged; the same command with --resume (the same code: the fault struck once)
+    state = os.path.join(folder, "step_000008", "model_optimizer.pt")
+    size = os.path.getsize(state)
+    os.truncate(state, size // 2)
+    monkeypatch.setenv("RAY_TRAIN_CALLBACKS", "step_metrics.StepMetrics")
+    monkeypatch.setenv(step_metrics.PATH_ENV, str(tmp_path / "reports.jsonl"))
+    ray.cloudpickle.register_pickle_by_value(step_metrics)  # Ray Train's controller runs it; it cannot import tests/
+    code = train_faulty(monkeypatch, hooks, module, *ddp_argv(tmp_path, tiny_weights, resume=True,
+                                                              report_to="tensorboard"))
     assert code == 0, capsys.readouterr().err[-3000:]
     record = load_record(str(tmp_path / "loss" / "loss_ddp.json"))
-    assert record["resumes"] == [{"checkpoint": os.path.join(folder, "step_000004"), "step": 4, "skipped": []}]
+    assert record["resumes"] == [{"checkpoint": os.path.join(folder, "step_000004"), "step": 4, "skipped": [
+        f"{os.path.join(folder, 'step_000008')}: model_optimizer.pt has {size // 2} bytes, its manifest says {size}"]}]
     assert_same_curve(record, ddp_baseline)
+    assert tensorboard_series(tensorboard(record), "loss") == list(zip(range(12), as_float32(series(record, "loss"))))
+    assert series(record, "step_time_s")[:4] == series(kept, "step_time_s")[:4]  # kept by the checkpoint
+    with open(tmp_path / "reports.jsonl") as f:
+        reports = [json.loads(line) for line in f]
+    assert [r["metrics"]["step"] for r in reports] == [7, 11]
+    assert [r["metrics"]["loss"] for r in reports] == [series(record, "loss")[k] for k in (7, 11)]
+    assert [r["metrics"]["lr"] for r in reports] == [1e-4] * 2
+    assert [r["checkpoint"] for r in reports] == [os.path.join(folder, "step_000008.1"),
+                                                  os.path.join(folder, "step_000012")]
+    assert damage(os.path.join(folder, "step_000012"), 2, [0, 1]) is None
 
 
 def test_a_loss_record_that_cannot_be_written_stops_the_run(ray_cluster, tiny_weights, tmp_path, monkeypatch, capsys):

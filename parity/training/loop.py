@@ -118,6 +118,7 @@ def train_group_worker(payload: dict) -> dict | None:
     {"stopped": line} when every rank of a run stopped on the same failure (the later runs do not start)."""
     runs, to_terminal = payload["runs"], payload.get("terminal", False)
     shared = len(runs) > 1
+    gc.freeze()  # what the worker imported so far, out of the collections' walks (a local rank's forkserver did it)
     for i, run in enumerate(runs):
         cfg = RunConfig.from_dict(run["cfg"])
         try:
