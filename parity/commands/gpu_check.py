@@ -321,7 +321,6 @@ def judged(folder: str, device: str, flags: dict, plan_by_precision) -> dict:
     every run planned, trained in one local group per world size (on a GPU every rank on it, over gloo: the testing
     switch), then each TP layout's folder judged by the harness's comparison (plot_loss_curves.py's: its exit code,
     verdict, max relative differences, deviation ÷ noise)."""
-    from parity.commands.compare_curves import compare_and_report
     from parity.driver.local_group import SHARE_ONE_GPU, plan
 
     planned, comparisons, failures = [], [], []
@@ -348,23 +347,33 @@ def judged(folder: str, device: str, flags: dict, plan_by_precision) -> dict:
                             shutil.copytree(source, os.path.join(target, f), dirs_exist_ok=True)
                         else:
                             shutil.copy(source, target)
-            entry = {"precision": precision, "seed": seed, "layout": name, "folder": target}
-            try:
-                code = compare_and_report(target, os.path.join(target, "loss_curves.png"))  # its block: in the log
-                with open(os.path.join(target, "curve_comparison.json")) as f:
-                    c = json.load(f)
-                against = c["against_baseline"][TP_STRATEGY]
-                entry.update(exit_code=code, verdict=c["verdict"], calibrated=against["calibrated"],
-                             max_rel_diff=against["max_rel_diff"], noise_ratio=against["noise_ratio"],
-                             noise_references=c["noise_references"])
-                if code != 0:
-                    failures.append(f"{precision} seed {seed} {name}: {c['verdict']} (exit {code})")
-            except (Exception, SystemExit) as exc:
-                entry.update(exit_code=2, error=error_line(exc))
-                failures.append(f"{precision} seed {seed} {name}: {error_line(exc)}")
+            entry, failure = judge_folder(target, {"precision": precision, "seed": seed, "layout": name})
+            failures += [failure] if failure else []
             results.append(entry)
     seeds = list(dict.fromkeys(seed for _, seeds, _ in plan_by_precision for seed in seeds))
     return {"seeds": seeds, "config": flags, "comparisons": results, "failures": failures}
+
+
+def judge_folder(target: str, where: dict) -> tuple[dict, str | None]:
+    """The harness's comparison of the records in `target` (plot_loss_curves.py's; its block goes to the log): the
+    entry (`where`, its exit code, verdict, max relative differences and deviation ÷ noise of the TP strategy's run) and
+    the failure's line, or None."""
+    from parity.commands.compare_curves import compare_and_report
+
+    entry = {**where, "folder": target}
+    named = f"{where['precision']} seed {where['seed']} {where['layout']}"
+    try:
+        code = compare_and_report(target, os.path.join(target, "loss_curves.png"))
+        with open(os.path.join(target, "curve_comparison.json")) as f:
+            c = json.load(f)
+        against = c["against_baseline"][TP_STRATEGY]
+        entry.update(exit_code=code, verdict=c["verdict"], calibrated=against["calibrated"],
+                     max_rel_diff=against["max_rel_diff"], noise_ratio=against["noise_ratio"],
+                     noise_references=c["noise_references"])
+        return entry, None if code == 0 else f"{named}: {c['verdict']} (exit {code})"
+    except (Exception, SystemExit) as exc:
+        entry.update(exit_code=2, error=error_line(exc))
+        return entry, f"{named}: {error_line(exc)}"
 
 
 @contextlib.contextmanager

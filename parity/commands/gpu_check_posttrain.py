@@ -5,7 +5,6 @@ tests/test_posttrain.py, on the device's kernels. On a GPU every rank sits on cu
 
 from __future__ import annotations
 
-import json
 import os
 
 DAPO = {"objective": "dapo", "objective_args": ["beta=0.1", "mask_truncated_completions=true"]}
@@ -30,8 +29,7 @@ ROLLOUTS = ["--family", "grpo", "--steps", "3", "--prompts_per_step", "4", "--nu
 
 def step_posttrain(folder: str, device: str, sizes: dict) -> dict:
     """The rollout file, every run of RUNS trained, each precision's folder judged: {"comparisons": [...], "failures"}."""
-    from parity.commands.compare_curves import compare_and_report
-    from parity.commands.gpu_check import _common, _shared_gpu, train, write_weights
+    from parity.commands.gpu_check import _common, _shared_gpu, judge_folder, train, write_weights
     from parity.commands.make_rollouts import main as make_rollouts
     from parity.driver.local_group import SHARE_ONE_GPU, plan
 
@@ -47,22 +45,8 @@ def step_posttrain(folder: str, device: str, sizes: dict) -> dict:
     failures = [f"{name}: {line}" for name, line in failed.items()]
     results = []
     for precision in ("fp32", "bf16"):
-        target = os.path.join(folder, precision)
-        entry = {"precision": precision, "seed": 42, "layout": "tp2dp2", "folder": target}
-        try:
-            code = compare_and_report(target, os.path.join(target, "loss_curves.png"))
-            with open(os.path.join(target, "curve_comparison.json")) as f:
-                c = json.load(f)
-            against = c["against_baseline"]["fsdp"]
-            entry.update(exit_code=code, verdict=c["verdict"], calibrated=against["calibrated"],
-                         max_rel_diff=against["max_rel_diff"], noise_ratio=against["noise_ratio"],
-                         noise_references=c["noise_references"])
-            if code != 0:
-                failures.append(f"{precision}: {c['verdict']} (exit {code})")
-        except (Exception, SystemExit) as exc:
-            from parity.commands.common import error_line
-
-            entry.update(exit_code=2, error=error_line(exc))
-            failures.append(f"{precision}: {error_line(exc)}")
+        entry, failure = judge_folder(os.path.join(folder, precision),
+                                      {"precision": precision, "seed": 42, "layout": "tp2dp2"})
         results.append(entry)
+        failures += [failure] if failure else []
     return {"config": {**RUN, **DAPO, "rollouts": ROLLOUTS}, "comparisons": results, "failures": failures}
