@@ -276,3 +276,27 @@ def test_a_cuda_group_spawns_its_ranks_and_a_cpu_group_forks_them(tmp_path):
         start_processes(_modules_of_rank, (str(tmp_path / device),), 1, device=device)
         held = json.loads((tmp_path / f"{device}.0").read_text())
         assert (held == []) == (device == "cuda"), (device, held)
+
+
+FORKSERVER_EXIT = """
+import multiprocessing, os
+from parity.driver.local_group import PRELOAD
+if __name__ == "__main__":
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    rank = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+    rank.start()  # after the server's imports and its freeze
+    rank.join()
+    print("the command's last line", flush=True)
+"""
+
+
+def test_the_forkserver_leaves_nothing_after_the_commands_last_line(tmp_path):
+    """The local groups' forkserver freezes its imports' objects (rank_preload.py) and unfreezes them as it exits:
+    frozen, triton's bindings printed "nanobind: leaked … instances" on the terminal after verify_trainer.py's last
+    line (CI: a test of that line failed so)."""
+    script = tmp_path / "command.py"
+    script.write_text(FORKSERVER_EXIT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "the command's last line"
+    assert "leaked" not in done.stderr, done.stderr[-2000:]

@@ -12,6 +12,7 @@ the group that is up), one local group of two replays the two records (module-sc
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -133,6 +134,7 @@ def test_no_group_under_a_launcher_of_two_is_refused_in_one_line(tmp_path, monke
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.delitem(sys.modules, "accelerate", raising=False)  # an earlier test's Accelerator state, if any
     lines = []
     model = torch.nn.Linear(2, 2)
     rec = ParityRecorder(str(tmp_path), name="alone", model=model, optimizer=torch.optim.AdamW(model.parameters()),

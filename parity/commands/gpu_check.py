@@ -40,10 +40,10 @@ from parity.commands.common import OneLineParser, error_line, run_command
 from parity.commands.gpu_check_collectives import step_collectives
 from parity.commands.gpu_check_own import markdown as own_markdown, step_own_trainer
 from parity.commands.gpu_check_posttrain import step_posttrain
+from parity.commands.gpu_check_runs import TP_STRATEGY, judge_folder, run_values, shared_gpu, train, write_weights
 from parity.errors import ConfigError
 
 JSON_NAME, REPORT_NAME = "gpu_check.json", "gpu_check.md"
-TP_STRATEGY = "fsdp"  # FSDP2 + DTensor TP: the TP strategy that runs without DeepSpeed
 # Every strategy that runs at one rank without DeepSpeed (the pipeline needs 2 ranks at least: --pp_size 1 is refused)
 WORLD_ONE = ("ddp", "fsdp", "transformers")
 NOT_YET = ("Trainer's and Lightning's DeepSpeed paths (they need DeepSpeed, which the check does not carry), and the "
@@ -190,28 +190,6 @@ def environment(device: str) -> dict:
 
 # --- b. the seed configuration at world size 1 ------------------------------------------------------------------
 
-def _common(folder: str, name: str, device: str, values: dict, weights: str) -> dict:
-    steps = values["debug_steps"]
-    return {**values, "device": device, "loss_output_dir": folder, "storage_path": os.path.join(folder, "runs"),
-            "init_weights_path": weights, "experiment_name": name, "log_interval": steps, "checkpoint_interval": 0}
-
-
-def write_weights(values: dict, seed: int, path: str) -> str:
-    """The shared initial weights, written here (not by DDP's run): each run of a step then stands alone. With LoRA's
-    flags among `values`, the adapters' initial weights beside them (what --save_init_weights writes)."""
-    from parity.models.adapters import lora_settings, write_initial_adapters
-    from parity.models.model import build_model, resolve_model_config, save_init_weights
-
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        config = resolve_model_config(values["model_name"], values["num_layers"])
-        save_init_weights(build_model(config, seed), path)
-        if values.get("lora_r"):
-            write_initial_adapters(path, config, lora_settings(values["lora_r"], None, 0.0, values["lora_targets"],
-                                                               config), seed)
-    return path
-
-
 def step_seed(folder: str, device: str, sizes: dict) -> dict:
     """DDP, then each strategy that runs at one rank without DeepSpeed, at world size 1, in one local group (NCCL on a
     GPU); per run tokens/s, peak memory and MFU from its record (the benchmark's row)."""
@@ -224,7 +202,7 @@ def step_seed(folder: str, device: str, sizes: dict) -> dict:
     weights = write_weights(values, 42, os.path.join(folder, "init_weights.pt"))
     untimed = max(1, values["debug_steps"] // 10)
     one_rank = {**values, "num_workers": 1, "tp_size": 1, "dp_size": 1}
-    planned = {s: plan(s, _common(os.path.join(folder, s), f"seed_{s}", device, one_rank, weights)) for s in WORLD_ONE}
+    planned = {s: plan(s, run_values(os.path.join(folder, s), f"seed_{s}", device, one_rank, weights)) for s in WORLD_ONE}
     failed = train(list(planned.values()))
     rows, failures = {}, []
     for strategy, (cfg, _) in planned.items():
@@ -243,36 +221,6 @@ def step_seed(folder: str, device: str, sizes: dict) -> dict:
     return {"config": values, "rows": rows, "failures": failures}
 
 
-def train(runs: list[tuple]) -> dict[str, str]:
-    """Train planned runs ((cfg, batches), each run afresh) in local groups, one per world size, DDP's DP=2 first; the
-    runs a failed group did not finish train again one by one, so that a failure costs only its own run. Returns the
-    error line of each run that failed, by experiment name."""
-    from parity.driver.local_group import run_group
-    from parity.training.record import load_record, run_record_path
-
-    def complete(cfg) -> bool:
-        return os.path.exists(run_record_path(cfg)) and load_record(run_record_path(cfg)).get("complete", False)
-
-    by_world: dict[int, list] = {}
-    for cfg, batches in runs:
-        if os.path.exists(run_record_path(cfg)):
-            os.remove(run_record_path(cfg))  # a record of an earlier check in this folder
-        by_world.setdefault(cfg.num_workers, []).append((cfg, batches))
-    failed = {}
-    for world in sorted(by_world, key=lambda w: (w != 2, w)):
-        try:
-            run_group(by_world[world])
-        except Exception:
-            for cfg, batches in by_world[world]:
-                if complete(cfg):
-                    continue
-                try:
-                    run_group([(cfg, batches)])
-                except Exception as exc:
-                    failed[cfg.experiment_name] = error_line(exc)
-    return failed
-
-
 # --- c. several ranks on the one GPU: fp32 parity, the bf16 calibrated verdict ------------------------------------
 
 def _parity_runs(folder: str, device: str, small: dict, precision: str, seed: int, weights: str,
@@ -286,17 +234,17 @@ def _parity_runs(folder: str, device: str, small: dict, precision: str, seed: in
     folders = {f"tp2dp{d}": os.path.join(folder, f"tp2dp{d}") for d in (1, 2)}
     base = os.path.join(folder, "tp2dp1")
     flags = {**small, "precision": precision, "seed": seed}
-    runs = [("ddp", "ddp", _common(base, f"ddp_{precision}_s{seed}", device,
+    runs = [("ddp", "ddp", run_values(base, f"ddp_{precision}_s{seed}", device,
                                    {**flags, "num_workers": dp, "dp_size": dp}, weights))]
     if references:  # the main job's: the baseline at two other layouts and in fp32 at its own
         for twin_dp, twin_batch in twin_layouts(dp, batch, None):
-            runs.append((f"twin_dp{twin_dp}", "ddp", _common(base, f"ddp_twin_dp{twin_dp}_s{seed}", device, {
+            runs.append((f"twin_dp{twin_dp}", "ddp", run_values(base, f"ddp_twin_dp{twin_dp}_s{seed}", device, {
                 **flags, "num_workers": twin_dp, "dp_size": twin_dp, "batch_size": twin_batch, "noise_reference": True},
                 weights)))
-        runs.append(("fp32_twin", "ddp", _common(base, f"ddp_fp32_twin_s{seed}", device, {
+        runs.append(("fp32_twin", "ddp", run_values(base, f"ddp_fp32_twin_s{seed}", device, {
             **flags, "precision": "fp32", "num_workers": dp, "dp_size": dp, "noise_reference": True}, weights)))
     for d in (1, 2):
-        runs.append((f"tp2dp{d}", TP_STRATEGY, _common(folders[f"tp2dp{d}"], f"fsdp_tp2dp{d}_{precision}_s{seed}",
+        runs.append((f"tp2dp{d}", TP_STRATEGY, run_values(folders[f"tp2dp{d}"], f"fsdp_tp2dp{d}_{precision}_s{seed}",
                                                        device, {**flags, "num_workers": 2 * d, "tp_size": 2,
                                                                 "dp_size": d, "batch_size": batch * dp // d}, weights)))
     return runs, folders
@@ -324,7 +272,7 @@ def judged(folder: str, device: str, flags: dict, plan_by_precision) -> dict:
     from parity.driver.local_group import SHARE_ONE_GPU, plan
 
     planned, comparisons, failures = [], [], []
-    with _shared_gpu(device, SHARE_ONE_GPU):  # planned under it too: without it a run's workers need a GPU each
+    with shared_gpu(device, SHARE_ONE_GPU):  # planned under it too: without it a run's workers need a GPU each
         for precision, seeds, references in plan_by_precision:
             for seed in seeds:
                 seed_folder = os.path.join(folder, precision, f"seed_{seed}")
@@ -354,43 +302,6 @@ def judged(folder: str, device: str, flags: dict, plan_by_precision) -> dict:
     return {"seeds": seeds, "config": flags, "comparisons": results, "failures": failures}
 
 
-def judge_folder(target: str, where: dict) -> tuple[dict, str | None]:
-    """The harness's comparison of the records in `target` (plot_loss_curves.py's; its block goes to the log): the
-    entry (`where`, its exit code, verdict, max relative differences and deviation ÷ noise of the TP strategy's run) and
-    the failure's line, or None."""
-    from parity.commands.compare_curves import compare_and_report
-
-    entry = {**where, "folder": target}
-    named = f"{where['precision']} seed {where['seed']} {where['layout']}"
-    try:
-        code = compare_and_report(target, os.path.join(target, "loss_curves.png"))
-        with open(os.path.join(target, "curve_comparison.json")) as f:
-            c = json.load(f)
-        against = c["against_baseline"][TP_STRATEGY]
-        entry.update(exit_code=code, verdict=c["verdict"], calibrated=against["calibrated"],
-                     max_rel_diff=against["max_rel_diff"], noise_ratio=against["noise_ratio"],
-                     noise_references=c["noise_references"])
-        return entry, None if code == 0 else f"{named}: {c['verdict']} (exit {code})"
-    except (Exception, SystemExit) as exc:
-        entry.update(exit_code=2, error=error_line(exc))
-        return entry, f"{named}: {error_line(exc)}"
-
-
-@contextlib.contextmanager
-def _shared_gpu(device: str, variable: str):
-    """The testing switch on for the block on a GPU (every rank of a group on cuda:0, over gloo)."""
-    before = os.environ.get(variable)
-    if device == "cuda":
-        os.environ[variable] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = before
-
-
 # --- d. the layer check -----------------------------------------------------------------------------------------
 
 def step_layer_check(folder: str, device: str, sizes: dict) -> dict:
@@ -404,7 +315,7 @@ def step_layer_check(folder: str, device: str, sizes: dict) -> dict:
             "--tp_size", "2", "--precision", "bf16", "--noise_reference", "on", "--model_name", s["model_name"],
             "--num_layers", str(s["num_layers"]), "--batch_size", str(s["batch_size"]),
             "--seq_length", str(s["seq_length"])]
-    with _shared_gpu(device, SHARE_ONE_GPU):
+    with shared_gpu(device, SHARE_ONE_GPU):
         code = layer_check(argv)
     details = {"command": "python run_verification.py " + " ".join(argv), "exit_code": code}
     path = os.path.join(folder, "layer_comparison.json")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from parity.commands.gpu_check_runs import judge_folder, run_values, shared_gpu, train, write_weights
+
 DAPO = {"objective": "dapo", "objective_args": ["beta=0.1", "mask_truncated_completions=true"]}
 RUN = {"model_name": "qwen2-tiny", "learning_rate": 1e-4, "log_interval": 5, "replica_check_interval": 2}
 DP2 = {"num_workers": 2, "dp_size": 2, "batch_size": 4, "grad_accum_steps": 2}
@@ -29,7 +31,6 @@ ROLLOUTS = ["--family", "grpo", "--steps", "3", "--prompts_per_step", "4", "--nu
 
 def step_posttrain(folder: str, device: str, sizes: dict) -> dict:
     """The rollout file, every run of RUNS trained, each precision's folder judged: {"comparisons": [...], "failures"}."""
-    from parity.commands.gpu_check import _common, _shared_gpu, judge_folder, train, write_weights
     from parity.commands.make_rollouts import main as make_rollouts
     from parity.driver.local_group import SHARE_ONE_GPU, plan
 
@@ -37,8 +38,8 @@ def step_posttrain(folder: str, device: str, sizes: dict) -> dict:
     rollouts = os.path.join(folder, "grpo.safetensors")
     if make_rollouts([*ROLLOUTS, "--init_weights_path", weights, "--output", rollouts]) != 0:
         return {"failures": ["make_rollouts.py failed (see the log)"]}
-    with _shared_gpu(device, SHARE_ONE_GPU):  # planned under it too: without it a run's workers need a GPU each
-        planned = [plan(strategy, _common(os.path.join(folder, where), name, device,
+    with shared_gpu(device, SHARE_ONE_GPU):  # planned under it too: without it a run's workers need a GPU each
+        planned = [plan(strategy, run_values(os.path.join(folder, where), name, device,
                                           {**RUN, **DAPO, **flags, "rollouts": rollouts, "debug_steps": 2}, weights))
                    for name, (strategy, where, flags) in RUNS.items()]
         failed = train(planned)
