@@ -34,7 +34,7 @@ def _step(report: dict, name: str) -> dict:
 def test_the_dry_run_passes_every_step_and_writes_one_report(dry_run):
     code, report, out = dry_run
     assert code == 0, [(s["step"], s["error"]) for s in report["steps"]]
-    assert [s["step"] for s in report["steps"]] == ["collectives", "seed", "layer_check", "posttrain", "own_trainer",
+    assert [s["step"] for s in report["steps"]] == ["collectives", "seed", "own_trainer", "layer_check", "posttrain",
                                                     "lora", "parity"]
     assert all(s["passed"] and s["error"] is None and s["seconds"] > 0 for s in report["steps"])
     assert report["total_seconds"] >= sum(s["seconds"] for s in report["steps"])  # each step timed, in the total
@@ -147,8 +147,8 @@ def test_the_dry_run_judges_a_grpo_update_from_a_rollout_file(dry_run):
 
 @pytest.mark.parametrize("argv,line", [
     (["--device", "tpu"], "error: --device tpu: use cuda (the check) or cpu (the dry run)"),
-    (["--device", "cpu", "--steps", "seed", "nope"], "error: --steps nope: use any of collectives, seed, layer_check, "
-                                                      "posttrain, own_trainer, lora, parity"),
+    (["--device", "cpu", "--steps", "seed", "nope"], "error: --steps nope: use any of collectives, seed, own_trainer, "
+                                                      "layer_check, posttrain, lora, parity"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, line):
     from parity.commands.gpu_check import main

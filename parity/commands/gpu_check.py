@@ -7,12 +7,13 @@ gpu_check.json under --output_dir (rewritten after every step, so a check cut sh
   seed          the seed configuration at world size 1 (Qwen/Qwen2.5-0.5B, 2 layers, batch 2, seq 1024, 100 steps,
                 lr 1e-5, bf16): DDP, FSDP2 and transformers' (the pipeline needs 2 ranks); tokens/s, peak
                 memory, MFU against the device's bf16 peak (the benchmark's table), each record
+  own_trainer   your own trainer's GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP and
+                ModelParallel strategies, TRL's GRPOTrainer, torchtitan's debug job), each recorded and replayed at
+                world size 1 (gpu_check_own.py), the FSDP2 Trainer's also under the sharded replays (FSDP2, ZeRO-3);
+                skipped on --device cpu
   layer_check   one recorded step of DDP and FSDP2 + TP=2 in bf16 against DDP's fp32 twin (the layer check)
   posttrain     a GRPO-family update (dapo) from a rollout file, DDP DP=2 against FSDP2 + TP=2 × DP=2, fp32 and the
                 bf16 calibrated verdict (gpu_check_posttrain.py)
-  own_trainer   your own trainer's GPU paths (Trainer with accelerate's FSDP2 plugin, Lightning's FSDP and
-                ModelParallel strategies), each recorded and replayed at world size 1 (gpu_check_own.py), the
-                FSDP2 Trainer's also under the sharded replays (FSDP2, ZeRO-3); skipped on --device cpu
   lora          LoRA adapters (rank 8 on q, k, v and o) on the frozen base, the parity step's runs at its first seed:
                 DDP DP=2's LoRA run against FSDP2 + TP's, fp32 and the bf16 calibrated verdict (docs/finetune.md)
   parity        several ranks on the one GPU over gloo (PARITY_SHARE_ONE_GPU=1, a switch for testing only): DDP
@@ -80,8 +81,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     return p
 
 
-# the longest last: a check cut short loses least
-STEP_NAMES = ("collectives", "seed", "layer_check", "posttrain", "own_trainer", "lora", "parity")
+# One rank's steps first (the GPU as users run it), then those of several ranks on the one GPU under the testing
+# switch, the longest last: on the first H200 these crashed (FSDP2 over gloo with CUDA tensors) and their retries took
+# the call's time before own_trainer ran (docs/gpu.md)
+STEP_NAMES = ("collectives", "seed", "own_trainer", "layer_check", "posttrain", "lora", "parity")
 # the lora step's adapters: every attention projection (FSDP2's TP plan places a colwise one's lora_B and a rowwise
 # one's lora_A beside their projection: plans.adapter_rules)
 LORA = {"lora_r": 8, "lora_targets": "q_proj,k_proj,v_proj,o_proj"}
