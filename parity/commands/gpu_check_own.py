@@ -27,7 +27,6 @@ PATHS = (
     ("trl_grpo", "trl_posttrain.py", ["--trainer", "grpo", "--fp32"], ("ddp",)),  # TRL's GRPOTrainer (docs/posttrain.md)
 )
 TIMEOUT_S = 300  # one path's recording or job: a hung one costs its row, not the check's other rows
-NEEDS_DEEPSPEED = ("zero3",)  # the replays the check runs only where DeepSpeed is installed (the bundle leaves it out)
 # (row, the job's own arguments beyond the debug config, verify_trainer.py's flags)
 TITAN = (("torchtitan_fp32", ["--training.mixed_precision_param", "float32"], []),
          ("torchtitan_bf16", [], ["--calibrate"]))
@@ -42,6 +41,8 @@ def step_own_trainer(folder: str, device: str, sizes: dict) -> dict:
     line} on CPU."""
     if device != "cuda":
         return {"skipped": SKIPPED}
+    from parity.integrations.replay_choice import REPLAYS
+
     rows, failures = {}, []
     for name, example, flags, replays in PATHS:
         out = os.path.join(folder, name)
@@ -49,7 +50,8 @@ def step_own_trainer(folder: str, device: str, sizes: dict) -> dict:
             record = _record(out, os.path.join(EXAMPLES, example), flags)
             for replay in replays:
                 row = name if replay == "ddp" else f"{name} under {replay}"
-                if replay in NEEDS_DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
+                # a replay under the DeepSpeed strategy runs only where DeepSpeed is installed (the bundle leaves it out)
+                if REPLAYS[replay][0] == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
                     rows[row] = {"skipped": "DeepSpeed is not installed here"}
                     continue
                 rows[row] = _replay(out, record, replay)

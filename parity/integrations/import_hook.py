@@ -8,6 +8,7 @@ imported, `then` runs now."""
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import sys
 from typing import Callable
@@ -19,6 +20,24 @@ def when_imported(name: str, then: Callable) -> None:
         then(sys.modules[name])
     elif not any(isinstance(f, _Finder) and f.name == name for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder(name, then))
+
+
+def after_init(name: str, class_name: str, then: Callable) -> None:
+    """`then(instance)` at the end of every `class_name.__init__` of module `name` (and of its subclasses' through
+    theirs), from the moment the module is imported (now, if it already is): trainer_hook.py's Trainer and
+    torchtitan.py's Trainer."""
+    def wrap(module) -> None:
+        cls = getattr(module, class_name)
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            then(self)
+
+        cls.__init__ = __init__
+
+    when_imported(name, wrap)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -31,7 +31,6 @@ command runs where the command names torchtitan's --module and --config (`comman
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -39,7 +38,7 @@ import sys
 import torch
 
 from parity.integrations import attach
-from parity.integrations.import_hook import when_imported
+from parity.integrations.import_hook import after_init
 
 MODULE = "torchtitan.trainer"
 PRECISIONS = {"float32": "fp32", "bfloat16": "bf16_params"}  # training.mixed_precision_param → the harness's policy
@@ -47,20 +46,14 @@ REDUCE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def install() -> None:
-    """Wrap torchtitan's Trainer.__init__ once its module is imported (now, if it already is)."""
-    when_imported(MODULE, lambda module: _wrap(module.Trainer))
+    """torchtitan's Trainer.__init__ ends by attaching a TitanRecording, once its module is imported (now, if it already
+    is)."""
+    after_init(MODULE, "Trainer", _attach)
 
 
-def _wrap(trainer_class) -> None:
-    init = trainer_class.__init__
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if getattr(self, "_parity_recording", None) is None and not self.config.checkpoint.create_seed_checkpoint:
-            self._parity_recording = TitanRecording(self)
-
-    trainer_class.__init__ = __init__
+def _attach(trainer) -> None:
+    if getattr(trainer, "_parity_recording", None) is None and not trainer.config.checkpoint.create_seed_checkpoint:
+        trainer._parity_recording = TitanRecording(trainer)
 
 
 def config_refusal(config) -> str | None:

@@ -11,29 +11,22 @@ pre-hook, the logs) and changes nothing the framework computes.
 
 from __future__ import annotations
 
-import functools
 
 from parity.integrations import attach
-from parity.integrations.import_hook import when_imported
+from parity.integrations.import_hook import after_init
 
 MODULE = "transformers.trainer"
 
 
 def install() -> None:
-    """Wrap Trainer.__init__ once transformers' trainer module is imported (now, if it already is)."""
-    when_imported(MODULE, lambda module: _wrap(module.Trainer))
+    """Trainer.__init__ ends by adding parity's callback, once transformers' trainer module is imported (now, if it
+    already is)."""
+    after_init(MODULE, "Trainer", _add_callback)
 
 
-def _wrap(trainer_class) -> None:
-    init = trainer_class.__init__
+def _add_callback(trainer) -> None:
+    from parity.integrations.transformers import ParityCallback
 
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        from parity.integrations.transformers import ParityCallback
-
-        if not any(isinstance(cb, ParityCallback) for cb in self.callback_handler.callbacks):
-            output_dir, name = attach.variables()
-            self.add_callback(ParityCallback(output_dir, name=name))
-
-    trainer_class.__init__ = __init__
+    if not any(isinstance(cb, ParityCallback) for cb in trainer.callback_handler.callbacks):
+        output_dir, name = attach.variables()
+        trainer.add_callback(ParityCallback(output_dir, name=name))
