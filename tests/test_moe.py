@@ -157,8 +157,11 @@ def test_each_expert_parallel_bug_fails_the_fp32_verdict_at_its_step(moe_runs, t
 
 
 def layer_check(folder, *flags) -> tuple[int, dict]:
+    """The layer check's exit code and comparison; its ranks' output on the terminal (--verbose), so that a rank that
+    dies (once in CI: SIGABRT, no line of its own) leaves what it printed in the test's report."""
     code = run_verification(["--output_dir", str(folder), "--launcher", "local", "--device", "cpu", "--model_name",
-                             BUG_PRESET, "--seq_length", "32", "--dp_size", "2", "--grad_accum_steps", "2", *flags])
+                             BUG_PRESET, "--seq_length", "32", "--dp_size", "2", "--grad_accum_steps", "2", "--verbose",
+                             *flags])
     return code, json.loads((folder / "layer_comparison.json").read_text())
 
 
