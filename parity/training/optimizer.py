@@ -97,14 +97,43 @@ def lr_at(step: int, cfg) -> float:
     return cfg.learning_rate
 
 
+# A CPU tensor of this many elements or more is summed in rows of ROW elements: each row's norm in fp32 (vectorised),
+# the rows' squares added in float64. On one core a float64 reduction reads ~4 ns an element, the rows ~0.2 ns: at
+# Qwen2.5-0.5B's widths (169 M parameters at two layers) 715 ms against 30 ms a pass, and the recorder makes four passes
+# a step. A row's fp32 sum of 1024 squares is good to ~1e-8 (measured against float64: ≤ 8e-9 over those tensors);
+# below this size, and on GPUs (whose float64 reductions read fp32 as fast), the float64 reduction itself.
+ROWS_FROM, ROW = 1 << 20, 1024
+TINY = 1e-30  # a sum of squares below it (elements under ~1e-19, whose fp32 squares underflow) is taken again in float64
+
+
 def squared_norm_fp64(t: torch.Tensor) -> torch.Tensor:
-    """Sum of squares accumulated in float64.
+    """Sum of squares accumulated in float64 (a 0-d float64 tensor on t's device).
 
     The pre-clip norm is compared across strategies at 1e-5, and an fp32 norm over a large gradient
     (the 2048×64 tied embedding already) is itself only good to ~1e-5; in float64 the only difference
-    left is which partial sums each strategy forms, far below that.
+    left is which partial sums each strategy forms, far below that. Large CPU tensors in float64-summed rows (ROW).
     """
-    return torch.linalg.vector_norm(t.detach(), dtype=torch.float64).square()  # no float64 copy: ~1.6× faster
+    t = t.detach()
+    if t.numel() < ROWS_FROM or t.device.type != "cpu" or t.dtype == torch.float64:
+        return torch.linalg.vector_norm(t, dtype=torch.float64).square()  # no float64 copy: ~1.6× faster
+    flat = t.reshape(-1)
+    whole = flat.numel() // ROW * ROW
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1,
+                                    dtype=None if t.dtype == torch.float32 else torch.float32)
+    total = rows.double().square().sum()
+    if whole < flat.numel():
+        total = total + torch.linalg.vector_norm(flat[whole:], dtype=torch.float64).square()
+    if not TINY < float(total) < math.inf:  # underflow, overflow or NaN in fp32: the float64 reduction says which
+        return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+    return total
+
+
+def squares_fp64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """squared_norm_fp64 of each tensor: the small ones in one foreach kernel, the large CPU ones in rows."""
+    rows = [t.numel() >= ROWS_FROM and t.device.type == "cpu" and t.dtype != torch.float64 for t in tensors]
+    small = [t.detach() for t, r in zip(tensors, rows) if not r]
+    norms = iter(torch._foreach_norm(small, 2, dtype=torch.float64) if small else [])
+    return [squared_norm_fp64(t) if r else next(norms).square() for t, r in zip(tensors, rows)]
 
 
 def clip_coefficient(total_norm: float, cfg) -> float:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from parity.training.optimizer import squares_fp64
 from parity.training.replicas import mesh_replica_ranks
 
 GRADIENT, UPDATE = "gradient", "update"  # the two phases a tensor is judged in: its gradient, its parameter after
@@ -82,9 +83,9 @@ def local_squares(pieces: list[Piece], names: list[str], device: torch.device, s
             if p.counted and p.tensor is not None and p.name in index]
     out = torch.zeros(len(names), dtype=torch.float64, device=device)
     if held:  # one foreach kernel, not a reduction per tensor (the step's cost: docs/benchmark.md)
-        norms = torch._foreach_norm([t for _, t in held], 2, dtype=torch.float64)
+        squares = squares_fp64([t for _, t in held])
         out.index_put_((torch.tensor([i for i, _ in held], device=device),),
-                       torch.stack([n.to(device) for n in norms]).square(), accumulate=True)
+                       torch.stack([x.to(device) for x in squares]), accumulate=True)
     return out / (scale * scale) if scale != 1.0 else out
 
 
