@@ -44,7 +44,7 @@ from parity.integrations.world import first_process, trains_alone
 from parity.models.model import config_as_built, config_summary, file_sha256
 from parity.precision import POLICIES
 from parity.registry import KNOWN
-from parity.training.loss import IGNORE_INDEX, loss_sum
+from parity.objectives.causal_lm import IGNORE_INDEX, measured_loss_sum
 from parity.training.observer import StepObserver, device_name
 from parity.training.record import RECORDER_SOURCE as SOURCE, LossRecord, record_path
 from parity.training.tensor_series import kept_chunks
@@ -302,7 +302,7 @@ class ParityRecorder(BatchTaking):
                     summed = float(summed_loss) if log_probs is None else float(-log_probs.detach().double().sum())
                 else:
                     logits = self.layout.logits(logits.detach())  # a DTensor's in full
-                    summed = float(loss_sum(logits, labels.to(logits.device)).double())
+                    summed = float(measured_loss_sum(logits, labels.to(logits.device)).double())
             self.micro.append(taken(input_ids, labels, attention_mask, position_ids, use_cache, self.model))
             self.loss_sum += summed
             self.tokens += int((self.micro[-1].labels[:, 1:] != IGNORE_INDEX).sum())
@@ -357,7 +357,9 @@ class ParityRecorder(BatchTaking):
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """The optimizer's step pre-hook: the lr of every group as the step applies it; for an adapter that asks
-        (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after any clipping)."""
+        (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after any clipping). Its time
+        is the recorder's (recorder_before), not the step's."""
+        t0 = time.perf_counter()
         self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.tensors.read(AT_OPTIMIZER)  # where the framework clipped before any hook of the recorder's
         self._optimizer_steps += 1
@@ -368,6 +370,7 @@ class ParityRecorder(BatchTaking):
                 self.norm_at_optimizer_step = self.layout.grad_norm()
             except Exception:
                 self.norm_at_optimizer_step = math.nan
+        self.recorder_s += time.perf_counter() - t0
 
     def after_step(self, lr: float | None = None, logged_loss: float | None = None,
                    grad_norm: float | None = None, logged_grad_norm: float | None = None) -> None:

