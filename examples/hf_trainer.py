@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model_path", default=None,
                    help="a Hugging Face model folder to train, loaded with from_pretrained (default: qwen2-tiny, "
                         "random weights)")
+    p.add_argument("--model_name", default="qwen2-tiny", help="without --model_path: a built-in model config, random "
+                                                               "weights")
+    p.add_argument("--model_layers", type=int, default=None, help="its decoder layers (default: the config's)")
     p.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast over fp32 weights)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer.md#lora)")
@@ -125,7 +128,7 @@ def train(args) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
     else:
-        model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
+        model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)
     if args.lora:  # a PeftModel: Trainer's optimizer takes what requires gradients, the adapters
         from peft import LoraConfig, get_peft_model
 

@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model_layers", type=int, default=2, help="qwen2-tiny's decoder layers")
+    p.add_argument("--model_name", default="qwen2-tiny", help="a built-in model config, random weights")
+    p.add_argument("--model_layers", type=int, default=2, help="the model's decoder layers (its first N)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer.md#lora)")
     p.add_argument("--strategy", default="ddp", choices=("ddp", "model_parallel", "fsdp"),
@@ -143,7 +144,7 @@ def train(args, ray: bool = False) -> None:
     up = dist.is_initialized()  # a group already up (Ray's): Lightning's own environment deletes WORLD_SIZE at teardown
     world = dist.get_world_size() if up else int(os.environ.get("WORLD_SIZE", "1"))
     rank = dist.get_rank() if up else int(os.environ.get("RANK", "0"))
-    model = build_model(resolve_model_config("qwen2-tiny", args.model_layers), args.seed)
+    model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)
     if args.lora:  # a PeftModel in the module; its optimizer over every parameter steps the adapters alone
         from peft import LoraConfig, get_peft_model
 

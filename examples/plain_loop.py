@@ -56,7 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model_layers", type=int, default=2, help="qwen2-tiny's decoder layers")
+    p.add_argument("--model_name", default="qwen2-tiny",
+                   help="a built-in model config (parity.models.presets), random weights: e.g. Qwen/Qwen2.5-0.5B's "
+                        "widths for benchmark.py --recorder")
+    p.add_argument("--model_layers", type=int, default=2, help="the model's decoder layers (its first N)")
     p.add_argument("--bf16", action="store_true", help="the forward under torch.autocast(bfloat16), over fp32 weights")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer.md#lora)")
@@ -93,7 +96,7 @@ def build(args, shard):
     once its adapters are in, before the optimizer is built (DDP here, examples/sharded_loop.py's fully_shard)."""
     from parity.models.model import build_model, resolve_model_config
 
-    model = build_model(resolve_model_config("qwen2-tiny", args.model_layers), args.seed)
+    model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)
     if args.lora:  # peft's adapters, the model frozen under them
         from peft import LoraConfig, get_peft_model
 

@@ -240,6 +240,8 @@ BAD = [
     (["--rows", "ddp,zero3", "--batch_size", "0"], "error: --batch_size must be a positive integer (got 0)"),
     (["--rows", "ddp,zero2", "--reduce_bucket_size", "0"],
      "error: --reduce_bucket_size must be a positive number of elements (got 0): DeepSpeed's default is 500000000"),
+    (["--recorder", "--rows", "DDP,zero2"], "error: --rows zero2: with --recorder the rows are recorder layouts: "
+                                           "DDP,FSDP2,FSDP1,ZeRO-1,ZeRO-2,ZeRO-3,Trainer,Lightning"),
 ]
 
 
@@ -248,6 +250,25 @@ def test_bad_input_is_one_line(tmp_path, capsys, argv, line):
     assert main(["--output_dir", str(tmp_path), "--model_name", "qwen2-tiny", "--device", "cpu", *argv]) == 2
     assert capsys.readouterr().err.splitlines() == [line]
     assert not (tmp_path / "benchmark.json").exists()
+
+
+def test_the_recorders_cost_is_its_parts_over_the_steps_of_the_model_asked_for(tmp_path):
+    """benchmark.py --recorder on the DDP layout (examples/plain_loop.py under torchrun), qwen2-tiny cut to one layer:
+    the record is of a one-layer model, the figures are over the steps after the untimed one, the share is the
+    recorder's mean seconds over the mean step, and the parts it times fit in its seconds (a check, not a timing)."""
+    from parity.training.record import load_record
+
+    assert main(["--output_dir", str(tmp_path), "--recorder", "--rows", "DDP", "--model_name", "qwen2-tiny",
+                 "--num_layers", "1", "--debug_steps", "3", "--untimed_steps", "1", "--seq_length", "64"]) == 0
+    found = json.loads((tmp_path / "recorder.json").read_text())
+    assert (found["model_name"], found["num_layers"], found["seq_length"]) == ("qwen2-tiny", 1, 64)
+    row = found["layouts"]["DDP"]
+    assert row["steps"] == 2 and row["share_of_mean_step"] == pytest.approx(row["mean_recorder_s"] / row["mean_step_s"])
+    parts = row["parts_s"]
+    assert 0 < parts["recorder_before"] and sum(parts.values()) <= row["mean_recorder_s"] * (1 + 1e-9)
+    record = load_record(str(tmp_path / "recorder" / "ddp" / "loss_plain_loop.json"))
+    assert record["config"]["model_config"]["num_hidden_layers"] == 1 and len(record["steps"]) == 3
+    assert "| DDP |" in (tmp_path / "recorder.md").read_text()
 
 
 def test_offload_param_needs_zero_stage_3(tmp_path, tiny_weights):

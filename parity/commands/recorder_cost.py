@@ -1,9 +1,10 @@
 """benchmark.py --recorder: the recorder's own cost per recorder layout (docs/benchmark.md#the-recorders-cost).
 
 Each layout is its example (examples/) as a user runs it, on --num_workers ranks under torchrun, at the benchmark's sizes
-(qwen2-tiny, --seq_length tokens, --batch_size rows a rank, one micro-batch a step, fp32), recording itself. The
+(qwen2-tiny, or --model_name's widths cut to --num_layers; --seq_length tokens, --batch_size rows a rank, one micro-batch
+a step, fp32), recording itself. The
 recorder times itself in each step's record entry (`harness_s`): `recorder_before`, what it did during the step (each
-micro-batch's loss from the logits, in float64, and before_step's reads), and `after_step`, all it does at the step's
+micro-batch's loss from the logits, before_step's reads, the optimizer step pre-hook's), and `after_step`, all it does at the step's
 end (the rows' exchange, the parameter norm, the batch saved, every tensor's norms, the replica check, the entry and,
 every log_interval steps, the record's write). The share of a step is those seconds over the step's own
 (`step_time_s`, the recorder's seconds taken out), over the steps after the first `--untimed_steps`: the mean seconds
@@ -34,7 +35,7 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.
 
 
 def measure(out: str, layouts: list[str], steps: int, untimed: int, seq_length: int, batch_size: int,
-            workers: int) -> dict:
+            workers: int, model: list[str] = ()) -> dict:
     """{layout: its figures (cost), or {"error": line}}: each layout's example run and recorded into out/<layout>."""
     from parity.training.record import load_record
 
@@ -45,7 +46,7 @@ def measure(out: str, layouts: list[str], steps: int, untimed: int, seq_length: 
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers),
                    os.path.join(EXAMPLES, example), "--output_dir", folder, "--steps", str(steps), "--seq_length",
                    str(seq_length), "--grad_accum_steps", "1", "--batch_size", str(batch_size),
-                   *flags]  # torchrun's ranks; one micro-batch: --batch_size is a rank's rows in every example
+                   *model, *flags]  # torchrun's ranks; one micro-batch: --batch_size is a rank's rows in every example
         done = subprocess.run(command, capture_output=True, text=True)
         records = sorted(f for f in os.listdir(folder) if f.startswith("loss_") and f.endswith(".json")) \
             if os.path.isdir(folder) else []
@@ -95,11 +96,18 @@ def run(args) -> int:
         from parity.errors import ConfigError
 
         raise ConfigError(f"--rows {unknown[0]}: with --recorder the rows are recorder layouts: {','.join(LAYOUTS)}")
+    if args.model_name:  # a config the examples cannot build: one line before any of them starts
+        from parity.models.model import resolve_model_config
+
+        resolve_model_config(args.model_name, args.num_layers)
+    model = [*(["--model_name", args.model_name] if args.model_name else []),
+             *(["--model_layers", str(args.num_layers)] if args.num_layers else [])]  # the examples' own by default
     rows = measure(out, layouts, args.debug_steps, args.untimed_steps, args.seq_length or 256, args.batch_size,
-                   args.num_workers)
+                   args.num_workers, model)
     write_json_atomic(os.path.join(out, "recorder.json"), {
         "steps": args.debug_steps, "untimed_steps": args.untimed_steps, "seq_length": args.seq_length or 256,
-        "batch_size": args.batch_size, "num_workers": args.num_workers, "layouts": rows})
+        "batch_size": args.batch_size, "num_workers": args.num_workers, "model_name": args.model_name or "qwen2-tiny",
+        "num_layers": args.num_layers, "layouts": rows})
     table = "\n".join(markdown(rows)) + "\n"
     write_text_atomic(os.path.join(out, "recorder.md"), table)
     print(table + f"wrote {out}/recorder.json, {out}/recorder.md", flush=True)
