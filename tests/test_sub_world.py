@@ -5,7 +5,8 @@ tests/test_main_script.py's: DDP at 2 workers checkpointing in the TP runs' grou
 
 One local group of 2 ranks trains DDP at 1 worker, at 2, and at 1 again; one group of 1 the same run alone: the runs
 at 1 worker are the lone run bit for bit, and the run at 2 is theirs to fp32 parity. A run that stops every rank (a
-loss that is not finite) stops the whole group on its line, the waiting rank too, and the next run never starts."""
+loss that is not finite) stops the whole group on its line, the waiting rank too, and the next run never starts. A
+local group's rank 0, whose process serves the group's store, leaves last."""
 
 from __future__ import annotations
 
@@ -56,3 +57,29 @@ def test_a_run_that_stops_stops_the_group_and_the_waiting_rank(tmp_path, tiny_we
         run_group(runs)
     assert "loss is" in str(failed.value) and "at step" in str(failed.value), failed.value
     assert (tmp_path / "diverges" / "loss_ddp.json").exists() and not (tmp_path / "next").exists()
+
+
+def _reads_the_store_late(group: dict) -> dict:
+    """A rank's work in which rank 1 still uses the group's store — served from rank 0's process — a second after rank
+    0 is done, as a rank forming the whole group again after a run of fewer ranks does."""
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set("parity_test/word", "late")
+    else:
+        time.sleep(1.0)
+        assert store.get("parity_test/word") == b"late"
+    return {}
+
+
+def test_rank_0_leaves_the_group_last(tmp_path, tiny_weights):
+    """A local group's rank 0 waits for every rank before its process — the store's server — exits: a rank still using
+    the store after rank 0 finished its work (once in 12 groups of a 2-rank then a 1-rank run before, "Connection reset
+    by peer" re-forming the group) reads it."""
+    from parity.driver.local_group import launch_local
+
+    cfg, _ = _run(tmp_path, tiny_weights, "late", TWO)
+    launch_local([cfg], [{}], worker=_reads_the_store_late)
