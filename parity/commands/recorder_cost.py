@@ -2,11 +2,10 @@
 
 Each layout is its example (examples/) as a user runs it, on --num_workers ranks under torchrun, at the benchmark's sizes
 (qwen2-tiny, or --model_name's widths cut to --num_layers; --seq_length tokens, --batch_size rows a rank, one micro-batch
-a step, fp32), recording itself. The
-recorder times itself in each step's record entry (`harness_s`): `recorder_before`, what it did during the step (each
-micro-batch's loss from the logits, before_step's reads, the optimizer step pre-hook's), and `after_step`, all it does at the step's
-end (the rows' exchange, the parameter norm, the batch saved, every tensor's norms, the replica check, the entry and,
-every log_interval steps, the record's write). The share of a step is those seconds over the step's own
+a step, fp32), recording itself. The recorder times itself in each step's record entry (`harness_s`): `recorder_before`,
+what it did during the step (each micro-batch's loss from the logits, before_step's reads, the optimizer step
+pre-hook's), and `after_step`, all it does at the step's end (the rows' exchange, the parameter norm, the batch saved,
+every tensor's norms, the replica check, the entry and, every log_interval steps, the record's write). The share of a step is those seconds over the step's own
 (`step_time_s`, the recorder's seconds taken out), over the steps after the first `--untimed_steps`: the mean seconds
 over the mean step (what the recorder adds in all), and the median of each step's share.
 """

@@ -11,7 +11,6 @@ pre-hook, the logs) and changes nothing the framework computes.
 
 from __future__ import annotations
 
-
 from parity.integrations import attach
 from parity.integrations.import_hook import after_init
 

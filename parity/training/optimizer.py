@@ -114,7 +114,7 @@ def squared_norm_fp64(t: torch.Tensor) -> torch.Tensor:
     left is which partial sums each strategy forms, far below that. Large CPU tensors in float64-summed rows (ROW).
     """
     t = t.detach()
-    if t.numel() < ROWS_FROM or t.device.type != "cpu" or t.dtype == torch.float64:
+    if not _in_rows(t):
         return torch.linalg.vector_norm(t, dtype=torch.float64).square()  # no float64 copy: ~1.6× faster
     flat = t.reshape(-1)
     whole = flat.numel() // ROW * ROW
@@ -128,9 +128,14 @@ def squared_norm_fp64(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def _in_rows(t: torch.Tensor) -> bool:
+    """Whether squared_norm_fp64 sums `t` in rows: a large CPU tensor not already float64."""
+    return t.numel() >= ROWS_FROM and t.device.type == "cpu" and t.dtype != torch.float64
+
+
 def squares_fp64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """squared_norm_fp64 of each tensor: the small ones in one foreach kernel, the large CPU ones in rows."""
-    rows = [t.numel() >= ROWS_FROM and t.device.type == "cpu" and t.dtype != torch.float64 for t in tensors]
+    rows = [_in_rows(t) for t in tensors]
     small = [t.detach() for t, r in zip(tensors, rows) if not r]
     norms = iter(torch._foreach_norm(small, 2, dtype=torch.float64) if small else [])
     return [squared_norm_fp64(t) if r else next(norms).square() for t, r in zip(tensors, rows)]
