@@ -252,7 +252,7 @@ def test_the_report_names_the_failing_checkpoint_and_prints_its_replay(runs, tmp
     assert set(found) == {"interval", "checks", "first_fail_step", "replay_command"}
     assert found["interval"] == INTERVAL and found["first_fail_step"] == step
     assert f"--step {step}" in found["replay_command"]
-    assert set(found["checks"][0]) == {"step", "ok", "tensor", "rel_diff", "bound", "ratio", "note"}
+    assert set(found["checks"][0]) == {"step", "ok", "tensor", "rel_diff", "bound", "ratio", "bound_by", "note"}
     assert data["runs"]["ddp"][teacher_forced.KEY]["first_fail_step"] is None
     report = (folder / "curve_report.md").read_text()
     assert "## Teacher-forced checks" in report and f"| {step} | FAIL |" in report

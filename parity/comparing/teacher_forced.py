@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from parity.comparing.tolerances import (CLIP_READ, LAYER_NOISE_K, RESUMED_FP32, TEACHER_FORCED_FP32,
+from parity.comparing.tolerances import (CLIP_READ, LAYER_NOISE_K, NOISE_K, RESUMED_FP32, TEACHER_FORCED_FP32,
                                          TEACHER_FORCED_GRAD_NORM_LOW, tolerance_class)
 from parity.comparing.verdict import Outside
 
@@ -29,16 +29,23 @@ NONE = "teacher_forced_none"  # a loaded recorded run's record: why it has no ch
 TEST = "teacher_forced"  # Outside.test of a failing check
 
 
-def bound(key: str, precision: str, rounding: dict | None, norm_source: str | None = None) -> float:
-    """The bound of one measured tensor ("param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>", "grad_norm"; a
-    recorded grad norm a framework took in its own fp32 arithmetic — Trainer's clip_grad_norm_ where it clipped — at the
-    fp32 norm's bound, CLIP_READ["fp32"]: measured 1.5e-5 and 1.8e-5 off the float64 norm of the same gradients)."""
+def bound(key: str, precision: str, rounding: dict | None, norm_source: str | None = None,
+          noise: dict | None = None) -> tuple[float, str]:
+    """(the bound of one measured tensor — "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>", "grad_norm" —, what
+    made it: "table", "noise" or "rounding"): NOISE_K × how far the reference's perturbed twin moved it (`noise`),
+    never below the fixed table; in a low-precision policy also at least LAYER_NOISE_K × the policy's `rounding`. A
+    recorded grad norm a framework took in its own fp32 arithmetic — Trainer's clip_grad_norm_ where it clipped — has
+    the fp32 norm's floor, CLIP_READ["fp32"]: measured 1.5e-5 and 1.8e-5 off the float64 norm of the same gradients."""
     fixed = TEACHER_FORCED_FP32[key.split("/", 1)[0]]
     if key == "grad_norm" and norm_source == "framework":
         fixed = max(fixed, CLIP_READ["fp32"])
-    if tolerance_class(precision) == "fp32" or rounding is None or key not in rounding:
-        return fixed
-    return max(LAYER_NOISE_K * rounding[key], TEACHER_FORCED_GRAD_NORM_LOW if key == "grad_norm" else fixed)
+    found = [(fixed, "table")]
+    if tolerance_class(precision) != "fp32" and rounding is not None and key in rounding:
+        found = [(TEACHER_FORCED_GRAD_NORM_LOW if key == "grad_norm" else fixed, "table"),
+                 (LAYER_NOISE_K * rounding[key], "rounding")]
+    if noise is not None and key in noise:
+        found.append((NOISE_K * noise[key], "noise"))
+    return max(found, key=lambda f: f[0])
 
 
 def judge_check(entry: dict) -> dict:
@@ -46,16 +53,17 @@ def judge_check(entry: dict) -> dict:
     not)."""
     tensors = entry.get("tensors") or {}
     result = {"step": entry["step"], "ok": True, "tensor": None, "rel_diff": None, "bound": None, "ratio": None,
-              "note": entry.get("note")}
+              "bound_by": None, "note": entry.get("note")}
     worst = -1.0
-    judged = [(key, rel, bound(key, entry["precision"], entry.get("rounding"), entry.get("grad_norm_source")))
+    judged = [(key, rel, *bound(key, entry["precision"], entry.get("rounding"), entry.get("grad_norm_source"),
+                                entry.get("noise")))
               for key, rel in tensors.items()]
-    judged += [(f"resumed {key}", rel, RESUMED_FP32) for key, rel in (entry.get("resumed") or {}).items()]
-    for key, rel, b in judged:
+    judged += [(f"resumed {key}", rel, RESUMED_FP32, "table") for key, rel in (entry.get("resumed") or {}).items()]
+    for key, rel, b, by in judged:
         ratio = rel / b if not math.isnan(rel) else math.inf
         if ratio > worst:
             worst = ratio
-            result.update(tensor=key, rel_diff=rel, bound=b, ratio=ratio)
+            result.update(tensor=key, rel_diff=rel, bound=b, ratio=ratio, bound_by=by)
     result["ok"] = worst <= 1.0
     return result
 

@@ -104,11 +104,25 @@ class ReferenceStep(Strategy):
     def hf_model(self):
         return self.model
 
+    perturb = 1.0  # the perturbed twin's factor on the loss, its gradients divided by it before the step (PERTURB)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.policy_optimizer.loss_scale * self.perturb
+
     def backward(self, loss, last: bool = True) -> None:
         loss.backward()
         self.policy_optimizer.accumulate()
 
+    @torch.no_grad()
+    def unperturb(self) -> None:
+        """The perturbed twin's gradients divided by its factor, wherever they are held now (parameters, masters)."""
+        if self.perturb != 1.0:
+            held = list(self.model.parameters()) + list(self.policy_optimizer.masters or [])
+            torch._foreach_div_([t.grad for t in held if t.grad is not None], self.perturb)
+
     def optimizer_step(self, lr: float):
+        self.unperturb()
         return self.policy_optimizer.step(lr, local_norm)
 
     def gather_world(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -131,20 +145,38 @@ def split_micro_batches(cfg) -> int:
     return cfg.dp_size * cfg.options.get("microbatches", cfg.grad_accum_steps)
 
 
-def reference_cfg(cfg, batch_rows: int, precision: str | None = None):
-    """The run's config for one process holding the whole global batch (`batch_rows` rows), in `precision`'s policy
-    (fp32: no loss scaling, fp32 reductions) or the run's own."""
+PERTURB = 4 / 3
+"""The perturbed twin of the reference step (the check's noise, `references`): its loss × PERTURB (not a power of two:
+every backward product and sum rounds otherwise), its gradients ÷ PERTURB before the step, and the global batch in
+twice the micro-batches where the rows and the objective allow (another order of the sums over tokens, as another
+data-parallel layout's) — the same step, in another arithmetic."""
+
+
+def perturbed_split(cfg, batch) -> int:
+    """The perturbed twin's micro-batches: two where the reference takes the batch whole and each half keeps whole
+    rows and pairs (rows a multiple of 4; not fed rows, which go one at a time already); else the reference's own."""
+    parts = split_micro_batches(cfg)
+    whole = getattr(batch, "fed", None) is None and getattr(batch, "micro_rows", None) is None
+    return 2 if whole and parts == 1 and len(batch.input_ids) % 4 == 0 else parts
+
+
+def reference_cfg(cfg, batch_rows: int, precision: str | None = None, micro_batches: int | None = None):
+    """The run's config for one process holding the whole global batch (`batch_rows` rows, in `micro_batches`: default
+    split_micro_batches'), in `precision`'s policy (fp32: no loss scaling, fp32 reductions) or the run's own."""
     changes = dict(num_workers=1, dp_size=1, tp_size=1, pp_size=1, ep_size=1, batch_size=batch_rows,
-                   grad_accum_steps=split_micro_batches(cfg), compile=False, activation_checkpointing=False)
+                   grad_accum_steps=micro_batches or split_micro_batches(cfg), compile=False,
+                   activation_checkpointing=False)
     if precision == "fp32":
         changes.update(precision="fp32", reduce_dtype="fp32", grad_accum_dtype="fp32", loss_scaling=None)
     return dataclasses.replace(cfg, **changes)
 
 
 def reference_step(cfg, model_config, state: FullState, global_batch, lr: float, device,
-                   precision: str | None = None, loss_scale: float = 1.0) -> tuple[FullState, float] | None:
-    """[2]: one step from `state` on `global_batch` at `lr`; (the state after it, the pre-clip grad norm), or None where
-    an fp16 overflow skipped it (at the strategy's `loss_scale`)."""
+                   precision: str | None = None, loss_scale: float = 1.0, perturbed: bool = False
+                   ) -> tuple[FullState, float] | None:
+    """[2]: one step from `state` on `global_batch` at `lr` (`perturbed`: its twin in another arithmetic, PERTURB);
+    (the state after it, the pre-clip grad norm), or None where an fp16 overflow skipped it (at the strategy's
+    `loss_scale`)."""
     from parity.models.adapters import add_adapters
     from parity.models.model import build_model
 
@@ -155,9 +187,11 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
         for name, b in model.named_buffers():
             if name in state.buffers:
                 b.copy_(state.buffers[name])
-    ref = ReferenceStep(reference_cfg(cfg, len(global_batch.input_ids), precision),
+    parts = perturbed_split(cfg, global_batch) if perturbed else None
+    ref = ReferenceStep(reference_cfg(cfg, len(global_batch.input_ids), precision, parts),
                         WorkerContext(rank=0, device=device, layout=Layout(1, 1)))
     ref.setup(model)
+    ref.perturb = PERTURB if perturbed else 1.0
     if state.moments:
         ref.policy_optimizer.set_moments([(p, state.moments[n]) for n, p in model.named_parameters() if p.requires_grad],
                                          state.count)
@@ -165,27 +199,32 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
     if scaler is not None:  # fp16: the strategy's scale at this step; an overflow looked for in this process alone
         scaler.scale, scaler.collective = loss_scale, False
     ref.forward_backward(global_batch, global_batch.divisor)
-    done = ref.policy_optimizer.step(lr, local_norm)
+    done = ref.optimizer_step(lr)
     return None if done.skipped else (ref.state(), float(done.norm))
 
 
-def references(cfg, model_config, state: FullState, global_batch, lr: float, device,
-               loss_scale: float = 1.0) -> tuple[tuple[FullState, float] | None, tuple[FullState, float] | None]:
-    """[2] (the reference step in the run's policy, the same step in fp32 or None): reference_step's twice in a
-    low-precision policy — how far the policy's rounding moves each tensor at this step is the check's bound there —
-    and once in fp32 (the first None where an fp16 overflow skipped it)."""
+def references(cfg, model_config, state: FullState, global_batch, lr: float, device, loss_scale: float = 1.0):
+    """[2] (the reference step in the run's policy, the same step in fp32 or None, its perturbed twin or None):
+    reference_step's in the run's policy, again in another arithmetic (PERTURB: how far rounding alone moves each
+    tensor at this step, the check's noise) and, in a low-precision policy, once more in fp32 (how far the policy's
+    rounding moves it); the first None where an fp16 overflow skipped it."""
     own = reference_step(cfg, model_config, state, global_batch, lr, device, loss_scale=loss_scale)
-    exact = None
-    if cfg.precision != "fp32" and own is not None:
-        exact = reference_step(cfg, model_config, state, global_batch, lr, device, "fp32")
-    return own, exact
+    if own is None:
+        return own, None, None
+    twin = reference_step(cfg, model_config, state, global_batch, lr, device, loss_scale=loss_scale, perturbed=True)
+    exact = reference_step(cfg, model_config, state, global_batch, lr, device, "fp32") if cfg.precision != "fp32" \
+        else None
+    return own, exact, twin
 
 
 def measured(after: FullState, grad_norm: float, refs, before: FullState, lr: float) -> dict:
-    """[3] A check's measurements: {"tensors": each tensor of `after` against the reference step (measure)} and, where
-    `refs` (references') holds the fp32 twin, "rounding": the reference in the policy measured against it."""
-    (ref, ref_norm), exact = refs
+    """[3] A check's measurements: {"tensors": each tensor of `after` against the reference step (measure)}, "noise":
+    the reference's perturbed twin measured against it the same way, and, where `refs` (references') holds the fp32
+    twin, "rounding": the reference in the policy measured against that."""
+    (ref, ref_norm), exact, twin = refs
     entry = {"tensors": measure(after, grad_norm, ref, ref_norm, before, lr)}
+    if twin is not None:
+        entry["noise"] = measure(twin[0], twin[1], ref, ref_norm, before, lr)
     if exact is not None:
         entry["rounding"] = measure(ref, ref_norm, exact[0], exact[1], before, lr)
     return entry
