@@ -335,6 +335,7 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
         judged = _judged(base, num_steps, base.skipped(num_steps), quantities)
         exact = _judged(fp32_twin, num_steps, base.skipped(num_steps), quantities)
         distance = {q: max(relative_diff(x, e) for x, e in zip(judged[q], exact[q])) for q in quantities}
+    warnings += objective.tie_notes(base, others, num_steps)
     return Comparison(base, [base, *others], num_steps, results, warnings, list(references), distance, quantities)
 
 

@@ -9,7 +9,13 @@ ratio, the clipped fractions, the entropy, DPO's rewards, margin and accuracy) a
 1), a fraction of discrete decisions (clipped, accurate) within one decision of the baseline's (1 ÷ the tokens, rows or
 pairs it counts) plus that bound; calibrated, never below NOISE_K × the quantity's own noise in the references. A
 GRPO-family loss, which crosses 0 where the advantages cancel, is measured on its own scale (`scales`: the mean
-|advantage|) where |the baseline's| is smaller."""
+|advantage|) where |the baseline's| is smaller.
+
+A decision whose margin lies within its own rounding is a tie (parity/objectives/ties.py: DPO's step 0, where the
+policy is its reference, is all ties), which either run may decide either way: a discrete quantity's one decision
+becomes 1 + the ties counted at that step (the larger count of the two runs), and a step at which every decision is
+a tie in either run does not judge it; the report says so in one line a run (`tie_notes`). A record without ties
+counts (older ones) keeps one decision."""
 
 from __future__ import annotations
 
@@ -17,10 +23,13 @@ from parity.comparing.noise import smoothed_envelope
 from parity.comparing.tolerances import NOISE_K
 from parity.comparing.verdict import Outside
 from parity.objectives import describe, invariance_of, micro_rows
+from parity.objectives.ties import SUFFIX
 
 TEST = "objective"  # Outside.test of a quantity's FAIL
 DISCRETE = {"clipped_fraction": "scored", "clipped_low": "scored", "clipped_high": "scored", "accuracy": "pairs"}
-COUNTS = ("tokens", "scored", "pairs", "advantage_scale")  # what the quantities are counted over; the loss's scale
+# what the quantities are counted over, the loss's scale, and each discrete quantity's ties: not judged themselves
+COUNTS = ("tokens", "scored", "pairs", "advantage_scale", *(name + SUFFIX for name in DISCRETE))
+NOUNS = {"scored": "ratios", "pairs": "pairs"}  # a discrete quantity's decisions, in the report
 
 
 def mismatches(base, run) -> list[str]:
@@ -59,11 +68,41 @@ def first_outside(base, run, num_steps: int, loss_bounds: list[float], reference
             own = NOISE_K * noise[name][step] if name in noise else 0.0
             bound = max(loss_bounds[step], own) * max(abs(reference), 1.0)
             if name in DISCRETE:
-                bound += 1.0 / max(theirs.get(DISCRETE[name], 1.0), 1.0)
+                tied, every = tie_count(ours, theirs, name)
+                if every:
+                    continue
+                bound += (1.0 + tied) / max(theirs.get(DISCRETE[name], 1.0), 1.0)
             if not abs(value - reference) <= bound:  # (a NaN fails too)
                 return Outside(quantity=name, rel_diff=abs(value - reference), tolerance=bound, step=step, value=value,
                                reference=reference, test=TEST)
     return None
+
+
+def tie_count(ours: dict, theirs: dict, name: str) -> tuple[float, bool]:
+    """A discrete quantity's ties at one step (the larger count of the two runs' quantities), and whether every
+    decision of either run was one (then it is not judged there); (0, False) for records without ties counts."""
+    counted = [(q[name + SUFFIX], q.get(DISCRETE[name], 0.0)) for q in (ours, theirs) if name + SUFFIX in q]
+    return max((t for t, _ in counted), default=0.0), any(0 < n <= t for t, n in counted)
+
+
+def tie_notes(base, runs, num_steps: int) -> list[str]:
+    """The report's line for each run whose discrete quantities had ties at some step, or none."""
+    lines = []
+    for run in runs:
+        found = []
+        for name in DISCRETE:
+            steps = []
+            for step in range(num_steps):
+                ours, theirs = (r.steps[step].get("objective") or {} for r in (run, base))
+                tied, every = tie_count(ours, theirs, name) if name in ours and name in theirs else (0.0, False)
+                steps += [f"{tied:g} of {theirs.get(DISCRETE[name], 0.0):g} {NOUNS[DISCRETE[name]]} at step {step}"
+                          f"{' (not judged there)' if every else ''}"] if tied else []
+            more = f", and at {len(steps) - 3} more steps" if len(steps) > 3 else ""
+            found += [f"{name.replace('_', ' ')} {', '.join(steps[:3])}{more}"] if steps else []
+        if found:
+            lines.append(f"note: {run.name}: the objective's ties (decisions within their rounding, each widening its "
+                         f"bound by one decision): {'; '.join(found)}")
+    return lines
 
 
 def _noise(base, references, num_steps: int) -> dict[str, list[float]]:

@@ -25,7 +25,7 @@ import math
 import torch
 
 from parity import storage
-from parity.objectives import describe, invariance_of
+from parity.objectives import describe, invariance_of, ties
 from parity.objectives.causal_lm import IGNORE_INDEX, token_log_probs, entropies
 from parity.objectives.micro_batch import Objective
 from parity.objectives.rollouts import RolloutRows, write_rollouts
@@ -164,13 +164,14 @@ class RecordedObjective:
         counted = rollout.counted(bool(settings.get("mask_truncated_completions")))
         labels = ids.masked_fill(counted == 0, IGNORE_INDEX)
         with torch.no_grad():
+            level = ties.level(logits.dtype if log_probs is None else log_probs.dtype)  # (the rounding they carry)
             if log_probs is None:
                 tempered = logits.detach() / settings.get("temperature", 1.0)
                 log_probs, log_softmax = token_log_probs(tempered, input_ids.to(logits.device))
                 entropies_ = entropies(log_softmax)
             log_probs = log_probs.detach().float()
             summed, own, stats = self.objective.micro_parts(
-                log_probs, None if entropies_ is None else entropies_.detach().float(), rollout)
+                log_probs, None if entropies_ is None else entropies_.detach().float(), rollout, level)
         return labels, encode(tensors, float(summed), float(own), stats)
 
     def _check(self, t: dict, rows: int) -> None:

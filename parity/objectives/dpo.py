@@ -22,9 +22,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from parity.objectives import ties
 from parity.objectives.causal_lm import token_log_probs
 
-STATS = ("pairs", "reward_chosen", "reward_rejected", "margin", "accurate", "tokens")
+# a micro-batch's statistics, float64 sums; accuracy_ties: the pairs whose reward margin lies within its rounding
+STATS = ("pairs", "reward_chosen", "reward_rejected", "margin", "accurate", "tokens", "accuracy_ties")
 
 
 def step_divisor(rows) -> float:
@@ -91,14 +93,15 @@ def micro_sum(s: dict, logits, input_ids, rows, divisor: float, micro_batches: i
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(what this micro-batch's pairs contribute to the step's loss × the step's divisor, its statistics)."""
     log_probs, _ = token_log_probs(logits, input_ids)
-    summed, own, stats = micro_parts(s, log_probs, rows)
+    summed, own, stats = micro_parts(s, log_probs, rows, ties.level(logits.dtype))
     return summed + own * (divisor / micro_batches), stats
 
 
-def micro_parts(s: dict, log_probs, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def micro_parts(s: dict, log_probs, rows, level: float = ties.FP32_LEVEL
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A micro-batch's (sum of its pairs' weighted losses, its own mean term — sft's weighted chosen-token mean NLL, 0
     without it —, its statistics) from the policy's log-probs of its next tokens ([rows, L − 1]): it contributes sum +
-    own × D ÷ the step's micro-batches to the step's loss × D."""
+    own × D ÷ the step's micro-batches to the step's loss × D. `level`: the log-probs' rounding (ties.level)."""
     mask = rows.completion_mask[:, 1:].float().to(log_probs.device)
     policy, reference = sequence_log_probs(s, log_probs, rows, mask)
     x = policy - reference
@@ -115,17 +118,19 @@ def micro_parts(s: dict, log_probs, rows) -> tuple[torch.Tensor, torch.Tensor, t
             summed = summed + weight * pair_loss(kind, s, x_c, x_r, delta, delta_mean).sum()
     with torch.no_grad():
         reward_c, reward_r = s["beta"] * x_c, s["beta"] * x_r
+        scale = policy.abs() + reference.abs() + token_weights(mask, s["ld_alpha"]).sum(1)  # (ties.py)
+        noise = level * abs(s["beta"]) * (scale[0::2] + scale[1::2])
         values = (float(len(x_c)), reward_c.sum(), reward_r.sum(), (reward_c - reward_r).sum(),
-                  (reward_c > reward_r).float().sum(), mask.sum())
+                  (reward_c > reward_r).float().sum(), mask.sum(), ties.tied(reward_c - reward_r, noise).float().sum())
         stats = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in values])
     return summed, own, stats
 
 
 def quantities(s: dict, stats: list[float]) -> dict:
     """The step's quantities: its pairs, the chosen and rejected implicit rewards β x, their margin, the fraction of
-    pairs whose chosen reward is the higher."""
+    pairs whose chosen reward is the higher, and how many of those decisions were ties (ties.py)."""
     t = dict(zip(STATS, stats))
     pairs = max(t["pairs"], 1.0)
     return {"pairs": t["pairs"], "rewards_chosen": t["reward_chosen"] / pairs,
             "rewards_rejected": t["reward_rejected"] / pairs,
-            "margin": t["margin"] / pairs, "accuracy": t["accurate"] / pairs}
+            "margin": t["margin"] / pairs, "accuracy": t["accurate"] / pairs, "accuracy_ties": t["accuracy_ties"]}

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import torch
 
+from parity.objectives import ties
 from parity.objectives.causal_lm import entropies, token_log_probs
 
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped surrogate
 ROW_MEANS = ("grpo", "sapo")  # each row's token mean, averaged over the step's rows
 ROW_SUMS = ("luspo",)  # each row's token sum, averaged over the step's rows
 TOKEN_SUMS = ("dapo", "cispo", "vespo")  # summed over the step ÷ its tokens (or the generation batch's)
-# a micro-batch's statistics, float64 sums (summed over the DP ranks, then `quantities`)
-STATS = ("tokens", "rows", "kl", "ratio", "ratios", "clipped_low", "clipped_high", "entropy", "phi", "advantage")
+# a micro-batch's statistics, float64 sums (summed over the DP ranks, then `quantities`); *_ties: the clipped counts'
+# ratios that lie within their rounding of the clip bound (ties.py)
+STATS = ("tokens", "rows", "kl", "ratio", "ratios", "clipped_low", "clipped_high", "entropy", "phi", "advantage",
+         "clipped_low_ties", "clipped_high_ties")
 
 
 def step_divisor(name: str, s: dict, rows, generation_tokens: float | None = None) -> float:
@@ -77,15 +80,17 @@ def micro_sum(name: str, s: dict, logits, input_ids, rows, divisor: float, micro
     tempered = logits if s["temperature"] == 1 else logits / s["temperature"]
     log_probs, log_softmax = token_log_probs(tempered, input_ids)
     entropy = entropies(log_softmax if s["entropy_coef"] else log_softmax.detach())
-    summed, own, stats = micro_parts(name, s, log_probs, entropy, rows)
+    summed, own, stats = micro_parts(name, s, log_probs, entropy, rows, ties.level(logits.dtype))
     return summed + own * (divisor / micro_batches), stats
 
 
-def micro_parts(name: str, s: dict, log_probs, entropy, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def micro_parts(name: str, s: dict, log_probs, entropy, rows, level: float = ties.FP32_LEVEL
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A micro-batch's (sum of its rows' terms, its own mean term, its statistics) from the policy's log-probs and
     entropies of its next tokens ([rows, L − 1], at the sampling temperature): the micro-batch contributes sum + own ×
     D ÷ the step's micro-batches to the step's loss × D. The own term is bnpo's token mean and the entropy bonus; 0 for
-    the rest. A recorder computes them from the log-probs the run's own forward returned (a fused LM head's)."""
+    the rest. A recorder computes them from the log-probs the run's own forward returned (a fused LM head's). `level`:
+    the log-probs' rounding (ties.level)."""
     mask = rows.counted(s["mask_truncated_completions"])[:, 1:].to(log_probs.device)
     lengths = mask.sum(1)
     old = log_probs.detach() if rows.old_logps is None else rows.old_logps[:, 1:].float()
@@ -113,34 +118,47 @@ def micro_parts(name: str, s: dict, log_probs, entropy, rows) -> tuple[torch.Ten
         summed = per_token.sum()
     if s["entropy_coef"]:
         own = own - s["entropy_coef"] * (entropy * mask).sum() / micro_tokens
-    return summed, own, statistics(name, s, mask, ratio, advantages, kl, entropy.detach(), log_ratio, sequence)
+    noise = None  # on-policy the ratio is exactly 1 in every run: no ties
+    if rows.old_logps is not None:
+        per_token = level * torch.where(mask > 0, log_probs.detach().abs() + old.abs() + 1, 0.0)
+        noise = per_token.sum(1, keepdim=True) / lengths.clamp(min=1)[:, None] if sequence else per_token
+    return summed, own, statistics(name, s, mask, ratio, advantages, kl, entropy.detach(), log_ratio, sequence, noise)
 
 
 @torch.no_grad()
-def statistics(name, s, mask, ratio, advantages, kl, entropy, log_ratio, sequence) -> torch.Tensor:
+def statistics(name, s, mask, ratio, advantages, kl, entropy, log_ratio, sequence, noise=None) -> torch.Tensor:
     """A micro-batch's sums for the step's quantities (STATS): its tokens and rows, the KL term's sum, the ratios'
     sum and count (tokens, or rows at the sequence level), the clipped ones below and above, the entropy's sum,
-    VESPO's weights' sum, the rows' |advantage| sum."""
+    VESPO's weights' sum, the rows' |advantage| sum, and the clipped counts' ties: ratios within `noise` (each log
+    ratio's rounding, ties.py; None: none) of their bound."""
     scored = (mask.sum(1, keepdim=True) > 0).float() if sequence else mask
     ratios = (ratio * scored).sum()
-    low = high = torch.zeros((), device=mask.device)
+    zero = torch.zeros((), device=mask.device)
+    low = high = low_ties = high_ties = zero
+
+    def counted(beyond, bound, sign):  # (the ratios beyond `bound` with an advantage of `sign`, those tied at it)
+        eligible = advantages * sign > 0
+        near = ties.tied(ratio - bound, ratio * noise) & eligible if noise is not None else None
+        return ((beyond & eligible).float() * scored).sum(), zero if near is None else (near.float() * scored).sum()
+
     if name in CLIPPED:
-        low = (((ratio < 1 - s["epsilon"]) & (advantages < 0)).float() * scored).sum()
-        high = (((ratio > 1 + s["epsilon_high"]) & (advantages > 0)).float() * scored).sum()
+        low, low_ties = counted(ratio < 1 - s["epsilon"], 1 - s["epsilon"], -1)
+        high, high_ties = counted(ratio > 1 + s["epsilon_high"], 1 + s["epsilon_high"], 1)
     elif name == "cispo":
-        high = (((ratio > s["epsilon_high"]) & (advantages > 0)).float() * scored).sum()
-    phi = vespo_weight(s, log_ratio, mask, advantages).sum() if name == "vespo" else torch.zeros((), device=mask.device)
-    kl_sum = (kl * mask).sum() if kl is not None else torch.zeros((), device=mask.device)
+        high, high_ties = counted(ratio > s["epsilon_high"], s["epsilon_high"], 1)
+    phi = vespo_weight(s, log_ratio, mask, advantages).sum() if name == "vespo" else zero
+    kl_sum = (kl * mask).sum() if kl is not None else zero
     values = (mask.sum(), float(len(mask)), kl_sum, ratios, scored.sum(), low, high, (entropy * mask).sum(), phi,
-              advantages.abs().sum())
+              advantages.abs().sum(), low_ties, high_ties)
     return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in values])
 
 
 def quantities(name: str, s: dict, stats: list[float]) -> dict:
     """The step's quantities from its statistics summed over every micro-batch: the tokens counted and the ratios
     scored (tokens, or rows at the sequence level), mean KL per token (β > 0), the mean ratio, the fraction clipped
-    (below, above, either), the mean entropy, VESPO's mean weight, and the mean |advantage|: the scale of the loss,
-    which crosses 0 where the advantages cancel (parity/comparing/objective.py measures it against that)."""
+    (below, above, either) and how many of each were ties (ties.py), the mean entropy, VESPO's mean weight, and the
+    mean |advantage|: the scale of the loss, which crosses 0 where the advantages cancel (parity/comparing/objective.py
+    measures it against that)."""
     t = dict(zip(STATS, stats))
     tokens, ratios = max(t["tokens"], 1.0), max(t["ratios"], 1.0)
     found = {"tokens": t["tokens"], "scored": t["ratios"], "ratio_mean": t["ratio"] / ratios,
@@ -151,7 +169,9 @@ def quantities(name: str, s: dict, stats: list[float]) -> dict:
         found["kl"] = t["kl"] / tokens
     if name in CLIPPED + ("cispo",):
         found.update(clipped_fraction=(t["clipped_low"] + t["clipped_high"]) / ratios,
-                     clipped_low=t["clipped_low"] / ratios, clipped_high=t["clipped_high"] / ratios)
+                     clipped_low=t["clipped_low"] / ratios, clipped_high=t["clipped_high"] / ratios,
+                     clipped_fraction_ties=t["clipped_low_ties"] + t["clipped_high_ties"],
+                     clipped_low_ties=t["clipped_low_ties"], clipped_high_ties=t["clipped_high_ties"])
     if name == "vespo":
         found["phi_mean"] = t["phi"] / max(t["rows"], 1.0)
     return found

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from parity.objectives import definition_of, invariance_of
-from parity.objectives import dpo, grpo
+from parity.objectives import dpo, grpo, ties
 from parity.objectives.causal_lm import IGNORE_INDEX, loss_sum
 
 
@@ -58,20 +58,20 @@ class Objective:
             return dpo.micro_sum(self.settings, logits, input_ids, rows, divisor, micro_batches)
         return grpo.micro_sum(self.name, self.settings, logits, input_ids, rows, divisor, micro_batches)
 
-    def micro_parts(self, log_probs: torch.Tensor, entropies: torch.Tensor | None, rows
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def micro_parts(self, log_probs: torch.Tensor, entropies: torch.Tensor | None, rows,
+                    level: float = ties.FP32_LEVEL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the sum of the micro-batch's rows' terms, its own mean term, its statistics) from the policy's log-probs of
         its next tokens and their entropies ([rows, L − 1]; None: not computed, the entropy statistic NaN): micro_sum is
         sum + own × D ÷ the step's micro-batches (grpo.micro_parts, dpo.micro_parts). A recorder's, from a run's own
-        forward."""
+        forward; `level`: the log-probs' rounding (ties.level of the dtype they were computed in)."""
         rows = rows.to(log_probs.device)
         if self.family == "dpo":
-            return dpo.micro_parts(self.settings, log_probs, rows)
+            return dpo.micro_parts(self.settings, log_probs, rows, level)
         if entropies is None:
             if self.settings["entropy_coef"]:
                 raise ValueError("the entropy bonus needs each token's entropy")
             entropies = torch.full_like(log_probs, float("nan"))
-        return grpo.micro_parts(self.name, self.settings, log_probs, entropies, rows)
+        return grpo.micro_parts(self.name, self.settings, log_probs, entropies, rows, level)
 
     def quantities(self, stats) -> dict | None:
         """The step's quantities from its statistics summed over all its micro-batches (None for the causal LM)."""
