@@ -44,6 +44,7 @@ RUNS = {
     "ddp_bnpo_reference": ("ddp", "grpo", {"objective": "bnpo", **DP2, **FP32, "grad_accum_steps": 1,
                                            "noise_reference": True}),
     "ddp_dpo": ("ddp", "dpo", {"objective": "dpo", **DP2, **FP32}),
+    "ddp_dpo_swapped": ("ddp", "dpo_swapped", {"objective": "dpo", **DP2, **FP32}),  # chosen and rejected swapped
     "zero1": ("deepspeed", "grpo", {**DAPO, **TP2_DP2, **FP32, "zero_stage": 1}),
     "zero3": ("deepspeed", "grpo", {**DAPO, **TP2_DP2, **FP32, "zero_stage": 3}),
 }
@@ -67,7 +68,8 @@ def runs(tiny_weights, posttrain_rollouts, tmp_path_factory) -> dict:
     """Every run of RUNS, by name: its loss record, and where it lies. One local gloo group per world size."""
     from parity.driver.local_group import plan, run_group
 
-    root, files = tmp_path_factory.mktemp("posttrain"), posttrain_rollouts
+    root = tmp_path_factory.mktemp("posttrain")
+    files = {**posttrain_rollouts, "dpo_swapped": _swapped_pairs(posttrain_rollouts["dpo"], root)}
     planned = {name: plan(strategy, {**RUN, **flags, "rollouts": files[kind], "init_weights_path": tiny_weights,
                                      "loss_output_dir": root / name, "storage_path": root / "ray",
                                      "experiment_name": name})
@@ -77,6 +79,21 @@ def runs(tiny_weights, posttrain_rollouts, tmp_path_factory) -> dict:
         names = [n for n in planned if planned[n][0].num_workers == world]
         records.update(zip(names, run_group([planned[n] for n in names])))
     return {"records": records, "root": root, "files": files}
+
+
+def _swapped_pairs(path: str, root) -> str:
+    """A copy of the DPO rollout file with each pair's chosen and rejected rows swapped (a collator's bug: every
+    preference reversed, so every reward margin negated)."""
+    from safetensors.torch import load_file
+
+    from parity.objectives.rollouts import write_rollouts
+
+    tensors = load_file(path)
+    rows = len(tensors["input_ids"])
+    order = [i ^ 1 for i in range(rows)]
+    swapped = {k: v if k == "step_rows" else v[order] for k, v in tensors.items()}
+    write_rollouts(str(root / "dpo_swapped.safetensors"), "dpo", swapped, "the DPO file, each pair swapped", {})
+    return str(root / "dpo_swapped.safetensors")
 
 
 def judge(runs, folder, capsys, *names, flags=()):
@@ -144,6 +161,68 @@ def test_a_seeded_objective_bug_fails_at_its_step(runs, tmp_path, capsys, bug):
     (verdict,) = verdicts.values()
     assert (code, verdict["verdict"]) == (1, "FAIL"), out
     assert verdict["first_outside"]["step"] == step, out
+
+
+def test_a_discrete_quantity_without_ties_still_fails_by_one_decision(runs):
+    """Ties widen a discrete quantity's bound only where there are some. DDP on the DPO file (its reference another
+    model's, so no margin is near 0) against DDP on the same file with every pair's chosen and rejected swapped: each
+    reward margin negated, no tie in either, and the accuracy FAILs at the first step it differs by more than one
+    decision — step 1, 1 of 4 pairs against 3 of 4 (step 0 is 2 of 4 both ways). (The batches differ, so the verdict
+    stops before the curves; the objective's check is asked on the two records' accuracies: the negated margin and
+    rewards are outside from step 0.)"""
+    from parity.comparing import objective
+    from parity.comparing.curves import Run
+
+    kept = ("pairs", "accuracy", "accuracy_ties")
+    base, bug = (Run(str(runs["root"] / name), {**runs["records"][name], "steps": [
+        {**s, "objective": {k: s["objective"][k] for k in kept}} for s in runs["records"][name]["steps"]]})
+        for name in ("ddp_dpo", "ddp_dpo_swapped"))
+    for run in (base, bug):
+        assert [s["objective"]["accuracy_ties"] for s in run.steps] == [0, 0]
+    assert [s["objective"]["accuracy"] for s in base.steps] == [0.5, 0.25]
+    assert [s["objective"]["accuracy"] for s in bug.steps] == [0.5, 0.75]
+    outside = objective.first_outside(base, bug, 2, [1e-5, 1e-5])
+    assert (outside.quantity, outside.step, outside.value, outside.reference) == ("accuracy", 1, 0.75, 0.25)
+    assert abs(outside.tolerance - (0.25 + 1e-5)) < 1e-12  # one decision of 4, plus the loss's bound: today's
+
+
+def test_a_ratio_within_its_rounding_of_the_clip_bound_is_a_tie(tiny_weights, posttrain_rollouts):
+    """grpo.micro_parts' statistics on real tensors: the policy's log-probs at the initial weights on step 0's rows,
+    π_old the file's reference (another seed's model, so the ratios spread over 0.68–1.77). A clip bound at one
+    token's ratio (A > 0) makes it a tie, whichever side of the bound it lies; the bound 20 × that token's rounding
+    away (ties.py) leaves none; on-policy (π_old = π: each ratio exactly 1) there are none."""
+    from dataclasses import replace
+
+    import torch
+
+    from parity.models.model import build_model, load_init_weights, resolve_model_config
+    from parity.objectives import grpo, resolve_objective, ties
+    from parity.objectives.causal_lm import token_log_probs
+    from parity.objectives.rollouts import read_rollouts
+
+    ids, rows = read_rollouts(posttrain_rollouts["grpo"]).step(0)
+    rows = replace(rows, old_logps=rows.ref_logps)
+    model = build_model(resolve_model_config("qwen2-tiny"), 42)
+    load_init_weights(model, tiny_weights)
+    with torch.no_grad():
+        log_probs = token_log_probs(model(input_ids=ids).logits, ids)[0]
+    old = rows.old_logps[:, 1:]
+    ratio, noise = (log_probs - old).exp(), ties.FP32_LEVEL * (log_probs.abs() + old.abs() + 1)
+    eligible = (rows.completion_mask[:, 1:] > 0) & (rows.advantages[:, None] > 0) & (ratio > 1)
+    gaps = [min(abs(r / o - 1) for o in ratio[eligible].tolist() if o != r) for r in ratio[eligible].tolist()]
+    r, n = ratio[eligible][gaps.index(max(gaps))].item(), noise[eligible][gaps.index(max(gaps))].item()
+    assert max(gaps) > 40 * n  # (no other ratio near the moved bound)
+
+    def found(epsilon_high, given=rows):
+        s = resolve_objective("dapo", {"epsilon_high": epsilon_high})["settings"]
+        stats = grpo.micro_parts("dapo", s, log_probs, torch.zeros_like(log_probs), given)[2]
+        return grpo.quantities("dapo", s, stats.tolist())
+
+    at, away = found(r - 1), found(r * (1 + 20 * n) - 1)
+    assert (at["clipped_high_ties"], at["clipped_fraction_ties"], away["clipped_high_ties"]) == (1, 1, 0)
+    assert at["clipped_low_ties"] == away["clipped_low_ties"] == 0  # (ε_low 0.2: no ratio within rounding of 0.8)
+    assert round((at["clipped_high"] - away["clipped_high"]) * at["scored"]) in (0, 1)  # the tie, either side
+    assert found(0.0, replace(rows, old_logps=None))["clipped_high_ties"] == 0
 
 
 REFUSED = [  # (flags beyond a dapo run on the GRPO file, what the one line says)

@@ -233,6 +233,34 @@ def test_trl_dpo_replays_and_passes(runs):
     assert _judge(runs["dpo"], 2).word == "PASS"
 
 
+def test_dpo_step_0_is_all_ties_and_not_judged_there(runs):
+    """At DPOTrainer's step 0 the policy is its reference: every reward margin is 0 up to rounding, so the accuracy is
+    the sign of rounding noise (an AMX machine's replay decided 3 of 8 pairs the other way: 0.375 against TRL's 0, a
+    false FAIL by one decision's bound). Both records count 8 ties of 8 pairs there, the accuracy is not judged at
+    that step and the report says so in one line; the run PASSes — also with the AMX replay's 0.375, which without
+    the ties counts is still today's FAIL at step 0."""
+    import copy
+
+    from parity.comparing.curves import Run, compare
+
+    recorded, replay = _record(runs["dpo"]), json.loads((runs["dpo"] / "w2" / "loss_ddp.json").read_text())
+    for record in (recorded, replay):
+        assert (record["steps"][0]["objective"]["pairs"], record["steps"][0]["objective"]["accuracy_ties"]) == (8, 8)
+    comparison = _judge(runs["dpo"], 2)
+    assert comparison.word == "PASS", comparison.results[0].verdict
+    notes = [w for w in comparison.warnings if "ties" in w]
+    assert len(notes) == 1 and "accuracy 8 of 8 pairs at step 0 (not judged there)" in notes[0], notes
+    run, base = comparison.results[0].run, comparison.baseline
+    amx = copy.deepcopy(base.record)
+    amx["steps"][0]["objective"]["accuracy"] = 0.375
+    assert compare([run, Run(base.file, amx)], "ddp").word == "PASS"
+    for record in (run.record, amx):
+        for step in record["steps"]:
+            step["objective"].pop("accuracy_ties")
+    older = compare([Run(run.file, run.record), Run(base.file, amx)], "ddp").results[0].verdict.first_outside
+    assert (older.quantity, older.step) == ("accuracy", 0), older
+
+
 def test_a_hand_written_grpo_loop_records_through_its_recorder(runs):
     """examples/grpo_loop.py: ParityRecorder(objective="dapo", objective_args=...) and objective_batch() per
     micro-batch; its own logged loss is the reference's measured one, and its replay PASSes within 1e-5."""
