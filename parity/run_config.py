@@ -102,6 +102,10 @@ class RunConfig:
     # --objective (parity/objectives): {"name", "settings"} of a post-training objective, trained on --rollouts; None:
     # the causal-LM token mean (and the field is left out of to_dict: such a run's record is as it was)
     objective: dict | None = None
+    # A noise reference at the baseline's own layout whose processes started under another CPU kernel path (the name of
+    # parity.driver.local_group.KERNEL_PATHS' entry: other matmul kernels, the noise a CPU kind or GPU changes); None
+    # elsewhere (left out of to_dict)
+    noise_kernels: str | None = None
 
     @property
     def layout(self) -> Layout:
@@ -118,7 +122,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in (*REPLAY_ONLY, "lora", "objective"):
+        for key in (*REPLAY_ONLY, "lora", "objective", "noise_kernels"):
             if data[key] is None:
                 del data[key]
         return data

@@ -162,7 +162,8 @@ def test_calibrate_picks_a_worker_count_that_changes_the_arithmetic(runs, tmp_pa
 
     record = str(runs["hf"] / "loss_hf_trainer.json")
     planned = plan_replays(record, str(tmp_path), None, True)
-    assert [(cfg.num_workers, cfg.noise_reference) for cfg, _ in planned] == [(2, False), (3, True)]
+    assert [(cfg.num_workers, cfg.noise_reference, cfg.noise_kernels) for cfg, _ in planned] == [
+        (2, False, None), (3, True, None), (2, True, "other_kernels")]
     cut = planned[1][1](0)
     assert len(cut.input_ids) == 3 and cut.micro_rows == ((1,),) * 3
     sums = {w: list(gradient_sums(*plan_replay(record, {"num_workers": w}, cluster=CLUSTER))) for w in (1, 2, 4)}
@@ -172,10 +173,10 @@ def test_calibrate_picks_a_worker_count_that_changes_the_arithmetic(runs, tmp_pa
     (four,) = (json.loads(p.read_text()) for p in runs["hf"].glob("noise_reference_*.json"))
     assert 0 < max_rel_diff(series(four, "loss"), series(_record(runs["hf"], "ddp"), "loss")) < 1e-5
     planned = plan_replays(str(runs["trl"] / "loss_trl_sft.json"), str(tmp_path), None, True)
-    assert [cfg.num_workers for cfg, _ in planned] == [2, 1]
+    assert [cfg.num_workers for cfg, _ in planned] == [2, 1, 2]
     capsys.readouterr()
     planned = plan_replays(str(runs["hf_cache"] / "loss_hf_trainer.json"), str(tmp_path), None, True)
-    assert [cfg.num_workers for cfg, _ in planned] == [2]
+    assert [(cfg.num_workers, cfg.noise_kernels) for cfg, _ in planned] == [(2, None), (2, "other_kernels")]
     assert capsys.readouterr().err.splitlines() == [(
         "verify_trainer: no other worker count splits loss_hf_trainer.json's 2 rows into other micro-batches or sums: "
         "no noise reference at another layout")]

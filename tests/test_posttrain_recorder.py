@@ -300,9 +300,10 @@ def test_bnpo_replays_at_its_own_split_only(runs, capsys):
     record = _record_file(runs["bnpo"])
     capsys.readouterr()
     planned = plan_replays(record, str(runs["root"] / "bnpo_calibrate"), None, True)
-    assert [(cfg.num_workers, cfg.grad_accum_steps) for cfg, _ in planned] == [(2, 1)]
+    assert [(cfg.num_workers, cfg.grad_accum_steps, cfg.noise_kernels) for cfg, _ in planned] == [
+        (2, 1, None), (2, 1, "other_kernels")]
     assert capsys.readouterr().err.splitlines() == [
-        "verify_trainer: --calibrate: bnpo depends on the split by definition (bnpo: each micro-batch's own token "
+        "verify_trainer: calibration: bnpo depends on the split by definition (bnpo: each micro-batch's own token "
         "mean): trained and judged at the run's own split of ranks × micro-batches only: its noise references keep the "
         "run's micro-batches of 4 rows, so only 1, 2 worker(s) can replay it; another split would measure another "
         "objective, not noise",

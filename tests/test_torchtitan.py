@@ -98,9 +98,8 @@ def runs(assets):
     into its folder, every other job into its own —, under "no_adapter" verify_trainer.py on a model without an
     adapter (exit code, output). The user's command, the refused one and the imports of what replays and judges run
     beside the runner (on two cores each leaves one idle while it imports and judges)."""
-    from parity.commands.verify_trainer import plan_replays, warm_up
+    from parity.commands.verify_trainer import launch_planned, plan_replays, warm_up
     from parity.comparing.curves import compare, load_references, load_runs
-    from parity.driver.local_group import launch_local
 
     root = assets["root"]
     warming = warm_up()  # verify_trainer.py's: the replays' forkserver and the verdict's modules, while the jobs run
@@ -124,7 +123,7 @@ def runs(assets):
         planned = []
         for name in JOBS:
             planned += plan_replays(str(root / name / "loss_titan.json"), str(root / name), None, name == "bf16")
-        launch_local([cfg for cfg, _ in planned], [{"batches": b} for _, b in planned], kernel=kernel_path())
+        launch_planned(planned, kernel_path())
         found = {name: compare(load_runs(str(root / name)), references=load_references(str(root / name))).to_dict()
                  for name in JOBS}
         found["stopped"] = (done.returncode, done.stdout + done.stderr, statuses["stopped"])

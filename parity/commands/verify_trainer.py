@@ -3,9 +3,9 @@ in one command (docs/own_trainer.md#one-command).
 
 The command runs as a child process, its output passed through, with the recorder attached by environment
 (parity/integrations/attach.py): its records land in --output_dir under a name taken from the command. Each record's
-replay (and with --calibrate its noise references) trains in local gloo groups of this machine's processes
-(parity.driver.local_group: no Ray, whose start-up would cost more than a short replay trains), one group per world
-size; then plot_loss_curves.py's comparison judges every record in the folder against the replay, and writes its
+replay and its noise references (plan_replays; none with --uncalibrated) train in local gloo groups of this machine's
+processes (parity.driver.local_group: no Ray, whose start-up would cost more than a short replay trains), one group
+per world size; then plot_loss_curves.py's comparison judges every record in the folder against the replay, and writes its
 page. Exit codes as plot_loss_curves.py's (0 PASS, 1 FAIL, 2 bad input — a job the recorder stopped included, its
 line repeated whatever its launcher reported); a command that fails, its own status.
 """
@@ -21,6 +21,7 @@ import sys
 import time
 
 from parity.commands.common import OneLineParser, run_command
+from parity.driver.local_group import NOISE_KERNELS
 from parity.errors import ConfigError
 
 FIGURE = "curves.png"  # the comparison's figure; curve_report.md and report.html beside it
@@ -29,16 +30,18 @@ WARM = ("parity.integrations.replay", "parity.models.model", "transformers.model
 
 
 def build_parser(description: str = "") -> OneLineParser:
-    p = OneLineParser(description, usage="verify_trainer.py --output_dir OUT [--num_workers N] [--calibrate] "
+    p = OneLineParser(description, usage="verify_trainer.py --output_dir OUT [--num_workers N] [--uncalibrated] "
                                          "[--num_layers N] [--replay_strategy auto|ddp|fsdp|zero3] [--replay_memory SIZE] [--verbose] "
                                          "-- COMMAND [ARG ...]")
     p.add_argument("--output_dir", required=True, help="where the records, the replays and the page go (a folder "
                                                        "without records in it)")
     p.add_argument("--num_workers", type=whole_number(1), default=None,
                    help="the replay's worker count (None: the recorded run's data-parallel size)")
-    p.add_argument("--calibrate", action="store_true",
-                   help="also replay at another worker count (and in fp32, for a low-precision run) as noise "
-                        "references: bounds calibrated on them instead of the fixed fp32 table")
+    p.add_argument("--uncalibrated", dest="calibrate", action="store_false",
+                   help="judge against the fixed table alone: no noise references (by default the replay runs again "
+                        "at another worker count, and in fp32 for a low-precision run, and the bounds are calibrated "
+                        "on them, never below the fixed table in fp32)")
+    p.add_argument("--calibrate", action="store_true", default=True, help="the default (kept for the commands that pass it)")
     p.add_argument("--verbose", action="store_true", help="the replays' torch and DeepSpeed output on the terminal "
                                                           "too (else in OUT/logs/replay.log)")
     p.add_argument("--checkpoint_interval", type=whole_number(0), default=None,
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
                                       args.replay_memory), "the replay")
 
 
-def verify(output_dir: str, command: list[str], num_workers: int | None = None, calibrate: bool = False,
+def verify(output_dir: str, command: list[str], num_workers: int | None = None, calibrate: bool = True,
            verbose: bool = False, checkpoint_interval: int | None = None, num_layers: int | None = None,
            replay_strategy: str = "auto", replay_memory: int | None = None) -> int:
     """Run `command` recorded into `output_dir` (its states saved every `checkpoint_interval` steps where given; its
@@ -309,11 +312,22 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
               f"micro-batches or sums: no noise reference at another layout", file=sys.stderr)
     if config["precision"] != "fp32":
         planned.append(plan(workers, noise_reference=True, precision="fp32"))
+    planned.append(kernel_reference(plan(workers, noise_reference=True,
+                                         experiment_name=f"ddp_dp{workers}_{NOISE_KERNELS}_noise_reference")))
     return planned
 
 
+def kernel_reference(planned: tuple) -> tuple:
+    """A noise reference planned at the replay's own layout, made the one that trains under other CPU kernels
+    (local_group.NOISE_KERNELS: the noise another CPU kind or a GPU brings, measured on this machine)."""
+    import dataclasses
+
+    cfg, batches = planned
+    return dataclasses.replace(cfg, noise_kernels=NOISE_KERNELS), batches
+
+
 def split_line(config: dict, rows: int) -> None:
-    """--calibrate on a record whose objective depends on the split by definition (bnpo, an entropy bonus, DPO's sft):
+    """Calibration of a record whose objective depends on the split by definition (bnpo, an entropy bonus, DPO's sft):
     one line saying its noise references keep the run's micro-batches, and at which worker counts they can."""
     from parity.integrations.objective_replay import allowed_workers
     from parity.objectives import invariance_of, micro_rows
@@ -321,7 +335,7 @@ def split_line(config: dict, rows: int) -> None:
     objective = config.get("objective")
     note = invariance_of(objective).note(objective["name"]) if objective else None
     if note:
-        print(f"verify_trainer: --calibrate: {note}: its noise references keep the run's micro-batches of "
+        print(f"verify_trainer: calibration: {note}: its noise references keep the run's micro-batches of "
               f"{micro_rows(config)} rows, so only {', '.join(map(str, allowed_workers(config, rows)))} worker(s) can "
               f"replay it; another split would measure another objective, not noise", file=sys.stderr)
 
@@ -358,17 +372,26 @@ def replay(planned: list[tuple], out: str, verbose: bool = False) -> tuple[float
     """Every planned run trained in one local group (a run of fewer workers on its first ranks); returns (seconds, of
     which training steps)."""
     from parity import console, storage
-    from parity.driver.local_group import launch_local
     from parity.training.record import load_record, run_record_path
 
-    batches = {cfg.experiment_name: b for cfg, b in planned}
     t0 = time.perf_counter()
     with console.terminal(storage.join(out, "logs", "replay.log"), verbose) as log, \
             console.pointing_to(log, "[replay] "):
-        group = [cfg for cfg, _ in planned]
-        console.say(f"[replay] {', '.join(f'{cfg.experiment_name} ({cfg.num_workers})' for cfg in group)} in a local "
-                    f"group of {max(cfg.num_workers for cfg in group)}")
-        launch_local(group, [{"batches": batches[cfg.experiment_name]} for cfg in group])
+        launch_planned(planned, say=console.say)
     seconds = time.perf_counter() - t0
     steps = sum(s.get("step_time_s", 0.0) for cfg, _ in planned for s in load_record(run_record_path(cfg))["steps"])
     return seconds, steps
+
+
+def launch_planned(planned: list[tuple], kernel: str = "default", say=lambda line: None) -> None:
+    """Every planned run trained in local groups: one group (a run of fewer workers on its first ranks) under `kernel`
+    (local_group.KERNEL_PATHS), and one more for the noise reference under other kernels (noise_kernels), each
+    announced through `say`."""
+    from parity.driver.local_group import KERNEL_PATHS, launch_local
+
+    batches = {cfg.experiment_name: b for cfg, b in planned}
+    for kernels in dict.fromkeys(cfg.noise_kernels for cfg, _ in planned):
+        group = [cfg for cfg, _ in planned if cfg.noise_kernels == kernels]
+        say(f"[replay] {', '.join(f'{cfg.experiment_name} ({cfg.num_workers})' for cfg in group)} in a local group of "
+            f"{max(cfg.num_workers for cfg in group)}" + (f" under {kernels} ({KERNEL_PATHS[kernels]})" if kernels else ""))
+        launch_local(group, [{"batches": batches[cfg.experiment_name]} for cfg in group], kernel=kernels or kernel)

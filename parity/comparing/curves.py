@@ -319,8 +319,9 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     if mismatches:
         raise NotComparable(mismatches)
     quantities = quantities_of([*runs, *references], num_steps)
-    _check_references(base, references, num_steps, quantities)
+    references, same = _check_references(base, references, num_steps, quantities)
     references, unlike = overflow_alike(base, references, num_steps)
+    warnings += same
     warnings += unlike
     fp32_twin = next((r for r in references if r.precision == "fp32" != base.precision), None)
     if fp32_twin is not None and not POLICIES[base.precision].fp32_twin_measures_noise:
@@ -433,7 +434,8 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
         names = ", ".join(storage.name(r.file) for r in references)
         judged = [_judged(r, num_steps, skipped, quantities) for r in references]
         bounds = calibrated_bounds(_judged(base, num_steps, skipped, quantities), judged, base.precision,
-                                   f"calibrated: {NOISE_K} × the noise of {names}", scales)
+                                   f"calibrated: {NOISE_K} × the noise of {names}", scales,
+                                   [storage.name(r.file) for r in references])
     else:
         try:
             looser = tolerances.looser_precision(base.precision, run.precision)
@@ -524,10 +526,13 @@ def _judged(run: Run, num_steps: int, skipped: list[bool], quantities: tuple = Q
     return curves
 
 
-def _check_references(base: Run, references: list[Run], num_steps: int, quantities: tuple = QUANTITIES) -> None:
-    """A reference measures the baseline's noise in the baseline's policy (a twin at another layout), or the scale of
-    the policy's rounding itself (a low-precision baseline's twin in fp32, at its own layout); and only if it
-    differs."""
+def _check_references(base: Run, references: list[Run], num_steps: int, quantities: tuple = QUANTITIES
+                      ) -> tuple[list[Run], list[str]]:
+    """(the references kept, a note for each dropped): a reference measures the baseline's noise in the baseline's
+    policy (a twin at another layout, or at its own under other CPU kernels: noise_kernels), or the scale of the
+    policy's rounding itself (a low-precision baseline's twin in fp32, at its own layout); and only if it differs — a
+    kernel twin identical to the baseline (those kernels compute this model alike here) is dropped, saying so."""
+    kept, notes = [], []
     for ref in references:
         name = storage.name(ref.file)
         layout = [ref.config[k] for k in ("tp_size", "dp_size", "batch_size")] == \
@@ -538,9 +543,16 @@ def _check_references(base: Run, references: list[Run], num_steps: int, quantiti
                               f"reference runs in the baseline's policy, or in fp32 at a low-precision baseline's own "
                               f"layout")
 
-        if all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in quantities):
+        identical = all(_series(ref, q, num_steps) == _series(base, q, num_steps) for q in quantities)
+        if identical and ref.config.get("noise_kernels"):
+            notes.append(f"note: {name} trained bit for bit as the baseline (its kernels compute this model alike "
+                         f"here): it measured no noise, not used")
+            continue
+        if identical:
             raise ConfigError(f"{name} is identical to the baseline: a noise reference must run at another layout"
                               f"{another_layout(base.config, ref.config)}")
+        kept.append(ref)
+    return kept, notes
 
 
 def _series(run: Run, key: str, num_steps: int) -> list[float]:

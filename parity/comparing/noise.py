@@ -41,15 +41,21 @@ def fixed_bounds(tolerance: Tolerance, num_steps: int, source: str, quantities=Q
 
 
 def calibrated_bounds(baseline: dict[str, list[float]], references: list[dict[str, list[float]]], precision: str,
-                      source: str, scales: dict[str, list[float]] | None = None) -> Bounds:
+                      source: str, scales: dict[str, list[float]] | None = None, names: list[str] | None = None
+                      ) -> Bounds:
     """NOISE_K × the envelope of the references' distance from the baseline (series per quantity: the curves
     `baseline` holds; `scales`: a curve's floor under |baseline|, relative_diffs'); in a precision of
-    CALIBRATION_FLOORED never below the fixed table (its twins miss the AdamW lottery the run may draw)."""
+    CALIBRATION_FLOORED never below the fixed table (its twins miss the AdamW lottery the run may draw). With the
+    references' `names`, the source says which one measured the most noise on each curve."""
     kind = tolerance_class(precision)
     floor = NOISE_FLOOR[kind]
     envelope = {q: noise_envelope(baseline[q], [r[q] for r in references], floor.of(q), (scales or {}).get(q))
                 for q in baseline}
     fixed = {q: (CURVES[kind].of(q) or 0.0) if kind in CALIBRATION_FLOORED else 0.0 for q in baseline}
+    if names and len(names) > 1:
+        largest = {q: names[max(range(len(references)), key=lambda i: max(map(abs, relative_diffs(
+            references[i][q], baseline[q], (scales or {}).get(q)))))] for q in baseline}
+        source += " (the most noise: " + ", ".join(f"{q.replace('_', ' ')} {n}" for q, n in largest.items()) + ")"
     return Bounds({q: [max(NOISE_K * e, fixed[q]) for e in envelope[q]] for q in baseline}, source, envelope)
 
 

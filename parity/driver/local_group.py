@@ -41,12 +41,16 @@ SHARE_ONE_GPU = "PARITY_SHARE_ONE_GPU"  # =1: every rank of a cuda group on cuda
 SHARED_GPU_RANKS = 64  # the ranks resolve is told the one GPU takes under SHARE_ONE_GPU
 ISA_ENV = "ONEDNN_MAX_CPU_ISA"
 KERNEL_PATHS = {
-    "default": {},  # whatever oneDNN picks on this CPU (AMX or AVX512-BF16 where the CPU has them)
+    "default": {},  # this process's environment as it is: unset, whatever oneDNN picks (AMX or AVX512-BF16 where present)
     "avx512_core_bf16": {ISA_ENV: "AVX512_CORE_BF16"},  # native bf16 dot products without AMX (e.g. AMD EPYC)
     "avx512_core": {ISA_ENV: "AVX512_CORE"},  # AVX512 without bf16 instructions: bf16 converted in registers
     "avx2": {ISA_ENV: "AVX2"},  # the generic path of CPUs without AVX512
     "no_onednn": {"PARITY_DISABLE_ONEDNN": "1"},  # torch's own bf16 matmul (torch.backends.mkldnn off)
+    # other fp32 and bf16 kernels than the default's on any x86 CPU: MKL's compatible code path (MKL_ENABLE_INSTRUCTIONS
+    # moves nothing on AMD, where MKL takes one path) and oneDNN's AVX2 one — the noise another CPU kind brings
+    "other_kernels": {"MKL_CBWR": "COMPATIBLE", ISA_ENV: "AVX2"},
 }
+NOISE_KERNELS = "other_kernels"  # the kernel path of a noise reference at the baseline's own layout (noise_kernels)
 
 
 # What every rank imports, imported once in the forkserver (an import that fails there is left to the rank). Not the
@@ -149,7 +153,10 @@ def start_method(device: str) -> str:
 
 
 def kernel_environment(kernel: str) -> dict[str, str]:
-    """This process's environment with the kernel path's variables set and any other path's removed."""
+    """This process's environment with the kernel path's variables set and any other path's removed; "default": as it
+    is (a replay runs on the kernels its command ran on, ONEDNN_MAX_CPU_ISA and MKL_CBWR included)."""
+    if kernel == "default":
+        return dict(os.environ)
     names = {k for env in KERNEL_PATHS.values() for k in env}
     return {**{k: v for k, v in os.environ.items() if k not in names}, **KERNEL_PATHS[kernel]}
 
