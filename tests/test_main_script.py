@@ -27,7 +27,8 @@ def four_runs(tmp_path_factory):
         fault_hooks.kill_once(root / "hooks", strategy, step=6)
     proc = run_main(root / "out", PYTHONPATH=str(root / "hooks"), STRATEGIES="ddp deepspeed fsdp pipeline transformers",
                     LEARNING_RATE="1e-4", EXTRA_ARGS="--checkpoint_interval 4 --max_failures 1",
-                    REPORT_TO="mlflow tensorboard", MLFLOW_TRACKING_URI="", MLFLOW_EXPERIMENT_NAME="")
+                    REPORT_TO="mlflow tensorboard", MLFLOW_TRACKING_URI="", MLFLOW_EXPERIMENT_NAME="",
+                    NOISE_REFERENCE="off")
     return proc, root
 
 
@@ -48,7 +49,7 @@ def test_four_runs_then_a_pass_verdict(four_runs):
     assert (summary["baseline"], summary["num_steps"], summary["verdict"]) == ("ddp", 12, "PASS")
     for strategy in ("deepspeed", "fsdp", "pipeline", "transformers"):
         against = summary["against_baseline"][strategy]
-        assert (against["verdict"], against["calibrated"]) == ("PASS", False)  # fp32: no twins unless asked
+        assert (against["verdict"], against["calibrated"]) == ("PASS", False)  # NOISE_REFERENCE off: no twins
         assert against["tolerance_source"].startswith("the fixed fp32 table")
         assert max(against["max_rel_diff"].values()) < 1e-5
     assert summary["noise_references"] == [] and "(noise reference)" not in proc.stdout

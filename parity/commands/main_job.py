@@ -49,8 +49,8 @@ SETTINGS = (
                                          "pipeline runs TP_SIZE stages × DP_SIZE; module:Class runs your own Strategy "
                                          "subclass at TP_SIZE × DP_SIZE"),
     ("TOLERANCE", float, None, "override the verdict's relative loss tolerance [calibrated, or from the precision]"),
-    ("NOISE_REFERENCE", str, "auto", "run DDP's twins to calibrate the verdict: on | off | auto (on in every policy "
-                                     "but fp32)"),
+    ("NOISE_REFERENCE", str, "auto", "run DDP's twins to calibrate the verdict: on | off | auto (on; --uncalibrated "
+                                     "is off: the fixed table alone, said so)"),
     ("PYTHON", str, None, "the interpreter to run under [python3]"),
     ("REPORT_TO", str, "none", "experiment trackers of every run and of the comparison: wandb mlflow tensorboard "
                               "(space-separated) or none; one group (W&B) / experiment (MLflow) holds the job's runs"),
@@ -66,6 +66,8 @@ def build_parser() -> OneLineParser:
                    "VERBOSE": ("on", "off")}.get(env)
         p.add_argument(f"--{env.lower()}", type=kind, default=os.environ.get(env) or default, choices=choices,
                        metavar=env, help=f"{text} (environment: {env})")
+    p.add_argument("--uncalibrated", dest="noise_reference", action="store_const", const="off",
+                   help="no noise references: the verdict by the fixed table alone (NOISE_REFERENCE=off)")
     return p
 
 
@@ -241,7 +243,7 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
         # A class path of the user's is its run's --strategy_class; its own options stay at their defaults.
         own = {} if ":" not in strategy else {"strategy_class": strategy}
         plan.append((cls.name, {**common, **layout, **flags_for(cls.name, extra), **own}))
-        if i == 0 and wants_noise_reference(args, policy["precision"], on_gpu):
+        if i == 0 and wants_noise_reference(args):
             ddp = plan[0][1]
             # On GPUs a twin gets as many as the cluster has, or as the runs wait for (GPU nodes still to come).
             gpus = max(cluster.gpus, world) if on_gpu else None
@@ -251,20 +253,20 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
                     plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
                                          "grad_accum_steps": accumulation, "save_init_weights": False,
                                          "noise_reference": True}))
-            # and in fp32 at its own layout: how far the policy's rounding itself moves the curves (docs/tolerances.md)
-            plan.append(("ddp", {**ddp, **{k: None for k in policy}, "precision": "fp32", "save_init_weights": False,
-                                 "noise_reference": True}))
+            low = policy["precision"] not in ("fp32", "auto") or (policy["precision"] == "auto" and on_gpu)
+            if low:  # and in fp32 at its own layout: how far the policy's rounding moves the curves (docs/tolerances.md)
+                plan.append(("ddp", {**ddp, **{k: None for k in policy}, "precision": "fp32",
+                                     "save_init_weights": False, "noise_reference": True}))
     for _, values in plan:  # the runs share a worker group and its folder
         values["storage_path"] = storage.join(out, "ray_checkpoints")
     return plan
 
 
-def wants_noise_reference(args, precision: str, on_gpu: bool) -> bool:
-    """NOISE_REFERENCE auto: calibrate in every low-precision policy (bf16 is the GPU default), where the fixed table
-    is blind to real bugs: DDP again at two other layouts (the twins) and in fp32 at its own."""
-    if args.noise_reference != "auto":
-        return args.noise_reference == "on"
-    return precision != "fp32" and (precision != "auto" or on_gpu)
+def wants_noise_reference(args) -> bool:
+    """Calibrate unless told not to (NOISE_REFERENCE off, --uncalibrated): DDP again at two other layouts (the twins)
+    and, in a low-precision policy, in fp32 at its own; in fp32 the fixed table stays the floor under the calibrated
+    bound (tolerances.CALIBRATION_FLOORED), so the twins can only say the noise is larger than the table thinks."""
+    return args.noise_reference != "off"
 
 
 def job_policy(precision: str, strategies: list[str], extra: dict) -> dict:
