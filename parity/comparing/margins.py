@@ -35,6 +35,8 @@ def bound_ratios(c, r) -> dict[str, float]:
     ratios = [check["ratio"] for check in (checked or {}).get("checks", []) if check["ratio"] is not None]
     if ratios:
         found["teacher_forced"] = max(ratios)
+    found.update({f"objective {name}": ratio for name, ratio in
+                  objective.ratios(c.baseline, r.run, c.num_steps, r.bounds.per_step["loss"], c.references).items()})
     return found
 
 

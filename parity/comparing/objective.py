@@ -60,6 +60,24 @@ def first_outside(base, run, num_steps: int, loss_bounds: list[float], reference
     docstring), or None; runs without quantities (the causal LM) have none to hold. With noise `references` (runs of
     the baseline's at other layouts) a quantity's bound is also at least NOISE_K × its own noise, as a calibrated
     curve's: in bf16 the KL and the entropy carry the logits' rounding, which the loss does not show."""
+    for step, name, value, reference, bound in _judged(base, run, num_steps, loss_bounds, references):
+        if not abs(value - reference) <= bound:  # (a NaN fails too)
+            return Outside(quantity=name, rel_diff=abs(value - reference), tolerance=bound, step=step, value=value,
+                           reference=reference, test=TEST)
+    return None
+
+
+def ratios(base, run, num_steps: int, loss_bounds: list[float], references=()) -> dict[str, float]:
+    """Each judged quantity's largest |difference| ÷ bound over the steps (first_outside's bounds; above 1 FAILs)."""
+    found: dict[str, float] = {}
+    for _, name, value, reference, bound in _judged(base, run, num_steps, loss_bounds, references):
+        ratio = abs(value - reference) / bound if bound else (0.0 if value == reference else float("inf"))
+        found[name] = max(found.get(name, 0.0), ratio)
+    return found
+
+
+def _judged(base, run, num_steps: int, loss_bounds: list[float], references):
+    """(step, quantity, run's value, baseline's, bound) of every quantity judged at every step, in order."""
     noise = _noise(base, references, num_steps)
     for step in range(num_steps):
         ours, theirs = (r.steps[step].get("objective") or {} for r in (run, base))
@@ -72,10 +90,7 @@ def first_outside(base, run, num_steps: int, loss_bounds: list[float], reference
                 if every:
                     continue
                 bound += (1.0 + tied) / max(theirs.get(DISCRETE[name], 1.0), 1.0)
-            if not abs(value - reference) <= bound:  # (a NaN fails too)
-                return Outside(quantity=name, rel_diff=abs(value - reference), tolerance=bound, step=step, value=value,
-                               reference=reference, test=TEST)
-    return None
+            yield step, name, value, reference, bound
 
 
 def tie_count(ours: dict, theirs: dict, name: str) -> tuple[float, bool]:
