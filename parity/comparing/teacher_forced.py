@@ -2,15 +2,16 @@
 parity/training/teacher_forced.py) judged tensor by tensor against its bound, the first failing check a FAIL at that
 step whatever the curves say — the curves' bounds widen as bf16 runs drift apart, a teacher-forced step's do not.
 
-Bounds (parity.comparing.tolerances.TEACHER_FORCED_FP32): in fp32 a fixed one per kind of tensor (the updated
-parameters against the reference's update, AdamW's two moments, the pre-clip grad norm); in a low-precision policy
+Bounds (parity.comparing.tolerances.TEACHER_FORCED_FP32): NOISE_K × how far the reference step's perturbed twin moved
+that tensor (the check's "noise"), over a floor — in fp32 a fixed one per kind of tensor (the updated parameters
+against the reference's update, AdamW's two moments, the pre-clip grad norm); in a low-precision policy also
 LAYER_NOISE_K × how far the policy's rounding moved that tensor in the same step (the reference in the policy against
-the reference in fp32, recorded beside the measurement), never below the fp32 bound. A run resumed at a checked step
+the reference in fp32, recorded beside the measurement). A run resumed at a checked step
 also compares the state it loaded with the digest of the state its checkpoint saved ("resumed <tensor>": each norm and
 AdamW's step count) at RESUMED_FP32: a resume is bit-identical (docs/checkpoints.md).
 
 The summary per run (curve_comparison.json's runs.<name>.teacher_forced, report.html's table):
-{"interval", "checks": [{"step", "ok", "tensor", "rel_diff", "bound", "ratio", "note"}], "first_fail_step",
+{"interval", "checks": [{"step", "ok", "tensor", "rel_diff", "bound", "ratio", "bound_by", "note"}], "first_fail_step",
 "replay_command"} — each check's worst tensor by rel_diff ÷ bound. A recorded run's checks are taken by its replay from
 the states its recorder saved, and attached to its record when it is loaded (recorded_checks.py); one without any says
 why ("none").
