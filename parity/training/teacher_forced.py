@@ -123,7 +123,7 @@ class ReferenceStep(Strategy):
 
     def optimizer_step(self, lr: float):
         self.unperturb()
-        return self.policy_optimizer.step(lr, local_norm)
+        return self.policy_optimizer.step(lr, fp32_norm if self.perturb != 1.0 else local_norm)
 
     def gather_world(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t]  # one process: no collective
@@ -147,9 +147,18 @@ def split_micro_batches(cfg) -> int:
 
 PERTURB = 4 / 3
 """The perturbed twin of the reference step (the check's noise, `references`): its loss × PERTURB (not a power of two:
-every backward product and sum rounds otherwise), its gradients ÷ PERTURB before the step, and the global batch in
-twice the micro-batches where the rows and the objective allow (another order of the sums over tokens, as another
-data-parallel layout's) — the same step, in another arithmetic."""
+every backward product and sum rounds otherwise), its gradients ÷ PERTURB before the step, the global batch in twice
+the micro-batches where the rows and the objective allow (another order of the sums over tokens, as another
+data-parallel layout's), and the norm it clips by taken in fp32 as torch's clip_grad_norm_ takes it (fp32_norm; the
+reference's is float64: where clipping binds, every moment then carries that norm's rounding, as a framework's run
+does — torchtitan's FSDP exp_avg_sq of a norm weight read 6e-5..8e-5 from the float64 reference) — the same step, in
+another arithmetic."""
+
+
+def fp32_norm(tensors) -> float:
+    """The L2 norm of plain tensors taken together as torch's clip_grad_norm_ takes it: each tensor's norm in fp32, then
+    the norm of those."""
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
 
 
 def perturbed_split(cfg, batch) -> int:
