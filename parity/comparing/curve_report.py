@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from parity import fingerprint, storage
 from parity.comparing.curves import Comparison, CurveResult
-from parity.comparing import clip_read, margins, objective, teacher_forced, tensor_verdict
+from parity.comparing import clip_read, objective, teacher_forced, tensor_verdict
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
 from parity.comparing.recorded import (RESUMED_ROWS, cut_words, replay_lines, resumed_at, resumed_note,
@@ -395,7 +395,6 @@ def write_outputs(c: Comparison, figure_path: str) -> list[str]:
         if data["runs"][name].get(teacher_forced.KEY, {}).get("first_fail_step") is not None:
             data["runs"][name][teacher_forced.KEY]["replay_command"] = command
     for r in c.results:  # a tensor verdict's FAIL: the layer check of its step (tensor_verdict's summary)
-        data["against_baseline"][r.run.name]["bound_ratios"] = margins.bound_ratios(c, r)
         first = r.tensors.first if r.tensors else None
         if first is not None:
             data["against_baseline"][r.run.name][tensor_verdict.KEY]["localise"] = localise(c, r, first.step)

@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from parity import fingerprint, storage
-from parity.comparing import clip_read, objective, recorded_checks, teacher_forced, tensor_verdict, tolerances
+from parity.comparing import clip_read, margins, objective, recorded_checks, teacher_forced, tensor_verdict, tolerances
 from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_outside, fixed_bounds,
                                     noise_ratio, relative_diff, relative_diffs)
 from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
@@ -253,6 +253,7 @@ class Comparison:
                 "replicas_parted": r.verdict.parting.to_dict() if r.verdict.parting else None,
                 "calibrated": r.bounds.calibrated,
                 "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
+                "bound_ratios": margins.bound_ratios(self, r),  # each check's largest deviation ÷ bound
                 "bit_identical": r.bit_identical,
                 "fp32_distance_ratio": r.fp32_distance_ratios,
                 "config_differences": r.config_differences, "routing": r.routing,

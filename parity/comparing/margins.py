@@ -17,10 +17,9 @@ from parity.comparing.tolerances import DRIFT_K
 def bound_ratios(c, r) -> dict[str, float]:
     """{check: the largest deviation ÷ bound} of result `r` (a curves.CurveResult) in comparison `c`; a check that did
     not run is absent."""
-    from parity.comparing.curves import _judged
-
-    skipped = c.baseline.skipped(c.num_steps)
-    series, base = (_judged(run, c.num_steps, skipped, c.quantities) for run in (r.run, c.baseline))
+    skipped = c.baseline.skipped(c.num_steps)  # the grad norm is not judged where the baseline skipped a step
+    series, base = ({q: [0.0 if q == "grad_norm" and skip else v for v, skip in zip(c.series(run, q), skipped)]
+                     for q in c.quantities} for run in (r.run, c.baseline))
     scales = objective.scales(c.baseline, c.num_steps)
     found = {}
     for q, bounds in r.bounds.per_step.items():
