@@ -252,14 +252,18 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
                 if accumulation is not None:
                     plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
                                          "grad_accum_steps": accumulation, "save_init_weights": False,
-                                         "noise_reference": True}))
+                                         **REFERENCE}))
             low = policy["precision"] not in ("fp32", "auto") or (policy["precision"] == "auto" and on_gpu)
             if low:  # and in fp32 at its own layout: how far the policy's rounding moves the curves (docs/tolerances.md)
                 plan.append(("ddp", {**ddp, **{k: None for k in policy}, "precision": "fp32",
-                                     "save_init_weights": False, "noise_reference": True}))
+                                     "save_init_weights": False, **REFERENCE}))
     for _, values in plan:  # the runs share a worker group and its folder
         values["storage_path"] = storage.join(out, "ray_checkpoints")
     return plan
+
+
+REFERENCE = {"noise_reference": True, "no_teacher_forced": True}  # a twin's flags: its curves are its use, not its own
+# teacher-forced check (the verdict reads the baseline's and the runs')
 
 
 def wants_noise_reference(args) -> bool:

@@ -387,11 +387,19 @@ def launch_planned(planned: list[tuple], kernel: str = "default", say=lambda lin
     """Every planned run trained in local groups: one group (a run of fewer workers on its first ranks) under `kernel`
     (local_group.KERNEL_PATHS), and one more for the noise reference under other kernels (noise_kernels), each
     announced through `say`."""
-    from parity.driver.local_group import KERNEL_PATHS, launch_local
+    from parity.driver.local_group import launch_local
 
-    batches = {cfg.experiment_name: b for cfg, b in planned}
     for kernels in dict.fromkeys(cfg.noise_kernels for cfg, _ in planned):
-        group = [cfg for cfg, _ in planned if cfg.noise_kernels == kernels]
-        say(f"[replay] {', '.join(f'{cfg.experiment_name} ({cfg.num_workers})' for cfg in group)} in a local group of "
-            f"{max(cfg.num_workers for cfg in group)}" + (f" under {kernels} ({KERNEL_PATHS[kernels]})" if kernels else ""))
-        launch_local(group, [{"batches": batches[cfg.experiment_name]} for cfg in group], kernel=kernels or kernel)
+        group = [(cfg, batches) for cfg, batches in planned if cfg.noise_kernels == kernels]
+        say(f"[replay] {', '.join(f'{cfg.experiment_name} ({cfg.num_workers})' for cfg, _ in group)} in a local group "
+            f"of {max(cfg.num_workers for cfg, _ in group)}"
+            + (f" under {kernels} ({kernel_variables(kernels)})" if kernels else ""))
+        launch_local([cfg for cfg, _ in group], [{"batches": batches} for _, batches in group], kernel=kernels or kernel)
+
+
+def kernel_variables(kernels: str) -> str:
+    """The variables kernel path `kernels` starts a group with, in words: 'MKL_CBWR=COMPATIBLE, ONEDNN_MAX_CPU_ISA unset'."""
+    from parity.driver.local_group import KERNEL_PATHS, kernel_environment
+
+    env = kernel_environment(kernels)
+    return ", ".join(f"{k}={env[k]}" if k in env else f"{k} unset" for k in KERNEL_PATHS[kernels])

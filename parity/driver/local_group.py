@@ -47,7 +47,8 @@ KERNEL_PATHS = {
     "avx2": {ISA_ENV: "AVX2"},  # the generic path of CPUs without AVX512
     "no_onednn": {"PARITY_DISABLE_ONEDNN": "1"},  # torch's own bf16 matmul (torch.backends.mkldnn off)
     # other fp32 and bf16 kernels than the default's on any x86 CPU: MKL's compatible code path (MKL_ENABLE_INSTRUCTIONS
-    # moves nothing on AMD, where MKL takes one path) and oneDNN's AVX2 one — the noise another CPU kind brings
+    # moves nothing on AMD, where MKL takes one path) and oneDNN's AVX2 one — the noise another CPU kind brings; as a
+    # noise reference's (NOISE_KERNELS), each variable flipped against this process's: set, or unset where it is so
     "other_kernels": {"MKL_CBWR": "COMPATIBLE", ISA_ENV: "AVX2"},
 }
 NOISE_KERNELS = "other_kernels"  # the kernel path of a noise reference at the baseline's own layout (noise_kernels)
@@ -157,6 +158,9 @@ def kernel_environment(kernel: str) -> dict[str, str]:
     is (a replay runs on the kernels its command ran on, ONEDNN_MAX_CPU_ISA and MKL_CBWR included)."""
     if kernel == "default":
         return dict(os.environ)
+    if kernel == NOISE_KERNELS:  # other kernels than this process's: each variable set, or unset where it is set so
+        other = {k: v for k, v in KERNEL_PATHS[kernel].items() if os.environ.get(k) != v}
+        return {**{k: v for k, v in os.environ.items() if k not in KERNEL_PATHS[kernel]}, **other}
     names = {k for env in KERNEL_PATHS.values() for k in env}
     return {**{k: v for k, v in os.environ.items() if k not in names}, **KERNEL_PATHS[kernel]}
 
