@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""The clean matrix (docs/tolerances.md#the-clean-matrix): every capability's clean run, as a user types it, under
+several CPU kernel settings, and its margin — the largest deviation ÷ bound over every check of every run
+(curve_comparison.json's bound_ratios) — in one table. A correct run must PASS under each with margin ≤ 0.5.
+
+    python tools/kernel_matrix.py --output_dir OUT                       # every capability × every setting
+    python tools/kernel_matrix.py --output_dir OUT --only trainer,dpo --settings default,avx2
+
+The settings (parity/calibration/kernel_settings.py) move the kernels a CPU kind or a GPU would. Each cell runs in its own folder OUT/<capability>/<setting>;
+OUT/matrix.md and OUT/matrix.json hold the table; a cell already done (its comparison there) is read, not run again.
+`--code DIR` runs another checkout's commands (its verify_trainer.py, examples and main job, DIR first on PYTHONPATH):
+the same matrix before a change; its margins come from its comparisons' curves and bounds where it wrote no
+bound_ratios. Runs for minutes per cell on 2 cores; no test runs it whole (tests/test_kernel_matrix.py runs one cell)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+sys.path.insert(0, REPO)
+from parity.calibration.kernel_settings import SETTINGS, environment as with_setting  # noqa: E402
+
+
+def verify(example: str, *flags: str):
+    """A capability run through verify_trainer.py: `python examples/<example> --output_dir OWN --nproc 2 FLAGS`."""
+    def command(code: str, out: str) -> list[str]:
+        script = os.path.join(code, "examples", example)
+        return [sys.executable, os.path.join(code, "verify_trainer.py"), "--output_dir", os.path.join(out, "verify"),
+                "--", sys.executable, script, "--output_dir", os.path.join(out, "own"), "--nproc", "2", *flags]
+    return command
+
+
+def resumed(code: str, out: str) -> list[str]:
+    """examples/plain_loop.py stopped after step 3's checkpoint and resumed from it, both in one command verified."""
+    own, script = os.path.join(out, "own"), os.path.join(code, "examples", "plain_loop.py")
+    both = (f"{sys.executable} {script} --output_dir {own} --nproc 2 --save_at 3 && "
+            f"{sys.executable} {script} --output_dir {own} --nproc 2 --resume_from {own}/checkpoint-3")
+    return [sys.executable, os.path.join(code, "verify_trainer.py"), "--output_dir", os.path.join(out, "verify"), "--",
+            "bash", "-c", both]
+
+
+def main_job(*flags: str):
+    def command(code: str, out: str) -> list[str]:
+        return [sys.executable, "-m", "parity.commands.main_job", "--output_dir", os.path.join(out, "job"), *flags]
+    return command
+
+
+def titan(*overrides: str):
+    """torchtitan's llama3 debug job through torchrun on CPU (tests/titan_site's changes on PYTHONPATH)."""
+    def command(code: str, out: str) -> list[str]:
+        assets = os.path.join(out, "assets")
+        sys.path.insert(0, os.path.join(code, "examples"))
+        from titan_assets import make_assets  # noqa: E402 (the examples folder: a script's module)
+
+        tokenizer, data = make_assets(assets)
+        return [sys.executable, os.path.join(code, "verify_trainer.py"), "--output_dir", os.path.join(out, "verify"),
+                "--", "torchrun", "--standalone", "--nproc_per_node", "2", "-m", "torchtitan.train", "--module",
+                "llama3", "--config", "llama3_debugmodel", "--hf_assets_path", tokenizer, "--dataloader.dataset_path",
+                data, "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "3",
+                "--training.mixed_precision_param", "float32", "--dump_folder", os.path.join(out, "dump"),
+                "--validator.no-enable", "--checkpoint.no-enable", *overrides]
+    return command
+
+
+CAPABILITIES = {  # name: (the command's maker, the folder its comparison lands in)
+    "main_fp32": (main_job(), "job/loss_curves"),
+    "main_bf16": (main_job("--precision", "bf16"), "job/loss_curves"),
+    "trainer": (verify("hf_trainer.py"), "verify"),
+    "trl_sft": (verify("trl_sft.py"), "verify"),
+    "grpo": (verify("trl_posttrain.py", "--loss_type", "dapo", "--beta", "0.04"), "verify"),
+    "dpo": (verify("trl_posttrain.py", "--trainer", "dpo", "--fp32"), "verify"),
+    "lightning": (verify("lightning_lm.py"), "verify"),
+    "accelerate": (verify("accelerate_loop.py"), "verify"),
+    "own_loop": (verify("plain_loop.py"), "verify"),
+    "titan_fsdp": (titan(), "verify"),
+    "titan_tp": (titan("--parallelism.tensor_parallel_degree", "2"), "verify"),
+    "lora": (verify("hf_trainer.py", "--lora"), "verify"),
+    "packed": (verify("hf_trainer.py", "--padding_free"), "verify"),
+    "resume": (resumed, "verify"),
+}
+
+
+def environment(code: str, setting: str) -> dict[str, str]:
+    """This process's environment under `setting`, `code` and torchtitan's CPU changes (tests/titan_site) first on
+    PYTHONPATH."""
+    path = [code, os.path.join(REPO, "tests", "titan_site"), *filter(None, os.environ.get("PYTHONPATH", "").split(
+        os.pathsep))]
+    return {**with_setting(setting, dict(os.environ)), "PYTHONPATH": os.pathsep.join(path)}
+
+
+def margins(comparison: dict) -> dict[str, tuple[str, float]]:
+    """{run: (its worst check, deviation ÷ bound)} of a curve_comparison.json: its bound_ratios, or — from an older
+    harness, without them — the curves' per-step ratios from their series and bounds, the teacher-forced check's and
+    the tensor verdict's own largest ratios, and a FAIL's first point outside."""
+    found = {}
+    base = comparison["runs"][comparison["baseline"]]["series"]
+    for name, against in comparison["against_baseline"].items():
+        ratios = dict(against.get("bound_ratios") or {})
+        if not ratios:
+            series = comparison["runs"][name]["series"]
+            for q, bounds in (against.get("bounds") or {}).items():
+                ratios[q] = max((abs(x - b) / (bound * abs(b)) if bound * abs(b) else 0.0
+                                 for x, b, bound in zip(series[q], base[q], bounds)), default=0.0)
+            tf = comparison["runs"][name].get("teacher_forced") or {}
+            checks = [c["ratio"] for c in tf.get("checks", []) if c.get("ratio") is not None]
+            if checks:
+                ratios["teacher_forced"] = max(checks)
+            tensors = against.get("tensor_verdict") or {}
+            ratios.update({f"tensor {phase}": p["ratio"] for phase, p in (tensors.get("largest") or {}).items()})
+        outside = against.get("first_outside")
+        if outside and outside.get("tolerance"):
+            ratios[f"FAIL {outside.get('test')} {outside.get('quantity')}"] = outside["rel_diff"] / outside["tolerance"]
+        found[name] = max(ratios.items(), key=lambda kv: kv[1], default=("none", 0.0))
+    return found
+
+
+def run_cell(capability: str, setting: str, out: str, code: str) -> dict:
+    """One cell: its command run (unless its comparison is there), its verdict, exit code, margin, seconds."""
+    make, folder = CAPABILITIES[capability]
+    cell = os.path.join(out, capability, setting)
+    report = os.path.join(cell, folder, "curve_comparison.json")
+    seconds, code_ = None, None
+    if not os.path.exists(report):
+        os.makedirs(cell, exist_ok=True)
+        t0 = time.perf_counter()
+        with open(os.path.join(cell, "output.log"), "w") as log:
+            code_ = subprocess.run(make(code, cell), env=environment(code, setting), cwd=code, stdout=log,
+                                   stderr=subprocess.STDOUT).returncode
+        seconds = time.perf_counter() - t0
+    if not os.path.exists(report):
+        return {"verdict": "no comparison", "exit": code_, "seconds": seconds, "margin": None, "check": None}
+    comparison = json.load(open(report))
+    worst = max(margins(comparison).values(), key=lambda cv: cv[1], default=("none", 0.0))
+    return {"verdict": comparison["verdict"], "exit": code_, "seconds": seconds, "margin": worst[1], "check": worst[0]}
+
+
+def table(cells: dict, settings: list[str]) -> str:
+    lines = ["| capability | " + " | ".join(settings) + " |", "|---|" + "---:|" * len(settings)]
+    for capability, row in cells.items():
+        def cell(c):
+            if c is None or c["margin"] is None:
+                return c and c["verdict"] or "—"
+            mark = "" if c["verdict"] == "PASS" else f" {c['verdict']}"
+            return f"{c['margin']:.3f}{mark} ({c['check']})"
+        lines.append(f"| {capability} | " + " | ".join(cell(row.get(s)) for s in settings) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--only", default=",".join(CAPABILITIES), help="capabilities, comma-separated")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="kernel settings, comma-separated")
+    p.add_argument("--code", default=REPO, help="the checkout whose commands run (default: this one)")
+    args = p.parse_args(argv)
+    capabilities, settings = args.only.split(","), args.settings.split(",")
+    unknown = [c for c in capabilities if c not in CAPABILITIES] + [s for s in settings if s not in SETTINGS]
+    if unknown:
+        print(f"error: unknown {unknown[0]}: capabilities {', '.join(CAPABILITIES)}; settings {', '.join(SETTINGS)}",
+              file=sys.stderr)
+        return 2
+    out = os.path.abspath(args.output_dir)
+    cells = {}
+    for capability in capabilities:
+        for setting in settings:
+            cells.setdefault(capability, {})[setting] = found = run_cell(capability, setting, out, args.code)
+            print(f"{capability} {setting}: {found}", flush=True)
+            text = table(cells, settings)
+            with open(os.path.join(out, "matrix.md"), "w") as f:
+                f.write(text + "\n")
+            with open(os.path.join(out, "matrix.json"), "w") as f:
+                json.dump(cells, f, indent=1)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
