@@ -163,6 +163,28 @@ def run_main(out, **env_vars):
                           text=True, timeout=1200, cwd=out.parent)
 
 
+PERTURBED = "compatible_1thread"
+"""The kernel setting (parity.calibration.kernel_settings) each capability's clean run is tested under once, beside the
+default elsewhere: MKL's compatible fp32 path (other fp32 bits on AMD and Intel alike), oneDNN's AVX512_CORE bf16
+kernels, one thread (docs/tolerances.md#every-machine-the-clean-matrix)."""
+
+
+@contextlib.contextmanager
+def kernel_setting(name: str = PERTURBED):
+    """This process's environment under kernel setting `name` for what it starts meanwhile — commands, local groups,
+    their replays (this process's own kernels were chosen when it started)."""
+    from parity.calibration.kernel_settings import environment
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environment(name, saved))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), f"{len(a)} steps vs {len(b)}"
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

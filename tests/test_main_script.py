@@ -9,7 +9,8 @@ import os
 import pytest
 
 import fault_hooks
-from conftest import REPO, assert_replicas_held, assert_same_curve, run_main
+from conftest import PERTURBED, REPO, assert_replicas_held, assert_same_curve, run_main
+from parity.calibration.kernel_settings import SETTINGS
 from parity.training.record import load_record
 from tracker_readers import as_float32, mlflow_run, mlflow_series, tensorboard, tensorboard_series
 
@@ -19,7 +20,7 @@ KILLED = ("ddp", "deepspeed", "fsdp")
 @pytest.fixture(scope="module")
 def four_runs(tmp_path_factory):
     """The seed's three strategies, the pipeline (2 stages × DP 2) and transformers' own TP + FSDP2 (in the TP runs'
-    worker group), at the shared runs' lr and checkpoint interval (conftest's PARITY), rank 1 of DDP, DeepSpeed and FSDP killed before step 6
+    worker group), under the perturbed kernels (conftest.PERTURBED), at the shared runs' lr and checkpoint interval (conftest's PARITY), rank 1 of DDP, DeepSpeed and FSDP killed before step 6
     (test copies of their modules, tests/fault_hooks.py), once the checkpoint of step 4 is committed; reported to
     MLflow (its default database, beside the records) and TensorBoard."""
     root = tmp_path_factory.mktemp("main_job")
@@ -28,7 +29,7 @@ def four_runs(tmp_path_factory):
     proc = run_main(root / "out", PYTHONPATH=str(root / "hooks"), STRATEGIES="ddp deepspeed fsdp pipeline transformers",
                     LEARNING_RATE="1e-4", EXTRA_ARGS="--checkpoint_interval 4 --max_failures 1",
                     REPORT_TO="mlflow tensorboard", MLFLOW_TRACKING_URI="", MLFLOW_EXPERIMENT_NAME="",
-                    NOISE_REFERENCE="off")
+                    NOISE_REFERENCE="off", **SETTINGS[PERTURBED])
     return proc, root
 
 
@@ -119,7 +120,8 @@ def test_a_bad_run_configuration_stops_the_job_before_any_run(tmp_path):
 
 
 def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
-    """bf16, so the job runs DDP's references itself (two twins and the fp32 twin) and calibrates. FSDP is a test copy of fsdp_strategy.py
+    """bf16 under the perturbed kernels (conftest.PERTURBED), so the job runs DDP's references itself (two twins and the
+    fp32 twin) and calibrates: DeepSpeed, clean, PASSes. FSDP is a test copy of fsdp_strategy.py
     whose optimizer steps at 1.05 × the learning rate, put first on PYTHONPATH (the driver and the Ray workers
     import it instead of the installed one): the verdict FAILs and the job exits 1. The model is another family's
     (qwen3-tiny): the job takes any --model_name."""
@@ -129,8 +131,9 @@ def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
     assert buggy.count("lr * 1.05") == 1
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "fsdp_strategy.py").write_text(buggy)
-    proc = run_main(tmp_path / "out", PRECISION="bf16", STRATEGIES="ddp fsdp", MODEL_NAME="qwen3-tiny",
-                    PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "copy"), os.environ.get("PYTHONPATH")])))
+    proc = run_main(tmp_path / "out", PRECISION="bf16", STRATEGIES="ddp deepspeed fsdp", MODEL_NAME="qwen3-tiny",
+                    PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "copy"), os.environ.get("PYTHONPATH")])),
+                    **SETTINGS[PERTURBED])
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     # one worker group, DDP's three references among its runs
     assert "ddp (noise reference) tp=1 dp=1 bf16" in proc.stdout
@@ -145,5 +148,7 @@ def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
                                            "noise_reference_ddp_tp1_dp4_bf16.json"]
     fsdp = summary["against_baseline"]["fsdp"]
     assert (fsdp["verdict"], fsdp["calibrated"]) == ("FAIL", True)
+    clean = summary["against_baseline"]["deepspeed"]  # the clean bf16 job's run, on the perturbed kernels
+    assert (clean["verdict"], clean["calibrated"]) == ("PASS", True), clean["first_outside"]
     # where it first shows moves by a step or two with the CPU's bf16 kernels (docs/tolerances.md)
     assert fsdp["first_outside"]["step"] <= 4 and max(fsdp["noise_ratio"].values()) > 20

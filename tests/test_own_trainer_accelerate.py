@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, free_port, gloo_rank, max_rel_diff, series, tensor_norms_off
+from conftest import REPO, free_port, gloo_rank, kernel_setting, max_rel_diff, series, tensor_norms_off
 from test_own_trainer import _copy, _record, _record_rank, _replay, first_fail
 
 EXAMPLE = os.path.join(REPO, "examples", "accelerate_loop.py")
@@ -66,9 +66,10 @@ def runs(tmp_path_factory):
             (copies["stepped_twice"], ["--output_dir", str(folders["stepped_twice"]), "--steps", "2"]),
             (copies["alone"], ["--output_dir", str(folders["alone"]), "--steps", "2"],
              str(folders["alone"] / "stderr.txt"))]
-    start_processes(_record_rank, (2, free_port(), jobs), 2)
-    planned = [_replay(folders, root, name, NAME, 2) for name in ("clean", "mean_of_means")]
-    launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
+    with kernel_setting():  # the records and replays under the perturbed kernels (conftest.PERTURBED)
+        start_processes(_record_rank, (2, free_port(), jobs), 2)
+        planned = [_replay(folders, root, name, NAME, 2) for name in ("clean", "mean_of_means")]
+        launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
     return folders
 
 

@@ -24,7 +24,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO, free_port, max_rel_diff, series
+from conftest import REPO, free_port, kernel_setting, max_rel_diff, series
 from test_own_trainer import _copy, _record_rank, _replay, _train_ddp
 
 TRL = os.path.join(REPO, "examples", "trl_sft.py")
@@ -53,14 +53,15 @@ def runs(tmp_path_factory):
         folder.mkdir()
     jobs = [(example or cached, ["--output_dir", str(folders[name]), "--name", record, "--steps", str(STEPS), *extra],
              str(folders[name] / "stderr.txt")) for name, (example, record, extra) in JOBS.items()]
-    start_processes(_record_rank, (2, free_port(), jobs), 2)
-    folders["hf_1"] = root / "hf_1"
-    shutil.copytree(folders["hf"], folders["hf_1"])
-    groups = [[_replay(folders, root, name, JOBS[name][1], 2) for name in JOBS],
-              [_replay(folders, root, "hf_1", "hf_trainer", 1)],
-              [_replay(folders, root, "hf", "hf_trainer", 4, noise_reference=True)]]
-    for planned in groups:
-        launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
+    with kernel_setting():  # the records and replays under the perturbed kernels (conftest.PERTURBED)
+        start_processes(_record_rank, (2, free_port(), jobs), 2)
+        folders["hf_1"] = root / "hf_1"
+        shutil.copytree(folders["hf"], folders["hf_1"])
+        groups = [[_replay(folders, root, name, JOBS[name][1], 2) for name in JOBS],
+                  [_replay(folders, root, "hf_1", "hf_trainer", 1)],
+                  [_replay(folders, root, "hf", "hf_trainer", 4, noise_reference=True)]]
+        for planned in groups:
+            launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
     return folders
 
 

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from conftest import REPO, free_port, max_rel_diff, series
+from conftest import REPO, free_port, kernel_setting, max_rel_diff, series
 from test_own_trainer import _compare, _copy, _record, _record_rank, _replay, first_fail, linear_step
 
 PLAIN = os.path.join(REPO, "examples", "plain_loop.py")
@@ -57,9 +57,10 @@ def runs(tmp_path_factory):
     jobs = [job for name, example in RESUMED.items()
             for job in _stopped_and_resumed(example or copies[name], folders[name])]
     jobs.append((copies["twice"], ["--output_dir", str(folders["twice"]), "--steps", str(AT)]))
-    start_processes(_record_rank, (2, free_port(), jobs), 2)
-    replays = [_replay(folders, root, name, NAMES.get(RESUMED.get(name), "plain_loop"), 2) for name in folders]
-    launch_local([cfg for cfg, _ in replays], [{"batches": batches} for _, batches in replays])
+    with kernel_setting():  # the records and replays under the perturbed kernels (conftest.PERTURBED)
+        start_processes(_record_rank, (2, free_port(), jobs), 2)
+        replays = [_replay(folders, root, name, NAMES.get(RESUMED.get(name), "plain_loop"), 2) for name in folders]
+        launch_local([cfg for cfg, _ in replays], [{"batches": batches} for _, batches in replays])
     return folders
 
 

@@ -7,7 +7,8 @@ accumulation (ms-swift #10117) FAILs at step 0; a bnpo record replays at its own
 name its objective, and what the reference cannot compute, are refused in one line (exit 2). One bf16 run, its script
 without the harness's callback, recorded and replayed as verify_trainer.py --calibrate does, PASSes calibrated.
 
-One gloo group of two ranks records every job one after another (module-scoped) — steps_per_generation 4 among them,
+Every job and replay runs under the perturbed kernel setting (conftest.PERTURBED). One gloo group of two ranks records
+every job one after another (module-scoped) — steps_per_generation 4 among them,
 and the refused DPO aot under verify_trainer.py's variables — and one local group per world size (1, 2, 4) replays them
 all; the refusals of what cannot run here (vLLM) are asked of TRL trainers built in this process."""
 
@@ -21,7 +22,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, gloo_rank, max_rel_diff, series
+from conftest import REPO, free_port, gloo_rank, kernel_setting, max_rel_diff, series
 from test_own_trainer import _copy
 
 TRL = os.path.join(REPO, "examples", "trl_posttrain.py")
@@ -97,11 +98,16 @@ def _rank(rank: int, world: int, port: int, jobs: list) -> None:
 def runs(tmp_path_factory):
     """{"root", folder name: its folder}: every job's record, and its replays at REPLAYS' worker counts, each in
     <folder>/w<N>."""
+    root = tmp_path_factory.mktemp("posttrain_recorder")
+    with kernel_setting():  # every job and replay under the perturbed kernels
+        return _runs(root)
+
+
+def _runs(root) -> dict:
     from parity.commands.verify_trainer import plan_replays, replay
     from parity.driver.local_group import CLUSTER, start_processes
     from parity.integrations.replay import plan_replay
 
-    root = tmp_path_factory.mktemp("posttrain_recorder")
     copies = {"swift": _copy(root, TRL, "trl_posttrain_swift", SWIFT),
               "unnamed": _copy(root, LOOP, "grpo_loop_unnamed", UNNAMED + UNNAMED_TAIL),
               "user": _copy(root, TRL, "grpo_user", NO_CALLBACK)}

@@ -1,6 +1,8 @@
 """verify_trainer.py (docs/own_trainer.md#one-command): copies of the examples with their callback lines removed (the
 ParityCallback's construction and its import), run under verify_trainer.py as `python COPY --output_dir X --nproc 2`:
-Trainer (through the real command line), TRL's SFTTrainer and Lightning (--calibrate) PASS with their pages written;
+Trainer (through the real command line, calibrated by default), TRL's SFTTrainer and Lightning (calibrated) PASS with
+their pages written — every command, its replays and the runs without the harness under the perturbed kernel setting
+(conftest.PERTURBED: MKL's compatible fp32 path, oneDNN's AVX512_CORE, one thread);
 a copy that trains twice in one process without a launcher, clean and then with a seeded bug, has both records judged
 in one comparison and exits 1; what each framework logged equals, bit for bit, what the same copy logs without the
 harness; bad input is one line and exit 2, before the command runs where that can be known.
@@ -27,7 +29,7 @@ import tomllib
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, kernel_setting
 from test_own_trainer import _record_rank
 
 EXAMPLES = {"hf": "hf_trainer.py", "trl": "trl_sft.py", "lightning": "lightning_lm.py"}
@@ -111,12 +113,17 @@ def _entry_points(root) -> str:
 def runs(tmp_path_factory):
     """{name: (exit code, the verification's folder, the copy's own folder, its stdout+stderr or None)}, and "plain":
     {framework: the folder of the copy's run without the harness}."""
-    from parity.commands.verify_trainer import verify
-    from parity.driver.local_group import start_processes
-
     root = tmp_path_factory.mktemp("verify_trainer")
     copies = {k: _copy(root, EXAMPLES[k], f"{k}_copy", EDITS[k]) for k in EXAMPLES}
     copies["twice"] = _copy(root, EXAMPLES["hf"], "hf_twice", EDITS["hf"] + TWICE)
+    with kernel_setting():  # every command, replay and run without the harness under the perturbed kernels
+        return _runs(root, copies)
+
+
+def _runs(root, copies: dict) -> dict:
+    from parity.commands.verify_trainer import verify
+    from parity.driver.local_group import start_processes
+
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([_entry_points(root / "metadata"), REPO, *filter(None, [saved])])
     results = {}
@@ -170,8 +177,9 @@ def test_an_unchanged_script_passes(runs, name):
         assert index["interval"] == 2 and index["checks"] == [0, 2]
         checks = comparison["runs"]["hf_copy"]["teacher_forced"]["checks"]
         assert [(c["step"], c["ok"]) for c in checks] == [(0, True), (2, True)]
-    if name == "lightning":  # the replay at 1 worker: the noise the bounds are calibrated on
-        assert comparison["noise_references"] == ["noise_reference_ddp_tp1_dp1_fp32.json"]
+    if name == "lightning":  # the replay at 1 worker and under other kernels: the noise the bounds are calibrated on
+        assert comparison["noise_references"] == ["noise_reference_ddp_tp1_dp1_fp32.json",
+                                                  "noise_reference_ddp_tp1_dp2_fp32_other_kernels.json"]
         # a run shorter than the drift test's window is not said to have passed it
         assert f"no drift test: it needs 10 steps and {STEPS} were compared" in (out / "curve_report.md").read_text()
 
