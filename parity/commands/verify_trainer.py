@@ -265,8 +265,9 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     `calibrate` the noise references too: the replay at another worker count the record's rows allow (fewer workers
     first: fewer processes on a CPU; then more, fed rows cut at document boundaries beyond the rows a step holds) whose
     arithmetic differs from the replay's (`gradient_sums`: a count that feeds the same micro-batches summed alike,
-    as fed rows regrouped whole from two ranks onto one, trains the replay bit for bit and measures no noise) and, for
-    a low-precision run, in fp32 at the replay's own."""
+    as fed rows regrouped whole from two ranks onto one, trains the replay bit for bit and measures no noise), for a
+    low-precision run in fp32 at the replay's own, and on CPU at the replay's own under other kernels
+    (kernel_reference)."""
     import itertools
 
     from parity import storage
@@ -312,8 +313,9 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
               f"micro-batches or sums: no noise reference at another layout", file=sys.stderr)
     if config["precision"] != "fp32":
         planned.append(plan(workers, noise_reference=True, precision="fp32"))
-    planned.append(kernel_reference(plan(workers, noise_reference=True,
-                                         experiment_name=f"ddp_dp{workers}_{NOISE_KERNELS}_noise_reference")))
+    if device == "cpu":  # (CUDA's counterparts — deterministic algorithms, TF32 — are not taken yet)
+        planned.append(kernel_reference(plan(workers, noise_reference=True,
+                                             experiment_name=f"ddp_dp{workers}_{NOISE_KERNELS}_noise_reference")))
     return planned
 
 

@@ -51,6 +51,7 @@ KERNEL_PATHS = {
     # noise reference's (NOISE_KERNELS), each variable flipped against this process's: set, or unset where it is so
     "other_kernels": {"MKL_CBWR": "COMPATIBLE", ISA_ENV: "AVX2"},
 }
+PORT_TAKEN = "EADDRINUSE"  # rank 0's store could not listen on the group's port
 NOISE_KERNELS = "other_kernels"  # the kernel path of a noise reference at the baseline's own layout (noise_kernels)
 
 
@@ -115,18 +116,23 @@ def launch_local(cfgs: list[RunConfig], payloads: list[dict], worker=None, kerne
     world = max(cfg.num_workers for cfg in cfgs)
     group = {"runs": [{"cfg": cfg.to_dict(), "title": cfg.strategy, **payload} for cfg, payload in zip(cfgs, payloads)],
              "checkpoints": False}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    try:
-        start_processes(_rank, (world, port, worker or train_group_worker, group, placement(cfgs[0].device)), world,
-                        kernel_environment(kernel), cfgs[0].device)
-    except mp.ProcessRaisedException as exc:
-        print(exc, file=sys.stderr, flush=True)  # the rank's traceback, in the run's log (the terminal says where)
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        raise TrainingFailed(f"rank {exc.error_index}: {lines[-1]}") from None
-    except mp.ProcessExitedException as exc:
-        raise TrainingFailed(f"rank {exc.error_index}: {exc}") from None
+    for attempt in (1, 2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            start_processes(_rank, (world, port, worker or train_group_worker, group, placement(cfgs[0].device)), world,
+                            kernel_environment(kernel), cfgs[0].device)
+            return
+        except mp.ProcessRaisedException as exc:
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            if attempt == 1 and PORT_TAKEN in lines[-1]:  # before any run: another process's socket took the port
+                continue  # between its choice here and rank 0's store listening on it (once in ~60 groups on a
+                # machine busy with other groups and Ray): a new port
+            print(exc, file=sys.stderr, flush=True)  # the rank's traceback, in the run's log (the terminal says where)
+            raise TrainingFailed(f"rank {exc.error_index}: {lines[-1]}") from None
+        except mp.ProcessExitedException as exc:
+            raise TrainingFailed(f"rank {exc.error_index}: {exc}") from None
 
 
 def placement(device: str) -> tuple[str, str | None]:
