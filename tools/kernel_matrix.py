@@ -9,8 +9,7 @@ several CPU kernel settings, and its margin — the largest deviation ÷ bound o
 The settings (parity/calibration/kernel_settings.py) move the kernels a CPU kind or a GPU would. Each cell runs in its own folder OUT/<capability>/<setting>;
 OUT/matrix.md and OUT/matrix.json hold the table; a cell already done (its comparison there) is read, not run again.
 `--code DIR` runs another checkout's commands (its verify_trainer.py, examples and main job, DIR first on PYTHONPATH):
-the same matrix before a change; its margins come from its comparisons' curves and bounds where it wrote no
-bound_ratios. Runs for minutes per cell on 2 cores; no test runs it whole (tests/test_kernel_matrix.py runs one cell)."""
+the same matrix before a change; where its comparisons hold no bound_ratios, its records are judged again here. Runs for minutes per cell on 2 cores; no test runs it whole (tests/test_kernel_matrix.py runs one cell)."""
 
 from __future__ import annotations
 
@@ -94,30 +93,19 @@ def environment(code: str, setting: str) -> dict[str, str]:
     return {**with_setting(setting, dict(os.environ)), "PYTHONPATH": os.pathsep.join(path)}
 
 
-def margins(comparison: dict) -> dict[str, tuple[str, float]]:
-    """{run: (its worst check, deviation ÷ bound)} of a curve_comparison.json: its bound_ratios, or — from an older
-    harness, without them — the curves' per-step ratios from their series and bounds, the teacher-forced check's and
-    the tensor verdict's own largest ratios, and a FAIL's first point outside."""
-    found = {}
-    base = comparison["runs"][comparison["baseline"]]["series"]
-    for name, against in comparison["against_baseline"].items():
-        ratios = dict(against.get("bound_ratios") or {})
-        if not ratios:
-            series = comparison["runs"][name]["series"]
-            for q, bounds in (against.get("bounds") or {}).items():
-                ratios[q] = max((abs(x - b) / (bound * abs(b)) if bound * abs(b) else 0.0
-                                 for x, b, bound in zip(series[q], base[q], bounds)), default=0.0)
-            tf = comparison["runs"][name].get("teacher_forced") or {}
-            checks = [c["ratio"] for c in tf.get("checks", []) if c.get("ratio") is not None]
-            if checks:
-                ratios["teacher_forced"] = max(checks)
-            tensors = against.get("tensor_verdict") or {}
-            ratios.update({f"tensor {phase}": p["ratio"] for phase, p in (tensors.get("largest") or {}).items()})
-        outside = against.get("first_outside")
-        if outside and outside.get("tolerance"):
-            ratios[f"FAIL {outside.get('test')} {outside.get('quantity')}"] = outside["rel_diff"] / outside["tolerance"]
-        found[name] = max(ratios.items(), key=lambda kv: kv[1], default=("none", 0.0))
-    return found
+def margins(folder: str, comparison: dict) -> dict[str, tuple[str, float]]:
+    """{run: (its worst check, deviation ÷ bound)} of the comparison in `folder`: its curve_comparison.json's bound_ratios
+    or — written by an older harness, without them — its records judged again here (the same bounds: an older
+    record's teacher-forced checks hold no noise, its quantities no ties) and measured by parity.comparing.margins."""
+    ratios = {name: against.get("bound_ratios") for name, against in comparison["against_baseline"].items()}
+    if not all(ratios.values()):
+        from parity.comparing.curves import compare, load_references, load_runs
+        from parity.comparing.margins import bound_ratios
+
+        again = compare(load_runs(folder), comparison["baseline"], references=load_references(folder),
+                        allow_incomplete=True)
+        ratios = {r.run.name: bound_ratios(again, r) for r in again.results}
+    return {name: max(found.items(), key=lambda kv: kv[1], default=("none", 0.0)) for name, found in ratios.items()}
 
 
 def run_cell(capability: str, setting: str, out: str, code: str) -> dict:
@@ -136,7 +124,7 @@ def run_cell(capability: str, setting: str, out: str, code: str) -> dict:
     if not os.path.exists(report):
         return {"verdict": "no comparison", "exit": code_, "seconds": seconds, "margin": None, "check": None}
     comparison = json.load(open(report))
-    worst = max(margins(comparison).values(), key=lambda cv: cv[1], default=("none", 0.0))
+    worst = max(margins(os.path.dirname(report), comparison).values(), key=lambda cv: cv[1], default=("none", 0.0))
     return {"verdict": comparison["verdict"], "exit": code_, "seconds": seconds, "margin": worst[1], "check": worst[0]}
 
 
