@@ -272,8 +272,9 @@ def test_the_main_job_takes_a_mixture_of_experts_and_ep_size(tmp_path):
                                       "2", "--strategies", "ddp fsdp transformers", "--device", "cpu"])
     cfgs = [resolve(strategy, values, cluster=CLUSTER, weights_written_before_launch=True)
             for strategy, values in run_plan(args, str(tmp_path), CLUSTER)]
-    assert [(c.strategy, c.tp_size, c.dp_size, c.ep_size) for c in cfgs] == [
-        ("ddp", 1, 2, 1), ("fsdp", 2, 2, 2), ("transformers", 2, 2, 2)]
+    assert [(c.strategy, c.tp_size, c.dp_size, c.ep_size, c.noise_reference) for c in cfgs] == [
+        ("ddp", 1, 2, 1, False), ("ddp", 1, 1, 1, True), ("ddp", 1, 4, 1, True), ("fsdp", 2, 2, 2, False),
+        ("transformers", 2, 2, 2, False)]  # DDP's twins: the job calibrates by default
 
 
 def test_the_benchmarks_dry_form_bounds_a_published_mixture_of_experts(tmp_path, capsys):

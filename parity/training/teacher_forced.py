@@ -122,8 +122,14 @@ class ReferenceStep(Strategy):
             torch._foreach_div_([t.grad for t in held if t.grad is not None], self.perturb)
 
     def optimizer_step(self, lr: float):
+        """The step; the twin clips by fp32_norm but reports the float64 norm of the same gradients (a run's grad
+        norm is judged against a float64 one: the fp32 norm's rounding is noise for the moments, not for it)."""
         self.unperturb()
-        return self.policy_optimizer.step(lr, fp32_norm if self.perturb != 1.0 else local_norm)
+        if self.perturb == 1.0:
+            return self.policy_optimizer.step(lr, local_norm)
+        exact = []
+        done = self.policy_optimizer.step(lr, lambda grads: exact.append(local_norm(grads)) or fp32_norm(grads))
+        return dataclasses.replace(done, norm=exact[0]) if exact else done
 
     def gather_world(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t]  # one process: no collective
