@@ -24,6 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sys.path.insert(0, REPO)
 from parity.calibration.kernel_settings import SETTINGS, environment as with_setting  # noqa: E402
+from parity.comparing.margins import worst  # noqa: E402
 
 
 def verify(example: str, *flags: str):
@@ -105,7 +106,7 @@ def margins(folder: str, comparison: dict) -> dict[str, tuple[str, float]]:
         again = compare(load_runs(folder), comparison["baseline"], references=load_references(folder),
                         allow_incomplete=True)
         ratios = {r.run.name: bound_ratios(again, r) for r in again.results}
-    return {name: max(found.items(), key=lambda kv: kv[1], default=("none", 0.0)) for name, found in ratios.items()}
+    return {name: worst(found) for name, found in ratios.items()}
 
 
 def run_cell(capability: str, setting: str, out: str, code: str) -> dict:
