@@ -73,7 +73,14 @@ class DDPStrategy(Strategy):
         loss.backward()
         self.policy_optimizer.accumulate()
 
+    @property
+    def loss_scale(self) -> float:
+        """The policy's (fp16's loss scale, else 1), × a perturbed noise reference's factor (RunConfig.perturb)."""
+        return super().loss_scale * (self.cfg.perturb or 1.0)
+
     def optimizer_step(self, lr: float):
+        if self.cfg.perturb:  # a perturbed noise reference's gradients back to the loss's own scale
+            self.policy_optimizer.divide_gradients(self.cfg.perturb)
         return self.policy_optimizer.step(lr, local_norm, before_norm=self.record_gradients)
 
     def parameter_norm(self) -> float:

@@ -106,6 +106,10 @@ class RunConfig:
     # parity.driver.local_group.KERNEL_PATHS' entry: other matmul kernels, the noise a CPU kind or GPU changes); None
     # elsewhere (left out of to_dict)
     noise_kernels: str | None = None
+    # A noise reference trained in another arithmetic: each micro-batch's loss × this factor before backward, its
+    # gradients ÷ it before the step (parity.training.teacher_forced.PERTURB): every bf16 rounding of backward moves, as
+    # TP's partial sums or another kernel move them; None elsewhere (left out of to_dict)
+    perturb: float | None = None
 
     @property
     def layout(self) -> Layout:
@@ -122,7 +126,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in (*REPLAY_ONLY, "lora", "objective", "noise_kernels"):
+        for key in (*REPLAY_ONLY, "lora", "objective", "noise_kernels", "perturb"):
             if data[key] is None:
                 del data[key]
         return data

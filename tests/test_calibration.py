@@ -34,12 +34,14 @@ from parity.calibration.study import SETTING
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.comparing.tolerances import NOISE_K
 from parity.driver.local_group import kernel_environment, plan, run_group, same_kernels
+from parity.training.teacher_forced import PERTURB
 
 SEED = 64  # outside the study's seeds (42–61)
 KERNELS = ("default", "avx2")
 BASELINE = {"precision": "bf16", "num_workers": 2, "batch_size": 2}
 REFERENCES = {  # the main job's noise references of that baseline (parity/commands/main_job.py)
-    "noise_reference_ddp_tp1_dp1_bf16.json": {"precision": "bf16", "num_workers": 1, "batch_size": 4},
+    "noise_reference_ddp_tp1_dp1_bf16_perturbed.json": {"precision": "bf16", "num_workers": 1, "batch_size": 4,
+                                                        "perturb": PERTURB},
     "noise_reference_ddp_tp1_dp4_bf16.json": {"precision": "bf16", "num_workers": 4, "batch_size": 1},
     "noise_reference_ddp_tp1_dp2_fp32.json": {"precision": "fp32", "num_workers": 2, "batch_size": 2},
 }
@@ -117,6 +119,8 @@ def folders(tmp_path_factory, weights):
     for technique, strategy, layout, flags in TECHNIQUES_BF16:
         add("default", technique, strategy, {**layout, "precision": "bf16"}, **flags)
     add("default", "fp32", "ddp", {**BASELINE, "precision": "fp32"}, debug_steps=FP32_STEPS)
+    add("default", "perturbed_fp32", "ddp", {**BASELINE, "precision": "fp32"}, debug_steps=FP32_STEPS,
+        noise_reference=True, perturb=PERTURB)
     for bug, strategy, *_ in BUGS_FP32:
         add("default", f"{bug.__name__}_fp32", strategy, {**TP2_DP2, "precision": "fp32"}, bug,
             debug_steps=FP32_STEPS)
@@ -361,3 +365,18 @@ def test_kernel_paths_are_one_exactly_where_onednn_computes_no_bf16_product():
     assert same_kernels("default", "avx2") == (not default)
     if default:
         assert onednn_kernels("avx2") != default
+
+
+def test_a_perturbed_twin_trains_the_same_model_in_another_arithmetic(folders):
+    """The first twin of a low-precision job trains with its loss × PERTURB and its gradients ÷ PERTURB before each
+    step (RunConfig.perturb): in fp32 it is DDP at its own layout to rounding (every curve within 1e-5 of the baseline),
+    and not bit for bit — every backward product rounded otherwise, its gradients moved."""
+    base = json.loads((folders / "fp32" / "loss_ddp.json").read_text())
+    twin = json.loads((folders / "perturbed_fp32" / "noise_reference_ddp_tp1_dp2_fp32_perturbed.json").read_text())
+    assert twin["config"]["perturb"] == PERTURB and "perturb" not in base["config"]
+    moved = 0.0
+    for a, b in zip(base["steps"], twin["steps"], strict=True):
+        for key in ("loss", "grad_norm", "param_norm"):
+            assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
+        moved = max(moved, abs(b["grad_norm"] - a["grad_norm"]) / a["grad_norm"])
+    assert 0 < moved < 1e-6, moved

@@ -143,7 +143,7 @@ def test_an_injected_bug_fails_the_calibrated_bf16_verdict(tmp_path):
     assert json.loads((tmp_path / "out" / "loss_curves" / "loss_fsdp.json").read_text())["config"]["model_config"][
         "model_type"] == "qwen3"
     summary = json.loads((tmp_path / "out" / "loss_curves" / "curve_comparison.json").read_text())
-    assert summary["noise_references"] == ["noise_reference_ddp_tp1_dp1_bf16.json",
+    assert summary["noise_references"] == ["noise_reference_ddp_tp1_dp1_bf16_perturbed.json",
                                            "noise_reference_ddp_tp1_dp2_fp32.json",
                                            "noise_reference_ddp_tp1_dp4_bf16.json"]
     fsdp = summary["against_baseline"]["fsdp"]

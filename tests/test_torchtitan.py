@@ -211,7 +211,7 @@ def test_a_bf16_job_calibrated_passes(runs):
     against = report["against_baseline"]["titan"]
     assert against["verdict"] == "PASS" and against["calibrated"], against
     assert report["noise_references"] == [  # 1 worker, the fp32 twin, and 2 workers under other kernels
-        "noise_reference_ddp_tp1_dp1_bf16_params.json", "noise_reference_ddp_tp1_dp2_bf16_params_other_kernels.json",
+        "noise_reference_ddp_tp1_dp1_bf16_params_perturbed.json", "noise_reference_ddp_tp1_dp2_bf16_params_other_kernels.json",
         "noise_reference_ddp_tp1_dp2_fp32.json"], report["noise_references"]
     run = report["runs"]["titan"]
     assert run["precision"] == "bf16_params" and run["policy"]["reduce_dtype"] == "fp32"

@@ -205,6 +205,7 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
     from parity.layout import job_layout
     from parity.objectives import micro_rows, parse_settings, resolve_objective, twin_accumulation
     from parity.registry import flags_for, load, path_of
+    from parity.training.teacher_forced import PERTURB
 
     strategies = args.strategies.split()
     unknown = [s for s in strategies if s not in KNOWN and ":" not in s]
@@ -247,13 +248,16 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
             ddp = plan[0][1]
             # On GPUs a twin gets as many as the cluster has, or as the runs wait for (GPU nodes still to come).
             gpus = max(cluster.gpus, world) if on_gpu else None
-            for dp, batch in twin_layouts(ddp["dp_size"], ddp["batch_size"], gpus):
+            low = policy["precision"] not in ("fp32", "auto") or (policy["precision"] == "auto" and on_gpu)
+            for n, (dp, batch) in enumerate(twin_layouts(ddp["dp_size"], ddp["batch_size"], gpus)):
                 accumulation = twin_accumulation(objective, micro_rows(ddp), batch)  # a split the objective allows
+                # in a low precision the first twin trains in another arithmetic too (loss × PERTURB): every backward
+                # rounding moves, as TP's partial sums and other kernels move them; the layout alone moves fp32 sums
+                perturb = PERTURB if low and n == 0 else None
                 if accumulation is not None:
                     plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
                                          "grad_accum_steps": accumulation, "save_init_weights": False,
-                                         **REFERENCE}))
-            low = policy["precision"] not in ("fp32", "auto") or (policy["precision"] == "auto" and on_gpu)
+                                         **REFERENCE, **({"perturb": perturb} if perturb else {})}))
             if low:  # and in fp32 at its own layout: how far the policy's rounding moves the curves (docs/tolerances.md)
                 plan.append(("ddp", {**ddp, **{k: None for k in policy}, "precision": "fp32",
                                      "save_init_weights": False, **REFERENCE}))

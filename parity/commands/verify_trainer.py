@@ -268,6 +268,7 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     as fed rows regrouped whole from two ranks onto one, trains the replay bit for bit and measures no noise), for a
     low-precision run in fp32 at the replay's own, and on CPU at the replay's own under other kernels
     (kernel_reference)."""
+    import dataclasses
     import itertools
 
     from parity import storage
@@ -275,6 +276,7 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     from parity.integrations.replay import plan_replay
     from parity.integrations.replay_choice import REPLAYS, choose
     from parity.training.record import load_record
+    from parity.training.teacher_forced import PERTURB
 
     config = load_record(record)["config"]
     device = config.get("device_type") or "cpu"
@@ -298,9 +300,13 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     workers = planned[0][0].num_workers
     rows = planned[0][0].global_batch_size
     split_line(config, rows)
+    # in a low precision the layout's twin trains in another arithmetic too (loss × PERTURB, the harness's DDP): every
+    # backward rounding moves, as the user's own kernels and sums move them; its layout alone may sum as the replay does
+    perturb = PERTURB if config["precision"] != "fp32" and chosen[0] == "ddp" else None
     for other in itertools.chain(range(workers - 1, 0, -1), itertools.count(workers + 1)):
         try:
-            reference = plan(other, noise_reference=True)
+            cfg, batches = plan(other, noise_reference=True)
+            reference = dataclasses.replace(cfg, perturb=perturb), batches
         except ConfigError:
             if other > rows:  # more workers than any step's rows: a count refused here refuses every larger one
                 break

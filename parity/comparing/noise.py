@@ -76,6 +76,16 @@ def noise_envelope(baseline: list[float], references: list[list[float]], floor: 
                               for ds in zip(*(relative_diffs(r, baseline, scales) for r in references))], floor)
 
 
+def held_envelope(raw: list[float], floor: float) -> list[float]:
+    """The smoothed envelope, never below its value at an earlier step: a tensor's. Each reference's deviation of one
+    tensor's norm is signed and crosses zero as the runs wander (three references read 1e-4 at once where they had read
+    8e-4 twenty steps before), so a few steps of it under-sample the noise one rounding leaves in that tensor; what
+    rounding moved it by once, a correct run may carry from then on (DeepSpeed AutoTP's q_proj.bias in bf16 read 0.84
+    of a local envelope's bound at step 90 under oneDNN's AVX2 kernels, 0.22 of this one)."""
+    envelope, held = smoothed_envelope(raw, floor), 0.0
+    return [held := max(held, e) for e in envelope]
+
+
 def smoothed_envelope(raw: list[float], floor: float) -> list[float]:
     """Per step s: the largest of `raw` (the references' largest distance from the baseline at each step) over steps
     s ± NOISE_SMOOTHING, at least `floor` — a curve's envelope, and a tensor's (parity.comparing.tensor_verdict)."""

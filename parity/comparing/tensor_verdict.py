@@ -9,8 +9,9 @@ constant scale away from the parameters. Per tensor the same bug reads 1.0 (docs
 
 The deviation of a tensor at a step is |x − baseline| / max(|baseline|, TENSOR_FLOOR × the baseline's global norm at
 that step) (parity.comparing.tolerances says why the floor). Its bound: calibrated on the noise references the curves
-use, from their own series — NOISE_K × the envelope of their deviations over steps s ± NOISE_SMOOTHING, never below
-TENSOR_NOISE_FLOOR (parity.comparing.noise's logic, per tensor) — else the fixed TENSORS table by precision (in fp32 also a floor under the calibrated bound). Not judged:
+use, from their own series — NOISE_K × the envelope of their deviations over steps s ± NOISE_SMOOTHING, held at its
+largest so far (noise.held_envelope), never below TENSOR_NOISE_FLOOR (parity.comparing.noise's logic, per tensor) —
+else the fixed TENSORS table by precision (in fp32 also a floor under the calibrated bound). Not judged:
 the gradient at the steps the baseline skipped on an fp16 overflow (as the curves), frozen parameters (in no series).
 The point named — at the first step any point is outside, the one furthest outside its bound (`first_outside`) —
 FAILs the run whatever the curves say: curves.py takes it with the curves' and the
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 from parity import storage
 from parity.comparing import clip_read
-from parity.comparing.noise import smoothed_envelope
+from parity.comparing.noise import held_envelope
 from parity.comparing.tolerances import (ADAM_SIGN_FLIP, CALIBRATION_FLOORED, NOISE_K, TENSOR_FLOOR,
                                          TENSOR_NOISE_FLOOR, TENSORS, looser_precision, tolerance_class)
 from parity.comparing.verdict import Outside
@@ -213,7 +214,7 @@ def _bounds(base, run, references: list, series: dict, num_steps: int, skipped: 
             refs = [_points(series[r.file], series[base.file], phase, num_steps) for r in usable]
             raw = [[0.0 if phase == GRADIENT and skipped[s] else max(ref[s][i][2] for ref in refs)
                     for s in range(num_steps)] for i in range(names)]
-            envelopes = [smoothed_envelope(per_step, floor[phase]) for per_step in raw]
+            envelopes = [held_envelope(per_step, floor[phase]) for per_step in raw]
             least = fixed[phase] if kind in CALIBRATION_FLOORED else [[0.0] * names] * num_steps
             bounds[phase] = [[max(NOISE_K * envelopes[i][s], least[s][i]) for i in range(names)]
                              for s in range(num_steps)]

@@ -236,6 +236,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     from parity.models.presets import default_learning_rate, default_tokenizer
 
     values = dict(values)
+    perturb = values.pop("perturb", None)  # a noise reference's arithmetic (RunConfig.perturb): planned, not a flag
     if isinstance(values.get("strategy_class"), type):  # a class handed in by code (a test, the calibration study)
         values["strategy_class"] = class_path(values["strategy_class"])
     # The run's class, resolved once into the path RunConfig carries: every later place loads it (registry.load).
@@ -321,7 +322,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     storage.check_writable_dir("--storage_path", s["storage_path"])
     storage.check_writable_dir("--final_checkpoint_dir's parent", storage.parent(s["final_checkpoint_dir"]))
     cfg = RunConfig(strategy=strategy, strategy_path=strategy_path, options=options, model_config=model_config.to_dict(),
-                    **s)
+                    perturb=perturb, **s)
     if cfg.resume:
         from parity.training.checkpoints import check_resume
 

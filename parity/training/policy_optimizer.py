@@ -94,6 +94,13 @@ class PolicyOptimizer:
                 p.grad = None
 
     @torch.no_grad()
+    def divide_gradients(self, factor: float) -> None:
+        """Every gradient held now (the parameters', the masters') divided by `factor`: a perturbed noise reference's
+        loss was multiplied by it (parity.training.perturbed)."""
+        held = [t.grad for t in self.params + (self.masters or []) if t.grad is not None]
+        torch._foreach_div_(held, factor)
+
+    @torch.no_grad()
     def step(self, lr: float, norm_of: Callable[[list[torch.Tensor]], float], counted=None,
              before_norm: Callable[[], None] | None = None) -> OptimizerStep:
         """Clip, step at `lr` and drop the gradients (class docstring); `norm_of(grads)` is the global L2 norm of this

@@ -42,10 +42,11 @@ def record_path(output_dir: str, strategy: str) -> str:
 
 def run_record_path(cfg) -> str:
     """Where a run writes its record: loss_<strategy>.json, or for a noise reference (a twin of the baseline: at
-    another layout, in fp32 at its own, or at its own under other CPU kernels: `noise_kernels`)
-    noise_reference_<strategy>_tp<T>_dp<D>_<precision>[_<kernels>].json."""
+    another layout, in fp32 at its own, or at its own under other CPU kernels: `noise_kernels`; in another arithmetic:
+    `perturb`) noise_reference_<strategy>_tp<T>_dp<D>_<precision>[_<kernels>][_perturbed].json."""
     if cfg.noise_reference:
         kernels = f"_{cfg.noise_kernels}" if getattr(cfg, "noise_kernels", None) else ""
+        kernels += "_perturbed" if getattr(cfg, "perturb", None) else ""
         name = f"noise_reference_{cfg.strategy}_tp{cfg.tp_size}_dp{cfg.dp_size}_{cfg.precision}{kernels}.json"
         return storage.join(cfg.loss_output_dir, name)
     return record_path(cfg.loss_output_dir, cfg.strategy)

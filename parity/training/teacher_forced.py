@@ -114,19 +114,12 @@ class ReferenceStep(Strategy):
         loss.backward()
         self.policy_optimizer.accumulate()
 
-    @torch.no_grad()
-    def unperturb(self) -> None:
-        """The perturbed twin's gradients divided by its factor, wherever they are held now (parameters, masters)."""
-        if self.perturb != 1.0:
-            held = list(self.model.parameters()) + list(self.policy_optimizer.masters or [])
-            torch._foreach_div_([t.grad for t in held if t.grad is not None], self.perturb)
-
     def optimizer_step(self, lr: float):
         """The step; the twin clips by fp32_norm but reports the float64 norm of the same gradients (a run's grad
         norm is judged against a float64 one: the fp32 norm's rounding is noise for the moments, not for it)."""
-        self.unperturb()
         if self.perturb == 1.0:
             return self.policy_optimizer.step(lr, local_norm)
+        self.policy_optimizer.divide_gradients(self.perturb)
         exact = []
         done = self.policy_optimizer.step(lr, lambda grads: exact.append(local_norm(grads)) or fp32_norm(grads))
         return dataclasses.replace(done, norm=exact[0]) if exact else done
