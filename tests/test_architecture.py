@@ -3,7 +3,11 @@ product module over 600 lines. Measured by tests/import_graph.py over the produc
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import import_graph
+from conftest import REPO
 
 MAX_UPWARD = 2
 MAX_MODULE_LINES = 600
@@ -33,3 +37,15 @@ def test_the_measure_sees_an_upward_import_and_a_circle(tmp_path):
     assert house["circles"] == [["parity.low.a", "parity.low.b", "top"]]  # top imports a, b imports top
     assert house["upward"] == [("parity.low", "top")]
     assert house["floor"] == {"parity": 0, "parity.low": 0, "top": 1}
+
+
+def test_no_sys_path_edit_anywhere():
+    """A module is found because the project is installed, or loaded by its file path (importlib): no code of the
+    house — product, tests, examples, tools, the scripts — puts a folder on sys.path."""
+    edit = re.compile(r"sys\.path\.(insert|append|extend|remove|pop)\(|sys\.path(\[[^]]*\])? *\+?= ")
+    edits = [f"{path.relative_to(REPO)}:{n}" for path in sorted(pathlib.Path(REPO).rglob("*.py"))
+             if not any(part.startswith(".") for part in path.relative_to(REPO).parts)
+             and path != pathlib.Path(__file__).resolve()  # (this check's own examples below)
+             for n, line in enumerate(path.read_text().splitlines(), 1) if edit.search(line)]
+    assert edits == []
+    assert edit.search("sys.path.insert(0, here)") and edit.search("sys.path[:0] = [here]")  # the check can fail

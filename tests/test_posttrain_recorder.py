@@ -18,7 +18,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
@@ -391,11 +390,9 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
 
 def _grpo_trainer(root):
     """A GRPOTrainer of the example's model and data, built in this process (one rank, no training)."""
-    sys.path.insert(0, os.path.dirname(TRL))
-    try:
-        import trl_posttrain as example
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location("trl_posttrain_example", TRL)  # by its path: no sys.path edit
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 

@@ -14,17 +14,17 @@ the same matrix before a change; where its comparisons hold no bound_ratios, its
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from parity.calibration.kernel_settings import SETTINGS, environment as with_setting  # (the project is installed)
+from parity.comparing.margins import worst
 
-sys.path.insert(0, REPO)
-from parity.calibration.kernel_settings import SETTINGS, environment as with_setting  # noqa: E402
-from parity.comparing.margins import worst  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def verify(example: str, *flags: str):
@@ -55,8 +55,10 @@ def titan(*overrides: str):
     """torchtitan's llama3 debug job through torchrun on CPU (tests/titan_site's changes on PYTHONPATH)."""
     def command(code: str, out: str) -> list[str]:
         assets = os.path.join(out, "assets")
-        sys.path.insert(0, os.path.join(code, "examples"))
-        from titan_assets import make_assets  # noqa: E402 (the examples folder: a script's module)
+        spec = importlib.util.spec_from_file_location("titan_assets", os.path.join(code, "examples", "titan_assets.py"))
+        assets_module = importlib.util.module_from_spec(spec)  # the examples folder's module, loaded by its path
+        spec.loader.exec_module(assets_module)
+        make_assets = assets_module.make_assets
 
         tokenizer, data = make_assets(assets)
         return [sys.executable, os.path.join(code, "verify_trainer.py"), "--output_dir", os.path.join(out, "verify"),
