@@ -32,8 +32,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from parity.integrations.launch import launch
-from parity.integrations.recorder import ParityRecorder
+from parity.attaching.launch import launch
+from parity.recording.recorder import ParityRecorder
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from parity.integrations.launch import launch
-from parity.integrations.recorder import ParityRecorder
+from parity.attaching.launch import launch
+from parity.recording.recorder import ParityRecorder
 
 STOP_EVERY = 16  # ids 0, 16, 32, … end a completion
 

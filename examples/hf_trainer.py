@@ -28,7 +28,7 @@ import socket
 import torch
 from transformers import TrainerCallback
 
-from parity.integrations.transformers import ParityCallback
+from parity.frameworks.transformers.callback import ParityCallback
 
 
 def parse_args(argv=None) -> argparse.Namespace:

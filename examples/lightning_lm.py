@@ -5,6 +5,7 @@ mask and gradient accumulation under DDP, recorded for the harness by Lightning'
     python examples/lightning_lm.py --output_dir OUT --nproc 2     # 2 ranks spawned here (DDP over gloo, CPU)
     torchrun --nproc_per_node 2 examples/lightning_lm.py --output_dir OUT
     python examples/lightning_lm.py --output_dir OUT --ray 2       # Ray Train: RayDDPStrategy, RayLightningEnvironment
+    python examples/lightning_lm.py --output_dir OUT --nproc 2 --manual --static_graph   # manual optimization
     python train_ddp.py --replay_record OUT/loss_lightning_lm.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png
@@ -24,8 +25,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from parity.integrations.launch import launch
-from parity.integrations.lightning import ParityCallback
+from parity.attaching.launch import launch
+from parity.frameworks.lightning.callback import ParityCallback
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strategy", default="ddp", choices=("ddp", "model_parallel", "fsdp"),
                    help="Lightning's strategy: ddp; model_parallel (FSDP2 over its data-parallel dim: CPU or GPU); "
                         "fsdp (GPU only: Lightning refuses it on CPU)")
+    p.add_argument("--manual", action="store_true", help="manual optimization (automatic_optimization = False): the "
+                                                         "module's own manual_backward, clip_gradients and opt.step()")
+    p.add_argument("--static_graph", action="store_true", help="DDP with static_graph=True")
     p.add_argument("--no_record", action="store_true", help="train without the callback (the bare step: to time the "
                                                             "recorder's cost)")
     p.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu"), help="gpu: one GPU a rank (NCCL)")
@@ -102,15 +106,31 @@ def module_class():
         def __init__(self, model, args, world: int):
             super().__init__()
             self.model, self.args, self.world = model, args, world
+            self.automatic_optimization = not args.manual
 
         def training_step(self, batch, batch_idx):
             out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              labels=batch["labels"], use_cache=False)
             summed = F.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), batch["labels"][:, 1:].flatten(),
                                      ignore_index=-100, reduction="sum")
+            if self.args.manual:
+                return self.manual_step(summed * self.world / batch["step_tokens"], batch_idx)
             # Lightning divides by accumulate_grad_batches, DDP averages over ranks: undo both for the global token mean
             loss = summed * self.world * self.args.grad_accum_steps / batch["step_tokens"]
             return loss
+
+        def manual_step(self, loss, batch_idx):
+            """Manual optimization: backward each micro-batch (DDP averages over ranks: the loss undoes it), and at
+            the window's last one clip, step, zero and advance the schedule."""
+            opt = self.optimizers()
+            self.manual_backward(loss)
+            if (batch_idx + 1) % self.args.grad_accum_steps == 0:
+                if self.args.max_grad_norm:
+                    self.clip_gradients(opt, gradient_clip_val=self.args.max_grad_norm, gradient_clip_algorithm="norm")
+                opt.step()
+                opt.zero_grad()
+                self.lr_schedulers().step()
+            return loss.detach()  # its window's sum over micro-batches, averaged over ranks: the global token mean
 
         def configure_model(self):
             """Under ModelParallelStrategy: FSDP2 over its data-parallel mesh (each decoder layer, then the whole)."""
@@ -167,11 +187,14 @@ def train(args, ray: bool = False) -> None:
     else:
         from lightning.pytorch.strategies import DDPStrategy
 
-        strategy, plugins = DDPStrategy(process_group_backend="gloo" if args.accelerator == "cpu" else "nccl"), []
+        strategy, plugins = DDPStrategy(process_group_backend="gloo" if args.accelerator == "cpu" else "nccl",
+                                        static_graph=args.static_graph), []
+    automatic = not args.manual  # manual optimization accumulates and clips in its training_step
     trainer = pl.Trainer(accelerator=args.accelerator, devices="auto" if ray else world, strategy=strategy,
-                         plugins=plugins, max_steps=args.steps, accumulate_grad_batches=args.grad_accum_steps,
+                         plugins=plugins, max_steps=args.steps,
+                         accumulate_grad_batches=args.grad_accum_steps if automatic else 1,
                          # Lightning's FSDPPrecision refuses clipping by norm: FSDP runs unclipped
-                         gradient_clip_val=None if args.strategy == "fsdp" else args.max_grad_norm,
+                         gradient_clip_val=None if args.strategy == "fsdp" or not automatic else args.max_grad_norm,
                          use_distributed_sampler=False, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[] if args.no_record else [ParityCallback(args.output_dir, name=args.name)])

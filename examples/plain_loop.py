@@ -7,7 +7,7 @@ DistributedSampler and a DataLoader with drop_last=False read it (each rank ever
 epoch, the epoch topped up from its start to a multiple of the ranks, a smaller last micro-batch, a partial last
 accumulation window), gradient accumulation under no_sync, AdamW with two parameter groups (no weight decay on biases
 and norms, as Hugging Face's Trainer does), a linear warm-up, and clipping. Each window's loss is its global token
-mean, whatever its micro-batches hold. The recorder (parity.integrations.recorder.ParityRecorder) is five lines of it.
+mean, whatever its micro-batches hold. The recorder (parity.recording.recorder.ParityRecorder) is five lines of it.
 
 It checkpoints the way a user's loop does: `--save_at K` writes the model's, the optimizer's and the scheduler's state
 dicts and the data position after K steps (torch.save on rank 0) and stops; `--resume_from DIR` restores them and goes
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from parity.integrations.recorder import ParityRecorder
+from parity.recording.recorder import ParityRecorder
 
 
 def parse_args(argv=None) -> argparse.Namespace:

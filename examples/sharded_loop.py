@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parity.integrations.recorder import ParityRecorder
+from parity.recording.recorder import ParityRecorder
 
 
 def _beside(name: str):

@@ -25,8 +25,8 @@ import os
 
 import torch
 
-from parity.integrations.launch import launch
-from parity.integrations.transformers import ParityCallback
+from parity.attaching.launch import launch
+from parity.frameworks.transformers.callback import ParityCallback
 
 VOCAB = 2048  # qwen2-tiny's ids: 0 is </s>, i ≥ 1 the word w<i>
 STOP_EVERY = 16  # ids 0, 16, 32, … end a completion

@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from parity.integrations.launch import launch
-from parity.integrations.transformers import ParityCallback
+from parity.attaching.launch import launch
+from parity.frameworks.transformers.callback import ParityCallback
 
 WORDS = 500  # the tokenizer's words, besides <pad> (0), <unk> (1) and </s> (2)
 

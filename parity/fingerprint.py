@@ -217,7 +217,7 @@ def short(fp: dict) -> str:
 
 def own_code(fp: dict) -> str:
     """The code a run adds to the shared code, in words: its strategy's, or for a recorded run (its fingerprint's
-    `framework`: parity/integrations/recorder.py) the framework, its versions and the user's script with its sha256."""
+    `framework`: parity/recording/recorder.py) the framework, its versions and the user's script with its sha256."""
     framework = fp.get("framework")
     if not framework:
         code = fp.get("strategy_code", {})

@@ -20,7 +20,7 @@ NOT_IDENTITY = ("log_interval", "replica_check_interval", "loss_output_dir", "st
 
 
 REPLAY_ONLY = ("optimizer", "lr_schedule", "tensor_grad")  # RunConfig fields only a replay of a recorded run sets
-# The recorded run's config fields its replay copies into its own config as they are (parity/integrations/replay.py's
+# The recorded run's config fields its replay copies into its own config as they are (parity/replay/replay.py's
 # plan_replay): what may explain a FAIL of the run against its replay (parity/comparing/recorded.py). The replay also
 # reads where the record's files are (model_name, init_weights_path, batches: named relative to the record, compared
 # through the weights' sha256 and the model's config) and its dp_size (the default worker count, which --num_workers
@@ -85,7 +85,7 @@ class RunConfig:
     verbose: bool
     options: dict[str, Any]  # the strategy's Options, by name (read-only by convention)
     model_config: dict[str, Any]  # the resolved Hugging Face config (num_layers applied): workers rebuild it
-    # A replay of a recorded run (parity/integrations/replay.py) only; None in every other run, and then left out of
+    # A replay of a recorded run (parity/replay/replay.py) only; None in every other run, and then left out of
     # to_dict (a harness run's record and checkpoints are as they were):
     optimizer: dict | None = None  # the recorded optimizer, {"type", "groups": [{"params": names, "lr_scale", ...}]}
     lr_schedule: tuple | None = None  # the lr applied at each step, as recorded (parity.training.optimizer.lr_at)

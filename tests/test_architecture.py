@@ -3,6 +3,8 @@ product module over 600 lines. Measured by tests/import_graph.py over the produc
 
 from __future__ import annotations
 
+import ast
+import os
 import pathlib
 import re
 
@@ -49,3 +51,54 @@ def test_no_sys_path_edit_anywhere():
              for n, line in enumerate(path.read_text().splitlines(), 1) if edit.search(line)]
     assert edits == []
     assert edit.search("sys.path.insert(0, here)") and edit.search("sys.path[:0] = [here]")  # the check can fail
+
+
+# A framework's import names → the room under parity/frameworks/ that alone may import it; transformers' Trainer API by
+# its modules and names (the rest of transformers — models, configs, tokenizers — is the harness's model library).
+FRAMEWORK_IMPORTS = {"lightning": "lightning", "pytorch_lightning": "lightning", "trl": "trl", "torchtitan": "torchtitan",
+                     "megatron": "megatron", "vllm": "vllm"}
+TRAINER_API = {"Trainer", "TrainerCallback", "TrainingArguments", "TrainerState", "TrainerControl", "Seq2SeqTrainer"}
+
+
+def framework_imports(path: str) -> list[tuple[int, str, str]]:
+    """(line, module, the framework it belongs to) for each import of a framework in the file at `path`."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            imported = [(a.name, set()) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported = [(node.module, {a.name for a in node.names})]
+        else:
+            continue
+        for module, names in imported:
+            framework = FRAMEWORK_IMPORTS.get(module.split(".")[0])
+            if module.split(".")[0] == "transformers" and (module.startswith(("transformers.trainer",
+                                                                              "transformers.training_args"))
+                                                           or names & TRAINER_API):
+                framework = "transformers"
+            if framework:
+                found.append((node.lineno, module, framework))
+    return found
+
+
+def test_only_a_frameworks_room_imports_that_framework():
+    """parity/frameworks/<name>/ is the only product code that imports framework <name> (a registry line and a room
+    is how a framework enters: parity/frameworks/__init__.py)."""
+    wrong = [f"{f}:{line} imports {module} ({framework}'s)" for f in import_graph.product_files()
+             for line, module, framework in framework_imports(os.path.join(REPO, f))
+             if not f.startswith(os.path.join("parity", "frameworks", framework) + os.sep)]
+    assert wrong == []
+    from parity.frameworks import FRAMEWORKS, registered
+
+    assert [f.name for f in registered()] == list(FRAMEWORKS)
+    assert [room for room in sorted(os.listdir(os.path.join(REPO, "parity", "frameworks")))
+            if os.path.isfile(os.path.join(REPO, "parity", "frameworks", room, "__init__.py"))] == sorted(FRAMEWORKS)
+
+
+def test_the_framework_rule_can_fail(tmp_path):
+    """The check sees a framework imported outside its room, and transformers' Trainer API by module and by name."""
+    (tmp_path / "x.py").write_text("import lightning.pytorch as pl\nfrom transformers import AutoModel, Trainer\n"
+                                   "from transformers.trainer_callback import TrainerState\nimport transformers\n")
+    assert framework_imports(str(tmp_path / "x.py")) == [(1, "lightning.pytorch", "lightning"),
+                                                         (2, "transformers", "transformers"),
+                                                         (3, "transformers.trainer_callback", "transformers")]

@@ -19,7 +19,7 @@ MIB = 2**20
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     """The whole check on CPU, once: (exit code, its JSON report, the folder, what it printed)."""
-    from parity.commands.gpu_check import main
+    from parity.commands.gpu_check.check import main
 
     out = tmp_path_factory.mktemp("gpu_check")
     code = main(["--output_dir", str(out), "--device", "cpu"])
@@ -46,7 +46,7 @@ def test_the_dry_run_passes_every_step_and_writes_one_report(dry_run):
 
 def test_the_dry_run_skips_the_own_trainer_gpu_paths_in_one_line(dry_run):
     """Trainer with accelerate's FSDP2, Lightning's FSDP and ModelParallel need CUDA: on CPU the step says so."""
-    from parity.commands.gpu_check_own import SKIPPED
+    from parity.commands.gpu_check.own_trainer import SKIPPED
 
     _, report, out = dry_run
     step = _step(report, "own_trainer")
@@ -56,7 +56,7 @@ def test_the_dry_run_skips_the_own_trainer_gpu_paths_in_one_line(dry_run):
 
 
 def test_the_dry_run_tries_every_collective_on_two_gloo_ranks(dry_run):
-    from parity.commands.gpu_check_collectives import _last_begun
+    from parity.commands.gpu_check.collectives import _last_begun
 
     _, report, out = dry_run
     # each rank notes the collective it begins, so that a crash (gloo with CUDA tensors died so) names it
@@ -151,7 +151,7 @@ def test_the_dry_run_judges_a_grpo_update_from_a_rollout_file(dry_run):
                                                       "layer_check, posttrain, lora, parity"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, line):
-    from parity.commands.gpu_check import main
+    from parity.commands.gpu_check.check import main
 
     assert main(["--output_dir", str(tmp_path / "out"), *argv]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [line]
@@ -161,7 +161,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, line):
 def test_an_unwritable_output_or_no_gpu_is_one_line_and_exit_2(tmp_path, capsys):
     import torch
 
-    from parity.commands.gpu_check import main
+    from parity.commands.gpu_check.check import main
 
     (tmp_path / "file").write_text("x")
     assert main(["--output_dir", str(tmp_path / "file" / "out"), "--device", "cpu"]) == 2
@@ -204,7 +204,7 @@ def test_the_worker_path_imports_without_ray_or_deepspeed():
 import sys
 sys.modules['ray'] = None
 sys.modules['deepspeed'] = None
-import parity.training.loop, parity.driver.local_group, parity.layer_check.layer_step, parity.commands.gpu_check
+import parity.training.loop, parity.driver.local_group, parity.layer_check.layer_step, parity.commands.gpu_check.check
 import parity.commands.layer_check, parity.commands.compare_curves, parity.comparing.curve_report
 from parity.registry import load, row
 print(' '.join(load(row(n).path).__name__ for n in ('ddp', 'fsdp', 'pipeline', 'transformers')))

@@ -129,7 +129,7 @@ def _copy(root, source: str, name: str, edits) -> str:
 
 def _replay(folders, root, name, record, workers, **given):
     from parity.driver.local_group import CLUSTER
-    from parity.integrations.replay import plan_replay
+    from parity.replay.replay import plan_replay
 
     values = {"num_workers": workers, "device": "cpu", "loss_output_dir": str(folders[name]),
               "storage_path": str(root / "checkpoints"), "experiment_name": f"replay_{name}_{workers}_{len(given)}",
@@ -146,7 +146,7 @@ def runs(tmp_path_factory):
     local group per world size: at the records' layouts, and for the bf16 folder its noise references (1 and 4
     workers, and fp32 at 2); then the two dumped steps replayed by the layer check's worker. {name: its folder}."""
     from parity.driver.local_group import launch_local, start_processes
-    from parity.integrations.dump import dump_payload, finish_dump
+    from parity.recording.dump import dump_payload, finish_dump
     from parity.layer_check.layer_step import layer_steps_worker
 
     root = tmp_path_factory.mktemp("own_trainer")
@@ -480,7 +480,7 @@ def test_a_mask_with_holes_is_refused(runs, tmp_path, capsys):
 def test_a_strategy_name_is_refused_in_one_line(tmp_path):
     """loss_ddp.json is the harness's own run: a recorder named so records nothing, says so once, and the user's
     training goes on."""
-    from parity.integrations.recorder import ParityRecorder
+    from parity.recording.recorder import ParityRecorder
 
     lines = []
     rec = ParityRecorder(str(tmp_path), name="ddp", model=torch.nn.Linear(2, 2), optimizer=None, log=lines.append)
@@ -557,7 +557,7 @@ def test_a_recorder_failure_never_stops_the_training(tmp_path, failure, why):
     this process)."""
     import torch.distributed as dist
 
-    from parity.integrations.recorder import ParityRecorder
+    from parity.recording.recorder import ParityRecorder
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -760,7 +760,7 @@ def _world_before_the_group(rank: int, world: int, port: int, out: str, result: 
     import torch.distributed as dist
     from transformers import TrainingArguments
 
-    from parity.integrations.transformers import trainer_refusal
+    from parity.frameworks.transformers.callback import trainer_refusal
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -807,7 +807,7 @@ def test_a_model_that_is_not_hugging_faces_is_refused_at_replay(tmp_path, capsys
     config to build the model from: hugging_face_model false, not replayable) and the replay refuses it in one line."""
     import torch.distributed as dist
 
-    from parity.integrations.recorder import ParityRecorder
+    from parity.recording.recorder import ParityRecorder
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

@@ -131,7 +131,7 @@ def test_a_process_that_trains_alone_is_refused_in_one_line(runs):
 def test_no_group_under_a_launcher_of_two_is_refused_in_one_line(tmp_path, monkeypatch):
     """torchrun's variables say 2 processes and no process group is up (no accelerate here): one line naming
     torch.distributed, nothing written."""
-    from parity.integrations.recorder import ParityRecorder
+    from parity.recording.recorder import ParityRecorder
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -149,7 +149,7 @@ def test_no_group_under_a_launcher_of_two_is_refused_in_one_line(tmp_path, monke
 
 def test_a_start_that_fails_while_writing_leaves_no_folder(tmp_path, monkeypatch):
     """The initial weights' write fails after config.json is written: one line, and the recorded folder is gone."""
-    import parity.integrations.recorder as recorder
+    import parity.recording.recorder as recorder
 
     def failing(*args, **kwargs):
         raise OSError("disk full")

@@ -30,6 +30,21 @@ CLEAN_LOSS = "loss = summed * self.world * self.args.grad_accum_steps / batch[\"
 # returns; Lightning then averages it over the accumulation window and DDP over the ranks: a mean of means.
 BUG = [(CLEAN_LOSS, "loss = out.loss")]
 PARTIAL = ["--micro_batches", "11"]  # an epoch of 5 full windows and one of a single micro-batch: step 5
+# Manual optimization's seeded fault: a DDP communication hook that leaves rank 1's gradients of step 0 its own (the
+# all-reduce still runs on every rank, so the ranks stay in step) — one rank's first gradients left unreduced.
+MANUAL_STEP = "        def manual_step(self, loss, batch_idx):\n"
+MANUAL_BUG = [(MANUAL_STEP, """        def on_train_start(self):
+            import torch.distributed as dist
+
+            def hook(state, bucket):
+                local = bucket.buffer().clone()
+                future = dist.all_reduce(bucket.buffer().div_(self.world), async_op=True).get_future()
+                own = self.global_step == 0 and self.global_rank == 1
+                return future.then(lambda done: local if own else done.value()[0])
+
+            self.trainer.strategy.model.register_comm_hook(None, hook)
+
+""" + MANUAL_STEP)]
 # folder → (example, record name, ranks, extra arguments); "ray_*" are recorded by the Ray Train run
 # TRL first in each group: Lightning's environment deletes WORLD_SIZE at its teardown, which accelerate reads
 JOBS = {
@@ -40,12 +55,15 @@ JOBS = {
     "lightning": (LIGHTNING, "lightning_lm", 2, PARTIAL),
     "lightning_bug": (None, "lightning_lm", 2, []),
     "lightning_mp": (LIGHTNING, "lightning_lm", 2, ["--strategy", "model_parallel"]),
+    "lightning_manual": (LIGHTNING, "lightning_lm", 2, ["--manual", "--static_graph"]),  # clips at 1.0 itself
+    "lightning_manual_unclipped": (LIGHTNING, "lightning_lm", 2, ["--manual", "--max_grad_norm", "0"]),
+    "lightning_manual_bug": (None, "lightning_lm", 2, ["--manual"]),
     "trl_1": (TRL, "trl_sft", 1, []),
     "lightning_1": (LIGHTNING, "lightning_lm", 1, []),
     "ray_trl": (TRL, "trl_sft", 2, []),
     "ray_lightning": (LIGHTNING, "lightning_lm", 2, PARTIAL),
 }
-CLEAN = ["lightning", "lightning_mp", "trl", "lightning_1", "trl_1", "ray_lightning", "ray_trl"]
+CLEAN = ["lightning", "lightning_mp", "lightning_manual", "trl", "lightning_1", "trl_1", "ray_lightning", "ray_trl"]
 
 
 def _ray_loop(config: dict) -> None:
@@ -74,11 +92,12 @@ def runs(tmp_path_factory, ray_cluster):
 
     root = tmp_path_factory.mktemp("own_trainer_frameworks")
     folders = {name: root / name for name in JOBS}
-    bug = _copy(root, LIGHTNING, "lightning_bug", BUG)
+    bugs = {"lightning_bug": _copy(root, LIGHTNING, "lightning_bug", BUG),
+            "lightning_manual_bug": _copy(root, LIGHTNING, "lightning_manual_bug", MANUAL_BUG)}
     jobs = {1: [], 2: [], "ray": []}
     for name, (example, record, ranks, extra) in JOBS.items():
         argv = ["--output_dir", str(folders[name]), "--name", record, "--steps", str(STEPS), *extra]
-        jobs["ray" if name.startswith("ray_") else ranks].append((example or bug, argv))
+        jobs["ray" if name.startswith("ray_") else ranks].append((example or bugs[name], argv))
     for ranks in (2, 1):
         start_processes(_record_rank, (ranks, free_port(), jobs[ranks]), ranks)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
@@ -170,6 +189,30 @@ def test_lightning_mean_of_micro_batch_means_fails_at_step_0(runs):
     outside = result.verdict.first_outside
     assert (outside.step, outside.quantity) == (0, "grad_norm"), outside
     assert outside.rel_diff > 1e-3
+
+
+def test_lightnings_manual_optimization_is_recorded_where_the_module_steps(runs):
+    """A LightningModule with automatic_optimization = False — its own manual_backward per micro-batch, clip_gradients
+    at the window's last and opt.step() — under DDP, with static_graph=True and clipping at 1.0 (in CLEAN above) and
+    without either: the pre-clip gradients are read where the module clips (else at its optimizer step), its clip is
+    the record's max_grad_norm, and both PASS their replays within 1e-5. The seeded fault — rank 1's gradients of step 0
+    left its own by a DDP communication hook — FAILs at step 0."""
+    for name, clip in (("lightning_manual", 1.0), ("lightning_manual_unclipped", 0.0)):
+        recorded, replay = _record(runs[name], "lightning_lm"), _record(runs[name], "ddp")
+        assert recorded["complete"] and len(recorded["steps"]) == STEPS, name
+        assert recorded["config"]["max_grad_norm"] == clip and recorded["config"]["grad_norm_source"] == "recorder"
+        assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * 2
+        for key in ("loss", "grad_norm", "param_norm"):
+            assert max_rel_diff(series(replay, key), series(recorded, key)) < 1e-5, (name, key)
+        assert max_rel_diff(series(recorded, "logged_loss"), series(recorded, "loss")) < 1e-6
+        assert _compare(runs[name]).word == "PASS", name
+    assert max(series(_record(runs["lightning_manual"], "lightning_lm"), "grad_norm")) > 1.0  # it clipped
+    recorded = _record(runs["lightning_manual_bug"], "lightning_lm")
+    assert recorded["steps"][0]["replicas"]["parted"] > 0  # rank 1's replica is another model from step 0 on
+    comparison = _compare(runs["lightning_manual_bug"])
+    assert comparison.word == "FAIL"
+    (result,) = comparison.results
+    assert result.verdict.first_outside is None or result.verdict.first_outside.step <= 1
 
 
 @pytest.mark.parametrize("framework", ["lightning", "trl"])

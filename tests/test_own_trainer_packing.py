@@ -130,7 +130,7 @@ def test_a_padding_free_record_replays_at_1_2_and_4_workers(runs):
     sum) and at 4 (each row cut at a document boundary: a position id restart whose label is −100): every replay within
     1e-5 of the record (measured ≤ 1e-7), the batch hashes equal (taken over the rows' tokens in order, cut or not);
     PASS, calibrated by the 4 workers' replay."""
-    from parity.integrations.replay import plan_replay
+    from parity.replay.replay import plan_replay
     from parity.driver.local_group import CLUSTER
 
     recorded = _record(runs["hf"], "hf_trainer")
@@ -159,7 +159,7 @@ def test_calibrate_picks_a_worker_count_that_changes_the_arithmetic(runs, tmp_pa
     two ranks' pairs; the record fed with a cache, whose rows cannot be cut, gets none, in one line."""
     from parity.commands.verify_trainer import gradient_sums, plan_replays
     from parity.driver.local_group import CLUSTER
-    from parity.integrations.replay import plan_replay
+    from parity.replay.replay import plan_replay
 
     record = str(runs["hf"] / "loss_hf_trainer.json")
     planned = plan_replays(record, str(tmp_path), None, True)

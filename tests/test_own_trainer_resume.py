@@ -126,7 +126,7 @@ def test_a_record_that_cannot_be_continued_is_refused_in_one_line(tmp_path):
     nothing recorded (the record's file unchanged), and the loop trains on."""
     import torch.distributed as dist
 
-    from parity.integrations.recorder import ParityRecorder
+    from parity.recording.recorder import ParityRecorder
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

@@ -55,7 +55,7 @@ def runs(tmp_path_factory):
     (TP 2 × DP 1's 4 rows as 2 a worker: one group for every replay): {variant: its folder}, each holding
     loss_sharded_loop.json and loss_ddp.json."""
     from parity.driver.local_group import CLUSTER, launch_local, start_processes
-    from parity.integrations.replay import plan_replay
+    from parity.replay.replay import plan_replay
 
     root = tmp_path_factory.mktemp("own_trainer_sharded")
     copies = root / "copies"
@@ -158,7 +158,7 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from parity.integrations.recorder import ParityRecorder
+    from parity.recording.recorder import ParityRecorder
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -185,7 +185,7 @@ def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
 
-    from parity.integrations.recorder import ParityRecorder
+    from parity.recording.recorder import ParityRecorder
     from parity.models.model import build_model, resolve_model_config
 
     def norm_trained(model):
@@ -230,7 +230,7 @@ def test_a_lora_record_without_its_adapters_file_is_refused_in_one_line(runs, tm
     """The adapters' initial weights are a file of the record's folder (beside its initial weights): a copy of the
     folder without it is refused by the replay in one line, before any worker."""
     from parity.errors import ConfigError
-    from parity.integrations.replay import plan_replay
+    from parity.replay.replay import plan_replay
 
     folder = tmp_path / "copy"
     shutil.copytree(runs["fsdp2_lora"], folder, ignore=shutil.ignore_patterns("loss_ddp*", "teacher_forced_*"))

@@ -57,7 +57,7 @@ def runs(tmp_path_factory):
     (the capped run's lines on rank 0's stderr kept in its folder's stderr.txt); the capped folder then moved
     ("moved") and replayed from there with the other two, at 2 workers."""
     from parity.driver.local_group import CLUSTER, launch_local, start_processes
-    from parity.integrations.replay import plan_replay
+    from parity.replay.replay import plan_replay
 
     root = tmp_path_factory.mktemp("own_trainer_states")
     folders = {name: root / name for name in ("late", "doubled", "clean", "capped")}
@@ -193,7 +193,7 @@ def test_past_the_cap_no_more_states_and_a_moved_folder_finds_its_own(runs):
 def test_a_missing_state_is_one_line_and_a_record_without_states_says_why(runs, tmp_path, capsys):
     """A copy of the moved folder without one state file: the replay refuses it in one line, exit 2, before any
     worker; without its index (a recorder that saved none): the replay plans no check and says why."""
-    from parity.integrations.replay import recorded_states
+    from parity.replay.replay import recorded_states
     from parity.training.record import load_record
 
     copy = tmp_path / "copy"

@@ -15,6 +15,7 @@ all; the refusals of what cannot run here (vLLM) are asked of TRL trainers built
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -62,7 +63,7 @@ JOBS = {
     "bf16": ("user", ["--loss_type", "dapo", "--beta", "0.04", "--steps", str(STEPS)], "grpo_user"),  # last: the hook
 }
 # the example without a line of the harness's recorder: what verify_trainer.py runs "with no line changed"
-NO_CALLBACK = [("from parity.integrations.transformers import ParityCallback\n", ""),
+NO_CALLBACK = [("from parity.frameworks.transformers.callback import ParityCallback\n", ""),
                (",\n                              callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")"),
                (",\n                             callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")")]
 REPLAYS = {"dapo": (1, 2, 4), "grpo": (1, 2, 4), "dr_grpo": (1, 2, 4), "bnpo": (2,), "spg": (2,), "dpo": (2,),
@@ -73,7 +74,8 @@ def _rank(rank: int, world: int, port: int, jobs: list) -> None:
     """Every job one after another on this rank of one gloo group; a job with a record name recorded as
     verify_trainer.py records it: its variables set (a refusal leaves its line in the folder), and the hook its
     sitecustomize installs (Trainer.__init__ adds the callback where the script has none; left on: last)."""
-    from parity.integrations import attach, trainer_hook
+    from parity.attaching import attach
+    from parity.frameworks.transformers import trainer_hook
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       OMP_NUM_THREADS="1")
@@ -105,7 +107,7 @@ def runs(tmp_path_factory):
 def _runs(root) -> dict:
     from parity.commands.verify_trainer import plan_replays, replay
     from parity.driver.local_group import CLUSTER, start_processes
-    from parity.integrations.replay import plan_replay
+    from parity.replay.replay import plan_replay
 
     copies = {"swift": _copy(root, TRL, "trl_posttrain_swift", SWIFT),
               "unnamed": _copy(root, LOOP, "grpo_loop_unnamed", UNNAMED + UNNAMED_TAIL),
@@ -296,7 +298,7 @@ def test_bnpo_replays_at_its_own_split_only(runs, capsys):
     naming the counts that keep it."""
     from parity.commands.verify_trainer import plan_replays
     from parity.errors import ConfigError
-    from parity.integrations.replay import plan_replay
+    from parity.replay.replay import plan_replay
 
     comparison = _judge(runs["bnpo"], 2)
     assert comparison.word == "PASS"
@@ -346,7 +348,7 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
 
     from parity.commands.common import run_command
     from parity.commands.verify_trainer import recorded
-    from parity.integrations.trl_objectives import Refused, plan, resolved
+    from parity.frameworks.trl.objectives import Refused, plan, resolved
 
     code = run_command(lambda: recorded(str(runs["aot"]), "trl_posttrain"), "the replay")
     err = capsys.readouterr().err.strip().splitlines()
@@ -388,11 +390,18 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
     assert "top_entropy_quantile=0.5 cannot be computed by the reference" in str(refused.value)
 
 
-def _grpo_trainer(root):
-    """A GRPOTrainer of the example's model and data, built in this process (one rank, no training)."""
-    spec = importlib.util.spec_from_file_location("trl_posttrain_example", TRL)  # by its path: no sys.path edit
+@functools.cache
+def _example():
+    """examples/trl_posttrain.py as a module, loaded by its path (no sys.path edit), once."""
+    spec = importlib.util.spec_from_file_location("trl_posttrain_example", TRL)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def _grpo_trainer(root):
+    """A GRPOTrainer of the example's model and data, built in this process (one rank, no training)."""
+    example = _example()
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -406,7 +415,7 @@ def _grpo_trainer(root):
 
 
 def _dpo_trainer(root):
-    import trl_posttrain as example  # (imported by _grpo_trainer)
+    example = _example()
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 

@@ -1,6 +1,6 @@
 """Your run at its real size (issue 60): verify_trainer.py --num_layers cuts the user's model in every process of the
-unchanged command (parity/integrations/layer_cut.py), and the sharded trusted replay judges a record whose replica
-would not fit a worker (parity/integrations/replay_choice.py).
+unchanged command (parity/attaching/layer_cut.py), and the sharded trusted replay judges a record whose replica
+would not fit a worker (parity/replay/replay_choice.py).
 
 One Trainer command shared by the module: examples/hf_trainer.py loading a 4-layer qwen2-tiny folder with
 from_pretrained, 2 ranks, under `--num_layers 2` and a --replay_memory below a DDP replica (and above its fully sharded
@@ -43,9 +43,9 @@ def cut(tmp_path_factory, four_layers):
     commands at 4 layers under the variables with --num_layers 2, side by side (their folders)."""
     from parity.commands.verify_trainer import verify
     from parity.driver.local_group import launch_local, local_cluster
-    from parity.integrations import attach
-    from parity.integrations.replay import plan_replay
-    from parity.integrations.replay_choice import REPLAYS
+    from parity.attaching import attach
+    from parity.replay.replay import plan_replay
+    from parity.replay.replay_choice import REPLAYS
 
     root = tmp_path_factory.mktemp("real_size")
     path = os.pathsep.join([_entry_points(root / "metadata"), REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -156,7 +156,7 @@ def hooked(monkeypatch):
     returns the module."""
     from transformers.modeling_utils import PreTrainedModel
 
-    from parity.integrations import layer_cut
+    from parity.attaching import layer_cut
 
     monkeypatch.setattr(PreTrainedModel, "__init__", PreTrainedModel.__init__)
     monkeypatch.setenv(layer_cut.NUM_LAYERS, "8")
@@ -206,7 +206,7 @@ def test_trls_builder_is_cut(hooked, four_layers, monkeypatch):
 
 OWN_MODEL = '''
 import torch
-from parity.integrations.recorder import ParityRecorder
+from parity.recording.recorder import ParityRecorder
 
 open(__file__ + ".ran", "w").close()
 model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
@@ -217,7 +217,7 @@ def test_a_model_the_cut_cannot_reach_is_refused(tmp_path, capsys, monkeypatch):
     """A script whose model is a module of its own: one line, exit 2, before the command runs. Where such a model
     reaches the recorder anyway (code the check cannot read), the recorder refuses it, as it does an uncut model."""
     from parity.commands.verify_trainer import main
-    from parity.integrations import layer_cut
+    from parity.attaching import layer_cut
     from parity.models.model import build_model, resolve_model_config
 
     script = tmp_path / "own_model.py"

@@ -1,4 +1,4 @@
-"""What plot_loss_curves.py reports of a recorded run (your own trainer: parity/integrations/recorder.py) against its
+"""What plot_loss_curves.py reports of a recorded run (your own trainer: parity/recording/recorder.py) against its
 replay (train_ddp.py --replay_record) or against another recorded run of the same script, on hand-made records (no
 training): a bit-exact replay, the config fields a FAIL lists, the fingerprint line, a record that stopped early, a
 run that resumed from its checkpoint."""
@@ -165,7 +165,7 @@ def test_replay_takes_is_what_plan_replay_reads():
     import ast
     import inspect
 
-    from parity.integrations import replay
+    from parity.replay import replay
     from parity.run_config import REPLAY_LOCATES
 
     tree = ast.parse(inspect.getsource(replay.plan_replay))

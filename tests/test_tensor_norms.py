@@ -49,7 +49,7 @@ def test_a_frozen_parameter_is_left_out_and_an_unseen_steps_gradients_are_nan(tm
     says so."""
     import torch.distributed as dist
 
-    from parity.integrations.recorder import ParityRecorder
+    from parity.recording.recorder import ParityRecorder
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

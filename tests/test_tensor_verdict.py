@@ -273,7 +273,7 @@ def test_series_that_cannot_be_held_against_the_baselines_are_not_comparable(tmp
 def test_a_recorded_runs_clipped_series_against_its_replays_localises_with_dump_step(tmp_path, capsys):
     """A recorded run whose series holds the clipped gradients (its framework clips before the recorder sees them),
     against its replay's clipped series: its norm weight's gradient doubled from step 1 FAILs there, and the report
-    offers the recorder's dump_step=1 and the replay's dump (parity/integrations/dump.py)."""
+    offers the recorder's dump_step=1 and the replay's dump (parity/recording/dump.py)."""
     from test_recorded_report import recorded_config, replay_config, write
 
     write(tmp_path, "my_run", recorded_config("my_run"), gradient="clipped",

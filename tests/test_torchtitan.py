@@ -245,8 +245,8 @@ def test_the_fused_qkv_split_is_the_adapters_own():
     import torch
     from torchtitan.models.llama3 import model_registry
 
-    from parity.integrations.titan_config import TitanRefused, hf_config
-    from parity.integrations.titan_layout import Translation
+    from parity.frameworks.torchtitan.config import TitanRefused, hf_config
+    from parity.frameworks.torchtitan.layout import Translation
     from parity.models.model import meta_model
 
     spec = model_registry("debugmodel")
@@ -297,7 +297,7 @@ def test_a_model_without_an_adapter_is_refused_in_one_line(runs, assets):
     (["--training.dtype", "bfloat16"], "training.dtype bfloat16: the parameters the optimizer steps are not fp32")])
 def test_a_parallelism_the_recorder_cannot_read_is_refused_before_the_command_runs(assets, overrides, said):
     """What the command's config (its overrides applied) tells is verify_trainer.py's check before anything runs."""
-    from parity.integrations.torchtitan import command_refusal
+    from parity.frameworks.torchtitan.recording import command_refusal
 
     line = command_refusal(["torchrun", "--nproc_per_node", "2", "-m", "torchtitan.train",
                             *job_arguments(assets, 2, "job"), *overrides])

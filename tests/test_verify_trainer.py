@@ -49,16 +49,16 @@ HF_LOG = [("    trainer.train()\n", "    trainer.train()\n    _write_log(args, o
 HF_TRAIN = ("    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)\n", "    trainer.train()\n")
 # the callback lines removed, what each framework logged written out
 EDITS = {
-    "hf": [("from parity.integrations.transformers import ParityCallback\n", ""),
+    "hf": [("from parity.frameworks.transformers.callback import ParityCallback\n", ""),
            ("callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step,\n"
             "                                                checkpoint_interval=args.checkpoint_interval),\n"
             "                                 *([StopAt(args.save_at)] if args.save_at else [])])",
             "callbacks=[StopAt(args.save_at)] if args.save_at else [])"),
            ("by ParityCallback", "by parity's callback"), HF_TRAIN, *HF_LOG],
-    "trl": [("from parity.integrations.transformers import ParityCallback\n", ""),
+    "trl": [("from parity.frameworks.transformers.callback import ParityCallback\n", ""),
             (",\n                         callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")"),
             ("Trainer's ParityCallback", "Trainer's callback"), *HF_LOG],
-    "lightning": [("from parity.integrations.lightning import ParityCallback\n", ""),
+    "lightning": [("from parity.frameworks.lightning.callback import ParityCallback\n", ""),
                   ("callbacks=[] if args.no_record else [ParityCallback(args.output_dir, name=args.name)])",
                    "callbacks=[])"),
                   ("Lightning's ParityCallback", "Lightning's callback"),
@@ -90,7 +90,7 @@ def _copy(root, source: str, name: str, edits) -> str:
         text = text.replace(old, new)
     main = '\n\nif __name__ == "__main__":'
     text = text.replace(main, WRITE_LOG + main)
-    assert "ParityCallback" not in text and "parity.integrations.transformers" not in text
+    assert "ParityCallback" not in text and "parity.frameworks.transformers.callback" not in text
     path = root / f"{name}.py"
     path.write_text(text)
     return str(path)
@@ -267,11 +267,11 @@ def test_sitecustomize_chains_to_the_users_and_imports_nothing_eagerly(tmp_path)
     """The sitecustomize verify_trainer.py puts first on the command's path runs the one it shadows; under the
     variables it imports parity's hook and not transformers (the hook waits for transformers' trainer module); without
     them it imports nothing of parity."""
-    from parity.integrations import attach
+    from parity.attaching import attach
 
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = '1'\n")
     probe = ("import os, sys; print(os.environ.get('USER_SITE_RAN'), 'transformers' in sys.modules, "
-             "'parity.integrations.trainer_hook' in sys.modules)")
+             "'parity.frameworks.transformers.trainer_hook' in sys.modules)")
     under = attach.environment(str(tmp_path / "out"), "probe",
                                {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
     bare = {k: v for k, v in under.items() if k not in (attach.RECORD_DIR, attach.RECORD_NAME)}
@@ -283,8 +283,8 @@ def test_sitecustomize_chains_to_the_users_and_imports_nothing_eagerly(tmp_path)
 
 
 def test_the_lightning_factory_returns_nothing_outside_verify_trainer(monkeypatch):
-    from parity.integrations import attach
-    from parity.integrations.lightning_factory import callbacks
+    from parity.attaching import attach
+    from parity.frameworks.lightning.factory import callbacks
 
     monkeypatch.delenv(attach.RECORD_DIR, raising=False)
     assert callbacks() == []

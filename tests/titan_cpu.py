@@ -53,8 +53,8 @@ BUGS = ("tp_norm", "local_tokens", "fsdp_average")
 # What every job's ranks import beyond torchtitan's entry point: the debug model's module, the recorder, its
 # torchtitan layout and the transformers model that layout maps onto (about 5 CPU-seconds a rank where each imports
 # them).
-PRELOAD = ("torchtitan.train", "torchtitan.models.llama3", "parity.integrations.torchtitan",
-           "parity.integrations.titan_layout", "parity.integrations.recorder", "parity.models.model",
+PRELOAD = ("torchtitan.train", "torchtitan.models.llama3", "parity.frameworks.torchtitan.recording",
+           "parity.frameworks.torchtitan.layout", "parity.recording.recorder", "parity.models.model",
            "transformers.models.llama.modeling_llama")
 
 
@@ -82,7 +82,7 @@ class _Properties:
 
 def install() -> None:
     """The CPU changes, each when its module is first imported (now, where it already is)."""
-    from parity.integrations.import_hook import when_imported
+    from parity.attaching.import_hook import when_imported
 
     when_imported("torchtitan.tools.utils", cpu_device)
     when_imported("torchtitan.distributed.fsdp", sum_reduction)
@@ -222,7 +222,7 @@ def _rank(jobs: list[dict], world: int, rank: int) -> None:
     import torch
     import torchtitan.trainer as trainer
 
-    from parity.integrations import attach
+    from parity.attaching import attach
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),

@@ -57,14 +57,14 @@ def given_flags(strategy: str, argv: list[str] | None) -> dict:
 
 
 def replay(record_file: str, given: Mapping[str, Any], strategy: str, dump_step: int | None = None) -> str:
-    """train_ddp.py --replay_record: the replay's config and batches from the record (parity/integrations/replay.py),
-    then trained as every run — or with `dump_step`, that step recorded fully (parity/integrations/dump.py); returns
+    """train_ddp.py --replay_record: the replay's config and batches from the record (parity/replay/replay.py),
+    then trained as every run — or with `dump_step`, that step recorded fully (parity/recording/dump.py); returns
     the loss record's (or the dump's) path. Raises ConfigError or TrainingFailed."""
     from parity.driver.launch import launch_runs
-    from parity.integrations.replay import plan_replay
+    from parity.replay.replay import plan_replay
     from parity.training.record import run_record_path
 
-    from parity.integrations.replay_choice import REPLAYS, choose
+    from parity.replay.replay_choice import REPLAYS, choose
 
     name = next((name for name, (loop, _, _) in REPLAYS.items() if loop == strategy), None)
     if dump_step is not None and name != "ddp":
@@ -74,7 +74,7 @@ def replay(record_file: str, given: Mapping[str, Any], strategy: str, dump_step:
     if name:
         choose(name, cfg, None, storage.name(record_file))  # one line where its states would not fit a worker
     if dump_step is not None:
-        from parity.integrations.dump import dump_replay
+        from parity.recording.dump import dump_replay
 
         with console.terminal(run_log(cfg), cfg.verbose) as log:
             with console.pointing_to(log, f"[{cfg.strategy}] "):

@@ -2,7 +2,7 @@
 in one command (docs/own_trainer.md#one-command).
 
 The command runs as a child process, its output passed through, with the recorder attached by environment
-(parity/integrations/attach.py): its records land in --output_dir under a name taken from the command. Each record's
+(parity/attaching/attach.py): its records land in --output_dir under a name taken from the command. Each record's
 replay and its noise references (plan_replays; none with --uncalibrated) train in local gloo groups of this machine's
 processes (parity.driver.local_group: no Ray, whose start-up would cost more than a short replay trains), one group
 per world size; then plot_loss_curves.py's comparison judges every record in the folder against the replay, and writes its
@@ -25,7 +25,7 @@ from parity.driver.local_group import NOISE_KERNELS
 from parity.errors import ConfigError
 
 FIGURE = "curves.png"  # the comparison's figure; curve_report.md and report.html beside it
-WARM = ("parity.integrations.replay", "parity.models.model", "transformers.modeling_utils",
+WARM = ("parity.replay.replay", "parity.models.model", "transformers.modeling_utils",
         "parity.commands.compare_curves", "parity.comparing.curves", "parity.comparing.figures")
 
 
@@ -62,7 +62,7 @@ def build_parser(description: str = "") -> OneLineParser:
 
 def size(text: str) -> int:
     """argparse's type of a memory size (replay_choice.parse_size)."""
-    from parity.integrations.replay_choice import parse_size
+    from parity.replay.replay_choice import parse_size
 
     try:
         return parse_size(text)
@@ -87,7 +87,7 @@ def verify(output_dir: str, command: list[str], num_workers: int | None = None, 
     `replay_memory`, bytes a worker) and judge it; returns the exit code. Raises ConfigError (bad input: before the command runs where it can be known
     then) or TrainingFailed (a replay failed)."""
     from parity import storage
-    from parity.integrations import attach
+    from parity.attaching import attach
 
     start = time.perf_counter()
     if not command:
@@ -102,17 +102,18 @@ def verify(output_dir: str, command: list[str], num_workers: int | None = None, 
         raise ConfigError(f"--output_dir {output_dir} already holds records ({', '.join(stale[:3])}): they would be "
                           f"judged with this run's; give an empty folder, or remove them")
     if num_layers is not None:
-        from parity.integrations.model_builders import builds
+        from parity.attaching.model_builders import builds
 
         if builds(command) is False:
             raise ConfigError(f"--num_layers {num_layers}: {command_script(command)} builds its model in no way the cut "
                               f"reaches (from_pretrained, from_config, a transformers model class, TRL): cut it in your "
                               f"code, or leave --num_layers out")
-    from parity.integrations.torchtitan import command_refusal
+    from parity.frameworks import registered
 
-    titan = command_refusal(command)  # a torchtitan job whose model cannot be mapped: said before it runs
-    if titan:
-        raise ConfigError(f"{titan}: nothing run")
+    for framework in registered():  # a job a framework cannot record (torchtitan's unmapped model): said before it runs
+        why = framework.command_refusal(command) if framework.command_refusal else None
+        if why:
+            raise ConfigError(f"{why}: nothing run")
     name = record_name(command)
     cut = f", its model cut to {num_layers} decoder layers" if num_layers is not None else ""
     print(f"verify_trainer: running {' '.join(command)}, recorded as {name} into {out}{cut}", flush=True)
@@ -236,26 +237,17 @@ def recorded(out: str, name: str) -> list[str]:
         raise ConfigError(f"{storage.name(refusals[0])[len('refused_'):-len('.txt')]} was not recorded: "
                           f"{storage.read_text(refusals[0]).strip()}")
     if not records:
-        raise ConfigError(f"the command ran but recorded nothing into {out}: Trainer, TRL's trainers and Lightning "
+        from parity.frameworks import registered
+
+        frameworks = registered()
+        hints = "".join(f"; {hint}" for f in frameworks if f.install_hint and (hint := f.install_hint()))
+        raise ConfigError(f"the command ran but recorded nothing into {out}: {', '.join(f.records for f in frameworks)} "
                           f"are recorded by themselves (in Python processes the command starts), a loop of your own "
-                          f"makes a ParityRecorder (docs/own_trainer.md); a recorder that refused says why above"
-                          f"{lightning_hint()}")
+                          f"makes a ParityRecorder (docs/own_trainer.md); a recorder that refused says why above{hints}")
     from parity.training.record import load_record
 
     load_record(records[0])  # RecordError (bad input) where it holds no step: its recorder's reason, as its last line
     return records
-
-
-def lightning_hint() -> str:
-    """Where Lightning is installed but parity's callbacks entry point is not (an install older than it)."""
-    import importlib.metadata as md
-    import importlib.util
-
-    if importlib.util.find_spec("lightning") is None:
-        return ""
-    if any(e.value.startswith("parity.") for e in md.entry_points(group="lightning.pytorch.callbacks_factory")):
-        return ""
-    return "; Lightning finds parity's callback through an entry point this install lacks: pip install -e the project"
 
 
 def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool, replay: str = "auto",
@@ -273,8 +265,8 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
 
     from parity import storage
     from parity.driver.local_group import local_cluster
-    from parity.integrations.replay import plan_replay
-    from parity.integrations.replay_choice import REPLAYS, choose
+    from parity.replay.replay import plan_replay
+    from parity.replay.replay_choice import REPLAYS, choose
     from parity.training.record import load_record
     from parity.training.teacher_forced import PERTURB
 
@@ -337,7 +329,7 @@ def kernel_reference(planned: tuple) -> tuple:
 def split_line(config: dict, rows: int) -> None:
     """Calibration of a record whose objective depends on the split by definition (bnpo, an entropy bonus, DPO's sft):
     one line saying its noise references keep the run's micro-batches, and at which worker counts they can."""
-    from parity.integrations.objective_replay import allowed_workers
+    from parity.replay.objective_replay import allowed_workers
     from parity.objectives import invariance_of, micro_rows
 
     objective = config.get("objective")

@@ -41,7 +41,7 @@ def tolerance(run, series) -> float:
 def first_gap(run, series) -> Outside | None:
     """The first step of `run` (a curves.Run) whose tensors' squares do not add up to the norm it clipped by — or, in a
     recorded run read at before_step(), whose optimizer applied another gradient to a tensor than the one read × the
-    clip coefficient (the recorder's `clip_read` entry: parity/integrations/recorded_tensors.py) —, or None; `series`
+    clip coefficient (the recorder's `clip_read` entry: parity/recording/recorded_tensors.py) —, or None; `series`
     its TensorSeries (anything else — a run with none — has no invariant to hold)."""
     if not hasattr(series, "grad_norm"):
         return None

@@ -232,7 +232,7 @@ def first_failure(r: CurveResult) -> str:
 
 def localise_recorded(name: str, step: int) -> str:
     """For a recorded run's FAIL: how to find the first divergent module at the first step outside
-    (parity/integrations/dump.py)."""
+    (parity/recording/dump.py)."""
     return (f"localise step {step}: rerun your script with the recorder's dump_step={step} (ParityRecorder or "
             f"ParityCallback(..., dump_step={step})) into a fresh folder D, then python train_ddp.py --replay_record "
             f"D/loss_{name}.json --dump_step {step} --loss_output_dir D, then python compare_dumps.py --input_dir D: "

@@ -121,7 +121,7 @@ class Run:
     @property
     def duplicate_rows(self) -> Outside | None:
         """The first step at which two of this run's DP ranks fed the same rows (a recorded run's rows check,
-        parity/integrations/recorder.py), or None: an integrity failure, ahead of any tolerance."""
+        parity/recording/recorder.py), or None: an integrity failure, ahead of any tolerance."""
         for s in self.steps:
             found = s.get("rows_check") or {}
             if found.get("duplicates"):

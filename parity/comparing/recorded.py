@@ -1,5 +1,5 @@
-"""What a comparison says of a recorded run (your own trainer: parity/integrations/recorder.py, docs/own_trainer.md)
-beyond what it says of a harness run: which config fields it must share with its replay (parity/integrations/replay.py),
+"""What a comparison says of a recorded run (your own trainer: parity/recording/recorder.py, docs/own_trainer.md)
+beyond what it says of a harness run: which config fields it must share with its replay (parity/replay/replay.py),
 where its record stopped early, and where it resumed from its framework's checkpoint (config.resumed_at: the steps at
 which it did): between two recorded runs of one script, rows that part at the step one of them resumed and the other
 ran through are that resume's finding — it skipped or repeated data — where other rows anywhere else make two runs not
@@ -15,7 +15,7 @@ from parity.training.record import is_recorded
 
 RESUMED_ROWS = "resumed_rows"  # the resume finding's quantity and test (Outside; found by resumed_rows below)
 # a replay (verify_trainer.py --replay_strategy) → the words for it, the recorded layout (the recorder's sharding.kind)
-# whose library it shares, that library, and the replay to offer instead (parity/integrations/replay_choice.py)
+# whose library it shares, that library, and the replay to offer instead (parity/replay/replay_choice.py)
 REPLAY_WORDS = {"ddp": ("the harness's DDP", None, None, None),
                 "fsdp": ("the harness's FSDP2, fully sharded, no TP", "fsdp2", "FSDP2 (torch's fully_shard)", "zero3"),
                 "zero3": ("the harness's DeepSpeed ZeRO-3, no TP", "deepspeed zero3", "DeepSpeed's ZeRO-3", "fsdp")}

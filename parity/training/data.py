@@ -143,7 +143,7 @@ def check_source(dataset: str, packing: bool = False, padding_free: bool = False
         if not os.path.isfile(path):
             raise ConfigError(f"--dataset {dataset}: no such file {path}: give the path of a UTF-8 text file")
     elif dataset.startswith(RECORDED):
-        return  # a replay's (parity/integrations/replay.py): its record and batches are checked there
+        return  # a replay's (parity/replay/replay.py): its record and batches are checked there
     elif dataset not in ("synthetic", "synthetic_padded", "wikitext"):
         raise ConfigError(f"--dataset {dataset} is not known: use synthetic, synthetic_padded, wikitext or text:PATH")
 
@@ -337,7 +337,7 @@ RECORDED = "recorded:"  # --dataset of a replay: recorded:<the record's batch fo
 
 
 def recorded_batch_path(folder: str, step: int) -> str:
-    """Where a recorded run's global batch of `step` is saved (parity/integrations/recorder.py writes it): input ids,
+    """Where a recorded run's global batch of `step` is saved (parity/recording/recorder.py writes it): input ids,
     labels and attention mask, [rows, length] each, in safetensors; where a row came with position ids of its own, also
     the position ids and each row's flags (`fed`: fed_rows.py)."""
     from parity import storage
@@ -354,7 +354,7 @@ class _Described:
 
 
 class RecordedBatches:
-    """Step → the global batch a recorded run trained on (parity/integrations/recorder.py saved each one in
+    """Step → the global batch a recorded run trained on (parity/recording/recorder.py saved each one in
     `folder`), its rows in the harness's order (the run's DP rank 0's rows, then rank 1's ..., each row as fed),
     split over the replay's `workers` by row_plan in micro-batches of at most `most_rows` rows — or, a step whose rows
     came with position ids of their own, each row alone as the run fed it, the rows cut at document boundaries where
@@ -471,7 +471,7 @@ class RolloutBatches:
 
 
 class RecordedRollouts(RolloutBatches):
-    """A recorded run's rollout file (parity/integrations/recorded_objective.py wrote it) as its replay reads it:
+    """A recorded run's rollout file (parity/recording/recorded_objective.py wrote it) as its replay reads it:
     RolloutBatches, with the states its recorder saved for the teacher-forced check (as RecordedBatches carries them)
     and each step as the run fed it, its attention mask whatever its padding (`as_fed`: the check's reference step)."""
 

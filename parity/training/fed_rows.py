@@ -14,7 +14,7 @@ workers do not divide: each rank must feed as many micro-batches, as DDP's buffe
 every rank), rows are cut at document boundaries (`cut_points`) into `units`. A step's hash is then taken over its rows'
 tokens one after another (`stream_hash`): the same for the recorded rows and for the units they were cut into.
 
-Here, on the training floor: the flags, the cuts and the hash. The recorder sets the flags (parity/integrations/rows.py),
+Here, on the training floor: the flags, the cuts and the hash. The recorder sets the flags (parity/recording/rows.py),
 data.Batch carries them and data.RecordedBatches cuts.
 """
 

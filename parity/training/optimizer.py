@@ -44,7 +44,7 @@ def trainable(params) -> list[torch.Tensor]:
 def build_optimizer(params, cfg, names=None) -> torch.optim.Optimizer:
     """The one optimizer every strategy uses (DeepSpeed is handed this same client optimizer): AdamW over `params`
     in one group with the flags' settings — or, where the run names its optimizer by parameter group
-    (`cfg.optimizer`, a replay's: parity.integrations.replay), that optimizer's type (AdamW or Adam) with one group
+    (`cfg.optimizer`, a replay's: parity.replay.replay), that optimizer's type (AdamW or Adam) with one group
     per recorded group, each of the parameters it names (`names`: the name of each of `params`, in order), its weight
     decay, betas, eps and lr scale (set_lr gives each group lr × its scale)."""
     spec = getattr(cfg, "optimizer", None)
@@ -154,7 +154,7 @@ def full_moments(named_parameters, optimizer, device: torch.device, master_of=No
     ({}, 0) before the first step — where each state is whole or a DTensor (gathered, in the parameters' order on
     every rank); `master_of(p)`: the tensor the optimizer steps for p (a policy's fp32 master), p itself by default.
     None where a moment's shape is not its parameter's (a piece of a framework's own: a flat shard), alike on every
-    rank. Strategy.full_optimizer_state and the recorder's layouts (parity/integrations/sharded.py) read it so, once.
+    rank. Strategy.full_optimizer_state and the recorder's layouts (parity/recording/sharded.py) read it so, once.
     Collective where the states are DTensors."""
     from torch.distributed.tensor import DTensor
 

@@ -32,7 +32,7 @@ RECORDER_SOURCE = "recorder"  # config.source of a record that parity's recorder
 
 
 def is_recorded(config: dict) -> bool:
-    """A record's config is the recorder's (parity/integrations/recorder.py), not the harness loop's."""
+    """A record's config is the recorder's (parity/recording/recorder.py), not the harness loop's."""
     return config.get("source") == RECORDER_SOURCE
 
 
@@ -127,7 +127,7 @@ def load_record(path: str) -> dict:
         raise RecordError(f"{name}: config.model_config is not an object")
     if not data["steps"]:
         stopped = data["config"].get("stopped")
-        if stopped:  # a recorder that would not record even its first step says why (parity/integrations/recorder.py)
+        if stopped:  # a recorder that would not record even its first step says why (parity/recording/recorder.py)
             raise RecordError(f"{name}: has no steps: its recorder refused step {stopped['step']}: {stopped['why']}")
         raise RecordError(f"{name}: has no steps; the run stopped before its first step: rerun it")
     for i, step in enumerate(data["steps"]):

@@ -1,7 +1,7 @@
 """A recorded run's states at its checkpoints, checked on the replay's worker (docs/own_trainer.md#checkpoints-the-
 teacher-forced-check, docs/teacher_forced.md): the recorder of a user's loop saves the run's full state — every
 parameter, AdamW's moments and step count, the buffers, as full fp32 tensors under Hugging Face names — before and
-after step 0 and every `checkpoint_interval`-th step (parity/integrations/states.py); the replay of the record takes
+after step 0 and every `checkpoint_interval`-th step (parity/recording/states.py); the replay of the record takes
 the harness's reference step from each state before (teacher_forced.references: the run's precision policy, and in a
 low-precision one its fp32 twin for the rounding) on that step's recorded batch at the lr the framework declares for
 it (else the one it applied), and measures the recorded state after against it (teacher_forced.measured): what the

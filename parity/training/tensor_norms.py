@@ -1,6 +1,6 @@
 """Every trainable tensor's gradient norm and parameter norm, measured from each rank's piece of it in float64 and
 summed over the ranks in one collective per step (a harness strategy's ride its loss gather: Strategy.gather_step; a
-recorder's, its step exchange: parity/integrations/recorded_tensors.py).
+recorder's, its step exchange: parity/recording/recorded_tensors.py).
 
 A strategy (or a recorder's layout) hands over its pieces (`Piece`): for each trainable parameter under its Hugging
 Face name, the part this rank holds — a DTensor's local shard, a ZeRO partition's slice, a pipeline stage's tensor, a

@@ -2,7 +2,7 @@
 module's tensors (TP shards summed over their TP group, DP partitions over the DP group, AutoEP's experts over the EP
 group), each tensor's pieces with the rank that counts each (local_gradient, zero_pieces: every tensor's norms,
 parity/training/tensor_norms.py) and the replicas (the tensors several ranks hold alike). Apart from the strategy because a recorder of a user's
-own DeepSpeed loop (parity/integrations/sharded.py) reads an engine it did not build with the same code.
+own DeepSpeed loop (parity/recording/sharded.py) reads an engine it did not build with the same code.
 """
 
 from __future__ import annotations

@@ -1,0 +1,183 @@
+"""The recorder for Lightning's Trainer: `lightning.Trainer(..., callbacks=[ParityCallback(output_dir, name=...)])`
+(docs/own_trainer.md).
+
+What a callback cannot see, it takes from the framework's own extension points, never from a patched library:
+- the loss: a forward hook on the Hugging Face model inside the LightningModule (registered with its kwargs, the same
+  hook as Trainer's adapter) hands the recorder each training micro-batch's input ids, labels, attention mask and the
+  logits; the recorder measures the global token mean itself. The model must be called with `labels=` (Hugging Face's
+  convention) for the hook to see them;
+- the pre-clip gradient norm: Lightning calls `on_before_optimizer_step` after the window's last backward (DDP's
+  gradients reduced) and before its own clipping (Precision._after_closure, lightning 2.6), so the recorder measures it
+  in float64 from the gradients (`grad_norm_source: recorder`), and every tensor's pre-clip norm there;
+- under manual optimization (`automatic_optimization = False`: the module's own manual_backward, clip_gradients and
+  opt.step()), where that hook comes after the module's own clipping: where the module calls `self.clip_gradients`
+  (the instance's method observed, then called as it was: its clip is the record's max_grad_norm), else at
+  `on_before_optimizer_step`; the gradients' norm after the last manual_backward (`on_after_backward`, DDP's gradients
+  reduced) must be the one read there — gradients changed in between any other way (a clip by hand) end the record,
+  saying so;
+- the lr: the recorder's optimizer step pre-hook on the torch optimizer Lightning steps;
+- the framework's own loss: what `training_step` returned over the window (Lightning divides each by
+  `accumulate_grad_batches`), summed, then averaged over the ranks: `logged_loss`.
+
+One process without a process group (Lightning's single-device strategy): the callback starts a gloo group of one for
+the recorder and ends it after training.
+
+A run resumed with `trainer.fit(..., ckpt_path=...)` continues its first run's record from the checkpoint's step
+(trainer.global_step at on_train_start: ParityRecorder's start_step); each checkpoint Lightning saves writes the record
+(on_save_checkpoint: ModelCheckpoint saves after the other callbacks' on_train_batch_end, where the step was recorded),
+so that it holds the steps up to the checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+import lightning.pytorch as pl
+import torch
+
+from parity.recording.group import own_group, release
+from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
+from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
+from parity.frameworks.transformers.callback import ParityCallback as _TrainerCallback
+
+# Lightning's precision → the harness's policy
+PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+def hugging_face_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a LightningModule (the first submodule with a config that holds every one of its
+    parameters): its parameter names are the ones the replay builds; the LightningModule itself otherwise (the record
+    then says it is not replayable)."""
+    everything = {id(p) for p in module.parameters()}
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "to_json_string") and \
+                {id(p) for p in sub.parameters()} == everything:
+            return sub
+    return module
+
+
+class ParityCallback(pl.Callback):
+    """Records a Lightning run for the harness: `output_dir` and `name` as ParityRecorder's, `max_batch_bytes` its cap
+    on the saved batches, `checkpoint_interval` and `max_state_bytes` where and how much of the run's state it saves
+    for the teacher-forced check (parity/recording/states.py). One optimizer, automatic or manual optimization,
+    clipping by norm (or none)."""
+
+    _forward = _TrainerCallback._forward  # the micro-batch's rows and logits: the same hook as Trainer's adapter
+    feed = None  # (where Trainer's hands a TRL GRPO or DPO trainer's rows: none in Lightning)
+
+    def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+                 checkpoint_interval: int | None = DEFAULT_CHECKPOINT_INTERVAL,
+                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES):
+        self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
+        self.state_saving = {"checkpoint_interval": checkpoint_interval, "max_state_bytes": max_state_bytes}
+        self.recorder: ParityRecorder | None = None
+        self._hook, self._own_group, self._stepped, self._logged = None, False, False, 0.0
+        # manual optimization; its step read at clip_gradients; the gradients' norm after the last manual_backward
+        self._manual, self._clipped, self._backward_norm = False, False, None
+
+    def on_train_start(self, trainer, pl_module):
+        self._own_group = own_group(trainer.world_size)  # the single-device strategy: a group of one
+        model = hugging_face_model(pl_module)
+        versions = {}
+        for package in ("lightning", "transformers", "torch"):
+            try:
+                versions[package] = md.version(package)
+            except md.PackageNotFoundError:
+                pass
+        optimizers = trainer.optimizers
+        self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
+                                       optimizer=optimizers[0] if optimizers else None,
+                                       max_grad_norm=float(trainer.gradient_clip_val or 0.0),
+                                       precision=PRECISIONS.get(str(trainer.precision), "fp32"),
+                                       max_batch_bytes=self.max_batch_bytes, framework="lightning.Trainer",
+                                       framework_versions=versions, **self.state_saving,
+                                       start_step=trainer.global_step)  # > 0: resumed from ckpt_path
+        if not self.recorder.enabled:
+            return
+        refusal = self._refusal(trainer, pl_module)
+        if refusal:
+            self.recorder._disable(refusal)
+            return
+        self._hook = model.register_forward_hook(self._forward, with_kwargs=True)
+        self._manual = not pl_module.automatic_optimization
+        if self._manual:
+            pl_module.clip_gradients = self._observed_clip(pl_module.clip_gradients)
+
+    def _observed_clip(self, clip):
+        """The module's clip_gradients, called as it was, its clip read first (manual optimization)."""
+        def clip_gradients(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            if self.recorder is not None and self.recorder.enabled and gradient_clip_val:
+                if (gradient_clip_algorithm or "norm") != "norm":
+                    self.recorder.broken = (f"clip_gradients(gradient_clip_algorithm={gradient_clip_algorithm!r}): "
+                                            f"the replay clips by norm")
+                else:
+                    self._read_manual()
+                    self.recorder.clips_at(float(gradient_clip_val))
+                    self._clipped = True
+            return clip(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+        return clip_gradients
+
+    @staticmethod
+    def _refusal(trainer, pl_module) -> str | None:
+        """What this adapter cannot record, in one line."""
+        if len(trainer.optimizers) != 1:
+            return f"{len(trainer.optimizers)} optimizers: the recorder follows one"
+        if str(trainer.precision) not in PRECISIONS:
+            return f"precision {trainer.precision!r}: the harness replays {', '.join(sorted(PRECISIONS))}"
+        if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") != "norm":  # None: by norm
+            return f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: the replay clips by norm"
+        return None
+
+    def on_after_backward(self, trainer, pl_module):
+        if self._manual and self.recorder is not None and self.recorder.enabled:
+            self._backward_norm = self.recorder.layout.grad_norm()  # float64, of the reduced gradients so far
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.recorder is not None:
+            if not self._manual:
+                self.recorder.before_step()  # before Lightning's clipping: the recorder's own float64 pre-clip norm
+            elif not self._clipped:
+                self._read_manual()
+            self._stepped = True
+
+    def _read_manual(self) -> None:
+        """Manual optimization: the pre-clip gradients read (before_step), which must be those the last
+        manual_backward left; else the module changed them by hand, which the replay cannot repeat."""
+        self.recorder.before_step()
+        pre, seen = self.recorder.grad_norm, self._backward_norm
+        if pre is not None and seen is not None and abs(pre - seen) > 1e-6 * abs(seen):
+            self.recorder.broken = (f"manual optimization: the gradients changed after manual_backward (norm {seen:.6g} "
+                                    f"→ {pre:.6g}) other than by self.clip_gradients(opt, gradient_clip_val=..., "
+                                    f"gradient_clip_algorithm='norm'), which the recorder reads")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.recorder is None or not self.recorder.enabled:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._logged += float(loss.detach())
+        if self._stepped:  # the window's optimizer step ran in this batch
+            self._stepped = False
+            self._clipped, self._backward_norm = False, None
+            logged = trainer.strategy.reduce(torch.tensor(self._logged, dtype=torch.float64, device=pl_module.device),
+                                             reduce_op="mean")  # on the module's device: NCCL has no CPU tensors
+            self._logged = 0.0
+            self.recorder.after_step(logged_loss=float(logged))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if self.recorder is not None:
+            self.recorder.save()  # every rank dumps the checkpoint: a collective is safe here
+
+    def on_train_end(self, trainer, pl_module):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.recorder is not None:
+            self.recorder.close()
+        release(self._own_group)
+        self._own_group = False
+
+
+__all__ = ["ParityCallback", "hugging_face_model"]

@@ -1,0 +1,226 @@
+"""The recorder for Hugging Face's Trainer (and what inherits it): `Trainer(..., callbacks=[ParityCallback(output_dir,
+name=...)])` (docs/own_trainer.md).
+
+What a callback cannot see, it takes from the framework's own extension points:
+- the loss: a forward hook on the model (registered with its kwargs) hands the recorder each training micro-batch's
+  input ids, labels, attention mask, position ids and use_cache as passed (packed rows are replayed as they were
+  fed: parity/training/fed_rows.py) and the model's logits; the recorder measures the global token mean itself;
+- the pre-clip gradient norm: Trainer's callbacks run after its clipping (on_pre_optimizer_step comes after
+  `_clip_grad_norm`). Where Trainer's own norm (its logs' `grad_norm`: what clip_grad_norm_ returned, in fp32, good to
+  ~1e-5 relative over a large gradient) says it did not clip at the step (norm + 1e-6 <= max_grad_norm, or no
+  clipping: the gradients are unchanged), the recorder's float64 norm of the gradients the optimizer step applies is
+  the pre-clip norm (`grad_norm_source: recorder`); where it clipped, Trainer's value is recorded
+  (`grad_norm_source: framework`). Trainer logs it at every logging step: the callback needs `logging_steps=1` and
+  says so in one line otherwise;
+- every tensor's gradient norms: read at the optimizer step, after Trainer's clipping, so the series holds the clipped
+  gradients (`tensors.grad: clipped`) with each step's clip coefficient beside it (recorded_tensors.py); the replay
+  records its own the same way (parity/replay/replay.py);
+- the lr: the recorder's optimizer step pre-hook on the torch optimizer inside accelerate's wrapper. Beside it, each
+  step's `declared_lr`: what Trainer's own settings schedule at that update (its scheduler, rebuilt from
+  TrainingArguments on a scratch optimizer and stepped once per update). The replay applies the recorded lr, so a
+  scheduler stepped twice per update would replay to the same curves: the verdict FAILs the first step whose lr is
+  not the declared one instead (parity.comparing.curves.Run.lr_off_schedule).
+
+A run resumed with `trainer.train(resume_from_checkpoint=...)` continues its first run's record from the checkpoint's
+step (state.global_step at on_train_begin: ParityRecorder's start_step), its declared schedule moved on to that step;
+each checkpoint Trainer saves writes the record (on_save), so that it holds the steps up to the checkpoint.
+
+One process without a process group (no launcher): the callback starts a gloo group of one for the recorder and ends
+it after training, as Lightning's does (group.py).
+
+TRL's GRPOTrainer and DPOTrainer (found as the trainer whose training loop calls on_train_begin) are recorded with
+their objective, each micro-batch as it consumed it (frameworks/trl/objectives.py, docs/posttrain.md); any other trainer as the
+causal-LM token mean, its first step's logged loss held to it (recorded_objective.causal_lm_refusal).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import inspect
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainerCallback
+
+from parity.attaching import attach
+from parity.frameworks.trl.objectives import DPOFeed, GRPOFeed, Refused, kind_of, plan, resolved
+from parity.recording.group import own_group, release
+from parity.recording.recorded_tensors import CLIPPED
+from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
+from parity.recording.resume import DeclaredSchedule
+from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
+
+PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → the harness's policy (autocast)
+
+
+class ParityCallback(TrainerCallback):
+    """Records a Trainer's run for the harness: `output_dir` and `name` as ParityRecorder's, `max_batch_bytes` its
+    cap on the saved batches, `dump_step` a step to record in full for compare_dumps.py (parity/recording/dump.py),
+    `checkpoint_interval` and `max_state_bytes` where and how much of the run's state it saves for the teacher-forced
+    check (parity/recording/states.py)."""
+
+    def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+                 dump_step: int | None = None, checkpoint_interval: int | None = DEFAULT_CHECKPOINT_INTERVAL,
+                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES):
+        self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
+        self.dump_step = dump_step
+        self.state_saving = {"checkpoint_interval": checkpoint_interval, "max_state_bytes": max_state_bytes}
+        self.recorder: ParityRecorder | None = None
+        self._hook, self._stepped, self._own_group, self.feed = None, False, False, None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._own_group = own_group(args.world_size)  # one process without a launcher: a group of one
+        trainer = calling_trainer()  # TRL's GRPO and DPO trainers: their objective (frameworks/trl/objectives.py)
+        try:
+            refusal, planned = trainer_refusal(args), plan(trainer, optimizer) if trainer is not None else None
+            objective = resolved(*planned[:2]) if planned and not refusal else None
+        except Refused as exc:
+            refusal = str(exc)
+        if refusal:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"parity recorder [{self.name}]: {refusal}: recording nothing", file=sys.stderr, flush=True)
+                attach.refused(refusal)
+            return
+        precision = next((policy for flag, policy in PRECISIONS if getattr(args, flag, False)), "fp32")
+        versions = {}
+        for package in ("transformers", "accelerate", "trl"):
+            try:
+                versions[package] = md.version(package)
+            except md.PackageNotFoundError:
+                pass
+        self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
+                                       optimizer=optimizer,  # accelerate's wrapper: the recorder takes it as it is
+                                       max_grad_norm=args.max_grad_norm or 0.0, precision=precision,
+                                       max_batch_bytes=self.max_batch_bytes, framework="transformers.Trainer",
+                                       framework_versions=versions, dump_step=self.dump_step,
+                                       start_step=state.global_step,  # > 0: resumed from a checkpoint
+                                       tensor_grad=CLIPPED,  # its callbacks come after its clipping
+                                       objective=objective, objective_declared=planned and planned[2],
+                                       **self.state_saving)
+        if not self.recorder.enabled:
+            return
+        if args.logging_steps != 1:
+            self.recorder._disable(f"Trainer logs its pre-clip grad norm every logging step: pass logging_steps=1 "
+                                   f"(got {args.logging_steps})")
+            return
+        self._hook = unwrap(model).register_forward_hook(self._forward, with_kwargs=True)
+        if objective is not None:
+            self.feed = (GRPOFeed if kind_of(trainer) == "grpo" else DPOFeed)(trainer, self.recorder)
+        self.recorder.norm_at_optimizer_step = float("nan")  # measured by the recorder's optimizer step pre-hook
+        self.recorder.declared = declared_schedule(args, state.max_steps, self.recorder.optimizer, state.global_step)
+
+    def _forward(self, module, args, kwargs, output) -> None:
+        """A training micro-batch's forward: its rows and the logits the model made of them (TRL's GRPO and DPO: its
+        rows and what its trainer made of them, through the feed)."""
+        grad = module.training and torch.is_grad_enabled()
+        if self.feed is not None and self.recorder is not None and self.recorder.enabled:
+            self.feed.forward(module, args, kwargs, output, grad)
+            return
+        if not grad or self.recorder is None:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        labels = kwargs.get("labels")
+        if labels is None or ids is None:
+            self.recorder.broken = "a training forward without input_ids and labels (the recorder needs both)"
+            return
+        logits = getattr(output, "logits", None)
+        fused = getattr(output, "log_probs", None) if logits is None else None  # TRL's fused LM head: no logits
+        self.recorder.micro_batch(ids, labels, logits, attention_mask=kwargs.get("attention_mask"), log_probs=fused,
+                                  position_ids=kwargs.get("position_ids"), use_cache=kwargs.get("use_cache"))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._stepped = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._stepped and self.recorder is not None and self.recorder.enabled and logs and "grad_norm" in logs:
+            self._stepped = False
+            theirs, own = float(logs["grad_norm"]), self.recorder.norm_at_optimizer_step
+            clipping = args.max_grad_norm or 0.0
+            unclipped = clipping <= 0 or theirs + 1e-6 <= clipping  # torch's coefficient max / (norm + 1e-6) >= 1
+            if own is not None and unclipped and own == own:  # (own == own: not NaN)
+                self.recorder.before_step(grad_norm=own, source="recorder")
+            else:
+                self.recorder.before_step(grad_norm=theirs, source="framework")
+            self.recorder.after_step(logged_loss=logs.get("loss"), logged_grad_norm=theirs)
+            self.recorder.norm_at_optimizer_step = float("nan")
+
+    def on_save(self, args, state, control, **kwargs):
+        """Trainer saved a checkpoint (after the step's on_log): the record holds the steps up to it."""
+        if self.recorder is not None:
+            self.recorder.save()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if isinstance(self.feed, DPOFeed):
+            self.feed.close()
+        if self.recorder is not None:
+            self.recorder.close()
+        release(self._own_group)
+        self._own_group = False
+
+
+def calling_trainer():
+    """The transformers Trainer whose training loop calls the callback now (its `self` in a calling frame), or None."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        found = frame.f_locals.get("self")
+        if isinstance(found, Trainer):
+            return found
+        frame = frame.f_back
+    return None
+
+
+def trainer_refusal(args) -> str | None:
+    """Why this Trainer run cannot be recorded, in one line (None: it can).
+    - Its DeepSpeed path (`TrainingArguments(deepspeed=...)`): DeepSpeed's engine steps its own optimizer inside
+      `backward` (no torch optimizer for the recorder's step pre-hook, no gradients outside it) and shards the optimizer
+      state over the ranks, which the replica check and the recorded optimizer assume whole; the sharded recorders
+      are not wired into Trainer's DeepSpeed path.
+    - A Trainer whose own view of the world is not the process group's (`args.world_size`, `args.process_index`
+      against torch.distributed's): its data sharding and loss normalisation would be another run's than the one the
+      ranks train together. Measured with DeepSpeed on CPU without use_cpu=True (transformers 5.23.0, accelerate
+      1.15.0, torchrun): accelerate's PartialState._prepare_backend sets a distributed type only for a device backend
+      or, with cpu=True, MULTI_CPU; with neither it keeps one process (num_processes 1, process_index 0) while
+      deepspeed.init_distributed has started the 2-rank group, then relabels itself DEEPSPEED. The same without
+      DeepSpeed: TRL's own trl/scripts/sft.py under torchrun on CPU without --use_cpu (trl 1.16) trains as two
+      one-process runs in a group of 2 (transformers warns that parallel_mode is not distributed). Refused, never
+      recorded as if it were whole; on a machine without GPUs the line names use_cpu."""
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if (args.world_size, args.process_index) != (world, rank):
+            why = (" (accelerate without use_cpu=True on a machine without GPUs: DeepSpeed starts the group, "
+                   "accelerate's state finds no backend and keeps one process): pass use_cpu=True"
+                   if getattr(args, "deepspeed", None) else
+                   " (accelerate without use_cpu=True on a machine without GPUs keeps one process while the launcher "
+                   "started several): pass use_cpu=True to TrainingArguments (--use_cpu where the script parses them)"
+                   if not torch.cuda.is_available() else "")
+            return (f"Trainer sees world_size {args.world_size} and process_index {args.process_index}, the process "
+                    f"group {world} ranks (this one rank {rank}): every rank would feed the same rows and the loss be "
+                    f"normalised for another world than the one training{why}")
+    if getattr(args, "deepspeed", None):
+        return ("Trainer's DeepSpeed path (TrainingArguments(deepspeed=...)) is not recorded: DeepSpeed steps its own "
+                "optimizer inside backward (no torch optimizer step to hook, no gradients outside it) and shards the "
+                "optimizer state; record the run under Trainer's DDP path (no deepspeed=) or with the harness's own "
+                "train_deepspeed.py")
+    return None
+
+
+def declared_schedule(args, max_steps: int, optimizer, step: int = 0) -> DeclaredSchedule | None:
+    """Trainer's lr schedule as its settings declare it (create_scheduler's get_scheduler call, on a scratch optimizer),
+    moved on to `step` (the updates a resumed run did before); None where the run's optimizer did not start at
+    args.learning_rate (an optimizer or scheduler of the user's: nothing declared) or the steps are unknown."""
+    from transformers import get_scheduler
+
+    first = optimizer.param_groups[0]
+    if not max_steps or max_steps <= 0 or first.get("initial_lr", first["lr"]) != args.learning_rate:
+        return None
+    scratch = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.learning_rate)
+    declared = DeclaredSchedule(get_scheduler(args.lr_scheduler_type, optimizer=scratch,
+                                              num_warmup_steps=args.get_warmup_steps(max_steps),
+                                              num_training_steps=max_steps,
+                                              scheduler_specific_kwargs=args.lr_scheduler_kwargs))
+    declared.advance(step)
+    return declared

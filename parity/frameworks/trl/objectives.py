@@ -1,0 +1,233 @@
+"""TRL 1.16's GRPOTrainer and DPOTrainer recorded with their objective, no line of the user's script changed
+(docs/posttrain.md#your-own-run-recorded): Trainer's ParityCallback (frameworks/transformers/callback.py) asks `plan` what its trainer
+trains, then hands each training micro-batch to the recorder's objective_batch through a `GRPOFeed` or `DPOFeed`.
+
+The objective: the trainer's own arguments resolved into the harness's definitions (parity/objectives: TRL's argument
+names are the settings' names) — loss_type, beta, epsilon/epsilon_high, delta, importance_sampling_level,
+mask_truncated_completions, temperature, the entropy bonus …; dapo, cispo and vespo divide by the generation batch's
+tokens ÷ the optimizer steps it spans (TRL 1.16, after PR #6024: `normalizer="generation"`, the step's own tokens
+where a generation batch is one step). What TRL declares besides (scale_rewards, num_generations,
+steps_per_generation …) is kept in the record as declared; the advantages are recorded as TRL computed them.
+
+What each micro-batch consumed, as consumed — after TRL's shuffle and split of its generation batch:
+- GRPO: the forward hook's ids and attention mask as fed and the policy's log-probs and entropies the fused LM head
+  returned; from the dict _compute_loss received (GRPOTrainer._prepare_inputs returns
+  `_buffered_inputs[_step % steps_per_generation]`, read here as it is, never changed): the completion mask (× a
+  tool mask), the advantages, π_old's and π_ref's per-token log-probs where TRL computed them; each row's truncation by
+  TRL's own rule (its last completion token is neither an end nor padding) — with mask_truncated_completions TRL
+  zeroes a truncated row's completion mask, which the record keeps as the completion's tokens and `truncated` (the
+  definition masks them); the generation batch: the pass over the buffered batch (`_step // steps_per_generation`).
+- DPO: the policy's forward (its rows [chosen…, rejected…], the completion the labels' tokens) and the reference's
+  forward on the same rows (the ref_model's, or the policy's own under no_grad with its adapters off): per-token
+  log-probs, the rows interleaved into pairs (2k chosen, 2k + 1 rejected).
+
+Refused in one line (`plan`), nothing recorded, the training untouched: a loss type the reference does not define,
+vLLM importance sampling (its sampler's log-probs never reach a hook), a reward model trained in the same run (its
+parameters in the optimizer), the precomputed reference log-probs of DPO's dataset, a MoE router's auxiliary loss,
+images, and what the definitions themselves refuse (resolve_objective).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from parity.objectives import DEFINITIONS, GRPO_FAMILY, PER_PAIR, resolve_objective
+
+GRPO_DECLARED = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
+                 "mask_truncated_completions", "scale_rewards", "num_generations", "steps_per_generation",
+                 "gradient_accumulation_steps", "num_iterations", "max_completion_length", "temperature", "top_p",
+                 "top_k", "reward_weights", "multi_objective_aggregation", "use_vllm", "entropy_coef", "bf16")
+DPO_DECLARED = ("loss_type", "loss_weights", "beta", "label_smoothing", "f_divergence_type", "f_alpha_divergence_coef",
+                "ld_alpha", "discopop_tau", "precompute_ref_log_probs", "max_length", "truncation_mode",
+                "sync_ref_model", "gradient_accumulation_steps", "bf16")
+
+
+class Refused(Exception):
+    """What TRL's trainer trains that the reference cannot compute, in one line."""
+
+
+def kind_of(trainer) -> str | None:
+    """"grpo" or "dpo" for TRL's GRPOTrainer and DPOTrainer (and what inherits them), None for any other trainer."""
+    names = {(c.__module__.split(".")[0], c.__name__) for c in type(trainer).__mro__}
+    return "grpo" if ("trl", "GRPOTrainer") in names else "dpo" if ("trl", "DPOTrainer") in names else None
+
+
+def plan(trainer, optimizer) -> tuple[str, dict, dict] | None:
+    """(objective name, its settings by TRL's argument names, what TRL declared) of a GRPO or DPO trainer; None for
+    another trainer (a causal-LM one: recorded as such, its first step's loss held to it). Refused for what the
+    reference cannot compute."""
+    kind = kind_of(trainer)
+    if kind is None:
+        return None
+    args = trainer.args
+    declared = {k: _plain(getattr(args, k, None)) for k in (GRPO_DECLARED if kind == "grpo" else DPO_DECLARED)}
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise Refused("the model's router adds its auxiliary loss to the objective (router_aux_loss_coef), which the "
+                      "reference objective does not: set router_aux_loss_coef=0")
+    if kind == "grpo":
+        return _grpo(trainer, args, optimizer) + (declared,)
+    if getattr(args, "precompute_ref_log_probs", False):
+        raise Refused("precompute_ref_log_probs=True: the reference's log-probs are computed into the dataset before "
+                      "training and never reach a hook the recorder sees: record with precompute_ref_log_probs=False")
+    types = list(args.loss_type if isinstance(args.loss_type, (list, tuple)) else [args.loss_type])
+    unknown = [t for t in types if t not in PER_PAIR + ("sft", "aot", "aot_unpaired")]
+    if unknown:
+        raise Refused(f"DPO's loss_type {unknown[0]!r} is not one the reference defines ({', '.join(PER_PAIR)}, sft)")
+    settings = {"loss_type": types, "beta": args.beta, "label_smoothing": args.label_smoothing,
+                "f_divergence_type": args.f_divergence_type, "f_alpha_divergence_coef": args.f_alpha_divergence_coef,
+                "ld_alpha": args.ld_alpha, "discopop_tau": args.discopop_tau, "use_weighting": args.use_weighting}
+    if args.loss_weights is not None:
+        settings["loss_weights"] = list(args.loss_weights)
+    return "dpo", settings, declared
+
+
+def _grpo(trainer, args, optimizer) -> tuple[str, dict]:
+    name = args.loss_type
+    if name not in GRPO_FAMILY:
+        raise Refused(f"GRPO's loss_type {name!r} is not one the reference defines ({', '.join(GRPO_FAMILY)})")
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+        raise Refused("vLLM importance sampling (use_vllm with vllm_importance_sampling_correction) weighs each token "
+                      "by π_old ÷ the sampler's probability, and the sampler's log-probs never reach a hook the "
+                      "recorder sees: record with use_vllm=False, or vllm_importance_sampling_correction=False")
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for func in getattr(trainer, "reward_funcs", []):
+        if isinstance(func, torch.nn.Module) and any(id(p) in trained for p in func.parameters()):
+            raise Refused(f"the reward model {type(func).__name__} is trained in the same run (its parameters are in "
+                          f"the optimizer): its rewards, and the advantages, move with each step, and the replay "
+                          f"trains the policy alone")
+    settings = {k: getattr(args, k) for k in ("epsilon", "epsilon_high", "delta", "beta", "use_bias_correction_kl",
+                                              "importance_sampling_level", "mask_truncated_completions",
+                                              "temperature", "entropy_coef", "top_entropy_quantile",
+                                              "use_adaptive_entropy", "off_policy_mask_threshold")}
+    settings["vllm_importance_sampling"] = False
+    known = {s.name for s in DEFINITIONS[name].settings}
+    for extra in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                  "vespo_lambda_neg", "max_completion_length"):
+        if extra in known:
+            settings[extra] = getattr(args, extra)
+    if "normalizer" in known:  # TRL divides by the generation batch's tokens ÷ the optimizer steps it spans
+        settings["normalizer"] = "step" if args.steps_per_generation == args.gradient_accumulation_steps else \
+            "generation"
+    return name, settings
+
+
+def resolved(name: str, settings: dict) -> dict:
+    """The objective as the harness resolves it (Refused in resolve_objective's one line)."""
+    from parity.errors import ConfigError
+
+    try:
+        return resolve_objective(name, settings)
+    except ConfigError as exc:
+        raise Refused(str(exc).replace("--objective ", "TRL's ").replace("--objective_args ", "")) from None
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value if isinstance(value, (str, int, float, bool,
+                                                                                      list, type(None))) else str(value)
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's prompt group: an id of its prompt's tokens (rows of one prompt share it; TRL's shuffle of the
+    generation batch loses the order that grouped them)."""
+    groups = []
+    for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu()):
+        digest = hashlib.sha256(ids[mask.bool()].numpy().tobytes()).digest()
+        groups.append(int.from_bytes(digest[:6], "little"))  # 48 bits: exact in float64
+    return torch.tensor(groups, dtype=torch.int64)
+
+
+def on_positions(per_completion: torch.Tensor | None, prompt_length: int) -> torch.Tensor | None:
+    """A per-completion-token tensor [rows, C] at its tokens' positions [rows, P + C] (the rollout file's)."""
+    if per_completion is None:
+        return None
+    values = per_completion.detach().float().cpu()
+    return torch.cat([torch.zeros(values.shape[0], prompt_length), values], 1)
+
+
+class GRPOFeed:
+    """A GRPOTrainer's training micro-batches to the recorder (module docstring)."""
+
+    def __init__(self, trainer, recorder):
+        self.trainer, self.recorder = trainer, recorder
+
+    def forward(self, module, args, kwargs, output, grad: bool) -> None:
+        if not grad:
+            return  # generation, π_old's and the reference's forwards
+        t, rec = self.trainer, self.recorder
+        spg = t.args.steps_per_generation
+        inputs = t._buffered_inputs[t._step % spg]
+        ids, attention = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
+        prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
+        if ids is None or not torch.equal(ids.cpu(), torch.cat([prompt, completion], 1).cpu()):
+            rec.broken = "a GRPO training forward whose rows are not the micro-batch TRL buffered"
+            return
+        if any(k in inputs for k in ("pixel_values", "num_images")):
+            rec.broken = "images in a GRPO micro-batch: the harness trains causal LMs on token rows"
+            return
+        advantages = inputs["advantages"]
+        if advantages.dim() != 1:
+            rec.broken = "advantages of one value per token: the reference takes one per row"
+            return
+        p, c = prompt.shape[1], completion.shape[1]
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        limit = min(c, t.max_completion_length)
+        ends = torch.tensor([*t.eos_token_ids, t._tokenizer.pad_token_id], device=completion.device)
+        truncated = ~torch.isin(completion[:, limit - 1], ends)
+        if t.mask_truncated_completions:  # TRL zeroed them: the record keeps the completion and its truncation
+            cut = truncated[:, None] & (torch.arange(c, device=completion.device) < limit)[None]
+            mask = torch.where(cut, torch.ones_like(mask), mask)
+        rows = len(ids)
+        rec.objective_batch(
+            ids, completion_mask=torch.cat([torch.zeros(rows, p, dtype=torch.int64), mask.long().cpu()], 1),
+            attention_mask=attention, log_probs=output.log_probs, entropies=getattr(output, "entropy", None),
+            advantages=advantages.float().cpu(), truncated=truncated.long().cpu(),
+            group=prompt_groups(prompt, inputs["prompt_mask"]),
+            generation=torch.full((rows,), t._step // spg, dtype=torch.int64),
+            old_logps=on_positions(inputs.get("old_per_token_logps"), p),
+            ref_logps=on_positions(inputs.get("ref_per_token_logps"), p))
+
+
+class DPOFeed:
+    """A DPOTrainer's training micro-batches to the recorder: the policy's forward, completed by the reference's on the
+    same rows (module docstring)."""
+
+    def __init__(self, trainer, recorder):
+        self.trainer, self.recorder, self.pending = trainer, recorder, None
+        self.hook = (trainer.ref_model.register_forward_hook(self.reference, with_kwargs=True)
+                     if getattr(trainer, "ref_model", None) is not None else None)
+
+    def forward(self, module, args, kwargs, output, grad: bool) -> None:
+        if grad:
+            if self.pending is not None:
+                self.recorder.broken = "a DPO micro-batch whose reference forward the recorder did not see"
+            self.pending = (kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("labels"),
+                            output.log_probs)
+        elif self.pending is not None and self.hook is None:  # PEFT: the reference is the policy with adapters off
+            self.reference(module, args, kwargs, output)
+
+    def reference(self, module, args, kwargs, output) -> None:
+        if self.pending is None:
+            return
+        ids, attention, labels, log_probs = self.pending
+        self.pending = None
+        if not torch.equal(kwargs.get("input_ids"), ids):
+            self.recorder.broken = "a DPO reference forward on other rows than its policy forward's"
+            return
+        pairs = len(ids) // 2
+        order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], 1).reshape(-1)
+        completion = (labels != -100).long().cpu()
+        reference = torch.cat([torch.zeros(len(ids), 1), output.log_probs.detach().float().cpu()], 1)
+        pair = torch.arange(pairs, dtype=torch.int64).repeat_interleave(2)
+        self.recorder.objective_batch(
+            ids[order], completion_mask=completion[order],
+            attention_mask=None if attention is None else attention[order], log_probs=log_probs[order],
+            ref_logps=reference[order], group=pair)
+
+    def close(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+
+
+__all__ = ["DPOFeed", "GRPOFeed", "Refused", "kind_of", "plan", "resolved"]

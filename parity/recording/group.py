@@ -1,0 +1,45 @@
+"""The process group around a framework callback's recorder (frameworks/transformers/callback.py, frameworks/lightning/callback.py): a gloo group of one for
+a run of one process that has none (the recorder's exchange is a collective), ended with the run; and at the exit of
+a process whose group outlives the callback, a pause that lets the group's threads finish (`release`).
+
+Why the pause. Trainer and Lightning never destroy their process group, and the recorder's last collectives (close()'s,
+through all_gather_object) drop Python-made tensors as soon as they return. Over gloo the Work is still held by one
+of the group's `pt_gloo_runloop` threads, which releases it a moment later: the tensors' last reference then frees
+their Python objects from that thread, which must take the GIL to do it. Where the main thread has reached the
+interpreter's finalization by then, CPython ends a thread that asks for the GIL (pthread_exit), the forced unwind
+meets the Work's noexcept destructor, and std::terminate aborts the process ("terminate called without an active
+exception"): measured on examples/hf_trainer.py --nproc 2 in about one run in ten on this 2-core machine, a rank
+killed by SIGABRT after its record was complete (gdb: AsyncAllgatherWork's destructor on pt_gloo_runloop, the main
+thread in Py_FinalizeEx). atexit callbacks run before finalization starts: a pause there, with the GIL free, lets
+those threads finish.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+
+import torch.distributed as dist
+
+PAUSE_S = 0.2  # at a process's exit, once; the threads need the GIL for microseconds
+
+_registered = False
+
+
+def own_group(world_size: int) -> bool:
+    """A gloo group of one where the run is one process without a group; whether it was started here."""
+    if dist.is_initialized() or world_size != 1:
+        return False
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def release(own: bool) -> None:
+    """After the recorder closed: the group started here ended; a group of the framework's, which outlives the
+    callback, settled at this process's exit (once, whatever the number of calls)."""
+    global _registered
+    if own:
+        dist.destroy_process_group()
+    elif not _registered:
+        atexit.register(time.sleep, PAUSE_S)
+        _registered = True

@@ -1,0 +1,599 @@
+"""A recorder for a training loop of your own: it writes the harness's loss record (`loss_<name>.json`) of a run the
+harness never trained, so that the run can be replayed under the harness's DDP (parity/replay/replay.py) and
+judged by plot_loss_curves.py (docs/own_trainer.md, whose "What the record holds" lists every field).
+
+It is one more loop feeding the per-step observer (parity/training/observer.py). What it adds is what a foreign loop
+does not hand over by itself: the loss from the model's outputs (the global token mean, float64), the pre-clip norm
+(or the framework's own: `grad_norm_source`), the parameter norm, every tensor's norms (recorded_tensors.py), the lr
+applied, the global batch in the harness's order, its hash and the rows check, the optimizer whole, the initial
+weights and every step's batch as it came (up to `max_batch_bytes`), and the full state around its checkpoints for its
+replay's teacher-forced check (states.py, up to `max_state_bytes`): files named relative to the record's folder.
+
+A step that cannot be recorded or replayed stops the record there, in one line: it holds the steps before it
+(`config.stopped`), which are replayed and judged; so does a first step whose logged loss is not the causal-LM token
+mean the recorder measured (recorded_objective.py). The process group is read by its layout (sharded.py: plain/DDP,
+FSDP2 ± DTensor TP, FSDP1, DeepSpeed ZeRO 0–3), each with the harness's own gather and norm code; a step's rows, sums
+and health travel in one all_gather (rows.py), rank 0 alone hashes, checks and saves the batch, on a thread of its
+own. A recorder failure never stops the user's training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from parity import storage
+from parity.errors import ConfigError, first_line
+from parity.fingerprint import fingerprint
+from parity.attaching import layer_cut
+from parity.recording import resume
+from parity.recording import states
+from parity.recording.adapters_record import save_initial_weights
+from parity.recording.batch_taking import BatchTaking
+from parity.attaching.attach import attached, refused
+from parity.recording.optimizer_description import describe_optimizer
+from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
+from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
+from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, taken
+from parity.recording.sharded import LayoutRefused, layout_of
+from parity.recording.world import first_process, trains_alone
+from parity.models.model import config_as_built, config_summary, file_sha256
+from parity.precision import POLICIES
+from parity.registry import KNOWN
+from parity.objectives.causal_lm import IGNORE_INDEX, measured_loss_sum
+from parity.training.observer import StepObserver, device_name
+from parity.training.record import RECORDER_SOURCE as SOURCE, LossRecord, record_path
+from parity.training.tensor_series import kept_chunks
+
+DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
+REPLICA_MOMENTS_EVERY = 10  # the replica check reads AdamW's moments every 10th step, the parameters at every step
+STOPPED = "the record stopped"  # what rank 0 hands the other ranks in the step's exchange after its record stopped
+
+
+def recorded_folder(output_dir: str, name: str) -> str:
+    """Where a recorder keeps the initial weights, the model's config.json and the batches of run `name`."""
+    return storage.join(output_dir, f"recorded_{name}")
+
+
+def unwrap(model):
+    """The user's module inside DDP (`.module`) or torch.compile (`._orig_mod`): the one whose names are Hugging
+    Face's."""
+    while True:
+        inner = next((m for m in (getattr(model, "module", None), getattr(model, "_orig_mod", None))
+                      if isinstance(m, torch.nn.Module)), None)
+        if inner is None:
+            return model
+        model = inner
+
+
+class ParityRecorder(BatchTaking):
+    """Records a training run of your own loop, on every rank of its process group (docs/own_trainer.md):
+
+        rec = ParityRecorder(output_dir, name="my_run", model=model, optimizer=optimizer, max_grad_norm=1.0)
+        for step ...:
+            for micro-batch ...:
+                logits = model(input_ids=ids, attention_mask=mask).logits
+                ... loss.backward()
+                rec.micro_batch(ids, labels, logits, attention_mask=mask)
+            rec.before_step()               # after backward, before clipping: the pre-clip norm
+            clip_grad_norm_(...); optimizer.step(); scheduler.step(); optimizer.zero_grad()
+            rec.after_step(logged_loss=...)  # the step's entry; every `log_interval` steps the file
+            if checkpointing: save_your_checkpoint(); rec.save()   # the record holds the steps up to it
+        rec.close()                          # the record complete
+
+    Made before the first optimizer step (it saves the initial weights then) and after the process group is up
+    (torch.distributed initialised: one rank is a group of one). `model` may be wrapped (DDP, torch.compile,
+    accelerate's prepare: its model and AcceleratedOptimizer as they are), sharded by FSDP2's fully_shard (with or
+    without DTensor TP), or a DeepSpeed engine (then `optimizer=engine.optimizer`, before_step before the boundary's
+    engine.step() and after_step after it: sharded.py);
+    `max_grad_norm` is what the loop clips to (0: it does not clip); `precision` the harness's name of what the loop
+    computes in (fp32, bf16 for autocast over fp32 weights ...); `max_batch_bytes` caps the batches saved (default
+    DEFAULT_MAX_BATCH_BYTES); `framework` names the loop (shown in the fingerprint, not compared); `log` takes rank
+    0's lines (default: stderr); `scheduler`, the loop's lr scheduler, records each step's `declared_lr`
+    (resume.DeclaredSchedule.copy_of: the verdict FAILs a step whose lr is not the one its schedule declares);
+    `checkpoint_interval` (default 50; 0: step 0 alone; None: none) and `max_state_bytes` (default 32 GiB): the full
+    state saved around a step for its replay's teacher-forced check (states.py); `tensor_grad`: every tensor's
+    gradient read at before_step (PRE_CLIP) or, after the framework's clipping, at the optimizer's step (CLIPPED).
+
+    A run resumed from its own checkpoint after k updates passes `start_step=k`: the recorder continues the record of
+    its first run (loss_<name>.json in `output_dir`) — its steps 0…k−1 kept, k appended to config.resumed_at, the
+    initial weights not saved again, the steps and batches going on from k — or refuses in one line where that record
+    cannot be continued (fewer than k steps, batches missing, another optimizer or model). `save()` at each of the
+    loop's checkpoints writes the record so that it holds every step up to the checkpoint."""
+
+    def __init__(self, output_dir: str, *, name: str, model, optimizer, max_grad_norm: float = 0.0,
+                 precision: str = "fp32", max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, log_interval: int = 10,
+                 framework: str = "plain PyTorch", framework_versions: dict | None = None,
+                 log: Callable[[str], Any] | None = None, dump_step: int | None = None, scheduler=None,
+                 start_step: int = 0, checkpoint_interval: int | None = states.DEFAULT_CHECKPOINT_INTERVAL,
+                 max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES, tensor_grad: str = PRE_CLIP,
+                 objective: str | dict | None = None, objective_args: dict | None = None,
+                 objective_declared: dict | None = None):
+        output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
+        self.enabled, self.name, self.dump = False, name, None
+        self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        refusal = self._refusal(name, precision, start_step) or states.refusal(checkpoint_interval, max_state_bytes)
+        try:  # a post-training objective's rows and sums (recorded_objective.py); None: the causal-LM token mean
+            self.objective_rows = named_objective(objective, objective_args, objective_declared, start_step)
+        except ConfigError as exc:
+            refusal = refusal or str(exc)
+        if refusal:
+            if first_process():
+                self._print(f"parity recorder: {refusal}: recording nothing")
+                refused(refusal)
+            return
+        try:
+            self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
+                        framework, framework_versions or {}, scheduler, start_step, tensor_grad)
+            self.states = states.StateSaver(self, checkpoint_interval, max_state_bytes, start_step)  # for the check
+            if dump_step is not None:  # step K in full, for compare_dumps.py (parity/recording/dump.py)
+                from parity.recording.dump import StepDump
+
+                self.dump = StepDump(self, dump_step)
+            self.enabled = True
+        except (LayoutRefused, layer_cut.NotCut) as exc:  # a group, wrapper or depth it cannot take: every rank finds it
+            if first_process():
+                self._print(f"parity recorder: {exc}: recording nothing")
+                refused(str(exc))
+        except resume.ResumeRefused as exc:  # a record the resumed run cannot continue (_continue)
+            self._line(f"{exc}: recording nothing; the training goes on")
+        except Exception as exc:  # never the user's training
+            self._discard()
+            self._print(f"parity recorder: could not start ({type(exc).__name__}: {first_line(exc)}): recording "
+                        f"nothing")
+
+    def _discard(self) -> None:
+        """After a failed start: the hook off, the recorded folder gone if this start wrote into it: none half-written."""
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+        if getattr(self, "_wrote", False):
+            storage.delete_dir(self.folder)
+
+    @staticmethod
+    def _refusal(name: str, precision: str, start_step) -> str | None:
+        if not isinstance(name, str) or not name.isidentifier():
+            return f"name {name!r} is not an identifier (it names loss_<name>.json)"
+        if name in KNOWN:
+            return (f"name {name!r} is a strategy of the harness ({', '.join(KNOWN)}): its record would be taken for "
+                    f"the harness's own run; choose another")
+        alone = trains_alone()  # the launcher started several processes and this one trains alone (world.py)
+        if alone:
+            return alone
+        if not dist.is_available() or not dist.is_initialized():
+            return ("torch.distributed is not initialised: call init_process_group first (one process: "
+                    "init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:29500'))")
+        if precision not in POLICIES:
+            return f"precision {precision!r} is not one of the harness's policies ({', '.join(POLICIES)})"
+        if not isinstance(start_step, int) or start_step < 0:
+            return f"start_step {start_step!r} is not a step (the updates done before this run: 0, or k > 0 resumed)"
+        return None
+
+    # --- set-up -------------------------------------------------------------------------------------
+    def _start(self, output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
+               framework, framework_versions, scheduler, start_step, tensor_grad) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+                       else torch.device("cpu"))
+        self.layout = layout_of(model, optimizer, self.device, unwrap)  # plain/DDP, FSDP2, ZeRO (sharded.py)
+        self.model, self.optimizer = self.layout.model, self.layout.optimizer
+        optimizer = self.optimizer  # the torch optimizer that steps (ZeRO's wraps the user's client one)
+        self.folder = recorded_folder(output_dir, self.name)  # written here; named in the record relative to it
+        here = f"recorded_{self.name}"
+        self.max_batch_bytes, self.saved_bytes, self.log_interval = max_batch_bytes, 0, log_interval
+        self.names = self.layout.names()  # Hugging Face names (FSDP1's cleaned of its wrappers)
+        self.optimizer_description = describe_optimizer(optimizer, self.names, self.layout.group_params())
+        self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
+        config = getattr(self.model, "config", None)
+        hf = config is not None and hasattr(config, "to_json_string")
+        fresh = hf and not start_step  # a resumed run's model is no longer at its initial state: not saved again
+        state = self.layout.full_state() if fresh else None  # full tensors where sharded: every rank (collective)
+        self.exchange = RowExchange()
+        group0 = optimizer.param_groups[0]
+        betas = group0.get("betas", (0.0, 0.0))
+        script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else None
+        framework_part = {"name": framework, "versions": framework_versions,
+                          "script": os.path.basename(script) if script else None,
+                          "script_sha256": file_sha256(script) if script and os.path.isfile(script) else None}
+        policy = POLICIES[precision]
+        description = {
+            "source": SOURCE, "framework": framework, "strategy": self.name, "strategy_path": None,
+            "model_name": here, "model_type": getattr(config, "model_type", None),
+            "hugging_face_model": hf, "attn_implementation": getattr(config, "_attn_implementation", None),
+            "tp_size": self.layout.tp_size, "pp_size": 1, "ep_size": 1,
+            "dp_size": self.layout.dp_size, "sharding": self.layout.describe(),
+            "num_workers": self.world, "world_size": self.world, "batch_size": None, "global_batch_size": None,
+            "grad_accum_steps": None, "seq_length": None, "precision": precision,
+            "reduce_dtype": policy.reduce_dtypes[0], "grad_accum_dtype": policy.grad_accum_dtypes[0],
+            "loss_scaling": None, "total_steps": None, "init_weights_sha256": None,
+            "init_weights_path": f"{here}/init_weights.safetensors" if hf else None,
+            "model_config": config_summary(config) if hf else {}, "lora": self.layout.lora,  # a PEFT model's adapters
+            "layer_cut": layer_cut.recorded(self.model),  # verify_trainer.py --num_layers: {"num_layers", "of"}
+            "learning_rate": float(group0.get("initial_lr", group0.get("lr", 0.0))),
+            "max_grad_norm": float(max_grad_norm), "weight_decay": float(group0.get("weight_decay", 0.0)),
+            "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_epsilon": float(group0.get("eps", 0.0)),
+            "optimizer": self.optimizer_description, "grad_norm_source": None, "loss_source": "recorder",
+            "batches": {"folder": f"{here}/batches", "max_bytes": max_batch_bytes, "saved_steps": 0,
+                        "most_rows": 0, "position_ids_from": None},
+            "not_replayable": None if hf else f"the model ({type(self.model).__name__}) is not a Hugging Face model",
+            "stopped": None, "resumed_at": [], "rollouts": None,
+            **(self.objective_rows.describe_record() if self.objective_rows else {"objective": None}),
+            "device_type": self.device.type, "device_name": device_name(self.device), "backend": dist.get_backend(),
+            "fingerprint": {**fingerprint(type(self), self.device, getattr(config, "model_type", None)),
+                            "framework": framework_part},
+        }
+        self.record = LossRecord(record_path(output_dir, self.name), self.name, description)
+        if start_step:
+            self._continue(start_step)
+        self.writer = BatchWriter() if self.rank == 0 else None
+        self.declared = (resume.DeclaredSchedule.copy_of(scheduler, start_step, self._line) if scheduler is not None
+                         else None)
+        self.tensors = RecordedTensors(self.layout, self.device, tensor_grad, float(max_grad_norm), self._line,
+                                       precision)
+        self.observer = StepObserver(self.record, device=self.device, replicas=self.layout, replica_check_interval=1,
+                                     replica_moments_every=REPLICA_MOMENTS_EVERY,
+                                     log=self._line, **self.tensors.observer_arguments())
+        self.step, self.grad_norm_source = start_step, None
+        self._reset_step()
+        self._lrs: list[float] | None = None
+        self._optimizer_steps = 0  # the hook's firings since the last after_step
+        self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
+        self._hook = self.tensors.watch(optimizer, self._before_optimizer_step)  # and its step post-hook
+        if self.rank == 0 and fresh:  # the first write: all that could refuse or fail has passed
+            self._wrote = True
+            storage.write_bytes_atomic(storage.join(self.folder, "config.json"),
+                                       config_as_built(self.model).to_json_string().encode())
+            self.record.data["config"]["init_weights_sha256"] = save_initial_weights(  # LoRA's adapters beside
+                self.layout, storage.join(self.folder, "init_weights.safetensors"), state)
+        self._last = time.perf_counter()
+        self._line(f"recording {self.name} ({framework}, {self.layout.kind}, {self.world} rank"
+                   f"{'s' if self.world > 1 else ''}) into "
+                   f"{self.record.path}{f', continued at step {start_step}' if start_step else ''}")
+
+    # --- a resumed run ----------------------------------------------------------------------------------
+    def _continue(self, k: int) -> None:
+        """A run resumed after k updates continues its first run's record: rank 0 reads and checks it (_kept) and
+        takes its steps 0…k−1 and its description; every rank learns the answer (resume.ResumeRefused on every rank where
+        the record cannot be continued). The description is the first run's — its initial weights, model, optimizer
+        — with k appended to resumed_at."""
+        why, kept = None, None
+        if self.rank == 0:
+            try:
+                kept = resume.kept(self.record.path, self.folder, self.record.data["config"], k)
+            except resume.ResumeRefused as exc:
+                why = str(exc)
+        answer = [why]
+        dist.broadcast_object_list(answer, src=0, device=self.device)
+        if answer[0]:
+            raise resume.ResumeRefused(answer[0])
+        if kept is not None:
+            config, steps, self.saved_bytes, chunks = kept  # with the tensor series' chunks before k (the observer's)
+            self.record.data.update(config=config, steps=steps, tensors={"chunks": kept_chunks(chunks, k)})
+
+    def _reset_step(self) -> None:
+        self.micro: list[MicroBatch] = []
+        self.loss_sum, self.tokens, self.recorder_s = 0.0, 0, 0.0
+        self.grad_norm: float | None = None
+        self.broken: str | None = None
+
+    # --- per micro-batch, per step --------------------------------------------------------------------
+    def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None,
+                    position_ids=None, use_cache=None, summed_loss=None) -> None:
+        """One micro-batch this rank fed the model: its input ids and labels ([rows, length]; labels as Hugging Face
+        takes them: the ids, −100 where no loss is taken), the model's logits on it, the attention mask if any (right
+        or left padding), the position ids if the loop passed its own (packed rows), `use_cache` as passed (None: the
+        model config's). Any rows, any length, from step to step and rank to rank. A model that returns no logits (TRL's
+        fused LM head) gives `log_probs` instead: each position's log-probability of its next token, zero where no loss
+        is taken ([rows, length − 1]); one that never forms the full logits (torchtitan's chunked loss), `summed_loss`."""
+        if not self.enabled or self.broken:
+            return
+        if self.objective_rows is not None:
+            self.broken = (f"micro_batch() in a record of {self.objective_rows.config['name']}: hand each micro-batch "
+                           f"over with objective_batch()")
+            return
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                if summed_loss is not None or log_probs is not None:
+                    summed = float(summed_loss) if log_probs is None else float(-log_probs.detach().double().sum())
+                else:
+                    logits = self.layout.logits(logits.detach())  # a DTensor's in full
+                    summed = float(measured_loss_sum(logits, labels.to(logits.device)).double())
+            self.micro.append(taken(input_ids, labels, attention_mask, position_ids, use_cache, self.model))
+            self.loss_sum += summed
+            self.tokens += int((self.micro[-1].labels[:, 1:] != IGNORE_INDEX).sum())
+        except Exception as exc:
+            self.broken = f"micro_batch: {type(exc).__name__}: {first_line(exc)}"
+        self.recorder_s += time.perf_counter() - t0
+
+    def objective_batch(self, input_ids, logits=None, *, completion_mask, attention_mask=None, log_probs=None,
+                        entropies=None, **rows) -> None:
+        """One micro-batch of a post-training objective's run (ParityRecorder(objective=...)): its ids [rows, L], the
+        model's logits on it (or its log-probs of each next token and their entropies, [rows, L − 1], from a fused LM
+        head), the attention mask as fed, and its rows in the rollout file's schema (docs/posttrain.md): completion_mask
+        [rows, L]; truncated, group, generation [rows]; GRPO's advantages [rows], old_logps and ref_logps [rows, L] —
+        the log-prob of the token at each position — where the objective uses them; DPO's ref_logps (or ref_seq_logps
+        [rows]), its rows in pairs (2k chosen, 2k + 1 rejected)."""
+        if not self.enabled or self.broken:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.objective_rows is None:
+                raise ValueError("this recorder records the causal-LM token mean: name the objective, "
+                                 "ParityRecorder(objective=...)")
+            labels, words = self.objective_rows.micro(input_ids, self.layout.logits(logits.detach()) if logits
+                                                      is not None else None, completion_mask=completion_mask,
+                                                      attention_mask=attention_mask, log_probs=log_probs,
+                                                      entropies_=entropies, **rows)
+            self.micro.append(taken(input_ids, labels, attention_mask, None, False, self.model)._replace(rollout=words))
+            self.tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
+        except Exception as exc:
+            self.broken = f"objective_batch: {type(exc).__name__}: {first_line(exc)}"
+        self.recorder_s += time.perf_counter() - t0
+
+    def before_step(self, grad_norm: float | None = None, source: str = "framework") -> None:
+        """After the step's backward, before clipping: the pre-clip global gradient norm, measured here in float64 from
+        the gradients (under DDP every rank holds the reduced ones) — or `grad_norm`, the framework's own value (an
+        adapter that measured it itself says `source="recorder"`)."""
+        if not self.enabled or self.broken:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.dump is not None and grad_norm is None:
+                self.dump.take_grads()
+            self.tensors.read(BEFORE_STEP)  # every tensor's gradient, before the loop's clipping (recorded_tensors.py)
+            if grad_norm is not None:
+                self.grad_norm, self.grad_norm_source = float(grad_norm), source
+            elif self.layout.grad_norm_visible:  # full gradients, float64 (collective where they are sharded)
+                self.grad_norm = self.layout.grad_norm()
+                self.grad_norm_source = "recorder"
+        except Exception as exc:
+            self.broken = f"before_step: {type(exc).__name__}: {first_line(exc)}"
+        self.recorder_s += time.perf_counter() - t0
+
+    def clips_at(self, max_grad_norm: float) -> None:
+        """The loop's clip by norm, declared where it clips (Lightning's manual optimization, in its training_step):
+        the record's max_grad_norm; another value than a recorded step's ends the record (the replay clips at one)."""
+        if not self.enabled or self.broken or self.record.data["config"]["max_grad_norm"] == float(max_grad_norm):
+            return
+        config = self.record.data["config"]
+        if self.record.steps:
+            self.broken = (f"the loop clips at {max_grad_norm:g} at step {self.step}, at {config['max_grad_norm']:g} "
+                           f"before (0: no clip): the replay clips every step at one max_grad_norm")
+            return
+        config["max_grad_norm"] = float(max_grad_norm)
+        self.tensors.clipping.max_grad_norm = float(max_grad_norm)
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """The optimizer's step pre-hook: the lr of every group as the step applies it; for an adapter that asks
+        (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after any clipping). Its time
+        is the recorder's (recorder_before), not the step's."""
+        t0 = time.perf_counter()
+        self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self.tensors.read(AT_OPTIMIZER)  # where the framework clipped before any hook of the recorder's
+        self._optimizer_steps += 1
+        if self.dump is not None:
+            self.dump.take_grads()
+        if self.norm_at_optimizer_step is not None:
+            try:
+                self.norm_at_optimizer_step = self.layout.grad_norm()
+            except Exception:
+                self.norm_at_optimizer_step = math.nan
+        self.recorder_s += time.perf_counter() - t0
+
+    def after_step(self, lr: float | None = None, logged_loss: float | None = None,
+                   grad_norm: float | None = None, logged_grad_norm: float | None = None) -> None:
+        """After the optimizer's step (every rank; a collective): the step's record entry. `lr`: the lr applied (by
+        default what the optimizer's first group applied); `logged_loss`: the framework's own loss of the step, kept
+        beside the measured one; `grad_norm`: the framework's pre-clip norm where before_step was not called;
+        `logged_grad_norm`: the framework's own norm, kept beside the recorded one."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        step_time = t0 - self._last - self.recorder_s
+        try:
+            self._record_step(lr, logged_loss, grad_norm, step_time, t0, logged_grad_norm)
+            if self.dump is not None:
+                self.dump.after_step(self.step - 1, self.micro)
+        except Exception as exc:  # the exchange fails on every rank alike: the record ends at this step
+            self._end(f"{type(exc).__name__}: {first_line(exc)}" if not isinstance(exc, RuntimeError)
+                      else first_line(exc))
+        if self.enabled:
+            self.states.take(self.step)  # the state after this step, where a check wants it
+        self._reset_step()
+        self._lrs = None
+        self._last = time.perf_counter()
+
+    def _record_step(self, lr, logged_loss, grad_norm, step_time, t0, logged_grad_norm=None) -> None:
+        if grad_norm is not None and self.grad_norm is None:
+            self.grad_norm, self.grad_norm_source = float(grad_norm), "framework"
+        if self.grad_norm is None and not self.layout.grad_norm_visible:  # DeepSpeed's own, of the step it took
+            self.grad_norm, self.grad_norm_source = self.layout.framework_grad_norm(), "framework"
+        if not self.broken and self.grad_norm is None:
+            self.broken = "no pre-clip grad norm: call before_step() before clipping, or give after_step(grad_norm=)"
+        if not self.broken and not self.micro:
+            self.broken = "no micro-batch: call micro_batch() for each one the step fed"
+        if self.stop is not None:  # rank 0 stopped the record at an earlier step: every rank ends it now
+            self.broken = STOPPED
+        # riding the step's exchange: every tensor's squares and, where the check is due, the replica digests
+        q0 = time.perf_counter()
+        squares = self.tensors.local(self.step)
+        d0 = time.perf_counter()
+        digests = self.observer.replica_digests(self.step)
+        riders = torch.cat([squares.cpu().view(torch.int64), *([] if digests is None else [digests.reshape(-1).cpu()])])
+        normed = time.perf_counter()
+        # the step's exchange (rows.py): every rank's health, loss sum and tokens to all, the rows to rank 0 alone
+        got = self.exchange(self.broken, self.loss_sum, self.tokens, self.micro, feeds=self.layout.feeds,
+                            dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device, extra=riders)
+        exchanged = time.perf_counter()
+        summed = got.extra[:, :len(squares)].contiguous().view(torch.float64).sum(0)  # over the ranks, in rank order
+        table = None if digests is None else got.extra[:, len(squares):].reshape(-1, 3)
+        self._check_optimizer_steps()
+        lrs = self._lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
+        lr = float(lr) if lr is not None else lrs[0]
+        self._check_scales(lrs)
+        n = len(self.tensors.names)
+        param_norm = math.sqrt(float(summed[n:2 * n].sum()))  # the full trainable parameters, float64
+        sums, counts = got.rank_loss_sums, got.rank_tokens
+        tokens = sum(counts)
+        extras, saving, hash_ = {"grad_norm_source": self.grad_norm_source}, 0.0, ""
+        measured = {"rank_loss_sums": sums, "rank_tokens": counts, "tokens": tokens}  # the causal-LM token mean's
+        if self.rank == 0:  # rank 0 alone: what fails here must not leave the other ranks in a collective
+            ranks, micro = len(got.per_dp_rank), max(len(m) for m in got.per_dp_rank)  # the step's split
+            refusal = causal_lm_refusal(logged_loss, sums, counts, (ranks, micro, ranks * micro)) if not self.step \
+                and self.objective_rows is None else None  # a logged loss not the causal-LM token mean, nor scaled
+            if refusal:
+                self._stop_at(0, refusal)
+            measured = self._objective_step(got, measured)
+            s0 = time.perf_counter()
+            hash_ = self._take_batch(got, extras)
+            saving = time.perf_counter() - s0
+        config = self.record.data["config"]
+        if config["grad_norm_source"] not in (None, self.grad_norm_source):
+            config["grad_norm_source"] = "mixed"
+        elif config["grad_norm_source"] is None:
+            config["grad_norm_source"] = self.grad_norm_source
+        if logged_loss is not None:
+            extras["logged_loss"] = float(logged_loss)
+        if logged_grad_norm is not None:
+            extras["logged_grad_norm"] = float(logged_grad_norm)
+        if self.declared is not None:  # what the schedule declares for this update (once a step, every rank)
+            extras["declared_lr"] = self.declared.lr()
+        harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - normed, "batch": saving,
+                     "tensor_norms": d0 - q0, "replica_check": normed - d0}  # the check's comparison adds to it
+        self.observer.observe_step(self.step, **measured, grad_norm=self.grad_norm, param_norm=param_norm, lr=lr,
+                                   batch_hash=hash_, step_time_s=step_time, harness_s=harness_s, replica_table=table,
+                                   **self.tensors.norms(summed, self.grad_norm), **extras)
+        rows_check = extras.get("rows_check")
+        if rows_check and rows_check["duplicates"]:
+            first = rows_check["pairs"][0]
+            self._line(f"step {self.step}: ranks {first[0]} and {first[1]} fed {first[2]} identical row"
+                       f"{'s' if first[2] > 1 else ''}: the verdict will FAIL")
+        if self.stop is not None and self.rank == 0:
+            self._apply_stop()
+        self.step += 1
+        if self.step % self.log_interval == 0:
+            harness_s["record_write"] = self.observer.write()
+        harness_s["after_step"] = time.perf_counter() - t0  # all of the recorder's at the step's end, the above in it
+
+    def _check_optimizer_steps(self) -> None:
+        """One optimizer step per recorded step, as the replay takes one (the step hook's firings, where the
+        layout's torch optimizer steps once an update). A loop whose optimizer did not step or stepped twice between two
+        after_step() calls trained another run than the one recorded: the record stops at that step."""
+        steps, self._optimizer_steps = self._optimizer_steps, 0
+        if steps == 1 or not self.layout.steps_once_an_update:
+            return
+        why = (f"did not step in step {self.step} (a skipped step, or after_step() after a micro-batch that only "
+               f"accumulated)" if steps == 0 else
+               f"stepped {steps} times in step {self.step} (after_step() goes after each optimizer step)")
+        self._stop_at(self.step, f"the optimizer {why}: the replay steps it once a recorded step")
+
+    def _check_scales(self, lrs: list[float]) -> None:
+        """Each group's lr must stay its recorded scale × the first group's, as the replay applies it."""
+        if lrs[0]:
+            for group, applied in zip(self.optimizer_description["groups"], lrs):
+                if abs(applied - group["lr_scale"] * lrs[0]) > 1e-12 * abs(applied):
+                    self._stop_at(self.step, f"at step {self.step} the groups' lrs are not in their recorded ratios "
+                                             f"(the replay applies each group its recorded scale of the first's)")
+                    return
+
+    # --- where the record stops -------------------------------------------------------------------------
+    def _stop_at(self, step: int, why: str) -> None:
+        """Rank 0: the record ends before `step` (the earliest step asked), `why` in one line. The steps before it are
+        replayed and judged; the training goes on, and every rank stops recording at the next step's exchange."""
+        if self.stop is None or step < self.stop[0]:
+            self.stop = (step, why)
+            judged = "no step is" if step == 0 else "step 0 is" if step == 1 else f"steps 0…{step - 1} are"
+            self._line(f"{why}: the record stops at step {step}; {judged} replayed and judged; the training goes on")
+
+    def _settle(self, finished: list[tuple[int, str | None]]) -> None:
+        """Rank 0, where the record is written: the batches the writer finished counted (_harvest), then the record cut
+        at its stop if it has one."""
+        self._harvest(finished)
+        if self.stop is not None:
+            self._apply_stop()
+
+    def _apply_stop(self) -> None:
+        step, why = self.stop
+        data = self.record.data
+        del data["steps"][step:]
+        data["config"]["stopped"] = {"step": step, "why": why}
+
+    def _end(self, why: str) -> None:
+        """Every rank, where the step's exchange failed (a rank broken, or rank 0's record stopped): rank 0 completes
+        the record at its stop (this step if none came before), without a collective; no rank records more."""
+        self.enabled = False
+        self._hook.remove()
+        if self.rank != 0:
+            return
+        if self.stop is None:
+            self._stop_at(self.step, f"step {self.step} could not be recorded ({why})")
+        try:
+            self._settle(self.writer.close())
+            self.states.close()
+            self.record.data["config"]["total_steps"] = len(self.record.steps)
+            self._objective_file()
+            self.record.finish(steps=len(self.record.steps), source=SOURCE)
+        except Exception as exc:
+            self._line(f"failed ({type(exc).__name__}: {first_line(exc)}): the record {self.record.path} is not "
+                       f"complete")
+
+    # --- the end ----------------------------------------------------------------------------------
+    def save(self) -> None:
+        """At each of the loop's checkpoints, after its last step's after_step (every rank; a collective): the record
+        written now, every step so far in it and their batches on disk, so that a run killed after the checkpoint
+        resumes from it (start_step) without a gap."""
+        if not self.enabled:
+            return
+        try:
+            if self.writer is not None:
+                self._settle(self.writer.flush())
+                self._objective_file(final=False)
+            self.observer.write()
+            self.states.save()
+        except Exception as exc:
+            self._disable(f"{type(exc).__name__}: {first_line(exc)}")
+
+    def close(self) -> str | None:
+        """The record complete (every rank; a collective). Returns its path on rank 0 (None if nothing recorded)."""
+        if not self.enabled:
+            return self.record.path if getattr(self, "stop", None) and self.rank == 0 else None
+        try:
+            self._hook.remove()
+            if self.writer is not None:  # rank 0
+                self._settle(self.writer.close())
+                self._objective_file()
+            self.states.close()
+            self.record.data["config"]["total_steps"] = len(self.record.steps)
+            self.observer.finish(lambda: {"steps": len(self.record.steps), "source": SOURCE})
+            self._line(f"recorded {len(self.record.steps)} steps: {self.record.path}")
+            return self.record.path if self.rank == 0 else None
+        except Exception as exc:
+            self._disable(f"{type(exc).__name__}: {first_line(exc)}")
+            return None
+        finally:
+            self.enabled = False
+
+    def _disable(self, why: str) -> None:
+        self.enabled = False
+        self._line(f"failed ({why}): recording nothing more; the training goes on")
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+        if getattr(self, "writer", None) is not None:
+            self.writer.close()
+        if getattr(self, "states", None) is not None:
+            self.states.close(keep=False)
+
+    def _line(self, text: str) -> None:
+        if getattr(self, "rank", 0) == 0:
+            self._print(f"parity recorder [{self.name}]: {text}")
+
+
+__all__ = ["DEFAULT_MAX_BATCH_BYTES", "ParityRecorder", "recorded_folder", "unwrap"]
