@@ -149,8 +149,7 @@ class ParityCallback(pl.Callback):
         pre, seen = self.recorder.grad_norm, self._backward_norm
         if pre is not None and seen is not None and abs(pre - seen) > 1e-6 * abs(seen):
             self.recorder.broken = (f"manual optimization: the gradients changed after manual_backward (norm {seen:.6g} "
-                                    f"→ {pre:.6g}) other than by self.clip_gradients(opt, gradient_clip_val=..., "
-                                    f"gradient_clip_algorithm='norm'), which the recorder reads")
+                                    f"→ {pre:.6g}), not by self.clip_gradients, the clip the recorder reads")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.recorder is None or not self.recorder.enabled:
