@@ -116,6 +116,16 @@ def test_the_main_job_plans_your_class_by_its_path(tmp_path, monkeypatch):
     assert main_job.run_title(cfgs[1]) == "hand_written_dp tp=1 dp=2 fp32"
 
 
+def test_a_perturbed_reference_is_planned_only_for_a_loop_that_trains_it(tmp_path):
+    """RunConfig.perturb (a noise reference's loss × the factor, its gradients ÷ it) reaches DDP, whose class says it
+    trains it (takes_perturb); a strategy that would ignore it is refused in one line, not left to train unperturbed."""
+    from parity.errors import ConfigError
+
+    assert _resolve(tmp_path, "ddp", perturb=4 / 3, noise_reference=True).perturb == 4 / 3
+    with pytest.raises(ConfigError, match=r"^fsdp does not train a perturbed noise reference"):
+        _resolve(tmp_path, "fsdp", perturb=4 / 3, tp_size=1, noise_reference=True)
+
+
 # --- the precision policy: every table keyed by policy follows POLICIES (item 3) -----------------------------------
 
 def test_every_table_keyed_by_policy_covers_exactly_the_policies():

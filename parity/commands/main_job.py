@@ -257,7 +257,7 @@ def run_plan(args, out: str, cluster) -> list[tuple[str, dict]]:
                 if accumulation is not None:
                     plan.append(("ddp", {**ddp, "num_workers": dp, "dp_size": dp, "batch_size": batch,
                                          "grad_accum_steps": accumulation, "save_init_weights": False,
-                                         **REFERENCE, **({"perturb": perturb} if perturb else {})}))
+                                         "perturb": perturb, **REFERENCE}))
             if low:  # and in fp32 at its own layout: how far the policy's rounding moves the curves (docs/tolerances.md)
                 plan.append(("ddp", {**ddp, **{k: None for k in policy}, "precision": "fp32",
                                      "save_init_weights": False, **REFERENCE}))

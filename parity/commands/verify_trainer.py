@@ -266,6 +266,7 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     from parity import storage
     from parity.driver.local_group import local_cluster
     from parity.replay.replay import plan_replay
+    from parity.registry import load
     from parity.replay.replay_choice import REPLAYS, choose
     from parity.training.record import load_record
     from parity.training.teacher_forced import PERTURB
@@ -292,13 +293,14 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     workers = planned[0][0].num_workers
     rows = planned[0][0].global_batch_size
     split_line(config, rows)
-    # in a low precision the layout's twin trains in another arithmetic too (loss × PERTURB, the harness's DDP): every
-    # backward rounding moves, as the user's own kernels and sums move them; its layout alone may sum as the replay does
-    perturb = PERTURB if config["precision"] != "fp32" and chosen[0] == "ddp" else None
     for other in itertools.chain(range(workers - 1, 0, -1), itertools.count(workers + 1)):
         try:
             cfg, batches = plan(other, noise_reference=True)
-            reference = dataclasses.replace(cfg, perturb=perturb), batches
+            # in a low precision the layout's twin trains in another arithmetic too, where its loop can (loss × PERTURB:
+            # Strategy.takes_perturb): every backward rounding moves, as the user's own kernels and sums move them;
+            # its layout alone may sum as the replay does
+            perturbs = config["precision"] != "fp32" and load(cfg.strategy_path).takes_perturb
+            reference = dataclasses.replace(cfg, perturb=PERTURB if perturbs else None), batches
         except ConfigError:
             if other > rows:  # more workers than any step's rows: a count refused here refuses every larger one
                 break

@@ -286,6 +286,8 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
                           f"({model_config.max_position_embeddings}): use a shorter sequence")
     s["lora"] = lora_settings(s.pop("lora_r"), s.pop("lora_alpha"), s.pop("lora_dropout"), s.pop("lora_targets"),
                               model_config, s.pop("lora_modules_to_save"))
+    if perturb and not cls.takes_perturb:
+        raise ConfigError(f"{strategy} does not train a perturbed noise reference (RunConfig.perturb): DDP does")
     if s["lora"] and not cls.takes_adapters:
         raise ConfigError(f"{strategy} does not train LoRA adapters (it trains every parameter): use train_ddp.py, "
                           f"train_fsdp.py or train_deepspeed.py with --lora_r (docs/finetune.md)")

@@ -122,6 +122,9 @@ class Strategy(Routing):
     # cannot: a TP plan that does not know the adapters' modules)
     takes_adapters = False
     replays_records = False  # whether train_<name>.py takes --replay_record: the loop a recorded run is replayed under
+    # whether it trains a perturbed noise reference (RunConfig.perturb): each micro-batch's loss × the factor before
+    # backward, its gradients ÷ it before the step; resolve refuses the factor to a strategy that does not
+    takes_perturb = False
     layer_check_refuses_ep = None  # why the layer check cannot compare its modules at --ep_size > 1, where it cannot
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
     # The precision policies it carries out (parity.precision). fp32 and bf16 (autocast) need nothing of a strategy but
