@@ -114,17 +114,23 @@ def strategy_code(cls) -> dict:
             "files": [name for name, _ in named]}
 
 
-def library_versions() -> dict[str, str]:
+def installed_versions(packages) -> dict[str, str]:
+    """{package: its installed version} of those of `packages` that are installed (a framework's record names its own)."""
     import importlib.metadata as md
 
-    import torch
-
-    versions = {"python": platform.python_version()}
-    for package in PACKAGES:
+    versions = {}
+    for package in packages:
         try:
             versions[package] = md.version(package)
         except md.PackageNotFoundError:
             pass
+    return versions
+
+
+def library_versions() -> dict[str, str]:
+    import torch
+
+    versions = {"python": platform.python_version(), **installed_versions(PACKAGES)}
     if torch.version.cuda:  # a CUDA build of torch: the CUDA it runs on (a CPU build has none, and says nothing)
         versions["cuda"] = torch.version.cuda
     return versions

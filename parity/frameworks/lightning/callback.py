@@ -30,15 +30,14 @@ so that it holds the steps up to the checkpoint.
 
 from __future__ import annotations
 
-import importlib.metadata as md
-
 import lightning.pytorch as pl
 import torch
 
+from parity.fingerprint import installed_versions
+from parity.frameworks.transformers.callback import ParityCallback as _TrainerCallback
 from parity.recording.group import own_group, release
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
 from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
-from parity.frameworks.transformers.callback import ParityCallback as _TrainerCallback
 
 # Lightning's precision → the harness's policy
 PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -79,19 +78,13 @@ class ParityCallback(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         self._own_group = own_group(trainer.world_size)  # the single-device strategy: a group of one
         model = hugging_face_model(pl_module)
-        versions = {}
-        for package in ("lightning", "transformers", "torch"):
-            try:
-                versions[package] = md.version(package)
-            except md.PackageNotFoundError:
-                pass
         optimizers = trainer.optimizers
         self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
                                        optimizer=optimizers[0] if optimizers else None,
                                        max_grad_norm=float(trainer.gradient_clip_val or 0.0),
                                        precision=PRECISIONS.get(str(trainer.precision), "fp32"),
                                        max_batch_bytes=self.max_batch_bytes, framework="lightning.Trainer",
-                                       framework_versions=versions, **self.state_saving,
+                                       framework_versions=installed_versions(("lightning", "transformers", "torch")), **self.state_saving,
                                        start_step=trainer.global_step)  # > 0: resumed from ckpt_path
         if not self.recorder.enabled:
             return

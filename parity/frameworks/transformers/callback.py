@@ -35,7 +35,6 @@ causal-LM token mean, its first step's logged loss held to it (recorded_objectiv
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import inspect
 import sys
 
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from parity.attaching import attach
+from parity.fingerprint import installed_versions
 from parity.frameworks.trl.objectives import DPOFeed, GRPOFeed, Refused, kind_of, plan, resolved
 from parity.recording.group import own_group, release
 from parity.recording.recorded_tensors import CLIPPED
@@ -83,17 +83,11 @@ class ParityCallback(TrainerCallback):
                 attach.refused(refusal)
             return
         precision = next((policy for flag, policy in PRECISIONS if getattr(args, flag, False)), "fp32")
-        versions = {}
-        for package in ("transformers", "accelerate", "trl"):
-            try:
-                versions[package] = md.version(package)
-            except md.PackageNotFoundError:
-                pass
         self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
                                        optimizer=optimizer,  # accelerate's wrapper: the recorder takes it as it is
                                        max_grad_norm=args.max_grad_norm or 0.0, precision=precision,
                                        max_batch_bytes=self.max_batch_bytes, framework="transformers.Trainer",
-                                       framework_versions=versions, dump_step=self.dump_step,
+                                       framework_versions=installed_versions(("transformers", "accelerate", "trl")), dump_step=self.dump_step,
                                        start_step=state.global_step,  # > 0: resumed from a checkpoint
                                        tensor_grad=CLIPPED,  # its callbacks come after its clipping
                                        objective=objective, objective_declared=planned and planned[2],
