@@ -11,6 +11,7 @@ generated (π_old ≠ π), as a generation batch spread over several optimizer s
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 
@@ -43,19 +44,27 @@ def reward_of(name: str, completion: torch.Tensor, limit: int) -> float:
     return 1.0 - len(completion) / limit
 
 
-def sample_group(model, prompt: torch.Tensor, count: int, a: argparse.Namespace, stops: list[int], seed: int):
-    """`count` completions of `prompt`, each (tokens, truncated): sampled at --temperature, cut after its first stop
-    token (truncated where none came within --max_completion_length)."""
+def sample_group(sampler, prompt: torch.Tensor, count: int, a: argparse.Namespace, stops: list[int], seed: int):
+    """`count` completions of `prompt`, each (tokens, truncated, the sampler's log-prob of each token): sampled at
+    --temperature with --top_k/--top_p/--min_p, cut after its first stop token (truncated where none came within
+    --max_completion_length). The log-probs are the generator's scores after its processors (--sampler_logprobs
+    processed: temperature and truncation, renormalised over the kept tokens) or its raw logits' (raw)."""
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(prompt[None].repeat(count, 1), do_sample=True, temperature=a.temperature, top_k=0,
-                             top_p=1.0, max_new_tokens=a.max_completion_length, eos_token_id=stops,
-                             pad_token_id=stops[0], attention_mask=torch.ones(count, len(prompt), dtype=torch.long))
+        out = sampler.generate(prompt[None].repeat(count, 1), do_sample=True, temperature=a.temperature,
+                               top_k=a.top_k, top_p=a.top_p, min_p=a.min_p or None,
+                               max_new_tokens=a.max_completion_length, eos_token_id=stops, pad_token_id=stops[0],
+                               attention_mask=torch.ones(count, len(prompt), dtype=torch.long),
+                               return_dict_in_generate=True, output_scores=True, output_logits=True)
+    steps = out.scores if a.sampler_logprobs == "processed" else out.logits
+    tokens = out.sequences[:, len(prompt):]
+    logps = torch.stack([s.float().log_softmax(-1).gather(-1, tokens[:, i, None]).squeeze(-1)
+                         for i, s in enumerate(steps)], 1)
     completions = []
-    for row in out[:, len(prompt):]:
+    for row, row_logps in zip(tokens, logps):
         hits = [i for i, t in enumerate(row.tolist()) if t in stops]
         end = hits[0] + 1 if hits else len(row)
-        completions.append((row[:end], not hits))
+        completions.append((row[:end], not hits, row_logps[:end]))
     return completions
 
 
@@ -67,8 +76,9 @@ def token_logps(model, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(len(ids), 1), logps], 1) * real
 
 
-def build_rows(model, a, stops, vocab: int) -> tuple[list, list]:
-    """Every step's rows: (prompt, completion, truncated, reward, group, generation) each, GRPO groups or DPO pairs."""
+def build_rows(sampler, a, stops, vocab: int) -> tuple[list, list]:
+    """Every step's rows: (prompt, completion, truncated, sampler log-probs, reward, group, generation) each, GRPO
+    groups or DPO pairs."""
     rng = torch.Generator().manual_seed(a.seed)
     allowed = torch.tensor([t for t in range(vocab) if t not in set(stops)])
     steps, group = [], 0
@@ -78,8 +88,8 @@ def build_rows(model, a, stops, vocab: int) -> tuple[list, list]:
             length = int(torch.randint(a.prompt_length // 2, a.prompt_length + 1, (1,), generator=rng))
             prompt = allowed[torch.randint(len(allowed), (max(length, 1),), generator=rng)]
             count = a.num_generations if a.family == "grpo" else 2
-            sampled = sample_group(model, prompt, count, a, stops, a.seed * 1_000_003 + group)
-            rewards = [reward_of(a.reward, c, a.max_completion_length) for c, _ in sampled]
+            sampled = sample_group(sampler, prompt, count, a, stops, a.seed * 1_000_003 + group)
+            rewards = [reward_of(a.reward, c, a.max_completion_length) for c, *_ in sampled]
             order = range(count) if a.family == "grpo" else sorted(range(2), key=lambda i: -rewards[i])
             rows += [(prompt, *sampled[i], rewards[i], group, step // a.steps_per_generation) for i in order]
             group += 1
@@ -87,43 +97,39 @@ def build_rows(model, a, stops, vocab: int) -> tuple[list, list]:
     return steps, [len(r) for r in steps]
 
 
-def advantages(rows: list, scale: str) -> torch.Tensor:
-    """GRPO's advantages of a step's rows: each reward minus its group's mean, ÷ the group's standard deviation
-    (+1e-4; --scale_rewards group), the batch's (batch) or 1 (none)."""
-    rewards = torch.tensor([r[3] for r in rows])
-    groups = torch.tensor([r[4] for r in rows])
-    centred = torch.empty_like(rewards)
-    spread = torch.ones_like(rewards)
-    for g in groups.unique():
-        where = groups == g
-        centred[where] = rewards[where] - rewards[where].mean()
-        spread[where] = rewards[where].std() if scale == "group" else 1.0
-    if scale == "batch":
-        spread[:] = rewards.std()
-    return centred / (spread + 1e-4)
-
-
 def tensors_of(model, reference, steps: list, a) -> dict:
     """The file's tensors (the schema) from the sampled rows."""
+    from parity.rollout_check.advantages import recompute
+
     flat = [r for rows in steps for r in rows]
     width = max(len(p) + len(c) for p, c, *_ in flat)
     ids = torch.full((len(flat), width), 0, dtype=torch.long)
     real, completion = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (prompt, tokens, *_) in enumerate(flat):
+    sampled = torch.zeros(ids.shape, dtype=torch.float32)
+    for i, (prompt, tokens, _, logps, *_) in enumerate(flat):
         n = len(prompt) + len(tokens)
         ids[i, :n] = torch.cat([prompt, tokens])
         real[i, :n] = 1
         completion[i, len(prompt):n] = 1
+        sampled[i, len(prompt):n] = logps
     tensors = {"input_ids": ids, "attention_mask": real, "completion_mask": completion,
-               "truncated": torch.tensor([int(r[2]) for r in flat]), "group": torch.tensor([r[4] for r in flat]),
-               "generation": torch.tensor([r[5] for r in flat]),
+               "truncated": torch.tensor([int(r[2]) for r in flat]), "group": torch.tensor([r[5] for r in flat]),
+               "generation": torch.tensor([r[6] for r in flat]),
                "step_rows": torch.tensor([len(rows) for rows in steps]),
-               "ref_logps": token_logps(reference, ids, real) * completion}
+               "ref_logps": token_logps(reference, ids, real) * completion,
+               "sampler_logps": sampled, "sampler_token_ids": torch.where(completion.bool(), ids, -1),
+               "sampler_weights_step": torch.zeros(len(flat), dtype=torch.long)}  # every row from the initial weights
     if a.family == "grpo":
-        tensors["rewards"] = torch.tensor([r[3] for r in flat], dtype=torch.float32)
-        tensors["advantages"] = torch.cat([advantages(rows, a.scale_rewards) for rows in steps]).float()
+        tensors["rewards"] = torch.tensor([r[4] for r in flat], dtype=torch.float32)
+        tensors["advantages"] = recompute(estimator(a), tensors["rewards"], tensors["group"],
+                                          tensors["generation"]).float()
         tensors["old_logps"] = token_logps(model, ids, real) * completion
     return tensors
+
+
+def estimator(a: argparse.Namespace) -> str:
+    """The advantage estimator the flags name: --advantage_estimator, else GRPO's --scale_rewards."""
+    return a.advantage_estimator or a.scale_rewards
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,7 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ids that end a completion (and ranges start:stop:step); default the model's eos")
     p.add_argument("--reward", choices=tuple(REWARDS), default="even_fraction",
                    help="; ".join(f"{k}: {v}" for k, v in REWARDS.items()))
-    p.add_argument("--scale_rewards", choices=("group", "batch", "none"), default="group")
+    p.add_argument("--scale_rewards", choices=("group", "batch", "none"), default="group",
+                   help="GRPO's advantages (TRL's names): ÷ the group's std, the generation batch's, or none")
+    p.add_argument("--advantage_estimator", choices=("rloo", "reinforce_plus_plus"), default=None,
+                   help="another estimator than GRPO's (docs/sampler.md#the-advantages)")
+    p.add_argument("--top_k", type=int, default=0, help="the sampler keeps this many most likely tokens (0: all)")
+    p.add_argument("--top_p", type=float, default=1.0, help="... the most likely tokens holding this mass")
+    p.add_argument("--min_p", type=float, default=0.0, help="... the tokens at least this × the most likely's "
+                                                            "probability")
+    p.add_argument("--sampler_dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the sampler's weights and arithmetic (the file's π_old and π_ref stay fp32)")
+    p.add_argument("--sampler_logprobs", choices=("processed", "raw"), default="processed",
+                   help="the sampler's log-probs: after temperature and truncation (as vLLM's processed_logprobs), or "
+                        "the raw logits' (docs/sampler.md)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's own; 1 is "
                                                               "fastest for a tiny model on shared cores)")
@@ -184,12 +202,21 @@ def make(a: argparse.Namespace) -> str:
     reference = model if a.reference_seed is None else build_model(config, a.reference_seed).eval()
     eos = config.eos_token_id if isinstance(config.eos_token_id, int) else (config.eos_token_id or [0])[0]
     stops = stop_ids(a.stop_token_ids, config.vocab_size) if a.stop_token_ids else [eos]
-    steps, _ = build_rows(model, a, stops, config.vocab_size)
+    if not 0 < a.top_p <= 1 or a.top_k < 0 or not 0 <= a.min_p < 1:
+        raise ConfigError(f"--top_p {a.top_p}, --top_k {a.top_k}, --min_p {a.min_p}: top_p in (0, 1], top_k ≥ 0 "
+                          f"(0: off), min_p in [0, 1)")
+    sampler = model if a.sampler_dtype == "fp32" else copy.deepcopy(model).to(torch.bfloat16)
+    steps, _ = build_rows(sampler, a, stops, config.vocab_size)
     tensors = tensors_of(model, reference, steps, a)
     rows = tensors["step_rows"].tolist()
     describe = (f"{a.family} rollouts of {a.model_name} ({len(rows)} steps × {rows[0]} rows, completions up to "
                 f"{a.max_completion_length} tokens, reward {a.reward}, seed {a.seed})")
-    write_rollouts(a.output, a.family, tensors, describe, {k: v for k, v in vars(a).items() if k != "output"})
+    import transformers
+
+    write_rollouts(a.output, a.family, tensors, describe, {k: v for k, v in vars(a).items() if k != "output"},
+                   {"engine": "transformers", "version": transformers.__version__, "dtype": a.sampler_dtype,
+                    "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "min_p": a.min_p,
+                    "logprob_mode": a.sampler_logprobs})
     truncated = int(tensors["truncated"].sum())
     console.say(f"wrote {a.output}: {describe}; {truncated} of {len(tensors['truncated'])} completions truncated")
     return a.output

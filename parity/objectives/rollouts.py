@@ -23,6 +23,13 @@ DPO:
   rows in pairs, row 2k the chosen completion and row 2k + 1 the rejected one of the same prompt;
   ref_logps        float32 [rows, L]  log π_ref of each completion token (or ref_seq_logps float32 [rows]: their sum)
 
+The sampler's side (optional; docs/sampler.md), with the metadata "sampler" (JSON: engine, version, dtype,
+temperature, top_p, top_k, min_p, logprob_mode "processed" — after temperature and truncation — or "raw"):
+  sampler_logps        float32 [rows, L]  the sampler's log-prob of the token at each completion position (NaN where
+                                          it gave none)
+  sampler_token_ids    int64 [rows, L]    the token each of those log-probs belongs to (−1 off the completion)
+  sampler_weights_step int64 [rows]       the trainer step whose weights sampled the row
+
 Per-token values sit at the position of the token they score: the logits at position t − 1 predict the token at t.
 A step's rows split over DP ranks in order (rank 0 the first rows) and each rank's over its micro-batches in order.
 """
@@ -40,6 +47,9 @@ from parity.errors import ConfigError
 FORMAT = "parity-rollouts/1"
 ROW_TENSORS = ("attention_mask", "completion_mask", "truncated", "group", "generation", "advantages", "rewards",
                "old_logps", "ref_logps", "ref_seq_logps")
+SAMPLER_TENSORS = ("sampler_logps", "sampler_token_ids", "sampler_weights_step")
+SAMPLER_KEYS = ("engine", "version", "dtype", "temperature", "top_p", "top_k", "min_p", "logprob_mode")
+LOGPROB_MODES = ("processed", "raw")
 REQUIRED = {"grpo": ("input_ids", "completion_mask", "group", "generation", "step_rows", "advantages"),
             "dpo": ("input_ids", "completion_mask", "group", "generation", "step_rows")}
 
@@ -87,6 +97,7 @@ class RolloutFile:
     describe: str
     generation_settings: dict
     tensors: dict
+    sampler: dict  # the sampler's settings (SAMPLER_KEYS), {} where the file has no sampler side
 
     @property
     def steps(self) -> int:
@@ -121,14 +132,16 @@ class RolloutFile:
         return torch.ones_like(self.tensors["input_ids"][start:stop]) if mask is None else mask[start:stop]
 
 
-def write_rollouts(path: str, family: str, tensors: dict, describe: str, generation_settings: dict) -> None:
+def write_rollouts(path: str, family: str, tensors: dict, describe: str, generation_settings: dict,
+                   sampler: dict | None = None) -> None:
     """Write a rollout file whole (atomic: the file appears complete or not at all), after checking its tensors."""
     from safetensors.torch import save
 
-    check_tensors(path, family, tensors)
+    check_tensors(path, family, tensors, sampler or {})
     data = save({k: v.contiguous() for k, v in tensors.items()},
                 metadata={"format": FORMAT, "family": family, "describe": describe,
-                          "generation": json.dumps(generation_settings, sort_keys=True)})
+                          "generation": json.dumps(generation_settings, sort_keys=True),
+                          **({"sampler": json.dumps(sampler, sort_keys=True)} if sampler else {})})
     storage.write_bytes_atomic(path, data)
 
 
@@ -150,11 +163,16 @@ def read_rollouts(path: str) -> RolloutFile:
         raise ConfigError(f"--rollouts {path}: its format is {meta.get('format')!r}, not {FORMAT}: give a file "
                           f"make_rollouts.py or the recorder wrote")
     family = meta.get("family")
-    check_tensors(path, family, tensors)
-    return RolloutFile(path, family, meta.get("describe", ""), json.loads(meta.get("generation") or "{}"), tensors)
+    try:
+        sampler = json.loads(meta.get("sampler") or "{}")
+    except json.JSONDecodeError:
+        raise ConfigError(f"--rollouts {path}: its sampler metadata is not JSON: write it with json.dumps") from None
+    check_tensors(path, family, tensors, sampler)
+    return RolloutFile(path, family, meta.get("describe", ""), json.loads(meta.get("generation") or "{}"), tensors,
+                       sampler)
 
 
-def check_tensors(path: str, family: str, tensors: dict) -> None:
+def check_tensors(path: str, family: str, tensors: dict, sampler: dict) -> None:
     """ConfigError in one line where the tensors do not hold the schema (the module's docstring)."""
     where = f"--rollouts {path}"
     if family not in REQUIRED:
@@ -184,3 +202,31 @@ def check_tensors(path: str, family: str, tensors: dict) -> None:
         if len(set(tensors["generation"][start:start + c].tolist())) != 1:
             raise ConfigError(f"{where}: step {s}'s rows come from several generation batches: a step consumes one")
         start += c
+    check_sampler(where, tensors, sampler)
+
+
+def check_sampler(where: str, tensors: dict, sampler: dict) -> None:
+    """ConfigError in one line where the sampler's side is there in part, or does not describe the rows."""
+    given = [k for k in SAMPLER_TENSORS if k in tensors]
+    if not given and not sampler:
+        return
+    missing = [k for k in SAMPLER_TENSORS if k not in tensors] + [f"the sampler metadata's {k}" for k in SAMPLER_KEYS
+                                                                   if k not in sampler]
+    if missing:
+        raise ConfigError(f"{where} has a sampler side without {missing[0]}: it holds {', '.join(SAMPLER_TENSORS)} "
+                          f"and the metadata {', '.join(SAMPLER_KEYS)} (docs/sampler.md)")
+    if sampler["logprob_mode"] not in LOGPROB_MODES or sampler["dtype"] not in ("fp32", "bf16", "fp16") or \
+            not float(sampler["temperature"]) > 0:
+        raise ConfigError(f"{where}: the sampler's logprob_mode {sampler['logprob_mode']!r}, dtype {sampler['dtype']!r} "
+                          f"and temperature {sampler['temperature']!r} must be one of {', '.join(LOGPROB_MODES)}, one "
+                          f"of fp32, bf16, fp16, and positive")
+    scored = tensors["completion_mask"].bool() & torch.isfinite(tensors["sampler_logps"])
+    wrong = scored & (tensors["sampler_token_ids"] != tensors["input_ids"])
+    if bool(wrong.any()):
+        row, position = (int(i) for i in wrong.nonzero()[0])
+        raise ConfigError(f"{where}: the sampler's token ids do not match the rows (row {row}, position {position}: "
+                          f"{int(tensors['sampler_token_ids'][row, position])} against "
+                          f"{int(tensors['input_ids'][row, position])}): its log-probs belong to other sequences")
+    if not bool(scored.any()):
+        raise ConfigError(f"{where}: the sampler's log-probs are NaN at every completion token: nothing to judge")
+

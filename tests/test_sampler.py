@@ -1,0 +1,181 @@
+"""check_rollouts.py (docs/sampler.md): the sampler's log-probs of make_rollouts.py's real generation judged against the
+trainer's rescoring at the same weights, and the advantages against the estimator named — clean files PASS in fp32 and
+bf16, and each seeded fault FAILs naming its cause: log-probs before the temperature, top-p truncation, a weight sync
+that did not happen, the most likely token's log-prob, advantages under another estimator than the one declared.
+Seeded faults are files edited as the faulty sampler or trainer would have written them."""
+
+import json
+
+import pytest
+import torch
+
+from parity.commands.check_rollouts import main as check_rollouts
+from parity.commands.make_rollouts import main as make_rollouts
+from parity.objectives.rollouts import read_rollouts, write_rollouts
+from parity.rollout_check.advantages import ADVANTAGE_RTOL, recompute
+
+SHAPE = ["--steps", "2", "--prompts_per_step", "2", "--num_generations", "4", "--stop_token_ids", "0:2048:16",
+         "--threads", "1", "--temperature", "0.7"]
+
+
+@pytest.fixture(scope="module")
+def files(tiny_weights, tmp_path_factory):
+    """make_rollouts.py's GRPO files at temperature 0.7 from the tiny weights: clean (fp32 and bf16 samplers), and with
+    the raw logits' log-probs, top-p 0.9, the batch-scaled and RLOO advantages; `other` another seed's weights."""
+    from parity.models.model import build_model, resolve_model_config, save_init_weights
+
+    root = tmp_path_factory.mktemp("sampler")
+    variants = {"clean": [], "bf16": ["--sampler_dtype", "bf16"], "raw": ["--sampler_logprobs", "raw"],
+                "top_p": ["--top_p", "0.9"], "batch": ["--scale_rewards", "batch"],
+                "rloo": ["--advantage_estimator", "rloo"]}
+    paths = {name: str(root / f"{name}.safetensors") for name in variants}
+    for name, flags in variants.items():
+        assert make_rollouts(["--init_weights_path", tiny_weights, "--output", paths[name], *SHAPE, *flags]) == 0
+    paths["other"] = str(root / "other.pt")
+    save_init_weights(build_model(resolve_model_config("qwen2-tiny"), seed=7), paths["other"])
+    paths["root"] = root
+    return paths
+
+
+def judged(capsys, path, weights, *flags, output=None) -> tuple[int, dict, str]:
+    """check_rollouts.py on the file, as a user runs it: (exit code, its JSON verdict, its lines)."""
+    code = check_rollouts(["--rollouts", path, "--init_weights_path", weights, "--output", output or path + ".json",
+                           *flags])
+    out = capsys.readouterr()
+    if code == 2:
+        return code, {}, out.err
+    return code, json.loads(open(output or path + ".json").read()), out.out
+
+
+def edited(source: str, target: str, tensors: dict = None, settings: dict = None, sampler: dict = None,
+           foreign: bool = False) -> str:
+    """A copy of rollout file `source` with some tensors, writer settings or sampler settings replaced; `foreign`:
+    written as another framework would, without the harness's writer (which checks what it writes)."""
+    from safetensors.torch import save_file
+
+    from parity.objectives.rollouts import FORMAT
+
+    f = read_rollouts(source)
+    tensors, settings, sampler = {**f.tensors, **(tensors or {})}, {**f.generation_settings, **(settings or {})}, \
+        {**f.sampler, **(sampler or {})}
+    if not foreign:
+        write_rollouts(target, f.family, tensors, f.describe, settings, sampler)
+        return target
+    save_file({k: v.contiguous() for k, v in tensors.items()}, target,
+              metadata={"format": FORMAT, "family": f.family, "describe": f.describe,
+                        "generation": json.dumps(settings), "sampler": json.dumps(sampler)})
+    return target
+
+
+def test_a_clean_sampler_passes_in_fp32_and_bf16(files, tiny_weights, capsys):
+    """The sampler's own log-probs at the rescored weights: within NOISE_K × the trainer's own decoding noise, with
+    margin; the bf16 sampler against the bf16 noise, the advantages (GRPO's group scaling) to fp32 rounding."""
+    for name, worst in (("clean", 0.2), ("bf16", 0.2)):
+        code, verdict, out = judged(capsys, files[name], tiny_weights)
+        sampler = verdict["sampler"]
+        assert code == 0 and sampler["verdict"] == "PASS" and out.splitlines()[-1] == "VERDICT: PASS", out
+        assert max(sampler["margins"].values()) < worst, sampler["margins"]
+        assert sampler["tokens"] == int(read_rollouts(files[name]).tensors["completion_mask"].sum())
+        assert verdict["advantages"]["verdict"] == "PASS" and verdict["advantages"]["max_deviation"] < ADVANTAGE_RTOL
+    bf16 = judged(capsys, files["bf16"], tiny_weights)[1]["sampler"]
+    fp32 = judged(capsys, files["clean"], tiny_weights)[1]["sampler"]
+    assert bf16["statistics"]["mean_abs"] > 100 * fp32["statistics"]["mean_abs"]  # bf16's rounding, measured
+    assert bf16["bounds"]["mean_abs"] > 100 * fp32["bounds"]["mean_abs"]
+
+
+def test_log_probs_before_the_temperature_fail_naming_it(files, tiny_weights, capsys):
+    code, verdict, out = judged(capsys, files["raw"], tiny_weights)
+    sampler = verdict["sampler"]
+    assert code == 1 and sampler["verdict"] == "FAIL"
+    assert sampler["statistics"]["mean_abs"] > 100 * sampler["bounds"]["mean_abs"]
+    assert sampler["cause"].startswith("the sampler's log-probs are taken before the temperature (0.7)")
+    assert "  cause: the sampler's log-probs are taken before the temperature" in out
+
+
+def test_top_p_truncation_fails_with_the_gap_of_the_kept_mass(files, tiny_weights, capsys):
+    """Log-probs renormalised over the top-p tokens: every gap is −log of the kept mass, positive, the same sign."""
+    code, verdict, _ = judged(capsys, files["top_p"], tiny_weights)
+    sampler = verdict["sampler"]
+    assert code == 1 and sampler["cause"].startswith("the sampler renormalised its log-probs over the tokens")
+    assert 0 < sampler["signed_mean"] <= -torch.log(torch.tensor(0.9)).item() + 1e-3
+    assert sampler["signed_mean"] == pytest.approx(sampler["statistics"]["mean_abs"])
+
+
+def test_a_weight_sync_that_did_not_happen_fails_naming_the_weights(files, tiny_weights, capsys):
+    """The second generation batch declared sampled at step 1's weights but sampled at step 0's; the same rows
+    sampled at the weights declared PASS (each version's rows rescored by its own model)."""
+    f = read_rollouts(files["clean"])
+    second = f.tensors["generation"] == 1
+    declared = edited(files["clean"], str(files["root"] / "unsynced.safetensors"),
+                      {"sampler_weights_step": second.long()})
+    code, verdict, _ = judged(capsys, declared, tiny_weights, "--weights", f"1={files['other']}")
+    assert code == 1 and verdict["sampler"]["cause"] == (
+        "the rows declared sampled at step 1's weights were sampled at step 0's: a weight sync that did not happen")
+    assert verdict["sampler"]["first_outside"]["row"] == int(second.nonzero()[0])
+    everything_at_1 = edited(files["clean"], str(files["root"] / "at_1.safetensors"),
+                             {"sampler_weights_step": torch.ones_like(f.tensors["sampler_weights_step"])})
+    code, verdict, _ = judged(capsys, everything_at_1, files["other"], "--weights", f"1={tiny_weights}")
+    assert code == 0 and verdict["sampler"]["verdict"] == "PASS"
+
+
+def test_the_most_likely_tokens_log_prob_fails_naming_it(files, tiny_weights, capsys):
+    """A sampler that reports, at each position, the log-prob of its most likely token (the first entry of a top-k
+    list) instead of the token it sampled."""
+    from parity.models.model import build_model, load_init_weights, resolve_model_config
+
+    f = read_rollouts(files["clean"])
+    ids, real = f.tensors["input_ids"], f.tensors["attention_mask"]
+    model = build_model(resolve_model_config("qwen2-tiny"), 0).eval()
+    load_init_weights(model, tiny_weights)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=real).logits.float()[:, :-1]
+    top = (logits / 0.7).log_softmax(-1).max(-1).values
+    wrong = torch.cat([torch.zeros(len(ids), 1), top], 1) * f.tensors["completion_mask"]
+    path = edited(files["clean"], str(files["root"] / "top1.safetensors"), {"sampler_logps": wrong})
+    code, verdict, _ = judged(capsys, path, tiny_weights)
+    assert code == 1 and verdict["sampler"]["cause"] == (
+        "the sampler reported the most likely token's log-prob, not the sampled token's")
+
+
+def test_advantages_of_another_estimator_fail_naming_it(files, tiny_weights, capsys):
+    """Batch-scaled advantages in a file that declares group scaling, and unscaled ones: FAIL, naming the estimator
+    that computed them; RLOO's declared as such PASS."""
+    batch = edited(files["batch"], str(files["root"] / "batch_as_group.safetensors"), settings={"scale_rewards": "group"})
+    code, verdict, out = judged(capsys, batch, tiny_weights)
+    assert code == 1 and verdict["sampler"]["verdict"] == "PASS"
+    advantages = verdict["advantages"]
+    assert (advantages["verdict"], advantages["estimator"], advantages["matches"]) == ("FAIL", "group", ["batch"])
+    assert "they are the batch estimator's advantages, not the declared group's" in out
+    f = read_rollouts(files["clean"])
+    unscaled = recompute("none", f.tensors["rewards"], f.tensors["group"], f.tensors["generation"]).float()
+    path = edited(files["clean"], str(files["root"] / "none_as_group.safetensors"), {"advantages": unscaled})
+    advantages = judged(capsys, path, tiny_weights)[1]["advantages"]
+    assert advantages["verdict"] == "FAIL" and "none" in advantages["matches"]
+    code, verdict, _ = judged(capsys, files["rloo"], tiny_weights)
+    assert code == 0 and verdict["advantages"]["estimator"] == "rloo" and verdict["advantages"]["verdict"] == "PASS"
+
+
+def test_bad_input_is_one_line(files, tiny_weights, capsys):
+    """A file with nothing to judge, token ids of other sequences, a dtype no replay runs, missing weights."""
+    f = read_rollouts(files["clean"])
+    bare = {k: v for k, v in f.tensors.items() if not k.startswith("sampler_") and k != "rewards"}
+    root = files["root"]
+    write_rollouts(str(root / "bare.safetensors"), "grpo", bare, f.describe, {})
+    shifted = f.tensors["sampler_token_ids"].clone()
+    shifted[f.tensors["completion_mask"].bool()] += 1
+    cases = [
+        (str(root / "bare.safetensors"), [], "holds neither the sampler's log-probs (sampler_logps, docs/sampler.md) "
+                                             "nor GRPO rewards with an estimator named in its settings: nothing to judge"),
+        (edited(files["clean"], str(root / "ids.safetensors"), {"sampler_token_ids": shifted}, foreign=True), [],
+         "the sampler's token ids do not match the rows (row 0, position"),
+        (edited(files["clean"], str(root / "fp8.safetensors"), sampler={"dtype": "fp8"}, foreign=True), [],
+         "dtype 'fp8'"),
+        (files["clean"], ["--weights", "1"], "--weights 1: give STEP=FILE"),
+    ]
+    for path, flags, line in cases:
+        code, _, err = judged(capsys, path, tiny_weights, *flags)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and line in err, err
+    at_3 = edited(files["clean"], str(root / "at_3.safetensors"),
+                  {"sampler_weights_step": torch.full_like(f.tensors["sampler_weights_step"], 3)})
+    code, _, err = judged(capsys, at_3, tiny_weights)
+    assert code == 2 and "rows were sampled with the weights of step 3: pass --weights 3=FILE" in err
