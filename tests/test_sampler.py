@@ -5,10 +5,14 @@ that did not happen, the most likely token's log-prob, advantages under another 
 Seeded faults are files edited as the faulty sampler or trainer would have written them."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import REPO, kernel_setting
 from parity.commands.check_rollouts import main as check_rollouts
 from parity.commands.make_rollouts import main as make_rollouts
 from parity.objectives.rollouts import read_rollouts, write_rollouts
@@ -179,3 +183,18 @@ def test_bad_input_is_one_line(files, tiny_weights, capsys):
                   {"sampler_weights_step": torch.full_like(f.tensors["sampler_weights_step"], 3)})
     code, _, err = judged(capsys, at_3, tiny_weights)
     assert code == 2 and "rows were sampled with the weights of step 3: pass --weights 3=FILE" in err
+
+
+def test_files_sampled_here_pass_judged_under_other_kernels(files, tiny_weights, tmp_path):
+    """check_rollouts.py as a process under the perturbed kernel setting (conftest.PERTURBED: MKL's compatible fp32 path,
+    oneDNN's AVX512_CORE bf16 kernels, one thread), as another machine judges files sampled on this one: both samplers
+    PASS, with margin."""
+    for name in ("clean", "bf16"):
+        output = tmp_path / f"{name}.json"
+        with kernel_setting():
+            proc = subprocess.run([sys.executable, os.path.join(REPO, "check_rollouts.py"), "--rollouts", files[name],
+                                   "--init_weights_path", tiny_weights, "--output", str(output)],
+                                  capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        sampler = json.loads(output.read_text())["sampler"]
+        assert sampler["verdict"] == "PASS" and max(sampler["margins"].values()) < 0.5, sampler["margins"]
