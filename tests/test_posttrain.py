@@ -84,15 +84,14 @@ def runs(tiny_weights, posttrain_rollouts, tmp_path_factory) -> dict:
 def _swapped_pairs(path: str, root) -> str:
     """A copy of the DPO rollout file with each pair's chosen and rejected rows swapped (a collator's bug: every
     preference reversed, so every reward margin negated)."""
-    from safetensors.torch import load_file
+    from parity.objectives.rollouts import read_rollouts, write_rollouts
 
-    from parity.objectives.rollouts import write_rollouts
-
-    tensors = load_file(path)
-    rows = len(tensors["input_ids"])
+    f = read_rollouts(path)
+    rows = len(f.tensors["input_ids"])
     order = [i ^ 1 for i in range(rows)]
-    swapped = {k: v if k == "step_rows" else v[order] for k, v in tensors.items()}
-    write_rollouts(str(root / "dpo_swapped.safetensors"), "dpo", swapped, "the DPO file, each pair swapped", {})
+    swapped = {k: v if k == "step_rows" else v[order] for k, v in f.tensors.items()}
+    write_rollouts(str(root / "dpo_swapped.safetensors"), "dpo", swapped, "the DPO file, each pair swapped", {},
+                   f.sampler)
     return str(root / "dpo_swapped.safetensors")
 
 
@@ -242,17 +241,15 @@ REFUSED = [  # (flags beyond a dapo run on the GRPO file, what the one line says
 def test_what_the_reference_cannot_compute_is_refused_in_one_line(tiny_weights, posttrain_rollouts, tmp_path, capsys,
                                                                   flags, line):
     """Before any worker starts: one line naming the problem, exit 2."""
-    from safetensors.torch import load_file
-
     from conftest import to_argv
     from parity.commands.train import main as train
-    from parity.objectives.rollouts import write_rollouts
+    from parity.objectives.rollouts import read_rollouts, write_rollouts
 
     if flags.get("rollouts") == "no_ref":  # the GRPO file without its reference log-probs
-        tensors = load_file(posttrain_rollouts["grpo"])
-        del tensors["ref_logps"]
+        f = read_rollouts(posttrain_rollouts["grpo"])
+        tensors = {k: v for k, v in f.tensors.items() if k != "ref_logps"}
         flags["rollouts"] = str(tmp_path / "no_ref.safetensors")
-        write_rollouts(flags["rollouts"], "grpo", tensors, "without ref_logps", {})
+        write_rollouts(flags["rollouts"], "grpo", tensors, "without ref_logps", {}, f.sampler)
     values = {**RUN, **DAPO, **DP2, "rollouts": posttrain_rollouts["grpo"], "init_weights_path": tiny_weights,
               "loss_output_dir": tmp_path, "storage_path": tmp_path, "objective_args": None, "device": "cpu", **flags}
     assert train("ddp", argv=to_argv({k: v for k, v in values.items() if k != "objective_args"})
