@@ -16,6 +16,7 @@ plot_loss_curves.py's main on the folder.
 
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -380,3 +381,42 @@ def test_a_perturbed_twin_trains_the_same_model_in_another_arithmetic(folders):
             assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
         moved = max(moved, abs(b["grad_norm"] - a["grad_norm"]) / a["grad_norm"])
     assert 0 < moved < 1e-6, moved
+
+
+def _settings_then_train(group: dict) -> dict | None:
+    """A local rank's worker: the CUDA settings it starts with, written beside its run's record, then the training."""
+    import torch
+    import torch.distributed as dist
+
+    from parity.training.loop import train_group_worker
+
+    settings = {"deterministic": torch.are_deterministic_algorithms_enabled(),
+                "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+                "bf16_reduced": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+                "fp16_reduced": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+                "tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+                "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+    folder = group["runs"][0]["cfg"]["loss_output_dir"]
+    with open(os.path.join(folder, f"settings_{dist.get_rank()}.json"), "w") as f:
+        json.dump(settings, f)
+    return train_group_worker(group)
+
+
+def test_the_cuda_kernel_path_sets_every_rank_and_leaves_cpu_kernels_alone(folders, weights, tmp_path):
+    """verify_trainer.py's kernel reference of a CUDA replay (local_group.NOISE_KERNELS["cuda"]) starts each rank with
+    deterministic algorithms (warning where an op has none), bf16/fp16 products reduced in fp32 alone, TF32 off and
+    cuBLAS's deterministic workspace. On CPU it is the run it would be without them, bit for bit: the fp32 baseline."""
+    from parity.driver.local_group import NOISE_KERNELS, launch_local
+
+    cfg, batches = plan("ddp", {"model_name": "qwen2-tiny", **SETTING, "seed": SEED, "init_weights_path": weights,
+                                "loss_output_dir": tmp_path, "storage_path": tmp_path / "ray", **BASELINE,
+                                "precision": "fp32", "debug_steps": FP32_STEPS})
+    launch_local([cfg], [{"batches": batches}], worker=_settings_then_train, kernel=NOISE_KERNELS["cuda"])
+    for rank in range(cfg.num_workers):
+        assert json.loads((tmp_path / f"settings_{rank}.json").read_text()) == {
+            "deterministic": True, "deterministic_warn_only": True, "bf16_reduced": False, "fp16_reduced": False,
+            "tf32": False, "cudnn_tf32": False, "cublas_workspace": ":4096:8"}
+    ran = json.loads((tmp_path / "loss_ddp.json").read_text())["steps"]
+    base = json.loads((folders / "fp32" / "loss_ddp.json").read_text())["steps"]
+    assert [[s[k] for k in ("loss", "grad_norm", "param_norm")] for s in ran] == \
+        [[s[k] for k in ("loss", "grad_norm", "param_norm")] for s in base]

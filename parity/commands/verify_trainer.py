@@ -258,8 +258,8 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     first: fewer processes on a CPU; then more, fed rows cut at document boundaries beyond the rows a step holds) whose
     arithmetic differs from the replay's (`gradient_sums`: a count that feeds the same micro-batches summed alike,
     as fed rows regrouped whole from two ranks onto one, trains the replay bit for bit and measures no noise), for a
-    low-precision run in fp32 at the replay's own, and on CPU at the replay's own under other kernels
-    (kernel_reference)."""
+    low-precision run in fp32 at the replay's own, and at the replay's own under other kernels (on CPU other MKL and
+    oneDNN paths, on CUDA deterministic algorithms and fp32 reductions: local_group.NOISE_KERNELS)."""
     import dataclasses
     import itertools
 
@@ -313,19 +313,10 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
               f"micro-batches or sums: no noise reference at another layout", file=sys.stderr)
     if config["precision"] != "fp32":
         planned.append(plan(workers, noise_reference=True, precision="fp32"))
-    if device == "cpu":  # (CUDA's counterparts — deterministic algorithms, TF32 — are not taken yet)
-        planned.append(kernel_reference(plan(workers, noise_reference=True,
-                                             experiment_name=f"ddp_dp{workers}_{NOISE_KERNELS}_noise_reference")))
+    kernels = NOISE_KERNELS[device]  # the noise another CPU kind or GPU brings, measured on this machine
+    cfg, batches = plan(workers, noise_reference=True, experiment_name=f"ddp_dp{workers}_{kernels}_noise_reference")
+    planned.append((dataclasses.replace(cfg, noise_kernels=kernels), batches))
     return planned
-
-
-def kernel_reference(planned: tuple) -> tuple:
-    """A noise reference planned at the replay's own layout, made the one that trains under other CPU kernels
-    (local_group.NOISE_KERNELS: the noise another CPU kind or a GPU brings, measured on this machine)."""
-    import dataclasses
-
-    cfg, batches = planned
-    return dataclasses.replace(cfg, noise_kernels=NOISE_KERNELS), batches
 
 
 def split_line(config: dict, rows: int) -> None:

@@ -50,9 +50,13 @@ KERNEL_PATHS = {
     # moves nothing on AMD, where MKL takes one path) and oneDNN's AVX2 one — the noise another CPU kind brings; as a
     # noise reference's (NOISE_KERNELS), each variable flipped against this process's: set, or unset where it is so
     "other_kernels": {"MKL_CBWR": "COMPATIBLE", ISA_ENV: "AVX2"},
+    # a CUDA group's other kernels (other_cuda_kernels, read by its ranks): cuBLAS's deterministic algorithms (the
+    # workspace they need set before CUDA starts), bf16/fp16 products reduced in fp32 only, TF32 off
+    "other_cuda_kernels": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PARITY_OTHER_CUDA_KERNELS": "1"},
 }
 PORT_TAKEN = "EADDRINUSE"  # rank 0's store could not listen on the group's port
-NOISE_KERNELS = "other_kernels"  # the kernel path of a noise reference at the baseline's own layout (noise_kernels)
+NOISE_KERNELS = {"cpu": "other_kernels", "cuda": "other_cuda_kernels"}  # by device: the kernel path of a noise
+# reference at the baseline's own layout (noise_kernels)
 
 
 # What every rank imports, imported once in the forkserver (an import that fails there is left to the rank). Not the
@@ -164,7 +168,7 @@ def kernel_environment(kernel: str) -> dict[str, str]:
     is (a replay runs on the kernels its command ran on, ONEDNN_MAX_CPU_ISA and MKL_CBWR included)."""
     if kernel == "default":
         return dict(os.environ)
-    if kernel == NOISE_KERNELS:  # other kernels than this process's: each variable set, or unset where it is set so
+    if kernel == NOISE_KERNELS["cpu"]:  # other kernels than this process's: each variable set, or unset where it is set so
         other = {k: v for k, v in KERNEL_PATHS[kernel].items() if os.environ.get(k) != v}
         return {**{k: v for k, v in os.environ.items() if k not in KERNEL_PATHS[kernel]}, **other}
     names = {k for env in KERNEL_PATHS.values() for k in env}
@@ -202,6 +206,8 @@ def _rank(rank: int, world: int, port: int, worker, group: dict, where: tuple = 
 
     if os.environ.get("PARITY_DISABLE_ONEDNN"):
         torch.backends.mkldnn.enabled = False
+    if os.environ.get("PARITY_OTHER_CUDA_KERNELS"):
+        other_cuda_kernels()
     backend, gpu = where
     # LOCAL_RANK is the rank's GPU (what DeviceMesh sets as the device when none is set): cuda:0 for every rank
     # under the testing switch, which sets it here first
@@ -218,6 +224,21 @@ def _rank(rank: int, world: int, port: int, worker, group: dict, where: tuple = 
     _leave_together(store, rank, world)
     if stopped:
         raise TrainingFailed(stopped)
+
+
+def other_cuda_kernels() -> None:
+    """A rank of the CUDA kernel path's group (KERNEL_PATHS' other_cuda_kernels) takes other kernels than a run's
+    defaults before its first product, as another GPU or another user's settings would: deterministic algorithms
+    (cuBLAS without split reductions in atomics; an op that has none warns and runs as it is), the reductions inside
+    bf16 and fp16 matrix products in fp32 alone, TF32 off for products and convolutions. The noise a GPU's kernels
+    bring, measured by one more reference (docs/tolerances.md#every-machine-the-clean-matrix); CPU kernels read none of it."""
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def _leave_together(store, rank: int, world: int) -> None:
