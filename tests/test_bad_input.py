@@ -341,6 +341,13 @@ CASES = [
      r"--keep_checkpoints must be an integer >= 0 \(got -2\)"),
     ("max failures", "ddp", train_flags(max_failures=-2), {},
      r"--max_failures must be -1 \(no limit\) or an integer >= 0 \(got -2\)"),
+    # --- make_rollouts.py and check_rollouts.py --------------------------------------------------------------
+    ("rollouts output", "make_rollouts",
+     ["--init_weights_path", "{d}/" + SAVED_WEIGHTS, "--output", "{d}/loss/loss_ddp.json/r.st"], {}, r"--output .*/loss/loss_ddp.json is not a writable directory \(it is a file\): choose a directory you can "
+         r"write to"),
+    ("rollouts to judge", "check_rollouts",
+     ["--rollouts", "{d}/r.safetensors", "--init_weights_path", "{d}/" + SAVED_WEIGHTS], {},
+     r"--rollouts .*/r.safetensors: no such file: write one with make_rollouts.py"),
     # --- check_context_parallel.py --------------------------------------------------------------------------
     ("cp size", "context_parallel", ["--cp_size", "1"], {},
      r"--cp_size 1: context parallelism splits the sequence over at least 2 ranks: use --cp_size 2 or more"),
@@ -353,10 +360,12 @@ CASES = [
 
 
 def command_main(command: str):
-    from parity.commands import compare_curves, compare_layers, context_parallel, layer_check, main_job, train
+    from parity.commands import (check_rollouts, compare_curves, compare_layers, context_parallel, layer_check, main_job,
+                                 make_rollouts, train)
 
     return {"plot": compare_curves.main, "compare_dumps": compare_layers.main, "run_verification": layer_check.main,
-            "main": main_job.main, "context_parallel": context_parallel.main}.get(command) or (lambda argv: train.main(command, argv=argv))
+            "main": main_job.main, "context_parallel": context_parallel.main, "make_rollouts": make_rollouts.main,
+            "check_rollouts": check_rollouts.main}.get(command) or (lambda argv: train.main(command, argv=argv))
 
 
 def snapshot(root) -> dict:

@@ -160,7 +160,8 @@ def test_advantages_of_another_estimator_fail_naming_it(files, tiny_weights, cap
 
 
 def test_bad_input_is_one_line(files, tiny_weights, capsys):
-    """A file with nothing to judge, token ids of other sequences, a dtype no replay runs, missing weights."""
+    """A file with nothing to judge, token ids of other sequences, a dtype no replay runs, missing weights, an output
+    that cannot be written (said before any rescoring)."""
     f = read_rollouts(files["clean"])
     bare = {k: v for k, v in f.tensors.items() if not k.startswith("sampler_") and k != "rewards"}
     root = files["root"]
@@ -175,6 +176,8 @@ def test_bad_input_is_one_line(files, tiny_weights, capsys):
         (edited(files["clean"], str(root / "fp8.safetensors"), sampler={"dtype": "fp8"}, foreign=True), [],
          "dtype 'fp8'"),
         (files["clean"], ["--weights", "1"], "--weights 1: give STEP=FILE"),
+        (files["clean"], ["--output", str(root / "bare.safetensors" / "verdict.json")],
+         f"--output {root / 'bare.safetensors'} is not a writable directory (it is a file)"),
     ]
     for path, flags, line in cases:
         code, _, err = judged(capsys, path, tiny_weights, *flags)

@@ -44,6 +44,8 @@ def check(a) -> int:
     from parity.objectives.rollouts import read_rollouts
     from parity.rollout_check import advantages, sampler
 
+    if a.output:
+        storage.check_writable_dir("--output", storage.parent(storage.absolute(a.output)))
     rollouts = read_rollouts(a.rollouts)
     t = rollouts.tensors
     estimator = advantages.declared_estimator(rollouts.generation_settings)

@@ -186,6 +186,7 @@ def make(a: argparse.Namespace) -> str:
             raise ConfigError(f"--{name} must be a positive integer (got {getattr(a, name)})")
     if a.family == "grpo" and a.num_generations < 2:
         raise ConfigError("--num_generations must be at least 2: a group's advantages compare its completions")
+    storage.check_writable_dir("--output", storage.parent(storage.absolute(a.output)))
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
     if not a.temperature > 0:
