@@ -343,8 +343,8 @@ CASES = [
      r"--max_failures must be -1 \(no limit\) or an integer >= 0 \(got -2\)"),
     # --- make_rollouts.py and check_rollouts.py --------------------------------------------------------------
     ("rollouts output", "make_rollouts",
-     ["--init_weights_path", "{d}/" + SAVED_WEIGHTS, "--output", "{d}/loss/loss_ddp.json/r.st"], {}, r"--output .*/loss/loss_ddp.json is not a writable directory \(it is a file\): choose a directory you can "
-         r"write to"),
+     ["--init_weights_path", "{d}/" + SAVED_WEIGHTS, "--output", "{d}/loss/loss_ddp.json/r.st"], {},
+     r"--output .*/loss/loss_ddp.json is not a writable directory \(it is a file\): choose a directory you can write to"),
     ("rollouts to judge", "check_rollouts",
      ["--rollouts", "{d}/r.safetensors", "--init_weights_path", "{d}/" + SAVED_WEIGHTS], {},
      r"--rollouts .*/r.safetensors: no such file: write one with make_rollouts.py"),
