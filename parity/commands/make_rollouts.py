@@ -76,9 +76,9 @@ def token_logps(model, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(len(ids), 1), logps], 1) * real
 
 
-def build_rows(sampler, a, stops, vocab: int) -> tuple[list, list]:
+def build_rows(sample, a, stops, vocab: int) -> tuple[list, list]:
     """Every step's rows: (prompt, completion, truncated, sampler log-probs, reward, group, generation) each, GRPO
-    groups or DPO pairs."""
+    groups or DPO pairs; `sample(prompt, count, seed)` gives a group's completions."""
     rng = torch.Generator().manual_seed(a.seed)
     allowed = torch.tensor([t for t in range(vocab) if t not in set(stops)])
     steps, group = [], 0
@@ -88,7 +88,7 @@ def build_rows(sampler, a, stops, vocab: int) -> tuple[list, list]:
             length = int(torch.randint(a.prompt_length // 2, a.prompt_length + 1, (1,), generator=rng))
             prompt = allowed[torch.randint(len(allowed), (max(length, 1),), generator=rng)]
             count = a.num_generations if a.family == "grpo" else 2
-            sampled = sample_group(sampler, prompt, count, a, stops, a.seed * 1_000_003 + group)
+            sampled = sample(prompt, count, a.seed * 1_000_003 + group)
             rewards = [reward_of(a.reward, c, a.max_completion_length) for c, *_ in sampled]
             order = range(count) if a.family == "grpo" else sorted(range(2), key=lambda i: -rewards[i])
             rows += [(prompt, *sampled[i], rewards[i], group, step // a.steps_per_generation) for i in order]
@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top_p", type=float, default=1.0, help="... the most likely tokens holding this mass")
     p.add_argument("--min_p", type=float, default=0.0, help="... the tokens at least this × the most likely's "
                                                             "probability")
+    p.add_argument("--sampler", choices=("transformers", "vllm"), default="transformers",
+                   help="what samples the completions: transformers' generate, or vLLM (installed apart: "
+                        "docs/sampler.md#vllm)")
     p.add_argument("--sampler_dtype", choices=("fp32", "bf16"), default="fp32",
                    help="the sampler's weights and arithmetic (the file's π_old and π_ref stay fp32)")
     p.add_argument("--sampler_logprobs", choices=("processed", "raw"), default="processed",
@@ -173,6 +176,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's own; 1 is "
                                                               "fastest for a tiny model on shared cores)")
     return p
+
+
+def sampler_of(a: argparse.Namespace, model, config, stops: list[int]):
+    """(sample(prompt, count, seed) → a group's completions, the engine's version) for --sampler: transformers'
+    generate on the model (in --sampler_dtype), or vLLM on a Hugging Face folder of its weights
+    (parity/frameworks/vllm/sampler.py)."""
+    if a.sampler == "transformers":
+        import transformers
+
+        sampler = model if a.sampler_dtype == "fp32" else copy.deepcopy(model).to(torch.bfloat16)
+        return (lambda prompt, count, seed: sample_group(sampler, prompt, count, a, stops, seed)), \
+            transformers.__version__
+    import tempfile
+
+    from parity.frameworks.vllm.sampler import VLLMSampler, version
+    from parity.models.model import save_hf_checkpoint
+
+    engine_version = version()
+    folder = tempfile.mkdtemp(prefix="parity_vllm_model_")
+    save_hf_checkpoint(dict(model.state_dict()), config, folder)
+    engine = VLLMSampler(folder, a.sampler_dtype, a.sampler_logprobs, a.prompt_length + a.max_completion_length,
+                         a.seed)
+    return (lambda prompt, count, seed: engine.sample(prompt.tolist(), count, a, stops, seed)), engine_version
 
 
 def make(a: argparse.Namespace) -> str:
@@ -187,6 +213,10 @@ def make(a: argparse.Namespace) -> str:
     if a.family == "grpo" and a.num_generations < 2:
         raise ConfigError("--num_generations must be at least 2: a group's advantages compare its completions")
     storage.check_writable_dir("--output", storage.parent(storage.absolute(a.output)))
+    if a.sampler == "vllm":  # before anything is written
+        from parity.frameworks.vllm.sampler import version
+
+        version()
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
     if not a.temperature > 0:
@@ -206,16 +236,14 @@ def make(a: argparse.Namespace) -> str:
     if not 0 < a.top_p <= 1 or a.top_k < 0 or not 0 <= a.min_p < 1:
         raise ConfigError(f"--top_p {a.top_p}, --top_k {a.top_k}, --min_p {a.min_p}: top_p in (0, 1], top_k ≥ 0 "
                           f"(0: off), min_p in [0, 1)")
-    sampler = model if a.sampler_dtype == "fp32" else copy.deepcopy(model).to(torch.bfloat16)
-    steps, _ = build_rows(sampler, a, stops, config.vocab_size)
+    sample, engine_version = sampler_of(a, model, config, stops)
+    steps, _ = build_rows(sample, a, stops, config.vocab_size)
     tensors = tensors_of(model, reference, steps, a)
     rows = tensors["step_rows"].tolist()
     describe = (f"{a.family} rollouts of {a.model_name} ({len(rows)} steps × {rows[0]} rows, completions up to "
                 f"{a.max_completion_length} tokens, reward {a.reward}, seed {a.seed})")
-    import transformers
-
     write_rollouts(a.output, a.family, tensors, describe, {k: v for k, v in vars(a).items() if k != "output"},
-                   {"engine": "transformers", "version": transformers.__version__, "dtype": a.sampler_dtype,
+                   {"engine": a.sampler, "version": engine_version, "dtype": a.sampler_dtype,
                     "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "min_p": a.min_p,
                     "logprob_mode": a.sampler_logprobs})
     truncated = int(tensors["truncated"].sum())

@@ -241,7 +241,8 @@ def recorded(out: str, name: str) -> list[str]:
 
         frameworks = registered()
         hints = "".join(f"; {hint}" for f in frameworks if f.install_hint and (hint := f.install_hint()))
-        raise ConfigError(f"the command ran but recorded nothing into {out}: {', '.join(f.records for f in frameworks)} "
+        recording = ", ".join(f.records for f in frameworks if f.records)
+        raise ConfigError(f"the command ran but recorded nothing into {out}: {recording} "
                           f"are recorded by themselves (in Python processes the command starts), a loop of your own "
                           f"makes a ParityRecorder (docs/own_trainer.md); a recorder that refused says why above{hints}")
     from parity.training.record import load_record

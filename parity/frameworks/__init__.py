@@ -3,7 +3,8 @@ that knows that framework's classes, and is the only code of the house that impo
 
 A framework enters as a room plus one line of FRAMEWORKS. Its package's `FRAMEWORK` says what the harness asks of
 every framework, and imports nothing of it until asked:
-- `records`: what it records by itself under verify_trainer.py, in words (the line of a command that recorded nothing);
+- `records`: what it records by itself under verify_trainer.py, in words (the line of a command that recorded nothing),
+  or None for what records nothing by itself (vLLM, a sampler);
 - `install`: the hook that attaches its recorder where the framework builds its trainer, installed in every Python
   process of a command verify_trainer.py runs (sitehook/sitecustomize.py), or None where the framework loads the
   recorder itself (Lightning's callbacks entry point);
@@ -21,13 +22,14 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-FRAMEWORKS = ("transformers", "lightning", "trl", "torchtitan")  # the registry: each a room under parity/frameworks/
+FRAMEWORKS = ("transformers", "lightning", "trl", "torchtitan", "vllm")  # the registry: each a room under
+# parity/frameworks/
 
 
 @dataclass(frozen=True)
 class Framework:
     name: str
-    records: str
+    records: str | None
     install: Callable[[], None] | None = None
     command_refusal: Callable[[list[str]], str | None] | None = None
     install_hint: Callable[[], str] | None = None

