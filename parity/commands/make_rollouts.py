@@ -68,14 +68,6 @@ def sample_group(sampler, prompt: torch.Tensor, count: int, a: argparse.Namespac
     return completions
 
 
-@torch.no_grad()
-def token_logps(model, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """log π of each token at its own position (0 at position 0 and on padding), fp32."""
-    logits = model(input_ids=ids, attention_mask=real).logits.float()
-    logps = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros(len(ids), 1), logps], 1) * real
-
-
 def build_rows(sample, a, stops, vocab: int) -> tuple[list, list]:
     """Every step's rows: (prompt, completion, truncated, sampler log-probs, reward, group, generation) each, GRPO
     groups or DPO pairs; `sample(prompt, count, seed)` gives a group's completions."""
@@ -100,6 +92,7 @@ def build_rows(sample, a, stops, vocab: int) -> tuple[list, list]:
 def tensors_of(model, reference, steps: list, a) -> dict:
     """The file's tensors (the schema) from the sampled rows."""
     from parity.rollout_check.advantages import recompute
+    from parity.rollout_check.sampler import logps_of
 
     flat = [r for rows in steps for r in rows]
     width = max(len(p) + len(c) for p, c, *_ in flat)
@@ -116,14 +109,14 @@ def tensors_of(model, reference, steps: list, a) -> dict:
                "truncated": torch.tensor([int(r[2]) for r in flat]), "group": torch.tensor([r[5] for r in flat]),
                "generation": torch.tensor([r[6] for r in flat]),
                "step_rows": torch.tensor([len(rows) for rows in steps]),
-               "ref_logps": token_logps(reference, ids, real) * completion,
+               "ref_logps": logps_of(reference, ids, real, 1.0) * completion,
                "sampler_logps": sampled, "sampler_token_ids": torch.where(completion.bool(), ids, -1),
                "sampler_weights_step": torch.zeros(len(flat), dtype=torch.long)}  # every row from the initial weights
     if a.family == "grpo":
         tensors["rewards"] = torch.tensor([r[4] for r in flat], dtype=torch.float32)
         tensors["advantages"] = recompute(estimator(a), tensors["rewards"], tensors["group"],
                                           tensors["generation"]).float()
-        tensors["old_logps"] = token_logps(model, ids, real) * completion
+        tensors["old_logps"] = logps_of(model, ids, real, 1.0) * completion
     return tensors
 
 
@@ -194,10 +187,10 @@ def sampler_of(a: argparse.Namespace, model, config, stops: list[int]):
     from parity.models.model import save_hf_checkpoint
 
     engine_version = version()
-    folder = tempfile.mkdtemp(prefix="parity_vllm_model_")
-    save_hf_checkpoint(dict(model.state_dict()), config, folder)
-    engine = VLLMSampler(folder, a.sampler_dtype, a.sampler_logprobs, a.prompt_length + a.max_completion_length,
-                         a.seed)
+    with tempfile.TemporaryDirectory(prefix="parity_vllm_model_") as folder:  # read once, as vLLM loads it
+        save_hf_checkpoint(dict(model.state_dict()), config, folder)
+        engine = VLLMSampler(folder, a.sampler_dtype, a.sampler_logprobs, a.prompt_length + a.max_completion_length,
+                             a.seed)
     return (lambda prompt, count, seed: engine.sample(prompt.tolist(), count, a, stops, seed)), engine_version
 
 

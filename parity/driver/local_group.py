@@ -168,7 +168,7 @@ def kernel_environment(kernel: str) -> dict[str, str]:
     is (a replay runs on the kernels its command ran on, ONEDNN_MAX_CPU_ISA and MKL_CBWR included)."""
     if kernel == "default":
         return dict(os.environ)
-    if kernel == NOISE_KERNELS["cpu"]:  # other kernels than this process's: each variable set, or unset where it is set so
+    if kernel == NOISE_KERNELS["cpu"]:  # other kernels than this process's: each variable set, or unset where set so
         other = {k: v for k, v in KERNEL_PATHS[kernel].items() if os.environ.get(k) != v}
         return {**{k: v for k, v in os.environ.items() if k not in KERNEL_PATHS[kernel]}, **other}
     names = {k for env in KERNEL_PATHS.values() for k in env}
@@ -231,7 +231,8 @@ def other_cuda_kernels() -> None:
     defaults before its first product, as another GPU or another user's settings would: deterministic algorithms
     (cuBLAS without split reductions in atomics; an op that has none warns and runs as it is), the reductions inside
     bf16 and fp16 matrix products in fp32 alone, TF32 off for products and convolutions. The noise a GPU's kernels
-    bring, measured by one more reference (docs/tolerances.md#every-machine-the-clean-matrix); CPU kernels read none of it."""
+    bring, measured by one more reference (docs/tolerances.md#every-machine-the-clean-matrix); CPU kernels read none
+    of it."""
     import torch
 
     torch.use_deterministic_algorithms(True, warn_only=True)

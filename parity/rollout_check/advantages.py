@@ -67,15 +67,14 @@ def judge(recorded: torch.Tensor, rewards: torch.Tensor, groups: torch.Tensor, g
     """The recorded advantages against `estimator`'s: {"estimator", "verdict" PASS/FAIL, "max_deviation" (relative,
     ÷ the bound's scale), "bound", "first_outside" (row, recorded, recomputed) or None, "matches" (the estimators whose
     advantages the recorded ones are, within the bound: the cause where another one is named)}."""
-    deviation = {name: _deviation(recorded, recompute(name, rewards, groups, generations), generations)
-                 for name in ESTIMATORS}
+    recomputed = {name: recompute(name, rewards, groups, generations) for name in ESTIMATORS}
+    deviation = {name: _deviation(recorded, values, generations) for name, values in recomputed.items()}
     mine = deviation[estimator]
     outside = (mine > ADVANTAGE_RTOL).nonzero().flatten().tolist()
     first = None
     if outside:
         row = outside[0]
-        first = {"row": row, "recorded": float(recorded[row]),
-                 "recomputed": float(recompute(estimator, rewards, groups, generations)[row])}
+        first = {"row": row, "recorded": float(recorded[row]), "recomputed": float(recomputed[estimator][row])}
     return {"estimator": estimator, "verdict": "FAIL" if outside else "PASS", "max_deviation": float(mine.max()),
             "bound": ADVANTAGE_RTOL, "first_outside": first,
             "matches": [name for name, d in deviation.items() if float(d.max()) <= ADVANTAGE_RTOL]}

@@ -25,25 +25,28 @@ CHECKS = ("signed_mean", "mean_abs", "max_abs")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def next_token_logits(model, ids: torch.Tensor, real: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    """fp32 [rows, L − 1, vocab]: the logits at each position t < L − 1 (predicting the token at t + 1), position ids
+    counted over the real tokens. `decode`: the rows scored one position at a time over the model's key-value cache,
+    as a sampler decodes them (other products and sums than one forward of the whole rows)."""
+    positions = (real.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        if not decode:
+            return model(input_ids=ids, attention_mask=real, position_ids=positions).logits.float()[:, :-1]
+        steps, cache = [], None
+        for t in range(ids.shape[1] - 1):
+            out = model(input_ids=ids[:, t:t + 1], attention_mask=real[:, :t + 1], position_ids=positions[:, t:t + 1],
+                        past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits[:, -1:].float())
+        return torch.cat(steps, 1)
+
+
 def logps_of(model, ids: torch.Tensor, real: torch.Tensor, temperature: float, decode: bool = False,
              pick: str = "token") -> torch.Tensor:
     """fp32 [rows, L]: log softmax(logits ÷ temperature) at each position t ≥ 1 of the token at t (pick "token") or of
-    the most likely token there ("argmax"); 0 at position 0 and on padding. `decode`: the rows scored one position
-    at a time over the model's key-value cache, as a sampler decodes them (other products and sums than one forward
-    of the whole rows)."""
-    positions = (real.cumsum(-1) - 1).clamp_min(0)
-    with torch.no_grad():
-        if decode:
-            steps, cache = [], None
-            for t in range(ids.shape[1] - 1):
-                out = model(input_ids=ids[:, t:t + 1], attention_mask=real[:, :t + 1],
-                            position_ids=positions[:, t:t + 1], past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                steps.append(out.logits[:, -1:].float())
-            logits = torch.cat(steps, 1)
-        else:
-            logits = model(input_ids=ids, attention_mask=real, position_ids=positions).logits.float()[:, :-1]
-    logps = (logits / temperature).log_softmax(-1)
+    the most likely token there ("argmax"); 0 at position 0 and on padding; `decode` as next_token_logits'."""
+    logps = (next_token_logits(model, ids, real, decode) / temperature).log_softmax(-1)
     chosen = ids[:, 1:, None] if pick == "token" else logps.argmax(-1, keepdim=True)
     picked = logps.gather(-1, chosen).squeeze(-1)
     return torch.cat([torch.zeros(len(ids), 1), picked], 1) * real
@@ -52,10 +55,7 @@ def logps_of(model, ids: torch.Tensor, real: torch.Tensor, temperature: float, d
 def kept_mass(model, ids: torch.Tensor, real: torch.Tensor, sampler: dict) -> torch.Tensor:
     """fp32 [rows, L]: the probability mass (at the sampler's temperature) of the tokens its top-k, top-p and min-p
     keep, at the position of the token each distribution sampled; 1 where none truncates."""
-    positions = (real.cumsum(-1) - 1).clamp_min(0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=real, position_ids=positions).logits.float()
-    probs = (logits[:, :-1] / sampler["temperature"]).softmax(-1)
+    probs = (next_token_logits(model, ids, real) / sampler["temperature"]).softmax(-1)
     keep = torch.ones_like(probs, dtype=torch.bool)
     ordered, order = probs.sort(-1, descending=True)
     if sampler.get("top_k"):
@@ -131,32 +131,31 @@ def judge(rollouts, models: dict, sampler: dict) -> dict:
               "worst_sequence": {"row": int(sums.abs().argmax()), "sum": float(sums[sums.abs().argmax()])},
               "first_outside": first, "cause": None}
     if result["verdict"] == "FAIL":
-        result["cause"] = cause(rollouts, models, sampler, sampled, judged, bounds, by_version, temperature)
+        result["cause"] = cause(rollouts, models, sampler, sampled, trainer, judged, bounds, by_version)
     return result
 
 
-def cause(rollouts, models, sampler, sampled, judged, bounds, by_version, temperature) -> str | None:
-    """What explains the gap within the same bounds, in words; None where nothing the harness knows does."""
+def cause(rollouts, models, sampler, sampled, trainer, judged, bounds, by_version) -> str | None:
+    """What explains the gap to the `trainer`'s rescoring within the same bounds, in words; None where nothing the
+    harness knows does."""
     t = rollouts.tensors
     ids, real, versions = t["input_ids"], t.get("attention_mask", torch.ones_like(t["input_ids"])), \
         t["sampler_weights_step"]
+    temperature = float(sampler["temperature"])
     if temperature != 1.0 and within((sampled - by_version(logps_of, temperature=1.0))[judged], bounds):
         return (f"the sampler's log-probs are taken before the temperature ({temperature:g}): the raw logits' "
                 f"log-softmax (vLLM: logprobs_mode='processed_logprobs' gives them after it)")
     if sampler.get("top_k") or sampler.get("top_p", 1.0) < 1.0 or sampler.get("min_p"):
-        trainer = by_version(logps_of, temperature=temperature)
         mass = by_version(lambda m, i, r: kept_mass(m, i, r, sampler))
         if within((sampled - (trainer - mass.log()))[judged], bounds):
             return (f"the sampler renormalised its log-probs over the tokens top-k/top-p/min-p kept: each gap is −log "
                     f"of the kept mass (mean {float(-mass.log()[judged].mean()):.4f}); the trainer's ratio divides by "
                     f"the whole vocabulary's")
-    trainer = by_version(logps_of, temperature=temperature)
     for declared in versions.unique().tolist():  # a version's rows that another version's weights explain
-        rows = (versions == declared)[:, None] & judged
-        if within((sampled - trainer)[rows], bounds):
+        mine = versions == declared
+        if within((sampled - trainer)[mine[:, None] & judged], bounds):
             continue
         for other in sorted(set(models) - {declared}):
-            mine = versions == declared
             rescored = logps_of(models[other], ids[mine], real[mine], temperature)
             if within((sampled[mine] - rescored)[judged[mine]], bounds):
                 return (f"the rows declared sampled at step {declared}'s weights were sampled at step {other}'s: a "

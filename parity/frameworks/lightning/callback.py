@@ -84,7 +84,8 @@ class ParityCallback(pl.Callback):
                                        max_grad_norm=float(trainer.gradient_clip_val or 0.0),
                                        precision=PRECISIONS.get(str(trainer.precision), "fp32"),
                                        max_batch_bytes=self.max_batch_bytes, framework="lightning.Trainer",
-                                       framework_versions=installed_versions(("lightning", "transformers", "torch")), **self.state_saving,
+                                       framework_versions=installed_versions(("lightning", "transformers", "torch")),
+                                       **self.state_saving,
                                        start_step=trainer.global_step)  # > 0: resumed from ckpt_path
         if not self.recorder.enabled:
             return

@@ -87,7 +87,8 @@ class ParityCallback(TrainerCallback):
                                        optimizer=optimizer,  # accelerate's wrapper: the recorder takes it as it is
                                        max_grad_norm=args.max_grad_norm or 0.0, precision=precision,
                                        max_batch_bytes=self.max_batch_bytes, framework="transformers.Trainer",
-                                       framework_versions=installed_versions(("transformers", "accelerate", "trl")), dump_step=self.dump_step,
+                                       framework_versions=installed_versions(("transformers", "accelerate", "trl")),
+                                       dump_step=self.dump_step,
                                        start_step=state.global_step,  # > 0: resumed from a checkpoint
                                        tensor_grad=CLIPPED,  # its callbacks come after its clipping
                                        objective=objective, objective_declared=planned and planned[2],

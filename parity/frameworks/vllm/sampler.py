@@ -3,8 +3,9 @@ weights, written as a Hugging Face folder, loaded by vLLM's LLM without a tokeni
 completion's tokens and vLLM's log-prob of each (its processed_logprobs — after temperature and truncation — or its
 raw_logprobs). vLLM's own choices, set here because its defaults do not fit: the dtype is the one asked for (vLLM
 silently runs an fp32 checkpoint in bf16 without one); on CPU `gpu_memory_utilization` is a fraction of host memory
-(its 0.92 refuses to start beside other processes: a small share for a small model, its KV cache set in bytes); each prompt group is one request
-of n completions with its own seed (one seed for every request makes them all one sequence)."""
+(its 0.92 refuses to start beside other processes: a small share for a small model, its KV cache set in bytes);
+each prompt group is one request of n completions with its own seed (one seed for every request makes them all one
+sequence)."""
 
 from __future__ import annotations
 
