@@ -17,9 +17,8 @@ record under rows/<row>/. Defaults: with GPUs Qwen/Qwen2.5-0.5B, 2 layers, seq 1
 qwen2-tiny, seq 256, fp32. Exit 0: done; 1: a row failed; 2: bad input.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.benchmark import main
 
 if __name__ == "__main__":
-    sys.exit(main(description=__doc__))
+    exit_now(main(description=__doc__))

@@ -10,9 +10,8 @@ paths, and the seeded-bug catalogue over a few, each measured against every cand
 Runs in local gloo groups on this machine's CPU; run again on the same folder to continue a study that stopped.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.calibration_study import main
 
 if __name__ == "__main__":
-    sys.exit(main(description=__doc__))
+    exit_now(main(description=__doc__))

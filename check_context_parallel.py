@@ -8,9 +8,8 @@ Exit 0: PASS; 1: FAIL, or context parallelism did not run (the line says what to
 docs/context_parallel.md: what fails on CPU and why.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.context_parallel import main
 
 if __name__ == "__main__":
-    sys.exit(main(description=__doc__))
+    exit_now(main(description=__doc__))

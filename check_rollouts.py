@@ -8,9 +8,8 @@ trainer's model rescoring each sequence at the same weights, and the advantages 
 Exit 0: every judged part PASSes; 1: one FAILs; 2: bad input.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.check_rollouts import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

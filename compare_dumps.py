@@ -9,9 +9,8 @@ updated parameter; "bit-identical" when it is. Writes layer_report.md, layer_com
 Exit 0: every pair within tolerance; 1: a pair diverges; 2: bad input.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.compare_layers import main
 
 if __name__ == "__main__":
-    sys.exit(main(description=__doc__))
+    exit_now(main(description=__doc__))

@@ -9,9 +9,8 @@ it with --objective NAME --rollouts FILE:
         --batch_size 4 --objective dapo --objective_args beta=0.04 --rollouts /tmp/rollouts.safetensors
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.make_rollouts import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

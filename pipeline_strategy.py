@@ -55,7 +55,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from parity.errors import ConfigError
 from parity.models.families import family_of
@@ -68,7 +67,9 @@ from parity.training.replicas import Replica, held
 from parity.training.strategy import (IGNORE_INDEX, ModuleRecords, Option, Piece, Strategy,
                                       squared_norm_fp64)
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+# torch.distributed.pipelining's schedule classes, by name: the package is imported at setup, not with this module,
+# which every driver imports for its flags (0.6 s of a main job that runs no pipeline)
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 
 
@@ -290,9 +291,12 @@ class PipelineStrategy(Strategy):
         # the parameters in the policy's dtype
         self.policy_optimizer = PolicyOptimizer(self.model.parameters(), self.cfg)
         self.optimizer = self.policy_optimizer.optimizer
-        self.stages = [PipelineStage(self.stage_modules[s], s, n, ctx.device, **self._stage_examples(s, config),
-                                     group=self.pp_group) for s in self.my_stages]
-        schedule = SCHEDULES[o["pp_schedule"]]
+        from torch.distributed import pipelining
+
+        self.stages = [pipelining.PipelineStage(self.stage_modules[s], s, n, ctx.device,
+                                                **self._stage_examples(s, config), group=self.pp_group)
+                       for s in self.my_stages]
+        schedule = getattr(pipelining, SCHEDULES[o["pp_schedule"]])
         self.schedule = schedule(self.stages if STAGES_PER_RANK[o["pp_schedule"]] > 1 else self.stages[0],
                                  n_microbatches=o["microbatches"], loss_fn=self._micro_batch_loss, scale_grads=False)
         self._loss_scale, self._sums = 1.0, []

@@ -9,9 +9,8 @@ writes the figure (.png, .svg or .pdf), curve_comparison.json and curve_report.m
 Exit codes: 0 every run PASSes, 1 a run FAILs, 2 bad input or runs that are not comparable.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.compare_curves import main
 
 if __name__ == "__main__":
-    sys.exit(main(description=__doc__))
+    exit_now(main(description=__doc__))

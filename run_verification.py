@@ -18,9 +18,8 @@ qwen2-tiny with seq 128, so it runs on a laptop. Exit 0: all pairs agree; 1: a d
 run); 2: bad input.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.layer_check import main
 
 if __name__ == "__main__":
-    sys.exit(main(description=__doc__))
+    exit_now(main(description=__doc__))

@@ -10,9 +10,8 @@ Run it first with --save_init_weights: it writes the initial weights every other
 Flags, the shared loop and the launcher live in parity/; what DDP does differently is ddp_strategy.py.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.train import main
 
 if __name__ == "__main__":
-    sys.exit(main("ddp", __doc__))
+    exit_now(main("ddp", __doc__))

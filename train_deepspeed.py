@@ -10,9 +10,8 @@ Run train_ddp.py --save_init_weights first: this loads the initial weights it wr
 Flags, the shared loop and the launcher live in parity/; what DeepSpeed does differently is autotp_strategy.py.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.train import main
 
 if __name__ == "__main__":
-    sys.exit(main("deepspeed", __doc__))
+    exit_now(main("deepspeed", __doc__))

@@ -10,9 +10,8 @@ Run train_ddp.py with --save_init_weights first: this loads the initial weights 
 Flags, the shared loop and the launcher live in parity/; what the pipeline does differently is pipeline_strategy.py.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.train import main
 
 if __name__ == "__main__":
-    sys.exit(main("pipeline", __doc__))
+    exit_now(main("pipeline", __doc__))

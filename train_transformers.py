@@ -12,9 +12,8 @@ Flags, the shared loop and the launcher live in parity/; what transformers does 
 transformers_strategy.py.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.train import main
 
 if __name__ == "__main__":
-    sys.exit(main("transformers", __doc__))
+    exit_now(main("transformers", __doc__))

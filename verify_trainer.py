@@ -9,9 +9,8 @@ ParityRecorder lines. The replay runs in local process groups (no Ray); the verd
 plot_loss_curves.py's, written into OUT. Exit codes: 0 PASS, 1 FAIL, 2 bad input; a command that fails, its own status.
 """
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.verify_trainer import main
 
 if __name__ == "__main__":
-    sys.exit(main(description=__doc__))
+    exit_now(main(description=__doc__))

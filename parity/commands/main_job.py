@@ -19,7 +19,7 @@ import sys
 import time
 
 from parity import console, storage
-from parity.commands.common import OneLineParser, report_error, run_command
+from parity.commands.common import OneLineParser, exit_now, report_error, run_command
 from parity.comparing.html_report import RUN_PARTS, run_times
 from parity.errors import ConfigError, TrainingFailed
 from parity.registry import KNOWN, NAMES
@@ -343,4 +343,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

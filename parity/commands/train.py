@@ -8,7 +8,7 @@ import time
 from typing import Any, Mapping
 
 from parity import console, storage
-from parity.commands.common import OneLineParser, run_command
+from parity.commands.common import OneLineParser, exit_now, run_command
 from parity.driver.cluster import ray_for_this_command
 from parity.driver.config import add_run_flags, add_strategy_options, resolve
 from parity.errors import ConfigError
@@ -132,4 +132,4 @@ def main(strategy: str, description: str = "", argv: list[str] | None = None) ->
 
 
 if __name__ == "__main__":  # python -m parity.commands.train STRATEGY [flags]
-    sys.exit(main(sys.argv[1], argv=sys.argv[2:]))
+    exit_now(main(sys.argv[1], argv=sys.argv[2:]))

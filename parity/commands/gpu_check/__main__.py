@@ -1,7 +1,6 @@
 """`python -m parity.commands.gpu_check`: the GPU check (check.py)."""
 
-import sys
-
+from parity.commands.common import exit_now
 from parity.commands.gpu_check.check import main
 
-sys.exit(main())
+exit_now(main())
