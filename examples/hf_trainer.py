@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
 from transformers import TrainerCallback
 
+from parity.attaching.launch import backend, launch
 from parity.frameworks.transformers.callback import ParityCallback
 
 
@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model_name", default="qwen2-tiny", help="without --model_path: a built-in model config, random "
                                                                "weights")
     p.add_argument("--model_layers", type=int, default=None, help="its decoder layers (default: the config's)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU a rank (NCCL; gloo where "
+                   "the ranks share one: PARITY_SHARE_ONE_GPU=1)")
     p.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast over fp32 weights)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer.md#lora)")
@@ -142,7 +144,7 @@ def train(args) -> None:
         gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=1e-3,
         warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, report_to=[],
         **({"save_strategy": "steps", "save_steps": args.save_at} if args.save_at else {"save_strategy": "no"}),
-        use_cpu=True, ddp_backend="gloo", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
+        use_cpu=args.device == "cpu", ddp_backend=backend(args.device), seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
         disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)
     trainer = Trainer(model=model, args=training, train_dataset=data,
                       data_collator=(DataCollatorWithFlattening() if args.padding_free else
@@ -153,22 +155,8 @@ def train(args) -> None:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    train(args)
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if "RANK" in os.environ:  # torchrun
-        train(args)
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+    launch(train, parse_args(argv))
 
 
 if __name__ == "__main__":

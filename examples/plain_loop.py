@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from parity.attaching.launch import rank_device
 from parity.recording.recorder import ParityRecorder
 
 
@@ -61,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "widths for benchmark.py --recorder")
     p.add_argument("--model_layers", type=int, default=2, help="the model's decoder layers (its first N)")
     p.add_argument("--bf16", action="store_true", help="the forward under torch.autocast(bfloat16), over fp32 weights")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the model and batches on the rank's "
+                   "GPU (the group stays gloo, which carries DDP's CUDA tensors)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer.md#lora)")
     p.add_argument("--lora_save", default=None,
@@ -96,7 +99,8 @@ def build(args, shard):
     once its adapters are in, before the optimizer is built (DDP here, examples/sharded_loop.py's fully_shard)."""
     from parity.models.model import build_model, resolve_model_config
 
-    model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)
+    model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed).to(
+        rank_device(getattr(args, "device", "cpu")))
     if args.lora:  # peft's adapters, the model frozen under them
         from peft import LoraConfig, get_peft_model
 
@@ -146,7 +150,8 @@ def save_checkpoint(folder: str, model, optimizer, scheduler, step: int) -> None
 
 def restore(folder: str, model, optimizer, scheduler) -> int:
     """Every rank loads the checkpoint save_checkpoint wrote; returns the steps done."""
-    state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
+    state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True,
+                       map_location=next(model.parameters()).device)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -168,7 +173,9 @@ def train(args) -> str | None:
                          dump_step=args.dump_step, scheduler=scheduler, start_step=start,
                          checkpoint_interval=args.checkpoint_interval)
     samples = args.samples or args.steps * world * args.batch_size
-    all_ids, all_labels, all_mask = dataset(samples, args.seq_length, model.config.vocab_size, args.seed)
+    where = rank_device(args.device)
+    all_ids, all_labels, all_mask = (t.to(where) for t in dataset(samples, args.seq_length, model.config.vocab_size,
+                                                                 args.seed))
     data = itertools.islice(windows(args, rank, world, samples), start, None)  # the data position restored
     for step, window in zip(range(start, args.steps), data):
         # the window's loss tokens: each rank's count, summed over the ranks
@@ -179,7 +186,7 @@ def train(args) -> str | None:
         for k, batch in enumerate(window):
             ids, labels, mask = all_ids[batch], all_labels[batch], all_mask[batch]
             with contextlib.nullcontext() if k == len(window) - 1 else ddp.no_sync():
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                with torch.autocast(where.type, dtype=torch.bfloat16, enabled=args.bf16):
                     logits = ddp(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                          ignore_index=-100, reduction="sum")

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from parity.attaching.launch import launch
+from parity.attaching.launch import backend, launch
 from parity.frameworks.transformers.callback import ParityCallback
 
 VOCAB = 2048  # qwen2-tiny's ids: 0 is </s>, i ≥ 1 the word w<i>
@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max_grad_norm", type=float, default=10.0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU a rank (NCCL; gloo where "
+                   "the ranks share one: PARITY_SHARE_ONE_GPU=1)")
     p.add_argument("--fp32", action="store_true", help="bf16=False (TRL's default is bf16=True)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -105,8 +107,8 @@ def train(args, ray: bool = False) -> None:
     model = local_model(os.path.join(args.output_dir, "model"), args.seed)
     common = dict(output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
                   gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=args.lr,
-                  max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                  ddp_backend="gloo", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
+                  max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[],
+                  use_cpu=args.device == "cpu", ddp_backend=backend(args.device), seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
                   disable_tqdm=True, **({"bf16": False} if args.fp32 else {}))
     if args.trainer == "grpo":
         from trl import GRPOConfig, GRPOTrainer

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from parity.attaching.launch import launch
+from parity.attaching.launch import backend, launch
 from parity.frameworks.transformers.callback import ParityCallback
 
 WORDS = 500  # the tokenizer's words, besides <pad> (0), <unk> (1) and </s> (2)
@@ -46,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=10.0,
                    help="Trainer's clipping; where it does not clip, the recorder measures the pre-clip norm itself")
     p.add_argument("--packing", action="store_true", help="SFTConfig(packing=True): TRL's 'bfd' packing, padding-free")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU a rank (NCCL)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU a rank (NCCL; gloo where the "
+                   "ranks share one: PARITY_SHARE_ONE_GPU=1)")
     p.add_argument("--fsdp2", action="store_true", help="accelerate's FSDP2 plugin (GPU only: accelerate picks FSDP "
                                                         "for GPU device types)")
     return p.parse_args(argv)
@@ -87,7 +88,7 @@ def train(args, ray: bool = False) -> None:
         output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=1e-3,
         warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=args.device == "cpu", ddp_backend="gloo" if args.device == "cpu" else None,
+        report_to=[], use_cpu=args.device == "cpu", ddp_backend=backend(args.device),
         **({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if args.fsdp2 else {}), seed=args.seed,
         data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=False, max_length=args.seq_length,
         packing=args.packing, dataset_text_field="text")

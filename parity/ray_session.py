@@ -13,7 +13,7 @@ import sys
 def ray_is_up() -> bool:
     """Whether this process has started or joined Ray, asked without importing Ray (about a CPU-second, which a
     local group's rank, never in Ray, would otherwise pay)."""
-    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    return sys.modules.get("ray") is not None and sys.modules["ray"].is_initialized()
 
 
 def node_name() -> str:

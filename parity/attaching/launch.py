@@ -1,7 +1,9 @@
 """How the own-trainer examples start (docs/own_trainer.md#launchers): under a launcher that set torchrun's variables
 (torchrun, `accelerate launch`) the training function runs in this process; with `--ray N` it runs on N Ray Train
 workers (a TorchTrainer over gloo, the function told `ray=True` to use Ray's own integrations); otherwise `--nproc`
-ranks are spawned here with torchrun's variables set."""
+ranks are spawned here with torchrun's variables set. On a GPU a spawned rank's LOCAL_RANK is its GPU; under the testing
+switch that puts several ranks on one GPU (PARITY_SHARE_ONE_GPU=1, docs/gpu.md) every rank's is 0 and its group gloo
+(`backend`)."""
 
 from __future__ import annotations
 
@@ -41,10 +43,35 @@ def launch(train: Callable, args) -> None:
 def _spawned(rank: int, world: int, port: int, train: Callable, args) -> None:
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(0 if shared_gpu() else rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      NODE_RANK="0")
     torch.set_num_threads(1)
     train(args)
+
+
+def shared_gpu() -> bool:
+    """Whether the testing switch puts every rank on the one GPU (PARITY_SHARE_ONE_GPU=1: local_group's)."""
+    return os.environ.get("PARITY_SHARE_ONE_GPU") == "1"
+
+
+def backend(device: str) -> str:
+    """The process group's backend for this process's ranks on `device` (cpu or cuda; WORLD_SIZE set): gloo on CPU and
+    for several ranks sharing one GPU (NCCL refuses two ranks on one device), else nccl."""
+    shared = shared_gpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return "gloo" if device == "cpu" or shared else "nccl"
+
+
+def rank_device(device: str):
+    """This rank's torch.device on `device` (cpu or cuda): the GPU of its LOCAL_RANK (else its rank), modulo the GPUs
+    (several ranks on one GPU under the testing switch)."""
+    import torch
+    import torch.distributed as dist
+
+    if device != "cuda":
+        return torch.device("cpu")
+    rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 def _ray_worker(config: dict) -> None:

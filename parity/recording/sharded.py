@@ -473,7 +473,7 @@ def layout_of(model, optimizer, device: torch.device, unwrap) -> DataParallel:
 def _layout(model, optimizer, device: torch.device, unwrap) -> DataParallel:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if "deepspeed" in sys.modules:
+    if sys.modules.get("deepspeed") is not None:  # imported (None: a name blocked)
         from deepspeed import DeepSpeedEngine
 
         if isinstance(model, DeepSpeedEngine):

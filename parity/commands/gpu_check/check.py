@@ -11,7 +11,8 @@ gpu_check.json under --output_dir (rewritten after every step, so a check cut sh
                 ModelParallel strategies, TRL's GRPOTrainer, torchtitan's debug job), each recorded and replayed at
                 world size 1 (gpu_check/own_trainer.py), the FSDP2 Trainer's also under the sharded replays (FSDP2, ZeRO-3);
                 skipped on --device cpu
-  layer_check   one recorded step of DDP and FSDP2 + TP=2 in bf16 against DDP's fp32 twin (the layer check)
+  layer_check   one recorded step of DDP and FSDP2 (+ TP=2 on CPU; one rank on a GPU) in bf16 against DDP's fp32
+                twin (the layer check)
   posttrain     a GRPO-family update (dapo) from a rollout file, DDP DP=2 against FSDP2 + TP=2 × DP=2, fp32 and the
                 bf16 calibrated verdict (gpu_check/posttrain.py)
   lora          LoRA adapters (rank 8 on q, k, v and o) on the frozen base, the parity step's runs at its first seed:
@@ -57,7 +58,8 @@ SIZES = {
                  "debug_steps": 100, "learning_rate": 1e-5, "precision": "bf16"},
         "small": {"model_name": "qwen2-tiny", "num_layers": 2, "batch_size": 2, "seq_length": 256, "debug_steps": 100},
         "seeds": (1, 2, 3),
-        "layers": {"model_name": "qwen2-tiny", "num_layers": 2, "batch_size": 2, "seq_length": 256},
+        # one rank: FSDP2 + TP over gloo with CUDA tensors crashed on the first H200 (docs/gpu.md)
+        "layers": {"model_name": "qwen2-tiny", "num_layers": 2, "batch_size": 2, "seq_length": 256, "tp_size": 1},
         "numel": 1 << 20,  # elements per rank of each collective's tensor
     },
     "cpu": {
@@ -65,7 +67,7 @@ SIZES = {
                  "learning_rate": 1e-5, "precision": "bf16"},
         "small": {"model_name": "qwen2-tiny", "num_layers": 1, "batch_size": 2, "seq_length": 16, "debug_steps": 3},
         "seeds": (1,),
-        "layers": {"model_name": "qwen2-tiny", "num_layers": 1, "batch_size": 2, "seq_length": 16},
+        "layers": {"model_name": "qwen2-tiny", "num_layers": 1, "batch_size": 2, "seq_length": 16, "tp_size": 2},
         "numel": 1024,
     },
 }
@@ -308,14 +310,15 @@ def judged(folder: str, device: str, flags: dict, plan_by_precision) -> dict:
 # --- d. the layer check -----------------------------------------------------------------------------------------
 
 def step_layer_check(folder: str, device: str, sizes: dict) -> dict:
-    """run_verification.py through local groups: DDP and FSDP2 + TP=2 in bf16, with DDP's fp32 twin (the noise
-    reference its tolerances are calibrated on)."""
+    """run_verification.py through local groups: DDP and FSDP2 + TP (TP=2 on CPU, one rank on a GPU: FSDP2 fully
+    sharded over its one rank) in bf16, with DDP's fp32 twin (the noise reference its tolerances are calibrated on)."""
     from parity.commands.layer_check import main as layer_check
     from parity.driver.local_group import SHARE_ONE_GPU
 
     s = sizes["layers"]
     argv = ["--output_dir", folder, "--launcher", "local", "--device", device, "--strategy", "ddp", TP_STRATEGY,
-            "--tp_size", "2", "--precision", "bf16", "--noise_reference", "on", "--model_name", s["model_name"],
+            "--tp_size", str(s["tp_size"]), "--precision", "bf16", "--noise_reference", "on",
+            "--model_name", s["model_name"],
             "--num_layers", str(s["num_layers"]), "--batch_size", str(s["batch_size"]),
             "--seq_length", str(s["seq_length"])]
     with shared_gpu(device, SHARE_ONE_GPU):
