@@ -113,7 +113,7 @@ def train(args) -> str | None:
         step_batches = [next(batches) for _ in range(accum)]
         # the step's loss tokens over every rank and micro-batch: the global token mean's denominator
         tokens = accelerator.reduce(sum((b["labels"][:, 1:] != -100).sum() for b in step_batches), "sum")
-        summed_total = torch.zeros((), dtype=torch.float64)
+        summed_total = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for batch in step_batches:
             with accelerator.accumulate(model):
                 outputs = model(**batch, use_cache=False)

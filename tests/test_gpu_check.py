@@ -300,3 +300,51 @@ def test_the_forkserver_leaves_nothing_after_the_commands_last_line(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "the command's last line"
     assert "leaked" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_model_is_recorded_on_the_device_it_trains_on_not_its_backends():
+    """The second GPU session's finding: a model on the GPU whose ranks share it over gloo was recorded as a CPU run
+    (the device was read off the backend) and replayed on the CPU, where loading its CUDA states failed. The record's
+    device is its parameters'."""
+    import torch
+
+    from parity.recording.recorder import trained_device
+
+    on_meta = torch.nn.Linear(2, 2, device="meta")
+    assert trained_device(on_meta, torch.device("cpu")) == torch.device("meta")
+    assert trained_device(torch.nn.ReLU(), torch.device("cpu")) == torch.device("cpu")  # no parameters: the backend's
+
+
+def test_the_examples_and_the_matrix_go_to_the_gpu_when_told(monkeypatch):
+    """tools/kernel_matrix.py --device cuda: each example at one rank with its own GPU flags (the 2-rank row at two),
+    the CUDA settings, every rank on the one GPU; the examples' backend: gloo on CPU and for ranks sharing a GPU."""
+    import importlib.util
+
+    from parity.attaching.launch import backend
+    from parity.calibration.kernel_settings import environment
+
+    spec = importlib.util.spec_from_file_location("kernel_matrix", os.path.join(REPO, "tools", "kernel_matrix.py"))
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    lines = {c: matrix.CAPABILITIES[c][0]("CODE", "OUT", "cuda") for c in ("trainer_bf16", "trainer_bf16_2ranks",
+                                                                          "lightning", "resume")}
+    assert lines["trainer_bf16"][-5:] == ["--nproc", "1", "--device", "cuda", "--bf16"]
+    assert lines["trainer_bf16_2ranks"][-5:] == ["--nproc", "2", "--device", "cuda", "--bf16"]
+    assert lines["lightning"][-4:] == ["--nproc", "1", "--accelerator", "gpu"]
+    assert "--nproc 1 --device cuda --save_at 3" in lines["resume"][-1]
+    assert matrix.CAPABILITIES["trainer"][0]("CODE", "OUT", "cpu")[-2:] == ["--nproc", "2"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    env = matrix.environment(REPO, "tf32", "cuda")
+    assert env["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] == "1" and env["PARITY_SHARE_ONE_GPU"] == "1"
+    assert env["OMP_NUM_THREADS"] == "2"  # a CPU setting's variable is left alone on a GPU
+    assert environment("compatible_1thread", {"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in environment("default", {"OMP_NUM_THREADS": "2"})  # on CPU each setting sets its own
+    assert "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE" not in environment(
+        "default", {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}, "cuda")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("PARITY_SHARE_ONE_GPU", raising=False)
+    assert (backend("cpu"), backend("cuda")) == ("gloo", "nccl")
+    monkeypatch.setenv("PARITY_SHARE_ONE_GPU", "1")
+    assert backend("cuda") == "gloo"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert backend("cuda") == "nccl"  # one rank alone on its GPU: what users run

@@ -120,7 +120,7 @@ class StepDump:
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
         write_json_atomic(stem + ".json", {
             "strategy": self.rec.name, "tp_size": 1, "dp_size": self.rec.world, "pp_size": 1, "ep_size": 1,
-            "precision": config["precision"], "options": {}, "device_type": self.rec.device.type,
+            "precision": config["precision"], "options": {}, "device_type": self.rec.trains_on.type,
             "model_config": config["model_config"], "init_weights_sha256": config["init_weights_sha256"],
             "inputs_sha256": file_sha256(inputs), "learning_rate": entry["lr"], "loss": entry["loss"],
             "replay": replay_start(self.step), "dp_rank_losses": entry.get("dp_rank_losses"),

@@ -72,6 +72,13 @@ def unwrap(model):
         model = inner
 
 
+def trained_device(model, default: torch.device) -> torch.device:
+    """Where `model`'s parameters live: the record's device, which the replay trains on. Not always the backend's (the
+    recorder's own exchanges): ranks sharing one GPU over gloo train on it (docs/gpu.md). `default` without any."""
+    first = next(iter(model.parameters()), None)
+    return default if first is None else first.device
+
+
 class ParityRecorder(BatchTaking):
     """Records a training run of your own loop, on every rank of its process group (docs/own_trainer.md):
 
@@ -183,6 +190,7 @@ class ParityRecorder(BatchTaking):
                        else torch.device("cpu"))
         self.layout = layout_of(model, optimizer, self.device, unwrap)  # plain/DDP, FSDP2, ZeRO (sharded.py)
         self.model, self.optimizer = self.layout.model, self.layout.optimizer
+        self.trains_on = trained_device(self.model, self.device)  # the record's device (the replay's)
         optimizer = self.optimizer  # the torch optimizer that steps (ZeRO's wraps the user's client one)
         self.folder = recorded_folder(output_dir, self.name)  # written here; named in the record relative to it
         here = f"recorded_{self.name}"
@@ -224,8 +232,9 @@ class ParityRecorder(BatchTaking):
             "not_replayable": None if hf else f"the model ({type(self.model).__name__}) is not a Hugging Face model",
             "stopped": None, "resumed_at": [], "rollouts": None,
             **(self.objective_rows.describe_record() if self.objective_rows else {"objective": None}),
-            "device_type": self.device.type, "device_name": device_name(self.device), "backend": dist.get_backend(),
-            "fingerprint": {**fingerprint(type(self), self.device, getattr(config, "model_type", None)),
+            "device_type": self.trains_on.type, "device_name": device_name(self.trains_on),
+            "backend": dist.get_backend(),
+            "fingerprint": {**fingerprint(type(self), self.trains_on, getattr(config, "model_type", None)),
                             "framework": framework_part},
         }
         self.record = LossRecord(record_path(output_dir, self.name), self.name, description)
