@@ -310,8 +310,12 @@ def test_a_model_is_recorded_on_the_device_it_trains_on_not_its_backends():
 
     from parity.recording.recorder import trained_device
 
-    on_meta = torch.nn.Linear(2, 2, device="meta")
-    assert trained_device(on_meta, torch.device("cpu")) == torch.device("meta")
+    cuda = torch.device("cuda", 0)
+    on_gpu = torch.nn.Linear(2, 2, device="meta")
+    on_gpu.weight = torch.nn.Parameter(torch.empty(2, 2, device="meta"))
+    on_gpu.weight.__class__ = type("OnGpu", (torch.nn.Parameter,), {"device": property(lambda self: cuda)})
+    assert trained_device(on_gpu, torch.device("cpu")) == cuda  # gloo's exchanges, the GPU's training
+    assert trained_device(torch.nn.Linear(2, 2, device="meta"), torch.device("cpu")) == torch.device("cpu")
     assert trained_device(torch.nn.ReLU(), torch.device("cpu")) == torch.device("cpu")  # no parameters: the backend's
 
 

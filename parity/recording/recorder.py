@@ -73,10 +73,11 @@ def unwrap(model):
 
 
 def trained_device(model, default: torch.device) -> torch.device:
-    """Where `model`'s parameters live: the record's device, which the replay trains on. Not always the backend's (the
-    recorder's own exchanges): ranks sharing one GPU over gloo train on it (docs/gpu.md). `default` without any."""
+    """The record's device, which the replay trains on: the GPU where `model`'s parameters are on one, else `default`
+    (the backend's: where the recorder exchanges). Not always the backend's: ranks sharing one GPU over gloo train on it
+    (docs/gpu.md); a model still on the meta device when the recorder starts (torchtitan's) trains on the backend's."""
     first = next(iter(model.parameters()), None)
-    return default if first is None else first.device
+    return first.device if first is not None and first.device.type == "cuda" else default
 
 
 class ParityRecorder(BatchTaking):
