@@ -47,8 +47,10 @@ import json
 import os
 import socket
 import sys
+import time
 
 BUG = "TITAN_BUG"
+PORT_FILE = "master_port"  # a job's MASTER_PORT, written by its rank 0 (_job_port)
 BUGS = ("tp_norm", "local_tokens", "fsdp_average")
 # What every job's ranks import beyond torchtitan's entry point: the debug model's module, the recorder, its
 # torchtitan layout and the transformers model that layout maps onto (about 5 CPU-seconds a rank where each imports
@@ -192,7 +194,9 @@ def run_jobs(jobs: list[dict]) -> dict[str, list[int | None]]:
     sizes = {}
     for job in jobs:
         os.makedirs(job["folder"], exist_ok=True)
-        sizes.setdefault(job["ranks"], []).append({**job, "port": _free_port()})
+        with contextlib.suppress(FileNotFoundError):  # an earlier run's
+            os.remove(os.path.join(job["folder"], PORT_FILE))
+        sizes.setdefault(job["ranks"], []).append(job)
     for world, group in sizes.items():
         ranks = [context.Process(target=_rank, args=(group, world, rank)) for rank in range(world)]
         for process in ranks:
@@ -205,10 +209,23 @@ def run_jobs(jobs: list[dict]) -> dict[str, list[int | None]]:
     return {job["name"]: [_status(job, rank) for rank in range(job["ranks"])] for job in jobs}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _job_port(job: dict, rank: int) -> int:
+    """The job's MASTER_PORT: rank 0 takes a free one as the job starts and hands it to the others through the job's
+    folder. Taken for every job up front, a later job's port was often another process's by its turn (EADDRINUSE:
+    the suite's other test process forms groups of its own meanwhile)."""
+    path = os.path.join(job["folder"], PORT_FILE)
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(path + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(path + ".tmp", path)
+        return port
+    deadline = time.monotonic() + 600
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(open(path).read())
 
 
 def _status(job: dict, rank: int) -> int | None:
@@ -229,7 +246,7 @@ def _rank(jobs: list[dict], world: int, rank: int) -> None:
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     trainer.time = _NoClosingSleep()
     for job in jobs:
-        os.environ.update({"MASTER_PORT": str(job["port"]), attach.RECORD_DIR: job["folder"],
+        os.environ.update({"MASTER_PORT": str(_job_port(job, rank)), attach.RECORD_DIR: job["folder"],
                            attach.RECORD_NAME: job["record"], BUG: job.get("bug") or ""})
         sys.stdout.flush(), sys.stderr.flush()
         log = os.open(os.path.join(job["folder"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
