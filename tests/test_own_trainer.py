@@ -82,7 +82,7 @@ def train(args) -> None:""")],
     "hf_deepspeed": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})")],
     # the same without use_cpu=True (the reported case), in a fresh accelerate state as a user's process has it
     "hf_deepspeed_world": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})"),
-                           ("use_cpu=True, ", ""),
+                           ('use_cpu=args.device == "cpu", ', ""),
                            ("    world = int(", "    from accelerate.state import AcceleratorState\n\n"
                                               "    AcceleratorState._reset_state(reset_partial_state=True)\n"
                                               "    world = int(")],

@@ -205,7 +205,7 @@ def test_files_sampled_here_pass_judged_under_other_kernels(files, tiny_weights,
 
 def vllm_site() -> str:
     """requirements-vllm.txt beside the pinned set (conftest.installed_beside; the file says why there), in a folder
-    named by the file's content: ~40 s the first time here, nothing after."""
+    named by the file's content: 22 s the first time here, nothing after."""
     requirements = os.path.join(REPO, "requirements-vllm.txt")
     with open(requirements, "rb") as f:
         name = f"vllm-{hashlib.sha256(f.read()).hexdigest()[:12]}"

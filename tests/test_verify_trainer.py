@@ -71,8 +71,9 @@ EDITS = {
 # One process without a launcher (--nproc 0: no torchrun variables, no gloo backend asked for; the callback starts a
 # group of one) training twice: clean, then with the seeded bug, a compute_loss override that drops num_items_in_batch
 # (as tests/test_own_trainer.py's hf_num_items); the second Trainer's record is named hf_twice_2
-TWICE = [('    if "RANK" in os.environ:  # torchrun', '    if "RANK" in os.environ or args.nproc == 0:  # one process'),
-         ('ddp_backend="gloo", ', ""),
+TWICE = [("    launch(train, parse_args(argv))\n",
+          "    args = parse_args(argv)\n    train(args) if args.nproc == 0 else launch(train, args)  # one process\n"),
+         ("ddp_backend=backend(args.device), ", ""),
          ("    trainer.train()\n", """    trainer.train()
 
     class Buggy(Trainer):

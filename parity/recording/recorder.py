@@ -41,7 +41,7 @@ from parity.recording.optimizer_description import describe_optimizer
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, taken
-from parity.recording.sharded import LayoutRefused, layout_of
+from parity.recording.sharded import LayoutRefused, layout_of, trained_device
 from parity.recording.world import first_process, trains_alone
 from parity.models.model import config_as_built, config_summary, file_sha256
 from parity.precision import POLICIES
@@ -70,14 +70,6 @@ def unwrap(model):
         if inner is None:
             return model
         model = inner
-
-
-def trained_device(model, default: torch.device) -> torch.device:
-    """The record's device, which the replay trains on: the GPU where `model`'s parameters are on one, else `default`
-    (the backend's: where the recorder exchanges). Not always the backend's: ranks sharing one GPU over gloo train on it
-    (docs/gpu.md); a model still on the meta device when the recorder starts (torchtitan's) trains on the backend's."""
-    first = next(iter(model.parameters()), None)
-    return first.device if first is not None and first.device.type == "cuda" else default
 
 
 class ParityRecorder(BatchTaking):
@@ -233,8 +225,7 @@ class ParityRecorder(BatchTaking):
             "not_replayable": None if hf else f"the model ({type(self.model).__name__}) is not a Hugging Face model",
             "stopped": None, "resumed_at": [], "rollouts": None,
             **(self.objective_rows.describe_record() if self.objective_rows else {"objective": None}),
-            "device_type": self.trains_on.type, "device_name": device_name(self.trains_on),
-            "backend": dist.get_backend(),
+            "device_type": self.trains_on.type, "device_name": device_name(self.trains_on), "backend": dist.get_backend(),
             "fingerprint": {**fingerprint(type(self), self.trains_on, getattr(config, "model_type", None)),
                             "framework": framework_part},
         }

@@ -470,6 +470,14 @@ def layout_of(model, optimizer, device: torch.device, unwrap) -> DataParallel:
     return layout
 
 
+def trained_device(model, default: torch.device) -> torch.device:
+    """The record's device, which the replay trains on: the GPU where `model`'s parameters are on one, else `default`
+    (the backend's: where the recorder exchanges). Not always the backend's: ranks sharing one GPU over gloo train on it
+    (docs/gpu.md); a model still on the meta device when the recorder starts (torchtitan's) trains on the backend's."""
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None and first.device.type == "cuda" else default
+
+
 def _layout(model, optimizer, device: torch.device, unwrap) -> DataParallel:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -490,4 +498,5 @@ def _layout(model, optimizer, device: torch.device, unwrap) -> DataParallel:
     return DataParallel(inner, optimizer)
 
 
-__all__ = ["DataParallel", "FSDP1", "FullyShard", "LayoutRefused", "ZeRO", "layout_of", "torch_optimizer"]
+__all__ = ["DataParallel", "FSDP1", "FullyShard", "LayoutRefused", "ZeRO", "layout_of", "torch_optimizer",
+           "trained_device"]
