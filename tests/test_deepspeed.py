@@ -227,3 +227,19 @@ def test_a_zero3_run_leaves_torchs_linear_as_it_was_for_the_next_run_in_its_grou
                                       "storage_path": tmp_path / "ray", "checkpoint_interval": 0})
     launch_local([cfg], [{"batches": batches}], worker=_linear_after_zero3)
     assert (tmp_path / "linear.txt").read_text() == "True linear"  # (without: "False zero3_linear_wrap")
+
+
+def test_deepspeed_is_imported_without_the_mlflow_its_autotuner_would_import():
+    """DeepSpeed's autotuner imports mlflow where it is installed (1.8 s of DeepSpeed's 2.3 s import here, in the
+    driver and in every DeepSpeed worker), to log tuning training never runs: import_deepspeed leaves it out, and a
+    tracker that imports mlflow afterwards gets it whole."""
+    code = ("import sys, torch\n"
+            "from parity.strategies.autotp.library import import_deepspeed\n"
+            "deepspeed = import_deepspeed(torch.device('cpu'))\n"
+            "from deepspeed.autotuning import autotuner\n"
+            "print('mlflow' in sys.modules, autotuner.has_mlflow)\n"
+            "import mlflow\n"
+            "print(callable(mlflow.start_run))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "False", "True"]

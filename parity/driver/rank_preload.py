@@ -1,6 +1,8 @@
 """Imported last by a local group's forkserver (local_group.PRELOAD), after what every rank imports: the work each
 forked rank would otherwise repeat, done once before the forks.
 
+- DeepSpeed, as a worker imports it (`import_deepspeed`: the CPU accelerator, without the mlflow its autotuner would
+  import: 1.8 s here).
 - The shared code's fingerprint (fingerprint.shared_files parses every module of the package): the ranks run the code
   this server imported and inherit the answer, computed over the same files.
 - gc.freeze(): the ~600 000 objects the imports made leave the collector's generations, so that a full collection in
@@ -11,10 +13,16 @@ forked rank would otherwise repeat, done once before the forks.
 """
 
 import atexit
+import contextlib
 import gc
 
-from parity.fingerprint import shared_code_sha256
+import torch
 
+from parity.fingerprint import shared_code_sha256
+from parity.strategies.autotp.library import import_deepspeed
+
+with contextlib.suppress(ImportError):  # an import that fails here is left to the rank
+    import_deepspeed(torch.device("cpu"))
 shared_code_sha256()
 gc.freeze()
 atexit.register(gc.unfreeze)
