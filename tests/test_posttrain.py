@@ -8,6 +8,7 @@ is measured in one process (test_objective_invariance.py)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -23,6 +24,9 @@ RUN = {"model_name": "qwen2-tiny", "learning_rate": 1e-4, "checkpoint_interval":
 DP2 = {"num_workers": 2, "batch_size": 4, "grad_accum_steps": 2}
 TP2_DP2 = {"num_workers": 4, "tp_size": 2, "batch_size": 4, "grad_accum_steps": 2}
 FP32, BF16 = {"precision": "fp32"}, {"precision": "bf16"}
+SAMPLER_WEIGHTED = {"objective": "dapo", "objective_args": [
+    "vllm_importance_sampling_correction=true", "vllm_importance_sampling_mode=sequence_truncate",
+    "vllm_importance_sampling_clip_max=0.5"]}
 # name → (strategy, rollouts, flags), in the order each world size's group runs them. ZeRO-3 last: DeepSpeed's ZeRO-3
 # replaces torch.nn.functional.linear in its processes for good ("this will persist unless manually reset"), and a bf16
 # run after it in the same group computed other roundings (the pipeline's step 1: 1.7103 against 1.7096 alone)
@@ -45,6 +49,12 @@ RUNS = {
                                            "noise_reference": True}),
     "ddp_dpo": ("ddp", "dpo", {"objective": "dpo", **DP2, **FP32}),
     "ddp_dpo_swapped": ("ddp", "dpo_swapped", {"objective": "dpo", **DP2, **FP32}),  # chosen and rejected swapped
+    # TRL's vLLM importance-sampling correction from the file's sampler side, capped at 0.5 so that it bites (the
+    # sampler's log-probs lie within rounding of the trainer's: every weight ~1, clamped to 0.5), against the same
+    # objective without it
+    "ddp_sampler_weighted": ("ddp", "grpo", {**SAMPLER_WEIGHTED, **DP2, **FP32}),
+    "fsdp_sampler_weighted": ("fsdp", "grpo", {**SAMPLER_WEIGHTED, **TP2_DP2, **FP32}),
+    "ddp_unweighted": ("ddp", "grpo", {"objective": "dapo", **DP2, **FP32}),
     "zero1": ("deepspeed", "grpo", {**DAPO, **TP2_DP2, **FP32, "zero_stage": 1}),
     "zero3": ("deepspeed", "grpo", {**DAPO, **TP2_DP2, **FP32, "zero_stage": 3}),
 }
@@ -120,6 +130,37 @@ def test_every_strategy_trains_the_objective_at_fp32_parity_with_ddp(runs, name)
         theirs = [s["objective"][quantity] for s in base["steps"]]
         assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-5 * max(1.0, *map(abs, theirs)), quantity
     assert base["steps"][0]["objective"]["kl"] > 0  # the reference is another model: the KL term is at work
+
+
+def test_the_sampler_weight_is_trls_and_trains_at_fp32_parity(runs):
+    """TRL's vLLM importance-sampling correction from the rollout file's sampler log-probs (sequence_truncate, capped at
+    0.5: every weight ~1, clamped): the step-0 loss is half the unweighted one's (on-policy, β 0: the whole loss is the
+    weighted policy term), and FSDP + TP trains it within 1e-5 of DDP. The weight itself, mode by mode, as TRL 1.16's
+    _generate_and_score_completions computes it."""
+    import torch
+
+    from parity.objectives.grpo import sampler_weight
+
+    weighted, fsdp, plain = (runs["records"][n] for n in ("ddp_sampler_weighted", "fsdp_sampler_weighted",
+                                                          "ddp_unweighted"))
+    assert abs(series(weighted, "loss")[0] - 0.5 * series(plain, "loss")[0]) <= 1e-6 * abs(series(plain, "loss")[0])
+    assert series(plain, "loss")[0] != 0
+    for key in ("loss", "grad_norm", "param_norm"):
+        assert max_rel_diff(series(fsdp, key), series(weighted, key)) < 1e-5, key
+    old = torch.tensor([[0.0, -1.0, -2.0, -3.0]])
+    sampled = torch.tensor([[0.0, -1.5, float("nan"), -2.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    s = {"vllm_importance_sampling_clip_min": None, "vllm_importance_sampling_clip_max": 1.5}
+    token = [0.0, 0.5, 0.0, -1.0]  # log-weights: 0 off the mask and where the sampler gave none
+    expect = {"token_truncate": [min(1.5, math.exp(x)) for x in token],
+              "token_mask": [0.0 if math.exp(x) > 1.5 else math.exp(x) for x in token],
+              "sequence_truncate": [math.exp(-0.5)], "sequence_mask": [math.exp(-0.5)]}
+    for mode, values in expect.items():
+        got = sampler_weight({**s, "vllm_importance_sampling_mode": mode}, old, sampled, mask)
+        assert torch.allclose(got, torch.tensor([values])), mode
+    s["vllm_importance_sampling_clip_max"] = 0.5  # the sequence's weight exp(−0.5) ≈ 0.61: capped, or masked
+    assert sampler_weight({**s, "vllm_importance_sampling_mode": "sequence_truncate"}, old, sampled, mask).item() == 0.5
+    assert sampler_weight({**s, "vllm_importance_sampling_mode": "sequence_mask"}, old, sampled, mask).item() == 0.0
 
 
 def test_the_verdict_passes_every_strategy_against_ddp(runs, tmp_path, capsys):
@@ -227,7 +268,11 @@ def test_a_ratio_within_its_rounding_of_the_clip_bound_is_a_tie(tiny_weights, po
 REFUSED = [  # (flags beyond a dapo run on the GRPO file, what the one line says)
     ({"objective": "ppo"}, "--objective ppo is not a known objective"),
     ({"objective_args": ["betta=0.1"]}, "--objective dapo has no setting betta"),
-    ({"objective_args": ["vllm_importance_sampling=true"]}, "cannot be computed by the reference"),
+    ({"objective_args": ["off_policy_mask_threshold=0.5"]}, "cannot be computed by the reference"),
+    ({"objective_args": ["vllm_importance_sampling_correction=true"], "rollouts": "no_sampler"},
+     "has no sampler side"),
+    ({"objective": "vespo", "objective_args": ["vllm_importance_sampling_correction=true"]},
+     "vespo takes TRL's vLLM importance weight"),
     ({"objective": "dpo", "objective_args": ["loss_type=aot"]}, "loss_type aot sorts the log-ratios"),
     ({"objective": "dpo"}, "trains on dpo rollouts, and --rollouts"),
     ({"rollouts": None}, "--objective dapo trains on a rollout file: give --rollouts FILE"),
@@ -250,6 +295,13 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(tiny_weights, 
         tensors = {k: v for k, v in f.tensors.items() if k != "ref_logps"}
         flags["rollouts"] = str(tmp_path / "no_ref.safetensors")
         write_rollouts(flags["rollouts"], "grpo", tensors, "without ref_logps", {}, f.sampler)
+    if flags.get("rollouts") == "no_sampler":  # the GRPO file without its sampler side
+        from parity.objectives.rollouts import SAMPLER_TENSORS
+
+        f = read_rollouts(posttrain_rollouts["grpo"])
+        tensors = {k: v for k, v in f.tensors.items() if k not in SAMPLER_TENSORS}
+        flags["rollouts"] = str(tmp_path / "no_sampler.safetensors")
+        write_rollouts(flags["rollouts"], "grpo", tensors, "without its sampler side", {}, {})
     values = {**RUN, **DAPO, **DP2, "rollouts": posttrain_rollouts["grpo"], "init_weights_path": tiny_weights,
               "loss_output_dir": tmp_path, "storage_path": tmp_path, "objective_args": None, "device": "cpu", **flags}
     assert train("ddp", argv=to_argv({k: v for k, v in values.items() if k != "objective_args"})

@@ -82,6 +82,7 @@ class Invariance:
 
 
 # --- the GRPO family: TRL 1.16's loss_type values, each a definition ----------------------------------------------
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's vllm_importance_sampling_mode
 _CLIP = (Setting("epsilon", 0.2, float, "ε_low: the ratio is clipped below at 1 − ε_low"),
          Setting("epsilon_high", None, float, "ε_high: clipped above at 1 + ε_high (default ε_low); cispo: the cap "
                                              "ε_max of the importance weight itself"),
@@ -104,8 +105,13 @@ _COMMON = (Setting("beta", 0.0, float, "β: the weight of the k3 KL estimate to 
                                                                     "from the run's own history"),
            Setting("off_policy_mask_threshold", None, float, "", refused="off-policy sequence masking needs the "
                                                                           "sampler's log-probs"),
-           Setting("vllm_importance_sampling", False, bool, "", refused="vLLM importance sampling needs the sampler's "
-                                                                        "log-probs, which a rollout does not hold"))
+           Setting("vllm_importance_sampling_correction", False, bool, "each token's policy loss × TRL's importance "
+                   "weight of π_old to the sampler (the rollouts' sampler_logps), capped or masked by the mode"),
+           Setting("vllm_importance_sampling_mode", "sequence_mask", str, "token_*: one weight per token; sequence_*: "
+                   "exp of the sequence's summed log-ratio; *_truncate clamps it to [clip_min, clip_max], *_mask "
+                   "zeroes it outside", choices=IS_MODES),
+           Setting("vllm_importance_sampling_clip_min", None, float, "the weight's lower bound (none: unbounded)"),
+           Setting("vllm_importance_sampling_clip_max", 3.0, float, "the weight's upper bound (TRL's C_max)"))
 _TOKENS = Setting("normalizer", "step", str, "step: the step's own completion tokens (DAPO); generation: the "
                                              "generation batch's tokens ÷ the optimizer steps it spans (TRL ≥ PR #6024)",
                   choices=("step", "generation"))
@@ -231,6 +237,9 @@ def _check_grpo(name: str, s: dict) -> None:
         raise ConfigError(f"--objective {name}: delta caps the ratio and must be above 1 (got {s['delta']})")
     if name == "luspo" and s["importance_sampling_level"] != "sequence":
         raise ConfigError("--objective luspo is defined on sequence-level ratios: set importance_sampling_level=sequence")
+    if name == "vespo" and s["vllm_importance_sampling_correction"]:
+        raise ConfigError("--objective vespo takes TRL's vLLM importance weight into its own sequence weight, which the "
+                          "reference does not compute: set vllm_importance_sampling_correction=False")
     if name == "vespo" and s["importance_sampling_level"] != "token":
         raise ConfigError("--objective vespo computes its sequence weight itself: leave importance_sampling_level=token")
     if name == "dr_grpo" and (s["max_completion_length"] is None or s["max_completion_length"] < 1):

@@ -18,6 +18,8 @@ each row's token mean (grpo, sapo: D = rows); bnpo its own token mean × D ÷ th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from parity.objectives import ties
@@ -73,6 +75,22 @@ def vespo_weight(s: dict, log_ratio, mask, advantages):
     return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
 
 
+@torch.no_grad()
+def sampler_weight(s: dict, old, sampler_logps, mask):
+    """TRL 1.16's vLLM importance-sampling correction (GRPOTrainer._generate_and_score_completions): the weight of
+    π_old to the sampler, exp(log π_old − the sampler's log-prob) of each counted token (a token the sampler gave no
+    log-prob for: 1), or of the sequence's summed log-ratio, clamped to [clip_min, clip_max] (*_truncate) or 0 outside
+    them (*_mask): [rows, L − 1] or [rows, 1]."""
+    diff = torch.nan_to_num((old - sampler_logps) * mask, nan=0.0)
+    mode = s["vllm_importance_sampling_mode"]
+    weight = (diff.sum(1, keepdim=True) if mode.startswith("sequence") else diff).exp()
+    low, high = s["vllm_importance_sampling_clip_min"], s["vllm_importance_sampling_clip_max"]
+    if mode.endswith("truncate"):
+        return weight.clamp(min=low, max=high)
+    outside = (weight < (-math.inf if low is None else low)) | (weight > (math.inf if high is None else high))
+    return weight.masked_fill(outside, 0.0)
+
+
 def micro_sum(name: str, s: dict, logits, input_ids, rows, divisor: float, micro_batches: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(what this micro-batch contributes to the step's loss × the step's divisor, its statistics (STATS, float64)):
@@ -100,6 +118,8 @@ def micro_parts(name: str, s: dict, log_probs, entropy, rows, level: float = tie
     log_weight = log_ratio.sum(1, keepdim=True) / lengths.clamp(min=1)[:, None] if sequence else log_ratio
     ratio = log_weight.exp()
     per_token = surrogate(name, s, ratio, advantages, log_probs, log_ratio, mask)
+    if s.get("vllm_importance_sampling_correction"):
+        per_token = per_token * sampler_weight(s, old, rows.sampler_logps[:, 1:].float().to(old.device), mask)
     kl = None
     if s["beta"]:
         gap = torch.where(mask > 0, rows.ref_logps[:, 1:].float() - log_probs, 0.0)

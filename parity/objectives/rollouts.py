@@ -70,6 +70,7 @@ class RolloutRows:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     ref_seq_logps: torch.Tensor | None = None
+    sampler_logps: torch.Tensor | None = None  # the sampler's side, where the objective weighs tokens by it
     divisor: float | None = None
     generation_tokens: float | None = None
 
@@ -123,7 +124,8 @@ class RolloutFile:
         t = {k: v[start:stop] for k, v in self.tensors.items() if k != "step_rows"}
         if t.get("truncated") is None:
             t["truncated"] = torch.zeros(stop - start, dtype=torch.int64)
-        rows = RolloutRows(**{k: t.get(k) for k in ROW_TENSORS if k != "attention_mask"})
+        rows = RolloutRows(**{k: t.get(k) for k in ROW_TENSORS if k != "attention_mask"},
+                           sampler_logps=t.get("sampler_logps"))
         return t["input_ids"], rows
 
     def attention_mask(self, step: int) -> torch.Tensor:

@@ -101,7 +101,7 @@ def _grpo(trainer, args, optimizer) -> tuple[str, dict]:
                                               "importance_sampling_level", "mask_truncated_completions",
                                               "temperature", "entropy_coef", "top_entropy_quantile",
                                               "use_adaptive_entropy", "off_policy_mask_threshold")}
-    settings["vllm_importance_sampling"] = False
+    settings["vllm_importance_sampling_correction"] = False  # refused above where TRL applies it
     known = {s.name for s in DEFINITIONS[name].settings}
     for extra in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                   "vespo_lambda_neg", "max_completion_length"):
