@@ -144,8 +144,8 @@ def train(args) -> None:
         gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=1e-3,
         warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, report_to=[],
         **({"save_strategy": "steps", "save_steps": args.save_at} if args.save_at else {"save_strategy": "no"}),
-        use_cpu=args.device == "cpu", ddp_backend=backend(args.device), seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
-        disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)
+        use_cpu=args.device == "cpu", ddp_backend=backend(args.device), seed=args.seed, data_seed=args.seed,
+        dataloader_num_workers=0, disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)
     trainer = Trainer(model=model, args=training, train_dataset=data,
                       data_collator=(DataCollatorWithFlattening() if args.padding_free else
                                      pad_to_longest if args.dynamic_padding else None),

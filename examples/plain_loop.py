@@ -99,8 +99,7 @@ def build(args, shard):
     once its adapters are in, before the optimizer is built (DDP here, examples/sharded_loop.py's fully_shard)."""
     from parity.models.model import build_model, resolve_model_config
 
-    model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed).to(
-        rank_device(getattr(args, "device", "cpu")))
+    model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)
     if args.lora:  # peft's adapters, the model frozen under them
         from peft import LoraConfig, get_peft_model
 
@@ -162,7 +161,8 @@ def train(args) -> str | None:
     """The loop, on every rank of the process group that is up. Returns the record's path on rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
     wrapped = []  # DDP, around the model with its adapters (--lora)
-    model, optimizer, scheduler = build(args, shard=lambda m: wrapped.append(DistributedDataParallel(m)))
+    where = rank_device(args.device)
+    model, optimizer, scheduler = build(args, shard=lambda m: wrapped.append(DistributedDataParallel(m.to(where))))
     start = restore(args.resume_from, model, optimizer, scheduler) if args.resume_from else 0
     ddp = wrapped[0]
     rec = ParityRecorder(args.output_dir, name=args.name, model=ddp, optimizer=optimizer,
@@ -173,7 +173,6 @@ def train(args) -> str | None:
                          dump_step=args.dump_step, scheduler=scheduler, start_step=start,
                          checkpoint_interval=args.checkpoint_interval)
     samples = args.samples or args.steps * world * args.batch_size
-    where = rank_device(args.device)
     all_ids, all_labels, all_mask = (t.to(where) for t in dataset(samples, args.seq_length, model.config.vocab_size,
                                                                  args.seed))
     data = itertools.islice(windows(args, rank, world, samples), start, None)  # the data position restored

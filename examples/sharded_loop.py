@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     known, rest = p.parse_known_args(argv)
     args = plain_loop.parse_args([*rest, *([] if "--name" in rest else ["--name", "sharded_loop"])])
     args.shard, args.tp = known.shard, known.tp
+    if args.device != "cpu":
+        print(f"error: --device {args.device}: sharded_loop.py runs on CPU ranks only (gloo); plain_loop.py takes "
+              f"--device cuda", file=sys.stderr)
+        raise SystemExit(2)
     return args
 
 

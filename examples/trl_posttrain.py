@@ -108,8 +108,9 @@ def train(args, ray: bool = False) -> None:
     common = dict(output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
                   gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=args.lr,
                   max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[],
-                  use_cpu=args.device == "cpu", ddp_backend=backend(args.device), seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
-                  disable_tqdm=True, **({"bf16": False} if args.fp32 else {}))
+                  use_cpu=args.device == "cpu", ddp_backend=backend(args.device), seed=args.seed,
+                  data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
+                  **({"bf16": False} if args.fp32 else {}))
     if args.trainer == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 

@@ -46,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=10.0,
                    help="Trainer's clipping; where it does not clip, the recorder measures the pre-clip norm itself")
     p.add_argument("--packing", action="store_true", help="SFTConfig(packing=True): TRL's 'bfd' packing, padding-free")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU a rank (NCCL; gloo where the "
-                   "ranks share one: PARITY_SHARE_ONE_GPU=1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: one GPU a rank (NCCL; gloo where the ranks share one: PARITY_SHARE_ONE_GPU=1)")
     p.add_argument("--fsdp2", action="store_true", help="accelerate's FSDP2 plugin (GPU only: accelerate picks FSDP "
                                                         "for GPU device types)")
     return p.parse_args(argv)

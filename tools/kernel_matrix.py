@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 
+from parity.attaching.launch import SHARE_ONE_GPU
 from parity.calibration.kernel_settings import BY_DEVICE, environment as with_setting  # (the project is installed)
 from parity.comparing.margins import worst
 
@@ -115,11 +116,11 @@ CPU_ONLY = ("main_fp32", "main_bf16", "titan_fsdp", "titan_tp")  # Ray's main jo
 
 
 def environment(code: str, setting: str, device: str) -> dict[str, str]:
-    """This process's environment under `setting` (of `device`'s), `code` and torchtitan's CPU changes (tests/titan_site)
-    first on PYTHONPATH; on a GPU every rank on it (the testing switch: the 2-rank rows and the replay's references)."""
+    """This process's environment under `setting` (of `device`'s), `code` and torchtitan's CPU changes
+    (tests/titan_site) first on PYTHONPATH; on a GPU every rank on it (the testing switch: the 2-rank rows and the replay's references)."""
     path = [code, os.path.join(REPO, "tests", "titan_site"), *filter(None, os.environ.get("PYTHONPATH", "").split(
         os.pathsep))]
-    shared = {"PARITY_SHARE_ONE_GPU": "1"} if device == "cuda" else {}
+    shared = {SHARE_ONE_GPU: "1"} if device == "cuda" else {}
     return {**with_setting(setting, dict(os.environ), device), **shared, "PYTHONPATH": os.pathsep.join(path)}
 
 
@@ -165,15 +166,14 @@ def run_cell(capability: str, setting: str, out: str, code: str, device: str = "
 
 
 def recorder_share(folder: str) -> dict | None:
-    """The recorder's cost in the recorded run whose record is in `folder` (benchmark.py --recorder's figures), its
-    first step left out; None where no record holds timings."""
-    from parity.commands.recorder_cost import cost
+    """The recorder's cost in the recorded run whose record is in `folder` (benchmark.py --recorder's figures)."""
+    from parity.commands.recorder_cost import recorded_share
     from parity.training.record import load_record
 
     for path in sorted(set(glob.glob(os.path.join(folder, "loss_*.json"))) - {os.path.join(folder, "loss_ddp.json")}):
-        timed = [s for s in load_record(path)["steps"][1:] if "harness_s" in s and s.get("step_time_s")]
-        if timed:
-            return cost(timed)
+        found = recorded_share(load_record(path)["steps"])
+        if found:
+            return found
     return None
 
 

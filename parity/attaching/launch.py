@@ -12,6 +12,8 @@ import socket
 import sys
 from typing import Callable
 
+SHARE_ONE_GPU = "PARITY_SHARE_ONE_GPU"  # =1: every rank of a cuda group on cuda:0, over gloo (testing only)
+
 
 def launch(train: Callable, args) -> None:
     """`train(args)` on every rank (`train(args, ray=True)` on Ray Train's workers)."""
@@ -44,21 +46,22 @@ def _spawned(rank: int, world: int, port: int, train: Callable, args) -> None:
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(0 if shared_gpu() else rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      NODE_RANK="0")
+                      LOCAL_RANK=str(0 if share_one_gpu() else rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
     torch.set_num_threads(1)
     train(args)
 
 
-def shared_gpu() -> bool:
-    """Whether the testing switch puts every rank on the one GPU (PARITY_SHARE_ONE_GPU=1: local_group's)."""
-    return os.environ.get("PARITY_SHARE_ONE_GPU") == "1"
+def share_one_gpu() -> bool:
+    """Whether the testing switch puts every rank on the one GPU (PARITY_SHARE_ONE_GPU=1), here and in a local
+    group's ranks (parity/driver/local_group.py)."""
+    return os.environ.get(SHARE_ONE_GPU) == "1"
 
 
 def backend(device: str) -> str:
     """The process group's backend for this process's ranks on `device` (cpu or cuda; WORLD_SIZE set): gloo on CPU and
     for several ranks sharing one GPU (NCCL refuses two ranks on one device), else nccl."""
-    shared = shared_gpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    shared = share_one_gpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     return "gloo" if device == "cpu" or shared else "nccl"
 
 

@@ -3,9 +3,10 @@ perturbed setting per capability in the tests): each sets, in a whole command's 
 CPU kind or a GPU would — MKL's fp32 matrix products (MKL_ENABLE_INSTRUCTIONS on Intel; MKL_CBWR's compatible path on
 any x86 CPU, AMD's included, where MKL takes one path whatever the ISA), oneDNN's bf16 ones (ONEDNN_MAX_CPU_ISA) and
 the thread count (reduction orders). Measured on AMD EPYC: MKL_ENABLE_INSTRUCTIONS=AVX2 gives the default's bits,
-MKL_CBWR=COMPATIBLE other fp32 bits; ONEDNN_MAX_CPU_ISA=AVX2 other bf16 bits (docs/tolerances.md#the-clean-matrix). On CUDA (CUDA_SETTINGS) what a whole
-command's environment can move on a GPU: cuBLAS's deterministic workspace (other algorithms) and TF32 forced on for fp32
-matrix products (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE: the setting many users train with)."""
+MKL_CBWR=COMPATIBLE other fp32 bits; ONEDNN_MAX_CPU_ISA=AVX2 other bf16 bits (docs/tolerances.md#the-clean-matrix).
+On CUDA (CUDA_SETTINGS) what a whole command's environment can move on a GPU: cuBLAS's deterministic workspace (other
+algorithms) and TF32 forced on for fp32 matrix products (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE: the setting many users train
+with)."""
 
 from __future__ import annotations
 

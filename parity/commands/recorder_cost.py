@@ -69,6 +69,13 @@ def cost(steps: list[dict]) -> dict:
             "median_share": statistics.median(a / b for a, b in zip(spent, step)), "parts_s": parts}
 
 
+def recorded_share(steps: list[dict]) -> dict | None:
+    """`cost` over a recorded run's steps that hold the recorder's timings, its first step left out; None where none
+    do."""
+    timed = [s for s in steps[1:] if "harness_s" in s and s.get("step_time_s")]
+    return cost(timed) if timed else None
+
+
 def markdown(rows: dict) -> list[str]:
     """The table benchmark.py --recorder prints and writes (recorder.md)."""
     lines = ["| layout | step (ms) | recorder (ms) | share of the mean step | median share | " +

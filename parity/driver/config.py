@@ -364,9 +364,10 @@ def _rollout_run(s: dict, options: dict) -> None:
         raise ConfigError(f"--objective {objective['name']} with beta {settings['beta']} needs the reference's "
                           f"log-probs, and --rollouts {path} has none: give beta=0, or a file with ref_logps")
     if settings.get("vllm_importance_sampling_correction") and "sampler_logps" not in rollouts.tensors:
-        raise ConfigError(f"--objective {objective['name']} with vllm_importance_sampling_correction weighs each token by "
-                          f"π_old ÷ the sampler's probability, and --rollouts {path} has no sampler side: give "
-                          f"vllm_importance_sampling_correction=False, or a file with sampler_logps (docs/sampler.md)")
+        raise ConfigError(f"--objective {objective['name']} with vllm_importance_sampling_correction weighs each "
+                          f"token by π_old ÷ the sampler's probability, and --rollouts {path} has no sampler side: "
+                          f"give vllm_importance_sampling_correction=False, or a file with sampler_logps "
+                          f"(docs/sampler.md)")
     if settings.get("ld_alpha") is not None and "ref_logps" not in rollouts.tensors:
         raise ConfigError(f"--objective dpo with ld_alpha weighs the reference's tokens, and --rollouts {path} holds "
                           f"only its sums (ref_seq_logps): give a file with ref_logps")

@@ -28,6 +28,7 @@ import sys
 
 import torch.multiprocessing as mp
 
+from parity.attaching.launch import SHARE_ONE_GPU, share_one_gpu
 from parity.fingerprint import cpu_has_onednn_bf16
 from parity.driver.cluster import Cluster
 from parity.errors import TrainingFailed
@@ -37,7 +38,6 @@ from parity.training.data import training_data
 from parity.training.record import load_record, run_record_path
 
 CLUSTER = Cluster(cpus=2, gpus=0)  # what resolve is told: CPU workers sharing two cores
-SHARE_ONE_GPU = "PARITY_SHARE_ONE_GPU"  # =1: every rank of a cuda group on cuda:0, over gloo (testing only)
 SHARED_GPU_RANKS = 64  # the ranks resolve is told the one GPU takes under SHARE_ONE_GPU
 ISA_ENV = "ONEDNN_MAX_CPU_ISA"
 KERNEL_PATHS = {
@@ -84,11 +84,6 @@ def plan(strategy: str, values: dict) -> tuple:
     device = values.get("device") or "cpu"
     cfg = resolve(strategy, {**values, "device": device}, cluster=local_cluster(device))
     return cfg, training_data(cfg)
-
-
-def share_one_gpu() -> bool:
-    """Whether the testing switch puts every rank of a cuda group on cuda:0 (PARITY_SHARE_ONE_GPU=1)."""
-    return os.environ.get(SHARE_ONE_GPU) == "1"
 
 
 def local_cluster(device: str) -> Cluster:

@@ -238,8 +238,8 @@ def _check_grpo(name: str, s: dict) -> None:
     if name == "luspo" and s["importance_sampling_level"] != "sequence":
         raise ConfigError("--objective luspo is defined on sequence-level ratios: set importance_sampling_level=sequence")
     if name == "vespo" and s["vllm_importance_sampling_correction"]:
-        raise ConfigError("--objective vespo takes TRL's vLLM importance weight into its own sequence weight, which the "
-                          "reference does not compute: set vllm_importance_sampling_correction=False")
+        raise ConfigError("--objective vespo takes TRL's vLLM importance weight into its own sequence weight, which "
+                          "the reference does not compute: set vllm_importance_sampling_correction=False")
     if name == "vespo" and s["importance_sampling_level"] != "token":
         raise ConfigError("--objective vespo computes its sequence weight itself: leave importance_sampling_level=token")
     if name == "dr_grpo" and (s["max_completion_length"] is None or s["max_completion_length"] < 1):

@@ -126,6 +126,7 @@ def _record(out: str, script: str, flags: list[str]) -> str:
 
 def _replay(out: str, record: str, replay: str) -> dict:
     """`record` replayed at 1 worker under `replay` (replay_choice.REPLAYS) and judged against it."""
+    from parity.commands.recorder_cost import recorded_share
     from parity.comparing.curves import compare, load_runs
     from parity.driver.local_group import launch_local, local_cluster
     from parity.replay.replay import plan_replay
@@ -145,16 +146,7 @@ def _replay(out: str, record: str, replay: str) -> dict:
              for k in ("loss", "grad_norm", "param_norm")}
     return {"verdict": verdict, "max_rel_diff": diffs, "steps": len(recorded["steps"]),
             "grad_norm_source": recorded["config"].get("grad_norm_source"), "record": record, "replay": replay,
-            "recorder": recorder_share(recorded["steps"])}
-
-
-def recorder_share(steps: list[dict]) -> dict | None:
-    """The recorder's cost in the recorded run (benchmark.py --recorder's figures: recorder_cost.cost), its first step
-    left out; None where the record holds no timings."""
-    from parity.commands.recorder_cost import cost
-
-    timed = [s for s in steps[1:] if "harness_s" in s and s.get("step_time_s")]
-    return cost(timed) if timed else None
+            "recorder": recorded_share(recorded["steps"])}
 
 
 def markdown(details: dict) -> list[str]:

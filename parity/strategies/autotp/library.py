@@ -96,4 +96,3 @@ def absent(name: str):
     finally:
         if sys.modules.get(name, 0) is None:
             del sys.modules[name]
-
