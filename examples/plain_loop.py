@@ -29,14 +29,13 @@ import argparse
 import contextlib
 import itertools
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from parity.attaching.launch import rank_device
+from parity.attaching.launch import agent_store_environment, held_port, rank_device
 from parity.recording.recorder import ParityRecorder
 
 
@@ -210,7 +209,7 @@ def train(args) -> str | None:
 
 
 def _spawned(rank: int, world: int, port: int, args, run=None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(agent_store_environment(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -229,10 +228,8 @@ def launch(args, run=None) -> None:
         finally:
             dist.destroy_process_group()
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args, run), nprocs=args.nproc)
+    with held_port() as port:
+        torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args, run), nprocs=args.nproc)
 
 
 def main(argv=None) -> None:

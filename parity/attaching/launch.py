@@ -7,8 +7,8 @@ switch that puts several ranks on one GPU (PARITY_SHARE_ONE_GPU=1, docs/gpu.md) 
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
 import sys
 from typing import Callable
 
@@ -36,18 +36,34 @@ def launch(train: Callable, args) -> None:
     if "RANK" in os.environ:  # torchrun, accelerate launch
         train(args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, train, args), nprocs=args.nproc)
+    with held_port() as port:
+        torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, train, args), nprocs=args.nproc)
+
+
+@contextlib.contextmanager
+def held_port():
+    """The port of a store this process holds open while its spawned ranks run: they join it as clients (torchrun's
+    agent store, `agent_store_environment`), so no other process can take the port between its choice here and the
+    ranks' start, as a free port chosen here and listened on later by rank 0 could be (EADDRINUSE in a busy CI)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
+
+
+def agent_store_environment(port: int) -> dict[str, str]:
+    """A spawned rank's variables for joining the store of `held_port` (every rank a client, rank 0 included)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def _spawned(rank: int, world: int, port: int, train: Callable, args) -> None:
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(0 if share_one_gpu() else rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
+    os.environ.update(agent_store_environment(port), RANK=str(rank), LOCAL_RANK=str(0 if share_one_gpu() else rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
     torch.set_num_threads(1)
     train(args)
 
