@@ -40,6 +40,7 @@ import functools
 
 import torch
 
+from parity.deepspeed_import import import_deepspeed
 from parity.errors import ConfigError, LibraryMissing
 from parity.models.families import family_of
 from parity.models.model import parameter_names
@@ -48,7 +49,7 @@ from parity.strategies.autotp.engine_config import engine_config
 from parity.strategies.autotp.gathers import (column_parallel_outputs, full_tensors, gather_last_dim, stock_name,
                                               stock_names)
 from parity.strategies.autotp.guards import check_autoep, check_release_runs
-from parity.strategies.autotp.library import forget_other_tp_layout, import_deepspeed
+from parity.strategies.autotp.library import forget_other_tp_layout
 from parity.strategies.autotp.norm_point import norm_dtype, watch_norm
 from parity.strategies.autotp.partition import autotp_partition_config
 from parity.strategies.autotp.zero_state import (full_masters, full_moments, local_gradient, local_master, module_norm,

@@ -89,7 +89,7 @@ def fsdp1(model, wrapped: list) -> None:
 
 def deepspeed_engine(args, model, optimizer, scheduler):
     """ZeRO stage N over the AdamW and warm-up built as plain_loop.py's; DeepSpeed clips to --max_grad_norm."""
-    from parity.strategies.autotp.library import import_deepspeed  # on CPU: DeepSpeed's CPU accelerator, no shm op
+    from parity.deepspeed_import import import_deepspeed  # on CPU: DeepSpeed's CPU accelerator, no shm op
 
     deepspeed = import_deepspeed(torch.device("cpu"))
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # DeepSpeed asks for it (torchrun sets it; one node here)

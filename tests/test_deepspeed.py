@@ -234,7 +234,7 @@ def test_deepspeed_is_imported_without_the_mlflow_its_autotuner_would_import():
     driver and in every DeepSpeed worker), to log tuning training never runs: import_deepspeed leaves it out, and a
     tracker that imports mlflow afterwards gets it whole."""
     code = ("import sys, torch\n"
-            "from parity.strategies.autotp.library import import_deepspeed\n"
+            "from parity.deepspeed_import import import_deepspeed\n"
             "deepspeed = import_deepspeed(torch.device('cpu'))\n"
             "from deepspeed.autotuning import autotuner\n"
             "print('mlflow' in sys.modules, autotuner.has_mlflow)\n"

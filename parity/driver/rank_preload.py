@@ -19,7 +19,7 @@ import gc
 import torch
 
 from parity.fingerprint import shared_code_sha256
-from parity.strategies.autotp.library import import_deepspeed
+from parity.deepspeed_import import import_deepspeed
 
 with contextlib.suppress(ImportError):  # an import that fails here is left to the rank
     import_deepspeed(torch.device("cpu"))
