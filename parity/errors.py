@@ -35,6 +35,10 @@ class LibraryMissing(ConfigError):
     def __init__(self, strategy: str, exc: ImportError):
         super().__init__(f"strategy {strategy} cannot be used: {exc} (install the pinned set with "
                          f"pip install -r requirements.txt)")
+        self.strategy, self.exc = strategy, exc
+
+    def __reduce__(self):  # a worker's error crosses to the driver pickled: rebuilt from what made it, not its line
+        return type(self), (self.strategy, self.exc)
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
