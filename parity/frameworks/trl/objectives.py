@@ -21,10 +21,14 @@ What each micro-batch consumed, as consumed — after TRL's shuffle and split of
   forward on the same rows (the ref_model's, or the policy's own under no_grad with its adapters off): per-token
   log-probs, the rows interleaved into pairs (2k chosen, 2k + 1 rejected).
 
+With vLLM (use_vllm), the rows' sampler side (docs/sampler.md): TRL's sampling_per_token_logps, the tokens and the
+weights' step; the engine's dtype, version and log-prob mode read off the colocated engine (`sampler_of`), so that TRL's
+importance-sampling correction enters the reference objective with TRL's mode and caps.
+
 Refused in one line (`plan`), nothing recorded, the training untouched: a loss type the reference does not define,
-vLLM importance sampling (its sampler's log-probs never reach a hook), a reward model trained in the same run (its
-parameters in the optimizer), the precomputed reference log-probs of DPO's dataset, a MoE router's auxiliary loss,
-images, and what the definitions themselves refuse (resolve_objective).
+vLLM importance sampling from a server (its sampler's settings live in another process), a reward model trained in
+the same run (its parameters in the optimizer), the precomputed reference log-probs of DPO's dataset, a MoE router's
+auxiliary loss, images, and what the definitions themselves refuse (resolve_objective).
 """
 
 from __future__ import annotations
@@ -67,7 +71,9 @@ def plan(trainer, optimizer) -> tuple[str, dict, dict] | None:
         raise Refused("the model's router adds its auxiliary loss to the objective (router_aux_loss_coef), which the "
                       "reference objective does not: set router_aux_loss_coef=0")
     if kind == "grpo":
-        return _grpo(trainer, args, optimizer) + (declared,)
+        found = _grpo(trainer, args, optimizer)
+        sampler = sampler_of(trainer)
+        return found + ({**declared, "sampler": sampler} if sampler else declared,)
     if getattr(args, "precompute_ref_log_probs", False):
         raise Refused("precompute_ref_log_probs=True: the reference's log-probs are computed into the dataset before "
                       "training and never reach a hook the recorder sees: record with precompute_ref_log_probs=False")
@@ -87,10 +93,11 @@ def _grpo(trainer, args, optimizer) -> tuple[str, dict]:
     name = args.loss_type
     if name not in GRPO_FAMILY:
         raise Refused(f"GRPO's loss_type {name!r} is not one the reference defines ({', '.join(GRPO_FAMILY)})")
-    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
-        raise Refused("vLLM importance sampling (use_vllm with vllm_importance_sampling_correction) weighs each token "
-                      "by π_old ÷ the sampler's probability, and the sampler's log-probs never reach a hook the "
-                      "recorder sees: record with use_vllm=False, or vllm_importance_sampling_correction=False")
+    corrected = bool(getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False))
+    if corrected and args.vllm_mode != "colocate":
+        raise Refused(f"vLLM importance sampling with vllm_mode={args.vllm_mode!r}: the sampler's dtype, version and "
+                      f"log-prob mode live in the server's process, and the recorder reads them off a colocated "
+                      f"engine: record with vllm_mode='colocate', or vllm_importance_sampling_correction=False")
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for func in getattr(trainer, "reward_funcs", []):
         if isinstance(func, torch.nn.Module) and any(id(p) in trained for p in func.parameters()):
@@ -101,7 +108,11 @@ def _grpo(trainer, args, optimizer) -> tuple[str, dict]:
                                               "importance_sampling_level", "mask_truncated_completions",
                                               "temperature", "entropy_coef", "top_entropy_quantile",
                                               "use_adaptive_entropy", "off_policy_mask_threshold")}
-    settings["vllm_importance_sampling_correction"] = False  # refused above where TRL applies it
+    settings["vllm_importance_sampling_correction"] = corrected  # TRL applies it with vLLM only
+    if corrected:
+        settings.update({k: getattr(args, k) for k in ("vllm_importance_sampling_mode",
+                                                       "vllm_importance_sampling_clip_min",
+                                                       "vllm_importance_sampling_clip_max")})
     known = {s.name for s in DEFINITIONS[name].settings}
     for extra in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                   "vespo_lambda_neg", "max_completion_length"):
@@ -111,6 +122,30 @@ def _grpo(trainer, args, optimizer) -> tuple[str, dict]:
         settings["normalizer"] = "step" if args.steps_per_generation == args.gradient_accumulation_steps else \
             "generation"
     return name, settings
+
+
+def sampler_of(trainer) -> dict | None:
+    """The rollout file's sampler metadata (docs/sampler.md) of a GRPOTrainer sampling with a colocated vLLM engine,
+    read off the engine and TRL's sampling arguments; None without one. Refused in one line for what the file cannot
+    describe: a log-prob mode other than vLLM's processed or raw log-probs, a dtype other than fp32, bf16 or fp16, or
+    sampling arguments overridden by generation_kwargs."""
+    args, engine = trainer.args, getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    if not getattr(args, "use_vllm", False) or engine is None:
+        return None
+    import vllm
+
+    config = engine.llm_engine.model_config
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(config.dtype)
+    mode = {"processed_logprobs": "processed", "raw_logprobs": "raw"}.get(str(config.logprobs_mode))
+    overridden = sorted(set(args.generation_kwargs or {}) & {"temperature", "top_p", "top_k", "min_p", "logprobs"})
+    if dtype is None or mode is None or overridden:
+        raise Refused(f"vLLM's sampler {'with generation_kwargs ' + ', '.join(overridden) if overridden else ''}"
+                      f"{'' if overridden else f'in {config.dtype} with logprobs_mode {config.logprobs_mode}'}: the "
+                      f"rollout file describes an fp32, bf16 or fp16 sampler of processed or raw log-probs at TRL's "
+                      f"temperature, top_p, top_k and min_p")
+    return {"engine": "vllm", "version": vllm.__version__, "dtype": dtype, "temperature": float(args.temperature),
+            "top_p": float(args.top_p), "top_k": int(args.top_k or 0), "min_p": float(args.min_p or 0.0),
+            "logprob_mode": mode}
 
 
 def resolved(name: str, settings: dict) -> dict:
@@ -186,7 +221,23 @@ class GRPOFeed:
             group=prompt_groups(prompt, inputs["prompt_mask"]),
             generation=torch.full((rows,), t._step // spg, dtype=torch.int64),
             old_logps=on_positions(inputs.get("old_per_token_logps"), p),
-            ref_logps=on_positions(inputs.get("ref_per_token_logps"), p))
+            ref_logps=on_positions(inputs.get("ref_per_token_logps"), p), **self.sampler_side(inputs, mask, p))
+
+    def sampler_side(self, inputs: dict, mask: torch.Tensor, p: int) -> dict:
+        """The rows' sampler side where vLLM sampled them (TRL's sampling_per_token_logps): its log-prob of each
+        completion token, the token (the row's own: TRL keeps vLLM's tokens), and the optimizer step whose weights it
+        sampled with — the steps completed when TRL generated this buffer (it syncs the weights before generating)."""
+        logps = inputs.get("sampling_per_token_logps")
+        if logps is None:
+            return {}
+        t, completion = self.trainer, inputs["completion_ids"].cpu()
+        rows = len(completion)
+        every = t.args.steps_per_generation * t.num_iterations
+        weights_step = (t._step // every) * every // t.args.gradient_accumulation_steps
+        ids = torch.where(mask.cpu() > 0, completion, -1)
+        return {"sampler_logps": on_positions(logps, p),
+                "sampler_token_ids": torch.cat([torch.full((rows, p), -1, dtype=torch.int64), ids.long()], 1),
+                "sampler_weights_step": torch.full((rows,), weights_step, dtype=torch.int64)}
 
 
 class DPOFeed:

