@@ -118,3 +118,40 @@ def test_a_weight_sync_skipped_fails_the_sampler_verdict_naming_it(runs):
     first = sampler["first_outside"]
     assert _rollouts(folder).tensors["sampler_weights_step"][first["row"]] == 1, first
     print(f"skipped sync: {sampler['cause']}; largest gap {sampler['statistics']['max_abs']:.2e}")
+
+
+LAYER_PROBE = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from parity.frameworks.vllm.layers import first_layer_apart
+from parity.frameworks.vllm.sampler import VLLMSampler
+from parity.models.model import build_model, resolve_model_config
+
+model = build_model(resolve_model_config("qwen3-tiny"), 0).eval()
+model.save_pretrained(sys.argv[1])
+engine = VLLMSampler(sys.argv[1], "fp32", "processed", 64, 0).llm
+rows = [[5, 77, 301, 9, 1200, 64, 33], [800, 2, 17, 1999, 450]]
+clean = first_layer_apart(engine, model, rows, "fp32")
+engine.apply_model(lambda m: m.model.layers[1].input_layernorm.weight.data.mul_(1.05))
+print(json.dumps([clean, first_layer_apart(engine, model, rows, "fp32")]))
+"""
+
+
+def test_the_first_layer_where_vllm_parts_from_the_trainers_model(runs, tmp_path):
+    """The recorder's layer probe (frameworks/vllm/layers.py): in the clean runs no layer of vLLM's forward parts from
+    the trainer's model at step 0 (in fp32 within fp32's rounding; in bf16 within the noise of bf16 autocast); with one
+    layer's norm weight of the engine scaled by 1.05 (the seeded fault, on an engine built here as make_rollouts.py
+    builds it), layer 1 is the first apart, layer 0 is not."""
+    for dtype in ("fp32", "bf16"):
+        layers = json.loads((runs[dtype][2] / f"recorded_{NAME}" / "sampler_layers.json").read_text())
+        assert layers["first"] is None and len(layers["layers"]) == 2 and layers["rows"] == 2, layers
+        assert "vLLM's layers against the trainer's model (step 0, 2 rows" in runs[dtype][1]
+    path = os.pathsep.join(filter(None, [vllm_site(), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", LAYER_PROBE, str(tmp_path / "model")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path}, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    clean, seeded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert clean["first"] is None and seeded["first"] == 1, (clean, seeded)
+    gap, noise = seeded["layers"][1]["gap"], seeded["layers"][1]["noise"]
+    assert seeded["layers"][0]["gap"] == clean["layers"][0]["gap"] and gap > 100 * noise, seeded
+    print(f"layer probe: clean largest gap {max(d['gap'] for d in clean['layers']):.1e}; seeded layer 1 {gap:.2e}")

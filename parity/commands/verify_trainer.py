@@ -160,9 +160,22 @@ def sampler_verdict(record_file: str, out: str) -> int:
     left = (f"; not judged: the rows of step {', '.join(map(str, result['left_out_steps']))}, whose weights the "
             f"record does not hold (--checkpoint_interval 1 keeps each step's)" if result["left_out_steps"] else "")
     console.say(describe_sampler(result, result["settings"]) + f"\n  rows sampled with the weights of step "
-                f"{', '.join(map(str, result['judged_steps']))}{left}")
+                f"{', '.join(map(str, result['judged_steps']))}{left}" + layers_line(result.get("layers")))
     storage.write_bytes_atomic(storage.join(out, VERDICT_FILE), json.dumps(result, indent=1).encode())
     return 1 if result["verdict"] == "FAIL" else 0
+
+
+def layers_line(layers: dict | None) -> str:
+    """The line of where the in-process engine's forward first parted from the trainer's model (or why unknown)."""
+    if layers is None:
+        return ""
+    if "error" in layers:
+        return f"\n  vLLM's layers against the trainer's model: not compared ({layers['error']})"
+    worst = max(layers["layers"], key=lambda d: d["gap"] / d["noise"])
+    where = (f"first apart at layer {layers['first']}" if layers["first"] is not None else "no layer apart")
+    return (f"\n  vLLM's layers against the trainer's model (step 0, {layers['rows']} rows, {layers['tokens']} "
+            f"tokens): {where}; largest gap ÷ noise {worst['gap'] / worst['noise']:.1f} at layer {worst['layer']} "
+            f"(gap {worst['gap']:.2e}, noise {worst['noise']:.2e})")
 
 
 def run_recorded(command: list[str], env: dict[str, str]) -> tuple[int, float]:

@@ -3,7 +3,8 @@ holds the sampler's side (TRL's GRPOTrainer sampling with vLLM), verify_trainer.
 judges a file — each row rescored by the trainer's model at the weights that sampled it — with the weights the record
 holds: step 0's initial weights, and a later step's from the states the recorder saved for the teacher-forced check
 (the state after N updates is the weights step N sampled with). Rows of a step whose weights the record does not hold
-are left out, and the verdict says which."""
+are left out, and the verdict says which. Where the engine ran in the recorded process, the recorder also compared its
+forward with the trainer's model layer by layer at step 0 (parity/frameworks/vllm/layers.py): that goes with it."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from dataclasses import replace
 from parity import storage
 
 VERDICT_FILE = "sampler_verdict.json"  # beside the records
+LAYERS_FILE = "sampler_layers.json"  # in the recorder's folder: where an in-process engine first parted (layers.py)
 
 
 def judge_recorded(record_file: str) -> dict | None:
     """The sampler verdict of the run recorded in `record_file` (sampler.judge's, with the sampler's `settings`,
-    `judged_steps` and `left_out_steps`), or None where its rollout file has no sampler side or no row's weights are held."""
+    `judged_steps` and `left_out_steps`), or None where its rollout file has no sampler side or no row's weights are
+    held."""
     import torch
 
     from parity.models.model import build_model, load_init_weights, model_config_from_dict, tied_aliases
@@ -56,8 +59,11 @@ def judge_recorded(record_file: str) -> dict | None:
     kept = replace(rollouts, tensors={k: v[rows] if v.dim() and len(v) == len(rows) and k != "step_rows" else v
                                       for k, v in rollouts.tensors.items()})
     result = sampler.judge(kept, models, rollouts.sampler)
+    layers = storage.join(storage.parent(storage.join(folder, config["rollouts"])), LAYERS_FILE)
+    if storage.exists(layers):
+        result["layers"] = json.loads(storage.read_bytes(layers))
     return {**result, "settings": rollouts.sampler, "judged_steps": sorted(models),
             "left_out_steps": [s for s in steps if s not in models]}
 
 
-__all__ = ["VERDICT_FILE", "judge_recorded"]
+__all__ = ["LAYERS_FILE", "VERDICT_FILE", "judge_recorded"]

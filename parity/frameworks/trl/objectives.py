@@ -39,6 +39,7 @@ import torch
 
 from parity.objectives import DEFINITIONS, GRPO_FAMILY, PER_PAIR, resolve_objective
 
+PROBE_ROWS = 4  # rows of the first micro-batch through vLLM and the trainer's model, layer by layer
 GRPO_DECLARED = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
                  "mask_truncated_completions", "scale_rewards", "num_generations", "steps_per_generation",
                  "gradient_accumulation_steps", "num_iterations", "max_completion_length", "temperature", "top_p",
@@ -181,7 +182,7 @@ class GRPOFeed:
     """A GRPOTrainer's training micro-batches to the recorder (module docstring)."""
 
     def __init__(self, trainer, recorder):
-        self.trainer, self.recorder = trainer, recorder
+        self.trainer, self.recorder, self.probed = trainer, recorder, False
 
     def forward(self, module, args, kwargs, output, grad: bool) -> None:
         if not grad:
@@ -218,6 +219,32 @@ class GRPOFeed:
             generation=torch.full((rows,), t._step // spg, dtype=torch.int64),
             old_logps=on_positions(inputs.get("old_per_token_logps"), p),
             ref_logps=on_positions(inputs.get("ref_per_token_logps"), p), **self.sampler_side(inputs, mask, p))
+        if not self.probed and "sampling_per_token_logps" in inputs:
+            self.probed = True
+            self.probe_layers(module, ids, attention)
+
+    def probe_layers(self, model, ids: torch.Tensor, attention) -> None:
+        """At the first training micro-batch — the engine synced to the trainer's weights of step 0 — where vLLM's
+        forward first parts from the trainer's model, layer by layer, on up to PROBE_ROWS of its rows
+        (frameworks/vllm/layers.py), into the recorder's folder beside the rollout file (rank 0)."""
+        import json
+
+        from parity import storage
+        from parity.errors import first_line
+        from parity.frameworks.vllm.layers import first_layer_apart
+        from parity.frameworks.vllm.sampler import engine_side
+        from parity.rollout_check.recorded import LAYERS_FILE
+
+        rec, engine = self.recorder, getattr(getattr(self.trainer, "vllm_generation", None), "llm", None)
+        if engine is None or rec.rank != 0:
+            return
+        real = torch.ones_like(ids) if attention is None else attention
+        rows = [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), real.cpu())][:PROBE_ROWS]
+        try:
+            found = first_layer_apart(engine, model, rows, engine_side(engine)[0]["dtype"] or "fp32")
+        except Exception as exc:  # a diagnosis, never the run's end: said where it would have been
+            found = {"error": f"{type(exc).__name__}: {first_line(exc)}"}
+        storage.write_bytes_atomic(storage.join(rec.folder, LAYERS_FILE), json.dumps(found, indent=1).encode())
 
     def sampler_side(self, inputs: dict, mask: torch.Tensor, p: int) -> dict:
         """The rows' sampler side where vLLM sampled them (TRL's sampling_per_token_logps): its log-prob of each
