@@ -79,6 +79,8 @@ def test_trls_grpo_sampling_with_vllm_is_recorded_and_passes(runs, dtype):
         assert 1e-3 < gap.abs().max() < 0.05 and (weights - 1).abs().max() > 1e-3, (gap.abs().max(), weights)
     sampler = json.loads((folder / "sampler_verdict.json").read_text())
     assert sampler["verdict"] == "PASS" and sampler["judged_steps"] == [0, 1] and not sampler["left_out_steps"]
+    assert len(sampler["sequence_sums"]) == 8 and max(map(abs, sampler["sequence_sums"])) == abs(
+        sampler["worst_sequence"]["sum"])
     assert "sampler (vllm 0.32.0, " + dtype in output and "rows sampled with the weights of step 0, 1" in output
     print(f"{dtype}: sampler − π_old largest {gap.abs().max():.2e}; row weights {weights.min():.4f}–{weights.max():.4f}"
           f"; margin {result['margin']:.1f}")

@@ -129,6 +129,7 @@ def judge(rollouts, models: dict, sampler: dict) -> dict:
               "quantiles": {q: float(gap.abs().quantile(q / 100)) for q in (50, 90, 99)},
               "noise_quantiles": {q: float(noise[judged].quantile(q / 100)) for q in (50, 90, 99)},
               "worst_sequence": {"row": int(sums.abs().argmax()), "sum": float(sums[sums.abs().argmax()])},
+              "sequence_sums": [float(s) for s in sums],
               "first_outside": first, "cause": None}
     if result["verdict"] == "FAIL":
         result["cause"] = cause(rollouts, models, sampler, sampled, trainer, judged, bounds, by_version)
