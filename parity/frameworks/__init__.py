@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-FRAMEWORKS = ("transformers", "lightning", "trl", "torchtitan", "vllm")  # the registry: each a room under
+FRAMEWORKS = ("transformers", "lightning", "trl", "torchtitan", "vllm", "megatron")  # the registry: each a room under
 # parity/frameworks/
 
 

@@ -1,0 +1,83 @@
+"""A megatron-core GPTModel's tensors under Hugging Face names (docs/megatron.md#the-mapping), as Megatron-Bridge's
+param_mapping.py lays them out: each parameter gathered over tensor parallelism along the dimension megatron-core
+tags it with (`tensor_model_parallel`, `partition_dim`), then
+
+- `embedding.word_embeddings.weight` → `model.embed_tokens.weight`, `output_layer.weight` → `lm_head.weight`,
+  `decoder.final_layernorm.weight` → `model.norm.weight`;
+- per layer, `input_layernorm` and `pre_mlp_layernorm` → `input_layernorm` and `post_attention_layernorm`;
+  `self_attention.linear_proj` → `self_attn.o_proj`; `mlp.linear_fc2` → `mlp.down_proj`;
+- the fused `self_attention.linear_qkv` split per query group — each group's rows are its heads' queries, then one
+  key head, then one value head — into `q_proj`, `k_proj`, `v_proj` (weight, and bias where add_qkv_bias);
+- the fused `mlp.linear_fc1` — each TP rank's rows are its gate rows, then its up rows — into `gate_proj`, `up_proj`.
+
+A split moves elements and never mixes them, so a parameter's gradient and its optimizer's moments translate alike.
+A name the mapping does not know is refused in one line (MegatronRefused)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from parity.frameworks.megatron.config import MegatronRefused
+
+RENAMED = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight",
+           "decoder.final_layernorm.weight": "model.norm.weight"}
+LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+LAYER_RENAMED = {"input_layernorm.weight": "input_layernorm.weight",
+                 "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+                 "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+                 "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
+
+
+def full_tensor(param: torch.Tensor, tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """`tensor` (the parameter `param`, or its gradient or a moment: the same shape) whole over the TP `group`: the
+    ranks' pieces concatenated along the parameter's partition_dim where megatron-core split it, as it is elsewhere."""
+    if not getattr(param, "tensor_model_parallel", False) or group is None or dist.get_world_size(group) == 1:
+        return tensor.detach()
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.detach().contiguous(), group=group)
+    return torch.cat(pieces, dim=param.partition_dim)
+
+
+def to_hf(name: str, tensor: torch.Tensor, config, tp_size: int) -> dict[str, torch.Tensor]:
+    """One full megatron-core tensor (`name` the parameter's) as {Hugging Face name: tensor}; `config` the job's
+    TransformerConfig, `tp_size` the TP degree it was trained at (linear_fc1's rows are laid out per TP rank)."""
+    name = name.removeprefix("module.")
+    if name in RENAMED:
+        return {RENAMED[name]: tensor}
+    found = LAYER.fullmatch(name)
+    if found is None:
+        raise MegatronRefused(f"megatron-core parameter {name}: the mapping to Hugging Face names does not know it")
+    prefix, rest = f"model.layers.{found.group(1)}.", found.group(2)
+    if rest in LAYER_RENAMED:
+        return {prefix + LAYER_RENAMED[rest]: tensor}
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]
+        return {f"{prefix}self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", split_qkv(tensor, config))}
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = split_gate_up(tensor, tp_size)
+        return {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
+    raise MegatronRefused(f"megatron-core parameter {name}: the mapping to Hugging Face names does not know it")
+
+
+def split_qkv(tensor: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused QKV weight [groups × (heads_per_group + 2) × head_dim, …] (or its bias) as Q, K, V."""
+    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    head_dim = config.kv_channels or config.hidden_size // heads
+    per_group = tensor.reshape(groups, (heads // groups + 2) * head_dim, *tensor.shape[1:])
+    q_rows = heads // groups * head_dim
+    q = per_group[:, :q_rows].reshape(heads * head_dim, *tensor.shape[1:])
+    k = per_group[:, q_rows:q_rows + head_dim].reshape(groups * head_dim, *tensor.shape[1:])
+    v = per_group[:, q_rows + head_dim:].reshape(groups * head_dim, *tensor.shape[1:])
+    return q, k, v
+
+
+def split_gate_up(tensor: torch.Tensor, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_fc1's full weight, TP rank r's rows [gate_r; up_r] one after another, as (gate, up)."""
+    shards = [s.chunk(2, dim=0) for s in tensor.chunk(tp_size, dim=0)]
+    return torch.cat([g for g, _ in shards]), torch.cat([u for _, u in shards])
+
+
+__all__ = ["full_tensor", "split_gate_up", "split_qkv", "to_hf"]

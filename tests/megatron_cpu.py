@@ -1,0 +1,80 @@
+"""megatron-core's own code on a CPU with gloo, for the tests: megatron-core 0.16.1 has no CPU path, so `install()`
+makes the changes below at run time, and `python megatron_cpu.py SCRIPT ARGS…` (under torchrun for several ranks)
+then runs SCRIPT as `python SCRIPT ARGS…` would. No file of megatron-core is edited, and none of it is in the harness:
+on GPUs a job runs as its users run it (docs/megatron.md). The job builds its model with the local layer spec
+(get_gpt_layer_local_spec: no TransformerEngine, no apex), use_cpu_initialization and every fusion off.
+
+Each change, and why it is needed:
+- CUDA device names to the CPU: megatron-core asks `torch.cuda.current_device()` for the device of what it creates
+  (RoPE's inverse frequencies, buffers) and passes `device="cuda"` to factories; `torch.cuda.current_device` answers
+  "cpu", and a torch-function mode turns every `device` that names CUDA, `.cuda()` and `.to("cuda")` into the CPU.
+- `Tensor.type()` answers under torch.cuda's names ("torch.cuda.FloatTensor"): the optimizers and `clip_grads` keep
+  the tensors whose type is a CUDA one, and would otherwise leave every CPU gradient out of the norm and the step.
+- streams, events and `torch.cuda.synchronize` as no-ops: the pipeline's and the distributed optimizer's overlap waits
+  on them; on one CPU every operation is in order already.
+- the CUDA RNG tracker's `fork` as a no-op: the attention's dropout forks the model-parallel RNG state (CUDA's) even
+  at dropout 0, which the jobs here train with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import runpy
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def _cpu(device):
+    if isinstance(device, torch.device) and device.type == "cuda" or isinstance(device, str) and \
+            device.startswith("cuda") or isinstance(device, int):
+        return torch.device("cpu")
+    return device
+
+
+class CudaOnCpu(TorchFunctionMode):
+    """What asks for CUDA gets the CPU; Tensor.type() answers under torch.cuda's names (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if name == "cuda":
+            return args[0]
+        if name == "to":
+            args = tuple(_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        if name == "type" and len(args) == 1 and not kwargs:
+            found = func(*args)
+            return found if found.startswith("torch.cuda.") else found.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+class _Waits:
+    """A CUDA stream or event on one CPU: every wait, record and synchronize is already done."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: True if name == "query" else _Waits() if name == "record_event" else None
+
+
+def install() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda *args, **kwargs: _Waits()
+    torch.cuda.Event = lambda *args, **kwargs: _Waits()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    from megatron.core.tensor_parallel import random
+
+    random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    CudaOnCpu().__enter__()  # for the rest of the process
+
+
+def main() -> None:
+    script, *argv = sys.argv[1:]
+    install()
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

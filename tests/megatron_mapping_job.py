@@ -1,0 +1,84 @@
+"""One step of a tiny megatron-core GPTModel (tests/test_megatron.py): built at TP `argv[2]` over the ranks torchrun
+started (through tests/megatron_cpu.py), its loss on fixed rows and its backward; then every parameter and gradient
+gathered over TP and put under Hugging Face names (parity/frameworks/megatron/names.py), and rank 0 loads them into
+the transformers model of the job's config (strict), takes the same loss and backward, and writes to `argv[1]` the
+two losses and each gradient's largest relative difference. `argv[3]`: "llama" (no biases) or "qwen2" (Q/K/V
+biases)."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB, SEQ = 512, 16
+
+
+def weights_of(weights: dict, name: str) -> torch.Tensor:
+    """linear_fc1's full weight again, from its gate and up under Hugging Face names (in TP rank order)."""
+    prefix = f"model.layers.{name.split('.')[2]}.mlp."
+    gate, up = weights[prefix + "gate_proj.weight"], weights[prefix + "up_proj.weight"]
+    tp = int(sys.argv[2])
+    return torch.cat([torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))])
+
+
+def main() -> None:
+    out, tp, family = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from parity.frameworks.megatron.config import hf_config
+    from parity.frameworks.megatron.names import full_tensor, to_hf
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        add_bias_linear=False, add_qkv_bias=family == "qwen2", use_cpu_initialization=True, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, position_embedding_type="rope", rotary_base=10000,
+                     share_embeddings_and_output_weights=False)
+    if family == "qwen2":  # megatron-core zeroes biases at init: give them values a mapping error would show
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("linear_qkv.bias"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+    ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ)[None].expand(2, -1)
+    loss = model(ids[:, :-1], positions, None, labels=ids[:, 1:]).float().mean()
+    loss.backward()
+    group = parallel_state.get_tensor_model_parallel_group()
+    weights, grads = {}, {}
+    for name, p in model.named_parameters():
+        weights.update(to_hf(name, full_tensor(p, p.data, group), config, tp))
+        grads.update(to_hf(name, full_tensor(p, p.grad, group), config, tp))
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_config(hf_config(config, VOCAB, SEQ, 10000), attn_implementation="eager")
+        hf.load_state_dict(weights, strict=True)
+        logits = hf(ids[:, :-1]).logits
+        hf_loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
+        hf_loss.backward()
+        differences = {n: float((p.grad - grads[n]).abs().max() / p.grad.abs().max()) for n, p in hf.named_parameters()}
+        # the classic mapping bug: linear_fc1 split as if trained at TP 1 (gate and up interleaved per TP rank)
+        interleaved = {n: t for name, p in model.named_parameters() if name.endswith("linear_fc1.weight")
+                       for n, t in to_hf(name, weights_of(weights, name), config, 1).items()}
+        hf.load_state_dict({**weights, **interleaved}, strict=True)
+        with torch.no_grad():
+            wrong = F.cross_entropy(hf(ids[:, :-1]).logits.reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
+        with open(out, "w") as f:
+            json.dump({"loss": float(loss), "hf_loss": float(hf_loss), "grads": differences,
+                       "model": type(hf).__name__, "fc1_as_tp1_loss": float(wrong)}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
