@@ -6,7 +6,8 @@ padding), the data is a `datasets.Dataset` of prompts (GRPO) or of prompt, chose
 
 GRPO: real generation (model.generate, or vLLM with --use_vllm, sampled at --temperature; 1 token id in 16 ends a
 completion, so lengths vary and some are cut at --max_completion_length), a verifiable reward (the share of even token
-ids of the completion), --num_generations completions a prompt, the loss TRL's --loss_type names with its --beta, ε's and truncation masking.
+ids of the completion), --num_generations completions a prompt, the loss TRL's --loss_type names with its --beta, ε's
+and truncation masking.
 DPO: --loss_type (comma-separated, TRL's list), --beta, the reference a frozen copy of the initial model.
 bf16 is TRL's default (on, even on CPU: autocast over fp32 weights); --fp32 turns it off. With --use_vllm (TRL's
 colocate mode; --model_name qwen3-tiny on CPU, whose head_dim vLLM's CPU attention takes) and on a CPU through

@@ -20,9 +20,9 @@ import copy
 import torch
 
 from parity.comparing.tolerances import NOISE_K
+from parity.precision import DTYPES
 
 CHECKS = ("signed_mean", "mean_abs", "max_abs")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def next_token_logits(model, ids: torch.Tensor, real: torch.Tensor, decode: bool = False) -> torch.Tensor:

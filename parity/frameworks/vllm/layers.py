@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from parity.precision import DTYPES
+
 NOISE_K = 20  # a layer parts where its gap exceeds this × its noise
 FP32_FLOOR = 1e-6  # relative: fp32's rounding of a layer's output over a few layers (its noise where both are fp32)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def engine_layer_outputs(llm, rows: list[list[int]]) -> list[torch.Tensor]:

@@ -32,12 +32,15 @@ def version() -> str:
 def engine_side(llm) -> tuple[dict, str | None]:
     """(the rollout file's sampler metadata a vLLM engine decides — engine, version, dtype, logprob_mode —, why the
     file cannot describe it, else None) of an engine built by another (TRL's colocated one)."""
-    import torch
     import vllm
 
+    from parity.objectives.rollouts import LOGPROB_MODES
+    from parity.precision import DTYPES
+
     config = llm.llm_engine.model_config
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(config.dtype)
-    mode = {"processed_logprobs": "processed", "raw_logprobs": "raw"}.get(str(config.logprobs_mode))
+    dtype = next((name for name, d in DTYPES.items() if d == config.dtype), None)
+    mode = str(config.logprobs_mode).removesuffix("_logprobs")  # VLLMSampler's logprobs_mode, the other way
+    mode = mode if mode in LOGPROB_MODES else None
     why = None if dtype and mode else f"in {config.dtype} with logprobs_mode {config.logprobs_mode}"
     return {"engine": "vllm", "version": vllm.__version__, "dtype": dtype, "logprob_mode": mode}, why
 
