@@ -13,7 +13,8 @@ Each change, and why it is needed:
 - streams, events and `torch.cuda.synchronize` as no-ops: the pipeline's and the distributed optimizer's overlap waits
   on them; on one CPU every operation is in order already.
 - the CUDA RNG tracker's `fork` as a no-op: the attention's dropout forks the model-parallel RNG state (CUDA's) even
-  at dropout 0, which the jobs here train with.
+  at dropout 0, which the jobs here train with; and `model_parallel_cuda_manual_seed` (which seeds those CUDA states
+  for the tracker, through torch.cuda's RNG) a no-op with it: nothing forks them.
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ def install() -> None:
     torch.cuda.current_stream = lambda *args, **kwargs: _Waits()
     torch.cuda.Event = lambda *args, **kwargs: _Waits()
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import random
 
     random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    random.model_parallel_cuda_manual_seed = tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None
     CudaOnCpu().__enter__()  # for the rest of the process
 
 

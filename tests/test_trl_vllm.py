@@ -167,8 +167,7 @@ def packed_gap(model):  # the largest |packed copy's product - the held weight's
     return max(gaps)
 
 
-sys.path.insert(0, os.path.dirname(sys.argv[2]))
-from trl_vllm_cpu import repack_kept_weights
+from trl_vllm_cpu import repack_kept_weights  # tests/ on PYTHONPATH
 
 moved = [(n, p.detach() + (0.01 if n == "model.embed_tokens.weight" else 0)) for n, p in model.named_parameters()]
 engine.collective_rpc("reload_weights", kwargs={"weights_iterator": moved})
@@ -190,9 +189,9 @@ def test_the_first_layer_where_vllm_parts_from_the_trainers_model(runs, tmp_path
         layers = json.loads((runs[dtype][2] / f"recorded_{NAME}" / "sampler_layers.json").read_text())
         assert layers["first"] is None and len(layers["layers"]) == 2 and layers["rows"] == 2, layers
         assert "vLLM's layers against the trainer's model (step 0, 2 rows" in runs[dtype][1]
-    path = os.pathsep.join(filter(None, [vllm_site(), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", LAYER_PROBE, str(tmp_path / "model"), COMMAND[1]], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": path}, timeout=600, cwd=tmp_path)
+    path = os.pathsep.join(filter(None, [vllm_site(), TESTS, os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", LAYER_PROBE, str(tmp_path / "model")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path}, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     clean, seeded, stale, repacked = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stale > 1e-2 and repacked < 1e-5, (stale, repacked)

@@ -19,14 +19,11 @@ not have, or one of its tensors that nothing maps to is refused in one line (Tit
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.distributed as dist
 
 from parity.recording.sharded import DataParallel, FullyShard
+from parity.recording.translated import TranslatedLayout
 from parity.frameworks.torchtitan.config import TitanRefused
-from parity.training.tensor_norms import Piece
 
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # what wrappers add to a name
 
@@ -109,12 +106,13 @@ class Translation:
         return targets
 
 
-class TitanLayout(FullyShard):
+class TitanLayout(TranslatedLayout, FullyShard):
     """The recorder's layout of a torchtitan Trainer's model (one model part, one torch optimizer): `hf_model` is the
     transformers model on the meta device (what the recorder reads for the config and the names), `adapter` the
     job's state-dict adapter, `trainer` the torchtitan Trainer (its parallel dims give the DP rank that feeds)."""
 
     kind = "torchtitan"
+    refused = TitanRefused
 
     def __init__(self, trainer, hf_model, adapter, device: torch.device):
         module, optimizer = trainer.model_parts[0], trainer.optimizers.optimizers[0]
@@ -130,13 +128,6 @@ class TitanLayout(FullyShard):
         self.to_hf, self.native, self.raw = translation.to_hf, translation.native, translation.raw
         self.targets = translation.targets(hf_model)
 
-    # --- names: the transformers model's ------------------------------------------------------------------
-    def names(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.model.named_parameters()}
-
-    def buffer_names(self) -> list[str]:
-        return [n for n in self.model.state_dict() if n not in dict(self.model.named_parameters())]
-
     def describe(self) -> dict:
         return {"kind": self.kind, "zero_stage": 3 if self.mesh_shape["dp_shard"] > 1 else 0, "dp_size": self.dp_size,
                 "tp_size": self.mesh_shape["tp"], "mesh": self.mesh_shape}
@@ -145,18 +136,15 @@ class TitanLayout(FullyShard):
     def tp_size(self) -> int:
         return self.mesh_shape["tp"]
 
-    def group_params(self) -> list[list]:
-        """Each optimizer group's parameters as the transformers model's (a split parameter's tensors in its place)."""
-        hf = dict(self.model.named_parameters())
-        native = {id(p): n for n, p in self.native}
-        return [[hf[h] for p in g["params"] if p.requires_grad for h, _ in self.targets[native[id(p)]]]
-                for g in self.optimizer.param_groups]
+    def holders(self, p):
+        return holders(p, self.world)
 
-    def trainable(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, p) for n, p in self.native if p.requires_grad]
+    def local_index(self, p, index):
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-    def tensor_names(self) -> list[str]:
-        return [h for n, _ in self.trainable() for h, _ in self.targets[n]]
+        if isinstance(p, DTensor):
+            return distribute_tensor(index, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        return index
 
     # --- norms and full tensors over the native module ----------------------------------------------------------
     def grad_norm(self) -> float:
@@ -192,62 +180,8 @@ class TitanLayout(FullyShard):
         from parity.training.dtensor_strategy import dtensor_replicas
 
         if self._replicated is None:
-            self._replicated = [(self.targets[n][0][0], p, ranks) for n, p in self.native
-                                for ranks in [holders(p, self.world)] if len(ranks) > 1]
+            self._replicated = self.replicated()
         return dtensor_replicas(self._replicated, self.optimizer)
-
-    def frozen_pieces(self) -> list[tuple[str, torch.Tensor]]:
-        return [(self.targets[n][0][0], self.local_piece(p)) for n, p in self.native if not p.requires_grad]
-
-    # --- each rank's pieces under Hugging Face names ------------------------------------------------------------
-    def gradient_pieces(self) -> list[Piece]:
-        return self._pieces(lambda p: p.grad)
-
-    def parameter_pieces(self) -> list[Piece]:
-        return self._pieces(lambda p: p.detach())
-
-    def _pieces(self, read) -> list[Piece]:
-        pieces = []
-        for name, p in self.trainable():
-            t = read(p)
-            local = None if t is None else self.local_piece(t)
-            for h, held in self._held[name]:
-                pieces.append(Piece(h, None if local is None else local if held is None else local.reshape(-1)[held],
-                                    self._counted_native[name] and local is not None))
-        return pieces
-
-    @functools.cached_property
-    def _counted_native(self) -> dict[str, bool]:
-        return {n: holders(p, self.world)[0] == self.rank for n, p in self.native}
-
-    @functools.cached_property
-    def _held(self) -> dict[str, list[tuple[str, torch.Tensor | None]]]:
-        """Per native parameter, each Hugging Face tensor's elements of this rank's shard (a boolean mask; None: the
-        whole shard): the parameter's flat indices sharded as the parameter is, then matched to each tensor's."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        held = {}
-        for name, p in self.native:
-            if self.targets[name][0][1] is None:
-                held[name] = [(self.targets[name][0][0], None)]
-                continue
-            index = torch.arange(p.numel(), dtype=torch.int64, device=self.device).view(p.shape)
-            if isinstance(p, DTensor):
-                index = distribute_tensor(index, p.device_mesh, p.placements, src_data_rank=None).to_local()
-            index = index.reshape(-1).cpu()
-            held[name] = [(h, torch.isin(index, flat).to(self.device)) for h, flat in self.targets[name]]
-        return held
-
-    def check_held(self) -> None:
-        """Every element of every split parameter lands on exactly one Hugging Face tensor over the world (the
-        sharded indices cover the parameter once): a collective, at the layout's start."""
-        counts = torch.tensor([float(sum(int(m.sum()) for _, m in self._held[n] if m is not None) *
-                                     self._counted_native[n]) for n, _ in self.native], dtype=torch.float64)
-        dist.all_reduce(counts)
-        for (name, p), got in zip(self.native, counts.tolist()):
-            if self.targets[name][0][1] is not None and int(got) != p.numel():
-                raise TitanRefused(f"{name}'s shards cover {int(got)} of its {p.numel()} elements once translated: "
-                                   f"its placements {getattr(p, 'placements', None)} are not read here")
 
 
 __all__ = ["TitanLayout", "Translation", "clean"]

@@ -1,0 +1,183 @@
+"""A megatron-core job's model read under Hugging Face names (docs/megatron.md#what-is-recorded): the recorder's layout
+(sharded.py's interface, through recording/translated.py) over the job's own GPTModel and the torch optimizer inside
+its MegatronOptimizer, at tensor parallelism (TP) × data parallelism (DP).
+
+- Each parameter tagged `tensor_model_parallel` is split along its `partition_dim` over the TP group: TP rank r holds
+  the r-th chunk, the DP ranks of one TP rank hold it alike. Every other parameter (the norms) is held alike by the
+  whole world. Full tensors are gathered over TP and translated by names.py (renamed; QKV split per query group,
+  linear_fc1 into gate and up); the per-step pieces are each rank's shard, split the same way by element index.
+- The norms are float64 sums over each element once (a piece counted on the first rank that holds it), summed over
+  the world: the pre-clip norm as megatron-core's own clip takes it (it leaves TP duplicates out alike).
+- The gradients are the ones megatron-core's optimizer steps: its DistributedDataParallel accumulates into each
+  parameter's `main_grad`, reduced over DP by `finalize_model_grads`, and the FP32 optimizer points `grad` at it in
+  `prepare_grads` (frameworks/megatron/recording.py reads them there, before the clip).
+
+Refused in one line (MegatronRefused): pipeline, context and expert parallelism, the distributed optimizer, parameters
+not in fp32, several chained optimizers, a model other than a GPTModel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parity.frameworks.megatron.config import MegatronRefused
+from parity.frameworks.megatron.names import full_tensor, to_hf
+from parity.recording.sharded import DataParallel, torch_optimizer
+from parity.recording.translated import TranslatedLayout
+from parity.training.optimizer import ADAMW_MOMENTS
+
+
+def gpt_model(model):
+    """The GPTModel inside the job's model (a list of chunks, DistributedDataParallel, Float16Module); MegatronRefused
+    for anything else."""
+    from megatron.core.models.gpt import GPTModel
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) != 1:
+        raise MegatronRefused(f"{len(chunks)} model chunks (virtual pipeline stages): the recorder reads one")
+    inner = chunks[0]
+    while not isinstance(inner, GPTModel) and hasattr(inner, "module"):
+        inner = inner.module
+    if not isinstance(inner, GPTModel):
+        raise MegatronRefused(f"the model is a {type(inner).__name__}, not a GPTModel: only GPTModel maps onto a "
+                              f"transformers model")
+    return inner
+
+
+def refusal(optimizer) -> str | None:
+    """What of the job's parallel layout or optimizer the recorder does not read yet, in one line (None: it does)."""
+    from megatron.core import parallel_state as ps
+
+    sizes = {"pipeline": ps.get_pipeline_model_parallel_world_size(), "context": ps.get_context_parallel_world_size(),
+             "expert": ps.get_expert_model_parallel_world_size()}
+    for kind, size in sizes.items():
+        if size > 1:
+            return f"{kind} parallelism ({kind} size {size}): not recorded yet; record the job without it"
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(inner) != 1:
+        return f"{len(inner)} chained optimizers: the recorder follows one"
+    config = getattr(inner[0], "config", None)
+    if config is not None and (config.use_distributed_optimizer or config.bf16 or config.fp16):
+        return ("the distributed optimizer or bf16/fp16 parameters (use_distributed_optimizer, bf16, fp16): not "
+                "recorded yet; record the job with the FP32 optimizer")
+    return None
+
+
+class MegatronLayout(TranslatedLayout):
+    """`module`: the job's GPTModel; `optimizer`: its MegatronOptimizer; `hf_model`: the transformers model of the
+    job's config (config.hf_config), on the meta device; `config`: the job's TransformerConfig."""
+
+    kind = "megatron-core"
+    refused = MegatronRefused
+    whole = False  # sharded over TP: every rank takes part in the gathers
+
+    def __init__(self, module, optimizer, hf_model, config, device: torch.device):
+        from megatron.core import parallel_state as ps
+
+        why = refusal(optimizer)
+        if why is not None:
+            raise MegatronRefused(why)
+        DataParallel.__init__(self, hf_model, torch_optimizer(optimizer))
+        self.module, self.config, self.device = module, config, device
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.feeds = self.tp_rank == 0  # the TP ranks of a DP rank feed the same rows
+        self._tp_ranks = dist.get_process_group_ranks(self.tp_group)
+        self._dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
+        self.native = [(n.removeprefix("module."), p) for n, p in module.named_parameters()]
+        self.targets = self._targets()
+        self.check_held()
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "zero_stage": 0, "dp_size": self.dp_size, "tp_size": self.tp,
+                "mesh": {"tp": self.tp, "dp": self.dp_size, "pp": 1}}
+
+    # --- the sharding: TP along partition_dim, DP alike ---------------------------------------------------------
+    @staticmethod
+    def split(p: torch.Tensor) -> bool:
+        return bool(getattr(p, "tensor_model_parallel", False))
+
+    def shards(self, p):
+        return self.tp if self.split(p) else 1
+
+    def full_shape(self, p):
+        shape = list(p.shape)
+        if self.split(p):
+            shape[p.partition_dim] *= self.tp
+        return tuple(shape)
+
+    def holders(self, p):
+        return tuple(sorted(self._dp_ranks if self.split(p) else range(self.world)))
+
+    def local_index(self, p, index):
+        return index.chunk(self.tp, dim=p.partition_dim)[self.tp_rank] if self.split(p) else index
+
+    def _targets(self) -> dict[str, list[tuple[str, torch.Tensor | None]]]:
+        """Each parameter's Hugging Face tensors, checked against the transformers model's names and shapes."""
+        hf = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        targets, seen = {}, set()
+        for name, p in self.native:
+            shape = self.full_shape(p)
+            index = torch.arange(p.numel() * self.shards(p), dtype=torch.int64).view(shape)
+            out = to_hf(name, index, self.config, self.tp)
+            for h, t in out.items():
+                if hf.get(h) != tuple(t.shape):
+                    raise MegatronRefused(f"megatron-core {name} maps to {h} of shape {tuple(t.shape)}, which "
+                                          f"{type(self.model).__name__} has as {hf.get(h)}")
+                seen.add(h)
+            whole = len(out) == 1 and next(iter(out.values())).numel() == index.numel()
+            targets[name] = [(next(iter(out)), None)] if whole else [(h, t.reshape(-1)) for h, t in out.items()]
+        missing = [h for h in hf if h not in seen]
+        if missing:
+            raise MegatronRefused(f"{type(self.model).__name__}'s {missing[0]} is mapped from no parameter of the "
+                                  f"job's GPTModel (tied embeddings, or a layer the mapping does not know)")
+        return targets
+
+    # --- norms and full tensors over the native module ----------------------------------------------------------
+    def _norm(self, read) -> float:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.trainable():
+            t = read(p)
+            if t is not None and self._counted_native[name]:
+                total += t.detach().double().pow(2).sum().to(self.device)
+        dist.all_reduce(total)
+        return float(total.sqrt())
+
+    def grad_norm(self) -> float:
+        return self._norm(lambda p: p.grad)
+
+    def param_norm(self) -> float:
+        return self._norm(lambda p: p)
+
+    def _full(self, name: str, p: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return to_hf(name, full_tensor(p, t.to(self.device), self.tp_group).cpu(), self.config, self.tp)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return {h: t for n, p in self.native for h, t in self._full(n, p, p.data).items()}
+
+    def full_optimizer_state(self):
+        """AdamW's moments gathered over TP and translated, and its step count; ({}, 0) before the first step."""
+        out, count = {}, 0
+        for name, p in self.native:
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue
+            count = int(state["step"]) if "step" in state else count
+            for key in ADAMW_MOMENTS:
+                for h, moved in self._full(name, p, state[key].float()).items():
+                    out.setdefault(h, {})[key] = moved
+        return out, count
+
+    def replicas(self):
+        from parity.training.replicas import held
+
+        return [r for name, p, ranks in self.replicated() for r in held(name, ranks, p, self.optimizer)]
+
+
+__all__ = ["MegatronLayout", "gpt_model", "refusal"]

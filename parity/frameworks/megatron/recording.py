@@ -1,0 +1,237 @@
+"""A megatron-core training loop recorded without a line of the job changed (docs/megatron.md#what-is-recorded): under
+verify_trainer.py (sitehook/sitecustomize.py calls `install` where its variables are set), when megatron-core's
+modules are first imported,
+
+- `get_megatron_optimizer` is wrapped to note each MegatronOptimizer it builds and the model chunks it steps;
+- `get_forward_backward_func` is wrapped so that the function it returns — the one every Megatron loop calls once a
+  step, whichever schedule — starts the recording at its first training call (the model as the job built it, before
+  any step: the initial weights), then hands each micro-batch over as the job's `forward_step_func` feeds it;
+- `torch.distributed.destroy_process_group` completes the record first (at exit otherwise).
+
+Each micro-batch: the GPTModel's call gives the rows (its input ids, and the labels it takes the per-token losses of:
+Megatron's labels are already the next tokens), the job's loss function its loss mask — the tensor of the rows' shape
+it is a `functools.partial` of, as Megatron-LM's `partial(loss_func, loss_mask)` — and its loss, which must be the
+masked token mean of the model's per-token losses (or, with calculate_per_token_loss, their masked sum and token
+count) that the record's rows give. A row as the replay feeds it: the input ids and one more token (the last label),
+labels −100 then the targets, −100 where the mask is 0.
+
+The optimizer's `prepare_grads` (its first act in `step()`: the FP32 optimizer points each parameter's `grad` at the
+DP-reduced `main_grad`) ends by reading the gradients before the clip (`before_step`); its `step()` ends with the
+step's record, Megatron's own grad norm kept beside the recorder's.
+
+Refused in one line on every rank, and the job stops with exit status 2 before it trains: what frameworks/megatron/
+config.py and layout.py refuse, a loop that calls the forward-backward function before building its optimizer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from parity.attaching import attach
+from parity.attaching.import_hook import when_imported
+
+OPTIMIZERS: list = []  # (MegatronOptimizer, model chunks) as get_megatron_optimizer built them
+
+
+def install() -> None:
+    when_imported("megatron.core.optimizer", _wrap_optimizer_builder)
+    for name in ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel"):
+        when_imported(name, _wrap_schedule_getter)
+
+
+def _wrap_optimizer_builder(module) -> None:
+    build = module.get_megatron_optimizer
+    if getattr(build, "_parity", False):
+        return
+
+    @functools.wraps(build)
+    def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+        optimizer = build(config, model_chunks, *args, **kwargs)
+        OPTIMIZERS.append((optimizer, list(model_chunks)))
+        return optimizer
+
+    get_megatron_optimizer._parity = True
+    module.get_megatron_optimizer = get_megatron_optimizer
+
+
+def _wrap_schedule_getter(module) -> None:
+    get = module.get_forward_backward_func
+    if getattr(get, "_parity", False):
+        return
+
+    @functools.wraps(get)
+    def get_forward_backward_func(*args, **kwargs):
+        return _recorded(get(*args, **kwargs))
+
+    get_forward_backward_func._parity = True
+    module.get_forward_backward_func = get_forward_backward_func
+
+
+RECORDINGS: dict[int, "MegatronRecording"] = {}  # by the id of the model's first chunk
+
+
+def _recorded(forward_backward):
+    @functools.wraps(forward_backward)
+    def recorded(*args, **kwargs):
+        bound = inspect.signature(forward_backward).bind(*args, **kwargs)
+        arguments = bound.arguments
+        if arguments.get("forward_only", False):
+            return forward_backward(*args, **kwargs)
+        model = arguments["model"]
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        recording = RECORDINGS.get(id(chunks[0]))
+        if recording is None:
+            recording = RECORDINGS[id(chunks[0])] = MegatronRecording(model)
+        arguments["forward_step_func"] = recording.forward_step(arguments["forward_step_func"])
+        losses = forward_backward(*bound.args, **bound.kwargs)
+        recording.after_forward_backward()
+        return losses
+
+    return recorded
+
+
+def _stop(line: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"parity recorder: {line}: recording nothing; the job stops (exit 2)", file=sys.stderr, flush=True)
+    attach.stop_command(line)
+    raise SystemExit(2)
+
+
+class MegatronRecording:
+    """One megatron-core model's recording (the module docstring): checked at its first training step (a refusal
+    stops the job, exit 2), the recorder started there."""
+
+    def __init__(self, model):
+        import importlib.metadata as md
+
+        from parity.frameworks.megatron.config import MegatronRefused, hf_config
+        from parity.frameworks.megatron.layout import MegatronLayout, gpt_model
+        from parity.models.model import meta_model
+        from parity.recording.recorder import ParityRecorder
+
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        found = [opt for opt, stepped in OPTIMIZERS if any(c is chunks[0] for c in stepped)]
+        try:
+            if not found:
+                raise MegatronRefused("no MegatronOptimizer of get_megatron_optimizer steps this model: build the "
+                                      "optimizer before the first forward-backward call")
+            self.module = gpt_model(model)
+            config = self.module.config
+            # a recorded row is one token longer than the job's (its last label): within the replay's positions
+            hf = meta_model(hf_config(config, self.module.vocab_size, self.module.max_sequence_length + 1,
+                                      getattr(self.module, "rotary_base", 10000.0),
+                                      self.module.share_embeddings_and_output_weights,
+                                      self.module.position_embedding_type))
+            device = torch.device("cpu") if dist.get_backend() == "gloo" else \
+                torch.device("cuda", torch.cuda.current_device())
+            self.layout = MegatronLayout(self.module, found[-1], hf, config, device)
+        except MegatronRefused as exc:
+            _stop(f"megatron-core: {exc}")
+        self.optimizer = found[-1]
+        folder, name = attach.variables()
+        self.recorder = ParityRecorder(folder, name=name, model=self.layout, optimizer=self.layout.optimizer,
+                                       max_grad_norm=float(self.optimizer.config.clip_grad), precision="fp32",
+                                       framework="megatron-core",
+                                       framework_versions={"megatron-core": md.version("megatron-core")})
+        self.rows = None  # the GPTModel call's (input ids, labels) of the micro-batch being fed
+        self.logged: float | None = None  # the step's loss as Megatron takes it (after_forward_backward)
+        self.losses: list[float] = []  # this step's micro-batches' losses as the job's loss function returned them
+        self.module.register_forward_pre_hook(self._rows, with_kwargs=True)
+        self._patch_optimizer()
+        dist_destroy = dist.destroy_process_group
+
+        def destroy_process_group(group=None):
+            if group is None or group is dist.group.WORLD:  # the job's end (a subgroup's destruction is not)
+                self.close()
+            return dist_destroy(group)
+
+        dist.destroy_process_group = destroy_process_group
+        atexit.register(self.close)
+
+    def _rows(self, module, args, kwargs) -> None:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+        self.rows = (bound.get("input_ids"), bound.get("labels"))
+
+    def forward_step(self, forward_step_func):
+        """The job's forward step, its loss function wrapped to hand the micro-batch over."""
+
+        @functools.wraps(forward_step_func)
+        def forward_step(*args, **kwargs):
+            output, loss_func = forward_step_func(*args, **kwargs)
+            return output, self._loss(loss_func, output)
+
+        return forward_step
+
+    def _loss(self, loss_func, output):
+        @functools.wraps(loss_func)
+        def loss(*args, **kwargs):
+            result = loss_func(*args, **kwargs)
+            self._micro_batch(loss_func, output, result)
+            return result
+
+        return loss
+
+    def _micro_batch(self, loss_func, output, result) -> None:
+        ids, labels = self.rows
+        rec = self.recorder
+        if labels is None:
+            rec.broken = "the GPTModel was called without labels: the recorder takes its per-token losses"
+            return
+        with torch.no_grad():
+            given = [a for a in getattr(loss_func, "args", ()) + tuple(getattr(loss_func, "keywords", {}).values())
+                     if isinstance(a, torch.Tensor) and a.numel() == labels.numel()]
+            mask = given[0].reshape(labels.shape).bool() if given else torch.ones_like(labels, dtype=torch.bool)
+            summed = float((output.detach().double().reshape(labels.shape) * mask).sum())
+            tokens = int(mask.sum())
+            loss = float(result[0].detach().double())
+            expected = summed / max(tokens, 1) if len(result) == 2 else summed
+            if abs(loss - expected) > 1e-5 * max(abs(expected), 1.0):
+                rec.broken = (f"the job's loss function returned {loss:.6g} where the masked token mean of GPTModel's "
+                              f"per-token losses is {expected:.6g}: a loss the recorder cannot replay")
+                return
+            self.losses.append(loss if len(result) == 2 else summed / max(tokens, 1))
+            row_ids = torch.cat([ids, labels[:, -1:]], 1)
+            targets = torch.where(mask, labels, torch.full_like(labels, -100))
+            row_labels = torch.cat([torch.full_like(labels[:, :1], -100), targets], 1)
+        rec.micro_batch(row_ids, row_labels, None, attention_mask=torch.ones_like(row_ids), use_cache=False,
+                        summed_loss=summed)
+
+    def after_forward_backward(self) -> None:
+        """The step's loss as Megatron's per-micro-batch mean averaged over DP (the logged loss the record keeps)."""
+        from megatron.core import parallel_state as ps
+
+        mean = torch.tensor([sum(self.losses), len(self.losses)], dtype=torch.float64)
+        dist.all_reduce(mean, group=ps.get_data_parallel_group())
+        self.logged = float(mean[0] / mean[1]) if mean[1] else None
+        self.losses = []
+
+    def _patch_optimizer(self) -> None:
+        optimizer, rec = self.optimizer, self.recorder
+        prepare, step = optimizer.prepare_grads, optimizer.step
+
+        def prepare_grads(*args, **kwargs):
+            found_inf = prepare(*args, **kwargs)
+            rec.before_step()
+            return found_inf
+
+        def step_(*args, **kwargs):
+            out = step(*args, **kwargs)
+            norm = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            rec.after_step(logged_loss=self.logged, logged_grad_norm=None if norm is None else float(norm))
+            return out
+
+        optimizer.prepare_grads, optimizer.step = prepare_grads, step_
+
+    def close(self) -> None:
+        if self.recorder.enabled and dist.is_initialized():
+            self.recorder.close()
+
+
+__all__ = ["MegatronRecording", "install"]

@@ -1,0 +1,131 @@
+"""A megatron-core pretraining loop as its users write one (Megatron-LM's pretrain_gpt.py, cut down): a GPTModel in
+megatron-core's DistributedDataParallel, `get_megatron_optimizer`'s AdamW with gradient clipping, and each step's
+micro-batches through `get_forward_backward_func()` with the masked token-mean loss of `partial(loss_func,
+loss_mask)`. Run through tests/megatron_cpu.py under torchrun: `megatron_train_job.py --tp 2 --steps 4 …`; the
+ranks beyond TP × PP form the data-parallel groups. Nothing of the harness is imported: verify_trainer.py records
+it unchanged (docs/megatron.md). `--seed_bug` plants one of the classic faults the tests seed."""
+
+import argparse
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB = 512
+
+
+def arguments():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--micro_batches", type=int, default=2)
+    p.add_argument("--micro_batch_size", type=int, default=2)
+    p.add_argument("--seq_length", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip_grad", type=float, default=1.0)
+    p.add_argument("--family", choices=("llama", "qwen2"), default="llama")
+    p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice"), default="none")
+    return p.parse_args()
+
+
+def model_provider(args):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        add_bias_linear=False, add_qkv_bias=args.family == "qwen2", use_cpu_initialization=True,
+        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        pipeline_dtype=torch.float32)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                    max_sequence_length=args.seq_length, position_embedding_type="rope", rotary_base=10000,
+                    share_embeddings_and_output_weights=False), config
+
+
+def batches(args, dp_rank: int):
+    """This DP rank's micro-batches, step after step: tokens, labels (the next tokens), a loss mask that leaves each
+    row's last position out, positions."""
+    step = 0
+    while True:
+        for micro in range(args.micro_batches):
+            g = torch.Generator().manual_seed(1000 * step + 10 * micro + dp_rank)
+            ids = torch.randint(0, VOCAB, (args.micro_batch_size, args.seq_length + 1), generator=g)
+            mask = torch.ones(args.micro_batch_size, args.seq_length)
+            mask[:, -1] = 0
+            positions = torch.arange(args.seq_length)[None].expand(args.micro_batch_size, -1)
+            yield {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": mask, "position_ids": positions}
+        step += 1
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def main() -> None:
+    args = arguments()
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    model, config = model_provider(args)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+        clip_grad=args.clip_grad, bf16=False, fp16=False, use_distributed_optimizer=False), [model])
+    if args.seed_bug == "adam_step_twice":  # the step counter advanced twice: bias correction of a later step
+        inner = optimizer.optimizer
+        original = inner.step
+
+        def step_twice(*a, **k):
+            for state in inner.state.values():
+                if "step" in state:
+                    state["step"] += 1
+            return original(*a, **k)
+
+        inner.step = step_twice
+    if args.seed_bug == "grad_over_dp_twice":  # the gradients averaged over DP once more than they should be
+        dp = parallel_state.get_data_parallel_world_size()
+        for group in model.bucket_groups:
+            for bucket in group.buckets:
+                bucket.gradient_scaling_factor /= dp
+    data = batches(args, parallel_state.get_data_parallel_rank())
+    forward_backward = get_forward_backward_func()
+    for step in range(args.steps):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+                                  num_microbatches=args.micro_batches, seq_length=args.seq_length,
+                                  micro_batch_size=args.micro_batch_size, forward_only=False)
+        _, grad_norm, _ = optimizer.step()
+        loss = sum(float(x["lm loss"]) for x in losses) / len(losses)
+        if dist.get_rank() == 0:
+            print(f"step {step}: loss {loss:.6f} grad_norm {float(grad_norm):.6f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
