@@ -67,7 +67,7 @@ def test_what_does_not_map_is_refused_in_one_line(mapped):
 
 RECORDED = {  # name: (ranks, the job's flags)
     "tp2_dp2": (4, ["--tp", "2"]),
-    "grad_over_dp_twice": (4, ["--tp", "2", "--seed_bug", "grad_over_dp_twice"]),
+    "grad_over_dp_twice": (2, ["--seed_bug", "grad_over_dp_twice"]),
     "adam_step_twice": (2, ["--tp", "2", "--family", "qwen2", "--seed_bug", "adam_step_twice"]),
     "pp2": (2, ["--pp", "2"]),
 }
@@ -115,7 +115,7 @@ def test_a_megatron_loop_at_tp2_dp2_is_recorded_unchanged_and_passes_against_its
 
 
 def test_the_gradients_averaged_over_dp_twice_fail_at_step_0_naming_the_grad_norm(recorded):
-    """Seeded in the job: each DP bucket's gradient scaling factor divided by DP once more (the gradients halved):
+    """Seeded in a DP 2 job: each DP bucket's gradient scaling factor divided by DP once more (the gradients halved):
     the verdict FAILs at step 0, on the grad norm, the tensor verdict naming a tensor's gradient."""
     code, output, folder = recorded["grad_over_dp_twice"]
     assert code == 1, output[-4000:]
