@@ -19,6 +19,7 @@ def arguments():
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--distributed_optimizer", action="store_true", help="megatron-core's ZeRO-1-like optimizer")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--micro_batches", type=int, default=2)
     p.add_argument("--micro_batch_size", type=int, default=2)
@@ -90,12 +91,13 @@ def main() -> None:
     model_parallel_cuda_manual_seed(0)
     model, config = model_provider(args)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
+                                               use_distributed_optimizer=args.distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-        clip_grad=args.clip_grad, bf16=False, fp16=False, use_distributed_optimizer=False), [model])
+        clip_grad=args.clip_grad, bf16=False, fp16=False,
+        use_distributed_optimizer=args.distributed_optimizer), [model])
     if args.seed_bug == "adam_step_twice":  # the step counter advanced twice: bias correction of a later step
         inner = optimizer.optimizer
         original = inner.step

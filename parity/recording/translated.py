@@ -44,11 +44,15 @@ class TranslatedLayout(DataParallel):
     def buffer_names(self) -> list[str]:
         return [n for n in self.model.state_dict() if n not in dict(self.model.named_parameters())]
 
+    def stepped(self, p: torch.Tensor) -> torch.Tensor:
+        """The native parameter that the optimizer's parameter `p` steps (itself, or the parameter a shard of it is)."""
+        return p
+
     def group_params(self) -> list[list]:
         """Each optimizer group's parameters as the transformers model's (a split parameter's tensors in its place)."""
         hf = dict(self.model.named_parameters())
         native = {id(p): n for n, p in self.native}
-        return [[hf[h] for p in g["params"] if p.requires_grad for h, _ in self.targets[native[id(p)]]]
+        return [[hf[h] for p in g["params"] if p.requires_grad for h, _ in self.targets[native[id(self.stepped(p))]]]
                 for g in self.optimizer.param_groups]
 
     def trainable(self) -> list[tuple[str, torch.Tensor]]:
@@ -76,11 +80,15 @@ class TranslatedLayout(DataParallel):
         pieces = []
         for name, p in self.trainable():
             t = read(p)
-            local = None if t is None else self.local_piece(t)
+            local = None if t is None else self.piece_of(p, t)
             for h, held in self._held[name]:
                 pieces.append(Piece(h, None if local is None else local if held is None else local.reshape(-1)[held],
                                     self._counted_native[name] and local is not None))
         return pieces
+
+    def piece_of(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """What this rank holds of `t`, the parameter `p` or a tensor of its shape: its local shard."""
+        return self.local_piece(t)
 
     @functools.cached_property
     def _counted_native(self) -> dict[str, bool]:

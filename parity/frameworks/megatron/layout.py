@@ -12,8 +12,12 @@ its MegatronOptimizer, at tensor parallelism (TP) × data parallelism (DP).
   parameter's `main_grad`, reduced over DP by `finalize_model_grads`, and the FP32 optimizer points `grad` at it in
   `prepare_grads` (frameworks/megatron/recording.py reads them there, before the clip).
 
-Refused in one line (MegatronRefused): pipeline, context and expert parallelism, the distributed optimizer, parameters
-not in fp32, several chained optimizers, a model other than a GPTModel.
+- Under the distributed optimizer each DP rank steps a range of each TP shard's flat elements (its reduce-scattered
+  gradient, its moments); those ranges are the pieces, the moments are summed over DP into whole TP shards, and the
+  parameters, gathered whole by megatron-core after each step, are replicas on the DP ranks.
+
+Refused in one line (MegatronRefused): pipeline, context and expert parallelism, parameters not in fp32, several
+chained optimizers, a model other than a GPTModel.
 """
 
 from __future__ import annotations
@@ -58,10 +62,21 @@ def refusal(optimizer) -> str | None:
     if len(inner) != 1:
         return f"{len(inner)} chained optimizers: the recorder follows one"
     config = getattr(inner[0], "config", None)
-    if config is not None and (config.use_distributed_optimizer or config.bf16 or config.fp16):
-        return ("the distributed optimizer or bf16/fp16 parameters (use_distributed_optimizer, bf16, fp16): not "
-                "recorded yet; record the job with the FP32 optimizer")
+    if config is not None and (config.bf16 or config.fp16):
+        return "bf16 or fp16 parameters (bf16, fp16): not recorded yet; record the job in fp32"
     return None
+
+
+def sharded_optimizer(optimizer) -> dict[int, tuple]:
+    """The distributed optimizer's ranges: {id(model parameter): (the parameter, the shard its torch optimizer steps,
+    start, end)}, the shard being elements start…end of the parameter's (TP-local) flat tensor, for each parameter
+    this DP rank holds a range of."""
+    found = {}
+    for models, shards in zip(optimizer.model_fp32_groups, optimizer.shard_fp32_groups):
+        for model, shard in zip(models, shards):
+            taken = optimizer._get_model_param_range_map(model)["param"]
+            found[id(model)] = (model, shard, taken.start, taken.end)
+    return found
 
 
 class MegatronLayout(TranslatedLayout):
@@ -87,6 +102,11 @@ class MegatronLayout(TranslatedLayout):
         self._tp_ranks = dist.get_process_group_ranks(self.tp_group)
         self._dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
         self.native = [(n.removeprefix("module."), p) for n, p in module.named_parameters()]
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+        self.shards_of: dict[int, tuple] | None = None  # the distributed optimizer's: see sharded_optimizer
+        if inner.config.use_distributed_optimizer:
+            self.shards_of = sharded_optimizer(inner)
+            self._model_of = {id(shard): model for model, shard, _, _ in self.shards_of.values()}
         self.targets = self._targets()
         self.check_held()
 
@@ -95,8 +115,9 @@ class MegatronLayout(TranslatedLayout):
         return self.tp
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "zero_stage": 0, "dp_size": self.dp_size, "tp_size": self.tp,
-                "mesh": {"tp": self.tp, "dp": self.dp_size, "pp": 1}}
+        return {"kind": self.kind, "zero_stage": 0 if self.shards_of is None else 1, "dp_size": self.dp_size,
+                "tp_size": self.tp, "mesh": {"tp": self.tp, "dp": self.dp_size, "pp": 1},
+                "distributed_optimizer": self.shards_of is not None}
 
     # --- the sharding: TP along partition_dim, DP alike ---------------------------------------------------------
     @staticmethod
@@ -113,10 +134,44 @@ class MegatronLayout(TranslatedLayout):
         return tuple(shape)
 
     def holders(self, p):
+        """Of a piece (a gradient's, a parameter's, a moment's): the DP ranks of this TP rank hold a TP shard alike and
+        every rank a norm; under the distributed optimizer each DP rank holds its range of them, a norm's alike on the
+        TP ranks of its DP rank."""
+        if self.shards_of is not None:
+            return (self.rank,) if self.split(p) else tuple(sorted(self._tp_ranks))
+        return self.holders_whole(p)
+
+    def holders_whole(self, p) -> tuple[int, ...]:
+        """Of the parameter itself, whole at the step's end (the distributed optimizer gathers it over DP)."""
         return tuple(sorted(self._dp_ranks if self.split(p) else range(self.world)))
 
     def local_index(self, p, index):
-        return index.chunk(self.tp, dim=p.partition_dim)[self.tp_rank] if self.split(p) else index
+        return self.piece_of(p, index.chunk(self.tp, dim=p.partition_dim)[self.tp_rank] if self.split(p) else index)
+
+    def piece_of(self, p, t):
+        """The TP shard (`t` of it), or under the distributed optimizer this DP rank's range of it, flat (empty where
+        it holds none)."""
+        if self.shards_of is None:
+            return t
+        _, _, start, end = self.shards_of.get(id(p), (None, None, 0, 0))
+        return t.reshape(-1)[start:end]
+
+    def stepped(self, p):
+        return p if self.shards_of is None else self._model_of[id(p)]
+
+    def group_params(self) -> list[list]:
+        """Each optimizer group's parameters as the transformers model's. Under the distributed optimizer a DP rank's
+        groups hold the parameters it has a range of: the groups are the union over the world (a collective, every
+        rank at the recorder's start)."""
+        if self.shards_of is None:
+            return super().group_params()
+        native = {id(p): n for n, p in self.native}
+        mine = [{native[id(self.stepped(p))] for p in g["params"]} for g in self.optimizer.param_groups]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        hf = dict(self.model.named_parameters())
+        return [[hf[h] for n, p in self.native if p.requires_grad and any(n in ranks[g] for ranks in everyone)
+                 for h, _ in self.targets[n]] for g in range(len(mine))]
 
     def _targets(self) -> dict[str, list[tuple[str, torch.Tensor | None]]]:
         """Each parameter's Hugging Face tensors, checked against the transformers model's names and shapes."""
@@ -142,15 +197,23 @@ class MegatronLayout(TranslatedLayout):
     # --- norms and full tensors over the native module ----------------------------------------------------------
     def _norm(self, read) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.trainable():
-            t = read(p)
-            if t is not None and self._counted_native[name]:
-                total += t.detach().double().pow(2).sum().to(self.device)
+        for piece in self._pieces(read):
+            if piece.counted:
+                total += piece.tensor.detach().double().pow(2).sum().to(self.device)
         dist.all_reduce(total)
         return float(total.sqrt())
 
+    @staticmethod
+    def _grad(p):
+        """The gradient the optimizer steps: the DP-reduced `main_grad` of megatron-core's DistributedDataParallel
+        (the FP32 optimizer's `grad` is it; the distributed optimizer's shards are ranges of it)."""
+        return getattr(p, "main_grad", p.grad)
+
+    def gradient_pieces(self):
+        return self._pieces(self._grad)
+
     def grad_norm(self) -> float:
-        return self._norm(lambda p: p.grad)
+        return self._norm(self._grad)
 
     def param_norm(self) -> float:
         return self._norm(lambda p: p)
@@ -161,23 +224,51 @@ class MegatronLayout(TranslatedLayout):
     def full_state(self) -> dict[str, torch.Tensor]:
         return {h: t for n, p in self.native for h, t in self._full(n, p, p.data).items()}
 
+    def _state(self, p) -> dict:
+        """The optimizer's state of parameter `p` (of its shard, under the distributed optimizer)."""
+        return self.optimizer.state.get(p if self.shards_of is None else self.shards_of.get(id(p), (None, p))[1], {})
+
     def full_optimizer_state(self):
-        """AdamW's moments gathered over TP and translated, and its step count; ({}, 0) before the first step."""
-        out, count = {}, 0
+        """AdamW's moments gathered over TP (the distributed optimizer's ranges summed over DP first: each rank's
+        range in place, zeros elsewhere) and translated, and its step count; ({}, 0) before the first step. Every rank
+        takes part in every gather."""
+        from megatron.core import parallel_state as ps
+
+        counts = [int(s["step"]) for _, p in self.native for s in [self._state(p)] if "step" in s]
+        count = torch.tensor(max(counts, default=0), dtype=torch.float64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # a DP rank that holds no range of any tensor knows no count
+        if not int(count):
+            return {}, 0
+        out = {}
         for name, p in self.native:
-            state = self.optimizer.state.get(p)
-            if not state:
-                continue
-            count = int(state["step"]) if "step" in state else count
+            state = self._state(p)
             for key in ADAMW_MOMENTS:
-                for h, moved in self._full(name, p, state[key].float()).items():
+                if self.shards_of is None:
+                    moment = state[key].float()
+                else:
+                    moment = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
+                    if key in state:
+                        moment[self.shards_of[id(p)][2]:self.shards_of[id(p)][3]] = state[key].float()
+                    dist.all_reduce(moment, group=ps.get_data_parallel_group())
+                    moment = moment.view(p.shape)
+                for h, moved in self._full(name, p, moment).items():
                     out.setdefault(h, {})[key] = moved
-        return out, count
+        return out, int(count)
 
     def replicas(self):
-        from parity.training.replicas import held
+        from parity.training.replicas import Replica, held
 
-        return [r for name, p, ranks in self.replicated() for r in held(name, ranks, p, self.optimizer)]
+        if self.shards_of is None:
+            return [r for name, p, ranks in self.replicated() for r in held(name, ranks, p, self.optimizer)]
+        found = []
+        for name, p in self.native:  # each parameter whole; a norm's moments alike on the TP ranks of a DP rank
+            first = self.targets[name][0][0]
+            found.append(Replica(first, self.holders_whole(p), p.detach()))
+            if not self.split(p) and self.tp > 1 and id(p) in self.shards_of:
+                state, (_, _, start, end) = self._state(p), self.shards_of[id(p)]
+                found.extend(Replica(first, self.holders(p), state.get(key), key, f"[{start}:{end}]")
+                             for key in ADAMW_MOMENTS)
+        return found
 
 
 __all__ = ["MegatronLayout", "gpt_model", "refusal"]
