@@ -27,7 +27,9 @@ def arguments():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip_grad", type=float, default=1.0)
     p.add_argument("--family", choices=("llama", "qwen2"), default="llama")
-    p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice"), default="none")
+    p.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
+    p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice",
+                                                   "micro_batch_dropped"), default="none")
     return p.parse_args()
 
 
@@ -38,15 +40,18 @@ def model_provider(args):
 
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        gated_linear_unit=True, activation_func=F.silu, normalization=args.normalization, layernorm_epsilon=1e-6,
         add_bias_linear=False, add_qkv_bias=args.family == "qwen2", use_cpu_initialization=True,
         params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         pipeline_dtype=torch.float32)
+    from megatron.core import parallel_state
+
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                     max_sequence_length=args.seq_length, position_embedding_type="rope", rotary_base=10000,
-                    share_embeddings_and_output_weights=False), config
+                    share_embeddings_and_output_weights=False, pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage()), config
 
 
 def batches(args, dp_rank: int):
@@ -71,10 +76,23 @@ def loss_func(loss_mask, output_tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, dropped=False):
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    if dropped:  # the micro-batch's loss taken, its gradient not: dropped from what the step trains on
+        output = output.detach() + 0 * output
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def dropping_the_second(forward):
+    """The last stage's forward step with its second micro-batch of each step dropped from the gradient."""
+    calls = [0]
+
+    def forward_step(data_iterator, model):
+        calls[0] += 1
+        return forward(data_iterator, model, dropped=calls[0] % 2 == 0)
+
+    return forward_step
 
 
 def main() -> None:
@@ -114,17 +132,20 @@ def main() -> None:
         for group in model.bucket_groups:
             for bucket in group.buckets:
                 bucket.gradient_scaling_factor /= dp
+    step_function = forward_step
+    if args.seed_bug == "micro_batch_dropped" and parallel_state.is_pipeline_last_stage():
+        step_function = dropping_the_second(forward_step)
     data = batches(args, parallel_state.get_data_parallel_rank())
     forward_backward = get_forward_backward_func()
     for step in range(args.steps):
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+        losses = forward_backward(forward_step_func=step_function, data_iterator=data, model=[model],
                                   num_microbatches=args.micro_batches, seq_length=args.seq_length,
                                   micro_batch_size=args.micro_batch_size, forward_only=False)
         _, grad_norm, _ = optimizer.step()
-        loss = sum(float(x["lm loss"]) for x in losses) / len(losses)
-        if dist.get_rank() == 0:
+        if losses and parallel_state.get_tensor_model_parallel_rank() == parallel_state.get_data_parallel_rank() == 0:
+            loss = sum(float(x["lm loss"]) for x in losses) / len(losses)  # the last stage's
             print(f"step {step}: loss {loss:.6f} grad_norm {float(grad_norm):.6f}", flush=True)
     dist.destroy_process_group()
 

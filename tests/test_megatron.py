@@ -3,7 +3,12 @@ release pip finds for Python 3.11; in a folder of its own, conftest.installed_be
 gloo through tests/megatron_cpu.py, its parameters and gradients gathered and mapped (parity/frameworks/megatron/),
 and transformers' Llama and Qwen2 models loaded from them strictly train the same step: the loss equal within 1e-6,
 each gradient within 1e-5. The classic mapping bug — linear_fc1's gate and up split as if trained at TP 1 — moves the
-loss 1e4 × beyond that. What does not map is refused in one line."""
+loss 1e4 × beyond that. What does not map is refused in one line.
+
+Then megatron-core loops recorded unchanged under verify_trainer.py (issue 69, items 1 and 3:
+tests/megatron_train_job.py through megatron_cpu.py, its flags choosing the layout and a seeded fault): TP 2 × DP 2 with the distributed optimizer
+and PP 2 PASS against their DDP replays; the gradients averaged over DP twice, AdamW's step counter advanced twice and
+a micro-batch dropped from the last stage's gradient FAIL at their steps; a LayerNorm model is refused, exit 2."""
 
 from __future__ import annotations
 
@@ -66,11 +71,12 @@ def test_what_does_not_map_is_refused_in_one_line(mapped):
 
 
 RECORDED = {  # name: (ranks, the job's flags)
-    "tp2_dp2": (4, ["--tp", "2"]),
-    "dp2_distributed_optimizer": (2, ["--distributed_optimizer"]),
+    "tp2_dp2": (4, ["--tp", "2", "--distributed_optimizer"]),
+    "pp2": (2, ["--pp", "2"]),
     "grad_over_dp_twice": (2, ["--distributed_optimizer", "--seed_bug", "grad_over_dp_twice"]),
     "adam_step_twice": (2, ["--tp", "2", "--family", "qwen2", "--seed_bug", "adam_step_twice"]),
-    "pp2": (2, ["--pp", "2"]),
+    "micro_batch_dropped": (2, ["--pp", "2", "--seed_bug", "micro_batch_dropped"]),
+    "layernorm": (1, ["--normalization", "LayerNorm"]),
 }
 
 
@@ -96,10 +102,11 @@ def _judged(folder) -> dict:
 
 
 def test_a_megatron_loop_at_tp2_dp2_is_recorded_unchanged_and_passes_against_its_ddp_replay(recorded):
-    """megatron-core's DistributedDataParallel, its FP32 optimizer with clipping, get_forward_backward_func's
-    micro-batches and Megatron-LM's masked loss, recorded without a line changed: the record is at TP 2 × DP 2 under
-    Hugging Face names, and its DDP replay trains the same model — loss and norms within 1e-6, every tensor's gradient
-    and update within its bound, the replicas (each TP shard on its DP ranks, the norms on all four) bit-identical."""
+    """megatron-core's DistributedDataParallel and distributed optimizer (AdamW, clipped), get_forward_backward_func's
+    micro-batches and Megatron-LM's masked loss, recorded without a line changed at TP 2 × DP 2 under Hugging Face
+    names: each DP rank's range of each TP shard is its piece, the moments summed over DP for the teacher-forced check.
+    Its DDP replay trains the same model — loss and norms within 1e-6, every tensor's gradient and update within its
+    bound, the replicas (the parameters on their DP ranks, the norms on all four) bit-identical."""
     code, output, folder = recorded["tp2_dp2"]
     assert code == 0, output[-4000:]
     result = _judged(folder)
@@ -108,25 +115,13 @@ def test_a_megatron_loop_at_tp2_dp2_is_recorded_unchanged_and_passes_against_its
     config = record["config"]
     assert (config["tp_size"], config["dp_size"], config["framework"], config["model_type"]) == (
         2, 2, "megatron-core", "llama")
+    assert config["sharding"]["distributed_optimizer"]
     replay = json.loads((folder / "loss_ddp.json").read_text())
     for key in ("loss", "grad_norm", "param_norm"):
         assert max_rel_diff(series(record, key), series(replay, key)) < 1e-6, key
     assert [s["logged_grad_norm"] for s in record["steps"]] == pytest.approx(series(record, "grad_norm"), rel=1e-5)
     assert "replicas: bit-identical at each of 4 checks" in output and "tensor verdict: PASS: 21 tensors" in output
-
-
-def test_the_distributed_optimizer_at_dp2_passes_read_by_its_ranges(recorded):
-    """megatron-core's distributed optimizer: each DP rank steps a range of every parameter's elements (the recorder's
-    pieces), its moments summed over DP for the teacher-forced check, the parameters gathered whole after each step
-    (the replicas). PASS, the loss within 1e-6 of the replay."""
-    code, output, folder = recorded["dp2_distributed_optimizer"]
-    assert code == 0, output[-4000:]
-    assert _judged(folder)["verdict"] == "PASS", _judged(folder)
-    record = json.loads((folder / "loss_megatron_cpu.json").read_text())
-    assert record["config"]["sharding"]["distributed_optimizer"] and record["config"]["dp_size"] == 2
-    replay = json.loads((folder / "loss_ddp.json").read_text())
-    assert max_rel_diff(series(record, "loss"), series(replay, "loss")) < 1e-6
-    assert "teacher-forced check: within bounds" in output and "tensor verdict: PASS: 21 tensors" in output
+    assert "teacher-forced check: within bounds" in output
 
 
 def test_the_gradients_averaged_over_dp_twice_fail_at_step_0_naming_the_grad_norm(recorded):
@@ -141,8 +136,9 @@ def test_the_gradients_averaged_over_dp_twice_fail_at_step_0_naming_the_grad_nor
 
 
 def test_the_optimizers_step_counter_advanced_twice_fails_at_its_step(recorded):
-    """Seeded in a Qwen2 job (Q/K/V biases) at TP 2: AdamW's step count advanced once more before each step from step
-    1 on (its bias correction another step's): the verdict FAILs at step 1 on the parameters."""
+    """Seeded in a Qwen2 job (Q/K/V biases) at TP 2 with the FP32 optimizer: AdamW's step count advanced once more
+    before each step from step 1 on (its bias correction another step's): the verdict FAILs at step 1 on the
+    parameters."""
     code, output, folder = recorded["adam_step_twice"]
     assert code == 1, output[-4000:]
     first = _judged(folder)["first_outside"]
@@ -150,10 +146,35 @@ def test_the_optimizers_step_counter_advanced_twice_fails_at_its_step(recorded):
     assert json.loads((folder / "loss_megatron_cpu.json").read_text())["config"]["model_type"] == "qwen2"
 
 
-def test_a_layout_the_recorder_does_not_read_yet_is_refused_in_one_line(recorded):
-    """Pipeline parallelism (PP 2): the job stops before it trains, exit 2, the line said once."""
-    code, output, _ = recorded["pp2"]
+def test_a_two_stage_pipeline_passes_its_stages_layers_renumbered(recorded):
+    """PP 2: each stage builds one decoder layer (numbered from 0 on its stage, megatron-core's layer_number the
+    global one), the rows from the first stage's calls, the labels and the loss from the last's; the record holds the
+    whole model under Hugging Face names and PASSes against its replay."""
+    code, output, folder = recorded["pp2"]
+    assert code == 0, output[-4000:]
+    assert _judged(folder)["verdict"] == "PASS", _judged(folder)
+    record = json.loads((folder / "loss_megatron_cpu.json").read_text())
+    assert record["config"]["sharding"]["mesh"] == {"tp": 1, "dp": 1, "pp": 2}
+    replay = json.loads((folder / "loss_ddp.json").read_text())
+    assert max_rel_diff(series(record, "loss"), series(replay, "loss")) < 1e-6
+    assert "tensor verdict: PASS: 21 tensors" in output
+
+
+def test_a_micro_batch_dropped_on_the_last_stage_fails_at_step_0(recorded):
+    """Seeded at PP 2: the last stage's second micro-batch of each step taken into the loss but not into the gradient
+    (its output detached): the verdict FAILs at step 0 on the grad norm, the tensor verdict naming a tensor."""
+    code, output, folder = recorded["micro_batch_dropped"]
+    assert code == 1, output[-4000:]
+    first = _judged(folder)["first_outside"]
+    assert (first["step"], first["quantity"]) == (0, "grad_norm") and first["rel_diff"] > 0.1, first
+    assert "tensor verdict: FAIL at step 0: " in output
+
+
+def test_a_model_the_mapping_does_not_know_is_refused_in_one_line(recorded):
+    """A GPTModel with LayerNorm (no transformers model of Llama's or Qwen2's family has it): the job stops before it
+    trains, exit 2, the line said once."""
+    code, output, _ = recorded["layernorm"]
     assert code == 2, output[-4000:]
-    line = ("error: megatron-core: pipeline parallelism (pipeline size 2): not recorded yet; record the job without "
-            "it: the job stopped before it trained: nothing replayed")
+    line = ("error: megatron-core: megatron-core model: normalization 'LayerNorm': Llama and Qwen2 use RMSNorm: the "
+            "job stopped before it trained: nothing replayed")
     assert output.count(line) == 1, output[-3000:]

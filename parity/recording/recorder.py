@@ -418,7 +418,7 @@ class ParityRecorder(BatchTaking):
             self.grad_norm, self.grad_norm_source = self.layout.framework_grad_norm(), "framework"
         if not self.broken and self.grad_norm is None:
             self.broken = "no pre-clip grad norm: call before_step() before clipping, or give after_step(grad_norm=)"
-        if not self.broken and not self.micro:
+        if not self.broken and not self.micro and self.layout.feeds:  # a rank that hands no rows over may feed none
             self.broken = "no micro-batch: call micro_batch() for each one the step fed"
         if self.stop is not None:  # rank 0 stopped the record at an earlier step: every rank ends it now
             self.broken = STOPPED

@@ -116,17 +116,27 @@ class TranslatedLayout(DataParallel):
     def full_shape(self, p: torch.Tensor) -> tuple[int, ...]:
         return tuple(p.shape)
 
+    def native_names(self) -> list[str]:
+        """Every rank's native parameters' names, alike on every rank (a pipeline stage holds its own: gathered)."""
+        return [n for n, _ in self.native]
+
     def check_held(self) -> None:
         """Every element of every split parameter lands on exactly one Hugging Face tensor over the world (the
         sharded indices cover the parameter once): a collective, at the layout's start."""
-        counts = torch.tensor([float(sum(int(m.sum()) for _, m in self._held[n] if m is not None) *
-                                     self._counted_native[n]) for n, _ in self.native], dtype=torch.float64)
-        dist.all_reduce(counts)
-        for (name, p), got in zip(self.native, counts.tolist()):
-            whole = p.numel() * self.shards(p)
-            if self.targets[name][0][1] is not None and int(got) != whole:
-                raise self.refused(f"{name}'s shards cover {int(got)} of its {whole} elements once translated: its "
-                                   f"sharding is not read here")
+        names, here = self.native_names(), dict(self.native)
+        covered = torch.zeros(len(names), dtype=torch.float64)
+        whole = torch.zeros(len(names), dtype=torch.float64)
+        for i, name in enumerate(names):
+            p = here.get(name)
+            if p is not None and self.targets[name][0][1] is not None:
+                whole[i] = p.numel() * self.shards(p)
+                covered[i] = sum(int(m.sum()) for _, m in self._held[name]) * self._counted_native[name]
+        dist.all_reduce(covered)
+        dist.all_reduce(whole, op=dist.ReduceOp.MAX)
+        for name, got, full in zip(names, covered.tolist(), whole.tolist()):
+            if full and int(got) != int(full):
+                raise self.refused(f"{name}'s shards cover {int(got)} of its {int(full)} elements once translated: "
+                                   f"its sharding is not read here")
 
 
 __all__ = ["TranslatedLayout"]

@@ -16,8 +16,12 @@ its MegatronOptimizer, at tensor parallelism (TP) × data parallelism (DP).
   gradient, its moments); those ranges are the pieces, the moments are summed over DP into whole TP shards, and the
   parameters, gathered whole by megatron-core after each step, are replicas on the DP ranks.
 
-Refused in one line (MegatronRefused): pipeline, context and expert parallelism, parameters not in fp32, several
-chained optimizers, a model other than a GPTModel.
+- Under pipeline parallelism each stage holds its own layers (renumbered in the whole model); the norms are held alike
+  by the ranks of their stage, full tensors are gathered over the stages, and the last stage's first TP rank hands
+  each DP rank's rows over.
+
+Refused in one line (MegatronRefused): context and expert parallelism, virtual pipeline stages, embeddings tied across
+pipeline stages, parameters not in fp32, several chained optimizers, a model other than a GPTModel.
 """
 
 from __future__ import annotations
@@ -53,8 +57,7 @@ def refusal(optimizer) -> str | None:
     """What of the job's parallel layout or optimizer the recorder does not read yet, in one line (None: it does)."""
     from megatron.core import parallel_state as ps
 
-    sizes = {"pipeline": ps.get_pipeline_model_parallel_world_size(), "context": ps.get_context_parallel_world_size(),
-             "expert": ps.get_expert_model_parallel_world_size()}
+    sizes = {"context": ps.get_context_parallel_world_size(), "expert": ps.get_expert_model_parallel_world_size()}
     for kind, size in sizes.items():
         if size > 1:
             return f"{kind} parallelism ({kind} size {size}): not recorded yet; record the job without it"
@@ -65,6 +68,16 @@ def refusal(optimizer) -> str | None:
     if config is not None and (config.bf16 or config.fp16):
         return "bf16 or fp16 parameters (bf16, fp16): not recorded yet; record the job in fp32"
     return None
+
+
+def global_name(module, name: str) -> str:
+    """A parameter's name with its decoder layer numbered in the whole model (a pipeline stage numbers its own from
+    0: megatron-core's layer_number is the global one, from 1)."""
+    name = name.removeprefix("module.")
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(module.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
 
 
 def sharded_optimizer(optimizer) -> dict[int, tuple]:
@@ -98,10 +111,16 @@ class MegatronLayout(TranslatedLayout):
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.feeds = self.tp_rank == 0  # the TP ranks of a DP rank feed the same rows
+        self.pp, self.pp_group = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group()
+        if self.pp > 1 and module.share_embeddings_and_output_weights:
+            raise MegatronRefused("embeddings tied to the output layer across pipeline stages: not recorded yet")
+        self.feeds = self.tp_rank == 0 and ps.is_pipeline_last_stage()  # one rank of a DP rank hands its rows over
         self._tp_ranks = dist.get_process_group_ranks(self.tp_group)
         self._dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
-        self.native = [(n.removeprefix("module."), p) for n, p in module.named_parameters()]
+        stages = [None] * self.world
+        dist.all_gather_object(stages, ps.get_pipeline_model_parallel_rank())
+        self._stage_ranks = tuple(r for r, stage in enumerate(stages) if stage == stages[self.rank])
+        self.native = [(global_name(module, n), p) for n, p in module.named_parameters()]
         inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
         self.shards_of: dict[int, tuple] | None = None  # the distributed optimizer's: see sharded_optimizer
         if inner.config.use_distributed_optimizer:
@@ -116,7 +135,7 @@ class MegatronLayout(TranslatedLayout):
 
     def describe(self) -> dict:
         return {"kind": self.kind, "zero_stage": 0 if self.shards_of is None else 1, "dp_size": self.dp_size,
-                "tp_size": self.tp, "mesh": {"tp": self.tp, "dp": self.dp_size, "pp": 1},
+                "tp_size": self.tp, "mesh": {"tp": self.tp, "dp": self.dp_size, "pp": self.pp},
                 "distributed_optimizer": self.shards_of is not None}
 
     # --- the sharding: TP along partition_dim, DP alike ---------------------------------------------------------
@@ -142,8 +161,9 @@ class MegatronLayout(TranslatedLayout):
         return self.holders_whole(p)
 
     def holders_whole(self, p) -> tuple[int, ...]:
-        """Of the parameter itself, whole at the step's end (the distributed optimizer gathers it over DP)."""
-        return tuple(sorted(self._dp_ranks if self.split(p) else range(self.world)))
+        """Of the parameter itself, whole at the step's end (the distributed optimizer gathers it over DP): a TP shard
+        on the DP ranks of its TP rank, a norm on every rank of its pipeline stage."""
+        return tuple(sorted(self._dp_ranks if self.split(p) else self._stage_ranks))
 
     def local_index(self, p, index):
         return self.piece_of(p, index.chunk(self.tp, dim=p.partition_dim)[self.tp_rank] if self.split(p) else index)
@@ -160,21 +180,31 @@ class MegatronLayout(TranslatedLayout):
         return p if self.shards_of is None else self._model_of[id(p)]
 
     def group_params(self) -> list[list]:
-        """Each optimizer group's parameters as the transformers model's. Under the distributed optimizer a DP rank's
-        groups hold the parameters it has a range of: the groups are the union over the world (a collective, every
-        rank at the recorder's start)."""
-        if self.shards_of is None:
+        """Each optimizer group's parameters as the transformers model's. A pipeline stage's groups hold its own
+        layers' parameters, a DP rank's under the distributed optimizer those it has a range of: the groups are the
+        union over the world (a collective, every rank at the recorder's start)."""
+        if self.shards_of is None and self.pp == 1:
             return super().group_params()
         native = {id(p): n for n, p in self.native}
-        mine = [{native[id(self.stepped(p))] for p in g["params"]} for g in self.optimizer.param_groups]
+        mine = [{h for p in g["params"] if p.requires_grad for h, _ in self.targets[native[id(self.stepped(p))]]}
+                for g in self.optimizer.param_groups]
         everyone = [None] * self.world
         dist.all_gather_object(everyone, mine)
-        hf = dict(self.model.named_parameters())
-        return [[hf[h] for n, p in self.native if p.requires_grad and any(n in ranks[g] for ranks in everyone)
-                 for h, _ in self.targets[n]] for g in range(len(mine))]
+        return [[p for h, p in self.model.named_parameters() if any(h in groups[g] for groups in everyone)]
+                for g in range(len(mine))]
+
+    def native_names(self) -> list[str]:
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, [n for n, _ in self.native])
+        return sorted({n for names in everyone for n in names})
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor of the transformers model, in its order, on every rank (a stage holds pieces of its own)."""
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
 
     def _targets(self) -> dict[str, list[tuple[str, torch.Tensor | None]]]:
-        """Each parameter's Hugging Face tensors, checked against the transformers model's names and shapes."""
+        """Each parameter's Hugging Face tensors, checked against the transformers model's names and shapes (those
+        that no stage maps: a collective)."""
         hf = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         targets, seen = {}, set()
         for name, p in self.native:
@@ -188,7 +218,9 @@ class MegatronLayout(TranslatedLayout):
                 seen.add(h)
             whole = len(out) == 1 and next(iter(out.values())).numel() == index.numel()
             targets[name] = [(next(iter(out)), None)] if whole else [(h, t.reshape(-1)) for h, t in out.items()]
-        missing = [h for h in hf if h not in seen]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, seen)
+        missing = [h for h in hf if not any(h in found for found in everyone)]
         if missing:
             raise MegatronRefused(f"{type(self.model).__name__}'s {missing[0]} is mapped from no parameter of the "
                                   f"job's GPTModel (tied embeddings, or a layer the mapping does not know)")
@@ -221,8 +253,16 @@ class MegatronLayout(TranslatedLayout):
     def _full(self, name: str, p: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
         return to_hf(name, full_tensor(p, t.to(self.device), self.tp_group).cpu(), self.config, self.tp)
 
+    def _stages(self, mine: dict) -> dict:
+        """This stage's full tensors and every other stage's (gathered over the pipeline group)."""
+        if self.pp == 1:
+            return mine
+        parts = [None] * self.pp
+        dist.all_gather_object(parts, mine, group=self.pp_group)
+        return {k: v for part in parts for k, v in part.items()}
+
     def full_state(self) -> dict[str, torch.Tensor]:
-        return {h: t for n, p in self.native for h, t in self._full(n, p, p.data).items()}
+        return self._stages({h: t for n, p in self.native for h, t in self._full(n, p, p.data).items()})
 
     def _state(self, p) -> dict:
         """The optimizer's state of parameter `p` (of its shard, under the distributed optimizer)."""
@@ -253,7 +293,7 @@ class MegatronLayout(TranslatedLayout):
                     moment = moment.view(p.shape)
                 for h, moved in self._full(name, p, moment).items():
                     out.setdefault(h, {})[key] = moved
-        return out, int(count)
+        return self._stages(out), int(count)
 
     def replicas(self):
         from parity.training.replicas import Replica, held

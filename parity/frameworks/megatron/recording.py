@@ -8,12 +8,12 @@ modules are first imported,
   any step: the initial weights), then hands each micro-batch over as the job's `forward_step_func` feeds it;
 - `torch.distributed.destroy_process_group` completes the record first (at exit otherwise).
 
-Each micro-batch: the GPTModel's call gives the rows (its input ids, and the labels it takes the per-token losses of:
-Megatron's labels are already the next tokens), the job's loss function its loss mask — the tensor of the rows' shape
-it is a `functools.partial` of, as Megatron-LM's `partial(loss_func, loss_mask)` — and its loss, which must be the
-masked token mean of the model's per-token losses (or, with calculate_per_token_loss, their masked sum and token
-count) that the record's rows give. A row as the replay feeds it: the input ids and one more token (the last label),
-labels −100 then the targets, −100 where the mask is 0.
+Each micro-batch: the GPTModel's calls give the rows (the first pipeline stage's input ids, and the labels the last
+stage takes the per-token losses of: Megatron's labels are already the next tokens), the job's loss function its loss
+mask — the tensor of the rows' shape it is a `functools.partial` of, as Megatron-LM's `partial(loss_func, loss_mask)`
+— and its loss, which must be the masked token mean of the model's per-token losses (or, with
+calculate_per_token_loss, their masked sum and token count) that the record's rows give. A row as the replay feeds
+it: the input ids and one more token (the last label), labels −100 then the targets, −100 where the mask is 0.
 
 The optimizer's `prepare_grads` (its first act in `step()`: the FP32 optimizer points each parameter's `grad` at the
 DP-reduced `main_grad`) ends by reading the gradients before the clip (`before_step`); its `step()` ends with the
@@ -140,7 +140,9 @@ class MegatronRecording:
                                        max_grad_norm=float(self.optimizer.config.clip_grad), precision="fp32",
                                        framework="megatron-core",
                                        framework_versions={"megatron-core": md.version("megatron-core")})
-        self.rows = None  # the GPTModel call's (input ids, labels) of the micro-batch being fed
+        self.labels = None  # the last GPTModel call's labels
+        self.ids: list = []  # this step's GPTModel calls' input ids, in order (the first stage's: the rows')
+        self.taken: list = []  # this step's (labels, mask, summed loss), one a loss function's call (the last stage's)
         self.logged: float | None = None  # the step's loss as Megatron takes it (after_forward_backward)
         self.losses: list[float] = []  # this step's micro-batches' losses as the job's loss function returned them
         self.module.register_forward_pre_hook(self._rows, with_kwargs=True)
@@ -157,7 +159,8 @@ class MegatronRecording:
 
     def _rows(self, module, args, kwargs) -> None:
         bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-        self.rows = (bound.get("input_ids"), bound.get("labels"))
+        self.ids.append(bound.get("input_ids"))
+        self.labels = bound.get("labels")
 
     def forward_step(self, forward_step_func):
         """The job's forward step, its loss function wrapped to hand the micro-batch over."""
@@ -179,8 +182,9 @@ class MegatronRecording:
         return loss
 
     def _micro_batch(self, loss_func, output, result) -> None:
-        ids, labels = self.rows
-        rec = self.recorder
+        """One loss function's call: its micro-batch's labels, mask and summed loss, checked against what it returned;
+        handed over with the rows' ids once the step's forward-backward is done (after_forward_backward)."""
+        labels, rec = self.labels, self.recorder
         if labels is None:
             rec.broken = "the GPTModel was called without labels: the recorder takes its per-token losses"
             return
@@ -197,18 +201,30 @@ class MegatronRecording:
                               f"per-token losses is {expected:.6g}: a loss the recorder cannot replay")
                 return
             self.losses.append(loss if len(result) == 2 else summed / max(tokens, 1))
-            row_ids = torch.cat([ids, labels[:, -1:]], 1)
-            targets = torch.where(mask, labels, torch.full_like(labels, -100))
-            row_labels = torch.cat([torch.full_like(labels[:, :1], -100), targets], 1)
-        rec.micro_batch(row_ids, row_labels, None, attention_mask=torch.ones_like(row_ids), use_cache=False,
-                        summed_loss=summed)
+            self.taken.append((labels.detach().clone(), mask, summed))
 
     def after_forward_backward(self) -> None:
-        """The step's loss as Megatron's per-micro-batch mean averaged over DP (the logged loss the record keeps)."""
+        """The step's micro-batches handed over — each row the first pipeline stage's input ids and one more token
+        (the last label), labels −100 then the targets, −100 where the mask is 0 — and the step's loss as Megatron's
+        per-micro-batch mean averaged over DP (the logged loss the record keeps), every rank told it."""
         from megatron.core import parallel_state as ps
 
-        mean = torch.tensor([sum(self.losses), len(self.losses)], dtype=torch.float64)
-        dist.all_reduce(mean, group=ps.get_data_parallel_group())
+        ids, self.ids = self.ids, []
+        if ps.get_pipeline_model_parallel_world_size() > 1:  # the first stage's ids, to every stage
+            group = ps.get_pipeline_model_parallel_group()
+            sent = [ids if ps.is_pipeline_first_stage() else None]
+            dist.broadcast_object_list(sent, src=dist.get_process_group_ranks(group)[0], group=group)
+            ids = sent[0]
+        for (labels, mask, summed), fed in zip(self.taken, ids):
+            row_ids = torch.cat([fed, labels[:, -1:]], 1)
+            targets = torch.where(mask, labels, torch.full_like(labels, -100))
+            row_labels = torch.cat([torch.full_like(labels[:, :1], -100), targets], 1)
+            self.recorder.micro_batch(row_ids, row_labels, None, attention_mask=torch.ones_like(row_ids),
+                                      use_cache=False, summed_loss=summed)
+        self.taken = []
+        feeds = self.layout.feeds
+        mean = torch.tensor([sum(self.losses) * feeds, len(self.losses) * feeds], dtype=torch.float64)
+        dist.all_reduce(mean)
         self.logged = float(mean[0] / mean[1]) if mean[1] else None
         self.losses = []
 
