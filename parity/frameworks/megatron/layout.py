@@ -209,15 +209,17 @@ class MegatronLayout(TranslatedLayout):
         targets, seen = {}, set()
         for name, p in self.native:
             shape = self.full_shape(p)
-            index = torch.arange(p.numel() * self.shards(p), dtype=torch.int64).view(shape)
-            out = to_hf(name, index, self.config, self.tp)
+            out = to_hf(name, torch.empty(shape, device="meta"), self.config, self.tp)  # names and shapes
             for h, t in out.items():
                 if hf.get(h) != tuple(t.shape):
                     raise MegatronRefused(f"megatron-core {name} maps to {h} of shape {tuple(t.shape)}, which "
                                           f"{type(self.model).__name__} has as {hf.get(h)}")
                 seen.add(h)
-            whole = len(out) == 1 and next(iter(out.values())).numel() == index.numel()
-            targets[name] = [(next(iter(out)), None)] if whole else [(h, t.reshape(-1)) for h, t in out.items()]
+            if len(out) == 1:
+                targets[name] = [(next(iter(out)), None)]
+            else:  # split: where each of the parameter's elements lands
+                index = torch.arange(p.numel() * self.shards(p), dtype=torch.int64).view(shape)
+                targets[name] = [(h, t.reshape(-1)) for h, t in to_hf(name, index, self.config, self.tp).items()]
         everyone = [None] * self.world
         dist.all_gather_object(everyone, seen)
         missing = [h for h in hf if not any(h in found for found in everyone)]
