@@ -124,8 +124,8 @@ class TranslatedLayout(DataParallel):
         """Every element of every split parameter lands on exactly one Hugging Face tensor over the world (the
         sharded indices cover the parameter once): a collective, at the layout's start."""
         names, here = self.native_names(), dict(self.native)
-        covered = torch.zeros(len(names), dtype=torch.float64)
-        whole = torch.zeros(len(names), dtype=torch.float64)
+        covered = torch.zeros(len(names), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
+        whole = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         for i, name in enumerate(names):
             p = here.get(name)
             if p is not None and self.targets[name][0][1] is not None:

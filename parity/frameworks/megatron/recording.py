@@ -223,7 +223,8 @@ class MegatronRecording:
                                       use_cache=False, summed_loss=summed)
         self.taken = []
         feeds = self.layout.feeds
-        mean = torch.tensor([sum(self.losses) * feeds, len(self.losses) * feeds], dtype=torch.float64)
+        mean = torch.tensor([sum(self.losses) * feeds, len(self.losses) * feeds], dtype=torch.float64,
+                            device=self.layout.device)
         dist.all_reduce(mean)
         self.logged = float(mean[0] / mean[1]) if mean[1] else None
         self.losses = []
