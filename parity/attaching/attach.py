@@ -15,6 +15,7 @@ job it cannot record) leaves its line in the folder (`stop_command`), which veri
 from __future__ import annotations
 
 import os
+import sys
 
 from parity import storage
 
@@ -59,11 +60,14 @@ def refused(why: str) -> None:
 
 
 def stop_command(line: str) -> None:
-    """Where a recorder stops the command it records (a job it cannot record, on every rank): its one line left in
-    the records' folder (rank 0), for verify_trainer.py to repeat with exit status 2 — a launcher reports its own
-    status for a worker that stopped (torchrun: 1)."""
-    if active() and int(os.environ.get("RANK", "0")) == 0:
-        _leave(STOPPED_FILE, line)
+    """Where a recorder stops the command it records (a job it cannot record, on every rank, before it trains): its
+    one line said on rank 0 and left in the records' folder, for verify_trainer.py to repeat with exit status 2 — a
+    launcher reports its own status for a worker that stopped (torchrun: 1) —, then this process exits with status 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"parity recorder: {line}: recording nothing; the job stops (exit 2)", file=sys.stderr, flush=True)
+        if active():
+            _leave(STOPPED_FILE, line)
+    raise SystemExit(2)
 
 
 def _leave(file: str, line: str) -> None:

@@ -42,7 +42,7 @@ from parity.recording.recorded_objective import RecordedObjective, causal_lm_ref
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, taken
 from parity.recording.sharded import LayoutRefused, layout_of, trained_device
-from parity.recording.world import first_process, trains_alone
+from parity.recording.world import exchange_device, first_process, trains_alone
 from parity.models.model import config_as_built, config_summary, file_sha256
 from parity.precision import POLICIES
 from parity.registry import KNOWN
@@ -179,8 +179,7 @@ class ParityRecorder(BatchTaking):
     def _start(self, output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
                framework, framework_versions, scheduler, start_step, tensor_grad) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
-                       else torch.device("cpu"))
+        self.device = exchange_device()
         self.layout = layout_of(model, optimizer, self.device, unwrap)  # plain/DDP, FSDP2, ZeRO (sharded.py)
         self.model, self.optimizer = self.layout.model, self.layout.optimizer
         self.trains_on = trained_device(self.model, self.device)  # the record's device (the replay's)

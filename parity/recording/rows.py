@@ -63,6 +63,16 @@ def taken(input_ids, labels, attention_mask, position_ids, use_cache, model) -> 
     return MicroBatch(ids, lab, mask, positions, flags_of(positions is not None, attention_mask is not None, cache))
 
 
+def next_token_rows(ids: torch.Tensor, targets: torch.Tensor,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a framework whose labels are already the next tokens (targets[t] is position t's: torchtitan's,
+    megatron-core's) as Hugging Face's convention feeds them (labels[t + 1] is position t's target): the input ids and
+    one more token — the last target, which no position reads — and labels −100 then the targets, −100 too where
+    `mask` (a loss mask of the targets' shape) is 0."""
+    labels = targets if mask is None else torch.where(mask.bool(), targets, torch.full_like(targets, IGNORE_INDEX))
+    return torch.cat([ids, targets[:, -1:]], 1), torch.cat([torch.full_like(targets[:, :1], IGNORE_INDEX), labels], 1)
+
+
 def positions_line(step: int, flags: torch.Tensor) -> str:
     """The recorder's line at the first step whose rows came with position ids of their own. Where some came with a
     mask or a cache too, transformers masked the whole row causally and its documents attended to each other: the

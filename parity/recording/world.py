@@ -11,6 +11,8 @@ PartialState._prepare_backend forms a group for a device backend (GPU and the li
 CPU only with cpu=True (Accelerator(cpu=True) or ACCELERATE_USE_CPU=1, then MULTI_CPU over gloo); with neither it
 keeps DistributedType.NO and num_processes 1 — under `accelerate launch --multi_gpu --num_processes 2` on a machine
 without GPUs too, whose processes torchrun starts with WORLD_SIZE=2.
+
+Also where a recording process's collectives run (`exchange_device`): the recorder's and a framework room's layout's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
 import torch.distributed as dist
+
+
+def exchange_device() -> torch.device:
+    """Where this process's collectives run (the recorder's exchanges, a layout's gathers): the current CUDA device
+    under NCCL, else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def first_process() -> bool:

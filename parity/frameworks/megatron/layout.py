@@ -1,10 +1,10 @@
 """A megatron-core job's model read under Hugging Face names (docs/megatron.md#what-is-recorded): the recorder's layout
 (sharded.py's interface, through recording/translated.py) over the job's own GPTModel and the torch optimizer inside
-its MegatronOptimizer, at tensor parallelism (TP) × data parallelism (DP).
+its MegatronOptimizer, at tensor (TP) × data (DP) × pipeline (PP) parallelism.
 
 - Each parameter tagged `tensor_model_parallel` is split along its `partition_dim` over the TP group: TP rank r holds
-  the r-th chunk, the DP ranks of one TP rank hold it alike. Every other parameter (the norms) is held alike by the
-  whole world. Full tensors are gathered over TP and translated by names.py (renamed; QKV split per query group,
+  the r-th chunk, the DP ranks of one TP rank hold it alike. Every other parameter (the norms) is held alike by every
+  rank of its pipeline stage. Full tensors are gathered over TP and translated by names.py (renamed; QKV split per query group,
   linear_fc1 into gate and up); the per-step pieces are each rank's shard, split the same way by element index.
 - The norms are float64 sums over each element once (a piece counted on the first rank that holds it), summed over
   the world: the pre-clip norm as megatron-core's own clip takes it (it leaves TP duplicates out alike).
@@ -230,10 +230,13 @@ class MegatronLayout(TranslatedLayout):
 
     # --- norms and full tensors over the native module ----------------------------------------------------------
     def _norm(self, read) -> float:
+        """Over every element once: each rank's pieces of the parameters it counts (their Hugging Face split only
+        parts what is summed here), summed over the world."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for piece in self._pieces(read):
-            if piece.counted:
-                total += piece.tensor.detach().double().pow(2).sum().to(self.device)
+        for name, p in self.trainable():
+            t = read(p)
+            if t is not None and self._counted_native[name]:
+                total += self.piece_of(p, t).detach().double().pow(2).sum().to(self.device)
         dist.all_reduce(total)
         return float(total.sqrt())
 
@@ -267,8 +270,12 @@ class MegatronLayout(TranslatedLayout):
         return self._stages({h: t for n, p in self.native for h, t in self._full(n, p, p.data).items()})
 
     def _state(self, p) -> dict:
-        """The optimizer's state of parameter `p` (of its shard, under the distributed optimizer)."""
-        return self.optimizer.state.get(p if self.shards_of is None else self.shards_of.get(id(p), (None, p))[1], {})
+        """The optimizer's state of parameter `p` (of its shard, under the distributed optimizer: none where this DP
+        rank holds no range of it)."""
+        if self.shards_of is None:
+            return self.optimizer.state.get(p, {})
+        held = self.shards_of.get(id(p))
+        return {} if held is None else self.optimizer.state.get(held[1], {})
 
     def full_optimizer_state(self):
         """AdamW's moments gathered over TP (the distributed optimizer's ranges summed over DP first: each rank's

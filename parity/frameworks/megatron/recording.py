@@ -28,8 +28,6 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -97,13 +95,6 @@ def _recorded(forward_backward):
     return recorded
 
 
-def _stop(line: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"parity recorder: {line}: recording nothing; the job stops (exit 2)", file=sys.stderr, flush=True)
-    attach.stop_command(line)
-    raise SystemExit(2)
-
-
 class MegatronRecording:
     """One megatron-core model's recording (the module docstring): checked at its first training step (a refusal
     stops the job, exit 2), the recorder started there."""
@@ -115,6 +106,7 @@ class MegatronRecording:
         from parity.frameworks.megatron.layout import MegatronLayout, gpt_model
         from parity.models.model import meta_model
         from parity.recording.recorder import ParityRecorder
+        from parity.recording.world import exchange_device
 
         chunks = model if isinstance(model, (list, tuple)) else [model]
         found = [opt for opt, stepped in OPTIMIZERS if any(c is chunks[0] for c in stepped)]
@@ -129,11 +121,9 @@ class MegatronRecording:
                                       getattr(self.module, "rotary_base", 10000.0),
                                       self.module.share_embeddings_and_output_weights,
                                       self.module.position_embedding_type))
-            device = torch.device("cpu") if dist.get_backend() == "gloo" else \
-                torch.device("cuda", torch.cuda.current_device())
-            self.layout = MegatronLayout(self.module, found[-1], hf, config, device)
+            self.layout = MegatronLayout(self.module, found[-1], hf, config, exchange_device())
         except MegatronRefused as exc:
-            _stop(f"megatron-core: {exc}")
+            attach.stop_command(f"megatron-core: {exc}")
         self.optimizer = found[-1]
         folder, name = attach.variables()
         self.recorder = ParityRecorder(folder, name=name, model=self.layout, optimizer=self.layout.optimizer,
@@ -209,6 +199,8 @@ class MegatronRecording:
         per-micro-batch mean averaged over DP (the logged loss the record keeps), every rank told it."""
         from megatron.core import parallel_state as ps
 
+        from parity.recording.rows import next_token_rows
+
         ids, self.ids = self.ids, []
         if ps.get_pipeline_model_parallel_world_size() > 1:  # the first stage's ids, to every stage
             group = ps.get_pipeline_model_parallel_group()
@@ -216,9 +208,7 @@ class MegatronRecording:
             dist.broadcast_object_list(sent, src=dist.get_process_group_ranks(group)[0], group=group)
             ids = sent[0]
         for (labels, mask, summed), fed in zip(self.taken, ids):
-            row_ids = torch.cat([fed, labels[:, -1:]], 1)
-            targets = torch.where(mask, labels, torch.full_like(labels, -100))
-            row_labels = torch.cat([torch.full_like(labels[:, :1], -100), targets], 1)
+            row_ids, row_labels = next_token_rows(fed, labels, mask)
             self.recorder.micro_batch(row_ids, row_labels, None, attention_mask=torch.ones_like(row_ids),
                                       use_cache=False, summed_loss=summed)
         self.taken = []

@@ -32,8 +32,6 @@ command runs where the command names torchtitan's --module and --config (`comman
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import torch
 
@@ -161,12 +159,7 @@ class TitanRecording:
         except TitanRefused as exc:
             why = str(exc)
         if why is not None:
-            line = f"torchtitan {spec.name} ({spec.flavor}): {why}"
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"parity recorder: {line}: recording nothing; the job stops (exit 2)", file=sys.stderr,
-                      flush=True)
-            attach.stop_command(line)
-            raise SystemExit(2)
+            attach.stop_command(f"torchtitan {spec.name} ({spec.flavor}): {why}")
         self.apart = _documents_apart(spec.model)
         self._patch()
 
@@ -224,13 +217,14 @@ class TitanRecording:
         step's last micro-batch, the gradients before clipping."""
         from torch.distributed.tensor import DTensor
 
+        from parity.recording.rows import next_token_rows
+
         rec = self.recorder
         ids, positions = input_dict["input"], input_dict.get("positions")
         with torch.no_grad():
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             summed = float(loss.detach().double() * float(tokens))
-            row_ids = torch.cat([ids, labels[:, -1:]], 1)
-            row_labels = torch.cat([torch.full_like(labels[:, :1], -100), labels], 1)
+            row_ids, row_labels = next_token_rows(ids, labels)
             row_positions = None if positions is None else torch.cat([positions, positions[:, -1:] + 1], 1)
         rec.micro_batch(row_ids, row_labels, None, attention_mask=None if self.apart else torch.ones_like(row_ids),
                         position_ids=row_positions, use_cache=False, summed_loss=summed)
