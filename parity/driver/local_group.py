@@ -154,8 +154,12 @@ def start_processes(fn, args: tuple, nprocs: int, environment: dict[str, str] | 
 
 
 def start_method(device: str) -> str:
-    """How a local group's ranks start on `device` (start_processes)."""
-    return "spawn" if device == "cuda" else "forkserver"
+    """How a local group's ranks start on `device` (start_processes): spawned where CUDA is there, a CPU group's too —
+    a rank forked from the forkserver, whose imports ask torch for the GPUs, fails at its first CUDA call (torch's
+    Adam asks whether a CUDA graph is being captured); forked from the forkserver elsewhere."""
+    import torch
+
+    return "spawn" if device == "cuda" or torch.cuda.is_available() else "forkserver"
 
 
 def kernel_environment(kernel: str) -> dict[str, str]:
