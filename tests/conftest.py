@@ -43,7 +43,7 @@ TINY = {"model_name": "qwen2-tiny", "seq_length": 64, "log_interval": 5}
 # them waited on their lock, 75 s); then the longest first (--durations=0, docs/benchmark.md), so that neither process
 # is left alone with a long module at the end. The modules not listed, each under 40 s, follow in collection order.
 MODULE_ORDER = ("test_checkpoints", "test_families", "test_calibration", "test_main_script", "test_benchmark",
-                "test_replicas", "test_precision", "test_own_trainer", "test_posttrain_recorder", "test_verify_trainer",
+                "test_megatron", "test_replicas", "test_precision", "test_own_trainer", "test_posttrain_recorder", "test_verify_trainer",
                 "test_moe", "test_teacher_forced", "test_storage", "test_lora", "test_torchtitan", "test_techniques",
                 "test_own_trainer_frameworks", "test_multinode", "test_verification", "test_gpu_check",
                 "test_posttrain", "test_custom_strategy", "test_real_size", "test_own_trainer_states", "test_compare",

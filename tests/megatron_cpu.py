@@ -12,6 +12,9 @@ Each change, and why it is needed:
   the tensors whose type is a CUDA one, and would otherwise leave every CPU gradient out of the norm and the step.
 - streams, events and `torch.cuda.synchronize` as no-ops: the pipeline's and the distributed optimizer's overlap waits
   on them; on one CPU every operation is in order already.
+- the local spec's norm (`WrappedTorchNorm`: torch's RMSNorm) built under sequence parallelism, which it refuses:
+  its weights tagged `sequence_parallel` as TransformerEngine's and apex's norms tag theirs (what `finalize_model_grads`
+  all-reduces over TP: each TP rank's norm sees its part of the sequence), where the job runs TE or apex on GPUs.
 - the CUDA RNG tracker's `fork` as a no-op: the attention's dropout forks the model-parallel RNG state (CUDA's) even
   at dropout 0, which the jobs here train with; and `model_parallel_cuda_manual_seed` (which seeds those CUDA states
   for the tracker, through torch.cuda's RNG) a no-op with it: nothing forks them.
@@ -59,6 +62,27 @@ class _Waits:
         return lambda *args, **kwargs: True if name == "query" else _Waits() if name == "record_event" else None
 
 
+def sequence_parallel_norms() -> None:
+    """WrappedTorchNorm under sequence parallelism (the module docstring)."""
+    from megatron.core.transformer import torch_norm
+
+    build = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        config.sequence_parallel = False  # what its check reads; the norm itself is the same
+        try:
+            norm = build(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
 def install() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda *args, **kwargs: _Waits()
@@ -69,6 +93,7 @@ def install() -> None:
 
     random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     random.model_parallel_cuda_manual_seed = tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None
+    sequence_parallel_norms()
     CudaOnCpu().__enter__()  # for the rest of the process
 
 

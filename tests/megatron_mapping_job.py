@@ -32,7 +32,7 @@ def refusals(config) -> list[str]:
 
     lines = []
     for change in ({"normalization": "LayerNorm"}, {"add_bias_linear": True}, {"qk_layernorm": True},
-                   {"gated_linear_unit": False}):
+                   {"gated_linear_unit": False}, {"mtp_num_layers": 1}):
         try:
             hf_config(replace(config, **change), VOCAB, SEQ)
         except MegatronRefused as exc:

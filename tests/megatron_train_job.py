@@ -6,6 +6,7 @@ ranks beyond TP × PP form the data-parallel groups. Nothing of the harness is i
 it unchanged (docs/megatron.md). `--seed_bug` plants one of the classic faults the tests seed."""
 
 import argparse
+import os
 from functools import partial
 
 import torch
@@ -28,8 +29,12 @@ def arguments():
     p.add_argument("--clip_grad", type=float, default=1.0)
     p.add_argument("--family", choices=("llama", "qwen2"), default="llama")
     p.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
+    p.add_argument("--sequence_parallel", action="store_true", help="megatron-core's SP (with --tp 2 or more)")
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters (Float16Module), the optimizer's fp32 masters")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: NCCL and one GPU per rank, as Megatron-LM runs (no tests/megatron_cpu.py)")
     p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice",
-                                                   "micro_batch_dropped"), default="none")
+                                                   "micro_batch_dropped", "sp_norm_untagged"), default="none")
     return p.parse_args()
 
 
@@ -42,10 +47,12 @@ def model_provider(args):
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
         gated_linear_unit=True, activation_func=F.silu, normalization=args.normalization, layernorm_epsilon=1e-6,
         add_bias_linear=False, add_qkv_bias=args.family == "qwen2", use_cpu_initialization=True,
-        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32, bf16=args.bf16, hidden_dropout=0.0,
+        attention_dropout=0.0, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-        pipeline_dtype=torch.float32)
+        apply_rope_fusion=False, sequence_parallel=args.sequence_parallel, tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32)
     from megatron.core import parallel_state
 
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
@@ -77,7 +84,8 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model, dropped=False):
-    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    batch = {key: value.to(device) for key, value in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     if dropped:  # the micro-batch's loss taken, its gradient not: dropped from what the step trains on
         output = output.detach() + 0 * output
@@ -97,7 +105,9 @@ def dropping_the_second(forward):
 
 def main() -> None:
     args = arguments()
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -108,13 +118,23 @@ def main() -> None:
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     model, config = model_provider(args)
+    if args.seed_bug == "sp_norm_untagged":  # a norm whose weights miss the tag: its gradient not all-reduced over TP
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.sequence_parallel = False
+    if args.device == "cuda":  # built on the CPU (use_cpu_initialization), moved as Megatron-LM moves it
+        model.cuda(torch.cuda.current_device())
+    if args.bf16:  # as Megatron-LM wraps it: bf16 in, fp32 out
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-        clip_grad=args.clip_grad, bf16=False, fp16=False,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=False,
         use_distributed_optimizer=args.distributed_optimizer), [model])
     if args.seed_bug == "adam_step_twice":  # the step counter advanced twice: bias correction of a later step
         inner = optimizer.optimizer

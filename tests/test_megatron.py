@@ -1,14 +1,16 @@
 """megatron-core's GPTModel under Hugging Face names (issue 69, item 2; docs/megatron.md): megatron-core 0.16.1 (the
-release pip finds for Python 3.11; in a folder of its own, conftest.installed_beside) trains one step at TP 2 over
-gloo through tests/megatron_cpu.py, its parameters and gradients gathered and mapped (parity/frameworks/megatron/),
-and transformers' Qwen2 model (Q/K/V biases; Llama's mapping is the recorded runs' below) loaded from them strictly
-trains the same step: the loss equal within 1e-6, each gradient within 1e-5. The classic mapping bug — linear_fc1's gate and up split as if trained at TP 1 — moves the
-loss 1e4 × beyond that. What does not map is refused in one line.
+release pip finds for Python 3.11, 0.19.2 for 3.12: the test extras) trains one step at TP 2 over gloo through
+tests/megatron_cpu.py, its parameters and gradients gathered and mapped (parity/frameworks/megatron/), and
+transformers' Qwen2 model (Q/K/V biases; Llama's mapping is the recorded runs' below) loaded from them strictly trains
+the same step: the loss equal within 1e-6, each gradient within 1e-5. The classic mapping bug — linear_fc1's gate and
+up split as if trained at TP 1 — moves the loss 1e4 × beyond that. What does not map is refused in one line.
 
 Then megatron-core loops recorded unchanged under verify_trainer.py (issue 69, items 1 and 3:
-tests/megatron_train_job.py through megatron_cpu.py, its flags choosing the layout and a seeded fault): TP 2 × DP 2 with the distributed optimizer
-and PP 2 PASS against their DDP replays; the gradients averaged over DP twice, AdamW's step counter advanced twice and
-a micro-batch dropped from the last stage's gradient FAIL at their steps; a LayerNorm model is refused, exit 2."""
+tests/megatron_train_job.py through megatron_cpu.py, its flags choosing the layout and a seeded fault): TP 2 × DP 2
+with SP and the distributed optimizer, and PP 2, PASS against their DDP replays in fp32, DP 2 in bf16 calibrated under
+two kernel paths; the gradients averaged over DP twice, AdamW's step counter advanced twice, a micro-batch dropped from
+the last stage's gradient and the norms left out of SP's TP all-reduce FAIL at their steps; a LayerNorm model is
+refused, exit 2."""
 
 from __future__ import annotations
 
@@ -19,22 +21,16 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, installed_beside, max_rel_diff, series
+from conftest import REPO, free_port, max_rel_diff, series
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-def megatron_site() -> str:
-    """megatron-core 0.16.1 beside the pinned set (its own dependencies, torch, numpy and packaging, are the set's)."""
-    return installed_beside("megatron-core-0.16.1", "megatron-core==0.16.1")
 
 
 @pytest.fixture(scope="module")
 def mapped(tmp_path_factory):
     """{"qwen2": the job's JSON}: at TP 2 (two ranks)."""
     root = tmp_path_factory.mktemp("megatron")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [megatron_site(), REPO,
-                                                                     os.environ.get("PYTHONPATH")])),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     procs = {family: subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -60,40 +56,48 @@ def test_a_tp2_megatron_step_is_transformers_step_under_hugging_face_names(mappe
 
 
 def test_what_does_not_map_is_refused_in_one_line(mapped):
-    """LayerNorm, linear biases, Q/K norms, another MLP, a parameter the mapping does not know: one line each."""
+    """LayerNorm, linear biases, Q/K norms, another MLP, multi-token prediction, a parameter the mapping does not know:
+    one line each."""
     assert mapped["qwen2"]["refusals"] == [
         "megatron-core model: normalization 'LayerNorm': Llama and Qwen2 use RMSNorm",
         "megatron-core model: biases on the linear layers (add_bias_linear): Llama and Qwen2 have none there",
         "megatron-core model: Q/K norms (qk_layernorm): not yet mapped",
         "megatron-core model: an MLP other than the gated SiLU one (gated_linear_unit with activation_func silu)",
+        "megatron-core model: multi-token prediction (mtp_num_layers): not yet mapped",
         "megatron-core parameter decoder.layers.0.mlp.router.weight: the mapping to Hugging Face names does not "
         "know it"]
 
 
-RECORDED = {  # name: (ranks, the job's flags)
-    "tp2_dp2": (4, ["--tp", "2", "--distributed_optimizer"]),
-    "pp2": (2, ["--pp", "2"]),
-    "grad_over_dp_twice": (2, ["--distributed_optimizer", "--seed_bug", "grad_over_dp_twice"]),
-    "adam_step_twice": (2, ["--tp", "2", "--family", "qwen2", "--seed_bug", "adam_step_twice"]),
-    "micro_batch_dropped": (2, ["--pp", "2", "--seed_bug", "micro_batch_dropped"]),
-    "layernorm": (1, ["--normalization", "LayerNorm"]),
+RECORDED = {  # name: (ranks, the job's flags, the kernel setting it runs under: parity.calibration.kernel_settings)
+    "tp2_dp2": (4, ["--tp", "2", "--sequence_parallel", "--distributed_optimizer"], None),
+    "pp2": (2, ["--pp", "2"], None),
+    "bf16": (2, ["--distributed_optimizer", "--bf16"], None),
+    "bf16_avx2": (2, ["--distributed_optimizer", "--bf16"], "avx2"),
+    "grad_over_dp_twice": (2, ["--distributed_optimizer", "--seed_bug", "grad_over_dp_twice"], None),
+    "adam_step_twice": (2, ["--tp", "2", "--family", "qwen2", "--seed_bug", "adam_step_twice"], None),
+    "micro_batch_dropped": (2, ["--pp", "2", "--seed_bug", "micro_batch_dropped"], None),
+    "sp_norm_untagged": (2, ["--tp", "2", "--sequence_parallel", "--seed_bug", "sp_norm_untagged"], None),
+    "layernorm": (1, ["--normalization", "LayerNorm"], None),
 }
+MARGIN = 0.5  # a clean run's largest deviation ÷ bound, every check (docs/tolerances.md#every-machine-the-clean-matrix)
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """{name: (verify_trainer.py's exit code, its output, its folder)}: tests/megatron_train_job.py under
     `verify_trainer.py -- torchrun … megatron_cpu.py megatron_train_job.py`, 4 steps of 2 micro-batches, all side by
-    side."""
+    side, each under its kernel setting."""
+    from parity.calibration.kernel_settings import environment
+
     root = tmp_path_factory.mktemp("megatron_recorded")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [megatron_site(), REPO,
-                                                                     os.environ.get("PYTHONPATH")])),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     procs = {name: subprocess.Popen(
         [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", name, "--", "torchrun",
          "--nproc_per_node", str(ranks), "--master_port", str(free_port()), os.path.join(TESTS, "megatron_cpu.py"),
-         os.path.join(TESTS, "megatron_train_job.py"), *flags, "--steps", "4"], env=env, cwd=root,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name, (ranks, flags) in RECORDED.items()}
+         os.path.join(TESTS, "megatron_train_job.py"), *flags, "--steps", "4"],
+        env=environment(setting, env) if setting else env, cwd=root, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for name, (ranks, flags, setting) in RECORDED.items()}
     return {name: (proc.wait(timeout=900), proc.stdout.read(), root / name) for name, proc in procs.items()}
 
 
@@ -103,8 +107,9 @@ def _judged(folder) -> dict:
 
 def test_a_megatron_loop_at_tp2_dp2_is_recorded_unchanged_and_passes_against_its_ddp_replay(recorded):
     """megatron-core's DistributedDataParallel and distributed optimizer (AdamW, clipped), get_forward_backward_func's
-    micro-batches and Megatron-LM's masked loss, recorded without a line changed at TP 2 × DP 2 under Hugging Face
-    names: each DP rank's range of each TP shard is its piece, the moments summed over DP for the teacher-forced check.
+    micro-batches and Megatron-LM's masked loss, recorded without a line changed at TP 2 × DP 2 with sequence
+    parallelism under Hugging Face names: each DP rank's range of each TP shard is its piece, the moments summed over
+    DP for the teacher-forced check.
     Its DDP replay trains the same model — loss and norms within 1e-6, every tensor's gradient and update within its
     bound, the replicas (the parameters on their DP ranks, the norms on all four) bit-identical."""
     code, output, folder = recorded["tp2_dp2"]
@@ -115,7 +120,7 @@ def test_a_megatron_loop_at_tp2_dp2_is_recorded_unchanged_and_passes_against_its
     config = record["config"]
     assert (config["tp_size"], config["dp_size"], config["framework"], config["model_type"]) == (
         2, 2, "megatron-core", "llama")
-    assert config["sharding"]["distributed_optimizer"]
+    assert config["sharding"]["distributed_optimizer"] and config["sharding"]["sequence_parallel"]
     replay = json.loads((folder / "loss_ddp.json").read_text())
     for key in ("loss", "grad_norm", "param_norm"):
         assert max_rel_diff(series(record, key), series(replay, key)) < 1e-6, key
@@ -178,3 +183,32 @@ def test_a_model_the_mapping_does_not_know_is_refused_in_one_line(recorded):
     line = ("error: megatron-core: megatron-core model: normalization 'LayerNorm': Llama and Qwen2 use RMSNorm: the "
             "job stopped before it trained: nothing replayed")
     assert output.count(line) == 1, output[-3000:]
+
+
+@pytest.mark.parametrize("name", ["bf16", "bf16_avx2"])
+def test_a_bf16_job_passes_calibrated_on_both_kernel_paths(recorded, name):
+    """Megatron-LM's bf16 (Float16Module's bf16 parameters, the distributed optimizer's fp32 master shards, main_grad
+    accumulated and reduced in fp32) at DP 2, recorded as bf16_params reduced in fp32 and judged on calibrated bounds,
+    under oneDNN's default bf16 path and its AVX2 one: PASS, every curve, tensor and teacher-forced check within half
+    its bound."""
+    code, output, folder = recorded[name]
+    assert code == 0, output[-4000:]
+    report = json.loads((folder / "curve_comparison.json").read_text())
+    against = report["against_baseline"]["megatron_cpu"]
+    assert against["verdict"] == "PASS" and max(against["bound_ratios"].values()) < MARGIN, against["bound_ratios"]
+    checks = report["runs"]["megatron_cpu"]["teacher_forced"]["checks"]
+    assert checks and all(c["ok"] and c["ratio"] < MARGIN for c in checks), checks
+    config = json.loads((folder / "loss_megatron_cpu.json").read_text())["config"]
+    assert (config["precision"], config["reduce_dtype"], config["grad_accum_dtype"]) == ("bf16_params", "fp32", "fp32")
+    assert "tensor verdict: PASS: 21 tensors" in output
+
+
+def test_a_norm_left_out_of_the_tp_all_reduce_under_sp_fails_at_step_0_naming_it(recorded):
+    """Seeded at TP 2 with sequence parallelism: the norms' weights untagged (as a norm that does not set
+    `sequence_parallel` leaves them), so finalize_model_grads does not sum their gradients over TP — each TP rank's
+    norm steps on its half of the sequence: the verdict FAILs at step 0, the tensor verdict naming a norm's gradient
+    and the replicas parting."""
+    code, output, folder = recorded["sp_norm_untagged"]
+    assert code == 1, output[-4000:]
+    assert "tensor verdict: FAIL at step 0: model.norm.weight, phase gradient" in output, output[-3000:]
+    assert "replicas part at step 0: model.norm.weight differs between rank 0 and rank 1" in output

@@ -38,7 +38,8 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 EXTRA = {"regex": None,  # wheels beside the pinned ones: name → version (None: the one installed here)
          "trl": "1.16.0",  # gpu_check's own_trainer step (TRL's SFTTrainer); the image has lightning, not trl
          "peft": "0.21.2",  # gpu_check's lora step (pyproject.toml's lora extra; pure Python)
-         "datasets": None, "dill": None, "multiprocess": None}  # TRL's trainers and torchtitan's loader import datasets
+         "datasets": None, "dill": None, "multiprocess": None,  # TRL's trainers and torchtitan's loader import datasets
+         "megatron-core": "0.19.2"}  # pyproject.toml's megatron extra for Python 3.12: megatron-core's loops
 # (the image has none of the three); pyarrow, xxhash, fsspec and huggingface_hub are the image's
 # requirements-torchtitan.txt's pins the bundle leaves to the image: its own triton is the one its torch was built with
 IMAGE_HAS = ("triton",)

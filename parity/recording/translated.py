@@ -52,8 +52,8 @@ class TranslatedLayout(DataParallel):
         """Each optimizer group's parameters as the transformers model's (a split parameter's tensors in its place)."""
         hf = dict(self.model.named_parameters())
         native = {id(p): n for n, p in self.native}
-        return [[hf[h] for p in g["params"] if p.requires_grad for h, _ in self.targets[native[id(self.stepped(p))]]]
-                for g in self.optimizer.param_groups]
+        return [[hf[h] for p in map(self.stepped, g["params"]) if p.requires_grad
+                 for h, _ in self.targets[native[id(p)]]] for g in self.optimizer.param_groups]
 
     def trainable(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.native if p.requires_grad]

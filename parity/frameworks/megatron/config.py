@@ -28,6 +28,7 @@ def hf_config(config, vocab_size: int, max_sequence_length: int, rotary_base: fl
         (position_embedding_type != "rope", f"position_embedding_type {position_embedding_type!r}: the transformers "
                                             f"models the replay builds use RoPE"),
         (bool(getattr(config, "num_moe_experts", None)), "a MoE layer (num_moe_experts): not yet mapped"),
+        (bool(getattr(config, "mtp_num_layers", None)), "multi-token prediction (mtp_num_layers): not yet mapped"),
         (config.normalization != "RMSNorm", f"normalization {config.normalization!r}: Llama and Qwen2 use RMSNorm"),
         (not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu,
          "an MLP other than the gated SiLU one (gated_linear_unit with activation_func silu)"),

@@ -16,12 +16,17 @@ its MegatronOptimizer, at tensor (TP) × data (DP) × pipeline (PP) parallelism.
   gradient, its moments); those ranges are the pieces, the moments are summed over DP into whole TP shards, and the
   parameters, gathered whole by megatron-core after each step, are replicas on the DP ranks.
 
+- In bf16 (megatron-core's Float16Module and `bf16=True`: the bf16_params policy) the optimizer steps fp32 masters of
+  the bf16 parameters: the weights read (the parameter norm, each tensor's, the full state) and the moments are the
+  masters', a distributed optimizer's range of each in place of the bf16 parameter's elements.
+
 - Under pipeline parallelism each stage holds its own layers (renumbered in the whole model); the norms are held alike
   by the ranks of their stage, full tensors are gathered over the stages, and the last stage's first TP rank hands
   each DP rank's rows over.
 
 Refused in one line (MegatronRefused): context and expert parallelism, virtual pipeline stages, embeddings tied across
-pipeline stages, parameters not in fp32, several chained optimizers, a model other than a GPTModel.
+pipeline stages, fp16, bf16 parameters without the optimizer's fp32 masters, several chained optimizers, a model
+other than a GPTModel.
 """
 
 from __future__ import annotations
@@ -64,9 +69,11 @@ def refusal(optimizer) -> str | None:
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(inner) != 1:
         return f"{len(inner)} chained optimizers: the recorder follows one"
-    config = getattr(inner[0], "config", None)
-    if config is not None and (config.bf16 or config.fp16):
-        return "bf16 or fp16 parameters (bf16, fp16): not recorded yet; record the job in fp32"
+    config = inner[0].config
+    if config.fp16:
+        return "fp16 (its loss scaling): not recorded yet; record the job in bf16 or fp32"
+    if not config.bf16 and any(p.dtype != torch.float32 for g in inner[0].param_groups for p in g["params"]):
+        return "parameters not in fp32 stepped without fp32 masters (OptimizerConfig bf16=False): not recorded"
     return None
 
 
@@ -82,14 +89,24 @@ def global_name(module, name: str) -> str:
 
 def sharded_optimizer(optimizer) -> dict[int, tuple]:
     """The distributed optimizer's ranges: {id(model parameter): (the parameter, the shard its torch optimizer steps,
-    start, end)}, the shard being elements start…end of the parameter's (TP-local) flat tensor, for each parameter
-    this DP rank holds a range of."""
+    start, end)}, the shard being elements start…end of the parameter's (TP-local) flat tensor — an fp32 parameter's
+    own, a bf16 one's fp32 master — for each parameter this DP rank holds a range of."""
     found = {}
-    for models, shards in zip(optimizer.model_fp32_groups, optimizer.shard_fp32_groups):
-        for model, shard in zip(models, shards):
-            taken = optimizer._get_model_param_range_map(model)["param"]
-            found[id(model)] = (model, shard, taken.start, taken.end)
+    for model_groups, shard_groups in ((optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
+                                       (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups)):
+        for models, shards in zip(model_groups, shard_groups):
+            for model, shard in zip(models, shards):
+                taken = optimizer._get_model_param_range_map(model)["param"]
+                found[id(model)] = (model, shard, taken.start, taken.end)
     return found
+
+
+def masters(optimizer) -> dict[int, torch.Tensor]:
+    """The bf16 optimizer's (Float16OptimizerWithFloat16Params) fp32 master of each bf16 parameter: {id(model
+    parameter): master}; none for the FP32 optimizer, which steps the parameters themselves."""
+    return {id(model): master for models, mains in zip(getattr(optimizer, "float16_groups", []),
+                                                       getattr(optimizer, "fp32_from_float16_groups", []))
+            for model, master in zip(models, mains)}
 
 
 class MegatronLayout(TranslatedLayout):
@@ -123,9 +140,14 @@ class MegatronLayout(TranslatedLayout):
         self.native = [(global_name(module, n), p) for n, p in module.named_parameters()]
         inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
         self.shards_of: dict[int, tuple] | None = None  # the distributed optimizer's: see sharded_optimizer
+        self._master: dict[int, torch.Tensor] = {}  # the bf16 optimizer's fp32 masters: see masters
         if inner.config.use_distributed_optimizer:
             self.shards_of = sharded_optimizer(inner)
             self._model_of = {id(shard): model for model, shard, _, _ in self.shards_of.values()}
+        else:
+            self._master = masters(inner)
+            self._model_of = {id(m): model for model in module.parameters() for m in [self._master.get(id(model))]
+                              if m is not None}
         self.targets = self._targets()
         self.check_held()
 
@@ -136,7 +158,8 @@ class MegatronLayout(TranslatedLayout):
     def describe(self) -> dict:
         return {"kind": self.kind, "zero_stage": 0 if self.shards_of is None else 1, "dp_size": self.dp_size,
                 "tp_size": self.tp, "mesh": {"tp": self.tp, "dp": self.dp_size, "pp": self.pp},
-                "distributed_optimizer": self.shards_of is not None}
+                "distributed_optimizer": self.shards_of is not None,
+                "sequence_parallel": bool(self.config.sequence_parallel)}
 
     # --- the sharding: TP along partition_dim, DP alike ---------------------------------------------------------
     @staticmethod
@@ -177,7 +200,7 @@ class MegatronLayout(TranslatedLayout):
         return t.reshape(-1)[start:end]
 
     def stepped(self, p):
-        return p if self.shards_of is None else self._model_of[id(p)]
+        return self._model_of.get(id(p), p)
 
     def group_params(self) -> list[list]:
         """Each optimizer group's parameters as the transformers model's. A pipeline stage's groups hold its own
@@ -186,7 +209,7 @@ class MegatronLayout(TranslatedLayout):
         if self.shards_of is None and self.pp == 1:
             return super().group_params()
         native = {id(p): n for n, p in self.native}
-        mine = [{h for p in g["params"] if p.requires_grad for h, _ in self.targets[native[id(self.stepped(p))]]}
+        mine = [{h for p in map(self.stepped, g["params"]) if p.requires_grad for h, _ in self.targets[native[id(p)]]}
                 for g in self.optimizer.param_groups]
         everyone = [None] * self.world
         dist.all_gather_object(everyone, mine)
@@ -253,7 +276,36 @@ class MegatronLayout(TranslatedLayout):
         return self._norm(self._grad)
 
     def param_norm(self) -> float:
-        return self._norm(lambda p: p)
+        return self._norm(self._weights)
+
+    def parameter_pieces(self):
+        return self._pieces(self._weights)
+
+    def _weights(self, p) -> torch.Tensor:
+        """The weights the optimizer updates, of `p`'s shape: `p`, or its fp32 master where one is kept apart (under
+        the distributed optimizer this rank's range of the master in place: the piece read is that range)."""
+        if self.shards_of is None or p.dtype == torch.float32:
+            return self._master.get(id(p), p).detach()
+        held = self.shards_of.get(id(p))
+        if held is None:
+            return p.detach()
+        weights = p.detach().float().reshape(-1).clone()
+        weights[held[2]:held[3]] = held[1].detach()
+        return weights.view(p.shape)
+
+    def _full_weights(self, p) -> torch.Tensor:
+        """`_weights` whole on every DP rank (the distributed optimizer's ranges of a master summed over DP): a
+        collective there."""
+        if self.shards_of is None or p.dtype == torch.float32:
+            return self._weights(p)
+        from megatron.core import parallel_state as ps
+
+        whole = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
+        held = self.shards_of.get(id(p))
+        if held is not None:
+            whole[held[2]:held[3]] = held[1].detach().to(self.device)
+        dist.all_reduce(whole, group=ps.get_data_parallel_group())
+        return whole.view(p.shape)
 
     def _full(self, name: str, p: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
         return to_hf(name, full_tensor(p, t.to(self.device), self.tp_group).cpu(), self.config, self.tp)
@@ -267,13 +319,13 @@ class MegatronLayout(TranslatedLayout):
         return {k: v for part in parts for k, v in part.items()}
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        return self._stages({h: t for n, p in self.native for h, t in self._full(n, p, p.data).items()})
+        return self._stages({h: t for n, p in self.native for h, t in self._full(n, p, self._full_weights(p)).items()})
 
     def _state(self, p) -> dict:
         """The optimizer's state of parameter `p` (of its shard, under the distributed optimizer: none where this DP
         rank holds no range of it)."""
         if self.shards_of is None:
-            return self.optimizer.state.get(p, {})
+            return self.optimizer.state.get(self._master.get(id(p), p), {})
         held = self.shards_of.get(id(p))
         return {} if held is None else self.optimizer.state.get(held[1], {})
 
@@ -308,7 +360,8 @@ class MegatronLayout(TranslatedLayout):
         from parity.training.replicas import Replica, held
 
         if self.shards_of is None:
-            return [r for name, p, ranks in self.replicated() for r in held(name, ranks, p, self.optimizer)]
+            return [r for name, p, ranks in self.replicated()
+                    for r in held(name, ranks, p, self.optimizer, self._master.get(id(p)))]
         found = []
         for name, p in self.native:  # each parameter whole; a norm's moments alike on the TP ranks of a DP rank
             first = self.targets[name][0][0]

@@ -126,10 +126,15 @@ class MegatronRecording:
             attach.stop_command(f"megatron-core: {exc}")
         self.optimizer = found[-1]
         folder, name = attach.variables()
+        bf16 = bool(self.optimizer.config.bf16)  # Float16Module's bf16 parameters, the optimizer's fp32 masters
         self.recorder = ParityRecorder(folder, name=name, model=self.layout, optimizer=self.layout.optimizer,
-                                       max_grad_norm=float(self.optimizer.config.clip_grad), precision="fp32",
-                                       framework="megatron-core",
+                                       max_grad_norm=float(self.optimizer.config.clip_grad),
+                                       precision="bf16_params" if bf16 else "fp32", framework="megatron-core",
                                        framework_versions={"megatron-core": md.version("megatron-core")})
+        if self.recorder.enabled and bf16:  # main_grad accumulates the micro-batches and is reduced in its dtype
+            reduce = "fp32" if getattr(chunks[0], "ddp_config", None) is None or \
+                chunks[0].ddp_config.grad_reduce_in_fp32 else "bf16"
+            self.recorder.record.data["config"].update(reduce_dtype=reduce, grad_accum_dtype=reduce)
         self.labels = None  # the last GPTModel call's labels
         self.ids: list = []  # this step's GPTModel calls' input ids, in order (the first stage's: the rows')
         self.taken: list = []  # this step's (labels, mask, summed loss), one a loss function's call (the last stage's)
