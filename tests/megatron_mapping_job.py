@@ -23,11 +23,13 @@ def weights_of(weights: dict, name: str) -> torch.Tensor:
     return torch.cat([torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))])
 
 
-def refusals(config) -> list[str]:
-    """The lines of what does not map: configs changed one setting each, and a parameter the mapping does not know."""
+def refusals(config, model) -> list[str]:
+    """The lines of what does not map: configs changed one setting each, a parameter the mapping does not know, a
+    model that is not a GPTModel, and two model chunks (virtual pipeline stages)."""
     from dataclasses import replace
 
     from parity.frameworks.megatron.config import MegatronRefused, hf_config
+    from parity.frameworks.megatron.layout import gpt_model
     from parity.frameworks.megatron.names import to_hf
 
     lines = []
@@ -41,6 +43,11 @@ def refusals(config) -> list[str]:
         to_hf("decoder.layers.0.mlp.router.weight", torch.zeros(2, 2), config, 1)
     except MegatronRefused as exc:
         lines.append(str(exc))
+    for job_model in (torch.nn.Linear(2, 2), [model, model]):
+        try:
+            gpt_model(job_model)
+        except MegatronRefused as exc:
+            lines.append(str(exc))
     return lines
 
 
@@ -97,7 +104,8 @@ def main() -> None:
             wrong = F.cross_entropy(hf(ids[:, :-1]).logits.reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
         with open(out, "w") as f:
             json.dump({"loss": float(loss), "hf_loss": float(hf_loss), "grads": differences,
-                       "model": type(hf).__name__, "fc1_as_tp1_loss": float(wrong), "refusals": refusals(config)}, f)
+                       "model": type(hf).__name__, "fc1_as_tp1_loss": float(wrong),
+                       "refusals": refusals(config, model)}, f)
     dist.destroy_process_group()
 
 

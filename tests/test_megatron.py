@@ -56,8 +56,8 @@ def test_a_tp2_megatron_step_is_transformers_step_under_hugging_face_names(mappe
 
 
 def test_what_does_not_map_is_refused_in_one_line(mapped):
-    """LayerNorm, linear biases, Q/K norms, another MLP, multi-token prediction, a parameter the mapping does not know:
-    one line each."""
+    """LayerNorm, linear biases, Q/K norms, another MLP, multi-token prediction, a parameter the mapping does not know,
+    a model that is not a GPTModel, virtual pipeline stages: one line each."""
     assert mapped["qwen2"]["refusals"] == [
         "megatron-core model: normalization 'LayerNorm': Llama and Qwen2 use RMSNorm",
         "megatron-core model: biases on the linear layers (add_bias_linear): Llama and Qwen2 have none there",
@@ -65,7 +65,9 @@ def test_what_does_not_map_is_refused_in_one_line(mapped):
         "megatron-core model: an MLP other than the gated SiLU one (gated_linear_unit with activation_func silu)",
         "megatron-core model: multi-token prediction (mtp_num_layers): not yet mapped",
         "megatron-core parameter decoder.layers.0.mlp.router.weight: the mapping to Hugging Face names does not "
-        "know it"]
+        "know it",
+        "the model is a Linear, not a GPTModel: only GPTModel maps onto a transformers model",
+        "2 model chunks (virtual pipeline stages): the recorder reads one"]
 
 
 RECORDED = {  # name: (ranks, the job's flags, the kernel setting it runs under: parity.calibration.kernel_settings)
@@ -79,7 +81,7 @@ RECORDED = {  # name: (ranks, the job's flags, the kernel setting it runs under:
     "sp_norm_untagged": (2, ["--tp", "2", "--sequence_parallel", "--seed_bug", "sp_norm_untagged"], None),
     "layernorm": (1, ["--normalization", "LayerNorm"], None),
 }
-MARGIN = 0.5  # a clean run's largest deviation ÷ bound, every check (docs/tolerances.md#every-machine-the-clean-matrix)
+MARGIN = 0.5  # a clean run's largest deviation ÷ bound, each check (docs/tolerances.md#every-machine-the-clean-matrix)
 
 
 @pytest.fixture(scope="module")
