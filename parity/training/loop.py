@@ -365,9 +365,10 @@ def _synchronize(device: torch.device) -> None:
 def rank0_logger(cfg: RunConfig, ctx: WorkerContext, to_terminal: bool):
     """Rank 0's lines. Under a quiet driver (`to_terminal`: parity.console.terminal) a line meant for the user
     is marked, so that the driver shows it while the rest of the workers' output stays in the log file; a
-    line with terminal=False goes to the log only."""
+    line with terminal=False goes to the log only. One write per line, its newline in it: the trackers' thread logs
+    too, and print's separate write of the newline let its line land after another's text."""
     def log(message: str, terminal: bool = True) -> None:
         if ctx.is_logging_rank:
             line = f"[{cfg.strategy}] {message}"
-            print(marked(line) if to_terminal and terminal else line, flush=True)
+            print((marked(line) if to_terminal and terminal else line) + "\n", end="", flush=True)
     return log
