@@ -1,0 +1,32 @@
+#!/bin/bash
+# megatron-core on a lent GPU machine (docs/megatron.md#on-megatron-core-0192-and-on-a-gpu): the bundle installed
+# (python tools/build_gpu_bundle.py here; one device call with carry [".whl"]), then side by side:
+# tests/test_megatron.py on the bundle's megatron-core (0.19.2, Python 3.12) over gloo on the machine's CPUs, and the
+# megatron-core job on CUDA as users run it (NCCL, one rank, no CPU launcher) under verify_trainer.py, in fp32 and bf16, each replayed on the GPU.
+# The lines that say what each ended with go to $OUT/runs.log, pytest's output to $OUT/pytest.log, the records (no
+# weights) to $OUT/records.tar.gz. Run from the repository's root: `timeout 540 bash tools/megatron_gpu.sh`.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
+    exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+export PATH=$(dirname "$(python3 -c 'import sys; print(sys.executable)')"):$PATH
+OUT=${OUT:-/tmp/megatron_gpu_out}
+mkdir -p "$OUT" /tmp/mg
+L=$OUT/runs.log
+python3 -c "import megatron.core, torch, transformers; print('megatron-core', megatron.core.__version__, 'torch',
+torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" >>"$L" 2>&1
+one() {  # NAME ARGS…: the job under verify_trainer.py, on one GPU
+    local name=$1 s; shift; s=$(date +%s)
+    PARITY_SHARE_ONE_GPU=1 timeout 330 python3 verify_trainer.py --output_dir /tmp/mg/$name -- torchrun \
+        --nproc_per_node 1 --master_port $((29600 + RANDOM % 300)) tests/megatron_train_job.py --device cuda "$@" \
+        >/tmp/mg/$name.log 2>&1
+    echo "== $name exit $? in $(($(date +%s) - s)) s" >>"$L"
+    grep -E "PASS|FAIL|rror|deviation|replicas|teacher|refus" /tmp/mg/$name.log | tail -8 >>"$L"
+}
+(timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_megatron.py >"$OUT/pytest.log" 2>&1
+ echo "== pytest exit $?" >>"$L") &
+one fp32 --steps 4 &
+one bf16_distopt --steps 12 --bf16 --distributed_optimizer &
+one bf16_qwen2 --steps 12 --bf16 --family qwen2 &
+wait
+tar czf "$OUT/records.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude=runs -C /tmp mg
+cat "$L"
