@@ -2,7 +2,8 @@
 # megatron-core on a lent GPU machine (docs/megatron.md#on-megatron-core-0192-and-on-a-gpu): the bundle installed
 # (python tools/build_gpu_bundle.py here; one device call with carry [".whl"]), then side by side:
 # tests/test_megatron.py on the bundle's megatron-core (0.19.2, Python 3.12) over gloo on the machine's CPUs, and the
-# megatron-core job on CUDA as users run it (NCCL, one rank, no CPU launcher) under verify_trainer.py, in fp32 and bf16, each replayed on the GPU.
+# megatron-core job on CUDA as users run it (NCCL, one rank, no CPU launcher) under verify_trainer.py, in fp32 and
+# bf16, each replayed on the GPU.
 # The lines that say what each ended with go to $OUT/runs.log, pytest's output to $OUT/pytest.log, the records (no
 # weights) to $OUT/records.tar.gz. Run from the repository's root: `timeout 540 bash tools/megatron_gpu.sh`.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
