@@ -58,10 +58,12 @@ def pp_size_of(config: dict) -> int:
 
 def run_label(name: str, config: dict) -> str:
     """A run's name in reports with its layout: "FSDP (TP=2, DP=2)", "Pipeline (PP=2, DP=2)", "FSDP (TP=1, DP=4,
-    EP=2)"."""
-    pp, tp, ep = pp_size_of(config), config["tp_size"], config.get("ep_size", 1)
-    return (f"{label(name)} ({f'PP={pp}' if pp > 1 else f'TP={tp}'}, DP={config['dp_size']}"
-            f"{f', EP={ep}' if ep > 1 else ''})")
+    EP=2)", a recorded megatron-core run "(TP=2, PP=2, DP=1)" (its pipeline in its sharding's mesh: the record, as
+    its replay, has none)."""
+    mesh = (config.get("sharding") or {}).get("mesh") or {}
+    pp, tp, ep = max(pp_size_of(config), mesh.get("pp", 1)), config["tp_size"], config.get("ep_size", 1)
+    layout = f"TP={tp}, PP={pp}" if pp > 1 and tp > 1 else f"PP={pp}" if pp > 1 else f"TP={tp}"
+    return f"{label(name)} ({layout}, DP={config['dp_size']}{f', EP={ep}' if ep > 1 else ''})"
 
 
 def row(name: str) -> Row:

@@ -164,7 +164,7 @@ def test_a_two_stage_pipeline_passes_its_stages_layers_renumbered(recorded):
     assert record["config"]["sharding"]["mesh"] == {"tp": 1, "dp": 1, "pp": 2}
     replay = json.loads((folder / "loss_ddp.json").read_text())
     assert max_rel_diff(series(record, "loss"), series(replay, "loss")) < 1e-6
-    assert "tensor verdict: PASS: 21 tensors" in output
+    assert "tensor verdict: PASS: 21 tensors" in output and "megatron_cpu (PP=2, DP=1): PASS" in output
 
 
 def test_a_micro_batch_dropped_on_the_last_stage_fails_at_step_0(recorded):
