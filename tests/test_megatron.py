@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, max_rel_diff, series
+from conftest import REPO, max_rel_diff, series
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,7 +33,7 @@ def mapped(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     procs = {family: subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
          os.path.join(TESTS, "megatron_cpu.py"), os.path.join(TESTS, "megatron_mapping_job.py"),
          str(root / f"{family}.json"), "2", family], env=env, cwd=root, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True) for family in ("qwen2",)}
@@ -96,7 +96,7 @@ def recorded(tmp_path_factory):
            "OMP_NUM_THREADS": "1"}
     procs = {name: subprocess.Popen(
         [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", name, "--", "torchrun",
-         "--nproc_per_node", str(ranks), "--master_port", str(free_port()), os.path.join(TESTS, "megatron_cpu.py"),
+         "--nproc_per_node", str(ranks), "--standalone", os.path.join(TESTS, "megatron_cpu.py"),
          os.path.join(TESTS, "megatron_train_job.py"), *flags, "--steps", "4"],
         env=environment(setting, env) if setting else env, cwd=root, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True) for name, (ranks, flags, setting) in RECORDED.items()}
