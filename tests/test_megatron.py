@@ -8,9 +8,9 @@ up split as if trained at TP 1 — moves the loss 1e4 × beyond that. What does 
 Then megatron-core loops recorded unchanged under verify_trainer.py (issue 69, items 1 and 3:
 tests/megatron_train_job.py through megatron_cpu.py, its flags choosing the layout and a seeded fault): TP 2 × DP 2
 with SP and the distributed optimizer, and PP 2, PASS against their DDP replays in fp32, DP 2 in bf16 calibrated under
-two kernel paths; the gradients averaged over DP twice, AdamW's step counter advanced twice, a micro-batch dropped from
-the last stage's gradient and the norms left out of SP's TP all-reduce FAIL at their steps; a LayerNorm model is
-refused, exit 2."""
+two kernel paths; the gradients averaged over DP twice, AdamW's step counter advanced twice (in bf16), a micro-batch
+dropped from the last stage's gradient and the norms left out of SP's TP all-reduce FAIL at their steps; a LayerNorm
+model is refused, exit 2."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ RECORDED = {  # name: (ranks, the job's flags, the kernel setting it runs under:
     "bf16": (2, ["--distributed_optimizer", "--bf16"], None),
     "bf16_avx2": (2, ["--distributed_optimizer", "--bf16"], "avx2"),
     "grad_over_dp_twice": (2, ["--distributed_optimizer", "--seed_bug", "grad_over_dp_twice"], None),
-    "adam_step_twice": (2, ["--tp", "2", "--family", "qwen2", "--seed_bug", "adam_step_twice"], None),
+    "adam_step_twice": (2, ["--tp", "2", "--family", "qwen2", "--bf16", "--seed_bug", "adam_step_twice"], None),
     "micro_batch_dropped": (2, ["--pp", "2", "--seed_bug", "micro_batch_dropped"], None),
     "sp_norm_untagged": (2, ["--tp", "2", "--sequence_parallel", "--seed_bug", "sp_norm_untagged"], None),
     "layernorm": (1, ["--normalization", "LayerNorm"], None),
@@ -143,14 +143,16 @@ def test_the_gradients_averaged_over_dp_twice_fail_at_step_0_naming_the_grad_nor
 
 
 def test_the_optimizers_step_counter_advanced_twice_fails_at_its_step(recorded):
-    """Seeded in a Qwen2 job (Q/K/V biases) at TP 2 with the FP32 optimizer: AdamW's step count advanced once more
-    before each step from step 1 on (its bias correction another step's): the verdict FAILs at step 1 on the
-    parameters."""
+    """Seeded in a bf16 Qwen2 job (Q/K/V biases) at TP 2 with the FP32-optimizer-of-bf16 (its fp32 masters' AdamW
+    state): the step count advanced once more before each step from step 1 on (its bias correction another step's):
+    the calibrated verdict FAILs at step 1 on a tensor's update, the parameter norm's curve beyond its bound too."""
     code, output, folder = recorded["adam_step_twice"]
     assert code == 1, output[-4000:]
-    first = _judged(folder)["first_outside"]
-    assert (first["step"], first["quantity"]) == (1, "param_norm"), first
-    assert json.loads((folder / "loss_megatron_cpu.json").read_text())["config"]["model_type"] == "qwen2"
+    judged = _judged(folder)
+    assert (judged["first_outside"]["step"], judged["first_outside"]["quantity"]) == (1, "update"), judged
+    assert judged["bound_ratios"]["param_norm"] > 1, judged["bound_ratios"]
+    config = json.loads((folder / "loss_megatron_cpu.json").read_text())["config"]
+    assert (config["model_type"], config["precision"]) == ("qwen2", "bf16_params")
 
 
 def test_a_two_stage_pipeline_passes_its_stages_layers_renumbered(recorded):

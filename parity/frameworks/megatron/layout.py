@@ -101,12 +101,12 @@ def sharded_optimizer(optimizer) -> dict[int, tuple]:
     return found
 
 
-def masters(optimizer) -> dict[int, torch.Tensor]:
-    """The bf16 optimizer's (Float16OptimizerWithFloat16Params) fp32 master of each bf16 parameter: {id(model
-    parameter): master}; none for the FP32 optimizer, which steps the parameters themselves."""
-    return {id(model): master for models, mains in zip(getattr(optimizer, "float16_groups", []),
-                                                       getattr(optimizer, "fp32_from_float16_groups", []))
-            for model, master in zip(models, mains)}
+def masters(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The bf16 optimizer's (Float16OptimizerWithFloat16Params) fp32 master of each bf16 parameter: [(model
+    parameter, master)]; none for the FP32 optimizer, which steps the parameters themselves."""
+    return [(model, master) for models, mains in zip(getattr(optimizer, "float16_groups", []),
+                                                     getattr(optimizer, "fp32_from_float16_groups", []))
+            for model, master in zip(models, mains)]
 
 
 class MegatronLayout(TranslatedLayout):
@@ -145,9 +145,9 @@ class MegatronLayout(TranslatedLayout):
             self.shards_of = sharded_optimizer(inner)
             self._model_of = {id(shard): model for model, shard, _, _ in self.shards_of.values()}
         else:
-            self._master = masters(inner)
-            self._model_of = {id(m): model for model in module.parameters() for m in [self._master.get(id(model))]
-                              if m is not None}
+            pairs = masters(inner)
+            self._master = {id(model): master for model, master in pairs}
+            self._model_of = {id(master): model for model, master in pairs}
         self.targets = self._targets()
         self.check_held()
 
@@ -209,8 +209,8 @@ class MegatronLayout(TranslatedLayout):
         if self.shards_of is None and self.pp == 1:
             return super().group_params()
         native = {id(p): n for n, p in self.native}
-        mine = [{h for p in map(self.stepped, g["params"]) if p.requires_grad for h, _ in self.targets[native[id(p)]]}
-                for g in self.optimizer.param_groups]
+        mine = [{h for p in map(self.stepped, g["params"]) if p.requires_grad
+                 for h, _ in self.targets[native[id(p)]]} for g in self.optimizer.param_groups]
         everyone = [None] * self.world
         dist.all_gather_object(everyone, mine)
         return [[p for h, p in self.model.named_parameters() if any(h in groups[g] for groups in everyone)]
@@ -319,7 +319,8 @@ class MegatronLayout(TranslatedLayout):
         return {k: v for part in parts for k, v in part.items()}
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        return self._stages({h: t for n, p in self.native for h, t in self._full(n, p, self._full_weights(p)).items()})
+        return self._stages({h: t for n, p in self.native
+                             for h, t in self._full(n, p, self._full_weights(p)).items()})
 
     def _state(self, p) -> dict:
         """The optimizer's state of parameter `p` (of its shard, under the distributed optimizer: none where this DP
