@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import weakref
 
 from parity.attaching.import_hook import when_imported
 from parity.models.families import cut_in_place, text_config
@@ -26,7 +27,14 @@ from parity.models.families import cut_in_place, text_config
 NUM_LAYERS = "PARITY_NUM_LAYERS"  # the depth verify_trainer.py --num_layers asks for
 MODULE = "transformers.modeling_utils"
 
-_cut: dict[int, int] = {}  # id(a language model's config cut here) → the layers it had
+_cut: dict[int, tuple] = {}  # id(a language model's config cut here) → (a weak reference to it, the layers it had)
+
+
+def _layers_before_cut(text) -> int | None:
+    """The layers the config `text` had where this process cut it, else None (an id outlives its object: a config
+    made later may have a cut one's id, which the weak reference tells apart)."""
+    found = _cut.get(id(text))
+    return found[1] if found is not None and found[0]() is text else None
 
 
 class NotCut(Exception):
@@ -54,12 +62,12 @@ def _wrap(model_class) -> None:
         text = text_config(config)
         had = cut_in_place(config, n)
         if had is not None:
-            _cut[id(text)] = had
+            _cut[id(text)] = (weakref.ref(text), had)
             _say(f"parity: --num_layers {n}: {type(self).__name__} built with its first {n} of {had} decoder layers "
                  f"(the rest's weights are not loaded)")
         init(self, config, *args, **kwargs)
-        if id(text) in _cut:  # the checkpoint's layers beyond n: not loaded, and not reported as unexpected
-            beyond = "|".join(str(i) for i in range(n, _cut[id(text)]))
+        if (had := _layers_before_cut(text)) is not None:  # the checkpoint's layers beyond n: not loaded, nor reported
+            beyond = "|".join(str(i) for i in range(n, had))
             ignored = set(type(self)._keys_to_ignore_on_load_unexpected or ())
             self._keys_to_ignore_on_load_unexpected = ignored | {rf"(^|\.)layers\.({beyond})\."}
 
@@ -85,8 +93,8 @@ def recorded(model) -> dict | None:
         raise NotCut(f"--num_layers {n}: the model ({type(model).__name__}) is not a transformers model: the hook cuts "
                      f"those only; cut it in your code, or leave --num_layers out")
     text = text_config(config)
-    if id(text) in _cut:
-        return {"num_layers": n, "of": _cut[id(text)]}
+    if (had := _layers_before_cut(text)) is not None:
+        return {"num_layers": n, "of": had}
     depth = getattr(text, "num_hidden_layers", None)
     if isinstance(depth, int) and depth > n:
         raise NotCut(f"--num_layers {n}: the model ({type(model).__name__}) has {depth} decoder layers: it was built "
