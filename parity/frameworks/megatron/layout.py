@@ -298,12 +298,19 @@ class MegatronLayout(TranslatedLayout):
         collective there."""
         if self.shards_of is None or p.dtype == torch.float32:
             return self._weights(p)
+        held = self.shards_of.get(id(p))
+        return self._summed_over_dp(p, None if held is None else held[1])
+
+    def _summed_over_dp(self, p, ranged: torch.Tensor | None) -> torch.Tensor:
+        """A tensor of `p`'s (TP-local) shape whole on every DP rank, from each DP rank's range of it under the
+        distributed optimizer (`ranged`: this rank's, None where it holds none): each in place, zeros elsewhere, summed
+        over DP in fp32. A collective."""
         from megatron.core import parallel_state as ps
 
         whole = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
-        held = self.shards_of.get(id(p))
-        if held is not None:
-            whole[held[2]:held[3]] = held[1].detach().to(self.device)
+        if ranged is not None:
+            _, _, start, end = self.shards_of[id(p)]
+            whole[start:end] = ranged.detach().float().to(self.device)
         dist.all_reduce(whole, group=ps.get_data_parallel_group())
         return whole.view(p.shape)
 
@@ -334,8 +341,6 @@ class MegatronLayout(TranslatedLayout):
         """AdamW's moments gathered over TP (the distributed optimizer's ranges summed over DP first: each rank's
         range in place, zeros elsewhere) and translated, and its step count; ({}, 0) before the first step. Every rank
         takes part in every gather."""
-        from megatron.core import parallel_state as ps
-
         counts = [int(s["step"]) for _, p in self.native for s in [self._state(p)] if "step" in s]
         count = torch.tensor(max(counts, default=0), dtype=torch.float64, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)  # a DP rank that holds no range of any tensor knows no count
@@ -345,14 +350,7 @@ class MegatronLayout(TranslatedLayout):
         for name, p in self.native:
             state = self._state(p)
             for key in ADAMW_MOMENTS:
-                if self.shards_of is None:
-                    moment = state[key].float()
-                else:
-                    moment = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
-                    if key in state:
-                        moment[self.shards_of[id(p)][2]:self.shards_of[id(p)][3]] = state[key].float()
-                    dist.all_reduce(moment, group=ps.get_data_parallel_group())
-                    moment = moment.view(p.shape)
+                moment = state[key].float() if self.shards_of is None else self._summed_over_dp(p, state.get(key))
                 for h, moved in self._full(name, p, moment).items():
                     out.setdefault(h, {})[key] = moved
         return self._stages(out), int(count)
