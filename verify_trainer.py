@@ -6,7 +6,8 @@
 
 Trainer, TRL's trainers and Lightning are recorded without a line of your script changed; a loop of your own keeps its
 ParityRecorder lines. The replay runs in local process groups (no Ray); the verdict and its page (report.html) are
-plot_loss_curves.py's, written into OUT. Exit codes: 0 PASS, 1 FAIL, 2 bad input; a command that fails, its own status.
+plot_loss_curves.py's, written into OUT. Exit codes: 0 PASS, 1 FAIL, 2 bad input, 70 an error of the harness itself (its traceback in a file of OUT); a
+command that fails, its own status.
 """
 
 from parity.commands.common import exit_now

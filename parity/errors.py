@@ -1,5 +1,9 @@
 """Every exception the harness raises on purpose. The commands turn each into one line on stderr:
-exit 2 for what the user can fix before anything runs, exit 1 for a run that failed or a verdict of FAIL."""
+exit 2 for what the user can fix before anything runs, exit 1 for a run that failed or a verdict of FAIL; any other
+exception is the harness's own fault: exit HARNESS_ERROR (parity/commands/common.py)."""
+
+HARNESS_ERROR = 70
+"""The exit code of an error inside the harness (sysexits' EX_SOFTWARE): never 1 (FAIL) nor 2 (bad input)."""
 
 
 class ConfigError(Exception):

@@ -60,10 +60,17 @@ def run_label(name: str, config: dict) -> str:
     """A run's name in reports with its layout: "FSDP (TP=2, DP=2)", "Pipeline (PP=2, DP=2)", "FSDP (TP=1, DP=4,
     EP=2)", a recorded megatron-core run "(TP=2, PP=2, DP=1)" (its pipeline in its sharding's mesh: the record, as
     its replay, has none)."""
-    mesh = (config.get("sharding") or {}).get("mesh") or {}
+    mesh = mesh_of(config)
     pp, tp, ep = max(pp_size_of(config), mesh.get("pp", 1)), config["tp_size"], config.get("ep_size", 1)
     layout = f"TP={tp}, PP={pp}" if pp > 1 and tp > 1 else f"PP={pp}" if pp > 1 else f"TP={tp}"
     return f"{label(name)} ({layout}, DP={config['dp_size']}{f', EP={ep}' if ep > 1 else ''})"
+
+
+def mesh_of(config: dict) -> dict[str, int]:
+    """A recorded run's device mesh as the record's schema holds it, {dim name: size} (empty where none was recorded);
+    a record of an earlier release held an FSDP2 mesh as a list of sizes, read here with its dims unnamed."""
+    mesh = (config.get("sharding") or {}).get("mesh") or {}
+    return mesh if isinstance(mesh, dict) else {f"dim{i}": n for i, n in enumerate(mesh)}
 
 
 def row(name: str) -> Row:

@@ -129,6 +129,7 @@ def test_a_megatron_loop_at_tp2_dp2_is_recorded_unchanged_and_passes_against_its
     assert [s["logged_grad_norm"] for s in record["steps"]] == pytest.approx(series(record, "grad_norm"), rel=1e-5)
     assert "replicas: bit-identical at each of 4 checks" in output and "tensor verdict: PASS: 21 tensors" in output
     assert "teacher-forced check: within bounds" in output
+    assert "megatron_cpu (TP=2, DP=2): PASS" in output and (folder / "report.html").exists()
 
 
 def test_the_gradients_averaged_over_dp_twice_fail_at_step_0_naming_the_grad_norm(recorded):
@@ -167,6 +168,7 @@ def test_a_two_stage_pipeline_passes_its_stages_layers_renumbered(recorded):
     replay = json.loads((folder / "loss_ddp.json").read_text())
     assert max_rel_diff(series(record, "loss"), series(replay, "loss")) < 1e-6
     assert "tensor verdict: PASS: 21 tensors" in output and "megatron_cpu (PP=2, DP=1): PASS" in output
+    assert (folder / "report.html").exists()
 
 
 def test_a_micro_batch_dropped_on_the_last_stage_fails_at_step_0(recorded):

@@ -7,13 +7,19 @@ replay, which builds the same PEFT model from the recorded base and adapters (FS
 whole beside them: --lora_save embed_tokens); a plain loop whose adapters come after
 DDP's wrapping FAILs at step 0 on its replicas; adapters the replay cannot build are refused in one line.
 
-One gloo group of two ranks records every variant one after another, one local group replays them all
-(module-scoped); the helpers are test_own_trainer.py's."""
+FSDP2, FSDP1 and ZeRO-3 are recorded as a user types it, from another folder with relative paths:
+`verify_trainer.py --output_dir X -- torchrun --nproc_per_node 2 sharded_loop.py --shard S`, the three side by side;
+one gloo group of two ranks records every other variant one after another, one local group replays them all
+(module-scoped). Every record kind — FSDP2 on a 1-D and a 2-D mesh, FSDP1, ZeRO 1–3, a plain DDP loop — goes through
+the whole report (plot_loss_curves.py's: its verdict line, its page), and an error injected into that report exits
+with the harness's own code (70), never FAIL's. The helpers are test_own_trainer.py's."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -32,10 +38,9 @@ ADAPTERS = "    if args.lora:  # peft's adapters, the model frozen under them\n"
 LATE_ADAPTERS = [("    shard(model)\n", ""),
                  (ADAPTERS, "    shard(model)  # seeded: wrapped before its adapters\n" + ADAPTERS)]
 # (its arguments, the example, the seeded bug's edits of a copy of it): each recorded in this order in one group
-RUNS = {"fsdp2": (["--shard", "fsdp2"], EXAMPLE, []), "fsdp2_tp": (["--shard", "fsdp2", "--tp", "2"], EXAMPLE, []),
-        "fsdp1": (["--shard", "fsdp1"], EXAMPLE, []),
+RUNS = {"fsdp2_tp": (["--shard", "fsdp2", "--tp", "2"], EXAMPLE, []),
         "zero1": (["--shard", "zero1"], EXAMPLE, []), "zero2": (["--shard", "zero2"], EXAMPLE, []),
-        "zero3": (["--shard", "zero3"], EXAMPLE, []), "fsdp2_rank_mean": (["--shard", "fsdp2"], EXAMPLE, RANK_MEAN),
+        "fsdp2_rank_mean": (["--shard", "fsdp2"], EXAMPLE, RANK_MEAN),
         "zero2_rank_mean": (["--shard", "zero2"], EXAMPLE, RANK_MEAN),
         "fsdp2_lora": (["--shard", "fsdp2", "--lora", "--lora_save", "embed_tokens"], EXAMPLE, []),
         "zero2_lora": (["--shard", "zero2", "--lora"], EXAMPLE, []),
@@ -47,6 +52,8 @@ SAVED = {"fsdp2_lora": ("embed_tokens",)}
 # TP 2: the 6 parameters TP leaves whole (the embedding, the norms) and their 2 moments.
 REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero1": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
                   "zero2_lora": 34}
+COMMANDS = ("fsdp2", "fsdp1", "zero3")  # recorded, replayed and judged by verify_trainer.py's command line
+LABEL = {"fsdp2_tp": "TP=2, DP=1"}  # each record's layout in its verdict line (else TP=1, DP=2)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +68,7 @@ def runs(tmp_path_factory):
     copies = root / "copies"
     copies.mkdir()
     shutil.copy(os.path.join(REPO, "examples", "plain_loop.py"), copies)  # what sharded_loop.py imports beside it
+    commands = verify_commands(root / "user")  # the user's commands run beside the group below
     jobs, folders = [], {}
     for name, (argv, example, edits) in RUNS.items():
         folders[name] = root / name
@@ -73,11 +81,41 @@ def runs(tmp_path_factory):
                             "storage_path": str(root / "checkpoints"), "experiment_name": f"replay_{name}"},
                            cluster=CLUSTER) for name in RUNS]
     launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
+    for name, command in commands.items():
+        output, _ = command.communicate(timeout=600)
+        folders[name] = root / "user" / name
+        folders[f"{name}_command"] = (command.returncode, output)
     return folders
 
 
+def verify_commands(user) -> dict:
+    """{shard: its verify_trainer.py process}: examples/sharded_loop.py (and plain_loop.py beside it) copied into a
+    folder of the user's, each shard's command started there with relative paths, calibrated as by default."""
+    user.mkdir()
+    for example in (EXAMPLE, PLAIN):
+        shutil.copy(example, user)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    return {shard: subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", shard, "--checkpoint_interval",
+         str(INTERVAL), "--", "torchrun", "--standalone", "--nproc_per_node", "2", "sharded_loop.py", "--shard", shard,
+         "--output_dir", f"{shard}_own", "--steps", str(STEPS)], cwd=user, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for shard in COMMANDS}
+
+
+def whole_report(folder, capsys) -> tuple[int, str]:
+    """plot_loss_curves.py's whole comparison of `folder` (its verdict lines, curve_report.md, report.html):
+    (exit code, what it printed)."""
+    from parity.commands.compare_curves import main
+
+    capsys.readouterr()
+    code = main(["--input_dir", str(folder), "--output", str(folder / "curves.png")])
+    out = capsys.readouterr()
+    assert (folder / "report.html").exists() and (folder / "curve_report.md").exists()
+    return code, out.out + out.err
+
+
 @pytest.mark.parametrize("shard", list(REPLICA_GROUPS))
-def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
+def test_sharded_loop_replays_to_the_record_and_passes(runs, shard, capsys):
     """FSDP2 (over 2 DP ranks, or TP 2 × DP 1 on a ('dp', 'tp') mesh), FSDP1 (use_orig_params, FULL_SHARD: it runs on
     CPU in torch 2.13) and ZeRO 1–3 recorded and replayed under DDP:
     the same batches, tokens and lr at every step; loss, pre-clip grad norm and parameter norm within 1e-5 relative at
@@ -112,6 +150,15 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
     assert_same_tensors_at_step_0(replay, recorded, runs[shard], runs[shard])
     assert all(s["rows_check"]["duplicates"] == 0 for s in recorded["steps"])
     assert _compare(runs[shard]).word == "PASS"
+    if shard in COMMANDS:  # verify_trainer.py's own verdict line and page, exit 0
+        code, output = runs[f"{shard}_command"]
+        assert code == 0 and "Traceback" not in output, output[-3000:]
+        assert (runs[shard] / "report.html").exists()
+    else:  # plot_loss_curves.py's, on the group's record
+        code, output = whole_report(runs[shard], capsys)
+        assert code == 0, output[-3000:]
+    assert f"{NAME} ({LABEL.get(shard, 'TP=1, DP=2')}): PASS" in output, output[-3000:]
+    assert config["sharding"].get("mesh", {"dp": 2}) == ({"dp": 1, "tp": 2} if shard == "fsdp2_tp" else {"dp": 2})
     worst = assert_checks_pass(runs[shard], NAME, [0, 2])  # its states, gathered by the layout's own code, checked
     steps = {s["step"]: s for s in recorded["steps"]}
     print(f"{shard}: checks largest {worst:.3f} of the bound; saving a state {steps[1]['harness_s']['states']:.4f} s "
@@ -120,7 +167,7 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard):
         print(f"{shard}: {assert_lora_replays(runs[shard], NAME, SAVED.get(shard, ()))}")
 
 
-def test_adapters_added_after_ddp_wrapping_part_the_replicas_at_step_0(runs):
+def test_adapters_added_after_ddp_wrapping_part_the_replicas_at_step_0(runs, capsys):
     """A plain loop that wraps its model in DDP before peft injects the adapters: DDP found the base's parameters,
     which peft then froze, and never reduces the adapters' gradients, so each rank steps its adapters on its own rows'
     gradient. The recorder's replica check finds them parted at step 0 — the 4 lora_B (lora_A's gradient is 0 while
@@ -135,6 +182,31 @@ def test_adapters_added_after_ddp_wrapping_part_the_replicas_at_step_0(runs):
     assert comparison.word == "FAIL" and result.verdict.parting.step == 0
     assert (result.verdict.first_outside.step, result.verdict.first_outside.quantity) == (0, "grad_norm")
     assert result.verdict.first_outside.rel_diff > 0.1
+    code, output = whole_report(runs["ddp_lora_late"], capsys)  # a DDP loop's record through the whole report
+    assert code == 1 and f"{NAME} (TP=1, DP=2): FAIL" in output, output[-3000:]
+
+
+def test_an_error_of_the_harness_exits_with_its_own_code_not_fails(runs, tmp_path):
+    """plot_loss_curves.py with an error injected into its report (a test copy: the run label raising, as the
+    FSDP2 mesh once made it): exit 70, one line saying it is the harness's fault and naming the file its traceback
+    went to (in the folder judged), no traceback on the terminal, no page half-written."""
+    folder = tmp_path / "records"
+    shutil.copytree(runs["fsdp2"], folder, ignore=shutil.ignore_patterns("report.html", "curve*", "curves.png"))
+    script = tmp_path / "plot_loss_curves_copy.py"
+    script.write_text(open(os.path.join(REPO, "plot_loss_curves.py")).read().replace(
+        "from parity.commands.compare_curves import main\n",
+        "from parity.commands.compare_curves import main\nimport parity.comparing.curves\n\n"
+        "parity.comparing.curves.run_label = lambda name, config: (config.get('sharding') or {}).get('mesh', {})['pp']  # seeded\n"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script), "--input_dir", str(folder), "--output",
+                           str(folder / "curves.png")], env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 70 and len(lines) == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert lines[0].startswith("error: the harness failed in the comparison (KeyError: 'pp')") and \
+        "a bug of the harness, not a verdict on your run" in lines[0], lines[0]
+    trace = lines[0].split("its traceback: ")[1].split(" (exit 70")[0]
+    assert os.path.dirname(trace) == str(folder) and "Traceback" in open(trace).read()
+    assert not (folder / "report.html").exists()
 
 
 @pytest.mark.parametrize("bug", ["fsdp2_rank_mean", "zero2_rank_mean"])

@@ -163,7 +163,7 @@ def record(root, name: str) -> dict:
     return json.loads((root / name / "loss_titan.json").read_text())
 
 
-def test_the_users_command_passes_against_its_ddp_replay(runs):
+def test_the_users_command_passes_against_its_ddp_replay(runs, assets):
     """FSDP 2 as typed (`torchrun --standalone --nproc_per_node 2 -m torchtitan.train …`, relative paths), the whole
     command under a perturbed kernel setting (USER_SETTING: MKL's compatible fp32 path, one thread): the record named
     after the module (`-m torchtitan.train` → train), the verdict PASS, calibrated by default (the replay at 1 worker,
@@ -171,7 +171,7 @@ def test_the_users_command_passes_against_its_ddp_replay(runs):
     k, v split) within theirs, the teacher-forced check's bounds at least 20 × its own noise."""
     code, output, report = runs["fsdp"]
     assert code == 0, output[-3000:]
-    assert "train (TP=1, DP=2): PASS" in output
+    assert "train (TP=1, DP=2): PASS" in output and (assets["root"] / "fsdp" / "report.html").exists()
     check_fp32_pass(report, "train", (1, 2))
     assert report["against_baseline"]["train"]["calibrated"]
     assert report["noise_references"] == ["noise_reference_ddp_tp1_dp1_fp32.json",

@@ -1,5 +1,6 @@
 """What every command does with failures: bad input is one `error: …` line on stderr and exit 2; a run that
-failed on a worker is one line naming what failed, and exit 1."""
+failed on a worker is one line naming what failed, and exit 1; an error of the harness's own code (a bug of the
+harness, never a verdict on the user's run) is one line naming where its traceback went, and exit 70 (HARNESS_ERROR)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import atexit
 import math
 import os
 import sys
+import tempfile
 import threading
+import time
+import traceback
 
-from parity.errors import ConfigError, NotComparable, TrainingFailed
+from parity.errors import HARNESS_ERROR, ConfigError, NotComparable, TrainingFailed, first_line
 
 
-def run_command(action, what: str) -> int:
-    """Run `action` (returning an exit code) and turn the harness's own exceptions into their exit codes."""
+def run_command(action, what: str, trace_dir: str | None = None) -> int:
+    """Run `action` (returning an exit code) and turn the harness's own exceptions into their exit codes: any other
+    exception is the harness's fault, exit HARNESS_ERROR, its traceback written into `trace_dir` (a local folder; the
+    system's temporary folder where none is given or it cannot be written)."""
     try:
         return action()
     except ConfigError as exc:
@@ -23,6 +29,32 @@ def run_command(action, what: str) -> int:
     except TrainingFailed as exc:
         print(f"error: {what} failed: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # noqa: BLE001 - the one place an unforeseen error of the harness is turned into its code
+        path = write_traceback(trace_dir)
+        print(f"error: the harness failed in {what} ({type(exc).__name__}: {first_line(exc)}): a bug of the harness, "
+              f"not a verdict on your run; its traceback: {path} (exit {HARNESS_ERROR}; please report it)",
+              file=sys.stderr)
+        return HARNESS_ERROR
+
+
+def write_traceback(folder: str | None) -> str:
+    """The exception being handled, written whole into `folder` (or the temporary folder); the file's path, or where
+    it could not be written, a word saying so."""
+    text = traceback.format_exc()
+    name = f"harness_error_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}.txt"
+    for where in (folder, tempfile.gettempdir()):
+        if not where or "://" in where:  # a remote store's folder: the temporary one instead
+            continue
+        try:
+            os.makedirs(where, exist_ok=True)
+            path = os.path.join(where, name)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+            return path
+        except OSError:
+            continue
+    return "not written (no writable folder)"
 
 
 def exit_now(code: int | None):

@@ -61,4 +61,4 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
     return run_command(lambda: compare_and_report(args.input_dir, args.output, args.baseline, args.tolerance,
                                                   args.grad_norm_tolerance, args.allow_incomplete,
                                                   args.allow_fingerprint_mismatch),
-                       "the comparison")
+                       "the comparison", trace_dir=args.input_dir)

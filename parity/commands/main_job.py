@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.realpath(python) != os.path.realpath(sys.executable):
             os.execv(python, [python, "-m", "parity.commands.main_job", *argv])
     try:
-        return run_command(lambda: run_main_job(args), "the main job")
+        return run_command(lambda: run_main_job(args), "the main job", trace_dir=args.output_dir)
     except KeyboardInterrupt:
         print("interrupted: Ray stopped", file=sys.stderr)
         return 130

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
     args = build_parser(description).parse_args(argv[:split])
     return run_command(lambda: verify(args.output_dir, argv[split + 1:], args.num_workers, args.calibrate,
                                       args.verbose, args.checkpoint_interval, args.num_layers, args.replay_strategy,
-                                      args.replay_memory), "the replay")
+                                      args.replay_memory), "the replay", trace_dir=args.output_dir)
 
 
 def verify(output_dir: str, command: list[str], num_workers: int | None = None, calibrate: bool = True,

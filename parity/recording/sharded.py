@@ -200,7 +200,7 @@ class FullyShard(DataParallel):
         coordinate = root.get_coordinate()
         self.dp_rank, self.dp_size = coordinate[dp], root.size(dp)
         self.feeds = all(c == 0 for i, c in enumerate(coordinate) if i != dp)
-        self.mesh_shape = list(root.shape)
+        self.mesh_shape = dict(zip(names or ["dp"], root.shape))  # the record's form: {dim name: size}
         self._replicated = None
 
     def describe(self) -> dict:
