@@ -8,7 +8,8 @@ whole beside them: --lora_save embed_tokens); a plain loop whose adapters come a
 DDP's wrapping FAILs at step 0 on its replicas; adapters the replay cannot build are refused in one line.
 
 FSDP2, FSDP1 and ZeRO-3 are recorded as a user types it, from another folder with relative paths:
-`verify_trainer.py --output_dir X -- torchrun --nproc_per_node 2 sharded_loop.py --shard S`, the three side by side;
+`verify_trainer.py --output_dir X -- torchrun --nproc_per_node 2 sharded_loop.py --shard S` (ZeRO-3's as `parity verify …`,
+the console command), the three side by side;
 one gloo group of two ranks records every other variant one after another, one local group replays them all
 (module-scoped). Every record kind — FSDP2 on a 1-D and a 2-D mesh, FSDP1, ZeRO 1–3, a plain DDP loop — goes through
 the whole report (plot_loss_curves.py's: its verdict line, its page), and an error injected into that report exits
@@ -90,13 +91,16 @@ def runs(tmp_path_factory):
 
 def verify_commands(user) -> dict:
     """{shard: its verify_trainer.py process}: examples/sharded_loop.py (and plain_loop.py beside it) copied into a
-    folder of the user's, each shard's command started there with relative paths, calibrated as by default."""
+    folder of the user's, each shard's command started there with relative paths, calibrated as by default; ZeRO-3's
+    through the `parity verify` console command."""
     user.mkdir()
     for example in (EXAMPLE, PLAIN):
         shutil.copy(example, user)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    verify = {shard: [sys.executable, os.path.join(REPO, "verify_trainer.py")] for shard in COMMANDS}
+    verify["zero3"] = [shutil.which("parity") or "parity", "verify"]  # the console command the README's install puts on PATH
     return {shard: subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", shard, "--checkpoint_interval",
+        [*verify[shard], "--output_dir", shard, "--checkpoint_interval",
          str(INTERVAL), "--", "torchrun", "--standalone", "--nproc_per_node", "2", "sharded_loop.py", "--shard", shard,
          "--output_dir", f"{shard}_own", "--steps", str(STEPS)], cwd=user, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True) for shard in COMMANDS}

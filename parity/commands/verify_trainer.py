@@ -31,7 +31,7 @@ WARM = ("parity.replay.replay", "parity.models.model", "transformers.modeling_ut
 
 
 def build_parser(description: str = "") -> OneLineParser:
-    p = OneLineParser(description, usage="verify_trainer.py --output_dir OUT [--num_workers N] [--uncalibrated] "
+    p = OneLineParser(description, usage="%(prog)s --output_dir OUT [--num_workers N] [--uncalibrated] "
                                          "[--num_layers N] [--replay_strategy auto|ddp|fsdp|zero3] [--replay_memory SIZE] [--verbose] "
                                          "-- COMMAND [ARG ...]")
     p.add_argument("--output_dir", required=True, help="where the records, the replays and the page go (a folder "
