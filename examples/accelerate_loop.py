@@ -32,8 +32,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from parity.attaching.launch import launch
-from parity.recording.recorder import ParityRecorder
+from parity import launch
+from parity import ParityRecorder
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,7 +82,7 @@ def train(args) -> str | None:
     from accelerate.utils import GradientAccumulationPlugin, set_seed
     from transformers import get_scheduler
 
-    from parity.models.model import build_model, resolve_model_config
+    from parity import build_model, resolve_model_config
 
     accum = args.grad_accum_steps
     # cpu=True where there is no GPU: on CPU accelerate forms the launcher's process group (gloo) only when told

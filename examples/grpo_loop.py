@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from parity.attaching.launch import launch
-from parity.recording.recorder import ParityRecorder
+from parity import launch
+from parity import ParityRecorder
 
 STOP_EVERY = 16  # ids 0, 16, 32, … end a completion
 
@@ -84,7 +84,7 @@ def rollouts(model, reference, prompts: torch.Tensor, args, seed: int) -> dict:
 
 
 def train(args, ray: bool = False) -> str | None:
-    from parity.models.model import build_model, resolve_model_config
+    from parity import build_model, resolve_model_config
 
     own = not dist.is_initialized()  # (a launcher's variables: torchrun, or the ranks spawned by launch())
     if own:

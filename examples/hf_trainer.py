@@ -27,8 +27,8 @@ import os
 import torch
 from transformers import TrainerCallback
 
-from parity.attaching.launch import backend, launch
-from parity.frameworks.transformers.callback import ParityCallback
+from parity import backend, launch
+from parity import ParityCallback
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -122,7 +122,7 @@ def pad_to_longest(samples: list[dict]) -> dict:
 def train(args) -> None:
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    from parity.models.model import build_model, resolve_model_config
+    from parity import build_model, resolve_model_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.model_path:

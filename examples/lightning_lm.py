@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Lightning's Trainer on a tiny Qwen2 (the harness's qwen2-tiny preset, random weights), padded data with an attention
-mask and gradient accumulation under DDP, recorded for the harness by Lightning's ParityCallback (docs/own_trainer.md).
+mask and gradient accumulation under DDP, recorded for the harness by parity's ParityLightningCallback (docs/own_trainer.md).
 
     python examples/lightning_lm.py --output_dir OUT --nproc 2     # 2 ranks spawned here (DDP over gloo, CPU)
     torchrun --nproc_per_node 2 examples/lightning_lm.py --output_dir OUT
@@ -25,8 +25,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from parity.attaching.launch import launch
-from parity.frameworks.lightning.callback import ParityCallback
+from parity import launch
+from parity import ParityLightningCallback
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -159,7 +159,7 @@ def train(args, ray: bool = False) -> None:
     import lightning.pytorch as pl
     import torch.distributed as dist
 
-    from parity.models.model import build_model, resolve_model_config
+    from parity import build_model, resolve_model_config
 
     up = dist.is_initialized()  # a group already up (Ray's): Lightning's own environment deletes WORLD_SIZE at teardown
     world = dist.get_world_size() if up else int(os.environ.get("WORLD_SIZE", "1"))
@@ -197,7 +197,7 @@ def train(args, ray: bool = False) -> None:
                          gradient_clip_val=None if args.strategy == "fsdp" or not automatic else args.max_grad_norm,
                          use_distributed_sampler=False, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[] if args.no_record else [ParityCallback(args.output_dir, name=args.name)])
+                         callbacks=[] if args.no_record else [ParityLightningCallback(args.output_dir, name=args.name)])
     if ray:
         trainer = prepare_trainer(trainer)
     trainer.fit(module_class()(model, args, world), data)

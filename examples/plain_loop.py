@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from parity.attaching.launch import agent_store_environment, held_port, rank_device
-from parity.recording.recorder import ParityRecorder
+from parity import agent_store_environment, held_port, rank_device
+from parity import ParityRecorder
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,7 +96,7 @@ def build(args, shard):
     """The model (random weights, the same on every rank; with --lora a PeftModel: adapters on it, the rest frozen)
     and AdamW in two groups over what trains, with a linear warm-up. `shard`: what wraps or shards the model in place
     once its adapters are in, before the optimizer is built (DDP here, examples/sharded_loop.py's fully_shard)."""
-    from parity.models.model import build_model, resolve_model_config
+    from parity import build_model, resolve_model_config
 
     model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)
     if args.lora:  # peft's adapters, the model frozen under them

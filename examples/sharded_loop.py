@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parity.recording.recorder import ParityRecorder
+from parity import ParityRecorder
 
 
 def _beside(name: str):
@@ -68,11 +68,10 @@ def fully_shard_layers(model, tp: int = 1) -> None:
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from parity.models.families import family_of
-        from parity.strategies.fsdp.plans import apply_tp, tp_plan
+        from parity import tensor_parallel
 
         mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
-        apply_tp(hf, mesh["tp"], tp_plan(family_of(hf.config), False))
+        tensor_parallel(hf, mesh["tp"])
         mesh = mesh["dp"]
     for layer in hf.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -89,7 +88,7 @@ def fsdp1(model, wrapped: list) -> None:
 
 def deepspeed_engine(args, model, optimizer, scheduler):
     """ZeRO stage N over the AdamW and warm-up built as plain_loop.py's; DeepSpeed clips to --max_grad_norm."""
-    from parity.deepspeed_import import import_deepspeed  # on CPU: DeepSpeed's CPU accelerator, no shm op
+    from parity import import_deepspeed  # on CPU: DeepSpeed's CPU accelerator, no shm op
 
     deepspeed = import_deepspeed(torch.device("cpu"))
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # DeepSpeed asks for it (torchrun sets it; one node here)
@@ -144,7 +143,7 @@ def train(args) -> str | None:
             elif args.tp == 1:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             else:  # torch's refuses DTensors on two meshes (dp × tp and dp): the harness's clip across meshes
-                from parity.training.dtensor_strategy import clip_sharded_gradients
+                from parity import clip_sharded_gradients
 
                 clip_sharded_gradients(model.parameters(), args)  # torch's formula, to args.max_grad_norm
             optimizer.step()

@@ -30,8 +30,8 @@ import os
 
 import torch
 
-from parity.attaching.launch import backend, launch
-from parity.frameworks.transformers.callback import ParityCallback
+from parity import backend, launch
+from parity import ParityCallback
 
 VOCAB = 2048  # qwen2-tiny's ids: 0 is </s>, i ≥ 1 the word w<i>
 STOP_EVERY = 16  # ids 0, 16, 32, … end a completion
@@ -98,7 +98,7 @@ def local_model(folder: str, seed: int, model_name: str = "qwen2-tiny") -> str:
     wait for it."""
     import time
 
-    from parity.models.model import build_model, resolve_model_config
+    from parity import build_model, resolve_model_config
 
     done = os.path.join(folder, "saved")
     if os.environ.get("RANK", "0") == "0" and not os.path.exists(done):

@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from parity.attaching.launch import backend, launch
-from parity.frameworks.transformers.callback import ParityCallback
+from parity import backend, launch
+from parity import ParityCallback
 
 WORDS = 500  # the tokenizer's words, besides <pad> (0), <unk> (1) and </s> (2)
 
@@ -78,7 +78,7 @@ def train(args, ray: bool = False) -> None:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from parity.models.model import build_model, resolve_model_config
+    from parity import build_model, resolve_model_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model(resolve_model_config("qwen2-tiny"), args.seed)

@@ -102,3 +102,41 @@ def test_the_framework_rule_can_fail(tmp_path):
     assert framework_imports(str(tmp_path / "x.py")) == [(1, "lightning.pytorch", "lightning"),
                                                          (2, "transformers", "transformers"),
                                                          (3, "transformers.trainer_callback", "transformers")]
+
+
+DOCUMENTED = ("parity", "parity.training.strategy")  # what a user's code imports: the public surface, the strategy API
+
+
+def surface_imports(text: str) -> list[str]:
+    """The parity modules `text` (a Python file, or a page's code) imports from."""
+    return [a or b for a, b in re.findall(r"^\s*(?:from (parity[\w.]*) import|import (parity[\w.]*))", text, re.M)]
+
+
+def test_the_examples_and_docs_import_only_the_public_surface():
+    """The examples and the docs' code import parity's public names from `parity` itself (or a strategy's API from
+    parity.training.strategy): the rooms behind it are free to move. Every public name resolves, and `import parity`
+    imports no framework."""
+    files = sorted(pathlib.Path(REPO, "examples").glob("*.py")) + sorted(pathlib.Path(REPO, "docs").glob("*.md"))
+    wrong = [f"{f.name}: {m}" for f in files for m in surface_imports(f.read_text()) if m not in DOCUMENTED]
+    assert wrong == [] and surface_imports("    from parity.recording.recorder import X\n") == ["parity.recording.recorder"]
+    import parity
+
+    assert all(getattr(parity, name) is not None for name in parity.__all__)
+    assert parity.ParityLightningCallback.__module__ == "parity.frameworks.lightning.callback"
+
+
+def test_an_old_name_imports_and_says_once_where_it_went():
+    """A script still importing release 0.1's parity.integrations.* gets the same object, and one FutureWarning naming
+    where it went (the second import says nothing)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        from parity.integrations.transformers import ParityCallback
+        from parity.integrations.transformers import ParityCallback as again
+    import parity
+
+    assert ParityCallback is again is parity.ParityCallback
+    said = [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
+    assert said == ["parity.integrations.transformers moved to parity.frameworks.transformers.callback: "
+                    "from parity import ParityCallback"], said

@@ -63,7 +63,7 @@ JOBS = {
     "bf16": ("user", ["--loss_type", "dapo", "--beta", "0.04", "--steps", str(STEPS)], "grpo_user"),  # last: the hook
 }
 # the example without a line of the harness's recorder: what verify_trainer.py runs "with no line changed"
-NO_CALLBACK = [("from parity.frameworks.transformers.callback import ParityCallback\n", ""),
+NO_CALLBACK = [("from parity import ParityCallback\n", ""),
                (",\n                              callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")"),
                (",\n                             callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")")]
 REPLAYS = {"dapo": (1, 2, 4), "grpo": (1, 2, 4), "dr_grpo": (1, 2, 4), "bnpo": (2,), "spg": (2,), "dpo": (2,),

@@ -49,19 +49,19 @@ HF_LOG = [("    trainer.train()\n", "    trainer.train()\n    _write_log(args, o
 HF_TRAIN = ("    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)\n", "    trainer.train()\n")
 # the callback lines removed, what each framework logged written out
 EDITS = {
-    "hf": [("from parity.frameworks.transformers.callback import ParityCallback\n", ""),
+    "hf": [("from parity import ParityCallback\n", ""),
            ("callbacks=[ParityCallback(args.output_dir, name=args.name, dump_step=args.dump_step,\n"
             "                                                checkpoint_interval=args.checkpoint_interval),\n"
             "                                 *([StopAt(args.save_at)] if args.save_at else [])])",
             "callbacks=[StopAt(args.save_at)] if args.save_at else [])"),
            ("by ParityCallback", "by parity's callback"), HF_TRAIN, *HF_LOG],
-    "trl": [("from parity.frameworks.transformers.callback import ParityCallback\n", ""),
+    "trl": [("from parity import ParityCallback\n", ""),
             (",\n                         callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")"),
             ("Trainer's ParityCallback", "Trainer's callback"), *HF_LOG],
-    "lightning": [("from parity.frameworks.lightning.callback import ParityCallback\n", ""),
-                  ("callbacks=[] if args.no_record else [ParityCallback(args.output_dir, name=args.name)])",
+    "lightning": [("from parity import ParityLightningCallback\n", ""),
+                  ("callbacks=[] if args.no_record else [ParityLightningCallback(args.output_dir, name=args.name)])",
                    "callbacks=[])"),
-                  ("Lightning's ParityCallback", "Lightning's callback"),
+                  ("parity's ParityLightningCallback", "parity's callback"),
                   ("            return loss\n",
                    "            LOSSES.append(float(loss.detach()))\n            return loss\n"),
                   ("    trainer.fit(module_class()(model, args, world), data)\n",

@@ -134,6 +134,12 @@ def apply_tp(model, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
         parallelize_module(layer, tp_mesh, layer_rules(layer, plan.layer))
 
 
+def tensor_parallel(model, tp_mesh: DeviceMesh) -> None:
+    """The harness's TP plan for `model`'s family applied over `tp_mesh` (a loop of your own sharding a transformers
+    model as FSDP2 + TP does: examples/sharded_loop.py --tp 2; public as parity.tensor_parallel)."""
+    apply_tp(model, tp_mesh, tp_plan(family_of(model.config)))
+
+
 def layer_rules(layer, rules: dict) -> dict:
     """The rules of a plan that name a module of this decoder layer; a module peft wrapped in a LoRA layer
     (--lora_r: parity/models/adapters.py) by adapter_rules, and one it saves whole (--lora_modules_to_save) by the
