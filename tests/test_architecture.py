@@ -140,3 +140,25 @@ def test_an_old_name_imports_and_says_once_where_it_went():
     said = [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
     assert said == ["parity.integrations.transformers moved to parity.frameworks.transformers.callback: "
                     "from parity import ParityCallback"], said
+
+
+ARGV_SCAN = re.compile(r'\.index\("-m"\)|"-m" in (command|argv)|endswith\("\.py"\)[^\n]*\bin (command|argv)\b|'
+                       r'enumerate\((command|argv)\)')
+
+
+def test_the_users_command_is_parsed_by_one_function():
+    """Only parity/attaching/command.py looks through a launch command for its script or module; every other place
+    asks its parse (verify_trainer's record name, the layer cut's reader, torchtitan's arguments)."""
+    scanning = [f for f in import_graph.product_files() if f != os.path.join("parity", "attaching", "command.py")
+                and ARGV_SCAN.search(pathlib.Path(REPO, f).read_text())]
+    assert scanning == [] and ARGV_SCAN.search('next(i for i, a in enumerate(command) if a.endswith(".py"))')
+    from parity.attaching.command import parse
+
+    found = {tuple(c): (p.kind, p.entry, p.arguments, p.launcher) for c in (
+        ["torchrun", "--nproc_per_node", "2", "train.py", "--lr", "1"], ["python", "-m", "torch.distributed.run",
+         "--standalone", "-m", "torchtitan.train", "--module", "llama3"], ["trl", "sft", "--x", "1"])
+        for p in [parse(c)]}
+    assert list(found.values()) == [
+        ("script", "train.py", ["--lr", "1"], ("torchrun", "--nproc_per_node", "2")),
+        ("module", "torchtitan.train", ["--module", "llama3"], ("python", "-m", "torch.distributed.run", "--standalone")),
+        ("program", "trl", ["sft", "--x", "1"], ())]

@@ -20,6 +20,8 @@ import shutil
 import sysconfig
 from importlib.machinery import PathFinder
 
+from parity.attaching.command import parse
+
 BUILDER_CLASS = re.compile(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration)$|^AutoModel")
 NOT_A_MODEL = re.compile(r"(Tokenizer|TokenizerFast|Processor|Config|FeatureExtractor)$")
 BUILDER_CALLS = ("from_config", "_from_config", "build_model")  # build_model: parity.models.model's (the examples')
@@ -29,18 +31,17 @@ BUILDING_LIBRARIES = ("trl",)  # their trainers and CLI build a model named to t
 def entry(command: list[str]) -> tuple[str, str] | None:
     """("file", path) of the Python code of yours the command runs (a script, a module, a console script of your own
     package), ("library", name) for a library's module or console script, or None where it cannot be told (a shell
-    script, a binary)."""
-    module = None
-    for i, arg in enumerate(command):
-        if arg.endswith(".py") and os.path.isfile(arg):
-            return "file", os.path.abspath(arg)
-        if arg == "-m" and i + 1 < len(command):
-            module = command[i + 1]
-            break
+    script, a binary, a script that is not there)."""
+    parsed = parse(command)
+    if parsed.kind == "script":
+        path = parsed.script_path()
+        return ("file", path) if path else None
+    if parsed.kind == "module":
+        module = parsed.entry
     else:
-        program = os.path.basename(command[0])
+        program = os.path.basename(parsed.entry)
         points = [p for p in importlib.metadata.entry_points(group="console_scripts") if p.name == program]
-        module = points[0].value.split(":")[0] if points and shutil.which(command[0]) else None
+        module = points[0].value.split(":")[0] if points and shutil.which(parsed.entry) else None
     if module is None:
         return None
     path = module_file(module)

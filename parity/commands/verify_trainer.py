@@ -224,25 +224,22 @@ def whole_number(least: int):
 
 
 def command_script(command: list[str]) -> str:
-    """The script or module the command runs, as the user typed it (else the program)."""
-    return next((a for a in command if a.endswith(".py")), None) or (
-        command[command.index("-m") + 1] if "-m" in command[:-1] else command[0])
+    """The script or module the command runs, as the user typed it (else the program and its subcommand)."""
+    from parity.attaching.command import parse
+
+    return parse(command).words()
 
 
 def record_name(command: list[str]) -> str:
     """The record's name from the command: the script's stem (`torchrun ... train.py` → train), a module's last part
     (`python -m pkg.train` → train), else the program and its subcommand (`trl sft` → trl_sft); made an identifier,
     and never a strategy's name (ddp, ...: loss_ddp.json is the replay's)."""
+    from parity.attaching.command import parse
     from parity.registry import KNOWN
 
-    script = command_script(command)
-    if script.endswith(".py"):
-        stem = os.path.basename(script)[:-3]
-    elif script != command[0]:  # -m pkg.train
-        stem = script.rsplit(".", 1)[-1]
-    else:
-        words = [os.path.basename(command[0])] + [w for w in command[1:2] if w.isidentifier()]
-        stem = "_".join(words)
+    parsed = parse(command)
+    stem = {"script": lambda: os.path.basename(parsed.entry)[:-3], "module": lambda: parsed.entry.rsplit(".", 1)[-1],
+            "program": lambda: parsed.words().replace(" ", "_")}[parsed.kind]()
     name = re.sub(r"\W", "_", stem)
     name = name if name and not name[0].isdigit() else f"run_{name}"
     return f"{name}_run" if name in KNOWN else name

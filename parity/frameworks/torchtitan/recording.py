@@ -94,7 +94,7 @@ def command_refusal(command: list[str]) -> str | None:
     import importlib.util
     import io
 
-    flags = {a.split("=", 1)[0] for a in command}
+    flags = {a.split("=", 1)[0] for a in titan_arguments(command)}
     if not {"--module", "--config"} <= flags or importlib.util.find_spec("torchtitan") is None:
         return None
     from torchtitan.config import ConfigManager
@@ -131,11 +131,11 @@ def command_refusal(command: list[str]) -> str | None:
 
 
 def titan_arguments(command: list[str]) -> list[str]:
-    """torchtitan's own arguments in a launch command: those after its entry point (`-m MODULE` or a script)."""
-    if "-m" in command[:-1]:
-        return command[command.index("-m") + 2:]
-    script = next((i for i, a in enumerate(command) if a.endswith(".py")), None)
-    return command if script is None else command[script + 1:]
+    """torchtitan's own arguments in a launch command: those after its entry point (`-m MODULE`, a script, or a
+    console script), as the one parse of the command reads them (parity/attaching/command.py)."""
+    from parity.attaching.command import parse
+
+    return parse(command).arguments
 
 
 class TitanRecording:
