@@ -1,0 +1,1 @@
+"""pipeline_strategy.py's helpers (its stages)."""
