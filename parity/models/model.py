@@ -125,7 +125,7 @@ def meta_model(config):
 
 def save_init_weights(model, path: str, state: dict | None = None) -> str:
     """Write the full state dict atomically (a local path or a URI); returns the file's sha256. `state`: the full
-    state dict where the model's own holds shards (a recorder of a sharded loop gathers it: parity.integrations).
+    state dict where the model's own holds shards (a recorder of a sharded loop gathers it: parity.recording).
 
     `.safetensors` keeps the config in its string metadata; `.pt` keeps it in the state dict's own
     `_metadata` (what `load_state_dict` reads versions from), so the file still loads with
