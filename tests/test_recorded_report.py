@@ -156,6 +156,8 @@ def test_the_verdict_names_the_bound_that_held_and_reads_the_margin_against_it(t
     assert details.startswith("deviation ÷ noise 19.6 (loss 2.0, grad norm 19.6, param norm 0.0); the bounds that held: "
                               "loss 0.1 of 20 × noise, grad norm 0.0047 of the fp32 table's floor 0.0001, param norm 0 "
                               "of the fp32 table's floor 1e-05; margin 10.0× (loss); "), details
+    assert ("Bounds calibrated on noise_reference_ddp_tp1_dp1_fp32.json: 20 × the noise between them and the baseline at "
+            "each step, never below the fixed fp32 table (a floor), no drift test") in out
     assert "| 19.6; margin 10.0× (loss) |" in line_of(md, "| my_run")
     assert escape("grad norm 19.6 × noise: 0.0047 of the fp32 table's floor 0.0001") in html
     saved = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())["against_baseline"]["my_run"]

@@ -14,7 +14,7 @@ from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
 from parity.comparing.recorded import (RESUMED_ROWS, cut_words, replay_lines, resumed_at, resumed_note,
                                       resumed_rows_words, stopped_words)
-from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
+from parity.comparing.tolerances import CALIBRATION_FLOORED, DRIFT_K, DRIFT_WINDOW, NOISE_K, tolerance_class
 from parity.comparing.verdict import EXACT_MARGIN
 from parity.precision import describe
 from parity.registry import label
@@ -88,8 +88,10 @@ def calibration_line(c: Comparison) -> str:
         names = ", ".join(storage.name(r.file) for r in c.references)
         drift = (f"and no drift beyond {DRIFT_K} × that noise over {DRIFT_WINDOW} steps" if c.num_steps >= DRIFT_WINDOW
                  else f"no drift test: it needs {DRIFT_WINDOW} steps and {c.num_steps} were compared")
-        return (f"Bounds calibrated on {names}: {NOISE_K} × the noise between them and the baseline at each step, "
-                f"{drift}.")
+        floored = (f", never below the fixed {kind} table (a floor)"
+                   if (kind := tolerance_class(c.baseline.precision)) in CALIBRATION_FLOORED else "")
+        return (f"Bounds calibrated on {names}: {NOISE_K} × the noise between them and the baseline at each "
+                f"step{floored}, {drift}.")
     return ("Bounds UNCALIBRATED: no noise reference in the folder, so the fixed table by precision applies "
             "(docs/tolerances.md); run the baseline again with --noise_reference at another layout to calibrate.")
 
