@@ -9,6 +9,7 @@ calls before_step() before the boundary's engine.step(), where the recorder read
 partitions).
 
     python examples/sharded_loop.py --shard fsdp2 --output_dir OUT --nproc 2        # or fsdp1, zero1, zero2, zero3
+    python examples/sharded_loop.py --shard zero2 --deepspeed_bf16 --output_dir OUT --nproc 2   # DeepSpeed's bf16
     python train_ddp.py --replay_record OUT/loss_sharded_loop.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png              # PASS: it trains as DDP does
@@ -47,12 +48,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard", choices=SHARDS, default="fsdp2")
     p.add_argument("--tp", type=int, default=1, help="fsdp2: DTensor TP over this many ranks (the harness's plan for "
                                                      "the model), FSDP2 over the 'dp' dim of the ('dp', 'tp') mesh")
+    p.add_argument("--deepspeed_bf16", action="store_true",
+                   help="zero1|2|3: DeepSpeed's bf16.enabled — bf16 weights and gradients, fp32 masters and Adam "
+                        "state, reduced in bf16 (recorded as the harness's bf16_params policy)")
     known, rest = p.parse_known_args(argv)
     args = plain_loop.parse_args([*rest, *([] if "--name" in rest else ["--name", "sharded_loop"])])
-    args.shard, args.tp = known.shard, known.tp
+    args.shard, args.tp, args.deepspeed_bf16 = known.shard, known.tp, known.deepspeed_bf16
     if args.device != "cpu":
         print(f"error: --device {args.device}: sharded_loop.py runs on CPU ranks only (gloo); plain_loop.py takes "
               f"--device cuda", file=sys.stderr)
+        raise SystemExit(2)
+    if args.deepspeed_bf16 and not args.shard.startswith("zero"):
+        print(f"error: --deepspeed_bf16 with --shard {args.shard}: it is DeepSpeed's setting; use zero1, zero2 or zero3 "
+              f"(--bf16: autocast under any shard)", file=sys.stderr)
         raise SystemExit(2)
     return args
 
@@ -95,7 +103,7 @@ def deepspeed_engine(args, model, optimizer, scheduler):
     config = {"train_micro_batch_size_per_gpu": args.batch_size // args.grad_accum_steps,
               "gradient_accumulation_steps": args.grad_accum_steps, "gradient_clipping": args.max_grad_norm,
               "zero_optimization": {"stage": int(args.shard[-1])}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 1 << 30}
+              "steps_per_print": 1 << 30, **({"bf16": {"enabled": True}} if args.deepspeed_bf16 else {})}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
 
@@ -110,7 +118,8 @@ def train(args) -> str | None:
     rec = ParityRecorder(args.output_dir, name=args.name, model=engine,
                          optimizer=optimizer if fsdp else engine.optimizer, max_grad_norm=args.max_grad_norm,
                          framework=f"examples/sharded_loop.py --shard {args.shard}",
-                         precision="bf16" if args.bf16 else "fp32", checkpoint_interval=args.checkpoint_interval)
+                         precision="bf16_params" if args.deepspeed_bf16 else "bf16" if args.bf16 else "fp32",
+                         checkpoint_interval=args.checkpoint_interval)
     samples = args.steps * dp_world * args.batch_size  # full windows: DeepSpeed counts its own accumulation boundary
     all_ids, all_labels, all_mask = plain_loop.dataset(samples, args.seq_length, model.config.vocab_size, args.seed)
     for step, window in zip(range(args.steps), plain_loop.windows(args, dp_rank, dp_world, samples)):

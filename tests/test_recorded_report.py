@@ -137,6 +137,40 @@ def test_a_bit_exact_replay_passes_with_its_margin_exact(tmp_path, capsys, calib
     assert saved["bit_identical"] is True and saved["margin"] is None
 
 
+def test_the_verdict_names_the_bound_that_held_and_reads_the_margin_against_it(tmp_path, capsys):
+    """Calibrated in fp32, a curve's bound is the larger of 20 × its noise and the fixed table's (a floor:
+    CALIBRATION_FLOORED). The line says which held where each curve came closest to it, and reads the margin against
+    that: a grad norm 19.6 × its noise used 0.0047 of the table's 1e-4 (issue 80: it read "tolerance 20 × noise,
+    margin 1.0×"); a loss 2 × its noise, 0.1 of 20 × noise, is the curve closest to its bound: margin 10×. The page,
+    curve_report.md and curve_comparison.json say the same."""
+    steps = range(len(LOSSES))
+    write(tmp_path, "my_run", recorded_config("my_run"), [x * (1 + 2e-6) for x in LOSSES],
+          {s: {"grad_norm": 2.0 * (1 + 4.7e-7)} for s in steps})
+    write(tmp_path, "ddp", replay_config("my_run"))
+    write(tmp_path, "ddp", replay_config("my_run", noise_reference=True, num_workers=1, dp_size=1, batch_size=8),
+          [x * (1 + 1e-6) for x in LOSSES], {s: {"grad_norm": 2.0 * (1 + 2.4e-8)} for s in steps},
+          path=str(tmp_path / "noise_reference_ddp_tp1_dp1_fp32.json"))
+    code, out, md, html = report(tmp_path, capsys)
+    assert code == 0, out
+    details = line_of(out, "deviation ÷ noise").strip()
+    assert details.startswith("deviation ÷ noise 19.6 (loss 2.0, grad norm 19.6, param norm 0.0); the bounds that held: "
+                              "loss 0.1 of 20 × noise, grad norm 0.0047 of the fp32 table's floor 0.0001, param norm 0 "
+                              "of the fp32 table's floor 1e-05; margin 10.0× (loss); "), details
+    assert ("Bounds calibrated on noise_reference_ddp_tp1_dp1_fp32.json: 20 × the noise between them and the baseline at "
+            "each step, never below the fixed fp32 table (a floor), no drift test") in out
+    assert "| 19.6; margin 10.0× (loss) |" in line_of(md, "| my_run")
+    assert escape("grad norm 19.6 × noise: 0.0047 of the fp32 table's floor 0.0001") in html
+    saved = json.loads((tmp_path / "out" / "curve_comparison.json").read_text())["against_baseline"]["my_run"]
+    held = saved["bounds_held"]
+    assert held["grad_norm"]["held"] == "the fp32 table's floor 0.0001" and held["grad_norm"]["bound"] == 1e-4
+    assert held["grad_norm"]["ratio"] == pytest.approx(4.7e-3, rel=1e-3) and held["loss"]["held"] == "20 × noise"
+    assert saved["margin"] == pytest.approx(10.0, rel=1e-3) and max(saved["noise_ratio"].values()) > 19
+    # uncalibrated, the one bound is the table's: its margin is read against it
+    (tmp_path / "noise_reference_ddp_tp1_dp1_fp32.json").unlink()
+    code, out, _, _ = report(tmp_path, capsys)
+    assert line_of(out, "rtol").endswith("; margin 5.0× (loss)"), out
+
+
 def test_a_replays_differences_are_what_it_takes_from_the_record(tmp_path, capsys):
     """A recorded run FAILs against its replay at step 2: 'differs from the baseline in:' lists none of the fields in
     which every recorded run differs from its replay by design (its files' paths among them: the record names them

@@ -9,12 +9,12 @@ from typing import NamedTuple
 
 from parity import fingerprint, storage
 from parity.comparing.curves import Comparison, CurveResult
-from parity.comparing import clip_read, objective, teacher_forced, tensor_verdict
+from parity.comparing import clip_read, margins, objective, teacher_forced, tensor_verdict
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
 from parity.comparing.recorded import (RESUMED_ROWS, cut_words, replay_lines, resumed_at, resumed_note,
                                       resumed_rows_words, stopped_words)
-from parity.comparing.tolerances import DRIFT_K, DRIFT_WINDOW, NOISE_K
+from parity.comparing.tolerances import CALIBRATION_FLOORED, DRIFT_K, DRIFT_WINDOW, NOISE_K, tolerance_class
 from parity.comparing.verdict import EXACT_MARGIN
 from parity.precision import describe
 from parity.registry import label
@@ -88,8 +88,10 @@ def calibration_line(c: Comparison) -> str:
         names = ", ".join(storage.name(r.file) for r in c.references)
         drift = (f"and no drift beyond {DRIFT_K} × that noise over {DRIFT_WINDOW} steps" if c.num_steps >= DRIFT_WINDOW
                  else f"no drift test: it needs {DRIFT_WINDOW} steps and {c.num_steps} were compared")
-        return (f"Bounds calibrated on {names}: {NOISE_K} × the noise between them and the baseline at each step, "
-                f"{drift}.")
+        floored = (f", never below the fixed {kind} table (a floor)"
+                   if (kind := tolerance_class(c.baseline.precision)) in CALIBRATION_FLOORED else "")
+        return (f"Bounds calibrated on {names}: {NOISE_K} × the noise between them and the baseline at each "
+                f"step{floored}, {drift}.")
     return ("Bounds UNCALIBRATED: no noise reference in the folder, so the fixed table by precision applies "
             "(docs/tolerances.md); run the baseline again with --noise_reference at another layout to calibrate.")
 
@@ -107,8 +109,7 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
                 f"for scale, max relative diff {worst}"]
     if r.noise_ratios:
         ratios = ", ".join(f"{NOUNS[q]} {x:.1f}" for q, x in r.noise_ratios.items())
-        margin = EXACT_MARGIN if r.bit_identical else f"margin {NOISE_K / r.noise_ratio:.1f}×"
-        lines = [f"deviation ÷ noise {r.noise_ratio:.1f} ({ratios}); tolerance {NOISE_K} × noise, {margin}; max "
+        lines = [f"deviation ÷ noise {r.noise_ratio:.1f} ({ratios}); {held_words(c, r)}; {margin_words(c, r)}; max "
                  f"relative diff {worst}"]
         if r.fp32_distance_ratios:
             far = ", ".join(f"{NOUNS[q]} {x:.1f}×" for q, x in r.fp32_distance_ratios.items())
@@ -116,8 +117,7 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
                          f"{base}: {far}")
     else:
         bounds = ", ".join(f"{b[0]:g} ({NOUNS[q]})" for q, b in r.bounds.per_step.items())
-        lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}"
-                 + (f"; {EXACT_MARGIN}" if r.bit_identical else "")]
+        lines = [f"rtol {bounds} from {v.tolerance_source}; max relative diff {worst}; {margin_words(c, r)}"]
     lines = [*stopped_lines(r.run), *lines]
     if v.parting is not None:
         lines.append(f"{v.parting.line()}: {v.parting.broken} — FAIL before any tolerance")
@@ -172,6 +172,28 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
             lines += [where] if (where := localise(c, r, f.step)) else []  # (at the tensors' step: above, once)
     routed = routing_line(r)
     return lines + ([routed] if routed else [])
+
+
+def held_words(c: Comparison, r: CurveResult) -> str:
+    """Which bound held each curve where it came closest to it, and how much of it the deviation used
+    (margins.bounds_held): 'the bounds that held, 20 × noise: loss 0.031, grad norm 0.003 of it', or per curve where
+    they differ ('grad norm 0.0047 of the fp32 table's floor 0.0001')."""
+    held = margins.bounds_held(c, r)
+    kinds = {p["held"] for p in held.values()}
+    if len(kinds) == 1:
+        return (f"the bounds that held, {next(iter(kinds))}: "
+                + ", ".join(f"{NOUNS[q]} {p['ratio']:.2g}" for q, p in held.items()) + " of it")
+    return "the bounds that held: " + ", ".join(f"{NOUNS[q]} {p['ratio']:.2g} of {p['held']}" for q, p in held.items())
+
+
+def margin_words(c: Comparison, r: CurveResult) -> str:
+    """The curves' margin against the bounds that held (margins.bounds_held), naming the curve closest to its bound:
+    'margin 32.0× (loss)'; past its bound, how far ('loss at 8.33e+03 × the bound that held'); exact for a run equal
+    to the baseline at every step."""
+    margin, q = margins.curves_margin(margins.bounds_held(c, r))
+    if margin is None:
+        return EXACT_MARGIN if r.bit_identical else "margin: every judged curve at the baseline's"
+    return f"margin {margin:.1f}× ({NOUNS[q]})" if margin >= 1 else f"{NOUNS[q]} at {1 / margin:.3g} × the bound that held"
 
 
 def resumed_line(r: CurveResult) -> str | None:
@@ -302,8 +324,8 @@ def markdown_report(c: Comparison, figure_file: str) -> str:
     for r in c.results:
         v = r.verdict
         outside = first_failure(r)
-        ratio = f"{r.noise_ratio:.1f} (of {NOISE_K})" if r.noise_ratio is not None else "uncalibrated"
-        ratio += f"; {EXACT_MARGIN}" if r.bit_identical else ""
+        ratio = f"{r.noise_ratio:.1f}" if r.noise_ratio is not None else "uncalibrated"
+        ratio += f"; {margin_words(c, r)}" if v.passed or r.bit_identical else ""  # a FAIL: its first step outside
         worst = " / ".join(f"{v.max_rel_diff[q]:.3e}" for q, _, _ in judged_curves(c))
         out.append(f"| {r.run.label} | {v.word} | {ratio} | {worst} | {outside} |")
         if routing_line(r):

@@ -252,7 +252,9 @@ class Comparison:
                 **r.verdict.to_dict(),
                 "replicas_parted": r.verdict.parting.to_dict() if r.verdict.parting else None,
                 "calibrated": r.bounds.calibrated,
-                "noise_ratio": r.noise_ratios, "margin": NOISE_K / r.noise_ratio if r.noise_ratio else None,
+                "noise_ratio": r.noise_ratios,
+                "margin": margins.curves_margin(held := margins.bounds_held(self, r))[0],  # against what held
+                "bounds_held": held,  # per curve: its closest step's deviation ÷ the bound that held, and what set it
                 "bound_ratios": margins.bound_ratios(self, r),  # each check's largest deviation ÷ bound
                 "bit_identical": r.bit_identical,
                 "fp32_distance_ratio": r.fp32_distance_ratios,
@@ -446,11 +448,11 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
         why = "no noise reference" if not references else "the run's precision policy differs from the baseline's"
         bounds = fixed_bounds(tolerances.CURVES[looser], num_steps,
                               f"the fixed {looser} table ({base.name} {base.precision}, {run.name} {run.precision}); "
-                              f"uncalibrated: {why}", quantities)
+                              f"uncalibrated: {why}", quantities, f"the fixed {looser} table")
     for quantity, value, flag in (("loss", rtol, "--tolerance"), ("grad_norm", grad_norm_rtol, "--grad_norm_tolerance")):
         if value is not None:
             bounds = Bounds({**bounds.per_step, quantity: [value] * num_steps}, f"{bounds.source}; {quantity} {flag}",
-                            bounds.envelope)
+                            bounds.envelope, {**(bounds.held or {}), quantity: [f"{flag} {value:g}"] * num_steps})
     return bounds
 def config_differences(base: Run, run: Run) -> list[str]:
     """'field: baseline's vs run's' for every config field (strategy options and library versions

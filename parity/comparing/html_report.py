@@ -327,18 +327,19 @@ def runs_table(saved: dict, directory: str, quantities: list[str]) -> str:
         if a is None:
             rows.append([escape(run["label"]), "baseline", "–", "–", "–", "–", "–", _replicas(run, {}), link])
             continue
-        ratios = a.get("noise_ratio")
-        if ratios:
-            ratio = "<br>".join(f"{escape(NOUNS.get(q, q))} {ratios[q]:.1f}" for q in quantities if q in ratios)
-        else:
-            ratio = "uncalibrated"
-        ratio += f"<br>{escape(EXACT_MARGIN)}" if a.get("bit_identical") else ""
+        ratios, held = a.get("noise_ratio") or {}, a.get("bounds_held") or {}  # (a page of an older json: no held)
+        ratio = "<br>".join(escape(f"{NOUNS.get(q, q)} " + (f"{ratios[q]:.1f} × noise" if q in ratios else "")
+                                   + (": " if q in ratios and q in held else "")
+                                   + (f"{held[q]['ratio']:.2g} of {held[q]['held']}" if q in held else ""))
+                            for q in quantities if q in held or q in ratios) or "uncalibrated"
+        ratio += f"<br>{escape(EXACT_MARGIN)}" if a.get("bit_identical") else (
+            f"<br>margin {a['margin']:.1f}×" if a.get("margin") else "")
         worst = "<br>".join(f"{escape(NOUNS.get(q, q))} {a['max_rel_diff'][q]:.3e}" for q in quantities
                             if q in a["max_rel_diff"])
         rows.append([escape(run["label"]), _word(a["verdict"]), ratio, worst,
                      "calibrated" if a.get("calibrated") else "uncalibrated", _outside(a), tensors_cell(a),
                      _replicas(run, a), link])
-    return _table(["run", "verdict", "deviation ÷ noise (of 20)", "max relative diff", "bounds",
+    return _table(["run", "verdict", "deviation ÷ noise, and ÷ the bound that held", "max relative diff", "bounds",
                    "first step outside", "tensor verdict", "replicas", "record"], rows,
                   "One row per run, against the baseline",
                   "runs")

@@ -29,15 +29,19 @@ class Bounds:
     per_step: dict[str, list[float]]  # quantity → bound at each step (a quantity without bounds is not judged)
     source: str  # where the bounds came from, in words
     envelope: dict[str, list[float]] | None = None  # calibrated: the noise envelope per step (before NOISE_K)
+    held: dict[str, list[str]] | None = None  # quantity → what set its bound at each step, in words (held_by)
 
     @property
     def calibrated(self) -> bool:
         return self.envelope is not None
 
 
-def fixed_bounds(tolerance: Tolerance, num_steps: int, source: str, quantities=QUANTITIES) -> Bounds:
-    """The same tolerance at every step (the uncalibrated table, or the user's --tolerance)."""
-    return Bounds({q: [tolerance.of(q)] * num_steps for q in quantities if tolerance.of(q) is not None}, source)
+def fixed_bounds(tolerance: Tolerance, num_steps: int, source: str, quantities=QUANTITIES,
+                 held: str = "the fixed table") -> Bounds:
+    """The same tolerance at every step (the uncalibrated table, or the user's --tolerance); `held` names it."""
+    judged = [q for q in quantities if tolerance.of(q) is not None]
+    return Bounds({q: [tolerance.of(q)] * num_steps for q in judged}, source,
+                  held={q: [f"{held}'s {tolerance.of(q):g}"] * num_steps for q in judged})
 
 
 def calibrated_bounds(baseline: dict[str, list[float]], references: list[dict[str, list[float]]], precision: str,
@@ -56,7 +60,17 @@ def calibrated_bounds(baseline: dict[str, list[float]], references: list[dict[st
         largest = {q: names[max(range(len(references)), key=lambda i: max(map(abs, relative_diffs(
             references[i][q], baseline[q], (scales or {}).get(q)))))] for q in baseline}
         source += " (the most noise: " + ", ".join(f"{q.replace('_', ' ')} {n}" for q, n in largest.items()) + ")"
-    return Bounds({q: [max(NOISE_K * e, fixed[q]) for e in envelope[q]] for q in baseline}, source, envelope)
+    held = {q: [held_by(e, floor.of(q), fixed[q], kind) for e in envelope[q]] for q in baseline}
+    return Bounds({q: [max(NOISE_K * e, fixed[q]) for e in envelope[q]] for q in baseline}, source, envelope, held)
+
+
+def held_by(envelope: float, floor: float, fixed: float, kind: str) -> str:
+    """What sets a calibrated bound, max(NOISE_K × `envelope`, `fixed`), in words: the noise the references measured;
+    the envelope's `floor` where they agreed closer than it; or the fixed table of `kind` where it lies above (fp32's:
+    CALIBRATION_FLOORED)."""
+    if fixed > NOISE_K * envelope:
+        return f"the {kind} table's floor {fixed:g}"
+    return f"{NOISE_K} × the noise floor {floor:g}" if envelope <= floor else f"{NOISE_K} × noise"
 
 
 def relative_diffs(series: list[float], baseline: list[float], scales: list[float] | None = None) -> list[float]:

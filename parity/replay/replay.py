@@ -9,7 +9,8 @@ parameter groups by name: build_optimizer with RunConfig.optimizer), the lr of e
 precision, the step count (up to where the record stopped, if it did) and which gradient every tensor's series holds
 (RunConfig.tensor_grad: where the recorded framework's hooks came after its clipping, the clipped ones). It names them
 relative to its own folder, which may have moved since. Beside it only --num_workers, --device, the output and
-checkpoint flags and --noise_reference may be given (with --noise_reference also --precision: the fp32 twin); anything
+checkpoint flags and --noise_reference may be given (with --noise_reference also --precision: the fp32 twin, which reduces
+and accumulates in its own policy's dtypes, not the record's); anything
 else contradicts the record and is refused in one line. A LoRA run's record (config.lora: a PeftModel recorded,
 adapters_record.py) sets the replay's --lora_* flags, so that its worker builds the same PEFT model from the recorded
 base and the adapters' initial weights beside it, and trains the adapters alone. The harness feeds no attention mask
@@ -32,6 +33,7 @@ from typing import Any, Mapping
 from parity import storage
 from parity.driver.config import resolve
 from parity.errors import ConfigError, RecordError
+from parity.precision import POLICY_FIELDS
 from parity.replay.objective_replay import objective_data
 from parity.recording.rows import padding_problem
 from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
@@ -80,9 +82,11 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
     _check_weights(record_file, weights, model_folder)
     lora = _recorded_adapters(record_file, weights, config.get("lora"))  # a LoRA run's: {} for any other
     lrs = tuple(float(s["lr"]) for s in record["steps"])
+    taken = {k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY}
+    if given.get("precision", taken["precision"]) != taken["precision"]:  # the fp32 twin: in its own policy's dtypes
+        taken.update({k: None for k in POLICY_FIELDS if k in taken and k != "precision"})
     values = {"model_name": model_folder, "init_weights_path": weights, "num_workers": workers, **data,
-              "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0,
-              **{k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY},
+              "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0, **taken,
               "checkpoint_interval": 0, **lora, **(flags or {}), **given}
     cfg = resolve(strategy, values, cluster=cluster)
     attention = config.get("attn_implementation")  # the run's (a record from before it was kept: the default)
