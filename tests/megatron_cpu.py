@@ -27,6 +27,7 @@ import runpy
 import sys
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 
@@ -56,7 +57,11 @@ class CudaOnCpu(TorchFunctionMode):
 
 
 class _Waits:
-    """A CUDA stream or event on one CPU: every wait, record and synchronize is already done."""
+    """A CUDA stream or event on one CPU: every wait, record and synchronize is already done (a class, as torch.cuda's:
+    annotations take its union with None)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: True if name == "query" else _Waits() if name == "record_event" else None
@@ -83,10 +88,48 @@ def sequence_parallel_norms() -> None:
     torch_norm.WrappedTorchNorm.__new__ = __new__
 
 
+def moe_host_copies() -> None:
+    """The alltoall dispatcher's device-to-host copies as on a GPU (the module docstring)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    for name in TE_NAMES:  # what its import of TransformerEngine would have defined: None, as TE's absence means
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def unequal_gathers() -> None:
+    """`all_gather` into tensors of unequal sizes (the dispatcher's gather of each TP rank's routed tokens): gloo takes
+    equal ones only, so each rank's piece is padded to the longest and cut back after."""
+    gather = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = [tensor.new_empty((longest, *tensor.shape[1:])) for _ in tensor_list]
+        mine = torch.cat([tensor, tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))])
+        gather(padded, mine.contiguous(), group=group)
+        for out, got in zip(tensor_list, padded):
+            out.copy_(got[:out.shape[0]])
+        return None
+
+    dist.all_gather = all_gather
+
+
+TE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+            "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+            "fused_topk_with_score_function", "fused_unpermute")
+
+
 def install() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda *args, **kwargs: _Waits()
-    torch.cuda.Event = lambda *args, **kwargs: _Waits()
+    torch.cuda.Stream = torch.cuda.Event = _Waits
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.synchronize = lambda *args, **kwargs: None
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import random
@@ -94,6 +137,8 @@ def install() -> None:
     random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     random.model_parallel_cuda_manual_seed = tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None
     sequence_parallel_norms()
+    moe_host_copies()
+    unequal_gathers()
     CudaOnCpu().__enter__()  # for the rest of the process
 
 

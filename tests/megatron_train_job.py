@@ -27,15 +27,38 @@ def arguments():
     p.add_argument("--seq_length", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip_grad", type=float, default=1.0)
-    p.add_argument("--family", choices=("llama", "qwen2"), default="llama")
+    p.add_argument("--family", choices=("llama", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe"), default="llama",
+                   help="mixtral, qwen3_moe (Q/K norms), qwen2_moe (Q/K/V biases, a gated shared expert, top-k of the "
+                        "softmax unnormalised): MoE layers of 4 experts, top-2")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallelism (MoE; default: --tp)")
+    p.add_argument("--aux_loss_coeff", type=float, default=1e-2, help="MoE: the router's load-balancing loss")
+    p.add_argument("--z_loss_coeff", type=float, default=None, help="MoE: the router's z loss")
     p.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
     p.add_argument("--sequence_parallel", action="store_true", help="megatron-core's SP (with --tp 2 or more)")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters (Float16Module), the optimizer's fp32 masters")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: NCCL and one GPU per rank, as Megatron-LM runs (no tests/megatron_cpu.py)")
-    p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice",
-                                                   "micro_batch_dropped", "sp_norm_untagged"), default="none")
+    p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice", "micro_batch_dropped",
+                                          "sp_norm_untagged", "expert_grads_not_averaged", "aux_loss_twice"),
+                   default="none")
     return p.parse_args()
+
+
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+
+def moe_settings(args) -> dict:
+    """A MoE family's TransformerConfig fields: 4 experts of FFN 64, top-2, the alltoall dispatcher (EP over gloo)."""
+    if args.family not in MOE:
+        return {}
+    shared = dict(moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True) \
+        if args.family == "qwen2_moe" else {}
+    return dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=args.aux_loss_coeff,
+                moe_z_loss_coeff=args.z_loss_coeff, moe_router_load_balancing_type="aux_loss",
+                moe_router_pre_softmax=args.family == "qwen2_moe", moe_token_dispatcher_type="alltoall",
+                expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp or args.tp,
+                qk_layernorm=args.family == "qwen3_moe", moe_router_dtype="fp32", **shared)
 
 
 def model_provider(args):
@@ -46,16 +69,17 @@ def model_provider(args):
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
         gated_linear_unit=True, activation_func=F.silu, normalization=args.normalization, layernorm_epsilon=1e-6,
-        add_bias_linear=False, add_qkv_bias=args.family == "qwen2", use_cpu_initialization=True,
+        add_bias_linear=False, add_qkv_bias=args.family in ("qwen2", "qwen2_moe"), use_cpu_initialization=True,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32, bf16=args.bf16, hidden_dropout=0.0,
         attention_dropout=0.0, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, sequence_parallel=args.sequence_parallel, tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32, **moe_settings(args))
     from megatron.core import parallel_state
 
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=args.seq_length, position_embedding_type="rope", rotary_base=10000,
                     share_embeddings_and_output_weights=False, pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage()), config
@@ -114,7 +138,9 @@ def main() -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                             expert_model_parallel_size=args.ep,
+                                             expert_tensor_parallel_size=args.etp or args.tp)
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     model, config = model_provider(args)
@@ -152,6 +178,15 @@ def main() -> None:
         for group in model.bucket_groups:
             for bucket in group.buckets:
                 bucket.gradient_scaling_factor /= dp
+    if args.seed_bug == "expert_grads_not_averaged":  # the EP ranks' contributions to an expert summed, not averaged
+        for group in model.expert_parallel_bucket_groups:
+            for bucket in group.buckets:
+                bucket.gradient_scaling_factor = 1.0
+    if args.seed_bug == "aux_loss_twice":  # each router's load-balancing loss attached to its probabilities twice
+        for layer in model.module.decoder.layers:
+            router = layer.mlp.router
+            once = router._apply_aux_loss
+            router._apply_aux_loss = lambda probs, *a, once=once, **k: once(once(probs, *a, **k), *a, **k)
     step_function = forward_step
     if args.seed_bug == "micro_batch_dropped" and parallel_state.is_pipeline_last_stage():
         step_function = dropping_the_second(forward_step)

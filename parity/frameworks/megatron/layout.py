@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from parity.frameworks.megatron.config import MegatronRefused
-from parity.frameworks.megatron.names import full_tensor, to_hf
+from parity.frameworks.megatron.moe import ExpertGroups, chained, global_expert, is_expert
+from parity.frameworks.megatron.names import full_tensor, part_of, stacked, to_hf
 from parity.recording.sharded import DataParallel, torch_optimizer
 from parity.recording.translated import TranslatedLayout
 from parity.training.optimizer import ADAMW_MOMENTS
@@ -62,13 +63,13 @@ def refusal(optimizer) -> str | None:
     """What of the job's parallel layout or optimizer the recorder does not read yet, in one line (None: it does)."""
     from megatron.core import parallel_state as ps
 
-    sizes = {"context": ps.get_context_parallel_world_size(), "expert": ps.get_expert_model_parallel_world_size()}
-    for kind, size in sizes.items():
-        if size > 1:
-            return f"{kind} parallelism ({kind} size {size}): not recorded yet; record the job without it"
+    size = ps.get_context_parallel_world_size()
+    if size > 1:
+        return f"context parallelism (context size {size}): not recorded yet; record the job without it"
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(inner) != 1:
-        return f"{len(inner)} chained optimizers: the recorder follows one"
+    if any(type(o) is not type(inner[0]) or o.config != inner[0].config for o in inner):
+        return (f"{len(inner)} chained optimizers of other kinds or configs: the recorder follows megatron-core's "
+                f"dense and expert optimizers alike")
     config = inner[0].config
     if config.fp16:
         return "fp16 (its loss scaling): not recorded yet; record the job in bf16 or fp32"
@@ -79,10 +80,13 @@ def refusal(optimizer) -> str | None:
 
 def global_name(module, name: str) -> str:
     """A parameter's name with its decoder layer numbered in the whole model (a pipeline stage numbers its own from
-    0: megatron-core's layer_number is the global one, from 1)."""
+    0: megatron-core's layer_number is the global one, from 1), and its expert, where it is one (an EP rank numbers
+    its local experts from 0)."""
     name = name.removeprefix("module.")
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
+        if parts[3:6] == ["mlp", "experts", "local_experts"]:  # an EP rank's local expert: its number in the model
+            parts[6] = str(global_expert(module, int(parts[2]), int(parts[6])))
         parts[2] = str(module.decoder.layers[int(parts[2])].layer_number - 1)
     return ".".join(parts)
 
@@ -123,8 +127,10 @@ class MegatronLayout(TranslatedLayout):
         why = refusal(optimizer)
         if why is not None:
             raise MegatronRefused(why)
-        DataParallel.__init__(self, hf_model, torch_optimizer(optimizer))
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])  # the dense parameters' and the experts'
+        DataParallel.__init__(self, hf_model, chained([torch_optimizer(o) for o in inner]))
         self.module, self.config, self.device = module, config, device
+        self.experts = ExpertGroups()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -138,14 +144,13 @@ class MegatronLayout(TranslatedLayout):
         dist.all_gather_object(stages, ps.get_pipeline_model_parallel_rank())
         self._stage_ranks = tuple(r for r, stage in enumerate(stages) if stage == stages[self.rank])
         self.native = [(global_name(module, n), p) for n, p in module.named_parameters()]
-        inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
         self.shards_of: dict[int, tuple] | None = None  # the distributed optimizer's: see sharded_optimizer
         self._master: dict[int, torch.Tensor] = {}  # the bf16 optimizer's fp32 masters: see masters
-        if inner.config.use_distributed_optimizer:
-            self.shards_of = sharded_optimizer(inner)
+        if inner[0].config.use_distributed_optimizer:
+            self.shards_of = {k: v for o in inner for k, v in sharded_optimizer(o).items()}
             self._model_of = {id(shard): model for model, shard, _, _ in self.shards_of.values()}
         else:
-            pairs = masters(inner)
+            pairs = [pair for o in inner for pair in masters(o)]
             self._master = {id(model): master for model, master in pairs}
             self._model_of = {id(master): model for model, master in pairs}
         self.targets = self._targets()
@@ -157,7 +162,9 @@ class MegatronLayout(TranslatedLayout):
 
     def describe(self) -> dict:
         return {"kind": self.kind, "zero_stage": 0 if self.shards_of is None else 1, "dp_size": self.dp_size,
-                "tp_size": self.tp, "mesh": {"tp": self.tp, "dp": self.dp_size, "pp": self.pp},
+                "tp_size": self.tp, "mesh": {"tp": self.tp, "dp": self.dp_size, "pp": self.pp,
+                                             **({"ep": self.experts.ep, "etp": self.experts.etp}
+                                                if self.config.num_moe_experts else {})},
                 "distributed_optimizer": self.shards_of is not None,
                 "sequence_parallel": bool(self.config.sequence_parallel)}
 
@@ -166,13 +173,19 @@ class MegatronLayout(TranslatedLayout):
     def split(p: torch.Tensor) -> bool:
         return bool(getattr(p, "tensor_model_parallel", False))
 
+    def split_over(self, p) -> tuple:
+        """(group, size, rank) of the TP group `p` is split over: an expert's, its expert-TP group."""
+        if is_expert(p):
+            return self.experts.etp_group, self.experts.etp, self.experts.etp_rank
+        return self.tp_group, self.tp, self.tp_rank
+
     def shards(self, p):
-        return self.tp if self.split(p) else 1
+        return self.split_over(p)[1] if self.split(p) else 1
 
     def full_shape(self, p):
         shape = list(p.shape)
         if self.split(p):
-            shape[p.partition_dim] *= self.tp
+            shape[p.partition_dim] *= self.shards(p)
         return tuple(shape)
 
     def holders(self, p):
@@ -185,11 +198,17 @@ class MegatronLayout(TranslatedLayout):
 
     def holders_whole(self, p) -> tuple[int, ...]:
         """Of the parameter itself, whole at the step's end (the distributed optimizer gathers it over DP): a TP shard
-        on the DP ranks of its TP rank, a norm on every rank of its pipeline stage."""
+        on the DP ranks of its TP rank, an expert's on its expert-data-parallel ranks, a norm (and a router) on every
+        rank of its pipeline stage."""
+        if is_expert(p):
+            return self.experts.edp_ranks
         return tuple(sorted(self._dp_ranks if self.split(p) else self._stage_ranks))
 
     def local_index(self, p, index):
-        return self.piece_of(p, index.chunk(self.tp, dim=p.partition_dim)[self.tp_rank] if self.split(p) else index)
+        if not self.split(p):
+            return self.piece_of(p, index)
+        _, size, rank = self.split_over(p)
+        return self.piece_of(p, index.chunk(size, dim=p.partition_dim)[rank])
 
     def piece_of(self, p, t):
         """The TP shard (`t` of it), or under the distributed optimizer this DP rank's range of it, flat (empty where
@@ -206,7 +225,7 @@ class MegatronLayout(TranslatedLayout):
         """Each optimizer group's parameters as the transformers model's. A pipeline stage's groups hold its own
         layers' parameters, a DP rank's under the distributed optimizer those it has a range of: the groups are the
         union over the world (a collective, every rank at the recorder's start)."""
-        if self.shards_of is None and self.pp == 1:
+        if self.shards_of is None and self.pp == 1 and not self.config.num_moe_experts:  # experts: one tensor
             return super().group_params()
         native = {id(p): n for n, p in self.native}
         mine = [{h for p in map(self.stepped, g["params"]) if p.requires_grad
@@ -229,20 +248,24 @@ class MegatronLayout(TranslatedLayout):
         """Each parameter's Hugging Face tensors, checked against the transformers model's names and shapes (those
         that no stage maps: a collective)."""
         hf = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
-        targets, seen = {}, set()
+        targets, seen, self.labels = {}, set(), {}
         for name, p in self.native:
             shape = self.full_shape(p)
-            out = to_hf(name, torch.empty(shape, device="meta"), self.config, self.tp)  # names and shapes
-            for h, t in out.items():
-                if hf.get(h) != tuple(t.shape):
-                    raise MegatronRefused(f"megatron-core {name} maps to {h} of shape {tuple(t.shape)}, which "
-                                          f"{type(self.model).__name__} has as {hf.get(h)}")
+            out = to_hf(name, torch.empty(shape, device="meta"), self.config, self.shards(p))  # names and shapes
+            for key, t in out.items():
+                h, expert = part_of(key)  # an expert's part of a fused 3-D weight: one row of it
+                has = hf.get(h) if expert is None else hf.get(h, (0,))[1:] if expert < hf.get(h, (0,))[0] else None
+                if has != tuple(t.shape):
+                    raise MegatronRefused(f"megatron-core {name} maps to {key} of shape {tuple(t.shape)}, which "
+                                          f"{type(self.model).__name__} has as {has}")
                 seen.add(h)
+            self.labels[name] = next(iter(out))  # how the replica check names it: an expert's part NAME[e]
             if len(out) == 1:
-                targets[name] = [(next(iter(out)), None)]
+                targets[name] = [(part_of(next(iter(out)))[0], None)]
             else:  # split: where each of the parameter's elements lands
                 index = torch.arange(p.numel() * self.shards(p), dtype=torch.int64).view(shape)
-                targets[name] = [(h, t.reshape(-1)) for h, t in to_hf(name, index, self.config, self.tp).items()]
+                targets[name] = [(h, t.reshape(-1))
+                                 for h, t in to_hf(name, index, self.config, self.shards(p)).items()]
         everyone = [None] * self.world
         dist.all_gather_object(everyone, seen)
         missing = [h for h in hf if not any(h in found for found in everyone)]
@@ -311,19 +334,22 @@ class MegatronLayout(TranslatedLayout):
         if ranged is not None:
             _, _, start, end = self.shards_of[id(p)]
             whole[start:end] = ranged.detach().float().to(self.device)
-        dist.all_reduce(whole, group=ps.get_data_parallel_group())
+        dist.all_reduce(whole, group=self.experts.edp_group if is_expert(p) else ps.get_data_parallel_group())
         return whole.view(p.shape)
 
     def _full(self, name: str, p: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        return to_hf(name, full_tensor(p, t.to(self.device), self.tp_group).cpu(), self.config, self.tp)
+        group, size, _ = self.split_over(p)
+        return to_hf(name, full_tensor(p, t.to(self.device), group).cpu(), self.config, size)
 
     def _stages(self, mine: dict) -> dict:
-        """This stage's full tensors and every other stage's (gathered over the pipeline group)."""
-        if self.pp == 1:
-            return mine
-        parts = [None] * self.pp
-        dist.all_gather_object(parts, mine, group=self.pp_group)
-        return {k: v for part in parts for k, v in part.items()}
+        """This stage's full tensors and every other stage's (gathered over the pipeline group), every EP rank's
+        experts among them, each fused expert weight stacked whole."""
+        mine = self.experts.gathered(mine)
+        if self.pp > 1:
+            parts = [None] * self.pp
+            dist.all_gather_object(parts, mine, group=self.pp_group)
+            mine = {k: v for part in parts for k, v in part.items()}
+        return stacked(mine)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         return self._stages({h: t for n, p in self.native
@@ -355,6 +381,11 @@ class MegatronLayout(TranslatedLayout):
                     out.setdefault(h, {})[key] = moved
         return self._stages(out), int(count)
 
+    def replicated(self) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
+        """(its first Hugging Face name — an expert's part NAME[e] —, parameter, the ranks that hold it alike) of each
+        parameter several ranks hold."""
+        return [(self.labels[n], p, ranks) for n, p in self.native for ranks in [self.holders(p)] if len(ranks) > 1]
+
     def replicas(self):
         from parity.training.replicas import Replica, held
 
@@ -363,7 +394,7 @@ class MegatronLayout(TranslatedLayout):
                     for r in held(name, ranks, p, self.optimizer, self._master.get(id(p)))]
         found = []
         for name, p in self.native:  # each parameter whole; a norm's moments alike on the TP ranks of a DP rank
-            first = self.targets[name][0][0]
+            first = self.labels[name]
             found.append(Replica(first, self.holders_whole(p), p.detach()))
             if not self.split(p) and self.tp > 1 and id(p) in self.shards_of:
                 state, (_, _, start, end) = self._state(p), self.shards_of[id(p)]

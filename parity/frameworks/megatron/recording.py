@@ -88,7 +88,11 @@ def _recorded(forward_backward):
         if recording is None:
             recording = RECORDINGS[id(chunks[0])] = MegatronRecording(model)
         arguments["forward_step_func"] = recording.forward_step(arguments["forward_step_func"])
-        losses = forward_backward(*bound.args, **bound.kwargs)
+        recording.taking(True)
+        try:
+            losses = forward_backward(*bound.args, **bound.kwargs)
+        finally:
+            recording.taking(False)
         recording.after_forward_backward()
         return losses
 
@@ -104,6 +108,7 @@ class MegatronRecording:
 
         from parity.frameworks.megatron.config import MegatronRefused, hf_config
         from parity.frameworks.megatron.layout import MegatronLayout, gpt_model
+        from parity.frameworks.megatron.moe import RouterStatistics
         from parity.models.model import meta_model
         from parity.recording.recorder import ParityRecorder
         from parity.recording.world import exchange_device
@@ -135,6 +140,7 @@ class MegatronRecording:
             reduce = "fp32" if getattr(chunks[0], "ddp_config", None) is None or \
                 chunks[0].ddp_config.grad_reduce_in_fp32 else "bf16"
             self.recorder.record.data["config"].update(reduce_dtype=reduce, grad_accum_dtype=reduce)
+        self.routers = RouterStatistics(self.module, config, self.layout) if config.num_moe_experts else None
         self.labels = None  # the last GPTModel call's labels
         self.ids: list = []  # this step's GPTModel calls' input ids, in order (the first stage's: the rows')
         self.taken: list = []  # this step's (labels, mask, summed loss), one a loss function's call (the last stage's)
@@ -151,6 +157,11 @@ class MegatronRecording:
 
         dist.destroy_process_group = destroy_process_group
         atexit.register(self.close)
+
+    def taking(self, on: bool) -> None:
+        """Whether the routers' statistics are taken: during a training call of the forward-backward function."""
+        if self.routers is not None:
+            self.routers.taking = on
 
     def _rows(self, module, args, kwargs) -> None:
         bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
@@ -223,6 +234,9 @@ class MegatronRecording:
         dist.all_reduce(mean)
         self.logged = float(mean[0] / mean[1]) if mean[1] else None
         self.losses = []
+        if self.routers is not None:  # a mixture of experts: the step's router losses and expert loads
+            self.recorder.step_extras = self.routers.step()
+            self.recorder.broken = self.recorder.broken or self.routers.broken
 
     def _patch_optimizer(self) -> None:
         optimizer, rec = self.optimizer, self.recorder
