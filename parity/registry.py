@@ -64,6 +64,7 @@ def run_label(name: str, config: dict) -> str:
     pp, tp = max(pp_size_of(config), mesh.get("pp", 1)), config["tp_size"]
     ep = max(config.get("ep_size", 1), mesh.get("ep", 1))
     layout = f"TP={tp}, PP={pp}" if pp > 1 and tp > 1 else f"PP={pp}" if pp > 1 else f"TP={tp}"
+    layout += f", VPP={mesh['vpp']}" if mesh.get("vpp", 1) > 1 else ""
     return f"{label(name)} ({layout}, DP={config['dp_size']}{f', EP={ep}' if ep > 1 else ''})"
 
 

@@ -48,6 +48,8 @@ class CudaOnCpu(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name == "cuda":
             return args[0]
+        if func is torch.device and args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return torch.device("cpu")  # torch.device(f"cuda:{torch.cuda.current_device()}")
         if name == "to":
             args = tuple(_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
         if name == "type" and len(args) == 1 and not kwargs:
@@ -125,6 +127,33 @@ TE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_mo
             "fused_topk_with_score_function", "fused_unpermute")
 
 
+def cpu_meshes() -> None:
+    """A DeviceMesh megatron-core builds over a process group for "cuda" (its FSDP wrappers) built for the CPU."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    build = DeviceMesh.from_group
+
+    def from_group(group, device_type, *args, **kwargs):
+        return build(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    DeviceMesh.from_group = staticmethod(from_group)
+
+
+def premultiplied_sums() -> None:
+    """Megatron-FSDP's gradient reduction by NCCL's PREMUL_SUM (each rank's gradient × the scaling factor, then
+    summed), which gloo lacks: the gradient multiplied first, then summed — the same arithmetic."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
+
+    def gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config):
+        if scaling_factor is None or ddp_config.average_in_collective:
+            return prepare(grad_data, scaling_factor, ddp_config)
+        grad_data.mul_(scaling_factor)
+        return dist.ReduceOp.SUM
+
+    prepare = buffers.gradient_reduce_preprocessing
+    buffers.gradient_reduce_preprocessing = gradient_reduce_preprocessing
+
+
 def install() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda *args, **kwargs: _Waits()
@@ -139,6 +168,8 @@ def install() -> None:
     sequence_parallel_norms()
     moe_host_copies()
     unequal_gathers()
+    cpu_meshes()
+    premultiplied_sums()
     CudaOnCpu().__enter__()  # for the rest of the process
 
 

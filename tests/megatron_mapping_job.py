@@ -25,11 +25,11 @@ def weights_of(weights: dict, name: str) -> torch.Tensor:
 
 def refusals(config, model) -> list[str]:
     """The lines of what does not map: configs changed one setting each, a parameter the mapping does not know, a
-    model that is not a GPTModel, and two model chunks (virtual pipeline stages)."""
+    model that is not a GPTModel, and one model chunk given twice."""
     from dataclasses import replace
 
     from parity.frameworks.megatron.config import MegatronRefused, hf_config
-    from parity.frameworks.megatron.layout import gpt_model
+    from parity.frameworks.megatron.layout import gpt_models
     from parity.frameworks.megatron.names import to_hf
 
     lines = []
@@ -45,7 +45,7 @@ def refusals(config, model) -> list[str]:
         lines.append(str(exc))
     for job_model in (torch.nn.Linear(2, 2), [model, model]):
         try:
-            gpt_model(job_model)
+            gpt_models(job_model)
         except MegatronRefused as exc:
             lines.append(str(exc))
     return lines

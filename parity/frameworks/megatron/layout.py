@@ -42,21 +42,22 @@ from parity.recording.translated import TranslatedLayout
 from parity.training.optimizer import ADAMW_MOMENTS
 
 
-def gpt_model(model):
-    """The GPTModel inside the job's model (a list of chunks, DistributedDataParallel, Float16Module); MegatronRefused
-    for anything else."""
+def gpt_models(model) -> list:
+    """The GPTModel inside each chunk of the job's model (a list of chunks — one a virtual pipeline stage —,
+    DistributedDataParallel, Float16Module, Megatron-FSDP); MegatronRefused for anything else."""
     from megatron.core.models.gpt import GPTModel
 
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) != 1:
-        raise MegatronRefused(f"{len(chunks)} model chunks (virtual pipeline stages): the recorder reads one")
-    inner = chunks[0]
-    while not isinstance(inner, GPTModel) and hasattr(inner, "module"):
-        inner = inner.module
-    if not isinstance(inner, GPTModel):
-        raise MegatronRefused(f"the model is a {type(inner).__name__}, not a GPTModel: only GPTModel maps onto a "
-                              f"transformers model")
-    return inner
+    found = []
+    for inner in model if isinstance(model, (list, tuple)) else [model]:
+        while not isinstance(inner, GPTModel) and hasattr(inner, "module"):
+            inner = inner.module
+        if not isinstance(inner, GPTModel):
+            raise MegatronRefused(f"the model is a {type(inner).__name__}, not a GPTModel: only GPTModel maps onto a "
+                                  f"transformers model")
+        found.append(inner)
+    if len({id(m) for m in found}) != len(found):
+        raise MegatronRefused("one model chunk given twice: each virtual pipeline stage is a chunk of its own")
+    return found
 
 
 def refusal(optimizer) -> str | None:
@@ -76,6 +77,11 @@ def refusal(optimizer) -> str | None:
     if not config.bf16 and any(p.dtype != torch.float32 for g in inner[0].param_groups for p in g["params"]):
         return "parameters not in fp32 stepped without fp32 masters (OptimizerConfig bf16=False): not recorded"
     return None
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A Megatron-FSDP DTensor's local range (a plain tensor as it is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def global_name(module, name: str) -> str:
@@ -114,14 +120,15 @@ def masters(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class MegatronLayout(TranslatedLayout):
-    """`module`: the job's GPTModel; `optimizer`: its MegatronOptimizer; `hf_model`: the transformers model of the
-    job's config (config.hf_config), on the meta device; `config`: the job's TransformerConfig."""
+    """`modules`: the job's GPTModel chunks (one a virtual pipeline stage); `optimizer`: its MegatronOptimizer;
+    `hf_model`: the transformers model of the job's config (config.hf_config), on the meta device; `config`: the job's
+    TransformerConfig."""
 
     kind = "megatron-core"
     refused = MegatronRefused
     whole = False  # sharded over TP: every rank takes part in the gathers
 
-    def __init__(self, module, optimizer, hf_model, config, device: torch.device):
+    def __init__(self, modules: list, optimizer, hf_model, config, device: torch.device):
         from megatron.core import parallel_state as ps
 
         why = refusal(optimizer)
@@ -129,7 +136,8 @@ class MegatronLayout(TranslatedLayout):
             raise MegatronRefused(why)
         inner = getattr(optimizer, "chained_optimizers", [optimizer])  # the dense parameters' and the experts'
         DataParallel.__init__(self, hf_model, chained([torch_optimizer(o) for o in inner]))
-        self.module, self.config, self.device = module, config, device
+        self.modules, self.config, self.device = modules, config, device
+        module = modules[0]
         self.experts = ExpertGroups()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -143,10 +151,19 @@ class MegatronLayout(TranslatedLayout):
         stages = [None] * self.world
         dist.all_gather_object(stages, ps.get_pipeline_model_parallel_rank())
         self._stage_ranks = tuple(r for r, stage in enumerate(stages) if stage == stages[self.rank])
-        self.native = [(global_name(module, n), p) for n, p in module.named_parameters()]
+        self.native = [(global_name(chunk, n), p) for chunk in modules for n, p in chunk.named_parameters()]
         self.shards_of: dict[int, tuple] | None = None  # the distributed optimizer's: see sharded_optimizer
         self._master: dict[int, torch.Tensor] = {}  # the bf16 optimizer's fp32 masters: see masters
-        if inner[0].config.use_distributed_optimizer:
+        ddp_config = getattr(inner[0], "ddp_config", None)
+        self.fsdp = bool(ddp_config is not None and ddp_config.use_megatron_fsdp)  # Megatron-FSDP: see _placed
+        if self.fsdp and (config.num_moe_experts or inner[0].config.bf16):
+            raise MegatronRefused("Megatron-FSDP with MoE layers or in bf16: not recorded yet; record it in fp32 "
+                                  "without experts, or under megatron-core's DistributedDataParallel")
+        if self.fsdp:  # each rank's range of every parameter's flat elements: the parameter itself is that range
+            self.shards_of = {id(p): (p, p, p.megatron_fsdp_slice.start, p.megatron_fsdp_slice.stop)
+                              for _, p in self.native}
+            self._model_of = {id(p): p for _, p in self.native}
+        elif inner[0].config.use_distributed_optimizer:
             self.shards_of = {k: v for o in inner for k, v in sharded_optimizer(o).items()}
             self._model_of = {id(shard): model for model, shard, _, _ in self.shards_of.values()}
         else:
@@ -161,8 +178,10 @@ class MegatronLayout(TranslatedLayout):
         return self.tp
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "zero_stage": 0 if self.shards_of is None else 1, "dp_size": self.dp_size,
+        return {"kind": self.kind, "zero_stage": 3 if self.fsdp else 0 if self.shards_of is None else 1,
+                "dp_size": self.dp_size, "megatron_fsdp": self.fsdp,
                 "tp_size": self.tp, "mesh": {"tp": self.tp, "dp": self.dp_size, "pp": self.pp,
+                                             **({"vpp": len(self.modules)} if len(self.modules) > 1 else {}),
                                              **({"ep": self.experts.ep, "etp": self.experts.etp}
                                                 if self.config.num_moe_experts else {})},
                 "distributed_optimizer": self.shards_of is not None,
@@ -286,11 +305,22 @@ class MegatronLayout(TranslatedLayout):
         dist.all_reduce(total)
         return float(total.sqrt())
 
-    @staticmethod
-    def _grad(p):
+    def _grad(self, p):
         """The gradient the optimizer steps: the DP-reduced `main_grad` of megatron-core's DistributedDataParallel
-        (the FP32 optimizer's `grad` is it; the distributed optimizer's shards are ranges of it)."""
+        (the FP32 optimizer's `grad` is it; the distributed optimizer's shards are ranges of it), Megatron-FSDP's
+        reduce-scattered range placed (_placed)."""
+        if self.fsdp:
+            return None if p.grad is None else self._placed(p, p.grad)
         return getattr(p, "main_grad", p.grad)
+
+    def _placed(self, p, t: torch.Tensor) -> torch.Tensor:
+        """Under Megatron-FSDP, `t` — the DTensor parameter `p`, its gradient or a moment: this rank's range of its
+        flat elements (`megatron_fsdp_slice`) — as a tensor of `p`'s shape, the range in place and zeros elsewhere:
+        what the distributed optimizer's path reads (piece_of takes the range back)."""
+        _, _, start, end = self.shards_of[id(p)]
+        whole = torch.zeros(p.numel(), dtype=t.dtype, device=self.device)
+        whole[start:end] = local(t).detach().reshape(-1).to(self.device)
+        return whole.view(p.shape)
 
     def gradient_pieces(self):
         return self._pieces(self._grad)
@@ -307,6 +337,8 @@ class MegatronLayout(TranslatedLayout):
     def _weights(self, p) -> torch.Tensor:
         """The weights the optimizer updates, of `p`'s shape: `p`, or its fp32 master where one is kept apart (under
         the distributed optimizer this rank's range of the master in place: the piece read is that range)."""
+        if self.fsdp:
+            return self._placed(p, p)
         if self.shards_of is None or p.dtype == torch.float32:
             return self._master.get(id(p), p).detach()
         held = self.shards_of.get(id(p))
@@ -319,6 +351,8 @@ class MegatronLayout(TranslatedLayout):
     def _full_weights(self, p) -> torch.Tensor:
         """`_weights` whole on every DP rank (the distributed optimizer's ranges of a master summed over DP): a
         collective there."""
+        if self.fsdp:
+            return self._summed_over_dp(p, local(p))
         if self.shards_of is None or p.dtype == torch.float32:
             return self._weights(p)
         held = self.shards_of.get(id(p))
@@ -333,7 +367,7 @@ class MegatronLayout(TranslatedLayout):
         whole = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
         if ranged is not None:
             _, _, start, end = self.shards_of[id(p)]
-            whole[start:end] = ranged.detach().float().to(self.device)
+            whole[start:end] = local(ranged).detach().float().reshape(-1).to(self.device)
         dist.all_reduce(whole, group=self.experts.edp_group if is_expert(p) else ps.get_data_parallel_group())
         return whole.view(p.shape)
 
@@ -395,12 +429,13 @@ class MegatronLayout(TranslatedLayout):
         found = []
         for name, p in self.native:  # each parameter whole; a norm's moments alike on the TP ranks of a DP rank
             first = self.labels[name]
-            found.append(Replica(first, self.holders_whole(p), p.detach()))
+            found.append(Replica(first, self.holders(p), local(p).detach()) if self.fsdp else  # a range: not gathered
+                         Replica(first, self.holders_whole(p), p.detach()))
             if not self.split(p) and self.tp > 1 and id(p) in self.shards_of:
                 state, (_, _, start, end) = self._state(p), self.shards_of[id(p)]
-                found.extend(Replica(first, self.holders(p), state.get(key), key, f"[{start}:{end}]")
-                             for key in ADAMW_MOMENTS)
+                found.extend(Replica(first, self.holders(p), None if state.get(key) is None else local(state[key]),
+                                     key, f"[{start}:{end}]") for key in ADAMW_MOMENTS)
         return found
 
 
-__all__ = ["MegatronLayout", "gpt_model", "refusal"]
+__all__ = ["MegatronLayout", "gpt_models", "refusal"]

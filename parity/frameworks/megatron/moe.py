@@ -91,13 +91,13 @@ class RouterStatistics:
     """Hooks on the routers of a GPTModel's MoE layers (the module docstring): while `taking`, each training router
     call's per-micro-batch sums, in call order per layer (a layer routes a step's micro-batches in order)."""
 
-    def __init__(self, module, config, layout):
+    def __init__(self, modules: list, config, layout):
         self.layout, self.config = layout, config
         self.num_experts, self.top_k = config.num_moe_experts, config.moe_router_topk
         self.num_layers = config.num_layers  # every layer sparse (config.py refuses others)
         self.taking, self.broken = False, None
         self.calls: dict[int, list[torch.Tensor]] = {}  # global layer → [[counts E, probability sums E, tokens, lse²]]
-        for layer in module.decoder.layers:
+        for layer in (layer for chunk in modules for layer in chunk.decoder.layers):
             router = layer.mlp.router
             router.register_forward_hook(self._hook(layer.layer_number - 1, router), with_kwargs=True)
 

@@ -107,7 +107,7 @@ class MegatronRecording:
         import importlib.metadata as md
 
         from parity.frameworks.megatron.config import MegatronRefused, hf_config
-        from parity.frameworks.megatron.layout import MegatronLayout, gpt_model
+        from parity.frameworks.megatron.layout import MegatronLayout, gpt_models
         from parity.frameworks.megatron.moe import RouterStatistics
         from parity.models.model import meta_model
         from parity.recording.recorder import ParityRecorder
@@ -119,14 +119,15 @@ class MegatronRecording:
             if not found:
                 raise MegatronRefused("no MegatronOptimizer of get_megatron_optimizer steps this model: build the "
                                       "optimizer before the first forward-backward call")
-            self.module = gpt_model(model)
+            self.modules = gpt_models(model)  # one a virtual pipeline stage
+            self.module = self.modules[0]
             config = self.module.config
             # a recorded row is one token longer than the job's (its last label): within the replay's positions
             hf = meta_model(hf_config(config, self.module.vocab_size, self.module.max_sequence_length + 1,
                                       getattr(self.module, "rotary_base", 10000.0),
                                       self.module.share_embeddings_and_output_weights,
                                       self.module.position_embedding_type))
-            self.layout = MegatronLayout(self.module, found[-1], hf, config, exchange_device())
+            self.layout = MegatronLayout(self.modules, found[-1], hf, config, exchange_device())
         except MegatronRefused as exc:
             attach.stop_command(f"megatron-core: {exc}")
         self.optimizer = found[-1]
@@ -140,13 +141,14 @@ class MegatronRecording:
             reduce = "fp32" if getattr(chunks[0], "ddp_config", None) is None or \
                 chunks[0].ddp_config.grad_reduce_in_fp32 else "bf16"
             self.recorder.record.data["config"].update(reduce_dtype=reduce, grad_accum_dtype=reduce)
-        self.routers = RouterStatistics(self.module, config, self.layout) if config.num_moe_experts else None
+        self.routers = RouterStatistics(self.modules, config, self.layout) if config.num_moe_experts else None
         self.labels = None  # the last GPTModel call's labels
         self.ids: list = []  # this step's GPTModel calls' input ids, in order (the first stage's: the rows')
         self.taken: list = []  # this step's (labels, mask, summed loss), one a loss function's call (the last stage's)
         self.logged: float | None = None  # the step's loss as Megatron takes it (after_forward_backward)
         self.losses: list[float] = []  # this step's micro-batches' losses as the job's loss function returned them
-        self.module.register_forward_pre_hook(self._rows, with_kwargs=True)
+        for chunk in self.modules:
+            self._take_rows(chunk)
         self._patch_optimizer()
         dist_destroy = dist.destroy_process_group
 
@@ -163,10 +165,22 @@ class MegatronRecording:
         if self.routers is not None:
             self.routers.taking = on
 
-    def _rows(self, module, args, kwargs) -> None:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-        self.ids.append(bound.get("input_ids"))
-        self.labels = bound.get("labels")
+    def _take_rows(self, chunk) -> None:
+        """`chunk`'s forward wrapped (not hooked: Megatron-FSDP calls the GPTModel's forward itself) to take the rows:
+        the input ids of the chunk that embeds them (the first virtual stage of the first pipeline stage), the labels
+        of the one that takes the losses (the last of the last)."""
+        forward = chunk.forward
+
+        @functools.wraps(forward)
+        def forward_taking_rows(*args, **kwargs):
+            bound = inspect.signature(forward).bind(*args, **kwargs).arguments
+            if chunk.pre_process:
+                self.ids.append(bound.get("input_ids"))
+            if chunk.post_process:
+                self.labels = bound.get("labels")
+            return forward(*args, **kwargs)
+
+        chunk.forward = forward_taking_rows
 
     def forward_step(self, forward_step_func):
         """The job's forward step, its loss function wrapped to hand the micro-batch over."""
