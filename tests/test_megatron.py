@@ -8,9 +8,13 @@ up split as if trained at TP 1 — moves the loss 1e4 × beyond that. What does 
 Then megatron-core loops recorded unchanged under verify_trainer.py (issue 69, items 1 and 3:
 tests/megatron_train_job.py through megatron_cpu.py, its flags choosing the layout and a seeded fault): TP 2 × DP 2
 with SP and the distributed optimizer, and PP 2, PASS against their DDP replays in fp32, DP 2 in bf16 calibrated under
-two kernel paths; the gradients averaged over DP twice, AdamW's step counter advanced twice (in bf16), a micro-batch
-dropped from the last stage's gradient and the norms left out of SP's TP all-reduce FAIL at their steps; a LayerNorm
-model is refused, exit 2."""
+two kernel paths; the gradients averaged over DP twice, AdamW's step counter advanced twice (in bf16), a micro-batch's
+gradient scaled by the wrong count under virtual pipeline stages and the norms left out of SP's TP all-reduce FAIL at
+their steps; a LayerNorm model is refused, exit 2.
+
+Issue 82: mixtures of experts (Qwen2-MoE at EP 2, Mixtral at TP 2 x EP 2) PASS with megatron-core's router losses
+replayed, an expert gradient not averaged over the EP ranks and a router aux loss counted twice FAIL at step 0;
+Megatron-FSDP at DP 2 and PP 2 x VPP 2 PASS."""
 
 from __future__ import annotations
 
