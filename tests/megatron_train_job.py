@@ -22,6 +22,7 @@ def arguments():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages (model chunks) a pipeline rank holds")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tied", action="store_true", help="the output layer tied to the embedding")
     p.add_argument("--distributed_optimizer", action="store_true", help="megatron-core's ZeRO-1-like optimizer")
     p.add_argument("--dp_wrapper", choices=("ddp", "megatron_fsdp", "torch_fsdp2"), default="ddp",
                    help="megatron-core's DistributedDataParallel, Megatron-FSDP (optim_grads_params) or its torch "
@@ -46,7 +47,7 @@ def arguments():
                    help="cuda: NCCL and one GPU per rank, as Megatron-LM runs (no tests/megatron_cpu.py)")
     p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice", "micro_batch_dropped",
                                           "sp_norm_untagged", "expert_grads_not_averaged", "aux_loss_twice",
-                                          "aux_over_dp", "micro_batch_scaled"),
+                                          "aux_over_dp", "micro_batch_scaled", "tied_grads_not_reduced"),
                    default="none")
     return p.parse_args()
 
@@ -87,7 +88,7 @@ def model_provider(args, vp_stage=None):
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=args.seq_length, position_embedding_type="rope", rotary_base=10000,
-                    share_embeddings_and_output_weights=False,
+                    share_embeddings_and_output_weights=args.tied,
                     pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                     post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                     vp_stage=vp_stage), config
@@ -190,6 +191,11 @@ def main() -> None:
     models = [wrapped(args, chunk, config, ddp_config) for chunk, _ in built]  # one model chunk a virtual stage
     model = models[0]
     config.finalize_model_grads_func = finalize_model_grads
+    if args.seed_bug == "tied_grads_not_reduced":  # the two stages' copies of a tied embedding each on its own gradient
+        import importlib
+
+        finalizing = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module's
+        finalizing._allreduce_word_embedding_grads = lambda *a, **k: None
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=False,

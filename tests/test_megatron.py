@@ -247,43 +247,21 @@ def test_a_norm_left_out_of_the_tp_all_reduce_under_sp_fails_at_step_0_naming_it
     assert "replicas part at step 0: model.norm.weight differs between rank 0 and rank 1" in output
 
 
-def test_megatron_cores_router_losses_are_what_a_replay_of_its_moe_trains():
+def test_megatron_cores_router_losses_are_what_a_replay_of_its_moe_trains(mapped):
     """The replay's megatron-core router losses (parity/training/routing.py, a MoE seam's aux_loss_scope
     "megatron-core") are megatron-core's own functions — switch_load_balancing_loss_func over each layer's tokens with
-    the counts of its routing map, z_loss_func — summed over the sparse layers, on a Mixtral's router calls; each
-    layer's load-balancing loss is transformers' load_balancing_loss_func of that layer ÷ top-k, and the sum over the
-    layers is not transformers' loss pooled over them."""
-    import torch
-    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func, z_loss_func
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-    from parity.models.families import family_of
-    from parity.models.model import build_model, resolve_model_config
-    from parity.training import routing
-
-    config = resolve_model_config("mixtral-tiny")
-    config.router_aux_loss_scope, config.router_z_loss_coef = routing.MEGATRON_CORE, 1e-3
-    model, moe = build_model(config, 0), family_of(config).moe
-    assert (moe.aux_loss_scope, moe.z_loss_coef) == (routing.MEGATRON_CORE, 1e-3)
-    ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-    with routing.RouterTap(model, family_of(config)).recording() as calls, torch.no_grad():
-        model(input_ids=ids)
-    seen = routing.seen_tokens(ids)  # a recorded row's every position but its last
-    assert int(seen.sum()) == 2 * 16
-    aux, z = routing.layer_terms(calls, seen, moe).tolist()
-    theirs = []
-    for logits, chosen in calls:
-        taken = logits[seen]
-        routing_map = torch.zeros_like(taken, dtype=torch.bool).scatter(1, chosen[seen], True)
-        layer = float(switch_load_balancing_loss_func(torch.softmax(taken, -1), routing_map.sum(0), taken.shape[0],
-                                                      moe.top_k, moe.num_experts, 1.0))
-        hf = float(load_balancing_loss_func((taken,), moe.num_experts, moe.top_k))
-        assert layer == pytest.approx(hf / moe.top_k, rel=1e-6)
-        theirs.append((layer, float(z_loss_func(taken, 1.0))))
-    assert aux == pytest.approx(sum(a for a, _ in theirs), rel=1e-6)
-    assert z == pytest.approx(sum(b for _, b in theirs), rel=1e-6)
-    pooled = float(load_balancing_loss_func(tuple(logits[seen] for logits, _ in calls), moe.num_experts, moe.top_k))
-    assert abs(pooled / (aux * moe.top_k / len(calls)) - 1) > 1e-4
+    the counts of its routing map, z_loss_func — summed over the sparse layers, on a Mixtral's router calls (in the
+    mapping job: tests/megatron_mapping_job.py's router_losses); each layer's load-balancing loss is transformers'
+    load_balancing_loss_func of that layer ÷ top-k, and the mean over the layers is not transformers' loss pooled
+    over them."""
+    found = mapped["qwen2"]["router_losses"]
+    assert found["seen"] == 2 * 16 and found["scope"] == ["megatron-core", 1e-3]
+    for theirs, hf, _ in found["layers"]:
+        assert theirs == pytest.approx(hf / found["top_k"], rel=1e-6)
+    assert found["aux"] == pytest.approx(sum(layer[0] for layer in found["layers"]), rel=1e-6)
+    assert found["z"] == pytest.approx(sum(layer[2] for layer in found["layers"]), rel=1e-6)
+    mean = found["aux"] * found["top_k"] / len(found["layers"])
+    assert abs(found["pooled"] / mean - 1) > 1e-4, found
 
 
 def test_a_megatron_moe_at_ep2_passes_its_router_losses_replayed(recorded):

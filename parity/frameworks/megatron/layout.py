@@ -31,6 +31,8 @@ other than a GPTModel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -87,8 +89,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def global_name(module, name: str) -> str:
     """A parameter's name with its decoder layer numbered in the whole model (a pipeline stage numbers its own from
     0: megatron-core's layer_number is the global one, from 1), and its expert, where it is one (an EP rank numbers
-    its local experts from 0)."""
+    its local experts from 0); the last stage's copy of an embedding tied across stages under the embedding's."""
     name = name.removeprefix("module.")
+    if name == "output_layer.weight" and module.share_embeddings_and_output_weights and not module.pre_process:
+        return "embedding.word_embeddings.weight"  # the last stage's copy of an embedding tied across stages
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
         if parts[3:6] == ["mlp", "experts", "local_experts"]:  # an EP rank's local expert: its number in the model
@@ -143,8 +147,6 @@ class MegatronLayout(TranslatedLayout):
         self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.pp, self.pp_group = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group()
-        if self.pp > 1 and module.share_embeddings_and_output_weights:
-            raise MegatronRefused("embeddings tied to the output layer across pipeline stages: not recorded yet")
         self.feeds = self.tp_rank == 0 and ps.is_pipeline_last_stage()  # one rank of a DP rank hands its rows over
         self._tp_ranks = dist.get_process_group_ranks(self.tp_group)
         self._dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
@@ -152,6 +154,14 @@ class MegatronLayout(TranslatedLayout):
         dist.all_gather_object(stages, ps.get_pipeline_model_parallel_rank())
         self._stage_ranks = tuple(r for r, stage in enumerate(stages) if stage == stages[self.rank])
         self.native = [(global_name(chunk, n), p) for chunk in modules for n, p in chunk.named_parameters()]
+        # tied across pipeline stages: the last stage's copy of the embedding (megatron-core all-reduces the two
+        # copies' gradients over its embedding group), a replica of the first stage's, counted there
+        self._copies = {id(c.output_layer.weight) for c in modules if c.share_embeddings_and_output_weights and
+                        c.post_process and not c.pre_process}
+        holds = bool(self._copies) or any(c.pre_process and c.share_embeddings_and_output_weights for c in modules)
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, (self.tp_rank, holds))
+        self._tied_ranks = tuple(r for r, (tp, holds) in enumerate(everyone) if holds and tp == self.tp_rank)
         self.shards_of: dict[int, tuple] | None = None  # the distributed optimizer's: see sharded_optimizer
         self._master: dict[int, torch.Tensor] = {}  # the bf16 optimizer's fp32 masters: see masters
         ddp_config = getattr(inner[0], "ddp_config", None)
@@ -217,11 +227,18 @@ class MegatronLayout(TranslatedLayout):
 
     def holders_whole(self, p) -> tuple[int, ...]:
         """Of the parameter itself, whole at the step's end (the distributed optimizer gathers it over DP): a TP shard
-        on the DP ranks of its TP rank, an expert's on its expert-data-parallel ranks, a norm (and a router) on every
-        rank of its pipeline stage."""
+        on the DP ranks of its TP rank (an embedding tied across pipeline stages: on theirs on both stages), an
+        expert's on its expert-data-parallel ranks, a norm (and a router) on every rank of its pipeline stage."""
+        if getattr(p, "shared_embedding", False):
+            return self._tied_ranks
         if is_expert(p):
             return self.experts.edp_ranks
         return tuple(sorted(self._dp_ranks if self.split(p) else self._stage_ranks))
+
+    @functools.cached_property
+    def _counted_native(self) -> dict[str, bool]:
+        """A piece counted on the first rank that holds it: the last stage's copy of a tied embedding never."""
+        return {n: self.holders(p)[0] == self.rank and id(p) not in self._copies for n, p in self.native}
 
     def local_index(self, p, index):
         if not self.split(p):
@@ -385,9 +402,21 @@ class MegatronLayout(TranslatedLayout):
             mine = {k: v for part in parts for k, v in part.items()}
         return stacked(mine)
 
+    def buffer_names(self) -> list[str]:
+        """The transformers model's buffers (its RoPE frequencies …), not a tied parameter's second name."""
+        named = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        return [n for n in super().buffer_names() if n not in named]
+
     def full_state(self) -> dict[str, torch.Tensor]:
-        return self._stages({h: t for n, p in self.native
-                             for h, t in self._full(n, p, self._full_weights(p)).items()})
+        """Every tensor of the transformers model's state dict, full: a tied one under each of its names (lm_head's
+        too, as the harness's initial-weights file holds it)."""
+        state = self._stages({h: t for n, p in self.native
+                              for h, t in self._full(n, p, self._full_weights(p)).items()})
+        first = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if first.setdefault(id(p), name) != name and first[id(p)] in state:
+                state[name] = state[first[id(p)]]
+        return state
 
     def _state(self, p) -> dict:
         """The optimizer's state of parameter `p` (of its shard, under the distributed optimizer: none where this DP
