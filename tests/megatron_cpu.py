@@ -101,6 +101,10 @@ def moe_host_copies() -> None:
     for name in TE_NAMES:  # what its import of TransformerEngine would have defined: None, as TE's absence means
         if not hasattr(moe_utils, name):
             setattr(moe_utils, name, None)
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    if not isinstance(mcore_fsdp_adapter.TELinear, type):  # without TE a mock, which Megatron-FSDP's isinstance
+        mcore_fsdp_adapter.TELinear = type("TELinear", (), {})  # check refuses: a class no local module is
 
 
 def unequal_gathers() -> None:
@@ -165,6 +169,8 @@ def install() -> None:
 
     random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     random.model_parallel_cuda_manual_seed = tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.ByteTensor()  # no CUDA RNG to read or set (Megatron-FSDP
+    torch.cuda.set_rng_state = lambda *args, **kwargs: None  # syncs the TP group's; dropout 0 draws none)
     sequence_parallel_norms()
     moe_host_copies()
     unequal_gathers()

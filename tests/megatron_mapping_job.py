@@ -40,7 +40,7 @@ def refusals(config, model) -> list[str]:
         except MegatronRefused as exc:
             lines.append(str(exc))
     try:
-        to_hf("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", torch.zeros(2), config, 1)
+        to_hf("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", torch.zeros(2), config, 1)
     except MegatronRefused as exc:
         lines.append(str(exc))
     for job_model in (torch.nn.Linear(2, 2), [model, model]):

@@ -23,6 +23,10 @@ def arguments():
     p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages (model chunks) a pipeline rank holds")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tied", action="store_true", help="the output layer tied to the embedding")
+    p.add_argument("--spec", choices=("local", "te"), default="local",
+                   help="te: TransformerEngine's layer spec (GPUs, where TransformerEngine is installed)")
+    p.add_argument("--grouped_gemm", action="store_true", help="MoE: the experts as one grouped GEMM (TE's)")
+    p.add_argument("--fp8", action="store_true", help="TE's fp8 compute (hybrid): refused by the recorder")
     p.add_argument("--distributed_optimizer", action="store_true", help="megatron-core's ZeRO-1-like optimizer")
     p.add_argument("--dp_wrapper", choices=("ddp", "megatron_fsdp", "torch_fsdp2"), default="ddp",
                    help="megatron-core's DistributedDataParallel, Megatron-FSDP (optim_grads_params) or its torch "
@@ -65,7 +69,8 @@ def moe_settings(args) -> dict:
                 moe_z_loss_coeff=args.z_loss_coeff, moe_router_load_balancing_type="aux_loss",
                 moe_router_pre_softmax=args.family == "qwen2_moe", moe_token_dispatcher_type="alltoall",
                 expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp or args.tp,
-                qk_layernorm=args.family == "qwen3_moe", moe_router_dtype="fp32", **shared)
+                qk_layernorm=args.family == "qwen3_moe", moe_router_dtype="fp32", moe_grouped_gemm=args.grouped_gemm,
+                **shared)
 
 
 def model_provider(args, vp_stage=None):
@@ -82,10 +87,18 @@ def model_provider(args, vp_stage=None):
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, sequence_parallel=args.sequence_parallel, tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=args.vpp if args.vpp > 1 else None,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32, **moe_settings(args))
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        **({"fp8": "hybrid"} if args.fp8 else {}), **moe_settings(args))
     from megatron.core import parallel_state
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm)
+    if args.spec == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
+                                                          moe_grouped_gemm=args.grouped_gemm,
+                                                          qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=args.seq_length, position_embedding_type="rope", rotary_base=10000,
                     share_embeddings_and_output_weights=args.tied,

@@ -69,7 +69,7 @@ def test_what_does_not_map_is_refused_in_one_line(mapped):
         "megatron-core model: Q/K norms (qk_layernorm): not yet mapped",
         "megatron-core model: an MLP other than the gated SiLU one (gated_linear_unit with activation_func silu)",
         "megatron-core model: multi-token prediction (mtp_num_layers): not yet mapped",
-        "megatron-core parameter decoder.layers.0.self_attention.linear_qkv.layer_norm_weight: the mapping to Hugging "
+        "megatron-core parameter decoder.layers.0.self_attention.linear_qkv.layer_norm_bias: the mapping to Hugging "
         "Face names does not know it",
         "the model is a Linear, not a GPTModel: only GPTModel maps onto a transformers model",
         "one model chunk given twice: each virtual pipeline stage is a chunk of its own"]

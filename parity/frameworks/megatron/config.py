@@ -45,10 +45,14 @@ def hf_config(config, vocab_size: int, max_sequence_length: int, rotary_base: fl
         (bool(getattr(config, "mtp_num_layers", None)), "multi-token prediction (mtp_num_layers): not yet mapped"),
         (getattr(config, "multi_latent_attention", False), "multi-head latent attention (DeepSeek-V3's: "
                                                            "multi_latent_attention): not yet mapped"),
+        (bool(getattr(config, "fp8", None)), f"fp8 compute (fp8 {config.fp8!r}): the replay has no fp8 reference to "
+                                             f"judge it against; record the job in bf16"),
         (config.normalization != "RMSNorm", f"normalization {config.normalization!r}: Llama and Qwen2 use RMSNorm"),
         (not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu,
          "an MLP other than the gated SiLU one (gated_linear_unit with activation_func silu)"),
         (config.add_bias_linear, "biases on the linear layers (add_bias_linear): Llama and Qwen2 have none there"),
+        (getattr(config, "layernorm_zero_centered_gamma", False), "zero-centred norm weights "
+                                                                  "(layernorm_zero_centered_gamma): not yet mapped"),
         (getattr(config, "qk_layernorm", False) and not moe, "Q/K norms (qk_layernorm): not yet mapped"),
         (getattr(config, "rotary_interleaved", False), "interleaved RoPE (rotary_interleaved): transformers rotates "
                                                        "halves"),

@@ -1,6 +1,6 @@
 """A megatron-core job's model read under Hugging Face names (docs/megatron.md#what-is-recorded): the recorder's layout
 (sharded.py's interface, through recording/translated.py) over the job's own GPTModel and the torch optimizer inside
-its MegatronOptimizer, at tensor (TP) × data (DP) × pipeline (PP) parallelism.
+its MegatronOptimizer, at tensor (TP) × data (DP) × pipeline (PP) × expert (EP) parallelism.
 
 - Each parameter tagged `tensor_model_parallel` is split along its `partition_dim` over the TP group: TP rank r holds
   the r-th chunk, the DP ranks of one TP rank hold it alike. Every other parameter (the norms) is held alike by every
@@ -20,13 +20,22 @@ its MegatronOptimizer, at tensor (TP) × data (DP) × pipeline (PP) parallelism.
   the bf16 parameters: the weights read (the parameter norm, each tensor's, the full state) and the moments are the
   masters', a distributed optimizer's range of each in place of the bf16 parameter's elements.
 
-- Under pipeline parallelism each stage holds its own layers (renumbered in the whole model); the norms are held alike
-  by the ranks of their stage, full tensors are gathered over the stages, and the last stage's first TP rank hands
-  each DP rank's rows over.
+- Under pipeline parallelism each stage holds its own layers (renumbered in the whole model; with virtual pipeline
+  stages each of its model chunks), the norms are held alike by the ranks of their stage, full tensors are gathered
+  over the stages, and the last stage's first TP rank hands each DP rank's rows over. An embedding tied to the output
+  layer across stages has a copy on the last stage (megatron-core all-reduces the two copies' gradients): a replica
+  of the first stage's, counted there.
 
-Refused in one line (MegatronRefused): context and expert parallelism, virtual pipeline stages, embeddings tied across
-pipeline stages, fp16, bf16 parameters without the optimizer's fp32 masters, several chained optimizers, a model
-other than a GPTModel.
+- Under Megatron-FSDP each parameter is a DTensor holding this rank's range of its flat elements, its gradient and
+  moments alike: read as the distributed optimizer's ranges (`_placed`), the parameters themselves never whole.
+
+- A mixture of experts (moe.py): each expert's parameters split over the expert-TP group and held alike by its
+  expert-data-parallel ranks, every EP rank's experts stacked into the fused Hugging Face weights; megatron-core's
+  dense and expert optimizers followed as one.
+
+Refused in one line (MegatronRefused): context parallelism, fp16, bf16 parameters without the optimizer's fp32
+masters, chained optimizers unlike megatron-core's dense and expert ones, Megatron-FSDP with experts, in bf16 or at
+TP > 1, megatron-core's torch-FSDP2 wrapper, a model other than a GPTModel.
 """
 
 from __future__ import annotations
@@ -47,11 +56,15 @@ from parity.training.optimizer import ADAMW_MOMENTS
 def gpt_models(model) -> list:
     """The GPTModel inside each chunk of the job's model (a list of chunks — one a virtual pipeline stage —,
     DistributedDataParallel, Float16Module, Megatron-FSDP); MegatronRefused for anything else."""
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
     from megatron.core.models.gpt import GPTModel
 
     found = []
     for inner in model if isinstance(model, (list, tuple)) else [model]:
         while not isinstance(inner, GPTModel) and hasattr(inner, "module"):
+            if isinstance(inner, TorchFullyShardedDataParallel):
+                raise MegatronRefused("megatron-core's torch-FSDP2 wrapper (TorchFullyShardedDataParallel): not "
+                                      "recorded yet; record the job under DistributedDataParallel or Megatron-FSDP")
             inner = inner.module
         if not isinstance(inner, GPTModel):
             raise MegatronRefused(f"the model is a {type(inner).__name__}, not a GPTModel: only GPTModel maps onto a "
@@ -97,6 +110,8 @@ def global_name(module, name: str) -> str:
     if parts[:2] == ["decoder", "layers"]:
         if parts[3:6] == ["mlp", "experts", "local_experts"]:  # an EP rank's local expert: its number in the model
             parts[6] = str(global_expert(module, int(parts[2]), int(parts[6])))
+        elif parts[3:5] == ["mlp", "experts"] and parts[-1].startswith("weight") and parts[-1][6:].isdigit():
+            parts[-1] = f"weight{global_expert(module, int(parts[2]), int(parts[-1][6:]))}"  # TE's grouped experts
         parts[2] = str(module.decoder.layers[int(parts[2])].layer_number - 1)
     return ".".join(parts)
 
@@ -166,9 +181,10 @@ class MegatronLayout(TranslatedLayout):
         self._master: dict[int, torch.Tensor] = {}  # the bf16 optimizer's fp32 masters: see masters
         ddp_config = getattr(inner[0], "ddp_config", None)
         self.fsdp = bool(ddp_config is not None and ddp_config.use_megatron_fsdp)  # Megatron-FSDP: see _placed
-        if self.fsdp and (config.num_moe_experts or inner[0].config.bf16):
-            raise MegatronRefused("Megatron-FSDP with MoE layers or in bf16: not recorded yet; record it in fp32 "
-                                  "without experts, or under megatron-core's DistributedDataParallel")
+        if self.fsdp and (config.num_moe_experts or inner[0].config.bf16 or self.tp > 1):
+            raise MegatronRefused("Megatron-FSDP with MoE layers, in bf16 or at TP > 1 (its DTensors span the TP × DP "
+                                  "mesh): not recorded yet; record it in fp32 at TP 1 without experts, or under "
+                                  "megatron-core's DistributedDataParallel")
         if self.fsdp:  # each rank's range of every parameter's flat elements: the parameter itself is that range
             self.shards_of = {id(p): (p, p, p.megatron_fsdp_slice.start, p.megatron_fsdp_slice.stop)
                               for _, p in self.native}

@@ -16,7 +16,10 @@ tags it with (`tensor_model_parallel`, `partition_dim`), then
   `linear_fc2` → row e of `mlp.experts.down_proj`; `mlp.shared_experts.linear_fc1` / `linear_fc2` / `gate_weight` →
   `mlp.shared_expert.gate_proj` + `up_proj` / `down_proj` / `mlp.shared_expert_gate`; `self_attention.q_layernorm` /
   `k_layernorm` → `self_attn.q_norm` / `k_norm`. An expert's tensors are parts `NAME[e]` of the fused tensor NAME
-  (`part_of`), stacked whole by `stacked` once every EP rank's experts are together.
+  (`part_of`), stacked whole by `stacked` once every EP rank's experts are together;
+- TransformerEngine's spec (on GPUs): the norms fused into the linear after them, `linear_qkv.layer_norm_weight` →
+  `input_layernorm`, `mlp.linear_fc1.layer_norm_weight` → `post_attention_layernorm`, and its grouped experts'
+  `mlp.experts.linear_fc1.weight{e}` / `linear_fc2.weight{e}` as the local spec's expert e.
 
 A split moves elements and never mixes them, so a parameter's gradient and its optimizer's moments translate alike.
 A name the mapping does not know is refused in one line (MegatronRefused)."""
@@ -42,6 +45,10 @@ LAYER_RENAMED = {"input_layernorm.weight": "input_layernorm.weight",
                  "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
                  "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight"}
 EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
+# TransformerEngine's spec: its norms fused into the linear after them, its grouped experts' weights numbered
+TE_RENAMED = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+              "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight"}
+GROUPED = re.compile(r"mlp\.experts\.linear_fc([12])\.weight(\d+)")
 PART = re.compile(r"(.+)\[(\d+)\]")
 
 
@@ -65,8 +72,8 @@ def to_hf(name: str, tensor: torch.Tensor, config, tp_size: int) -> dict[str, to
     if found is None:
         raise MegatronRefused(f"megatron-core parameter {name}: the mapping to Hugging Face names does not know it")
     prefix, rest = f"model.layers.{found.group(1)}.", found.group(2)
-    if rest in LAYER_RENAMED:
-        return {prefix + LAYER_RENAMED[rest]: tensor}
+    if rest in LAYER_RENAMED or rest in TE_RENAMED:
+        return {prefix + {**LAYER_RENAMED, **TE_RENAMED}[rest]: tensor}
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         return {f"{prefix}self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", split_qkv(tensor, config))}
@@ -74,9 +81,9 @@ def to_hf(name: str, tensor: torch.Tensor, config, tp_size: int) -> dict[str, to
         gate, up = split_gate_up(tensor, tp_size)
         mlp = prefix + ("mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert.")
         return {mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up}
-    expert = EXPERT.fullmatch(rest)
-    if expert is not None:  # one expert's part of the fused 3-D weight (part_of)
-        e, fc = expert.groups()
+    expert, grouped = EXPERT.fullmatch(rest), GROUPED.fullmatch(rest)
+    if expert is not None or grouped is not None:  # one expert's part of the fused 3-D weight (part_of)
+        e, fc = expert.groups() if expert is not None else grouped.groups()[::-1]
         if fc == "2":
             return {f"{prefix}mlp.experts.down_proj[{e}]": tensor}
         return {f"{prefix}mlp.experts.gate_up_proj[{e}]": torch.cat(split_gate_up(tensor, tp_size))}

@@ -19,6 +19,11 @@ The optimizer's `prepare_grads` (its first act in `step()`: the FP32 optimizer p
 DP-reduced `main_grad`) ends by reading the gradients before the clip (`before_step`); its `step()` ends with the
 step's record, Megatron's own grad norm kept beside the recorder's.
 
+Each chunk's GPTModel forward is wrapped rather than hooked (Megatron-FSDP calls it directly): the ids from the chunk
+that embeds (the first virtual stage of the first pipeline stage), the labels from the one that takes the losses. A
+mixture of experts' routers are read by hooks during the training calls (moe.py): the step's router losses and
+expert loads join its record entry.
+
 Refused in one line on every rank, and the job stops with exit status 2 before it trains: what frameworks/megatron/
 config.py and layout.py refuse, a loop that calls the forward-backward function before building its optimizer.
 """
