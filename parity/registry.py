@@ -58,11 +58,13 @@ def pp_size_of(config: dict) -> int:
 
 def run_label(name: str, config: dict) -> str:
     """A run's name in reports with its layout: "FSDP (TP=2, DP=2)", "Pipeline (PP=2, DP=2)", "FSDP (TP=1, DP=4,
-    EP=2)", a recorded megatron-core run "(TP=2, PP=2, DP=1)" (its pipeline in its sharding's mesh: the record, as
-    its replay, has none)."""
+    EP=2)", a recorded megatron-core run "(TP=2, PP=2, DP=1)" (its pipeline and experts in its sharding's mesh: the
+    record, as its replay, has none)."""
     mesh = mesh_of(config)
-    pp, tp, ep = max(pp_size_of(config), mesh.get("pp", 1)), config["tp_size"], config.get("ep_size", 1)
+    pp, tp = max(pp_size_of(config), mesh.get("pp", 1)), config["tp_size"]
+    ep = max(config.get("ep_size", 1), mesh.get("ep", 1))
     layout = f"TP={tp}, PP={pp}" if pp > 1 and tp > 1 else f"PP={pp}" if pp > 1 else f"TP={tp}"
+    layout += f", VPP={mesh['vpp']}" if mesh.get("vpp", 1) > 1 else ""
     return f"{label(name)} ({layout}, DP={config['dp_size']}{f', EP={ep}' if ep > 1 else ''})"
 
 

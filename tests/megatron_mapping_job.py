@@ -25,11 +25,11 @@ def weights_of(weights: dict, name: str) -> torch.Tensor:
 
 def refusals(config, model) -> list[str]:
     """The lines of what does not map: configs changed one setting each, a parameter the mapping does not know, a
-    model that is not a GPTModel, and two model chunks (virtual pipeline stages)."""
+    model that is not a GPTModel, and one model chunk given twice."""
     from dataclasses import replace
 
     from parity.frameworks.megatron.config import MegatronRefused, hf_config
-    from parity.frameworks.megatron.layout import gpt_model
+    from parity.frameworks.megatron.layout import gpt_models
     from parity.frameworks.megatron.names import to_hf
 
     lines = []
@@ -40,15 +40,48 @@ def refusals(config, model) -> list[str]:
         except MegatronRefused as exc:
             lines.append(str(exc))
     try:
-        to_hf("decoder.layers.0.mlp.router.weight", torch.zeros(2, 2), config, 1)
+        to_hf("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", torch.zeros(2), config, 1)
     except MegatronRefused as exc:
         lines.append(str(exc))
     for job_model in (torch.nn.Linear(2, 2), [model, model]):
         try:
-            gpt_model(job_model)
+            gpt_models(job_model)
         except MegatronRefused as exc:
             lines.append(str(exc))
     return lines
+
+
+def router_losses() -> dict:
+    """The replay's megatron-core router losses (parity/training/routing.py) against megatron-core's own functions and
+    transformers' loss, on a Mixtral's router calls (tests/test_megatron.py says what is asserted): each layer's
+    (megatron-core's load-balancing, transformers' of that layer alone, megatron-core's z), the replay's sums over the
+    layers, transformers' loss pooled over them."""
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func, z_loss_func
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from parity.models.families import family_of
+    from parity.models.model import build_model, resolve_model_config
+    from parity.training import routing
+
+    config = resolve_model_config("mixtral-tiny")
+    config.router_aux_loss_scope, config.router_z_loss_coef = routing.MEGATRON_CORE, 1e-3
+    model, moe = build_model(config, 0), family_of(config).moe
+    ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with routing.RouterTap(model, family_of(config)).recording() as calls, torch.no_grad():
+        model(input_ids=ids)
+    seen = routing.seen_tokens(ids)  # a recorded row's every position but its last
+    aux, z = routing.layer_terms(calls, seen, moe).tolist()
+    layers = []
+    for logits, chosen in calls:
+        taken = logits[seen]
+        routing_map = torch.zeros_like(taken, dtype=torch.bool).scatter(1, chosen[seen], True)
+        layers.append([float(switch_load_balancing_loss_func(torch.softmax(taken, -1), routing_map.sum(0),
+                                                             taken.shape[0], moe.top_k, moe.num_experts, 1.0)),
+                       float(load_balancing_loss_func((taken,), moe.num_experts, moe.top_k)),
+                       float(z_loss_func(taken, 1.0))])
+    pooled = float(load_balancing_loss_func(tuple(logits[seen] for logits, _ in calls), moe.num_experts, moe.top_k))
+    return {"seen": int(seen.sum()), "scope": [moe.aux_loss_scope, moe.z_loss_coef], "top_k": moe.top_k,
+            "aux": aux, "z": z, "layers": layers, "pooled": pooled}
 
 
 def main() -> None:
@@ -105,7 +138,7 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump({"loss": float(loss), "hf_loss": float(hf_loss), "grads": differences,
                        "model": type(hf).__name__, "fc1_as_tp1_loss": float(wrong),
-                       "refusals": refusals(config, model)}, f)
+                       "refusals": refusals(config, model), "router_losses": router_losses()}, f)
     dist.destroy_process_group()
 
 

@@ -20,45 +20,91 @@ def arguments():
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages (model chunks) a pipeline rank holds")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tied", action="store_true", help="the output layer tied to the embedding")
+    p.add_argument("--spec", choices=("local", "te"), default="local",
+                   help="te: TransformerEngine's layer spec (GPUs, where TransformerEngine is installed)")
+    p.add_argument("--grouped_gemm", action="store_true", help="MoE: the experts as one grouped GEMM (TE's)")
+    p.add_argument("--fp8", action="store_true", help="TE's fp8 compute (hybrid): refused by the recorder")
     p.add_argument("--distributed_optimizer", action="store_true", help="megatron-core's ZeRO-1-like optimizer")
+    p.add_argument("--dp_wrapper", choices=("ddp", "megatron_fsdp", "torch_fsdp2"), default="ddp",
+                   help="megatron-core's DistributedDataParallel, Megatron-FSDP (optim_grads_params) or its torch "
+                        "FSDP2 wrapper")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--micro_batches", type=int, default=2)
     p.add_argument("--micro_batch_size", type=int, default=2)
     p.add_argument("--seq_length", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip_grad", type=float, default=1.0)
-    p.add_argument("--family", choices=("llama", "qwen2"), default="llama")
+    p.add_argument("--family", choices=("llama", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe"), default="llama",
+                   help="mixtral, qwen3_moe (Q/K norms), qwen2_moe (Q/K/V biases, a gated shared expert, top-k of the "
+                        "softmax unnormalised): MoE layers of 4 experts, top-2")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallelism (MoE; default: --tp)")
+    p.add_argument("--aux_loss_coeff", type=float, default=1e-2, help="MoE: the router's load-balancing loss")
+    p.add_argument("--z_loss_coeff", type=float, default=None, help="MoE: the router's z loss")
     p.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
     p.add_argument("--sequence_parallel", action="store_true", help="megatron-core's SP (with --tp 2 or more)")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters (Float16Module), the optimizer's fp32 masters")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: NCCL and one GPU per rank, as Megatron-LM runs (no tests/megatron_cpu.py)")
-    p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice",
-                                                   "micro_batch_dropped", "sp_norm_untagged"), default="none")
+    p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice", "micro_batch_dropped",
+                                          "sp_norm_untagged", "expert_grads_not_averaged", "aux_loss_twice",
+                                          "aux_over_dp", "micro_batch_scaled", "tied_grads_not_reduced"),
+                   default="none")
     return p.parse_args()
 
 
-def model_provider(args):
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+
+def moe_settings(args) -> dict:
+    """A MoE family's TransformerConfig fields: 4 experts of FFN 64, top-2, the alltoall dispatcher (EP over gloo)."""
+    if args.family not in MOE:
+        return {}
+    shared = dict(moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True) \
+        if args.family == "qwen2_moe" else {}
+    return dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=args.aux_loss_coeff,
+                moe_z_loss_coeff=args.z_loss_coeff, moe_router_load_balancing_type="aux_loss",
+                moe_router_pre_softmax=args.family == "qwen2_moe", moe_token_dispatcher_type="alltoall",
+                expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp or args.tp,
+                qk_layernorm=args.family == "qwen3_moe", moe_router_dtype="fp32", moe_grouped_gemm=args.grouped_gemm,
+                **shared)
+
+
+def model_provider(args, vp_stage=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        num_layers=args.layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
         gated_linear_unit=True, activation_func=F.silu, normalization=args.normalization, layernorm_epsilon=1e-6,
-        add_bias_linear=False, add_qkv_bias=args.family == "qwen2", use_cpu_initialization=True,
+        add_bias_linear=False, add_qkv_bias=args.family in ("qwen2", "qwen2_moe"), use_cpu_initialization=True,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32, bf16=args.bf16, hidden_dropout=0.0,
         attention_dropout=0.0, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, sequence_parallel=args.sequence_parallel, tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=args.vpp if args.vpp > 1 else None,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        **({"fp8": "hybrid"} if args.fp8 else {}), **moe_settings(args))
     from megatron.core import parallel_state
 
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+    if args.spec == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
+                                                          moe_grouped_gemm=args.grouped_gemm,
+                                                          qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=args.seq_length, position_embedding_type="rope", rotary_base=10000,
-                    share_embeddings_and_output_weights=False, pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage()), config
+                    share_embeddings_and_output_weights=args.tied,
+                    pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    vp_stage=vp_stage), config
 
 
 def batches(args, dp_rank: int):
@@ -83,41 +129,33 @@ def loss_func(loss_mask, output_tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def forward_step(data_iterator, model, dropped=False):
+def forward_step(data_iterator, model, scale=1.0):
     device = next(model.parameters()).device
     batch = {key: value.to(device) for key, value in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    if dropped:  # the micro-batch's loss taken, its gradient not: dropped from what the step trains on
-        output = output.detach() + 0 * output
+    if scale != 1.0:  # the micro-batch's loss taken, its gradient scaled (0: dropped from what the step trains on)
+        output = output.detach() + scale * (output - output.detach())
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def dropping_the_second(forward):
-    """The last stage's forward step with its second micro-batch of each step dropped from the gradient."""
+def dropping_the_second(forward, scale=0.0):
+    """The last stage's forward step with its second micro-batch of each step dropped from the gradient (`scale` 0),
+    or its gradient scaled by `scale`; the loss it reports unchanged."""
     calls = [0]
 
     def forward_step(data_iterator, model):
+        if not getattr(model, "module", model).post_process:  # a virtual stage before the last
+            return forward(data_iterator, model)
         calls[0] += 1
-        return forward(data_iterator, model, dropped=calls[0] % 2 == 0)
+        return forward(data_iterator, model, scale=scale if calls[0] % 2 == 0 else 1.0)
 
     return forward_step
 
 
-def main() -> None:
-    args = arguments()
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+def wrapped(args, model, config, ddp_config):
+    """A model chunk as Megatron-LM wraps it: moved, in Float16Module for bf16, in its data-parallel wrapper."""
+    from megatron.core.distributed import DistributedDataParallel
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    model, config = model_provider(args)
     if args.seed_bug == "sp_norm_untagged":  # a norm whose weights miss the tag: its gradient not all-reduced over TP
         for name, p in model.named_parameters():
             if "layernorm" in name:
@@ -128,14 +166,53 @@ def main() -> None:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=args.distributed_optimizer)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    if args.dp_wrapper == "megatron_fsdp":
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    if args.dp_wrapper == "torch_fsdp2":
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+        return TorchFullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def main() -> None:
+    args = arguments()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                             virtual_pipeline_model_parallel_size=args.vpp if args.vpp > 1 else None,
+                                             expert_model_parallel_size=args.ep,
+                                             expert_tensor_parallel_size=args.etp or args.tp)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    built = [model_provider(args, vp) for vp in (range(args.vpp) if args.vpp > 1 else [None])]
+    config = built[0][1]
+    sharded = args.dp_wrapper != "ddp"
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=args.distributed_optimizer or
+        sharded, use_megatron_fsdp=args.dp_wrapper == "megatron_fsdp",
+        data_parallel_sharding_strategy="optim_grads_params" if args.dp_wrapper == "megatron_fsdp" else "no_shard")
+    models = [wrapped(args, chunk, config, ddp_config) for chunk, _ in built]  # one model chunk a virtual stage
+    model = models[0]
     config.finalize_model_grads_func = finalize_model_grads
+    if args.seed_bug == "tied_grads_not_reduced":  # the two stages' copies of a tied embedding each on its own gradient
+        import importlib
+
+        finalizing = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module's
+        finalizing._allreduce_word_embedding_grads = lambda *a, **k: None
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=False,
-        use_distributed_optimizer=args.distributed_optimizer), [model])
+        use_distributed_optimizer=args.distributed_optimizer or sharded), models)
     if args.seed_bug == "adam_step_twice":  # the step counter advanced twice: bias correction of a later step
         inner = optimizer.optimizer
         original = inner.step
@@ -152,15 +229,31 @@ def main() -> None:
         for group in model.bucket_groups:
             for bucket in group.buckets:
                 bucket.gradient_scaling_factor /= dp
+    if args.seed_bug == "expert_grads_not_averaged":  # the EP ranks' contributions to an expert summed, not averaged
+        for group in model.expert_parallel_bucket_groups:
+            for bucket in group.buckets:
+                bucket.gradient_scaling_factor = 1.0
+    if args.seed_bug == "aux_loss_twice":  # each router's load-balancing loss attached to its probabilities twice
+        for layer in model.module.decoder.layers:
+            router = layer.mlp.router
+            once = router._apply_aux_loss
+            router._apply_aux_loss = lambda probs, *a, once=once, **k: once(once(probs, *a, **k), *a, **k)
+    if args.seed_bug == "aux_over_dp":  # the load-balancing statistics reduced over DP as well as TP: another group
+        for layer in model.module.decoder.layers:
+            layer.mlp.router.tp_cp_group = layer.mlp.router.tp_dp_cp_group
     step_function = forward_step
-    if args.seed_bug == "micro_batch_dropped" and parallel_state.is_pipeline_last_stage():
-        step_function = dropping_the_second(forward_step)
-    data = batches(args, parallel_state.get_data_parallel_rank())
+    if args.seed_bug in ("micro_batch_dropped", "micro_batch_scaled") and parallel_state.is_pipeline_last_stage():
+        # scaled: by 1 / (micro-batches − 1) where the schedule scales by 1 / micro-batches
+        scale = 0.0 if args.seed_bug == "micro_batch_dropped" else args.micro_batches / (args.micro_batches - 1)
+        step_function = dropping_the_second(forward_step, scale)
+    data = [batches(args, parallel_state.get_data_parallel_rank()) for _ in models]  # one iterator a model chunk
     forward_backward = get_forward_backward_func()
     for step in range(args.steps):
-        model.zero_grad_buffer()
+        for chunk in models:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(forward_step_func=step_function, data_iterator=data, model=[model],
+        losses = forward_backward(forward_step_func=step_function, data_iterator=data if args.vpp > 1 else data[0],
+                                  model=models,
                                   num_microbatches=args.micro_batches, seq_length=args.seq_length,
                                   micro_batch_size=args.micro_batch_size, forward_only=False)
         _, grad_norm, _ = optimizer.step()

@@ -21,7 +21,8 @@ experts module it dispatches tokens to, `ep_dispatch_experts`, and their fused 3
 plan (how those weights split within an expert: gate_up_proj packs gate and up, `packed_colwise`) and the block's
 children: the router is the child whose weight is [experts, hidden], any other child with parameters a shared expert.
 The load-balancing loss's coefficient is the config's router_aux_loss_coef when transformers' own forward would add it
-(output_router_logits). docs/moe.md.
+(output_router_logits); a config mapped from another framework's model may say its router losses are that
+framework's (router_aux_loss_scope, router_z_loss_coef: megatron-core's, per layer and micro-batch). docs/moe.md.
 
 Each strategy turns this description into its own parallelism (fsdp_strategy.py a torch-native plan of the
 harness's, autotp_strategy.py DeepSpeed's AutoTP where it can shard the family, the pipeline a stage split of the
@@ -71,6 +72,9 @@ class MoE:
     num_experts: int
     top_k: int
     aux_loss_coef: float  # the load-balancing loss's weight in the training loss; 0.0: not in it
+    aux_loss_scope: str = "global"  # "global": over the global batch, layers pooled (transformers' loss); or
+    # "megatron-core": megatron-core's, each sparse layer's and micro-batch's own (parity/training/routing.py)
+    z_loss_coef: float = 0.0  # the router z loss's weight (megatron-core's, per layer and micro-batch); 0.0: none
 
     def check_ep(self, ep_size: int) -> None:
         """ConfigError when `ep_size` does not divide the experts."""
@@ -191,7 +195,9 @@ def _moe_roles(model, text, layers) -> MoE | None:
         else 0.0
     return MoE(block=block, router=f"{block}.{router}", experts=experts, expert_weights=weights,
                shared_experts=tuple(f"{block}.{name}" for name, _ in children if name != router), layers=sparse,
-               num_experts=int(num_experts), top_k=int(top_k), aux_loss_coef=coef)
+               num_experts=int(num_experts), top_k=int(top_k), aux_loss_coef=coef,
+               aux_loss_scope=getattr(text, "router_aux_loss_scope", "global"),
+               z_loss_coef=float(getattr(text, "router_z_loss_coef", 0.0) or 0.0))
 
 
 def _stack_parts(model) -> dict:

@@ -279,8 +279,8 @@ class ParityRecorder(BatchTaking):
     def _reset_step(self) -> None:
         self.micro: list[MicroBatch] = []
         self.loss_sum, self.tokens, self.recorder_s = 0.0, 0, 0.0
-        self.grad_norm: float | None = None
-        self.broken: str | None = None
+        self.grad_norm, self.broken = None, None  # float | None, str | None
+        self.step_extras: dict = {}  # what a framework's recorder adds to the step's entry (megatron-core's routing)
 
     # --- per micro-batch, per step --------------------------------------------------------------------
     def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None,
@@ -442,7 +442,7 @@ class ParityRecorder(BatchTaking):
         param_norm = math.sqrt(float(summed[n:2 * n].sum()))  # the full trainable parameters, float64
         sums, counts = got.rank_loss_sums, got.rank_tokens
         tokens = sum(counts)
-        extras, saving, hash_ = {"grad_norm_source": self.grad_norm_source}, 0.0, ""
+        extras, saving, hash_ = {"grad_norm_source": self.grad_norm_source, **self.step_extras}, 0.0, ""
         measured = {"rank_loss_sums": sums, "rank_tokens": counts, "tokens": tokens}  # the causal-LM token mean's
         if self.rank == 0:  # rank 0 alone: what fails here must not leave the other ranks in a collective
             ranks, micro = len(got.per_dp_rank), max(len(m) for m in got.per_dp_rank)  # the step's split

@@ -79,6 +79,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
     else:
         data = _recorded_data(record_file, config, folder, rows, workers)
     _check_model(record_file, model_folder)
+    _check_router_split(record_file, config, model_folder, rows, workers)
     _check_weights(record_file, weights, model_folder)
     lora = _recorded_adapters(record_file, weights, config.get("lora"))  # a LoRA run's: {} for any other
     lrs = tuple(float(s["lr"]) for s in record["steps"])
@@ -265,6 +266,27 @@ def _check_model(record_file: str, folder: str) -> None:
     except ConfigError as exc:
         raise ConfigError(f"--replay_record {storage.name(record_file)}: the recorded model cannot be built by the "
                           f"harness: {str(exc).split(': ', 1)[-1]}") from None
+
+
+def _check_router_split(record_file: str, config: dict, folder: str, rows: list[int], workers: int) -> None:
+    """A record whose router losses are each micro-batch's own (megatron-core's: parity/training/routing.py) replays
+    its micro-batches as they were: every micro-batch of the replay's split (row_plan) one of the record's, whole."""
+    from parity.models.model import resolve_model_config
+    from parity.training.data import row_plan
+    from parity.training.routing import MEGATRON_CORE
+
+    if getattr(resolve_model_config(folder), "router_aux_loss_scope", None) != MEGATRON_CORE:
+        return
+    most = max(1, config["batches"]["most_rows"])
+
+    def keeps(count: int) -> bool:
+        return all(n % count == 0 and {m for part in row_plan(n, count, most) for m in part} == {most} for n in rows)
+
+    if not keeps(workers):
+        fits = [w for w in range(1, min(rows) + 1) if keeps(w)]
+        raise ConfigError(f"--num_workers {workers}: {storage.name(record_file)}'s router losses are each recorded "
+                          f"micro-batch's own (megatron-core's, of {most} rows each), which {workers} workers would "
+                          f"split otherwise: use {', '.join(map(str, fits)) or 'the recorded DP size'} workers")
 
 
 def _check_weights(record_file: str, path: str, folder: str) -> None:

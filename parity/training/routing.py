@@ -18,6 +18,17 @@ F must be known before any backward. With one micro-batch the counts are summed 
 backward (one all-gather of |L| × E numbers); with --grad_accum_steps N > 1 a forward without gradients over the
 rank's N micro-batches counts them first: one more forward per step, no activations kept (docs/moe.md has its
 measured cost). The counting forward must route exactly as the training forward: checked every step.
+
+A record of megatron-core's MoE (parity/frameworks/megatron/: its MoE seam's aux_loss_scope "megatron-core") trains
+megatron-core's router losses instead, each micro-batch's own: per sparse layer l over the micro-batch's tokens T (its
+router saw every position of a recorded row but the last, which the recorder adds as the last label),
+
+    aux_l = E / (k·|T|²) · Σ_e F_e · P_e      (F_e: the tokens whose top-k holds e; P_e: Σ_t softmax_e; k: top-k)
+    z_l = mean_t logsumexp(router logits at t)²
+
+and the step's loss adds (aux coef · Σ_l aux_l + z coef · Σ_l z_l) averaged over the global batch's micro-batches
+(megatron-core scales each micro-batch's by 1 / micro-batches and averages over DP): a sum over micro-batches, so no
+global statistic; the replay keeps the record's micro-batches (parity/replay/replay.py checks its split).
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ import contextlib
 import torch
 
 from parity.training.loss import IGNORE_INDEX
+
+MEGATRON_CORE = "megatron-core"  # a MoE seam's aux_loss_scope: megatron-core's router losses (module docstring)
 
 
 class RouterTap:
@@ -93,6 +106,28 @@ def aux_loss_term(prob_sums: torch.Tensor, total_counts: torch.Tensor, top_k: in
     return num_experts * (f * prob_sums.sum(0) / rows).sum()
 
 
+def seen_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """The positions of a megatron-core record's rows its routers saw, flattened: every one but each row's last (the
+    last label, which the recorder appends to the job's tokens)."""
+    seen = torch.ones_like(input_ids, dtype=torch.bool)
+    seen[:, -1] = False
+    return seen.reshape(-1)
+
+
+def layer_terms(calls, mask: torch.Tensor, moe) -> torch.Tensor:
+    """[Σ_l aux_l, Σ_l z_l] of one micro-batch (the module docstring's end), with their gradient: over its tokens
+    `mask`, each router call's logits and chosen experts."""
+    aux = z = torch.zeros((), dtype=torch.float32, device=mask.device)
+    for logits, ids in calls:
+        taken = logits.float()[mask]
+        tokens = taken.shape[0]
+        counts = torch.bincount(ids[mask].reshape(-1), minlength=moe.num_experts).to(taken.dtype)
+        probs = torch.softmax(taken, dim=-1).sum(0)
+        aux = aux + moe.num_experts / (moe.top_k * tokens * tokens) * (counts * probs).sum()
+        z = z + torch.logsumexp(taken, dim=-1).square().mean()
+    return torch.stack([aux, z])
+
+
 def flips(ids_a: torch.Tensor, ids_b: torch.Tensor, logits_b: torch.Tensor, top_k: int) -> list[dict]:
     """The tokens whose chosen experts differ between two runs' routers (the same tokens in the same order), each with
     the reference's gap between its k-th and (k+1)-th router logit: how near a tie the reference was."""
@@ -112,7 +147,9 @@ class StepRoutes:
     def __init__(self, strategy, micro_batches):
         self.strategy, self.tap = strategy, strategy.router_tap()
         self.moe = self.tap.moe if self.tap else None
-        self.aux = bool(self.moe and self.moe.aux_loss_coef)
+        self.per_micro = bool(self.moe and self.moe.aux_loss_scope == MEGATRON_CORE)  # the module docstring's end
+        self.aux = bool(self.moe and self.moe.aux_loss_coef) and not self.per_micro
+        self.micro_count, self.terms = len(micro_batches), None
         counting = self.aux and len(micro_batches) > 1
         self.counted, self.totals = strategy.count_routes(micro_batches, self.tap) if counting else (None, None)
         self.counts = self.prob_sums = None
@@ -129,6 +166,13 @@ class StepRoutes:
             return loss
         strategy, moe = self.strategy, self.moe
         self.chosen.append([ids.detach() for _, ids in calls])
+        if self.per_micro:
+            mask = seen_tokens(micro.input_ids)
+            mine = expert_counts(calls, mask, moe.num_experts)
+            self.counts = mine if self.counts is None else self.counts + mine
+            terms = layer_terms(calls, mask, moe) / self.micro_count  # [aux, z] summed over the layers
+            self.terms = terms.detach().double() + (0 if self.terms is None else self.terms)
+            return loss + moe.aux_loss_coef * terms[0] + moe.z_loss_coef * terms[1]
         mask = real_tokens(micro.labels, micro.position_ids)
         mine = expert_counts(calls, mask, moe.num_experts)
         self.counts = mine if self.counts is None else self.counts + mine
@@ -147,7 +191,9 @@ class StepRoutes:
         if self.counted is not None and not torch.equal(self.counted, self.counts):
             raise RuntimeError("the counting forward routed differently from the training forward: the step's "
                                "load-balancing statistics would not be its own")
-        self.strategy.step_routing = self.strategy.routing_record(self.counts, self.prob_sums, self.totals, self.moe)
+        self.strategy.step_routing = (self.strategy.micro_routing_record(self.counts, self.terms, self.moe)
+                                      if self.per_micro else
+                                      self.strategy.routing_record(self.counts, self.prob_sums, self.totals, self.moe))
         self.strategy.step_expert_ids = [torch.cat(layer) for layer in zip(*self.chosen)]
 
 
@@ -203,6 +249,15 @@ class Routing:
         the global counts `totals`, × dp_size as the LM loss, so that the average over DP is the global loss's
         gradient."""
         return self.ctx.dp_size * moe.aux_loss_coef * aux_loss_term(prob_sums, totals, moe.top_k)
+
+    def micro_routing_record(self, counts, terms, moe) -> dict:
+        """The step's routing under megatron-core's router losses: their values (each micro-batch's sum over the
+        sparse layers, without coefficients, averaged over the global batch's micro-batches; None, or no z_loss,
+        where the job trains without it) and the expert loads (routing_record's). Collective."""
+        totals = self.batch_routing_totals(counts)
+        aux, z = (self.batch_routing_totals(terms) / self.ctx.dp_size).tolist()
+        return {"aux_loss": aux if moe.aux_loss_coef else None, **({"z_loss": z} if moe.z_loss_coef else {}),
+                "expert_loads": [[int(n) for n in row] for row in totals.tolist()]}
 
     def routing_record(self, counts, prob_sums, totals, moe) -> dict:
         """The step's routing over the global batch: the load-balancing loss (without its coefficient; None where the

@@ -44,6 +44,7 @@ from parity.layout import Layout
 from parity.objectives import invariance_of
 from parity.training.optimizer import ADAMW_MOMENTS, local_norm
 from parity.training.policy_optimizer import PolicyOptimizer
+from parity.training.routing import MEGATRON_CORE
 from parity.training.strategy import Strategy, WorkerContext, lr_at
 
 KEY = "teacher_forced"  # the record's per-step entry
@@ -160,6 +161,17 @@ def fp32_norm(tensors) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
 
 
+def own_split(model_config, batch, micro_rows: int | None = None) -> int | None:
+    """The micro-batches of a step whose mixture of experts trains router losses of each micro-batch's own
+    (megatron-core's: parity/training/routing.py): the run's — the batch's plan (micro_rows), else micro-batches of
+    `micro_rows` rows (a record's, parity/replay/replay.py checks the replay keeps them); None for any other model."""
+    if getattr(model_config, "router_aux_loss_scope", None) != MEGATRON_CORE:
+        return None
+    if batch.micro_rows is not None:
+        return sum(len(rank) for rank in batch.micro_rows)
+    return len(batch.input_ids) // (micro_rows or len(batch.input_ids))
+
+
 def perturbed_split(cfg, batch) -> int:
     """The perturbed twin's micro-batches: two where the reference takes the batch whole and each half keeps whole
     rows and pairs (rows a multiple of 4; not fed rows, which go one at a time already); else the reference's own."""
@@ -180,11 +192,11 @@ def reference_cfg(cfg, batch_rows: int, precision: str | None = None, micro_batc
 
 
 def reference_step(cfg, model_config, state: FullState, global_batch, lr: float, device,
-                   precision: str | None = None, loss_scale: float = 1.0, perturbed: bool = False
-                   ) -> tuple[FullState, float] | None:
+                   precision: str | None = None, loss_scale: float = 1.0, perturbed: bool = False,
+                   micro_rows: int | None = None) -> tuple[FullState, float] | None:
     """[2]: one step from `state` on `global_batch` at `lr` (`perturbed`: its twin in another arithmetic, PERTURB);
     (the state after it, the pre-clip grad norm), or None where an fp16 overflow skipped it (at the strategy's
-    `loss_scale`)."""
+    `loss_scale`; `micro_rows`: own_split's)."""
     from parity.models.adapters import add_adapters
     from parity.models.model import build_model
 
@@ -195,7 +207,8 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
         for name, b in model.named_buffers():
             if name in state.buffers:
                 b.copy_(state.buffers[name])
-    parts = perturbed_split(cfg, global_batch) if perturbed else None
+    parts = own_split(model_config, global_batch, micro_rows) or (perturbed_split(cfg, global_batch) if perturbed
+                                                                  else None)
     ref = ReferenceStep(reference_cfg(cfg, len(global_batch.input_ids), precision, parts),
                         WorkerContext(rank=0, device=device, layout=Layout(1, 1)))
     ref.setup(model)
@@ -211,17 +224,20 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
     return None if done.skipped else (ref.state(), float(done.norm))
 
 
-def references(cfg, model_config, state: FullState, global_batch, lr: float, device, loss_scale: float = 1.0):
+def references(cfg, model_config, state: FullState, global_batch, lr: float, device, loss_scale: float = 1.0,
+               micro_rows: int | None = None):
     """[2] (the reference step in the run's policy, the same step in fp32 or None, its perturbed twin or None):
     reference_step's in the run's policy, again in another arithmetic (PERTURB: how far rounding alone moves each
     tensor at this step, the check's noise) and, in a low-precision policy, once more in fp32 (how far the policy's
     rounding moves it); the first None where an fp16 overflow skipped it."""
-    own = reference_step(cfg, model_config, state, global_batch, lr, device, loss_scale=loss_scale)
+    own = reference_step(cfg, model_config, state, global_batch, lr, device, loss_scale=loss_scale,
+                         micro_rows=micro_rows)
     if own is None:
         return own, None, None
-    twin = reference_step(cfg, model_config, state, global_batch, lr, device, loss_scale=loss_scale, perturbed=True)
-    exact = reference_step(cfg, model_config, state, global_batch, lr, device, "fp32") if cfg.precision != "fp32" \
-        else None
+    twin = reference_step(cfg, model_config, state, global_batch, lr, device, loss_scale=loss_scale, perturbed=True,
+                          micro_rows=micro_rows)
+    exact = reference_step(cfg, model_config, state, global_batch, lr, device, "fp32", micro_rows=micro_rows) \
+        if cfg.precision != "fp32" else None
     return own, exact, twin
 
 

@@ -19,6 +19,11 @@ The optimizer's `prepare_grads` (its first act in `step()`: the FP32 optimizer p
 DP-reduced `main_grad`) ends by reading the gradients before the clip (`before_step`); its `step()` ends with the
 step's record, Megatron's own grad norm kept beside the recorder's.
 
+Each chunk's GPTModel forward is wrapped rather than hooked (Megatron-FSDP calls it directly): the ids from the chunk
+that embeds (the first virtual stage of the first pipeline stage), the labels from the one that takes the losses. A
+mixture of experts' routers are read by hooks during the training calls (moe.py): the step's router losses and
+expert loads join its record entry.
+
 Refused in one line on every rank, and the job stops with exit status 2 before it trains: what frameworks/megatron/
 config.py and layout.py refuse, a loop that calls the forward-backward function before building its optimizer.
 """
@@ -88,7 +93,11 @@ def _recorded(forward_backward):
         if recording is None:
             recording = RECORDINGS[id(chunks[0])] = MegatronRecording(model)
         arguments["forward_step_func"] = recording.forward_step(arguments["forward_step_func"])
-        losses = forward_backward(*bound.args, **bound.kwargs)
+        recording.taking(True)
+        try:
+            losses = forward_backward(*bound.args, **bound.kwargs)
+        finally:
+            recording.taking(False)
         recording.after_forward_backward()
         return losses
 
@@ -103,7 +112,8 @@ class MegatronRecording:
         import importlib.metadata as md
 
         from parity.frameworks.megatron.config import MegatronRefused, hf_config
-        from parity.frameworks.megatron.layout import MegatronLayout, gpt_model
+        from parity.frameworks.megatron.layout import MegatronLayout, gpt_models
+        from parity.frameworks.megatron.moe import RouterStatistics
         from parity.models.model import meta_model
         from parity.recording.recorder import ParityRecorder
         from parity.recording.world import exchange_device
@@ -114,14 +124,15 @@ class MegatronRecording:
             if not found:
                 raise MegatronRefused("no MegatronOptimizer of get_megatron_optimizer steps this model: build the "
                                       "optimizer before the first forward-backward call")
-            self.module = gpt_model(model)
+            self.modules = gpt_models(model)  # one a virtual pipeline stage
+            self.module = self.modules[0]
             config = self.module.config
             # a recorded row is one token longer than the job's (its last label): within the replay's positions
             hf = meta_model(hf_config(config, self.module.vocab_size, self.module.max_sequence_length + 1,
                                       getattr(self.module, "rotary_base", 10000.0),
                                       self.module.share_embeddings_and_output_weights,
                                       self.module.position_embedding_type))
-            self.layout = MegatronLayout(self.module, found[-1], hf, config, exchange_device())
+            self.layout = MegatronLayout(self.modules, found[-1], hf, config, exchange_device())
         except MegatronRefused as exc:
             attach.stop_command(f"megatron-core: {exc}")
         self.optimizer = found[-1]
@@ -135,12 +146,14 @@ class MegatronRecording:
             reduce = "fp32" if getattr(chunks[0], "ddp_config", None) is None or \
                 chunks[0].ddp_config.grad_reduce_in_fp32 else "bf16"
             self.recorder.record.data["config"].update(reduce_dtype=reduce, grad_accum_dtype=reduce)
+        self.routers = RouterStatistics(self.modules, config, self.layout) if config.num_moe_experts else None
         self.labels = None  # the last GPTModel call's labels
         self.ids: list = []  # this step's GPTModel calls' input ids, in order (the first stage's: the rows')
         self.taken: list = []  # this step's (labels, mask, summed loss), one a loss function's call (the last stage's)
         self.logged: float | None = None  # the step's loss as Megatron takes it (after_forward_backward)
         self.losses: list[float] = []  # this step's micro-batches' losses as the job's loss function returned them
-        self.module.register_forward_pre_hook(self._rows, with_kwargs=True)
+        for chunk in self.modules:
+            self._take_rows(chunk)
         self._patch_optimizer()
         dist_destroy = dist.destroy_process_group
 
@@ -152,10 +165,27 @@ class MegatronRecording:
         dist.destroy_process_group = destroy_process_group
         atexit.register(self.close)
 
-    def _rows(self, module, args, kwargs) -> None:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-        self.ids.append(bound.get("input_ids"))
-        self.labels = bound.get("labels")
+    def taking(self, on: bool) -> None:
+        """Whether the routers' statistics are taken: during a training call of the forward-backward function."""
+        if self.routers is not None:
+            self.routers.taking = on
+
+    def _take_rows(self, chunk) -> None:
+        """`chunk`'s forward wrapped (not hooked: Megatron-FSDP calls the GPTModel's forward itself) to take the rows:
+        the input ids of the chunk that embeds them (the first virtual stage of the first pipeline stage), the labels
+        of the one that takes the losses (the last of the last)."""
+        forward = chunk.forward
+
+        @functools.wraps(forward)
+        def forward_taking_rows(*args, **kwargs):
+            bound = inspect.signature(forward).bind(*args, **kwargs).arguments
+            if chunk.pre_process:
+                self.ids.append(bound.get("input_ids"))
+            if chunk.post_process:
+                self.labels = bound.get("labels")
+            return forward(*args, **kwargs)
+
+        chunk.forward = forward_taking_rows
 
     def forward_step(self, forward_step_func):
         """The job's forward step, its loss function wrapped to hand the micro-batch over."""
@@ -223,6 +253,9 @@ class MegatronRecording:
         dist.all_reduce(mean)
         self.logged = float(mean[0] / mean[1]) if mean[1] else None
         self.losses = []
+        if self.routers is not None:  # a mixture of experts: the step's router losses and expert loads
+            self.recorder.step_extras = self.routers.step()
+            self.recorder.broken = self.recorder.broken or self.routers.broken
 
     def _patch_optimizer(self) -> None:
         optimizer, rec = self.optimizer, self.recorder
