@@ -156,7 +156,6 @@ class MegatronLayout(TranslatedLayout):
         inner = getattr(optimizer, "chained_optimizers", [optimizer])  # the dense parameters' and the experts'
         DataParallel.__init__(self, hf_model, chained([torch_optimizer(o) for o in inner]))
         self.modules, self.config, self.device = modules, config, device
-        module = modules[0]
         self.experts = ExpertGroups()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank, self.tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
