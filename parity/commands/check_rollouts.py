@@ -82,14 +82,34 @@ def check(a) -> int:
 
 
 def describe_sampler(result: dict, settings: dict) -> str:
-    """The sampler verdict in a few lines."""
-    s, b = result["statistics"], result["bounds"]
+    """The sampler verdict in a few lines (parity/rollout_check/spread.py's checks)."""
+    from parity.comparing.tolerances import NOISE_K
+    from parity.rollout_check.spread import SPREAD_K
+
+    penalties = "".join(f", {k.replace('_', ' ')} {settings[k]:g}" for k, default in
+                        (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0))
+                        if settings.get(k, default) != default)
+    steps = [g for g in result["groups"] if g != "all"]
     lines = [f"sampler ({settings['engine']} {settings['version']}, {settings['dtype']}, {settings['logprob_mode']} "
-             f"log-probs, temperature {settings['temperature']:g}): {result['verdict']} over {result['tokens']} tokens; "
-             f"sampler − trainer: signed mean {result['signed_mean']:.3e} (bound {b['signed_mean']:.2e}), mean |·| "
-             f"{s['mean_abs']:.3e} (bound {b['mean_abs']:.2e}), largest {s['max_abs']:.3e} (bound {b['max_abs']:.2e}); "
-             f"|·| quantiles 50/90/99 % " + " / ".join(f"{v:.2e}" for v in result["quantiles"].values()) +
-             f" (the trainer's own noise " + " / ".join(f"{v:.2e}" for v in result["noise_quantiles"].values()) + ")"]
+             f"log-probs, temperature {settings['temperature']:g}{penalties}): {result['verdict']} over "
+             f"{result['tokens']} tokens" + (f", and each step's rows apart ({', '.join(steps)})" if steps else ""),
+             "  sampler − trainer |·| at 50/90/99 %: " + " / ".join(f"{v:.2e}" for v in result["quantiles"].values())
+             + "; the trainer's own noise: " + " / ".join(f"{v:.2e}" for v in result["noise_quantiles"].values())
+             + f"; signed mean {result['signed_mean']:.2e}"]
+    names = {"signed_mean": "signed mean", "q50": "|·| at 50 %", "q90": "|·| at 90 %", "max_abs": "largest"}
+    margins = [f"{names[c]} {m:.2f}" if m is not None else f"{names[c]}: too few tokens"
+               for c, m in result["margins"].items()]
+    lines.append(f"  statistic ÷ bound, the largest over all tokens and each step's: {', '.join(margins)} (quantiles "
+                 f"within {SPREAD_K:g} × the noise's with the slack of the token count, the largest within "
+                 f"{NOISE_K:g} × the noise's)")
+    if result["failed"]:
+        group, check = result["failed"]["group"], result["failed"]["check"]
+        g = result["groups"][group]
+        rank = g["ranks"].get(check)
+        which = f" (the {rank}{_th(rank)} largest of {g['tokens']})" if rank else ""
+        rows = "all tokens" if group == "all" else f"{group}'s rows"
+        lines.append(f"  outside: {rows}, {names[check]} {g['statistics'][check]:.3e}{which} > bound "
+                     f"{g['bounds'][check]:.3e} ({g['margins'][check]:.1f} ×)")
     worst = result["worst_sequence"]
     lines.append(f"  worst sequence: row {worst['row']}, summed gap {worst['sum']:.3e}")
     first = result["first_outside"]
@@ -97,8 +117,13 @@ def describe_sampler(result: dict, settings: dict) -> str:
         lines.append(f"  first token outside: row {first['row']}, position {first['position']} (token {first['token']}):"
                      f" sampler {first['sampler']:.5f}, trainer {first['trainer']:.5f}")
     if result["verdict"] == "FAIL":
-        lines.append(f"  cause: {result['cause'] or 'none the harness knows (temperature, truncation, weights, token)'}")
+        known = "none the harness knows (temperature, penalties, truncation, weights, token)"
+        lines.append(f"  cause: {result['cause'] or known}")
     return "\n".join(lines)
+
+
+def _th(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
 def main(argv: list[str] | None = None) -> int:

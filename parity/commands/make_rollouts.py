@@ -46,13 +46,15 @@ def reward_of(name: str, completion: torch.Tensor, limit: int) -> float:
 
 def sample_group(sampler, prompt: torch.Tensor, count: int, a: argparse.Namespace, stops: list[int], seed: int):
     """`count` completions of `prompt`, each (tokens, truncated, the sampler's log-prob of each token): sampled at
-    --temperature with --top_k/--top_p/--min_p, cut after its first stop token (truncated where none came within
-    --max_completion_length). The log-probs are the generator's scores after its processors (--sampler_logprobs
-    processed: temperature and truncation, renormalised over the kept tokens) or its raw logits' (raw)."""
+    --temperature with --top_k/--top_p/--min_p (--repetition_penalty before them), cut after its first stop token
+    (truncated where none came within --max_completion_length). The log-probs are the generator's scores after its
+    processors (--sampler_logprobs processed: penalty, temperature and truncation, renormalised over the kept tokens)
+    or its raw logits' (raw)."""
     torch.manual_seed(seed)
     with torch.no_grad():
         out = sampler.generate(prompt[None].repeat(count, 1), do_sample=True, temperature=a.temperature,
                                top_k=a.top_k, top_p=a.top_p, min_p=a.min_p or None,
+                               repetition_penalty=a.repetition_penalty,
                                max_new_tokens=a.max_completion_length, eos_token_id=stops, pad_token_id=stops[0],
                                attention_mask=torch.ones(count, len(prompt), dtype=torch.long),
                                return_dict_in_generate=True, output_scores=True, output_logits=True)
@@ -157,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top_p", type=float, default=1.0, help="... the most likely tokens holding this mass")
     p.add_argument("--min_p", type=float, default=0.0, help="... the tokens at least this × the most likely's "
                                                             "probability")
+    p.add_argument("--repetition_penalty", type=float, default=1.0,
+                   help="each token of the prompt or the completion so far: its logit ÷ this where positive, × where "
+                        "negative, before the temperature (transformers' and vLLM's)")
     p.add_argument("--sampler", choices=("transformers", "vllm"), default="transformers",
                    help="what samples the completions: transformers' generate, or vLLM (installed apart: "
                         "docs/sampler.md#vllm)")
@@ -226,6 +231,8 @@ def make(a: argparse.Namespace) -> str:
     reference = model if a.reference_seed is None else build_model(config, a.reference_seed).eval()
     eos = config.eos_token_id if isinstance(config.eos_token_id, int) else (config.eos_token_id or [0])[0]
     stops = stop_ids(a.stop_token_ids, config.vocab_size) if a.stop_token_ids else [eos]
+    if not a.repetition_penalty > 0:
+        raise ConfigError(f"--repetition_penalty must be positive (got {a.repetition_penalty}; 1: none)")
     if not 0 < a.top_p <= 1 or a.top_k < 0 or not 0 <= a.min_p < 1:
         raise ConfigError(f"--top_p {a.top_p}, --top_k {a.top_k}, --min_p {a.min_p}: top_p in (0, 1], top_k ≥ 0 "
                           f"(0: off), min_p in [0, 1)")
@@ -238,7 +245,7 @@ def make(a: argparse.Namespace) -> str:
     write_rollouts(a.output, a.family, tensors, describe, {k: v for k, v in vars(a).items() if k != "output"},
                    {"engine": a.sampler, "version": engine_version, "dtype": a.sampler_dtype,
                     "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "min_p": a.min_p,
-                    "logprob_mode": a.sampler_logprobs})
+                    "repetition_penalty": a.repetition_penalty, "logprob_mode": a.sampler_logprobs})
     truncated = int(tensors["truncated"].sum())
     console.say(f"wrote {a.output}: {describe}; {truncated} of {len(tensors['truncated'])} completions truncated")
     return a.output

@@ -158,7 +158,8 @@ def sampler_verdict(record_file: str, out: str) -> int:
     if result is None:
         return 0
     left = (f"; not judged: the rows of step {', '.join(map(str, result['left_out_steps']))}, whose weights the "
-            f"record does not hold (--checkpoint_interval 1 keeps each step's)" if result["left_out_steps"] else "")
+            f"record does not hold (the recorder keeps them up to its max_state_bytes)"
+            if result["left_out_steps"] else "")
     console.say(describe_sampler(result, result["settings"]) + f"\n  rows sampled with the weights of step "
                 f"{', '.join(map(str, result['judged_steps']))}{left}" + layers_line(result.get("layers")))
     storage.write_bytes_atomic(storage.join(out, VERDICT_FILE), json.dumps(result, indent=1).encode())

@@ -16,7 +16,13 @@ step N alike: one file (interval 1 saves each state once).
 
 Where: `recorded_<name>/states/updates_<N>.safetensors`, written atomically on a thread of rank 0's (the batches'
 writer: rows.BatchWriter), and the index `recorded_<name>/states.json` (at the recorder's save() and close()), each
-file named relative to the record's folder. Up to `max_state_bytes` on disk: a check is saved whole (its two states)
+file named relative to the record's folder.
+
+A sampler's weights: where a framework's room says at which update counts an in-process sampler syncs to the weights
+and samples with them (`sampled_at`: TRL's GRPOTrainer with vLLM), the parameters alone (fp32, 4 bytes a parameter a
+sync) after those updates, `states/weights_<N>.safetensors` (index: `sampler_weights`), for the sampler verdict of
+every step's rows (parity/rollout_check/recorded.py) — none where a state of the check holds them, counted against
+the same `max_state_bytes`. Up to `max_state_bytes` on disk: a check is saved whole (its two states)
 or not; past the cap no more, said in one line, and the checks before it are kept. A state that cannot be read or
 written ends the states in one line; the recording and the user's training go on.
 """
@@ -32,7 +38,7 @@ from parity import storage
 from parity.attaching import attach
 from parity.recording.rows import BatchWriter
 from parity.training.optimizer import ADAMW_MOMENTS
-from parity.training.recorded_states import INDEX, encode, state_file
+from parity.training.recorded_states import INDEX, encode, state_file, weights_file
 from parity.training.teacher_forced import FullState
 
 DEFAULT_CHECKPOINT_INTERVAL = 50  # the harness's --checkpoint_interval default (parity/driver/config.py)
@@ -65,7 +71,8 @@ class StateSaver:
         self.rec, self.interval, self.max_bytes, self.start = recorder, interval, max_bytes, start
         self.seconds, self.enabled = 0.0, interval is not None
         self.index = {"interval": interval, "max_bytes": max_bytes, "saved_bytes": 0, "states": {}, "checks": [],
-                      "stopped": None}
+                      "stopped": None, "sampler_weights": {}}
+        self.sampled_at = None  # a room's rule: the update counts whose weights its sampler samples with
         self.open: set[int] = set()  # rank 0: the checks whose state before is saved and whose state after is due
         self.committed = 0  # rank 0: the bytes on disk and those an open check's state after will take
         self.writer = BatchWriter() if self.enabled and recorder.rank == 0 else None
@@ -88,12 +95,22 @@ class StateSaver:
         for u in set(first["states"]) - set(states):
             storage.delete_file(storage.join(self.rec.folder, state_file(int(u))))
         stopped = first["stopped"] if first["stopped"] and first["stopped"]["step"] <= start else None
-        self.index.update(states=states, checks=[k for k in first["checks"] if k + 1 <= start], stopped=stopped)
-        self.committed = sum(s["bytes"] for s in states.values())
+        weights = {u: s for u, s in first.get("sampler_weights", {}).items() if int(u) <= start}
+        for u in set(first.get("sampler_weights", {})) - set(weights):
+            storage.delete_file(storage.join(self.rec.folder, weights_file(int(u))))
+        self.index.update(states=states, checks=[k for k in first["checks"] if k + 1 <= start], stopped=stopped,
+                          sampler_weights=weights)
+        self.committed = sum(s["bytes"] for s in [*states.values(), *weights.values()])
 
     def take(self, updates: int) -> None:
         """After `updates` updates (every rank): the state, where a check wants it — before step `updates`, after step
-        `updates` − 1. Collective in a sharded layout, at the steps it wants alike on every rank."""
+        `updates` − 1. Collective in a sharded layout, at the steps it wants alike on every rank. Then a sampler's
+        weights, where it samples with these."""
+        self._take_state(updates)
+        if self.enabled and updates > 0 and self.sampled_at is not None and self.sampled_at(updates):
+            self._take_weights(updates)
+
+    def _take_state(self, updates: int) -> None:
         if not (self.enabled and (checked(updates, self.interval) or checked(updates - 1, self.interval))):
             return
         t0 = time.perf_counter()
@@ -115,6 +132,43 @@ class StateSaver:
         steps = self.rec.record.steps
         if updates > self.start and steps and steps[-1]["step"] == updates - 1:  # the step just recorded holds it
             steps[-1].setdefault("harness_s", {})["states"] = spent
+
+    def _take_weights(self, updates: int) -> None:
+        """The parameters after `updates` updates, for the rows a sampler samples with them (every rank; collective in
+        a sharded layout), within the cap; past it, or where they cannot be read, no more (one line)."""
+        t0 = time.perf_counter()
+        try:
+            go = [str(updates) not in self.index["states"] and self._room() and self.sampled_at is not None]
+            if not self.rec.layout.whole:
+                dist.broadcast_object_list(go, src=0, device=self.rec.device)
+            if go[0] and (self.rec.rank == 0 or not self.rec.layout.whole):
+                full = self.rec.layout.full_state()
+                copy = (lambda t: t.detach().float().cpu()) if full is not None else \
+                    (lambda t: t.detach().float().cpu().clone())
+                full = full if full is not None else self.rec.layout.model.state_dict()
+                params = {f"param/{name}": copy(full[name]) for name in self.rec.names.values()}
+                size = sum(t.numel() * 4 for t in params.values())
+                if self.writer is not None and self.committed + size > self.max_bytes:
+                    self._weights_stop(f"the sampler's weights passed max_state_bytes ({self.max_bytes} bytes) at "
+                                       f"step {updates}: no more are kept")
+                elif self.writer is not None:
+                    self.committed += size
+                    self.writer.submit(-updates, storage.join(self.rec.folder, weights_file(updates)), params)
+                    self.index["sampler_weights"][str(updates)] = {
+                        "file": f"recorded_{self.rec.name}/{weights_file(updates)}", "bytes": size}
+        except Exception as exc:  # never the user's training
+            self._weights_stop(f"the sampler's weights after {updates} updates could not be saved "
+                               f"({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]})")
+        spent = time.perf_counter() - t0
+        self.seconds += spent
+        steps = self.rec.record.steps
+        if steps and steps[-1]["step"] == updates - 1:
+            steps[-1].setdefault("harness_s", {})["sampler_weights"] = spent
+
+    def _weights_stop(self, why: str) -> None:
+        """No more of the sampler's weights, said once: the sampler verdict leaves the later steps' rows out."""
+        self.sampled_at = None
+        self.rec._line(f"{why}; the sampler verdict judges the rows of the steps whose weights are kept")
 
     def _room(self) -> bool:
         """Rank 0: whether states are still saved (neither the cap passed nor the record stopped)."""
@@ -174,6 +228,9 @@ class StateSaver:
         """Rank 0: every state submitted on disk; one the writer could not write drops the checks that use it and ends
         the states (one line)."""
         failed = {u: why for u, why in self.writer.flush() if why}
+        for u in [u for u in failed if u < 0]:  # a sampler's weights (submitted as −updates)
+            self.index["sampler_weights"].pop(str(-u), None)
+            self._weights_stop(f"the sampler's weights after {-u} updates could not be written ({failed.pop(u)})")
         for u, why in sorted(failed.items()):
             self._stop(u, f"the state after {u} updates could not be written ({why})")
             self.enabled = False
@@ -189,8 +246,9 @@ class StateSaver:
         storage.write_json_atomic(self.path, self.index)
 
     def close(self, keep: bool = True) -> None:
-        """Rank 0, at the record's end: a state no check uses (the one before a step that never came) deleted, the
-        index written, the writer's thread ended; `keep` False (the recording failed): the thread ended alone."""
+        """Rank 0, at the record's end: a state no check uses (the one before a step that never came) deleted, and a
+        sampler's weights of a step that never came, the index written, the writer's thread ended; `keep` False (the
+        recording failed): the thread ended alone."""
         if self.writer is None:
             return
         if keep:
@@ -199,6 +257,10 @@ class StateSaver:
             for u in [u for u in self.index["states"] if int(u) not in used]:
                 storage.delete_file(storage.join(self.rec.folder, state_file(int(u))))
                 del self.index["states"][u]
+            steps = self.rec.record.steps
+            for u in [u for u in self.index["sampler_weights"] if not steps or int(u) > steps[-1]["step"]]:
+                storage.delete_file(storage.join(self.rec.folder, weights_file(int(u))))
+                del self.index["sampler_weights"][u]
             self.open.clear()
             self.save()
         self.writer.close()

