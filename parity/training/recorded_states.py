@@ -128,8 +128,10 @@ def _check(worker, batches, check: StateCheck) -> dict:
     t0 = time.perf_counter()
     cfg, device = worker.cfg, worker.ctx.device
     before, after = read_state(check.before, check.counts[0]), read_state(check.after, check.counts[1])
+    # the record's largest micro-batch, a split the objective may depend on (teacher_forced.own_split); a rollout
+    # file's batches carry none
     refs = references(cfg, worker.model_config, before, batches.as_fed(check.step).to(device), check.lr, device,
-                      micro_rows=batches.most_rows)  # a split the objective depends on: teacher_forced.own_split
+                      micro_rows=getattr(batches, "most_rows", None))
     entry = measured(after, check.grad_norm, refs, before, check.lr)
     return {"step": check.step, "precision": cfg.precision, "seconds": time.perf_counter() - t0, **entry,
             "note": None, "batch_hash": check.batch_hash, "grad_norm_source": check.grad_norm_source}
