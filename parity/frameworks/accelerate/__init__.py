@@ -5,4 +5,4 @@ recorded; it records nothing by itself."""
 
 from parity.frameworks import Framework
 
-FRAMEWORK = Framework("accelerate", records=None, module="accelerate", oldest="1.15.0")
+FRAMEWORK = Framework("accelerate", records=None, module="accelerate", oldest="1.12.0")

@@ -15,4 +15,4 @@ def _install() -> None:
 
 
 FRAMEWORK = Framework(name="megatron", records="megatron-core's get_forward_backward_func loop", module="megatron.core",
-                      oldest="0.16.1", install=_install)
+                      oldest="0.15.0", install=_install)
