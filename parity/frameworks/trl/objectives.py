@@ -1,4 +1,5 @@
-"""TRL 1.16's GRPOTrainer and DPOTrainer recorded with their objective, no line of the user's script changed
+"""TRL's GRPOTrainer and DPOTrainer (0.29.0 to 1.16, docs/own_trainer.md#the-releases-recorded) recorded with their
+objective, no line of the user's script changed
 (docs/posttrain.md#your-own-run-recorded): Trainer's ParityCallback (frameworks/transformers/callback.py) asks `plan` what its trainer
 trains, then hands each training micro-batch to the recorder's objective_batch through a `GRPOFeed` or `DPOFeed`.
 
