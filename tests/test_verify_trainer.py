@@ -169,14 +169,14 @@ def _runs(root, copies: dict) -> dict:
 
 
 def _releases(root, copies: dict, path: str) -> dict:
-    """RELEASES' runs, each release first on the command's path: the oldest ones through verify_trainer.py
-    (uncalibrated), those below run as verify_trainer.py runs them (its variables set) — (exit code, the records'
-    folder, the copy's own folder, its stderr)."""
+    """RELEASES' runs, each release first on the command's path: those below run as verify_trainer.py runs them (its
+    variables set), one process each, beside the oldest ones, which run through verify_trainer.py (uncalibrated) one
+    after another — (exit code, the records' folder, the copy's own folder, its stderr)."""
     from parity.attaching import attach
     from parity.commands.verify_trainer import verify
 
-    results = {}
-    for name, (framework, release, copy, extra) in RELEASES.items():
+    results, below = {}, {}
+    for name, (framework, release, copy, extra) in sorted(RELEASES.items(), key=lambda kv: kv[0].endswith("_oldest")):
         site = installed_beside(f"{framework}-{release}", f"{framework}=={release}")
         os.environ["PYTHONPATH"] = os.pathsep.join([site, path])
         out, own = root / name, root / f"{name}_own"
@@ -186,9 +186,14 @@ def _releases(root, copies: dict, path: str) -> dict:
             results[name] = (verify(str(out), command, calibrate=False), out, own, None)
         else:
             out.mkdir()
-            done = subprocess.run(command, env=attach.environment(str(out), f"{copy}_copy", dict(os.environ)),
-                                  capture_output=True, text=True, timeout=600)
-            results[name] = (done.returncode, out, own, done.stderr)
+            err = open(root / f"{name}.stderr", "w")
+            below[name] = (subprocess.Popen(command, env=attach.environment(str(out), f"{copy}_copy",
+                                                                            dict(os.environ)),
+                                            stdout=subprocess.DEVNULL, stderr=err), err, out, own)
+    for name, (proc, err, out, own) in below.items():
+        code = proc.wait(timeout=600)
+        err.close()
+        results[name] = (code, out, own, (root / f"{name}.stderr").read_text())
     return results
 
 
