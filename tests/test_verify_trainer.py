@@ -5,7 +5,9 @@ their pages written — every command, its replays and the runs without the harn
 (conftest.PERTURBED: MKL's compatible fp32 path, oneDNN's AVX512_CORE, one thread);
 a copy that trains twice in one process without a launcher, clean and then with a seeded bug, has both records judged
 in one comparison and exits 1; what each framework logged equals, bit for bit, what the same copy logs without the
-harness; bad input is one line and exit 2, before the command runs where that can be known.
+harness; bad input is one line and exit 2, before the command runs where that can be known; each room's oldest
+release recorded (TRL 0.29.0's GRPOTrainer, Lightning 2.6.0), installed beside the pinned set, PASSes, and a release
+below it (TRL 0.28.0, Lightning 2.5.6) is one line of the recorder's while the run trains to its end, exit 0.
 
 Each copy writes what its framework logged (Trainer's log_history, the loss each Lightning training_step returned)
 into its own folder: the same lines in the run with the harness and in the one without it. The runs without it share
