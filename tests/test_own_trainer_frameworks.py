@@ -58,9 +58,12 @@ JOBS = {
     "lightning": (LIGHTNING, "lightning_lm", 2, PARTIAL),
     "lightning_bug": (None, "lightning_lm", 2, []),
     "lightning_mp": (LIGHTNING, "lightning_lm", 2, ["--strategy", "model_parallel"]),
-    "lightning_manual": (LIGHTNING, "lightning_lm", 2, ["--manual", "--static_graph"]),  # clips at 1.0 itself
-    "lightning_manual_unclipped": (LIGHTNING, "lightning_lm", 2, ["--manual", "--max_grad_norm", "0"]),
-    "lightning_manual_bug": (None, "lightning_lm", 2, ["--manual"]),
+    # manual optimization under DDP's static_graph, one manual_backward a step: its first iteration reduces after
+    # on_after_backward (Lightning's post_backward); clipping at 1.0 itself, and not clipping
+    "lightning_manual": (LIGHTNING, "lightning_lm", 2, ["--manual", "--static_graph", "--grad_accum_steps", "1"]),
+    "lightning_manual_unclipped": (LIGHTNING, "lightning_lm", 2, ["--manual", "--static_graph", "--grad_accum_steps",
+                                                                  "1", "--max_grad_norm", "0"]),
+    "lightning_manual_bug": (None, "lightning_lm", 2, ["--manual", "--static_graph"]),  # accumulating 2
     "lightning_hand_clip": (None, "lightning_lm", 2, ["--manual"]),  # refused: nothing replayed
     "trl_1": (TRL, "trl_sft", 1, []),
     "lightning_1": (LIGHTNING, "lightning_lm", 1, []),
@@ -135,7 +138,8 @@ def test_clean_run_replays_to_the_record_and_passes(runs, name):
     recorded, replay = _record(runs[name], record_name), _record(runs[name], "ddp")
     config = recorded["config"]
     assert recorded["complete"] and config["source"] == "recorder" and len(recorded["steps"]) == STEPS
-    assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * ranks  # 2 rows a micro-batch, 2 micro-batches, padded
+    accumulated = [2] if name == "lightning_manual" else [2, 2]  # 2 rows a micro-batch, 2 micro-batches, padded
+    assert recorded["steps"][0]["micro_batches"] == [accumulated] * ranks
     assert len(set(series(recorded, "tokens"))) > 1
     framework = config["fingerprint"]["framework"]
     if example == LIGHTNING:
@@ -198,22 +202,26 @@ def test_lightning_mean_of_micro_batch_means_fails_at_step_0(runs):
 
 def test_lightnings_manual_optimization_is_recorded_where_the_module_steps(runs):
     """A LightningModule with automatic_optimization = False — its own manual_backward per micro-batch, clip_gradients
-    at the window's last and opt.step() — under DDP, with static_graph=True and clipping at 1.0 (in CLEAN above) and
-    without either: the pre-clip gradients are read where the module clips (else at its optimizer step), its clip is
-    the record's max_grad_norm, and both PASS their replays within 1e-5. The seeded fault — rank 1's gradients of step 0
-    left its own by a DDP communication hook — FAILs at step 0; a clip by hand (torch's clip_grad_norm_ in the
-    training_step) is refused: the record ends before its first step, saying so."""
+    at the window's last and opt.step() — under DDP with static_graph=True, one manual_backward a step (DDP's first
+    iteration reduces the gradients after on_after_backward, in Lightning's post_backward: the gradients read once
+    manual_backward returned), clipping at 1.0 (in CLEAN above) and not clipping: the pre-clip gradients are read where
+    the module clips (else at its optimizer step), its clip is the record's max_grad_norm, and both PASS their replays
+    within 1e-5. The seeded fault — rank 1's gradients of step 0 left its own by a DDP communication hook, static_graph,
+    2 micro-batches a step — FAILs at step 0; a clip by hand (torch's clip_grad_norm_ in the training_step) is refused:
+    the record ends before its first step, saying so."""
     for name, clip in (("lightning_manual", 1.0), ("lightning_manual_unclipped", 0.0)):
         recorded, replay = _record(runs[name], "lightning_lm"), _record(runs[name], "ddp")
         assert recorded["complete"] and len(recorded["steps"]) == STEPS, name
         assert recorded["config"]["max_grad_norm"] == clip and recorded["config"]["grad_norm_source"] == "recorder"
-        assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * 2
+        assert recorded["config"]["stopped"] is None
+        assert recorded["steps"][0]["micro_batches"] == [[2]] * 2
         for key in ("loss", "grad_norm", "param_norm"):
             assert max_rel_diff(series(replay, key), series(recorded, key)) < 1e-5, (name, key)
         assert max_rel_diff(series(recorded, "logged_loss"), series(recorded, "loss")) < 1e-6
         assert _compare(runs[name]).word == "PASS", name
     assert max(series(_record(runs["lightning_manual"], "lightning_lm"), "grad_norm")) > 1.0  # it clipped
     recorded = _record(runs["lightning_manual_bug"], "lightning_lm")
+    assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * 2
     assert recorded["steps"][0]["replicas"]["parted"] > 0  # rank 1's replica is another model from step 0 on
     comparison = _compare(runs["lightning_manual_bug"])
     assert comparison.word == "FAIL"

@@ -5,7 +5,9 @@ their pages written — every command, its replays and the runs without the harn
 (conftest.PERTURBED: MKL's compatible fp32 path, oneDNN's AVX512_CORE, one thread);
 a copy that trains twice in one process without a launcher, clean and then with a seeded bug, has both records judged
 in one comparison and exits 1; what each framework logged equals, bit for bit, what the same copy logs without the
-harness; bad input is one line and exit 2, before the command runs where that can be known.
+harness; bad input is one line and exit 2, before the command runs where that can be known; each room's oldest
+release recorded (TRL 0.29.0's GRPOTrainer, Lightning 2.6.0), installed beside the pinned set, PASSes, and a release
+below it (TRL 0.28.0, Lightning 2.5.6) is one line of the recorder's while the run trains to its end, exit 0.
 
 Each copy writes what its framework logged (Trainer's log_history, the loss each Lightning training_step returned)
 into its own folder: the same lines in the run with the harness and in the one without it. The runs without it share
@@ -29,11 +31,21 @@ import tomllib
 
 import pytest
 
-from conftest import REPO, free_port, kernel_setting
+from conftest import REPO, free_port, installed_beside, kernel_setting
 from test_own_trainer import _record_rank
 
-EXAMPLES = {"hf": "hf_trainer.py", "trl": "trl_sft.py", "lightning": "lightning_lm.py"}
+EXAMPLES = {"hf": "hf_trainer.py", "trl": "trl_sft.py", "lightning": "lightning_lm.py",
+            "trl_posttrain": "trl_posttrain.py"}
 STEPS = 3
+# Each room's oldest release recorded (its FRAMEWORK's `oldest`), and a release below it, installed beside the pinned
+# set (conftest.installed_beside): {run: (framework, release, copy, its arguments)}. TRL's oldest runs the issue's
+# GRPOTrainer (dapo, 2 ranks); below it TRL 0.28.0's SFTTrainer (its GRPOTrainer does not import against transformers
+# 5.23.0); Lightning's below, 2.5.6 (docs/own_trainer.md#the-releases-recorded). Those below train one rank, one step.
+BELOW = ["--nproc", "1", "--steps", "1"]
+RELEASES = {"trl_oldest": ("trl", "0.29.0", "trl_posttrain", ["--loss_type", "dapo", "--fp32"]),
+            "lightning_oldest": ("lightning", "2.6.0", "lightning", []),
+            "trl_below": ("trl", "0.28.0", "trl", BELOW),
+            "lightning_below": ("lightning", "2.5.6", "lightning", BELOW)}
 WRITE_LOG = '''
 
 def _write_log(args, rank, entries) -> None:
@@ -67,6 +79,11 @@ EDITS = {
                   ("    trainer.fit(module_class()(model, args, world), data)\n",
                    "    trainer.fit(module_class()(model, args, world), data)\n    _write_log(args, rank, LOSSES)\n"),
                   ("def parse_args(", "LOSSES = []\n\n\ndef parse_args(")],
+    "trl_posttrain": [("from parity.frameworks.transformers.callback import ParityCallback\n", ""),
+                      (",\n                              callbacks=[ParityCallback(args.output_dir, name=args.name)])",
+                       ")"),
+                      (",\n                             callbacks=[ParityCallback(args.output_dir, name=args.name)])",
+                       ")"), ("Trainer's ParityCallback", "Trainer's callback")],
 }
 # One process without a launcher (--nproc 0: no torchrun variables, no gloo backend asked for; the callback starts a
 # group of one) training twice: clean, then with the seeded bug, a compute_loss override that drops num_items_in_batch
@@ -141,6 +158,7 @@ def _runs(root, copies: dict) -> dict:
             code = verify(str(out), [sys.executable, copies[name], "--output_dir", str(own), "--nproc", ranks,
                                      "--steps", str(STEPS)], calibrate=calibrate)
             results[name] = (code, out, own, None)
+        results.update(_releases(root, copies, os.environ["PYTHONPATH"]))
     finally:
         os.environ["PYTHONPATH"] = saved or ""
     plain = {k: root / f"{k}_plain" for k in EXAMPLES}  # TRL first: Lightning's teardown deletes WORLD_SIZE
@@ -149,6 +167,35 @@ def _runs(root, copies: dict) -> dict:
         folder.mkdir()
     start_processes(_record_rank, (2, free_port(), jobs), 2)
     results["plain"] = plain
+    return results
+
+
+def _releases(root, copies: dict, path: str) -> dict:
+    """RELEASES' runs, each release first on the command's path: those below run as verify_trainer.py runs them (its
+    variables set), one process each, beside the oldest ones, which run through verify_trainer.py (uncalibrated) one
+    after another — (exit code, the records' folder, the copy's own folder, its stderr)."""
+    from parity.attaching import attach
+    from parity.commands.verify_trainer import verify
+
+    results, below = {}, {}
+    for name, (framework, release, copy, extra) in sorted(RELEASES.items(), key=lambda kv: kv[0].endswith("_oldest")):
+        site = installed_beside(f"{framework}-{release}", f"{framework}=={release}")
+        os.environ["PYTHONPATH"] = os.pathsep.join([site, path])
+        out, own = root / name, root / f"{name}_own"
+        command = [sys.executable, copies[copy], "--output_dir", str(own), "--nproc", "2", "--steps", str(STEPS),
+                   *extra]
+        if name.endswith("_oldest"):
+            results[name] = (verify(str(out), command, calibrate=False), out, own, None)
+        else:
+            out.mkdir()
+            err = open(root / f"{name}.stderr", "w")
+            below[name] = (subprocess.Popen(command, env=attach.environment(str(out), f"{copy}_copy",
+                                                                            dict(os.environ)),
+                                            stdout=subprocess.DEVNULL, stderr=err), err, out, own)
+    for name, (proc, err, out, own) in below.items():
+        code = proc.wait(timeout=600)
+        err.close()
+        results[name] = (code, out, own, (root / f"{name}.stderr").read_text())
     return results
 
 
@@ -200,6 +247,45 @@ def test_the_framework_logs_what_it_logs_without_the_harness(runs, name):
     record = json.loads((out / f"loss_{name}_copy.json").read_text())
     assert [s["logged_loss"] for s in record["steps"]] == [e["loss"] for e in logged]
     assert [s["logged_grad_norm"] for s in record["steps"]] == [e["grad_norm"] for e in logged]
+
+
+@pytest.mark.parametrize("name", ["trl_oldest", "lightning_oldest"])
+def test_the_oldest_release_recorded_passes(runs, name):
+    """The oldest release each room declares it records, installed beside the pinned set: TRL 0.29.0's GRPOTrainer
+    (dapo, 2 ranks: no eos_token_ids nor fused LM head there) and Lightning 2.6.0, each an unchanged script under
+    verify_trainer.py: recorded with that release (the record's fingerprint), exit 0, PASS."""
+    from parity.frameworks import registered
+
+    framework, release, copy, _ = RELEASES[name]
+    assert {f.name: f.oldest for f in registered()}[framework] == release
+    code, out, _, _ = runs[name]
+    assert code == 0
+    comparison = json.loads((out / "curve_comparison.json").read_text())
+    assert {k: r["verdict"] for k, r in comparison["against_baseline"].items()} == {f"{copy}_copy": "PASS"}
+    record = json.loads((out / f"loss_{copy}_copy.json").read_text())
+    assert record["config"]["fingerprint"]["framework"]["versions"][framework] == release
+    assert record["config"]["stopped"] is None and len(record["steps"]) == STEPS
+
+
+@pytest.mark.parametrize("name", ["trl_below", "lightning_below"])
+def test_a_release_below_the_oldest_is_one_line_and_the_run_goes_on(runs, name):
+    """A release older than the room's oldest (TRL 0.28.0's SFTTrainer, Lightning 2.5.6), run as verify_trainer.py
+    runs the command: one line of the recorder's naming the release and the oldest recorded, no traceback, nothing
+    recorded (the line left for verify_trainer.py), and the training goes to its end (one rank, one step: its own log
+    of it) with the script's own exit status, 0."""
+    from parity.frameworks import registered
+
+    framework, release, copy, _ = RELEASES[name]
+    code, out, own, stderr = runs[name]
+    oldest = {f.name: f.oldest for f in registered()}[framework]
+    lines = [x for x in stderr.splitlines() if x.startswith("parity recorder")]
+    assert code == 0, stderr[-3000:]
+    assert len(lines) == 1 and f"{framework} {release} is older than {oldest}" in lines[0], lines
+    assert "Traceback" not in stderr
+    assert f"is older than {oldest}" in (out / f"refused_{copy}_copy.txt").read_text()
+    assert not list(out.glob("loss_*.json"))
+    logged = _log(own) if framework == "lightning" else _steps(_log(own))
+    assert len(logged) == (2 if framework == "lightning" else 1)  # its step's 2 micro-batches, or the step
 
 
 def test_a_script_that_records_twice_is_judged_in_one_comparison(runs):

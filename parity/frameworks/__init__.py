@@ -10,7 +10,13 @@ every framework, and imports nothing of it until asked:
   recorder itself (Lightning's callbacks entry point);
 - `command_refusal(argv)`: what it cannot record, said before the command starts (None: it can, or the command is not
   one of its);
-- `install_hint()`: what this install lacks for the framework to find parity (e.g. an entry point), or "".
+- `install_hint()`: what this install lacks for the framework to find parity (e.g. an entry point), or "";
+- `module` and `oldest`: the framework's import name and the oldest release of it the room records (found by
+  recording it beside the pinned set: docs/own_trainer.md#the-releases-recorded). An older one imported in a
+  recorded process is refused in one line (`release_refusal`); a newer one than the pinned set's is recorded.
+The recorder never stops a user's run: a room's code the framework calls (a callback's hook, a forward hook, a
+wrapped method) is `guarded` — what it raises (an attribute another release does not have) ends the record in one
+line, and the training goes on to its end with the user's own exit code.
 How the model, optimizer and batches are found is the room's recorder's: its callback or recording observes them where
 the framework hands them over, and a model that is not a transformers one is read under Hugging Face names by a
 layout of the room's (parity.recording.sharded's interface: torchtitan's layout.py).
@@ -18,18 +24,24 @@ layout of the room's (parity.recording.sharded's interface: torchtitan's layout.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
-FRAMEWORKS = ("transformers", "lightning", "trl", "torchtitan", "vllm", "megatron")  # the registry: each a room under
-# parity/frameworks/
+from parity.errors import first_line
+
+FRAMEWORKS = ("transformers", "lightning", "trl", "torchtitan", "vllm", "megatron", "accelerate")  # the registry:
+# each a room under parity/frameworks/
 
 
 @dataclass(frozen=True)
 class Framework:
     name: str
     records: str | None
+    module: str
+    oldest: str
     install: Callable[[], None] | None = None
     command_refusal: Callable[[list[str]], str | None] | None = None
     install_hint: Callable[[], str] | None = None
@@ -38,3 +50,48 @@ class Framework:
 def registered() -> list[Framework]:
     """Every room's Framework, in FRAMEWORKS' order (importing a room's package imports nothing of its framework)."""
     return [importlib.import_module(f"parity.frameworks.{name}").FRAMEWORK for name in FRAMEWORKS]
+
+
+def release_refusal() -> str | None:
+    """The first framework this process imported whose release is older than the oldest its room records, in one line
+    (None: every one imported is in range)."""
+    from packaging.version import Version
+
+    for framework in registered():
+        version = getattr(sys.modules.get(framework.module), "__version__", None)
+        if isinstance(version, str) and Version(version) < Version(framework.oldest):
+            return (f"{framework.module} {version} is older than {framework.oldest}, the oldest release of it parity "
+                    f"records (docs/own_trainer.md#the-releases-recorded)")
+    return None
+
+
+def guarded(hook: Callable) -> Callable:
+    """A room's method the framework calls (a callback's hook, a forward hook): whatever it raises ends the record in
+    one line, never the user's training (`stop_record`); it then returns None."""
+    @functools.wraps(hook)
+    def run(owner, *args, **kwargs):
+        try:
+            return hook(owner, *args, **kwargs)
+        except Exception as exc:
+            stop_record(owner, f"{hook.__name__}: {type(exc).__name__}: {first_line(exc)}")
+            return None
+
+    return run
+
+
+def stop_record(owner, why: str) -> None:
+    """`owner`'s record ended by `why`: where its recorder records, the step's exchange ends it on every rank (it is
+    broken); before it records, nothing is recorded — said once, on rank 0, and left for verify_trainer.py."""
+    recorder = getattr(owner, "recorder", None)
+    if recorder is not None and recorder.enabled:
+        recorder.broken = recorder.broken or why
+        return
+    if getattr(owner, "_parity_stopped", False):
+        return
+    owner._parity_stopped = True
+    from parity.attaching import attach
+    from parity.recording.world import first_process
+
+    if first_process():
+        print(f"parity recorder: {why}: recording nothing; the training goes on", file=sys.stderr, flush=True)
+        attach.refused(why)

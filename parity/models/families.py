@@ -164,7 +164,8 @@ def _family(config_json: str, config_class) -> Family:
 def _moe_roles(model, text, layers) -> MoE | None:
     """The sparse block, from transformers' expert-parallel and TP plans and the block's children; None for a model
     without an expert-parallel plan (a dense model)."""
-    ep_plan = {key.split("layers.*.", 1)[1]: style for key, style in (model.ep_plan or {}).items() if "layers.*." in key}
+    ep_plan = {key.split("layers.*.", 1)[1]: style for key, style in (getattr(model, "ep_plan", None) or {}).items()
+               if "layers.*." in key}  # (transformers before 5.21 has no ep_plan)
     experts = next((name for name, style in ep_plan.items() if style == "ep_dispatch_experts"), None)
     if experts is None:
         return None

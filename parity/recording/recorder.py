@@ -118,7 +118,9 @@ class ParityRecorder(BatchTaking):
         output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        refusal = self._refusal(name, precision, start_step) or states.refusal(checkpoint_interval, max_state_bytes)
+        from parity.frameworks import release_refusal  # a framework's release older than its room's oldest
+        refusal = release_refusal() or self._refusal(name, precision, start_step) or \
+            states.refusal(checkpoint_interval, max_state_bytes)
         try:  # a post-training objective's rows and sums (recorded_objective.py); None: the causal-LM token mean
             self.objective_rows = named_objective(objective, objective_args, objective_declared, start_step)
         except ConfigError as exc:
@@ -145,8 +147,7 @@ class ParityRecorder(BatchTaking):
             self._line(f"{exc}: recording nothing; the training goes on")
         except Exception as exc:  # never the user's training
             self._discard()
-            self._print(f"parity recorder: could not start ({type(exc).__name__}: {first_line(exc)}): recording "
-                        f"nothing")
+            self._print(f"parity recorder: could not start ({type(exc).__name__}: {first_line(exc)}): recording nothing")
 
     def _discard(self) -> None:
         """After a failed start: the hook off, the recorded folder gone if this start wrote into it: none half-written."""

@@ -15,4 +15,4 @@ def _install_hint() -> str:
     return "Lightning finds parity's callback through an entry point this install lacks: pip install -e the project"
 
 
-FRAMEWORK = Framework("lightning", "Lightning", install_hint=_install_hint)
+FRAMEWORK = Framework("lightning", "Lightning", "lightning", "2.6.0", install_hint=_install_hint)

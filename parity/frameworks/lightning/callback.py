@@ -12,9 +12,10 @@ What a callback cannot see, it takes from the framework's own extension points, 
 - under manual optimization (`automatic_optimization = False`: the module's own manual_backward, clip_gradients and
   opt.step()), where that hook comes after the module's own clipping: where the module calls `self.clip_gradients`
   (the instance's method observed, then called as it was: its clip is the record's max_grad_norm), else at
-  `on_before_optimizer_step`; the gradients' norm after the last manual_backward (`on_after_backward`, DDP's gradients
-  reduced) must be the one read there — gradients changed in between any other way (a clip by hand) end the record,
-  saying so;
+  `on_before_optimizer_step`; the gradients' norm once the last manual_backward returned (the instance's method
+  observed: after every reduction Lightning's backward runs — DDP's first iteration under static_graph reduces in the
+  strategy's post_backward, after `on_after_backward`) must be the one read there — gradients changed in between any
+  other way (a clip by hand) end the record, saying so;
 - the lr: the recorder's optimizer step pre-hook on the torch optimizer Lightning steps;
 - the framework's own loss: what `training_step` returned over the window (Lightning divides each by
   `accumulate_grad_batches`), summed, then averaged over the ranks: `logged_loss`.
@@ -34,11 +35,13 @@ import lightning.pytorch as pl
 import torch
 
 from parity.fingerprint import installed_versions
+from parity.frameworks import guarded
 from parity.frameworks.transformers.callback import ParityCallback as _TrainerCallback
 from parity.recording.group import own_group, release
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
 from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
 
+_OBSERVED = ("clip_gradients", "manual_backward")  # the module's methods observed under manual optimization
 # Lightning's precision → the harness's policy
 PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
@@ -73,8 +76,9 @@ class ParityCallback(pl.Callback):
         self.recorder: ParityRecorder | None = None
         self._hook, self._own_group, self._stepped, self._logged = None, False, False, 0.0
         # manual optimization; its step read at clip_gradients; the gradients' norm after the last manual_backward
-        self._manual, self._clipped, self._backward_norm = False, False, None
+        self._manual, self._clipped, self._backward_norm, self._observed = False, False, None, None
 
+    @guarded
     def on_train_start(self, trainer, pl_module):
         self._own_group = own_group(trainer.world_size)  # the single-device strategy: a group of one
         model = hugging_face_model(pl_module)
@@ -95,23 +99,43 @@ class ParityCallback(pl.Callback):
             return
         self._hook = model.register_forward_hook(self._forward, with_kwargs=True)
         self._manual = not pl_module.automatic_optimization
-        if self._manual:
+        if self._manual:  # the instance's own entries kept, to put back at the end
+            self._observed = (pl_module, {m: pl_module.__dict__[m] for m in _OBSERVED if m in pl_module.__dict__})
             pl_module.clip_gradients = self._observed_clip(pl_module.clip_gradients)
+            pl_module.manual_backward = self._observed_backward(pl_module.manual_backward)
+
+    def _observed_backward(self, backward):
+        """The module's manual_backward, called as it was, the gradients' norm read once it returns: the gradients it
+        left, reduced wherever the strategy reduces them (manual optimization)."""
+        def manual_backward(loss, *args, **kwargs):
+            backward(loss, *args, **kwargs)
+            self._read_backward()
+
+        return manual_backward
+
+    @guarded
+    def _read_backward(self) -> None:
+        if self.recorder is not None and self.recorder.enabled:
+            self._backward_norm = self.recorder.layout.grad_norm()  # float64, of the reduced gradients so far
 
     def _observed_clip(self, clip):
         """The module's clip_gradients, called as it was, its clip read first (manual optimization)."""
         def clip_gradients(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-            if self.recorder is not None and self.recorder.enabled and gradient_clip_val:
-                if (gradient_clip_algorithm or "norm") != "norm":
-                    self.recorder.broken = (f"clip_gradients(gradient_clip_algorithm={gradient_clip_algorithm!r}): "
-                                            f"the replay clips by norm")
-                else:
-                    self._read_manual()
-                    self.recorder.clips_at(float(gradient_clip_val))
-                    self._clipped = True
+            self._read_clip(gradient_clip_val, gradient_clip_algorithm)
             return clip(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
         return clip_gradients
+
+    @guarded
+    def _read_clip(self, gradient_clip_val, gradient_clip_algorithm) -> None:
+        if self.recorder is not None and self.recorder.enabled and gradient_clip_val:
+            if (gradient_clip_algorithm or "norm") != "norm":
+                self.recorder.broken = (f"clip_gradients(gradient_clip_algorithm={gradient_clip_algorithm!r}): "
+                                        f"the replay clips by norm")
+            else:
+                self._read_manual()
+                self.recorder.clips_at(float(gradient_clip_val))
+                self._clipped = True
 
     @staticmethod
     def _refusal(trainer, pl_module) -> str | None:
@@ -124,10 +148,7 @@ class ParityCallback(pl.Callback):
             return f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: the replay clips by norm"
         return None
 
-    def on_after_backward(self, trainer, pl_module):
-        if self._manual and self.recorder is not None and self.recorder.enabled:
-            self._backward_norm = self.recorder.layout.grad_norm()  # float64, of the reduced gradients so far
-
+    @guarded
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.recorder is not None:
             if not self._manual:
@@ -145,6 +166,7 @@ class ParityCallback(pl.Callback):
             self.recorder.broken = (f"manual optimization: the gradients changed after manual_backward (norm {seen:.6g} "
                                     f"→ {pre:.6g}), not by self.clip_gradients, the clip the recorder reads")
 
+    @guarded
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.recorder is None or not self.recorder.enabled:
             return
@@ -159,14 +181,22 @@ class ParityCallback(pl.Callback):
             self._logged = 0.0
             self.recorder.after_step(logged_loss=float(logged))
 
+    @guarded
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         if self.recorder is not None:
             self.recorder.save()  # every rank dumps the checkpoint: a collective is safe here
 
+    @guarded
     def on_train_end(self, trainer, pl_module):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._observed is not None:  # the module's own methods back (another fit of it is recorded afresh)
+            module, own = self._observed
+            for method in _OBSERVED:
+                module.__dict__.pop(method, None)
+            module.__dict__.update(own)
+            self._observed = None
         if self.recorder is not None:
             self.recorder.close()
         release(self._own_group)

@@ -13,14 +13,28 @@ from parity.attaching import attach
 
 
 def callbacks() -> list:
-    """[] outside verify_trainer.py; under it, the recorder's callback for this Trainer."""
+    """[] outside verify_trainer.py; under it, the recorder's callback for this Trainer ([] where it cannot be made
+    against this Lightning: said in one line, the training goes on)."""
     if not attach.active():
         return []
+    try:
+        return _attached()
+    except Exception as exc:
+        from parity.errors import first_line
+        from parity.frameworks import stop_record
+
+        stop_record(callbacks, f"Lightning's callback: {type(exc).__name__}: {first_line(exc)}")
+        return []
+
+
+def _attached() -> list:
+    from parity.frameworks import guarded
     from parity.frameworks.lightning.callback import ParityCallback
 
     class Attached(ParityCallback):
         """ParityCallback, unless the Trainer already has one of the script's own."""
 
+        @guarded
         def on_train_start(self, trainer, pl_module):
             if not any(isinstance(cb, ParityCallback) and cb is not self for cb in trainer.callbacks):
                 super().on_train_start(trainer, pl_module)

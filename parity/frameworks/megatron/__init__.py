@@ -14,4 +14,5 @@ def _install() -> None:
     recording.install()
 
 
-FRAMEWORK = Framework(name="megatron", records="megatron-core's get_forward_backward_func loop", install=_install)
+FRAMEWORK = Framework(name="megatron", records="megatron-core's get_forward_backward_func loop", module="megatron.core",
+                      oldest="0.15.0", install=_install)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from parity.attaching import attach
 from parity.attaching.import_hook import when_imported
+from parity.frameworks import guarded, release_refusal, stop_record
 
 OPTIMIZERS: list = []  # (MegatronOptimizer, model chunks) as get_megatron_optimizer built them
 
@@ -89,9 +90,11 @@ def _recorded(forward_backward):
             return forward_backward(*args, **kwargs)
         model = arguments["model"]
         chunks = model if isinstance(model, (list, tuple)) else [model]
-        recording = RECORDINGS.get(id(chunks[0]))
-        if recording is None:
-            recording = RECORDINGS[id(chunks[0])] = MegatronRecording(model)
+        if id(chunks[0]) not in RECORDINGS:
+            RECORDINGS[id(chunks[0])] = _started(model)
+        recording = RECORDINGS[id(chunks[0])]
+        if recording is None:  # not recorded (said once): the job's own call
+            return forward_backward(*args, **kwargs)
         arguments["forward_step_func"] = recording.forward_step(arguments["forward_step_func"])
         recording.taking(True)
         try:
@@ -102,6 +105,22 @@ def _recorded(forward_backward):
         return losses
 
     return recorded
+
+
+def _started(model) -> "MegatronRecording | None":
+    """The model's recording, or None where this megatron-core release is outside the range recorded or the room
+    fails on it (one line: the job trains on unrecorded)."""
+    why = release_refusal()
+    if why:
+        stop_record(_started, why)
+        return None
+    try:
+        return MegatronRecording(model)
+    except Exception as exc:
+        from parity.errors import first_line
+
+        stop_record(_started, f"megatron-core: {type(exc).__name__}: {first_line(exc)}")
+        return None
 
 
 class MegatronRecording:
@@ -178,14 +197,18 @@ class MegatronRecording:
 
         @functools.wraps(forward)
         def forward_taking_rows(*args, **kwargs):
-            bound = inspect.signature(forward).bind(*args, **kwargs).arguments
-            if chunk.pre_process:
-                self.ids.append(bound.get("input_ids"))
-            if chunk.post_process:
-                self.labels = bound.get("labels")
+            self._rows(chunk, forward, args, kwargs)
             return forward(*args, **kwargs)
 
         chunk.forward = forward_taking_rows
+
+    @guarded
+    def _rows(self, chunk, forward, args, kwargs) -> None:
+        bound = inspect.signature(forward).bind(*args, **kwargs).arguments
+        if chunk.pre_process:
+            self.ids.append(bound.get("input_ids"))
+        if chunk.post_process:
+            self.labels = bound.get("labels")
 
     def forward_step(self, forward_step_func):
         """The job's forward step, its loss function wrapped to hand the micro-batch over."""
@@ -206,6 +229,7 @@ class MegatronRecording:
 
         return loss
 
+    @guarded
     def _micro_batch(self, loss_func, output, result) -> None:
         """One loss function's call: its micro-batch's labels, mask and summed loss, checked against what it returned;
         handed over with the rows' ids once the step's forward-backward is done (after_forward_backward)."""
@@ -228,6 +252,7 @@ class MegatronRecording:
             self.losses.append(loss if len(result) == 2 else summed / max(tokens, 1))
             self.taken.append((labels.detach().clone(), mask, summed))
 
+    @guarded
     def after_forward_backward(self) -> None:
         """The step's micro-batches handed over — each row the first pipeline stage's input ids and one more token
         (the last label), labels −100 then the targets, −100 where the mask is 0 — and the step's loss as Megatron's
@@ -268,12 +293,17 @@ class MegatronRecording:
 
         def step_(*args, **kwargs):
             out = step(*args, **kwargs)
-            norm = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-            rec.after_step(logged_loss=self.logged, logged_grad_norm=None if norm is None else float(norm))
+            self._after_step(out)
             return out
 
         optimizer.prepare_grads, optimizer.step = prepare_grads, step_
 
+    @guarded
+    def _after_step(self, out) -> None:
+        norm = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+        self.recorder.after_step(logged_loss=self.logged, logged_grad_norm=None if norm is None else float(norm))
+
+    @guarded
     def close(self) -> None:
         if self.recorder.enabled and dist.is_initialized():
             self.recorder.close()

@@ -40,7 +40,11 @@ def _attach() -> None:
 
     for framework in registered():
         if framework.install is not None:
-            framework.install()
+            try:
+                framework.install()
+            except Exception as exc:  # never the command's start: that room records nothing
+                sys.stderr.write(f"parity recorder: {framework.name}'s hook not installed ({type(exc).__name__}: "
+                                 f"{exc}): recording nothing of it\n")
     layer_cut.install()
 
 

@@ -16,4 +16,5 @@ def _command_refusal(command: list[str]) -> str | None:
     return command_refusal(command)
 
 
-FRAMEWORK = Framework("torchtitan", "torchtitan's Trainer", install=_install, command_refusal=_command_refusal)
+FRAMEWORK = Framework("torchtitan", "torchtitan's Trainer", "torchtitan", "0.3.0", install=_install,
+                      command_refusal=_command_refusal)

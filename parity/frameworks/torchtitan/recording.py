@@ -36,7 +36,8 @@ import logging
 import torch
 
 from parity.attaching import attach
-from parity.attaching.import_hook import after_init
+from parity.attaching.import_hook import after_init, when_imported
+from parity.frameworks import guarded, release_refusal, stop_record
 
 MODULE = "torchtitan.trainer"
 PRECISIONS = {"float32": "fp32", "bfloat16": "bf16_params"}  # training.mixed_precision_param → the harness's policy
@@ -47,11 +48,25 @@ def install() -> None:
     """torchtitan's Trainer.__init__ ends by attaching a TitanRecording, once its module is imported (now, if it already
     is)."""
     after_init(MODULE, "Trainer", _attach)
+    when_imported("torchtitan", _release)  # a release older than the Trainer hooked here (0.2's has none): said
+
+
+def _release(module) -> None:
+    why = release_refusal()
+    if why:
+        stop_record(_release, why)
 
 
 def _attach(trainer) -> None:
-    if getattr(trainer, "_parity_recording", None) is None and not trainer.config.checkpoint.create_seed_checkpoint:
-        trainer._parity_recording = TitanRecording(trainer)
+    if release_refusal():  # (said at torchtitan's import)
+        return
+    try:
+        if getattr(trainer, "_parity_recording", None) is None and not trainer.config.checkpoint.create_seed_checkpoint:
+            trainer._parity_recording = TitanRecording(trainer)
+    except Exception as exc:  # an attribute this release does not have: the job trains unrecorded
+        from parity.errors import first_line
+
+        stop_record(trainer, f"torchtitan: {type(exc).__name__}: {first_line(exc)}")
 
 
 def config_refusal(config) -> str | None:
@@ -168,13 +183,10 @@ class TitanRecording:
         step, fwd_bwd, log = trainer.train_step, trainer.forward_backward_step, trainer.metrics_processor.log
 
         def train_step(*args, **kwargs):
-            if self.recorder is None:
+            if self.recorder is None and not getattr(self, "_parity_stopped", False):
                 self._start()
             out = step(*args, **kwargs)
-            self.recorder.after_step(logged_loss=self.logged.get("loss"), logged_grad_norm=self.logged.get("norm"))
-            self.logged = {}
-            if trainer.step == trainer.config.training.steps:
-                self.recorder.close()
+            self._after_train_step()
             return out
 
         def forward_backward_step(*, input_dict, labels, global_valid_tokens):
@@ -189,6 +201,16 @@ class TitanRecording:
         trainer.train_step, trainer.forward_backward_step = train_step, forward_backward_step
         trainer.metrics_processor.log = metrics_log
 
+    @guarded
+    def _after_train_step(self) -> None:
+        if self.recorder is None:
+            return
+        self.recorder.after_step(logged_loss=self.logged.get("loss"), logged_grad_norm=self.logged.get("norm"))
+        self.logged = {}
+        if self.trainer.step == self.trainer.config.training.steps:
+            self.recorder.close()
+
+    @guarded
     def _start(self) -> None:
         """The recorder, before the first step this process trains (after train() loaded any checkpoint)."""
         import importlib.metadata as md
@@ -212,6 +234,7 @@ class TitanRecording:
             reduce = REDUCE.get(training.mixed_precision_reduce)
             self.recorder.record.data["config"].update(reduce_dtype=reduce, grad_accum_dtype=reduce)
 
+    @guarded
     def _micro_batch(self, input_dict, labels, loss, tokens) -> None:
         """One micro-batch's rows, as the replay feeds them (the module docstring), and its summed loss; after the
         step's last micro-batch, the gradients before clipping."""

@@ -10,4 +10,4 @@ def _install() -> None:
     trainer_hook.install()
 
 
-FRAMEWORK = Framework("transformers", "Hugging Face's Trainer", install=_install)
+FRAMEWORK = Framework("transformers", "Hugging Face's Trainer", "transformers", "5.18.0", install=_install)

@@ -44,6 +44,7 @@ from transformers import Trainer, TrainerCallback
 
 from parity.attaching import attach
 from parity.fingerprint import installed_versions
+from parity.frameworks import guarded, release_refusal
 from parity.frameworks.trl.objectives import DPOFeed, GRPOFeed, Refused, kind_of, plan, resolved
 from parity.recording.group import own_group, release
 from parity.recording.recorded_tensors import CLIPPED
@@ -69,11 +70,13 @@ class ParityCallback(TrainerCallback):
         self.recorder: ParityRecorder | None = None
         self._hook, self._stepped, self._own_group, self.feed = None, False, False, None
 
+    @guarded
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._own_group = own_group(args.world_size)  # one process without a launcher: a group of one
         trainer = calling_trainer()  # TRL's GRPO and DPO trainers: their objective (frameworks/trl/objectives.py)
         try:
-            refusal, planned = trainer_refusal(args), plan(trainer, optimizer) if trainer is not None else None
+            refusal = release_refusal() or trainer_refusal(args)  # an older release: none of its attributes read
+            planned = plan(trainer, optimizer) if trainer is not None and not refusal else None
             objective = resolved(*planned[:2]) if planned and not refusal else None
         except Refused as exc:
             refusal = str(exc)
@@ -105,6 +108,7 @@ class ParityCallback(TrainerCallback):
         self.recorder.norm_at_optimizer_step = float("nan")  # measured by the recorder's optimizer step pre-hook
         self.recorder.declared = declared_schedule(args, state.max_steps, self.recorder.optimizer, state.global_step)
 
+    @guarded
     def _forward(self, module, args, kwargs, output) -> None:
         """A training micro-batch's forward: its rows and the logits the model made of them (TRL's GRPO and DPO: its
         rows and what its trainer made of them, through the feed)."""
@@ -124,9 +128,11 @@ class ParityCallback(TrainerCallback):
         self.recorder.micro_batch(ids, labels, logits, attention_mask=kwargs.get("attention_mask"), log_probs=fused,
                                   position_ids=kwargs.get("position_ids"), use_cache=kwargs.get("use_cache"))
 
+    @guarded
     def on_step_end(self, args, state, control, **kwargs):
         self._stepped = True
 
+    @guarded
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._stepped and self.recorder is not None and self.recorder.enabled and logs and "grad_norm" in logs:
             self._stepped = False
@@ -140,11 +146,13 @@ class ParityCallback(TrainerCallback):
             self.recorder.after_step(logged_loss=logs.get("loss"), logged_grad_norm=theirs)
             self.recorder.norm_at_optimizer_step = float("nan")
 
+    @guarded
     def on_save(self, args, state, control, **kwargs):
         """Trainer saved a checkpoint (after the step's on_log): the record holds the steps up to it."""
         if self.recorder is not None:
             self.recorder.save()
 
+    @guarded
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:
             self._hook.remove()

@@ -24,8 +24,15 @@ def install() -> None:
 
 
 def _add_callback(trainer) -> None:
-    from parity.frameworks.transformers.callback import ParityCallback
+    """(Where the callback cannot be added to this release's Trainer: one line, and the Trainer trains unrecorded.)"""
+    try:
+        from parity.frameworks.transformers.callback import ParityCallback
 
-    if not any(isinstance(cb, ParityCallback) for cb in trainer.callback_handler.callbacks):
-        output_dir, name = attach.variables()
-        trainer.add_callback(ParityCallback(output_dir, name=name))
+        if not any(isinstance(cb, ParityCallback) for cb in trainer.callback_handler.callbacks):
+            output_dir, name = attach.variables()
+            trainer.add_callback(ParityCallback(output_dir, name=name))
+    except Exception as exc:
+        from parity.errors import first_line
+        from parity.frameworks import stop_record
+
+        stop_record(trainer, f"Trainer's callback: {type(exc).__name__}: {first_line(exc)}")

@@ -3,4 +3,4 @@ from their arguments (objectives.py)."""
 
 from parity.frameworks import Framework
 
-FRAMEWORK = Framework("trl", "TRL's trainers")
+FRAMEWORK = Framework("trl", "TRL's trainers", "trl", "0.29.0")

@@ -1,4 +1,5 @@
-"""TRL 1.16's GRPOTrainer and DPOTrainer recorded with their objective, no line of the user's script changed
+"""TRL's GRPOTrainer and DPOTrainer (0.29.0 to 1.16, docs/own_trainer.md#the-releases-recorded) recorded with their
+objective, no line of the user's script changed
 (docs/posttrain.md#your-own-run-recorded): Trainer's ParityCallback (frameworks/transformers/callback.py) asks `plan` what its trainer
 trains, then hands each training micro-batch to the recorder's objective_batch through a `GRPOFeed` or `DPOFeed`.
 
@@ -40,6 +41,7 @@ import hashlib
 
 import torch
 
+from parity.frameworks import guarded
 from parity.objectives import DEFINITIONS, GRPO_FAMILY, PER_PAIR, resolve_objective
 
 PROBE_ROWS = 4  # rows of the first micro-batch through vLLM and the trainer's model, layer by layer
@@ -51,6 +53,11 @@ GRPO_DECLARED = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "impor
 DPO_DECLARED = ("loss_type", "loss_weights", "beta", "label_smoothing", "f_divergence_type", "f_alpha_divergence_coef",
                 "ld_alpha", "discopop_tau", "precompute_ref_log_probs", "max_length", "truncation_mode",
                 "sync_ref_model", "gradient_accumulation_steps", "bf16")
+
+# GRPOConfig's settings that older TRL releases lack (docs/own_trainer.md#the-releases-recorded): what their absence
+# means — the feature is not there
+ABSENT = {"delta": None, "use_bias_correction_kl": False, "entropy_coef": 0.0, "top_entropy_quantile": 1.0,
+          "use_adaptive_entropy": False, "off_policy_mask_threshold": None}
 
 
 class Refused(Exception):
@@ -109,10 +116,10 @@ def _grpo(trainer, args, optimizer) -> tuple[str, dict]:
             raise Refused(f"the reward model {type(func).__name__} is trained in the same run (its parameters are in "
                           f"the optimizer): its rewards, and the advantages, move with each step, and the replay "
                           f"trains the policy alone")
-    settings = {k: getattr(args, k) for k in ("epsilon", "epsilon_high", "delta", "beta", "use_bias_correction_kl",
-                                              "importance_sampling_level", "mask_truncated_completions",
-                                              "temperature", "entropy_coef", "top_entropy_quantile",
-                                              "use_adaptive_entropy", "off_policy_mask_threshold")}
+    settings = {k: getattr(args, k, ABSENT.get(k)) for k in (  # a setting a release lacks: the feature is off
+        "epsilon", "epsilon_high", "delta", "beta", "use_bias_correction_kl", "importance_sampling_level",
+        "mask_truncated_completions", "temperature", "entropy_coef", "top_entropy_quantile", "use_adaptive_entropy",
+        "off_policy_mask_threshold")}
     settings["vllm_importance_sampling_correction"] = corrected  # TRL applies it with vLLM only
     if corrected:
         settings.update({k: getattr(args, k) for k in ("vllm_importance_sampling_mode",
@@ -226,6 +233,34 @@ def on_positions(per_completion: torch.Tensor | None, prompt_length: int) -> tor
     return torch.cat([torch.zeros(values.shape[0], prompt_length), values], 1)
 
 
+def end_ids(trainer) -> list[int]:
+    """The ids that end a completion by TRL's truncation rule (a row whose last token is none of them was cut): its
+    end ids and the padding; before TRL kept `eos_token_ids` (1.16), the tokenizer's end and padding (as its
+    clipped-ratio metric counts them)."""
+    tokenizer = getattr(trainer, "_tokenizer", None) or getattr(trainer.processing_class, "tokenizer",
+                                                                trainer.processing_class)
+    ends = getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id]
+    return [*ends, tokenizer.pad_token_id]
+
+
+def policy_log_probs(output, ids: torch.Tensor, trainer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The policy's log-prob of each next token [rows, L − 1] and its entropies, as TRL computed them: its fused LM
+    head's (TRL 1.15 on); before it, from the logits of the completion's positions (logits_to_keep + 1 of them, the
+    last dropped), tempered, as TRL's _get_per_token_logps_and_entropies — zero at the prompt's positions, which no
+    loss counts."""
+    if getattr(output, "log_probs", None) is not None:
+        return output.log_probs, getattr(output, "entropy", None)
+    from parity.objectives.causal_lm import entropies, token_log_probs
+
+    logits = output.logits
+    kept = logits.shape[1]  # logits_to_keep + 1, or every position
+    with torch.no_grad():
+        log_probs, log_softmax = token_log_probs(logits.detach() / trainer.temperature, ids[:, ids.shape[1] - kept:])
+        pad = ids.shape[1] - kept
+        return (torch.nn.functional.pad(log_probs, (pad, 0)),
+                torch.nn.functional.pad(entropies(log_softmax), (pad, 0)))
+
+
 class GRPOFeed:
     """A GRPOTrainer's training micro-batches to the recorder (module docstring)."""
 
@@ -269,15 +304,16 @@ class GRPOFeed:
         p, c = prompt.shape[1], completion.shape[1]
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
         limit = min(c, t.max_completion_length)
-        ends = torch.tensor([*t.eos_token_ids, t._tokenizer.pad_token_id], device=completion.device)
+        ends = torch.tensor(end_ids(t), device=completion.device)
         truncated = ~torch.isin(completion[:, limit - 1], ends)
         if t.mask_truncated_completions:  # TRL zeroed them: the record keeps the completion and its truncation
             cut = truncated[:, None] & (torch.arange(c, device=completion.device) < limit)[None]
             mask = torch.where(cut, torch.ones_like(mask), mask)
         rows = len(ids)
+        log_probs, entropies_ = policy_log_probs(output, ids, t)
         rec.objective_batch(
             ids, completion_mask=torch.cat([torch.zeros(rows, p, dtype=torch.int64), mask.long().cpu()], 1),
-            attention_mask=attention, log_probs=output.log_probs, entropies=getattr(output, "entropy", None),
+            attention_mask=attention, log_probs=log_probs, entropies=entropies_,
             advantages=advantages.float().cpu(), truncated=truncated.long().cpu(),
             group=prompt_groups(prompt, inputs["prompt_mask"]),
             generation=torch.full((rows,), t._step // spg, dtype=torch.int64),
@@ -338,19 +374,29 @@ class DPOFeed:
     same rows (module docstring)."""
 
     def __init__(self, trainer, recorder):
-        self.trainer, self.recorder, self.pending = trainer, recorder, None
+        self.trainer, self.recorder, self.pending, self.completion = trainer, recorder, None, None
         self.hook = (trainer.ref_model.register_forward_hook(self.reference, with_kwargs=True)
                      if getattr(trainer, "ref_model", None) is not None else None)
+        compute = trainer._compute_loss  # before TRL 1.15 the completion mask reaches no forward: read where it goes
+
+        def _compute_loss(model, inputs, *args, **kwargs):
+            self.completion = inputs.get("completion_mask") if isinstance(inputs, dict) else None
+            return compute(model, inputs, *args, **kwargs)
+
+        trainer._compute_loss = _compute_loss
 
     def forward(self, module, args, kwargs, output, grad: bool) -> None:
         if grad:
             if self.pending is not None:
                 self.recorder.broken = "a DPO micro-batch whose reference forward the recorder did not see"
-            self.pending = (kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("labels"),
-                            output.log_probs)
+            ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
+            if labels is None and self.completion is not None:  # before TRL 1.15: no labels, its completion mask
+                labels = ids.masked_fill(self.completion == 0, -100)
+            self.pending = (ids, kwargs.get("attention_mask"), labels, token_log_probs_of(output, ids, labels))
         elif self.pending is not None and self.hook is None:  # PEFT: the reference is the policy with adapters off
             self.reference(module, args, kwargs, output)
 
+    @guarded
     def reference(self, module, args, kwargs, output) -> None:
         if self.pending is None:
             return
@@ -362,7 +408,8 @@ class DPOFeed:
         pairs = len(ids) // 2
         order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], 1).reshape(-1)
         completion = (labels != -100).long().cpu()
-        reference = torch.cat([torch.zeros(len(ids), 1), output.log_probs.detach().float().cpu()], 1)
+        reference = torch.cat([torch.zeros(len(ids), 1), token_log_probs_of(output, ids, labels).detach().float().cpu()],
+                              1)
         pair = torch.arange(pairs, dtype=torch.int64).repeat_interleave(2)
         self.recorder.objective_batch(
             ids[order], completion_mask=completion[order],
@@ -372,6 +419,19 @@ class DPOFeed:
     def close(self) -> None:
         if self.hook is not None:
             self.hook.remove()
+        self.trainer.__dict__.pop("_compute_loss", None)
+
+
+def token_log_probs_of(output, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A DPO forward's log-prob of each next token [rows, L − 1], zero where no loss is taken: its fused LM head's (TRL
+    1.15 on), else its logits' (as TRL's _compute_loss: selective_log_softmax of the shifted logits)."""
+    if getattr(output, "log_probs", None) is not None:
+        return output.log_probs
+    from parity.objectives.causal_lm import token_log_probs
+
+    with torch.no_grad():
+        log_probs = token_log_probs(output.logits.detach(), ids)[0]
+        return log_probs.masked_fill(labels[:, 1:].to(log_probs.device) == -100, 0.0)
 
 
 __all__ = ["DPOFeed", "GRPOFeed", "Refused", "SamplerWatch", "kind_of", "plan", "resolved"]

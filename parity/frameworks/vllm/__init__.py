@@ -3,4 +3,4 @@
 
 from parity.frameworks import Framework
 
-FRAMEWORK = Framework("vllm", records=None)
+FRAMEWORK = Framework("vllm", records=None, module="vllm", oldest="0.27.0")
