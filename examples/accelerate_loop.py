@@ -3,7 +3,7 @@
 run_clm_no_trainer.py is (Accelerator, accelerator.prepare, accelerator.accumulate, accelerator.backward,
 accelerator.clip_grad_norm_, a scheduler from transformers.get_scheduler), on a tiny Qwen2 (the harness's qwen2-tiny
 preset, random weights) and right-padded samples with an attention mask, recorded for the harness
-(docs/own_trainer.md#accelerate).
+(docs/own_trainer/accelerate.md#accelerate).
 
     torchrun --nproc_per_node 2 examples/accelerate_loop.py --output_dir OUT
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop.py --output_dir OUT   # CPU too: torchrun

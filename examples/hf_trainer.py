@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "the ranks share one: PARITY_SHARE_ONE_GPU=1)")
     p.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast over fp32 weights)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
-                                                       "v_proj) on the frozen model (docs/own_trainer.md#lora)")
+                                                       "v_proj) on the frozen model (docs/own_trainer/techniques.md#lora)")
     p.add_argument("--rows", type=int, default=None,
                    help="samples in the dataset (default: every step a full window); others end each epoch in a "
                         "partial accumulation window and, with drop_last off, a smaller last batch")

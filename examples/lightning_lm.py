@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model_name", default="qwen2-tiny", help="a built-in model config, random weights")
     p.add_argument("--model_layers", type=int, default=2, help="the model's decoder layers (its first N)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
-                                                       "v_proj) on the frozen model (docs/own_trainer.md#lora)")
+                                                       "v_proj) on the frozen model (docs/own_trainer/techniques.md#lora)")
     p.add_argument("--strategy", default="ddp", choices=("ddp", "model_parallel", "fsdp"),
                    help="Lightning's strategy: ddp; model_parallel (FSDP2 over its data-parallel dim: CPU or GPU); "
                         "fsdp (GPU only: Lightning refuses it on CPU)")

@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the model and batches on the rank's "
                    "GPU (the group stays gloo, which carries DDP's CUDA tensors)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
-                                                       "v_proj) on the frozen model (docs/own_trainer.md#lora)")
+                                                       "v_proj) on the frozen model (docs/own_trainer/techniques.md#lora)")
     p.add_argument("--lora_save", default=None,
                    help="with --lora, modules trained whole beside the adapters (peft's modules_to_save, the tied "
                         "embedding kept tied): embed_tokens,norm,...")

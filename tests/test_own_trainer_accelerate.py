@@ -1,4 +1,4 @@
-"""Your own accelerate loop (docs/own_trainer.md#accelerate): examples/accelerate_loop.py — Accelerator, prepare,
+"""Your own accelerate loop (docs/own_trainer/accelerate.md#accelerate): examples/accelerate_loop.py — Accelerator, prepare,
 accumulate, accelerator.backward, clip_grad_norm_, transformers' get_scheduler, written as transformers'
 run_clm_no_trainer.py is — recorded with accelerate's prepared model and AcceleratedOptimizer as they are, replayed
 under the harness's DDP, judged. The model's own per-micro-batch `.loss` (run_clm_no_trainer.py's) seeded into a copy

@@ -1,4 +1,4 @@
-"""Your own packed and padding-free runs, recorded and replayed as they ran (docs/own_trainer.md#packed-and-padding-
+"""Your own packed and padding-free runs, recorded and replayed as they ran (docs/own_trainer/techniques.md#packed-and-padding-
 free-rows): TRL's SFTTrainer with packing=True (trl 1.16's default 'bfd' strategy: each micro-batch padding-free, one
 row whose position ids restart at each text, no attention mask, use_cache=False) training LoRA adapters (peft_config)
 and Trainer with transformers'

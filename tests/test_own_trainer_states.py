@@ -1,4 +1,4 @@
-"""Your own trainer at its checkpoints (docs/own_trainer.md#checkpoints-the-teacher-forced-check): the recorder saves
+"""Your own trainer at its checkpoints (docs/own_trainer/replay.md#checkpoints-the-teacher-forced-check): the recorder saves
 the run's full state around step 0 and every `checkpoint_interval` steps, the replay takes the teacher-forced check
 from each (parity/training/recorded_states.py), and the verdict FAILs a late bug at the first saved state after its
 onset whatever the curves say.

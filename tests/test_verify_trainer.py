@@ -1,4 +1,4 @@
-"""verify_trainer.py (docs/own_trainer.md#one-command): copies of the examples with their callback lines removed (the
+"""verify_trainer.py (docs/own_trainer/one_command.md#one-command): copies of the examples with their callback lines removed (the
 ParityCallback's construction and its import), run under verify_trainer.py as `python COPY --output_dir X --nproc 2`:
 Trainer (through the real command line, calibrated by default), TRL's SFTTrainer and Lightning (calibrated) PASS with
 their pages written — every command, its replays and the runs without the harness under the perturbed kernel setting
@@ -40,7 +40,7 @@ STEPS = 3
 # Each room's oldest release recorded (its FRAMEWORK's `oldest`), and a release below it, installed beside the pinned
 # set (conftest.installed_beside): {run: (framework, release, copy, its arguments)}. TRL's oldest runs the issue's
 # GRPOTrainer (dapo, 2 ranks); below it TRL 0.28.0's SFTTrainer (its GRPOTrainer does not import against transformers
-# 5.23.0); Lightning's below, 2.5.6 (docs/own_trainer.md#the-releases-recorded). Those below train one rank, one step.
+# 5.23.0); Lightning's below, 2.5.6 (docs/own_trainer/one_command.md#the-releases-recorded). Those below train one rank, one step.
 BELOW = ["--nproc", "1", "--steps", "1"]
 RELEASES = {"trl_oldest": ("trl", "0.29.0", "trl_posttrain", ["--loss_type", "dapo", "--fp32"]),
             "lightning_oldest": ("lightning", "2.6.0", "lightning", []),

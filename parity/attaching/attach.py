@@ -1,5 +1,5 @@
 """The variables through which verify_trainer.py attaches the recorder to a command it runs
-(docs/own_trainer.md#one-command).
+(docs/own_trainer/one_command.md#one-command).
 
 verify_trainer.py sets them in the environment of the user's command, which every process the command starts
 inherits (a launcher's ranks, spawned ranks, a local Ray cluster's workers): PARITY_RECORD_DIR, the folder the

@@ -1,4 +1,4 @@
-"""How the own-trainer examples start (docs/own_trainer.md#launchers): under a launcher that set torchrun's variables
+"""How the own-trainer examples start (docs/own_trainer/one_command.md#launchers): under a launcher that set torchrun's variables
 (torchrun, `accelerate launch`) the training function runs in this process; with `--ray N` it runs on N Ray Train
 workers (a TorchTrainer over gloo, the function told `ray=True` to use Ray's own integrations); otherwise `--nproc`
 ranks are spawned here with torchrun's variables set. On a GPU a spawned rank's LOCAL_RANK is its GPU; under the testing

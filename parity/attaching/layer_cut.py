@@ -1,5 +1,5 @@
 """verify_trainer.py --num_layers N: the user's unchanged command trains their model cut to its first N decoder layers,
-at its real widths, vocabulary, heads, tied ends and parallel plans (docs/own_trainer.md#your-model-at-its-real-widths).
+at its real widths, vocabulary, heads, tied ends and parallel plans (docs/own_trainer/replay.md#your-model-at-its-real-widths).
 
 Every transformers model is built through PreTrainedModel.__init__, which a model's own __init__ calls before it builds
 a layer: from_pretrained, from_config, a class called on a config, TRL's builders (a model name given to its trainers

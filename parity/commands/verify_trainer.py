@@ -1,5 +1,5 @@
 """verify_trainer.py: your training command run as you launch it, recorded, replayed under the harness's DDP and judged,
-in one command (docs/own_trainer.md#one-command).
+in one command (docs/own_trainer/one_command.md#one-command).
 
 The command runs as a child process, its output passed through, with the recorder attached by environment
 (parity/attaching/attach.py): its records land in --output_dir under a name taken from the command. Each record's
@@ -50,11 +50,11 @@ def build_parser(description: str = "") -> OneLineParser:
                         "every N steps (0: step 0 alone; default: what the code passes, 50 unless it says)")
     p.add_argument("--num_layers", type=whole_number(1), default=None,
                    help="train the command's model cut to its first N decoder layers, at its real widths (every "
-                        "transformers model its processes build; docs/own_trainer.md#your-model-at-its-real-widths)")
+                        "transformers model its processes build; docs/own_trainer/replay.md#your-model-at-its-real-widths)")
     p.add_argument("--replay_strategy", default="auto", choices=("auto", "ddp", "fsdp", "zero3"),
                    help="the trusted loop that replays the record: ddp (a whole replica a worker), fsdp (FSDP2, fully "
                         "sharded, no TP), zero3 (DeepSpeed ZeRO-3); auto: ddp where a replica with its gradients and "
-                        "AdamW states fits a worker, else fsdp (docs/own_trainer.md#the-sharded-replay)")
+                        "AdamW states fits a worker, else fsdp (docs/own_trainer/replay.md#the-sharded-replay)")
     p.add_argument("--replay_memory", type=size, default=None,
                    help="what one replay worker may hold, e.g. 80GiB (default: its GPU's memory; on CPU the "
                         "machine's ÷ the workers)")

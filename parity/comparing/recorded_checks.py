@@ -1,4 +1,4 @@
-"""A recorded run's teacher-forced checks, attached to it for the verdict (docs/own_trainer.md#checkpoints-the-
+"""A recorded run's teacher-forced checks, attached to it for the verdict (docs/own_trainer/replay.md#checkpoints-the-
 teacher-forced-check): the replay of the record takes a reference step from each state the run's recorder saved and
 writes every check's entry beside the record (`teacher_forced_<name>.json`, parity/training/recorded_states.py), apart
 from loss_<name>.json; here they go into the loaded record's steps as a harness run's own checks are recorded, so

@@ -12,7 +12,7 @@ every framework, and imports nothing of it until asked:
   one of its);
 - `install_hint()`: what this install lacks for the framework to find parity (e.g. an entry point), or "";
 - `module` and `oldest`: the framework's import name and the oldest release of it the room records (found by
-  recording it beside the pinned set: docs/own_trainer.md#the-releases-recorded). An older one imported in a
+  recording it beside the pinned set: docs/own_trainer/one_command.md#the-releases-recorded). An older one imported in a
   recorded process is refused in one line (`release_refusal`); a newer one than the pinned set's is recorded.
 The recorder never stops a user's run: a room's code the framework calls (a callback's hook, a forward hook, a
 wrapped method) is `guarded` — what it raises (an attribute another release does not have) ends the record in one
@@ -61,7 +61,7 @@ def release_refusal() -> str | None:
         version = getattr(sys.modules.get(framework.module), "__version__", None)
         if isinstance(version, str) and Version(version) < Version(framework.oldest):
             return (f"{framework.module} {version} is older than {framework.oldest}, the oldest release of it parity "
-                    f"records (docs/own_trainer.md#the-releases-recorded)")
+                    f"records (docs/own_trainer/one_command.md#the-releases-recorded)")
     return None
 
 

@@ -1,4 +1,4 @@
-"""A user's LoRA run, read for its record (docs/own_trainer.md#lora): the adapters' settings as the harness's own
+"""A user's LoRA run, read for its record (docs/own_trainer/techniques.md#lora): the adapters' settings as the harness's own
 (RunConfig.lora: parity/models/adapters.py), and the initial weights split as a harness LoRA run keeps them — the base
 under a stock model's names in the init-weights file, the adapters in their file beside it — so that the replay builds
 the same PEFT model from them (`add_adapters` on the base, then the recorded adapters) and trains the adapters alone.

@@ -1,4 +1,4 @@
-"""What a recorded run resumed from its framework's checkpoint continues (docs/own_trainer.md#resume): the first run's
+"""What a recorded run resumed from its framework's checkpoint continues (docs/own_trainer/techniques.md#resume): the first run's
 record, checked and cut at the resumed step (`kept`), and the lr schedule as the loop declares it (`DeclaredSchedule`,
 which Trainer's callback uses for its own settings' schedule too). Split from recorder.py, which calls them at its
 start."""

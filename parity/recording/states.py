@@ -1,5 +1,5 @@
 """The recorder's states: a user's run at its checkpoints, saved for the teacher-forced check its replay takes from
-them (parity/training/recorded_states.py, docs/own_trainer.md#checkpoints-the-teacher-forced-check).
+them (parity/training/recorded_states.py, docs/own_trainer/replay.md#checkpoints-the-teacher-forced-check).
 
 What: the run's full state before and after step 0 and every `checkpoint_interval`-th step (the harness's flag's name
 and default; 0: step 0 alone; None: none) — every parameter (the master weights, what the optimizer steps) under its

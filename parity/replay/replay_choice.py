@@ -1,4 +1,4 @@
-"""Which trusted loop replays a record (docs/own_trainer.md#the-sharded-replay): the harness's DDP, which holds a whole
+"""Which trusted loop replays a record (docs/own_trainer/replay.md#the-sharded-replay): the harness's DDP, which holds a whole
 replica with its gradients and AdamW's moments on every worker, or — where that would not fit one worker, or where
 asked — FSDP2 as pure data parallelism, fully sharded, no TP (the harness holds that layout to DDP: 0 / 2.2e-16 / 0
 in fp32), or DeepSpeed's ZeRO-3, the replay offered where the baseline would share FSDP2's own code with the run it

@@ -1,4 +1,4 @@
-"""A recorded run's packed and padding-free rows, fed to its replay as the run fed them (docs/own_trainer.md#packed-and-
+"""A recorded run's packed and padding-free rows, fed to its replay as the run fed them (docs/own_trainer/techniques.md#packed-and-
 padding-free-rows).
 
 Why: transformers (5.23) keeps the documents of a packed row apart only where the row comes with its position ids, no

@@ -1,4 +1,4 @@
-"""A recorded run's states at its checkpoints, checked on the replay's worker (docs/own_trainer.md#checkpoints-the-
+"""A recorded run's states at its checkpoints, checked on the replay's worker (docs/own_trainer/replay.md#checkpoints-the-
 teacher-forced-check, docs/teacher_forced.md): the recorder of a user's loop saves the run's full state — every
 parameter, AdamW's moments and step count, the buffers, as full fp32 tensors under Hugging Face names — before and
 after step 0 and every `checkpoint_interval`-th step (parity/recording/states.py); the replay of the record takes

@@ -1,4 +1,4 @@
-"""Lightning's Trainer recorded without a line of the user's script changed (docs/own_trainer.md#one-command).
+"""Lightning's Trainer recorded without a line of the user's script changed (docs/own_trainer/one_command.md#one-command).
 
 Lightning loads callbacks from outside through its entry point group `lightning.pytorch.callbacks_factory` (lightning
 2.6's CallbackConnector calls every factory registered there when a Trainer is built, and appends what it returns to

@@ -1,4 +1,4 @@
-"""Hugging Face's Trainer recorded without a line of the user's script changed (docs/own_trainer.md#one-command).
+"""Hugging Face's Trainer recorded without a line of the user's script changed (docs/own_trainer/one_command.md#one-command).
 
 transformers has no entry point through which a callback can be plugged in from outside, so under verify_trainer.py
 (sitecustomize.py calls `install` where its variables are set) the place where the user's Trainer is built gets it:

@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer and DPOTrainer (0.29.0 to 1.16, docs/own_trainer.md#the-releases-recorded) recorded with their
+"""TRL's GRPOTrainer and DPOTrainer (0.29.0 to 1.16, docs/own_trainer/one_command.md#the-releases-recorded) recorded with their
 objective, no line of the user's script changed
 (docs/posttrain.md#your-own-run-recorded): Trainer's ParityCallback (frameworks/transformers/callback.py) asks `plan` what its trainer
 trains, then hands each training micro-batch to the recorder's objective_batch through a `GRPOFeed` or `DPOFeed`.
@@ -54,7 +54,7 @@ DPO_DECLARED = ("loss_type", "loss_weights", "beta", "label_smoothing", "f_diver
                 "ld_alpha", "discopop_tau", "precompute_ref_log_probs", "max_length", "truncation_mode",
                 "sync_ref_model", "gradient_accumulation_steps", "bf16")
 
-# GRPOConfig's settings that older TRL releases lack (docs/own_trainer.md#the-releases-recorded): what their absence
+# GRPOConfig's settings that older TRL releases lack (docs/own_trainer/one_command.md#the-releases-recorded): what their absence
 # means — the feature is not there
 ABSENT = {"delta": None, "use_bias_correction_kl": False, "entropy_coef": 0.0, "top_entropy_quantile": 1.0,
           "use_adaptive_entropy": False, "off_policy_mask_threshold": None}
