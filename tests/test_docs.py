@@ -1,9 +1,10 @@
 """The docs a reader finishes (issue 83): every relative link in README.md and docs/ names a file that is there and, with
 an #anchor, a heading of that page; the README within 200 lines of at most 160 characters; each page of your own
-trainer's docs (docs/own_trainer/) within 300 lines."""
+trainer's docs (docs/own_trainer/) within 300 lines; docs/refusals.md's cited tests exist and its counts are its rows."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -53,3 +54,36 @@ def test_the_readme_and_the_pages_keep_their_size():
     assert len(readme) <= 200 and max(map(len, readme)) <= 160, (len(readme), max(map(len, readme)))
     sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "docs" / "own_trainer").glob("*.md")}
     assert sizes and max(sizes.values()) <= 300, sizes
+
+
+def refusal_rows(text: str) -> dict[str, list[list[str]]]:
+    """docs/refusals.md's table rows (their cells) by section: each `## ` heading's table, header and rule left out."""
+    rows, section = {}, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+        elif section and line.startswith("| ") and not line.startswith("| the line"):
+            rows.setdefault(section, []).append([c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]])
+    return rows
+
+
+def test_the_refusals_page_cites_real_tests_and_counts_its_rows():
+    """Every tests/test_*.py::name cited names a module that defines that function (read with ast, nothing imported);
+    'Before: N refusals. After: M refusals.' is the table: M its rows left, N those there since f0c0d33 and the lifted."""
+    text = (ROOT / "docs" / "refusals.md").read_text()
+    cited = set(re.findall(r"tests/(test_\w+\.py)::(\w+)", text))
+    defined = {}
+    for module in {m for m, _ in cited}:
+        path = ROOT / "tests" / module
+        defined[module] = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)} \
+            if path.exists() else set()
+    assert cited and sorted(f"{m}::{n}" for m, n in cited if n not in defined[m]) == []
+    rows = refusal_rows(text)
+    lifted = rows.pop("Lifted by issue 80")
+    left = [r for section, found in rows.items() if section != "No asserting test" for r in found]
+    assert all(len(r) == 5 and r[3] in ("f0c0d33", "issue 80", "issue 82") for r in left), \
+        [r[:1] for r in left if len(r) != 5 or r[3] not in ("f0c0d33", "issue 80", "issue 82")]
+    before, after = map(int, re.search(r"Before: (\d+) refusals\. After: (\d+) refusals\.", text).groups())
+    assert (before, after) == (sum(r[3] == "f0c0d33" for r in left) + len(lifted), len(left))
+    unasserted = [line for line in text.split("## No asserting test", 1)[1].splitlines() if line.startswith("- ")]
+    assert len(unasserted) == sum(r[4] == "none" for r in left) + sum(r[2] == "none" for r in lifted)
