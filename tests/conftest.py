@@ -542,6 +542,35 @@ def assert_bf16_parity(run: dict, baseline_bf16: dict, baseline_fp32: dict) -> N
     assert max_rel_diff(series(run, "grad_norm"), series(baseline_fp32, "grad_norm")) > 10 * FP32_RTOL
 
 
+def side_by_side(commands: dict, cwd, ranks_at_once: int = 6, timeout: float = 1800) -> dict:
+    """{name: (exit code, output)} of `commands` ({name: (argv, env, ranks)}) run in `cwd`, started in their order
+    while the ranks running stay within `ranks_at_once` (a run of more starts alone): every launch of a module at once
+    held ~30 ranks and their replays, ~20 GiB of this machine's 24, and its processes' scheduling, not the work, set
+    the module's time. Each run's output goes to a file (a pipe no one reads blocks a chatty run)."""
+    import tempfile
+    import time
+
+    waiting, running, done = list(commands.items()), {}, {}
+    deadline = time.monotonic() + timeout
+    while waiting or running:
+        while waiting and (not running or sum(r for _, _, r in running.values()) + waiting[0][1][2] <= ranks_at_once):
+            name, (argv, env, ranks) = waiting.pop(0)
+            log = tempfile.TemporaryFile(mode="w+")
+            running[name] = (subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True),
+                             log, ranks)
+        time.sleep(0.5)
+        for name, (proc, log, _) in list(running.items()):
+            if proc.poll() is None and time.monotonic() < deadline:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+            log.seek(0)
+            done[name] = (proc.wait(), log.read())
+            log.close()
+            del running[name]
+    return {name: done[name] for name in commands}
+
+
 def free_port() -> int:
     import socket
 

@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, max_rel_diff, series
+from conftest import REPO, max_rel_diff, series, side_by_side
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -99,20 +99,20 @@ MARGIN = 0.5  # a clean run's largest deviation ÷ bound, each check (docs/toler
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """{name: (verify_trainer.py's exit code, its output, its folder)}: tests/megatron_train_job.py under
-    `verify_trainer.py -- torchrun … megatron_cpu.py megatron_train_job.py`, 4 steps of 2 micro-batches, all side by
-    side, each under its kernel setting."""
+    `verify_trainer.py -- torchrun … megatron_cpu.py megatron_train_job.py`, 4 steps of 2 micro-batches, side by
+    side (conftest.side_by_side), each under its kernel setting."""
     from parity.calibration.kernel_settings import environment
 
     root = tmp_path_factory.mktemp("megatron_recorded")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
-    procs = {name: subprocess.Popen(
+    runs = side_by_side({name: (
         [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", name, "--", "torchrun",
          "--nproc_per_node", str(ranks), "--standalone", os.path.join(TESTS, "megatron_cpu.py"),
          os.path.join(TESTS, "megatron_train_job.py"), *flags, "--steps", "4"],
-        env=environment(setting, env) if setting else env, cwd=root, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for name, (ranks, flags, setting) in RECORDED.items()}
-    return {name: (proc.wait(timeout=900), proc.stdout.read(), root / name) for name, proc in procs.items()}
+        environment(setting, env) if setting else env, ranks) for name, (ranks, flags, setting) in RECORDED.items()},
+        root)
+    return {name: (code, output, root / name) for name, (code, output) in runs.items()}
 
 
 def _judged(folder) -> dict:

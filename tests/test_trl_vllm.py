@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, kernel_setting
+from conftest import REPO, kernel_setting, side_by_side
 from test_sampler import vllm_site
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -50,9 +50,8 @@ def runs(tmp_path_factory):
                        if dtype == "logprobs" else
                        [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", f"v_{dtype}", "--",
                         *COMMAND, "--output_dir", f"run_{dtype}"])
-            procs[dtype] = subprocess.Popen(command, env=env, cwd=root, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True)
-    return {dtype: (proc.wait(timeout=900), proc.stdout.read(), root / f"v_{dtype}") for dtype, proc in procs.items()}
+            procs[dtype] = (command, env, 2)
+    return {dtype: (code, output, root / f"v_{dtype}") for dtype, (code, output) in side_by_side(procs, root).items()}
 
 
 def _rollouts(folder):
