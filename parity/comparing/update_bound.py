@@ -26,9 +26,9 @@ _LOG_GRID = [math.log10(x) for x in GRID]
 
 
 def read(row: list[float], x: float) -> float:
-    """A table's `row` at the noise level `x`: log-log between its levels; below the first as x² (a flip-prone
-    element's move is at most linear in the noise); above the last in proportion to x (the flip-prone elements grow
-    with the noise, each one's move saturates)."""
+    """A table's `row` at the noise level `x`: log-log between its levels, as x³ up from a level where no element was
+    flip-prone (their number grows as x, each one's move² as x²); below the first as x²; above the last in proportion
+    to x (the flip-prone elements grow with the noise, each one's move saturates)."""
     if not x > 0 or not any(row):
         return 0.0
     if x <= GRID[0]:
@@ -38,8 +38,8 @@ def read(row: list[float], x: float) -> float:
     lx = math.log10(x)
     j = next(i for i in range(1, len(GRID)) if _LOG_GRID[i] >= lx)
     a, b = row[j - 1], row[j]
-    if a <= 0 or b <= 0:  # a level where no element moved: linear between them
-        return a + (b - a) * (lx - _LOG_GRID[j - 1]) / (_LOG_GRID[j] - _LOG_GRID[j - 1])
+    if a <= 0:  # no element flip-prone at the level below
+        return b * (x / GRID[j]) ** 3
     t = (lx - _LOG_GRID[j - 1]) / (_LOG_GRID[j] - _LOG_GRID[j - 1])
     return 10 ** (math.log10(a) + t * (math.log10(b) - math.log10(a)))
 

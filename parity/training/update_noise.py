@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import torch
 
-# the noise levels x, in rms gradients: 1e-8 … 0.1 (decades) and 0.32 — bf16's element noise is 0.3–10 % of a
-# tensor's rms gradient, fp32's ~1e-7 (docs/tensors.md); above the last level a table is read in proportion
-GRID = (*(10.0 ** e for e in range(-8, 0)), 10 ** -0.5)
+# the noise levels x, in rms gradients: 1e-8 … 0.32 in half decades — bf16's element noise is 0.3–10 % of a tensor's
+# rms gradient, fp32's ~1e-7 (docs/tensors.md); a flip-prone table rises as x³ (elements ∝ x, each move² ∝ x²), so
+# half decades (a factor 5.6 between levels) keep its reading within its own size
+GRID = tuple(10 ** (e / 2) for e in range(-16, 0))
 SAMPLED = 1 << 14
 DIGITS = 3  # significant digits a table keeps in the record: the bound needs its size, not its last bits
 
