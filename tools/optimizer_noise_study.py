@@ -39,11 +39,11 @@ LR, WARMUP, CLIP, SEQ, ROWS, BETAS, EPS = 1e-3, 5, 0.8, 128, 4, (0.9, 0.999), 1e
 def tables(g, m, v, step, p, lr) -> dict[str, list[float]]:
     """A's table of one tensor in each variant: "carried" / "this step" × "all" / "flip-prone" elements, the product's
     own (carried, flip-prone) from update_noise.tensor_table."""
-    from parity.training.update_noise import GRID, noise_scale, tensor_table
+    from parity.training.update_noise import GRID, noise_scale, norm_change, tensor_table
 
     g, m, v, p = (t.double().flatten() for t in (g, m, v, p))
     bc1, bc2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
-    weight, rms, reached = (p / p.norm()) ** 2, noise_scale(g), g != 0
+    norm, rms, reached = float(p.norm()), noise_scale(g), g != 0
     u = lambda mm, vv: lr * (mm / bc1) / (vv.clamp_min(0).sqrt() / bc2 ** 0.5 + EPS)  # noqa: E731
     out = {}
     for carried in (True, False):
@@ -51,18 +51,18 @@ def tables(g, m, v, step, p, lr) -> dict[str, list[float]]:
             row = []
             for x in GRID:
                 d = x * rms * reached
-                moves = []
+                changes = []
                 for s in (1.0, -1.0):
                     if carried:
                         mm, vv = m + s * d * bc1, v + (2 * s * d * (m / bc1) + d * d) * bc2
                     else:
                         mm, vv = m + (1 - BETAS[0]) * s * d, v + (1 - BETAS[1]) * ((g + s * d) ** 2 - g * g)
-                    moves.append((u(mm, vv) - u(m, v)).abs())
-                move = torch.maximum(*moves)
+                    changes.append(norm_change(p, u(mm, vv) - u(m, v), norm))
+                change = torch.maximum(*changes)
                 if prone:
                     limit = d if carried else (1 - BETAS[0]) * d
-                    move = torch.where((m / (bc1 if carried else 1)).abs() < limit, move, torch.zeros_like(move))
-                row.append(float((weight * move * move).sum()))
+                    change = torch.where((m / (bc1 if carried else 1)).abs() < limit, change, torch.zeros_like(change))
+                row.append(float((change * change).sum()))
             out[f"{'carried' if carried else 'this step'}/{'flip-prone' if prone else 'all'}"] = row
     out["carried/flip-prone"] = tensor_table(g, m, v, step, p, lr, BETAS, EPS).tolist()  # the product's own
     return out

@@ -12,9 +12,9 @@ differences of the elements with the smallest quarter of |g| are 0.4–1.0 of th
 their gradients are 0.05–0.1 of them): a noise level `x` is δ = x × the tensor's rms gradient on every element — which
 is what makes a near-zero element flip-prone.
 
-`tensor_table` (the baseline, every step): per level x of GRID, Σ_i (p̂_i · move_i)² over the flip-prone elements
-(|m̂_i| < δ: the update's sign is the noise's), p̂ the parameter's direction after the step — the variance of the
-tensor's norm if each moved by its move with an independent sign. The other elements' moves are linear in the noise,
+`tensor_table` (the baseline, every step): per level x of GRID, Σ_i c_i² over the flip-prone elements (|m̂_i| < δ:
+the update's sign is the noise's), c_i how far element i's move changes the tensor's norm after the step (norm_change)
+— the variance of the norm if each moved by its move with an independent sign. The other elements' moves are linear in the noise,
 a sum of many small ones the references sample well (their bound, NOISE_K × what they drew, lies 6 × above those moves'
 spread at the median); counted here too they would lift the bound where the seeded bugs are caught (docs/tensors.md).
 The move carries over steps as the moments do: the noise δ on every gradient the moments hold shifts the
@@ -75,21 +75,28 @@ def tensor_table(grad, exp_avg, exp_avg_sq, step: int, param, lr: float, betas, 
                   for t in (grad, exp_avg, exp_avg_sq, param))
     m_hat, v_hat = m / (1 - betas[0] ** step), v / (1 - betas[1] ** step)
     reached = (g != 0) & (m_hat.abs() < GRID[-1] * rms)  # every level's flip-prone elements (δ ≤ GRID[-1] × rms)
-    m_hat, v_hat, weight = m_hat[reached], v_hat[reached], (p[reached] / norm) ** 2
+    m_hat, v_hat, p = m_hat[reached], v_hat[reached], p[reached]
     order = torch.argsort(m_hat.abs())
-    m_hat, v_hat, weight = m_hat[order], v_hat[order], weight[order]
+    m_hat, v_hat, p = m_hat[order], v_hat[order], p[order]
     size = m_hat.abs()
     for j, x in enumerate(GRID):
         delta = x * rms
         k = int(torch.searchsorted(size, torch.tensor([delta], dtype=size.dtype, device=size.device)))
         if k == 0:
             continue
-        mh, vh = m_hat[:k], v_hat[:k]
+        mh, vh, pk = m_hat[:k], v_hat[:k], p[:k]
         base = _update(mh, vh, lr, eps)
-        move = torch.maximum(*((_update(mh + s * delta, vh + 2 * s * delta * mh + delta * delta, lr, eps)
-                                - base).abs() for s in (1.0, -1.0)))
-        out[j] = float((weight[:k].double() * move.double() ** 2).sum())
+        change = torch.maximum(*(norm_change(pk, _update(mh + s * delta, vh + 2 * s * delta * mh + delta * delta, lr,
+                                                         eps) - base, norm) for s in (1.0, -1.0)))
+        out[j] = float((change.double() ** 2).sum())
     return out * (n / SAMPLED if index is not None else 1.0)
+
+
+def norm_change(p: torch.Tensor, move: torch.Tensor, norm: float) -> torch.Tensor:
+    """|How far the tensor's norm moves| where each element's update moves by `move` (the parameter p − move), exact to
+    the second order: |(p − move)² − p²| / 2‖p‖. Not p̂ · move alone: a zero-initialised bias's first update flipped
+    (p = u, move = 2u) leaves its norm where it was."""
+    return ((p - move) ** 2 - p * p).abs() / (2 * norm)
 
 
 def step_moves(grad, exp_avg, exp_avg_sq, step: int, lr: float, betas, eps: float, delta: float) -> float:
