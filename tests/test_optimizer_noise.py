@@ -33,7 +33,7 @@ ROOTED = "model.layers.0.post_attention_layernorm.weight"
 ROOTS = 4
 STEPS = 100
 SETTING = {"model_name": "qwen2-tiny", "seq_length": 32, "debug_steps": STEPS, "learning_rate": 1e-3,
-           "warmup_steps": 0, "max_grad_norm": 1.0, "log_interval": STEPS, "checkpoint_interval": 50,
+           "warmup_steps": 0, "max_grad_norm": 1.0, "log_interval": STEPS, "checkpoint_interval": 0,
            "seed": REBUILT_SEED, "precision": "bf16"}
 REFERENCES = ("noise_reference_ddp_tp1_dp1_bf16", "noise_reference_ddp_tp1_dp2_bf16_perturbed")
 MARGIN = 0.5
