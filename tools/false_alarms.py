@@ -31,8 +31,19 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernel_matrix as km  # noqa: E402  (the matrix's commands and cells: one maker per capability)
+
+def _kernel_matrix():
+    """tools/kernel_matrix.py, loaded by its path: the matrix's commands and cells, one maker per capability."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "kernel_matrix", os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_matrix.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+km = _kernel_matrix()
 
 SHORT, LONG = "short", "long"
 FP32, LOW = "fp32", "low"
@@ -87,12 +98,8 @@ def grpo_vllm(code: str, out: str, device: str, more=()) -> list[str]:
             "qwen3-tiny", *km.example_flags("trl_posttrain.py", device, 1), *more]
 
 
-# name: (the command's maker, its comparison's folder, flags(seed, low, steps), verdicts a cell judges, trains LONG_STEPS,
-#        variables of its own by precision)
-def _ex(name: str, *flags: str, nproc=None):
-    return km.verify(name, *flags, nproc=nproc)
-
-
+_ex = km.verify  # an example under verify_trainer.py
+# name: (the command's maker, its comparison's folder, flags(seed, low, steps), whether it trains LONG_STEPS)
 CAMPAIGN = {
     "main_job": (km.main_job("--strategies", "ddp deepspeed fsdp transformers"), "job/loss_curves", main_flags, True),
     "trainer": (_ex("hf_trainer.py"), "verify", example_flags, True),
@@ -163,9 +170,8 @@ def run(c: dict, out: str, code: str, device: str, timeout: float | None) -> dic
     env = dict(variables)
     if c["capability"] == "grpo_vllm":
         env["PYTHONPATH"] = os.pathsep.join([vllm_site(), km.environment(code, c["setting"], device)["PYTHONPATH"]])
-    km.CAPABILITIES.setdefault(c["capability"], (None, CAMPAIGN[c["capability"]][1]))  # its comparison's folder
     found = km.run_cell(c["capability"], c["setting"], out, code, device, timeout, make,
-                        os.path.join(out, c["capability"], cell_name(c)), env)
+                        os.path.join(out, c["capability"], cell_name(c)), env, CAMPAIGN[c["capability"]][1])
     found["refused"] = found["verdict"] == "no comparison" or found.get("exit") == 2
     return {**c, **found}
 

@@ -142,12 +142,13 @@ def margins(folder: str, comparison: dict) -> dict[str, tuple[str, float]]:
 
 
 def run_cell(capability: str, setting: str, out: str, code: str, device: str = "cpu",
-             timeout: float | None = None, make=None, cell: str | None = None, env: dict | None = None) -> dict:
+             timeout: float | None = None, make=None, cell: str | None = None, env: dict | None = None,
+             folder: str | None = None) -> dict:
     """One cell: its command run (unless its comparison is there; stopped after `timeout` s), its verdict, exit code,
     margin, seconds, the recorder's share of the recorded run's steps, and each run's margin ("runs": {run: (check,
-    ratio)}). `make` (a command maker of `capability`'s folder), `cell` (its folder: OUT/<capability>/<setting>) and
-    `env` (variables beside the setting's) where the cell is not the matrix's own (tools/false_alarms.py)."""
-    make, folder = make or CAPABILITIES[capability][0], CAPABILITIES[capability][1]
+    ratio)}). `make` (a command maker), `folder` (where its comparison lands), `cell` (its folder: OUT/<capability>/
+    <setting>) and `env` (variables beside the setting's) where the cell is not the matrix's own (tools/false_alarms.py)."""
+    make, folder = make or CAPABILITIES[capability][0], folder or CAPABILITIES[capability][1]
     cell = cell or os.path.join(out, capability, setting)
     report = os.path.join(cell, folder, "curve_comparison.json")
     seconds, code_ = None, None
