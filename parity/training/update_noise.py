@@ -63,9 +63,9 @@ def noise_scale(grad: torch.Tensor) -> float:
 
 
 def tensor_table(grad, exp_avg, exp_avg_sq, step: int, param, lr: float, betas, eps: float) -> torch.Tensor:
-    """One tensor's row: per x of GRID, Σ_i (p̂_i · move_i)² over its flip-prone elements (float64, on the tensor's
-    device); zeros before AdamW's first step or for a tensor of norm 0. The elements are taken in order of |m̂| once,
-    each level on those below its δ (in fp32: a flip's move is the size of the update itself)."""
+    """One tensor's row: per x of GRID, Σ_i norm_change_i² over its flip-prone elements (float64, on the tensor's
+    device); zeros before AdamW's first step or for a tensor of norm 0. Every level at once, over the elements
+    flip-prone at the highest (in fp32: a flip's move is the size of the update itself)."""
     out = torch.zeros(len(GRID), dtype=torch.float64, device=param.device)
     n, norm, rms = param.numel(), float(torch.linalg.vector_norm(param.detach().double())), noise_scale(grad)
     if step < 1 or n == 0 or norm == 0 or rms == 0:
@@ -74,21 +74,14 @@ def tensor_table(grad, exp_avg, exp_avg_sq, step: int, param, lr: float, betas, 
     g, m, v, p = (t.detach().reshape(-1).float() if index is None else t.detach().reshape(-1)[index].float()
                   for t in (grad, exp_avg, exp_avg_sq, param))
     m_hat, v_hat = m / (1 - betas[0] ** step), v / (1 - betas[1] ** step)
-    reached = (g != 0) & (m_hat.abs() < GRID[-1] * rms)  # every level's flip-prone elements (δ ≤ GRID[-1] × rms)
-    m_hat, v_hat, p = m_hat[reached], v_hat[reached], p[reached]
-    order = torch.argsort(m_hat.abs())
-    m_hat, v_hat, p = m_hat[order], v_hat[order], p[order]
-    size = m_hat.abs()
-    for j, x in enumerate(GRID):
-        delta = x * rms
-        k = int(torch.searchsorted(size, torch.tensor([delta], dtype=size.dtype, device=size.device)))
-        if k == 0:
-            continue
-        mh, vh, pk = m_hat[:k], v_hat[:k], p[:k]
-        base = _update(mh, vh, lr, eps)
-        change = torch.maximum(*(norm_change(pk, _update(mh + s * delta, vh + 2 * s * delta * mh + delta * delta, lr,
-                                                         eps) - base, norm) for s in (1.0, -1.0)))
-        out[j] = float((change.double() ** 2).sum())
+    deltas = torch.tensor(GRID, dtype=m.dtype, device=m.device) * rms
+    reached = (g != 0) & (m_hat.abs() < deltas[-1])  # flip-prone at some level
+    m_hat, v_hat, p = m_hat[reached, None], v_hat[reached, None], p[reached, None]
+    base = _update(m_hat, v_hat, lr, eps)
+    change = torch.maximum(*(norm_change(p, _update(m_hat + d, v_hat + 2 * d * m_hat + d * d, lr, eps) - base, norm)
+                             for d in (deltas[None, :], -deltas[None, :])))
+    prone = m_hat.abs() < deltas[None, :]  # [element, level]
+    out += (change.double() ** 2 * prone).sum(0)
     return out * (n / SAMPLED if index is not None else 1.0)
 
 
@@ -96,7 +89,7 @@ def norm_change(p: torch.Tensor, move: torch.Tensor, norm: float) -> torch.Tenso
     """|How far the tensor's norm moves| where each element's update moves by `move` (the parameter p − move), exact to
     the second order: |(p − move)² − p²| / 2‖p‖. Not p̂ · move alone: a zero-initialised bias's first update flipped
     (p = u, move = 2u) leaves its norm where it was."""
-    return ((p - move) ** 2 - p * p).abs() / (2 * norm)
+    return (move * (move - 2 * p)).abs() / (2 * norm)  # (p − move)² − p², without its cancellation
 
 
 def step_moves(grad, exp_avg, exp_avg_sq, step: int, lr: float, betas, eps: float, delta: float) -> float:
