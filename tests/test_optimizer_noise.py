@@ -2,13 +2,15 @@
 optimizers-own-noise, docs/false_alarms.md).
 
 The rebuilt case of a clean bf16 run once called FAIL on CUDA by one AdamW sign flip of a 64-element norm weight
-(parity/calibration/near_zero.py): qwen2-tiny, four elements of
+(parity/calibration/near_zero.py): qwen2-tiny (seed 42, seq 32), four elements of
 `layers.0.post_attention_layernorm.weight` at the root of their step-0 gradient, so that each run's first update moves
-each of them by ±lr, its sign the run's arithmetic's. DDP's bf16 baseline records its AdamW's table; a clean FSDP2 +
-TP run, under the default kernels and under oneDNN's AVX2 ones, PASSes 100 steps against it with margin, the root
-tensor's update bound at step 0 at least one flip; AdamW's step counter advanced twice still FAILs at step 1. Then the
-campaign tool (tools/false_alarms.py) runs its slice — a hand-written loop and Trainer, each verified at that seed —
-and writes its page: two clean verdicts, no FAIL, no refusal."""
+each of them by ±lr, its sign the run's arithmetic's. DDP's bf16 baseline records its AdamW's table, beside its two
+references (one rank; two ranks in another arithmetic); a clean FSDP2 + TP run, under the default kernels and under
+oneDNN's AVX2 ones, PASSes 100 steps against it within half of every bound, the root tensor's update bound at step 0
+at least one flip; AdamW's step counter advanced twice still FAILs at step 1. Then the campaign tool
+(tools/false_alarms.py) runs its slice at a seed no other test uses — a hand-written loop and Trainer, two families of
+the recorded runs (the harness's strategies' is the FSDP2 + TP run above) — and writes its page: two clean verdicts, no
+FAIL, no refusal."""
 
 from __future__ import annotations
 
