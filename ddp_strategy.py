@@ -39,6 +39,7 @@ class DDPStrategy(Strategy):
     precisions = tuple(POLICIES)
     policy_optimizer_class = PolicyOptimizer  # steps the shared AdamW under the policy (a seeded bug's copy replaces it)
     reads_at_clip = True  # its PolicyOptimizer's step hands the gradients to the tensor record where it takes the norm
+    records_update_noise = True  # the baseline: its series holds its optimizer's own noise (every update bound reads it)
 
     @classmethod
     def validate(cls, settings, model_config) -> None:

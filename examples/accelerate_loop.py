@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="Accelerator(mixed_precision=\"bf16\"): autocast over fp32 weights")
     return p.parse_args(argv)
 
 
@@ -87,7 +88,8 @@ def train(args) -> str | None:
     accum = args.grad_accum_steps
     # cpu=True where there is no GPU: on CPU accelerate forms the launcher's process group (gloo) only when told
     accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
-        num_steps=accum, sync_with_dataloader=False), cpu=not torch.cuda.is_available())
+        num_steps=accum, sync_with_dataloader=False), cpu=not torch.cuda.is_available(),
+        mixed_precision="bf16" if args.bf16 else "no")
     set_seed(args.seed)
     model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
     world = accelerator.num_processes

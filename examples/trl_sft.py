@@ -3,7 +3,7 @@
 Trainer's ParityCallback, which TRL's trainers inherit (docs/own_trainer.md). No hub: the tokenizer is built here
 (a word-level `tokenizers` model, then PreTrainedTokenizerFast with eos and pad), the data is a `datasets.Dataset` of
 texts of different lengths (SFTTrainer's collator pads them on the right, labels -100 there), per-device batch 2,
-2 accumulation steps, fp32 (`bf16=False`). With --packing, TRL packs the texts into rows of --seq_length (its default
+2 accumulation steps, fp32 (`bf16=False`; --bf16: Trainer's bf16 autocast). With --packing, TRL packs the texts into rows of --seq_length (its default
 'bfd' strategy) and feeds each micro-batch padding-free: its rows as one row, position ids restarting at each text,
 no attention mask, use_cache=False — recorded and replayed as fed.
 
@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "16, on q_proj and v_proj) on the frozen model")
     p.add_argument("--max_grad_norm", type=float, default=10.0,
                    help="Trainer's clipping; where it does not clip, the recorder measures the pre-clip norm itself")
+    p.add_argument("--bf16", action="store_true", help="SFTConfig(bf16=True): Trainer's bf16 (autocast over fp32 weights)")
     p.add_argument("--packing", action="store_true", help="SFTConfig(packing=True): TRL's 'bfd' packing, padding-free")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: one GPU a rank (NCCL; gloo where the ranks share one: PARITY_SHARE_ONE_GPU=1)")
@@ -90,7 +91,7 @@ def train(args, ray: bool = False) -> None:
         warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=args.device == "cpu", ddp_backend=backend(args.device),
         **({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if args.fsdp2 else {}), seed=args.seed,
-        data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=False, max_length=args.seq_length,
+        data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=args.bf16, max_length=args.seq_length,
         packing=args.packing, dataset_text_field="text")
     lora = None
     if args.lora:  # TRL wraps the model in a PeftModel itself

@@ -53,6 +53,7 @@ def arguments():
                                           "sp_norm_untagged", "expert_grads_not_averaged", "aux_loss_twice",
                                           "aux_over_dp", "micro_batch_scaled", "tied_grads_not_reduced"),
                    default="none")
+    p.add_argument("--seed", type=int, default=0, help="the weights' seed and the data's")
     return p.parse_args()
 
 
@@ -113,7 +114,7 @@ def batches(args, dp_rank: int):
     step = 0
     while True:
         for micro in range(args.micro_batches):
-            g = torch.Generator().manual_seed(1000 * step + 10 * micro + dp_rank)
+            g = torch.Generator().manual_seed(1000 * step + 10 * micro + dp_rank + 7919 * args.seed)
             ids = torch.randint(0, VOCAB, (args.micro_batch_size, args.seq_length + 1), generator=g)
             mask = torch.ones(args.micro_batch_size, args.seq_length)
             mask[:, -1] = 0
@@ -192,8 +193,8 @@ def main() -> None:
                                              virtual_pipeline_model_parallel_size=args.vpp if args.vpp > 1 else None,
                                              expert_model_parallel_size=args.ep,
                                              expert_tensor_parallel_size=args.etp or args.tp)
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
     built = [model_provider(args, vp) for vp in (range(args.vpp) if args.vpp > 1 else [None])]
     config = built[0][1]
     sharded = args.dp_wrapper != "ddp"

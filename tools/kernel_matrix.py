@@ -50,18 +50,19 @@ def example_flags(example: str, device: str, nproc: int | None) -> list[str]:
 
 def verify(example: str, *flags: str, nproc: int | None = None):
     """A capability run through verify_trainer.py: `python examples/<example> --output_dir OWN --nproc N FLAGS`."""
-    def command(code: str, out: str, device: str) -> list[str]:
+    def command(code: str, out: str, device: str, more=()) -> list[str]:
         script = os.path.join(code, "examples", example)
         return [sys.executable, os.path.join(code, "verify_trainer.py"), "--output_dir", os.path.join(out, "verify"),
                 "--", sys.executable, script, "--output_dir", os.path.join(out, "own"),
-                *example_flags(example, device, nproc), *flags]
+                *example_flags(example, device, nproc), *flags, *more]
     return command
 
 
-def resumed(code: str, out: str, device: str) -> list[str]:
-    """examples/plain_loop.py stopped after step 3's checkpoint and resumed from it, both in one command verified."""
+def resumed(code: str, out: str, device: str, more=()) -> list[str]:
+    """examples/plain_loop.py stopped after step 3's checkpoint and resumed from it, both in one command verified (`more`:
+    flags of both)."""
     own, script = os.path.join(out, "own"), os.path.join(code, "examples", "plain_loop.py")
-    flags = " ".join(example_flags("plain_loop.py", device, None))
+    flags = " ".join([*example_flags("plain_loop.py", device, None), *more])
     both = (f"{sys.executable} {script} --output_dir {own} {flags} --save_at 3 && "
             f"{sys.executable} {script} --output_dir {own} {flags} --resume_from {own}/checkpoint-3")
     return [sys.executable, os.path.join(code, "verify_trainer.py"), "--output_dir", os.path.join(out, "verify"), "--",
@@ -69,14 +70,15 @@ def resumed(code: str, out: str, device: str) -> list[str]:
 
 
 def main_job(*flags: str):
-    def command(code: str, out: str, device: str) -> list[str]:
-        return [sys.executable, "-m", "parity.commands.main_job", "--output_dir", os.path.join(out, "job"), *flags]
+    def command(code: str, out: str, device: str, more=()) -> list[str]:
+        return [sys.executable, "-m", "parity.commands.main_job", "--output_dir", os.path.join(out, "job"), *flags,
+                *more]
     return command
 
 
 def titan(*overrides: str):
     """torchtitan's llama3 debug job through torchrun on CPU (tests/titan_site's changes on PYTHONPATH)."""
-    def command(code: str, out: str, device: str) -> list[str]:
+    def command(code: str, out: str, device: str, more=()) -> list[str]:
         assets = os.path.join(out, "assets")
         spec = importlib.util.spec_from_file_location("titan_assets", os.path.join(code, "examples", "titan_assets.py"))
         assets_module = importlib.util.module_from_spec(spec)  # the examples folder's module, loaded by its path
@@ -89,7 +91,7 @@ def titan(*overrides: str):
                 "llama3", "--config", "llama3_debugmodel", "--hf_assets_path", tokenizer, "--dataloader.dataset_path",
                 data, "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "3",
                 "--training.mixed_precision_param", "float32", "--dump_folder", os.path.join(out, "dump"),
-                "--validator.no-enable", "--checkpoint.no-enable", *overrides]
+                "--validator.no-enable", "--checkpoint.no-enable", *overrides, *more]
     return command
 
 
@@ -140,11 +142,14 @@ def margins(folder: str, comparison: dict) -> dict[str, tuple[str, float]]:
 
 
 def run_cell(capability: str, setting: str, out: str, code: str, device: str = "cpu",
-             timeout: float | None = None) -> dict:
+             timeout: float | None = None, make=None, cell: str | None = None, env: dict | None = None,
+             folder: str | None = None) -> dict:
     """One cell: its command run (unless its comparison is there; stopped after `timeout` s), its verdict, exit code,
-    margin, seconds, and the recorder's share of the recorded run's steps."""
-    make, folder = CAPABILITIES[capability]
-    cell = os.path.join(out, capability, setting)
+    margin, seconds, the recorder's share of the recorded run's steps, and each run's margin ("runs": {run: (check,
+    ratio)}). `make` (a command maker), `folder` (where its comparison lands), `cell` (its folder: OUT/<capability>/
+    <setting>) and `env` (variables beside the setting's) where the cell is not the matrix's own (tools/false_alarms.py)."""
+    make, folder = make or CAPABILITIES[capability][0], folder or CAPABILITIES[capability][1]
+    cell = cell or os.path.join(out, capability, setting)
     report = os.path.join(cell, folder, "curve_comparison.json")
     seconds, code_ = None, None
     if not os.path.exists(report):
@@ -152,17 +157,20 @@ def run_cell(capability: str, setting: str, out: str, code: str, device: str = "
         t0 = time.perf_counter()
         with open(os.path.join(cell, "output.log"), "w") as log:
             try:
-                code_ = subprocess.run(make(code, cell, device), env=environment(code, setting, device), cwd=code,
-                                       stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                code_ = subprocess.run(make(code, cell, device), env={**environment(code, setting, device), **(env or {})},
+                                       cwd=code, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 code_ = "timeout"
         seconds = time.perf_counter() - t0
     if not os.path.exists(report):
         return {"verdict": "no comparison", "exit": code_, "seconds": seconds, "margin": None, "check": None}
     comparison = json.load(open(report))
-    worst = max(margins(os.path.dirname(report), comparison).values(), key=lambda cv: cv[1], default=("none", 0.0))
+    runs = margins(os.path.dirname(report), comparison)
+    worst = max(runs.values(), key=lambda cv: cv[1], default=("none", 0.0))
     return {"verdict": comparison["verdict"], "exit": code_, "seconds": seconds, "margin": worst[1], "check": worst[0],
-            "recorder": recorder_share(os.path.dirname(report))}
+            "recorder": recorder_share(os.path.dirname(report)),
+            "runs": {name: {"check": c, "margin": m, "verdict": comparison["against_baseline"][name]["verdict"]}
+                     for name, (c, m) in runs.items()}}
 
 
 def recorder_share(folder: str) -> dict | None:

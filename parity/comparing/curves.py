@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 from parity import fingerprint, storage
 from parity.comparing import clip_read, margins, objective, recorded_checks, teacher_forced, tensor_verdict, tolerances
-from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_outside, fixed_bounds,
+from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_outside, fixed_bounds, floored,
                                     noise_ratio, relative_diff, relative_diffs)
 from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
@@ -330,8 +330,10 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     if fp32_twin is not None and not POLICIES[base.precision].fp32_twin_measures_noise:
         references = [r for r in references if r is not fp32_twin]  # its distance only (Policy's docstring)
     scales = objective.scales(base, num_steps)  # a post-training loss measured on its own scale where it crosses 0
-    results = [_result(base, run, num_steps, bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol,
-                                                        quantities, scales), fp32_twin, quantities,
+    optimizer = tensor_verdict.parameter_norm_floor(base, references, series, num_steps)  # its own noise's bound
+    results = [_result(base, run, num_steps, floored(bounds_for(base, run, references, num_steps, rtol, grad_norm_rtol,
+                                                                quantities, scales), "param_norm", *optimizer),
+                       fp32_twin, quantities,
                        tensor_verdict.judge(base, run, references, series, num_steps, not policy_differences(base, run)),
                        scales, references) for run in others]
     distance = None

@@ -64,6 +64,19 @@ def calibrated_bounds(baseline: dict[str, list[float]], references: list[dict[st
     return Bounds({q: [max(NOISE_K * e, fixed[q]) for e in envelope[q]] for q in baseline}, source, envelope, held)
 
 
+def floored(bounds: Bounds, quantity: str, floor: list[float] | None, words: str) -> Bounds:
+    """Calibrated `bounds` with `quantity`'s bound never below `floor` (per step; None: unchanged), `words` saying what
+    held it where the floor lies above (the parameter norm's: the optimizer's own noise, update_bound.py)."""
+    if floor is None or not bounds.calibrated or quantity not in bounds.per_step:
+        return bounds
+    per_step, held = list(bounds.per_step[quantity]), list((bounds.held or {}).get(quantity, [""] * len(floor)))
+    for s, f in enumerate(floor[:len(per_step)]):
+        if f > per_step[s]:
+            per_step[s], held[s] = f, words
+    return Bounds({**bounds.per_step, quantity: per_step}, bounds.source, bounds.envelope,
+                  {**(bounds.held or {}), quantity: held})
+
+
 def held_by(envelope: float, floor: float, fixed: float, kind: str) -> str:
     """What sets a calibrated bound, max(NOISE_K × `envelope`, `fixed`), in words: the noise the references measured;
     the envelope's `floor` where they agreed closer than it; or the fixed table of `kind` where it lies above (fp32's:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 
-from parity.comparing.tolerances import (CLIP_READ, LAYER_NOISE_K, NOISE_K, RESUMED_FP32, TEACHER_FORCED_FP32,
-                                         TEACHER_FORCED_GRAD_NORM_LOW, tolerance_class)
+from parity.comparing.tolerances import (CLIP_READ, LAYER_NOISE_K, NOISE_K, OPTIMIZER_NOISE_K, RESUMED_FP32,
+                                         TEACHER_FORCED_FP32, TEACHER_FORCED_GRAD_NORM_LOW, tolerance_class)
 from parity.comparing.verdict import Outside
 
 KEY = "teacher_forced"  # the record's step entry (parity.training.teacher_forced.KEY) and the JSON's key
@@ -31,10 +31,13 @@ TEST = "teacher_forced"  # Outside.test of a failing check
 
 
 def bound(key: str, precision: str, rounding: dict | None, norm_source: str | None = None,
-          noise: dict | None = None) -> tuple[float, str]:
+          noise: dict | None = None, optimizer: dict | None = None) -> tuple[float, str]:
     """(the bound of one measured tensor — "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>", "grad_norm" —, what
-    made it: "table", "noise" or "rounding"): NOISE_K × how far the reference's perturbed twin moved it (`noise`),
-    never below the fixed table; in a low-precision policy also at least LAYER_NOISE_K × the policy's `rounding`. A
+    made it: "table", "noise", "rounding" or "optimizer"): NOISE_K × how far the reference's perturbed twin moved it
+    (`noise`), never below the fixed table, nor below OPTIMIZER_NOISE_K × how far the reference step's own AdamW
+    moves it when each gradient element moves by the twin's noise (`optimizer`: an element whose update's sign is
+    the noise's flips in one run and not in the other, which one twin may not draw; update_noise.py); in a
+    low-precision policy also at least LAYER_NOISE_K × the policy's `rounding`. A
     recorded grad norm a framework took in its own fp32 arithmetic — Trainer's clip_grad_norm_ where it clipped — has
     the fp32 norm's floor, CLIP_READ["fp32"]: measured 1.5e-5 and 1.8e-5 off the float64 norm of the same gradients."""
     fixed = TEACHER_FORCED_FP32[key.split("/", 1)[0]]
@@ -46,6 +49,8 @@ def bound(key: str, precision: str, rounding: dict | None, norm_source: str | No
                  (LAYER_NOISE_K * rounding[key], "rounding")]
     if noise is not None and key in noise:
         found.append((NOISE_K * noise[key], "noise"))
+    if optimizer is not None and key in optimizer:
+        found.append((OPTIMIZER_NOISE_K * optimizer[key], "optimizer"))
     return max(found, key=lambda f: f[0])
 
 
@@ -57,7 +62,7 @@ def judge_check(entry: dict) -> dict:
               "bound_by": None, "note": entry.get("note")}
     worst = -1.0
     judged = [(key, rel, *bound(key, entry["precision"], entry.get("rounding"), entry.get("grad_norm_source"),
-                                entry.get("noise")))
+                                entry.get("noise"), entry.get("optimizer")))
               for key, rel in tensors.items()]
     judged += [(f"resumed {key}", rel, RESUMED_FP32, "table") for key, rel in (entry.get("resumed") or {}).items()]
     for key, rel, b, by in judged:

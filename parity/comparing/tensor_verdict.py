@@ -38,9 +38,9 @@ import re
 from dataclasses import asdict, dataclass
 
 from parity import storage
-from parity.comparing import clip_read
+from parity.comparing import clip_read, update_bound
 from parity.comparing.noise import held_envelope
-from parity.comparing.tolerances import (ADAM_SIGN_FLIP, CALIBRATION_FLOORED, NOISE_K, TENSOR_FLOOR,
+from parity.comparing.tolerances import (ADAM_SIGN_FLIP, CALIBRATION_FLOORED, NOISE_K, OPTIMIZER_NOISE_K, TENSOR_FLOOR,
                                          TENSOR_NOISE_FLOOR, TENSORS, looser_precision, tolerance_class)
 from parity.comparing.verdict import Outside
 from parity.training.tensor_norms import AT_CLIP, AT_OPTIMIZER, GRADIENT, PRE_CLIP, READ_AT, UPDATE
@@ -204,26 +204,70 @@ def _bounds(base, run, references: list, series: dict, num_steps: int, skipped: 
     × each tensor's envelope, in a precision of CALIBRATION_FLOORED never below the fixed table; else the fixed table."""
     usable = [r for r in references if not isinstance(series[r.file], str)]
     looser = looser_precision(base.precision, run.precision)
-    fixed = _fixed_bounds(base, series[base.file], looser, num_steps)
+    theirs = series[base.file]
+    fixed = _fixed_bounds(base, theirs, looser, num_steps)
     if usable:
         kind = tolerance_class(base.precision)
-        floor = TENSOR_NOISE_FLOOR[kind]
-        names = len(series[base.file].names)
-        bounds = {}
-        for phase in PHASES:
-            refs = [_points(series[r.file], series[base.file], phase, num_steps) for r in usable]
-            raw = [[0.0 if phase == GRADIENT and skipped[s] else max(ref[s][i][2] for ref in refs)
-                    for s in range(num_steps)] for i in range(names)]
-            envelopes = [held_envelope(per_step, floor[phase]) for per_step in raw]
-            least = fixed[phase] if kind in CALIBRATION_FLOORED else [[0.0] * names] * num_steps
-            bounds[phase] = [[max(NOISE_K * envelopes[i][s], least[s][i]) for i in range(names)]
-                             for s in range(num_steps)]
+        names = len(theirs.names)
+        envelopes = {phase: envelopes_of(theirs, [series[r.file] for r in usable], phase, num_steps, skipped, kind)
+                     for phase in PHASES}
+        sigma = optimizer_sigmas(theirs, envelopes[GRADIENT], num_steps)
+        least = {phase: fixed[phase] if kind in CALIBRATION_FLOORED else [[0.0] * names] * num_steps
+                 for phase in PHASES}
+        if sigma is not None:  # the optimizer's own noise (update_bound.py), a floor under the update's bound
+            denominators = [[d for *_, d in row] for row in _scales(theirs, UPDATE, num_steps)]
+            least[UPDATE] = [[max(a, b) for a, b in zip(x, y)] for x, y in
+                             zip(least[UPDATE], update_bound.tensor_bounds(sigma, denominators))]
+        bounds = {phase: [[max(NOISE_K * envelopes[phase][i][s], least[phase][s][i]) for i in range(names)]
+                          for s in range(num_steps)] for phase in PHASES}
         floored = f", never below the fixed {kind} table" if kind in CALIBRATION_FLOORED else ""
+        optimizer = (f", the update never below {OPTIMIZER_NOISE_K} × its optimizer's own noise"
+                     if sigma is not None else "")
         return bounds, True, (f"calibrated: {NOISE_K} × the noise of "
-                              f"{', '.join(storage.name(r.file) for r in usable)}, per tensor{floored}")
+                              f"{', '.join(storage.name(r.file) for r in usable)}, per tensor{floored}{optimizer}")
     why = ("no noise reference" if not references else
            f"the noise references hold no tensor series ({'; '.join(series[r.file] for r in references)})")
     return fixed, False, f"the fixed {looser} table; uncalibrated: {why}"
+
+
+def envelopes_of(base: TensorSeries, references: list[TensorSeries], phase: str, num_steps: int,
+                 skipped: list[bool], kind: str) -> list[list[float]]:
+    """Per tensor [i][s], the references' envelope of a phase's deviation from the baseline (held_envelope, floored at
+    TENSOR_NOISE_FLOOR of the precision class `kind`); the gradient's 0 at the steps the baseline skipped."""
+    refs = [_points(ref, base, phase, num_steps) for ref in references]
+    raw = [[0.0 if phase == GRADIENT and skipped[s] else max(ref[s][i][2] for ref in refs) for s in range(num_steps)]
+           for i in range(len(base.names))]
+    return [held_envelope(per_step, TENSOR_NOISE_FLOOR[kind][phase]) for per_step in raw]
+
+
+def parameter_norm_floor(base, references: list, series: dict, num_steps: int) -> tuple[list[float] | None, str]:
+    """(per step, the parameter norm curve's bound from the baseline's optimizer noise — update_bound.global_bounds at
+    its references' gradient envelopes —, its words); None where the baseline's series holds no table or no reference
+    has a series."""
+    theirs, usable = series[base.file], [series[r.file] for r in references if not isinstance(series[r.file], str)]
+    words = f"{OPTIMIZER_NOISE_K} × the optimizer's own noise"
+    if isinstance(theirs, str) or theirs is None or not usable or theirs.update_noise is None:
+        return None, words
+    envelopes = envelopes_of(theirs, usable, GRADIENT, num_steps, base.skipped(num_steps),
+                             tolerance_class(base.precision))
+    sigma = optimizer_sigmas(theirs, envelopes, num_steps)
+    return (None if sigma is None else update_bound.global_bounds(sigma, theirs.param_norm[:num_steps])), words
+
+
+def optimizer_sigmas(base: TensorSeries, gradient_envelopes: list[list[float]], num_steps: int):
+    """update_bound.sigmas of the baseline's series at its references' gradient envelopes (None: it holds no table)."""
+    scales = [TENSOR_FLOOR[GRADIENT] * math.sqrt(sum(x * x for x in base.grad_norm[s])) for s in range(num_steps)]
+    return update_bound.sigmas(base.update_noise, base.grad_norm, gradient_envelopes, scales, num_steps)
+
+
+def _scales(base: TensorSeries, phase: str, num_steps: int) -> list[list[tuple]]:
+    """Per step, per tensor: (its norm, the deviation's denominator max(|norm|, TENSOR_FLOOR × the global norm))."""
+    rows = getattr(base, SERIES_OF[phase])
+    out = []
+    for s in range(num_steps):
+        scale = TENSOR_FLOOR[phase] * math.sqrt(sum(x * x for x in rows[s]))
+        out.append([(x, max(abs(x), scale)) for x in rows[s]])
+    return out
 
 
 def _fixed_bounds(base, theirs: TensorSeries, precision: str, num_steps: int) -> dict:

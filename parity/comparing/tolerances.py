@@ -101,6 +101,20 @@ TENSOR_NOISE_FLOOR = {"fp32": {"gradient": 1e-8, "update": 1e-8}, "bf16": {"grad
 twins can agree on a tensor exactly (fp32: one tensor's norm carries ~1e-8 of rounding; transformers' TP=2 moved a
 down_proj's updated norm by 1.6e-8 where DDP's twins read 0: 0.8 of a 1e-9 floor's bound). The bound is NOISE_K × the envelope, smoothed over NOISE_SMOOTHING steps as the curves'."""
 
+OPTIMIZER_NOISE_K = 3
+"""The optimizer's own noise in the update's bound (parity/comparing/update_bound.py): a tensor's parameter norm may
+also part from the baseline's by OPTIMIZER_NOISE_K × the spread its AdamW makes of the measured gradient noise (each
+element's move, independent signs, added over the steps). Measured (docs/tensors.md#the-optimizers-own-noise): clean
+runs part by at most 3.1 × that spread (the embedding, whose references' bound is 17 × above it), 1.4 × on every other
+tensor; one flipped element of a 64-element norm weight is one spread where it is flip-prone."""
+
+ELEMENT_NOISE = 5
+"""The element noise of a tensor's gradient, in rms gradients, per unit of its norm's deviation (the references'
+gradient envelope, as a share of the tensor's own norm): update_bound.py reads the baseline's optimizer table there.
+Measured element by element (qwen2-tiny bf16, two seeds × 60 steps, each tensor at each step, the twins' element-wise
+differences against the envelope): median 2.3, 90th percentile 4.4 — the norm's deviation is mostly the part of the
+noise along the gradient (the clip coefficient's), the elements' noise is uniform and larger."""
+
 LAYERS = {"fp32": 1e-5, "bf16": 6e-2}
 """Layer check (compare_dumps.py): max |a − b| over the tensor's scale, by precision; bf16 without a noise
 reference (uncalibrated)."""

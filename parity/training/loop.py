@@ -234,7 +234,8 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
         observer.observe_step(step, batch=global_batch, loss=stats.loss, dp_rank_losses=stats.dp_rank_losses,  # [8] [5]
                               grad_norm=stats.grad_norm, param_norm=stats.param_norm, lr=lr, step_time_s=step_time,
                               harness_s=stats.harness_s, checkpoint=checkpoint, tensor_grad_norms=stats.tensor_grad_norms,
-                              tensor_param_norms=stats.tensor_param_norms, clip_coef=stats.clip_coef, **scaling,
+                              tensor_param_norms=stats.tensor_param_norms, clip_coef=stats.clip_coef,
+                              update_noise=stats.update_noise, **scaling,
                               **(stats.routing or {}), **({"objective": stats.objective} if stats.objective else {}))
         if checkpoint:
             teacher.at_checkpoint(done, record)  # [9] the state the next check starts from, its digest in the record

@@ -97,7 +97,8 @@ class StepObserver:
                      batch=None, batch_hash: str | None = None, tokens: int | None = None,
                      harness_s: dict | None = None, checkpoint: bool = False,
                      tensor_grad_norms: Sequence[float] | None = None, tensor_param_norms: Sequence[float] | None = None,
-                     clip_coef: float | None = None, replica_table: torch.Tensor | None = None, **extras) -> dict:
+                     clip_coef: float | None = None, replica_table: torch.Tensor | None = None,
+                     update_noise: Sequence[Sequence[float]] | None = None, **extras) -> dict:
         """Step `step` done (0-based; every rank calls it, in step order): the replica check when due (a collective;
         `checkpoint`: a checkpoint of this step follows), then the record's entry, then the trackers. Returns the
         entry (its "harness_s" is `harness_s` itself, with the seconds the check, the record and the trackers took
@@ -112,7 +113,8 @@ class StepObserver:
         - `grad_norm` (the pre-clip global norm), or `gradients` (full, unsharded ones: their float64 norm);
         - `param_norm` (after the update), or none: the observer's `parameter_norm()`;
         - `tensor_grad_norms` and `tensor_param_norms`: each tensor's, in the observer's `tensor_names` order (and
-          `clip_coef` where the gradients are the clipped ones), for the series beside the record;
+          `clip_coef` where the gradients are the clipped ones; `update_noise`, the baseline's optimizer noise:
+          parity/training/update_noise.py), for the series beside the record;
         - `lr`, `step_time_s`, and `extras`: further entries of the record's step, in order (fp16's skipped and
           loss_scale, a mixture of experts' aux_loss and expert_loads);
         - `replica_table`: where the loop gathered the replica digests itself (replica_digests), what it gathered."""
@@ -150,7 +152,7 @@ class StepObserver:
                            step_time_s=step_time_s, peak_memory_bytes=peak_memory_bytes(self.device),
                            harness_s=harness_s, **checked, **extras)
         if self.is_logging_rank and tensor_grad_norms is not None and tensor_param_norms is not None:
-            self.tensors.append(step, list(tensor_grad_norms), list(tensor_param_norms), clip_coef)
+            self.tensors.append(step, list(tensor_grad_norms), list(tensor_param_norms), clip_coef, update_noise)
         if checkpoint:  # the checkpoint keeps the record's progress, chunks listed: a resume keeps no step held back
             agree(write_problem(self.tensors.flush if self.is_logging_rank else lambda: None,
                                 f"the tensor series beside {self.record.path}"))

@@ -19,6 +19,7 @@ from parity.precision import DTYPES, policy_of
 from parity.training.loss_scaler import LossScaler, unscaled_or_skipped
 from parity.training.memory import GRADS, MASTER, PARAMS
 from parity.training.optimizer import ADAMW_MOMENTS, OptimizerStep, build_optimizer, clip_coefficient, set_lr
+from parity.training.update_noise import tensor_table
 
 
 def cast_parameters(module: torch.nn.Module, cfg) -> None:
@@ -61,6 +62,9 @@ class PolicyOptimizer:
         self.optimizer = build_optimizer(self.masters or self.params, cfg, names)
         self.scaler = LossScaler(**cfg.loss_scaling) if self.policy.loss_scaling else None
         self.accumulates_fp32 = self.policy.master_copy and cfg.grad_accum_dtype == "fp32"
+        # the optimizer's own noise of each step (parity/training/update_noise.py), by id of the tensor it steps, where
+        # the strategy asks for it (measures_update_noise: the baseline's series); else None
+        self.measures_update_noise, self.update_noise = False, None
 
     @property
     def loss_scale(self) -> float:
@@ -109,6 +113,7 @@ class PolicyOptimizer:
         just before it, on the gradients it is taken of (gradient_of: the masters', unscaled): where the strategy hands
         them to the tensor record (Strategy.record_gradients)."""
         self.accumulate()
+        self.update_noise = None
         targets = self.master_parameters()
         if self.masters is not None:
             for p, m in zip(self.params, self.masters):
@@ -128,11 +133,25 @@ class PolicyOptimizer:
             torch._foreach_mul_(grads, coef)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        if self.measures_update_noise:
+            self.update_noise = self._noise_tables()
         if self.masters is not None:
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
         self.zero_grad()
         return OptimizerStep(norm, loss_scale=scale if self.scaler else None)
+
+    def _noise_tables(self) -> dict:
+        """{id(tensor stepped): update_noise.tensor_table} of this step, from each tensor's gradient (clipped) and AdamW
+        state after the step."""
+        tables = {}
+        for group in self.optimizer.param_groups:
+            for t in group["params"]:
+                state = self.optimizer.state.get(t)
+                if t.grad is not None and state and "exp_avg" in state:
+                    tables[id(t)] = tensor_table(t.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), t,
+                                                 group["lr"], group["betas"], group["eps"])
+        return tables
 
     def set_moments(self, params_and_moments, step: int) -> None:
         """AdamW's state of another run — [(parameter, {"exp_avg", "exp_avg_sq"})] for this rank's parameters — on

@@ -28,6 +28,7 @@ from parity.training.option import Option
 from parity.training.replicas import Replica, whole_model
 from parity.training.routing import Routing
 from parity.training.tensor_norms import CLIPPED, Piece, local_squares, norms_of, rank0_pieces
+from parity.training.update_noise import GRID
 
 # The documented strategy API (docs/custom_strategy.md): what a strategy module imports from here, wherever it is
 # defined — the optimizer primitives (optimizer.py), the loss (loss.py), a strategy's own flag (option.py).
@@ -75,6 +76,7 @@ class StepStats:
     tensor_grad_norms: list[float] | None = None
     tensor_param_norms: list[float] | None = None
     clip_coef: float | None = None  # where the run's series holds the clipped gradients (cfg.tensor_grad): its factor
+    update_noise: list[list[float]] | None = None  # per tensor, its update_noise.tensor_table (the baseline's)
     # a post-training objective's quantities of the step (KL, clipped fraction, mean ratio …: Objective.quantities)
     objective: dict | None = None
 
@@ -140,6 +142,9 @@ class Strategy(Routing):
     # strategy that does not): they are read after backward, before optimizer_step, and its record says so.
     reads_at_clip = False
     clip_norm_dtype = "float64"  # what the norm it clips by is accumulated in ("fp32": a library's): the invariant's bound
+    # whether its series also holds its optimizer's own noise (parity/training/update_noise.py), from its
+    # PolicyOptimizer: the baseline's (DDP), which every comparison's update bounds read; never a noise reference's
+    records_update_noise = False
 
     def __init__(self, cfg, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
@@ -431,6 +436,10 @@ class Strategy(Routing):
         observe("after_backward")
         if not hasattr(self, "_tensor_names"):  # fixed for the run (tensor_names' contract): asked once
             self._tensor_names = self.tensor_names()
+            self._measures_update_noise = (self._tensor_names is not None and self.records_update_noise and
+                                           self.policy_optimizer is not None and not self.cfg.noise_reference)
+            if self._measures_update_noise:
+                self.policy_optimizer.measures_update_noise = True
         names = self._tensor_names
         self._grad_squares, self._tensors_s, self._reading = None, 0.0, names is not None and self.reads_at_clip
         if names is not None and not self.reads_at_clip:  # read here: after backward, before the step (unscaled)
@@ -449,7 +458,8 @@ class Strategy(Routing):
                                        f"PolicyOptimizer's: step(lr, norm_of, before_norm=self.record_gradients)): "
                                        f"call it there, or set reads_at_clip = False (docs/custom_strategy.md)")
                 grad_squares = torch.full((len(names),), math.inf, dtype=torch.float64, device=self.ctx.device)
-            squares = torch.cat([grad_squares, local_squares(self.parameter_pieces(), names, self.ctx.device)])
+            squares = torch.cat([grad_squares, local_squares(self.parameter_pieces(), names, self.ctx.device),
+                                 *self._update_noise_rows(names)])
         tensors_s = self._tensors_s + time.perf_counter() - t0
         t0 = time.perf_counter()
         stats = self.objective_stats
@@ -462,7 +472,10 @@ class Strategy(Routing):
         param_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         grads = params = coef = None
+        noise = None
         if summed is not None:
+            if self._measures_update_noise:  # the rows after the norms: len(names) × GRID
+                summed, noise = summed[:2 * len(names)], summed[2 * len(names):].view(len(names), -1).tolist()
             grads, params = norms_of(summed)
             if self.cfg.tensor_grad == CLIPPED:  # a replay of a record of clipped gradients: the same, to rounding
                 coef = clip_coefficient(done.norm, self.cfg)
@@ -472,7 +485,7 @@ class Strategy(Routing):
                          grad_norm=done.norm, param_norm=param_norm,
                          harness_s={"loss_gather": gather_s, "param_norm": param_s, "tensor_norms": tensors_s},
                          skipped=done.skipped, loss_scale=done.loss_scale, routing=self.step_routing,
-                         tensor_grad_norms=grads, tensor_param_norms=params, clip_coef=coef,
+                         tensor_grad_norms=grads, tensor_param_norms=params, clip_coef=coef, update_noise=noise,
                          objective=self.objective.quantities(stats))
 
     def micro_batch_sum(self, logits: torch.Tensor, micro, divisor: float, micro_batches: int) -> torch.Tensor:
@@ -486,6 +499,20 @@ class Strategy(Routing):
         if stats is not None:
             self.objective_stats = stats if self.objective_stats is None else self.objective_stats + stats
         return summed
+
+    def _update_noise_rows(self, names: list[str]) -> list[torch.Tensor]:
+        """This rank's table of the optimizer's own noise (update_noise.tensor_table) of each tensor it counts, flat
+        in `names` order (zeros for the others, and for every tensor of a step without one: an fp16 overflow's), where
+        the run measures it; else nothing."""
+        if not self._measures_update_noise:
+            return []
+        tables = self.policy_optimizer.update_noise or {}
+        rows = torch.zeros(len(names), len(GRID), dtype=torch.float64, device=self.ctx.device)
+        index = {n: i for i, n in enumerate(names)}
+        for piece in self.parameter_pieces():
+            if piece.counted and piece.tensor is not None and id(piece.tensor) in tables and piece.name in index:
+                rows[index[piece.name]] += tables[id(piece.tensor)].to(rows.device)
+        return [rows.flatten()]
 
     def record_gradients(self, loss_scale: float = 1.0) -> None:
         """Hand the gradients to the tensor record, here: a strategy that `reads_at_clip` calls it in optimizer_step

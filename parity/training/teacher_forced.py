@@ -42,10 +42,11 @@ import torch.distributed as dist
 
 from parity.layout import Layout
 from parity.objectives import invariance_of
-from parity.training.optimizer import ADAMW_MOMENTS, local_norm
+from parity.training.optimizer import ADAMW_MOMENTS, clip_coefficient, local_norm
 from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.routing import MEGATRON_CORE
 from parity.training.strategy import Strategy, WorkerContext, lr_at
+from parity.training.update_noise import step_moves
 
 KEY = "teacher_forced"  # the record's per-step entry
 STATE_KEY = "teacher_forced_state"  # the digest of the state a checkpoint holds, in its record's last step entry
@@ -78,6 +79,9 @@ class FullState:
     moments: dict[str, dict[str, torch.Tensor]] | None  # None: the strategy cannot export them
     count: int  # AdamW's step count
     buffers: dict[str, torch.Tensor]
+    # a reference step's: the gradients it stepped with (clipped) and each tensor's (lr, betas, eps, step count after)
+    grads: dict[str, torch.Tensor] | None = None
+    hyper: dict[str, tuple] | None = None
 
 
 def capture(strategy) -> FullState:
@@ -117,23 +121,39 @@ class ReferenceStep(Strategy):
 
     def optimizer_step(self, lr: float):
         """The step; the twin clips by fp32_norm but reports the float64 norm of the same gradients (a run's grad
-        norm is judged against a float64 one: the fp32 norm's rounding is noise for the moments, not for it)."""
-        if self.perturb == 1.0:
-            return self.policy_optimizer.step(lr, local_norm)
-        self.policy_optimizer.divide_gradients(self.perturb)
-        exact = []
-        done = self.policy_optimizer.step(lr, lambda grads: exact.append(local_norm(grads)) or fp32_norm(grads))
+        norm is judged against a float64 one: the fp32 norm's rounding is noise for the moments, not for it). The
+        gradients it steps with are kept (`stepped`: the optimizer's own noise, update_noise.step_moves)."""
+        policy, exact = self.policy_optimizer, []
+        if self.perturb != 1.0:
+            policy.divide_gradients(self.perturb)
+
+        def norm_of(grads):
+            self.stepped = [g.detach().clone() for g in grads]  # the trainable parameters', in their order
+            exact.append(local_norm(grads))
+            exact.append(exact[0] if self.perturb == 1.0 else fp32_norm(grads))
+            return exact[1]
+        done = policy.step(lr, norm_of)
+        if exact:
+            self.stepped = [g * clip_coefficient(exact[1], self.cfg) for g in self.stepped]
         return dataclasses.replace(done, norm=exact[0]) if exact else done
 
     def gather_world(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t]  # one process: no collective
+
+    stepped: list[torch.Tensor] = []
 
     def state(self) -> FullState:
         names = [n for n, _ in self.model.named_parameters()]
         masters = [self.policy_optimizer.master_of(p) for _, p in self.model.named_parameters()]
         moments = {n: {k: self.optimizer.state[m][k].detach().float().cpu() for k in ADAMW_MOMENTS}
                    for n, m in zip(names, masters) if m in self.optimizer.state}
-        return FullState({n: m.detach().float().cpu() for n, m in zip(names, masters)}, moments, 0, {})
+        trained = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        grads = dict(zip(trained, (g.float().cpu() for g in self.stepped))) if len(self.stepped) == len(trained) \
+            else None
+        where = {id(t): (g["lr"], g["betas"], g["eps"]) for g in self.optimizer.param_groups for t in g["params"]}
+        hyper = {n: (*where[id(m)], int(self.optimizer.state[m]["step"])) for n, m in zip(names, masters)
+                 if m in self.optimizer.state and id(m) in where}
+        return FullState({n: m.detach().float().cpu() for n, m in zip(names, masters)}, moments, 0, {}, grads, hyper)
 
 
 def split_micro_batches(cfg) -> int:
@@ -249,6 +269,9 @@ def measured(after: FullState, grad_norm: float, refs, before: FullState, lr: fl
     entry = {"tensors": measure(after, grad_norm, ref, ref_norm, before, lr)}
     if twin is not None:
         entry["noise"] = measure(twin[0], twin[1], ref, ref_norm, before, lr)
+        optimizer = optimizer_noise(ref, twin[0], before, lr)
+        if optimizer:
+            entry["optimizer"] = optimizer
     if exact is not None:
         entry["rounding"] = measure(ref, ref_norm, exact[0], exact[1], before, lr)
     return entry
@@ -288,6 +311,38 @@ def measure(after: FullState, grad_norm: float, ref: FullState, ref_norm: float,
         for k in ADAMW_MOMENTS:
             out[f"{k}/{name}"] = _rel(after.moments[name][k], m[k], m[k])
     return out
+
+
+def optimizer_noise(ref: FullState, twin: FullState, before: FullState, lr: float) -> dict[str, float]:
+    """The reference step's own noise, per tensor, in measure's units: how far its update (from AdamW's second step
+    on) and its moments move when each element of its gradient moves by the twin's (the rms over the tensor of the
+    twin's gradient less the reference's: uniform within a tensor, update_noise.py) — "param/<name>":
+    √Σ move² (update_noise.step_moves) over the reference's update (floored as measure's); "exp_avg/<name>":
+    (1 − β1) δ √n over ‖m‖; "exp_avg_sq/<name>": ‖(1 − β2)(2 |g| δ + δ²)‖ over ‖v‖. Empty without the gradients."""
+    if not ref.grads or not twin.grads or not ref.moments or not ref.hyper:
+        return {}
+    out = {}
+    for name, g in ref.grads.items():
+        if name not in twin.grads or name not in ref.moments or name not in ref.hyper:
+            continue
+        lr_, betas, eps, count = ref.hyper[name]
+        g64, m, v = g.double(), ref.moments[name]["exp_avg"].double(), ref.moments[name]["exp_avg_sq"].double()
+        delta = float((twin.grads[name].double() - g64).pow(2).mean().sqrt())
+        out[f"exp_avg/{name}"] = _size((1 - betas[0]) * delta * math.sqrt(g.numel()), m)
+        out[f"exp_avg_sq/{name}"] = _size(float(torch.linalg.vector_norm(
+            (1 - betas[1]) * (2 * g64.abs() * delta + delta * delta))), v)
+        if before.moments:
+            update = ref.params[name].double() - before.params[name].double()
+            floor = UPDATE_FLOOR * lr * math.sqrt(update.numel())
+            size = max(float(torch.linalg.vector_norm(update.flatten())), floor)
+            out[f"param/{name}"] = math.sqrt(step_moves(g64, m, v, count, lr_, betas, eps, delta)) / size
+    return out
+
+
+def _size(x: float, scale: torch.Tensor) -> float:
+    """`x` over ‖scale‖ (0 where both are 0, inf where only the scale is)."""
+    size = float(torch.linalg.vector_norm(scale.flatten()))
+    return x / size if size > 0 else (0.0 if x == 0 else math.inf)
 
 
 def digest(state: FullState) -> dict[str, float]:

@@ -11,7 +11,8 @@ lists its chunks. The record's "tensors" entry:
      "chunks": ["chunk_0000000.json", ...]}
 
 or {"names": [], "why": "..."} where the run measured none. A chunk: {"first_step", "grad_norm": [[per name] per step],
-"param_norm": [[...]], "clip_coef": [per step] (a "clipped" record's coefficient), or absent}. A run resumed at step k
+"param_norm": [[...]], "clip_coef": [per step] (a "clipped" record's coefficient), or absent; "update_noise": [[[per
+noise level] per name] per step] (the baseline's optimizer noise: parity/training/update_noise.py), or absent}. A run resumed at step k
 keeps the chunks its checkpoint listed that start before k; the first chunk after the resume starts at k, and where
 two chunks hold a step the later one's row is read. The folder is named relative to the record, so a moved or copied
 folder of records reads as written.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from parity import storage
 from parity.errors import RecordError
 from parity.training.tensor_norms import AFTER_BACKWARD, AT_CLIP, CLIPPED, PRE_CLIP
+from parity.training.update_noise import rounded
 
 KEY = "tensors"  # the record's entry
 SUFFIX = ".tensors"
@@ -56,9 +58,10 @@ class TensorSeriesWriter:
         return bool(self.record.data[KEY]["names"])
 
     def append(self, step: int, grad_norms: list[float], param_norms: list[float],
-               clip_coef: float | None = None) -> None:
+               clip_coef: float | None = None, update_noise: list[list[float]] | None = None) -> None:
         if self.measured:
-            self.rows.append((step, grad_norms, param_norms, clip_coef))
+            self.rows.append((step, grad_norms, param_norms, clip_coef,
+                              None if update_noise is None else [rounded(row) for row in update_noise]))
 
     def flush(self) -> None:
         """Write the steps buffered since the last flush as one chunk and list it in the record (before the record
@@ -69,6 +72,8 @@ class TensorSeriesWriter:
         chunk = {"first_step": first, "grad_norm": [r[1] for r in self.rows], "param_norm": [r[2] for r in self.rows]}
         if any(r[3] is not None for r in self.rows):
             chunk["clip_coef"] = [r[3] for r in self.rows]
+        if all(r[4] is not None for r in self.rows):
+            chunk["update_noise"] = [r[4] for r in self.rows]
         name = f"chunk_{first:07d}.json"
         storage.write_text_atomic(storage.join(folder_of(self.record.path), name),  # compact: it is numbers only
                                   json.dumps(storage.json_safe(chunk), separators=(",", ":"), allow_nan=False))
@@ -103,6 +108,8 @@ class TensorSeries:
     clip_coef: list[float | None]
     read_at: str = AT_CLIP  # where the gradients were read (tensor_norms.READ_AT)
     norm_dtype: str = "float64"  # what the run's pre-clip norm is accumulated in
+    # per step, per tensor, its optimizer's noise table (update_noise.tensor_table); None where a step has none
+    update_noise: list[list[list[float]] | None] | None = None
 
     def series(self, phase_key: str, name: str) -> list[float]:
         i = self.names.index(name)
@@ -132,16 +139,18 @@ def load_series(record_path: str, data: dict) -> TensorSeries | None:
                               f"({storage.reason(exc) if isinstance(exc, OSError) else 'not valid JSON'}): copy the "
                               f"record's {entry['folder']} folder with it, or rerun that run") from None
         clips = chunk.get("clip_coef") or [None] * len(chunk["grad_norm"])
-        for i, (g, p, c) in enumerate(zip(chunk["grad_norm"], chunk["param_norm"], clips)):
-            if len(g) != width or len(p) != width:
+        noise = chunk.get("update_noise") or [None] * len(chunk["grad_norm"])
+        for i, (g, p, c, u) in enumerate(zip(chunk["grad_norm"], chunk["param_norm"], clips, noise)):
+            if len(g) != width or len(p) != width or (u is not None and len(u) != width):
                 raise RecordError(f"{name}: {entry['folder']}/{chunk_name} holds {len(g)} tensors at a step, the "
                                   f"record names {width}")
-            rows[chunk["first_step"] + i] = (_numbers(g), _numbers(p), c)
+            rows[chunk["first_step"] + i] = (_numbers(g), _numbers(p), c, u and [_numbers(row) for row in u])
     missing = [s for s in range(steps) if s not in rows]
     if missing:
         raise RecordError(f"{name}: its tensor series lacks step {missing[0]} (of {steps}): the record's "
                           f"{entry['folder']} folder is incomplete; copy it with the record, or rerun that run")
     ordered = [rows[s] for s in range(steps)]
+    noise = [r[3] for r in ordered]
     return TensorSeries(list(entry["names"]), entry["grad"], [r[0] for r in ordered], [r[1] for r in ordered],
                         [r[2] for r in ordered], entry.get("read_at", AFTER_BACKWARD),  # (before it was recorded)
-                        entry.get("norm_dtype", "fp32"))
+                        entry.get("norm_dtype", "fp32"), noise if any(u is not None for u in noise) else None)
