@@ -41,7 +41,7 @@ import hashlib
 
 import torch
 
-from parity.frameworks import guarded
+from parity.frameworks import engine, guarded
 from parity.objectives import DEFINITIONS, GRPO_FAMILY, PER_PAIR, resolve_objective
 
 PROBE_ROWS = 4  # rows of the first micro-batch through vLLM and the trainer's model, layer by layer
@@ -143,18 +143,17 @@ def sampler_of(trainer) -> dict | None:
     line for what the file cannot describe: a log-prob mode other than vLLM's processed or raw log-probs, a dtype
     other than fp32, bf16 or fp16."""
     args, generation = trainer.args, getattr(trainer, "vllm_generation", None)
-    engine = getattr(generation, "llm", None)
-    if not getattr(args, "use_vllm", False) or engine is None:
+    llm = getattr(generation, "llm", None)
+    if not getattr(args, "use_vllm", False) or llm is None:
         return None
-    from parity.frameworks.vllm.sampler import engine_side, sampling_side
-
-    side, why = engine_side(engine)
+    vllm = engine("vllm")  # the sampler seam (parity/frameworks/sampling.py)
+    side, why = vllm.engine_side(llm)
     if why:
         raise Refused(f"vLLM's sampler {why}: the rollout file describes an fp32, bf16 or fp16 sampler of processed or "
                       f"raw log-probs")
     given = {key: getattr(generation, key, getattr(args, key, None))
              for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-    return {**side, **sampling_side({**given, **(getattr(generation, "generation_kwargs", None) or {})})}
+    return {**side, **vllm.sampling_side({**given, **(getattr(generation, "generation_kwargs", None) or {})})}
 
 
 class SamplerWatch:
@@ -163,11 +162,9 @@ class SamplerWatch:
     updated in place), a later one that samples from another distribution ends the record in one line. `paused`
     while the recorder's own probe generates."""
 
-    def __init__(self, engine, side: dict, recorder):
-        from parity.frameworks.vllm.sampler import sampling_side
-
-        self.engine, self.side, self.recorder, self.seen, self.paused = engine, side, recorder, None, False
-        original, read = engine.generate, sampling_side
+    def __init__(self, llm, side: dict, recorder):
+        self.engine, self.side, self.recorder, self.seen, self.paused = llm, side, recorder, None, False
+        original, read = llm.generate, engine("vllm").sampling_side
 
         def generate(*args, **kwargs):
             if not self.paused:
@@ -177,7 +174,7 @@ class SamplerWatch:
                     self.recorder.broken = f"vLLM's sampling parameters: {type(exc).__name__}: {exc}"
             return original(*args, **kwargs)
 
-        engine.generate = generate
+        llm.generate = generate
 
     def saw(self, read, params) -> None:
         for one in params if isinstance(params, (list, tuple)) else [params]:
@@ -326,24 +323,24 @@ class GRPOFeed:
     def probe_layers(self, model, ids: torch.Tensor, attention) -> None:
         """At the first training micro-batch — the engine synced to the trainer's weights of step 0 — where vLLM's
         forward first parts from the trainer's model, layer by layer, on up to PROBE_ROWS of its rows
-        (frameworks/vllm/layers.py), into the recorder's folder beside the rollout file (rank 0)."""
+        (the vLLM engine's first_layer_apart), into the recorder's folder beside the rollout file (rank 0)."""
         import json
 
         from parity import storage
         from parity.errors import first_line
-        from parity.frameworks.vllm.layers import NotCompared, first_layer_apart
-        from parity.frameworks.vllm.sampler import engine_side
+        from parity.frameworks.sampling import NotCompared
         from parity.rollout_check.recorded import LAYERS_FILE
 
-        rec, engine = self.recorder, getattr(getattr(self.trainer, "vllm_generation", None), "llm", None)
-        if engine is None or rec.rank != 0:
+        rec, llm = self.recorder, getattr(getattr(self.trainer, "vllm_generation", None), "llm", None)
+        if llm is None or rec.rank != 0:
             return
         real = torch.ones_like(ids) if attention is None else attention
         rows = [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), real.cpu())][:PROBE_ROWS]
         if self.watch is not None:
             self.watch.paused = True  # the probe's own requests are not the run's sampling
         try:
-            found = first_layer_apart(engine, model, rows, engine_side(engine)[0]["dtype"] or "fp32")
+            vllm = engine("vllm")
+            found = vllm.first_layer_apart(llm, model, rows, vllm.engine_side(llm)[0]["dtype"] or "fp32")
         except Exception as exc:  # a diagnosis, never the run's end: said where it would have been
             found = {"error": str(exc) if isinstance(exc, NotCompared) else
                      f"{type(exc).__name__}: {first_line(exc)}"}
