@@ -1,7 +1,8 @@
 """TRL's GRPOTrainer and DPOTrainer (0.29.0 to 1.16, docs/own_trainer/one_command.md#the-releases-recorded) recorded with their
 objective, no line of the user's script changed
-(docs/posttrain.md#your-own-run-recorded): Trainer's ParityCallback (frameworks/transformers/callback.py) asks `plan` what its trainer
-trains, then hands each training micro-batch to the recorder's objective_batch through a `GRPOFeed` or `DPOFeed`.
+(docs/posttrain.md#your-own-run-recorded): Trainer's ParityCallback asks the registry what its trainer trains
+(parity.frameworks.objective_of: `trained` here, from `plan`), then hands each training micro-batch to the
+recorder's objective_batch through the `GRPOFeed` or `DPOFeed` it gives.
 
 The objective: the trainer's own arguments resolved into the harness's definitions (parity/objectives: TRL's argument
 names are the settings' names) — loss_type, beta, epsilon/epsilon_high, delta, importance_sampling_level,
@@ -41,7 +42,7 @@ import hashlib
 
 import torch
 
-from parity.frameworks import engine, guarded
+from parity.frameworks import Refused, Trained, engine, guarded
 from parity.objectives import DEFINITIONS, GRPO_FAMILY, PER_PAIR, resolve_objective
 
 PROBE_ROWS = 4  # rows of the first micro-batch through vLLM and the trainer's model, layer by layer
@@ -60,14 +61,20 @@ ABSENT = {"delta": None, "use_bias_correction_kl": False, "entropy_coef": 0.0, "
           "use_adaptive_entropy": False, "off_policy_mask_threshold": None}
 
 
-class Refused(Exception):
-    """What TRL's trainer trains that the reference cannot compute, in one line."""
-
-
 def kind_of(trainer) -> str | None:
     """"grpo" or "dpo" for TRL's GRPOTrainer and DPOTrainer (and what inherits them), None for any other trainer."""
     names = {(c.__module__.split(".")[0], c.__name__) for c in type(trainer).__mro__}
     return "grpo" if ("trl", "GRPOTrainer") in names else "dpo" if ("trl", "DPOTrainer") in names else None
+
+
+def trained(trainer, optimizer) -> Trained | None:
+    """What a GRPOTrainer or DPOTrainer trains, resolved, and the feed of its micro-batches (the registry's
+    `objective_of`, which Trainer's callback asks); None for another trainer. Refused in one line."""
+    planned = plan(trainer, optimizer)
+    if planned is None:
+        return None
+    feed = GRPOFeed if kind_of(trainer) == "grpo" else DPOFeed
+    return Trained(resolved(*planned[:2]), planned[2], lambda recorder: feed(trainer, recorder))
 
 
 def plan(trainer, optimizer) -> tuple[str, dict, dict] | None:
@@ -431,4 +438,4 @@ def token_log_probs_of(output, ids: torch.Tensor, labels: torch.Tensor) -> torch
         return log_probs.masked_fill(labels[:, 1:].to(log_probs.device) == -100, 0.0)
 
 
-__all__ = ["DPOFeed", "GRPOFeed", "Refused", "SamplerWatch", "kind_of", "plan", "resolved"]
+__all__ = ["DPOFeed", "GRPOFeed", "Refused", "SamplerWatch", "kind_of", "plan", "resolved", "trained"]
