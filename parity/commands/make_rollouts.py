@@ -11,13 +11,14 @@ generated (π_old ≠ π), as a generation batch spread over several optimizer s
 from __future__ import annotations
 
 import argparse
-import copy
 
 import torch
 
 from parity import console, storage
 from parity.commands.common import OneLineParser, run_command
 from parity.errors import ConfigError
+from parity.frameworks import engine, engines
+from parity.frameworks.sampling import Sampling
 
 REWARDS = {
     "even_fraction": "the fraction of the completion's tokens whose id is even",
@@ -42,32 +43,6 @@ def reward_of(name: str, completion: torch.Tensor, limit: int) -> float:
     if name == "even_fraction":
         return float((completion % 2 == 0).float().mean()) if len(completion) else 0.0
     return 1.0 - len(completion) / limit
-
-
-def sample_group(sampler, prompt: torch.Tensor, count: int, a: argparse.Namespace, stops: list[int], seed: int):
-    """`count` completions of `prompt`, each (tokens, truncated, the sampler's log-prob of each token): sampled at
-    --temperature with --top_k/--top_p/--min_p (--repetition_penalty before them), cut after its first stop token
-    (truncated where none came within --max_completion_length). The log-probs are the generator's scores after its
-    processors (--sampler_logprobs processed: penalty, temperature and truncation, renormalised over the kept tokens)
-    or its raw logits' (raw)."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = sampler.generate(prompt[None].repeat(count, 1), do_sample=True, temperature=a.temperature,
-                               top_k=a.top_k, top_p=a.top_p, min_p=a.min_p or None,
-                               repetition_penalty=a.repetition_penalty,
-                               max_new_tokens=a.max_completion_length, eos_token_id=stops, pad_token_id=stops[0],
-                               attention_mask=torch.ones(count, len(prompt), dtype=torch.long),
-                               return_dict_in_generate=True, output_scores=True, output_logits=True)
-    steps = out.scores if a.sampler_logprobs == "processed" else out.logits
-    tokens = out.sequences[:, len(prompt):]
-    logps = torch.stack([s.float().log_softmax(-1).gather(-1, tokens[:, i, None]).squeeze(-1)
-                         for i, s in enumerate(steps)], 1)
-    completions = []
-    for row, row_logps in zip(tokens, logps):
-        hits = [i for i, t in enumerate(row.tolist()) if t in stops]
-        end = hits[0] + 1 if hits else len(row)
-        completions.append((row[:end], not hits, row_logps[:end]))
-    return completions
 
 
 def build_rows(sample, a, stops, vocab: int) -> tuple[list, list]:
@@ -162,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition_penalty", type=float, default=1.0,
                    help="each token of the prompt or the completion so far: its logit ÷ this where positive, × where "
                         "negative, before the temperature (transformers' and vLLM's)")
-    p.add_argument("--sampler", choices=("transformers", "vllm"), default="transformers",
-                   help="what samples the completions: transformers' generate, or vLLM (installed apart: "
-                        "docs/sampler.md#vllm)")
+    names = engines()  # the rooms that declare a sampling engine (parity/frameworks/sampling.py)
+    p.add_argument("--sampler", choices=names, default="transformers",
+                   help="what samples the completions: " + ", or ".join(engine(n).describe for n in names))
     p.add_argument("--sampler_dtype", choices=("fp32", "bf16"), default="fp32",
                    help="the sampler's weights and arithmetic (the file's π_old and π_ref stay fp32)")
     p.add_argument("--sampler_logprobs", choices=("processed", "raw"), default="processed",
@@ -176,27 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def sampler_of(a: argparse.Namespace, model, config, stops: list[int]):
-    """(sample(prompt, count, seed) → a group's completions, the engine's version) for --sampler: transformers'
-    generate on the model (in --sampler_dtype), or vLLM on a Hugging Face folder of its weights
-    (parity/frameworks/vllm/sampler.py)."""
-    if a.sampler == "transformers":
-        import transformers
-
-        sampler = model if a.sampler_dtype == "fp32" else copy.deepcopy(model).to(torch.bfloat16)
-        return (lambda prompt, count, seed: sample_group(sampler, prompt, count, a, stops, seed)), \
-            transformers.__version__
-    import tempfile
-
-    from parity.frameworks.vllm.sampler import VLLMSampler, version
-    from parity.models.model import save_hf_checkpoint
-
-    engine_version = version()
-    with tempfile.TemporaryDirectory(prefix="parity_vllm_model_") as folder:  # read once, as vLLM loads it
-        save_hf_checkpoint(dict(model.state_dict()), config, folder)
-        engine = VLLMSampler(folder, a.sampler_dtype, a.sampler_logprobs, a.prompt_length + a.max_completion_length,
-                             a.seed)
-    return (lambda prompt, count, seed: engine.sample(prompt.tolist(), count, a, stops, seed)), engine_version
+def sampling_of(a: argparse.Namespace, stops: list[int]) -> Sampling:
+    """What the flags ask the engine to sample with."""
+    return Sampling(dtype=a.sampler_dtype, logprob_mode=a.sampler_logprobs, temperature=a.temperature, top_p=a.top_p,
+                    top_k=a.top_k, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                    max_tokens=a.max_completion_length, stops=tuple(stops),
+                    max_len=a.prompt_length + a.max_completion_length, seed=a.seed)
 
 
 def make(a: argparse.Namespace) -> str:
@@ -211,10 +171,8 @@ def make(a: argparse.Namespace) -> str:
     if a.family == "grpo" and a.num_generations < 2:
         raise ConfigError("--num_generations must be at least 2: a group's advantages compare its completions")
     storage.check_writable_dir("--output", storage.parent(storage.absolute(a.output)))
-    if a.sampler == "vllm":  # before anything is written
-        from parity.frameworks.vllm.sampler import version
-
-        version()
+    sampler = engine(a.sampler)
+    sampler.version()  # one line where it cannot be imported, before anything is written
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
     if not a.temperature > 0:
@@ -236,16 +194,14 @@ def make(a: argparse.Namespace) -> str:
     if not 0 < a.top_p <= 1 or a.top_k < 0 or not 0 <= a.min_p < 1:
         raise ConfigError(f"--top_p {a.top_p}, --top_k {a.top_k}, --min_p {a.min_p}: top_p in (0, 1], top_k ≥ 0 "
                           f"(0: off), min_p in [0, 1)")
-    sample, engine_version = sampler_of(a, model, config, stops)
-    steps, _ = build_rows(sample, a, stops, config.vocab_size)
+    session = sampler.start(model, config, sampling_of(a, stops))
+    steps, _ = build_rows(session.sample, a, stops, config.vocab_size)
     tensors = tensors_of(model, reference, steps, a)
     rows = tensors["step_rows"].tolist()
     describe = (f"{a.family} rollouts of {a.model_name} ({len(rows)} steps × {rows[0]} rows, completions up to "
                 f"{a.max_completion_length} tokens, reward {a.reward}, seed {a.seed})")
     write_rollouts(a.output, a.family, tensors, describe, {k: v for k, v in vars(a).items() if k != "output"},
-                   {"engine": a.sampler, "version": engine_version, "dtype": a.sampler_dtype,
-                    "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "min_p": a.min_p,
-                    "repetition_penalty": a.repetition_penalty, "logprob_mode": a.sampler_logprobs})
+                   session.side())
     truncated = int(tensors["truncated"].sum())
     console.say(f"wrote {a.output}: {describe}; {truncated} of {len(tensors['truncated'])} completions truncated")
     return a.output

@@ -12,8 +12,15 @@ every framework, and imports nothing of it until asked:
   one of its);
 - `install_hint()`: what this install lacks for the framework to find parity (e.g. an entry point), or "";
 - `module` and `oldest`: the framework's import name and the oldest release of it the room records (found by
-  recording it beside the pinned set: docs/own_trainer/one_command.md#the-releases-recorded). An older one imported in a
-  recorded process is refused in one line (`release_refusal`); a newer one than the pinned set's is recorded.
+  recording it beside the pinned set: docs/own_trainer/one_command.md#the-releases-recorded). An older one imported
+  in a recorded process is refused in one line (`release_refusal`); a newer one than the pinned set's is recorded;
+- `sampler`: its sampling engine (sampling.py, the sampler seam: how it samples, reports its sampler side and reloads
+  weights), loaded when asked — `engine(name)`; make_rollouts.py's --sampler names one of `engines()`;
+- `trains(trainer, optimizer)`: what a trainer built on Hugging Face's Trainer trains where it is this framework's
+  (TRL's GRPOTrainer and DPOTrainer), and the feed of its micro-batches (`Trained`), or None; Trainer's callback asks
+  `objective_of`, never a room by name.
+A room reaches another only through this registry (tests/test_architecture.py): what two rooms share lives on a floor
+below (parity/recording/) or in a module here that is not a room (sampling.py).
 The recorder never stops a user's run: a room's code the framework calls (a callback's hook, a forward hook, a
 wrapped method) is `guarded` — what it raises (an attribute another release does not have) ends the record in one
 line, and the training goes on to its end with the user's own exit code.
@@ -28,9 +35,12 @@ import functools
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from parity.errors import first_line
+
+if TYPE_CHECKING:
+    from parity.frameworks.sampling import Engine
 
 FRAMEWORKS = ("transformers", "lightning", "trl", "torchtitan", "vllm", "megatron", "accelerate")  # the registry:
 # each a room under parity/frameworks/
@@ -45,11 +55,47 @@ class Framework:
     install: Callable[[], None] | None = None
     command_refusal: Callable[[list[str]], str | None] | None = None
     install_hint: Callable[[], str] | None = None
+    sampler: Callable[[], Engine] | None = None
+    trains: Callable[[object, object], Trained | None] | None = None
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a trainer built on Hugging Face's Trainer trains, as its room knows it: the objective resolved
+    (parity.objectives.resolve_objective's), what the framework declared besides, and `feed(recorder)`, what hands the
+    recorder each training micro-batch (`forward(module, args, kwargs, output, grad)`, `close()`)."""
+    objective: dict
+    declared: dict
+    feed: Callable[[object], object]
+
+
+class Refused(Exception):
+    """What a room's framework trains that the harness cannot record, in one line (nothing is recorded)."""
 
 
 def registered() -> list[Framework]:
     """Every room's Framework, in FRAMEWORKS' order (importing a room's package imports nothing of its framework)."""
     return [importlib.import_module(f"parity.frameworks.{name}").FRAMEWORK for name in FRAMEWORKS]
+
+
+def engines() -> list[str]:
+    """The rooms that declare a sampling engine, in FRAMEWORKS' order (make_rollouts.py's --sampler choices)."""
+    return [framework.name for framework in registered() if framework.sampler is not None]
+
+
+def engine(name: str) -> Engine:
+    """Room `name`'s sampling engine (parity/frameworks/sampling.py)."""
+    return importlib.import_module(f"parity.frameworks.{name}").FRAMEWORK.sampler()
+
+
+def objective_of(trainer, optimizer) -> Trained | None:
+    """What `trainer` (built on Hugging Face's Trainer) trains, where a room knows its kind (TRL's GRPO and DPO
+    trainers); None: the causal-LM token mean. Refused in one line for what the reference cannot compute."""
+    for framework in registered():
+        found = framework.trains(trainer, optimizer) if framework.trains is not None else None
+        if found is not None:
+            return found
+    return None
 
 
 def release_refusal() -> str | None:

@@ -2,10 +2,10 @@
 (docs/own_trainer.md).
 
 What a callback cannot see, it takes from the framework's own extension points, never from a patched library:
-- the loss: a forward hook on the Hugging Face model inside the LightningModule (registered with its kwargs, the same
-  hook as Trainer's adapter) hands the recorder each training micro-batch's input ids, labels, attention mask and the
-  logits; the recorder measures the global token mean itself. The model must be called with `labels=` (Hugging Face's
-  convention) for the hook to see them;
+- the loss: a forward hook on the Hugging Face model inside the LightningModule (registered with its kwargs, handing
+  over as Trainer's callback does: parity/recording/forward_hook.py) hands the recorder each training micro-batch's
+  input ids, labels, attention mask and the logits; the recorder measures the global token mean itself. The model
+  must be called with `labels=` (Hugging Face's convention) for the hook to see them;
 - the pre-clip gradient norm: Lightning calls `on_before_optimizer_step` after the window's last backward (DDP's
   gradients reduced) and before its own clipping (Precision._after_closure, lightning 2.6), so the recorder measures it
   in float64 from the gradients (`grad_norm_source: recorder`), and every tensor's pre-clip norm there;
@@ -36,7 +36,7 @@ import torch
 
 from parity.fingerprint import installed_versions
 from parity.frameworks import guarded
-from parity.frameworks.transformers.callback import ParityCallback as _TrainerCallback
+from parity.recording.forward_hook import hand_over
 from parity.recording.group import own_group, release
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
 from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
@@ -65,9 +65,6 @@ class ParityCallback(pl.Callback):
     for the teacher-forced check (parity/recording/states.py). One optimizer, automatic or manual optimization,
     clipping by norm (or none)."""
 
-    _forward = _TrainerCallback._forward  # the micro-batch's rows and logits: the same hook as Trainer's adapter
-    feed = None  # (where Trainer's hands a TRL GRPO or DPO trainer's rows: none in Lightning)
-
     def __init__(self, output_dir: str, *, name: str, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
                  checkpoint_interval: int | None = DEFAULT_CHECKPOINT_INTERVAL,
                  max_state_bytes: int = DEFAULT_MAX_STATE_BYTES):
@@ -77,6 +74,13 @@ class ParityCallback(pl.Callback):
         self._hook, self._own_group, self._stepped, self._logged = None, False, False, 0.0
         # manual optimization; its step read at clip_gradients; the gradients' norm after the last manual_backward
         self._manual, self._clipped, self._backward_norm, self._observed = False, False, None, None
+
+    @guarded
+    def _forward(self, module, args, kwargs, output) -> None:
+        """A training micro-batch's rows and logits, as Trainer's callback hands them over (parity/recording/
+        forward_hook.py)."""
+        if self.recorder is not None:
+            hand_over(self.recorder, module, args, kwargs, output)
 
     @guarded
     def on_train_start(self, trainer, pl_module):

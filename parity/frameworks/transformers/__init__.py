@@ -1,5 +1,6 @@
 """Hugging Face's Trainer (and every trainer built on it): its callback (callback.py) and the hook that gives it to a
-Trainer under verify_trainer.py (trainer_hook.py)."""
+Trainer under verify_trainer.py (trainer_hook.py); and transformers' generate, the harness's own engine on the sampler
+seam (sampler.py: make_rollouts.py's default --sampler)."""
 
 from parity.frameworks import Framework
 
@@ -10,4 +11,11 @@ def _install() -> None:
     trainer_hook.install()
 
 
-FRAMEWORK = Framework("transformers", "Hugging Face's Trainer", "transformers", "5.18.0", install=_install)
+def _sampler():
+    from parity.frameworks.transformers.sampler import ENGINE
+
+    return ENGINE
+
+
+FRAMEWORK = Framework("transformers", "Hugging Face's Trainer", "transformers", "5.18.0", install=_install,
+                      sampler=_sampler)

@@ -29,8 +29,9 @@ One process without a process group (no launcher): the callback starts a gloo gr
 it after training, as Lightning's does (group.py).
 
 TRL's GRPOTrainer and DPOTrainer (found as the trainer whose training loop calls on_train_begin) are recorded with
-their objective, each micro-batch as it consumed it (frameworks/trl/objectives.py, docs/posttrain.md); any other trainer as the
-causal-LM token mean, its first step's logged loss held to it (recorded_objective.causal_lm_refusal).
+their objective, each micro-batch as it consumed it: the registry's `objective_of` asks the rooms (TRL's: its
+objective and the feed of its micro-batches; docs/posttrain.md); any other trainer as the causal-LM token mean, its
+first step's logged loss held to it (recorded_objective.causal_lm_refusal).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from transformers import Trainer, TrainerCallback
 
 from parity.attaching import attach
 from parity.fingerprint import installed_versions
-from parity.frameworks import guarded, release_refusal
-from parity.frameworks.trl.objectives import DPOFeed, GRPOFeed, Refused, kind_of, plan, resolved
+from parity.frameworks import Refused, guarded, objective_of, release_refusal
+from parity.recording.forward_hook import hand_over
 from parity.recording.group import own_group, release
 from parity.recording.recorded_tensors import CLIPPED
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
@@ -73,11 +74,10 @@ class ParityCallback(TrainerCallback):
     @guarded
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._own_group = own_group(args.world_size)  # one process without a launcher: a group of one
-        trainer = calling_trainer()  # TRL's GRPO and DPO trainers: their objective (frameworks/trl/objectives.py)
+        trainer = calling_trainer()  # TRL's GRPO and DPO trainers: their objective, as the registry finds it
         try:
             refusal = release_refusal() or trainer_refusal(args)  # an older release: none of its attributes read
-            planned = plan(trainer, optimizer) if trainer is not None and not refusal else None
-            objective = resolved(*planned[:2]) if planned and not refusal else None
+            trained = objective_of(trainer, optimizer) if trainer is not None and not refusal else None
         except Refused as exc:
             refusal = str(exc)
         if refusal:
@@ -94,7 +94,8 @@ class ParityCallback(TrainerCallback):
                                        dump_step=self.dump_step,
                                        start_step=state.global_step,  # > 0: resumed from a checkpoint
                                        tensor_grad=CLIPPED,  # its callbacks come after its clipping
-                                       objective=objective, objective_declared=planned and planned[2],
+                                       objective=trained and trained.objective,
+                                       objective_declared=trained and trained.declared,
                                        **self.state_saving)
         if not self.recorder.enabled:
             return
@@ -103,30 +104,19 @@ class ParityCallback(TrainerCallback):
                                    f"(got {args.logging_steps})")
             return
         self._hook = unwrap(model).register_forward_hook(self._forward, with_kwargs=True)
-        if objective is not None:
-            self.feed = (GRPOFeed if kind_of(trainer) == "grpo" else DPOFeed)(trainer, self.recorder)
+        if trained is not None:
+            self.feed = trained.feed(self.recorder)
         self.recorder.norm_at_optimizer_step = float("nan")  # measured by the recorder's optimizer step pre-hook
         self.recorder.declared = declared_schedule(args, state.max_steps, self.recorder.optimizer, state.global_step)
 
     @guarded
     def _forward(self, module, args, kwargs, output) -> None:
-        """A training micro-batch's forward: its rows and the logits the model made of them (TRL's GRPO and DPO: its
-        rows and what its trainer made of them, through the feed)."""
-        grad = module.training and torch.is_grad_enabled()
+        """A training micro-batch's forward: its rows and the logits the model made of them (parity/recording/
+        forward_hook.py; TRL's GRPO and DPO: its rows and what its trainer made of them, through the feed)."""
         if self.feed is not None and self.recorder is not None and self.recorder.enabled:
-            self.feed.forward(module, args, kwargs, output, grad)
-            return
-        if not grad or self.recorder is None:
-            return
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        labels = kwargs.get("labels")
-        if labels is None or ids is None:
-            self.recorder.broken = "a training forward without input_ids and labels (the recorder needs both)"
-            return
-        logits = getattr(output, "logits", None)
-        fused = getattr(output, "log_probs", None) if logits is None else None  # TRL's fused LM head: no logits
-        self.recorder.micro_batch(ids, labels, logits, attention_mask=kwargs.get("attention_mask"), log_probs=fused,
-                                  position_ids=kwargs.get("position_ids"), use_cache=kwargs.get("use_cache"))
+            self.feed.forward(module, args, kwargs, output, module.training and torch.is_grad_enabled())
+        elif self.recorder is not None:
+            hand_over(self.recorder, module, args, kwargs, output)
 
     @guarded
     def on_step_end(self, args, state, control, **kwargs):

@@ -1,7 +1,8 @@
 """TRL's GRPOTrainer and DPOTrainer (0.29.0 to 1.16, docs/own_trainer/one_command.md#the-releases-recorded) recorded with their
 objective, no line of the user's script changed
-(docs/posttrain.md#your-own-run-recorded): Trainer's ParityCallback (frameworks/transformers/callback.py) asks `plan` what its trainer
-trains, then hands each training micro-batch to the recorder's objective_batch through a `GRPOFeed` or `DPOFeed`.
+(docs/posttrain.md#your-own-run-recorded): Trainer's ParityCallback asks the registry what its trainer trains
+(parity.frameworks.objective_of: `trained` here, from `plan`), then hands each training micro-batch to the
+recorder's objective_batch through the `GRPOFeed` or `DPOFeed` it gives.
 
 The objective: the trainer's own arguments resolved into the harness's definitions (parity/objectives: TRL's argument
 names are the settings' names) — loss_type, beta, epsilon/epsilon_high, delta, importance_sampling_level,
@@ -41,7 +42,7 @@ import hashlib
 
 import torch
 
-from parity.frameworks import guarded
+from parity.frameworks import Refused, Trained, engine, guarded
 from parity.objectives import DEFINITIONS, GRPO_FAMILY, PER_PAIR, resolve_objective
 
 PROBE_ROWS = 4  # rows of the first micro-batch through vLLM and the trainer's model, layer by layer
@@ -60,14 +61,20 @@ ABSENT = {"delta": None, "use_bias_correction_kl": False, "entropy_coef": 0.0, "
           "use_adaptive_entropy": False, "off_policy_mask_threshold": None}
 
 
-class Refused(Exception):
-    """What TRL's trainer trains that the reference cannot compute, in one line."""
-
-
 def kind_of(trainer) -> str | None:
     """"grpo" or "dpo" for TRL's GRPOTrainer and DPOTrainer (and what inherits them), None for any other trainer."""
     names = {(c.__module__.split(".")[0], c.__name__) for c in type(trainer).__mro__}
     return "grpo" if ("trl", "GRPOTrainer") in names else "dpo" if ("trl", "DPOTrainer") in names else None
+
+
+def trained(trainer, optimizer) -> Trained | None:
+    """What a GRPOTrainer or DPOTrainer trains, resolved, and the feed of its micro-batches (the registry's
+    `objective_of`, which Trainer's callback asks); None for another trainer. Refused in one line."""
+    planned = plan(trainer, optimizer)
+    if planned is None:
+        return None
+    feed = GRPOFeed if kind_of(trainer) == "grpo" else DPOFeed
+    return Trained(resolved(*planned[:2]), planned[2], lambda recorder: feed(trainer, recorder))
 
 
 def plan(trainer, optimizer) -> tuple[str, dict, dict] | None:
@@ -143,18 +150,17 @@ def sampler_of(trainer) -> dict | None:
     line for what the file cannot describe: a log-prob mode other than vLLM's processed or raw log-probs, a dtype
     other than fp32, bf16 or fp16."""
     args, generation = trainer.args, getattr(trainer, "vllm_generation", None)
-    engine = getattr(generation, "llm", None)
-    if not getattr(args, "use_vllm", False) or engine is None:
+    llm = getattr(generation, "llm", None)
+    if not getattr(args, "use_vllm", False) or llm is None:
         return None
-    from parity.frameworks.vllm.sampler import engine_side, sampling_side
-
-    side, why = engine_side(engine)
+    vllm = engine("vllm")  # the sampler seam (parity/frameworks/sampling.py)
+    side, why = vllm.engine_side(llm)
     if why:
         raise Refused(f"vLLM's sampler {why}: the rollout file describes an fp32, bf16 or fp16 sampler of processed or "
                       f"raw log-probs")
     given = {key: getattr(generation, key, getattr(args, key, None))
              for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-    return {**side, **sampling_side({**given, **(getattr(generation, "generation_kwargs", None) or {})})}
+    return {**side, **vllm.sampling_side({**given, **(getattr(generation, "generation_kwargs", None) or {})})}
 
 
 class SamplerWatch:
@@ -163,11 +169,9 @@ class SamplerWatch:
     updated in place), a later one that samples from another distribution ends the record in one line. `paused`
     while the recorder's own probe generates."""
 
-    def __init__(self, engine, side: dict, recorder):
-        from parity.frameworks.vllm.sampler import sampling_side
-
-        self.engine, self.side, self.recorder, self.seen, self.paused = engine, side, recorder, None, False
-        original, read = engine.generate, sampling_side
+    def __init__(self, llm, side: dict, recorder):
+        self.engine, self.side, self.recorder, self.seen, self.paused = llm, side, recorder, None, False
+        original, read = llm.generate, engine("vllm").sampling_side
 
         def generate(*args, **kwargs):
             if not self.paused:
@@ -177,7 +181,7 @@ class SamplerWatch:
                     self.recorder.broken = f"vLLM's sampling parameters: {type(exc).__name__}: {exc}"
             return original(*args, **kwargs)
 
-        engine.generate = generate
+        llm.generate = generate
 
     def saw(self, read, params) -> None:
         for one in params if isinstance(params, (list, tuple)) else [params]:
@@ -326,24 +330,24 @@ class GRPOFeed:
     def probe_layers(self, model, ids: torch.Tensor, attention) -> None:
         """At the first training micro-batch — the engine synced to the trainer's weights of step 0 — where vLLM's
         forward first parts from the trainer's model, layer by layer, on up to PROBE_ROWS of its rows
-        (frameworks/vllm/layers.py), into the recorder's folder beside the rollout file (rank 0)."""
+        (the vLLM engine's first_layer_apart), into the recorder's folder beside the rollout file (rank 0)."""
         import json
 
         from parity import storage
         from parity.errors import first_line
-        from parity.frameworks.vllm.layers import NotCompared, first_layer_apart
-        from parity.frameworks.vllm.sampler import engine_side
+        from parity.frameworks.sampling import NotCompared
         from parity.rollout_check.recorded import LAYERS_FILE
 
-        rec, engine = self.recorder, getattr(getattr(self.trainer, "vllm_generation", None), "llm", None)
-        if engine is None or rec.rank != 0:
+        rec, llm = self.recorder, getattr(getattr(self.trainer, "vllm_generation", None), "llm", None)
+        if llm is None or rec.rank != 0:
             return
         real = torch.ones_like(ids) if attention is None else attention
         rows = [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), real.cpu())][:PROBE_ROWS]
         if self.watch is not None:
             self.watch.paused = True  # the probe's own requests are not the run's sampling
         try:
-            found = first_layer_apart(engine, model, rows, engine_side(engine)[0]["dtype"] or "fp32")
+            vllm = engine("vllm")
+            found = vllm.first_layer_apart(llm, model, rows, vllm.engine_side(llm)[0]["dtype"] or "fp32")
         except Exception as exc:  # a diagnosis, never the run's end: said where it would have been
             found = {"error": str(exc) if isinstance(exc, NotCompared) else
                      f"{type(exc).__name__}: {first_line(exc)}"}
@@ -434,4 +438,4 @@ def token_log_probs_of(output, ids: torch.Tensor, labels: torch.Tensor) -> torch
         return log_probs.masked_fill(labels[:, 1:].to(log_probs.device) == -100, 0.0)
 
 
-__all__ = ["DPOFeed", "GRPOFeed", "Refused", "SamplerWatch", "kind_of", "plan", "resolved"]
+__all__ = ["DPOFeed", "GRPOFeed", "Refused", "SamplerWatch", "kind_of", "plan", "resolved", "trained"]

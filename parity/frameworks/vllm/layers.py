@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from parity.frameworks.sampling import NotCompared
 from parity.precision import DTYPES
 
 NOISE_K = 20  # a layer parts where its gap exceeds this × its noise
@@ -62,10 +63,6 @@ def engine_layer_outputs(llm, rows: list[list[int]]) -> list[torch.Tensor]:
                           f"cudagraph_mode {config.cudagraph_mode}: a graph ran the whole model): enforce_eager=True, "
                           f"or cudagraph_mode PIECEWISE, lets it compare")
     return [torch.cat([row[i] for row in captured]) for i in range(count)]
-
-
-class NotCompared(Exception):
-    """Why the engine's layers could not be read, in one line naming the setting."""
 
 
 @torch.no_grad()
