@@ -193,7 +193,10 @@ def margin_words(c: Comparison, r: CurveResult) -> str:
     margin, q = margins.curves_margin(margins.bounds_held(c, r))
     if margin is None:
         return EXACT_MARGIN if r.bit_identical else "margin: every judged curve at the baseline's"
-    return f"margin {margin:.1f}× ({NOUNS[q]})" if margin >= 1 else f"{NOUNS[q]} at {1 / margin:.3g} × the bound that held"
+    if margin >= 1:
+        return f"margin {margin:.1f}× ({NOUNS[q]})"
+    return f"{NOUNS[q]} at {1 / margin if margin else float('inf'):.3g} × the bound that held"  # inf: non-finite where
+    # the baseline's is finite (an fp16 step that overflowed on one side)
 
 
 def resumed_line(r: CurveResult) -> str | None:
