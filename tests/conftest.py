@@ -50,16 +50,26 @@ MODULE_ORDER = ("test_checkpoints", "test_families", "test_calibration", "test_m
                 "test_packing", "test_own_trainer_sharded")
 
 
+# `pytest -m quick` (README): the core verdict while working on one part — the strategies at fp32 parity on the session's
+# shared runs (DDP, DeepSpeed AutoTP + ZeRO, FSDP2 + TP), the replicas, the tensor verdict, the curve verdict and its
+# report, a recorded loop of your own, bad input line by line, the house's rules and the docs' links.
+QUICK = ("test_ddp_ray", "test_deepspeed", "test_fsdp", "test_replicas", "test_tensor_verdict", "test_tensor_norms",
+         "test_compare", "test_recorded_report", "test_own_trainer", "test_bad_input", "test_model", "test_data",
+         "test_house", "test_architecture", "test_docs")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(items):
     """One xdist group per test module: the module's tests run in one process, after its fixtures are made once; the
-    modules in MODULE_ORDER's order, then the others."""
+    modules in MODULE_ORDER's order, then the others. The modules of QUICK carry the `quick` mark."""
     modules = list(dict.fromkeys(item.module.__name__ for item in items))
     rank = {name: (MODULE_ORDER.index(name) if name in MODULE_ORDER else len(MODULE_ORDER), i)
             for i, name in enumerate(modules)}
     items.sort(key=lambda item: rank[item.module.__name__])
     for item in items:
         item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        if item.module.__name__ in QUICK:
+            item.add_marker(pytest.mark.quick)
 
 
 @contextlib.contextmanager
