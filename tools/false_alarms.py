@@ -232,6 +232,8 @@ def main(argv=None) -> int:
     p.add_argument("--code", default=km.REPO, help="the checkout whose commands run (default: this one)")
     p.add_argument("--write_docs", default=None, help="also write the page here (docs/false_alarms.md)")
     p.add_argument("--dry_run", action="store_true", help="print the cells' commands; run nothing")
+    p.add_argument("--page_only", action="store_true",
+                   help="write the page from OUTPUT_DIR/campaign.json's cells, run nothing (a campaign cut short)")
     args = p.parse_args(argv)
     capabilities = args.only.split(",") if args.only else list(ON_CUDA if args.device == "cuda" else CAMPAIGN)
     unknown = [c for c in capabilities if c not in CAMPAIGN]
@@ -250,6 +252,14 @@ def main(argv=None) -> int:
                   + " ".join(make(args.code, os.path.join(out, c["capability"], cell_name(c)), args.device)))
         print(f"{len(todo)} cells")
         return 0
+    if args.page_only:
+        with open(os.path.join(out, "campaign.json")) as f:
+            ran = json.load(f)
+        results = ran["cells"]
+        wall = sum(r.get("seconds") or 0.0 for r in results)  # one cell at a time: the cells' seconds summed
+        text = page(summary(results, capabilities), results, ran["command"] + f" (cut short: {len(results)} of "
+                    f"{len(todo)} cells)", wall, machine_load(), args.device)
+        return write_page(text, out, args.write_docs)
     os.makedirs(out, exist_ok=True)
     results, lock, t0 = [], threading.Lock(), time.time()
     command = "python tools/false_alarms.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -267,7 +277,11 @@ def main(argv=None) -> int:
         for done in [pool.submit(one, c) for c in todo]:
             done.result()
     text = page(summary(results, capabilities), results, command, time.time() - t0, machine_load(), args.device)
-    for path in filter(None, [os.path.join(out, "false_alarms.md"), args.write_docs]):
+    return write_page(text, out, args.write_docs)
+
+
+def write_page(text: str, out: str, docs: str | None) -> int:
+    for path in filter(None, [os.path.join(out, "false_alarms.md"), docs]):
         with open(path, "w") as f:
             f.write(text)
     print(text)
