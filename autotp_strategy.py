@@ -46,18 +46,17 @@ from parity.models.families import family_of
 from parity.models.model import parameter_names
 from parity.precision import POLICIES, PolicyRequest, policy_of
 from parity.strategies.autotp.engine_config import engine_config
-from parity.strategies.autotp.gathers import (column_parallel_outputs, full_tensors, gather_last_dim, stock_name,
-                                              stock_names)
+from parity.strategies.autotp.gathers import column_parallel_outputs, gather_last_dim, stock_name, stock_names
 from parity.strategies.autotp.guards import check_autoep, check_release_runs
 from parity.strategies.autotp.library import forget_other_tp_layout
-from parity.strategies.autotp.norm_point import norm_dtype, watch_norm
 from parity.strategies.autotp.partition import autotp_partition_config
-from parity.strategies.autotp.zero_state import (full_masters, full_moments, local_gradient, local_master, module_norm,
-                                                 zero_pieces, zero_replicas)
 from parity.strategies.autotp.user_config import config_policy, given_config, read_user_config, user_config
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.optimizer import OptimizerStep
 from parity.training.replicas import Replica
+from parity.views.norm_point import norm_dtype, watch_norm
+from parity.views.zero_state import (full_masters, full_moments, full_tensors, local_gradient, local_master,
+                                    module_norm, zero_pieces, zero_replicas)
 from parity.training.strategy import Option, Piece, Strategy, build_named_optimizer, build_optimizer, set_lr
 
 ZERO_STAGES = (0, 1, 2, 3)

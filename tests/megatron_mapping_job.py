@@ -29,7 +29,7 @@ def refusals(config, model) -> list[str]:
     from dataclasses import replace
 
     from parity.frameworks.megatron.config import MegatronRefused, hf_config
-    from parity.frameworks.megatron.layout import gpt_models
+    from parity.frameworks.megatron.view import gpt_models
     from parity.frameworks.megatron.names import to_hf
 
     lines = []

@@ -283,3 +283,47 @@ def test_the_users_command_is_parsed_by_one_function():
         ("script", "train.py", ["--lr", "1"], ("torchrun", "--nproc_per_node", "2")),
         ("module", "torchtitan.train", ["--module", "llama3"], ("python", "-m", "torch.distributed.run", "--standalone")),
         ("program", "trl", ["sft", "--x", "1"], ())]
+
+
+def _implements(cls, protocol) -> list[str]:
+    """The protocol's members `cls` leaves as the protocol's own (unimplemented)."""
+    members = [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    return [n for n in members if getattr(cls, n) is getattr(protocol, n)]
+
+
+def test_every_view_of_a_sharded_model_implements_the_one_protocol():
+    """One protocol (parity/training/view.py) with one set of names: the recorder's views (its table's rows), the
+    frameworks' translated views and the strategies' base each implement every member. Cheap: no process group."""
+    from parity.frameworks.megatron.view import MegatronView
+    from parity.frameworks.torchtitan.view import TitanView
+    from parity.training.dtensor_strategy import DTensorStrategy
+    from parity.training.strategy import Strategy
+    from parity.training.view import ShardedView
+    from parity.views.table import VIEWS, view_classes
+
+    table = view_classes()
+    assert [c.__module__ for c in table] == [f"parity.views.{m}" for m, _ in VIEWS]
+    views = [*table, TitanView, MegatronView, Strategy, DTensorStrategy]
+    missing = {c.__name__: _implements(c, ShardedView) for c in views if _implements(c, ShardedView)}
+    assert missing == {} and all(issubclass(c, ShardedView) for c in views)
+
+    class Half(ShardedView):  # the check can fail
+        def parameter_norm(self):
+            return 0.0
+
+    assert "full_parameters" in _implements(Half, ShardedView) and "parameter_norm" not in _implements(Half, ShardedView)
+    rooms = sorted(f for f in import_graph.product_files() if os.path.basename(f) == "view.py"
+                   and f.startswith(os.path.join("parity", "frameworks")))
+    assert rooms == [os.path.join("parity", "frameworks", r, "view.py") for r in ("megatron", "torchtitan")]
+
+
+def layout_classes(path: str) -> list[str]:
+    return [n.name for n in ast.walk(ast.parse(open(path).read())) if isinstance(n, ast.ClassDef) and "Layout" in n.name]
+
+
+def test_layout_keeps_one_meaning():
+    """"Layout" is parity/layout.py's (the run's TP × DP × PP placement) alone: a class named for it lives there only;
+    what reads a sharded model is a view."""
+    wrong = {f: layout_classes(os.path.join(REPO, f)) for f in import_graph.product_files()
+             if f != os.path.join("parity", "layout.py") and layout_classes(os.path.join(REPO, f))}
+    assert wrong == {} and layout_classes(os.path.join(REPO, "parity", "layout.py")) == ["Layout"]

@@ -308,7 +308,7 @@ def test_a_model_is_recorded_on_the_device_it_trains_on_not_its_backends():
     device is its parameters'."""
     import torch
 
-    from parity.recording.sharded import trained_device
+    from parity.views.base import trained_device
 
     cuda = torch.device("cuda", 0)
     on_gpu = torch.nn.Linear(2, 2, device="meta")

@@ -246,7 +246,7 @@ def test_the_fused_qkv_split_is_the_adapters_own():
     from torchtitan.models.llama3 import model_registry
 
     from parity.frameworks.torchtitan.config import TitanRefused, hf_config
-    from parity.frameworks.torchtitan.layout import Translation
+    from parity.frameworks.torchtitan.view import Translation
     from parity.models.model import meta_model
 
     spec = model_registry("debugmodel")

@@ -56,7 +56,7 @@ BUGS = ("tp_norm", "local_tokens", "fsdp_average")
 # torchtitan layout and the transformers model that layout maps onto (about 5 CPU-seconds a rank where each imports
 # them).
 PRELOAD = ("torchtitan.train", "torchtitan.models.llama3", "parity.frameworks.torchtitan.recording",
-           "parity.frameworks.torchtitan.layout", "parity.recording.recorder", "parity.models.model",
+           "parity.frameworks.torchtitan.view", "parity.recording.recorder", "parity.models.model",
            "transformers.models.llama.modeling_llama")
 
 

@@ -86,7 +86,7 @@ class DeepSpeedGradientDoubledInStep(_InStep, DeepSpeedStrategy):
     partition), before engine.step() clips it."""
 
     def gradient(self, name: str) -> torch.Tensor | None:
-        from parity.strategies.autotp.zero_state import local_gradient
+        from parity.views.zero_state import local_gradient
 
         (param,) = [p for n, p in self._stock_named if n == name]
         return local_gradient(param, self.zero_stage)

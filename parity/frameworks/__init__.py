@@ -26,7 +26,7 @@ wrapped method) is `guarded` — what it raises (an attribute another release do
 line, and the training goes on to its end with the user's own exit code.
 How the model, optimizer and batches are found is the room's recorder's: its callback or recording observes them where
 the framework hands them over, and a model that is not a transformers one is read under Hugging Face names by a
-layout of the room's (parity.recording.sharded's interface: torchtitan's layout.py).
+view of the room's (parity/training/view.py's protocol: torchtitan's view.py).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ import warnings
 
 MOVED = {  # parity.integrations.<old> → where it lives now (docs/architecture.md)
     **{name: f"parity.recording.{name}" for name in (
-        "recorder", "rows", "batch_taking", "states", "recorded_tensors", "sharded", "world", "group",
-        "optimizer_description", "adapters_record", "dump", "resume", "recorded_objective")},
+        "recorder", "rows", "batch_taking", "states", "recorded_tensors", "world", "group",
+        "optimizer_description", "dump", "resume", "recorded_objective")},
+    "sharded": "parity.views.table", "adapters_record": "parity.views.adapters",
     **{name: f"parity.attaching.{name}" for name in ("attach", "import_hook", "layer_cut", "model_builders", "launch")},
     **{name: f"parity.replay.{name}" for name in ("replay", "replay_choice", "objective_replay")},
     "transformers": "parity.frameworks.transformers.callback",
@@ -21,7 +22,7 @@ MOVED = {  # parity.integrations.<old> → where it lives now (docs/architecture
     "lightning_factory": "parity.frameworks.lightning.factory",
     "trl_objectives": "parity.frameworks.trl.objectives",
     "torchtitan": "parity.frameworks.torchtitan.recording",
-    "titan_layout": "parity.frameworks.torchtitan.layout",
+    "titan_layout": "parity.frameworks.torchtitan.view",
     "titan_config": "parity.frameworks.torchtitan.config",
 }
 PUBLIC_INSTEAD = {"recorder": "from parity import ParityRecorder", "transformers": "from parity import ParityCallback",

@@ -234,7 +234,7 @@ def adapters_path(init_weights_path: str) -> str:
 def save_adapters(model, lora: dict, base_sha256: str, path: str, state: dict | None = None) -> str:
     """Write the adapters of `model` (add_adapters') atomically, with the settings they were drawn for and the base's
     sha256; returns the file's sha256. `state`: the adapters' full tensors by name where the model holds shards (a
-    recorder of a sharded loop gathers them: parity/recording/adapters_record.py)."""
+    recorder of a sharded loop gathers them: parity/views/adapters.py)."""
     from safetensors.torch import save
 
     from parity.models.model import canonical_safetensors

@@ -1,12 +1,12 @@
 """Every trainable tensor's gradient and parameter norm at every recorded step, for the series beside the record
-(parity/training/tensor_series.py): read from the loop's layout (sharded.py: each layout's pieces, with the harness's
+(parity/training/tensor_series.py): read from the loop's view (parity/views/: each view's pieces, with the harness's
 own code for that sharding), summed over the ranks as a harness run sums them (parity/training/tensor_norms.py).
 
 Which gradient a record holds, and where it was read (the series' read_at), follows from where the loop lets the
 recorder see it, declared once for the run:
 - PRE_CLIP, before the loop's clipping: read at before_step() — a hand-written loop calls it there, Lightning's
   on_before_optimizer_step comes before its clipping — or, in a DeepSpeed loop, inside engine.step() where DeepSpeed
-  takes the norm it clips by (the layout's watch_norm: norm_point.py), after all the engine does before its clip;
+  takes the norm it clips by (the view's watch_norm: norm_point.py), after all the engine does before its clip;
 - CLIPPED, after the framework clipped: read at the optimizer's step pre-hook (Trainer's callbacks all come after its
   clipping), with the step's clip coefficient beside it — torch's formula on the step's recorded pre-clip norm and the
   loop's max_grad_norm: the clipped gradient is the pre-clip one × it.
@@ -39,28 +39,28 @@ __all__ = ["AT_OPTIMIZER", "BEFORE_STEP", "CLIPPED", "PRE_CLIP", "RecordedTensor
 
 
 class RecordedTensors:
-    """One recorded run's per-tensor norms, on every rank: `layout` (sharded.py) hands over the pieces, `grad` says
+    """One recorded run's per-tensor norms, on every rank: `view` (parity/views/) hands over the pieces, `grad` says
     which gradient the record holds (PRE_CLIP or CLIPPED), `max_grad_norm` is what the loop clips to (0: it does not),
     `log` takes rank 0's lines."""
 
-    def __init__(self, layout, device: torch.device, grad: str, max_grad_norm: float, log: Callable[[str], object],
+    def __init__(self, view, device: torch.device, grad: str, max_grad_norm: float, log: Callable[[str], object],
                  precision: str = "fp32"):
         if grad not in (PRE_CLIP, CLIPPED):
             raise ValueError(f"tensor_grad {grad!r}: {PRE_CLIP!r} or {CLIPPED!r}")
-        self.layout, self.device, self.grad, self.log = layout, device, grad, log
+        self.view, self.device, self.grad, self.log = view, device, grad, log
         self.clipping = SimpleNamespace(max_grad_norm=max_grad_norm)  # what clip_coefficient reads
-        self.names = layout.tensor_names()
+        self.names = view.tensor_names()
         self.squares: torch.Tensor | None = None  # this step's gradient squares, once read
         self.applied_squares: torch.Tensor | None = None  # and as the optimizer applies them (PRE_CLIP: the applied check)
         self.applied = False  # whether the optimizer's step has applied this step's gradients (its post-hook)
         self.missed = False  # whether a step's gradients went unseen already (its line said so)
         low = precision in POLICIES and POLICIES[precision].params != "fp32"  # the gradients' own dtype, clipped in it
         self.bound = CLIP_READ["bf16" if low else "float64"]
-        # where the gradients are read: where the engine takes its norm where the layout can watch it, else the loop's
+        # where the gradients are read: where the engine takes its norm where the view can watch it, else the loop's
         self.read_at = AT_OPTIMIZER if grad == CLIPPED else BEFORE_STEP
-        if grad == PRE_CLIP and layout.watch_norm(lambda: self.read(AT_CLIP)):
+        if grad == PRE_CLIP and view.watch_norm(lambda: self.read(AT_CLIP)):
             self.read_at = AT_CLIP
-        self.checks_applied = self.read_at == BEFORE_STEP and layout.pieces_at_optimizer  # (module docstring)
+        self.checks_applied = self.read_at == BEFORE_STEP and view.pieces_at_optimizer  # (module docstring)
 
     def observer_arguments(self) -> dict:
         """What the StepObserver takes of the series: the names, which gradient and where it was read."""
@@ -85,7 +85,7 @@ class RecordedTensors:
 
     def _squares(self) -> torch.Tensor | None:
         try:
-            return local_squares(self.layout.gradient_pieces(), self.names, self.device, self.layout.loss_scale())
+            return local_squares(self.view.gradient_pieces(), self.names, self.device, self.view.loss_scale())
         except Exception:  # the step's gradients are NaN (module docstring): never the user's training
             return None
 
@@ -105,7 +105,7 @@ class RecordedTensors:
                          f"and so are any later step's that are not seen either")
         applied = self.applied_squares
         self.squares, self.applied_squares, self.applied = None, None, False
-        params = local_squares(self.layout.parameter_pieces(), self.names, self.device)
+        params = local_squares(self.view.parameter_pieces(), self.names, self.device)
         rows = [squares, params]
         if self.checks_applied:  # the applied gradients ride along, with a count of who read them
             seen = applied is not None

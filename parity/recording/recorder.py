@@ -11,7 +11,7 @@ replay's teacher-forced check (states.py, up to `max_state_bytes`): files named 
 
 A step that cannot be recorded or replayed stops the record there, in one line: it holds the steps before it
 (`config.stopped`), which are replayed and judged; so does a first step whose logged loss is not the causal-LM token
-mean the recorder measured (recorded_objective.py). The process group is read by its layout (sharded.py: plain/DDP,
+mean the recorder measured (recorded_objective.py). The process group is read by its view (parity/views/: plain/DDP,
 FSDP2 ± DTensor TP, FSDP1, DeepSpeed ZeRO 0–3), each with the harness's own gather and norm code; a step's rows, sums
 and health travel in one all_gather (rows.py), rank 0 alone hashes, checks and saves the batch, on a thread of its
 own. A recorder failure never stops the user's training.
@@ -32,16 +32,13 @@ from parity import storage
 from parity.errors import ConfigError, first_line
 from parity.fingerprint import fingerprint
 from parity.attaching import layer_cut
-from parity.recording import resume
-from parity.recording import states
-from parity.recording.adapters_record import save_initial_weights
+from parity.recording import resume, states
 from parity.recording.batch_taking import BatchTaking
 from parity.attaching.attach import attached, refused
 from parity.recording.optimizer_description import describe_optimizer
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, taken
-from parity.recording.sharded import LayoutRefused, layout_of, trained_device
 from parity.recording.world import exchange_device, first_process, trains_alone
 from parity.models.model import config_as_built, config_summary, file_sha256
 from parity.precision import POLICIES
@@ -50,6 +47,9 @@ from parity.objectives.causal_lm import IGNORE_INDEX, measured_loss_sum
 from parity.training.observer import StepObserver, device_name
 from parity.training.record import RECORDER_SOURCE as SOURCE, LossRecord, record_path
 from parity.training.tensor_series import kept_chunks
+from parity.views.adapters import save_initial_weights
+from parity.views.base import ViewRefused, trained_device
+from parity.views.table import view_of
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
 REPLICA_MOMENTS_EVERY = 10  # the replica check reads AdamW's moments every 10th step, the parameters at every step
@@ -91,7 +91,7 @@ class ParityRecorder(BatchTaking):
     (torch.distributed initialised: one rank is a group of one). `model` may be wrapped (DDP, torch.compile,
     accelerate's prepare: its model and AcceleratedOptimizer as they are), sharded by FSDP2's fully_shard (with or
     without DTensor TP), or a DeepSpeed engine (then `optimizer=engine.optimizer`, before_step before the boundary's
-    engine.step() and after_step after it: sharded.py);
+    engine.step() and after_step after it: parity/views/zero.py);
     `max_grad_norm` is what the loop clips to (0: it does not clip); `precision` the harness's name of what the loop
     computes in (fp32, bf16 for autocast over fp32 weights ...); `max_batch_bytes` caps the batches saved (default
     DEFAULT_MAX_BATCH_BYTES); `framework` names the loop (shown in the fingerprint, not compared); `log` takes rank
@@ -139,7 +139,7 @@ class ParityRecorder(BatchTaking):
 
                 self.dump = StepDump(self, dump_step)
             self.enabled = True
-        except (LayoutRefused, layer_cut.NotCut) as exc:  # a group, wrapper or depth it cannot take: every rank finds it
+        except (ViewRefused, layer_cut.NotCut) as exc:  # a group, wrapper or depth it cannot take: every rank finds it
             if first_process():
                 self._print(f"parity recorder: {exc}: recording nothing")
                 refused(str(exc))
@@ -181,20 +181,20 @@ class ParityRecorder(BatchTaking):
                framework, framework_versions, scheduler, start_step, tensor_grad) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = exchange_device()
-        self.layout = layout_of(model, optimizer, self.device, unwrap)  # plain/DDP, FSDP2, ZeRO (sharded.py)
-        self.model, self.optimizer = self.layout.model, self.layout.optimizer
+        self.view = view_of(model, optimizer, self.device, unwrap)  # plain/DDP, FSDP2, FSDP1, ZeRO (parity/views/)
+        self.model, self.optimizer = self.view.model, self.view.optimizer
         self.trains_on = trained_device(self.model, self.device)  # the record's device (the replay's)
         optimizer = self.optimizer  # the torch optimizer that steps (ZeRO's wraps the user's client one)
         self.folder = recorded_folder(output_dir, self.name)  # written here; named in the record relative to it
         here = f"recorded_{self.name}"
         self.max_batch_bytes, self.saved_bytes, self.log_interval = max_batch_bytes, 0, log_interval
-        self.names = self.layout.names()  # Hugging Face names (FSDP1's cleaned of its wrappers)
-        self.optimizer_description = describe_optimizer(optimizer, self.names, self.layout.group_params())
+        self.names = self.view.names()  # Hugging Face names (FSDP1's cleaned of its wrappers)
+        self.optimizer_description = describe_optimizer(optimizer, self.names, self.view.group_params())
         self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
         config = getattr(self.model, "config", None)
         hf = config is not None and hasattr(config, "to_json_string")
         fresh = hf and not start_step  # a resumed run's model is no longer at its initial state: not saved again
-        state = self.layout.full_state() if fresh else None  # full tensors where sharded: every rank (collective)
+        state = self.view.full_state_dict() if fresh else None  # full tensors where sharded: every rank (collective)
         self.exchange = RowExchange()
         group0 = optimizer.param_groups[0]
         betas = group0.get("betas", (0.0, 0.0))
@@ -207,14 +207,14 @@ class ParityRecorder(BatchTaking):
             "source": SOURCE, "framework": framework, "strategy": self.name, "strategy_path": None,
             "model_name": here, "model_type": getattr(config, "model_type", None),
             "hugging_face_model": hf, "attn_implementation": getattr(config, "_attn_implementation", None),
-            "tp_size": self.layout.tp_size, "pp_size": 1, "ep_size": 1,
-            "dp_size": self.layout.dp_size, "sharding": self.layout.describe(),
+            "tp_size": self.view.tp_size, "pp_size": 1, "ep_size": 1,
+            "dp_size": self.view.dp_size, "sharding": self.view.describe(),
             "num_workers": self.world, "world_size": self.world, "batch_size": None, "global_batch_size": None,
             "grad_accum_steps": None, "seq_length": None, "precision": precision,
             "reduce_dtype": policy.reduce_dtypes[0], "grad_accum_dtype": policy.grad_accum_dtypes[0],
             "loss_scaling": None, "total_steps": None, "init_weights_sha256": None,
             "init_weights_path": f"{here}/init_weights.safetensors" if hf else None,
-            "model_config": config_summary(config) if hf else {}, "lora": self.layout.lora,  # a PEFT model's adapters
+            "model_config": config_summary(config) if hf else {}, "lora": self.view.lora,  # a PEFT model's adapters
             "layer_cut": layer_cut.recorded(self.model),  # verify_trainer.py --num_layers: {"num_layers", "of"}
             "learning_rate": float(group0.get("initial_lr", group0.get("lr", 0.0))),
             "max_grad_norm": float(max_grad_norm), "weight_decay": float(group0.get("weight_decay", 0.0)),
@@ -235,9 +235,9 @@ class ParityRecorder(BatchTaking):
         self.writer = BatchWriter() if self.rank == 0 else None
         self.declared = (resume.DeclaredSchedule.copy_of(scheduler, start_step, self._line) if scheduler is not None
                          else None)
-        self.tensors = RecordedTensors(self.layout, self.device, tensor_grad, float(max_grad_norm), self._line,
+        self.tensors = RecordedTensors(self.view, self.device, tensor_grad, float(max_grad_norm), self._line,
                                        precision)
-        self.observer = StepObserver(self.record, device=self.device, replicas=self.layout, replica_check_interval=1,
+        self.observer = StepObserver(self.record, device=self.device, replicas=self.view, replica_check_interval=1,
                                      replica_moments_every=REPLICA_MOMENTS_EVERY,
                                      log=self._line, **self.tensors.observer_arguments())
         self.step, self.grad_norm_source = start_step, None
@@ -251,9 +251,9 @@ class ParityRecorder(BatchTaking):
             storage.write_bytes_atomic(storage.join(self.folder, "config.json"),
                                        config_as_built(self.model).to_json_string().encode())
             self.record.data["config"]["init_weights_sha256"] = save_initial_weights(  # LoRA's adapters beside
-                self.layout, storage.join(self.folder, "init_weights.safetensors"), state)
+                self.view, storage.join(self.folder, "init_weights.safetensors"), state)
         self._last = time.perf_counter()
-        self._line(f"recording {self.name} ({framework}, {self.layout.kind}, {self.world} rank"
+        self._line(f"recording {self.name} ({framework}, {self.view.kind}, {self.world} rank"
                    f"{'s' if self.world > 1 else ''}) into "
                    f"{self.record.path}{f', continued at step {start_step}' if start_step else ''}")
 
@@ -304,7 +304,7 @@ class ParityRecorder(BatchTaking):
                 if summed_loss is not None or log_probs is not None:
                     summed = float(summed_loss) if log_probs is None else float(-log_probs.detach().double().sum())
                 else:
-                    logits = self.layout.logits(logits.detach())  # a DTensor's in full
+                    logits = self.view.logits(logits.detach())  # a DTensor's in full
                     summed = float(measured_loss_sum(logits, labels.to(logits.device)).double())
             self.micro.append(taken(input_ids, labels, attention_mask, position_ids, use_cache, self.model))
             self.loss_sum += summed
@@ -328,7 +328,7 @@ class ParityRecorder(BatchTaking):
             if self.objective_rows is None:
                 raise ValueError("this recorder records the causal-LM token mean: name the objective, "
                                  "ParityRecorder(objective=...)")
-            labels, words = self.objective_rows.micro(input_ids, self.layout.logits(logits.detach()) if logits
+            labels, words = self.objective_rows.micro(input_ids, self.view.logits(logits.detach()) if logits
                                                       is not None else None, completion_mask=completion_mask,
                                                       attention_mask=attention_mask, log_probs=log_probs,
                                                       entropies_=entropies, **rows)
@@ -351,8 +351,8 @@ class ParityRecorder(BatchTaking):
             self.tensors.read(BEFORE_STEP)  # every tensor's gradient, before the loop's clipping (recorded_tensors.py)
             if grad_norm is not None:
                 self.grad_norm, self.grad_norm_source = float(grad_norm), source
-            elif self.layout.grad_norm_visible:  # full gradients, float64 (collective where they are sharded)
-                self.grad_norm = self.layout.grad_norm()
+            elif self.view.grad_norm_visible:  # full gradients, float64 (collective where they are sharded)
+                self.grad_norm = self.view.grad_norm()
                 self.grad_norm_source = "recorder"
         except Exception as exc:
             self.broken = f"before_step: {type(exc).__name__}: {first_line(exc)}"
@@ -383,7 +383,7 @@ class ParityRecorder(BatchTaking):
             self.dump.take_grads()
         if self.norm_at_optimizer_step is not None:
             try:
-                self.norm_at_optimizer_step = self.layout.grad_norm()
+                self.norm_at_optimizer_step = self.view.grad_norm()
             except Exception:
                 self.norm_at_optimizer_step = math.nan
         self.recorder_s += time.perf_counter() - t0
@@ -414,11 +414,11 @@ class ParityRecorder(BatchTaking):
     def _record_step(self, lr, logged_loss, grad_norm, step_time, t0, logged_grad_norm=None) -> None:
         if grad_norm is not None and self.grad_norm is None:
             self.grad_norm, self.grad_norm_source = float(grad_norm), "framework"
-        if self.grad_norm is None and not self.layout.grad_norm_visible:  # DeepSpeed's own, of the step it took
-            self.grad_norm, self.grad_norm_source = self.layout.framework_grad_norm(), "framework"
+        if self.grad_norm is None and not self.view.grad_norm_visible:  # DeepSpeed's own, of the step it took
+            self.grad_norm, self.grad_norm_source = self.view.framework_grad_norm(), "framework"
         if not self.broken and self.grad_norm is None:
             self.broken = "no pre-clip grad norm: call before_step() before clipping, or give after_step(grad_norm=)"
-        if not self.broken and not self.micro and self.layout.feeds:  # a rank that hands no rows over may feed none
+        if not self.broken and not self.micro and self.view.feeds:  # a rank that hands no rows over may feed none
             self.broken = "no micro-batch: call micro_batch() for each one the step fed"
         if self.stop is not None:  # rank 0 stopped the record at an earlier step: every rank ends it now
             self.broken = STOPPED
@@ -430,8 +430,8 @@ class ParityRecorder(BatchTaking):
         riders = torch.cat([squares.cpu().view(torch.int64), *([] if digests is None else [digests.reshape(-1).cpu()])])
         normed = time.perf_counter()
         # the step's exchange (rows.py): every rank's health, loss sum and tokens to all, the rows to rank 0 alone
-        got = self.exchange(self.broken, self.loss_sum, self.tokens, self.micro, feeds=self.layout.feeds,
-                            dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size, device=self.device, extra=riders)
+        got = self.exchange(self.broken, self.loss_sum, self.tokens, self.micro, feeds=self.view.feeds,
+                            dp_rank=self.view.dp_rank, dp_size=self.view.dp_size, device=self.device, extra=riders)
         exchanged = time.perf_counter()
         summed = got.extra[:, :len(squares)].contiguous().view(torch.float64).sum(0)  # over the ranks, in rank order
         table = None if digests is None else got.extra[:, len(squares):].reshape(-1, 3)
@@ -485,10 +485,10 @@ class ParityRecorder(BatchTaking):
 
     def _check_optimizer_steps(self) -> None:
         """One optimizer step per recorded step, as the replay takes one (the step hook's firings, where the
-        layout's torch optimizer steps once an update). A loop whose optimizer did not step or stepped twice between two
+        view's torch optimizer steps once an update). A loop whose optimizer did not step or stepped twice between two
         after_step() calls trained another run than the one recorded: the record stops at that step."""
         steps, self._optimizer_steps = self._optimizer_steps, 0
-        if steps == 1 or not self.layout.steps_once_an_update:
+        if steps == 1 or not self.view.steps_once_an_update:
             return
         why = (f"did not step in step {self.step} (a skipped step, or after_step() after a micro-batch that only "
                f"accumulated)" if steps == 0 else

@@ -12,7 +12,7 @@ shapes and flags, then their ids, labels, masks and position ids where fed) padd
 longest rows seen. Rows longer than
 the capacity (the first step's; any past FUSED_WORDS) go to rank 0 alone in a gather. Rank 0 alone unpacks, hashes,
 checks and saves the batch. Where ranks share a DP rank (FSDP2's TP ranks
-feed the same rows) only one of them hands over rows and sums (the layout's `feeds`).
+feed the same rows) only one of them hands over rows and sums (the view's `feeds`).
 """
 
 from __future__ import annotations

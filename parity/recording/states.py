@@ -4,8 +4,8 @@ them (parity/training/recorded_states.py, docs/own_trainer/replay.md#checkpoints
 What: the run's full state before and after step 0 and every `checkpoint_interval`-th step (the harness's flag's name
 and default; 0: step 0 alone; None: none) — every parameter (the master weights, what the optimizer steps) under its
 Hugging Face name (a tied weight once), AdamW's exp_avg and exp_avg_sq and its step count, the persistent buffers — as
-full fp32 tensors, read with the layout's own code (sharded.py: full_state, full_optimizer_state: the harness's
-gathers). Under data parallelism every rank holds them whole and rank 0 reads its own; a sharded layout gathers them on
+full fp32 tensors, read with the view's own code (parity/views/: full_state_dict, full_optimizer_state: the harness's
+gathers). Under data parallelism every rank holds them whole and rank 0 reads its own; a sharded view gathers them on
 every rank (collective) and rank 0 writes.
 
 When: the state before step k is the state after k updates, taken at the end of step k − 1's after_step (or at the
@@ -39,7 +39,7 @@ from parity.attaching import attach
 from parity.recording.rows import BatchWriter
 from parity.training.optimizer import ADAMW_MOMENTS
 from parity.training.recorded_states import INDEX, encode, state_file, weights_file
-from parity.training.teacher_forced import FullState
+from parity.training.view import FullState
 
 DEFAULT_CHECKPOINT_INTERVAL = 50  # the harness's --checkpoint_interval default (parity/driver/config.py)
 DEFAULT_MAX_STATE_BYTES = 32 << 30  # 32 GiB: 24 bytes a parameter a check (fp32 weights and two moments, twice)
@@ -104,7 +104,7 @@ class StateSaver:
 
     def take(self, updates: int) -> None:
         """After `updates` updates (every rank): the state, where a check wants it — before step `updates`, after step
-        `updates` − 1. Collective in a sharded layout, at the steps it wants alike on every rank. Then a sampler's
+        `updates` − 1. Collective in a sharded view, at the steps it wants alike on every rank. Then a sampler's
         weights, where it samples with these."""
         self._take_state(updates)
         if self.enabled and updates > 0 and self.sampled_at is not None and self.sampled_at(updates):
@@ -117,9 +117,9 @@ class StateSaver:
         try:
             closes = updates - 1 in self.open
             go = [closes or (checked(updates, self.interval) and self._room())]  # rank 0's answer
-            if not self.rec.layout.whole:  # rank 0 decides; every rank gathers
+            if not self.rec.view.whole:  # rank 0 decides; every rank gathers
                 dist.broadcast_object_list(go, src=0, device=self.rec.device)
-            if go[0] and (self.rec.rank == 0 or not self.rec.layout.whole):
+            if go[0] and (self.rec.rank == 0 or not self.rec.view.whole):
                 state = self._gather()
                 if self.writer is not None:
                     self._save(updates, state, closes)
@@ -135,17 +135,17 @@ class StateSaver:
 
     def _take_weights(self, updates: int) -> None:
         """The parameters after `updates` updates, for the rows a sampler samples with them (every rank; collective in
-        a sharded layout), within the cap; past it, or where they cannot be read, no more (one line)."""
+        a sharded view), within the cap; past it, or where they cannot be read, no more (one line)."""
         t0 = time.perf_counter()
         try:
             go = [str(updates) not in self.index["states"] and self._room() and self.sampled_at is not None]
-            if not self.rec.layout.whole:
+            if not self.rec.view.whole:
                 dist.broadcast_object_list(go, src=0, device=self.rec.device)
-            if go[0] and (self.rec.rank == 0 or not self.rec.layout.whole):
-                full = self.rec.layout.full_state()
+            if go[0] and (self.rec.rank == 0 or not self.rec.view.whole):
+                full = self.rec.view.full_state_dict()
                 copy = (lambda t: t.detach().float().cpu()) if full is not None else \
                     (lambda t: t.detach().float().cpu().clone())
-                full = full if full is not None else self.rec.layout.model.state_dict()
+                full = full if full is not None else self.rec.view.model.state_dict()
                 params = {f"param/{name}": copy(full[name]) for name in self.rec.names.values()}
                 size = sum(t.numel() * 4 for t in params.values())
                 if self.writer is not None and self.committed + size > self.max_bytes:
@@ -176,16 +176,16 @@ class StateSaver:
 
     def _gather(self) -> FullState:
         """The state now, as full fp32 CPU tensors under Hugging Face names (a copy: the loop goes on training)."""
-        layout = self.rec.layout
-        full = layout.full_state()  # None: the module's own state dict is full
+        view = self.rec.view
+        full = view.full_state_dict()  # None: the module's own state dict is full
         fresh = full is not None  # gathered into tensors of their own; else the module's, which the loop updates
         copy = (lambda t: t.detach().float().cpu()) if fresh else (lambda t: t.detach().float().cpu().clone())
-        full = full if full is not None else layout.model.state_dict()
-        exported = layout.full_optimizer_state()
+        full = full if full is not None else view.model.state_dict()
+        exported = view.full_optimizer_state()
         if exported is None:
             raise ValueError("the optimizer holds its moments in pieces the recorder cannot name")
         params = {name: copy(full[name]) for name in self.rec.names.values()}
-        buffers = {name: copy(full[name]) for name in layout.buffer_names() if name in full}
+        buffers = {name: copy(full[name]) for name in view.buffer_names() if name in full}
         return FullState(params, exported[0], exported[1], buffers)
 
     def _save(self, updates: int, state: FullState, closes: bool) -> None:

@@ -12,7 +12,7 @@ CPU only with cpu=True (Accelerator(cpu=True) or ACCELERATE_USE_CPU=1, then MULT
 keeps DistributedType.NO and num_processes 1 — under `accelerate launch --multi_gpu --num_processes 2` on a machine
 without GPUs too, whose processes torchrun starts with WORLD_SIZE=2.
 
-Also where a recording process's collectives run (`exchange_device`): the recorder's and a framework room's layout's.
+Also where a recording process's collectives run (`exchange_device`): the recorder's and a framework room's view's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 
 def exchange_device() -> torch.device:
-    """Where this process's collectives run (the recorder's exchanges, a layout's gathers): the current CUDA device
+    """Where this process's collectives run (the recorder's exchanges, a view's gathers): the current CUDA device
     under NCCL, else the CPU (gloo)."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 

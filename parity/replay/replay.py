@@ -12,7 +12,7 @@ relative to its own folder, which may have moved since. Beside it only --num_wor
 checkpoint flags and --noise_reference may be given (with --noise_reference also --precision: the fp32 twin, which reduces
 and accumulates in its own policy's dtypes, not the record's); anything
 else contradicts the record and is refused in one line. A LoRA run's record (config.lora: a PeftModel recorded,
-adapters_record.py) sets the replay's --lora_* flags, so that its worker builds the same PEFT model from the recorded
+parity/views/adapters.py) sets the replay's --lora_* flags, so that its worker builds the same PEFT model from the recorded
 base and the adapters' initial weights beside it, and trains the adapters alone. The harness feeds no attention mask
 where every row is right-padded (a causal model's right padding needs none: labels −100 on it) and the recorded mask
 where a row is left-padded (its real tokens sit at shifted positions); a mask with holes is refused. A step whose rows

@@ -33,7 +33,7 @@ def words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8).to(torch.int16)  # 1-byte types: one word per byte
 
 
-class _Layout:
+class _BufferPlan:
     """How one list of tensors (their word counts, on one device) goes through the buffer: each tensor in pieces
     of at most PASS_ROWS rows, each piece starting on a row, the pieces packed into passes of at most PASS_ROWS
     rows; and per row the tensor it belongs to and where in that tensor it starts (modulo P)."""
@@ -63,12 +63,12 @@ class _Layout:
 
 class Digester:
     """Digests of lists of tensors, computed where each tensor is (an offloaded shard on the CPU), returned on one
-    device. A check digests the same tensors every step, so what it prepares is kept: each list's layout, each
+    device. A check digests the same tensors every step, so what it prepares is kept: each list's buffer plan, each
     device's buffer, and the views of the last tensors seen (their copies into the buffer), keyed by where those
     tensors' data is — the views hold their storage, so a tensor replaced since then is met at another address."""
 
     def __init__(self):
-        self._layouts: dict[tuple, _Layout] = {}
+        self._plans: dict[tuple, _BufferPlan] = {}
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._weights: dict[torch.device, torch.Tensor] = {}
         self._views: dict[torch.device, tuple] = {}  # device → (the tensors' addresses, the passes' views)
@@ -93,21 +93,21 @@ class Digester:
         if cached is None or cached[0] != addresses:
             flat = [words(t) for t in tensors]
             counts = tuple(f.numel() for f in flat)
-            layout = self._layouts.get((device, counts))
-            if layout is None:
-                layout = self._layouts[(device, counts)] = _Layout(counts, device)
-            buffer = self._buffer(device, layout.buffer_rows)
+            plan = self._plans.get((device, counts))
+            if plan is None:
+                plan = self._plans[(device, counts)] = _BufferPlan(counts, device)
+            buffer = self._buffer(device, plan.buffer_rows)
             passes = [(rows, [buffer[at + length:at + -(-length // ROW) * ROW] for _, _, length, at in pieces
                               if length % ROW],
                        [buffer[at:at + length] for _, _, length, at in pieces],
                        [flat[k][offset:offset + length] for k, offset, length, _ in pieces])
-                      for rows, pieces in layout.passes]
+                      for rows, pieces in plan.passes]
             counts = torch.tensor(counts, dtype=torch.int64, device=device)
             cached = self._views[device] = (addresses if all(t.is_contiguous() for t in tensors) else None,
-                                            layout, passes, counts)
-        _, layout, passes, counts = cached
+                                            plan, passes, counts)
+        _, plan, passes, counts = cached
         buffer = self._buffers[device]
-        row_sums = torch.empty(layout.rows, dtype=torch.float64, device=device)
+        row_sums = torch.empty(plan.rows, dtype=torch.float64, device=device)
         row_weighted = torch.empty_like(row_sums)
         done = 0
         for rows, pads, destinations, sources in passes:
@@ -119,10 +119,10 @@ class Digester:
             torch.mv(block, self._weights[device], out=row_weighted[done:done + rows])
             done += rows
         s_row = row_sums.to(torch.int64)  # exact: |Σ| < 2^42 a row, < 2^63 a tensor of fewer than 2^32 words
-        w_row = (layout.row_start * s_row.remainder(MODULUS)
+        w_row = (plan.row_start * s_row.remainder(MODULUS)
                  + row_weighted.to(torch.int64).remainder_(MODULUS)).remainder_(MODULUS)
         sw = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
-        sw.index_add_(0, layout.row_tensor, torch.stack([s_row, w_row], 1))
+        sw.index_add_(0, plan.row_tensor, torch.stack([s_row, w_row], 1))
         sw[:, 1].remainder_(MODULUS)
         return torch.cat([counts[:, None], sw], 1)
 

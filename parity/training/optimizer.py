@@ -154,7 +154,7 @@ def full_moments(named_parameters, optimizer, device: torch.device, master_of=No
     ({}, 0) before the first step — where each state is whole or a DTensor (gathered, in the parameters' order on
     every rank); `master_of(p)`: the tensor the optimizer steps for p (a policy's fp32 master), p itself by default.
     None where a moment's shape is not its parameter's (a piece of a framework's own: a flat shard), alike on every
-    rank. Strategy.full_optimizer_state and the recorder's layouts (parity/recording/sharded.py) read it so, once.
+    rank. Strategy.full_optimizer_state and the recorder's views (parity/views/) read it so, once.
     Collective where the states are DTensors."""
     from torch.distributed.tensor import DTensor
 

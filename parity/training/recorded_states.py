@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.training.optimizer import ADAMW_MOMENTS
-from parity.training.teacher_forced import FullState, measured, references
+from parity.training.teacher_forced import measured, references
+from parity.training.view import FullState
 
 INDEX = "states.json"  # in the recorder's folder (recorded_<name>/): what was saved, and each file's name
 KINDS = ("param", *ADAMW_MOMENTS, "buffer")  # the prefixes of a state file's tensors: "<kind>/<Hugging Face name>"

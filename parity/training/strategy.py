@@ -29,6 +29,7 @@ from parity.training.replicas import Replica, whole_model
 from parity.training.routing import Routing
 from parity.training.tensor_norms import CLIPPED, Piece, local_squares, norms_of, rank0_pieces
 from parity.training.update_noise import GRID
+from parity.training.view import ShardedView
 
 # The documented strategy API (docs/custom_strategy.md): what a strategy module imports from here, wherever it is
 # defined — the optimizer primitives (optimizer.py), the loss (loss.py), a strategy's own flag (option.py).
@@ -107,10 +108,11 @@ def gradient_arrivals(model, observe: Callable[..., None]):
             handle.remove()
 
 
-class Strategy(Routing):
+class Strategy(Routing, ShardedView):
     """Base class of every strategy: the top-level *_strategy.py modules' classes (directly, or through the DTensor
     base, parity/training/dtensor_strategy.py) and a user's own. Subclasses set `name` (the registry's) and
-    `options`, and implement the abstract parts."""
+    `options`, and implement the abstract parts. A strategy is one view of a sharded model (parity/training/view.py):
+    its names, norm, full tensors, pieces and replicas are read as a recorder's views are."""
 
     name = "base"
     options: tuple = ()  # the strategy's own flags (Option above), in RunConfig.options

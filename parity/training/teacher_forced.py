@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,6 +46,7 @@ from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.routing import MEGATRON_CORE
 from parity.training.strategy import Strategy, WorkerContext, lr_at
 from parity.training.update_noise import step_moves
+from parity.training.view import FullState, capture  # [1] / [3]: the strategy's full state, on every rank
 
 KEY = "teacher_forced"  # the record's per-step entry
 STATE_KEY = "teacher_forced_state"  # the digest of the state a checkpoint holds, in its record's last step entry
@@ -69,27 +69,6 @@ def check_steps(cfg, total_steps: int) -> list[int]:
         return []
     interval = cfg.checkpoint_interval
     return sorted({0, *(range(interval, total_steps, interval) if interval > 0 else ())} & set(range(total_steps)))
-
-
-@dataclass
-class FullState:
-    """A model and its optimizer as full fp32 CPU tensors under Hugging Face names (a tied weight once)."""
-
-    params: dict[str, torch.Tensor]
-    moments: dict[str, dict[str, torch.Tensor]] | None  # None: the strategy cannot export them
-    count: int  # AdamW's step count
-    buffers: dict[str, torch.Tensor]
-    # a reference step's: the gradients it stepped with (clipped) and each tensor's (lr, betas, eps, step count after)
-    grads: dict[str, torch.Tensor] | None = None
-    hyper: dict[str, tuple] | None = None
-
-
-def capture(strategy) -> FullState:
-    """[1] / [3]: the strategy's full state, on every rank. Collective."""
-    params = strategy.full_parameters()
-    exported = strategy.full_optimizer_state()
-    moments, count = exported if exported is not None else (None, 0)
-    return FullState(params, moments, count, strategy.full_buffers())
 
 
 class ReferenceStep(Strategy):

@@ -120,7 +120,7 @@ class ParityCallback(pl.Callback):
     @guarded
     def _read_backward(self) -> None:
         if self.recorder is not None and self.recorder.enabled:
-            self._backward_norm = self.recorder.layout.grad_norm()  # float64, of the reduced gradients so far
+            self._backward_norm = self.recorder.view.grad_norm()  # float64, of the reduced gradients so far
 
     def _observed_clip(self, clip):
         """The module's clip_gradients, called as it was, its clip read first (manual optimization)."""

@@ -1,5 +1,5 @@
 """megatron-core's room (docs/megatron.md): a megatron-core loop recorded unchanged (recording.py) — its GPTModel read
-under Hugging Face names through a layout of the recorder's (layout.py), the transformers config built from its
+under Hugging Face names through a view of the recorder's (view.py), the transformers config built from its
 TransformerConfig (config.py), its full tensors gathered over tensor parallelism, renamed and split as Llama's and
 Qwen2's (names.py)."""
 

@@ -1,7 +1,7 @@
 """What a megatron-core mixture of experts adds to its recording (docs/megatron.md#mixture-of-experts):
 
 - `ExpertGroups` — where an expert's parameters live: each EP rank holds experts ep_rank × E/EP … of every MoE layer
-  (`local_experts.i`, renumbered in the whole model by layout.py), each split over the expert-TP group (ETP, its own
+  (`local_experts.i`, renumbered in the whole model by view.py), each split over the expert-TP group (ETP, its own
   degree: `expert_tensor_parallel_size`) and held alike by the expert-data-parallel ranks (EDP), whose gradients
   megatron-core's DistributedDataParallel reduces over EDP (scaled by 1/DP, as the dense ones), and whose distributed
   optimizer shards them over EDP.
@@ -91,8 +91,8 @@ class RouterStatistics:
     """Hooks on the routers of a GPTModel's MoE layers (the module docstring): while `taking`, each training router
     call's per-micro-batch sums, in call order per layer (a layer routes a step's micro-batches in order)."""
 
-    def __init__(self, modules: list, config, layout):
-        self.layout, self.config = layout, config
+    def __init__(self, modules: list, config, view):
+        self.view, self.config = view, config
         self.num_experts, self.top_k = config.num_moe_experts, config.moe_router_topk
         self.num_layers = config.num_layers  # every layer sparse (config.py refuses others)
         self.taking, self.broken = False, None
@@ -136,10 +136,10 @@ class RouterStatistics:
         calls, self.calls = self.calls, {}
         micro = max((len(c) for c in calls.values()), default=0)
         dims = 2 * self.num_experts + 2
-        sums = torch.zeros(micro, self.num_layers, dims, dtype=torch.float64, device=self.layout.device)
+        sums = torch.zeros(micro, self.num_layers, dims, dtype=torch.float64, device=self.view.device)
         for layer, rows in calls.items():
             sums[:len(rows), layer] = torch.stack(rows).to(sums.device)
-        dist.all_reduce(sums, group=self.layout.tp_group)  # SP: each TP rank routed its part of the tokens
+        dist.all_reduce(sums, group=self.view.tp_group)  # SP: each TP rank routed its part of the tokens
         e = self.num_experts
         tokens = sums[..., 2 * e].clamp(min=1)
         aux = e / (self.top_k * tokens ** 2) * (sums[..., :e] * sums[..., e:2 * e]).sum(-1)
@@ -148,7 +148,7 @@ class RouterStatistics:
         values = torch.cat([torch.stack([aux.sum(), z.sum()]) / max(micro, 1), sums[..., :e].sum(0).reshape(-1)])
         values *= first
         dist.all_reduce(values)  # over the DP ranks and the pipeline's stages (each its own layers)
-        aux_value, z_value = (values[:2] / self.layout.dp_size).tolist()
+        aux_value, z_value = (values[:2] / self.view.dp_size).tolist()
         loads = values[2:].reshape(self.num_layers, e).round().long().tolist()
         config = self.config
         return {"aux_loss": aux_value if config.moe_aux_loss_coeff and

@@ -10,7 +10,7 @@ tags it with (`tensor_model_parallel`, `partition_dim`), then
   key head, then one value head — into `q_proj`, `k_proj`, `v_proj` (weight, and bias where add_qkv_bias);
 - the fused `mlp.linear_fc1` — each TP rank's rows are its gate rows, then its up rows — into `gate_proj`, `up_proj`;
 - a MoE layer's (Mixtral's, Qwen3-MoE's, Qwen2-MoE's names): `mlp.router` → `mlp.gate`; expert e's
-  `mlp.experts.local_experts.e.linear_fc1` (numbered in the whole model: layout.py renumbers each EP rank's local
+  `mlp.experts.local_experts.e.linear_fc1` (numbered in the whole model: view.py renumbers each EP rank's local
   experts) → row e of the fused `mlp.experts.gate_up_proj` [experts, 2 × FFN, hidden], gate rows then up rows as
   transformers' experts chunk them (its rows laid out per expert-TP rank as linear_fc1's per TP rank), and
   `linear_fc2` → row e of `mlp.experts.down_proj`; `mlp.shared_experts.linear_fc1` / `linear_fc2` / `gate_weight` →

@@ -25,7 +25,7 @@ mixture of experts' routers are read by hooks during the training calls (moe.py)
 expert loads join its record entry.
 
 Refused in one line on every rank, and the job stops with exit status 2 before it trains: what frameworks/megatron/
-config.py and layout.py refuse, a loop that calls the forward-backward function before building its optimizer.
+config.py and view.py refuse, a loop that calls the forward-backward function before building its optimizer.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class MegatronRecording:
         import importlib.metadata as md
 
         from parity.frameworks.megatron.config import MegatronRefused, hf_config
-        from parity.frameworks.megatron.layout import MegatronLayout, gpt_models
+        from parity.frameworks.megatron.view import MegatronView, gpt_models
         from parity.frameworks.megatron.moe import RouterStatistics
         from parity.models.model import meta_model
         from parity.recording.recorder import ParityRecorder
@@ -151,13 +151,13 @@ class MegatronRecording:
                                       getattr(self.module, "rotary_base", 10000.0),
                                       self.module.share_embeddings_and_output_weights,
                                       self.module.position_embedding_type))
-            self.layout = MegatronLayout(self.modules, found[-1], hf, config, exchange_device())
+            self.view = MegatronView(self.modules, found[-1], hf, config, exchange_device())
         except MegatronRefused as exc:
             attach.stop_command(f"megatron-core: {exc}")
         self.optimizer = found[-1]
         folder, name = attach.variables()
         bf16 = bool(self.optimizer.config.bf16)  # Float16Module's bf16 parameters, the optimizer's fp32 masters
-        self.recorder = ParityRecorder(folder, name=name, model=self.layout, optimizer=self.layout.optimizer,
+        self.recorder = ParityRecorder(folder, name=name, model=self.view, optimizer=self.view.optimizer,
                                        max_grad_norm=float(self.optimizer.config.clip_grad),
                                        precision="bf16_params" if bf16 else "fp32", framework="megatron-core",
                                        framework_versions={"megatron-core": md.version("megatron-core")})
@@ -165,7 +165,7 @@ class MegatronRecording:
             reduce = "fp32" if getattr(chunks[0], "ddp_config", None) is None or \
                 chunks[0].ddp_config.grad_reduce_in_fp32 else "bf16"
             self.recorder.record.data["config"].update(reduce_dtype=reduce, grad_accum_dtype=reduce)
-        self.routers = RouterStatistics(self.modules, config, self.layout) if config.num_moe_experts else None
+        self.routers = RouterStatistics(self.modules, config, self.view) if config.num_moe_experts else None
         self.labels = None  # the last GPTModel call's labels
         self.ids: list = []  # this step's GPTModel calls' input ids, in order (the first stage's: the rows')
         self.taken: list = []  # this step's (labels, mask, summed loss), one a loss function's call (the last stage's)
@@ -272,9 +272,9 @@ class MegatronRecording:
             self.recorder.micro_batch(row_ids, row_labels, None, attention_mask=torch.ones_like(row_ids),
                                       use_cache=False, summed_loss=summed)
         self.taken = []
-        feeds = self.layout.feeds
+        feeds = self.view.feeds
         mean = torch.tensor([sum(self.losses) * feeds, len(self.losses) * feeds], dtype=torch.float64,
-                            device=self.layout.device)
+                            device=self.view.device)
         dist.all_reduce(mean)
         self.logged = float(mean[0] / mean[1]) if mean[1] else None
         self.losses = []

@@ -1,4 +1,4 @@
-"""torchtitan's Trainer: its recording (recording.py), its model read under Hugging Face names (layout.py) and its
+"""torchtitan's Trainer: its recording (recording.py), its model read under Hugging Face names (view.py) and its
 configs mapped onto transformers' (config.py)."""
 
 from parity.frameworks import Framework

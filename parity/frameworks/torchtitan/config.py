@@ -8,7 +8,7 @@ families whose state-dict adapter names Hugging Face's tensors and whose archite
 Anything else — a MoE model, a model with no state-dict adapter, a RoPE or attention the transformers class does not
 compute alike (yarn scaling, biases, a norm without affine weights) — is refused in one line (TitanRefused) before
 anything is recorded: a replay of another model would judge nothing. Whether the mapped tensors are exactly the
-transformers model's is the layout's check (frameworks/torchtitan/layout.py), by name and shape."""
+transformers model's is the view's check (frameworks/torchtitan/view.py), by name and shape."""
 
 from __future__ import annotations
 

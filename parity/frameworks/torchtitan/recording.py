@@ -23,7 +23,7 @@ attention is causal over the whole row (SDPA) with a mask as well, under which t
 
 Refused in one line on every rank, and the job stops with exit status 2 before it trains (what it cannot record it
 would train for nothing), its line left for verify_trainer.py (attach.stop_command), which repeats it with exit status
-2 whatever status the launcher reports: a model the recorder cannot map (frameworks/torchtitan/config.py, frameworks/torchtitan/layout.py), pipeline
+2 whatever status the launcher reports: a model the recorder cannot map (frameworks/torchtitan/config.py, frameworks/torchtitan/view.py), pipeline
 parallelism (several model parts: the recorder reads one module), context parallelism (each rank consumes a slice of
 the rows), several optimizers, parameters not in fp32 (training.dtype). verify_trainer.py refuses the same before the
 command runs where the command names torchtitan's --module and --config (`command_refusal`).
@@ -115,7 +115,7 @@ def command_refusal(command: list[str]) -> str | None:
     from torchtitan.config import ConfigManager
 
     from parity.frameworks.torchtitan.config import TitanRefused, hf_config
-    from parity.frameworks.torchtitan.layout import Translation
+    from parity.frameworks.torchtitan.view import Translation
     from parity.models.model import meta_model
 
     why, config = None, None
@@ -159,7 +159,7 @@ class TitanRecording:
 
     def __init__(self, trainer):
         from parity.frameworks.torchtitan.config import TitanRefused, hf_config
-        from parity.frameworks.torchtitan.layout import TitanLayout
+        from parity.frameworks.torchtitan.view import TitanView
         from parity.models.model import meta_model
 
         self.trainer, self.recorder, self.micro, self.logged = trainer, None, 0, {}
@@ -169,8 +169,8 @@ class TitanRecording:
             if why is None:
                 model = meta_model(hf_config(spec))
                 adapter = spec.state_dict_adapter(spec.model, trainer.config.hf_assets_path)
-                self.layout = TitanLayout(trainer, model, adapter, _device(trainer))
-                self.layout.check_held()
+                self.view = TitanView(trainer, model, adapter, _device(trainer))
+                self.view.check_held()
         except TitanRefused as exc:
             why = str(exc)
         if why is not None:
@@ -224,7 +224,7 @@ class TitanRecording:
         folder, name = attach.variables()
         schedulers = getattr(trainer.lr_schedulers, "schedulers", [])
         interval = config.checkpoint.interval if config.checkpoint.enable else DEFAULT_CHECKPOINT_INTERVAL
-        self.recorder = ParityRecorder(folder, name=name, model=self.layout, optimizer=self.layout.optimizer,
+        self.recorder = ParityRecorder(folder, name=name, model=self.view, optimizer=self.view.optimizer,
                                        max_grad_norm=training.max_norm or 0.0,
                                        precision=PRECISIONS[training.mixed_precision_param], framework="torchtitan",
                                        framework_versions={"torchtitan": md.version("torchtitan")},

@@ -1,7 +1,6 @@
 """The gathers that turn AutoTP's (and AutoEP's) pieces back into what the shared loop and the comparison see: the
 column-parallel outputs this rank holds a slice of (the vocab-parallel logits before the shared loss, a module's output
-for the layer check), gathered exactly with a backward that takes this rank's slice; full parameters, gradients and
-moments through each AutoTP layer's own gather_params; AutoEP's tensors under the stock model's names and layout.
+for the layer check), gathered exactly with a backward that takes this rank's slice; AutoEP's tensors under the stock model's names and layout.
 Apart from the strategy because they work on DeepSpeed's layer classes, which differ release by release (0.18 has no
 sub-parameter layers nor GatherFromTensorParallelRegion), not on the strategy's state.
 """
@@ -71,27 +70,6 @@ def gather_last_dim(column_shards: dict[str, tuple], module_name: str, t: torch.
         return full
     pieces = [piece.split([widths[r] for widths in parts], -1) for r, piece in enumerate(full.split(per_rank, -1))]
     return torch.cat([pieces[r][j] for j in range(len(parts)) for r in range(len(per_rank))], -1)
-
-
-def full_tensors(hf_model, read) -> dict[str, torch.Tensor]:
-    """{HF name: full fp32 CPU tensor} for each parameter once (a tied weight under its first name, as
-    named_parameters() gives it) that `read` reads (it returns None for one it has nothing of). `read` gathers the
-    ZeRO partitions over DP and returns this rank's TP shard; the owning AutoTP layer then gathers that along its own split dim (a row-parallel bias is
-    replicated and stays as it is). Collective: the same calls in the same order on every rank."""
-    from deepspeed.module_inject.layers import TensorParallel_Layer
-
-    full, seen = {}, set()
-    for module_name, module in hf_model.named_modules():
-        named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for _, p in named)
-        read_as = [(n, read(p)) for n, p in named]  # None: nothing of it to read (a frozen tensor's moments)
-        named = [(n, p) for (n, p), (_, t) in zip(named, read_as) if t is not None]
-        tensors = [t.detach().clone() for _, t in read_as if t is not None]
-        if named and isinstance(module, TensorParallel_Layer):
-            module.gather_params(tensors)  # in the layer's own order: weight, then bias
-        for (name, _), t in zip(named, tensors):
-            full[f"{module_name}.{name}" if module_name else name] = t.float().cpu()
-    return full
 
 
 AUTOEP_EXPERTS = {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}  # its unfused experts' stock tensors

@@ -1,7 +1,7 @@
-"""The recorder's layout of a framework's own module read under Hugging Face names (sharded.py's interface): the
+"""The recorder's view of a framework's own module read under Hugging Face names (parity/training/view.py): the
 module's parameters (`native`: its names) translate into the transformers model's tensors (`targets`: each native
 parameter's Hugging Face tensors and, where it splits into several, the flat indices of the parameter's full tensor
-each holds). torchtitan's and megatron-core's layouts (frameworks/torchtitan/layout.py, frameworks/megatron/layout.py)
+each holds). torchtitan's and megatron-core's views (frameworks/torchtitan/view.py, frameworks/megatron/view.py)
 differ in how a parameter is sharded and translated; what follows from the translation is here, once:
 
 - the names the record and the replay use, and the optimizer's groups, are the transformers model's;
@@ -18,11 +18,11 @@ import functools
 import torch
 import torch.distributed as dist
 
-from parity.recording.sharded import DataParallel
+from parity.views.base import View
 from parity.training.tensor_norms import Piece
 
 
-class TranslatedLayout(DataParallel):
+class TranslatedView(View):
     """Subclasses set `native` ([(name, parameter)], a tied weight once), `targets` ({name: [(Hugging Face name, flat
     indices of the full parameter, or None: the whole of it)]}) and `self.model` (the transformers model, on the meta
     device will do), and give `holders(p)` and `local_index(p, index)`."""
@@ -122,7 +122,7 @@ class TranslatedLayout(DataParallel):
 
     def check_held(self) -> None:
         """Every element of every split parameter lands on exactly one Hugging Face tensor over the world (the
-        sharded indices cover the parameter once): a collective, at the layout's start."""
+        sharded indices cover the parameter once): a collective, at the view's start."""
         names, here = self.native_names(), dict(self.native)
         covered = torch.zeros(len(names), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         whole = torch.zeros(len(names), dtype=torch.float64, device=self.device)
@@ -139,4 +139,4 @@ class TranslatedLayout(DataParallel):
                                    f"its sharding is not read here")
 
 
-__all__ = ["TranslatedLayout"]
+__all__ = ["TranslatedView"]

@@ -8,7 +8,7 @@ settings (`peft_config`, also where `inject_adapter_in_model` put adapters witho
 that inner model, so every name it records is the harness's: `model.layers.0.self_attn.q_proj.base_layer.weight`,
 `...q_proj.lora_A.default.weight`.
 
-What the replay cannot build is refused in one line (AdaptersRefused, which the layout raises as its LayoutRefused:
+What the replay cannot build is refused in one line (AdaptersRefused, which the view raises as its ViewRefused:
 the recorder records nothing, the training goes on): dropout above 0 (the replay cannot draw the run's masks), any
 setting that changes the adapters beyond r, alpha, the targeted modules and the modules saved whole (DoRA, rsLoRA,
 rank or alpha patterns, biases ...), adapters on only some of the targeted modules, a parameter trained beside the
@@ -31,7 +31,7 @@ SETTLED = frozenset({"r", "lora_alpha", "lora_dropout", "target_modules", "init_
 
 
 class AdaptersRefused(ValueError):
-    """LoRA adapters the replay cannot build: one line (sharded.layout_of refuses the layout with it)."""
+    """LoRA adapters the replay cannot build: one line (table.view_of refuses the view with it)."""
 
 
 def peft_inner(module) -> tuple:
@@ -47,7 +47,7 @@ def peft_inner(module) -> tuple:
 
 def lora_of(model, names: dict[int, str]) -> dict | None:
     """The run's adapters as RunConfig.lora's settings ({"r", "alpha", "dropout": 0.0, "targets"}), read from the
-    settings peft left on `model` (the Hugging Face model a layout reads; `names`: its parameters' harness names by id)
+    settings peft left on `model` (the Hugging Face model a view reads; `names`: its parameters' harness names by id)
     and checked to be what the harness builds from them; None for a model without adapters. AdaptersRefused, one line,
     for adapters the replay cannot build."""
     configs = getattr(model, "peft_config", None)
@@ -125,14 +125,14 @@ def _check_built(model, names: dict[int, str], lora: dict) -> None:
         raise AdaptersRefused(f"the run freezes the adapter {frozen[0]}: the replay trains every adapter")
 
 
-def save_initial_weights(layout, path: str, state: dict | None) -> str:
+def save_initial_weights(view, path: str, state: dict | None) -> str:
     """Rank 0: the recorded model's initial weights written to `path` (its full `state` under the harness's names, or
-    the module's own where it is whole: the layout's, sharded.py) and, for a LoRA run, its adapters beside it
+    the module's own where it is whole: the view's, parity/views/) and, for a LoRA run, its adapters beside it
     (adapters.adapters_path, with the settings they are and the base's sha256); returns the init-weights file's
     sha256 — a LoRA run's as the harness's worker makes it (prepare_model): the base file's, "+", the adapters'."""
     from parity.models.adapters import save_run_weights
 
-    return save_run_weights(layout.model, layout.lora, path, state, layout.tensor_names())
+    return save_run_weights(view.model, view.lora, path, state, view.tensor_names())
 
 
 __all__ = ["AdaptersRefused", "lora_of", "peft_inner", "save_initial_weights"]

@@ -1,5 +1,5 @@
-"""A megatron-core job's model read under Hugging Face names (docs/megatron.md#what-is-recorded): the recorder's layout
-(sharded.py's interface, through recording/translated.py) over the job's own GPTModel and the torch optimizer inside
+"""A megatron-core job's model read under Hugging Face names (docs/megatron.md#what-is-recorded): the recorder's view
+(parity/training/view.py's protocol, through parity/views/translated.py) over the job's own GPTModel and the torch optimizer inside
 its MegatronOptimizer, at tensor (TP) × data (DP) × pipeline (PP) × expert (EP) parallelism.
 
 - Each parameter tagged `tensor_model_parallel` is split along its `partition_dim` over the TP group: TP rank r holds
@@ -48,8 +48,8 @@ import torch.distributed as dist
 from parity.frameworks.megatron.config import MegatronRefused
 from parity.frameworks.megatron.moe import ExpertGroups, chained, global_expert, is_expert
 from parity.frameworks.megatron.names import full_tensor, part_of, stacked, to_hf
-from parity.recording.sharded import DataParallel, torch_optimizer
-from parity.recording.translated import TranslatedLayout
+from parity.views.base import View, torch_optimizer
+from parity.views.translated import TranslatedView
 from parity.training.optimizer import ADAMW_MOMENTS
 
 
@@ -138,7 +138,7 @@ def masters(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for model, master in zip(models, mains)]
 
 
-class MegatronLayout(TranslatedLayout):
+class MegatronView(TranslatedView):
     """`modules`: the job's GPTModel chunks (one a virtual pipeline stage); `optimizer`: its MegatronOptimizer;
     `hf_model`: the transformers model of the job's config (config.hf_config), on the meta device; `config`: the job's
     TransformerConfig."""
@@ -154,7 +154,7 @@ class MegatronLayout(TranslatedLayout):
         if why is not None:
             raise MegatronRefused(why)
         inner = getattr(optimizer, "chained_optimizers", [optimizer])  # the dense parameters' and the experts'
-        DataParallel.__init__(self, hf_model, chained([torch_optimizer(o) for o in inner]))
+        View.__init__(self, hf_model, chained([torch_optimizer(o) for o in inner]))
         self.modules, self.config, self.device = modules, config, device
         self.experts = ExpertGroups()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -360,7 +360,7 @@ class MegatronLayout(TranslatedLayout):
     def grad_norm(self) -> float:
         return self._norm(self._grad)
 
-    def param_norm(self) -> float:
+    def parameter_norm(self) -> float:
         return self._norm(self._weights)
 
     def parameter_pieces(self):
@@ -422,7 +422,7 @@ class MegatronLayout(TranslatedLayout):
         named = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         return [n for n in super().buffer_names() if n not in named]
 
-    def full_state(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor of the transformers model's state dict, full: a tied one under each of its names (lm_head's
         too, as the harness's initial-weights file holds it)."""
         state = self._stages({h: t for n, p in self.native
@@ -482,4 +482,4 @@ class MegatronLayout(TranslatedLayout):
         return found
 
 
-__all__ = ["MegatronLayout", "gpt_models", "refusal"]
+__all__ = ["MegatronView", "gpt_models", "refusal"]

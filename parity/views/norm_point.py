@@ -1,5 +1,5 @@
 """Where DeepSpeed takes the norm it clips by, inside engine.step(): the tensor record reads the gradients there (the
-DeepSpeed strategy's record_gradients, the recorder's ZeRO layout), after everything the engine does to them before
+DeepSpeed strategy's record_gradients, the recorder's ZeRO view, zero.py), after everything the engine does to them before
 its clip — the partitions as its clip reads them, still at fp16's loss scale, which the reader takes out.
 
 DeepSpeed 0.19.8 takes it in one method of its optimizer for ZeRO-1/2 (scaled_global_norm, over the averaged gradient

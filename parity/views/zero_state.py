@@ -1,8 +1,9 @@
 """What ZeRO's ranks hold, read the way the DeepSpeed strategy reads it: the float64 norm over each rank's pieces of the
 module's tensors (TP shards summed over their TP group, DP partitions over the DP group, AutoEP's experts over the EP
 group), each tensor's pieces with the rank that counts each (local_gradient, zero_pieces: every tensor's norms,
-parity/training/tensor_norms.py) and the replicas (the tensors several ranks hold alike). Apart from the strategy because a recorder of a user's
-own DeepSpeed loop (parity/recording/sharded.py) reads an engine it did not build with the same code.
+parity/training/tensor_norms.py), the replicas (the tensors several ranks hold alike) and the full tensors through each
+AutoTP layer's own gather_params (full_tensors). Here, below the strategy, because a recorder of a user's own
+DeepSpeed loop (the ZeRO view, zero.py) reads an engine it did not build with the same code.
 """
 
 from __future__ import annotations
@@ -282,3 +283,24 @@ def zero3_moment(param, key: str) -> torch.Tensor | None:
         return safe_get_local_optimizer_state(param, key)
     except KeyError:
         return None
+
+
+def full_tensors(hf_model, read) -> dict[str, torch.Tensor]:
+    """{HF name: full fp32 CPU tensor} for each parameter once (a tied weight under its first name, as
+    named_parameters() gives it) that `read` reads (it returns None for one it has nothing of). `read` gathers the
+    ZeRO partitions over DP and returns this rank's TP shard; the owning AutoTP layer then gathers that along its own split dim (a row-parallel bias is
+    replicated and stays as it is). Collective: the same calls in the same order on every rank."""
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    full, seen = {}, set()
+    for module_name, module in hf_model.named_modules():
+        named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for _, p in named)
+        read_as = [(n, read(p)) for n, p in named]  # None: nothing of it to read (a frozen tensor's moments)
+        named = [(n, p) for (n, p), (_, t) in zip(named, read_as) if t is not None]
+        tensors = [t.detach().clone() for _, t in read_as if t is not None]
+        if named and isinstance(module, TensorParallel_Layer):
+            module.gather_params(tensors)  # in the layer's own order: weight, then bias
+        for (name, _), t in zip(named, tensors):
+            full[f"{module_name}.{name}" if module_name else name] = t.float().cpu()
+    return full

@@ -1,5 +1,5 @@
-"""A torchtitan job's model read under Hugging Face names (docs/torchtitan.md#what-is-recorded): the recorder's layout
-(sharded.py's interface) over torchtitan's own module, its DTensors read with the harness's DTensor code (FullyShard's
+"""A torchtitan job's model read under Hugging Face names (docs/torchtitan.md#what-is-recorded): the recorder's view
+(parity/training/view.py's protocol) over torchtitan's own module, its DTensors read with the harness's DTensor code (FullyShard's
 norms, full tensors and replicas), every name and tensor translated the way the job's own checkpoint would write it
 for Hugging Face — the module's state-dict post-hooks (the debug model's fused `qkv_linear.wqkv` split into wq, wk,
 wv by FusedQKVLinear's hook; the activation-checkpoint wrapper's prefix dropped by its own), then the job's state-dict
@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from parity.recording.sharded import DataParallel, FullyShard
-from parity.recording.translated import TranslatedLayout
 from parity.frameworks.torchtitan.config import TitanRefused
+from parity.training.dtensor_strategy import dtensor_replicas, full_tensor, global_norm
+from parity.training.optimizer import full_moments
+from parity.views.base import View
+from parity.views.fully_shard import FullyShard
+from parity.views.translated import TranslatedView
 
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # what wrappers add to a name
 
@@ -106,8 +109,8 @@ class Translation:
         return targets
 
 
-class TitanLayout(TranslatedLayout, FullyShard):
-    """The recorder's layout of a torchtitan Trainer's model (one model part, one torch optimizer): `hf_model` is the
+class TitanView(TranslatedView, FullyShard):
+    """The recorder's view of a torchtitan Trainer's model (one model part, one torch optimizer): `hf_model` is the
     transformers model on the meta device (what the recorder reads for the config and the names), `adapter` the
     job's state-dict adapter, `trainer` the torchtitan Trainer (its parallel dims give the DP rank that feeds)."""
 
@@ -116,7 +119,7 @@ class TitanLayout(TranslatedLayout, FullyShard):
 
     def __init__(self, trainer, hf_model, adapter, device: torch.device):
         module, optimizer = trainer.model_parts[0], trainer.optimizers.optimizers[0]
-        DataParallel.__init__(self, hf_model, optimizer)
+        View.__init__(self, hf_model, optimizer)
         self.module, self.device, self._replicated = module, device, None
         dims = trainer.parallel_dims
         batch = dims.get_mesh("batch") if dims.dp_enabled else None
@@ -148,23 +151,15 @@ class TitanLayout(TranslatedLayout, FullyShard):
 
     # --- norms and full tensors over the native module ----------------------------------------------------------
     def grad_norm(self) -> float:
-        from parity.training.dtensor_strategy import global_norm
-
         return global_norm([p.grad for _, p in self.native if p.grad is not None])
 
-    def param_norm(self) -> float:
-        from parity.training.dtensor_strategy import global_norm
-
+    def parameter_norm(self) -> float:
         return global_norm([p.detach() for _, p in self.trainable()])
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        from parity.training.dtensor_strategy import full_tensor
-
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {h: t for n, p in self.native for h, t in self.to_hf(self.raw[n], full_tensor(p, self.device)).items()}
 
     def full_optimizer_state(self):
-        from parity.training.optimizer import full_moments
-
         exported = full_moments(self.native, self.optimizer, self.device)
         if exported is None:
             return None
@@ -177,11 +172,9 @@ class TitanLayout(TranslatedLayout, FullyShard):
         return out, count
 
     def replicas(self):
-        from parity.training.dtensor_strategy import dtensor_replicas
-
         if self._replicated is None:
             self._replicated = self.replicated()
         return dtensor_replicas(self._replicated, self.optimizer)
 
 
-__all__ = ["TitanLayout", "Translation", "clean"]
+__all__ = ["TitanView", "Translation", "clean"]

@@ -1,0 +1,55 @@
+"""Plain PyTorch or DDP: every rank of the world a DP rank holding the whole model, read with the harness's own code
+for it — the float64 norms of plain tensors (parity.training.optimizer.local_norm), every parameter and its moments
+on every rank (replicas.whole_model), the moments as the harness's strategies export theirs (optimizer.full_moments).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parity.training.optimizer import full_moments, local_norm
+from parity.training.replicas import whole_model
+from parity.training.tensor_norms import Piece, rank0_pieces
+from parity.views.adapters import peft_inner
+from parity.views.base import View
+
+
+class DataParallel(View):
+    """Every rank of the world a DP rank holding the whole model and its optimizer's state (rank 0 reads its own: no
+    collective)."""
+
+    kind = "data parallel"
+    whole = True
+
+    @classmethod
+    def read(cls, model, optimizer, device: torch.device, unwrap) -> "DataParallel":
+        """The table's last row (table.py): whatever no other view reads."""
+        return cls(peft_inner(unwrap(model))[0], optimizer)
+
+    def grad_norm(self) -> float:
+        return local_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+
+    def parameter_norm(self) -> float:
+        """The global norm of the full trainable parameters (LoRA's adapters, not its frozen base: as the harness's
+        strategies take it), float64."""
+        return local_norm([p.detach() for p in self.model.parameters() if p.requires_grad])
+
+    def full_optimizer_state(self):
+        """As the harness's strategies export theirs (Strategy.full_optimizer_state's shape and, for a torch optimizer
+        over the module's parameters, its code: parity.training.optimizer.full_moments)."""
+        return full_moments(self.model.named_parameters(), self.optimizer, torch.device("cpu"))
+
+    def replicas(self):
+        """What every rank holds alike under data parallelism: every parameter and its Adam moments."""
+        return whole_model(self.model, self.optimizer, tuple(range(self.world)))
+
+    def gradient_pieces(self) -> list[Piece]:
+        """This rank's piece of each trainable tensor's gradient (local): here whole, rank 0's counted."""
+        return rank0_pieces((name, p.grad) for name, p in self.trainable())
+
+    def parameter_pieces(self) -> list[Piece]:
+        return rank0_pieces((name, p.detach()) for name, p in self.trainable())
+
+
+VIEW = DataParallel
+__all__ = ["DataParallel", "VIEW"]

@@ -1,0 +1,48 @@
+"""The table that picks the recorder's view of a model a user's loop trains (view_of): each row a module of this
+folder whose `VIEW` reads one sharding, asked in order; the first whose `VIEW.read` answers reads it. A framework's
+room reads its own module into a view (parity/frameworks/<name>/view.py) and hands the recorder that.
+
+A peft PeftModel (wrapped or sharded as any model) is read through the Hugging Face model inside it, so that its names
+are the harness's LoRA names; its adapters' settings are the view's `lora` (adapters.py). What trains is what requires
+gradients: the parameter norm, the series and the optimizer's groups take those alone, as the harness's strategies do
+under LoRA (the base frozen).
+
+Refused in one line (ViewRefused): FSDP1 without use_orig_params or in another sharding strategy, DeepSpeed's AutoTP,
+a 2-D mesh without a "dp" dim, LoRA adapters the replay cannot build.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from parity.views.adapters import AdaptersRefused, lora_of
+from parity.views.base import View, ViewRefused, torch_optimizer
+
+# (module of parity/views/, what its VIEW reads): the first row whose VIEW.read answers (not None) reads the model
+VIEWS = (("zero", "a DeepSpeed engine"), ("fsdp1", "FSDP1's root wrapper"),
+         ("fully_shard", "FSDP2 / DTensor parameters"), ("data_parallel", "plain or DDP: whatever no other row reads"))
+
+
+def view_classes() -> list[type[View]]:
+    """The table's views, in its order (each module imported when asked: FSDP1's and DeepSpeed's only then)."""
+    return [importlib.import_module(f"parity.views.{module}").VIEW for module, _ in VIEWS]
+
+
+def view_of(model, optimizer, device: torch.device, unwrap) -> View:
+    """The view of the user's `model` (as handed to the recorder: wrapped or not, accelerate's prepared model: DDP or
+    the bare module), stepped by `optimizer` (or the torch optimizer inside its wrapper). ViewRefused, one line, for
+    one the recorder cannot read, and for LoRA adapters the replay cannot build."""
+    if isinstance(model, View):  # a view a framework's room read itself (parity/frameworks/<name>/view.py)
+        return model
+    optimizer = torch_optimizer(optimizer)
+    view = next(v for v in (cls.read(model, optimizer, device, unwrap) for cls in view_classes()) if v is not None)
+    try:
+        view.lora = lora_of(view.model, view.names())  # a PEFT model's adapters, as the harness builds them
+    except AdaptersRefused as exc:
+        raise ViewRefused(str(exc)) from None
+    return view
+
+
+__all__ = ["VIEWS", "view_classes", "view_of"]

@@ -1,0 +1,123 @@
+"""A user's `deepspeed.initialize` engine, ZeRO stages 0–3, TP 1, read with the DeepSpeed strategy's code: its norm
+over each rank's master pieces, its replicas and its full master weights and moments
+(zero_state.py, which the DeepSpeed strategy reads its engine with too: ZeRO-1/2's fragments in one collective, ZeRO-3's through DeepSpeed's
+safe_get_full_*). DeepSpeed clips and steps inside `engine.step()`: the pre-clip norm is DeepSpeed's own
+(`engine.get_global_grad_norm()`, per-tensor float64 sums rounded to fp32), the record's grad_norm_source says
+"framework".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from parity.training.tensor_norms import Piece
+from parity.views.adapters import peft_inner
+from parity.views import zero_state
+from parity.views.base import View, ViewRefused, torch_optimizer
+from parity.views.norm_point import watch_norm
+from parity.views.zero_state import full_tensors
+
+
+class ZeRO(View):
+    """A DeepSpeed engine (ZeRO stages 0–3, TP 1) that a user's loop steps."""
+
+    grad_norm_visible = False  # DeepSpeed clips inside engine.step(): its own norm, after the step
+    steps_once_an_update = False  # ZeRO-1/2 step the client optimizer once per parameter group, ZeRO-3 per sub-group
+    pieces_at_optimizer = False
+
+    @classmethod
+    def read(cls, model, optimizer, device: torch.device, unwrap) -> "ZeRO | None":
+        """A DeepSpeedEngine; None where deepspeed is not imported (None in sys.modules: a name blocked) or `model` is
+        no engine."""
+        if sys.modules.get("deepspeed") is None:
+            return None
+        from deepspeed import DeepSpeedEngine
+
+        return cls(model, device) if isinstance(model, DeepSpeedEngine) else None
+
+    def __init__(self, engine, device: torch.device):
+        if engine.autotp_size() > 1:
+            raise ViewRefused(f"DeepSpeed's AutoTP (autotp_size {engine.autotp_size()}): the recorder reads ZeRO at "
+                              f"TP 1 only so far")
+        inner, self.prefix = peft_inner(engine.module)  # a PeftModel's Hugging Face model, and its names' prefix
+        super().__init__(inner, torch_optimizer(engine.optimizer))
+        self.engine, self.device = engine, device
+        self.zero_stage = engine.zero_optimization_stage()
+        self.kind = f"deepspeed zero{self.zero_stage}"
+        self.masters_apart = engine.bfloat16_enabled() or engine.fp16_enabled()
+        if self.masters_apart and self.zero_stage == 0:
+            raise ViewRefused("DeepSpeed at ZeRO stage 0 with bf16 or fp16 weights: the recorder reads its masters at "
+                              "stages 1–3 only")
+
+    def group_params(self):
+        wrapper = self.engine.optimizer
+        for attribute in ("bit16_groups", "fp16_groups"):  # ZeRO-1/2's, ZeRO-3's: the module's parameters by group
+            groups = getattr(wrapper, attribute, None)
+            if groups is not None and len(groups) == len(self.optimizer.param_groups):
+                return [list(g) for g in groups]
+        return super().group_params()
+
+    def grad_norm(self) -> float:
+        raise RuntimeError("DeepSpeed clips inside engine.step(): its own norm is read after the step")
+
+    def framework_grad_norm(self):
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def watch_norm(self, read) -> bool:
+        """Where engine.step() takes the norm it clips by (the DeepSpeed strategy's reading point: norm_point.py)."""
+        return watch_norm(self.engine, read)
+
+    def loss_scale(self) -> float:
+        return float(getattr(self.engine.optimizer, "loss_scale", 1.0)) if self.engine.fp16_enabled() else 1.0
+
+    def _local_master(self, p):
+        return zero_state.local_master(p, self.zero_stage, self.masters_apart)
+
+    def parameter_norm(self) -> float:
+        return zero_state.module_norm(self.engine, self._local_master, zero_stage=self.zero_stage,
+                                      partitioned=self.zero_stage > 0 and self.masters_apart, device=self.device,
+                                      tp_size=1)
+
+    def _gather(self, read) -> dict[str, torch.Tensor]:
+        return full_tensors(self.model, read)  # every parameter once, under its first name (TP 1: as read)
+
+    def full_state_dict(self):
+        """The master weights (the DeepSpeed strategy's reading: zero_state.full_masters), tied names and buffers as
+        the module's state dict holds them."""
+        full = zero_state.full_masters(self.engine, self.zero_stage, self._gather, self._local_master)
+        first = {id(p): name for name, p in self.model.named_parameters()}
+        tied = {name: full[first[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
+        return {k: tied.get(k, v) for k, v in self.model.state_dict().items()}  # buffers as the module holds them
+
+    def full_optimizer_state(self):
+        return zero_state.full_moments(self.engine, self.zero_stage, self._gather, self._local_master)
+
+    def gradient_pieces(self) -> list[Piece]:
+        """Each gradient's piece where DeepSpeed holds it at its norm inside engine.step() (the DeepSpeed strategy's
+        reading: zero_state.local_gradient, zero_pieces; watch_norm)."""
+        return zero_state.zero_pieces(self.engine, self.trainable(),
+                                      lambda p: zero_state.local_gradient(p, self.zero_stage),
+                                      partitioned=self.zero_stage > 0, tp_rank=0)
+
+    def parameter_pieces(self) -> list[Piece]:
+        return zero_state.zero_pieces(self.engine, self.trainable(), self._local_master, tp_rank=0,
+                                      partitioned=self.zero_stage == 3 or self.zero_stage > 0 and self.masters_apart)
+
+    @staticmethod
+    def local_piece(p):
+        """A ZeRO-3 parameter's partition (the module's parameter is empty between uses); the parameter below it."""
+        return getattr(p, "ds_tensor", p).detach()
+
+    def replicas(self):
+        everyone = tuple(range(self.world))
+        found = zero_state.zero_replicas(self.engine, self.zero_stage, everyone=everyone, same_shard=everyone,
+                                         same_partition=(self.rank,), tp_size=1)  # under the engine's module's names
+        return [dataclasses.replace(r, name=r.name.removeprefix(self.prefix)) for r in found]
+
+
+VIEW = ZeRO
+__all__ = ["VIEW", "ZeRO"]
