@@ -20,7 +20,6 @@ own. A recorder failure never stops the user's training.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from typing import Any, Callable
@@ -30,21 +29,21 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.errors import ConfigError, first_line
-from parity.fingerprint import fingerprint
 from parity.attaching import layer_cut
 from parity.recording import resume, states
 from parity.recording.batch_taking import BatchTaking
+from parity.recording.description import describe_run
 from parity.attaching.attach import attached, refused
 from parity.recording.optimizer_description import describe_optimizer
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, taken
 from parity.recording.world import exchange_device, first_process, trains_alone
-from parity.models.model import config_as_built, config_summary, file_sha256
+from parity.models.model import config_as_built
 from parity.precision import POLICIES
 from parity.registry import KNOWN
 from parity.objectives.causal_lm import IGNORE_INDEX, measured_loss_sum
-from parity.training.observer import StepObserver, device_name
+from parity.training.observer import StepObserver
 from parity.training.record import RECORDER_SOURCE as SOURCE, LossRecord, record_path
 from parity.training.tensor_series import kept_chunks
 from parity.views.adapters import save_initial_weights
@@ -196,39 +195,9 @@ class ParityRecorder(BatchTaking):
         fresh = hf and not start_step  # a resumed run's model is no longer at its initial state: not saved again
         state = self.view.full_state_dict() if fresh else None  # full tensors where sharded: every rank (collective)
         self.exchange = RowExchange()
-        group0 = optimizer.param_groups[0]
-        betas = group0.get("betas", (0.0, 0.0))
-        script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else None
-        framework_part = {"name": framework, "versions": framework_versions,
-                          "script": os.path.basename(script) if script else None,
-                          "script_sha256": file_sha256(script) if script and os.path.isfile(script) else None}
-        policy = POLICIES[precision]
-        description = {
-            "source": SOURCE, "framework": framework, "strategy": self.name, "strategy_path": None,
-            "model_name": here, "model_type": getattr(config, "model_type", None),
-            "hugging_face_model": hf, "attn_implementation": getattr(config, "_attn_implementation", None),
-            "tp_size": self.view.tp_size, "pp_size": 1, "ep_size": 1,
-            "dp_size": self.view.dp_size, "sharding": self.view.describe(),
-            "num_workers": self.world, "world_size": self.world, "batch_size": None, "global_batch_size": None,
-            "grad_accum_steps": None, "seq_length": None, "precision": precision,
-            "reduce_dtype": policy.reduce_dtypes[0], "grad_accum_dtype": policy.grad_accum_dtypes[0],
-            "loss_scaling": None, "total_steps": None, "init_weights_sha256": None,
-            "init_weights_path": f"{here}/init_weights.safetensors" if hf else None,
-            "model_config": config_summary(config) if hf else {}, "lora": self.view.lora,  # a PEFT model's adapters
-            "layer_cut": layer_cut.recorded(self.model),  # verify_trainer.py --num_layers: {"num_layers", "of"}
-            "learning_rate": float(group0.get("initial_lr", group0.get("lr", 0.0))),
-            "max_grad_norm": float(max_grad_norm), "weight_decay": float(group0.get("weight_decay", 0.0)),
-            "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_epsilon": float(group0.get("eps", 0.0)),
-            "optimizer": self.optimizer_description, "grad_norm_source": None, "loss_source": "recorder",
-            "batches": {"folder": f"{here}/batches", "max_bytes": max_batch_bytes, "saved_steps": 0,
-                        "most_rows": 0, "position_ids_from": None},
-            "not_replayable": None if hf else f"the model ({type(self.model).__name__}) is not a Hugging Face model",
-            "stopped": None, "resumed_at": [], "rollouts": None,
-            **(self.objective_rows.describe_record() if self.objective_rows else {"objective": None}),
-            "device_type": self.trains_on.type, "device_name": device_name(self.trains_on), "backend": dist.get_backend(),
-            "fingerprint": {**fingerprint(type(self), self.trains_on, getattr(config, "model_type", None)),
-                            "framework": framework_part},
-        }
+        description = describe_run(self, here=here, config=config, hf=hf, optimizer=optimizer, framework=framework,
+                                   framework_versions=framework_versions, precision=precision,
+                                   max_grad_norm=max_grad_norm, max_batch_bytes=max_batch_bytes)
         self.record = LossRecord(record_path(output_dir, self.name), self.name, description)
         if start_step:
             self._continue(start_step)
