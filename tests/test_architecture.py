@@ -311,14 +311,16 @@ def test_every_view_of_a_sharded_model_implements_the_one_protocol():
         def parameter_norm(self):
             return 0.0
 
-    assert "full_parameters" in _implements(Half, ShardedView) and "parameter_norm" not in _implements(Half, ShardedView)
+    half = _implements(Half, ShardedView)
+    assert "full_parameters" in half and "parameter_norm" not in half
     rooms = sorted(f for f in import_graph.product_files() if os.path.basename(f) == "view.py"
                    and f.startswith(os.path.join("parity", "frameworks")))
     assert rooms == [os.path.join("parity", "frameworks", r, "view.py") for r in ("megatron", "torchtitan")]
 
 
 def layout_classes(path: str) -> list[str]:
-    return [n.name for n in ast.walk(ast.parse(open(path).read())) if isinstance(n, ast.ClassDef) and "Layout" in n.name]
+    return [n.name for n in ast.walk(ast.parse(open(path).read()))
+            if isinstance(n, ast.ClassDef) and "Layout" in n.name]
 
 
 def test_layout_keeps_one_meaning():
@@ -327,3 +329,20 @@ def test_layout_keeps_one_meaning():
     wrong = {f: layout_classes(os.path.join(REPO, f)) for f in import_graph.product_files()
              if f != os.path.join("parity", "layout.py") and layout_classes(os.path.join(REPO, f))}
     assert wrong == {} and layout_classes(os.path.join(REPO, "parity", "layout.py")) == ["Layout"]
+
+
+PACKING = os.path.join("parity", "models", "packing.py")
+PACKS = re.compile(r"_StridedShard\(|\.chunk\(\s*2\b|def \w*gate_up")  # writing the [gate; up] packing by hand
+
+
+def test_the_gate_up_packing_is_written_once():
+    """The packed layout of a fused [gate; up] tensor, whole and sharded part by part over TP, is parity/models/
+    packing.py's; every module that reads, shards or fuses one imports it, none writes it again."""
+    again = [f for f in import_graph.product_files() if f != PACKING and PACKS.search(pathlib.Path(REPO, f).read_text())]
+    assert again == [] and PACKS.search("shards = [s.chunk(2, dim=0) for s in t.chunk(tp_size)]")  # it can fail
+    users = [os.path.join("parity", *p) for p in (("strategies", "fsdp", "plans.py"),
+                                                   ("strategies", "fsdp", "expert_parallel.py"),
+                                                   ("strategies", "autotp", "gathers.py"),
+                                                   ("frameworks", "megatron", "names.py"),
+                                                   ("training", "dtensor_strategy.py"))]
+    assert all("from parity.models.packing import" in pathlib.Path(REPO, f).read_text() for f in users)

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from parity.models.packing import per_rank_placement
 from parity.training.loss_scaler import unscaled_or_skipped
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
 from parity.training.optimizer import (OptimizerStep, clip_coefficient, squared_norm_fp64, step_optimizer,
@@ -95,13 +96,9 @@ def clip_sharded_gradients(params, cfg) -> float:
 
 def gather_local_output(output: torch.Tensor, tp_mesh, dim: int, parts: int = 1) -> torch.Tensor:
     """A module output (or its gradient) each TP rank holds only its piece of, at full size: its slice of `dim`, or —
-    for an output packing `parts` parts — its slice of every part (a _StridedShard)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
+    for an output packing `parts` parts — its slice of every part (parity/models/packing.py)."""
     dim %= output.dim()
-    placement = _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
-    return DTensor.from_local(output.detach(), tp_mesh, [placement]).full_tensor()
+    return DTensor.from_local(output.detach(), tp_mesh, [per_rank_placement(parts, dim)]).full_tensor()
 
 
 class DTensorStrategy(Strategy):

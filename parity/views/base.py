@@ -113,7 +113,8 @@ class View(ShardedView):
 
     @staticmethod
     def local_piece(p: torch.Tensor) -> torch.Tensor:
-        """What this rank holds of parameter `p`: the parameter itself (FSDP1's flat shard, megatron-core's TP shard)."""
+        """What this rank holds of parameter `p`: the parameter itself (FSDP1's flat shard, megatron-core's TP
+        shard)."""
         return p.detach()
 
     def frozen_pieces(self) -> list[tuple[str, torch.Tensor]]:

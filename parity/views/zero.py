@@ -1,6 +1,6 @@
-"""A user's `deepspeed.initialize` engine, ZeRO stages 0–3, TP 1, read with the DeepSpeed strategy's code: its norm
-over each rank's master pieces, its replicas and its full master weights and moments
-(zero_state.py, which the DeepSpeed strategy reads its engine with too: ZeRO-1/2's fragments in one collective, ZeRO-3's through DeepSpeed's
+"""A user's `deepspeed.initialize` engine, ZeRO stages 0–3, TP 1, read with the DeepSpeed strategy's code
+(zero_state.py, which the strategy reads its own engine with): its norm over each rank's master pieces, its replicas
+and its full master weights and moments (ZeRO-1/2's fragments in one collective, ZeRO-3's through DeepSpeed's
 safe_get_full_*). DeepSpeed clips and steps inside `engine.step()`: the pre-clip norm is DeepSpeed's own
 (`engine.get_global_grad_norm()`, per-tensor float64 sums rounded to fp32), the record's grad_norm_source says
 "framework".

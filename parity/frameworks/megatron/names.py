@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from parity.frameworks.megatron.config import MegatronRefused
+from parity.models.packing import packed, unpacked_per_rank
 
 RENAMED = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight",
            "decoder.final_layernorm.weight": "model.norm.weight"}
@@ -78,7 +79,7 @@ def to_hf(name: str, tensor: torch.Tensor, config, tp_size: int) -> dict[str, to
         kind = rest.rsplit(".", 1)[1]
         return {f"{prefix}self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", split_qkv(tensor, config))}
     if rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
-        gate, up = split_gate_up(tensor, tp_size)
+        gate, up = unpacked_per_rank(tensor, tp_size)  # each TP rank's rows [gate_r; up_r]
         mlp = prefix + ("mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert.")
         return {mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up}
     expert, grouped = EXPERT.fullmatch(rest), GROUPED.fullmatch(rest)
@@ -86,7 +87,7 @@ def to_hf(name: str, tensor: torch.Tensor, config, tp_size: int) -> dict[str, to
         e, fc = expert.groups() if expert is not None else grouped.groups()[::-1]
         if fc == "2":
             return {f"{prefix}mlp.experts.down_proj[{e}]": tensor}
-        return {f"{prefix}mlp.experts.gate_up_proj[{e}]": torch.cat(split_gate_up(tensor, tp_size))}
+        return {f"{prefix}mlp.experts.gate_up_proj[{e}]": packed(unpacked_per_rank(tensor, tp_size))}
     raise MegatronRefused(f"megatron-core parameter {name}: the mapping to Hugging Face names does not know it")
 
 
@@ -126,10 +127,4 @@ def split_qkv(tensor: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor,
     return q, k, v
 
 
-def split_gate_up(tensor: torch.Tensor, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear_fc1's full weight, TP rank r's rows [gate_r; up_r] one after another, as (gate, up)."""
-    shards = [s.chunk(2, dim=0) for s in tensor.chunk(tp_size, dim=0)]
-    return torch.cat([g for g, _ in shards]), torch.cat([u for _, u in shards])
-
-
-__all__ = ["full_tensor", "part_of", "split_gate_up", "split_qkv", "stacked", "to_hf"]
+__all__ = ["full_tensor", "part_of", "split_qkv", "stacked", "to_hf"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from parity.models.packing import packed
+
 
 def column_parallel_outputs(hf_model, family) -> dict[str, tuple]:
     """{module name: (TP group, the per-rank widths of each part of its output)} for every module whose output is this
@@ -108,6 +110,6 @@ def stock_names(full: dict[str, torch.Tensor], autoep: dict, device: torch.devic
             pieces = [torch.empty_like(mine) for _ in range(layer.ep_size)]
             dist.all_gather(pieces, mine.to(device).contiguous(), group=layer.ep_group)
             whole[w] = torch.cat(pieces).cpu()
-        full[f"{block}.experts.gate_up_proj"] = torch.cat([whole["w1"], whole["w3"]], dim=1)
+        full[f"{block}.experts.gate_up_proj"] = packed((whole["w1"], whole["w3"]), dim=1)
         full[f"{block}.experts.down_proj"] = whole["w2"]
     return full

@@ -25,7 +25,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from parity.models.packing import per_rank_placement
 
 
 @contextlib.contextmanager
@@ -175,8 +176,8 @@ def apply_ep(experts: torch.nn.Module, ep_mesh, tp_mesh) -> None:
 
 
 def expert_tp_placement(dim: int, parts: int):
-    """How one fused expert weight is split over TP: part by part (a _StridedShard) when it packs several."""
-    return _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
+    """How one fused expert weight is split over TP: part by part when it packs several (parity/models/packing.py)."""
+    return per_rank_placement(parts, dim)
 
 
 def apply_etp(experts: torch.nn.Module, tp_mesh, weights: dict[str, tuple[int, int]], placement=expert_tp_placement):

@@ -15,16 +15,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from parity.models.adapters import ADAPTER_NAME as ADAPTER
 from parity.models.families import family_of
+from parity.models.packing import per_rank_placement
 from parity.strategies.fsdp.expert_parallel import apply_ep, apply_etp
 
 
 class PackedColwiseParallel(ColwiseParallel):
     """ColwiseParallel for a linear layer whose output packs `parts` equal parts (Phi3's gate_up_proj: gate, then up),
-    sharded part by part: TP rank r holds the r-th slice of every part (a _StridedShard of the rows), so its local
+    sharded part by part: TP rank r holds the r-th slice of every part (parity/models/packing.py), so its local
     output is [gate_r, up_r] and the model's own chunk(2) pairs each gate column with its up column on every rank —
     the MLP's activation and down_proj (rowwise) then run on local shards as for separate gate/up projections.
     Sharded as one block (Shard(0)), rank 0 would hold all of gate and rank 1 all of up: the bug
@@ -38,7 +38,7 @@ class PackedColwiseParallel(ColwiseParallel):
     def _partition_linear_fn(self, name, module, device_mesh):
         for pname, param in module.named_parameters():
             module.register_parameter(pname, nn.Parameter(
-                distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=self.parts)],
+                distribute_tensor(param, device_mesh, [per_rank_placement(self.parts)],
                                   src_data_rank=self.src_data_rank), requires_grad=param.requires_grad))
 
     @staticmethod
