@@ -39,7 +39,7 @@ def tolerance(run, series) -> float:
 
 
 def first_gap(run, series) -> Outside | None:
-    """The first step of `run` (a curves.Run) whose tensors' squares do not add up to the norm it clipped by — or, in a
+    """The first step of `run` (a run.Run) whose tensors' squares do not add up to the norm it clipped by — or, in a
     recorded run read at before_step(), whose optimizer applied another gradient to a tensor than the one read × the
     clip coefficient (the recorder's `clip_read` entry: parity/recording/recorded_tensors.py) —, or None; `series`
     its TensorSeries (anything else — a run with none — has no invariant to hold)."""
@@ -76,7 +76,7 @@ def line(gap: Outside) -> str:
 
 
 def no_reference(base, series) -> list[str]:
-    """Why the baseline (a curves.Run) is no reference, where its own record parts from its clip: one line, or none."""
+    """Why the baseline (a run.Run) is no reference, where its own record parts from its clip: one line, or none."""
     gap = first_gap(base, series)
     return [] if gap is None else [f"{storage.name(base.file)} ({base.name}, the baseline): {line(gap)}: a baseline "
                                    f"whose optimizer applies other gradients than it records is no reference"]

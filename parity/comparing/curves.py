@@ -30,123 +30,19 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from parity import fingerprint, storage
+from parity import storage
 from parity.comparing import clip_read, margins, objective, recorded_checks, teacher_forced, tensor_verdict, tolerances
+from parity.comparing.comparability import (code_mismatches, comparability_mismatches, config_differences,
+                                             policy_differences)
 from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_outside, fixed_bounds, floored,
                                     noise_ratio, relative_diff, relative_diffs)
-from parity.comparing.recorded import is_replay, replay_suspects, resumed_at, resumed_rows, same_rows
+from parity.comparing.recorded import resumed_at, resumed_rows
+from parity.comparing.run import Run
 from parity.comparing.tolerances import AUX_LOSS, NOISE_K, QUANTITIES
-from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Parting, Verdict
+from parity.comparing.verdict import POLICY_DIFFERENCE, Outside, Verdict
 from parity.errors import ConfigError, NotComparable
-from parity.precision import POLICIES, POLICY_FIELDS, describe
-from parity.registry import run_label
-from parity.training.record import REFERENCE_GLOB, is_recorded, load_record
-# Optimizer settings recorded in the config that change the numbers (the lr is compared per step).
-OPTIMIZER_SETTINGS = ("max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-                      "optimizer")  # optimizer: by parameter group, where a record names it (a recorded run, its replay)
-# Config entries that differ between strategies by design: not suspects when a run FAILs. strategy_path is the
-# strategy's class (a user's or a seeded bug's shows as strategy_class, which is a suspect).
-LAYOUT_AND_PLACES = ("strategy", "strategy_path", "num_workers", "tp_size", "dp_size", "world_size", "batch_size",
-                     "cpus_per_worker", "experiment_name", "final_checkpoint_dir", "loss_output_dir", "storage_path",
-                     "noise_reference", "init_weights_path", "save_init_weights", "worker_nodes", "fingerprint", "resume",
-                     "verbose", "report_to", "replica_check_interval")
-# Per-step entries every run must share with the baseline: (field, what differs, in words).
-STEP_INVARIANTS = (("batch_hash", "see different batches"), ("tokens", "train on different tokens per step"),
-                   ("lr", "use different learning rates"))
-FOLLOW_ROWS = ("batch_hash", "tokens")  # those that follow the rows fed: compared up to a resume finding's step only
-
-
-@dataclass(frozen=True)
-class Run:
-    """One loss record, named by its strategy."""
-
-    file: str
-    record: dict
-
-    @property
-    def name(self) -> str:
-        return self.record["strategy"]
-
-    @property
-    def config(self) -> dict:
-        return self.record["config"]
-
-    @property
-    def steps(self) -> list[dict]:
-        return self.record["steps"]
-
-    @property
-    def complete(self) -> bool:
-        """Finished: closed by its run, or a recorded run's record that stopped early (it holds every step it will)."""
-        return self.record["complete"] or self.stopped is not None
-
-    @property
-    def stopped(self) -> dict | None:
-        """Where a recorded run's record stopped early, {"step", "why"} (recorded.stopped_words), or None."""
-        return self.config.get("stopped")
-
-    @property
-    def recorded(self) -> bool:
-        """A record of parity's recorder (your own trainer), not of the harness's loop."""
-        return is_recorded(self.config)
-
-    @property
-    def precision(self) -> str:
-        return self.config["precision"]
-
-    @property
-    def policy(self) -> dict:
-        """The run's precision policy and its refinements (parity.precision.POLICY_FIELDS)."""
-        return {k: self.config.get(k) for k in POLICY_FIELDS}
-
-    def skipped(self, num_steps: int) -> list[bool]:
-        """Per step: whether an fp16 overflow skipped it."""
-        return [bool(step.get("skipped")) for step in self.steps[:num_steps]]
-
-    @property
-    def label(self) -> str:
-        return run_label(self.name, self.config)
-
-    @property
-    def fingerprint(self) -> dict:
-        return self.config["fingerprint"]
-
-    @property
-    def replica_checks(self) -> dict:
-        """What the replica check did in this run: {"declared", "interval", "groups" (replica groups declared),
-        "checks" (steps checked)}; declared False when its strategy declares none (or the record predates it)."""
-        declared = self.record.get("replicas", {"declared": False})
-        return {**declared, "checks": sum(1 for s in self.steps if "replicas" in s)}
-
-    @property
-    def duplicate_rows(self) -> Outside | None:
-        """The first step at which two of this run's DP ranks fed the same rows (a recorded run's rows check,
-        parity/recording/recorder.py), or None: an integrity failure, ahead of any tolerance."""
-        for s in self.steps:
-            found = s.get("rows_check") or {}
-            if found.get("duplicates"):
-                rank, other, rows = found["pairs"][0]
-                return Outside(quantity="duplicate_rows", rel_diff=float(found["duplicates"]), tolerance=0.0,
-                               step=s["step"], value=float(rank), reference=float(other), test="duplicate_rows")
-        return None
-
-    @property
-    def lr_off_schedule(self) -> Outside | None:
-        """The first step whose applied lr is not the one the framework's own settings declare (a recorded Trainer
-        run's `declared_lr`: a scheduler stepped twice per update replays to the same curves), or None."""
-        for s in self.steps:
-            declared = s.get("declared_lr")
-            if declared is not None and abs(s["lr"] - declared) > 1e-12 * max(abs(declared), abs(s["lr"])):
-                return Outside(quantity="lr", rel_diff=relative_diff(s["lr"], declared), tolerance=0.0,
-                               step=s["step"], value=s["lr"], reference=declared, test="lr_schedule")
-        return None
-
-    @property
-    def parting(self) -> Parting | None:
-        """The first check that found this run's replicas parted, over every recorded step (a parting is a fact of
-        the run, even past the steps compared), or None."""
-        return next((Parting(s["step"], s["replicas"]) for s in self.steps if s.get("replicas", {}).get("parted")),
-                    None)
+from parity.precision import POLICIES, describe
+from parity.training.record import REFERENCE_GLOB, load_record
 
 
 @dataclass(frozen=True)
@@ -385,51 +281,6 @@ def overflow_alike(base: Run, references: list[Run], num_steps: int) -> tuple[li
     return kept, warnings
 
 
-def policy_differences(base: Run, run: Run) -> list[str]:
-    """'field: baseline's vs run's' for each policy field in which the two runs differ (empty: the same policy)."""
-    a, b = base.policy, run.policy
-    return [f"{k}: {a[k]} vs {b[k]}" for k in POLICY_FIELDS if a[k] != b[k]]
-
-
-def comparability_mismatches(base: Run, run: Run) -> list[str]:
-    """What differs between two runs besides the strategy, each naming both runs (empty: comparable)."""
-    a, b = base.name, run.name
-    found = []
-    sha_a, sha_b = base.config["init_weights_sha256"], run.config["init_weights_sha256"]
-    if sha_a != sha_b:
-        found.append(f"{a} and {b} start from different initial weights (init_weights_sha256 {sha_a[:12]}… vs "
-                     f"{sha_b[:12]}…): train both from the same --init_weights_path")
-    model_a, model_b = base.config["model_config"], run.config["model_config"]
-    for what, differing in (("train different models", _differing(model_a, model_b, sorted(model_a | model_b))),
-                            ("use different optimizer settings",
-                             _differing(base.config, run.config, OPTIMIZER_SETTINGS))):
-        if differing:
-            found.append(f"{a} and {b} {what} ({differing})")
-    if base.complete and run.complete and len(base.steps) != len(run.steps):
-        found.append(f"{a} has {len(base.steps)} steps, {b} has {len(run.steps)}: train both with the same "
-                     f"--debug_steps")
-    resumed = resumed_rows(base.record, run.record)  # rows parting where one resumed: _result's finding, not this
-    for field, what in STEP_INVARIANTS:
-        until = resumed.step if resumed and field in FOLLOW_ROWS else len(base.steps)
-        apart = next(((sa, sb) for sa, sb in zip(base.steps[:until], run.steps) if not _agree(field, sa, sb)), None)
-        if apart:
-            sa, sb = apart
-            found.append(f"{a} and {b} {what} from step {sa['step']} ({field} {sa[field]} vs {sb[field]})")
-    return found + objective.mismatches(base, run)
-
-
-def _agree(field: str, a: dict, b: dict) -> bool:
-    """Two runs' entries of one step hold the same step invariant `field` (the batch: the same rows, same_rows)."""
-    return same_rows(a, b) if field == "batch_hash" else a[field] == b[field]
-
-
-def code_mismatches(base: Run, run: Run) -> list[str]:
-    """The run and the baseline were produced by other shared code or library versions (their fingerprints):
-    one entry naming both, or none."""
-    diff = fingerprint.differences(base.fingerprint, run.fingerprint, strategy=False)
-    return [f"{storage.name(base.file)} and {storage.name(run.file)} ran other code ({'; '.join(diff)})"] if diff else []
-
-
 def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol: float | None = None,
                grad_norm_rtol: float | None = None, quantities: tuple = QUANTITIES, scales: dict | None = None) -> Bounds:
     """Calibrated on the references when there are any and the run is in the baseline's policy; else
@@ -456,32 +307,6 @@ def bounds_for(base: Run, run: Run, references: list[Run], num_steps: int, rtol:
             bounds = Bounds({**bounds.per_step, quantity: [value] * num_steps}, f"{bounds.source}; {quantity} {flag}",
                             bounds.envelope, {**(bounds.held or {}), quantity: [f"{flag} {value:g}"] * num_steps})
     return bounds
-def config_differences(base: Run, run: Run) -> list[str]:
-    """'field: baseline's vs run's' for every config field (strategy options and library versions
-    included) that differs, among those that may explain a FAIL (suspect_fields)."""
-    a, b = _flat(base.config), _flat(run.config)
-    suspects = suspect_fields(base, run)
-    return [f"{k}: {a.get(k, '–')} vs {b.get(k, '–')}" for k in sorted(a | b)
-            if k.split(".")[0] in suspects and a.get(k) != b.get(k)]
-
-
-def suspect_fields(base: Run, run: Run) -> set[str]:
-    """The config fields whose difference may explain a FAIL: all but the layout and the places files go, which differ
-    by design; a recorded run against its replay, only those the replay takes from the record (replay_suspects)."""
-    fields = set(base.config) | set(run.config)
-    if run.recorded and is_replay(base.config):
-        fields &= replay_suspects(base.config)
-    return fields - set(LAYOUT_AND_PLACES)
-
-
-def _flat(config: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and key != "model_config":
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run | None = None,
@@ -589,6 +414,3 @@ def _incomplete_warnings(runs: list[Run], allow_incomplete: bool, num_steps: int
             for r in incomplete]
 
 
-def _differing(mine: dict, theirs: dict, keys) -> str:
-    """'key: a vs b, ...' over the `keys` whose values differ; empty when none do."""
-    return ", ".join(f"{k}: {mine.get(k)} vs {theirs.get(k)}" for k in keys if mine.get(k) != theirs.get(k))

@@ -12,15 +12,13 @@ Why plain SVG and no chart library: docs/report.md.
 
 from __future__ import annotations
 
-import base64
 import json
-import math
 import os
 import shlex
 from html import escape
-from importlib import resources
 
-from parity import fingerprint, storage
+from parity import storage
+from parity.comparing import html_page as hp
 from parity.comparing.html_charts import curve_panels
 from parity.comparing.html_tensors import tensor_section, tensors_cell
 from parity.comparing.recorded import RESUMED_ROWS, resumed_note, resumed_rows_words, stopped_words
@@ -33,134 +31,12 @@ CURVE_JSON, LAYER_JSON = "curve_comparison.json", "layer_comparison.json"
 TITLES = {"loss": "Loss", "grad_norm": "Gradient norm (before clipping)",
           "param_norm": "Parameter norm (after the step)", "aux_loss": "Load-balancing loss"}
 NOUNS = {"loss": "loss", "grad_norm": "grad norm", "param_norm": "param norm", "aux_loss": "aux loss"}
-CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
-       "base-uri 'none'; form-action 'none'")
-
-
-def _asset(name: str) -> str:
-    return resources.files("parity.comparing").joinpath("report_assets", name).read_text(encoding="utf-8")
-
-
-def _page(title: str, body: str, data: dict | None = None) -> str:
-    script = ""
-    if data is not None:
-        blob = json.dumps(data, allow_nan=False).replace("</", "<\\/")
-        script = (f'<script type="application/json" id="report-data">{blob}</script>\n'
-                  f'<script>{_asset("report.js")}</script>')
-    return (f'<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n<title>{escape(title)}</title>\n'
-            f'<style>{_asset("report.css")}</style>\n</head>\n<body>\n{body}\n{script}\n</body>\n</html>\n')
-
-
-def _table(headers: list[str], rows: list[list[str]], caption: str = "", cls: str = "") -> str:
-    """A table with a header row (and row headers in the first column); cells are HTML already."""
-    head = "".join(f'<th scope="col">{h}</th>' for h in headers)
-    body = "".join("<tr>" + "".join((f'<th scope="row">{c}</th>' if i == 0 else f"<td>{c}</td>")
-                                    for i, c in enumerate(row)) + "</tr>" for row in rows)
-    cap = f"<caption>{caption}</caption>" if caption else ""
-    return f'<table class="{cls}">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
-
-def _word(word: str) -> str:
-    cls = {"PASS": "pass", "FAIL": "fail"}.get(word, "other")
-    mark = {"PASS": "✓", "FAIL": "✗"}.get(word, "!")
-    return f'<span class="word {cls}">{mark} {escape(word)}</span>'
-
-
-def _e(x: float | None) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, str):
-        return escape(x)
-    return f"{x:.3e}" if isinstance(x, float) else str(x)
-
-
-def _finite(value):
-    """JSON for the page: a non-finite number becomes null (the page shows a gap)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-NON_FINITE = {"NaN": math.nan, "nan": math.nan, "Infinity": math.inf, "inf": math.inf, "-Infinity": -math.inf,
-              "-inf": -math.inf}  # how the JSON files spell them (parity.storage.json_safe, the layer check's)
-
-
-def _load(text: str):
-    """A JSON file's data with its spelled-out non-finite numbers made numbers again (the page formats them)."""
-    def numbers(value):
-        if isinstance(value, str):
-            return NON_FINITE.get(value, value)
-        if isinstance(value, dict):
-            return {k: numbers(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [numbers(v) for v in value]
-        return value
-    return numbers(json.loads(text))
-
-
-def _rel(target: str, directory: str) -> str:
-    """A link from the page's folder: relative when both are on this machine, the location itself otherwise."""
-    a, b = storage.local_path(target), storage.local_path(directory)
-    if a is None or b is None:
-        return target
-    return os.path.relpath(a, b).replace(os.sep, "/")
-
-
-def _image(path: str, alt: str) -> str:
-    """An image file inlined as a data: URI ('' when it is not there or not an image a browser shows)."""
-    kinds = {".png": "image/png", ".svg": "image/svg+xml"}
-    kind = kinds.get(os.path.splitext(path)[1].lower())
-    if kind is None or not storage.exists(path):
-        return ""
-    data = base64.b64encode(storage.read_bytes(path)).decode()
-    return f'<img class="heatmap" src="data:{kind};base64,{data}" alt="{escape(alt)}">'
-
-
-def _fingerprints(records: dict[str, dict]) -> str:
-    """Every record's fingerprint side by side, one row per field; a cell that differs from the first record's is
-    marked (≠, in words as well as in colour)."""
-    def flat(fp: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in fp.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = ", ".join(map(str, v)) if isinstance(v, list) else str(v)
-        return out
-    flats = {name: flat(fingerprint.reported(fp or {})) for name, fp in records.items()}
-    names = list(flats)
-    fields = list(dict.fromkeys(k for f in flats.values() for k in f))
-    rows, differing = [], 0
-    for field in fields:
-        first = flats[names[0]].get(field, "–")
-        cells = [escape(field)]
-        for n in names:
-            value = flats[n].get(field, "–")
-            short = value[:12] + "…" if field.endswith("sha256") and len(value) > 16 else value
-            if value != first:
-                differing += 1
-                cells.append(f'<span class="differs" title="{escape(value)}">≠ {escape(short)}</span>')
-            else:
-                cells.append(f'<span title="{escape(value)}">{escape(short)}</span>')
-        rows.append(cells)
-    note = (f"{differing} cell(s) differ from {escape(names[0])}'s, marked ≠ (the strategy's own code differs by "
-            f"design: it is what is judged)." if differing else
-            "Every field is the same in every record.")
-    return f"<p>{note}</p>" + _table(["field", *map(escape, names)], rows, cls="fingerprints")
-
-
 # --- the loss-curve comparison's page ------------------------------------------------------------------
 
 def write_curve_page(directory: str) -> str:
     """report.html from the folder's curve_comparison.json (and main_job_times.json, and the layer checks of its
     FAILs that ran beside it); returns its path."""
-    saved = _load(storage.read_text(storage.join(directory, CURVE_JSON)))
+    saved = hp.load_json(storage.read_text(storage.join(directory, CURVE_JSON)))
     times_path = storage.join(directory, TIMES_NAME)
     times = json.loads(storage.read_text(times_path)) if storage.exists(times_path) else None
     path = storage.join(directory, PAGE_NAME)
@@ -187,7 +63,7 @@ def layer_checks(saved: dict, directory: str) -> dict[str, tuple[str, dict]]:
         for folder in candidates:
             if os.path.isfile(os.path.join(folder, LAYER_JSON)):
                 with open(os.path.join(folder, LAYER_JSON)) as fh:
-                    found[name] = (folder, _load(fh.read()))
+                    found[name] = (folder, hp.load_json(fh.read()))
                 break
     return found
 
@@ -214,7 +90,7 @@ def curve_data(saved: dict) -> dict:
     calibrated = any(a.get("calibrated") for a in saved["against_baseline"].values())
     tensors = {name: {"label": saved["runs"][name]["label"], "matrix": a["tensors"]["matrix"]}
                for name, a in saved["against_baseline"].items() if (a.get("tensors") or {}).get("taken")}
-    return _finite({"num_steps": saved["num_steps"], "runs": runs, "calibrated": calibrated,
+    return hp.finite({"num_steps": saved["num_steps"], "runs": runs, "calibrated": calibrated,
                     "quantities": [[q, TITLES[q]] for q in quantities], "nouns": NOUNS, "tensors": tensors})
 
 
@@ -336,25 +212,25 @@ def runs_table(saved: dict, directory: str, quantities: list[str]) -> str:
             f"<br>margin {a['margin']:.1f}×" if a.get("margin") else "")
         worst = "<br>".join(f"{escape(NOUNS.get(q, q))} {a['max_rel_diff'][q]:.3e}" for q in quantities
                             if q in a["max_rel_diff"])
-        rows.append([escape(run["label"]), _word(a["verdict"]), ratio, worst,
+        rows.append([escape(run["label"]), hp.word(a["verdict"]), ratio, worst,
                      "calibrated" if a.get("calibrated") else "uncalibrated", _outside(a), tensors_cell(a),
                      _replicas(run, a), link])
-    return _table(["run", "verdict", "deviation ÷ noise, and ÷ the bound that held", "max relative diff", "bounds",
+    return hp.table(["run", "verdict", "deviation ÷ noise, and ÷ the bound that held", "max relative diff", "bounds",
                    "first step outside", "tensor verdict", "replicas", "record"], rows,
                   "One row per run, against the baseline",
                   "runs")
 
 
 def teacher_forced_table(name: str, label_: str, tf: dict) -> str:
-    rows = [[str(c["step"]), _word("PASS" if c["ok"] else "FAIL"), escape(c.get("tensor") or "–"), _e(c.get("rel_diff")),
-             _e(c.get("bound")), _e(c.get("ratio")), escape(c.get("note") or "")] for c in tf.get("checks", [])]
+    rows = [[str(c["step"]), hp.word("PASS" if c["ok"] else "FAIL"), escape(c.get("tensor") or "–"), hp.sci(c.get("rel_diff")),
+             hp.sci(c.get("bound")), hp.sci(c.get("ratio")), escape(c.get("note") or "")] for c in tf.get("checks", [])]
     first = tf.get("first_fail_step")
     every = f" (every {tf['interval']} steps)" if tf.get("interval") is not None else ""
     out = [f'<h3 id="teacher-forced-{escape(name)}">{escape(label_)}: teacher-forced check{every}</h3>',
            f"<p>No check: {escape(tf['none'])}.</p>" if tf.get("none") else
            f"<p>First failing checkpoint: <strong>step {first}</strong>.</p>" if first is not None else
            "<p>Every checkpoint within its bound.</p>",
-           _table(["step", "verdict", "tensor", "relative diff", "bound", "ratio", "note"], rows) if rows else ""]
+           hp.table(["step", "verdict", "tensor", "relative diff", "bound", "ratio", "note"], rows) if rows else ""]
     if tf.get("replay_command"):
         out.append(f"<pre><code>{escape(tf['replay_command'])}</code></pre>")
     return "\n".join(out)
@@ -371,14 +247,14 @@ def failure_section(saved: dict, name: str, directory: str, layers: dict) -> str
     diffs = a.get("config_differences") or []
     rows = [[escape(d.split(": ", 1)[0]), escape(d.split(": ", 1)[1] if ": " in d else "")] for d in diffs]
     out.append("<h3>Config fields that differ from the baseline (the first suspects)</h3>")
-    out.append(_table(["field", "baseline's vs this run's"], rows) if rows else "<p>None recorded.</p>")
+    out.append(hp.table(["field", "baseline's vs this run's"], rows) if rows else "<p>None recorded.</p>")
     command = (saved.get("replay_commands") or {}).get(name)
     if command:
         out += ["<h3>Replay the first step outside, layer by layer</h3>", f"<pre><code>{escape(command)}</code></pre>"]
     if name in layers:
         folder, layer = layers[name]
         pair = first_divergence(layer, name)
-        link = _rel(os.path.join(folder, PAGE_NAME), directory)
+        link = hp.relative_link(os.path.join(folder, PAGE_NAME), directory)
         out.append(f'<h3 id="layer-check-{escape(name)}">Layer check (<a href="{escape(link)}">its page</a>; '
                    f'<a href="#tensors-{escape(name)}">the tensor verdict</a>)</h3>')
         fd = pair and pair.get("first_outside")
@@ -389,7 +265,7 @@ def failure_section(saved: dict, name: str, directory: str, layers: dict) -> str
         else:
             out.append("<p>The layer check found every pair within its tolerances at that step.</p>")
         heatmap = os.path.join(folder, layer.get("heatmap", "layer_heatmap.png"))
-        out.append(_image(heatmap, "Layer heatmap: log10 relative difference per module (rows, named) and run pair"))
+        out.append(hp.image(heatmap, "Layer heatmap: log10 relative difference per module (rows, named) and run pair"))
     out.append("</section>")
     return "\n".join(out)
 
@@ -414,7 +290,7 @@ def time_section(times: dict) -> str:
         for what, seconds in row.get("parts", []):
             rows.append([f'<span class="indent">{escape(what)}</span>', f"{seconds:.1f} s", ""])
     return (f'<section id="time"><h2>Where the time went ({times["total_s"]:.0f} s)</h2>'
-            + _table(["what", "seconds", "of which"], rows) + "</section>")
+            + hp.table(["what", "seconds", "of which"], rows) + "</section>")
 
 
 def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
@@ -424,7 +300,7 @@ def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
     quantities = [q for q, _ in data["quantities"]]
     base = saved["runs"][saved["baseline"]]["label"]
     word = saved["verdict"]
-    body = [f'<header><h1>Loss-curve comparison against {escape(base)}: {_word(word)}</h1>',
+    body = [f'<header><h1>Loss-curve comparison against {escape(base)}: {hp.word(word)}</h1>',
             f'<p id="verdict" class="verdict {word.lower().replace(" ", "-")}" role="status">'
             f'{escape(verdict_sentence(saved, layers) + stopped_sentences(saved))}</p>']
     body += [f'<p class="warning">{escape(w)}</p>' for w in saved.get("warnings", [])]
@@ -464,7 +340,7 @@ def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
               if (tf := run.get("teacher_forced") or saved["against_baseline"].get(name, {}).get("teacher_forced"))]
     if forced:
         body.append('<section id="teacher-forced"><h2>Teacher-forced check</h2>' + "\n".join(forced) + "</section>")
-    body += ['<section id="fingerprints"><h2>Fingerprints</h2>', _fingerprints(saved["fingerprints"]), "</section>"]
+    body += ['<section id="fingerprints"><h2>Fingerprints</h2>', hp.fingerprints(saved["fingerprints"]), "</section>"]
     if times:
         body.append(time_section(times))
     stats = []
@@ -472,7 +348,7 @@ def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
         rows = [[escape(r["label"]), *(f"{r[q][k]:.6f}" if isinstance(r[q][k], float) else escape(str(r[q][k]))
                                        for k in ("initial", "final", "min", "mean"))]
                 for r in saved["runs"].values() if q in r]
-        stats.append(f"<h3>{escape(TITLES[q])}</h3>" + _table(["run", "initial", "final", "min", "mean"], rows))
+        stats.append(f"<h3>{escape(TITLES[q])}</h3>" + hp.table(["run", "initial", "final", "min", "mean"], rows))
     body += ['<section id="statistics"><h2>Statistics</h2>', *stats, "</section>"]
     files = [(CURVE_JSON, "the comparison, machine-readable"), ("curve_report.md", "the same as Markdown tables")]
     files += [(figure, "the figure")] if figure else []
@@ -480,10 +356,10 @@ def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
     links = [f'<li><a href="{escape(f)}">{escape(f)}</a>: {escape(w)}</li>' for f, w in files]
     links += [f'<li><a href="{escape(link)}">{escape(saved["runs"][n]["file"] if n in saved["runs"] else n)}</a>: '
               f'loss record</li>' for n, link in (saved.get("record_links") or {}).items()]
-    links += [f'<li><a href="{escape(_rel(os.path.join(folder, PAGE_NAME), directory))}">layer check of '
+    links += [f'<li><a href="{escape(hp.relative_link(os.path.join(folder, PAGE_NAME), directory))}">layer check of '
               f'{escape(saved["runs"][n]["label"])}</a></li>' for n, (folder, _) in layers.items()]
     body += ['<section id="files"><h2>Files</h2><ul>', *links, "</ul></section></main>"]
-    return _page(f"{word}: loss curves against {base}", "\n".join(body), data)
+    return hp.page(f"{word}: loss curves against {base}", "\n".join(body), data)
 
 
 # --- the layer check's page ----------------------------------------------------------------------------
@@ -491,7 +367,7 @@ def curve_page(saved: dict, directory: str, times: dict | None = None) -> str:
 def write_layer_page(directory: str) -> str:
     """report.html from the layer-check folder's layer_comparison.json (and its heatmap); returns its path."""
     with open(os.path.join(directory, LAYER_JSON)) as f:
-        saved = _load(f.read())
+        saved = hp.load_json(f.read())
     path = os.path.join(directory, PAGE_NAME)
     storage.write_text_atomic(path, layer_page(saved, directory))
     return path
@@ -517,12 +393,12 @@ def layer_page(saved: dict, directory: str) -> str:
     for p in pairs:
         fd = p.get("first_outside")
         rows.append([f"{escape(labels.get(p['run'], p['run']))} vs {escape(labels.get(p['reference'], p['reference']))}",
-                     _word(p["verdict"]), "calibrated" if p.get("calibrated") else "fixed",
-                     "yes" if p["bit_identical"] else "no", _e(p["max_rel"]),
+                     hp.word(p["verdict"]), "calibrated" if p.get("calibrated") else "fixed",
+                     "yes" if p["bit_identical"] else "no", hp.sci(p["max_rel"]),
                      (f"<strong>{escape(fd['module'])}</strong> ({escape(fd['quantity'])}): {fd['rel_diff']:.3e} &gt; "
                       f"{fd['tolerance']:.2e}") if fd else "–", f"{p['loss']:.8f} vs {p['reference_loss']:.8f}"])
     run_rows = [[escape(labels[s]), escape(r["precision"]), f"{r['loss']:.8f}",
-                 ", ".join(f"{x:.8f}" for x in r["dp_rank_losses"]), _e(r.get("grad_norm")),
+                 ", ".join(f"{x:.8f}" for x in r["dp_rank_losses"]), hp.sci(r.get("grad_norm")),
                  escape(str(r.get("perturbed") or "–"))] for s, r in saved["runs"].items()]
     modules = list(dict.fromkeys(row["name"] for p in pairs for row in p["rows"] if row["kind"] == "output"))
     grid = []
@@ -534,34 +410,34 @@ def layer_page(saved: dict, directory: str) -> str:
                 cells.append("–")
                 continue
             over = not row["rel"] <= row["tolerance"]  # NaN is over too
-            cells.append(f'<span class="differs">✗ {_e(row["rel"])}</span>' if over else _e(row["rel"]))
+            cells.append(f'<span class="differs">✗ {hp.sci(row["rel"])}</span>' if over else hp.sci(row["rel"]))
         grid.append(cells)
     heatmap = saved.get("heatmap", "layer_heatmap.png")
     parent = os.path.dirname(os.path.abspath(directory))
     back = (f'<p>This check replays a step of the comparison in <a href="../{PAGE_NAME}">../{PAGE_NAME}</a> (its '
             f'<a href="../{PAGE_NAME}#tensors">tensor verdict</a>).</p>'
             if os.path.isfile(os.path.join(parent, CURVE_JSON)) else "")
-    body = [f"<header><h1>Layer-by-layer check: {_word(word)}</h1>",
+    body = [f"<header><h1>Layer-by-layer check: {hp.word(word)}</h1>",
             f'<p id="verdict" class="verdict {word.lower()}" role="status">{escape(sentence)}</p>{back}</header><main>',
             '<section id="pairs"><h2>Pairs</h2>',
-            _table(["pair (run vs reference)", "verdict", "tolerance", "bit-identical", "max relative diff",
+            hp.table(["pair (run vs reference)", "verdict", "tolerance", "bit-identical", "max relative diff",
                     "first divergence (module, phase)", "loss vs reference"], rows), "</section>",
             '<section id="heatmap"><h2>Heatmap</h2>',
-            _image(os.path.join(directory, heatmap), "Layer heatmap: log10 relative difference per module (rows, "
+            hp.image(os.path.join(directory, heatmap), "Layer heatmap: log10 relative difference per module (rows, "
                    "named) and run pair (columns), forward outputs and output gradients"),
             "<h3>Forward outputs: relative difference per module (✗: over its tolerance)</h3>",
-            _table(["module", *[escape(f"{p['run']} vs {p['reference']}") for p in pairs]], grid, cls="modules"),
+            hp.table(["module", *[escape(f"{p['run']} vs {p['reference']}") for p in pairs]], grid, cls="modules"),
             "</section>", '<section id="runs"><h2>Runs</h2>',
-            _table(["run", "precision", "loss", "loss per DP rank", "grad norm", "perturbed"], run_rows), "</section>",
+            hp.table(["run", "precision", "loss", "loss per DP rank", "grad norm", "perturbed"], run_rows), "</section>",
             '<section id="fingerprints"><h2>Fingerprints</h2>',
-            _fingerprints({labels[s]: r.get("fingerprint") for s, r in saved["runs"].items()}), "</section>",
+            hp.fingerprints({labels[s]: r.get("fingerprint") for s, r in saved["runs"].items()}), "</section>",
             '<section id="files"><h2>Files</h2><ul>',
             *[f'<li><a href="{escape(f)}">{escape(f)}</a></li>' for f in ("layer_report.md", LAYER_JSON, heatmap,
                                                                           "layer_check.log")
               if os.path.exists(os.path.join(directory, f))],
             *[f'<li><a href="dump_{escape(s)}.json">dump_{escape(s)}.json</a></li>' for s in saved["runs"]],
             "</ul></section></main>"]
-    return _page(f"{word}: layer check", "\n".join(body))
+    return hp.page(f"{word}: layer check", "\n".join(body))
 
 
 def refresh_comparison_beside(layer_dir: str) -> str | None:

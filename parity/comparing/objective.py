@@ -33,7 +33,7 @@ NOUNS = {"scored": "ratios", "pairs": "pairs"}  # a discrete quantity's decision
 
 
 def mismatches(base, run) -> list[str]:
-    """What keeps `run` (a curves.Run, or a noise reference) from being judged against `base` on its objective: one entry
+    """What keeps `run` (a run.Run, or a noise reference) from being judged against `base` on its objective: one entry
     naming both, or none."""
     a, b = base.config.get("objective"), run.config.get("objective")
     if a != b:

@@ -117,7 +117,7 @@ class TensorVerdict:
 
 
 def read(run) -> TensorSeries | str:
-    """The run's series (a curves.Run), or in words why it has none: its record holds none (and says why), or the
+    """The run's series (a run.Run), or in words why it has none: its record holds none (and says why), or the
     series folder was not copied beside it. RecordError for a record of another schema or a damaged folder."""
     entry, name = run.record.get(SERIES_KEY), storage.name(run.file)
     if isinstance(entry, dict) and entry.get("names") == []:
@@ -148,7 +148,7 @@ def mismatches(base, run, series: dict) -> list[str]:
 
 
 def judge(base, run, references: list, series: dict, num_steps: int, judged: bool = True) -> TensorVerdict:
-    """`run` against the baseline `base` over `num_steps` steps (curves.Run each), calibrated on those `references`
+    """`run` against the baseline `base` over `num_steps` steps (run.Run each), calibrated on those `references`
     whose series are there; `judged` False for a run the curves do not judge (another precision policy)."""
     if not judged:
         return TensorVerdict(why="the run is in another precision policy than the baseline's: not judged")
