@@ -28,7 +28,7 @@ class DeclaredSchedule:
     """An lr schedule as it is declared, on a scratch optimizer that never trains: `lr()` is the lr of the next update,
     then the schedule moves one update on. It moves once per recorded update whatever the loop does, so a scheduler the
     loop steps twice per update, or restarts at a resume, applies another lr than this one, and the verdict FAILs the
-    first step whose lr is not the declared one (parity.comparing.curves.Run.lr_off_schedule)."""
+    first step whose lr is not the declared one (parity.comparing.run.Run.lr_off_schedule)."""
 
     def __init__(self, scheduler):
         self.scheduler, self.optimizer = scheduler, scheduler.optimizer

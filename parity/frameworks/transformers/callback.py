@@ -19,7 +19,7 @@ What a callback cannot see, it takes from the framework's own extension points:
   step's `declared_lr`: what Trainer's own settings schedule at that update (its scheduler, rebuilt from
   TrainingArguments on a scratch optimizer and stepped once per update). The replay applies the recorded lr, so a
   scheduler stepped twice per update would replay to the same curves: the verdict FAILs the first step whose lr is
-  not the declared one instead (parity.comparing.curves.Run.lr_off_schedule).
+  not the declared one instead (parity.comparing.run.Run.lr_off_schedule).
 
 A run resumed with `trainer.train(resume_from_checkpoint=...)` continues its first run's record from the checkpoint's
 step (state.global_step at on_train_begin: ParityRecorder's start_step), its declared schedule moved on to that step;
