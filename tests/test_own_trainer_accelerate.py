@@ -24,7 +24,8 @@ EXAMPLE = os.path.join(REPO, "examples", "accelerate_loop.py")
 NAME = "accelerate_loop"
 STEPS = 6
 CLEAN_LOSS = "loss = summed * world * accum / tokens"
-ACCELERATOR = "num_steps=accum, sync_with_dataloader=False), cpu=not torch.cuda.is_available())"
+ACCELERATOR = ("num_steps=accum, sync_with_dataloader=False), cpu=not torch.cuda.is_available(),\n"
+               "        mixed_precision=\"bf16\" if args.bf16 else \"no\")")
 COPIES = {
     # run_clm_no_trainer.py's loss: the model's own per-micro-batch mean, a mean of means on padded data
     "mean_of_means": [(CLEAN_LOSS, "loss = outputs.loss")],
@@ -32,7 +33,8 @@ COPIES = {
     # accelerate syncs and steps at each of them
     "stepped_twice": [("accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(\n"
                        "        " + ACCELERATOR, "accelerator = Accelerator(gradient_accumulation_steps=accum, "
-                                                 "cpu=not torch.cuda.is_available())")],
+                                                 "cpu=not torch.cuda.is_available(), "
+                                                 "mixed_precision=\"bf16\" if args.bf16 else \"no\")")],
     # a plain Accelerator() on CPU, in a fresh accelerate state as a user's process has it: DistributedType.NO, one
     # process, in each of the two the launcher started; it writes what it trained as, to show it ran to its end
     "alone": [(ACCELERATOR, "num_steps=accum, sync_with_dataloader=False))"),

@@ -226,8 +226,8 @@ def test_an_error_of_the_harness_exits_with_its_own_code_not_fails(runs, tmp_pat
     script = tmp_path / "plot_loss_curves_copy.py"
     script.write_text(open(os.path.join(REPO, "plot_loss_curves.py")).read().replace(
         "from parity.commands.compare_curves import main\n",
-        "from parity.commands.compare_curves import main\nimport parity.comparing.curves\n\n"
-        "parity.comparing.curves.run_label = lambda name, config: (config.get('sharding') or {}).get('mesh', {})['pp']  # seeded\n"))
+        "from parity.commands.compare_curves import main\nimport parity.comparing.run\n\n"
+        "parity.comparing.run.run_label = lambda name, config: (config.get('sharding') or {}).get('mesh', {})['pp']  # seeded\n"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(script), "--input_dir", str(folder), "--output",
                            str(folder / "curves.png")], env=env, capture_output=True, text=True, timeout=300)
