@@ -270,8 +270,8 @@ def main(argv=None) -> int:
             results.append(found)
             print(f"{c['capability']} {cell_name(c)}: {found['verdict']} margin {found['margin']} "
                   f"({found['check']}) {found['seconds'] and round(found['seconds'])} s", flush=True)
-            with open(os.path.join(out, "campaign.json"), "w") as f:
-                json.dump({"device": args.device, "command": command, "cells": results}, f, indent=1)
+            km.write_json_atomic(os.path.join(out, "campaign.json"),
+                                 {"device": args.device, "command": command, "cells": results})
 
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
         for done in [pool.submit(one, c) for c in todo]:

@@ -33,6 +33,7 @@ import time
 from parity.attaching.launch import SHARE_ONE_GPU
 from parity.calibration.kernel_settings import BY_DEVICE, environment as with_setting  # (the project is installed)
 from parity.comparing.margins import worst
+from parity.storage import write_json_atomic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,6 +163,9 @@ def run_cell(capability: str, setting: str, out: str, code: str, device: str = "
             except subprocess.TimeoutExpired:
                 code_ = "timeout"
         seconds = time.perf_counter() - t0
+        write_json_atomic(os.path.join(cell, "seconds.json"), {"seconds": seconds})
+    elif os.path.exists(os.path.join(cell, "seconds.json")):  # a cell run before: the seconds it ran then
+        seconds = json.load(open(os.path.join(cell, "seconds.json")))["seconds"]
     if not os.path.exists(report):
         return {"verdict": "no comparison", "exit": code_, "seconds": seconds, "margin": None, "check": None}
     comparison = json.load(open(report))
