@@ -108,7 +108,7 @@ def train(args) -> str | None:
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader,
                                                                            lr_scheduler)
     rec = ParityRecorder(args.output_dir, name=args.name, model=model, optimizer=optimizer,
-                         max_grad_norm=args.max_grad_norm, precision="bf16" if args.bf16 else "fp32",
+                         max_grad_norm=args.max_grad_norm,  # its precision: the Accelerator's mixed_precision
                          framework="examples/accelerate_loop.py")
     model.train()
     batches = iter(train_dataloader)

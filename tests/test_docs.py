@@ -67,6 +67,9 @@ def refusal_rows(text: str) -> dict[str, list[list[str]]]:
     return rows
 
 
+SINCE = ("f0c0d33", "issue 80", "issue 81", "issue 82")  # docs/refusals.md's column since: the start, or the issue
+
+
 def test_the_refusals_page_cites_real_tests_and_counts_its_rows():
     """Every tests/test_*.py::name cited names a module that defines that function (read with ast, nothing imported);
     'Before: N refusals. After: M refusals.' is the table: M its rows left, N those there since f0c0d33 and the lifted."""
@@ -81,8 +84,8 @@ def test_the_refusals_page_cites_real_tests_and_counts_its_rows():
     rows = refusal_rows(text)
     lifted = rows.pop("Lifted by issue 80")
     left = [r for section, found in rows.items() if section != "No asserting test" for r in found]
-    assert all(len(r) == 5 and r[3] in ("f0c0d33", "issue 80", "issue 82") for r in left), \
-        [r[:1] for r in left if len(r) != 5 or r[3] not in ("f0c0d33", "issue 80", "issue 82")]
+    assert all(len(r) == 5 and r[3] in SINCE for r in left), \
+        [r[:1] for r in left if len(r) != 5 or r[3] not in SINCE]
     before, after = map(int, re.search(r"Before: (\d+) refusals\. After: (\d+) refusals\.", text).groups())
     assert (before, after) == (sum(r[3] == "f0c0d33" for r in left) + len(lifted), len(left))
     unasserted = [line for line in text.split("## No asserting test", 1)[1].splitlines() if line.startswith("- ")]

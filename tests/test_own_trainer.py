@@ -95,6 +95,7 @@ CAPPED = "capped"  # the clean loop recorded with a batch cap that 3 steps pass
 BF16 = "bf16"  # Trainer in bf16: the clean run (hf_trainer) and the compute_loss bug (hf_bug) in one folder
 HF_SHAPES = ["--rows", "10", "--dynamic_padding"]  # 5 rows a rank: every other window holds one micro-batch
 HF_CLIPPED = "hf_clipped"  # Trainer at 1 rank clipping at 0.5: every step clips (norms ~1.2)
+TOLD_FP32 = "told_fp32"  # the plain loop's forward under autocast(bfloat16), its recorder told "fp32"
 
 
 def _record_rank(rank: int, world: int, port: int, jobs: list, cwd: str | None = None) -> None:
@@ -159,7 +160,8 @@ def runs(tmp_path_factory):
     folders[CAPPED] = root / CAPPED
     jobs.append((EXAMPLE, ["--output_dir", str(folders[CAPPED]), "--name", NAME, "--steps", "4",
                            "--max_batch_bytes", "15000"]))  # 6144 bytes a step: steps 0 and 1 saved
-    for name in (BF16, HF, *HF_COPIES, "plain_1rank", "plain_copy", "hf_1rank", "hf_small", HF_CLIPPED, "internal"):
+    for name in (BF16, HF, *HF_COPIES, "plain_1rank", "plain_copy", "hf_1rank", "hf_small", HF_CLIPPED, "internal",
+                 TOLD_FP32):
         folders[name] = root / name
     jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[HF]), "--steps", str(STEPS),
                               "--dump_step", str(HF_DUMP_STEP), "--checkpoint_interval", str(INTERVAL)]))
@@ -181,7 +183,9 @@ def runs(tmp_path_factory):
                          "--grad_accum_steps", "4"]),
            (HF_EXAMPLE, ["--output_dir", str(folders["hf_small"]), "--steps", "4", "--rows", "5",
                          "--dynamic_padding"]),  # windows of 2 + 2 rows, then of 1 (drop_last off)
-           (HF_EXAMPLE, ["--output_dir", str(folders[HF_CLIPPED]), "--steps", "3", "--max_grad_norm", "0.5"])]
+           (HF_EXAMPLE, ["--output_dir", str(folders[HF_CLIPPED]), "--steps", "3", "--max_grad_norm", "0.5"]),
+           (_copy(root, EXAMPLE, TOLD_FP32, [('precision="bf16" if args.bf16 else "fp32"', 'precision="fp32"')]),
+            ["--output_dir", str(folders[TOLD_FP32]), "--name", NAME, "--steps", "2", "--bf16"])]
     start_processes(_record_rank, (1, free_port(), one, str(root)), 1)
     shutil.copytree(folders["plain_1rank"], folders["plain_copy"])  # a copied record folder replays too
 
@@ -711,6 +715,33 @@ def test_a_record_past_its_batch_cap_stops_there_and_its_steps_before_are_judged
     assert recorded["config"]["stopped"] == {
         "step": 2, "why": "the batches passed max_batch_bytes (15000 bytes) at step 2: no more are saved"}
     assert _compare(runs[CAPPED]).word == "PASS"
+
+
+def test_a_forward_under_another_autocast_than_told_stops_the_record_at_step_0(runs):
+    """The plain loop's forward under torch.autocast(bfloat16), its recorder told "fp32" (the replay would train
+    without autocast and FAIL at many times its bound): the first training forward's autocast, read inside the model,
+    ends the record at step 0 in one line naming the precision to pass; nothing is replayed. Trainer's bf16 and every
+    fp32 run of this module, told as they train, record every step."""
+    recorded = _record(runs[TOLD_FP32])
+    assert recorded["steps"] == [] and recorded["config"]["stopped"] == {"step": 0, "why": (
+        "step 0 could not be recorded (rank 0: the forward ran under torch.autocast(bf16), but the recorder was told "
+        "precision='fp32': pass precision='bf16')")}
+    assert len(_record(runs[BF16], HF)["steps"]) == BF16_STEPS and _record(runs[BF16], HF)["config"]["precision"] == "bf16"
+
+
+def test_each_autocast_against_each_policy_told():
+    """The first forward's autocast against the policy told, where the policy keeps fp32 parameters: bf16 autocast
+    under "bf16" and none under "fp32" are as told; the others end the record naming the precision to pass, and fp16
+    autocast (torch.amp's, none of the replay's policies) is refused; low-precision-parameter policies are not read."""
+    from parity.recording.precision_seen import mismatch
+
+    assert mismatch("bf16", True, torch.bfloat16) is None and mismatch("fp32", False, torch.bfloat16) is None
+    assert mismatch("bf16_params", True, torch.bfloat16) is None and mismatch("fp16", True, torch.float16) is None
+    assert mismatch("bf16", False, torch.bfloat16) == (
+        "the forward ran without autocast, but the recorder was told precision='bf16': pass precision='fp32'")
+    assert mismatch("fp32", True, torch.float16) == (
+        "the forward ran under torch.autocast(fp16), but the recorder was told precision='fp32': the harness replays "
+        "autocast in bfloat16 only")
 
 
 def test_trainer_two_ranks_against_one_rank_twice_the_accumulation(runs):

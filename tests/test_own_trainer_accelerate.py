@@ -46,6 +46,17 @@ COPIES = {
                                         "                f'{accelerator.num_processes}')\n"
                                         "    return rec.close()")],
 }
+# accelerate's state made again with mixed_precision="bf16" (a process's state is made once; these run after others)
+BF16_STATE = ("    accelerator = Accelerator(", "    from accelerate.state import AcceleratorState\n\n"
+                                              "    AcceleratorState._reset_state()\n"
+                                              "    accelerator = Accelerator(")
+TOLD = "max_grad_norm=args.max_grad_norm,  # its precision: the Accelerator's mixed_precision"
+COPIES.update({
+    "left_out": [BF16_STATE],  # the example as it is: no precision told, --bf16
+    "told_fp32": [BF16_STATE, (TOLD, 'max_grad_norm=args.max_grad_norm, precision="fp32",')],
+})
+TOLD_LINE = ("parity recorder: precision 'fp32' told, but accelerate trains the model in 'bf16': pass "
+             "precision='bf16', or leave it out: recording nothing")
 ALONE_LINE = ("parity recorder: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone "
               "(accelerate's DistributedType.NO, num_processes 1: on CPU accelerate forms a process group only with "
               "cpu=True): pass Accelerator(cpu=True) or set ACCELERATE_USE_CPU=1: recording nothing")
@@ -66,6 +77,9 @@ def runs(tmp_path_factory):
     jobs = [(EXAMPLE, ["--output_dir", str(folders["clean"]), "--steps", str(STEPS)]),
             (copies["mean_of_means"], ["--output_dir", str(folders["mean_of_means"]), "--steps", "3"]),
             (copies["stepped_twice"], ["--output_dir", str(folders["stepped_twice"]), "--steps", "2"]),
+            (copies["left_out"], ["--output_dir", str(folders["left_out"]), "--steps", "2", "--bf16"]),
+            (copies["told_fp32"], ["--output_dir", str(folders["told_fp32"]), "--steps", "2", "--bf16"],
+             str(folders["told_fp32"] / "stderr.txt")),
             (copies["alone"], ["--output_dir", str(folders["alone"]), "--steps", "2"],
              str(folders["alone"] / "stderr.txt"))]
     with kernel_setting():  # the records and replays under the perturbed kernels (conftest.PERTURBED)
@@ -118,6 +132,19 @@ def test_an_optimizer_that_stepped_twice_in_a_step_stops_the_record_there(runs):
         "the optimizer stepped 2 times in step 1 (after_step() goes after each optimizer step): the replay steps it "
         "once a recorded step")}
     assert len(recorded["steps"]) == 1
+
+
+def test_the_accelerators_mixed_precision_is_the_records_unless_told_another(runs):
+    """Accelerator(mixed_precision="bf16") and a recorder told no precision: the record's policy is bf16 (autocast
+    over fp32 weights), as the replay must train — told none, a bf16 run was replayed in fp32 and FAILed at 64 × its
+    bound (docs/false_alarms.md). Told "fp32" against it: refused in one line naming both and the fix, nothing
+    written."""
+    recorded = _record(runs["left_out"], NAME)
+    assert recorded["config"]["precision"] == "bf16" and len(recorded["steps"]) == 2
+    lines = [line for line in (runs["told_fp32"] / "stderr.txt").read_text().splitlines()
+             if line.startswith("parity recorder")]
+    assert lines == [TOLD_LINE]
+    assert sorted(p.name for p in runs["told_fp32"].iterdir()) == ["stderr.txt"]
 
 
 def test_a_process_that_trains_alone_is_refused_in_one_line(runs):

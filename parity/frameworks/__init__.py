@@ -18,7 +18,9 @@ every framework, and imports nothing of it until asked:
   weights), loaded when asked — `engine(name)`; make_rollouts.py's --sampler names one of `engines()`;
 - `trains(trainer, optimizer)`: what a trainer built on Hugging Face's Trainer trains where it is this framework's
   (TRL's GRPOTrainer and DPOTrainer), and the feed of its micro-batches (`Trained`), or None; Trainer's callback asks
-  `objective_of`, never a room by name.
+  `objective_of`, never a room by name;
+- `precision(model)`: the harness's policy the framework trains `model` in, where it says so (accelerate's
+  mixed_precision), or None; a recorder told no precision takes it, one told another refuses (`precision_of`).
 A room reaches another only through this registry (tests/test_architecture.py): what two rooms share lives on a floor
 below (parity/recording/) or in a module here that is not a room (sampling.py).
 The recorder never stops a user's run: a room's code the framework calls (a callback's hook, a forward hook, a
@@ -57,6 +59,7 @@ class Framework:
     install_hint: Callable[[], str] | None = None
     sampler: Callable[[], Engine] | None = None
     trains: Callable[[object, object], Trained | None] | None = None
+    precision: Callable[[object], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,15 @@ def objective_of(trainer, optimizer) -> Trained | None:
         found = framework.trains(trainer, optimizer) if framework.trains is not None else None
         if found is not None:
             return found
+    return None
+
+
+def precision_of(model) -> tuple[str, str] | None:
+    """(framework, policy): the first room that says which precision it trains `model` in; None: none says."""
+    for framework in registered():
+        said = framework.precision(model) if framework.precision is not None else None
+        if said is not None:
+            return framework.name, said
     return None
 
 

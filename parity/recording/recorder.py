@@ -30,7 +30,7 @@ import torch.distributed as dist
 from parity import storage
 from parity.errors import ConfigError, first_line
 from parity.attaching import layer_cut
-from parity.recording import resume, states
+from parity.recording import precision_seen, resume, states
 from parity.recording.batch_taking import BatchTaking
 from parity.recording.description import describe_run
 from parity.attaching.attach import attached, refused
@@ -92,7 +92,8 @@ class ParityRecorder(BatchTaking):
     without DTensor TP), or a DeepSpeed engine (then `optimizer=engine.optimizer`, before_step before the boundary's
     engine.step() and after_step after it: parity/views/zero.py);
     `max_grad_norm` is what the loop clips to (0: it does not clip); `precision` the harness's name of what the loop
-    computes in (fp32, bf16 for autocast over fp32 weights ...); `max_batch_bytes` caps the batches saved (default
+    computes in (fp32, bf16 for autocast over fp32 weights ...; left out: accelerate's mixed_precision, else fp32; a
+    forward under another autocast than told ends the record in one line: precision_seen.py); `max_batch_bytes` caps the batches saved (default
     DEFAULT_MAX_BATCH_BYTES); `framework` names the loop (shown in the fingerprint, not compared); `log` takes rank
     0's lines (default: stderr); `scheduler`, the loop's lr scheduler, records each step's `declared_lr`
     (resume.DeclaredSchedule.copy_of: the verdict FAILs a step whose lr is not the one its schedule declares);
@@ -107,7 +108,7 @@ class ParityRecorder(BatchTaking):
     loop's checkpoints writes the record so that it holds every step up to the checkpoint."""
 
     def __init__(self, output_dir: str, *, name: str, model, optimizer, max_grad_norm: float = 0.0,
-                 precision: str = "fp32", max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, log_interval: int = 10,
+                 precision: str | None = None, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, log_interval: int = 10,
                  framework: str = "plain PyTorch", framework_versions: dict | None = None,
                  log: Callable[[str], Any] | None = None, dump_step: int | None = None, scheduler=None,
                  start_step: int = 0, checkpoint_interval: int | None = states.DEFAULT_CHECKPOINT_INTERVAL,
@@ -118,7 +119,8 @@ class ParityRecorder(BatchTaking):
         self.enabled, self.name, self.dump = False, name, None
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         from parity.frameworks import release_refusal  # a framework's release older than its room's oldest
-        refusal = release_refusal() or self._refusal(name, precision, start_step) or \
+        precision, mismatch = precision_seen.told(precision, model)  # None: the framework's (accelerate's), else fp32
+        refusal = release_refusal() or mismatch or self._refusal(name, precision, start_step) or \
             states.refusal(checkpoint_interval, max_state_bytes)
         try:  # a post-training objective's rows and sums (recorded_objective.py); None: the causal-LM token mean
             self.objective_rows = named_objective(objective, objective_args, objective_declared, start_step)
@@ -147,6 +149,9 @@ class ParityRecorder(BatchTaking):
         except Exception as exc:  # never the user's training
             self._discard()
             self._print(f"parity recorder: could not start ({type(exc).__name__}: {first_line(exc)}): recording nothing")
+
+    def _not_as_told(self, line: str) -> None:
+        self.broken = self.broken or line
 
     def _discard(self) -> None:
         """After a failed start: the hook off, the recorded folder gone if this start wrote into it: none half-written."""
@@ -215,6 +220,7 @@ class ParityRecorder(BatchTaking):
         self._optimizer_steps = 0  # the hook's firings since the last after_step
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
         self._hook = self.tensors.watch(optimizer, self._before_optimizer_step)  # and its step post-hook
+        self._autocast = precision_seen.watch(self.model, precision, self._not_as_told)  # the first forward's autocast
         if self.rank == 0 and fresh:  # the first write: all that could refuse or fail has passed
             self._wrote = True
             storage.write_bytes_atomic(storage.join(self.folder, "config.json"),

@@ -1,0 +1,67 @@
+"""The precision a run is seen to train in, beside the one its recorder was told: a record told "fp32" whose forward
+ran under torch.autocast(bfloat16) is replayed without it and FAILs at many times its bound — a false alarm of the
+recorder's making, not the run's (found by the false-alarm campaign: docs/false_alarms.md).
+- At the start, a framework that says its precision (accelerate's mixed_precision: the registry's `precision_of`)
+  gives it to a recorder told none, and refuses one told another.
+- At the first training forward, where the record's policy keeps fp32 parameters (fp32, bf16), the autocast (enabled,
+  dtype) is read inside the model — a pre-hook on its first module holding parameters, under any wrapper that enters
+  autocast around the model's forward (accelerate's, Lightning's, the loop's own) — and a mismatch ends the record in
+  one line naming the precision to pass. The hook removes itself after that one forward."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.precision import DTYPES, POLICIES
+
+
+def told(precision: str | None, model) -> tuple[str, str | None]:
+    """The record's policy and a refusal (None: none): `precision` as told; where told none, the framework's (else
+    fp32); where the framework says another, refused in one line."""
+    from parity.frameworks import precision_of
+
+    said = precision_of(model)  # (framework, policy) or None
+    if precision is None:
+        return (said[1] if said else "fp32"), None
+    if said is not None and said[1] != precision:
+        return precision, (f"precision {precision!r} told, but {said[0]} trains the model in {said[1]!r}: pass "
+                           f"precision={said[1]!r}, or leave it out")
+    return precision, None
+
+
+def mismatch(policy: str, enabled: bool, dtype: torch.dtype) -> str | None:
+    """The line where an fp32-parameter policy's autocast is not the one seen (None: it is, or the policy holds
+    low-precision parameters, whose forward may autocast or not alike)."""
+    wanted = POLICIES[policy]
+    if wanted.params != "fp32":
+        return None
+    seen = next((name for name, d in DTYPES.items() if d == dtype), str(dtype)) if enabled else None
+    if seen == (wanted.compute if wanted.autocast else None):
+        return None
+    fits = "bf16" if seen == "bf16" else "fp32" if seen is None else None
+    fix = f"pass precision={fits!r}" if fits else "the harness replays autocast in bfloat16 only"
+    return (f"the forward ran {f'under torch.autocast({seen})' if seen else 'without autocast'}, but the recorder was "
+            f"told precision={policy!r}: {fix}")
+
+
+def watch(model, policy: str, on_mismatch) -> torch.utils.hooks.RemovableHandle | None:
+    """A forward pre-hook on `model`'s first module holding parameters: at the first training forward, calls
+    `on_mismatch(line)` where the autocast seen is not `policy`'s, and removes itself. None where nothing can be
+    watched (not a torch module, no parameters)."""
+    if not isinstance(model, torch.nn.Module) or POLICIES[policy].params != "fp32":
+        return None
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if first is None:
+        return None
+    kind = next(first.parameters(recurse=False)).device.type
+
+    def seen(module, args):
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        handle.remove()
+        line = mismatch(policy, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        if line:
+            on_mismatch(line)
+
+    handle = first.register_forward_pre_hook(seen)
+    return handle
