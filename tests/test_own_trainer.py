@@ -784,6 +784,20 @@ def test_trainer_deepspeed_path_is_refused_in_one_line(runs):
         assert (runs[name] / "trainer").is_dir()  # Trainer's own output folder: it trained
 
 
+def test_a_trainer_logging_every_few_steps_is_refused_before_it_records(tmp_path):
+    """Trainer's logs carry the pre-clip grad norm the record takes each step: logging_steps 5 is refused in one line
+    naming the fix, before the recorder starts (nothing written)."""
+    from transformers import TrainingArguments
+
+    from parity.frameworks.transformers.callback import trainer_refusal
+
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], logging_steps=5, use_cpu=True)
+    assert trainer_refusal(args) == ("Trainer logs its pre-clip grad norm every logging step: pass logging_steps=1 "
+                                     "(got 5)")
+    assert trainer_refusal(TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], logging_steps=1,
+                                             use_cpu=True)) is None
+
+
 def _world_before_the_group(rank: int, world: int, port: int, out: str, result: str) -> None:
     """TRL's own sft.py under torchrun on CPU without --use_cpu: TrainingArguments settle their world — accelerate's
     state brings the launcher's group up and yet keeps one process (transformers warns that parallel_mode is not

@@ -2,7 +2,7 @@
 """Every seeded bug's catching step and ratio before and after the optimizer's own noise (issue 81;
 docs/tensors.md#every-seeded-bug-before-and-after): each folder under ROOT that a comparison was written in
 (curve_comparison.json: a test's or a user's) is judged again from its own records twice — with the references'
-bounds alone (OPTIMIZER_NOISE_K 0 in the modules that read it) and as the verdict judges today — and every run that
+bounds alone (tolerances.OPTIMIZER_NOISE_K 0) and as the verdict judges today — and every run that
 FAILs either way is one row: its first step outside, what, and the deviation ÷ bound there.
 
     python -m pytest -q tests --basetemp OUT/tmp       # the suite's runs, kept
@@ -17,22 +17,17 @@ import io
 import json
 import os
 
-from parity.comparing import teacher_forced, tensor_verdict, update_bound
+from parity.comparing import tolerances
 from parity.comparing.curves import compare, load_references, load_runs
-
-READERS = (update_bound, teacher_forced, tensor_verdict)  # each imports OPTIMIZER_NOISE_K by name
 
 
 @contextlib.contextmanager
 def optimizer_noise(k: float):
-    saved = [m.OPTIMIZER_NOISE_K for m in READERS]
-    for m in READERS:
-        m.OPTIMIZER_NOISE_K = k
+    saved, tolerances.OPTIMIZER_NOISE_K = tolerances.OPTIMIZER_NOISE_K, k  # its readers read it at use
     try:
         yield
     finally:
-        for m, value in zip(READERS, saved):
-            m.OPTIMIZER_NOISE_K = value
+        tolerances.OPTIMIZER_NOISE_K = saved
 
 
 def caught(folder: str, baseline: str) -> dict[str, str]:

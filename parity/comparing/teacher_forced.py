@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 
-from parity.comparing.tolerances import (CLIP_READ, LAYER_NOISE_K, NOISE_K, OPTIMIZER_NOISE_K, RESUMED_FP32,
+from parity.comparing import tolerances  # OPTIMIZER_NOISE_K read at use: tools/seeded_before_after.py sets it
+from parity.comparing.tolerances import (CLIP_READ, LAYER_NOISE_K, NOISE_K, RESUMED_FP32,
                                          TEACHER_FORCED_FP32, TEACHER_FORCED_GRAD_NORM_LOW, tolerance_class)
 from parity.comparing.verdict import Outside
 
@@ -50,7 +51,7 @@ def bound(key: str, precision: str, rounding: dict | None, norm_source: str | No
     if noise is not None and key in noise:
         found.append((NOISE_K * noise[key], "noise"))
     if optimizer is not None and key in optimizer:
-        found.append((OPTIMIZER_NOISE_K * optimizer[key], "optimizer"))
+        found.append((tolerances.OPTIMIZER_NOISE_K * optimizer[key], "optimizer"))
     return max(found, key=lambda f: f[0])
 
 

@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass
 from parity import storage
 from parity.comparing import clip_read, update_bound
 from parity.comparing.noise import held_envelope
-from parity.comparing.tolerances import (ADAM_SIGN_FLIP, CALIBRATION_FLOORED, NOISE_K, OPTIMIZER_NOISE_K, TENSOR_FLOOR,
+from parity.comparing import tolerances  # OPTIMIZER_NOISE_K read at use: tools/seeded_before_after.py sets it
+from parity.comparing.tolerances import (ADAM_SIGN_FLIP, CALIBRATION_FLOORED, NOISE_K, TENSOR_FLOOR,
                                          TENSOR_NOISE_FLOOR, TENSORS, looser_precision, tolerance_class)
 from parity.comparing.verdict import Outside
 from parity.training.tensor_norms import AT_CLIP, AT_OPTIMIZER, GRADIENT, PRE_CLIP, READ_AT, UPDATE
@@ -221,7 +222,7 @@ def _bounds(base, run, references: list, series: dict, num_steps: int, skipped: 
         bounds = {phase: [[max(NOISE_K * envelopes[phase][i][s], least[phase][s][i]) for i in range(names)]
                           for s in range(num_steps)] for phase in PHASES}
         floored = f", never below the fixed {kind} table" if kind in CALIBRATION_FLOORED else ""
-        optimizer = (f", the update never below {OPTIMIZER_NOISE_K} × its optimizer's own noise"
+        optimizer = (f", the update never below {tolerances.OPTIMIZER_NOISE_K} × its optimizer's own noise"
                      if sigma is not None else "")
         return bounds, True, (f"calibrated: {NOISE_K} × the noise of "
                               f"{', '.join(storage.name(r.file) for r in usable)}, per tensor{floored}{optimizer}")
@@ -245,7 +246,7 @@ def parameter_norm_floor(base, references: list, series: dict, num_steps: int) -
     its references' gradient envelopes —, its words); None where the baseline's series holds no table or no reference
     has a series."""
     theirs, usable = series[base.file], [series[r.file] for r in references if not isinstance(series[r.file], str)]
-    words = f"{OPTIMIZER_NOISE_K} × the optimizer's own noise"
+    words = f"{tolerances.OPTIMIZER_NOISE_K} × the optimizer's own noise"
     if isinstance(theirs, str) or theirs is None or not usable or theirs.update_noise is None:
         return None, words
     envelopes = envelopes_of(theirs, usable, GRADIENT, num_steps, base.skipped(num_steps),

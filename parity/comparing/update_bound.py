@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 
-from parity.comparing.tolerances import ELEMENT_NOISE, OPTIMIZER_NOISE_K
+from parity.comparing import tolerances  # OPTIMIZER_NOISE_K read at use: tools/seeded_before_after.py sets it
+from parity.comparing.tolerances import ELEMENT_NOISE
 from parity.training.update_noise import GRID
 
 _LOG_GRID = [math.log10(x) for x in GRID]
@@ -64,15 +65,16 @@ def sigmas(tables: list, grad_norms: list[list[float]], envelopes: list[list[flo
 
 def tensor_bounds(sigma: list[list[float]], denominators: list[list[float]]) -> list[list[float]]:
     """Per step [s][i]: OPTIMIZER_NOISE_K × σ over the update deviation's denominator (0 where it is 0)."""
-    return [[OPTIMIZER_NOISE_K * x / d if d else 0.0 for x, d in zip(row, den)] for row, den in zip(sigma, denominators)]
+    k = tolerances.OPTIMIZER_NOISE_K
+    return [[k * x / d if d else 0.0 for x, d in zip(row, den)] for row, den in zip(sigma, denominators)]
 
 
 def global_bounds(sigma: list[list[float]], param_norms: list[list[float]]) -> list[float]:
     """Per step: OPTIMIZER_NOISE_K × the global parameter norm's σ (each tensor's weighted by ‖p_i‖ / ‖P‖, its share of
     the global norm's move) over ‖P‖."""
-    out = []
+    out, k = [], tolerances.OPTIMIZER_NOISE_K
     for row, norms in zip(sigma, param_norms):
         total = math.sqrt(sum(p * p for p in norms))
-        out.append(OPTIMIZER_NOISE_K * math.sqrt(sum((p / total * x) ** 2 for p, x in zip(norms, row))) / total
+        out.append(k * math.sqrt(sum((p / total * x) ** 2 for p, x in zip(norms, row))) / total
                    if total else 0.0)
     return out

@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 import torch
 
 from parity.fingerprint import installed_versions
-from parity.frameworks import guarded
+from parity.frameworks import guarded, stop_record
 from parity.recording.forward_hook import hand_over
 from parity.recording.group import own_group, release
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
@@ -85,6 +85,10 @@ class ParityCallback(pl.Callback):
     @guarded
     def on_train_start(self, trainer, pl_module):
         self._own_group = own_group(trainer.world_size)  # the single-device strategy: a group of one
+        refusal = self._refusal(trainer, pl_module)
+        if refusal:  # before the recorder starts: nothing written
+            stop_record(self, refusal)
+            return
         model = hugging_face_model(pl_module)
         optimizers = trainer.optimizers
         self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
@@ -96,10 +100,6 @@ class ParityCallback(pl.Callback):
                                        **self.state_saving,
                                        start_step=trainer.global_step)  # > 0: resumed from ckpt_path
         if not self.recorder.enabled:
-            return
-        refusal = self._refusal(trainer, pl_module)
-        if refusal:
-            self.recorder._disable(refusal)
             return
         self._hook = model.register_forward_hook(self._forward, with_kwargs=True)
         self._manual = not pl_module.automatic_optimization

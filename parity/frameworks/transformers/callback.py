@@ -99,10 +99,6 @@ class ParityCallback(TrainerCallback):
                                        **self.state_saving)
         if not self.recorder.enabled:
             return
-        if args.logging_steps != 1:
-            self.recorder._disable(f"Trainer logs its pre-clip grad norm every logging step: pass logging_steps=1 "
-                                   f"(got {args.logging_steps})")
-            return
         self._hook = unwrap(model).register_forward_hook(self._forward, with_kwargs=True)
         if trained is not None:
             self.feed = trained.feed(self.recorder)
@@ -180,7 +176,8 @@ def trainer_refusal(args) -> str | None:
       deepspeed.init_distributed has started the 2-rank group, then relabels itself DEEPSPEED. The same without
       DeepSpeed: TRL's own trl/scripts/sft.py under torchrun on CPU without --use_cpu (trl 1.16) trains as two
       one-process runs in a group of 2 (transformers warns that parallel_mode is not distributed). Refused, never
-      recorded as if it were whole; on a machine without GPUs the line names use_cpu."""
+      recorded as if it were whole; on a machine without GPUs the line names use_cpu.
+    - A logging interval other than 1: Trainer's logs carry the pre-clip grad norm the record takes each step."""
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
         if (args.world_size, args.process_index) != (world, rank):
@@ -193,6 +190,8 @@ def trainer_refusal(args) -> str | None:
             return (f"Trainer sees world_size {args.world_size} and process_index {args.process_index}, the process "
                     f"group {world} ranks (this one rank {rank}): every rank would feed the same rows and the loss be "
                     f"normalised for another world than the one training{why}")
+    if args.logging_steps != 1:
+        return f"Trainer logs its pre-clip grad norm every logging step: pass logging_steps=1 (got {args.logging_steps})"
     if getattr(args, "deepspeed", None):
         return ("Trainer's DeepSpeed path (TrainingArguments(deepspeed=...)) is not recorded: DeepSpeed steps its own "
                 "optimizer inside backward (no torch optimizer step to hook, no gradients outside it) and shards the "
