@@ -14,11 +14,14 @@ their steps; a LayerNorm model is refused, exit 2.
 
 Issue 82: mixtures of experts (Qwen2-MoE at EP 2, Mixtral at TP 2 x EP 2) PASS with megatron-core's router losses
 replayed, an expert gradient not averaged over the EP ranks and a router aux loss counted twice FAIL at step 0;
-Megatron-FSDP at DP 2 and PP 2 x VPP 2 PASS."""
+Megatron-FSDP at DP 2 and PP 2 x VPP 2 PASS; fp16 with megatron-core's loss scaler PASSes, its skipped steps recorded
+and followed by its replay, and a step applied on an overflow FAILs at its step (the scale's rules held to
+megatron-core's own scaler)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -75,6 +78,9 @@ def test_what_does_not_map_is_refused_in_one_line(mapped):
         "one model chunk given twice: each virtual pipeline stage is a chunk of its own"]
 
 
+# fp16's scaler: from 2^19, doubled after each good step, halved at the second overflow since — the job's gradients
+# (their largest element 0.06–0.12 at these steps) overflow at 2^20 and not at 2^19: steps 1 and 2 are skipped
+FP16_SCALER = ["--initial_loss_scale", str(2.0 ** 19), "--loss_scale_window", "1", "--hysteresis", "2"]
 RECORDED = {  # name: (ranks, the job's flags, the kernel setting it runs under: parity.calibration.kernel_settings)
     "tp2_dp2": (4, ["--tp", "2", "--sequence_parallel", "--distributed_optimizer"], None),
     "pp2": (2, ["--pp", "2"], None),
@@ -92,6 +98,8 @@ RECORDED = {  # name: (ranks, the job's flags, the kernel setting it runs under:
                                   None),
     "aux_loss_twice": (1, ["--family", "qwen3_moe", "--seed_bug", "aux_loss_twice"], None),
     "megatron_fsdp": (2, ["--dp_wrapper", "megatron_fsdp"], None),
+    "fp16": (1, ["--distributed_optimizer", "--fp16", *FP16_SCALER], None),
+    "fp16_step_on_overflow": (1, ["--fp16", *FP16_SCALER, "--seed_bug", "step_on_overflow"], None),
 }
 MARGIN = 0.5  # a clean run's largest deviation ÷ bound, each check (docs/tolerances.md#every-machine-the-clean-matrix)
 
@@ -340,3 +348,65 @@ def test_megatron_fsdp_at_dp2_passes_its_ranges_read_and_its_moments_checked(rec
     moments = {k: v for k, v in checked.items() if k.startswith(("exp_avg/", "exp_avg_sq/"))}
     assert len(moments) == 2 * 21 and max(moments.values()) < 1e-5, moments
     assert "teacher-forced check: within bounds at steps 0" in output and "tensor verdict: PASS: 21 tensors" in output
+
+
+def test_megatron_cores_loss_scaler_follows_the_rules_the_verdict_judges_its_scales_by(mapped):
+    """megatron-core's DynamicGradScaler (and ConstantGradScaler), driven over fixed overflow patterns in the mapping
+    job's process — growth after 1 to 4 good steps, hysteresis 1 to 3, the minimum reached —, gives each step the scale
+    parity/comparing/loss_scales.py's account of its rules gives."""
+    found = mapped["qwen2"]["loss_scales"]
+    assert len(found) == 15 and any(min(theirs) == 2.0 for _, _, theirs, _ in found)  # the minimum held
+    for settings, skipped, theirs, ours in found:
+        assert theirs == ours, (settings, skipped)
+
+
+def test_an_fp16_job_passes_its_skipped_steps_recorded_and_its_scale_judged(recorded):
+    """Megatron-LM's fp16 (Float16Module's fp16 parameters, the distributed optimizer's fp32 master shards, its
+    DynamicGradScaler from 2^19 growing after every good step, hysteresis 2) on one rank: steps 1 and 2 overflow and
+    megatron-core skips them; the record holds each step's scale and skip, and the scaler's settings under its rules.
+    Its replay follows them — the same steps skipped, its own gradients overflowing at the record's scale where the
+    record's did, no note — and PASSes, every check within half its bound (its fp32 twin skipping the same steps).
+    The verdict judges the scale: the record with step 1's scale not its rules' FAILs there."""
+    from parity.comparing.curves import Run
+    from parity.comparing.loss_scales import first_fault
+    from parity.training.record import load_record
+
+    code, output, folder = recorded["fp16"]
+    assert code == 0, output[-4000:]
+    report = json.loads((folder / "curve_comparison.json").read_text())
+    against = report["against_baseline"]["megatron_cpu"]
+    assert against["verdict"] == "PASS" and max(against["bound_ratios"].values()) < MARGIN, against["bound_ratios"]
+    checks = report["runs"]["megatron_cpu"]["teacher_forced"]["checks"]
+    assert checks and all(c["ok"] and c["ratio"] < MARGIN for c in checks), checks
+    path = folder / "loss_megatron_cpu.json"
+    record, replay = json.loads(path.read_text()), json.loads((folder / "loss_ddp.json").read_text())
+    config = record["config"]
+    assert (config["precision"], config["reduce_dtype"], config["loss_scaling"]) == ("fp16", "fp32", {
+        "loss_scale": 0.0, "initial_scale_power": 19, "loss_scale_window": 1, "hysteresis": 2,
+        "consecutive_hysteresis": False, "min_loss_scale": 1.0, "rules": "megatron-core"})
+    assert [s["skipped"] for s in record["steps"]] == [False, True, True, False]
+    assert [s["loss_scale"] for s in record["steps"]] == [2.0 ** 19, 2.0 ** 20, 2.0 ** 20, 2.0 ** 19]
+    assert [(s["skipped"], s["loss_scale"], s["overflowed"]) for s in replay["steps"]] == [
+        (s["skipped"], s["loss_scale"], s["skipped"]) for s in record["steps"]]
+    assert [math.isfinite(s["grad_norm"]) for s in record["steps"]] == [True, False, False, True]
+    for key in ("loss", "param_norm"):
+        assert max_rel_diff(series(record, key), series(replay, key)) < 1e-4, key
+    assert "note: the replay's gradients" not in output and "tensor verdict: PASS: 21 tensors" in output
+    run = Run(str(path), load_record(str(path)))
+    run.steps[1]["loss_scale"] = 2.0 ** 19  # the scale not grown after step 0
+    found = first_fault(run, 4)
+    assert (found.step, found.quantity, found.value, found.reference) == (1, "loss_scale", 2.0 ** 19, 2.0 ** 20)
+
+
+def test_a_step_taken_on_an_fp16_overflow_fails_at_that_step(recorded):
+    """Seeded in the fp16 job (the FP16 optimizer, its fp32 masters, on one rank): megatron-core finds the overflow at
+    step 1 and updates its scale, but the step is applied: the verdict FAILs at step 1, its loss scaler's skip judged
+    from the record's own gradients (their norm not finite) ahead of any tolerance; the replay, which follows the
+    record, says its own gradients overflowed at the record's scale where the record applied them."""
+    code, output, folder = recorded["fp16_step_on_overflow"]
+    assert code == 1, output[-4000:]
+    first = _judged(folder)["first_outside"]
+    assert (first["step"], first["quantity"], first["test"]) == (1, "skipped", "loss_scaler"), first
+    assert ("first step outside: step 1: the step was applied, but its gradients held an inf or a NaN (pre-clip "
+            "norm inf): a step taken on an fp16 overflow") in output, output[-3000:]
+    assert "note: the replay's gradients overflowed in fp16 at megatron_cpu's loss scale at steps 1" in output
