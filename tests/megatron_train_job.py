@@ -57,7 +57,7 @@ def arguments():
     p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice", "micro_batch_dropped",
                                           "sp_norm_untagged", "expert_grads_not_averaged", "aux_loss_twice",
                                           "aux_over_dp", "micro_batch_scaled", "tied_grads_not_reduced", "not_unscaled",
-                                          "step_on_overflow", "scale_grown_late"),
+                                          "step_on_overflow", "scale_grown_late", "scale_not_backed_off"),
                    default="none")
     p.add_argument("--seed", type=int, default=0, help="the weights' seed and the data's")
     return p.parse_args()
@@ -191,7 +191,8 @@ def wrapped(args, model, config, ddp_config):
 def seed_scaler_bug(args, optimizer) -> None:
     """fp16's seeded faults: the gradients not unscaled before the clip and the step (not_unscaled); a step taken
     where they overflowed (step_on_overflow: the overflow found, the scale updated, the step applied); the scale grown
-    one good step late (scale_grown_late: after loss_scale_window + 1 good steps)."""
+    one good step late (scale_grown_late: after loss_scale_window + 1 good steps); the scale kept where the hysteresis
+    is spent (scale_not_backed_off: never halved)."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]  # get_megatron_optimizer's, in its chain
     if args.seed_bug == "not_unscaled":  # the overflow looked for as megatron-core does, by 1 instead of 1 / scale
 
@@ -208,6 +209,8 @@ def seed_scaler_bug(args, optimizer) -> None:
         optimizer.prepare_grads = lambda: prepare() and False
     if args.seed_bug == "scale_grown_late":
         inner.grad_scaler.growth_interval = args.loss_scale_window + 1
+    if args.seed_bug == "scale_not_backed_off":  # the hysteresis spent, the scale kept
+        inner.grad_scaler.backoff_factor = 1.0
 
 
 def main() -> None:
