@@ -23,7 +23,7 @@ from parity.precision import DTYPES, POLICIES, PolicyRequest, policy_of
 from parity.strategies.fsdp.plans import (TPPlan, apply_moe, apply_sequence_parallel, apply_tp, local_output_of,
                                          tp_plan)
 from parity.training.dtensor_strategy import DTensorStrategy
-from parity.training.loss_scaler import LossScaler
+from parity.training.loss_scaler import scaler_of
 from parity.training.memory import OFFLOAD
 from parity.training.policy_optimizer import cast_parameters
 from parity.training.strategy import Option, build_named_optimizer
@@ -210,7 +210,7 @@ class FSDPStrategy(DTensorStrategy):
         self.mesh, self.tp_mesh = mesh, mesh["tp"]
         self.model = model
         self.optimizer = build_named_optimizer(model, self.cfg)
-        self.scaler = LossScaler(**self.cfg.loss_scaling) if policy_of(self.cfg).loss_scaling else None
+        self.scaler = scaler_of(self.cfg) if policy_of(self.cfg).loss_scaling or self.cfg.loss_scales else None
 
     def expert_mesh(self) -> DeviceMesh | None:
         """With --ep_size E > 1: the ("efsdp", "ep") mesh over the same ranks, rank = efsdp_rank × E + ep_rank — an EP

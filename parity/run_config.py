@@ -26,7 +26,7 @@ REPLAY_ONLY = ("optimizer", "lr_schedule", "tensor_grad")  # RunConfig fields on
 # through the weights' sha256 and the model's config) and its dp_size (the default worker count, which --num_workers
 # changes by design). tests/test_recorded_report.py holds these equal to the fields plan_replay's code reads.
 REPLAY_TAKES = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "precision", "reduce_dtype",
-                "grad_accum_dtype", "optimizer")
+                "grad_accum_dtype", "loss_scaling", "optimizer")
 REPLAY_LOCATES = ("model_name", "init_weights_path", "batches", "dp_size")
 
 
@@ -92,6 +92,9 @@ class RunConfig:
     # which gradient every tensor's series holds, as the record's does (tensor_norms.PRE_CLIP or CLIPPED: a framework
     # whose hooks come after its clipping records the clipped gradients; Strategy.train_step records its own alike)
     tensor_grad: str | None = None
+    # A replay of an fp16 record only (its fp32 twin too): each step's (loss scale, skipped) of the record's loss scaler,
+    # which it follows (parity.training.loss_scaler.FollowedScaler); None elsewhere (left out of to_dict)
+    loss_scales: tuple | None = None
     no_teacher_forced: bool = False  # --no_teacher_forced: no teacher-forced check (parity/training/teacher_forced.py)
     packing: bool = False  # --packing: documents packed into full rows, position ids restarting (parity/training/data.py)
     padding_free: bool = False  # --padding_free: each micro-batch's samples fed as one row (data.Batch.flattened)
@@ -126,7 +129,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in (*REPLAY_ONLY, "lora", "objective", "noise_kernels", "perturb"):
+        for key in (*REPLAY_ONLY, "lora", "objective", "noise_kernels", "perturb", "loss_scales"):
             if data[key] is None:
                 del data[key]
         return data

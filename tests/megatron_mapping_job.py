@@ -84,6 +84,33 @@ def router_losses() -> dict:
             "aux": aux, "z": z, "layers": layers, "pooled": pooled}
 
 
+def loss_scales() -> list:
+    """megatron-core's DynamicGradScaler (and ConstantGradScaler) driven over fixed overflow patterns, each step's scale
+    before its update, beside the verdict's account of its rules (parity/comparing/loss_scales.py): [[settings,
+    skipped, megatron-core's scales, the verdict's]] for tests/test_megatron.py to hold equal."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    from parity.comparing.loss_scales import megatron_core
+
+    patterns = [[False, True, True, False], [True] * 3 + [False] * 5 + [True, False, True, True, False, False],
+                [False] * 7 + [True, True, True, False, False, True] + [False] * 4]
+    found = []
+    for window, hysteresis, power, least in ((1, 2, 19, 1.0), (2, 1, 16, 1.0), (3, 2, 3, 2.0), (4, 3, 10, 1.0),
+                                             (1, 2, 0, 0.0)):  # the last: a static scale of 1024
+        for skipped in patterns:
+            scaler = ConstantGradScaler(1024.0) if not least else DynamicGradScaler(
+                initial_scale=2.0 ** power, min_scale=least, growth_factor=2.0, backoff_factor=0.5,
+                growth_interval=window, hysteresis=hysteresis)
+            scales = []
+            for skip in skipped:
+                scales.append(float(scaler.scale))
+                scaler.update(skip)
+            settings = {"loss_scale": 0.0 if least else 1024.0, "initial_scale_power": power,
+                        "loss_scale_window": window, "hysteresis": hysteresis, "min_loss_scale": least}
+            found.append([settings, skipped, scales, megatron_core(settings, skipped)])
+    return found
+
+
 def main() -> None:
     out, tp, family = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
@@ -138,7 +165,8 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump({"loss": float(loss), "hf_loss": float(hf_loss), "grads": differences,
                        "model": type(hf).__name__, "fc1_as_tp1_loss": float(wrong),
-                       "refusals": refusals(config, model), "router_losses": router_losses()}, f)
+                       "refusals": refusals(config, model), "router_losses": router_losses(),
+                       "loss_scales": loss_scales()}, f)
     dist.destroy_process_group()
 
 

@@ -47,17 +47,27 @@ def arguments():
     p.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
     p.add_argument("--sequence_parallel", action="store_true", help="megatron-core's SP (with --tp 2 or more)")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters (Float16Module), the optimizer's fp32 masters")
+    p.add_argument("--fp16", action="store_true", help="fp16 parameters (Float16Module), the optimizer's fp32 masters "
+                                                        "and its dynamic loss scaler (DynamicGradScaler)")
+    p.add_argument("--initial_loss_scale", type=float, default=2.0 ** 32, help="fp16: the scale the scaler starts at")
+    p.add_argument("--loss_scale_window", type=int, default=1000, help="fp16: good steps before the scale doubles")
+    p.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows before the scale halves")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: NCCL and one GPU per rank, as Megatron-LM runs (no tests/megatron_cpu.py)")
     p.add_argument("--seed_bug", choices=("none", "adam_step_twice", "grad_over_dp_twice", "micro_batch_dropped",
                                           "sp_norm_untagged", "expert_grads_not_averaged", "aux_loss_twice",
-                                          "aux_over_dp", "micro_batch_scaled", "tied_grads_not_reduced"),
+                                          "aux_over_dp", "micro_batch_scaled", "tied_grads_not_reduced", "not_unscaled",
+                                          "step_on_overflow", "scale_grown_late", "scale_not_backed_off"),
                    default="none")
     p.add_argument("--seed", type=int, default=0, help="the weights' seed and the data's")
     return p.parse_args()
 
 
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+
+def dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 def moe_settings(args) -> dict:
@@ -83,12 +93,12 @@ def model_provider(args, vp_stage=None):
         num_layers=args.layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
         gated_linear_unit=True, activation_func=F.silu, normalization=args.normalization, layernorm_epsilon=1e-6,
         add_bias_linear=False, add_qkv_bias=args.family in ("qwen2", "qwen2_moe"), use_cpu_initialization=True,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32, bf16=args.bf16, hidden_dropout=0.0,
+        params_dtype=dtype(args), bf16=args.bf16, fp16=args.fp16, hidden_dropout=0.0,
         attention_dropout=0.0, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, sequence_parallel=args.sequence_parallel, tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=args.vpp if args.vpp > 1 else None,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=dtype(args),
         **({"fp8": "hybrid"} if args.fp8 else {}), **moe_settings(args))
     from megatron.core import parallel_state
 
@@ -163,7 +173,7 @@ def wrapped(args, model, config, ddp_config):
                 p.sequence_parallel = False
     if args.device == "cuda":  # built on the CPU (use_cpu_initialization), moved as Megatron-LM moves it
         model.cuda(torch.cuda.current_device())
-    if args.bf16:  # as Megatron-LM wraps it: bf16 in, fp32 out
+    if args.bf16 or args.fp16:  # as Megatron-LM wraps it: bf16 (fp16) in, fp32 out
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
@@ -176,6 +186,31 @@ def wrapped(args, model, config, ddp_config):
 
         return TorchFullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model)
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def seed_scaler_bug(args, optimizer) -> None:
+    """fp16's seeded faults: the gradients not unscaled before the clip and the step (not_unscaled); a step taken
+    where they overflowed (step_on_overflow: the overflow found, the scale updated, the step applied); the scale grown
+    one good step late (scale_grown_late: after loss_scale_window + 1 good steps); the scale kept where the hysteresis
+    is spent (scale_not_backed_off: never halved)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]  # get_megatron_optimizer's, in its chain
+    if args.seed_bug == "not_unscaled":  # the overflow looked for as megatron-core does, by 1 instead of 1 / scale
+
+        def check_only():
+            inner.found_inf.fill_(0.0)
+            torch._amp_foreach_non_finite_check_and_unscale_(inner._collect_main_grad_data_for_unscaling(),
+                                                             inner.found_inf, torch.ones_like(inner.found_inf))
+            dist.all_reduce(inner.found_inf, op=dist.ReduceOp.MAX, group=inner.get_grad_stats_parallel_group())
+            return inner.found_inf.item() > 0
+
+        inner._unscale_main_grads_and_check_for_nan = check_only
+    if args.seed_bug == "step_on_overflow":
+        prepare = optimizer.prepare_grads
+        optimizer.prepare_grads = lambda: prepare() and False
+    if args.seed_bug == "scale_grown_late":
+        inner.grad_scaler.growth_interval = args.loss_scale_window + 1
+    if args.seed_bug == "scale_not_backed_off":  # the hysteresis spent, the scale kept
+        inner.grad_scaler.backoff_factor = 1.0
 
 
 def main() -> None:
@@ -212,8 +247,12 @@ def main() -> None:
         finalizing._allreduce_word_embedding_grads = lambda *a, **k: None
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-        clip_grad=args.clip_grad, bf16=args.bf16, fp16=False,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, initial_loss_scale=args.initial_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.distributed_optimizer or sharded), models)
+    if args.fp16:  # as Megatron-LM's train(): the schedules multiply each micro-batch's loss by the optimizer's scale
+        config.grad_scale_func = optimizer.scale_loss
+        seed_scaler_bug(args, optimizer)
     if args.seed_bug == "adam_step_twice":  # the step counter advanced twice: bias correction of a later step
         inner = optimizer.optimizer
         original = inner.step
@@ -257,10 +296,12 @@ def main() -> None:
                                   model=models,
                                   num_microbatches=args.micro_batches, seq_length=args.seq_length,
                                   micro_batch_size=args.micro_batch_size, forward_only=False)
-        _, grad_norm, _ = optimizer.step()
+        applied, grad_norm, _ = optimizer.step()
         if losses and parallel_state.get_tensor_model_parallel_rank() == parallel_state.get_data_parallel_rank() == 0:
             loss = sum(float(x["lm loss"]) for x in losses) / len(losses)  # the last stage's
-            print(f"step {step}: loss {loss:.6f} grad_norm {float(grad_norm):.6f}", flush=True)
+            said = f"grad_norm {float(grad_norm):.6f}" if applied else "skipped (fp16 overflow)"
+            print(f"step {step}: loss {loss:.6f} {said}" + (f" loss scale {float(optimizer.get_loss_scale()):g}"
+                                                           if args.fp16 else ""), flush=True)
     dist.destroy_process_group()
 
 

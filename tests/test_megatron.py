@@ -14,11 +14,14 @@ their steps; a LayerNorm model is refused, exit 2.
 
 Issue 82: mixtures of experts (Qwen2-MoE at EP 2, Mixtral at TP 2 x EP 2) PASS with megatron-core's router losses
 replayed, an expert gradient not averaged over the EP ranks and a router aux loss counted twice FAIL at step 0;
-Megatron-FSDP at DP 2 and PP 2 x VPP 2 PASS."""
+Megatron-FSDP at DP 2 and PP 2 x VPP 2 PASS; fp16 with megatron-core's loss scaler PASSes, its skipped steps recorded
+and followed by its replay, and a step applied on an overflow FAILs at its step (the scale's rules held to
+megatron-core's own scaler)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -26,7 +29,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, max_rel_diff, series, side_by_side
+from conftest import PERTURBED, REPO, max_rel_diff, series, side_by_side
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,32 +78,43 @@ def test_what_does_not_map_is_refused_in_one_line(mapped):
         "one model chunk given twice: each virtual pipeline stage is a chunk of its own"]
 
 
+# fp16's scaler: from 2^19, doubled after each good step, halved at the second overflow since — the job's gradients
+# (their largest element 0.06–0.12 at these steps) overflow at 2^20 and not at 2^19: steps 1 and 2 are skipped
+FP16_SCALER = ["--initial_loss_scale", str(2.0 ** 19), "--loss_scale_window", "1", "--hysteresis", "2"]
+TWO_STEPS = ["--steps", "2"]  # a seeded fault that shows by step 1: the steps after it add nothing asserted
 RECORDED = {  # name: (ranks, the job's flags, the kernel setting it runs under: parity.calibration.kernel_settings)
     "tp2_dp2": (4, ["--tp", "2", "--sequence_parallel", "--distributed_optimizer"], None),
     "pp2": (2, ["--pp", "2"], None),
     "bf16": (2, ["--distributed_optimizer", "--bf16"], None),
     "bf16_avx2": (2, ["--distributed_optimizer", "--bf16"], "avx2"),
-    "grad_over_dp_twice": (2, ["--distributed_optimizer", "--seed_bug", "grad_over_dp_twice"], None),
+    "grad_over_dp_twice": (2, ["--distributed_optimizer", "--seed_bug", "grad_over_dp_twice", *TWO_STEPS], None),
     "adam_step_twice": (2, ["--tp", "2", "--family", "qwen2", "--bf16", "--seed_bug", "adam_step_twice"], None),
     "vpp": (2, ["--pp", "2", "--vpp", "2", "--layers", "4"], None),
-    "micro_batch_scaled": (2, ["--pp", "2", "--vpp", "2", "--layers", "4", "--seed_bug", "micro_batch_scaled"], None),
-    "sp_norm_untagged": (2, ["--tp", "2", "--sequence_parallel", "--seed_bug", "sp_norm_untagged"], None),
+    "micro_batch_scaled": (2, ["--pp", "2", "--vpp", "2", "--layers", "4", "--seed_bug", "micro_batch_scaled",
+                               *TWO_STEPS], None),
+    "sp_norm_untagged": (2, ["--tp", "2", "--sequence_parallel", "--seed_bug", "sp_norm_untagged", *TWO_STEPS], None),
     "layernorm": (1, ["--normalization", "LayerNorm"], None),
     "moe_ep2": (2, ["--family", "qwen2_moe", "--ep", "2", "--z_loss_coeff", "1e-3"], None),
     "moe_tp2_ep2": (4, ["--family", "mixtral", "--tp", "2", "--sequence_parallel", "--ep", "2"], None),
-    "expert_grads_not_averaged": (2, ["--family", "mixtral", "--ep", "2", "--seed_bug", "expert_grads_not_averaged"],
-                                  None),
-    "aux_loss_twice": (1, ["--family", "qwen3_moe", "--seed_bug", "aux_loss_twice"], None),
+    "expert_grads_not_averaged": (2, ["--family", "mixtral", "--ep", "2", "--seed_bug", "expert_grads_not_averaged",
+                                      *TWO_STEPS], None),
+    "aux_loss_twice": (1, ["--family", "qwen3_moe", "--seed_bug", "aux_loss_twice", *TWO_STEPS], None),
     "megatron_fsdp": (2, ["--dp_wrapper", "megatron_fsdp"], None),
+    "fp16": (1, ["--distributed_optimizer", "--fp16", *FP16_SCALER], None),
+    "fp16_perturbed": (1, ["--fp16", *FP16_SCALER], PERTURBED),
+    "fp16_step_on_overflow": (1, ["--fp16", *FP16_SCALER, "--seed_bug", "step_on_overflow", *TWO_STEPS], None),
 }
+# the perturbed setting's variables move no fp16 product on a CPU without fp16 kernels (ATen computes them, not MKL
+# or oneDNN: the fp16 jobs trained bit for bit as under the default); ATen's AVX2 kernels do
+ALSO = {"fp16_perturbed": {"ATEN_CPU_CAPABILITY": "avx2"}}
 MARGIN = 0.5  # a clean run's largest deviation ÷ bound, each check (docs/tolerances.md#every-machine-the-clean-matrix)
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """{name: (verify_trainer.py's exit code, its output, its folder)}: tests/megatron_train_job.py under
-    `verify_trainer.py -- torchrun … megatron_cpu.py megatron_train_job.py`, 4 steps of 2 micro-batches, side by
-    side (conftest.side_by_side), each under its kernel setting."""
+    `verify_trainer.py -- torchrun … megatron_cpu.py megatron_train_job.py`, 4 steps of 2 micro-batches (2 where a
+    seeded fault shows by step 1), side by side (conftest.side_by_side), each under its kernel setting."""
     from parity.calibration.kernel_settings import environment
 
     root = tmp_path_factory.mktemp("megatron_recorded")
@@ -109,9 +123,9 @@ def recorded(tmp_path_factory):
     runs = side_by_side({name: (
         [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", name, "--", "torchrun",
          "--nproc_per_node", str(ranks), "--standalone", os.path.join(TESTS, "megatron_cpu.py"),
-         os.path.join(TESTS, "megatron_train_job.py"), *flags, "--steps", "4"],
-        environment(setting, env) if setting else env, ranks) for name, (ranks, flags, setting) in RECORDED.items()},
-        root)
+         os.path.join(TESTS, "megatron_train_job.py"), "--steps", "4", *flags],
+        {**(environment(setting, env) if setting else env), **ALSO.get(name, {})}, ranks)
+        for name, (ranks, flags, setting) in RECORDED.items()}, root)
     return {name: (code, output, root / name) for name, (code, output) in runs.items()}
 
 
@@ -340,3 +354,78 @@ def test_megatron_fsdp_at_dp2_passes_its_ranges_read_and_its_moments_checked(rec
     moments = {k: v for k, v in checked.items() if k.startswith(("exp_avg/", "exp_avg_sq/"))}
     assert len(moments) == 2 * 21 and max(moments.values()) < 1e-5, moments
     assert "teacher-forced check: within bounds at steps 0" in output and "tensor verdict: PASS: 21 tensors" in output
+
+
+def test_megatron_cores_loss_scaler_follows_the_rules_the_verdict_judges_its_scales_by(mapped):
+    """megatron-core's DynamicGradScaler (and ConstantGradScaler), driven over fixed overflow patterns in the mapping
+    job's process — growth after 1 to 4 good steps, hysteresis 1 to 3, the minimum reached —, gives each step the scale
+    parity/comparing/loss_scales.py's account of its rules gives."""
+    found = mapped["qwen2"]["loss_scales"]
+    assert len(found) == 15 and any(min(theirs) == 2.0 for _, _, theirs, _ in found)  # the minimum held
+    for settings, skipped, theirs, ours in found:
+        assert theirs == ours, (settings, skipped)
+
+
+@pytest.mark.parametrize("name", ["fp16", "fp16_perturbed"])
+def test_an_fp16_job_passes_its_skipped_steps_recorded_and_followed(recorded, name):
+    """Megatron-LM's fp16 on one rank (Float16Module's fp16 parameters; the distributed optimizer's fp32 master shards
+    under the default kernels, the FP16 optimizer's fp32 masters under the perturbed ones and ATen's AVX2 kernels),
+    megatron-core's DynamicGradScaler from 2^19 growing after every good step, hysteresis 2: steps 1 and 2 overflow
+    and megatron-core skips them. The record holds each step's scale and skip and the scaler's settings under its
+    rules; its replay follows them — the same steps skipped, its own gradients overflowing at the record's scale where
+    the record's did, no note — and PASSes, every check within half its bound (its fp32 twin skipping the same steps)."""
+    code, output, folder = recorded[name]
+    assert code == 0, output[-4000:]
+    report = json.loads((folder / "curve_comparison.json").read_text())
+    against = report["against_baseline"]["megatron_cpu"]
+    assert against["verdict"] == "PASS" and max(against["bound_ratios"].values()) < MARGIN, against["bound_ratios"]
+    checks = report["runs"]["megatron_cpu"]["teacher_forced"]["checks"]
+    assert checks and all(c["ok"] and c["ratio"] < MARGIN for c in checks), checks
+    record = json.loads((folder / "loss_megatron_cpu.json").read_text())
+    replay = json.loads((folder / "loss_ddp.json").read_text())
+    config = record["config"]
+    assert (config["precision"], config["reduce_dtype"], config["loss_scaling"]) == ("fp16", "fp32", {
+        "loss_scale": 0.0, "initial_scale_power": 19, "loss_scale_window": 1, "hysteresis": 2,
+        "consecutive_hysteresis": False, "min_loss_scale": 1.0, "rules": "megatron-core"})
+    assert config["sharding"]["distributed_optimizer"] == (name == "fp16")
+    assert [(s["skipped"], s["loss_scale"]) for s in record["steps"]] == [
+        (False, 2.0 ** 19), (True, 2.0 ** 20), (True, 2.0 ** 20), (False, 2.0 ** 19)]
+    assert [math.isfinite(float(s["grad_norm"])) for s in record["steps"]] == [True, False, False, True]  # "Infinity"
+    assert [(s["skipped"], s["loss_scale"], s["overflowed"]) for s in replay["steps"]] == [
+        (s["skipped"], s["loss_scale"], s["skipped"]) for s in record["steps"]]
+    for key in ("loss", "param_norm"):
+        assert max_rel_diff(series(record, key), series(replay, key)) < 1e-4, key
+    assert "note: the replay's gradients" not in output and "tensor verdict: PASS: 21 tensors" in output
+
+
+def test_a_scale_not_backed_off_after_its_overflows_fails_at_that_step(recorded):
+    """The clean fp16 job's record, a copy of it in memory with its scale at step 3 left at 2^20 where megatron-core
+    halves it after the second overflow in a row (hysteresis 2; its other entries, its replay and references as they
+    were): the verdict FAILs it at step 3 on the loss scaler's rules, ahead of any tolerance."""
+    from parity.comparing.curve_report import statistics_text
+    from parity.comparing.curves import compare, load_references, load_runs
+
+    folder = str(recorded["fp16"][2])
+    runs = load_runs(folder)
+    record = next(r for r in runs if r.name == "megatron_cpu")
+    record.steps[3]["loss_scale"] = 2.0 ** 20
+    comparison = compare(runs, references=load_references(folder))
+    first = comparison.results[0].verdict.first_outside
+    assert not comparison.passed and (first.step, first.quantity, first.test, first.value, first.reference) == (
+        3, "loss_scale", "loss_scaler", 2.0 ** 20, 2.0 ** 19), first
+    assert ("first step outside: step 3: the loss scale 1.04858e+06 is not the 524288 that megatron-core's scaler's "
+            "rules give from its settings and the steps it skipped before") in statistics_text(comparison)
+
+
+def test_a_step_taken_on_an_fp16_overflow_fails_at_that_step(recorded):
+    """Seeded in the fp16 job (the FP16 optimizer, its fp32 masters, on one rank, 2 steps): megatron-core finds the
+    overflow at step 1 and updates its scale, but the step is applied: the verdict FAILs at step 1, its loss scaler's
+    skip judged from the record's own gradients (their norm not finite) ahead of any tolerance; the replay, which
+    follows the record, says its own gradients overflowed at the record's scale where the record applied them."""
+    code, output, folder = recorded["fp16_step_on_overflow"]
+    assert code == 1, output[-4000:]
+    first = _judged(folder)["first_outside"]
+    assert (first["step"], first["quantity"], first["test"]) == (1, "skipped", "loss_scaler"), first
+    assert ("first step outside: step 1: the step was applied, but its gradients held an inf or a NaN (pre-clip "
+            "norm inf): a step taken on an fp16 overflow") in output, output[-3000:]
+    assert "note: the replay's gradients overflowed in fp16 at megatron_cpu's loss scale at step 1, which" in output

@@ -401,7 +401,8 @@ def test_a_seeded_accumulation_bug_in_the_deepspeed_bf16_loop_fails_calibrated_a
 def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):
     """The default verdict plans its noise references for a record of every low-precision policy the replay takes,
     whatever its reduce and accumulation dtypes (the ZeRO-2 bf16 record, its policy rewritten): the twins in the
-    record's own policy, the fp32 twin in fp32's own dtypes — none refused (plans only; fp16 records are not replayed)."""
+    record's own policy, the fp32 twin in fp32's own dtypes — none refused (plans only; an fp16 record's, which
+    follows its loss scaler, is tests/test_megatron.py's)."""
     from parity.commands.verify_trainer import plan_replays
     from parity.precision import POLICIES
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from parity import fingerprint, storage
 from parity.comparing.curves import Comparison, CurveResult
-from parity.comparing import clip_read, margins, objective, teacher_forced, tensor_verdict
+from parity.comparing import clip_read, loss_scales, margins, objective, teacher_forced, tensor_verdict
 from parity.comparing.figures import curve_figure, save_figure
 from parity.comparing.html_report import write_curve_page
 from parity.comparing.recorded import (RESUMED_ROWS, cut_words, replay_lines, resumed_at, resumed_note,
@@ -156,6 +156,9 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
             lines.append(f"first step outside: step {f.step}: the lr applied, {f.value:.6g}, is not the one the "
                          f"framework's own settings declare ({f.reference:.6g}): a scheduler stepped other than once "
                          f"per update")
+        elif f.test == loss_scales.TEST:
+            rules = (r.run.config.get("loss_scaling") or {}).get("rules")
+            lines.append(f"first step outside: {loss_scales.line(f, rules)}: ahead of any tolerance")
         elif f.test == "overflow":
             did = lambda skipped: "skipped" if skipped else "applied"  # noqa: E731
             lines.append(f"first step outside: step {f.step}: {label(r.run.name)} {did(f.value)} it and {base} "

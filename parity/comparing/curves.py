@@ -31,7 +31,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from parity import storage
-from parity.comparing import clip_read, margins, objective, recorded_checks, teacher_forced, tensor_verdict, tolerances
+from parity.comparing import (clip_read, loss_scales, margins, objective, recorded_checks, teacher_forced,
+                              tensor_verdict, tolerances)
 from parity.comparing.comparability import (code_mismatches, comparability_mismatches, config_differences,
                                              policy_differences)
 from parity.comparing.noise import (Bounds, another_layout, calibrated_bounds, first_outside, fixed_bounds, floored,
@@ -220,8 +221,7 @@ def compare(runs: list[Run], baseline: str = "ddp", rtol: float | None = None,
     quantities = quantities_of([*runs, *references], num_steps)
     references, same = _check_references(base, references, num_steps, quantities)
     references, unlike = overflow_alike(base, references, num_steps)
-    warnings += same
-    warnings += unlike
+    warnings += same + unlike + loss_scales.notes(base, others, num_steps)  # an fp16 record's replay: its overflows
     fp32_twin = next((r for r in references if r.precision == "fp32" != base.precision), None)
     if fp32_twin is not None and not POLICIES[base.precision].fp32_twin_measures_noise:
         references = [r for r in references if r is not fp32_twin]  # its distance only (Policy's docstring)
@@ -320,7 +320,8 @@ def _result(base: Run, run: Run, num_steps: int, bounds: Bounds, fp32_twin: Run 
     outside = None
     if not other_policy:  # the earlier of the two; at one step, the overflow mismatch (it explains the rest)
         found = [o for o in (run.duplicate_rows, resumed_rows(base.record, run.record), run.lr_off_schedule,
-                             first_overflow_mismatch(base, run, num_steps), tensors and tensors.clip_gap,
+                             first_overflow_mismatch(base, run, num_steps), loss_scales.first_fault(run, num_steps),
+                             tensors and tensors.clip_gap,
                              first_outside(series, baseline, bounds, scales),
                              teacher_forced.first_fail(run.record, num_steps),
                              objective.first_outside(base, run, num_steps, bounds.per_step["loss"], references),

@@ -176,6 +176,10 @@ def _outside_words(f: dict) -> str:
                 f"diff {f['rel_diff']:.3e} > {f['tolerance']:.3e}")
     if test == "overflow":
         return f"{step}, one run skipped it on an fp16 overflow and the other applied it"
+    if test == "loss_scaler":  # parity/comparing/loss_scales.py
+        return (f"{step}, its loss scaler: " + ("skipped without an overflow" if f["quantity"] == "skipped" and
+                f.get("value") else "applied on an overflow" if f["quantity"] == "skipped" else
+                f"scale {f.get('value')} where its rules give {f.get('reference')}"))
     if test == "lr_schedule":
         return (f"{step}, the lr applied ({f.get('value')}) is not the one the framework's settings declare "
                 f"({f.get('reference')})")

@@ -11,6 +11,8 @@ alone ("bounds_held", "margin").
 
 from __future__ import annotations
 
+import math
+
 from parity.comparing import objective, teacher_forced
 from parity.comparing.noise import drift_statistic, relative_diffs
 from parity.comparing.tolerances import DRIFT_K
@@ -35,7 +37,8 @@ def bounds_held(c, r) -> dict[str, dict]:
     found = {}
     for q, rel in curve_diffs(c, r).items():
         bounds, held = r.bounds.per_step[q], (r.bounds.held or {}).get(q)
-        ratios = [abs(d) / b if b else (0.0 if d == 0 else float("inf")) for d, b in zip(rel, bounds)]
+        ratios = [abs(d) / b if b and math.isfinite(d) else (0.0 if d == 0 else float("inf"))  # NaN: beyond any
+                  for d, b in zip(rel, bounds)]
         step = max(range(len(ratios)), key=ratios.__getitem__, default=None)
         if step is not None:
             found[q] = {"ratio": ratios[step], "step": step, "bound": bounds[step],

@@ -459,15 +459,16 @@ class ParityRecorder(BatchTaking):
         harness_s["after_step"] = time.perf_counter() - t0  # all of the recorder's at the step's end, the above in it
 
     def _check_optimizer_steps(self) -> None:
-        """One optimizer step per recorded step, as the replay takes one (the step hook's firings, where the
-        view's torch optimizer steps once an update). A loop whose optimizer did not step or stepped twice between two
-        after_step() calls trained another run than the one recorded: the record stops at that step."""
+        """One optimizer step per recorded step (the step hook's firings, where the view's torch optimizer steps once
+        an update), none where a framework's fp16 scaler skipped it (step_extras' `skipped`), as the replay takes them.
+        Else the loop trained another run than the one recorded: the record stops at that step."""
         steps, self._optimizer_steps = self._optimizer_steps, 0
-        if steps == 1 or not self.view.steps_once_an_update:
+        if steps == 1 - bool(self.step_extras.get("skipped")) or not self.view.steps_once_an_update:
             return
         why = (f"did not step in step {self.step} (a skipped step, or after_step() after a micro-batch that only "
-               f"accumulated)" if steps == 0 else
-               f"stepped {steps} times in step {self.step} (after_step() goes after each optimizer step)")
+               f"accumulated)" if steps == 0 else f"stepped {steps} times in step {self.step}" + (
+                   ", which its loss scaler skipped" if self.step_extras.get("skipped") else
+                   " (after_step() goes after each optimizer step)"))
         self._stop_at(self.step, f"the optimizer {why}: the replay steps it once a recorded step")
 
     def _check_scales(self, lrs: list[float]) -> None:

@@ -86,10 +86,13 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
     taken = {k: config[k] for k in REPLAY_TAKES if k not in REPLAY_ONLY}
     if given.get("precision", taken["precision"]) != taken["precision"]:  # the fp32 twin: in its own policy's dtypes
         taken.update({k: None for k in POLICY_FIELDS if k in taken and k != "precision"})
+    taken.pop("loss_scaling")  # fp16's: the record's scaler, which the replay follows (below)
     values = {"model_name": model_folder, "init_weights_path": weights, "num_workers": workers, **data,
               "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0, **taken,
               "checkpoint_interval": 0, **lora, **(flags or {}), **given}
     cfg = resolve(strategy, values, cluster=cluster)
+    if taken["precision"] == "fp16":
+        cfg = _followed_scaler(record_file, record, cfg)
     attention = config.get("attn_implementation")  # the run's (a record from before it was kept: the default)
     model_config = {**cfg.model_config, **({"attn_implementation": attention} if attention else {})}
     if attention:
@@ -152,7 +155,8 @@ def recorded_states(record_file: str, record: dict) -> RecordedStates:
         entry = steps[k]
         lr = entry["declared_lr"] if entry.get("declared_lr") is not None else entry["lr"]
         checks.append(StateCheck(k, *files, (saved[k][0]["step_count"], saved[k][1]["step_count"]), entry["grad_norm"],
-                                 lr, entry["batch_hash"], entry.get("grad_norm_source")))
+                                 lr, entry["batch_hash"], entry.get("grad_norm_source"), entry.get("loss_scale"),
+                                 bool(entry.get("skipped"))))
     stopped = index.get("stopped")
     none = None if checks else (f"no state was saved: {stopped['why']}" if stopped else
                                 "no step's states before and after were both saved")
@@ -177,10 +181,27 @@ def read_recorded(record_file: str) -> dict:
     if batches["saved_steps"] < len(record["steps"]):
         raise ConfigError(f"--replay_record {name}: its batches are missing (saved {batches['saved_steps']} of "
                           f"{len(record['steps'])} steps): record again with the batches saved")
-    if config["precision"] == "fp16":
-        raise ConfigError(f"--replay_record {name}: fp16 runs are not replayed (the recorder does not record the loss "
-                          f"scaler)")
+    if config["precision"] == "fp16" and not (config.get("loss_scaling") and
+                                              all("loss_scale" in s for s in record["steps"])):
+        raise ConfigError(f"--replay_record {name}: an fp16 run is replayed where its recorder records its loss "
+                          f"scaler (each step's scale and whether it was skipped: megatron-core's), and this one's "
+                          f"does not: record it in bf16 or fp32")
     return record
+
+
+def _followed_scaler(record_file: str, record: dict, cfg):
+    """The replay of an fp16 record: the record's loss scaler followed step by step (RunConfig.loss_scales: each step's
+    scale and skip, loss_scaler.FollowedScaler), its settings the record's (its policy's; the verdict judges the
+    record's scales by their `rules`); its fp32 twin skips the steps the record skipped, at scale 1, so that its
+    distance is the policy's rounding alone. DeepSpeed's engine scales and skips by itself: not a replay of one."""
+    if cfg.strategy == "deepspeed":
+        raise ConfigError(f"--replay_strategy zero3: {storage.name(record_file)} is an fp16 run, whose replay follows "
+                          f"its loss scaler's scales and skipped steps, which DeepSpeed's engine decides itself: "
+                          f"replay it under DDP or FSDP2 (--replay_strategy ddp or fsdp)")
+    fp16 = cfg.precision == "fp16"
+    steps = tuple((float(s["loss_scale"]) if fp16 else 1.0, bool(s.get("skipped"))) for s in record["steps"])
+    return dataclasses.replace(cfg, loss_scales=steps, **({"loss_scaling": record["config"]["loss_scaling"]}
+                                                          if fp16 else {}))
 
 
 def replayable_optimizer(record_file: str, optimizer: dict) -> dict:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parity.models.packing import per_rank_placement
-from parity.training.loss_scaler import unscaled_or_skipped
+from parity.training.loss_scaler import applied, unscaled_or_skipped
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
 from parity.training.optimizer import (OptimizerStep, clip_coefficient, squared_norm_fp64, step_optimizer,
                                        trainable)
@@ -189,7 +189,7 @@ class DTensorStrategy(Strategy):
         self.record_gradients()  # the shards the norm below is taken of, unscaled
         norm = clip_sharded_gradients(self.model.parameters(), self.cfg)
         step_optimizer(self.optimizer, lr)
-        return OptimizerStep(norm, loss_scale=scale if self.scaler else None)
+        return applied(self.scaler, norm, scale)
 
     def parameter_norm(self) -> float:
         return global_norm(trainable(self.model.parameters()))  # LoRA's: the adapters

@@ -227,7 +227,9 @@ def train(w: Worker, batches, session: RayTrainSession | None = None) -> None:
             raise RunStopped(f"loss is {stats.loss} at step {step}: lower --learning_rate or check the data")
         done = step + 1
         checkpoint = bool(checkpoints and checkpoints.due(done, total_steps))
-        scaling = {"skipped": stats.skipped, "loss_scale": stats.loss_scale} if cfg.loss_scaling else {}
+        scaling = {"skipped": stats.skipped, "loss_scale": stats.loss_scale} if cfg.loss_scaling or cfg.loss_scales \
+            else {}  # (loss_scales: a replay of an fp16 record, its fp32 twin too, follows its skips: FollowedScaler)
+        scaling.update({} if stats.overflowed is None else {"overflowed": stats.overflowed})
         checked = teacher.after(step, stats.grad_norm, stats.skipped)  # [9]
         if checked is not None:
             scaling[TEACHER_FORCED] = checked

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from parity.errors import RunStopped
-from parity.precision import LossScaling
+from parity.precision import LOSS_SCALING_DEFAULTS, LossScaling
 from parity.training.optimizer import OptimizerStep
 
 
@@ -87,20 +87,84 @@ class LossScaler(LossScaling):
             setattr(self, key, state[key])
 
 
-def unscaled_or_skipped(scaler: LossScaler | None, grads: Iterable[torch.Tensor], device: torch.device,
-                        zero_grad: Callable[[], None]) -> OptimizerStep | None:
+class FollowedScaler:
+    """A recorded fp16 run's loss scaler, followed by its replay (parity/replay/replay.py: RunConfig.loss_scales, the
+    record's scale and skip of each step): each step's gradients are computed at the record's scale, and the step is
+    skipped where the record skipped it — not where the replay's own gradients overflow: at the edge of fp16's range
+    one side overflows and the other not, and a correct run would FAIL there. Whether the replay's own gradients
+    overflowed at that scale is kept (`overflowed`: the step's record, which the verdict reports where it is not the
+    record's skip). Where they overflowed at a step the record applied, the step is computed again (`again`) at half
+    the scale, up to RETRIES times, and applied: a power of 2 scales every fp16 rounding alike, so the gradients are
+    those of the record's scale but where they fall below fp16's normal range. Whether the record's skips and scales
+    are right is judged from the record (parity/comparing/loss_scales.py)."""
+
+    RETRIES = 4
+
+    def __init__(self, steps):
+        self.steps = [(float(scale), bool(skipped)) for scale, skipped in steps]
+        self.iteration, self.halvings, self.overflowed, self.again, self.collective = 0, 0, None, False, True
+
+    @property
+    def scale(self) -> float:
+        return self.steps[min(self.iteration, len(self.steps) - 1)][0] / 2 ** self.halvings
+
+    @torch.no_grad()
+    def unscale_or_skip(self, grads: list[torch.Tensor], device: torch.device) -> bool:
+        """LossScaler's, by the record: whether the step is not applied now — skipped as the record skipped it, or
+        to be computed again at half the scale (`again`) —; if it is, the gradients divided by their scale in place.
+        Collective (unless `collective` is off)."""
+        overflow = any_nonfinite(grads, device, collective=self.collective)
+        self.overflowed = overflow if not self.halvings else self.overflowed
+        skipped = self.steps[min(self.iteration, len(self.steps) - 1)][1]
+        self.again = overflow and not skipped and self.halvings < self.RETRIES
+        if self.again:
+            self.halvings += 1
+            return True
+        if not (skipped or overflow):  # overflowing still: not applied, and the verdict's skip rule FAILs there
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+        self.iteration, self.halvings = self.iteration + 1, 0
+        return skipped or overflow
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iteration = state["iteration"]
+
+
+def scaler_of(cfg) -> LossScaler | FollowedScaler | None:
+    """The run's fp16 loss scaler: a replay's of an fp16 record follows the record's (cfg.loss_scales); any other fp16
+    run's is the harness's own, by the run's settings (a record's `rules`, which the verdict reads, left out); None
+    outside fp16."""
+    if getattr(cfg, "loss_scales", None):
+        return FollowedScaler(cfg.loss_scales)
+    if not cfg.loss_scaling:
+        return None
+    return LossScaler(**{k: v for k, v in cfg.loss_scaling.items() if k in LOSS_SCALING_DEFAULTS})
+
+
+def unscaled_or_skipped(scaler: LossScaler | FollowedScaler | None, grads: Iterable[torch.Tensor],
+                        device: torch.device, zero_grad: Callable[[], None]) -> OptimizerStep | None:
     """fp16's unscale-or-skip before a step, written once for every strategy that runs the harness's scaler (the
     PolicyOptimizer's plain tensors, the DTensor strategies' local shards): None where the step goes on — there is no
     scaler, or the gradients `grads` (plain tensors, read only under a scaler) held no inf or NaN on any rank and are
     now unscaled in place —, else the skipped step's OptimizerStep (norm inf, the scale its gradients were computed
-    with), every gradient dropped by `zero_grad`. Collective under a scaler."""
+    with; `again` where a FollowedScaler computes it again), every gradient dropped by `zero_grad`. Collective under a
+    scaler."""
     if scaler is None:
         return None
     scale = scaler.scale
     if not scaler.unscale_or_skip(list(grads), device):
         return None
     zero_grad()
-    return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
+    return OptimizerStep(float("inf"), skipped=True, loss_scale=scale, again=getattr(scaler, "again", False),
+                         overflowed=getattr(scaler, "overflowed", None))
+
+
+def applied(scaler: LossScaler | FollowedScaler | None, norm: float, scale: float) -> OptimizerStep:
+    """The OptimizerStep of a step applied (pre-clip norm `norm`) under `scaler`: the scale its gradients were computed
+    with, and a replay's overflow at the record's scale (FollowedScaler.overflowed)."""
+    return OptimizerStep(norm, loss_scale=scale if scaler else None, overflowed=getattr(scaler, "overflowed", None))
 
 
 def any_nonfinite(tensors, device: torch.device, group=None, collective: bool = True) -> bool:

@@ -25,6 +25,8 @@ class OptimizerStep:
     norm: float
     skipped: bool = False
     loss_scale: float | None = None
+    again: bool = False  # a replay following an fp16 record: compute the step again (loss_scaler.FollowedScaler)
+    overflowed: bool | None = None  # ... and whether its own gradients overflowed at the record's scale
 
     @classmethod
     def of(cls, result) -> "OptimizerStep":

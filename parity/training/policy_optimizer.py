@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parity.precision import DTYPES, policy_of
-from parity.training.loss_scaler import LossScaler, unscaled_or_skipped
+from parity.training.loss_scaler import applied, scaler_of, unscaled_or_skipped
 from parity.training.memory import GRADS, MASTER, PARAMS
 from parity.training.optimizer import ADAMW_MOMENTS, OptimizerStep, build_optimizer, clip_coefficient, set_lr
 from parity.training.update_noise import tensor_table
@@ -60,7 +60,7 @@ class PolicyOptimizer:
         for p in params:  # a frozen parameter (LoRA's base) is computed with in the policy's dtype too
             p.data = p.data.to(DTYPES[self.policy.params])
         self.optimizer = build_optimizer(self.masters or self.params, cfg, names)
-        self.scaler = LossScaler(**cfg.loss_scaling) if self.policy.loss_scaling else None
+        self.scaler = scaler_of(cfg) if self.policy.loss_scaling or getattr(cfg, "loss_scales", None) else None
         self.accumulates_fp32 = self.policy.master_copy and cfg.grad_accum_dtype == "fp32"
         # the optimizer's own noise of each step (parity/training/update_noise.py), by id of the tensor it steps, where
         # the strategy asks for it (measures_update_noise: the baseline's series); else None
@@ -139,7 +139,7 @@ class PolicyOptimizer:
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
         self.zero_grad()
-        return OptimizerStep(norm, loss_scale=scale if self.scaler else None)
+        return applied(self.scaler, norm, scale)
 
     def _noise_tables(self) -> dict:
         """{id(tensor stepped): update_noise.tensor_table} of this step, from each tensor's gradient (clipped) and AdamW

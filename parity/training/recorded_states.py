@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from parity import storage
 from parity.training.optimizer import ADAMW_MOMENTS
-from parity.training.teacher_forced import measured, references
+from parity.training.teacher_forced import SKIPPED, measured, references
 from parity.training.view import FullState
 
 INDEX = "states.json"  # in the recorder's folder (recorded_<name>/): what was saved, and each file's name
@@ -90,6 +90,8 @@ class StateCheck:
     lr: float
     batch_hash: str
     grad_norm_source: str | None = None  # "framework": the norm the framework took in its own fp32 arithmetic
+    loss_scale: float | None = None  # fp16: the scale the step's gradients were computed with ...
+    skipped: bool = False  # ... and whether its loss scaler skipped it, which the reference step follows
 
 
 @dataclass(frozen=True)
@@ -129,13 +131,14 @@ def _check(worker, batches, check: StateCheck) -> dict:
     t0 = time.perf_counter()
     cfg, device = worker.cfg, worker.ctx.device
     before, after = read_state(check.before, check.counts[0]), read_state(check.after, check.counts[1])
-    # the record's largest micro-batch, a split the objective may depend on (teacher_forced.own_split); a rollout
-    # file's batches carry none
+    fp16 = {} if check.loss_scale is None else {"loss_scale": check.loss_scale, "skipped": check.skipped}
     refs = references(cfg, worker.model_config, before, batches.as_fed(check.step).to(device), check.lr, device,
-                      micro_rows=getattr(batches, "most_rows", None))
-    entry = measured(after, check.grad_norm, refs, before, check.lr)
-    return {"step": check.step, "precision": cfg.precision, "seconds": time.perf_counter() - t0, **entry,
-            "note": None, "batch_hash": check.batch_hash, "grad_norm_source": check.grad_norm_source}
+                      micro_rows=getattr(batches, "most_rows", None), **fp16)  # a split the objective depends on
+    # (teacher_forced.own_split: the record's largest micro-batch; a rollout file's batches carry none)
+    skipped = (check.skipped, refs[0] is None)  # fp16: the record's skip, the reference's (teacher_forced.SKIPPED)
+    entry = {"note": SKIPPED[skipped]} if any(skipped) else measured(after, check.grad_norm, refs, before, check.lr)
+    return {"step": check.step, "precision": cfg.precision, "seconds": time.perf_counter() - t0, "note": None,
+            **entry, "batch_hash": check.batch_hash, "grad_norm_source": check.grad_norm_source}
 
 
 __all__ = ["INDEX", "RecordedStates", "StateCheck", "check_recorded", "checks_path", "encode", "read_state",

@@ -71,6 +71,7 @@ class StepStats:
     harness_s: dict  # the harness's own measurements in this step, by what: seconds (docs/benchmark.md)
     skipped: bool = False  # fp16: the step was skipped on an overflow (the parameters did not move)
     loss_scale: float | None = None  # fp16: the loss scale the step's gradients were computed with
+    overflowed: bool | None = None  # a replay following an fp16 record: its gradients overflowed at the record's scale
     routing: dict | None = None  # a mixture of experts: {"aux_loss", "expert_loads"} of the global batch (routing.py)
     # each trainable tensor's pre-clip gradient norm (× clip_coef where cfg.tensor_grad is CLIPPED) and parameter norm
     # after the step, in tensor_names() order (None where the strategy does not hand over its pieces): tensor_norms.py
@@ -442,11 +443,13 @@ class Strategy(Routing, ShardedView):
                                            self.policy_optimizer is not None and not self.cfg.noise_reference)
             if self._measures_update_noise:
                 self.policy_optimizer.measures_update_noise = True
-        names = self._tensor_names
-        self._grad_squares, self._tensors_s, self._reading = None, 0.0, names is not None and self.reads_at_clip
-        if names is not None and not self.reads_at_clip:  # read here: after backward, before the step (unscaled)
-            self._read_gradients(self.current_loss_scale)
-        done = OptimizerStep.of(self.optimizer_step(lr))
+        names, done = self._tensor_names, None
+        while done is None or done.again:  # again: a replay of an fp16 record, at half the scale (FollowedScaler)
+            local_sum = local_sum if done is None else self.forward_backward(batch, global_tokens)
+            self._grad_squares, self._tensors_s, self._reading = None, 0.0, names is not None and self.reads_at_clip
+            if names is not None and not self.reads_at_clip:  # read here: after backward, before the step (unscaled)
+                self._read_gradients(self.current_loss_scale)
+            done = OptimizerStep.of(self.optimizer_step(lr))
         self._reading = False
         observe("after_step")
         t0 = time.perf_counter()
@@ -486,9 +489,9 @@ class Strategy(Routing, ShardedView):
         return StepStats(loss=sum(sums) / global_tokens, dp_rank_losses=[s / max(c, 1) for s, c in zip(sums, counts)],
                          grad_norm=done.norm, param_norm=param_norm,
                          harness_s={"loss_gather": gather_s, "param_norm": param_s, "tensor_norms": tensors_s},
-                         skipped=done.skipped, loss_scale=done.loss_scale, routing=self.step_routing,
-                         tensor_grad_norms=grads, tensor_param_norms=params, clip_coef=coef, update_noise=noise,
-                         objective=self.objective.quantities(stats))
+                         skipped=done.skipped, loss_scale=done.loss_scale, overflowed=done.overflowed,
+                         routing=self.step_routing, tensor_grad_norms=grads, tensor_param_norms=params, clip_coef=coef,
+                         update_noise=noise, objective=self.objective.quantities(stats))
 
     def micro_batch_sum(self, logits: torch.Tensor, micro, divisor: float, micro_batches: int) -> torch.Tensor:
         """What micro-batch `micro` contributes to its step's loss × the step's divisor `divisor` (the global batch's

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from parity.layout import Layout
 from parity.objectives import invariance_of
+from parity.training.loss_scaler import FollowedScaler
 from parity.training.optimizer import ADAMW_MOMENTS, clip_coefficient, local_norm
 from parity.training.policy_optimizer import PolicyOptimizer
 from parity.training.routing import MEGATRON_CORE
@@ -184,7 +185,7 @@ def reference_cfg(cfg, batch_rows: int, precision: str | None = None, micro_batc
     split_micro_batches'), in `precision`'s policy (fp32: no loss scaling, fp32 reductions) or the run's own."""
     changes = dict(num_workers=1, dp_size=1, tp_size=1, pp_size=1, ep_size=1, batch_size=batch_rows,
                    grad_accum_steps=micro_batches or split_micro_batches(cfg), compile=False,
-                   activation_checkpointing=False)
+                   activation_checkpointing=False, loss_scales=None)  # fp16: its own overflow, at the step's scale
     if precision == "fp32":
         changes.update(precision="fp32", reduce_dtype="fp32", grad_accum_dtype="fp32", loss_scaling=None)
     return dataclasses.replace(cfg, **changes)
@@ -192,10 +193,12 @@ def reference_cfg(cfg, batch_rows: int, precision: str | None = None, micro_batc
 
 def reference_step(cfg, model_config, state: FullState, global_batch, lr: float, device,
                    precision: str | None = None, loss_scale: float = 1.0, perturbed: bool = False,
-                   micro_rows: int | None = None) -> tuple[FullState, float] | None:
+                   micro_rows: int | None = None, skipped: bool | None = None) -> tuple[FullState, float] | None:
     """[2]: one step from `state` on `global_batch` at `lr` (`perturbed`: its twin in another arithmetic, PERTURB);
     (the state after it, the pre-clip grad norm), or None where an fp16 overflow skipped it (at the strategy's
-    `loss_scale`; `micro_rows`: own_split's)."""
+    `loss_scale`; `micro_rows`: own_split's) — or, where the run follows a record's fp16 scaler, where the record
+    skipped it (`skipped`: the step then applied where the record applied it, as its replay applies it:
+    loss_scaler.FollowedScaler)."""
     from parity.models.adapters import add_adapters
     from parity.models.model import build_model
 
@@ -216,25 +219,31 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
         ref.policy_optimizer.set_moments([(p, state.moments[n]) for n, p in model.named_parameters() if p.requires_grad],
                                          state.count)
     scaler = ref.policy_optimizer.scaler
-    if scaler is not None:  # fp16: the strategy's scale at this step; an overflow looked for in this process alone
-        scaler.scale, scaler.collective = loss_scale, False
-    ref.forward_backward(global_batch, global_batch.divisor)
-    done = ref.optimizer_step(lr)
+    if scaler is not None and skipped is not None:  # the record's decision, at its scale (FollowedScaler)
+        scaler = ref.policy_optimizer.scaler = FollowedScaler([(loss_scale, skipped)])
+    elif scaler is not None:  # fp16: the strategy's scale at this step
+        scaler.scale = loss_scale
+    if scaler is not None:  # an overflow looked for in this process alone
+        scaler.collective = False
+    done = None
+    while done is None or done.again:  # again: at half the scale, where the record applied what overflowed here
+        ref.forward_backward(global_batch, global_batch.divisor)
+        done = ref.optimizer_step(lr)
     return None if done.skipped else (ref.state(), float(done.norm))
 
 
 def references(cfg, model_config, state: FullState, global_batch, lr: float, device, loss_scale: float = 1.0,
-               micro_rows: int | None = None):
+               micro_rows: int | None = None, skipped: bool | None = None):
     """[2] (the reference step in the run's policy, the same step in fp32 or None, its perturbed twin or None):
     reference_step's in the run's policy, again in another arithmetic (PERTURB: how far rounding alone moves each
     tensor at this step, the check's noise) and, in a low-precision policy, once more in fp32 (how far the policy's
-    rounding moves it); the first None where an fp16 overflow skipped it."""
+    rounding moves it); the first None where an fp16 overflow skipped it (`skipped`: reference_step's)."""
     own = reference_step(cfg, model_config, state, global_batch, lr, device, loss_scale=loss_scale,
-                         micro_rows=micro_rows)
+                         micro_rows=micro_rows, skipped=skipped)
     if own is None:
         return own, None, None
     twin = reference_step(cfg, model_config, state, global_batch, lr, device, loss_scale=loss_scale, perturbed=True,
-                          micro_rows=micro_rows)
+                          micro_rows=micro_rows, skipped=skipped)
     exact = reference_step(cfg, model_config, state, global_batch, lr, device, "fp32", micro_rows=micro_rows) \
         if cfg.precision != "fp32" else None
     return own, exact, twin
@@ -377,8 +386,9 @@ class TeacherForcedCheck:
                       for k, v in saved.items()}
         refs = None
         if self.ctx.is_logging_rank:
+            followed = self.cfg.loss_scales[step][1] if self.cfg.loss_scales else None  # an fp16 record's replay
             refs = references(self.cfg, self.model_config, state, global_batch.to(self.ctx.device),
-                              lr_at(step, self.cfg), self.ctx.device, self.strategy.current_loss_scale)
+                              lr_at(step, self.cfg), self.ctx.device, self.strategy.current_loss_scale, skipped=followed)
         self.pending = (state, refs, resume, time.perf_counter() - t0)
 
     def after(self, step: int, grad_norm: float, skipped: bool = False) -> dict | None:

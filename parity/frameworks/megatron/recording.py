@@ -16,8 +16,9 @@ calculate_per_token_loss, their masked sum and token count) that the record's ro
 it: the input ids and one more token (the last label), labels −100 then the targets, −100 where the mask is 0.
 
 The optimizer's `prepare_grads` (its first act in `step()`: the FP32 optimizer points each parameter's `grad` at the
-DP-reduced `main_grad`) ends by reading the gradients before the clip (`before_step`); its `step()` ends with the
-step's record, Megatron's own grad norm kept beside the recorder's.
+DP-reduced `main_grad`; in fp16 it also unscales them and looks for an overflow) ends by reading the gradients before
+the clip (`before_step`); its `step()` ends with the step's record, Megatron's own grad norm kept beside the
+recorder's — in fp16 with the step's loss scale and whether the scaler skipped it (`loss_scaling` below).
 
 Each chunk's GPTModel forward is wrapped rather than hooked (Megatron-FSDP calls it directly): the ids from the chunk
 that embeds (the first virtual stage of the first pipeline stage), the labels from the one that takes the losses. A
@@ -33,6 +34,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import math
 
 import torch
 import torch.distributed as dist
@@ -156,15 +158,19 @@ class MegatronRecording:
             attach.stop_command(f"megatron-core: {exc}")
         self.optimizer = found[-1]
         folder, name = attach.variables()
-        bf16 = bool(self.optimizer.config.bf16)  # Float16Module's bf16 parameters, the optimizer's fp32 masters
+        settings = self.optimizer.config  # bf16 / fp16: Float16Module's parameters, the optimizer's fp32 masters
+        half = "bf16" if settings.bf16 else "fp16" if settings.fp16 else None
         self.recorder = ParityRecorder(folder, name=name, model=self.view, optimizer=self.view.optimizer,
-                                       max_grad_norm=float(self.optimizer.config.clip_grad),
-                                       precision="bf16_params" if bf16 else "fp32", framework="megatron-core",
+                                       max_grad_norm=float(settings.clip_grad),
+                                       precision={"bf16": "bf16_params", "fp16": "fp16"}.get(half, "fp32"),
+                                       framework="megatron-core",
                                        framework_versions={"megatron-core": md.version("megatron-core")})
-        if self.recorder.enabled and bf16:  # main_grad accumulates the micro-batches and is reduced in its dtype
+        if self.recorder.enabled and half:  # main_grad accumulates the micro-batches and is reduced in its dtype
             reduce = "fp32" if getattr(chunks[0], "ddp_config", None) is None or \
-                chunks[0].ddp_config.grad_reduce_in_fp32 else "bf16"
+                chunks[0].ddp_config.grad_reduce_in_fp32 else half
             self.recorder.record.data["config"].update(reduce_dtype=reduce, grad_accum_dtype=reduce)
+        if self.recorder.enabled and half == "fp16":  # its scaler's settings; each step's scale and skip (below)
+            self.recorder.record.data["config"]["loss_scaling"] = loss_scaling(settings)
         self.routers = RouterStatistics(self.modules, config, self.view) if config.num_moe_experts else None
         self.labels = None  # the last GPTModel call's labels
         self.ids: list = []  # this step's GPTModel calls' input ids, in order (the first stage's: the rows')
@@ -283,8 +289,12 @@ class MegatronRecording:
             self.recorder.broken = self.recorder.broken or self.routers.broken
 
     def _patch_optimizer(self) -> None:
+        """prepare_grads ends by reading the gradients (unscaled, in fp16: where megatron-core looked for an overflow);
+        step() ends with the step's record — in fp16 with the scale the step's gradients were computed with (read
+        before the step: prepare_grads updates it) and whether megatron-core skipped the step (its success flag)."""
         optimizer, rec = self.optimizer, self.recorder
         prepare, step = optimizer.prepare_grads, optimizer.step
+        fp16 = bool(optimizer.config.fp16)
 
         def prepare_grads(*args, **kwargs):
             found_inf = prepare(*args, **kwargs)
@@ -292,15 +302,24 @@ class MegatronRecording:
             return found_inf
 
         def step_(*args, **kwargs):
+            scale = self._loss_scale() if fp16 else None
             out = step(*args, **kwargs)
-            self._after_step(out)
+            self._after_step(out, scale)
             return out
 
         optimizer.prepare_grads, optimizer.step = prepare_grads, step_
 
     @guarded
-    def _after_step(self, out) -> None:
+    def _loss_scale(self) -> float:
+        return float(self.optimizer.get_loss_scale())
+
+    @guarded
+    def _after_step(self, out, scale: float | None) -> None:
+        """The step's record; in fp16 (`scale`: the one its gradients were computed with) whether megatron-core's
+        scaler skipped it (step()'s success flag)."""
         norm = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+        if scale is not None:
+            self.recorder.step_extras.update(skipped=not (out[0] if isinstance(out, tuple) else True), loss_scale=scale)
         self.recorder.after_step(logged_loss=self.logged, logged_grad_norm=None if norm is None else float(norm))
 
     @guarded
@@ -309,4 +328,16 @@ class MegatronRecording:
             self.recorder.close()
 
 
-__all__ = ["MegatronRecording", "install"]
+def loss_scaling(settings) -> dict:
+    """megatron-core's loss scaler (its OptimizerConfig `settings`) in the record's loss_scaling (the harness's keys,
+    parity.precision.LossScaling's): a static `loss_scale`, or DynamicGradScaler's initial scale (as a power of 2),
+    growth interval, hysteresis and minimum — and `rules`: megatron-core's, which the verdict judges each step's scale
+    by (parity/comparing/loss_scales.py): doubled after `loss_scale_window` good steps in a row, halved at each
+    overflow once `hysteresis` of them have come since the last growth, never below the minimum (no stop there)."""
+    power = math.log2(settings.initial_loss_scale)
+    return {"loss_scale": float(settings.loss_scale or 0.0), "initial_scale_power": int(power) if power.is_integer()
+            else power, "loss_scale_window": int(settings.loss_scale_window), "hysteresis": int(settings.hysteresis),
+            "consecutive_hysteresis": False, "min_loss_scale": float(settings.min_loss_scale), "rules": "megatron-core"}
+
+
+__all__ = ["MegatronRecording", "install", "loss_scaling"]

@@ -16,9 +16,10 @@ its MegatronOptimizer, at tensor (TP) × data (DP) × pipeline (PP) × expert (E
   gradient, its moments); those ranges are the pieces, the moments are summed over DP into whole TP shards, and the
   parameters, gathered whole by megatron-core after each step, are replicas on the DP ranks.
 
-- In bf16 (megatron-core's Float16Module and `bf16=True`: the bf16_params policy) the optimizer steps fp32 masters of
-  the bf16 parameters: the weights read (the parameter norm, each tensor's, the full state) and the moments are the
-  masters', a distributed optimizer's range of each in place of the bf16 parameter's elements.
+- In bf16 (megatron-core's Float16Module and `bf16=True`: the bf16_params policy) and in fp16 (`fp16=True`, its loss
+  scaler: the fp16 policy) the optimizer steps fp32 masters of the 16-bit parameters: the weights read (the parameter
+  norm, each tensor's, the full state) and the moments are the masters', a distributed optimizer's range of each in
+  place of the 16-bit parameter's elements.
 
 - Under pipeline parallelism each stage holds its own layers (renumbered in the whole model; with virtual pipeline
   stages each of its model chunks), the norms are held alike by the ranks of their stage, full tensors are gathered
@@ -33,9 +34,9 @@ its MegatronOptimizer, at tensor (TP) × data (DP) × pipeline (PP) × expert (E
   expert-data-parallel ranks, every EP rank's experts stacked into the fused Hugging Face weights; megatron-core's
   dense and expert optimizers followed as one.
 
-Refused in one line (MegatronRefused): context parallelism, fp16, bf16 parameters without the optimizer's fp32
-masters, chained optimizers unlike megatron-core's dense and expert ones, Megatron-FSDP with experts, in bf16 or at
-TP > 1, megatron-core's torch-FSDP2 wrapper, a model other than a GPTModel.
+Refused in one line (MegatronRefused): context parallelism, fp16 with the experts' optimizer, 16-bit parameters
+without the optimizer's fp32 masters, chained optimizers unlike megatron-core's dense and expert ones, Megatron-FSDP
+with experts, in bf16 or fp16 or at TP > 1, megatron-core's torch-FSDP2 wrapper, a model other than a GPTModel.
 """
 
 from __future__ import annotations
@@ -87,9 +88,11 @@ def refusal(optimizer) -> str | None:
         return (f"{len(inner)} chained optimizers of other kinds or configs: the recorder follows megatron-core's "
                 f"dense and expert optimizers alike")
     config = inner[0].config
-    if config.fp16:
-        return "fp16 (its loss scaling): not recorded yet; record the job in bf16 or fp32"
-    if not config.bf16 and any(p.dtype != torch.float32 for g in inner[0].param_groups for p in g["params"]):
+    if config.fp16 and len(inner) > 1:
+        return ("fp16 with the experts' optimizer beside the dense one (a ChainedOptimizer: each of its loss scalers "
+                "updates on its own overflows): not recorded yet; record the job in bf16 or fp32")
+    if not (config.bf16 or config.fp16) and any(p.dtype != torch.float32 for g in inner[0].param_groups
+                                                for p in g["params"]):
         return "parameters not in fp32 stepped without fp32 masters (OptimizerConfig bf16=False): not recorded"
     return None
 
@@ -180,9 +183,9 @@ class MegatronView(TranslatedView):
         self._master: dict[int, torch.Tensor] = {}  # the bf16 optimizer's fp32 masters: see masters
         ddp_config = getattr(inner[0], "ddp_config", None)
         self.fsdp = bool(ddp_config is not None and ddp_config.use_megatron_fsdp)  # Megatron-FSDP: see _placed
-        if self.fsdp and (config.num_moe_experts or inner[0].config.bf16 or self.tp > 1):
-            raise MegatronRefused("Megatron-FSDP with MoE layers, in bf16 or at TP > 1 (its DTensors span the TP × DP "
-                                  "mesh): not recorded yet; record it in fp32 at TP 1 without experts, or under "
+        if self.fsdp and (config.num_moe_experts or inner[0].config.bf16 or inner[0].config.fp16 or self.tp > 1):
+            raise MegatronRefused("Megatron-FSDP with MoE layers, in bf16 or fp16 or at TP > 1 (its DTensors span the "
+                                  "TP × DP mesh): not recorded yet; record it in fp32 at TP 1 without experts, or under "
                                   "megatron-core's DistributedDataParallel")
         if self.fsdp:  # each rank's range of every parameter's flat elements: the parameter itself is that range
             self.shards_of = {id(p): (p, p, p.megatron_fsdp_slice.start, p.megatron_fsdp_slice.stop)
