@@ -50,7 +50,9 @@ TP2_DP2 = {"num_workers": 4, "tp_size": 2, "batch_size": 2}
 CLEAN = {"deepspeed": ("deepspeed", {}), "fsdp": ("fsdp", {"mixed_precision": "autocast"})}
 # The catalogue's bugs the verdict must see in bf16, in every strategy: DeepSpeed's clipping, schedule and a scaled
 # lr (the same at every layout); TP ranks fed different slices and a wrong β2 in FSDP + TP; a tied embedding's gradient
-# left out of DDP's reduction. (id, record name, strategy, copy, options, layout)
+# left out of DDP's reduction. (id, record name, strategy, copy, options, layout). Each FAILs by step 2 of the study's
+# 40 (at seed 64: steps 0, 0, 2, 0, 0, 0), so each runs SHORT_STEPS against the short baseline and its references
+# (folder "short_bf16"): nothing read the 34 steps after, most of each run's time.
 BUGS_BF16 = [("DeepSpeedClippingSkipped", "deepspeed", "deepspeed", DeepSpeedClippingSkipped, {}, TP2_DP2),
              ("DeepSpeedWarmupIgnored", "deepspeed", "deepspeed", DeepSpeedWarmupIgnored, {}, TP2_DP2),
              ("DeepSpeedLearningRateOff", "deepspeed", "deepspeed", DeepSpeedLearningRateOff, {}, TP2_DP2),
@@ -59,7 +61,8 @@ BUGS_BF16 = [("DeepSpeedClippingSkipped", "deepspeed", "deepspeed", DeepSpeedCli
              ("DDPTiedEmbeddingUnreduced", "ddp_tied_embedding_unreduced", "ddp", DDPTiedEmbeddingUnreduced, {},
               BASELINE)]
 # Replicas that part, which the curves see late or never (tests/test_replicas.py has their fp32 runs): one DP rank's copy
-# of one parameter skipping one update — within the calibrated bounds at every step. (id, record name, strategy, copy,
+# of one parameter skipping one update — within the calibrated bounds at every step of the study's 40 (against the
+# default path's baseline: a claim that the curves stay inside, so the whole run). (id, record name, strategy, copy,
 # options, layout), as BUGS_BF16.
 REPLICA_BUGS_BF16 = [("DDPReplicaSkipsAnUpdate", "ddp_replica_skips_an_update", "ddp", DDPReplicaSkipsAnUpdate, {},
                       BASELINE)]
@@ -74,10 +77,12 @@ TECHNIQUES_BF16 = [("deepspeed_accumulation_checkpointing", "deepspeed", TP2_DP2
                    ("fsdp_compiled", "fsdp", TP2_DP2, {"compile": True}),
                    ("fsdp_sequence_parallel", "fsdp", TP2_DP2, {"tp_plan": "sequence_parallel"}),
                    ("pipeline_1f1b", "pipeline", PP2_DP2, {"pp_size": 2, "pp_schedule": "1f1b"})]
-# The two bugs that hide in bf16's noise (docs/tolerances.md): the fp32 run's fixed table FAILs them at once.
-FP32_STEPS = 6
+# The short runs: the seeded bugs that FAIL within a few steps, against short baselines — in bf16 the "short_bf16"
+# folder's DDP with its three references, in fp32 the "fp32" folder's DDP. The two bugs that hide in bf16's noise
+# (docs/tolerances.md): the fp32 run's fixed table FAILs them at once.
+SHORT_STEPS = 6
 # A gradient changed inside each strategy family's own optimizer step (parity/calibration/clip_bugs.py): in bf16 against
-# a short baseline with its references (FP32_STEPS steps, folder "short_bf16"), and in fp32 against the fp32 baseline.
+# the short baseline with its references (folder "short_bf16"), and in fp32 against the fp32 baseline.
 IN_STEP_LAYOUTS = {"ddp": BASELINE, "deepspeed": TP2_DP2, "fsdp": TP2_DP2, "pipeline": {**PP2_DP2, "pp_size": 2},
                    "transformers": {"num_workers": 2, "tp_size": 2, "batch_size": 4}}
 IN_STEP_OPTIONS = {"fsdp": {"bf16": {"mixed_precision": "autocast"}}}
@@ -94,9 +99,9 @@ def weights(tmp_path_factory):
 def folders(tmp_path_factory, weights):
     """Every run of this module, in one local gloo group per world size and kernel path. Returns the root: per
     kernel path a folder with the baseline, its references, DeepSpeed and FSDP (a link to the folder of the path whose
-    kernels it takes on this CPU, if one ran before it); per bf16 bug a folder with the
-    default path's baseline and references beside the buggy copy; per fp32 bug a short fp32 baseline and the
-    copy."""
+    kernels it takes on this CPU, if one ran before it); per bf16 bug a folder with the short baseline and its
+    references (the default path's, for the replica bug and the techniques) beside the buggy copy; per fp32 bug a
+    short fp32 baseline and the copy."""
     root = tmp_path_factory.mktemp("calibration")
     groups: dict[tuple[str, int], list] = {}
 
@@ -114,35 +119,41 @@ def folders(tmp_path_factory, weights):
             add(kernel, kernel, "ddp", layout, noise_reference=True)
         for strategy, options in CLEAN.values():
             add(kernel, kernel, strategy, {**TP2_DP2, "precision": "bf16"}, **options)
-    for bug_id, _, strategy, bug, options, layout in BUGS_BF16 + REPLICA_BUGS_BF16:
+    for bug_id, _, strategy, bug, options, layout in BUGS_BF16:
+        add("default", bug_id, strategy, {**layout, "precision": "bf16"}, bug, debug_steps=SHORT_STEPS, **options)
+    for bug_id, _, strategy, bug, options, layout in REPLICA_BUGS_BF16:
         add("default", bug_id, strategy, {**layout, "precision": "bf16"}, bug, **options)
-    add("default", "bf16_master_weights", "deepspeed", TP2_DP2, bf16_master_weights=True, autocast=True)
+    # a policy difference, named before any step is compared
+    add("default", "bf16_master_weights", "deepspeed", TP2_DP2, bf16_master_weights=True, autocast=True,
+        debug_steps=SHORT_STEPS)
     for technique, strategy, layout, flags in TECHNIQUES_BF16:
         add("default", technique, strategy, {**layout, "precision": "bf16"}, **flags)
-    add("default", "fp32", "ddp", {**BASELINE, "precision": "fp32"}, debug_steps=FP32_STEPS)
-    add("default", "perturbed_fp32", "ddp", {**BASELINE, "precision": "fp32"}, debug_steps=FP32_STEPS,
+    add("default", "fp32", "ddp", {**BASELINE, "precision": "fp32"}, debug_steps=SHORT_STEPS)
+    add("default", "perturbed_fp32", "ddp", {**BASELINE, "precision": "fp32"}, debug_steps=SHORT_STEPS,
         noise_reference=True, perturb=PERTURB)
     for bug, strategy, *_ in BUGS_FP32:
         add("default", f"{bug.__name__}_fp32", strategy, {**TP2_DP2, "precision": "fp32"}, bug,
-            debug_steps=FP32_STEPS)
-    add("default", "short_bf16", "ddp", BASELINE, debug_steps=FP32_STEPS)
+            debug_steps=SHORT_STEPS)
+    add("default", "short_bf16", "ddp", BASELINE, debug_steps=SHORT_STEPS)
     for layout in REFERENCES.values():
-        add("default", "short_bf16", "ddp", layout, noise_reference=True, debug_steps=FP32_STEPS)
+        add("default", "short_bf16", "ddp", layout, noise_reference=True, debug_steps=SHORT_STEPS)
     for (strategy, bug), precision in itertools.product(IN_STEP.items(), ("fp32", "bf16")):
         add("default", f"in_step_{strategy}_{precision}", strategy, {**IN_STEP_LAYOUTS[strategy], "precision": precision},
-            bug, debug_steps=FP32_STEPS, **IN_STEP_OPTIONS.get(strategy, {}).get(precision, {}))
+            bug, debug_steps=SHORT_STEPS, **IN_STEP_OPTIONS.get(strategy, {}).get(precision, {}))
     for bug in (FSDPGradientsScaledAfterTheRead, *SCALED_FROM_STEP_0):
-        add("default", f"{bug.__name__}_fp32", "fsdp", {**TP2_DP2, "precision": "fp32"}, bug, debug_steps=FP32_STEPS)
+        add("default", f"{bug.__name__}_fp32", "fsdp", {**TP2_DP2, "precision": "fp32"}, bug, debug_steps=SHORT_STEPS)
     for (kernel, _), runs in sorted(groups.items()):
         run_group(runs, kernel)
     for kernel, ran in alike.items():
         if ran != kernel:
             (root / kernel).symlink_to(root / ran)
 
-    for bug_id in [b[0] for b in BUGS_BF16 + REPLICA_BUGS_BF16] + [t[0] for t in TECHNIQUES_BF16] + \
-            ["bf16_master_weights"]:  # beside its baseline
+    for bug_id in [b[0] for b in REPLICA_BUGS_BF16] + [t[0] for t in TECHNIQUES_BF16]:  # beside its baseline
         for name in ["loss_ddp.json", *REFERENCES]:
             shutil.copy(root / "default" / name, root / bug_id)
+    for bug_id in [b[0] for b in BUGS_BF16] + ["bf16_master_weights"]:  # beside the short baseline
+        for name in ["loss_ddp.json", *REFERENCES]:
+            shutil.copy(root / "short_bf16" / name, root / bug_id)
     for bug, *_ in BUGS_FP32:
         shutil.copy(root / "fp32" / "loss_ddp.json", root / f"{bug.__name__}_fp32")
     for folder in [f"in_step_{s}_fp32" for s in IN_STEP] + \
@@ -205,7 +216,7 @@ def test_seeded_bug_fails_the_calibrated_verdict_in_bf16(folders, capsys, bug_id
     against = result["against_baseline"][name]
     assert (code, against["verdict"], against["calibrated"]) == (1, "FAIL", True), out
     first = against["first_outside"]
-    assert 0 <= first["step"] < SETTING["debug_steps"] and first["test"] in ("step", "drift", "teacher_forced")
+    assert 0 <= first["step"] < SHORT_STEPS and first["test"] in ("step", "drift", "teacher_forced")
     assert max(against["noise_ratio"].values()) > NOISE_K or first["test"] in ("drift", "teacher_forced")
     # the first suspect is on screen, in the config diff and in the replay command: the copy or the option
     suspects = ([f"strategy_class: None vs parity.calibration.bugs:{bug.__name__}"] if bug else
@@ -410,7 +421,7 @@ def test_the_cuda_kernel_path_sets_every_rank_and_leaves_cpu_kernels_alone(folde
 
     cfg, batches = plan("ddp", {"model_name": "qwen2-tiny", **SETTING, "seed": SEED, "init_weights_path": weights,
                                 "loss_output_dir": tmp_path, "storage_path": tmp_path / "ray", **BASELINE,
-                                "precision": "fp32", "debug_steps": FP32_STEPS})
+                                "precision": "fp32", "debug_steps": SHORT_STEPS})
     launch_local([cfg], [{"batches": batches}], worker=_settings_then_train, kernel=NOISE_KERNELS["cuda"])
     for rank in range(cfg.num_workers):
         assert json.loads((tmp_path / f"settings_{rank}.json").read_text()) == {
