@@ -293,7 +293,7 @@ DDP_LEARNS = {"debug_steps": 50, "learning_rate": 1e-3, "checkpoint_interval": 2
 # The strategy runs several test modules share, name → (strategy, flags beyond **PARITY). RAY_RUNS go through Ray
 # Train, in one worker group (launch_runs, as the main job does), with their checkpoints: the
 # baselines the checkpoint tests copy, damage, kill and replay, DDP's learning and rerun checks (test_ddp_ray, 50
-# steps), and a user's own strategy module shipped to the workers. LOCAL_RUNS are the other parity runs, in local
+# steps), a user's own strategy module shipped to the workers, and a LoRA run whose step the layer check replays. LOCAL_RUNS are the other parity runs, in local
 # gloo groups: what they check is the strategies' arithmetic (DDP's other layout among them), to which Ray adds
 # nothing.
 RAY_RUNS = {
@@ -303,6 +303,13 @@ RAY_RUNS = {
     "hand_written_dp_tp1_dp2": ("ddp", {**DDP_DP2, **FP32, "strategy_class": CUSTOM}),
     "ddp_two": ("ddp", {**DDP_DP2, **FP32, **DDP_LEARNS}),
     "ddp_rerun": ("ddp", {**DDP_DP2, **FP32, **DDP_LEARNS}),
+    # tests/test_lora.py's run to replay: adapters on packed rows, its own initial weights (the base and the adapters
+    # beside it, written by rank 0 into its folder), a checkpoint at steps 2 and 4 (in this group: no Ray launch of its
+    # own, ~25 s of a 2-core machine)
+    "lora_ddp_packed": ("ddp", {**DDP_DP2, **FP32, "packing": True, "lora_r": 4,
+                                "lora_targets": "q_proj,v_proj,o_proj,down_proj", "lora_modules_to_save": "input_layernorm",
+                                "debug_steps": 4, "learning_rate": 1e-3, "checkpoint_interval": 2, "log_interval": 2,
+                                "batch_size": 4, "save_init_weights": True}),
 }
 LOCAL_RUNS = {
     "ddp_one": ("ddp", {"num_workers": 1, "batch_size": 4, **FP32, **DDP_LEARNS}),
@@ -352,7 +359,8 @@ def make_shared_runs(root, tiny_weights) -> dict:
     from parity.training.record import run_record_path
 
     def values(name, strategy, flags, storage):
-        return {**TINY, **PARITY, "init_weights_path": tiny_weights, "loss_output_dir": root / name / "loss",
+        weights = root / name / "init_weights.pt" if flags.get("save_init_weights") else tiny_weights  # its own
+        return {**TINY, **PARITY, "init_weights_path": weights, "loss_output_dir": root / name / "loss",
                 "storage_path": storage, "experiment_name": name, **flags}
 
     cfgs = [resolve(strategy, values(name, strategy, flags, root / "ray"),

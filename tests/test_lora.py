@@ -8,6 +8,7 @@ judged run in a folder of its own beside its DDP baseline, as plot_loss_curves.p
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -222,18 +223,15 @@ def test_the_layer_check_compares_the_adapters_under_tp(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def checkpointed(ray_cluster, tmp_path_factory):
-    """A LoRA run as a user trains it, through Ray Train: DDP at DP 2 saving its own initial weights (the base and the
-    adapters beside it), packed rows, the input norms saved whole beside the adapters, 4 steps with a checkpoint at
-    steps 2 and 4. Returns (its record, its run folder)."""
-    from conftest import train
-
-    out = tmp_path_factory.mktemp("lora_checkpointed")
-    flags = {**SETTING, **DP2, **PACKING, "debug_steps": 4, "checkpoint_interval": 2, "log_interval": 2,
-             "lora_modules_to_save": "input_layernorm", "init_weights_path": out / "w" / "init_weights.pt",
-             "save_init_weights": True}
-    run = train("ddp", out, **flags)
-    return run, str(out / "ray" / run["config"]["experiment_name"])
+def checkpointed(shared_runs):
+    """A LoRA run as a user trains it, through Ray Train (in the session's shared worker group: conftest's RAY_RUNS):
+    DDP at DP 2 saving its own initial weights (the base and the adapters beside it), packed rows, the input norms saved
+    whole beside the adapters, 4 steps with a checkpoint at steps 2 and 4. Returns (its record, its run folder)."""
+    run = shared_runs["lora_ddp_packed"]
+    config = run["config"]
+    assert (config["lora"]["r"], config["lora"]["targets"], config["packing"], len(run["steps"]),
+            config["checkpoint_interval"], config["global_batch_size"]) == (4, sorted(TARGETS.split(",")), True, 4, 2, 8)
+    return run, os.path.join(config["storage_path"], config["experiment_name"])
 
 
 def test_the_layer_check_replays_a_lora_runs_step(checkpointed, tmp_path, capsys):
