@@ -27,14 +27,18 @@ CLEAN_SHARED = [name for name, (_, flags) in {**RAY_RUNS, **LOCAL_RUNS}.items()
 
 @pytest.mark.parametrize("name", CLEAN_SHARED)
 def test_every_strategys_tensors_add_up_to_its_own_norms(shared_runs, name):
-    """Each shared run's series names the model's 26 trainable tensors (the tied lm_head once) and, at every step, the
+    """Each shared run's series names the model's 26 trainable tensors (the tied lm_head once) — a LoRA run's 18: its
+    adapters on 4 modules of 2 layers and the 2 layers' input_layernorm it also trains — and, at every step, the
     squares of their gradient norms add up to the step's pre-clip grad norm — the strategy's own, or DeepSpeed's at
     ZeRO-1/2, rounded to fp32 — and those of their parameter norms to the step's parameter norm."""
     strategy, flags = {**RAY_RUNS, **LOCAL_RUNS}[name]
     record = shared_runs[name]
     found = tensor_series(record)
-    assert len(found.names) == 26 and found.grad == "pre_clip" and found.clip_coef == [None] * len(record["steps"])
-    assert "model.embed_tokens.weight" in found.names and "lm_head.weight" not in found.names
+    lora = "lora_r" in flags
+    assert len(found.names) == (18 if lora else 26) and found.grad == "pre_clip"
+    assert found.clip_coef == [None] * len(record["steps"]) and "lm_head.weight" not in found.names
+    assert ("model.embed_tokens.weight" in found.names) != lora
+    assert not lora or all(".lora_" in n or "input_layernorm.modules_to_save." in n for n in found.names)
     grad, param = tensor_norms_off(record)
     rounded = strategy == "deepspeed" and flags.get("zero_stage", 1) in (1, 2)
     assert grad < (FP32_ROUNDED if rounded else EXACT) and param < EXACT, (grad, param)
