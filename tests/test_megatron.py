@@ -133,6 +133,19 @@ def _judged(folder) -> dict:
     return json.loads((folder / "curve_comparison.json").read_text())["against_baseline"]["megatron_cpu"]
 
 
+def passed_within_margin(run) -> tuple[str, object]:
+    """A clean recorded job (exit code, output, folder): exit 0, PASS with every check — curves, tensors, the
+    teacher-forced checks (there are some) — under MARGIN of its bound. Its output and folder."""
+    code, output, folder = run
+    assert code == 0, output[-4000:]
+    report = json.loads((folder / "curve_comparison.json").read_text())
+    against = report["against_baseline"]["megatron_cpu"]
+    assert against["verdict"] == "PASS" and max(against["bound_ratios"].values()) < MARGIN, against["bound_ratios"]
+    checks = report["runs"]["megatron_cpu"]["teacher_forced"]["checks"]
+    assert checks and all(c["ok"] and c["ratio"] < MARGIN for c in checks), checks
+    return output, folder
+
+
 def test_a_megatron_loop_at_tp2_dp2_is_recorded_unchanged_and_passes_against_its_ddp_replay(recorded):
     """megatron-core's DistributedDataParallel and distributed optimizer (AdamW, clipped), get_forward_backward_func's
     micro-batches and Megatron-LM's masked loss, recorded without a line changed at TP 2 × DP 2 with sequence
@@ -238,13 +251,7 @@ def test_a_bf16_job_passes_calibrated_on_both_kernel_paths(recorded, name):
     accumulated and reduced in fp32) at DP 2, recorded as bf16_params reduced in fp32 and judged on calibrated bounds,
     under oneDNN's default bf16 path and its AVX2 one: PASS, every curve, tensor and teacher-forced check within half
     its bound."""
-    code, output, folder = recorded[name]
-    assert code == 0, output[-4000:]
-    report = json.loads((folder / "curve_comparison.json").read_text())
-    against = report["against_baseline"]["megatron_cpu"]
-    assert against["verdict"] == "PASS" and max(against["bound_ratios"].values()) < MARGIN, against["bound_ratios"]
-    checks = report["runs"]["megatron_cpu"]["teacher_forced"]["checks"]
-    assert checks and all(c["ok"] and c["ratio"] < MARGIN for c in checks), checks
+    output, folder = passed_within_margin(recorded[name])
     config = json.loads((folder / "loss_megatron_cpu.json").read_text())["config"]
     assert (config["precision"], config["reduce_dtype"], config["grad_accum_dtype"]) == ("bf16_params", "fp32", "fp32")
     assert "tensor verdict: PASS: 21 tensors" in output
@@ -374,13 +381,7 @@ def test_an_fp16_job_passes_its_skipped_steps_recorded_and_followed(recorded, na
     and megatron-core skips them. The record holds each step's scale and skip and the scaler's settings under its
     rules; its replay follows them — the same steps skipped, its own gradients overflowing at the record's scale where
     the record's did, no note — and PASSes, every check within half its bound (its fp32 twin skipping the same steps)."""
-    code, output, folder = recorded[name]
-    assert code == 0, output[-4000:]
-    report = json.loads((folder / "curve_comparison.json").read_text())
-    against = report["against_baseline"]["megatron_cpu"]
-    assert against["verdict"] == "PASS" and max(against["bound_ratios"].values()) < MARGIN, against["bound_ratios"]
-    checks = report["runs"]["megatron_cpu"]["teacher_forced"]["checks"]
-    assert checks and all(c["ok"] and c["ratio"] < MARGIN for c in checks), checks
+    output, folder = passed_within_margin(recorded[name])
     record = json.loads((folder / "loss_megatron_cpu.json").read_text())
     replay = json.loads((folder / "loss_ddp.json").read_text())
     config = record["config"]
