@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import fnmatch
 import hashlib
 import json
 import os
@@ -176,6 +177,19 @@ def run(c: dict, out: str, code: str, device: str, timeout: float | None) -> dic
     return {**c, **found}
 
 
+def ran(c: dict, out: str, code: str, device: str) -> dict | None:
+    """A cell run before, read from its folder (None if it never ran): what run() returns, nothing run again."""
+    cell = os.path.join(out, c["capability"], cell_name(c))
+    if not os.path.exists(os.path.join(cell, "seconds.json")):
+        return None
+    if os.path.exists(os.path.join(cell, CAMPAIGN[c["capability"]][1], "curve_comparison.json")):
+        return run(c, out, code, device, None)  # its comparison is there: read, not run
+    with open(os.path.join(cell, "seconds.json")) as f:
+        seconds = json.load(f)["seconds"]
+    return {**c, "verdict": "no comparison", "exit": None, "seconds": seconds, "margin": None, "check": None,
+            "refused": True}
+
+
 def summary(results: list[dict], capabilities: list[str]) -> list[dict]:
     """Per capability: cells, verdicts (a cell's runs judged), FAILs, refusals, the margins' median, 99th percentile
     and worst (with where), the seconds its cells ran."""
@@ -196,9 +210,9 @@ def summary(results: list[dict], capabilities: list[str]) -> list[dict]:
     return rows
 
 
-def page(rows: list[dict], results: list[dict], command: str, wall: float, load: str, device: str) -> str:
+def page(rows: list[dict], results: list[dict], command: str, wall: float, load: str, device: str, note: str = "") -> str:
     total = sum(r["verdicts"] for r in rows)
-    lines = [f"Reproduce: `{command}` ({device}). Wall time {wall / 60:.1f} min; {load}.", "",
+    lines = [f"Reproduce: `{command}` ({device}){note}. Wall time {wall / 60:.1f} min; {load}.", "",
              f"**{total} clean verdicts, {sum(r['fails'] for r in rows)} FAIL, {sum(r['refusals'] for r in rows)} "
              f"refused.**", "",
              "| capability | cells | verdicts | FAILs | refusals | margin median | 99th percentile | worst (where: cell, run, "
@@ -227,13 +241,15 @@ def main(argv=None) -> int:
     p.add_argument("--plan", default="full", choices=("full", "slice", "cuda"))
     p.add_argument("--only", default=None, help="capabilities, comma-separated (default: every one the plan runs)")
     p.add_argument("--seeds", default="1-5", help="seeds: a range (1-5) or a list (1,7)")
+    p.add_argument("--cells", default=None, help="only the plan's cells whose name matches (fnmatch: '*_long')")
     p.add_argument("--jobs", type=int, default=1, help="cells at once")
     p.add_argument("--cell_timeout", type=float, default=None, help="seconds a cell may run")
     p.add_argument("--code", default=km.REPO, help="the checkout whose commands run (default: this one)")
     p.add_argument("--write_docs", default=None, help="also write the page here (docs/false_alarms.md)")
     p.add_argument("--dry_run", action="store_true", help="print the cells' commands; run nothing")
     p.add_argument("--page_only", action="store_true",
-                   help="write the page from OUTPUT_DIR/campaign.json's cells, run nothing (a campaign cut short)")
+                   help="write the page from the plan's cells run in OUTPUT_DIR so far, run nothing (a campaign cut "
+                        "short, or run in parts with --cells)")
     args = p.parse_args(argv)
     capabilities = args.only.split(",") if args.only else list(ON_CUDA if args.device == "cuda" else CAMPAIGN)
     unknown = [c for c in capabilities if c not in CAMPAIGN]
@@ -243,7 +259,8 @@ def main(argv=None) -> int:
         return 2
     first, _, last = args.seeds.partition("-")
     seeds = list(range(int(first), int(last) + 1)) if last else [int(s) for s in args.seeds.split(",")]
-    todo = cells(args.plan, capabilities, seeds, args.device)
+    todo = [c for c in cells(args.plan, capabilities, seeds, args.device)
+            if args.cells is None or fnmatch.fnmatch(cell_name(c), args.cells)]
     out = os.path.abspath(args.output_dir)
     if args.dry_run:
         for c in todo:
@@ -253,12 +270,10 @@ def main(argv=None) -> int:
         print(f"{len(todo)} cells")
         return 0
     if args.page_only:
-        with open(os.path.join(out, "campaign.json")) as f:
-            ran = json.load(f)
-        results = ran["cells"]
-        wall = sum(r.get("seconds") or 0.0 for r in results)  # one cell at a time: the cells' seconds summed
-        text = page(summary(results, capabilities), results, ran["command"] + f" (cut short: {len(results)} of "
-                    f"{len(todo)} cells)", wall, machine_load(), args.device)
+        results = [r for r in (ran(c, out, args.code, args.device) for c in todo) if r]
+        wall = sum(r.get("seconds") or 0.0 for r in results)  # the cells' seconds summed
+        text = page(summary(results, capabilities), results, "python tools/false_alarms.py --output_dir OUT", wall,
+                    machine_load(), args.device, f"; {len(results)} of its {len(todo)} cells run so far")
         return write_page(text, out, args.write_docs)
     os.makedirs(out, exist_ok=True)
     results, lock, t0 = [], threading.Lock(), time.time()
