@@ -147,3 +147,42 @@ def test_the_campaigns_slice_passes_at_a_seed_no_test_used(tmp_path):
     assert "; 2 of its 19 cells run so far." in again.stdout and "\n| trainer | 1 | 1 | 0 | 0 |" in again.stdout
     none = subprocess.run([*tool, "--cells", "*_long", "--dry_run"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert none.stdout.splitlines() == ["0 cells"], none.stdout
+
+
+def test_a_zero_initialised_elements_flip_is_carried_into_the_bound_of_the_steps_after():
+    """A 64-element bias from zero, AdamW at lr 1e-3: one element's first gradient at 1e-6 of the rms, so its first
+    update's sign is the noise's. Flipped, it leaves the norm where it was at that step and parts it by 2 lr |p| / ‖p‖
+    from the next one on (the flip stays in the parameter): the baseline's table, which carries each element's flips,
+    holds that at every step after — 3 σ above the two runs' measured parting; at that noise level no other element
+    carries a flip."""
+    import torch
+
+    from parity.comparing.update_bound import read
+    from parity.training.update_noise import GRID, tensor_table
+
+    lr, level = 1e-3, 1e-4  # the element noise the bound is read at, in rms gradients: above the element's 1e-6
+    grads = torch.randn(3, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64).float()
+    grads[1:, 0] = grads[1:, 0].abs() + 0.5  # after it, the element's gradient is a steady one's
+    runs = {}
+    for sign in (1.0, -1.0):
+        p = torch.nn.Parameter(torch.zeros(64))
+        opt = torch.optim.AdamW([p], lr=lr, weight_decay=0.0)
+        carried, norms, rows = None, [], []
+        for s, g in enumerate(grads):
+            p.grad = g.clone()
+            if s == 0:
+                p.grad[0] = sign * 1e-6 * float(g.pow(2).mean().sqrt())
+            opt.step()
+            state = opt.state[p]
+            row, carried = tensor_table(p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), p, lr,
+                                        (0.9, 0.999), 1e-8, carried)
+            norms.append(float(p.detach().double().norm()))
+            rows.append(row.tolist())
+        runs[sign] = (norms, rows, carried)
+    (plus, rows, carried), (minus, _, _) = runs[1.0], runs[-1.0]
+    parted = [abs(a - b) for a, b in zip(plus, minus)]
+    assert parted[0] < 1e-9 and parted[1] > 1e-6, parted  # nothing at the flip's step; a lr-sized part after it
+    for s in (1, 2):
+        assert OPTIMIZER_NOISE_K * read(rows[s], level) ** 0.5 >= parted[s], (s, rows[s], parted[s])
+    at = min(range(len(GRID)), key=lambda j: abs(GRID[j] - level))
+    assert (carried[:, at] > 0).nonzero().flatten().tolist() == [0]  # at that level, element 0 alone carries a flip

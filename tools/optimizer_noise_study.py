@@ -64,7 +64,7 @@ def tables(g, m, v, step, p, lr) -> dict[str, list[float]]:
                     change = torch.where((m / (bc1 if carried else 1)).abs() < limit, change, torch.zeros_like(change))
                 row.append(float((change * change).sum()))
             out[f"{'carried' if carried else 'this step'}/{'flip-prone' if prone else 'all'}"] = row
-    out["carried/flip-prone"] = tensor_table(g, m, v, step, p, lr, BETAS, EPS).tolist()  # the product's own
+    out["carried/flip-prone"] = tensor_table(g, m, v, step, p, lr, BETAS, EPS)[0].tolist()  # the product's own
     return out
 
 

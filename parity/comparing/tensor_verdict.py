@@ -258,7 +258,8 @@ def parameter_norm_floor(base, references: list, series: dict, num_steps: int) -
 def optimizer_sigmas(base: TensorSeries, gradient_envelopes: list[list[float]], num_steps: int):
     """update_bound.sigmas of the baseline's series at its references' gradient envelopes (None: it holds no table)."""
     scales = [TENSOR_FLOOR[GRADIENT] * math.sqrt(sum(x * x for x in base.grad_norm[s])) for s in range(num_steps)]
-    return update_bound.sigmas(base.update_noise, base.grad_norm, gradient_envelopes, scales, num_steps)
+    return update_bound.sigmas(base.update_noise, base.grad_norm, gradient_envelopes, scales, num_steps,
+                               base.update_noise_carried)
 
 
 def _scales(base: TensorSeries, phase: str, num_steps: int) -> list[list[tuple]]:

@@ -6,10 +6,12 @@ which the references draw a few of, or none, by chance (docs/tensors.md#the-opti
 The baseline's series holds, per step and tensor, the table of its AdamW (parity/training/update_noise.py): per
 element-noise level x (in rms gradients), Σ_i (p̂_i · move_i)². Here, per tensor i and step k, the level is
 x = ELEMENT_NOISE × the references' gradient envelope of that tensor at k (the tensor verdict's, before NOISE_K),
-taken as a share of the tensor's own gradient norm; the table read there (log-log between its levels); and since the
-parameters keep each step's move, the variances add up over the steps:
+taken as a share of the tensor's own gradient norm; the table read there (log-log between its levels). The parameters
+keep each step's move, and a table holds every move so far, read at the element's value now (update_noise.py):
 
-    σ_s,i = √(Σ_{k ≤ s} table_k,i(x_k,i)),   bound_s,i = OPTIMIZER_NOISE_K × σ_s,i / the update deviation's denominator
+    σ_s,i = √(table_s,i(x_s,i)),   bound_s,i = OPTIMIZER_NOISE_K × σ_s,i / the update deviation's denominator
+
+(A record from before holds each step's increment, its move read at that step: σ_s,i = √(Σ_{k ≤ s} table_k,i(x_k,i)).)
 
 The tensor verdict's update bound is the larger of this and what the references drew (NOISE_K × their envelope); the
 parameter norm's curve takes the tensors' together (each tensor's σ weighted by its share of the global norm).
@@ -46,10 +48,12 @@ def read(row: list[float], x: float) -> float:
 
 
 def sigmas(tables: list, grad_norms: list[list[float]], envelopes: list[list[float]], scales: list[float],
-           num_steps: int) -> list[list[float]] | None:
+           num_steps: int, carried: bool = True) -> list[list[float]] | None:
     """σ_s,i (module docstring; absolute, in the parameter norm's units) per step [s][i] from the baseline's `tables`
     (TensorSeries.update_noise), its tensors' gradient norms, the references' gradient envelopes per tensor [i][s]
-    (relative to max(‖g‖, `scales`[s]): the tensor verdict's deviation) — None where the baseline holds no tables."""
+    (relative to max(‖g‖, `scales`[s]): the tensor verdict's deviation) — None where the baseline holds no tables.
+    `carried`: each step's table is its whole variance, read at that step's level; else (a record from before) each
+    step's increment, added up over the steps."""
     if tables is None or any(t is None for t in tables[:num_steps]):
         return None
     names = len(grad_norms[0]) if grad_norms else 0
@@ -58,7 +62,7 @@ def sigmas(tables: list, grad_norms: list[list[float]], envelopes: list[list[flo
         for i in range(names):
             g = grad_norms[s][i]
             x = ELEMENT_NOISE * envelopes[i][s] * max(g, scales[s]) / g if g > 0 else GRID[-1]
-            total[i] += read(tables[s][i], x)
+            total[i] = read(tables[s][i], x) + (0.0 if carried else total[i])
         out.append([math.sqrt(v) for v in total])
     return out
 

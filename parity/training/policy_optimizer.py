@@ -65,6 +65,7 @@ class PolicyOptimizer:
         # the optimizer's own noise of each step (parity/training/update_noise.py), by id of the tensor it steps, where
         # the strategy asks for it (measures_update_noise: the baseline's series); else None
         self.measures_update_noise, self.update_noise = False, None
+        self._carried: dict[int, torch.Tensor] = {}  # by id of the tensor stepped: what its table carries (tensor_table)
 
     @property
     def loss_scale(self) -> float:
@@ -149,8 +150,11 @@ class PolicyOptimizer:
             for t in group["params"]:
                 state = self.optimizer.state.get(t)
                 if t.grad is not None and state and "exp_avg" in state:
-                    tables[id(t)] = tensor_table(t.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), t,
-                                                 group["lr"], group["betas"], group["eps"])
+                    tables[id(t)], carried = tensor_table(t.grad, state["exp_avg"], state["exp_avg_sq"],
+                                                          int(state["step"]), t, group["lr"], group["betas"],
+                                                          group["eps"], self._carried.get(id(t)))
+                    if carried is not None:
+                        self._carried[id(t)] = carried
         return tables
 
     def set_moments(self, params_and_moments, step: int) -> None:
@@ -175,7 +179,10 @@ class PolicyOptimizer:
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "masters": self.masters,
-                "scaler": self.scaler.state_dict() if self.scaler else None}
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                # the bound needs the variances' size, not their last bits: bf16 halves a checkpoint's share of them
+                "update_noise_carried": [None if (c := self._carried.get(id(t))) is None else c.to(torch.bfloat16)
+                                         for t in self.master_parameters()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -185,6 +192,9 @@ class PolicyOptimizer:
                 p.data.copy_(saved)
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+        self._carried = {id(t): c.float() for t, c in zip(self.master_parameters(),
+                                                            state.get("update_noise_carried") or []) if c is not None}
+        # (a baseline resumed: its flips so far; a checkpoint written before them: none)
 
 
 def reduce_in(dtype: str):

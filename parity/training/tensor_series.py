@@ -11,8 +11,9 @@ lists its chunks. The record's "tensors" entry:
      "chunks": ["chunk_0000000.json", ...]}
 
 or {"names": [], "why": "..."} where the run measured none. A chunk: {"first_step", "grad_norm": [[per name] per step],
-"param_norm": [[...]], "clip_coef": [per step] (a "clipped" record's coefficient), or absent; "update_noise": [[[per
-noise level] per name] per step] (the baseline's optimizer noise: parity/training/update_noise.py), or absent}. A run resumed at step k
+"param_norm": [[...]], "clip_coef": [per step] (a "clipped" record's coefficient), or absent; "update_noise_carried": [[[per
+noise level] per name] per step] (the baseline's optimizer noise, each step's whole variance: parity/training/update_noise.py;
+"update_noise" in a record from before, each step's increment), or absent}. A run resumed at step k
 keeps the chunks its checkpoint listed that start before k; the first chunk after the resume starts at k, and where
 two chunks hold a step the later one's row is read. The folder is named relative to the record, so a moved or copied
 folder of records reads as written.
@@ -27,6 +28,8 @@ from parity import storage
 from parity.errors import RecordError
 from parity.training.tensor_norms import AFTER_BACKWARD, AT_CLIP, CLIPPED, PRE_CLIP
 from parity.training.update_noise import rounded
+
+CARRIED = "update_noise_carried"  # a chunk's tables, each step's whole variance (tensor_table)
 
 KEY = "tensors"  # the record's entry
 SUFFIX = ".tensors"
@@ -73,7 +76,7 @@ class TensorSeriesWriter:
         if any(r[3] is not None for r in self.rows):
             chunk["clip_coef"] = [r[3] for r in self.rows]
         if all(r[4] is not None for r in self.rows):
-            chunk["update_noise"] = [r[4] for r in self.rows]
+            chunk[CARRIED] = [r[4] for r in self.rows]
         name = f"chunk_{first:07d}.json"
         storage.write_text_atomic(storage.join(folder_of(self.record.path), name),  # compact: it is numbers only
                                   json.dumps(storage.json_safe(chunk), separators=(",", ":"), allow_nan=False))
@@ -110,6 +113,8 @@ class TensorSeries:
     norm_dtype: str = "float64"  # what the run's pre-clip norm is accumulated in
     # per step, per tensor, its optimizer's noise table (update_noise.tensor_table); None where a step has none
     update_noise: list[list[list[float]] | None] | None = None
+    # whether each step's table is its whole variance (carried flips), not its increment (a record from before)
+    update_noise_carried: bool = False
 
     def series(self, phase_key: str, name: str) -> list[float]:
         i = self.names.index(name)
@@ -130,6 +135,7 @@ def load_series(record_path: str, data: dict) -> TensorSeries | None:
     folder = storage.join(storage.parent(record_path), entry["folder"])
     steps, width = len(data["steps"]), len(entry["names"])
     rows: dict[int, tuple] = {}
+    carried = False
     for chunk_name in entry["chunks"]:
         where = storage.join(folder, chunk_name)
         try:
@@ -139,7 +145,8 @@ def load_series(record_path: str, data: dict) -> TensorSeries | None:
                               f"({storage.reason(exc) if isinstance(exc, OSError) else 'not valid JSON'}): copy the "
                               f"record's {entry['folder']} folder with it, or rerun that run") from None
         clips = chunk.get("clip_coef") or [None] * len(chunk["grad_norm"])
-        noise = chunk.get("update_noise") or [None] * len(chunk["grad_norm"])
+        carried = carried or CARRIED in chunk
+        noise = chunk.get(CARRIED) or chunk.get("update_noise") or [None] * len(chunk["grad_norm"])
         for i, (g, p, c, u) in enumerate(zip(chunk["grad_norm"], chunk["param_norm"], clips, noise)):
             if len(g) != width or len(p) != width or (u is not None and len(u) != width):
                 raise RecordError(f"{name}: {entry['folder']}/{chunk_name} holds {len(g)} tensors at a step, the "
@@ -153,4 +160,4 @@ def load_series(record_path: str, data: dict) -> TensorSeries | None:
     noise = [r[3] for r in ordered]
     return TensorSeries(list(entry["names"]), entry["grad"], [r[0] for r in ordered], [r[1] for r in ordered],
                         [r[2] for r in ordered], entry.get("read_at", AFTER_BACKWARD),  # (before it was recorded)
-                        entry.get("norm_dtype", "fp32"), noise if any(u is not None for u in noise) else None)
+                        entry.get("norm_dtype", "fp32"), noise if any(u is not None for u in noise) else None, carried)

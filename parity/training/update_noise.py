@@ -12,9 +12,13 @@ differences of the elements with the smallest quarter of |g| are 0.4–1.0 of th
 their gradients are 0.05–0.1 of them): a noise level `x` is δ = x × the tensor's rms gradient on every element — which
 is what makes a near-zero element flip-prone.
 
-`tensor_table` (the baseline, every step): per level x of GRID, Σ_i c_i² over the flip-prone elements (|m̂_i| < δ:
-the update's sign is the noise's), c_i how far element i's move changes the tensor's norm after the step (norm_change)
-— the variance of the norm if each moved by its move with an independent sign. The other elements' moves are linear in the noise,
+`tensor_table` (the baseline, every step): per level x of GRID, Σ_i c_i², c_i how far element i's displacement moves
+the tensor's norm now — the displacement's variance the sum of the moves² of the steps where the element was flip-prone
+(|m̂_i| < δ: the update's sign is the noise's), carried from step to step (a flip stays in the parameter), its effect
+on the norm read at the element's value now, either sign (displacement_effect). Read at the step of the move alone, a
+zero-initialised bias's first update flipped moves the norm by nothing, and one step later by 2 lr |p| / ‖p‖ (a clean
+TRL GRPO run's q_proj bias read 0.79 of its bound on one such flip, docs/false_alarms.md): the row is each step's whole
+variance, not its increment. The other elements' moves are linear in the noise,
 a sum of many small ones the references sample well (their bound, NOISE_K × what they drew, lies 6 × above those moves'
 spread at the median); counted here too they would lift the bound where the seeded bugs are caught (docs/tensors.md).
 The move carries over steps as the moments do: the noise δ on every gradient the moments hold shifts the
@@ -62,27 +66,41 @@ def noise_scale(grad: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(g.double())) / active ** 0.5 if active else 0.0
 
 
-def tensor_table(grad, exp_avg, exp_avg_sq, step: int, param, lr: float, betas, eps: float) -> torch.Tensor:
-    """One tensor's row: per x of GRID, Σ_i norm_change_i² over its flip-prone elements (float64, on the tensor's
-    device); zeros before AdamW's first step or for a tensor of norm 0. Every level at once, over the elements
-    flip-prone at the highest (in fp32: a flip's move is the size of the update itself)."""
+def tensor_table(grad, exp_avg, exp_avg_sq, step: int, param, lr: float, betas, eps: float,
+                 carried: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(One tensor's row, what it carries to the next step). The row: per x of GRID, Σ_i effect_i² (float64, on the
+    tensor's device) — how far each element's displacement by the flips it was prone to so far (this step's and the
+    earlier ones', `carried`) moves the tensor's norm now (displacement_effect); zeros before AdamW's first step or for
+    a tensor of norm 0. What it carries: per element and level, Σ move² over the steps it was flip-prone (float32,
+    [element, level], the sampled elements'). Every level at once, over the elements flip-prone at the highest (in
+    fp32: a flip's move is the size of the update itself)."""
     out = torch.zeros(len(GRID), dtype=torch.float64, device=param.device)
     n, norm, rms = param.numel(), float(torch.linalg.vector_norm(param.detach().double())), noise_scale(grad)
     if step < 1 or n == 0 or norm == 0 or rms == 0:
-        return out
+        return out, carried
     index = _sample(n, param.device)
     g, m, v, p = (t.detach().reshape(-1).float() if index is None else t.detach().reshape(-1)[index].float()
                   for t in (grad, exp_avg, exp_avg_sq, param))
     m_hat, v_hat = m / (1 - betas[0] ** step), v / (1 - betas[1] ** step)
     deltas = torch.tensor(GRID, dtype=m.dtype, device=m.device) * rms
+    carried = torch.zeros(len(g), len(GRID), dtype=torch.float32, device=g.device) if carried is None else carried
     reached = (g != 0) & (m_hat.abs() < deltas[-1])  # flip-prone at some level
-    m_hat, v_hat, p = m_hat[reached, None], v_hat[reached, None], p[reached, None]
+    m_hat, v_hat = m_hat[reached, None], v_hat[reached, None]
     base = _update(m_hat, v_hat, lr, eps)
-    change = torch.maximum(*(norm_change(p, _update(m_hat + d, v_hat + 2 * d * m_hat + d * d, lr, eps) - base, norm)
-                             for d in (deltas[None, :], -deltas[None, :])))
+    move = torch.maximum(*((_update(m_hat + d, v_hat + 2 * d * m_hat + d * d, lr, eps) - base).abs()
+                           for d in (deltas[None, :], -deltas[None, :])))
     prone = m_hat.abs() < deltas[None, :]  # [element, level]
-    out += (change.double() ** 2 * prone).sum(0)
-    return out * (n / SAMPLED if index is not None else 1.0)
+    carried[reached] += move * move * prone
+    out += displacement_effect(p[:, None].double(), carried.double(), norm).sum(0)
+    return out * (n / SAMPLED if index is not None else 1.0), carried
+
+
+def displacement_effect(p: torch.Tensor, d2: torch.Tensor, norm: float) -> torch.Tensor:
+    """The square of how far a displacement of variance `d2` of each element, either sign, moves the tensor's norm
+    (‖p‖ = `norm`): the mean over the two signs of ((p ± d)² − p²)² / (2‖p‖)², d²(p² + d²/4) / ‖p‖². Not p · d alone:
+    a zero-initialised bias's first update flipped moves its norm by nothing then and by 2 lr |p| / ‖p‖ once p has
+    moved on (the flip stays in the parameter; the norm's reading of it grows with the element)."""
+    return d2 * (p * p + d2 / 4) / (norm * norm)
 
 
 def norm_change(p: torch.Tensor, move: torch.Tensor, norm: float) -> torch.Tensor:
