@@ -36,10 +36,18 @@ BUGS = [k for k in RUNS if k not in "ABCD"]
 LR, WARMUP, CLIP, SEQ, ROWS, BETAS, EPS = 1e-3, 5, 0.8, 128, 4, (0.9, 0.999), 1e-8
 
 
+def norm_change(p: torch.Tensor, move: torch.Tensor, norm: float) -> torch.Tensor:
+    """|How far the tensor's norm moves| where each element's update moves by `move` (the parameter p − move), exact to
+    the second order: |(p − move)² − p²| / 2‖p‖. Not p̂ · move alone: a zero-initialised bias's first update flipped
+    (p = u, move = 2u) leaves its norm where it was. This study's per-step reading; the product carries each flip
+    instead (update_noise.displacement_effect)."""
+    return (move * (move - 2 * p)).abs() / (2 * norm)  # (p − move)² − p², without its cancellation
+
+
 def tables(g, m, v, step, p, lr) -> dict[str, list[float]]:
     """A's table of one tensor in each variant: "carried" / "this step" × "all" / "flip-prone" elements, the product's
     own (carried, flip-prone) from update_noise.tensor_table."""
-    from parity.training.update_noise import GRID, noise_scale, norm_change, tensor_table
+    from parity.training.update_noise import GRID, noise_scale, tensor_table
 
     g, m, v, p = (t.double().flatten() for t in (g, m, v, p))
     bc1, bc2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step

@@ -103,13 +103,6 @@ def displacement_effect(p: torch.Tensor, d2: torch.Tensor, norm: float) -> torch
     return d2 * (p * p + d2 / 4) / (norm * norm)
 
 
-def norm_change(p: torch.Tensor, move: torch.Tensor, norm: float) -> torch.Tensor:
-    """|How far the tensor's norm moves| where each element's update moves by `move` (the parameter p − move), exact to
-    the second order: |(p − move)² − p²| / 2‖p‖. Not p̂ · move alone: a zero-initialised bias's first update flipped
-    (p = u, move = 2u) leaves its norm where it was."""
-    return (move * (move - 2 * p)).abs() / (2 * norm)  # (p − move)² − p², without its cancellation
-
-
 def step_moves(grad, exp_avg, exp_avg_sq, step: int, lr: float, betas, eps: float, delta: float) -> float:
     """Σ_i move_i² over one step's flip-prone elements (|m_i| < (1 − β1) δ; step count `step` after it, moments after
     it) when its gradient `grad` moves by `delta` on every element it reached: the teacher-forced check's (module
