@@ -186,3 +186,65 @@ def test_a_zero_initialised_elements_flip_is_carried_into_the_bound_of_the_steps
         assert OPTIMIZER_NOISE_K * read(rows[s], level) ** 0.5 >= parted[s], (s, rows[s], parted[s])
     at = min(range(len(GRID)), key=lambda j: abs(GRID[j] - level))
     assert (carried[:, at] > 0).nonzero().flatten().tolist() == [0]  # at that level, element 0 alone carries a flip
+
+
+def test_a_resumed_baselines_tables_are_the_uninterrupted_ones(tmp_path):
+    """DDP's bf16 baseline checkpoints the flips its table carries (PolicyOptimizer.state_dict, in bf16): stopped after
+    step 3 of 6 and resumed from the saved state, its tables of steps 4–6 are the uninterrupted run's to bf16's
+    rounding; a checkpoint without them (an older one) resumes with none carried, and the weight's tables fall short."""
+    import io
+
+    import torch
+
+    from parity.driver.config import resolve
+    from parity.driver.local_group import CLUSTER
+    from parity.training.policy_optimizer import PolicyOptimizer
+
+    cfg = resolve("ddp", {"precision": "bf16", "num_workers": 1, "learning_rate": 1e-3, "max_grad_norm": 1.0,
+                          "loss_output_dir": tmp_path, "init_weights_path": tmp_path / "init.pt",
+                          "save_init_weights": True}, cluster=CLUSTER)
+    grads = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(3))
+    grads[:, :, :4] *= 1e-4  # elements whose updates take the noise's sign: flip-prone from the lowest levels
+
+    def model():
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(32, 1)
+        torch.nn.init.zeros_(layer.bias)
+        return layer
+
+    def steps(opt, params, which) -> list[list]:
+        tables = []
+        for s in which:
+            for p, g in zip(params, (grads[s, 0].view(1, 32), grads[s, 1, :1])):
+                p.grad = g.to(p.dtype)
+            opt.step(1e-3, lambda gs: float(torch.stack([g.norm() for g in gs]).norm()))
+            tables.append([opt.update_noise[id(m)] for m in opt.master_parameters()])
+        return tables
+
+    def optimizer():
+        params = list(model().parameters())
+        opt = PolicyOptimizer(params, cfg, ["weight", "bias"])
+        opt.measures_update_noise = True
+        return opt, params
+
+    whole = steps(*optimizer(), range(6))
+    first, params = optimizer()
+    steps(first, params, range(3))
+    saved = io.BytesIO()
+    torch.save({"model": [p.detach() for p in params], "optimizer": first.state_dict()}, saved)  # as DDP's checkpoint
+    resumed = {}
+    for kept in (True, False):
+        state = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
+        if not kept:
+            state["optimizer"].pop("update_noise_carried")
+        opt, params = optimizer()
+        with torch.no_grad():
+            for p, value in zip(params, state["model"]):
+                p.copy_(value)
+        opt.load_state_dict(state["optimizer"])
+        resumed[kept] = steps(opt, params, range(3, 6))
+    for s, (a, b) in enumerate(zip(whole[3:], resumed[True])):
+        for x, y in zip(a, b):
+            assert x.abs().max() > 0 and torch.allclose(x, y, rtol=2e-2, atol=0), (s + 3, x, y)  # bf16 halves: 2^-8
+    short = [float((a[0] - b[0]).max() / a[0].max()) for a, b in zip(whole[3:], resumed[False])]
+    assert min(short) > 0.5, short  # without the carried flips the weight's table (its 4 flip-prone elements) lost half
