@@ -113,6 +113,10 @@ class RunConfig:
     # gradients ÷ it before the step (parity.training.teacher_forced.PERTURB): every bf16 rounding of backward moves, as
     # TP's partial sums or another kernel move them; None elsewhere (left out of to_dict)
     perturb: float | None = None
+    # A noise reference that clips its gradients as torch.nn.utils.clip_grad_norm_ computes it ("torch": fp32 norms, an
+    # fp32 coefficient), where the harness clips by a float64 norm: the arithmetic of every framework's loop, which the
+    # other references, clipping alike, never draw (PolicyOptimizer.step); None elsewhere (left out of to_dict)
+    clip_arithmetic: str | None = None
 
     @property
     def layout(self) -> Layout:
@@ -129,7 +133,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in (*REPLAY_ONLY, "lora", "objective", "noise_kernels", "perturb", "loss_scales"):
+        for key in (*REPLAY_ONLY, "lora", "objective", "noise_kernels", "perturb", "clip_arithmetic", "loss_scales"):
             if data[key] is None:
                 del data[key]
         return data

@@ -196,13 +196,9 @@ def test_a_resumed_baselines_tables_are_the_uninterrupted_ones(tmp_path):
 
     import torch
 
-    from parity.driver.config import resolve
-    from parity.driver.local_group import CLUSTER
     from parity.training.policy_optimizer import PolicyOptimizer
 
-    cfg = resolve("ddp", {"precision": "bf16", "num_workers": 1, "learning_rate": 1e-3, "max_grad_norm": 1.0,
-                          "loss_output_dir": tmp_path, "init_weights_path": tmp_path / "init.pt",
-                          "save_init_weights": True}, cluster=CLUSTER)
+    cfg = ddp_config(tmp_path, "bf16")
     grads = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(3))
     grads[:, :, :4] *= 1e-4  # elements whose updates take the noise's sign: flip-prone from the lowest levels
 
@@ -248,3 +244,62 @@ def test_a_resumed_baselines_tables_are_the_uninterrupted_ones(tmp_path):
             assert x.abs().max() > 0 and torch.allclose(x, y, rtol=2e-2, atol=0), (s + 3, x, y)  # bf16 halves: 2^-8
     short = [float((a[0] - b[0]).max() / a[0].max()) for a, b in zip(whole[3:], resumed[False])]
     assert min(short) > 0.5, short  # without the carried flips the weight's table (its 4 flip-prone elements) lost half
+
+
+def ddp_config(folder, precision: str):
+    """DDP's resolved configuration at one worker, lr 1e-3, clipped at 1.0: what a PolicyOptimizer reads."""
+    from parity.driver.config import resolve
+    from parity.driver.local_group import CLUSTER
+
+    return resolve("ddp", {"precision": precision, "num_workers": 1, "learning_rate": 1e-3, "max_grad_norm": 1.0,
+                           "loss_output_dir": folder, "init_weights_path": folder / "init.pt",
+                           "save_init_weights": True}, cluster=CLUSTER)
+
+
+def test_the_reference_clipping_as_torch_does_steps_as_a_torch_loop(tmp_path):
+    """Why clean fp32 loops drifted from their replays over 100 steps (Lightning 2.8 × the drift bound,
+    docs/false_alarms.md): a framework's loop clips by torch's clip_grad_norm_ — the norm and its coefficient in fp32 —
+    where the harness clips by a float64 norm, and every reference clipped the harness's way, so none drew the
+    difference. The other-kernels reference now clips as torch does (RunConfig.clip_arithmetic "torch"): over 20
+    clipped fp32 steps its optimizer steps as a torch loop does, bit for bit; the harness's own clip parts from it by
+    rounding alone."""
+    import dataclasses
+
+    import torch
+
+    from parity.training.optimizer import build_optimizer, set_lr
+    from parity.training.policy_optimizer import PolicyOptimizer
+
+    cfg = ddp_config(tmp_path, "fp32")
+    grads = torch.randn(20, 8, 32, generator=torch.Generator().manual_seed(5)) * 0.3  # norms about 4.8: all clipped
+    start = torch.randn(8, 32, generator=torch.Generator().manual_seed(6))
+
+    def trained(step) -> torch.Tensor:
+        weight = torch.nn.Parameter(start.clone())
+        stepper = step(weight)
+        for g in grads:
+            weight.grad = g.clone()
+            stepper()
+        return weight.detach()
+
+    def torch_loop(weight):
+        optimizer = build_optimizer([weight], cfg)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_([weight], cfg.max_grad_norm)
+            set_lr(optimizer, 1e-3)
+            optimizer.step()
+        return step
+
+    def policy(arithmetic):
+        def build(weight):
+            opt = PolicyOptimizer([weight], dataclasses.replace(cfg, clip_arithmetic=arithmetic), ["weight"])
+            return lambda: opt.step(1e-3, lambda gs: float(torch.stack([g.double().norm() for g in gs]).norm()))
+        return build
+
+    assert min(float(g.norm()) for g in grads) > 1.0
+    loop = trained(torch_loop)
+    assert torch.equal(trained(policy("torch")), loop)
+    harness = trained(policy(None))
+    parted = float((harness - loop).abs().max() / loop.abs().max())
+    assert 0 < parted < 1e-6, parted

@@ -291,7 +291,8 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     arithmetic differs from the replay's (`gradient_sums`: a count that feeds the same micro-batches summed alike,
     as fed rows regrouped whole from two ranks onto one, trains the replay bit for bit and measures no noise), for a
     low-precision run in fp32 at the replay's own, and at the replay's own under other kernels (on CPU other MKL and
-    oneDNN paths, on CUDA deterministic algorithms and fp32 reductions: local_group.NOISE_KERNELS)."""
+    oneDNN paths, on CUDA deterministic algorithms and fp32 reductions: local_group.NOISE_KERNELS), clipping as torch's
+    clip_grad_norm_ does (fp32 norms and coefficient: a framework's loop's arithmetic; the harness's is float64's)."""
     import dataclasses
     import itertools
 
@@ -347,7 +348,8 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
         planned.append(plan(workers, noise_reference=True, precision="fp32"))
     kernels = NOISE_KERNELS[device]  # the noise another CPU kind or GPU brings, measured on this machine
     cfg, batches = plan(workers, noise_reference=True, experiment_name=f"ddp_dp{workers}_{kernels}_noise_reference")
-    planned.append((dataclasses.replace(cfg, noise_kernels=kernels), batches))
+    # and another loop's: it clips as torch's clip_grad_norm_ does (RunConfig.clip_arithmetic), as the user's loop does
+    planned.append((dataclasses.replace(cfg, noise_kernels=kernels, clip_arithmetic="torch"), batches))
     return planned
 
 

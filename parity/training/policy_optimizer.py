@@ -40,7 +40,9 @@ class PolicyOptimizer:
     Per step, after the strategy has reduced the gradients over DP: `step(lr, norm_of)` moves them into the master
     copies (fp32), and under fp16 checks every rank for an overflow (then the step is skipped and the scale lowered,
     DeepSpeed's rules: parity/training/loss_scaler.py) and unscales them; then clips by `norm_of`'s global norm
-    (torch's formula, --max_grad_norm), steps, copies the masters back into the parameters and drops every gradient.
+    (torch's formula over a float64 norm, --max_grad_norm; a noise reference of RunConfig.clip_arithmetic "torch":
+    torch's clip_grad_norm_ itself, in fp32), steps, copies the masters back into the parameters and drops every
+    gradient.
     Under --grad_accum_dtype fp32, `accumulate()` after each micro-batch's backward adds its (reduced) gradients into
     the fp32 master gradients.
 
@@ -129,8 +131,9 @@ class PolicyOptimizer:
         if before_norm is not None:
             before_norm()
         norm = norm_of([g for g in (self.master_of(p).grad for p in counted) if g is not None])
-        coef = clip_coefficient(norm, self.cfg)
-        if coef < 1.0:
+        if getattr(self.cfg, "clip_arithmetic", None) == "torch" and self.cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_([self.master_of(p) for p in counted], self.cfg.max_grad_norm)
+        elif (coef := clip_coefficient(norm, self.cfg)) < 1.0:
             torch._foreach_mul_(grads, coef)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
