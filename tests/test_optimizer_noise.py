@@ -10,7 +10,8 @@ oneDNN's AVX2 ones, PASSes 100 steps against it within half of every bound, the 
 at least one flip; AdamW's step counter advanced twice still FAILs at step 1. Then the campaign tool
 (tools/false_alarms.py) runs its slice at a seed no other test uses — a hand-written loop and Trainer, two families of
 the recorded runs (the harness's strategies' is the FSDP2 + TP run above) — and writes its page: two clean verdicts, no
-FAIL, no refusal."""
+FAIL, no refusal. Beside them, unit tests of what the campaign found: a zero-initialised element's flip carried into
+later steps' bounds, a resumed baseline's tables, and the reference that clips as torch's clip_grad_norm_ does."""
 
 from __future__ import annotations
 
