@@ -36,6 +36,7 @@ class DDPStrategy(Strategy):
     takes_adapters = True  # LoRA: DDP reduces the gradients of what requires them, its PolicyOptimizer steps them
     replays_records = True  # the trusted loop: train_ddp.py --replay_record (parity/replay/replay.py)
     takes_perturb = True  # loss_scale and optimizer_step below
+    clips_as_torch = True  # its PolicyOptimizer's step
     precisions = tuple(POLICIES)
     policy_optimizer_class = PolicyOptimizer  # steps the shared AdamW under the policy (a seeded bug's copy replaces it)
     reads_at_clip = True  # its PolicyOptimizer's step hands the gradients to the tensor record where it takes the norm

@@ -77,6 +77,7 @@ class PipelineStrategy(Strategy):
     pipeline_parallel = True  # --pp_size, a layout flag (parity/layout.py): the run's cfg.pp_size, ctx.pp_size
     takes_adapters = True  # LoRA: each stage steps its layers' adapters (module docstring)
     reads_at_clip = True  # its PolicyOptimizer's step hands the gradients to the tensor record where it takes the norm
+    clips_as_torch = True  # its PolicyOptimizer's step
     precisions = tuple(POLICIES)
     options = (
         Option("pp_schedule", "1f1b", choices=tuple(SCHEDULES),

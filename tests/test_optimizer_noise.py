@@ -304,3 +304,43 @@ def test_the_reference_clipping_as_torch_does_steps_as_a_torch_loop(tmp_path):
     harness = trained(policy(None))
     parted = float((harness - loop).abs().max() / loop.abs().max())
     assert 0 < parted < 1e-6, parted
+
+
+def test_the_sharded_replays_reference_clips_as_an_fsdp2_loop_does(tmp_path):
+    """Where verify_trainer's replay is FSDP2 (a model too large for a DDP replica: replay_choice), its reference under
+    other kernels clips by torch's clip_grad_norm_ over the DTensors too, as an FSDP2 loop does: over 20 clipped fp32
+    AdamW steps of a one-rank mesh, bit for bit such a loop; the harness's own clip (a float64 norm) parts from it by
+    rounding alone. ZeRO-3's engine clips in DeepSpeed's arithmetic: its reference says so (plan_replays)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from autotp_strategy import DeepSpeedStrategy
+    from conftest import free_port, gloo_rank
+    from fsdp_strategy import FSDPStrategy
+    from parity.training.dtensor_strategy import clip_sharded_gradients
+
+    assert FSDPStrategy.clips_as_torch and DDPStrategy.clips_as_torch and not DeepSpeedStrategy.clips_as_torch
+    grads = torch.randn(20, 8, 32, generator=torch.Generator().manual_seed(5)) * 0.3  # norms about 4.8: all clipped
+    start = torch.randn(8, 32, generator=torch.Generator().manual_seed(6))
+    with gloo_rank(0, 1, free_port()):
+        mesh = init_device_mesh("cpu", (1,))
+
+        def trained(clip) -> torch.Tensor:
+            weight = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(0)]))
+            optimizer = torch.optim.AdamW([weight], lr=1e-3)
+            for g in grads:
+                weight.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+                clip([weight])
+                optimizer.step()
+            return weight.detach().full_tensor()
+
+        loop = trained(lambda params: torch.nn.utils.clip_grad_norm_(params, 1.0))
+        reference = trained(lambda params: clip_sharded_gradients(params, SimpleNamespace(max_grad_norm=1.0,
+                                                                                         clip_arithmetic="torch")))
+        harness = trained(lambda params: clip_sharded_gradients(params, SimpleNamespace(max_grad_norm=1.0)))
+    assert torch.equal(reference, loop)
+    parted = float((harness - loop).abs().max() / loop.abs().max())
+    assert 0 < parted < 1e-6, parted

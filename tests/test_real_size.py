@@ -141,6 +141,22 @@ def test_a_replica_over_the_budget_is_refused_under_ddp_in_one_line(cut):
         plan_replays(record, str(cut["others"]), None, False, "auto", 2**20)
 
 
+def test_the_sharded_replays_reference_under_other_kernels_clips_as_its_loop_can(cut, capsys):
+    """Calibrated, the record's reference under other kernels clips as torch's clip_grad_norm_ does under FSDP2, as a
+    framework's loop does (test_optimizer_noise: bit for bit an FSDP2 loop); under ZeRO-3, whose engine clips in
+    DeepSpeed's arithmetic, it clips that way and one line says its bounds do not draw a loop's fp32 clip."""
+    from parity.commands.verify_trainer import plan_replays
+
+    record = str(cut["out"] / "loss_hf_trainer.json")
+    for replay, strategy, arithmetic in (("fsdp", "fsdp", "torch"), ("zero3", "deepspeed", None)):
+        capsys.readouterr()
+        reference = plan_replays(record, str(cut["others"]), None, True, replay, BUDGET)[-1][0]
+        assert (reference.strategy, reference.noise_kernels, reference.clip_arithmetic) == (
+            strategy, "other_kernels", arithmetic)
+        said = "does, not as torch's clip_grad_norm_: the bounds do not draw a loop's fp32 clip"
+        assert (said in capsys.readouterr().err) == (arithmetic is None), replay
+
+
 @pytest.mark.parametrize("name", ["lightning_lm", "plain_loop"])
 def test_lightning_and_a_plain_loop_are_cut_alike(cut, name):
     """Each builds qwen2-tiny at 4 layers by its class; under the variables it trains 2, and its record says so."""

@@ -348,8 +348,13 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
         planned.append(plan(workers, noise_reference=True, precision="fp32"))
     kernels = NOISE_KERNELS[device]  # the noise another CPU kind or GPU brings, measured on this machine
     cfg, batches = plan(workers, noise_reference=True, experiment_name=f"ddp_dp{workers}_{kernels}_noise_reference")
-    # and another loop's: it clips as torch's clip_grad_norm_ does (RunConfig.clip_arithmetic), as the user's loop does
-    planned.append((dataclasses.replace(cfg, noise_kernels=kernels, clip_arithmetic="torch"), batches))
+    # and another loop's: it clips as torch's clip_grad_norm_ does (RunConfig.clip_arithmetic), as the user's loop does,
+    # where the replay's strategy can (Strategy.clips_as_torch)
+    clips = load(cfg.strategy_path).clips_as_torch
+    if not clips:
+        print(f"verify_trainer: the noise reference under other kernels clips as {REPLAYS[chosen[0]][2]} does, not as "
+              f"torch's clip_grad_norm_: the bounds do not draw a loop's fp32 clip (docs/tolerances.md)", file=sys.stderr)
+    planned.append((dataclasses.replace(cfg, noise_kernels=kernels, clip_arithmetic="torch" if clips else None), batches))
     return planned
 
 

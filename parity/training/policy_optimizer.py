@@ -131,7 +131,7 @@ class PolicyOptimizer:
         if before_norm is not None:
             before_norm()
         norm = norm_of([g for g in (self.master_of(p).grad for p in counted) if g is not None])
-        if getattr(self.cfg, "clip_arithmetic", None) == "torch" and self.cfg.max_grad_norm > 0:
+        if self.cfg.clip_arithmetic == "torch" and self.cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_([self.master_of(p) for p in counted], self.cfg.max_grad_norm)
         elif (coef := clip_coefficient(norm, self.cfg)) < 1.0:
             torch._foreach_mul_(grads, coef)

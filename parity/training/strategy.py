@@ -130,6 +130,10 @@ class Strategy(Routing, ShardedView):
     # whether it trains a perturbed noise reference (RunConfig.perturb): each micro-batch's loss × the factor before
     # backward, its gradients ÷ it before the step; resolve refuses the factor to a strategy that does not
     takes_perturb = False
+    # whether its step clips as torch.nn.utils.clip_grad_norm_ computes it (fp32 norms, an fp32 coefficient) for a run of
+    # RunConfig.clip_arithmetic "torch" — verify_trainer's noise reference under other kernels, drawing a framework
+    # loop's clip —, where it clips by a float64 norm otherwise; plan_replays asks it, and says so where it cannot
+    clips_as_torch = False
     layer_check_refuses_ep = None  # why the layer check cannot compare its modules at --ep_size > 1, where it cannot
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
     # The precision policies it carries out (parity.precision). fp32 and bf16 (autocast) need nothing of a strategy but
