@@ -292,7 +292,8 @@ def plan_replays(record: str, out: str, num_workers: int | None, calibrate: bool
     as fed rows regrouped whole from two ranks onto one, trains the replay bit for bit and measures no noise), for a
     low-precision run in fp32 at the replay's own, and at the replay's own under other kernels (on CPU other MKL and
     oneDNN paths, on CUDA deterministic algorithms and fp32 reductions: local_group.NOISE_KERNELS), clipping as torch's
-    clip_grad_norm_ does (fp32 norms and coefficient: a framework's loop's arithmetic; the harness's is float64's)."""
+    clip_grad_norm_ does where the replay's strategy can (fp32 norms and coefficient: a framework's loop's arithmetic;
+    the harness's is float64's; ZeRO-3's engine clips its own way, and a line says so)."""
     import dataclasses
     import itertools
 
