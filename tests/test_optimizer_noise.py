@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_port, gloo_rank
 from ddp_strategy import DDPStrategy
 from parity.comparing import tensor_verdict
 from parity.comparing.curves import compare, load_references, load_runs
@@ -306,7 +306,7 @@ def test_the_reference_clipping_as_torch_does_steps_as_a_torch_loop(tmp_path):
     assert 0 < parted < 1e-6, parted
 
 
-def test_the_sharded_replays_reference_clips_as_an_fsdp2_loop_does(tmp_path):
+def test_the_sharded_replays_reference_clips_as_an_fsdp2_loop_does():
     """Where verify_trainer's replay is FSDP2 (a model too large for a DDP replica: replay_choice), its reference under
     other kernels clips by torch's clip_grad_norm_ over the DTensors too, as an FSDP2 loop does: over 20 clipped fp32
     AdamW steps of a one-rank mesh, bit for bit such a loop; the harness's own clip (a float64 norm) parts from it by
@@ -318,7 +318,6 @@ def test_the_sharded_replays_reference_clips_as_an_fsdp2_loop_does(tmp_path):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from autotp_strategy import DeepSpeedStrategy
-    from conftest import free_port, gloo_rank
     from fsdp_strategy import FSDPStrategy
     from parity.training.dtensor_strategy import clip_sharded_gradients
 

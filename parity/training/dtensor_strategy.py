@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from parity.models.packing import per_rank_placement
 from parity.training.loss_scaler import applied, unscaled_or_skipped
 from parity.training.memory import GATHERED, GRADS, PARAMS, StateLedger
-from parity.training.optimizer import (OptimizerStep, clip_coefficient, squared_norm_fp64, step_optimizer,
+from parity.training.optimizer import (OptimizerStep, clip_gradients, squared_norm_fp64, step_optimizer,
                                        trainable)
 from parity.training.replicas import Replica, held, mesh_replica_ranks
 from parity.training.strategy import Strategy
@@ -86,17 +86,11 @@ def dtensor_replicas(replicated, optimizer) -> list[Replica]:
 def clip_sharded_gradients(params, cfg) -> float:
     """Clip DTensor gradients by their global norm (torch's formula, --max_grad_norm); return that norm (float64).
     Scaling each rank's local shards scales the whole tensors: no communication. A run of RunConfig.clip_arithmetic
-    "torch" clips by torch's clip_grad_norm_ itself, as an FSDP2 loop does (its tensors on one mesh); `cfg` is anything
-    with max_grad_norm (a sharded loop passes its argparse namespace)."""
+    "torch" clips by torch's clip_grad_norm_ itself, as an FSDP2 loop does (its tensors on one mesh: clip_gradients)."""
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
     norm = global_norm(grads)
-    if getattr(cfg, "clip_arithmetic", None) == "torch" and cfg.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        return norm
-    coef = clip_coefficient(norm, cfg)
-    if coef < 1.0:
-        torch._foreach_mul_([local(g) for g in grads], coef)
+    clip_gradients(norm, params, [local(g) for g in grads], cfg)
     return norm
 
 

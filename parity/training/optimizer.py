@@ -150,6 +150,17 @@ def clip_coefficient(total_norm: float, cfg) -> float:
     return min(1.0, cfg.max_grad_norm / (total_norm + 1e-6))
 
 
+def clip_gradients(total_norm: float, params, grads, cfg) -> None:
+    """Clip as the run says: for RunConfig.clip_arithmetic "torch" (a noise reference drawing a framework's loop),
+    torch's clip_grad_norm_ itself over `params` (fp32 norms and coefficient); else torch's formula over the float64
+    `total_norm`, scaling `grads` (the tensors, or a DTensor's local pieces) in place. `cfg`: anything with
+    max_grad_norm (a sharded loop passes its argparse namespace)."""
+    if getattr(cfg, "clip_arithmetic", None) == "torch" and cfg.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    elif (coef := clip_coefficient(total_norm, cfg)) < 1.0:
+        torch._foreach_mul_(grads, coef)
+
+
 def full_moments(named_parameters, optimizer, device: torch.device, master_of=None) -> tuple[dict, int] | None:
     """AdamW's state of a torch `optimizer` over the module parameters `named_parameters` ((Hugging Face name,
     parameter), a tied weight once) as full fp32 CPU tensors — ({name: {"exp_avg", "exp_avg_sq"}}, its step count),

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from parity.precision import DTYPES, policy_of
 from parity.training.loss_scaler import applied, scaler_of, unscaled_or_skipped
 from parity.training.memory import GRADS, MASTER, PARAMS
-from parity.training.optimizer import ADAMW_MOMENTS, OptimizerStep, build_optimizer, clip_coefficient, set_lr
+from parity.training.optimizer import ADAMW_MOMENTS, OptimizerStep, build_optimizer, clip_gradients, set_lr
 from parity.training.update_noise import tensor_table
 
 
@@ -131,10 +131,7 @@ class PolicyOptimizer:
         if before_norm is not None:
             before_norm()
         norm = norm_of([g for g in (self.master_of(p).grad for p in counted) if g is not None])
-        if self.cfg.clip_arithmetic == "torch" and self.cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_([self.master_of(p) for p in counted], self.cfg.max_grad_norm)
-        elif (coef := clip_coefficient(norm, self.cfg)) < 1.0:
-            torch._foreach_mul_(grads, coef)
+        clip_gradients(norm, [self.master_of(p) for p in counted], grads, self.cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         if self.measures_update_noise:
