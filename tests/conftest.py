@@ -16,6 +16,10 @@ import subprocess
 
 import pytest
 
+from parity.gc_thresholds import fewer_collections
+
+fewer_collections()  # a test process imports most of what the harness imports (parity/gc_thresholds.py)
+
 # The S3 tests' server (moto, tests/test_storage.py) takes any credentials; Ray workers inherit the
 # environment of the process that starts the session cluster, so they are set here, before it starts —
 # and no test can reach a real account with the developer's own.

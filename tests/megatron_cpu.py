@@ -26,6 +26,10 @@ import contextlib
 import runpy
 import sys
 
+from parity.gc_thresholds import fewer_collections
+
+fewer_collections()  # a test's process: fewer collections while megatron-core imports (parity/gc_thresholds.py)
+
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode

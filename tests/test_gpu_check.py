@@ -279,27 +279,52 @@ def test_a_cuda_group_spawns_its_ranks_and_a_cpu_group_forks_them(tmp_path):
 
 
 FORKSERVER_EXIT = """
-import multiprocessing, os
+import gc, multiprocessing
 from parity.driver.local_group import PRELOAD
+
+def rank():
+    print("rank:", *gc.get_threshold(), gc.get_freeze_count(), flush=True)
+
 if __name__ == "__main__":
     multiprocessing.set_forkserver_preload(PRELOAD)
-    rank = multiprocessing.get_context("forkserver").Process(target=os.getpid)
-    rank.start()  # after the server's imports and its freeze
-    rank.join()
+    process = multiprocessing.get_context("forkserver").Process(target=rank)
+    process.start()  # after the server's imports and its freeze
+    process.join()
     print("the command's last line", flush=True)
 """
+PYTHONS_OWN = (700, 10, 10)  # CPython's thresholds, which a process has unless it sets its own
 
 
-def test_the_forkserver_leaves_nothing_after_the_commands_last_line(tmp_path):
+def test_the_forkserver_leaves_nothing_after_the_commands_last_line_and_its_ranks_collect_as_usual(tmp_path):
     """The local groups' forkserver freezes its imports' objects (rank_preload.py) and unfreezes them as it exits:
     frozen, triton's bindings printed "nanobind: leaked … instances" on the terminal after verify_trainer.py's last
-    line (CI: a test of that line failed so)."""
+    line (CI: a test of that line failed so). It imports under fewer collections (parity/gc_thresholds.py) and sets
+    CPython's own thresholds back before its ranks fork: a rank collects as it did, its imports' ~500 000 objects
+    frozen."""
     script = tmp_path / "command.py"
     script.write_text(FORKSERVER_EXIT)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "the command's last line"
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "the command's last line"
+    rank = [int(x) for x in next(line for line in lines if line.startswith("rank:")).split()[1:]]
+    assert tuple(rank[:3]) == PYTHONS_OWN and rank[3] > 200_000, rank
     assert "leaked" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_command_collects_less_often_while_it_imports_and_a_users_process_as_usual():
+    """parity/gc_thresholds.py: a command's process (anything under parity.commands: the root scripts, `parity`)
+    collects at IMPORTING's thresholds; a user's script that imports parity's recorder keeps CPython's own."""
+    from parity.gc_thresholds import IMPORTING
+
+    def thresholds(imports: str) -> tuple:
+        code = f"import gc, {imports}; print(*gc.get_threshold())"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return tuple(map(int, done.stdout.split()))
+
+    assert thresholds("parity.commands.common") == IMPORTING != PYTHONS_OWN
+    assert thresholds("parity.recording.recorder") == PYTHONS_OWN
 
 
 def test_a_model_is_recorded_on_the_device_it_trains_on_not_its_backends():

@@ -26,6 +26,10 @@ import os
 import runpy
 import sys
 
+from parity.gc_thresholds import fewer_collections
+
+fewer_collections()  # a test's process: fewer collections while vLLM and TRL import (parity/gc_thresholds.py)
+
 DTYPE = "PARITY_VLLM_DTYPE"  # float32, bfloat16: the engine's dtype (unset: vLLM's own choice, bf16 here)
 STALE = "PARITY_VLLM_STALE"  # the seeded lag's scoring (module docstring)
 ENGINE, SYNCS = [], []  # the engine built, each sync's weights (kept where STALE asks)

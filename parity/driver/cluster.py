@@ -89,7 +89,7 @@ def ensure_ray() -> float:
             # Our own local cluster: "local" starts a new one even when another Ray runs on this machine
             # (a bare ray.init() would join that one and wait for its resources).
             ray.init(address="local", include_dashboard=False, log_to_driver=True,
-                     runtime_env={"worker_process_setup_hook": "parity.driver.cluster.quiet_ray_train_logs"})
+                     runtime_env={"worker_process_setup_hook": "parity.driver.cluster.set_up_worker"})
         else:  # a cluster someone else runs; a Ray Job (Anyscale) brings its own runtime env (working_dir)
             ray.init(address=address, log_to_driver=True)
     except ConnectionError as exc:
@@ -123,8 +123,18 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
                           f"local one") from None
 
 
+def set_up_worker() -> None:
+    """Runs in every worker process of a local cluster (runtime_env worker_process_setup_hook), before it imports what
+    it runs: fewer garbage collections while it imports (parity/gc_thresholds.py; the training loop sets the usual
+    thresholds back before its first step), and Ray Train's logs quieted."""
+    from parity.gc_thresholds import fewer_collections
+
+    fewer_collections()
+    quiet_ray_train_logs()
+
+
 def quiet_ray_train_logs() -> None:
-    """Runs in every worker process of a local cluster (runtime_env worker_process_setup_hook).
+    """In every worker process of a local cluster (set_up_worker).
 
     Ray Train's placement-group cleaner asks the state API for the cluster's address "auto": with other Ray
     instances on the machine that lookup raises "Found multiple active Ray instances" and the cleaner's thread

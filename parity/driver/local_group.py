@@ -59,15 +59,9 @@ NOISE_KERNELS = {"cpu": "other_kernels", "cuda": "other_cuda_kernels"}  # by dev
 # reference at the baseline's own layout (noise_kernels)
 
 
-# What every rank imports, imported once in the forkserver (an import that fails there is left to the rank). Not the
-# strategy modules: a test copy of one on sys.path must win over the installed module, as it does in a spawned rank.
-# pyarrow.fs writes the records; inductor is what DeepSpeed's initialize imports (its Muon optimizer's module calls
-# torch.compile when imported: ~1 s per rank, its first setup went from 3 s to under 1) and what --compile uses.
-# Last, rank_preload: DeepSpeed imported as workers import it, the shared code's fingerprint computed and the imports'
-# objects frozen out of the collector's scans, once for every rank.
-PRELOAD = ["torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
-           "transformers.models.qwen2.modeling_qwen2", "parity.training.loop", "pyarrow.fs",
-           "torch._inductor.compile_fx", "parity.driver.rank_preload"]
+# What the forkserver imports once for every rank it forks: rank_preload.py, which imports what every rank imports
+# (RANK_IMPORTS) and the rest of a rank's start-up.
+PRELOAD = ["parity.driver.rank_preload"]
 
 
 def same_kernels(a: str, b: str) -> bool:

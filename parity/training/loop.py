@@ -39,6 +39,7 @@ from parity.console import marked
 from parity.deepspeed_import import import_deepspeed
 from parity.errors import COLLATERAL, RunStopped
 from parity.fingerprint import fingerprint
+from parity.gc_thresholds import usual_collections
 from parity.objectives import describe as describe_objective
 from parity.ray_session import ray_is_up
 from parity.registry import load
@@ -119,6 +120,7 @@ def train_group_worker(payload: dict) -> dict | None:
     {"stopped": line} when every rank of a run stopped on the same failure (the later runs do not start)."""
     runs, to_terminal = payload["runs"], payload.get("terminal", False)
     shared = len(runs) > 1
+    usual_collections()  # a Ray worker's imports are done (parity.driver.cluster.set_up_worker)
     gc.freeze()  # what the worker imported so far, out of the collections' walks (a local rank's forkserver did it)
     try:
         for i, run in enumerate(runs):
