@@ -16,7 +16,7 @@ own implements parity.training.strategy's API (docs/custom_strategy.md). The nam
 
 The house, from the lowest floor up (docs/architecture.md; a module imports only from lower floors):
 
-    errors storage console run_config layout precision registry fingerprint    the lowest floor
+    errors storage console run_config layout precision registry fingerprint gc_thresholds    the lowest floor
     models/       the model axis: built-in presets, the family seam, building and loading models
     training/     the worker: the strategy API (strategy.py), optimizer, loss, precision runtime, the loop, the
                   loss record, the per-step observer, replicas, checkpoints, the teacher-forced check
