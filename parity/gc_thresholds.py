@@ -2,7 +2,7 @@
 over the heap each time it grows by a quarter, and torch, transformers, DeepSpeed, Ray and megatron-core fill it by
 hundreds of thousands of objects as they import: 30–40 % of such a process's start-up CPU on the test machine, ~1 CPU-s
 a process (docs/benchmark.md#the-collector-while-a-process-imports). The harness's own processes — its commands, the
-forkserver its local ranks fork from, its Ray workers, the tests' — collect less often while they import
+forkserver its local ranks fork from, its Ray workers on a local cluster, the tests' — collect less often while they import
 (`fewer_collections`); a worker sets the thresholds it had back before it trains (`usual_collections`), so that a
 cycle holding a device's tensors is freed as soon as it was before. A user's processes are left as they are."""
 

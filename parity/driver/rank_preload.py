@@ -11,7 +11,7 @@ once before the forks.
   import: 1.8 s here).
 - The shared code's fingerprint (fingerprint.shared_files parses every module of the package): the ranks run the code
   this server imported and inherit the answer, computed over the same files.
-- gc.freeze(): the ~600 000 objects the imports made leave the collector's generations, so that a full collection in
+- gc.freeze(): the ~540 000 objects the imports made leave the collector's generations, so that a full collection in
   a rank (the loop's after every run, and those its allocations set off) walks what the rank made, not them — 0.3 s
   each before, several a run. The objects are the modules', alive for the process's life anyway. The server itself
   unfreezes them when it exits (its ranks leave by os._exit): frozen, they outlive the interpreter's last collection,
@@ -28,7 +28,6 @@ from parity.gc_thresholds import fewer_collections, usual_collections
 RANK_IMPORTS = ("torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
                 "transformers.models.qwen2.modeling_qwen2", "parity.training.loop", "pyarrow.fs",
                 "torch._inductor.compile_fx")
-
 
 
 def preload() -> None:
