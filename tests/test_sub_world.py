@@ -6,7 +6,8 @@ tests/test_main_script.py's: DDP at 2 workers checkpointing in the TP runs' grou
 One local group of 2 ranks trains DDP at 1 worker, at 2, and at 1 again; one group of 1 the same run alone: the runs
 at 1 worker are the lone run bit for bit, and the run at 2 is theirs to fp32 parity. A run that stops every rank (a
 loss that is not finite) stops the whole group on its line, the waiting rank too, and the next run never starts. A
-local group's rank 0, whose process serves the group's store, leaves last."""
+local group's rank 0, whose process serves the group's store, leaves last, and no rank leaves a group formed again
+before every rank has formed it."""
 
 from __future__ import annotations
 
@@ -83,3 +84,38 @@ def test_rank_0_leaves_the_group_last(tmp_path, tiny_weights):
 
     cfg, _ = _run(tmp_path, tiny_weights, "late", TWO)
     launch_local([cfg], [{}], worker=_reads_the_store_late)
+
+
+def test_the_group_formed_again_is_formed_on_every_rank_before_any_goes_on(tmp_path, tiny_weights):
+    """Rank 1 forms the group again a second late: rank 0 goes on only once it has. A rank that went on and left at once
+    (the group formed again after a last run of fewer ranks) closed the connection its peer was still setting up
+    ("Connection closed by peer", twice in 5 suites' megatron-core replays)."""
+    from parity.driver.local_group import launch_local
+
+    cfg, _ = _run(tmp_path, tiny_weights, "slow", TWO)
+    launch_local([cfg], [{}], worker=_forms_the_group_again_late)
+
+
+def _forms_the_group_again_late(group: dict) -> dict:
+    """A run of 1 worker in a group of 2, rank 1's init of the group formed again after it a second slower than it is;
+    rank 0 asserts, once its own is formed, that rank 1's is."""
+    import time
+
+    import torch.distributed as dist
+
+    from parity.training.sub_world import ranks_for
+
+    store, init = dist.distributed_c10d._get_default_store(), dist.init_process_group
+
+    def late(*args, **kwargs):
+        init(*args, **kwargs)
+        time.sleep(1.0)
+        store.set("parity_test/formed_1", "1")
+
+    if dist.get_rank() == 1:
+        dist.init_process_group = late  # the waiting rank inits only the group formed again
+    with ranks_for(1):
+        pass
+    if dist.get_rank() == 0:
+        assert store.check(["parity_test/formed_1"]), "rank 0 went on before rank 1 had formed the group again"
+    return {}
