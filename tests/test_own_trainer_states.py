@@ -211,3 +211,43 @@ def test_a_missing_state_is_one_line_and_a_record_without_states_says_why(runs, 
     states = recorded_states(record, load_record(record))
     assert states.checks == () and states.none == ("the recorder saved no states (recorded with "
                                                    "checkpoint_interval=None, or by a recorder before them)")
+
+
+def test_the_state_the_recorder_saves_is_its_own_not_the_loops():
+    """A view whose full tensors are the loop's own — megatron-core's fp32 masters and AdamW moments of a tensor no TP
+    rank splits, on the CPU: the state the recorder hands its writer's thread keeps the values it was taken with while
+    the loop's next update changes the loop's in place (a clean fp16 megatron-core job's state after step 0 was once
+    written with step 3's moments: its teacher-forced check FAILed at 114 × its bound)."""
+    import torch
+
+    from parity.recording.states import gathered
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(2, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    class LoopsOwn:  # as megatron-core's view at TP 1 on the CPU: the loop's tensors themselves
+        def full_state_dict(self):
+            return {name: p.detach() for name, p in model.named_parameters()}
+
+        def full_optimizer_state(self):
+            return {name: {key: optimizer.state[p][key] for key in ("exp_avg", "exp_avg_sq")}
+                    for name, p in model.named_parameters()}, 1
+
+        def buffer_names(self):
+            return []
+
+    step()
+    state = gathered(LoopsOwn(), ["weight", "bias"])
+    taken = {name: [t.clone() for t in (state.params[name], *state.moments[name].values())] for name in state.params}
+    step()
+    for name, p in model.named_parameters():
+        loops = [p.detach(), optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"]]
+        saved = [state.params[name], *state.moments[name].values()]
+        assert not any(torch.equal(a, b) for a, b in zip(loops, taken[name])), name  # the loop's moved on
+        assert all(torch.equal(a, b) for a, b in zip(saved, taken[name])), name  # the saved state did not

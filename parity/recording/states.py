@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import time
 
+import torch
 import torch.distributed as dist
 
 from parity import storage
@@ -59,6 +60,29 @@ def refusal(interval, max_bytes) -> str | None:
     if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
         return f"max_state_bytes {max_bytes!r} is not a number of bytes"
     return None
+
+
+def gathered(view, names) -> FullState:
+    """The state now, as full fp32 CPU tensors of their own under Hugging Face names `names` (the writer's thread
+    writes them while the loop trains on). Collective in a sharded view."""
+    full = view.full_state_dict()  # None: the module's own state dict is full
+    full = full if full is not None else view.model.state_dict()
+    exported = view.full_optimizer_state()
+    if exported is None:
+        raise ValueError("the optimizer holds its moments in pieces the recorder cannot name")
+    moments = {name: {key: own(t) for key, t in states.items()} for name, states in exported[0].items()}
+    buffers = {name: own(full[name]) for name in view.buffer_names() if name in full}
+    return FullState({name: own(full[name]) for name in names}, moments, exported[1], buffers)
+
+
+def own(t: torch.Tensor) -> torch.Tensor:
+    """`t` as fp32 on the CPU in a tensor of its own: a view's full tensor may be the loop's, which its next update
+    changes in place before the writer's thread has written it — megatron-core's fp32 masters and AdamW moments of a
+    tensor no TP rank splits, on the CPU (its clean fp16 job's state after step 0 once saved with step 3's moments:
+    a teacher-forced FAIL at 114 × its bound). One converted or moved to the CPU is that copy; one already fp32 on
+    the CPU is copied, whether gathered or the loop's own (which cannot be told apart)."""
+    out = t.detach().float().cpu()
+    return out.clone() if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else out
 
 
 class StateSaver:
@@ -143,10 +167,8 @@ class StateSaver:
                 dist.broadcast_object_list(go, src=0, device=self.rec.device)
             if go[0] and (self.rec.rank == 0 or not self.rec.view.whole):
                 full = self.rec.view.full_state_dict()
-                copy = (lambda t: t.detach().float().cpu()) if full is not None else \
-                    (lambda t: t.detach().float().cpu().clone())
                 full = full if full is not None else self.rec.view.model.state_dict()
-                params = {f"param/{name}": copy(full[name]) for name in self.rec.names.values()}
+                params = {f"param/{name}": own(full[name]) for name in self.rec.names.values()}
                 size = sum(t.numel() * 4 for t in params.values())
                 if self.writer is not None and self.committed + size > self.max_bytes:
                     self._weights_stop(f"the sampler's weights passed max_state_bytes ({self.max_bytes} bytes) at "
@@ -175,18 +197,7 @@ class StateSaver:
         return self.index["stopped"] is None and self.rec.stop is None
 
     def _gather(self) -> FullState:
-        """The state now, as full fp32 CPU tensors under Hugging Face names (a copy: the loop goes on training)."""
-        view = self.rec.view
-        full = view.full_state_dict()  # None: the module's own state dict is full
-        fresh = full is not None  # gathered into tensors of their own; else the module's, which the loop updates
-        copy = (lambda t: t.detach().float().cpu()) if fresh else (lambda t: t.detach().float().cpu().clone())
-        full = full if full is not None else view.model.state_dict()
-        exported = view.full_optimizer_state()
-        if exported is None:
-            raise ValueError("the optimizer holds its moments in pieces the recorder cannot name")
-        params = {name: copy(full[name]) for name in self.rec.names.values()}
-        buffers = {name: copy(full[name]) for name in view.buffer_names() if name in full}
-        return FullState(params, exported[0], exported[1], buffers)
+        return gathered(self.rec.view, self.rec.names.values())
 
     def _save(self, updates: int, state: FullState, closes: bool) -> None:
         """Rank 0: the state after `updates` updates written, where it closes a check or opens one within the cap."""
