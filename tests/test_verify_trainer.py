@@ -352,17 +352,18 @@ def test_the_record_is_named_after_the_command(command, name):
 
 def test_sitecustomize_chains_to_the_users_and_imports_nothing_eagerly(tmp_path):
     """The sitecustomize verify_trainer.py puts first on the command's path runs the one it shadows; under the
-    variables it imports parity's hook and not transformers (the hook waits for transformers' trainer module); without
-    them it imports nothing of parity."""
+    variables it imports parity's hook and neither transformers nor torch (the hooks wait for the frameworks' modules:
+    torchtitan's and megatron-core's rooms imported torch, 0.9 CPU-s in every process of the command); without them it
+    imports nothing of parity."""
     from parity.attaching import attach
 
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = '1'\n")
     probe = ("import os, sys; print(os.environ.get('USER_SITE_RAN'), 'transformers' in sys.modules, "
-             "'parity.frameworks.transformers.trainer_hook' in sys.modules)")
+             "'torch' in sys.modules, 'parity.frameworks.transformers.trainer_hook' in sys.modules)")
     under = attach.environment(str(tmp_path / "out"), "probe",
                                {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
     bare = {k: v for k, v in under.items() if k not in (attach.RECORD_DIR, attach.RECORD_NAME)}
-    for env, expected in ((under, "1 False True"), (bare, "1 False False")):
+    for env, expected in ((under, "1 False False True"), (bare, "1 False False False")):
         done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
         assert done.stdout.strip() == expected, done.stderr
     source = open(os.path.join(attach.SITE_FOLDER, "sitecustomize.py")).read()

@@ -36,9 +36,6 @@ import functools
 import inspect
 import math
 
-import torch
-import torch.distributed as dist
-
 from parity.attaching import attach
 from parity.attaching.import_hook import when_imported
 from parity.frameworks import guarded, release_refusal, stop_record
@@ -131,6 +128,8 @@ class MegatronRecording:
 
     def __init__(self, model):
         import importlib.metadata as md
+
+        import torch.distributed as dist
 
         from parity.frameworks.megatron.config import MegatronRefused, hf_config
         from parity.frameworks.megatron.view import MegatronView, gpt_models
@@ -239,6 +238,8 @@ class MegatronRecording:
     def _micro_batch(self, loss_func, output, result) -> None:
         """One loss function's call: its micro-batch's labels, mask and summed loss, checked against what it returned;
         handed over with the rows' ids once the step's forward-backward is done (after_forward_backward)."""
+        import torch
+
         labels, rec = self.labels, self.recorder
         if labels is None:
             rec.broken = "the GPTModel was called without labels: the recorder takes its per-token losses"
@@ -263,6 +264,8 @@ class MegatronRecording:
         """The step's micro-batches handed over — each row the first pipeline stage's input ids and one more token
         (the last label), labels −100 then the targets, −100 where the mask is 0 — and the step's loss as Megatron's
         per-micro-batch mean averaged over DP (the logged loss the record keeps), every rank told it."""
+        import torch
+        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         from parity.recording.rows import next_token_rows
@@ -324,6 +327,8 @@ class MegatronRecording:
 
     @guarded
     def close(self) -> None:
+        import torch.distributed as dist
+
         if self.recorder.enabled and dist.is_initialized():
             self.recorder.close()
 

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from parity.attaching import attach
 from parity.attaching.import_hook import after_init, when_imported
 from parity.frameworks import guarded, release_refusal, stop_record
@@ -112,6 +110,7 @@ def command_refusal(command: list[str]) -> str | None:
     flags = {a.split("=", 1)[0] for a in titan_arguments(command)}
     if not {"--module", "--config"} <= flags or importlib.util.find_spec("torchtitan") is None:
         return None
+    import torch
     from torchtitan.config import ConfigManager
 
     from parity.frameworks.torchtitan.config import TitanRefused, hf_config
@@ -238,6 +237,7 @@ class TitanRecording:
     def _micro_batch(self, input_dict, labels, loss, tokens) -> None:
         """One micro-batch's rows, as the replay feeds them (the module docstring), and its summed loss; after the
         step's last micro-batch, the gradients before clipping."""
+        import torch
         from torch.distributed.tensor import DTensor
 
         from parity.recording.rows import next_token_rows
@@ -269,6 +269,7 @@ def _documents_apart(model_config) -> bool:
 
 def _device(trainer) -> torch.device:
     """Where the job's collectives run: its device (torchtitan's), CPU under gloo."""
+    import torch
     import torch.distributed as dist
 
     return trainer.device if dist.get_backend() != "gloo" else torch.device("cpu")
