@@ -65,14 +65,20 @@ def refusal(interval, max_bytes) -> str | None:
 def gathered(view, names) -> FullState:
     """The state now, as full fp32 CPU tensors of their own under Hugging Face names `names` (the writer's thread
     writes them while the loop trains on). Collective in a sharded view."""
-    full = view.full_state_dict()  # None: the module's own state dict is full
-    full = full if full is not None else view.model.state_dict()
+    full = full_state_dict(view)
     exported = view.full_optimizer_state()
     if exported is None:
         raise ValueError("the optimizer holds its moments in pieces the recorder cannot name")
     moments = {name: {key: own(t) for key, t in states.items()} for name, states in exported[0].items()}
     buffers = {name: own(full[name]) for name in view.buffer_names() if name in full}
     return FullState({name: own(full[name]) for name in names}, moments, exported[1], buffers)
+
+
+def full_state_dict(view) -> dict[str, torch.Tensor]:
+    """The view's full state dict: its gathered one, or the module's own where that is full (the view returns None).
+    Collective in a sharded view."""
+    full = view.full_state_dict()
+    return full if full is not None else view.model.state_dict()
 
 
 def own(t: torch.Tensor) -> torch.Tensor:
@@ -166,8 +172,7 @@ class StateSaver:
             if not self.rec.view.whole:
                 dist.broadcast_object_list(go, src=0, device=self.rec.device)
             if go[0] and (self.rec.rank == 0 or not self.rec.view.whole):
-                full = self.rec.view.full_state_dict()
-                full = full if full is not None else self.rec.view.model.state_dict()
+                full = full_state_dict(self.rec.view)
                 params = {f"param/{name}": own(full[name]) for name in self.rec.names.values()}
                 size = sum(t.numel() * 4 for t in params.values())
                 if self.writer is not None and self.committed + size > self.max_bytes:
