@@ -121,7 +121,7 @@ class RecordedTensors:
         grads, params = norms_of(summed[:2 * n])
         found = {}
         if self.checks_applied and int(summed[-1]) == dist.get_world_size():  # every rank saw them applied
-            found = self._applied_check(grads, [math.sqrt(float(x)) for x in summed[2 * n:3 * n]], grad_norm)
+            found = self._applied_check(grads, [math.sqrt(x) for x in summed[2 * n:3 * n].tolist()], grad_norm)
         coef = clip_coefficient(grad_norm, self.clipping) if self.grad == CLIPPED else None
         return {"tensor_grad_norms": grads, "tensor_param_norms": params, "clip_coef": coef, **found}
 

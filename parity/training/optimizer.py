@@ -139,8 +139,11 @@ def squares_fp64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """squared_norm_fp64 of each tensor: the small ones in one foreach kernel, the large CPU ones in rows."""
     rows = [_in_rows(t) for t in tensors]
     small = [t.detach() for t, r in zip(tensors, rows) if not r]
-    norms = iter(torch._foreach_norm(small, 2, dtype=torch.float64) if small else [])
-    return [squared_norm_fp64(t) if r else next(norms).square() for t, r in zip(tensors, rows)]
+    norms = torch._foreach_norm(small, 2, dtype=torch.float64) if small else []
+    if norms:
+        torch._foreach_mul_(norms, norms)  # x * x: square's own arithmetic, one launch for them all
+    norms = iter(norms)
+    return [squared_norm_fp64(t) if r else next(norms) for t, r in zip(tensors, rows)]
 
 
 def clip_coefficient(total_norm: float, cfg) -> float:
@@ -187,8 +190,12 @@ def full_moments(named_parameters, optimizer, device: torch.device, master_of=No
 
 
 def local_norm(tensors) -> float:
-    """The L2 norm of plain (unsharded) tensors taken together, accumulated in float64."""
-    return math.sqrt(float(sum(squared_norm_fp64(t) for t in tensors)))
+    """The L2 norm of plain (unsharded) tensors taken together, accumulated in float64: each tensor's squares, read
+    off the device in one copy, added in order."""
+    squares = squares_fp64(list(tensors))
+    if not squares:
+        return 0.0
+    return math.sqrt(sum(torch.stack([x.to(squares[0].device) for x in squares]).tolist()))
 
 
 def clip_local_gradients(params, cfg) -> float:

@@ -77,20 +77,28 @@ def rank0_pieces(named: Iterable[tuple[str, torch.Tensor | None]]) -> list[Piece
 
 def local_squares(pieces: list[Piece], names: list[str], device: torch.device, scale: float = 1.0) -> torch.Tensor:
     """This rank's float64 sums of squares of its counted pieces, one per name in `names` order (the same order on
-    every rank); a name this rank holds nothing of is 0. `scale` divides the tensors (a loss scale to take out)."""
+    every rank); a name this rank holds nothing of is 0. `scale` divides the tensors (a loss scale to take out).
+    A handful of kernels whatever the count of tensors (on a GPU each op is a launch: docs/benchmark.md)."""
     index = {n: i for i, n in enumerate(names)}
     held = [(index[p.name], p.tensor.detach()) for p in pieces
             if p.counted and p.tensor is not None and p.name in index]
-    out = torch.zeros(len(names), dtype=torch.float64, device=device)
-    if held:  # one foreach kernel, not a reduction per tensor (the step's cost: docs/benchmark.md)
-        squares = squares_fp64([t for _, t in held])
-        out.index_put_((torch.tensor([i for i, _ in held], device=device),),
-                       torch.stack([x.to(device) for x in squares]), accumulate=True)
+    if not held:
+        out = torch.zeros(len(names), dtype=torch.float64, device=device)
+    else:
+        squares = squares_fp64([t for _, t in held])  # stacked where they are, then one copy (a GPU's: one sync)
+        squares = torch.stack([x.to(squares[0].device) for x in squares]).to(device)
+        at = [i for i, _ in held]
+        if at == list(range(len(names))):  # one piece of every name, in order: the sums are the squares
+            out = squares
+        else:
+            out = torch.zeros(len(names), dtype=torch.float64, device=device)
+            out.index_put_((torch.tensor(at, device=device),), squares, accumulate=True)
     return out / (scale * scale) if scale != 1.0 else out
 
 
 def norms_of(summed: torch.Tensor) -> tuple[list[float], list[float]]:
     """The gradient and parameter norms of every tensor from the sums over the ranks of both kinds of squares, the
-    gradients' then the parameters' (each in tensor_names order)."""
-    n = summed.numel() // 2
-    return [math.sqrt(float(x)) for x in summed[:n]], [math.sqrt(float(x)) for x in summed[n:]]
+    gradients' then the parameters' (each in tensor_names order); read off the device in one copy."""
+    values = summed.tolist()
+    n = len(values) // 2
+    return [math.sqrt(x) for x in values[:n]], [math.sqrt(x) for x in values[n:]]
