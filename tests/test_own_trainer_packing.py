@@ -293,3 +293,27 @@ def test_cut_points_and_the_stream_hash():
         units(ids, labels, mask, positions, fed, 4, "step 0")
     assert str(refused.value) == ("step 0: its 2 rows cannot be cut at document boundaries into a multiple of 4 (at "
                                   "most 3 pieces): use 1, 2, 3 workers")
+
+
+def test_the_cache_flag_follows_activation_checkpointing_without_a_warning_a_step():
+    """Without processes: a row fed with the model config's use_cache is recorded with its cache, except where the
+    model checkpoints its activations in training (transformers turns the cache off there). transformers 5.23 reads
+    that as is_activation_checkpointing; its old name, is_gradient_checkpointing, warns at every read — one
+    FutureWarning a micro-batch in the user's log — so the recorder reads the new one."""
+    import warnings
+
+    from parity.models.model import build_model, resolve_model_config
+    from parity.recording.rows import taken
+    from parity.training.fed_rows import FED_CACHE
+
+    model = build_model(resolve_model_config("qwen2-tiny", None), 0)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for checkpointed, training, cached in ((False, True, True), (True, True, False), (True, False, True)):
+        model.train(training)
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            row = taken(ids, ids, None, None, None, model)
+        assert bool(row.flags & FED_CACHE) == cached, (checkpointed, training)
+        assert [str(w.message) for w in seen if issubclass(w.category, FutureWarning)] == []

@@ -59,8 +59,17 @@ def taken(input_ids, labels, attention_mask, position_ids, use_cache, model) -> 
         positions = position_ids.detach().to("cpu", torch.int64).expand(ids.shape).contiguous()
     if use_cache is None:
         use_cache = getattr(getattr(model, "config", None), "use_cache", False)
-    cache = bool(use_cache) and not (getattr(model, "is_gradient_checkpointing", False) and model.training)
+    cache = bool(use_cache) and not (getattr(model, "training", False) and checkpointing(model))
     return MicroBatch(ids, lab, mask, positions, flags_of(positions is not None, attention_mask is not None, cache))
+
+
+def checkpointing(model) -> bool:
+    """Whether the model checkpoints its activations, as transformers says: is_activation_checkpointing, or before
+    5.23 is_gradient_checkpointing (5.23's deprecated alias of it, which warns at every read: a line every step)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def next_token_rows(ids: torch.Tensor, targets: torch.Tensor,
