@@ -14,8 +14,9 @@ Each cell is a command of tools/kernel_matrix.py's (the same makers, more flags)
 cell whose comparison is there is read, not run again, so a campaign cut short goes on where it stopped. The plan
 (`--plan`): `full` — per capability each seed in fp32 and its low precision, short, default kernels; the first two
 seeds also under the perturbed setting; the first seed also long (100 steps); `slice` — one cell per capability, the
-low precision, short, default kernels (the suite's); `cuda` — the CUDA slice of issue 81: the megatron-core bf16 job
-at 12 and 100 steps, Trainer's and TRL's bf16 rows, under both cuBLAS settings. Breadth first: every capability's
+low precision, short, default kernels (the suite's); `cuda` — the CUDA slice (issue 84): ON_CUDA's capabilities in
+bf16 at every seed under the default cuBLAS, TF32 and the deterministic cuBLAS settings, megatron-core's Qwen2 job
+also fp32 and 100 steps. Breadth first: every capability's
 first cell before any one's second. `--write_docs PATH` writes the page there (the campaign's own command, its wall
 time and the machine's load, measured here, at its head)."""
 
@@ -124,7 +125,10 @@ CAMPAIGN = {
     "packing": (_ex("trl_sft.py", "--packing"), "verify", example_flags, True),
     "resume": (km.resumed, "verify", example_flags, False),  # plain_loop stopped at step 3: its own steps
 }
-ON_CUDA = ("megatron_qwen2", "trainer", "trl_sft", "grpo", "dpo")  # the CUDA slice's (issue 81, item 3)
+# the CUDA slice's (issue 84): megatron-core's Qwen2 bf16 job once called FAIL on CUDA, its Llama bf16 job with the
+# distributed optimizer, Trainer, TRL's GRPO and DPO, the own loop, LoRA, TRL's SFT
+ON_CUDA = ("megatron_qwen2", "megatron_dp_distopt", "trainer", "grpo", "dpo", "own_loop", "lora", "trl_sft")
+CUDA_ORDER = ("default", "tf32", CUDA_PERTURBED)  # TF32 moved every fp32 record on the H100, the deterministic one none
 VARIABLES = {"grpo_vllm": {FP32: {"PARITY_VLLM_DTYPE": "float32"}, LOW: {}}}
 
 
@@ -137,11 +141,14 @@ def cells(plan: str, capabilities: list[str], seeds: list[int], device: str) -> 
         mine = []
         if plan == "slice":
             mine.append(dict(seed=seeds[0], precision=LOW, setting=default, steps=SHORT))
-        elif plan == "cuda":
-            for setting in (default, perturbed):
-                mine.append(dict(seed=seeds[0], precision=LOW, setting=setting, steps=SHORT))
-                if name == "megatron_qwen2":
-                    mine.append(dict(seed=seeds[0], precision=LOW, setting=setting, steps=LONG))
+        elif plan == "cuda":  # the first seed under every setting, then the other seeds setting by setting
+            first = [dict(seed=seeds[0], precision=LOW, setting=s, steps=SHORT) for s in CUDA_ORDER]
+            rest = [dict(seed=seed, precision=LOW, setting=s, steps=SHORT) for s in CUDA_ORDER for seed in seeds[1:]]
+            if name == "megatron_qwen2":  # its 100 steps, and fp32
+                first[1:1] = [dict(seed=seeds[0], precision=LOW, setting=default, steps=LONG),
+                              dict(seed=seeds[0], precision=FP32, setting=default, steps=SHORT)]
+                rest[:0] = [dict(seed=seeds[0], precision=FP32, setting=s, steps=SHORT) for s in CUDA_ORDER[1:]]
+            mine += first + rest
         else:
             for seed in seeds:
                 mine += [dict(seed=seed, precision=p, setting=default, steps=SHORT) for p in (FP32, LOW)]
@@ -160,7 +167,8 @@ def cell_name(c: dict) -> str:
 def command_of(c: dict, device: str):
     """The cell's command maker: the capability's, its flags for the cell appended; and its variables."""
     make, _, flags, _ = CAMPAIGN[c["capability"]]
-    steps = LONG_STEPS if c["steps"] == LONG else (12 if c["capability"] == "megatron_qwen2" else None)
+    megatron_12 = c["capability"] == "megatron_qwen2" or (device == "cuda" and c["capability"].startswith("megatron"))
+    steps = LONG_STEPS if c["steps"] == LONG else (12 if megatron_12 else None)  # the CUDA FAIL's 12 steps
     more = flags(c["seed"], c["precision"] == LOW, steps)
     variables = VARIABLES.get(c["capability"], {}).get(c["precision"], {})
     return (lambda code, out, dev: make(code, out, dev, more)), variables
