@@ -251,3 +251,24 @@ def test_the_state_the_recorder_saves_is_its_own_not_the_loops():
         saved = [state.params[name], *state.moments[name].values()]
         assert not any(torch.equal(a, b) for a, b in zip(loops, taken[name])), name  # the loop's moved on
         assert all(torch.equal(a, b) for a, b in zip(saved, taken[name])), name  # the saved state did not
+
+
+def test_a_recorder_closed_over_gloo_leaves_a_pause_at_its_process_exit():
+    """The recorder's last collectives leave gloo Works that a `pt_gloo_runloop` thread releases a moment later; a rank
+    that reaches the interpreter's finalization first aborts ("terminate called without an active exception": seen on
+    examples/sharded_loop.py --shard zero2, whose DeepSpeed keeps its groups past the loop's destroy_process_group).
+    close() asks for one atexit pause (parity/recording/group.py) where the group is gloo — once, however many
+    recorders close — and none where there is no group."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, torch.distributed as dist\n"
+              "from parity.recording.group import settle_at_exit\n"
+              "before = atexit._ncallbacks(); settle_at_exit(); alone = atexit._ncallbacks() - before\n"
+              "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+              "before = atexit._ncallbacks(); settle_at_exit(); settle_at_exit()\n"
+              "print(alone, atexit._ncallbacks() - before)\n"
+              "dist.destroy_process_group()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["0", "1"]

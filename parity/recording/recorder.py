@@ -33,6 +33,7 @@ from parity.attaching import layer_cut
 from parity.recording import precision_seen, resume, states
 from parity.recording.batch_taking import BatchTaking
 from parity.recording.description import describe_run
+from parity.recording.group import settle_at_exit
 from parity.attaching.attach import attached, refused
 from parity.recording.optimizer_description import describe_optimizer
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
@@ -539,6 +540,7 @@ class ParityRecorder(BatchTaking):
 
     def close(self) -> str | None:
         """The record complete (every rank; a collective). Returns its path on rank 0 (None if nothing recorded)."""
+        settle_at_exit()  # the collectives' gloo threads finish before the interpreter does (group.py)
         if not self.enabled:
             return self.record.path if getattr(self, "stop", None) and self.rank == 0 else None
         try:
