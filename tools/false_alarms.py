@@ -218,9 +218,13 @@ def summary(results: list[dict], capabilities: list[str]) -> list[dict]:
     return rows
 
 
-def page(rows: list[dict], results: list[dict], command: str, wall: float, load: str, device: str, note: str = "") -> str:
+def page(rows: list[dict], results: list[dict], command: str, wall: float | None, load: str, device: str,
+         note: str = "") -> str:
+    """The campaign's page; `wall` None where the cells ran in parts (--page_only): their seconds summed instead."""
     total = sum(r["verdicts"] for r in rows)
-    lines = [f"Reproduce: `{command}` ({device}){note}. Wall time {wall / 60:.1f} min; {load}.", "",
+    took = f"wall time {wall / 60:.1f} min" if wall is not None else \
+        f"the cells' seconds summed {sum(r.get('seconds') or 0.0 for r in results) / 60:.1f} min"
+    lines = [f"Reproduce: `{command}` ({device}){note}; {took}; {load}.", "",
              f"**{total} clean verdicts, {sum(r['fails'] for r in rows)} FAIL, {sum(r['refusals'] for r in rows)} "
              f"refused.**", "",
              "| capability | cells | verdicts | FAILs | refusals | margin median | 99th percentile | worst (where: cell, run, "
@@ -279,8 +283,7 @@ def main(argv=None) -> int:
         return 0
     if args.page_only:
         results = [r for r in (ran(c, out, args.code, args.device) for c in todo) if r]
-        wall = sum(r.get("seconds") or 0.0 for r in results)  # the cells' seconds summed
-        text = page(summary(results, capabilities), results, "python tools/false_alarms.py --output_dir OUT", wall,
+        text = page(summary(results, capabilities), results, "python tools/false_alarms.py --output_dir OUT", None,
                     machine_load(), args.device, f"; {len(results)} of its {len(todo)} cells run so far")
         return write_page(text, out, args.write_docs)
     os.makedirs(out, exist_ok=True)
