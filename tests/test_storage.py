@@ -229,3 +229,41 @@ def test_the_layer_check_keeps_its_folder_on_this_machine(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "error: --output_dir s3://bucket/verify?region=us-east-1: the layer check's folder is a folder of this "
         "machine (its dumps are read back here, tensor by tensor): use a local path or a shared mount"]
+
+
+def test_the_record_is_rewritten_as_json_dumps_writes_it_each_entry_encoded_once(tmp_path):
+    """LossRecord.write: the text of write_json_atomic (json.dumps at indent 1, non-finite floats spelled) byte for byte,
+    at every rewrite of a growing record — also where the last entry changed after a write (a step's states land in it
+    so) — while an older entry's JSON is made once: the encoder no longer reads the whole record at every write."""
+    import json
+    import math
+
+    from parity.training.record import LossRecord
+
+    record = LossRecord(str(tmp_path / "loss_x.json"), "x", {"note": "a\nb", "nan": math.nan})
+    assert record.text() == json.dumps(storage.json_safe(record.data), indent=1, allow_nan=False) + "\n"
+    encoded = []
+    real = json.dumps
+
+    def counted(value, **kw):
+        encoded.append(value)
+        return real(value, **kw)
+
+    for step in range(12):
+        record.data["steps"].append({"step": step, "loss": math.nan if step == 3 else 1.0 / (step + 1),
+                                     "tensors": [step, {"inf": math.inf}], "empty": {}, "none": []})
+        encoded.clear()
+        json.dumps = counted
+        try:
+            text = record.text()
+        finally:
+            json.dumps = real
+        assert text == json.dumps(storage.json_safe(record.data), indent=1, allow_nan=False) + "\n", step
+        assert sum(isinstance(v, dict) and "step" in v for v in encoded) == min(step + 1, 2), step  # the last two
+        if step % 4 == 3:  # after its write, as the step's states land in its entry: the next write holds them
+            record.data["steps"][-1]["harness_s"] = {"states": 0.5}
+    record.write()
+    assert (tmp_path / "loss_x.json").read_text() == json.dumps(storage.json_safe(record.data), indent=1,
+                                                                allow_nan=False) + "\n" != text  # step 11's change
+    assert json.loads((tmp_path / "loss_x.json").read_text())["steps"][11]["harness_s"] == {
+        "states": 0.5}
