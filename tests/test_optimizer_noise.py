@@ -192,7 +192,8 @@ def test_a_zero_initialised_elements_flip_is_carried_into_the_bound_of_the_steps
 def test_a_resumed_baselines_tables_are_the_uninterrupted_ones(tmp_path):
     """DDP's bf16 baseline checkpoints the flips its table carries (PolicyOptimizer.state_dict, in bf16): stopped after
     step 3 of 6 and resumed from the saved state, its tables of steps 4–6 are the uninterrupted run's to bf16's
-    rounding; a checkpoint without them (an older one) resumes with none carried, and the weight's tables fall short."""
+    rounding; a checkpoint without them (an older one) resumes with none carried, and the weight's tables fall short.
+    A tensor not asked for (another rank counts it) has no table, and the others' are unchanged."""
     import io
 
     import torch
@@ -213,18 +214,20 @@ def test_a_resumed_baselines_tables_are_the_uninterrupted_ones(tmp_path):
         tables = []
         for s in which:
             for p, g in zip(params, (grads[s, 0].view(1, 32), grads[s, 1, :1])):
-                p.grad = g.to(p.dtype)
+                p.grad = g.to(p.dtype, copy=True)  # a copy: the step clips it in place
             opt.step(1e-3, lambda gs: float(torch.stack([g.norm() for g in gs]).norm()))
-            tables.append([opt.update_noise[id(m)] for m in opt.master_parameters()])
+            tables.append([opt.update_noise.get(id(m)) for m in opt.master_parameters()])
         return tables
 
-    def optimizer():
+    def optimizer(measured=slice(None)):
         params = list(model().parameters())
         opt = PolicyOptimizer(params, cfg, ["weight", "bias"])
-        opt.measures_update_noise = True
+        opt.measure_update_noise(opt.master_parameters()[measured])
         return opt, params
 
     whole = steps(*optimizer(), range(6))
+    alone = steps(*optimizer(slice(0, 1)), range(6))  # the weight alone: as a rank that counts only it measures
+    assert all(torch.equal(a[0], w[0]) and a[1] is None for a, w in zip(alone, whole))
     first, params = optimizer()
     steps(first, params, range(3))
     saved = io.BytesIO()

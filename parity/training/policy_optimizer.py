@@ -64,10 +64,17 @@ class PolicyOptimizer:
         self.optimizer = build_optimizer(self.masters or self.params, cfg, names)
         self.scaler = scaler_of(cfg) if self.policy.loss_scaling or getattr(cfg, "loss_scales", None) else None
         self.accumulates_fp32 = self.policy.master_copy and cfg.grad_accum_dtype == "fp32"
-        # the optimizer's own noise of each step (parity/training/update_noise.py), by id of the tensor it steps, where
-        # the strategy asks for it (measures_update_noise: the baseline's series); else None
-        self.measures_update_noise, self.update_noise = False, None
+        # the optimizer's own noise of each step (parity/training/update_noise.py), by id of the tensor it steps, of the
+        # tensors the strategy asks for (measure_update_noise: the baseline's series); else None
+        self._noise_of: frozenset[int] = frozenset()
+        self.update_noise = None
         self._carried: dict[int, torch.Tensor] = {}  # by id of the tensor stepped: what its table carries (tensor_table)
+
+    def measure_update_noise(self, tensors) -> None:
+        """From the next step on, measure the optimizer's own noise of each of `tensors` (stepped ones: masters where
+        the policy keeps them) — the baseline's, each tensor on the rank that counts it: a replica's table is the same
+        on every rank holding it, and the others' went unread (three quarters of a 4-rank DDP baseline's tables)."""
+        self._noise_of = frozenset(id(t) for t in tensors)
 
     @property
     def loss_scale(self) -> float:
@@ -134,7 +141,7 @@ class PolicyOptimizer:
         clip_gradients(norm, [self.master_of(p) for p in counted], grads, self.cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        if self.measures_update_noise:
+        if self._noise_of:
             self.update_noise = self._noise_tables()
         if self.masters is not None:
             for p, m in zip(self.params, self.masters):
@@ -143,13 +150,13 @@ class PolicyOptimizer:
         return applied(self.scaler, norm, scale)
 
     def _noise_tables(self) -> dict:
-        """{id(tensor stepped): update_noise.tensor_table} of this step, from each tensor's gradient (clipped) and AdamW
-        state after the step."""
+        """{id(tensor stepped): update_noise.tensor_table} of this step, of each tensor measured (measure_update_noise),
+        from its gradient (clipped) and AdamW state after the step."""
         tables = {}
         for group in self.optimizer.param_groups:
             for t in group["params"]:
                 state = self.optimizer.state.get(t)
-                if t.grad is not None and state and "exp_avg" in state:
+                if id(t) in self._noise_of and t.grad is not None and state and "exp_avg" in state:
                     tables[id(t)], carried = tensor_table(t.grad, state["exp_avg"], state["exp_avg_sq"],
                                                           int(state["step"]), t, group["lr"], group["betas"],
                                                           group["eps"], self._carried.get(id(t)))

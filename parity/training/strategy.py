@@ -445,8 +445,9 @@ class Strategy(Routing, ShardedView):
             self._tensor_names = self.tensor_names()
             self._measures_update_noise = (self._tensor_names is not None and self.records_update_noise and
                                            self.policy_optimizer is not None and not self.cfg.noise_reference)
-            if self._measures_update_noise:
-                self.policy_optimizer.measures_update_noise = True
+            if self._measures_update_noise:  # each tensor's on the rank that counts it (the others' rows are 0)
+                self.policy_optimizer.measure_update_noise(p.tensor for p in self.parameter_pieces()
+                                                           if p.counted and p.tensor is not None)
         names, done = self._tensor_names, None
         while done is None or done.again:  # again: a replay of an fp16 record, at half the scale (FollowedScaler)
             local_sum = local_sum if done is None else self.forward_backward(batch, global_tokens)
