@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = {  # example: its flags on CUDA, at one rank, as tools/kernel_matrix.py's cells run it
     "plain_loop.py": ["--device", "cuda"], "hf_trainer.py": ["--device", "cuda"],
     "accelerate_loop.py": [], "lightning_lm.py": ["--accelerator", "gpu"]}

@@ -146,6 +146,13 @@ def squares_fp64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [squared_norm_fp64(t) if r else next(norms) for t, r in zip(tensors, rows)]
 
 
+def stacked_squares_fp64(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """squares_fp64 of one or more tensors in one tensor, stacked on the first one's device (a GPU's: what is read off
+    it then takes one copy, one sync)."""
+    squares = squares_fp64(tensors)
+    return torch.stack([x.to(squares[0].device) for x in squares])
+
+
 def clip_coefficient(total_norm: float, cfg) -> float:
     """torch's clip_grad_norm_ formula: max_norm / (norm + 1e-6), at most 1; --max_grad_norm 0 = off."""
     if cfg.max_grad_norm <= 0:
@@ -192,10 +199,8 @@ def full_moments(named_parameters, optimizer, device: torch.device, master_of=No
 def local_norm(tensors) -> float:
     """The L2 norm of plain (unsharded) tensors taken together, accumulated in float64: each tensor's squares, read
     off the device in one copy, added in order."""
-    squares = squares_fp64(list(tensors))
-    if not squares:
-        return 0.0
-    return math.sqrt(sum(torch.stack([x.to(squares[0].device) for x in squares]).tolist()))
+    tensors = list(tensors)
+    return math.sqrt(sum(stacked_squares_fp64(tensors).tolist())) if tensors else 0.0
 
 
 def clip_local_gradients(params, cfg) -> float:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from parity.training.optimizer import squares_fp64
+from parity.training.optimizer import stacked_squares_fp64
 from parity.training.replicas import mesh_replica_ranks
 
 GRADIENT, UPDATE = "gradient", "update"  # the two phases a tensor is judged in: its gradient, its parameter after
@@ -85,8 +85,7 @@ def local_squares(pieces: list[Piece], names: list[str], device: torch.device, s
     if not held:
         out = torch.zeros(len(names), dtype=torch.float64, device=device)
     else:
-        squares = squares_fp64([t for _, t in held])  # stacked where they are, then one copy (a GPU's: one sync)
-        squares = torch.stack([x.to(squares[0].device) for x in squares]).to(device)
+        squares = stacked_squares_fp64([t for _, t in held]).to(device)  # stacked where they are, then one copy
         at = [i for i, _ in held]
         if at == list(range(len(names))):  # one piece of every name, in order: the sums are the squares
             out = squares
