@@ -114,19 +114,62 @@ MARGIN = 0.5  # a clean run's largest deviation ÷ bound, each check (docs/toler
 def recorded(tmp_path_factory):
     """{name: (verify_trainer.py's exit code, its output, its folder)}: tests/megatron_train_job.py under
     `verify_trainer.py -- torchrun … megatron_cpu.py megatron_train_job.py`, 4 steps of 2 micro-batches (2 where a
-    seeded fault shows by step 1), side by side (conftest.side_by_side), each under its kernel setting."""
+    seeded fault shows by step 1). The jobs under another kernel setting run as the command line, side by side
+    (conftest.side_by_side), each in a process of its own, whose kernels it sets from the start; the others one after
+    another through verify_trainer's main in this process (verified_here)."""
     from parity.calibration.kernel_settings import environment
 
     root = tmp_path_factory.mktemp("megatron_recorded")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
-    runs = side_by_side({name: (
-        [sys.executable, os.path.join(REPO, "verify_trainer.py"), "--output_dir", name, "--", "torchrun",
-         "--nproc_per_node", str(ranks), "--standalone", os.path.join(TESTS, "megatron_cpu.py"),
-         os.path.join(TESTS, "megatron_train_job.py"), "--steps", "4", *flags],
-        {**(environment(setting, env) if setting else env), **ALSO.get(name, {})}, ranks)
-        for name, (ranks, flags, setting) in RECORDED.items()}, root)
-    return {name: (code, output, root / name) for name, (code, output) in runs.items()}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
+
+    def argv(name):
+        ranks, flags, _ = RECORDED[name]
+        return ["--output_dir", name, "--", "torchrun", "--nproc_per_node", str(ranks), "--standalone",
+                os.path.join(TESTS, "megatron_cpu.py"), os.path.join(TESTS, "megatron_train_job.py"), "--steps", "4",
+                *flags]
+
+    own = [name for name, (_, _, setting) in RECORDED.items() if setting or name in ALSO]
+    runs = side_by_side({name: ([sys.executable, os.path.join(REPO, "verify_trainer.py"), *argv(name)],
+                                {**environment(RECORDED[name][2] or "default", {**os.environ, **env}),
+                                 **ALSO.get(name, {})},
+                                RECORDED[name][0]) for name in own}, root)
+    runs.update({name: verified_here(argv(name), env, root, root / f"{name}.out") for name in RECORDED
+                 if name not in own})
+    return {name: (*runs[name], root / name) for name in RECORDED}
+
+
+def verified_here(argv: list[str], env: dict, cwd, output) -> tuple[int, str]:
+    """(exit code, output) of `verify_trainer.py argv` run through its main in this process, in `cwd` with `env` added
+    to this process's environment: the command, its replays and the verdict as the command line runs them, without a
+    driver and a replay forkserver of their own to start (~7 of a 2-rank job's 20 CPU-seconds). Its output — the
+    harness's lines and the job's, which writes to the descriptors — appended to the file `output`, then read."""
+    import contextlib
+
+    from parity.commands.verify_trainer import main
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    with open(output, "a", buffering=1) as log:  # appended: Python's writes and the processes' never overwrite
+        try:
+            os.environ.update(env)
+            os.chdir(cwd)
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                code = main(argv)
+        finally:
+            log.flush()
+            os.dup2(saved_fds[0], 1)
+            os.dup2(saved_fds[1], 2)
+            for fd in saved_fds:
+                os.close(fd)
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+    with open(output) as f:
+        return code, f.read()
 
 
 def _judged(folder) -> dict:
