@@ -29,7 +29,7 @@ import sys
 
 import pytest
 
-from conftest import PERTURBED, REPO, max_rel_diff, series, side_by_side
+from conftest import PERTURBED, REPO, kernel_setting, max_rel_diff, output_to, series, side_by_side
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -140,34 +140,16 @@ def recorded(tmp_path_factory):
 
 def verified_here(argv: list[str], env: dict, cwd, output) -> tuple[int, str]:
     """(exit code, output) of `verify_trainer.py argv` run through its main in this process, in `cwd` with `env` added
-    to this process's environment: the command, its replays and the verdict as the command line runs them, without a
-    driver and a replay forkserver of their own to start (~7 of a 2-rank job's 20 CPU-seconds). Its output — the
-    harness's lines and the job's, which writes to the descriptors — appended to the file `output`, then read."""
-    import contextlib
-
+    to this process's environment at the default kernels (as the jobs run side by side get theirs): the command, its
+    replays and the verdict as the command line runs them, without a driver and a replay forkserver of their own to
+    start (~7 of a 2-rank job's 20 CPU-seconds). Its output — the harness's lines and the job's — appended to the file
+    `output`, then read."""
     from parity.commands.verify_trainer import main
 
-    saved_env, saved_cwd = dict(os.environ), os.getcwd()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved_fds = os.dup(1), os.dup(2)
-    with open(output, "a", buffering=1) as log:  # appended: Python's writes and the processes' never overwrite
-        try:
-            os.environ.update(env)
-            os.chdir(cwd)
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                code = main(argv)
-        finally:
-            log.flush()
-            os.dup2(saved_fds[0], 1)
-            os.dup2(saved_fds[1], 2)
-            for fd in saved_fds:
-                os.close(fd)
-            os.chdir(saved_cwd)
-            os.environ.clear()
-            os.environ.update(saved_env)
+    with kernel_setting("default"), pytest.MonkeyPatch.context() as mp, output_to(output):
+        os.environ.update(env)  # kernel_setting restores the whole environment, and what the command set in it
+        mp.chdir(cwd)
+        code = main(argv)
     with open(output) as f:
         return code, f.read()
 

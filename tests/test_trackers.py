@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import CUSTOM, TINY, to_argv
+from conftest import CUSTOM, TINY, output_to, to_argv
 from parity.commands.compare_curves import compare_and_report
 from parity.commands.train import main as train_main
 from parity.training.record import load_record
@@ -47,22 +47,6 @@ class MLflowRunDeleted(HandWrittenDP):
                 client.delete_run(run.info.run_id)
         return super().train_step(*args, **kwargs)
 '''
-
-
-@contextlib.contextmanager
-def output_to(path):
-    """This process's descriptors 1 and 2 (which a local group's ranks write to) into a file."""
-    sys.stdout.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(path, "w") as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-    try:
-        yield
-    finally:
-        for fd, copy in zip((1, 2), saved):
-            os.dup2(copy, fd)
-            os.close(copy)
 
 
 @pytest.fixture(scope="module")
