@@ -21,6 +21,13 @@ from parity.gc_thresholds import fewer_collections
 
 fewer_collections()  # a test process imports most of what the harness imports (parity/gc_thresholds.py)
 
+# Every Python process the suite starts imports tests/gc_site/sitecustomize.py first: the examples' and scripts' processes
+# too, a user's, which the harness leaves as they are, import under fewer collections (~1 CPU-s each). A test of what a
+# user's process keeps runs it without (WITHOUT_GC_SITE).
+GC_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gc_site")
+WITHOUT_GC_SITE = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != GC_SITE)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [GC_SITE, WITHOUT_GC_SITE]))
+
 # The S3 tests' server (moto, tests/test_storage.py) takes any credentials; Ray workers inherit the
 # environment of the process that starts the session cluster, so they are set here, before it starts —
 # and no test can reach a real account with the developer's own.
