@@ -58,6 +58,25 @@ def pointing_to(log: str | None, prefix: str = ""):
 
 
 @contextlib.contextmanager
+def redirected(log):
+    """Within the block, this process's output into the open file `log`: descriptors 1 and 2 (what its children and
+    C++ write, a local group's ranks included) and Python's streams; both restored after it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            yield
+    finally:
+        log.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+
+
+@contextlib.contextmanager
 def terminal(log_location: str, verbose: bool = False):
     """Within the block, stdout/stderr (Python's and the file descriptors) go to the log file `log_location` (a
     local path, truncated; for a URI a local file first, copied there at the end); `say` and marked worker lines

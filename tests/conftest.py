@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -251,22 +250,12 @@ def kernel_setting(name: str = PERTURBED):
 
 @contextlib.contextmanager
 def output_to(path):
-    """This process's output appended to the file `path`: descriptors 1 and 2 (which a local group's ranks and the
-    commands it starts write to) and Python's streams (which pytest captures apart from them)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(path, "a", buffering=1) as f:  # appended: Python's writes and the processes' never overwrite each other
-        try:
-            os.dup2(f.fileno(), 1)
-            os.dup2(f.fileno(), 2)
-            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-                yield
-        finally:
-            f.flush()
-            for fd, copy in zip((1, 2), saved):
-                os.dup2(copy, fd)
-                os.close(copy)
+    """This process's output appended to the file `path` (console.redirected: descriptors 1 and 2, which a local
+    group's ranks and the commands it starts write to, and Python's streams, which pytest captures apart from them)."""
+    from parity.console import redirected
+
+    with open(path, "a", buffering=1) as f, redirected(f):  # appended: Python's writes and the processes' never collide
+        yield
 
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:

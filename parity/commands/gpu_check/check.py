@@ -29,12 +29,10 @@ Exit 0: every step passed; 1: a step failed; 2: bad input.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import shutil
-import sys
 import time
 import traceback
 
@@ -43,6 +41,7 @@ from parity.commands.gpu_check.collectives import step_collectives
 from parity.commands.gpu_check.own_trainer import markdown as own_markdown, step_own_trainer
 from parity.commands.gpu_check.posttrain import step_posttrain
 from parity.commands.gpu_check.runs import TP_STRATEGY, judge_folder, run_values, shared_gpu, train, write_weights
+from parity.console import redirected
 from parity.errors import ConfigError
 
 JSON_NAME, REPORT_NAME = "gpu_check.json", "gpu_check.md"
@@ -146,7 +145,7 @@ class Report:
         entry = {"step": name, "passed": False, "seconds": 0.0, "error": None, "details": {}}
         self.steps.append(entry)
         try:
-            with into(log):
+            with redirected(log):
                 entry["details"] = fn(os.path.join(self.out, name), self.device, sizes)
             failures = entry["details"].pop("failures", [])
             entry["passed"] = not failures
@@ -162,24 +161,6 @@ class Report:
 
         write_json_atomic(self.json_path, self.data)
         write_text_atomic(self.md_path, markdown(self.data))
-
-
-@contextlib.contextmanager
-def into(log):
-    """This process's output and its ranks' (descriptors 1 and 2, which a local group's ranks write to) into `log`."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    try:
-        for fd in (1, 2):
-            os.dup2(log.fileno(), fd)
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            yield
-    finally:
-        log.flush()
-        for fd, old in zip((1, 2), saved):
-            os.dup2(old, fd)
-            os.close(old)
 
 
 def environment(device: str) -> dict:
