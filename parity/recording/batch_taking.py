@@ -9,7 +9,7 @@ import torch
 
 from parity import storage
 from parity.errors import first_line
-from parity.recording.rows import duplicate_rows, global_batch, positions_line, rows_hash
+from parity.recording.rows import duplicate_rows, global_batch, positions_line, row_digests, rows_hash
 from parity.training.data import Batch, batch_hash, recorded_batch_path
 
 
@@ -24,9 +24,10 @@ class BatchTaking:
         try:
             self._harvest(self.writer.finished())
             batch, mask, structure = global_batch(got.per_dp_rank)
-            extras["rows_hash"] = rows_hash(got.per_dp_rank)
+            digests = row_digests(got.per_dp_rank)
+            extras["rows_hash"] = rows_hash(digests)
             if self.objective_rows is None or self.objective_rows.family != "grpo":  # sampled rows may repeat
-                extras["rows_check"] = duplicate_rows(got.per_dp_rank)
+                extras["rows_check"] = duplicate_rows(digests)
             extras["rows"], extras["micro_batches"] = len(batch.input_ids), structure
             if batch.fed is not None and config["batches"]["position_ids_from"] is None:
                 config["batches"]["position_ids_from"] = self.step

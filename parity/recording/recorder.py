@@ -255,6 +255,7 @@ class ParityRecorder(BatchTaking):
 
     def _reset_step(self) -> None:
         self.micro: list[MicroBatch] = []
+        # the step's loss sum in float64: on the logits' device until the step's exchange reads it (one wait a step)
         self.loss_sum, self.tokens, self.recorder_s = 0.0, 0, 0.0
         self.grad_norm, self.broken = None, None  # float | None, str | None
         self.step_extras: dict = {}  # what a framework's recorder adds to the step's entry (megatron-core's routing)
@@ -278,10 +279,10 @@ class ParityRecorder(BatchTaking):
         try:
             with torch.no_grad():
                 if summed_loss is not None or log_probs is not None:
-                    summed = float(summed_loss) if log_probs is None else float(-log_probs.detach().double().sum())
+                    summed = float(summed_loss) if log_probs is None else -log_probs.detach().double().sum()
                 else:
                     logits = self.view.logits(logits.detach())  # a DTensor's in full
-                    summed = float(measured_loss_sum(logits, labels.to(logits.device)).double())
+                    summed = measured_loss_sum(logits, labels.to(logits.device)).double()
             self.micro.append(taken(input_ids, labels, attention_mask, position_ids, use_cache, self.model))
             self.loss_sum += summed
             self.tokens += int((self.micro[-1].labels[:, 1:] != IGNORE_INDEX).sum())
@@ -328,7 +329,8 @@ class ParityRecorder(BatchTaking):
             if grad_norm is not None:
                 self.grad_norm, self.grad_norm_source = float(grad_norm), source
             elif self.view.grad_norm_visible:  # full gradients, float64 (collective where they are sharded)
-                self.grad_norm = self.view.grad_norm()
+                self.grad_norm = self.view.grad_norm(self.tensors.squares if self.tensors.read_at == BEFORE_STEP
+                                                     else None)
                 self.grad_norm_source = "recorder"
         except Exception as exc:
             self.broken = f"before_step: {type(exc).__name__}: {first_line(exc)}"

@@ -51,9 +51,15 @@ class MicroBatch(NamedTuple):
 def taken(input_ids, labels, attention_mask, position_ids, use_cache, model) -> MicroBatch:
     """What the loop fed the model, as the replay must feed it: position ids that are not the model's own (0, 1, …
     along every row) and whether a mask came with them; `use_cache` as transformers resolves it (5.23's
-    merge_with_config_defaults: the call's, else the model config's; off under gradient checkpointing in training)."""
-    ids, lab = input_ids.detach().to("cpu", torch.int64), labels.detach().to("cpu", torch.int64)
-    mask = torch.ones_like(ids) if attention_mask is None else attention_mask.detach().to("cpu", torch.int64)
+    merge_with_config_defaults: the call's, else the model config's; off under gradient checkpointing in training).
+    The ids, labels and mask are copies of their own, taken off the device in one copy where they share a shape and a
+    device (on a GPU, one wait for it a micro-batch, not three)."""
+    fed = [t.detach() for t in (input_ids, labels, attention_mask) if t is not None]
+    if len({(t.shape, t.device) for t in fed}) == 1:
+        ids, lab, *mask = torch.stack([t.to(torch.int64) for t in fed]).cpu().unbind()
+    else:
+        ids, lab, *mask = (t.to("cpu", torch.int64, copy=True) for t in fed)
+    mask = mask[0] if mask else torch.ones_like(ids)
     positions = None
     if position_ids is not None and not default_positions(position_ids, ids.shape[1]):
         positions = position_ids.detach().to("cpu", torch.int64).expand(ids.shape).contiguous()
@@ -244,17 +250,17 @@ def row_digests(per_rank: list[list[tuple]]) -> list[list[str]]:
     return digests
 
 
-def rows_hash(per_rank: list[list[tuple]]) -> str:
-    """The step's rows whatever their order or layout: sha256 over the sorted row digests. Two recordings of one
-    script at other layouts (2 ranks, or 1 rank with twice the accumulation) feed the same rows in another order:
-    equal here, other batch hashes (parity.comparing.curves accepts that between two recorded runs)."""
-    return hashlib.sha256("".join(sorted(d for rank in row_digests(per_rank) for d in rank)).encode()).hexdigest()
+def rows_hash(digests: list[list[str]]) -> str:
+    """The step's rows whatever their order or layout, from their row_digests: sha256 over the sorted digests. Two
+    recordings of one script at other layouts (2 ranks, or 1 rank with twice the accumulation) feed the same rows in
+    another order: equal here, other batch hashes (parity.comparing.curves accepts that between two recorded runs)."""
+    return hashlib.sha256("".join(sorted(d for rank in digests for d in rank)).encode()).hexdigest()
 
 
-def duplicate_rows(per_rank: list[list[tuple]]) -> dict:
-    """Whether two DP ranks fed the same rows in the step: {"duplicates": rows of a rank another rank also fed,
-    "pairs": [[rank, other rank, rows], ...]}."""
-    digests = [set(rank) for rank in row_digests(per_rank)]
+def duplicate_rows(digests: list[list[str]]) -> dict:
+    """Whether two DP ranks fed the same rows in the step, from their row_digests: {"duplicates": rows of a rank
+    another rank also fed, "pairs": [[rank, other rank, rows], ...]}."""
+    digests = [set(rank) for rank in digests]
     pairs = [[r, s, len(digests[r] & digests[s])] for r in range(len(digests)) for s in range(r + 1, len(digests))
              if digests[r] & digests[s]]
     return {"duplicates": sum(p[2] for p in pairs), "pairs": pairs}

@@ -71,9 +71,10 @@ class View(ShardedView):
         """The full logits of a micro-batch, as the loss sees them."""
         return logits
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, squares: torch.Tensor | None = None) -> float:
         """The global norm of the full gradients, float64 (after backward, before clipping). Collective where the
-        gradients are sharded: every rank calls it."""
+        gradients are sharded: every rank calls it. `squares`: this step's gradient squares as the recorder just read
+        them (local_squares of gradient_pieces), where a view can take the norm from them (DataParallel)."""
         raise NotImplementedError
 
     def framework_grad_norm(self) -> float | None:

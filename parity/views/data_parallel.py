@@ -5,6 +5,8 @@ on every rank (replicas.whole_model), the moments as the harness's strategies ex
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from parity.training.optimizer import full_moments, local_norm
@@ -26,8 +28,14 @@ class DataParallel(View):
         """The table's last row (table.py): whatever no other view reads."""
         return cls(peft_inner(unwrap(model))[0], optimizer)
 
-    def grad_norm(self) -> float:
-        return local_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+    def grad_norm(self, squares: torch.Tensor | None = None) -> float:
+        """local_norm of every gradient; on rank 0, whose pieces are each trainable gradient whole and counted, the
+        sum of the `squares` read of them where every gradient is a trainable tensor's — the same squares added in the
+        same order, bit for bit, without a second pass over the gradients (on a GPU, its launches and its copy)."""
+        grads = [(p.grad, p.requires_grad) for p in self.model.parameters() if p.grad is not None]
+        if squares is not None and self.rank == 0 and all(trained for _, trained in grads):
+            return math.sqrt(sum(squares.tolist()))
+        return local_norm([g for g, _ in grads])
 
     def parameter_norm(self) -> float:
         """The global norm of the full trainable parameters (LoRA's adapters, not its frozen base: as the harness's

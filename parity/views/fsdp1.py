@@ -61,7 +61,7 @@ class FSDP1(View):
         dist.all_reduce(total, group=self.wrapper.process_group)
         return float(total.sqrt())
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, squares=None) -> float:
         return self._norm(p.grad for p in self.model.parameters() if p.grad is not None)
 
     def parameter_norm(self) -> float:

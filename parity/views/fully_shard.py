@@ -62,7 +62,7 @@ class FullyShard(View):
     def logits(self, logits):
         return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, squares=None) -> float:
         return global_norm([p.grad for p in self.model.parameters() if p.grad is not None])
 
     def parameter_norm(self) -> float:

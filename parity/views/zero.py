@@ -60,7 +60,7 @@ class ZeRO(View):
                 return [list(g) for g in groups]
         return super().group_params()
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, squares=None) -> float:
         raise RuntimeError("DeepSpeed clips inside engine.step(): its own norm is read after the step")
 
     def framework_grad_norm(self):

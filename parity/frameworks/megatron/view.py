@@ -360,7 +360,7 @@ class MegatronView(TranslatedView):
     def gradient_pieces(self):
         return self._pieces(self._grad)
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, squares=None) -> float:
         return self._norm(self._grad)
 
     def parameter_norm(self) -> float:

@@ -150,7 +150,7 @@ class TitanView(TranslatedView, FullyShard):
         return index
 
     # --- norms and full tensors over the native module ----------------------------------------------------------
-    def grad_norm(self) -> float:
+    def grad_norm(self, squares=None) -> float:
         return global_norm([p.grad for _, p in self.native if p.grad is not None])
 
     def parameter_norm(self) -> float:
