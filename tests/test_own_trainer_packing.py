@@ -317,3 +317,31 @@ def test_the_cache_flag_follows_activation_checkpointing_without_a_warning_a_ste
             row = taken(ids, ids, None, None, None, model)
         assert bool(row.flags & FED_CACHE) == cached, (checkpointed, training)
         assert [str(w.message) for w in seen if issubclass(w.category, FutureWarning)] == []
+
+
+def test_a_steps_rows_and_loss_sum_leave_their_device_in_one_copy_as_fed():
+    """Without processes: a micro-batch's ids, labels, mask and its own position ids are taken as int64 copies of
+    their own (a loop that refills its input buffer in place before the step ends changes nothing recorded), left on
+    their device; at the step's end rows.on_host takes every row and the float64 loss sum off it in one copy (on a GPU,
+    one wait a step). Here on the CPU with every tensor made to leave (the path a GPU's take): each row and the sum
+    arrive as they were, bit for bit, in their shapes, and alias nothing of the loop's."""
+    from parity.recording.rows import on_host, taken
+    from parity.training.fed_rows import FED_POSITIONS
+
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]], dtype=torch.int32)
+    labels = torch.tensor([[-100, 6, 7, 8], [-100, -100, 11, 12]])
+    mask, positions = torch.ones(2, 4, dtype=torch.bool), torch.tensor([[0, 1, 0, 1]])
+    first = taken(ids, labels, mask, None, False, None)
+    second = taken(ids[:1, :3], labels[:1, :3], None, positions[:, :3], False, None)
+    ids.fill_(0), labels.fill_(0), mask.fill_(False), positions.fill_(7)  # the loop's buffers, refilled
+    assert [first.ids.dtype, first.mask.dtype] == [torch.int64, torch.int64] and second.flags & FED_POSITIONS
+    loss = torch.tensor(7.25, dtype=torch.float64) + 1e-15
+    moved, summed = on_host([first, second], loss, leaving=lambda t: True)
+    assert summed == float(loss) and isinstance(summed, float)
+    assert moved[0].ids.tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
+    assert moved[0].labels[1].tolist() == [-100, -100, 11, 12]
+    assert moved[0].mask.tolist() == [[1] * 4] * 2 and moved[1].ids.tolist() == [[5, 6, 7]]
+    assert moved[1].mask.tolist() == [[1, 1, 1]] and moved[1].positions.tolist() == [[0, 1, 0]]
+    held = {t.untyped_storage().data_ptr() for m in (first, second) for t in m[:4] if t is not None}
+    assert not held & {t.untyped_storage().data_ptr() for m in moved for t in m[:4] if t is not None}
+    assert on_host([first], 3.5) == ([first], 3.5)  # nothing on a device: as it was

@@ -38,7 +38,7 @@ from parity.attaching.attach import attached, refused
 from parity.recording.optimizer_description import describe_optimizer
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
-from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, taken
+from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, on_host, taken
 from parity.recording.world import exchange_device, first_process, trains_alone
 from parity.models.model import config_as_built
 from parity.precision import POLICIES
@@ -255,8 +255,8 @@ class ParityRecorder(BatchTaking):
 
     def _reset_step(self) -> None:
         self.micro: list[MicroBatch] = []
-        # the step's loss sum in float64: on the logits' device until the step's exchange reads it (one wait a step)
-        self.loss_sum, self.tokens, self.recorder_s = 0.0, 0, 0.0
+        # the step's loss sum in float64 and its rows: on their device until the step's end (rows.on_host)
+        self.loss_sum, self.recorder_s = 0.0, 0.0
         self.grad_norm, self.broken = None, None  # float | None, str | None
         self.step_extras: dict = {}  # what a framework's recorder adds to the step's entry (megatron-core's routing)
 
@@ -285,7 +285,6 @@ class ParityRecorder(BatchTaking):
                     summed = measured_loss_sum(logits, labels.to(logits.device)).double()
             self.micro.append(taken(input_ids, labels, attention_mask, position_ids, use_cache, self.model))
             self.loss_sum += summed
-            self.tokens += int((self.micro[-1].labels[:, 1:] != IGNORE_INDEX).sum())
         except Exception as exc:
             self.broken = f"micro_batch: {type(exc).__name__}: {first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0
@@ -310,7 +309,6 @@ class ParityRecorder(BatchTaking):
                                                       attention_mask=attention_mask, log_probs=log_probs,
                                                       entropies_=entropies, **rows)
             self.micro.append(taken(input_ids, labels, attention_mask, None, False, self.model)._replace(rollout=words))
-            self.tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
         except Exception as exc:
             self.broken = f"objective_batch: {type(exc).__name__}: {first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0
@@ -400,6 +398,8 @@ class ParityRecorder(BatchTaking):
             self.broken = "no micro-batch: call micro_batch() for each one the step fed"
         if self.stop is not None:  # rank 0 stopped the record at an earlier step: every rank ends it now
             self.broken = STOPPED
+        self.micro, loss_sum = on_host(self.micro, self.loss_sum)  # the step's rows and loss sum off the device
+        tokens = sum(int((m.labels[:, 1:] != IGNORE_INDEX).sum()) for m in self.micro)
         # riding the step's exchange: every tensor's squares and, where the check is due, the replica digests
         q0 = time.perf_counter()
         squares = self.tensors.local(self.step)
@@ -408,7 +408,7 @@ class ParityRecorder(BatchTaking):
         riders = torch.cat([squares.cpu().view(torch.int64), *([] if digests is None else [digests.reshape(-1).cpu()])])
         normed = time.perf_counter()
         # the step's exchange (rows.py): every rank's health, loss sum and tokens to all, the rows to rank 0 alone
-        got = self.exchange(self.broken, self.loss_sum, self.tokens, self.micro, feeds=self.view.feeds,
+        got = self.exchange(self.broken, loss_sum, tokens, self.micro, feeds=self.view.feeds,
                             dp_rank=self.view.dp_rank, dp_size=self.view.dp_size, device=self.device, extra=riders)
         exchanged = time.perf_counter()
         summed = got.extra[:, :len(squares)].contiguous().view(torch.float64).sum(0)  # over the ranks, in rank order

@@ -52,21 +52,43 @@ def taken(input_ids, labels, attention_mask, position_ids, use_cache, model) -> 
     """What the loop fed the model, as the replay must feed it: position ids that are not the model's own (0, 1, …
     along every row) and whether a mask came with them; `use_cache` as transformers resolves it (5.23's
     merge_with_config_defaults: the call's, else the model config's; off under gradient checkpointing in training).
-    The ids, labels and mask are copies of their own, taken off the device in one copy where they share a shape and a
-    device (on a GPU, one wait for it a micro-batch, not three)."""
+    The ids, labels, mask and position ids are int64 copies of their own, left on their device: on_host takes the
+    step's off it at its end, in one copy (on a GPU, one wait a step, not three a micro-batch)."""
     fed = [t.detach() for t in (input_ids, labels, attention_mask) if t is not None]
-    if len({(t.shape, t.device) for t in fed}) == 1:
-        ids, lab, *mask = torch.stack([t.to(torch.int64) for t in fed]).cpu().unbind()
+    if len({(t.shape, t.device) for t in fed}) == 1:  # one stack: a copy, on the device
+        ids, lab, *mask = torch.stack([t.to(torch.int64) for t in fed]).unbind()
     else:
         ids, lab, *mask = (t.to("cpu", torch.int64, copy=True) for t in fed)
     mask = mask[0] if mask else torch.ones_like(ids)
     positions = None
     if position_ids is not None and not default_positions(position_ids, ids.shape[1]):
-        positions = position_ids.detach().to("cpu", torch.int64).expand(ids.shape).contiguous()
+        positions = position_ids.detach().to(ids.device, torch.int64).expand(ids.shape).clone(
+            memory_format=torch.contiguous_format)
     if use_cache is None:
         use_cache = getattr(getattr(model, "config", None), "use_cache", False)
     cache = bool(use_cache) and not (getattr(model, "training", False) and checkpointing(model))
     return MicroBatch(ids, lab, mask, positions, flags_of(positions is not None, attention_mask is not None, cache))
+
+
+def on_host(micro: list[MicroBatch], loss_sum, leaving=lambda t: t.device.type != "cpu"
+            ) -> tuple[list[MicroBatch], float]:
+    """The step's micro-batches with their rows on the CPU, and its loss sum (float64: a tensor, or a float) as a
+    float; what is `leaving` its device (on a GPU's: every row and the sum) taken off it in one copy where it is all on
+    one device (one wait a step)."""
+    moving = [t for m in micro for t in (m.ids, m.labels, m.mask, m.positions) if t is not None and leaving(t)]
+    loss = loss_sum.reshape(1).view(torch.int64) if torch.is_tensor(loss_sum) and leaving(loss_sum) else None
+    moving += [loss] if loss is not None else []  # the sum's float64 bits ride the copy
+    if not moving:
+        return micro, float(loss_sum)
+    if len({t.device for t in moving}) == 1:
+        words = torch.cat([t.reshape(-1) for t in moving]).cpu().split([t.numel() for t in moving])
+        host = {id(t): w.view(t.shape) for t, w in zip(moving, words)}
+    else:
+        host = {id(t): t.cpu() for t in moving}
+    fields = ("ids", "labels", "mask", "positions")
+    moved = [m._replace(**{k: host.get(id(t), t) for k, t in zip(fields, (m.ids, m.labels, m.mask, m.positions))})
+             for m in micro]
+    return moved, float(host[id(loss)].view(torch.float64)) if loss is not None else float(loss_sum)
 
 
 def checkpointing(model) -> bool:
