@@ -1,17 +1,20 @@
 #!/bin/bash
 # Issue 84 in one device call (docs/gpu.md): the bundle installed (python tools/build_gpu_bundle.py here), then
 # 1. the recorder's share of a step on the GPU before and after its change, alone on the GPU: the tree before it
-#    unpacked into .gpu_before here (git archive <commit> parity examples | tar -x -C .gpu_before), both carried,
-#    with torch.profiler's breakdown of each (tools/recorder_gpu_cost.py);
+#    unpacked into .gpu_before here (git archive <commit> parity examples | tar -x -C .gpu_before; next: 7cf75bf, the
+#    code before the step's rows and sums left the device once a step), both carried, with torch.profiler's breakdown
+#    of each (tools/recorder_gpu_cost.py);
 # 2. side by side: the false-alarm campaign's CUDA slice (tools/false_alarms.py --plan cuda: megatron-core's bf16
 #    Qwen2 job at 12 and 100 steps and fp32, its Llama bf16 job with the distributed optimizer, Trainer, GRPO, DPO,
-#    the own loop, LoRA and SFT in bf16, 3 seeds under the default cuBLAS, TF32 and the deterministic cuBLAS, breadth
-#    first: what the time allows) and megatron-core's MoE jobs and TransformerEngine's layouts where the image has TE
+#    the own loop, LoRA and SFT in bf16, the seeds SEEDS names — 2-3 by default: seed 1 ran on 2026-11-28 — under the
+#    default cuBLAS, TF32 and the deterministic cuBLAS, breadth first: what the time allows) and megatron-core's MoE
+#    jobs and TransformerEngine's layouts where the image has TE
 #    (tools/megatron_gpu.sh PART=moe).
 # One call, carry [".whl", ".gpu_before"], timeout_s 480: `timeout 460 bash tools/gpu_session.sh`. What comes back in
 # $OUT: recorder.log, recorder_gpu.json, campaign.log, false_alarms.md, runs.log (megatron-core), records.tar.gz.
 OUT=${OUT:-/tmp/gpu_session_out}
 CAMPAIGN_S=${CAMPAIGN_S:-290}
+SEEDS=${SEEDS:-2-3}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
     exit 1
@@ -26,13 +29,13 @@ timeout 150 python3 tools/recorder_gpu_cost.py --output_dir /tmp/rgc --code befo
 echo "== recorder exit $? in $(($(date +%s) - s)) s" >>"$OUT/recorder.log"
 cp /tmp/rgc/recorder_gpu.json "$OUT/" 2>/dev/null
 s=$(date +%s)
-(timeout "$CAMPAIGN_S" python3 tools/false_alarms.py --output_dir /tmp/fa --device cuda --plan cuda --seeds 1-3 \
+(timeout "$CAMPAIGN_S" python3 tools/false_alarms.py --output_dir /tmp/fa --device cuda --plan cuda --seeds "$SEEDS" \
     --jobs 10 --cell_timeout 240 >"$OUT/campaign.log" 2>&1; echo "== campaign exit $? in $(($(date +%s) - s)) s" \
     >>"$OUT/campaign.log") &
 (PART=moe OUT="$OUT" timeout "$CAMPAIGN_S" bash tools/megatron_gpu.sh >/dev/null 2>&1) &
 wait
 pkill -f 'verify_trainer[.]py' 2>/dev/null
-python3 tools/false_alarms.py --output_dir /tmp/fa --device cuda --plan cuda --seeds 1-3 --page_only \
+python3 tools/false_alarms.py --output_dir /tmp/fa --device cuda --plan cuda --seeds "$SEEDS" --page_only \
     >>"$OUT/campaign.log" 2>&1
 cp /tmp/fa/false_alarms.md "$OUT/" 2>/dev/null
 tar czf "$OUT/records.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude=runs \
