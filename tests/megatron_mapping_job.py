@@ -23,9 +23,29 @@ def weights_of(weights: dict, name: str) -> torch.Tensor:
     return torch.cat([torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))])
 
 
+# a MoE config of the job's (Mixtral's mapping: softmax top-2 renormalised, no Q/K norms, no biases, no shared expert)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2,
+           moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+           add_qkv_bias=False)
+# what does not map, one setting each (GPTModel's own arguments after the config's): the dense model's, then the MoE's
+DENSE_CHANGES = [({"normalization": "LayerNorm"}, {}), ({"add_bias_linear": True}, {}), ({"qk_layernorm": True}, {}),
+                 ({"gated_linear_unit": False}, {}), ({"mtp_num_layers": 1}, {}),
+                 ({}, {"position_embedding_type": "learned_absolute"}), ({"multi_latent_attention": True}, {}),
+                 ({"fp8": "hybrid"}, {}), ({"layernorm_zero_centered_gamma": True}, {}),
+                 ({"rotary_interleaved": True}, {}), ({"kv_channels": 32}, {})]
+MOE_CHANGES = [{"moe_router_score_function": "sigmoid"},
+               {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+               {"moe_router_num_groups": 2, "moe_router_group_topk": 1}, {"moe_router_topk_scaling_factor": 2.0},
+               {"moe_expert_capacity_factor": 1.0}, {"moe_input_jitter_eps": 0.01},
+               {"moe_router_load_balancing_type": "seq_aux_loss"}, {"moe_layer_freq": [0, 1]},
+               {"calculate_per_token_loss": True}, {"moe_router_force_load_balancing": True},
+               {"moe_shared_expert_intermediate_size": 96}, {"qk_layernorm": True, "add_qkv_bias": True},
+               {"add_qkv_bias": True}, {"moe_router_pre_softmax": True}]
+
+
 def refusals(config, model) -> list[str]:
-    """The lines of what does not map: configs changed one setting each, a parameter the mapping does not know, a
-    model that is not a GPTModel, and one model chunk given twice."""
+    """The lines of what does not map: configs changed one setting each (DENSE_CHANGES, then MOE_CHANGES on the MoE
+    config), a parameter the mapping does not know, a model that is not a GPTModel, and one model chunk given twice."""
     from dataclasses import replace
 
     from parity.frameworks.megatron.config import MegatronRefused, hf_config
@@ -33,10 +53,12 @@ def refusals(config, model) -> list[str]:
     from parity.frameworks.megatron.names import to_hf
 
     lines = []
-    for change in ({"normalization": "LayerNorm"}, {"add_bias_linear": True}, {"qk_layernorm": True},
-                   {"gated_linear_unit": False}, {"mtp_num_layers": 1}):
+    moe = replace(config, **MOE)
+    hf_config(moe, VOCAB, SEQ)  # maps (Mixtral): each change below alone is refused
+    for base, change, arguments in [(config, c, a) for c, a in DENSE_CHANGES] + [(moe, c, {}) for c in MOE_CHANGES]:
         try:
-            hf_config(replace(config, **change), VOCAB, SEQ)
+            hf_config(replace(base, **change), VOCAB, SEQ, **arguments)
+            lines.append(f"mapped: {change} {arguments}")
         except MegatronRefused as exc:
             lines.append(str(exc))
     try:

@@ -64,14 +64,47 @@ def test_a_tp2_megatron_step_is_transformers_step_under_hugging_face_names(mappe
 
 
 def test_what_does_not_map_is_refused_in_one_line(mapped):
-    """LayerNorm, linear biases, Q/K norms, another MLP, multi-token prediction, a parameter the mapping does not know,
-    a model that is not a GPTModel, one model chunk given twice: one line each."""
+    """What no transformers family the replay builds computes, each changed alone on the job's dense config (LayerNorm,
+    linear biases, Q/K norms, another MLP, multi-token prediction, another position embedding, latent attention, fp8,
+    zero-centred norms, interleaved RoPE, another head width) and on a MoE config that maps (Mixtral's): every router
+    no family has, a shared expert without its gate, Q/K norms with biases, biases or unnormalised top-k without a family
+    — then a parameter the mapping does not know, a model that is not a GPTModel, one model chunk given twice: one line
+    each, naming it (docs/refusals.md). A refusal that stopped refusing would read `mapped: ...` here."""
+    router = "megatron-core model: a MoE router with "
+    mixtral = ("megatron-core model: MoE layers without Q/K norms or a shared expert map to Mixtral, whose attention has no "
+               "biases and whose top-k weights are renormalised (moe_router_pre_softmax off)")
     assert mapped["qwen2"]["refusals"] == [
         "megatron-core model: normalization 'LayerNorm': Llama and Qwen2 use RMSNorm",
         "megatron-core model: biases on the linear layers (add_bias_linear): Llama and Qwen2 have none there",
         "megatron-core model: Q/K norms (qk_layernorm): not yet mapped",
         "megatron-core model: an MLP other than the gated SiLU one (gated_linear_unit with activation_func silu)",
         "megatron-core model: multi-token prediction (mtp_num_layers): not yet mapped",
+        "megatron-core model: position_embedding_type 'learned_absolute': the transformers models the replay builds use "
+        "RoPE",
+        "megatron-core model: multi-head latent attention (DeepSeek-V3's: multi_latent_attention): not yet mapped",
+        "megatron-core model: fp8 compute (fp8 'hybrid'): the replay has no fp8 reference to judge it against; record "
+        "the job in bf16",
+        "megatron-core model: zero-centred norm weights (layernorm_zero_centered_gamma): not yet mapped",
+        "megatron-core model: interleaved RoPE (rotary_interleaved): transformers rotates halves",
+        "megatron-core model: kv_channels 32 other than hidden_size ÷ heads",
+        router + "moe_router_score_function 'sigmoid': the families mapped route by softmax",
+        router + "the expert bias of aux-loss-free balancing (moe_router_enable_expert_bias): not yet mapped",
+        router + "group-limited top-k (moe_router_num_groups): not yet mapped",
+        router + "a scaled top-k (moe_router_topk_scaling_factor): not yet mapped",
+        router + "token dropping (moe_expert_capacity_factor): the families mapped drop no token",
+        router + "input jitter (moe_input_jitter_eps): a random router input the replay cannot draw alike",
+        router + "moe_router_load_balancing_type 'seq_aux_loss': the replay trains megatron-core's micro-batch "
+                 "aux_loss (or none)",
+        router + "dense layers among the MoE ones (moe_layer_freq): not yet mapped",
+        router + "its losses under calculate_per_token_loss (each micro-batch's weighted by its routed tokens over the "
+                 "step's loss tokens): not yet replayed",
+        router + "forced load balancing (moe_router_force_load_balancing): random routing",
+        "megatron-core model: a shared expert without its sigmoid gate, or beside Q/K norms: Qwen2-MoE's shared expert "
+        "is gated and its attention has no Q/K norms (DeepSeek-V3's ungated one comes with its latent attention: not "
+        "yet mapped)",
+        "megatron-core model: Q/K norms with Q/K/V biases: Qwen3-MoE has neither biases",
+        mixtral,  # Q/K/V biases
+        mixtral,  # the top-k weights not renormalised
         "megatron-core parameter decoder.layers.0.self_attention.linear_qkv.layer_norm_bias: the mapping to Hugging "
         "Face names does not know it",
         "the model is a Linear, not a GPTModel: only GPTModel maps onto a transformers model",

@@ -78,12 +78,12 @@ def router_refusal(config) -> str | None:
     """What of megatron-core's router no transformers MoE family computes, in words (None: Mixtral's, Qwen2-MoE's and
     Qwen3-MoE's softmax top-k)."""
     balancing = config.moe_router_load_balancing_type
-    checks = [
+    checks = [  # the expert bias first: megatron-core takes it with sigmoid scores only, which the next line names
+        (config.moe_router_enable_expert_bias, "the expert bias of aux-loss-free balancing "
+                                               "(moe_router_enable_expert_bias): not yet mapped"),
         (config.moe_router_score_function != "softmax", f"moe_router_score_function "
                                                         f"{config.moe_router_score_function!r}: the families mapped "
                                                         f"route by softmax"),
-        (config.moe_router_enable_expert_bias, "the expert bias of aux-loss-free balancing "
-                                               "(moe_router_enable_expert_bias): not yet mapped"),
         (config.moe_router_num_groups or config.moe_router_group_topk, "group-limited top-k "
                                                                        "(moe_router_num_groups): not yet mapped"),
         (config.moe_router_topk_scaling_factor not in (None, 1.0), "a scaled top-k "
