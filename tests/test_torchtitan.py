@@ -280,6 +280,65 @@ def test_the_fused_qkv_split_is_the_adapters_own():
         Translation(module, Dropping(spec.model, None)).targets(meta_model(hf_config(spec)))
 
 
+def test_what_does_not_map_or_record_is_refused_before_the_command_runs():
+    """Without processes, as verify_trainer.py checks a torchtitan command before it runs it (command_refusal: the
+    config with the command's overrides, its model mapped onto transformers'): the debug model changed one part at a
+    time — yarn RoPE, an MLP bias, no gated MLP, RMSNorm without weights, Llama with q/k norms —, qwen3's MoE flavour,
+    a family transformers has none of (deepseek_v3), a pipeline, parameters not stepped in fp32; and fp16 compute, which
+    this torchtitan's own flags refuse (bfloat16 or float32), held to the config check itself. One line each, naming
+    it (docs/refusals.md); the debug model as it is maps."""
+    from dataclasses import replace
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3
+    from torchtitan.models.llama3 import model_registry as llama3
+    from torchtitan.models.qwen3 import model_registry as qwen3
+
+    from parity.frameworks.torchtitan.config import TitanRefused, hf_config
+    from parity.frameworks.torchtitan.recording import command_refusal, config_refusal
+
+    spec = llama3("debugmodel")
+    layer = spec.model.layers[0]
+    attention, ffn, norm = layer.attention, layer.feed_forward, layer.attention_norm
+
+    def first_layer(**parts):
+        return replace(spec, model=replace(spec.model, layers=[replace(layer, **parts), *spec.model.layers[1:]]))
+
+    not_built = "a decoder layer without a gated MLP, or with MLP biases: not the transformers model the replay builds"
+    refused = {
+        "RoPE scaling 'yarn': the transformers model the replay builds computes 'none' and 'llama' (rope_type llama3) "
+        "alike; record a job without it": first_layer(attention=replace(attention, rope=replace(attention.rope,
+                                                                                                 scaling="yarn"))),
+        not_built: first_layer(feed_forward=replace(ffn, w2=replace(ffn.w2, bias=True))),
+        "RMSNorm without weights: not the transformers model the replay builds":
+            first_layer(attention_norm=replace(norm, elementwise_affine=False)),
+        "a llama3 model with q/k norms: not transformers' Llama": first_layer(attention=replace(attention, qk_norm=norm)),
+        "a qwen3 MoE model: its experts are not mapped onto transformers' Qwen3-MoE here": qwen3("debugmodel_moe"),
+        "deepseek_v3 maps to no transformers model the harness builds (it maps llama3, qwen3): a MoE model or another "
+        "family is not replayed": deepseek_v3("debugmodel")}
+    for line, changed in refused.items():
+        with pytest.raises(TitanRefused) as exc:
+            hf_config(changed)
+        assert str(exc.value) == line
+    with pytest.raises(TitanRefused, match=f"^{not_built}$"):
+        hf_config(first_layer(feed_forward=None))
+    assert type(hf_config(spec)).__name__ == "LlamaConfig"
+    command = ["torchrun", "--nproc_per_node", "2", "-m", "torchtitan.train", "--module", "llama3", "--config",
+               "llama3_debugmodel"]
+    assert command_refusal(command) is None
+    head = "torchtitan llama3 (debugmodel): "
+    assert command_refusal(command + ["--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"]) \
+        == head + ("pipeline parallelism (pipeline_parallel_degree 2): each rank holds model parts of its stages and "
+                   "the loss lives on the last; the recorder reads one whole module a rank — record the job at "
+                   "pipeline_parallel_degree 1, the harness's own pipeline strategy checks pipelines")
+    assert command_refusal(command + ["--training.dtype", "bfloat16"]) == head + (
+        "training.dtype bfloat16: the parameters the optimizer steps are not fp32, which no policy of the replay "
+        "trains; train in float32 (with mixed_precision_param for the compute)")
+    config = ConfigManager().parse_args(command[5:])
+    assert config_refusal(replace(config, training=replace(config.training, mixed_precision_param="float16"))) == \
+        "mixed_precision_param float16: the replay trains fp32 and bf16"
+
+
 def test_a_model_without_an_adapter_is_refused_in_one_line(runs, assets):
     """Before the command runs (verify_trainer.py builds the config's model on the meta device): one line, exit 2,
     nothing written."""
