@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -43,8 +44,10 @@ def workspace(tmp_path, tiny_weights):
 
 
 # Local model folders of models the harness cannot train (as a user's checkpoint folder holds them): an
-# encoder-decoder, a vision model, and a mixture of experts DeepSpeed's AutoTP cannot shard.
+# encoder-decoder, a vision model, a mixture of experts DeepSpeed's AutoTP cannot shard, and GPT-2, whose transformers
+# class names no decoder stack (no base_model_pp_plan) and whose config names no KV heads.
 MODEL_DIRS = {"t5": {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 2048},
+              "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 2048},
               "vit": {"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
               "moe": {"model_type": "qwen3_moe", "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128,
                       "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -149,6 +152,9 @@ CASES = [
     ("not a causal LM", "ddp", train_flags(model_name="{d}/vit"), {},
      r"--model_name .*/vit: a 'vit' model has no causal-LM class in transformers \(AutoModelForCausalLM does not "
      r"take it\)"),
+    ("no decoder stack named", "ddp", train_flags(model_name="{d}/gpt2"), {},
+     r"GPT2LMHeadModel has no pipeline plan naming its embedding and decoder stack \(base_model_pp_plan\): the harness "
+     r"cannot find its decoder layers; it trains the families whose transformers class names them \(e.g. llama, "),
     ("one KV head at TP 2", "fsdp", train_flags(model_name="google/gemma-3-1b-pt", num_layers=2, num_workers=2, tp_size=2),
      {}, r"--tp_size 2 does not divide the model's KV-head count \(1\): use a tp_size in \[1\]"),
     ("DeepSpeed refuses a family", "deepspeed", train_flags(model_name="{d}/moe", num_workers=2, tp_size=2), {},
@@ -447,3 +453,30 @@ def test_good_input_resolves_defaults(tmp_path, tiny_weights):
     assert not os.listdir(tmp_path)  # resolving writes nothing, not even the output folders
     saving = resolve("ddp", {**values, "init_weights_path": tmp_path / "new" / "w.pt", "save_init_weights": True})
     assert saving.save_init_weights and saving.init_weights_path == str(tmp_path / "new" / "w.pt")
+
+
+def test_a_family_whose_config_names_no_kv_heads_resolves_at_tp2():
+    """GPT-NeoX (Pythia's family) names no num_key_value_heads — one KV head per attention head — and before this
+    the layout check read that field and crashed every run of it, DDP's too (exit 70, 'a bug of the harness'); Falcon
+    names its own (num_kv_heads) or one (multi_query). Its layout at TP 2 resolves (GPT-NeoX measured once at fp32
+    parity under FSDP2 + TP, AutoTP and the pipeline: docs/model_families.md); at TP 3 the heads are named."""
+    from transformers import FalconConfig, GPTNeoXConfig, LlamaConfig
+
+    from parity.driver.config import resolve
+    from parity.errors import ConfigError
+    from parity.models.families import kv_heads
+
+    neox = GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                         vocab_size=2048)
+    assert [kv_heads(neox), kv_heads(FalconConfig(num_attention_heads=8, new_decoder_architecture=True,
+                                                  num_kv_heads=2)),
+            kv_heads(FalconConfig(num_attention_heads=8, multi_query=True)),
+            kv_heads(LlamaConfig(num_attention_heads=8, num_key_value_heads=2))] == [4, 2, 1, 2]
+    folder = tempfile.mkdtemp()
+    neox.save_pretrained(folder)
+    values = {"model_name": folder, "seq_length": 64, "init_weights_path": os.path.join(folder, "w.pt"),
+              "save_init_weights": True, "loss_output_dir": os.path.join(folder, "loss"), "num_workers": 2,
+              "tp_size": 2, "storage_path": os.path.join(folder, "ray")}
+    assert resolve("fsdp", values).tp_size == 2
+    with pytest.raises(ConfigError, match=r"--tp_size 3 does not divide the model's KV-head count \(4\)"):
+        resolve("fsdp", {**values, "num_workers": 3, "tp_size": 3})

@@ -43,7 +43,8 @@ def model_flops_per_token(model_config: dict, seq_length: int) -> float:
     embedding lookups, norms and biases do no matmul) + 12 × layers × hidden × sequence (attention scores and
     their weighted sum, forward and backward, without the causal halving)."""
     h, ff, layers = model_config["hidden_size"], model_config["intermediate_size"], model_config["num_hidden_layers"]
-    kv = h // model_config["num_attention_heads"] * model_config["num_key_value_heads"]
+    heads = model_config["num_attention_heads"]
+    kv = h // heads * (model_config.get("num_key_value_heads") or heads)  # a config naming none: one KV head a head
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * ff
     return 6 * (layers * per_layer + model_config["vocab_size"] * h) + 12 * layers * h * seq_length
 

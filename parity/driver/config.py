@@ -230,7 +230,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
     from parity.driver.cluster import probe_cluster
     from parity.objectives import micro_rows, parse_settings, resolve_objective
     from parity.training.data import check_source
-    from parity.models.families import family_of
+    from parity.models.families import family_of, kv_heads
     from parity.models.adapters import check_adapters, lora_settings
     from parity.models.model import check_init_weights, resolve_model_config
     from parity.models.presets import default_learning_rate, default_tokenizer
@@ -275,13 +275,14 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
                           f"docs/custom_strategy.md says)")
 
     model_config = resolve_model_config(s["model_name"], s["num_layers"])
-    layout.check_heads(model_config.num_attention_heads, model_config.num_key_value_heads)
-    if layout.ep_size > 1:  # (a family is read from a meta model: only where experts are to be placed)
-        layout.check_experts(family_of(model_config).moe, model_config.model_type)
+    family = family_of(model_config)  # read from a meta model: one the seam cannot describe is refused here, not in a worker
+    layout.check_heads(model_config.num_attention_heads, kv_heads(model_config))
+    if layout.ep_size > 1:
+        layout.check_experts(family.moe, model_config.model_type)
     if s["ep_size"] > 1 and not cls.expert_parallel:
         raise ConfigError(f"{strategy} does not shard experts (every expert on every rank): --ep_size must be 1 (got "
                           f"{s['ep_size']}); use train_fsdp.py or train_transformers.py for expert parallelism")
-    if s["seq_length"] > model_config.max_position_embeddings:
+    if s["seq_length"] > (getattr(model_config, "max_position_embeddings", None) or s["seq_length"]):  # ALiBi: none
         raise ConfigError(f"--seq_length {s['seq_length']} is above the model's max_position_embeddings "
                           f"({model_config.max_position_embeddings}): use a shorter sequence")
     s["lora"] = lora_settings(s.pop("lora_r"), s.pop("lora_alpha"), s.pop("lora_dropout"), s.pop("lora_targets"),

@@ -131,6 +131,17 @@ def causal_lm_class(config):
                           f"models") from None
 
 
+def kv_heads(config) -> int:
+    """The key/value heads of a model's attention: num_key_value_heads (grouped-query attention); Falcon's one of
+    multi_query outside its new decoder architecture, else its num_kv_heads; else one per attention head — what GPT-2,
+    GPT-NeoX, OPT and Bloom configs leave unnamed."""
+    if getattr(config, "num_key_value_heads", None):
+        return int(config.num_key_value_heads)
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1
+    return int(getattr(config, "num_kv_heads", None) or config.num_attention_heads)
+
+
 def text_config(config):
     """The config of the language model itself (a multimodal config's text part; else the config)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -212,7 +223,9 @@ def _stack_parts(model) -> dict:
     embedding = next((name for name, (inputs, _) in plan.items() if list(inputs) == ["input_ids"]), None)
     if stack is None or embedding is None:
         raise ConfigError(f"{type(model).__name__} has no pipeline plan naming its embedding and decoder stack "
-                          f"(base_model_pp_plan): the harness cannot find its decoder layers")
+                          f"(base_model_pp_plan): the harness cannot find its decoder layers; it trains the families "
+                          f"whose transformers class names them (e.g. llama, qwen2, qwen3, mistral, gemma3_text, olmo2, "
+                          f"phi3)")
     final = [name for name in plan if name not in (stack, embedding)]
     final.sort(key=lambda name: name.startswith(model.base_model_prefix + "."), reverse=True)  # the base model's first
     return {"embedding": embedding, "stack": stack, "final": tuple(final)}
@@ -243,7 +256,7 @@ def _layer_roles(model, text, layers, moe: MoE | None) -> dict:
                 if not any(name == part or name.startswith(part + ".") for part in sparse_parts)}
     plan = {name: style for name, style in plan.items() if name in modules}
     dense_mlp = not moe or len(moe.layers) < len(layers)
-    heads, kv = text.num_attention_heads, text.num_key_value_heads
+    heads, kv = text.num_attention_heads, kv_heads(text)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     attention = next((n for n, m in layer.named_children() if "Attention" in type(m).__name__), None)
     mlp = moe.block if moe else next((n for n, m in layer.named_children() if "MLP" in type(m).__name__), None)
