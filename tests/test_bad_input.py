@@ -155,6 +155,36 @@ CASES = [
     ("no decoder stack named", "ddp", train_flags(model_name="{d}/gpt2"), {},
      r"GPT2LMHeadModel has no pipeline plan naming its embedding and decoder stack \(base_model_pp_plan\): the harness "
      r"cannot find its decoder layers; it trains the families whose transformers class names them \(e.g. llama, "),
+    # --- the pipeline, SP, DeepSpeed's policies and AutoEP: what each declines (docs/refusals.md) ---------------
+    ("pipeline accumulation", "pipeline", train_flags(num_workers=2, pp_size=2, grad_accum_steps=2), {},
+     r"--grad_accum_steps 2: the pipeline accumulates over its micro-batches: use --microbatches \(and "
+     r"--grad_accum_steps 1\)"),
+    ("pipeline checkpointing", "pipeline", train_flags(num_workers=2, pp_size=2, activation_checkpointing=True), {},
+     r"--activation_checkpointing is not supported by the pipeline strategy: drop it"),
+    ("pipeline compile", "pipeline", train_flags(num_workers=2, pp_size=2, compile=True), {},
+     r"--compile is not supported by the pipeline strategy: drop it"),
+    ("pipeline MoE", "pipeline", train_flags(num_workers=2, pp_size=2, model_name="qwen3-moe-tiny",
+                                             init_weights_path="{d}/new.pt", save_init_weights=True), {},
+     r"the pipeline does not train a mixture of experts \('qwen3_moe'\): its load-balancing loss is one product of "
+     r"statistics of every stage's routers over the global batch .*: use train_fsdp.py or train_ddp.py"),
+    ("pipeline stages", "pipeline", train_flags(num_workers=3, pp_size=3), {},
+     r"the model's 2 layers do not divide into the 3 stages of --pp_schedule 1f1b at --pp_size 3: use --num_layers 3 "
+     r"\(a multiple of 3\) or fewer stages"),
+    ("SP over experts", "fsdp", train_flags(num_workers=2, tp_size=2, tp_plan="sequence_parallel",
+                                            model_name="qwen3-moe-tiny", init_weights_path="{d}/new.pt",
+                                            save_init_weights=True), {},
+     r"--tp_plan sequence_parallel does not shard a mixture of experts' sparse blocks over the sequence: use --tp_plan "
+     r"default"),
+    ("autocast bf16 reduction", "deepspeed", train_flags(precision="bf16", reduce_dtype="bf16"), {},
+     r"--reduce_dtype bf16 in the bf16 \(autocast\) policy: DeepSpeed's torch_autocast reduces only its "
+     r"lower_precision_safe_modules' gradients in bf16, not all of them: use --precision bf16_params"),
+    ("bf16_pure offload", "deepspeed", train_flags(precision="bf16_pure", offload_optimizer="cpu"), {},
+     r"the bf16_pure policy with --offload_optimizer cpu: DeepSpeed keeps bf16 master weights in host memory only with "
+     r"its DeepSpeedCPUAdam, not the shared torch AdamW: drop one of the two"),
+    ("AutoEP conversion", "deepspeed", train_flags(num_workers=2, ep_size=2, model_name="qwen3-moe-tiny",
+                                                   precision="bf16", init_weights_path="{d}/new.pt",
+                                                   save_init_weights=True), {},
+     r"DeepSpeed [0-9.]+'s AutoEP cannot convert a 'qwen3_moe' model under transformers [0-9.]+: "),
     ("one KV head at TP 2", "fsdp", train_flags(model_name="google/gemma-3-1b-pt", num_layers=2, num_workers=2, tp_size=2),
      {}, r"--tp_size 2 does not divide the model's KV-head count \(1\): use a tp_size in \[1\]"),
     ("DeepSpeed refuses a family", "deepspeed", train_flags(model_name="{d}/moe", num_workers=2, tp_size=2), {},
