@@ -343,13 +343,14 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
     """Refused in one line before anything is recorded, the training untouched: under verify_trainer.py, DPO's aot
     (it sorts a micro-batch's pairs) — its line is verify_trainer.py's last, exit 2, and the run trained its step;
     on TRL trainers built here: vLLM importance sampling from a server, a loss type TRL's trainer names that the
-    reference does not define, a reward model whose parameters the optimizer trains, DPO's precomputed reference
-    log-probs."""
+    reference does not define, adaptive entropy control, off-policy sequence masking, vespo over TRL's vLLM importance
+    weight, a MoE router's auxiliary loss, a reward model whose parameters the optimizer trains; DPO's precomputed
+    reference log-probs, WPO's weighting, a loss type the reference does not define."""
     import torch
 
     from parity.commands.common import run_command
     from parity.commands.verify_trainer import recorded
-    from parity.frameworks.trl.objectives import Refused, plan, resolved
+    from parity.frameworks.trl.objectives import Refused, plan, resolved, trained
 
     code = run_command(lambda: recorded(str(runs["aot"]), "trl_posttrain"), "the replay")
     err = capsys.readouterr().err.strip().splitlines()
@@ -361,15 +362,29 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
 
     trainer = _grpo_trainer(runs["root"])
     optimizer = torch.optim.AdamW(trainer.model.parameters())
-    lines = {}
-    for case, change in (("vllm", {"use_vllm": True, "vllm_mode": "server"}),
-                         ("loss_type", {"loss_type": "sr_grpo"})):
-        saved = {k: getattr(trainer.args, k) for k in change}
-        trainer.args.__dict__.update(change)
-        with pytest.raises(Refused) as refused:
-            plan(trainer, optimizer)
-        trainer.args.__dict__.update(saved)
-        lines[case] = str(refused.value)
+
+    def refusal(trainer, change: dict, optimizer=optimizer) -> str:
+        """The line trained() gives `trainer` with its arguments (and itself, for `aux_loss_enabled`) changed so;
+        everything as it was after."""
+        saved = {k: getattr(trainer.args, k) for k in change if k != "aux_loss_enabled"}
+        trainer.args.__dict__.update({k: v for k, v in change.items() if k != "aux_loss_enabled"})
+        trainer.aux_loss_enabled = change.get("aux_loss_enabled", False)
+        try:
+            with pytest.raises(Refused) as refused:
+                trained(trainer, optimizer)
+        finally:
+            trainer.args.__dict__.update(saved)
+            trainer.aux_loss_enabled = False
+        return str(refused.value)
+
+    assert trained(trainer, optimizer).objective["name"] == "dapo"  # as built: recorded
+    lines = {case: refusal(trainer, change) for case, change in (
+        ("vllm", {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_correction": True}),
+        ("loss_type", {"loss_type": "sr_grpo"}), ("adaptive", {"use_adaptive_entropy": True}),
+        ("off_policy", {"off_policy_mask_threshold": 0.5}),
+        ("vespo", {"loss_type": "vespo", "use_vllm": True, "vllm_mode": "colocate",
+                   "vllm_importance_sampling_correction": True}),
+        ("router", {"aux_loss_enabled": True}))}
     trainer.reward_funcs = [*trainer.reward_funcs, trainer.ref_model]
     with pytest.raises(Refused) as refused:
         plan(trainer, torch.optim.AdamW([*trainer.model.parameters(), *trainer.ref_model.parameters()]))
@@ -380,6 +395,14 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
                 "vllm_mode='colocate', or vllm_importance_sampling_correction=False",
         "loss_type": "GRPO's loss_type 'sr_grpo' is not one the reference defines (grpo, bnpo, dr_grpo, dapo, cispo, "
                      "sapo, luspo, vespo)",
+        "adaptive": "TRL's dapo: use_adaptive_entropy=True cannot be computed by the reference (adaptive entropy "
+                    "control changes its coefficient from the run's own history): leave it at False",
+        "off_policy": "TRL's dapo: off_policy_mask_threshold=0.5 cannot be computed by the reference (off-policy "
+                      "sequence masking needs the sampler's log-probs): leave it at None",
+        "vespo": "TRL's vespo takes TRL's vLLM importance weight into its own sequence weight, which the reference "
+                 "does not compute: set vllm_importance_sampling_correction=False",
+        "router": "the model's router adds its auxiliary loss to the objective (router_aux_loss_coef), which the "
+                  "reference objective does not: set router_aux_loss_coef=0",
         "reward_model": "the reward model Qwen2ForCausalLM is trained in the same run (its parameters are in the "
                         "optimizer): its rewards, and the advantages, move with each step, and the replay trains the "
                         "policy alone"}
@@ -387,6 +410,12 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
     with pytest.raises(Refused) as refused:
         plan(dpo, optimizer)
     assert str(refused.value).startswith("precompute_ref_log_probs=True: the reference's log-probs are computed")
+    assert refusal(dpo, {"precompute_ref_log_probs": False, "use_weighting": True}) == (
+        "TRL's dpo: use_weighting=True cannot be computed by the reference (WPO's weights need each position's Σ p², "
+        "which the reference does not compute yet): leave it at False")
+    assert refusal(dpo, {"precompute_ref_log_probs": False, "loss_type": ["sigmoid", "wpo"]}) == (
+        "DPO's loss_type 'wpo' is not one the reference defines (sigmoid, hinge, ipo, exo_pair, nca_pair, robust, "
+        "bco_pair, sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft)")
     with pytest.raises(Refused) as refused:
         resolved("dapo", {"top_entropy_quantile": 0.5})
     assert "top_entropy_quantile=0.5 cannot be computed by the reference" in str(refused.value)
