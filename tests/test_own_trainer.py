@@ -405,7 +405,9 @@ def _edited_record(runs, tmp_path, edit) -> str:
 def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
     """Each refused before any worker starts (nothing written under --loss_output_dir): a record without its batches,
     one whose batches passed the cap, initial weights of another model, flags the record supplies, an optimizer the
-    replay cannot build, workers that do not divide the rows, a harness run's record, a step to dump that the record
+    replay cannot build or a flag of one it builds (amsgrad), an fp16 run whose loss scaler was not recorded, a model
+    transformers has no causal LM of, workers
+    that do not divide the rows, a harness run's record, a step to dump that the record
     lacks, --dump_step without a record."""
     from parity.models.model import build_model, resolve_model_config, save_init_weights
 
@@ -419,6 +421,20 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
 
     def sgd(data):
         data["config"]["optimizer"]["type"] = "SGD"
+
+    def amsgrad(data):  # what the recorder writes of a torch AdamW(amsgrad=True)
+        data["config"]["optimizer"]["groups"][1]["flags"] = {"amsgrad": True}
+
+    def fp16(data):  # an fp16 run whose recorder kept no loss scale (a loop's own GradScaler, Lightning's 16-mixed)
+        data["config"]["precision"] = "fp16"
+
+    encoder_decoder = tmp_path / "t5_model"  # a recorded model folder whose config no causal LM of transformers takes
+    encoder_decoder.mkdir()
+    (encoder_decoder / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 2,
+                                                             "num_heads": 4, "vocab_size": 2048}))
+
+    def t5(data):
+        data["config"]["model_name"] = str(encoder_decoder)
 
     other = str(tmp_path / "other_model.safetensors")  # the same preset with one decoder layer
     save_init_weights(build_model(resolve_model_config("qwen2-tiny", num_layers=1), 0), other)
@@ -444,6 +460,16 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
         ([*out, "--replay_record", _edited_record(runs, tmp_path / "b", sgd)],
          f"error: --replay_record loss_{NAME}.json: the recorded optimizer is SGD: the replay builds AdamW and Adam "
          f"only"),
+        ([*out, "--replay_record", _edited_record(runs, tmp_path / "d", amsgrad)],
+         f"error: --replay_record loss_{NAME}.json: the recorded AdamW's group 1 sets amsgrad: the replay builds AdamW "
+         f"without it"),
+        ([*out, "--replay_record", _edited_record(runs, tmp_path / "e", fp16)],
+         f"error: --replay_record loss_{NAME}.json: an fp16 run is replayed where its recorder records its loss scaler "
+         f"(each step's scale and whether it was skipped: megatron-core's), and this one's does not: record it in bf16 "
+         f"or fp32"),
+        ([*out, "--replay_record", _edited_record(runs, tmp_path / "f", t5)],
+         f"error: --replay_record loss_{NAME}.json: the recorded model cannot be built by the harness: a 't5' model is "
+         f"an encoder-decoder: the harness trains decoder-only causal language models"),
         ([*out, "--replay_record", record, "--num_workers", "3"],
          f"error: --num_workers 3: step {PARTIAL_STEP} of loss_{NAME}.json holds 2 rows, fewer than 3 workers: use at "
          f"most 2 workers"),

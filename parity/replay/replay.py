@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Mapping
 
 from parity import storage
@@ -285,8 +286,9 @@ def _check_model(record_file: str, folder: str) -> None:
     try:
         resolve_model_config(folder)
     except ConfigError as exc:
+        why = re.sub(r"^--model_name \S+: ", "", str(exc))  # the folder is the record's own: named once, above
         raise ConfigError(f"--replay_record {storage.name(record_file)}: the recorded model cannot be built by the "
-                          f"harness: {str(exc).split(': ', 1)[-1]}") from None
+                          f"harness: {why}") from None
 
 
 def _check_router_split(record_file: str, config: dict, folder: str, rows: list[int], workers: int) -> None:
