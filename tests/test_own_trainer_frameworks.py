@@ -256,3 +256,29 @@ def test_lightnings_partial_last_window_is_divided_by_the_full_accumulation(runs
     assert [s["micro_batches"] for s in recorded["steps"][:5]] == [[[2, 2], [2, 2]]] * 5
     assert max_rel_diff(series(replay, "grad_norm"), series(recorded, "grad_norm")) < 1e-5
     assert _compare(runs["lightning"]).word == "PASS"
+
+
+def test_what_lightnings_recorder_cannot_follow_is_refused_in_one_line():
+    """Without processes, on Lightning Trainers as the callback reads them when the fit starts: two optimizers (a GAN's
+    manual optimization), a precision the replay has no policy for (bf16-true: bf16 weights without fp32 masters),
+    clipping by value; the same Trainer with one optimizer, 32-true or bf16-mixed and clipping by norm is recorded
+    (docs/refusals.md)."""
+    import lightning.pytorch as pl
+    import torch
+
+    from parity.frameworks.lightning.callback import ParityCallback
+
+    def refusal(optimizers=1, **settings):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, **settings)
+        trainer.strategy.optimizers = [torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+                                       for _ in range(optimizers)]
+        return ParityCallback._refusal(trainer, None)
+
+    assert [refusal(), refusal(precision="bf16-mixed", gradient_clip_val=1.0),
+            refusal(gradient_clip_val=1.0, gradient_clip_algorithm="norm")] == [None, None, None]
+    assert refusal(optimizers=2) == "2 optimizers: the recorder follows one"
+    assert refusal(precision="bf16-true") == "precision 'bf16-true': the harness replays 16-mixed, 32, 32-true, bf16-mixed"
+    assert refusal(gradient_clip_val=0.5, gradient_clip_algorithm="value") == \
+        "gradient_clip_algorithm='value': the replay clips by norm"
+    assert refusal(gradient_clip_val=0.0, gradient_clip_algorithm="value") is None  # no clip: nothing to replay

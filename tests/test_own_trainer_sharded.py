@@ -255,25 +255,52 @@ def test_sharded_per_rank_mean_fails_at_step_0(runs, bug):
 
 
 def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
-    """FSDP1 without use_orig_params steps flat parameters the recorder cannot name: one line, nothing recorded, and
-    the user's loop goes on (one rank, a group of one in this process)."""
+    """Layouts the recorder cannot read, one line each, nothing recorded, and the user's loop goes on (one rank, a
+    group of one in this process): FSDP1 without use_orig_params (it steps flat parameters the recorder cannot name),
+    with NO_SHARD (what FSDP1 itself switches FULL_SHARD to on one rank); FSDP2 on a 2-D mesh with no dim named 'dp',
+    and on two root meshes."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
 
+    from parity.models.model import build_model, resolve_model_config
     from parity.recording.recorder import ParityRecorder
 
+    def fsdp1(module, **settings):
+        return FullyShardedDataParallel(module, device_id=torch.device("cpu"), **settings)
+
+    def two_d_without_dp():
+        model = build_model(resolve_model_config("qwen2-tiny"), 0)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))["shard"])
+        return model
+
+    def two_meshes():  # (two meshes of the same ranks and dim names are one mesh: equal)
+        model = build_model(resolve_model_config("qwen2-tiny"), 0)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",)))
+        return model
+
+    cases = [
+        (lambda: fsdp1(torch.nn.Linear(4, 4)), "FSDP1 without use_orig_params=True: its optimizer steps flat parameters "
+                                               "the recorder cannot name; wrap with use_orig_params=True"),
+        (lambda: fsdp1(build_model(resolve_model_config("qwen2-tiny"), 0), use_orig_params=True,
+                       sharding_strategy=ShardingStrategy.NO_SHARD),
+         "FSDP1 with NO_SHARD: the recorder reads FULL_SHARD and SHARD_GRAD_OP"),
+        (two_d_without_dp, "a 2-D device mesh without a dim named 'dp' or 'data_parallel' (['replicate', 'shard']): the "
+                           "recorder takes the data-parallel dim by that name"),
+        (two_meshes, "the model's DTensors live on 2 root meshes: the recorder reads one"),
+    ]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        model = FullyShardedDataParallel(torch.nn.Linear(4, 4), device_id=torch.device("cpu"))
-        lines = []
-        rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model,
-                             optimizer=torch.optim.AdamW(model.parameters()), log=lines.append)
-        assert not rec.enabled and lines == [
-            "parity recorder: FSDP1 without use_orig_params=True: its optimizer steps flat parameters the recorder "
-            "cannot name; wrap with use_orig_params=True: recording nothing"]
-        rec.after_step()
-        assert rec.close() is None and not (tmp_path / "out").exists()
+        for build, line in cases:
+            model, lines = build(), []
+            rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model,
+                                 optimizer=torch.optim.AdamW(model.parameters()), log=lines.append)
+            assert not rec.enabled and lines == [f"parity recorder: {line}: recording nothing"], lines
+            rec.after_step()
+            assert rec.close() is None and not (tmp_path / "out").exists()
     finally:
         dist.destroy_process_group()
 
@@ -283,7 +310,8 @@ def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
     loop goes on (one rank, a group of one in this process): dropout (the replay cannot draw the run's masks), a
     setting beyond r, alpha, the targets and the saved modules (DoRA), a tied embedding saved with peft's default
     ensure_weight_tying=False (its lm_head keeps the frozen original), adapters on some of the targeted modules only (a
-    regular expression that picks layer 0), a base tensor trained beside the adapters."""
+    regular expression that picks layer 0), a base tensor trained beside the adapters, a second adapter, an adapter
+    the run freezes, another PEFT type (IA3), an adapter named other than get_peft_model's default."""
     import torch
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
@@ -293,6 +321,23 @@ def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
 
     def norm_trained(model):
         model.get_base_model().model.norm.weight.requires_grad_(True)
+
+    def second_adapter(model):
+        model.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj"]))
+
+    def adapter_frozen(model):
+        model.get_base_model().model.layers[0].self_attn.q_proj.lora_A["default"].weight.requires_grad_(False)
+
+    def ia3(_):  # settings None: the PeftModel is the edit's own
+        from peft import IA3Config
+
+        return get_peft_model(build_model(resolve_model_config("qwen2-tiny"), 0),
+                              IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                        feedforward_modules=["down_proj"]))
+
+    def named(_):
+        return get_peft_model(build_model(resolve_model_config("qwen2-tiny"), 0),
+                              LoraConfig(r=8, target_modules=["q_proj", "v_proj"]), adapter_name="mine")
 
     cases = [  # (LoraConfig's settings beside r 8, what the loop does to the PeftModel, the line)
         ({"lora_dropout": 0.05}, None, "LoRA dropout 0.05 (lora_dropout): the replay cannot draw the dropout masks your "
@@ -310,14 +355,23 @@ def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
          ".bias): the harness puts them on every module of those names"),
         ({}, norm_trained, "the run trains model.norm.weight beside its LoRA adapters (1 such tensor): the replay trains "
                            "the adapters alone; freeze it"),
+        ({}, second_adapter, "the model holds 2 PEFT adapters (default, second): the recorder follows one"),
+        ({}, adapter_frozen, "the run freezes the adapter model.layers.0.self_attn.q_proj.lora_A.default.weight: the "
+                             "replay trains every adapter"),
+        (None, ia3, "a PEFT model of type IA3: the harness builds LoRA adapters only"),
+        (None, named, "the adapter is named 'mine': the harness names its one adapter 'default' (get_peft_model's "
+                      "default), and every adapter tensor's name holds it"),
     ]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         for settings, edit, line in cases:
-            model = get_peft_model(build_model(resolve_model_config("qwen2-tiny"), 0),
-                                   LoraConfig(**{"r": 8, "target_modules": ["q_proj", "v_proj"], **settings}))
-            if edit is not None:
-                edit(model)
+            if settings is None:
+                model = edit(None)
+            else:
+                model = get_peft_model(build_model(resolve_model_config("qwen2-tiny"), 0),
+                                       LoraConfig(**{"r": 8, "target_modules": ["q_proj", "v_proj"], **settings}))
+                if edit is not None:
+                    edit(model)
             lines = []
             rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model,
                                  optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),

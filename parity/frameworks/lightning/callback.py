@@ -148,8 +148,9 @@ class ParityCallback(pl.Callback):
             return f"{len(trainer.optimizers)} optimizers: the recorder follows one"
         if str(trainer.precision) not in PRECISIONS:
             return f"precision {trainer.precision!r}: the harness replays {', '.join(sorted(PRECISIONS))}"
-        if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") != "norm":  # None: by norm
-            return f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: the replay clips by norm"
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)  # an enum
+        if trainer.gradient_clip_val and (algorithm or "norm") != "norm":  # None: by norm
+            return f"gradient_clip_algorithm={algorithm!r}: the replay clips by norm"
         return None
 
     @guarded
