@@ -256,9 +256,9 @@ def test_sharded_per_rank_mean_fails_at_step_0(runs, bug):
 
 def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
     """Layouts the recorder cannot read, one line each, nothing recorded, and the user's loop goes on (one rank, a
-    group of one in this process): FSDP1 without use_orig_params (it steps flat parameters the recorder cannot name),
-    with NO_SHARD (what FSDP1 itself switches FULL_SHARD to on one rank); FSDP2 on a 2-D mesh with no dim named 'dp',
-    and on two root meshes."""
+    group of one in this process): FSDP1 without use_orig_params (it steps flat parameters the recorder cannot name);
+    FSDP2 on a 2-D mesh with no dim named 'dp', and on two root meshes. FSDP1 at one rank — NO_SHARD, which FSDP1
+    switches FULL_SHARD to there — is recorded (its tensors whole; NO_SHARD over several ranks is refused)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -285,9 +285,6 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
     cases = [
         (lambda: fsdp1(torch.nn.Linear(4, 4)), "FSDP1 without use_orig_params=True: its optimizer steps flat parameters "
                                                "the recorder cannot name; wrap with use_orig_params=True"),
-        (lambda: fsdp1(build_model(resolve_model_config("qwen2-tiny"), 0), use_orig_params=True,
-                       sharding_strategy=ShardingStrategy.NO_SHARD),
-         "FSDP1 with NO_SHARD: the recorder reads FULL_SHARD and SHARD_GRAD_OP"),
         (two_d_without_dp, "a 2-D device mesh without a dim named 'dp' or 'data_parallel' (['replicate', 'shard']): the "
                            "recorder takes the data-parallel dim by that name"),
         (two_meshes, "the model's DTensors live on 2 root meshes: the recorder reads one"),
@@ -301,6 +298,15 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
             assert not rec.enabled and lines == [f"parity recorder: {line}: recording nothing"], lines
             rec.after_step()
             assert rec.close() is None and not (tmp_path / "out").exists()
+        # FSDP1 at one rank, which it runs as NO_SHARD whatever it was asked: every tensor whole, read as such
+        model, lines = fsdp1(build_model(resolve_model_config("qwen2-tiny"), 0), use_orig_params=True,
+                             sharding_strategy=ShardingStrategy.FULL_SHARD), []
+        assert model.sharding_strategy == ShardingStrategy.NO_SHARD
+        rec = ParityRecorder(str(tmp_path / "one_rank"), name="mine", model=model,
+                             optimizer=torch.optim.AdamW(model.parameters()), log=lines.append)
+        assert rec.enabled and lines[0].startswith("parity recorder [mine]: recording mine (plain PyTorch, fsdp1, 1 "
+                                                   "rank)"), lines
+        rec.close()
     finally:
         dist.destroy_process_group()
 

@@ -39,7 +39,8 @@ class FSDP1(View):
         if not getattr(wrapper, "_use_orig_params", False):
             raise ViewRefused("FSDP1 without use_orig_params=True: its optimizer steps flat parameters the recorder "
                               "cannot name; wrap with use_orig_params=True")
-        if wrapper.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        whole = wrapper.sharding_strategy == ShardingStrategy.NO_SHARD and dist.get_world_size() == 1  # (below)
+        if wrapper.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and not whole:
             raise ViewRefused(f"FSDP1 with {wrapper.sharding_strategy.name}: the recorder reads FULL_SHARD and "
                               f"SHARD_GRAD_OP")
         super().__init__(inner, optimizer)
