@@ -44,10 +44,14 @@ def workspace(tmp_path, tiny_weights):
 
 
 # Local model folders of models the harness cannot train (as a user's checkpoint folder holds them): an
-# encoder-decoder, a vision model, a mixture of experts DeepSpeed's AutoTP cannot shard, and GPT-2, whose transformers
-# class names no decoder stack (no base_model_pp_plan) and whose config names no KV heads.
+# encoder-decoder, a vision model, a mixture of experts DeepSpeed's AutoTP cannot shard, GPT-2, whose transformers
+# class names no decoder stack (no base_model_pp_plan) and whose config names no KV heads, and a Llama config whose
+# pad_token_id lies outside its vocabulary (its embedding refuses it).
 MODEL_DIRS = {"t5": {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 2048},
               "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 2048},
+              "pad_outside": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
+                              "pad_token_id": 5000},
               "vit": {"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
               "moe": {"model_type": "qwen3_moe", "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128,
                       "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -185,6 +189,9 @@ CASES = [
                                                    precision="bf16", init_weights_path="{d}/new.pt",
                                                    save_init_weights=True), {},
      r"DeepSpeed [0-9.]+'s AutoEP cannot convert a 'qwen3_moe' model under transformers [0-9.]+: "),
+    ("config its class refuses", "ddp", train_flags(model_name="{d}/pad_outside"), {},
+     r"transformers cannot build a 'llama' model from this config \(AssertionError: Padding_idx must be within "
+     r"num_embeddings\): fix its config.json"),
     ("one KV head at TP 2", "fsdp", train_flags(model_name="google/gemma-3-1b-pt", num_layers=2, num_workers=2, tp_size=2),
      {}, r"--tp_size 2 does not divide the model's KV-head count \(1\): use a tp_size in \[1\]"),
     ("DeepSpeed refuses a family", "deepspeed", train_flags(model_name="{d}/moe", num_workers=2, tp_size=2), {},

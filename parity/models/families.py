@@ -158,8 +158,13 @@ def _family(config_json: str, config_class) -> Family:
 
     config = config_class.from_dict(json.loads(config_json))
     cls = causal_lm_class(config)
-    with torch.device("meta"):
-        model = cls(config)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as exc:  # a config its own class refuses (a pad_token_id outside the vocabulary ...)
+        raise ConfigError(f"transformers cannot build a '{config.model_type}' model from this config ("
+                          f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}): fix its "
+                          f"config.json") from None
     text = text_config(config)
     types = tuple(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
     common = dict(model_type=config.model_type, causal_lm=cls.__name__, tied=bool(text.tie_word_embeddings),
