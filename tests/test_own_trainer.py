@@ -576,6 +576,53 @@ def test_a_clipping_trainers_series_holds_the_clipped_gradients_as_its_replays_d
     assert max(tensor_norms_off(replay, folder)) < 1e-12
 
 
+def test_a_single_process_loop_without_a_group_is_recorded_in_a_group_of_its_own(tmp_path, monkeypatch):
+    """A single-device script that never calls init_process_group (the common one-GPU loop): the recorder starts a
+    gloo group of one for its collectives and ends it at close(), so the script's process is as it was after; its record
+    holds every step. A recorder that records nothing (a name it refuses) ends the group at once. Under a launcher that
+    started several processes (WORLD_SIZE 2) a process without a group is told to call init_process_group."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from parity.models.model import build_model, resolve_model_config
+    from parity.recording.recorder import ParityRecorder
+    from parity.training.record import load_record
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert not dist.is_initialized()
+    model = build_model(resolve_model_config("qwen2-tiny"), 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lines = []
+    rec = ParityRecorder(str(tmp_path / "out"), name="single", model=model, optimizer=optimizer, max_grad_norm=1.0,
+                         log=lines.append)
+    assert rec.enabled and dist.is_initialized() and dist.get_world_size() == 1
+    for step in range(3):
+        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+        logits = model(input_ids=ids).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        rec.micro_batch(ids, ids, logits)
+        rec.before_step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        rec.after_step()
+    path = rec.close()
+    assert not dist.is_initialized() and len(load_record(path)["steps"]) == 3, lines
+    refused_lines = []
+    refused = ParityRecorder(str(tmp_path / "refused"), name="ddp", model=model, optimizer=optimizer,
+                             log=refused_lines.append)
+    assert not refused.enabled and not dist.is_initialized() and refused_lines[0].startswith(
+        "parity recorder: name 'ddp' is a strategy of the harness")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    told = []
+    assert not ParityRecorder(str(tmp_path / "told"), name="two", model=model, optimizer=optimizer,
+                              log=told.append).enabled and not dist.is_initialized()
+    assert told == ["parity recorder: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone "
+                    "(torch.distributed is not initialised in it): call init_process_group(backend) in every process, "
+                    "without rank and world_size: it takes the launcher's variables: recording nothing"]
+
+
 @pytest.mark.parametrize("failure, why", [
     ("no micro-batch", "rank 0: no micro-batch: call micro_batch() for each one the step fed"),
     ("no token", "the step's global batch has no token in its loss (every label is -100 on every rank): look at the "

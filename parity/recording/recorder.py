@@ -33,13 +33,13 @@ from parity.attaching import layer_cut
 from parity.recording import precision_seen, resume, states
 from parity.recording.batch_taking import BatchTaking
 from parity.recording.description import describe_run
-from parity.recording.group import settle_at_exit
+from parity.recording.group import own_group, release, settle_at_exit
 from parity.attaching.attach import attached, refused
 from parity.recording.optimizer_description import describe_optimizer
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, on_host, taken
-from parity.recording.world import exchange_device, first_process, trains_alone
+from parity.recording.world import exchange_device, first_process, launched_processes, trains_alone
 from parity.models.model import config_as_built
 from parity.precision import POLICIES
 from parity.registry import KNOWN
@@ -118,6 +118,9 @@ class ParityRecorder(BatchTaking):
                  objective_declared: dict | None = None):
         output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
+        # one process without a group (a single-device script): a gloo group of one for the recorder's collectives,
+        # ended at close() — or here, where the recorder records nothing (group.py)
+        self._own_group = dist.is_available() and own_group(launched_processes())
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         from parity.frameworks import release_refusal  # a framework's release older than its room's oldest
         precision, mismatch = precision_seen.told(precision, model)  # None: the framework's (accelerate's), else fp32
@@ -131,6 +134,7 @@ class ParityRecorder(BatchTaking):
             if first_process():
                 self._print(f"parity recorder: {refusal}: recording nothing")
                 refused(refusal)
+            self._release_group()
             return
         try:
             self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
@@ -150,6 +154,13 @@ class ParityRecorder(BatchTaking):
         except Exception as exc:  # never the user's training
             self._discard()
             self._print(f"parity recorder: could not start ({type(exc).__name__}: {first_line(exc)}): recording nothing")
+        if not self.enabled:
+            self._release_group()
+
+    def _release_group(self) -> None:
+        """The group of one started for this recorder, ended (group.release); nothing where none was."""
+        release(self._own_group)
+        self._own_group = False
 
     def _not_as_told(self, line: str) -> None:
         self.broken = self.broken or line
@@ -172,9 +183,8 @@ class ParityRecorder(BatchTaking):
         alone = trains_alone()  # the launcher started several processes and this one trains alone (world.py)
         if alone:
             return alone
-        if not dist.is_available() or not dist.is_initialized():
-            return ("torch.distributed is not initialised: call init_process_group first (one process: "
-                    "init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:29500'))")
+        if not dist.is_available():  # (initialised: by the loop, or for one process here: own_group)
+            return "torch.distributed is not available in this torch build: the recorder's exchange is a collective"
         if precision not in POLICIES:
             return f"precision {precision!r} is not one of the harness's policies ({', '.join(POLICIES)})"
         if not isinstance(start_step, int) or start_step < 0:
@@ -544,6 +554,7 @@ class ParityRecorder(BatchTaking):
         """The record complete (every rank; a collective). Returns its path on rank 0 (None if nothing recorded)."""
         settle_at_exit()  # the collectives' gloo threads finish before the interpreter does (group.py)
         if not self.enabled:
+            self._release_group()
             return self.record.path if getattr(self, "stop", None) and self.rank == 0 else None
         try:
             self._hook.remove()
@@ -560,6 +571,7 @@ class ParityRecorder(BatchTaking):
             return None
         finally:
             self.enabled = False
+            self._release_group()
 
     def _disable(self, why: str) -> None:
         self.enabled = False
