@@ -45,10 +45,13 @@ def workspace(tmp_path, tiny_weights):
 
 # Local model folders of models the harness cannot train (as a user's checkpoint folder holds them): an
 # encoder-decoder, a vision model, a mixture of experts DeepSpeed's AutoTP cannot shard, GPT-2, whose transformers
-# class names no decoder stack (no base_model_pp_plan) and whose config names no KV heads, and a Llama config whose
-# pad_token_id lies outside its vocabulary (its embedding refuses it).
+# class names no decoder stack (no base_model_pp_plan) and whose config names no KV heads, Gemma 4, whose per-layer
+# head_dim the TP seam cannot read (DDP trains it), and a Llama config whose pad_token_id lies outside its vocabulary
+# (its embedding refuses it).
 MODEL_DIRS = {"t5": {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 2048},
               "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 2048},
+              "gemma4": {"model_type": "gemma4_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048},
               "pad_outside": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
                               "pad_token_id": 5000},
@@ -189,6 +192,10 @@ CASES = [
                                                    precision="bf16", init_weights_path="{d}/new.pt",
                                                    save_init_weights=True), {},
      r"DeepSpeed [0-9.]+'s AutoEP cannot convert a 'qwen3_moe' model under transformers [0-9.]+: "),
+    ("a family TP cannot describe", "fsdp", train_flags(model_name="{d}/gemma4", num_workers=2, tp_size=2,
+                                                        init_weights_path="{d}/new.pt", save_init_weights=True), {},
+     r"FSDP2 \+ TP cannot tensor-parallelise a 'gemma4_text' model \(its layers cannot be described "
+     r"\(AmbiguousGlobalPerLayerAttributeError: .*\)\): use --tp_size 1, or train_ddp.py / train_pipeline.py"),
     ("config its class refuses", "ddp", train_flags(model_name="{d}/pad_outside"), {},
      r"transformers cannot build a 'llama' model from this config \(AssertionError: Padding_idx must be within "
      r"num_embeddings\): fix its config.json"),

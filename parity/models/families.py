@@ -175,6 +175,9 @@ def _family(config_json: str, config_class) -> Family:
         return Family(**common, **_layer_roles(model, text, layers, common["moe"]))
     except _Undescribed as exc:
         return Family(**common, why_no_tp=str(exc))
+    except Exception as exc:  # a config the seam cannot read (Gemma 4's per-layer head_dim): no TP of it, not a crash
+        return Family(**common, why_no_tp=f"its layers cannot be described ({type(exc).__name__}: "
+                                          f"{(str(exc).strip().splitlines() or [''])[0][:120]})")
 
 
 def _moe_roles(model, text, layers) -> MoE | None:
