@@ -1,7 +1,7 @@
-"""The process group around a recorder: for a framework callback's (frameworks/transformers/callback.py,
-frameworks/lightning/callback.py) a gloo group of one for a run of one process that has none (the recorder's exchange
-is a collective), ended with the run; and at the exit of every process whose recorder closed over gloo, a pause that
-lets the group's threads finish (`settle_at_exit`).
+"""The process group around a recorder: a gloo group of one for a run of one process that has none — a loop of your
+own that never calls init_process_group, Trainer without a launcher, Lightning's single-device strategy — which the
+recorder starts (its exchange is a collective) and ends at its close(); and at the exit of every process whose recorder
+closed over gloo, a pause that lets the group's threads finish (`settle_at_exit`).
 
 Why the pause. Trainer and Lightning never destroy their process group, DeepSpeed keeps its groups in module globals
 past a loop's destroy_process_group, and the recorder's last collectives (close()'s, through all_gather_object) drop

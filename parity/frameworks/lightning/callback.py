@@ -37,7 +37,6 @@ import torch
 from parity.fingerprint import installed_versions
 from parity.frameworks import guarded, stop_record
 from parity.recording.forward_hook import hand_over
-from parity.recording.group import own_group, release
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
 from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
 
@@ -71,7 +70,7 @@ class ParityCallback(pl.Callback):
         self.output_dir, self.name, self.max_batch_bytes = output_dir, name, max_batch_bytes
         self.state_saving = {"checkpoint_interval": checkpoint_interval, "max_state_bytes": max_state_bytes}
         self.recorder: ParityRecorder | None = None
-        self._hook, self._own_group, self._stepped, self._logged = None, False, False, 0.0
+        self._hook, self._stepped, self._logged = None, False, 0.0
         # manual optimization; its step read at clip_gradients; the gradients' norm after the last manual_backward
         self._manual, self._clipped, self._backward_norm, self._observed = False, False, None, None
 
@@ -84,7 +83,6 @@ class ParityCallback(pl.Callback):
 
     @guarded
     def on_train_start(self, trainer, pl_module):
-        self._own_group = own_group(trainer.world_size)  # the single-device strategy: a group of one
         refusal = self._refusal(trainer, pl_module)
         if refusal:  # before the recorder starts: nothing written
             stop_record(self, refusal)
@@ -204,8 +202,6 @@ class ParityCallback(pl.Callback):
             self._observed = None
         if self.recorder is not None:
             self.recorder.close()
-        release(self._own_group)
-        self._own_group = False
 
 
 __all__ = ["ParityCallback", "hugging_face_model"]

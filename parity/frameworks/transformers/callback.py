@@ -47,7 +47,6 @@ from parity.attaching import attach
 from parity.fingerprint import installed_versions
 from parity.frameworks import Refused, guarded, objective_of, release_refusal
 from parity.recording.forward_hook import hand_over
-from parity.recording.group import own_group, release
 from parity.recording.recorded_tensors import CLIPPED
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
 from parity.recording.resume import DeclaredSchedule
@@ -69,11 +68,10 @@ class ParityCallback(TrainerCallback):
         self.dump_step = dump_step
         self.state_saving = {"checkpoint_interval": checkpoint_interval, "max_state_bytes": max_state_bytes}
         self.recorder: ParityRecorder | None = None
-        self._hook, self._stepped, self._own_group, self.feed = None, False, False, None
+        self._hook, self._stepped, self.feed = None, False, None
 
     @guarded
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._own_group = own_group(args.world_size)  # one process without a launcher: a group of one
         trainer = calling_trainer()  # TRL's GRPO and DPO trainers: their objective, as the registry finds it
         try:
             refusal = release_refusal() or trainer_refusal(args)  # an older release: none of its attributes read
@@ -147,8 +145,6 @@ class ParityCallback(TrainerCallback):
             self.feed.close()
         if self.recorder is not None:
             self.recorder.close()
-        release(self._own_group)
-        self._own_group = False
 
 
 def calling_trainer():
