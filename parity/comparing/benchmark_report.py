@@ -7,7 +7,9 @@ What each number is (and is not) is docs/benchmark.md; the keys are ROW_KEYS.
 from __future__ import annotations
 
 import statistics
+from types import SimpleNamespace
 
+from parity.models.families import kv_heads
 from parity.registry import pp_size_of
 from parity.training.memory import BOUND_CATEGORIES, model_state_total
 
@@ -43,8 +45,7 @@ def model_flops_per_token(model_config: dict, seq_length: int) -> float:
     embedding lookups, norms and biases do no matmul) + 12 × layers × hidden × sequence (attention scores and
     their weighted sum, forward and backward, without the causal halving)."""
     h, ff, layers = model_config["hidden_size"], model_config["intermediate_size"], model_config["num_hidden_layers"]
-    heads = model_config["num_attention_heads"]
-    kv = h // heads * (model_config.get("num_key_value_heads") or heads)  # a config naming none: one KV head a head
+    kv = h // model_config["num_attention_heads"] * kv_heads(SimpleNamespace(**model_config))  # the record's config
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * ff
     return 6 * (layers * per_layer + model_config["vocab_size"] * h) + 12 * layers * h * seq_length
 
