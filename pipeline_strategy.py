@@ -101,6 +101,12 @@ class PipelineStrategy(Strategy):
                               f"load-balancing loss is one product of statistics of every stage's routers over the "
                               f"global batch (docs/moe.md), and a stage sees only its own: use train_fsdp.py or "
                               f"train_ddp.py")
+        outside = family_of(model_config).outside
+        if outside:
+            raise ConfigError(f"the pipeline cannot split a '{model_config.model_type}' model: its "
+                              f"{', '.join(outside[:3])}{' …' if len(outside) > 3 else ''} lie outside the embedding, "
+                              f"the decoder stack and the final modules its stages run: use train_ddp.py or "
+                              f"train_fsdp.py")
         stages, layers = stage_count(o["pp_schedule"], p), model_config.num_hidden_layers
         if layers % stages:
             fit = layers - layers % stages or stages

@@ -258,6 +258,20 @@ def output_to(path):
         yield
 
 
+def multimodal_gemma3(folder) -> None:
+    """A Gemma 3 4B-style image-text config.json (Gemma3ForConditionalGeneration) whose language model is gemma3-tiny:
+    what a user's checkpoint folder of google/gemma-3-4b-pt holds, at the harness's tiny widths."""
+    from parity.models.presets import PRESETS
+
+    text = {**PRESETS["gemma3-tiny"], "num_hidden_layers": 6,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                    "vision_config": vision, "mm_tokens_per_image": 4}))
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), f"{len(a)} steps vs {len(b)}"
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

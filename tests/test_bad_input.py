@@ -46,8 +46,8 @@ def workspace(tmp_path, tiny_weights):
 # Local model folders of models the harness cannot train (as a user's checkpoint folder holds them): an
 # encoder-decoder, a vision model, a mixture of experts DeepSpeed's AutoTP cannot shard, GPT-2, whose transformers
 # class names no decoder stack (no base_model_pp_plan) and whose config names no KV heads, Gemma 4, whose per-layer
-# head_dim the TP seam cannot read (DDP trains it), and a Llama config whose pad_token_id lies outside its vocabulary
-# (its embedding refuses it).
+# head_dim the TP seam cannot read and whose per-layer input embeddings no pipeline stage holds (DDP trains it), and a
+# Llama config whose pad_token_id lies outside its vocabulary (its embedding refuses it).
 MODEL_DIRS = {"t5": {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 2048},
               "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 2048},
               "gemma4": {"model_type": "gemma4_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -196,6 +196,12 @@ CASES = [
                                                         init_weights_path="{d}/new.pt", save_init_weights=True), {},
      r"FSDP2 \+ TP cannot tensor-parallelise a 'gemma4_text' model \(its layers cannot be described "
      r"\(AmbiguousGlobalPerLayerAttributeError: .*\)\): use --tp_size 1, or train_ddp.py / train_pipeline.py"),
+    ("the pipeline past per-layer inputs", "pipeline", train_flags(model_name="{d}/gemma4", num_workers=2,
+                                                                  init_weights_path="{d}/new.pt",
+                                                                  save_init_weights=True), {},
+     r"the pipeline cannot split a 'gemma4_text' model: its model.embed_tokens_per_layer, "
+     r"model.per_layer_model_projection, model.per_layer_projection_norm lie outside the embedding, the decoder stack "
+     r"and the final modules its stages run: use train_ddp.py or train_fsdp.py"),
     ("config its class refuses", "ddp", train_flags(model_name="{d}/pad_outside"), {},
      r"transformers cannot build a 'llama' model from this config \(AssertionError: Padding_idx must be within "
      r"num_embeddings\): fix its config.json"),

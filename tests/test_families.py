@@ -4,9 +4,10 @@ transformers' own distributed training verified — the harness doing its job on
 fp32 (one local gloo group per world size): each family's DDP (DP 2 × 2) against FSDP2 + TP, transformers' own TP +
 FSDP2 and DeepSpeed AutoTP (TP 2 × DP 2), and the pipeline (2 stages × DP 2), all on padded samples in 2 micro-batches
 (--grad_accum_steps 2; the pipeline's 2 micro-batches), at 1e-5 on loss, grad norm and parameter norm at every step
-and on the final parameters. Where a clean run of a library's own code FAILs — transformers' per-head q/k norms under
-gradient accumulation — the test asserts the FAIL, and the layer check names the module. The four seeded pitfalls
-FAIL at their step, and the layer check names their module.
+and on the final parameters; a multimodal checkpoint's folder (Gemma 3 4B's config at tiny widths) trains its language
+model under DDP and FSDP2 + TP at the same bound. Where a clean run of a library's own code FAILs — transformers'
+per-head q/k norms under gradient accumulation — the test asserts the FAIL, and the layer check names the module. The
+four seeded pitfalls FAIL at their step, and the layer check names their module.
 
 bf16: each family's FSDP2 + TP and transformers runs against DDP's bf16 run with its three noise references (the
 calibrated verdict), at a seed outside the calibration study, on this CPU's default kernels; on AVX2's path OLMo2 and
@@ -23,7 +24,8 @@ import shutil
 
 import pytest
 
-from conftest import FP32_RTOL, assert_replicas_held, final_parameters, max_abs_param_diff, max_rel_diff, series
+from conftest import (FP32_RTOL, assert_replicas_held, final_parameters, max_abs_param_diff, max_rel_diff,
+                      multimodal_gemma3, series)
 from parity.calibration.bugs import FAMILY_BUGS
 from parity.commands.compare_curves import main as plot_loss_curves
 from parity.commands.layer_check import main as run_verification
@@ -49,6 +51,9 @@ BUG_FAILS = {"qwen3-tiny": (1, "self_attn.k_norm.weight", "parameter gradient"),
              "olmo2-tiny": (0, "self_attn.q_norm", "forward output"),
              "phi3-tiny": (0, "mlp.gate_up_proj", "forward output"),
              "gemma3-tiny": (1, "model.embed_tokens", "forward output")}
+# A Gemma 3 4B-style image-text folder (--model_name of a multimodal checkpoint): its language model, cut to 2 layers,
+# under DDP and FSDP2 + TP
+MULTIMODAL = "gemma3-multimodal"
 SEED_BF16 = 65  # outside the calibration study's seeds (42–61) and test_calibration's (64)
 BF16 = {"seq_length": 64, "debug_steps": 12, "learning_rate": 1e-3, "warmup_steps": 3, "max_grad_norm": 0.8,
         "log_interval": 12, "checkpoint_interval": 0, "seed": SEED_BF16}
@@ -71,11 +76,11 @@ BF16_CASES = [(family, kernel) for kernel in KERNELS for family in FAMILIES
               if kernel == "default" or family in AVX2_FAMILIES]
 
 
-def family_weights(root, family: str, seed: int = 42) -> str:
+def family_weights(root, family: str, seed: int = 42, folder=None) -> str:
     from parity.models.model import build_model, resolve_model_config, save_init_weights
 
     path = str(root / f"{family}_{seed}.pt")
-    save_init_weights(build_model(resolve_model_config(family), seed), path)
+    save_init_weights(build_model(resolve_model_config(str(folder or family), 2 if folder else None), seed), path)
     return path
 
 
@@ -94,12 +99,19 @@ def fp32_runs(tmp_path_factory):
             planned[family, name] = plan(strategy, {**FP32, "model_name": family, "init_weights_path": weights,
                                                     "loss_output_dir": folder, "storage_path": root / "ray",
                                                     "experiment_name": f"{family}_{name}", **layout})
+    multimodal_gemma3(root / MULTIMODAL)  # an image-text checkpoint's folder: its language model trained
+    weights = family_weights(root, MULTIMODAL, folder=root / MULTIMODAL)
+    for name, layout in (("ddp", DDP), ("fsdp", TP2_DP2)):
+        planned[MULTIMODAL, name] = plan(name, {**FP32, "model_name": str(root / MULTIMODAL), "num_layers": 2,
+                                                "init_weights_path": weights, "loss_output_dir": root / MULTIMODAL / name,
+                                                "storage_path": root / "ray", "experiment_name": f"mm_{name}", **layout})
     for world in (2, 4):
         run_group([run for run in planned.values() if run[0].num_workers == world])
     return {key: (run_record_path(cfg), load_record(run_record_path(cfg))) for key, (cfg, _) in planned.items()}
 
 
-@pytest.mark.parametrize("family,strategy", [(f, s) for f in FAMILIES for s in STRATEGIES if (f, s) not in LIBRARY_FAILS])
+@pytest.mark.parametrize("family,strategy", [(f, s) for f in FAMILIES for s in STRATEGIES if (f, s) not in LIBRARY_FAILS]
+                         + [(MULTIMODAL, "fsdp")])
 def test_every_family_trains_as_ddp_under_every_strategy_in_fp32(fp32_runs, family, strategy):
     _, base = fp32_runs[family, "ddp"]
     _, run = fp32_runs[family, strategy]

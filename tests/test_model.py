@@ -4,6 +4,7 @@ import torch
 import pytest
 from transformers import Qwen2ForCausalLM
 
+from conftest import multimodal_gemma3
 from parity.errors import ConfigError
 from parity.models.model import (build_model, check_init_weights, file_sha256, load_init_weights, resolve_model_config,
                           save_init_weights)
@@ -93,3 +94,68 @@ def test_missing_and_garbage_files(tmp_path):
     garbage.write_bytes(b"not a tensor file")
     with pytest.raises(ConfigError, match=r"garbage.safetensors is not a safetensors file, or is truncated"):
         check_init_weights(str(garbage), config)
+
+
+def test_a_multimodal_config_trains_its_language_model(tmp_path, capsys):
+    """--model_name of an image-text checkpoint (Gemma 3 4B's config) resolves to its language model, cut to
+    --num_layers, with a note saying so: the strategies train on text, where the vision tower takes no part (it was a
+    crash, exit 70: the multimodal config names no num_hidden_layers or attention heads of its own)."""
+    from transformers import Gemma3ForCausalLM
+
+    from parity.models.families import family_of, multimodal_refusal
+
+    multimodal_gemma3(tmp_path / "gemma3")
+    config = resolve_model_config(str(tmp_path / "gemma3"), num_layers=2)
+    assert (config.model_type, config.num_hidden_layers, config.layer_types) == (
+        "gemma3_text", 2, ["sliding_attention", "sliding_attention"])
+    assert capsys.readouterr().out == (f"note: --model_name {tmp_path / 'gemma3'} is a multimodal 'gemma3' model: the "
+                                       f"harness trains its language model ('gemma3_text', Gemma3ForCausalLM) on text\n")
+    assert isinstance(build_model(config, 0), Gemma3ForCausalLM)
+    family = family_of(config)
+    assert (family.stack, family.outside, family.why_no_tp) == ("model.layers", (), None)
+    assert multimodal_refusal(config) is None
+
+
+def test_gemma4s_per_layer_config_follows_its_layer_types_when_cut_or_grown():
+    """Gemma 4's per_layer_config (a full-attention layer's own head_dim, keyed by layer index) keeps the entries of
+    the layers kept, and a layer transformers makes full attention (a stack's last always is) takes theirs; grown, the
+    entries repeat with the types. It was a crash at --num_layers: keys beyond the cut stack."""
+    from transformers import AutoConfig
+
+    from parity.models.families import family_of, with_num_layers
+
+    config = AutoConfig.for_model("gemma4_text", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, global_head_dim=32, vocab_size=512,
+                                  hidden_size_per_layer_input=16, vocab_size_per_layer_input=512, num_hidden_layers=12,
+                                  layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
+                                  per_layer_config={"05": {"head_dim": 32}, "11": {"head_dim": 32}})
+    for layers, full in ((2, [1]), (6, [5]), (8, [5, 7]), (18, [5, 11, 17]), (24, [5, 11, 17, 23])):
+        cut = with_num_layers(config, layers)
+        assert [i for i, kind in enumerate(cut.layer_types) if kind == "full_attention"] == full
+        assert sorted(int(i) for i in cut.to_dict()["per_layer_config"]) == full
+        assert all(entry == {"head_dim": 32} for entry in cut.to_dict()["per_layer_config"].values())
+        assert len(build_model(cut, 0).model.layers) == layers
+    assert family_of(with_num_layers(config, 6)).outside == (
+        "model.embed_tokens_per_layer", "model.per_layer_model_projection", "model.per_layer_projection_norm")
+
+
+def test_configs_the_family_seam_cannot_read_are_one_line():
+    """A mixture of experts whose config names no experts per token (DeepSeek-V2's default), a model whose layers are
+    not one decoder stack (HRM's): one line each, not exit 70."""
+    from transformers import AutoConfig
+
+    from parity.models.families import family_of, with_num_layers
+
+    deepseek = AutoConfig.for_model("deepseek_v2", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, vocab_size=256,
+                                    q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                    v_head_dim=16, num_hidden_layers=2)
+    with pytest.raises(ConfigError, match=r"^the 'deepseek_v2' config names no num_experts_per_tok \(the experts each "
+                                          r"token is routed to\): fix its config.json$"):
+        family_of(deepseek)
+    hrm = with_num_layers(AutoConfig.for_model("hrm_text", hidden_size=64, intermediate_size=128, vocab_size=256,
+                                               num_attention_heads=4), 2)
+    with pytest.raises(ConfigError, match=r"^the harness cannot read the decoder stack of HrmTextForCausalLM "
+                                          r"\(AttributeError: HrmTextModel has no attribute `layers`\): it trains "
+                                          r"decoder-only causal language models whose layers form one stack"):
+        family_of(hrm)

@@ -25,8 +25,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import (REPO, assert_same_tensors_at_step_0, free_port, gloo_rank, max_rel_diff, series, tensor_norms_off,
-                      tensor_series)
+from conftest import (REPO, assert_same_tensors_at_step_0, free_port, gloo_rank, max_rel_diff, multimodal_gemma3, series,
+                      tensor_norms_off, tensor_series)
+from parity.errors import ConfigError
 
 EXAMPLE = os.path.join(REPO, "examples", "plain_loop.py")
 HF_EXAMPLE = os.path.join(REPO, "examples", "hf_trainer.py")
@@ -918,6 +919,32 @@ def linear_step(model, optimizer, rec, ids) -> None:
     optimizer.step()
     optimizer.zero_grad()
     rec.after_step()
+
+
+def test_a_multimodal_model_is_refused_before_it_records_and_at_replay(tmp_path):
+    """An image-text model (Gemma 3 4B's class) trained on text: the replay would train its language model alone,
+    whose weights and norms are not the whole model's, so the recorder refuses it in one line before the first step
+    (a single-process loop: the recorder's group of one) and writes nothing; a record of one made before is refused by
+    the replay in the same words (it was refused as 'not the recorded model's' initial weights)."""
+    from transformers import AutoConfig, Gemma3ForConditionalGeneration
+
+    from parity.recording.recorder import ParityRecorder
+    from parity.replay.replay import _check_model
+
+    multimodal_gemma3(tmp_path / "gemma3")
+    model = Gemma3ForConditionalGeneration(AutoConfig.from_pretrained(tmp_path / "gemma3"))
+    why = ("a multimodal 'gemma3' model: the replay trains a language model alone, and this one's weights and norms "
+           "hold its other towers too: record a run of its language model (Gemma3ForCausalLM, "
+           "AutoModelForCausalLM.from_config(config.get_text_config())), or verify the parallel setup with train_*.py "
+           "--model_name, which trains it")
+    lines = []
+    rec = ParityRecorder(str(tmp_path / "rec"), name="mine", model=model,
+                         optimizer=torch.optim.AdamW(model.parameters()), log=lines.append)
+    assert not rec.enabled and lines == [f"parity recorder: {why}: recording nothing"], lines
+    assert rec.close() is None and not (tmp_path / "rec").exists()
+    with pytest.raises(ConfigError) as refused:
+        _check_model(str(tmp_path / "loss_mine.json"), str(tmp_path / "gemma3"))
+    assert str(refused.value) == f"--replay_record loss_mine.json: {why}"
 
 
 def test_a_model_that_is_not_hugging_faces_is_refused_at_replay(tmp_path, capsys):

@@ -96,6 +96,7 @@ class Family:
     embedding: str  # the input embedding ("model.embed_tokens"), what the first pipeline stage runs before its layers
     stack: str  # the decoder layers' ModuleList ("model.layers")
     final: tuple[str, ...]  # what runs after the stack, in order ("model.norm", "lm_head"): the last stage's
+    outside: tuple[str, ...] = ()  # modules with parameters in none of those (Gemma 4's per-layer input embeddings)
     attention: str | None = None  # the attention module ("self_attn")
     mlp: str | None = None  # the MLP module ("mlp")
     attention_in: tuple[Projection, ...] = ()  # q, k, v — or one fused qkv
@@ -147,6 +148,31 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def language_model(config):
+    """What the strategies train of a multimodal config (Gemma 3 4B's, Llama 4's, Qwen3.5's): its language model — the
+    text config, where transformers has a causal LM of it. The harness trains on text, where the vision tower takes no
+    part. Else the config itself."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        text = text_config(config)
+    except ValueError:  # several text configs (an encoder's and a decoder's): causal_lm_class judges the whole
+        return config
+    return text if text is not config and type(text) in MODEL_FOR_CAUSAL_LM_MAPPING else config
+
+
+def multimodal_refusal(config) -> str | None:
+    """Why a run of a multimodal model is not recorded (None for a language model): its replay would train the
+    language model alone (language_model), whose weights and norms are not the whole model's."""
+    text = language_model(config)
+    if text is config:
+        return None
+    return (f"a multimodal '{config.model_type}' model: the replay trains a language model alone, and this one's "
+            f"weights and norms hold its other towers too: record a run of its language model "
+            f"({causal_lm_class(text).__name__}, AutoModelForCausalLM.from_config(config.get_text_config())), or "
+            f"verify the parallel setup with train_*.py --model_name, which trains it")
+
+
 def family_of(config) -> Family:
     """The Family of a model config (cached by its JSON)."""
     return _family(json.dumps(config.to_dict(), sort_keys=True, default=str), type(config))
@@ -166,11 +192,17 @@ def _family(config_json: str, config_class) -> Family:
                           f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}): fix its "
                           f"config.json") from None
     text = text_config(config)
-    types = tuple(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-    common = dict(model_type=config.model_type, causal_lm=cls.__name__, tied=bool(text.tie_word_embeddings),
-                  num_layers=text.num_hidden_layers, layer_types=types, **_stack_parts(model))
-    layers = model.get_submodule(common["stack"])
-    common["moe"] = _moe_roles(model, text, layers)
+    try:
+        types = tuple(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+        common = dict(model_type=config.model_type, causal_lm=cls.__name__, tied=bool(text.tie_word_embeddings),
+                      num_layers=text.num_hidden_layers, layer_types=types, **_stack_parts(model))
+        layers = model.get_submodule(common["stack"])
+        common["moe"] = _moe_roles(model, text, layers)
+    except (AttributeError, TypeError, KeyError) as exc:  # a stack unlike a decoder-only LM's (BLT's, HRM's ...)
+        raise ConfigError(f"the harness cannot read the decoder stack of {cls.__name__} ({type(exc).__name__}: "
+                          f"{(str(exc).strip().splitlines() or [''])[0][:120]}): it trains decoder-only causal "
+                          f"language models whose layers form one stack (e.g. llama, qwen3, gemma3_text, mistral)") \
+            from None
     try:
         return Family(**common, **_layer_roles(model, text, layers, common["moe"]))
     except _Undescribed as exc:
@@ -211,6 +243,9 @@ def _moe_roles(model, text, layers) -> MoE | None:
     if router is None:
         return None
     top_k = getattr(layer.get_submodule(f"{block}.{router}"), "top_k", None) or text.num_experts_per_tok
+    if not top_k:
+        raise ConfigError(f"the '{text.model_type}' config names no num_experts_per_tok (the experts each token is "
+                          f"routed to): fix its config.json")
     coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if getattr(text, "output_router_logits", False) \
         else 0.0
     return MoE(block=block, router=f"{block}.{router}", experts=experts, expert_weights=weights,
@@ -236,7 +271,15 @@ def _stack_parts(model) -> dict:
                           f"phi3)")
     final = [name for name in plan if name not in (stack, embedding)]
     final.sort(key=lambda name: name.startswith(model.base_model_prefix + "."), reverse=True)  # the base model's first
-    return {"embedding": embedding, "stack": stack, "final": tuple(final)}
+    parts = (embedding, stack, *final)
+    outside = set()
+    for name, _ in model.named_parameters():
+        if not any(name.startswith(part + ".") for part in parts):  # its highest module holding no part
+            path = name.split(".")
+            outside.add(next(".".join(path[:i]) for i in range(1, len(path) + 1)
+                             if not any((part + ".").startswith(".".join(path[:i]) + ".") for part in parts)))
+    outside = sorted(outside)
+    return {"embedding": embedding, "stack": stack, "final": tuple(final), "outside": tuple(outside)}
 
 
 class _Undescribed(Exception):
@@ -325,7 +368,7 @@ def _probe_head_dims(model, text, norms: list[str], heads: int, kv: int) -> dict
             setattr(small, width, 8)
     if getattr(small, "layer_types", None):
         small.layer_types = small.layer_types[:1]
-    probe = type(model)(small).eval()
+    probe = causal_lm_class(small)(small).eval()  # the language model's own class (a multimodal model's text part)
     layer, seen = getattr(probe, probe.base_model_prefix).layers[0], {}
 
     def record(name):
@@ -372,13 +415,16 @@ def with_num_layers(config, num_layers: int):
     the real model — or, when the stack grows, derived again by the config class (from sliding_window_pattern,
     max_window_layers ...) or else repeated; a list of layer indices (`*_layers`: Qwen-MoE's mlp_only_layers, Llama4's
     moe_layers) keeps the indices of the layers kept; a count of layers such as max_window_layers is capped at the new
-    depth. What is set as a frequency (decoder_sparse_step, interleave_moe_layer_step, first_k_dense_replace,
+    depth; a dict keyed by layer index (Gemma 4's per_layer_config: a full-attention layer's own head_dim) keeps the
+    entries of the layers kept, or repeats them as the lists are. What is set as a frequency (decoder_sparse_step, interleave_moe_layer_step, first_k_dense_replace,
     sliding_window_pattern) holds for the layers kept as it is."""
     old = config.num_hidden_layers
     data = config.to_dict()
     indices = [k for k, v in data.items() if k.endswith("_layers") and isinstance(v, list)
                and all(isinstance(i, int) and not isinstance(i, bool) for i in v)]
     per_layer = [k for k, v in data.items() if isinstance(v, list) and len(v) == old and old > 1 and k not in indices]
+    by_index = {k: data.pop(k) for k, v in list(data.items())
+                if isinstance(v, dict) and v and all(str(i).isdigit() for i in v)}
     data["num_hidden_layers"] = num_layers
     if "max_window_layers" in data and isinstance(data["max_window_layers"], int):
         data["max_window_layers"] = min(data["max_window_layers"], num_layers)
@@ -387,13 +433,39 @@ def with_num_layers(config, num_layers: int):
             data[key] = data[key][:num_layers]
         for key in indices:
             data[key] = [i for i in data[key] if i < num_layers]
-        return type(config).from_dict(data)
-    derived = type(config).from_dict({k: v for k, v in data.items() if k not in per_layer})
-    fixed = derived.to_dict()
-    for key in per_layer:
-        if not (isinstance(fixed.get(key), list) and len(fixed[key]) == num_layers):
-            fixed[key] = [data[key][i % old] for i in range(num_layers)]
-    return type(config).from_dict(fixed)
+        cut = type(config).from_dict(data) if not by_index else None
+    else:
+        derived = type(config).from_dict({k: v for k, v in data.items() if k not in per_layer})
+        data = derived.to_dict()
+        for key in per_layer:
+            if not (isinstance(data.get(key), list) and len(data[key]) == num_layers):
+                data[key] = [config.to_dict()[key][i % old] for i in range(num_layers)]
+        cut = type(config).from_dict(data) if not by_index else None
+    if cut is not None:
+        return cut
+    types = getattr(type(config).from_dict(data), "layer_types", None)  # as the config class settles them
+    for key, entries in by_index.items():
+        data[key] = _layer_entries(entries, data_types=config.to_dict().get("layer_types"), old=old, types=types,
+                                   num_layers=num_layers)
+    return type(config).from_dict(data)
+
+
+def _layer_entries(entries: dict, *, data_types, old: int, types, num_layers: int) -> dict:
+    """A dict keyed by layer index for the new depth: where its entries follow the layers' types (each type's layers
+    sharing one entry, or none: Gemma 4's full-attention head_dim), each kept layer takes its type's — the config class
+    may settle a cut stack's types anew (Gemma 4's last layer always full attention); else the entries of the layers
+    kept, repeated as the lists are. Keys written as given (5, or "05")."""
+    first = next(iter(entries))
+    key = (lambda i: str(i).zfill(len(first))) if isinstance(first, str) else int
+    at = {int(i): v for i, v in entries.items()}
+    if isinstance(data_types, list) and len(data_types) == old and isinstance(types, list):
+        seen: dict = {}
+        for i, kind in enumerate(data_types):
+            seen.setdefault(kind, set()).add(json.dumps(at.get(i), sort_keys=True))
+        if all(len(each) == 1 for each in seen.values()):
+            of_type = {kind: json.loads(next(iter(each))) for kind, each in seen.items()}
+            return {key(i): of_type[kind] for i, kind in enumerate(types) if of_type.get(kind) is not None}
+    return {key(i): at[i % old] for i in range(num_layers) if i % old in at}
 
 
 def cut_in_place(config, num_layers: int) -> int | None:

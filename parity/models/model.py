@@ -34,11 +34,11 @@ FILE_FORMAT = "parity-init-weights/1"
 
 def resolve_model_config(model_name: str, num_layers: int | None = None):
     """The transformers config of a built-in model (parity.models.presets), a local directory with config.json, or
-    a hub name; cut to `num_layers` layers. ConfigError, before any worker starts, for a model the harness cannot
-    train (not a decoder-only causal LM)."""
+    a hub name — of a multimodal config, its language model (families.language_model); cut to `num_layers` layers.
+    ConfigError, before any worker starts, for a model the harness cannot train (not a decoder-only causal LM)."""
     from transformers import AutoConfig
 
-    from parity.models.families import causal_lm_class, config_from_dict, with_num_layers
+    from parity.models.families import causal_lm_class, config_from_dict, language_model, with_num_layers
     from parity.models.presets import PRESETS
 
     if model_name in PRESETS:
@@ -64,6 +64,10 @@ def resolve_model_config(model_name: str, num_layers: int | None = None):
             raise ConfigError(f"unknown model '{model_name}': not a built-in model ({', '.join(PRESETS)}), "
                               f"not a local directory, and the hub could not provide it "
                               f"({why or type(exc).__name__}): use a built-in model or a local directory") from None
+    whole, config = config, language_model(config)
+    if config is not whole:
+        print(f"note: --model_name {model_name} is a multimodal '{whole.model_type}' model: the harness trains its "
+              f"language model ('{config.model_type}', {causal_lm_class(config).__name__}) on text")
     try:
         causal_lm_class(config)
     except ConfigError as exc:

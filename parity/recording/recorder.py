@@ -40,6 +40,7 @@ from parity.recording.recorded_objective import RecordedObjective, causal_lm_ref
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, on_host, taken
 from parity.recording.world import exchange_device, first_process, launched_processes, trains_alone
+from parity.models.families import multimodal_refusal
 from parity.models.model import config_as_built
 from parity.precision import POLICIES
 from parity.registry import KNOWN
@@ -208,6 +209,8 @@ class ParityRecorder(BatchTaking):
         self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
         config = getattr(self.model, "config", None)
         hf = config is not None and hasattr(config, "to_json_string")
+        if hf and multimodal_refusal(config):
+            raise ViewRefused(multimodal_refusal(config))
         fresh = hf and not start_step  # a resumed run's model is no longer at its initial state: not saved again
         state = self.view.full_state_dict() if fresh else None  # full tensors where sharded: every rank (collective)
         self.exchange = RowExchange()

@@ -281,8 +281,17 @@ def _check_attention(record_file: str, model_config: dict, device: str) -> None:
 
 def _check_model(record_file: str, folder: str) -> None:
     """The harness can build the recorded model (a decoder-only causal LM transformers knows)."""
+    from transformers import AutoConfig
+
+    from parity.models.families import multimodal_refusal
     from parity.models.model import resolve_model_config
 
+    try:
+        multimodal = multimodal_refusal(AutoConfig.from_pretrained(folder))
+    except (ValueError, KeyError, OSError):  # resolve_model_config names what is wrong with it
+        multimodal = None
+    if multimodal:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: {multimodal}")
     try:
         resolve_model_config(folder)
     except ConfigError as exc:
