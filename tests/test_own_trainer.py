@@ -858,18 +858,75 @@ def test_trainer_deepspeed_path_is_refused_in_one_line(runs):
         assert (runs[name] / "trainer").is_dir()  # Trainer's own output folder: it trained
 
 
-def test_a_trainer_logging_every_few_steps_is_refused_before_it_records(tmp_path):
-    """Trainer's logs carry the pre-clip grad norm the record takes each step: logging_steps 5 is refused in one line
-    naming the fix, before the recorder starts (nothing written)."""
-    from transformers import TrainingArguments
+def test_a_trainer_logging_at_its_default_interval_is_recorded_as_one_logging_every_step(tmp_path, monkeypatch):
+    """Trainer logs its loss and pre-clip grad norm every logging_steps (500 by default): the callback takes both at
+    every step (step_taps.py), so a run at the default interval, and one at 3, record what a run at 1 logs — its own
+    log_history, bit for bit — and the same steps. One process, no launcher (the recorder's group of one); the taps
+    leave the Trainer as they found it. Before, any interval but 1 was refused."""
+    from transformers import Trainer, TrainingArguments
 
-    from parity.frameworks.transformers.callback import trainer_refusal
+    from parity.frameworks.transformers.callback import ParityCallback
+    from parity.models.model import build_model, resolve_model_config
+    from parity.training.record import load_record
 
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], logging_steps=5, use_cpu=True)
-    assert trainer_refusal(args) == ("Trainer logs its pre-clip grad norm every logging step: pass logging_steps=1 "
-                                     "(got 5)")
-    assert trainer_refusal(TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], logging_steps=1,
-                                             use_cpu=True)) is None
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    rows = [{"input_ids": torch.randint(0, 2048, (16,), generator=torch.Generator().manual_seed(i)).tolist()}
+            for i in range(16)]
+    for row in rows:
+        row["labels"] = row["input_ids"]
+    records, histories = {}, {}
+    for interval in (1, 3, 500):
+        args = TrainingArguments(output_dir=str(tmp_path / f"run{interval}"), per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, max_grad_norm=0.5,
+                                 report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+                                 logging_steps=interval)
+        trainer = Trainer(model=build_model(resolve_model_config("qwen2-tiny"), 0), args=args, train_dataset=rows,
+                          callbacks=[ParityCallback(str(tmp_path / f"rec{interval}"), name="logged")])
+        trainer.train()
+        assert not {"training_step", "_get_grad_norm"} & set(vars(trainer))  # the taps removed
+        records[interval] = load_record(str(tmp_path / f"rec{interval}" / "loss_logged.json"))["steps"]
+        histories[interval] = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(histories[1]) == 4 and len(histories[3]) == 1 and not histories[500]
+    assert [(s["logged_loss"], s["logged_grad_norm"]) for s in records[1]] == histories[1]
+    timed = {"step_time_s", "peak_memory_bytes", "harness_s"}
+    measured = {k: [{key: v for key, v in s.items() if key not in timed} for s in steps] for k, steps in records.items()}
+    assert measured[3] == measured[1] and measured[500] == measured[1]
+    assert [s["grad_norm_source"] for s in records[1]].count("framework") >= 1  # clipped at 0.5: Trainer's norm
+
+
+@pytest.mark.parametrize("setting, why", [
+    ({"neftune_noise_alpha": 5.0}, "NEFTune (neftune_noise_alpha=5.0): the run adds random noise to the input "
+                                   "embeddings at each training forward, which the replay cannot draw: verify the "
+                                   "setup without it"),
+    ({"label_smoothing_factor": 0.1}, "label smoothing (label_smoothing_factor=0.1): the run trains a smoothed "
+                                      "cross-entropy, the replay the token mean of the plain one: verify the setup "
+                                      "with label_smoothing_factor=0"),
+    ({"optim": "sgd"}, "the optimizer is SGD: the replay builds AdamW and Adam only"),
+    ({"optim": "adafactor"}, "the optimizer is Adafactor: the replay builds AdamW and Adam only")])
+def test_what_a_trainers_replay_cannot_draw_or_build_is_refused_before_it_records(tmp_path, capsys, monkeypatch,
+                                                                                 setting, why):
+    """Trainer settings the replay cannot follow, one line each before the first step, nothing written, the training
+    going on: NEFTune's noise (a clean run was called FAIL at step 0, its embedding's gradient 700 × its bound), label
+    smoothing (its forward has no labels: the record stopped at step 0 naming them), and an optimizer the replay does
+    not build — SGD (recorded, then refused by the replay) and Adafactor (the recorder failed to start on its eps
+    pair: 'recorded nothing')."""
+    from transformers import Trainer, TrainingArguments
+
+    from parity.frameworks.transformers.callback import ParityCallback
+    from parity.models.model import build_model, resolve_model_config
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    rows = [{"input_ids": list(range(i, i + 16)), "labels": list(range(i, i + 16))} for i in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, **setting)
+    trainer = Trainer(model=build_model(resolve_model_config("qwen2-tiny"), 0), args=args, train_dataset=rows,
+                      callbacks=[ParityCallback(str(tmp_path / "rec"), name="refused")])
+    trainer.train()
+    assert trainer.state.global_step == 1 and not (tmp_path / "rec").exists()
+    by = "parity recorder" if "optim" in setting else "parity recorder [refused]"  # the recorder's, or the callback's
+    assert capsys.readouterr().err.splitlines() == [f"{by}: {why}: recording nothing"]
 
 
 def _world_before_the_group(rank: int, world: int, port: int, out: str, result: str) -> None:
@@ -887,7 +944,7 @@ def _world_before_the_group(rank: int, world: int, port: int, out: str, result: 
     args.world_size  # noqa: B018 (its devices set up, as Trainer's first use does)
     assert dist.is_initialized() and dist.get_world_size() == world
     try:
-        refusal = trainer_refusal(args)
+        refusal = trainer_refusal(args, None)  # (the world's line comes first)
         if rank == 0:
             with open(result, "w") as f:
                 json.dump([args.world_size, args.process_index, refusal], f)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov")  # what changes the update, if set
+REPLAYED_OPTIMIZERS = ("AdamW", "Adam")  # what the replay builds (parity.training.optimizer.OPTIMIZERS)
 
 
 def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list] | None = None) -> dict:
@@ -25,11 +26,26 @@ def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list
             entry["betas"] = [float(b) for b in group["betas"]]
         if "momentum" in group:
             entry["momentum"] = float(group["momentum"])
-        if "eps" in group:
-            entry["eps"] = float(group["eps"])
+        if "eps" in group:  # (Adafactor's is a pair)
+            eps = group["eps"]
+            entry["eps"] = [float(e) for e in eps] if isinstance(eps, (tuple, list)) else float(eps)
         flags = {k: group[k] for k in OPTIMIZER_FLAGS if group.get(k)
                  and not (k == "decoupled_weight_decay" and isinstance(optimizer, torch.optim.AdamW))}  # AdamW's own
         if flags:
             entry["flags"] = flags
         described.append(entry)
     return {"type": type(optimizer).__name__, "groups": described}
+
+
+def unreplayable(description: dict, recorded: bool = False) -> str | None:
+    """Why the replay cannot build the described optimizer (None: it can — AdamW or Adam, without amsgrad and the
+    like): the recorder refuses such a run before its first step, the replay (`recorded`) an older record of one."""
+    the, kind = "the recorded " if recorded else "the ", description.get("type")
+    if kind not in REPLAYED_OPTIMIZERS:
+        return f"{the}optimizer is {kind}: the replay builds {' and '.join(REPLAYED_OPTIMIZERS)} only"
+    for i, group in enumerate(description["groups"]):
+        if group.get("flags"):
+            return f"{the}{kind}'s group {i} sets {next(iter(group['flags']))}: the replay builds {kind} without it"
+        if "betas" not in group or "eps" not in group:
+            return f"{the}{kind}'s group {i} has no betas or eps"
+    return None

@@ -35,7 +35,7 @@ from parity.recording.batch_taking import BatchTaking
 from parity.recording.description import describe_run
 from parity.recording.group import own_group, release, settle_at_exit
 from parity.attaching.attach import attached, refused
-from parity.recording.optimizer_description import describe_optimizer
+from parity.recording.optimizer_description import describe_optimizer, unreplayable
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, on_host, taken
@@ -206,6 +206,8 @@ class ParityRecorder(BatchTaking):
         self.max_batch_bytes, self.saved_bytes, self.log_interval = max_batch_bytes, 0, log_interval
         self.names = self.view.names()  # Hugging Face names (FSDP1's cleaned of its wrappers)
         self.optimizer_description = describe_optimizer(optimizer, self.names, self.view.group_params())
+        if unreplayable(self.optimizer_description):  # SGD, Adafactor, AdamW(amsgrad=True) ...: before the first step
+            raise ViewRefused(unreplayable(self.optimizer_description))
         self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
         config = getattr(self.model, "config", None)
         hf = config is not None and hasattr(config, "to_json_string")

@@ -36,6 +36,7 @@ from parity.driver.config import resolve
 from parity.errors import ConfigError, RecordError
 from parity.precision import POLICY_FIELDS
 from parity.replay.objective_replay import objective_data
+from parity.recording.optimizer_description import unreplayable
 from parity.recording.rows import padding_problem
 from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
 from parity.training.data import RECORDED, ROLLOUTS, RecordedBatches, RecordedRollouts, recorded_batch_path
@@ -49,7 +50,6 @@ from parity.training.tensor_series import KEY as TENSORS
 ALLOWED = ("num_workers", "device", "loss_output_dir", "storage_path", "experiment_name", "final_checkpoint_dir",
            "log_interval", "replica_check_interval", "verbose", "report_to", "checkpoint_interval",
            "keep_checkpoints", "resume", "max_failures", "noise_reference")
-REPLAYED_OPTIMIZERS = ("AdamW", "Adam")  # parity.training.optimizer.OPTIMIZERS
 
 
 def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strategy: str = "ddp",
@@ -207,18 +207,9 @@ def _followed_scaler(record_file: str, record: dict, cfg):
 
 def replayable_optimizer(record_file: str, optimizer: dict) -> dict:
     """The recorded optimizer if the harness can build it (AdamW or Adam, without amsgrad and the like)."""
-    name = storage.name(record_file)
-    kind = optimizer.get("type")
-    if kind not in REPLAYED_OPTIMIZERS:
-        raise ConfigError(f"--replay_record {name}: the recorded optimizer is {kind}: the replay builds "
-                          f"{' and '.join(REPLAYED_OPTIMIZERS)} only")
-    for i, group in enumerate(optimizer["groups"]):
-        if group.get("flags"):
-            flag = next(iter(group["flags"]))
-            raise ConfigError(f"--replay_record {name}: the recorded {kind}'s group {i} sets {flag}: the replay builds "
-                              f"{kind} without it")
-        if "betas" not in group or "eps" not in group:
-            raise ConfigError(f"--replay_record {name}: the recorded {kind}'s group {i} has no betas or eps")
+    why = unreplayable(optimizer, recorded=True)
+    if why:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: {why}")
     return optimizer
 
 

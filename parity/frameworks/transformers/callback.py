@@ -10,8 +10,8 @@ What a callback cannot see, it takes from the framework's own extension points:
   ~1e-5 relative over a large gradient) says it did not clip at the step (norm + 1e-6 <= max_grad_norm, or no
   clipping: the gradients are unchanged), the recorder's float64 norm of the gradients the optimizer step applies is
   the pre-clip norm (`grad_norm_source: recorder`); where it clipped, Trainer's value is recorded
-  (`grad_norm_source: framework`). Trainer logs it at every logging step: the callback needs `logging_steps=1` and
-  says so in one line otherwise;
+  (`grad_norm_source: framework`). Trainer logs it at its logging steps only: the callback takes it, and the loss its
+  log would show, at every step (step_taps.py), whatever `logging_steps` is;
 - every tensor's gradient norms: read at the optimizer step, after Trainer's clipping, so the series holds the clipped
   gradients (`tensors.grad: clipped`) with each step's clip coefficient beside it (recorded_tensors.py); the replay
   records its own the same way (parity/replay/replay.py);
@@ -46,6 +46,7 @@ from transformers import Trainer, TrainerCallback
 from parity.attaching import attach
 from parity.fingerprint import installed_versions
 from parity.frameworks import Refused, guarded, objective_of, release_refusal
+from parity.frameworks.transformers.step_taps import StepTaps
 from parity.recording.forward_hook import hand_over
 from parity.recording.recorded_tensors import CLIPPED
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
@@ -68,13 +69,13 @@ class ParityCallback(TrainerCallback):
         self.dump_step = dump_step
         self.state_saving = {"checkpoint_interval": checkpoint_interval, "max_state_bytes": max_state_bytes}
         self.recorder: ParityRecorder | None = None
-        self._hook, self._stepped, self.feed = None, False, None
+        self._hook, self.taps, self.feed = None, None, None
 
     @guarded
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         trainer = calling_trainer()  # TRL's GRPO and DPO trainers: their objective, as the registry finds it
         try:
-            refusal = release_refusal() or trainer_refusal(args)  # an older release: none of its attributes read
+            refusal = release_refusal() or trainer_refusal(args, trainer)  # an older release: none of its attributes read
             trained = objective_of(trainer, optimizer) if trainer is not None and not refusal else None
         except Refused as exc:
             refusal = str(exc)
@@ -98,6 +99,7 @@ class ParityCallback(TrainerCallback):
         if not self.recorder.enabled:
             return
         self._hook = unwrap(model).register_forward_hook(self._forward, with_kwargs=True)
+        self.taps = StepTaps(trainer)  # the step's loss and grad norm, which Trainer logs every logging_steps
         if trained is not None:
             self.feed = trained.feed(self.recorder)
         self.recorder.norm_at_optimizer_step = float("nan")  # measured by the recorder's optimizer step pre-hook
@@ -114,20 +116,18 @@ class ParityCallback(TrainerCallback):
 
     @guarded
     def on_step_end(self, args, state, control, **kwargs):
-        self._stepped = True
-
-    @guarded
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._stepped and self.recorder is not None and self.recorder.enabled and logs and "grad_norm" in logs:
-            self._stepped = False
-            theirs, own = float(logs["grad_norm"]), self.recorder.norm_at_optimizer_step
+        if self.taps is None:
+            return
+        logged_loss, theirs = self.taps.take()  # (every rank: a collective)
+        if self.recorder is not None and self.recorder.enabled:
+            own = self.recorder.norm_at_optimizer_step
             clipping = args.max_grad_norm or 0.0
-            unclipped = clipping <= 0 or theirs + 1e-6 <= clipping  # torch's coefficient max / (norm + 1e-6) >= 1
+            unclipped = theirs is None or clipping <= 0 or theirs + 1e-6 <= clipping  # torch's max / (norm + 1e-6) >= 1
             if own is not None and unclipped and own == own:  # (own == own: not NaN)
                 self.recorder.before_step(grad_norm=own, source="recorder")
             else:
                 self.recorder.before_step(grad_norm=theirs, source="framework")
-            self.recorder.after_step(logged_loss=logs.get("loss"), logged_grad_norm=theirs)
+            self.recorder.after_step(logged_loss=logged_loss, logged_grad_norm=theirs)
             self.recorder.norm_at_optimizer_step = float("nan")
 
     @guarded
@@ -141,6 +141,9 @@ class ParityCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.taps is not None:
+            self.taps.remove()
+            self.taps = None
         if self.feed is not None:
             self.feed.close()
         if self.recorder is not None:
@@ -158,7 +161,7 @@ def calling_trainer():
     return None
 
 
-def trainer_refusal(args) -> str | None:
+def trainer_refusal(args, trainer) -> str | None:
     """Why this Trainer run cannot be recorded, in one line (None: it can).
     - Its DeepSpeed path (`TrainingArguments(deepspeed=...)`): DeepSpeed's engine steps its own optimizer inside
       `backward` (no torch optimizer for the recorder's step pre-hook, no gradients outside it) and shards the optimizer
@@ -173,7 +176,10 @@ def trainer_refusal(args) -> str | None:
       DeepSpeed: TRL's own trl/scripts/sft.py under torchrun on CPU without --use_cpu (trl 1.16) trains as two
       one-process runs in a group of 2 (transformers warns that parallel_mode is not distributed). Refused, never
       recorded as if it were whole; on a machine without GPUs the line names use_cpu.
-    - A logging interval other than 1: Trainer's logs carry the pre-clip grad norm the record takes each step."""
+    - A callback no Trainer's train() called: the step's loss and grad norm are taken from that Trainer.
+    - NEFTune: noise drawn into the embeddings' output at every training forward (a correct run that was called FAIL
+      at step 0, its embedding's gradient 700 × its bound, before this line); label smoothing: another objective than
+      the causal-LM token mean (its forward gets no labels, which the recorder would stop at step 0 on)."""
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
         if (args.world_size, args.process_index) != (world, rank):
@@ -186,8 +192,15 @@ def trainer_refusal(args) -> str | None:
             return (f"Trainer sees world_size {args.world_size} and process_index {args.process_index}, the process "
                     f"group {world} ranks (this one rank {rank}): every rank would feed the same rows and the loss be "
                     f"normalised for another world than the one training{why}")
-    if args.logging_steps != 1:
-        return f"Trainer logs its pre-clip grad norm every logging step: pass logging_steps=1 (got {args.logging_steps})"
+    if trainer is None:
+        return "ParityCallback was called by no Trainer's train(): pass it to the Trainer (Trainer(callbacks=[...]))"
+    if getattr(args, "neftune_noise_alpha", None):
+        return (f"NEFTune (neftune_noise_alpha={args.neftune_noise_alpha}): the run adds random noise to the input "
+                f"embeddings at each training forward, which the replay cannot draw: verify the setup without it")
+    if getattr(args, "label_smoothing_factor", 0.0):
+        return (f"label smoothing (label_smoothing_factor={args.label_smoothing_factor}): the run trains a smoothed "
+                f"cross-entropy, the replay the token mean of the plain one: verify the setup with "
+                f"label_smoothing_factor=0")
     if getattr(args, "deepspeed", None):
         return ("Trainer's DeepSpeed path (TrainingArguments(deepspeed=...)) is not recorded: DeepSpeed steps its own "
                 "optimizer inside backward (no torch optimizer step to hook, no gradients outside it) and shards the "
