@@ -978,30 +978,62 @@ def linear_step(model, optimizer, rec, ids) -> None:
     rec.after_step()
 
 
-def test_a_multimodal_model_is_refused_before_it_records_and_at_replay(tmp_path):
-    """An image-text model (Gemma 3 4B's class) trained on text: the replay would train its language model alone,
-    whose weights and norms are not the whole model's, so the recorder refuses it in one line before the first step
-    (a single-process loop: the recorder's group of one) and writes nothing; a record of one made before is refused by
-    the replay in the same words (it was refused as 'not the recorded model's' initial weights)."""
+def test_a_multimodal_model_trained_on_text_is_recorded_as_its_language_model_and_passes(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """An image-text model (Gemma 3 4B's class, Gemma3ForConditionalGeneration) trained on text, in a single-process
+    loop: the recorder reads its language model (language_model.py: Gemma3ForCausalLM's names over the run's own
+    modules), leaving the vision tower and projector out of the record and the optimizer's groups, and the DDP replay
+    PASSes it (before: refused, and a record made earlier crashed the replay, exit 70). A step whose forward feeds the
+    vision tower stops the record there in one line; a record of the whole model made before is refused by the replay."""
     from transformers import AutoConfig, Gemma3ForConditionalGeneration
 
+    from parity.commands.compare_curves import main as compare
     from parity.recording.recorder import ParityRecorder
     from parity.replay.replay import _check_model
+    from parity.training.record import load_record
 
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     multimodal_gemma3(tmp_path / "gemma3")
-    model = Gemma3ForConditionalGeneration(AutoConfig.from_pretrained(tmp_path / "gemma3"))
-    why = ("a multimodal 'gemma3' model: the replay trains a language model alone, and this one's weights and norms "
-           "hold its other towers too: record a run of its language model (Gemma3ForCausalLM, "
-           "AutoModelForCausalLM.from_config(config.get_text_config())), or verify the parallel setup with train_*.py "
-           "--model_name, which trains it")
-    lines = []
-    rec = ParityRecorder(str(tmp_path / "rec"), name="mine", model=model,
-                         optimizer=torch.optim.AdamW(model.parameters()), log=lines.append)
-    assert not rec.enabled and lines == [f"parity recorder: {why}: recording nothing"], lines
-    assert rec.close() is None and not (tmp_path / "rec").exists()
+    config = AutoConfig.from_pretrained(tmp_path / "gemma3")
+
+    def run(folder, steps, images_at=None):
+        torch.manual_seed(0)
+        model = Gemma3ForConditionalGeneration(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        rec = ParityRecorder(str(folder), name="gemma", model=model, optimizer=optimizer, max_grad_norm=1.0,
+                             log=lambda _: None)
+        for step in range(steps):
+            ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(step))
+            out = model(input_ids=ids, labels=ids)
+            if step == images_at:  # what a batch with images runs (here beside the text, to stop the record)
+                model.model.vision_tower(pixel_values=torch.zeros(1, 3, 28, 28))
+            out.loss.backward()
+            rec.micro_batch(ids, ids, out.logits)
+            rec.before_step()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            rec.after_step()
+        return load_record(rec.close())
+
+    record = run(tmp_path / "rec", 3)
+    assert record["config"]["model_config"]["model_type"] == "gemma3_text" and len(record["steps"]) == 3
+    assert [g["params"][0] for g in record["config"]["optimizer"]["groups"]] == ["model.embed_tokens.weight"]
+    assert not any("vision" in name or "projector" in name
+                   for g in record["config"]["optimizer"]["groups"] for name in g["params"])
+    path = str(tmp_path / "rec" / "loss_gemma.json")
+    code, _ = _train_ddp(["--replay_record", path, "--loss_output_dir", str(tmp_path / "rec"),
+                          "--storage_path", str(tmp_path / "ck")], capsys)
+    assert code == 0 and compare(["--input_dir", str(tmp_path / "rec"), "--output", str(tmp_path / "c.png")]) == 0
+    assert "gemma (TP=1, DP=1): PASS" in capsys.readouterr().out
+    stopped = run(tmp_path / "images", 3, images_at=1)
+    assert len(stopped["steps"]) == 1 and stopped["config"]["stopped"]["why"] == (
+        "step 1 could not be recorded (rank 0: the run fed its model.vision_tower (a multimodal model's other input): "
+        "the replay feeds text to its language model alone)"), stopped["config"]["stopped"]
     with pytest.raises(ConfigError) as refused:
-        _check_model(str(tmp_path / "loss_mine.json"), str(tmp_path / "gemma3"))
-    assert str(refused.value) == f"--replay_record loss_mine.json: {why}"
+        _check_model(str(tmp_path / "loss_old.json"), str(tmp_path / "gemma3"))
+    assert str(refused.value).startswith("--replay_record loss_old.json: a multimodal 'gemma3' model")
 
 
 def test_a_model_that_is_not_hugging_faces_is_refused_at_replay(tmp_path, capsys):

@@ -32,8 +32,8 @@ import sys
 
 import pytest
 
-from conftest import (PERTURBED, REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, series,
-                      tensor_norms_off, tensor_series)
+from conftest import (PERTURBED, REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, multimodal_gemma3,
+                      series, tensor_norms_off, tensor_series)
 from test_own_trainer import INTERVAL, _compare, _copy, _record, _record_rank, assert_checks_pass, assert_lora_replays
 
 EXAMPLE = os.path.join(REPO, "examples", "sharded_loop.py")
@@ -282,7 +282,20 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
         fully_shard(model, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",)))
         return model
 
+    def multimodal_sharded():  # an image-text model under FSDP2: read whole, not as its language model
+        from transformers import AutoConfig, Gemma3ForConditionalGeneration
+
+        multimodal_gemma3(tmp_path / "gemma3")
+        model = Gemma3ForConditionalGeneration(AutoConfig.from_pretrained(tmp_path / "gemma3"))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
+        return model
+
     cases = [
+        (multimodal_sharded, "a multimodal 'gemma3' model read whole (its other towers' weights and norms beside its "
+                             "language model's), where the replay trains the language model alone: the recorder reads "
+                             "the language model alone where the model is whole on every rank (plain PyTorch or DDP); "
+                             "or record a run of its language model (Gemma3ForCausalLM, "
+                             "AutoModelForCausalLM.from_config(config.get_text_config()))"),
         (lambda: fsdp1(torch.nn.Linear(4, 4)), "FSDP1 without use_orig_params=True: its optimizer steps flat parameters "
                                                "the recorder cannot name; wrap with use_orig_params=True"),
         (two_d_without_dp, "a 2-D device mesh without a dim named 'dp' or 'data_parallel' (['replicate', 'shard']): the "

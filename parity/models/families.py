@@ -162,15 +162,18 @@ def language_model(config):
 
 
 def multimodal_refusal(config) -> str | None:
-    """Why a run of a multimodal model is not recorded (None for a language model): its replay would train the
-    language model alone (language_model), whose weights and norms are not the whole model's."""
+    """Why a multimodal model read whole is not recorded or replayed (None for a language model): the replay trains
+    its language model alone (language_model), whose weights and norms are not the whole model's. The recorder reads a
+    whole one on every rank as its language model (parity/views/language_model.py): a sharded one, or a record of one
+    made before, gets this line."""
     text = language_model(config)
     if text is config:
         return None
-    return (f"a multimodal '{config.model_type}' model: the replay trains a language model alone, and this one's "
-            f"weights and norms hold its other towers too: record a run of its language model "
-            f"({causal_lm_class(text).__name__}, AutoModelForCausalLM.from_config(config.get_text_config())), or "
-            f"verify the parallel setup with train_*.py --model_name, which trains it")
+    return (f"a multimodal '{config.model_type}' model read whole (its other towers' weights and norms beside its "
+            f"language model's), where the replay trains the language model alone: the recorder reads the language "
+            f"model alone where the model is whole on every rank (plain PyTorch or DDP); or record a run of its "
+            f"language model ({causal_lm_class(text).__name__}, "
+            f"AutoModelForCausalLM.from_config(config.get_text_config()))")
 
 
 def family_of(config) -> Family:

@@ -37,10 +37,9 @@ from parity.recording.group import own_group, release, settle_at_exit
 from parity.attaching.attach import attached, refused
 from parity.recording.optimizer_description import describe_optimizer, unreplayable
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
-from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, RecordedTensors
+from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, Hooks, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, on_host, taken
 from parity.recording.world import exchange_device, first_process, launched_processes, trains_alone
-from parity.models.families import multimodal_refusal
 from parity.models.model import config_as_built
 from parity.precision import POLICIES
 from parity.registry import KNOWN
@@ -50,6 +49,7 @@ from parity.training.record import RECORDER_SOURCE as SOURCE, LossRecord, record
 from parity.training.tensor_series import kept_chunks
 from parity.views.adapters import save_initial_weights
 from parity.views.base import ViewRefused, trained_device
+from parity.views.language_model import watch_towers
 from parity.views.table import view_of
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30  # 1 GiB of saved global batches (int64 ids, labels and mask: 24 bytes a token)
@@ -211,8 +211,6 @@ class ParityRecorder(BatchTaking):
         self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
         config = getattr(self.model, "config", None)
         hf = config is not None and hasattr(config, "to_json_string")
-        if hf and multimodal_refusal(config):
-            raise ViewRefused(multimodal_refusal(config))
         fresh = hf and not start_step  # a resumed run's model is no longer at its initial state: not saved again
         state = self.view.full_state_dict() if fresh else None  # full tensors where sharded: every rank (collective)
         self.exchange = RowExchange()
@@ -235,7 +233,8 @@ class ParityRecorder(BatchTaking):
         self._lrs: list[float] | None = None
         self._optimizer_steps = 0  # the hook's firings since the last after_step
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
-        self._hook = self.tensors.watch(optimizer, self._before_optimizer_step)  # and its step post-hook
+        self._hook = Hooks(self.tensors.watch(optimizer, self._before_optimizer_step),  # and its step post-hook
+                           *watch_towers(self.view.towers, self._not_as_told))  # a multimodal model's images fed
         self._autocast = precision_seen.watch(self.model, precision, self._not_as_told)  # the first forward's autocast
         if self.rank == 0 and fresh:  # the first write: all that could refuse or fail has passed
             self._wrote = True

@@ -33,6 +33,8 @@ class View(ShardedView):
         self.dp_rank, self.dp_size = self.rank, self.world
         self.feeds = True  # whether this rank hands over its DP rank's rows (one rank of each DP rank does)
         self.lora: dict | None = None  # the run's LoRA adapters, as RunConfig.lora (view_of: adapters.py)
+        self.towers: list = []  # a multimodal model's towers beside the language model read (language_model.py)
+        self.outside: set[int] = set()  # their parameters' ids: in the optimizer's groups, never in the record's
 
     @property
     def tp_size(self) -> int:
@@ -64,7 +66,8 @@ class View(ShardedView):
         """The parameters of each of the optimizer's groups (the module's: named in the record), frozen ones left out:
         they have no gradient, so torch's optimizers never step them (an optimizer over a LoRA model's every
         parameter trains its adapters alone)."""
-        return [[p for p in g["params"] if p.requires_grad] for g in self.optimizer.param_groups]
+        return [[p for p in g["params"] if p.requires_grad and id(p) not in self.outside]
+                for g in self.optimizer.param_groups]
 
     # --- what the recorder reads of a step it does not drive --------------------------------------------------
     def logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from parity.training.replicas import whole_model
 from parity.training.tensor_norms import Piece, rank0_pieces
 from parity.views.adapters import peft_inner
 from parity.views.base import View
+from parity.views.language_model import text_alias
 
 
 class DataParallel(View):
@@ -25,8 +26,12 @@ class DataParallel(View):
 
     @classmethod
     def read(cls, model, optimizer, device: torch.device, unwrap) -> "DataParallel":
-        """The table's last row (table.py): whatever no other view reads."""
-        return cls(peft_inner(unwrap(model))[0], optimizer)
+        """The table's last row (table.py): whatever no other view reads — a multimodal model as its language model
+        (language_model.py)."""
+        alias, towers = text_alias(peft_inner(unwrap(model))[0])
+        view = cls(alias, optimizer)
+        view.towers, view.outside = towers, {id(p) for _, tower in towers for p in tower.parameters()}
+        return view
 
     def grad_norm(self, squares: torch.Tensor | None = None) -> float:
         """local_norm of every gradient; on rank 0, whose pieces are each trainable gradient whole and counted, the

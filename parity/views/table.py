@@ -7,8 +7,9 @@ are the harness's LoRA names; its adapters' settings are the view's `lora` (adap
 gradients: the parameter norm, the series and the optimizer's groups take those alone, as the harness's strategies do
 under LoRA (the base frozen).
 
-Refused in one line (ViewRefused): FSDP1 without use_orig_params or in another sharding strategy, DeepSpeed's AutoTP,
-a 2-D mesh without a "dp" dim, LoRA adapters the replay cannot build.
+A multimodal model trained on text is read as its language model where it is whole on every rank (plain or DDP:
+language_model.py). Refused in one line (ViewRefused): FSDP1 without use_orig_params or in another sharding strategy,
+DeepSpeed's AutoTP, a 2-D mesh without a "dp" dim, LoRA adapters the replay cannot build, a multimodal model sharded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import importlib
 
 import torch
 
+from parity.models.families import multimodal_refusal
 from parity.views.adapters import AdaptersRefused, lora_of
 from parity.views.base import View, ViewRefused, torch_optimizer
 
@@ -38,6 +40,9 @@ def view_of(model, optimizer, device: torch.device, unwrap) -> View:
         return model
     optimizer = torch_optimizer(optimizer)
     view = next(v for v in (cls.read(model, optimizer, device, unwrap) for cls in view_classes()) if v is not None)
+    config = getattr(view.model, "config", None)
+    if config is not None and hasattr(config, "to_json_string") and multimodal_refusal(config):  # sharded: not read
+        raise ViewRefused(multimodal_refusal(config))
     try:
         view.lora = lora_of(view.model, view.names())  # a PEFT model's adapters, as the harness builds them
     except AdaptersRefused as exc:
