@@ -101,7 +101,12 @@ class PipelineStrategy(Strategy):
                               f"load-balancing loss is one product of statistics of every stage's routers over the "
                               f"global batch (docs/moe.md), and a stage sees only its own: use train_fsdp.py or "
                               f"train_ddp.py")
-        outside = family_of(model_config).outside
+        family = family_of(model_config)
+        if not family.pipeline_plan:
+            raise ConfigError(f"the pipeline cannot split a '{model_config.model_type}' model: transformers ships no "
+                              f"pipeline plan for {family.causal_lm} (base_model_pp_plan), which lays out the stages' "
+                              f"inputs and outputs: use train_ddp.py or train_fsdp.py")
+        outside = family.outside
         if outside:
             raise ConfigError(f"the pipeline cannot split a '{model_config.model_type}' model: its "
                               f"{', '.join(outside[:3])}{' …' if len(outside) > 3 else ''} lie outside the embedding, "

@@ -45,11 +45,14 @@ def workspace(tmp_path, tiny_weights):
 
 # Local model folders of models the harness cannot train (as a user's checkpoint folder holds them): an
 # encoder-decoder, a vision model, a mixture of experts DeepSpeed's AutoTP cannot shard, GPT-2, whose transformers
-# class names no decoder stack (no base_model_pp_plan) and whose config names no KV heads, Gemma 4, whose per-layer
-# head_dim the TP seam cannot read and whose per-layer input embeddings no pipeline stage holds (DDP trains it), and a
-# Llama config whose pad_token_id lies outside its vocabulary (its embedding refuses it).
+# class ships no pipeline plan (base_model_pp_plan: the pipeline refuses it; the others read its stack off its modules)
+# and whose config names no KV heads, Mamba, whose layers hold no attention, Gemma 4, whose per-layer head_dim the TP
+# seam cannot read and whose per-layer input embeddings no pipeline stage holds (DDP trains it), and a Llama config
+# whose pad_token_id lies outside its vocabulary (its embedding refuses it).
 MODEL_DIRS = {"t5": {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 2048},
               "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 2048},
+              "mamba": {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "state_size": 8,
+                        "vocab_size": 2048},
               "gemma4": {"model_type": "gemma4_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048},
               "pad_outside": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -159,9 +162,15 @@ CASES = [
     ("not a causal LM", "ddp", train_flags(model_name="{d}/vit"), {},
      r"--model_name .*/vit: a 'vit' model has no causal-LM class in transformers \(AutoModelForCausalLM does not "
      r"take it\)"),
-    ("no decoder stack named", "ddp", train_flags(model_name="{d}/gpt2"), {},
-     r"GPT2LMHeadModel has no pipeline plan naming its embedding and decoder stack \(base_model_pp_plan\): the harness "
-     r"cannot find its decoder layers; it trains the families whose transformers class names them \(e.g. llama, "),
+    ("no decoder stack found", "ddp", train_flags(model_name="{d}/mamba"), {},
+     r"MambaForCausalLM has no pipeline plan naming its embedding and decoder stack \(base_model_pp_plan\), and its "
+     r"modules do not show them \(one list of its 2 layers with attention heads, an input and an output embedding\): "
+     r"the harness cannot find its decoder layers; it trains causal language models whose attention layers form one "
+     r"stack"),
+    ("the pipeline without a plan", "pipeline", train_flags(model_name="{d}/gpt2", num_workers=2,
+                                                            init_weights_path="{d}/new.pt", save_init_weights=True), {},
+     r"the pipeline cannot split a 'gpt2' model: transformers ships no pipeline plan for GPT2LMHeadModel "
+     r"\(base_model_pp_plan\), which lays out the stages' inputs and outputs: use train_ddp.py or train_fsdp.py"),
     # --- the pipeline, SP, DeepSpeed's policies and AutoEP: what each declines (docs/refusals.md) ---------------
     ("pipeline accumulation", "pipeline", train_flags(num_workers=2, pp_size=2, grad_accum_steps=2), {},
      r"--grad_accum_steps 2: the pipeline accumulates over its micro-batches: use --microbatches \(and "

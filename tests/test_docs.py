@@ -67,7 +67,7 @@ def refusal_rows(text: str) -> dict[str, list[list[str]]]:
     return rows
 
 
-SINCE = ("f0c0d33", "issue 80", "issue 81", "issue 82", "414b0ec", "205b2d7")  # docs/refusals.md's column since: the start, the
+SINCE = ("f0c0d33", "issue 80", "issue 81", "issue 82", "414b0ec", "205b2d7", "2026-11-29")  # docs/refusals.md's column since: the start, the
 # issue, or the commit that turned a crash into the line
 
 

@@ -5,7 +5,8 @@ fp32 (one local gloo group per world size): each family's DDP (DP 2 × 2) agains
 FSDP2 and DeepSpeed AutoTP (TP 2 × DP 2), and the pipeline (2 stages × DP 2), all on padded samples in 2 micro-batches
 (--grad_accum_steps 2; the pipeline's 2 micro-batches), at 1e-5 on loss, grad norm and parameter norm at every step
 and on the final parameters; a multimodal checkpoint's folder (Gemma 3 4B's config at tiny widths) trains its language
-model under DDP and FSDP2 + TP at the same bound. Where a clean run of a library's own code FAILs — transformers'
+model under DDP and FSDP2 + TP at the same bound, and GPT-2 and OLMoE, whose stacks are read off their modules (no
+pipeline plan), under DDP and FSDP2 at DP 2. Where a clean run of a library's own code FAILs — transformers'
 per-head q/k norms under gradient accumulation — the test asserts the FAIL, and the layer check names the module. The
 four seeded pitfalls FAIL at their step, and the layer check names their module.
 
@@ -54,6 +55,15 @@ BUG_FAILS = {"qwen3-tiny": (1, "self_attn.k_norm.weight", "parameter gradient"),
 # A Gemma 3 4B-style image-text folder (--model_name of a multimodal checkpoint): its language model, cut to 2 layers,
 # under DDP and FSDP2 + TP
 MULTIMODAL = "gemma3-multimodal"
+# Classes whose transformers code ships no pipeline plan, their decoder stack read off their modules: GPT-2 (learned
+# positions, LayerNorm, Conv1D) and OLMoE (a mixture of experts, its load-balancing loss), no TP plan the harness can
+# use for GPT-2: DDP against FSDP2 at DP 2
+READ_OFF_MODULES = {
+    "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 2048, "n_positions": 128},
+    "olmoe": {"model_type": "olmoe", "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 2048, "num_experts": 4, "num_experts_per_tok": 2,
+              "num_hidden_layers": 2, "output_router_logits": True}}
+DP2 = {"num_workers": 2, "grad_accum_steps": 2}
 SEED_BF16 = 65  # outside the calibration study's seeds (42–61) and test_calibration's (64)
 BF16 = {"seq_length": 64, "debug_steps": 12, "learning_rate": 1e-3, "warmup_steps": 3, "max_grad_norm": 0.8,
         "log_interval": 12, "checkpoint_interval": 0, "seed": SEED_BF16}
@@ -100,18 +110,23 @@ def fp32_runs(tmp_path_factory):
                                                     "loss_output_dir": folder, "storage_path": root / "ray",
                                                     "experiment_name": f"{family}_{name}", **layout})
     multimodal_gemma3(root / MULTIMODAL)  # an image-text checkpoint's folder: its language model trained
-    weights = family_weights(root, MULTIMODAL, folder=root / MULTIMODAL)
-    for name, layout in (("ddp", DDP), ("fsdp", TP2_DP2)):
-        planned[MULTIMODAL, name] = plan(name, {**FP32, "model_name": str(root / MULTIMODAL), "num_layers": 2,
-                                                "init_weights_path": weights, "loss_output_dir": root / MULTIMODAL / name,
-                                                "storage_path": root / "ray", "experiment_name": f"mm_{name}", **layout})
+    for family, config in READ_OFF_MODULES.items():  # classes without a pipeline plan: their stack read off modules
+        (root / family).mkdir()
+        (root / family / "config.json").write_text(json.dumps(config))
+    for family, fsdp in ((MULTIMODAL, TP2_DP2), *((f, DP2) for f in READ_OFF_MODULES)):
+        weights = family_weights(root, family, folder=root / family)
+        for name, layout in (("ddp", DDP), ("fsdp", fsdp)):
+            planned[family, name] = plan(name, {**FP32, "model_name": str(root / family), "num_layers": 2,
+                                                "init_weights_path": weights, "loss_output_dir": root / family / name,
+                                                "storage_path": root / "ray", "experiment_name": f"{family}_{name}",
+                                                **layout})
     for world in (2, 4):
         run_group([run for run in planned.values() if run[0].num_workers == world])
     return {key: (run_record_path(cfg), load_record(run_record_path(cfg))) for key, (cfg, _) in planned.items()}
 
 
 @pytest.mark.parametrize("family,strategy", [(f, s) for f in FAMILIES for s in STRATEGIES if (f, s) not in LIBRARY_FAILS]
-                         + [(MULTIMODAL, "fsdp")])
+                         + [(f, "fsdp") for f in (MULTIMODAL, *READ_OFF_MODULES)])
 def test_every_family_trains_as_ddp_under_every_strategy_in_fp32(fp32_runs, family, strategy):
     _, base = fp32_runs[family, "ddp"]
     _, run = fp32_runs[family, strategy]

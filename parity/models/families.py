@@ -97,6 +97,7 @@ class Family:
     stack: str  # the decoder layers' ModuleList ("model.layers")
     final: tuple[str, ...]  # what runs after the stack, in order ("model.norm", "lm_head"): the last stage's
     outside: tuple[str, ...] = ()  # modules with parameters in none of those (Gemma 4's per-layer input embeddings)
+    pipeline_plan: bool = True  # whether transformers' pipeline plan names them (else read off the modules)
     attention: str | None = None  # the attention module ("self_attn")
     mlp: str | None = None  # the MLP module ("mlp")
     attention_in: tuple[Projection, ...] = ()  # q, k, v — or one fused qkv
@@ -261,19 +262,21 @@ def _moe_roles(model, text, layers) -> MoE | None:
 def _stack_parts(model) -> dict:
     """Where the decoder stack sits, and what runs before and after it — from transformers' pipeline plan (each
     entry's inputs and outputs: the module taking input_ids is the embedding, the ModuleList the stack, the rest runs
-    after it), in the stock forward's order."""
+    after it), in the stock forward's order. A class without one (GPT-2, OPT, Bloom, Falcon, OLMoE) is read off its
+    modules (`_read_parts`); the pipeline, which runs the stages as the plan lays them out, refuses it
+    (`pipeline_plan`)."""
     import torch
 
     plan = getattr(model, "pp_plan", None) or {}
     stack = next((name for name in plan if isinstance(model.get_submodule(name), torch.nn.ModuleList)), None)
     embedding = next((name for name, (inputs, _) in plan.items() if list(inputs) == ["input_ids"]), None)
     if stack is None or embedding is None:
-        raise ConfigError(f"{type(model).__name__} has no pipeline plan naming its embedding and decoder stack "
-                          f"(base_model_pp_plan): the harness cannot find its decoder layers; it trains the families "
-                          f"whose transformers class names them (e.g. llama, qwen2, qwen3, mistral, gemma3_text, olmo2, "
-                          f"phi3)")
-    final = [name for name in plan if name not in (stack, embedding)]
-    final.sort(key=lambda name: name.startswith(model.base_model_prefix + "."), reverse=True)  # the base model's first
+        embedding, stack, final = _read_parts(model)
+        planned = False
+    else:
+        final = [name for name in plan if name not in (stack, embedding)]
+        final.sort(key=lambda name: name.startswith(model.base_model_prefix + "."), reverse=True)  # the base model's first
+        planned = True
     parts = (embedding, stack, *final)
     outside = set()
     for name, _ in model.named_parameters():
@@ -281,8 +284,36 @@ def _stack_parts(model) -> dict:
             path = name.split(".")
             outside.add(next(".".join(path[:i]) for i in range(1, len(path) + 1)
                              if not any((part + ".").startswith(".".join(path[:i]) + ".") for part in parts)))
-    outside = sorted(outside)
-    return {"embedding": embedding, "stack": stack, "final": tuple(final), "outside": tuple(outside)}
+    return {"embedding": embedding, "stack": stack, "final": tuple(final), "outside": tuple(sorted(outside)),
+            "pipeline_plan": planned}
+
+
+def _read_parts(model) -> tuple[str, str, list[str]]:
+    """(embedding, stack, final) of a class without a pipeline plan, read off its modules: the input embedding
+    (get_input_embeddings), the one ModuleList as long as the config's layers, the base model's children registered
+    after it that hold parameters (the final norm) and the output embedding (lm_head). ConfigError where they are not
+    so found."""
+    import torch
+
+    names = {id(m): n for n, m in model.named_modules()}
+    text = text_config(model.config)
+    layers = text.num_hidden_layers
+    stacks = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    attends = len(stacks) == 1 and getattr(text, "num_attention_heads", None) and any(
+        "Attention" in type(m).__name__ for m in model.get_submodule(stacks[0]).modules())
+    if not attends or id(embedding) not in names or head is None or id(head) not in names:
+        raise ConfigError(f"{type(model).__name__} has no pipeline plan naming its embedding and decoder stack "
+                          f"(base_model_pp_plan), and its modules do not show them (one list of its {layers} layers "
+                          f"with attention heads, an input and an output embedding): the harness cannot find its "
+                          f"decoder layers; it trains causal language models whose attention layers form one stack "
+                          f"(e.g. llama, qwen3, gemma3_text, mistral, gpt2)")
+    stack = stacks[0]
+    parent, _, leaf = stack.rpartition(".")
+    children = list(model.get_submodule(parent).named_children()) if parent else list(model.named_children())
+    after = [f"{parent}.{n}" if parent else n for n, m in children[[n for n, _ in children].index(leaf) + 1:]
+             if list(m.parameters())]
+    return names[id(embedding)], stack, [*after, names[id(head)]]
 
 
 class _Undescribed(Exception):
