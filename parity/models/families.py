@@ -150,7 +150,7 @@ def text_config(config):
 
 
 def language_model(config):
-    """What the strategies train of a multimodal config (Gemma 3 4B's, Llama 4's, Qwen3.5's): its language model — the
+    """What the strategies train of a multimodal config (Gemma 3 4B's, Qwen3.5's, Mistral 3's): its language model — the
     text config, where transformers has a causal LM of it. The harness trains on text, where the vision tower takes no
     part. Else the config itself."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -450,8 +450,8 @@ def with_num_layers(config, num_layers: int):
     max_window_layers ...) or else repeated; a list of layer indices (`*_layers`: Qwen-MoE's mlp_only_layers, Llama4's
     moe_layers) keeps the indices of the layers kept; a count of layers such as max_window_layers is capped at the new
     depth; a dict keyed by layer index (Gemma 4's per_layer_config: a full-attention layer's own head_dim) keeps the
-    entries of the layers kept, or repeats them as the lists are. What is set as a frequency (decoder_sparse_step, interleave_moe_layer_step, first_k_dense_replace,
-    sliding_window_pattern) holds for the layers kept as it is."""
+    entries of the layers kept, or repeats them as the lists are. What is set as a frequency (decoder_sparse_step,
+    interleave_moe_layer_step, first_k_dense_replace, sliding_window_pattern) holds for the layers kept as it is."""
     old = config.num_hidden_layers
     data = config.to_dict()
     indices = [k for k, v in data.items() if k.endswith("_layers") and isinstance(v, list)
@@ -467,16 +467,14 @@ def with_num_layers(config, num_layers: int):
             data[key] = data[key][:num_layers]
         for key in indices:
             data[key] = [i for i in data[key] if i < num_layers]
-        cut = type(config).from_dict(data) if not by_index else None
     else:
         derived = type(config).from_dict({k: v for k, v in data.items() if k not in per_layer})
         data = derived.to_dict()
         for key in per_layer:
             if not (isinstance(data.get(key), list) and len(data[key]) == num_layers):
                 data[key] = [config.to_dict()[key][i % old] for i in range(num_layers)]
-        cut = type(config).from_dict(data) if not by_index else None
-    if cut is not None:
-        return cut
+    if not by_index:
+        return type(config).from_dict(data)
     types = getattr(type(config).from_dict(data), "layer_types", None)  # as the config class settles them
     for key, entries in by_index.items():
         data[key] = _layer_entries(entries, data_types=config.to_dict().get("layer_types"), old=old, types=types,
