@@ -988,6 +988,7 @@ def test_a_multimodal_model_trained_on_text_is_recorded_as_its_language_model_an
     from transformers import AutoConfig, Gemma3ForConditionalGeneration
 
     from parity.commands.compare_curves import main as compare
+    from parity.driver.local_group import launch_local
     from parity.recording.recorder import ParityRecorder
     from parity.replay.replay import _check_model
     from parity.training.record import load_record
@@ -1022,10 +1023,9 @@ def test_a_multimodal_model_trained_on_text_is_recorded_as_its_language_model_an
     assert [g["params"][0] for g in record["config"]["optimizer"]["groups"]] == ["model.embed_tokens.weight"]
     assert not any("vision" in name or "projector" in name
                    for g in record["config"]["optimizer"]["groups"] for name in g["params"])
-    path = str(tmp_path / "rec" / "loss_gemma.json")
-    code, _ = _train_ddp(["--replay_record", path, "--loss_output_dir", str(tmp_path / "rec"),
-                          "--storage_path", str(tmp_path / "ck")], capsys)
-    assert code == 0 and compare(["--input_dir", str(tmp_path / "rec"), "--output", str(tmp_path / "c.png")]) == 0
+    launch_local(*zip(*[(cfg, {"batches": batches}) for cfg, batches in [
+        _replay({"mm": tmp_path / "rec"}, tmp_path, "mm", "gemma", 1)]]))  # the DDP replay, in a local group
+    assert compare(["--input_dir", str(tmp_path / "rec"), "--output", str(tmp_path / "c.png")]) == 0
     assert "gemma (TP=1, DP=1): PASS" in capsys.readouterr().out
     stopped = run(tmp_path / "images", 3, images_at=1)
     assert len(stopped["steps"]) == 1 and stopped["config"]["stopped"]["why"] == (
