@@ -453,7 +453,7 @@ def with_num_layers(config, num_layers: int):
     entries of the layers kept, or repeats them as the lists are. What is set as a frequency (decoder_sparse_step,
     interleave_moe_layer_step, first_k_dense_replace, sliding_window_pattern) holds for the layers kept as it is."""
     old = config.num_hidden_layers
-    data = config.to_dict()
+    given, data = config.to_dict(), config.to_dict()
     indices = [k for k, v in data.items() if k.endswith("_layers") and isinstance(v, list)
                and all(isinstance(i, int) and not isinstance(i, bool) for i in v)]
     per_layer = [k for k, v in data.items() if isinstance(v, list) and len(v) == old and old > 1 and k not in indices]
@@ -472,12 +472,12 @@ def with_num_layers(config, num_layers: int):
         data = derived.to_dict()
         for key in per_layer:
             if not (isinstance(data.get(key), list) and len(data[key]) == num_layers):
-                data[key] = [config.to_dict()[key][i % old] for i in range(num_layers)]
+                data[key] = [given[key][i % old] for i in range(num_layers)]
     if not by_index:
         return type(config).from_dict(data)
     types = getattr(type(config).from_dict(data), "layer_types", None)  # as the config class settles them
     for key, entries in by_index.items():
-        data[key] = _layer_entries(entries, data_types=config.to_dict().get("layer_types"), old=old, types=types,
+        data[key] = _layer_entries(entries, data_types=given.get("layer_types"), old=old, types=types,
                                    num_layers=num_layers)
     return type(config).from_dict(data)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from parity.training.optimizer import OPTIMIZERS
+
 OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov")  # what changes the update, if set
-REPLAYED_OPTIMIZERS = ("AdamW", "Adam")  # what the replay builds (parity.training.optimizer.OPTIMIZERS)
+REPLAYED_OPTIMIZERS = tuple(OPTIMIZERS)  # what the replay builds: AdamW and Adam
 
 
 def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list] | None = None) -> dict:

@@ -206,8 +206,8 @@ class ParityRecorder(BatchTaking):
         self.max_batch_bytes, self.saved_bytes, self.log_interval = max_batch_bytes, 0, log_interval
         self.names = self.view.names()  # Hugging Face names (FSDP1's cleaned of its wrappers)
         self.optimizer_description = describe_optimizer(optimizer, self.names, self.view.group_params())
-        if unreplayable(self.optimizer_description):  # SGD, Adafactor, AdamW(amsgrad=True) ...: before the first step
-            raise ViewRefused(unreplayable(self.optimizer_description))
+        if why := unreplayable(self.optimizer_description):  # SGD, Adafactor, AdamW(amsgrad=True) ...: before step 0
+            raise ViewRefused(why)
         self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
         config = getattr(self.model, "config", None)
         hf = config is not None and hasattr(config, "to_json_string")

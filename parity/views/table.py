@@ -41,8 +41,8 @@ def view_of(model, optimizer, device: torch.device, unwrap) -> View:
     optimizer = torch_optimizer(optimizer)
     view = next(v for v in (cls.read(model, optimizer, device, unwrap) for cls in view_classes()) if v is not None)
     config = getattr(view.model, "config", None)
-    if config is not None and hasattr(config, "to_json_string") and multimodal_refusal(config):  # sharded: not read
-        raise ViewRefused(multimodal_refusal(config))
+    if config is not None and hasattr(config, "to_json_string") and (why := multimodal_refusal(config)):  # sharded
+        raise ViewRefused(why)
     try:
         view.lora = lora_of(view.model, view.names())  # a PEFT model's adapters, as the harness builds them
     except AdaptersRefused as exc:
