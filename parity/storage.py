@@ -208,7 +208,8 @@ def write_text_atomic(location: str, text: str) -> None:
     write_bytes_atomic(location, text.encode("utf-8"))
 
 
-NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+NON_FINITE = {"NaN": math.nan, "nan": math.nan, "Infinity": math.inf, "inf": math.inf, "-Infinity": -math.inf,
+              "-inf": -math.inf}  # how the JSON files spell them (json_safe's, the layer check's)
 
 
 def json_safe(data):
@@ -220,6 +221,17 @@ def json_safe(data):
         return {k: json_safe(v) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
         return [json_safe(v) for v in data]
+    return data
+
+
+def finite_restored(data):
+    """json_safe's inverse: `data` read back from JSON with each non-finite float's spelling a float again."""
+    if isinstance(data, str):
+        return NON_FINITE.get(data, data)
+    if isinstance(data, dict):
+        return {k: finite_restored(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [finite_restored(v) for v in data]
     return data
 
 

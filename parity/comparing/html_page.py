@@ -68,21 +68,9 @@ def finite(value):
     return value
 
 
-NON_FINITE = {"NaN": math.nan, "nan": math.nan, "Infinity": math.inf, "inf": math.inf, "-Infinity": -math.inf,
-              "-inf": -math.inf}  # how the JSON files spell them (parity.storage.json_safe, the layer check's)
-
-
 def load_json(text: str):
     """A JSON file's data with its spelled-out non-finite numbers made numbers again (the page formats them)."""
-    def numbers(value):
-        if isinstance(value, str):
-            return NON_FINITE.get(value, value)
-        if isinstance(value, dict):
-            return {k: numbers(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [numbers(v) for v in value]
-        return value
-    return numbers(json.loads(text))
+    return storage.finite_restored(json.loads(text))
 
 
 def relative_link(target: str, directory: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+from parity import storage
 from parity.comparing import tolerances  # OPTIMIZER_NOISE_K read at use: tools/seeded_before_after.py sets it
 from parity.comparing.tolerances import (CLIP_READ, LAYER_NOISE_K, NOISE_K, RESUMED_FP32,
                                          TEACHER_FORCED_FP32, TEACHER_FORCED_GRAD_NORM_LOW, tolerance_class)
@@ -82,7 +83,7 @@ def summary(record: dict) -> dict | None:
     if not entries:
         return None if NONE not in record else {"interval": record["config"].get("checkpoint_interval"), "checks": [],
                                                 "first_fail_step": None, "replay_command": None, "none": record[NONE]}
-    checks = [judge_check(e) for e in entries]
+    checks = [judge_check(storage.finite_restored(e)) for e in entries]  # a NaN or inf measured: spelled in JSON
     first = next((c["step"] for c in checks if not c["ok"]), None)
     return {"interval": record["config"].get("checkpoint_interval"), "checks": checks, "first_fail_step": first,
             "replay_command": None}

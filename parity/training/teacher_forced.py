@@ -216,8 +216,8 @@ def reference_step(cfg, model_config, state: FullState, global_batch, lr: float,
     ref.setup(model)
     ref.perturb = PERTURB if perturbed else 1.0
     if state.moments:
-        ref.policy_optimizer.set_moments([(p, state.moments[n]) for n, p in model.named_parameters() if p.requires_grad],
-                                         state.count)
+        ref.policy_optimizer.set_moments([(p, state.moments[n]) for n, p in model.named_parameters()
+                                          if p.requires_grad and n in state.moments], state.count)
     scaler = ref.policy_optimizer.scaler
     if scaler is not None and skipped is not None:  # the record's decision, at its scale (FollowedScaler)
         scaler = ref.policy_optimizer.scaler = FollowedScaler([(loss_scale, skipped)])
@@ -296,8 +296,8 @@ def measure(after: FullState, grad_norm: float, ref: FullState, ref_norm: float,
             update = torch.full((1,), floor, dtype=torch.float64)
         out[f"param/{name}"] = _rel(after.params[name], p, update)
     for name, m in ref.moments.items():
-        for k in ADAMW_MOMENTS:
-            out[f"{k}/{name}"] = _rel(after.moments[name][k], m[k], m[k])
+        for k in ADAMW_MOMENTS:  # a moment the run never made (its optimizer never stepped the tensor): off by all
+            out[f"{k}/{name}"] = _rel(after.moments[name][k], m[k], m[k]) if name in after.moments else math.inf
     return out
 
 
