@@ -9,6 +9,8 @@ calls before_step() before the boundary's engine.step(), where the recorder read
 partitions).
 
     python examples/sharded_loop.py --shard fsdp2 --output_dir OUT --nproc 2        # or fsdp1, zero1, zero2, zero3
+    python examples/sharded_loop.py --shard fsdp2 --replicate 2 --output_dir OUT --nproc 4   # HSDP (fsdp1: HYBRID_SHARD)
+    python examples/sharded_loop.py --shard fsdp1 --sharding_strategy NO_SHARD --output_dir OUT --nproc 2
     python examples/sharded_loop.py --shard zero2 --deepspeed_bf16 --output_dir OUT --nproc 2   # DeepSpeed's bf16
     python train_ddp.py --replay_record OUT/loss_sharded_loop.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
@@ -48,15 +50,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard", choices=SHARDS, default="fsdp2")
     p.add_argument("--tp", type=int, default=1, help="fsdp2: DTensor TP over this many ranks (the harness's plan for "
                                                      "the model), FSDP2 over the 'dp' dim of the ('dp', 'tp') mesh")
+    p.add_argument("--replicate", type=int, default=1,
+                   help="fsdp2: HSDP, FSDP2 over a (replicate, shard) mesh of this many replicas of the shard group; "
+                        "fsdp1: HYBRID_SHARD over that mesh")
+    p.add_argument("--sharding_strategy", choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                                                   "_HYBRID_SHARD_ZERO2"),
+                   help="fsdp1: its ShardingStrategy (default FULL_SHARD; HYBRID_SHARD with --replicate)")
     p.add_argument("--deepspeed_bf16", action="store_true",
                    help="zero1|2|3: DeepSpeed's bf16.enabled — bf16 weights and gradients, fp32 masters and Adam "
                         "state, reduced in bf16 (recorded as the harness's bf16_params policy)")
     known, rest = p.parse_known_args(argv)
     args = plain_loop.parse_args([*rest, *([] if "--name" in rest else ["--name", "sharded_loop"])])
     args.shard, args.tp, args.deepspeed_bf16 = known.shard, known.tp, known.deepspeed_bf16
+    args.replicate, args.sharding_strategy = known.replicate, known.sharding_strategy
     if args.device != "cpu":
         print(f"error: --device {args.device}: sharded_loop.py runs on CPU ranks only (gloo); plain_loop.py takes "
               f"--device cuda", file=sys.stderr)
+        raise SystemExit(2)
+    if args.replicate > 1 and (not args.shard.startswith("fsdp") or args.tp > 1):
+        print(f"error: --replicate {args.replicate} with --shard {args.shard}{' --tp' if args.tp > 1 else ''}: HSDP "
+              f"is fsdp2's and HYBRID_SHARD fsdp1's, without --tp here", file=sys.stderr)
+        raise SystemExit(2)
+    if args.sharding_strategy and args.shard != "fsdp1":
+        print(f"error: --sharding_strategy with --shard {args.shard}: it is FSDP1's; use --shard fsdp1",
+              file=sys.stderr)
         raise SystemExit(2)
     if args.deepspeed_bf16 and not args.shard.startswith("zero"):
         print(f"error: --deepspeed_bf16 with --shard {args.shard}: it is DeepSpeed's setting; use zero1, zero2 or zero3 "
@@ -65,14 +82,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def fully_shard_layers(model, tp: int = 1) -> None:
+def hybrid_mesh(replicate: int):
+    """The 2-D (replicate, shard) mesh of HSDP and HYBRID_SHARD: `replicate` copies of a shard group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (replicate, dist.get_world_size() // replicate),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def fully_shard_layers(model, tp: int = 1, replicate: int = 1) -> None:
     """FSDP2: one group per decoder layer, then the root (the tied embedding and the final norm; a PeftModel with
-    --lora) — over every rank (fully_shard's default mesh), or with `tp` > 1 over the 'dp' dim of a ('dp', 'tp') mesh
-    after TP over 'tp' (the harness's plan, which puts each LoRA adapter beside the projection it wraps)."""
+    --lora) — over every rank (fully_shard's default mesh), HSDP over a (replicate, shard) mesh, or with `tp` > 1 over
+    the 'dp' dim of a ('dp', 'tp') mesh after TP over 'tp' (the harness's plan, which puts each LoRA adapter beside the
+    projection it wraps)."""
     from torch.distributed.fsdp import fully_shard
 
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel's Hugging Face model
-    mesh = None
+    mesh = hybrid_mesh(replicate) if replicate > 1 else None
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -86,12 +112,17 @@ def fully_shard_layers(model, tp: int = 1) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def fsdp1(model, wrapped: list) -> None:
+def fsdp1(model, wrapped: list, replicate: int = 1, strategy: str | None = None) -> None:
     """FSDP1 around the whole model (one unit, use_orig_params: the optimizer steps the model's own parameters, now
-    views of each rank's flat shard); the wrapper goes into `wrapped`."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    views of each rank's flat shard) under `strategy` (FULL_SHARD; HYBRID_SHARD where `replicate` > 1), a hybrid one
+    over a (replicate, shard) mesh; the wrapper goes into `wrapped`."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-    wrapped.append(FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu")))
+    strategy = ShardingStrategy[strategy or ("HYBRID_SHARD" if replicate > 1 else "FULL_SHARD")]
+    hybrid = "HYBRID" in strategy.name
+    wrapped.append(FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"),
+                                            sharding_strategy=strategy,
+                                            **({"device_mesh": hybrid_mesh(replicate)} if hybrid else {})))
 
 
 def deepspeed_engine(args, model, optimizer, scheduler):
@@ -112,7 +143,8 @@ def train(args) -> str | None:
     """The loop on every rank of the process group that is up. Returns the record's path on rank 0."""
     fsdp, wrapped = args.shard.startswith("fsdp"), []  # the loop steps (FSDP), or DeepSpeed's engine does
     dp_rank, dp_world = dist.get_rank() // args.tp, dist.get_world_size() // args.tp  # a TP group feeds one DP rank
-    shard = (lambda m: fully_shard_layers(m, args.tp)) if args.shard == "fsdp2" else (lambda m: fsdp1(m, wrapped))
+    shard = (lambda m: fully_shard_layers(m, args.tp, args.replicate)) if args.shard == "fsdp2" else (
+        lambda m: fsdp1(m, wrapped, args.replicate, args.sharding_strategy))
     model, optimizer, scheduler = plain_loop.build(args, shard=shard if fsdp else lambda m: None)
     engine = wrapped[0] if wrapped else model if fsdp else deepspeed_engine(args, model, optimizer, scheduler)
     rec = ParityRecorder(args.output_dir, name=args.name, model=engine,

@@ -1,8 +1,11 @@
 """Your own trainer, sharded (docs/own_trainer.md): examples/sharded_loop.py — plain_loop.py's loop under FSDP2
 (fully_shard, with and without DTensor TP), FSDP1 and DeepSpeed ZeRO 1, 2 and 3 (deepspeed.initialize, the CPU accelerator) — recorded at 2 ranks by
 parity's recorder and replayed under the harness's DDP, which trains the same model unsharded: every path PASSes with
-the replay equal to the record within 1e-5 at every step; a per-rank mean loss seeded into the FSDP2 and the ZeRO-2
-loop FAILs at step 0. With --lora (peft's LoRA adapters on the frozen model) the FSDP2 and ZeRO-2 loops PASS their
+the replay equal to the record within 1e-5 at every step; so do HSDP (FSDP2 over a (replicate, shard) mesh: its data-
+parallel ranks read from fully_shard's own mesh) and FSDP1's NO_SHARD, their replicas checked. A per-rank mean loss
+seeded into the FSDP2 and the ZeRO-2 loop FAILs at step 0, as does HSDP with its all-reduce left off; FSDP1's
+HYBRID_SHARD over one-rank shard groups — torch's own bug: it never reduces across the replicas — FAILs at step 0 on
+its replicas. With --lora (peft's LoRA adapters on the frozen model) the FSDP2 and ZeRO-2 loops PASS their
 replay, which builds the same PEFT model from the recorded base and adapters (FSDP2's with the tied embedding trained
 whole beside them: --lora_save embed_tokens); a plain loop whose adapters come after
 DDP's wrapping FAILs at step 0 on its replicas; adapters the replay cannot build are refused in one line.
@@ -25,6 +28,7 @@ curve would have let it pass. They cost the module about 35 CPU-seconds: three r
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -34,7 +38,8 @@ import pytest
 
 from conftest import (PERTURBED, REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, multimodal_gemma3,
                       series, tensor_norms_off, tensor_series)
-from test_own_trainer import INTERVAL, _compare, _copy, _record, _record_rank, assert_checks_pass, assert_lora_replays
+from test_own_trainer import (INTERVAL, _compare, _copy, _record, _record_rank, assert_checks_pass, assert_lora_replays,
+                              state_checks)
 
 EXAMPLE = os.path.join(REPO, "examples", "sharded_loop.py")
 PLAIN = os.path.join(REPO, "examples", "plain_loop.py")
@@ -56,7 +61,15 @@ ACCUM_MEAN = [("loss = summed * dp_world / global_tokens  # averaged over the DP
 CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               "zero2_bf16": (["--shard", "zero2", *DS_BF16], EXAMPLE, []),
               "zero2_bf16_accum_mean": (["--shard", "zero2", *DS_BF16], EXAMPLE, ACCUM_MEAN)}
+# HSDP whose replicate dim is never all-reduced (FSDP2's set_requires_all_reduce(False), meant for the micro-batches
+# before the last, left off): FSDP2 then never sets the gradients, and the optimizer never steps
+ALL_REDUCE_OFF = [("model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only",
+                   "model.set_requires_gradient_sync(last)\n                model.set_requires_all_reduce(False)  # seeded")]
 RUNS = {"fsdp2_tp": (["--shard", "fsdp2", "--tp", "2"], EXAMPLE, []),
+        "hsdp": (["--shard", "fsdp2", "--replicate", "2"], EXAMPLE, []),
+        "fsdp1_no_shard": (["--shard", "fsdp1", "--sharding_strategy", "NO_SHARD"], EXAMPLE, []),
+        "hsdp_all_reduce_off": (["--shard", "fsdp2", "--replicate", "2"], EXAMPLE, ALL_REDUCE_OFF),
+        "fsdp1_hybrid_one_rank_shards": (["--shard", "fsdp1", "--replicate", "2"], EXAMPLE, []),
         "zero1": (["--shard", "zero1"], EXAMPLE, []), "zero2": (["--shard", "zero2"], EXAMPLE, []),
         "fsdp2_rank_mean": (["--shard", "fsdp2"], EXAMPLE, RANK_MEAN),
         "zero2_rank_mean": (["--shard", "zero2"], EXAMPLE, RANK_MEAN),
@@ -68,8 +81,12 @@ SAVED = {"fsdp2_lora": ("embed_tokens",)}
 # What each path's ranks hold alike: the replica groups its record declares. ZeRO-1/2: the 26 parameters, whole on
 # both ranks (with LoRA the 34 of the PEFT model: 26 − 8 projections + their 8 base layers + 8 adapters); FSDP2 with
 # TP 2: the 6 parameters TP leaves whole (the embedding, the norms) and their 2 moments.
+# HSDP over a (replicate 2, shard 1) mesh and FSDP1's NO_SHARD: every parameter and its 2 moments (78).
 REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero1": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
-                  "zero2_lora": 34}
+                  "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78}
+# each variant's record: its sharding's kind, ZeRO stage and device mesh (FSDP1 and ZeRO: none)
+SHARDING = {"fsdp2_tp": ("fsdp2", 3, {"dp": 1, "tp": 2}), "hsdp": ("fsdp2", 3, {"replicate": 2, "shard": 1}),
+            "fsdp1_no_shard": ("fsdp1", 0, None)}
 # recorded, replayed and judged by verify_trainer.py's command line (calibrated, its default): its arguments, and the
 # kernel setting it runs under — the DeepSpeed bf16 loop under the perturbed one (conftest.PERTURBED)
 COMMANDS = {"fsdp2": (["--shard", "fsdp2"], "default"), "fsdp1": (["--shard", "fsdp1"], "default"),
@@ -157,9 +174,10 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard, capsys):
     fp32 (measured 6.6e-8), the others exactly — and each tensor the replay's at step 0; the verdict PASSes."""
     recorded, replay = _record(runs[shard], NAME), _record(runs[shard], "ddp")
     kind, lora = shard.split("_")[0], shard.endswith("_lora")
-    config, fsdp, dp = recorded["config"], shard.startswith("fsdp"), 1 if shard == "fsdp2_tp" else 2
-    assert config["sharding"]["kind"] == (kind if fsdp else f"deepspeed {kind}")
-    assert config["sharding"]["zero_stage"] == (3 if fsdp else int(kind[-1]))
+    config, fsdp, dp = recorded["config"], not kind.startswith("zero"), 1 if shard == "fsdp2_tp" else 2
+    sharding = SHARDING.get(shard, (kind if fsdp else f"deepspeed {kind}", 3 if fsdp else int(kind[-1]),
+                                    {"dp": 2} if kind == "fsdp2" else None))
+    assert (config["sharding"]["kind"], config["sharding"]["zero_stage"], config["sharding"].get("mesh")) == sharding
     assert (config["dp_size"], config["tp_size"]) == (dp, 2 // dp)
     assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * dp
     assert config["grad_norm_source"] == ("recorder" if fsdp else "framework")
@@ -189,7 +207,6 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard, capsys):
         code, output = whole_report(runs[shard], capsys)
         assert code == 0, output[-3000:]
     assert f"{NAME} ({LABEL.get(shard, 'TP=1, DP=2')}): PASS" in output, output[-3000:]
-    assert config["sharding"].get("mesh", {"dp": 2}) == ({"dp": 1, "tp": 2} if shard == "fsdp2_tp" else {"dp": 2})
     worst = assert_checks_pass(runs[shard], NAME, [0, 2])  # its states, gathered by the layout's own code, checked
     steps = {s["step"]: s for s in recorded["steps"]}
     print(f"{shard}: checks largest {worst:.3f} of the bound; saving a state {steps[1]['harness_s']['states']:.4f} s "
@@ -217,6 +234,20 @@ def test_adapters_added_after_ddp_wrapping_part_the_replicas_at_step_0(runs, cap
     assert code == 1 and f"{NAME} (TP=1, DP=2): FAIL" in output, output[-3000:]
 
 
+def test_fsdp1_hybrid_shard_over_one_rank_shard_groups_parts_its_replicas_at_step_0(runs):
+    """A released torch bug, caught: FSDP1's HYBRID_SHARD over a (replicate 2, shard 1) mesh — one rank a node — is
+    switched to NO_SHARD by FSDP1 (a shard group of one rank), whose gradients it then reduces over the shard group
+    alone: each replica steps on its own rows' gradient (torch 2.13). The recorder's replica check, over the replicate
+    group it reads, finds every parameter and both moments parted at step 0 (78 tensors), and the verdict FAILs there
+    ahead of any tolerance. (HYBRID_SHARD over 2 × 2 ranks PASSes: docs/own_trainer/sharded_loops.md.)"""
+    recorded = _record(runs["fsdp1_hybrid_one_rank_shards"], NAME)
+    assert (recorded["config"]["sharding"]["kind"], recorded["config"]["sharding"]["zero_stage"]) == ("fsdp1", 0)
+    assert recorded["replicas"]["groups"] == 78 and recorded["steps"][0]["replicas"]["parted"] == 78
+    comparison = _compare(runs["fsdp1_hybrid_one_rank_shards"])
+    (result,) = comparison.results
+    assert comparison.word == "FAIL" and result.verdict.parting.step == 0
+
+
 def test_an_error_of_the_harness_exits_with_its_own_code_not_fails(runs, tmp_path):
     """plot_loss_curves.py with an error injected into its report (a test copy: the run label raising, as the
     FSDP2 mesh once made it): exit 70, one line saying it is the harness's fault and naming the file its traceback
@@ -240,10 +271,11 @@ def test_an_error_of_the_harness_exits_with_its_own_code_not_fails(runs, tmp_pat
     assert not (folder / "report.html").exists()
 
 
-@pytest.mark.parametrize("bug", ["fsdp2_rank_mean", "zero2_rank_mean"])
+@pytest.mark.parametrize("bug", ["fsdp2_rank_mean", "zero2_rank_mean", "hsdp_all_reduce_off"])
 def test_sharded_per_rank_mean_fails_at_step_0(runs, bug):
-    """Each rank's loss normalised by its own tokens, averaged by FSDP2's reduce-scatter or ZeRO's reduction: the same
-    loss at step 0 (the same weights and data) but another gradient — FAIL at step 0 on the pre-clip grad norm."""
+    """Each rank's loss normalised by its own tokens, averaged by FSDP2's reduce-scatter or ZeRO's reduction; HSDP's
+    replicate dim never all-reduced (ALL_REDUCE_OFF: FSDP2 then sets no gradient, rel_diff 1): the same loss at step 0
+    (the same weights and data) but another gradient — FAIL at step 0 on the pre-clip grad norm."""
     recorded, replay = _record(runs[bug], NAME), _record(runs[bug], "ddp")
     assert abs(recorded["steps"][0]["loss"] - replay["steps"][0]["loss"]) <= 1e-6 * replay["steps"][0]["loss"]
     comparison = _compare(runs[bug])
@@ -252,12 +284,15 @@ def test_sharded_per_rank_mean_fails_at_step_0(runs, bug):
     outside = result.verdict.first_outside
     assert (outside.step, outside.quantity) == (0, "grad_norm"), outside
     assert outside.rel_diff > 1e-3
+    if bug == "hsdp_all_reduce_off":  # moments the run never made: the check's tensors off by all (inf), judged
+        first = state_checks(runs[bug], NAME)["checks"][0]
+        assert (first["step"], first["ok"], first["ratio"]) == (0, False, math.inf), first
 
 
 def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
     """Layouts the recorder cannot read, one line each, nothing recorded, and the user's loop goes on (one rank, a
     group of one in this process): FSDP1 without use_orig_params (it steps flat parameters the recorder cannot name);
-    FSDP2 on a 2-D mesh with no dim named 'dp', and on two root meshes. FSDP1 at one rank — NO_SHARD, which FSDP1
+    FSDP2 on two root meshes. FSDP1 at one rank — NO_SHARD, which FSDP1
     switches FULL_SHARD to there — is recorded (its tensors whole; NO_SHARD over several ranks is refused)."""
     import torch
     import torch.distributed as dist
@@ -269,11 +304,6 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
 
     def fsdp1(module, **settings):
         return FullyShardedDataParallel(module, device_id=torch.device("cpu"), **settings)
-
-    def two_d_without_dp():
-        model = build_model(resolve_model_config("qwen2-tiny"), 0)
-        fully_shard(model, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))["shard"])
-        return model
 
     def two_meshes():  # (two meshes of the same ranks and dim names are one mesh: equal)
         model = build_model(resolve_model_config("qwen2-tiny"), 0)
@@ -298,8 +328,6 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
                              "AutoModelForCausalLM.from_config(config.get_text_config()))"),
         (lambda: fsdp1(torch.nn.Linear(4, 4)), "FSDP1 without use_orig_params=True: its optimizer steps flat parameters "
                                                "the recorder cannot name; wrap with use_orig_params=True"),
-        (two_d_without_dp, "a 2-D device mesh without a dim named 'dp' or 'data_parallel' (['replicate', 'shard']): the "
-                           "recorder takes the data-parallel dim by that name"),
         (two_meshes, "the model's DTensors live on 2 root meshes: the recorder reads one"),
     ]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)

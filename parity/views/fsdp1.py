@@ -1,6 +1,9 @@
-"""FSDP1 (FullyShardedDataParallel) with use_orig_params=True, FULL_SHARD or SHARD_GRAD_OP over every rank. No
-harness strategy runs FSDP1, so its norms are written here as FSDP1's own clip_grad_norm_ takes them (each rank's
-pieces, summed over the group); its full tensors are FSDP1's FULL_STATE_DICT and its optimizer's full state dict.
+"""FSDP1 (FullyShardedDataParallel) with use_orig_params=True, under any sharding strategy: FULL_SHARD or
+SHARD_GRAD_OP over every rank, HYBRID_SHARD (or its ZeRO-2 form) sharding within a group and replicating across groups,
+NO_SHARD replicating over every rank. No harness strategy runs FSDP1, so its norms are written here as FSDP1's own
+clip_grad_norm_ takes them (each piece counted once, on the first rank of those that hold it alike, summed over the
+world); its full tensors are FSDP1's FULL_STATE_DICT and its optimizer's full state dict; the pieces a replicate group
+holds alike are its replicas.
 """
 
 from __future__ import annotations
@@ -12,18 +15,23 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._common_utils import clean_tensor_name
 
 from parity.training.optimizer import ADAMW_MOMENTS, squared_norm_fp64
+from parity.training.replicas import held
 from parity.training.tensor_norms import Piece
 from parity.views.adapters import peft_inner
 from parity.views.base import View, ViewRefused
 
 
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+ZERO_STAGE = {ShardingStrategy.FULL_SHARD: 3, ShardingStrategy.HYBRID_SHARD: 3, ShardingStrategy.SHARD_GRAD_OP: 2,
+              ShardingStrategy._HYBRID_SHARD_ZERO2: 2, ShardingStrategy.NO_SHARD: 0}
+
+
 class FSDP1(View):
-    """Each rank holds a flat shard of each parameter (a view of its piece, empty where it holds none). Its norms are
-    the sums of the local pieces' squares over the process group, as FSDP1's own clip_grad_norm_ takes them (float64
-    here); the initial weights are its FULL_STATE_DICT; no two ranks hold a piece alike."""
+    """Each rank holds a flat shard of each parameter (a view of its piece, empty where it holds none; the whole
+    parameter under NO_SHARD). Its norms are the sums of the counted pieces' squares over the world, as FSDP1's own
+    clip_grad_norm_ takes them (float64 here); the initial weights are its FULL_STATE_DICT."""
 
     kind = "fsdp1"
-    zero_stage = 3
 
     @classmethod
     def read(cls, model, optimizer, device: torch.device, unwrap) -> "FSDP1 | None":
@@ -39,15 +47,22 @@ class FSDP1(View):
         if not getattr(wrapper, "_use_orig_params", False):
             raise ViewRefused("FSDP1 without use_orig_params=True: its optimizer steps flat parameters the recorder "
                               "cannot name; wrap with use_orig_params=True")
-        whole = wrapper.sharding_strategy == ShardingStrategy.NO_SHARD and dist.get_world_size() == 1  # (below)
-        if wrapper.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and not whole:
-            raise ViewRefused(f"FSDP1 with {wrapper.sharding_strategy.name}: the recorder reads FULL_SHARD and "
-                              f"SHARD_GRAD_OP")
         super().__init__(inner, optimizer)
         self.wrapper, self.device = wrapper, device
         self.prefix = prefix  # a PeftModel's names' part before its Hugging Face model's, in the wrapper's names
-        if dist.get_world_size(wrapper.process_group) != self.world:
-            raise ViewRefused("FSDP1 over a process group other than the world's")
+        strategy = wrapper.sharding_strategy
+        self.zero_stage = ZERO_STAGE[strategy]
+        # the ranks holding this rank's pieces alike: the replicate group of HYBRID_SHARD (which FSDP1 turns to
+        # NO_SHARD over a shard group of one rank), every rank of NO_SHARD's group
+        replicate = getattr(wrapper, "_inter_node_pg", None)
+        replicate = wrapper.process_group if replicate is None else replicate
+        replicated = strategy in HYBRID or strategy == ShardingStrategy.NO_SHARD
+        self.alike = tuple(dist.get_process_group_ranks(replicate)) if replicated else (self.rank,)
+        shard = 1 if strategy == ShardingStrategy.NO_SHARD else dist.get_world_size(wrapper.process_group)
+        if shard * len(self.alike) != self.world:
+            raise ViewRefused(f"FSDP1 ({strategy.name}) over process groups of {shard} × {len(self.alike)} ranks, in a "
+                              f"world of {self.world}: the recorder reads FSDP1 over every rank")
+        self.counted = self.rank == min(self.alike)  # the copy counted in the norms
         if self.model is wrapper:
             raise ViewRefused("FSDP1 around a module the recorder cannot name (pass the FSDP wrapper of a Hugging "
                               "Face model)")
@@ -57,9 +72,9 @@ class FSDP1(View):
 
     def _norm(self, tensors) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for t in tensors:
+        for t in tensors if self.counted else ():
             total += squared_norm_fp64(t).to(self.device)
-        dist.all_reduce(total, group=self.wrapper.process_group)
+        dist.all_reduce(total)
         return float(total.sqrt())
 
     def grad_norm(self, squares=None) -> float:
@@ -85,14 +100,19 @@ class FSDP1(View):
         return moments, next((int(s["step"]) for s in state.values() if "step" in s), 0)
 
     def replicas(self):
-        return []
+        """Each parameter's piece and its moments, held alike by the ranks of `alike` (none where it is this rank)."""
+        if len(self.alike) == 1:
+            return []
+        names = self.names()
+        return [r for p in self.model.parameters() for r in held(names[id(p)], self.alike, p, self.optimizer)]
 
     def gradient_pieces(self) -> list[Piece]:
-        """Each rank's flat shard of each gradient (empty where it holds none): no two ranks hold one alike."""
-        return [Piece(name, p.grad) for name, p in self.trainable()]
+        """Each rank's flat shard of each gradient (empty where it holds none), counted on the first of the ranks that
+        hold it alike."""
+        return [Piece(name, p.grad, self.counted) for name, p in self.trainable()]
 
     def parameter_pieces(self) -> list[Piece]:
-        return [Piece(name, p.detach()) for name, p in self.trainable()]
+        return [Piece(name, p.detach(), self.counted) for name, p in self.trainable()]
 
 
 VIEW = FSDP1

@@ -1,8 +1,8 @@
 """FSDP2 (`fully_shard`) with or without a DTensor TP mesh, read with the DTensor strategies' code: their norms across
 meshes (dtensor_strategy.global_norm), full tensors (full_tensor, optimizer.full_moments) and replicas
-(replicated_parameters, dtensor_replicas). The DP dim of a 2-D mesh is the one named "dp" (the harness's and
-torchtitan's name; "data_parallel": Lightning's); the ranks of other dims feed the same rows, and only the one at
-coordinate 0 of every other dim hands them over.
+(replicated_parameters, dtensor_replicas). The data-parallel ranks are the ranks of fully_shard's own mesh, read from
+its state — FSDP's shard dim, with HSDP's replicate dim before it, whatever the dims are named; the ranks of the other
+dims (TP) feed the same rows, and only the group holding the root mesh's first rank hands them over.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import functools
 import logging
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from parity.training.dtensor_strategy import (dtensor_replicas, full_tensor, global_norm, local,
@@ -22,7 +24,8 @@ from parity.views.base import View, ViewRefused
 
 
 class FullyShard(View):
-    """FSDP2 (fully_shard) over a 1-D mesh, or over the "dp" dim of a ("dp", "tp") mesh with DTensor TP."""
+    """FSDP2 (fully_shard) over a 1-D mesh, HSDP over a 2-D one, either beside DTensor TP on the other dims of the
+    root mesh (named as the user names them: ("dp", "tp"), accelerate's ("dp_replicate", "dp_shard", "tp"), …)."""
 
     kind = "fsdp2"
     zero_stage = 3
@@ -42,18 +45,13 @@ class FullyShard(View):
         if len(meshes) != 1:
             raise ViewRefused(f"the model's DTensors live on {len(meshes)} root meshes: the recorder reads one")
         root = meshes.pop()
-        names = list(root.mesh_dim_names or ())
-        dp_name = next((n for n in ("dp", "data_parallel") if n in names), None)  # data_parallel: Lightning's name
-        if root.ndim > 1 and dp_name is None:
-            raise ViewRefused(f"a {root.ndim}-D device mesh without a dim named 'dp' or 'data_parallel' ({names}): "
-                              f"the recorder takes the data-parallel dim by that name")
         if root.size() != self.world:
             raise ViewRefused(f"the device mesh spans {root.size()} of the {self.world} ranks")
-        dp = names.index(dp_name) if root.ndim > 1 else 0
-        coordinate = root.get_coordinate()
-        self.dp_rank, self.dp_size = coordinate[dp], root.size(dp)
-        self.feeds = all(c == 0 for i, c in enumerate(coordinate) if i != dp)
-        self.mesh_shape = dict(zip(names or ["dp"], root.shape))  # the record's form: {dim name: size}
+        group = data_parallel_ranks(model)
+        self.dp_rank, self.dp_size = group.index(self.rank), len(group)
+        self.feeds = int(root.mesh.flatten()[0]) in group  # the DP group at coordinate 0 of every other dim
+        names = root.mesh_dim_names or (("dp",) if root.ndim == 1 else tuple(f"dim{i}" for i in range(root.ndim)))
+        self.mesh_shape = dict(zip(names, root.shape))  # the record's form: {dim name: size}
         self._replicated = None
 
     def describe(self) -> dict:
@@ -95,5 +93,26 @@ class FullyShard(View):
         return counted_by_name(self.trainable())
 
 
+def data_parallel_ranks(model) -> list[int]:
+    """The global ranks of this rank's data-parallel group, in their DP order: the ranks of the mesh fully_shard
+    shards (and HSDP replicates) each parameter group over, as its state holds it (FSDPParamGroup.mesh_info: torch
+    2.13's, the pinned release); this rank alone where no module is fully_shard'ed (DTensor TP alone)."""
+    groups = {tuple(g.mesh_info.mesh.mesh.flatten().tolist()) for g in _param_groups(model)}
+    if len(groups) > 1:
+        raise ViewRefused(f"fully_shard over {len(groups)} different data-parallel meshes in one model: the recorder "
+                          f"reads one")
+    return list(groups.pop()) if groups else [dist.get_rank()]
+
+
+def _param_groups(model) -> list:
+    """fully_shard's parameter groups of the model's modules (a module with no parameter of its own has none)."""
+    try:
+        states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+        return [g for state in states for g in [state._fsdp_param_group] if g is not None]
+    except AttributeError as e:  # a release whose fully_shard keeps its state otherwise
+        raise ViewRefused(f"fully_shard's mesh cannot be read in torch {torch.__version__} ({e}): the recorder reads "
+                          f"torch 2.13's") from None
+
+
 VIEW = FullyShard
-__all__ = ["FullyShard", "VIEW"]
+__all__ = ["FullyShard", "VIEW", "data_parallel_ranks"]
