@@ -95,7 +95,8 @@ def dataset(rows: int, seq_length: int, vocab: int, seed: int):
 def build(args, shard):
     """The model (random weights, the same on every rank; with --lora a PeftModel: adapters on it, the rest frozen)
     and AdamW in two groups over what trains, with a linear warm-up. `shard`: what wraps or shards the model in place
-    once its adapters are in, before the optimizer is built (DDP here, examples/sharded_loop.py's fully_shard)."""
+    once its adapters are in, before the optimizer is built (DDP here, examples/sharded_loop.py's fully_shard), or
+    returns the model that replaces it (sharded_loop.py's transformers' TP, which loads it again)."""
     from parity import build_model, resolve_model_config
 
     model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)
@@ -108,7 +109,7 @@ def build(args, shard):
                                                  lora_dropout=0.0, task_type="CAUSAL_LM", modules_to_save=saved,
                                                  ensure_weight_tying=tied))
     flat = {n for n, p in model.named_parameters() if p.ndim < 2}  # biases and norms, named before any sharding
-    shard(model)
+    model = shard(model) or model
     decay = [p for n, p in model.named_parameters() if n not in flat and p.requires_grad]
     no_decay = [p for n, p in model.named_parameters() if n in flat and p.requires_grad]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

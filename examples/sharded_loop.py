@@ -11,6 +11,7 @@ partitions).
     python examples/sharded_loop.py --shard fsdp2 --output_dir OUT --nproc 2        # or fsdp1, zero1, zero2, zero3
     python examples/sharded_loop.py --shard fsdp2 --replicate 2 --output_dir OUT --nproc 4   # HSDP (fsdp1: HYBRID_SHARD)
     python examples/sharded_loop.py --shard fsdp1 --sharding_strategy NO_SHARD --output_dir OUT --nproc 2
+    python examples/sharded_loop.py --shard transformers_tp --output_dir OUT --nproc 2   # from_pretrained's own TP
     python examples/sharded_loop.py --shard zero2 --deepspeed_bf16 --output_dir OUT --nproc 2   # DeepSpeed's bf16
     python train_ddp.py --replay_record OUT/loss_sharded_loop.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
@@ -33,16 +34,17 @@ from parity import ParityRecorder
 
 
 def _beside(name: str):
-    """The example `name`.py in this folder, loaded from its file (the examples are scripts, not a package)."""
+    """The example `name`.py in this folder, loaded from its file (the examples are scripts, not a package), under
+    sys.modules' `_<name>`: --nproc's spawned ranks find its functions there by name (each imports this script first)."""
     spec = importlib.util.spec_from_file_location(f"_{name}", os.path.join(os.path.dirname(__file__), f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 plain_loop = _beside("plain_loop")
 
-SHARDS = ("fsdp2", "fsdp1", "zero1", "zero2", "zero3")
+SHARDS = ("fsdp2", "fsdp1", "zero1", "zero2", "zero3", "transformers_tp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -125,6 +127,29 @@ def fsdp1(model, wrapped: list, replicate: int = 1, strategy: str | None = None)
                                             **({"device_mesh": hybrid_mesh(replicate)} if hybrid else {})))
 
 
+def transformers_tp(model):
+    """transformers' own tensor parallelism over every rank, as its docs load a model:
+    `from_pretrained(folder, distributed_config=DistributedConfig(tp_size=world))`, of the model rank 0 saves to a
+    temporary folder every rank reads (one node): the same random weights, now DTensors of the model's TP plan."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    folder = [tempfile.mkdtemp(prefix="sharded_loop_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    if dist.get_rank() == 0:
+        model.save_pretrained(folder[0])
+    dist.barrier()
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            folder[0], distributed_config=DistributedConfig(tp_size=dist.get_world_size()), dtype=torch.float32)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
+
+
 def deepspeed_engine(args, model, optimizer, scheduler):
     """ZeRO stage N over the AdamW and warm-up built as plain_loop.py's; DeepSpeed clips to --max_grad_norm."""
     from parity import import_deepspeed  # on CPU: DeepSpeed's CPU accelerator, no shm op
@@ -141,10 +166,11 @@ def deepspeed_engine(args, model, optimizer, scheduler):
 
 def train(args) -> str | None:
     """The loop on every rank of the process group that is up. Returns the record's path on rank 0."""
-    fsdp, wrapped = args.shard.startswith("fsdp"), []  # the loop steps (FSDP), or DeepSpeed's engine does
-    dp_rank, dp_world = dist.get_rank() // args.tp, dist.get_world_size() // args.tp  # a TP group feeds one DP rank
-    shard = (lambda m: fully_shard_layers(m, args.tp, args.replicate)) if args.shard == "fsdp2" else (
-        lambda m: fsdp1(m, wrapped, args.replicate, args.sharding_strategy))
+    fsdp, wrapped = not args.shard.startswith("zero"), []  # the loop steps (FSDP, TP), or DeepSpeed's engine does
+    tp = dist.get_world_size() if args.shard == "transformers_tp" else args.tp
+    dp_rank, dp_world = dist.get_rank() // tp, dist.get_world_size() // tp  # a TP group feeds one DP rank
+    shard = {"fsdp2": lambda m: fully_shard_layers(m, args.tp, args.replicate), "transformers_tp": transformers_tp,
+             "fsdp1": lambda m: fsdp1(m, wrapped, args.replicate, args.sharding_strategy)}.get(args.shard)
     model, optimizer, scheduler = plain_loop.build(args, shard=shard if fsdp else lambda m: None)
     engine = wrapped[0] if wrapped else model if fsdp else deepspeed_engine(args, model, optimizer, scheduler)
     rec = ParityRecorder(args.output_dir, name=args.name, model=engine,
@@ -157,7 +183,7 @@ def train(args) -> str | None:
     for step, window in zip(range(args.steps), plain_loop.windows(args, dp_rank, dp_world, samples)):
         global_tokens = sum((all_labels[batch][:, 1:] != -100).sum() for batch in window)  # the window's loss tokens
         dist.all_reduce(global_tokens)  # summed over the ranks (a TP group's ranks count once each: ÷ tp)
-        global_tokens = global_tokens // args.tp
+        global_tokens = global_tokens // tp
         for k, batch in enumerate(window):
             last = k == len(window) - 1
             ids, labels, mask = all_ids[batch], all_labels[batch], all_mask[batch]
@@ -181,9 +207,10 @@ def train(args) -> str | None:
             rec.before_step()  # the pre-clip norm over the full gradients
             if wrapped:
                 engine.clip_grad_norm_(args.max_grad_norm)  # FSDP1's own, over its shards
-            elif args.tp == 1:
+            elif tp == 1:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            else:  # torch's refuses DTensors on two meshes (dp × tp and dp): the harness's clip across meshes
+            else:  # torch's refuses DTensors on two meshes (dp × tp and dp) or beside plain tensors (TP alone):
+                # the harness's clip across meshes
                 from parity import clip_sharded_gradients
 
                 clip_sharded_gradients(model.parameters(), args)  # torch's formula, to args.max_grad_norm

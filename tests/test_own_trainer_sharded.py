@@ -2,7 +2,8 @@
 (fully_shard, with and without DTensor TP), FSDP1 and DeepSpeed ZeRO 1, 2 and 3 (deepspeed.initialize, the CPU accelerator) — recorded at 2 ranks by
 parity's recorder and replayed under the harness's DDP, which trains the same model unsharded: every path PASSes with
 the replay equal to the record within 1e-5 at every step; so do HSDP (FSDP2 over a (replicate, shard) mesh: its data-
-parallel ranks read from fully_shard's own mesh) and FSDP1's NO_SHARD, their replicas checked. A per-rank mean loss
+parallel ranks read from fully_shard's own mesh), FSDP1's NO_SHARD, their replicas checked, and transformers' own TP
+(from_pretrained's DistributedConfig: an untied model, whose embedding's replicated gradient was once counted twice). A per-rank mean loss
 seeded into the FSDP2 and the ZeRO-2 loop FAILs at step 0, as does HSDP with its all-reduce left off; FSDP1's
 HYBRID_SHARD over one-rank shard groups — torch's own bug: it never reduces across the replicas — FAILs at step 0 on
 its replicas. With --lora (peft's LoRA adapters on the frozen model) the FSDP2 and ZeRO-2 loops PASS their
@@ -49,7 +50,7 @@ RANK_MEAN = [("loss = summed * dp_world / global_tokens  # averaged over the DP 
               "loss = summed / (labels[:, 1:] != -100).sum()  # seeded: each rank's own token mean")]
 ADAPTERS = "    if args.lora:  # peft's adapters, the model frozen under them\n"
 # the plain loop's DDP wrapping (its `shard`) moved before peft injects the adapters: DDP reduces the base's gradients
-LATE_ADAPTERS = [("    shard(model)\n", ""),
+LATE_ADAPTERS = [("    model = shard(model) or model\n", ""),
                  (ADAPTERS, "    shard(model)  # seeded: wrapped before its adapters\n" + ADAPTERS)]
 # (its arguments, the example, the seeded bug's edits of a copy of it): each recorded in this order in one group
 # A user's DeepSpeed loop in bf16 (DeepSpeed's bf16.enabled: the bf16_params policy, reduced in bf16), judged by
@@ -65,7 +66,10 @@ CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
 # before the last, left off): FSDP2 then never sets the gradients, and the optimizer never steps
 ALL_REDUCE_OFF = [("model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only",
                    "model.set_requires_gradient_sync(last)\n                model.set_requires_all_reduce(False)  # seeded")]
-RUNS = {"fsdp2_tp": (["--shard", "fsdp2", "--tp", "2"], EXAMPLE, []),
+# (transformers' TP first: its 1-D "tp" mesh, equal to fsdp2_tp's "tp" sub-mesh, would be read as a child of that
+# job's root mesh in the same process)
+RUNS = {"transformers_tp": (["--shard", "transformers_tp", "--model_name", "llama-tiny"], EXAMPLE, []),
+        "fsdp2_tp": (["--shard", "fsdp2", "--tp", "2"], EXAMPLE, []),
         "hsdp": (["--shard", "fsdp2", "--replicate", "2"], EXAMPLE, []),
         "fsdp1_no_shard": (["--shard", "fsdp1", "--sharding_strategy", "NO_SHARD"], EXAMPLE, []),
         "hsdp_all_reduce_off": (["--shard", "fsdp2", "--replicate", "2"], EXAMPLE, ALL_REDUCE_OFF),
@@ -81,18 +85,22 @@ SAVED = {"fsdp2_lora": ("embed_tokens",)}
 # What each path's ranks hold alike: the replica groups its record declares. ZeRO-1/2: the 26 parameters, whole on
 # both ranks (with LoRA the 34 of the PEFT model: 26 − 8 projections + their 8 base layers + 8 adapters); FSDP2 with
 # TP 2: the 6 parameters TP leaves whole (the embedding, the norms) and their 2 moments.
-# HSDP over a (replicate 2, shard 1) mesh and FSDP1's NO_SHARD: every parameter and its 2 moments (78).
+# HSDP over a (replicate 2, shard 1) mesh and FSDP1's NO_SHARD: every parameter and its 2 moments (78); transformers'
+# TP of llama-tiny (untied: its vocab-parallel embedding's gradient is replicated): the 5 norms it leaves whole and
+# their moments.
 REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero1": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
-                  "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78}
+                  "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78, "transformers_tp": 15}
 # each variant's record: its sharding's kind, ZeRO stage and device mesh (FSDP1 and ZeRO: none)
 SHARDING = {"fsdp2_tp": ("fsdp2", 3, {"dp": 1, "tp": 2}), "hsdp": ("fsdp2", 3, {"replicate": 2, "shard": 1}),
-            "fsdp1_no_shard": ("fsdp1", 0, None)}
+            "fsdp1_no_shard": ("fsdp1", 0, None),
+            "transformers_tp": ("dtensor", 0, {"pp": 1, "dp_replicate": 1, "fsdp": 1, "tp": 2})}
 # recorded, replayed and judged by verify_trainer.py's command line (calibrated, its default): its arguments, and the
 # kernel setting it runs under — the DeepSpeed bf16 loop under the perturbed one (conftest.PERTURBED)
 COMMANDS = {"fsdp2": (["--shard", "fsdp2"], "default"), "fsdp1": (["--shard", "fsdp1"], "default"),
             "zero3": (["--shard", "zero3"], "default"),
             "zero2_bf16_perturbed": (["--shard", "zero2", *DS_BF16], PERTURBED)}
-LABEL = {"fsdp2_tp": "TP=2, DP=1"}  # each record's layout in its verdict line (else TP=1, DP=2)
+# each record's layout in its verdict line (else TP=1, DP=2)
+LABEL = {"fsdp2_tp": "TP=2, DP=1", "transformers_tp": "TP=2, DP=1"}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +182,7 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard, capsys):
     fp32 (measured 6.6e-8), the others exactly — and each tensor the replay's at step 0; the verdict PASSes."""
     recorded, replay = _record(runs[shard], NAME), _record(runs[shard], "ddp")
     kind, lora = shard.split("_")[0], shard.endswith("_lora")
-    config, fsdp, dp = recorded["config"], not kind.startswith("zero"), 1 if shard == "fsdp2_tp" else 2
+    config, fsdp, dp = recorded["config"], not kind.startswith("zero"), 1 if shard in LABEL else 2
     sharding = SHARDING.get(shard, (kind if fsdp else f"deepspeed {kind}", 3 if fsdp else int(kind[-1]),
                                     {"dp": 2} if kind == "fsdp2" else None))
     assert (config["sharding"]["kind"], config["sharding"]["zero_stage"], config["sharding"].get("mesh")) == sharding

@@ -25,7 +25,7 @@ from parity.training.optimizer import (OptimizerStep, clip_gradients, squared_no
                                        trainable)
 from parity.training.replicas import Replica, held, mesh_replica_ranks
 from parity.training.strategy import Strategy
-from parity.training.tensor_norms import Piece, counted_by_name, local_pieces
+from parity.training.tensor_norms import Piece, local_pieces
 
 DCP_DIR = "dcp"  # the checkpoint's torch.distributed.checkpoint folder: a shard file per rank, rank 0's .metadata
 SCALER_FILE = "loss_scaler.pt"  # fp16: the loss scaler's state (rank 0's)
@@ -143,16 +143,10 @@ class DTensorStrategy(Strategy):
 
     def gradient_pieces(self) -> list[Piece]:
         """Each gradient's local shard, counted on one of the ranks that hold it alike (tensor_norms.counted_here)."""
-        return local_pieces(((n, p.grad) for n, p in self.model.named_parameters() if p.requires_grad), self._counted)
+        return local_pieces((n, p.grad) for n, p in self.model.named_parameters() if p.requires_grad)
 
     def parameter_pieces(self) -> list[Piece]:
-        return local_pieces(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), self._counted)
-
-    @property
-    def _counted(self) -> dict[str, bool]:
-        if not hasattr(self, "_counted_pieces"):  # a parameter's placements do not change: found once
-            self._counted_pieces = counted_by_name(self.model.named_parameters())
-        return self._counted_pieces
+        return local_pieces((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
 
     def local_output(self, module_name: str) -> tuple[int, int] | None:
         """Where the module `module_name` leaves each TP rank its piece of its output: (dim, parts) for

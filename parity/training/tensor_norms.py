@@ -49,24 +49,28 @@ class Piece:
 
 
 def counted_here(t: torch.Tensor) -> bool:
-    """Whether this rank's piece of the parameter `t` is the copy counted: a DTensor's local shard on the lowest of the
-    ranks that hold that same shard (replicas.mesh_replica_ranks: along the root mesh's dims it is replicated over or
-    does not live on — a norm TP leaves whole, on the "dp" sub-mesh, is the same on every "tp" rank); a plain tensor,
-    whole on every rank, on rank 0."""
+    """Whether this rank's piece of `t` is the copy counted: a DTensor's local shard on the lowest of the ranks that
+    hold that same shard (replicas.mesh_replica_ranks: along the root mesh's dims it is replicated over or does not
+    live on — a norm TP leaves whole, on the "dp" sub-mesh, is the same on every "tp" rank), found once for each mesh
+    and placements; a plain tensor, whole on every rank, on rank 0."""
+    rank = dist.get_rank()
     if not isinstance(t, DTensor):
-        return dist.get_rank() == 0
-    return dist.get_rank() == mesh_replica_ranks(t)[0]
+        return rank == 0
+    key = (t.device_mesh, t.placements, rank)
+    if key not in _COUNTED:
+        _COUNTED[key] = rank == mesh_replica_ranks(t)[0]
+    return _COUNTED[key]
 
 
-def counted_by_name(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, bool]:
-    """counted_here of each (name, parameter): found once for a model, whose parameters' placements do not change."""
-    return {name: counted_here(p) for name, p in named}
+_COUNTED: dict[tuple, bool] = {}  # counted_here's, by (mesh, placements, rank)
 
 
-def local_pieces(named: Iterable[tuple[str, torch.Tensor | None]], counted: dict[str, bool]) -> list[Piece]:
-    """Pieces of DTensors (and plain tensors) by name: each local shard, counted where `counted` (counted_by_name) says."""
+def local_pieces(named: Iterable[tuple[str, torch.Tensor | None]]) -> list[Piece]:
+    """Pieces of DTensors (and plain tensors) by name: each local shard, counted by its own placements (counted_here) —
+    a gradient's are not always its parameter's: transformers' vocab-parallel embedding takes a replicated gradient
+    into its sharded weight."""
     return [Piece(name, None if t is None else t.to_local() if isinstance(t, DTensor) else t,
-                  counted[name] and t is not None) for name, t in named]
+                  t is not None and counted_here(t)) for name, t in named]
 
 
 def rank0_pieces(named: Iterable[tuple[str, torch.Tensor | None]]) -> list[Piece]:

@@ -7,25 +7,24 @@ dims (TP) feed the same rows, and only the group holding the root mesh's first r
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from parity.training.dtensor_strategy import (dtensor_replicas, full_tensor, global_norm, local,
                                               replicated_parameters)
 from parity.training.optimizer import full_moments
-from parity.training.tensor_norms import Piece, counted_by_name, local_pieces
+from parity.training.tensor_norms import Piece, local_pieces
 from parity.views.adapters import peft_inner
 from parity.views.base import View, ViewRefused
 
 
 class FullyShard(View):
     """FSDP2 (fully_shard) over a 1-D mesh, HSDP over a 2-D one, either beside DTensor TP on the other dims of the
-    root mesh (named as the user names them: ("dp", "tp"), accelerate's ("dp_replicate", "dp_shard", "tp"), …)."""
+    root mesh (named as the user names them: ("dp", "tp"), accelerate's ("dp_replicate", "dp_shard", "tp"), …); or
+    DTensor TP alone (kind "dtensor")."""
 
     kind = "fsdp2"
     zero_stage = 3
@@ -48,6 +47,8 @@ class FullyShard(View):
         if root.size() != self.world:
             raise ViewRefused(f"the device mesh spans {root.size()} of the {self.world} ranks")
         group = data_parallel_ranks(model)
+        if group is None:  # DTensor TP alone (parallelize_module, transformers' tp_plan): one DP rank
+            self.kind, self.zero_stage, group = "dtensor", 0, [self.rank]
         self.dp_rank, self.dp_size = group.index(self.rank), len(group)
         self.feeds = int(root.mesh.flatten()[0]) in group  # the DP group at coordinate 0 of every other dim
         names = root.mesh_dim_names or (("dp",) if root.ndim == 1 else tuple(f"dim{i}" for i in range(root.ndim)))
@@ -83,25 +84,21 @@ class FullyShard(View):
 
     def gradient_pieces(self) -> list[Piece]:
         """Each local shard, counted on one of the ranks that hold it alike, as the DTensor strategies count it."""
-        return local_pieces(((name, p.grad) for name, p in self.trainable()), self._counted)
+        return local_pieces((name, p.grad) for name, p in self.trainable())
 
     def parameter_pieces(self) -> list[Piece]:
-        return local_pieces(((name, p.detach()) for name, p in self.trainable()), self._counted)
-
-    @functools.cached_property
-    def _counted(self) -> dict[str, bool]:
-        return counted_by_name(self.trainable())
+        return local_pieces((name, p.detach()) for name, p in self.trainable())
 
 
-def data_parallel_ranks(model) -> list[int]:
+def data_parallel_ranks(model) -> list[int] | None:
     """The global ranks of this rank's data-parallel group, in their DP order: the ranks of the mesh fully_shard
     shards (and HSDP replicates) each parameter group over, as its state holds it (FSDPParamGroup.mesh_info: torch
-    2.13's, the pinned release); this rank alone where no module is fully_shard'ed (DTensor TP alone)."""
+    2.13's, the pinned release); None where no module is fully_shard'ed (DTensor TP alone)."""
     groups = {tuple(g.mesh_info.mesh.mesh.flatten().tolist()) for g in _param_groups(model)}
     if len(groups) > 1:
         raise ViewRefused(f"fully_shard over {len(groups)} different data-parallel meshes in one model: the recorder "
                           f"reads one")
-    return list(groups.pop()) if groups else [dist.get_rank()]
+    return list(groups.pop()) if groups else None
 
 
 def _param_groups(model) -> list:
