@@ -8,8 +8,8 @@ gradients: the parameter norm, the series and the optimizer's groups take those 
 under LoRA (the base frozen).
 
 A multimodal model trained on text is read as its language model where it is whole on every rank (plain or DDP:
-language_model.py). Refused in one line (ViewRefused): FSDP1 without use_orig_params or in another sharding strategy,
-DeepSpeed's AutoTP, a 2-D mesh without a "dp" dim, LoRA adapters the replay cannot build, a multimodal model sharded.
+language_model.py). Refused in one line (ViewRefused): FSDP1 without use_orig_params, DeepSpeed's AutoTP, fully_shard
+over several data-parallel meshes, LoRA adapters the replay cannot build, a multimodal model sharded.
 """
 
 from __future__ import annotations
