@@ -12,6 +12,7 @@ partitions).
     python examples/sharded_loop.py --shard fsdp2 --replicate 2 --output_dir OUT --nproc 4   # HSDP (fsdp1: HYBRID_SHARD)
     python examples/sharded_loop.py --shard fsdp1 --sharding_strategy NO_SHARD --output_dir OUT --nproc 2
     python examples/sharded_loop.py --shard transformers_tp --output_dir OUT --nproc 2   # from_pretrained's own TP
+    python examples/sharded_loop.py --shard zero1 --tp 2 --output_dir OUT --nproc 2     # DeepSpeed's AutoTP + ZeRO-1
     python examples/sharded_loop.py --shard zero2 --deepspeed_bf16 --output_dir OUT --nproc 2   # DeepSpeed's bf16
     python train_ddp.py --replay_record OUT/loss_sharded_loop.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
@@ -51,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--shard", choices=SHARDS, default="fsdp2")
     p.add_argument("--tp", type=int, default=1, help="fsdp2: DTensor TP over this many ranks (the harness's plan for "
-                                                     "the model), FSDP2 over the 'dp' dim of the ('dp', 'tp') mesh")
+                                                     "the model), FSDP2 over the 'dp' dim of the ('dp', 'tp') mesh; "
+                                                     "zero1|2|3: DeepSpeed's AutoTP (autotp_size)")
     p.add_argument("--replicate", type=int, default=1,
                    help="fsdp2: HSDP, FSDP2 over a (replicate, shard) mesh of this many replicas of the shard group; "
                         "fsdp1: HYBRID_SHARD over that mesh")
@@ -68,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device != "cpu":
         print(f"error: --device {args.device}: sharded_loop.py runs on CPU ranks only (gloo); plain_loop.py takes "
               f"--device cuda", file=sys.stderr)
+        raise SystemExit(2)
+    if args.tp > 1 and args.shard in ("fsdp1", "transformers_tp"):
+        print(f"error: --tp {args.tp} with --shard {args.shard}: --tp is fsdp2's DTensor TP and zero1|2|3's AutoTP "
+              f"(transformers_tp shards over every rank)", file=sys.stderr)
         raise SystemExit(2)
     if args.replicate > 1 and (not args.shard.startswith("fsdp") or args.tp > 1):
         print(f"error: --replicate {args.replicate} with --shard {args.shard}{' --tp' if args.tp > 1 else ''}: HSDP "
@@ -159,7 +165,8 @@ def deepspeed_engine(args, model, optimizer, scheduler):
     config = {"train_micro_batch_size_per_gpu": args.batch_size // args.grad_accum_steps,
               "gradient_accumulation_steps": args.grad_accum_steps, "gradient_clipping": args.max_grad_norm,
               "zero_optimization": {"stage": int(args.shard[-1])}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 1 << 30, **({"bf16": {"enabled": True}} if args.deepspeed_bf16 else {})}
+              "steps_per_print": 1 << 30, **({"bf16": {"enabled": True}} if args.deepspeed_bf16 else {}),
+              **({"tensor_parallel": {"autotp_size": args.tp}} if args.tp > 1 else {})}  # AutoTP
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
 

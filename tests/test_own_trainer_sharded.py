@@ -4,7 +4,8 @@ parity's recorder and replayed under the harness's DDP, which trains the same mo
 the replay equal to the record within 1e-5 at every step; so do HSDP (FSDP2 over a (replicate, shard) mesh: its data-
 parallel ranks read from fully_shard's own mesh), FSDP1's NO_SHARD, their replicas checked, and transformers' own TP
 (from_pretrained's DistributedConfig: an untied model, whose embedding's replicated gradient was once counted twice). A per-rank mean loss
-seeded into the FSDP2 and the ZeRO-2 loop FAILs at step 0, as does HSDP with its all-reduce left off; FSDP1's
+seeded into the FSDP2 and the ZeRO-2 loop FAILs at step 0, as do HSDP with its all-reduce left off and DeepSpeed's
+AutoTP (which PASSes clean) with its tokens summed over the TP ranks too; FSDP1's
 HYBRID_SHARD over one-rank shard groups — torch's own bug: it never reduces across the replicas — FAILs at step 0 on
 its replicas. With --lora (peft's LoRA adapters on the frozen model) the FSDP2 and ZeRO-2 loops PASS their
 replay, which builds the same PEFT model from the recorded base and adapters (FSDP2's with the tied embedding trained
@@ -66,8 +67,13 @@ CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
 # before the last, left off): FSDP2 then never sets the gradients, and the optimizer never steps
 ALL_REDUCE_OFF = [("model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only",
                    "model.set_requires_gradient_sync(last)\n                model.set_requires_all_reduce(False)  # seeded")]
+# DeepSpeed's AutoTP 2 × ZeRO-1 (llama-tiny, untied: AutoTP hands a tied model's loop vocab-sharded logits), and with a
+# seeded bug: the window's tokens summed over every rank, a TP group's ranks counted as DP ranks (÷ tp forgotten)
+AUTOTP = ["--shard", "zero1", "--tp", "2", "--model_name", "llama-tiny"]
+TOKENS_OVER_TP = [("        global_tokens = global_tokens // tp\n", "")]
 # (transformers' TP first: its 1-D "tp" mesh, equal to fsdp2_tp's "tp" sub-mesh, would be read as a child of that
-# job's root mesh in the same process)
+# job's root mesh in the same process; AutoTP last: DeepSpeed keeps its TP groups in the process, which a later engine
+# at TP 1 then trips on)
 RUNS = {"transformers_tp": (["--shard", "transformers_tp", "--model_name", "llama-tiny"], EXAMPLE, []),
         "fsdp2_tp": (["--shard", "fsdp2", "--tp", "2"], EXAMPLE, []),
         "hsdp": (["--shard", "fsdp2", "--replicate", "2"], EXAMPLE, []),
@@ -79,17 +85,19 @@ RUNS = {"transformers_tp": (["--shard", "transformers_tp", "--model_name", "llam
         "zero2_rank_mean": (["--shard", "zero2"], EXAMPLE, RANK_MEAN),
         "fsdp2_lora": (["--shard", "fsdp2", "--lora", "--lora_save", "embed_tokens"], EXAMPLE, []),
         "zero2_lora": (["--shard", "zero2", "--lora"], EXAMPLE, []),
-        "ddp_lora_late": (["--lora", "--name", NAME], PLAIN, LATE_ADAPTERS), **CALIBRATED}
+        "ddp_lora_late": (["--lora", "--name", NAME], PLAIN, LATE_ADAPTERS), **CALIBRATED,
+        "zero1_autotp": (AUTOTP, EXAMPLE, []), "zero1_autotp_tokens_over_tp": (AUTOTP, EXAMPLE, TOKENS_OVER_TP)}
 # The modules a LoRA variant trains whole beside its adapters (--lora_save): FSDP2's, the tied embedding (one copy)
 SAVED = {"fsdp2_lora": ("embed_tokens",)}
 # What each path's ranks hold alike: the replica groups its record declares. ZeRO-1/2: the 26 parameters, whole on
 # both ranks (with LoRA the 34 of the PEFT model: 26 − 8 projections + their 8 base layers + 8 adapters); FSDP2 with
 # TP 2: the 6 parameters TP leaves whole (the embedding, the norms) and their 2 moments.
+# AutoTP 2 × ZeRO-1: the 6 parameters AutoTP leaves whole, on both ranks, and their master fragments and 2 moments.
 # HSDP over a (replicate 2, shard 1) mesh and FSDP1's NO_SHARD: every parameter and its 2 moments (78); transformers'
 # TP of llama-tiny (untied: its vocab-parallel embedding's gradient is replicated): the 5 norms it leaves whole and
 # their moments.
 REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero1": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
-                  "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78, "transformers_tp": 15}
+                  "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78, "transformers_tp": 15, "zero1_autotp": 24}
 # each variant's record: its sharding's kind, ZeRO stage and device mesh (FSDP1 and ZeRO: none)
 SHARDING = {"fsdp2_tp": ("fsdp2", 3, {"dp": 1, "tp": 2}), "hsdp": ("fsdp2", 3, {"replicate": 2, "shard": 1}),
             "fsdp1_no_shard": ("fsdp1", 0, None),
@@ -100,7 +108,7 @@ COMMANDS = {"fsdp2": (["--shard", "fsdp2"], "default"), "fsdp1": (["--shard", "f
             "zero3": (["--shard", "zero3"], "default"),
             "zero2_bf16_perturbed": (["--shard", "zero2", *DS_BF16], PERTURBED)}
 # each record's layout in its verdict line (else TP=1, DP=2)
-LABEL = {"fsdp2_tp": "TP=2, DP=1", "transformers_tp": "TP=2, DP=1"}
+LABEL = {"fsdp2_tp": "TP=2, DP=1", "transformers_tp": "TP=2, DP=1", "zero1_autotp": "TP=2, DP=1"}
 
 
 @pytest.fixture(scope="module")
@@ -279,10 +287,12 @@ def test_an_error_of_the_harness_exits_with_its_own_code_not_fails(runs, tmp_pat
     assert not (folder / "report.html").exists()
 
 
-@pytest.mark.parametrize("bug", ["fsdp2_rank_mean", "zero2_rank_mean", "hsdp_all_reduce_off"])
+@pytest.mark.parametrize("bug", ["fsdp2_rank_mean", "zero2_rank_mean", "hsdp_all_reduce_off",
+                                 "zero1_autotp_tokens_over_tp"])
 def test_sharded_per_rank_mean_fails_at_step_0(runs, bug):
     """Each rank's loss normalised by its own tokens, averaged by FSDP2's reduce-scatter or ZeRO's reduction; HSDP's
-    replicate dim never all-reduced (ALL_REDUCE_OFF: FSDP2 then sets no gradient, rel_diff 1): the same loss at step 0
+    replicate dim never all-reduced (ALL_REDUCE_OFF: FSDP2 then sets no gradient, rel_diff 1); under AutoTP the tokens
+    summed over the TP ranks too (TOKENS_OVER_TP: half the gradient): the same loss at step 0
     (the same weights and data) but another gradient — FAIL at step 0 on the pre-clip grad norm."""
     recorded, replay = _record(runs[bug], NAME), _record(runs[bug], "ddp")
     assert abs(recorded["steps"][0]["loss"] - replay["steps"][0]["loss"]) <= 1e-6 * replay["steps"][0]["loss"]

@@ -1,7 +1,8 @@
-"""A user's `deepspeed.initialize` engine, ZeRO stages 0–3, TP 1, read with the DeepSpeed strategy's code
-(zero_state.py, which the strategy reads its own engine with): its norm over each rank's master pieces, its replicas
-and its full master weights and moments (ZeRO-1/2's fragments in one collective, ZeRO-3's through DeepSpeed's
-safe_get_full_*). DeepSpeed clips and steps inside `engine.step()`: the pre-clip norm is DeepSpeed's own
+"""A user's `deepspeed.initialize` engine, ZeRO stages 0–3, with or without AutoTP (`tensor_parallel.autotp_size`),
+read with the DeepSpeed strategy's code (zero_state.py, which the strategy reads its own engine with): its norm over
+each rank's master pieces, its replicas and its full master weights and moments (ZeRO-1/2's fragments in one
+collective, ZeRO-3's through DeepSpeed's safe_get_full_*, AutoTP's shards gathered by each AutoTP layer). The ranks of a
+TP group feed one DP rank's rows (DeepSpeed checks they are the same): its TP rank 0 hands them over. DeepSpeed clips and steps inside `engine.step()`: the pre-clip norm is DeepSpeed's own
 (`engine.get_global_grad_norm()`, per-tensor float64 sums rounded to fp32), the record's grad_norm_source says
 "framework".
 """
@@ -22,7 +23,7 @@ from parity.views.zero_state import full_tensors
 
 
 class ZeRO(View):
-    """A DeepSpeed engine (ZeRO stages 0–3, TP 1) that a user's loop steps."""
+    """A DeepSpeed engine (ZeRO stages 0–3, AutoTP or not) that a user's loop steps."""
 
     grad_norm_visible = False  # DeepSpeed clips inside engine.step(): its own norm, after the step
     steps_once_an_update = False  # ZeRO-1/2 step the client optimizer once per parameter group, ZeRO-3 per sub-group
@@ -39,12 +40,24 @@ class ZeRO(View):
         return cls(model, device) if isinstance(model, DeepSpeedEngine) else None
 
     def __init__(self, engine, device: torch.device):
-        if engine.autotp_size() > 1:
-            raise ViewRefused(f"DeepSpeed's AutoTP (autotp_size {engine.autotp_size()}): the recorder reads ZeRO at "
-                              f"TP 1 only so far")
+        import torch.distributed as dist
+        from deepspeed.utils import groups
+
         inner, self.prefix = peft_inner(engine.module)  # a PeftModel's Hugging Face model, and its names' prefix
         super().__init__(inner, torch_optimizer(engine.optimizer))
         self.engine, self.device = engine, device
+        tp = max(engine.autotp_size(), 1)  # 0 where AutoTP is off
+        # AutoTP's groups, as DeepSpeed made them (this rank alone in its TP group at TP 1)
+        self.tp_ranks = tuple(dist.get_process_group_ranks(groups.get_tensor_model_parallel_group())) if tp > 1 \
+            else (self.rank,)
+        self.dp_ranks = tuple(dist.get_process_group_ranks(engine.seq_data_parallel_group))  # ZeRO's
+        if len(self.tp_ranks) * len(self.dp_ranks) != self.world or len(self.tp_ranks) != tp:
+            raise ViewRefused(f"DeepSpeed's AutoTP groups of {len(self.tp_ranks)} × {len(self.dp_ranks)} ranks (TP × "
+                              f"DP), autotp_size {tp}, in a world of {self.world}: the recorder reads them over every "
+                              f"rank")
+        self.tp_rank = self.tp_ranks.index(self.rank)
+        self.dp_rank, self.dp_size = self.dp_ranks.index(self.rank), len(self.dp_ranks)
+        self.feeds = self.tp_rank == 0
         self.zero_stage = engine.zero_optimization_stage()
         self.kind = f"deepspeed zero{self.zero_stage}"
         self.masters_apart = engine.bfloat16_enabled() or engine.fp16_enabled()
@@ -80,10 +93,10 @@ class ZeRO(View):
     def parameter_norm(self) -> float:
         return zero_state.module_norm(self.engine, self._local_master, zero_stage=self.zero_stage,
                                       partitioned=self.zero_stage > 0 and self.masters_apart, device=self.device,
-                                      tp_size=1)
+                                      tp_size=len(self.tp_ranks))
 
     def _gather(self, read) -> dict[str, torch.Tensor]:
-        return full_tensors(self.model, read)  # every parameter once, under its first name (TP 1: as read)
+        return full_tensors(self.model, read)  # every parameter once, under its first name, AutoTP's gathered
 
     def full_state_dict(self):
         """The master weights (the DeepSpeed strategy's reading: zero_state.full_masters), tied names and buffers as
@@ -101,10 +114,10 @@ class ZeRO(View):
         reading: zero_state.local_gradient, zero_pieces; watch_norm)."""
         return zero_state.zero_pieces(self.engine, self.trainable(),
                                       lambda p: zero_state.local_gradient(p, self.zero_stage),
-                                      partitioned=self.zero_stage > 0, tp_rank=0)
+                                      partitioned=self.zero_stage > 0, tp_rank=self.tp_rank)
 
     def parameter_pieces(self) -> list[Piece]:
-        return zero_state.zero_pieces(self.engine, self.trainable(), self._local_master, tp_rank=0,
+        return zero_state.zero_pieces(self.engine, self.trainable(), self._local_master, tp_rank=self.tp_rank,
                                       partitioned=self.zero_stage == 3 or self.zero_stage > 0 and self.masters_apart)
 
     @staticmethod
@@ -113,9 +126,9 @@ class ZeRO(View):
         return getattr(p, "ds_tensor", p).detach()
 
     def replicas(self):
-        everyone = tuple(range(self.world))
-        found = zero_state.zero_replicas(self.engine, self.zero_stage, everyone=everyone, same_shard=everyone,
-                                         same_partition=(self.rank,), tp_size=1)  # under the engine's module's names
+        found = zero_state.zero_replicas(self.engine, self.zero_stage, everyone=tuple(range(self.world)),
+                                         same_shard=self.dp_ranks, same_partition=self.tp_ranks,
+                                         tp_size=len(self.tp_ranks))  # under the engine's module's names
         return [dataclasses.replace(r, name=r.name.removeprefix(self.prefix)) for r in found]
 
 
