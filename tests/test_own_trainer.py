@@ -59,15 +59,16 @@ CALLBACKS = "callbacks=[ParityCallback("
 ARGS_END = "disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)"
 DEEPSPEED = ("{'train_micro_batch_size_per_gpu': 'auto', 'gradient_accumulation_steps': 'auto', "
              "'zero_optimization': {'stage': 1}, 'gradient_clipping': 'auto'}")  # DeepSpeed's train_batch_size its own
+NUM_ITEMS_BUG = """    class Buggy(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+    trainer = Buggy(model=model, args=training, train_dataset=data,"""
 # The seeded bugs and the DeepSpeed path in copies of examples/hf_trainer.py.
 HF_COPIES = {
     # a compute_loss override that drops num_items_in_batch: each micro-batch's own token mean, not divided by the
     # accumulation (Trainer divides only where num_items_in_batch is missing from its own call)
-    "hf_num_items": [(TRAINER_LINE, """    class Buggy(Trainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs)
-
-    trainer = Buggy(model=model, args=training, train_dataset=data,""")],
+    "hf_num_items": [(TRAINER_LINE, NUM_ITEMS_BUG)],
     # the scheduler stepped again at the end of every update: twice per update
     "hf_twice": [(CALLBACKS, "callbacks=[Twice(), ParityCallback("),
                  ("def train(args) -> None:", """from transformers import TrainerCallback
@@ -79,8 +80,11 @@ class Twice(TrainerCallback):
 
 
 def train(args) -> None:""")],
-    # Trainer's DeepSpeed path on CPU: ZeRO-1 through TrainingArguments(deepspeed=...)
+    # Trainer's DeepSpeed path on CPU: ZeRO-1 through TrainingArguments(deepspeed=...); and with the seeded
+    # compute_loss above in it
     "hf_deepspeed": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})")],
+    "hf_deepspeed_num_items": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})"),
+                               (TRAINER_LINE, NUM_ITEMS_BUG)],
     # the same without use_cpu=True (the reported case), in a fresh accelerate state as a user's process has it
     "hf_deepspeed_world": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})"),
                            ('use_cpu=args.device == "cpu", ', ""),
@@ -173,9 +177,9 @@ def runs(tmp_path_factory):
     jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16", *HF_SHAPES]))
     jobs.append((hf_copies["hf_num_items"], ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16",
                                              *HF_SHAPES, "--name", "hf_bug"]))
-    for name in ("hf_deepspeed", "hf_deepspeed_world"):  # last: the second resets accelerate's state
+    for name in ("hf_deepspeed", "hf_deepspeed_num_items", "hf_deepspeed_world"):  # last: it resets accelerate's state
         folders[name].mkdir()
-        jobs.append((hf_copies[name], ["--output_dir", str(folders[name]), "--steps", "1"],
+        jobs.append((hf_copies[name], ["--output_dir", str(folders[name]), "--steps", "1" if "world" in name else "3"],
                      str(folders[name] / "stderr.txt")))
     start_processes(_record_rank, (2, free_port(), jobs), 2)
     one = [(EXAMPLE, ["--output_dir", "plain_1rank", "--name", NAME, "--steps", str(STEPS),  # relative to the cwd
@@ -191,7 +195,8 @@ def runs(tmp_path_factory):
     shutil.copytree(folders["plain_1rank"], folders["plain_copy"])  # a copied record folder replays too
 
     two = [_replay(folders, root, name, NAME, 2) for name in COPIES]
-    two += [_replay(folders, root, name, HF, 2) for name in (HF, "hf_num_items", "hf_twice", BF16)]
+    two += [_replay(folders, root, name, HF, 2) for name in (HF, "hf_num_items", "hf_twice", BF16, "hf_deepspeed",
+                                                             "hf_deepspeed_num_items")]
     two += [_replay(folders, root, BF16, HF, 2, noise_reference=True, precision="fp32"),
             _replay(folders, root, "plain_1rank", NAME, 2, noise_reference=True),
             _replay(folders, root, "plain_copy", NAME, 2), _replay(folders, root, CAPPED, NAME, 2)]
@@ -836,26 +841,33 @@ def _recorder_lines(folder) -> list[str]:
     return [line for line in (folder / "stderr.txt").read_text().splitlines() if line.startswith("parity recorder")]
 
 
-def test_trainer_deepspeed_path_is_refused_in_one_line(runs):
-    """Trainer's DeepSpeed path on CPU (ZeRO-1 through TrainingArguments(deepspeed=...), two ranks). With use_cpu=True
-    Trainer sees the world right, but DeepSpeed's engine steps its optimizer inside backward, out of the recorder's
-    sight: refused in one line naming it. Without use_cpu=True (the reported finding) each rank's Trainer sees
-    world_size 1 and process_index 0 — accelerate's state found no backend and kept one process while DeepSpeed
-    started the 2-rank group — so every rank feeds the same rows: refused in one line naming that and its cause.
-    Nothing recorded (never a PASS); the user's training ran to its end in both."""
-    assert _recorder_lines(runs["hf_deepspeed"]) == [
-        f"parity recorder [{HF}]: Trainer's DeepSpeed path (TrainingArguments(deepspeed=...)) is not recorded: "
-        f"DeepSpeed steps its own optimizer inside backward (no torch optimizer step to hook, no gradients outside it) "
-        f"and shards the optimizer state; record the run under Trainer's DDP path (no deepspeed=) or with the "
-        f"harness's own train_deepspeed.py: recording nothing"]
+def test_trainer_deepspeed_path_is_recorded_and_a_bug_in_it_fails(runs):
+    """Trainer's DeepSpeed path on CPU (ZeRO-1 through TrainingArguments(deepspeed=...), two ranks, 3 steps): its
+    engine, which steps inside backward, is read by the recorder's ZeRO view as a DeepSpeed loop of one's own (its
+    gradients where engine.step() takes its norm, the norm DeepSpeed's own): the replay equals the record within 1e-5
+    and the verdict PASSes; the compute_loss that drops num_items_in_batch, seeded into it, FAILs at step 0 on the grad
+    norm. Refused before 2026-11-29. Without use_cpu=True (the reported finding) each rank's Trainer sees world_size 1
+    and process_index 0 — accelerate's state found no backend and kept one process while DeepSpeed started the 2-rank
+    group — so every rank feeds the same rows: refused in one line naming that and its cause, nothing recorded, and
+    the user's training ran to its end."""
+    recorded = _record(runs["hf_deepspeed"], HF)
+    config = recorded["config"]
+    assert (config["sharding"]["kind"], config["grad_norm_source"], len(recorded["steps"])) == \
+        ("deepspeed zero1", "framework", 3)
+    assert _recorder_lines(runs["hf_deepspeed"])[0].startswith(
+        f"parity recorder [{HF}]: recording {HF} (transformers.Trainer, deepspeed zero1, 2 ranks)")
+    comparison = _compare(runs["hf_deepspeed"])
+    assert comparison.word == "PASS" and max(_only(comparison).verdict.max_rel_diff.values()) < 1e-5
+    (result,) = _compare(runs["hf_deepspeed_num_items"]).results
+    outside = result.verdict.first_outside
+    assert (outside.step, outside.quantity) == (0, "grad_norm") and outside.rel_diff > 0.1, outside
     assert _recorder_lines(runs["hf_deepspeed_world"]) == [
         f"parity recorder [{HF}]: Trainer sees world_size 1 and process_index 0, the process group 2 ranks (this one "
         f"rank 0): every rank would feed the same rows and the loss be normalised for another world than the one "
         f"training (accelerate without use_cpu=True on a machine without GPUs: DeepSpeed starts the group, "
         f"accelerate's state finds no backend and keeps one process): pass use_cpu=True: recording nothing"]
-    for name in ("hf_deepspeed", "hf_deepspeed_world"):
-        assert not (runs[name] / f"loss_{HF}.json").exists()
-        assert (runs[name] / "trainer").is_dir()  # Trainer's own output folder: it trained
+    assert not (runs["hf_deepspeed_world"] / f"loss_{HF}.json").exists()
+    assert (runs["hf_deepspeed_world"] / "trainer").is_dir()  # Trainer's own output folder: it trained
 
 
 def test_a_trainer_logging_at_its_default_interval_is_recorded_as_one_logging_every_step(tmp_path, monkeypatch):

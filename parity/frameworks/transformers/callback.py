@@ -21,6 +21,10 @@ What a callback cannot see, it takes from the framework's own extension points:
   scheduler stepped twice per update would replay to the same curves: the verdict FAILs the first step whose lr is
   not the declared one instead (parity.comparing.run.Run.lr_off_schedule).
 
+Its DeepSpeed path (`TrainingArguments(deepspeed=...)`): DeepSpeed clips and steps inside backward, so the recorder
+is handed Trainer's engine (model_wrapped) and reads it as a DeepSpeed loop of one's own (views/zero.py): the gradients
+where engine.step() takes its norm, the pre-clip norm DeepSpeed's own.
+
 A run resumed with `trainer.train(resume_from_checkpoint=...)` continues its first run's record from the checkpoint's
 step (state.global_step at on_train_begin: ParityRecorder's start_step), its declared schedule moved on to that step;
 each checkpoint Trainer saves writes the record (on_save), so that it holds the steps up to the checkpoint.
@@ -48,7 +52,7 @@ from parity.fingerprint import installed_versions
 from parity.frameworks import Refused, guarded, objective_of, release_refusal
 from parity.frameworks.transformers.step_taps import StepTaps
 from parity.recording.forward_hook import hand_over
-from parity.recording.recorded_tensors import CLIPPED
+from parity.recording.recorded_tensors import CLIPPED, PRE_CLIP
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, unwrap
 from parity.recording.resume import DeclaredSchedule
 from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
@@ -69,7 +73,7 @@ class ParityCallback(TrainerCallback):
         self.dump_step = dump_step
         self.state_saving = {"checkpoint_interval": checkpoint_interval, "max_state_bytes": max_state_bytes}
         self.recorder: ParityRecorder | None = None
-        self._hook, self.taps, self.feed = None, None, None
+        self._hook, self.taps, self.feed, self.engine = None, None, None, None
 
     @guarded
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -85,14 +89,22 @@ class ParityCallback(TrainerCallback):
                 attach.refused(refusal)
             return
         precision = next((policy for flag, policy in PRECISIONS if getattr(args, flag, False)), "fp32")
+        self.engine = deepspeed_engine(trainer)  # its DeepSpeed path: the engine, read by the recorder's ZeRO view
+        clipping = args.max_grad_norm or 0.0
+        if self.engine is not None:
+            precision = "bf16_params" if self.engine.bfloat16_enabled() else "fp16" if self.engine.fp16_enabled() \
+                else precision
+            model, optimizer, clipping = self.engine, self.engine.optimizer, self.engine.gradient_clipping()
         self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
                                        optimizer=optimizer,  # accelerate's wrapper: the recorder takes it as it is
-                                       max_grad_norm=args.max_grad_norm or 0.0, precision=precision,
+                                       max_grad_norm=clipping, precision=precision,
                                        max_batch_bytes=self.max_batch_bytes, framework="transformers.Trainer",
                                        framework_versions=installed_versions(("transformers", "accelerate", "trl")),
                                        dump_step=self.dump_step,
                                        start_step=state.global_step,  # > 0: resumed from a checkpoint
-                                       tensor_grad=CLIPPED,  # its callbacks come after its clipping
+                                       # its callbacks come after its clipping; DeepSpeed's engine.step() is
+                                       # read where it takes the norm it clips by (views/norm_point.py)
+                                       tensor_grad=CLIPPED if self.engine is None else PRE_CLIP,
                                        objective=trained and trained.objective,
                                        objective_declared=trained and trained.declared,
                                        **self.state_saving)
@@ -119,7 +131,10 @@ class ParityCallback(TrainerCallback):
         if self.taps is None:
             return
         logged_loss, theirs = self.taps.take()  # (every rank: a collective)
-        if self.recorder is not None and self.recorder.enabled:
+        if self.recorder is not None and self.recorder.enabled and self.engine is not None:
+            # DeepSpeed's path: its engine clipped and stepped inside backward; the norm is its own (the ZeRO view's)
+            self.recorder.after_step(logged_loss=logged_loss, logged_grad_norm=theirs)
+        elif self.recorder is not None and self.recorder.enabled:
             own = self.recorder.norm_at_optimizer_step
             clipping = args.max_grad_norm or 0.0
             unclipped = theirs is None or clipping <= 0 or theirs + 1e-6 <= clipping  # torch's max / (norm + 1e-6) >= 1
@@ -163,10 +178,8 @@ def calling_trainer():
 
 def trainer_refusal(args, trainer) -> str | None:
     """Why this Trainer run cannot be recorded, in one line (None: it can).
-    - Its DeepSpeed path (`TrainingArguments(deepspeed=...)`): DeepSpeed's engine steps its own optimizer inside
-      `backward` (no torch optimizer for the recorder's step pre-hook, no gradients outside it) and shards the optimizer
-      state over the ranks, which the replica check and the recorded optimizer assume whole; the sharded recorders
-      are not wired into Trainer's DeepSpeed path.
+    - Its DeepSpeed path (`TrainingArguments(deepspeed=...)`) where no DeepSpeedEngine is its model_wrapped (the
+      engine is what the recorder reads: deepspeed_engine).
     - A Trainer whose own view of the world is not the process group's (`args.world_size`, `args.process_index`
       against torch.distributed's): its data sharding and loss normalisation would be another run's than the one the
       ranks train together. Measured with DeepSpeed on CPU without use_cpu=True (transformers 5.23.0, accelerate
@@ -201,12 +214,23 @@ def trainer_refusal(args, trainer) -> str | None:
         return (f"label smoothing (label_smoothing_factor={args.label_smoothing_factor}): the run trains a smoothed "
                 f"cross-entropy, the replay the token mean of the plain one: verify the setup with "
                 f"label_smoothing_factor=0")
-    if getattr(args, "deepspeed", None):
-        return ("Trainer's DeepSpeed path (TrainingArguments(deepspeed=...)) is not recorded: DeepSpeed steps its own "
-                "optimizer inside backward (no torch optimizer step to hook, no gradients outside it) and shards the "
-                "optimizer state; record the run under Trainer's DDP path (no deepspeed=) or with the harness's own "
-                "train_deepspeed.py")
+    if getattr(args, "deepspeed", None) and deepspeed_engine(trainer) is None:
+        return (f"Trainer's DeepSpeed path without a DeepSpeed engine to read (its model_wrapped is a "
+                f"{type(trainer.model_wrapped).__name__}): record the run under Trainer's DDP path (no deepspeed=)")
     return None
+
+
+def deepspeed_engine(trainer):
+    """The DeepSpeedEngine Trainer's DeepSpeed path trains through (accelerate's prepare made it its model_wrapped by
+    on_train_begin), or None. DeepSpeed steps inside backward (accelerate's engine wrapper calls engine.step() there):
+    the recorder reads it as a DeepSpeed loop of one's own (the ZeRO view: its gradients where engine.step() takes its
+    norm, the norm DeepSpeed's own)."""
+    engine = getattr(trainer, "model_wrapped", None)
+    if sys.modules.get("deepspeed") is None or engine is None:
+        return None
+    from deepspeed import DeepSpeedEngine
+
+    return engine if isinstance(engine, DeepSpeedEngine) else None
 
 
 def declared_schedule(args, max_steps: int, optimizer, step: int = 0) -> DeclaredSchedule | None:
