@@ -521,7 +521,7 @@ def test_a_strategy_name_is_refused_in_one_line(tmp_path):
     lines = []
     rec = ParityRecorder(str(tmp_path), name="ddp", model=torch.nn.Linear(2, 2), optimizer=None, log=lines.append)
     assert not rec.enabled and lines == [
-        "parity recorder: name 'ddp' is a strategy of the harness (ddp, deepspeed, fsdp, pipeline, transformers): its "
+        "parity recorder [ddp]: name 'ddp' is a strategy of the harness (ddp, deepspeed, fsdp, pipeline, transformers): its "
         "record would be taken for the harness's own run; choose another: recording nothing"]
     rec.micro_batch(None, None, None)
     rec.before_step()
@@ -619,12 +619,12 @@ def test_a_single_process_loop_without_a_group_is_recorded_in_a_group_of_its_own
     refused = ParityRecorder(str(tmp_path / "refused"), name="ddp", model=model, optimizer=optimizer,
                              log=refused_lines.append)
     assert not refused.enabled and not dist.is_initialized() and refused_lines[0].startswith(
-        "parity recorder: name 'ddp' is a strategy of the harness")
+        "parity recorder [ddp]: name 'ddp' is a strategy of the harness")
     monkeypatch.setenv("WORLD_SIZE", "2")
     told = []
     assert not ParityRecorder(str(tmp_path / "told"), name="two", model=model, optimizer=optimizer,
                               log=told.append).enabled and not dist.is_initialized()
-    assert told == ["parity recorder: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone "
+    assert told == ["parity recorder [two]: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone "
                     "(torch.distributed is not initialised in it): call init_process_group(backend) in every process, "
                     "without rank and world_size: it takes the launcher's variables: recording nothing"]
 
@@ -937,8 +937,7 @@ def test_what_a_trainers_replay_cannot_draw_or_build_is_refused_before_it_record
                       callbacks=[ParityCallback(str(tmp_path / "rec"), name="refused")])
     trainer.train()
     assert trainer.state.global_step == 1 and not (tmp_path / "rec").exists()
-    by = "parity recorder" if "optim" in setting else "parity recorder [refused]"  # the recorder's, or the callback's
-    assert capsys.readouterr().err.splitlines() == [f"{by}: {why}: recording nothing"]
+    assert capsys.readouterr().err.splitlines() == [f"parity recorder [refused]: {why}: recording nothing"]
 
 
 def _world_before_the_group(rank: int, world: int, port: int, out: str, result: str) -> None:

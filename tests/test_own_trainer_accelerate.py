@@ -55,9 +55,9 @@ COPIES.update({
     "left_out": [BF16_STATE],  # the example as it is: no precision told, --bf16
     "told_fp32": [BF16_STATE, (TOLD, 'max_grad_norm=args.max_grad_norm, precision="fp32",')],
 })
-TOLD_LINE = ("parity recorder: precision 'fp32' told, but accelerate trains the model in 'bf16': pass "
+TOLD_LINE = (f"parity recorder [{NAME}]: precision 'fp32' told, but accelerate trains the model in 'bf16': pass "
              "precision='bf16', or leave it out: recording nothing")
-ALONE_LINE = ("parity recorder: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone "
+ALONE_LINE = (f"parity recorder [{NAME}]: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone "
               "(accelerate's DistributedType.NO, num_processes 1: on CPU accelerate forms a process group only with "
               "cpu=True): pass Accelerator(cpu=True) or set ACCELERATE_USE_CPU=1: recording nothing")
 
@@ -170,7 +170,7 @@ def test_no_group_under_a_launcher_of_two_is_refused_in_one_line(tmp_path, monke
     rec = ParityRecorder(str(tmp_path), name="alone", model=model, optimizer=torch.optim.AdamW(model.parameters()),
                          log=lines.append)
     assert not rec.enabled and lines == [
-        "parity recorder: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone (torch.distributed "
+        "parity recorder [alone]: the launcher started 2 processes (WORLD_SIZE=2) but this one trains alone (torch.distributed "
         "is not initialised in it): call init_process_group(backend) in every process, without rank and world_size: "
         "it takes the launcher's variables: recording nothing"]
     assert not any(tmp_path.iterdir())
@@ -193,5 +193,5 @@ def test_a_start_that_fails_while_writing_leaves_no_folder(tmp_path, monkeypatch
         rec = recorder.ParityRecorder(str(tmp_path), name="failing", model=model,
                                       optimizer=torch.optim.AdamW(model.parameters()), log=lines.append)
     assert not rec.enabled
-    assert lines == ["parity recorder: could not start (OSError: disk full): recording nothing"]
+    assert lines == ["parity recorder [failing]: could not start (OSError: disk full): recording nothing"]
     assert not any(tmp_path.iterdir())

@@ -354,7 +354,7 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
             model, lines = build(), []
             rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model,
                                  optimizer=torch.optim.AdamW(model.parameters()), log=lines.append)
-            assert not rec.enabled and lines == [f"parity recorder: {line}: recording nothing"], lines
+            assert not rec.enabled and lines == [f"parity recorder [mine]: {line}: recording nothing"], lines
             rec.after_step()
             assert rec.close() is None and not (tmp_path / "out").exists()
         # FSDP1 at one rank, which it runs as NO_SHARD whatever it was asked: every tensor whole, read as such
@@ -441,7 +441,7 @@ def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
             rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model,
                                  optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
                                  log=lines.append)
-            assert not rec.enabled and lines == [f"parity recorder: {line}: recording nothing"], lines
+            assert not rec.enabled and lines == [f"parity recorder [mine]: {line}: recording nothing"], lines
             rec.after_step()
             assert rec.close() is None and not (tmp_path / "out").exists()
     finally:

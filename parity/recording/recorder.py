@@ -133,7 +133,7 @@ class ParityRecorder(BatchTaking):
             refusal = refusal or str(exc)
         if refusal:
             if first_process():
-                self._print(f"parity recorder: {refusal}: recording nothing")
+                self._print(f"parity recorder [{name}]: {refusal}: recording nothing")
                 refused(refusal)
             self._release_group()
             return
@@ -148,13 +148,13 @@ class ParityRecorder(BatchTaking):
             self.enabled = True
         except (ViewRefused, layer_cut.NotCut) as exc:  # a group, wrapper or depth it cannot take: every rank finds it
             if first_process():
-                self._print(f"parity recorder: {exc}: recording nothing")
+                self._print(f"parity recorder [{name}]: {exc}: recording nothing")
                 refused(str(exc))
         except resume.ResumeRefused as exc:  # a record the resumed run cannot continue (_continue)
             self._line(f"{exc}: recording nothing; the training goes on")
         except Exception as exc:  # never the user's training
             self._discard()
-            self._print(f"parity recorder: could not start ({type(exc).__name__}: {first_line(exc)}): recording nothing")
+            self._print(f"parity recorder [{name}]: could not start ({type(exc).__name__}: {first_line(exc)}): recording nothing")
         if not self.enabled:
             self._release_group()
 
