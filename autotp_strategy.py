@@ -55,8 +55,8 @@ from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUF
 from parity.training.optimizer import OptimizerStep
 from parity.training.replicas import Replica
 from parity.views.norm_point import norm_dtype, watch_norm
-from parity.views.zero_state import (full_masters, full_moments, full_tensors, local_gradient, local_master,
-                                    module_norm, zero_pieces, zero_replicas)
+from parity.views.zero_state import (autotp_groups, full_masters, full_moments, full_tensors, local_gradient,
+                                    local_master, module_norm, zero_pieces, zero_replicas)
 from parity.training.strategy import Option, Piece, Strategy, build_named_optimizer, build_optimizer, set_lr
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -471,11 +471,7 @@ def check_rank_layout(engine, ctx) -> None:
     """DeepSpeed's TP group must be ranks [dp_rank·tp, (dp_rank+1)·tp) and the group ZeRO averages the
     gradients over the ranks with this tp_rank: the loop feeds every rank of a TP group the same DP slice
     by that rule."""
-    import torch.distributed as dist
-    from deepspeed.utils import groups
-
-    tp_ranks = dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()) if ctx.tp_size > 1 else [ctx.rank]
-    dp_ranks = dist.get_process_group_ranks(engine.seq_data_parallel_group)
+    tp_ranks, dp_ranks = map(list, autotp_groups(engine, ctx.rank))
     want_tp, want_dp = ctx.layout.tp_group(ctx.rank), ctx.layout.dp_group(ctx.rank)  # the run's (parity/layout.py)
     if (tp_ranks, dp_ranks) != (want_tp, want_dp):
         raise RuntimeError(f"rank {ctx.rank}: DeepSpeed's TP group {tp_ranks} / DP group {dp_ranks} are not the "

@@ -154,7 +154,8 @@ class ParityRecorder(BatchTaking):
             self._line(f"{exc}: recording nothing; the training goes on")
         except Exception as exc:  # never the user's training
             self._discard()
-            self._print(f"parity recorder [{name}]: could not start ({type(exc).__name__}: {first_line(exc)}): recording nothing")
+            self._print(f"parity recorder [{name}]: could not start ({type(exc).__name__}: {first_line(exc)}): "
+                        f"recording nothing")
         if not self.enabled:
             self._release_group()
 

@@ -1,10 +1,10 @@
 """A user's `deepspeed.initialize` engine, ZeRO stages 0–3, with or without AutoTP (`tensor_parallel.autotp_size`),
 read with the DeepSpeed strategy's code (zero_state.py, which the strategy reads its own engine with): its norm over
 each rank's master pieces, its replicas and its full master weights and moments (ZeRO-1/2's fragments in one
-collective, ZeRO-3's through DeepSpeed's safe_get_full_*, AutoTP's shards gathered by each AutoTP layer). The ranks of a
-TP group feed one DP rank's rows (DeepSpeed checks they are the same): its TP rank 0 hands them over. DeepSpeed clips and steps inside `engine.step()`: the pre-clip norm is DeepSpeed's own
-(`engine.get_global_grad_norm()`, per-tensor float64 sums rounded to fp32), the record's grad_norm_source says
-"framework".
+collective, ZeRO-3's through DeepSpeed's safe_get_full_*, AutoTP's shards gathered by each AutoTP layer). The ranks
+of a TP group feed one DP rank's rows (DeepSpeed checks they are the same): its TP rank 0 hands them over. DeepSpeed
+clips and steps inside `engine.step()`: the pre-clip norm is DeepSpeed's own (`engine.get_global_grad_norm()`,
+per-tensor float64 sums rounded to fp32), the record's grad_norm_source says "framework".
 """
 
 from __future__ import annotations
@@ -40,17 +40,11 @@ class ZeRO(View):
         return cls(model, device) if isinstance(model, DeepSpeedEngine) else None
 
     def __init__(self, engine, device: torch.device):
-        import torch.distributed as dist
-        from deepspeed.utils import groups
-
         inner, self.prefix = peft_inner(engine.module)  # a PeftModel's Hugging Face model, and its names' prefix
         super().__init__(inner, torch_optimizer(engine.optimizer))
         self.engine, self.device = engine, device
         tp = max(engine.autotp_size(), 1)  # 0 where AutoTP is off
-        # AutoTP's groups, as DeepSpeed made them (this rank alone in its TP group at TP 1)
-        self.tp_ranks = tuple(dist.get_process_group_ranks(groups.get_tensor_model_parallel_group())) if tp > 1 \
-            else (self.rank,)
-        self.dp_ranks = tuple(dist.get_process_group_ranks(engine.seq_data_parallel_group))  # ZeRO's
+        self.tp_ranks, self.dp_ranks = zero_state.autotp_groups(engine, self.rank)
         if len(self.tp_ranks) * len(self.dp_ranks) != self.world or len(self.tp_ranks) != tp:
             raise ViewRefused(f"DeepSpeed's AutoTP groups of {len(self.tp_ranks)} × {len(self.dp_ranks)} ranks (TP × "
                               f"DP), autotp_size {tp}, in a world of {self.world}: the recorder reads them over every "

@@ -96,6 +96,17 @@ def local_gradient(p, zero_stage: int):
     return fragment.narrow(0, address.start, address.numel) if fragment.numel() == p.numel() else fragment
 
 
+def autotp_groups(engine, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(this rank's TP group, its DP group) as DeepSpeed made them: AutoTP's tensor-parallel group (this rank alone
+    where AutoTP is off: autotp_size 0 or 1) and the group ZeRO averages and partitions over."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    tp = tuple(dist.get_process_group_ranks(groups.get_tensor_model_parallel_group())) \
+        if engine.autotp_size() > 1 else (rank,)
+    return tp, tuple(dist.get_process_group_ranks(engine.seq_data_parallel_group))
+
+
 def zero_pieces(engine, named, local_of, *, partitioned: bool, tp_rank: int) -> list[Piece]:
     """tensor_norms.Piece of each (name, parameter) in `named`: `local_of(p)`, this rank's piece of a tensor of p (None:
     none here), counted on one rank of those that hold it alike — a tensor AutoTP leaves whole on TP rank 0 only (as
