@@ -41,6 +41,7 @@ import functools
 import torch
 
 from parity.deepspeed_import import import_deepspeed
+from parity.deepspeed_precision import config_policy
 from parity.errors import ConfigError, LibraryMissing
 from parity.models.families import family_of
 from parity.models.model import parameter_names
@@ -50,7 +51,7 @@ from parity.strategies.autotp.gathers import column_parallel_outputs, gather_las
 from parity.strategies.autotp.guards import check_autoep, check_release_runs
 from parity.strategies.autotp.library import forget_other_tp_layout
 from parity.strategies.autotp.partition import autotp_partition_config
-from parity.strategies.autotp.user_config import config_policy, given_config, read_user_config, user_config
+from parity.strategies.autotp.user_config import given_config, read_user_config, user_config
 from parity.training.memory import GATHERED, GRADS, MASTER, OFFLOAD, OFFLOAD_BUFFERS, PARAMS, StateLedger
 from parity.training.optimizer import OptimizerStep
 from parity.training.replicas import Replica

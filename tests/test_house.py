@@ -139,7 +139,7 @@ def test_every_table_keyed_by_policy_covers_exactly_the_policies():
     from parity.comparing.tolerances import TOLERANCE_CLASS
     from parity.driver.config import DTYPE_NAMES, FLAGS, PRECISIONS, add_run_flags
     from parity.precision import DTYPES, LOSS_SCALING_DEFAULTS, POLICIES
-    from parity.strategies.autotp.user_config import FP16_SCALER_KEYS
+    from parity.deepspeed_precision import FP16_SCALER_KEYS
     from parity.training.loss_scaler import LossScaler
     from parity.training.memory import BYTES_PER_PARAM
 

@@ -59,6 +59,9 @@ CALLBACKS = "callbacks=[ParityCallback("
 ARGS_END = "disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)"
 DEEPSPEED = ("{'train_micro_batch_size_per_gpu': 'auto', 'gradient_accumulation_steps': 'auto', "
              "'zero_optimization': {'stage': 1}, 'gradient_clipping': 'auto'}")  # DeepSpeed's train_batch_size its own
+DEEPSPEED_PURE = DEEPSPEED.replace("'stage': 1}", "'stage': 2}, 'bf16': {'enabled': 'auto', "
+                                   "'bf16_master_weights_and_grads': True, 'bf16_optimizer_states': True}")
+DEEPSPEED_AUTOCAST = DEEPSPEED.replace("'stage': 1}", "'stage': 2}, 'torch_autocast': {'enabled': True}")
 NUM_ITEMS_BUG = """    class Buggy(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
@@ -85,6 +88,11 @@ def train(args) -> None:""")],
     "hf_deepspeed": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})")],
     "hf_deepspeed_num_items": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})"),
                                (TRAINER_LINE, NUM_ITEMS_BUG)],
+    # DeepSpeed's own precision modes, read from the engine's config: bf16 master weights and Adam state (bf16_pure),
+    # clean and with the compute_loss bug; torch_autocast over fp32 weights (bf16), its Linear gradients reduced in bf16
+    "hf_ds_pure": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_PURE})")],
+    "hf_ds_pure_num_items": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_PURE})"), (TRAINER_LINE, NUM_ITEMS_BUG)],
+    "hf_ds_autocast": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_AUTOCAST})")],
     # the same without use_cpu=True (the reported case), in a fresh accelerate state as a user's process has it
     "hf_deepspeed_world": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})"),
                            ('use_cpu=args.device == "cpu", ', ""),
@@ -101,6 +109,8 @@ BF16 = "bf16"  # Trainer in bf16: the clean run (hf_trainer) and the compute_los
 HF_SHAPES = ["--rows", "10", "--dynamic_padding"]  # 5 rows a rank: every other window holds one micro-batch
 HF_CLIPPED = "hf_clipped"  # Trainer at 1 rank clipping at 0.5: every step clips (norms ~1.2)
 TOLD_FP32 = "told_fp32"  # the plain loop's forward under autocast(bfloat16), its recorder told "fp32"
+DS_PURE, DS_AUTOCAST = "ds_pure", "ds_autocast"  # Trainer's DeepSpeed path in bf16_pure (clean, hf_bug) and autocast
+AS_PARAMS = "ds_pure_as_params"  # the clean bf16_pure record replayed as bf16_params: what the recorder read before
 
 
 def _record_rank(rank: int, world: int, port: int, jobs: list, cwd: str | None = None) -> None:
@@ -177,6 +187,12 @@ def runs(tmp_path_factory):
     jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16", *HF_SHAPES]))
     jobs.append((hf_copies["hf_num_items"], ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16",
                                              *HF_SHAPES, "--name", "hf_bug"]))
+    for folder, name, copy, flags in ((DS_PURE, HF, "hf_ds_pure", ["--bf16"]),
+                                      (DS_PURE, "hf_bug", "hf_ds_pure_num_items", ["--bf16"]),
+                                      (DS_AUTOCAST, HF, "hf_ds_autocast", [])):
+        folders[folder] = root / folder
+        jobs.append((hf_copies[copy], ["--output_dir", str(folders[folder]), "--name", name, "--steps",
+                                       str(BF16_STEPS), *flags]))
     for name in ("hf_deepspeed", "hf_deepspeed_num_items", "hf_deepspeed_world"):  # last: it resets accelerate's state
         folders[name].mkdir()
         jobs.append((hf_copies[name], ["--output_dir", str(folders[name]), "--steps", "1" if "world" in name else "3"],
@@ -194,7 +210,17 @@ def runs(tmp_path_factory):
     start_processes(_record_rank, (1, free_port(), one, str(root)), 1)
     shutil.copytree(folders["plain_1rank"], folders["plain_copy"])  # a copied record folder replays too
 
+    folders[AS_PARAMS] = root / AS_PARAMS
+    folders[AS_PARAMS].mkdir()
+    shutil.copytree(folders[DS_PURE] / f"recorded_{HF}", folders[AS_PARAMS] / f"recorded_{HF}")
+    shutil.copytree(folders[DS_PURE] / f"loss_{HF}.tensors", folders[AS_PARAMS] / f"loss_{HF}.tensors")
+    record = json.loads((folders[DS_PURE] / f"loss_{HF}.json").read_text())
+    record["config"].update(precision="bf16_params", reduce_dtype="bf16", grad_accum_dtype="bf16")
+    (folders[AS_PARAMS] / f"loss_{HF}.json").write_text(json.dumps(record))
     two = [_replay(folders, root, name, NAME, 2) for name in COPIES]
+    calibrated = (DS_PURE, DS_AUTOCAST, AS_PARAMS)  # each replayed at 2 workers, 1 and 4, and where fp32 masters
+    two += [_replay(folders, root, name, HF, 2) for name in calibrated]  # measure the noise, in fp32
+    two += [_replay(folders, root, name, HF, 2, noise_reference=True, precision="fp32") for name in calibrated[1:]]
     two += [_replay(folders, root, name, HF, 2) for name in (HF, "hf_num_items", "hf_twice", BF16, "hf_deepspeed",
                                                              "hf_deepspeed_num_items")]
     two += [_replay(folders, root, BF16, HF, 2, noise_reference=True, precision="fp32"),
@@ -202,8 +228,10 @@ def runs(tmp_path_factory):
             _replay(folders, root, "plain_copy", NAME, 2), _replay(folders, root, CAPPED, NAME, 2)]
     groups = [two, [_replay(folders, root, "plain_1rank", NAME, 1), _replay(folders, root, "hf_1rank", "hf_1rank", 1),
                     _replay(folders, root, BF16, HF, 1, noise_reference=True),
-                    _replay(folders, root, "hf_small", HF, 1), _replay(folders, root, HF_CLIPPED, HF, 1)],
+                    _replay(folders, root, "hf_small", HF, 1), _replay(folders, root, HF_CLIPPED, HF, 1),
+                    *(_replay(folders, root, name, HF, 1, noise_reference=True) for name in calibrated)],
               [_replay(folders, root, BF16, HF, 4, noise_reference=True),
+               *(_replay(folders, root, name, HF, 4, noise_reference=True) for name in calibrated),
                _replay(folders, root, "plain_1rank", NAME, 4, noise_reference=True)]]
     for planned in groups:
         launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
@@ -868,6 +896,29 @@ def test_trainer_deepspeed_path_is_recorded_and_a_bug_in_it_fails(runs):
         f"accelerate's state finds no backend and keeps one process): pass use_cpu=True: recording nothing"]
     assert not (runs["hf_deepspeed_world"] / f"loss_{HF}.json").exists()
     assert (runs["hf_deepspeed_world"] / "trainer").is_dir()  # Trainer's own output folder: it trained
+
+
+def test_deepspeeds_own_precision_modes_are_read_from_its_config_and_judged(runs):
+    """Trainer's DeepSpeed path (ZeRO-2, 2 ranks, 4 steps) in the modes its config names, read from the engine's config
+    as a strategy run's --deepspeed_config is read (parity/deepspeed_precision.py), each judged by the calibrated
+    verdict (replays at 2, 1 and 4 workers and in fp32). bf16 master weights and Adam state
+    (bf16_master_weights_and_grads + bf16_optimizer_states) is recorded as bf16_pure and PASSes; the same record read as
+    bf16_params, as the callback read every bf16 engine before 2026-11-29, FAILs — a correct run called FAIL (a norm
+    weight's update, bf16 masters lose updates below their half ulp); the compute_loss bug in bf16_pure FAILs at step 0
+    on the grad norm. torch_autocast over fp32 weights, which the recorder was told was fp32 (refused at step 0), is
+    recorded as bf16 — DeepSpeed reduces its Linear gradients in bf16, the replay every gradient in fp32 — and PASSes."""
+    pure, autocast = _record(runs[DS_PURE], HF)["config"], _record(runs[DS_AUTOCAST], HF)["config"]
+    assert [(c["precision"], c["reduce_dtype"], c["grad_accum_dtype"], c["sharding"]["kind"]) for c in (pure, autocast)] \
+        == [("bf16_pure", "bf16", "bf16", "deepspeed zero2"), ("bf16", "fp32", "fp32", "deepspeed zero2")]
+    for folder, references in ((DS_PURE, 2), (DS_AUTOCAST, 3)):  # bf16_pure's fp32 twin measures no noise
+        comparison = compare_in(runs[folder])
+        clean = {r.run.name: r for r in comparison.results}[HF]
+        assert len(comparison.references) == references and clean.bounds.calibrated and clean.verdict.passed, folder
+        assert len(_record(runs[folder], HF)["steps"]) == BF16_STEPS
+    (bug,) = [r for r in compare_in(runs[DS_PURE]).results if r.run.name == "hf_bug"]
+    assert (bug.verdict.first_outside.step, bug.verdict.first_outside.quantity) == (0, "grad_norm")
+    (misread,) = compare_in(runs[AS_PARAMS]).results
+    assert misread.bounds.calibrated and not misread.verdict.passed
 
 
 def test_a_trainer_logging_at_its_default_interval_is_recorded_as_one_logging_every_step(tmp_path, monkeypatch):

@@ -370,6 +370,46 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
         dist.destroy_process_group()
 
 
+def test_a_deepspeed_engine_says_its_precision_and_a_policy_told_against_it_is_one_line(tmp_path):
+    """A DeepSpeed engine's config names the run's policy (parity/deepspeed_precision.py, as for a --deepspeed_config):
+    the recorder told none takes it, told "bf16" (the family) takes the engine's bf16_params, told "fp32" refuses in one
+    line naming the policy to pass; DeepSpeed's autocast in fp16, which no policy of the harness replays, is one line. ZeRO-1 at one rank, a group of one in this process; nothing recorded where refused."""
+    import torch
+    import torch.distributed as dist
+
+    from parity import import_deepspeed
+    from parity.models.model import build_model, resolve_model_config
+    from parity.recording.recorder import ParityRecorder
+
+    deepspeed = import_deepspeed(torch.device("cpu"))
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "steps_per_print": 1 << 30,
+            "zero_allow_untested_optimizer": True}
+    cases = [({"bf16": {"enabled": True}}, None, "bf16_params"), ({"bf16": {"enabled": True}}, "bf16", "bf16_params"),
+             ({"torch_autocast": {"enabled": True}}, None, "bf16"),
+             ({"bf16": {"enabled": True}}, "fp32", "precision 'fp32' told, but the DeepSpeed engine's config trains the "
+                                                   "model in 'bf16_params': pass precision='bf16_params', or leave it out"),
+             ({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}, None,
+              "the DeepSpeed engine's config: torch_autocast.dtype torch.float16: the harness replays autocast in "
+              "bfloat16 only (the bf16 policy); fp16 is DeepSpeed's fp16 section (the fp16 policy)")]
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for i, (precision, told, said) in enumerate(cases):
+            model = build_model(resolve_model_config("qwen2-tiny"), 0)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                              config={**base, **precision})
+            lines, out = [], tmp_path / f"out{i}"
+            rec = ParityRecorder(str(out), name="mine", model=engine, optimizer=engine.optimizer, precision=told,
+                                 log=lines.append)
+            if rec.enabled:
+                assert rec.record.data["config"]["precision"] == said, lines
+                rec.close()
+            else:
+                assert lines == [f"parity recorder [mine]: {said}: recording nothing"] and not out.exists(), lines
+    finally:
+        dist.destroy_process_group()
+
+
 def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
     """A PeftModel whose adapters the replay cannot build: one line each naming why, nothing recorded, and the user's
     loop goes on (one rank, a group of one in this process): dropout (the replay cannot draw the run's masks), a

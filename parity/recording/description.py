@@ -12,23 +12,21 @@ import torch.distributed as dist
 from parity.attaching import layer_cut
 from parity.fingerprint import fingerprint
 from parity.models.model import config_summary, file_sha256
-from parity.precision import POLICIES
 from parity.training.observer import device_name
 from parity.training.record import RECORDER_SOURCE as SOURCE
 
 
 def describe_run(rec, *, here: str, config, hf: bool, optimizer, framework: str, framework_versions: dict,
-                 precision: str, max_grad_norm: float, max_batch_bytes: int) -> dict:
+                 policy: dict, max_grad_norm: float, max_batch_bytes: int) -> dict:
     """The record's config for recorder `rec` (its name, view, model, optimizer's description, objective and device
     set): `here` the recorded folder's name, `config` the model's (None: not a Hugging Face model), `optimizer` the
-    torch optimizer that steps."""
+    torch optimizer that steps, `policy` the precision policy's fields (precision_seen.told)."""
     group0 = optimizer.param_groups[0]
     betas = group0.get("betas", (0.0, 0.0))
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else None
     framework_part = {"name": framework, "versions": framework_versions,
                       "script": os.path.basename(script) if script else None,
                       "script_sha256": file_sha256(script) if script and os.path.isfile(script) else None}
-    policy = POLICIES[precision]
     return {
         "source": SOURCE, "framework": framework, "strategy": rec.name, "strategy_path": None,
         "model_name": here, "model_type": getattr(config, "model_type", None),
@@ -36,9 +34,7 @@ def describe_run(rec, *, here: str, config, hf: bool, optimizer, framework: str,
         "tp_size": rec.view.tp_size, "pp_size": 1, "ep_size": 1,
         "dp_size": rec.view.dp_size, "sharding": rec.view.describe(),
         "num_workers": rec.world, "world_size": rec.world, "batch_size": None, "global_batch_size": None,
-        "grad_accum_steps": None, "seq_length": None, "precision": precision,
-        "reduce_dtype": policy.reduce_dtypes[0], "grad_accum_dtype": policy.grad_accum_dtypes[0],
-        "loss_scaling": None, "total_steps": None, "init_weights_sha256": None,
+        "grad_accum_steps": None, "seq_length": None, **policy, "total_steps": None, "init_weights_sha256": None,
         "init_weights_path": f"{here}/init_weights.safetensors" if hf else None,
         "model_config": config_summary(config) if hf else {}, "lora": rec.view.lora,  # a PEFT model's adapters
         "layer_cut": layer_cut.recorded(rec.model),  # verify_trainer.py --num_layers: {"num_layers", "of"}

@@ -1,8 +1,9 @@
 """The precision a run is seen to train in, beside the one its recorder was told: a record told "fp32" whose forward
 ran under torch.autocast(bfloat16) is replayed without it and FAILs at many times its bound — a false alarm of the
 recorder's making, not the run's (found by the false-alarm campaign: docs/false_alarms.md).
-- At the start, a framework that says its precision (accelerate's mixed_precision: the registry's `precision_of`)
-  gives it to a recorder told none, and refuses one told another.
+- At the start, a run whose own settings say its precision — a DeepSpeed engine's config (its bf16, fp16 or
+  torch_autocast section, with its reduce and accumulation dtypes and loss scaler), a framework's (accelerate's
+  mixed_precision: the registry's `precision_of`) — gives it to a recorder told none, and refuses one told another.
 - At the first training forward, where the record's policy keeps fp32 parameters (fp32, bf16), the autocast (enabled,
   dtype) is read inside the model — a pre-hook on its first module holding parameters, under any wrapper that enters
   autocast around the model's forward (accelerate's, Lightning's, the loop's own) — and a mismatch ends the record in
@@ -12,21 +13,44 @@ from __future__ import annotations
 
 import torch
 
-from parity.precision import DTYPES, POLICIES
+from parity.errors import ConfigError
+from parity.precision import DTYPES, LOSS_SCALING_DEFAULTS, POLICIES, PolicyRequest
+from parity.views.zero import engine_request
 
 
-def told(precision: str | None, model) -> tuple[str, str | None]:
-    """The record's policy and a refusal (None: none): `precision` as told; where told none, the framework's (else
-    fp32); where the framework says another, refused in one line."""
+def told(precision: str | None, model) -> tuple[dict, str | None]:
+    """The record's policy settings (POLICY_FIELDS: its name, reduce and accumulation dtypes, loss scaler) and a
+    refusal (None: none). The policy is `precision` as told; where told none, the one the run's own settings say — a
+    DeepSpeed engine's config (views/zero.engine_request), else the framework's (accelerate's) — else fp32; where
+    they say another, refused in one line ("bf16" told of a DeepSpeed engine's bf16 mode names its family, as
+    --precision bf16 does of a strategy's: the engine's refinement is taken). The refinements are the engine's
+    config's, else the policy's defaults."""
     from parity.frameworks import precision_of
 
-    said = precision_of(model)  # (framework, policy) or None
-    if precision is None:
-        return (said[1] if said else "fp32"), None
+    try:
+        request = engine_request(model)
+    except ConfigError as exc:
+        return settings_of(precision or "fp32", None), str(exc)
+    said = (request.source, request.precision) if request is not None else precision_of(model)  # (who, policy)
+    if precision is None or (said is not None and precision == "bf16" and said[1].startswith("bf16") and
+                             request is not None and request.refines_bf16):
+        return settings_of(said[1] if said else "fp32", request), None
     if said is not None and said[1] != precision:
-        return precision, (f"precision {precision!r} told, but {said[0]} trains the model in {said[1]!r}: pass "
-                           f"precision={said[1]!r}, or leave it out")
-    return precision, None
+        return settings_of(precision, None), (f"precision {precision!r} told, but {said[0]} trains the model in "
+                                              f"{said[1]!r}: pass precision={said[1]!r}, or leave it out")
+    return settings_of(precision, request), None
+
+
+def settings_of(precision: str, request: PolicyRequest | None) -> dict:
+    """The record's POLICY_FIELDS for policy `precision`: a request's reduce and accumulation dtypes and loss scaler
+    where it sets them, else the policy's defaults (an unknown name is kept, for the recorder's own refusal)."""
+    policy = POLICIES.get(precision)
+    request = request or PolicyRequest("")
+    return {"precision": precision,
+            "reduce_dtype": request.reduce_dtype or (policy.reduce_dtypes[0] if policy else None),
+            "grad_accum_dtype": request.grad_accum_dtype or (policy.grad_accum_dtypes[0] if policy else None),
+            "loss_scaling": {**LOSS_SCALING_DEFAULTS, **request.loss_scaling} if policy and policy.loss_scaling
+            else None}
 
 
 def mismatch(policy: str, enabled: bool, dtype: torch.dtype) -> str | None:

@@ -94,8 +94,9 @@ class ParityRecorder(BatchTaking):
     without DTensor TP), or a DeepSpeed engine (then `optimizer=engine.optimizer`, before_step before the boundary's
     engine.step() and after_step after it: parity/views/zero.py);
     `max_grad_norm` is what the loop clips to (0: it does not clip); `precision` the harness's name of what the loop
-    computes in (fp32, bf16 for autocast over fp32 weights ...; left out: accelerate's mixed_precision, else fp32; a
-    forward under another autocast than told ends the record in one line: precision_seen.py); `max_batch_bytes` caps the batches saved (default
+    computes in (fp32, bf16 for autocast over fp32 weights ...; left out: a DeepSpeed engine's config or accelerate's
+    mixed_precision, else fp32; a forward under another autocast than told ends the record in one line:
+    precision_seen.py); `max_batch_bytes` caps the batches saved (default
     DEFAULT_MAX_BATCH_BYTES); `framework` names the loop (shown in the fingerprint, not compared); `log` takes rank
     0's lines (default: stderr); `scheduler`, the loop's lr scheduler, records each step's `declared_lr`
     (resume.DeclaredSchedule.copy_of: the verdict FAILs a step whose lr is not the one its schedule declares);
@@ -124,7 +125,8 @@ class ParityRecorder(BatchTaking):
         self._own_group = dist.is_available() and own_group(launched_processes())
         self._print = log or (lambda line: print(line, file=sys.stderr, flush=True))
         from parity.frameworks import release_refusal  # a framework's release older than its room's oldest
-        precision, mismatch = precision_seen.told(precision, model)  # None: the framework's (accelerate's), else fp32
+        policy, mismatch = precision_seen.told(precision, model)  # None: the engine's or framework's, else fp32
+        precision = policy["precision"]
         refusal = release_refusal() or mismatch or self._refusal(name, precision, start_step) or \
             states.refusal(checkpoint_interval, max_state_bytes)
         try:  # a post-training objective's rows and sums (recorded_objective.py); None: the causal-LM token mean
@@ -138,7 +140,7 @@ class ParityRecorder(BatchTaking):
             self._release_group()
             return
         try:
-            self._start(output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
+            self._start(output_dir, model, optimizer, max_grad_norm, policy, max_batch_bytes, log_interval,
                         framework, framework_versions or {}, scheduler, start_step, tensor_grad)
             self.states = states.StateSaver(self, checkpoint_interval, max_state_bytes, start_step)  # for the check
             if dump_step is not None:  # step K in full, for compare_dumps.py (parity/recording/dump.py)
@@ -194,8 +196,9 @@ class ParityRecorder(BatchTaking):
         return None
 
     # --- set-up -------------------------------------------------------------------------------------
-    def _start(self, output_dir, model, optimizer, max_grad_norm, precision, max_batch_bytes, log_interval,
+    def _start(self, output_dir, model, optimizer, max_grad_norm, policy, max_batch_bytes, log_interval,
                framework, framework_versions, scheduler, start_step, tensor_grad) -> None:
+        precision = policy["precision"]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = exchange_device()
         self.view = view_of(model, optimizer, self.device, unwrap)  # plain/DDP, FSDP2, FSDP1, ZeRO (parity/views/)
@@ -216,7 +219,7 @@ class ParityRecorder(BatchTaking):
         state = self.view.full_state_dict() if fresh else None  # full tensors where sharded: every rank (collective)
         self.exchange = RowExchange()
         description = describe_run(self, here=here, config=config, hf=hf, optimizer=optimizer, framework=framework,
-                                   framework_versions=framework_versions, precision=precision,
+                                   framework_versions=framework_versions, policy=policy,
                                    max_grad_norm=max_grad_norm, max_batch_bytes=max_batch_bytes)
         self.record = LossRecord(record_path(output_dir, self.name), self.name, description)
         if start_step:

@@ -4,7 +4,9 @@ each rank's master pieces, its replicas and its full master weights and moments 
 collective, ZeRO-3's through DeepSpeed's safe_get_full_*, AutoTP's shards gathered by each AutoTP layer). The ranks
 of a TP group feed one DP rank's rows (DeepSpeed checks they are the same): its TP rank 0 hands them over. DeepSpeed
 clips and steps inside `engine.step()`: the pre-clip norm is DeepSpeed's own (`engine.get_global_grad_norm()`,
-per-tensor float64 sums rounded to fp32), the record's grad_norm_source says "framework".
+per-tensor float64 sums rounded to fp32), the record's grad_norm_source says "framework". The engine's own config
+says the run's precision policy (`engine_request`: its bf16, fp16 or torch_autocast section, read as a strategy run's
+--deepspeed_config is), which the recorder takes rather than being told it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 
 import torch
 
+from parity.deepspeed_precision import config_policy
+from parity.precision import POLICIES, PolicyRequest
 from parity.training.tensor_norms import Piece
 from parity.views.adapters import peft_inner
 from parity.views import zero_state
@@ -54,7 +58,8 @@ class ZeRO(View):
         self.feeds = self.tp_rank == 0
         self.zero_stage = engine.zero_optimization_stage()
         self.kind = f"deepspeed zero{self.zero_stage}"
-        self.masters_apart = engine.bfloat16_enabled() or engine.fp16_enabled()
+        request = engine_request(engine)  # the policy its config asks for (None: fp32)
+        self.masters_apart = request is not None and POLICIES[request.precision].master_copy  # not bf16_pure's
         if self.masters_apart and self.zero_stage == 0:
             raise ViewRefused("DeepSpeed at ZeRO stage 0 with bf16 or fp16 weights: the recorder reads its masters at "
                               "stages 1–3 only")
@@ -126,5 +131,19 @@ class ZeRO(View):
         return [dataclasses.replace(r, name=r.name.removeprefix(self.prefix)) for r in found]
 
 
+def engine_request(model) -> PolicyRequest | None:
+    """The precision policy a DeepSpeedEngine's config asks for, with its reduce and accumulation dtypes and loss
+    scaler (deepspeed_precision.config_policy over the settings the engine read: one reading for a strategy run's
+    --deepspeed_config and a user's engine); None for a model that is no engine, or an engine in fp32. ConfigError in
+    one line for a config no policy of the harness holds."""
+    if sys.modules.get("deepspeed") is None:
+        return None
+    from deepspeed import DeepSpeedEngine
+
+    if not isinstance(model, DeepSpeedEngine):
+        return None
+    return config_policy(model._config._param_dict, "the DeepSpeed engine's config")
+
+
 VIEW = ZeRO
-__all__ = ["VIEW", "ZeRO"]
+__all__ = ["VIEW", "ZeRO", "engine_request"]

@@ -91,9 +91,8 @@ class ParityCallback(TrainerCallback):
         precision = next((policy for flag, policy in PRECISIONS if getattr(args, flag, False)), "fp32")
         self.engine = deepspeed_engine(trainer)  # its DeepSpeed path: the engine, read by the recorder's ZeRO view
         clipping = args.max_grad_norm or 0.0
-        if self.engine is not None:
-            precision = "bf16_params" if self.engine.bfloat16_enabled() else "fp16" if self.engine.fp16_enabled() \
-                else precision
+        if self.engine is not None:  # the engine's config says its policy (precision_seen.told), Trainer's flags
+            precision = None  # filled its "auto" values
             model, optimizer, clipping = self.engine, self.engine.optimizer, self.engine.gradient_clipping()
         self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
                                        optimizer=optimizer,  # accelerate's wrapper: the recorder takes it as it is
