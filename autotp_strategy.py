@@ -57,7 +57,7 @@ from parity.training.optimizer import OptimizerStep
 from parity.training.replicas import Replica
 from parity.views.norm_point import norm_dtype, watch_norm
 from parity.views.zero_state import (autotp_groups, full_masters, full_moments, full_tensors, local_gradient,
-                                    local_master, module_norm, zero_pieces, zero_replicas)
+                                    local_master, module_norm, unfused_masters, zero_pieces, zero_replicas)
 from parity.training.strategy import Option, Piece, Strategy, build_named_optimizer, build_optimizer, set_lr
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -319,11 +319,8 @@ class DeepSpeedStrategy(Strategy):
 
     @functools.cached_property
     def _unfused_masters(self) -> dict[int, torch.Tensor]:
-        """ZeRO-0's fp32 master copies, by their parameter's id (DeepSpeed's FP16_UnfusedOptimizer keeps them in
-        fp32_groups, parallel to the parameters' fp16_groups, and loads a checkpoint into them in place): found
-        once, read for every parameter at every step."""
-        opt = self.engine.optimizer
-        return {id(p): m for lp, hp in zip(opt.fp16_groups, opt.fp32_groups) for p, m in zip(lp, hp)}
+        """ZeRO-0's fp32 master copies, by their parameter's id (zero_state.unfused_masters)."""
+        return unfused_masters(self.engine)
 
     def _module_norm(self, local_of, partitioned: bool = False) -> float:
         """The L2 norm, in float64, of `local_of(p)` (this rank's piece of a tensor of parameter p) over the module's

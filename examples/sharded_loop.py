@@ -8,7 +8,7 @@ gradients), under DeepSpeed `engine.step()` clips and steps (the record keeps De
 calls before_step() before the boundary's engine.step(), where the recorder reads every tensor's gradient from ZeRO's
 partitions).
 
-    python examples/sharded_loop.py --shard fsdp2 --output_dir OUT --nproc 2        # or fsdp1, zero1, zero2, zero3
+    python examples/sharded_loop.py --shard fsdp2 --output_dir OUT --nproc 2        # or fsdp1, zero0|1|2|3
     python examples/sharded_loop.py --shard fsdp2 --replicate 2 --output_dir OUT --nproc 4   # HSDP (fsdp1: HYBRID_SHARD)
     python examples/sharded_loop.py --shard fsdp1 --sharding_strategy NO_SHARD --output_dir OUT --nproc 2
     python examples/sharded_loop.py --shard transformers_tp --output_dir OUT --nproc 2   # from_pretrained's own TP
@@ -45,7 +45,7 @@ def _beside(name: str):
 
 plain_loop = _beside("plain_loop")
 
-SHARDS = ("fsdp2", "fsdp1", "zero1", "zero2", "zero3", "transformers_tp")
+SHARDS = ("fsdp2", "fsdp1", "zero0", "zero1", "zero2", "zero3", "transformers_tp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard", choices=SHARDS, default="fsdp2")
     p.add_argument("--tp", type=int, default=1, help="fsdp2: DTensor TP over this many ranks (the harness's plan for "
                                                      "the model), FSDP2 over the 'dp' dim of the ('dp', 'tp') mesh; "
-                                                     "zero1|2|3: DeepSpeed's AutoTP (autotp_size)")
+                                                     "zero0|1|2|3: DeepSpeed's AutoTP (autotp_size)")
     p.add_argument("--replicate", type=int, default=1,
                    help="fsdp2: HSDP, FSDP2 over a (replicate, shard) mesh of this many replicas of the shard group; "
                         "fsdp1: HYBRID_SHARD over that mesh")
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                    "_HYBRID_SHARD_ZERO2"),
                    help="fsdp1: its ShardingStrategy (default FULL_SHARD; HYBRID_SHARD with --replicate)")
     p.add_argument("--deepspeed_bf16", action="store_true",
-                   help="zero1|2|3: DeepSpeed's bf16.enabled — bf16 weights and gradients, fp32 masters and Adam "
+                   help="zero0|1|2|3: DeepSpeed's bf16.enabled — bf16 weights and gradients, fp32 masters and Adam "
                         "state, reduced in bf16 (recorded as the harness's bf16_params policy)")
     known, rest = p.parse_known_args(argv)
     args = plain_loop.parse_args([*rest, *([] if "--name" in rest else ["--name", "sharded_loop"])])
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
               f"--device cuda", file=sys.stderr)
         raise SystemExit(2)
     if args.tp > 1 and args.shard in ("fsdp1", "transformers_tp"):
-        print(f"error: --tp {args.tp} with --shard {args.shard}: --tp is fsdp2's DTensor TP and zero1|2|3's AutoTP "
+        print(f"error: --tp {args.tp} with --shard {args.shard}: --tp is fsdp2's DTensor TP and zero0|1|2|3's AutoTP "
               f"(transformers_tp shards over every rank)", file=sys.stderr)
         raise SystemExit(2)
     if args.replicate > 1 and (not args.shard.startswith("fsdp") or args.tp > 1):
@@ -84,8 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
               file=sys.stderr)
         raise SystemExit(2)
     if args.deepspeed_bf16 and not args.shard.startswith("zero"):
-        print(f"error: --deepspeed_bf16 with --shard {args.shard}: it is DeepSpeed's setting; use zero1, zero2 or zero3 "
-              f"(--bf16: autocast under any shard)", file=sys.stderr)
+        print(f"error: --deepspeed_bf16 with --shard {args.shard}: it is DeepSpeed's setting; use zero0, zero1, zero2 or "
+              f"zero3 (--bf16: autocast under any shard)", file=sys.stderr)
         raise SystemExit(2)
     return args
 

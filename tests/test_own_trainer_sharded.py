@@ -62,7 +62,9 @@ ACCUM_MEAN = [("loss = summed * dp_world / global_tokens  # averaged over the DP
                "loss = summed / (labels[:, 1:] != -100).sum() / len(window)  # seeded: each micro-batch's token mean")]
 CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               "zero2_bf16": (["--shard", "zero2", *DS_BF16], EXAMPLE, []),
-              "zero2_bf16_accum_mean": (["--shard", "zero2", *DS_BF16], EXAMPLE, ACCUM_MEAN)}
+              "zero2_bf16_accum_mean": (["--shard", "zero2", *DS_BF16], EXAMPLE, ACCUM_MEAN),
+              # DeepSpeed's own ZeRO-0 in bf16: its FP16_UnfusedOptimizer (tests/test_precision.py)
+              "zero0_bf16": (["--shard", "zero0", *DS_BF16], EXAMPLE, [])}
 # HSDP whose replicate dim is never all-reduced (FSDP2's set_requires_all_reduce(False), meant for the micro-batches
 # before the last, left off): FSDP2 then never sets the gradients, and the optimizer never steps
 ALL_REDUCE_OFF = [("model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only",
@@ -80,6 +82,7 @@ RUNS = {"transformers_tp": (["--shard", "transformers_tp", "--model_name", "llam
         "fsdp1_no_shard": (["--shard", "fsdp1", "--sharding_strategy", "NO_SHARD"], EXAMPLE, []),
         "hsdp_all_reduce_off": (["--shard", "fsdp2", "--replicate", "2"], EXAMPLE, ALL_REDUCE_OFF),
         "fsdp1_hybrid_one_rank_shards": (["--shard", "fsdp1", "--replicate", "2"], EXAMPLE, []),
+        "zero0": (["--shard", "zero0"], EXAMPLE, []),
         "zero1": (["--shard", "zero1"], EXAMPLE, []), "zero2": (["--shard", "zero2"], EXAMPLE, []),
         "fsdp2_rank_mean": (["--shard", "fsdp2"], EXAMPLE, RANK_MEAN),
         "zero2_rank_mean": (["--shard", "zero2"], EXAMPLE, RANK_MEAN),
@@ -96,7 +99,7 @@ SAVED = {"fsdp2_lora": ("embed_tokens",)}
 # HSDP over a (replicate 2, shard 1) mesh and FSDP1's NO_SHARD: every parameter and its 2 moments (78); transformers'
 # TP of llama-tiny (untied: its vocab-parallel embedding's gradient is replicated): the 5 norms it leaves whole and
 # their moments.
-REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero1": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
+REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero0": 26, "zero1": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
                   "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78, "transformers_tp": 15, "zero1_autotp": 24}
 # each variant's record: its sharding's kind, ZeRO stage and device mesh (FSDP1 and ZeRO: none)
 SHARDING = {"fsdp2_tp": ("fsdp2", 3, {"dp": 1, "tp": 2}), "hsdp": ("fsdp2", 3, {"replicate": 2, "shard": 1}),
@@ -196,7 +199,7 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard, capsys):
     assert (config["sharding"]["kind"], config["sharding"]["zero_stage"], config["sharding"].get("mesh")) == sharding
     assert (config["dp_size"], config["tp_size"]) == (dp, 2 // dp)
     assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * dp
-    assert config["grad_norm_source"] == ("recorder" if fsdp else "framework")
+    assert config["grad_norm_source"] == ("recorder" if fsdp or kind == "zero0" else "framework")
     assert [g["weight_decay"] for g in config["optimizer"]["groups"]] == ([0.01] if lora else [0.01, 0.0])
     assert replay["config"]["optimizer"] == config["optimizer"]
     assert len(replay["steps"]) == len(recorded["steps"]) == STEPS
@@ -555,6 +558,22 @@ def test_a_seeded_accumulation_bug_in_the_deepspeed_bf16_loop_fails_calibrated_a
     assert ratios["grad_norm"] > 1 and ratios["tensor gradient"] > 1 and ratios["teacher_forced"] > 1, ratios
     assert against["max_rel_diff"]["grad_norm"] < CURVES["bf16"].grad_norm  # the fixed table's curve misses it
     print("accumulation bug, bf16 ZeRO-2: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()) + " of the bounds")
+
+
+def test_deepspeeds_zero0_in_bf16_fails_in_a_users_loop_at_step_0(runs, capsys):
+    """A released DeepSpeed bug, caught in a user's loop: ZeRO-0 with bf16.enabled (DeepSpeed 0.19.8's
+    FP16_UnfusedOptimizer over the loop's AdamW) steps the AdamW once with zero gradients at initialize, so Adam's bias
+    correction runs a step ahead and its first update is about 0.74 × DDP's (tests/test_precision.py finds the cause in
+    the harness's own DeepSpeed strategy). The calibrated verdict FAILs at step 0 on a tensor's update, exit 1. Was
+    refused before 2026-11-29 ("the recorder reads its masters at stages 1–3 only"); ZeRO-0 in fp32, whose norm
+    DeepSpeed does not keep (the recorder's own, taken where it clips), PASSes (test_sharded_loop_replays...)."""
+    code, output = whole_report(runs["zero0_bf16"], capsys)
+    assert code == 1 and f"{NAME} (TP=1, DP=2): FAIL" in output, output[-3000:]
+    against = json.loads((runs["zero0_bf16"] / "curve_comparison.json").read_text())["against_baseline"][NAME]
+    assert against["calibrated"] and against["first_outside"]["step"] == 0, against["first_outside"]
+    assert against["bound_ratios"]["tensor update"] > 2, against["bound_ratios"]
+    config = _record(runs["zero0_bf16"], NAME)["config"]
+    assert (config["sharding"]["kind"], config["precision"]) == ("deepspeed zero0", "bf16_params")
 
 
 def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):

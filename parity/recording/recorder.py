@@ -409,7 +409,7 @@ class ParityRecorder(BatchTaking):
         if grad_norm is not None and self.grad_norm is None:
             self.grad_norm, self.grad_norm_source = float(grad_norm), "framework"
         if self.grad_norm is None and not self.view.grad_norm_visible:  # DeepSpeed's own, of the step it took
-            self.grad_norm, self.grad_norm_source = self.view.framework_grad_norm(), "framework"
+            self.grad_norm, self.grad_norm_source = self.view.framework_grad_norm(), self.view.norm_source
         if not self.broken and self.grad_norm is None:
             self.broken = "no pre-clip grad norm: call before_step() before clipping, or give after_step(grad_norm=)"
         if not self.broken and not self.micro and self.view.feeds:  # a rank that hands no rows over may feed none

@@ -81,8 +81,11 @@ class View(ShardedView):
         raise NotImplementedError
 
     def framework_grad_norm(self) -> float | None:
-        """The framework's own pre-clip norm of the step just taken, where it keeps one (DeepSpeed)."""
+        """The framework's own pre-clip norm of the step just taken, where it keeps one (DeepSpeed) — or, where it keeps
+        none, the view's own taken where it clips (`norm_source` says which)."""
         return None
+
+    norm_source = "framework"  # framework_grad_norm's: the framework's own value, or "recorder" (measured at its clip)
 
     def watch_norm(self, read) -> bool:
         """Have `read()` called where the framework takes the norm it clips by, inside its own step, where it can be

@@ -18,6 +18,7 @@ import torch
 
 from parity.deepspeed_precision import config_policy
 from parity.precision import POLICIES, PolicyRequest
+from parity.training.optimizer import local_norm
 from parity.training.tensor_norms import Piece
 from parity.views.adapters import peft_inner
 from parity.views import zero_state
@@ -60,9 +61,9 @@ class ZeRO(View):
         self.kind = f"deepspeed zero{self.zero_stage}"
         request = engine_request(engine)  # the policy its config asks for (None: fp32)
         self.masters_apart = request is not None and POLICIES[request.precision].master_copy  # not bf16_pure's
-        if self.masters_apart and self.zero_stage == 0:
-            raise ViewRefused("DeepSpeed at ZeRO stage 0 with bf16 or fp16 weights: the recorder reads its masters at "
-                              "stages 1–3 only")
+        # ZeRO-0 in bf16 or fp16: the fp32 masters its FP16_UnfusedOptimizer keeps beside the module's parameters
+        self.unfused = zero_state.unfused_masters(engine) if self.masters_apart and self.zero_stage == 0 else None
+        self.own_norm: float | None = None  # ZeRO-0 over the loop's torch optimizer: the norm taken at its clip
 
     def group_params(self):
         wrapper = self.engine.optimizer
@@ -76,18 +77,30 @@ class ZeRO(View):
         raise RuntimeError("DeepSpeed clips inside engine.step(): its own norm is read after the step")
 
     def framework_grad_norm(self):
+        """DeepSpeed's own norm; at ZeRO-0 over the loop's torch optimizer, where DeepSpeed keeps none, the one taken
+        where it clips (float64 over the reduced gradients every rank holds whole: norm_source "recorder")."""
         norm = self.engine.get_global_grad_norm()
+        if norm is None and self.own_norm is not None:
+            self.norm_source = "recorder"
+            return self.own_norm
         return None if norm is None else float(norm)
 
     def watch_norm(self, read) -> bool:
-        """Where engine.step() takes the norm it clips by (the DeepSpeed strategy's reading point: norm_point.py)."""
-        return watch_norm(self.engine, read)
+        """Where engine.step() takes the norm it clips by (the DeepSpeed strategy's reading point: norm_point.py); at
+        ZeRO-0 over the loop's torch optimizer the norm is measured there too (framework_grad_norm)."""
+        if self.zero_stage > 0 or self.masters_apart:
+            return watch_norm(self.engine, read)
+
+        def read_and_measure():
+            read()
+            self.own_norm = local_norm([p.grad for _, p in self.trainable() if p.grad is not None])
+        return watch_norm(self.engine, read_and_measure)
 
     def loss_scale(self) -> float:
         return float(getattr(self.engine.optimizer, "loss_scale", 1.0)) if self.engine.fp16_enabled() else 1.0
 
     def _local_master(self, p):
-        return zero_state.local_master(p, self.zero_stage, self.masters_apart)
+        return zero_state.local_master(p, self.zero_stage, self.masters_apart, self.unfused)
 
     def parameter_norm(self) -> float:
         return zero_state.module_norm(self.engine, self._local_master, zero_stage=self.zero_stage,

@@ -74,6 +74,14 @@ def local_master(p, zero_stage: int, masters_apart: bool, unfused_masters: dict 
     return mapping.get_hp_fragment() if mapping is not None else None
 
 
+def unfused_masters(engine) -> dict[int, torch.Tensor]:
+    """ZeRO-0's fp32 master copies of a bf16 or fp16 engine, by their parameter's id (DeepSpeed's FP16_UnfusedOptimizer
+    keeps them in fp32_groups, parallel to the parameters' fp16_groups, and loads a checkpoint into them in place):
+    found once, read for every parameter at every step (local_master's `unfused_masters`)."""
+    opt = engine.optimizer
+    return {id(p): m for lp, hp in zip(opt.fp16_groups, opt.fp32_groups) for p, m in zip(lp, hp)}
+
+
 def local_gradient(p, zero_stage: int):
     """This rank's part of parameter p's gradient as DeepSpeed holds it after the step's backward and before
     engine.step(), which clips it and frees it: ZeRO-3's partition of it (safe_get_local_grad, fp32); ZeRO-1/2's (and
