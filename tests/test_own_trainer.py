@@ -62,6 +62,7 @@ DEEPSPEED = ("{'train_micro_batch_size_per_gpu': 'auto', 'gradient_accumulation_
 DEEPSPEED_PURE = DEEPSPEED.replace("'stage': 1}", "'stage': 2}, 'bf16': {'enabled': 'auto', "
                                    "'bf16_master_weights_and_grads': True, 'bf16_optimizer_states': True}")
 DEEPSPEED_AUTOCAST = DEEPSPEED.replace("'stage': 1}", "'stage': 2}, 'torch_autocast': {'enabled': True}")
+DEEPSPEED_ZERO0 = DEEPSPEED.replace("'stage': 1}", "'stage': 0}, 'bf16': {'enabled': 'auto'}")
 NUM_ITEMS_BUG = """    class Buggy(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
@@ -93,6 +94,10 @@ def train(args) -> None:""")],
     "hf_ds_pure": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_PURE})")],
     "hf_ds_pure_num_items": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_PURE})"), (TRAINER_LINE, NUM_ITEMS_BUG)],
     "hf_ds_autocast": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_AUTOCAST})")],
+    # ZeRO-0: over Trainer's own AdamW in fp32 (DeepSpeed keeps no norm: the recorder's, taken where it clips); in bf16
+    # through DeepSpeed's FP16_UnfusedOptimizer, which takes its norm inside its step (read at the step's entry)
+    "hf_ds_zero0": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_ZERO0})")],
+    "hf_ds_zero0_bf16": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_ZERO0})")],
     # the same without use_cpu=True (the reported case), in a fresh accelerate state as a user's process has it
     "hf_deepspeed_world": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})"),
                            ('use_cpu=args.device == "cpu", ', ""),
@@ -187,12 +192,14 @@ def runs(tmp_path_factory):
     jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16", *HF_SHAPES]))
     jobs.append((hf_copies["hf_num_items"], ["--output_dir", str(folders[BF16]), "--steps", str(BF16_STEPS), "--bf16",
                                              *HF_SHAPES, "--name", "hf_bug"]))
-    for folder, name, copy, flags in ((DS_PURE, HF, "hf_ds_pure", ["--bf16"]),
-                                      (DS_PURE, "hf_bug", "hf_ds_pure_num_items", ["--bf16"]),
-                                      (DS_AUTOCAST, HF, "hf_ds_autocast", [])):
+    for folder, name, copy, flags, steps in ((DS_PURE, HF, "hf_ds_pure", ["--bf16"], BF16_STEPS),
+                                             (DS_PURE, "hf_bug", "hf_ds_pure_num_items", ["--bf16"], BF16_STEPS),
+                                             (DS_AUTOCAST, HF, "hf_ds_autocast", [], BF16_STEPS),
+                                             ("hf_ds_zero0", HF, "hf_ds_zero0", [], 3),
+                                             ("hf_ds_zero0_bf16", HF, "hf_ds_zero0_bf16", ["--bf16"], 2)):
         folders[folder] = root / folder
-        jobs.append((hf_copies[copy], ["--output_dir", str(folders[folder]), "--name", name, "--steps",
-                                       str(BF16_STEPS), *flags]))
+        jobs.append((hf_copies[copy], ["--output_dir", str(folders[folder]), "--name", name, "--steps", str(steps),
+                                       *flags]))
     for name in ("hf_deepspeed", "hf_deepspeed_num_items", "hf_deepspeed_world"):  # last: it resets accelerate's state
         folders[name].mkdir()
         jobs.append((hf_copies[name], ["--output_dir", str(folders[name]), "--steps", "1" if "world" in name else "3"],
@@ -222,7 +229,7 @@ def runs(tmp_path_factory):
     two += [_replay(folders, root, name, HF, 2) for name in calibrated]  # measure the noise, in fp32
     two += [_replay(folders, root, name, HF, 2, noise_reference=True, precision="fp32") for name in calibrated[1:]]
     two += [_replay(folders, root, name, HF, 2) for name in (HF, "hf_num_items", "hf_twice", BF16, "hf_deepspeed",
-                                                             "hf_deepspeed_num_items")]
+                                                             "hf_deepspeed_num_items", "hf_ds_zero0")]
     two += [_replay(folders, root, BF16, HF, 2, noise_reference=True, precision="fp32"),
             _replay(folders, root, "plain_1rank", NAME, 2, noise_reference=True),
             _replay(folders, root, "plain_copy", NAME, 2), _replay(folders, root, CAPPED, NAME, 2)]
@@ -919,6 +926,25 @@ def test_deepspeeds_own_precision_modes_are_read_from_its_config_and_judged(runs
     assert (bug.verdict.first_outside.step, bug.verdict.first_outside.quantity) == (0, "grad_norm")
     (misread,) = compare_in(runs[AS_PARAMS]).results
     assert misread.bounds.calibrated and not misread.verdict.passed
+
+
+def test_trainers_deepspeed_path_at_zero0_is_read_where_deepspeed_takes_its_norm(runs):
+    """Trainer's DeepSpeed path at ZeRO-0 (2 ranks), whose engine steps inside backward: in fp32, over Trainer's own
+    AdamW, DeepSpeed keeps no norm — the recorder's, taken where the engine clips, float64 — and the replay is within
+    1e-5 (PASS); in bf16 DeepSpeed's FP16_UnfusedOptimizer takes its norm inside its step, where every tensor's
+    gradient is now read (its norms were NaN: no before_step() comes in Trainer's path). The bf16 run's verdict is the
+    DeepSpeed bug tests/test_own_trainer_sharded.py asserts."""
+    recorded = _record(runs["hf_ds_zero0"], HF)
+    assert (recorded["config"]["sharding"]["kind"], recorded["config"]["grad_norm_source"]) == ("deepspeed zero0",
+                                                                                              "recorder")
+    comparison = _compare(runs["hf_ds_zero0"])
+    assert comparison.word == "PASS" and max(_only(comparison).verdict.max_rel_diff.values()) < 1e-5
+    grad, param = tensor_norms_off(recorded, runs["hf_ds_zero0"])
+    assert grad < 1e-12 and param < 1e-12, (grad, param)
+    bf16 = _record(runs["hf_ds_zero0_bf16"], HF)
+    assert (bf16["config"]["precision"], len(bf16["steps"])) == ("bf16_params", 2)
+    norms = tensor_series(bf16, runs["hf_ds_zero0_bf16"]).grad_norm
+    assert all(value == value and value > 0 for step in norms for value in step), norms
 
 
 def test_a_trainer_logging_at_its_default_interval_is_recorded_as_one_logging_every_step(tmp_path, monkeypatch):

@@ -27,12 +27,15 @@ def norm_dtype(engine) -> str:
     return "fp32" if type(engine.optimizer).__name__ in FP32_NORMS else "float64"
 
 
-def watch_norm(engine, read: Callable[[], None]) -> bool:
+def watch_norm(engine, read: Callable[[], None], inline_at_step: bool = False) -> bool:
     """Have `read()` called where `engine.step()` takes its pre-clip norm (module docstring), each step; False where
     this engine's optimizer takes it inline (its fp16 optimizers at ZeRO-0), nothing watched: the caller reads before
-    engine.step()."""
+    engine.step() — or, `inline_at_step`, at the entry of that optimizer's step, where nothing has touched the
+    gradients since (for a loop whose before_step never comes: Trainer's DeepSpeed path steps inside backward)."""
     optimizer = engine.optimizer
     method = NORM_METHODS.get(type(optimizer).__name__)
+    if method is None and inline_at_step and type(optimizer).__name__ in FP32_NORMS:
+        method = "step"
     if method is not None:
         _before(optimizer, method, read)
     elif isinstance(optimizer, torch.optim.Optimizer) and engine.gradient_clipping() > 0:

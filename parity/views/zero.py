@@ -88,8 +88,8 @@ class ZeRO(View):
     def watch_norm(self, read) -> bool:
         """Where engine.step() takes the norm it clips by (the DeepSpeed strategy's reading point: norm_point.py); at
         ZeRO-0 over the loop's torch optimizer the norm is measured there too (framework_grad_norm)."""
-        if self.zero_stage > 0 or self.masters_apart:
-            return watch_norm(self.engine, read)
+        if self.zero_stage > 0 or self.masters_apart:  # its fp16 optimizers at ZeRO-0: read at their step's entry
+            return watch_norm(self.engine, read, inline_at_step=True)
 
         def read_and_measure():
             read()
