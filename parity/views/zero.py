@@ -4,7 +4,8 @@ each rank's master pieces, its replicas and its full master weights and moments 
 collective, ZeRO-3's through DeepSpeed's safe_get_full_*, AutoTP's shards gathered by each AutoTP layer). The ranks
 of a TP group feed one DP rank's rows (DeepSpeed checks they are the same): its TP rank 0 hands them over. DeepSpeed
 clips and steps inside `engine.step()`: the pre-clip norm is DeepSpeed's own (`engine.get_global_grad_norm()`,
-per-tensor float64 sums rounded to fp32), the record's grad_norm_source says "framework". The engine's own config
+per-tensor float64 sums rounded to fp32), the record's grad_norm_source says "framework" (ZeRO-0 over the loop's own
+torch optimizer keeps none: the recorder's, taken where the engine clips, says "recorder"). The engine's own config
 says the run's precision policy (`engine_request`: its bf16, fp16 or torch_autocast section, read as a strategy run's
 --deepspeed_config is), which the recorder takes rather than being told it.
 """

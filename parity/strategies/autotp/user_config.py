@@ -1,7 +1,8 @@
 """A user's own --deepspeed_config: read on the driver (the workers get its content with the run), checked against the
 keys the run's flags decide and the keys the comparison owns (its bf16 / fp16 / torch_autocast sections ask for the
-run's policy: parity/deepspeed_precision.py, which reads a user's engine's config too). Apart from the strategy because it is the one place where a DeepSpeed config written
-by someone else enters the run: what it may change and what it may not is decided here, and nowhere else.
+run's policy: parity/deepspeed_precision.py, which reads a user's engine's config too). Apart from the strategy
+because it is the one place where a DeepSpeed config written by someone else enters the run: what it may change and
+what it may not is decided here, and nowhere else.
 """
 
 from __future__ import annotations
