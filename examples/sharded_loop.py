@@ -14,6 +14,7 @@ partitions).
     python examples/sharded_loop.py --shard transformers_tp --output_dir OUT --nproc 2   # from_pretrained's own TP
     python examples/sharded_loop.py --shard zero1 --tp 2 --output_dir OUT --nproc 2     # DeepSpeed's AutoTP + ZeRO-1
     python examples/sharded_loop.py --shard zero2 --deepspeed_bf16 --output_dir OUT --nproc 2   # DeepSpeed's bf16
+    python examples/sharded_loop.py --shard zero2 --deepspeed_optimizer --output_dir OUT --nproc 2   # its FusedAdam
     python train_ddp.py --replay_record OUT/loss_sharded_loop.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png              # PASS: it trains as DDP does
@@ -60,12 +61,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sharding_strategy", choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
                                                    "_HYBRID_SHARD_ZERO2"),
                    help="fsdp1: its ShardingStrategy (default FULL_SHARD; HYBRID_SHARD with --replicate)")
+    p.add_argument("--deepspeed_optimizer", action="store_true",
+                   help="zero0|1|2|3: DeepSpeed's own AdamW (its FusedAdam) and WarmupLR from the config, as its docs "
+                        "write a loop, over the loop's two parameter groups")
     p.add_argument("--deepspeed_bf16", action="store_true",
                    help="zero0|1|2|3: DeepSpeed's bf16.enabled — bf16 weights and gradients, fp32 masters and Adam "
                         "state, reduced in bf16 (recorded as the harness's bf16_params policy)")
     known, rest = p.parse_known_args(argv)
     args = plain_loop.parse_args([*rest, *([] if "--name" in rest else ["--name", "sharded_loop"])])
     args.shard, args.tp, args.deepspeed_bf16 = known.shard, known.tp, known.deepspeed_bf16
+    args.deepspeed_optimizer = known.deepspeed_optimizer
     args.replicate, args.sharding_strategy = known.replicate, known.sharding_strategy
     if args.device != "cpu":
         print(f"error: --device {args.device}: sharded_loop.py runs on CPU ranks only (gloo); plain_loop.py takes "
@@ -83,10 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         print(f"error: --sharding_strategy with --shard {args.shard}: it is FSDP1's; use --shard fsdp1",
               file=sys.stderr)
         raise SystemExit(2)
-    if args.deepspeed_bf16 and not args.shard.startswith("zero"):
-        print(f"error: --deepspeed_bf16 with --shard {args.shard}: it is DeepSpeed's setting; use zero0, zero1, zero2 or "
-              f"zero3 (--bf16: autocast under any shard)", file=sys.stderr)
-        raise SystemExit(2)
+    for flag in ("deepspeed_bf16", "deepspeed_optimizer"):
+        if getattr(args, flag) and not args.shard.startswith("zero"):
+            print(f"error: --{flag} with --shard {args.shard}: it is DeepSpeed's setting; use zero0, zero1, zero2 or "
+                  f"zero3{' (--bf16: autocast under any shard)' if flag == 'deepspeed_bf16' else ''}", file=sys.stderr)
+            raise SystemExit(2)
     return args
 
 
@@ -167,6 +173,14 @@ def deepspeed_engine(args, model, optimizer, scheduler):
               "zero_optimization": {"stage": int(args.shard[-1])}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 1 << 30, **({"bf16": {"enabled": True}} if args.deepspeed_bf16 else {}),
               **({"tensor_parallel": {"autotp_size": args.tp}} if args.tp > 1 else {})}  # AutoTP
+    if args.deepspeed_optimizer:  # as DeepSpeed's docs write it: its AdamW (FusedAdam) and warm-up from the config
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr}}
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
+                                                              "warmup_num_steps": args.warmup_steps,
+                                                              "warmup_type": "linear"}}
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+        return engine
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
 

@@ -84,6 +84,9 @@ RUNS = {"transformers_tp": (["--shard", "transformers_tp", "--model_name", "llam
         "fsdp1_hybrid_one_rank_shards": (["--shard", "fsdp1", "--replicate", "2"], EXAMPLE, []),
         "zero0": (["--shard", "zero0"], EXAMPLE, []),
         "zero1": (["--shard", "zero1"], EXAMPLE, []), "zero2": (["--shard", "zero2"], EXAMPLE, []),
+        # DeepSpeed's own AdamW and warm-up from its config, as its docs write a loop (its FusedAdam: torch's AdamW)
+        "zero2_fused": (["--shard", "zero2", "--deepspeed_optimizer"], EXAMPLE, []),
+        "zero0_fused": (["--shard", "zero0", "--deepspeed_optimizer"], EXAMPLE, []),  # its step count on one state
         "fsdp2_rank_mean": (["--shard", "fsdp2"], EXAMPLE, RANK_MEAN),
         "zero2_rank_mean": (["--shard", "zero2"], EXAMPLE, RANK_MEAN),
         "fsdp2_lora": (["--shard", "fsdp2", "--lora", "--lora_save", "embed_tokens"], EXAMPLE, []),
@@ -99,7 +102,7 @@ SAVED = {"fsdp2_lora": ("embed_tokens",)}
 # HSDP over a (replicate 2, shard 1) mesh and FSDP1's NO_SHARD: every parameter and its 2 moments (78); transformers'
 # TP of llama-tiny (untied: its vocab-parallel embedding's gradient is replicated): the 5 norms it leaves whole and
 # their moments.
-REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero0": 26, "zero1": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
+REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero0": 26, "zero1": 26, "zero2_fused": 26, "zero0_fused": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
                   "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78, "transformers_tp": 15, "zero1_autotp": 24}
 # each variant's record: its sharding's kind, ZeRO stage and device mesh (FSDP1 and ZeRO: none)
 SHARDING = {"fsdp2_tp": ("fsdp2", 3, {"dp": 1, "tp": 2}), "hsdp": ("fsdp2", 3, {"replicate": 2, "shard": 1}),
@@ -184,7 +187,8 @@ def whole_report(folder, capsys) -> tuple[int, str]:
 @pytest.mark.parametrize("shard", list(REPLICA_GROUPS))
 def test_sharded_loop_replays_to_the_record_and_passes(runs, shard, capsys):
     """FSDP2 (over 2 DP ranks, or TP 2 × DP 1 on a ('dp', 'tp') mesh), FSDP1 (use_orig_params, FULL_SHARD: it runs on
-    CPU in torch 2.13) and ZeRO 1–3 recorded and replayed under DDP:
+    CPU in torch 2.13) and ZeRO 0–3 (over the loop's AdamW, or DeepSpeed's FusedAdam from its config) recorded and
+    replayed under DDP:
     the same batches, tokens and lr at every step; loss, pre-clip grad norm and parameter norm within 1e-5 relative at
     every step (measured ≤ 1.3e-7); the replica check over what the ranks hold alike (REPLICA_GROUPS) holds at every
     step; FSDP's norm is the recorder's own over the full gradients, ZeRO's DeepSpeed's own (it clips inside

@@ -11,11 +11,22 @@ OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov") 
 REPLAYED_OPTIMIZERS = tuple(OPTIMIZERS)  # what the replay builds: AdamW and Adam
 
 
+def kind_of(optimizer) -> tuple[str, str | None]:
+    """(the update's kind, the implementation where it is not torch's): DeepSpeed's FusedAdam — what its config's
+    "optimizer": {"type": "Adam" or "AdamW"} builds — is torch's AdamW (adam_w_mode) or Adam (L2 weight decay) in
+    one kernel: the same update, its rounding in another order; the replay builds torch's."""
+    name = type(optimizer).__name__
+    if name == "FusedAdam" and hasattr(optimizer, "adam_w_mode"):
+        return ("AdamW" if optimizer.adam_w_mode else "Adam"), name
+    return name, None
+
+
 def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list] | None = None) -> dict:
     """The optimizer whole: its type and per parameter group the parameters' names, the lr scale (the group's lr ÷ the
     first group's: each group's lr is scale × the step's lr), weight decay, betas, eps, and the flags that change the
-    update where set (amsgrad, maximize ...). `group_params`: each group's module parameters, where the optimizer's
-    groups hold others (ZeRO's flat partitions)."""
+    update where set (amsgrad, maximize ...); DeepSpeed's FusedAdam as the torch optimizer it equals (kind_of).
+    `group_params`: each group's module parameters, where the optimizer's groups hold others (ZeRO's flat
+    partitions)."""
     groups = optimizer.param_groups
     group_params = group_params or [g["params"] for g in groups]
     firsts = [g.get("initial_lr", g.get("lr", 0.0)) for g in groups]
@@ -33,10 +44,13 @@ def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list
             entry["eps"] = [float(e) for e in eps] if isinstance(eps, (tuple, list)) else float(eps)
         flags = {k: group[k] for k in OPTIMIZER_FLAGS if group.get(k)
                  and not (k == "decoupled_weight_decay" and isinstance(optimizer, torch.optim.AdamW))}  # AdamW's own
+        if group.get("bias_correction") is False:  # FusedAdam's: torch's always corrects
+            flags["bias_correction"] = False
         if flags:
             entry["flags"] = flags
         described.append(entry)
-    return {"type": type(optimizer).__name__, "groups": described}
+    kind, implementation = kind_of(optimizer)
+    return {"type": kind, **({"implementation": implementation} if implementation else {}), "groups": described}
 
 
 def unreplayable(description: dict, recorded: bool = False) -> str | None:

@@ -63,7 +63,12 @@ class ZeRO(View):
         request = engine_request(engine)  # the policy its config asks for (None: fp32)
         self.masters_apart = request is not None and POLICIES[request.precision].master_copy  # not bf16_pure's
         # ZeRO-0 in bf16 or fp16: the fp32 masters its FP16_UnfusedOptimizer keeps beside the module's parameters
-        self.unfused = zero_state.unfused_masters(engine) if self.masters_apart and self.zero_stage == 0 else None
+        apart_at_0 = self.masters_apart and self.zero_stage == 0
+        if apart_at_0 and type(engine.optimizer).__name__ != "FP16_UnfusedOptimizer":
+            raise ViewRefused(f"DeepSpeed's ZeRO-0 in {request.precision} over a fused optimizer "
+                              f"({type(engine.optimizer).__name__}, its fp32 masters flat): the recorder reads ZeRO-0's "
+                              f"masters beside a torch optimizer's parameters only; use ZeRO stage 1 or higher")
+        self.unfused = zero_state.unfused_masters(engine) if apart_at_0 else None
         self.own_norm: float | None = None  # ZeRO-0 over the loop's torch optimizer: the norm taken at its clip
 
     def group_params(self):

@@ -225,7 +225,9 @@ def full_moments(engine, zero_stage: int, gather, local_of) -> tuple[dict, int]:
     if not counts:  # before the first step (ZeRO-3 holds empty entries then)
         return {}, 0
     link_moments(engine.optimizer)
-    (count,) = counts
+    # DeepSpeed's FusedAdam counts a group's steps on its last parameter's state (it hands the kernel that count; the
+    # others keep 0): its count is the largest, where every torch optimizer's are one
+    (count,) = {max(counts)} if type(inner).__name__ == "FusedAdam" else counts
     if zero_stage in (1, 2):
         fragments = full_fragments([p for p in engine.module.parameters() if p.requires_grad], ADAMW_MOMENTS)
         by_key = {key: gather(trained_only(lambda p, key=key: fragments[id(p)][key])) for key in ADAMW_MOMENTS}
