@@ -94,10 +94,9 @@ def train(args) -> None:""")],
     "hf_ds_pure": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_PURE})")],
     "hf_ds_pure_num_items": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_PURE})"), (TRAINER_LINE, NUM_ITEMS_BUG)],
     "hf_ds_autocast": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_AUTOCAST})")],
-    # ZeRO-0: over Trainer's own AdamW in fp32 (DeepSpeed keeps no norm: the recorder's, taken where it clips); in bf16
-    # through DeepSpeed's FP16_UnfusedOptimizer, which takes its norm inside its step (read at the step's entry)
+    # ZeRO-0: over Trainer's own AdamW in fp32 (DeepSpeed keeps no norm: the recorder's, taken where it clips); with
+    # --bf16 through DeepSpeed's FP16_UnfusedOptimizer, which takes its norm inside its step (read at the step's entry)
     "hf_ds_zero0": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_ZERO0})")],
-    "hf_ds_zero0_bf16": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED_ZERO0})")],
     # the same without use_cpu=True (the reported case), in a fresh accelerate state as a user's process has it
     "hf_deepspeed_world": [(ARGS_END, ARGS_END[:-1] + f", deepspeed={DEEPSPEED})"),
                            ('use_cpu=args.device == "cpu", ', ""),
@@ -196,7 +195,7 @@ def runs(tmp_path_factory):
                                              (DS_PURE, "hf_bug", "hf_ds_pure_num_items", ["--bf16"], BF16_STEPS),
                                              (DS_AUTOCAST, HF, "hf_ds_autocast", [], BF16_STEPS),
                                              ("hf_ds_zero0", HF, "hf_ds_zero0", [], 3),
-                                             ("hf_ds_zero0_bf16", HF, "hf_ds_zero0_bf16", ["--bf16"], 2)):
+                                             ("hf_ds_zero0_bf16", HF, "hf_ds_zero0", ["--bf16"], 2)):
         folders[folder] = root / folder
         jobs.append((hf_copies[copy], ["--output_dir", str(folders[folder]), "--name", name, "--steps", str(steps),
                                        *flags]))

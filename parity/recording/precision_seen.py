@@ -15,20 +15,20 @@ import torch
 
 from parity.errors import ConfigError
 from parity.precision import DTYPES, LOSS_SCALING_DEFAULTS, POLICIES, PolicyRequest
-from parity.views.zero import engine_request
+from parity.views.table import policy_request
 
 
 def told(precision: str | None, model) -> tuple[dict, str | None]:
     """The record's policy settings (POLICY_FIELDS: its name, reduce and accumulation dtypes, loss scaler) and a
     refusal (None: none). The policy is `precision` as told; where told none, the one the run's own settings say — a
-    DeepSpeed engine's config (views/zero.engine_request), else the framework's (accelerate's) — else fp32; where
-    they say another, refused in one line ("bf16" told of a DeepSpeed engine's bf16 mode names its family, as
-    --precision bf16 does of a strategy's: the engine's refinement is taken). The refinements are the engine's
+    DeepSpeed engine's config (a view's: views/table.policy_request), else the framework's (accelerate's) — else
+    fp32; where they say another, refused in one line ("bf16" told of a DeepSpeed engine's bf16 mode names its family,
+    as --precision bf16 does of a strategy's: the engine's refinement is taken). The refinements are the engine's
     config's, else the policy's defaults."""
     from parity.frameworks import precision_of
 
     try:
-        request = engine_request(model)
+        request = policy_request(model)
     except ConfigError as exc:
         return settings_of(precision or "fp32", None), str(exc)
     said = (request.source, request.precision) if request is not None else precision_of(model)  # (who, policy)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from parity.models.model import persistent_buffers
+from parity.precision import PolicyRequest
 from parity.training.view import ShardedView
 
 
@@ -26,6 +27,12 @@ class View(ShardedView):
     # whether gradient_pieces still reads the gradients the optimizer applies at its step pre-hook (not ZeRO's, whose
     # optimizer steps flat partitions its step built): the recorder's applied check (recorded_tensors.py)
     pieces_at_optimizer = True
+
+    @classmethod
+    def policy_request(cls, model) -> PolicyRequest | None:
+        """The precision policy `model`'s own settings ask for, where this view reads a model that says one (a
+        DeepSpeed engine's config: zero.py); None: it says none. ConfigError in one line for one no policy holds."""
+        return None
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
@@ -85,7 +92,10 @@ class View(ShardedView):
         none, the view's own taken where it clips (`norm_source` says which)."""
         return None
 
-    norm_source = "framework"  # framework_grad_norm's: the framework's own value, or "recorder" (measured at its clip)
+    @property
+    def norm_source(self) -> str:
+        """framework_grad_norm's: "framework" (its own value) or "recorder" (measured where it clips)."""
+        return "framework"
 
     def watch_norm(self, read) -> bool:
         """Have `read()` called where the framework takes the norm it clips by, inside its own step, where it can be

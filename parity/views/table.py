@@ -19,6 +19,7 @@ import importlib
 import torch
 
 from parity.models.families import multimodal_refusal
+from parity.precision import PolicyRequest
 from parity.views.adapters import AdaptersRefused, lora_of
 from parity.views.base import View, ViewRefused, torch_optimizer
 
@@ -30,6 +31,12 @@ VIEWS = (("zero", "a DeepSpeed engine"), ("fsdp1", "FSDP1's root wrapper"),
 def view_classes() -> list[type[View]]:
     """The table's views, in its order (each module imported when asked: FSDP1's and DeepSpeed's only then)."""
     return [importlib.import_module(f"parity.views.{module}").VIEW for module, _ in VIEWS]
+
+
+def policy_request(model) -> PolicyRequest | None:
+    """The precision policy `model`'s own settings ask for: the first view's that reads one (View.policy_request: a
+    DeepSpeed engine's config); None where none says."""
+    return next((r for r in (cls.policy_request(model) for cls in view_classes()) if r is not None), None)
 
 
 def view_of(model, optimizer, device: torch.device, unwrap) -> View:
@@ -50,4 +57,4 @@ def view_of(model, optimizer, device: torch.device, unwrap) -> View:
     return view
 
 
-__all__ = ["VIEWS", "view_classes", "view_of"]
+__all__ = ["VIEWS", "policy_request", "view_classes", "view_of"]

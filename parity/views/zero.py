@@ -6,7 +6,7 @@ of a TP group feed one DP rank's rows (DeepSpeed checks they are the same): its 
 clips and steps inside `engine.step()`: the pre-clip norm is DeepSpeed's own (`engine.get_global_grad_norm()`,
 per-tensor float64 sums rounded to fp32), the record's grad_norm_source says "framework" (ZeRO-0 over the loop's own
 torch optimizer keeps none: the recorder's, taken where the engine clips, says "recorder"). The engine's own config
-says the run's precision policy (`engine_request`: its bf16, fp16 or torch_autocast section, read as a strategy run's
+says the run's precision policy (`policy_request`: its bf16, fp16 or torch_autocast section, read as a strategy run's
 --deepspeed_config is), which the recorder takes rather than being told it.
 """
 
@@ -60,7 +60,7 @@ class ZeRO(View):
         self.feeds = self.tp_rank == 0
         self.zero_stage = engine.zero_optimization_stage()
         self.kind = f"deepspeed zero{self.zero_stage}"
-        request = engine_request(engine)  # the policy its config asks for (None: fp32)
+        request = self.policy_request(engine)  # the policy its config asks for (None: fp32)
         self.masters_apart = request is not None and POLICIES[request.precision].master_copy  # not bf16_pure's
         # ZeRO-0 in bf16 or fp16: the fp32 masters its FP16_UnfusedOptimizer keeps beside the module's parameters
         apart_at_0 = self.masters_apart and self.zero_stage == 0
@@ -69,7 +69,9 @@ class ZeRO(View):
                               f"({type(engine.optimizer).__name__}, its fp32 masters flat): the recorder reads ZeRO-0's "
                               f"masters beside a torch optimizer's parameters only; use ZeRO stage 1 or higher")
         self.unfused = zero_state.unfused_masters(engine) if apart_at_0 else None
-        self.own_norm: float | None = None  # ZeRO-0 over the loop's torch optimizer: the norm taken at its clip
+        # ZeRO-0 over the loop's torch optimizer: DeepSpeed keeps no norm; the recorder's, taken where the engine clips
+        self.measures_norm = self.zero_stage == 0 and not self.masters_apart
+        self.own_norm: float | None = None
 
     def group_params(self):
         wrapper = self.engine.optimizer
@@ -82,19 +84,35 @@ class ZeRO(View):
     def grad_norm(self, squares=None) -> float:
         raise RuntimeError("DeepSpeed clips inside engine.step(): its own norm is read after the step")
 
+    @classmethod
+    def policy_request(cls, model) -> PolicyRequest | None:
+        """The precision policy a DeepSpeedEngine's config asks for, with its reduce and accumulation dtypes and loss
+        scaler (deepspeed_precision.config_policy over the settings the engine read: one reading for a strategy run's
+        --deepspeed_config and a user's engine); None for a model that is no engine, or an engine in fp32."""
+        if sys.modules.get("deepspeed") is None:
+            return None
+        from deepspeed import DeepSpeedEngine
+
+        if not isinstance(model, DeepSpeedEngine):
+            return None
+        return config_policy(model._config._param_dict, "the DeepSpeed engine's config")
+
     def framework_grad_norm(self):
         """DeepSpeed's own norm; at ZeRO-0 over the loop's torch optimizer, where DeepSpeed keeps none, the one taken
-        where it clips (float64 over the reduced gradients every rank holds whole: norm_source "recorder")."""
-        norm = self.engine.get_global_grad_norm()
-        if norm is None and self.own_norm is not None:
-            self.norm_source = "recorder"
+        where it clips (float64 over the reduced gradients every rank holds whole)."""
+        if self.measures_norm:
             return self.own_norm
+        norm = self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
+
+    @property
+    def norm_source(self) -> str:
+        return "recorder" if self.measures_norm else "framework"
 
     def watch_norm(self, read) -> bool:
         """Where engine.step() takes the norm it clips by (the DeepSpeed strategy's reading point: norm_point.py); at
         ZeRO-0 over the loop's torch optimizer the norm is measured there too (framework_grad_norm)."""
-        if self.zero_stage > 0 or self.masters_apart:  # its fp16 optimizers at ZeRO-0: read at their step's entry
+        if not self.measures_norm:  # its fp16 optimizers at ZeRO-0: read at their step's entry
             return watch_norm(self.engine, read, inline_at_step=True)
 
         def read_and_measure():
@@ -150,19 +168,5 @@ class ZeRO(View):
         return [dataclasses.replace(r, name=r.name.removeprefix(self.prefix)) for r in found]
 
 
-def engine_request(model) -> PolicyRequest | None:
-    """The precision policy a DeepSpeedEngine's config asks for, with its reduce and accumulation dtypes and loss
-    scaler (deepspeed_precision.config_policy over the settings the engine read: one reading for a strategy run's
-    --deepspeed_config and a user's engine); None for a model that is no engine, or an engine in fp32. ConfigError in
-    one line for a config no policy of the harness holds."""
-    if sys.modules.get("deepspeed") is None:
-        return None
-    from deepspeed import DeepSpeedEngine
-
-    if not isinstance(model, DeepSpeedEngine):
-        return None
-    return config_policy(model._config._param_dict, "the DeepSpeed engine's config")
-
-
 VIEW = ZeRO
-__all__ = ["VIEW", "ZeRO", "engine_request"]
+__all__ = ["VIEW", "ZeRO"]
