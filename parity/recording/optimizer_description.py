@@ -13,10 +13,11 @@ REPLAYED_OPTIMIZERS = tuple(OPTIMIZERS)  # what the replay builds: AdamW and Ada
 
 def kind_of(optimizer) -> tuple[str, str | None]:
     """(the update's kind, the implementation where it is not torch's): DeepSpeed's FusedAdam — what its config's
-    "optimizer": {"type": "Adam" or "AdamW"} builds — is torch's AdamW (adam_w_mode) or Adam (L2 weight decay) in
-    one kernel: the same update, its rounding in another order; the replay builds torch's."""
+    "optimizer": {"type": "Adam" or "AdamW"} builds — and its DeepSpeedCPUAdam — what the same config builds under
+    ZeRO-Offload — are torch's AdamW (adam_w_mode) or Adam (L2 weight decay), in one kernel or on the CPU: the same
+    update, its rounding in another order; the replay builds torch's."""
     name = type(optimizer).__name__
-    if name == "FusedAdam" and hasattr(optimizer, "adam_w_mode"):
+    if name in ("FusedAdam", "DeepSpeedCPUAdam") and hasattr(optimizer, "adam_w_mode"):
         return ("AdamW" if optimizer.adam_w_mode else "Adam"), name
     return name, None
 
