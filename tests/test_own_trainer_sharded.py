@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -528,6 +527,11 @@ def test_a_lora_record_without_its_adapters_file_is_refused_in_one_line(runs, tm
 NOISE_REFERENCES = ["noise_reference_ddp_tp1_dp1_bf16_params_perturbed.json",
                     "noise_reference_ddp_tp1_dp2_bf16_params_other_kernels.json", "noise_reference_ddp_tp1_dp2_fp32.json"]
 CLEAN_MARGIN = 0.5  # a clean run's worst check, ÷ its bound, at most (the clean matrix's: parity/comparing/margins.py)
+# the verdict line's bounds: 20 × the references' noise on every curve; where the optimizer's own noise is the larger
+# bound on the parameter norm (the offload run: DeepSpeed's optimizer and WarmupLR from its config), each named
+ALL_NOISE = ("the bounds that held, 20 × noise: ",)
+BOUNDS_HELD = {"zero3_offload_bf16": ("the bounds that held: loss ", "of 20 × noise, param norm ",
+                                      "of 3 × the optimizer's own noise")}
 
 
 @pytest.mark.parametrize("name", ["zero1_bf16", "zero2_bf16", "zero2_bf16_perturbed", "zero3_offload_bf16"])
@@ -536,8 +540,8 @@ def test_a_deepspeed_bf16_loop_passes_the_default_calibrated_verdict(runs, name,
     accumulated in bf16, fp32 masters) at ZeRO-1 and ZeRO-2, and at ZeRO-3 with ZeRO-Offload (the config's AdamW, which
     DeepSpeed builds as its DeepSpeedCPUAdam: refused before 2026-11-29), is judged by the default verdict, calibrated
     on the noise references verify_trainer.py plans — its fp32 twin in the fp32 policy's own dtypes (issue 80: it kept
-    the record's bf16 reduction and the command was refused, exit 2). PASS, every check within half its bound, under the default
-    kernels (the group's records) and, through verify_trainer.py's command line, under the perturbed ones
+    the record's bf16 reduction and the command was refused, exit 2). PASS, every check within half its bound, under
+    the default kernels (the group's records) and, through verify_trainer.py's command line, under the perturbed ones
     (conftest.PERTURBED); the verdict line names the bounds that held."""
     folder = runs[name]
     code, output = runs[f"{name}_command"] if name in COMMANDS else whole_report(folder, capsys)
@@ -554,7 +558,7 @@ def test_a_deepspeed_bf16_loop_passes_the_default_calibrated_verdict(runs, name,
     ratios = against["bound_ratios"]
     assert max(ratios.values()) < CLEAN_MARGIN, ratios
     assert f"{NAME} (TP=1, DP=2): PASS\n  deviation ÷ noise " in output
-    assert re.search(r"the bounds that held(, 20 × noise)?: ", output)  # (each its own where they differ)
+    assert all(phrase in output for phrase in BOUNDS_HELD.get(name, ALL_NOISE)), output[-3000:]
     check = max(ratios, key=ratios.get)
     print(f"{name}: PASS calibrated, curves' margin {against['margin']:.1f}×, worst check {check} at "
           f"{ratios[check]:.3f} of its bound")
