@@ -11,28 +11,17 @@ OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov") 
 REPLAYED_OPTIMIZERS = tuple(OPTIMIZERS)  # what the replay builds: AdamW and Adam
 
 
-def kind_of(optimizer) -> tuple[str, str | None]:
-    """(the update's kind, the implementation where it is not torch's): DeepSpeed's FusedAdam — what its config's
-    "optimizer": {"type": "Adam" or "AdamW"} builds — and its DeepSpeedCPUAdam — what the same config builds under
-    ZeRO-Offload — are torch's AdamW (adam_w_mode) or Adam (L2 weight decay), in one kernel or on the CPU: the same
-    update, its rounding in another order; the replay builds torch's."""
-    name = type(optimizer).__name__
-    if name in ("FusedAdam", "DeepSpeedCPUAdam") and hasattr(optimizer, "adam_w_mode"):
-        return ("AdamW" if optimizer.adam_w_mode else "Adam"), name
-    return name, None
-
-
-def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list] | None = None) -> dict:
-    """The optimizer whole: its type and per parameter group the parameters' names, the lr scale (the group's lr ÷ the
-    first group's: each group's lr is scale × the step's lr), weight decay, betas, eps, and the flags that change the
-    update where set (amsgrad, maximize ...); DeepSpeed's FusedAdam as the torch optimizer it equals (kind_of).
-    `group_params`: each group's module parameters, where the optimizer's groups hold others (ZeRO's flat
-    partitions)."""
+def describe_optimizer(view) -> dict:
+    """The optimizer of `view` (parity/views/) whole: its type and per parameter group the parameters' names, the lr
+    scale (the group's lr ÷ the first group's: each group's lr is scale × the step's lr), weight decay, betas, eps, and
+    the flags that change the update where set (amsgrad, maximize ...). Its type is the torch optimizer it equals, as
+    the view says (View.optimizer_kind: DeepSpeed's FusedAdam is torch's AdamW in one kernel), and each group's
+    parameters the module's (View.group_params: ZeRO's optimizer's groups hold flat partitions)."""
+    optimizer, names = view.optimizer, view.names()
     groups = optimizer.param_groups
-    group_params = group_params or [g["params"] for g in groups]
     firsts = [g.get("initial_lr", g.get("lr", 0.0)) for g in groups]
     described = []
-    for group, first, params in zip(groups, firsts, group_params):
+    for group, first, params in zip(groups, firsts, view.group_params()):
         entry = {"params": [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params],
                  "lr_scale": float(first / firsts[0]) if firsts[0] else 1.0,
                  "weight_decay": float(group.get("weight_decay", 0.0))}
@@ -50,7 +39,7 @@ def describe_optimizer(optimizer, names: dict[int, str], group_params: list[list
         if flags:
             entry["flags"] = flags
         described.append(entry)
-    kind, implementation = kind_of(optimizer)
+    kind, implementation = view.optimizer_kind()
     return {"type": kind, **({"implementation": implementation} if implementation else {}), "groups": described}
 
 

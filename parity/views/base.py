@@ -76,6 +76,11 @@ class View(ShardedView):
         return [[p for p in g["params"] if p.requires_grad and id(p) not in self.outside]
                 for g in self.optimizer.param_groups]
 
+    def optimizer_kind(self) -> tuple[str, str | None]:
+        """(the torch optimizer this view's optimizer's update equals, the implementation where it is not torch's):
+        torch's, under its own name; a framework's view names its own kernels' (zero.py: DeepSpeed's FusedAdam)."""
+        return type(self.optimizer).__name__, None
+
     # --- what the recorder reads of a step it does not drive --------------------------------------------------
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The full logits of a micro-batch, as the loss sees them."""

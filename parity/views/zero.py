@@ -81,6 +81,16 @@ class ZeRO(View):
                 return [list(g) for g in groups]
         return super().group_params()
 
+    def optimizer_kind(self) -> tuple[str, str | None]:
+        """DeepSpeed's FusedAdam — what its config's "optimizer": {"type": "Adam" or "AdamW"} builds — and its
+        DeepSpeedCPUAdam — what the same config builds under ZeRO-Offload — are torch's AdamW (adam_w_mode) or Adam (L2
+        weight decay), in one kernel or on the CPU: the same update, its rounding in another order; the replay builds
+        torch's."""
+        kind = type(self.optimizer)
+        if kind.__module__.startswith("deepspeed.ops.adam") and hasattr(self.optimizer, "adam_w_mode"):
+            return ("AdamW" if self.optimizer.adam_w_mode else "Adam"), kind.__name__
+        return super().optimizer_kind()
+
     def grad_norm(self, squares=None) -> float:
         raise RuntimeError("DeepSpeed clips inside engine.step(): its own norm is read after the step")
 

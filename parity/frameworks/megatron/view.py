@@ -215,6 +215,20 @@ class MegatronView(TranslatedView):
                 "distributed_optimizer": self.shards_of is not None,
                 "sequence_parallel": bool(self.config.sequence_parallel)}
 
+    def optimizer_kind(self) -> tuple[str, str | None]:
+        """megatron-core steps TransformerEngine's FusedAdam where it is installed, else apex's, else torch's AdamW
+        (megatron/core/optimizer): a fused one in adam_w_mode (else L2 decay: Adam) that keeps no masters or moments of
+        its own in other dtypes (the precision-aware optimizer's) is torch's update in one kernel. Not yet run: no GPU
+        image lent had either library (docs/megatron.md); the CPU jobs step torch's."""
+        kind, optimizer = type(self.optimizer), self.optimizer
+        library = kind.__module__.split(".")[0]
+        own_dtypes = getattr(optimizer, "master_weights", False) or any(
+            getattr(optimizer, f"{moment}_dtype", torch.float32) != torch.float32 for moment in ("exp_avg", "exp_avg_sq"))
+        if (library, kind.__name__) in {("transformer_engine", "FusedAdam"), ("apex", "FusedAdam")} and \
+                hasattr(optimizer, "adam_w_mode") and not own_dtypes:
+            return ("AdamW" if optimizer.adam_w_mode else "Adam"), f"{library}'s FusedAdam"
+        return super().optimizer_kind()
+
     # --- the sharding: TP along partition_dim, DP alike ---------------------------------------------------------
     @staticmethod
     def split(p: torch.Tensor) -> bool:
