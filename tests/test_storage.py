@@ -1,10 +1,10 @@
 """parity.storage: local paths and the URIs Ray Train accepts, opened as Ray Train opens them; writes that
 are whole or absent; the user's umask; the check of a URI before any worker runs. Then one real Ray Train
-run per store — a local filesystem URI (file://) and an S3-compatible server on this machine (moto's
-ThreadedMotoServer, the `test` extra) — that writes every output there and reads it back: the initial
-weights (written by rank 0, read by every rank), the loss record, the final checkpoint, TensorBoard's event files
-(--report_to: uploaded from rank 0's node to an object store), and plot_loss_curves.py's figure and reports from the
-records it reads there."""
+run over both stores — an S3-compatible server on this machine (moto's ThreadedMotoServer, the `test` extra) and a
+local filesystem URI (file://) — that writes every output there and reads it back: on the S3 server the initial
+weights (written by rank 0, read by every rank), the loss record, TensorBoard's event files (--report_to: uploaded
+from rank 0's node to an object store), and plot_loss_curves.py's figure and reports from the records it reads there;
+on the file:// URI Ray Train's checkpoints and the final model."""
 
 import json
 import logging
@@ -155,17 +155,20 @@ def test_uris_are_checked_before_any_worker(s3_endpoint, tmp_path, tiny_weights,
     assert list(tmp_path.iterdir()) == [] and all_files(run) == []
 
 
-@pytest.fixture(scope="module", params=["file", "s3"])
-def store_run(request, ray_cluster, s3_endpoint, tmp_path_factory):
-    """FSDP TP=2 × DP=1 (global batch 4, as the DDP baseline) with every path on the store: rank 0 writes the
-    initial weights there (--save_init_weights), every rank loads them from there; reported to TensorBoard."""
-    store = store_location(request.param, s3_endpoint, tmp_path_factory.mktemp(f"store_{request.param}"))
+@pytest.fixture(scope="module")
+def store_run(ray_cluster, s3_endpoint, tmp_path_factory):
+    """FSDP TP=2 × DP=1 (global batch 4, as the DDP baseline) with every path on a store, both kinds in one run: the
+    initial weights (rank 0 writes them there, --save_init_weights, every rank loads them from there) and the loss
+    folder (reported to TensorBoard) on the S3 server, Ray Train's checkpoints and the final model on a file:// URI.
+    Returns ({what: its store}, the record)."""
+    stores = {"s3": store_location("s3", s3_endpoint, tmp_path_factory.mktemp("store_s3")),
+              "file": store_location("file", s3_endpoint, tmp_path_factory.mktemp("store_file"))}
     record = train("fsdp", tmp_path_factory.mktemp("unused"), num_workers=2, tp_size=2, batch_size=4,
                    precision="fp32", save_init_weights=True,
-                   init_weights_path=storage.join(store, "shared_weights", "init_weights.pt"),
-                   loss_output_dir=storage.join(store, "loss_curves"),
-                   storage_path=storage.join(store, "ray_checkpoints"), report_to="tensorboard", **PARITY)
-    return store, record
+                   init_weights_path=storage.join(stores["s3"], "shared_weights", "init_weights.pt"),
+                   loss_output_dir=storage.join(stores["s3"], "loss_curves"),
+                   storage_path=storage.join(stores["file"], "ray_checkpoints"), report_to="tensorboard", **PARITY)
+    return stores, record
 
 
 def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baseline, tmp_path):
@@ -174,10 +177,12 @@ def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baselin
     from parity.commands.compare_curves import main as plot_loss_curves
     from parity.models.model import read_init_weights
 
-    store, record = store_run
-    loss_dir, checkpoint = storage.join(store, "loss_curves"), storage.join(store, "ray_checkpoints", "fsdp_tp2_dp1",
-                                                                            "final_model")
+    stores, record = store_run
+    store = stores["s3"]
+    loss_dir, checkpoint = storage.join(store, "loss_curves"), storage.join(stores["file"], "ray_checkpoints",
+                                                                            "fsdp_tp2_dp1", "final_model")
     assert (record["config"]["loss_output_dir"], record["final"]["checkpoint_dir"]) == (loss_dir, checkpoint)
+    assert checkpoint.startswith("file://") and loss_dir.startswith("s3://")
     # The weights rank 0 wrote are the seed's (the baseline's file), and the run trained from them.
     assert read_init_weights(storage.join(store, "shared_weights", "init_weights.pt"))[2] == \
         record["config"]["init_weights_sha256"] == ddp_baseline["config"]["init_weights_sha256"]
@@ -219,7 +224,7 @@ def test_a_run_writes_and_reads_every_output_on_the_store(store_run, ddp_baselin
     tensors = summary["against_baseline"]["fsdp"]["tensors"]  # every tensor's series read from the store
     assert tensors["taken"] and tensors["first_outside"] is None and tensors["steps"] == 12
     assert storage.read_text(storage.join(loss_dir, "curve_report.md")).startswith("# Loss curve comparison")
-    assert not [f for f in all_files(store) if f.endswith(".tmp")]
+    assert not [f for location in stores.values() for f in all_files(location) if f.endswith(".tmp")]
 
 
 def test_the_layer_check_keeps_its_folder_on_this_machine(capsys):
