@@ -189,6 +189,30 @@ def test_a_zero_initialised_elements_flip_is_carried_into_the_bound_of_the_steps
     assert (carried[:, at] > 0).nonzero().flatten().tolist() == [0]  # at that level, element 0 alone carries a flip
 
 
+def test_a_tensors_sample_is_drawn_once_uniform_and_without_permuting_a_large_one():
+    """The elements a large tensor's table is measured on: drawn once per size (every step and rank the same — it had
+    been drawn at every step, a permutation of all 136 M elements of Qwen2.5-0.5B's embedding, 8 s of a CPU each
+    step), up to 2^20 elements a permutation's first 2^14 (as always: every tiny model's tables unchanged); beyond, 2^14
+    distinct elements spread as uniformly: the sample's mean and quartiles within 4 standard errors of the uniform's,
+    at Qwen2.5-0.5B's embedding, an MLP matrix and just past the permutation's limit."""
+    import torch
+
+    from parity.training.update_noise import PERMUTED, SAMPLED, _sample
+
+    cpu = torch.device("cpu")
+    assert _sample(SAMPLED, cpu) is None
+    assert torch.equal(_sample(131072, cpu), torch.randperm(131072, generator=torch.Generator().manual_seed(131072))[
+        :SAMPLED])
+    for n in (PERMUTED + 1, 896 * 4864, 151936 * 896):
+        drawn = _sample(n, cpu)
+        assert _sample(n, cpu) is drawn  # once
+        assert len(drawn) == len(torch.unique(drawn)) == SAMPLED and 0 <= int(drawn.min()) and int(drawn.max()) < n
+        u = drawn.double() / n  # uniform on [0, 1): mean 1/2, sd 1/√12; a quantile q's sd √(q(1 − q)/N)
+        assert abs(float(u.mean()) - 0.5) < 4 / (12 * SAMPLED) ** 0.5, n
+        for q in (0.25, 0.5, 0.75):
+            assert abs(float((u < q).double().mean()) - q) < 4 * (q * (1 - q) / SAMPLED) ** 0.5, (n, q)
+
+
 def test_a_resumed_baselines_tables_are_the_uninterrupted_ones(tmp_path):
     """DDP's bf16 baseline checkpoints the flips its table carries (PolicyOptimizer.state_dict, in bf16): stopped after
     step 3 of 6 and resumed from the saved state, its tables of steps 4–6 are the uninterrupted run's to bf16's
