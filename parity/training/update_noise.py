@@ -67,6 +67,12 @@ def _sample(n: int, device) -> torch.Tensor | None:
     return drawn[torch.randperm(len(drawn), generator=generator)[:SAMPLED]].to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _grid(dtype, device) -> torch.Tensor:
+    """GRID as a tensor on `device`, made once (on a GPU a copy from the host at every tensor and step otherwise)."""
+    return torch.tensor(GRID, dtype=dtype, device=device)
+
+
 def _update(m_hat, v_hat, lr, eps):
     return lr * m_hat / (v_hat.clamp_min(0).sqrt() + eps)
 
@@ -106,7 +112,7 @@ def tensor_table(grad, exp_avg, exp_avg_sq, step: int, param, lr: float, betas, 
     g, m, v, p = (t.detach().reshape(-1).float() if index is None else t.detach().reshape(-1)[index].float()
                   for t in (grad, exp_avg, exp_avg_sq, param))
     m_hat, v_hat = m / (1 - betas[0] ** step), v / (1 - betas[1] ** step)
-    deltas = torch.tensor(GRID, dtype=m.dtype, device=m.device) * rms
+    deltas = _grid(m.dtype, m.device) * rms
     carried = torch.zeros(len(g), len(GRID), dtype=torch.float32, device=g.device) if carried is None else carried
     reached = (g != 0) & (m_hat.abs() < deltas[-1])  # flip-prone at some level
     m_hat, v_hat = m_hat[reached, None], v_hat[reached, None]
