@@ -11,13 +11,14 @@ OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov") 
 REPLAYED_OPTIMIZERS = tuple(OPTIMIZERS)  # what the replay builds: AdamW and Adam
 
 
-def describe_optimizer(view) -> dict:
-    """The optimizer of `view` (parity/views/) whole: its type and per parameter group the parameters' names, the lr
-    scale (the group's lr ÷ the first group's: each group's lr is scale × the step's lr), weight decay, betas, eps, and
-    the flags that change the update where set (amsgrad, maximize ...). Its type is the torch optimizer it equals, as
-    the view says (View.optimizer_kind: DeepSpeed's FusedAdam is torch's AdamW in one kernel), and each group's
-    parameters the module's (View.group_params: ZeRO's optimizer's groups hold flat partitions)."""
-    optimizer, names = view.optimizer, view.names()
+def describe_optimizer(view, names: dict[int, str]) -> dict:
+    """The optimizer of `view` (parity/views/) whole, its parameters under `names` (view.names(), which the recorder
+    reads once): its type and per parameter group the parameters' names, the lr scale (the group's lr ÷ the first
+    group's: each group's lr is scale × the step's lr), weight decay, betas, eps, and the flags that change the update
+    where set (amsgrad, maximize ...). Its type is the torch optimizer it equals, as the view says
+    (View.optimizer_kind: DeepSpeed's FusedAdam is torch's AdamW in one kernel), and each group's parameters the
+    module's (View.group_params: ZeRO's optimizer's groups hold flat partitions)."""
+    optimizer = view.optimizer
     groups = optimizer.param_groups
     firsts = [g.get("initial_lr", g.get("lr", 0.0)) for g in groups]
     described = []

@@ -209,7 +209,7 @@ class ParityRecorder(BatchTaking):
         here = f"recorded_{self.name}"
         self.max_batch_bytes, self.saved_bytes, self.log_interval = max_batch_bytes, 0, log_interval
         self.names = self.view.names()  # Hugging Face names (FSDP1's cleaned of its wrappers)
-        self.optimizer_description = describe_optimizer(self.view)
+        self.optimizer_description = describe_optimizer(self.view, self.names)
         if why := unreplayable(self.optimizer_description):  # SGD, Adafactor, AdamW(amsgrad=True) ...: before step 0
             raise ViewRefused(why)
         self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
