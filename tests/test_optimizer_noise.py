@@ -159,7 +159,7 @@ def test_a_zero_initialised_elements_flip_is_carried_into_the_bound_of_the_steps
     import torch
 
     from parity.comparing.update_bound import read
-    from parity.training.update_noise import GRID, tensor_table
+    from parity.training.update_noise import GRID, tensor_tables
 
     lr, level = 1e-3, 1e-4  # the element noise the bound is read at, in rms gradients: above the element's 1e-6
     grads = torch.randn(3, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64).float()
@@ -175,8 +175,8 @@ def test_a_zero_initialised_elements_flip_is_carried_into_the_bound_of_the_steps
                 p.grad[0] = sign * 1e-6 * float(g.pow(2).mean().sqrt())
             opt.step()
             state = opt.state[p]
-            row, carried = tensor_table(p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), p, lr,
-                                        (0.9, 0.999), 1e-8, carried)
+            ((row, carried),) = tensor_tables([(p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), p,
+                                                 carried)], lr, (0.9, 0.999), 1e-8)
             norms.append(float(p.detach().double().norm()))
             rows.append(row.tolist())
         runs[sign] = (norms, rows, carried)
@@ -187,6 +187,46 @@ def test_a_zero_initialised_elements_flip_is_carried_into_the_bound_of_the_steps
         assert OPTIMIZER_NOISE_K * read(rows[s], level) ** 0.5 >= parted[s], (s, rows[s], parted[s])
     at = min(range(len(GRID)), key=lambda j: abs(GRID[j] - level))
     assert (carried[:, at] > 0).nonzero().flatten().tolist() == [0]  # at that level, element 0 alone carries a flip
+
+
+def test_a_groups_tables_measured_together_are_each_tensors_own_bit_for_bit(monkeypatch):
+    """tensor_tables measures a param group's tensors in passes of one buffer (CHUNK's elements: here 5 000, so that
+    tensors share passes and a pass ends mid-list): every row and carried buffer is the one its tensor gets measured
+    alone, bit for bit, at every step — a sampled tensor (past 16 384 elements), an embedding's unreached rows, a bias
+    from zero whose first update is a flip, a tensor whose gradient is 0 (no row, nothing carried) and one of norm 0 — and
+    a step's carried buffers are the next step's pass buffer, not a copy of it."""
+    import torch
+
+    from parity.training import update_noise
+
+    monkeypatch.setitem(update_noise.CHUNK, "cpu", 5000)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(40, 64), (64,), (20000,), (16, 32), (64,), (64,), (48, 48)]
+    params = [torch.nn.Parameter(torch.randn(*shape, generator=gen) * 0.02) for shape in shapes]
+    params[1].data.zero_()  # the bias from zero
+    params[5].data.zero_()  # norm 0 throughout: its gradient is 0 too
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+    together, alone = [None] * len(params), [None] * len(params)
+    for step in range(4):
+        for k, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=gen) * (0.0 if k in (4, 5) else 0.01)
+        params[0].grad[:25] = 0  # rows no token reached
+        params[1].grad[0] = 1e-6 * float(params[1].grad.pow(2).mean().sqrt()) if step == 0 else params[1].grad[0]
+        opt.step()
+        entry = [(p.grad, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], int(opt.state[p]["step"]), p)
+                 for p in params]
+        rows = update_noise.tensor_tables([(*e, c) for e, c in zip(entry, together)], 1e-3, (0.9, 0.999), 1e-8)
+        one = [update_noise.tensor_tables([(*e, c)], 1e-3, (0.9, 0.999), 1e-8)[0] for e, c in zip(entry, alone)]
+        if step > 0:  # the pass of tensors 0–1 kept its buffer: the views carried in are the ones carried out
+            assert rows[0][1].data_ptr() == together[0].data_ptr() and rows[1][1]._base is rows[0][1]._base
+        for k, ((row, carried), (row_alone, carried_alone)) in enumerate(zip(rows, one)):
+            assert torch.equal(row, row_alone), (step, k)
+            assert (carried is None) == (carried_alone is None) == (k in (4, 5)), (step, k)
+            assert carried is None or torch.equal(carried, carried_alone), (step, k)
+        together, alone = [c for _, c in rows], [c for _, c in one]
+        assert [float(r[-1]) > 0 for r, _ in rows] == [True, True, True, True, False, False, True], step
+    assert together[2].shape == (update_noise.SAMPLED, len(update_noise.GRID))  # sampled, scaled
+    assert int((together[1][:, 8] > 0).sum()) >= 1  # the bias's flip carried
 
 
 def test_a_tensors_sample_is_drawn_once_uniform_and_without_permuting_a_large_one():

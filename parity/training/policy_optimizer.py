@@ -19,7 +19,7 @@ from parity.precision import DTYPES, policy_of
 from parity.training.loss_scaler import applied, scaler_of, unscaled_or_skipped
 from parity.training.memory import GRADS, MASTER, PARAMS
 from parity.training.optimizer import ADAMW_MOMENTS, OptimizerStep, build_optimizer, clip_gradients, set_lr
-from parity.training.update_noise import tensor_table
+from parity.training.update_noise import tensor_tables
 
 
 def cast_parameters(module: torch.nn.Module, cfg) -> None:
@@ -68,7 +68,7 @@ class PolicyOptimizer:
         # tensors the strategy asks for (measure_update_noise: the baseline's series); else None
         self._noise_of: frozenset[int] = frozenset()
         self.update_noise = None
-        self._carried: dict[int, torch.Tensor] = {}  # by id of the tensor stepped: what its table carries (tensor_table)
+        self._carried: dict[int, torch.Tensor] = {}  # by id of the tensor stepped: what its table carries (tensor_tables)
 
     def measure_update_noise(self, tensors) -> None:
         """From the next step on, measure the optimizer's own noise of each of `tensors` (stepped ones: masters where
@@ -150,18 +150,20 @@ class PolicyOptimizer:
         return applied(self.scaler, norm, scale)
 
     def _noise_tables(self) -> dict:
-        """{id(tensor stepped): update_noise.tensor_table} of this step, of each tensor measured (measure_update_noise),
-        from its gradient (clipped) and AdamW state after the step."""
+        """{id(tensor stepped): its update_noise.tensor_tables row} of this step, of each tensor measured
+        (measure_update_noise), from its gradient (clipped) and AdamW state after the step: a param group's at once."""
         tables = {}
         for group in self.optimizer.param_groups:
-            for t in group["params"]:
-                state = self.optimizer.state.get(t)
-                if id(t) in self._noise_of and t.grad is not None and state and "exp_avg" in state:
-                    tables[id(t)], carried = tensor_table(t.grad, state["exp_avg"], state["exp_avg_sq"],
-                                                          int(state["step"]), t, group["lr"], group["betas"],
-                                                          group["eps"], self._carried.get(id(t)))
-                    if carried is not None:
-                        self._carried[id(t)] = carried
+            measured = [t for t in group["params"] if id(t) in self._noise_of and t.grad is not None
+                        and "exp_avg" in self.optimizer.state.get(t, {})]
+            states = [self.optimizer.state[t] for t in measured]
+            rows = tensor_tables([(t.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), t,
+                                   self._carried.get(id(t))) for t, state in zip(measured, states)],
+                                 group["lr"], group["betas"], group["eps"])
+            for t, (row, carried) in zip(measured, rows):
+                tables[id(t)] = row
+                if carried is not None:
+                    self._carried[id(t)] = carried
         return tables
 
     def set_moments(self, params_and_moments, step: int) -> None:

@@ -78,7 +78,7 @@ class StepStats:
     tensor_grad_norms: list[float] | None = None
     tensor_param_norms: list[float] | None = None
     clip_coef: float | None = None  # where the run's series holds the clipped gradients (cfg.tensor_grad): its factor
-    update_noise: list[list[float]] | None = None  # per tensor, its update_noise.tensor_table (the baseline's)
+    update_noise: list[list[float]] | None = None  # per tensor, its update_noise.tensor_tables row (the baseline's)
     # a post-training objective's quantities of the step (KL, clipped fraction, mean ratio …: Objective.quantities)
     objective: dict | None = None
 
@@ -511,7 +511,7 @@ class Strategy(Routing, ShardedView):
         return summed
 
     def _update_noise_rows(self, names: list[str]) -> list[torch.Tensor]:
-        """This rank's table of the optimizer's own noise (update_noise.tensor_table) of each tensor it counts, flat
+        """This rank's table of the optimizer's own noise (update_noise.tensor_tables) of each tensor it counts, flat
         in `names` order (zeros for the others, and for every tensor of a step without one: an fp16 overflow's), where
         the run measures it; else nothing."""
         if not self._measures_update_noise:

@@ -29,7 +29,7 @@ from parity.errors import RecordError
 from parity.training.tensor_norms import AFTER_BACKWARD, AT_CLIP, CLIPPED, PRE_CLIP
 from parity.training.update_noise import rounded
 
-CARRIED = "update_noise_carried"  # a chunk's tables, each step's whole variance (tensor_table)
+CARRIED = "update_noise_carried"  # a chunk's tables, each step's whole variance (tensor_tables)
 
 KEY = "tensors"  # the record's entry
 SUFFIX = ".tensors"
@@ -111,7 +111,7 @@ class TensorSeries:
     clip_coef: list[float | None]
     read_at: str = AT_CLIP  # where the gradients were read (tensor_norms.READ_AT)
     norm_dtype: str = "float64"  # what the run's pre-clip norm is accumulated in
-    # per step, per tensor, its optimizer's noise table (update_noise.tensor_table); None where a step has none
+    # per step, per tensor, its optimizer's noise table (update_noise.tensor_tables); None where a step has none
     update_noise: list[list[list[float]] | None] | None = None
     # whether each step's table is its whole variance (carried flips), not its increment (a record from before)
     update_noise_carried: bool = False
