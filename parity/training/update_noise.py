@@ -95,7 +95,8 @@ def _moved(m_hat, v_hat, base, d, lr, eps):
 
 def tensor_tables(entries, lr: float, betas, eps: float) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Each entry's (row, what it carries to the next step); an entry is one tensor of one AdamW param group (`lr`,
-    `betas`, `eps`): (grad, exp_avg, exp_avg_sq, step, param, carried), its state after the step.
+    `betas`, `eps`) on one device (a rank's): (grad, exp_avg, exp_avg_sq, step, param, carried), its state after the
+    step.
 
     The row: per x of GRID, Σ_i effect_i² (float64, on the tensor's device) — how far each element's displacement by
     the flips it was prone to so far (this step's and the earlier ones', `carried`) moves the tensor's norm now
@@ -110,7 +111,7 @@ def tensor_tables(entries, lr: float, betas, eps: float) -> list[tuple[torch.Ten
     norms = torch.stack([x for grad, _, _, _, param, _ in entries for x in (
         torch.linalg.vector_norm(param.detach().double()), torch.linalg.vector_norm(grad.detach().double()),
         torch.count_nonzero(grad.detach()).double())]).tolist() if entries else []  # the one host sync
-    passes: dict[tuple, list] = {}  # (step, device) → [(position, norm, rms)]: a pass shares its bias corrections
+    passes: dict[int, list] = {}  # step → [(position, norm, rms)]: a pass shares its bias corrections
     for k, (grad, _, _, step, param, carried) in enumerate(entries):
         norm, grad_norm, active = norms[3 * k: 3 * k + 3]
         # one unit of element noise: the rms of the gradient's elements that are not exactly 0 (an embedding's rows no
@@ -119,9 +120,10 @@ def tensor_tables(entries, lr: float, betas, eps: float) -> list[tuple[torch.Ten
         if step < 1 or param.numel() == 0 or norm == 0 or rms == 0:
             out[k] = torch.zeros(len(GRID), dtype=torch.float64, device=param.device), carried
         else:
-            passes.setdefault((step, param.device), []).append((k, norm, rms))
-    for (step, device), measured in passes.items():
-        chunk, size, most = [], 0, CHUNK.get(device.type, CHUNK_ELSEWHERE)
+            passes.setdefault(step, []).append((k, norm, rms))
+    most = CHUNK.get(entries[0][4].device.type, CHUNK_ELSEWHERE) if entries else 0
+    for step, measured in passes.items():
+        chunk, size = [], 0
         for item in measured:
             n = min(entries[item[0]][4].numel(), SAMPLED)
             if chunk and size + n > most:
