@@ -16,6 +16,8 @@ partitions).
     python examples/sharded_loop.py --shard zero2 --deepspeed_bf16 --output_dir OUT --nproc 2   # DeepSpeed's bf16
     python examples/sharded_loop.py --shard zero2 --deepspeed_optimizer --output_dir OUT --nproc 2   # its FusedAdam
     python examples/sharded_loop.py --shard zero2 --deepspeed_optimizer --offload_optimizer --output_dir OUT --nproc 2
+    python examples/sharded_loop.py --shard zero3 --deepspeed_optimizer --offload_optimizer --offload_param \\
+        --output_dir OUT --nproc 2                                                   # ZeRO-3 offload, both
     python train_ddp.py --replay_record OUT/loss_sharded_loop.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png              # PASS: it trains as DDP does
@@ -68,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--offload_optimizer", action="store_true",
                    help="zero1|2|3 with --deepspeed_optimizer: ZeRO-Offload, the optimizer's states and step on the "
                         "CPU (DeepSpeed builds its DeepSpeedCPUAdam from the config's optimizer)")
+    p.add_argument("--offload_param", action="store_true",
+                   help="zero3: the parameters' partitions on the CPU (offload_param), fetched for each forward and "
+                        "backward; with --offload_optimizer as DeepSpeed's and Hugging Face's ZeRO-3 offload configs "
+                        "write it")
     p.add_argument("--deepspeed_bf16", action="store_true",
                    help="zero0|1|2|3: DeepSpeed's bf16.enabled — bf16 weights and gradients, fp32 masters and Adam "
                         "state, reduced in bf16 (recorded as the harness's bf16_params policy)")
@@ -75,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = plain_loop.parse_args([*rest, *([] if "--name" in rest else ["--name", "sharded_loop"])])
     args.shard, args.tp, args.deepspeed_bf16 = known.shard, known.tp, known.deepspeed_bf16
     args.deepspeed_optimizer, args.offload_optimizer = known.deepspeed_optimizer, known.offload_optimizer
+    args.offload_param = known.offload_param
     args.replicate, args.sharding_strategy = known.replicate, known.sharding_strategy
     if args.device != "cpu":
         print(f"error: --device {args.device}: sharded_loop.py runs on CPU ranks only (gloo); plain_loop.py takes "
@@ -97,6 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
               f"{'' if args.deepspeed_optimizer else ' without --deepspeed_optimizer'}: ZeRO-Offload is ZeRO-1, 2 or "
               f"3's, stepping the DeepSpeedCPUAdam DeepSpeed builds from its config's optimizer; use --shard "
               f"zero1|zero2|zero3 --deepspeed_optimizer", file=sys.stderr)
+        raise SystemExit(2)
+    if args.offload_param and args.shard != "zero3":
+        print(f"error: --offload_param with --shard {args.shard}: parameter offload is ZeRO-3's (stages 1 and 2 "
+              f"keep every parameter on each rank); use --shard zero3", file=sys.stderr)
         raise SystemExit(2)
     for flag in ("deepspeed_bf16", "deepspeed_optimizer"):
         if getattr(args, flag) and not args.shard.startswith("zero"):
@@ -185,6 +196,8 @@ def deepspeed_engine(args, model, optimizer, scheduler):
               **({"tensor_parallel": {"autotp_size": args.tp}} if args.tp > 1 else {})}  # AutoTP
     if args.offload_optimizer:  # ZeRO-Offload: the optimizer's states and step on the CPU (its DeepSpeedCPUAdam)
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if args.offload_param:  # ZeRO-3's parameter partitions on the CPU, fetched for each forward and backward
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if args.deepspeed_optimizer:  # as DeepSpeed's docs write it: its AdamW (FusedAdam) and warm-up from the config
         config["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr}}
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,

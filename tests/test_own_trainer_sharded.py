@@ -29,6 +29,7 @@ curve would have let it pass. They cost the module about 35 CPU-seconds: three r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -65,9 +66,10 @@ CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               "zero2_bf16_accum_mean": (["--shard", "zero2", *DS_BF16], EXAMPLE, ACCUM_MEAN),
               # DeepSpeed's own ZeRO-0 in bf16: its FP16_UnfusedOptimizer (tests/test_precision.py)
               "zero0_bf16": (["--shard", "zero0", *DS_BF16], EXAMPLE, []),
-              # ZeRO-Offload as DeepSpeed's docs write it: the config's AdamW, built as its DeepSpeedCPUAdam
-              "zero3_offload_bf16": (["--shard", "zero3", *DS_BF16, "--deepspeed_optimizer", "--offload_optimizer"],
-                                     EXAMPLE, [])}
+              # ZeRO-3 offload as DeepSpeed's and Hugging Face's configs write it: the config's AdamW, built as its
+              # DeepSpeedCPUAdam, and the parameters' partitions on the CPU too (offload_param)
+              "zero3_offload_both_bf16": (["--shard", "zero3", *DS_BF16, "--deepspeed_optimizer", "--offload_optimizer",
+                                           "--offload_param"], EXAMPLE, [])}
 # HSDP whose replicate dim is never all-reduced (FSDP2's set_requires_all_reduce(False), meant for the micro-batches
 # before the last, left off): FSDP2 then never sets the gradients, and the optimizer never steps
 ALL_REDUCE_OFF = [("model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only",
@@ -112,6 +114,8 @@ REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero0": 26, "zero1": 
                   "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78, "transformers_tp": 15, "zero1_autotp": 24}
 # DeepSpeed's own optimizers, each recorded as the torch optimizer it equals, its implementation named (else torch's)
 IMPLEMENTATION = {"zero2_fused": "FusedAdam", "zero0_fused": "FusedAdam", "zero2_offload": "DeepSpeedCPUAdam"}
+# where the record says ZeRO-Offload kept what it moved off the device (absent without offload)
+OFFLOAD = {"zero2_offload": {"optimizer": "cpu"}, "zero3_offload_both_bf16": {"optimizer": "cpu", "param": "cpu"}}
 # each variant's record: its sharding's kind, ZeRO stage and device mesh (FSDP1 and ZeRO: none)
 SHARDING = {"fsdp2_tp": ("fsdp2", 3, {"dp": 1, "tp": 2}), "hsdp": ("fsdp2", 3, {"replicate": 2, "shard": 1}),
             "fsdp1_no_shard": ("fsdp1", 0, None),
@@ -209,6 +213,7 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard, capsys):
     sharding = SHARDING.get(shard, (kind if fsdp else f"deepspeed {kind}", 3 if fsdp else int(kind[-1]),
                                     {"dp": 2} if kind == "fsdp2" else None))
     assert (config["sharding"]["kind"], config["sharding"]["zero_stage"], config["sharding"].get("mesh")) == sharding
+    assert config["sharding"].get("offload") == OFFLOAD.get(shard)
     assert (config["dp_size"], config["tp_size"]) == (dp, 2 // dp)
     assert recorded["steps"][0]["micro_batches"] == [[2, 2]] * dp
     assert config["grad_norm_source"] == ("recorder" if fsdp or kind == "zero0" else "framework")
@@ -530,22 +535,24 @@ CLEAN_MARGIN = 0.5  # a clean run's worst check, ÷ its bound, at most (the clea
 # the verdict line's bounds: 20 × the references' noise on every curve; where the optimizer's own noise is the larger
 # bound on the parameter norm (the offload run: DeepSpeed's optimizer and WarmupLR from its config), each named
 ALL_NOISE = ("the bounds that held, 20 × noise: ",)
-BOUNDS_HELD = {"zero3_offload_bf16": ("the bounds that held: loss ", "of 20 × noise, param norm ",
-                                      "of 3 × the optimizer's own noise")}
+BOUNDS_HELD = {"zero3_offload_both_bf16": ("the bounds that held: loss ", "of 20 × noise, param norm ",
+                                           "of 3 × the optimizer's own noise")}
 
 
-@pytest.mark.parametrize("name", ["zero1_bf16", "zero2_bf16", "zero2_bf16_perturbed", "zero3_offload_bf16"])
+@pytest.mark.parametrize("name", ["zero1_bf16", "zero2_bf16", "zero2_bf16_perturbed", "zero3_offload_both_bf16"])
 def test_a_deepspeed_bf16_loop_passes_the_default_calibrated_verdict(runs, name, capsys):
     """A user's DeepSpeed loop with bf16.enabled (the bf16_params policy: bf16 weights and gradients reduced and
     accumulated in bf16, fp32 masters) at ZeRO-1 and ZeRO-2, and at ZeRO-3 with ZeRO-Offload (the config's AdamW, which
-    DeepSpeed builds as its DeepSpeedCPUAdam: refused before 2026-11-29), is judged by the default verdict, calibrated
-    on the noise references verify_trainer.py plans — its fp32 twin in the fp32 policy's own dtypes (issue 80: it kept
-    the record's bf16 reduction and the command was refused, exit 2). PASS, every check within half its bound, under
-    the default kernels (the group's records) and, through verify_trainer.py's command line, under the perturbed ones
-    (conftest.PERTURBED); the verdict line names the bounds that held."""
+    DeepSpeed builds as its DeepSpeedCPUAdam: refused before 2026-11-29) and its parameters offloaded too (the record
+    says so), is judged by the default verdict, calibrated on the noise references verify_trainer.py plans — its fp32
+    twin in the fp32 policy's own dtypes (issue 80: it kept the record's bf16 reduction and the command was refused,
+    exit 2). PASS, every check within half its bound, under the default kernels (the group's records) and, through
+    verify_trainer.py's command line, under the perturbed ones (conftest.PERTURBED); the verdict line names the bounds
+    that held."""
     folder = runs[name]
     code, output = runs[f"{name}_command"] if name in COMMANDS else whole_report(folder, capsys)
     assert code == 0 and "error:" not in output and "Traceback" not in output, output[-3000:]
+    assert _record(folder, NAME)["config"]["sharding"].get("offload") == OFFLOAD.get(name)
     comparison = json.loads((folder / "curve_comparison.json").read_text())
     assert comparison["noise_references"] == NOISE_REFERENCES
     against = comparison["against_baseline"][NAME]
@@ -624,3 +631,19 @@ def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):
                                                                                 (2, True)]
             planned[policy.name] = planned.get(policy.name, 0) + 1
     assert planned == {"bf16": 2, "bf16_params": 4, "bf16_pure": 1}
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--shard", "zero2", "--offload_param"], "error: --offload_param with --shard zero2: parameter offload is "
+     "ZeRO-3's (stages 1 and 2 keep every parameter on each rank); use --shard zero3"),
+    (["--shard", "fsdp2", "--offload_optimizer"], "error: --offload_optimizer with --shard fsdp2 without "
+     "--deepspeed_optimizer: ZeRO-Offload is ZeRO-1, 2 or 3's, stepping the DeepSpeedCPUAdam DeepSpeed builds from "
+     "its config's optimizer; use --shard zero1|zero2|zero3 --deepspeed_optimizer")])
+def test_an_offload_the_example_cannot_run_is_one_line(argv, line, capsys):
+    """The example's offload flags on a layout without that offload: its one line, exit 2, before any rank starts."""
+    spec = importlib.util.spec_from_file_location("sharded_loop_flags", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as stop:
+        module.parse_args([*argv, "--output_dir", "out"])
+    assert stop.value.code == 2 and capsys.readouterr().err.splitlines() == [line]

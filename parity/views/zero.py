@@ -73,6 +73,17 @@ class ZeRO(View):
         self.measures_norm = self.zero_stage == 0 and not self.masters_apart
         self.own_norm: float | None = None
 
+    def describe(self) -> dict:
+        """The layout, and where ZeRO-Offload keeps the optimizer's states and the parameters' partitions when it moves
+        them off the device ({"optimizer": "cpu", "param": "cpu"}; absent without offload): what the record says ran."""
+        offload = {}
+        for part, config in (("optimizer", self.engine.zero_offload_optimizer()),
+                             ("param", self.engine.zero_offload_param())):
+            device = "none" if config is None else str(getattr(config.device, "value", config.device))  # enum or str
+            if device != "none":
+                offload[part] = device
+        return {**super().describe(), **({"offload": offload} if offload else {})}
+
     def group_params(self):
         wrapper = self.engine.optimizer
         for attribute in ("bit16_groups", "fp16_groups"):  # ZeRO-1/2's, ZeRO-3's: the module's parameters by group
