@@ -22,7 +22,7 @@ import sys
 import weakref
 
 from parity.attaching.import_hook import when_imported
-from parity.models.families import cut_in_place, text_config
+from parity.models.families import cut_in_place, hf_config, text_config
 
 NUM_LAYERS = "PARITY_NUM_LAYERS"  # the depth verify_trainer.py --num_layers asks for
 MODULE = "transformers.modeling_utils"
@@ -88,8 +88,8 @@ def recorded(model) -> dict | None:
     n = requested()
     if n is None:
         return None
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_string"):
+    config = hf_config(model)
+    if config is None:
         raise NotCut(f"--num_layers {n}: the model ({type(model).__name__}) is not a transformers model: the hook cuts "
                      f"those only; cut it in your code, or leave --num_layers out")
     text = text_config(config)

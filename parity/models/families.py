@@ -144,6 +144,13 @@ def kv_heads(config) -> int:
     return int(getattr(config, "num_kv_heads", None) or config.num_attention_heads)
 
 
+def hf_config(module):
+    """`module`'s Hugging Face config (a transformers model's: one it can save as JSON), or None — a module of one's own
+    may hold a `config` of another kind, or none."""
+    config = getattr(module, "config", None)
+    return config if hasattr(config, "to_json_string") else None
+
+
 def text_config(config):
     """The config of the language model itself (a multimodal config's text part; else the config)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -16,11 +16,12 @@ from parity.training.observer import device_name
 from parity.training.record import RECORDER_SOURCE as SOURCE
 
 
-def describe_run(rec, *, here: str, config, hf: bool, optimizer, framework: str, framework_versions: dict,
+def describe_run(rec, *, here: str, config, optimizer, framework: str, framework_versions: dict,
                  policy: dict, max_grad_norm: float, max_batch_bytes: int) -> dict:
     """The record's config for recorder `rec` (its name, view, model, optimizer's description, objective and device
     set): `here` the recorded folder's name, `config` the model's (None: not a Hugging Face model), `optimizer` the
     torch optimizer that steps, `policy` the precision policy's fields (precision_seen.told)."""
+    hf = config is not None
     group0 = optimizer.param_groups[0]
     betas = group0.get("betas", (0.0, 0.0))
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else None

@@ -40,6 +40,7 @@ from parity.recording.recorded_objective import RecordedObjective, causal_lm_ref
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, Hooks, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, on_host, taken
 from parity.recording.world import exchange_device, first_process, launched_processes, trains_alone
+from parity.models.families import hf_config
 from parity.models.model import config_as_built
 from parity.precision import POLICIES
 from parity.registry import KNOWN
@@ -213,12 +214,11 @@ class ParityRecorder(BatchTaking):
         if why := unreplayable(self.optimizer_description):  # SGD, Adafactor, AdamW(amsgrad=True) ...: before step 0
             raise ViewRefused(why)
         self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
-        config = getattr(self.model, "config", None)
-        hf = config is not None and hasattr(config, "to_json_string")
-        fresh = hf and not start_step  # a resumed run's model is no longer at its initial state: not saved again
+        config = hf_config(self.model)  # None: not a Hugging Face model
+        fresh = config is not None and not start_step  # a resumed run's model is past its initial state: not saved
         state = self.view.full_state_dict() if fresh else None  # full tensors where sharded: every rank (collective)
         self.exchange = RowExchange()
-        description = describe_run(self, here=here, config=config, hf=hf, optimizer=optimizer, framework=framework,
+        description = describe_run(self, here=here, config=config, optimizer=optimizer, framework=framework,
                                    framework_versions=framework_versions, policy=policy,
                                    max_grad_norm=max_grad_norm, max_batch_bytes=max_batch_bytes)
         self.record = LossRecord(record_path(output_dir, self.name), self.name, description)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from parity.models.families import causal_lm_class, language_model
+from parity.models.families import causal_lm_class, hf_config, language_model
 from parity.views.base import ViewRefused
 
 
@@ -25,8 +25,8 @@ class AliasRefused(ViewRefused):
 def text_alias(model) -> tuple[torch.nn.Module, list[tuple[str, torch.nn.Module]]]:
     """(the language model's causal LM sharing `model`'s decoder and head, [(name, tower module)] of what lies outside
     them) for a multimodal Hugging Face model; (`model`, []) for any other module."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_string"):
+    config = hf_config(model)
+    if config is None:
         return model, []
     text = language_model(config)
     if text is config:

@@ -18,7 +18,7 @@ import importlib
 
 import torch
 
-from parity.models.families import multimodal_refusal
+from parity.models.families import hf_config, multimodal_refusal
 from parity.precision import PolicyRequest
 from parity.views.adapters import AdaptersRefused, lora_of
 from parity.views.base import View, ViewRefused, torch_optimizer
@@ -47,8 +47,8 @@ def view_of(model, optimizer, device: torch.device, unwrap) -> View:
         return model
     optimizer = torch_optimizer(optimizer)
     view = next(v for v in (cls.read(model, optimizer, device, unwrap) for cls in view_classes()) if v is not None)
-    config = getattr(view.model, "config", None)
-    if config is not None and hasattr(config, "to_json_string") and (why := multimodal_refusal(config)):  # sharded
+    config = hf_config(view.model)
+    if config is not None and (why := multimodal_refusal(config)):  # sharded
         raise ViewRefused(why)
     try:
         view.lora = lora_of(view.model, view.names())  # a PEFT model's adapters, as the harness builds them

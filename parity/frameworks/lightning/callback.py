@@ -36,6 +36,7 @@ import torch
 
 from parity.fingerprint import installed_versions
 from parity.frameworks import guarded, stop_record
+from parity.models.families import hf_config
 from parity.recording.forward_hook import hand_over
 from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
 from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
@@ -51,9 +52,7 @@ def hugging_face_model(module: torch.nn.Module) -> torch.nn.Module:
     then says it is not replayable)."""
     everything = {id(p) for p in module.parameters()}
     for sub in module.modules():
-        config = getattr(sub, "config", None)
-        if config is not None and hasattr(config, "to_json_string") and \
-                {id(p) for p in sub.parameters()} == everything:
+        if hf_config(sub) is not None and {id(p) for p in sub.parameters()} == everything:
             return sub
     return module
 
