@@ -518,10 +518,11 @@ class Strategy(Routing, ShardedView):
             return []
         tables = self.policy_optimizer.update_noise or {}
         rows = torch.zeros(len(names), len(GRID), dtype=torch.float64, device=self.ctx.device)
-        index = {n: i for i, n in enumerate(names)}
-        for piece in self.parameter_pieces():
-            if piece.counted and piece.tensor is not None and id(piece.tensor) in tables and piece.name in index:
-                rows[index[piece.name]] += tables[id(piece.tensor)].to(rows.device)
+        found = {piece.name: tables[id(piece.tensor)] for piece in self.parameter_pieces()  # names: each once
+                 if piece.counted and piece.tensor is not None and id(piece.tensor) in tables}
+        if found:  # every row added to its zeros at once: two operations, not two a tensor (a GPU's launches)
+            none = rows.new_zeros(len(GRID))
+            rows += torch.stack([found[n].to(rows) if n in found else none for n in names])
         return [rows.flatten()]
 
     def record_gradients(self, loss_scale: float = 1.0) -> None:
