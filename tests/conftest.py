@@ -258,6 +258,16 @@ def output_to(path):
         yield
 
 
+def module_from(path, name: str):
+    """The Python file at `path` as a module named `name`, loaded by its path (an example or a tool: no sys.path edit)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def multimodal_gemma3(folder) -> None:
     """A Gemma 3 4B-style image-text config.json (Gemma3ForConditionalGeneration) whose language model is gemma3-tiny:
     what a user's checkpoint folder of google/gemma-3-4b-pt holds, at the harness's tiny widths."""

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, WITHOUT_GC_SITE
+from conftest import REPO, WITHOUT_GC_SITE, module_from
 
 MIB = 2**20
 
@@ -348,14 +348,10 @@ def test_a_model_is_recorded_on_the_device_it_trains_on_not_its_backends():
 def test_the_examples_and_the_matrix_go_to_the_gpu_when_told(monkeypatch):
     """tools/kernel_matrix.py --device cuda: each example at one rank with its own GPU flags (the 2-rank row at two),
     the CUDA settings, every rank on the one GPU; the examples' backend: gloo on CPU and for ranks sharing a GPU."""
-    import importlib.util
-
     from parity.attaching.launch import backend
     from parity.calibration.kernel_settings import environment
 
-    spec = importlib.util.spec_from_file_location("kernel_matrix", os.path.join(REPO, "tools", "kernel_matrix.py"))
-    matrix = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(matrix)
+    matrix = module_from(os.path.join(REPO, "tools", "kernel_matrix.py"), "kernel_matrix")
     lines = {c: matrix.CAPABILITIES[c][0]("CODE", "OUT", "cuda") for c in ("trainer_bf16", "trainer_bf16_2ranks",
                                                                           "lightning", "resume")}
     assert lines["trainer_bf16"][-5:] == ["--nproc", "1", "--device", "cuda", "--bf16"]

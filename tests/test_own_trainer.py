@@ -16,7 +16,6 @@ file's time is seven group start-ups and a few dozen tiny steps."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -25,8 +24,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import (REPO, assert_same_tensors_at_step_0, free_port, gloo_rank, max_rel_diff, multimodal_gemma3, series,
-                      tensor_norms_off, tensor_series)
+from conftest import (REPO, assert_same_tensors_at_step_0, free_port, gloo_rank, max_rel_diff, module_from,
+                      multimodal_gemma3, series, tensor_norms_off, tensor_series)
 from parity.errors import ConfigError
 
 EXAMPLE = os.path.join(REPO, "examples", "plain_loop.py")
@@ -127,9 +126,7 @@ def _record_rank(rank: int, world: int, port: int, jobs: list, cwd: str | None =
                       OMP_NUM_THREADS="1")  # else accelerate sets torch's threads to the cores ÷ the ranks: 2 at 1 rank
     with gloo_rank(rank, world, port):
         for i, (path, argv, *stderr) in enumerate(jobs):
-            spec = importlib.util.spec_from_file_location(f"example_copy_{i}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = module_from(path, f"example_copy_{i}")
             if stderr and rank == 0:  # the job's lines, for a test to read
                 with open(stderr[0], "w") as f, contextlib.redirect_stderr(f):
                     module.train(module.parse_args(argv))

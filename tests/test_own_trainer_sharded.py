@@ -29,7 +29,6 @@ curve would have let it pass. They cost the module about 35 CPU-seconds: three r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -39,8 +38,8 @@ import sys
 
 import pytest
 
-from conftest import (PERTURBED, REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, multimodal_gemma3,
-                      series, tensor_norms_off, tensor_series)
+from conftest import (PERTURBED, REPO, assert_same_tensors_at_step_0, free_port, max_rel_diff, module_from,
+                      multimodal_gemma3, series, tensor_norms_off, tensor_series)
 from test_own_trainer import (INTERVAL, _compare, _copy, _record, _record_rank, assert_checks_pass, assert_lora_replays,
                               state_checks)
 
@@ -641,9 +640,7 @@ def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):
      "its config's optimizer; use --shard zero1|zero2|zero3 --deepspeed_optimizer")])
 def test_an_offload_the_example_cannot_run_is_one_line(argv, line, capsys):
     """The example's offload flags on a layout without that offload: its one line, exit 2, before any rank starts."""
-    spec = importlib.util.spec_from_file_location("sharded_loop_flags", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = module_from(EXAMPLE, "sharded_loop_flags")
     with pytest.raises(SystemExit) as stop:
         module.parse_args([*argv, "--output_dir", "out"])
     assert stop.value.code == 2 and capsys.readouterr().err.splitlines() == [line]

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import json
 import os
 
 import pytest
 
-from conftest import REPO, free_port, gloo_rank, kernel_setting, max_rel_diff, series
+from conftest import REPO, free_port, gloo_rank, kernel_setting, max_rel_diff, module_from, series
 from test_own_trainer import _copy
 
 TRL = os.path.join(REPO, "examples", "trl_posttrain.py")
@@ -81,9 +80,7 @@ def _rank(rank: int, world: int, port: int, jobs: list) -> None:
                       OMP_NUM_THREADS="1")
     with gloo_rank(rank, world, port):
         for i, (path, argv, folder, attached) in enumerate(jobs):
-            spec = importlib.util.spec_from_file_location(f"posttrain_job_{i}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = module_from(path, f"posttrain_job_{i}")
             variables = {attach.RECORD_DIR: folder, attach.RECORD_NAME: attached} if attached else {}
             os.environ.update(variables)
             if attached:
@@ -424,10 +421,7 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
 @functools.cache
 def _example():
     """examples/trl_posttrain.py as a module, loaded by its path (no sys.path edit), once."""
-    spec = importlib.util.spec_from_file_location("trl_posttrain_example", TRL)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
+    return module_from(TRL, "trl_posttrain_example")
 
 
 def _grpo_trainer(root):

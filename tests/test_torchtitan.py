@@ -34,7 +34,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, module_from
 
 pytest.importorskip("torchtitan", reason="torchtitan: pip install --no-deps -r requirements-torchtitan.txt (the README's test set-up)")
 
@@ -78,11 +78,7 @@ def environment(setting: str | None = None) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """The tokenizer and the data, made once in the module's folder (`root`); paths relative to it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("titan_assets", os.path.join(REPO, "examples", "titan_assets.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = module_from(os.path.join(REPO, "examples", "titan_assets.py"), "titan_assets")
     root = tmp_path_factory.mktemp("titan")
     tokenizer, data = module.make_assets(str(root / "assets"))
     return {"root": root, "tokenizer": os.path.relpath(tokenizer, root), "data": os.path.relpath(data, root)}
