@@ -702,6 +702,60 @@ def test_a_recorder_failure_never_stops_the_training(tmp_path, failure, why):
         dist.destroy_process_group()
 
 
+MOVED_BETAS = ("at step 1 the optimizer's group 0 applies betas ({}, 0.999), not (0.95, 0.999) as at step 0 (a scheduler "
+               "that moves it: OneCycleLR's or CyclicLR's cycle_momentum): the replay applies one value at every step; "
+               "pass cycle_momentum=False")
+RATIOS = ("at step 1 the groups' lrs are not in their recorded ratios (the replay applies each group its recorded scale "
+          "of the first's)")
+
+
+@pytest.mark.parametrize("schedule", ["one_cycle", "one_cycle_fixed_momentum", "lambdas_apart"])
+def test_a_schedule_that_moves_what_the_replay_keeps_stops_the_record_where_it_moves(tmp_path, schedule):
+    """torch's OneCycleLR cycles AdamW's β1 by default (cycle_momentum): a correct run that a replay at the recorded
+    betas called FAIL from step 2 (an Adam step's first update does not depend on β1). Its record stops at step 1, in
+    one line saying how to keep β1 fixed; with cycle_momentum=False it holds every step. Per-group lambdas that part
+    the groups' lrs stop it alike. One rank, a group of one in this process."""
+    import torch.distributed as dist
+
+    from parity.recording.recorder import ParityRecorder
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}],
+                                      lr=1e-3, betas=(0.9, 0.999))
+        scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda k: 1 / (k + 1), lambda k: 1.0])
+                     if schedule == "lambdas_apart" else
+                     torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=10,
+                                                         cycle_momentum=schedule == "one_cycle"))
+        lines = []
+        rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model, optimizer=optimizer, log=lines.append)
+        ids, betas = torch.randint(0, 4, (2, 8)), []
+        for step in range(3):
+            logits = model(torch.nn.functional.one_hot(ids, 4).float())
+            logits.sum().backward()
+            rec.micro_batch(ids, ids, logits)
+            rec.before_step()
+            betas.append(optimizer.param_groups[0]["betas"][0])
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            rec.after_step()
+        stops = {"one_cycle": MOVED_BETAS.format(f"{betas[1]:g}"), "lambdas_apart": RATIOS}.get(schedule)
+        assert (betas[0], betas[1] < betas[0]) == ((0.95, True) if schedule == "one_cycle" else (0.9, False)), betas
+        record = json.loads(open(rec.close()).read())
+        assert optimizer.state[model.weight]["step"] == 3 and record["complete"]
+        if stops is None:
+            assert len(record["steps"]) == 3 and record["config"]["stopped"] is None, lines
+            assert not [line for line in lines if "the record stops" in line], lines
+            return
+        assert lines[-1] == (f"parity recorder [mine]: {stops}: the record stops at step 1; step 0 is replayed and "
+                             f"judged; the training goes on"), lines
+        assert len(record["steps"]) == 1 and record["config"]["stopped"] == {"step": 1, "why": stops}
+    finally:
+        dist.destroy_process_group()
+
+
 def _only(comparison):
     (result,) = comparison.results
     return result

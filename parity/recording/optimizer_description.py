@@ -56,3 +56,38 @@ def unreplayable(description: dict, recorded: bool = False) -> str | None:
         if "betas" not in group or "eps" not in group:
             return f"{the}{kind}'s group {i} has no betas or eps"
     return None
+
+
+def applied(groups) -> list[dict]:
+    """What each of an optimizer's `groups` applies at a step (read as the step begins): its lr, weight decay, betas
+    and eps."""
+    return [{"lr": float(g["lr"]), "weight_decay": float(g.get("weight_decay", 0.0)),
+             **({"betas": [float(b) for b in g["betas"]]} if "betas" in g else {}),
+             **({"eps": float(g["eps"])} if isinstance(g.get("eps"), (int, float)) else {})} for g in groups]
+
+
+def departure(description: dict, step_groups: list[dict], first: tuple[int, list[dict]] | None,
+              step: int) -> str | None:
+    """Why the optimizer a step applies (`applied`) is not the one the replay applies at every step (None: it is):
+    each group's lr its recorded scale × the first group's, and its betas, eps and weight decay what they were at the
+    record's first step (`first`: that step and its groups, read as this one's were) — a scheduler that moves them, as
+    OneCycleLR's and CyclicLR's cycle_momentum move Adam's β1, trains with others than the replay's."""
+    lr = step_groups[0]["lr"]
+    for group, now in zip(description["groups"], step_groups):
+        if lr and abs(now["lr"] - group["lr_scale"] * lr) > 1e-12 * abs(now["lr"]):
+            return (f"at step {step} the groups' lrs are not in their recorded ratios (the replay applies each group "
+                    f"its recorded scale of the first's)")
+    if first is None or len(first[1]) != len(step_groups):
+        return None
+    for i, (then, now) in enumerate(zip(first[1], step_groups)):
+        moved = [k for k in ("betas", "eps", "weight_decay") if k in now and now[k] != then.get(k)]
+        if moved:
+            return (f"at step {step} the optimizer's group {i} applies {moved[0]} {_shown(now[moved[0]])}, not "
+                    f"{_shown(then[moved[0]])} as at step {first[0]} (a scheduler that moves it: OneCycleLR's or "
+                    f"CyclicLR's cycle_momentum): the replay applies one value at every step; pass "
+                    f"cycle_momentum=False")
+    return None
+
+
+def _shown(value) -> str:
+    return f"({', '.join(f'{v:g}' for v in value)})" if isinstance(value, list) else f"{value:g}"

@@ -35,7 +35,7 @@ from parity.recording.batch_taking import BatchTaking
 from parity.recording.description import describe_run
 from parity.recording.group import own_group, release, settle_at_exit
 from parity.attaching.attach import attached, refused
-from parity.recording.optimizer_description import describe_optimizer, unreplayable
+from parity.recording.optimizer_description import applied, departure, describe_optimizer, unreplayable
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, Hooks, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, on_host, taken
@@ -234,7 +234,8 @@ class ParityRecorder(BatchTaking):
                                      log=self._line, **self.tensors.observer_arguments())
         self.step, self.grad_norm_source = start_step, None
         self._reset_step()
-        self._lrs: list[float] | None = None
+        self._applied: list[dict] | None = None  # what the optimizer's groups applied, read as it stepped
+        self._first_applied: tuple[int, list[dict]] | None = None  # the first such reading's step and groups
         self._optimizer_steps = 0  # the hook's firings since the last after_step
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
         self._hook = Hooks(self.tensors.watch(optimizer, self._before_optimizer_step),  # and its step post-hook
@@ -366,11 +367,11 @@ class ParityRecorder(BatchTaking):
         self.tensors.clipping.max_grad_norm = float(max_grad_norm)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        """The optimizer's step pre-hook: the lr of every group as the step applies it; for an adapter that asks
-        (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after any clipping). Its time
-        is the recorder's (recorder_before), not the step's."""
+        """The optimizer's step pre-hook: the lr, betas, eps and weight decay of every group as the step applies them;
+        for an adapter that asks (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after
+        any clipping). Its time is the recorder's (recorder_before), not the step's."""
         t0 = time.perf_counter()
-        self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._applied = applied(optimizer.param_groups)
         self.tensors.read(AT_OPTIMIZER)  # where the framework clipped before any hook of the recorder's
         self._optimizer_steps += 1
         if self.dump is not None:
@@ -402,7 +403,7 @@ class ParityRecorder(BatchTaking):
         if self.enabled:
             self.states.take(self.step)  # the state after this step, where a check wants it
         self._reset_step()
-        self._lrs = None
+        self._applied = None
         self._last = time.perf_counter()
 
     def _record_step(self, lr, logged_loss, grad_norm, step_time, t0, logged_grad_norm=None) -> None:
@@ -432,9 +433,13 @@ class ParityRecorder(BatchTaking):
         summed = got.extra[:, :len(squares)].contiguous().view(torch.float64).sum(0)  # over the ranks, in rank order
         table = None if digests is None else got.extra[:, len(squares):].reshape(-1, 3)
         self._check_optimizer_steps()
-        lrs = self._lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
-        lr = float(lr) if lr is not None else lrs[0]
-        self._check_scales(lrs)
+        groups = self._applied or applied(self.optimizer.param_groups)
+        lr = float(lr) if lr is not None else groups[0]["lr"]
+        first = self._first_applied if self._applied is not None else None  # one source: the step pre-hook's
+        if why := departure(self.optimizer_description, groups, first, self.step):
+            self._stop_at(self.step, why)
+        if self._first_applied is None and self._applied is not None:
+            self._first_applied = (self.step, self._applied)
         n = len(self.tensors.names)
         param_norm = math.sqrt(float(summed[n:2 * n].sum()))  # the full trainable parameters, float64
         sums, counts = got.rank_loss_sums, got.rank_tokens
@@ -491,15 +496,6 @@ class ParityRecorder(BatchTaking):
                    ", which its loss scaler skipped" if self.step_extras.get("skipped") else
                    " (after_step() goes after each optimizer step)"))
         self._stop_at(self.step, f"the optimizer {why}: the replay steps it once a recorded step")
-
-    def _check_scales(self, lrs: list[float]) -> None:
-        """Each group's lr must stay its recorded scale × the first group's, as the replay applies it."""
-        if lrs[0]:
-            for group, applied in zip(self.optimizer_description["groups"], lrs):
-                if abs(applied - group["lr_scale"] * lrs[0]) > 1e-12 * abs(applied):
-                    self._stop_at(self.step, f"at step {self.step} the groups' lrs are not in their recorded ratios "
-                                             f"(the replay applies each group its recorded scale of the first's)")
-                    return
 
     # --- where the record stops -------------------------------------------------------------------------
     def _stop_at(self, step: int, why: str) -> None:
