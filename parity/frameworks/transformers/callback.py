@@ -191,7 +191,10 @@ def trainer_refusal(args, trainer) -> str | None:
     - A callback no Trainer's train() called: the step's loss and grad norm are taken from that Trainer.
     - NEFTune: noise drawn into the embeddings' output at every training forward (a correct run that was called FAIL
       at step 0, its embedding's gradient 700 × its bound, before this line); label smoothing: another objective than
-      the causal-LM token mean (its forward gets no labels, which the recorder would stop at step 0 on)."""
+      the causal-LM token mean (its forward gets no labels, which the recorder would stop at step 0 on);
+      average_tokens_across_devices=False over several ranks: each rank's token mean, their gradients averaged (a clean
+      2-rank run was called FAIL at step 0, grad norm 3.2e-4 relative, "differs from the baseline in: nothing
+      recorded"). At one rank it changes nothing and is recorded."""
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
         if (args.world_size, args.process_index) != (world, rank):
@@ -204,6 +207,11 @@ def trainer_refusal(args, trainer) -> str | None:
             return (f"Trainer sees world_size {args.world_size} and process_index {args.process_index}, the process "
                     f"group {world} ranks (this one rank {rank}): every rank would feed the same rows and the loss be "
                     f"normalised for another world than the one training{why}")
+        if world > 1 and getattr(args, "average_tokens_across_devices", True) is False:
+            return ("average_tokens_across_devices=False: each rank's loss is the mean over its own tokens (their "
+                    "gradients then averaged over the ranks), the replay's the mean over every rank's tokens — another "
+                    "objective wherever the ranks' token counts differ: verify the setup with "
+                    "average_tokens_across_devices=True (transformers' default)")
     if trainer is None:
         return "ParityCallback was called by no Trainer's train(): pass it to the Trainer (Trainer(callbacks=[...]))"
     if getattr(args, "neftune_noise_alpha", None):
