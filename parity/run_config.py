@@ -89,6 +89,7 @@ class RunConfig:
     # to_dict (a harness run's record and checkpoints are as they were):
     optimizer: dict | None = None  # the recorded optimizer, {"type", "groups": [{"params": names, "lr_scale", ...}]}
     lr_schedule: tuple | None = None  # the lr applied at each step, as recorded (parity.training.optimizer.lr_at)
+    betas_schedule: tuple | None = None  # each group's betas at each step, where a scheduler moved them (lr_at)
     # which gradient every tensor's series holds, as the record's does (tensor_norms.PRE_CLIP or CLIPPED: a framework
     # whose hooks come after its clipping records the clipped gradients; Strategy.train_step records its own alike)
     tensor_grad: str | None = None
@@ -133,7 +134,8 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in (*REPLAY_ONLY, "lora", "objective", "noise_kernels", "perturb", "clip_arithmetic", "loss_scales"):
+        for key in (*REPLAY_ONLY, "betas_schedule", "lora", "objective", "noise_kernels", "perturb", "clip_arithmetic",
+                    "loss_scales"):
             if data[key] is None:
                 del data[key]
         return data

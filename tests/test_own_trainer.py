@@ -52,6 +52,10 @@ COPIES = {
     "edited_after_read": [(CLIP_LINE, f"        if step == {EDITED_STEP}:\n"
                                       f"            model.get_parameter('{EDITED}').grad.mul_(2)\n{CLIP_LINE}")],
 }
+SCHEDULER = "    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))"
+ONE_CYCLE = "    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps)"
+COPIES["one_cycle"] = [(SCHEDULER, ONE_CYCLE)]  # clean: OneCycleLR cycles AdamW's β1 (cycle_momentum=True)
+BETAS_DROPPED = "betas_dropped"  # the seeded bug: the one_cycle record without its betas, replayed at one β1
 PARTIAL_STEP = 2
 TRAINER_LINE = "    trainer = Trainer(model=model, args=training, train_dataset=data,"
 CALLBACKS = "callbacks=[ParityCallback("
@@ -220,7 +224,13 @@ def runs(tmp_path_factory):
     record = json.loads((folders[DS_PURE] / f"loss_{HF}.json").read_text())
     record["config"].update(precision="bf16_params", reduce_dtype="bf16", grad_accum_dtype="bf16")
     (folders[AS_PARAMS] / f"loss_{HF}.json").write_text(json.dumps(record))
-    two = [_replay(folders, root, name, NAME, 2) for name in COPIES]
+    folders[BETAS_DROPPED] = root / BETAS_DROPPED
+    shutil.copytree(folders["one_cycle"], folders[BETAS_DROPPED])
+    record = _record(folders[BETAS_DROPPED])
+    for step in record["steps"]:
+        step.pop("betas", None)
+    (folders[BETAS_DROPPED] / f"loss_{NAME}.json").write_text(json.dumps(record))
+    two = [_replay(folders, root, name, NAME, 2) for name in (*COPIES, BETAS_DROPPED)]
     calibrated = (DS_PURE, DS_AUTOCAST, AS_PARAMS)  # each replayed at 2 workers, 1 and 4, and where fp32 masters
     two += [_replay(folders, root, name, HF, 2) for name in calibrated]  # measure the noise, in fp32
     two += [_replay(folders, root, name, HF, 2, noise_reference=True, precision="fp32") for name in calibrated[1:]]
@@ -353,6 +363,33 @@ def test_clean_loop_replays_to_the_record_and_passes(runs, tmp_path):
     assert compare_and_report(str(runs["clean"]), str(tmp_path / "curves.png")) == 0
     print(f"clean fp32 loop: its saved states' checks, largest {assert_checks_pass(runs['clean'], NAME, [0, 2, 4]):.3f} "
           f"of the bound")
+
+
+def test_a_one_cycle_loop_replays_its_cycled_betas_and_passes_and_at_one_beta1_fails(runs):
+    """OneCycleLR as torch's docs write it (cycle_momentum: AdamW's β1 from 0.95 down and back): every step after the
+    first keeps the betas it applied, the replay applies them (RunConfig.betas_schedule), its reference steps too — loss,
+    grad norm and parameter norm within 1e-5 at every step, each saved state's check PASSes, PASS. The seeded bug: the
+    same record without its betas, replayed at the first step's β1 throughout (what the replay did before 2026-11-30,
+    when this loop was called FAIL), FAILs; its first outside is step 1's parameter norm (Adam's first update does not
+    depend on β1, its second does)."""
+    folder = runs["one_cycle"]
+    recorded, replay = _record(folder), _record(folder, "ddp")
+    assert recorded["config"]["optimizer"]["groups"][0]["betas"] == [0.95, 0.999] and recorded["config"]["stopped"] is None
+    beta1s = [s["betas"][0][0] if "betas" in s else None for s in recorded["steps"]]  # the first and last: 0.95
+    assert beta1s[0] is beta1s[-1] is None and all(0.85 <= b < 0.95 for b in beta1s[1:-1]), beta1s
+    assert len(set(beta1s[1:-1])) == STEPS - 2 and all(s["betas"][0] == s["betas"][1] for s in recorded["steps"][1:-1])
+    assert replay["config"]["betas_schedule"] == [s.get("betas", [[0.95, 0.999]] * 2) for s in recorded["steps"]]
+    for key in ("batch_hash", "tokens", "lr"):
+        assert series(replay, key) == series(recorded, key), key
+    off = {key: max_rel_diff(series(replay, key), series(recorded, key)) for key in ("loss", "grad_norm", "param_norm")}
+    assert max(off.values()) < 1e-5, off
+    assert _compare(folder).word == "PASS"
+    ratio = assert_checks_pass(folder, NAME, [0, 2, 4])
+    dropped = _record(runs[BETAS_DROPPED], "ddp")
+    assert "betas_schedule" not in dropped["config"]
+    outside = first_fail(runs[BETAS_DROPPED], 1, "param_norm")
+    print(f"one_cycle: replay within {off}, states' checks {ratio:.3f} of the bound; at one β1 step 1's parameter "
+          f"norm {outside.rel_diff:.2e} off")
 
 
 @pytest.mark.parametrize("bug", ["rank_mean", "micro_mean"])
@@ -702,19 +739,18 @@ def test_a_recorder_failure_never_stops_the_training(tmp_path, failure, why):
         dist.destroy_process_group()
 
 
-MOVED_BETAS = ("at step 1 the optimizer's group 0 applies betas ({}, 0.999), not (0.95, 0.999) as at step 0 (a scheduler "
-               "that moves it: OneCycleLR's or CyclicLR's cycle_momentum): the replay applies one value at every step; "
-               "pass cycle_momentum=False")
+MOVED_DECAY = ("at step 1 the optimizer's group 0 applies weight_decay 0.05, not 0.01 as at step 0: the replay applies "
+               "one value at every step")
 RATIOS = ("at step 1 the groups' lrs are not in their recorded ratios (the replay applies each group its recorded scale "
           "of the first's)")
 
 
-@pytest.mark.parametrize("schedule", ["one_cycle", "one_cycle_fixed_momentum", "lambdas_apart"])
-def test_a_schedule_that_moves_what_the_replay_keeps_stops_the_record_where_it_moves(tmp_path, schedule):
-    """torch's OneCycleLR cycles AdamW's β1 by default (cycle_momentum): a correct run that a replay at the recorded
-    betas called FAIL from step 2 (an Adam step's first update does not depend on β1). Its record stops at step 1, in
-    one line saying how to keep β1 fixed; with cycle_momentum=False it holds every step. Per-group lambdas that part
-    the groups' lrs stop it alike. One rank, a group of one in this process."""
+@pytest.mark.parametrize("schedule", ["one_cycle", "one_cycle_fixed_momentum", "lambdas_apart", "decay_moved"])
+def test_a_schedule_that_moves_betas_is_recorded_and_one_that_moves_what_the_replay_keeps_stops_it(tmp_path, schedule):
+    """torch's OneCycleLR cycles AdamW's β1 by default (cycle_momentum): each step whose betas are not the described
+    ones keeps them in its record entry (the replay follows them: test_a_one_cycle_loop_...), every step recorded;
+    with cycle_momentum=False no step keeps any. Per-group lambdas that part the groups' lrs, or a loop that sets
+    another weight decay, stop the record where they move, in one line. One rank, a group of one in this process."""
     import torch.distributed as dist
 
     from parity.recording.recorder import ParityRecorder
@@ -730,24 +766,30 @@ def test_a_schedule_that_moves_what_the_replay_keeps_stops_the_record_where_it_m
                                                          cycle_momentum=schedule == "one_cycle"))
         lines = []
         rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model, optimizer=optimizer, log=lines.append)
-        ids, betas = torch.randint(0, 4, (2, 8)), []
+        ids, beta1s = torch.randint(0, 4, (2, 8)), []
         for step in range(3):
             logits = model(torch.nn.functional.one_hot(ids, 4).float())
             logits.sum().backward()
             rec.micro_batch(ids, ids, logits)
             rec.before_step()
-            betas.append(optimizer.param_groups[0]["betas"][0])
+            beta1s.append(optimizer.param_groups[0]["betas"][0])
             optimizer.step()
             scheduler.step()
+            if schedule == "decay_moved":
+                optimizer.param_groups[0]["weight_decay"] = 0.05
             optimizer.zero_grad()
             rec.after_step()
-        stops = {"one_cycle": MOVED_BETAS.format(f"{betas[1]:g}"), "lambdas_apart": RATIOS}.get(schedule)
-        assert (betas[0], betas[1] < betas[0]) == ((0.95, True) if schedule == "one_cycle" else (0.9, False)), betas
+        stops = {"lambdas_apart": RATIOS, "decay_moved": MOVED_DECAY}.get(schedule)
+        assert (beta1s[0], beta1s[2] < beta1s[1] < beta1s[0]) == ((0.95, True) if schedule == "one_cycle" else
+                                                                  (0.9, False)), beta1s
         record = json.loads(open(rec.close()).read())
         assert optimizer.state[model.weight]["step"] == 3 and record["complete"]
         if stops is None:
             assert len(record["steps"]) == 3 and record["config"]["stopped"] is None, lines
             assert not [line for line in lines if "the record stops" in line], lines
+            kept = [s.get("betas") for s in record["steps"]]
+            assert kept == ([None] + [[[b, 0.999]] * 2 for b in beta1s[1:]] if schedule == "one_cycle" else
+                            [None] * 3), kept
             return
         assert lines[-1] == (f"parity recorder [mine]: {stops}: the record stops at step 1; step 0 is replayed and "
                              f"judged; the training goes on"), lines

@@ -69,6 +69,12 @@ CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               # DeepSpeedCPUAdam, and the parameters' partitions on the CPU too (offload_param)
               "zero3_offload_both_bf16": (["--shard", "zero3", *DS_BF16, "--deepspeed_optimizer", "--offload_optimizer",
                                            "--offload_param"], EXAMPLE, [])}
+ONE_CYCLE = [("""{"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
+                                                              "warmup_num_steps": args.warmup_steps,
+                                                              "warmup_type": "linear"}}""",
+               """{"type": "OneCycle", "params": {"cycle_min_lr": args.lr / 10, "cycle_max_lr": args.lr,
+                                                              "cycle_first_step_size": 3, "cycle_min_mom": 0.85,
+                                                              "cycle_max_mom": 0.95}}""")]
 # HSDP whose replicate dim is never all-reduced (FSDP2's set_requires_all_reduce(False), meant for the micro-batches
 # before the last, left off): FSDP2 then never sets the gradients, and the optimizer never steps
 ALL_REDUCE_OFF = [("model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only",
@@ -88,8 +94,9 @@ RUNS = {"transformers_tp": (["--shard", "transformers_tp", "--model_name", "llam
         "fsdp1_hybrid_one_rank_shards": (["--shard", "fsdp1", "--replicate", "2"], EXAMPLE, []),
         "zero0": (["--shard", "zero0"], EXAMPLE, []),
         "zero1": (["--shard", "zero1"], EXAMPLE, []), "zero2": (["--shard", "zero2"], EXAMPLE, []),
-        # DeepSpeed's own AdamW and warm-up from its config, as its docs write a loop (its FusedAdam: torch's AdamW)
-        "zero2_fused": (["--shard", "zero2", "--deepspeed_optimizer"], EXAMPLE, []),
+        # DeepSpeed's own AdamW and OneCycle from its config, as its docs write a loop (its FusedAdam: torch's AdamW;
+        # OneCycle cycles β1, the groups stepped one at a time at ZeRO-2, each read as it steps)
+        "zero2_fused": (["--shard", "zero2", "--deepspeed_optimizer"], EXAMPLE, ONE_CYCLE),
         "zero0_fused": (["--shard", "zero0", "--deepspeed_optimizer"], EXAMPLE, []),  # its step count on one state
         # ZeRO-Offload: the same config's AdamW stepped on the CPU (its DeepSpeedCPUAdam: torch's AdamW)
         "zero2_offload": (["--shard", "zero2", "--deepspeed_optimizer", "--offload_optimizer"], EXAMPLE, []),
@@ -111,6 +118,7 @@ SAVED = {"fsdp2_lora": ("embed_tokens",)}
 REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero0": 26, "zero1": 26, "zero2_fused": 26, "zero0_fused": 26,
                   "zero2_offload": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
                   "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78, "transformers_tp": 15, "zero1_autotp": 24}
+BETAS = ("zero2_fused",)  # where a scheduler moves β1 (ONE_CYCLE): each step's, both groups', recorded and followed
 # DeepSpeed's own optimizers, each recorded as the torch optimizer it equals, its implementation named (else torch's)
 IMPLEMENTATION = {"zero2_fused": "FusedAdam", "zero0_fused": "FusedAdam", "zero2_offload": "DeepSpeedCPUAdam"}
 # where the record says ZeRO-Offload kept what it moved off the device (absent without offload)
@@ -225,6 +233,8 @@ def test_sharded_loop_replays_to_the_record_and_passes(runs, shard, capsys):
         assert series(replay, key) == series(recorded, key), key
     for key in ("loss", "grad_norm", "param_norm"):
         assert max_rel_diff(series(replay, key), series(recorded, key)) < 1e-5, key
+    beta1s = [[round(b[0], 9) for b in s["betas"]] if "betas" in s else None for s in recorded["steps"]]  # per group
+    assert beta1s == ([None, [0.916666667] * 2, [0.883333333] * 2, None] if shard in BETAS else [None] * STEPS), beta1s
     assert recorded["replicas"]["groups"] == REPLICA_GROUPS[shard]
     if REPLICA_GROUPS[shard]:
         assert [s["replicas"]["parted"] for s in recorded["steps"]] == [0] * STEPS

@@ -66,12 +66,37 @@ def applied(groups) -> list[dict]:
              **({"eps": float(g["eps"])} if isinstance(g.get("eps"), (int, float)) else {})} for g in groups]
 
 
+class GroupReadings:
+    """What each parameter group applies at a step, read by the optimizer's step pre-hook at each firing (`take`) and
+    gathered for the step (`groups`). DeepSpeed's ZeRO-1/2 steps its torch optimizer once a group, its param_groups
+    swapped for that group alone: each firing reads one group, placed by identity among the groups the optimizer holds
+    outside its step (read at the recorder's start). Groups it does not hold are read as they come."""
+
+    def __init__(self, optimizer):
+        self.order = [id(g) for g in optimizer.param_groups]
+        self.read: dict[int, dict] = {}
+
+    def take(self, groups) -> None:
+        places = [self.order.index(id(g)) if id(g) in self.order else -1 for g in groups]
+        if -1 in places:
+            self.read = dict(enumerate(applied(groups)))
+        else:
+            self.read.update(zip(places, applied(groups)))
+
+    def groups(self) -> list[dict] | None:
+        """The step's reading, group by group in the optimizer's order (None: the hook did not fire), taken: the next
+        step's firings read afresh."""
+        read, self.read = self.read, {}
+        return [read[k] for k in sorted(read)] if read else None
+
+
 def departure(description: dict, step_groups: list[dict], first: tuple[int, list[dict]] | None,
               step: int) -> str | None:
     """Why the optimizer a step applies (`applied`) is not the one the replay applies at every step (None: it is):
-    each group's lr its recorded scale × the first group's, and its betas, eps and weight decay what they were at the
-    record's first step (`first`: that step and its groups, read as this one's were) — a scheduler that moves them, as
-    OneCycleLR's and CyclicLR's cycle_momentum move Adam's β1, trains with others than the replay's."""
+    each group's lr its recorded scale × the first group's, and its eps and weight decay what they were at the record's
+    first step (`first`: that step and its groups, read as this one's were) — a scheduler that moves them trains with
+    others than the replay's. Moved betas are not a departure: the record keeps them and the replay follows
+    (moved_betas)."""
     lr = step_groups[0]["lr"]
     for group, now in zip(description["groups"], step_groups):
         if lr and abs(now["lr"] - group["lr_scale"] * lr) > 1e-12 * abs(now["lr"]):
@@ -80,13 +105,32 @@ def departure(description: dict, step_groups: list[dict], first: tuple[int, list
     if first is None or len(first[1]) != len(step_groups):
         return None
     for i, (then, now) in enumerate(zip(first[1], step_groups)):
-        moved = [k for k in ("betas", "eps", "weight_decay") if k in now and now[k] != then.get(k)]
+        moved = [k for k in ("eps", "weight_decay") if k in now and now[k] != then.get(k)]
         if moved:
             return (f"at step {step} the optimizer's group {i} applies {moved[0]} {_shown(now[moved[0]])}, not "
-                    f"{_shown(then[moved[0]])} as at step {first[0]} (a scheduler that moves it: OneCycleLR's or "
-                    f"CyclicLR's cycle_momentum): the replay applies one value at every step; pass "
-                    f"cycle_momentum=False")
+                    f"{_shown(then[moved[0]])} as at step {first[0]}: the replay applies one value at every step")
     return None
+
+
+def moved_betas(description: dict, step_groups: list[dict] | None) -> list[list[float]] | None:
+    """Each group's betas as a step applies them (`applied`, read as it began), where any group's are not the
+    described ones (None: all are, or the step was not read group by group): a scheduler's — OneCycleLR's and
+    CyclicLR's cycle_momentum cycle Adam's β1 — which the step's record entry keeps and the replay follows
+    (recorded_betas)."""
+    described = description["groups"]
+    if step_groups is None or len(step_groups) != len(described) or any("betas" not in g for g in step_groups):
+        return None
+    betas = [g["betas"] for g in step_groups]
+    return betas if betas != [g.get("betas") for g in described] else None
+
+
+def recorded_betas(record: dict) -> tuple | None:
+    """The betas each group applied at each step of `record` (a tuple over its steps of per-group lists): a step's
+    own where it kept them (moved_betas), else the described ones; None where no step kept any (one set throughout)."""
+    if not any("betas" in s for s in record["steps"]):
+        return None
+    described = [g["betas"] for g in record["config"]["optimizer"]["groups"]]
+    return tuple(s.get("betas", described) for s in record["steps"])
 
 
 def _shown(value) -> str:

@@ -35,7 +35,8 @@ from parity.recording.batch_taking import BatchTaking
 from parity.recording.description import describe_run
 from parity.recording.group import own_group, release, settle_at_exit
 from parity.attaching.attach import attached, refused
-from parity.recording.optimizer_description import applied, departure, describe_optimizer, unreplayable
+from parity.recording.optimizer_description import (GroupReadings, applied, departure, describe_optimizer, moved_betas,
+                                                     unreplayable)
 from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, Hooks, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, on_host, taken
@@ -234,7 +235,7 @@ class ParityRecorder(BatchTaking):
                                      log=self._line, **self.tensors.observer_arguments())
         self.step, self.grad_norm_source = start_step, None
         self._reset_step()
-        self._applied: list[dict] | None = None  # what the optimizer's groups applied, read as it stepped
+        self._applied = GroupReadings(optimizer)  # what the optimizer's groups applied, read as it stepped
         self._first_applied: tuple[int, list[dict]] | None = None  # the first such reading's step and groups
         self._optimizer_steps = 0  # the hook's firings since the last after_step
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
@@ -371,7 +372,7 @@ class ParityRecorder(BatchTaking):
         for an adapter that asks (`norm_at_optimizer_step`), the float64 norm of the gradients the step applies (after
         any clipping). Its time is the recorder's (recorder_before), not the step's."""
         t0 = time.perf_counter()
-        self._applied = applied(optimizer.param_groups)
+        self._applied.take(optimizer.param_groups)
         self.tensors.read(AT_OPTIMIZER)  # where the framework clipped before any hook of the recorder's
         self._optimizer_steps += 1
         if self.dump is not None:
@@ -403,7 +404,6 @@ class ParityRecorder(BatchTaking):
         if self.enabled:
             self.states.take(self.step)  # the state after this step, where a check wants it
         self._reset_step()
-        self._applied = None
         self._last = time.perf_counter()
 
     def _record_step(self, lr, logged_loss, grad_norm, step_time, t0, logged_grad_norm=None) -> None:
@@ -433,13 +433,14 @@ class ParityRecorder(BatchTaking):
         summed = got.extra[:, :len(squares)].contiguous().view(torch.float64).sum(0)  # over the ranks, in rank order
         table = None if digests is None else got.extra[:, len(squares):].reshape(-1, 3)
         self._check_optimizer_steps()
-        groups = self._applied or applied(self.optimizer.param_groups)
+        read = self._applied.groups()  # None: the step pre-hook did not fire
+        groups = read or applied(self.optimizer.param_groups)
         lr = float(lr) if lr is not None else groups[0]["lr"]
-        first = self._first_applied if self._applied is not None else None  # one source: the step pre-hook's
+        first = self._first_applied if read is not None else None  # one source: the step pre-hook's
         if why := departure(self.optimizer_description, groups, first, self.step):
             self._stop_at(self.step, why)
-        if self._first_applied is None and self._applied is not None:
-            self._first_applied = (self.step, self._applied)
+        if self._first_applied is None and read is not None:
+            self._first_applied = (self.step, read)
         n = len(self.tensors.names)
         param_norm = math.sqrt(float(summed[n:2 * n].sum()))  # the full trainable parameters, float64
         sums, counts = got.rank_loss_sums, got.rank_tokens
@@ -467,6 +468,8 @@ class ParityRecorder(BatchTaking):
             extras["logged_grad_norm"] = float(logged_grad_norm)
         if self.declared is not None:  # what the schedule declares for this update (once a step, every rank)
             extras["declared_lr"] = self.declared.lr()
+        if (betas := moved_betas(self.optimizer_description, read)) is not None:  # the pre-hook's reading
+            extras["betas"] = betas
         harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - normed, "batch": saving,
                      "tensor_norms": d0 - q0, "replica_check": normed - d0}  # the check's comparison adds to it
         self.observer.observe_step(self.step, **measured, grad_norm=self.grad_norm, param_norm=param_norm, lr=lr,

@@ -5,22 +5,22 @@ against (docs/own_trainer.md).
 
 The record supplies the model (its config.json) and the initial weights, the data (each step's saved global batch,
 whatever its shape, its rows split over the N workers by parity.training.data.row_plan), the optimizer (type and
-parameter groups by name: build_optimizer with RunConfig.optimizer), the lr of each step (RunConfig.lr_schedule), the
-precision, the step count (up to where the record stopped, if it did) and which gradient every tensor's series holds
-(RunConfig.tensor_grad: where the recorded framework's hooks came after its clipping, the clipped ones). It names them
-relative to its own folder, which may have moved since. Beside it only --num_workers, --device, the output and
-checkpoint flags and --noise_reference may be given (with --noise_reference also --precision: the fp32 twin, which reduces
-and accumulates in its own policy's dtypes, not the record's); anything
-else contradicts the record and is refused in one line. A LoRA run's record (config.lora: a PeftModel recorded,
-parity/views/adapters.py) sets the replay's --lora_* flags, so that its worker builds the same PEFT model from the recorded
-base and the adapters' initial weights beside it, and trains the adapters alone. The harness feeds no attention mask
-where every row is right-padded (a causal model's right padding needs none: labels −100 on it) and the recorded mask
-where a row is left-padded (its real tokens sit at shifted positions); a mask with holes is refused. A step whose rows
-came with position ids of their own (packed or padding-free) is fed as the run fed it — each row alone, its position
-ids, its mask or none, its cache or none (parity/training/fed_rows.py) — and its rows go round the workers at document
-boundaries; the model computes attention with the run's implementation (refused where it cannot run here: flash
-attention off CUDA). The states the recorder saved at the run's checkpoints go with the batches (recorded_states):
-once trained, the replay — not its noise references — takes the teacher-forced check from each
+parameter groups by name: build_optimizer with RunConfig.optimizer), the lr of each step (RunConfig.lr_schedule) and the
+betas where a scheduler moved them (RunConfig.betas_schedule), the precision, the step count (up to where the record
+stopped, if it did) and which gradient every tensor's series holds (RunConfig.tensor_grad: where the recorded
+framework's hooks came after its clipping, the clipped ones). It names them relative to its own folder, which may have
+moved since. Beside it only --num_workers, --device, the output and checkpoint flags and --noise_reference may be given
+(with --noise_reference also --precision: the fp32 twin, which reduces and accumulates in its own policy's dtypes, not
+the record's); anything else contradicts the record and is refused in one line. A LoRA run's record (config.lora: a
+PeftModel recorded, parity/views/adapters.py) sets the replay's --lora_* flags, so that its worker builds the same PEFT
+model from the recorded base and the adapters' initial weights beside it, and trains the adapters alone. The harness
+feeds no attention mask where every row is right-padded (a causal model's right padding needs none: labels −100 on it)
+and the recorded mask where a row is left-padded (its real tokens sit at shifted positions); a mask with holes is
+refused. A step whose rows came with position ids of their own (packed or padding-free) is fed as the run fed it — each
+row alone, its position ids, its mask or none, its cache or none (parity/training/fed_rows.py) — and its rows go round
+the workers at document boundaries; the model computes attention with the run's implementation (refused where it cannot
+run here: flash attention off CUDA). The states the recorder saved at the run's checkpoints go with the batches
+(recorded_states): once trained, the replay — not its noise references — takes the teacher-forced check from each
 (parity/training/recorded_states.py). Everything is checked on the driver, before any worker starts.
 """
 
@@ -36,11 +36,12 @@ from parity.driver.config import resolve
 from parity.errors import ConfigError, RecordError
 from parity.precision import POLICY_FIELDS
 from parity.replay.objective_replay import objective_data
-from parity.recording.optimizer_description import unreplayable
+from parity.recording.optimizer_description import recorded_betas, unreplayable
 from parity.recording.rows import padding_problem
 from parity.run_config import REPLAY_ONLY, REPLAY_TAKES
 from parity.training.data import RECORDED, ROLLOUTS, RecordedBatches, RecordedRollouts, recorded_batch_path
 from parity.training.fed_rows import units
+from parity.training.optimizer import StepLr
 from parity.training.recorded_states import INDEX as STATES_INDEX, RecordedStates, StateCheck
 from parity.training.record import is_recorded, load_record
 from parity.training.tensor_norms import PRE_CLIP
@@ -98,7 +99,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
     model_config = {**cfg.model_config, **({"attn_implementation": attention} if attention else {})}
     if attention:
         _check_attention(record_file, model_config, cfg.device)
-    cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs,  # the series as the record's: like with like
+    cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs, betas_schedule=recorded_betas(record),
                               tensor_grad=record.get(TENSORS, {}).get("grad") or PRE_CLIP, model_config=model_config)
     _check_groups(record_file, cfg)
     stopped = f", stopped before step {steps}" if config.get("stopped") else ""
@@ -132,8 +133,9 @@ def recorded_path(record_file: str, named: str) -> str:
 def recorded_states(record_file: str, record: dict) -> RecordedStates:
     """The checks the replay takes from the states the recorder saved (parity/recording/states.py): each step whose
     states before and after are both saved and which the record holds, its files found relative to the record's folder
-    (where it has moved), its pre-clip norm, its lr — declared where the framework declares one, else applied — and its
-    batch's hash; where there is none, why. ConfigError, one line, for an index that names a file that is not there."""
+    (where it has moved), its pre-clip norm, its lr — declared where the framework declares one, else applied; with its
+    betas where a scheduler moved them (a StepLr) — and its batch's hash; where there is none, why. ConfigError, one
+    line, for an index that names a file that is not there."""
     name, config, steps = record["strategy"], record["config"], record["steps"]
     index_file = recorded_path(record_file, f"{config['model_name']}/{STATES_INDEX}")
     if not storage.exists(index_file):
@@ -146,7 +148,7 @@ def recorded_states(record_file: str, record: dict) -> RecordedStates:
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"--replay_record {storage.name(record_file)}: its states' index {index_file} cannot be read "
                           f"({type(exc).__name__}): copy the record's whole folder or record again") from None
-    checks = []
+    checks, betas = [], recorded_betas(record)
     for k in wanted:
         files = [recorded_path(record_file, s["file"]) for s in saved[k]]
         for step, path in zip((k, k + 1), files):
@@ -155,6 +157,7 @@ def recorded_states(record_file: str, record: dict) -> RecordedStates:
                                   f"is missing: copy the record's whole folder (recorded_*/ beside it) or record again")
         entry = steps[k]
         lr = entry["declared_lr"] if entry.get("declared_lr") is not None else entry["lr"]
+        lr = StepLr(lr, betas[k]) if betas else lr  # the step's betas too, where a scheduler moved them
         checks.append(StateCheck(k, *files, (saved[k][0]["step_count"], saved[k][1]["step_count"]), entry["grad_norm"],
                                  lr, entry["batch_hash"], entry.get("grad_norm_source"), entry.get("loss_scale"),
                                  bool(entry.get("skipped"))))

@@ -76,10 +76,31 @@ def build_named_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     return build_optimizer([p for _, p in named], cfg, [n for n, _ in named])
 
 
+class StepLr(float):
+    """The lr of a step of a replay whose record kept a schedule of Adam's betas (cfg.betas_schedule: OneCycleLR's
+    cycle_momentum), and the betas each group applies at that step: it goes wherever the step's lr goes — a strategy's
+    step, the teacher-forced check's reference steps — so that set_lr applies both wherever the lr is applied."""
+
+    def __new__(cls, lr: float, betas):
+        value = super().__new__(cls, lr)
+        value.betas = [tuple(b) for b in betas]
+        return value
+
+    def __reduce__(self):
+        return StepLr, (float(self), self.betas)
+
+
 def set_lr(optimizer, lr: float) -> None:
-    """Every group's lr: `lr`, times the group's lr scale where it has one (an optimizer by parameter group)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
+    """Every group's lr: `lr`, times the group's lr scale where it has one (an optimizer by parameter group); and where
+    `lr` is a StepLr, each group's betas its own."""
+    betas = getattr(lr, "betas", None)
+    if betas is not None and len(betas) != len(optimizer.param_groups):
+        raise ValueError(f"the step's betas name {len(betas)} groups; the optimizer holds "
+                         f"{len(optimizer.param_groups)}")
+    for i, group in enumerate(optimizer.param_groups):
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else float(lr)
+        if betas is not None:
+            group["betas"] = betas[i]
 
 
 def step_optimizer(optimizer, lr: float) -> None:
@@ -90,10 +111,11 @@ def step_optimizer(optimizer, lr: float) -> None:
 
 
 def lr_at(step: int, cfg) -> float:
-    """Linear warm-up over --warmup_steps, then constant; a replay's recorded lr at each step (cfg.lr_schedule)."""
-    schedule = getattr(cfg, "lr_schedule", None)
+    """Linear warm-up over --warmup_steps, then constant; a replay's recorded lr at each step (cfg.lr_schedule), with
+    its recorded betas where a scheduler moved them (cfg.betas_schedule: a StepLr)."""
+    schedule, betas = getattr(cfg, "lr_schedule", None), getattr(cfg, "betas_schedule", None)
     if schedule:
-        return schedule[step]
+        return StepLr(schedule[step], betas[step]) if betas else schedule[step]
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
     return cfg.learning_rate
