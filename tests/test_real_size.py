@@ -39,11 +39,11 @@ def four_layers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cut(tmp_path_factory, four_layers):
     """{"code", "out", "others"}: the Trainer command verified cut to 2 layers under the memory budget, then its record
-    replayed under DDP and ZeRO-3 at 2 workers and at 1 (one local group of 2) into `others`; and the one-rank
-    Lightning and plain-loop commands at 4 layers under the variables with --num_layers 2, side by side (their
-    folders)."""
-    from parity.commands.verify_trainer import verify
-    from parity.driver.local_group import launch_local, local_cluster
+    replayed under DDP and ZeRO-3 at 2 workers and at 1 (verify_trainer.py's group of 2) into `others`; and the
+    one-rank Lightning and plain-loop commands at 4 layers under the variables with --num_layers 2, side by side
+    (their folders)."""
+    from parity.commands.verify_trainer import launch_planned, verify
+    from parity.driver.local_group import local_cluster
     from parity.attaching import attach
     from parity.replay.replay import plan_replay
     from parity.replay.replay_choice import REPLAYS
@@ -72,7 +72,7 @@ def cut(tmp_path_factory, four_layers):
                                                                  "storage_path": str(others / "ck")},
                            cluster=local_cluster("cpu"), strategy=REPLAYS[name][0], flags=REPLAYS[name][1])
                for name, workers, folder in (("ddp", 2, others), ("zero3", 1, others / "one"), ("zero3", 2, others))]
-    launch_local([cfg for cfg, _ in planned], [{"batches": batches} for _, batches in planned])
+    launch_planned(planned)  # verify_trainer.py's: the runs of more workers first
     for name, loop in loops.items():
         output = loop.communicate(timeout=600)[0]
         assert loop.returncode == 0, output
@@ -121,7 +121,7 @@ def test_the_sharded_replays_train_as_ddps_replay(cut):
     """FSDP2's replay (the baseline) and ZeRO-3's, at 2 workers and at 1, equal DDP's replay of the same record to fp32
     parity at every step. The ZeRO-3 replay at 1 worker was planned before the one at 2 in the same group, as a
     verify_trainer.py noise reference at another worker count is: a ZeRO-3 run after one on fewer of the group's ranks
-    failed on DeepSpeed's module numbering before the group ran them in order of fewer workers after more."""
+    failed on DeepSpeed's module numbering before verify_trainer.py's groups ran the runs of more workers first."""
     ddp = _record(cut["others"], "ddp")
     for replay in (_record(cut["out"], "fsdp"), _record(cut["others"], "deepspeed"),
                    _record(cut["others"] / "one", "deepspeed")):

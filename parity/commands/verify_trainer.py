@@ -419,11 +419,15 @@ def replay(planned: list[tuple], out: str, verbose: bool = False) -> tuple[float
 def launch_planned(planned: list[tuple], kernel: str = "default", say=lambda line: None) -> None:
     """Every planned run trained in local groups: one group (a run of fewer workers on its first ranks) under `kernel`
     (local_group.KERNEL_PATHS), and one more for the noise reference under other kernels (noise_kernels), each
-    announced through `say`."""
+    announced through `say`. In a group the runs of more workers go first, so that every rank of a run has trained
+    the same runs before it: DeepSpeed's ZeRO-3 numbers each engine's modules and parameters on from the process's
+    last and holds the numbers equal across ranks — a ZeRO-3 replay at 2 workers, then its noise reference at 3,
+    crashed on "a disagreement on list contents between rank0 and rank2"."""
     from parity.driver.local_group import launch_local
 
     for kernels in dict.fromkeys(cfg.noise_kernels for cfg, _ in planned):
-        group = [(cfg, batches) for cfg, batches in planned if cfg.noise_kernels == kernels]
+        group = sorted(((cfg, batches) for cfg, batches in planned if cfg.noise_kernels == kernels),
+                       key=lambda run: -run[0].num_workers)  # stable: as planned among equals
         say(f"[replay] {', '.join(f'{cfg.experiment_name} ({cfg.num_workers})' for cfg, _ in group)} in a local group "
             f"of {max(cfg.num_workers for cfg, _ in group)}"
             + (f" under {kernels} ({kernel_variables(kernels)})" if kernels else ""))

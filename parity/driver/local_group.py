@@ -104,15 +104,10 @@ def launch_local(cfgs: list[RunConfig], payloads: list[dict], worker=None, kerne
     the largest run's workers (a run of fewer on the group's first ranks: parity/training/sub_world.py), each rank
     calling `worker` (default: the training loop's train_group_worker) with the payload a Ray Train worker gets, without
     checkpoints (Ray Train's: there is no restart to resume). Raises TrainingFailed with the line of the rank that
-    failed. The runs go in order of fewer workers after more, so that every rank of a run has run the same runs before
-    it: DeepSpeed's ZeRO-3 numbers the modules of each engine a process builds on from the last (its
-    _register_deepspeed_module counts in a default argument) and holds them equal across the ranks — a ZeRO-3 replay at
-    2 workers, then its noise reference at 3, failed on "a disagreement on list contents between rank0 and rank2"."""
+    failed."""
     from parity.training.loop import train_group_worker
 
-    order = sorted(range(len(cfgs)), key=lambda i: -cfgs[i].num_workers)  # stable: as given among equals
-    cfgs, payloads = [cfgs[i] for i in order], [payloads[i] for i in order]
-    world = cfgs[0].num_workers
+    world = max(cfg.num_workers for cfg in cfgs)
     group = {"runs": [{"cfg": cfg.to_dict(), "title": cfg.strategy, **payload} for cfg, payload in zip(cfgs, payloads)],
              "checkpoints": False}
     for attempt in (1, 2):
