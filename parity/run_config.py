@@ -90,6 +90,7 @@ class RunConfig:
     optimizer: dict | None = None  # the recorded optimizer, {"type", "groups": [{"params": names, "lr_scale", ...}]}
     lr_schedule: tuple | None = None  # the lr applied at each step, as recorded (parity.training.optimizer.lr_at)
     betas_schedule: tuple | None = None  # each group's betas at each step, where a scheduler moved them (lr_at)
+    clip_value: float | None = None  # a record's clip by value (clip_grad_value_), in place of max_grad_norm's
     # which gradient every tensor's series holds, as the record's does (tensor_norms.PRE_CLIP or CLIPPED: a framework
     # whose hooks come after its clipping records the clipped gradients; Strategy.train_step records its own alike)
     tensor_grad: str | None = None
@@ -134,7 +135,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in (*REPLAY_ONLY, "betas_schedule", "lora", "objective", "noise_kernels", "perturb", "clip_arithmetic",
+        for key in (*REPLAY_ONLY, "betas_schedule", "clip_value", "lora", "objective", "noise_kernels", "perturb", "clip_arithmetic",
                     "loss_scales"):
             if data[key] is None:
                 del data[key]

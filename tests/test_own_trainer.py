@@ -55,6 +55,11 @@ COPIES = {
 SCHEDULER = "    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))"
 ONE_CYCLE = "    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps)"
 COPIES["one_cycle"] = [(SCHEDULER, ONE_CYCLE)]  # clean: OneCycleLR cycles AdamW's β1 (cycle_momentum=True)
+# clean: clip_grad_value_ at 0.001 in place of the norm clip, the recorder told (clip_value); the seeded bug: its record
+# told 0.002, replayed clamping there
+COPIES["clip_value"] = [(CLIP_LINE, "        torch.nn.utils.clip_grad_value_(ddp.parameters(), 0.001)"),
+                        ("max_grad_norm=args.max_grad_norm, framework=", "clip_value=0.001, framework=")]
+OTHER_VALUE = "other_clip_value"
 BETAS_DROPPED = "betas_dropped"  # the seeded bug: the one_cycle record without its betas, replayed at one β1
 PARTIAL_STEP = 2
 TRAINER_LINE = "    trainer = Trainer(model=model, args=training, train_dataset=data,"
@@ -230,7 +235,12 @@ def runs(tmp_path_factory):
     for step in record["steps"]:
         step.pop("betas", None)
     (folders[BETAS_DROPPED] / f"loss_{NAME}.json").write_text(json.dumps(record))
-    two = [_replay(folders, root, name, NAME, 2) for name in (*COPIES, BETAS_DROPPED)]
+    folders[OTHER_VALUE] = root / OTHER_VALUE
+    shutil.copytree(folders["clip_value"], folders[OTHER_VALUE])
+    record = _record(folders[OTHER_VALUE])
+    record["config"]["clip_value"] = 0.002
+    (folders[OTHER_VALUE] / f"loss_{NAME}.json").write_text(json.dumps(record))
+    two = [_replay(folders, root, name, NAME, 2) for name in (*COPIES, BETAS_DROPPED, OTHER_VALUE)]
     calibrated = (DS_PURE, DS_AUTOCAST, AS_PARAMS)  # each replayed at 2 workers, 1 and 4, and where fp32 masters
     two += [_replay(folders, root, name, HF, 2) for name in calibrated]  # measure the noise, in fp32
     two += [_replay(folders, root, name, HF, 2, noise_reference=True, precision="fp32") for name in calibrated[1:]]
@@ -390,6 +400,39 @@ def test_a_one_cycle_loop_replays_its_cycled_betas_and_passes_and_at_one_beta1_f
     outside = first_fail(runs[BETAS_DROPPED], 1, "param_norm")
     print(f"one_cycle: replay within {off}, states' checks {ratio:.3f} of the bound; at one β1 step 1's parameter "
           f"norm {outside.rel_diff:.2e} off")
+
+
+def test_a_loop_clipping_by_value_replays_clamped_and_passes_and_at_another_value_fails(runs, tmp_path):
+    """clip_grad_value_ at 0.001 in place of the norm clip, the recorder told (ParityRecorder(clip_value=0.001)): the
+    record's clip_value, the replay clamping each gradient element as torch's does — loss, grad norm and parameter norm
+    within 1e-5 at every step, each saved state's check PASSes (its reference steps clamp too), PASS. The seeded bug:
+    the same record told 0.002, replayed clamping there, FAILs at step 0: the run's state after it is not its
+    reference step's (its moments), and the parameter norm parts from step 1. Untold, such a loop FAILs step 0 ahead of any tolerance (the applied gradients are not the
+    ones read: docs/own_trainer/plain_loop.md)."""
+    folder = runs["clip_value"]
+    recorded, replay = _record(folder), _record(folder, "ddp")
+    assert (recorded["config"]["clip_value"], recorded["config"]["max_grad_norm"]) == (0.001, 0.0)
+    assert replay["config"]["clip_value"] == 0.001 and recorded["config"]["stopped"] is None
+    off = {key: max_rel_diff(series(replay, key), series(recorded, key)) for key in ("loss", "grad_norm", "param_norm")}
+    assert max(off.values()) < 1e-5, off
+    assert _compare(folder).word == "PASS"
+    ratio = assert_checks_pass(folder, NAME, [0, 2, 4])
+    outside = first_fail(runs[OTHER_VALUE], 0, "teacher_forced")  # the state after step 0 is not its reference's
+    moved = max_rel_diff(series(_record(runs[OTHER_VALUE], "ddp"), "param_norm"), series(recorded, "param_norm"))
+    assert moved > 1e-5, moved  # the curves part too, from step 1 (Adam's first update is the gradient's sign)
+    from parity.driver.local_group import CLUSTER
+    from parity.replay.replay import plan_replay
+    from parity.replay.replay_choice import REPLAYS
+
+    with pytest.raises(ConfigError) as refused:  # DeepSpeed's engine clips by norm in its step: one line, on the driver
+        plan_replay(str(folder / f"loss_{NAME}.json"), {"num_workers": 2, "device": "cpu", "loss_output_dir":
+                    str(tmp_path), "storage_path": str(tmp_path / "ck")}, cluster=CLUSTER, strategy="deepspeed",
+                    flags=REPLAYS["zero3"][1])
+    assert str(refused.value) == (
+        f"--replay_strategy zero3: loss_{NAME}.json clips by value (clip_value 0.001), which DeepSpeed's engine does "
+        f"not (it clips by norm inside its step): replay it under DDP or FSDP2 (--replay_strategy ddp or fsdp)")
+    print(f"clip_value: replay within {off}, states' checks {ratio:.3f} of the bound; clamped at 0.002: step 0's "
+          f"{outside.module} {outside.rel_diff:.2e} off, the parameter norm up to {moved:.2e}")
 
 
 @pytest.mark.parametrize("bug", ["rank_mean", "micro_mean"])
@@ -794,6 +837,45 @@ def test_a_schedule_that_moves_betas_is_recorded_and_one_that_moves_what_the_rep
         assert lines[-1] == (f"parity recorder [mine]: {stops}: the record stops at step 1; step 0 is replayed and "
                              f"judged; the training goes on"), lines
         assert len(record["steps"]) == 1 and record["config"]["stopped"] == {"step": 1, "why": stops}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["both_ways", "value_moved"])
+def test_a_loop_that_clips_both_ways_or_at_another_value_stops_the_record_in_one_line(tmp_path, case):
+    """The replay clips every step one way at one value: a recorder told to clip by norm and by value stops the record
+    at step 0, one whose clip value changes at step 1 (clips_by_value, as Lightning's manual clip_gradients declares
+    it) stops it there. One rank, a group of one in this process."""
+    import torch.distributed as dist
+
+    from parity.recording.recorder import ParityRecorder
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        lines = []
+        rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model, optimizer=optimizer, log=lines.append,
+                             max_grad_norm=1.0 if case == "both_ways" else 0.0, clip_value=0.5)
+        ids = torch.randint(0, 4, (2, 8))
+        for step in range(2):
+            logits = model(torch.nn.functional.one_hot(ids, 4).float())
+            logits.sum().backward()
+            rec.micro_batch(ids, ids, logits)
+            rec.clips_by_value(0.5 if step == 0 else 0.25)
+            rec.before_step()
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.5 if step == 0 else 0.25)
+            optimizer.step()
+            optimizer.zero_grad()
+            rec.after_step()
+        record = json.loads(open(rec.close()).read())
+        stop = 0 if case == "both_ways" else 1
+        why = ("the loop clips by norm and by value (max_grad_norm 1, clip_value 0.5): the replay clips one way"
+               if case == "both_ways" else "the loop clips by value at 0.25 at step 1, at 0.5 before (0: no clip): the "
+                                           "replay clips every step at one clip_value")
+        assert record["config"]["stopped"] == {"step": stop, "why": f"step {stop} could not be recorded (rank 0: {why})"}
+        assert len(record["steps"]) == stop, lines
+        assert record["config"].get("clip_value") == (None if case == "both_ways" else 0.5)
     finally:
         dist.destroy_process_group()
 

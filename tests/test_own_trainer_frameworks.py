@@ -50,6 +50,8 @@ HAND_CLIP = [('self.clip_gradients(opt, gradient_clip_val=self.args.max_grad_nor
               "torch.nn.utils.clip_grad_norm_(self.parameters(), self.args.max_grad_norm)")]
 # folder → (example, record name, ranks, extra arguments); "ray_*" are recorded by the Ray Train run
 # TRL first in each group: Lightning's environment deletes WORLD_SIZE at its teardown, which accelerate reads
+CLIP = "gradient_clip_val=None if args.strategy == \"fsdp\" or not automatic else args.max_grad_norm,"
+BY_VALUE = [(CLIP, CLIP + " gradient_clip_algorithm=\"value\",")]
 JOBS = {
     "trl": (TRL, "trl_sft", 2, []),
     "trl_lora": (TRL, "trl_sft", 2, ["--lora"]),
@@ -65,6 +67,8 @@ JOBS = {
                                                                   "1", "--max_grad_norm", "0"]),
     "lightning_manual_bug": (None, "lightning_lm", 2, ["--manual", "--static_graph"]),  # accumulating 2
     "lightning_hand_clip": (None, "lightning_lm", 2, ["--manual"]),  # refused: nothing replayed
+    # Trainer(gradient_clip_algorithm="value"): clip_grad_value_ at 0.001, recorded and replayed as it is
+    "lightning_value": (None, "lightning_lm", 2, ["--max_grad_norm", "0.001"]),
     "trl_1": (TRL, "trl_sft", 1, []),
     "lightning_1": (LIGHTNING, "lightning_lm", 1, []),
     "ray_trl": (TRL, "trl_sft", 2, []),
@@ -101,7 +105,8 @@ def runs(tmp_path_factory, ray_cluster):
     folders = {name: root / name for name in JOBS}
     bugs = {"lightning_bug": _copy(root, LIGHTNING, "lightning_bug", BUG),
             "lightning_manual_bug": _copy(root, LIGHTNING, "lightning_manual_bug", MANUAL_BUG),
-            "lightning_hand_clip": _copy(root, LIGHTNING, "lightning_hand_clip", HAND_CLIP)}
+            "lightning_hand_clip": _copy(root, LIGHTNING, "lightning_hand_clip", HAND_CLIP),
+            "lightning_value": _copy(root, LIGHTNING, "lightning_value", BY_VALUE)}
     jobs = {1: [], 2: [], "ray": []}
     for name, (example, record, ranks, extra) in JOBS.items():
         argv = ["--output_dir", str(folders[name]), "--name", record, "--steps", str(STEPS), *extra]
@@ -185,6 +190,19 @@ def test_lora_run_replays_to_the_record_and_passes(runs, name):
     print(f"{name}: {off}")
 
 
+def test_lightnings_clip_by_value_is_recorded_and_replayed_as_it_is(runs):
+    """Trainer(gradient_clip_val=0.001, gradient_clip_algorithm="value"): the record's clip_value, no max_grad_norm;
+    the replay clamps each gradient element as clip_grad_value_ does — loss, pre-clip grad norm and parameter norm
+    within 1e-5 at every step, PASS (refused in one line before 2026-11-30)."""
+    recorded, replay = _record(runs["lightning_value"], "lightning_lm"), _record(runs["lightning_value"], "ddp")
+    assert (recorded["config"]["clip_value"], recorded["config"]["max_grad_norm"]) == (0.001, 0.0)
+    assert (replay["config"]["clip_value"], replay["config"]["max_grad_norm"]) == (0.001, 0.0)
+    assert len(recorded["steps"]) == STEPS and recorded["config"]["stopped"] is None
+    off = {key: max_rel_diff(series(replay, key), series(recorded, key)) for key in ("loss", "grad_norm", "param_norm")}
+    assert max(off.values()) < 1e-5, off
+    assert _compare(runs["lightning_value"]).word == "PASS"
+
+
 def test_lightning_mean_of_micro_batch_means_fails_at_step_0(runs):
     """The Hugging Face model's own per-micro-batch loss returned to Lightning under accumulation and DDP on padded
     data: the same loss at step 0 (same weights, same rows, measured by the recorder), another gradient — FAIL at step
@@ -260,8 +278,8 @@ def test_lightnings_partial_last_window_is_divided_by_the_full_accumulation(runs
 
 def test_what_lightnings_recorder_cannot_follow_is_refused_in_one_line():
     """Without processes, on Lightning Trainers as the callback reads them when the fit starts: two optimizers (a GAN's
-    manual optimization), a precision the replay has no policy for (bf16-true: bf16 weights without fp32 masters),
-    clipping by value; the same Trainer with one optimizer, 32-true or bf16-mixed and clipping by norm is recorded
+    manual optimization), a precision the replay has no policy for (bf16-true: bf16 weights without fp32 masters);
+    the same Trainer with one optimizer, 32-true or bf16-mixed and clipping by norm or by value is recorded
     (docs/refusals.md)."""
     import lightning.pytorch as pl
     import torch
@@ -279,6 +297,4 @@ def test_what_lightnings_recorder_cannot_follow_is_refused_in_one_line():
             refusal(gradient_clip_val=1.0, gradient_clip_algorithm="norm")] == [None, None, None]
     assert refusal(optimizers=2) == "2 optimizers: the recorder follows one"
     assert refusal(precision="bf16-true") == "precision 'bf16-true': the harness replays 16-mixed, 32, 32-true, bf16-mixed"
-    assert refusal(gradient_clip_val=0.5, gradient_clip_algorithm="value") == \
-        "gradient_clip_algorithm='value': the replay clips by norm"
-    assert refusal(gradient_clip_val=0.0, gradient_clip_algorithm="value") is None  # no clip: nothing to replay
+    assert refusal(gradient_clip_val=0.5, gradient_clip_algorithm="value") is None  # replayed since 2026-11-30

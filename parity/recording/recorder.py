@@ -32,6 +32,7 @@ from parity.errors import ConfigError, first_line
 from parity.attaching import layer_cut
 from parity.recording import precision_seen, resume, states
 from parity.recording.batch_taking import BatchTaking
+from parity.recording.clipping import DeclaredClipping
 from parity.recording.description import describe_run
 from parity.recording.group import own_group, release, settle_at_exit
 from parity.attaching.attach import attached, refused
@@ -75,7 +76,7 @@ def unwrap(model):
         model = inner
 
 
-class ParityRecorder(BatchTaking):
+class ParityRecorder(BatchTaking, DeclaredClipping):
     """Records a training run of your own loop, on every rank of its process group (docs/own_trainer.md):
 
         rec = ParityRecorder(output_dir, name="my_run", model=model, optimizer=optimizer, max_grad_norm=1.0)
@@ -95,7 +96,8 @@ class ParityRecorder(BatchTaking):
     accelerate's prepare: its model and AcceleratedOptimizer as they are), sharded by FSDP2's fully_shard (with or
     without DTensor TP), or a DeepSpeed engine (then `optimizer=engine.optimizer`, before_step before the boundary's
     engine.step() and after_step after it: parity/views/zero.py);
-    `max_grad_norm` is what the loop clips to (0: it does not clip); `precision` the harness's name of what the loop
+    `max_grad_norm` is what the loop clips the global norm to (0: it does not clip), `clip_value` each element's
+    magnitude (clip_grad_value_; None: it does not: clipping.py); `precision` the harness's name of what the loop
     computes in (fp32, bf16 for autocast over fp32 weights ...; left out: a DeepSpeed engine's config or accelerate's
     mixed_precision, else fp32; a forward under another autocast than told ends the record in one line:
     precision_seen.py); `max_batch_bytes` caps the batches saved (default
@@ -119,7 +121,7 @@ class ParityRecorder(BatchTaking):
                  start_step: int = 0, checkpoint_interval: int | None = states.DEFAULT_CHECKPOINT_INTERVAL,
                  max_state_bytes: int = states.DEFAULT_MAX_STATE_BYTES, tensor_grad: str = PRE_CLIP,
                  objective: str | dict | None = None, objective_args: dict | None = None,
-                 objective_declared: dict | None = None):
+                 objective_declared: dict | None = None, clip_value: float | None = None):
         output_dir, name = attached(output_dir, name)  # verify_trainer.py's folder and name, where it runs the loop
         self.enabled, self.name, self.dump = False, name, None
         # one process without a group (a single-device script): a gloo group of one for the recorder's collectives,
@@ -150,6 +152,7 @@ class ParityRecorder(BatchTaking):
 
                 self.dump = StepDump(self, dump_step)
             self.enabled = True
+            self.clips_by_value(clip_value or 0.0)  # clip_grad_value_'s (clipping.py)
         except (ViewRefused, layer_cut.NotCut) as exc:  # a group, wrapper or depth it cannot take: every rank finds it
             if first_process():
                 self._print(f"parity recorder [{name}]: {exc}: recording nothing")
@@ -353,19 +356,6 @@ class ParityRecorder(BatchTaking):
         except Exception as exc:
             self.broken = f"before_step: {type(exc).__name__}: {first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0
-
-    def clips_at(self, max_grad_norm: float) -> None:
-        """The loop's clip by norm, declared where it clips (Lightning's manual optimization, in its training_step):
-        the record's max_grad_norm; another value than a recorded step's ends the record (the replay clips at one)."""
-        if not self.enabled or self.broken or self.record.data["config"]["max_grad_norm"] == float(max_grad_norm):
-            return
-        config = self.record.data["config"]
-        if self.record.steps:
-            self.broken = (f"the loop clips at {max_grad_norm:g} at step {self.step}, at {config['max_grad_norm']:g} "
-                           f"before (0: no clip): the replay clips every step at one max_grad_norm")
-            return
-        config["max_grad_norm"] = float(max_grad_norm)
-        self.tensors.clipping.max_grad_norm = float(max_grad_norm)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """The optimizer's step pre-hook: the lr, betas, eps and weight decay of every group as the step applies them;

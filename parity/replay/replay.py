@@ -100,6 +100,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
     if attention:
         _check_attention(record_file, model_config, cfg.device)
     cfg = dataclasses.replace(cfg, optimizer=optimizer, lr_schedule=lrs, betas_schedule=recorded_betas(record),
+                              clip_value=_clip_value(record_file, config, cfg),
                               tensor_grad=record.get(TENSORS, {}).get("grad") or PRE_CLIP, model_config=model_config)
     _check_groups(record_file, cfg)
     stopped = f", stopped before step {steps}" if config.get("stopped") else ""
@@ -191,6 +192,17 @@ def read_recorded(record_file: str) -> dict:
                           f"scaler (each step's scale and whether it was skipped: megatron-core's), and this one's "
                           f"does not: record it in bf16 or fp32")
     return record
+
+
+def _clip_value(record_file: str, config: dict, cfg) -> float | None:
+    """The record's clip by value (clip_grad_value_: RunConfig.clip_value), which the replay's clip applies
+    (optimizer.clip_gradients); DeepSpeed's engine clips by norm inside its step: not a replay of one."""
+    value = config.get("clip_value")
+    if value and cfg.strategy == "deepspeed":
+        raise ConfigError(f"--replay_strategy zero3: {storage.name(record_file)} clips by value (clip_value {value:g}), "
+                          f"which DeepSpeed's engine does not (it clips by norm inside its step): replay it under DDP or "
+                          f"FSDP2 (--replay_strategy ddp or fsdp)")
+    return value or None
 
 
 def _followed_scaler(record_file: str, record: dict, cfg):

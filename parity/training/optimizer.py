@@ -186,8 +186,12 @@ def clip_gradients(total_norm: float, params, grads, cfg) -> None:
     """Clip as the run says: for RunConfig.clip_arithmetic "torch" (a noise reference drawing a framework's loop),
     torch's clip_grad_norm_ itself over `params` (fp32 norms and coefficient); else torch's formula over the float64
     `total_norm`, scaling `grads` (the tensors, or a DTensor's local pieces) in place. `cfg`: anything with
-    max_grad_norm (a sharded loop passes its argparse namespace)."""
-    if getattr(cfg, "clip_arithmetic", None) == "torch" and cfg.max_grad_norm > 0:
+    max_grad_norm (a sharded loop passes its argparse namespace). A replay of a record that clipped by value
+    (RunConfig.clip_value: clip_grad_value_, never beside a clip by norm) clamps each element as torch's does."""
+    if clip_value := getattr(cfg, "clip_value", None):
+        torch._foreach_clamp_min_(grads, -clip_value)
+        torch._foreach_clamp_max_(grads, clip_value)
+    elif getattr(cfg, "clip_arithmetic", None) == "torch" and cfg.max_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
     elif (coef := clip_coefficient(total_norm, cfg)) < 1.0:
         torch._foreach_mul_(grads, coef)

@@ -113,8 +113,9 @@ class ReferenceStep(Strategy):
             exact.append(exact[0] if self.perturb == 1.0 else fp32_norm(grads))
             return exact[1]
         done = policy.step(lr, norm_of)
-        if exact:
-            self.stepped = [g * clip_coefficient(exact[1], self.cfg) for g in self.stepped]
+        if exact:  # as clip_gradients clipped them: by value (a record's clip_value) or by the norm's coefficient
+            value, coef = getattr(self.cfg, "clip_value", None), clip_coefficient(exact[1], self.cfg)
+            self.stepped = [g.clamp(-value, value) if value else g * coef for g in self.stepped]
         return dataclasses.replace(done, norm=exact[0]) if exact else done
 
     def gather_world(self, t: torch.Tensor) -> list[torch.Tensor]:

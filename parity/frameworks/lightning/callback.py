@@ -57,6 +57,11 @@ def hugging_face_model(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _algorithm(algorithm) -> str:
+    """Lightning's gradient clip algorithm by name ("norm", its default for None, or "value"): a string or its enum."""
+    return getattr(algorithm, "value", algorithm) or "norm"
+
+
 class ParityCallback(pl.Callback):
     """Records a Lightning run for the harness: `output_dir` and `name` as ParityRecorder's, `max_batch_bytes` its cap
     on the saved batches, `checkpoint_interval` and `max_state_bytes` where and how much of the run's state it saves
@@ -88,9 +93,11 @@ class ParityCallback(pl.Callback):
             return
         model = hugging_face_model(pl_module)
         optimizers = trainer.optimizers
+        clip = float(trainer.gradient_clip_val or 0.0)
+        by_value = _algorithm(trainer.gradient_clip_algorithm) == "value"  # clip_grad_value_, replayed as it is
         self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
                                        optimizer=optimizers[0] if optimizers else None,
-                                       max_grad_norm=float(trainer.gradient_clip_val or 0.0),
+                                       max_grad_norm=0.0 if by_value else clip, clip_value=clip if by_value else None,
                                        precision=PRECISIONS.get(str(trainer.precision), "fp32"),
                                        max_batch_bytes=self.max_batch_bytes, framework="lightning.Trainer",
                                        framework_versions=installed_versions(("lightning", "transformers", "torch")),
@@ -130,13 +137,12 @@ class ParityCallback(pl.Callback):
     @guarded
     def _read_clip(self, gradient_clip_val, gradient_clip_algorithm) -> None:
         if self.recorder is not None and self.recorder.enabled and gradient_clip_val:
-            if (gradient_clip_algorithm or "norm") != "norm":
-                self.recorder.broken = (f"clip_gradients(gradient_clip_algorithm={gradient_clip_algorithm!r}): "
-                                        f"the replay clips by norm")
+            self._read_manual()
+            if _algorithm(gradient_clip_algorithm) == "value":
+                self.recorder.clips_by_value(float(gradient_clip_val))
             else:
-                self._read_manual()
                 self.recorder.clips_at(float(gradient_clip_val))
-                self._clipped = True
+            self._clipped = True
 
     @staticmethod
     def _refusal(trainer, pl_module) -> str | None:
@@ -145,9 +151,6 @@ class ParityCallback(pl.Callback):
             return f"{len(trainer.optimizers)} optimizers: the recorder follows one"
         if str(trainer.precision) not in PRECISIONS:
             return f"precision {trainer.precision!r}: the harness replays {', '.join(sorted(PRECISIONS))}"
-        algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)  # an enum
-        if trainer.gradient_clip_val and (algorithm or "norm") != "norm":  # None: by norm
-            return f"gradient_clip_algorithm={algorithm!r}: the replay clips by norm"
         return None
 
     @guarded

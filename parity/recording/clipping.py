@@ -1,0 +1,46 @@
+"""How the recorded loop clips its gradients, as the recorder is told (parity/recording/recorder.py): by their global
+norm (max_grad_norm, torch's clip_grad_norm_) or element by element (clip_value, torch's clip_grad_value_). The
+replay clips as the record says (parity.training.optimizer.clip_gradients); a loop that clips both ways, or at another
+value from one step to the next, ends the record there in one line (the replay clips every step one way at one value)."""
+
+from __future__ import annotations
+
+
+class DeclaredClipping:
+    """The recorder's clipping methods (a mixin of ParityRecorder: its record, tensors, step and broken line)."""
+
+    def clips_at(self, max_grad_norm: float) -> None:
+        """The loop's clip by norm, declared where it clips (Lightning's manual optimization, in its training_step):
+        the record's max_grad_norm; another value than a recorded step's ends the record (the replay clips at one)."""
+        self._declare_clip("max_grad_norm", float(max_grad_norm))
+        if self.enabled and not self.broken:
+            self.tensors.clipping.max_grad_norm = self.record.data["config"]["max_grad_norm"]
+
+    def clips_by_value(self, clip_value: float) -> None:
+        """The loop's clip by value (clip_grad_value_ at `clip_value`, each gradient element into [−v, v]): the
+        record's clip_value, which the replay applies. The tensor record's check of the applied gradients (a clip
+        multiplies every gradient by one coefficient: recorded_tensors.py) does not hold for it, and is left off."""
+        self._declare_clip("clip_value", float(clip_value))
+        if self.enabled and not self.broken and self.record.data["config"].get("clip_value"):
+            self.tensors.checks_applied = False
+
+    def _declare_clip(self, key: str, value: float) -> None:
+        if not self.enabled or self.broken:
+            return
+        config = self.record.data["config"]
+        other = "clip_value" if key == "max_grad_norm" else "max_grad_norm"
+        if value and config.get(other):
+            both = {**config, key: value}
+            self.broken = (f"the loop clips by norm and by value (max_grad_norm {both['max_grad_norm']:g}, clip_value "
+                           f"{both['clip_value']:g}): the replay clips one way")
+        elif (config.get(key) or 0.0) == value:
+            return
+        elif self.record.steps:
+            self.broken = (f"the loop clips {'' if key == 'max_grad_norm' else 'by value '}at {value:g} at step "
+                           f"{self.step}, at {config.get(key) or 0.0:g} before (0: no clip): the replay clips every "
+                           f"step at one {key}")
+        else:
+            config[key] = (value or None) if key == "clip_value" else value
+
+
+__all__ = ["DeclaredClipping"]
