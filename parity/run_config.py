@@ -135,8 +135,8 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in (*REPLAY_ONLY, "betas_schedule", "clip_value", "lora", "objective", "noise_kernels", "perturb", "clip_arithmetic",
-                    "loss_scales"):
+        for key in (*REPLAY_ONLY, "betas_schedule", "clip_value", "lora", "objective", "noise_kernels", "perturb",
+                    "clip_arithmetic", "loss_scales"):
             if data[key] is None:
                 del data[key]
         return data

@@ -429,8 +429,8 @@ def test_a_loop_clipping_by_value_replays_clamped_and_passes_and_at_another_valu
                     str(tmp_path), "storage_path": str(tmp_path / "ck")}, cluster=CLUSTER, strategy="deepspeed",
                     flags=REPLAYS["zero3"][1])
     assert str(refused.value) == (
-        f"--replay_strategy zero3: loss_{NAME}.json clips by value (clip_value 0.001), which DeepSpeed's engine does "
-        f"not (it clips by norm inside its step): replay it under DDP or FSDP2 (--replay_strategy ddp or fsdp)")
+        f"--replay_record loss_{NAME}.json: the run clips by value (clip_value 0.001), which the deepspeed replay's step "
+        f"does not (it clips by norm in a step of its own): replay it under DDP or FSDP2 (--replay_strategy ddp or fsdp)")
     print(f"clip_value: replay within {off}, states' checks {ratio:.3f} of the bound; clamped at 0.002: step 0's "
           f"{outside.module} {outside.rel_diff:.2e} off, the parameter norm up to {moved:.2e}")
 

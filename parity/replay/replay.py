@@ -196,12 +196,15 @@ def read_recorded(record_file: str) -> dict:
 
 def _clip_value(record_file: str, config: dict, cfg) -> float | None:
     """The record's clip by value (clip_grad_value_: RunConfig.clip_value), which the replay's clip applies
-    (optimizer.clip_gradients); DeepSpeed's engine clips by norm inside its step: not a replay of one."""
+    (optimizer.clip_gradients), where its strategy clips through it (Strategy.clips_as_torch: DeepSpeed's engine clips
+    by norm inside its own step)."""
+    from parity.registry import load
+
     value = config.get("clip_value")
-    if value and cfg.strategy == "deepspeed":
-        raise ConfigError(f"--replay_strategy zero3: {storage.name(record_file)} clips by value (clip_value {value:g}), "
-                          f"which DeepSpeed's engine does not (it clips by norm inside its step): replay it under DDP or "
-                          f"FSDP2 (--replay_strategy ddp or fsdp)")
+    if value and not load(cfg.strategy_path).clips_as_torch:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: the run clips by value (clip_value "
+                          f"{value:g}), which the {cfg.strategy} replay's step does not (it clips by norm in a step of "
+                          f"its own): replay it under DDP or FSDP2 (--replay_strategy ddp or fsdp)")
     return value or None
 
 

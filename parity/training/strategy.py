@@ -132,7 +132,9 @@ class Strategy(Routing, ShardedView):
     takes_perturb = False
     # whether its step clips as torch.nn.utils.clip_grad_norm_ computes it (fp32 norms, an fp32 coefficient) for a run of
     # RunConfig.clip_arithmetic "torch" — verify_trainer's noise reference under other kernels, drawing a framework
-    # loop's clip —, where it clips by a float64 norm otherwise; plan_replays asks it, and says so where it cannot
+    # loop's clip —, where it clips by a float64 norm otherwise; plan_replays asks it, and says so where it cannot. Such
+    # a step clips through optimizer.clip_gradients, which also clamps a replay's clip_value (clip_grad_value_):
+    # plan_replay refuses a record clipped by value to a strategy that does not
     clips_as_torch = False
     layer_check_refuses_ep = None  # why the layer check cannot compare its modules at --ep_size > 1, where it cannot
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
