@@ -133,6 +133,7 @@ def verify(output_dir: str, command: list[str], num_workers: int | None = None, 
     records = recorded(out, name)
     planned = plan_replays(records[0], out, num_workers, calibrate, replay_strategy, replay_memory)
     replay_s, steps_s = replay(planned, out, verbose)
+    drop_silent_references(planned)
     from parity.commands.compare_curves import compare_and_report
 
     t0 = time.perf_counter()
@@ -414,6 +415,32 @@ def replay(planned: list[tuple], out: str, verbose: bool = False) -> tuple[float
     seconds = time.perf_counter() - t0
     steps = sum(s.get("step_time_s", 0.0) for cfg, _ in planned for s in load_record(run_record_path(cfg))["steps"])
     return seconds, steps
+
+
+def drop_silent_references(planned: list[tuple]) -> None:
+    """A noise reference at another worker count that trained the replay's curves bit for bit measured no noise — its
+    micro-batches' gradients summed alike after all (`gradient_sums` cannot see that a micro-batch counting no token,
+    e.g. every row truncated under mask_truncated_completions, adds exact zeros): its files are removed, saying so,
+    and the bounds come from the other references (the comparison refuses an identical reference, as one its user ran
+    in vain)."""
+    from parity import storage
+    from parity.comparing.tolerances import QUANTITIES
+    from parity.training.record import load_record, run_record_path
+    from parity.training.tensor_series import folder_of
+
+    def curves(cfg) -> list:
+        return [[s[q] for q in QUANTITIES] for s in load_record(run_record_path(cfg))["steps"]]
+
+    base = planned[0][0]
+    for cfg, _ in planned[1:]:
+        if cfg.dp_size != base.dp_size and not cfg.noise_kernels and cfg.precision == base.precision and \
+                curves(cfg) == curves(base):
+            path = run_record_path(cfg)
+            print(f"verify_trainer: {storage.name(path)} trained bit for bit as the replay (its micro-batches' "
+                  f"gradients summed alike): it measured no noise, not used", file=sys.stderr)
+            storage.delete_file(path)
+            if storage.exists(folder_of(path)):
+                storage.delete_dir(folder_of(path))
 
 
 def launch_planned(planned: list[tuple], kernel: str = "default", say=lambda line: None) -> None:
