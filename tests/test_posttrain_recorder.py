@@ -1,9 +1,9 @@
 """Your own post-training run, recorded and judged (issue 59's recorder half, docs/posttrain.md#your-own-run-recorded):
-TRL 1.16's GRPOTrainer (dapo with β > 0, grpo, dr_grpo, bnpo) and DPOTrainer (sigmoid) with real generation, recorded
+TRL 1.16's GRPOTrainer (dapo with β > 0, grpo, dr_grpo, bnpo), RLOOTrainer and DPOTrainer (sigmoid) with real generation, recorded
 by Trainer's ParityCallback with their objective, each micro-batch as consumed; the hand-written GRPO loop
 (examples/grpo_loop.py) through ParityRecorder(objective=...); replayed under the harness's DDP with the reference
 objective at 1, 2 and 4 workers, each PASS in fp32. A copy of the GRPO step with the loss divided once more by the
-accumulation (ms-swift #10117) FAILs at step 0; a bnpo record replays at its own split only; a loop that does not
+accumulation (ms-swift #10117), and RLOO's with GSPO's token-mean ratio, FAIL at step 0; a bnpo record replays at its own split only; a loop that does not
 name its objective, and what the reference cannot compute, are refused in one line (exit 2). One bf16 run, its script
 without the harness's callback, recorded and replayed as verify_trainer.py --calibrate does, PASSes calibrated.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import os
 
@@ -29,11 +30,25 @@ LOOP = os.path.join(REPO, "examples", "grpo_loop.py")
 STEPS = 3
 FP32 = ["--fp32", "--steps", str(STEPS)]
 # ms-swift #10117: a loss normalised over the accumulation window divided by the accumulation steps once more
-SWIFT = [("        from trl import GRPOConfig, GRPOTrainer\n",
-          "        from trl import GRPOConfig, GRPOTrainer as TRLGRPOTrainer\n\n"
-          "        class GRPOTrainer(TRLGRPOTrainer):\n"
-          "            def _compute_loss(self, model, inputs):\n"
-          "                return super()._compute_loss(model, inputs) / self.current_gradient_accumulation_steps\n")]
+SWIFT = [("            from trl import GRPOConfig, GRPOTrainer\n",
+          "            from trl import GRPOConfig, GRPOTrainer as TRLGRPOTrainer\n\n"
+          "            class GRPOTrainer(TRLGRPOTrainer):\n"
+          "                def _compute_loss(self, model, inputs):\n"
+          "                    return super()._compute_loss(model, inputs) / self.current_gradient_accumulation_steps\n")]
+# RLOO's sequence log-ratio taken as GSPO's token mean (its ratio's exponent ÷ the completion's length): on-policy the
+# ratio is 1 either way, and each row's gradient is ÷ its length
+RLOO_TOKEN_MEAN = [(
+    "            from trl import RLOOConfig as Config, RLOOTrainer as Trainer\n",
+    "            from trl import RLOOConfig as Config, RLOOTrainer\n\n"
+    "            class Trainer(RLOOTrainer):\n"
+    "                def _compute_loss(self, model, inputs):\n"
+    "                    mask = inputs[\"completion_mask\"]\n"
+    "                    ids = torch.cat([inputs[\"prompt_ids\"], inputs[\"completion_ids\"]], 1)\n"
+    "                    fed = torch.cat([inputs[\"prompt_mask\"], mask], 1)\n"
+    "                    logps = self._get_per_token_logps_and_entropies(model, ids, fed, mask.size(1))[0]\n"
+    "                    ratio = ((logps * mask).sum(1) - inputs[\"old_logps\"]).div(mask.sum(1).clamp(min=1)).exp()\n"
+    "                    a = inputs[\"advantages\"]\n"
+    "                    return -torch.min(ratio * a, ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high) * a).mean()\n")]
 # a loop that hands its micro-batches over as the causal LM's (its labels the completion tokens), naming no objective
 UNNAMED = [(' objective="dapo",\n', "\n"),
            ('                         objective_args={"beta": args.beta, "epsilon": args.epsilon,\n'
@@ -55,6 +70,9 @@ JOBS = {
     "bnpo": (TRL, ["--loss_type", "bnpo", "--batch_size", "4", "--grad_accum_steps", "1", *FP32]),
     "spg": (TRL, ["--loss_type", "dapo", "--beta", "0.04", "--steps_per_generation", "4", *FP32]),
     "dpo": (TRL, ["--trainer", "dpo", *FP32]),
+    # RLOO: a generation over two optimizer steps (the second off-policy), truncated completions masked
+    "rloo": (TRL, ["--trainer", "rloo", "--steps_per_generation", "4", "--mask_truncated_completions", *FP32]),
+    "rloo_token_mean": ("rloo_token_mean", ["--trainer", "rloo", *FP32]),
     "swift": ("swift", ["--loss_type", "dapo", "--beta", "0.1", *FP32]),
     "loop": (LOOP, ["--steps", str(STEPS)]),
     "unnamed": ("unnamed", ["--steps", "1"]),
@@ -63,10 +81,10 @@ JOBS = {
 }
 # the example without a line of the harness's recorder: what verify_trainer.py runs "with no line changed"
 NO_CALLBACK = [("from parity import ParityCallback\n", ""),
-               (",\n                              callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")"),
+               (",\n                          callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")"),
                (",\n                             callbacks=[ParityCallback(args.output_dir, name=args.name)])", ")")]
 REPLAYS = {"dapo": (1, 2, 4), "grpo": (1, 2, 4), "dr_grpo": (1, 2, 4), "bnpo": (2,), "spg": (2,), "dpo": (2,),
-           "swift": (2,), "loop": (2,)}
+           "swift": (2,), "loop": (2,), "rloo_token_mean": (2,)}  # (rloo: replayed as verify_trainer.py plans it)
 
 
 def _rank(rank: int, world: int, port: int, jobs: list) -> None:
@@ -102,19 +120,22 @@ def runs(tmp_path_factory):
 
 
 def _runs(root) -> dict:
-    from parity.commands.verify_trainer import plan_replays, replay
+    from parity.commands.verify_trainer import drop_silent_references, plan_replays, replay
     from parity.driver.local_group import CLUSTER, start_processes
     from parity.replay.replay import plan_replay
 
     copies = {"swift": _copy(root, TRL, "trl_posttrain_swift", SWIFT),
               "unnamed": _copy(root, LOOP, "grpo_loop_unnamed", UNNAMED + UNNAMED_TAIL),
-              "user": _copy(root, TRL, "grpo_user", NO_CALLBACK)}
+              "user": _copy(root, TRL, "grpo_user", NO_CALLBACK),
+              "rloo_token_mean": _copy(root, TRL, "trl_posttrain_rloo_token_mean", RLOO_TOKEN_MEAN)}
     assert "ParityCallback(" not in open(copies["user"]).read()
     folders = {name: root / name for name in JOBS}
     jobs = [(copies.get(script, script), ["--output_dir", str(folders[name]), *argv], str(folders[name]),
              attached[0] if attached else None) for name, (script, argv, *attached) in JOBS.items()]
     start_processes(_rank, (2, free_port(), jobs), 2)
     planned = plan_replays(str(folders["bf16"] / "loss_grpo_user.json"), str(folders["bf16"]), None, True)
+    rloo = plan_replays(_record_file(folders["rloo"]), str(folders["rloo"]), None, True)
+    planned += rloo
     for name, workers in REPLAYS.items():
         record = _record_file(folders[name])
         for w in workers:
@@ -123,7 +144,10 @@ def _runs(root) -> dict:
                                                 "storage_path": str(root / "checkpoints"),
                                                 "experiment_name": f"ddp_{name}_{w}"}, cluster=CLUSTER))
     replay(planned, str(root))
-    return {"root": root, **folders}
+    dropped = io.StringIO()
+    with contextlib.redirect_stderr(dropped):
+        drop_silent_references(rloo)
+    return {"root": root, "rloo_dropped": dropped.getvalue(), **folders}
 
 
 def _record_file(folder) -> str:
@@ -283,6 +307,56 @@ def test_a_loss_divided_once_more_by_the_accumulation_fails_at_step_0(runs):
     recorded, replay = _record(runs["swift"]), json.loads((runs["swift"] / "w2" / "loss_ddp.json").read_text())
     assert abs(recorded["steps"][0]["grad_norm"] / replay["steps"][0]["grad_norm"] - 0.5) < 1e-5
     comparison = _judge(runs["swift"], 2)
+    outside = comparison.results[0].verdict.first_outside
+    assert comparison.word == "FAIL" and outside.step == 0 and outside.quantity in ("grad_norm", "gradient"), outside
+
+
+def test_trl_rloo_replays_as_verify_trainer_plans_it_and_passes_calibrated(runs, capsys):
+    """TRL's RLOOTrainer (β 0.05, which TRL folds into the rewards; steps_per_generation 4 at 2 accumulation steps, so
+    each generation's second optimizer step trains off-policy; truncated completions masked) at 2 ranks: its record
+    names rloo with TRL's ε and mask, and holds π_old's sequence sums as TRL kept them (0 on a row masked whole).
+    Replayed as verify_trainer.py --calibrate plans it: the replay at 2 workers within 1e-5 of the record; its noise
+    reference at 1 worker, whose micro-batches that count a token sum alike, trained the replay's bits and is dropped
+    in one line; PASS, calibrated on the reference under other kernels."""
+    from parity.commands.compare_curves import compare_and_report
+    from parity.objectives.rollouts import read_rollouts
+
+    recorded = _record(runs["rloo"])
+    assert recorded["config"]["objective"] == {"name": "rloo", "settings": {
+        "epsilon": 0.2, "epsilon_high": 0.2, "mask_truncated_completions": True, "temperature": 1.0}}
+    declared = recorded["config"]["objective_declared"]
+    assert (declared["beta"], declared["steps_per_generation"]) == (0.05, 4)
+    t = read_rollouts(str(runs["rloo"] / recorded["config"]["rollouts"])).tensors
+    assert "old_seq_logps" in t and "old_logps" not in t and "ref_logps" not in t
+    counted = (t["completion_mask"] * (1 - t["truncated"])[:, None]).sum(1)
+    assert bool((t["old_seq_logps"][counted > 0] < 0).all()) and bool((t["old_seq_logps"][counted == 0] == 0).all())
+    assert 0 < int((counted > 0).sum()) < len(counted)  # rows masked whole, and rows that count
+    assert any(s["objective"]["ratio_mean"] != 1.0 for s in recorded["steps"])  # off-policy steps
+    replay = json.loads((runs["rloo"] / "loss_ddp.json").read_text())
+    for key in ("grad_norm", "param_norm"):
+        assert max_rel_diff(series(recorded, key), series(replay, key)) < 1e-5, key
+    scale = [s["objective"]["advantage_scale"] for s in replay["steps"]]
+    assert max(abs(a - b) / max(abs(b), c) for a, b, c in zip(series(recorded, "loss"), series(replay, "loss"),
+                                                               scale)) < 1e-5
+    assert runs["rloo_dropped"] == ("verify_trainer: noise_reference_ddp_tp1_dp1_fp32.json trained bit for bit as the "
+                                    "replay (its micro-batches' gradients summed alike): it measured no noise, not "
+                                    "used\n")
+    assert compare_and_report(str(runs["rloo"]), str(runs["rloo"] / "curves.png")) == 0
+    result = json.loads((runs["rloo"] / "curve_comparison.json").read_text())["against_baseline"]["trl_posttrain"]
+    assert result["verdict"] == "PASS" and result["calibrated"]
+    assert "Bounds calibrated on noise_reference_ddp_tp1_dp2_fp32_other_kernels.json:" in capsys.readouterr().out
+
+
+def test_rloos_ratio_taken_as_gspos_token_mean_fails_at_step_0(runs):
+    """A copy of TRL's RLOO step whose sequence log-ratio is GSPO's token mean: on-policy the ratio is 1 either way and
+    the loss the same, each row's gradient ÷ its completion's length — FAIL at step 0 on the gradient."""
+    recorded = _record(runs["rloo_token_mean"])
+    replay = json.loads((runs["rloo_token_mean"] / "w2" / "loss_ddp.json").read_text())
+    assert recorded["config"]["objective"]["name"] == "rloo"
+    scale = replay["steps"][0]["objective"]["advantage_scale"]  # (the loss, −mean A at ratio 1, crosses 0)
+    assert abs(recorded["steps"][0]["loss"] - replay["steps"][0]["loss"]) < 1e-5 * scale
+    assert recorded["steps"][0]["grad_norm"] < 0.5 * replay["steps"][0]["grad_norm"]
+    comparison = _judge(runs["rloo_token_mean"], 2)
     outside = comparison.results[0].verdict.first_outside
     assert comparison.word == "FAIL" and outside.step == 0 and outside.quantity in ("grad_norm", "gradient"), outside
 

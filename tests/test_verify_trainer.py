@@ -80,7 +80,7 @@ EDITS = {
                    "    trainer.fit(module_class()(model, args, world), data)\n    _write_log(args, rank, LOSSES)\n"),
                   ("def parse_args(", "LOSSES = []\n\n\ndef parse_args(")],
     "trl_posttrain": [("from parity import ParityCallback\n", ""),
-                      (",\n                              callbacks=[ParityCallback(args.output_dir, name=args.name)])",
+                      (",\n                          callbacks=[ParityCallback(args.output_dir, name=args.name)])",
                        ")"),
                       (",\n                             callbacks=[ParityCallback(args.output_dir, name=args.name)])",
                        ")"), ("Trainer's ParityCallback", "Trainer's callback")],

@@ -17,7 +17,7 @@ every framework, and imports nothing of it until asked:
 - `sampler`: its sampling engine (sampling.py, the sampler seam: how it samples, reports its sampler side and reloads
   weights), loaded when asked — `engine(name)`; make_rollouts.py's --sampler names one of `engines()`;
 - `trains(trainer, optimizer)`: what a trainer built on Hugging Face's Trainer trains where it is this framework's
-  (TRL's GRPOTrainer and DPOTrainer), and the feed of its micro-batches (`Trained`), or None; Trainer's callback asks
+  (TRL's GRPOTrainer, RLOOTrainer and DPOTrainer), and the feed of its micro-batches (`Trained`), or None; Trainer's callback asks
   `objective_of`, never a room by name;
 - `precision(model)`: the harness's policy the framework trains `model` in, where it says so (accelerate's
   mixed_precision), or None; a recorder told no precision takes it, one told another refuses (`precision_of`).

@@ -34,6 +34,8 @@ DAPO, GRPO_PAPER, DR_GRPO = ("DAPO, arXiv 2503.14476", "DeepSeekMath (GRPO), arX
                              "Understanding R1-Zero-Like Training (Dr. GRPO), arXiv 2503.20783")
 TRL_GRPO = "TRL 1.16 GRPOConfig documentation (loss_type, importance_sampling_level, use_bias_correction_kl)"
 TRL_DPO = "TRL 1.16 DPOConfig documentation (loss_type, f_divergence_type, ld_alpha)"
+RLOO_PAPER = "Back to Basics (RLOO), arXiv 2402.14740"
+TRL_RLOO = "TRL 1.16 RLOOTrainer documentation (its loss: the sequence-level clipped surrogate; β in the rewards)"
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ _VESPO = (Setting("vespo_k_pos", 2.0, float, "k for a non-negative advantage"),
           Setting("vespo_k_neg", 3.0, float, "k for a negative advantage"),
           Setting("vespo_lambda_neg", 2.0, float, "λ for a negative advantage"))
 _LENGTH = Setting("max_completion_length", None, int, "L: the constant Dr. GRPO divides by (the completion limit)")
+_RLOO = _CLIP[:2] + tuple(s for s in _COMMON if s.name in ("mask_truncated_completions", "temperature"))
 
 GRPO_FAMILY = {
     "grpo": Definition("grpo", "grpo", "clipped surrogate + β KL per token; each sequence's token mean, averaged over "
@@ -144,6 +147,9 @@ GRPO_FAMILY = {
     "vespo": Definition("vespo", "grpo", "− sg(φ(w)) · A · log π per token + β KL, φ(w) = w^k e^{λ(1 − w)} of the "
                         "sequence's importance weight w, ÷ the step's completion tokens", ("VESPO, arXiv 2602.10693",
                         TRL_GRPO), _CLIP + _COMMON + _VESPO + (_TOKENS,)),
+    "rloo": Definition("rloo", "grpo", "− min(r A, clip(r, 1 − ε_low, 1 + ε_high) A) per sequence, r = exp of the "
+                       "sequence's summed token log-ratio; averaged over the step's sequences (the KL to the reference "
+                       "is in the rewards, so in A)", (RLOO_PAPER, TRL_RLOO), _RLOO),
 }
 
 # --- the DPO family: one definition, TRL 1.16's loss_type values (a list, weighted) --------------------------------
@@ -228,12 +234,12 @@ def resolve_objective(name: str | None, given: dict | None = None) -> dict | Non
 def _check_grpo(name: str, s: dict) -> None:
     if s["epsilon_high"] is None:
         s["epsilon_high"] = s["epsilon"]
-    for key in ("epsilon", "epsilon_high", "beta", "entropy_coef"):
-        if s[key] < 0:
+    for key in ("epsilon", "epsilon_high", "beta", "entropy_coef"):  # (rloo has neither β nor an entropy bonus)
+        if s.get(key, 0.0) < 0:
             raise ConfigError(f"--objective {name}: {key} must be 0 or positive (got {s[key]})")
     if s["temperature"] <= 0:
         raise ConfigError(f"--objective {name}: temperature must be positive (got {s['temperature']})")
-    if s["delta"] is not None and s["delta"] <= 1:
+    if s.get("delta") is not None and s["delta"] <= 1:
         raise ConfigError(f"--objective {name}: delta caps the ratio and must be above 1 (got {s['delta']})")
     if name == "luspo" and s["importance_sampling_level"] != "sequence":
         raise ConfigError("--objective luspo is defined on sequence-level ratios: set importance_sampling_level=sequence")

@@ -8,12 +8,15 @@ the file holds none), log π_ref and the row's advantage A:
   grpo, bnpo, dr_grpo, dapo, luspo: l = −min(min(r, δ) A, clip(r, 1 − ε_low, 1 + ε_high) A);
   cispo: l = −sg(min(r, ε_high)) A log π;  sapo: l = −σ(τ(r − 1)) 4/τ A, τ by the sign of A;
   vespo: l = −sg(φ(w)) A log π, w = exp Σ_t (log π − log π_old), φ(w) = exp(λ + k log w − λ w), (k, λ) by A ≥ 0;
+  rloo: one term per row, −min(r A, clip(r, 1 − ε_low, 1 + ε_high) A), r = exp Σ_t m (log π − log π_old) (no KL term:
+  TRL's RLOOTrainer puts β KL into the rewards);
   + β k3, k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 (× r under use_bias_correction_kl).
 The policy's log-probs are those of its logits ÷ the sampling temperature (TRL's `temperature`, 1 by default).
 A micro-batch returns the sum its rows contribute × the step's divisor D (Objective.step_divisor): Σ l m for the
 token-summed definitions (dapo, cispo, vespo: D the step's tokens; dr_grpo: D = rows × L; luspo: D = rows), Σ_i of
-each row's token mean (grpo, sapo: D = rows); bnpo its own token mean × D ÷ the step's micro-batches; the entropy bonus
-− coef × its own mean entropy × D ÷ the step's micro-batches (micro_parts: the two parts apart).
+each row's token mean (grpo, sapo: D = rows) or of each row's term (rloo: D = rows); bnpo its own token mean × D ÷ the
+step's micro-batches; the entropy bonus − coef × its own mean entropy × D ÷ the step's micro-batches (micro_parts: the
+two parts apart).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import torch
 from parity.objectives import ties
 from parity.objectives.causal_lm import entropies, token_log_probs
 
-CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped surrogate
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "rloo")  # the clipped surrogate
 ROW_MEANS = ("grpo", "sapo")  # each row's token mean, averaged over the step's rows
 ROW_SUMS = ("luspo",)  # each row's token sum, averaged over the step's rows
+ROW_TERMS = ("rloo",)  # one term per row (its summed log-ratio's), averaged over the step's rows
 TOKEN_SUMS = ("dapo", "cispo", "vespo")  # summed over the step ÷ its tokens (or the generation batch's)
 # a micro-batch's statistics, float64 sums (summed over the DP ranks, then `quantities`); *_ties: the clipped counts'
 # ratios that lie within their rounding of the clip bound (ties.py)
@@ -38,7 +42,7 @@ STATS = ("tokens", "rows", "kl", "ratio", "ratios", "clipped_low", "clipped_high
 def step_divisor(name: str, s: dict, rows, generation_tokens: float | None = None) -> float:
     """The step's divisor D from all its rows (a RolloutRows): what the micro-batches' sums are divided by."""
     count = len(rows.group)
-    if name in ROW_MEANS + ROW_SUMS:
+    if name in ROW_MEANS + ROW_SUMS + ROW_TERMS:
         return float(count)
     if name == "dr_grpo":
         return float(count * s["max_completion_length"])
@@ -53,7 +57,7 @@ def surrogate(name: str, s: dict, ratio, advantages, log_probs, log_ratio, mask)
     a = advantages
     if name in CLIPPED:
         clipped = ratio.clamp(1 - s["epsilon"], 1 + s["epsilon_high"])
-        capped = ratio.clamp(max=s["delta"]) if s["delta"] is not None else ratio
+        capped = ratio.clamp(max=s["delta"]) if s.get("delta") is not None else ratio
         return -torch.min(capped * a, clipped * a)
     if name == "cispo":
         return -ratio.clamp(max=s["epsilon_high"]).detach() * a * log_probs
@@ -97,7 +101,7 @@ def micro_sum(name: str, s: dict, logits, input_ids, rows, divisor: float, micro
     its parts (micro_parts) of the log-probs of the logits at the sampling temperature."""
     tempered = logits if s["temperature"] == 1 else logits / s["temperature"]
     log_probs, log_softmax = token_log_probs(tempered, input_ids)
-    entropy = entropies(log_softmax if s["entropy_coef"] else log_softmax.detach())
+    entropy = entropies(log_softmax if s.get("entropy_coef") else log_softmax.detach())
     summed, own, stats = micro_parts(name, s, log_probs, entropy, rows, ties.level(logits.dtype))
     return summed + own * (divisor / micro_batches), stats
 
@@ -110,6 +114,8 @@ def micro_parts(name: str, s: dict, log_probs, entropy, rows, level: float = tie
     the rest. A recorder computes them from the log-probs the run's own forward returned (a fused LM head's). `level`:
     the log-probs' rounding (ties.level)."""
     mask = rows.counted(s["mask_truncated_completions"])[:, 1:].to(log_probs.device)
+    if name in ROW_TERMS:
+        return row_term_parts(name, s, log_probs, entropy, rows, mask, level)
     lengths = mask.sum(1)
     old = log_probs.detach() if rows.old_logps is None else rows.old_logps[:, 1:].float()
     log_ratio = torch.where(mask > 0, log_probs - old, 0.0)
@@ -143,6 +149,28 @@ def micro_parts(name: str, s: dict, log_probs, entropy, rows, level: float = tie
         per_token = level * torch.where(mask > 0, log_probs.detach().abs() + old.abs() + 1, 0.0)
         noise = per_token.sum(1, keepdim=True) / lengths.clamp(min=1)[:, None] if sequence else per_token
     return summed, own, statistics(name, s, mask, ratio, advantages, kl, entropy.detach(), log_ratio, sequence, noise)
+
+
+def row_term_parts(name: str, s: dict, log_probs, entropy, rows, mask, level: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rloo's micro_parts: each row's one term of its sequence ratio r = exp(Σ_t m (log π − log π_old)) — π_old's sum
+    as the trainer kept it (old_seq_logps), else its per-token log-probs summed, else the policy itself (r = 1). Every
+    row counts, one without a counted token too (r = 1: −A, no gradient), as in TRL's mean over a micro-batch's rows."""
+    logps = (log_probs * mask).sum(1, keepdim=True)
+    if rows.old_seq_logps is not None:
+        old = rows.old_seq_logps.float()[:, None]
+    elif rows.old_logps is not None:
+        old = (rows.old_logps[:, 1:].float() * mask).sum(1, keepdim=True)
+    else:
+        old = logps.detach()
+    log_ratio, advantages = logps - old, rows.advantages.float()[:, None]
+    ratio = log_ratio.exp()
+    summed = surrogate(name, s, ratio, advantages, None, None, None).sum()
+    noise = None  # on-policy the ratio is exactly 1 in every run: no ties
+    if rows.old_seq_logps is not None or rows.old_logps is not None:  # the sum's rounding, token by token
+        noise = level * (((log_probs.detach().abs() + 1) * mask).sum(1, keepdim=True) + old.abs())
+    stats = statistics(name, s, mask, ratio, advantages, None, entropy.detach(), log_ratio, True, noise)
+    return summed, torch.zeros((), device=log_probs.device), stats
 
 
 @torch.no_grad()
@@ -185,7 +213,7 @@ def quantities(name: str, s: dict, stats: list[float]) -> dict:
              "advantage_scale": t["advantage"] / max(t["rows"], 1.0)}
     if t["entropy"] == t["entropy"]:  # (not NaN: a recorded forward that returned no entropies has none)
         found["entropy"] = t["entropy"] / tokens
-    if s["beta"]:
+    if s.get("beta"):
         found["kl"] = t["kl"] / tokens
     if name in CLIPPED + ("cispo",):
         found.update(clipped_fraction=(t["clipped_low"] + t["clipped_high"]) / ratios,

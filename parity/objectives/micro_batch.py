@@ -68,7 +68,7 @@ class Objective:
         if self.family == "dpo":
             return dpo.micro_parts(self.settings, log_probs, rows, level)
         if entropies is None:
-            if self.settings["entropy_coef"]:
+            if self.settings.get("entropy_coef"):
                 raise ValueError("the entropy bonus needs each token's entropy")
             entropies = torch.full_like(log_probs, float("nan"))
         return grpo.micro_parts(self.name, self.settings, log_probs, entropies, rows, level)

@@ -18,6 +18,8 @@ GRPO family:
   rewards          float32 [rows]   its reward (what the advantages were computed from; informative)
   old_logps        float32 [rows, L]  log π_old of the token at each position (0 off the completion mask); absent:
                                       on-policy, π_old is the policy itself, detached
+  old_seq_logps    float32 [rows]     log π_old of the whole completion (the sum over its counted tokens), where only
+                                      that was kept (TRL's RLOOTrainer); rloo reads it before old_logps
   ref_logps        float32 [rows, L]  log π_ref likewise; needed where beta > 0
 DPO:
   rows in pairs, row 2k the chosen completion and row 2k + 1 the rejected one of the same prompt;
@@ -46,7 +48,7 @@ from parity.errors import ConfigError
 
 FORMAT = "parity-rollouts/1"
 ROW_TENSORS = ("attention_mask", "completion_mask", "truncated", "group", "generation", "advantages", "rewards",
-               "old_logps", "ref_logps", "ref_seq_logps")
+               "old_logps", "old_seq_logps", "ref_logps", "ref_seq_logps")
 SAMPLER_TENSORS = ("sampler_logps", "sampler_token_ids", "sampler_weights_step")
 SAMPLER_KEYS = ("engine", "version", "dtype", "temperature", "top_p", "top_k", "min_p", "logprob_mode")
 LOGPROB_MODES = ("processed", "raw")
@@ -68,6 +70,7 @@ class RolloutRows:
     advantages: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
+    old_seq_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     ref_seq_logps: torch.Tensor | None = None
     sampler_logps: torch.Tensor | None = None  # the sampler's side, where the objective weighs tokens by it

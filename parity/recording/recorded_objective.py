@@ -6,7 +6,7 @@ on the recorded batch (`causal_lm_refusal`). A GRPO or DPO loss, a label-smoothe
 far from it: the record is refused in one line, never replayed as cross-entropy and judged (a false FAIL).
 
 A record of a post-training objective (`RecordedObjective`: a ParityRecorder(objective=...) — a loop of your own that
-names its objective, or TRL's GRPOTrainer and DPOTrainer through frameworks/trl/objectives.py) holds what each optimizer step
+names its objective, or TRL's GRPO, RLOO and DPO trainers through frameworks/trl/objectives.py) holds what each optimizer step
 consumed on each rank, as consumed, in the rollout file's schema (parity/objectives/rollouts.py) the harness trains
 on: each micro-batch's ids, attention mask as fed, completion mask, truncation, group and generation batch,
 advantages, π_old's and π_ref's per-token log-probs where used. Each rank hands its micro-batches' rows with the
@@ -39,7 +39,8 @@ PAD_ID = 0  # a row shorter than the file's length is padded with it (mask 0, no
 # What a micro-batch hands over, in order: (name, per token (2) or per row (1), dtype in the file)
 PAYLOAD = (("attention_mask", 2, torch.int64), ("completion_mask", 2, torch.int64), ("truncated", 1, torch.int64),
            ("group", 1, torch.int64), ("generation", 1, torch.int64), ("advantages", 1, torch.float32),
-           ("old_logps", 2, torch.float32), ("ref_logps", 2, torch.float32), ("ref_seq_logps", 1, torch.float32),
+           ("old_logps", 2, torch.float32), ("old_seq_logps", 1, torch.float32), ("ref_logps", 2, torch.float32),
+           ("ref_seq_logps", 1, torch.float32),
            ("sampler_logps", 2, torch.float32), ("sampler_token_ids", 2, torch.int64),
            ("sampler_weights_step", 1, torch.int64))
 
@@ -134,9 +135,9 @@ class RecordedObjective:
         """(the labels — the ids where the objective counts the token, −100 elsewhere — and the encoded rows and
         partial sums) of one micro-batch: its ids [rows, L], the model's logits on it or its log-probs of each next
         token (and entropies) [rows, L − 1], and its rows in the rollout schema (`given`: truncated, group,
-        generation, advantages, old_logps, ref_logps [rows, L] at each token's position, ref_seq_logps; the sampler's
-        side: sampler_logps, sampler_token_ids [rows, L], sampler_weights_step). ValueError in one line for what does
-        not fit the schema or the objective."""
+        generation, advantages, old_logps, ref_logps [rows, L] at each token's position, old_seq_logps, ref_seq_logps;
+        the sampler's side: sampler_logps, sampler_token_ids [rows, L], sampler_weights_step). ValueError in one line
+        for what does not fit the schema or the objective."""
         ids = input_ids.detach().to("cpu", torch.int64)
         rows, length = ids.shape
         tensors = {"attention_mask": torch.ones_like(ids) if attention_mask is None else attention_mask,
@@ -163,7 +164,7 @@ class RecordedObjective:
         settings = self.objective.settings
         rollout = RolloutRows(**{k: tensors.get(k) for k in
                                  ("completion_mask", "truncated", "group", "generation", "advantages", "old_logps",
-                                  "ref_logps", "ref_seq_logps", "sampler_logps")})
+                                  "old_seq_logps", "ref_logps", "ref_seq_logps", "sampler_logps")})
         counted = rollout.counted(bool(settings.get("mask_truncated_completions")))
         labels = ids.masked_fill(counted == 0, IGNORE_INDEX)
         with torch.no_grad():
@@ -181,7 +182,7 @@ class RecordedObjective:
         if self.family == "grpo":
             if t.get("advantages") is None:
                 raise ValueError(f"{self.config['name']} needs each row's advantage (advantages=)")
-            if self.objective.settings["beta"] and t.get("ref_logps") is None:
+            if self.objective.settings.get("beta") and t.get("ref_logps") is None:
                 raise ValueError(f"{self.config['name']} with beta {self.objective.settings['beta']} needs the "
                                  f"reference's per-token log-probs (ref_logps=)")
             if self.objective.settings.get("vllm_importance_sampling_correction") and (
@@ -227,7 +228,8 @@ class RecordedObjective:
     def _divisor(self, rows: dict, generation_tokens: float | None = None) -> float:
         labels = rows["input_ids"].masked_fill(self._counted(rows) == 0, IGNORE_INDEX)
         rollout = RolloutRows(**{k: rows.get(k) for k in ("completion_mask", "truncated", "group", "generation",
-                                                          "advantages", "old_logps", "ref_logps", "ref_seq_logps")})
+                                                          "advantages", "old_logps", "old_seq_logps", "ref_logps",
+                                                          "ref_seq_logps")})
         if self.family == "grpo" and generation_tokens is None:
             generation_tokens = float(self._counted(rows)[:, 1:].sum())
         if self.family == "grpo":

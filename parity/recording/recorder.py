@@ -317,9 +317,9 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
         """One micro-batch of a post-training objective's run (ParityRecorder(objective=...)): its ids [rows, L], the
         model's logits on it (or its log-probs of each next token and their entropies, [rows, L − 1], from a fused LM
         head), the attention mask as fed, and its rows in the rollout file's schema (docs/posttrain.md): completion_mask
-        [rows, L]; truncated, group, generation [rows]; GRPO's advantages [rows], old_logps and ref_logps [rows, L] —
-        the log-prob of the token at each position — where the objective uses them; DPO's ref_logps (or ref_seq_logps
-        [rows]), its rows in pairs (2k chosen, 2k + 1 rejected)."""
+        [rows, L]; truncated, group, generation [rows]; GRPO's advantages [rows], old_logps (or old_seq_logps [rows])
+        and ref_logps [rows, L] — the log-prob of the token at each position — where the objective uses them; DPO's
+        ref_logps (or ref_seq_logps [rows]), its rows in pairs (2k chosen, 2k + 1 rejected)."""
         if not self.enabled or self.broken:
             return
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ each checkpoint Trainer saves writes the record (on_save), so that it holds the 
 One process without a process group (no launcher): the callback starts a gloo group of one for the recorder and ends
 it after training, as Lightning's does (group.py).
 
-TRL's GRPOTrainer and DPOTrainer (found as the trainer whose training loop calls on_train_begin) are recorded with
+TRL's GRPOTrainer, RLOOTrainer and DPOTrainer (found as the trainer whose training loop calls on_train_begin) are recorded with
 their objective, each micro-batch as it consumed it: the registry's `objective_of` asks the rooms (TRL's: its
 objective and the feed of its micro-batches; docs/posttrain.md); any other trainer as the causal-LM token mean, its
 first step's logged loss held to it (recorded_objective.causal_lm_refusal).

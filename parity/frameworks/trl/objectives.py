@@ -1,8 +1,8 @@
-"""TRL's GRPOTrainer and DPOTrainer (0.29.0 to 1.16, docs/own_trainer/one_command.md#the-releases-recorded) recorded with their
-objective, no line of the user's script changed
+"""TRL's GRPOTrainer, RLOOTrainer and DPOTrainer (0.29.0 to 1.16, docs/own_trainer/one_command.md#the-releases-recorded)
+recorded with their objective, no line of the user's script changed
 (docs/posttrain.md#your-own-run-recorded): Trainer's ParityCallback asks the registry what its trainer trains
 (parity.frameworks.objective_of: `trained` here, from `plan`), then hands each training micro-batch to the
-recorder's objective_batch through the `GRPOFeed` or `DPOFeed` it gives.
+recorder's objective_batch through the `GRPOFeed` (GRPO, RLOO) or `DPOFeed` it gives.
 
 The objective: the trainer's own arguments resolved into the harness's definitions (parity/objectives: TRL's argument
 names are the settings' names) — loss_type, beta, epsilon/epsilon_high, delta, importance_sampling_level,
@@ -15,7 +15,9 @@ What each micro-batch consumed, as consumed — after TRL's shuffle and split of
 - GRPO: the forward hook's ids and attention mask as fed and the policy's log-probs and entropies the fused LM head
   returned; from the dict _compute_loss received (GRPOTrainer._prepare_inputs returns
   `_buffered_inputs[_step % steps_per_generation]`, read here as it is, never changed): the completion mask (× a
-  tool mask), the advantages, π_old's and π_ref's per-token log-probs where TRL computed them; each row's truncation by
+  tool mask), the advantages, π_old's and π_ref's per-token log-probs where TRL computed them;
+- RLOO (TRL's RLOOTrainer: GRPO's sampling and buffers, its loss one clipped term a sequence, β's KL inside the
+  advantages): as GRPO, π_old's sequence sums (its `old_logps`) as old_seq_logps; each row's truncation by
   TRL's own rule (its last completion token is neither an end nor padding) — with mask_truncated_completions TRL
   zeroes a truncated row's completion mask, which the record keeps as the completion's tokens and `truncated` (the
   definition masks them); the generation batch: the pass over the buffered batch (`_step // steps_per_generation`).
@@ -46,6 +48,10 @@ from parity.frameworks import Refused, Trained, engine, guarded
 from parity.objectives import DEFINITIONS, GRPO_FAMILY, PER_PAIR, resolve_objective
 
 PROBE_ROWS = 4  # rows of the first micro-batch through vLLM and the trainer's model, layer by layer
+RLOO_DECLARED = ("beta", "epsilon", "epsilon_high", "mask_truncated_completions", "normalize_advantages",
+                 "reward_clip_range", "num_generations", "steps_per_generation", "gradient_accumulation_steps",
+                 "num_iterations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
+                 "repetition_penalty", "generation_kwargs", "reward_weights", "use_vllm", "bf16")
 GRPO_DECLARED = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
                  "mask_truncated_completions", "scale_rewards", "num_generations", "steps_per_generation",
                  "gradient_accumulation_steps", "num_iterations", "max_completion_length", "temperature", "top_p",
@@ -61,31 +67,38 @@ ABSENT = {"delta": None, "use_bias_correction_kl": False, "entropy_coef": 0.0, "
           "use_adaptive_entropy": False, "off_policy_mask_threshold": None}
 
 
+KINDS = {"GRPOTrainer": "grpo", "RLOOTrainer": "rloo", "DPOTrainer": "dpo"}
+LOSS_TYPES = tuple(n for n in GRPO_FAMILY if n != "rloo")  # GRPOConfig's loss_type values (rloo: RLOOTrainer's own)
+
+
 def kind_of(trainer) -> str | None:
-    """"grpo" or "dpo" for TRL's GRPOTrainer and DPOTrainer (and what inherits them), None for any other trainer."""
-    names = {(c.__module__.split(".")[0], c.__name__) for c in type(trainer).__mro__}
-    return "grpo" if ("trl", "GRPOTrainer") in names else "dpo" if ("trl", "DPOTrainer") in names else None
+    """"grpo", "rloo" or "dpo" for TRL's GRPOTrainer, RLOOTrainer and DPOTrainer (and what inherits them), None for
+    any other trainer."""
+    found = [KINDS[c.__name__] for c in type(trainer).__mro__
+             if c.__module__.split(".")[0] == "trl" and c.__name__ in KINDS]
+    return found[0] if found else None
 
 
 def trained(trainer, optimizer) -> Trained | None:
-    """What a GRPOTrainer or DPOTrainer trains, resolved, and the feed of its micro-batches (the registry's
-    `objective_of`, which Trainer's callback asks); None for another trainer. Refused in one line."""
+    """What a GRPOTrainer, RLOOTrainer or DPOTrainer trains, resolved, and the feed of its micro-batches (the
+    registry's `objective_of`, which Trainer's callback asks); None for another trainer. Refused in one line."""
     planned = plan(trainer, optimizer)
     if planned is None:
         return None
-    feed = GRPOFeed if kind_of(trainer) == "grpo" else DPOFeed
+    feed = DPOFeed if kind_of(trainer) == "dpo" else GRPOFeed
     return Trained(resolved(*planned[:2]), planned[2], lambda recorder: feed(trainer, recorder))
 
 
 def plan(trainer, optimizer) -> tuple[str, dict, dict] | None:
-    """(objective name, its settings by TRL's argument names, what TRL declared) of a GRPO or DPO trainer; None for
+    """(objective name, its settings by TRL's argument names, what TRL declared) of a GRPO, RLOO or DPO trainer; None for
     another trainer (a causal-LM one: recorded as such, its first step's loss held to it). Refused for what the
     reference cannot compute."""
     kind = kind_of(trainer)
     if kind is None:
         return None
     args = trainer.args
-    declared = {k: _plain(getattr(args, k, None)) for k in (GRPO_DECLARED if kind == "grpo" else DPO_DECLARED)}
+    declared = {k: _plain(getattr(args, k, None))
+                for k in {"grpo": GRPO_DECLARED, "rloo": RLOO_DECLARED, "dpo": DPO_DECLARED}[kind]}
     if getattr(trainer, "aux_loss_enabled", False):
         raise Refused("the model's router adds its auxiliary loss to the objective (router_aux_loss_coef), which the "
                       "reference objective does not: set router_aux_loss_coef=0")
@@ -93,6 +106,10 @@ def plan(trainer, optimizer) -> tuple[str, dict, dict] | None:
         found = _grpo(trainer, args, optimizer)
         sampler = sampler_of(trainer)
         return found + ({**declared, "sampler": sampler} if sampler else declared,)
+    if kind == "rloo":
+        _reward_models_frozen(trainer, optimizer)
+        return "rloo", {"epsilon": args.epsilon, "epsilon_high": args.epsilon_high, "temperature": args.temperature,
+                        "mask_truncated_completions": args.mask_truncated_completions}, declared
     if getattr(args, "precompute_ref_log_probs", False):
         raise Refused("precompute_ref_log_probs=True: the reference's log-probs are computed into the dataset before "
                       "training and never reach a hook the recorder sees: record with precompute_ref_log_probs=False")
@@ -110,19 +127,14 @@ def plan(trainer, optimizer) -> tuple[str, dict, dict] | None:
 
 def _grpo(trainer, args, optimizer) -> tuple[str, dict]:
     name = args.loss_type
-    if name not in GRPO_FAMILY:
-        raise Refused(f"GRPO's loss_type {name!r} is not one the reference defines ({', '.join(GRPO_FAMILY)})")
+    if name not in LOSS_TYPES:
+        raise Refused(f"GRPO's loss_type {name!r} is not one the reference defines ({', '.join(LOSS_TYPES)})")
     corrected = bool(getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False))
     if corrected and args.vllm_mode != "colocate":
         raise Refused(f"vLLM importance sampling with vllm_mode={args.vllm_mode!r}: the sampler's dtype, version and "
                       f"log-prob mode live in the server's process, and the recorder reads them off a colocated "
                       f"engine: record with vllm_mode='colocate', or vllm_importance_sampling_correction=False")
-    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for func in getattr(trainer, "reward_funcs", []):
-        if isinstance(func, torch.nn.Module) and any(id(p) in trained for p in func.parameters()):
-            raise Refused(f"the reward model {type(func).__name__} is trained in the same run (its parameters are in "
-                          f"the optimizer): its rewards, and the advantages, move with each step, and the replay "
-                          f"trains the policy alone")
+    _reward_models_frozen(trainer, optimizer)
     settings = {k: getattr(args, k, ABSENT.get(k)) for k in (  # a setting a release lacks: the feature is off
         "epsilon", "epsilon_high", "delta", "beta", "use_bias_correction_kl", "importance_sampling_level",
         "mask_truncated_completions", "temperature", "entropy_coef", "top_entropy_quantile", "use_adaptive_entropy",
@@ -141,6 +153,16 @@ def _grpo(trainer, args, optimizer) -> tuple[str, dict]:
         settings["normalizer"] = "step" if args.steps_per_generation == args.gradient_accumulation_steps else \
             "generation"
     return name, settings
+
+
+def _reward_models_frozen(trainer, optimizer) -> None:
+    """Refused where a reward model is trained in the same run (GRPO, RLOO)."""
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for func in getattr(trainer, "reward_funcs", []):
+        if isinstance(func, torch.nn.Module) and any(id(p) in trained for p in func.parameters()):
+            raise Refused(f"the reward model {type(func).__name__} is trained in the same run (its parameters are in "
+                          f"the optimizer): its rewards, and the advantages, move with each step, and the replay "
+                          f"trains the policy alone")
 
 
 def sampler_of(trainer) -> dict | None:
@@ -266,7 +288,7 @@ def policy_log_probs(output, ids: torch.Tensor, trainer) -> tuple[torch.Tensor, 
 
 
 class GRPOFeed:
-    """A GRPOTrainer's training micro-batches to the recorder (module docstring)."""
+    """A GRPOTrainer's or RLOOTrainer's training micro-batches to the recorder (module docstring)."""
 
     def __init__(self, trainer, recorder):
         self.trainer, self.recorder, self.probed, self.watch = trainer, recorder, False, None
@@ -322,6 +344,7 @@ class GRPOFeed:
             group=prompt_groups(prompt, inputs["prompt_mask"]),
             generation=torch.full((rows,), t._step // spg, dtype=torch.int64),
             old_logps=on_positions(inputs.get("old_per_token_logps"), p),
+            old_seq_logps=None if inputs.get("old_logps") is None else inputs["old_logps"].detach().float().cpu(),
             ref_logps=on_positions(inputs.get("ref_per_token_logps"), p), **self.sampler_side(inputs, mask, p))
         if not self.probed and "sampling_per_token_logps" in inputs:
             self.probed = True
