@@ -37,6 +37,7 @@ class DDPStrategy(Strategy):
     replays_records = True  # the trusted loop: train_ddp.py --replay_record (parity/replay/replay.py)
     takes_perturb = True  # loss_scale and optimizer_step below
     clips_as_torch = True  # its PolicyOptimizer's step
+    follows_loss_scales = True  # its PolicyOptimizer's scaler (scaler_of)
     precisions = tuple(POLICIES)
     policy_optimizer_class = PolicyOptimizer  # steps the shared AdamW under the policy (a seeded bug's copy replaces it)
     reads_at_clip = True  # its PolicyOptimizer's step hands the gradients to the tensor record where it takes the norm

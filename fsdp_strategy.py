@@ -141,6 +141,7 @@ class FSDPStrategy(DTensorStrategy):
     takes_adapters = True
     replays_records = True  # fully sharded, no TP: train_fsdp.py --replay_record (the sharded replay, replay_choice.py)
     clips_as_torch = True  # clip_sharded_gradients: torch's own over its DTensors, as an FSDP2 loop does (one mesh: no TP)
+    follows_loss_scales = True  # its own scaler_of in setup
 
     @classmethod
     def precision_request(cls, options: dict):

@@ -78,6 +78,7 @@ class PipelineStrategy(Strategy):
     takes_adapters = True  # LoRA: each stage steps its layers' adapters (module docstring)
     reads_at_clip = True  # its PolicyOptimizer's step hands the gradients to the tensor record where it takes the norm
     clips_as_torch = True  # its PolicyOptimizer's step
+    follows_loss_scales = True  # its PolicyOptimizer's scaler (scaler_of)
     precisions = tuple(POLICIES)
     options = (
         Option("pp_schedule", "1f1b", choices=tuple(SCHEDULES),

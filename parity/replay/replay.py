@@ -212,10 +212,13 @@ def _followed_scaler(record_file: str, record: dict, cfg):
     """The replay of an fp16 record: the record's loss scaler followed step by step (RunConfig.loss_scales: each step's
     scale and skip, loss_scaler.FollowedScaler), its settings the record's (its policy's; the verdict judges the
     record's scales by their `rules`); its fp32 twin skips the steps the record skipped, at scale 1, so that its
-    distance is the policy's rounding alone. DeepSpeed's engine scales and skips by itself: not a replay of one."""
-    if cfg.strategy == "deepspeed":
-        raise ConfigError(f"--replay_strategy zero3: {storage.name(record_file)} is an fp16 run, whose replay follows "
-                          f"its loss scaler's scales and skipped steps, which DeepSpeed's engine decides itself: "
+    distance is the policy's rounding alone, where the replay's strategy follows one (Strategy.follows_loss_scales:
+    DeepSpeed's engine scales and skips by itself)."""
+    from parity.registry import load
+
+    if not load(cfg.strategy_path).follows_loss_scales:
+        raise ConfigError(f"--replay_record {storage.name(record_file)}: an fp16 run, whose replay follows its loss "
+                          f"scaler's scales and skipped steps, which the {cfg.strategy} replay's step decides itself: "
                           f"replay it under DDP or FSDP2 (--replay_strategy ddp or fsdp)")
     fp16 = cfg.precision == "fp16"
     steps = tuple((float(s["loss_scale"]) if fp16 else 1.0, bool(s.get("skipped"))) for s in record["steps"])

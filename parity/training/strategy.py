@@ -136,6 +136,10 @@ class Strategy(Routing, ShardedView):
     # a step clips through optimizer.clip_gradients, which also clamps a replay's clip_value (clip_grad_value_):
     # plan_replay refuses a record clipped by value to a strategy that does not
     clips_as_torch = False
+    # whether its step follows a recorded fp16 run's loss scaler (RunConfig.loss_scales: each step's scale and skip,
+    # loss_scaler.FollowedScaler) where a replay asks it to; plan_replay refuses an fp16 record to a strategy that does
+    # not (DeepSpeed's engine decides its scales and skips itself)
+    follows_loss_scales = False
     layer_check_refuses_ep = None  # why the layer check cannot compare its modules at --ep_size > 1, where it cannot
     zero_stage = 0  # the ZeRO stage whose memory bound applies (parity.training.memory.zero_bound)
     # The precision policies it carries out (parity.precision). fp32 and bf16 (autocast) need nothing of a strategy but
