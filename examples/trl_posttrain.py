@@ -33,6 +33,7 @@ import json
 import os
 
 import torch
+from transformers import TrainerCallback
 
 from parity import backend, launch
 from parity import ParityCallback
@@ -76,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--generation_kwargs", default=None, help="TRL's generation_kwargs, as JSON (vLLM's SamplingParams "
                                                            "over TRL's own), e.g. '{\"logprobs\": 5}'")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save_at", type=int, default=None,
+                   help="save Trainer's checkpoint at step K (OUTPUT_DIR/trainer/checkpoint-K) and stop there")
+    p.add_argument("--resume_from_checkpoint", default=None, help="trainer.train(resume_from_checkpoint=...)")
     return p.parse_args(argv)
 
 
@@ -127,7 +131,9 @@ def train(args, ray: bool = False) -> None:
     model = local_model(os.path.join(args.output_dir, "model"), args.seed, args.model_name)
     common = dict(output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
                   gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=args.lr,
-                  max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[],
+                  max_grad_norm=args.max_grad_norm, logging_steps=1, report_to=[],
+                  **({"save_strategy": "steps", "save_steps": args.save_at} if args.save_at else
+                     {"save_strategy": "no"}),
                   use_cpu=args.device == "cpu", ddp_backend=backend(args.device), seed=args.seed,
                   data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
                   **({"bf16": False} if args.fp32 else {}))
@@ -168,7 +174,19 @@ def train(args, ray: bool = False) -> None:
                            beta=0.1 if args.beta is None else args.beta)
         trainer = DPOTrainer(model=model, args=config, train_dataset=data, processing_class=local_tokenizer(),
                              callbacks=[ParityCallback(args.output_dir, name=args.name)])
-    trainer.train()
+    if args.save_at:  # stopped after its checkpoint: the run max_steps declares, its schedule the full run's
+        trainer.add_callback(StopAfter(args.save_at))
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+
+
+class StopAfter(TrainerCallback):
+    """Trainer's loop leaves after step K (its checkpoint saved there first: Trainer saves after on_step_end)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop |= state.global_step == self.step
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,7 @@
 """A recorded run stopped at a checkpoint and resumed from it (docs/own_trainer.md, "Resume"): the hand-written loop
-(examples/plain_loop.py --save_at / --resume_from) and Trainer (examples/hf_trainer.py --save_at /
---resume_from_checkpoint) continue one record from the resumed step and PASS against its replay; a resume that drops
+(examples/plain_loop.py --save_at / --resume_from), Trainer (examples/hf_trainer.py --save_at /
+--resume_from_checkpoint) and TRL's GRPOTrainer (examples/trl_posttrain.py, its rollouts continued) continue one record
+from the resumed step and PASS against its replay; a resume that drops
 the Adam moments, or the whole optimizer state, FAILs at the resumed step; a plain loop's scheduler stepped twice per
 update FAILs on its declared schedule; a record that cannot be continued is refused in one line.
 
@@ -19,7 +20,10 @@ from test_own_trainer import _compare, _copy, _record, _record_rank, _replay, fi
 
 PLAIN = os.path.join(REPO, "examples", "plain_loop.py")
 HF = os.path.join(REPO, "examples", "hf_trainer.py")
-NAMES = {PLAIN: "plain_loop", HF: "hf_trainer"}
+TRL = os.path.join(REPO, "examples", "trl_posttrain.py")
+NAMES = {PLAIN: "plain_loop", HF: "hf_trainer", TRL: "trl_posttrain"}
+# GRPO (grpo's row means) at 2 ranks × GA 2, a generation over two optimizer steps: stopped after step 3, inside one
+GRPO = ["--fp32", "--loss_type", "grpo", "--beta", "0.04", "--steps_per_generation", "4"]
 STEPS, AT = 6, 3  # stopped after step 3's checkpoint, resumed there
 RESTORE = '    optimizer.load_state_dict(state["optimizer"])\n'
 # Copies of the plain loop, each one line changed
@@ -31,14 +35,14 @@ COPIES = {
     # the scheduler stepped twice per update (run without a stop)
     "twice": [("        scheduler.step()\n", "        scheduler.step()\n        scheduler.step()\n")],
 }
-RESUMED = {"plain": PLAIN, "hf": HF, "no_moments": None, "no_optimizer": None}  # None: its copy of the plain loop
+RESUMED = {"plain": PLAIN, "hf": HF, "grpo": TRL, "no_moments": None, "no_optimizer": None}  # None: a plain loop copy
 
 
 def _stopped_and_resumed(example: str, folder) -> list[tuple]:
     """The two jobs of a run stopped at step AT after its checkpoint and resumed from it (rank 0's lines of the
     resumed one kept in its folder)."""
-    out = ["--output_dir", str(folder), "--steps", str(STEPS)]
-    checkpoint, resume = ((f"trainer/checkpoint-{AT}", "--resume_from_checkpoint") if example == HF
+    out = ["--output_dir", str(folder), "--steps", str(STEPS), *(GRPO if example == TRL else [])]
+    checkpoint, resume = ((f"trainer/checkpoint-{AT}", "--resume_from_checkpoint") if example in (HF, TRL)
                           else (f"checkpoint-{AT}", "--resume_from"))
     return [(example, [*out, "--save_at", str(AT)]),
             (example, [*out, resume, str(folder / checkpoint)], str(folder / "resumed.txt"))]
@@ -87,6 +91,32 @@ def test_a_resumed_run_continues_its_record_and_passes(runs, case, tmp_path):
     assert f"parity recorder [{name}]: recorded {STEPS} steps: {runs[case] / f'loss_{name}.json'}" in lines
     assert any(line.endswith(f", continued at step {AT}") for line in lines), lines
     assert compare_and_report(str(runs[case]), str(tmp_path / "curves.png")) == 0
+
+
+def test_a_resumed_grpo_run_continues_its_rollouts_and_passes(runs, tmp_path):
+    """TRL's GRPOTrainer stopped after step 3's checkpoint — inside a generation batch of steps 2 and 3 — and resumed:
+    one record of 6 steps whose rollout file holds every step, the first run's 3 read back from its own file; TRL
+    generates again at the resume (its buffers are not in its checkpoint), so the resumed rows are generation batches
+    of their own, numbered on. Its replay equals it within 1e-5 (the loss on the advantages' scale): PASS. Before
+    2026-11-30 such a resume was refused (`a resumed run of grpo is not recorded`)."""
+    from parity.commands.compare_curves import compare_and_report
+    from parity.objectives.rollouts import read_rollouts
+
+    folder = runs["grpo"]
+    recorded, replay = _record(folder, "trl_posttrain"), _record(folder, "ddp")
+    config = recorded["config"]
+    assert recorded["complete"] and config["resumed_at"] == [AT] and config["objective"]["name"] == "grpo"
+    rollouts = read_rollouts(str(folder / config["rollouts"]))
+    assert rollouts.steps == STEPS
+    assert [int(rollouts.step(s)[1].generation[0]) for s in range(STEPS)] == [0, 0, 1, 2, 2, 3]
+    for key in ("batch_hash", "tokens", "lr"):
+        assert series(replay, key) == series(recorded, key), key
+    for key in ("grad_norm", "param_norm"):
+        assert max_rel_diff(series(replay, key), series(recorded, key)) < 1e-5, key
+    scale = [s["objective"]["advantage_scale"] for s in replay["steps"]]
+    assert max(abs(a - b) / max(abs(b), c) for a, b, c in zip(series(recorded, "loss"), series(replay, "loss"),
+                                                               scale)) < 1e-5
+    assert compare_and_report(str(folder), str(tmp_path / "curves.png")) == 0
 
 
 def test_a_resume_that_drops_the_moments_fails_at_the_resumed_step(runs):

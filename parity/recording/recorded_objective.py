@@ -69,21 +69,16 @@ def causal_lm_refusal(logged_loss: float | None, rank_sums: list[float], rank_to
             f"objective_batch() per micro-batch (docs/posttrain.md#your-own-run-recorded)")
 
 
-def named_objective(objective, settings: dict | None, declared: dict | None, start_step: int = 0
-                    ) -> "RecordedObjective | None":
+def named_objective(objective, settings: dict | None, declared: dict | None) -> "RecordedObjective | None":
     """A recorder's objective from its `objective=` (a name, with `settings` by TRL's argument names, or a resolved
     {"name", "settings"}) and what its framework `declared`; None for the causal-LM token mean. ConfigError in one line
-    for an objective the reference cannot compute (resolve_objective's), or a resumed run's."""
-    from parity.errors import ConfigError
+    for an objective the reference cannot compute (resolve_objective's)."""
     from parity.objectives import resolve_objective
 
     if objective is None or objective == "causal_lm":
         return None
-    resolved = objective if isinstance(objective, dict) else resolve_objective(objective, settings)
-    if start_step:
-        raise ConfigError(f"a resumed run of {resolved['name']} is not recorded (its record's rollouts end where it "
-                          f"stopped): record it from its first step")
-    return RecordedObjective(resolved, declared)
+    return RecordedObjective(objective if isinstance(objective, dict) else resolve_objective(objective, settings),
+                             declared)
 
 
 def encode(tensors: dict, summed: float, own: float, stats) -> torch.Tensor:
@@ -118,6 +113,7 @@ class RecordedObjective:
         self.config, self.declared = objective, declared or {}
         self.objective = Objective(objective)
         self.steps: list[dict] = []  # rank 0: each recorded step's rows and partial sums (step, rows, parts, bytes)
+        self.generation_offset = 0  # a resumed run's: its rows' generation ids go on after the first run's (restore)
 
     @property
     def family(self) -> str:
@@ -216,6 +212,7 @@ class RecordedObjective:
             raise ValueError(f"step {step}: some micro-batches came with {mixed[0]} and others without: give it at "
                              f"every micro-batch")
         rows = {name: torch.cat(c) for name, c in columns.items()}
+        rows["generation"] = rows["generation"] + self.generation_offset
         if self.steps and set(rows) != set(self.steps[0]["rows"]):
             other = sorted(set(rows) ^ set(self.steps[0]["rows"]))[0]
             raise ValueError(f"step {step} came {'with' if other in rows else 'without'} {other}, step "
@@ -258,6 +255,30 @@ class RecordedObjective:
     @property
     def saved_bytes(self) -> int:
         return sum(e["bytes"] for e in self.steps)
+
+    def restore(self, path: str, k: int) -> str | None:
+        """A run resumed after k updates (rank 0): its first run's steps 0…k−1 as that run's rollout file at `path`
+        holds their rows (the record keeps their losses), so that the file written at the end holds every step; why
+        not, in words, where the file holds fewer, or where step k − 1 ends inside a generation batch the objective
+        divides by (normalizer="generation": its tokens past k are not the file's). The resumed run's rows are a
+        generation batch of their own (TRL's buffers are not in its checkpoint): their ids go on after these."""
+        from parity.errors import ConfigError
+        from parity.objectives.rollouts import read_rollouts
+
+        try:
+            rollouts = read_rollouts(path)
+        except ConfigError as exc:
+            return str(exc).replace("--rollouts ", "its rollout file ")
+        if rollouts.steps < k:
+            return f"its rollout file {storage.name(path)} holds {rollouts.steps} steps"
+        for step in range(k):
+            start, stop = rollouts.step_range(step)
+            rows = {name: t[start:stop] for name, t in rollouts.tensors.items() if name != "step_rows"}
+            self.steps.append({"step": step, "rows": rows, "parts": None,
+                               "bytes": sum(t.numel() * 8 for t in rows.values())})
+        self.generation_offset = int(rollouts.tensors["generation"].max()) + 1
+        whole, why = self.whole_generations(k)
+        return None if whole == k else f"{why}: resume at a step that begins a generation batch"
 
     # --- rank 0, at the end -------------------------------------------------------------------------------------
     def whole_generations(self, steps: int) -> tuple[int, str | None]:
@@ -304,8 +325,9 @@ class RecordedObjective:
         for e in kept:
             batch = batches(e["step"])
             entry = entries[e["step"]]
-            entry.update(batch_hash=batch_hash(batch), tokens=batch.loss_tokens, **{
-                k: v for k, v in self._loss(e, batch.divisor).items() if k != "tokens"})
+            entry.update(batch_hash=batch_hash(batch), tokens=batch.loss_tokens)
+            if e["parts"] is not None:  # (a step restored at a resume keeps the loss its first run recorded)
+                entry.update({k: v for k, v in self._loss(e, batch.divisor).items() if k != "tokens"})
         return path
 
 

@@ -38,7 +38,7 @@ from parity.recording.group import own_group, release, settle_at_exit
 from parity.attaching.attach import attached, refused
 from parity.recording.optimizer_description import (GroupReadings, applied, departure, describe_optimizer, moved_betas,
                                                      unreplayable)
-from parity.recording.recorded_objective import RecordedObjective, causal_lm_refusal, named_objective
+from parity.recording.recorded_objective import ROLLOUT_FILE, RecordedObjective, causal_lm_refusal, named_objective
 from parity.recording.recorded_tensors import AT_OPTIMIZER, BEFORE_STEP, PRE_CLIP, Hooks, RecordedTensors
 from parity.recording.rows import BatchWriter, MicroBatch, RowExchange, on_host, taken
 from parity.recording.world import exchange_device, first_process, launched_processes, trains_alone
@@ -134,7 +134,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
         refusal = release_refusal() or mismatch or self._refusal(name, precision, start_step) or \
             states.refusal(checkpoint_interval, max_state_bytes)
         try:  # a post-training objective's rows and sums (recorded_objective.py); None: the causal-LM token mean
-            self.objective_rows = named_objective(objective, objective_args, objective_declared, start_step)
+            self.objective_rows = named_objective(objective, objective_args, objective_declared)
         except ConfigError as exc:
             refusal = refusal or str(exc)
         if refusal:
@@ -266,6 +266,9 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
         if self.rank == 0:
             try:
                 kept = resume.kept(self.record.path, self.folder, self.record.data["config"], k)
+                lost = self.objective_rows and self.objective_rows.restore(storage.join(self.folder, ROLLOUT_FILE), k)
+                if lost:
+                    raise resume.ResumeRefused(f"cannot continue {storage.name(self.record.path)} at step {k}: {lost}")
             except resume.ResumeRefused as exc:
                 why = str(exc)
         answer = [why]

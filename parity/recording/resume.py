@@ -17,7 +17,8 @@ from parity.training.data import recorded_batch_path
 from parity.training.record import is_recorded, load_record
 
 # What a resumed run must share with the record it continues: the replay takes them from the record once, for every step
-CONTINUED = ("hugging_face_model", "model_type", "model_config", "lora", "optimizer", "max_grad_norm", "precision")
+CONTINUED = ("hugging_face_model", "model_type", "model_config", "lora", "optimizer", "max_grad_norm", "precision",
+             "objective")
 
 
 class ResumeRefused(Exception):
@@ -97,7 +98,9 @@ def kept(path: str, folder: str, now: dict, k: int) -> tuple[dict, list[dict], i
         differs = _first_difference(config.get(key), now.get(key), key)
         if differs:
             raise ResumeRefused(f"{refused}: this run's {differs}: it continues another run")
-    sizes = [storage.size(recorded_batch_path(storage.join(folder, "batches"), i)) for i in range(k)]
+    # (a post-training objective's rows are in its rollout file, which RecordedObjective.restore reads)
+    sizes = [] if config.get("objective") else [storage.size(recorded_batch_path(storage.join(folder, "batches"), i))
+                                                for i in range(k)]
     if config["batches"]["saved_steps"] < k or None in sizes:
         missing = min(config["batches"]["saved_steps"], sizes.index(None) if None in sizes else k)
         raise ResumeRefused(f"{refused}: its batch of step {missing} is missing from "
