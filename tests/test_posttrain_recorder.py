@@ -1,11 +1,12 @@
 """Your own post-training run, recorded and judged (issue 59's recorder half, docs/posttrain.md#your-own-run-recorded):
-TRL 1.16's GRPOTrainer (dapo with β > 0, grpo, dr_grpo, bnpo), RLOOTrainer and DPOTrainer (sigmoid) with real generation, recorded
-by Trainer's ParityCallback with their objective, each micro-batch as consumed; the hand-written GRPO loop
-(examples/grpo_loop.py) through ParityRecorder(objective=...); replayed under the harness's DDP with the reference
-objective at 1, 2 and 4 workers, each PASS in fp32. A copy of the GRPO step with the loss divided once more by the
-accumulation (ms-swift #10117), and RLOO's with GSPO's token-mean ratio, FAIL at step 0; a bnpo record replays at its own split only; a loop that does not
-name its objective, and what the reference cannot compute, are refused in one line (exit 2). One bf16 run, its script
-without the harness's callback, recorded and replayed as verify_trainer.py --calibrate does, PASSes calibrated.
+TRL 1.16's GRPOTrainer (dapo with β > 0, grpo, dr_grpo, bnpo), RLOOTrainer and DPOTrainer (sigmoid) with real
+generation, recorded by Trainer's ParityCallback with their objective, each micro-batch as consumed; the hand-written
+GRPO loop (examples/grpo_loop.py) through ParityRecorder(objective=...); replayed under the harness's DDP with the
+reference objective at 1, 2 and 4 workers, each PASS in fp32. A copy of the GRPO step with the loss divided once more
+by the accumulation (ms-swift #10117), and RLOO's with GSPO's token-mean ratio, FAIL at step 0; a bnpo record replays
+at its own split only; a loop that does not name its objective, and what the reference cannot compute, are refused in
+one line (exit 2). One bf16 run, its script without the harness's callback, recorded and replayed as verify_trainer.py
+--calibrate does, PASSes calibrated; an RLOO run, replayed so too, PASSes calibrated.
 
 Every job and replay runs under the perturbed kernel setting (conftest.PERTURBED). One gloo group of two ranks records
 every job one after another (module-scoped) — steps_per_generation 4 among them,
@@ -34,7 +35,8 @@ SWIFT = [("            from trl import GRPOConfig, GRPOTrainer\n",
           "            from trl import GRPOConfig, GRPOTrainer as TRLGRPOTrainer\n\n"
           "            class GRPOTrainer(TRLGRPOTrainer):\n"
           "                def _compute_loss(self, model, inputs):\n"
-          "                    return super()._compute_loss(model, inputs) / self.current_gradient_accumulation_steps\n")]
+          "                    loss = super()._compute_loss(model, inputs)\n"
+          "                    return loss / self.current_gradient_accumulation_steps\n")]
 # RLOO's sequence log-ratio taken as GSPO's token mean (its ratio's exponent ÷ the completion's length): on-policy the
 # ratio is 1 either way, and each row's gradient is ÷ its length
 RLOO_TOKEN_MEAN = [(
