@@ -1191,6 +1191,31 @@ def test_what_a_trainers_replay_cannot_draw_or_build_is_refused_before_it_record
     assert capsys.readouterr().err.splitlines() == [f"parity recorder [refused]: {why}: recording nothing"]
 
 
+def test_a_model_without_a_language_model_head_is_refused_before_it_records(tmp_path, capsys, monkeypatch):
+    """A sequence classifier — what TRL's RewardTrainer trains — under Trainer: one line before the first step, nothing
+    written, the training going on (before 2026-11-30 it recorded, then stopped at step 0 on 'a training forward without
+    input_ids and labels')."""
+    from transformers import Qwen2ForSequenceClassification, Trainer, TrainingArguments
+
+    from parity.frameworks.transformers.callback import ParityCallback
+    from parity.models.model import resolve_model_config
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    config = resolve_model_config("qwen2-tiny")
+    config.num_labels, config.pad_token_id = 1, 0
+    rows = [{"input_ids": list(range(i, i + 16)), "labels": [0.5]} for i in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=Qwen2ForSequenceClassification(config), args=args, train_dataset=rows,
+                      callbacks=[ParityCallback(str(tmp_path / "rec"), name="classifier")])
+    trainer.train()
+    assert trainer.state.global_step == 1 and not (tmp_path / "rec").exists()
+    assert capsys.readouterr().err.splitlines() == [
+        "parity recorder [classifier]: Qwen2ForSequenceClassification has no language-model head: the replay trains a "
+        "causal LM's objective (a sequence classifier's, a reward model's, is not one): recording nothing"]
+
+
 def _world_before_the_group(rank: int, world: int, port: int, out: str, result: str, settings: dict) -> None:
     """TrainingArguments(`settings`) on each rank of a launcher's group, and trainer_refusal's line on them. Without
     use_cpu, as TRL's own sft.py under torchrun on CPU without --use_cpu: they settle their world — accelerate's state

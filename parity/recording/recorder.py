@@ -219,6 +219,9 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
             raise ViewRefused(why)
         self.stop: tuple[int, str] | None = None  # (step, why): the record ends before that step
         config = hf_config(self.model)  # None: not a Hugging Face model
+        if config is not None and getattr(self.model, "get_output_embeddings", lambda: True)() is None:  # no LM head
+            raise ViewRefused(f"{type(self.model).__name__} has no language-model head: the replay trains a causal LM's "
+                              f"objective (a sequence classifier's, a reward model's, is not one)")
         fresh = config is not None and not start_step  # a resumed run's model is past its initial state: not saved
         state = self.view.full_state_dict() if fresh else None  # full tensors where sharded: every rank (collective)
         self.exchange = RowExchange()
