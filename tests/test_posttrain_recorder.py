@@ -418,7 +418,7 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
     on TRL trainers built here: vLLM importance sampling from a server, a loss type TRL's trainer names that the
     reference does not define, adaptive entropy control, off-policy sequence masking, vespo over TRL's vLLM importance
     weight, a MoE router's auxiliary loss, a reward model whose parameters the optimizer trains; DPO's precomputed
-    reference log-probs, WPO's weighting, a loss type the reference does not define."""
+    reference log-probs, WPO's weighting, a loss type the reference does not define; TRL's KTOTrainer."""
     import torch
 
     from parity.commands.common import run_command
@@ -492,6 +492,11 @@ def test_what_the_reference_cannot_compute_is_refused_in_one_line(runs, capsys):
     with pytest.raises(Refused) as refused:
         resolved("dapo", {"top_entropy_quantile": 0.5})
     assert "top_entropy_quantile=0.5 cannot be computed by the reference" in str(refused.value)
+    with pytest.raises(Refused) as refused:  # TRL's other trainers: before, held to the token mean at step 0
+        plan(_kto_trainer(runs["root"]), optimizer)
+    assert str(refused.value) == ("TRL's KTOTrainer trains an objective of its own, which the reference does not "
+                                  "define: the harness records TRL's SFTTrainer, GRPOTrainer, RLOOTrainer and "
+                                  "DPOTrainer")
 
 
 @functools.cache
@@ -526,6 +531,18 @@ def _dpo_trainer(root):
     with contextlib.redirect_stderr(open(os.devnull, "w")):
         return DPOTrainer(model=str(root / "in_process_model"), args=config, train_dataset=data,
                           processing_class=example.local_tokenizer())
+
+
+def _kto_trainer(root):
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+
+    config = KTOConfig(output_dir=str(root / "in_process_kto"), per_device_train_batch_size=2, report_to=[],
+                       use_cpu=True, bf16=False, logging_steps=1, save_strategy="no")
+    data = Dataset.from_dict({"prompt": ["w1 w2"] * 2, "completion": ["w3", "w4 w5"], "label": [True, False]})
+    with contextlib.redirect_stderr(open(os.devnull, "w")):
+        return KTOTrainer(model=str(root / "in_process_model"), args=config, train_dataset=data,
+                          processing_class=_example().local_tokenizer())
 
 
 def test_trl_grpo_without_a_line_of_the_harness_in_bf16_passes_calibrated(runs, capsys):

@@ -92,9 +92,14 @@ def trained(trainer, optimizer) -> Trained | None:
 def plan(trainer, optimizer) -> tuple[str, dict, dict] | None:
     """(objective name, its settings by TRL's argument names, what TRL declared) of a GRPO, RLOO or DPO trainer; None for
     another trainer (a causal-LM one: recorded as such, its first step's loss held to it). Refused for what the
-    reference cannot compute."""
+    reference cannot compute, and for TRL's other trainers but SFT (KTO, the reward model's, distillation …)."""
     kind = kind_of(trainer)
     if kind is None:
+        other = [c.__name__ for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"
+                 and c.__name__.endswith("Trainer") and not c.__name__.startswith("_")]
+        if other and other[0] != "SFTTrainer":  # (SFT trains the causal-LM token mean)
+            raise Refused(f"TRL's {other[0]} trains an objective of its own, which the reference does not define: the "
+                          f"harness records TRL's SFTTrainer, GRPOTrainer, RLOOTrainer and DPOTrainer")
         return None
     args = trainer.args
     declared = {k: _plain(getattr(args, k, None))
