@@ -71,8 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fp32", action="store_true", help="bf16=False (TRL's default is bf16=True)")
     p.add_argument("--model_name", default="qwen2-tiny", choices=("qwen2-tiny", "qwen3-tiny"),
                    help="the harness's preset (qwen3-tiny: a head_dim of 32, which vLLM's CPU attention needs)")
-    p.add_argument("--use_vllm", action="store_true", help="GRPO: sample with vLLM in this process (TRL's colocate "
-                   "mode; on CPU through tests/trl_vllm_cpu.py, docs/sampler.md)")
+    p.add_argument("--use_vllm", action="store_true", help="GRPO, RLOO: sample with vLLM in this process (TRL's "
+                   "colocate mode; on CPU through tests/trl_vllm_cpu.py, docs/sampler.md)")
     p.add_argument("--vllm_importance_sampling_correction", action="store_true",
                    help="TRL's correction of the trainer's loss by π_old ÷ the sampler's probability")
     p.add_argument("--vllm_importance_sampling_mode", default="sequence_mask")
@@ -145,8 +145,11 @@ def train(args, ray: bool = False) -> None:
         data = Dataset.from_dict({"prompt": [words(int(n), g) for n in torch.randint(2, 7, (prompts,), generator=g)]})
         sampling = dict(num_generations=args.num_generations, steps_per_generation=spg, epsilon_high=args.epsilon_high,
                         max_completion_length=args.max_completion_length, temperature=args.temperature,
-                        mask_truncated_completions=args.mask_truncated_completions, top_k=0, top_p=1.0)
-        if args.trainer == "rloo":  # its own config's β (0.05) and no loss_type; sampled by generate
+                        mask_truncated_completions=args.mask_truncated_completions, top_k=0, top_p=1.0,
+                        **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 64,
+                            "generation_kwargs": json.loads(args.generation_kwargs or "{}")}
+                           if args.use_vllm else {"use_vllm": False}))
+        if args.trainer == "rloo":  # its own config's β (0.05), no loss_type, no importance-sampling correction
             from trl import RLOOConfig as Config, RLOOTrainer as Trainer
 
             config = Config(**common, **sampling, **({} if args.beta is None else {"beta": args.beta}))
@@ -156,11 +159,9 @@ def train(args, ray: bool = False) -> None:
             Trainer = GRPOTrainer
             config = GRPOConfig(**common, **sampling, loss_type=args.loss_type or "dapo",
                                 beta=0.04 if args.beta is None else args.beta,
-                                **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 64,
-                                    "vllm_importance_sampling_correction": args.vllm_importance_sampling_correction,
-                                    "vllm_importance_sampling_mode": args.vllm_importance_sampling_mode,
-                                    "generation_kwargs": json.loads(args.generation_kwargs or "{}")}
-                                   if args.use_vllm else {"use_vllm": False}))
+                                **({"vllm_importance_sampling_correction": args.vllm_importance_sampling_correction,
+                                    "vllm_importance_sampling_mode": args.vllm_importance_sampling_mode}
+                                   if args.use_vllm else {}))
         trainer = Trainer(model=model, reward_funcs=even_share, args=config, train_dataset=data,
                           processing_class=local_tokenizer(),
                           callbacks=[ParityCallback(args.output_dir, name=args.name)])
