@@ -432,9 +432,11 @@ def drop_silent_references(planned: list[tuple]) -> None:
         return [[s[q] for q in QUANTITIES] for s in load_record(run_record_path(cfg))["steps"]]
 
     base = planned[0][0]
-    for cfg, _ in planned[1:]:
-        if cfg.dp_size != base.dp_size and not cfg.noise_kernels and cfg.precision == base.precision and \
-                curves(cfg) == curves(base):
+    layouts = [cfg for cfg, _ in planned[1:]
+               if cfg.dp_size != base.dp_size and not cfg.noise_kernels and cfg.precision == base.precision]
+    replayed = curves(base) if layouts else None
+    for cfg in layouts:
+        if curves(cfg) == replayed:
             path = run_record_path(cfg)
             print(f"verify_trainer: {storage.name(path)} trained bit for bit as the replay (its micro-batches' "
                   f"gradients summed alike): it measured no noise, not used", file=sys.stderr)

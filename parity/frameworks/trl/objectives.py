@@ -71,12 +71,16 @@ KINDS = {"GRPOTrainer": "grpo", "RLOOTrainer": "rloo", "DPOTrainer": "dpo"}
 LOSS_TYPES = tuple(n for n in GRPO_FAMILY if n != "rloo")  # GRPOConfig's loss_type values (rloo: RLOOTrainer's own)
 
 
+def trl_trainers(trainer) -> list[str]:
+    """The names of TRL's trainer classes `trainer` is an instance of, its own class's first."""
+    return [c.__name__ for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"
+            and c.__name__.endswith("Trainer") and not c.__name__.startswith("_")]
+
+
 def kind_of(trainer) -> str | None:
     """"grpo", "rloo" or "dpo" for TRL's GRPOTrainer, RLOOTrainer and DPOTrainer (and what inherits them), None for
     any other trainer."""
-    found = [KINDS[c.__name__] for c in type(trainer).__mro__
-             if c.__module__.split(".")[0] == "trl" and c.__name__ in KINDS]
-    return found[0] if found else None
+    return next((KINDS[name] for name in trl_trainers(trainer) if name in KINDS), None)
 
 
 def trained(trainer, optimizer) -> Trained | None:
@@ -95,8 +99,7 @@ def plan(trainer, optimizer) -> tuple[str, dict, dict] | None:
     reference cannot compute, and for TRL's other trainers but SFT (KTO, the reward model's, distillation …)."""
     kind = kind_of(trainer)
     if kind is None:
-        other = [c.__name__ for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"
-                 and c.__name__.endswith("Trainer") and not c.__name__.startswith("_")]
+        other = trl_trainers(trainer)
         if other and other[0] != "SFTTrainer":  # (SFT trains the causal-LM token mean)
             raise Refused(f"TRL's {other[0]} trains an objective of its own, which the reference does not define: the "
                           f"harness records TRL's SFTTrainer, GRPOTrainer, RLOOTrainer and DPOTrainer")
