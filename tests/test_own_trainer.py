@@ -479,7 +479,10 @@ def test_gradients_edited_between_the_recorders_read_and_the_step_fail_at_that_s
     assert (outside.test, outside.module) == ("clip_read", EDITED)
     comparison = _compare(runs["edited_after_read"])
     assert any(f"step {EDITED_STEP}: the gradients the optimizer applied are not the gradients the tensor record read "
-               f"({EDITED}: " in line for line in verdict_details(comparison, comparison.results[0]))
+               f"({EDITED}: " in line and line.endswith("something changed it after before_step() read it — a clip by "
+                                                        "value the recorder was not told of "
+                                                        "(ParityRecorder(clip_value=...)), or a bug")
+               for line in verdict_details(comparison, comparison.results[0]))
 
 
 def test_neighbour_rows_fail_the_duplicate_rows_check(runs):
@@ -876,6 +879,68 @@ def test_a_loop_that_clips_both_ways_or_at_another_value_stops_the_record_in_one
         assert record["config"]["stopped"] == {"step": stop, "why": f"step {stop} could not be recorded (rank 0: {why})"}
         assert len(record["steps"]) == stop, lines
         assert record["config"].get("clip_value") == (None if case == "both_ways" else 0.5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["norm_untold", "norm_other", "norm_later", "loss_scale", "one_tensor_halved"])
+def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(tmp_path, case):
+    """The optimizer applied every gradient × one coefficient other than the declared clip's: a clip by norm the recorder
+    was not told of (or told another max_grad_norm) stops the record at the first step it clips, naming the value to
+    pass; a GradScaler's scale still in the gradients before_step() read (called before unscale_) names the scale. A
+    single tensor changed is no such coefficient: its step's clip_read entry FAILs the verdict, as before. One rank, a
+    group of one in this process."""
+    import torch.distributed as dist
+
+    from parity.recording.recorder import ParityRecorder
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        lines = []
+        rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model, optimizer=optimizer, log=lines.append,
+                             max_grad_norm=0.5 if case == "norm_other" else 0.0)
+        ids = torch.randint(0, 4, (2, 8))
+        for step in range(3):
+            loss = model(torch.nn.functional.one_hot(ids, 4).float()).sum()
+            (scaler.scale(loss) if case == "loss_scale" else loss).backward()
+            rec.micro_batch(ids, ids, loss.detach().expand(2, 8, 4))
+            rec.before_step()
+            if case.startswith("norm") and (step or case != "norm_later"):  # norm_later: clipped from step 1 on
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if case == "one_tensor_halved":
+                model[0].weight.grad.mul_(0.5)
+            if case == "loss_scale":
+                scaler.unscale_(optimizer)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+            rec.after_step()
+        record = json.loads(open(rec.close()).read())
+        if case == "one_tensor_halved":
+            assert record["config"]["stopped"] is None and len(record["steps"]) == 3
+            entry = record["steps"][0]["clip_read"]
+            assert (entry["tensor"], entry["gap"]) == ("0.weight", pytest.approx(0.5)) and "uniform" not in entry
+            return
+        stop = 1 if case == "norm_later" else 0
+        why = {"norm_untold": "the optimizer applied every gradient × 0.0192011: the loop clips by norm at 1, the "
+                              "recorder was told no clip: pass ParityRecorder(max_grad_norm=1)",
+               "norm_other": "the optimizer applied every gradient × 0.0192011: the loop clips by norm at 1, the "
+                             "recorder was told max_grad_norm 0.5: pass ParityRecorder(max_grad_norm=1)",
+               "loss_scale": "the gradients read at before_step() were 65536 × the ones the optimizer applied (a loss "
+                             "scale, GradScaler's: call before_step() after scaler.unscale_(optimizer))"}.get(case)
+        if case == "norm_later":
+            why = ("the optimizer applied every gradient × 0.019203: the loop clips by norm at 1, the recorder was told "
+                   "no clip: pass ParityRecorder(max_grad_norm=1)")
+        assert record["config"]["stopped"] == {"step": stop, "why": why}, lines
+        judged = "no step is" if stop == 0 else "step 0 is"
+        assert lines[-1] == (f"parity recorder [mine]: {why}: the record stops at step {stop}; {judged} replayed and "
+                             f"judged; the training goes on"), lines
     finally:
         dist.destroy_process_group()
 

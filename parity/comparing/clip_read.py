@@ -70,7 +70,8 @@ def line(gap: Outside) -> str:
     if gap.module is not None:  # a tensor the optimizer applied otherwise than read
         return (f"step {gap.step}: the gradients the optimizer applied are not the gradients the tensor record read "
                 f"({gap.module}: {gap.reference:.9g} read × the clip coefficient, {gap.value:.9g} applied; relative gap "
-                f"{gap.rel_diff:.3e} > {gap.tolerance:.0e})")
+                f"{gap.rel_diff:.3e} > {gap.tolerance:.0e}): something changed it after before_step() read it — a clip "
+                f"by value the recorder was not told of (ParityRecorder(clip_value=...)), or a bug")
     return (f"step {gap.step}: the gradients the optimizer clipped are not the gradients the tensor record read (√Σ = "
             f"{gap.value:.9g}, clipped by {gap.reference:.9g}; relative gap {gap.rel_diff:.3e} > {gap.tolerance:.0e})")
 

@@ -1,9 +1,13 @@
 """How the recorded loop clips its gradients, as the recorder is told (parity/recording/recorder.py): by their global
 norm (max_grad_norm, torch's clip_grad_norm_) or element by element (clip_value, torch's clip_grad_value_). The
 replay clips as the record says (parity.training.optimizer.clip_gradients); a loop that clips both ways, or at another
-value from one step to the next, ends the record there in one line (the replay clips every step one way at one value)."""
+value from one step to the next, ends the record there in one line (the replay clips every step one way at one value).
+So does a step whose optimizer applied every gradient × one coefficient other than the declared clip's: a clip by norm
+the recorder was not told of, or a loss scale still in the gradients it read (undeclared_scale)."""
 
 from __future__ import annotations
+
+import math
 
 
 class DeclaredClipping:
@@ -23,6 +27,26 @@ class DeclaredClipping:
         self._declare_clip("clip_value", float(clip_value))
         if self.enabled and not self.broken and self.record.data["config"].get("clip_value"):
             self.tensors.checks_applied = False
+
+    def undeclared_scale(self, found: dict | None, grad_norm: float) -> str | None:
+        """Rank 0: the line that ends the record at a step whose optimizer applied every gradient × one coefficient
+        (the tensor record's `clip_read` entry, `uniform`: recorded_tensors.py) other than the declared clip's — 2^-k,
+        the gradients read still × a loss scale (GradScaler's, before its unscale_); below 1 otherwise, a clip by norm
+        at coefficient × the step's norm (torch's formula), which the recorder was not told. None where neither (a
+        scale above 1, or one that leaves the declared max_grad_norm, is left to the verdict: a bug's)."""
+        common = (found or {}).get("uniform")
+        if common is None or not 0 < common < 1:
+            return None
+        k = round(-math.log2(common))
+        if abs(common * 2.0 ** k - 1) < 1e-6:
+            return (f"the gradients read at before_step() were {2 ** k} × the ones the optimizer applied (a loss scale, "
+                    f"GradScaler's: call before_step() after scaler.unscale_(optimizer))")
+        at, told = common * (grad_norm + 1e-6), self.record.data["config"]["max_grad_norm"]
+        if told and abs(at - told) <= 1e-3 * told:
+            return None
+        return (f"the optimizer applied every gradient × {common:.6g}: the loop clips by norm at {at:.4g}, the recorder "
+                f"was told {f'max_grad_norm {told:g}' if told else 'no clip'}: pass ParityRecorder(max_grad_norm="
+                f"{at:.4g})")
 
     def _declare_clip(self, key: str, value: float) -> None:
         if not self.enabled or self.broken:

@@ -131,7 +131,8 @@ class RecordedTensors:
         TENSOR_FLOOR of the global norm measured against that floor) — a framework's clip multiplies every gradient by
         one coefficient, which it takes of its own norm in its own arithmetic (torch's fp32 total: 1e-5 from the
         recorder's float64 one) — and the median to the clip coefficient of the step's norm at a framework's bound
-        (CLIP_READ "fp32"), naming the largest tensor then (a max_grad_norm other than the one declared)."""
+        (CLIP_READ "fp32"), naming the largest tensor then, with that `uniform` coefficient where every tensor took it
+        (a clip or a loss scale the recorder was not told of: clipping.undeclared_scale)."""
         coef = clip_coefficient(grad_norm, self.clipping)
         floor = TENSOR_FLOOR["gradient"] * math.sqrt(sum(x * x for x in read))
         seen = [(name, r, a) for name, r, a in zip(self.names, read, applied) if not (math.isnan(r) or math.isnan(a))]
@@ -139,11 +140,14 @@ class RecordedTensors:
         if not ratios:
             return {}
         common = ratios[len(ratios) // 2]
+        gaps = [(abs(a - common * r) / (common * max(r, floor)), name, r, a) for name, r, a in seen]
         if abs(common - coef) > CLIP_READ["fp32"] * coef:
             name, r, a = max(seen, key=lambda t: t[1])
-            return {"clip_read": {"tensor": name, "read": r, "applied": a, "coef": coef,
-                                  "gap": abs(common - coef) / coef, "tolerance": CLIP_READ["fp32"]}}
-        gaps = [(abs(a - common * r) / (common * max(r, floor)), name, r, a) for name, r, a in seen]
+            found = {"tensor": name, "read": r, "applied": a, "coef": coef, "gap": abs(common - coef) / coef,
+                     "tolerance": CLIP_READ["fp32"]}
+            if max(gaps)[0] <= self.bound:  # every tensor × one coefficient, not the declared clip's (clipping.py)
+                found["uniform"] = common
+            return {"clip_read": found}
         gap, name, r, a = max(gaps)
         if not gap <= self.bound:
             return {"clip_read": {"tensor": name, "read": r, "applied": a, "coef": common, "gap": gap,

@@ -468,9 +468,12 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
             extras["betas"] = betas
         harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - normed, "batch": saving,
                      "tensor_norms": d0 - q0, "replica_check": normed - d0}  # the check's comparison adds to it
+        norms = self.tensors.norms(summed, self.grad_norm)
+        if self.rank == 0 and (why := self.undeclared_scale(norms.get("clip_read"), self.grad_norm)):
+            self._stop_at(self.step, why)
         self.observer.observe_step(self.step, **measured, grad_norm=self.grad_norm, param_norm=param_norm, lr=lr,
                                    batch_hash=hash_, step_time_s=step_time, harness_s=harness_s, replica_table=table,
-                                   **self.tensors.norms(summed, self.grad_norm), **extras)
+                                   **norms, **extras)
         rows_check = extras.get("rows_check")
         if rows_check and rows_check["duplicates"]:
             first = rows_check["pairs"][0]
