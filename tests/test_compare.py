@@ -457,6 +457,22 @@ def test_tolerance_from_precision(tmp_path, base_precision, run_precision, rel_d
                                    if base_precision != run_precision else ())
 
 
+@pytest.mark.parametrize("factor", [65536.0 * 1.003, 3.0])
+def test_a_recorded_grad_norm_a_power_of_two_over_the_replays_names_a_loss_scale(tmp_path, factor):
+    """A recorded run whose step-0 grad norm is 2^16 × its replay's (to bf16 rounding): its FAIL's details name a loss
+    scale left in the gradients the recorder read (GradScaler's, before_step() before unscale_); 3 × names none."""
+    from parity.comparing.curve_report import verdict_details
+
+    write_record(tmp_path, "ddp", DDP_LOSS, DDP_GRAD)
+    write_record(tmp_path, "mine", DDP_LOSS, [g * factor for g in DDP_GRAD], config={"source": "recorder"})
+    c = compare(load_runs(str(tmp_path)))
+    (r,) = c.results
+    assert r.verdict.word == "FAIL" and r.run.recorded
+    hint = ("step 0's grad norm as read is 65536 × the replay's: the gradients before_step() read still held a loss "
+            "scale (GradScaler's: call before_step() after scaler.unscale_(optimizer))")
+    assert (hint in verdict_details(c, r)) == (factor > 3)
+
+
 @pytest.mark.parametrize("precision", sorted(tolerances.CURVES))
 @pytest.mark.parametrize("quantity", tolerances.QUANTITIES)
 def test_the_tolerance_table_is_what_judges(tmp_path, precision, quantity):

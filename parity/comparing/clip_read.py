@@ -76,6 +76,24 @@ def line(gap: Outside) -> str:
             f"{gap.value:.9g}, clipped by {gap.reference:.9g}; relative gap {gap.rel_diff:.3e} > {gap.tolerance:.0e})")
 
 
+def scale_left_in(run, base) -> str | None:
+    """Where a recorded run's step-0 grad norm is 2^k (k ≥ 8) × its baseline's, to 1 %: the gradients the recorder read
+    still held a loss scale (GradScaler's: before_step() called before unscale_). The recorder stops the record at a step
+    the loop's clip leaves alone (its applied check); where the clip takes the gradients to max_grad_norm, the scale
+    cancels in what the optimizer applies and only the norm read shows it (docs/own_trainer/plain_loop.md). None
+    otherwise."""
+    if not run.recorded or not run.steps or not base.steps:
+        return None
+    read, replayed = run.steps[0].get("grad_norm"), base.steps[0].get("grad_norm")
+    if not read or not replayed or not math.isfinite(read / replayed):
+        return None
+    k = round(math.log2(read / replayed))
+    if k < 8 or abs(read / replayed / 2 ** k - 1) > 0.01:
+        return None
+    return (f"step 0's grad norm as read is {2 ** k} × the replay's: the gradients before_step() read still held a loss "
+            f"scale (GradScaler's: call before_step() after scaler.unscale_(optimizer))")
+
+
 def no_reference(base, series) -> list[str]:
     """Why the baseline (a run.Run) is no reference, where its own record parts from its clip: one line, or none."""
     gap = first_gap(base, series)

@@ -170,6 +170,7 @@ def verdict_details(c: Comparison, r: CurveResult) -> list[str]:
             lines.append(f"first step outside: step {f.step}: {NOUNS[f.quantity]} {f.value:.6f} vs {base} "
                          f"{f.reference:.6f}, relative diff {f.rel_diff:.3e} > {f.tolerance:.3e}")
         lines += [resumed] if (resumed := resumed_line(r)) else []
+        lines += [scaled] if (scaled := clip_read.scale_left_in(r.run, c.baseline)) else []
         lines.append("differs from the baseline in: " + ("; ".join(r.config_differences) or "nothing recorded"))
         if (f.test not in ("duplicate_rows", RESUMED_ROWS, "lr_schedule") or not r.run.recorded) and f.step != k:
             lines += [where] if (where := localise(c, r, f.step)) else []  # (at the tensors' step: above, once)
