@@ -882,13 +882,16 @@ def test_a_loop_that_clips_both_ways_or_at_another_value_stops_the_record_in_one
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("case", ["norm_untold", "norm_other", "norm_later", "loss_scale", "one_tensor_halved"])
+@pytest.mark.parametrize("case", ["norm_untold", "norm_other", "norm_later", "loss_scale", "one_tensor_halved",
+                                  "bf16_clipped", "bf16_norm_other"])
 def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(tmp_path, case):
     """The optimizer applied every gradient × one coefficient other than the declared clip's: a clip by norm the recorder
     was not told of (or told another max_grad_norm) stops the record at the first step it clips, naming the value to
     pass; a GradScaler's scale still in the gradients before_step() read (called before unscale_) names the scale. A
-    single tensor changed is no such coefficient: its step's clip_read entry FAILs the verdict, as before. One rank, a
-    group of one in this process."""
+    single tensor changed is no such coefficient: its step's clip_read entry FAILs the verdict, as before. With bf16
+    weights (bf16_pure), torch's clip takes its coefficient in bf16 (1.6e-3 off the formula at step 0 here, which the
+    fp32 bound of 1e-4 FAILed): told its max_grad_norm, every step holds (CLIP_COEFFICIENT's bf16 bound); told 0.5, the
+    record stops. One rank, a group of one in this process."""
     import torch.distributed as dist
 
     from parity.recording.recorder import ParityRecorder
@@ -896,19 +899,22 @@ def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        bf16 = case.startswith("bf16")
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 4)).to(dtype)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         scaler = torch.amp.GradScaler("cpu")
         lines = []
+        told = {"norm_other": 0.5, "bf16_clipped": 1.0, "bf16_norm_other": 0.5}.get(case, 0.0)
         rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model, optimizer=optimizer, log=lines.append,
-                             max_grad_norm=0.5 if case == "norm_other" else 0.0)
+                             max_grad_norm=told, precision="bf16_pure" if bf16 else "fp32")
         ids = torch.randint(0, 4, (2, 8))
         for step in range(3):
-            loss = model(torch.nn.functional.one_hot(ids, 4).float()).sum()
+            loss = model(torch.nn.functional.one_hot(ids, 64).to(dtype)).float().sum()
             (scaler.scale(loss) if case == "loss_scale" else loss).backward()
             rec.micro_batch(ids, ids, loss.detach().expand(2, 8, 4))
             rec.before_step()
-            if case.startswith("norm") and (step or case != "norm_later"):  # norm_later: clipped from step 1 on
+            if ("norm" in case or bf16) and (step or case != "norm_later"):  # norm_later: clipped from step 1 on
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if case == "one_tensor_halved":
                 model[0].weight.grad.mul_(0.5)
@@ -921,25 +927,28 @@ def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(
             optimizer.zero_grad()
             rec.after_step()
         record = json.loads(open(rec.close()).read())
+        if case == "bf16_clipped":
+            assert record["config"]["stopped"] is None and len(record["steps"]) == 3, lines
+            assert not any("clip_read" in s for s in record["steps"])
+            return
         if case == "one_tensor_halved":
             assert record["config"]["stopped"] is None and len(record["steps"]) == 3
             entry = record["steps"][0]["clip_read"]
             assert (entry["tensor"], entry["gap"]) == ("0.weight", pytest.approx(0.5)) and "uniform" not in entry
             return
         stop = 1 if case == "norm_later" else 0
-        why = {"norm_untold": "the optimizer applied every gradient × 0.0192011: the loop clips by norm at 1, the "
-                              "recorder was told no clip: pass ParityRecorder(max_grad_norm=1)",
-               "norm_other": "the optimizer applied every gradient × 0.0192011: the loop clips by norm at 1, the "
-                             "recorder was told max_grad_norm 0.5: pass ParityRecorder(max_grad_norm=1)",
-               "loss_scale": "the gradients read at before_step() were 65536 × the ones the optimizer applied (a loss "
-                             "scale, GradScaler's: call before_step() after scaler.unscale_(optimizer))"}.get(case)
-        if case == "norm_later":
-            why = ("the optimizer applied every gradient × 0.019203: the loop clips by norm at 1, the recorder was told "
-                   "no clip: pass ParityRecorder(max_grad_norm=1)")
-        assert record["config"]["stopped"] == {"step": stop, "why": why}, lines
+        clip = ("the optimizer applied every gradient × 0\\.0\\d+: the loop clips by norm at 1, the recorder was told "
+                "{}: pass ParityRecorder\\(max_grad_norm=1\\)")
+        why = {"norm_untold": clip.format("no clip"), "norm_later": clip.format("no clip"),
+               "norm_other": clip.format("max_grad_norm 0.5"), "bf16_norm_other": clip.format("max_grad_norm 0.5"),
+               "loss_scale": re.escape("the gradients read at before_step() were 65536 × the ones the optimizer "
+                                       "applied (a loss scale, GradScaler's: call before_step() after "
+                                       "scaler.unscale_(optimizer))")}[case]
+        stopped = record["config"]["stopped"]
+        assert stopped["step"] == stop and re.fullmatch(why, stopped["why"]), lines
         judged = "no step is" if stop == 0 else "step 0 is"
-        assert lines[-1] == (f"parity recorder [mine]: {why}: the record stops at step {stop}; {judged} replayed and "
-                             f"judged; the training goes on"), lines
+        assert lines[-1] == (f"parity recorder [mine]: {stopped['why']}: the record stops at step {stop}; {judged} "
+                             f"replayed and judged; the training goes on"), lines
     finally:
         dist.destroy_process_group()
 

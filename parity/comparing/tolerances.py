@@ -96,6 +96,14 @@ in Trainer, DeepSpeed's fp32 per-tensor norms at ZeRO-0 with bf16 weights: 1.0e-
 gradients read elsewhere than at its clip — the fp32 grad-norm curve's own bound. "bf16": clipped gradients held in a
 low-precision dtype (each element rounded to 8 bits after × the coefficient, ≤ 2^-9 of it)."""
 
+CLIP_COEFFICIENT = {"fp32": 1e-4, "bf16": 2.0 ** -6}
+"""How far the coefficient a recorded loop's optimizer applied (the median tensor's applied ÷ read norm: recorded_tensors.py)
+may be from torch's formula on the recorded norm and the declared max_grad_norm, relative, by the gradients' dtype.
+"fp32": CLIP_READ's. "bf16": torch's clip_grad_norm_ of bf16 gradients takes each tensor's norm, their total and the
+coefficient in bf16 — measured up to 7.5e-3 from the float64 formula (300 random sets of 2–30 tensors, ≤ 5000 elements,
+clipped to 0.5 and 0.01 of their norm; median 1.0e-3), which a clean pure-bf16 loop's step-0 check FAILed at 1e-4; a
+max_grad_norm declared 1.6 % or more off still shows."""
+
 TENSOR_NOISE_FLOOR = {"fp32": {"gradient": 1e-8, "update": 1e-8}, "bf16": {"gradient": 1e-5, "update": 1e-6}}
 """The calibrated tensor verdict's envelope never goes below this (the deviation above), by precision and phase: the
 twins can agree on a tensor exactly (fp32: one tensor's norm carries ~1e-8 of rounding; transformers' TP=2 moved a

@@ -32,8 +32,9 @@ class DeclaredClipping:
         """Rank 0: the line that ends the record at a step whose optimizer applied every gradient × one coefficient
         (the tensor record's `clip_read` entry, `uniform`: recorded_tensors.py) other than the declared clip's — 2^-k,
         the gradients read still × a loss scale (GradScaler's, before its unscale_); below 1 otherwise, a clip by norm
-        at coefficient × the step's norm (torch's formula), which the recorder was not told. None where neither (a
-        scale above 1, or one that leaves the declared max_grad_norm, is left to the verdict: a bug's)."""
+        at coefficient × the step's norm (torch's formula), which the recorder was not told (the entry is there only where
+        that coefficient is off the declared clip's beyond its rounding). None where neither: a scale above 1 is left to
+        the verdict (a bug's)."""
         common = (found or {}).get("uniform")
         if common is None or not 0 < common < 1:
             return None
@@ -41,12 +42,11 @@ class DeclaredClipping:
         if abs(common * 2.0 ** k - 1) < 1e-6:
             return (f"the gradients read at before_step() were {2 ** k} × the ones the optimizer applied (a loss scale, "
                     f"GradScaler's: call before_step() after scaler.unscale_(optimizer))")
-        at, told = common * (grad_norm + 1e-6), self.record.data["config"]["max_grad_norm"]
-        if told and abs(at - told) <= 1e-3 * told:
-            return None
-        return (f"the optimizer applied every gradient × {common:.6g}: the loop clips by norm at {at:.4g}, the recorder "
-                f"was told {f'max_grad_norm {told:g}' if told else 'no clip'}: pass ParityRecorder(max_grad_norm="
-                f"{at:.4g})")
+        told = self.record.data["config"]["max_grad_norm"]
+        digits = max(2, math.ceil(-math.log10(found["tolerance"])))  # as many as the coefficient's bound leaves sure
+        at = f"{common * (grad_norm + 1e-6):.{digits}g}"
+        return (f"the optimizer applied every gradient × {common:.6g}: the loop clips by norm at {at}, the recorder was "
+                f"told {f'max_grad_norm {told:g}' if told else 'no clip'}: pass ParityRecorder(max_grad_norm={at})")
 
     def _declare_clip(self, key: str, value: float) -> None:
         if not self.enabled or self.broken:

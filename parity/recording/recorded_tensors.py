@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from parity.comparing.tolerances import CLIP_READ, TENSOR_FLOOR
+from parity.comparing.tolerances import CLIP_COEFFICIENT, CLIP_READ, TENSOR_FLOOR
 from parity.precision import POLICIES
 from parity.training.optimizer import clip_coefficient
 from parity.training.tensor_norms import (AT_CLIP, AT_OPTIMIZER, BEFORE_STEP, CLIPPED, PRE_CLIP, local_squares,
@@ -56,6 +56,7 @@ class RecordedTensors:
         self.missed = False  # whether a step's gradients went unseen already (its line said so)
         low = precision in POLICIES and POLICIES[precision].params != "fp32"  # the gradients' own dtype, clipped in it
         self.bound = CLIP_READ["bf16" if low else "float64"]
+        self.coef_bound = CLIP_COEFFICIENT["bf16" if low else "fp32"]  # the applied coefficient's (_applied_check)
         # where the gradients are read: where the engine takes its norm where the view can watch it, else the loop's
         self.read_at = AT_OPTIMIZER if grad == CLIPPED else BEFORE_STEP
         if grad == PRE_CLIP and view.watch_norm(lambda: self.read(AT_CLIP)):
@@ -131,7 +132,7 @@ class RecordedTensors:
         TENSOR_FLOOR of the global norm measured against that floor) — a framework's clip multiplies every gradient by
         one coefficient, which it takes of its own norm in its own arithmetic (torch's fp32 total: 1e-5 from the
         recorder's float64 one) — and the median to the clip coefficient of the step's norm at a framework's bound
-        (CLIP_READ "fp32"), naming the largest tensor then, with that `uniform` coefficient where every tensor took it
+        (CLIP_COEFFICIENT, by the gradients' dtype), naming the largest tensor then, with that `uniform` coefficient where every tensor took it
         (a clip or a loss scale the recorder was not told of: clipping.undeclared_scale)."""
         coef = clip_coefficient(grad_norm, self.clipping)
         floor = TENSOR_FLOOR["gradient"] * math.sqrt(sum(x * x for x in read))
@@ -141,10 +142,10 @@ class RecordedTensors:
             return {}
         common = ratios[len(ratios) // 2]
         gaps = [(abs(a - common * r) / (common * max(r, floor)), name, r, a) for name, r, a in seen]
-        if abs(common - coef) > CLIP_READ["fp32"] * coef:
+        if abs(common - coef) > self.coef_bound * coef:
             name, r, a = max(seen, key=lambda t: t[1])
             found = {"tensor": name, "read": r, "applied": a, "coef": coef, "gap": abs(common - coef) / coef,
-                     "tolerance": CLIP_READ["fp32"]}
+                     "tolerance": self.coef_bound}
             if max(gaps)[0] <= self.bound:  # every tensor × one coefficient, not the declared clip's (clipping.py)
                 found["uniform"] = common
             return {"clip_read": found}
