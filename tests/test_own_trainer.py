@@ -883,12 +883,13 @@ def test_a_loop_that_clips_both_ways_or_at_another_value_stops_the_record_in_one
 
 
 @pytest.mark.parametrize("case", ["norm_untold", "norm_other", "norm_later", "loss_scale", "one_tensor_halved",
-                                  "bf16_clipped", "bf16_norm_other"])
+                                  "all_halved", "bf16_clipped", "bf16_norm_other"])
 def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(tmp_path, case):
     """The optimizer applied every gradient × one coefficient other than the declared clip's: a clip by norm the recorder
     was not told of (or told another max_grad_norm) stops the record at the first step it clips, naming the value to
     pass; a GradScaler's scale still in the gradients before_step() read (called before unscale_) names the scale. A
-    single tensor changed is no such coefficient: its step's clip_read entry FAILs the verdict, as before. With bf16
+    single tensor changed is no such coefficient, nor every gradient halved (0.5 × the norm is no max_grad_norm a loop
+    sets): their step's clip_read entry FAILs the verdict, as before. With bf16
     weights (bf16_pure), torch's clip takes its coefficient in bf16 (1.6e-3 off the formula at step 0 here, which the
     fp32 bound of 1e-4 FAILed): told its max_grad_norm, every step holds (CLIP_COEFFICIENT's bf16 bound); told 0.5, the
     record stops. One rank, a group of one in this process."""
@@ -918,6 +919,9 @@ def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if case == "one_tensor_halved":
                 model[0].weight.grad.mul_(0.5)
+            if case == "all_halved":
+                for p in model.parameters():
+                    p.grad.mul_(0.5)
             if case == "loss_scale":
                 scaler.unscale_(optimizer)
                 scaler.step(optimizer)
@@ -936,9 +940,14 @@ def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(
             entry = record["steps"][0]["clip_read"]
             assert (entry["tensor"], entry["gap"]) == ("0.weight", pytest.approx(0.5)) and "uniform" not in entry
             return
+        if case == "all_halved":
+            assert record["config"]["stopped"] is None and len(record["steps"]) == 3
+            assert record["steps"][0]["clip_read"]["uniform"] == pytest.approx(0.5, rel=1e-9)
+            return
         stop = 1 if case == "norm_later" else 0
-        clip = ("the optimizer applied every gradient × 0\\.0\\d+: the loop clips by norm at 1, the recorder was told "
-                "{}: pass ParityRecorder\\(max_grad_norm=1\\)")
+        clip = ("the optimizer applied every gradient × 0\\.0\\d+, as a clip by norm at 1 would, and the recorder was "
+                "told {}: pass ParityRecorder\\(max_grad_norm=1\\) — or, where the loop does not clip there, something "
+                "scaled every gradient after before_step\\(\\) read it")
         why = {"norm_untold": clip.format("no clip"), "norm_later": clip.format("no clip"),
                "norm_other": clip.format("max_grad_norm 0.5"), "bf16_norm_other": clip.format("max_grad_norm 0.5"),
                "loss_scale": re.escape("the gradients read at before_step() were 65536 × the ones the optimizer "

@@ -30,23 +30,26 @@ class DeclaredClipping:
 
     def undeclared_scale(self, found: dict | None, grad_norm: float) -> str | None:
         """Rank 0: the line that ends the record at a step whose optimizer applied every gradient × one coefficient
-        (the tensor record's `clip_read` entry, `uniform`: recorded_tensors.py) other than the declared clip's — 2^-k,
-        the gradients read still × a loss scale (GradScaler's, before its unscale_); below 1 otherwise, a clip by norm
-        at coefficient × the step's norm (torch's formula), which the recorder was not told (the entry is there only where
-        that coefficient is off the declared clip's beyond its rounding). None where neither: a scale above 1 is left to
-        the verdict (a bug's)."""
+        below 1 other than the declared clip's (the tensor record's `clip_read` entry, `uniform`: recorded_tensors.py,
+        there only where it is off the declared clip's beyond its rounding) — 2^-k, k ≥ 8: the gradients read still held
+        a loss scale (GradScaler's, before its unscale_); else, where coefficient × the step's norm (torch's formula) is
+        a max_grad_norm a loop sets (two significant digits, to the coefficient's bound), a clip by norm the recorder was
+        not told. None otherwise: the FAIL that entry makes stands (a bug's scale)."""
         common = (found or {}).get("uniform")
         if common is None or not 0 < common < 1:
             return None
         k = round(-math.log2(common))
-        if abs(common * 2.0 ** k - 1) < 1e-6:
+        if k >= 8 and abs(common * 2.0 ** k - 1) < 1e-6:
             return (f"the gradients read at before_step() were {2 ** k} × the ones the optimizer applied (a loss scale, "
                     f"GradScaler's: call before_step() after scaler.unscale_(optimizer))")
+        at = common * (grad_norm + 1e-6)
+        if abs(at - float(f"{at:.2g}")) > found["tolerance"] * at:
+            return None
         told = self.record.data["config"]["max_grad_norm"]
-        digits = max(2, math.ceil(-math.log10(found["tolerance"])))  # as many as the coefficient's bound leaves sure
-        at = f"{common * (grad_norm + 1e-6):.{digits}g}"
-        return (f"the optimizer applied every gradient × {common:.6g}: the loop clips by norm at {at}, the recorder was "
-                f"told {f'max_grad_norm {told:g}' if told else 'no clip'}: pass ParityRecorder(max_grad_norm={at})")
+        return (f"the optimizer applied every gradient × {common:.6g}, as a clip by norm at {float(f'{at:.2g}'):g} "
+                f"would, and the recorder was told {f'max_grad_norm {told:g}' if told else 'no clip'}: pass "
+                f"ParityRecorder(max_grad_norm={float(f'{at:.2g}'):g}) — or, where the loop does not clip there, "
+                f"something scaled every gradient after before_step() read it")
 
     def _declare_clip(self, key: str, value: float) -> None:
         if not self.enabled or self.broken:

@@ -132,8 +132,8 @@ class RecordedTensors:
         TENSOR_FLOOR of the global norm measured against that floor) — a framework's clip multiplies every gradient by
         one coefficient, which it takes of its own norm in its own arithmetic (torch's fp32 total: 1e-5 from the
         recorder's float64 one) — and the median to the clip coefficient of the step's norm at a framework's bound
-        (CLIP_COEFFICIENT, by the gradients' dtype), naming the largest tensor then, with that `uniform` coefficient where every tensor took it
-        (a clip or a loss scale the recorder was not told of: clipping.undeclared_scale)."""
+        (CLIP_COEFFICIENT, by the gradients' dtype), naming the largest tensor then, with that `uniform` coefficient
+        where every tensor took it (a clip or a loss scale the recorder was not told of: clipping.undeclared_scale)."""
         coef = clip_coefficient(grad_norm, self.clipping)
         floor = TENSOR_FLOOR["gradient"] * math.sqrt(sum(x * x for x in read))
         seen = [(name, r, a) for name, r, a in zip(self.names, read, applied) if not (math.isnan(r) or math.isnan(a))]
