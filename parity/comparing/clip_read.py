@@ -76,22 +76,31 @@ def line(gap: Outside) -> str:
             f"{gap.value:.9g}, clipped by {gap.reference:.9g}; relative gap {gap.rel_diff:.3e} > {gap.tolerance:.0e})")
 
 
+UNSCALE_FIRST = "GradScaler's: call before_step() after scaler.unscale_(optimizer)"  # the fix a loss scale's line names
+
+
+def loss_scale(ratio: float, rtol: float) -> int | None:
+    """2^k where `ratio` is that within `rtol`, k ≥ 8 (a GradScaler's scale: 2^16 at first, halved at each overflow):
+    the factor a loss scale left in the gradients the recorder read puts between them and the unscaled ones; else
+    None."""
+    if not (ratio > 0 and math.isfinite(ratio)):
+        return None
+    k = round(math.log2(ratio))
+    return 2 ** k if k >= 8 and abs(ratio / 2 ** k - 1) <= rtol else None
+
+
 def scale_left_in(run, base) -> str | None:
-    """Where a recorded run's step-0 grad norm is 2^k (k ≥ 8) × its baseline's, to 1 %: the gradients the recorder read
-    still held a loss scale (GradScaler's: before_step() called before unscale_). The recorder stops the record at a step
-    the loop's clip leaves alone (its applied check); where the clip takes the gradients to max_grad_norm, the scale
-    cancels in what the optimizer applies and only the norm read shows it (docs/own_trainer/plain_loop.md). None
-    otherwise."""
+    """Where a recorded run's step-0 grad norm is a loss scale × its baseline's, to 1 %: the gradients the recorder read
+    still held it (GradScaler's: before_step() called before unscale_). The recorder stops the record at a step the
+    loop's clip leaves alone (its applied check: clipping.undeclared_scale); where the clip takes the gradients to
+    max_grad_norm, the scale cancels in what the optimizer applies and only the norm read shows it
+    (docs/own_trainer/plain_loop.md). None otherwise."""
     if not run.recorded or not run.steps or not base.steps:
         return None
     read, replayed = run.steps[0].get("grad_norm"), base.steps[0].get("grad_norm")
-    if not read or not replayed or not math.isfinite(read / replayed):
-        return None
-    k = round(math.log2(read / replayed))
-    if k < 8 or abs(read / replayed / 2 ** k - 1) > 0.01:
-        return None
-    return (f"step 0's grad norm as read is {2 ** k} × the replay's: the gradients before_step() read still held a loss "
-            f"scale (GradScaler's: call before_step() after scaler.unscale_(optimizer))")
+    scale = loss_scale(read / replayed, 0.01) if read and replayed else None
+    return (f"step 0's grad norm as read is {scale} × the replay's: the gradients before_step() read still held a loss "
+            f"scale ({UNSCALE_FIRST})") if scale else None
 
 
 def no_reference(base, series) -> list[str]:

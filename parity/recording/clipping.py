@@ -7,7 +7,7 @@ the recorder was not told of, or a loss scale still in the gradients it read (un
 
 from __future__ import annotations
 
-import math
+from parity.comparing.clip_read import UNSCALE_FIRST, loss_scale
 
 
 class DeclaredClipping:
@@ -38,18 +38,18 @@ class DeclaredClipping:
         common = (found or {}).get("uniform")
         if common is None or not 0 < common < 1:
             return None
-        k = round(-math.log2(common))
-        if k >= 8 and abs(common * 2.0 ** k - 1) < 1e-6:
-            return (f"the gradients read at before_step() were {2 ** k} × the ones the optimizer applied (a loss scale, "
-                    f"GradScaler's: call before_step() after scaler.unscale_(optimizer))")
+        if scale := loss_scale(1 / common, 1e-6):
+            return (f"the gradients read at before_step() were {scale} × the ones the optimizer applied (a loss scale, "
+                    f"{UNSCALE_FIRST})")
         at = common * (grad_norm + 1e-6)
-        if abs(at - float(f"{at:.2g}")) > found["tolerance"] * at:
+        round_at = float(f"{at:.2g}")
+        if abs(at - round_at) > found["tolerance"] * at:
             return None
         told = self.record.data["config"]["max_grad_norm"]
-        return (f"the optimizer applied every gradient × {common:.6g}, as a clip by norm at {float(f'{at:.2g}'):g} "
-                f"would, and the recorder was told {f'max_grad_norm {told:g}' if told else 'no clip'}: pass "
-                f"ParityRecorder(max_grad_norm={float(f'{at:.2g}'):g}) — or, where the loop does not clip there, "
-                f"something scaled every gradient after before_step() read it")
+        return (f"the optimizer applied every gradient × {common:.6g}, as a clip by norm at {round_at:g} would, and the "
+                f"recorder was told {f'max_grad_norm {told:g}' if told else 'no clip'}: pass ParityRecorder("
+                f"max_grad_norm={round_at:g}) — or, where the loop does not clip there, something scaled every gradient "
+                f"after before_step() read it")
 
     def _declare_clip(self, key: str, value: float) -> None:
         if not self.enabled or self.broken:
