@@ -6,10 +6,11 @@
 #    of each (tools/recorder_gpu_cost.py);
 # 2. side by side: the false-alarm campaign's CUDA slice (tools/false_alarms.py --plan cuda: megatron-core's bf16
 #    Qwen2 job at 12 and 100 steps and fp32, its Llama bf16 job with the distributed optimizer, Trainer, GRPO, DPO,
-#    the own loop, LoRA and SFT in bf16, the seeds SEEDS names — 2-3 by default: seed 1 ran on 2026-11-28 — under the
+#    the own loop, LoRA and SFT in bf16, the seeds SEEDS names — seed 1 ran on 2026-11-28, 2-3 on 2026-11-30 (30 of
+#    52 cells; seed 3's TF32 and deterministic cells not reached) — under the
 #    default cuBLAS, TF32 and the deterministic cuBLAS, breadth first: what the time allows) and megatron-core's MoE
 #    jobs and TransformerEngine's layouts where the image has TE
-#    (tools/megatron_gpu.sh PART=moe).
+#    (tools/megatron_gpu.sh PART=moe; MEGATRON=none leaves them out, the campaign alone on the GPU).
 # One call, carry [".whl", ".gpu_before"], timeout_s 480: `timeout 460 bash tools/gpu_session.sh`. What comes back in
 # $OUT: recorder.log, recorder_gpu.json, campaign.log, false_alarms.md, runs.log (megatron-core), records.tar.gz.
 OUT=${OUT:-/tmp/gpu_session_out}
@@ -32,7 +33,7 @@ s=$(date +%s)
 (timeout "$CAMPAIGN_S" python3 tools/false_alarms.py --output_dir /tmp/fa --device cuda --plan cuda --seeds "$SEEDS" \
     --jobs 10 --cell_timeout 240 >"$OUT/campaign.log" 2>&1; echo "== campaign exit $? in $(($(date +%s) - s)) s" \
     >>"$OUT/campaign.log") &
-(PART=moe OUT="$OUT" timeout "$CAMPAIGN_S" bash tools/megatron_gpu.sh >/dev/null 2>&1) &
+[ "${MEGATRON:-moe}" = none ] || (PART=moe OUT="$OUT" timeout "$CAMPAIGN_S" bash tools/megatron_gpu.sh >/dev/null 2>&1) &
 wait
 pkill -f 'verify_trainer[.]py' 2>/dev/null
 python3 tools/false_alarms.py --output_dir /tmp/fa --device cuda --plan cuda --seeds "$SEEDS" --page_only \

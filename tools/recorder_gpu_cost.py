@@ -7,6 +7,10 @@ parity/commands/recorder_cost.py). `--profile` adds torch.profiler over plain_lo
 call, its CPU time, the CUDA kernels it launched, its host syncs and copies, and its costliest ops.
 
     python tools/recorder_gpu_cost.py --output_dir OUT --code before=.gpu_before --code after=. --profile
+    python tools/recorder_gpu_cost.py --output_dir OUT --code now=. --size "0.5b=--model_name Qwen/Qwen2.5-0.5B --bf16"
+
+`--size NAME=FLAGS` (repeatable) runs each example again with FLAGS added (a built-in model, its layers, sequence,
+batch): the recorder's cost is a fixed few milliseconds of host time a step, so its share depends on the step's size.
 
 Writes OUT/recorder_gpu.json and prints a table; --device cpu runs the same code on CPU (the dry run)."""
 
@@ -32,14 +36,14 @@ def environment(code: str) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
 
 
-def share(code: str, example: str, out: str, steps: int, device: str) -> dict:
+def share(code: str, example: str, out: str, steps: int, device: str, more: list[str] = ()) -> dict:
     """One example recording itself under `code`: the recorder's figures over its steps after the first."""
     from parity.commands.recorder_cost import recorded_share
     from parity.training.record import load_record
 
     flags = EXAMPLES[example] if device == "cuda" else []
     command = [sys.executable, os.path.join(code, "examples", example), "--output_dir", out, "--nproc", "1",
-               "--steps", str(steps), *flags]
+               "--steps", str(steps), *flags, *more]
     t0 = time.time()
     done = subprocess.run(command, capture_output=True, text=True, env=environment(code))
     records = sorted(f for f in os.listdir(out) if f.startswith("loss_") and f.endswith(".json")) \
@@ -117,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--size", action="append", default=[], help="NAME=FLAGS: each example again with FLAGS added")
     p.add_argument("--_profile_into", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._profile_into:
@@ -126,11 +131,14 @@ def main(argv=None) -> int:
         return 0
     trees = dict(c.split("=", 1) for c in args.code)
     result = {"device": args.device, "steps": args.steps, "shares": {}, "profiles": {}}
-    for example in args.examples.split(","):  # the trees side by side per example: the same machine state
-        for tree, code in trees.items():
-            row = share(code, example, os.path.join(args.output_dir, tree, example[:-3]), args.steps, args.device)
-            result["shares"].setdefault(example, {})[tree] = row
-            print(f"[recorder] {example} {tree}: " + (row["error"] if "error" in row else
+    sizes = {"": [], **{n: f.split() for n, f in (x.split("=", 1) for x in args.size)}}
+    for (size, more), example in ((s, e) for s in sizes.items() for e in args.examples.split(",")):
+        for tree, code in trees.items():  # the trees side by side per example: the same machine state
+            label = example + (f" {size}" if size else "")
+            row = share(code, example, os.path.join(args.output_dir, tree, example[:-3] + (f"_{size}" if size else "")),
+                        args.steps, args.device, more)
+            result["shares"].setdefault(label, {})[tree] = row
+            print(f"[recorder] {label} {tree}: " + (row["error"] if "error" in row else
                   f"{row['share_of_mean_step']:.1%} of a {1e3 * row['mean_step_s']:.1f} ms step "
                   f"({1e3 * row['mean_recorder_s']:.2f} ms)"), flush=True)
     for tree, code in trees.items() if args.profile else ():
