@@ -1,9 +1,9 @@
 #!/bin/bash
 # Issue 84 in one device call (docs/gpu.md): the bundle installed (python tools/build_gpu_bundle.py here), then
 # 1. the recorder's share of a step on the GPU before and after its change, alone on the GPU: the tree before it
-#    unpacked into .gpu_before here (git archive <commit> parity examples | tar -x -C .gpu_before; next: 7cf75bf, the
-#    code before the step's rows and sums left the device once a step), both carried, with torch.profiler's breakdown
-#    of each (tools/recorder_gpu_cost.py);
+#    unpacked into .gpu_before here (git archive <commit> parity examples | tar -x -C .gpu_before; next: f7ade14, the
+#    code before the squares' reads took three ops; 7cf75bf was measured on 2026-11-30), both carried, with
+#    torch.profiler's breakdown of each (tools/recorder_gpu_cost.py);
 # 2. side by side: the false-alarm campaign's CUDA slice (tools/false_alarms.py --plan cuda: megatron-core's bf16
 #    Qwen2 job at 12 and 100 steps and fp32, its Llama bf16 job with the distributed optimizer, Trainer, GRPO, DPO,
 #    the own loop, LoRA and SFT in bf16, the seeds SEEDS names — seed 1 ran on 2026-11-28, 2-3 on 2026-11-30 (30 of

@@ -84,7 +84,7 @@ def local_squares(pieces: list[Piece], names: list[str], device: torch.device, s
     every rank); a name this rank holds nothing of is 0. `scale` divides the tensors (a loss scale to take out).
     A handful of kernels whatever the count of tensors (on a GPU each op is a launch: docs/benchmark.md)."""
     index = {n: i for i, n in enumerate(names)}
-    held = [(index[p.name], p.tensor.detach()) for p in pieces
+    held = [(index[p.name], p.tensor) for p in pieces
             if p.counted and p.tensor is not None and p.name in index]
     if not held:
         out = torch.zeros(len(names), dtype=torch.float64, device=device)

@@ -61,7 +61,7 @@ class DataParallel(View):
         return rank0_pieces((name, p.grad) for name, p in self.trainable())
 
     def parameter_pieces(self) -> list[Piece]:
-        return rank0_pieces((name, p.detach()) for name, p in self.trainable())
+        return rank0_pieces(self.trainable())  # the squares are taken under no_grad (local_squares)
 
 
 VIEW = DataParallel
