@@ -63,8 +63,7 @@ class View(ShardedView):
     def trainable(self) -> list[tuple[str, torch.Tensor]]:
         """(Hugging Face name, parameter) of every parameter the loop trains (requires_grad: a frozen one has no
         gradient and no update to judge), in the module's order."""
-        names = self.names()
-        return [(names[id(p)], p) for p in self.model.parameters() if p.requires_grad]
+        return [(self.clean(n), p) for n, p in self.model.named_parameters() if p.requires_grad]  # names()'s, one walk
 
     def tensor_names(self) -> list[str]:
         return [name for name, _ in self.trainable()]
