@@ -295,28 +295,42 @@ def test_cut_points_and_the_stream_hash():
                                   "most 3 pieces): use 1, 2, 3 workers")
 
 
-def test_the_cache_flag_follows_activation_checkpointing_without_a_warning_a_step():
-    """Without processes: a row fed with the model config's use_cache is recorded with its cache, except where the
-    model checkpoints its activations in training (transformers turns the cache off there). transformers 5.23 reads
+def test_the_cache_flag_follows_activation_checkpointing_without_a_warning_a_step(tmp_path):
+    """In a gloo group of one: a row fed with the model config's use_cache is recorded with its cache, except where
+    the model checkpoints its activations in training (transformers turns the cache off there). transformers 5.23 reads
     that as is_activation_checkpointing; its old name, is_gradient_checkpointing, warns at every read — one
-    FutureWarning a micro-batch in the user's log — so the recorder reads the new one."""
+    FutureWarning a micro-batch in the user's log — so the recorder's view reads the new one, once a step (it walks
+    every module): within a step a change is not seen, after step_done() it is."""
     import warnings
+
+    import torch.distributed as dist
 
     from parity.models.model import build_model, resolve_model_config
     from parity.recording.rows import taken
     from parity.training.fed_rows import FED_CACHE
+    from parity.views.data_parallel import DataParallel
 
-    model = build_model(resolve_model_config("qwen2-tiny", None), 0)
-    ids = torch.tensor([[5, 6, 7, 8]])
-    for checkpointed, training, cached in ((False, True, True), (True, True, False), (True, False, True)):
-        model.train(training)
-        if checkpointed:
-            model.gradient_checkpointing_enable()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            row = taken(ids, ids, None, None, None, model)
-        assert bool(row.flags & FED_CACHE) == cached, (checkpointed, training)
-        assert [str(w.message) for w in seen if issubclass(w.category, FutureWarning)] == []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = build_model(resolve_model_config("qwen2-tiny", None), 0)
+        view = DataParallel(model, torch.optim.AdamW(model.parameters()))
+        ids = torch.tensor([[5, 6, 7, 8]])
+        for checkpointed, training, cached in ((False, True, True), (True, True, False), (True, False, True)):
+            model.train(training)
+            if checkpointed:
+                model.gradient_checkpointing_enable()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                row = taken(ids, ids, None, None, None, view)
+            assert bool(row.flags & FED_CACHE) == cached, (checkpointed, training)
+            assert [str(w.message) for w in seen if issubclass(w.category, FutureWarning)] == []
+            model.gradient_checkpointing_disable()  # within the step: still read as it was
+            assert bool(taken(ids, ids, None, None, None, view).flags & FED_CACHE) == cached
+            view.step_done()
+            assert bool(taken(ids, ids, None, None, None, view).flags & FED_CACHE)  # the next step reads it again
+            view.step_done()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_steps_rows_and_loss_sum_leave_their_device_in_one_copy_as_fed():

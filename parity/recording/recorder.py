@@ -288,6 +288,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
         self.loss_sum, self.recorder_s = 0.0, 0.0
         self.grad_norm, self.broken = None, None  # float | None, str | None
         self.step_extras: dict = {}  # what a framework's recorder adds to the step's entry (megatron-core's routing)
+        self.view.step_done()  # its walks of the module: once a step
 
     # --- per micro-batch, per step --------------------------------------------------------------------
     def micro_batch(self, input_ids, labels, logits, attention_mask=None, *, log_probs=None,
@@ -312,7 +313,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
                 else:
                     logits = self.view.logits(logits.detach())  # a DTensor's in full
                     summed = measured_loss_sum(logits, labels.to(logits.device)).double()
-            self.micro.append(taken(input_ids, labels, attention_mask, position_ids, use_cache, self.model))
+            self.micro.append(taken(input_ids, labels, attention_mask, position_ids, use_cache, self.view))
             self.loss_sum += summed
         except Exception as exc:
             self.broken = f"micro_batch: {type(exc).__name__}: {first_line(exc)}"
@@ -337,7 +338,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
                                                       is not None else None, completion_mask=completion_mask,
                                                       attention_mask=attention_mask, log_probs=log_probs,
                                                       entropies_=entropies, **rows)
-            self.micro.append(taken(input_ids, labels, attention_mask, None, False, self.model)._replace(rollout=words))
+            self.micro.append(taken(input_ids, labels, attention_mask, None, False, self.view)._replace(rollout=words))
         except Exception as exc:
             self.broken = f"objective_batch: {type(exc).__name__}: {first_line(exc)}"
         self.recorder_s += time.perf_counter() - t0

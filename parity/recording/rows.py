@@ -48,10 +48,11 @@ class MicroBatch(NamedTuple):
     rollout: torch.Tensor | None = None
 
 
-def taken(input_ids, labels, attention_mask, position_ids, use_cache, model) -> MicroBatch:
+def taken(input_ids, labels, attention_mask, position_ids, use_cache, view) -> MicroBatch:
     """What the loop fed the model, as the replay must feed it: position ids that are not the model's own (0, 1, …
     along every row) and whether a mask came with them; `use_cache` as transformers resolves it (5.23's
-    merge_with_config_defaults: the call's, else the model config's; off under gradient checkpointing in training).
+    merge_with_config_defaults: the call's, else the model config's; off under gradient checkpointing in training:
+    `view.checkpointing()`, the recorder's view's reading of its model, once a step).
     The ids, labels, mask and position ids are int64 copies of their own, left on their device: on_host takes the
     step's off it at its end, in one copy (on a GPU, one wait a step, not three a micro-batch)."""
     fed = [t.detach() for t in (input_ids, labels, attention_mask) if t is not None]
@@ -65,8 +66,8 @@ def taken(input_ids, labels, attention_mask, position_ids, use_cache, model) -> 
         positions = position_ids.detach().to(ids.device, torch.int64).expand(ids.shape).clone(
             memory_format=torch.contiguous_format)
     if use_cache is None:
-        use_cache = getattr(getattr(model, "config", None), "use_cache", False)
-    cache = bool(use_cache) and not (getattr(model, "training", False) and checkpointing(model))
+        use_cache = getattr(getattr(view.model, "config", None), "use_cache", False)
+    cache = bool(use_cache) and not (getattr(view.model, "training", False) and view.checkpointing())
     return MicroBatch(ids, lab, mask, positions, flags_of(positions is not None, attention_mask is not None, cache))
 
 
@@ -89,15 +90,6 @@ def on_host(micro: list[MicroBatch], loss_sum, leaving=lambda t: t.device.type !
     moved = [m._replace(**{k: host.get(id(t), t) for k, t in zip(fields, (m.ids, m.labels, m.mask, m.positions))})
              for m in micro]
     return moved, float(host[id(loss)].view(torch.float64)) if loss is not None else float(loss_sum)
-
-
-def checkpointing(model) -> bool:
-    """Whether the model checkpoints its activations, as transformers says: is_activation_checkpointing, or before
-    5.23 is_gradient_checkpointing (5.23's deprecated alias of it, which warns at every read: a line every step)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
-    return False
 
 
 def next_token_rows(ids: torch.Tensor, targets: torch.Tensor,

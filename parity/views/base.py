@@ -42,6 +42,7 @@ class View(ShardedView):
         self.lora: dict | None = None  # the run's LoRA adapters, as RunConfig.lora (view_of: adapters.py)
         self.towers: list = []  # a multimodal model's towers beside the language model read (language_model.py)
         self.outside: set[int] = set()  # their parameters' ids: in the optimizer's groups, never in the record's
+        self.walked: dict = {}  # what walks of the module found this step (trainable, checkpointing): step_done()
 
     @property
     def tp_size(self) -> int:
@@ -62,8 +63,25 @@ class View(ShardedView):
 
     def trainable(self) -> list[tuple[str, torch.Tensor]]:
         """(Hugging Face name, parameter) of every parameter the loop trains (requires_grad: a frozen one has no
-        gradient and no update to judge), in the module's order."""
-        return [(self.clean(n), p) for n, p in self.model.named_parameters() if p.requires_grad]  # names()'s, one walk
+        gradient and no update to judge), in the module's order: names()'s names, in one walk of the module, once a
+        step (a 24-layer model's walk is 0.3 ms of host time, and the recorder reads the pieces three times a step)."""
+        if "trainable" not in self.walked:
+            self.walked["trainable"] = [(self.clean(n), p) for n, p in self.model.named_parameters() if p.requires_grad]
+        return self.walked["trainable"]
+
+    def checkpointing(self) -> bool:
+        """Whether the model checkpoints its activations, as transformers says — is_activation_checkpointing, or before
+        5.23 is_gradient_checkpointing (5.23's deprecated alias of it, which warns at every read) — once a step: it
+        walks every module (0.4 ms at 24 layers), and the recorder asks at each micro-batch."""
+        if "checkpointing" not in self.walked:
+            name = next((n for n in ("is_activation_checkpointing", "is_gradient_checkpointing")
+                         if hasattr(type(self.model), n)), None)
+            self.walked["checkpointing"] = bool(name and getattr(self.model, name))
+        return self.walked["checkpointing"]
+
+    def step_done(self) -> None:
+        """The recorder's step has ended: what the walks found may change before the next (a loop freezing a layer)."""
+        self.walked.clear()
 
     def tensor_names(self) -> list[str]:
         return [name for name, _ in self.trainable()]
