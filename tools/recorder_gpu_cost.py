@@ -10,7 +10,8 @@ call, its CPU time, the CUDA kernels it launched, its host syncs and copies, and
     python tools/recorder_gpu_cost.py --output_dir OUT --code now=. --size "0.5b=--model_name Qwen/Qwen2.5-0.5B --bf16"
 
 `--size NAME=FLAGS` (repeatable) runs each example again with FLAGS added (a built-in model, its layers, sequence,
-batch): the recorder's cost is a fixed few milliseconds of host time a step, so its share depends on the step's size.
+batch): the recorder's cost is a few milliseconds of host time a step, growing with the model's depth (the walks
+of its modules) and barely with its width, so its share depends on the step's size.
 
 Writes OUT/recorder_gpu.json and prints a table; --device cpu runs the same code on CPU (the dry run)."""
 

@@ -61,7 +61,7 @@ class DataParallel(View):
         return rank0_pieces((name, p.grad) for name, p in self.trainable())
 
     def parameter_pieces(self) -> list[Piece]:
-        return rank0_pieces(self.trainable())  # the squares are taken under no_grad (local_squares)
+        return rank0_pieces(self.trainable())  # their squares are taken under no_grad (stacked_squares_fp64)
 
 
 VIEW = DataParallel
