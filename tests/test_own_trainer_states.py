@@ -253,22 +253,60 @@ def test_the_state_the_recorder_saves_is_its_own_not_the_loops():
         assert all(torch.equal(a, b) for a, b in zip(saved, taken[name])), name  # the saved state did not
 
 
-def test_a_recorder_closed_over_gloo_leaves_a_pause_at_its_process_exit():
-    """The recorder's last collectives leave gloo Works that a `pt_gloo_runloop` thread releases a moment later; a rank
-    that reaches the interpreter's finalization first aborts ("terminate called without an active exception": seen on
-    examples/sharded_loop.py --shard zero2, whose DeepSpeed keeps its groups past the loop's destroy_process_group).
-    close() asks for one atexit pause (parity/recording/group.py) where the group is gloo — once, however many
-    recorders close — and none where there is no group."""
+TUTORIAL_TIMEOUT_S = 120  # 12 closes take 6 s
+TUTORIAL_LOOP = """\
+import os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from parity import ParityRecorder, build_model, resolve_model_config
+
+def demo(rank, i, folder):  # the PyTorch DDP tutorial's shape: cleanup, then the function returns with DDP a local
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store{i}", rank=rank, world_size=2)
+    model = DDP(build_model(resolve_model_config("qwen2-tiny", 1), 0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = ParityRecorder(f"{folder}/run{i}", name="tutorial", model=model, optimizer=optimizer,
+                         checkpoint_interval=0, log=lambda line: None)
+    ids = torch.randint(1, 100, (2, 16), generator=torch.Generator().manual_seed(rank))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    rec.micro_batch(ids, ids, out.logits)
+    rec.before_step()
+    optimizer.step()
+    rec.after_step(logged_loss=out.loss.item())
+    rec.close()
+    dist.destroy_process_group()
+
+def run(rank, runs, folder):
+    torch.set_num_threads(1)
+    for i in range(runs):
+        demo(rank, i, folder)
+        if rank == 0:
+            print("closed", i, flush=True)
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(run, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
+"""
+
+
+def test_a_recorded_tutorial_loop_that_destroys_its_group_before_ddp_goes_never_hangs(tmp_path):
+    """The PyTorch DDP tutorial's loop calls destroy_process_group() and returns: DDP's Reducer, the gloo group's last
+    owner, then joins the group's threads holding the GIL. A thread still releasing one of the recorder's collectives
+    waits for that GIL: the rank hung (4 runs of 12 of a recorded copy under torchrun; in this loop, by its third
+    close). close() ends with a collective of its own and waits until its tensor's Python object is gone
+    (parity/recording/group.py): 12 recorded runs, two ranks, close after close."""
+    import signal
     import subprocess
     import sys
 
-    script = ("import atexit, torch.distributed as dist\n"
-              "from parity.recording.group import settle_at_exit\n"
-              "before = atexit._ncallbacks(); settle_at_exit(); alone = atexit._ncallbacks() - before\n"
-              "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
-              "before = atexit._ncallbacks(); settle_at_exit(); settle_at_exit()\n"
-              "print(alone, atexit._ncallbacks() - before)\n"
-              "dist.destroy_process_group()\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["0", "1"]
+    script = tmp_path / "tutorial_loop.py"
+    script.write_text(TUTORIAL_LOOP)
+    with subprocess.Popen([sys.executable, str(script), "12", str(tmp_path)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as loop:
+        try:
+            out, err = loop.communicate(timeout=TUTORIAL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # hung: its spawned ranks too
+            os.killpg(loop.pid, signal.SIGKILL)
+            out, err = loop.communicate()
+    assert out.split() == [word for i in range(12) for word in ("closed", str(i))], err[-2000:]
+    assert loop.returncode == 0, err[-2000:]
+    assert all(json.load(open(tmp_path / f"run{i}" / "loss_tutorial.json"))["config"]["total_steps"] == 1
+               for i in range(12))

@@ -34,7 +34,7 @@ from parity.recording import precision_seen, resume, states
 from parity.recording.batch_taking import BatchTaking
 from parity.recording.clipping import DeclaredClipping
 from parity.recording.description import describe_run
-from parity.recording.group import own_group, release, settle_at_exit
+from parity.recording.group import own_group, release, settle
 from parity.attaching.attach import attached, refused
 from parity.recording.optimizer_description import (GroupReadings, applied, departure, describe_optimizer, moved_betas,
                                                      unreplayable)
@@ -559,8 +559,8 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
 
     def close(self) -> str | None:
         """The record complete (every rank; a collective). Returns its path on rank 0 (None if nothing recorded)."""
-        settle_at_exit()  # the collectives' gloo threads finish before the interpreter does (group.py)
         if not self.enabled:
+            settle(every_rank=False)  # the gloo threads let go of the last collectives (group.py)
             self._release_group()
             return self.record.path if getattr(self, "stop", None) and self.rank == 0 else None
         try:
@@ -577,6 +577,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
             self._disable(f"{type(exc).__name__}: {first_line(exc)}")
             return None
         finally:
+            settle(every_rank=self.enabled)  # enabled: no rank failed here (_disable), so one more collective
             self.enabled = False
             self._release_group()
 
