@@ -92,11 +92,12 @@ def dataset(rows: int, seq_length: int, vocab: int, seed: int):
     return ids, ids.masked_fill(mask == 0, -100), mask
 
 
-def build(args, shard):
+def build(args, shard, optimizer_class=torch.optim.AdamW):
     """The model (random weights, the same on every rank; with --lora a PeftModel: adapters on it, the rest frozen)
     and AdamW in two groups over what trains, with a linear warm-up. `shard`: what wraps or shards the model in place
     once its adapters are in, before the optimizer is built (DDP here, examples/sharded_loop.py's fully_shard), or
-    returns the model that replaces it (sharded_loop.py's transformers' TP, which loads it again)."""
+    returns the model that replaces it (sharded_loop.py's transformers' TP, which loads it again). `optimizer_class`:
+    what steps the groups, called as AdamW is (sharded_loop.py's ZeroRedundancyOptimizer over AdamW)."""
     from parity import build_model, resolve_model_config
 
     model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)
@@ -115,7 +116,7 @@ def build(args, shard):
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # no empty group (LoRA's adapters have no biases or norms): DeepSpeed 0.19.8's initialize drops it from this
     # optimizer in place, and the scheduler made over it here then fails in engine.step()
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr)
+    optimizer = optimizer_class([g for g in groups if g["params"]], lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
     return model, optimizer, scheduler
 

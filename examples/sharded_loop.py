@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""examples/plain_loop.py's loop with the model sharded — FSDP2, FSDP1 or DeepSpeed ZeRO 1–3 — recorded for the
-harness (docs/own_trainer.md) and replayed under its DDP, which trains the same model unsharded.
+"""examples/plain_loop.py's loop with the model sharded — FSDP2, FSDP1, DeepSpeed ZeRO 1–3 or torch's own ZeRO-1
+(DDP with ZeroRedundancyOptimizer) — recorded for the harness (docs/own_trainer.md) and replayed under its DDP, which
+trains the same model unsharded.
 
 The same model, data, AdamW groups, warm-up and clipping as plain_loop.py (its build, dataset and windows); what differs is
-the sharding and who steps: under FSDP2 and FSDP1 the loop clips and steps (the recorder measures the pre-clip norm over the full
+the sharding and who steps: under FSDP2, FSDP1 and ZeroRedundancyOptimizer the loop clips and steps (the recorder measures the pre-clip norm over the full
 gradients), under DeepSpeed `engine.step()` clips and steps (the record keeps DeepSpeed's own pre-clip norm; the loop
 calls before_step() before the boundary's engine.step(), where the recorder reads every tensor's gradient from ZeRO's
 partitions).
@@ -11,6 +12,7 @@ partitions).
     python examples/sharded_loop.py --shard fsdp2 --output_dir OUT --nproc 2        # or fsdp1, zero0|1|2|3
     python examples/sharded_loop.py --shard fsdp2 --replicate 2 --output_dir OUT --nproc 4   # HSDP (fsdp1: HYBRID_SHARD)
     python examples/sharded_loop.py --shard fsdp1 --sharding_strategy NO_SHARD --output_dir OUT --nproc 2
+    python examples/sharded_loop.py --shard zero_redundancy --output_dir OUT --nproc 2   # DDP + ZeroRedundancyOptimizer
     python examples/sharded_loop.py --shard transformers_tp --output_dir OUT --nproc 2   # from_pretrained's own TP
     python examples/sharded_loop.py --shard zero1 --tp 2 --output_dir OUT --nproc 2     # DeepSpeed's AutoTP + ZeRO-1
     python examples/sharded_loop.py --shard zero2 --deepspeed_bf16 --output_dir OUT --nproc 2   # DeepSpeed's bf16
@@ -34,6 +36,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from parity import ParityRecorder
 
@@ -49,7 +52,8 @@ def _beside(name: str):
 
 plain_loop = _beside("plain_loop")
 
-SHARDS = ("fsdp2", "fsdp1", "zero0", "zero1", "zero2", "zero3", "transformers_tp")
+DEEPSPEED = ("zero0", "zero1", "zero2", "zero3")  # deepspeed.initialize's stages: its engine steps
+SHARDS = ("fsdp2", "fsdp1", *DEEPSPEED, "transformers_tp", "zero_redundancy")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -87,9 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         print(f"error: --device {args.device}: sharded_loop.py runs on CPU ranks only (gloo); plain_loop.py takes "
               f"--device cuda", file=sys.stderr)
         raise SystemExit(2)
-    if args.tp > 1 and args.shard in ("fsdp1", "transformers_tp"):
+    if args.tp > 1 and args.shard in ("fsdp1", "transformers_tp", "zero_redundancy"):
         print(f"error: --tp {args.tp} with --shard {args.shard}: --tp is fsdp2's DTensor TP and zero0|1|2|3's AutoTP "
-              f"(transformers_tp shards over every rank)", file=sys.stderr)
+              f"(transformers_tp shards over every rank; zero_redundancy is DDP's)", file=sys.stderr)
         raise SystemExit(2)
     if args.replicate > 1 and (not args.shard.startswith("fsdp") or args.tp > 1):
         print(f"error: --replicate {args.replicate} with --shard {args.shard}{' --tp' if args.tp > 1 else ''}: HSDP "
@@ -99,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         print(f"error: --sharding_strategy with --shard {args.shard}: it is FSDP1's; use --shard fsdp1",
               file=sys.stderr)
         raise SystemExit(2)
-    if args.offload_optimizer and (args.shard not in ("zero1", "zero2", "zero3") or not args.deepspeed_optimizer):
+    if args.offload_optimizer and (args.shard not in DEEPSPEED[1:] or not args.deepspeed_optimizer):
         print(f"error: --offload_optimizer with --shard {args.shard}"
               f"{'' if args.deepspeed_optimizer else ' without --deepspeed_optimizer'}: ZeRO-Offload is ZeRO-1, 2 or "
               f"3's, stepping the DeepSpeedCPUAdam DeepSpeed builds from its config's optimizer; use --shard "
@@ -110,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
               f"keep every parameter on each rank); use --shard zero3", file=sys.stderr)
         raise SystemExit(2)
     for flag in ("deepspeed_bf16", "deepspeed_optimizer"):
-        if getattr(args, flag) and not args.shard.startswith("zero"):
+        if getattr(args, flag) and args.shard not in DEEPSPEED:
             print(f"error: --{flag} with --shard {args.shard}: it is DeepSpeed's setting; use zero0, zero1, zero2 or "
                   f"zero3{' (--bf16: autocast under any shard)' if flag == 'deepspeed_bf16' else ''}", file=sys.stderr)
             raise SystemExit(2)
@@ -158,6 +162,14 @@ def fsdp1(model, wrapped: list, replicate: int = 1, strategy: str | None = None)
     wrapped.append(FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"),
                                             sharding_strategy=strategy,
                                             **({"device_mesh": hybrid_mesh(replicate)} if hybrid else {})))
+
+
+def zero_redundancy(groups, lr: float):
+    """torch's ZeRO-1 over the loop's AdamW groups: each rank's AdamW steps the parameters it was assigned and holds
+    their moments alone, then broadcasts them (ZeroRedundancyOptimizer, as torch's tutorial writes it)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr)
 
 
 def transformers_tp(model):
@@ -212,12 +224,15 @@ def deepspeed_engine(args, model, optimizer, scheduler):
 
 def train(args) -> str | None:
     """The loop on every rank of the process group that is up. Returns the record's path on rank 0."""
-    fsdp, wrapped = not args.shard.startswith("zero"), []  # the loop steps (FSDP, TP), or DeepSpeed's engine does
+    fsdp, wrapped = args.shard not in DEEPSPEED, []  # the loop steps (FSDP, TP, DDP), or DeepSpeed's engine does
     tp = dist.get_world_size() if args.shard == "transformers_tp" else args.tp
     dp_rank, dp_world = dist.get_rank() // tp, dist.get_world_size() // tp  # a TP group feeds one DP rank
     shard = {"fsdp2": lambda m: fully_shard_layers(m, args.tp, args.replicate), "transformers_tp": transformers_tp,
-             "fsdp1": lambda m: fsdp1(m, wrapped, args.replicate, args.sharding_strategy)}.get(args.shard)
-    model, optimizer, scheduler = plain_loop.build(args, shard=shard if fsdp else lambda m: None)
+             "fsdp1": lambda m: fsdp1(m, wrapped, args.replicate, args.sharding_strategy),
+             "zero_redundancy": lambda m: wrapped.append(DistributedDataParallel(m))}.get(args.shard)
+    model, optimizer, scheduler = plain_loop.build(args, shard=shard if fsdp else lambda m: None,
+                                                   optimizer_class=zero_redundancy if args.shard == "zero_redundancy"
+                                                   else torch.optim.AdamW)
     engine = wrapped[0] if wrapped else model if fsdp else deepspeed_engine(args, model, optimizer, scheduler)
     rec = ParityRecorder(args.output_dir, name=args.name, model=engine,
                          optimizer=optimizer if fsdp else engine.optimizer, max_grad_norm=args.max_grad_norm,
@@ -235,7 +250,7 @@ def train(args) -> str | None:
             ids, labels, mask = all_ids[batch], all_labels[batch], all_mask[batch]
             if args.shard == "fsdp2":
                 model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only
-            with engine.no_sync() if wrapped and not last else contextlib.nullcontext():  # FSDP1's
+            with engine.no_sync() if wrapped and not last else contextlib.nullcontext():  # FSDP1's, DDP's
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
                     logits = engine(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
@@ -251,7 +266,7 @@ def train(args) -> str | None:
             rec.micro_batch(ids, labels, logits, attention_mask=mask)
         if fsdp:
             rec.before_step()  # the pre-clip norm over the full gradients
-            if wrapped:
+            if args.shard == "fsdp1":
                 engine.clip_grad_norm_(args.max_grad_norm)  # FSDP1's own, over its shards
             elif tp == 1:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -83,6 +83,12 @@ ALL_REDUCE_OFF = [("model.set_requires_gradient_sync(last)  # reduce-scatter aft
 # seeded bug: the window's tokens summed over every rank, a TP group's ranks counted as DP ranks (÷ tp forgotten)
 AUTOTP = ["--shard", "zero1", "--tp", "2", "--model_name", "llama-tiny"]
 TOKENS_OVER_TP = [("        global_tokens = global_tokens // tp\n", "")]
+# torch's ZeRO-1 (DDP + ZeroRedundancyOptimizer over AdamW), and with its classic bug seeded: each rank's updated
+# partition never broadcast (ZeRO's step without its _sync_params), so every rank keeps the others' parameters stale
+ZERO_REDUNDANCY = ["--shard", "zero_redundancy"]
+NO_BROADCAST = [("    engine = wrapped[0] if wrapped else model if fsdp else deepspeed_engine(args, model, optimizer, scheduler)\n",
+                 "    engine = wrapped[0] if wrapped else model if fsdp else deepspeed_engine(args, model, optimizer, scheduler)\n"
+                 "    optimizer._sync_params = lambda: None  # seeded: the updated partitions never broadcast\n")]
 # (transformers' TP first: its 1-D "tp" mesh, equal to fsdp2_tp's "tp" sub-mesh, would be read as a child of that
 # job's root mesh in the same process; AutoTP last: DeepSpeed keeps its TP groups in the process, which a later engine
 # at TP 1 then trips on)
@@ -92,6 +98,8 @@ RUNS = {"transformers_tp": (["--shard", "transformers_tp", "--model_name", "llam
         "fsdp1_no_shard": (["--shard", "fsdp1", "--sharding_strategy", "NO_SHARD"], EXAMPLE, []),
         "hsdp_all_reduce_off": (["--shard", "fsdp2", "--replicate", "2"], EXAMPLE, ALL_REDUCE_OFF),
         "fsdp1_hybrid_one_rank_shards": (["--shard", "fsdp1", "--replicate", "2"], EXAMPLE, []),
+        "ddp_zero_redundancy": (ZERO_REDUNDANCY, EXAMPLE, []),
+        "ddp_zero_redundancy_no_broadcast": (ZERO_REDUNDANCY, EXAMPLE, NO_BROADCAST),
         "zero0": (["--shard", "zero0"], EXAMPLE, []),
         "zero1": (["--shard", "zero1"], EXAMPLE, []), "zero2": (["--shard", "zero2"], EXAMPLE, []),
         # DeepSpeed's own AdamW and OneCycle from its config, as its docs write a loop (its FusedAdam: torch's AdamW;
@@ -117,7 +125,8 @@ SAVED = {"fsdp2_lora": ("embed_tokens",)}
 # their moments.
 REPLICA_GROUPS = {"fsdp2": 0, "fsdp2_tp": 18, "fsdp1": 0, "zero0": 26, "zero1": 26, "zero2_fused": 26, "zero0_fused": 26,
                   "zero2_offload": 26, "zero2": 26, "zero3": 0, "fsdp2_lora": 0,
-                  "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78, "transformers_tp": 15, "zero1_autotp": 24}
+                  "zero2_lora": 34, "hsdp": 78, "fsdp1_no_shard": 78, "transformers_tp": 15, "zero1_autotp": 24,
+                  "ddp_zero_redundancy": 26}
 BETAS = ("zero2_fused",)  # where a scheduler moves β1 (ONE_CYCLE): each step's, both groups', recorded and followed
 # DeepSpeed's own optimizers, each recorded as the torch optimizer it equals, its implementation named (else torch's)
 IMPLEMENTATION = {"zero2_fused": "FusedAdam", "zero0_fused": "FusedAdam", "zero2_offload": "DeepSpeedCPUAdam"}
@@ -126,6 +135,7 @@ OFFLOAD = {"zero2_offload": {"optimizer": "cpu"}, "zero3_offload_both_bf16": {"o
 # each variant's record: its sharding's kind, ZeRO stage and device mesh (FSDP1 and ZeRO: none)
 SHARDING = {"fsdp2_tp": ("fsdp2", 3, {"dp": 1, "tp": 2}), "hsdp": ("fsdp2", 3, {"replicate": 2, "shard": 1}),
             "fsdp1_no_shard": ("fsdp1", 0, None),
+            "ddp_zero_redundancy": ("data parallel, ZeroRedundancyOptimizer", 1, None),
             "transformers_tp": ("dtensor", 0, {"pp": 1, "dp_replicate": 1, "fsdp": 1, "tp": 2})}
 # recorded, replayed and judged by verify_trainer.py's command line (calibrated, its default): its arguments, and the
 # kernel setting it runs under — the DeepSpeed bf16 loop under the perturbed one (conftest.PERTURBED)
@@ -295,6 +305,20 @@ def test_fsdp1_hybrid_shard_over_one_rank_shard_groups_parts_its_replicas_at_ste
     assert comparison.word == "FAIL" and result.verdict.parting.step == 0
 
 
+def test_zero_redundancy_without_its_broadcast_parts_the_replicas_at_step_0(runs):
+    """ZeRO-1's classic bug, seeded into torch's ZeroRedundancyOptimizer (NO_BROADCAST): each rank steps the
+    parameters it owns and never sends them, so every rank trains on the others' stale ones. The recorder's replica
+    check finds all 26 parameters parted at step 0 (each updated on its owner alone), and the verdict FAILs there ahead
+    of any tolerance; its clean twin PASSes at 1e-5 with its moments gathered from their owners at each saved state
+    (test_sharded_loop_replays_to_the_record_and_passes)."""
+    recorded = _record(runs["ddp_zero_redundancy_no_broadcast"], NAME)
+    assert recorded["config"]["sharding"]["kind"] == "data parallel, ZeroRedundancyOptimizer"
+    assert recorded["replicas"]["groups"] == 26 and recorded["steps"][0]["replicas"]["parted"] == 26
+    comparison = _compare(runs["ddp_zero_redundancy_no_broadcast"])
+    (result,) = comparison.results
+    assert comparison.word == "FAIL" and result.verdict.parting.step == 0
+
+
 def test_an_error_of_the_harness_exits_with_its_own_code_not_fails(runs, tmp_path):
     """plot_loss_curves.py with an error injected into its report (a test copy: the run label raising, as the
     FSDP2 mesh once made it): exit 70, one line saying it is the harness's fault and naming the file its traceback
@@ -341,12 +365,13 @@ def test_sharded_per_rank_mean_fails_at_step_0(runs, bug):
 def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
     """Layouts the recorder cannot read, one line each, nothing recorded, and the user's loop goes on (one rank, a
     group of one in this process): FSDP1 without use_orig_params (it steps flat parameters the recorder cannot name);
-    FSDP2 on two root meshes. FSDP1 at one rank — NO_SHARD, which FSDP1
+    FSDP2 on two root meshes; ZeroRedundancyOptimizer stepping inside DDP's backward. FSDP1 at one rank — NO_SHARD, which FSDP1
     switches FULL_SHARD to there — is recorded (its tensors whole; NO_SHARD over several ranks is refused)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from parity.models.model import build_model, resolve_model_config
     from parity.recording.recorder import ParityRecorder
@@ -378,13 +403,19 @@ def test_a_layout_it_cannot_read_is_refused_in_one_line(tmp_path):
         (lambda: fsdp1(torch.nn.Linear(4, 4)), "FSDP1 without use_orig_params=True: its optimizer steps flat parameters "
                                                "the recorder cannot name; wrap with use_orig_params=True"),
         (two_meshes, "the model's DTensors live on 2 root meshes: the recorder reads one"),
+        (lambda: torch.nn.Linear(4, 4), "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's backward, "
+                                        "before before_step() can read the gradients: record it with "
+                                        "overlap_with_ddp=False (the same update, stepped by optimizer.step())",
+         lambda model: ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                               overlap_with_ddp=True)),
     ]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        for build, line in cases:
+        for build, line, *optimizer_of in cases:
             model, lines = build(), []
-            rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model,
-                                 optimizer=torch.optim.AdamW(model.parameters()), log=lines.append)
+            optimizer = (optimizer_of or [lambda m: torch.optim.AdamW(m.parameters())])[0](model)
+            rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model, optimizer=optimizer,
+                                 log=lines.append)
             assert not rec.enabled and lines == [f"parity recorder [mine]: {line}: recording nothing"], lines
             rec.after_step()
             assert rec.close() is None and not (tmp_path / "out").exists()

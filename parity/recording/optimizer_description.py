@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from parity.training.optimizer import OPTIMIZERS
 
 OPTIMIZER_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay", "nesterov")  # what changes the update, if set
@@ -18,8 +16,8 @@ def describe_optimizer(view, names: dict[int, str]) -> dict:
     where set (amsgrad, maximize ...). Its type is the torch optimizer it equals, as the view says
     (View.optimizer_kind: DeepSpeed's FusedAdam is torch's AdamW in one kernel), and each group's parameters the
     module's (View.group_params: ZeRO's optimizer's groups hold flat partitions)."""
-    optimizer = view.optimizer
-    groups = optimizer.param_groups
+    groups = view.optimizer.param_groups
+    kind, implementation = view.optimizer_kind()
     firsts = [g.get("initial_lr", g.get("lr", 0.0)) for g in groups]
     described = []
     for group, first, params in zip(groups, firsts, view.group_params()):
@@ -34,13 +32,12 @@ def describe_optimizer(view, names: dict[int, str]) -> dict:
             eps = group["eps"]
             entry["eps"] = [float(e) for e in eps] if isinstance(eps, (tuple, list)) else float(eps)
         flags = {k: group[k] for k in OPTIMIZER_FLAGS if group.get(k)
-                 and not (k == "decoupled_weight_decay" and isinstance(optimizer, torch.optim.AdamW))}  # AdamW's own
+                 and not (k == "decoupled_weight_decay" and kind == "AdamW")}  # AdamW's own
         if group.get("bias_correction") is False:  # FusedAdam's: torch's always corrects
             flags["bias_correction"] = False
         if flags:
             entry["flags"] = flags
         described.append(entry)
-    kind, implementation = view.optimizer_kind()
     return {"type": kind, **({"implementation": implementation} if implementation else {}), "groups": described}
 
 

@@ -9,7 +9,8 @@ under LoRA (the base frozen).
 
 A multimodal model trained on text is read as its language model where it is whole on every rank (plain or DDP:
 language_model.py). Refused in one line (ViewRefused): FSDP1 without use_orig_params, DeepSpeed's AutoTP, fully_shard
-over several data-parallel meshes, LoRA adapters the replay cannot build, a multimodal model sharded.
+over several data-parallel meshes, LoRA adapters the replay cannot build, a multimodal model sharded,
+ZeroRedundancyOptimizer(overlap_with_ddp=True).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from parity.views.base import View, ViewRefused, torch_optimizer
 
 # (module of parity/views/, what its VIEW reads): the first row whose VIEW.read answers (not None) reads the model
 VIEWS = (("zero", "a DeepSpeed engine"), ("fsdp1", "FSDP1's root wrapper"),
-         ("fully_shard", "FSDP2 / DTensor parameters"), ("data_parallel", "plain or DDP: whatever no other row reads"))
+         ("fully_shard", "FSDP2 / DTensor parameters"), ("zero_redundancy", "torch's ZeroRedundancyOptimizer"),
+         ("data_parallel", "plain or DDP: whatever no other row reads"))
 
 
 def view_classes() -> list[type[View]]:
