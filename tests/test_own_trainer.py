@@ -883,7 +883,7 @@ def test_a_loop_that_clips_both_ways_or_at_another_value_stops_the_record_in_one
 
 
 @pytest.mark.parametrize("case", ["norm_untold", "norm_other", "norm_later", "loss_scale", "one_tensor_halved",
-                                  "all_halved", "bf16_clipped", "bf16_norm_other"])
+                                  "all_halved", "bf16_clipped", "bf16_norm_other", "value_untold", "bf16_value_untold"])
 def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(tmp_path, case):
     """The optimizer applied every gradient × one coefficient other than the declared clip's: a clip by norm the recorder
     was not told of (or told another max_grad_norm) stops the record at the first step it clips, naming the value to
@@ -892,7 +892,9 @@ def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(
     sets): their step's clip_read entry FAILs the verdict, as before. With bf16
     weights (bf16_pure), torch's clip takes its coefficient in bf16 (1.6e-3 off the formula at step 0 here, which the
     fp32 bound of 1e-4 FAILed): told its max_grad_norm, every step holds (CLIP_COEFFICIENT's bf16 bound); told 0.5, the
-    record stops. One rank, a group of one in this process."""
+    record stops. Told no clip, a clip by value (clip_grad_value_ at 0.01: every element in [-0.01, 0.01]) stops it
+    too, naming clip_value — in bf16 too, where 0.01 is 0.0100098 (it was called FAIL: "a clip by value the recorder
+    was not told of, or a bug"). One rank, a group of one in this process."""
     import torch.distributed as dist
 
     from parity.recording.recorder import ParityRecorder
@@ -915,8 +917,10 @@ def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(
             (scaler.scale(loss) if case == "loss_scale" else loss).backward()
             rec.micro_batch(ids, ids, loss.detach().expand(2, 8, 4))
             rec.before_step()
-            if ("norm" in case or bf16) and (step or case != "norm_later"):  # norm_later: clipped from step 1 on
+            if ("norm" in case or case == "bf16_clipped") and (step or case != "norm_later"):  # norm_later: from 1 on
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if case.endswith("value_untold"):
+                torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
             if case == "one_tensor_halved":
                 model[0].weight.grad.mul_(0.5)
             if case == "all_halved":
@@ -948,7 +952,10 @@ def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(
         clip = ("the optimizer applied every gradient × 0\\.0\\d+, as a clip by norm at 1 would, and the recorder was "
                 "told {}: pass ParityRecorder\\(max_grad_norm=1\\) — or, where the loop does not clip there, something "
                 "scaled every gradient after before_step\\(\\) read it")
+        value = re.escape("the optimizer applied every gradient element clipped into [-0.01, 0.01], as clip_grad_value_ "
+                          "at 0.01 would, and the recorder was told no clip: pass ParityRecorder(clip_value=0.01)")
         why = {"norm_untold": clip.format("no clip"), "norm_later": clip.format("no clip"),
+               "value_untold": value, "bf16_value_untold": value,
                "norm_other": clip.format("max_grad_norm 0.5"), "bf16_norm_other": clip.format("max_grad_norm 0.5"),
                "loss_scale": re.escape("the gradients read at before_step() were 65536 × the ones the optimizer "
                                        "applied (a loss scale, GradScaler's: call before_step() after "

@@ -2,8 +2,9 @@
 norm (max_grad_norm, torch's clip_grad_norm_) or element by element (clip_value, torch's clip_grad_value_). The
 replay clips as the record says (parity.training.optimizer.clip_gradients); a loop that clips both ways, or at another
 value from one step to the next, ends the record there in one line (the replay clips every step one way at one value).
-So does a step whose optimizer applied every gradient × one coefficient other than the declared clip's: a clip by norm
-the recorder was not told of, or a loss scale still in the gradients it read (undeclared_scale)."""
+So does a step whose optimizer applied every gradient × one coefficient other than the declared clip's — a clip by norm
+the recorder was not told of, or a loss scale still in the gradients it read — or, told no clip, every gradient element
+clipped into [-v, v] (a clip by value it was not told of: undeclared_scale)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,13 @@ class DeclaredClipping:
         there only where it is off the declared clip's beyond its rounding) — 2^-k, k ≥ 8: the gradients read still held
         a loss scale (GradScaler's, before its unscale_); else, where coefficient × the step's norm (torch's formula) is
         a max_grad_norm a loop sets (two significant digits, to the coefficient's bound), a clip by norm the recorder was
-        not told. None otherwise: the FAIL that entry makes stands (a bug's scale)."""
+        not told. Before those, told no clip: every gradient element the optimizer applied clipped into [-v, v], v a
+        value a loop sets (the tensor record's `clamped`: recorded_tensors.clamped_at), a clip by value it was not told.
+        None otherwise: the FAIL that entry makes stands (a bug's scale)."""
+        if found and (value := self.tensors.clamped) is not None:
+            return (f"the optimizer applied every gradient element clipped into [-{value:g}, {value:g}], as "
+                    f"clip_grad_value_ at {value:g} would, and the recorder was told no clip: pass ParityRecorder("
+                    f"clip_value={value:g})")
         common = (found or {}).get("uniform")
         if common is None or not 0 < common < 1:
             return None

@@ -53,6 +53,8 @@ class RecordedTensors:
         self.squares: torch.Tensor | None = None  # this step's gradient squares, once read
         self.applied_squares: torch.Tensor | None = None  # and as the optimizer applies them (PRE_CLIP: the applied check)
         self.applied = False  # whether the optimizer's step has applied this step's gradients (its post-hook)
+        self.peak: tuple | None = None  # each applied gradient's largest |element|, by name, and their eps (_peak)
+        self.clamped: float | None = None  # the value they look clipped at, element by element (_applied_check)
         self.missed = False  # whether a step's gradients went unseen already (its line said so)
         low = precision in POLICIES and POLICIES[precision].params != "fp32"  # the gradients' own dtype, clipped in it
         self.bound = CLIP_READ["bf16" if low else "float64"]
@@ -80,6 +82,7 @@ class RecordedTensors:
         record read at before_step(), the applied gradients' too (the module docstring's check). Local."""
         if where == AT_OPTIMIZER and self.checks_applied and self.squares is not None and not self.applied:
             self.applied_squares = self._squares()
+            self.peak = self._peak()
         if where != self.read_at or self.squares is not None or self.applied:
             return
         self.squares = self._squares()
@@ -89,6 +92,19 @@ class RecordedTensors:
             return local_squares(self.view.gradient_pieces(), self.names, self.device, self.view.loss_scale())
         except Exception:  # the step's gradients are NaN (module docstring): never the user's training
             return None
+
+    def _peak(self) -> tuple | None:
+        """Rank 0 of a view whole on every rank (plain, DDP) told of no clip: (the names, each gradient's largest
+        |element| as the optimizer applies it — left on the device —, their dtype's eps): where a clip by value the
+        recorder was not told of leaves its value (clamped_at). None elsewhere."""
+        if self.clipping.max_grad_norm or not self.view.whole or dist.get_rank() != 0:
+            return None
+        pieces = [p for p in self.view.gradient_pieces() if p.counted and p.tensor is not None]
+        if not pieces:
+            return None
+        with torch.no_grad():
+            peaks = torch.stack(torch._foreach_norm([p.tensor for p in pieces], math.inf))
+        return [p.name for p in pieces], peaks, torch.finfo(pieces[0].tensor.dtype).eps
 
     def local(self, step: int) -> torch.Tensor:
         """This rank's float64 sums of squares of step `step` (after the optimizer's step): every tensor's gradient's
@@ -120,9 +136,15 @@ class RecordedTensors:
         observe_step's arguments."""
         n = len(self.names)
         grads, params = norms_of(summed[:2 * n])
-        found = {}
+        found, self.clamped = {}, None
         if self.checks_applied and int(summed[-1]) == dist.get_world_size():  # every rank saw them applied
             found = self._applied_check(grads, [math.sqrt(x) for x in summed[2 * n:3 * n].tolist()], grad_norm)
+        peak, self.peak = self.peak, None
+        if found and peak is not None:
+            names, peaks, eps = peak
+            by_name = dict(zip(names, peaks.tolist()))
+            self.clamped = clamped_at([by_name.get(name, 0.0) for name in self.names], eps, grads,
+                                      summed[2 * n:3 * n].tolist(), self.bound)
         coef = clip_coefficient(grad_norm, self.clipping) if self.grad == CLIPPED else None
         return {"tensor_grad_norms": grads, "tensor_param_norms": params, "clip_coef": coef, **found}
 
@@ -154,6 +176,24 @@ class RecordedTensors:
             return {"clip_read": {"tensor": name, "read": r, "applied": a, "coef": common, "gap": gap,
                                   "tolerance": self.bound}}
         return {}
+
+
+def clamped_at(peaks: list[float], eps: float, read: list[float], applied_squares: list[float],
+               bound: float) -> float | None:
+    """The value v a step's gradients look clipped at element by element (torch's clip_grad_value_), or None. Each
+    tensor's applied gradient (its norm's square in `applied_squares`, its largest |element| in `peaks`) against the
+    one read (its norm in `read`): v, the largest element, is a value a loop sets — two significant digits, to the
+    dtype's rounding (`eps`); no tensor grew (beyond `bound`), and each that shrank holds v (a tensor scaled by a bug
+    would hold a smaller one)."""
+    value = float(f"{max(peaks):.2g}")
+    if not value > 0:
+        return None
+    for r, a, peak in zip(read, applied_squares, peaks):
+        if math.isnan(r) or math.isnan(a):
+            continue
+        if math.sqrt(a) > r * (1 + bound) or (math.sqrt(a) < r * (1 - bound) and abs(peak - value) > 2 * eps * value):
+            return None
+    return value if abs(max(peaks) - value) <= 2 * eps * value else None
 
 
 class Hooks:
