@@ -34,7 +34,7 @@ from parity.recording import precision_seen, resume, states
 from parity.recording.batch_taking import BatchTaking
 from parity.recording.clipping import DeclaredClipping
 from parity.recording.description import describe_run
-from parity.recording.group import own_group, release, settle
+from parity.recording.group import own_group, release
 from parity.attaching.attach import attached, refused
 from parity.recording.optimizer_description import (GroupReadings, applied, departure, describe_optimizer, moved_betas,
                                                      unreplayable)
@@ -167,7 +167,8 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
             self._release_group()
 
     def _release_group(self) -> None:
-        """The group of one started for this recorder, ended (group.release); nothing where none was."""
+        """The group of one started for this recorder ended, the loop's own held to the process's exit
+        (group.release)."""
         release(self._own_group)
         self._own_group = False
 
@@ -560,7 +561,6 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
     def close(self) -> str | None:
         """The record complete (every rank; a collective). Returns its path on rank 0 (None if nothing recorded)."""
         if not self.enabled:
-            settle(every_rank=False)  # the gloo threads let go of the last collectives (group.py)
             self._release_group()
             return self.record.path if getattr(self, "stop", None) and self.rank == 0 else None
         try:
@@ -577,7 +577,6 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
             self._disable(f"{type(exc).__name__}: {first_line(exc)}")
             return None
         finally:
-            settle(every_rank=self.enabled)  # enabled: no rank failed here (_disable), so one more collective
             self.enabled = False
             self._release_group()
 
