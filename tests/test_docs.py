@@ -68,7 +68,7 @@ def refusal_rows(text: str) -> dict[str, list[list[str]]]:
 
 
 # docs/refusals.md's column since: the start, the issue, or the commit (or day) that turned a crash into the line
-SINCE = ("f0c0d33", "issue 80", "issue 81", "issue 82", "414b0ec", "205b2d7", "2026-11-29", "2026-11-30")
+SINCE = ("f0c0d33", "issue 80", "issue 81", "issue 82", "414b0ec", "205b2d7", "2026-11-29", "2026-11-30", "2026-12-01")
 
 
 def test_the_refusals_page_cites_real_tests_and_counts_its_rows():

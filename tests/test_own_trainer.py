@@ -882,6 +882,51 @@ def test_a_loop_that_clips_both_ways_or_at_another_value_stops_the_record_in_one
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("hook, precision, line", [
+    ("allreduce_hook", None, None),  # DDP's own reduction, as a hook: recorded, reduced in fp32
+    ("fp16_compress_hook", None, "DDP's fp16_compress_hook reduces the gradients in fp16, which the fp32 policy (fp32 "
+                                 "everything) does not: the replay reduces it in fp32; record the run without it"),
+    ("fp16_compress_hook", "bf16", "DDP's fp16_compress_hook reduces the gradients in fp16, which the bf16 policy "
+                                   "(torch.autocast(bfloat16) over fp32 parameters, gradients, master weights and Adam "
+                                   "state) does not: the replay reduces it in fp32 or bf16; record the run without it"),
+    ("noop", None, "DDP's communication hook 'noop' reduces the gradients in a way the replay cannot (it reduces as "
+                   "DDP does, or in fp16 or bf16 as torch's fp16_compress_hook and bf16_compress_hook do): record the "
+                   "run without it")])
+def test_a_ddp_communication_hook_is_its_reduce_dtype_or_one_line(tmp_path, hook, precision, line):
+    """DDP's communication hook averages the gradients as the run's policy reduces them: torch's allreduce_hook is
+    DDP's own reduction (recorded, reduce_dtype fp32); fp16_compress_hook reduces in fp16, which neither the fp32 nor
+    the bf16 policy does — an fp32 DDP loop with it, recorded, was called FAIL at step 0 (the teacher-forced check,
+    9.5 × its bound: `parity verify -- torchrun …`, 2026-12-01) — so the recorder refuses it in one line, as it does a
+    hook of the loop's own; bf16_compress_hook (NCCL only) is the bf16 policy's bf16 reduction, replayed so.
+    One rank, a group of one in this process."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    from parity.models.model import build_model, resolve_model_config
+    from parity.recording.recorder import ParityRecorder
+
+    def noop(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(build_model(resolve_model_config("qwen2-tiny", 1), 0))
+        model.register_comm_hook(None, noop if hook == "noop" else getattr(default_hooks, hook))
+        lines = []
+        rec = ParityRecorder(str(tmp_path / "out"), name="mine", model=model, precision=precision,
+                             optimizer=torch.optim.AdamW(model.parameters()), log=lines.append)
+        if line is None:
+            assert rec.enabled and rec.record.data["config"]["reduce_dtype"] == "fp32", lines
+        else:
+            assert not rec.enabled and lines == [f"parity recorder [mine]: {line}: recording nothing"], lines
+        rec.close()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("case", ["norm_untold", "norm_other", "norm_later", "loss_scale", "one_tensor_halved",
                                   "all_halved", "bf16_clipped", "bf16_norm_other", "value_untold", "bf16_value_untold"])
 def test_a_clip_or_a_loss_scale_it_was_not_told_of_stops_the_record_at_its_step(tmp_path, case):

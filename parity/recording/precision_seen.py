@@ -31,14 +31,25 @@ def told(precision: str | None, model) -> tuple[dict, str | None]:
         request = policy_request(model)
     except ConfigError as exc:
         return settings_of(precision or "fp32", None), str(exc)
-    said = (request.source, request.precision) if request is not None else precision_of(model)  # (who, policy)
+    said = (request.source, request.precision) if request is not None and request.precision else precision_of(model)
     if precision is None or (said is not None and precision == "bf16" and said[1].startswith("bf16") and
                              request is not None and request.refines_bf16):
-        return settings_of(said[1] if said else "fp32", request), None
+        return reduced(settings_of(said[1] if said else "fp32", request), request)
     if said is not None and said[1] != precision:
         return settings_of(precision, None), (f"precision {precision!r} told, but {said[0]} trains the model in "
                                               f"{said[1]!r}: pass precision={said[1]!r}, or leave it out")
-    return settings_of(precision, request), None
+    return reduced(settings_of(precision, request), request)
+
+
+def reduced(settings: dict, request: PolicyRequest | None) -> tuple[dict, str | None]:
+    """`settings` and the refusal of a reduce dtype the run's own settings ask for (a DDP hook's: views/data_parallel)
+    that its policy does not reduce in (None: it does)."""
+    policy = POLICIES.get(settings["precision"])
+    if request is None or policy is None or settings["reduce_dtype"] in policy.reduce_dtypes:
+        return settings, None
+    return settings, (f"{request.source} reduces the gradients in {settings['reduce_dtype']}, which the "
+                      f"{policy.name} policy ({policy.holds}) does not: the replay reduces it in "
+                      f"{' or '.join(policy.reduce_dtypes)}; record the run without it")
 
 
 def settings_of(precision: str, request: PolicyRequest | None) -> dict:

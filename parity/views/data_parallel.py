@@ -1,6 +1,9 @@
 """Plain PyTorch or DDP: every rank of the world a DP rank holding the whole model, read with the harness's own code
 for it — the float64 norms of plain tensors (parity.training.optimizer.local_norm), every parameter and its moments
 on every rank (replicas.whole_model), the moments as the harness's strategies export theirs (optimizer.full_moments).
+DDP's communication hook is a precision setting (`policy_request`): torch's fp16_compress_hook and bf16_compress_hook
+average the gradients in fp16 or bf16 — the policy's reduce dtype, which the replay's DDP reduces in too —,
+allreduce_hook is DDP's own reduction; any other hook (PowerSGD, a loop's own) is refused in one line.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ import math
 
 import torch
 
+from parity.errors import ConfigError
+from parity.precision import PolicyRequest
 from parity.training.optimizer import full_moments, local_norm
 from parity.training.replicas import whole_model
 from parity.training.tensor_norms import Piece, rank0_pieces
@@ -23,6 +28,25 @@ class DataParallel(View):
 
     kind = "data parallel"
     whole = True
+
+    @classmethod
+    def policy_request(cls, model) -> PolicyRequest | None:
+        """The reduce dtype DDP's communication hook averages the gradients in (None: no hook, or DDP's own
+        reduction); ConfigError in one line for a hook the replay cannot reduce as."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel) or not getattr(model, "_comm_hooks", None):
+            return None
+        reduces = {default_hooks.fp16_compress_hook: "fp16", default_hooks.bf16_compress_hook: "bf16",
+                   default_hooks.allreduce_hook: None}
+        (hook, _), = model._comm_hooks[-1:]  # DDP runs the last one registered
+        if hook not in reduces:
+            raise ConfigError(f"DDP's communication hook {getattr(hook, '__name__', type(hook).__name__)!r} reduces the gradients "
+                              f"in a way the replay cannot (it reduces as DDP does, or in fp16 or bf16 as torch's "
+                              f"fp16_compress_hook and bf16_compress_hook do): record the run without it")
+        dtype = reduces[hook]
+        return PolicyRequest(f"DDP's {hook.__name__}", reduce_dtype=dtype) if dtype else None
 
     @classmethod
     def read(cls, model, optimizer, device: torch.device, unwrap) -> "DataParallel":
