@@ -36,9 +36,9 @@ class DeclaredClipping:
         a loss scale (GradScaler's, before its unscale_); else, where coefficient × the step's norm (torch's formula) is
         a max_grad_norm a loop sets (two significant digits, to the coefficient's bound), a clip by norm the recorder was
         not told. Before those, told no clip: every gradient element the optimizer applied clipped into [-v, v], v a
-        value a loop sets (the tensor record's `clamped`: recorded_tensors.clamped_at), a clip by value it was not told.
+        value a loop sets (the entry's `clamped`: recorded_tensors.clamped_at), a clip by value it was not told.
         None otherwise: the FAIL that entry makes stands (a bug's scale)."""
-        if found and (value := self.tensors.clamped) is not None:
+        if value := (found or {}).get("clamped"):
             return (f"the optimizer applied every gradient element clipped into [-{value:g}, {value:g}], as "
                     f"clip_grad_value_ at {value:g} would, and the recorder was told no clip: pass ParityRecorder("
                     f"clip_value={value:g})")

@@ -54,7 +54,6 @@ class RecordedTensors:
         self.applied_squares: torch.Tensor | None = None  # and as the optimizer applies them (PRE_CLIP: the applied check)
         self.applied = False  # whether the optimizer's step has applied this step's gradients (its post-hook)
         self.peak: tuple | None = None  # each applied gradient's largest |element|, by name, and their eps (_peak)
-        self.clamped: float | None = None  # the value they look clipped at, element by element (_applied_check)
         self.missed = False  # whether a step's gradients went unseen already (its line said so)
         low = precision in POLICIES and POLICIES[precision].params != "fp32"  # the gradients' own dtype, clipped in it
         self.bound = CLIP_READ["bf16" if low else "float64"]
@@ -136,15 +135,17 @@ class RecordedTensors:
         observe_step's arguments."""
         n = len(self.names)
         grads, params = norms_of(summed[:2 * n])
-        found, self.clamped = {}, None
+        found = {}
         if self.checks_applied and int(summed[-1]) == dist.get_world_size():  # every rank saw them applied
             found = self._applied_check(grads, [math.sqrt(x) for x in summed[2 * n:3 * n].tolist()], grad_norm)
         peak, self.peak = self.peak, None
-        if found and peak is not None:
+        if found and peak is not None:  # the entry says so where the applied gradients look clipped by value
             names, peaks, eps = peak
             by_name = dict(zip(names, peaks.tolist()))
-            self.clamped = clamped_at([by_name.get(name, 0.0) for name in self.names], eps, grads,
-                                      summed[2 * n:3 * n].tolist(), self.bound)
+            value = clamped_at([by_name.get(name, 0.0) for name in self.names], eps, grads,
+                               summed[2 * n:3 * n].tolist(), self.bound)
+            if value is not None:
+                found["clip_read"]["clamped"] = value
         coef = clip_coefficient(grad_norm, self.clipping) if self.grad == CLIPPED else None
         return {"tensor_grad_norms": grads, "tensor_param_norms": params, "clip_coef": coef, **found}
 

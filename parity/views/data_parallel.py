@@ -42,9 +42,10 @@ class DataParallel(View):
                    default_hooks.allreduce_hook: None}
         (hook, _), = model._comm_hooks[-1:]  # DDP runs the last one registered
         if hook not in reduces:
-            raise ConfigError(f"DDP's communication hook {getattr(hook, '__name__', type(hook).__name__)!r} reduces the gradients "
-                              f"in a way the replay cannot (it reduces as DDP does, or in fp16 or bf16 as torch's "
-                              f"fp16_compress_hook and bf16_compress_hook do): record the run without it")
+            name = getattr(hook, "__name__", type(hook).__name__)
+            raise ConfigError(f"DDP's communication hook {name!r} reduces the gradients in a way the replay cannot (it "
+                              f"reduces as DDP does, or in fp16 or bf16 as torch's fp16_compress_hook and "
+                              f"bf16_compress_hook do): record the run without it")
         dtype = reduces[hook]
         return PolicyRequest(f"DDP's {hook.__name__}", reduce_dtype=dtype) if dtype else None
 
