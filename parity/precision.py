@@ -14,6 +14,8 @@ A policy says what a run holds and reduces in which dtype (docs/precision.md has
                + bf16_optimizer_states (seed 001's setting)
   fp16         fp16 parameters and gradients, fp32 master weights and Adam state, dynamic loss scaling with
                DeepSpeed's rules
+  fp16_autocast  torch.autocast(float16) over fp32 parameters, with dynamic loss scaling — torch's AMP recipe
+               (GradScaler): Trainer's and accelerate's fp16, Lightning's 16-mixed
 
 and three refinements, each recorded: the dtype gradients are reduced over DP in (--reduce_dtype: by default the
 gradients' own — bf16 under bf16_params, as DeepSpeed's bf16 mode and FSDP2's policy reduce), the dtype micro-batch
@@ -45,7 +47,7 @@ class Policy:
     name: str
     params: str
     master: str
-    autocast: bool
+    autocast: str | None  # the dtype torch.autocast computes the matrix products in over fp32 parameters (DTYPES)
     reduce_dtypes: tuple[str, ...]  # the dtypes gradients may be reduced over DP in; the first is the default
     loss_scaling: bool
     holds: str  # in words, for notes, reports and the --precision help
@@ -72,7 +74,7 @@ class Policy:
     @property
     def compute(self) -> str:
         """The dtype the matrix products run in, by name (DTYPES)."""
-        return "bf16" if self.autocast else self.params
+        return self.autocast or self.params
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the matrix products run in."""
@@ -80,15 +82,18 @@ class Policy:
 
 
 POLICIES = {
-    "fp32": Policy("fp32", "fp32", "fp32", False, ("fp32",), False, "fp32 everything"),
-    "bf16": Policy("bf16", "fp32", "fp32", True, ("fp32", "bf16"), False,
+    "fp32": Policy("fp32", "fp32", "fp32", None, ("fp32",), False, "fp32 everything"),
+    "bf16": Policy("bf16", "fp32", "fp32", "bf16", ("fp32", "bf16"), False,
                    "torch.autocast(bfloat16) over fp32 parameters, gradients, master weights and Adam state"),
-    "bf16_params": Policy("bf16_params", "bf16", "fp32", False, ("bf16", "fp32"), False,
+    "bf16_params": Policy("bf16_params", "bf16", "fp32", None, ("bf16", "fp32"), False,
                           "bf16 parameters and gradients, fp32 master weights and Adam state"),
-    "bf16_pure": Policy("bf16_pure", "bf16", "bf16", False, ("bf16",), False,
+    "bf16_pure": Policy("bf16_pure", "bf16", "bf16", None, ("bf16",), False,
                         "bf16 parameters, gradients, master weights and Adam state"),
-    "fp16": Policy("fp16", "fp16", "fp32", False, ("fp16", "fp32"), True,
+    "fp16": Policy("fp16", "fp16", "fp32", None, ("fp16", "fp32"), True,
                    "fp16 parameters and gradients, fp32 master weights and Adam state, dynamic loss scaling"),
+    "fp16_autocast": Policy("fp16_autocast", "fp32", "fp32", "fp16", ("fp32",), True,
+                            "torch.autocast(float16) over fp32 parameters, gradients, master weights and Adam state, "
+                            "dynamic loss scaling"),
 }
 
 
@@ -127,7 +132,10 @@ def describe(settings: dict) -> str:
     if accum and accum != policy.grad_accum_dtypes[0]:
         text += f", micro-batches accumulated in {accum}"
     scaling = settings.get("loss_scaling")
-    if scaling:
+    if scaling and scaling.get("rules") == "GradScaler" and not scaling["loss_scale"]:  # recording/grad_scaler.py's
+        text += (f", GradScaler's loss scale from 2^{scaling['initial_scale_power']:g}, × {scaling['growth_factor']:g} "
+                 f"after {scaling['loss_scale_window']} good steps, × {scaling['backoff_factor']:g} at an overflow")
+    elif scaling:
         text += (f", static loss scale {scaling['loss_scale']:g}" if scaling["loss_scale"] else
                  f", loss scale 2^{scaling['initial_scale_power']} window {scaling['loss_scale_window']} hysteresis "
                  f"{scaling['hysteresis']} min {scaling['min_loss_scale']:g}")

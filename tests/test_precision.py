@@ -42,6 +42,7 @@ FP16 = {"precision": "fp16", "loss_scale_window": 2}
 # an overflow skips steps after, and every kind of step is checked against a reference step from the run's own state.
 FP16_CHECKED = {**FP16, "checkpoint_interval": 1}
 DEEPSPEED_BF16 = {"bf16": {"enabled": True}}  # a user's DeepSpeed config: it alone picks bf16_params
+AMP = {"precision": "fp16_autocast", "loss_scale_window": 2}  # torch's AMP recipe, with the harness's scaler as FP16's
 
 # folder → {record file: (strategy, flags)}: the baseline and references of a folder, then the runs it judges. A
 # record listed under several folders is trained once (its first folder) and copied.
@@ -75,6 +76,12 @@ FOLDERS = {
              **({"loss_deepspeed.json": ("deepspeed", {**TP2_DP2, **FP16_CHECKED, "zero_stage": 1})} if CPU_HAS_FP16
                 else {})},
     "autocast": {"loss_ddp.json": ("ddp", {**DP2, "precision": "bf16"})},
+    "fp16_autocast": {"loss_ddp.json": ("ddp", {**DP2, **AMP}),
+                      "noise_reference_ddp_tp1_dp1_fp16_autocast.json": ("ddp", {**DP1, **AMP, "noise_reference": True}),
+                      "noise_reference_ddp_tp1_dp2_fp32.json": BASELINE["noise_reference_ddp_tp1_dp2_fp32.json"],
+                      "loss_fsdp.json": ("fsdp", {**TP2_DP2, **AMP}),
+                      "loss_ddp_loss_scale_kept_for_clipping.json": ("ddp", {
+                          **DP2, **AMP, "strategy_class": DDPLossScaleKeptForClipping})},
     # last: its NaN loss stops the rest of its group (its record keeps the steps before)
     "overflow_applied": {"loss_ddp_overflow_applied.json": ("ddp", {**DP2, **FP16,
                                                                     "strategy_class": DDPOverflowApplied})},
@@ -268,6 +275,24 @@ def test_fp16_loss_scale_kept_for_clipping_fails(folders, capsys):
     clips by is the scaled gradients', the one it records the unscaled: the tensor record, read where it takes its norm,
     holds the scaled ones — its invariant FAILs the run at step 0, ahead of the curves (which see it by step 4)."""
     code, result, out = verdict(folders / "fp16", capsys)
+    bug = result["against_baseline"]["ddp_loss_scale_kept_for_clipping"]
+    first = bug["first_outside"]
+    assert (code, bug["verdict"]) == (1, "FAIL"), out
+    assert (first["step"], first["test"]) == (0, "clip_read") and first["value"] > 100 * first["reference"], bug
+
+
+def test_fp16_autocast_fsdp_passes_against_ddp_and_a_clip_before_unscaling_fails(folders, capsys):
+    """torch's AMP recipe (fp16_autocast: autocast(float16) over fp32 parameters, the loss scaled): DDP and FSDP2 + TP
+    skip the same overflowing steps at the same scales and FSDP PASSes, calibrated; the scale removed after clipping —
+    clip_grad_norm_ before scaler.unscale_, as torch's AMP docs warn — FAILs at step 0 on the norm it clipped by."""
+    ddp, fsdp = (records(folders / "fp16_autocast")[name] for name in ("loss_ddp.json", "loss_fsdp.json"))
+    assert ddp["config"]["precision"] == "fp16_autocast" and ddp["config"]["loss_scaling"]["loss_scale_window"] == 2
+    skipped, scales = [s["skipped"] for s in ddp["steps"]], [s["loss_scale"] for s in ddp["steps"]]
+    assert skipped == [s["skipped"] for s in fsdp["steps"]] and scales == [s["loss_scale"] for s in fsdp["steps"]]
+    assert scales[0] == 2 ** 16 and max(scales) >= 2 ** 18, scales
+    code, result, out = verdict(folders / "fp16_autocast", capsys)
+    against = result["against_baseline"]["fsdp"]
+    assert (against["verdict"], against["calibrated"]) == ("PASS", True), out
     bug = result["against_baseline"]["ddp_loss_scale_kept_for_clipping"]
     first = bug["first_outside"]
     assert (code, bug["verdict"]) == (1, "FAIL"), out

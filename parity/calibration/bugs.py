@@ -413,15 +413,16 @@ class DDPGradientsNotZeroed(DDPStrategy):
 
 
 class ClippedScaled(PolicyOptimizer):
-    """fp16's loss scale removed after clipping instead of before: the clip coefficient is computed from the scaled
-    gradients' norm (scale × the true norm), so every step clips by 1/scale too much — the recorded norm is the true
-    one (unscaled by the scale, as the code meant)."""
+    """fp16's loss scale removed after clipping instead of before (fp16, fp16_autocast): the clip coefficient is
+    computed from the scaled gradients' norm (scale × the true norm), so every step clips by 1/scale too much — the
+    recorded norm is the true one (unscaled by the scale, as the code meant). torch's AMP recipe written as its docs
+    warn not to: clip_grad_norm_ before scaler.unscale_."""
 
     def step(self, lr, norm_of, counted=None, before_norm=None):
         scale = self.loss_scale
-        for p, m in zip(self.params, self.masters):
+        for p, m in zip(self.params, self.master_parameters()):  # the parameters themselves in fp16_autocast
             m.grad = p.grad.float()
-        grads = [m.grad for m in self.masters]
+        grads = [m.grad for m in self.master_parameters()]
         if self.scaler.unscale_or_skip([g.clone() for g in grads], grads[0].device):
             self.zero_grad()
             return OptimizerStep(float("inf"), skipped=True, loss_scale=scale)
@@ -431,7 +432,7 @@ class ClippedScaled(PolicyOptimizer):
         torch._foreach_mul_(grads, clip_coefficient(scaled_norm, self.cfg) / scale)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        for p, m in zip(self.params, self.masters):
+        for p, m in zip(self.params, self.master_parameters()):
             p.data.copy_(m)
         self.zero_grad()
         return OptimizerStep(scaled_norm / scale, loss_scale=scale)

@@ -178,7 +178,8 @@ def tolerance_for(a: Dump, b: Dump, override: float | None = None,
                 for k, scale in tensor_scales(a).items() if k.startswith("param/")}
         return ({key: max(tolerances.LAYER_NOISE_K * n, flip.get(key, 0.0), tolerances.LAYERS["fp32"])
                  for key, n in noise.items()},
-                f"calibrated: {tolerances.LAYER_NOISE_K} × each tensor's bf16 rounding ({REFERENCE_STEM})")
+                f"calibrated: {tolerances.LAYER_NOISE_K} × each tensor's {a.meta['precision']} rounding "
+                f"({REFERENCE_STEM})")
     why = "no noise reference" if looser == "bf16" else "fp32"
     return tolerances.LAYERS[looser], f"the fixed {looser} tolerance ({why})"
 

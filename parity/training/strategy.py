@@ -241,9 +241,11 @@ class Strategy(Routing, ShardedView):
         return self.loss_scale
 
     def autocast(self):
-        """The compute-precision context of the forward pass: torch.autocast(bfloat16) in the bf16 policy."""
-        if policy_of(self.cfg).autocast:
-            return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
+        """The compute-precision context of the forward pass: torch.autocast in its dtype in an autocast policy (bf16,
+        fp16_autocast)."""
+        policy = policy_of(self.cfg)
+        if policy.autocast:
+            return torch.autocast(device_type=self.ctx.device.type, dtype=policy.compute_dtype())
         return contextlib.nullcontext()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
