@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="Accelerator(mixed_precision=\"bf16\"): autocast over fp32 weights")
+    p.add_argument("--fp16", action="store_true", help="Accelerator(mixed_precision=\"fp16\"): autocast(float16) over "
+                                                       "fp32 weights and a GradScaler on a GPU; fp32 on a CPU")
     return p.parse_args(argv)
 
 
@@ -89,7 +91,7 @@ def train(args) -> str | None:
     # cpu=True where there is no GPU: on CPU accelerate forms the launcher's process group (gloo) only when told
     accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
         num_steps=accum, sync_with_dataloader=False), cpu=not torch.cuda.is_available(),
-        mixed_precision="bf16" if args.bf16 else "no")
+        mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no")
     set_seed(args.seed)
     model = build_model(resolve_model_config("qwen2-tiny"), args.seed)
     world = accelerator.num_processes

@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU a rank (NCCL; gloo where "
                    "the ranks share one: PARITY_SHARE_ONE_GPU=1)")
     p.add_argument("--bf16", action="store_true", help="Trainer's bf16 (autocast over fp32 weights)")
+    p.add_argument("--fp16", action="store_true", help="Trainer's fp16 (autocast over fp32 weights, accelerate's "
+                                                       "GradScaler)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer/techniques.md#lora)")
     p.add_argument("--rows", type=int, default=None,
@@ -143,6 +145,7 @@ def train(args) -> None:
         output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum_steps, max_steps=args.steps, learning_rate=1e-3,
         warmup_steps=2, weight_decay=0.01, max_grad_norm=args.max_grad_norm, logging_steps=1, report_to=[],
+        fp16=args.fp16,
         **({"save_strategy": "steps", "save_steps": args.save_at} if args.save_at else {"save_strategy": "no"}),
         use_cpu=args.device == "cpu", ddp_backend=backend(args.device), seed=args.seed, data_seed=args.seed,
         dataloader_num_workers=0, disable_tqdm=True, bf16=args.bf16, dataloader_drop_last=args.drop_last)

@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Lightning's strategy: ddp; model_parallel (FSDP2 over its data-parallel dim: CPU or GPU); "
                         "fsdp (GPU only: Lightning refuses it on CPU)")
     p.add_argument("--bf16", action="store_true", help="Trainer(precision=\"bf16-mixed\"): autocast over fp32 weights")
+    p.add_argument("--fp16", action="store_true", help="Trainer(precision=\"16-mixed\"): autocast(float16) over fp32 "
+                                                       "weights, Lightning's GradScaler")
     p.add_argument("--manual", action="store_true", help="manual optimization (automatic_optimization = False): the "
                                                          "module's own manual_backward, clip_gradients and opt.step()")
     p.add_argument("--static_graph", action="store_true", help="DDP with static_graph=True")
@@ -192,7 +194,8 @@ def train(args, ray: bool = False) -> None:
                                         static_graph=args.static_graph), []
     automatic = not args.manual  # manual optimization accumulates and clips in its training_step
     trainer = pl.Trainer(accelerator=args.accelerator, devices="auto" if ray else world, strategy=strategy,
-                         plugins=plugins, max_steps=args.steps, precision="bf16-mixed" if args.bf16 else "32-true",
+                         plugins=plugins, max_steps=args.steps,
+                         precision="bf16-mixed" if args.bf16 else "16-mixed" if args.fp16 else "32-true",
                          accumulate_grad_batches=args.grad_accum_steps if automatic else 1,
                          # Lightning's FSDPPrecision refuses clipping by norm: FSDP runs unclipped
                          gradient_clip_val=None if args.strategy == "fsdp" or not automatic else args.max_grad_norm,

@@ -8,6 +8,8 @@ epoch, the epoch topped up from its start to a multiple of the ranks, a smaller 
 accumulation window), gradient accumulation under no_sync, AdamW with two parameter groups (no weight decay on biases
 and norms, as Hugging Face's Trainer does), a linear warm-up, and clipping. Each window's loss is its global token
 mean, whatever its micro-batches hold. The recorder (parity.recording.recorder.ParityRecorder) is five lines of it.
+`--fp16` trains it as torch's AMP docs write it: the forward under torch.autocast(float16), the loss scaled by
+torch.amp.GradScaler, scaler.unscale_ before the recorder's before_step and the clip, scaler.step, scaler.update.
 
 It checkpoints the way a user's loop does: `--save_at K` writes the model's, the optimizer's and the scheduler's state
 dicts and the data position after K steps (torch.save on rank 0) and stops; `--resume_from DIR` restores them and goes
@@ -61,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "widths for benchmark.py --recorder")
     p.add_argument("--model_layers", type=int, default=2, help="the model's decoder layers (its first N)")
     p.add_argument("--bf16", action="store_true", help="the forward under torch.autocast(bfloat16), over fp32 weights")
+    p.add_argument("--fp16", action="store_true", help="torch's AMP recipe: the forward under torch.autocast(float16) "
+                   "over fp32 weights, the loss scaled by torch.amp.GradScaler")
+    p.add_argument("--init_scale", type=float, default=2.0 ** 16, help="with --fp16, GradScaler's init_scale")
+    p.add_argument("--growth_interval", type=int, default=2000, help="with --fp16, GradScaler's growth_interval")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the model and batches on the rank's "
                    "GPU (the group stays gloo, which carries DDP's CUDA tensors)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
@@ -168,7 +174,7 @@ def train(args) -> str | None:
     ddp = wrapped[0]
     rec = ParityRecorder(args.output_dir, name=args.name, model=ddp, optimizer=optimizer,
                          max_grad_norm=args.max_grad_norm, framework="examples/plain_loop.py",
-                         precision="bf16" if args.bf16 else "fp32",
+                         precision="bf16" if args.bf16 else "fp16_autocast" if args.fp16 else "fp32",
                          **({"max_batch_bytes": args.max_batch_bytes} if args.max_batch_bytes else {}),
                          **({"max_state_bytes": args.max_state_bytes} if args.max_state_bytes else {}),
                          dump_step=args.dump_step, scheduler=scheduler, start_step=start,
@@ -177,6 +183,9 @@ def train(args) -> str | None:
     all_ids, all_labels, all_mask = (t.to(where) for t in dataset(samples, args.seq_length, model.config.vocab_size,
                                                                  args.seed))
     data = itertools.islice(windows(args, rank, world, samples), start, None)  # the data position restored
+    scaler = torch.amp.GradScaler(where.type, init_scale=args.init_scale, growth_interval=args.growth_interval,
+                                  enabled=args.fp16)  # a pass-through without --fp16
+    half = torch.float16 if args.fp16 else torch.bfloat16
     for step, window in zip(range(start, args.steps), data):
         # the window's loss tokens: each rank's count, summed over the ranks
         local = sum((all_labels[batch][:, 1:] != -100).sum() for batch in window)
@@ -186,19 +195,21 @@ def train(args) -> str | None:
         for k, batch in enumerate(window):
             ids, labels, mask = all_ids[batch], all_labels[batch], all_mask[batch]
             with contextlib.nullcontext() if k == len(window) - 1 else ddp.no_sync():
-                with torch.autocast(where.type, dtype=torch.bfloat16, enabled=args.bf16):
+                with torch.autocast(where.type, dtype=half, enabled=args.bf16 or args.fp16):
                     logits = ddp(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                          ignore_index=-100, reduction="sum")
                 loss = summed * world / global_tokens  # DDP averages over ranks: the global token mean
-                loss.backward()
+                scaler.scale(loss).backward()
             rec.micro_batch(ids, labels, logits, attention_mask=mask)
             logged += float(summed.detach())
         logged = torch.tensor(logged, dtype=torch.float64)
         dist.all_reduce(logged)  # the loss the loop logs: the global batch's token mean
+        scaler.unscale_(optimizer)
         rec.before_step()
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.max_grad_norm)
-        optimizer.step()
+        scaler.step(optimizer)  # skipped where the gradients hold an inf or a NaN
+        scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         rec.after_step(logged_loss=float(logged / global_tokens))

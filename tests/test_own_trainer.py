@@ -186,7 +186,7 @@ def runs(tmp_path_factory):
     jobs.append((EXAMPLE, ["--output_dir", str(folders[CAPPED]), "--name", NAME, "--steps", "4",
                            "--max_batch_bytes", "15000"]))  # 6144 bytes a step: steps 0 and 1 saved
     for name in (BF16, HF, *HF_COPIES, "plain_1rank", "plain_copy", "hf_1rank", "hf_small", HF_CLIPPED, "internal",
-                 TOLD_FP32):
+                 TOLD_FP32, "hf_fp16_cpu"):
         folders[name] = root / name
     jobs.append((HF_EXAMPLE, ["--output_dir", str(folders[HF]), "--steps", str(STEPS),
                               "--dump_step", str(HF_DUMP_STEP), "--checkpoint_interval", str(INTERVAL)]))
@@ -217,7 +217,9 @@ def runs(tmp_path_factory):
            (HF_EXAMPLE, ["--output_dir", str(folders["hf_small"]), "--steps", "4", "--rows", "5",
                          "--dynamic_padding"]),  # windows of 2 + 2 rows, then of 1 (drop_last off)
            (HF_EXAMPLE, ["--output_dir", str(folders[HF_CLIPPED]), "--steps", "3", "--max_grad_norm", "0.5"]),
-           (_copy(root, EXAMPLE, TOLD_FP32, [('precision="bf16" if args.bf16 else "fp32"', 'precision="fp32"')]),
+           (HF_EXAMPLE, ["--output_dir", str(folders["hf_fp16_cpu"]), "--steps", "2", "--fp16"]),
+           (_copy(root, EXAMPLE, TOLD_FP32, [('precision="bf16" if args.bf16 else "fp16_autocast" if args.fp16 else "fp32"',
+                                                  'precision="fp32"')]),
             ["--output_dir", str(folders[TOLD_FP32]), "--name", NAME, "--steps", "2", "--bf16"])]
     start_processes(_record_rank, (1, free_port(), one, str(root)), 1)
     shutil.copytree(folders["plain_1rank"], folders["plain_copy"])  # a copied record folder replays too
@@ -584,8 +586,8 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
          f"without it"),
         ([*out, "--replay_record", _edited_record(runs, tmp_path / "e", fp16)],
          f"error: --replay_record loss_{NAME}.json: an fp16 run is replayed where its recorder records its loss scaler "
-         f"(each step's scale and whether it was skipped: megatron-core's), and this one's does not: record it in bf16 "
-         f"or fp32"),
+         f"(each step's scale and whether it was skipped: megatron-core's, GradScaler's), and this one's does not: "
+         f"record it again with this release's recorder, or in bf16 or fp32"),
         ([*out, "--replay_record", _edited_record(runs, tmp_path / "f", t5)],
          f"error: --replay_record loss_{NAME}.json: the recorded model cannot be built by the harness: a 't5' model is "
          f"an encoder-decoder: the harness trains decoder-only causal language models"),
@@ -1151,19 +1153,31 @@ def test_a_forward_under_another_autocast_than_told_stops_the_record_at_step_0(r
     assert len(_record(runs[BF16], HF)["steps"]) == BF16_STEPS and _record(runs[BF16], HF)["config"]["precision"] == "bf16"
 
 
+def test_trainers_fp16_on_a_cpu_is_recorded_as_the_fp32_it_trains(runs):
+    """TrainingArguments(fp16=True, use_cpu=True): accelerate trains it in fp32 on a CPU (no autocast, no GradScaler),
+    and the record says fp32, every step recorded — it said fp16 before 2026-12-01, and its replay was refused."""
+    recorded = _record(runs["hf_fp16_cpu"], HF)
+    assert (recorded["config"]["precision"], recorded["config"]["loss_scaling"], len(recorded["steps"])) == (
+        "fp32", None, 2)
+
+
 def test_each_autocast_against_each_policy_told():
     """The first forward's autocast against the policy told, where the policy keeps fp32 parameters: bf16 autocast
-    under "bf16" and none under "fp32" are as told; the others end the record naming the precision to pass, and fp16
-    autocast (torch.amp's, none of the replay's policies) is refused; low-precision-parameter policies are not read."""
+    under "bf16", fp16 autocast under "fp16_autocast" (torch's AMP recipe) and none under "fp32" are as told; the others
+    end the record naming the precision to pass; low-precision-parameter policies are not read."""
     from parity.recording.precision_seen import mismatch
 
     assert mismatch("bf16", True, torch.bfloat16) is None and mismatch("fp32", False, torch.bfloat16) is None
+    assert mismatch("fp16_autocast", True, torch.float16) is None
     assert mismatch("bf16_params", True, torch.bfloat16) is None and mismatch("fp16", True, torch.float16) is None
     assert mismatch("bf16", False, torch.bfloat16) == (
         "the forward ran without autocast, but the recorder was told precision='bf16': pass precision='fp32'")
     assert mismatch("fp32", True, torch.float16) == (
-        "the forward ran under torch.autocast(fp16), but the recorder was told precision='fp32': the harness replays "
-        "autocast in bfloat16 only")
+        "the forward ran under torch.autocast(fp16), but the recorder was told precision='fp32': pass "
+        "precision='fp16_autocast'")
+    assert mismatch("fp16_autocast", True, torch.bfloat16) == (
+        "the forward ran under torch.autocast(bf16), but the recorder was told precision='fp16_autocast': pass "
+        "precision='bf16'")
 
 
 def test_trainer_two_ranks_against_one_rank_twice_the_accumulation(runs):

@@ -25,7 +25,7 @@ NAME = "accelerate_loop"
 STEPS = 6
 CLEAN_LOSS = "loss = summed * world * accum / tokens"
 ACCELERATOR = ("num_steps=accum, sync_with_dataloader=False), cpu=not torch.cuda.is_available(),\n"
-               "        mixed_precision=\"bf16\" if args.bf16 else \"no\")")
+               "        mixed_precision=\"bf16\" if args.bf16 else \"fp16\" if args.fp16 else \"no\")")
 COPIES = {
     # run_clm_no_trainer.py's loss: the model's own per-micro-batch mean, a mean of means on padded data
     "mean_of_means": [(CLEAN_LOSS, "loss = outputs.loss")],
@@ -70,7 +70,7 @@ def runs(tmp_path_factory):
     from parity.driver.local_group import launch_local, start_processes
 
     root = tmp_path_factory.mktemp("own_trainer_accelerate")
-    folders = {name: root / name for name in ("clean", *COPIES)}
+    folders = {name: root / name for name in ("clean", *COPIES, "fp16_on_cpu")}
     for folder in folders.values():
         folder.mkdir()
     copies = {name: _copy(root, EXAMPLE, name, edits) for name, edits in COPIES.items()}
@@ -78,6 +78,7 @@ def runs(tmp_path_factory):
             (copies["mean_of_means"], ["--output_dir", str(folders["mean_of_means"]), "--steps", "3"]),
             (copies["stepped_twice"], ["--output_dir", str(folders["stepped_twice"]), "--steps", "2"]),
             (copies["left_out"], ["--output_dir", str(folders["left_out"]), "--steps", "2", "--bf16"]),
+            (copies["left_out"], ["--output_dir", str(folders["fp16_on_cpu"]), "--steps", "2", "--fp16"]),
             (copies["told_fp32"], ["--output_dir", str(folders["told_fp32"]), "--steps", "2", "--bf16"],
              str(folders["told_fp32"] / "stderr.txt")),
             (copies["alone"], ["--output_dir", str(folders["alone"]), "--steps", "2"],
@@ -137,10 +138,12 @@ def test_an_optimizer_that_stepped_twice_in_a_step_stops_the_record_there(runs):
 def test_the_accelerators_mixed_precision_is_the_records_unless_told_another(runs):
     """Accelerator(mixed_precision="bf16") and a recorder told no precision: the record's policy is bf16 (autocast
     over fp32 weights), as the replay must train — told none, a bf16 run was replayed in fp32 and FAILed at 64 × its
-    bound (docs/false_alarms.md). Told "fp32" against it: refused in one line naming both and the fix, nothing
-    written."""
+    bound (docs/false_alarms.md). mixed_precision="fp16" on a CPU, which accelerate trains in fp32 (no autocast, no
+    scaler): fp32. Told "fp32" against bf16: refused in one line naming both and the fix, nothing written."""
     recorded = _record(runs["left_out"], NAME)
     assert recorded["config"]["precision"] == "bf16" and len(recorded["steps"]) == 2
+    on_cpu = _record(runs["fp16_on_cpu"], NAME)
+    assert (on_cpu["config"]["precision"], len(on_cpu["steps"]), on_cpu["config"]["loss_scaling"]) == ("fp32", 2, None)
     lines = [line for line in (runs["told_fp32"] / "stderr.txt").read_text().splitlines()
              if line.startswith("parity recorder")]
     assert lines == [TOLD_LINE]

@@ -648,7 +648,7 @@ def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):
     """The default verdict plans its noise references for a record of every low-precision policy the replay takes,
     whatever its reduce and accumulation dtypes (the ZeRO-2 bf16 record, its policy rewritten): the twins in the
     record's own policy, the fp32 twin in fp32's own dtypes — none refused (plans only; an fp16 record's, which
-    follows its loss scaler, is tests/test_megatron.py's)."""
+    follows its loss scaler, is tests/test_megatron.py's, an fp16_autocast one's tests/test_own_trainer_amp.py's)."""
     from parity.commands.verify_trainer import plan_replays
     from parity.precision import POLICIES
 
@@ -660,7 +660,7 @@ def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):
     planned = {}
     for policy in POLICIES.values():
         for reduce, accumulate in ((r, a) for r in policy.reduce_dtypes for a in policy.grad_accum_dtypes):
-            if policy.name in ("fp32", "fp16"):
+            if policy.name == "fp32" or policy.loss_scaling:
                 continue
             own = {"precision": policy.name, "reduce_dtype": reduce, "grad_accum_dtype": accumulate}
             path.write_text(json.dumps({**record, "config": {**record["config"], **own}}))

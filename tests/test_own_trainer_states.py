@@ -29,8 +29,8 @@ from test_own_trainer import NAME, _copy, _record_rank, _train_ddp, state_checks
 EXAMPLE = os.path.join(REPO, "examples", "plain_loop.py")
 ONSET, INTERVAL, STEPS = 60, 25, 100
 # AdamW's moments scaled after the optimizer's step, from ONSET on: the update is scale-invariant, the state is not.
-SCALED_MOMENTS = ("        optimizer.step()\n",
-                  "        optimizer.step()\n"
+SCALED_MOMENTS = ("        scaler.update()\n",
+                  "        scaler.update()\n"
                   f"        if step >= {ONSET}:  # seeded: AdamW's moments scaled after its step\n"
                   "            for state in optimizer.state.values():\n"
                   "                state['exp_avg'].mul_(0.9)\n"

@@ -1,5 +1,6 @@
 """fp16's loss scaler judged from a recorded run's own record (docs/precision.md#the-replay-of-an-fp16-record): a recorder
-that records its framework's scaler — megatron-core's (parity/frameworks/megatron/recording.py): each step's
+that records its framework's scaler — megatron-core's (parity/frameworks/megatron/recording.py), torch's GradScaler
+(parity/recording/grad_scaler.py: Trainer's, accelerate's, Lightning's, a loop's own): each step's
 `loss_scale` (the scale its gradients were computed with) and `skipped`, the scaler's settings and `rules` in the
 config's loss_scaling — has it judged exactly, ahead of any tolerance, at the first step where
 
@@ -44,7 +45,26 @@ def megatron_core(settings: dict, skipped: list[bool]) -> list[float]:
     return scales
 
 
-RULES = {"megatron-core": megatron_core}  # a record's loss_scaling["rules"] → each step's scale from its skips
+def grad_scaler(settings: dict, skipped: list[bool]) -> list[float]:
+    """The scale of each step by torch's GradScaler (torch/amp/grad_scaler.py, recorded by recording/grad_scaler.py),
+    given the steps it skipped: a static `loss_scale` throughout (a disabled scaler's 1); else from
+    2^initial_scale_power (its init_scale), at an overflow × backoff_factor and the growth count restarted, after
+    `loss_scale_window` (growth_interval) good steps in a row × growth_factor."""
+    if settings["loss_scale"]:
+        return [float(settings["loss_scale"])] * len(skipped)
+    scale, growth, scales = 2.0 ** settings["initial_scale_power"], 0, []
+    for skip in skipped:
+        scales.append(scale)
+        if skip:
+            scale, growth = scale * settings["backoff_factor"], 0
+        else:
+            growth += 1
+            if growth == settings["loss_scale_window"]:
+                scale, growth = scale * settings["growth_factor"], 0
+    return scales
+
+
+RULES = {"megatron-core": megatron_core, "GradScaler": grad_scaler}  # loss_scaling["rules"] → each step's scale
 
 
 def first_fault(run, num_steps: int) -> Outside | None:
@@ -62,7 +82,7 @@ def first_fault(run, num_steps: int) -> Outside | None:
             return Outside(quantity="skipped", rel_diff=1.0, tolerance=0.0, step=step, value=float(skip),
                            reference=norm, test=TEST)
         got = entry.get("loss_scale")
-        if got is None or abs(got - scale) > 1e-9 * scale:
+        if got is None or abs(got - scale) > 1e-6 * scale:  # GradScaler's fp32 arithmetic
             return Outside(quantity="loss_scale", rel_diff=math.inf if got is None else abs(got / scale - 1),
                            tolerance=0.0, step=step, value=got, reference=scale, test=TEST)
     return None
@@ -76,8 +96,8 @@ def line(f: Outside, rules: str | None = None) -> str:
     if f.quantity == "skipped":
         return (f"step {f.step}: the step was applied, but its gradients held an inf or a NaN (pre-clip norm "
                 f"{f.reference}): a step taken on an fp16 overflow")
-    whose = f"{rules}'s" if rules else "its"
-    return (f"step {f.step}: the loss scale {f.value:g} is not the {f.reference:g} that {whose} scaler's rules give "
+    whose = "its scaler's" if not rules else f"{rules}'s" if rules.endswith("Scaler") else f"{rules}'s scaler's"
+    return (f"step {f.step}: the loss scale {f.value:g} is not the {f.reference:g} that {whose} rules give "
             f"from its settings and the steps it skipped before: the scale changed at the wrong step")
 
 
@@ -103,4 +123,4 @@ def notes(base, runs, num_steps: int) -> list[str]:
     return found
 
 
-__all__ = ["RULES", "TEST", "first_fault", "line", "megatron_core", "notes"]
+__all__ = ["RULES", "TEST", "first_fault", "grad_scaler", "line", "megatron_core", "notes"]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from parity import storage
 from parity.errors import ConfigError, first_line
 from parity.attaching import layer_cut
-from parity.recording import precision_seen, resume, states
+from parity.recording import grad_scaler, precision_seen, resume, states
 from parity.recording.batch_taking import BatchTaking
 from parity.recording.clipping import DeclaredClipping
 from parity.recording.description import describe_run
@@ -167,8 +167,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
             self._release_group()
 
     def _release_group(self) -> None:
-        """The group of one started for this recorder ended, the loop's own held to the process's exit
-        (group.release)."""
+        """The group of one started for this recorder ended, the loop's own held to the process's exit (group.py)."""
         release(self._own_group)
         self._own_group = False
 
@@ -249,6 +248,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
         self._hook = Hooks(self.tensors.watch(optimizer, self._before_optimizer_step),  # and its step post-hook
                            *watch_towers(self.view.towers, self._not_as_told))  # a multimodal model's images fed
         self._autocast = precision_seen.watch(self.model, precision, self._not_as_told)  # the first forward's autocast
+        self._scaler = grad_scaler.reading(self.record, optimizer, precision)  # fp16_autocast's GradScaler, if any
         if self.rank == 0 and fresh:  # the first write: all that could refuse or fail has passed
             self._wrote = True
             storage.write_bytes_atomic(storage.join(self.folder, "config.json"),
@@ -355,6 +355,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
             if self.dump is not None and grad_norm is None:
                 self.dump.take_grads()
             self.tensors.read(BEFORE_STEP)  # every tensor's gradient, before the loop's clipping (recorded_tensors.py)
+            self.step_extras.update(self._scaler.read() if self._scaler else {})  # its scale and skip (grad_scaler.py)
             if grad_norm is not None:
                 self.grad_norm, self.grad_norm_source = float(grad_norm), source
             elif self.view.grad_norm_visible:  # full gradients, float64 (collective where they are sharded)
@@ -465,7 +466,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
         if logged_grad_norm is not None:
             extras["logged_grad_norm"] = float(logged_grad_norm)
         if self.declared is not None:  # what the schedule declares for this update (once a step, every rank)
-            extras["declared_lr"] = self.declared.lr()
+            extras["declared_lr"] = self.declared.lr(lr, skipped=bool(self.step_extras.get("skipped")))
         if (betas := moved_betas(self.optimizer_description, read)) is not None:  # the pre-hook's reading
             extras["betas"] = betas
         harness_s = {"recorder_before": self.recorder_s, "exchange": exchanged - normed, "batch": saving,

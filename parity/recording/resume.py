@@ -29,10 +29,14 @@ class DeclaredSchedule:
     """An lr schedule as it is declared, on a scratch optimizer that never trains: `lr()` is the lr of the next update,
     then the schedule moves one update on. It moves once per recorded update whatever the loop does, so a scheduler the
     loop steps twice per update, or restarts at a resume, applies another lr than this one, and the verdict FAILs the
-    first step whose lr is not the declared one (parity.comparing.run.Run.lr_off_schedule)."""
+    first step whose lr is not the declared one (parity.comparing.run.Run.lr_off_schedule). A step an fp16 loss scaler
+    skipped declares none: loops differ there, each correct — torch's AMP recipe steps its scheduler at every iteration,
+    Trainer not at a skipped one —, so the next update's is the schedule moved on by the skipped steps or not, whichever
+    the lr applied is."""
 
     def __init__(self, scheduler):
         self.scheduler, self.optimizer = scheduler, scheduler.optimizer
+        self.skipped = 0  # the steps skipped since the last update
 
     @classmethod
     def copy_of(cls, scheduler, step: int, line: Callable[[str], Any]) -> "DeclaredSchedule | None":
@@ -60,7 +64,17 @@ class DeclaredSchedule:
         declared.advance(step - epoch)
         return declared
 
-    def lr(self) -> float:
+    def lr(self, applied: float | None = None, skipped: bool = False) -> float | None:
+        """The declared lr of this step, which applied `applied` (None: not known) or was `skipped` (then None)."""
+        if skipped:
+            self.skipped += 1
+            return None
+        if self.skipped:
+            ahead = copy.deepcopy(self)
+            ahead.advance(self.skipped)
+            if applied is not None and float(ahead.optimizer.param_groups[0]["lr"]) == applied:
+                self.scheduler, self.optimizer = ahead.scheduler, ahead.optimizer
+            self.skipped = 0
         value = float(self.optimizer.param_groups[0]["lr"])
         self.advance(1)
         return value

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 from parity import storage
 from parity.driver.config import resolve
 from parity.errors import ConfigError, RecordError
-from parity.precision import POLICY_FIELDS
+from parity.precision import POLICIES, POLICY_FIELDS
 from parity.replay.objective_replay import objective_data
 from parity.recording.optimizer_description import recorded_betas, unreplayable
 from parity.recording.rows import padding_problem
@@ -93,7 +93,7 @@ def plan_replay(record_file: str, given: Mapping[str, Any], cluster=None, strate
               "debug_steps": steps, "learning_rate": max(lrs) if max(lrs) > 0 else 1.0, **taken,
               "checkpoint_interval": 0, **lora, **(flags or {}), **given}
     cfg = resolve(strategy, values, cluster=cluster)
-    if taken["precision"] == "fp16":
+    if POLICIES[taken["precision"]].loss_scaling:
         cfg = _followed_scaler(record_file, record, cfg)
     attention = config.get("attn_implementation")  # the run's (a record from before it was kept: the default)
     model_config = {**cfg.model_config, **({"attn_implementation": attention} if attention else {})}
@@ -186,11 +186,11 @@ def read_recorded(record_file: str) -> dict:
     if batches["saved_steps"] < len(record["steps"]):
         raise ConfigError(f"--replay_record {name}: its batches are missing (saved {batches['saved_steps']} of "
                           f"{len(record['steps'])} steps): record again with the batches saved")
-    if config["precision"] == "fp16" and not (config.get("loss_scaling") and
-                                              all("loss_scale" in s for s in record["steps"])):
+    scaled = config["precision"] in POLICIES and POLICIES[config["precision"]].loss_scaling
+    if scaled and not (config.get("loss_scaling") and all("loss_scale" in s for s in record["steps"])):
         raise ConfigError(f"--replay_record {name}: an fp16 run is replayed where its recorder records its loss "
-                          f"scaler (each step's scale and whether it was skipped: megatron-core's), and this one's "
-                          f"does not: record it in bf16 or fp32")
+                          f"scaler (each step's scale and whether it was skipped: megatron-core's, GradScaler's), and "
+                          f"this one's does not: record it again with this release's recorder, or in bf16 or fp32")
     return record
 
 
@@ -220,7 +220,7 @@ def _followed_scaler(record_file: str, record: dict, cfg):
         raise ConfigError(f"--replay_record {storage.name(record_file)}: an fp16 run, whose replay follows its loss "
                           f"scaler's scales and skipped steps, which the {cfg.strategy} replay's step decides itself: "
                           f"replay it under DDP or FSDP2 (--replay_strategy ddp or fsdp)")
-    fp16 = cfg.precision == "fp16"
+    fp16 = POLICIES[cfg.precision].loss_scaling
     steps = tuple((float(s["loss_scale"]) if fp16 else 1.0, bool(s.get("skipped"))) for s in record["steps"])
     return dataclasses.replace(cfg, loss_scales=steps, **({"loss_scaling": record["config"]["loss_scaling"]}
                                                           if fp16 else {}))

@@ -10,9 +10,10 @@ import sys
 
 import torch
 
-# mixed_precision → the harness's policy; fp16 and fp8 autocast are none of its policies: the record's first forward
-# says so (parity/recording/precision_seen.py)
-POLICIES = {"no": "fp32", "bf16": "bf16"}
+# mixed_precision → the harness's policy (fp16: autocast with accelerate's GradScaler — on a GPU: accelerate trains fp16
+# on a CPU in fp32, neither autocast nor scaler); fp8 is none of its policies: the record's first forward says so
+# (parity/recording/precision_seen.py)
+POLICIES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16_autocast"}
 OWN_PRECISION = {"DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"}  # distributed types whose engine sets the precision
 
 
@@ -22,6 +23,7 @@ def policy_of(model) -> str | None:
     said, kind = shared.get("_mixed_precision"), getattr(shared.get("distributed_type"), "value", None)
     if said not in POLICIES or kind in OWN_PRECISION or not isinstance(model, torch.nn.Module):
         return None
-    if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if any(p.dtype != torch.float32 for p in params):
         return None
-    return POLICIES[said]
+    return "fp32" if said == "fp16" and params and params[0].device.type == "cpu" else POLICIES[said]

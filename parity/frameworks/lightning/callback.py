@@ -43,7 +43,7 @@ from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STA
 
 _OBSERVED = ("clip_gradients", "manual_backward")  # the module's methods observed under manual optimization
 # Lightning's precision → the harness's policy
-PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
+PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16_autocast"}
 
 
 def hugging_face_model(module: torch.nn.Module) -> torch.nn.Module:

@@ -57,7 +57,7 @@ from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder, u
 from parity.recording.resume import DeclaredSchedule
 from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
 
-PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"))  # TrainingArguments flag → the harness's policy (autocast)
+PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16_autocast"))  # TrainingArguments flag → the harness's policy (autocast)
 
 
 class ParityCallback(TrainerCallback):
@@ -89,6 +89,8 @@ class ParityCallback(TrainerCallback):
                 attach.refused(refusal)
             return
         precision = next((policy for flag, policy in PRECISIONS if getattr(args, flag, False)), "fp32")
+        if not getattr(getattr(trainer, "accelerator", None), "native_amp", True) and precision == "fp16_autocast":
+            precision = "fp32"  # accelerate's fp16 on a CPU: no autocast, no scaler
         self.engine = deepspeed_engine(trainer)  # its DeepSpeed path: the engine, read by the recorder's ZeRO view
         clipping = args.max_grad_norm or 0.0
         if self.engine is not None:  # the engine's config says its policy (precision_seen.told), Trainer's flags
