@@ -6,8 +6,8 @@ nothing to the arithmetic) at any worker count the rows allow, judged by the ver
 of one row replays at 1, 2 and 4 workers, from a relative recording folder and from a copy of it; a record past its
 batch cap stops there and its steps before the cap are judged.
 Seeded bugs in copies of the examples FAIL at a named step, and the dumps of a step name the first divergent module;
-Trainer in bf16 PASSes the calibrated verdict and a seeded bug FAILs it; Trainer's DeepSpeed path is refused in one
-line; Trainer at 2 ranks and at 1 rank with twice the accumulation agree; bad input is one line and exit 2.
+Trainer in bf16 PASSes the calibrated verdict and a seeded bug FAILs it; so does the plain loop under torch's AMP recipe
+(fp16 autocast, GradScaler) and its clip before unscaling; Trainer's DeepSpeed path is refused in one line; Trainer at 2 ranks and at 1 rank with twice the accumulation agree; bad input is one line and exit 2.
 
 One group of two ranks records every job one after another, one group of one rank the 1-rank runs, and one local
 group per world size (2, 1, 4) replays them all, then one more replays the two dumped steps (module-scoped): the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -123,6 +124,12 @@ HF_CLIPPED = "hf_clipped"  # Trainer at 1 rank clipping at 0.5: every step clips
 TOLD_FP32 = "told_fp32"  # the plain loop's forward under autocast(bfloat16), its recorder told "fp32"
 DS_PURE, DS_AUTOCAST = "ds_pure", "ds_autocast"  # Trainer's DeepSpeed path in bf16_pure (clean, hf_bug) and autocast
 AS_PARAMS = "ds_pure_as_params"  # the clean bf16_pure record replayed as bf16_params: what the recorder read before
+# torch's AMP recipe (--fp16: autocast(float16), GradScaler), its scale starting at 2^22 (the first steps overflow) and
+# growing after 2 good steps (into an overflow again); and the recipe's classic bug in a copy, recorded beside it
+AMP = "amp"
+AMP_FLAGS = ["--fp16", "--steps", "8", "--init_scale", str(2 ** 22), "--growth_interval", "2"]
+CLIP_FIRST = [("        scaler.unscale_(optimizer)\n        rec.before_step()\n" + CLIP_LINE + "\n",
+               CLIP_LINE + "  # the scaled gradients\n        scaler.unscale_(optimizer)\n        rec.before_step()\n")]
 
 
 def _record_rank(rank: int, world: int, port: int, jobs: list, cwd: str | None = None) -> None:
@@ -185,6 +192,10 @@ def runs(tmp_path_factory):
     folders[CAPPED] = root / CAPPED
     jobs.append((EXAMPLE, ["--output_dir", str(folders[CAPPED]), "--name", NAME, "--steps", "4",
                            "--max_batch_bytes", "15000"]))  # 6144 bytes a step: steps 0 and 1 saved
+    folders[AMP] = root / AMP
+    jobs += [(EXAMPLE, ["--output_dir", str(folders[AMP]), *AMP_FLAGS]),
+             (_copy(root, EXAMPLE, "clip_first", CLIP_FIRST), ["--output_dir", str(folders[AMP]), "--name",
+                                                                "clip_first", *AMP_FLAGS])]
     for name in (BF16, HF, *HF_COPIES, "plain_1rank", "plain_copy", "hf_1rank", "hf_small", HF_CLIPPED, "internal",
                  TOLD_FP32, "hf_fp16_cpu"):
         folders[name] = root / name
@@ -250,10 +261,13 @@ def runs(tmp_path_factory):
                                                              "hf_deepspeed_num_items", "hf_ds_zero0")]
     two += [_replay(folders, root, BF16, HF, 2, noise_reference=True, precision="fp32"),
             _replay(folders, root, "plain_1rank", NAME, 2, noise_reference=True),
-            _replay(folders, root, "plain_copy", NAME, 2), _replay(folders, root, CAPPED, NAME, 2)]
+            _replay(folders, root, "plain_copy", NAME, 2), _replay(folders, root, CAPPED, NAME, 2),
+            _replay(folders, root, AMP, NAME, 2), _replay(folders, root, AMP, NAME, 2, noise_reference=True,
+                                                          precision="fp32")]
     groups = [two, [_replay(folders, root, "plain_1rank", NAME, 1), _replay(folders, root, "hf_1rank", "hf_1rank", 1),
                     _replay(folders, root, BF16, HF, 1, noise_reference=True),
                     _replay(folders, root, "hf_small", HF, 1), _replay(folders, root, HF_CLIPPED, HF, 1),
+                    _replay(folders, root, AMP, NAME, 1, noise_reference=True),
                     *(_replay(folders, root, name, HF, 1, noise_reference=True) for name in calibrated)],
               [_replay(folders, root, BF16, HF, 4, noise_reference=True),
                *(_replay(folders, root, name, HF, 4, noise_reference=True) for name in calibrated),
@@ -1139,6 +1153,61 @@ def test_a_record_past_its_batch_cap_stops_there_and_its_steps_before_are_judged
     assert recorded["config"]["stopped"] == {
         "step": 2, "why": "the batches passed max_batch_bytes (15000 bytes) at step 2: no more are saved"}
     assert _compare(runs[CAPPED]).word == "PASS"
+
+
+def test_a_loop_under_torchs_amp_recipe_is_recorded_followed_and_passes(runs):
+    """torch's AMP recipe (examples/plain_loop.py --fp16: autocast(float16) over fp32 weights, torch.amp.GradScaler,
+    which the loop passes nowhere: the recorder finds it). The record says fp16_autocast and GradScaler's settings; the
+    first two steps overflow (skipped, their gradients not finite), the scale halving each time, and it grows after 2
+    good steps; the replay skipped exactly those steps at those scales, its own gradients overflowing where the
+    record's did; no lr is declared at a skipped step; PASS calibrated within the noise (measured under
+    `parity verify`: deviation ÷ noise 0.6, margin 33×)."""
+    folder = runs[AMP]
+    record, replay = _record(folder), _record(folder, "ddp")
+    assert record["config"]["precision"] == replay["config"]["precision"] == "fp16_autocast"
+    scaling = record["config"]["loss_scaling"]
+    assert {k: scaling[k] for k in ("rules", "initial_scale_power", "loss_scale_window", "growth_factor",
+                                    "backoff_factor")} == {"rules": "GradScaler", "initial_scale_power": 22,
+                                                           "loss_scale_window": 2, "growth_factor": 2.0,
+                                                           "backoff_factor": 0.5}
+    skipped, scales = [s["skipped"] for s in record["steps"]], [s["loss_scale"] for s in record["steps"]]
+    assert skipped[:2] == [True, True] and scales[:3] == [2.0 ** 22, 2.0 ** 21, 2.0 ** 20]  # measured: skipped at
+    first = skipped.index(False)  # 2^22 and 2^21, applied 2 steps at 2^20, grown to 2^21 and skipped, then at 2^20
+    assert max(scales[first:]) > scales[first] and sum(skipped) >= 3, (skipped, scales)
+    assert all(not math.isfinite(float(s["grad_norm"])) for s in record["steps"] if s["skipped"])
+    assert [s["skipped"] for s in replay["steps"]] == skipped and [s["loss_scale"] for s in replay["steps"]] == scales
+    assert [s["overflowed"] for s in replay["steps"]] == skipped
+    assert [s["declared_lr"] is None for s in record["steps"]] == skipped
+    assert all(s["declared_lr"] == s["lr"] for s in record["steps"] if not s["skipped"])
+    result = {r.run.name: r for r in compare_in(folder).results}[NAME]
+    assert result.bounds.calibrated and result.verdict.passed and max(result.noise_ratios.values()) < 1, result
+
+
+def test_a_clip_before_unscaling_fails_at_its_first_applied_step(runs):
+    """clip_grad_norm_ before scaler.unscale_, as torch's AMP docs warn not to: the clip takes the scaled gradients to
+    the max norm, the unscaling takes them to 1/scale of it — AdamW hides most of it in the loss. The verdict FAILs at
+    the first step the run applied, on the pre-clip norm the recorder read after the unscaling (measured 1e-6 against
+    the replay's 1.2)."""
+    bug = _record(runs[AMP], "clip_first")
+    first_applied = next(s["step"] for s in bug["steps"] if not s["skipped"])
+    result = {r.run.name: r for r in compare_in(runs[AMP]).results}["clip_first"]
+    outside = result.verdict.first_outside
+    assert not result.verdict.passed and outside.step == first_applied, outside
+    assert outside.quantity == "grad_norm" and outside.value < 1e-3 * outside.reference, outside
+
+
+def test_a_scale_off_gradscalers_rules_fails_ahead_of_any_tolerance(runs, tmp_path):
+    """The clean AMP record with one applied step's scale doubled: FAIL at that step on the scaler's rules (test
+    loss_scaler), naming GradScaler's."""
+    copy = tmp_path / "moved"
+    shutil.copytree(runs[AMP], copy, ignore=shutil.ignore_patterns("loss_clip_first*", "recorded_clip_first"))
+    record = _record(copy)
+    step = next(s["step"] for s in record["steps"] if not s["skipped"])
+    record["steps"][step]["loss_scale"] *= 2
+    (copy / f"loss_{NAME}.json").write_text(json.dumps(record))
+    outside = compare_in(copy).results[0].verdict.first_outside
+    assert (outside.step, outside.quantity, outside.test) == (step, "loss_scale", "loss_scaler"), outside
+    assert outside.value == 2 * outside.reference
 
 
 def test_a_forward_under_another_autocast_than_told_stops_the_record_at_step_0(runs):

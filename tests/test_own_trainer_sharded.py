@@ -648,7 +648,7 @@ def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):
     """The default verdict plans its noise references for a record of every low-precision policy the replay takes,
     whatever its reduce and accumulation dtypes (the ZeRO-2 bf16 record, its policy rewritten): the twins in the
     record's own policy, the fp32 twin in fp32's own dtypes — none refused (plans only; an fp16 record's, which
-    follows its loss scaler, is tests/test_megatron.py's, an fp16_autocast one's tests/test_own_trainer_amp.py's)."""
+    follows its loss scaler, is tests/test_megatron.py's, an fp16_autocast one's tests/test_own_trainer.py's)."""
     from parity.commands.verify_trainer import plan_replays
     from parity.precision import POLICIES
 

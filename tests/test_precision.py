@@ -77,7 +77,6 @@ FOLDERS = {
                 else {})},
     "autocast": {"loss_ddp.json": ("ddp", {**DP2, "precision": "bf16"})},
     "fp16_autocast": {"loss_ddp.json": ("ddp", {**DP2, **AMP}),
-                      "noise_reference_ddp_tp1_dp1_fp16_autocast.json": ("ddp", {**DP1, **AMP, "noise_reference": True}),
                       "noise_reference_ddp_tp1_dp2_fp32.json": BASELINE["noise_reference_ddp_tp1_dp2_fp32.json"],
                       "loss_fsdp.json": ("fsdp", {**TP2_DP2, **AMP}),
                       "loss_ddp_loss_scale_kept_for_clipping.json": ("ddp", {
