@@ -72,7 +72,8 @@ class DeclaredSchedule:
         if self.skipped:
             ahead = copy.deepcopy(self)
             ahead.advance(self.skipped)
-            if applied is not None and float(ahead.optimizer.param_groups[0]["lr"]) == applied:
+            moved = float(ahead.optimizer.param_groups[0]["lr"])
+            if applied is not None and abs(moved - applied) <= 1e-12 * max(abs(moved), abs(applied)):  # the verdict's
                 self.scheduler, self.optimizer = ahead.scheduler, ahead.optimizer
             self.skipped = 0
         value = float(self.optimizer.param_groups[0]["lr"])
