@@ -253,7 +253,9 @@ def test_the_state_the_recorder_saves_is_its_own_not_the_loops():
         assert all(torch.equal(a, b) for a, b in zip(saved, taken[name])), name  # the saved state did not
 
 
-TUTORIAL_TIMEOUT_S = 120  # 12 closes take 6 s
+# 12 closes take 6 s alone and 72–91 s under the suite's load (measured in .ci/run: every close's collectives wait on
+# both ranks being scheduled); a hung rank never ends
+TUTORIAL_TIMEOUT_S = 300
 TUTORIAL_LOOP = """\
 import os, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -264,7 +266,7 @@ def demo(rank, i, folder):  # the PyTorch DDP tutorial's shape: cleanup, then th
     model = DDP(build_model(resolve_model_config("qwen2-tiny", 1), 0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rec = ParityRecorder(f"{folder}/run{i}", name="tutorial", model=model, optimizer=optimizer,
-                         checkpoint_interval=0, log=lambda line: None)
+                         checkpoint_interval=None, log=lambda line: None)
     ids = torch.randint(1, 100, (2, 16), generator=torch.Generator().manual_seed(rank))
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
