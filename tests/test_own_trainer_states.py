@@ -253,8 +253,8 @@ def test_the_state_the_recorder_saves_is_its_own_not_the_loops():
         assert all(torch.equal(a, b) for a, b in zip(saved, taken[name])), name  # the saved state did not
 
 
-# 12 closes take 6 s alone and 72–91 s under the suite's load (measured in .ci/run: every close's collectives wait on
-# both ranks being scheduled); a hung rank never ends
+# 6 s alone, 72–91 s under the suite's load in .ci/run — there (its files' times) 61 s until the spawned ranks had
+# imported and made their first recorder, the 12 closes 3.4 s, ~20 s to exit; a hung rank never ends
 TUTORIAL_TIMEOUT_S = 300
 TUTORIAL_LOOP = """\
 import os, sys, torch, torch.distributed as dist
