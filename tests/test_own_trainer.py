@@ -231,7 +231,8 @@ def runs(tmp_path_factory):
            (HF_EXAMPLE, ["--output_dir", str(folders["hf_fp16_cpu"]), "--steps", "2", "--fp16"]),
            (_copy(root, EXAMPLE, TOLD_FP32, [('precision="bf16" if args.bf16 else "fp16_autocast" if args.fp16 else "fp32"',
                                                   'precision="fp32"')]),
-            ["--output_dir", str(folders[TOLD_FP32]), "--name", NAME, "--steps", "2", "--bf16"])]
+            ["--output_dir", str(folders[TOLD_FP32]), "--name", NAME, "--steps", "2", "--bf16"],
+            str(root / "told_fp32_stderr.txt"))]
     start_processes(_record_rank, (1, free_port(), one, str(root)), 1)
     shutil.copytree(folders["plain_1rank"], folders["plain_copy"])  # a copied record folder replays too
 
@@ -1220,6 +1221,8 @@ def test_a_forward_under_another_autocast_than_told_stops_the_record_at_step_0(r
         "step 0 could not be recorded (rank 0: the forward ran under torch.autocast(bf16), but the recorder was told "
         "precision='fp32': pass precision='bf16')")}
     assert len(_record(runs[BF16], HF)["steps"]) == BF16_STEPS and _record(runs[BF16], HF)["config"]["precision"] == "bf16"
+    lines = (runs[TOLD_FP32].parent / "told_fp32_stderr.txt").read_text().splitlines()
+    assert not any("were not seen" in line for line in lines), lines  # the stopped step says why itself, alone
 
 
 def test_trainers_fp16_on_a_cpu_is_recorded_as_the_fp32_it_trains(runs):

@@ -105,15 +105,16 @@ class RecordedTensors:
             peaks = torch.stack(torch._foreach_norm([p.tensor for p in pieces], math.inf))
         return [p.name for p in pieces], peaks, torch.finfo(pieces[0].tensor.dtype).eps
 
-    def local(self, step: int) -> torch.Tensor:
+    def local(self, step: int, quiet: bool = False) -> torch.Tensor:
         """This rank's float64 sums of squares of step `step` (after the optimizer's step): every tensor's gradient's
         (NaN where unseen), then its parameter's, and where the applied check runs the applied gradients' and whether
         this rank read them — summed over the world in rank order (the recorder's step exchange carries them, as a
-        harness strategy's ride its loss gather: Strategy.gather_step), they are `norms`' `summed`. Local."""
+        harness strategy's ride its loss gather: Strategy.gather_step), they are `norms`' `summed`. Local. `quiet`: a
+        step the record stops at, whose own line says why, says nothing of gradients unseen."""
         squares = self.squares
         if squares is None:
             squares = torch.full((len(self.names),), math.nan, dtype=torch.float64, device=self.device)
-            if not self.missed:
+            if not (self.missed or quiet):
                 self.missed = True
                 place = {BEFORE_STEP: "before_step() before clipping", AT_CLIP: "the engine's norm in its step",
                          AT_OPTIMIZER: "the optimizer's step"}[self.read_at]

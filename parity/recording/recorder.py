@@ -420,7 +420,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
         tokens = sum(int((m.labels[:, 1:] != IGNORE_INDEX).sum()) for m in self.micro)
         # riding the step's exchange: every tensor's squares and, where the check is due, the replica digests
         q0 = time.perf_counter()
-        squares = self.tensors.local(self.step)
+        squares = self.tensors.local(self.step, quiet=self.broken is not None)  # a broken step says why itself
         d0 = time.perf_counter()
         digests = self.observer.replica_digests(self.step)
         riders = torch.cat([squares.cpu().view(torch.int64), *([] if digests is None else [digests.reshape(-1).cpu()])])
