@@ -97,9 +97,9 @@ class DeepSpeedStrategy(Strategy):
                     "bucket fills, so during backward they hold less than ZeRO-1 only for a model larger than this"),
     )
 
-    # every policy but torch's AMP recipe (fp16_autocast): DeepSpeed's torch_autocast section scales an fp16 loss only
-    # without ZeRO, by a GradScaler of its own the harness does not follow
-    precisions = tuple(name for name in POLICIES if name != "fp16_autocast")
+    # every policy but a loss-scaled autocast (fp16_autocast, torch's AMP recipe): DeepSpeed's torch_autocast section
+    # scales an fp16 loss only without ZeRO, by a GradScaler of its own the harness does not follow
+    precisions = tuple(name for name, policy in POLICIES.items() if not (policy.autocast and policy.loss_scaling))
 
     @classmethod
     def precision_request(cls, options: dict):

@@ -64,14 +64,15 @@ def grad_scaler(settings: dict, skipped: list[bool]) -> list[float]:
     return scales
 
 
-RULES = {"megatron-core": megatron_core, "GradScaler": grad_scaler}  # loss_scaling["rules"] → each step's scale
+# a record's loss_scaling["rules"] → (each step's scale from the skips, whose rules they are in the verdict's words)
+RULES = {"megatron-core": (megatron_core, "megatron-core's scaler's"), "GradScaler": (grad_scaler, "GradScaler's")}
 
 
 def first_fault(run, num_steps: int) -> Outside | None:
     """The first step at which a recorded run's loss scaler broke its rules (module docstring), or None — also for a
     run whose record names no rules (the harness's own runs: their scaler is the harness's)."""
     scaling = run.config.get("loss_scaling") or {}
-    rules = RULES.get(scaling.get("rules"))
+    rules, _ = RULES.get(scaling.get("rules"), (None, None))
     if not run.recorded or rules is None:
         return None
     steps = run.steps[:num_steps]
@@ -96,7 +97,7 @@ def line(f: Outside, rules: str | None = None) -> str:
     if f.quantity == "skipped":
         return (f"step {f.step}: the step was applied, but its gradients held an inf or a NaN (pre-clip norm "
                 f"{f.reference}): a step taken on an fp16 overflow")
-    whose = "its scaler's" if not rules else f"{rules}'s" if rules.endswith("Scaler") else f"{rules}'s scaler's"
+    whose = RULES[rules][1] if rules in RULES else "its scaler's"
     return (f"step {f.step}: the loss scale {f.value:g} is not the {f.reference:g} that {whose} rules give "
             f"from its settings and the steps it skipped before: the scale changed at the wrong step")
 

@@ -220,10 +220,10 @@ def _followed_scaler(record_file: str, record: dict, cfg):
         raise ConfigError(f"--replay_record {storage.name(record_file)}: an fp16 run, whose replay follows its loss "
                           f"scaler's scales and skipped steps, which the {cfg.strategy} replay's step decides itself: "
                           f"replay it under DDP or FSDP2 (--replay_strategy ddp or fsdp)")
-    fp16 = POLICIES[cfg.precision].loss_scaling
-    steps = tuple((float(s["loss_scale"]) if fp16 else 1.0, bool(s.get("skipped"))) for s in record["steps"])
+    scaled = POLICIES[cfg.precision].loss_scaling  # the record's policy, not its fp32 twin's
+    steps = tuple((float(s["loss_scale"]) if scaled else 1.0, bool(s.get("skipped"))) for s in record["steps"])
     return dataclasses.replace(cfg, loss_scales=steps, **({"loss_scaling": record["config"]["loss_scaling"]}
-                                                          if fp16 else {}))
+                                                          if scaled else {}))
 
 
 def replayable_optimizer(record_file: str, optimizer: dict) -> dict:
