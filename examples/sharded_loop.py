@@ -11,6 +11,7 @@ partitions).
 
     python examples/sharded_loop.py --shard fsdp2 --output_dir OUT --nproc 2        # or fsdp1, zero0|1|2|3
     python examples/sharded_loop.py --shard fsdp2 --replicate 2 --output_dir OUT --nproc 4   # HSDP (fsdp1: HYBRID_SHARD)
+    python examples/sharded_loop.py --shard fsdp2 --mixed_precision fp16 --output_dir OUT --nproc 2   # or bf16; fsdp1
     python examples/sharded_loop.py --shard fsdp1 --sharding_strategy NO_SHARD --output_dir OUT --nproc 2
     python examples/sharded_loop.py --shard zero_redundancy --output_dir OUT --nproc 2   # DDP + ZeroRedundancyOptimizer
     python examples/sharded_loop.py --shard transformers_tp --output_dir OUT --nproc 2   # from_pretrained's own TP
@@ -36,6 +37,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
 from parity import ParityRecorder
@@ -53,6 +55,7 @@ def _beside(name: str):
 plain_loop = _beside("plain_loop")
 
 DEEPSPEED = ("zero0", "zero1", "zero2", "zero3")  # deepspeed.initialize's stages: its engine steps
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --mixed_precision's parameter dtypes
 SHARDS = ("fsdp2", "fsdp1", *DEEPSPEED, "transformers_tp", "zero_redundancy")
 
 
@@ -81,12 +84,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deepspeed_bf16", action="store_true",
                    help="zero0|1|2|3: DeepSpeed's bf16.enabled — bf16 weights and gradients, fp32 masters and Adam "
                         "state, reduced in bf16 (recorded as the harness's bf16_params policy)")
+    p.add_argument("--mixed_precision", choices=("bf16", "fp16"), default=None,
+                   help="fsdp2: fully_shard's MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=float32), as "
+                        "torchtitan writes it; fsdp1: MixedPrecision(the same); fp16 scales the loss with torch's "
+                        "ShardedGradScaler (--init_scale, --growth_interval). The recorder reads the policy: no "
+                        "precision told")
     known, rest = p.parse_known_args(argv)
     args = plain_loop.parse_args([*rest, *([] if "--name" in rest else ["--name", "sharded_loop"])])
     args.shard, args.tp, args.deepspeed_bf16 = known.shard, known.tp, known.deepspeed_bf16
     args.deepspeed_optimizer, args.offload_optimizer = known.deepspeed_optimizer, known.offload_optimizer
     args.offload_param = known.offload_param
     args.replicate, args.sharding_strategy = known.replicate, known.sharding_strategy
+    args.mixed_precision = known.mixed_precision
     if args.device != "cpu":
         print(f"error: --device {args.device}: sharded_loop.py runs on CPU ranks only (gloo); plain_loop.py takes "
               f"--device cuda", file=sys.stderr)
@@ -113,6 +122,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         print(f"error: --offload_param with --shard {args.shard}: parameter offload is ZeRO-3's (stages 1 and 2 "
               f"keep every parameter on each rank); use --shard zero3", file=sys.stderr)
         raise SystemExit(2)
+    if args.mixed_precision and (args.shard not in ("fsdp2", "fsdp1") or args.bf16):
+        print(f"error: --mixed_precision with --shard {args.shard}{' --bf16' if args.bf16 else ''}: it is fsdp2's "
+              f"MixedPrecisionPolicy and fsdp1's MixedPrecision, without autocast", file=sys.stderr)
+        raise SystemExit(2)
+    if args.fp16:
+        print("error: --fp16 is plain_loop.py's AMP recipe: sharded_loop.py trains fp16 under fsdp2 or fsdp1 with "
+              "--mixed_precision fp16 (their mixed precision and torch's ShardedGradScaler)",
+              file=sys.stderr)
+        raise SystemExit(2)
     for flag in ("deepspeed_bf16", "deepspeed_optimizer"):
         if getattr(args, flag) and args.shard not in DEEPSPEED:
             print(f"error: --{flag} with --shard {args.shard}: it is DeepSpeed's setting; use zero0, zero1, zero2 or "
@@ -129,12 +147,15 @@ def hybrid_mesh(replicate: int):
                             mesh_dim_names=("replicate", "shard"))
 
 
-def fully_shard_layers(model, tp: int = 1, replicate: int = 1) -> None:
+def fully_shard_layers(model, tp: int = 1, replicate: int = 1, mixed_precision: str | None = None) -> None:
     """FSDP2: one group per decoder layer, then the root (the tied embedding and the final norm; a PeftModel with
     --lora) — over every rank (fully_shard's default mesh), HSDP over a (replicate, shard) mesh, or with `tp` > 1 over
     the 'dp' dim of a ('dp', 'tp') mesh after TP over 'tp' (the harness's plan, which puts each LoRA adapter beside the
-    projection it wraps)."""
-    from torch.distributed.fsdp import fully_shard
+    projection it wraps); each in `mixed_precision`'s parameters (bf16 or fp16), reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    half = HALF.get(mixed_precision)
+    policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
 
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel's Hugging Face model
     mesh = hybrid_mesh(replicate) if replicate > 1 else None
@@ -147,20 +168,24 @@ def fully_shard_layers(model, tp: int = 1, replicate: int = 1) -> None:
         tensor_parallel(hf, mesh["tp"])
         mesh = mesh["dp"]
     for layer in hf.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def fsdp1(model, wrapped: list, replicate: int = 1, strategy: str | None = None) -> None:
+def fsdp1(model, wrapped: list, replicate: int = 1, strategy: str | None = None,
+          mixed_precision: str | None = None) -> None:
     """FSDP1 around the whole model (one unit, use_orig_params: the optimizer steps the model's own parameters, now
     views of each rank's flat shard) under `strategy` (FULL_SHARD; HYBRID_SHARD where `replicate` > 1), a hybrid one
-    over a (replicate, shard) mesh; the wrapper goes into `wrapped`."""
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    over a (replicate, shard) mesh, in `mixed_precision`'s parameters (bf16 or fp16) reduced in fp32; the wrapper
+    goes into `wrapped`."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 
     strategy = ShardingStrategy[strategy or ("HYBRID_SHARD" if replicate > 1 else "FULL_SHARD")]
     hybrid = "HYBRID" in strategy.name
     wrapped.append(FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"),
-                                            sharding_strategy=strategy,
+                                            sharding_strategy=strategy, mixed_precision=MixedPrecision(
+                                                param_dtype=HALF[mixed_precision], reduce_dtype=torch.float32)
+                                            if mixed_precision else None,
                                             **({"device_mesh": hybrid_mesh(replicate)} if hybrid else {})))
 
 
@@ -227,8 +252,8 @@ def train(args) -> str | None:
     fsdp, wrapped = args.shard not in DEEPSPEED, []  # the loop steps (FSDP, TP, DDP), or DeepSpeed's engine does
     tp = dist.get_world_size() if args.shard == "transformers_tp" else args.tp
     dp_rank, dp_world = dist.get_rank() // tp, dist.get_world_size() // tp  # a TP group feeds one DP rank
-    shard = {"fsdp2": lambda m: fully_shard_layers(m, args.tp, args.replicate), "transformers_tp": transformers_tp,
-             "fsdp1": lambda m: fsdp1(m, wrapped, args.replicate, args.sharding_strategy),
+    shard = {"fsdp2": lambda m: fully_shard_layers(m, args.tp, args.replicate, args.mixed_precision), "transformers_tp": transformers_tp,
+             "fsdp1": lambda m: fsdp1(m, wrapped, args.replicate, args.sharding_strategy, args.mixed_precision),
              "zero_redundancy": lambda m: wrapped.append(DistributedDataParallel(m))}.get(args.shard)
     model, optimizer, scheduler = plain_loop.build(args, shard=shard if fsdp else lambda m: None,
                                                    optimizer_class=zero_redundancy if args.shard == "zero_redundancy"
@@ -237,8 +262,12 @@ def train(args) -> str | None:
     rec = ParityRecorder(args.output_dir, name=args.name, model=engine,
                          optimizer=optimizer if fsdp else engine.optimizer, max_grad_norm=args.max_grad_norm,
                          framework=f"examples/sharded_loop.py --shard {args.shard}",
-                         precision="bf16_params" if args.deepspeed_bf16 else "bf16" if args.bf16 else "fp32",
+                         precision=None if args.mixed_precision else  # the recorder reads fully_shard's policy
+                         "bf16_params" if args.deepspeed_bf16 else "bf16" if args.bf16 else "fp32",
                          checkpoint_interval=args.checkpoint_interval)
+    # fp16's loss scaler (a pass-through otherwise): torch's ShardedGradScaler, its infs all-reduced over the ranks
+    scaler = ShardedGradScaler("cpu", init_scale=args.init_scale, growth_interval=args.growth_interval,
+                               enabled=args.mixed_precision == "fp16")
     samples = args.steps * dp_world * args.batch_size  # full windows: DeepSpeed counts its own accumulation boundary
     all_ids, all_labels, all_mask = plain_loop.dataset(samples, args.seq_length, model.config.vocab_size, args.seed)
     for step, window in zip(range(args.steps), plain_loop.windows(args, dp_rank, dp_world, samples)):
@@ -257,7 +286,7 @@ def train(args) -> str | None:
                                          ignore_index=-100, reduction="sum")
                 loss = summed * dp_world / global_tokens  # averaged over the DP ranks: the global token mean
                 if fsdp:
-                    loss.backward()
+                    scaler.scale(loss).backward()
             if not fsdp:
                 engine.backward(loss, scale_wrt_gas=False)  # the loss is already the global mean
                 if last:
@@ -265,6 +294,7 @@ def train(args) -> str | None:
                 engine.step()  # clips, steps and schedules at the accumulation boundary (the last micro-batch)
             rec.micro_batch(ids, labels, logits, attention_mask=mask)
         if fsdp:
+            scaler.unscale_(optimizer)  # the gradients unscaled before they are read and clipped
             rec.before_step()  # the pre-clip norm over the full gradients
             if args.shard == "fsdp1":
                 engine.clip_grad_norm_(args.max_grad_norm)  # FSDP1's own, over its shards
@@ -275,7 +305,8 @@ def train(args) -> str | None:
                 from parity import clip_sharded_gradients
 
                 clip_sharded_gradients(model.parameters(), args)  # torch's formula, to args.max_grad_norm
-            optimizer.step()
+            scaler.step(optimizer)  # skipped where the gradients hold an inf or a NaN
+            scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         rec.after_step()

@@ -60,6 +60,12 @@ LATE_ADAPTERS = [("    model = shard(model) or model\n", ""),
 DS_BF16 = ["--deepspeed_bf16"]
 ACCUM_MEAN = [("loss = summed * dp_world / global_tokens  # averaged over the DP ranks: the global token mean",
                "loss = summed / (labels[:, 1:] != -100).sum() / len(window)  # seeded: each micro-batch's token mean")]
+OVERFLOWING = ["--init_scale", str(2 ** 20), "--growth_interval", "1"]
+MIXED = {"fsdp2_bf16_params": ["--shard", "fsdp2", "--mixed_precision", "bf16"],
+         "fsdp2_fp16": ["--shard", "fsdp2", "--mixed_precision", "fp16", *OVERFLOWING],
+         "fsdp1_fp16": ["--shard", "fsdp1", "--mixed_precision", "fp16", *OVERFLOWING],
+         "fsdp2_fp16_clip_scaled": ["--shard", "fsdp2", "--mixed_precision", "fp16"]}
+CLIP_SCALED = [("            scaler.unscale_(optimizer)  # the gradients unscaled before they are read and clipped\n", "")]
 CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               "zero2_bf16": (["--shard", "zero2", *DS_BF16], EXAMPLE, []),
               "zero2_bf16_accum_mean": (["--shard", "zero2", *DS_BF16], EXAMPLE, ACCUM_MEAN),
@@ -68,7 +74,12 @@ CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               # ZeRO-3 offload as DeepSpeed's and Hugging Face's configs write it: the config's AdamW, built as its
               # DeepSpeedCPUAdam, and the parameters' partitions on the CPU too (offload_param)
               "zero3_offload_both_bf16": (["--shard", "zero3", *DS_BF16, "--deepspeed_optimizer", "--offload_optimizer",
-                                           "--offload_param"], EXAMPLE, [])}
+                                           "--offload_param"], EXAMPLE, []),
+              # FSDP2 under fully_shard's MixedPrecisionPolicy and FSDP1 under its MixedPrecision, told no precision
+              # (the recorder reads the policy): bf16 parameters; fp16 ones with torch's ShardedGradScaler, from a
+              # scale that overflows (skipped steps, backoffs, growths); fp16 with the classic AMP bug seeded, the
+              # gradients clipped still scaled
+              **{name: (MIXED[name], EXAMPLE, CLIP_SCALED if name.endswith("clip_scaled") else []) for name in MIXED}}
 ONE_CYCLE = [("""{"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
                                                               "warmup_num_steps": args.warmup_steps,
                                                               "warmup_type": "linear"}}""",
@@ -472,6 +483,71 @@ def test_a_deepspeed_engine_says_its_precision_and_a_policy_told_against_it_is_o
         dist.destroy_process_group()
 
 
+def test_a_sharding_wrapper_says_its_precision_and_a_policy_told_against_it_is_one_line(tmp_path):
+    """fully_shard's MixedPrecisionPolicy (and FSDP1's MixedPrecision, accumulating no_sync's micro-batches in the
+    parameters' dtype) names the run's policy as a DeepSpeed engine's config does: told none, the
+    recorder takes bf16_params or fp16 (reduced in the policy's reduce dtype, its param_dtype where unset); told "bf16"
+    (the family) of bf16 parameters, bf16_params; fp32 parameters reduced in bf16 are the autocast policy's reduction
+    (told "bf16"), which the fp32 policy has not; told "fp32" of fp16 parameters, policies differing between modules,
+    and a dtype no policy computes in are one line each. One rank, a group of one in this process; nothing recorded
+    where refused."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
+
+    from parity.models.model import build_model, resolve_model_config
+    from parity.recording.recorder import ParityRecorder
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+    def said_as(rec, said, lines, out, keys=("precision", "reduce_dtype")):
+        if isinstance(said, tuple):
+            assert rec.enabled and tuple(rec.record.data["config"][k] for k in keys) == said, lines
+            rec.close()
+        else:
+            assert lines == [f"parity recorder [mine]: {said}: recording nothing"] and not out.exists(), lines
+    source = "fully_shard's MixedPrecisionPolicy(param_dtype=torch.{}, reduce_dtype=torch.{})"
+    cases = [((bf16, fp32), None, ("bf16_params", "fp32")), ((bf16, None), "bf16", ("bf16_params", "bf16")),
+             ((fp16, None), None, ("fp16", "fp16")), ((None, bf16), "bf16", ("bf16", "bf16")),
+             ((None, None), None, ("fp32", "fp32")),
+             ((None, bf16), None, f"{source.format('float32', 'bfloat16')} reduces the gradients in bf16, which the "
+                                  f"fp32 policy (fp32 everything) does not: the replay reduces it in fp32; record the "
+                                  f"run without it"),
+             ((fp16, fp32), "fp32", f"precision 'fp32' told, but {source.format('float16', 'float32')} trains the "
+                                    f"model in 'fp16': pass precision='fp16', or leave it out"),
+             ((torch.float64, None), None, "fully_shard's MixedPrecisionPolicy(param_dtype=torch.float64, "
+                                           "reduce_dtype=torch.float64): the replay computes and reduces in fp32, "
+                                           "bf16, fp16 only"),
+             (((bf16, fp32), (fp16, fp32)), None, "fully_shard's MixedPrecisionPolicy with 2 different policies "
+                                                  "among the model's modules: the replay trains one policy; give "
+                                                  "every module the same")]
+    fsdp1 = [((bf16, fp32), None, ("bf16_params", "fp32", "bf16")), ((fp16, None), None, ("fp16", "fp16", "fp16")),
+             ((bf16, fp32), "fp32", f"precision 'fp32' told, but FSDP1's MixedPrecision(param_dtype=torch.bfloat16, "
+                                    f"reduce_dtype=torch.float32) trains the model in 'bf16_params': pass "
+                                    f"precision='bf16_params', or leave it out")]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for i, (dtypes, told, said) in enumerate(cases):
+            layers, root = dtypes if isinstance(dtypes[0], tuple) else (dtypes, dtypes)
+            model = build_model(resolve_model_config("qwen2-tiny"), 0)
+            for layer in model.model.layers:
+                fully_shard(layer, mp_policy=MixedPrecisionPolicy(*layers))
+            fully_shard(model, mp_policy=MixedPrecisionPolicy(*root))
+            lines, out = [], tmp_path / f"out{i}"
+            rec = ParityRecorder(str(out), name="mine", model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                 precision=told, log=lines.append)
+            said_as(rec, said, lines, out)
+        for i, (dtypes, told, said) in enumerate(fsdp1):
+            model = FullyShardedDataParallel(build_model(resolve_model_config("qwen2-tiny"), 0), use_orig_params=True,
+                                             device_id=torch.device("cpu"), mixed_precision=MixedPrecision(*dtypes))
+            lines, out = [], tmp_path / f"fsdp1_{i}"
+            rec = ParityRecorder(str(out), name="mine", model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                 precision=told, log=lines.append)
+            said_as(rec, said, lines, out, ("precision", "reduce_dtype", "grad_accum_dtype"))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_adapters_the_replay_cannot_build_are_refused_in_one_line(tmp_path):
     """A PeftModel whose adapters the replay cannot build: one line each naming why, nothing recorded, and the user's
     loop goes on (one rank, a group of one in this process): dropout (the replay cannot draw the run's masks), a
@@ -642,6 +718,45 @@ def test_deepspeeds_zero0_in_bf16_fails_in_a_users_loop_at_step_0(runs, capsys):
     assert against["bound_ratios"]["tensor update"] > 2, against["bound_ratios"]
     config = _record(runs["zero0_bf16"], NAME)["config"]
     assert (config["sharding"]["kind"], config["precision"]) == ("deepspeed zero0", "bf16_params")
+
+
+# each mixed-precision record's policy as the recorder read it from the wrapper: precision, micro-batches accumulated
+# in (FSDP2: its reduce dtype; FSDP1 under no_sync: the parameters'), the loss scaler's rules
+MIXED_POLICIES = {"fsdp2_bf16_params": ("bf16_params", "fp32", None), "fsdp2_fp16": ("fp16", "fp32", "GradScaler"),
+                  "fsdp1_fp16": ("fp16", "fp16", "GradScaler")}
+
+
+@pytest.mark.parametrize("name", list(MIXED_POLICIES))
+def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibrated(runs, name, capsys):
+    """FSDP2 under MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=float32), as torchtitan writes it, and
+    FSDP1 under MixedPrecision(the same), told no precision: the recorder takes the policy from the wrapper — bf16_params
+    or fp16, reduced in fp32 (2026-12-01: recorded fp32 before, and a clean bf16 loop of a user's was called FAIL at
+    step 0, its gradients 28 × the fp32 bound off) — and the fp16 loop's ShardedGradScaler, whose scales and skipped
+    steps the replay follows: PASS, calibrated, every check within half its bound."""
+    folder = runs[name]
+    code, output = whole_report(folder, capsys)
+    assert code == 0 and f"{NAME} (TP=1, DP=2): PASS" in output, output[-3000:]
+    record = _record(folder, NAME)
+    precision, accumulated, rules = MIXED_POLICIES[name]
+    config = record["config"]
+    assert (config["precision"], config["reduce_dtype"], config["grad_accum_dtype"]) == (precision, "fp32", accumulated)
+    assert (config["loss_scaling"] or {}).get("rules") == rules
+    if rules:  # from 2^20, growing after every good step: skipped, applied, skipped, applied
+        assert [(s["loss_scale"], s["skipped"]) for s in record["steps"]] == [(2.0 ** 20, True), (2.0 ** 19, False),
+                                                                               (2.0 ** 20, True), (2.0 ** 19, False)]
+    against = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"][NAME]
+    assert against["calibrated"] and max(against["bound_ratios"].values()) < CLEAN_MARGIN, against["bound_ratios"]
+    print(f"{name}: {precision} PASS calibrated, margin {against['margin']:.1f}×")
+
+
+def test_clipping_fp16_gradients_still_scaled_fails_at_step_0(runs, capsys):
+    """The FSDP2 fp16 loop with scaler.unscale_ left out (ShardedGradScaler's step unscales them after the clip, as
+    torch's AMP docs warn): the loop clips and the recorder reads gradients 2^16 × too large, FAIL at step 0."""
+    code, output = whole_report(runs["fsdp2_fp16_clip_scaled"], capsys)
+    assert code == 1 and f"{NAME} (TP=1, DP=2): FAIL" in output, output[-3000:]
+    against = json.loads((runs["fsdp2_fp16_clip_scaled"] / "curve_comparison.json").read_text())["against_baseline"][
+        NAME]
+    assert against["first_outside"]["step"] == 0 and against["bound_ratios"]["grad_norm"] > 100, against
 
 
 def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):

@@ -27,6 +27,8 @@ class View(ShardedView):
     # whether gradient_pieces still reads the gradients the optimizer applies at its step pre-hook (not ZeRO's, whose
     # optimizer steps flat partitions its step built): the recorder's applied check (recorded_tensors.py)
     pieces_at_optimizer = True
+    scales_loss = False  # whether what the view reads scales an fp16 loss itself (DeepSpeed's engine, megatron-core's
+    # optimizer), where the recorder reads no GradScaler (recording/grad_scaler.py)
 
     @classmethod
     def policy_request(cls, model) -> PolicyRequest | None:

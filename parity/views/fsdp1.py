@@ -14,11 +14,13 @@ from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._common_utils import clean_tensor_name
 
+from parity.precision import PolicyRequest
 from parity.training.optimizer import ADAMW_MOMENTS, squared_norm_fp64
 from parity.training.replicas import held
 from parity.training.tensor_norms import Piece
 from parity.views.adapters import peft_inner
 from parity.views.base import View, ViewRefused
+from parity.views.mixed_precision import mixed_precision_request
 
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -32,6 +34,15 @@ class FSDP1(View):
     clip_grad_norm_ takes them (float64 here); the initial weights are its FULL_STATE_DICT."""
 
     kind = "fsdp1"
+
+    @classmethod
+    def policy_request(cls, model) -> PolicyRequest | None:
+        """The policy FSDP1's MixedPrecision trains in (views/mixed_precision.py), read from each of the model's FSDP1
+        modules: FSDP1 accumulates no_sync's micro-batches in the parameters' dtype."""
+        if not isinstance(model, FSDP):
+            return None
+        policies = {(m.mixed_precision.param_dtype, m.mixed_precision.reduce_dtype) for m in FSDP.fsdp_modules(model)}
+        return mixed_precision_request("FSDP1's MixedPrecision", policies, accumulate="param")
 
     @classmethod
     def read(cls, model, optimizer, device: torch.device, unwrap) -> "FSDP1 | None":

@@ -3,6 +3,9 @@ meshes (dtensor_strategy.global_norm), full tensors (full_tensor, optimizer.full
 (replicated_parameters, dtensor_replicas). The data-parallel ranks are the ranks of fully_shard's own mesh, read from
 its state — FSDP's shard dim, with HSDP's replicate dim before it, whatever the dims are named; the ranks of the other
 dims (TP) feed the same rows, and only the group holding the root mesh's first rank hands them over.
+fully_shard's MixedPrecisionPolicy is the run's precision policy (`policy_request`), which the recorder takes rather
+than being told it: param_dtype bf16 is bf16_params, fp16 is fp16 (its loss scaler torch's ShardedGradScaler, read
+as GradScaler is: recording/grad_scaler.py), each reducing and accumulating in its reduce dtype.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from parity.errors import ConfigError
+from parity.precision import PolicyRequest
 from parity.training.dtensor_strategy import (dtensor_replicas, full_tensor, global_norm, local,
                                               replicated_parameters)
 from parity.training.optimizer import full_moments
 from parity.training.tensor_norms import Piece, local_pieces
 from parity.views.adapters import peft_inner
 from parity.views.base import View, ViewRefused
+from parity.views.mixed_precision import mixed_precision_request
 
 
 class FullyShard(View):
@@ -34,6 +40,18 @@ class FullyShard(View):
         """A module whose parameters are DTensors; None where none is."""
         inner, _ = peft_inner(unwrap(model))
         return cls(inner, optimizer, device) if any(isinstance(p, DTensor) for p in inner.parameters()) else None
+
+    @classmethod
+    def policy_request(cls, model) -> PolicyRequest | None:
+        """The policy fully_shard's MixedPrecisionPolicy trains in (views/mixed_precision.py): FSDP2 accumulates
+        micro-batches in its reduce dtype."""
+        if not isinstance(model, torch.nn.Module):
+            return None
+        try:
+            policies = {(g.mp_policy.param_dtype, g.mp_policy.reduce_dtype) for g in _param_groups(model)}
+        except ViewRefused as exc:
+            raise ConfigError(str(exc)) from None
+        return mixed_precision_request("fully_shard's MixedPrecisionPolicy", policies)
 
     def __init__(self, model, optimizer, device: torch.device):
         super().__init__(model, optimizer)

@@ -34,6 +34,7 @@ class ZeRO(View):
     grad_norm_visible = False  # DeepSpeed clips inside engine.step(): its own norm, after the step
     steps_once_an_update = False  # ZeRO-1/2 step the client optimizer once per parameter group, ZeRO-3 per sub-group
     pieces_at_optimizer = False
+    scales_loss = True  # its fp16 mode's loss scaler
 
     @classmethod
     def read(cls, model, optimizer, device: torch.device, unwrap) -> "ZeRO | None":

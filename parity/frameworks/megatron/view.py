@@ -149,6 +149,7 @@ class MegatronView(TranslatedView):
     kind = "megatron-core"
     refused = MegatronRefused
     whole = False  # sharded over TP: every rank takes part in the gathers
+    scales_loss = True  # fp16's scaler is its optimizer's, recorded by its room (recording.py)
 
     def __init__(self, modules: list, optimizer, hf_model, config, device: torch.device):
         from megatron.core import parallel_state as ps
