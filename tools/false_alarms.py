@@ -124,6 +124,13 @@ CAMPAIGN = {
     "lora": (_ex("hf_trainer.py", "--lora"), "verify", example_flags, True),
     "packing": (_ex("trl_sft.py", "--packing"), "verify", example_flags, True),
     "resume": (km.resumed, "verify", example_flags, False),  # plain_loop stopped at step 3: its own steps
+    # torch's AMP recipe (autocast fp16 + GradScaler), and FSDP2's mixed precision: bf16 parameters, and fp16 ones with
+    # torch's ShardedGradScaler (the recorder reads their policy from fully_shard)
+    "own_loop_fp16": (_ex("plain_loop.py"), "verify", lambda s, low, n: example_flags(s, low, n, ("--fp16",)), True),
+    "fsdp2_bf16": (_ex("sharded_loop.py", "--shard", "fsdp2"), "verify",
+                   lambda s, low, n: example_flags(s, low, n, ("--mixed_precision", "bf16")), True),
+    "fsdp2_fp16": (_ex("sharded_loop.py", "--shard", "fsdp2"), "verify",
+                   lambda s, low, n: example_flags(s, low, n, ("--mixed_precision", "fp16")), True),
 }
 # the CUDA slice's (issue 84): megatron-core's Qwen2 bf16 job once called FAIL on CUDA, its Llama bf16 job with the
 # distributed optimizer, Trainer, TRL's GRPO and DPO, the own loop, LoRA, TRL's SFT
