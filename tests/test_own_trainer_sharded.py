@@ -66,6 +66,14 @@ MIXED = {"fsdp2_bf16_params": ["--shard", "fsdp2", "--mixed_precision", "bf16"],
          "fsdp1_fp16": ["--shard", "fsdp1", "--mixed_precision", "fp16", *OVERFLOWING],
          "fsdp2_fp16_clip_scaled": ["--shard", "fsdp2", "--mixed_precision", "fp16"]}
 CLIP_SCALED = [("            scaler.unscale_(optimizer)  # the gradients unscaled before they are read and clipped\n", "")]
+# a plain DDP loop of a model cast to bf16 and stepped so (AdamW's state bf16 too), told no precision: bf16_pure, as the
+# recorder reads the parameters; and with each rank's own token mean seeded
+BF16_MODEL = [("    model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)\n",
+               "    model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)\n"
+               "    model = model.to(torch.bfloat16)  # loaded in bf16, trained so\n"),
+              ('precision="bf16" if args.bf16 else "fp16_autocast" if args.fp16 else "fp32"', "precision=None")]
+PLAIN_RANK_MEAN = [("loss = summed * world / global_tokens  # DDP averages over ranks: the global token mean",
+                    "loss = summed / local  # seeded: each rank's own token mean")]
 CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               "zero2_bf16": (["--shard", "zero2", *DS_BF16], EXAMPLE, []),
               "zero2_bf16_accum_mean": (["--shard", "zero2", *DS_BF16], EXAMPLE, ACCUM_MEAN),
@@ -79,7 +87,9 @@ CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               # (the recorder reads the policy): bf16 parameters; fp16 ones with torch's ShardedGradScaler, from a
               # scale that overflows (skipped steps, backoffs, growths); fp16 with the classic AMP bug seeded, the
               # gradients clipped still scaled
-              **{name: (MIXED[name], EXAMPLE, CLIP_SCALED if name.endswith("clip_scaled") else []) for name in MIXED}}
+              **{name: (MIXED[name], EXAMPLE, CLIP_SCALED if name.endswith("clip_scaled") else []) for name in MIXED},
+              "ddp_bf16_pure": (["--name", NAME], PLAIN, BF16_MODEL),
+              "ddp_bf16_pure_rank_mean": (["--name", NAME], PLAIN, BF16_MODEL + PLAIN_RANK_MEAN)}
 ONE_CYCLE = [("""{"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
                                                               "warmup_num_steps": args.warmup_steps,
                                                               "warmup_type": "linear"}}""",
@@ -485,7 +495,8 @@ def test_a_deepspeed_engine_says_its_precision_and_a_policy_told_against_it_is_o
 
 def test_a_sharding_wrapper_says_its_precision_and_a_policy_told_against_it_is_one_line(tmp_path):
     """fully_shard's MixedPrecisionPolicy (and FSDP1's MixedPrecision, accumulating no_sync's micro-batches in the
-    parameters' dtype) names the run's policy as a DeepSpeed engine's config does: told none, the
+    parameters' dtype; and, with no wrapper, the parameters the optimizer steps: bf16 ones are bf16_pure, fp16 ones
+    and several dtypes one line) names the run's policy as a DeepSpeed engine's config does: told none, the
     recorder takes bf16_params or fp16 (reduced in the policy's reduce dtype, its param_dtype where unset); told "bf16"
     (the family) of bf16 parameters, bf16_params; fp32 parameters reduced in bf16 are the autocast policy's reduction
     (told "bf16"), which the fp32 policy has not; told "fp32" of fp16 parameters, policies differing between modules,
@@ -544,6 +555,25 @@ def test_a_sharding_wrapper_says_its_precision_and_a_policy_told_against_it_is_o
             rec = ParityRecorder(str(out), name="mine", model=model, optimizer=torch.optim.AdamW(model.parameters()),
                                  precision=told, log=lines.append)
             said_as(rec, said, lines, out, ("precision", "reduce_dtype", "grad_accum_dtype"))
+        # no wrapper: the dtype of the parameters the optimizer steps
+        stepped = "the optimizer steps the model's parameters in {}, without fp32 master weights: the replay steps " \
+                  "fp32 parameters or bf16 ones alone (the bf16_pure policy); train them in fp32 under autocast " \
+                  "(torch's AMP recipe) or all in bf16"
+        plain = [(bf16, None, ("bf16_pure", "bf16")), (bf16, "bf16", ("bf16_pure", "bf16")),
+                 (bf16, "fp32", "precision 'fp32' told, but the optimizer stepping torch.bfloat16 parameters trains "
+                                "the model in 'bf16_pure': pass precision='bf16_pure', or leave it out"),
+                 (fp16, None, stepped.format("torch.float16")),
+                 ("norms fp32", None, stepped.format("torch.bfloat16, torch.float32"))]
+        for i, (dtype, told, said) in enumerate(plain):
+            model = build_model(resolve_model_config("qwen2-tiny"), 0).to(bf16 if isinstance(dtype, str) else dtype)
+            if isinstance(dtype, str):  # the norms kept in fp32 (transformers' _keep_in_fp32_modules' way)
+                for name, module in model.named_modules():
+                    if name.endswith("norm"):
+                        module.float()
+            lines, out = [], tmp_path / f"plain_{i}"
+            rec = ParityRecorder(str(out), name="mine", model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                 precision=told, log=lines.append)
+            said_as(rec, said, lines, out)
     finally:
         dist.destroy_process_group()
 
@@ -723,7 +753,7 @@ def test_deepspeeds_zero0_in_bf16_fails_in_a_users_loop_at_step_0(runs, capsys):
 # each mixed-precision record's policy as the recorder read it from the wrapper: precision, micro-batches accumulated
 # in (FSDP2: its reduce dtype; FSDP1 under no_sync: the parameters'), the loss scaler's rules
 MIXED_POLICIES = {"fsdp2_bf16_params": ("bf16_params", "fp32", None), "fsdp2_fp16": ("fp16", "fp32", "GradScaler"),
-                  "fsdp1_fp16": ("fp16", "fp16", "GradScaler")}
+                  "fsdp1_fp16": ("fp16", "fp16", "GradScaler"), "ddp_bf16_pure": ("bf16_pure", "bf16", None)}
 
 
 @pytest.mark.parametrize("name", list(MIXED_POLICIES))
@@ -732,14 +762,17 @@ def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibra
     FSDP1 under MixedPrecision(the same), told no precision: the recorder takes the policy from the wrapper — bf16_params
     or fp16, reduced in fp32 (2026-12-01: recorded fp32 before, and a clean bf16 loop of a user's was called FAIL at
     step 0, its gradients 28 × the fp32 bound off) — and the fp16 loop's ShardedGradScaler, whose scales and skipped
-    steps the replay follows: PASS, calibrated, every check within half its bound."""
+    steps the replay follows: PASS, calibrated, every check within half its bound. So does a plain DDP loop of a model
+    cast to bf16 and stepped so, told no precision: bf16_pure, read from the parameters the optimizer steps (recorded
+    fp32 and called FAIL at step 0 before, 39 × the bound; a Trainer's of a model loaded in bf16 alike)."""
     folder = runs[name]
     code, output = whole_report(folder, capsys)
     assert code == 0 and f"{NAME} (TP=1, DP=2): PASS" in output, output[-3000:]
     record = _record(folder, NAME)
     precision, accumulated, rules = MIXED_POLICIES[name]
     config = record["config"]
-    assert (config["precision"], config["reduce_dtype"], config["grad_accum_dtype"]) == (precision, "fp32", accumulated)
+    reduced = "bf16" if precision == "bf16_pure" else "fp32"  # (DDP reduces bf16 gradients in bf16)
+    assert (config["precision"], config["reduce_dtype"], config["grad_accum_dtype"]) == (precision, reduced, accumulated)
     assert (config["loss_scaling"] or {}).get("rules") == rules
     if rules:  # from 2^20, growing after every good step: skipped, applied, skipped, applied
         assert [(s["loss_scale"], s["skipped"]) for s in record["steps"]] == [(2.0 ** 20, True), (2.0 ** 19, False),
@@ -747,6 +780,17 @@ def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibra
     against = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"][NAME]
     assert against["calibrated"] and max(against["bound_ratios"].values()) < CLEAN_MARGIN, against["bound_ratios"]
     print(f"{name}: {precision} PASS calibrated, margin {against['margin']:.1f}×")
+
+
+def test_a_rank_mean_in_a_bf16_model_loop_fails_calibrated_at_step_0(runs, capsys):
+    """The bf16 model's DDP loop with each rank's own token mean (the ranks' token counts differ: padded rows): its
+    gradient is not the global token mean's, FAIL at step 0 under the calibrated bf16_pure verdict."""
+    folder = runs["ddp_bf16_pure_rank_mean"]
+    code, output = whole_report(folder, capsys)
+    assert code == 1 and f"{NAME} (TP=1, DP=2): FAIL" in output, output[-3000:]
+    against = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"][NAME]
+    assert against["calibrated"] and against["first_outside"]["step"] == 0, against["first_outside"]
+    print("rank mean, bf16 model: " + ", ".join(f"{k} {v:.2f}" for k, v in against["bound_ratios"].items()))
 
 
 def test_clipping_fp16_gradients_still_scaled_fails_at_step_0(runs, capsys):

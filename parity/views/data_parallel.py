@@ -3,7 +3,10 @@ for it — the float64 norms of plain tensors (parity.training.optimizer.local_n
 on every rank (replicas.whole_model), the moments as the harness's strategies export theirs (optimizer.full_moments).
 DDP's communication hook is a precision setting (`policy_request`): torch's fp16_compress_hook and bf16_compress_hook
 average the gradients in fp16 or bf16 — the policy's reduce dtype, which the replay's DDP reduces in too —,
-allreduce_hook is DDP's own reduction; any other hook (PowerSGD, a loop's own) is refused in one line.
+allreduce_hook is DDP's own reduction; any other hook (PowerSGD, a loop's own) is refused in one line. So is the
+dtype of the parameters the optimizer steps: a model loaded or cast to bf16 and trained so (no autocast, no fp32
+masters: AdamW's state in bf16 too) is the bf16_pure policy; fp16 ones, or trainable parameters in several dtypes,
+are refused in one line. (This view is the table's last row: asked of any model no other view's policy said.)
 """
 
 from __future__ import annotations
@@ -31,6 +34,23 @@ class DataParallel(View):
 
     @classmethod
     def policy_request(cls, model) -> PolicyRequest | None:
+        """bf16_pure where the trainable parameters are bf16, with the reduce dtype DDP's communication hook averages
+        the gradients in (None: fp32 parameters and no hook, or DDP's own reduction); ConfigError in one line for a
+        hook the replay cannot reduce as and for parameters no policy steps."""
+        hook = cls._hook_request(model)
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad} if isinstance(model, torch.nn.Module) else ()
+        if not dtypes or dtypes == {torch.float32}:
+            return hook
+        shown = ", ".join(sorted(str(d) for d in dtypes))
+        if dtypes != {torch.bfloat16}:
+            raise ConfigError(f"the optimizer steps the model's parameters in {shown}, without fp32 master weights: "
+                              f"the replay steps fp32 parameters or bf16 ones alone (the bf16_pure policy); train them "
+                              f"in fp32 under autocast (torch's AMP recipe) or all in bf16")
+        return PolicyRequest(f"the optimizer stepping {shown} parameters", precision="bf16_pure",
+                             reduce_dtype=hook.reduce_dtype if hook else None)
+
+    @staticmethod
+    def _hook_request(model) -> PolicyRequest | None:
         """The reduce dtype DDP's communication hook averages the gradients in (None: no hook, or DDP's own
         reduction); ConfigError in one line for a hook the replay cannot reduce as."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -42,8 +42,9 @@ from parity.recording.recorder import DEFAULT_MAX_BATCH_BYTES, ParityRecorder
 from parity.recording.states import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_STATE_BYTES
 
 _OBSERVED = ("clip_gradients", "manual_backward")  # the module's methods observed under manual optimization
-# Lightning's precision → the harness's policy
-PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16_autocast"}
+# Lightning's precision → the harness's policy (32: none told, the module's own — bf16 parameters are bf16_pure —
+# else fp32, as recording/precision_seen.py reads it)
+PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16_autocast"}
 
 
 def hugging_face_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -98,7 +99,7 @@ class ParityCallback(pl.Callback):
         self.recorder = ParityRecorder(self.output_dir, name=self.name, model=model,
                                        optimizer=optimizers[0] if optimizers else None,
                                        max_grad_norm=0.0 if by_value else clip, clip_value=clip if by_value else None,
-                                       precision=PRECISIONS.get(str(trainer.precision), "fp32"),
+                                       precision=PRECISIONS[str(trainer.precision)],
                                        max_batch_bytes=self.max_batch_bytes, framework="lightning.Trainer",
                                        framework_versions=installed_versions(("lightning", "transformers", "torch")),
                                        **self.state_saving,

@@ -88,7 +88,8 @@ class ParityCallback(TrainerCallback):
                 print(f"parity recorder [{self.name}]: {refusal}: recording nothing", file=sys.stderr, flush=True)
                 attach.refused(refusal)
             return
-        precision = next((policy for flag, policy in PRECISIONS if getattr(args, flag, False)), "fp32")
+        # (no flag: the model's own — a model loaded in bf16 trains in bf16_pure — else fp32: precision_seen.told)
+        precision = next((policy for flag, policy in PRECISIONS if getattr(args, flag, False)), None)
         if not getattr(getattr(trainer, "accelerator", None), "native_amp", True) and precision == "fp16_autocast":
             precision = "fp32"  # accelerate's fp16 on a CPU: no autocast, no scaler
         self.engine = deepspeed_engine(trainer)  # its DeepSpeed path: the engine, read by the recorder's ZeRO view
