@@ -495,8 +495,8 @@ def test_a_deepspeed_engine_says_its_precision_and_a_policy_told_against_it_is_o
 
 def test_a_sharding_wrapper_says_its_precision_and_a_policy_told_against_it_is_one_line(tmp_path):
     """fully_shard's MixedPrecisionPolicy (and FSDP1's MixedPrecision, accumulating no_sync's micro-batches in the
-    parameters' dtype; and, with no wrapper, the parameters the optimizer steps: bf16 ones are bf16_pure, fp16 ones
-    and several dtypes one line) names the run's policy as a DeepSpeed engine's config does: told none, the
+    parameters' dtype; and, with no wrapper, the parameters the optimizer steps: bf16 ones are bf16_pure, fp16 ones,
+    several dtypes and LoRA's fp32 adapters over a bf16 base one line) names the run's policy as a DeepSpeed engine's config does: told none, the
     recorder takes bf16_params or fp16 (reduced in the policy's reduce dtype, its param_dtype where unset); told "bf16"
     (the family) of bf16 parameters, bf16_params; fp32 parameters reduced in bf16 are the autocast policy's reduction
     (told "bf16"), which the fp32 policy has not; told "fp32" of fp16 parameters, policies differing between modules,
@@ -510,6 +510,10 @@ def test_a_sharding_wrapper_says_its_precision_and_a_policy_told_against_it_is_o
     from parity.recording.recorder import ParityRecorder
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    if "accelerate" in sys.modules:  # an Accelerator an earlier test of this process left: its room would say fp32
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
 
     def said_as(rec, said, lines, out, keys=("precision", "reduce_dtype")):
         if isinstance(said, tuple):
@@ -563,10 +567,18 @@ def test_a_sharding_wrapper_says_its_precision_and_a_policy_told_against_it_is_o
                  (bf16, "fp32", "precision 'fp32' told, but the optimizer stepping torch.bfloat16 parameters trains "
                                 "the model in 'bf16_pure': pass precision='bf16_pure', or leave it out"),
                  (fp16, None, stepped.format("torch.float16")),
-                 ("norms fp32", None, stepped.format("torch.bfloat16, torch.float32"))]
+                 ("norms fp32", None, stepped.format("torch.bfloat16, torch.float32")),
+                 ("lora", None, "the model's frozen parameters are torch.bfloat16 and the ones it trains torch.float32 "
+                                "(peft casts LoRA adapters to fp32 over a bf16 base: autocast_adapter_dtype): the "
+                                "replay computes both in one dtype; train the adapters in the base's "
+                                "(get_peft_model(..., autocast_adapter_dtype=False): bf16_pure), or the base in fp32")]
         for i, (dtype, told, said) in enumerate(plain):
             model = build_model(resolve_model_config("qwen2-tiny"), 0).to(bf16 if isinstance(dtype, str) else dtype)
-            if isinstance(dtype, str):  # the norms kept in fp32 (transformers' _keep_in_fp32_modules' way)
+            if dtype == "lora":  # peft's adapters on the bf16 base, by its defaults: fp32
+                from peft import LoraConfig, get_peft_model
+
+                model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+            elif isinstance(dtype, str):  # the norms kept in fp32 (transformers' _keep_in_fp32_modules' way)
                 for name, module in model.named_modules():
                     if name.endswith("norm"):
                         module.float()

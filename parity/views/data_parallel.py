@@ -38,10 +38,19 @@ class DataParallel(View):
         the gradients in (None: fp32 parameters and no hook, or DDP's own reduction); ConfigError in one line for a
         hook the replay cannot reduce as and for parameters no policy steps."""
         hook = cls._hook_request(model)
-        dtypes = {p.dtype for p in model.parameters() if p.requires_grad} if isinstance(model, torch.nn.Module) else ()
+        if not isinstance(model, torch.nn.Module):
+            return hook
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()} - dtypes
+        shown = ", ".join(sorted(str(d) for d in dtypes))
+        if dtypes and frozen:
+            raise ConfigError(f"the model's frozen parameters are {', '.join(sorted(map(str, frozen)))} and the ones "
+                              f"it trains {shown} (peft casts LoRA adapters to fp32 over a bf16 base: "
+                              f"autocast_adapter_dtype): the replay computes both in one dtype; train the adapters in the "
+                              f"base's (get_peft_model(..., autocast_adapter_dtype=False): bf16_pure), or the base in "
+                              f"fp32")
         if not dtypes or dtypes == {torch.float32}:
             return hook
-        shown = ", ".join(sorted(str(d) for d in dtypes))
         if dtypes != {torch.bfloat16}:
             raise ConfigError(f"the optimizer steps the model's parameters in {shown}, without fp32 master weights: "
                               f"the replay steps fp32 parameters or bf16 ones alone (the bf16_pure policy); train them "
