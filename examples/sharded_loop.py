@@ -252,7 +252,8 @@ def train(args) -> str | None:
     fsdp, wrapped = args.shard not in DEEPSPEED, []  # the loop steps (FSDP, TP, DDP), or DeepSpeed's engine does
     tp = dist.get_world_size() if args.shard == "transformers_tp" else args.tp
     dp_rank, dp_world = dist.get_rank() // tp, dist.get_world_size() // tp  # a TP group feeds one DP rank
-    shard = {"fsdp2": lambda m: fully_shard_layers(m, args.tp, args.replicate, args.mixed_precision), "transformers_tp": transformers_tp,
+    shard = {"fsdp2": lambda m: fully_shard_layers(m, args.tp, args.replicate, args.mixed_precision),
+             "transformers_tp": transformers_tp,
              "fsdp1": lambda m: fsdp1(m, wrapped, args.replicate, args.sharding_strategy, args.mixed_precision),
              "zero_redundancy": lambda m: wrapped.append(DistributedDataParallel(m))}.get(args.shard)
     model, optimizer, scheduler = plain_loop.build(args, shard=shard if fsdp else lambda m: None,

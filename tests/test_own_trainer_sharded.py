@@ -65,7 +65,8 @@ MIXED = {"fsdp2_bf16_params": ["--shard", "fsdp2", "--mixed_precision", "bf16"],
          "fsdp2_fp16": ["--shard", "fsdp2", "--mixed_precision", "fp16", *OVERFLOWING],
          "fsdp1_fp16": ["--shard", "fsdp1", "--mixed_precision", "fp16", *OVERFLOWING],
          "fsdp2_fp16_clip_scaled": ["--shard", "fsdp2", "--mixed_precision", "fp16"]}
-CLIP_SCALED = [("            scaler.unscale_(optimizer)  # the gradients unscaled before they are read and clipped\n", "")]
+CLIP_SCALED = [("            scaler.unscale_(optimizer)  # the gradients unscaled before they are read and clipped\n",
+                "")]
 # a plain DDP loop of a model cast to bf16 and stepped so (AdamW's state bf16 too), told no precision: bf16_pure, as the
 # recorder reads the parameters; and with each rank's own token mean seeded
 BF16_MODEL = [("    model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)\n",
@@ -496,7 +497,8 @@ def test_a_deepspeed_engine_says_its_precision_and_a_policy_told_against_it_is_o
 def test_a_sharding_wrapper_says_its_precision_and_a_policy_told_against_it_is_one_line(tmp_path):
     """fully_shard's MixedPrecisionPolicy (and FSDP1's MixedPrecision, accumulating no_sync's micro-batches in the
     parameters' dtype; and, with no wrapper, the parameters the optimizer steps: bf16 ones are bf16_pure, fp16 ones,
-    several dtypes and LoRA's fp32 adapters over a bf16 base one line) names the run's policy as a DeepSpeed engine's config does: told none, the
+    several dtypes and LoRA's fp32 adapters over a bf16 base one line) names the run's policy as a DeepSpeed engine's
+    config does: told none, the
     recorder takes bf16_params or fp16 (reduced in the policy's reduce dtype, its param_dtype where unset); told "bf16"
     (the family) of bf16 parameters, bf16_params; fp32 parameters reduced in bf16 are the autocast policy's reduction
     (told "bf16"), which the fp32 policy has not; told "fp32" of fp16 parameters, policies differing between modules,
@@ -771,7 +773,8 @@ MIXED_POLICIES = {"fsdp2_bf16_params": ("bf16_params", "fp32", None), "fsdp2_fp1
 @pytest.mark.parametrize("name", list(MIXED_POLICIES))
 def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibrated(runs, name, capsys):
     """FSDP2 under MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=float32), as torchtitan writes it, and
-    FSDP1 under MixedPrecision(the same), told no precision: the recorder takes the policy from the wrapper — bf16_params
+    FSDP1 under MixedPrecision(the same), told no precision: the recorder takes the policy from the wrapper —
+    bf16_params
     or fp16, reduced in fp32 (2026-12-01: recorded fp32 before, and a clean bf16 loop of a user's was called FAIL at
     step 0, its gradients 28 × the fp32 bound off) — and the fp16 loop's ShardedGradScaler, whose scales and skipped
     steps the replay follows: PASS, calibrated, every check within half its bound. So does a plain DDP loop of a model
@@ -784,7 +787,8 @@ def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibra
     precision, accumulated, rules = MIXED_POLICIES[name]
     config = record["config"]
     reduced = "bf16" if precision == "bf16_pure" else "fp32"  # (DDP reduces bf16 gradients in bf16)
-    assert (config["precision"], config["reduce_dtype"], config["grad_accum_dtype"]) == (precision, reduced, accumulated)
+    assert (config["precision"], config["reduce_dtype"], config["grad_accum_dtype"]) == (precision, reduced,
+                                                                                          accumulated)
     assert (config["loss_scaling"] or {}).get("rules") == rules
     if rules:  # from 2^20, growing after every good step: skipped, applied, skipped, applied
         assert [(s["loss_scale"], s["skipped"]) for s in record["steps"]] == [(2.0 ** 20, True), (2.0 ** 19, False),

@@ -36,7 +36,7 @@ class ScalerReading:
     GradScaler that unscaled `optimizer` (or an optimizer it wraps); its settings written into the record's
     loss_scaling at the first read."""
 
-    def __init__(self, record, optimizer, required: bool = False):
+    def __init__(self, record, optimizer, required: bool):
         self.record, self.ids, self.required = record, set(), required
         while optimizer is not None and id(optimizer) not in self.ids:  # accelerate's wrapper and the one it wraps
             self.ids.add(id(optimizer))

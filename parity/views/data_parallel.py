@@ -46,9 +46,9 @@ class DataParallel(View):
         if dtypes and frozen:
             raise ConfigError(f"the model's frozen parameters are {', '.join(sorted(map(str, frozen)))} and the ones "
                               f"it trains {shown} (peft casts LoRA adapters to fp32 over a bf16 base: "
-                              f"autocast_adapter_dtype): the replay computes both in one dtype; train the adapters in the "
-                              f"base's (get_peft_model(..., autocast_adapter_dtype=False): bf16_pure), or the base in "
-                              f"fp32")
+                              f"autocast_adapter_dtype): the replay computes both in one dtype; train the adapters "
+                              f"in the base's (get_peft_model(..., autocast_adapter_dtype=False): bf16_pure), or the "
+                              f"base in fp32")
         if not dtypes or dtypes == {torch.float32}:
             return hook
         if dtypes != {torch.bfloat16}:
