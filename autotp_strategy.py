@@ -98,8 +98,10 @@ class DeepSpeedStrategy(Strategy):
     )
 
     # every policy but a loss-scaled autocast (fp16_autocast, torch's AMP recipe): DeepSpeed's torch_autocast section
-    # scales an fp16 loss only without ZeRO, by a GradScaler of its own the harness does not follow
-    precisions = tuple(name for name, policy in POLICIES.items() if not (policy.autocast and policy.loss_scaling))
+    # scales an fp16 loss only without ZeRO, by a GradScaler of its own the harness does not follow; and bf16_base: the
+    # engine casts every parameter to its one dtype
+    precisions = tuple(name for name, policy in POLICIES.items()
+                       if not (policy.autocast and policy.loss_scaling or policy.frozen_apart))
 
     @classmethod
     def precision_request(cls, options: dict):

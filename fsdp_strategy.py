@@ -134,7 +134,7 @@ class FSDPStrategy(DTensorStrategy):
                     "memory, the optimizer step on the CPU"),
     )
     zero_stage = 3  # full sharding: parameters, gradients and optimizer state all divided over dp
-    precisions = tuple(POLICIES)
+    precisions = tuple(name for name, policy in POLICIES.items() if not policy.frozen_apart)  # casts all alike
     expert_parallel = True
     # LoRA: FSDP2 shards the frozen base with the rest and reduces only the adapters' gradients; the TP plan places each
     # adapter beside the projection it wraps (plans.adapter_rules)

@@ -79,7 +79,7 @@ class PipelineStrategy(Strategy):
     reads_at_clip = True  # its PolicyOptimizer's step hands the gradients to the tensor record where it takes the norm
     clips_as_torch = True  # its PolicyOptimizer's step
     follows_loss_scales = True  # its PolicyOptimizer's scaler (scaler_of)
-    precisions = tuple(POLICIES)
+    precisions = tuple(name for name, policy in POLICIES.items() if not policy.frozen_apart)  # sends one dtype
     options = (
         Option("pp_schedule", "1f1b", choices=tuple(SCHEDULES),
                help="the torch.distributed.pipelining schedule: gpipe, 1f1b, or interleaved_1f1b (two stages per "

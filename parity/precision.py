@@ -16,6 +16,8 @@ A policy says what a run holds and reduces in which dtype (docs/precision.md has
                DeepSpeed's rules
   fp16_autocast  torch.autocast(float16) over fp32 parameters, with dynamic loss scaling — torch's AMP recipe
                (GradScaler): Trainer's and accelerate's fp16, Lightning's 16-mixed
+  bf16_base    a frozen base in bf16 under fp32 trained parameters, gradients and Adam state, without autocast — peft's
+               LoRA adapters over a model loaded in bf16 (its autocast_adapter_dtype default)
 
 and three refinements, each recorded: the dtype gradients are reduced over DP in (--reduce_dtype: by default the
 gradients' own — bf16 under bf16_params, as DeepSpeed's bf16 mode and FSDP2's policy reduce), the dtype micro-batch
@@ -51,6 +53,18 @@ class Policy:
     reduce_dtypes: tuple[str, ...]  # the dtypes gradients may be reduced over DP in; the first is the default
     loss_scaling: bool
     holds: str  # in words, for notes, reports and the --precision help
+    frozen: str | None = None  # the dtype of the parameters no optimizer steps (LoRA's base); None: `params`
+
+    @property
+    def frozen_dtype(self) -> str:
+        """The dtype the frozen parameters are held and computed with in, by name (DTYPES)."""
+        return self.frozen or self.params
+
+    @property
+    def frozen_apart(self) -> bool:
+        """Whether the frozen parameters are in another dtype than the trained ones (bf16_base): a strategy that casts
+        every parameter alike, or sends activations in the parameters' dtype, does not run it."""
+        return self.frozen_dtype != self.params
 
     @property
     def master_copy(self) -> bool:
@@ -73,8 +87,9 @@ class Policy:
 
     @property
     def compute(self) -> str:
-        """The dtype the matrix products run in, by name (DTYPES)."""
-        return self.autocast or self.params
+        """The dtype the matrix products run in, by name (DTYPES): a frozen bf16 base's, where the trained parameters
+        are only adapters beside it."""
+        return self.autocast or self.frozen_dtype
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the matrix products run in."""
@@ -94,6 +109,9 @@ POLICIES = {
     "fp16_autocast": Policy("fp16_autocast", "fp32", "fp32", "fp16", ("fp32",), True,
                             "torch.autocast(float16) over fp32 parameters, gradients, master weights and Adam state, "
                             "dynamic loss scaling"),
+    "bf16_base": Policy("bf16_base", "fp32", "fp32", None, ("fp32",), False,
+                        "a frozen bf16 base under fp32 trained parameters (LoRA's adapters), gradients, master weights "
+                        "and Adam state", frozen="bf16"),
 }
 
 

@@ -142,7 +142,7 @@ CASES = [
      r"argument --num_workers: invalid int value: 'abc' \(see --help\)"),
     ("precision", "ddp", train_flags(precision="fp8"), {},
      r"argument --precision: invalid choice: 'fp8' \(choose from 'auto', 'fp32', 'bf16', 'bf16_params', 'bf16_pure', "
-     r"'fp16', 'fp16_autocast'\) \(see --help\)"),
+     r"'fp16', 'fp16_autocast', 'bf16_base'\) \(see --help\)"),
     ("unknown flag", "ddp", train_flags(bogus=1), {}, r"unrecognized arguments: --bogus 1 \(see --help\)"),
     ("cuda", "ddp", train_flags(device="cuda"), {},
      r"--device cuda needs 2 GPUs \(one per worker\), the Ray cluster has 0: use --device cpu or fewer workers"),
@@ -155,6 +155,11 @@ CASES = [
      r"--reduce_dtype fp16 is not a reduction of the bf16_params policy \(.*\): use bf16 or fp32"),
     ("accumulate pure", "ddp", train_flags(precision="bf16_pure", grad_accum_dtype="fp32"), {},
      r"--grad_accum_dtype fp32: the bf16_pure policy accumulates gradients in bf16"),
+    ("bf16 base without LoRA", "ddp", train_flags(precision="bf16_base"), {},
+     r"--precision bf16_base holds a frozen base in bf16 under the parameters that train: it needs frozen ones, LoRA's "
+     r"base \(--lora_r R\); for a whole model in bf16 pass --precision bf16_pure"),
+    ("bf16 base sharded", "fsdp", train_flags(precision="bf16_base", lora_r=8), {},
+     r"fsdp does not run the bf16_base policy \(it runs fp32, bf16, bf16_params, bf16_pure, fp16, fp16_autocast\)"),
     ("hub model", "ddp", train_flags(model_name="nobody/no-such-model"), {},
      r"unknown model 'nobody/no-such-model': not a built-in model .* use a built-in model or a local directory"),
     ("encoder-decoder", "ddp", train_flags(model_name="{d}/t5"), {},

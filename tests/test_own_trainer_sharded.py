@@ -90,7 +90,10 @@ CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               # gradients clipped still scaled
               **{name: (MIXED[name], EXAMPLE, CLIP_SCALED if name.endswith("clip_scaled") else []) for name in MIXED},
               "ddp_bf16_pure": (["--name", NAME], PLAIN, BF16_MODEL),
-              "ddp_bf16_pure_rank_mean": (["--name", NAME], PLAIN, BF16_MODEL + PLAIN_RANK_MEAN)}
+              "ddp_bf16_pure_rank_mean": (["--name", NAME], PLAIN, BF16_MODEL + PLAIN_RANK_MEAN),
+              # peft's LoRA over that bf16 model, by its defaults (the adapters cast to fp32): bf16_base
+              "ddp_lora_bf16_base": (["--lora", "--name", NAME], PLAIN, BF16_MODEL),
+              "ddp_lora_bf16_base_rank_mean": (["--lora", "--name", NAME], PLAIN, BF16_MODEL + PLAIN_RANK_MEAN)}
 ONE_CYCLE = [("""{"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
                                                               "warmup_num_steps": args.warmup_steps,
                                                               "warmup_type": "linear"}}""",
@@ -570,13 +573,18 @@ def test_a_sharding_wrapper_says_its_precision_and_a_policy_told_against_it_is_o
                                 "the model in 'bf16_pure': pass precision='bf16_pure', or leave it out"),
                  (fp16, None, stepped.format("torch.float16")),
                  ("norms fp32", None, stepped.format("torch.bfloat16, torch.float32")),
-                 ("lora", None, "the model's frozen parameters are torch.bfloat16 and the ones it trains torch.float32 "
-                                "(peft casts LoRA adapters to fp32 over a bf16 base: autocast_adapter_dtype): the "
-                                "replay computes both in one dtype; train the adapters in the base's "
-                                "(get_peft_model(..., autocast_adapter_dtype=False): bf16_pure), or the base in fp32")]
+                 ("lora", None, ("bf16_base", "fp32")), ("lora", "bf16", ("bf16_base", "fp32")),
+                 ("lora", "bf16_pure", "precision 'bf16_pure' told, but the optimizer stepping fp32 parameters over a "
+                                       "frozen bf16 base trains the model in 'bf16_base': pass precision='bf16_base', or "
+                                       "leave it out"),
+                 ("lora fp16", None, "the model's frozen parameters are torch.float16 and the ones it trains "
+                                     "torch.float32: the replay computes a frozen bf16 base under fp32 adapters "
+                                     "(bf16_base) or both in one dtype; load the base in bf16, or train the adapters "
+                                     "in the base's dtype (get_peft_model(..., autocast_adapter_dtype=False))")]
         for i, (dtype, told, said) in enumerate(plain):
-            model = build_model(resolve_model_config("qwen2-tiny"), 0).to(bf16 if isinstance(dtype, str) else dtype)
-            if dtype == "lora":  # peft's adapters on the bf16 base, by its defaults: fp32
+            model = build_model(resolve_model_config("qwen2-tiny"), 0).to(
+                fp16 if dtype == "lora fp16" else bf16 if isinstance(dtype, str) else dtype)
+            if dtype.startswith("lora") if isinstance(dtype, str) else False:  # peft's adapters, by its defaults: fp32
                 from peft import LoraConfig, get_peft_model
 
                 model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
@@ -767,7 +775,8 @@ def test_deepspeeds_zero0_in_bf16_fails_in_a_users_loop_at_step_0(runs, capsys):
 # each mixed-precision record's policy as the recorder read it from the wrapper: precision, micro-batches accumulated
 # in (FSDP2: its reduce dtype; FSDP1 under no_sync: the parameters'), the loss scaler's rules
 MIXED_POLICIES = {"fsdp2_bf16_params": ("bf16_params", "fp32", None), "fsdp2_fp16": ("fp16", "fp32", "GradScaler"),
-                  "fsdp1_fp16": ("fp16", "fp16", "GradScaler"), "ddp_bf16_pure": ("bf16_pure", "bf16", None)}
+                  "fsdp1_fp16": ("fp16", "fp16", "GradScaler"), "ddp_bf16_pure": ("bf16_pure", "bf16", None),
+                  "ddp_lora_bf16_base": ("bf16_base", "fp32", None)}
 
 
 @pytest.mark.parametrize("name", list(MIXED_POLICIES))
@@ -779,7 +788,9 @@ def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibra
     step 0, its gradients 28 × the fp32 bound off) — and the fp16 loop's ShardedGradScaler, whose scales and skipped
     steps the replay follows: PASS, calibrated, every check within half its bound. So does a plain DDP loop of a model
     cast to bf16 and stepped so, told no precision: bf16_pure, read from the parameters the optimizer steps (recorded
-    fp32 and called FAIL at step 0 before, 39 × the bound; a Trainer's of a model loaded in bf16 alike)."""
+    fp32 and called FAIL at step 0 before, 39 × the bound; a Trainer's of a model loaded in bf16 alike); and peft's
+    LoRA over that bf16 model by its defaults, fp32 adapters over the frozen bf16 base: bf16_base (refused before, and
+    before that recorded fp32 and called FAIL at step 0, 19 × the bound)."""
     folder = runs[name]
     code, output = whole_report(folder, capsys)
     assert code == 0 and f"{NAME} (TP=1, DP=2): PASS" in output, output[-3000:]
@@ -798,15 +809,17 @@ def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibra
     print(f"{name}: {precision} PASS calibrated, margin {against['margin']:.1f}×")
 
 
-def test_a_rank_mean_in_a_bf16_model_loop_fails_calibrated_at_step_0(runs, capsys):
+@pytest.mark.parametrize("name", ["ddp_bf16_pure_rank_mean", "ddp_lora_bf16_base_rank_mean"])
+def test_a_rank_mean_in_a_bf16_model_loop_fails_calibrated_at_step_0(runs, name, capsys):
     """The bf16 model's DDP loop with each rank's own token mean (the ranks' token counts differ: padded rows): its
-    gradient is not the global token mean's, FAIL at step 0 under the calibrated bf16_pure verdict."""
-    folder = runs["ddp_bf16_pure_rank_mean"]
+    gradient is not the global token mean's, FAIL at step 0 under the calibrated bf16_pure verdict — and with peft's
+    fp32 adapters over it, under bf16_base's."""
+    folder = runs[name]
     code, output = whole_report(folder, capsys)
     assert code == 1 and f"{NAME} (TP=1, DP=2): FAIL" in output, output[-3000:]
     against = json.loads((folder / "curve_comparison.json").read_text())["against_baseline"][NAME]
     assert against["calibrated"] and against["first_outside"]["step"] == 0, against["first_outside"]
-    print("rank mean, bf16 model: " + ", ".join(f"{k} {v:.2f}" for k, v in against["bound_ratios"].items()))
+    print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in against["bound_ratios"].items()))
 
 
 def test_clipping_fp16_gradients_still_scaled_fails_at_step_0(runs, capsys):
@@ -823,7 +836,8 @@ def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):
     """The default verdict plans its noise references for a record of every low-precision policy the replay takes,
     whatever its reduce and accumulation dtypes (the ZeRO-2 bf16 record, its policy rewritten): the twins in the
     record's own policy, the fp32 twin in fp32's own dtypes — none refused (plans only; an fp16 record's, which
-    follows its loss scaler, is tests/test_megatron.py's, an fp16_autocast one's tests/test_own_trainer.py's)."""
+    follows its loss scaler, is tests/test_megatron.py's, an fp16_autocast one's tests/test_own_trainer.py's; a bf16_base
+    one's, LoRA's, ddp_lora_bf16_base's above)."""
     from parity.commands.verify_trainer import plan_replays
     from parity.precision import POLICIES
 
@@ -835,7 +849,7 @@ def test_every_low_precision_policy_plans_its_noise_references(runs, tmp_path):
     planned = {}
     for policy in POLICIES.values():
         for reduce, accumulate in ((r, a) for r in policy.reduce_dtypes for a in policy.grad_accum_dtypes):
-            if policy.name == "fp32" or policy.loss_scaling:
+            if policy.name == "fp32" or policy.loss_scaling or policy.frozen_apart:  # (bf16_base: a LoRA record's)
                 continue
             own = {"precision": policy.name, "reduce_dtype": reduce, "grad_accum_dtype": accumulate}
             path.write_text(json.dumps({**record, "config": {**record["config"], **own}}))

@@ -289,6 +289,10 @@ def resolve(strategy: str, values: Mapping[str, Any], *, cluster=None,
                               model_config, s.pop("lora_modules_to_save"))
     if perturb and not cls.takes_perturb:
         raise ConfigError(f"{strategy} does not train a perturbed noise reference (RunConfig.perturb): DDP does")
+    if POLICIES[s["precision"]].frozen_apart and not s["lora"]:
+        raise ConfigError(f"--precision {s['precision']} holds a frozen base in bf16 under the parameters that train: "
+                          f"it needs frozen ones, LoRA's base (--lora_r R); for a whole model in bf16 pass "
+                          f"--precision bf16_pure")
     if s["lora"] and not cls.takes_adapters:
         raise ConfigError(f"{strategy} does not train LoRA adapters (it trains every parameter): use train_ddp.py, "
                           f"train_fsdp.py or train_deepspeed.py with --lora_r (docs/finetune.md)")

@@ -73,9 +73,12 @@ def mismatch(policy: str, enabled: bool, dtype: torch.dtype) -> str | None:
     seen = next((name for name, d in DTYPES.items() if d == dtype), str(dtype)) if enabled else None
     if seen == (wanted.compute if wanted.autocast else None):
         return None
-    fits = "fp32" if seen is None else next((p.name for p in POLICIES.values() if p.params == "fp32" and
-                                               p.autocast == seen), None)
-    fix = f"pass precision={fits!r}" if fits else "the harness replays autocast in bfloat16 and float16 only"
+    fits = next((p.name for p in POLICIES.values() if p.params == "fp32" and p.autocast == seen and
+                 p.frozen_apart == wanted.frozen_apart), None)
+    fix = f"pass precision={fits!r}" if fits else \
+        "the harness replays a frozen bf16 base under fp32 adapters without autocast: run the forward without it " \
+        "(the base computes in bf16 already)" if wanted.frozen_apart else \
+        "the harness replays autocast in bfloat16 and float16 only"
     return (f"the forward ran {f'under torch.autocast({seen})' if seen else 'without autocast'}, but the recorder was "
             f"told precision={policy!r}: {fix}")
 

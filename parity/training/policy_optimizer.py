@@ -59,8 +59,8 @@ class PolicyOptimizer:
         names = [names[i] for i in kept] if names is not None else None  # build_optimizer's, for groups by name
         self.masters = [p.detach().float().clone() for p in self.params] if self.policy.master_copy else None
         self._master = {id(p): m for p, m in zip(self.params, self.masters or self.params)}
-        for p in params:  # a frozen parameter (LoRA's base) is computed with in the policy's dtype too
-            p.data = p.data.to(DTYPES[self.policy.params])
+        for p in params:  # a frozen parameter (LoRA's base) in the policy's dtype for it (bf16_base's bf16)
+            p.data = p.data.to(DTYPES[self.policy.params if p.requires_grad else self.policy.frozen_dtype])
         self.optimizer = build_optimizer(self.masters or self.params, cfg, names)
         self.scaler = scaler_of(cfg) if self.policy.loss_scaling or getattr(cfg, "loss_scales", None) else None
         self.accumulates_fp32 = self.policy.master_copy and cfg.grad_accum_dtype == "fp32"

@@ -5,8 +5,9 @@ DDP's communication hook is a precision setting (`policy_request`): torch's fp16
 average the gradients in fp16 or bf16 — the policy's reduce dtype, which the replay's DDP reduces in too —,
 allreduce_hook is DDP's own reduction; any other hook (PowerSGD, a loop's own) is refused in one line. So is the
 dtype of the parameters the optimizer steps: a model loaded or cast to bf16 and trained so (no autocast, no fp32
-masters: AdamW's state in bf16 too) is the bf16_pure policy; fp16 ones, or trainable parameters in several dtypes,
-are refused in one line. (This view is the table's last row: asked of any model no other view's policy said.)
+masters: AdamW's state in bf16 too) is the bf16_pure policy; fp32 ones over a frozen bf16 base (peft's LoRA adapters
+on a model loaded in bf16) the bf16_base policy; fp16 ones, trainable parameters in several dtypes, or another frozen
+base are refused in one line. (This view is the table's last row: asked of any model no other view's policy said.)
 """
 
 from __future__ import annotations
@@ -34,29 +35,32 @@ class DataParallel(View):
 
     @classmethod
     def policy_request(cls, model) -> PolicyRequest | None:
-        """bf16_pure where the trainable parameters are bf16, with the reduce dtype DDP's communication hook averages
-        the gradients in (None: fp32 parameters and no hook, or DDP's own reduction); ConfigError in one line for a
-        hook the replay cannot reduce as and for parameters no policy steps."""
+        """bf16_pure where the trainable parameters are bf16, bf16_base where they are fp32 over a frozen bf16 base,
+        with the reduce dtype DDP's communication hook averages the gradients in (None: fp32 parameters and no hook, or
+        DDP's own reduction); ConfigError in one line for a hook the replay cannot reduce as and for parameters no
+        policy steps."""
         hook = cls._hook_request(model)
         if not isinstance(model, torch.nn.Module):
             return hook
         dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-        frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()} - dtypes
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
         shown = ", ".join(sorted(str(d) for d in dtypes))
-        if dtypes and frozen:
+        reduce = hook.reduce_dtype if hook else None
+        if dtypes and frozen - dtypes:
+            if (dtypes, frozen) == ({torch.float32}, {torch.bfloat16}):
+                return PolicyRequest("the optimizer stepping fp32 parameters over a frozen bf16 base",
+                                     precision="bf16_base", reduce_dtype=reduce)
             raise ConfigError(f"the model's frozen parameters are {', '.join(sorted(map(str, frozen)))} and the ones "
-                              f"it trains {shown} (peft casts LoRA adapters to fp32 over a bf16 base: "
-                              f"autocast_adapter_dtype): the replay computes both in one dtype; train the adapters "
-                              f"in the base's (get_peft_model(..., autocast_adapter_dtype=False): bf16_pure), or the "
-                              f"base in fp32")
+                              f"it trains {shown}: the replay computes a frozen bf16 base under fp32 adapters "
+                              f"(bf16_base) or both in one dtype; load the base in bf16, or train the adapters in "
+                              f"the base's dtype (get_peft_model(..., autocast_adapter_dtype=False))")
         if not dtypes or dtypes == {torch.float32}:
             return hook
         if dtypes != {torch.bfloat16}:
             raise ConfigError(f"the optimizer steps the model's parameters in {shown}, without fp32 master weights: "
                               f"the replay steps fp32 parameters or bf16 ones alone (the bf16_pure policy); train them "
                               f"in fp32 under autocast (torch's AMP recipe) or all in bf16")
-        return PolicyRequest(f"the optimizer stepping {shown} parameters", precision="bf16_pure",
-                             reduce_dtype=hook.reduce_dtype if hook else None)
+        return PolicyRequest(f"the optimizer stepping {shown} parameters", precision="bf16_pure", reduce_dtype=reduce)
 
     @staticmethod
     def _hook_request(model) -> PolicyRequest | None:
