@@ -30,6 +30,8 @@ from transformers import TrainerCallback
 from parity import backend, launch
 from parity import ParityCallback
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --model_dtype
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "GradScaler)")
     p.add_argument("--lora", action="store_true", help="train peft's LoRA adapters (r 8, alpha 16, on q_proj and "
                                                        "v_proj) on the frozen model (docs/own_trainer/techniques.md#lora)")
+    p.add_argument("--model_dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="the dtype the model is loaded in (from_pretrained's dtype); bf16 with --lora: peft's fp32 "
+                        "adapters over a bf16 base (docs/precision.md#bf16_base-loras-fp32-adapters-over-a-bf16-base)")
     p.add_argument("--rows", type=int, default=None,
                    help="samples in the dataset (default: every step a full window); others end each epoch in a "
                         "partial accumulation window and, with drop_last off, a smaller last batch")
@@ -130,9 +135,10 @@ def train(args) -> None:
     if args.model_path:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=DTYPES[args.model_dtype])
     else:
-        model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed)
+        model = build_model(resolve_model_config(args.model_name, args.model_layers), args.seed).to(
+            DTYPES[args.model_dtype])
     if args.lora:  # a PeftModel: Trainer's optimizer takes what requires gradients, the adapters
         from peft import LoraConfig, get_peft_model
 

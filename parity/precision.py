@@ -18,6 +18,8 @@ A policy says what a run holds and reduces in which dtype (docs/precision.md has
                (GradScaler): Trainer's and accelerate's fp16, Lightning's 16-mixed
   bf16_base    a frozen base in bf16 under fp32 trained parameters, gradients and Adam state, without autocast — peft's
                LoRA adapters over a model loaded in bf16 (its autocast_adapter_dtype default)
+  bf16_base_autocast  the same under torch.autocast(bfloat16): the adapters' matrix products in bf16 too — Trainer's
+               bf16=True over that model
 
 and three refinements, each recorded: the dtype gradients are reduced over DP in (--reduce_dtype: by default the
 gradients' own — bf16 under bf16_params, as DeepSpeed's bf16 mode and FSDP2's policy reduce), the dtype micro-batch
@@ -112,6 +114,9 @@ POLICIES = {
     "bf16_base": Policy("bf16_base", "fp32", "fp32", None, ("fp32",), False,
                         "a frozen bf16 base under fp32 trained parameters (LoRA's adapters), gradients, master weights "
                         "and Adam state", frozen="bf16"),
+    "bf16_base_autocast": Policy("bf16_base_autocast", "fp32", "fp32", "bf16", ("fp32",), False,
+                                 "torch.autocast(bfloat16) over a frozen bf16 base and fp32 trained parameters (LoRA's "
+                                 "adapters), gradients, master weights and Adam state", frozen="bf16"),
 }
 
 

@@ -142,7 +142,8 @@ CASES = [
      r"argument --num_workers: invalid int value: 'abc' \(see --help\)"),
     ("precision", "ddp", train_flags(precision="fp8"), {},
      r"argument --precision: invalid choice: 'fp8' \(choose from 'auto', 'fp32', 'bf16', 'bf16_params', 'bf16_pure', "
-     r"'fp16', 'fp16_autocast', 'bf16_base'\) \(see --help\)"),
+     r"'fp16', 'fp16_autocast', 'bf16_base', "
+     r"'bf16_base_autocast'\) \(see --help\)"),
     ("unknown flag", "ddp", train_flags(bogus=1), {}, r"unrecognized arguments: --bogus 1 \(see --help\)"),
     ("cuda", "ddp", train_flags(device="cuda"), {},
      r"--device cuda needs 2 GPUs \(one per worker\), the Ray cluster has 0: use --device cpu or fewer workers"),

@@ -647,7 +647,7 @@ BAD_INPUT = [
     ("precision without a tolerance", lambda d: (write_record(d, "ddp", DDP_LOSS, precision="fp8"),
                                                  write_record(d, "fsdp", DDP_LOSS, precision="fp8")), [],
      "error: loss_ddp.json: precision 'fp8' has no default tolerance (known: fp32, bf16, bf16_params, bf16_pure, "
-     "fp16, fp16_autocast, bf16_base): pass --tolerance"),
+     "fp16, fp16_autocast, bf16_base, bf16_base_autocast): pass --tolerance"),
 ]
 
 

@@ -147,9 +147,11 @@ def test_every_table_keyed_by_policy_covers_exactly_the_policies():
     assert set(PRECISIONS) == policies | {"auto"} and len(PRECISIONS) == len(policies) + 1
     assert set(BYTES_PER_PARAM) == policies and set(TOLERANCE_CLASS) == policies
     assert BYTES_PER_PARAM == {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "bf16_params": (2, 2, 12), "fp16": (2, 2, 12),
-                               "bf16_pure": (2, 2, 4), "fp16_autocast": (4, 4, 8), "bf16_base": (4, 4, 8)}
+                               "bf16_pure": (2, 2, 4), "fp16_autocast": (4, 4, 8), "bf16_base": (4, 4, 8),
+                               "bf16_base_autocast": (4, 4, 8)}
     assert TOLERANCE_CLASS == {"fp32": "fp32", "bf16": "bf16", "bf16_params": "bf16", "bf16_pure": "bf16",
-                               "fp16": "bf16", "fp16_autocast": "bf16", "bf16_base": "bf16"}
+                               "fp16": "bf16", "fp16_autocast": "bf16", "bf16_base": "bf16",
+                               "bf16_base_autocast": "bf16"}
     assert DTYPE_NAMES == tuple(DTYPES) and {d for p in POLICIES.values() for d in (p.params, p.master)} <= set(DTYPES)
     assert FP16_SCALER_KEYS == tuple(f.name for f in fields(LossScaler)) == tuple(LOSS_SCALING_DEFAULTS)
 

@@ -1252,36 +1252,37 @@ def test_each_autocast_against_each_policy_told():
         "precision='bf16'")
 
 
-def test_a_bf16_base_under_autocast_is_one_line_at_the_first_forward(tmp_path):
+def test_a_bf16_bases_autocast_is_read_at_the_first_forward(tmp_path):
     """peft's LoRA by its defaults over a model loaded in bf16 (fp32 adapters), told no precision, is recorded
-    bf16_base; its forward under torch.autocast(bfloat16) — Trainer's bf16=True over it — computes the adapters in
-    bf16, which bf16_base's replay does not: the first training forward ends the record in one line naming the fix
-    (one rank, a group of one in this process). Without autocast the record goes on."""
+    bf16_base, read from the parameters; the first training forward reads the autocast: none keeps it, bfloat16's
+    (Trainer's bf16=True over it: the adapters' products in bf16 too) makes it bf16_base_autocast, and float16's ends
+    the record in one line (one rank, a group of one in this process)."""
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
 
     from parity import ParityRecorder, build_model, resolve_model_config
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    seen = []
     try:
-        broken = []
-        for autocast in (True, False):
+        for i, autocast in enumerate((None, torch.bfloat16, torch.float16)):
             model = build_model(resolve_model_config("qwen2-tiny"), 0).to(torch.bfloat16)
             model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
             trained = [p for p in model.parameters() if p.requires_grad]
-            rec = ParityRecorder(str(tmp_path / f"out_{autocast}"), name="mine", model=model,
+            rec = ParityRecorder(str(tmp_path / f"out{i}"), name="mine", model=model,
                                  optimizer=torch.optim.AdamW(trained), log=lambda line: None)
             assert (rec.record.data["config"]["precision"], {p.dtype for p in trained}) == ("bf16_base",
                                                                                           {torch.float32})
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 model(input_ids=torch.arange(8).view(1, 8))
-            broken.append(rec.broken)
+            seen.append((rec.record.data["config"]["precision"], rec.broken))
             rec.close()
     finally:
         dist.destroy_process_group()
-    assert broken == ["the forward ran under torch.autocast(bf16), but the recorder was told precision='bf16_base': "
-                      "the harness replays a frozen bf16 base under fp32 adapters without autocast: run the forward "
-                      "without it (the base computes in bf16 already)", None], broken
+    assert seen == [("bf16_base", None), ("bf16_base_autocast", None),
+                    ("bf16_base", "the forward ran under torch.autocast(fp16), but the recorder was told "
+                                  "precision='bf16_base': the harness replays a frozen bf16 base under fp32 adapters "
+                                  "without autocast or under torch.autocast(bfloat16) only")], seen
 
 
 def test_trainer_two_ranks_against_one_rank_twice_the_accumulation(runs):

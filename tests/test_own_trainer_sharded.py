@@ -91,9 +91,13 @@ CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               **{name: (MIXED[name], EXAMPLE, CLIP_SCALED if name.endswith("clip_scaled") else []) for name in MIXED},
               "ddp_bf16_pure": (["--name", NAME], PLAIN, BF16_MODEL),
               "ddp_bf16_pure_rank_mean": (["--name", NAME], PLAIN, BF16_MODEL + PLAIN_RANK_MEAN),
-              # peft's LoRA over that bf16 model, by its defaults (the adapters cast to fp32): bf16_base
+              # peft's LoRA over that bf16 model, by its defaults (the adapters cast to fp32): bf16_base; and its
+              # forward under torch.autocast(bfloat16), told "bf16" as Trainer's bf16=True tells it: bf16_base_autocast
               "ddp_lora_bf16_base": (["--lora", "--name", NAME], PLAIN, BF16_MODEL),
-              "ddp_lora_bf16_base_rank_mean": (["--lora", "--name", NAME], PLAIN, BF16_MODEL + PLAIN_RANK_MEAN)}
+              "ddp_lora_bf16_base_rank_mean": (["--lora", "--name", NAME], PLAIN, BF16_MODEL + PLAIN_RANK_MEAN),
+              "ddp_lora_bf16_base_autocast": (["--lora", "--bf16", "--name", NAME], PLAIN, BF16_MODEL[:1]),
+              "ddp_lora_bf16_base_autocast_rank_mean": (["--lora", "--bf16", "--name", NAME], PLAIN,
+                                                        BF16_MODEL[:1] + PLAIN_RANK_MEAN)}
 ONE_CYCLE = [("""{"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
                                                               "warmup_num_steps": args.warmup_steps,
                                                               "warmup_type": "linear"}}""",
@@ -776,7 +780,8 @@ def test_deepspeeds_zero0_in_bf16_fails_in_a_users_loop_at_step_0(runs, capsys):
 # in (FSDP2: its reduce dtype; FSDP1 under no_sync: the parameters'), the loss scaler's rules
 MIXED_POLICIES = {"fsdp2_bf16_params": ("bf16_params", "fp32", None), "fsdp2_fp16": ("fp16", "fp32", "GradScaler"),
                   "fsdp1_fp16": ("fp16", "fp16", "GradScaler"), "ddp_bf16_pure": ("bf16_pure", "bf16", None),
-                  "ddp_lora_bf16_base": ("bf16_base", "fp32", None)}
+                  "ddp_lora_bf16_base": ("bf16_base", "fp32", None),
+                  "ddp_lora_bf16_base_autocast": ("bf16_base_autocast", "fp32", None)}
 
 
 @pytest.mark.parametrize("name", list(MIXED_POLICIES))
@@ -790,7 +795,8 @@ def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibra
     cast to bf16 and stepped so, told no precision: bf16_pure, read from the parameters the optimizer steps (recorded
     fp32 and called FAIL at step 0 before, 39 × the bound; a Trainer's of a model loaded in bf16 alike); and peft's
     LoRA over that bf16 model by its defaults, fp32 adapters over the frozen bf16 base: bf16_base (refused before, and
-    before that recorded fp32 and called FAIL at step 0, 19 × the bound)."""
+    before that recorded fp32 and called FAIL at step 0, 19 × the bound), and bf16_base_autocast where its forward runs
+    under torch.autocast(bfloat16), read at the first forward."""
     folder = runs[name]
     code, output = whole_report(folder, capsys)
     assert code == 0 and f"{NAME} (TP=1, DP=2): PASS" in output, output[-3000:]
@@ -809,11 +815,12 @@ def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibra
     print(f"{name}: {precision} PASS calibrated, margin {against['margin']:.1f}×")
 
 
-@pytest.mark.parametrize("name", ["ddp_bf16_pure_rank_mean", "ddp_lora_bf16_base_rank_mean"])
+@pytest.mark.parametrize("name", ["ddp_bf16_pure_rank_mean", "ddp_lora_bf16_base_rank_mean",
+                                  "ddp_lora_bf16_base_autocast_rank_mean"])
 def test_a_rank_mean_in_a_bf16_model_loop_fails_calibrated_at_step_0(runs, name, capsys):
     """The bf16 model's DDP loop with each rank's own token mean (the ranks' token counts differ: padded rows): its
     gradient is not the global token mean's, FAIL at step 0 under the calibrated bf16_pure verdict — and with peft's
-    fp32 adapters over it, under bf16_base's."""
+    fp32 adapters over it, under bf16_base's and (its forward under autocast) bf16_base_autocast's."""
     folder = runs[name]
     code, output = whole_report(folder, capsys)
     assert code == 1 and f"{NAME} (TP=1, DP=2): FAIL" in output, output[-3000:]

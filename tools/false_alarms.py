@@ -131,6 +131,9 @@ CAMPAIGN = {
                    lambda s, low, n: example_flags(s, low, n, ("--mixed_precision", "bf16")), True),
     "fsdp2_fp16": (_ex("sharded_loop.py", "--shard", "fsdp2"), "verify",
                    lambda s, low, n: example_flags(s, low, n, ("--mixed_precision", "fp16")), True),
+    # peft's LoRA over a model loaded in bf16 (fp32 adapters over the bf16 base): the "fp32" cells bf16_base, the low
+    # ones Trainer's bf16=True over it, bf16_base_autocast
+    "lora_bf16_base": (_ex("hf_trainer.py", "--lora", "--model_dtype", "bf16"), "verify", example_flags, True),
 }
 # the CUDA slice's (issue 84): megatron-core's Qwen2 bf16 job once called FAIL on CUDA, its Llama bf16 job with the
 # distributed optimizer, Trainer, TRL's GRPO and DPO, the own loop, LoRA, TRL's SFT

@@ -7,7 +7,9 @@ recorder's making, not the run's (found by the false-alarm campaign: docs/false_
 - At the first training forward, where the record's policy keeps fp32 parameters (fp32, bf16), the autocast (enabled,
   dtype) is read inside the model — a pre-hook on its first module holding parameters, under any wrapper that enters
   autocast around the model's forward (accelerate's, Lightning's, the loop's own) — and a mismatch ends the record in
-  one line naming the precision to pass. The hook removes itself after that one forward."""
+  one line naming the precision to pass. A frozen bf16 base under fp32 adapters (bf16_base, read from the parameters)
+  takes the autocast seen instead: under torch.autocast(bfloat16) — Trainer's bf16=True over it — it is
+  bf16_base_autocast (`sibling`). The hook removes itself after that one forward."""
 
 from __future__ import annotations
 
@@ -76,17 +78,28 @@ def mismatch(policy: str, enabled: bool, dtype: torch.dtype) -> str | None:
     fits = next((p.name for p in POLICIES.values() if p.params == "fp32" and p.autocast == seen and
                  p.frozen_apart == wanted.frozen_apart), None)
     fix = f"pass precision={fits!r}" if fits else \
-        "the harness replays a frozen bf16 base under fp32 adapters without autocast: run the forward without it " \
-        "(the base computes in bf16 already)" if wanted.frozen_apart else \
+        "the harness replays a frozen bf16 base under fp32 adapters without autocast or under " \
+        "torch.autocast(bfloat16) only" if wanted.frozen_apart else \
         "the harness replays autocast in bfloat16 and float16 only"
     return (f"the forward ran {f'under torch.autocast({seen})' if seen else 'without autocast'}, but the recorder was "
             f"told precision={policy!r}: {fix}")
 
 
-def watch(model, policy: str, on_mismatch) -> torch.utils.hooks.RemovableHandle | None:
-    """A forward pre-hook on `model`'s first module holding parameters: at the first training forward, calls
-    `on_mismatch(line)` where the autocast seen is not `policy`'s, and removes itself. None where nothing can be
-    watched (not a torch module, no parameters)."""
+def sibling(policy: str, enabled: bool, dtype: torch.dtype) -> str | None:
+    """Where `policy` holds a frozen base apart from what trains (bf16_base: read from the parameters, which say nothing
+    of autocast), the policy holding the same under the autocast seen (None: none, or `policy` is not such)."""
+    wanted = POLICIES[policy]
+    seen = next((name for name, d in DTYPES.items() if d == dtype), None) if enabled else None
+    return next((p.name for p in POLICIES.values() if wanted.frozen_apart and p.autocast == seen and
+                 (p.params, p.master, p.frozen_dtype) == (wanted.params, wanted.master, wanted.frozen_dtype)), None)
+
+
+def watch(model, config: dict, on_mismatch) -> torch.utils.hooks.RemovableHandle | None:
+    """A forward pre-hook on `model`'s first module holding parameters: at the first training forward, sets the
+    record's `config` precision to the policy that takes the autocast seen (`sibling`), else calls `on_mismatch(line)`
+    where the autocast seen is not its policy's, and removes itself. None where nothing can be watched (not a torch
+    module, no parameters)."""
+    policy = config["precision"]
     if not isinstance(model, torch.nn.Module) or POLICIES[policy].params != "fp32":
         return None
     first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
@@ -98,8 +111,12 @@ def watch(model, policy: str, on_mismatch) -> torch.utils.hooks.RemovableHandle 
         if not (module.training and torch.is_grad_enabled()):
             return
         handle.remove()
-        line = mismatch(policy, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-        if line:
+        enabled, dtype = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+        taken = sibling(policy, enabled, dtype)
+        line = None if taken else mismatch(policy, enabled, dtype)
+        if taken:
+            config["precision"] = taken
+        elif line:
             on_mismatch(line)
 
     handle = first.register_forward_pre_hook(seen)
