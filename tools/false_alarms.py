@@ -137,7 +137,8 @@ CAMPAIGN = {
 }
 # the CUDA slice's (issue 84): megatron-core's Qwen2 bf16 job once called FAIL on CUDA, its Llama bf16 job with the
 # distributed optimizer, Trainer, TRL's GRPO and DPO, the own loop, LoRA, TRL's SFT
-ON_CUDA = ("megatron_qwen2", "megatron_dp_distopt", "trainer", "grpo", "dpo", "own_loop", "lora", "trl_sft")
+ON_CUDA = ("megatron_qwen2", "megatron_dp_distopt", "trainer", "grpo", "dpo", "own_loop", "lora", "trl_sft",
+           "lora_bf16_base")
 CUDA_ORDER = ("default", "tf32", CUDA_PERTURBED)  # TF32 moved every fp32 record on the H100, the deterministic one none
 VARIABLES = {"grpo_vllm": {FP32: {"PARITY_VLLM_DTYPE": "float32"}, LOW: {}}}
 

@@ -7,7 +7,7 @@
 #    config, where the recorder's walks of the module (once a step since 0a5c77b) cost most;
 # 2. side by side: the false-alarm campaign's CUDA slice (tools/false_alarms.py --plan cuda: megatron-core's bf16
 #    Qwen2 job at 12 and 100 steps and fp32, its Llama bf16 job with the distributed optimizer, Trainer, GRPO, DPO,
-#    the own loop, LoRA and SFT in bf16, the seeds SEEDS names — seed 1 ran on 2026-11-28, 2-3 on 2026-11-30 (30 of
+#    the own loop, LoRA, SFT and LoRA over a bf16 base in bf16, the seeds SEEDS names — seed 1 ran on 2026-11-28, 2-3 on 2026-11-30 (30 of
 #    52 cells; seed 3's TF32 and deterministic cells not reached: SEEDS is 3 by default) — under the
 #    default cuBLAS, TF32 and the deterministic cuBLAS, breadth first: what the time allows) and megatron-core's MoE
 #    jobs and TransformerEngine's layouts where the image has TE
