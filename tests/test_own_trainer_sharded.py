@@ -568,6 +568,20 @@ def test_a_sharding_wrapper_says_its_precision_and_a_policy_told_against_it_is_o
             rec = ParityRecorder(str(out), name="mine", model=model, optimizer=torch.optim.AdamW(model.parameters()),
                                  precision=told, log=lines.append)
             said_as(rec, said, lines, out, ("precision", "reduce_dtype", "grad_accum_dtype"))
+        # over a model stored in bf16 (no fp32 masters): bf16_pure where it computes and reduces in bf16; torchtitan's
+        # reduce_dtype=float32 over it is one line (recorded bf16_params and called FAIL before, 61 x the noise)
+        stored = [((bf16, fp32), f"{source.format('bfloat16', 'float32')} over parameters stored in torch.bfloat16, "
+                                 f"without fp32 master weights: the replay steps low-precision parameters as bf16 ones "
+                                 f"computed and reduced in bf16 (bf16_pure); keep the parameters in fp32 (param_dtype "
+                                 f"casts them for the forward: bf16_params) or reduce in bf16"),
+                  ((bf16, None), ("bf16_pure", "bf16", "bf16")), ((None, None), ("bf16_pure", "bf16", "bf16"))]
+        for i, (dtypes, said) in enumerate(stored):
+            model = build_model(resolve_model_config("qwen2-tiny"), 0).to(bf16)
+            fully_shard(model, mp_policy=MixedPrecisionPolicy(*dtypes))
+            lines, out = [], tmp_path / f"stored_{i}"
+            rec = ParityRecorder(str(out), name="mine", model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                 precision=None, log=lines.append)
+            said_as(rec, said, lines, out, ("precision", "reduce_dtype", "grad_accum_dtype"))
         # no wrapper: the dtype of the parameters the optimizer steps
         stepped = "the optimizer steps the model's parameters in {}, without fp32 master weights: the replay steps " \
                   "fp32 parameters or bf16 ones alone (the bf16_pure policy); train them in fp32 under autocast " \

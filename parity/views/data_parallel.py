@@ -24,6 +24,7 @@ from parity.training.tensor_norms import Piece, rank0_pieces
 from parity.views.adapters import peft_inner
 from parity.views.base import View
 from parity.views.language_model import text_alias
+from parity.views.mixed_precision import trained_dtypes
 
 
 class DataParallel(View):
@@ -42,7 +43,7 @@ class DataParallel(View):
         hook = cls._hook_request(model)
         if not isinstance(model, torch.nn.Module):
             return hook
-        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        dtypes = trained_dtypes(model)
         frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
         shown = ", ".join(sorted(str(d) for d in dtypes))
         reduce = hook.reduce_dtype if hook else None

@@ -20,7 +20,7 @@ from parity.training.replicas import held
 from parity.training.tensor_norms import Piece
 from parity.views.adapters import peft_inner
 from parity.views.base import View, ViewRefused
-from parity.views.mixed_precision import mixed_precision_request
+from parity.views.mixed_precision import mixed_precision_request, trained_dtypes
 
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -42,7 +42,7 @@ class FSDP1(View):
         if not isinstance(model, FSDP):
             return None
         policies = {(m.mixed_precision.param_dtype, m.mixed_precision.reduce_dtype) for m in FSDP.fsdp_modules(model)}
-        return mixed_precision_request("FSDP1's MixedPrecision", policies, accumulate="param")
+        return mixed_precision_request("FSDP1's MixedPrecision", policies, trained_dtypes(model), accumulate="param")
 
     @classmethod
     def read(cls, model, optimizer, device: torch.device, unwrap) -> "FSDP1 | None":

@@ -24,7 +24,7 @@ from parity.training.optimizer import full_moments
 from parity.training.tensor_norms import Piece, local_pieces
 from parity.views.adapters import peft_inner
 from parity.views.base import View, ViewRefused
-from parity.views.mixed_precision import mixed_precision_request
+from parity.views.mixed_precision import mixed_precision_request, trained_dtypes
 
 
 class FullyShard(View):
@@ -51,7 +51,7 @@ class FullyShard(View):
             policies = {(g.mp_policy.param_dtype, g.mp_policy.reduce_dtype) for g in _param_groups(model)}
         except ViewRefused as exc:
             raise ConfigError(str(exc)) from None
-        return mixed_precision_request("fully_shard's MixedPrecisionPolicy", policies)
+        return mixed_precision_request("fully_shard's MixedPrecisionPolicy", policies, trained_dtypes(model))
 
     def __init__(self, model, optimizer, device: torch.device):
         super().__init__(model, optimizer)
