@@ -73,10 +73,10 @@ def settings(scaler) -> dict:
     its growth and backoff factors) and its `rules`; a disabled scaler, or none, a static scale of 1."""
     if scaler is None or not scaler.is_enabled():
         return {**LOSS_SCALING_DEFAULTS, "loss_scale": 1.0, "hysteresis": 1, "rules": RULES}
-    power = math.log2(scaler._init_scale)
+    power = math.log2(scaler._init_scale)  # (no public getter: get_scale() is the current one, lazily made)
     return {**LOSS_SCALING_DEFAULTS, "initial_scale_power": int(power) if power.is_integer() else power,
-            "loss_scale_window": int(scaler._growth_interval), "hysteresis": 1, "min_loss_scale": 0.0,
-            "growth_factor": float(scaler._growth_factor), "backoff_factor": float(scaler._backoff_factor),
+            "loss_scale_window": scaler.get_growth_interval(), "hysteresis": 1, "min_loss_scale": 0.0,
+            "growth_factor": scaler.get_growth_factor(), "backoff_factor": scaler.get_backoff_factor(),
             "rules": RULES}
 
 
