@@ -65,6 +65,9 @@ MIXED = {"fsdp2_bf16_params": ["--shard", "fsdp2", "--mixed_precision", "bf16"],
          "fsdp2_fp16": ["--shard", "fsdp2", "--mixed_precision", "fp16", *OVERFLOWING],
          "fsdp1_fp16": ["--shard", "fsdp1", "--mixed_precision", "fp16", *OVERFLOWING],
          "fsdp2_fp16_clip_scaled": ["--shard", "fsdp2", "--mixed_precision", "fp16"]}
+# FSDP1's loop without no_sync: every micro-batch reduce-scattered, the shards added in fp32 (read at the first forward)
+EACH_SYNCED = [("with engine.no_sync() if wrapped and not last else contextlib.nullcontext():",
+                "with contextlib.nullcontext():")]
 CLIP_SCALED = [("            scaler.unscale_(optimizer)  # the gradients unscaled before they are read and clipped\n",
                 "")]
 # a plain DDP loop of a model cast to bf16 and stepped so (AdamW's state bf16 too), told no precision: bf16_pure, as the
@@ -89,6 +92,7 @@ CALIBRATED = {"zero1_bf16": (["--shard", "zero1", *DS_BF16], EXAMPLE, []),
               # scale that overflows (skipped steps, backoffs, growths); fp16 with the classic AMP bug seeded, the
               # gradients clipped still scaled
               **{name: (MIXED[name], EXAMPLE, CLIP_SCALED if name.endswith("clip_scaled") else []) for name in MIXED},
+              "fsdp1_bf16_synced": (["--shard", "fsdp1", "--mixed_precision", "bf16"], EXAMPLE, EACH_SYNCED),
               "ddp_bf16_pure": (["--name", NAME], PLAIN, BF16_MODEL),
               "ddp_bf16_pure_rank_mean": (["--name", NAME], PLAIN, BF16_MODEL + PLAIN_RANK_MEAN),
               # peft's LoRA over that bf16 model, by its defaults (the adapters cast to fp32): bf16_base; and its
@@ -793,7 +797,9 @@ def test_deepspeeds_zero0_in_bf16_fails_in_a_users_loop_at_step_0(runs, capsys):
 # each mixed-precision record's policy as the recorder read it from the wrapper: precision, micro-batches accumulated
 # in (FSDP2: its reduce dtype; FSDP1 under no_sync: the parameters'), the loss scaler's rules
 MIXED_POLICIES = {"fsdp2_bf16_params": ("bf16_params", "fp32", None), "fsdp2_fp16": ("fp16", "fp32", "GradScaler"),
-                  "fsdp1_fp16": ("fp16", "fp16", "GradScaler"), "ddp_bf16_pure": ("bf16_pure", "bf16", None),
+                  "fsdp1_fp16": ("fp16", "fp16", "GradScaler"),
+                  "fsdp1_bf16_synced": ("bf16_params", "fp32", None),
+                  "ddp_bf16_pure": ("bf16_pure", "bf16", None),
                   "ddp_lora_bf16_base": ("bf16_base", "fp32", None),
                   "ddp_lora_bf16_base_autocast": ("bf16_base_autocast", "fp32", None)}
 
@@ -801,7 +807,8 @@ MIXED_POLICIES = {"fsdp2_bf16_params": ("bf16_params", "fp32", None), "fsdp2_fp1
 @pytest.mark.parametrize("name", list(MIXED_POLICIES))
 def test_a_sharding_wrappers_mixed_precision_is_read_and_its_loop_passes_calibrated(runs, name, capsys):
     """FSDP2 under MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=float32), as torchtitan writes it, and
-    FSDP1 under MixedPrecision(the same), told no precision: the recorder takes the policy from the wrapper —
+    FSDP1 under MixedPrecision(the same), told no precision: the recorder takes the policy from the wrapper — FSDP1's
+    micro-batches accumulated in the parameters' dtype under no_sync, in fp32 without it (read at the first forward) —
     bf16_params
     or fp16, reduced in fp32 (2026-12-01: recorded fp32 before, and a clean bf16 loop of a user's was called FAIL at
     step 0, its gradients 28 × the fp32 bound off) — and the fp16 loop's ShardedGradScaler, whose scales and skipped

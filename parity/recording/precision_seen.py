@@ -9,7 +9,8 @@ recorder's making, not the run's (found by the false-alarm campaign: docs/false_
   autocast around the model's forward (accelerate's, Lightning's, the loop's own) — and a mismatch ends the record in
   one line naming the precision to pass. A frozen bf16 base under fp32 adapters (bf16_base, read from the parameters)
   takes the autocast seen instead: under torch.autocast(bfloat16) — Trainer's bf16=True over it — it is
-  bf16_base_autocast (`sibling`). The hook removes itself after that one forward."""
+  bf16_base_autocast (`sibling`). FSDP1 accumulating without no_sync adds its shards in fp32, which its wrapper's
+  state says at that forward too (View.accumulated_in). The hook removes itself after that one forward."""
 
 from __future__ import annotations
 
@@ -94,13 +95,14 @@ def sibling(policy: str, enabled: bool, dtype: torch.dtype) -> str | None:
                  (p.params, p.master, p.frozen_dtype) == (wanted.params, wanted.master, wanted.frozen_dtype)), None)
 
 
-def watch(model, config: dict, on_mismatch) -> torch.utils.hooks.RemovableHandle | None:
-    """A forward pre-hook on `model`'s first module holding parameters: at the first training forward, sets the
-    record's `config` precision to the policy that takes the autocast seen (`sibling`), else calls `on_mismatch(line)`
-    where the autocast seen is not its policy's, and removes itself. None where nothing can be watched (not a torch
-    module, no parameters)."""
-    policy = config["precision"]
-    if not isinstance(model, torch.nn.Module) or POLICIES[policy].params != "fp32":
+def watch(view, config: dict, on_mismatch) -> torch.utils.hooks.RemovableHandle | None:
+    """A forward pre-hook on the first module holding parameters of `view`'s model: at the first training forward, sets
+    the record's `config` accumulation dtype to the one the view sees (View.accumulated_in: FSDP1 without no_sync) and,
+    where the policy keeps fp32 parameters, its precision to the policy that takes the autocast seen (`sibling`), else
+    calls `on_mismatch(line)` where the autocast seen is not its policy's; then removes itself. None where nothing can
+    be watched (not a torch module, no parameters)."""
+    model, policy = view.model, config["precision"]
+    if not isinstance(model, torch.nn.Module):
         return None
     first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
     if first is None:
@@ -111,6 +113,9 @@ def watch(model, config: dict, on_mismatch) -> torch.utils.hooks.RemovableHandle
         if not (module.training and torch.is_grad_enabled()):
             return
         handle.remove()
+        config["grad_accum_dtype"] = view.accumulated_in() or config["grad_accum_dtype"]
+        if POLICIES[policy].params != "fp32":  # low-precision parameters: their forward may autocast or not alike
+            return
         enabled, dtype = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
         taken = sibling(policy, enabled, dtype)
         line = None if taken else mismatch(policy, enabled, dtype)

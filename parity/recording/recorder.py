@@ -247,7 +247,7 @@ class ParityRecorder(BatchTaking, DeclaredClipping):
         self.norm_at_optimizer_step: float | None = None  # an adapter sets it to nan to have the pre-hook measure it
         self._hook = Hooks(self.tensors.watch(optimizer, self._before_optimizer_step),  # and its step post-hook
                            *watch_towers(self.view.towers, self._not_as_told))  # a multimodal model's images fed
-        self._autocast = precision_seen.watch(self.model, self.record.data["config"], self._not_as_told)  # its autocast
+        self._autocast = precision_seen.watch(self.view, self.record.data["config"], self._not_as_told)  # its autocast
         self._scaler = grad_scaler.reading(self.record, optimizer, precision, self.view)  # torch's GradScaler
         if self.rank == 0 and fresh:  # the first write: all that could refuse or fail has passed
             self._wrote = True

@@ -36,6 +36,12 @@ class View(ShardedView):
         DeepSpeed engine's config: zero.py); None: it says none. ConfigError in one line for one no policy holds."""
         return None
 
+    def accumulated_in(self) -> str | None:
+        """At the first training forward (recording/precision_seen.watch): the dtype the run accumulates its
+        micro-batches' gradients in where the wrapper's state then says one its policy request could not (None: as
+        requested)."""
+        return None
+
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-from parity.precision import PolicyRequest
+from parity.precision import DTYPES, PolicyRequest
 from parity.training.optimizer import ADAMW_MOMENTS, squared_norm_fp64
 from parity.training.replicas import held
 from parity.training.tensor_norms import Piece
@@ -38,7 +38,8 @@ class FSDP1(View):
     @classmethod
     def policy_request(cls, model) -> PolicyRequest | None:
         """The policy FSDP1's MixedPrecision trains in (views/mixed_precision.py), read from each of the model's FSDP1
-        modules: FSDP1 accumulates no_sync's micro-batches in the parameters' dtype."""
+        modules: FSDP1 accumulates no_sync's micro-batches in the parameters' dtype (a loop without no_sync:
+        accumulated_in)."""
         if not isinstance(model, FSDP):
             return None
         policies = {(m.mixed_precision.param_dtype, m.mixed_precision.reduce_dtype) for m in FSDP.fsdp_modules(model)}
@@ -60,6 +61,8 @@ class FSDP1(View):
                               "cannot name; wrap with use_orig_params=True")
         super().__init__(inner, optimizer)
         self.wrapper, self.device = wrapper, device
+        stored = next((p.dtype for p in wrapper.parameters() if p.requires_grad), torch.float32)  # sharded, at rest
+        self.stored = next((name for name, dtype in DTYPES.items() if dtype == stored), None)
         self.prefix = prefix  # a PeftModel's names' part before its Hugging Face model's, in the wrapper's names
         strategy = wrapper.sharding_strategy
         self.zero_stage = ZERO_STAGE[strategy]
@@ -77,6 +80,12 @@ class FSDP1(View):
         if self.model is wrapper:
             raise ViewRefused("FSDP1 around a module the recorder cannot name (pass the FSDP wrapper of a Hugging "
                               "Face model)")
+
+    def accumulated_in(self) -> str | None:
+        """Where the first micro-batch's backward reduces (no no_sync around it), FSDP1 reduce-scatters each micro-batch
+        and adds the shards in the dtype its sharded parameters are stored in (fp32 under a MixedPrecision), not in the
+        computing parameters' dtype no_sync accumulates the whole gradients in: that stored dtype's name."""
+        return self.stored if self.wrapper._sync_gradients else None
 
     def clean(self, name: str) -> str:
         return clean_tensor_name(name).removeprefix(self.prefix)
