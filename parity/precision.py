@@ -40,6 +40,7 @@ import torch
 from parity.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPES.items()}  # torch.bfloat16: "bf16"
 
 
 @dataclass(frozen=True)

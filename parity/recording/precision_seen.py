@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from parity.errors import ConfigError
-from parity.precision import DTYPES, LOSS_SCALING_DEFAULTS, POLICIES, PolicyRequest
+from parity.precision import LOSS_SCALING_DEFAULTS, NAME_OF_DTYPE, POLICIES, PolicyRequest
 from parity.views.table import policy_request
 
 
@@ -73,7 +73,7 @@ def mismatch(policy: str, enabled: bool, dtype: torch.dtype) -> str | None:
     wanted = POLICIES[policy]
     if wanted.params != "fp32":
         return None
-    seen = next((name for name, d in DTYPES.items() if d == dtype), str(dtype)) if enabled else None
+    seen = NAME_OF_DTYPE.get(dtype, str(dtype)) if enabled else None
     if seen == (wanted.compute if wanted.autocast else None):
         return None
     fits = next((p.name for p in POLICIES.values() if p.params == "fp32" and p.autocast == seen and
@@ -90,7 +90,7 @@ def sibling(policy: str, enabled: bool, dtype: torch.dtype) -> str | None:
     """Where `policy` holds a frozen base apart from what trains (bf16_base: read from the parameters, which say nothing
     of autocast), the policy holding the same under the autocast seen (None: none, or `policy` is not such)."""
     wanted = POLICIES[policy]
-    seen = next((name for name, d in DTYPES.items() if d == dtype), None) if enabled else None
+    seen = NAME_OF_DTYPE.get(dtype) if enabled else None
     return next((p.name for p in POLICIES.values() if wanted.frozen_apart and p.autocast == seen and
                  (p.params, p.master, p.frozen_dtype) == (wanted.params, wanted.master, wanted.frozen_dtype)), None)
 

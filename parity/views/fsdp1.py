@@ -14,13 +14,13 @@ from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-from parity.precision import DTYPES, PolicyRequest
+from parity.precision import NAME_OF_DTYPE, PolicyRequest
 from parity.training.optimizer import ADAMW_MOMENTS, squared_norm_fp64
 from parity.training.replicas import held
 from parity.training.tensor_norms import Piece
 from parity.views.adapters import peft_inner
 from parity.views.base import View, ViewRefused
-from parity.views.mixed_precision import mixed_precision_request, trained_dtypes
+from parity.views.mixed_precision import mixed_precision_request, stored_dtype, trained_dtypes
 
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -61,8 +61,7 @@ class FSDP1(View):
                               "cannot name; wrap with use_orig_params=True")
         super().__init__(inner, optimizer)
         self.wrapper, self.device = wrapper, device
-        stored = next((p.dtype for p in wrapper.parameters() if p.requires_grad), torch.float32)  # sharded, at rest
-        self.stored = next((name for name, dtype in DTYPES.items() if dtype == stored), None)
+        self.stored = NAME_OF_DTYPE.get(stored_dtype(trained_dtypes(wrapper)))  # its shards', at rest
         self.prefix = prefix  # a PeftModel's names' part before its Hugging Face model's, in the wrapper's names
         strategy = wrapper.sharding_strategy
         self.zero_stage = ZERO_STAGE[strategy]

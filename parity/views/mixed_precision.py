@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from parity.errors import ConfigError
-from parity.precision import DTYPES, PolicyRequest
+from parity.precision import DTYPES, NAME_OF_DTYPE, PolicyRequest
 
-NAMES = {dtype: name for name, dtype in DTYPES.items()}
 LOW = {torch.bfloat16: "bf16_params", torch.float16: "fp16"}
 
 
@@ -28,11 +27,11 @@ def mixed_precision_request(wrapper: str, policies: set[tuple], stored: set[torc
     if not policies:
         return None
     (param, reduce), = policies
-    held = next(iter(stored)) if len(stored) == 1 else torch.float32
+    held = stored_dtype(stored)
     param = param or held
     reduce = reduce or param
     source = f"{wrapper}(param_dtype={param}, reduce_dtype={reduce})"
-    if param not in NAMES or reduce not in NAMES:
+    if param not in NAME_OF_DTYPE or reduce not in NAME_OF_DTYPE:
         raise ConfigError(f"{source}: the replay computes and reduces in {', '.join(DTYPES)} only")
     if held != torch.float32:  # no fp32 master weights: the optimizer steps the stored low-precision parameters
         if (param, reduce) != (torch.bfloat16, torch.bfloat16):
@@ -42,9 +41,14 @@ def mixed_precision_request(wrapper: str, policies: set[tuple], stored: set[torc
                               f"reduce in bf16")
         return PolicyRequest(source, precision="bf16_pure", reduce_dtype="bf16")
     if param == torch.float32:
-        return PolicyRequest(source, reduce_dtype=NAMES[reduce]) if reduce != torch.float32 else None
-    return PolicyRequest(source, precision=LOW[param], reduce_dtype=NAMES[reduce],
-                         grad_accum_dtype=NAMES[reduce if accumulate == "reduce" else param])
+        return PolicyRequest(source, reduce_dtype=NAME_OF_DTYPE[reduce]) if reduce != torch.float32 else None
+    return PolicyRequest(source, precision=LOW[param], reduce_dtype=NAME_OF_DTYPE[reduce],
+                         grad_accum_dtype=NAME_OF_DTYPE[reduce if accumulate == "reduce" else param])
+
+
+def stored_dtype(stored: set[torch.dtype]) -> torch.dtype:
+    """The dtype trained parameters `stored` in these dtypes are held in: fp32 where they are in several."""
+    return next(iter(stored)) if len(stored) == 1 else torch.float32
 
 
 def trained_dtypes(model) -> set[torch.dtype]:
@@ -52,4 +56,4 @@ def trained_dtypes(model) -> set[torch.dtype]:
     return {p.dtype for p in model.parameters() if p.requires_grad}
 
 
-__all__ = ["mixed_precision_request", "trained_dtypes"]
+__all__ = ["mixed_precision_request", "stored_dtype", "trained_dtypes"]

@@ -114,10 +114,10 @@ class VLLMEngine(Engine):
         import vllm
 
         from parity.objectives.rollouts import LOGPROB_MODES
-        from parity.precision import DTYPES
+        from parity.precision import NAME_OF_DTYPE
 
         config = llm.llm_engine.model_config
-        dtype = next((name for name, d in DTYPES.items() if d == config.dtype), None)
+        dtype = NAME_OF_DTYPE.get(config.dtype)
         mode = str(config.logprobs_mode).removesuffix("_logprobs")  # build's logprobs_mode, the other way
         mode = mode if mode in LOGPROB_MODES else None
         why = None if dtype and mode else f"in {config.dtype} with logprobs_mode {config.logprobs_mode}"
